@@ -1,0 +1,22 @@
+//! Egress policy: destinations and their normal form, the tenant/effective
+//! policy model, operator profiles (`SPACE_EGRESS_PROFILES`), deployment TLS
+//! exemptions (`SPACE_TLS_INTERCEPTION_EXEMPTIONS`), profile selection
+//! (`X-Space-Egress-Profiles`), composition, and the compiled per-flow matcher.
+//!
+//! Pure: no I/O, no async, no clock. The gateway and the controller both
+//! build on it; everything that reads the network or the environment lives
+//! in them and hands this crate strings and facts.
+
+mod dest;
+mod json;
+mod name;
+mod policy;
+mod profiles;
+mod exemptions;
+
+pub use dest::{embedded_ipv4, Destination, DestinationError, ExemptionDestination, Kind, KindList, ProfileDestination};
+pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
+pub use json::JsonError;
+pub use name::{Hostname, NameError, WildcardDomain};
+pub use policy::{DefaultAction, Policy, TlsInterception};
+pub use profiles::{Profile, ProfileName, Profiles, ProfilesError, PROFILES_ENV};

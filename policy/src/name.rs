@@ -1,0 +1,267 @@
+//! Hostnames and wildcard domains in their normal form.
+//!
+//! A [`Hostname`] is an ASCII LDH name (letters, digits, hyphens; labels of
+//! 1–63 characters that neither start nor end with a hyphen; at most 253
+//! characters), lower-cased, with one trailing dot dropped. IP literals and
+//! non-ASCII names are refused: a name from the network (SNI, `Host`) that is
+//! not a hostname is treated as "no name", never guessed at.
+
+use std::borrow::Borrow;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+/// Longest hostname in presentation form, without the trailing dot (RFC 1035 §2.3.4).
+pub(crate) const MAX_NAME_LEN: usize = 253;
+/// Longest label (RFC 1035 §2.3.4).
+pub(crate) const MAX_LABEL_LEN: usize = 63;
+
+/// Why a string is not a hostname.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("empty name")]
+    Empty,
+    #[error("longer than {MAX_NAME_LEN} characters")]
+    TooLong,
+    #[error("empty label (two dots in a row, or a leading dot)")]
+    EmptyLabel,
+    #[error("label {0:?} is longer than {MAX_LABEL_LEN} characters")]
+    LabelTooLong(String),
+    #[error("label {0:?} starts or ends with a hyphen")]
+    HyphenAtEdge(String),
+    #[error("non-ASCII name: use the xn-- (punycode) form")]
+    NonAscii,
+    #[error("character {0:?} is not a letter, digit, hyphen or dot")]
+    BadChar(char),
+    #[error("an IP literal is not a hostname")]
+    IpLiteral,
+    #[error("a wildcard must be `*.` followed by a hostname, e.g. *.relay.example.test")]
+    BadWildcard,
+}
+
+/// A validated hostname in normal form (see the module docs).
+///
+/// Cheap to clone (`Arc<str>`); borrows as `str` so maps keyed by `Hostname`
+/// can be queried with a `&str` without allocating.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Hostname(Arc<str>);
+
+/// A wildcard domain `*.suffix`: matches names with one or more labels in
+/// front of `suffix`, never `suffix` itself (the apex).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WildcardDomain {
+    suffix: Hostname,
+}
+
+// === impl Hostname ===
+
+impl Hostname {
+    /// Parses and normalises `s`.
+    pub fn parse(s: &str) -> Result<Self, NameError> {
+        let trimmed = s.strip_suffix('.').unwrap_or(s);
+        validate(trimmed)?;
+        Ok(Self(Arc::from(trimmed.to_ascii_lowercase())))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The names this one is a strict subdomain of, nearest first:
+    /// `a.b.c` yields `b.c`, then `c`. Used for wildcard lookups.
+    pub fn parents(&self) -> impl Iterator<Item = &str> {
+        let s = self.as_str();
+        s.match_indices('.').map(move |(i, _)| &s[i + 1..])
+    }
+}
+
+/// Checks the LDH rules on a name without its trailing dot.
+fn validate(s: &str) -> Result<(), NameError> {
+    if s.is_empty() {
+        return Err(NameError::Empty);
+    }
+    if !s.is_ascii() {
+        return Err(NameError::NonAscii);
+    }
+    if s.len() > MAX_NAME_LEN {
+        return Err(NameError::TooLong);
+    }
+    if let Some(c) = s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '.'))
+    {
+        return Err(NameError::BadChar(c));
+    }
+    for label in s.split('.') {
+        if label.is_empty() {
+            return Err(NameError::EmptyLabel);
+        }
+        if label.len() > MAX_LABEL_LEN {
+            return Err(NameError::LabelTooLong(label.to_owned()));
+        }
+        if label.starts_with('-') || label.ends_with('-') {
+            return Err(NameError::HyphenAtEdge(label.to_owned()));
+        }
+    }
+    // An all-numeric last label makes the name read as an IPv4 literal
+    // (`10.0.0.1`, `1.2.3`); no top-level domain is numeric (RFC 3696 §2).
+    let last = s.rsplit('.').next().unwrap_or(s);
+    if last.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(NameError::IpLiteral);
+    }
+    Ok(())
+}
+
+impl FromStr for Hostname {
+    type Err = NameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl Borrow<str> for Hostname {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for Hostname {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Hostname {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for Hostname {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+// === impl WildcardDomain ===
+
+impl WildcardDomain {
+    /// Parses `*.suffix`; only `*.` as the whole leading label is accepted.
+    pub fn parse(s: &str) -> Result<Self, NameError> {
+        let rest = s.strip_prefix("*.").ok_or(NameError::BadWildcard)?;
+        if rest.contains('*') {
+            return Err(NameError::BadWildcard);
+        }
+        let suffix = Hostname::parse(rest)?;
+        // `*.` adds at least two characters to the name it matches.
+        if suffix.as_str().len() + 2 > MAX_NAME_LEN {
+            return Err(NameError::TooLong);
+        }
+        Ok(Self { suffix })
+    }
+
+    /// The part after `*.`.
+    pub fn suffix(&self) -> &Hostname {
+        &self.suffix
+    }
+
+    /// Whether `name` has one or more labels in front of the suffix.
+    pub fn matches(&self, name: &Hostname) -> bool {
+        name.parents().any(|p| p == self.suffix.as_str())
+    }
+}
+
+impl FromStr for WildcardDomain {
+    type Err = NameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl fmt::Display for WildcardDomain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "*.{}", self.suffix)
+    }
+}
+
+impl fmt::Debug for WildcardDomain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"*.{}\"", self.suffix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(s: &str) -> String {
+        Hostname::parse(s).expect(s).to_string()
+    }
+
+    #[test]
+    fn normal_form() {
+        assert_eq!(ok("API.Example.TEST."), "api.example.test");
+        assert_eq!(ok("localhost"), "localhost");
+        assert_eq!(ok("xn--bcher-kva.example"), "xn--bcher-kva.example");
+        assert_eq!(ok("a-b.c1"), "a-b.c1");
+        let max_label = "a".repeat(63);
+        assert_eq!(ok(&format!("{max_label}.test")), format!("{max_label}.test"));
+    }
+
+    #[test]
+    fn refusals() {
+        let cases: &[(&str, NameError)] = &[
+            ("", NameError::Empty),
+            (".", NameError::Empty),
+            ("a..b", NameError::EmptyLabel),
+            (".a.b", NameError::EmptyLabel),
+            ("a.b..", NameError::EmptyLabel),
+            ("bücher.example", NameError::NonAscii),
+            ("a_b.example", NameError::BadChar('_')),
+            ("a b.example", NameError::BadChar(' ')),
+            ("*.example.test", NameError::BadChar('*')),
+            ("api.example.test:443", NameError::BadChar(':')),
+            ("-a.example", NameError::HyphenAtEdge("-a".into())),
+            ("a-.example", NameError::HyphenAtEdge("a-".into())),
+            ("203.0.113.7", NameError::IpLiteral),
+            ("1.2.3", NameError::IpLiteral),
+            ("::1", NameError::BadChar(':')),
+            ("[2001:db8::1]", NameError::BadChar('[')),
+        ];
+        for (input, want) in cases {
+            assert_eq!(Hostname::parse(input).as_ref(), Err(want), "{input:?}");
+        }
+        let long_label = "a".repeat(64);
+        assert!(matches!(
+            Hostname::parse(&format!("{long_label}.test")),
+            Err(NameError::LabelTooLong(_))
+        ));
+        let long_name = ["abcdefghi"; 26].join("."); // 259 characters
+        assert_eq!(Hostname::parse(&long_name), Err(NameError::TooLong));
+    }
+
+    #[test]
+    fn wildcard_matches_subdomains_only() {
+        let w = WildcardDomain::parse("*.Relay.Example.test").expect("valid");
+        assert_eq!(w.to_string(), "*.relay.example.test");
+        let m = |s: &str| w.matches(&Hostname::parse(s).expect(s));
+        assert!(m("a.relay.example.test"));
+        assert!(m("a.b.relay.example.test"));
+        assert!(!m("relay.example.test"), "apex never matches");
+        assert!(!m("xrelay.example.test"));
+        assert!(!m("relay.example.test.evil"));
+    }
+
+    #[test]
+    fn wildcard_refusals() {
+        for bad in ["*", "*.", "**.a.test", "a.*.test", "*a.test", "*.*.a.test", "a.test", "*.1.2"] {
+            assert!(WildcardDomain::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn parents_nearest_first() {
+        let h = Hostname::parse("a.b.c").expect("valid");
+        assert_eq!(h.parents().collect::<Vec<_>>(), ["b.c", "c"]);
+    }
+}
