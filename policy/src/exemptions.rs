@@ -79,23 +79,52 @@ mod tests {
         .expect("valid")
         .expect("enabled");
         let shown: Vec<String> = list.iter().map(|d| d.get().to_string()).collect();
-        assert_eq!(shown, ["domain relay.example.test", "wildcard_domain *.relay.example.test"]);
+        assert_eq!(
+            shown,
+            [
+                "domain relay.example.test",
+                "wildcard_domain *.relay.example.test"
+            ]
+        );
     }
 
     #[test]
     fn refusals() {
         assert_eq!(err("[]"), ExemptionsError::Empty);
         assert!(matches!(err(""), ExemptionsError::Syntax(_)));
-        assert!(matches!(err("[{\"domain\":\"a.test\"}"), ExemptionsError::Syntax(_)));
+        assert!(matches!(
+            err("[{\"domain\":\"a.test\"}"),
+            ExemptionsError::Syntax(_)
+        ));
         assert!(matches!(err("{}"), ExemptionsError::Invalid(_)));
 
         let cases = [
-            (r#"[{"domain":"bad..test"}]"#, "[0]", "invalid domain \"bad..test\""),
-            (r#"[{"domain":"a.test"},{"ip":"203.0.113.7"}]"#, "[1]", "ip destinations are not accepted here: expected one of domain, wildcard_domain"),
-            (r#"[{"cidr":"203.0.113.0/24"}]"#, "[0]", "cidr destinations are not accepted here"),
+            (
+                r#"[{"domain":"bad..test"}]"#,
+                "[0]",
+                "invalid domain \"bad..test\"",
+            ),
+            (
+                r#"[{"domain":"a.test"},{"ip":"203.0.113.7"}]"#,
+                "[1]",
+                "ip destinations are not accepted here: expected one of domain, wildcard_domain",
+            ),
+            (
+                r#"[{"cidr":"203.0.113.0/24"}]"#,
+                "[0]",
+                "cidr destinations are not accepted here",
+            ),
             (r#"[{"domain":"203.0.113.7"}]"#, "[0]", "IP literal"),
-            (r#"[{"wildcard_domain":"relay.*.test"}]"#, "[0]", "invalid wildcard_domain"),
-            (r#"[{"domain":"a.test","note":"x"}]"#, "[0]", "unsupported selector \"note\""),
+            (
+                r#"[{"wildcard_domain":"relay.*.test"}]"#,
+                "[0]",
+                "invalid wildcard_domain",
+            ),
+            (
+                r#"[{"domain":"a.test","note":"x"}]"#,
+                "[0]",
+                "unsupported selector \"note\"",
+            ),
         ];
         for (text, path, needle) in cases {
             let ExemptionsError::Invalid(e) = err(text) else {

@@ -7,16 +7,26 @@
 //! build on it; everything that reads the network or the environment lives
 //! in them and hands this crate strings and facts.
 
+mod compose;
 mod dest;
+mod exemptions;
 mod json;
 mod name;
 mod policy;
 mod profiles;
-mod exemptions;
+mod select;
 
-pub use dest::{embedded_ipv4, Destination, DestinationError, ExemptionDestination, Kind, KindList, ProfileDestination};
+pub use compose::{compose, resolve_saved, Composed, MissingProfile, RESERVED_RESOLVERS};
+pub use dest::{
+    embedded_ipv4, Destination, DestinationError, ExemptionDestination, Kind, KindList,
+    ProfileDestination,
+};
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
 pub use json::JsonError;
 pub use name::{Hostname, NameError, WildcardDomain};
 pub use policy::{DefaultAction, Policy, TlsInterception};
 pub use profiles::{Profile, ProfileName, Profiles, ProfilesError, PROFILES_ENV};
+pub use select::{
+    select, Admission, AdmissionReason, Outcome, Selection, SelectionError, SelectionErrorKind,
+    PROFILES_HEADER, UNKNOWN_PROFILE_LABEL,
+};

@@ -205,7 +205,10 @@ mod tests {
         assert_eq!(ok("xn--bcher-kva.example"), "xn--bcher-kva.example");
         assert_eq!(ok("a-b.c1"), "a-b.c1");
         let max_label = "a".repeat(63);
-        assert_eq!(ok(&format!("{max_label}.test")), format!("{max_label}.test"));
+        assert_eq!(
+            ok(&format!("{max_label}.test")),
+            format!("{max_label}.test")
+        );
     }
 
     #[test]
@@ -254,7 +257,16 @@ mod tests {
 
     #[test]
     fn wildcard_refusals() {
-        for bad in ["*", "*.", "**.a.test", "a.*.test", "*a.test", "*.*.a.test", "a.test", "*.1.2"] {
+        for bad in [
+            "*",
+            "*.",
+            "**.a.test",
+            "a.*.test",
+            "*a.test",
+            "*.*.a.test",
+            "a.test",
+            "*.1.2",
+        ] {
             assert!(WildcardDomain::parse(bad).is_err(), "{bad:?}");
         }
     }

@@ -104,24 +104,70 @@ mod tests {
         let p = Policy::from_json("{}").expect("valid");
         assert_eq!(p.default, DefaultAction::Deny);
         assert_eq!(p.tls_interception, TlsInterception::Off);
-        assert!(p.allow.is_empty() && p.deny.is_empty() && p.tls_interception_exemptions.is_empty());
+        assert!(
+            p.allow.is_empty() && p.deny.is_empty() && p.tls_interception_exemptions.is_empty()
+        );
     }
 
     #[test]
     fn errors_name_field_and_value() {
         let cases = [
-            (r#"{"defualt": "deny"}"#, "defualt", "unknown field `defualt`"),
-            (r#"{"default": "deny", "default": "allow"}"#, "", "duplicate field `default`"),
-            (r#"{"default": "block"}"#, "default", "unknown variant `block`"),
-            (r#"{"tls_interception": "yes"}"#, "tls_interception", "unknown variant `yes`"),
-            (r#"{"allow": [{"ip": "1.2.3.4"}, {"cidr": "10.0.0.1/8"}]}"#, "allow[1]", "\"10.0.0.0/8\""),
-            (r#"{"deny": [{"domain": "bad_name.test"}]}"#, "deny[0]", "invalid domain \"bad_name.test\""),
-            (r#"{"allow": [{"ip": "1.2.3.4", "port": 443}]}"#, "allow[0]", "unsupported selector \"port\""),
-            (r#"{"allow": [{"ip": "1.2.3.4", "ip": "1.2.3.5"}]}"#, "allow[0]", "duplicate key \"ip\""),
-            (r#"{"allow": [{"ip": "1.2.3.4", "cidr": "1.2.3.0/24"}]}"#, "allow[0]", "exactly one of"),
+            (
+                r#"{"defualt": "deny"}"#,
+                "defualt",
+                "unknown field `defualt`",
+            ),
+            (
+                r#"{"default": "deny", "default": "allow"}"#,
+                "",
+                "duplicate field `default`",
+            ),
+            (
+                r#"{"default": "block"}"#,
+                "default",
+                "unknown variant `block`",
+            ),
+            (
+                r#"{"tls_interception": "yes"}"#,
+                "tls_interception",
+                "unknown variant `yes`",
+            ),
+            (
+                r#"{"allow": [{"ip": "1.2.3.4"}, {"cidr": "10.0.0.1/8"}]}"#,
+                "allow[1]",
+                "\"10.0.0.0/8\"",
+            ),
+            (
+                r#"{"deny": [{"domain": "bad_name.test"}]}"#,
+                "deny[0]",
+                "invalid domain \"bad_name.test\"",
+            ),
+            (
+                r#"{"allow": [{"ip": "1.2.3.4", "port": 443}]}"#,
+                "allow[0]",
+                "unsupported selector \"port\"",
+            ),
+            (
+                r#"{"allow": [{"ip": "1.2.3.4", "ip": "1.2.3.5"}]}"#,
+                "allow[0]",
+                "duplicate key \"ip\"",
+            ),
+            (
+                r#"{"allow": [{"ip": "1.2.3.4", "cidr": "1.2.3.0/24"}]}"#,
+                "allow[0]",
+                "exactly one of",
+            ),
             (r#"{"allow": [{}]}"#, "allow[0]", "exactly one of"),
-            (r#"{"allow": [{"ip": 7}]}"#, "allow[0].ip", "invalid type: integer"),
-            (r#"{"allow": {"ip": "1.2.3.4"}}"#, "allow", "expected a sequence"),
+            (
+                r#"{"allow": [{"ip": 7}]}"#,
+                "allow[0].ip",
+                "invalid type: integer",
+            ),
+            (
+                r#"{"allow": {"ip": "1.2.3.4"}}"#,
+                "allow",
+                "expected a sequence",
+            ),
             (r#"{"allow": []"#, "", "EOF"),
             (r#"{} {}"#, "", "trailing characters"),
             (r#"["allow", []]"#, "", "expected an object"),
@@ -129,7 +175,10 @@ mod tests {
         for (text, path, needle) in cases {
             let err = Policy::from_json(text).expect_err(text);
             assert_eq!(err.path.trim_start_matches('.'), path, "{text}: {err}");
-            assert!(err.message.contains(needle), "{text}: {err} lacks {needle:?}");
+            assert!(
+                err.message.contains(needle),
+                "{text}: {err} lacks {needle:?}"
+            );
         }
     }
 
@@ -140,6 +189,9 @@ mod tests {
         )
         .expect("tenant lists take all four kinds");
         assert_eq!(p.deny[0].to_string(), "wildcard_domain *.bad.test");
-        assert_eq!(p.tls_interception_exemptions[0].to_string(), "cidr 198.51.100.0/24");
+        assert_eq!(
+            p.tls_interception_exemptions[0].to_string(),
+            "cidr 198.51.100.0/24"
+        );
     }
 }

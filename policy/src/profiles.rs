@@ -57,7 +57,9 @@ pub enum ProfilesError {
     InvalidName(String),
     #[error("{PROFILES_ENV}: duplicate profile name {0:?}")]
     DuplicateName(String),
-    #[error("{PROFILES_ENV}: profile {0:?}: field \"allow\": must be a nonempty list of destinations")]
+    #[error(
+        "{PROFILES_ENV}: profile {0:?}: field \"allow\": must be a nonempty list of destinations"
+    )]
     EmptyAllow(String),
 }
 
@@ -186,7 +188,10 @@ impl Profiles {
 
     /// Names of the profiles with `default: true`, sorted.
     pub fn defaults(&self) -> impl Iterator<Item = &ProfileName> {
-        self.by_name.iter().filter(|(_, p)| p.default).map(|(n, _)| n)
+        self.by_name
+            .iter()
+            .filter(|(_, p)| p.default)
+            .map(|(n, _)| n)
     }
 
     pub fn len(&self) -> usize {

@@ -43,7 +43,10 @@ pub enum DestinationError {
     #[error("duplicate key {key:?}")]
     DuplicateKey { key: String },
     #[error("unsupported selector {selector:?}: expected one of {expected}")]
-    UnsupportedSelector { selector: String, expected: KindList },
+    UnsupportedSelector {
+        selector: String,
+        expected: KindList,
+    },
     #[error("{kind} destinations are not accepted here: expected one of {expected}")]
     KindNotAccepted { kind: Kind, expected: KindList },
     #[error("invalid ip {value:?}: expected an IPv4 or IPv6 address without prefix or port")]
@@ -131,11 +134,13 @@ impl Destination {
             Kind::Ip => value
                 .parse::<IpAddr>()
                 .map(|ip| Self::Ip(canonical_ip(ip)))
-                .map_err(|_| DestinationError::Ip { value: value.into() }),
+                .map_err(|_| DestinationError::Ip {
+                    value: value.into(),
+                }),
             Kind::Cidr => {
-                let net = value
-                    .parse::<IpNet>()
-                    .map_err(|_| DestinationError::Cidr { value: value.into() })?;
+                let net = value.parse::<IpNet>().map_err(|_| DestinationError::Cidr {
+                    value: value.into(),
+                })?;
                 if net.trunc() != net {
                     return Err(DestinationError::CidrHostBits {
                         value: value.into(),
@@ -144,12 +149,12 @@ impl Destination {
                 }
                 Ok(Self::Cidr(canonical_net(net)))
             }
-            Kind::Domain => Hostname::parse(value)
-                .map(Self::Domain)
-                .map_err(|reason| DestinationError::Domain {
+            Kind::Domain => Hostname::parse(value).map(Self::Domain).map_err(|reason| {
+                DestinationError::Domain {
                     value: value.into(),
                     reason,
-                }),
+                }
+            }),
             Kind::WildcardDomain => WildcardDomain::parse(value)
                 .map(Self::WildcardDomain)
                 .map_err(|reason| DestinationError::Wildcard {

@@ -12,34 +12,89 @@ fn each_kind_in_normal_form() {
         (r#"{"ip": "203.0.113.7"}"#, r#"{"ip":"203.0.113.7"}"#),
         (r#"{"ip": "2001:DB8::0:1"}"#, r#"{"ip":"2001:db8::1"}"#),
         (r#"{"ip": "::ffff:203.0.113.7"}"#, r#"{"ip":"203.0.113.7"}"#),
-        (r#"{"cidr": "198.51.100.0/24"}"#, r#"{"cidr":"198.51.100.0/24"}"#),
-        (r#"{"cidr": "2001:db8::/32"}"#, r#"{"cidr":"2001:db8::/32"}"#),
-        (r#"{"cidr": "::ffff:198.51.100.0/120"}"#, r#"{"cidr":"198.51.100.0/24"}"#),
-        (r#"{"domain": "Api.Example.Test."}"#, r#"{"domain":"api.example.test"}"#),
-        (r#"{"wildcard_domain": "*.Relay.example.test"}"#, r#"{"wildcard_domain":"*.relay.example.test"}"#),
+        (
+            r#"{"cidr": "198.51.100.0/24"}"#,
+            r#"{"cidr":"198.51.100.0/24"}"#,
+        ),
+        (
+            r#"{"cidr": "2001:db8::/32"}"#,
+            r#"{"cidr":"2001:db8::/32"}"#,
+        ),
+        (
+            r#"{"cidr": "::ffff:198.51.100.0/120"}"#,
+            r#"{"cidr":"198.51.100.0/24"}"#,
+        ),
+        (
+            r#"{"domain": "Api.Example.Test."}"#,
+            r#"{"domain":"api.example.test"}"#,
+        ),
+        (
+            r#"{"wildcard_domain": "*.Relay.example.test"}"#,
+            r#"{"wildcard_domain":"*.relay.example.test"}"#,
+        ),
     ];
     for (input, normal) in cases {
         let d = parse_json(input).expect(input);
-        assert_eq!(serde_json::to_string(&d).expect("serialises"), normal, "{input}");
+        assert_eq!(
+            serde_json::to_string(&d).expect("serialises"),
+            normal,
+            "{input}"
+        );
     }
 }
 
 #[test]
 fn errors_name_the_value_and_what_is_expected() {
     let cases = [
-        (r#"{"ip": "203.0.113.0/24"}"#, "invalid ip \"203.0.113.0/24\": expected an IPv4 or IPv6 address"),
+        (
+            r#"{"ip": "203.0.113.0/24"}"#,
+            "invalid ip \"203.0.113.0/24\": expected an IPv4 or IPv6 address",
+        ),
         (r#"{"ip": "example.test"}"#, "invalid ip \"example.test\""),
-        (r#"{"cidr": "203.0.113.0"}"#, "invalid cidr \"203.0.113.0\": expected address/prefix-length"),
-        (r#"{"cidr": "203.0.113.0/33"}"#, "invalid cidr \"203.0.113.0/33\""),
-        (r#"{"cidr": "192.0.2.1/24"}"#, "cidr \"192.0.2.1/24\" has host bits set: did you mean \"192.0.2.0/24\"?"),
-        (r#"{"cidr": "2001:db8::1/32"}"#, "did you mean \"2001:db8::/32\"?"),
-        (r#"{"domain": "203.0.113.7"}"#, "invalid domain \"203.0.113.7\": an IP literal is not a hostname"),
-        (r#"{"domain": "bücher.test"}"#, "use the xn-- (punycode) form"),
-        (r#"{"domain": "*.example.test"}"#, "invalid domain \"*.example.test\""),
-        (r#"{"wildcard_domain": "relay.example.test"}"#, "invalid wildcard_domain \"relay.example.test\""),
-        (r#"{"wildcard_domain": "a.*.example.test"}"#, "invalid wildcard_domain"),
-        (r#"{"host": "example.test"}"#, "unsupported selector \"host\": expected one of ip, cidr, domain, wildcard_domain"),
-        (r#"{"domain": "a.test", "port": 443}"#, "unsupported selector \"port\""),
+        (
+            r#"{"cidr": "203.0.113.0"}"#,
+            "invalid cidr \"203.0.113.0\": expected address/prefix-length",
+        ),
+        (
+            r#"{"cidr": "203.0.113.0/33"}"#,
+            "invalid cidr \"203.0.113.0/33\"",
+        ),
+        (
+            r#"{"cidr": "192.0.2.1/24"}"#,
+            "cidr \"192.0.2.1/24\" has host bits set: did you mean \"192.0.2.0/24\"?",
+        ),
+        (
+            r#"{"cidr": "2001:db8::1/32"}"#,
+            "did you mean \"2001:db8::/32\"?",
+        ),
+        (
+            r#"{"domain": "203.0.113.7"}"#,
+            "invalid domain \"203.0.113.7\": an IP literal is not a hostname",
+        ),
+        (
+            r#"{"domain": "bücher.test"}"#,
+            "use the xn-- (punycode) form",
+        ),
+        (
+            r#"{"domain": "*.example.test"}"#,
+            "invalid domain \"*.example.test\"",
+        ),
+        (
+            r#"{"wildcard_domain": "relay.example.test"}"#,
+            "invalid wildcard_domain \"relay.example.test\"",
+        ),
+        (
+            r#"{"wildcard_domain": "a.*.example.test"}"#,
+            "invalid wildcard_domain",
+        ),
+        (
+            r#"{"host": "example.test"}"#,
+            "unsupported selector \"host\": expected one of ip, cidr, domain, wildcard_domain",
+        ),
+        (
+            r#"{"domain": "a.test", "port": 443}"#,
+            "unsupported selector \"port\"",
+        ),
         (r#"{}"#, "exactly one of ip, cidr, domain, wildcard_domain"),
         (r#""a.test""#, "expected an object with exactly one of"),
     ];
@@ -54,12 +109,23 @@ fn restricted_contexts_refuse_other_kinds() {
     let err = serde_json::from_str::<ProfileDestination>(r#"{"wildcard_domain": "*.a.test"}"#)
         .expect_err("profiles take no wildcards")
         .to_string();
-    assert!(err.contains("wildcard_domain destinations are not accepted here: expected one of ip, cidr, domain"), "{err}");
+    assert!(
+        err.contains(
+            "wildcard_domain destinations are not accepted here: expected one of ip, cidr, domain"
+        ),
+        "{err}"
+    );
     for bad in [r#"{"ip": "203.0.113.7"}"#, r#"{"cidr": "203.0.113.0/24"}"#] {
-        let err = serde_json::from_str::<ExemptionDestination>(bad).expect_err(bad).to_string();
-        assert!(err.contains("expected one of domain, wildcard_domain"), "{err}");
+        let err = serde_json::from_str::<ExemptionDestination>(bad)
+            .expect_err(bad)
+            .to_string();
+        assert!(
+            err.contains("expected one of domain, wildcard_domain"),
+            "{err}"
+        );
     }
-    let ok = serde_json::from_str::<ExemptionDestination>(r#"{"domain": "A.test"}"#).expect("domain ok");
+    let ok =
+        serde_json::from_str::<ExemptionDestination>(r#"{"domain": "A.test"}"#).expect("domain ok");
     assert_eq!(ok.get().to_string(), "domain a.test");
     let d = Destination::parse(Kind::WildcardDomain, "*.a.test").expect("valid");
     assert!(ProfileDestination::try_from(d.clone()).is_err());
@@ -69,8 +135,14 @@ fn restricted_contexts_refuse_other_kinds() {
 #[test]
 fn embedded_ipv4_forms() {
     let e = |s: &str| embedded_ipv4(s.parse().expect(s));
-    assert_eq!(e("::ffff:169.254.169.254"), Some(Ipv4Addr::new(169, 254, 169, 254)));
-    assert_eq!(e("64:ff9b::a9fe:a9fe"), Some(Ipv4Addr::new(169, 254, 169, 254)));
+    assert_eq!(
+        e("::ffff:169.254.169.254"),
+        Some(Ipv4Addr::new(169, 254, 169, 254))
+    );
+    assert_eq!(
+        e("64:ff9b::a9fe:a9fe"),
+        Some(Ipv4Addr::new(169, 254, 169, 254))
+    );
     assert_eq!(e("64:ff9b:1::a9fe:a9fe"), None, "only the well-known /96");
     assert_eq!(e("2001:db8::1"), None);
     assert_eq!(e("169.254.169.254"), None);
@@ -89,7 +161,8 @@ fn arb_destination() -> impl Strategy<Value = Destination> {
             let net = ipnet::Ipv6Net::new(ip, len).expect("len <= 128").trunc();
             Destination::parse(Kind::Cidr, &net.to_string())
         }),
-        name.clone().prop_map(|n| Destination::parse(Kind::Domain, &format!("{n}."))),
+        name.clone()
+            .prop_map(|n| Destination::parse(Kind::Domain, &format!("{n}."))),
         name.prop_map(|n| Destination::parse(Kind::WildcardDomain, &format!("*.{n}"))),
     ]
     .prop_filter_map("valid", Result::ok)

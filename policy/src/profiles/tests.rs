@@ -22,12 +22,21 @@ fn spec_example_parses_with_defaults_filled_in() {
     assert_eq!(p.len(), 2);
     let audit = p.get("audit").expect("audit");
     assert!(audit.default);
-    assert!(audit.tls_interception_exemptions.is_empty(), "exemptions default to empty");
+    assert!(
+        audit.tls_interception_exemptions.is_empty(),
+        "exemptions default to empty"
+    );
     let sensor = p.get("sensor").expect("sensor");
     assert!(!sensor.default, "default defaults to false");
     assert_eq!(sensor.allow.len(), 2);
-    assert_eq!(sensor.tls_interception_exemptions[0].get().to_string(), "domain sensor.example.test");
-    assert_eq!(p.defaults().map(ProfileName::as_str).collect::<Vec<_>>(), ["audit"]);
+    assert_eq!(
+        sensor.tls_interception_exemptions[0].get().to_string(),
+        "domain sensor.example.test"
+    );
+    assert_eq!(
+        p.defaults().map(ProfileName::as_str).collect::<Vec<_>>(),
+        ["audit"]
+    );
 }
 
 #[test]
@@ -55,7 +64,11 @@ fn names() {
     }
     for bad in ["", "Sensor", "a_b", "a.b", "a b", "sénsor", "+a"] {
         let text = format!(r#"{{"{bad}": {{"allow": [{{"ip": "203.0.113.7"}}]}}}}"#);
-        assert_eq!(parse(&text), Err(ProfilesError::InvalidName(bad.into())), "{bad:?}");
+        assert_eq!(
+            parse(&text),
+            Err(ProfilesError::InvalidName(bad.into())),
+            "{bad:?}"
+        );
     }
 }
 
@@ -64,7 +77,10 @@ fn duplicate_names_fail() {
     let text = r#"{"a": {"allow": [{"ip": "203.0.113.7"}]}, "b": {"allow": [{"ip": "203.0.113.8"}]}, "a": {"allow": [{"ip": "203.0.113.9"}]}}"#;
     let e = parse(text).expect_err("duplicate");
     assert_eq!(e, ProfilesError::DuplicateName("a".into()));
-    assert_eq!(e.to_string(), "SPACE_EGRESS_PROFILES: duplicate profile name \"a\"");
+    assert_eq!(
+        e.to_string(),
+        "SPACE_EGRESS_PROFILES: duplicate profile name \"a\""
+    );
 }
 
 #[test]
@@ -72,14 +88,20 @@ fn allow_must_be_nonempty() {
     for text in [r#"{"a": {"allow": []}}"#, r#"{"a": {"default": true}}"#] {
         let e = parse(text).expect_err(text);
         assert_eq!(e, ProfilesError::EmptyAllow("a".into()));
-        assert!(e.to_string().contains("profile \"a\": field \"allow\""), "{e}");
+        assert!(
+            e.to_string().contains("profile \"a\": field \"allow\""),
+            "{e}"
+        );
     }
 }
 
 #[test]
 fn invalid_json_fails() {
     for text in ["", "{", "{\"a\": }", "not json", "{} x"] {
-        assert!(matches!(parse(text), Err(ProfilesError::Syntax(_))), "{text:?}");
+        assert!(
+            matches!(parse(text), Err(ProfilesError::Syntax(_))),
+            "{text:?}"
+        );
     }
 }
 
@@ -105,6 +127,9 @@ fn errors_name_profile_and_field() {
         assert!(matches!(e, ProfilesError::Invalid(_)), "{text}: {e:?}");
         let shown = e.to_string();
         assert!(shown.starts_with("SPACE_EGRESS_PROFILES: "), "{shown}");
-        assert!(shown.contains(needle), "{text}:\n  {shown}\n  lacks {needle:?}");
+        assert!(
+            shown.contains(needle),
+            "{text}:\n  {shown}\n  lacks {needle:?}"
+        );
     }
 }
