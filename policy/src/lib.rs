@@ -11,7 +11,9 @@ mod compose;
 mod dest;
 mod exemptions;
 mod json;
+mod matcher;
 mod name;
+mod platform;
 mod policy;
 mod profiles;
 mod select;
@@ -23,7 +25,12 @@ pub use dest::{
 };
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
 pub use json::JsonError;
+pub use matcher::{
+    Allowed, AttributionGap, CompiledPolicy, Denied, Flow, Intercepted, PlatformDenies, Protocol,
+    Spliced, Verdict,
+};
 pub use name::{Hostname, NameError, WildcardDomain};
+pub use platform::{default_denies, DEFAULT_PLATFORM_DENY_CIDRS};
 pub use policy::{DefaultAction, Policy, TlsInterception};
 pub use profiles::{Profile, ProfileName, Profiles, ProfilesError, PROFILES_ENV};
 pub use select::{

@@ -1,0 +1,681 @@
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use super::*;
+
+/// One flow, written compactly: `dst`, protocol, SNI, Host, attributed names, gap.
+#[derive(Clone)]
+struct F {
+    dst: &'static str,
+    proto: Protocol,
+    sni: Option<&'static str>,
+    host: Option<&'static str>,
+    names: Vec<&'static str>,
+    gap: AttributionGap,
+}
+
+fn tls(dst: &'static str) -> F {
+    F {
+        dst,
+        proto: Protocol::Tls,
+        sni: None,
+        host: None,
+        names: vec![],
+        gap: AttributionGap::NoDnsSeen,
+    }
+}
+fn http(dst: &'static str) -> F {
+    F {
+        proto: Protocol::Http,
+        ..tls(dst)
+    }
+}
+fn opaque(dst: &'static str) -> F {
+    F {
+        proto: Protocol::Opaque,
+        ..tls(dst)
+    }
+}
+
+impl F {
+    fn sni(mut self, s: &'static str) -> Self {
+        self.sni = Some(s);
+        self
+    }
+    fn host(mut self, h: &'static str) -> Self {
+        self.host = Some(h);
+        self
+    }
+    fn dns(mut self, names: &[&'static str]) -> Self {
+        self.names = names.to_vec();
+        self
+    }
+    fn gap(mut self, gap: AttributionGap) -> Self {
+        self.gap = gap;
+        self
+    }
+}
+
+fn h(s: &str) -> Hostname {
+    Hostname::parse(s).expect(s)
+}
+
+fn compile(policy: &str) -> CompiledPolicy {
+    CompiledPolicy::new(
+        Policy::from_json(policy).expect(policy),
+        Arc::new(PlatformDenies::builtin()),
+    )
+}
+
+fn decide(p: &CompiledPolicy, f: &F) -> Verdict {
+    let sni = f.sni.map(h);
+    let host = f.host.map(h);
+    let names: Vec<Hostname> = f.names.iter().map(|n| h(n)).collect();
+    p.decide(&Flow {
+        dst: f.dst.parse().expect(f.dst),
+        protocol: f.proto,
+        sni: sni.as_ref(),
+        host: host.as_ref(),
+        attributed: &names,
+        attribution_gap: f.gap,
+    })
+}
+
+/// Checks `(policy, flow, verdict name, reason code)` rows.
+fn table(rows: &[(&str, F, &str, &str)]) {
+    for (i, (policy, flow, verdict, code)) in rows.iter().enumerate() {
+        let p = compile(policy);
+        let v = decide(&p, flow);
+        assert_eq!(
+            (v.name(), v.code()),
+            (*verdict, *code),
+            "row {i}: {policy} dst={} sni={:?} host={:?} dns={:?}: {}",
+            flow.dst,
+            flow.sni,
+            flow.host,
+            flow.names,
+            v.describe(&p)
+        );
+    }
+}
+
+const ALLOW_ALL: &str = r#"{"default": "allow"}"#;
+const ALLOW_ALL_ON: &str = r#"{"default": "allow", "tls_interception": "on"}"#;
+
+#[test]
+fn platform_denies_beat_everything() {
+    let explicit = r#"{"default": "allow", "allow": [{"cidr": "10.0.0.0/8"}, {"ip": "169.254.169.254"}, {"domain": "metadata.google.internal"}],
+                      "tls_interception": "on", "tls_interception_exemptions": [{"cidr": "0.0.0.0/0"}]}"#;
+    table(&[
+        (
+            ALLOW_ALL,
+            opaque("169.254.169.254:80"),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("[::ffff:169.254.169.254]:80"),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("[64:ff9b::a9fe:a9fe]:80"),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("[64:ff9b::7f00:1]:80"),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("[fd00:ec2::254]:80"),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("168.63.129.16:80"),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("127.0.0.1:15000"),
+            "deny",
+            "platform_deny",
+        ),
+        (ALLOW_ALL, opaque("[::1]:15000"), "deny", "platform_deny"),
+        (ALLOW_ALL, opaque("100.64.0.2:443"), "deny", "platform_deny"),
+        (ALLOW_ALL, opaque("224.0.0.1:443"), "deny", "platform_deny"),
+        (
+            ALLOW_ALL,
+            opaque("255.255.255.255:443"),
+            "deny",
+            "platform_deny",
+        ),
+        (ALLOW_ALL, opaque("[fe80::1]:443"), "deny", "platform_deny"),
+        (explicit, tls("10.1.2.3:443"), "deny", "platform_deny"),
+        (
+            explicit,
+            tls("169.254.169.254:443").dns(&["metadata.google.internal"]),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("203.0.113.7:443"),
+            "allow",
+            "allow_default",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("[64:ff9b::cb00:7107]:443"),
+            "allow",
+            "allow_default",
+        ),
+    ]);
+}
+
+#[test]
+fn tenant_denies_match_address_or_any_name_evidence() {
+    let p = r#"{"default": "allow", "allow": [{"cidr": "203.0.113.0/24"}, {"domain": "bad.test"}],
+                "deny": [{"ip": "203.0.113.7"}, {"cidr": "2001:db8:bad::/48"}, {"domain": "bad.test"}, {"wildcard_domain": "*.evil.test"}],
+                "tls_interception": "on", "tls_interception_exemptions": [{"domain": "bad.test"}, {"cidr": "203.0.113.0/24"}]}"#;
+    table(&[
+        (p, tls("203.0.113.7:443"), "deny", "tenant_deny"),
+        (p, tls("[::ffff:203.0.113.7]:443"), "deny", "tenant_deny"),
+        (p, tls("[64:ff9b::cb00:7107]:443"), "deny", "tenant_deny"),
+        (p, tls("203.0.113.8:443"), "splice", "exempt"),
+        (p, tls("[2001:db8:bad::1]:443"), "deny", "tenant_deny"),
+        (
+            p,
+            tls("198.51.100.1:443")
+                .dns(&["good.test", "bad.test"])
+                .sni("good.test"),
+            "deny",
+            "tenant_deny",
+        ),
+        (
+            p,
+            tls("198.51.100.1:443").sni("bad.test"),
+            "deny",
+            "tenant_deny",
+        ),
+        (
+            p,
+            tls("198.51.100.1:443").sni("BAD.test"),
+            "deny",
+            "tenant_deny",
+        ),
+        (
+            p,
+            tls("198.51.100.1:443").host("bad.test"),
+            "deny",
+            "tenant_deny",
+        ),
+        (
+            p,
+            http("198.51.100.1:80").host("a.evil.test"),
+            "deny",
+            "tenant_deny",
+        ),
+        (
+            p,
+            tls("198.51.100.1:443").dns(&["a.b.evil.test"]),
+            "deny",
+            "tenant_deny",
+        ),
+        (
+            p,
+            tls("198.51.100.1:443").sni("evil.test"),
+            "intercept",
+            "not_exempt",
+        ),
+    ]);
+}
+
+#[test]
+fn address_allows() {
+    let p = r#"{"allow": [{"ip": "203.0.113.7"}, {"cidr": "198.51.100.0/24"}, {"cidr": "2001:db8::/32"}]}"#;
+    table(&[
+        (p, opaque("203.0.113.7:22"), "allow", "allow_address"),
+        (p, tls("203.0.113.7:443"), "splice", "interception_off"),
+        (p, http("[::ffff:203.0.113.7]:80"), "allow", "allow_address"),
+        (
+            p,
+            tls("[64:ff9b::cb00:7107]:443"),
+            "splice",
+            "interception_off",
+        ),
+        (p, tls("198.51.100.255:443"), "splice", "interception_off"),
+        (p, tls("[2001:db8::5]:443"), "splice", "interception_off"),
+        (p, tls("203.0.113.8:443"), "deny", "no_allow_match"),
+        (p, tls("[2001:db9::5]:443"), "deny", "no_allow_match"),
+    ]);
+}
+
+#[test]
+fn domain_allows_need_dns_attribution_on_spliced_and_opaque_flows() {
+    let p = r#"{"allow": [{"domain": "api.test"}, {"wildcard_domain": "*.cdn.test"}]}"#;
+    let dst = "203.0.113.7:443";
+    table(&[
+        (
+            p,
+            tls(dst).sni("api.test").dns(&["api.test"]),
+            "splice",
+            "interception_off",
+        ),
+        (p, tls(dst).dns(&["api.test"]), "splice", "interception_off"),
+        (p, tls(dst).sni("api.test"), "deny", "no_dns_seen"),
+        (
+            p,
+            tls(dst).sni("api.test").gap(AttributionGap::Expired),
+            "deny",
+            "expired",
+        ),
+        (
+            p,
+            tls(dst).sni("api.test").gap(AttributionGap::Evicted),
+            "deny",
+            "evicted",
+        ),
+        (
+            p,
+            tls(dst).sni("other.test").dns(&["api.test"]),
+            "deny",
+            "sni_mismatch",
+        ),
+        (
+            p,
+            tls(dst).sni("alias.test").dns(&["api.test", "alias.test"]),
+            "splice",
+            "interception_off",
+        ),
+        (p, tls(dst).dns(&["other.test"]), "deny", "no_allow_match"),
+        (
+            p,
+            tls(dst).sni("x.cdn.test").dns(&["x.cdn.test"]),
+            "splice",
+            "interception_off",
+        ),
+        (
+            p,
+            tls(dst).sni("cdn.test").dns(&["cdn.test"]),
+            "deny",
+            "no_allow_match",
+        ),
+        (
+            p,
+            opaque(dst).dns(&["api.test"]),
+            "allow",
+            "allow_attributed_name",
+        ),
+        (p, opaque(dst), "deny", "no_dns_seen"),
+        (
+            p,
+            http("203.0.113.7:80").host("api.test").dns(&["api.test"]),
+            "allow",
+            "allow_attributed_name",
+        ),
+        (
+            p,
+            http("203.0.113.7:80").host("api.test").dns(&["other.test"]),
+            "deny",
+            "no_allow_match",
+        ),
+        (
+            p,
+            http("203.0.113.7:80").host("api.test"),
+            "deny",
+            "no_dns_seen",
+        ),
+        (
+            p,
+            http("203.0.113.7:80").host("other.test").dns(&["api.test"]),
+            "deny",
+            "sni_mismatch",
+        ),
+        (
+            p,
+            http("203.0.113.7:80").dns(&["api.test"]),
+            "allow",
+            "allow_attributed_name",
+        ),
+    ]);
+}
+
+#[test]
+fn terminated_flows_accept_a_verified_server_name() {
+    let p = r#"{"allow": [{"domain": "api.test"}], "tls_interception": "on"}"#;
+    let dst = "203.0.113.7:443";
+    table(&[
+        (
+            p,
+            tls(dst).sni("api.test"),
+            "intercept",
+            "needs_verification",
+        ),
+        (
+            p,
+            tls(dst).sni("api.test").host("api.test"),
+            "intercept",
+            "needs_verification",
+        ),
+        (
+            p,
+            tls(dst).host("api.test"),
+            "intercept",
+            "needs_verification",
+        ),
+        (
+            p,
+            tls(dst).sni("api.test").dns(&["api.test"]),
+            "intercept",
+            "not_exempt",
+        ),
+        (
+            p,
+            tls(dst)
+                .sni("api.test")
+                .host("other.test")
+                .dns(&["api.test"]),
+            "deny",
+            "misdirected",
+        ),
+        (p, tls(dst).sni("other.test"), "deny", "no_dns_seen"),
+        (p, tls(dst), "deny", "no_dns_seen"),
+        (ALLOW_ALL_ON, tls(dst), "intercept", "not_exempt"),
+    ]);
+}
+
+#[test]
+fn exemptions_choose_splice_only_with_attribution() {
+    let p = r#"{"default": "allow", "tls_interception": "on",
+                "tls_interception_exemptions": [{"wildcard_domain": "*.relay.test"}, {"domain": "turn.test"}, {"cidr": "198.51.100.0/24"}]}"#;
+    let dst = "203.0.113.7:443";
+    table(&[
+        (
+            p,
+            tls(dst).sni("a.relay.test").dns(&["a.relay.test"]),
+            "splice",
+            "exempt",
+        ),
+        (p, tls(dst).dns(&["a.relay.test"]), "splice", "exempt"),
+        (
+            p,
+            tls(dst).sni("turn.test").dns(&["turn.test"]),
+            "splice",
+            "exempt",
+        ),
+        (p, tls(dst).sni("a.relay.test"), "intercept", "no_dns_seen"),
+        (
+            p,
+            tls(dst).sni("a.relay.test").gap(AttributionGap::Expired),
+            "intercept",
+            "expired",
+        ),
+        (
+            p,
+            tls(dst).sni("a.relay.test").gap(AttributionGap::Evicted),
+            "intercept",
+            "evicted",
+        ),
+        (
+            p,
+            tls(dst).sni("b.relay.test").dns(&["a.relay.test"]),
+            "intercept",
+            "sni_mismatch",
+        ),
+        (
+            p,
+            tls(dst).sni("www.test").dns(&["a.relay.test", "www.test"]),
+            "intercept",
+            "sni_mismatch",
+        ),
+        (
+            p,
+            tls(dst).sni("relay.test").dns(&["relay.test"]),
+            "intercept",
+            "not_exempt",
+        ),
+        (
+            p,
+            tls(dst).sni("www.test").dns(&["www.test"]),
+            "intercept",
+            "not_exempt",
+        ),
+        (p, tls(dst).sni("www.test"), "intercept", "not_exempt"),
+        (p, tls(dst), "intercept", "no_dns_seen"),
+        (p, tls("198.51.100.9:443"), "splice", "exempt"),
+        (
+            p,
+            tls("198.51.100.9:443").sni("www.test"),
+            "splice",
+            "exempt",
+        ),
+        (
+            p,
+            opaque(dst).dns(&["a.relay.test"]),
+            "allow",
+            "allow_default",
+        ),
+    ]);
+}
+
+#[test]
+fn exemptions_never_grant_access() {
+    let p = r#"{"default": "deny", "allow": [{"domain": "api.test"}], "tls_interception": "on",
+                "tls_interception_exemptions": [{"wildcard_domain": "*.relay.test"}, {"cidr": "198.51.100.0/24"}, {"domain": "api.test"}]}"#;
+    table(&[
+        (
+            p,
+            tls("203.0.113.7:443")
+                .sni("a.relay.test")
+                .dns(&["a.relay.test"]),
+            "deny",
+            "no_allow_match",
+        ),
+        (p, tls("198.51.100.9:443"), "deny", "no_dns_seen"),
+        // Allowed only by the SNI claim: the exemption would splice an unverified name.
+        (
+            p,
+            tls("198.51.100.9:443").sni("api.test"),
+            "intercept",
+            "needs_verification",
+        ),
+        (
+            p,
+            tls("198.51.100.9:443").sni("api.test").dns(&["api.test"]),
+            "splice",
+            "exempt",
+        ),
+    ]);
+}
+
+#[test]
+fn reasons_name_the_rule() {
+    let p = compile(
+        r#"{"allow": [{"domain": "api.test"}], "deny": [{"cidr": "203.0.113.0/28"}], "tls_interception": "on",
+            "tls_interception_exemptions": [{"wildcard_domain": "*.relay.test"}]}"#,
+    );
+    let d = |f: F| decide(&p, &f).describe(&p);
+    assert_eq!(
+        d(tls("203.0.113.7:443")),
+        "tenant deny: cidr 203.0.113.0/28"
+    );
+    assert_eq!(
+        d(tls("169.254.169.254:443")),
+        "platform deny: cidr 169.254.0.0/16"
+    );
+    assert_eq!(
+        d(tls("203.0.113.77:443").sni("api.test").dns(&["api.test"])),
+        "allowed by domain api.test (DNS attribution); intercepted: no exemption matches"
+    );
+    assert_eq!(
+        d(tls("203.0.113.77:443").sni("x.relay.test")),
+        "no allow rule matches: no DNS answer through the reserved resolvers attributes a name to this address"
+    );
+}
+
+// === properties ===
+
+const NAMES: &[&str] = &["a.test", "b.a.test", "c.test", "x.relay.test", "relay.test"];
+const IPS: &[&str] = &["203.0.113.1", "203.0.113.2", "198.51.100.1", "2001:db8::1"];
+
+fn arb_dest() -> impl Strategy<Value = Destination> {
+    prop_oneof![
+        prop::sample::select(IPS).prop_map(|i| Destination::parse(crate::Kind::Ip, i)),
+        prop::sample::select(
+            &[
+                "203.0.113.0/30",
+                "198.51.100.0/24",
+                "2001:db8::/32",
+                "0.0.0.0/0"
+            ][..]
+        )
+        .prop_map(|c| Destination::parse(crate::Kind::Cidr, c)),
+        prop::sample::select(NAMES).prop_map(|n| Destination::parse(crate::Kind::Domain, n)),
+        prop::sample::select(&["*.a.test", "*.relay.test", "*.test"][..])
+            .prop_map(|w| Destination::parse(crate::Kind::WildcardDomain, w)),
+    ]
+    .prop_map(|r| r.expect("universe is valid"))
+}
+
+fn arb_policy() -> impl Strategy<Value = Policy> {
+    let list = || prop::collection::vec(arb_dest(), 0..5);
+    (any::<bool>(), list(), list(), any::<bool>(), list()).prop_map(|(allow, a, d, on, e)| Policy {
+        default: if allow {
+            DefaultAction::Allow
+        } else {
+            DefaultAction::Deny
+        },
+        allow: a,
+        deny: d,
+        tls_interception: if on {
+            TlsInterception::On
+        } else {
+            TlsInterception::Off
+        },
+        tls_interception_exemptions: e,
+    })
+}
+
+#[derive(Debug, Clone)]
+struct Facts {
+    ip: &'static str,
+    protocol: Protocol,
+    sni: Option<&'static str>,
+    host: Option<&'static str>,
+    names: Vec<&'static str>,
+}
+
+fn arb_facts() -> impl Strategy<Value = Facts> {
+    (
+        prop::sample::select(IPS),
+        prop::sample::select(&[Protocol::Tls, Protocol::Http, Protocol::Opaque][..]),
+        prop::option::of(prop::sample::select(NAMES)),
+        prop::option::of(prop::sample::select(NAMES)),
+        prop::sample::subsequence(NAMES, 0..3),
+    )
+        .prop_map(|(ip, protocol, sni, host, names)| Facts {
+            ip,
+            protocol,
+            sni,
+            host,
+            names,
+        })
+}
+
+fn run(p: &CompiledPolicy, f: &Facts) -> Verdict {
+    let sni = f.sni.map(h);
+    let host = f.host.map(h);
+    let names: Vec<Hostname> = f.names.iter().map(|n| h(n)).collect();
+    p.decide(&Flow {
+        dst: SocketAddr::new(f.ip.parse().expect("ip"), 443),
+        protocol: f.protocol,
+        sni: sni.as_ref(),
+        host: host.as_ref(),
+        attributed: &names,
+        attribution_gap: AttributionGap::NoDnsSeen,
+    })
+}
+
+/// A deny rule that matches the flow: its address, a covering CIDR, or a name of its evidence.
+fn matching_deny(f: &Facts, pick: usize) -> Destination {
+    let mut options = vec![
+        Destination::parse(crate::Kind::Ip, f.ip).expect("ip"),
+        Destination::parse(
+            crate::Kind::Cidr,
+            if f.ip.contains(':') {
+                "::/0"
+            } else {
+                "0.0.0.0/0"
+            },
+        )
+        .expect("cidr"),
+    ];
+    for n in f.names.iter().chain(&f.sni).chain(&f.host) {
+        options.push(Destination::parse(crate::Kind::Domain, n).expect("domain"));
+        if let Some((_, parent)) = n.split_once('.') {
+            if parent.contains('.') {
+                options.push(
+                    Destination::parse(crate::Kind::WildcardDomain, &format!("*.{parent}"))
+                        .expect("wildcard"),
+                );
+            }
+        }
+    }
+    options.swap_remove(pick % options.len())
+}
+
+proptest! {
+    /// Whatever the allows, exemptions, default and interception mode: a
+    /// matching deny denies.
+    #[test]
+    fn a_deny_always_beats_any_allow_or_exemption(mut policy in arb_policy(), f in arb_facts(), pick in 0usize..64, at in 0usize..8) {
+        let deny = matching_deny(&f, pick);
+        let at = at % (policy.deny.len() + 1);
+        policy.deny.insert(at, deny.clone());
+        // The same destination as an allow and an exemption, for good measure.
+        policy.allow.push(deny.clone());
+        policy.tls_interception_exemptions.push(deny);
+        let p = CompiledPolicy::new(policy, Arc::new(PlatformDenies::new(vec![])));
+        let v = run(&p, &f);
+        prop_assert!(matches!(v, Verdict::Deny(Denied::Tenant(_))), "{:?}: {}", v, v.describe(&p));
+    }
+
+    /// Removing every exemption never turns an allowed flow into a denied one
+    /// or a denied one into an allowed one: exemptions only choose splice over terminate.
+    #[test]
+    fn exemptions_only_choose_between_splice_and_intercept(policy in arb_policy(), f in arb_facts()) {
+        let mut without = policy.clone();
+        without.tls_interception_exemptions.clear();
+        let platform = Arc::new(PlatformDenies::new(vec![]));
+        let with_v = run(&CompiledPolicy::new(policy, platform.clone()), &f);
+        let without_v = run(&CompiledPolicy::new(without, platform), &f);
+        prop_assert_eq!(with_v.is_deny(), without_v.is_deny(), "{:?} vs {:?}", with_v, without_v);
+        if let Verdict::Splice(_, Spliced::Exempt(_)) = with_v {
+            prop_assert!(matches!(without_v, Verdict::Intercept(..)), "{:?}", without_v);
+        }
+    }
+
+    /// A spliced TLS flow allowed by a name always has that name attributed,
+    /// and an SNI among the attributed names.
+    #[test]
+    fn spliced_names_are_attributed(policy in arb_policy(), f in arb_facts()) {
+        let v = run(&CompiledPolicy::new(policy, Arc::new(PlatformDenies::new(vec![]))), &f);
+        if let Verdict::Splice(allowed, _) = v {
+            prop_assert!(!matches!(allowed, Allowed::VerifiedName(_)));
+            if let Allowed::AttributedName(_) = allowed {
+                prop_assert!(!f.names.is_empty());
+                prop_assert!(f.sni.is_none_or(|s| f.names.contains(&s)));
+            }
+        }
+    }
+}

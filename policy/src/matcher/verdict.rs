@@ -1,0 +1,223 @@
+//! Verdicts and their reasons.
+//!
+//! Every verdict names the layer that decided it and, where a rule did, the
+//! rule (an index into the list it came from). [`Verdict::code`] gives a
+//! bounded label for metrics; [`Verdict::describe`] the readable reason for
+//! the flow log and the explain API.
+
+use super::ipset::RuleIdx;
+use super::{CompiledPolicy, RuleList};
+
+/// What happens to a flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Refused: a `403` after termination, `REFUSED` for DNS, a reset otherwise.
+    Deny(Denied),
+    /// Allowed plain HTTP or opaque bytes, passed through as they are.
+    Allow(Allowed),
+    /// Allowed TLS, passed through encrypted end-to-end.
+    Splice(Allowed, Spliced),
+    /// Allowed TLS, terminated with a minted certificate; HTTP policy applies per request.
+    Intercept(Allowed, Intercepted),
+}
+
+/// Why a flow was denied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Denied {
+    /// A platform deny (gateway configuration), by index into its list.
+    Platform(RuleIdx),
+    /// A tenant deny, by index into `deny`.
+    Tenant(RuleIdx),
+    /// `Host` / `:authority` differs from the SNI on a terminated flow (`421`).
+    Misdirected,
+    /// No allow rule matched and the default is deny.
+    NotAllowed(AttributionGap),
+}
+
+/// Why a flow was allowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Allowed {
+    /// An IP or CIDR allow covers the destination, by index into `allow`.
+    Address(RuleIdx),
+    /// The destination IP is attributed to an allowed name.
+    AttributedName(RuleIdx),
+    /// The SNI (or `Host` without SNI) names an allowed domain: holds only
+    /// once the origin's certificate verifies for that name, so only on a
+    /// terminated flow.
+    VerifiedName(RuleIdx),
+    /// The policy's default is allow.
+    Default,
+}
+
+/// Why allowed TLS was spliced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spliced {
+    /// `tls_interception` is `off`.
+    InterceptionOff,
+    /// An exemption matched, by index into `tls_interception_exemptions`.
+    Exempt(RuleIdx),
+}
+
+/// Why allowed TLS was terminated rather than spliced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Intercepted {
+    /// No exemption matches the destination or its names.
+    NotExempt,
+    /// A hostname exemption could have matched but the attribution it needs is missing.
+    NoAttribution(AttributionGap),
+    /// The flow is allowed only by its SNI/Host claim, which termination verifies.
+    NeedsVerification,
+}
+
+/// Why name evidence was missing or did not fit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttributionGap {
+    /// Nothing matched; attribution was not the issue.
+    NoMatch,
+    /// This sandbox never resolved a name to this IP through the reserved resolvers.
+    #[default]
+    NoDnsSeen,
+    /// It did, but the answer's TTL has run out.
+    Expired,
+    /// It did, but the entry was evicted from the bounded cache.
+    Evicted,
+    /// Names are attributed, but the SNI (or plain-HTTP `Host`) is not one of them.
+    SniMismatch,
+}
+
+// === impl Verdict ===
+
+impl Verdict {
+    /// `deny`, `allow`, `splice` or `intercept`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Deny(_) => "deny",
+            Self::Allow(_) => "allow",
+            Self::Splice(..) => "splice",
+            Self::Intercept(..) => "intercept",
+        }
+    }
+
+    pub fn is_deny(&self) -> bool {
+        matches!(self, Self::Deny(_))
+    }
+
+    /// A bounded reason label for metrics and logs.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Deny(Denied::Platform(_)) => "platform_deny",
+            Self::Deny(Denied::Tenant(_)) => "tenant_deny",
+            Self::Deny(Denied::Misdirected) => "misdirected",
+            Self::Deny(Denied::NotAllowed(gap)) => match gap {
+                AttributionGap::NoMatch => "no_allow_match",
+                g => g.code(),
+            },
+            Self::Allow(a) => a.code(),
+            Self::Splice(_, Spliced::InterceptionOff) => "interception_off",
+            Self::Splice(_, Spliced::Exempt(_)) => "exempt",
+            Self::Intercept(_, Intercepted::NotExempt) => "not_exempt",
+            Self::Intercept(_, Intercepted::NoAttribution(gap)) => gap.code(),
+            Self::Intercept(_, Intercepted::NeedsVerification) => "needs_verification",
+        }
+    }
+
+    /// The readable reason, naming the rule that decided.
+    pub fn describe(&self, policy: &CompiledPolicy) -> String {
+        let rule = |list, idx| {
+            policy
+                .rule(list, idx)
+                .map_or_else(|| format!("rule #{idx}"), ToString::to_string)
+        };
+        match *self {
+            Self::Deny(Denied::Platform(r)) => {
+                format!("platform deny: {}", rule(RuleList::Platform, r))
+            }
+            Self::Deny(Denied::Tenant(r)) => format!("tenant deny: {}", rule(RuleList::Deny, r)),
+            Self::Deny(Denied::Misdirected) => {
+                "misdirected: Host does not match the TLS server name".into()
+            }
+            Self::Deny(Denied::NotAllowed(gap)) => match gap {
+                AttributionGap::NoMatch => "no allow rule matches and the default is deny".into(),
+                g => format!("no allow rule matches: {}", g.describe()),
+            },
+            Self::Allow(a) => a.describe(policy),
+            Self::Splice(a, Spliced::InterceptionOff) => {
+                format!("{}; TLS interception is off", a.describe(policy))
+            }
+            Self::Splice(a, Spliced::Exempt(r)) => format!(
+                "{}; exempt from interception by {}",
+                a.describe(policy),
+                rule(RuleList::Exemption, r)
+            ),
+            Self::Intercept(a, why) => {
+                format!("{}; intercepted: {}", a.describe(policy), why.describe())
+            }
+        }
+    }
+}
+
+impl Allowed {
+    fn code(&self) -> &'static str {
+        match self {
+            Self::Address(_) => "allow_address",
+            Self::AttributedName(_) => "allow_attributed_name",
+            Self::VerifiedName(_) => "allow_verified_name",
+            Self::Default => "allow_default",
+        }
+    }
+
+    fn describe(&self, policy: &CompiledPolicy) -> String {
+        let rule = |idx| {
+            policy
+                .rule(RuleList::Allow, idx)
+                .map_or_else(|| format!("rule #{idx}"), ToString::to_string)
+        };
+        match *self {
+            Self::Address(r) => format!("allowed by {}", rule(r)),
+            Self::AttributedName(r) => format!("allowed by {} (DNS attribution)", rule(r)),
+            Self::VerifiedName(r) => {
+                format!("allowed by {} (server name, verified upstream)", rule(r))
+            }
+            Self::Default => "allowed by default".into(),
+        }
+    }
+}
+
+impl Intercepted {
+    fn describe(&self) -> String {
+        match self {
+            Self::NotExempt => "no exemption matches".into(),
+            Self::NoAttribution(gap) => format!("no exemption applies: {}", gap.describe()),
+            Self::NeedsVerification => {
+                "allowed only by the server name, which termination verifies".into()
+            }
+        }
+    }
+}
+
+impl AttributionGap {
+    /// A bounded label: `no_match`, `no_dns_seen`, `expired`, `evicted`, `sni_mismatch`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::NoMatch => "no_match",
+            Self::NoDnsSeen => "no_dns_seen",
+            Self::Expired => "expired",
+            Self::Evicted => "evicted",
+            Self::SniMismatch => "sni_mismatch",
+        }
+    }
+
+    fn describe(&self) -> &'static str {
+        match self {
+            Self::NoMatch => "no rule matches",
+            Self::NoDnsSeen => {
+                "no DNS answer through the reserved resolvers attributes a name to this address"
+            }
+            Self::Expired => "the DNS attribution for this address has expired",
+            Self::Evicted => "the DNS attribution for this address was evicted",
+            Self::SniMismatch => {
+                "the server name is not one of the names attributed to this address"
+            }
+        }
+    }
+}
