@@ -1,1 +1,1 @@
-//! Benchmarks live in benches/.
+//! Criterion benchmarks live in `benches/`; the traffic-replay tool will live here.

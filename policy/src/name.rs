@@ -137,6 +137,12 @@ impl fmt::Display for Hostname {
     }
 }
 
+impl serde::Serialize for Hostname {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
 impl fmt::Debug for Hostname {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&*self.0, f)

@@ -1,0 +1,80 @@
+//! Command-line interface.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::policy_cmd::{self, PolicyCommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "egress-gateway",
+    version,
+    about = "Transparent TLS-intercepting egress gateway for sandboxes"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate, select, compose and explain policies as the API, controller and gateway do.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+}
+
+/// What a command prints and how it exits.
+#[derive(Debug)]
+pub(crate) struct Output {
+    /// A JSON document for stdout.
+    pub(crate) json: serde_json::Value,
+    /// Exit 1 (the document still describes the failure).
+    pub(crate) failed: bool,
+}
+
+/// A command that could not produce its document (bad input files, bad environment).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CliError {
+    #[error("{0}")]
+    Config(String),
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("{flag}: {message}")]
+    Arg { flag: &'static str, message: String },
+}
+
+/// Runs the CLI with the process's arguments and environment.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Policy(cmd) => policy_cmd::run(cmd, &|name| std::env::var_os(name)),
+    };
+    match result {
+        Ok(out) => {
+            let mut stdout = std::io::stdout().lock();
+            let written = serde_json::to_writer(&mut stdout, &out.json)
+                .map_err(std::io::Error::from)
+                .and_then(|()| writeln!(stdout));
+            if let Err(e) = written {
+                eprintln!("egress-gateway: writing output: {e}");
+                return ExitCode::FAILURE;
+            }
+            if out.failed {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            eprintln!("egress-gateway: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

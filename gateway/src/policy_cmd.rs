@@ -1,0 +1,248 @@
+//! `egress-gateway policy …`: the policy crate, from the shell, with JSON on stdout.
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Subcommand};
+use egress_policy::{
+    compose, resolve_saved, select, AttributionGap, CompiledPolicy, DeploymentExemptions, Flow,
+    Hostname, PlatformDenies, Policy, Profiles, Protocol, EXEMPTIONS_ENV, PROFILES_ENV,
+};
+use serde_json::json;
+
+use crate::cli::{CliError, Output};
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum PolicyCommand {
+    /// Validate SPACE_EGRESS_PROFILES and SPACE_TLS_INTERCEPTION_EXEMPTIONS from the
+    /// environment, as the API and controller do at startup.
+    CheckConfig,
+    /// Choose profiles for a create from an X-Space-Egress-Profiles value.
+    Select(SelectArgs),
+    /// Compose an effective policy from a base policy and a saved profile selection.
+    Compose(ComposeArgs),
+    /// Show the verdict the gateway would give a flow under a policy.
+    Explain(ExplainArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SelectArgs {
+    /// The header's value; omit for an absent header. May begin with `-`.
+    #[arg(long, allow_hyphen_values = true, value_name = "VALUE")]
+    header: Option<String>,
+    /// A non-federated create: the header is ignored and nothing is selected.
+    #[arg(long)]
+    non_federated: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ComposeArgs {
+    /// The tenant base policy (JSON).
+    #[arg(long, value_name = "FILE")]
+    base: PathBuf,
+    /// The saved selection, comma-separated (empty for none).
+    #[arg(long, value_name = "A,B", default_value = "")]
+    profiles: String,
+    /// The base is an inherited template policy: report whether it becomes a sandbox override.
+    #[arg(long)]
+    inherited: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ExplainArgs {
+    /// The effective policy (JSON).
+    #[arg(long, value_name = "FILE")]
+    policy: PathBuf,
+    /// The original destination, `IP:PORT` (`[IPv6]:PORT`).
+    #[arg(long, value_name = "IP:PORT")]
+    dst: SocketAddr,
+    /// The flow starts with a TLS ClientHello.
+    #[arg(long)]
+    tls: bool,
+    /// The ClientHello's server name (an IP literal counts as none).
+    #[arg(long, value_name = "NAME")]
+    sni: Option<String>,
+    /// The HTTP Host (plain HTTP, or a request on a terminated flow).
+    #[arg(long, value_name = "NAME")]
+    host: Option<String>,
+    /// A name the sandbox resolved to the destination IP through the reserved resolvers.
+    #[arg(long, value_name = "NAME")]
+    attributed: Vec<String>,
+}
+
+/// Reads an environment variable (injected so tests need not touch the process's).
+pub(crate) type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
+
+pub(crate) fn run(cmd: PolicyCommand, env: Env<'_>) -> Result<Output, CliError> {
+    match cmd {
+        PolicyCommand::CheckConfig => check_config(env),
+        PolicyCommand::Select(args) => select_cmd(&args, env),
+        PolicyCommand::Compose(args) => compose_cmd(&args, env),
+        PolicyCommand::Explain(args) => explain_cmd(&args),
+    }
+}
+
+fn env_str(env: Env<'_>, name: &'static str) -> Result<Option<String>, CliError> {
+    env(name)
+        .map(|v| {
+            v.into_string()
+                .map_err(|_| CliError::Config(format!("{name}: not valid UTF-8")))
+        })
+        .transpose()
+}
+
+fn profiles_from(env: Env<'_>) -> Result<Profiles, CliError> {
+    let text = env_str(env, PROFILES_ENV)?;
+    Profiles::from_env_value(text.as_deref()).map_err(|e| CliError::Config(e.to_string()))
+}
+
+fn exemptions_from(env: Env<'_>) -> Result<Option<DeploymentExemptions>, CliError> {
+    let text = env_str(env, EXEMPTIONS_ENV)?;
+    DeploymentExemptions::from_env_value(text.as_deref())
+        .map_err(|e| CliError::Config(e.to_string()))
+}
+
+fn check_config(env: Env<'_>) -> Result<Output, CliError> {
+    let profiles = profiles_from(env)?;
+    let exemptions = exemptions_from(env)?;
+    let names: Vec<&str> = profiles.iter().map(|(n, _)| n.as_str()).collect();
+    let defaults: Vec<&str> = profiles.defaults().map(|n| n.as_str()).collect();
+    Ok(Output {
+        json: json!({
+            "status": "ok",
+            "profiles": {"enabled": profiles.is_enabled(), "names": names, "defaults": defaults},
+            "tls_interception_exemptions": {
+                "enabled": exemptions.is_some(),
+                "destinations": exemptions,
+            },
+        }),
+        failed: false,
+    })
+}
+
+fn select_cmd(args: &SelectArgs, env: Env<'_>) -> Result<Output, CliError> {
+    let profiles = profiles_from(env)?;
+    Ok(
+        match select(&profiles, args.header.as_deref(), !args.non_federated) {
+            Ok(s) => Output {
+                json: json!({"status": 200, "profiles": s.profiles, "admissions": s.admissions}),
+                failed: false,
+            },
+            Err(e) => Output {
+                json: json!({
+                    "status": 400,
+                    "reason": e.kind,
+                    "error": e.to_string(),
+                    "admissions": e.admissions,
+                }),
+                failed: true,
+            },
+        },
+    )
+}
+
+fn read_policy(path: &PathBuf) -> Result<Policy, CliError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    Policy::from_json(&text).map_err(|e| CliError::Parse {
+        path: shown,
+        message: e.to_string(),
+    })
+}
+
+fn compose_cmd(args: &ComposeArgs, env: Env<'_>) -> Result<Output, CliError> {
+    let profiles = profiles_from(env)?;
+    let exemptions = exemptions_from(env)?;
+    let base = read_policy(&args.base)?;
+    let saved: Vec<&str> = args.profiles.split(',').filter(|s| !s.is_empty()).collect();
+    let chosen = match resolve_saved(&profiles, &saved) {
+        Ok(chosen) => chosen,
+        Err(missing) => {
+            return Ok(Output {
+                json: json!({
+                    "status": 503,
+                    "error": missing.to_string(),
+                    "missing": missing.missing,
+                    "admissions": missing.admissions,
+                }),
+                failed: true,
+            })
+        }
+    };
+    let admissions: Vec<_> = chosen
+        .iter()
+        .map(|(name, _)| egress_policy::Admission::ready(name))
+        .collect();
+    let composed = compose(&base, chosen.iter().map(|(_, p)| *p), exemptions.as_ref());
+    let mut out = json!({
+        "status": 200,
+        "policy": composed.policy,
+        "changed": composed.changed,
+        "admissions": admissions,
+    });
+    if args.inherited {
+        // An inherited template policy is stored as a sandbox override only
+        // when composition added something to it.
+        out["override"] = json!(composed.changed);
+    }
+    Ok(Output {
+        json: out,
+        failed: false,
+    })
+}
+
+fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
+    let policy = read_policy(&args.policy)?;
+    // The gateway treats an SNI that is not a hostname (an IP literal, say) as no SNI.
+    let sni = args.sni.as_deref().and_then(|s| Hostname::parse(s).ok());
+    let host = args
+        .host
+        .as_deref()
+        .map(|h| {
+            Hostname::parse(h).map_err(|e| CliError::Arg {
+                flag: "--host",
+                message: format!("{h:?}: {e}"),
+            })
+        })
+        .transpose()?;
+    let attributed = args
+        .attributed
+        .iter()
+        .map(|n| {
+            Hostname::parse(n).map_err(|e| CliError::Arg {
+                flag: "--attributed",
+                message: format!("{n:?}: {e}"),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let protocol = if args.tls {
+        Protocol::Tls
+    } else if host.is_some() {
+        Protocol::Http
+    } else {
+        Protocol::Opaque
+    };
+    let compiled = CompiledPolicy::new(policy, Arc::new(PlatformDenies::builtin()));
+    let verdict = compiled.decide(&Flow {
+        dst: args.dst,
+        protocol,
+        sni: sni.as_ref(),
+        host: host.as_ref(),
+        attributed: &attributed,
+        attribution_gap: AttributionGap::NoDnsSeen,
+    });
+    Ok(Output {
+        json: json!({
+            "verdict": verdict.name(),
+            "reason": verdict.describe(&compiled),
+            "code": verdict.code(),
+            "sni": sni,
+        }),
+        failed: false,
+    })
+}
