@@ -23,6 +23,19 @@ enum Command {
     /// Validate, select, compose and explain policies as the API, controller and gateway do.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Manage the interception CA.
+    #[command(subcommand)]
+    Ca(CaCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum CaCommand {
+    /// Create a CA (ECDSA P-256, ten years) in DIR and print the path of the
+    /// certificate sandboxes must trust. Never overwrites an existing CA.
+    Init {
+        #[arg(long, value_name = "DIR")]
+        dir: std::path::PathBuf,
+    },
 }
 
 /// What a command prints and how it exits.
@@ -55,6 +68,18 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Policy(cmd) => policy_cmd::run(cmd, &|name| std::env::var_os(name)),
+        Command::Ca(CaCommand::Init { dir }) => {
+            return match egress_certs::CertificateAuthority::create(&dir) {
+                Ok(ca) => {
+                    println!("{}", ca.paths().cert.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("egress-gateway: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
     };
     match result {
         Ok(out) => {

@@ -1,0 +1,219 @@
+//! The interception CA: load from PEM, or create.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+    PKCS_ECDSA_P256_SHA256,
+};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+use time::{Duration, OffsetDateTime};
+
+use crate::CertError;
+
+/// File name of the CA certificate in a CA directory.
+pub const CA_CERT_FILE: &str = "ca.crt";
+/// File name of the CA private key in a CA directory.
+pub const CA_KEY_FILE: &str = "ca.key";
+
+/// Ten years: the CA is installed in sandbox images, so it should outlive them.
+const CA_VALIDITY: Duration = Duration::days(3650);
+
+/// Where a CA's certificate and key live.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaPaths {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// A CA that can sign leaves.
+pub struct CertificateAuthority {
+    issuer: Issuer<'static, KeyPair>,
+    cert_der: CertificateDer<'static>,
+    cert_pem: String,
+    paths: CaPaths,
+}
+
+impl std::fmt::Debug for CertificateAuthority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CertificateAuthority")
+            .field("paths", &self.paths)
+            .finish_non_exhaustive()
+    }
+}
+
+// === impl CaPaths ===
+
+impl CaPaths {
+    /// `dir/ca.crt` and `dir/ca.key`.
+    pub fn in_dir(dir: &Path) -> Self {
+        Self {
+            cert: dir.join(CA_CERT_FILE),
+            key: dir.join(CA_KEY_FILE),
+        }
+    }
+}
+
+// === impl CertificateAuthority ===
+
+impl CertificateAuthority {
+    /// Loads a CA from PEM files. Refuses a key readable by group or others,
+    /// a certificate that is not a CA, and a key that does not match it.
+    pub fn load(paths: &CaPaths) -> Result<Self, CertError> {
+        let key_pem = read_private(&paths.key)?;
+        let cert_pem = fs::read_to_string(&paths.cert).map_err(|source| CertError::Io {
+            path: paths.cert.clone(),
+            source,
+        })?;
+        let invalid = |path: &Path, message: String| CertError::Invalid {
+            path: path.to_owned(),
+            message,
+        };
+        let key = KeyPair::from_pem(&key_pem)
+            .map_err(|e| invalid(&paths.key, format!("not a usable private key: {e}")))?;
+        let cert_der = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+            .map_err(|e| invalid(&paths.cert, format!("no PEM certificate: {e}")))?;
+        check_ca_cert(&cert_der, &key).map_err(|m| invalid(&paths.cert, m))?;
+        let issuer = Issuer::from_ca_cert_der(&cert_der, key)
+            .map_err(|e| invalid(&paths.cert, format!("cannot sign with this CA: {e}")))?;
+        Ok(Self {
+            issuer,
+            cert_der,
+            cert_pem,
+            paths: paths.clone(),
+        })
+    }
+
+    /// Creates a new CA in `dir` (made if missing), refusing to overwrite one.
+    pub fn create(dir: &Path) -> Result<Self, CertError> {
+        let paths = CaPaths::in_dir(dir);
+        for path in [&paths.cert, &paths.key] {
+            if path.exists() {
+                return Err(CertError::Exists { path: path.clone() });
+            }
+        }
+        fs::create_dir_all(dir).map_err(|source| CertError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let mint_err = |e: rcgen::Error| CertError::Mint {
+            name: "the CA".into(),
+            message: e.to_string(),
+        };
+        let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(mint_err)?;
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "egress-gateway interception CA");
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, "egress-gateway");
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::hours(1);
+        params.not_after = now + CA_VALIDITY;
+        let cert = params.self_signed(&key).map_err(mint_err)?;
+        // Key first and private from its first byte: a crash between the two
+        // writes leaves a half-present CA, which `load_or_create` reports.
+        write_new(&paths.key, key.serialize_pem().as_bytes(), 0o600)?;
+        write_new(&paths.cert, cert.pem().as_bytes(), 0o644)?;
+        tracing::info!(cert = %paths.cert.display(), "created interception CA");
+        Self::load(&paths)
+    }
+
+    /// Loads the CA in `dir`, creating one when neither file exists.
+    pub fn load_or_create(dir: &Path) -> Result<Self, CertError> {
+        let paths = CaPaths::in_dir(dir);
+        match (paths.cert.exists(), paths.key.exists()) {
+            (true, true) => Self::load(&paths),
+            (false, false) => Self::create(dir),
+            (true, false) => Err(CertError::HalfPresent {
+                dir: dir.to_owned(),
+                present: CA_CERT_FILE,
+                missing: CA_KEY_FILE,
+            }),
+            (false, true) => Err(CertError::HalfPresent {
+                dir: dir.to_owned(),
+                present: CA_KEY_FILE,
+                missing: CA_CERT_FILE,
+            }),
+        }
+    }
+
+    pub fn paths(&self) -> &CaPaths {
+        &self.paths
+    }
+
+    /// The certificate sandboxes must trust, as PEM.
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    pub fn cert_der(&self) -> &CertificateDer<'static> {
+        &self.cert_der
+    }
+
+    pub(crate) fn issuer(&self) -> &Issuer<'static, KeyPair> {
+        &self.issuer
+    }
+}
+
+/// Reads a private key file, refusing one that group or others can read.
+fn read_private(path: &Path) -> Result<String, CertError> {
+    let io = |source| CertError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let meta = fs::metadata(path).map_err(io)?;
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(CertError::KeyPermissions {
+            path: path.to_owned(),
+            mode,
+        });
+    }
+    fs::read_to_string(path).map_err(io)
+}
+
+/// The certificate must be a CA whose public key is `key`'s.
+fn check_ca_cert(der: &CertificateDer<'_>, key: &KeyPair) -> Result<(), String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| format!("not a valid X.509 certificate: {e}"))?;
+    let is_ca = cert
+        .basic_constraints()
+        .ok()
+        .flatten()
+        .is_some_and(|bc| bc.value.ca);
+    if !is_ca {
+        return Err("not a CA certificate (basicConstraints CA is not set)".into());
+    }
+    if cert.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+        return Err("the private key does not belong to this certificate".into());
+    }
+    Ok(())
+}
+
+/// Creates `path` (never overwriting) with `mode` from the start, and syncs it.
+fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CertError> {
+    let io = |source| CertError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+        .map_err(io)?;
+    f.write_all(bytes).map_err(io)?;
+    f.sync_all().map_err(io)
+}
