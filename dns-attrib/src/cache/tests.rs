@@ -1,0 +1,213 @@
+use super::*;
+use crate::clock::ManualClock;
+
+fn h(s: &str) -> Hostname {
+    Hostname::parse(s).expect(s)
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect(s)
+}
+
+fn attr(names: &[&str], addrs: &[&str], ttl: u32) -> Attribution {
+    Attribution {
+        names: names.iter().map(|n| h(n)).collect(),
+        addrs: addrs.iter().map(|a| ip(a)).collect(),
+        ttl,
+    }
+}
+
+fn setup(config: CacheConfig) -> (Arc<ManualClock>, AttributionCache) {
+    let clock = ManualClock::new();
+    let cache = AttributionCache::new(config, clock.clone());
+    (clock, cache)
+}
+
+fn live(cache: &AttributionCache, sb: &SandboxId, a: &str) -> Vec<String> {
+    let mut v: Vec<String> = cache
+        .names_for(sb, ip(a))
+        .names()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn expiry_follows_the_clamped_ttl() {
+    let (clock, cache) = setup(CacheConfig::default());
+    let sb = SandboxId::new("a");
+    cache.record(&sb, &attr(&["api.test"], &["203.0.113.7"], 0));
+    assert_eq!(
+        live(&cache, &sb, "203.0.113.7"),
+        ["api.test"],
+        "TTL 0 still covers the next connection"
+    );
+    clock.advance(Duration::from_secs(29));
+    assert_eq!(live(&cache, &sb, "203.0.113.7"), ["api.test"]);
+    clock.advance(Duration::from_secs(1));
+    assert!(matches!(
+        cache.names_for(&sb, ip("203.0.113.7")),
+        Lookup::Missing(AttributionGap::Expired)
+    ));
+
+    cache.record(&sb, &attr(&["big.test"], &["203.0.113.8"], u32::MAX));
+    clock.advance(Duration::from_secs(24 * 3600 - 1));
+    assert_eq!(live(&cache, &sb, "203.0.113.8"), ["big.test"]);
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        cache.names_for(&sb, ip("203.0.113.8")).gap(),
+        AttributionGap::Expired,
+        "huge TTLs are clamped to 24 h"
+    );
+}
+
+#[test]
+fn an_ip_keeps_every_name_and_each_its_own_expiry() {
+    let (clock, cache) = setup(CacheConfig::default());
+    let sb = SandboxId::new("a");
+    cache.record(&sb, &attr(&["a.test"], &["203.0.113.7"], 60));
+    cache.record(&sb, &attr(&["b.test"], &["203.0.113.7"], 300));
+    assert_eq!(live(&cache, &sb, "203.0.113.7"), ["a.test", "b.test"]);
+    clock.advance(Duration::from_secs(61));
+    let lookup = cache.names_for(&sb, ip("203.0.113.7"));
+    assert!(
+        matches!(lookup.names(), Cow::Owned(_)),
+        "partly expired: a filtered copy"
+    );
+    assert_eq!(live(&cache, &sb, "203.0.113.7"), ["b.test"]);
+    // A shorter, later answer does not cut an earlier one short.
+    cache.record(&sb, &attr(&["b.test"], &["203.0.113.7"], 30));
+    clock.advance(Duration::from_secs(200));
+    assert_eq!(live(&cache, &sb, "203.0.113.7"), ["b.test"]);
+}
+
+#[test]
+fn live_lookups_borrow() {
+    let (_clock, cache) = setup(CacheConfig::default());
+    let sb = SandboxId::new("a");
+    cache.record(&sb, &attr(&["a.test", "b.test"], &["203.0.113.7"], 60));
+    assert!(matches!(
+        cache.names_for(&sb, ip("203.0.113.7")).names(),
+        Cow::Borrowed(_)
+    ));
+}
+
+#[test]
+fn sandboxes_are_isolated() {
+    let (_clock, cache) = setup(CacheConfig::default());
+    let (a, b) = (SandboxId::new("a"), SandboxId::new("b"));
+    cache.record(&a, &attr(&["api.test"], &["203.0.113.7"], 60));
+    assert_eq!(live(&cache, &a, "203.0.113.7"), ["api.test"]);
+    assert_eq!(
+        cache.names_for(&b, ip("203.0.113.7")).gap(),
+        AttributionGap::NoDnsSeen
+    );
+    assert!(cache.names_for(&b, ip("203.0.113.7")).names().is_empty());
+}
+
+#[test]
+fn a_flooding_sandbox_evicts_only_its_own_entries() {
+    let config = CacheConfig {
+        per_sandbox_ips: 100,
+        ..CacheConfig::default()
+    };
+    let (_clock, cache) = setup(config);
+    let (quiet, noisy) = (SandboxId::new("quiet"), SandboxId::new("noisy"));
+    cache.record(&quiet, &attr(&["api.test"], &["203.0.113.7"], 60));
+    for i in 0..20_000u32 {
+        let addr = std::net::Ipv4Addr::from(0xc633_0000 + i).to_string(); // 198.51.x.y
+        cache.record(&noisy, &attr(&[&format!("n{i}.flood.test")], &[&addr], 60));
+    }
+    cache.sync();
+    assert!(
+        cache.entry_count() <= 101,
+        "bounded: {}",
+        cache.entry_count()
+    );
+    assert!(
+        cache.evictions() >= 19_000,
+        "evictions counted: {}",
+        cache.evictions()
+    );
+    assert_eq!(live(&cache, &quiet, "203.0.113.7"), ["api.test"]);
+    let newest = std::net::Ipv4Addr::from(0xc633_0000 + 19_999).to_string();
+    assert_eq!(
+        live(&cache, &noisy, &newest),
+        ["n19999.flood.test"],
+        "a fresh answer is always admitted"
+    );
+    let gaps: Vec<AttributionGap> = (0..100u32)
+        .map(|i| {
+            cache
+                .names_for(
+                    &noisy,
+                    IpAddr::V4(std::net::Ipv4Addr::from(0xc633_0000 + i)),
+                )
+                .gap()
+        })
+        .collect();
+    assert!(
+        gaps.contains(&AttributionGap::Evicted),
+        "an early address reads as evicted: {gaps:?}"
+    );
+}
+
+#[test]
+fn names_per_ip_and_sandbox_count_are_bounded() {
+    let config = CacheConfig {
+        names_per_ip: 4,
+        max_sandboxes: 2,
+        ..CacheConfig::default()
+    };
+    let (_clock, cache) = setup(config);
+    let sb = SandboxId::new("a");
+    for i in 0..10u32 {
+        cache.record(
+            &sb,
+            &attr(&[&format!("n{i}.test")], &["203.0.113.7"], 60 + i),
+        );
+    }
+    assert_eq!(
+        live(&cache, &sb, "203.0.113.7"),
+        ["n6.test", "n7.test", "n8.test", "n9.test"],
+        "latest-expiring kept"
+    );
+    assert!(cache.record(
+        &SandboxId::new("b"),
+        &attr(&["x.test"], &["203.0.113.1"], 60)
+    ));
+    assert!(
+        !cache.record(
+            &SandboxId::new("c"),
+            &attr(&["x.test"], &["203.0.113.1"], 60)
+        ),
+        "third sandbox refused"
+    );
+    assert_eq!(cache.refused_sandboxes(), 1);
+    cache.remove_sandbox(&SandboxId::new("b"));
+    assert!(
+        cache.record(
+            &SandboxId::new("c"),
+            &attr(&["x.test"], &["203.0.113.1"], 60)
+        ),
+        "room again"
+    );
+}
+
+#[test]
+fn entries_list_live_names_with_remaining_ttl() {
+    let (clock, cache) = setup(CacheConfig::default());
+    let sb = SandboxId::new("a");
+    cache.record(
+        &sb,
+        &attr(&["api.test"], &["203.0.113.7", "2001:db8::7"], 120),
+    );
+    clock.advance(Duration::from_secs(20));
+    let e = cache.entries(&sb);
+    assert_eq!(e.len(), 2);
+    assert_eq!(e[0].0, ip("203.0.113.7"));
+    assert_eq!(e[0].1, [(h("api.test"), Duration::from_secs(100))]);
+    assert!(cache.entries(&SandboxId::new("nobody")).is_empty());
+}

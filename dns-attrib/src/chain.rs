@@ -1,0 +1,87 @@
+//! What an answer attributes: the A/AAAA records on the CNAME chain that
+//! starts at the question name, and every name on that chain.
+//!
+//! Only the answer section counts, and only records owned by a name on the
+//! chain: an upstream (or an attacker who can shape an answer) cannot
+//! attribute a name that was not asked for by putting it in the answer,
+//! the authority or the additional section.
+
+use std::net::IpAddr;
+
+use egress_policy::Hostname;
+use hickory_proto::op::Message;
+use hickory_proto::rr::{Name, RData};
+
+/// Longest CNAME chain followed; real chains are a handful of links.
+const MAX_CHAIN: usize = 16;
+
+/// The names an answer binds to addresses, and the smallest TTL involved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attribution {
+    /// The question name first, then the chain in order (valid hostnames only).
+    pub names: Vec<Hostname>,
+    pub addrs: Vec<IpAddr>,
+    /// Seconds: the smallest TTL on the chain (CNAMEs and the address records used).
+    pub ttl: u32,
+}
+
+/// Extracts what `answer` attributes for `question`, or `None` when it binds no address.
+pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
+    let mut chain: Vec<Name> = vec![question.to_lowercase()];
+    let mut ttl = u32::MAX;
+    // Follow CNAMEs from the question name, in whatever order the records come.
+    while chain.len() <= MAX_CHAIN {
+        let Some(current) = chain.last() else { break };
+        let next = answer.answers.iter().find_map(|r| match &r.data {
+            RData::CNAME(target) if same_name(&r.name, current) => {
+                Some((target.0.to_lowercase(), r.ttl))
+            }
+            _ => None,
+        });
+        let Some((target, t)) = next else { break };
+        if chain.iter().any(|n| same_name(n, &target)) {
+            break; // a loop: the chain ends where it started repeating
+        }
+        ttl = ttl.min(t);
+        chain.push(target);
+    }
+    let mut addrs = Vec::new();
+    for r in &answer.answers {
+        let addr = match &r.data {
+            RData::A(a) => IpAddr::V4(a.0),
+            RData::AAAA(a) => IpAddr::V6(a.0),
+            _ => continue,
+        };
+        if chain.iter().any(|n| same_name(n, &r.name)) {
+            ttl = ttl.min(r.ttl);
+            if !addrs.contains(&addr) {
+                addrs.push(addr);
+            }
+        }
+    }
+    if addrs.is_empty() {
+        return None;
+    }
+    let mut names: Vec<Hostname> = Vec::with_capacity(chain.len());
+    for n in &chain {
+        // A chain name that is not a hostname (`_svc.example`) can match no
+        // domain rule; it is skipped, the rest of the chain still counts.
+        if let Ok(h) = Hostname::parse(&n.to_ascii()) {
+            if !names.contains(&h) {
+                names.push(h);
+            }
+        }
+    }
+    if names.is_empty() {
+        return None;
+    }
+    Some(Attribution { names, addrs, ttl })
+}
+
+/// Case-insensitive, ignoring the trailing root dot.
+fn same_name(a: &Name, b: &Name) -> bool {
+    a.eq_ignore_root(b)
+}
+
+#[cfg(test)]
+mod tests;

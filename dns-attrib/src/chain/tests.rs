@@ -1,0 +1,125 @@
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use hickory_proto::op::{Message, MessageType, OpCode};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME, TXT};
+use hickory_proto::rr::{RData, Record};
+
+use super::*;
+
+fn n(s: &str) -> Name {
+    Name::from_ascii(s).expect(s)
+}
+
+fn a(owner: &str, ttl: u32, ip: &str) -> Record {
+    let ip: Ipv4Addr = ip.parse().expect(ip);
+    Record::from_rdata(n(owner), ttl, RData::A(A(ip)))
+}
+
+fn aaaa(owner: &str, ttl: u32, ip: &str) -> Record {
+    let ip: Ipv6Addr = ip.parse().expect(ip);
+    Record::from_rdata(n(owner), ttl, RData::AAAA(AAAA(ip)))
+}
+
+fn cname(owner: &str, ttl: u32, target: &str) -> Record {
+    Record::from_rdata(n(owner), ttl, RData::CNAME(CNAME(n(target))))
+}
+
+fn answer(records: Vec<Record>) -> Message {
+    let mut m = Message::new(1, MessageType::Response, OpCode::Query);
+    m.add_answers(records);
+    m
+}
+
+fn names(a: &Attribution) -> Vec<&str> {
+    a.names.iter().map(Hostname::as_str).collect()
+}
+
+#[test]
+fn a_and_aaaa_for_the_question_name() {
+    let m = answer(vec![
+        a("api.test.", 300, "203.0.113.7"),
+        aaaa("api.test.", 200, "2001:db8::7"),
+    ]);
+    let got = attribution(&n("api.test."), &m).expect("attributes");
+    assert_eq!(names(&got), ["api.test"]);
+    assert_eq!(
+        got.addrs,
+        [
+            "203.0.113.7".parse::<IpAddr>().expect("ip"),
+            "2001:db8::7".parse().expect("ip")
+        ]
+    );
+    assert_eq!(got.ttl, 200);
+}
+
+#[test]
+fn cname_chain_attributes_every_name_with_the_smallest_ttl() {
+    // Out of order on purpose: the chain is followed by owner, not position.
+    let m = answer(vec![
+        a("edge.cdn.test.", 600, "198.51.100.9"),
+        cname("www.shop.test.", 120, "shop.cdn.test."),
+        cname("shop.cdn.test.", 60, "edge.cdn.test."),
+    ]);
+    let got = attribution(&n("WWW.Shop.Test"), &m).expect("attributes");
+    assert_eq!(
+        names(&got),
+        ["www.shop.test", "shop.cdn.test", "edge.cdn.test"]
+    );
+    assert_eq!(got.addrs, ["198.51.100.9".parse::<IpAddr>().expect("ip")]);
+    assert_eq!(got.ttl, 60);
+}
+
+#[test]
+fn records_for_unasked_names_are_ignored() {
+    let m = answer(vec![
+        a("api.test.", 300, "203.0.113.7"),
+        a("bank.test.", 300, "203.0.113.66"),
+        cname("other.test.", 300, "api.test."),
+    ]);
+    let got = attribution(&n("api.test."), &m).expect("attributes");
+    assert_eq!(names(&got), ["api.test"]);
+    assert_eq!(got.addrs, ["203.0.113.7".parse::<IpAddr>().expect("ip")]);
+
+    let only_unasked = answer(vec![a("bank.test.", 300, "203.0.113.66")]);
+    assert_eq!(attribution(&n("api.test."), &only_unasked), None);
+
+    let mut in_additional = answer(vec![]);
+    in_additional.add_additional(a("api.test.", 300, "203.0.113.7"));
+    in_additional.add_authority(a("api.test.", 300, "203.0.113.8"));
+    assert_eq!(
+        attribution(&n("api.test."), &in_additional),
+        None,
+        "only the answer section counts"
+    );
+}
+
+#[test]
+fn loops_and_dangling_chains_end_cleanly() {
+    let looped = answer(vec![
+        cname("a.test.", 30, "b.test."),
+        cname("b.test.", 30, "a.test."),
+    ]);
+    assert_eq!(attribution(&n("a.test."), &looped), None);
+    let dangling = answer(vec![cname("a.test.", 30, "b.test.")]);
+    assert_eq!(attribution(&n("a.test."), &dangling), None);
+    let long: Vec<Record> = (0..40)
+        .map(|i| cname(&format!("n{i}.test."), 30, &format!("n{}.test.", i + 1)))
+        .chain([a("n40.test.", 30, "203.0.113.1")])
+        .collect();
+    assert_eq!(
+        attribution(&n("n0.test."), &answer(long)),
+        None,
+        "chains past the limit attribute nothing"
+    );
+}
+
+#[test]
+fn non_hostname_chain_names_are_skipped_and_other_rdata_ignored() {
+    let m = answer(vec![
+        cname("_svc.api.test.", 30, "api.test."),
+        a("api.test.", 30, "203.0.113.7"),
+        Record::from_rdata(n("api.test."), 30, RData::TXT(TXT::new(vec!["x".into()]))),
+    ]);
+    let got = attribution(&n("_svc.api.test."), &m).expect("attributes");
+    assert_eq!(names(&got), ["api.test"]);
+}

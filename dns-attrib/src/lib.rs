@@ -1,0 +1,20 @@
+//! DNS interception for the reserved resolvers (8.8.8.8, 1.1.1.1) and the
+//! attribution cache it fills.
+//!
+//! Hostname exemptions and domain allows stand on one fact: *this sandbox
+//! resolved this name through the reserved resolvers, the answer contained
+//! this IP, and that answer has not expired*. This crate produces that fact,
+//! and nothing else may: [`AttributionCache::record`] is called only by the
+//! proxy, with answers to queries it forwarded.
+
+mod cache;
+mod chain;
+mod clock;
+mod metrics;
+mod proxy;
+
+pub use cache::{AttributionCache, CacheConfig, IpNames, Lookup, SandboxId};
+pub use chain::{attribution, Attribution};
+pub use clock::{Clock, ManualClock, Millis, SystemClock};
+pub use metrics::{Counter, DnsMetrics};
+pub use proxy::{Admission, Admit, DnsProxy, ProxyConfig, Transport};

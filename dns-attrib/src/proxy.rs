@@ -1,0 +1,486 @@
+//! The DNS interception proxy for the reserved resolvers.
+//!
+//! Per query: identify the sandbox from the source address (the gateway's
+//! [`Admission`]); refuse when it is unknown or its policy does not permit
+//! the resolver; forward the query unchanged to the upstreams in order
+//! (timeout, next upstream, TCP when the UDP answer is truncated); commit
+//! what the answer attributes *before* returning it, byte for byte.
+//!
+//! Every wait has a timeout, in-flight queries are bounded per sandbox and in
+//! total, malformed input ends in FORMERR or silence — never a panic — and a
+//! UDP answer never exceeds the size the query allows.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::Semaphore;
+use tokio::time::{timeout, Instant};
+
+use crate::cache::{AttributionCache, SandboxId};
+use crate::chain::attribution;
+use crate::metrics::DnsMetrics;
+
+/// The largest DNS message (TCP length prefix is 16 bits).
+const MAX_MESSAGE: usize = 65_535;
+
+/// The gateway's answer to "who sent this query, and may it use this resolver?".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// A known sandbox whose policy permits the resolver address.
+    Allowed(SandboxId),
+    /// A known sandbox whose policy does not: REFUSED, nothing recorded.
+    Refused(SandboxId),
+    /// No sandbox has this source address: REFUSED (fail closed).
+    Unknown,
+}
+
+/// Implemented by the gateway: sandbox identity and policy for DNS flows.
+pub trait Admission: Send + Sync + 'static {
+    fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit;
+}
+
+/// Proxy settings.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// Tried in order; the next is tried when one times out or fails.
+    pub upstreams: Vec<SocketAddr>,
+    /// Per attempt on one upstream (default 2 s).
+    pub upstream_timeout: Duration,
+    /// Queries being resolved at once, over all sandboxes (default 1,024).
+    pub max_in_flight: usize,
+    /// Queries being resolved at once for one sandbox (default 64).
+    pub max_in_flight_per_sandbox: usize,
+    /// A TCP client that sends nothing for this long is closed (default 10 s).
+    pub tcp_idle_timeout: Duration,
+    /// TCP client connections at once (default 256).
+    pub max_tcp_connections: usize,
+}
+
+/// The transport a query arrived on, which bounds the answer's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Udp,
+    Tcp,
+}
+
+/// The proxy: shared by its UDP and TCP listeners.
+pub struct DnsProxy {
+    config: ProxyConfig,
+    cache: Arc<AttributionCache>,
+    admission: Arc<dyn Admission>,
+    metrics: Arc<DnsMetrics>,
+    in_flight: Arc<Semaphore>,
+    per_sandbox: Mutex<HashMap<SandboxId, usize>>,
+}
+
+/// Why no upstream answered.
+#[derive(Debug, thiserror::Error)]
+enum UpstreamError {
+    #[error("timed out")]
+    Timeout,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("answer does not match the query")]
+    Mismatch,
+}
+
+// === impl ProxyConfig ===
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            upstreams: Vec::new(),
+            upstream_timeout: Duration::from_secs(2),
+            max_in_flight: 1_024,
+            max_in_flight_per_sandbox: 64,
+            tcp_idle_timeout: Duration::from_secs(10),
+            max_tcp_connections: 256,
+        }
+    }
+}
+
+// === impl DnsProxy ===
+
+impl DnsProxy {
+    pub fn new(
+        config: ProxyConfig,
+        cache: Arc<AttributionCache>,
+        admission: Arc<dyn Admission>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+            config,
+            cache,
+            admission,
+            metrics: Arc::new(DnsMetrics::default()),
+            per_sandbox: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn metrics(&self) -> &Arc<DnsMetrics> {
+        &self.metrics
+    }
+
+    pub fn cache(&self) -> &Arc<AttributionCache> {
+        &self.cache
+    }
+
+    /// Serves UDP queries on `socket`, standing in for `resolver`, until the task is dropped.
+    pub async fn serve_udp(self: Arc<Self>, socket: UdpSocket, resolver: SocketAddr) {
+        let socket = Arc::new(socket);
+        // A query larger than this is not a query a stub resolver sends; it
+        // arrives cut short and answers FORMERR.
+        let mut buf = vec![0u8; 4_096];
+        loop {
+            let (len, src) = match socket.recv_from(&mut buf).await {
+                Ok(x) => x,
+                Err(e) => {
+                    // ICMP errors from earlier sends surface here on Linux; keep serving.
+                    tracing::debug!(error = %e, "dns udp receive");
+                    continue;
+                }
+            };
+            let query = buf[..len].to_vec();
+            let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+                self.metrics.overloaded.inc();
+                if let Some(resp) = error_reply(&query, ResponseCode::ServFail) {
+                    let _ = socket.send_to(&resp, src).await;
+                }
+                continue;
+            };
+            let (this, socket) = (self.clone(), socket.clone());
+            tokio::spawn(async move {
+                if let Some(resp) = this
+                    .answer(&query, src.ip(), resolver, Transport::Udp)
+                    .await
+                {
+                    let _ = socket.send_to(&resp, src).await;
+                }
+                drop(permit);
+            });
+        }
+    }
+
+    /// Serves DNS over TCP on `listener`, standing in for `resolver`, until the task is dropped.
+    pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener, resolver: SocketAddr) {
+        let connections = Arc::new(Semaphore::new(self.config.max_tcp_connections));
+        loop {
+            let Ok((stream, src)) = listener.accept().await else {
+                continue;
+            };
+            let Ok(permit) = connections.clone().try_acquire_owned() else {
+                self.metrics.overloaded.inc();
+                drop(stream);
+                continue;
+            };
+            let this = self.clone();
+            tokio::spawn(async move {
+                this.serve_tcp_connection(stream, src, resolver).await;
+                drop(permit);
+            });
+        }
+    }
+
+    async fn serve_tcp_connection(
+        &self,
+        mut stream: TcpStream,
+        src: SocketAddr,
+        resolver: SocketAddr,
+    ) {
+        let mut len = [0u8; 2];
+        loop {
+            match timeout(self.config.tcp_idle_timeout, stream.read_exact(&mut len)).await {
+                Ok(Ok(_)) => {}
+                _ => return,
+            }
+            let mut query = vec![0u8; usize::from(u16::from_be_bytes(len))];
+            match timeout(self.config.tcp_idle_timeout, stream.read_exact(&mut query)).await {
+                Ok(Ok(_)) => {}
+                _ => return,
+            }
+            let Ok(_permit) = self.in_flight.try_acquire() else {
+                self.metrics.overloaded.inc();
+                return;
+            };
+            let Some(resp) = self
+                .answer(&query, src.ip(), resolver, Transport::Tcp)
+                .await
+            else {
+                return;
+            };
+            let Ok(rlen) = u16::try_from(resp.len()) else {
+                return;
+            };
+            let mut framed = Vec::with_capacity(resp.len() + 2);
+            framed.extend_from_slice(&rlen.to_be_bytes());
+            framed.extend_from_slice(&resp);
+            if timeout(self.config.tcp_idle_timeout, stream.write_all(&framed))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+
+    /// Answers one query from `src`; `None` means send nothing.
+    pub async fn answer(
+        &self,
+        raw: &[u8],
+        src: IpAddr,
+        resolver: SocketAddr,
+        transport: Transport,
+    ) -> Option<Vec<u8>> {
+        self.metrics.queries.inc();
+        let Ok(query) = Message::from_vec(raw) else {
+            self.metrics.formerr.inc();
+            return error_reply(raw, ResponseCode::FormErr);
+        };
+        if query.metadata.message_type != MessageType::Query {
+            return None; // a response sent to us: never answer it (no reflection loops)
+        }
+        if query.metadata.op_code != OpCode::Query {
+            return reply(&query, ResponseCode::NotImp);
+        }
+        let [question] = query.queries.as_slice() else {
+            self.metrics.formerr.inc();
+            return reply(&query, ResponseCode::FormErr);
+        };
+        let sandbox = match self.admission.admit(src, resolver) {
+            Admit::Allowed(id) => id,
+            Admit::Refused(_) | Admit::Unknown => {
+                self.metrics.refused.inc();
+                return reply(&query, ResponseCode::Refused);
+            }
+        };
+        let Some(_slot) = SandboxSlot::take(self, &sandbox) else {
+            self.metrics.overloaded.inc();
+            return reply(&query, ResponseCode::ServFail);
+        };
+        let Some((bytes, answer)) = self.forward(raw, &query, question).await else {
+            self.metrics.servfail.inc();
+            return reply(&query, ResponseCode::ServFail);
+        };
+        if answer.metadata.response_code == ResponseCode::NoError {
+            if let Some(a) = attribution(&question.name, &answer) {
+                // Committed before the sandbox sees the answer, so the
+                // connection that follows can never race it.
+                if self.cache.record(&sandbox, &a) {
+                    self.metrics.attributed.inc();
+                }
+            }
+        }
+        self.metrics.answers.inc();
+        if transport == Transport::Udp && bytes.len() > usize::from(query.max_payload()) {
+            // No amplification: the client asks again over TCP.
+            self.metrics.truncated.inc();
+            return answer.truncate().to_vec().ok();
+        }
+        Some(bytes)
+    }
+
+    /// Asks each upstream in turn; the raw answer and its parse.
+    async fn forward(
+        &self,
+        raw: &[u8],
+        query: &Message,
+        question: &Query,
+    ) -> Option<(Vec<u8>, Message)> {
+        for upstream in &self.config.upstreams {
+            let attempt = async {
+                let (bytes, msg) = udp_exchange(
+                    *upstream,
+                    raw,
+                    query,
+                    question,
+                    self.config.upstream_timeout,
+                )
+                .await?;
+                if msg.metadata.truncation {
+                    self.metrics.tcp_fallbacks.inc();
+                    return tcp_exchange(
+                        *upstream,
+                        raw,
+                        query,
+                        question,
+                        self.config.upstream_timeout,
+                    )
+                    .await;
+                }
+                Ok((bytes, msg))
+            };
+            match attempt.await {
+                Ok(x) => return Some(x),
+                Err(e) => {
+                    self.metrics.upstream_failures.inc();
+                    tracing::debug!(%upstream, error = %e, "dns upstream failed");
+                }
+            }
+        }
+        None
+    }
+}
+
+impl std::fmt::Debug for DnsProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DnsProxy")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One of a sandbox's in-flight slots, released on drop.
+struct SandboxSlot<'a> {
+    proxy: &'a DnsProxy,
+    sandbox: SandboxId,
+}
+
+impl<'a> SandboxSlot<'a> {
+    fn take(proxy: &'a DnsProxy, sandbox: &SandboxId) -> Option<Self> {
+        let mut map = proxy.per_sandbox.lock().ok()?;
+        let n = map.entry(sandbox.clone()).or_insert(0);
+        if *n >= proxy.config.max_in_flight_per_sandbox {
+            return None;
+        }
+        *n += 1;
+        Some(Self {
+            proxy,
+            sandbox: sandbox.clone(),
+        })
+    }
+}
+
+impl Drop for SandboxSlot<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut map) = self.proxy.per_sandbox.lock() {
+            if let Some(n) = map.get_mut(&self.sandbox) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&self.sandbox);
+                }
+            }
+        }
+    }
+}
+
+/// An answer from `upstream` over UDP, ignoring datagrams that do not match the query.
+async fn udp_exchange(
+    upstream: SocketAddr,
+    raw: &[u8],
+    query: &Message,
+    question: &Query,
+    limit: Duration,
+) -> Result<(Vec<u8>, Message), UpstreamError> {
+    let local: SocketAddr = match upstream {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = UdpSocket::bind(local).await?;
+    socket.connect(upstream).await?;
+    socket.send(raw).await?;
+    let deadline = Instant::now() + limit;
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let len = tokio::time::timeout_at(deadline, socket.recv(&mut buf))
+            .await
+            .map_err(|_| UpstreamError::Timeout)??;
+        if let Some(msg) = matching(&buf[..len], query, question) {
+            buf.truncate(len);
+            return Ok((buf, msg));
+        }
+    }
+}
+
+/// An answer from `upstream` over TCP.
+async fn tcp_exchange(
+    upstream: SocketAddr,
+    raw: &[u8],
+    query: &Message,
+    question: &Query,
+    limit: Duration,
+) -> Result<(Vec<u8>, Message), UpstreamError> {
+    let exchange = async {
+        let mut stream = TcpStream::connect(upstream).await?;
+        let len = u16::try_from(raw.len()).map_err(|_| UpstreamError::Mismatch)?;
+        let mut framed = Vec::with_capacity(raw.len() + 2);
+        framed.extend_from_slice(&len.to_be_bytes());
+        framed.extend_from_slice(raw);
+        stream.write_all(&framed).await?;
+        let mut len = [0u8; 2];
+        stream.read_exact(&mut len).await?;
+        let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        stream.read_exact(&mut buf).await?;
+        let msg = matching(&buf, query, question).ok_or(UpstreamError::Mismatch)?;
+        Ok((buf, msg))
+    };
+    timeout(limit, exchange)
+        .await
+        .map_err(|_| UpstreamError::Timeout)?
+}
+
+/// Parses `bytes` when it is the response to `query`: same id, a response, same question.
+fn matching(bytes: &[u8], query: &Message, question: &Query) -> Option<Message> {
+    let msg = Message::from_vec(bytes).ok()?;
+    let same_question = match msg.queries.as_slice() {
+        [q] => {
+            q.name.eq_ignore_root(&question.name)
+                && q.query_type == question.query_type
+                && q.query_class == question.query_class
+        }
+        _ => false,
+    };
+    (msg.metadata.id == query.metadata.id
+        && msg.metadata.message_type == MessageType::Response
+        && same_question)
+        .then_some(msg)
+}
+
+/// A response to a parsed query with `code`, echoing the question.
+fn reply(query: &Message, code: ResponseCode) -> Option<Vec<u8>> {
+    let mut m = Message::error_msg(query.metadata.id, query.metadata.op_code, code);
+    m.metadata.recursion_desired = query.metadata.recursion_desired;
+    m.metadata.recursion_available = true;
+    m.add_queries(query.queries.iter().cloned());
+    m.to_vec().ok()
+}
+
+/// A header-only response to bytes that may not parse; nothing when they are
+/// not even a query header (too short, or already a response).
+fn error_reply(raw: &[u8], code: ResponseCode) -> Option<Vec<u8>> {
+    let header = raw.get(..12)?;
+    if header[2] & 0x80 != 0 {
+        return None;
+    }
+    let id = u16::from_be_bytes([header[0], header[1]]);
+    let mut m = Message::error_msg(id, OpCode::Query, code);
+    m.metadata.recursion_available = true;
+    m.to_vec().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// Whatever the bytes, the error path neither panics nor answers a response.
+        #[test]
+        fn error_reply_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
+            if let Some(resp) = error_reply(&bytes, ResponseCode::FormErr) {
+                let m = Message::from_vec(&resp).expect("we emit valid messages");
+                proptest::prop_assert_eq!(m.metadata.response_code, ResponseCode::FormErr);
+                proptest::prop_assert_eq!(m.metadata.id, u16::from_be_bytes([bytes[0], bytes[1]]));
+            }
+        }
+
+        /// Decoding arbitrary bytes as a message never panics.
+        #[test]
+        fn message_parse_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600)) {
+            let _ = Message::from_vec(&bytes);
+        }
+    }
+}

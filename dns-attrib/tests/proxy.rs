@@ -1,0 +1,639 @@
+//! The DNS proxy end to end on loopback: a real hickory-server upstream,
+//! real UDP and TCP clients bound to per-sandbox loopback addresses.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dns_attrib::{
+    Admission, Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig, SandboxId,
+};
+use egress_policy::AttributionGap;
+use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+use hickory_proto::rr::{Name, RData, Record, RecordType};
+use hickory_server::net::runtime::Time;
+use hickory_server::net::xfer::Protocol;
+use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
+use hickory_server::zone_handler::MessageResponseBuilder;
+use hickory_server::Server;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+
+// === the upstream: a scripted hickory-server ===
+
+#[derive(Clone, Default)]
+struct Script {
+    answers: Vec<Record>,
+    /// Over UDP, answer with TC set and no records.
+    truncate_udp: bool,
+    rcode: Option<ResponseCode>,
+}
+
+#[derive(Default)]
+struct Upstream {
+    scripts: HashMap<String, Script>,
+    udp: AtomicUsize,
+    tcp: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl RequestHandler for Upstream {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        mut handle: R,
+    ) -> ResponseInfo {
+        match request.protocol() {
+            Protocol::Tcp => self.tcp.fetch_add(1, Ordering::SeqCst),
+            _ => self.udp.fetch_add(1, Ordering::SeqCst),
+        };
+        let mut metadata = Metadata::response_from_request(&request.metadata);
+        let qname = request
+            .queries
+            .queries()
+            .first()
+            .map(|q| {
+                q.name()
+                    .to_string()
+                    .trim_end_matches('.')
+                    .to_ascii_lowercase()
+            })
+            .unwrap_or_default();
+        let script = self
+            .scripts
+            .get(&qname)
+            .cloned()
+            .or_else(|| flood(&qname))
+            .unwrap_or_default();
+        metadata.response_code = script.rcode.unwrap_or(ResponseCode::NoError);
+        let records = if script.truncate_udp && request.protocol() == Protocol::Udp {
+            metadata.truncation = true;
+            Vec::new()
+        } else {
+            script.answers
+        };
+        let response = MessageResponseBuilder::from_message_request(request).build(
+            metadata,
+            records.iter(),
+            [],
+            [],
+            [],
+        );
+        match handle.send_response(response).await {
+            Ok(info) => info,
+            Err(e) => panic!("upstream could not answer: {e}"),
+        }
+    }
+}
+
+/// `nN.flood.test` answers a distinct address per N.
+fn flood(qname: &str) -> Option<Script> {
+    let n: u32 = qname
+        .strip_prefix('n')?
+        .strip_suffix(".flood.test")?
+        .parse()
+        .ok()?;
+    Some(Script {
+        answers: vec![a(qname, 300, Ipv4Addr::from(0xc633_0000 + n))],
+        ..Script::default()
+    })
+}
+
+fn name(s: &str) -> Name {
+    Name::from_ascii(s).expect(s)
+}
+
+fn a(owner: &str, ttl: u32, ip: Ipv4Addr) -> Record {
+    Record::from_rdata(name(owner), ttl, RData::A(A(ip)))
+}
+
+fn scripts() -> HashMap<String, Script> {
+    let ip = |s: &str| s.parse::<Ipv4Addr>().expect(s);
+    let mut m = HashMap::new();
+    let mut put = |n: &str, s: Script| {
+        m.insert(n.to_owned(), s);
+    };
+    put(
+        "api.test",
+        Script {
+            answers: vec![a("api.test.", 300, ip("203.0.113.7"))],
+            ..Script::default()
+        },
+    );
+    put(
+        "v6.test",
+        Script {
+            answers: vec![Record::from_rdata(
+                name("v6.test."),
+                300,
+                RData::AAAA(AAAA("2001:db8::7".parse().expect("ip"))),
+            )],
+            ..Script::default()
+        },
+    );
+    put(
+        "www.shop.test",
+        Script {
+            answers: vec![
+                Record::from_rdata(
+                    name("www.shop.test."),
+                    120,
+                    RData::CNAME(CNAME(name("shop.cdn.test."))),
+                ),
+                Record::from_rdata(
+                    name("shop.cdn.test."),
+                    45,
+                    RData::CNAME(CNAME(name("edge.cdn.test."))),
+                ),
+                a("edge.cdn.test.", 600, ip("198.51.100.9")),
+                a("bank.test.", 600, ip("198.51.100.66")),
+            ],
+            ..Script::default()
+        },
+    );
+    put(
+        "zero.test",
+        Script {
+            answers: vec![a("zero.test.", 0, ip("203.0.113.10"))],
+            ..Script::default()
+        },
+    );
+    let many: Vec<Record> = (0..60u32)
+        .map(|i| a("big.test.", 300, Ipv4Addr::from(0xcb00_7100 + i)))
+        .collect();
+    put(
+        "big.test",
+        Script {
+            answers: many.clone(),
+            truncate_udp: true,
+            ..Script::default()
+        },
+    );
+    put(
+        "wide.test",
+        Script {
+            answers: many,
+            ..Script::default()
+        },
+    );
+    put(
+        "gone.test",
+        Script {
+            rcode: Some(ResponseCode::NXDomain),
+            ..Script::default()
+        },
+    );
+    m
+}
+
+async fn upstream() -> (SocketAddr, Arc<Upstream>) {
+    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let addr = udp.local_addr().expect("addr");
+    let tcp = TcpListener::bind(addr)
+        .await
+        .expect("bind tcp on the same port");
+    let handler = Arc::new(Upstream {
+        scripts: scripts(),
+        ..Upstream::default()
+    });
+    let mut server = Server::new(Shared(handler.clone()));
+    server.register_socket(udp);
+    server.register_listener(tcp, Duration::from_secs(5), 65_535);
+    tokio::spawn(async move {
+        let _ = server.block_until_done().await;
+    });
+    (addr, handler)
+}
+
+/// `RequestHandler` for an `Arc`, so the test keeps a handle on the counters.
+struct Shared(Arc<Upstream>);
+
+#[async_trait::async_trait]
+impl RequestHandler for Shared {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        handle: R,
+    ) -> ResponseInfo {
+        self.0.handle_request::<R, T>(request, handle).await
+    }
+}
+
+/// A UDP socket that never answers: an upstream that times out.
+async fn silent() -> (SocketAddr, UdpSocket) {
+    let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    (s.local_addr().expect("addr"), s)
+}
+
+// === the gateway side ===
+
+const SANDBOX_A: &str = "127.0.0.2";
+const SANDBOX_B: &str = "127.0.0.3";
+const NO_DNS: &str = "127.0.0.4";
+const RESOLVER: &str = "8.8.8.8:53";
+
+/// A and B may use the resolver; "nodns" may not; anything else is unknown.
+struct Sandboxes;
+
+impl Admission for Sandboxes {
+    fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit {
+        assert_eq!(resolver, RESOLVER.parse::<SocketAddr>().expect("addr"));
+        match src.to_string().as_str() {
+            SANDBOX_A => Admit::Allowed(SandboxId::new("a")),
+            SANDBOX_B => Admit::Allowed(SandboxId::new("b")),
+            NO_DNS => Admit::Refused(SandboxId::new("nodns")),
+            _ => Admit::Unknown,
+        }
+    }
+}
+
+struct Harness {
+    proxy: Arc<DnsProxy>,
+    clock: Arc<ManualClock>,
+    udp: SocketAddr,
+    tcp: SocketAddr,
+    upstream: Arc<Upstream>,
+    upstream_addrs: Vec<SocketAddr>,
+    _silent: Option<UdpSocket>,
+}
+
+async fn harness(
+    config: impl FnOnce(&mut ProxyConfig, &mut CacheConfig),
+    silent_first: bool,
+) -> Harness {
+    let (up, upstream) = upstream().await;
+    let mut keep = None;
+    let mut pc = ProxyConfig {
+        upstreams: vec![up],
+        upstream_timeout: Duration::from_millis(300),
+        ..ProxyConfig::default()
+    };
+    if silent_first {
+        let (addr, sock) = silent().await;
+        pc.upstreams.insert(0, addr);
+        keep = Some(sock);
+    }
+    let mut cc = CacheConfig::default();
+    config(&mut pc, &mut cc);
+    let clock = ManualClock::new();
+    let cache = Arc::new(AttributionCache::new(cc, clock.clone()));
+    let upstream_addrs = pc.upstreams.clone();
+    let proxy = DnsProxy::new(pc, cache, Arc::new(Sandboxes));
+    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let (udp_addr, tcp_addr) = (
+        udp.local_addr().expect("addr"),
+        tcp.local_addr().expect("addr"),
+    );
+    let resolver: SocketAddr = RESOLVER.parse().expect("addr");
+    tokio::spawn(proxy.clone().serve_udp(udp, resolver));
+    tokio::spawn(proxy.clone().serve_tcp(tcp, resolver));
+    Harness {
+        proxy,
+        clock,
+        udp: udp_addr,
+        tcp: tcp_addr,
+        upstream,
+        upstream_addrs,
+        _silent: keep,
+    }
+}
+
+fn query(qname: &str, rtype: RecordType, edns: Option<u16>) -> Message {
+    let mut m = Message::new(0x4242, MessageType::Query, OpCode::Query);
+    m.metadata.recursion_desired = true;
+    m.add_query(Query::query(name(qname), rtype));
+    if let Some(size) = edns {
+        let mut e = Edns::new();
+        e.set_max_payload(size);
+        m.set_edns(e);
+    }
+    m
+}
+
+/// Sends raw bytes from `src` over UDP; the raw answer, or `None` after 1 s of silence.
+async fn udp_raw(proxy: SocketAddr, src: &str, bytes: &[u8]) -> Option<Vec<u8>> {
+    let s = UdpSocket::bind((src.parse::<IpAddr>().expect("src"), 0))
+        .await
+        .expect("bind client");
+    s.send_to(bytes, proxy).await.expect("send");
+    let mut buf = vec![0u8; 65_535];
+    let (n, _) = tokio::time::timeout(Duration::from_secs(1), s.recv_from(&mut buf))
+        .await
+        .ok()?
+        .expect("recv");
+    buf.truncate(n);
+    Some(buf)
+}
+
+async fn udp(h: &Harness, src: &str, q: &Message) -> (Vec<u8>, Message) {
+    let raw = udp_raw(h.udp, src, &q.to_vec().expect("encode"))
+        .await
+        .expect("an answer");
+    let msg = Message::from_vec(&raw).expect("parses");
+    (raw, msg)
+}
+
+async fn tcp(h: &Harness, src: &str, q: &Message) -> Message {
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind((src.parse::<IpAddr>().expect("src"), 0).into())
+        .expect("bind client");
+    let mut s: TcpStream = sock.connect(h.tcp).await.expect("connect");
+    let bytes = q.to_vec().expect("encode");
+    let mut framed = (bytes.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&bytes);
+    s.write_all(&framed).await.expect("write");
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).await.expect("length");
+    let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    s.read_exact(&mut buf).await.expect("body");
+    Message::from_vec(&buf).expect("parses")
+}
+
+fn names(h: &Harness, sandbox: &str, ip: &str) -> Vec<String> {
+    let mut v: Vec<String> = h
+        .proxy
+        .cache()
+        .names_for(&SandboxId::new(sandbox), ip.parse().expect("ip"))
+        .names()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    v.sort();
+    v
+}
+
+fn gap(h: &Harness, sandbox: &str, ip: &str) -> AttributionGap {
+    h.proxy
+        .cache()
+        .names_for(&SandboxId::new(sandbox), ip.parse().expect("ip"))
+        .gap()
+}
+
+// === tests ===
+
+#[tokio::test]
+async fn a_and_aaaa_are_attributed_before_the_answer_arrives() {
+    let h = harness(|_, _| {}, false).await;
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(m.metadata.id, 0x4242);
+    assert_eq!(m.answers.len(), 1);
+    // No wait: the attribution was committed before the answer was sent.
+    assert_eq!(names(&h, "a", "203.0.113.7"), ["api.test"]);
+    let (_, m) = udp(&h, SANDBOX_A, &query("V6.Test.", RecordType::AAAA, None)).await;
+    assert_eq!(m.answers.len(), 1);
+    assert_eq!(names(&h, "a", "2001:db8::7"), ["v6.test"]);
+    assert_eq!(h.proxy.metrics().attributed.get(), 2);
+}
+
+#[tokio::test]
+async fn answers_are_returned_byte_for_byte() {
+    let h = harness(|_, _| {}, false).await;
+    let q = query("www.shop.test.", RecordType::A, Some(1232))
+        .to_vec()
+        .expect("encode");
+    let through_proxy = udp_raw(h.udp, SANDBOX_A, &q).await.expect("answer");
+    let direct = {
+        let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+        let up = *h.upstream_addrs.last().expect("an upstream");
+        s.send_to(&q, up).await.expect("send");
+        let mut buf = vec![0u8; 65_535];
+        let (n, _) = s.recv_from(&mut buf).await.expect("recv");
+        buf.truncate(n);
+        buf
+    };
+    assert_eq!(through_proxy, direct);
+}
+
+#[tokio::test]
+async fn cname_chain_attributes_every_name_and_ignores_unasked_records() {
+    let h = harness(|_, _| {}, false).await;
+    let (_, m) = udp(&h, SANDBOX_A, &query("www.shop.test.", RecordType::A, None)).await;
+    assert_eq!(m.answers.len(), 4, "the answer is passed on whole");
+    assert_eq!(
+        names(&h, "a", "198.51.100.9"),
+        ["edge.cdn.test", "shop.cdn.test", "www.shop.test"]
+    );
+    assert!(
+        names(&h, "a", "198.51.100.66").is_empty(),
+        "bank.test was not asked"
+    );
+    let entries = h.proxy.cache().entries(&SandboxId::new("a"));
+    assert_eq!(entries.len(), 1);
+    assert!(
+        entries[0]
+            .1
+            .iter()
+            .all(|(_, left)| *left == Duration::from_secs(45)),
+        "smallest TTL on the chain: {entries:?}"
+    );
+}
+
+#[tokio::test]
+async fn ttl_zero_is_floored_and_expires_on_the_clock() {
+    let h = harness(|_, _| {}, false).await;
+    udp(&h, SANDBOX_A, &query("zero.test.", RecordType::A, None)).await;
+    assert_eq!(names(&h, "a", "203.0.113.10"), ["zero.test"]);
+    h.clock.advance(Duration::from_secs(29));
+    assert_eq!(names(&h, "a", "203.0.113.10"), ["zero.test"]);
+    h.clock.advance(Duration::from_secs(1));
+    assert_eq!(gap(&h, "a", "203.0.113.10"), AttributionGap::Expired);
+}
+
+#[tokio::test]
+async fn sandbox_b_never_sees_a_s_attribution() {
+    let h = harness(|_, _| {}, false).await;
+    udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(names(&h, "a", "203.0.113.7"), ["api.test"]);
+    assert!(names(&h, "b", "203.0.113.7").is_empty());
+    assert_eq!(gap(&h, "b", "203.0.113.7"), AttributionGap::NoDnsSeen);
+}
+
+#[tokio::test]
+async fn refused_when_policy_denies_the_resolver_or_the_source_is_unknown() {
+    let h = harness(|_, _| {}, false).await;
+    for src in [NO_DNS, "127.0.0.9"] {
+        let (_, m) = udp(&h, src, &query("api.test.", RecordType::A, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::Refused, "{src}");
+        assert_eq!(m.metadata.id, 0x4242);
+        assert!(m.answers.is_empty());
+    }
+    assert!(
+        names(&h, "nodns", "203.0.113.7").is_empty(),
+        "nothing recorded"
+    );
+    assert_eq!(
+        h.upstream.udp.load(Ordering::SeqCst),
+        0,
+        "nothing forwarded"
+    );
+    assert_eq!(h.proxy.metrics().refused.get(), 2);
+}
+
+#[tokio::test]
+async fn failed_answers_attribute_nothing() {
+    let h = harness(|_, _| {}, false).await;
+    let (_, m) = udp(&h, SANDBOX_A, &query("gone.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
+    assert_eq!(h.proxy.metrics().attributed.get(), 0);
+}
+
+#[tokio::test]
+async fn servfail_when_every_upstream_times_out() {
+    let (addr, _sock) = silent().await;
+    let (addr2, _sock2) = silent().await;
+    let h = harness(move |pc, _| pc.upstreams = vec![addr, addr2], false).await;
+    let started = std::time::Instant::now();
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "bounded by the two 300 ms timeouts"
+    );
+    assert_eq!(h.proxy.metrics().upstream_failures.get(), 2);
+    assert!(names(&h, "a", "203.0.113.7").is_empty());
+}
+
+#[tokio::test]
+async fn a_silent_upstream_is_skipped_for_the_next() {
+    let h = harness(|_, _| {}, true).await;
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(names(&h, "a", "203.0.113.7"), ["api.test"]);
+    assert_eq!(h.proxy.metrics().upstream_failures.get(), 1);
+}
+
+#[tokio::test]
+async fn truncated_udp_answer_is_retried_over_tcp() {
+    let h = harness(|_, _| {}, false).await;
+    let m = tcp(&h, SANDBOX_A, &query("big.test.", RecordType::A, None)).await;
+    assert_eq!(m.answers.len(), 60, "the full answer, fetched over TCP");
+    assert!(!m.metadata.truncation);
+    assert_eq!(h.upstream.tcp.load(Ordering::SeqCst), 1);
+    assert_eq!(h.proxy.metrics().tcp_fallbacks.get(), 1);
+    assert_eq!(names(&h, "a", "203.0.113.0"), ["big.test"]);
+}
+
+#[tokio::test]
+async fn udp_answers_never_exceed_what_the_query_allows() {
+    let h = harness(|_, _| {}, false).await;
+    let (raw, m) = udp(&h, SANDBOX_A, &query("wide.test.", RecordType::A, None)).await;
+    assert!(
+        raw.len() <= 512,
+        "{} bytes for a 512-byte client",
+        raw.len()
+    );
+    assert!(m.metadata.truncation, "the client is told to use TCP");
+    let (raw, m) = udp(
+        &h,
+        SANDBOX_A,
+        &query("wide.test.", RecordType::A, Some(4096)),
+    )
+    .await;
+    assert!(raw.len() <= 4096);
+    assert_eq!(m.answers.len(), 60, "an EDNS client gets it all");
+    let m = tcp(&h, SANDBOX_A, &query("wide.test.", RecordType::A, None)).await;
+    assert_eq!(m.answers.len(), 60);
+}
+
+#[tokio::test]
+async fn dns_over_tcp_attributes_too() {
+    let h = harness(|_, _| {}, false).await;
+    let m = tcp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.answers.len(), 1);
+    assert_eq!(names(&h, "b", "203.0.113.7"), ["api.test"]);
+}
+
+#[tokio::test]
+async fn malformed_input_gets_formerr_or_silence_and_the_proxy_lives_on() {
+    let h = harness(|_, _| {}, false).await;
+    // A query header followed by garbage: FORMERR with the same id.
+    let mut garbage = vec![
+        0xbe, 0xef, 0x01, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    ];
+    garbage.extend_from_slice(&[0xff; 40]);
+    let resp = udp_raw(h.udp, SANDBOX_A, &garbage).await.expect("FORMERR");
+    let m = Message::from_vec(&resp).expect("parses");
+    assert_eq!(
+        (m.metadata.id, m.metadata.response_code),
+        (0xbeef, ResponseCode::FormErr)
+    );
+    // Too short for a header, or a response: no answer at all.
+    assert_eq!(udp_raw(h.udp, SANDBOX_A, &[0x01]).await, None);
+    let mut response = query("api.test.", RecordType::A, None);
+    response.metadata.message_type = MessageType::Response;
+    assert_eq!(
+        udp_raw(h.udp, SANDBOX_A, &response.to_vec().expect("encode")).await,
+        None
+    );
+    // Two questions: FORMERR.
+    let mut two = query("api.test.", RecordType::A, None);
+    two.add_query(Query::query(name("v6.test."), RecordType::AAAA));
+    let (_, m) = udp(&h, SANDBOX_A, &two).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::FormErr);
+    // Many random datagrams, then a good query still works.
+    let mut seed = 0x1234_5678_u64;
+    for _ in 0..200 {
+        let len = (seed % 300) as usize;
+        let bytes: Vec<u8> = (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect();
+        let s = UdpSocket::bind((SANDBOX_A.parse::<IpAddr>().expect("ip"), 0))
+            .await
+            .expect("bind");
+        s.send_to(&bytes, h.udp).await.expect("send");
+    }
+    // A TCP client that sends a length and then garbage is closed, not a crash.
+    let mut s = TcpStream::connect(h.tcp).await.expect("connect");
+    s.write_all(&[0x00, 0x05, 1, 2, 3, 4, 5])
+        .await
+        .expect("write");
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+        .await
+        .expect("closed in time")
+        .expect("read");
+    assert_eq!(n, 0, "closed");
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+}
+
+#[tokio::test]
+async fn a_flood_of_unique_names_stays_within_the_bound() {
+    let h = harness(|_, cc| cc.per_sandbox_ips = 200, false).await;
+    let s = UdpSocket::bind((SANDBOX_A.parse::<IpAddr>().expect("ip"), 0))
+        .await
+        .expect("bind");
+    let mut buf = vec![0u8; 4096];
+    for i in 0..2_000u32 {
+        let q = query(&format!("n{i}.flood.test."), RecordType::A, None)
+            .to_vec()
+            .expect("encode");
+        s.send_to(&q, h.udp).await.expect("send");
+        tokio::time::timeout(Duration::from_secs(2), s.recv_from(&mut buf))
+            .await
+            .expect("answered")
+            .expect("recv");
+    }
+    h.proxy.cache().sync();
+    assert!(
+        h.proxy.cache().entry_count() <= 200,
+        "{}",
+        h.proxy.cache().entry_count()
+    );
+    assert!(h.proxy.cache().evictions() >= 1_800);
+    assert_eq!(
+        names(&h, "a", "198.51.7.207"),
+        ["n1999.flood.test"],
+        "the newest is kept"
+    );
+}
