@@ -1,6 +1,8 @@
-//! The egress gateway: operator CLI today; the dataplane, DNS interception
-//! and admin API arrive with their issues and run from here, so that the
-//! integration tests drive the very code the binary runs.
+//! The egress gateway: the dataplane (transparent capture, peek, decide,
+//! splice, intercept), DNS interception, and the operator CLI. The binary is
+//! a thin shell over [`run`], so integration tests drive the very code it runs.
 
 pub mod cli;
+pub mod config;
+pub mod peek;
 mod policy_cmd;

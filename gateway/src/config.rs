@@ -1,0 +1,411 @@
+//! The gateway's TOML configuration. Every key has a default, so no file is
+//! needed; unknown keys and bad values stop startup with an error naming the key.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use egress_policy::Destination;
+use serde::{Deserialize, Deserializer};
+
+/// The whole configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub state_dir: PathBuf,
+    pub listen: Listen,
+    pub dns: Dns,
+    pub tls: Tls,
+    pub policy: PolicyConfig,
+    pub timeouts: Timeouts,
+    pub limits: Limits,
+    pub log: Log,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Listen {
+    /// Where the redirect sends sandbox TCP.
+    pub transparent: SocketAddr,
+    /// Where the redirect sends DNS for 8.8.8.8 (UDP and TCP).
+    pub dns: SocketAddr,
+    /// Where the redirect sends DNS for 1.1.1.1 (UDP and TCP). A redirected
+    /// UDP datagram does not carry its original destination, so each
+    /// reserved resolver has its own port.
+    pub dns_alt: SocketAddr,
+    /// Health, readiness, metrics and (later) the control API.
+    pub admin: SocketAddr,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Dns {
+    /// Upstream resolvers, tried in order. Empty: every query answers SERVFAIL.
+    pub upstreams: Vec<SocketAddr>,
+    #[serde(deserialize_with = "duration")]
+    pub min_ttl: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub max_ttl: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub upstream_timeout: Duration,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tls {
+    /// The interception CA; both or neither. Neither: one is created in `state_dir`.
+    pub ca_cert: Option<PathBuf>,
+    pub ca_key: Option<PathBuf>,
+    /// PEM files trusted, besides the built-in web roots, when verifying origins.
+    pub extra_upstream_roots: Vec<PathBuf>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// Destinations no sandbox may reach. Defaults to the built-in list
+    /// (loopback, link-local and metadata, private ranges, …); the
+    /// gateway's own listen addresses are always added.
+    pub platform_deny: Vec<Destination>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// Longest wait for the first bytes that classify a flow.
+    #[serde(deserialize_with = "duration")]
+    pub peek: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub connect: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub tls_handshake: Duration,
+    /// A spliced or intercepted flow with no bytes either way for this long is closed.
+    #[serde(deserialize_with = "duration")]
+    pub idle: Duration,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Most bytes read to classify a flow (a post-quantum ClientHello is ~2 KB).
+    pub peek_bytes: usize,
+    /// Flows handled at once; further connections are closed at once.
+    pub max_connections: usize,
+    /// Leaf certificates kept.
+    pub leaf_cache: u64,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Log {
+    /// `stdout`, `off`, or a file path: one JSON line per flow.
+    pub flow_log: String,
+}
+
+/// Why the configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: {key}: {message}")]
+    Invalid {
+        path: PathBuf,
+        key: &'static str,
+        message: String,
+    },
+}
+
+// === defaults ===
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            state_dir: PathBuf::from("./.egress-gateway"),
+            listen: Listen::default(),
+            dns: Dns::default(),
+            tls: Tls::default(),
+            policy: PolicyConfig::default(),
+            timeouts: Timeouts::default(),
+            limits: Limits::default(),
+            log: Log::default(),
+        }
+    }
+}
+
+impl Default for Listen {
+    fn default() -> Self {
+        Self {
+            transparent: ([0, 0, 0, 0], 15001).into(),
+            dns: ([0, 0, 0, 0], 15053).into(),
+            dns_alt: ([0, 0, 0, 0], 15054).into(),
+            admin: ([127, 0, 0, 1], 15000).into(),
+        }
+    }
+}
+
+impl Default for Dns {
+    fn default() -> Self {
+        Self {
+            upstreams: Vec::new(),
+            min_ttl: Duration::from_secs(30),
+            max_ttl: Duration::from_secs(24 * 3600),
+            upstream_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            platform_deny: egress_policy::default_denies(),
+        }
+    }
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            peek: Duration::from_secs(5),
+            connect: Duration::from_secs(10),
+            tls_handshake: Duration::from_secs(10),
+            idle: Duration::from_secs(300),
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            peek_bytes: 16 * 1024,
+            max_connections: 10_000,
+            leaf_cache: 10_000,
+        }
+    }
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Self {
+            flow_log: "stdout".into(),
+        }
+    }
+}
+
+// === loading ===
+
+impl Config {
+    /// Reads and validates a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates TOML text; `path` only names the source in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().replace('\n', " "),
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |key, message: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            key,
+            message,
+        };
+        if self.dns.min_ttl > self.dns.max_ttl {
+            return Err(invalid(
+                "dns.min_ttl",
+                format!(
+                    "{:?} is longer than dns.max_ttl {:?}",
+                    self.dns.min_ttl, self.dns.max_ttl
+                ),
+            ));
+        }
+        if self.tls.ca_cert.is_some() != self.tls.ca_key.is_some() {
+            return Err(invalid(
+                "tls.ca_cert",
+                "tls.ca_cert and tls.ca_key go together: set both or neither".into(),
+            ));
+        }
+        for (key, d) in [
+            ("dns.upstream_timeout", self.dns.upstream_timeout),
+            ("timeouts.peek", self.timeouts.peek),
+            ("timeouts.connect", self.timeouts.connect),
+            ("timeouts.tls_handshake", self.timeouts.tls_handshake),
+            ("timeouts.idle", self.timeouts.idle),
+        ] {
+            if d.is_zero() {
+                return Err(invalid(key, "must be longer than zero".into()));
+            }
+        }
+        if self.limits.peek_bytes < 512 {
+            return Err(invalid(
+                "limits.peek_bytes",
+                format!("{} is below 512 bytes", self.limits.peek_bytes),
+            ));
+        }
+        if self.limits.max_connections == 0 {
+            return Err(invalid(
+                "limits.max_connections",
+                "must be at least 1".into(),
+            ));
+        }
+        for up in &self.dns.upstreams {
+            if is_reserved_resolver(up.ip()) {
+                return Err(invalid(
+                    "dns.upstreams",
+                    format!("{up} is a reserved resolver the gateway intercepts; name the resolver behind it"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The CA files: configured, or `state_dir` for a created one.
+    pub fn ca_paths(&self) -> Option<egress_certs::CaPaths> {
+        match (&self.tls.ca_cert, &self.tls.ca_key) {
+            (Some(cert), Some(key)) => Some(egress_certs::CaPaths {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+fn is_reserved_resolver(ip: IpAddr) -> bool {
+    egress_policy::RESERVED_RESOLVERS.contains(&ip)
+}
+
+/// `"500ms"`, `"30s"`, `"5m"`, `"24h"`, `"7d"`.
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_duration(&s).ok_or_else(|| {
+        serde::de::Error::custom(format!(
+            "invalid duration {s:?}: expected a whole number with ms, s, m, h or d, e.g. \"30s\""
+        ))
+    })
+}
+
+pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
+    let split = s.find(|c: char| !c.is_ascii_digit())?;
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let secs = |k: u64| n.checked_mul(k).map(Duration::from_secs);
+    match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "s" => secs(1),
+        "m" => secs(60),
+        "h" => secs(3600),
+        "d" => secs(86_400),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("gw.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn empty_file_is_the_defaults() {
+        let c = parse("").expect("defaults");
+        assert_eq!(c.listen.transparent.to_string(), "0.0.0.0:15001");
+        assert_eq!(c.listen.dns.to_string(), "0.0.0.0:15053");
+        assert_eq!(c.listen.admin.to_string(), "127.0.0.1:15000");
+        assert_eq!(c.state_dir, PathBuf::from("./.egress-gateway"));
+        assert_eq!(c.dns.min_ttl, Duration::from_secs(30));
+        assert!(!c.policy.platform_deny.is_empty());
+        assert_eq!(c.log.flow_log, "stdout");
+    }
+
+    #[test]
+    fn full_file_parses() {
+        let c = parse(
+            r#"
+            state_dir = "/var/lib/egress"
+            [listen]
+            transparent = "[::]:15001"
+            [dns]
+            upstreams = ["127.0.0.53:53", "[::1]:53"]
+            min_ttl = "10s"
+            max_ttl = "1h"
+            [tls]
+            ca_cert = "/etc/egress/ca.crt"
+            ca_key = "/etc/egress/ca.key"
+            extra_upstream_roots = ["/etc/egress/origin-ca.pem"]
+            [policy]
+            platform_deny = [{cidr = "169.254.0.0/16"}, {domain = "metadata.google.internal"}]
+            [timeouts]
+            peek = "500ms"
+            idle = "5m"
+            [limits]
+            peek_bytes = 8192
+            [log]
+            flow_log = "/var/log/egress/flows.jsonl"
+            "#,
+        )
+        .expect("valid");
+        assert_eq!(c.dns.upstreams.len(), 2);
+        assert_eq!(c.timeouts.peek, Duration::from_millis(500));
+        assert_eq!(c.policy.platform_deny.len(), 2);
+        assert!(c.ca_paths().is_some());
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases = [
+            ("[dns]\nupstream = []", "unknown field `upstream`"),
+            ("[listen]\nadmin = \"localhost\"", "admin"),
+            (
+                "[dns]\nmin_ttl = \"30 seconds\"",
+                "invalid duration \"30 seconds\"",
+            ),
+            ("[dns]\nmin_ttl = \"2h\"\nmax_ttl = \"1h\"", "dns.min_ttl"),
+            (
+                "[dns]\nupstreams = [\"8.8.8.8:53\"]",
+                "dns.upstreams: 8.8.8.8:53 is a reserved resolver",
+            ),
+            ("[tls]\nca_cert = \"/x\"", "tls.ca_cert"),
+            (
+                "[timeouts]\npeek = \"0s\"",
+                "timeouts.peek: must be longer than zero",
+            ),
+            ("[limits]\npeek_bytes = 10", "limits.peek_bytes"),
+            (
+                "[policy]\nplatform_deny = [{cidr = \"10.0.0.1/8\"}]",
+                "10.0.0.0/8",
+            ),
+            ("bogus = 1", "unknown field `bogus`"),
+        ];
+        for (text, needle) in cases {
+            let e = parse(text).expect_err(text);
+            assert!(e.starts_with("gw.toml: "), "{e}");
+            assert!(e.contains(needle), "{text}: {e} lacks {needle:?}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("7d"), Some(Duration::from_secs(7 * 86_400)));
+        for bad in ["", "s", "5", "5 s", "-5s", "5x", "99999999999999999999d"] {
+            assert_eq!(parse_duration(bad), None, "{bad:?}");
+        }
+    }
+}
