@@ -20,6 +20,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the gateway: the transparent listener, the DNS listeners and the admin listener.
+    Run {
+        /// TOML configuration; every key has a default, so this is optional.
+        #[arg(long, value_name = "FILE")]
+        config: Option<std::path::PathBuf>,
+    },
     /// Validate, select, compose and explain policies as the API, controller and gateway do.
     #[command(subcommand)]
     Policy(PolicyCommand),
@@ -67,6 +73,7 @@ pub(crate) enum CliError {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run { config } => return crate::run_cmd::run(config.as_deref()),
         Command::Policy(cmd) => policy_cmd::run(cmd, &|name| std::env::var_os(name)),
         Command::Ca(CaCommand::Init { dir }) => {
             return match egress_certs::CertificateAuthority::create(&dir) {

@@ -1,8 +1,18 @@
 //! The egress gateway: the dataplane (transparent capture, peek, decide,
 //! splice, intercept), DNS interception, and the operator CLI. The binary is
-//! a thin shell over [`run`], so integration tests drive the very code it runs.
+//! a thin shell over [`Gateway`], so integration tests drive the very code it runs.
 
+mod admin;
 pub mod cli;
 pub mod config;
+pub mod flowlog;
+mod gateway;
+mod intercept;
+mod io;
 pub mod peek;
 mod policy_cmd;
+pub mod registry;
+mod run_cmd;
+mod splice;
+
+pub use gateway::{Bound, Gateway, OriginalDst, Shared, SoOriginalDst, StartError};

@@ -1,0 +1,454 @@
+//! The running gateway: listeners, shared state, and the stages of a flow.
+//!
+//! ```text
+//! Accepted ─▶ original destination ─▶ sandbox ─▶ peek (TLS / HTTP / opaque)
+//!          ─▶ attribution + decide ─▶ deny │ splice (allow, splice) │ intercept
+//! ```
+//! Every stage that cannot complete ends the flow denied (fail closed), and
+//! every flow writes one line to the flow log.
+
+use std::future::Future;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use dns_attrib::{AttributionCache, CacheConfig, DnsProxy, ProxyConfig, SystemClock};
+use egress_certs::{CertificateAuthority, LeafMinter, MintConfig};
+use egress_policy::{Destination, Flow, Hostname, PlatformDenies, Protocol, Verdict};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::config::Config;
+use crate::flowlog::{FlowLog, FlowRecord};
+use crate::io::{Counted, Counts, Rewind};
+use crate::peek::{peek, Classified, PeekError};
+use crate::registry::Registry;
+
+/// How the original destination of a redirected connection is learned.
+pub trait OriginalDst: Send + Sync + 'static {
+    fn original_dst(&self, stream: &TcpStream) -> io::Result<SocketAddr>;
+}
+
+/// `SO_ORIGINAL_DST` / `IP6T_SO_ORIGINAL_DST`, set by the nftables `redirect`.
+#[derive(Debug, Default)]
+pub struct SoOriginalDst;
+
+impl OriginalDst for SoOriginalDst {
+    fn original_dst(&self, stream: &TcpStream) -> io::Result<SocketAddr> {
+        let sock = socket2::SockRef::from(stream);
+        let addr = match stream.local_addr()? {
+            SocketAddr::V4(_) => sock.original_dst_v4()?,
+            SocketAddr::V6(_) => sock.original_dst_v6()?,
+        };
+        addr.as_socket().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                "original destination is not an IP address",
+            )
+        })
+    }
+}
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("interception CA: {0}")]
+    Ca(#[from] egress_certs::CertError),
+    #[error("tls.extra_upstream_roots: {path}: {message}")]
+    Roots { path: String, message: String },
+    #[error("log.flow_log: {path}: {source}")]
+    FlowLog { path: String, source: io::Error },
+    #[error("cannot listen on {what} {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: io::Error,
+    },
+}
+
+/// State every flow reads.
+pub struct Shared {
+    pub config: Config,
+    pub registry: Arc<Registry>,
+    pub cache: Arc<AttributionCache>,
+    pub minter: Arc<LeafMinter>,
+    pub(crate) upstream_tls: Arc<rustls::ClientConfig>,
+    pub(crate) upstream_tls_h1: Arc<rustls::ClientConfig>,
+    pub(crate) flow_log: FlowLog,
+    orig_dst: Arc<dyn OriginalDst>,
+    pub dns: Arc<DnsProxy>,
+    pub(crate) ready: AtomicBool,
+}
+
+/// The addresses the gateway actually listens on (ports may have been 0).
+#[derive(Clone, Copy, Debug)]
+pub struct Bound {
+    pub transparent: SocketAddr,
+    pub dns: SocketAddr,
+    pub dns_alt: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+/// A bound, running gateway.
+pub struct Gateway {
+    shared: Arc<Shared>,
+    bound: Bound,
+    tasks: JoinSet<()>,
+}
+
+const RESOLVER_PRIMARY: SocketAddr =
+    SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(8, 8, 8, 8)), 53);
+const RESOLVER_ALT: SocketAddr =
+    SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(1, 1, 1, 1)), 53);
+
+// === impl Gateway ===
+
+impl Gateway {
+    /// Loads the CA, binds every listener and starts serving.
+    pub async fn start(
+        config: Config,
+        orig_dst: Arc<dyn OriginalDst>,
+        flow_log: FlowLog,
+    ) -> Result<Self, StartError> {
+        let ca = match config.ca_paths() {
+            Some(paths) => CertificateAuthority::load(&paths)?,
+            None => CertificateAuthority::load_or_create(&config.state_dir.join("ca"))?,
+        };
+        let minter = Arc::new(LeafMinter::new(
+            Arc::new(ca),
+            MintConfig {
+                cache_capacity: config.limits.leaf_cache,
+                ..MintConfig::default()
+            },
+        )?);
+        let (upstream_tls, upstream_tls_h1) = upstream_tls(&config)?;
+
+        let bind_tcp = |what, addr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let bind_udp = |what, addr| async move {
+            UdpSocket::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let transparent = bind_tcp("listen.transparent", config.listen.transparent).await?;
+        let dns_udp = bind_udp("listen.dns", config.listen.dns).await?;
+        let dns_tcp = bind_tcp(
+            "listen.dns",
+            dns_udp.local_addr().map_err(|source| StartError::Bind {
+                what: "listen.dns",
+                addr: config.listen.dns,
+                source,
+            })?,
+        )
+        .await?;
+        let alt_udp = bind_udp("listen.dns_alt", config.listen.dns_alt).await?;
+        let alt_tcp = bind_tcp(
+            "listen.dns_alt",
+            alt_udp.local_addr().map_err(|source| StartError::Bind {
+                what: "listen.dns_alt",
+                addr: config.listen.dns_alt,
+                source,
+            })?,
+        )
+        .await?;
+        let admin = bind_tcp("listen.admin", config.listen.admin).await?;
+        let local = |l: io::Result<SocketAddr>, what, addr| {
+            l.map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let bound = Bound {
+            transparent: local(
+                transparent.local_addr(),
+                "listen.transparent",
+                config.listen.transparent,
+            )?,
+            dns: local(dns_udp.local_addr(), "listen.dns", config.listen.dns)?,
+            dns_alt: local(
+                alt_udp.local_addr(),
+                "listen.dns_alt",
+                config.listen.dns_alt,
+            )?,
+            admin: local(admin.local_addr(), "listen.admin", config.listen.admin)?,
+        };
+
+        // The gateway's own addresses are never a destination.
+        let mut platform = config.policy.platform_deny.clone();
+        for addr in [bound.transparent, bound.dns, bound.dns_alt, bound.admin] {
+            if !addr.ip().is_unspecified() {
+                platform.push(Destination::Ip(addr.ip()));
+            }
+        }
+        let registry = Arc::new(Registry::new(Arc::new(PlatformDenies::new(platform))));
+        let cache = Arc::new(AttributionCache::new(
+            CacheConfig {
+                min_ttl: config.dns.min_ttl,
+                max_ttl: config.dns.max_ttl,
+                ..CacheConfig::default()
+            },
+            SystemClock::new(),
+        ));
+        let dns = DnsProxy::new(
+            ProxyConfig {
+                upstreams: config.dns.upstreams.clone(),
+                upstream_timeout: config.dns.upstream_timeout,
+                ..ProxyConfig::default()
+            },
+            cache.clone(),
+            registry.clone(),
+        );
+        let shared = Arc::new(Shared {
+            config,
+            registry,
+            cache,
+            minter,
+            upstream_tls,
+            upstream_tls_h1,
+            flow_log,
+            orig_dst,
+            dns: dns.clone(),
+            ready: AtomicBool::new(false),
+        });
+        let mut tasks = JoinSet::new();
+        tasks.spawn(dns.clone().serve_udp(dns_udp, RESOLVER_PRIMARY));
+        tasks.spawn(dns.clone().serve_tcp(dns_tcp, RESOLVER_PRIMARY));
+        tasks.spawn(dns.clone().serve_udp(alt_udp, RESOLVER_ALT));
+        tasks.spawn(dns.serve_tcp(alt_tcp, RESOLVER_ALT));
+        tasks.spawn(crate::admin::serve(admin, shared.clone()));
+        tasks.spawn(accept(transparent, shared.clone()));
+        shared.ready.store(true, Ordering::Release);
+        Ok(Self {
+            shared,
+            bound,
+            tasks,
+        })
+    }
+
+    pub fn bound(&self) -> Bound {
+        self.bound
+    }
+
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.shared.registry
+    }
+
+    /// Serves until `shutdown` completes, then stops accepting.
+    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) {
+        shutdown.await;
+        self.shared.ready.store(false, Ordering::Release);
+        self.tasks.shutdown().await;
+    }
+}
+
+/// Trusted roots for origins: the built-in web roots plus `tls.extra_upstream_roots`.
+fn upstream_tls(
+    config: &Config,
+) -> Result<(Arc<rustls::ClientConfig>, Arc<rustls::ClientConfig>), StartError> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    for path in &config.tls.extra_upstream_roots {
+        let shown = path.display().to_string();
+        let err = |message: String| StartError::Roots {
+            path: shown.clone(),
+            message,
+        };
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| err(e.to_string()))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| err(e.to_string()))?;
+        if certs.is_empty() {
+            return Err(err("no PEM certificates in the file".into()));
+        }
+        for c in certs {
+            roots.add(c).map_err(|e| err(e.to_string()))?;
+        }
+    }
+    let roots = Arc::new(roots);
+    let build = |alpn: Vec<Vec<u8>>| {
+        let mut c = rustls::ClientConfig::builder()
+            .with_root_certificates(roots.clone())
+            .with_no_client_auth();
+        c.alpn_protocols = alpn;
+        Arc::new(c)
+    };
+    Ok((
+        build(vec![b"h2".to_vec(), b"http/1.1".to_vec()]),
+        build(vec![b"http/1.1".to_vec()]),
+    ))
+}
+
+async fn accept(listener: TcpListener, shared: Arc<Shared>) {
+    let slots = Arc::new(Semaphore::new(shared.config.limits.max_connections));
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                // EMFILE and friends: back off briefly rather than spin.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "connection limit reached; closing");
+            reset(&stream);
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            handle(shared, stream, peer).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Closes with RST: the answer for denied flows that have no protocol to speak.
+fn reset(stream: &TcpStream) {
+    let _ = socket2::SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
+}
+
+/// One flow, from accept to the flow log.
+async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
+    let started = Instant::now();
+    let _ = stream.set_nodelay(true);
+    let mut rec = FlowRecord {
+        src: Some(peer),
+        verdict: "deny",
+        ..FlowRecord::default()
+    };
+    let finish = |mut rec: FlowRecord| {
+        rec.duration_ms = started.elapsed().as_millis() as u64;
+        shared.flow_log.write(rec);
+    };
+
+    let dst = match shared.orig_dst.original_dst(&stream) {
+        Ok(d) => d,
+        Err(e) => {
+            reset(&stream);
+            rec.reason = "no_original_dst";
+            rec.detail = format!("original destination unknown: {e}");
+            return finish(rec);
+        }
+    };
+    rec.dst = Some(dst);
+    let Some(sandbox) = shared.registry.lookup(peer.ip()) else {
+        reset(&stream);
+        rec.reason = "unknown_sandbox";
+        rec.detail = format!("no sandbox has source address {}", peer.ip());
+        return finish(rec);
+    };
+    rec.sandbox = Some(sandbox.id.to_string());
+
+    let limits = (&shared.config.limits, &shared.config.timeouts);
+    let (classified, peeked) = match peek(&mut stream, limits.0.peek_bytes, limits.1.peek).await {
+        Ok(x) => x,
+        Err(e) => {
+            reset(&stream);
+            rec.reason = match e {
+                PeekError::Timeout => "peek_timeout",
+                PeekError::Closed => "closed_early",
+                PeekError::TooLarge => "client_hello_too_large",
+                PeekError::Malformed(_) => "malformed_client_hello",
+                PeekError::Io(_) => "client_error",
+            };
+            rec.detail = e.to_string();
+            return finish(rec);
+        }
+    };
+    let (protocol, sni_raw, host_raw) = match &classified {
+        Classified::Tls(ch) => (Protocol::Tls, ch.sni.clone(), None),
+        Classified::Http { host } => (Protocol::Http, None, host.clone()),
+        Classified::Opaque => (Protocol::Opaque, None, None),
+    };
+    // Names from the network are validated before use; an IP literal or a
+    // malformed name counts as no name.
+    let sni = sni_raw.as_deref().and_then(|s| Hostname::parse(s).ok());
+    let host = host_raw.as_deref().and_then(|s| Hostname::parse(s).ok());
+    rec.sni = sni.as_ref().map(ToString::to_string);
+    rec.host = host.as_ref().map(ToString::to_string);
+
+    let lookup = shared.cache.names_for(&sandbox.id, dst.ip());
+    let names = lookup.names();
+    rec.attributed = names.iter().map(ToString::to_string).collect();
+    let verdict = sandbox.policy.decide(&Flow {
+        dst,
+        protocol,
+        sni: sni.as_ref(),
+        host: host.as_ref(),
+        attributed: &names,
+        attribution_gap: lookup.gap(),
+    });
+    drop(names);
+    rec.verdict = verdict.name();
+    rec.reason = verdict.code();
+    rec.detail = verdict.describe(&sandbox.policy);
+
+    match verdict {
+        Verdict::Deny(_) => {
+            if protocol == Protocol::Http {
+                let body = format!("egress denied: {}\n", rec.detail);
+                let resp = format!(
+                    "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(resp.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            } else {
+                reset(&stream);
+            }
+            finish(rec)
+        }
+        Verdict::Allow(_) | Verdict::Splice(..) => {
+            let origin = match tokio::time::timeout(limits.1.connect, TcpStream::connect(dst)).await
+            {
+                Ok(Ok(o)) => o,
+                Ok(Err(e)) => {
+                    reset(&stream);
+                    rec.error = Some(format!("upstream_connect: {e}"));
+                    return finish(rec);
+                }
+                Err(_) => {
+                    reset(&stream);
+                    rec.error = Some("upstream_connect: timed out".into());
+                    return finish(rec);
+                }
+            };
+            let _ = origin.set_nodelay(true);
+            let client = Rewind::new(peeked, stream);
+            let moved = crate::splice::splice(client, origin, limits.1.idle).await;
+            rec.bytes_up = moved.up;
+            rec.bytes_down = moved.down;
+            if moved.idle_timeout {
+                rec.error = Some("idle_timeout".into());
+            }
+            finish(rec)
+        }
+        Verdict::Intercept(..) => {
+            let counts = Arc::new(Counts::default());
+            let peeked_len = peeked.len() as u64;
+            let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
+            let out =
+                crate::intercept::intercept(shared.clone(), sandbox.clone(), dst, sni, client)
+                    .await;
+            rec.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
+            rec.bytes_down = counts.written.load(Ordering::Relaxed);
+            rec.requests = Some(out.requests);
+            if out.host.is_some() {
+                rec.host = out.host;
+            }
+            rec.error = out.error;
+            finish(rec)
+        }
+    }
+}

@@ -1,0 +1,417 @@
+//! Intercept: terminate TLS with a minted leaf, serve HTTP/1.1 and HTTP/2,
+//! apply policy per request, and forward each request over a verified TLS
+//! connection to the original destination with the client's server name.
+//!
+//! Bodies stream both ways; WebSocket upgrades are bridged; the gateway never
+//! dials a name from SNI or Host — only the original destination address.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use egress_certs::LeafResolver;
+use egress_policy::{Denied, Flow, Hostname, Protocol, Verdict};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+use crate::gateway::Shared;
+use crate::peek::strip_port;
+use crate::registry::Sandbox;
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+/// What happened on an intercepted flow.
+#[derive(Debug, Default)]
+pub(crate) struct Intercepted {
+    pub(crate) requests: u64,
+    /// The last request's Host.
+    pub(crate) host: Option<String>,
+    /// Why the flow ended badly, if it did (`tls_handshake`, `non_http`, …).
+    pub(crate) error: Option<String>,
+}
+
+/// One terminated client connection.
+struct Conn {
+    shared: Arc<Shared>,
+    sandbox: Arc<Sandbox>,
+    dst: SocketAddr,
+    sni: Option<Hostname>,
+    requests: AtomicU64,
+    host: Mutex<Option<String>>,
+    upstream: tokio::sync::Mutex<Option<Sender>>,
+}
+
+/// A connection to the origin.
+enum Sender {
+    H1(hyper::client::conn::http1::SendRequest<Body>),
+    H2(hyper::client::conn::http2::SendRequest<Body>),
+}
+
+/// Why a request could not be forwarded: the client gets a 502 saying so.
+#[derive(Debug, thiserror::Error)]
+enum UpstreamError {
+    #[error("cannot connect to {0}: {1}")]
+    Connect(SocketAddr, String),
+    #[error("upstream TLS failed for {name}: {reason}")]
+    Tls { name: String, reason: String },
+    #[error("upstream HTTP failed: {0}")]
+    Http(String),
+}
+
+/// Terminates `client` (whose first bytes were peeked and are replayed by it) and serves it.
+pub(crate) async fn intercept<S>(
+    shared: Arc<Shared>,
+    sandbox: Arc<Sandbox>,
+    dst: SocketAddr,
+    sni: Option<Hostname>,
+    client: S,
+) -> Intercepted
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(LeafResolver::new(
+            shared.minter.clone(),
+            Some(dst.ip()),
+        )));
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // No 0-RTT: early data could be replayed before policy sees the request.
+    config.max_early_data_size = 0;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let tls = match tokio::time::timeout(
+        shared.config.timeouts.tls_handshake,
+        acceptor.accept(client),
+    )
+    .await
+    {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => return failed(format!("tls_handshake: {e}")),
+        Err(_) => return failed("tls_handshake: timed out".into()),
+    };
+    let conn = Arc::new(Conn {
+        shared: shared.clone(),
+        sandbox,
+        dst,
+        sni,
+        requests: AtomicU64::new(0),
+        host: Mutex::new(None),
+        upstream: tokio::sync::Mutex::new(None),
+    });
+    let service_conn = conn.clone();
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let conn = service_conn.clone();
+        async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) }
+    });
+    let served = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+        .serve_connection_with_upgrades(TokioIo::new(tls), service)
+        .await;
+    let error = served.err().map(|e| {
+        let text = e.to_string();
+        // hyper answers bytes that are not HTTP with 400 and closes: the
+        // protocol the spec's exemptions exist for.
+        if text.contains("parse") || text.contains("invalid") || text.contains("malformed") {
+            format!("non_http: {text}")
+        } else {
+            text
+        }
+    });
+    let host = conn.host.lock().map(|h| h.clone()).unwrap_or_default();
+    Intercepted {
+        requests: conn.requests.load(Ordering::Relaxed),
+        host,
+        error,
+    }
+}
+
+fn failed(error: String) -> Intercepted {
+    Intercepted {
+        error: Some(error),
+        ..Intercepted::default()
+    }
+}
+
+// === impl Conn ===
+
+impl Conn {
+    async fn handle(&self, mut req: Request<Incoming>) -> Response<Body> {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let authority = req
+            .uri()
+            .authority()
+            .map(|a| a.as_str().to_owned())
+            .or_else(|| {
+                req.headers()
+                    .get(header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_owned)
+            });
+        let Some(authority) = authority else {
+            return text(StatusCode::BAD_REQUEST, "missing Host\n");
+        };
+        let host_str = strip_port(&authority).to_owned();
+        if let Ok(mut h) = self.host.lock() {
+            *h = Some(host_str.clone());
+        }
+        // An IP literal Host names no domain: the request is judged on the address.
+        let host = match host_str.parse::<IpAddr>() {
+            Ok(_) => None,
+            Err(_) => match Hostname::parse(&host_str) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    return text(
+                        StatusCode::BAD_REQUEST,
+                        &format!("invalid Host {host_str:?}: {e}\n"),
+                    )
+                }
+            },
+        };
+        let lookup = self.shared.cache.names_for(&self.sandbox.id, self.dst.ip());
+        let names = lookup.names();
+        let verdict = self.sandbox.policy.decide(&Flow {
+            dst: self.dst,
+            protocol: Protocol::Tls,
+            sni: self.sni.as_ref(),
+            host: host.as_ref(),
+            attributed: &names,
+            attribution_gap: lookup.gap(),
+        });
+        match verdict {
+            Verdict::Deny(Denied::Misdirected) => {
+                return text(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "Host does not match the TLS server name\n",
+                );
+            }
+            Verdict::Deny(_) => {
+                let reason = verdict.describe(&self.sandbox.policy);
+                return text(StatusCode::FORBIDDEN, &format!("egress denied: {reason}\n"));
+            }
+            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => {}
+        }
+        // The name the origin's certificate must carry.
+        let verify_as = match self.sni.as_ref().or(host.as_ref()) {
+            Some(n) => ServerName::try_from(n.as_str().to_owned()).ok(),
+            None => Some(ServerName::IpAddress(self.dst.ip().into())),
+        };
+        let Some(verify_as) = verify_as else {
+            return text(
+                StatusCode::BAD_GATEWAY,
+                "no name to verify the origin for\n",
+            );
+        };
+        if is_upgrade(&req) {
+            return self.upgrade(req, verify_as).await;
+        }
+        strip_hop_by_hop(req.headers_mut());
+        match self.forward(req, verify_as, &authority).await {
+            Ok(mut resp) => {
+                strip_hop_by_hop(resp.headers_mut());
+                resp.map(BodyExt::boxed)
+            }
+            Err(e) => text(StatusCode::BAD_GATEWAY, &format!("{e}\n")),
+        }
+    }
+
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        verify_as: ServerName<'static>,
+        authority: &str,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let mut guard = self.upstream.lock().await;
+        let reusable = match guard.as_ref() {
+            Some(Sender::H2(s)) => !s.is_closed(),
+            Some(Sender::H1(s)) => s.is_ready(),
+            None => false,
+        };
+        if !reusable {
+            *guard = Some(self.connect(verify_as, true).await?);
+        }
+        let (parts, body) = req.into_parts();
+        let mut out = Request::from_parts(parts, body.boxed());
+        match guard.as_mut() {
+            Some(Sender::H2(s)) => {
+                let mut s = s.clone();
+                drop(guard);
+                *out.uri_mut() = absolute(out.uri(), authority);
+                out.headers_mut().remove(header::HOST);
+                s.send_request(out)
+                    .await
+                    .map_err(|e| UpstreamError::Http(e.to_string()))
+            }
+            Some(Sender::H1(s)) => {
+                *out.uri_mut() = origin_form(out.uri());
+                if !out.headers().contains_key(header::HOST) {
+                    if let Ok(v) = HeaderValue::from_str(authority) {
+                        out.headers_mut().insert(header::HOST, v);
+                    }
+                }
+                *out.version_mut() = http::Version::HTTP_11;
+                // HTTP/1.1 carries one request at a time: the next request
+                // waits for this one's headers, then uses a fresh connection
+                // if this one is still busy with a body.
+                let fut = s.send_request(out);
+                drop(guard);
+                fut.await.map_err(|e| UpstreamError::Http(e.to_string()))
+            }
+            None => Err(UpstreamError::Http("no upstream connection".into())),
+        }
+    }
+
+    /// Bridges an HTTP/1.1 upgrade (WebSocket) over a fresh HTTP/1.1 connection.
+    async fn upgrade(
+        &self,
+        mut req: Request<Incoming>,
+        verify_as: ServerName<'static>,
+    ) -> Response<Body> {
+        let client_side = hyper::upgrade::on(&mut req);
+        let Ok(Sender::H1(mut sender)) = self.connect(verify_as, false).await else {
+            return text(
+                StatusCode::BAD_GATEWAY,
+                "cannot reach the origin for the upgrade\n",
+            );
+        };
+        let (parts, body) = req.into_parts();
+        let mut out = Request::from_parts(parts, body.boxed());
+        *out.uri_mut() = origin_form(out.uri());
+        let mut resp = match sender.send_request(out).await {
+            Ok(r) => r,
+            Err(e) => {
+                return text(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("upstream HTTP failed: {e}\n"),
+                )
+            }
+        };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            let origin_side = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                if let (Ok(c), Ok(o)) = (client_side.await, origin_side.await) {
+                    let (mut c, mut o) = (TokioIo::new(c), TokioIo::new(o));
+                    let _ = tokio::io::copy_bidirectional(&mut c, &mut o).await;
+                }
+            });
+        }
+        resp.map(BodyExt::boxed)
+    }
+
+    /// Opens a verified TLS connection to the original destination.
+    async fn connect(
+        &self,
+        verify_as: ServerName<'static>,
+        allow_h2: bool,
+    ) -> Result<Sender, UpstreamError> {
+        let timeouts = &self.shared.config.timeouts;
+        let tcp = tokio::time::timeout(timeouts.connect, TcpStream::connect(self.dst))
+            .await
+            .map_err(|_| UpstreamError::Connect(self.dst, "timed out".into()))?
+            .map_err(|e| UpstreamError::Connect(self.dst, e.to_string()))?;
+        let _ = tcp.set_nodelay(true);
+        let config = if allow_h2 {
+            self.shared.upstream_tls.clone()
+        } else {
+            self.shared.upstream_tls_h1.clone()
+        };
+        let name = server_name_text(&verify_as);
+        let tls = tokio::time::timeout(
+            timeouts.tls_handshake,
+            tokio_rustls::TlsConnector::from(config).connect(verify_as, tcp),
+        )
+        .await
+        .map_err(|_| UpstreamError::Tls {
+            name: name.clone(),
+            reason: "handshake timed out".into(),
+        })?
+        .map_err(|e| UpstreamError::Tls {
+            name: name.clone(),
+            reason: e.to_string(),
+        })?;
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        let io = TokioIo::new(tls);
+        if h2 {
+            let (sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+                .await
+                .map_err(|e| UpstreamError::Http(e.to_string()))?;
+            tokio::spawn(conn);
+            Ok(Sender::H2(sender))
+        } else {
+            let (sender, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| UpstreamError::Http(e.to_string()))?;
+            tokio::spawn(conn.with_upgrades());
+            Ok(Sender::H1(sender))
+        }
+    }
+}
+
+fn server_name_text(n: &ServerName<'_>) -> String {
+    match n {
+        ServerName::DnsName(d) => d.as_ref().to_owned(),
+        ServerName::IpAddress(ip) => IpAddr::from(*ip).to_string(),
+        _ => "?".into(),
+    }
+}
+
+fn is_upgrade(req: &Request<Incoming>) -> bool {
+    req.version() == http::Version::HTTP_11 && req.headers().contains_key(header::UPGRADE)
+}
+
+/// Connection-specific headers never cross a proxy (RFC 9110 §7.6.1).
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in [
+        header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(n);
+    }
+}
+
+fn origin_form(uri: &Uri) -> Uri {
+    uri.path_and_query()
+        .map_or_else(|| Uri::from_static("/"), |pq| Uri::from(pq.clone()))
+}
+
+fn absolute(uri: &Uri, authority: &str) -> Uri {
+    let pq = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    format!("https://{authority}{pq}")
+        .parse()
+        .unwrap_or_else(|_| origin_form(uri))
+}
+
+fn text(status: StatusCode, body: &str) -> Response<Body> {
+    let mut resp = Response::new(
+        Full::new(Bytes::from(body.to_owned()))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}

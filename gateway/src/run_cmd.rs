@@ -1,0 +1,89 @@
+//! `egress-gateway run`: start, say where everything is, serve until a signal.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::flowlog::FlowLog;
+use crate::{Gateway, SoOriginalDst};
+
+pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+
+    let config = match config_path {
+        Some(p) => Config::load(p),
+        None => Ok(Config::default()),
+    };
+    let config = match config {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("egress-gateway: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("egress-gateway: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let flow_log = match FlowLog::open(&config.log.flow_log) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("egress-gateway: log.flow_log: {}: {e}", config.log.flow_log);
+                return ExitCode::FAILURE;
+            }
+        };
+        if config.dns.upstreams.is_empty() {
+            tracing::warn!("dns.upstreams is empty: every DNS query will be answered SERVFAIL");
+        }
+        let gateway = match Gateway::start(config, Arc::new(SoOriginalDst), flow_log).await {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("egress-gateway: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let b = gateway.bound();
+        let ca = &gateway.shared().minter.ca().paths().cert;
+        tracing::info!("transparent TCP on {}, DNS for 8.8.8.8 on {} and for 1.1.1.1 on {} (UDP and TCP), admin on http://{}/healthz", b.transparent, b.dns, b.dns_alt, b.admin);
+        tracing::info!("sandboxes must trust the interception CA {}", ca.display());
+        tracing::info!(
+            "redirect a sandbox interface IFACE with nftables: tcp -> :{}, udp/tcp 53 to 8.8.8.8 -> :{}, to 1.1.1.1 -> :{}; drop other udp",
+            b.transparent.port(),
+            b.dns.port(),
+            b.dns_alt.port()
+        );
+        tracing::info!("no sandboxes are registered yet: every flow is denied until policies are pushed");
+        gateway.run_until(shutdown_signal()).await;
+        tracing::info!("stopped");
+        ExitCode::SUCCESS
+    })
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}
