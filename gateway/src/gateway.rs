@@ -134,32 +134,9 @@ impl Gateway {
                 .await
                 .map_err(|source| StartError::Bind { what, addr, source })
         };
-        let bind_udp = |what, addr| async move {
-            UdpSocket::bind(addr)
-                .await
-                .map_err(|source| StartError::Bind { what, addr, source })
-        };
         let transparent = bind_tcp("listen.transparent", config.listen.transparent).await?;
-        let dns_udp = bind_udp("listen.dns", config.listen.dns).await?;
-        let dns_tcp = bind_tcp(
-            "listen.dns",
-            dns_udp.local_addr().map_err(|source| StartError::Bind {
-                what: "listen.dns",
-                addr: config.listen.dns,
-                source,
-            })?,
-        )
-        .await?;
-        let alt_udp = bind_udp("listen.dns_alt", config.listen.dns_alt).await?;
-        let alt_tcp = bind_tcp(
-            "listen.dns_alt",
-            alt_udp.local_addr().map_err(|source| StartError::Bind {
-                what: "listen.dns_alt",
-                addr: config.listen.dns_alt,
-                source,
-            })?,
-        )
-        .await?;
+        let (dns_udp, dns_tcp) = bind_dns("listen.dns", config.listen.dns).await?;
+        let (alt_udp, alt_tcp) = bind_dns("listen.dns_alt", config.listen.dns_alt).await?;
         let admin = bind_tcp("listen.admin", config.listen.admin).await?;
         let local = |l: io::Result<SocketAddr>, what, addr| {
             l.map_err(|source| StartError::Bind { what, addr, source })
@@ -249,6 +226,28 @@ impl Gateway {
         self.shared.ready.store(false, Ordering::Release);
         self.tasks.shutdown().await;
     }
+}
+
+/// A UDP socket and a TCP listener on the same address. With port 0 the
+/// kernel picks the UDP port, which TCP may already use: try a few.
+async fn bind_dns(
+    what: &'static str,
+    addr: SocketAddr,
+) -> Result<(UdpSocket, TcpListener), StartError> {
+    let err = |source| StartError::Bind { what, addr, source };
+    let mut last = None;
+    for _ in 0..16 {
+        let udp = UdpSocket::bind(addr).await.map_err(err)?;
+        let local = udp.local_addr().map_err(err)?;
+        match TcpListener::bind(local).await {
+            Ok(tcp) => return Ok((udp, tcp)),
+            Err(e) if addr.port() == 0 && e.kind() == io::ErrorKind::AddrInUse => last = Some(e),
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Err(err(last.unwrap_or_else(|| {
+        io::Error::from(io::ErrorKind::AddrInUse)
+    })))
 }
 
 /// Trusted roots for origins: the built-in web roots plus `tls.extra_upstream_roots`.

@@ -1,0 +1,600 @@
+//! Builds a gateway with test origins, a scripted DNS upstream and sandbox clients.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dns_attrib::SandboxId;
+use egress_gateway::config::Config;
+use egress_gateway::flowlog::FlowLog;
+use egress_gateway::{Gateway, OriginalDst};
+use egress_policy::Policy;
+use hickory_proto::op::{Message, MessageType, Metadata, OpCode, Query, ResponseCode};
+use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::{Name, RData, Record, RecordType};
+use hickory_server::net::runtime::Time;
+use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
+use hickory_server::zone_handler::MessageResponseBuilder;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket};
+
+pub const SANDBOX_A: &str = "127.0.0.2";
+pub const SANDBOX_B: &str = "127.0.0.3";
+pub const STRANGER: &str = "127.0.0.9";
+
+/// Origins live on their own loopback addresses, so attribution (by IP) tells them apart.
+pub const API_IP: &str = "127.0.0.10";
+pub const RELAY_IP: &str = "127.0.0.11";
+pub const WRONG_CERT_IP: &str = "127.0.0.12";
+pub const TURN_IP: &str = "127.0.0.13";
+pub const PLAIN_IP: &str = "127.0.0.14";
+pub const H1_ONLY_IP: &str = "127.0.0.15";
+
+// === the test CA for origins ===
+
+pub struct OriginCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pub cert_pem: String,
+}
+
+impl OriginCa {
+    pub fn new() -> Self {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::default();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "test origin CA");
+        let cert = params.self_signed(&key).expect("CA");
+        Self {
+            cert_pem: cert.pem(),
+            issuer: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    /// A server config for `names`, offering `alpn`.
+    pub fn server(&self, names: &[&str], alpn: &[&[u8]]) -> Arc<rustls::ServerConfig> {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let params =
+            rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .expect("params");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf");
+        let mut c = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            )
+            .expect("server config");
+        c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(c)
+    }
+}
+
+// === origins ===
+
+/// An HTTPS origin (HTTP/1.1 and HTTP/2) answering `origin=<label> <method> <path> host=<host>`,
+/// `/bytes/N` with N bytes, and echoing POST bodies.
+pub async fn https_origin(
+    ip: &str,
+    config: Arc<rustls::ServerConfig>,
+    label: &'static str,
+) -> SocketAddr {
+    let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
+        .await
+        .expect("bind origin");
+    let addr = listener.local_addr().expect("addr");
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| async move {
+                        Ok::<_, std::convert::Infallible>(respond(req, label).await)
+                    },
+                );
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection_with_upgrades(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// A plain HTTP origin with the same answers.
+pub async fn http_origin(ip: &str, label: &'static str) -> SocketAddr {
+    let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| async move {
+                        Ok::<_, std::convert::Infallible>(respond(req, label).await)
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+async fn respond(
+    mut req: hyper::Request<hyper::body::Incoming>,
+    label: &str,
+) -> hyper::Response<Full<Bytes>> {
+    let path = req.uri().path().to_owned();
+    if req.headers().contains_key(hyper::header::UPGRADE) {
+        let on = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            if let Ok(up) = on.await {
+                let mut io = TokioIo::new(up);
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = io.read(&mut buf).await {
+                    if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        return hyper::Response::builder()
+            .status(101)
+            .header("connection", "upgrade")
+            .header("upgrade", "echo")
+            .body(Full::new(Bytes::new()))
+            .expect("response");
+    }
+    if let Some(n) = path
+        .strip_prefix("/bytes/")
+        .and_then(|n| n.parse::<usize>().ok())
+    {
+        return hyper::Response::new(Full::new(Bytes::from(vec![b'x'; n])));
+    }
+    let host = req
+        .headers()
+        .get("host")
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| req.uri().authority().map(|a| a.to_string()))
+        .unwrap_or_default();
+    let method = req.method().to_string();
+    let version = format!("{:?}", req.version());
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let text = format!(
+        "origin={label} {method} {path} host={host} version={version} body={}",
+        String::from_utf8_lossy(&body)
+    );
+    hyper::Response::new(Full::new(Bytes::from(text)))
+}
+
+/// A TLS service speaking a line protocol, not HTTP: `PING` → `PONG`.
+pub async fn turn_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketAddr {
+    let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = [0u8; 5];
+                if tls.read_exact(&mut buf).await.is_ok() && &buf == b"PING\n" {
+                    let _ = tls.write_all(b"PONG\n").await;
+                    let _ = tls.shutdown().await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+// === DNS upstream ===
+
+struct Zone(HashMap<String, (Ipv4Addr, u32)>);
+
+#[async_trait::async_trait]
+impl RequestHandler for Zone {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        mut handle: R,
+    ) -> ResponseInfo {
+        let mut metadata = Metadata::response_from_request(&request.metadata);
+        let q = request
+            .queries
+            .queries()
+            .first()
+            .map(|q| q.name().to_string())
+            .unwrap_or_default();
+        let key = q.trim_end_matches('.').to_ascii_lowercase();
+        let records: Vec<Record> = match self.0.get(&key) {
+            Some((ip, ttl)) => vec![Record::from_rdata(
+                Name::from_ascii(&q).expect("name"),
+                *ttl,
+                RData::A(A(*ip)),
+            )],
+            None => {
+                metadata.response_code = ResponseCode::NXDomain;
+                vec![]
+            }
+        };
+        let response = MessageResponseBuilder::from_message_request(request).build(
+            metadata,
+            records.iter(),
+            [],
+            [],
+            [],
+        );
+        handle.send_response(response).await.expect("answer")
+    }
+}
+
+async fn dns_upstream(zone: HashMap<String, (Ipv4Addr, u32)>) -> SocketAddr {
+    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let addr = udp.local_addr().expect("addr");
+    let mut server = hickory_server::Server::new(Zone(zone));
+    server.register_socket(udp);
+    tokio::spawn(async move {
+        let _ = server.block_until_done().await;
+    });
+    addr
+}
+
+// === original destinations ===
+
+/// The test's stand-in for `SO_ORIGINAL_DST`: clients register where they meant to go.
+#[derive(Default)]
+pub struct Redirects(Mutex<HashMap<SocketAddr, SocketAddr>>);
+
+impl OriginalDst for Redirects {
+    fn original_dst(&self, stream: &TcpStream) -> std::io::Result<SocketAddr> {
+        let peer = stream.peer_addr()?;
+        self.0
+            .lock()
+            .expect("lock")
+            .get(&peer)
+            .copied()
+            .ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no redirect recorded")
+            })
+    }
+}
+
+// === the flow log ===
+
+#[derive(Clone, Default)]
+pub struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        std::io::Write::write(&mut *self.0.lock().expect("lock"), buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    pub fn records(&self) -> Vec<serde_json::Value> {
+        let bytes = self.0.lock().expect("lock").clone();
+        String::from_utf8(bytes)
+            .expect("utf-8")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect()
+    }
+}
+
+// === the whole setup ===
+
+pub struct Origins {
+    pub api: SocketAddr,
+    pub relay: SocketAddr,
+    pub wrong_cert: SocketAddr,
+    pub turn: SocketAddr,
+    pub plain: SocketAddr,
+    pub h1_only: SocketAddr,
+}
+
+pub struct Env {
+    pub gateway: Gateway,
+    pub redirects: Arc<Redirects>,
+    pub origins: Origins,
+    pub origin_ca: OriginCa,
+    pub flows: Lines,
+    _dir: tempfile::TempDir,
+}
+
+pub struct Options {
+    pub min_ttl: &'static str,
+    pub max_ttl: &'static str,
+    pub peek: &'static str,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            min_ttl: "30s",
+            max_ttl: "1h",
+            peek: "2s",
+        }
+    }
+}
+
+pub async fn env(opts: Options) -> Env {
+    let ca = OriginCa::new();
+    let both: &[&[u8]] = &[b"h2", b"http/1.1"];
+    let origins = Origins {
+        api: https_origin(
+            API_IP,
+            ca.server(&["api.example.test", "alias.example.test"], both),
+            "api",
+        )
+        .await,
+        relay: https_origin(
+            RELAY_IP,
+            ca.server(&["a.relay.example.test", "relay.example.test"], both),
+            "relay",
+        )
+        .await,
+        wrong_cert: https_origin(
+            WRONG_CERT_IP,
+            ca.server(&["other.example.test"], both),
+            "wrong",
+        )
+        .await,
+        turn: turn_origin(TURN_IP, ca.server(&["turn.example.test"], &[])).await,
+        plain: http_origin(PLAIN_IP, "plain").await,
+        h1_only: https_origin(
+            H1_ONLY_IP,
+            ca.server(&["h1.example.test"], &[b"http/1.1"]),
+            "h1",
+        )
+        .await,
+    };
+    let ip = |s: &str| s.parse::<Ipv4Addr>().expect("ip");
+    let zone: HashMap<String, (Ipv4Addr, u32)> = [
+        ("api.example.test", (ip(API_IP), 300)),
+        ("alias.example.test", (ip(API_IP), 300)),
+        ("a.relay.example.test", (ip(RELAY_IP), 300)),
+        ("relay.example.test", (ip(RELAY_IP), 300)),
+        ("other.example.test", (ip(WRONG_CERT_IP), 300)),
+        ("turn.example.test", (ip(TURN_IP), 300)),
+        ("plain.example.test", (ip(PLAIN_IP), 300)),
+        ("h1.example.test", (ip(H1_ONLY_IP), 300)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    let dns = dns_upstream(zone).await;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let roots = dir.path().join("origin-ca.pem");
+    std::fs::write(&roots, &ca.cert_pem).expect("write roots");
+    let toml = format!(
+        r#"
+        state_dir = "{state}"
+        [listen]
+        transparent = "127.0.0.1:0"
+        dns = "127.0.0.1:0"
+        dns_alt = "127.0.0.1:0"
+        admin = "127.0.0.1:0"
+        [dns]
+        upstreams = ["{dns}"]
+        min_ttl = "{min_ttl}"
+        max_ttl = "{max_ttl}"
+        [tls]
+        extra_upstream_roots = ["{roots}"]
+        [policy]
+        platform_deny = [{{cidr = "169.254.0.0/16"}}, {{cidr = "10.0.0.0/8"}}]
+        [timeouts]
+        peek = "{peek}"
+        connect = "2s"
+        tls_handshake = "2s"
+        idle = "10s"
+        "#,
+        state = dir.path().join("state").display(),
+        roots = roots.display(),
+        min_ttl = opts.min_ttl,
+        max_ttl = opts.max_ttl,
+        peek = opts.peek,
+    );
+    let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
+    let redirects = Arc::new(Redirects::default());
+    let flows = Lines::default();
+    let gateway = Gateway::start(
+        config,
+        redirects.clone(),
+        FlowLog::to_writer(Box::new(flows.clone())),
+    )
+    .await
+    .expect("gateway starts");
+    Env {
+        gateway,
+        redirects,
+        origins,
+        origin_ca: ca,
+        flows,
+        _dir: dir,
+    }
+}
+
+pub fn policy(json: &str) -> Policy {
+    Policy::from_json(json).expect(json)
+}
+
+impl Env {
+    /// Registers sandbox `id` on `addr` with `policy`.
+    pub fn sandbox(&self, id: &str, addr: &str, policy: Policy) {
+        self.gateway
+            .registry()
+            .put(SandboxId::new(id), vec![addr.parse().expect("ip")], policy)
+            .expect("put");
+    }
+
+    /// Resolves `name` from `src` through the gateway's DNS listener.
+    pub async fn resolve(&self, src: &str, name: &str) -> Message {
+        let s = UdpSocket::bind((src.parse::<IpAddr>().expect("ip"), 0))
+            .await
+            .expect("bind");
+        let mut q = Message::new(7, MessageType::Query, OpCode::Query);
+        q.add_query(Query::query(
+            Name::from_ascii(name).expect("name"),
+            RecordType::A,
+        ));
+        s.send_to(&q.to_vec().expect("encode"), self.gateway.bound().dns)
+            .await
+            .expect("send");
+        let mut buf = vec![0u8; 4096];
+        let (n, _) = tokio::time::timeout(Duration::from_secs(3), s.recv_from(&mut buf))
+            .await
+            .expect("answer")
+            .expect("recv");
+        Message::from_vec(&buf[..n]).expect("parses")
+    }
+
+    /// A TCP connection from `src` "to" `dst`, as the redirect would deliver it.
+    pub async fn connect(&self, src: &str, dst: SocketAddr) -> TcpStream {
+        let sock = TcpSocket::new_v4().expect("socket");
+        sock.bind((src.parse::<IpAddr>().expect("ip"), 0).into())
+            .expect("bind");
+        let local = sock.local_addr().expect("local");
+        self.redirects.0.lock().expect("lock").insert(local, dst);
+        let s = sock
+            .connect(self.gateway.bound().transparent)
+            .await
+            .expect("connect");
+        s.set_nodelay(true).expect("nodelay");
+        s
+    }
+
+    /// A client TLS config trusting both the gateway CA and the origin CA.
+    pub fn client_tls(&self, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(self.gateway.shared().minter.ca().cert_der().clone())
+            .expect("gateway CA");
+        for c in CertificateDer::pem_slice_iter(self.origin_ca.cert_pem.as_bytes()) {
+            roots.add(c.expect("pem")).expect("origin CA");
+        }
+        let mut c = rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(c)
+    }
+
+    /// TLS from `src` to `dst` with `sni`: the stream and whether the gateway
+    /// (rather than the origin) presented the certificate.
+    pub async fn tls(
+        &self,
+        src: &str,
+        dst: SocketAddr,
+        sni: &str,
+        alpn: &[&[u8]],
+    ) -> std::io::Result<(tokio_rustls::client::TlsStream<TcpStream>, bool)> {
+        let tcp = self.connect(src, dst).await;
+        let name = ServerName::try_from(sni.to_owned()).expect("server name");
+        let tls = tokio_rustls::TlsConnector::from(self.client_tls(alpn))
+            .connect(name, tcp)
+            .await?;
+        let leaf = tls.get_ref().1.peer_certificates().expect("certificates")[0].clone();
+        let minted = issued_by_gateway(&leaf);
+        Ok((tls, minted))
+    }
+
+    /// The flow log once it holds `n` lines (a flow's line is written when it ends).
+    pub async fn flow_lines(&self, n: usize) -> Vec<serde_json::Value> {
+        for _ in 0..100 {
+            let lines = self.flows.records();
+            if lines.len() >= n {
+                return lines;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "the flow log has {} lines, not {n}: {:?}",
+            self.flows.records().len(),
+            self.flows.records()
+        );
+    }
+}
+
+/// Whether `leaf` was issued by the gateway's CA (its issuer name is in the DER).
+fn issued_by_gateway(leaf: &CertificateDer<'_>) -> bool {
+    let needle = b"egress-gateway interception CA";
+    leaf.as_ref().windows(needle.len()).any(|w| w == needle)
+}
+
+/// Sends one HTTP request over `io` (HTTP/2 when negotiated) and returns status and body.
+pub async fn http_get<S>(io: S, h2: bool, host: &str, path: &str) -> Result<(u16, String), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let req = hyper::Request::builder()
+        .uri(if h2 {
+            format!("https://{host}{path}")
+        } else {
+            path.to_owned()
+        })
+        .header("host", host)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = if h2 {
+        let (mut s, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(io))
+                .await
+                .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        s.send_request(req).await.map_err(|e| e.to_string())?
+    } else {
+        let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        s.send_request(req).await.map_err(|e| e.to_string())?
+    };
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Whether the gateway closed `s` without a byte (reset or close).
+pub async fn closed_without_data(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 16];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf)).await,
+        Ok(Ok(0)) | Ok(Err(_))
+    )
+}

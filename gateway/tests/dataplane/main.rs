@@ -1,0 +1,6 @@
+#![allow(unreachable_pub)] // a test binary: `pub` only shares the harness between its modules
+//! The dataplane in-process on loopback: real sockets, real TLS handshakes,
+//! a hickory-server upstream, origins with certificates from a test CA.
+
+mod harness;
+mod verdicts;

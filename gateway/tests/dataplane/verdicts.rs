@@ -1,0 +1,572 @@
+//! Each verdict, seen from a sandbox.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::*;
+
+const H1: &[&[u8]] = &[b"http/1.1"];
+const H2: &[&[u8]] = &[b"h2"];
+
+#[tokio::test]
+async fn ip_allow_with_interception_off_splices_and_the_client_sees_the_origin() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(&format!(r#"{{"allow": [{{"ip": "{API_IP}"}}]}}"#)),
+    );
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(!minted, "spliced: the origin's own certificate");
+    let (status, body) = http_get(tls, false, "api.example.test", "/hello")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    assert!(body.starts_with("origin=api GET /hello"), "{body}");
+}
+
+#[tokio::test]
+async fn cidr_allow_with_interception_on_terminates_http1_and_http2() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"cidr": "127.0.0.0/24"}], "tls_interception": "on"}"#),
+    );
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "terminated: a minted leaf");
+    let (status, body) = http_get(tls, false, "api.example.test", "/one")
+        .await
+        .expect("request");
+    assert_eq!(
+        (
+            status,
+            body.starts_with("origin=api GET /one host=api.example.test")
+        ),
+        (200, true),
+        "{body}"
+    );
+
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H2)
+        .await
+        .expect("handshake");
+    assert!(minted);
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (status, body) = http_get(tls, true, "api.example.test", "/two")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    assert!(body.contains("GET /two"), "{body}");
+
+    // An HTTP/2 client in front of an HTTP/1.1-only origin.
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", H2)
+        .await
+        .expect("handshake");
+    let (status, body) = http_get(tls, true, "h1.example.test", "/three")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("origin=h1 GET /three host=h1.example.test version=HTTP/1.1"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn domain_allow_via_attribution_or_via_sni_verified_upstream() {
+    let e = env(Options::default()).await;
+    e.sandbox("a", SANDBOX_A, policy(r#"{"allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}], "tls_interception": "on"}"#));
+    // No DNS seen: the SNI claim stands because the origin's certificate verifies for it.
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted);
+    let (status, _) = http_get(tls, false, "api.example.test", "/")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    // With DNS through the reserved resolver the address is attributed.
+    let answer = e.resolve(SANDBOX_A, "api.example.test.").await;
+    assert_eq!(answer.answers.len(), 1);
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let (status, _) = http_get(tls, false, "api.example.test", "/")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    let lines = e.flow_lines(2).await;
+    assert_eq!(lines[0]["attributed"], json!([]));
+    assert_eq!(lines[0]["reason"], json!("needs_verification"));
+    let last = &lines[1];
+    assert_eq!(last["attributed"], json!(["api.example.test"]));
+    assert_eq!(last["verdict"], json!("intercept"));
+}
+
+#[tokio::test]
+async fn domain_allow_without_interception_needs_dns() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}]}"#),
+    );
+    assert!(
+        e.tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+            .await
+            .is_err(),
+        "SNI alone is no attribution"
+    );
+    e.resolve(SANDBOX_A, "api.example.test.").await;
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("spliced after DNS");
+    assert!(!minted);
+    // Sandbox B resolved nothing: A's attribution is not B's.
+    e.sandbox(
+        "b",
+        SANDBOX_B,
+        policy(r#"{"allow": [{"domain": "api.example.test"}]}"#),
+    );
+    assert!(e
+        .tls(SANDBOX_B, e.origins.api, "api.example.test", H1)
+        .await
+        .is_err());
+    let mut reasons: Vec<_> = e
+        .flow_lines(3)
+        .await
+        .iter()
+        .map(|l| l["reason"].clone())
+        .collect();
+    reasons.sort_by_key(ToString::to_string);
+    assert_eq!(
+        reasons,
+        [
+            json!("interception_off"),
+            json!("no_dns_seen"),
+            json!("no_dns_seen")
+        ]
+    );
+}
+
+#[tokio::test]
+async fn denies_beat_allows_and_exemptions_and_strangers_are_refused() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(&format!(
+            r#"{{"default": "allow", "deny": [{{"domain": "api.example.test"}}, {{"ip": "{RELAY_IP}"}}], "tls_interception": "on",
+                "tls_interception_exemptions": [{{"cidr": "127.0.0.0/8"}}]}}"#
+        )),
+    );
+    assert!(
+        e.tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+            .await
+            .is_err(),
+        "domain deny by SNI"
+    );
+    assert!(
+        e.tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+            .await
+            .is_err(),
+        "ip deny"
+    );
+    let mut stranger = e.connect(STRANGER, e.origins.api).await;
+    assert!(
+        closed_without_data(&mut stranger).await,
+        "unknown source: reset"
+    );
+    let lines = e.flow_lines(3).await;
+    let reasons: Vec<_> = lines
+        .iter()
+        .map(|l| l["reason"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(reasons, ["tenant_deny", "tenant_deny", "unknown_sandbox"]);
+}
+
+#[tokio::test]
+async fn platform_deny_answers_plain_http_with_403() {
+    let e = env(Options::default()).await;
+    e.sandbox("a", SANDBOX_A, policy(r#"{"default": "allow"}"#));
+    let s = e
+        .connect(SANDBOX_A, "169.254.169.254:80".parse().expect("addr"))
+        .await;
+    let (status, body) = http_get(s, false, "metadata", "/latest/meta-data")
+        .await
+        .expect("an answer");
+    assert_eq!(status, 403);
+    assert!(
+        body.contains("platform deny: cidr 169.254.0.0/16"),
+        "{body}"
+    );
+    let line = e.flow_lines(1).await.pop().expect("line");
+    assert_eq!(
+        (line["verdict"].clone(), line["reason"].clone()),
+        (json!("deny"), json!("platform_deny"))
+    );
+}
+
+#[tokio::test]
+async fn hostname_exemption_splices_only_with_attribution_and_consistent_sni() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on", "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}]}"#),
+    );
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "SNI alone does not exempt");
+    e.resolve(SANDBOX_A, "a.relay.example.test.").await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(!minted, "exempt after DNS: the origin's certificate");
+    let (status, body) = http_get(tls, false, "a.relay.example.test", "/x")
+        .await
+        .expect("request");
+    assert_eq!((status, body.starts_with("origin=relay")), (200, true));
+    // The apex is not covered by the wildcard, even when attributed.
+    e.resolve(SANDBOX_A, "relay.example.test.").await;
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "an SNI that is no exempt name terminates");
+    let mut reasons: Vec<_> = e
+        .flow_lines(3)
+        .await
+        .iter()
+        .map(|l| l["reason"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    reasons.sort();
+    assert_eq!(reasons, ["exempt", "no_dns_seen", "sni_mismatch"]);
+}
+
+#[tokio::test]
+async fn expired_attribution_terminates_instead() {
+    let e = env(Options {
+        min_ttl: "1s",
+        max_ttl: "1s",
+        ..Options::default()
+    })
+    .await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on", "tls_interception_exemptions": [{"domain": "a.relay.example.test"}]}"#),
+    );
+    e.resolve(SANDBOX_A, "a.relay.example.test.").await;
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(!minted);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "expired: terminated");
+    let lines = e.flow_lines(2).await;
+    assert!(
+        lines.iter().any(|l| l["reason"] == json!("expired")),
+        "{lines:?}"
+    );
+}
+
+#[tokio::test]
+async fn ip_and_cidr_exemptions_splice_without_dns() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(&format!(
+            r#"{{"default": "allow", "tls_interception": "on", "tls_interception_exemptions": [{{"ip": "{API_IP}"}}, {{"cidr": "127.0.0.8/29"}}]}}"#
+        )),
+    );
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(!minted);
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(!minted, "{RELAY_IP} is in 127.0.0.8/29");
+}
+
+#[tokio::test]
+async fn host_sni_mismatch_is_421_and_a_wrong_origin_certificate_is_502() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let (status, _) = http_get(tls, false, "alias.example.test", "/")
+        .await
+        .expect("answer");
+    assert_eq!(status, 421);
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.wrong_cert, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let (status, body) = http_get(tls, false, "api.example.test", "/")
+        .await
+        .expect("answer");
+    assert_eq!(status, 502);
+    assert!(
+        body.contains("upstream TLS failed for api.example.test"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn a_non_http_tls_protocol_fails_intercepted_and_works_exempted() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let (mut tls, minted) = e
+        .tls(SANDBOX_A, e.origins.turn, "turn.example.test", &[])
+        .await
+        .expect("handshake");
+    assert!(minted);
+    tls.write_all_ignored(b"PING\n").await;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(3), tls.read_to_end_ignored(&mut got)).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(!text.contains("PONG"), "{text}");
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 400"),
+        "{text}"
+    );
+
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on", "tls_interception_exemptions": [{"domain": "turn.example.test"}]}"#),
+    );
+    e.resolve(SANDBOX_A, "turn.example.test.").await;
+    let (mut tls, minted) = e
+        .tls(SANDBOX_A, e.origins.turn, "turn.example.test", &[])
+        .await
+        .expect("handshake");
+    assert!(!minted);
+    tls.write_all_ignored(b"PING\n").await;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(3), tls.read_to_end_ignored(&mut got)).await;
+    assert_eq!(got, b"PONG\n");
+    drop(tls);
+    let lines = e.flow_lines(2).await;
+    assert!(
+        lines.iter().any(|l| l["verdict"] == json!("intercept")
+            && l["error"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("non_http"))),
+        "{lines:?}"
+    );
+}
+
+#[tokio::test]
+async fn plain_http_needs_its_host_attributed() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "plain.example.test"}, {"ip": "8.8.8.8"}]}"#),
+    );
+    let s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let (status, body) = http_get(s, false, "plain.example.test", "/")
+        .await
+        .expect("answer");
+    assert_eq!(status, 403, "{body}");
+    e.resolve(SANDBOX_A, "plain.example.test.").await;
+    let s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let (status, body) = http_get(s, false, "plain.example.test", "/p")
+        .await
+        .expect("answer");
+    assert_eq!(status, 200);
+    assert!(
+        body.starts_with("origin=plain GET /p host=plain.example.test"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn fragmented_and_one_byte_client_hellos_and_silent_clients() {
+    let e = env(Options {
+        peek: "500ms",
+        ..Options::default()
+    })
+    .await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let tcp = e.connect(SANDBOX_A, e.origins.api).await;
+    let name = rustls::pki_types::ServerName::try_from("api.example.test").expect("name");
+    let tls = tokio_rustls::TlsConnector::from(e.client_tls(H1))
+        .connect(name, OneByte(tcp))
+        .await
+        .expect("handshake over 1-byte writes");
+    let (status, _) = http_get(tls, false, "api.example.test", "/")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    let mut silent = e.connect(SANDBOX_A, e.origins.api).await;
+    assert!(
+        closed_without_data(&mut silent).await,
+        "dropped at the peek timeout"
+    );
+    let lines = e.flow_lines(2).await;
+    assert!(
+        lines.iter().any(|l| l["reason"] == json!("peek_timeout")),
+        "{lines:?}"
+    );
+}
+
+#[tokio::test]
+async fn websocket_upgrade_is_bridged_through_interception() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    tls.write_all_ignored(b"GET /ws HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n").await;
+    let mut head = vec![0u8; 0];
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        tokio::io::AsyncReadExt::read_exact(&mut tls, &mut byte)
+            .await
+            .expect("head");
+        head.push(byte[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    tls.write_all_ignored(b"ping over the bridge").await;
+    let mut echo = [0u8; 20];
+    tokio::io::AsyncReadExt::read_exact(&mut tls, &mut echo)
+        .await
+        .expect("echo");
+    assert_eq!(&echo, b"ping over the bridge");
+}
+
+#[tokio::test]
+async fn the_flow_log_has_a_line_per_flow_with_its_facts() {
+    let e = env(Options::default()).await;
+    e.sandbox("a", SANDBOX_A, policy(r#"{"allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}], "tls_interception": "on"}"#));
+    e.resolve(SANDBOX_A, "api.example.test.").await;
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let (status, _) = http_get(tls, false, "api.example.test", "/bytes/5000")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    let line = e.flow_lines(1).await.pop().expect("line");
+    assert_eq!(line["sandbox"], json!("a"));
+    assert_eq!(line["dst"], json!(e.origins.api.to_string()));
+    assert_eq!(line["sni"], json!("api.example.test"));
+    assert_eq!(line["host"], json!("api.example.test"));
+    assert_eq!(line["attributed"], json!(["api.example.test"]));
+    assert_eq!(
+        (line["verdict"].clone(), line["reason"].clone()),
+        (json!("intercept"), json!("not_exempt"))
+    );
+    assert!(
+        line["bytes_down"].as_u64().is_some_and(|b| b > 5000),
+        "{line}"
+    );
+    assert!(line["bytes_up"].as_u64().is_some_and(|b| b > 200), "{line}");
+    assert_eq!(line["requests"], json!(1));
+    assert!(line["ts"].as_str().is_some_and(|t| t.ends_with('Z')));
+}
+
+// === helpers ===
+
+/// Writes one byte per call: a ClientHello arrives in many TCP segments.
+struct OneByte(tokio::net::TcpStream);
+
+impl tokio::io::AsyncRead for OneByte {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for OneByte {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let n = buf.len().min(1);
+        std::pin::Pin::new(&mut self.0).poll_write(cx, &buf[..n])
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// Writes and reads whose failures the test judges by what arrives, not by the call.
+trait Quiet {
+    async fn write_all_ignored(&mut self, bytes: &[u8]);
+    async fn read_to_end_ignored(&mut self, out: &mut Vec<u8>);
+}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Quiet for T {
+    async fn write_all_ignored(&mut self, bytes: &[u8]) {
+        let _ = tokio::io::AsyncWriteExt::write_all(self, bytes).await;
+        let _ = tokio::io::AsyncWriteExt::flush(self).await;
+    }
+    async fn read_to_end_ignored(&mut self, out: &mut Vec<u8>) {
+        let _ = tokio::io::AsyncReadExt::read_to_end(self, out).await;
+    }
+}

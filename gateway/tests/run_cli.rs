@@ -1,0 +1,89 @@
+//! `egress-gateway run` with no arguments starts on the built-in defaults.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Ends the child by its PID when the test ends, pass or fail.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn get(path: &str) -> Option<String> {
+    let mut s =
+        TcpStream::connect_timeout(&"127.0.0.1:15000".parse().ok()?, Duration::from_millis(200))
+            .ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+#[test]
+fn run_without_arguments_serves_healthz_and_creates_the_ca() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let child = Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
+        .arg("run")
+        .current_dir(dir.path())
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let mut running = Running(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let health = loop {
+        if let Some(r) = get("/healthz") {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "no /healthz within 20 s");
+        assert!(
+            running.0.try_wait().expect("status").is_none(),
+            "the gateway exited early"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(get("/readyz").expect("readyz").starts_with("HTTP/1.1 200"));
+    assert!(
+        dir.path().join(".egress-gateway/ca/ca.crt").exists(),
+        "CA created in the default state dir"
+    );
+    let _ = running.0.kill();
+    let mut stderr = String::new();
+    running
+        .0
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("read");
+    assert!(stderr.contains("interception CA"), "{stderr}");
+    assert!(stderr.contains("0.0.0.0:15001"), "{stderr}");
+}
+
+#[test]
+fn run_with_a_bad_config_names_the_key() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gw.toml");
+    std::fs::write(&path, "[dns]\nmin_ttl = \"soon\"\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("min_ttl") && err.contains("\"soon\""), "{err}");
+}
