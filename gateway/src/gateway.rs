@@ -437,9 +437,15 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
             let counts = Arc::new(Counts::default());
             let peeked_len = peeked.len() as u64;
             let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
-            let out =
-                crate::intercept::intercept(shared.clone(), sandbox.clone(), dst, sni, client)
-                    .await;
+            let out = crate::intercept::intercept(
+                shared.clone(),
+                sandbox.clone(),
+                dst,
+                sni,
+                client,
+                counts.clone(),
+            )
+            .await;
             rec.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
             rec.bytes_down = counts.written.load(Ordering::Relaxed);
             rec.requests = Some(out.requests);

@@ -8,6 +8,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use egress_certs::LeafResolver;
@@ -22,6 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::gateway::Shared;
+use crate::io::Counts;
 use crate::peek::strip_port;
 use crate::registry::Sandbox;
 
@@ -72,6 +74,7 @@ pub(crate) async fn intercept<S>(
     dst: SocketAddr,
     sni: Option<Hostname>,
     client: S,
+    activity: Arc<Counts>,
 ) -> Intercepted
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -110,9 +113,19 @@ where
         let conn = service_conn.clone();
         async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) }
     });
-    let served = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-        .serve_connection_with_upgrades(TokioIo::new(tls), service)
-        .await;
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let serve = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+    let idle = shared.config.timeouts.idle;
+    let served = tokio::select! {
+        r = serve => r,
+        () = quiet_for(&activity, idle) => {
+            return Intercepted {
+                requests: conn.requests.load(Ordering::Relaxed),
+                host: conn.host.lock().map(|h| h.clone()).unwrap_or_default(),
+                error: Some("idle_timeout".into()),
+            };
+        }
+    };
     let error = served.err().map(|e| {
         let text = e.to_string();
         // hyper answers bytes that are not HTTP with 400 and closes: the
@@ -128,6 +141,24 @@ where
         requests: conn.requests.load(Ordering::Relaxed),
         host,
         error,
+    }
+}
+
+/// Completes once no byte has moved either way for `idle`.
+async fn quiet_for(activity: &Counts, idle: Duration) {
+    let total = || activity.read.load(Ordering::Relaxed) + activity.written.load(Ordering::Relaxed);
+    let tick = idle.min(Duration::from_secs(1));
+    let mut last = total();
+    let mut quiet_since = Instant::now();
+    loop {
+        tokio::time::sleep(tick).await;
+        let now = total();
+        if now != last {
+            last = now;
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() >= idle {
+            return;
+        }
     }
 }
 

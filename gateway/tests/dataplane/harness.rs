@@ -335,6 +335,7 @@ pub struct Options {
     pub min_ttl: &'static str,
     pub max_ttl: &'static str,
     pub peek: &'static str,
+    pub idle: &'static str,
 }
 
 impl Default for Options {
@@ -343,6 +344,7 @@ impl Default for Options {
             min_ttl: "30s",
             max_ttl: "1h",
             peek: "2s",
+            idle: "10s",
         }
     }
 }
@@ -417,13 +419,14 @@ pub async fn env(opts: Options) -> Env {
         peek = "{peek}"
         connect = "2s"
         tls_handshake = "2s"
-        idle = "10s"
+        idle = "{idle}"
         "#,
         state = dir.path().join("state").display(),
         roots = roots.display(),
         min_ttl = opts.min_ttl,
         max_ttl = opts.max_ttl,
         peek = opts.peek,
+        idle = opts.idle,
     );
     let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
     let redirects = Arc::new(Redirects::default());
@@ -550,6 +553,37 @@ impl Env {
 fn issued_by_gateway(leaf: &CertificateDer<'_>) -> bool {
     let needle = b"egress-gateway interception CA";
     leaf.as_ref().windows(needle.len()).any(|w| w == needle)
+}
+
+/// POSTs `body` over HTTP/1.1 and returns status and response body.
+pub async fn http_post<S>(
+    io: S,
+    host: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(u16, String), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let req = hyper::Request::builder()
+        .method("POST")
+        .uri(path)
+        .header("host", host)
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let resp = s.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
 /// Sends one HTTP request over `io` (HTTP/2 when negotiated) and returns status and body.

@@ -517,6 +517,53 @@ async fn the_flow_log_has_a_line_per_flow_with_its_facts() {
     assert!(line["ts"].as_str().is_some_and(|t| t.ends_with('Z')));
 }
 
+#[tokio::test]
+async fn request_bodies_stream_through_interception_and_idle_flows_close() {
+    let e = env(Options {
+        idle: "1s",
+        ..Options::default()
+    })
+    .await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let upload = vec![b'u'; 300_000];
+    let (status, body) = http_post(tls, "api.example.test", "/upload", upload)
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    assert!(
+        body.starts_with("origin=api POST /upload"),
+        "{}",
+        &body[..80]
+    );
+    assert_eq!(
+        body.matches('u').count(),
+        300_000 + 1,
+        "the whole body arrived (plus the u in /upload)"
+    );
+
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let mut got = Vec::new();
+    let closed =
+        tokio::time::timeout(Duration::from_secs(5), tls.read_to_end_ignored(&mut got)).await;
+    assert!(closed.is_ok(), "an idle intercepted flow is closed");
+    let lines = e.flow_lines(2).await;
+    assert!(
+        lines.iter().any(|l| l["error"] == json!("idle_timeout")),
+        "{lines:?}"
+    );
+}
+
 // === helpers ===
 
 /// Writes one byte per call: a ClientHello arrives in many TCP segments.
