@@ -1,17 +1,40 @@
-//! The admin listener: health and readiness today; the control API and
-//! metrics join it with the control issue.
+//! The admin listener: the control API the controller pushes policies to,
+//! explain and attribution for operators, health, readiness and metrics.
+//!
+//! | route | what |
+//! | --- | --- |
+//! | `PUT /v1/sandboxes/{id}` | `{"addresses": [..], "policy": {..}}`, validated whole, applied atomically |
+//! | `GET`/`DELETE /v1/sandboxes/{id}` | read or remove one |
+//! | `GET /v1/sandboxes` | list |
+//! | `PUT /v1/sandboxes` | `{"sandboxes": [{"id", "addresses", "policy"}]}`: replace all (resync) |
+//! | `POST /v1/explain` | `{"sandbox", "dst", "tls", "sni", "host"}`: the decision now, and why |
+//! | `GET /v1/sandboxes/{id}/attribution` | live attribution with remaining TTL |
+//! | `GET /healthz`, `/readyz`, `/metrics` | |
+//!
+//! With `admin.token_file` set, every route but `/healthz` needs
+//! `Authorization: Bearer <token>`. Bodies are capped at 1 MiB (`413`).
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use dns_attrib::SandboxId;
+use egress_policy::{Flow, Hostname, Policy, Protocol};
+use http::{header, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde::Deserialize;
+use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 use crate::gateway::Shared;
+use crate::metrics::OutcomeLabels;
+use crate::persist::{self, SandboxDoc};
+
+/// Largest request body accepted.
+const MAX_BODY: usize = 1 << 20;
 
 /// Serves the admin API on `listener` until the task is dropped.
 pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
@@ -23,7 +46,7 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let shared = shared.clone();
-                async move { Ok::<_, std::convert::Infallible>(route(&req, &shared)) }
+                async move { Ok::<_, std::convert::Infallible>(route(req, &shared).await) }
             });
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), service)
@@ -32,18 +55,400 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-fn route(req: &Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>> {
-    match (req.method(), req.uri().path()) {
-        (&Method::GET, "/healthz") => reply(StatusCode::OK, "ok\n"),
-        (&Method::GET, "/readyz") if shared.ready.load(Ordering::Acquire) => {
-            reply(StatusCode::OK, "ready\n")
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PutSandbox {
+    addresses: Vec<IpAddr>,
+    policy: Policy,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Resync {
+    sandboxes: Vec<SandboxDoc>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Explain {
+    sandbox: String,
+    dst: SocketAddr,
+    #[serde(default)]
+    tls: bool,
+    #[serde(default)]
+    sni: Option<String>,
+    #[serde(default)]
+    host: Option<String>,
+}
+
+type Reply = Response<Full<Bytes>>;
+
+async fn route(req: Request<Incoming>, shared: &Shared) -> Reply {
+    let path = req.uri().path().to_owned();
+    if path == "/healthz" {
+        return text(StatusCode::OK, "ok\n");
+    }
+    if let Some(token) = &shared.admin_token {
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.as_bytes())) {
+            let mut r = error(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong bearer token",
+                None,
+            );
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            return r;
         }
-        (&Method::GET, "/readyz") => reply(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-        _ => reply(StatusCode::NOT_FOUND, "not found\n"),
+    }
+    let method = req.method().clone();
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (&method, segments.as_slice()) {
+        (&Method::GET, ["readyz"]) if shared.ready.load(Ordering::Acquire) => {
+            text(StatusCode::OK, "ready\n")
+        }
+        (&Method::GET, ["readyz"]) => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+        (&Method::GET, ["metrics"]) => {
+            let mut r = Response::new(Full::new(Bytes::from(shared.metrics.encode())));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            r
+        }
+        (&Method::GET, ["v1", "sandboxes"]) => {
+            let list: Vec<Value> = persist::document(&shared.registry)
+                .sandboxes
+                .iter()
+                .map(sandbox_json)
+                .collect();
+            json_reply(StatusCode::OK, &json!({ "sandboxes": list }))
+        }
+        (&Method::PUT, ["v1", "sandboxes"]) => match body::<Resync>(req).await {
+            Ok(doc) => resync(shared, doc).await,
+            Err(r) => rejected(shared, r),
+        },
+        (&Method::GET, ["v1", "sandboxes", id]) => match shared.registry.get(&SandboxId::new(id)) {
+            Some(s) => json_reply(
+                StatusCode::OK,
+                &sandbox_json(&SandboxDoc {
+                    id: s.id.to_string(),
+                    addresses: s.addresses.clone(),
+                    policy: s.policy.policy().clone(),
+                }),
+            ),
+            None => error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None),
+        },
+        (&Method::PUT, ["v1", "sandboxes", id]) => {
+            let id = (*id).to_owned();
+            if let Err(msg) = valid_id(&id) {
+                return rejected(shared, error(StatusCode::BAD_REQUEST, &msg, Some("id")));
+            }
+            match body::<PutSandbox>(req).await {
+                Ok(doc) => put(shared, id, doc).await,
+                Err(r) => rejected(shared, r),
+            }
+        }
+        (&Method::DELETE, ["v1", "sandboxes", id]) => delete(shared, id).await,
+        (&Method::GET, ["v1", "sandboxes", id, "attribution"]) => attribution(shared, id),
+        (&Method::POST, ["v1", "explain"]) => match body::<Explain>(req).await {
+            Ok(e) => explain(shared, e),
+            Err(r) => r,
+        },
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no route {method} {path}"),
+            None,
+        ),
     }
 }
 
-fn reply(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
+/// Reads and parses a capped JSON body; errors name the field.
+async fn body<T: for<'de> Deserialize<'de>>(req: Request<Incoming>) -> Result<T, Reply> {
+    let bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            return Err(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("body larger than {MAX_BODY} bytes"),
+                None,
+            ));
+        }
+        Err(e) => {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!("reading the body: {e}"),
+                None,
+            ))
+        }
+    };
+    let text = std::str::from_utf8(&bytes)
+        .map_err(|_| error(StatusCode::BAD_REQUEST, "body is not UTF-8", None))?;
+    egress_policy::from_json(text).map_err(|e| {
+        let field = (!e.path.is_empty()).then_some(e.path.trim_start_matches('.'));
+        error(StatusCode::BAD_REQUEST, &e.message, field)
+    })
+}
+
+fn valid_id(id: &str) -> Result<(), String> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "invalid sandbox id {:?}: expected 1 to 128 letters, digits, '-', '_' or '.'",
+            id.chars().take(64).collect::<String>()
+        ))
+    }
+}
+
+async fn put(shared: &Shared, id: String, doc: PutSandbox) -> Reply {
+    let _push = shared.push_lock.lock().await;
+    let before = shared.registry.checkpoint();
+    if let Err(e) = shared
+        .registry
+        .put(SandboxId::new(&id), doc.addresses, doc.policy)
+    {
+        return rejected(
+            shared,
+            error(StatusCode::CONFLICT, &e.to_string(), Some("addresses")),
+        );
+    }
+    if let Some(r) = persist_or_rollback(shared, before) {
+        return r;
+    }
+    applied(shared);
+    match shared.registry.get(&SandboxId::new(&id)) {
+        Some(s) => json_reply(
+            StatusCode::OK,
+            &sandbox_json(&SandboxDoc {
+                id,
+                addresses: s.addresses.clone(),
+                policy: s.policy.policy().clone(),
+            }),
+        ),
+        None => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "sandbox vanished after the push",
+            None,
+        ),
+    }
+}
+
+async fn resync(shared: &Shared, doc: Resync) -> Reply {
+    let mut seen = std::collections::HashSet::new();
+    for (i, s) in doc.sandboxes.iter().enumerate() {
+        if let Err(msg) = valid_id(&s.id) {
+            return rejected(
+                shared,
+                error(
+                    StatusCode::BAD_REQUEST,
+                    &msg,
+                    Some(&format!("sandboxes[{i}].id")),
+                ),
+            );
+        }
+        if !seen.insert(s.id.clone()) {
+            let msg = format!("sandbox {:?} appears twice", s.id);
+            return rejected(
+                shared,
+                error(
+                    StatusCode::BAD_REQUEST,
+                    &msg,
+                    Some(&format!("sandboxes[{i}].id")),
+                ),
+            );
+        }
+    }
+    let _push = shared.push_lock.lock().await;
+    let before = shared.registry.checkpoint();
+    let n = doc.sandboxes.len();
+    let entries = doc
+        .sandboxes
+        .into_iter()
+        .map(|s| (SandboxId::new(&s.id), s.addresses, s.policy))
+        .collect();
+    if let Err(e) = shared.registry.replace_all(entries) {
+        return rejected(
+            shared,
+            error(StatusCode::CONFLICT, &e.to_string(), Some("sandboxes")),
+        );
+    }
+    if let Some(r) = persist_or_rollback(shared, before) {
+        return r;
+    }
+    applied(shared);
+    json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
+}
+
+async fn delete(shared: &Shared, id: &str) -> Reply {
+    let _push = shared.push_lock.lock().await;
+    let before = shared.registry.checkpoint();
+    let sid = SandboxId::new(id);
+    if !shared.registry.remove(&sid) {
+        return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
+    }
+    if let Some(r) = persist_or_rollback(shared, before) {
+        return r;
+    }
+    shared.cache.remove_sandbox(&sid);
+    applied(shared);
+    json_reply(StatusCode::OK, &json!({ "deleted": id }))
+}
+
+/// Writes the snapshot; when that fails, the push is undone: memory never
+/// runs ahead of what a restart would enforce.
+fn persist_or_rollback(shared: &Shared, before: Arc<crate::registry::Snapshot>) -> Option<Reply> {
+    match persist::save(&shared.config().state_dir, &shared.registry) {
+        Ok(()) => None,
+        Err(e) => {
+            shared.registry.restore(before);
+            tracing::error!(error = %e, "snapshot write failed; push rolled back");
+            Some(rejected(
+                shared,
+                error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &format!("not applied: {e}"),
+                    None,
+                ),
+            ))
+        }
+    }
+}
+
+fn applied(shared: &Shared) {
+    shared
+        .metrics
+        .pushes
+        .get_or_create(&OutcomeLabels { outcome: "applied" })
+        .inc();
+}
+
+fn rejected(shared: &Shared, reply: Reply) -> Reply {
+    shared
+        .metrics
+        .pushes
+        .get_or_create(&OutcomeLabels {
+            outcome: "rejected",
+        })
+        .inc();
+    reply
+}
+
+fn explain(shared: &Shared, e: Explain) -> Reply {
+    let Some(sandbox) = shared.registry.get(&SandboxId::new(&e.sandbox)) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!("no sandbox {:?}", e.sandbox),
+            Some("sandbox"),
+        );
+    };
+    let sni = e.sni.as_deref().and_then(|s| Hostname::parse(s).ok());
+    let host = match e.host.as_deref().map(Hostname::parse) {
+        None => None,
+        Some(Ok(h)) => Some(h),
+        Some(Err(err)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid host: {err}"),
+                Some("host"),
+            )
+        }
+    };
+    let protocol = if e.tls {
+        Protocol::Tls
+    } else if host.is_some() {
+        Protocol::Http
+    } else {
+        Protocol::Opaque
+    };
+    let lookup = shared.cache.names_for(&sandbox.id, e.dst.ip());
+    let names = lookup.names();
+    let verdict = sandbox.policy.decide(&Flow {
+        dst: e.dst,
+        protocol,
+        sni: sni.as_ref(),
+        host: host.as_ref(),
+        attributed: &names,
+        attribution_gap: lookup.gap(),
+    });
+    json_reply(
+        StatusCode::OK,
+        &json!({
+            "verdict": verdict.name(),
+            "reason": verdict.code(),
+            "detail": verdict.describe(&sandbox.policy),
+            "attributed": names.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        }),
+    )
+}
+
+fn attribution(shared: &Shared, id: &str) -> Reply {
+    let sid = SandboxId::new(id);
+    if shared.registry.get(&sid).is_none() {
+        return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
+    }
+    let entries: Vec<Value> = shared
+        .cache
+        .entries(&sid)
+        .into_iter()
+        .map(|(ip, names)| {
+            json!({
+                "ip": ip,
+                "names": names.iter().map(|(n, left)| json!({"name": n, "ttl_remaining_s": left.as_secs()})).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json_reply(
+        StatusCode::OK,
+        &json!({ "sandbox": id, "entries": entries }),
+    )
+}
+
+fn sandbox_json(s: &SandboxDoc) -> Value {
+    json!({ "id": s.id, "addresses": s.addresses, "policy": s.policy })
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn json_reply(status: StatusCode, v: &Value) -> Reply {
+    let mut body = serde_json::to_vec(v).unwrap_or_default();
+    body.push(b'\n');
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn error(status: StatusCode, message: &str, field: Option<&str>) -> Reply {
+    let mut v = json!({ "error": message });
+    if let Some(f) = field {
+        v["field"] = json!(f);
+    }
+    json_reply(status, &v)
+}
+
+fn text(status: StatusCode, body: &'static str) -> Reply {
     let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
     *r.status_mut() = status;
     r

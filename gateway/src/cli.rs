@@ -29,6 +29,20 @@ enum Command {
     /// Validate, select, compose and explain policies as the API, controller and gateway do.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Print (or apply, or remove) the nftables rules that redirect a sandbox interface.
+    Redirect {
+        #[arg(long, value_name = "IFACE")]
+        sandbox_iface: String,
+        /// Apply with `nft -f -` instead of printing.
+        #[arg(long, conflicts_with = "remove")]
+        apply: bool,
+        /// Delete the interface's table.
+        #[arg(long)]
+        remove: bool,
+        /// Take the listener ports from this configuration (default: the built-in ports).
+        #[arg(long, value_name = "FILE")]
+        config: Option<std::path::PathBuf>,
+    },
     /// Manage the interception CA.
     #[command(subcommand)]
     Ca(CaCommand),
@@ -74,6 +88,12 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run { config } => return crate::run_cmd::run(config.as_deref()),
+        Command::Redirect {
+            sandbox_iface,
+            apply,
+            remove,
+            config,
+        } => return redirect_cmd(&sandbox_iface, apply, remove, config.as_deref()),
         Command::Policy(cmd) => policy_cmd::run(cmd, &|name| std::env::var_os(name)),
         Command::Ca(CaCommand::Init { dir }) => {
             return match egress_certs::CertificateAuthority::create(&dir) {
@@ -104,6 +124,41 @@ pub fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
         }
+        Err(e) => {
+            eprintln!("egress-gateway: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn redirect_cmd(
+    iface: &str,
+    apply: bool,
+    remove: bool,
+    config: Option<&std::path::Path>,
+) -> ExitCode {
+    use crate::redirect::{self, Ports};
+    let config = match config.map(crate::config::Config::load).transpose() {
+        Ok(c) => c.unwrap_or_default(),
+        Err(e) => {
+            eprintln!("egress-gateway: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let ports = Ports {
+        transparent: config.listen.transparent.port(),
+        dns: config.listen.dns.port(),
+        dns_alt: config.listen.dns_alt.port(),
+    };
+    let result = if remove {
+        redirect::remove(iface)
+    } else if apply {
+        redirect::apply(iface, ports)
+    } else {
+        redirect::ruleset(iface, ports).map(|r| print!("{r}"))
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("egress-gateway: {e}");
             ExitCode::FAILURE

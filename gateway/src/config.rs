@@ -20,6 +20,15 @@ pub struct Config {
     pub timeouts: Timeouts,
     pub limits: Limits,
     pub log: Log,
+    pub admin: Admin,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Admin {
+    /// A file holding the bearer token every admin route but `/healthz`
+    /// requires. Unset: no token (bind the admin listener to loopback).
+    pub token_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -82,6 +91,9 @@ pub struct Timeouts {
     /// A spliced or intercepted flow with no bytes either way for this long is closed.
     #[serde(deserialize_with = "duration")]
     pub idle: Duration,
+    /// On SIGTERM/SIGINT, how long open flows may take to finish.
+    #[serde(deserialize_with = "duration")]
+    pub drain: Duration,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -133,6 +145,7 @@ impl Default for Config {
             timeouts: Timeouts::default(),
             limits: Limits::default(),
             log: Log::default(),
+            admin: Admin::default(),
         }
     }
 }
@@ -174,6 +187,7 @@ impl Default for Timeouts {
             connect: Duration::from_secs(10),
             tls_handshake: Duration::from_secs(10),
             idle: Duration::from_secs(300),
+            drain: Duration::from_secs(30),
         }
     }
 }

@@ -64,6 +64,10 @@ pub enum StartError {
     Roots { path: String, message: String },
     #[error("log.flow_log: {path}: {source}")]
     FlowLog { path: String, source: io::Error },
+    #[error("admin.token_file: {path}: {message}")]
+    Token { path: String, message: String },
+    #[error("{0}")]
+    Snapshot(#[from] crate::persist::PersistError),
     #[error("cannot listen on {what} {addr}: {source}")]
     Bind {
         what: &'static str,
@@ -74,7 +78,7 @@ pub enum StartError {
 
 /// State every flow reads.
 pub struct Shared {
-    pub config: Config,
+    config: arc_swap::ArcSwap<Config>,
     pub registry: Arc<Registry>,
     pub cache: Arc<AttributionCache>,
     pub minter: Arc<LeafMinter>,
@@ -84,6 +88,12 @@ pub struct Shared {
     orig_dst: Arc<dyn OriginalDst>,
     pub dns: Arc<DnsProxy>,
     pub(crate) ready: AtomicBool,
+    pub(crate) metrics: crate::metrics::Metrics,
+    pub(crate) admin_token: Option<String>,
+    /// Serialises pushes, so each one's snapshot write matches its state.
+    pub(crate) push_lock: tokio::sync::Mutex<()>,
+    /// One permit per flow being handled; draining takes them all.
+    slots: Arc<Semaphore>,
 }
 
 /// The addresses the gateway actually listens on (ports may have been 0).
@@ -107,6 +117,63 @@ const RESOLVER_PRIMARY: SocketAddr =
 const RESOLVER_ALT: SocketAddr =
     SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(1, 1, 1, 1)), 53);
 
+// === impl Shared ===
+
+impl Shared {
+    /// The configuration in force now (a cheap snapshot; see [`Shared::reload`]).
+    pub fn config(&self) -> Arc<Config> {
+        self.config.load_full()
+    }
+
+    /// Applies what can change without a restart (`timeouts`, `limits`
+    /// other than `max_connections`, `log`); returns the keys that changed
+    /// but need a restart, which keep their running values.
+    pub fn reload(&self, mut next: Config) -> Vec<&'static str> {
+        let now = self.config();
+        let mut restart = Vec::new();
+        let mut keep = |key: &'static str, changed: bool| {
+            if changed {
+                restart.push(key);
+            }
+        };
+        keep("state_dir", next.state_dir != now.state_dir);
+        keep(
+            "listen",
+            format!("{:?}", next.listen) != format!("{:?}", now.listen),
+        );
+        keep("dns", format!("{:?}", next.dns) != format!("{:?}", now.dns));
+        keep("tls", format!("{:?}", next.tls) != format!("{:?}", now.tls));
+        keep(
+            "policy",
+            format!("{:?}", next.policy) != format!("{:?}", now.policy),
+        );
+        keep(
+            "admin",
+            format!("{:?}", next.admin) != format!("{:?}", now.admin),
+        );
+        keep(
+            "limits.max_connections",
+            next.limits.max_connections != now.limits.max_connections,
+        );
+        keep(
+            "limits.leaf_cache",
+            next.limits.leaf_cache != now.limits.leaf_cache,
+        );
+        keep("log.flow_log", next.log.flow_log != now.log.flow_log);
+        next.state_dir.clone_from(&now.state_dir);
+        next.listen = now.listen.clone();
+        next.dns = now.dns.clone();
+        next.tls = now.tls.clone();
+        next.policy = now.policy.clone();
+        next.admin = now.admin.clone();
+        next.limits.max_connections = now.limits.max_connections;
+        next.limits.leaf_cache = now.limits.leaf_cache;
+        next.log = now.log.clone();
+        self.config.store(Arc::new(next));
+        restart
+    }
+}
+
 // === impl Gateway ===
 
 impl Gateway {
@@ -128,6 +195,10 @@ impl Gateway {
             },
         )?);
         let (upstream_tls, upstream_tls_h1) = upstream_tls(&config)?;
+        let admin_token = match &config.admin.token_file {
+            None => None,
+            Some(path) => Some(read_token(path)?),
+        };
 
         let bind_tcp = |what, addr| async move {
             TcpListener::bind(addr)
@@ -181,8 +252,20 @@ impl Gateway {
             cache.clone(),
             registry.clone(),
         );
+        // The last pushed state, before a single flow is served.
+        if let Some(doc) = crate::persist::load(&config.state_dir)? {
+            let n = crate::persist::apply(&registry, doc, &config.state_dir)?;
+            tracing::info!(sandboxes = n, path = %crate::persist::path(&config.state_dir).display(), "loaded snapshot");
+        }
+        let metrics =
+            crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter.clone());
+        let slots = Arc::new(Semaphore::new(config.limits.max_connections));
         let shared = Arc::new(Shared {
-            config,
+            metrics,
+            admin_token,
+            push_lock: tokio::sync::Mutex::new(()),
+            slots,
+            config: arc_swap::ArcSwap::from_pointee(config),
             registry,
             cache,
             minter,
@@ -220,12 +303,38 @@ impl Gateway {
         &self.shared.registry
     }
 
-    /// Serves until `shutdown` completes, then stops accepting.
-    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) {
+    /// Serves until `shutdown` completes; then stops accepting, lets open
+    /// flows finish for up to `timeouts.drain`, and returns the number of
+    /// flows still open when it gave up (0 for a clean drain).
+    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> usize {
         shutdown.await;
         self.shared.ready.store(false, Ordering::Release);
         self.tasks.shutdown().await;
+        let config = self.shared.config();
+        let max = config.limits.max_connections;
+        let all = u32::try_from(max).unwrap_or(u32::MAX);
+        let drain = config.timeouts.drain;
+        match tokio::time::timeout(drain, self.shared.slots.acquire_many(all)).await {
+            Ok(_) => 0,
+            Err(_) => max - self.shared.slots.available_permits(),
+        }
     }
+}
+
+fn read_token(path: &std::path::Path) -> Result<String, StartError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| StartError::Token {
+        path: shown.clone(),
+        message: e.to_string(),
+    })?;
+    let token = text.trim().to_owned();
+    if token.len() < 16 {
+        return Err(StartError::Token {
+            path: shown,
+            message: "the token must be at least 16 characters".into(),
+        });
+    }
+    Ok(token)
 }
 
 /// A UDP socket and a TCP listener on the same address. With port 0 the
@@ -288,7 +397,7 @@ fn upstream_tls(
 }
 
 async fn accept(listener: TcpListener, shared: Arc<Shared>) {
-    let slots = Arc::new(Semaphore::new(shared.config.limits.max_connections));
+    let slots = shared.slots.clone();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(x) => x,
@@ -312,6 +421,15 @@ async fn accept(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// Counts a flow as active while it lives.
+struct Active<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Closes with RST: the answer for denied flows that have no protocol to speak.
 fn reset(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
@@ -326,8 +444,13 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
         verdict: "deny",
         ..FlowRecord::default()
     };
+    shared.metrics.active.inc();
+    let _active = Active(&shared.metrics.active);
     let finish = |mut rec: FlowRecord| {
         rec.duration_ms = started.elapsed().as_millis() as u64;
+        shared
+            .metrics
+            .flow(rec.verdict, rec.reason, rec.bytes_up, rec.bytes_down);
         shared.flow_log.write(rec);
     };
 
@@ -349,8 +472,15 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
     };
     rec.sandbox = Some(sandbox.id.to_string());
 
-    let limits = (&shared.config.limits, &shared.config.timeouts);
-    let (classified, peeked) = match peek(&mut stream, limits.0.peek_bytes, limits.1.peek).await {
+    let config = shared.config();
+    let limits = (&config.limits, &config.timeouts);
+    let peek_started = Instant::now();
+    let peeked = peek(&mut stream, limits.0.peek_bytes, limits.1.peek).await;
+    shared
+        .metrics
+        .peek_seconds
+        .observe(peek_started.elapsed().as_secs_f64());
+    let (classified, peeked) = match peeked {
         Ok(x) => x,
         Err(e) => {
             reset(&stream);
@@ -409,8 +539,13 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
             finish(rec)
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
-            let origin = match tokio::time::timeout(limits.1.connect, TcpStream::connect(dst)).await
-            {
+            let connect_started = Instant::now();
+            let origin = tokio::time::timeout(limits.1.connect, TcpStream::connect(dst)).await;
+            shared
+                .metrics
+                .upstream_connect_seconds
+                .observe(connect_started.elapsed().as_secs_f64());
+            let origin = match origin {
                 Ok(Ok(o)) => o,
                 Ok(Err(e)) => {
                     reset(&stream);

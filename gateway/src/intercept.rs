@@ -89,12 +89,17 @@ where
     // No 0-RTT: early data could be replayed before policy sees the request.
     config.max_early_data_size = 0;
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let tls = match tokio::time::timeout(
-        shared.config.timeouts.tls_handshake,
+    let handshake_started = Instant::now();
+    let accepted = tokio::time::timeout(
+        shared.config().timeouts.tls_handshake,
         acceptor.accept(client),
     )
-    .await
-    {
+    .await;
+    shared
+        .metrics
+        .handshake_seconds
+        .observe(handshake_started.elapsed().as_secs_f64());
+    let tls = match accepted {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => return failed(format!("tls_handshake: {e}")),
         Err(_) => return failed("tls_handshake: timed out".into()),
@@ -115,7 +120,7 @@ where
     });
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     let serve = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
-    let idle = shared.config.timeouts.idle;
+    let idle = shared.config().timeouts.idle;
     let served = tokio::select! {
         r = serve => r,
         () = quiet_for(&activity, idle) => {
@@ -340,9 +345,15 @@ impl Conn {
         verify_as: ServerName<'static>,
         allow_h2: bool,
     ) -> Result<Sender, UpstreamError> {
-        let timeouts = &self.shared.config.timeouts;
-        let tcp = tokio::time::timeout(timeouts.connect, TcpStream::connect(self.dst))
-            .await
+        let config = self.shared.config();
+        let timeouts = &config.timeouts;
+        let connect_started = Instant::now();
+        let tcp = tokio::time::timeout(timeouts.connect, TcpStream::connect(self.dst)).await;
+        self.shared
+            .metrics
+            .upstream_connect_seconds
+            .observe(connect_started.elapsed().as_secs_f64());
+        let tcp = tcp
             .map_err(|_| UpstreamError::Connect(self.dst, "timed out".into()))?
             .map_err(|e| UpstreamError::Connect(self.dst, e.to_string()))?;
         let _ = tcp.set_nodelay(true);

@@ -28,8 +28,9 @@ pub enum RegistryError {
     DuplicateAddress(String, IpAddr),
 }
 
+/// One consistent state of the registry.
 #[derive(Debug, Default)]
-struct Snapshot {
+pub struct Snapshot {
     by_addr: HashMap<IpAddr, Arc<Sandbox>>,
     by_id: BTreeMap<SandboxId, Arc<Sandbox>>,
 }
@@ -63,6 +64,21 @@ impl Registry {
 
     pub fn ids(&self) -> Vec<SandboxId> {
         self.snapshot.load().by_id.keys().cloned().collect()
+    }
+
+    /// Every sandbox, by id.
+    pub fn all(&self) -> Vec<Arc<Sandbox>> {
+        self.snapshot.load().by_id.values().cloned().collect()
+    }
+
+    /// The current state, to restore if what follows a change fails.
+    pub fn checkpoint(&self) -> Arc<Snapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// Puts back a state taken with [`Registry::checkpoint`].
+    pub fn restore(&self, snapshot: Arc<Snapshot>) {
+        self.snapshot.store(snapshot);
     }
 
     /// Adds or replaces one sandbox.

@@ -67,10 +67,43 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
             b.dns_alt.port()
         );
         tracing::info!("no sandboxes are registered yet: every flow is denied until policies are pushed");
-        gateway.run_until(shutdown_signal()).await;
-        tracing::info!("stopped");
+        let reloader = tokio::spawn(reload_on_sighup(gateway.shared().clone(), config_path.map(Path::to_owned)));
+        let left = gateway.run_until(shutdown_signal()).await;
+        reloader.abort();
+        if left == 0 {
+            tracing::info!("stopped; every flow finished");
+        } else {
+            tracing::warn!(open_flows = left, "stopped at the drain deadline with flows still open");
+        }
         ExitCode::SUCCESS
     })
+}
+
+/// SIGHUP: read the configuration file again; a bad one keeps the running one.
+async fn reload_on_sighup(shared: Arc<crate::Shared>, path: Option<std::path::PathBuf>) {
+    let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP; configuration reload is unavailable");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        let Some(path) = &path else {
+            tracing::info!("SIGHUP: running on built-in defaults, no configuration file to reload");
+            continue;
+        };
+        match Config::load(path) {
+            Ok(next) => {
+                let restart = shared.reload(next);
+                if restart.is_empty() {
+                    tracing::info!(path = %path.display(), "configuration reloaded");
+                } else {
+                    tracing::warn!(path = %path.display(), needs_restart = ?restart, "configuration reloaded; these changes take effect only after a restart");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "configuration reload failed; keeping the running configuration")
+            }
+        }
+    }
 }
 
 async fn shutdown_signal() {
@@ -86,4 +119,5 @@ async fn shutdown_signal() {
         _ = tokio::signal::ctrl_c() => {}
         () = term => {}
     }
+    tracing::info!("shutting down: no new flows; draining open ones");
 }

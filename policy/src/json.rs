@@ -32,7 +32,10 @@ fn path_prefix(path: &str) -> String {
 }
 
 /// Deserialises `T` from `text`, recording the path of the first error.
-pub(crate) fn parse<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, JsonError> {
+///
+/// Use it for documents that embed policies (the gateway's push API), so
+/// errors name the field the same way everywhere.
+pub fn parse<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, JsonError> {
     let mut de = serde_json::Deserializer::from_str(text);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         // serde_path_to_error says `?` or `.` when the error has no place.

@@ -24,7 +24,7 @@ pub use dest::{
     ProfileDestination,
 };
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
-pub use json::JsonError;
+pub use json::{parse as from_json, JsonError};
 pub use matcher::{
     Allowed, AttributionGap, CompiledPolicy, Denied, Flow, Intercepted, PlatformDenies, Protocol,
     Spliced, Verdict,

@@ -1,0 +1,202 @@
+//! Prometheus metrics (served at `/metrics` on the admin listener).
+//!
+//! Labels are bounded sets only: verdicts and reason codes, directions,
+//! outcomes. Sandbox ids and names never become labels.
+
+use std::sync::Arc;
+
+use dns_attrib::{AttributionCache, DnsMetrics};
+use egress_certs::LeafMinter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct FlowLabels {
+    pub(crate) verdict: &'static str,
+    pub(crate) reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct DirectionLabels {
+    pub(crate) direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct OutcomeLabels {
+    pub(crate) outcome: &'static str,
+}
+
+/// The gateway's own instruments.
+pub(crate) struct Metrics {
+    registry: Registry,
+    pub(crate) flows: Family<FlowLabels, Counter>,
+    pub(crate) bytes: Family<DirectionLabels, Counter>,
+    pub(crate) active: Gauge,
+    pub(crate) peek_seconds: Histogram,
+    pub(crate) handshake_seconds: Histogram,
+    pub(crate) upstream_connect_seconds: Histogram,
+    pub(crate) pushes: Family<OutcomeLabels, Counter>,
+}
+
+/// Reads the DNS proxy's, the attribution cache's and the minter's counters at scrape time.
+#[derive(Debug)]
+struct Sources {
+    dns: Arc<DnsMetrics>,
+    cache: Arc<AttributionCache>,
+    minter: Arc<LeafMinter>,
+}
+
+impl Metrics {
+    pub(crate) fn new(
+        dns: Arc<DnsMetrics>,
+        cache: Arc<AttributionCache>,
+        minter: Arc<LeafMinter>,
+    ) -> Self {
+        let mut registry = Registry::with_prefix("egress");
+        let flows = Family::<FlowLabels, Counter>::default();
+        registry.register("flows", "Flows by verdict and reason", flows.clone());
+        let bytes = Family::<DirectionLabels, Counter>::default();
+        registry.register(
+            "bytes",
+            "Bytes moved, up (sandbox to origin) and down",
+            bytes.clone(),
+        );
+        let active = Gauge::default();
+        registry.register(
+            "active_connections",
+            "Flows being handled now",
+            active.clone(),
+        );
+        let latency = || Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        let peek_seconds = latency();
+        registry.register(
+            "peek_seconds",
+            "Time to classify a flow from its first bytes",
+            peek_seconds.clone(),
+        );
+        let handshake_seconds = latency();
+        registry.register(
+            "tls_handshake_seconds",
+            "Client-side TLS handshake on intercepted flows",
+            handshake_seconds.clone(),
+        );
+        let upstream_connect_seconds = latency();
+        registry.register(
+            "upstream_connect_seconds",
+            "TCP connect to the original destination",
+            upstream_connect_seconds.clone(),
+        );
+        let pushes = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "policy_pushes",
+            "Policy pushes, applied or rejected",
+            pushes.clone(),
+        );
+        registry.register_collector(Box::new(Sources { dns, cache, minter }));
+        Self {
+            registry,
+            flows,
+            bytes,
+            active,
+            peek_seconds,
+            handshake_seconds,
+            upstream_connect_seconds,
+            pushes,
+        }
+    }
+
+    /// The text exposition format.
+    pub(crate) fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+
+    pub(crate) fn flow(&self, verdict: &'static str, reason: &'static str, up: u64, down: u64) {
+        self.flows
+            .get_or_create(&FlowLabels { verdict, reason })
+            .inc();
+        self.bytes
+            .get_or_create(&DirectionLabels { direction: "up" })
+            .inc_by(up);
+        self.bytes
+            .get_or_create(&DirectionLabels { direction: "down" })
+            .inc_by(down);
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Collector for Sources {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let d = &self.dns;
+        let outcomes: [(&'static str, u64); 9] = [
+            ("answered", d.answers.get()),
+            ("refused", d.refused.get()),
+            ("formerr", d.formerr.get()),
+            ("servfail", d.servfail.get()),
+            ("truncated", d.truncated.get()),
+            ("overloaded", d.overloaded.get()),
+            ("attributed", d.attributed.get()),
+            ("tcp_fallback", d.tcp_fallbacks.get()),
+            ("upstream_failure", d.upstream_failures.get()),
+        ];
+        {
+            let counter = ConstCounter::new(0u64);
+            let mut family = encoder.encode_descriptor(
+                "dns_events",
+                "DNS proxy events by outcome",
+                None,
+                counter.metric_type(),
+            )?;
+            for (outcome, n) in outcomes {
+                ConstCounter::new(n).encode(family.encode_family(&OutcomeLabels { outcome })?)?;
+            }
+        }
+        let counters: [(&str, &str, u64); 3] = [
+            ("dns_queries", "DNS queries received", d.queries.get()),
+            (
+                "attribution_evictions",
+                "Attributed addresses evicted for size",
+                self.cache.evictions(),
+            ),
+            (
+                "certificates_minted",
+                "Leaf certificates minted",
+                self.minter.minted(),
+            ),
+        ];
+        for (name, help, n) in counters {
+            let c = ConstCounter::new(n);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        let gauges: [(&str, &str, u64); 2] = [
+            (
+                "attribution_entries",
+                "Attributed addresses cached",
+                self.cache.entry_count(),
+            ),
+            (
+                "certificates_cached",
+                "Leaf certificates cached",
+                self.minter.cached(),
+            ),
+        ];
+        for (name, help, n) in gauges {
+            let g = ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX));
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,129 @@
+//! The snapshot of pushed state: written on every accepted push (write,
+//! fsync, rename), loaded at start before any flow is served, so a restart
+//! enforces the last pushed policies with no window of open or closed traffic.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use dns_attrib::SandboxId;
+use egress_policy::Policy;
+use serde::{Deserialize, Serialize};
+
+use crate::registry::Registry;
+
+/// The file name under `state_dir`.
+pub const SNAPSHOT_FILE: &str = "snapshot.json";
+
+/// The snapshot document.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotDoc {
+    pub version: u32,
+    pub sandboxes: Vec<SandboxDoc>,
+}
+
+/// One sandbox as pushed and persisted.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxDoc {
+    pub id: String,
+    pub addresses: Vec<IpAddr>,
+    pub policy: Policy,
+}
+
+/// Why the snapshot could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: corrupt snapshot: {message}; fix or remove it (the gateway will not start with an empty policy set in its place)")]
+    Corrupt { path: PathBuf, message: String },
+}
+
+pub fn path(state_dir: &Path) -> PathBuf {
+    state_dir.join(SNAPSHOT_FILE)
+}
+
+/// Reads the snapshot; `None` when there is none yet.
+pub fn load(state_dir: &Path) -> Result<Option<SnapshotDoc>, PersistError> {
+    let path = path(state_dir);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(PersistError::Io { path, source }),
+    };
+    let doc: SnapshotDoc = egress_policy::from_json(&text).map_err(|e| PersistError::Corrupt {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    if doc.version != 1 {
+        return Err(PersistError::Corrupt {
+            path,
+            message: format!("version {} is not 1", doc.version),
+        });
+    }
+    Ok(Some(doc))
+}
+
+/// The registry's state as a document.
+pub fn document(registry: &Registry) -> SnapshotDoc {
+    SnapshotDoc {
+        version: 1,
+        sandboxes: registry
+            .all()
+            .iter()
+            .map(|s| SandboxDoc {
+                id: s.id.to_string(),
+                addresses: s.addresses.clone(),
+                policy: s.policy.policy().clone(),
+            })
+            .collect(),
+    }
+}
+
+/// Writes the registry's state: a temporary file, fsync, rename, fsync the directory.
+pub fn save(state_dir: &Path, registry: &Registry) -> Result<(), PersistError> {
+    let path = path(state_dir);
+    let io = |source| PersistError::Io {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(state_dir).map_err(io)?;
+    let tmp = state_dir.join(format!(".{SNAPSHOT_FILE}.tmp"));
+    let bytes = serde_json::to_vec_pretty(&document(registry)).map_err(|e| io(e.into()))?;
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&bytes).map_err(io)?;
+        f.sync_all().map_err(io)?;
+    }
+    std::fs::rename(&tmp, &path).map_err(io)?;
+    std::fs::File::open(state_dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io)?;
+    Ok(())
+}
+
+/// Applies a loaded snapshot to the registry.
+pub fn apply(
+    registry: &Registry,
+    doc: SnapshotDoc,
+    state_dir: &Path,
+) -> Result<usize, PersistError> {
+    let n = doc.sandboxes.len();
+    let entries = doc
+        .sandboxes
+        .into_iter()
+        .map(|s| (SandboxId::new(&s.id), s.addresses, s.policy))
+        .collect();
+    registry
+        .replace_all(entries)
+        .map_err(|e| PersistError::Corrupt {
+            path: path(state_dir),
+            message: e.to_string(),
+        })?;
+    Ok(n)
+}

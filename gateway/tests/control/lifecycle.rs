@@ -1,0 +1,248 @@
+//! Restart from the snapshot, a corrupt snapshot, draining on shutdown.
+
+use std::time::Duration;
+
+use egress_gateway::Gateway;
+
+use crate::support::*;
+
+#[tokio::test]
+async fn a_restart_enforces_the_last_push_before_any_new_one() {
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    let gw = start(config(dir.path(), ""), origin).await;
+    let doc = format!(
+        r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}]}}}}"#
+    );
+    assert_eq!(
+        http(
+            gw.bound().admin,
+            "PUT",
+            "/v1/sandboxes/sb",
+            None,
+            Some(&doc)
+        )
+        .await
+        .0,
+        200
+    );
+    assert!(flow(&gw, SANDBOX, b"before").await.is_some());
+    gw.run_until(async {}).await;
+
+    // A new process on the same state directory, and no push yet.
+    let gw = start(config(dir.path(), ""), origin).await;
+    assert_eq!(
+        gw.registry().ids().len(),
+        1,
+        "the snapshot was loaded before serving"
+    );
+    assert_eq!(
+        flow(&gw, SANDBOX, b"after").await.as_deref(),
+        Some(&b"after"[..]),
+        "allowed as before"
+    );
+    assert_eq!(
+        flow(&gw, "127.0.0.3", b"other").await,
+        None,
+        "still denied as before"
+    );
+    gw.run_until(async {}).await;
+
+    // A push that denies it survives a restart too.
+    let gw = start(config(dir.path(), ""), origin).await;
+    let deny = format!(
+        r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}], "deny": [{{"ip": "{ECHO_IP}"}}]}}}}"#
+    );
+    assert_eq!(
+        http(
+            gw.bound().admin,
+            "PUT",
+            "/v1/sandboxes/sb",
+            None,
+            Some(&deny)
+        )
+        .await
+        .0,
+        200
+    );
+    gw.run_until(async {}).await;
+    let gw = start(config(dir.path(), ""), origin).await;
+    assert_eq!(flow(&gw, SANDBOX, b"denied").await, None);
+}
+
+#[tokio::test]
+async fn a_corrupt_snapshot_fails_loudly() {
+    let dir = tempfile::tempdir().expect("dir");
+    for bad in [
+        "{not json",
+        r#"{"version": 1, "sandboxes": [{"id": "a", "addresses": [], "policy": {"allow": [{"cidr": "10.0.0.1/8"}]}}]}"#,
+        r#"{"version": 7, "sandboxes": []}"#,
+    ] {
+        std::fs::write(dir.path().join("snapshot.json"), bad).expect("write");
+        let err = Gateway::start(
+            config(dir.path(), ""),
+            std::sync::Arc::new(FixedDst("127.0.0.1:1".parse().expect("addr"))),
+            egress_gateway::flowlog::FlowLog::open("off").expect("off"),
+        )
+        .await
+        .err()
+        .expect("refuses to start");
+        let text = err.to_string();
+        assert!(
+            text.contains("snapshot.json") && text.contains("corrupt snapshot"),
+            "{text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn shutdown_drains_open_flows_up_to_the_deadline() {
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    let gw = start(config(dir.path(), "drain = \"5s\""), origin).await;
+    let doc = format!(
+        r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}]}}}}"#
+    );
+    assert_eq!(
+        http(
+            gw.bound().admin,
+            "PUT",
+            "/v1/sandboxes/sb",
+            None,
+            Some(&doc)
+        )
+        .await
+        .0,
+        200
+    );
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind((SANDBOX.parse::<std::net::IpAddr>().expect("ip"), 0).into())
+        .expect("bind");
+    let mut open = sock.connect(gw.bound().transparent).await.expect("connect");
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    open.write_all(b"ping").await.expect("write");
+    let mut buf = [0u8; 4];
+    open.read_exact(&mut buf).await.expect("echo");
+    let transparent = gw.bound().transparent;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let stopping = tokio::spawn(gw.run_until(async move {
+        let _ = rx.await;
+    }));
+    tx.send(()).expect("signal");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!stopping.is_finished(), "waits for the open flow");
+    assert!(
+        tokio::net::TcpStream::connect(transparent).await.is_err(),
+        "no new flows are accepted"
+    );
+    open.write_all(b"pong")
+        .await
+        .expect("the open flow still works");
+    open.read_exact(&mut buf)
+        .await
+        .expect("echo while draining");
+    assert_eq!(&buf, b"pong");
+    drop(open);
+    let left = tokio::time::timeout(Duration::from_secs(5), stopping)
+        .await
+        .expect("drained")
+        .expect("task");
+    assert_eq!(left, 0);
+
+    // With a flow that never ends, the deadline wins and says so.
+    let gw = start(config(dir.path(), "drain = \"300ms\""), origin).await;
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind((SANDBOX.parse::<std::net::IpAddr>().expect("ip"), 0).into())
+        .expect("bind");
+    let mut stuck = sock.connect(gw.bound().transparent).await.expect("connect");
+    stuck.write_all(b"ping").await.expect("write");
+    stuck.read_exact(&mut buf).await.expect("echo");
+    assert_eq!(gw.run_until(async {}).await, 1);
+}
+
+#[tokio::test]
+async fn reload_applies_timeouts_and_reports_what_needs_a_restart() {
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = start(config(dir.path(), ""), echo().await).await;
+    let shared = gw.shared();
+    assert_eq!(shared.config().timeouts.peek, Duration::from_millis(300));
+    let mut next = config(dir.path(), "idle = \"42s\"");
+    next.timeouts.peek = Duration::from_secs(2);
+    next.listen.admin = "127.0.0.1:1".parse().expect("addr");
+    let restart = shared.reload(next);
+    assert_eq!(restart, ["listen"]);
+    let now = shared.config();
+    assert_eq!(
+        (now.timeouts.peek, now.timeouts.idle),
+        (Duration::from_secs(2), Duration::from_secs(42))
+    );
+    assert_eq!(
+        now.listen.admin,
+        "127.0.0.1:0".parse().expect("addr"),
+        "listen keeps its running value"
+    );
+}
+
+#[test]
+fn sigterm_stops_the_binary_cleanly() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n",
+            dir.path().join("state").display()
+        ),
+    )
+    .expect("write");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starts");
+    // Ready once the CA exists and a moment has passed for the listeners.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !dir.path().join("state/ca/ca.crt").exists() {
+        assert!(std::time::Instant::now() < deadline, "did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = child.id().to_string();
+    // SIGHUP with a broken file: the gateway keeps running on the old configuration.
+    std::fs::write(&cfg, "[timeouts]\npeek = \"never\"\n").expect("write");
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .expect("kill")
+        .success());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        child.try_wait().expect("status").is_none(),
+        "still running after a bad reload"
+    );
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("status") {
+            break s;
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("did not stop within 10 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
+        .expect("read");
+    assert!(
+        err.contains("draining") && err.contains("every flow finished"),
+        "{err}"
+    );
+}

@@ -1,0 +1,8 @@
+//! The control API over real HTTP, persistence, draining and redirect rules.
+
+#![allow(unreachable_pub)] // a test binary: `pub` only shares helpers between its modules
+
+mod admin;
+mod lifecycle;
+mod redirect;
+mod support;
