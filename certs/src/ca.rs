@@ -20,6 +20,9 @@ pub const CA_CERT_FILE: &str = "ca.crt";
 /// File name of the CA private key in a CA directory.
 pub const CA_KEY_FILE: &str = "ca.key";
 
+/// The subject common name of a CA the gateway creates.
+pub const DEFAULT_COMMON_NAME: &str = "egress-gateway interception CA";
+
 /// Ten years: the CA is installed in sandbox images, so it should outlive them.
 const CA_VALIDITY: Duration = Duration::days(3650);
 
@@ -90,6 +93,12 @@ impl CertificateAuthority {
 
     /// Creates a new CA in `dir` (made if missing), refusing to overwrite one.
     pub fn create(dir: &Path) -> Result<Self, CertError> {
+        Self::create_named(dir, DEFAULT_COMMON_NAME)
+    }
+
+    /// [`CertificateAuthority::create`] with another subject common name
+    /// (test CAs for fake origins must not look like the gateway's).
+    pub fn create_named(dir: &Path, common_name: &str) -> Result<Self, CertError> {
         let paths = CaPaths::in_dir(dir);
         for path in [&paths.cert, &paths.key] {
             if path.exists() {
@@ -114,7 +123,7 @@ impl CertificateAuthority {
         ];
         params
             .distinguished_name
-            .push(DnType::CommonName, "egress-gateway interception CA");
+            .push(DnType::CommonName, common_name);
         params
             .distinguished_name
             .push(DnType::OrganizationName, "egress-gateway");
@@ -132,10 +141,15 @@ impl CertificateAuthority {
 
     /// Loads the CA in `dir`, creating one when neither file exists.
     pub fn load_or_create(dir: &Path) -> Result<Self, CertError> {
+        Self::load_or_create_named(dir, DEFAULT_COMMON_NAME)
+    }
+
+    /// [`CertificateAuthority::load_or_create`] with a common name for a new CA.
+    pub fn load_or_create_named(dir: &Path, common_name: &str) -> Result<Self, CertError> {
         let paths = CaPaths::in_dir(dir);
         match (paths.cert.exists(), paths.key.exists()) {
             (true, true) => Self::load(&paths),
-            (false, false) => Self::create(dir),
+            (false, false) => Self::create_named(dir, common_name),
             (true, false) => Err(CertError::HalfPresent {
                 dir: dir.to_owned(),
                 present: CA_CERT_FILE,

@@ -14,7 +14,7 @@ mod ca;
 mod mint;
 mod resolver;
 
-pub use ca::{CaPaths, CertificateAuthority, CA_CERT_FILE, CA_KEY_FILE};
+pub use ca::{CaPaths, CertificateAuthority, CA_CERT_FILE, CA_KEY_FILE, DEFAULT_COMMON_NAME};
 pub use mint::{LeafMinter, LeafName, MintConfig};
 pub use resolver::LeafResolver;
 

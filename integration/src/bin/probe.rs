@@ -1,0 +1,196 @@
+//! `egress-probe`: a sandbox-side client for what curl does not do.
+//!
+//! - `line`: TLS to an address with a server name, send a line, print the reply
+//!   and whether the gateway (rather than the origin) presented the certificate.
+//! - `many`: N HTTPS requests, C at a time, over fresh connections; prints counts.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[derive(Parser)]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    Line {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long)]
+        sni: String,
+        #[arg(long, required = true)]
+        ca: Vec<PathBuf>,
+        #[arg(long)]
+        send: String,
+    },
+    Many {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long)]
+        sni: String,
+        #[arg(long, required = true)]
+        ca: Vec<PathBuf>,
+        #[arg(long, default_value_t = 1000)]
+        count: usize,
+        #[arg(long, default_value_t = 100)]
+        concurrency: usize,
+        #[arg(long, default_value = "/bytes/1000")]
+        path: String,
+    },
+}
+
+fn tls_config(cas: &[PathBuf]) -> Result<Arc<rustls::ClientConfig>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for path in cas {
+        for c in
+            CertificateDer::pem_file_iter(path).map_err(|e| format!("{}: {e}", path.display()))?
+        {
+            roots
+                .add(c.map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let mut c = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    c.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(c))
+}
+
+async fn connect(
+    config: Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    sni: &str,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    let tcp = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::net::TcpStream::connect(addr),
+    )
+    .await
+    .map_err(|_| "connect timed out".to_owned())?
+    .map_err(|e| format!("connect: {e}"))?;
+    let name = ServerName::try_from(sni.to_owned()).map_err(|e| e.to_string())?;
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_rustls::TlsConnector::from(config).connect(name, tcp),
+    )
+    .await
+    .map_err(|_| "TLS handshake timed out".to_owned())?
+    .map_err(|e| format!("TLS: {e}"))
+}
+
+async fn line(
+    config: Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    sni: &str,
+    send: &str,
+) -> Result<serde_json::Value, String> {
+    let mut tls = connect(config, addr, sni).await?;
+    let minted = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .is_some_and(|c| {
+            c.as_ref()
+                .windows(30)
+                .any(|w| w == b"egress-gateway interception CA")
+        });
+    tls.write_all(format!("{send}\n").as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut reply = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut reply)).await;
+    Ok(serde_json::json!({"issuer_gateway": minted, "reply": String::from_utf8_lossy(&reply)}))
+}
+
+async fn get(
+    config: Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    sni: String,
+    path: String,
+) -> Result<(), String> {
+    let mut tls = connect(config, addr, &sni).await?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {sni}\r\nConnection: close\r\n\r\n");
+    tls.write_all(req.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut resp = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), tls.read_to_end(&mut resp))
+        .await
+        .map_err(|_| "response timed out".to_owned())?
+        .map_err(|e| e.to_string())?;
+    if resp.starts_with(b"HTTP/1.1 200") {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&resp[..resp.len().min(80)]).into_owned())
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let out = match Args::parse().cmd {
+        Cmd::Line {
+            connect,
+            sni,
+            ca,
+            send,
+        } => match tls_config(&ca) {
+            Ok(c) => line(c, connect, &sni, &send).await,
+            Err(e) => Err(e),
+        },
+        Cmd::Many {
+            connect,
+            sni,
+            ca,
+            count,
+            concurrency,
+            path,
+        } => match tls_config(&ca) {
+            Err(e) => Err(e),
+            Ok(config) => {
+                let gate = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
+                let mut tasks = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let (config, sni, path, gate) =
+                        (config.clone(), sni.clone(), path.clone(), gate.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let _permit = gate.acquire_owned().await;
+                        get(config, connect, sni, path).await
+                    }));
+                }
+                let mut ok = 0usize;
+                let mut errors: Vec<String> = Vec::new();
+                for t in tasks {
+                    match t.await {
+                        Ok(Ok(())) => ok += 1,
+                        Ok(Err(e)) => errors.push(e),
+                        Err(e) => errors.push(e.to_string()),
+                    }
+                }
+                errors.truncate(5);
+                Ok(serde_json::json!({"ok": ok, "failed": count - ok, "first_errors": errors}))
+            }
+        },
+    };
+    match out {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("egress-probe: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

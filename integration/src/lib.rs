@@ -1,0 +1,280 @@
+//! The fake internet: an authoritative DNS server for a test zone, HTTPS
+//! origins whose certificates are minted per SNI under a test CA, a plain
+//! HTTP origin, and a non-HTTP TLS service (a line protocol standing in for
+//! TURN-over-TLS). It runs inside a network namespace whose addresses are
+//! documentation ranges only (203.0.113.0/24, 198.51.100.0/24).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use egress_certs::{CertificateAuthority, LeafMinter, LeafResolver, MintConfig};
+use hickory_proto::op::{Metadata, ResponseCode};
+use hickory_proto::rr::rdata::{A, CNAME};
+use hickory_proto::rr::{Name, RData, Record, RecordType};
+use hickory_server::net::runtime::Time;
+use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
+use hickory_server::zone_handler::MessageResponseBuilder;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, UdpSocket};
+
+/// The DNS server's address.
+pub const DNS_IP: &str = "203.0.113.53";
+/// The TURN-like service's address: TLS, then `PING\n` → `PONG\n`.
+pub const TURN_IP: &str = "203.0.113.30";
+
+/// One name in the test zone.
+#[derive(Clone, Debug)]
+pub enum Entry {
+    A(Ipv4Addr, u32),
+    Cname(&'static str, u32),
+}
+
+/// The test zone: names, addresses, CNAME chains, TTL-0 and short TTLs.
+pub fn zone() -> HashMap<&'static str, Entry> {
+    let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap_or(Ipv4Addr::UNSPECIFIED);
+    HashMap::from([
+        ("api.example.test", Entry::A(ip("203.0.113.10"), 300)),
+        ("other.example.test", Entry::A(ip("203.0.113.11"), 300)),
+        ("zero.example.test", Entry::A(ip("203.0.113.12"), 0)),
+        ("a.relay.example.test", Entry::A(ip("203.0.113.20"), 300)),
+        ("short.relay.example.test", Entry::A(ip("203.0.113.21"), 1)),
+        ("turn.example.test", Entry::A(ip(TURN_IP), 300)),
+        (
+            "www.chain.example.test",
+            Entry::Cname("cdn.chain.example.test", 120),
+        ),
+        (
+            "cdn.chain.example.test",
+            Entry::Cname("edge.cdn.example.test", 60),
+        ),
+        ("edge.cdn.example.test", Entry::A(ip("198.51.100.10"), 300)),
+        ("plain.example.test", Entry::A(ip("198.51.100.20"), 300)),
+    ])
+}
+
+/// Every address the fake internet serves on.
+pub fn addresses() -> Vec<Ipv4Addr> {
+    let mut v: Vec<Ipv4Addr> = zone()
+        .values()
+        .filter_map(|e| match e {
+            Entry::A(ip, _) => Some(*ip),
+            Entry::Cname(..) => None,
+        })
+        .collect();
+    v.push(DNS_IP.parse().unwrap_or(Ipv4Addr::UNSPECIFIED));
+    v.sort();
+    v.dedup();
+    v
+}
+
+// === DNS ===
+
+struct Zone(HashMap<&'static str, Entry>);
+
+#[async_trait::async_trait]
+impl RequestHandler for Zone {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        mut handle: R,
+    ) -> ResponseInfo {
+        let mut metadata = Metadata::response_from_request(&request.metadata);
+        metadata.authoritative = true;
+        let (qname, qtype) = request
+            .queries
+            .queries()
+            .first()
+            .map_or((String::new(), RecordType::A), |q| {
+                (q.name().to_string(), q.query_type())
+            });
+        let mut records = Vec::new();
+        let mut current = qname.trim_end_matches('.').to_ascii_lowercase();
+        let mut found = false;
+        // Follow CNAMEs inside the zone, as an authoritative server does.
+        for _ in 0..8 {
+            let Some(entry) = self.0.get(current.as_str()) else {
+                break;
+            };
+            found = true;
+            let owner = Name::from_ascii(format!("{current}.")).unwrap_or_default();
+            match entry {
+                Entry::A(ip, ttl) => {
+                    if qtype == RecordType::A {
+                        records.push(Record::from_rdata(owner, *ttl, RData::A(A(*ip))));
+                    }
+                    break;
+                }
+                Entry::Cname(target, ttl) => {
+                    let t = Name::from_ascii(format!("{target}.")).unwrap_or_default();
+                    records.push(Record::from_rdata(owner, *ttl, RData::CNAME(CNAME(t))));
+                    current = (*target).to_owned();
+                }
+            }
+        }
+        if !found {
+            metadata.response_code = ResponseCode::NXDomain;
+        }
+        let response = MessageResponseBuilder::from_message_request(request).build(
+            metadata,
+            records.iter(),
+            [],
+            [],
+            [],
+        );
+        match handle.send_response(response).await {
+            Ok(info) => info,
+            Err(_) => ResponseInfo::from(hickory_proto::op::Header {
+                metadata,
+                counts: Default::default(),
+            }),
+        }
+    }
+}
+
+/// Serves the zone on UDP and TCP `addr` until the task is dropped.
+pub async fn serve_dns(addr: SocketAddr) -> std::io::Result<()> {
+    let udp = UdpSocket::bind(addr).await?;
+    let tcp = TcpListener::bind(addr).await?;
+    let mut server = hickory_server::Server::new(Zone(zone()));
+    server.register_socket(udp);
+    server.register_listener(tcp, Duration::from_secs(10), 65_535);
+    server
+        .block_until_done()
+        .await
+        .map_err(std::io::Error::other)
+}
+
+// === origins ===
+
+/// Loads or creates the fake internet's CA in `dir` and a minter for its origins.
+pub fn origin_minter(dir: &Path) -> Result<Arc<LeafMinter>, egress_certs::CertError> {
+    let ca = CertificateAuthority::load_or_create_named(dir, "fake internet test CA")?;
+    Ok(Arc::new(LeafMinter::new(
+        Arc::new(ca),
+        MintConfig::default(),
+    )?))
+}
+
+/// HTTPS on `addr`: certificates per SNI (or per local IP without SNI); the
+/// TURN address speaks the line protocol instead of HTTP.
+pub async fn serve_tls(addr: SocketAddr, minter: Arc<LeafMinter>) -> std::io::Result<()> {
+    let listener = TcpListener::bind(addr).await?;
+    loop {
+        let (tcp, _) = listener.accept().await?;
+        let minter = minter.clone();
+        tokio::spawn(async move {
+            let Ok(local) = tcp.local_addr() else { return };
+            let turn = local.ip()
+                == TURN_IP
+                    .parse::<IpAddr>()
+                    .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+            let mut config = rustls::ServerConfig::builder()
+                .with_no_client_auth()
+                .with_cert_resolver(Arc::new(LeafResolver::new(minter, Some(local.ip()))));
+            if !turn {
+                config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+            }
+            let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+            let Ok(Ok(mut tls)) =
+                tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await
+            else {
+                return;
+            };
+            if turn {
+                let mut line = [0u8; 5];
+                if tls.read_exact(&mut line).await.is_ok() && &line == b"PING\n" {
+                    let _ = tls.write_all(b"PONG\n").await;
+                    let _ = tls.shutdown().await;
+                }
+                return;
+            }
+            let service = hyper::service::service_fn(|req| async move {
+                Ok::<_, std::convert::Infallible>(respond(req).await)
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection_with_upgrades(TokioIo::new(tls), service)
+                .await;
+        });
+    }
+}
+
+/// Plain HTTP on `addr`.
+pub async fn serve_http(addr: SocketAddr) -> std::io::Result<()> {
+    let listener = TcpListener::bind(addr).await?;
+    loop {
+        let (tcp, _) = listener.accept().await?;
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(|req| async move {
+                Ok::<_, std::convert::Infallible>(respond(req).await)
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(tcp), service)
+                .with_upgrades()
+                .await;
+        });
+    }
+}
+
+/// `/bytes/N`, `/echo` (the request body back), `/slow` (answers after 2 s),
+/// `/ws` (an upgrade that echoes), anything else: a line naming the request.
+async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
+    let path = req.uri().path().to_owned();
+    let host = req
+        .headers()
+        .get("host")
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| req.uri().authority().map(ToString::to_string))
+        .unwrap_or_default();
+    if path == "/ws" && req.headers().contains_key(hyper::header::UPGRADE) {
+        let on = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            if let Ok(up) = on.await {
+                let mut io = TokioIo::new(up);
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = io.read(&mut buf).await {
+                    if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        return hyper::Response::builder()
+            .status(101)
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .body(Full::new(Bytes::new()))
+            .unwrap_or_default();
+    }
+    if let Some(n) = path
+        .strip_prefix("/bytes/")
+        .and_then(|n| n.parse::<usize>().ok())
+    {
+        return hyper::Response::new(Full::new(Bytes::from(vec![b'x'; n.min(64 << 20)])));
+    }
+    match path.as_str() {
+        "/echo" => {
+            let body = req
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            hyper::Response::new(Full::new(body))
+        }
+        "/slow" => {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            hyper::Response::new(Full::new(Bytes::from_static(b"slow done\n")))
+        }
+        _ => hyper::Response::new(Full::new(Bytes::from(format!(
+            "fake internet: {} {path} host={host}\n",
+            req.method()
+        )))),
+    }
+}

@@ -1,0 +1,8 @@
+//! End to end in network namespaces: real sandboxes behind real nftables
+//! redirect rules, ordinary clients (curl, dig, a Rust probe), the gateway
+//! binary, and a fake internet. Needs root, nft, ip, curl and dig.
+
+#![allow(unreachable_pub)] // a test binary: `pub` only shares helpers between its modules
+
+mod scenarios;
+mod topology;

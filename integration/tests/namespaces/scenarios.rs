@@ -1,0 +1,350 @@
+//! Every behaviour of DESIGN.md and the TLS specs, seen from inside a sandbox.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::topology::*;
+
+const INTERCEPT_ALL: &str = r#"{"default": "allow", "tls_interception": "on"}"#;
+
+/// Sets up a topology, or returns from the test when it cannot run here.
+macro_rules! topology {
+    () => {{
+        if !available() {
+            return;
+        }
+        Topology::new()
+    }};
+}
+
+fn probe_line(t: &Topology, ns: &str, ip: &str, sni: &str) -> Result<serde_json::Value, String> {
+    let bundle = t.ca("both");
+    let out = t.exec(
+        ns,
+        env!("CARGO_BIN_EXE_egress-probe"),
+        &[
+            "line",
+            "--connect",
+            &format!("{ip}:443"),
+            "--sni",
+            sni,
+            "--ca",
+            bundle.to_str().expect("utf-8"),
+            "--send",
+            "PING",
+        ],
+    );
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).expect("json"))
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+#[test]
+fn allowed_and_denied_by_ip_cidr_and_domain() {
+    let t = topology!();
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "deny", "tls_interception": "on",
+            "allow": [{"ip": "8.8.8.8"}, {"ip": "203.0.113.11"}, {"cidr": "198.51.100.0/24"}, {"domain": "api.example.test"}],
+            "deny": [{"cidr": "198.51.100.16/28"}]}"#,
+    );
+    // Domain allow after DNS through the reserved resolver, intercepted: the gateway's CA verifies.
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/hello", &[]);
+    assert_eq!(code, 0, "{body}");
+    assert!(
+        body.contains("fake internet: GET /hello host=api.example.test"),
+        "{body}"
+    );
+    // IP allow, by address.
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://other.example.test/", &[]);
+    assert_eq!(code, 0, "{body}");
+    // CIDR allow (the CNAME chain ends at 198.51.100.10).
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://www.chain.example.test/", &[]);
+    assert_eq!(code, 0, "{body}");
+    // CIDR deny beats the CIDR allow: plain HTTP gets a 403 naming the rule.
+    let (code, body) = t.curl(
+        &t.sb1,
+        "gateway",
+        "http://plain.example.test/",
+        &["-w", "%{http_code}"],
+    );
+    assert_eq!(code, 0);
+    assert!(
+        body.contains("403") && body.contains("tenant deny: cidr 198.51.100.16/28"),
+        "{body}"
+    );
+    // Not allowed at all: the handshake is reset.
+    let (code, _) = t.curl(&t.sb1, "gateway", "https://a.relay.example.test/", &[]);
+    assert_ne!(code, 0);
+}
+
+#[test]
+fn platform_deny_for_metadata_and_unknown_sandboxes() {
+    let t = topology!();
+    t.push("sb1", SB1_IP, r#"{"default": "allow"}"#);
+    let (code, body) = t.curl(
+        &t.sb1,
+        "gateway",
+        "http://169.254.169.254/latest/meta-data/",
+        &["-w", "%{http_code}"],
+    );
+    assert_eq!(code, 0, "{body}");
+    assert!(
+        body.contains("403") && body.contains("platform deny"),
+        "{body}"
+    );
+    // sb2 was never pushed: denied, and its DNS is refused.
+    let (code, _) = t.curl(&t.sb2, "gateway", "https://203.0.113.10/", &["-k"]);
+    assert_ne!(code, 0);
+    assert_eq!(
+        t.dig(&t.sb2, "api.example.test", false).trim(),
+        "",
+        "REFUSED: no answer"
+    );
+}
+
+#[test]
+fn exemption_splices_only_after_dns_through_the_reserved_resolvers() {
+    let t = topology!();
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "allow", "tls_interception": "on",
+            "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}, {"domain": "turn.example.test"}]}"#,
+    );
+    // SNI alone (the address from elsewhere, no DNS seen): terminated, so only the gateway's CA verifies.
+    let resolve = "a.relay.example.test:443:203.0.113.20";
+    assert_ne!(
+        t.curl(
+            &t.sb1,
+            "origin",
+            "https://a.relay.example.test/",
+            &["--resolve", resolve]
+        )
+        .0,
+        0
+    );
+    assert_eq!(
+        t.curl(
+            &t.sb1,
+            "gateway",
+            "https://a.relay.example.test/",
+            &["--resolve", resolve]
+        )
+        .0,
+        0
+    );
+    // Resolving with another resolver is not possible (other UDP is dropped) and not attribution.
+    assert_eq!(t.dig(&t.sb1, "@203.0.113.53", false).trim(), "");
+    // After DNS through 8.8.8.8: spliced, the client sees the origin's own certificate.
+    assert!(t
+        .dig(&t.sb1, "a.relay.example.test", false)
+        .contains("203.0.113.20"));
+    let (code, body) = t.curl(&t.sb1, "origin", "https://a.relay.example.test/", &[]);
+    assert_eq!(code, 0, "{body}");
+    // The exact-domain exemption: the non-HTTP TLS service works only when exempted.
+    let intercepted =
+        probe_line(&t, &t.sb1, "203.0.113.30", "turn.example.test").expect("handshake");
+    assert_eq!(intercepted["issuer_gateway"], json!(true));
+    assert!(
+        !intercepted["reply"].as_str().unwrap_or("").contains("PONG"),
+        "{intercepted}"
+    );
+    assert!(t
+        .dig(&t.sb1, "turn.example.test", false)
+        .contains("203.0.113.30"));
+    let exempt = probe_line(&t, &t.sb1, "203.0.113.30", "turn.example.test").expect("handshake");
+    assert_eq!(exempt, json!({"issuer_gateway": false, "reply": "PONG\n"}));
+}
+
+#[test]
+fn attribution_expires_and_follows_cname_chains_per_sandbox() {
+    let t = topology!();
+    let policy = r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"domain": "www.chain.example.test"}, {"domain": "short.relay.example.test"}]}"#;
+    t.push("sb1", SB1_IP, policy);
+    t.push("sb2", SB2_IP, policy);
+    // A CNAME chain: the allowed name at its head attributes the address at its end.
+    assert!(t
+        .dig(&t.sb1, "www.chain.example.test", false)
+        .contains("198.51.100.10"));
+    let (code, body) = t.curl(&t.sb1, "origin", "https://www.chain.example.test/", &[]);
+    assert_eq!(code, 0, "{body}");
+    // Sandbox B cannot ride on A's attribution.
+    let (code, _) = t.curl(
+        &t.sb2,
+        "origin",
+        "https://www.chain.example.test/",
+        &["--resolve", "www.chain.example.test:443:198.51.100.10"],
+    );
+    assert_ne!(code, 0);
+    // A 1-second TTL (the gateway's floor is 1 s here) expires.
+    assert!(t
+        .dig(&t.sb1, "short.relay.example.test", false)
+        .contains("203.0.113.21"));
+    assert_eq!(
+        t.curl(&t.sb1, "origin", "https://short.relay.example.test/", &[])
+            .0,
+        0
+    );
+    std::thread::sleep(Duration::from_millis(2_500));
+    let resolve = "short.relay.example.test:443:203.0.113.21";
+    assert_ne!(
+        t.curl(
+            &t.sb1,
+            "origin",
+            "https://short.relay.example.test/",
+            &["--resolve", resolve]
+        )
+        .0,
+        0,
+        "expired"
+    );
+    let reasons: Vec<String> = t
+        .flows()
+        .iter()
+        .map(|f| f["reason"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert!(reasons.iter().any(|r| r == "expired"), "{reasons:?}");
+}
+
+#[test]
+fn dns_over_tcp_and_quic_dropped() {
+    let t = topology!();
+    t.push("sb1", SB1_IP, r#"{"default": "allow"}"#);
+    assert!(
+        t.dig(&t.sb1, "api.example.test", true)
+            .contains("203.0.113.10"),
+        "DNS over TCP through the gateway"
+    );
+    let listed = t.exec(&t.gw, "nft", &["list", "table", "inet", "egress_gw_sb1"]);
+    let before = String::from_utf8_lossy(&listed.stdout).into_owned();
+    // A QUIC-like datagram to 443 never leaves the sandbox interface.
+    let out = t.exec(
+        &t.sb1,
+        "bash",
+        &[
+            "-c",
+            "for i in 1 2 3; do echo quic > /dev/udp/203.0.113.10/443; done",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = t.exec(&t.gw, "nft", &["list", "table", "inet", "egress_gw_sb1"]);
+    let after = String::from_utf8_lossy(&listed.stdout).into_owned();
+    let dropped = |text: &str| -> u64 {
+        text.lines()
+            .find(|l| l.contains("meta l4proto udp counter"))
+            .and_then(|l| l.split("packets ").nth(1))
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(dropped(&after) >= dropped(&before) + 3, "{after}");
+}
+
+#[test]
+fn a_push_changes_the_next_flow_and_a_restart_keeps_it() {
+    let mut t = topology!();
+    t.push("sb1", SB1_IP, INTERCEPT_ALL);
+    assert_eq!(
+        t.curl(&t.sb1, "gateway", "https://api.example.test/", &[])
+            .0,
+        0
+    );
+    t.push("sb1", SB1_IP, r#"{"default": "allow", "deny": [{"domain": "api.example.test"}], "tls_interception": "on"}"#);
+    assert_ne!(
+        t.curl(&t.sb1, "gateway", "https://api.example.test/", &[])
+            .0,
+        0,
+        "the next flow sees the push"
+    );
+    assert!(t.stop_gateway().success(), "SIGTERM exits 0");
+    // While the gateway is down nothing passes unchecked: the redirect leads nowhere.
+    assert_ne!(
+        t.curl(&t.sb1, "both", "https://203.0.113.11/", &["-k"]).0,
+        0
+    );
+    t.start_gateway();
+    // Before any new push: the snapshot's policy is in force.
+    assert_ne!(
+        t.curl(&t.sb1, "gateway", "https://api.example.test/", &[])
+            .0,
+        0
+    );
+    assert_eq!(
+        t.curl(&t.sb1, "gateway", "https://other.example.test/", &[])
+            .0,
+        0
+    );
+}
+
+#[test]
+fn sigterm_drains_an_open_flow() {
+    let mut t = topology!();
+    t.push("sb1", SB1_IP, INTERCEPT_ALL);
+    let bundle = t.ca("gateway");
+    let slow = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &t.sb1,
+            "curl",
+            "-sS",
+            "--max-time",
+            "10",
+            "--cacert",
+            bundle.to_str().expect("utf-8"),
+            "https://api.example.test/slow",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("curl");
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(t.stop_gateway().success());
+    let out = slow.wait_with_output().expect("curl");
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "slow done\n",
+        "the open flow finished during the drain"
+    );
+}
+
+#[test]
+fn a_thousand_concurrent_flows_through_one_sandbox() {
+    let t = topology!();
+    t.push("sb1", SB1_IP, INTERCEPT_ALL);
+    let bundle = t.ca("gateway");
+    let out = t.exec(
+        &t.sb1,
+        env!("CARGO_BIN_EXE_egress-probe"),
+        &[
+            "many",
+            "--connect",
+            "203.0.113.10:443",
+            "--sni",
+            "api.example.test",
+            "--ca",
+            bundle.to_str().expect("utf-8"),
+            "--count",
+            "1000",
+            "--concurrency",
+            "250",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(report["ok"], json!(1000), "{report}");
+    assert_eq!(report["failed"], json!(0), "{report}");
+}

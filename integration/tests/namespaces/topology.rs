@@ -1,0 +1,430 @@
+//! Four network namespaces: a gateway, two sandboxes and a fake internet,
+//! joined by veth pairs on 100.64.0.0/10. The gateway namespace applies the
+//! `egress-gateway redirect` rules on both sandbox interfaces and drops
+//! forwarding; no namespace has a route to the host network. Everything is
+//! removed on drop, also when a test fails.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+pub const SB1_IP: &str = "100.64.1.2";
+pub const SB2_IP: &str = "100.64.2.2";
+
+/// Whether namespace tests can run here; with `EGRESS_E2E_REQUIRED=1`
+/// (set by CI) a missing prerequisite is a failure, not a skip.
+pub fn available() -> bool {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0"));
+    let nft = Command::new("nft")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let ip = Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let curl = Command::new("curl")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let ok = root && nft && ip && curl;
+    if !ok {
+        let why = format!("namespace tests need root, nft, ip and curl (root={root} nft={nft} ip={ip} curl={curl})");
+        if std::env::var("EGRESS_E2E_REQUIRED").as_deref() == Ok("1") {
+            panic!("{why}");
+        }
+        eprintln!("SKIPPED: {why}");
+    }
+    ok
+}
+
+pub struct Topology {
+    pub gw: String,
+    pub sb1: String,
+    pub sb2: String,
+    pub inet: String,
+    pub dir: tempfile::TempDir,
+    gateway: Option<Child>,
+    internet: Option<Child>,
+}
+
+/// Runs a command and insists it succeeds.
+pub fn run(program: &str, args: &[&str]) {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    // Test binaries live in target/<profile>/deps; the workspace binaries one level up.
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --workspace --bins` first (cargo test --workspace does)",
+        path.display()
+    );
+    path
+}
+
+impl Topology {
+    pub fn new() -> Self {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{}-{n}", std::process::id());
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut t = Self {
+            gw: format!("egw-gw-{tag}"),
+            sb1: format!("egw-sb1-{tag}"),
+            sb2: format!("egw-sb2-{tag}"),
+            inet: format!("egw-net-{tag}"),
+            dir,
+            gateway: None,
+            internet: None,
+        };
+        for ns in [&t.gw, &t.sb1, &t.sb2, &t.inet] {
+            run("ip", &["netns", "add", ns]);
+            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+            // IPv4 only: no router advertisements or autoconfigured addresses.
+            run(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    ns,
+                    "sysctl",
+                    "-qw",
+                    "net.ipv6.conf.all.disable_ipv6=1",
+                ],
+            );
+        }
+        // Veth pairs made inside the gateway namespace: nothing touches the host's.
+        let link = |peer_ns: &str, gw_if: &str, gw_ip: &str, peer_ip: &str| {
+            run(
+                "ip",
+                &[
+                    "-n", &t.gw, "link", "add", gw_if, "type", "veth", "peer", "name", "eth0",
+                    "netns", peer_ns,
+                ],
+            );
+            run("ip", &["-n", &t.gw, "addr", "add", gw_ip, "dev", gw_if]);
+            run("ip", &["-n", &t.gw, "link", "set", gw_if, "up"]);
+            run(
+                "ip",
+                &["-n", peer_ns, "addr", "add", peer_ip, "dev", "eth0"],
+            );
+            run("ip", &["-n", peer_ns, "link", "set", "eth0", "up"]);
+        };
+        link(&t.sb1, "sb1", "100.64.1.1/30", "100.64.1.2/30");
+        link(&t.sb2, "sb2", "100.64.2.1/30", "100.64.2.2/30");
+        link(&t.inet, "inet0", "100.64.3.1/30", "100.64.3.2/30");
+        run(
+            "ip",
+            &["-n", &t.sb1, "route", "add", "default", "via", "100.64.1.1"],
+        );
+        run(
+            "ip",
+            &["-n", &t.sb2, "route", "add", "default", "via", "100.64.2.1"],
+        );
+        for net in ["203.0.113.0/24", "198.51.100.0/24"] {
+            run(
+                "ip",
+                &["-n", &t.gw, "route", "add", net, "via", "100.64.3.2"],
+            );
+        }
+        run(
+            "ip",
+            &[
+                "-n",
+                &t.inet,
+                "route",
+                "add",
+                "100.64.0.0/10",
+                "via",
+                "100.64.3.1",
+            ],
+        );
+        for a in egress_integration::addresses() {
+            run(
+                "ip",
+                &[
+                    "-n",
+                    &t.inet,
+                    "addr",
+                    "add",
+                    &format!("{a}/32"),
+                    "dev",
+                    "lo",
+                ],
+            );
+        }
+        // The gateway namespace never forwards: every byte crosses the gateway process.
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &t.gw,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=0",
+            ],
+        );
+        let mut nft = Command::new("ip")
+            .args(["netns", "exec", &t.gw, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("nft");
+        std::io::Write::write_all(
+            nft.stdin.as_mut().expect("stdin"),
+            b"table inet egw_forward {\n chain forward {\n  type filter hook forward priority 0; policy drop;\n }\n}\n",
+        )
+        .expect("write");
+        assert!(nft.wait().expect("nft").success());
+        for ns in [&t.sb1, &t.sb2] {
+            let etc = PathBuf::from("/etc/netns").join(ns);
+            std::fs::create_dir_all(&etc).expect("/etc/netns");
+            std::fs::write(
+                etc.join("resolv.conf"),
+                "nameserver 8.8.8.8\noptions timeout:2 attempts:1\n",
+            )
+            .expect("resolv.conf");
+        }
+        t.start_internet();
+        for iface in ["sb1", "sb2"] {
+            let out = t.exec(
+                &t.gw,
+                bin("egress-gateway").to_str().expect("utf-8"),
+                &["redirect", "--sandbox-iface", iface, "--apply"],
+            );
+            assert!(
+                out.status.success(),
+                "redirect: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        t.write_config();
+        t.start_gateway();
+        t
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    fn start_internet(&mut self) {
+        let ca = self.path("inet-ca");
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.inet])
+            .arg(env!("CARGO_BIN_EXE_fake-internet"))
+            .arg("--ca-dir")
+            .arg(&ca)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("fake internet");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("ready line");
+        assert_eq!(line.trim(), "ready", "the fake internet did not start");
+        self.internet = Some(child);
+    }
+
+    fn write_config(&self) {
+        let cfg = format!(
+            r#"
+            state_dir = "{state}"
+            [dns]
+            upstreams = ["{dns}:53"]
+            min_ttl = "1s"
+            [tls]
+            extra_upstream_roots = ["{roots}"]
+            [timeouts]
+            peek = "2s"
+            drain = "10s"
+            [log]
+            flow_log = "{flows}"
+            "#,
+            state = self.path("gw-state").display(),
+            dns = egress_integration::DNS_IP,
+            roots = self.path("inet-ca/ca.crt").display(),
+            flows = self.path("flows.jsonl").display(),
+        );
+        std::fs::write(self.path("gateway.toml"), cfg).expect("config");
+    }
+
+    /// Starts the gateway in its namespace and waits for `/readyz`.
+    pub fn start_gateway(&mut self) {
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.gw])
+            .arg(bin("egress-gateway"))
+            .args(["run", "--config"])
+            .arg(self.path("gateway.toml"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.path("gateway.log")).expect("log"))
+            .spawn()
+            .expect("gateway");
+        self.gateway = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.admin("GET", "/readyz", None).0 == 200 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "gateway not ready: {}",
+                std::fs::read_to_string(self.path("gateway.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn stop_gateway(&mut self) -> std::process::ExitStatus {
+        let mut child = self.gateway.take().expect("a running gateway");
+        // `ip netns exec` execs the gateway, so this PID is the gateway's.
+        run("kill", &["-TERM", &child.id().to_string()]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(s) = child.try_wait().expect("status") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the gateway did not stop within 20 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn exec(&self, ns: &str, program: &str, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", ns, program])
+            .args(args)
+            .output()
+            .expect("ip netns exec")
+    }
+
+    /// An admin API call from inside the gateway namespace: status and body.
+    pub fn admin(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        let url = format!("http://127.0.0.1:15000{path}");
+        let mut args = vec![
+            "-s",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            "-X",
+            method,
+            "--max-time",
+            "5",
+            &url,
+        ];
+        if let Some(b) = body {
+            args.extend(["-H", "content-type: application/json", "--data-binary", b]);
+        }
+        let out = self.exec(&self.gw, "curl", &args);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_owned())
+    }
+
+    /// Pushes `policy` for the sandbox at `addr` under `id`.
+    pub fn push(&self, id: &str, addr: &str, policy: &str) {
+        let doc = format!(r#"{{"addresses": ["{addr}"], "policy": {policy}}}"#);
+        let (status, body) = self.admin("PUT", &format!("/v1/sandboxes/{id}"), Some(&doc));
+        assert_eq!(status, 200, "push {id}: {body}");
+    }
+
+    /// `curl` from a sandbox: (exit code, body). `ca` is `gateway`, `origin` or `both`.
+    pub fn curl(&self, ns: &str, ca: &str, url: &str, extra: &[&str]) -> (i32, String) {
+        let bundle = self.ca(ca);
+        let mut args = vec![
+            "-sS",
+            "--max-time",
+            "8",
+            "--cacert",
+            bundle.to_str().expect("utf-8"),
+        ];
+        args.extend_from_slice(extra);
+        args.push(url);
+        let out = self.exec(ns, "curl", &args);
+        let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.push_str(&String::from_utf8_lossy(&out.stderr));
+        (out.status.code().unwrap_or(-1), text)
+    }
+
+    /// A CA file: the gateway's, the fake internet's, or both.
+    pub fn ca(&self, which: &str) -> PathBuf {
+        let gw = self.path("gw-state/ca/ca.crt");
+        let origin = self.path("inet-ca/ca.crt");
+        match which {
+            "gateway" => gw,
+            "origin" => origin,
+            _ => {
+                let both = self.path("both.pem");
+                let text = std::fs::read_to_string(&gw).expect("gateway CA")
+                    + &std::fs::read_to_string(&origin).expect("origin CA");
+                std::fs::write(&both, text).expect("bundle");
+                both
+            }
+        }
+    }
+
+    /// Resolves `name` in a sandbox with dig (through 8.8.8.8, i.e. the gateway).
+    pub fn dig(&self, ns: &str, name: &str, tcp: bool) -> String {
+        let mut args = vec!["+short", "+time=3", "+tries=1", "@8.8.8.8", name];
+        if tcp {
+            args.push("+tcp");
+        }
+        let out = self.exec(ns, "dig", &args);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The flow log's lines so far.
+    pub fn flows(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.path("flows.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        for child in [self.gateway.take(), self.internet.take()]
+            .into_iter()
+            .flatten()
+        {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        for ns in [&self.gw, &self.sb1, &self.sb2, &self.inet] {
+            // Whatever else still runs in the namespace, by PID.
+            if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
+                for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-KILL", pid]).status();
+                }
+            }
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+            let _ = std::fs::remove_dir_all(PathBuf::from("/etc/netns").join(ns));
+        }
+    }
+}
