@@ -1,1 +1,1 @@
-//! Criterion benchmarks live in `benches/`; the traffic-replay tool will live here.
+//! Criterion benchmarks live in `benches/`, the replay tool in `src/bin/replay.rs`.

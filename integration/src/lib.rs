@@ -55,6 +55,16 @@ pub fn zone() -> HashMap<&'static str, Entry> {
         ),
         ("edge.cdn.example.test", Entry::A(ip("198.51.100.10"), 300)),
         ("plain.example.test", Entry::A(ip("198.51.100.20"), 300)),
+        // The replay sample's world: registries, git, an API, a blocked site, a deb mirror.
+        (
+            "registry.npm.example.test",
+            Entry::A(ip("203.0.113.40"), 300),
+        ),
+        ("files.pypi.example.test", Entry::A(ip("203.0.113.41"), 300)),
+        ("crates.example.test", Entry::A(ip("203.0.113.42"), 300)),
+        ("git.example.test", Entry::A(ip("203.0.113.43"), 300)),
+        ("blocked.example.test", Entry::A(ip("203.0.113.44"), 300)),
+        ("deb.example.test", Entry::A(ip("198.51.100.21"), 300)),
     ])
 }
 

@@ -348,3 +348,37 @@ fn a_thousand_concurrent_flows_through_one_sandbox() {
     assert_eq!(report["ok"], json!(1000), "{report}");
     assert_eq!(report["failed"], json!(0), "{report}");
 }
+
+#[test]
+fn the_sample_flow_log_replays_with_no_verdict_mismatch() {
+    let t = topology!();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/replay");
+    let policy = std::fs::read_to_string(root.join("sample-policy.json")).expect("sample policy");
+    t.push("sb1", SB1_IP, &policy);
+    let (gw_ca, origin_ca) = (t.ca("gateway"), t.ca("origin"));
+    let log = root.join("sample-flows.jsonl");
+    let out = t.exec(
+        &t.sb1,
+        bin("egress-replay").to_str().expect("utf-8"),
+        &[
+            "--log",
+            log.to_str().expect("utf-8"),
+            "--gateway-ca",
+            gw_ca.to_str().expect("utf-8"),
+            "--origin-ca",
+            origin_ca.to_str().expect("utf-8"),
+            "--concurrency",
+            "32",
+            "--quiet",
+        ],
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    eprintln!(
+        "{}",
+        serde_json::to_string_pretty(&report).unwrap_or_default()
+    );
+    assert_eq!(report["flows"], json!(3000));
+    assert_eq!(report["mismatches"], json!(0), "{report}");
+    assert!(out.status.success());
+}
