@@ -98,6 +98,14 @@ pub async fn peek<R: AsyncRead + Unpin>(
     Ok((classified, buf))
 }
 
+/// Classifies a buffer: `Ok(None)` while more bytes are needed.
+pub fn classify_bytes(buf: &[u8]) -> Result<Option<Classified>, PeekError> {
+    classify(buf).map(|step| match step {
+        Step::Done(c) => Some(c),
+        Step::NeedMore => None,
+    })
+}
+
 /// Classifies what has been read so far.
 fn classify(buf: &[u8]) -> Result<Step, PeekError> {
     let Some(&first) = buf.first() else {
@@ -235,6 +243,9 @@ fn finish_at_limit(buf: &[u8]) -> Result<Classified, PeekError> {
         _ => Ok(Classified::Http { host: None }),
     }
 }
+
+#[doc(hidden)]
+pub mod fixture;
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs this gateway as the testbed's `gateway` column (see sidebyside.sh).
+# Called by ../shared/testbed/peer_gateway.sh inside pb-gw, with PB_LISTEN_PORT
+# and PB_UPSTREAM_CA exported.  $1 = state directory prepared by sidebyside.sh
+# (CA and snapshot), $2 = the gateway binary.
+set -euo pipefail
+state=$1
+bin=$2
+cat > "$state/gateway.toml" <<EOF2
+state_dir = "$state"
+[listen]
+transparent = "0.0.0.0:${PB_LISTEN_PORT:?}"
+dns = "127.0.0.1:0"
+dns_alt = "127.0.0.1:0"
+admin = "127.0.0.1:${GW_ADMIN_PORT:-15000}"
+[tls]
+extra_upstream_roots = ["${PB_UPSTREAM_CA:?}"]
+[limits]
+max_connections = 20000
+[log]
+flow_log = "off"
+EOF2
+export RUST_LOG=${RUST_LOG:-warn}
+exec "$bin" run --config "$state/gateway.toml"

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark of this gateway against direct, mitmproxy and Squid
+# in the shared testbed (../shared/testbed), in one interleaved session.
+#
+#   benches/sidebyside.sh                 # intercept mode, all columns
+#   MODE=splice benches/sidebyside.sh     # the gateway splices (CIDR exemption)
+#   PEERS="direct gateway squid-bump" ROUNDS=3 benches/sidebyside.sh
+#
+# Root only; run ../shared/testbed/setup.sh once first.  The gateway is the
+# release build; its sandbox (the testbed client, 100.64.0.1) gets its policy
+# from a snapshot written here: allow 203.0.113.0/24 with TLS interception on,
+# plus (MODE=splice) a CIDR exemption for the same range.  Results land in
+# /tmp/peerbench/results/<time>/ (the testbed's), and the summary is copied
+# to benches/results/<mode>-<time>.md.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+testbed=${TESTBED:-$root/../shared/testbed}
+mode=${MODE:-intercept}
+bin=$root/target/release/egress-gateway
+[ -x "$bin" ] || cargo build --release -p egress-gateway --manifest-path "$root/Cargo.toml"
+state=/tmp/peerbench/egress-gateway-$mode
+rm -rf "$state"
+mkdir -p "$state"
+"$bin" ca init --dir "$state/ca" >/dev/null
+case $mode in
+    intercept) policy='{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on"}' ;;
+    splice) policy='{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on", "tls_interception_exemptions": [{"cidr": "203.0.113.0/24"}]}' ;;
+    *) echo "MODE must be intercept or splice" >&2; exit 2 ;;
+esac
+printf '{"version": 1, "sandboxes": [{"id": "pb-client", "addresses": ["100.64.0.1"], "policy": %s}]}\n' "$policy" > "$state/snapshot.json"
+export GATEWAY_CMD="$root/benches/gateway-column.sh $state $bin"
+export GATEWAY_CA_CERT=$state/ca/ca.crt
+if [ "$mode" = splice ]; then export GATEWAY_EXPECT_ISSUER="PeerBench Test Origin CA"; fi
+export PEERS=${PEERS:-"direct mitmproxy squid-bump squid-splice gateway"}
+cd "$testbed"
+# run.sh reads the test PKI before it brings the testbed up when a gateway CA
+# is added to the client bundle: bring it up first (and down at the end).
+if [ ! -s "${PB_STATE:-/tmp/peerbench}/pki/client-bundle.pem" ]; then
+    ./testbed.sh up
+    trap './testbed.sh down' EXIT
+fi
+out=$(mktemp)
+./run.sh | tee "$out"
+mkdir -p "$root/benches/results"
+cp "$out" "$root/benches/results/$mode-$(date -u +%Y%m%dT%H%M%SZ).md"
