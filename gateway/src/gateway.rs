@@ -94,6 +94,8 @@ pub struct Shared {
     pub(crate) push_lock: tokio::sync::Mutex<()>,
     /// One permit per flow being handled; draining takes them all.
     slots: Arc<Semaphore>,
+    /// Idle upstream connections of the intercept path.
+    pub(crate) pool: crate::pool::UpstreamPool,
 }
 
 /// The addresses the gateway actually listens on (ports may have been 0).
@@ -265,6 +267,7 @@ impl Gateway {
             admin_token,
             push_lock: tokio::sync::Mutex::new(()),
             slots,
+            pool: crate::pool::UpstreamPool::default(),
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
             cache,
@@ -559,9 +562,15 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
                 }
             };
             let _ = origin.set_nodelay(true);
-            let client = Rewind::new(peeked, stream);
-            let moved = crate::splice::splice(client, origin, limits.1.idle).await;
-            rec.bytes_up = moved.up;
+            // The peeked bytes go first; then the two sockets are joined as they are.
+            let mut origin = origin;
+            if let Err(e) = origin.write_all(&peeked).await {
+                reset(&stream);
+                rec.error = Some(format!("upstream_write: {e}"));
+                return finish(rec);
+            }
+            let moved = crate::splice::splice(stream, origin, limits.1.idle).await;
+            rec.bytes_up = peeked.len() as u64 + moved.up;
             rec.bytes_down = moved.down;
             if moved.idle_timeout {
                 rec.error = Some("idle_timeout".into());

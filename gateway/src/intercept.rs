@@ -8,14 +8,14 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use egress_certs::LeafResolver;
 use egress_policy::{Denied, Flow, Hostname, Protocol, Verdict};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::ServerName;
@@ -23,11 +23,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::gateway::Shared;
-use crate::io::Counts;
+use crate::io::{quiet_for, Counts};
 use crate::peek::strip_port;
+use crate::pool::{Body, PoolKey, Sender};
 use crate::registry::Sandbox;
-
-type Body = BoxBody<Bytes, hyper::Error>;
 
 /// What happened on an intercepted flow.
 #[derive(Debug, Default)]
@@ -47,13 +46,8 @@ struct Conn {
     sni: Option<Hostname>,
     requests: AtomicU64,
     host: Mutex<Option<String>>,
-    upstream: tokio::sync::Mutex<Option<Sender>>,
-}
-
-/// A connection to the origin.
-enum Sender {
-    H1(hyper::client::conn::http1::SendRequest<Body>),
-    H2(hyper::client::conn::http2::SendRequest<Body>),
+    /// The upstream connection this client connection uses, and what it was verified as.
+    upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
 }
 
 /// Why a request could not be forwarded: the client gets a 502 saying so.
@@ -131,6 +125,9 @@ where
             };
         }
     };
+    if let Some((key, sender)) = conn.upstream.lock().await.take() {
+        shared.pool.put(key, sender);
+    }
     let error = served.err().map(|e| {
         let text = e.to_string();
         // hyper answers bytes that are not HTTP with 400 and closes: the
@@ -146,24 +143,6 @@ where
         requests: conn.requests.load(Ordering::Relaxed),
         host,
         error,
-    }
-}
-
-/// Completes once no byte has moved either way for `idle`.
-async fn quiet_for(activity: &Counts, idle: Duration) {
-    let total = || activity.read.load(Ordering::Relaxed) + activity.written.load(Ordering::Relaxed);
-    let tick = idle.min(Duration::from_secs(1));
-    let mut last = total();
-    let mut quiet_since = Instant::now();
-    loop {
-        tokio::time::sleep(tick).await;
-        let now = total();
-        if now != last {
-            last = now;
-            quiet_since = Instant::now();
-        } else if quiet_since.elapsed() >= idle {
-            return;
-        }
     }
 }
 
@@ -262,18 +241,25 @@ impl Conn {
         verify_as: ServerName<'static>,
         authority: &str,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        let mut guard = self.upstream.lock().await;
-        let reusable = match guard.as_ref() {
-            Some(Sender::H2(s)) => !s.is_closed(),
-            Some(Sender::H1(s)) => s.is_ready(),
-            None => false,
+        let key = PoolKey {
+            dst: self.dst,
+            name: server_name_text(&verify_as),
         };
+        let mut guard = self.upstream.lock().await;
+        let reusable = guard.as_ref().is_some_and(|(k, s)| *k == key && s.usable());
         if !reusable {
-            *guard = Some(self.connect(verify_as, true).await?);
+            if let Some((old_key, old)) = guard.take() {
+                self.shared.pool.put(old_key, old);
+            }
+            let sender = match self.shared.pool.take(&key) {
+                Some(s) => s,
+                None => self.connect(verify_as, true).await?,
+            };
+            *guard = Some((key, sender));
         }
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, body.boxed());
-        match guard.as_mut() {
+        match guard.as_mut().map(|(_, s)| s) {
             Some(Sender::H2(s)) => {
                 let mut s = s.clone();
                 drop(guard);

@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -114,5 +115,23 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Completes once no byte has moved either way for `idle`.
+pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
+    let total = || activity.read.load(Ordering::Relaxed) + activity.written.load(Ordering::Relaxed);
+    let tick = idle.min(Duration::from_secs(1));
+    let mut last = total();
+    let mut quiet_since = Instant::now();
+    loop {
+        tokio::time::sleep(tick).await;
+        let now = total();
+        if now != last {
+            last = now;
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() >= idle {
+            return;
+        }
     }
 }

@@ -13,6 +13,7 @@ mod metrics;
 pub mod peek;
 pub mod persist;
 mod policy_cmd;
+mod pool;
 pub mod redirect;
 pub mod registry;
 mod run_cmd;

@@ -1,12 +1,18 @@
 //! Splice: copy bytes both ways between client and origin, propagating
 //! half-close, counting bytes, and closing both sides after `idle` with no
 //! bytes in either direction.
+//!
+//! Owned socket halves (no lock per operation) and one idle watchdog for the
+//! flow (no timer per read): the path every exempted byte takes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+use crate::io::{quiet_for, Counts};
 
 /// What a splice moved.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -19,67 +25,49 @@ pub(crate) struct Spliced {
 }
 
 /// Copies until both directions have closed, an error, or `idle` passes quietly.
-pub(crate) async fn splice<C, O>(client: C, origin: O, idle: Duration) -> Spliced
-where
-    C: AsyncRead + AsyncWrite + Unpin,
-    O: AsyncRead + AsyncWrite + Unpin,
-{
-    let (mut cr, mut cw) = tokio::io::split(client);
-    let (mut or, mut ow) = tokio::io::split(origin);
-    let start = Instant::now();
-    let last = Arc::new(AtomicU64::new(0));
-    let up = one_way(&mut cr, &mut ow, idle, start, &last);
-    let down = one_way(&mut or, &mut cw, idle, start, &last);
-    let ((up, up_idle), (down, down_idle)) = tokio::join!(up, down);
+pub(crate) async fn splice(client: TcpStream, origin: TcpStream, idle: Duration) -> Spliced {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut or, mut ow) = origin.into_split();
+    let counts = Counts::default();
+    let both = async {
+        tokio::join!(
+            pump(&mut cr, &mut ow, &counts.read),
+            pump(&mut or, &mut cw, &counts.written)
+        )
+    };
+    let idle_timeout = tokio::select! {
+        _ = both => false,
+        () = quiet_for(&counts, idle) => true,
+    };
     Spliced {
-        up,
-        down,
-        idle_timeout: up_idle || down_idle,
+        up: counts.read.load(Ordering::Relaxed),
+        down: counts.written.load(Ordering::Relaxed),
+        idle_timeout,
     }
 }
 
-async fn one_way<R, W>(
-    r: &mut R,
-    w: &mut W,
-    idle: Duration,
-    start: Instant,
-    last: &AtomicU64,
-) -> (u64, bool)
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
+/// One direction: read, write, count; on EOF or error, half-close the other side.
+async fn pump(r: &mut OwnedReadHalf, w: &mut OwnedWriteHalf, moved: &AtomicU64) {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut total = 0u64;
     loop {
-        match tokio::time::timeout(idle, r.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => break,
-            Ok(Ok(n)) => {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
                 if w.write_all(&buf[..n]).await.is_err() {
                     break;
                 }
-                total += n as u64;
-                last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-            }
-            Err(_) => {
-                // Quiet this way; the flow is idle only if the other way is too.
-                let since = start.elapsed().as_millis() as u64 - last.load(Ordering::Relaxed);
-                if since >= idle.as_millis() as u64 {
-                    let _ = w.shutdown().await;
-                    return (total, true);
-                }
+                moved.fetch_add(n as u64, Ordering::Relaxed);
             }
         }
     }
     // Half-close: the other side learns that no more bytes come this way.
     let _ = w.shutdown().await;
-    (total, false)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::net::TcpListener;
 
     async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");

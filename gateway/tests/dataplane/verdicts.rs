@@ -617,3 +617,50 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Quiet for T {
         let _ = tokio::io::AsyncReadExt::read_to_end(self, out).await;
     }
 }
+
+#[tokio::test]
+async fn without_sni_each_host_is_verified_on_its_own_connection() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    // No SNI: rustls sends none for an IP address; the leaf carries the IP.
+    let tcp = e.connect(SANDBOX_A, e.origins.api).await;
+    let ip = e.origins.api.ip();
+    let tls = tokio_rustls::TlsConnector::from(e.client_tls(H1))
+        .connect(rustls::pki_types::ServerName::IpAddress(ip.into()), tcp)
+        .await
+        .expect("handshake with an IP SAN leaf");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .expect("http");
+    tokio::spawn(conn);
+    let get = |host: &str| {
+        hyper::Request::builder()
+            .uri("/")
+            .header("host", host)
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .expect("request")
+    };
+    let first = sender
+        .send_request(get("api.example.test"))
+        .await
+        .expect("first");
+    assert_eq!(
+        first.status(),
+        200,
+        "the origin's certificate covers api.example.test"
+    );
+    let _ = http_body_util::BodyExt::collect(first.into_body()).await;
+    sender.ready().await.expect("ready");
+    // Same client connection, another Host: the upstream connection verified
+    // for api.example.test must not carry it.
+    let second = sender
+        .send_request(get("other.example.test"))
+        .await
+        .expect("second");
+    assert_eq!(second.status(), 502);
+}
