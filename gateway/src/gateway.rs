@@ -541,6 +541,28 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
             }
             finish(rec)
         }
+        Verdict::Allow(_) if protocol == Protocol::Http => {
+            // Plain HTTP is served request by request, each judged on its Host.
+            let counts = Arc::new(Counts::default());
+            let peeked_len = peeked.len() as u64;
+            let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
+            let out = crate::intercept::serve_plain_http(
+                shared.clone(),
+                sandbox.clone(),
+                dst,
+                client,
+                counts.clone(),
+            )
+            .await;
+            rec.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
+            rec.bytes_down = counts.written.load(Ordering::Relaxed);
+            rec.requests = Some(out.requests);
+            if out.host.is_some() {
+                rec.host = out.host;
+            }
+            rec.error = out.error;
+            finish(rec)
+        }
         Verdict::Allow(_) | Verdict::Splice(..) => {
             let connect_started = Instant::now();
             let origin = tokio::time::timeout(limits.1.connect, TcpStream::connect(dst)).await;

@@ -44,6 +44,8 @@ struct Conn {
     sandbox: Arc<Sandbox>,
     dst: SocketAddr,
     sni: Option<Hostname>,
+    /// TLS was terminated (else: plain HTTP, forwarded in plain).
+    tls: bool,
     requests: AtomicU64,
     host: Mutex<Option<String>>,
     /// The upstream connection this client connection uses, and what it was verified as.
@@ -98,26 +100,44 @@ where
         Ok(Err(e)) => return failed(format!("tls_handshake: {e}")),
         Err(_) => return failed("tls_handshake: timed out".into()),
     };
-    let conn = Arc::new(Conn {
-        shared: shared.clone(),
-        sandbox,
-        dst,
-        sni,
-        requests: AtomicU64::new(0),
-        host: Mutex::new(None),
-        upstream: tokio::sync::Mutex::new(None),
-    });
+    let conn = Conn::new(shared, sandbox, dst, sni, true);
+    serve(conn, tls, &activity).await
+}
+
+/// Serves plain HTTP/1.x: each request on the connection is judged on its
+/// own `Host` and forwarded to the original destination, so a later request
+/// on a keep-alive connection cannot ride on the first one's verdict.
+pub(crate) async fn serve_plain_http<S>(
+    shared: Arc<Shared>,
+    sandbox: Arc<Sandbox>,
+    dst: SocketAddr,
+    client: S,
+    activity: Arc<Counts>,
+) -> Intercepted
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = Conn::new(shared, sandbox, dst, None, false);
+    serve(conn, client, &activity).await
+}
+
+/// Runs the HTTP server over `io` until the client is done, idle, or gone.
+async fn serve<I>(conn: Arc<Conn>, io: I, activity: &Counts) -> Intercepted
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let shared = conn.shared.clone();
     let service_conn = conn.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let conn = service_conn.clone();
         async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) }
     });
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    let serve = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+    let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     let idle = shared.config().timeouts.idle;
     let served = tokio::select! {
-        r = serve => r,
-        () = quiet_for(&activity, idle) => {
+        r = serving => r,
+        () = quiet_for(activity, idle) => {
             return Intercepted {
                 requests: conn.requests.load(Ordering::Relaxed),
                 host: conn.host.lock().map(|h| h.clone()).unwrap_or_default(),
@@ -156,6 +176,25 @@ fn failed(error: String) -> Intercepted {
 // === impl Conn ===
 
 impl Conn {
+    fn new(
+        shared: Arc<Shared>,
+        sandbox: Arc<Sandbox>,
+        dst: SocketAddr,
+        sni: Option<Hostname>,
+        tls: bool,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            shared,
+            sandbox,
+            dst,
+            sni,
+            tls,
+            requests: AtomicU64::new(0),
+            host: Mutex::new(None),
+            upstream: tokio::sync::Mutex::new(None),
+        })
+    }
+
     async fn handle(&self, mut req: Request<Incoming>) -> Response<Body> {
         self.requests.fetch_add(1, Ordering::Relaxed);
         let authority = req
@@ -168,8 +207,11 @@ impl Conn {
                     .and_then(|h| h.to_str().ok())
                     .map(str::to_owned)
             });
-        let Some(authority) = authority else {
-            return text(StatusCode::BAD_REQUEST, "missing Host\n");
+        let authority = match authority {
+            Some(a) => a,
+            // HTTP/1.0 without Host: judged on the address and attribution alone.
+            None if !self.tls => self.dst.ip().to_string(),
+            None => return text(StatusCode::BAD_REQUEST, "missing Host\n"),
         };
         let host_str = strip_port(&authority).to_owned();
         if let Ok(mut h) = self.host.lock() {
@@ -192,7 +234,11 @@ impl Conn {
         let names = lookup.names();
         let verdict = self.sandbox.policy.decide(&Flow {
             dst: self.dst,
-            protocol: Protocol::Tls,
+            protocol: if self.tls {
+                Protocol::Tls
+            } else {
+                Protocol::Http
+            },
             sni: self.sni.as_ref(),
             host: host.as_ref(),
             attributed: &names,
@@ -243,7 +289,12 @@ impl Conn {
     ) -> Result<Response<Incoming>, UpstreamError> {
         let key = PoolKey {
             dst: self.dst,
-            name: server_name_text(&verify_as),
+            // Plain connections verify nothing; they never share a key with TLS ones.
+            name: if self.tls {
+                server_name_text(&verify_as)
+            } else {
+                String::from("plain http")
+            },
         };
         let mut guard = self.upstream.lock().await;
         let reusable = guard.as_ref().is_some_and(|(k, s)| *k == key && s.usable());
@@ -343,6 +394,13 @@ impl Conn {
             .map_err(|_| UpstreamError::Connect(self.dst, "timed out".into()))?
             .map_err(|e| UpstreamError::Connect(self.dst, e.to_string()))?;
         let _ = tcp.set_nodelay(true);
+        if !self.tls {
+            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+                .await
+                .map_err(|e| UpstreamError::Http(e.to_string()))?;
+            tokio::spawn(conn.with_upgrades());
+            return Ok(Sender::H1(sender));
+        }
         let config = if allow_h2 {
             self.shared.upstream_tls.clone()
         } else {

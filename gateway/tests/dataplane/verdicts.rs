@@ -664,3 +664,60 @@ async fn without_sni_each_host_is_verified_on_its_own_connection() {
         .expect("second");
     assert_eq!(second.status(), 502);
 }
+
+#[tokio::test]
+async fn every_plain_http_request_on_a_keep_alive_connection_is_judged() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "plain.example.test"}, {"ip": "8.8.8.8"}], "deny": [{"domain": "evil.example.test"}]}"#),
+    );
+    e.resolve(SANDBOX_A, "plain.example.test.").await;
+    let tcp = e.connect(SANDBOX_A, e.origins.plain).await;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("http");
+    tokio::spawn(conn);
+    let mut ask = async |host: &str| {
+        sender.ready().await.expect("ready");
+        let req = hyper::Request::builder()
+            .uri("/k")
+            .header("host", host)
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .expect("request");
+        let resp = sender.send_request(req).await.expect("answer");
+        let status = resp.status().as_u16();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    let (status, body) = ask("plain.example.test").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.starts_with("origin=plain GET /k host=plain.example.test"),
+        "{body}"
+    );
+    let (status, body) = ask("evil.example.test").await;
+    assert_eq!(
+        status, 403,
+        "a denied Host later on the same connection: {body}"
+    );
+    assert!(
+        body.contains("tenant deny: domain evil.example.test"),
+        "{body}"
+    );
+    let (status, _) = ask("elsewhere.example.test").await;
+    assert_eq!(status, 403, "a Host that is neither allowed nor attributed");
+    let (status, _) = ask("plain.example.test").await;
+    assert_eq!(status, 200, "the connection still serves allowed requests");
+    drop(sender);
+    let line = e.flow_lines(1).await.pop().expect("line");
+    assert_eq!(
+        (line["verdict"].clone(), line["requests"].clone()),
+        (json!("allow"), json!(4))
+    );
+}
