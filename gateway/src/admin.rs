@@ -278,12 +278,7 @@ async fn resync(shared: &Shared, doc: Resync) -> Reply {
     let _push = shared.push_lock.lock().await;
     let before = shared.registry.checkpoint();
     let n = doc.sandboxes.len();
-    let entries = doc
-        .sandboxes
-        .into_iter()
-        .map(|s| (SandboxId::new(&s.id), s.addresses, s.policy))
-        .collect();
-    if let Err(e) = shared.registry.replace_all(entries) {
+    if let Err(e) = shared.registry.replace_all(persist::entries(doc.sandboxes)) {
         return rejected(
             shared,
             error(StatusCode::CONFLICT, &e.to_string(), Some("sandboxes")),

@@ -107,6 +107,13 @@ pub fn save(state_dir: &Path, registry: &Registry) -> Result<(), PersistError> {
     Ok(())
 }
 
+/// Sandbox documents as registry entries.
+pub fn entries(docs: Vec<SandboxDoc>) -> Vec<(SandboxId, Vec<IpAddr>, Policy)> {
+    docs.into_iter()
+        .map(|s| (SandboxId::new(&s.id), s.addresses, s.policy))
+        .collect()
+}
+
 /// Applies a loaded snapshot to the registry.
 pub fn apply(
     registry: &Registry,
@@ -114,13 +121,8 @@ pub fn apply(
     state_dir: &Path,
 ) -> Result<usize, PersistError> {
     let n = doc.sandboxes.len();
-    let entries = doc
-        .sandboxes
-        .into_iter()
-        .map(|s| (SandboxId::new(&s.id), s.addresses, s.policy))
-        .collect();
     registry
-        .replace_all(entries)
+        .replace_all(entries(doc.sandboxes))
         .map_err(|e| PersistError::Corrupt {
             path: path(state_dir),
             message: e.to_string(),
