@@ -424,6 +424,35 @@ async fn accept(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// Serves a flow request by request: intercepted TLS (`tls` is the
+/// ClientHello's validated SNI, if any) or plain HTTP (`None`), each request
+/// judged on its own Host.
+async fn http_flow(
+    shared: &Arc<Shared>,
+    sandbox: &Arc<crate::registry::Sandbox>,
+    dst: SocketAddr,
+    tls: Option<Option<Hostname>>,
+    stream: TcpStream,
+    peeked: Vec<u8>,
+    rec: &mut FlowRecord,
+) {
+    let counts = Arc::new(Counts::default());
+    let peeked_len = peeked.len() as u64;
+    let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
+    let (shared, sandbox, activity) = (shared.clone(), sandbox.clone(), counts.clone());
+    let out = match tls {
+        Some(sni) => crate::intercept::intercept(shared, sandbox, dst, sni, client, activity).await,
+        None => crate::intercept::serve_plain_http(shared, sandbox, dst, client, activity).await,
+    };
+    rec.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
+    rec.bytes_down = counts.written.load(Ordering::Relaxed);
+    rec.requests = Some(out.requests);
+    if out.host.is_some() {
+        rec.host = out.host;
+    }
+    rec.error = out.error;
+}
+
 /// Counts a flow as active while it lives.
 struct Active<'a>(&'a prometheus_client::metrics::gauge::Gauge);
 
@@ -541,26 +570,12 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
             }
             finish(rec)
         }
+        Verdict::Intercept(..) => {
+            http_flow(&shared, &sandbox, dst, Some(sni), stream, peeked, &mut rec).await;
+            finish(rec)
+        }
         Verdict::Allow(_) if protocol == Protocol::Http => {
-            // Plain HTTP is served request by request, each judged on its Host.
-            let counts = Arc::new(Counts::default());
-            let peeked_len = peeked.len() as u64;
-            let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
-            let out = crate::intercept::serve_plain_http(
-                shared.clone(),
-                sandbox.clone(),
-                dst,
-                client,
-                counts.clone(),
-            )
-            .await;
-            rec.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
-            rec.bytes_down = counts.written.load(Ordering::Relaxed);
-            rec.requests = Some(out.requests);
-            if out.host.is_some() {
-                rec.host = out.host;
-            }
-            rec.error = out.error;
+            http_flow(&shared, &sandbox, dst, None, stream, peeked, &mut rec).await;
             finish(rec)
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
@@ -597,28 +612,6 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
             if moved.idle_timeout {
                 rec.error = Some("idle_timeout".into());
             }
-            finish(rec)
-        }
-        Verdict::Intercept(..) => {
-            let counts = Arc::new(Counts::default());
-            let peeked_len = peeked.len() as u64;
-            let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
-            let out = crate::intercept::intercept(
-                shared.clone(),
-                sandbox.clone(),
-                dst,
-                sni,
-                client,
-                counts.clone(),
-            )
-            .await;
-            rec.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
-            rec.bytes_down = counts.written.load(Ordering::Relaxed);
-            rec.requests = Some(out.requests);
-            if out.host.is_some() {
-                rec.host = out.host;
-            }
-            rec.error = out.error;
             finish(rec)
         }
     }
