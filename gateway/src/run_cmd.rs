@@ -39,6 +39,16 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        // Signal handlers before anything else: a SIGHUP or SIGTERM during
+        // startup is then handled, not the default "terminate".
+        use tokio::signal::unix::{signal, SignalKind};
+        let (hup, term) = match (signal(SignalKind::hangup()), signal(SignalKind::terminate())) {
+            (Ok(h), Ok(t)) => (h, t),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("egress-gateway: cannot install signal handlers: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         let flow_log = match FlowLog::open(&config.log.flow_log) {
             Ok(l) => l,
             Err(e) => {
@@ -67,8 +77,8 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
             b.dns_alt.port()
         );
         tracing::info!("no sandboxes are registered yet: every flow is denied until policies are pushed");
-        let reloader = tokio::spawn(reload_on_sighup(gateway.shared().clone(), config_path.map(Path::to_owned)));
-        let left = gateway.run_until(shutdown_signal()).await;
+        let reloader = tokio::spawn(reload_on_sighup(hup, gateway.shared().clone(), config_path.map(Path::to_owned)));
+        let left = gateway.run_until(shutdown_signal(term)).await;
         reloader.abort();
         if left == 0 {
             tracing::info!("stopped; every flow finished");
@@ -80,11 +90,11 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
 }
 
 /// SIGHUP: read the configuration file again; a bad one keeps the running one.
-async fn reload_on_sighup(shared: Arc<crate::Shared>, path: Option<std::path::PathBuf>) {
-    let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
-        tracing::warn!("cannot listen for SIGHUP; configuration reload is unavailable");
-        return;
-    };
+async fn reload_on_sighup(
+    mut hup: tokio::signal::unix::Signal,
+    shared: Arc<crate::Shared>,
+    path: Option<std::path::PathBuf>,
+) {
     while hup.recv().await.is_some() {
         let Some(path) = &path else {
             tracing::info!("SIGHUP: running on built-in defaults, no configuration file to reload");
@@ -106,14 +116,9 @@ async fn reload_on_sighup(shared: Arc<crate::Shared>, path: Option<std::path::Pa
     }
 }
 
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
+async fn shutdown_signal(mut term: tokio::signal::unix::Signal) {
+    let term = async move {
+        term.recv().await;
     };
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
