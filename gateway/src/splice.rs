@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
@@ -47,17 +47,31 @@ pub(crate) async fn splice(client: TcpStream, origin: TcpStream, idle: Duration)
 }
 
 /// One direction: read, write, count; on EOF or error, half-close the other side.
+///
+/// The buffer exists only while bytes flow: a quiet direction drops it and
+/// waits for readability, so idle spliced flows hold no copy buffers (two
+/// 64 KiB buffers per flow would pin 1.3 GB for 10,000 idle flows).
 async fn pump(r: &mut OwnedReadHalf, w: &mut OwnedWriteHalf, moved: &AtomicU64) {
-    let mut buf = vec![0u8; 64 * 1024];
+    const BUF: usize = 64 * 1024;
+    let mut buf: Vec<u8> = Vec::new();
     loop {
-        match r.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
+        if buf.capacity() == 0 {
+            if r.readable().await.is_err() {
+                break;
+            }
+            buf = Vec::with_capacity(BUF);
+        }
+        buf.clear();
+        match r.try_read_buf(&mut buf) {
+            Ok(0) => break,
             Ok(n) => {
                 if w.write_all(&buf[..n]).await.is_err() {
                     break;
                 }
                 moved.fetch_add(n as u64, Ordering::Relaxed);
             }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => buf = Vec::new(),
+            Err(_) => break,
         }
     }
     // Half-close: the other side learns that no more bytes come this way.
@@ -67,6 +81,7 @@ async fn pump(r: &mut OwnedReadHalf, w: &mut OwnedWriteHalf, moved: &AtomicU64) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
     use tokio::net::TcpListener;
 
     async fn pair() -> (TcpStream, TcpStream) {
