@@ -496,6 +496,15 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
         }
     };
     rec.dst = Some(dst);
+    // A connection that reached the listener without the redirect reports
+    // the listener itself as its destination: dialling it would loop.
+    if stream.local_addr().is_ok_and(|local| local == dst) {
+        reset(&stream);
+        rec.reason = "not_redirected";
+        rec.detail =
+            "the connection was not redirected: its destination is the gateway itself".into();
+        return finish(rec);
+    }
     let Some(sandbox) = shared.registry.lookup(peer.ip()) else {
         reset(&stream);
         rec.reason = "unknown_sandbox";

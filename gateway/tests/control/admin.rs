@@ -354,6 +354,11 @@ async fn metrics_count_flows_bytes_and_pushes() {
         Some(&1.0),
         "one flow was peeked"
     );
+    assert_eq!(
+        m.get("egress_upstream_connect_seconds_count"),
+        Some(&1.0),
+        "one origin was dialled"
+    );
     for name in [
         "egress_dns_queries_total",
         "egress_attribution_entries",

@@ -245,4 +245,47 @@ fn sigterm_stops_the_binary_cleanly() {
         err.contains("draining") && err.contains("every flow finished"),
         "{err}"
     );
+    assert!(
+        err.contains("configuration reload failed") && err.contains("never"),
+        "the bad reload is logged with its reason: {err}"
+    );
+}
+
+#[tokio::test]
+async fn a_connection_that_was_not_redirected_is_refused() {
+    let dir = tempfile::tempdir().expect("dir");
+    // The "original destination" is the listener itself, as SO_ORIGINAL_DST
+    // reports for a connection that bypassed the redirect.
+    let gw = {
+        let cfg = config(dir.path(), "");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("probe a port");
+        let port = listener.local_addr().expect("addr").port();
+        drop(listener);
+        let mut cfg = cfg;
+        cfg.listen.transparent = ([127, 0, 0, 1], port).into();
+        start(cfg, ([127, 0, 0, 1], port).into()).await
+    };
+    let doc = format!(r#"{{"addresses": ["{SANDBOX}"], "policy": {{"default": "allow"}}}}"#);
+    assert_eq!(
+        http(
+            gw.bound().admin,
+            "PUT",
+            "/v1/sandboxes/sb",
+            None,
+            Some(&doc)
+        )
+        .await
+        .0,
+        200
+    );
+    assert_eq!(
+        flow(&gw, SANDBOX, b"loop?").await,
+        None,
+        "refused, not looped"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, text) = http(gw.bound().admin, "GET", "/metrics", None, None).await;
+    let m = metrics(&text);
+    let key = r#"egress_flows_total{verdict="deny",reason="not_redirected"}"#;
+    assert_eq!(m.get(key), Some(&1.0), "{m:?}");
 }
