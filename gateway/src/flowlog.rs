@@ -64,6 +64,12 @@ impl FlowLog {
         }
     }
 
+    /// Whether lines are written at all: with `off`, the per-flow strings
+    /// that only the log reads are not built.
+    pub fn enabled(&self) -> bool {
+        self.sink.is_some()
+    }
+
     pub fn write(&self, mut record: FlowRecord) {
         let Some(sink) = &self.sink else { return };
         record.ts = time::OffsetDateTime::now_utc()

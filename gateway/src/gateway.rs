@@ -545,12 +545,18 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
     // malformed name counts as no name.
     let sni = sni_raw.as_deref().and_then(|s| Hostname::parse(s).ok());
     let host = host_raw.as_deref().and_then(|s| Hostname::parse(s).ok());
-    rec.sni = sni.as_ref().map(ToString::to_string);
-    rec.host = host.as_ref().map(ToString::to_string);
+    // The log's strings are built only when there is a log to read them.
+    let logging = shared.flow_log.enabled();
+    if logging {
+        rec.sni = sni.as_ref().map(ToString::to_string);
+        rec.host = host.as_ref().map(ToString::to_string);
+    }
 
     let lookup = shared.cache.names_for(&sandbox.id, dst.ip());
     let names = lookup.names();
-    rec.attributed = names.iter().map(ToString::to_string).collect();
+    if logging {
+        rec.attributed = names.iter().map(ToString::to_string).collect();
+    }
     let verdict = sandbox.policy.decide(&Flow {
         dst,
         protocol,
@@ -562,12 +568,14 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
     drop(names);
     rec.verdict = verdict.name();
     rec.reason = verdict.code();
-    rec.detail = verdict.describe(&sandbox.policy);
+    if logging {
+        rec.detail = verdict.describe(&sandbox.policy);
+    }
 
     match verdict {
         Verdict::Deny(_) => {
             if protocol == Protocol::Http {
-                let body = format!("egress denied: {}\n", rec.detail);
+                let body = format!("egress denied: {}\n", verdict.describe(&sandbox.policy));
                 let resp = format!(
                     "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                     body.len()
