@@ -32,6 +32,7 @@ use tokio::net::TcpListener;
 use crate::gateway::Shared;
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
+use crate::registry::Registry;
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 1 << 20;
@@ -218,21 +219,19 @@ fn valid_id(id: &str) -> Result<(), String> {
 }
 
 async fn put(shared: &Shared, id: String, doc: PutSandbox) -> Reply {
-    let _push = shared.push_lock.lock().await;
-    let before = shared.registry.checkpoint();
-    if let Err(e) = shared
-        .registry
-        .put(SandboxId::new(&id), doc.addresses, doc.policy)
-    {
-        return rejected(
-            shared,
-            error(StatusCode::CONFLICT, &e.to_string(), Some("addresses")),
-        );
-    }
-    if let Some(r) = persist_or_rollback(shared, before) {
+    let sid = SandboxId::new(&id);
+    let change = |r: &Registry| {
+        r.put(sid.clone(), doc.addresses, doc.policy).map_err(|e| {
+            Box::new(error(
+                StatusCode::CONFLICT,
+                &e.to_string(),
+                Some("addresses"),
+            ))
+        })
+    };
+    if let Some(r) = commit(shared, change).await {
         return r;
     }
-    applied(shared);
     match shared.registry.get(&SandboxId::new(&id)) {
         Some(s) => json_reply(
             StatusCode::OK,
@@ -275,42 +274,59 @@ async fn resync(shared: &Shared, doc: Resync) -> Reply {
             );
         }
     }
-    let _push = shared.push_lock.lock().await;
-    let before = shared.registry.checkpoint();
     let n = doc.sandboxes.len();
-    if let Err(e) = shared.registry.replace_all(persist::entries(doc.sandboxes)) {
-        return rejected(
-            shared,
-            error(StatusCode::CONFLICT, &e.to_string(), Some("sandboxes")),
-        );
-    }
-    if let Some(r) = persist_or_rollback(shared, before) {
+    let change = |r: &Registry| {
+        r.replace_all(persist::entries(doc.sandboxes)).map_err(|e| {
+            Box::new(error(
+                StatusCode::CONFLICT,
+                &e.to_string(),
+                Some("sandboxes"),
+            ))
+        })
+    };
+    if let Some(r) = commit(shared, change).await {
         return r;
     }
-    applied(shared);
     json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
 }
 
 async fn delete(shared: &Shared, id: &str) -> Reply {
-    let _push = shared.push_lock.lock().await;
-    let before = shared.registry.checkpoint();
     let sid = SandboxId::new(id);
-    if !shared.registry.remove(&sid) {
-        return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
-    }
-    if let Some(r) = persist_or_rollback(shared, before) {
+    let change = |r: &Registry| {
+        if r.remove(&sid) {
+            Ok(())
+        } else {
+            Err(Box::new(error(
+                StatusCode::NOT_FOUND,
+                &format!("no sandbox {id:?}"),
+                None,
+            )))
+        }
+    };
+    if let Some(r) = commit(shared, change).await {
         return r;
     }
     shared.cache.remove_sandbox(&sid);
-    applied(shared);
     json_reply(StatusCode::OK, &json!({ "deleted": id }))
 }
 
-/// Writes the snapshot; when that fails, the push is undone: memory never
-/// runs ahead of what a restart would enforce.
-fn persist_or_rollback(shared: &Shared, before: Arc<crate::registry::Snapshot>) -> Option<Reply> {
+/// Applies one change to the registry and writes the snapshot, one push at
+/// a time; when the write fails, the change is undone: memory never runs
+/// ahead of what a restart would enforce. `Some` is the refusal to send.
+async fn commit(
+    shared: &Shared,
+    change: impl FnOnce(&Registry) -> Result<(), Box<Reply>>,
+) -> Option<Reply> {
+    let _push = shared.push_lock.lock().await;
+    let before = shared.registry.checkpoint();
+    if let Err(r) = change(&shared.registry) {
+        return Some(rejected(shared, *r));
+    }
     match persist::save(&shared.config().state_dir, &shared.registry) {
-        Ok(()) => None,
+        Ok(()) => {
+            applied(shared);
+            None
+        }
         Err(e) => {
             shared.registry.restore(before);
             tracing::error!(error = %e, "snapshot write failed; push rolled back");
