@@ -213,12 +213,9 @@ impl DnsProxy {
             else {
                 return;
             };
-            let Ok(rlen) = u16::try_from(resp.len()) else {
+            let Some(framed) = tcp_frame(&resp) else {
                 return;
             };
-            let mut framed = Vec::with_capacity(resp.len() + 2);
-            framed.extend_from_slice(&rlen.to_be_bytes());
-            framed.extend_from_slice(&resp);
             if timeout(self.config.tcp_idle_timeout, stream.write_all(&framed))
                 .await
                 .is_err()
@@ -406,10 +403,7 @@ async fn tcp_exchange(
 ) -> Result<(Vec<u8>, Message), UpstreamError> {
     let exchange = async {
         let mut stream = TcpStream::connect(upstream).await?;
-        let len = u16::try_from(raw.len()).map_err(|_| UpstreamError::Mismatch)?;
-        let mut framed = Vec::with_capacity(raw.len() + 2);
-        framed.extend_from_slice(&len.to_be_bytes());
-        framed.extend_from_slice(raw);
+        let framed = tcp_frame(raw).ok_or(UpstreamError::Mismatch)?;
         stream.write_all(&framed).await?;
         let mut len = [0u8; 2];
         stream.read_exact(&mut len).await?;
@@ -421,6 +415,15 @@ async fn tcp_exchange(
     timeout(limit, exchange)
         .await
         .map_err(|_| UpstreamError::Timeout)?
+}
+
+/// A message with the two-byte length prefix of DNS over TCP; `None` past 64 KiB.
+fn tcp_frame(msg: &[u8]) -> Option<Vec<u8>> {
+    let len = u16::try_from(msg.len()).ok()?;
+    let mut framed = Vec::with_capacity(msg.len() + 2);
+    framed.extend_from_slice(&len.to_be_bytes());
+    framed.extend_from_slice(msg);
+    Some(framed)
 }
 
 /// Parses `bytes` when it is the response to `query`: same id, a response, same question.
