@@ -21,25 +21,28 @@ struct Args {
     cmd: Cmd,
 }
 
+/// Where to connect, the server name to send, and the CAs to trust.
+#[derive(clap::Args)]
+struct Target {
+    #[arg(long)]
+    connect: SocketAddr,
+    #[arg(long)]
+    sni: String,
+    #[arg(long, required = true)]
+    ca: Vec<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     Line {
-        #[arg(long)]
-        connect: SocketAddr,
-        #[arg(long)]
-        sni: String,
-        #[arg(long, required = true)]
-        ca: Vec<PathBuf>,
+        #[command(flatten)]
+        target: Target,
         #[arg(long)]
         send: String,
     },
     Many {
-        #[arg(long)]
-        connect: SocketAddr,
-        #[arg(long)]
-        sni: String,
-        #[arg(long, required = true)]
-        ca: Vec<PathBuf>,
+        #[command(flatten)]
+        target: Target,
         #[arg(long, default_value_t = 1000)]
         count: usize,
         #[arg(long, default_value_t = 100)]
@@ -141,18 +144,14 @@ async fn get(
 async fn main() -> ExitCode {
     let out = match Args::parse().cmd {
         Cmd::Line {
-            connect,
-            sni,
-            ca,
+            target: Target { connect, sni, ca },
             send,
         } => match tls_config(&ca) {
             Ok(c) => line(c, connect, &sni, &send).await,
             Err(e) => Err(e),
         },
         Cmd::Many {
-            connect,
-            sni,
-            ca,
+            target: Target { connect, sni, ca },
             count,
             concurrency,
             path,
