@@ -214,8 +214,10 @@ impl Conn {
             None => return text(StatusCode::BAD_REQUEST, "missing Host\n"),
         };
         let host_str = strip_port(&authority).to_owned();
-        if let Ok(mut h) = self.host.lock() {
-            *h = Some(host_str.clone());
+        if self.shared.flow_log.enabled() {
+            if let Ok(mut h) = self.host.lock() {
+                *h = Some(host_str.clone());
+            }
         }
         // An IP literal Host names no domain: the request is judged on the address.
         let host = match host_str.parse::<IpAddr>() {

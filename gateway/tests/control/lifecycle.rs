@@ -115,10 +115,7 @@ async fn shutdown_drains_open_flows_up_to_the_deadline() {
         .0,
         200
     );
-    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
-    sock.bind((SANDBOX.parse::<std::net::IpAddr>().expect("ip"), 0).into())
-        .expect("bind");
-    let mut open = sock.connect(gw.bound().transparent).await.expect("connect");
+    let mut open = connect_from(&gw, SANDBOX).await;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     open.write_all(b"ping").await.expect("write");
     let mut buf = [0u8; 4];
@@ -151,10 +148,7 @@ async fn shutdown_drains_open_flows_up_to_the_deadline() {
 
     // With a flow that never ends, the deadline wins and says so.
     let gw = start(config(dir.path(), "drain = \"300ms\""), origin).await;
-    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
-    sock.bind((SANDBOX.parse::<std::net::IpAddr>().expect("ip"), 0).into())
-        .expect("bind");
-    let mut stuck = sock.connect(gw.bound().transparent).await.expect("connect");
+    let mut stuck = connect_from(&gw, SANDBOX).await;
     stuck.write_all(b"ping").await.expect("write");
     stuck.read_exact(&mut buf).await.expect("echo");
     assert_eq!(gw.run_until(async {}).await, 1);

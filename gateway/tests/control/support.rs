@@ -108,12 +108,17 @@ pub fn json(body: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{body:?}: {e}"))
 }
 
-/// A connection from `src` through the gateway; `Some(echo)` when bytes came back.
-pub async fn flow(gw: &Gateway, src: &str, payload: &[u8]) -> Option<Vec<u8>> {
+/// A TCP connection from `src` to the gateway's transparent listener.
+pub async fn connect_from(gw: &Gateway, src: &str) -> TcpStream {
     let sock = TcpSocket::new_v4().expect("socket");
     sock.bind((src.parse::<IpAddr>().expect("ip"), 0).into())
         .expect("bind");
-    let mut s = sock.connect(gw.bound().transparent).await.expect("connect");
+    sock.connect(gw.bound().transparent).await.expect("connect")
+}
+
+/// A connection from `src` through the gateway; `Some(echo)` when bytes came back.
+pub async fn flow(gw: &Gateway, src: &str, payload: &[u8]) -> Option<Vec<u8>> {
+    let mut s = connect_from(gw, src).await;
     s.write_all(payload).await.ok()?;
     let mut buf = vec![0u8; payload.len()];
     match tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut buf)).await {
