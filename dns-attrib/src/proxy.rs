@@ -28,6 +28,13 @@ use crate::metrics::DnsMetrics;
 /// The largest DNS message (TCP length prefix is 16 bits).
 const MAX_MESSAGE: usize = 65_535;
 
+/// Idle upstream UDP sockets kept per upstream.
+const POOL_IDLE_MAX: usize = 64;
+
+/// Queries one upstream UDP socket carries before it is closed, so the
+/// source port keeps changing (an off-path spoofer has to guess it anew).
+const SOCKET_MAX_USES: u32 = 32;
+
 /// The gateway's answer to "who sent this query, and may it use this resolver?".
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admit {
@@ -76,6 +83,22 @@ pub struct DnsProxy {
     metrics: Arc<DnsMetrics>,
     in_flight: Arc<Semaphore>,
     per_sandbox: Mutex<HashMap<SandboxId, usize>>,
+    /// One per upstream, in the order of `config.upstreams`.
+    sockets: Vec<SocketPool>,
+}
+
+/// Connected UDP sockets to one upstream that answered their last query
+/// cleanly, reused for up to [`SOCKET_MAX_USES`] queries: creating, binding,
+/// connecting, registering and closing a socket per query cost more than the
+/// rest of the proxy's work (issue 8's profile).
+#[derive(Default)]
+struct SocketPool {
+    idle: Mutex<Vec<PooledSocket>>,
+}
+
+struct PooledSocket {
+    socket: UdpSocket,
+    uses: u32,
 }
 
 /// Why no upstream answered.
@@ -114,6 +137,11 @@ impl DnsProxy {
     ) -> Arc<Self> {
         Arc::new(Self {
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+            sockets: config
+                .upstreams
+                .iter()
+                .map(|_| SocketPool::default())
+                .collect(),
             config,
             cache,
             admission,
@@ -288,16 +316,17 @@ impl DnsProxy {
         query: &Message,
         question: &Query,
     ) -> Option<(Vec<u8>, Message)> {
-        for upstream in &self.config.upstreams {
+        for (upstream, pool) in self.config.upstreams.iter().zip(&self.sockets) {
             let attempt = async {
-                let (bytes, msg) = udp_exchange(
-                    *upstream,
-                    raw,
-                    query,
-                    question,
-                    self.config.upstream_timeout,
-                )
-                .await?;
+                let (bytes, msg) = pool
+                    .exchange(
+                        *upstream,
+                        raw,
+                        query,
+                        question,
+                        self.config.upstream_timeout,
+                    )
+                    .await?;
                 if msg.metadata.truncation {
                     self.metrics.tcp_fallbacks.inc();
                     return tcp_exchange(
@@ -365,30 +394,60 @@ impl Drop for SandboxSlot<'_> {
     }
 }
 
-/// An answer from `upstream` over UDP, ignoring datagrams that do not match the query.
-async fn udp_exchange(
-    upstream: SocketAddr,
-    raw: &[u8],
-    query: &Message,
-    question: &Query,
-    limit: Duration,
-) -> Result<(Vec<u8>, Message), UpstreamError> {
-    let local: SocketAddr = match upstream {
-        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-    };
-    let socket = UdpSocket::bind(local).await?;
-    socket.connect(upstream).await?;
-    socket.send(raw).await?;
-    let deadline = Instant::now() + limit;
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    loop {
-        let len = tokio::time::timeout_at(deadline, socket.recv(&mut buf))
-            .await
-            .map_err(|_| UpstreamError::Timeout)??;
-        if let Some(msg) = matching(&buf[..len], query, question) {
-            buf.truncate(len);
-            return Ok((buf, msg));
+// === impl SocketPool ===
+
+impl SocketPool {
+    /// An answer from `upstream` over UDP, ignoring datagrams that do not
+    /// match the query (a late duplicate of an earlier answer among them).
+    /// The socket goes back to the pool only after a matching answer; one
+    /// that timed out or failed is closed.
+    async fn exchange(
+        &self,
+        upstream: SocketAddr,
+        raw: &[u8],
+        query: &Message,
+        question: &Query,
+        limit: Duration,
+    ) -> Result<(Vec<u8>, Message), UpstreamError> {
+        let pooled = self.idle.lock().ok().and_then(|mut idle| idle.pop());
+        let mut pooled = match pooled {
+            Some(p) => p,
+            None => {
+                let local: SocketAddr = match upstream {
+                    SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+                    SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+                };
+                let socket = UdpSocket::bind(local).await?;
+                socket.connect(upstream).await?;
+                PooledSocket { socket, uses: 0 }
+            }
+        };
+        pooled.uses += 1;
+        pooled.socket.send(raw).await?;
+        let deadline = Instant::now() + limit;
+        // Uninitialised capacity: nothing to zero, and the answer is copied
+        // out at its own size.
+        let mut buf = Vec::with_capacity(MAX_MESSAGE);
+        loop {
+            buf.clear();
+            tokio::time::timeout_at(deadline, pooled.socket.recv_buf(&mut buf))
+                .await
+                .map_err(|_| UpstreamError::Timeout)??;
+            if let Some(msg) = matching(&buf, query, question) {
+                self.put_back(pooled);
+                return Ok((buf.as_slice().to_vec(), msg));
+            }
+        }
+    }
+
+    fn put_back(&self, pooled: PooledSocket) {
+        if pooled.uses >= SOCKET_MAX_USES {
+            return;
+        }
+        if let Ok(mut idle) = self.idle.lock() {
+            if idle.len() < POOL_IDLE_MAX {
+                idle.push(pooled);
+            }
         }
     }
 }

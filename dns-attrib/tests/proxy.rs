@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dns_attrib::{
@@ -635,5 +635,56 @@ async fn a_flood_of_unique_names_stays_within_the_bound() {
         names(&h, "a", "198.51.7.207"),
         ["n1999.flood.test"],
         "the newest is kept"
+    );
+}
+
+/// Answers every query twice with one A record (203.0.113.7) and records the
+/// source port each query came from.
+async fn echoing_twice() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
+    let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let addr = s.local_addr().expect("addr");
+    let ports = Arc::new(Mutex::new(Vec::new()));
+    let seen = ports.clone();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        while let Ok((n, src)) = s.recv_from(&mut buf).await {
+            seen.lock().expect("lock").push(src.port());
+            let q = Message::from_vec(&buf[..n]).expect("a query");
+            let mut r = Message::response(q.metadata.id, OpCode::Query);
+            r.add_queries(q.queries.clone());
+            r.add_answer(Record::from_rdata(
+                q.queries[0].name.clone(),
+                300,
+                RData::A(A::new(203, 0, 113, 7)),
+            ));
+            let bytes = r.to_vec().expect("encode");
+            let _ = s.send_to(&bytes, src).await;
+            let _ = s.send_to(&bytes, src).await;
+        }
+    });
+    (addr, ports)
+}
+
+#[tokio::test]
+async fn upstream_sockets_are_reused_a_bounded_number_of_times_and_late_duplicates_ignored() {
+    let (up, ports) = echoing_twice().await;
+    let h = harness(move |pc, _| pc.upstreams = vec![up], false).await;
+    for i in 0..40 {
+        let qname = format!("n{i}.dup.test.");
+        let (_, m) = udp(&h, SANDBOX_A, &query(&qname, RecordType::A, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(
+            m.queries[0].name.to_string(),
+            qname,
+            "query {i} got its own answer, not the previous one's duplicate"
+        );
+    }
+    let ports = ports.lock().expect("lock").clone();
+    assert_eq!(ports.len(), 40);
+    let distinct: std::collections::HashSet<u16> = ports.iter().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        2,
+        "one socket for 32 queries, then a fresh one: {ports:?}"
     );
 }
