@@ -17,6 +17,8 @@ admin = "127.0.0.1:${GW_ADMIN_PORT:-15000}"
 extra_upstream_roots = ["${PB_UPSTREAM_CA:?}"]
 [limits]
 max_connections = 20000
+# One event loop, as Squid and mitmproxy run (see benches/RESULTS.md).
+worker_threads = ${GW_WORKERS:-1}
 [log]
 flow_log = "off"
 EOF2

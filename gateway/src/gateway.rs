@@ -161,6 +161,10 @@ impl Shared {
             "limits.leaf_cache",
             next.limits.leaf_cache != now.limits.leaf_cache,
         );
+        keep(
+            "limits.worker_threads",
+            next.limits.worker_threads != now.limits.worker_threads,
+        );
         keep("log.flow_log", next.log.flow_log != now.log.flow_log);
         next.state_dir.clone_from(&now.state_dir);
         next.listen = now.listen.clone();
@@ -170,6 +174,7 @@ impl Shared {
         next.admin = now.admin.clone();
         next.limits.max_connections = now.limits.max_connections;
         next.limits.leaf_cache = now.limits.leaf_cache;
+        next.limits.worker_threads = now.limits.worker_threads;
         next.log = now.log.clone();
         self.config.store(Arc::new(next));
         restart

@@ -28,10 +28,11 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if config.limits.worker_threads > 0 {
+        builder.worker_threads(config.limits.worker_threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("egress-gateway: cannot start the runtime: {e}");
