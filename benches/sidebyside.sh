@@ -6,6 +6,11 @@
 #   MODE=splice benches/sidebyside.sh     # the gateway splices (CIDR exemption)
 #   PEERS="direct gateway squid-bump" ROUNDS=3 benches/sidebyside.sh
 #
+# After the testbed's comparison it runs benches/dns-load.sh (DNS through the
+# gateway vs the upstream directly, loopback) and, in splice mode,
+# benches/idle-rss.sh (RSS holding 9,000 idle spliced connections), and
+# appends both to the summary (EXTRAS=0 skips them).
+#
 # Root only; run ../shared/testbed/setup.sh once first.  The gateway is the
 # release build; its sandbox (the testbed client, 100.64.0.1) gets its policy
 # from a snapshot written here: allow 203.0.113.0/24 with TLS interception on,
@@ -41,5 +46,21 @@ if [ ! -s "${PB_STATE:-/tmp/peerbench}/pki/client-bundle.pem" ]; then
 fi
 out=$(mktemp)
 ./run.sh | tee "$out"
+# DNS through the gateway's listener and memory with idle spliced flows, in
+# the same session (EXTRAS=0 skips them; each also runs on its own).
+if [ "${EXTRAS:-1}" = 1 ]; then
+    echo | tee -a "$out"
+    "$root/benches/dns-load.sh" | tee -a "$out"
+    if [ "$mode" = splice ]; then
+        rss=$("$root/benches/idle-rss.sh" | tail -1)
+        python3 - "$rss" <<'EOF2' | tee -a "$out"
+import json, sys
+r = json.loads(sys.argv[1])
+print(f"\n### Memory: {r['connections']:,} idle spliced TLS connections\n")
+print(f"RSS {r['rss_before_kib'] / 1024:.1f} MiB before, {r['rss_with_idle_kib'] / 1024:.1f} MiB holding them: "
+      f"{r['bytes_per_idle_connection'] / 1024:.1f} KiB per idle connection.")
+EOF2
+    fi
+fi
 mkdir -p "$root/benches/results"
 cp "$out" "$root/benches/results/$mode-$(date -u +%Y%m%dT%H%M%SZ).md"

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use tls_parser::{
-    parse_tls_client_hello_extensions, parse_tls_message_handshake, SNIType, TlsExtension,
+    parse_tls_client_hello_extension, parse_tls_message_handshake, SNIType, TlsExtension,
     TlsMessage, TlsMessageHandshake,
 };
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -24,7 +24,6 @@ pub enum Classified {
 pub struct ClientHello {
     /// The `host_name` server name, as sent (unvalidated).
     pub sni: Option<String>,
-    pub alpn: Vec<Vec<u8>>,
     /// The client offers TLS 1.3 0-RTT data.
     pub early_data: bool,
 }
@@ -159,6 +158,9 @@ pub fn strip_port(authority: &str) -> &str {
 }
 
 /// Reassembles the ClientHello from handshake records; `None` while incomplete.
+///
+/// The common case — the whole message in the first record — is parsed in
+/// place; only a ClientHello spread over records is copied together.
 fn client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError> {
     let mut handshake: Vec<u8> = Vec::new();
     let mut off = 0;
@@ -178,21 +180,39 @@ fn client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError> {
         let Some(payload) = buf.get(off + 5..off + 5 + len) else {
             return Ok(None);
         };
-        handshake.extend_from_slice(payload);
         off += 5 + len;
-        let Some(h) = handshake.get(..4) else {
-            continue;
-        };
-        if h[0] != 1 {
-            return Err(PeekError::Malformed(
-                "the first handshake message is not a ClientHello",
-            ));
+        let first = handshake.is_empty();
+        if !first {
+            handshake.extend_from_slice(payload);
         }
-        let body = (usize::from(h[1]) << 16) | (usize::from(h[2]) << 8) | usize::from(h[3]);
-        if handshake.len() >= 4 + body {
-            return parse_client_hello(&handshake[..4 + body]).map(Some);
+        let msg: &[u8] = if first { payload } else { &handshake };
+        match hello_length(msg)? {
+            Some(total) if msg.len() >= total => {
+                return parse_client_hello(&msg[..total]).map(Some)
+            }
+            Some(total) if first => {
+                handshake.reserve_exact(total);
+                handshake.extend_from_slice(payload);
+            }
+            None if first => handshake.extend_from_slice(payload),
+            _ => {}
         }
     }
+}
+
+/// The length of the handshake message starting `msg` (header included) when
+/// its header is complete; an error when it is not a ClientHello.
+fn hello_length(msg: &[u8]) -> Result<Option<usize>, PeekError> {
+    let Some(h) = msg.get(..4) else {
+        return Ok(None);
+    };
+    if h[0] != 1 {
+        return Err(PeekError::Malformed(
+            "the first handshake message is not a ClientHello",
+        ));
+    }
+    let body = (usize::from(h[1]) << 16) | (usize::from(h[2]) << 8) | usize::from(h[3]);
+    Ok(Some(4 + body))
 }
 
 fn parse_client_hello(msg: &[u8]) -> Result<ClientHello, PeekError> {
@@ -202,13 +222,13 @@ fn parse_client_hello(msg: &[u8]) -> Result<ClientHello, PeekError> {
         return Err(PeekError::Malformed("the ClientHello does not parse"));
     };
     let mut out = ClientHello::default();
-    let Some(ext) = ch.ext else { return Ok(out) };
-    let Ok((_, exts)) = parse_tls_client_hello_extensions(ext) else {
-        return Err(PeekError::Malformed(
-            "the ClientHello extensions do not parse",
-        ));
+    let Some(mut rest) = ch.ext else {
+        return Ok(out);
     };
-    for e in exts {
+    // One extension at a time, nothing collected; like tls-parser's
+    // `parse_tls_client_hello_extensions`, the first that does not parse
+    // ends the list (what follows it is not evidence of anything).
+    while let Ok((next, e)) = parse_tls_client_hello_extension(rest) {
         match e {
             TlsExtension::SNI(names) => {
                 out.sni = names
@@ -217,10 +237,13 @@ fn parse_client_hello(msg: &[u8]) -> Result<ClientHello, PeekError> {
                     .and_then(|(_, n)| std::str::from_utf8(n).ok())
                     .map(str::to_owned);
             }
-            TlsExtension::ALPN(protos) => out.alpn = protos.iter().map(|p| p.to_vec()).collect(),
             TlsExtension::EarlyData(_) => out.early_data = true,
             _ => {}
         }
+        if next.len() >= rest.len() {
+            break;
+        }
+        rest = next;
     }
     Ok(out)
 }
