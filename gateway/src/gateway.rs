@@ -84,6 +84,9 @@ pub struct Shared {
     pub minter: Arc<LeafMinter>,
     pub(crate) upstream_tls: Arc<rustls::ClientConfig>,
     pub(crate) upstream_tls_h1: Arc<rustls::ClientConfig>,
+    /// The terminating side for clients that send an SNI: one config, so
+    /// its session cache lets those clients resume (see `intercept`).
+    pub(crate) server_tls: Arc<rustls::ServerConfig>,
     pub(crate) flow_log: FlowLog,
     orig_dst: Arc<dyn OriginalDst>,
     pub dns: Arc<DnsProxy>,
@@ -267,6 +270,7 @@ impl Gateway {
         let metrics =
             crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter.clone());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
+        let server_tls = crate::intercept::server_tls(&minter, None);
         let shared = Arc::new(Shared {
             metrics,
             admin_token,
@@ -279,6 +283,7 @@ impl Gateway {
             minter,
             upstream_tls,
             upstream_tls_h1,
+            server_tls,
             flow_log,
             orig_dst,
             dns: dns.clone(),

@@ -75,16 +75,14 @@ pub(crate) async fn intercept<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let mut config = rustls::ServerConfig::builder()
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(LeafResolver::new(
-            shared.minter.clone(),
-            Some(dst.ip()),
-        )));
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    // No 0-RTT: early data could be replayed before policy sees the request.
-    config.max_early_data_size = 0;
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    // With an SNI the leaf is minted for it and the shared config (and its
+    // session cache) serves; without one the leaf is for the destination
+    // address, which only this flow knows.
+    let config = match sni {
+        Some(_) => shared.server_tls.clone(),
+        None => server_tls(&shared.minter, Some(dst.ip())),
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let handshake_started = Instant::now();
     let accepted = tokio::time::timeout(
         shared.config().timeouts.tls_handshake,
@@ -102,6 +100,34 @@ where
     };
     let conn = Conn::new(shared, sandbox, dst, sni, true);
     serve(conn, tls, &activity).await
+}
+
+/// Sessions the shared terminating config remembers for resumption.
+const RESUMABLE_SESSIONS: usize = 10_000;
+
+/// The terminating TLS config. `fallback_ip`: mint for this address when the
+/// client sends no SNI — such a config is per flow, so it neither keeps
+/// sessions nor issues tickets. The shared one (no fallback) keeps up to
+/// [`RESUMABLE_SESSIONS`], so a client that reconnects skips the full
+/// handshake; a resumed session decides nothing — each request is still
+/// judged on the flow's SNI and Host.
+pub(crate) fn server_tls(
+    minter: &Arc<egress_certs::LeafMinter>,
+    fallback_ip: Option<IpAddr>,
+) -> Arc<rustls::ServerConfig> {
+    let mut config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(LeafResolver::new(minter.clone(), fallback_ip)));
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // No 0-RTT: early data could be replayed before policy sees the request.
+    config.max_early_data_size = 0;
+    if fallback_ip.is_some() {
+        config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        config.send_tls13_tickets = 0;
+    } else {
+        config.session_storage = rustls::server::ServerSessionMemoryCache::new(RESUMABLE_SESSIONS);
+    }
+    Arc::new(config)
 }
 
 /// Serves plain HTTP/1.x: each request on the connection is judged on its

@@ -721,3 +721,38 @@ async fn every_plain_http_request_on_a_keep_alive_connection_is_judged() {
         (json!("allow"), json!(4))
     );
 }
+
+#[tokio::test]
+async fn intercepted_clients_that_send_an_sni_resume_their_tls_sessions() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"cidr": "127.0.0.0/24"}], "tls_interception": "on"}"#),
+    );
+    // One client config, so its session store carries the ticket over.
+    let config = e.client_tls(H1);
+    let mut kinds = Vec::new();
+    for path in ["/first", "/second"] {
+        let tcp = e.connect(SANDBOX_A, e.origins.api).await;
+        let name = rustls::pki_types::ServerName::try_from("api.example.test").expect("name");
+        let tls = tokio_rustls::TlsConnector::from(config.clone())
+            .connect(name, tcp)
+            .await
+            .expect("handshake");
+        kinds.push(tls.get_ref().1.handshake_kind());
+        // Reading the response also reads the session ticket before it.
+        let (status, body) = http_get(tls, false, "api.example.test", path)
+            .await
+            .expect("request");
+        assert_eq!(status, 200);
+        assert!(body.contains(&format!("GET {path}")), "{body}");
+    }
+    assert_eq!(
+        kinds,
+        [
+            Some(rustls::HandshakeKind::Full),
+            Some(rustls::HandshakeKind::Resumed)
+        ]
+    );
+}
