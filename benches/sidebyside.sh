@@ -46,6 +46,7 @@ if [ ! -s "${PB_STATE:-/tmp/peerbench}/pki/client-bundle.pem" ]; then
 fi
 out=$(mktemp)
 ./run.sh | tee "$out"
+echo "Gateway column: limits.worker_threads = ${GW_WORKERS:-1} (GW_WORKERS)." | tee -a "$out"
 # DNS through the gateway's listener and memory with idle spliced flows, in
 # the same session (EXTRAS=0 skips them; each also runs on its own).
 if [ "${EXTRAS:-1}" = 1 ]; then

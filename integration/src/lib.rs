@@ -92,7 +92,7 @@ impl RequestHandler for Zone {
     async fn handle_request<R: ResponseHandler, T: Time>(
         &self,
         request: &Request,
-        mut handle: R,
+        handle: R,
     ) -> ResponseInfo {
         let mut metadata = Metadata::response_from_request(&request.metadata);
         metadata.authoritative = true;
@@ -130,20 +130,30 @@ impl RequestHandler for Zone {
         if !found {
             metadata.response_code = ResponseCode::NXDomain;
         }
-        let response = MessageResponseBuilder::from_message_request(request).build(
+        answer(request, handle, metadata, &records).await
+    }
+}
+
+/// Sends `records` as the answer section of the response to `request`.
+pub async fn answer<R: ResponseHandler>(
+    request: &Request,
+    mut handle: R,
+    metadata: Metadata,
+    records: &[Record],
+) -> ResponseInfo {
+    let response = MessageResponseBuilder::from_message_request(request).build(
+        metadata,
+        records.iter(),
+        [],
+        [],
+        [],
+    );
+    match handle.send_response(response).await {
+        Ok(info) => info,
+        Err(_) => ResponseInfo::from(hickory_proto::op::Header {
             metadata,
-            records.iter(),
-            [],
-            [],
-            [],
-        );
-        match handle.send_response(response).await {
-            Ok(info) => info,
-            Err(_) => ResponseInfo::from(hickory_proto::op::Header {
-                metadata,
-                counts: Default::default(),
-            }),
-        }
+            counts: Default::default(),
+        }),
     }
 }
 

@@ -20,7 +20,6 @@ use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_server::net::runtime::Time;
 use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
-use hickory_server::zone_handler::MessageResponseBuilder;
 use tokio::net::UdpSocket;
 
 #[derive(Parser)]
@@ -96,7 +95,7 @@ impl RequestHandler for AnswerEverything {
     async fn handle_request<R: ResponseHandler, T: Time>(
         &self,
         request: &Request,
-        mut handle: R,
+        handle: R,
     ) -> ResponseInfo {
         let mut metadata = Metadata::response_from_request(&request.metadata);
         metadata.authoritative = true;
@@ -112,20 +111,7 @@ impl RequestHandler for AnswerEverything {
                 ));
             }
         }
-        let response = MessageResponseBuilder::from_message_request(request).build(
-            metadata,
-            records.iter(),
-            [],
-            [],
-            [],
-        );
-        match handle.send_response(response).await {
-            Ok(info) => info,
-            Err(_) => ResponseInfo::from(hickory_proto::op::Header {
-                metadata,
-                counts: Default::default(),
-            }),
-        }
+        egress_integration::answer(request, handle, metadata, &records).await
     }
 }
 
