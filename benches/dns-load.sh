@@ -44,6 +44,8 @@ dns_alt = "127.0.0.1:0"
 admin = "127.0.0.1:25000"
 [dns]
 upstreams = ["$up_addr"]
+[limits]
+worker_threads = ${GW_WORKERS:-1}
 [log]
 flow_log = "off"
 EOF

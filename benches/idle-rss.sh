@@ -14,9 +14,9 @@ bin=$root/target/release/egress-gateway
 state=/tmp/peerbench/egress-gateway-idle
 rm -rf "$state"; mkdir -p "$state"
 "$bin" ca init --dir "$state/ca" >/dev/null
-printf '{"version": 1, "sandboxes": [{"id": "pb-client", "addresses": ["100.64.0.1"], "policy": %s}]}\n' \
+printf '{"addresses": ["100.64.0.1"], "policy": %s}\n' \
   '{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on", "tls_interception_exemptions": [{"cidr": "203.0.113.0/24"}]}' \
-  > "$state/snapshot.json"
+  > "$state/sandbox.json"
 cd "$testbed"
 . ./lib.sh
 ./testbed.sh up >/dev/null
@@ -24,7 +24,10 @@ trap './peer_gateway.sh stop >/dev/null 2>&1 || true; ./testbed.sh down >/dev/nu
 export GATEWAY_CMD="$root/benches/gateway-column.sh $state $bin"
 ./peer_gateway.sh start 8443 8443 >/dev/null
 ./testbed.sh mode 8443 8443 >/dev/null
-pid=$(cat "$PB_RUN/peer-gateway.pid")
+# The column's wrapper pushes the policy and waits on the gateway, its child.
+wrapper=$(cat "$PB_RUN/peer-gateway.pid")
+pid=$(pgrep -P "$wrapper" -x egress-gateway || true)
+[ -n "$pid" ] || { echo "no egress-gateway under pid $wrapper" >&2; exit 1; }
 rss() { awk '/VmRSS/ {print $2}' "/proc/$pid/status"; }
 before=$(rss)
 out=$(mktemp)

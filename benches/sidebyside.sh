@@ -12,9 +12,10 @@
 # appends both to the summary (EXTRAS=0 skips them).
 #
 # Root only; run ../shared/testbed/setup.sh once first.  The gateway is the
-# release build; its sandbox (the testbed client, 100.64.0.1) gets its policy
-# from a snapshot written here: allow 203.0.113.0/24 with TLS interception on,
-# plus (MODE=splice) a CIDR exemption for the same range.  Results land in
+# release build with one worker thread (GW_WORKERS=N for more); its sandbox
+# (the testbed client, 100.64.0.1) is pushed over the control API once the
+# gateway is ready: allow 203.0.113.0/24 with TLS interception on, plus
+# (MODE=splice) a CIDR exemption for the same range.  Results land in
 # /tmp/peerbench/results/<time>/ (the testbed's), and the summary is copied
 # to benches/results/<mode>-<time>.md.
 set -euo pipefail
@@ -32,7 +33,9 @@ case $mode in
     splice) policy='{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on", "tls_interception_exemptions": [{"cidr": "203.0.113.0/24"}]}' ;;
     *) echo "MODE must be intercept or splice" >&2; exit 2 ;;
 esac
-printf '{"version": 1, "sandboxes": [{"id": "pb-client", "addresses": ["100.64.0.1"], "policy": %s}]}\n' "$policy" > "$state/snapshot.json"
+# The testbed client's sandbox, as the controller pushes it (gateway-column.sh
+# PUTs it over the control API once the gateway is ready).
+printf '{"addresses": ["100.64.0.1"], "policy": %s}\n' "$policy" > "$state/sandbox.json"
 export GATEWAY_CMD="$root/benches/gateway-column.sh $state $bin"
 export GATEWAY_CA_CERT=$state/ca/ca.crt
 if [ "$mode" = splice ]; then export GATEWAY_EXPECT_ISSUER="PeerBench Test Origin CA"; fi
@@ -47,6 +50,10 @@ fi
 out=$(mktemp)
 ./run.sh | tee "$out"
 echo "Gateway column: limits.worker_threads = ${GW_WORKERS:-1} (GW_WORKERS)." | tee -a "$out"
+if [ "$(echo "$PEERS" | wc -w)" -gt 2 ]; then
+    printf '\nThe gateway against each peer (same session; throughput and CPU as gateway ÷ peer, latency as gateway − peer):\n\n' | tee -a "$out"
+    python3 "$root/benches/vs-peers.py" "$out" | tee -a "$out"
+fi
 # DNS through the gateway's listener and memory with idle spliced flows, in
 # the same session (EXTRAS=0 skips them; each also runs on its own).
 if [ "${EXTRAS:-1}" = 1 ]; then
