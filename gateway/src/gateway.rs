@@ -524,9 +524,9 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
     rec.sandbox = Some(sandbox.id.to_string());
 
     let config = shared.config();
-    let limits = (&config.limits, &config.timeouts);
+    let timeouts = &config.timeouts;
     let peek_started = Instant::now();
-    let peeked = peek(&mut stream, limits.0.peek_bytes, limits.1.peek).await;
+    let peeked = peek(&mut stream, config.limits.peek_bytes, timeouts.peek).await;
     shared
         .metrics
         .peek_seconds
@@ -607,7 +607,7 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
             let connect_started = Instant::now();
-            let origin = tokio::time::timeout(limits.1.connect, TcpStream::connect(dst)).await;
+            let origin = tokio::time::timeout(timeouts.connect, TcpStream::connect(dst)).await;
             shared
                 .metrics
                 .upstream_connect_seconds
@@ -633,7 +633,7 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
                 rec.error = Some(format!("upstream_write: {e}"));
                 return finish(rec);
             }
-            let moved = crate::splice::splice(stream, origin, limits.1.idle).await;
+            let moved = crate::splice::splice(stream, origin, timeouts.idle).await;
             rec.bytes_up = peeked.len() as u64 + moved.up;
             rec.bytes_down = moved.down;
             if moved.idle_timeout {

@@ -239,16 +239,16 @@ impl Conn {
             None if !self.tls => self.dst.ip().to_string(),
             None => return text(StatusCode::BAD_REQUEST, "missing Host\n"),
         };
-        let host_str = strip_port(&authority).to_owned();
+        let host_str = strip_port(&authority);
         if self.shared.flow_log.enabled() {
             if let Ok(mut h) = self.host.lock() {
-                *h = Some(host_str.clone());
+                *h = Some(host_str.to_owned());
             }
         }
         // An IP literal Host names no domain: the request is judged on the address.
         let host = match host_str.parse::<IpAddr>() {
             Ok(_) => None,
-            Err(_) => match Hostname::parse(&host_str) {
+            Err(_) => match Hostname::parse(host_str) {
                 Ok(h) => Some(h),
                 Err(e) => {
                     return text(
@@ -285,17 +285,8 @@ impl Conn {
             }
             Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => {}
         }
-        // The name the origin's certificate must carry.
-        let verify_as = match self.sni.as_ref().or(host.as_ref()) {
-            Some(n) => ServerName::try_from(n.as_str().to_owned()).ok(),
-            None => Some(ServerName::IpAddress(self.dst.ip().into())),
-        };
-        let Some(verify_as) = verify_as else {
-            return text(
-                StatusCode::BAD_GATEWAY,
-                "no name to verify the origin for\n",
-            );
-        };
+        // The name the origin's certificate must carry (none: its address).
+        let verify_as = self.sni.as_ref().or(host.as_ref());
         if is_upgrade(&req) {
             return self.upgrade(req, verify_as).await;
         }
@@ -312,24 +303,24 @@ impl Conn {
     async fn forward(
         &self,
         req: Request<Incoming>,
-        verify_as: ServerName<'static>,
+        verify_as: Option<&Hostname>,
         authority: &str,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        let key = PoolKey {
-            dst: self.dst,
-            // Plain connections verify nothing; they never share a key with TLS ones.
-            name: if self.tls {
-                server_name_text(&verify_as)
-            } else {
-                String::from("plain http")
-            },
-        };
+        // Plain connections verify nothing: no name in their key.
+        let name = verify_as.filter(|_| self.tls);
         let mut guard = self.upstream.lock().await;
-        let reusable = guard.as_ref().is_some_and(|(k, s)| *k == key && s.usable());
+        let reusable = guard
+            .as_ref()
+            .is_some_and(|(k, s)| k.is(self.dst, self.tls, name) && s.usable());
         if !reusable {
             if let Some((old_key, old)) = guard.take() {
                 self.shared.pool.put(old_key, old);
             }
+            let key = PoolKey {
+                dst: self.dst,
+                tls: self.tls,
+                name: name.cloned(),
+            };
             let sender = match self.shared.pool.take(&key) {
                 Some(s) => s,
                 None => self.connect(verify_as, true).await?,
@@ -371,7 +362,7 @@ impl Conn {
     async fn upgrade(
         &self,
         mut req: Request<Incoming>,
-        verify_as: ServerName<'static>,
+        verify_as: Option<&Hostname>,
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut req);
         let Ok(Sender::H1(mut sender)) = self.connect(verify_as, false).await else {
@@ -404,10 +395,11 @@ impl Conn {
         resp.map(BodyExt::boxed)
     }
 
-    /// Opens a verified TLS connection to the original destination.
+    /// Opens a connection to the original destination: TLS verified for
+    /// `verify_as` (or, without a name, for the address), or plain HTTP.
     async fn connect(
         &self,
-        verify_as: ServerName<'static>,
+        verify_as: Option<&Hostname>,
         allow_h2: bool,
     ) -> Result<Sender, UpstreamError> {
         let config = self.shared.config();
@@ -434,10 +426,22 @@ impl Conn {
         } else {
             self.shared.upstream_tls_h1.clone()
         };
-        let name = server_name_text(&verify_as);
+        let (name, server_name) = match verify_as {
+            Some(n) => (
+                n.to_string(),
+                ServerName::try_from(n.as_str().to_owned()).map_err(|e| UpstreamError::Tls {
+                    name: n.to_string(),
+                    reason: e.to_string(),
+                })?,
+            ),
+            None => (
+                self.dst.ip().to_string(),
+                ServerName::IpAddress(self.dst.ip().into()),
+            ),
+        };
         let tls = tokio::time::timeout(
             timeouts.tls_handshake,
-            tokio_rustls::TlsConnector::from(config).connect(verify_as, tcp),
+            tokio_rustls::TlsConnector::from(config).connect(server_name, tcp),
         )
         .await
         .map_err(|_| UpstreamError::Tls {
@@ -463,14 +467,6 @@ impl Conn {
             tokio::spawn(conn.with_upgrades());
             Ok(Sender::H1(sender))
         }
-    }
-}
-
-fn server_name_text(n: &ServerName<'_>) -> String {
-    match n {
-        ServerName::DnsName(d) => d.as_ref().to_owned(),
-        ServerName::IpAddress(ip) => IpAddr::from(*ip).to_string(),
-        _ => "?".into(),
     }
 }
 

@@ -56,6 +56,18 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
     ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
+    // Forwarded, so TLS records queued together leave in one `writev`
+    // (the default would write the first buffer only).
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
@@ -110,6 +122,20 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
         }
         r
     }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = r {
+            self.counts.written.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
@@ -133,5 +159,35 @@ pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
         } else if quiet_since.elapsed() >= idle {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn vectored_writes_pass_through_rewind_and_counted_and_are_counted() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let a = tokio::net::TcpStream::connect(l.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (mut b, _) = l.accept().await.expect("accept");
+        let counts = Arc::new(Counts::default());
+        let mut s = Rewind::new(b"peeked".to_vec(), Counted::new(a, counts.clone()));
+        assert!(s.is_write_vectored());
+        let bufs = [
+            io::IoSlice::new(b"one record, "),
+            io::IoSlice::new(b"the next"),
+        ];
+        let n = s.write_vectored(&bufs).await.expect("writev");
+        assert_eq!(n, 20, "both buffers in one call");
+        assert_eq!(counts.written.load(Ordering::Relaxed), 20);
+        let mut got = [0u8; 20];
+        b.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"one record, the next");
     }
 }

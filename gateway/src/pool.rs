@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use egress_policy::Hostname;
 use http_body_util::combinators::BoxBody;
 
 pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
@@ -22,11 +23,21 @@ pub(crate) enum Sender {
     H2(hyper::client::conn::http2::SendRequest<Body>),
 }
 
-/// Where a connection goes and what it was verified as.
+/// Where a connection goes and what it was verified as: over TLS, the name
+/// (or, with `None`, the destination address); in plain HTTP, nothing — plain
+/// connections never share a key with TLS ones.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct PoolKey {
     pub(crate) dst: SocketAddr,
-    pub(crate) name: String,
+    pub(crate) tls: bool,
+    pub(crate) name: Option<Hostname>,
+}
+
+impl PoolKey {
+    /// Whether this key is the one for `(dst, tls, name)`, without building it.
+    pub(crate) fn is(&self, dst: SocketAddr, tls: bool, name: Option<&Hostname>) -> bool {
+        self.dst == dst && self.tls == tls && self.name.as_ref() == name
+    }
 }
 
 const MAX_PER_KEY: usize = 32;
@@ -35,7 +46,14 @@ const MAX_IDLE: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
 pub(crate) struct UpstreamPool {
-    idle: Mutex<HashMap<PoolKey, Vec<(Instant, Sender)>>>,
+    idle: Mutex<Idle>,
+}
+
+#[derive(Default)]
+struct Idle {
+    by_key: HashMap<PoolKey, Vec<(Instant, Sender)>>,
+    /// Entries over all keys, kept as they change (not summed under the lock).
+    total: usize,
 }
 
 impl Sender {
@@ -62,7 +80,9 @@ impl UpstreamPool {
             .idle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let list = idle.get_mut(key)?;
+        let idle = &mut *idle;
+        let list = idle.by_key.get_mut(key)?;
+        let before = list.len();
         list.retain(|(at, s)| at.elapsed() < MAX_IDLE && s.usable());
         // HTTP/2 multiplexes: hand out a clone and keep the connection pooled.
         let found = match list.last() {
@@ -70,8 +90,9 @@ impl UpstreamPool {
             Some(_) => list.pop().map(|(_, s)| s),
             None => None,
         };
+        idle.total -= before - list.len();
         if list.is_empty() {
-            idle.remove(key);
+            idle.by_key.remove(key);
         }
         found
     }
@@ -85,13 +106,16 @@ impl UpstreamPool {
             .idle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let total: usize = idle.values().map(Vec::len).sum();
-        let list = idle.entry(key).or_default();
+        if idle.total >= MAX_TOTAL {
+            return;
+        }
+        let list = idle.by_key.entry(key).or_default();
         let shared = matches!(sender, Sender::H2(_));
-        if total >= MAX_TOTAL || list.len() >= MAX_PER_KEY || (shared && !list.is_empty()) {
+        if list.len() >= MAX_PER_KEY || (shared && !list.is_empty()) {
             return;
         }
         list.push((Instant::now(), sender));
+        idle.total += 1;
     }
 }
 
