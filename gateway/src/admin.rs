@@ -221,18 +221,13 @@ fn valid_id(id: &str) -> Result<(), String> {
 async fn put(shared: &Shared, id: String, doc: PutSandbox) -> Reply {
     let sid = SandboxId::new(&id);
     let change = |r: &Registry| {
-        r.put(sid.clone(), doc.addresses, doc.policy).map_err(|e| {
-            Box::new(error(
-                StatusCode::CONFLICT,
-                &e.to_string(),
-                Some("addresses"),
-            ))
-        })
+        r.put(sid.clone(), doc.addresses, doc.policy)
+            .map_err(|e| conflict(e, "addresses"))
     };
     if let Some(r) = commit(shared, change).await {
         return r;
     }
-    match shared.registry.get(&SandboxId::new(&id)) {
+    match shared.registry.get(&sid) {
         Some(s) => json_reply(
             StatusCode::OK,
             &sandbox_json(&SandboxDoc {
@@ -276,13 +271,8 @@ async fn resync(shared: &Shared, doc: Resync) -> Reply {
     }
     let n = doc.sandboxes.len();
     let change = |r: &Registry| {
-        r.replace_all(persist::entries(doc.sandboxes)).map_err(|e| {
-            Box::new(error(
-                StatusCode::CONFLICT,
-                &e.to_string(),
-                Some("sandboxes"),
-            ))
-        })
+        r.replace_all(persist::entries(doc.sandboxes))
+            .map_err(|e| conflict(e, "sandboxes"))
     };
     if let Some(r) = commit(shared, change).await {
         return r;
@@ -449,6 +439,11 @@ fn json_reply(status: StatusCode, v: &Value) -> Reply {
         header::HeaderValue::from_static("application/json"),
     );
     r
+}
+
+/// A change the registry refused (an address another sandbox holds).
+fn conflict(e: impl std::fmt::Display, field: &str) -> Box<Reply> {
+    Box::new(error(StatusCode::CONFLICT, &e.to_string(), Some(field)))
 }
 
 fn error(status: StatusCode, message: &str, field: Option<&str>) -> Reply {
