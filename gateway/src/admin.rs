@@ -359,7 +359,18 @@ fn explain(shared: &Shared, e: Explain) -> Reply {
             Some("sandbox"),
         );
     };
-    let sni = e.sni.as_deref().and_then(|s| Hostname::parse(s).ok());
+    // Read as the dataplane reads it: a name the peek refuses is refused here.
+    let sni = match e.sni.as_deref().map(crate::authority::server_name) {
+        None => None,
+        Some(Ok(sni)) => sni,
+        Some(Err(err)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid sni: {err} (the gateway resets such a ClientHello: malformed_client_hello)"),
+                Some("sni"),
+            )
+        }
+    };
     let host = match e.host.as_deref().map(Hostname::parse) {
         None => None,
         Some(Ok(h)) => Some(h),

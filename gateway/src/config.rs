@@ -101,6 +101,9 @@ pub struct Timeouts {
 pub struct Limits {
     /// Most bytes read to classify a flow (a post-quantum ClientHello is ~2 KB).
     pub peek_bytes: usize,
+    /// Largest request head accepted after termination and on plain HTTP:
+    /// the whole HTTP/1.1 head, or the HTTP/2 header list. Larger: `431`.
+    pub max_request_head: usize,
     /// Flows handled at once; further connections are closed at once.
     pub max_connections: usize,
     /// Leaf certificates kept.
@@ -197,10 +200,16 @@ impl Default for Timeouts {
     }
 }
 
+/// The smallest head bound hyper's HTTP/1 server accepts.
+const MIN_REQUEST_HEAD: usize = 8 * 1024;
+/// Heads larger than this are a memory risk, not a request.
+const MAX_REQUEST_HEAD: usize = 1024 * 1024;
+
 impl Default for Limits {
     fn default() -> Self {
         Self {
             peek_bytes: 16 * 1024,
+            max_request_head: 64 * 1024,
             max_connections: 10_000,
             leaf_cache: 10_000,
             worker_threads: 0,
@@ -274,6 +283,15 @@ impl Config {
             return Err(invalid(
                 "limits.peek_bytes",
                 format!("{} is below 512 bytes", self.limits.peek_bytes),
+            ));
+        }
+        if !(MIN_REQUEST_HEAD..=MAX_REQUEST_HEAD).contains(&self.limits.max_request_head) {
+            return Err(invalid(
+                "limits.max_request_head",
+                format!(
+                    "{} is outside {MIN_REQUEST_HEAD}..={MAX_REQUEST_HEAD} bytes",
+                    self.limits.max_request_head
+                ),
             ));
         }
         if self.limits.max_connections == 0 {
@@ -415,6 +433,10 @@ mod tests {
                 "timeouts.peek: must be longer than zero",
             ),
             ("[limits]\npeek_bytes = 10", "limits.peek_bytes"),
+            (
+                "[limits]\nmax_request_head = 4096",
+                "limits.max_request_head: 4096 is outside 8192..=1048576 bytes",
+            ),
             (
                 "[limits]\nworker_threads = 5000",
                 "limits.worker_threads: 5000 is more than 1024",

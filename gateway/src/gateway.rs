@@ -472,6 +472,15 @@ impl Drop for Active<'_> {
     }
 }
 
+/// A whole HTTP/1.1 response that closes the connection.
+fn close_with(status: u16, phrase: &str, body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
 /// Closes with RST: the answer for denied flows that have no protocol to speak.
 fn reset(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
@@ -534,27 +543,33 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
     let (classified, peeked) = match peeked {
         Ok(x) => x,
         Err(e) => {
-            reset(&stream);
             rec.reason = match e {
                 PeekError::Timeout => "peek_timeout",
                 PeekError::Closed => "closed_early",
                 PeekError::TooLarge => "client_hello_too_large",
                 PeekError::Malformed(_) => "malformed_client_hello",
+                PeekError::MalformedRequest(_) => "malformed_request",
                 PeekError::Io(_) => "client_error",
             };
             rec.detail = e.to_string();
+            if matches!(e, PeekError::MalformedRequest(_)) {
+                let _ = stream
+                    .write_all(&close_with(400, "Bad Request", &format!("{e}\n")))
+                    .await;
+                let _ = stream.shutdown().await;
+            } else {
+                reset(&stream);
+            }
             return finish(rec);
         }
     };
-    let (protocol, sni_raw, host_raw) = match &classified {
-        Classified::Tls(ch) => (Protocol::Tls, ch.sni.clone(), None),
-        Classified::Http { host } => (Protocol::Http, None, host.clone()),
+    // Names from the network arrive validated: the peek refused any that
+    // could be read two ways; an IP literal counts as no name.
+    let (protocol, sni, host) = match classified {
+        Classified::Tls(ch) => (Protocol::Tls, ch.sni, None),
+        Classified::Http { host } => (Protocol::Http, None, host),
         Classified::Opaque => (Protocol::Opaque, None, None),
     };
-    // Names from the network are validated before use; an IP literal or a
-    // malformed name counts as no name.
-    let sni = sni_raw.as_deref().and_then(|s| Hostname::parse(s).ok());
-    let host = host_raw.as_deref().and_then(|s| Hostname::parse(s).ok());
     // The log's strings are built only when there is a log to read them.
     let logging = shared.flow_log.enabled();
     if logging {
@@ -586,11 +601,7 @@ async fn handle(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
         Verdict::Deny(_) => {
             if protocol == Protocol::Http {
                 let body = format!("egress denied: {}\n", verdict.describe(&sandbox.policy));
-                let resp = format!(
-                    "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = stream.write_all(resp.as_bytes()).await;
+                let _ = stream.write_all(&close_with(403, "Forbidden", &body)).await;
                 let _ = stream.shutdown().await;
             } else {
                 reset(&stream);

@@ -22,9 +22,9 @@ use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+use crate::authority::{self, Authority, AuthorityError, Target};
 use crate::gateway::Shared;
 use crate::io::{quiet_for, Counts};
-use crate::peek::strip_port;
 use crate::pool::{Body, PoolKey, Sender};
 use crate::registry::Sandbox;
 
@@ -48,6 +48,8 @@ struct Conn {
     tls: bool,
     requests: AtomicU64,
     host: Mutex<Option<String>>,
+    /// Why the last refused request was refused (`400`), for the flow log.
+    refused: Mutex<Option<String>>,
     /// The upstream connection this client connection uses, and what it was verified as.
     upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
 }
@@ -158,7 +160,13 @@ where
         let conn = service_conn.clone();
         async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) }
     });
-    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // Bounded request heads: a larger one is answered 431 and never forwarded.
+    let max_head = shared.config().limits.max_request_head;
+    builder.http1().max_buf_size(max_head);
+    builder
+        .http2()
+        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
     let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     let idle = shared.config().timeouts.idle;
     let served = tokio::select! {
@@ -185,6 +193,8 @@ where
         }
     });
     let host = conn.host.lock().map(|h| h.clone()).unwrap_or_default();
+    let refused = conn.refused.lock().map(|r| r.clone()).unwrap_or_default();
+    let error = error.or_else(|| refused.map(|r| format!("bad_request: {r}")));
     Intercepted {
         requests: conn.requests.load(Ordering::Relaxed),
         host,
@@ -217,47 +227,43 @@ impl Conn {
             tls,
             requests: AtomicU64::new(0),
             host: Mutex::new(None),
+            refused: Mutex::new(None),
             upstream: tokio::sync::Mutex::new(None),
         })
     }
 
     async fn handle(&self, mut req: Request<Incoming>) -> Response<Body> {
         self.requests.fetch_add(1, Ordering::Relaxed);
-        let authority = req
-            .uri()
-            .authority()
-            .map(|a| a.as_str().to_owned())
-            .or_else(|| {
-                req.headers()
-                    .get(header::HOST)
-                    .and_then(|h| h.to_str().ok())
-                    .map(str::to_owned)
-            });
-        let authority = match authority {
-            Some(a) => a,
-            // HTTP/1.0 without Host: judged on the address and attribution alone.
-            None if !self.tls => self.dst.ip().to_string(),
-            None => return text(StatusCode::BAD_REQUEST, "missing Host\n"),
+        let claims = authority::judge(
+            req.uri().authority().map(http::uri::Authority::as_str),
+            req.headers()
+                .get_all(header::HOST)
+                .iter()
+                .map(HeaderValue::as_bytes),
+        );
+        let authority = match claims {
+            Ok(Some(a)) => a,
+            // Plain HTTP/1.0 without Host: judged on the address and attribution alone.
+            Ok(None) if !self.tls && req.version() == http::Version::HTTP_10 => {
+                Authority::of_ip(self.dst.ip())
+            }
+            Ok(None) => return self.refuse(&req, AuthorityError::Missing.to_string()),
+            Err(e) => return self.refuse(&req, e.to_string()),
         };
-        let host_str = strip_port(&authority);
+        // An address where the TLS server name named a host is another claim.
+        if self.sni.is_some() && authority.name().is_none() {
+            return misdirected();
+        }
         if self.shared.flow_log.enabled() {
             if let Ok(mut h) = self.host.lock() {
-                *h = Some(host_str.to_owned());
+                *h = Some(match &authority.target {
+                    Target::Name(n) => n.to_string(),
+                    Target::Ip(ip) => ip.to_string(),
+                });
             }
         }
-        // An IP literal Host names no domain: the request is judged on the address.
-        let host = match host_str.parse::<IpAddr>() {
-            Ok(_) => None,
-            Err(_) => match Hostname::parse(host_str) {
-                Ok(h) => Some(h),
-                Err(e) => {
-                    return text(
-                        StatusCode::BAD_REQUEST,
-                        &format!("invalid Host {host_str:?}: {e}\n"),
-                    )
-                }
-            },
-        };
+        // An IP literal names no domain: the request is judged on the address.
+        let host = authority.name().cloned();
         let lookup = self.shared.cache.names_for(&self.sandbox.id, self.dst.ip());
         let names = lookup.names();
         let verdict = self.sandbox.policy.decide(&Flow {
@@ -273,12 +279,7 @@ impl Conn {
             attribution_gap: lookup.gap(),
         });
         match verdict {
-            Verdict::Deny(Denied::Misdirected) => {
-                return text(
-                    StatusCode::MISDIRECTED_REQUEST,
-                    "Host does not match the TLS server name\n",
-                );
-            }
+            Verdict::Deny(Denied::Misdirected) => return misdirected(),
             Verdict::Deny(_) => {
                 let reason = verdict.describe(&self.sandbox.policy);
                 return text(StatusCode::FORBIDDEN, &format!("egress denied: {reason}\n"));
@@ -288,16 +289,31 @@ impl Conn {
         // The name the origin's certificate must carry (none: its address).
         let verify_as = self.sni.as_ref().or(host.as_ref());
         if is_upgrade(&req) {
-            return self.upgrade(req, verify_as).await;
+            return self.upgrade(req, verify_as, &authority.raw).await;
         }
         strip_hop_by_hop(req.headers_mut());
-        match self.forward(req, verify_as, &authority).await {
+        match self.forward(req, verify_as, &authority.raw).await {
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
                 resp.map(BodyExt::boxed)
             }
             Err(e) => text(StatusCode::BAD_GATEWAY, &format!("{e}\n")),
         }
+    }
+
+    /// Answers `400` without forwarding anything; an HTTP/1 connection is
+    /// closed after it, since the client and the gateway no longer agree on
+    /// what the bytes mean.
+    fn refuse(&self, req: &Request<Incoming>, why: String) -> Response<Body> {
+        let mut resp = text(StatusCode::BAD_REQUEST, &format!("{why}\n"));
+        if req.version() < http::Version::HTTP_2 {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if let Ok(mut r) = self.refused.lock() {
+            *r = Some(why);
+        }
+        resp
     }
 
     async fn forward(
@@ -341,11 +357,7 @@ impl Conn {
             }
             Some(Sender::H1(s)) => {
                 *out.uri_mut() = origin_form(out.uri());
-                if !out.headers().contains_key(header::HOST) {
-                    if let Ok(v) = HeaderValue::from_str(authority) {
-                        out.headers_mut().insert(header::HOST, v);
-                    }
-                }
+                set_host(out.headers_mut(), authority);
                 *out.version_mut() = http::Version::HTTP_11;
                 // HTTP/1.1 carries one request at a time: the next request
                 // waits for this one's headers, then uses a fresh connection
@@ -363,6 +375,7 @@ impl Conn {
         &self,
         mut req: Request<Incoming>,
         verify_as: Option<&Hostname>,
+        authority: &str,
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut req);
         let Ok(Sender::H1(mut sender)) = self.connect(verify_as, false).await else {
@@ -374,6 +387,7 @@ impl Conn {
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, body.boxed());
         *out.uri_mut() = origin_form(out.uri());
+        set_host(out.headers_mut(), authority);
         let mut resp = match sender.send_request(out).await {
             Ok(r) => r,
             Err(e) => {
@@ -500,6 +514,15 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// The origin sees exactly the authority the gateway judged: every `Host`
+/// the client sent is replaced by it (they agreed, or the request was refused).
+fn set_host(headers: &mut HeaderMap, authority: &str) {
+    headers.remove(header::HOST);
+    if let Ok(v) = HeaderValue::from_str(authority) {
+        headers.insert(header::HOST, v);
+    }
+}
+
 fn origin_form(uri: &Uri) -> Uri {
     uri.path_and_query()
         .map_or_else(|| Uri::from_static("/"), |pq| Uri::from(pq.clone()))
@@ -510,6 +533,13 @@ fn absolute(uri: &Uri, authority: &str) -> Uri {
     format!("https://{authority}{pq}")
         .parse()
         .unwrap_or_else(|_| origin_form(uri))
+}
+
+fn misdirected() -> Response<Body> {
+    text(
+        StatusCode::MISDIRECTED_REQUEST,
+        "Host does not match the TLS server name\n",
+    )
 }
 
 fn text(status: StatusCode, body: &str) -> Response<Body> {

@@ -3,6 +3,7 @@
 //! a thin shell over [`Gateway`], so integration tests drive the very code it runs.
 
 mod admin;
+pub mod authority;
 pub mod cli;
 pub mod config;
 pub mod flowlog;

@@ -5,25 +5,31 @@
 
 use std::time::Duration;
 
-use tls_parser::{
-    parse_tls_client_hello_extension, parse_tls_message_handshake, SNIType, TlsExtension,
-    TlsMessage, TlsMessageHandshake,
-};
+use egress_policy::{Hostname, NameError};
+use tls_parser::parse_tls_handshake_client_hello;
+
+use crate::authority::{self, AuthorityError};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// What the first bytes showed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Classified {
     Tls(ClientHello),
-    Http { host: Option<String> },
+    /// An HTTP/1.x request head; `host` is the one name all its authority
+    /// claims agree on (`None`: no claim, or an IP literal).
+    Http {
+        host: Option<Hostname>,
+    },
     Opaque,
 }
 
 /// The parts of a ClientHello the gateway uses.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ClientHello {
-    /// The `host_name` server name, as sent (unvalidated).
-    pub sni: Option<String>,
+    /// The one `host_name` server name, validated; `None` when the hello has
+    /// no `server_name` extension or names an IP literal. Any other
+    /// irregularity in the name is a [`PeekError::Malformed`] hello.
+    pub sni: Option<Hostname>,
     /// The client offers TLS 1.3 0-RTT data.
     pub early_data: bool,
 }
@@ -39,6 +45,9 @@ pub enum PeekError {
     TooLarge,
     #[error("malformed TLS ClientHello: {0}")]
     Malformed(&'static str),
+    /// A request head whose authority claims disagree or do not parse: answered with 400.
+    #[error("malformed request: {0}")]
+    MalformedRequest(AuthorityError),
     #[error("read error: {0}")]
     Io(String),
 }
@@ -64,6 +73,12 @@ const METHODS: &[&[u8]] = &[
 const HANDSHAKE: u8 = 0x16;
 /// Largest TLS plaintext record (RFC 8446 §5.1).
 const MAX_RECORD: usize = 16_384;
+/// The `server_name` extension (RFC 6066 §3).
+const EXT_SERVER_NAME: u16 = 0x0000;
+/// The `early_data` extension (RFC 8446 §4.2.10).
+const EXT_EARLY_DATA: u16 = 0x002a;
+/// Extensions a ClientHello may carry (browsers send about 20).
+const MAX_EXTENSIONS: usize = 64;
 
 /// Reads from `io` until the flow is classified, at most `max` bytes, within `limit`.
 pub async fn peek<R: AsyncRead + Unpin>(
@@ -127,33 +142,29 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(buf) {
         Ok(httparse::Status::Partial) => Ok(Step::NeedMore),
-        Ok(httparse::Status::Complete(_)) => Ok(Step::Done(Classified::Http {
-            host: host_of(req.headers),
-        })),
-        // Not HTTP after all (or HTTP the gateway will not read a Host from):
-        // no name evidence, policy decides on the address and attribution.
-        Err(_) => Ok(Step::Done(Classified::Http { host: None })),
-    }
-}
-
-fn host_of(headers: &[httparse::Header<'_>]) -> Option<String> {
-    let h = headers
-        .iter()
-        .find(|h| h.name.eq_ignore_ascii_case("host"))?;
-    let value = std::str::from_utf8(h.value).ok()?.trim();
-    Some(strip_port(value).to_owned())
-}
-
-/// `example.test:8080` → `example.test`; `[2001:db8::1]:443` → `2001:db8::1`.
-pub fn strip_port(authority: &str) -> &str {
-    if let Some(rest) = authority.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match authority.rsplit_once(':') {
-        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) && !host.contains(':') => {
-            host
+        Ok(httparse::Status::Complete(_)) => {
+            let authority = authority::of_request_target(req.path.unwrap_or("/"))
+                .and_then(|target| {
+                    let hosts = req
+                        .headers
+                        .iter()
+                        .filter(|h| h.name.eq_ignore_ascii_case("host"));
+                    authority::judge(target.as_deref(), hosts.map(|h| h.value))
+                })
+                .and_then(|a| match a {
+                    // RFC 9112 §3.2: HTTP/1.1 requires a Host; 1.0 may omit it.
+                    None if req.version != Some(0) => Err(AuthorityError::Missing),
+                    a => Ok(a),
+                })
+                .map_err(PeekError::MalformedRequest)?;
+            Ok(Step::Done(Classified::Http {
+                host: authority.and_then(|a| a.name().cloned()),
+            }))
         }
-        _ => authority,
+        // Not HTTP after all (or HTTP the gateway will not read a Host from):
+        // no name evidence, policy decides on the address and attribution;
+        // the request-by-request server refuses what it cannot read.
+        Err(_) => Ok(Step::Done(Classified::Http { host: None })),
     }
 }
 
@@ -216,36 +227,102 @@ fn hello_length(msg: &[u8]) -> Result<Option<usize>, PeekError> {
 }
 
 fn parse_client_hello(msg: &[u8]) -> Result<ClientHello, PeekError> {
-    let Ok((_, TlsMessage::Handshake(TlsMessageHandshake::ClientHello(ch)))) =
-        parse_tls_message_handshake(msg)
-    else {
+    // `msg` is exactly one handshake message (its length came from its header).
+    let body = msg.get(4..).unwrap_or_default();
+    let Ok((rest, ch)) = parse_tls_handshake_client_hello(body) else {
         return Err(PeekError::Malformed("the ClientHello does not parse"));
     };
+    // tls-parser reads an extension block whose length overruns the message
+    // as "no extensions" and ignores what follows the block: both are bytes
+    // another parser reads differently.
+    if !rest.is_empty() {
+        return Err(PeekError::Malformed(
+            "the extension block's length does not match the ClientHello",
+        ));
+    }
     let mut out = ClientHello::default();
-    let Some(mut rest) = ch.ext else {
+    let Some(mut exts) = ch.ext else {
         return Ok(out);
     };
-    // One extension at a time, nothing collected; like tls-parser's
-    // `parse_tls_client_hello_extensions`, the first that does not parse
-    // ends the list (what follows it is not evidence of anything).
-    while let Ok((next, e)) = parse_tls_client_hello_extension(rest) {
-        match e {
-            TlsExtension::SNI(names) => {
-                out.sni = names
-                    .iter()
-                    .find(|(t, _)| *t == SNIType::HostName)
-                    .and_then(|(_, n)| std::str::from_utf8(n).ok())
-                    .map(str::to_owned);
-            }
-            TlsExtension::EarlyData(_) => out.early_data = true,
+    let mut seen = [0u16; MAX_EXTENSIONS];
+    let mut count = 0;
+    while !exts.is_empty() {
+        let [t0, t1, l0, l1, ref tail @ ..] = *exts else {
+            return Err(PeekError::Malformed("an extension header is cut short"));
+        };
+        let kind = u16::from_be_bytes([t0, t1]);
+        let len = usize::from(u16::from_be_bytes([l0, l1]));
+        let Some(data) = tail.get(..len) else {
+            return Err(PeekError::Malformed(
+                "an extension's length overruns the extension block",
+            ));
+        };
+        exts = &tail[len..];
+        // RFC 8446 §4.2: no two extensions of one type in a block.
+        if seen[..count].contains(&kind) {
+            return Err(PeekError::Malformed(if kind == EXT_SERVER_NAME {
+                "two server_name extensions"
+            } else {
+                "an extension type appears twice"
+            }));
+        }
+        let Some(slot) = seen.get_mut(count) else {
+            return Err(PeekError::Malformed("more than 64 extensions"));
+        };
+        *slot = kind;
+        count += 1;
+        match kind {
+            EXT_SERVER_NAME => out.sni = server_name(data)?,
+            EXT_EARLY_DATA => out.early_data = true,
             _ => {}
         }
-        if next.len() >= rest.len() {
-            break;
-        }
-        rest = next;
     }
     Ok(out)
+}
+
+/// Reads a `server_name` extension (RFC 6066 §3) that only one reading fits:
+/// exactly one `host_name` entry whose lengths fill the extension exactly,
+/// naming a valid hostname (`Some`) or an IP literal (`None`, as if absent).
+/// Anything else — several entries, another entry type, NUL, CR/LF or
+/// non-ASCII bytes, an invalid or over-long name — is malformed: a server that
+/// truncates at NUL or picks another entry would serve another name.
+pub fn server_name(data: &[u8]) -> Result<Option<Hostname>, PeekError> {
+    let malformed = |why| Err(PeekError::Malformed(why));
+    let [l0, l1, ref list @ ..] = *data else {
+        return malformed("the server_name extension is cut short");
+    };
+    if usize::from(u16::from_be_bytes([l0, l1])) != list.len() {
+        return malformed("the server_name list length does not match the extension");
+    }
+    let [kind, n0, n1, ref entries @ ..] = *list else {
+        return malformed("the server_name list is empty or cut short");
+    };
+    let Some(name) = entries.get(..usize::from(u16::from_be_bytes([n0, n1]))) else {
+        return malformed("the server name's length overruns the list");
+    };
+    if entries.len() > name.len() {
+        return malformed("more than one entry in the server_name list");
+    }
+    if kind != 0 {
+        return malformed("a server_name entry that is not a host_name");
+    }
+    if name.contains(&0) {
+        return malformed("a NUL byte in the server name");
+    }
+    if name.iter().any(|b| *b == b'\r' || *b == b'\n') {
+        return malformed("CR or LF in the server name");
+    }
+    let Ok(name) = std::str::from_utf8(name) else {
+        return malformed("non-ASCII bytes in the server name");
+    };
+    if !name.is_ascii() {
+        return malformed("non-ASCII bytes in the server name");
+    }
+    match authority::server_name(name) {
+        Ok(sni) => Ok(sni),
+        Err(NameError::TooLong) => malformed("a server name over 253 characters"),
+        Err(_) => malformed("a server name that is not a valid hostname"),
+    }
 }
 
 fn finish_at_eof(buf: &[u8]) -> Result<Classified, PeekError> {

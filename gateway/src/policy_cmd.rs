@@ -198,8 +198,21 @@ fn compose_cmd(args: &ComposeArgs, env: Env<'_>) -> Result<Output, CliError> {
 
 fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     let policy = read_policy(&args.policy)?;
-    // The gateway treats an SNI that is not a hostname (an IP literal, say) as no SNI.
-    let sni = args.sni.as_deref().and_then(|s| Hostname::parse(s).ok());
+    // Read as the dataplane reads it: an IP literal is no SNI; a name the
+    // peek refuses is refused here.
+    let sni = args
+        .sni
+        .as_deref()
+        .map(|s| {
+            crate::authority::server_name(s).map_err(|e| CliError::Arg {
+                flag: "--sni",
+                message: format!(
+                    "{s:?}: {e} (the gateway resets such a ClientHello: malformed_client_hello)"
+                ),
+            })
+        })
+        .transpose()?
+        .flatten();
     let host = args
         .host
         .as_deref()

@@ -423,4 +423,27 @@ fn explain_refuses_bad_arguments() {
         "{}",
         r.stderr
     );
+    // An SNI the gateway would reset is refused, not read as "no SNI".
+    let r = gateway(
+        &[
+            "policy",
+            "explain",
+            "--policy",
+            p,
+            "--dst",
+            "203.0.113.7:443",
+            "--tls",
+            "--sni",
+            "bad_sni",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("--sni")
+            && r.stderr.contains("bad_sni")
+            && r.stderr.contains("malformed_client_hello"),
+        "{}",
+        r.stderr
+    );
 }

@@ -5,17 +5,8 @@
 /// Builds a ClientHello by hand: SNI, ALPN, optional 0-RTT and padding.
 pub fn hello(sni: Option<&str>, alpn: &[&str], padding: usize, early: bool) -> Vec<u8> {
     let mut exts = Vec::new();
-    let mut ext = |ty: u16, data: Vec<u8>| {
-        exts.extend_from_slice(&ty.to_be_bytes());
-        exts.extend_from_slice(&(data.len() as u16).to_be_bytes());
-        exts.extend_from_slice(&data);
-    };
     if let Some(name) = sni {
-        let mut d = ((name.len() + 3) as u16).to_be_bytes().to_vec();
-        d.push(0);
-        d.extend_from_slice(&(name.len() as u16).to_be_bytes());
-        d.extend_from_slice(name.as_bytes());
-        ext(0x0000, d);
+        exts.push((0x0000, sni_data(&[(0, name.as_bytes())])));
     }
     if !alpn.is_empty() {
         let list: Vec<u8> = alpn
@@ -24,24 +15,54 @@ pub fn hello(sni: Option<&str>, alpn: &[&str], padding: usize, early: bool) -> V
             .collect();
         let mut d = (list.len() as u16).to_be_bytes().to_vec();
         d.extend_from_slice(&list);
-        ext(0x0010, d);
+        exts.push((0x0010, d));
     }
     if early {
-        ext(0x002a, vec![]);
+        exts.push((0x002a, vec![]));
     }
     if padding > 0 {
-        ext(0x0015, vec![0; padding]);
+        exts.push((0x0015, vec![0; padding]));
+    }
+    hello_with(&exts)
+}
+
+/// The data of a `server_name` extension listing `entries` (name type, name),
+/// every length as it should be.
+pub fn sni_data(entries: &[(u8, &[u8])]) -> Vec<u8> {
+    let mut list = Vec::new();
+    for (kind, name) in entries {
+        list.push(*kind);
+        list.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        list.extend_from_slice(name);
+    }
+    let mut d = (list.len() as u16).to_be_bytes().to_vec();
+    d.extend_from_slice(&list);
+    d
+}
+
+/// A ClientHello carrying exactly `exts` (type, data), in order.
+pub fn hello_with(exts: &[(u16, Vec<u8>)]) -> Vec<u8> {
+    let mut block = Vec::new();
+    for (ty, data) in exts {
+        block.extend_from_slice(&ty.to_be_bytes());
+        block.extend_from_slice(&(data.len() as u16).to_be_bytes());
+        block.extend_from_slice(data);
     }
     let mut body = vec![0x03, 0x03];
     body.extend_from_slice(&[7; 32]);
     body.push(32);
     body.extend_from_slice(&[9; 32]);
     body.extend_from_slice(&[0, 2, 0x13, 0x01, 1, 0]);
-    body.extend_from_slice(&(exts.len() as u16).to_be_bytes());
-    body.extend_from_slice(&exts);
+    body.extend_from_slice(&(block.len() as u16).to_be_bytes());
+    body.extend_from_slice(&block);
+    handshake(&body)
+}
+
+/// A ClientHello handshake message around `body` (its header's length is `body`'s).
+pub fn handshake(body: &[u8]) -> Vec<u8> {
     let mut hs = vec![1, 0, 0, 0];
     hs[1..4].copy_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
-    hs.extend_from_slice(&body);
+    hs.extend_from_slice(body);
     hs
 }
 

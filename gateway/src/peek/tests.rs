@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 
 use tokio::io::ReadBuf;
 
-use super::fixture::{hello, records};
+use super::fixture::{handshake, hello, hello_with, records, sni_data};
 use super::*;
 
 /// Yields at most `step` bytes per read: a slow, segmented sender.
@@ -38,9 +38,13 @@ async fn run(data: Vec<u8>, step: usize) -> Result<(Classified, Vec<u8>), PeekEr
 
 fn tls(sni: Option<&str>) -> Classified {
     Classified::Tls(ClientHello {
-        sni: sni.map(str::to_owned),
+        sni: sni.map(name),
         ..ClientHello::default()
     })
+}
+
+fn name(s: &str) -> Hostname {
+    Hostname::parse(s).expect("hostname")
 }
 
 #[tokio::test]
@@ -53,7 +57,7 @@ async fn client_hello_in_one_record() {
     assert_eq!(
         c,
         Classified::Tls(ClientHello {
-            sni: Some("api.example.test".into()),
+            sni: Some(name("api.example.test")),
             early_data: false
         })
     );
@@ -71,7 +75,7 @@ async fn post_quantum_sized_hello_split_over_records_and_sent_byte_by_byte() {
             panic!("not TLS")
         };
         assert_eq!(
-            ch.sni.as_deref(),
+            ch.sni.as_ref().map(Hostname::as_str),
             Some("pq.example.test"),
             "fragment {fragment} step {step}"
         );
@@ -88,15 +92,15 @@ async fn hello_from_rustls_parses() {
         .with_root_certificates(roots)
         .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];
-    let name = rustls::pki_types::ServerName::try_from("real.example.test").expect("name");
-    let mut conn = rustls::ClientConnection::new(Arc::new(config), name).expect("client");
+    let server = rustls::pki_types::ServerName::try_from("real.example.test").expect("name");
+    let mut conn = rustls::ClientConnection::new(Arc::new(config), server).expect("client");
     let mut bytes = Vec::new();
     conn.write_tls(&mut bytes).expect("hello");
     let (c, _) = run(bytes, 1).await.expect("classified");
     let Classified::Tls(ch) = c else {
         panic!("not TLS")
     };
-    assert_eq!(ch.sni.as_deref(), Some("real.example.test"));
+    assert_eq!(ch.sni, Some(name("real.example.test")));
 }
 
 #[tokio::test]
@@ -147,6 +151,186 @@ async fn hello_without_sni_and_malformed_hellos() {
     ));
 }
 
+/// Every way a server name can be read two ways, as `(what, hello)`.
+fn two_reading_hellos() -> Vec<(&'static str, Vec<u8>)> {
+    let sni = |entries: &[(u8, &[u8])]| (0x0000u16, sni_data(entries));
+    let ok = sni(&[(0, b"allowed.test")]);
+    let long = ["a".repeat(63).as_str(); 4].join(".");
+    let mut list_too_long = sni_data(&[(0, b"allowed.test")]);
+    list_too_long[1] += 1;
+    let mut list_too_short = sni_data(&[(0, b"allowed.test")]);
+    list_too_short.push(0);
+    let mut name_overruns = sni_data(&[(0, b"allowed.test")]);
+    name_overruns[4] += 1;
+    let mut trailing = sni_data(&[(0, b"allowed.test")]);
+    trailing.extend_from_slice(&[0, 0]);
+    trailing[1] += 2;
+    // A hello whose body has bytes after its extension block.
+    let mut after_block = hello_with(std::slice::from_ref(&ok))[4..].to_vec();
+    after_block.extend_from_slice(&[0, 0, 0, 0]);
+    // A hello whose extension block's length overruns the message.
+    let mut block_overruns = hello_with(std::slice::from_ref(&ok))[4..].to_vec();
+    let at = block_overruns.len() - ok.1.len() - 6;
+    block_overruns[at + 1] += 1;
+    // One extension whose length overruns the block.
+    let mut ext_overruns = hello_with(&[(0x0015, vec![0; 4]), ok.clone()])[4..].to_vec();
+    let block_start = ext_overruns.len() - (4 + 4) - (4 + ok.1.len());
+    ext_overruns[block_start + 2] = 0xff;
+    vec![
+        (
+            "two server_name extensions",
+            hello_with(&[ok.clone(), sni(&[(0, b"denied.test")])]),
+        ),
+        (
+            "two server_name extensions, same name",
+            hello_with(&[ok.clone(), ok.clone()]),
+        ),
+        (
+            "two early_data extensions",
+            hello_with(&[ok, (0x002a, vec![]), (0x002a, vec![])]),
+        ),
+        (
+            "two host_name entries",
+            hello_with(&[sni(&[(0, b"allowed.test"), (0, b"denied.test")])]),
+        ),
+        (
+            "a non-host_name entry",
+            hello_with(&[sni(&[(1, b"allowed.test")])]),
+        ),
+        (
+            "a host_name after another entry type",
+            hello_with(&[sni(&[(7, b"x"), (0, b"allowed.test")])]),
+        ),
+        ("an empty list", hello_with(&[(0x0000, vec![0, 0])])),
+        ("an empty extension", hello_with(&[(0x0000, vec![])])),
+        ("an empty name", hello_with(&[sni(&[(0, b"")])])),
+        (
+            "NUL",
+            hello_with(&[sni(&[(0, b"denied.test\0.allowed.test")])]),
+        ),
+        (
+            "NUL at the end",
+            hello_with(&[sni(&[(0, b"allowed.test\0")])]),
+        ),
+        ("CR LF", hello_with(&[sni(&[(0, b"allowed.test\r\nx")])])),
+        ("LF", hello_with(&[sni(&[(0, b"allowed.test\n")])])),
+        (
+            "a byte over 0x7f",
+            hello_with(&[sni(&[(0, b"allow\xffed.test")])]),
+        ),
+        (
+            "UTF-8",
+            hello_with(&[sni(&[(0, "\u{e9}.test".as_bytes())])]),
+        ),
+        (
+            "over 253 bytes",
+            hello_with(&[sni(&[(0, long.as_bytes())])]),
+        ),
+        ("an underscore", hello_with(&[sni(&[(0, b"a_b.test")])])),
+        ("a space", hello_with(&[sni(&[(0, b"allowed.test evil")])])),
+        (
+            "an IP literal with a trailing dot",
+            hello_with(&[sni(&[(0, b"198.51.100.1.")])]),
+        ),
+        (
+            "list length overruns",
+            hello_with(&[(0x0000, list_too_long)]),
+        ),
+        (
+            "list length short of the extension",
+            hello_with(&[(0x0000, list_too_short)]),
+        ),
+        (
+            "name length overruns",
+            hello_with(&[(0x0000, name_overruns)]),
+        ),
+        (
+            "trailing bytes in the list",
+            hello_with(&[(0x0000, trailing)]),
+        ),
+        ("bytes after the extension block", handshake(&after_block)),
+        ("extension block overruns", handshake(&block_overruns)),
+        ("an extension overruns the block", handshake(&ext_overruns)),
+    ]
+}
+
+#[tokio::test]
+async fn a_server_name_that_reads_two_ways_is_malformed_however_it_is_cut() {
+    for (what, hs) in two_reading_hellos() {
+        for (fragment, step) in [(16_384, 4_096), (9, 1), (50, 7)] {
+            let r = run(records(&hs, fragment), step).await;
+            assert!(
+                matches!(r, Err(PeekError::Malformed(_))),
+                "{what} (fragment {fragment}, step {step}): {r:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_flow_log_detail_names_the_irregularity() {
+    let sni = |entries: &[(u8, &[u8])]| (0x0000u16, sni_data(entries));
+    for (hs, why) in [
+        (
+            hello_with(&[sni(&[(0, b"a.test")]), sni(&[(0, b"b.test")])]),
+            "two server_name extensions",
+        ),
+        (
+            hello_with(&[sni(&[(0, b"a.test"), (0, b"b.test")])]),
+            "more than one entry in the server_name list",
+        ),
+        (
+            hello_with(&[sni(&[(0, b"a.test\0b")])]),
+            "a NUL byte in the server name",
+        ),
+        (
+            hello_with(&[sni(&[(0, b"a.test\r\n")])]),
+            "CR or LF in the server name",
+        ),
+    ] {
+        let e = run(records(&hs, 16_384), 4_096).await.expect_err(why);
+        assert_eq!(e, PeekError::Malformed(why));
+        assert!(e.to_string().contains(why), "{e}");
+    }
+}
+
+#[tokio::test]
+async fn no_sni_only_without_the_extension_or_with_one_ip_literal() {
+    for (what, hs, expected) in [
+        ("no extension", hello_with(&[]), None),
+        (
+            "no extensions at all",
+            handshake(&hello_with(&[])[4..hello_with(&[]).len() - 2]),
+            None,
+        ),
+        (
+            "an IPv4 literal",
+            hello_with(&[(0, sni_data(&[(0, b"198.51.100.7")]))]),
+            None,
+        ),
+        (
+            "an IPv6 literal",
+            hello_with(&[(0, sni_data(&[(0, b"2001:db8::7")]))]),
+            None,
+        ),
+        (
+            "upper case and one trailing dot",
+            hello_with(&[(0, sni_data(&[(0, b"Allowed.Test.")]))]),
+            Some(name("allowed.test")),
+        ),
+    ] {
+        let (c, _) = run(records(&hs, 16_384), 4_096).await.expect(what);
+        assert_eq!(
+            c,
+            Classified::Tls(ClientHello {
+                sni: expected,
+                early_data: false
+            }),
+            "{what}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn hello_larger_than_the_limit_is_refused() {
     let bytes = records(&hello(Some("big.test"), &[], 12_000, false), 16_384);
@@ -170,7 +354,7 @@ async fn http_request_heads() {
     assert_eq!(
         c,
         Classified::Http {
-            host: Some("Api.Example.Test".into())
+            host: Some(name("api.example.test"))
         }
     );
     assert_eq!(read, req);
@@ -178,18 +362,52 @@ async fn http_request_heads() {
         .await
         .expect("classified");
     assert_eq!(c, Classified::Http { host: None });
+    // An IP literal names no domain.
     let (c, _) = run(
         b"GET / HTTP/1.1\r\nHost: [2001:db8::1]:80\r\n\r\n".to_vec(),
         100,
     )
     .await
     .expect("classified");
-    assert_eq!(
-        c,
-        Classified::Http {
-            host: Some("2001:db8::1".into())
-        }
-    );
+    assert_eq!(c, Classified::Http { host: None });
+    // An absolute-form target that agrees with Host.
+    let (c, _) = run(
+        b"GET http://a.test/x HTTP/1.1\r\nHost: A.test\r\n\r\n".to_vec(),
+        100,
+    )
+    .await
+    .expect("classified");
+    assert_eq!(c, tls_free_http("a.test"));
+}
+
+fn tls_free_http(host: &str) -> Classified {
+    Classified::Http {
+        host: Some(name(host)),
+    }
+}
+
+/// A request head whose name claims could be read two ways is refused.
+#[tokio::test]
+async fn request_heads_with_two_readings_are_malformed() {
+    for head in [
+        &b"GET / HTTP/1.1\r\nHost: allowed.test\r\nHost: denied.test\r\n\r\n"[..],
+        // The second Host hides behind a bare LF line ending.
+        b"GET / HTTP/1.1\r\nHost: allowed.test\r\nX-A: b\nHost: denied.test\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: same.test\r\nhost: same.test\r\n\r\n",
+        b"GET http://denied.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: allowed.test@denied.test\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: bad_name.test\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: \r\n\r\n",
+        // RFC 9112 §3.2: HTTP/1.1 requires a Host.
+        b"GET / HTTP/1.1\r\nUser-Agent: x\r\n\r\n",
+    ] {
+        let r = run(head.to_vec(), 7).await;
+        assert!(
+            matches!(r, Err(PeekError::MalformedRequest(_))),
+            "{:?}: {r:?}",
+            String::from_utf8_lossy(head)
+        );
+    }
 }
 
 #[tokio::test]
@@ -207,15 +425,6 @@ async fn opaque_bytes_and_silence() {
     assert_eq!(r, Err(PeekError::Timeout));
 }
 
-#[test]
-fn ports_are_stripped_from_authorities() {
-    assert_eq!(strip_port("a.test:443"), "a.test");
-    assert_eq!(strip_port("a.test"), "a.test");
-    assert_eq!(strip_port("[2001:db8::1]:443"), "2001:db8::1");
-    assert_eq!(strip_port("2001:db8::1"), "2001:db8::1");
-    assert_eq!(strip_port("a.test:x"), "a.test:x");
-}
-
 proptest::proptest! {
     /// Arbitrary bytes never panic the classifier.
     #[test]
@@ -224,5 +433,23 @@ proptest::proptest! {
         let mut tls = vec![0x16, 0x03, 0x01];
         tls.extend_from_slice(&bytes);
         let _ = classify(&tls);
+    }
+}
+
+proptest::proptest! {
+    /// The verdict on a hello — its name, or why it is malformed — is the
+    /// same however its bytes are cut into records.
+    #[test]
+    fn verdict_does_not_depend_on_record_cuts(
+        pick in 0usize..64,
+        fragment in 1usize..400,
+    ) {
+        let mut hellos: Vec<Vec<u8>> = two_reading_hellos().into_iter().map(|(_, h)| h).collect();
+        hellos.push(hello(Some("api.example.test"), &["h2"], 1_800, true));
+        hellos.push(hello(None, &[], 0, false));
+        let hs = &hellos[pick % hellos.len()];
+        let whole = classify_bytes(&records(hs, 16_384));
+        let cut = classify_bytes(&records(hs, fragment));
+        proptest::prop_assert_eq!(whole, cut);
     }
 }

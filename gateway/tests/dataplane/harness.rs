@@ -104,7 +104,11 @@ pub async fn https_origin(
                         Ok::<_, std::convert::Infallible>(respond(req, label).await)
                     },
                 );
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                let mut builder =
+                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                // Larger heads than the gateway lets through, so its bound is what refuses.
+                builder.http2().max_header_list_size(1 << 20);
+                let _ = builder
                     .serve_connection_with_upgrades(TokioIo::new(tls), service)
                     .await;
             });

@@ -3,4 +3,5 @@
 //! a hickory-server upstream, origins with certificates from a test CA.
 
 mod harness;
+mod two_readings;
 mod verdicts;

@@ -1,0 +1,257 @@
+//! The one name an HTTP request is for.
+//!
+//! A request can name its host several times: the HTTP/2 `:authority`, an
+//! absolute-form (or authority-form) request target, and `Host` headers. The
+//! gateway judges one name and the origin routes by another if they differ,
+//! so every claim is collected and they must all agree: evidence that two
+//! parsers could read two ways is no evidence. One `Host` header at most
+//! (RFC 9112 §3.2); each claim a valid authority (no user info, a hostname
+//! or an IP literal); names compared in normal form (lower-cased, port and
+//! one trailing dot dropped). The peek and the per-request check both judge
+//! through [`judge`], so they cannot read a request differently.
+
+use std::net::IpAddr;
+
+use egress_policy::Hostname;
+use http::uri::Authority as UriAuthority;
+
+/// What a request's authority names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    Name(Hostname),
+    Ip(IpAddr),
+}
+
+/// The authority the gateway judged, and forwards as the request's only
+/// `Host` (HTTP/1.1) or `:authority` (HTTP/2).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Authority {
+    /// As the client wrote it, port included (`api.example.test:8443`).
+    pub raw: String,
+    pub target: Target,
+}
+
+/// Why a request's authority claims are refused: the request gets `400`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AuthorityError {
+    #[error("more than one Host header")]
+    SeveralHosts,
+    #[error("an HTTP/1.1 request without Host")]
+    Missing,
+    #[error("invalid authority {raw:?}: {why}")]
+    Invalid { raw: String, why: String },
+    #[error("the request names two hosts: {0:?} and {1:?}")]
+    Disagree(String, String),
+}
+
+impl Authority {
+    /// The name, if the authority is not an IP literal.
+    pub fn name(&self) -> Option<&Hostname> {
+        match &self.target {
+            Target::Name(h) => Some(h),
+            Target::Ip(_) => None,
+        }
+    }
+
+    /// An authority for a bare address (HTTP/1.0 without `Host`).
+    pub fn of_ip(ip: IpAddr) -> Self {
+        let raw = match ip {
+            IpAddr::V4(v4) => v4.to_string(),
+            IpAddr::V6(v6) => format!("[{v6}]"),
+        };
+        Self {
+            raw,
+            target: Target::Ip(ip),
+        }
+    }
+}
+
+/// Judges a request's claims: `target` is the request target's authority
+/// (HTTP/2 `:authority`, HTTP/1.1 absolute- or authority-form), `hosts` the
+/// values of its `Host` headers. `Ok(None)`: the request names no host.
+pub fn judge<'a>(
+    target: Option<&str>,
+    mut hosts: impl Iterator<Item = &'a [u8]>,
+) -> Result<Option<Authority>, AuthorityError> {
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(AuthorityError::SeveralHosts);
+    }
+    let host = match host {
+        None => None,
+        Some(bytes) => Some(parse(std::str::from_utf8(bytes).map_err(|_| {
+            AuthorityError::Invalid {
+                raw: String::from_utf8_lossy(bytes).into_owned(),
+                why: "not ASCII".into(),
+            }
+        })?)?),
+    };
+    let target = target.map(parse).transpose()?;
+    match (target, host) {
+        (Some(t), Some(h)) if t.target != h.target => Err(AuthorityError::Disagree(t.raw, h.raw)),
+        (Some(t), _) => Ok(Some(t)),
+        (None, h) => Ok(h),
+    }
+}
+
+/// Reads a server name the way the peek does (RFC 6066 `host_name`): a
+/// hostname (`Some`), or an IP literal (`None`, no name); anything else is
+/// an error — the gateway resets a ClientHello that carries it.
+pub fn server_name(s: &str) -> Result<Option<Hostname>, egress_policy::NameError> {
+    if s.parse::<IpAddr>().is_ok() {
+        return Ok(None);
+    }
+    Hostname::parse(s).map(Some)
+}
+
+/// Judges the authority of a request target as written on the request line
+/// (`/path`, `*`, `http://host/path`, or `host:port`).
+pub fn of_request_target(target: &str) -> Result<Option<String>, AuthorityError> {
+    if target.starts_with('/') || target == "*" {
+        return Ok(None);
+    }
+    let uri: http::Uri = target.parse().map_err(|e| AuthorityError::Invalid {
+        raw: target.to_owned(),
+        why: format!("{e}"),
+    })?;
+    Ok(uri.authority().map(|a| a.as_str().to_owned()))
+}
+
+fn parse(raw: &str) -> Result<Authority, AuthorityError> {
+    let invalid = |why: &str| AuthorityError::Invalid {
+        raw: raw.to_owned(),
+        why: why.to_owned(),
+    };
+    if raw.contains('@') {
+        return Err(invalid("user info in an authority"));
+    }
+    let parsed: UriAuthority = raw.parse().map_err(|e| invalid(&format!("{e}")))?;
+    if parsed.as_str().len() != raw.len() {
+        return Err(invalid("not an authority"));
+    }
+    let host = parsed.host();
+    let port = &parsed.as_str()[host.len()..];
+    if !port.is_empty()
+        && port
+            .strip_prefix(':')
+            .and_then(|p| p.parse::<u16>().ok())
+            .is_none()
+    {
+        return Err(invalid("bad port"));
+    }
+    let target = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => Target::Ip(v6.parse().map_err(|_| invalid("bad IPv6 literal"))?),
+        None => match host.parse::<IpAddr>() {
+            Ok(ip) => Target::Ip(ip),
+            Err(_) => Target::Name(Hostname::parse(host).map_err(|e| invalid(&e.to_string()))?),
+        },
+    };
+    Ok(Authority {
+        raw: raw.to_owned(),
+        target,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(target: Option<&str>, hosts: &[&str]) -> Result<Option<Authority>, AuthorityError> {
+        judge(target, hosts.iter().map(|h| h.as_bytes()))
+    }
+
+    fn name(s: &str) -> Target {
+        Target::Name(Hostname::parse(s).expect("name"))
+    }
+
+    #[test]
+    fn agreeing_claims_give_one_name() {
+        let a = one(None, &["Api.Example.Test:8443"])
+            .expect("ok")
+            .expect("some");
+        assert_eq!(
+            (a.raw.as_str(), a.target),
+            ("Api.Example.Test:8443", name("api.example.test"))
+        );
+        let a = one(Some("api.example.test"), &["API.example.test.:443"])
+            .expect("ok")
+            .expect("some");
+        assert_eq!(
+            (a.raw.as_str(), a.target),
+            ("api.example.test", name("api.example.test"))
+        );
+        let a = one(Some("[2001:db8::1]:443"), &[])
+            .expect("ok")
+            .expect("some");
+        assert_eq!(a.target, Target::Ip("2001:db8::1".parse().expect("ip")));
+        assert_eq!(a.name(), None);
+        assert_eq!(one(None, &[]), Ok(None));
+    }
+
+    #[test]
+    fn two_hosts_or_two_names_are_refused() {
+        assert_eq!(
+            one(None, &["a.test", "a.test"]),
+            Err(AuthorityError::SeveralHosts)
+        );
+        assert_eq!(
+            one(None, &["a.test", "b.test"]),
+            Err(AuthorityError::SeveralHosts)
+        );
+        assert_eq!(
+            one(Some("allowed.test"), &["denied.test"]),
+            Err(AuthorityError::Disagree(
+                "allowed.test".into(),
+                "denied.test".into()
+            ))
+        );
+        assert!(matches!(
+            one(Some("198.51.100.1"), &["a.test"]),
+            Err(AuthorityError::Disagree(..))
+        ));
+    }
+
+    #[test]
+    fn claims_that_are_not_authorities_are_refused() {
+        for bad in [
+            "",
+            "user@a.test",
+            "a.test/x",
+            "a test",
+            "a.test:port",
+            "a_b.test",
+            "[2001:db8::1",
+            "[not-v6]",
+            "a.test\0.evil.test",
+            "ex\u{e4}mple.test",
+        ] {
+            assert!(
+                matches!(one(None, &[bad]), Err(AuthorityError::Invalid { .. })),
+                "{bad:?}"
+            );
+            assert!(
+                matches!(one(Some(bad), &[]), Err(AuthorityError::Invalid { .. })),
+                "target {bad:?}"
+            );
+        }
+        assert!(matches!(
+            judge(None, [&b"a.test\xff"[..]].into_iter()),
+            Err(AuthorityError::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn request_targets() {
+        assert_eq!(of_request_target("/x?y"), Ok(None));
+        assert_eq!(of_request_target("*"), Ok(None));
+        assert_eq!(
+            of_request_target("http://evil.test:8080/x"),
+            Ok(Some("evil.test:8080".into()))
+        );
+        assert_eq!(
+            of_request_target("evil.test:443"),
+            Ok(Some("evil.test:443".into()))
+        );
+        assert!(of_request_target("http://a b/").is_err());
+    }
+}
