@@ -242,16 +242,27 @@ pub async fn serve_http(addr: SocketAddr) -> std::io::Result<()> {
 }
 
 /// `/bytes/N`, `/echo` (the request body back), `/slow` (answers after 2 s),
-/// `/ws` (an upgrade that echoes), anything else: a line naming the request.
+/// `/ws` (an upgrade that echoes), anything else: a line naming the request
+/// and the `Host` headers and authority it arrived with.
 async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
-    let host = req
+    // Every Host header it received (so a test sees a second one), else the
+    // HTTP/2 :authority; and the :authority (or absolute-form) on its own.
+    let hosts: Vec<&str> = req
         .headers()
-        .get("host")
-        .and_then(|h| h.to_str().ok())
-        .map(str::to_owned)
-        .or_else(|| req.uri().authority().map(ToString::to_string))
-        .unwrap_or_default();
+        .get_all("host")
+        .iter()
+        .map(|h| h.to_str().unwrap_or("<not ASCII>"))
+        .collect();
+    let authority = req
+        .uri()
+        .authority()
+        .map_or_else(|| "-".to_owned(), ToString::to_string);
+    let host = if hosts.is_empty() {
+        authority.clone()
+    } else {
+        hosts.join(",")
+    };
     if path == "/ws" && req.headers().contains_key(hyper::header::UPGRADE) {
         let on = hyper::upgrade::on(&mut req);
         tokio::spawn(async move {
@@ -293,7 +304,7 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
             hyper::Response::new(Full::new(Bytes::from_static(b"slow done\n")))
         }
         _ => hyper::Response::new(Full::new(Bytes::from(format!(
-            "fake internet: {} {path} host={host}\n",
+            "fake internet: {} {path} host={host} authority={authority}\n",
             req.method()
         )))),
     }

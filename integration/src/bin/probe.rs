@@ -3,6 +3,9 @@
 //! - `line`: TLS to an address with a server name, send a line, print the reply
 //!   and whether the gateway (rather than the origin) presented the certificate.
 //! - `many`: N HTTPS requests, C at a time, over fresh connections; prints counts.
+//! - `request`: one request written exactly as asked — an HTTP/1.1 head as
+//!   text (two `Host` headers, bare LFs, …) or an HTTP/2 request with any
+//!   `:authority` and `host` headers — over TLS or plain TCP; prints the answer.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,7 +16,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 #[derive(Parser)]
 struct Args {
@@ -32,8 +35,33 @@ struct Target {
     ca: Vec<PathBuf>,
 }
 
+/// One request written exactly as asked.
+#[derive(clap::Args)]
+struct RequestArgs {
+    #[arg(long)]
+    connect: SocketAddr,
+    /// TLS with this server name; without it, plain TCP.
+    #[arg(long)]
+    sni: Option<String>,
+    #[arg(long)]
+    ca: Vec<PathBuf>,
+    /// HTTP/1.1: the whole request as text, with `\r` and `\n` written as escapes.
+    #[arg(long, conflicts_with = "h2_authority")]
+    raw: Option<String>,
+    /// HTTP/2 (ALPN h2) to `/` with this `:authority`.
+    #[arg(long)]
+    h2_authority: Option<String>,
+    /// HTTP/2: `host` headers to send besides the `:authority`.
+    #[arg(long = "host")]
+    hosts: Vec<String>,
+    /// HTTP/2: a header of this many bytes, to try the head bound.
+    #[arg(long, default_value_t = 0)]
+    pad: usize,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    Request(RequestArgs),
     Line {
         #[command(flatten)]
         target: Target,
@@ -53,6 +81,10 @@ enum Cmd {
 }
 
 fn tls_config(cas: &[PathBuf]) -> Result<Arc<rustls::ClientConfig>, String> {
+    tls_config_alpn(cas, b"http/1.1")
+}
+
+fn tls_config_alpn(cas: &[PathBuf], alpn: &[u8]) -> Result<Arc<rustls::ClientConfig>, String> {
     let mut roots = rustls::RootCertStore::empty();
     for path in cas {
         for c in
@@ -66,7 +98,7 @@ fn tls_config(cas: &[PathBuf]) -> Result<Arc<rustls::ClientConfig>, String> {
     let mut c = rustls::ClientConfig::builder()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    c.alpn_protocols = vec![b"http/1.1".to_vec()];
+    c.alpn_protocols = vec![alpn.to_vec()];
     Ok(Arc::new(c))
 }
 
@@ -140,9 +172,82 @@ async fn get(
     }
 }
 
+/// Something to read and write: TLS or plain TCP.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Io for T {}
+
+async fn request(args: RequestArgs) -> Result<serde_json::Value, String> {
+    let h2 = args.h2_authority.is_some();
+    let io: Box<dyn Io> = match &args.sni {
+        Some(sni) => {
+            let config = tls_config_alpn(&args.ca, if h2 { b"h2" } else { b"http/1.1" })?;
+            Box::new(connect(config, args.connect, sni).await?)
+        }
+        None => Box::new(
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                tokio::net::TcpStream::connect(args.connect),
+            )
+            .await
+            .map_err(|_| "connect timed out".to_owned())?
+            .map_err(|e| format!("connect: {e}"))?,
+        ),
+    };
+    if let Some(authority) = args.h2_authority {
+        return h2_request(io, &authority, &args.hosts, args.pad).await;
+    }
+    let raw = args.raw.ok_or("give --raw or --h2-authority")?;
+    let mut io = io;
+    io.write_all(raw.replace("\\r", "\r").replace("\\n", "\n").as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut resp = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), io.read_to_end(&mut resp)).await;
+    Ok(serde_json::json!({"response": String::from_utf8_lossy(&resp)}))
+}
+
+async fn h2_request(
+    io: Box<dyn Io>,
+    authority: &str,
+    hosts: &[String],
+    pad: usize,
+) -> Result<serde_json::Value, String> {
+    use http_body_util::BodyExt;
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(io),
+    )
+    .await
+    .map_err(|e| format!("h2 handshake: {e}"))?;
+    tokio::spawn(conn);
+    let mut req = hyper::Request::builder().uri(format!("https://{authority}/"));
+    for h in hosts {
+        req = req.header("host", h);
+    }
+    if pad > 0 {
+        req = req.header("x-pad", "p".repeat(pad));
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), sender.send_request(req))
+        .await
+        .map_err(|_| "response timed out".to_owned())?
+        .map_err(|e| format!("h2 request: {e}"))?;
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok(serde_json::json!({"status": status, "body": String::from_utf8_lossy(&body)}))
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let out = match Args::parse().cmd {
+        Cmd::Request(args) => request(args).await,
         Cmd::Line {
             target: Target { connect, sni, ca },
             send,

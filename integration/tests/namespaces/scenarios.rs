@@ -382,3 +382,116 @@ fn the_sample_flow_log_replays_with_no_verdict_mismatch() {
     assert_eq!(report["mismatches"], json!(0), "{report}");
     assert!(out.status.success());
 }
+
+/// `egress-probe request` from sb1: the JSON it prints.
+fn probe_request(t: &Topology, args: &[&str]) -> serde_json::Value {
+    let bundle = t.ca("both");
+    let mut all = vec!["request", "--ca", bundle.to_str().expect("utf-8")];
+    all.extend_from_slice(args);
+    let out = t.exec(&t.sb1, env!("CARGO_BIN_EXE_egress-probe"), &all);
+    assert!(
+        out.status.success(),
+        "probe {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+#[test]
+fn a_request_that_names_two_hosts_never_reaches_the_origin() {
+    let t = topology!();
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "allow", "tls_interception": "on",
+            "deny": [{"domain": "blocked.example.test"}]}"#,
+    );
+    let api = "203.0.113.10:443";
+    let tls = ["--connect", api, "--sni", "api.example.test"];
+    let h1 = |raw: &str| {
+        let mut args = tls.to_vec();
+        args.extend_from_slice(&["--raw", raw]);
+        probe_request(&t, &args)["response"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    // HTTP/1.1: two Host headers, one behind a bare LF, and an absolute-form
+    // target naming the denied host.
+    for raw in [
+        r"GET / HTTP/1.1\r\nHost: api.example.test\r\nHost: blocked.example.test\r\nConnection: close\r\n\r\n",
+        r"GET / HTTP/1.1\r\nHost: api.example.test\r\nX-A: b\nHost: blocked.example.test\r\nConnection: close\r\n\r\n",
+        r"GET https://blocked.example.test/ HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n",
+    ] {
+        let answer = h1(raw);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{raw} → {answer}");
+        assert!(!answer.contains("fake internet"), "{answer}");
+    }
+    // The origin receives exactly the one authority the gateway judged, in normal form.
+    let answer =
+        h1(r"GET /one HTTP/1.1\r\nHost: API.example.test:443\r\nConnection: close\r\n\r\n");
+    assert!(
+        answer.contains("fake internet: GET /one host=api.example.test:443 authority="),
+        "{answer}"
+    );
+    // A head over the bound.
+    let big = format!(
+        r"GET / HTTP/1.1\r\nHost: api.example.test\r\nX-Pad: {}\r\nConnection: close\r\n\r\n",
+        "p".repeat(100 * 1024)
+    );
+    assert!(h1(&big).starts_with("HTTP/1.1 431"));
+
+    // HTTP/2: :authority names the SNI, host the denied name.
+    let h2 = |hosts: &[&str], pad: &str| {
+        let mut args = tls.to_vec();
+        args.extend_from_slice(&["--h2-authority", "api.example.test", "--pad", pad]);
+        for h in hosts {
+            args.extend_from_slice(&["--host", h]);
+        }
+        probe_request(&t, &args)
+    };
+    let v = h2(&["blocked.example.test"], "0");
+    assert_eq!(v["status"], json!(400), "{v}");
+    assert!(!v["body"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("fake internet"));
+    let v = h2(&["api.example.test:443"], "0");
+    assert_eq!(v["status"], json!(200), "{v}");
+    assert!(
+        v["body"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("host=api.example.test authority=api.example.test"),
+        "the origin sees the judged :authority and no other host: {v}"
+    );
+    assert_eq!(h2(&[], "102400")["status"], json!(431));
+
+    // Plain HTTP: refused at the peek, and on a later request of a kept-alive connection.
+    let plain = |raw: &str| {
+        probe_request(&t, &["--connect", "198.51.100.20:80", "--raw", raw])["response"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let answer =
+        plain(r"GET / HTTP/1.1\r\nHost: plain.example.test\r\nHost: blocked.example.test\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let answer = plain(
+        r"GET /1 HTTP/1.1\r\nHost: plain.example.test\r\n\r\nGET /2 HTTP/1.1\r\nHost: plain.example.test\r\nHost: blocked.example.test\r\nConnection: close\r\n\r\n",
+    );
+    assert!(
+        answer.contains("GET /1 host=plain.example.test"),
+        "{answer}"
+    );
+    assert!(
+        answer.contains("HTTP/1.1 400") && !answer.contains("GET /2"),
+        "{answer}"
+    );
+    assert!(
+        t.flows()
+            .iter()
+            .any(|l| l["reason"] == json!("malformed_request")),
+        "the flow log names the refusal"
+    );
+}
