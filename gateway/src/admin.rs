@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use dns_attrib::SandboxId;
-use egress_policy::{Flow, Hostname, Policy, Protocol};
+use egress_policy::{Hostname, Policy};
 use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -29,25 +29,45 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::gateway::Shared;
+use crate::decide::{decide, explained, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
 use crate::registry::Registry;
+use crate::state::Dataplane;
+
+/// The control API's state: the dataplane it changes, and what only it uses.
+pub(crate) struct Control {
+    dp: Arc<Dataplane>,
+    /// `admin.token_file`'s token, required on every route but `/healthz`.
+    token: Option<String>,
+    /// Serialises pushes, so each one's snapshot write matches its state.
+    push_lock: tokio::sync::Mutex<()>,
+}
+
+impl Control {
+    pub(crate) fn new(dp: Arc<Dataplane>, token: Option<String>) -> Arc<Self> {
+        Arc::new(Self {
+            dp,
+            token,
+            push_lock: tokio::sync::Mutex::new(()),
+        })
+    }
+}
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 1 << 20;
 
 /// Serves the admin API on `listener` until the task is dropped.
-pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let shared = shared.clone();
+        let ctl = ctl.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let shared = shared.clone();
-                async move { Ok::<_, std::convert::Infallible>(route(req, &shared).await) }
+                let ctl = ctl.clone();
+                async move { Ok::<_, std::convert::Infallible>(route(req, &ctl).await) }
             });
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), service)
@@ -84,12 +104,12 @@ struct Explain {
 
 type Reply = Response<Full<Bytes>>;
 
-async fn route(req: Request<Incoming>, shared: &Shared) -> Reply {
+async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     let path = req.uri().path().to_owned();
     if path == "/healthz" {
         return text(StatusCode::OK, "ok\n");
     }
-    if let Some(token) = &shared.admin_token {
+    if let Some(token) = &ctl.token {
         let presented = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -111,12 +131,12 @@ async fn route(req: Request<Incoming>, shared: &Shared) -> Reply {
     let method = req.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (&method, segments.as_slice()) {
-        (&Method::GET, ["readyz"]) if shared.ready.load(Ordering::Acquire) => {
+        (&Method::GET, ["readyz"]) if ctl.dp.ready.load(Ordering::Acquire) => {
             text(StatusCode::OK, "ready\n")
         }
         (&Method::GET, ["readyz"]) => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
         (&Method::GET, ["metrics"]) => {
-            let mut r = Response::new(Full::new(Bytes::from(shared.metrics.encode())));
+            let mut r = Response::new(Full::new(Bytes::from(ctl.dp.metrics.encode())));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
                 header::HeaderValue::from_static(
@@ -126,7 +146,7 @@ async fn route(req: Request<Incoming>, shared: &Shared) -> Reply {
             r
         }
         (&Method::GET, ["v1", "sandboxes"]) => {
-            let list: Vec<Value> = persist::document(&shared.registry)
+            let list: Vec<Value> = persist::document(&ctl.dp.registry)
                 .sandboxes
                 .iter()
                 .map(sandbox_json)
@@ -134,10 +154,10 @@ async fn route(req: Request<Incoming>, shared: &Shared) -> Reply {
             json_reply(StatusCode::OK, &json!({ "sandboxes": list }))
         }
         (&Method::PUT, ["v1", "sandboxes"]) => match body::<Resync>(req).await {
-            Ok(doc) => resync(shared, doc).await,
-            Err(r) => rejected(shared, r),
+            Ok(doc) => resync(ctl, doc).await,
+            Err(r) => rejected(ctl, r),
         },
-        (&Method::GET, ["v1", "sandboxes", id]) => match shared.registry.get(&SandboxId::new(id)) {
+        (&Method::GET, ["v1", "sandboxes", id]) => match ctl.dp.registry.get(&SandboxId::new(id)) {
             Some(s) => json_reply(
                 StatusCode::OK,
                 &sandbox_json(&SandboxDoc {
@@ -151,17 +171,17 @@ async fn route(req: Request<Incoming>, shared: &Shared) -> Reply {
         (&Method::PUT, ["v1", "sandboxes", id]) => {
             let id = (*id).to_owned();
             if let Err(msg) = valid_id(&id) {
-                return rejected(shared, error(StatusCode::BAD_REQUEST, &msg, Some("id")));
+                return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some("id")));
             }
             match body::<PutSandbox>(req).await {
-                Ok(doc) => put(shared, id, doc).await,
-                Err(r) => rejected(shared, r),
+                Ok(doc) => put(ctl, id, doc).await,
+                Err(r) => rejected(ctl, r),
             }
         }
-        (&Method::DELETE, ["v1", "sandboxes", id]) => delete(shared, id).await,
-        (&Method::GET, ["v1", "sandboxes", id, "attribution"]) => attribution(shared, id),
+        (&Method::DELETE, ["v1", "sandboxes", id]) => delete(ctl, id).await,
+        (&Method::GET, ["v1", "sandboxes", id, "attribution"]) => attribution(ctl, id),
         (&Method::POST, ["v1", "explain"]) => match body::<Explain>(req).await {
-            Ok(e) => explain(shared, e),
+            Ok(e) => explain(ctl, e),
             Err(r) => r,
         },
         _ => error(
@@ -218,16 +238,16 @@ fn valid_id(id: &str) -> Result<(), String> {
     }
 }
 
-async fn put(shared: &Shared, id: String, doc: PutSandbox) -> Reply {
+async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     let sid = SandboxId::new(&id);
     let change = |r: &Registry| {
         r.put(sid.clone(), doc.addresses, doc.policy)
             .map_err(|e| conflict(e, "addresses"))
     };
-    if let Some(r) = commit(shared, change).await {
+    if let Some(r) = commit(ctl, change).await {
         return r;
     }
-    match shared.registry.get(&sid) {
+    match ctl.dp.registry.get(&sid) {
         Some(s) => json_reply(
             StatusCode::OK,
             &sandbox_json(&SandboxDoc {
@@ -244,12 +264,12 @@ async fn put(shared: &Shared, id: String, doc: PutSandbox) -> Reply {
     }
 }
 
-async fn resync(shared: &Shared, doc: Resync) -> Reply {
+async fn resync(ctl: &Control, doc: Resync) -> Reply {
     let mut seen = std::collections::HashSet::new();
     for (i, s) in doc.sandboxes.iter().enumerate() {
         if let Err(msg) = valid_id(&s.id) {
             return rejected(
-                shared,
+                ctl,
                 error(
                     StatusCode::BAD_REQUEST,
                     &msg,
@@ -260,7 +280,7 @@ async fn resync(shared: &Shared, doc: Resync) -> Reply {
         if !seen.insert(s.id.clone()) {
             let msg = format!("sandbox {:?} appears twice", s.id);
             return rejected(
-                shared,
+                ctl,
                 error(
                     StatusCode::BAD_REQUEST,
                     &msg,
@@ -274,13 +294,13 @@ async fn resync(shared: &Shared, doc: Resync) -> Reply {
         r.replace_all(persist::entries(doc.sandboxes))
             .map_err(|e| conflict(e, "sandboxes"))
     };
-    if let Some(r) = commit(shared, change).await {
+    if let Some(r) = commit(ctl, change).await {
         return r;
     }
     json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
 }
 
-async fn delete(shared: &Shared, id: &str) -> Reply {
+async fn delete(ctl: &Control, id: &str) -> Reply {
     let sid = SandboxId::new(id);
     let change = |r: &Registry| {
         if r.remove(&sid) {
@@ -293,10 +313,10 @@ async fn delete(shared: &Shared, id: &str) -> Reply {
             )))
         }
     };
-    if let Some(r) = commit(shared, change).await {
+    if let Some(r) = commit(ctl, change).await {
         return r;
     }
-    shared.cache.remove_sandbox(&sid);
+    ctl.dp.cache.remove_sandbox(&sid);
     json_reply(StatusCode::OK, &json!({ "deleted": id }))
 }
 
@@ -304,24 +324,24 @@ async fn delete(shared: &Shared, id: &str) -> Reply {
 /// a time; when the write fails, the change is undone: memory never runs
 /// ahead of what a restart would enforce. `Some` is the refusal to send.
 async fn commit(
-    shared: &Shared,
+    ctl: &Control,
     change: impl FnOnce(&Registry) -> Result<(), Box<Reply>>,
 ) -> Option<Reply> {
-    let _push = shared.push_lock.lock().await;
-    let before = shared.registry.checkpoint();
-    if let Err(r) = change(&shared.registry) {
-        return Some(rejected(shared, *r));
+    let _push = ctl.push_lock.lock().await;
+    let before = ctl.dp.registry.checkpoint();
+    if let Err(r) = change(&ctl.dp.registry) {
+        return Some(rejected(ctl, *r));
     }
-    match persist::save(&shared.config().state_dir, &shared.registry) {
+    match persist::save(&ctl.dp.config().state_dir, &ctl.dp.registry) {
         Ok(()) => {
-            applied(shared);
+            applied(ctl);
             None
         }
         Err(e) => {
-            shared.registry.restore(before);
+            ctl.dp.registry.restore(before);
             tracing::error!(error = %e, "snapshot write failed; push rolled back");
             Some(rejected(
-                shared,
+                ctl,
                 error(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     &format!("not applied: {e}"),
@@ -332,16 +352,16 @@ async fn commit(
     }
 }
 
-fn applied(shared: &Shared) {
-    shared
+fn applied(ctl: &Control) {
+    ctl.dp
         .metrics
         .pushes
         .get_or_create(&OutcomeLabels { outcome: "applied" })
         .inc();
 }
 
-fn rejected(shared: &Shared, reply: Reply) -> Reply {
-    shared
+fn rejected(ctl: &Control, reply: Reply) -> Reply {
+    ctl.dp
         .metrics
         .pushes
         .get_or_create(&OutcomeLabels {
@@ -351,8 +371,8 @@ fn rejected(shared: &Shared, reply: Reply) -> Reply {
     reply
 }
 
-fn explain(shared: &Shared, e: Explain) -> Reply {
-    let Some(sandbox) = shared.registry.get(&SandboxId::new(&e.sandbox)) else {
+fn explain(ctl: &Control, e: Explain) -> Reply {
+    let Some(sandbox) = ctl.dp.registry.get(&SandboxId::new(&e.sandbox)) else {
         return error(
             StatusCode::NOT_FOUND,
             &format!("no sandbox {:?}", e.sandbox),
@@ -382,40 +402,20 @@ fn explain(shared: &Shared, e: Explain) -> Reply {
             )
         }
     };
-    let protocol = if e.tls {
-        Protocol::Tls
-    } else if host.is_some() {
-        Protocol::Http
-    } else {
-        Protocol::Opaque
-    };
-    let lookup = shared.cache.names_for(&sandbox.id, e.dst.ip());
-    let names = lookup.names();
-    let verdict = sandbox.policy.decide(&Flow {
-        dst: e.dst,
-        protocol,
-        sni: sni.as_ref(),
-        host: host.as_ref(),
-        attributed: &names,
-        attribution_gap: lookup.gap(),
-    });
+    let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
+    let decided = decide(&ctl.dp.cache, &sandbox.id, &sandbox.policy, &claims);
     json_reply(
         StatusCode::OK,
-        &json!({
-            "verdict": verdict.name(),
-            "reason": verdict.code(),
-            "detail": verdict.describe(&sandbox.policy),
-            "attributed": names.iter().map(ToString::to_string).collect::<Vec<_>>(),
-        }),
+        &explained(&decided.verdict, &sandbox.policy, &decided.lookup.names()),
     )
 }
 
-fn attribution(shared: &Shared, id: &str) -> Reply {
+fn attribution(ctl: &Control, id: &str) -> Reply {
     let sid = SandboxId::new(id);
-    if shared.registry.get(&sid).is_none() {
+    if ctl.dp.registry.get(&sid).is_none() {
         return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
     }
-    let entries: Vec<Value> = shared
+    let entries: Vec<Value> = ctl.dp
         .cache
         .entries(&sid)
         .into_iter()

@@ -26,8 +26,10 @@ pub enum Target {
 /// `Host` (HTTP/1.1) or `:authority` (HTTP/2).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Authority {
-    /// As the client wrote it, port included (`api.example.test:8443`).
-    pub raw: String,
+    /// In normal form, with the port if the client gave one
+    /// (`API.Example.Test.:8443` → `api.example.test:8443`): what the gateway
+    /// judged is, byte for byte, what the origin receives.
+    pub value: String,
     pub target: Target,
 }
 
@@ -55,14 +57,20 @@ impl Authority {
 
     /// An authority for a bare address (HTTP/1.0 without `Host`).
     pub fn of_ip(ip: IpAddr) -> Self {
-        let raw = match ip {
-            IpAddr::V4(v4) => v4.to_string(),
-            IpAddr::V6(v6) => format!("[{v6}]"),
+        Self::new(Target::Ip(ip), None)
+    }
+
+    fn new(target: Target, port: Option<u16>) -> Self {
+        let host = match &target {
+            Target::Name(h) => h.to_string(),
+            Target::Ip(IpAddr::V4(v4)) => v4.to_string(),
+            Target::Ip(IpAddr::V6(v6)) => format!("[{v6}]"),
         };
-        Self {
-            raw,
-            target: Target::Ip(ip),
-        }
+        let value = match port {
+            Some(p) => format!("{host}:{p}"),
+            None => host,
+        };
+        Self { value, target }
     }
 }
 
@@ -88,7 +96,9 @@ pub fn judge<'a>(
     };
     let target = target.map(parse).transpose()?;
     match (target, host) {
-        (Some(t), Some(h)) if t.target != h.target => Err(AuthorityError::Disagree(t.raw, h.raw)),
+        (Some(t), Some(h)) if t.target != h.target => {
+            Err(AuthorityError::Disagree(t.value, h.value))
+        }
         (Some(t), _) => Ok(Some(t)),
         (None, h) => Ok(h),
     }
@@ -130,15 +140,14 @@ fn parse(raw: &str) -> Result<Authority, AuthorityError> {
         return Err(invalid("not an authority"));
     }
     let host = parsed.host();
-    let port = &parsed.as_str()[host.len()..];
-    if !port.is_empty()
-        && port
-            .strip_prefix(':')
-            .and_then(|p| p.parse::<u16>().ok())
-            .is_none()
-    {
-        return Err(invalid("bad port"));
-    }
+    let port = match &parsed.as_str()[host.len()..] {
+        "" => None,
+        rest => Some(
+            rest.strip_prefix(':')
+                .and_then(|p| p.parse::<u16>().ok())
+                .ok_or_else(|| invalid("bad port"))?,
+        ),
+    };
     let target = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         Some(v6) => Target::Ip(v6.parse().map_err(|_| invalid("bad IPv6 literal"))?),
         None => match host.parse::<IpAddr>() {
@@ -146,10 +155,7 @@ fn parse(raw: &str) -> Result<Authority, AuthorityError> {
             Err(_) => Target::Name(Hostname::parse(host).map_err(|e| invalid(&e.to_string()))?),
         },
     };
-    Ok(Authority {
-        raw: raw.to_owned(),
-        target,
-    })
+    Ok(Authority::new(target, port))
 }
 
 #[cfg(test)]
@@ -166,24 +172,25 @@ mod tests {
 
     #[test]
     fn agreeing_claims_give_one_name() {
-        let a = one(None, &["Api.Example.Test:8443"])
+        let a = one(None, &["Api.Example.Test.:8443"])
             .expect("ok")
             .expect("some");
         assert_eq!(
-            (a.raw.as_str(), a.target),
-            ("Api.Example.Test:8443", name("api.example.test"))
+            (a.value.as_str(), a.target),
+            ("api.example.test:8443", name("api.example.test"))
         );
         let a = one(Some("api.example.test"), &["API.example.test.:443"])
             .expect("ok")
             .expect("some");
         assert_eq!(
-            (a.raw.as_str(), a.target),
+            (a.value.as_str(), a.target),
             ("api.example.test", name("api.example.test"))
         );
-        let a = one(Some("[2001:db8::1]:443"), &[])
+        let a = one(Some("[2001:DB8::1]:443"), &[])
             .expect("ok")
             .expect("some");
         assert_eq!(a.target, Target::Ip("2001:db8::1".parse().expect("ip")));
+        assert_eq!(a.value, "[2001:db8::1]:443");
         assert_eq!(a.name(), None);
         assert_eq!(one(None, &[]), Ok(None));
     }

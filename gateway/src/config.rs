@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use egress_policy::Destination;
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// The whole configuration.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub state_dir: PathBuf,
@@ -23,7 +23,7 @@ pub struct Config {
     pub admin: Admin,
 }
 
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Admin {
     /// A file holding the bearer token every admin route but `/healthz`
@@ -31,7 +31,7 @@ pub struct Admin {
     pub token_file: Option<PathBuf>,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Listen {
     /// Where the redirect sends sandbox TCP.
@@ -46,7 +46,7 @@ pub struct Listen {
     pub admin: SocketAddr,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Dns {
     /// Upstream resolvers, tried in order. Empty: every query answers SERVFAIL.
@@ -59,7 +59,7 @@ pub struct Dns {
     pub upstream_timeout: Duration,
 }
 
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Tls {
     /// The interception CA; both or neither. Neither: one is created in `state_dir`.
@@ -69,7 +69,7 @@ pub struct Tls {
     pub extra_upstream_roots: Vec<PathBuf>,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicyConfig {
     /// Destinations no sandbox may reach. Defaults to the built-in list
@@ -78,7 +78,7 @@ pub struct PolicyConfig {
     pub platform_deny: Vec<Destination>,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {
     /// Longest wait for the first bytes that classify a flow.
@@ -96,7 +96,7 @@ pub struct Timeouts {
     pub drain: Duration,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Most bytes read to classify a flow (a post-quantum ClientHello is ~2 KB).
@@ -115,7 +115,7 @@ pub struct Limits {
     pub worker_threads: usize,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Log {
     /// `stdout`, `off`, or a file path: one JSON line per flow.
@@ -358,6 +358,109 @@ pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
     }
 }
 
+// === reload ===
+
+/// What SIGHUP changes, for new flows: timeouts and the per-flow limits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Live {
+    pub timeouts: Timeouts,
+    pub peek_bytes: usize,
+    pub max_request_head: usize,
+}
+
+/// What a running gateway keeps until it restarts: listeners, resolvers,
+/// certificates, platform denies, the admin token, sizes fixed at start and
+/// the flow log. Its field names are the configuration keys, so a reload
+/// names what it could not apply from this type alone.
+#[derive(Debug, PartialEq, Serialize)]
+struct RestartOnly<'a> {
+    state_dir: &'a Path,
+    listen: &'a Listen,
+    dns: &'a Dns,
+    tls: &'a Tls,
+    policy: &'a PolicyConfig,
+    admin: &'a Admin,
+    limits: RestartLimits,
+    log: &'a Log,
+}
+
+#[derive(Debug, PartialEq, Serialize)]
+struct RestartLimits {
+    max_connections: usize,
+    leaf_cache: u64,
+    worker_threads: usize,
+}
+
+impl Config {
+    /// The part SIGHUP applies.
+    pub fn live(&self) -> Live {
+        Live {
+            timeouts: self.timeouts.clone(),
+            peek_bytes: self.limits.peek_bytes,
+            max_request_head: self.limits.max_request_head,
+        }
+    }
+
+    fn restart_only(&self) -> RestartOnly<'_> {
+        RestartOnly {
+            state_dir: &self.state_dir,
+            listen: &self.listen,
+            dns: &self.dns,
+            tls: &self.tls,
+            policy: &self.policy,
+            admin: &self.admin,
+            limits: RestartLimits {
+                max_connections: self.limits.max_connections,
+                leaf_cache: self.limits.leaf_cache,
+                worker_threads: self.limits.worker_threads,
+            },
+            log: &self.log,
+        }
+    }
+
+    /// This configuration with `live` in force.
+    fn with_live(&self, live: Live) -> Self {
+        let mut next = self.clone();
+        next.timeouts = live.timeouts;
+        next.limits.peek_bytes = live.peek_bytes;
+        next.limits.max_request_head = live.max_request_head;
+        next
+    }
+
+    /// What a running gateway on `self` becomes when `next` is loaded: `next`'s
+    /// live part, `self`'s restart-only part; and the restart-only keys that
+    /// differ (e.g. `listen.admin`, `limits.max_connections`), which keep
+    /// their running values until a restart.
+    pub fn reloaded(&self, next: &Self) -> (Self, Vec<String>) {
+        let (now, then) = (self.restart_only(), next.restart_only());
+        let mut restart = Vec::new();
+        if now != then {
+            let as_value = |r: &RestartOnly<'_>| serde_json::to_value(r).unwrap_or_default();
+            changed_keys("", &as_value(&now), &as_value(&then), &mut restart);
+        }
+        (self.with_live(next.live()), restart)
+    }
+}
+
+/// The dotted keys whose values differ between two JSON trees.
+fn changed_keys(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+    match (a, b) {
+        (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+            for (key, va) in x {
+                let path = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                let vb = y.get(key).unwrap_or(&serde_json::Value::Null);
+                changed_keys(&path, va, vb, out);
+            }
+        }
+        (a, b) if a != b => out.push(prefix.to_owned()),
+        _ => {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -461,5 +564,56 @@ mod tests {
         for bad in ["", "s", "5", "5 s", "-5s", "5x", "99999999999999999999d"] {
             assert_eq!(parse_duration(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn reload_applies_the_live_part_and_names_each_restart_only_key() {
+        let now = Config::parse("", Path::new("now.toml")).expect("defaults");
+        let next = Config::parse(
+            r#"
+            [timeouts]
+            peek = "1s"
+            [limits]
+            max_request_head = 16384
+            max_connections = 7
+            [listen]
+            admin = "127.0.0.1:1"
+            [dns]
+            upstreams = ["127.0.0.1:5353"]
+            [log]
+            flow_log = "off"
+            "#,
+            Path::new("next.toml"),
+        )
+        .expect("valid");
+        let (running, restart) = now.reloaded(&next);
+        assert_eq!(
+            restart,
+            [
+                "dns.upstreams",
+                "limits.max_connections",
+                "listen.admin",
+                "log.flow_log"
+            ]
+        );
+        assert_eq!(running.live(), next.live(), "the live part is applied");
+        assert_eq!(
+            (
+                running.listen,
+                running.dns,
+                running.limits.max_connections,
+                running.log
+            ),
+            (
+                now.listen.clone(),
+                now.dns.clone(),
+                now.limits.max_connections,
+                now.log.clone()
+            ),
+            "restart-only keys keep their running values"
+        );
+        let (same, restart) = now.reloaded(&now);
+        assert!(restart.is_empty());
+        assert_eq!(same, now);
     }
 }

@@ -5,42 +5,40 @@
 //! Bodies stream both ways; WebSocket upgrades are bridged; the gateway never
 //! dials a name from SNI or Host — only the original destination address.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use bytes::Bytes;
-use egress_certs::LeafResolver;
-use egress_policy::{Denied, Flow, Hostname, Protocol, Verdict};
+use egress_policy::{Denied, Hostname, Protocol, Verdict};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::authority::{self, Authority, AuthorityError, Target};
-use crate::gateway::Shared;
-use crate::io::{quiet_for, Counts};
+use crate::decide::{decide, Claims};
+use crate::flow::{Accepted, Served};
+use crate::io::{quiet_for, Counted, Counts, Rewind};
 use crate::pool::{Body, PoolKey, Sender};
 use crate::registry::Sandbox;
+use crate::reply::text;
+use crate::state::Dataplane;
+use crate::upstream::{server_tls, ForwardError, Upstreams};
 
-/// What happened on an intercepted flow.
-#[derive(Debug, Default)]
-pub(crate) struct Intercepted {
-    pub(crate) requests: u64,
-    /// The last request's Host.
-    pub(crate) host: Option<String>,
-    /// Why the flow ended badly, if it did (`tls_handshake`, `non_http`, …).
-    pub(crate) error: Option<String>,
+/// Why a request's authority is refused.
+enum Refused {
+    BadRequest(String),
+    Misdirected,
 }
 
-/// One terminated client connection.
+/// One client connection served request by request.
 struct Conn {
-    shared: Arc<Shared>,
+    dp: Arc<Dataplane>,
+    up: Arc<Upstreams>,
     sandbox: Arc<Sandbox>,
     dst: SocketAddr,
     sni: Option<Hostname>,
@@ -54,26 +52,44 @@ struct Conn {
     upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
 }
 
-/// Why a request could not be forwarded: the client gets a 502 saying so.
-#[derive(Debug, thiserror::Error)]
-enum UpstreamError {
-    #[error("cannot connect to {0}: {1}")]
-    Connect(SocketAddr, String),
-    #[error("upstream TLS failed for {name}: {reason}")]
-    Tls { name: String, reason: String },
-    #[error("upstream HTTP failed: {0}")]
-    Http(String),
+/// Serves a flow request by request: intercepted TLS (`tls` is the
+/// ClientHello's SNI, if any) or plain HTTP (`None`), each request judged on
+/// its own authority, so a later request on a keep-alive connection cannot
+/// ride on the first one's verdict. The peeked bytes are replayed first.
+pub(crate) async fn http_flow(
+    dp: &Arc<Dataplane>,
+    up: &Arc<Upstreams>,
+    accepted: &Accepted,
+    tls: Option<Option<Hostname>>,
+    stream: TcpStream,
+    peeked: Vec<u8>,
+) -> Served {
+    let counts = Arc::new(Counts::default());
+    let peeked_len = peeked.len() as u64;
+    let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
+    let (dst, sandbox) = (accepted.dst, accepted.sandbox.clone());
+    let mut out = match tls {
+        Some(sni) => intercept(dp, up, sandbox, dst, sni, client, &counts).await,
+        None => {
+            let conn = Conn::new(dp.clone(), up.clone(), sandbox, dst, None, false);
+            serve(conn, client, &counts).await
+        }
+    };
+    out.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
+    out.bytes_down = counts.written.load(Ordering::Relaxed);
+    out
 }
 
-/// Terminates `client` (whose first bytes were peeked and are replayed by it) and serves it.
-pub(crate) async fn intercept<S>(
-    shared: Arc<Shared>,
+/// Terminates `client` with a minted leaf and serves it.
+async fn intercept<S>(
+    dp: &Arc<Dataplane>,
+    up: &Arc<Upstreams>,
     sandbox: Arc<Sandbox>,
     dst: SocketAddr,
     sni: Option<Hostname>,
     client: S,
-    activity: Arc<Counts>,
-) -> Intercepted
+    activity: &Counts,
+) -> Served
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -81,106 +97,52 @@ where
     // session cache) serves; without one the leaf is for the destination
     // address, which only this flow knows.
     let config = match sni {
-        Some(_) => shared.server_tls.clone(),
-        None => server_tls(&shared.minter, Some(dst.ip())),
+        Some(_) => up.server_tls.clone(),
+        None => server_tls(&up.minter, Some(dst.ip())),
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let handshake_started = Instant::now();
-    let accepted = tokio::time::timeout(
-        shared.config().timeouts.tls_handshake,
-        acceptor.accept(client),
-    )
-    .await;
-    shared
-        .metrics
+    let started = Instant::now();
+    let handshake = dp.config().timeouts.tls_handshake;
+    let accepted = tokio::time::timeout(handshake, acceptor.accept(client)).await;
+    dp.metrics
         .handshake_seconds
-        .observe(handshake_started.elapsed().as_secs_f64());
+        .observe(started.elapsed().as_secs_f64());
     let tls = match accepted {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => return failed(format!("tls_handshake: {e}")),
         Err(_) => return failed("tls_handshake: timed out".into()),
     };
-    let conn = Conn::new(shared, sandbox, dst, sni, true);
-    serve(conn, tls, &activity).await
-}
-
-/// Sessions the shared terminating config remembers for resumption.
-const RESUMABLE_SESSIONS: usize = 10_000;
-
-/// The terminating TLS config. `fallback_ip`: mint for this address when the
-/// client sends no SNI — such a config is per flow, so it neither keeps
-/// sessions nor issues tickets. The shared one (no fallback) keeps up to
-/// [`RESUMABLE_SESSIONS`], so a client that reconnects skips the full
-/// handshake; a resumed session decides nothing — each request is still
-/// judged on the flow's SNI and Host.
-pub(crate) fn server_tls(
-    minter: &Arc<egress_certs::LeafMinter>,
-    fallback_ip: Option<IpAddr>,
-) -> Arc<rustls::ServerConfig> {
-    let mut config = rustls::ServerConfig::builder()
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(LeafResolver::new(minter.clone(), fallback_ip)));
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    // No 0-RTT: early data could be replayed before policy sees the request.
-    config.max_early_data_size = 0;
-    if fallback_ip.is_some() {
-        config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
-        config.send_tls13_tickets = 0;
-    } else {
-        config.session_storage = rustls::server::ServerSessionMemoryCache::new(RESUMABLE_SESSIONS);
-    }
-    Arc::new(config)
-}
-
-/// Serves plain HTTP/1.x: each request on the connection is judged on its
-/// own `Host` and forwarded to the original destination, so a later request
-/// on a keep-alive connection cannot ride on the first one's verdict.
-pub(crate) async fn serve_plain_http<S>(
-    shared: Arc<Shared>,
-    sandbox: Arc<Sandbox>,
-    dst: SocketAddr,
-    client: S,
-    activity: Arc<Counts>,
-) -> Intercepted
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let conn = Conn::new(shared, sandbox, dst, None, false);
-    serve(conn, client, &activity).await
+    let conn = Conn::new(dp.clone(), up.clone(), sandbox, dst, sni, true);
+    serve(conn, tls, activity).await
 }
 
 /// Runs the HTTP server over `io` until the client is done, idle, or gone.
-async fn serve<I>(conn: Arc<Conn>, io: I, activity: &Counts) -> Intercepted
+async fn serve<I>(conn: Arc<Conn>, io: I, activity: &Counts) -> Served
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let shared = conn.shared.clone();
     let service_conn = conn.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let conn = service_conn.clone();
         async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) }
     });
+    let config = conn.dp.config();
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     // Bounded request heads: a larger one is answered 431 and never forwarded.
-    let max_head = shared.config().limits.max_request_head;
+    let max_head = config.limits.max_request_head;
     builder.http1().max_buf_size(max_head);
     builder
         .http2()
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
     let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    let idle = shared.config().timeouts.idle;
     let served = tokio::select! {
         r = serving => r,
-        () = quiet_for(activity, idle) => {
-            return Intercepted {
-                requests: conn.requests.load(Ordering::Relaxed),
-                host: conn.host.lock().map(|h| h.clone()).unwrap_or_default(),
-                error: Some("idle_timeout".into()),
-            };
+        () = quiet_for(activity, config.timeouts.idle) => {
+            return conn.served(Some("idle_timeout".into()));
         }
     };
     if let Some((key, sender)) = conn.upstream.lock().await.take() {
-        shared.pool.put(key, sender);
+        conn.up.pool.put(key, sender);
     }
     let error = served.err().map(|e| {
         let text = e.to_string();
@@ -192,20 +154,14 @@ where
             text
         }
     });
-    let host = conn.host.lock().map(|h| h.clone()).unwrap_or_default();
     let refused = conn.refused.lock().map(|r| r.clone()).unwrap_or_default();
-    let error = error.or_else(|| refused.map(|r| format!("bad_request: {r}")));
-    Intercepted {
-        requests: conn.requests.load(Ordering::Relaxed),
-        host,
-        error,
-    }
+    conn.served(error.or_else(|| refused.map(|r| format!("bad_request: {r}"))))
 }
 
-fn failed(error: String) -> Intercepted {
-    Intercepted {
+fn failed(error: String) -> Served {
+    Served {
         error: Some(error),
-        ..Intercepted::default()
+        ..Served::default()
     }
 }
 
@@ -213,14 +169,16 @@ fn failed(error: String) -> Intercepted {
 
 impl Conn {
     fn new(
-        shared: Arc<Shared>,
+        dp: Arc<Dataplane>,
+        up: Arc<Upstreams>,
         sandbox: Arc<Sandbox>,
         dst: SocketAddr,
         sni: Option<Hostname>,
         tls: bool,
     ) -> Arc<Self> {
         Arc::new(Self {
-            shared,
+            dp,
+            up,
             sandbox,
             dst,
             sni,
@@ -232,8 +190,46 @@ impl Conn {
         })
     }
 
+    /// What the flow reports when its connection ends.
+    fn served(&self, error: Option<String>) -> Served {
+        Served {
+            requests: self.requests.load(Ordering::Relaxed),
+            host: self.host.lock().map(|h| h.clone()).unwrap_or_default(),
+            error,
+            ..Served::default()
+        }
+    }
+
+    /// One request: its authority, its verdict, then upgrade or forward.
     async fn handle(&self, mut req: Request<Incoming>) -> Response<Body> {
         self.requests.fetch_add(1, Ordering::Relaxed);
+        let authority = match self.authority(&req) {
+            Ok(a) => a,
+            Err(Refused::BadRequest(why)) => return self.refuse(&req, why),
+            Err(Refused::Misdirected) => return misdirected(),
+        };
+        let host = authority.name();
+        if let Some(denied) = self.judge(host) {
+            return denied;
+        }
+        // The name the origin's certificate must carry (none: its address).
+        let verify_as = self.sni.as_ref().or(host);
+        if is_upgrade(&req) {
+            return self.upgrade(req, verify_as, &authority.value).await;
+        }
+        strip_hop_by_hop(req.headers_mut());
+        match self.forward(req, verify_as, &authority.value).await {
+            Ok(mut resp) => {
+                strip_hop_by_hop(resp.headers_mut());
+                resp.map(BodyExt::boxed)
+            }
+            Err(e) => text(StatusCode::BAD_GATEWAY, &format!("{e}\n")),
+        }
+    }
+
+    /// The one authority every claim of the request agrees on, or why it is
+    /// refused (`400`; `421` for an address under a TLS server name).
+    fn authority(&self, req: &Request<Incoming>) -> Result<Authority, Refused> {
         let claims = authority::judge(
             req.uri().authority().map(http::uri::Authority::as_str),
             req.headers()
@@ -247,14 +243,14 @@ impl Conn {
             Ok(None) if !self.tls && req.version() == http::Version::HTTP_10 => {
                 Authority::of_ip(self.dst.ip())
             }
-            Ok(None) => return self.refuse(&req, AuthorityError::Missing.to_string()),
-            Err(e) => return self.refuse(&req, e.to_string()),
+            Ok(None) => return Err(Refused::BadRequest(AuthorityError::Missing.to_string())),
+            Err(e) => return Err(Refused::BadRequest(e.to_string())),
         };
         // An address where the TLS server name named a host is another claim.
         if self.sni.is_some() && authority.name().is_none() {
-            return misdirected();
+            return Err(Refused::Misdirected);
         }
-        if self.shared.flow_log.enabled() {
+        if self.dp.flow_log.enabled() {
             if let Ok(mut h) = self.host.lock() {
                 *h = Some(match &authority.target {
                     Target::Name(n) => n.to_string(),
@@ -262,11 +258,13 @@ impl Conn {
                 });
             }
         }
-        // An IP literal names no domain: the request is judged on the address.
-        let host = authority.name().cloned();
-        let lookup = self.shared.cache.names_for(&self.sandbox.id, self.dst.ip());
-        let names = lookup.names();
-        let verdict = self.sandbox.policy.decide(&Flow {
+        Ok(authority)
+    }
+
+    /// Decides this request (an IP-literal authority names no domain: `host`
+    /// is `None`); the answer when it is denied.
+    fn judge(&self, host: Option<&Hostname>) -> Option<Response<Body>> {
+        let claims = Claims {
             dst: self.dst,
             protocol: if self.tls {
                 Protocol::Tls
@@ -274,30 +272,25 @@ impl Conn {
                 Protocol::Http
             },
             sni: self.sni.as_ref(),
-            host: host.as_ref(),
-            attributed: &names,
-            attribution_gap: lookup.gap(),
-        });
+            host,
+        };
+        let verdict = decide(
+            &self.dp.cache,
+            &self.sandbox.id,
+            &self.sandbox.policy,
+            &claims,
+        )
+        .verdict;
         match verdict {
-            Verdict::Deny(Denied::Misdirected) => return misdirected(),
+            Verdict::Deny(Denied::Misdirected) => Some(misdirected()),
             Verdict::Deny(_) => {
                 let reason = verdict.describe(&self.sandbox.policy);
-                return text(StatusCode::FORBIDDEN, &format!("egress denied: {reason}\n"));
+                Some(text(
+                    StatusCode::FORBIDDEN,
+                    &format!("egress denied: {reason}\n"),
+                ))
             }
-            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => {}
-        }
-        // The name the origin's certificate must carry (none: its address).
-        let verify_as = self.sni.as_ref().or(host.as_ref());
-        if is_upgrade(&req) {
-            return self.upgrade(req, verify_as, &authority.raw).await;
-        }
-        strip_hop_by_hop(req.headers_mut());
-        match self.forward(req, verify_as, &authority.raw).await {
-            Ok(mut resp) => {
-                strip_hop_by_hop(resp.headers_mut());
-                resp.map(BodyExt::boxed)
-            }
-            Err(e) => text(StatusCode::BAD_GATEWAY, &format!("{e}\n")),
+            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => None,
         }
     }
 
@@ -321,7 +314,7 @@ impl Conn {
         req: Request<Incoming>,
         verify_as: Option<&Hostname>,
         authority: &str,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    ) -> Result<Response<Incoming>, ForwardError> {
         // Plain connections verify nothing: no name in their key.
         let name = verify_as.filter(|_| self.tls);
         let mut guard = self.upstream.lock().await;
@@ -330,14 +323,14 @@ impl Conn {
             .is_some_and(|(k, s)| k.is(self.dst, self.tls, name) && s.usable());
         if !reusable {
             if let Some((old_key, old)) = guard.take() {
-                self.shared.pool.put(old_key, old);
+                self.up.pool.put(old_key, old);
             }
             let key = PoolKey {
                 dst: self.dst,
                 tls: self.tls,
                 name: name.cloned(),
             };
-            let sender = match self.shared.pool.take(&key) {
+            let sender = match self.up.pool.take(&key) {
                 Some(s) => s,
                 None => self.connect(verify_as, true).await?,
             };
@@ -353,7 +346,7 @@ impl Conn {
                 out.headers_mut().remove(header::HOST);
                 s.send_request(out)
                     .await
-                    .map_err(|e| UpstreamError::Http(e.to_string()))
+                    .map_err(|e| ForwardError::Http(e.to_string()))
             }
             Some(Sender::H1(s)) => {
                 *out.uri_mut() = origin_form(out.uri());
@@ -364,9 +357,9 @@ impl Conn {
                 // if this one is still busy with a body.
                 let fut = s.send_request(out);
                 drop(guard);
-                fut.await.map_err(|e| UpstreamError::Http(e.to_string()))
+                fut.await.map_err(|e| ForwardError::Http(e.to_string()))
             }
-            None => Err(UpstreamError::Http("no upstream connection".into())),
+            None => Err(ForwardError::Http("no upstream connection".into())),
         }
     }
 
@@ -409,78 +402,23 @@ impl Conn {
         resp.map(BodyExt::boxed)
     }
 
-    /// Opens a connection to the original destination: TLS verified for
-    /// `verify_as` (or, without a name, for the address), or plain HTTP.
+    /// Opens a connection to the original destination (see [`Upstreams::connect`]).
     async fn connect(
         &self,
         verify_as: Option<&Hostname>,
         allow_h2: bool,
-    ) -> Result<Sender, UpstreamError> {
-        let config = self.shared.config();
-        let timeouts = &config.timeouts;
-        let connect_started = Instant::now();
-        let tcp = tokio::time::timeout(timeouts.connect, TcpStream::connect(self.dst)).await;
-        self.shared
-            .metrics
-            .upstream_connect_seconds
-            .observe(connect_started.elapsed().as_secs_f64());
-        let tcp = tcp
-            .map_err(|_| UpstreamError::Connect(self.dst, "timed out".into()))?
-            .map_err(|e| UpstreamError::Connect(self.dst, e.to_string()))?;
-        let _ = tcp.set_nodelay(true);
-        if !self.tls {
-            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-                .await
-                .map_err(|e| UpstreamError::Http(e.to_string()))?;
-            tokio::spawn(conn.with_upgrades());
-            return Ok(Sender::H1(sender));
-        }
-        let config = if allow_h2 {
-            self.shared.upstream_tls.clone()
-        } else {
-            self.shared.upstream_tls_h1.clone()
-        };
-        let (name, server_name) = match verify_as {
-            Some(n) => (
-                n.to_string(),
-                ServerName::try_from(n.as_str().to_owned()).map_err(|e| UpstreamError::Tls {
-                    name: n.to_string(),
-                    reason: e.to_string(),
-                })?,
-            ),
-            None => (
-                self.dst.ip().to_string(),
-                ServerName::IpAddress(self.dst.ip().into()),
-            ),
-        };
-        let tls = tokio::time::timeout(
-            timeouts.tls_handshake,
-            tokio_rustls::TlsConnector::from(config).connect(server_name, tcp),
-        )
-        .await
-        .map_err(|_| UpstreamError::Tls {
-            name: name.clone(),
-            reason: "handshake timed out".into(),
-        })?
-        .map_err(|e| UpstreamError::Tls {
-            name: name.clone(),
-            reason: e.to_string(),
-        })?;
-        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        let io = TokioIo::new(tls);
-        if h2 {
-            let (sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
-                .await
-                .map_err(|e| UpstreamError::Http(e.to_string()))?;
-            tokio::spawn(conn);
-            Ok(Sender::H2(sender))
-        } else {
-            let (sender, conn) = hyper::client::conn::http1::handshake(io)
-                .await
-                .map_err(|e| UpstreamError::Http(e.to_string()))?;
-            tokio::spawn(conn.with_upgrades());
-            Ok(Sender::H1(sender))
-        }
+    ) -> Result<Sender, ForwardError> {
+        let config = self.dp.config();
+        self.up
+            .connect(
+                self.dst,
+                self.tls,
+                verify_as,
+                allow_h2,
+                &config.timeouts,
+                &self.dp.metrics,
+            )
+            .await
     }
 }
 
@@ -540,18 +478,4 @@ fn misdirected() -> Response<Body> {
         StatusCode::MISDIRECTED_REQUEST,
         "Host does not match the TLS server name\n",
     )
-}
-
-fn text(status: StatusCode, body: &str) -> Response<Body> {
-    let mut resp = Response::new(
-        Full::new(Bytes::from(body.to_owned()))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    resp
 }

@@ -162,6 +162,11 @@ pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
     }
 }
 
+/// Closes with RST: the answer for denied flows that have no protocol to speak.
+pub(crate) fn reset(stream: &tokio::net::TcpStream) {
+    let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use dns_attrib::{Admission, Admit, SandboxId};
-use egress_policy::{AttributionGap, CompiledPolicy, Flow, PlatformDenies, Policy, Protocol};
+use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
 
 /// One sandbox: its addresses and its compiled effective policy.
 #[derive(Debug)]
@@ -191,14 +191,14 @@ impl Admission for Registry {
         let Some(sandbox) = self.lookup(src) else {
             return Admit::Unknown;
         };
-        let verdict = sandbox.policy.decide(&Flow {
+        let claims = crate::decide::Claims {
             dst: resolver,
             protocol: Protocol::Opaque,
             sni: None,
             host: None,
-            attributed: &[],
-            attribution_gap: AttributionGap::NoDnsSeen,
-        });
+        };
+        let verdict =
+            crate::decide::judge(&sandbox.policy, &claims, &[], AttributionGap::NoDnsSeen);
         if verdict.is_deny() {
             Admit::Refused(sandbox.id.clone())
         } else {

@@ -68,7 +68,7 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
             }
         };
         let b = gateway.bound();
-        let ca = &gateway.shared().minter.ca().paths().cert;
+        let ca = &gateway.ca().paths().cert;
         tracing::info!("transparent TCP on {}, DNS for 8.8.8.8 on {} and for 1.1.1.1 on {} (UDP and TCP), admin on http://{}/healthz", b.transparent, b.dns, b.dns_alt, b.admin);
         tracing::info!("sandboxes must trust the interception CA {}", ca.display());
         tracing::info!(
@@ -78,7 +78,7 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
             b.dns_alt.port()
         );
         tracing::info!("no sandboxes are registered yet: every flow is denied until policies are pushed");
-        let reloader = tokio::spawn(reload_on_sighup(hup, gateway.shared().clone(), config_path.map(Path::to_owned)));
+        let reloader = tokio::spawn(reload_on_sighup(hup, gateway.dataplane().clone(), config_path.map(Path::to_owned)));
         let left = gateway.run_until(shutdown_signal(term)).await;
         reloader.abort();
         if left == 0 {
@@ -93,7 +93,7 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
 /// SIGHUP: read the configuration file again; a bad one keeps the running one.
 async fn reload_on_sighup(
     mut hup: tokio::signal::unix::Signal,
-    shared: Arc<crate::Shared>,
+    dp: Arc<crate::Dataplane>,
     path: Option<std::path::PathBuf>,
 ) {
     while hup.recv().await.is_some() {
@@ -103,7 +103,7 @@ async fn reload_on_sighup(
         };
         match Config::load(path) {
             Ok(next) => {
-                let restart = shared.reload(next);
+                let restart = dp.reload(&next);
                 if restart.is_empty() {
                     tracing::info!(path = %path.display(), "configuration reloaded");
                 } else {

@@ -12,7 +12,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use crate::io::{quiet_for, Counts};
+use crate::config::Timeouts;
+use crate::io::{quiet_for, reset, Counts};
+use crate::state::Dataplane;
+use crate::upstream::connect_tcp;
 
 /// What a splice moved.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -22,6 +25,32 @@ pub(crate) struct Spliced {
     /// Origin to client.
     pub(crate) down: u64,
     pub(crate) idle_timeout: bool,
+}
+
+/// Connects to `dst`, sends the `peeked` bytes first, then joins the two
+/// sockets as they are. The error names the step that failed (the client is
+/// reset); the byte counts include the peeked bytes.
+pub(crate) async fn splice_to(
+    dp: &Dataplane,
+    client: TcpStream,
+    dst: std::net::SocketAddr,
+    peeked: &[u8],
+    timeouts: &Timeouts,
+) -> Result<Spliced, String> {
+    let mut origin = match connect_tcp(dst, timeouts.connect, &dp.metrics).await {
+        Ok(o) => o,
+        Err(e) => {
+            reset(&client);
+            return Err(format!("upstream_connect: {e}"));
+        }
+    };
+    if let Err(e) = origin.write_all(peeked).await {
+        reset(&client);
+        return Err(format!("upstream_write: {e}"));
+    }
+    let mut moved = splice(client, origin, timeouts.idle).await;
+    moved.up += peeked.len() as u64;
+    Ok(moved)
 }
 
 /// Copies until both directions have closed, an error, or `idle` passes quietly.

@@ -158,14 +158,14 @@ async fn shutdown_drains_open_flows_up_to_the_deadline() {
 async fn reload_applies_timeouts_and_reports_what_needs_a_restart() {
     let dir = tempfile::tempdir().expect("dir");
     let gw = start(config(dir.path(), ""), echo().await).await;
-    let shared = gw.shared();
-    assert_eq!(shared.config().timeouts.peek, Duration::from_millis(300));
+    let dp = gw.dataplane();
+    assert_eq!(dp.config().timeouts.peek, Duration::from_millis(300));
     let mut next = config(dir.path(), "idle = \"42s\"");
     next.timeouts.peek = Duration::from_secs(2);
     next.listen.admin = "127.0.0.1:1".parse().expect("addr");
-    let restart = shared.reload(next);
-    assert_eq!(restart, ["listen"]);
-    let now = shared.config();
+    let restart = dp.reload(&next);
+    assert_eq!(restart, ["listen.admin"]);
+    let now = dp.config();
     assert_eq!(
         (now.timeouts.peek, now.timeouts.idle),
         (Duration::from_secs(2), Duration::from_secs(42))

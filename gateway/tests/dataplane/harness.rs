@@ -328,6 +328,8 @@ pub struct Origins {
 
 pub struct Env {
     pub gateway: Gateway,
+    /// Attribution lifetimes run on this clock: tests move it, never sleep.
+    pub clock: Arc<dns_attrib::ManualClock>,
     pub redirects: Arc<Redirects>,
     pub origins: Origins,
     pub origin_ca: OriginCa,
@@ -435,15 +437,18 @@ pub async fn env(opts: Options) -> Env {
     let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
     let redirects = Arc::new(Redirects::default());
     let flows = Lines::default();
-    let gateway = Gateway::start(
+    let clock = dns_attrib::ManualClock::new();
+    let gateway = Gateway::start_with_clock(
         config,
         redirects.clone(),
         FlowLog::to_writer(Box::new(flows.clone())),
+        clock.clone(),
     )
     .await
     .expect("gateway starts");
     Env {
         gateway,
+        clock,
         redirects,
         origins,
         origin_ca: ca,
@@ -505,7 +510,7 @@ impl Env {
     pub fn client_tls(&self, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
         let mut roots = rustls::RootCertStore::empty();
         roots
-            .add(self.gateway.shared().minter.ca().cert_der().clone())
+            .add(self.gateway.ca().cert_der().clone())
             .expect("gateway CA");
         for c in CertificateDer::pem_slice_iter(self.origin_ca.cert_pem.as_bytes()) {
             roots.add(c.expect("pem")).expect("origin CA");

@@ -2,6 +2,7 @@
 //! The dataplane in-process on loopback: real sockets, real TLS handshakes,
 //! a hickory-server upstream, origins with certificates from a test CA.
 
+mod explain;
 mod harness;
 mod two_readings;
 mod verdicts;

@@ -278,7 +278,7 @@ async fn expired_attribution_terminates_instead() {
         .await
         .expect("handshake");
     assert!(!minted);
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    e.clock.advance(Duration::from_millis(1_200));
     let (_, minted) = e
         .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
         .await

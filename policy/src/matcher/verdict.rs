@@ -88,6 +88,26 @@ pub enum AttributionGap {
 // === impl Verdict ===
 
 impl Verdict {
+    /// Every code [`Verdict::code`] returns: the bounded label set.
+    pub const CODES: &'static [&'static str] = &[
+        "platform_deny",
+        "tenant_deny",
+        "misdirected",
+        "no_allow_match",
+        "no_dns_seen",
+        "expired",
+        "evicted",
+        "sni_mismatch",
+        "allow_address",
+        "allow_attributed_name",
+        "allow_verified_name",
+        "allow_default",
+        "interception_off",
+        "exempt",
+        "not_exempt",
+        "needs_verification",
+    ];
+
     /// `deny`, `allow`, `splice` or `intercept`.
     pub fn name(&self) -> &'static str {
         match self {
@@ -219,5 +239,49 @@ impl AttributionGap {
                 "the server name is not one of the names attributed to this address"
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_lists_every_code_once() {
+        let gaps = [
+            AttributionGap::NoMatch,
+            AttributionGap::NoDnsSeen,
+            AttributionGap::Expired,
+            AttributionGap::Evicted,
+            AttributionGap::SniMismatch,
+        ];
+        let allowed = [
+            Allowed::Address(0),
+            Allowed::AttributedName(0),
+            Allowed::VerifiedName(0),
+            Allowed::Default,
+        ];
+        let mut all: Vec<Verdict> = vec![
+            Verdict::Deny(Denied::Platform(0)),
+            Verdict::Deny(Denied::Tenant(0)),
+            Verdict::Deny(Denied::Misdirected),
+            Verdict::Splice(Allowed::Default, Spliced::InterceptionOff),
+            Verdict::Splice(Allowed::Default, Spliced::Exempt(0)),
+            Verdict::Intercept(Allowed::Default, Intercepted::NotExempt),
+            Verdict::Intercept(Allowed::Default, Intercepted::NeedsVerification),
+        ];
+        all.extend(gaps.map(|g| Verdict::Deny(Denied::NotAllowed(g))));
+        all.extend(
+            gaps[1..]
+                .iter()
+                .map(|g| Verdict::Intercept(Allowed::Default, Intercepted::NoAttribution(*g))),
+        );
+        all.extend(allowed.map(Verdict::Allow));
+        let mut seen: Vec<&str> = all.iter().map(Verdict::code).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        let mut listed = Verdict::CODES.to_vec();
+        listed.sort_unstable();
+        assert_eq!(seen, listed);
     }
 }

@@ -1,0 +1,92 @@
+//! The one decision function. The dataplane (per flow), the intercept path
+//! (per request), DNS admission, the admin explain route and the explain CLI
+//! all judge here, so explain cannot disagree with enforcement.
+
+use std::net::SocketAddr;
+
+use dns_attrib::{AttributionCache, Lookup, SandboxId};
+use egress_policy::{AttributionGap, CompiledPolicy, Flow, Hostname, Protocol, Verdict};
+use serde_json::{json, Value};
+
+/// What a flow claims: where it goes, what it speaks, and the names it gives.
+/// Names arrive validated (the peek and the authority check refuse any that
+/// read two ways).
+#[derive(Clone, Copy, Debug)]
+pub struct Claims<'a> {
+    pub dst: SocketAddr,
+    pub protocol: Protocol,
+    pub sni: Option<&'a Hostname>,
+    pub host: Option<&'a Hostname>,
+}
+
+/// A flow judged against the live attribution.
+#[derive(Debug)]
+pub struct Decided {
+    pub verdict: Verdict,
+    /// The attribution it was judged on (names through [`Lookup::names`]).
+    pub lookup: Lookup,
+}
+
+impl<'a> Claims<'a> {
+    /// The claims of an explain question: TLS when it says so, HTTP when it
+    /// names a Host, opaque bytes otherwise.
+    pub fn asked(
+        dst: SocketAddr,
+        tls: bool,
+        sni: Option<&'a Hostname>,
+        host: Option<&'a Hostname>,
+    ) -> Self {
+        let protocol = match (tls, host) {
+            (true, _) => Protocol::Tls,
+            (false, Some(_)) => Protocol::Http,
+            (false, None) => Protocol::Opaque,
+        };
+        Self {
+            dst,
+            protocol,
+            sni,
+            host,
+        }
+    }
+}
+
+/// Judges `claims` under `policy`, on what sandbox `id`'s DNS through the
+/// reserved resolvers attributes to the destination now.
+pub fn decide(
+    cache: &AttributionCache,
+    id: &SandboxId,
+    policy: &CompiledPolicy,
+    claims: &Claims<'_>,
+) -> Decided {
+    let lookup = cache.names_for(id, claims.dst.ip());
+    let verdict = judge(policy, claims, &lookup.names(), lookup.gap());
+    Decided { verdict, lookup }
+}
+
+/// Judges `claims` on the attribution given (`gap`: why `attributed` is empty).
+pub fn judge(
+    policy: &CompiledPolicy,
+    claims: &Claims<'_>,
+    attributed: &[Hostname],
+    gap: AttributionGap,
+) -> Verdict {
+    policy.decide(&Flow {
+        dst: claims.dst,
+        protocol: claims.protocol,
+        sni: claims.sni,
+        host: claims.host,
+        attributed,
+        attribution_gap: gap,
+    })
+}
+
+/// The explain answer, the same for the API and the CLI: the verdict, its
+/// code, the readable reason naming the rule, and the names judged on.
+pub fn explained(verdict: &Verdict, policy: &CompiledPolicy, attributed: &[Hostname]) -> Value {
+    json!({
+        "verdict": verdict.name(),
+        "reason": verdict.code(),
+        "detail": verdict.describe(policy),
+        "attributed": attributed.iter().map(ToString::to_string).collect::<Vec<_>>(),
+    })
+}

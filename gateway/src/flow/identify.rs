@@ -1,0 +1,39 @@
+//! Who and where: the original destination the redirect recorded, and the
+//! sandbox the source address belongs to.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpStream;
+
+use super::Refusal;
+use crate::registry::Sandbox;
+use crate::state::Dataplane;
+
+/// A connection from a known sandbox to a real destination.
+#[derive(Debug)]
+pub(crate) struct Accepted {
+    pub(crate) sandbox: Arc<Sandbox>,
+    pub(crate) dst: SocketAddr,
+}
+
+pub(super) fn identify(
+    dp: &Dataplane,
+    stream: &TcpStream,
+    peer: SocketAddr,
+) -> Result<Accepted, Refusal> {
+    let dst = dp
+        .orig_dst
+        .original_dst(stream)
+        .map_err(|e| Refusal::NoOriginalDst(e.to_string()))?;
+    // A connection that reached the listener without the redirect reports
+    // the listener itself as its destination: dialling it would loop.
+    if stream.local_addr().is_ok_and(|local| local == dst) {
+        return Err(Refusal::NotRedirected(dst));
+    }
+    let sandbox = dp
+        .registry
+        .lookup(peer.ip())
+        .ok_or(Refusal::UnknownSandbox(dst, peer.ip()))?;
+    Ok(Accepted { sandbox, dst })
+}

@@ -1,0 +1,92 @@
+//! One connection, from accept to the flow log, as a sequence of stages:
+//!
+//! ```text
+//! identify ─▶ classify (peek) ─▶ decide ─▶ deny │ splice │ http (intercept / plain, per request)
+//! ```
+//! Each stage returns a typed value or a [`Refusal`]; a refusal ends the
+//! flow denied (fail closed). The flow's log line is built from the stage
+//! values as they arrive ([`Record`]), and written once when the flow ends.
+
+mod classify;
+mod identify;
+mod record;
+mod refusal;
+
+use std::sync::Arc;
+
+use egress_policy::{Protocol, Verdict};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+pub(crate) use identify::Accepted;
+pub(crate) use record::{Record, Served};
+pub(crate) use refusal::Refusal;
+
+use crate::decide::{decide, Claims};
+use crate::state::Dataplane;
+use crate::upstream::Upstreams;
+
+/// Handles one accepted connection from `peer`.
+pub(crate) async fn handle(
+    dp: Arc<Dataplane>,
+    up: Arc<Upstreams>,
+    mut stream: TcpStream,
+    peer: std::net::SocketAddr,
+) {
+    let mut rec = Record::start(&dp, peer);
+    let accepted = match identify::identify(&dp, &stream, peer) {
+        Ok(a) => a,
+        Err(refusal) => return rec.refused(&mut stream, refusal).await,
+    };
+    rec.accepted(&accepted);
+    let (classified, peeked) = match classify::classify(&dp, &mut stream).await {
+        Ok(c) => c,
+        Err(refusal) => return rec.refused(&mut stream, refusal).await,
+    };
+    let claims = classified.claims(accepted.dst);
+    let decided = decide(
+        &dp.cache,
+        &accepted.sandbox.id,
+        &accepted.sandbox.policy,
+        &claims,
+    );
+    rec.decided(&claims, &decided, &accepted.sandbox);
+    match decided.verdict {
+        Verdict::Deny(_) => deny(&mut stream, &claims, &decided.verdict, &accepted).await,
+        Verdict::Intercept(..) => {
+            let sni = claims.sni.cloned();
+            let out =
+                crate::intercept::http_flow(&dp, &up, &accepted, Some(sni), stream, peeked).await;
+            rec.served(out);
+        }
+        Verdict::Allow(_) if claims.protocol == Protocol::Http => {
+            let out = crate::intercept::http_flow(&dp, &up, &accepted, None, stream, peeked).await;
+            rec.served(out);
+        }
+        Verdict::Allow(_) | Verdict::Splice(..) => {
+            let config = dp.config();
+            let moved =
+                crate::splice::splice_to(&dp, stream, accepted.dst, &peeked, &config.timeouts)
+                    .await;
+            rec.spliced(moved);
+        }
+    }
+    rec.finish();
+}
+
+/// A denied flow: `403` with the reason where the protocol allows an answer
+/// (plain HTTP), a reset otherwise.
+async fn deny(stream: &mut TcpStream, claims: &Claims<'_>, verdict: &Verdict, accepted: &Accepted) {
+    if claims.protocol == Protocol::Http {
+        let body = format!(
+            "egress denied: {}\n",
+            verdict.describe(&accepted.sandbox.policy)
+        );
+        let _ = stream
+            .write_all(&crate::reply::closing(http::StatusCode::FORBIDDEN, &body))
+            .await;
+        let _ = stream.shutdown().await;
+    } else {
+        crate::io::reset(stream);
+    }
+}

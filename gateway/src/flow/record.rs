@@ -1,0 +1,124 @@
+//! The flow's log line and metrics, filled in from each stage's value and
+//! written once when the flow ends. Strings only the log reads are built only
+//! when there is a log.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use tokio::net::TcpStream;
+
+use super::{Accepted, Refusal};
+use crate::decide::{Claims, Decided};
+use crate::flowlog::FlowRecord;
+use crate::registry::Sandbox;
+use crate::splice::Spliced;
+use crate::state::Dataplane;
+
+/// What the HTTP path (intercepted TLS or plain HTTP) reports of a flow.
+#[derive(Debug, Default)]
+pub(crate) struct Served {
+    pub(crate) requests: u64,
+    pub(crate) bytes_up: u64,
+    pub(crate) bytes_down: u64,
+    /// The last request's host.
+    pub(crate) host: Option<String>,
+    /// Why the flow ended badly, if it did (`tls_handshake`, `non_http`, …).
+    pub(crate) error: Option<String>,
+}
+
+/// One flow's record in the making; counted as active while it lives.
+pub(crate) struct Record<'a> {
+    dp: &'a Dataplane,
+    started: Instant,
+    logging: bool,
+    line: FlowRecord,
+}
+
+impl<'a> Record<'a> {
+    pub(crate) fn start(dp: &'a Dataplane, peer: SocketAddr) -> Self {
+        dp.metrics.active.inc();
+        Self {
+            dp,
+            started: Instant::now(),
+            logging: dp.flow_log.enabled(),
+            line: FlowRecord {
+                src: Some(peer),
+                verdict: "deny",
+                ..FlowRecord::default()
+            },
+        }
+    }
+
+    pub(crate) fn accepted(&mut self, a: &Accepted) {
+        self.line.dst = Some(a.dst);
+        if self.logging {
+            self.line.sandbox = Some(a.sandbox.id.to_string());
+        }
+    }
+
+    /// Ends the flow refused: tells the client and writes the line.
+    pub(crate) async fn refused(mut self, stream: &mut TcpStream, refusal: Refusal) {
+        refusal.answer(stream).await;
+        if let Some(dst) = refusal.dst() {
+            self.line.dst = Some(dst);
+        }
+        self.line.reason = refusal.code();
+        self.line.detail = refusal.detail();
+        self.finish();
+    }
+
+    pub(crate) fn decided(&mut self, claims: &Claims<'_>, decided: &Decided, sandbox: &Sandbox) {
+        self.line.verdict = decided.verdict.name();
+        self.line.reason = decided.verdict.code();
+        if self.logging {
+            self.line.sni = claims.sni.map(ToString::to_string);
+            self.line.host = claims.host.map(ToString::to_string);
+            self.line.attributed = decided
+                .lookup
+                .names()
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            self.line.detail = decided.verdict.describe(&sandbox.policy);
+        }
+    }
+
+    pub(crate) fn served(&mut self, out: Served) {
+        self.line.bytes_up = out.bytes_up;
+        self.line.bytes_down = out.bytes_down;
+        self.line.requests = Some(out.requests);
+        if out.host.is_some() {
+            self.line.host = out.host;
+        }
+        self.line.error = out.error;
+    }
+
+    pub(crate) fn spliced(&mut self, moved: Result<Spliced, String>) {
+        match moved {
+            Ok(moved) => {
+                self.line.bytes_up = moved.up;
+                self.line.bytes_down = moved.down;
+                if moved.idle_timeout {
+                    self.line.error = Some("idle_timeout".into());
+                }
+            }
+            Err(e) => self.line.error = Some(e),
+        }
+    }
+
+    /// Counts the flow in the metrics and writes its line.
+    pub(crate) fn finish(mut self) {
+        self.line.duration_ms = self.started.elapsed().as_millis() as u64;
+        let line = std::mem::take(&mut self.line);
+        self.dp
+            .metrics
+            .flow(line.verdict, line.reason, line.bytes_up, line.bytes_down);
+        self.dp.flow_log.write(line);
+    }
+}
+
+impl Drop for Record<'_> {
+    fn drop(&mut self) {
+        self.dp.metrics.active.dec();
+    }
+}

@@ -1,0 +1,66 @@
+//! What every flow reads: the configuration in force, the sandboxes, the
+//! attribution cache, the flow log and the metrics. The intercept path's
+//! upstream state lives in [`crate::upstream`], the control API's in
+//! [`crate::admin`]; this module imports neither.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use dns_attrib::AttributionCache;
+
+use crate::config::Config;
+use crate::flowlog::FlowLog;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+
+/// How the original destination of a redirected connection is learned.
+pub trait OriginalDst: Send + Sync + 'static {
+    fn original_dst(&self, stream: &tokio::net::TcpStream)
+        -> std::io::Result<std::net::SocketAddr>;
+}
+
+/// The dataplane's shared state.
+pub struct Dataplane {
+    config: arc_swap::ArcSwap<Config>,
+    pub registry: Arc<Registry>,
+    pub cache: Arc<AttributionCache>,
+    pub(crate) flow_log: FlowLog,
+    pub(crate) metrics: Metrics,
+    pub(crate) orig_dst: Arc<dyn OriginalDst>,
+    /// Serving (readiness): false before start and while draining.
+    pub(crate) ready: AtomicBool,
+}
+
+impl Dataplane {
+    pub(crate) fn new(
+        config: Config,
+        registry: Arc<Registry>,
+        cache: Arc<AttributionCache>,
+        flow_log: FlowLog,
+        metrics: Metrics,
+        orig_dst: Arc<dyn OriginalDst>,
+    ) -> Self {
+        Self {
+            config: arc_swap::ArcSwap::from_pointee(config),
+            registry,
+            cache,
+            flow_log,
+            metrics,
+            orig_dst,
+            ready: AtomicBool::new(false),
+        }
+    }
+
+    /// The configuration in force now (a cheap snapshot; see [`Dataplane::reload`]).
+    pub fn config(&self) -> Arc<Config> {
+        self.config.load_full()
+    }
+
+    /// Applies what can change without a restart to new flows; returns the
+    /// keys that changed but need a restart, which keep their running values.
+    pub fn reload(&self, next: &Config) -> Vec<String> {
+        let (config, restart) = self.config().reloaded(next);
+        self.config.store(Arc::new(config));
+        restart
+    }
+}

@@ -1,0 +1,204 @@
+//! The way out: one TCP connect to the original destination (both the splice
+//! and the intercept path use it), the TLS client configs that verify
+//! origins, the terminating server config, and the pool of idle upstream
+//! HTTP connections. Owned by the intercept path; the splice path only
+//! borrows [`connect_tcp`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use egress_certs::{LeafMinter, LeafResolver};
+use egress_policy::Hostname;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::net::TcpStream;
+
+use crate::config::{Config, Timeouts};
+use crate::metrics::Metrics;
+use crate::pool::{Sender, UpstreamPool};
+
+/// Sessions the shared terminating config remembers for resumption.
+const RESUMABLE_SESSIONS: usize = 10_000;
+
+/// A `tls.extra_upstream_roots` file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("tls.extra_upstream_roots: {path}: {message}")]
+pub struct RootsError {
+    pub path: String,
+    pub message: String,
+}
+
+/// Why a request could not be forwarded: the client gets a 502 saying so.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ForwardError {
+    #[error("cannot connect to {0}: {1}")]
+    Connect(SocketAddr, String),
+    #[error("upstream TLS failed for {name}: {reason}")]
+    Tls { name: String, reason: String },
+    #[error("upstream HTTP failed: {0}")]
+    Http(String),
+}
+
+/// The intercept path's state.
+pub(crate) struct Upstreams {
+    pub(crate) minter: Arc<LeafMinter>,
+    /// Verifies origins; offers h2 and HTTP/1.1.
+    tls: Arc<rustls::ClientConfig>,
+    /// The same, HTTP/1.1 only (upgrades).
+    tls_h1: Arc<rustls::ClientConfig>,
+    /// The terminating side for clients that send an SNI: one config, so
+    /// its session cache lets those clients resume.
+    pub(crate) server_tls: Arc<rustls::ServerConfig>,
+    /// Idle upstream connections, across client connections.
+    pub(crate) pool: UpstreamPool,
+}
+
+impl Upstreams {
+    pub(crate) fn new(config: &Config, minter: Arc<LeafMinter>) -> Result<Self, RootsError> {
+        let roots = Arc::new(roots(config)?);
+        let build = |alpn: &[&[u8]]| {
+            let mut c = rustls::ClientConfig::builder()
+                .with_root_certificates(roots.clone())
+                .with_no_client_auth();
+            c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+            Arc::new(c)
+        };
+        Ok(Self {
+            server_tls: server_tls(&minter, None),
+            minter,
+            tls: build(&[b"h2", b"http/1.1"]),
+            tls_h1: build(&[b"http/1.1"]),
+            pool: UpstreamPool::default(),
+        })
+    }
+
+    /// Opens an HTTP connection to `dst`: TLS verified for `verify_as` (or,
+    /// without a name, for the address) when `tls`, else plain. `allow_h2`:
+    /// offer HTTP/2 (not for upgrades).
+    pub(crate) async fn connect(
+        &self,
+        dst: SocketAddr,
+        tls: bool,
+        verify_as: Option<&Hostname>,
+        allow_h2: bool,
+        timeouts: &Timeouts,
+        metrics: &Metrics,
+    ) -> Result<Sender, ForwardError> {
+        let tcp = connect_tcp(dst, timeouts.connect, metrics)
+            .await
+            .map_err(|e| ForwardError::Connect(dst, e))?;
+        if !tls {
+            return http1(tcp).await;
+        }
+        let config = if allow_h2 { &self.tls } else { &self.tls_h1 };
+        let (name, server_name) = match verify_as {
+            Some(n) => (
+                n.to_string(),
+                ServerName::try_from(n.as_str().to_owned()).map_err(|e| ForwardError::Tls {
+                    name: n.to_string(),
+                    reason: e.to_string(),
+                })?,
+            ),
+            None => (dst.ip().to_string(), ServerName::IpAddress(dst.ip().into())),
+        };
+        let failed = |reason: String| ForwardError::Tls {
+            name: name.clone(),
+            reason,
+        };
+        let connector = tokio_rustls::TlsConnector::from(config.clone());
+        let tls = tokio::time::timeout(timeouts.tls_handshake, connector.connect(server_name, tcp))
+            .await
+            .map_err(|_| failed("handshake timed out".into()))?
+            .map_err(|e| failed(e.to_string()))?;
+        if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+            let (sender, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+                    .await
+                    .map_err(|e| ForwardError::Http(e.to_string()))?;
+            tokio::spawn(conn);
+            Ok(Sender::H2(sender))
+        } else {
+            http1(tls).await
+        }
+    }
+}
+
+async fn http1<I>(io: I) -> Result<Sender, ForwardError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| ForwardError::Http(e.to_string()))?;
+    tokio::spawn(conn.with_upgrades());
+    Ok(Sender::H1(sender))
+}
+
+/// TCP to the original destination within `timeout`, timed in
+/// `upstream_connect_seconds`; the error says why, for the flow log and 502s.
+pub(crate) async fn connect_tcp(
+    dst: SocketAddr,
+    timeout: Duration,
+    metrics: &Metrics,
+) -> Result<TcpStream, String> {
+    let started = Instant::now();
+    let tcp = tokio::time::timeout(timeout, TcpStream::connect(dst)).await;
+    metrics
+        .upstream_connect_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let tcp = tcp
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let _ = tcp.set_nodelay(true);
+    Ok(tcp)
+}
+
+/// The terminating TLS config. `fallback_ip`: mint for this address when the
+/// client sends no SNI — such a config is per flow, so it neither keeps
+/// sessions nor issues tickets. The shared one (no fallback) keeps up to
+/// [`RESUMABLE_SESSIONS`], so a client that reconnects skips the full
+/// handshake; a resumed session decides nothing — each request is still
+/// judged on the flow's SNI and Host.
+pub(crate) fn server_tls(
+    minter: &Arc<LeafMinter>,
+    fallback_ip: Option<IpAddr>,
+) -> Arc<rustls::ServerConfig> {
+    let mut config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(LeafResolver::new(minter.clone(), fallback_ip)));
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // No 0-RTT: early data could be replayed before policy sees the request.
+    config.max_early_data_size = 0;
+    if fallback_ip.is_some() {
+        config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        config.send_tls13_tickets = 0;
+    } else {
+        config.session_storage = rustls::server::ServerSessionMemoryCache::new(RESUMABLE_SESSIONS);
+    }
+    Arc::new(config)
+}
+
+/// Trusted roots for origins: the built-in web roots plus `tls.extra_upstream_roots`.
+fn roots(config: &Config) -> Result<rustls::RootCertStore, RootsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    for path in &config.tls.extra_upstream_roots {
+        let err = |message: String| RootsError {
+            path: path.display().to_string(),
+            message,
+        };
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| err(e.to_string()))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| err(e.to_string()))?;
+        if certs.is_empty() {
+            return Err(err("no PEM certificates in the file".into()));
+        }
+        for c in certs {
+            roots.add(c).map_err(|e| err(e.to_string()))?;
+        }
+    }
+    Ok(roots)
+}
