@@ -109,24 +109,8 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     if path == "/healthz" {
         return text(StatusCode::OK, "ok\n");
     }
-    if let Some(token) = &ctl.token {
-        let presented = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if !presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.as_bytes())) {
-            let mut r = error(
-                StatusCode::UNAUTHORIZED,
-                "missing or wrong bearer token",
-                None,
-            );
-            r.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-            return r;
-        }
+    if let Some(refused) = authorize(&req, ctl) {
+        return refused;
     }
     let method = req.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
@@ -135,39 +119,13 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
             text(StatusCode::OK, "ready\n")
         }
         (&Method::GET, ["readyz"]) => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-        (&Method::GET, ["metrics"]) => {
-            let mut r = Response::new(Full::new(Bytes::from(ctl.dp.metrics.encode())));
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                header::HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            );
-            r
-        }
-        (&Method::GET, ["v1", "sandboxes"]) => {
-            let list: Vec<Value> = persist::document(&ctl.dp.registry)
-                .sandboxes
-                .iter()
-                .map(sandbox_json)
-                .collect();
-            json_reply(StatusCode::OK, &json!({ "sandboxes": list }))
-        }
+        (&Method::GET, ["metrics"]) => metrics(ctl),
+        (&Method::GET, ["v1", "sandboxes"]) => list(ctl),
         (&Method::PUT, ["v1", "sandboxes"]) => match body::<Resync>(req).await {
             Ok(doc) => resync(ctl, doc).await,
             Err(r) => rejected(ctl, r),
         },
-        (&Method::GET, ["v1", "sandboxes", id]) => match ctl.dp.registry.get(&SandboxId::new(id)) {
-            Some(s) => json_reply(
-                StatusCode::OK,
-                &sandbox_json(&SandboxDoc {
-                    id: s.id.to_string(),
-                    addresses: s.addresses.clone(),
-                    policy: s.policy.policy().clone(),
-                }),
-            ),
-            None => error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None),
-        },
+        (&Method::GET, ["v1", "sandboxes", id]) => get(ctl, id),
         (&Method::PUT, ["v1", "sandboxes", id]) => {
             let id = (*id).to_owned();
             if let Err(msg) = valid_id(&id) {
@@ -189,6 +147,63 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
             &format!("no route {method} {path}"),
             None,
         ),
+    }
+}
+
+/// With a token configured: `401` unless the request presents it.
+fn authorize(req: &Request<Incoming>, ctl: &Control) -> Option<Reply> {
+    let token = ctl.token.as_ref()?;
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.as_bytes())) {
+        return None;
+    }
+    let mut r = error(
+        StatusCode::UNAUTHORIZED,
+        "missing or wrong bearer token",
+        None,
+    );
+    r.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
+    Some(r)
+}
+
+fn metrics(ctl: &Control) -> Reply {
+    let mut r = Response::new(Full::new(Bytes::from(ctl.dp.metrics.encode())));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+    );
+    r
+}
+
+fn list(ctl: &Control) -> Reply {
+    let list: Vec<Value> = persist::document(&ctl.dp.registry)
+        .sandboxes
+        .iter()
+        .map(sandbox_json)
+        .collect();
+    json_reply(StatusCode::OK, &json!({ "sandboxes": list }))
+}
+
+fn get(ctl: &Control, id: &str) -> Reply {
+    match ctl.dp.registry.get(&SandboxId::new(id)) {
+        Some(s) => json_reply(
+            StatusCode::OK,
+            &sandbox_json(&SandboxDoc {
+                id: s.id.to_string(),
+                addresses: s.addresses.clone(),
+                policy: s.policy.policy().clone(),
+            }),
+        ),
+        None => error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None),
     }
 }
 

@@ -200,6 +200,32 @@ impl Default for Timeouts {
     }
 }
 
+impl Limits {
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
+        if self.peek_bytes < 512 {
+            return Some((
+                "limits.peek_bytes",
+                format!("{} is below 512 bytes", self.peek_bytes),
+            ));
+        }
+        if !(MIN_REQUEST_HEAD..=MAX_REQUEST_HEAD).contains(&self.max_request_head) {
+            let why = format!(
+                "{} is outside {MIN_REQUEST_HEAD}..={MAX_REQUEST_HEAD} bytes",
+                self.max_request_head
+            );
+            return Some(("limits.max_request_head", why));
+        }
+        if self.max_connections == 0 {
+            return Some(("limits.max_connections", "must be at least 1".into()));
+        }
+        if self.worker_threads > 1_024 {
+            let why = format!("{} is more than 1024", self.worker_threads);
+            return Some(("limits.worker_threads", why));
+        }
+        None
+    }
+}
+
 /// The smallest head bound hyper's HTTP/1 server accepts.
 const MIN_REQUEST_HEAD: usize = 8 * 1024;
 /// Heads larger than this are a memory risk, not a request.
@@ -248,25 +274,27 @@ impl Config {
     }
 
     fn validate(&self, path: &Path) -> Result<(), ConfigError> {
-        let invalid = |key, message: String| ConfigError::Invalid {
-            path: path.to_owned(),
-            key,
-            message,
-        };
+        self.first_invalid().map_or(Ok(()), |(key, message)| {
+            Err(ConfigError::Invalid {
+                path: path.to_owned(),
+                key,
+                message,
+            })
+        })
+    }
+
+    /// The first key whose value is refused, and why.
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
         if self.dns.min_ttl > self.dns.max_ttl {
-            return Err(invalid(
+            let (min, max) = (self.dns.min_ttl, self.dns.max_ttl);
+            return Some((
                 "dns.min_ttl",
-                format!(
-                    "{:?} is longer than dns.max_ttl {:?}",
-                    self.dns.min_ttl, self.dns.max_ttl
-                ),
+                format!("{min:?} is longer than dns.max_ttl {max:?}"),
             ));
         }
         if self.tls.ca_cert.is_some() != self.tls.ca_key.is_some() {
-            return Err(invalid(
-                "tls.ca_cert",
-                "tls.ca_cert and tls.ca_key go together: set both or neither".into(),
-            ));
+            let why = "tls.ca_cert and tls.ca_key go together: set both or neither";
+            return Some(("tls.ca_cert", why.into()));
         }
         for (key, d) in [
             ("dns.upstream_timeout", self.dns.upstream_timeout),
@@ -276,45 +304,21 @@ impl Config {
             ("timeouts.idle", self.timeouts.idle),
         ] {
             if d.is_zero() {
-                return Err(invalid(key, "must be longer than zero".into()));
+                return Some((key, "must be longer than zero".into()));
             }
         }
-        if self.limits.peek_bytes < 512 {
-            return Err(invalid(
-                "limits.peek_bytes",
-                format!("{} is below 512 bytes", self.limits.peek_bytes),
-            ));
+        if let Some(up) = self
+            .dns
+            .upstreams
+            .iter()
+            .find(|u| is_reserved_resolver(u.ip()))
+        {
+            let why = format!(
+                "{up} is a reserved resolver the gateway intercepts; name the resolver behind it"
+            );
+            return Some(("dns.upstreams", why));
         }
-        if !(MIN_REQUEST_HEAD..=MAX_REQUEST_HEAD).contains(&self.limits.max_request_head) {
-            return Err(invalid(
-                "limits.max_request_head",
-                format!(
-                    "{} is outside {MIN_REQUEST_HEAD}..={MAX_REQUEST_HEAD} bytes",
-                    self.limits.max_request_head
-                ),
-            ));
-        }
-        if self.limits.max_connections == 0 {
-            return Err(invalid(
-                "limits.max_connections",
-                "must be at least 1".into(),
-            ));
-        }
-        if self.limits.worker_threads > 1_024 {
-            return Err(invalid(
-                "limits.worker_threads",
-                format!("{} is more than 1024", self.limits.worker_threads),
-            ));
-        }
-        for up in &self.dns.upstreams {
-            if is_reserved_resolver(up.ip()) {
-                return Err(invalid(
-                    "dns.upstreams",
-                    format!("{up} is a reserved resolver the gateway intercepts; name the resolver behind it"),
-                ));
-            }
-        }
-        Ok(())
+        self.limits.first_invalid()
     }
 
     /// The CA files: configured, or `state_dir` for a created one.

@@ -21,13 +21,24 @@ use tokio::net::TcpStream;
 
 use crate::authority::{self, Authority, AuthorityError, Target};
 use crate::decide::{decide, Claims};
-use crate::flow::{Accepted, Served};
 use crate::io::{quiet_for, Counted, Counts, Rewind};
 use crate::pool::{Body, PoolKey, Sender};
 use crate::registry::Sandbox;
 use crate::reply::text;
 use crate::state::Dataplane;
 use crate::upstream::{server_tls, ForwardError, Upstreams};
+
+/// What the HTTP path (intercepted TLS or plain HTTP) reports of a flow.
+#[derive(Debug, Default)]
+pub(crate) struct Served {
+    pub(crate) requests: u64,
+    pub(crate) bytes_up: u64,
+    pub(crate) bytes_down: u64,
+    /// The last request's host.
+    pub(crate) host: Option<String>,
+    /// Why the flow ended badly, if it did (`tls_handshake`, `non_http`, …).
+    pub(crate) error: Option<String>,
+}
 
 /// Why a request's authority is refused.
 enum Refused {
@@ -59,7 +70,7 @@ struct Conn {
 pub(crate) async fn http_flow(
     dp: &Arc<Dataplane>,
     up: &Arc<Upstreams>,
-    accepted: &Accepted,
+    (sandbox, dst): (Arc<Sandbox>, SocketAddr),
     tls: Option<Option<Hostname>>,
     stream: TcpStream,
     peeked: Vec<u8>,
@@ -67,7 +78,6 @@ pub(crate) async fn http_flow(
     let counts = Arc::new(Counts::default());
     let peeked_len = peeked.len() as u64;
     let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
-    let (dst, sandbox) = (accepted.dst, accepted.sandbox.clone());
     let mut out = match tls {
         Some(sni) => intercept(dp, up, sandbox, dst, sni, client, &counts).await,
         None => {

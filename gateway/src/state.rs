@@ -1,7 +1,7 @@
 //! What every flow reads: the configuration in force, the sandboxes, the
 //! attribution cache, the flow log and the metrics. The intercept path's
-//! upstream state lives in [`crate::upstream`], the control API's in
-//! [`crate::admin`]; this module imports neither.
+//! upstream state and the control API's state are their own (`upstream`,
+//! `admin`); this module imports neither.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;

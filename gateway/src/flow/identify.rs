@@ -17,6 +17,13 @@ pub(crate) struct Accepted {
     pub(crate) dst: SocketAddr,
 }
 
+impl Accepted {
+    /// The sandbox and the destination, for the path that serves the flow.
+    pub(crate) fn target(&self) -> (Arc<Sandbox>, SocketAddr) {
+        (self.sandbox.clone(), self.dst)
+    }
+}
+
 pub(super) fn identify(
     dp: &Dataplane,
     stream: &TcpStream,

@@ -19,7 +19,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 pub(crate) use identify::Accepted;
-pub(crate) use record::{Record, Served};
+pub(crate) use record::Record;
 pub(crate) use refusal::Refusal;
 
 use crate::decide::{decide, Claims};
@@ -56,11 +56,14 @@ pub(crate) async fn handle(
         Verdict::Intercept(..) => {
             let sni = claims.sni.cloned();
             let out =
-                crate::intercept::http_flow(&dp, &up, &accepted, Some(sni), stream, peeked).await;
+                crate::intercept::http_flow(&dp, &up, accepted.target(), Some(sni), stream, peeked)
+                    .await;
             rec.served(out);
         }
         Verdict::Allow(_) if claims.protocol == Protocol::Http => {
-            let out = crate::intercept::http_flow(&dp, &up, &accepted, None, stream, peeked).await;
+            let out =
+                crate::intercept::http_flow(&dp, &up, accepted.target(), None, stream, peeked)
+                    .await;
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {

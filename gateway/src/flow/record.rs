@@ -10,21 +10,10 @@ use tokio::net::TcpStream;
 use super::{Accepted, Refusal};
 use crate::decide::{Claims, Decided};
 use crate::flowlog::FlowRecord;
+use crate::intercept::Served;
 use crate::registry::Sandbox;
 use crate::splice::Spliced;
 use crate::state::Dataplane;
-
-/// What the HTTP path (intercepted TLS or plain HTTP) reports of a flow.
-#[derive(Debug, Default)]
-pub(crate) struct Served {
-    pub(crate) requests: u64,
-    pub(crate) bytes_up: u64,
-    pub(crate) bytes_down: u64,
-    /// The last request's host.
-    pub(crate) host: Option<String>,
-    /// Why the flow ended badly, if it did (`tls_handshake`, `non_http`, …).
-    pub(crate) error: Option<String>,
-}
 
 /// One flow's record in the making; counted as active while it lives.
 pub(crate) struct Record<'a> {
