@@ -6,9 +6,10 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use dns_attrib::{Attribution, AttributionCache, CacheConfig, SandboxId, SystemClock};
+use dns_attrib::{Attribution, AttributionCache, CacheConfig, SystemClock};
 use egress_gateway::peek::classify_bytes;
 use egress_gateway::peek::fixture::{hello, records};
+use egress_policy::SandboxId;
 use egress_policy::{CompiledPolicy, Flow, Hostname, PlatformDenies, Policy, Protocol};
 
 #[global_allocator]

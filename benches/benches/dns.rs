@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dns_attrib::{
-    Admission, Admit, Attribution, AttributionCache, CacheConfig, DnsProxy, ProxyConfig, SandboxId,
+    Admission, Admit, Attribution, AttributionCache, CacheConfig, DnsProxy, ProxyConfig,
     SystemClock, Transport,
 };
-use egress_policy::Hostname;
+use egress_policy::{Hostname, SandboxId};
 use tokio::net::UdpSocket;
 
 fn attribution(i: u32) -> Attribution {

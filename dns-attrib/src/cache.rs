@@ -20,15 +20,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use egress_policy::{AttributionGap, Hostname};
+use egress_policy::{AttributionGap, Hostname, SandboxId};
 use moka::notification::RemovalCause;
 
 use crate::chain::Attribution;
 use crate::clock::{Clock, Millis};
-
-/// A sandbox's identity, as the gateway names it.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SandboxId(Arc<str>);
 
 /// Bounds and TTL clamp of the cache.
 #[derive(Clone, Debug)]
@@ -75,30 +71,6 @@ pub struct IpNames {
 pub enum Lookup {
     Found { entry: Arc<IpNames>, now: Millis },
     Missing(AttributionGap),
-}
-
-// === impl SandboxId ===
-
-impl SandboxId {
-    pub fn new(id: &str) -> Self {
-        Self(Arc::from(id))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for SandboxId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl fmt::Debug for SandboxId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
-    }
 }
 
 // === impl CacheConfig ===

@@ -13,7 +13,7 @@ mod clock;
 mod metrics;
 mod proxy;
 
-pub use cache::{AttributionCache, CacheConfig, IpNames, Lookup, SandboxId};
+pub use cache::{AttributionCache, CacheConfig, IpNames, Lookup};
 pub use chain::{attribution, Attribution};
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use metrics::{Counter, DnsMetrics};

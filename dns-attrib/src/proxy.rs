@@ -21,7 +21,9 @@ use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Semaphore;
 use tokio::time::{timeout, Instant};
 
-use crate::cache::{AttributionCache, SandboxId};
+use egress_policy::SandboxId;
+
+use crate::cache::AttributionCache;
 use crate::chain::attribution;
 use crate::metrics::DnsMetrics;
 

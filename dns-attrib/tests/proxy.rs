@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dns_attrib::{
-    Admission, Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig, SandboxId,
+    Admission, Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig,
 };
-use egress_policy::AttributionGap;
+use egress_policy::{AttributionGap, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME};
 use hickory_proto::rr::{Name, RData, Record, RecordType};

@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use dns_attrib::SandboxId;
+use egress_policy::SandboxId;
 use egress_policy::{Hostname, Policy};
 use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
@@ -238,19 +238,7 @@ async fn body<T: for<'de> Deserialize<'de>>(req: Request<Incoming>) -> Result<T,
 }
 
 fn valid_id(id: &str) -> Result<(), String> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
-            "invalid sandbox id {:?}: expected 1 to 128 letters, digits, '-', '_' or '.'",
-            id.chars().take(64).collect::<String>()
-        ))
-    }
+    SandboxId::parse(id).map(drop).map_err(|e| e.to_string())
 }
 
 async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {

@@ -4,7 +4,8 @@
 
 use std::net::SocketAddr;
 
-use dns_attrib::{AttributionCache, Lookup, SandboxId};
+use dns_attrib::{AttributionCache, Lookup};
+use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, Flow, Hostname, Protocol, Verdict};
 use serde_json::{json, Value};
 

@@ -6,8 +6,8 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use dns_attrib::SandboxId;
 use egress_policy::Policy;
+use egress_policy::SandboxId;
 use serde::{Deserialize, Serialize};
 
 use crate::registry::Registry;

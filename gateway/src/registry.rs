@@ -8,7 +8,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use dns_attrib::{Admission, Admit, SandboxId};
+use dns_attrib::{Admission, Admit};
+use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
 
 /// One sandbox: its addresses and its compiled effective policy.

@@ -16,6 +16,7 @@ mod name;
 mod platform;
 mod policy;
 mod profiles;
+mod sandbox;
 mod select;
 
 pub use compose::{compose, resolve_saved, Composed, MissingProfile, RESERVED_RESOLVERS};
@@ -33,6 +34,7 @@ pub use name::{Hostname, NameError, WildcardDomain};
 pub use platform::{default_denies, DEFAULT_PLATFORM_DENY_CIDRS};
 pub use policy::{DefaultAction, Policy, TlsInterception};
 pub use profiles::{Profile, ProfileName, Profiles, ProfilesError, PROFILES_ENV};
+pub use sandbox::{SandboxId, SandboxIdError};
 pub use select::{
     select, Admission, AdmissionReason, Outcome, Selection, SelectionError, SelectionErrorKind,
     PROFILES_HEADER, UNKNOWN_PROFILE_LABEL,

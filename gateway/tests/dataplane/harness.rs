@@ -6,11 +6,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dns_attrib::SandboxId;
 use egress_gateway::config::Config;
 use egress_gateway::flowlog::FlowLog;
 use egress_gateway::{Gateway, OriginalDst};
 use egress_policy::Policy;
+use egress_policy::SandboxId;
 use hickory_proto::op::{Message, MessageType, Metadata, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{Name, RData, Record, RecordType};
