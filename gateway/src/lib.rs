@@ -13,11 +13,9 @@ mod io;
 mod metrics;
 pub mod peek;
 pub mod persist;
-mod policy_cmd;
 mod pool;
 pub mod redirect;
 pub mod registry;
-mod run_cmd;
 mod splice;
 
 pub use gateway::{Bound, Gateway, OriginalDst, Shared, SoOriginalDst, StartError};

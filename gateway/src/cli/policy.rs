@@ -12,10 +12,10 @@ use egress_policy::{
 };
 use serde_json::json;
 
-use crate::cli::{CliError, Output};
+use super::output::{CliError, Output};
 
 #[derive(Debug, Subcommand)]
-pub(crate) enum PolicyCommand {
+pub(super) enum PolicyCommand {
     /// Validate SPACE_EGRESS_PROFILES and SPACE_TLS_INTERCEPTION_EXEMPTIONS from the
     /// environment, as the API and controller do at startup.
     CheckConfig,
@@ -28,7 +28,7 @@ pub(crate) enum PolicyCommand {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct SelectArgs {
+pub(super) struct SelectArgs {
     /// The header's value; omit for an absent header. May begin with `-`.
     #[arg(long, allow_hyphen_values = true, value_name = "VALUE")]
     header: Option<String>,
@@ -38,7 +38,7 @@ pub(crate) struct SelectArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct ComposeArgs {
+pub(super) struct ComposeArgs {
     /// The tenant base policy (JSON).
     #[arg(long, value_name = "FILE")]
     base: PathBuf,
@@ -51,7 +51,7 @@ pub(crate) struct ComposeArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct ExplainArgs {
+pub(super) struct ExplainArgs {
     /// The effective policy (JSON).
     #[arg(long, value_name = "FILE")]
     policy: PathBuf,
@@ -73,9 +73,9 @@ pub(crate) struct ExplainArgs {
 }
 
 /// Reads an environment variable (injected so tests need not touch the process's).
-pub(crate) type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
+pub(super) type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
 
-pub(crate) fn run(cmd: PolicyCommand, env: Env<'_>) -> Result<Output, CliError> {
+pub(super) fn run(cmd: PolicyCommand, env: Env<'_>) -> Result<Output, CliError> {
     match cmd {
         PolicyCommand::CheckConfig => check_config(env),
         PolicyCommand::Select(args) => select_cmd(&args, env),
