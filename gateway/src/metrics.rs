@@ -2,6 +2,12 @@
 //!
 //! Labels are bounded sets only: verdicts and reason codes, directions,
 //! outcomes. Sandbox ids and names never become labels.
+//!
+//! Every family has HELP text saying what is counted and when, in the words
+//! of the metrics table in `docs/operations.md`;
+//! `gateway/tests/control/promtool.rs` lints a scrape with `promtool check
+//! metrics`. HELP passed to `Registry::register` gets its closing period from
+//! prometheus-client; the families `Sources` emits write theirs out.
 
 use std::sync::Arc;
 
@@ -59,42 +65,46 @@ impl Metrics {
     ) -> Self {
         let mut registry = Registry::with_prefix("egress");
         let flows = Family::<FlowLabels, Counter>::default();
-        registry.register("flows", "Flows by verdict and reason", flows.clone());
+        registry.register(
+            "flows",
+            "Flows ended, by verdict and reason code",
+            flows.clone(),
+        );
         let bytes = Family::<DirectionLabels, Counter>::default();
         registry.register(
             "bytes",
-            "Bytes moved, up (sandbox to origin) and down",
+            "Bytes of ended flows, up (sandbox to origin) and down, added when the flow ends",
             bytes.clone(),
         );
         let active = Gauge::default();
         registry.register(
             "active_connections",
-            "Flows being handled now",
+            "Flows being handled now (compare with limits.max_connections)",
             active.clone(),
         );
         let latency = || Histogram::new(exponential_buckets(0.0001, 2.0, 18));
         let peek_seconds = latency();
         registry.register(
             "peek_seconds",
-            "Time to classify a flow from its first bytes",
+            "Seconds to classify a flow from its first bytes",
             peek_seconds.clone(),
         );
         let handshake_seconds = latency();
         registry.register(
             "tls_handshake_seconds",
-            "Client-side TLS handshake on intercepted flows",
+            "Seconds of the client-side TLS handshake on intercepted flows",
             handshake_seconds.clone(),
         );
         let upstream_connect_seconds = latency();
         registry.register(
             "upstream_connect_seconds",
-            "TCP connect to the original destination",
+            "Seconds of the TCP connect to the original destination",
             upstream_connect_seconds.clone(),
         );
         let pushes = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "policy_pushes",
-            "Policy pushes, applied or rejected",
+            "Policy pushes (admin PUT one, PUT all, DELETE), applied or rejected",
             pushes.clone(),
         );
         registry.register_collector(Box::new(Sources { dns, cache, minter }));
@@ -156,7 +166,7 @@ impl Collector for Sources {
             let counter = ConstCounter::new(0u64);
             let mut family = encoder.encode_descriptor(
                 "dns_events",
-                "DNS proxy events by outcome",
+                "DNS proxy events by outcome: answers, REFUSED, FORMERR, SERVFAIL, truncations, overload, attributions, TCP retries, upstream failures.",
                 None,
                 counter.metric_type(),
             )?;
@@ -165,15 +175,19 @@ impl Collector for Sources {
             }
         }
         let counters: [(&str, &str, u64); 3] = [
-            ("dns_queries", "DNS queries received", d.queries.get()),
+            (
+                "dns_queries",
+                "DNS messages received, over UDP and TCP.",
+                d.queries.get(),
+            ),
             (
                 "attribution_evictions",
-                "Attributed addresses evicted for size",
+                "Attributed addresses evicted by the per-sandbox size bound.",
                 self.cache.evictions(),
             ),
             (
                 "certificates_minted",
-                "Leaf certificates minted",
+                "Leaf certificates minted.",
                 self.minter.minted(),
             ),
         ];
@@ -184,12 +198,12 @@ impl Collector for Sources {
         let gauges: [(&str, &str, u64); 2] = [
             (
                 "attribution_entries",
-                "Attributed addresses cached",
+                "Attributed addresses cached, over all sandboxes (approximate).",
                 self.cache.entry_count(),
             ),
             (
                 "certificates_cached",
-                "Leaf certificates cached",
+                "Leaf certificates in the cache.",
                 self.minter.cached(),
             ),
         ];

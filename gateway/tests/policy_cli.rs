@@ -384,12 +384,12 @@ fn explain_verdicts() {
         assert_eq!(r.code, 0, "{args:?}: {}", r.stderr);
         let out = r.stdout.expect("json");
         assert_eq!(
-            (out["verdict"].as_str(), out["code"].as_str()),
+            (out["verdict"].as_str(), out["reason"].as_str()),
             (Some(*verdict), Some(*code)),
             "{args:?}: {out}"
         );
         assert!(
-            out["reason"].as_str().is_some_and(|s| s.len() > 10),
+            out["detail"].as_str().is_some_and(|s| s.len() > 10),
             "{out}"
         );
     }

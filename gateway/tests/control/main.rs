@@ -4,5 +4,6 @@
 
 mod admin;
 mod lifecycle;
+mod promtool;
 mod redirect;
 mod support;

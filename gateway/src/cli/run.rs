@@ -1,14 +1,25 @@
 //! `egress-gateway run`: start, say where everything is, serve until a signal.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use clap::Args;
+
+use super::output::fail;
 use crate::config::Config;
 use crate::flowlog::FlowLog;
 use crate::{Gateway, SoOriginalDst};
 
-pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
+#[derive(Debug, Args)]
+pub(super) struct RunArgs {
+    /// TOML configuration; every key has a default, so this is optional.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+}
+
+pub(super) fn run(args: &RunArgs) -> ExitCode {
+    let config_path = args.config.as_deref();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()
@@ -23,10 +34,7 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
     };
     let config = match config {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("egress-gateway: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(e) => return fail(e),
     };
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if config.limits.worker_threads > 0 {
@@ -34,10 +42,7 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
     }
     let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("egress-gateway: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(e) => return fail(format_args!("cannot start the runtime: {e}")),
     };
     runtime.block_on(async move {
         // Signal handlers before anything else: a SIGHUP or SIGTERM during
@@ -46,15 +51,13 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
         let (hup, term) = match (signal(SignalKind::hangup()), signal(SignalKind::terminate())) {
             (Ok(h), Ok(t)) => (h, t),
             (Err(e), _) | (_, Err(e)) => {
-                eprintln!("egress-gateway: cannot install signal handlers: {e}");
-                return ExitCode::FAILURE;
+                return fail(format_args!("cannot install signal handlers: {e}"));
             }
         };
         let flow_log = match FlowLog::open(&config.log.flow_log) {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("egress-gateway: log.flow_log: {}: {e}", config.log.flow_log);
-                return ExitCode::FAILURE;
+                return fail(format_args!("log.flow_log: {}: {e}", config.log.flow_log));
             }
         };
         if config.dns.upstreams.is_empty() {
@@ -62,10 +65,7 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
         }
         let gateway = match Gateway::start(config, Arc::new(SoOriginalDst), flow_log).await {
             Ok(g) => g,
-            Err(e) => {
-                eprintln!("egress-gateway: {e}");
-                return ExitCode::FAILURE;
-            }
+            Err(e) => return fail(e),
         };
         let b = gateway.bound();
         let ca = &gateway.ca().paths().cert;
@@ -94,7 +94,7 @@ pub(crate) fn run(config_path: Option<&Path>) -> ExitCode {
 async fn reload_on_sighup(
     mut hup: tokio::signal::unix::Signal,
     dp: Arc<crate::Dataplane>,
-    path: Option<std::path::PathBuf>,
+    path: Option<PathBuf>,
 ) {
     while hup.recv().await.is_some() {
         let Some(path) = &path else {

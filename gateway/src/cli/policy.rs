@@ -7,15 +7,16 @@ use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use egress_policy::{
-    compose, resolve_saved, select, AttributionGap, CompiledPolicy, DeploymentExemptions, Flow,
-    Hostname, PlatformDenies, Policy, Profiles, Protocol, EXEMPTIONS_ENV, PROFILES_ENV,
+    compose, resolve_saved, select, AttributionGap, CompiledPolicy, DeploymentExemptions, Hostname,
+    PlatformDenies, Policy, Profiles, EXEMPTIONS_ENV, PROFILES_ENV,
 };
 use serde_json::json;
 
-use crate::cli::{CliError, Output};
+use super::output::{CliError, Output};
+use crate::decide::{explained, judge, Claims};
 
 #[derive(Debug, Subcommand)]
-pub(crate) enum PolicyCommand {
+pub(super) enum PolicyCommand {
     /// Validate SPACE_EGRESS_PROFILES and SPACE_TLS_INTERCEPTION_EXEMPTIONS from the
     /// environment, as the API and controller do at startup.
     CheckConfig,
@@ -28,7 +29,7 @@ pub(crate) enum PolicyCommand {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct SelectArgs {
+pub(super) struct SelectArgs {
     /// The header's value; omit for an absent header. May begin with `-`.
     #[arg(long, allow_hyphen_values = true, value_name = "VALUE")]
     header: Option<String>,
@@ -38,7 +39,7 @@ pub(crate) struct SelectArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct ComposeArgs {
+pub(super) struct ComposeArgs {
     /// The tenant base policy (JSON).
     #[arg(long, value_name = "FILE")]
     base: PathBuf,
@@ -51,7 +52,7 @@ pub(crate) struct ComposeArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct ExplainArgs {
+pub(super) struct ExplainArgs {
     /// The effective policy (JSON).
     #[arg(long, value_name = "FILE")]
     policy: PathBuf,
@@ -73,9 +74,9 @@ pub(crate) struct ExplainArgs {
 }
 
 /// Reads an environment variable (injected so tests need not touch the process's).
-pub(crate) type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
+pub(super) type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
 
-pub(crate) fn run(cmd: PolicyCommand, env: Env<'_>) -> Result<Output, CliError> {
+pub(super) fn run(cmd: PolicyCommand, env: Env<'_>) -> Result<Output, CliError> {
     match cmd {
         PolicyCommand::CheckConfig => check_config(env),
         PolicyCommand::Select(args) => select_cmd(&args, env),
@@ -233,29 +234,13 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let protocol = if args.tls {
-        Protocol::Tls
-    } else if host.is_some() {
-        Protocol::Http
-    } else {
-        Protocol::Opaque
-    };
     let compiled = CompiledPolicy::new(policy, Arc::new(PlatformDenies::builtin()));
-    let verdict = compiled.decide(&Flow {
-        dst: args.dst,
-        protocol,
-        sni: sni.as_ref(),
-        host: host.as_ref(),
-        attributed: &attributed,
-        attribution_gap: AttributionGap::NoDnsSeen,
-    });
+    let claims = Claims::asked(args.dst, args.tls, sni.as_ref(), host.as_ref());
+    let verdict = judge(&compiled, &claims, &attributed, AttributionGap::NoDnsSeen);
+    let mut json = explained(&verdict, &compiled, &attributed);
+    json["sni"] = json!(sni);
     Ok(Output {
-        json: json!({
-            "verdict": verdict.name(),
-            "reason": verdict.describe(&compiled),
-            "code": verdict.code(),
-            "sni": sni,
-        }),
+        json,
         failed: false,
     })
 }
