@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dns_attrib::{
-    Admission, Admit, Attribution, AttributionCache, CacheConfig, DnsProxy, ProxyConfig,
+    Admit, Attribution, AttributionCache, CacheConfig, DnsProxy, ProxyConfig, QueryAdmission,
     SystemClock, Transport,
 };
 use egress_policy::{Hostname, SandboxId};
@@ -94,7 +94,7 @@ fn query(id: u16, name: &str) -> Vec<u8> {
 
 struct Everyone;
 
-impl Admission for Everyone {
+impl QueryAdmission for Everyone {
     fn admit(&self, _src: IpAddr, _resolver: SocketAddr) -> Admit {
         Admit::Allowed(SandboxId::new("bench"))
     }

@@ -17,4 +17,4 @@ pub use cache::{AttributionCache, CacheConfig, IpNames, Lookup};
 pub use chain::{attribution, Attribution};
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use metrics::{Counter, DnsMetrics};
-pub use proxy::{Admission, Admit, DnsProxy, ProxyConfig, Transport};
+pub use proxy::{Admit, DnsProxy, ProxyConfig, QueryAdmission, Transport};

@@ -1,7 +1,7 @@
 //! The DNS interception proxy for the reserved resolvers.
 //!
 //! Per query: identify the sandbox from the source address (the gateway's
-//! [`Admission`]); refuse when it is unknown or its policy does not permit
+//! [`QueryAdmission`]); refuse when it is unknown or its policy does not permit
 //! the resolver; forward the query unchanged to the upstreams in order
 //! (timeout, next upstream, TCP when the UDP answer is truncated); commit
 //! what the answer attributes *before* returning it, byte for byte.
@@ -49,7 +49,7 @@ pub enum Admit {
 }
 
 /// Implemented by the gateway: sandbox identity and policy for DNS flows.
-pub trait Admission: Send + Sync + 'static {
+pub trait QueryAdmission: Send + Sync + 'static {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit;
 }
 
@@ -81,7 +81,7 @@ pub enum Transport {
 pub struct DnsProxy {
     config: ProxyConfig,
     cache: Arc<AttributionCache>,
-    admission: Arc<dyn Admission>,
+    admission: Arc<dyn QueryAdmission>,
     metrics: Arc<DnsMetrics>,
     in_flight: Arc<Semaphore>,
     per_sandbox: Mutex<HashMap<SandboxId, usize>>,
@@ -135,7 +135,7 @@ impl DnsProxy {
     pub fn new(
         config: ProxyConfig,
         cache: Arc<AttributionCache>,
-        admission: Arc<dyn Admission>,
+        admission: Arc<dyn QueryAdmission>,
     ) -> Arc<Self> {
         Arc::new(Self {
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),

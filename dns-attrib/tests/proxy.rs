@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dns_attrib::{
-    Admission, Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig,
+    Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig, QueryAdmission,
 };
 use egress_policy::{AttributionGap, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
@@ -238,7 +238,7 @@ const RESOLVER: &str = "8.8.8.8:53";
 /// A and B may use the resolver; "nodns" may not; anything else is unknown.
 struct Sandboxes;
 
-impl Admission for Sandboxes {
+impl QueryAdmission for Sandboxes {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit {
         assert_eq!(resolver, RESOLVER.parse::<SocketAddr>().expect("addr"));
         match src.to_string().as_str() {

@@ -8,7 +8,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use dns_attrib::{Admission, Admit};
+use dns_attrib::{Admit, QueryAdmission};
 use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
 
@@ -29,9 +29,9 @@ pub enum RegistryError {
     DuplicateAddress(String, IpAddr),
 }
 
-/// One consistent state of the registry.
+/// One consistent generation of the registry (not the snapshot file: see `persist`).
 #[derive(Debug, Default)]
-pub struct Snapshot {
+pub struct Generation {
     by_addr: HashMap<IpAddr, Arc<Sandbox>>,
     by_id: BTreeMap<SandboxId, Arc<Sandbox>>,
 }
@@ -39,7 +39,7 @@ pub struct Snapshot {
 /// The registry; cheap to read from any task.
 #[derive(Debug)]
 pub struct Registry {
-    snapshot: ArcSwap<Snapshot>,
+    snapshot: ArcSwap<Generation>,
     platform: Arc<PlatformDenies>,
     write: std::sync::Mutex<()>,
 }
@@ -47,7 +47,7 @@ pub struct Registry {
 impl Registry {
     pub fn new(platform: Arc<PlatformDenies>) -> Self {
         Self {
-            snapshot: ArcSwap::from_pointee(Snapshot::default()),
+            snapshot: ArcSwap::from_pointee(Generation::default()),
             platform,
             write: std::sync::Mutex::new(()),
         }
@@ -73,12 +73,12 @@ impl Registry {
     }
 
     /// The current state, to restore if what follows a change fails.
-    pub fn checkpoint(&self) -> Arc<Snapshot> {
+    pub fn checkpoint(&self) -> Arc<Generation> {
         self.snapshot.load_full()
     }
 
     /// Puts back a state taken with [`Registry::checkpoint`].
-    pub fn restore(&self, snapshot: Arc<Snapshot>) {
+    pub fn restore(&self, snapshot: Arc<Generation>) {
         self.snapshot.store(snapshot);
     }
 
@@ -158,8 +158,10 @@ impl Registry {
     }
 }
 
-fn build(entries: Vec<(SandboxId, Vec<IpAddr>, Arc<Sandbox>)>) -> Result<Snapshot, RegistryError> {
-    let mut snap = Snapshot::default();
+fn build(
+    entries: Vec<(SandboxId, Vec<IpAddr>, Arc<Sandbox>)>,
+) -> Result<Generation, RegistryError> {
+    let mut snap = Generation::default();
     for (id, addrs, sandbox) in entries {
         for a in addrs {
             if let Some(owner) = snap.by_addr.get(&a) {
@@ -186,7 +188,7 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-impl Admission for Registry {
+impl QueryAdmission for Registry {
     /// A DNS query is a flow to the resolver: the sandbox's policy must allow it.
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit {
         let Some(sandbox) = self.lookup(src) else {
