@@ -148,6 +148,7 @@ impl Gateway {
             tracing::info!(sandboxes = n, path = %crate::persist::path(&config.state_dir).display(), "loaded snapshot");
         }
         let metrics = crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter);
+        metrics.declare("deny", crate::flow::Refusal::CODES);
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
         let dp = Arc::new(Dataplane::new(
             config, registry, cache, flow_log, metrics, orig_dst,

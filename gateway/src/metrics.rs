@@ -83,24 +83,27 @@ impl Metrics {
             active.clone(),
         );
         let latency = || Histogram::new(exponential_buckets(0.0001, 2.0, 18));
-        let peek_seconds = latency();
-        registry.register(
-            "peek_seconds",
-            "Seconds to classify a flow from its first bytes",
-            peek_seconds.clone(),
-        );
-        let handshake_seconds = latency();
-        registry.register(
-            "tls_handshake_seconds",
-            "Seconds of the client-side TLS handshake on intercepted flows",
-            handshake_seconds.clone(),
-        );
-        let upstream_connect_seconds = latency();
-        registry.register(
-            "upstream_connect_seconds",
-            "Seconds of the TCP connect to the original destination",
-            upstream_connect_seconds.clone(),
-        );
+        let (peek_seconds, handshake_seconds, upstream_connect_seconds) =
+            (latency(), latency(), latency());
+        for (name, help, histogram) in [
+            (
+                "peek_seconds",
+                "Seconds to classify a flow from its first bytes",
+                &peek_seconds,
+            ),
+            (
+                "tls_handshake_seconds",
+                "Seconds of the client-side TLS handshake on intercepted flows",
+                &handshake_seconds,
+            ),
+            (
+                "upstream_connect_seconds",
+                "Seconds of the TCP connect to the original destination",
+                &upstream_connect_seconds,
+            ),
+        ] {
+            registry.register(name, help, histogram.clone());
+        }
         let pushes = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "policy_pushes",
@@ -129,6 +132,14 @@ impl Metrics {
         out
     }
 
+    /// Creates the `flows` series for `verdict` with each of `reasons` at
+    /// zero, so they exist (and `rate()` works) before the first such flow.
+    pub(crate) fn declare(&self, verdict: &'static str, reasons: &[&'static str]) {
+        for &reason in reasons {
+            let _ = self.flows.get_or_create(&FlowLabels { verdict, reason });
+        }
+    }
+
     pub(crate) fn flow(&self, verdict: &'static str, reason: &'static str, up: u64, down: u64) {
         self.flows
             .get_or_create(&FlowLabels { verdict, reason })
@@ -148,8 +159,9 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
-impl Collector for Sources {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+impl Sources {
+    /// `dns_events{outcome}`: the DNS proxy's counters as one family.
+    fn dns_events(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let d = &self.dns;
         let outcomes: [(&'static str, u64); 9] = [
             ("answered", d.answers.get()),
@@ -162,18 +174,24 @@ impl Collector for Sources {
             ("tcp_fallback", d.tcp_fallbacks.get()),
             ("upstream_failure", d.upstream_failures.get()),
         ];
-        {
-            let counter = ConstCounter::new(0u64);
-            let mut family = encoder.encode_descriptor(
+        let counter = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
                 "dns_events",
                 "DNS proxy events by outcome: answers, REFUSED, FORMERR, SERVFAIL, truncations, overload, attributions, TCP retries, upstream failures.",
                 None,
                 counter.metric_type(),
             )?;
-            for (outcome, n) in outcomes {
-                ConstCounter::new(n).encode(family.encode_family(&OutcomeLabels { outcome })?)?;
-            }
+        for (outcome, n) in outcomes {
+            ConstCounter::new(n).encode(family.encode_family(&OutcomeLabels { outcome })?)?;
         }
+        Ok(())
+    }
+}
+
+impl Collector for Sources {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        self.dns_events(&mut encoder)?;
+        let d = &self.dns;
         let counters: [(&str, &str, u64); 3] = [
             (
                 "dns_queries",

@@ -20,13 +20,7 @@ pub(super) struct RunArgs {
 
 pub(super) fn run(args: &RunArgs) -> ExitCode {
     let config_path = args.config.as_deref();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    init_logging();
 
     let config = match config_path {
         Some(p) => Config::load(p),
@@ -48,7 +42,10 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         // Signal handlers before anything else: a SIGHUP or SIGTERM during
         // startup is then handled, not the default "terminate".
         use tokio::signal::unix::{signal, SignalKind};
-        let (hup, term) = match (signal(SignalKind::hangup()), signal(SignalKind::terminate())) {
+        let (hup, term) = match (
+            signal(SignalKind::hangup()),
+            signal(SignalKind::terminate()),
+        ) {
             (Ok(h), Ok(t)) => (h, t),
             (Err(e), _) | (_, Err(e)) => {
                 return fail(format_args!("cannot install signal handlers: {e}"));
@@ -67,27 +64,52 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
             Ok(g) => g,
             Err(e) => return fail(e),
         };
-        let b = gateway.bound();
-        let ca = &gateway.ca().paths().cert;
-        tracing::info!("transparent TCP on {}, DNS for 8.8.8.8 on {} and for 1.1.1.1 on {} (UDP and TCP), admin on http://{}/healthz", b.transparent, b.dns, b.dns_alt, b.admin);
-        tracing::info!("sandboxes must trust the interception CA {}", ca.display());
-        tracing::info!(
-            "redirect a sandbox interface IFACE with nftables: tcp -> :{}, udp/tcp 53 to 8.8.8.8 -> :{}, to 1.1.1.1 -> :{}; drop other udp",
-            b.transparent.port(),
-            b.dns.port(),
-            b.dns_alt.port()
-        );
-        tracing::info!("no sandboxes are registered yet: every flow is denied until policies are pushed");
-        let reloader = tokio::spawn(reload_on_sighup(hup, gateway.dataplane().clone(), config_path.map(Path::to_owned)));
+        announce(&gateway);
+        let reloader = tokio::spawn(reload_on_sighup(
+            hup,
+            gateway.dataplane().clone(),
+            config_path.map(Path::to_owned),
+        ));
         let left = gateway.run_until(shutdown_signal(term)).await;
         reloader.abort();
         if left == 0 {
             tracing::info!("stopped; every flow finished");
         } else {
-            tracing::warn!(open_flows = left, "stopped at the drain deadline with flows still open");
+            tracing::warn!(
+                open_flows = left,
+                "stopped at the drain deadline with flows still open"
+            );
         }
         ExitCode::SUCCESS
     })
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+/// What an operator needs to know once the gateway listens.
+fn announce(gateway: &Gateway) {
+    let b = gateway.bound();
+    let ca = &gateway.ca().paths().cert;
+    tracing::info!("transparent TCP on {}, DNS for 8.8.8.8 on {} and for 1.1.1.1 on {} (UDP and TCP), admin on http://{}/healthz", b.transparent, b.dns, b.dns_alt, b.admin);
+    tracing::info!("sandboxes must trust the interception CA {}", ca.display());
+    tracing::info!(
+        "redirect a sandbox interface IFACE with nftables: tcp -> :{}, udp/tcp 53 to 8.8.8.8 -> :{}, to 1.1.1.1 -> :{}; drop other udp",
+        b.transparent.port(),
+        b.dns.port(),
+        b.dns_alt.port()
+    );
+    tracing::info!(
+        "no sandboxes are registered yet: every flow is denied until policies are pushed"
+    );
 }
 
 /// SIGHUP: read the configuration file again; a bad one keeps the running one.
