@@ -42,6 +42,9 @@ pub(crate) struct Control {
     token: Option<String>,
     /// Serialises pushes, so each one's snapshot write matches its state.
     push_lock: tokio::sync::Mutex<()>,
+    /// New at every start: a controller that sees it change knows the
+    /// gateway restarted and resyncs it.
+    epoch: String,
 }
 
 impl Control {
@@ -50,8 +53,17 @@ impl Control {
             dp,
             token,
             push_lock: tokio::sync::Mutex::new(()),
+            epoch: epoch(),
         })
     }
+}
+
+/// A random identifier for this process's lifetime.
+fn epoch() -> String {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 8];
+    let _ = ring::rand::SystemRandom::new().fill(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Largest request body accepted.
@@ -190,7 +202,10 @@ fn list(ctl: &Control) -> Reply {
         .iter()
         .map(sandbox_json)
         .collect();
-    json_reply(StatusCode::OK, &json!({ "sandboxes": list }))
+    json_reply(
+        StatusCode::OK,
+        &json!({ "epoch": ctl.epoch, "sandboxes": list }),
+    )
 }
 
 fn get(ctl: &Control, id: &str) -> Reply {

@@ -1,0 +1,148 @@
+//! A sandbox's effective policy: a base (the tenant's policy, or the
+//! template's default when it inherits) composed with the selected operator
+//! profiles and the deployment exemptions — and which source added which rule.
+
+use egress_policy::{compose, resolve_saved, Destination, MissingProfile, Policy, ProfileName};
+use serde::Serialize;
+
+use crate::config::Deployment;
+
+/// One rule composition added, and who added it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Added {
+    /// `allow` or `tls_interception_exemptions`.
+    pub list: &'static str,
+    pub destination: Destination,
+    /// `profile:<name>`, `resolver_allowance` or `deployment`.
+    pub source: String,
+}
+
+/// The outcome of composing a sandbox's policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Effective {
+    pub policy: Policy,
+    /// Whether the sandbox still runs its template's policy as it is.
+    pub inherits_template: bool,
+    pub provenance: Vec<Added>,
+}
+
+/// Composes `base` with the saved profile `names`, resolved against this
+/// process's configuration (defaults are never added here), and the
+/// deployment exemptions. `inherit`: `base` is the template's default; it
+/// stays an inheritance unless composition changed it.
+pub fn effective(
+    deployment: &Deployment,
+    base: &Policy,
+    names: &[String],
+    inherit: bool,
+) -> Result<Effective, MissingProfile> {
+    let resolved = resolve_saved(&deployment.profiles, names)?;
+    let composed = compose(
+        base,
+        resolved.iter().map(|(_, p)| *p),
+        deployment.exemptions.as_ref(),
+    );
+    let provenance = provenance(base, &composed.policy, &resolved);
+    Ok(Effective {
+        inherits_template: inherit && !composed.changed,
+        policy: composed.policy,
+        provenance,
+    })
+}
+
+/// Names the source of every rule in `policy` that `base` did not have.
+fn provenance(
+    base: &Policy,
+    policy: &Policy,
+    resolved: &[(&ProfileName, &egress_policy::Profile)],
+) -> Vec<Added> {
+    let mut out = Vec::new();
+    let lists: [(&'static str, &[Destination], &[Destination]); 2] = [
+        ("allow", &base.allow, &policy.allow),
+        (
+            "tls_interception_exemptions",
+            &base.tls_interception_exemptions,
+            &policy.tls_interception_exemptions,
+        ),
+    ];
+    for (list, before, after) in lists {
+        for d in after.iter().filter(|d| !before.contains(d)) {
+            let from_profile = resolved.iter().find(|(_, p)| {
+                let entries = if list == "allow" {
+                    &p.allow
+                } else {
+                    &p.tls_interception_exemptions
+                };
+                entries.iter().any(|e| e.get() == d)
+            });
+            let source = match (from_profile, list) {
+                (Some((name, _)), _) => format!("profile:{name}"),
+                (None, "allow") => "resolver_allowance".to_owned(),
+                (None, _) => "deployment".to_owned(),
+            };
+            out.push(Added {
+                list,
+                destination: d.clone(),
+                source,
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deployment() -> Deployment {
+        Deployment::from_values(
+            Some(
+                r#"{"audit": {"default": true, "allow": [{"domain": "audit.example.test"}]},
+                    "sensor": {"allow": [{"domain": "sensor.example.test"}],
+                               "tls_interception_exemptions": [{"domain": "sensor.example.test"}]}}"#,
+            ),
+            Some(r#"[{"wildcard_domain": "*.relay.example.test"}]"#),
+        )
+        .expect("valid")
+    }
+
+    fn policy(s: &str) -> Policy {
+        Policy::from_json(s).expect(s)
+    }
+
+    #[test]
+    fn composition_names_each_rules_source() {
+        let d = deployment();
+        let base = policy(r#"{"default": "deny", "tls_interception": "on"}"#);
+        let e = effective(&d, &base, &["sensor".into()], false).expect("configured");
+        let sources: Vec<(&str, String)> = e
+            .provenance
+            .iter()
+            .map(|a| (a.list, a.source.clone()))
+            .collect();
+        assert_eq!(
+            sources,
+            [
+                ("allow", "profile:sensor".to_owned()),
+                ("allow", "resolver_allowance".into()),
+                ("allow", "resolver_allowance".into()),
+                ("tls_interception_exemptions", "profile:sensor".into()),
+                ("tls_interception_exemptions", "deployment".into()),
+            ]
+        );
+        assert!(!e.inherits_template);
+    }
+
+    #[test]
+    fn an_inheritance_stays_one_unless_composition_changes_it() {
+        let d = deployment();
+        let off = policy(r#"{"default": "allow"}"#);
+        let e = effective(&d, &off, &[], true).expect("no names");
+        assert!(e.inherits_template, "interception off: nothing appended");
+        let on = policy(r#"{"default": "allow", "tls_interception": "on"}"#);
+        let e = effective(&d, &on, &[], true).expect("no names");
+        assert!(!e.inherits_template, "a deployment exemption was added");
+        let missing = effective(&d, &off, &["gone".into()], true).expect_err("missing");
+        assert_eq!(missing.missing, "gone");
+    }
+}

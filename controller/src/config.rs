@@ -1,0 +1,121 @@
+//! What both roles read at start: the operator profiles and the deployment
+//! exemptions from the environment, and the tenants file. Invalid
+//! configuration stops the process with an error naming the variable, the
+//! profile and the field — before a dispatcher standby tries to lead.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use egress_policy::{DeploymentExemptions, Profiles, EXEMPTIONS_ENV, PROFILES_ENV};
+use serde::Deserialize;
+
+/// The deployment's composition inputs.
+#[derive(Clone, Debug, Default)]
+pub struct Deployment {
+    pub profiles: Profiles,
+    /// `None`: exemptions disabled (variable unset).
+    pub exemptions: Option<DeploymentExemptions>,
+}
+
+impl Deployment {
+    /// From `SPACE_EGRESS_PROFILES` and `SPACE_TLS_INTERCEPTION_EXEMPTIONS`.
+    pub fn from_env() -> Result<Self, String> {
+        Self::from_values(
+            std::env::var(PROFILES_ENV).ok().as_deref(),
+            std::env::var(EXEMPTIONS_ENV).ok().as_deref(),
+        )
+    }
+
+    /// From the two variables' values (`None`: unset).
+    pub fn from_values(profiles: Option<&str>, exemptions: Option<&str>) -> Result<Self, String> {
+        Ok(Self {
+            profiles: Profiles::from_env_value(profiles).map_err(|e| e.to_string())?,
+            exemptions: DeploymentExemptions::from_env_value(exemptions)
+                .map_err(|e| e.to_string())?,
+        })
+    }
+}
+
+/// Who a bearer token is.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenant {
+    pub tenant: String,
+    /// Federated tenants may select profiles with `X-Space-Egress-Profiles`.
+    #[serde(default)]
+    pub federated: bool,
+    /// Admins manage templates and workers and see every sandbox.
+    #[serde(default)]
+    pub admin: bool,
+}
+
+/// The tokens file: `{"tokens": {"<token>": {"tenant", "federated", "admin"}}}`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenants {
+    tokens: HashMap<String, Tenant>,
+}
+
+impl Tenants {
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("--tenants {}: {e}", path.display()))?;
+        Self::parse(&text).map_err(|e| format!("--tenants {}: {e}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let t: Self = serde_path_to_error::deserialize(de)
+            .map_err(|e| format!("{}: {}", e.path(), e.inner()))?;
+        if let Some(short) = t.tokens.keys().find(|k| k.len() < 16) {
+            let shown: String = short.chars().take(4).collect();
+            return Err(format!(
+                "tokens.{shown}…: a token must be at least 16 characters"
+            ));
+        }
+        Ok(t)
+    }
+
+    /// The tenant a bearer token belongs to.
+    pub fn get(&self, token: &str) -> Option<&Tenant> {
+        self.tokens.get(token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_configuration_names_what_is_wrong() {
+        let e = Deployment::from_values(Some(r#"{"Bad": {"allow": [{"ip": "1.2.3.4"}]}}"#), None)
+            .expect_err("bad name");
+        assert!(
+            e.contains("SPACE_EGRESS_PROFILES") && e.contains("Bad"),
+            "{e}"
+        );
+        let e = Deployment::from_values(Some(r#"{"s": {"allow": []}}"#), None).expect_err("empty");
+        assert!(e.contains("\"s\"") || e.contains("s."), "{e}");
+        let e = Deployment::from_values(None, Some("[]")).expect_err("empty list");
+        assert!(e.contains("SPACE_TLS_INTERCEPTION_EXEMPTIONS"), "{e}");
+        let e = Deployment::from_values(None, Some(r#"[{"cidr": "10.0.0.0/8"}]"#))
+            .expect_err("not a hostname");
+        assert!(e.contains("SPACE_TLS_INTERCEPTION_EXEMPTIONS"), "{e}");
+        assert!(Deployment::from_values(None, None).is_ok());
+        assert!(Deployment::from_values(Some("{}"), None).is_ok());
+    }
+
+    #[test]
+    fn tenants_file() {
+        let t = Tenants::parse(
+            r#"{"tokens": {"0123456789abcdef": {"tenant": "t1", "federated": true}}}"#,
+        )
+        .expect("valid");
+        assert_eq!(t.get("0123456789abcdef").map(|t| t.federated), Some(true));
+        let e = Tenants::parse(r#"{"tokens": {"short": {"tenant": "t"}}}"#).expect_err("short");
+        assert!(e.contains("at least 16"), "{e}");
+        let e = Tenants::parse(r#"{"tokens": {"0123456789abcdef": {"tenant": "t", "x": 1}}}"#)
+            .expect_err("unknown field");
+        assert!(e.contains("x"), "{e}");
+    }
+}

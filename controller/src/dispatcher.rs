@@ -1,0 +1,358 @@
+//! The dispatcher (cluster-controller): of all replicas, the one holding a
+//! PostgreSQL advisory lock leads; the others wait for it. The leader claims
+//! queued operations one at a time (`FOR UPDATE SKIP LOCKED`) and runs each
+//! in the transaction that claimed it, so an operation's effects commit once
+//! or not at all, even if the leader dies mid-way. It also pushes every
+//! change to the worker's gateway, and resyncs a gateway whose epoch changed
+//! (a restart) or whose sandboxes differ from the store (drift).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use egress_policy::Policy;
+use http::{Method, StatusCode};
+use serde_json::{json, Value};
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::config::Deployment;
+use crate::gateway_client::call;
+use crate::metrics::{Metrics, OutcomeLabels};
+use crate::ops;
+use crate::store::{self, SandboxRow, WorkerRow};
+
+/// The advisory lock key leaders hold (any constant shared by the replicas).
+const LEADER_LOCK: i64 = 0x6567_7265_7373;
+
+/// Retry and pacing settings.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Attempts an operation gets.
+    pub attempts: i32,
+    /// How long after it was queued an operation may still be retried.
+    pub deadline: Duration,
+    /// The wait before a retry.
+    pub backoff: Duration,
+    /// How often gateways are compared with the store.
+    pub resync_interval: Duration,
+}
+
+pub struct Dispatcher {
+    pub pool: PgPool,
+    pub database_url: String,
+    pub deployment: Arc<Deployment>,
+    pub metrics: Arc<Metrics>,
+    pub limits: Limits,
+}
+
+impl Dispatcher {
+    /// Waits to lead, then leads until the lock's session is lost; forever.
+    pub async fn run(self) {
+        loop {
+            match self.acquire().await {
+                Some(lock) => {
+                    tracing::info!("leading: executing operations and pushing to gateways");
+                    self.metrics.leader.set(1);
+                    self.lead(lock).await;
+                    self.metrics.leader.set(0);
+                    tracing::warn!("lost the leader lock; standing by");
+                }
+                None => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
+    }
+
+    /// A session holding the leader lock, if it is free.
+    async fn acquire(&self) -> Option<PgConnection> {
+        let mut conn = PgConnection::connect(&self.database_url).await.ok()?;
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(LEADER_LOCK)
+            .fetch_one(&mut conn)
+            .await
+            .ok()?;
+        got.then_some(conn)
+    }
+
+    async fn lead(&self, mut lock: PgConnection) {
+        let mut compared = Instant::now() - self.limits.resync_interval;
+        loop {
+            if sqlx::query("SELECT 1").execute(&mut lock).await.is_err() {
+                return;
+            }
+            let mut worked = false;
+            for _ in 0..64 {
+                match self.execute_one().await {
+                    Ok(true) => worked = true,
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "executing an operation");
+                        break;
+                    }
+                }
+            }
+            if compared.elapsed() >= self.limits.resync_interval {
+                self.compare_gateways().await;
+                compared = Instant::now();
+            }
+            worked |= self.push_all().await;
+            self.observe_backlog().await;
+            if !worked {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// Claims and runs one operation; `false` when none is runnable.
+    async fn execute_one(&self) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let Some(op) = store::claim(&mut tx).await? else {
+            return Ok(false);
+        };
+        let run = ops::execute(
+            &mut tx,
+            &self.deployment,
+            &self.metrics,
+            &op.kind,
+            &op.sandbox,
+            &op.payload,
+        )
+        .await;
+        match run {
+            Ok(()) => {
+                store::succeed(&mut tx, &op.id).await?;
+                tx.commit().await?;
+                self.count("succeeded");
+            }
+            Err(failure) => {
+                tx.rollback().await?;
+                let limits = (
+                    self.limits.attempts,
+                    self.limits.deadline,
+                    self.limits.backoff,
+                );
+                let state = store::attempt_failed(
+                    &self.pool,
+                    &op.id,
+                    &failure.message,
+                    failure.retryable,
+                    limits,
+                )
+                .await?;
+                tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
+                if state == "failed" {
+                    let mut conn = self.pool.acquire().await?;
+                    store::set_state(&mut conn, &op.sandbox, "failed").await?;
+                    self.count("failed");
+                } else {
+                    self.count("retried");
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn count(&self, outcome: &'static str) {
+        self.metrics
+            .operations
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    async fn observe_backlog(&self) {
+        if let Ok((depth, oldest, lag)) = store::backlog(&self.pool).await {
+            self.metrics.queue_depth.set(depth);
+            self.metrics.queue_oldest_seconds.set(oldest);
+            self.metrics.push_lag_seconds.set(lag);
+        }
+    }
+
+    /// Pushes what each gateway has not acknowledged; `true` if anything moved.
+    async fn push_all(&self) -> bool {
+        let Ok(workers) = store::workers(&self.pool).await else {
+            return false;
+        };
+        let mut moved = false;
+        for w in workers {
+            moved |= if w.needs_resync {
+                self.resync(&w).await
+            } else {
+                self.push_changes(&w).await
+            };
+        }
+        moved
+    }
+
+    async fn push_changes(&self, w: &WorkerRow) -> bool {
+        let Ok(changes) = store::unpushed(&self.pool, &w.id, 256).await else {
+            return false;
+        };
+        let mut moved = false;
+        for s in changes {
+            let (method, body) =
+                if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
+                    (Method::DELETE, None)
+                } else {
+                    (
+                        Method::PUT,
+                        Some(json!({"addresses": s.addresses, "policy": s.policy})),
+                    )
+                };
+            let path = format!("/v1/sandboxes/{}", s.id);
+            match call(&w.admin_url, &w.token, method, &path, body.as_ref()).await {
+                Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
+                    if let Ok(lag) = store::pushed(&self.pool, &s.id, s.generation).await {
+                        self.metrics.push_latency_seconds.observe(lag);
+                    }
+                    self.metrics
+                        .pushes
+                        .get_or_create(&OutcomeLabels { outcome: "applied" })
+                        .inc();
+                    moved = true;
+                }
+                outcome => {
+                    let error = match outcome {
+                        Ok((status, body)) => format!("{status}: {body}"),
+                        Err(e) => e,
+                    };
+                    tracing::warn!(worker = %w.id, sandbox = %s.id, %error, "push failed; will retry");
+                    self.metrics
+                        .pushes
+                        .get_or_create(&OutcomeLabels { outcome: "failed" })
+                        .inc();
+                    let _ = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
+                    return moved;
+                }
+            }
+        }
+        moved
+    }
+
+    /// Replaces everything the gateway knows with the store's view.
+    async fn resync(&self, w: &WorkerRow) -> bool {
+        let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
+            return false;
+        };
+        let doc: Vec<Value> = rows
+            .iter()
+            .map(|(s, _)| json!({"id": s.id, "addresses": s.addresses, "policy": s.policy}))
+            .collect();
+        let body = json!({ "sandboxes": doc });
+        match call(
+            &w.admin_url,
+            &w.token,
+            Method::PUT,
+            "/v1/sandboxes",
+            Some(&body),
+        )
+        .await
+        {
+            Ok((status, _)) if status.is_success() => {
+                let epoch = self.epoch(w).await;
+                let _ = store::worker_seen(&self.pool, &w.id, epoch.as_deref(), false, None).await;
+                for (s, generation) in &rows {
+                    let _ = store::pushed(&self.pool, &s.id, *generation).await;
+                }
+                self.mark_forgotten(w).await;
+                tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
+                self.metrics
+                    .pushes
+                    .get_or_create(&OutcomeLabels { outcome: "resync" })
+                    .inc();
+                true
+            }
+            outcome => {
+                let error = match outcome {
+                    Ok((status, body)) => format!("{status}: {body}"),
+                    Err(e) => e,
+                };
+                tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
+                self.metrics
+                    .pushes
+                    .get_or_create(&OutcomeLabels { outcome: "failed" })
+                    .inc();
+                let _ = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
+                false
+            }
+        }
+    }
+
+    /// After a resync, destroyed and failed sandboxes are acknowledged too:
+    /// the gateway no longer has them.
+    async fn mark_forgotten(&self, w: &WorkerRow) {
+        let _ = sqlx::query(
+            "UPDATE sandboxes SET pushed_generation = generation WHERE worker = $1 AND state IN ('destroyed', 'failed')",
+        )
+        .bind(&w.id)
+        .execute(&self.pool)
+        .await;
+    }
+
+    async fn epoch(&self, w: &WorkerRow) -> Option<String> {
+        let (_, body) = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None)
+            .await
+            .ok()?;
+        body.get("epoch").and_then(Value::as_str).map(str::to_owned)
+    }
+
+    /// Flags for resync every gateway that restarted (a new epoch) or whose
+    /// sandboxes differ from what the store says it acknowledged.
+    async fn compare_gateways(&self) {
+        let Ok(workers) = store::workers(&self.pool).await else {
+            return;
+        };
+        for w in workers.iter().filter(|w| !w.needs_resync) {
+            let Ok((status, body)) =
+                call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
+            else {
+                continue;
+            };
+            if !status.is_success() {
+                continue;
+            }
+            let epoch = body.get("epoch").and_then(Value::as_str);
+            let restarted = epoch.is_some() && epoch != w.epoch.as_deref();
+            // Changes still being pushed are not drift.
+            let settled = store::unpushed(&self.pool, &w.id, 1)
+                .await
+                .is_ok_and(|u| u.is_empty());
+            let drift = match store::worker_sandboxes(&self.pool, &w.id).await {
+                Ok(rows) if settled => differs(&rows, &body),
+                _ => false,
+            };
+            if restarted || drift {
+                tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
+                let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+            }
+        }
+    }
+}
+
+/// Whether the gateway's list differs from the store's rows.
+fn differs(rows: &[(SandboxRow, i64)], gateway: &Value) -> bool {
+    let theirs: BTreeMap<&str, (Vec<String>, Option<Policy>)> = gateway
+        .get("sandboxes")
+        .and_then(Value::as_array)
+        .map(|list| {
+            list.iter()
+                .filter_map(|s| {
+                    let id = s.get("id")?.as_str()?;
+                    let addresses = s
+                        .get("addresses")?
+                        .as_array()?
+                        .iter()
+                        .filter_map(|a| a.as_str().map(str::to_owned))
+                        .collect();
+                    let policy = s
+                        .get("policy")
+                        .and_then(|p| Policy::from_json(&p.to_string()).ok());
+                    Some((id, (addresses, policy)))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let ours: BTreeMap<&str, (Vec<String>, Option<Policy>)> = rows
+        .iter()
+        .map(|(s, _)| (s.id.as_str(), (s.addresses.clone(), s.policy.clone())))
+        .collect();
+    theirs != ours
+}

@@ -1,0 +1,21 @@
+//! The egress controller: the API service and the dispatcher
+//! (cluster-controller) of the sandbox egress specs, on PostgreSQL.
+//!
+//! - [`api`]: creates (native, queued; E2B-style, composed in the API),
+//!   network policy replacement, lifecycle, forks, operations, admin routes.
+//! - [`dispatcher`]: one leader among replicas (advisory lock) executes
+//!   queued operations and pushes every change to the worker's gateway.
+//! - [`compose`]: a sandbox's effective policy and where each rule came from;
+//!   the rules themselves live in `egress-policy`.
+//! - [`store`]: the schema (versioned migrations) and every statement.
+
+pub mod api;
+pub mod compose;
+pub mod config;
+pub mod dispatcher;
+pub mod e2b;
+pub mod gateway_client;
+pub mod ids;
+pub mod metrics;
+pub mod ops;
+pub mod store;

@@ -1,0 +1,182 @@
+//! `egress-controller api` and `egress-controller dispatcher`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use egress_controller::api::Api;
+use egress_controller::config::{Deployment, Tenants};
+use egress_controller::dispatcher::{Dispatcher, Limits};
+use egress_controller::metrics::Metrics;
+use egress_controller::store;
+
+#[derive(Parser)]
+#[command(
+    name = "egress-controller",
+    version,
+    about = "Sandbox egress API service and dispatcher"
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Role,
+}
+
+/// What both roles need.
+#[derive(clap::Args)]
+struct Common {
+    /// PostgreSQL, e.g. postgres://user@127.0.0.1:5432/egress
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// `{"tokens": {"<token>": {"tenant", "federated", "admin"}}}`
+    #[arg(long, value_name = "FILE")]
+    tenants: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// The HTTP API.
+    Api {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+    },
+    /// Executes queued operations and pushes to gateways; one replica leads.
+    Dispatcher {
+        #[command(flatten)]
+        common: Common,
+        /// Attempts an operation gets.
+        #[arg(long, default_value_t = 5)]
+        attempts: i32,
+        /// How long after it was queued an operation may still run.
+        #[arg(long, default_value = "5m", value_parser = duration)]
+        deadline: Duration,
+        /// The wait before a retry.
+        #[arg(long, default_value = "2s", value_parser = duration)]
+        retry_backoff: Duration,
+        /// How often each gateway is compared with the store.
+        #[arg(long, default_value = "5s", value_parser = duration)]
+        resync_interval: Duration,
+        /// Where /metrics is served.
+        #[arg(long, default_value = "127.0.0.1:9090")]
+        metrics_listen: SocketAddr,
+    },
+}
+
+/// `500ms`, `30s`, `5m`, `1h`.
+fn duration(s: &str) -> Result<Duration, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m"))?;
+    Ok(match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => {
+            return Err(format!(
+                "invalid duration {s:?}: the unit must be ms, s, m or h"
+            ))
+        }
+    })
+}
+
+fn fail(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("egress-controller: {e}");
+    ExitCode::FAILURE
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    // Configuration first: a bad one stops every role, a standby included,
+    // before it touches the database or tries to lead.
+    let deployment = match Deployment::from_env() {
+        Ok(d) => Arc::new(d),
+        Err(e) => return fail(e),
+    };
+    let common = match &cli.role {
+        Role::Api { common, .. } | Role::Dispatcher { common, .. } => common,
+    };
+    let tenants = match Tenants::load(&common.tenants) {
+        Ok(t) => Arc::new(t),
+        Err(e) => return fail(e),
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => return fail(format_args!("cannot start the runtime: {e}")),
+    };
+    runtime.block_on(run(cli.role, deployment, tenants))
+}
+
+async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> ExitCode {
+    let metrics = Arc::new(Metrics::new());
+    match role {
+        Role::Api { common, listen } => {
+            let pool = match store::connect(&common.database_url).await {
+                Ok(p) => p,
+                Err(e) => return fail(e),
+            };
+            let listener = match tokio::net::TcpListener::bind(listen).await {
+                Ok(l) => l,
+                Err(e) => return fail(format_args!("--listen {listen}: {e}")),
+            };
+            tracing::info!(%listen, profiles = deployment.profiles.len(), "API serving");
+            let api = Arc::new(Api {
+                pool,
+                deployment,
+                tenants,
+                metrics,
+            });
+            egress_controller::api::serve(listener, api).await;
+        }
+        Role::Dispatcher {
+            common,
+            attempts,
+            deadline,
+            retry_backoff,
+            resync_interval,
+            metrics_listen,
+        } => {
+            let pool = match store::connect(&common.database_url).await {
+                Ok(p) => p,
+                Err(e) => return fail(e),
+            };
+            let listener = match tokio::net::TcpListener::bind(metrics_listen).await {
+                Ok(l) => l,
+                Err(e) => return fail(format_args!("--metrics-listen {metrics_listen}: {e}")),
+            };
+            tokio::spawn(egress_controller::api::serve_metrics(
+                listener,
+                metrics.clone(),
+            ));
+            tracing::info!("dispatcher standing by for the leader lock");
+            let limits = Limits {
+                attempts,
+                deadline,
+                backoff: retry_backoff,
+                resync_interval,
+            };
+            let d = Dispatcher {
+                pool,
+                database_url: common.database_url,
+                deployment,
+                metrics,
+                limits,
+            };
+            d.run().await;
+        }
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,215 @@
+//! What a queued operation does, run inside the transaction that claimed it
+//! (so its effects and its `succeeded` commit together, or not at all): a
+//! create or a fork composes the effective policy, picks the worker and the
+//! address, and saves them; the push to the gateway follows.
+
+use std::net::IpAddr;
+use std::str::FromStr;
+
+use egress_policy::Policy;
+use serde_json::{json, Value};
+use sqlx::PgConnection;
+
+use crate::compose::{effective, Effective};
+use crate::config::Deployment;
+use crate::metrics::Metrics;
+use crate::store::{self, Placement};
+
+/// Why an operation did not complete.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    pub message: String,
+    /// Worth another attempt (a missing profile definition, no free address).
+    pub retryable: bool,
+    /// Saved names no longer configured (the API answers 503 with them).
+    pub missing_profiles: Vec<String>,
+}
+
+impl Failure {
+    pub fn fatal(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            retryable: false,
+            missing_profiles: Vec::new(),
+        }
+    }
+
+    pub fn retry(message: impl Into<String>) -> Self {
+        Self {
+            retryable: true,
+            ..Self::fatal(message)
+        }
+    }
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(e: sqlx::Error) -> Self {
+        Self::retry(format!("database: {e}"))
+    }
+}
+
+/// The payload of a queued create: the tenant policy (absent: inherit the
+/// template's) and the worker asked for. The names are on the sandbox row.
+pub fn create_payload(policy: Option<&Policy>, worker: Option<&str>) -> Value {
+    json!({ "policy": policy, "worker": worker })
+}
+
+/// Runs one claimed operation.
+pub async fn execute(
+    conn: &mut PgConnection,
+    deployment: &Deployment,
+    metrics: &Metrics,
+    kind: &str,
+    sandbox: &str,
+    payload: &Value,
+) -> Result<(), Failure> {
+    match kind {
+        "create" => create(conn, deployment, metrics, sandbox, payload).await,
+        "fork" => fork(conn, deployment, sandbox, payload).await,
+        other => Err(Failure::fatal(format!("unknown operation kind {other:?}"))),
+    }
+}
+
+/// Composes a created sandbox's policy from its saved names, resolved now.
+pub async fn create(
+    conn: &mut PgConnection,
+    deployment: &Deployment,
+    metrics: &Metrics,
+    sandbox: &str,
+    payload: &Value,
+) -> Result<(), Failure> {
+    let row = store::sandbox_for_update(conn, sandbox)
+        .await?
+        .ok_or_else(|| Failure::fatal(format!("sandbox {sandbox} is gone")))?;
+    let tenant_policy = match payload.get("policy") {
+        None | Some(Value::Null) => None,
+        Some(p) => Some(
+            Policy::from_json(&p.to_string())
+                .map_err(|e| Failure::fatal(format!("stored policy: {e}")))?,
+        ),
+    };
+    let inherit = tenant_policy.is_none();
+    let base = match tenant_policy {
+        Some(p) => p,
+        None => store::template_policy(conn, &row.template)
+            .await?
+            .ok_or_else(|| {
+                Failure::fatal(format!("template {:?} is not registered", row.template))
+            })?,
+    };
+    let eff = effective(deployment, &base, &row.egress_profiles, inherit).map_err(|m| {
+        metrics.admitted(&m.admissions);
+        Failure {
+            message: format!("{m} (503)"),
+            retryable: true,
+            missing_profiles: m.admissions.iter().map(|a| a.profile.clone()).collect(),
+        }
+    })?;
+    let worker = payload.get("worker").and_then(Value::as_str);
+    place(conn, sandbox, worker, &eff, Value::Array(vec![])).await
+}
+
+/// A fork target: the source's names (copied at admission) and its
+/// effective policy, with the deployment exemptions composed like a create.
+async fn fork(
+    conn: &mut PgConnection,
+    deployment: &Deployment,
+    sandbox: &str,
+    payload: &Value,
+) -> Result<(), Failure> {
+    let source_id = payload
+        .get("source")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let source = store::sandbox(conn, source_id)
+        .await?
+        .ok_or_else(|| Failure::fatal(format!("fork source {source_id:?} is gone")))?;
+    let base = source
+        .policy
+        .ok_or_else(|| Failure::retry(format!("fork source {source_id} has no policy yet")))?;
+    // The source's policy already holds its profiles' rules: only the
+    // deployment's exemptions are composed again.
+    let eff = effective(deployment, &base, &[], source.inherits_template)
+        .map_err(|m| Failure::fatal(m.to_string()))?;
+    store::sandbox_for_update(conn, sandbox).await?;
+    place(conn, sandbox, None, &eff, source.provenance).await
+}
+
+/// Picks the worker and a free address, and saves the sandbox as running.
+async fn place(
+    conn: &mut PgConnection,
+    sandbox: &str,
+    worker: Option<&str>,
+    eff: &Effective,
+    inherited_provenance: Value,
+) -> Result<(), Failure> {
+    let (worker, pool, used) = store::lock_worker(conn, worker).await?.ok_or_else(|| {
+        Failure::retry(match worker {
+            Some(w) => format!("worker {w:?} is not registered"),
+            None => "no worker is registered".to_owned(),
+        })
+    })?;
+    let address = free_address(&pool, &used)
+        .ok_or_else(|| Failure::retry(format!("worker {worker}: no free address in {pool}")))?;
+    let mut provenance = match inherited_provenance {
+        Value::Array(v) => v,
+        _ => Vec::new(),
+    };
+    provenance.extend(
+        eff.provenance
+            .iter()
+            .filter_map(|a| serde_json::to_value(a).ok()),
+    );
+    store::save_effective(
+        conn,
+        sandbox,
+        &Placement {
+            policy: &eff.policy,
+            inherits_template: eff.inherits_template,
+            provenance: Value::Array(provenance),
+            state: "running",
+            worker: Some(&worker),
+            addresses: &[address.to_string()],
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// The lowest address of `pool` no live sandbox holds (network and
+/// broadcast addresses excluded where the pool has them).
+pub fn free_address(pool: &str, used: &[String]) -> Option<IpAddr> {
+    let net = ipnet::IpNet::from_str(pool).ok()?;
+    let used: Vec<IpAddr> = used.iter().filter_map(|a| a.parse().ok()).collect();
+    net.hosts().find(|a| !used.contains(a))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_come_from_the_pool_lowest_first() {
+        assert_eq!(
+            free_address("100.64.10.0/30", &[]),
+            Some("100.64.10.1".parse().expect("ip"))
+        );
+        assert_eq!(
+            free_address("100.64.10.0/30", &["100.64.10.1".into()]),
+            Some("100.64.10.2".parse().expect("ip"))
+        );
+        assert_eq!(
+            free_address(
+                "100.64.10.0/30",
+                &["100.64.10.1".into(), "100.64.10.2".into()]
+            ),
+            None
+        );
+        assert_eq!(
+            free_address("100.64.1.2/32", &[]),
+            Some("100.64.1.2".parse().expect("ip"))
+        );
+        assert_eq!(free_address("not a cidr", &[]), None);
+    }
+}

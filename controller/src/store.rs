@@ -1,0 +1,506 @@
+//! The PostgreSQL store: schema by versioned migrations (sqlx's migrator,
+//! applied at startup), and every statement the roles run. Statements are
+//! static SQL with bound parameters.
+
+use std::time::Duration;
+
+use egress_policy::Policy;
+use serde_json::{json, Value};
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::types::Json;
+use sqlx::{PgConnection, Row};
+
+/// The schema, embedded at build time from `controller/migrations/`.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Connects (bounded waits) and brings the schema up to date.
+pub async fn connect(url: &str) -> Result<PgPool, String> {
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .map_err(|e| format!("DATABASE_URL: cannot connect: {e}"))?;
+    MIGRATOR
+        .run(&pool)
+        .await
+        .map_err(|e| format!("database migration failed: {e}"))?;
+    Ok(pool)
+}
+
+/// A sandbox as stored.
+#[derive(Clone, Debug)]
+pub struct SandboxRow {
+    pub id: String,
+    pub tenant: String,
+    pub template: String,
+    pub egress_profiles: Vec<String>,
+    pub policy: Option<Policy>,
+    pub inherits_template: bool,
+    pub provenance: Value,
+    pub state: String,
+    pub worker: Option<String>,
+    pub addresses: Vec<String>,
+    pub generation: i64,
+}
+
+impl SandboxRow {
+    fn from_row(r: &PgRow) -> Result<Self, sqlx::Error> {
+        let policy: Option<Json<Value>> = r.try_get("policy")?;
+        Ok(Self {
+            id: r.try_get("id")?,
+            tenant: r.try_get("tenant")?,
+            template: r.try_get("template")?,
+            egress_profiles: r.try_get("egress_profiles")?,
+            policy: policy.and_then(|Json(v)| Policy::from_json(&v.to_string()).ok()),
+            inherits_template: r.try_get("inherits_template")?,
+            provenance: r.try_get::<Json<Value>, _>("provenance")?.0,
+            state: r.try_get("state")?,
+            worker: r.try_get("worker")?,
+            addresses: r.try_get("addresses")?,
+            generation: r.try_get("generation")?,
+        })
+    }
+
+    /// The API's document for this sandbox.
+    pub fn document(&self) -> Value {
+        json!({
+            "id": self.id,
+            "template": self.template,
+            "egress_profiles": self.egress_profiles,
+            "policy": self.policy,
+            "inherits_template": self.inherits_template,
+            "provenance": self.provenance,
+            "state": self.state,
+            "worker": self.worker,
+            "addresses": self.addresses,
+        })
+    }
+}
+
+pub async fn sandbox(conn: &mut PgConnection, id: &str) -> Result<Option<SandboxRow>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    row.as_ref().map(SandboxRow::from_row).transpose()
+}
+
+/// As [`sandbox`], locking the row until the transaction ends.
+pub async fn sandbox_for_update(
+    conn: &mut PgConnection,
+    id: &str,
+) -> Result<Option<SandboxRow>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    row.as_ref().map(SandboxRow::from_row).transpose()
+}
+
+/// A new sandbox, `creating` until its create runs.
+pub struct NewSandbox<'a> {
+    pub id: &'a str,
+    pub tenant: &'a str,
+    pub template: &'a str,
+    pub egress_profiles: &'a [String],
+    pub inherits_template: bool,
+}
+
+pub async fn insert_sandbox(
+    conn: &mut PgConnection,
+    s: &NewSandbox<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO sandboxes (id, tenant, template, egress_profiles, inherits_template, state) VALUES ($1, $2, $3, $4, $5, 'creating')",
+    )
+    .bind(s.id)
+    .bind(s.tenant)
+    .bind(s.template)
+    .bind(s.egress_profiles)
+    .bind(s.inherits_template)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Saves a new effective policy (and, on a create, placement); the worker's
+/// gateway sees it on the next push.
+pub struct Placement<'a> {
+    pub policy: &'a Policy,
+    pub inherits_template: bool,
+    pub provenance: Value,
+    pub state: &'a str,
+    pub worker: Option<&'a str>,
+    pub addresses: &'a [String],
+}
+
+pub async fn save_effective(
+    conn: &mut PgConnection,
+    id: &str,
+    p: &Placement<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE sandboxes SET policy = $2, inherits_template = $3, provenance = $4, state = $5, worker = COALESCE($6, worker), addresses = $7, generation = generation + 1, changed_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .bind(Json(serde_json::to_value(p.policy).unwrap_or_default()))
+    .bind(p.inherits_template)
+    .bind(Json(&p.provenance))
+    .bind(p.state)
+    .bind(p.worker)
+    .bind(p.addresses)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// A lifecycle state change; `destroyed` also bumps the generation so the
+/// gateway is told to forget the sandbox.
+pub async fn set_state(conn: &mut PgConnection, id: &str, state: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE sandboxes SET state = $2, generation = generation + CASE WHEN $2 = 'destroyed' THEN 1 ELSE 0 END, changed_at = CASE WHEN $2 = 'destroyed' THEN now() ELSE changed_at END WHERE id = $1",
+    )
+    .bind(id)
+    .bind(state)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+// === templates and workers ===
+
+pub async fn put_template(pool: &PgPool, id: &str, policy: &Policy) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO templates (id, policy) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET policy = EXCLUDED.policy, updated_at = now()",
+    )
+    .bind(id)
+    .bind(Json(serde_json::to_value(policy).unwrap_or_default()))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+pub async fn template_policy(
+    conn: &mut PgConnection,
+    id: &str,
+) -> Result<Option<Policy>, sqlx::Error> {
+    let row = sqlx::query("SELECT policy FROM templates WHERE id = $1")
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(row
+        .map(|r| r.try_get::<Json<Value>, _>("policy"))
+        .transpose()?
+        .and_then(|Json(v)| Policy::from_json(&v.to_string()).ok()))
+}
+
+/// A worker's gateway.
+#[derive(Clone, Debug)]
+pub struct WorkerRow {
+    pub id: String,
+    pub admin_url: String,
+    pub token: String,
+    pub pool: String,
+    pub epoch: Option<String>,
+    pub needs_resync: bool,
+}
+
+pub async fn put_worker(
+    pool: &PgPool,
+    id: &str,
+    admin_url: &str,
+    token: &str,
+    addresses: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO workers (id, admin_url, token, pool) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO UPDATE SET admin_url = EXCLUDED.admin_url, token = EXCLUDED.token, pool = EXCLUDED.pool, needs_resync = true, updated_at = now()",
+    )
+    .bind(id)
+    .bind(admin_url)
+    .bind(token)
+    .bind(addresses)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+pub async fn workers(pool: &PgPool) -> Result<Vec<WorkerRow>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT id, admin_url, token, pool, epoch, needs_resync FROM workers ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(WorkerRow {
+                id: r.try_get("id")?,
+                admin_url: r.try_get("admin_url")?,
+                token: r.try_get("token")?,
+                pool: r.try_get("pool")?,
+                epoch: r.try_get("epoch")?,
+                needs_resync: r.try_get("needs_resync")?,
+            })
+        })
+        .collect()
+}
+
+/// Records what a worker's gateway said: its epoch, whether it needs a
+/// resync, and the last push error.
+pub async fn worker_seen(
+    pool: &PgPool,
+    id: &str,
+    epoch: Option<&str>,
+    needs_resync: bool,
+    error: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = $3, last_error = $4, updated_at = now() WHERE id = $1")
+        .bind(id)
+        .bind(epoch)
+        .bind(needs_resync)
+        .bind(error)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// The worker a sandbox goes to (the named one, or the least loaded), locked
+/// so concurrent placements allocate addresses one at a time, with the
+/// addresses its live sandboxes hold.
+pub async fn lock_worker(
+    conn: &mut PgConnection,
+    named: Option<&str>,
+) -> Result<Option<(String, String, Vec<String>)>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT w.id, w.pool FROM workers w WHERE ($1::text IS NULL OR w.id = $1) ORDER BY (SELECT count(*) FROM sandboxes s WHERE s.worker = w.id AND s.state <> 'destroyed'), w.id LIMIT 1 FOR UPDATE OF w",
+    )
+    .bind(named)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let (id, pool): (String, String) = (row.try_get("id")?, row.try_get("pool")?);
+    let used: Vec<String> = sqlx::query_scalar(
+        "SELECT a FROM sandboxes, unnest(addresses) AS a WHERE worker = $1 AND state NOT IN ('destroyed', 'failed')",
+    )
+    .bind(&id)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(Some((id, pool, used)))
+}
+
+/// The sandboxes a worker's gateway should know, as the gateway's resync document.
+pub async fn worker_sandboxes(
+    pool: &PgPool,
+    worker: &str,
+) -> Result<Vec<(SandboxRow, i64)>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('creating', 'failed', 'destroyed') ORDER BY id",
+    )
+    .bind(worker)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| Ok((SandboxRow::from_row(r)?, r.try_get("generation")?)))
+        .collect()
+}
+
+/// Changes a worker's gateway has not acknowledged yet, oldest first.
+pub async fn unpushed(
+    pool: &PgPool,
+    worker: &str,
+    limit: i64,
+) -> Result<Vec<SandboxRow>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND generation > pushed_generation ORDER BY changed_at LIMIT $2",
+    )
+    .bind(worker)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(SandboxRow::from_row).collect()
+}
+
+/// Marks `generation` of a sandbox acknowledged; returns the seconds since the change.
+pub async fn pushed(pool: &PgPool, id: &str, generation: i64) -> Result<f64, sqlx::Error> {
+    let lag: Option<f64> = sqlx::query_scalar(
+        "UPDATE sandboxes SET pushed_generation = GREATEST(pushed_generation, $2) WHERE id = $1 RETURNING extract(epoch FROM now() - changed_at)::float8",
+    )
+    .bind(id)
+    .bind(generation)
+    .fetch_optional(pool)
+    .await?;
+    Ok(lag.unwrap_or(0.0))
+}
+
+// === operations ===
+
+/// A queued operation.
+#[derive(Clone, Debug)]
+pub struct OperationRow {
+    pub id: String,
+    pub tenant: String,
+    pub kind: String,
+    pub sandbox: String,
+    pub payload: Value,
+    pub state: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+}
+
+impl OperationRow {
+    fn from_row(r: &PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            id: r.try_get("id")?,
+            tenant: r.try_get("tenant")?,
+            kind: r.try_get("kind")?,
+            sandbox: r.try_get("sandbox")?,
+            payload: r.try_get::<Json<Value>, _>("payload")?.0,
+            state: r.try_get("state")?,
+            attempts: r.try_get("attempts")?,
+            last_error: r.try_get("last_error")?,
+        })
+    }
+
+    pub fn document(&self) -> Value {
+        json!({
+            "id": self.id,
+            "kind": self.kind,
+            "sandbox": self.sandbox,
+            "state": self.state,
+            "attempts": self.attempts,
+            "error": self.last_error,
+        })
+    }
+}
+
+/// A new queued operation.
+pub struct NewOperation<'a> {
+    pub id: &'a str,
+    pub tenant: &'a str,
+    pub kind: &'a str,
+    pub sandbox: &'a str,
+    pub payload: &'a Value,
+    pub idempotency_key: Option<&'a str>,
+    pub fingerprint: Option<&'a str>,
+}
+
+pub async fn insert_operation(
+    conn: &mut PgConnection,
+    op: &NewOperation<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(op.id)
+    .bind(op.tenant)
+    .bind(op.kind)
+    .bind(op.sandbox)
+    .bind(Json(op.payload))
+    .bind(op.idempotency_key)
+    .bind(op.fingerprint)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+pub async fn operation(pool: &PgPool, id: &str) -> Result<Option<OperationRow>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT id, tenant, kind, sandbox, payload, state, attempts, last_error FROM operations WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    row.as_ref().map(OperationRow::from_row).transpose()
+}
+
+/// The operation an idempotency key already names: (operation, sandbox, fingerprint).
+pub async fn by_key(
+    conn: &mut PgConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<(String, String, Option<String>)>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT id, sandbox, fingerprint FROM operations WHERE tenant = $1 AND idempotency_key = $2",
+    )
+    .bind(tenant)
+    .bind(key)
+    .fetch_optional(&mut *conn)
+    .await?;
+    row.map(|r| {
+        Ok((
+            r.try_get("id")?,
+            r.try_get("sandbox")?,
+            r.try_get("fingerprint")?,
+        ))
+    })
+    .transpose()
+}
+
+/// Claims the oldest runnable operation for this transaction: locked, and
+/// skipped by every other executor, until the transaction ends.
+pub async fn claim(conn: &mut PgConnection) -> Result<Option<OperationRow>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT id, tenant, kind, sandbox, payload, state, attempts, last_error FROM operations WHERE state = 'queued' AND not_before <= now() ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    row.as_ref().map(OperationRow::from_row).transpose()
+}
+
+/// Marks a claimed operation done, in the transaction that did its work.
+pub async fn succeed(conn: &mut PgConnection, id: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE operations SET state = 'succeeded', attempts = attempts + 1, last_error = NULL, finished_at = now() WHERE id = $1")
+        .bind(id)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Counts a failed attempt: queued again after `backoff`, or failed for good
+/// once `attempts` are used or the retry would pass `deadline` after the
+/// operation was queued. Returns the new state.
+pub async fn attempt_failed(
+    pool: &PgPool,
+    id: &str,
+    error: &str,
+    retryable: bool,
+    limits: (i32, Duration, Duration),
+) -> Result<String, sqlx::Error> {
+    let (attempts, deadline, backoff) = limits;
+    sqlx::query_scalar(
+        "UPDATE operations SET attempts = attempts + 1, last_error = $2, \
+         state = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN 'failed' ELSE 'queued' END, \
+         not_before = now() + make_interval(secs => $5), \
+         finished_at = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN now() END \
+         WHERE id = $1 AND state = 'queued' RETURNING state",
+    )
+    .bind(id)
+    .bind(error)
+    .bind(retryable)
+    .bind(attempts)
+    .bind(backoff.as_secs_f64())
+    .bind(deadline.as_secs_f64())
+    .fetch_one(pool)
+    .await
+}
+
+/// Queue depth, the age of the oldest queued operation (s), and the age of
+/// the oldest change no gateway has acknowledged (s).
+pub async fn backlog(pool: &PgPool) -> Result<(i64, f64, f64), sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT (SELECT count(*) FROM operations WHERE state = 'queued') AS depth, \
+         (SELECT COALESCE(max(extract(epoch FROM now() - created_at)), 0)::float8 FROM operations WHERE state = 'queued') AS oldest, \
+         (SELECT COALESCE(max(extract(epoch FROM now() - changed_at)), 0)::float8 FROM sandboxes WHERE generation > pushed_generation AND worker IS NOT NULL) AS lag",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((
+        row.try_get("depth")?,
+        row.try_get("oldest")?,
+        row.try_get("lag")?,
+    ))
+}

@@ -1,0 +1,466 @@
+//! Creates: admission of `X-Space-Egress-Profiles`, queued composition,
+//! idempotency, E2B translation, the admission metric, retries.
+
+use serde_json::{json, Value};
+
+use crate::db;
+use crate::support::*;
+
+const TEMPLATE: &str = r#"{"default": "deny", "tls_interception": "on"}"#;
+
+fn template() -> Value {
+    serde_json::from_str(TEMPLATE).expect("json")
+}
+
+async fn create(
+    api: &ApiProcess,
+    token: &str,
+    headers: &[(&str, &str)],
+    body: Value,
+) -> (u16, Value) {
+    call(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(token),
+        headers,
+        Some(body),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_native_create_is_queued_composed_at_execution_and_pushed_to_its_gateway() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
+    let api = api(&url, d.clone()).await;
+    setup(&api, template(), gw.bound().admin, "100.64.10.0/24").await;
+    let _dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+
+    let (s, v) = create(
+        &api,
+        FEDERATED,
+        &[("X-Space-Egress-Profiles", "+sensor")],
+        json!({"template": "base"}),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(op["state"], json!("succeeded"), "{op}");
+    let id = v["sandbox"].as_str().expect("id");
+    let (_, doc) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(
+        doc["egress_profiles"],
+        json!(["audit", "sensor"]),
+        "defaults plus the selection: {doc}"
+    );
+    assert_eq!(doc["state"], json!("running"));
+    assert_eq!(doc["addresses"], json!(["100.64.10.1"]));
+    assert_eq!(
+        doc["inherits_template"],
+        json!(false),
+        "composition added rules"
+    );
+    let allow = &doc["policy"]["allow"];
+    for d in [
+        json!({"domain": "audit.example.test"}),
+        json!({"domain": "sensor.example.test"}),
+        json!({"ip": "8.8.8.8"}),
+    ] {
+        assert!(
+            allow.as_array().is_some_and(|a| a.contains(&d)),
+            "{d} in {allow}"
+        );
+    }
+    let exemptions = &doc["policy"]["tls_interception_exemptions"];
+    assert_eq!(
+        exemptions,
+        &json!([{"domain": "sensor.example.test"}, {"wildcard_domain": "*.relay.example.test"}]),
+        "profile then deployment exemptions"
+    );
+    assert!(
+        doc["provenance"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|a| a["source"] == json!("profile:sensor"))),
+        "{doc}"
+    );
+    let pushed = on_gateway(&gw, id).await;
+    assert_eq!(
+        pushed["policy"], doc["policy"],
+        "the gateway enforces the saved policy"
+    );
+    assert_eq!(pushed["addresses"], json!(["100.64.10.1"]));
+}
+
+#[tokio::test]
+async fn header_errors_are_400_with_their_reason_and_count_as_invalid_requests() {
+    let url = db!();
+    let api = api(&url, deployment(Some(PROFILES), None)).await;
+    let (s, _) = call(
+        api.addr,
+        "PUT",
+        "/v1/templates/base",
+        Some(ADMIN),
+        &[],
+        Some(json!({"policy": template()})),
+    )
+    .await;
+    assert_eq!(s, 200);
+    for (header, reason) in [
+        ("", "empty"),
+        ("sensor", "malformed"),
+        ("+sensor  -audit", "malformed"),
+        ("+sensor\t-audit", "malformed"),
+        ("+sensor +sensor", "repeated"),
+        ("+sensor -sensor", "conflicting"),
+        ("+nope", "unknown"),
+    ] {
+        let (s, v) = create(
+            &api,
+            FEDERATED,
+            &[("X-Space-Egress-Profiles", header)],
+            json!({"template": "base"}),
+        )
+        .await;
+        assert_eq!(
+            (s, v["reason"].clone()),
+            (400, json!(reason)),
+            "{header:?}: {v}"
+        );
+    }
+    let (_, metrics) = call(api.addr, "GET", "/metrics", None, &[], None).await;
+    let text = metrics.as_str().unwrap_or_default().to_owned();
+    assert!(
+        text.contains(r#"space_sandbox_egress_profile_admission_total{profile="unknown",outcome="failed",reason="invalid_request"} 5"#),
+        "{text}"
+    );
+    // Repeated and conflicting tokens name a configured (trusted) profile.
+    assert!(
+        text.contains(r#"space_sandbox_egress_profile_admission_total{profile="sensor",outcome="failed",reason="invalid_request"} 2"#),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_non_federated_create_ignores_the_header_and_applies_no_profiles_not_even_defaults() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let d = deployment(Some(PROFILES), None);
+    let api = api(&url, d.clone()).await;
+    setup(&api, template(), gw.bound().admin, "100.64.10.0/24").await;
+    let _dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let (s, v) = create(
+        &api,
+        PLAIN,
+        &[("X-Space-Egress-Profiles", "+sensor")],
+        json!({"template": "base"}),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    settled(&api, PLAIN, v["operation"].as_str().expect("op")).await;
+    let id = v["sandbox"].as_str().expect("id");
+    let (_, doc) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(PLAIN),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(
+        doc["egress_profiles"],
+        json!([]),
+        "an explicit empty array: {doc}"
+    );
+    let normal = serde_json::to_value(egress_policy::Policy::from_json(TEMPLATE).expect("policy"))
+        .expect("json");
+    assert_eq!(doc["policy"], normal, "the template's policy, untouched");
+    assert_eq!(doc["inherits_template"], json!(true));
+    let text = api.metrics.encode();
+    assert!(
+        text.contains(r#"{profile="unknown",outcome="failed",reason="invalid_request"} 1"#),
+        "{text}"
+    );
+    // Another tenant cannot see it.
+    let (s, _) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 404);
+}
+
+#[tokio::test]
+async fn the_admission_metric_reports_ok_ready_per_selected_profile() {
+    let url = db!();
+    let api = api(&url, deployment(Some(PROFILES), None)).await;
+    call(
+        api.addr,
+        "PUT",
+        "/v1/templates/base",
+        Some(ADMIN),
+        &[],
+        Some(json!({"policy": template()})),
+    )
+    .await;
+    let (s, _) = create(
+        &api,
+        FEDERATED,
+        &[("X-Space-Egress-Profiles", "+sensor")],
+        json!({"template": "base"}),
+    )
+    .await;
+    assert_eq!(s, 202);
+    let (s, _) = create(&api, FEDERATED, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 202);
+    let text = api.metrics.encode();
+    for line in [
+        r#"space_sandbox_egress_profile_admission_total{profile="audit",outcome="ok",reason="ready"} 2"#,
+        r#"space_sandbox_egress_profile_admission_total{profile="sensor",outcome="ok",reason="ready"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
+}
+
+#[tokio::test]
+async fn idempotent_replays_match_on_body_and_nonempty_selections_only() {
+    let url = db!();
+    let with = api(&url, deployment(Some(PROFILES), None)).await;
+    let without = api(&url, deployment(None, None)).await;
+    call(
+        with.addr,
+        "PUT",
+        "/v1/templates/base",
+        Some(ADMIN),
+        &[],
+        Some(json!({"policy": template()})),
+    )
+    .await;
+    let body = json!({"template": "base"});
+    // Same key, same body, same selection: the original result.
+    let (s1, first) = create(
+        &with,
+        FEDERATED,
+        &[
+            ("Idempotency-Key", "k1"),
+            ("X-Space-Egress-Profiles", "+sensor"),
+        ],
+        body.clone(),
+    )
+    .await;
+    let (s2, again) = create(
+        &with,
+        FEDERATED,
+        &[
+            ("Idempotency-Key", "k1"),
+            ("X-Space-Egress-Profiles", "+sensor"),
+        ],
+        body.clone(),
+    )
+    .await;
+    assert_eq!((s1, s2), (202, 202));
+    assert_eq!(first, again, "a replay returns the original operation");
+    // A different selection is a different request.
+    let (s, v) = create(
+        &with,
+        FEDERATED,
+        &[
+            ("Idempotency-Key", "k1"),
+            ("X-Space-Egress-Profiles", "-audit"),
+        ],
+        body.clone(),
+    )
+    .await;
+    assert_eq!(s, 409, "{v}");
+    let (s, _) = create(
+        &with,
+        FEDERATED,
+        &[("Idempotency-Key", "k1")],
+        json!({"template": "base", "policy": {"default": "allow"}}),
+    )
+    .await;
+    assert_eq!(s, 409, "a different body");
+    // An empty selection keeps the fingerprint a create without profiles had:
+    // a key first used where no profiles are configured replays here.
+    let (s, old) = create(
+        &without,
+        FEDERATED,
+        &[("Idempotency-Key", "k2")],
+        body.clone(),
+    )
+    .await;
+    assert_eq!(s, 202);
+    let (s, replay) = create(
+        &with,
+        FEDERATED,
+        &[
+            ("Idempotency-Key", "k2"),
+            ("X-Space-Egress-Profiles", "-audit"),
+        ],
+        body.clone(),
+    )
+    .await;
+    assert_eq!((s, replay), (202, old));
+    // Keys are per tenant.
+    let (s, other) = create(&with, PLAIN, &[("Idempotency-Key", "k1")], body).await;
+    assert_eq!(s, 202);
+    assert_ne!(other["operation"], first["operation"]);
+}
+
+#[tokio::test]
+async fn queued_creates_retry_a_missing_definition_within_the_attempt_and_deadline_limits() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, deployment(Some(PROFILES), None)).await;
+    setup(&api, template(), gw.bound().admin, "100.64.10.0/24").await;
+    // The dispatcher lacks `sensor`: every attempt is a 503 for it.
+    let stale = deployment(
+        Some(r#"{"audit": {"default": true, "allow": [{"domain": "audit.example.test"}]}}"#),
+        None,
+    );
+    let dispatcher_task = dispatcher(&url, stale.clone(), limits(3, 60_000, 50)).await;
+    let (_, v) = create(
+        &api,
+        FEDERATED,
+        &[("X-Space-Egress-Profiles", "+sensor")],
+        json!({"template": "base"}),
+    )
+    .await;
+    let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(
+        (op["state"].clone(), op["attempts"].clone()),
+        (json!("failed"), json!(3)),
+        "{op}"
+    );
+    assert!(
+        op["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("sensor") && e.contains("503")),
+        "{op}"
+    );
+    let id = v["sandbox"].as_str().expect("id");
+    let (_, doc) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(doc["state"], json!("failed"));
+    let text = dispatcher_task.metrics.encode();
+    assert!(
+        text.contains(r#"{profile="sensor",outcome="failed",reason="unconfigured"} 3"#),
+        "{text}"
+    );
+    drop(dispatcher_task);
+    // The deadline ends retries before the attempts do.
+    let _d = dispatcher(&url, stale, limits(1_000, 400, 100)).await;
+    let (_, v) = create(
+        &api,
+        FEDERATED,
+        &[("X-Space-Egress-Profiles", "+sensor")],
+        json!({"template": "base"}),
+    )
+    .await;
+    let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(op["state"], json!("failed"));
+    let attempts = op["attempts"].as_i64().unwrap_or(0);
+    assert!(
+        (1..10).contains(&attempts),
+        "stopped by the deadline after {attempts}"
+    );
+}
+
+#[tokio::test]
+async fn an_e2b_create_is_translated_and_composed_by_the_api() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
+    let api = api(&url, d.clone()).await;
+    setup(
+        &api,
+        json!({"default": "allow", "tls_interception": "on"}),
+        gw.bound().admin,
+        "100.64.10.0/24",
+    )
+    .await;
+    let _dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let body = json!({"templateID": "base", "timeout": 300, "network": {"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]}});
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[("X-Space-Egress-Profiles", "-audit")],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["templateID"], json!("base"));
+    let id = v["sandboxID"].as_str().expect("id");
+    let (_, doc) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(
+        doc["state"],
+        json!("running"),
+        "composed and placed at once: {doc}"
+    );
+    assert_eq!(doc["policy"]["default"], json!("deny"));
+    assert_eq!(doc["policy"]["allow"], json!([{"ip": "1.1.1.1"}]));
+    on_gateway(&gw, id).await;
+    // No exact translation: 400 with the reason.
+    let body = json!({"templateID": "base", "network": {"allowOut": ["api.example.test"], "denyOut": ["203.0.113.0/24"]}});
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("cannot translate exactly")),
+        "{v}"
+    );
+    let (s, _) = call(
+        api.addr,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"templateID": "base", "bogus": 1})),
+    )
+    .await;
+    assert_eq!(s, 400);
+}

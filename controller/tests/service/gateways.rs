@@ -1,0 +1,296 @@
+//! Pushes, resync after a gateway restart, a gateway that is down, leader
+//! failover between dispatcher processes, and configuration checks at start.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::Connection;
+
+use crate::db;
+use crate::support::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_egress-controller");
+
+async fn create(api: &ApiProcess) -> (String, String) {
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"template": "base"})),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    (
+        v["sandbox"].as_str().expect("id").to_owned(),
+        v["operation"].as_str().expect("op").to_owned(),
+    )
+}
+
+/// A loopback port nobody listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+#[tokio::test]
+async fn a_restarted_gateway_is_resynced_without_waiting_for_a_change() {
+    let url = db!();
+    let admin = format!("127.0.0.1:{}", free_port());
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), &admin).await;
+    let d = deployment(None, None);
+    let api = api(&url, d.clone()).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.10.0/24",
+    )
+    .await;
+    let _dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let (id, op) = create(&api).await;
+    settled(&api, FEDERATED, &op).await;
+    on_gateway(&gw, &id).await;
+    // The gateway restarts with its state lost (a new disk, say).
+    assert_eq!(gw.run_until(async {}).await, 0);
+    let fresh = tempfile::tempdir().expect("dir");
+    let gw = gateway(fresh.path(), &admin).await;
+    assert!(gw
+        .registry()
+        .get(&egress_policy::SandboxId::new(&id))
+        .is_none());
+    let back = on_gateway(&gw, &id).await;
+    assert_eq!(
+        back["addresses"],
+        json!(["100.64.10.1"]),
+        "resynced: {back}"
+    );
+}
+
+#[tokio::test]
+async fn a_gateway_that_is_down_never_blocks_the_api_and_its_lag_shows() {
+    let url = db!();
+    let d = deployment(None, None);
+    let api = api(&url, d.clone()).await;
+    let dead: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+    setup(&api, json!({"default": "allow"}), dead, "100.64.10.0/24").await;
+    let dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let started = std::time::Instant::now();
+    let mut ops = Vec::new();
+    for _ in 0..5 {
+        ops.push(create(&api).await.1);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "creates answered while the gateway is down"
+    );
+    for op in &ops {
+        assert_eq!(
+            settled(&api, FEDERATED, op).await["state"],
+            json!("succeeded")
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let text = dispatcher.metrics.encode();
+    let lag = text
+        .lines()
+        .find_map(|l| l.strip_prefix("egress_controller_push_lag_seconds "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(lag >= 1.0, "push lag {lag} in {text}");
+    assert!(
+        text.contains(r#"egress_controller_pushes_total{outcome="failed"}"#),
+        "{text}"
+    );
+}
+
+/// A dispatcher process; its stderr goes to `log`.
+fn spawn_dispatcher(
+    url: &str,
+    tenants: &std::path::Path,
+    log: &std::path::Path,
+    env: &[(&str, &str)],
+) -> std::process::Child {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["dispatcher", "--tenants"])
+        .arg(tenants)
+        .args([
+            "--attempts",
+            "5",
+            "--retry-backoff",
+            "100ms",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .env("DATABASE_URL", url)
+        .env_remove("SPACE_EGRESS_PROFILES")
+        .env_remove("SPACE_TLS_INTERCEPTION_EXEMPTIONS")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log"));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn dispatcher")
+}
+
+fn tenants_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("tenants.json");
+    std::fs::write(
+        &path,
+        format!(
+            r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}}}}}}"#
+        ),
+    )
+    .expect("write");
+    path
+}
+
+async fn wait_for(log: &std::path::Path, needle: &str) {
+    for _ in 0..200 {
+        if std::fs::read_to_string(log).is_ok_and(|t| t.contains(needle)) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "{} never said {needle:?}: {}",
+        log.display(),
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+}
+
+#[tokio::test]
+async fn a_standby_takes_over_when_the_leader_dies_and_no_operation_runs_twice() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.0.0/16",
+    )
+    .await;
+    let tenants = tenants_file(dir.path());
+    let (log_a, log_b) = (dir.path().join("a.log"), dir.path().join("b.log"));
+    let mut a = spawn_dispatcher(&url, &tenants, &log_a, &[]);
+    wait_for(&log_a, "leading").await;
+    let mut b = spawn_dispatcher(&url, &tenants, &log_b, &[]);
+    wait_for(&log_b, "standing by").await;
+    let mut ops = Vec::new();
+    for _ in 0..40 {
+        ops.push(create(&api).await.1);
+    }
+    // Kill the leader while it works through the queue.
+    settled(&api, FEDERATED, &ops[3]).await;
+    a.kill().expect("kill the leader");
+    let _ = a.wait();
+    wait_for(&log_b, "leading").await;
+    for op in &ops {
+        assert_eq!(
+            settled(&api, FEDERATED, op).await["state"],
+            json!("succeeded"),
+            "{op}"
+        );
+    }
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let once: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM operations WHERE state = 'succeeded' AND attempts = 1",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("count");
+    let generations: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM sandboxes WHERE generation <> 1")
+            .fetch_one(&mut conn)
+            .await
+            .expect("count");
+    let distinct: i64 = sqlx::query_scalar("SELECT count(DISTINCT addresses) FROM sandboxes")
+        .fetch_one(&mut conn)
+        .await
+        .expect("count");
+    assert_eq!(
+        (once, generations, distinct),
+        (40, 0, 40),
+        "each operation executed exactly once"
+    );
+    let _ = b.kill();
+    let _ = b.wait();
+}
+
+#[tokio::test]
+async fn invalid_configuration_stops_both_roles_and_a_standby_before_it_leads() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let tenants = tenants_file(dir.path());
+    let bad_profiles = r#"{"Sensor": {"allow": [{"ip": "198.51.100.1"}]}}"#;
+    let bad_exemptions = r#"[{"cidr": "198.51.100.0/24"}]"#;
+    for (role, var, value, needle) in [
+        ("api", "SPACE_EGRESS_PROFILES", bad_profiles, "Sensor"),
+        (
+            "dispatcher",
+            "SPACE_EGRESS_PROFILES",
+            bad_profiles,
+            "Sensor",
+        ),
+        (
+            "api",
+            "SPACE_TLS_INTERCEPTION_EXEMPTIONS",
+            bad_exemptions,
+            "SPACE_TLS_INTERCEPTION_EXEMPTIONS",
+        ),
+        (
+            "dispatcher",
+            "SPACE_TLS_INTERCEPTION_EXEMPTIONS",
+            "[]",
+            "empty",
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .args([role, "--tenants"])
+            .arg(&tenants)
+            .env("DATABASE_URL", &url)
+            .env(var, value)
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{role} with {var}={value} started");
+        assert!(err.contains(var) && err.contains(needle), "{role}: {err}");
+    }
+    // A leader holds the lock; a standby with bad configuration still refuses to start.
+    let log = dir.path().join("leader.log");
+    let mut leader = spawn_dispatcher(&url, &tenants, &log, &[]);
+    wait_for(&log, "leading").await;
+    let standby = Command::new(BIN)
+        .args(["dispatcher", "--tenants"])
+        .arg(&tenants)
+        .env("DATABASE_URL", &url)
+        .env("SPACE_EGRESS_PROFILES", bad_profiles)
+        .output()
+        .expect("run");
+    assert!(!standby.status.success());
+    assert!(String::from_utf8_lossy(&standby.stderr).contains("Sensor"));
+    let _ = leader.kill();
+    let _ = leader.wait();
+    // The tenants file is checked too, naming the field.
+    std::fs::write(
+        &tenants,
+        r#"{"tokens": {"0123456789abcdef": {"tenant": "t", "admim": true}}}"#,
+    )
+    .expect("write");
+    let out = Command::new(BIN)
+        .args(["api", "--tenants"])
+        .arg(&tenants)
+        .env("DATABASE_URL", &url)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("admim"));
+}

@@ -1,0 +1,314 @@
+//! Network policy replacement, reset to the template, lifecycle and forks.
+
+use serde_json::{json, Value};
+
+use crate::db;
+use crate::support::*;
+
+/// A running sandbox created with `+sensor` on a deny-by-default template with interception on.
+async fn running(api: &ApiProcess, gw: &egress_gateway::Gateway) -> String {
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(FEDERATED),
+        &[("X-Space-Egress-Profiles", "+sensor")],
+        Some(
+            json!({"template": "base", "policy": {"default": "deny", "tls_interception": "on",
+            "allow": [{"domain": "tenant.example.test"}],
+            "tls_interception_exemptions": [{"domain": "kept.example.test"}]}}),
+        ),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    let op = settled(api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(op["state"], json!("succeeded"), "{op}");
+    let id = v["sandbox"].as_str().expect("id").to_owned();
+    on_gateway(gw, &id).await;
+    id
+}
+
+async fn doc(api: &ApiProcess, id: &str) -> Value {
+    call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await
+    .1
+}
+
+async fn world(
+    url: &str,
+) -> (
+    tempfile::TempDir,
+    egress_gateway::Gateway,
+    ApiProcess,
+    DispatcherTask,
+) {
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
+    let api = api(url, d.clone()).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.10.0/24",
+    )
+    .await;
+    let dispatcher = dispatcher(url, d, limits(5, 60_000, 100)).await;
+    (dir, gw, api, dispatcher)
+}
+
+#[tokio::test]
+async fn replacement_resolves_saved_names_now_and_never_re_applies_defaults() {
+    let url = db!();
+    let (_dir, gw, api, _d) = world(&url).await;
+    let id = running(&api, &gw).await;
+    let before = doc(&api, &id).await;
+    assert_eq!(before["egress_profiles"], json!(["audit", "sensor"]));
+    // A fresh tenant base: saved names resolved, deployment exemptions
+    // appended (interception on), existing ones kept, no duplicates.
+    let base = json!({"default": "deny", "tls_interception": "on",
+        "tls_interception_exemptions": [{"domain": "kept.example.test"}, {"wildcard_domain": "*.relay.example.test"}]});
+    let (s, after) = call(
+        api.addr,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(FEDERATED),
+        &[],
+        Some(json!({"policy": base})),
+    )
+    .await;
+    assert_eq!(s, 200, "{after}");
+    assert_eq!(
+        after["policy"]["tls_interception_exemptions"],
+        json!([{"domain": "kept.example.test"}, {"wildcard_domain": "*.relay.example.test"}, {"domain": "sensor.example.test"}]),
+        "kept, then the profile's; the deployment's already there"
+    );
+    let allow = after["policy"]["allow"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        allow.contains(&json!({"domain": "audit.example.test"})),
+        "saved names, defaults included: {after}"
+    );
+    assert!(
+        !allow.contains(&json!({"domain": "tenant.example.test"})),
+        "the old base is gone"
+    );
+    let pushed = {
+        let mut got = on_gateway(&gw, &id).await;
+        for _ in 0..100 {
+            if got["policy"] == after["policy"] {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            got = on_gateway(&gw, &id).await;
+        }
+        got
+    };
+    assert_eq!(pushed["policy"], after["policy"], "pushed to the gateway");
+    // Interception off: no deployment exemption is appended.
+    let (s, off) = call(
+        api.addr,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(FEDERATED),
+        &[],
+        Some(json!({"policy": {"default": "allow"}})),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        off["policy"]["tls_interception_exemptions"],
+        json!([{"domain": "sensor.example.test"}])
+    );
+    // Inheriting the template: its default, composed; an override only because composition changed it.
+    let (s, inherited) = call(
+        api.addr,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(FEDERATED),
+        &[],
+        Some(json!({"inherit_template": true})),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        inherited["inherits_template"],
+        json!(false),
+        "profiles added rules: {inherited}"
+    );
+    let (s, _) = call(
+        api.addr,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(FEDERATED),
+        &[],
+        Some(json!({"policy": {"allow": [{"domain": "bad_name"}]}})),
+    )
+    .await;
+    assert_eq!(s, 400);
+}
+
+#[tokio::test]
+async fn a_missing_saved_name_is_503_and_the_old_policy_stays() {
+    let url = db!();
+    let (_dir, gw, api, _d) = world(&url).await;
+    let id = running(&api, &gw).await;
+    let before = doc(&api, &id).await;
+    // Another API replica, configured without `sensor`.
+    let stale = api_without_sensor(&url).await;
+    for body in [
+        json!({"policy": {"default": "allow"}}),
+        json!({"inherit_template": true}),
+    ] {
+        let (s, v) = call(
+            stale.addr,
+            "PUT",
+            &format!("/v1/sandboxes/{id}/network"),
+            Some(FEDERATED),
+            &[],
+            Some(body),
+        )
+        .await;
+        assert_eq!(s, 503, "{v}");
+        assert_eq!(v["missing_profiles"], json!(["sensor"]));
+    }
+    assert_eq!(doc(&api, &id).await, before, "nothing changed");
+    let text = stale.metrics.encode();
+    assert!(
+        text.contains(r#"{profile="sensor",outcome="failed",reason="unconfigured"} 2"#),
+        "{text}"
+    );
+}
+
+async fn api_without_sensor(url: &str) -> ApiProcess {
+    api(
+        url,
+        deployment(
+            Some(r#"{"audit": {"default": true, "allow": [{"domain": "audit.example.test"}]}}"#),
+            None,
+        ),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn lifecycle_operations_keep_the_saved_effective_policy() {
+    let url = db!();
+    let (_dir, gw, api, _d) = world(&url).await;
+    let id = running(&api, &gw).await;
+    let policy = doc(&api, &id).await["policy"].clone();
+    for (action, state) in [
+        ("stop", "stopped"),
+        ("start", "running"),
+        ("pause", "paused"),
+        ("resume", "running"),
+        ("suspend", "suspended"),
+        ("restore", "running"),
+        ("rollback", "running"),
+    ] {
+        let (s, v) = call(
+            api.addr,
+            "POST",
+            &format!("/v1/sandboxes/{id}/{action}"),
+            Some(FEDERATED),
+            &[],
+            None,
+        )
+        .await;
+        assert_eq!(
+            (s, v["state"].clone()),
+            (200, json!(state)),
+            "{action}: {v}"
+        );
+        assert_eq!(v["policy"], policy, "{action} keeps the policy");
+    }
+    let (s, _) = call(
+        api.addr,
+        "POST",
+        &format!("/v1/sandboxes/{id}/restore"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 409, "restore needs a suspended sandbox");
+    // Destroy: the gateway forgets it.
+    let (s, _) = call(
+        api.addr,
+        "DELETE",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    let sid = egress_policy::SandboxId::new(&id);
+    for _ in 0..200 {
+        if gw.registry().get(&sid).is_none() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("the gateway still holds the destroyed sandbox");
+}
+
+#[tokio::test]
+async fn a_fork_carries_the_names_and_the_policy_and_composes_deployment_exemptions() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    // The source is created before the deployment has exemptions...
+    let plain = deployment(Some(PROFILES), None);
+    let api1 = api(&url, plain.clone()).await;
+    setup(
+        &api1,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.10.0/24",
+    )
+    .await;
+    let d1 = dispatcher(&url, plain, limits(5, 60_000, 100)).await;
+    let id = running(&api1, &gw).await;
+    drop(d1);
+    let source = doc(&api1, &id).await;
+    // ...and forked after they were configured.
+    let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
+    let api2 = api(&url, d.clone()).await;
+    let _d2 = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let (s, v) = call(
+        api2.addr,
+        "POST",
+        &format!("/v1/sandboxes/{id}/fork"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    settled(&api2, FEDERATED, v["operation"].as_str().expect("op")).await;
+    let fork = doc(&api2, v["sandbox"].as_str().expect("id")).await;
+    assert_eq!(fork["egress_profiles"], source["egress_profiles"]);
+    assert_eq!(fork["policy"]["allow"], source["policy"]["allow"]);
+    let mut want = source["policy"]["tls_interception_exemptions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    want.push(json!({"wildcard_domain": "*.relay.example.test"}));
+    assert_eq!(fork["policy"]["tls_interception_exemptions"], json!(want));
+    assert_ne!(fork["addresses"], source["addresses"]);
+    assert_eq!(
+        doc(&api2, &id).await["policy"],
+        source["policy"],
+        "the source is untouched"
+    );
+}

@@ -1,0 +1,269 @@
+//! A real PostgreSQL database per test, the API and dispatcher in-process on
+//! loopback, real gateways (in-process `Gateway`s, their admin API on
+//! loopback) as push targets, and an HTTP client.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use egress_controller::api::Api;
+use egress_controller::config::{Deployment, Tenants};
+use egress_controller::dispatcher::{Dispatcher, Limits};
+use egress_controller::metrics::Metrics;
+use egress_controller::store;
+use egress_gateway::config::Config;
+use egress_gateway::flowlog::FlowLog;
+use egress_gateway::{Gateway, SoOriginalDst};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use sqlx::{Connection, Executor};
+
+pub const ADMIN: &str = "admin-token-0123456789";
+pub const FEDERATED: &str = "fed-token-0123456789ab";
+pub const PLAIN: &str = "plain-token-0123456789";
+
+pub const PROFILES: &str = r#"{
+    "audit": {"default": true, "allow": [{"domain": "audit.example.test"}]},
+    "sensor": {"allow": [{"domain": "sensor.example.test"}, {"cidr": "198.51.100.0/24"}],
+               "tls_interception_exemptions": [{"domain": "sensor.example.test"}]}
+}"#;
+pub const EXEMPTIONS: &str = r#"[{"wildcard_domain": "*.relay.example.test"}]"#;
+
+pub fn tenants() -> Arc<Tenants> {
+    Arc::new(
+        Tenants::parse(&format!(
+            r#"{{"tokens": {{
+                "{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}},
+                "{FEDERATED}": {{"tenant": "t1", "federated": true}},
+                "{PLAIN}": {{"tenant": "t2", "federated": false}}
+            }}}}"#
+        ))
+        .expect("tenants"),
+    )
+}
+
+pub fn deployment(profiles: Option<&str>, exemptions: Option<&str>) -> Arc<Deployment> {
+    Arc::new(Deployment::from_values(profiles, exemptions).expect("deployment"))
+}
+
+/// A fresh database on the test cluster (`DATABASE_URL`), or `None` when
+/// there is no cluster here (CI sets `EGRESS_E2E_REQUIRED=1`: then it fails).
+pub async fn database() -> Option<String> {
+    let Ok(url) = std::env::var("DATABASE_URL") else {
+        assert!(
+            std::env::var("EGRESS_E2E_REQUIRED").is_err(),
+            "DATABASE_URL is not set: start a cluster with .ci/pg.sh"
+        );
+        eprintln!("SKIPPED: DATABASE_URL is not set (eval \"$(.ci/pg.sh start)\")");
+        return None;
+    };
+    let name = egress_controller::ids::new("t").replace('-', "_");
+    let mut admin = sqlx::PgConnection::connect(&url)
+        .await
+        .expect("connect to DATABASE_URL");
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .await
+        .expect("create database");
+    let (base, _) = url.rsplit_once('/').expect("a database in the URL");
+    Some(format!("{base}/{name}"))
+}
+
+/// Skips the test when there is no database here.
+#[macro_export]
+macro_rules! db {
+    () => {
+        match $crate::support::database().await {
+            Some(url) => url,
+            None => return,
+        }
+    };
+}
+
+/// An API on loopback.
+pub struct ApiProcess {
+    pub addr: SocketAddr,
+    pub metrics: Arc<Metrics>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ApiProcess {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn api(url: &str, deployment: Arc<Deployment>) -> ApiProcess {
+    let pool = store::connect(url).await.expect("store");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let metrics = Arc::new(Metrics::new());
+    let api = Arc::new(Api {
+        pool,
+        deployment,
+        tenants: tenants(),
+        metrics: metrics.clone(),
+    });
+    let task = tokio::spawn(egress_controller::api::serve(listener, api));
+    ApiProcess {
+        addr,
+        metrics,
+        task,
+    }
+}
+
+pub fn limits(attempts: i32, deadline_ms: u64, backoff_ms: u64) -> Limits {
+    Limits {
+        attempts,
+        deadline: Duration::from_millis(deadline_ms),
+        backoff: Duration::from_millis(backoff_ms),
+        resync_interval: Duration::from_millis(200),
+    }
+}
+
+/// A dispatcher task (it leads once it holds the lock).
+pub struct DispatcherTask {
+    pub metrics: Arc<Metrics>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for DispatcherTask {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn dispatcher(url: &str, deployment: Arc<Deployment>, limits: Limits) -> DispatcherTask {
+    let pool = store::connect(url).await.expect("store");
+    let metrics = Arc::new(Metrics::new());
+    let d = Dispatcher {
+        pool,
+        database_url: url.to_owned(),
+        deployment,
+        metrics: metrics.clone(),
+        limits,
+    };
+    DispatcherTask {
+        metrics,
+        task: tokio::spawn(d.run()),
+    }
+}
+
+/// A real gateway whose admin API listens on `admin` (port 0: any).
+pub async fn gateway(state: &std::path::Path, admin: &str) -> Gateway {
+    let toml = format!(
+        r#"
+        state_dir = "{}"
+        [listen]
+        transparent = "127.0.0.1:0"
+        dns = "127.0.0.1:0"
+        dns_alt = "127.0.0.1:0"
+        admin = "{admin}"
+        "#,
+        state.display()
+    );
+    let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
+    Gateway::start(
+        config,
+        Arc::new(SoOriginalDst),
+        FlowLog::open("off").expect("log"),
+    )
+    .await
+    .expect("gateway starts")
+}
+
+/// One request: status and JSON body.
+pub async fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<Value>,
+) -> (u16, Value) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .expect("http");
+    tokio::spawn(conn);
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "api");
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+    let resp = sender
+        .send_request(req.body(Full::new(Bytes::from(bytes))).expect("request"))
+        .await
+        .expect("answer");
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    let json = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, json)
+}
+
+/// Registers the template `base` and the worker `w1` (the gateway at `gw`).
+pub async fn setup(api: &ApiProcess, template_policy: Value, gw: SocketAddr, pool: &str) {
+    let (s, b) = call(
+        api.addr,
+        "PUT",
+        "/v1/templates/base",
+        Some(ADMIN),
+        &[],
+        Some(json!({"policy": template_policy})),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let (s, b) = call(
+        api.addr,
+        "PUT",
+        "/v1/workers/w1",
+        Some(ADMIN),
+        &[],
+        Some(json!({"admin_url": format!("http://{gw}"), "token": "", "pool": pool})),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+}
+
+/// Polls `GET /v1/operations/{id}` until it is no longer queued (≤ 10 s).
+pub async fn settled(api: &ApiProcess, token: &str, op: &str) -> Value {
+    for _ in 0..200 {
+        let (_, v) = call(
+            api.addr,
+            "GET",
+            &format!("/v1/operations/{op}"),
+            Some(token),
+            &[],
+            None,
+        )
+        .await;
+        if v["state"] == json!("succeeded") || v["state"] == json!("failed") {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("operation {op} did not finish");
+}
+
+/// Polls until the gateway holds sandbox `id` (≤ 10 s); its document there.
+pub async fn on_gateway(gw: &Gateway, id: &str) -> Value {
+    let sid = egress_policy::SandboxId::new(id);
+    for _ in 0..200 {
+        if let Some(s) = gw.registry().get(&sid) {
+            return json!({"addresses": s.addresses, "policy": s.policy.policy()});
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the gateway never received sandbox {id}");
+}
