@@ -4,5 +4,6 @@
 
 #![allow(unreachable_pub)] // a test binary: `pub` only shares helpers between its modules
 
+mod controller;
 mod scenarios;
 mod topology;

@@ -1,0 +1,242 @@
+//! `egress-ctlload`: the controller under load, in one process on loopback —
+//! the API and a dispatcher on a fresh database of the PostgreSQL cluster
+//! `DATABASE_URL` names, and a real gateway (its admin API on loopback) as
+//! the push target. Sends `--count` native creates (`--concurrency` at a
+//! time), then reports creates/s (API acknowledgement to every operation
+//! succeeded) and push latency (API acknowledgement to the gateway holding
+//! the sandbox) as JSON. Bounded in count and time.
+//!
+//! `DATABASE_URL=… cargo run --release -p egress-benches --bin egress-ctlload -- --count 1000`
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use egress_controller::api::Api;
+use egress_controller::config::{Deployment, Tenants};
+use egress_controller::dispatcher::{Dispatcher, Limits};
+use egress_controller::metrics::Metrics;
+use egress_controller::store;
+use egress_gateway::config::Config;
+use egress_gateway::flowlog::FlowLog;
+use egress_gateway::{Gateway, SoOriginalDst};
+use egress_policy::SandboxId;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, default_value_t = 500)]
+    count: usize,
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 120)]
+    limit_s: u64,
+}
+
+const TOKEN: &str = "load-token-0123456789";
+
+async fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> Result<(u16, Value), String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "api")
+        .header("authorization", format!("Bearer {TOKEN}"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| e.to_string())?;
+    let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    ))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+#[tokio::main]
+async fn main() -> Result<(), String> {
+    let args = Args::parse();
+    let url = std::env::var("DATABASE_URL")
+        .map_err(|_| "DATABASE_URL is not set (eval \"$(.ci/pg.sh start)\")".to_owned())?;
+    let db = egress_controller::ids::new("load").replace('-', "_");
+    {
+        use sqlx::{Connection, Executor};
+        let mut admin = sqlx::PgConnection::connect(&url)
+            .await
+            .map_err(|e| e.to_string())?;
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let url = format!(
+        "{}/{db}",
+        url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b)
+    );
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let toml = format!(
+        "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n",
+        dir.path().display()
+    );
+    let config =
+        Config::parse(&toml, std::path::Path::new("load.toml")).map_err(|e| e.to_string())?;
+    let gw = Gateway::start(
+        config,
+        Arc::new(SoOriginalDst),
+        FlowLog::open("off").map_err(|e| e.to_string())?,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let deployment = Arc::new(Deployment::from_values(
+        Some(r#"{"sensor": {"default": true, "allow": [{"domain": "sensor.example.test"}]}}"#),
+        None,
+    )?);
+    let tenants = Arc::new(Tenants::parse(&format!(
+        r#"{{"tokens": {{"{TOKEN}": {{"tenant": "load", "federated": true, "admin": true}}}}}}"#
+    ))?);
+    let pool = store::connect(&url).await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let api = Arc::new(Api {
+        pool: pool.clone(),
+        deployment: deployment.clone(),
+        tenants,
+        metrics: Arc::new(Metrics::new()),
+    });
+    tokio::spawn(egress_controller::api::serve(listener, api));
+    let limits = Limits {
+        attempts: 5,
+        deadline: Duration::from_secs(300),
+        backoff: Duration::from_millis(200),
+        resync_interval: Duration::from_secs(5),
+    };
+    tokio::spawn(
+        Dispatcher {
+            pool,
+            database_url: url.clone(),
+            deployment,
+            metrics: Arc::new(Metrics::new()),
+            limits,
+        }
+        .run(),
+    );
+    call(
+        addr,
+        "PUT",
+        "/v1/templates/base",
+        json!({"policy": {"default": "deny", "tls_interception": "on"}}),
+        &[],
+    )
+    .await?;
+    call(
+        addr,
+        "PUT",
+        "/v1/workers/w1",
+        json!({"admin_url": format!("http://{}", gw.bound().admin), "pool": "100.64.0.0/14"}),
+        &[],
+    )
+    .await?;
+
+    let started = Instant::now();
+    let limit = Duration::from_secs(args.limit_s);
+    let gate = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
+    let mut tasks = Vec::with_capacity(args.count);
+    for _ in 0..args.count {
+        let gate = gate.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            let (status, v) = call(
+                addr,
+                "POST",
+                "/v1/sandboxes",
+                json!({"template": "base"}),
+                &[],
+            )
+            .await?;
+            if status != 202 {
+                return Err(format!("create: {status} {v}"));
+            }
+            Ok((
+                v["sandbox"].as_str().unwrap_or_default().to_owned(),
+                Instant::now(),
+            ))
+        }));
+    }
+    let mut acked: HashMap<String, Instant> = HashMap::new();
+    for t in tasks {
+        let (id, at) = t.await.map_err(|e| e.to_string())??;
+        acked.insert(id, at);
+    }
+    let api_done = started.elapsed();
+    // Watch the gateway: when each sandbox appears there.
+    let mut latencies = Vec::with_capacity(acked.len());
+    let mut pending: Vec<(String, Instant)> = acked.into_iter().collect();
+    while !pending.is_empty() {
+        if started.elapsed() > limit {
+            return Err(format!(
+                "{} sandboxes never reached the gateway within {limit:?}",
+                pending.len()
+            ));
+        }
+        let now = Instant::now();
+        pending.retain(|(id, at)| {
+            if gw.registry().get(&SandboxId::new(id)).is_some() {
+                latencies.push(now.duration_since(*at).as_secs_f64() * 1000.0);
+                false
+            } else {
+                true
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let total = started.elapsed();
+    latencies.sort_by(f64::total_cmp);
+    println!(
+        "{}",
+        json!({
+            "creates": args.count,
+            "concurrency": args.concurrency,
+            "api_creates_per_s": args.count as f64 / api_done.as_secs_f64(),
+            "enforced_per_s": args.count as f64 / total.as_secs_f64(),
+            "push_latency_ms": {"p50": percentile(&latencies, 0.5), "p90": percentile(&latencies, 0.9), "p99": percentile(&latencies, 0.99)},
+        })
+    );
+    Ok(())
+}
