@@ -232,20 +232,14 @@ impl Dispatcher {
         let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
             return false;
         };
-        let doc: Vec<Value> = rows
-            .iter()
-            .map(|(s, _)| json!({"id": s.id, "addresses": s.addresses, "policy": s.policy}))
-            .collect();
-        let body = json!({ "sandboxes": doc });
-        match call(
-            &w.admin_url,
-            &w.token,
-            Method::PUT,
-            "/v1/sandboxes",
-            Some(&body),
-        )
-        .await
-        {
+        // NDJSON, streamed by the gateway: no size bound on a resync.
+        let mut ndjson = String::new();
+        for (s, _) in &rows {
+            let line = json!({"id": s.id, "addresses": s.addresses, "policy": s.policy});
+            ndjson.push_str(&line.to_string());
+            ndjson.push('\n');
+        }
+        match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
             Ok((status, _)) if status.is_success() => {
                 let epoch = self.epoch(w).await;
                 let _ = store::worker_seen(&self.pool, &w.id, epoch.as_deref(), false, None).await;

@@ -21,17 +21,49 @@ pub async fn call(
     path: &str,
     body: Option<&Value>,
 ) -> Result<(StatusCode, Value), String> {
-    tokio::time::timeout(TIMEOUT, exchange(admin_url, token, method, path, body))
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let req = Outgoing {
+        method,
+        path,
+        content_type: "application/json",
+        body,
+    };
+    tokio::time::timeout(TIMEOUT, exchange(admin_url, token, req))
         .await
         .map_err(|_| format!("{admin_url}: no answer within {TIMEOUT:?}"))?
+}
+
+/// A full resync as NDJSON (one sandbox document per line), streamed by the
+/// gateway, so it is not bound by the gateway's body cap. The wait scales
+/// with the size.
+pub async fn resync(
+    admin_url: &str,
+    token: &str,
+    ndjson: String,
+) -> Result<(StatusCode, Value), String> {
+    let wait = TIMEOUT + Duration::from_secs(ndjson.len() as u64 >> 20);
+    let req = Outgoing {
+        method: Method::PUT,
+        path: "/v1/sandboxes",
+        content_type: "application/x-ndjson",
+        body: ndjson,
+    };
+    tokio::time::timeout(wait, exchange(admin_url, token, req))
+        .await
+        .map_err(|_| format!("{admin_url}: no answer to the resync within {wait:?}"))?
+}
+
+struct Outgoing<'a> {
+    method: Method,
+    path: &'a str,
+    content_type: &'static str,
+    body: String,
 }
 
 async fn exchange(
     admin_url: &str,
     token: &str,
-    method: Method,
-    path: &str,
-    body: Option<&Value>,
+    out: Outgoing<'_>,
 ) -> Result<(StatusCode, Value), String> {
     let uri: http::Uri = admin_url
         .parse()
@@ -47,17 +79,16 @@ async fn exchange(
         .await
         .map_err(|e| format!("{admin_url}: {e}"))?;
     tokio::spawn(conn);
-    let bytes = body.map(|b| b.to_string()).unwrap_or_default();
     let mut req = Request::builder()
-        .method(method)
-        .uri(path)
+        .method(out.method)
+        .uri(out.path)
         .header(http::header::HOST, authority.as_str())
-        .header(http::header::CONTENT_TYPE, "application/json");
+        .header(http::header::CONTENT_TYPE, out.content_type);
     if !token.is_empty() {
         req = req.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
     }
     let req = req
-        .body(Full::new(Bytes::from(bytes)))
+        .body(Full::new(Bytes::from(out.body)))
         .map_err(|e| e.to_string())?;
     let resp = sender
         .send_request(req)

@@ -29,10 +29,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
+use crate::commit::{Change, Committer, Outcome};
 use crate::decide::{decide, explained, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
-use crate::registry::Registry;
 use crate::state::Dataplane;
 
 /// The control API's state: the dataplane it changes, and what only it uses.
@@ -40,21 +40,32 @@ pub(crate) struct Control {
     dp: Arc<Dataplane>,
     /// `admin.token_file`'s token, required on every route but `/healthz`.
     token: Option<String>,
-    /// Serialises pushes, so each one's snapshot write matches its state.
-    push_lock: tokio::sync::Mutex<()>,
+    /// Makes pushes durable and applies them in order (group commit).
+    committer: Committer,
     /// New at every start: a controller that sees it change knows the
     /// gateway restarted and resyncs it.
     epoch: String,
 }
 
 impl Control {
-    pub(crate) fn new(dp: Arc<Dataplane>, token: Option<String>) -> Arc<Self> {
+    pub(crate) fn new(
+        dp: Arc<Dataplane>,
+        token: Option<String>,
+        committer: Committer,
+    ) -> Arc<Self> {
         Arc::new(Self {
             dp,
             token,
-            push_lock: tokio::sync::Mutex::new(()),
+            committer,
             epoch: epoch(),
         })
+    }
+}
+
+impl Control {
+    /// The pushed state's generation: the last journal sequence number.
+    fn generation(&self) -> u64 {
+        self.committer.generation.load(Ordering::Acquire)
     }
 }
 
@@ -128,13 +139,22 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (&method, segments.as_slice()) {
         (&Method::GET, ["readyz"]) if ctl.dp.ready.load(Ordering::Acquire) => {
-            text(StatusCode::OK, "ready\n")
+            let state = format!(
+                "ready epoch={} generation={}\n",
+                ctl.epoch,
+                ctl.generation()
+            );
+            text_owned(StatusCode::OK, state)
         }
         (&Method::GET, ["readyz"]) => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
         (&Method::GET, ["metrics"]) => metrics(ctl),
         (&Method::GET, ["v1", "sandboxes"]) => list(ctl),
+        (&Method::PUT, ["v1", "sandboxes"]) if is_ndjson(&req) => match stream_docs(req).await {
+            Ok(docs) => resync(ctl, docs).await,
+            Err(r) => rejected(ctl, r),
+        },
         (&Method::PUT, ["v1", "sandboxes"]) => match body::<Resync>(req).await {
-            Ok(doc) => resync(ctl, doc).await,
+            Ok(doc) => resync(ctl, doc.sandboxes).await,
             Err(r) => rejected(ctl, r),
         },
         (&Method::GET, ["v1", "sandboxes", id]) => get(ctl, id),
@@ -197,14 +217,14 @@ fn metrics(ctl: &Control) -> Reply {
 }
 
 fn list(ctl: &Control) -> Reply {
-    let list: Vec<Value> = persist::document(&ctl.dp.registry)
+    let list: Vec<Value> = persist::document(&ctl.dp.registry, ctl.generation())
         .sandboxes
         .iter()
         .map(sandbox_json)
         .collect();
     json_reply(
         StatusCode::OK,
-        &json!({ "epoch": ctl.epoch, "sandboxes": list }),
+        &json!({ "epoch": ctl.epoch, "generation": ctl.generation(), "sandboxes": list }),
     )
 }
 
@@ -258,115 +278,78 @@ fn valid_id(id: &str) -> Result<(), String> {
 
 async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     let sid = SandboxId::new(&id);
-    let change = |r: &Registry| {
-        r.put(sid.clone(), doc.addresses, doc.policy)
-            .map_err(|e| conflict(e, "addresses"))
-    };
-    if let Some(r) = commit(ctl, change).await {
-        return r;
-    }
-    match ctl.dp.registry.get(&sid) {
-        Some(s) => json_reply(
-            StatusCode::OK,
-            &sandbox_json(&SandboxDoc {
-                id,
-                addresses: s.addresses.clone(),
-                policy: s.policy.policy().clone(),
-            }),
-        ),
-        None => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "sandbox vanished after the push",
-            None,
-        ),
+    // Compiling the policy is the costly part: done here, concurrently.
+    let sandbox = ctl.dp.registry.prepare(sid, doc.addresses, doc.policy);
+    match ctl.committer.submit(Change::Put(sandbox.clone())).await {
+        Outcome::Applied => {
+            applied(ctl);
+            json_reply(
+                StatusCode::OK,
+                &sandbox_json(&SandboxDoc {
+                    id,
+                    addresses: sandbox.addresses.clone(),
+                    policy: sandbox.policy.policy().clone(),
+                }),
+            )
+        }
+        other => refused(ctl, other, "addresses"),
     }
 }
 
-async fn resync(ctl: &Control, doc: Resync) -> Reply {
+/// A push that did not apply: `409` for a conflict, `500` when it could not
+/// be made durable (nothing applied).
+fn refused(ctl: &Control, outcome: Outcome, field: &str) -> Reply {
+    let reply = match outcome {
+        Outcome::Refused(e) => error(StatusCode::CONFLICT, &e.to_string(), Some(field)),
+        Outcome::Missing => error(StatusCode::NOT_FOUND, "no such sandbox", None),
+        Outcome::Failed(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
+        Outcome::Applied => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "unexpected outcome",
+            None,
+        ),
+    };
+    rejected(ctl, reply)
+}
+
+/// Replaces every sandbox (the controller's resync), atomically; written as
+/// a new snapshot.
+async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
     let mut seen = std::collections::HashSet::new();
-    for (i, s) in doc.sandboxes.iter().enumerate() {
+    for (i, s) in docs.iter().enumerate() {
+        let field = format!("sandboxes[{i}].id");
         if let Err(msg) = valid_id(&s.id) {
-            return rejected(
-                ctl,
-                error(
-                    StatusCode::BAD_REQUEST,
-                    &msg,
-                    Some(&format!("sandboxes[{i}].id")),
-                ),
-            );
+            return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
         }
         if !seen.insert(s.id.clone()) {
             let msg = format!("sandbox {:?} appears twice", s.id);
-            return rejected(
-                ctl,
-                error(
-                    StatusCode::BAD_REQUEST,
-                    &msg,
-                    Some(&format!("sandboxes[{i}].id")),
-                ),
-            );
+            return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
         }
     }
-    let n = doc.sandboxes.len();
-    let change = |r: &Registry| {
-        r.replace_all(persist::entries(doc.sandboxes))
-            .map_err(|e| conflict(e, "sandboxes"))
-    };
-    if let Some(r) = commit(ctl, change).await {
-        return r;
+    let n = docs.len();
+    let prepared = persist::entries(docs)
+        .into_iter()
+        .map(|(id, addresses, policy)| ctl.dp.registry.prepare(id, addresses, policy))
+        .collect();
+    match ctl.committer.submit(Change::Replace(prepared)).await {
+        Outcome::Applied => {
+            applied(ctl);
+            json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
+        }
+        other => refused(ctl, other, "sandboxes"),
     }
-    json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
 }
 
 async fn delete(ctl: &Control, id: &str) -> Reply {
     let sid = SandboxId::new(id);
-    let change = |r: &Registry| {
-        if r.remove(&sid) {
-            Ok(())
-        } else {
-            Err(Box::new(error(
-                StatusCode::NOT_FOUND,
-                &format!("no sandbox {id:?}"),
-                None,
-            )))
-        }
-    };
-    if let Some(r) = commit(ctl, change).await {
-        return r;
-    }
-    ctl.dp.cache.remove_sandbox(&sid);
-    json_reply(StatusCode::OK, &json!({ "deleted": id }))
-}
-
-/// Applies one change to the registry and writes the snapshot, one push at
-/// a time; when the write fails, the change is undone: memory never runs
-/// ahead of what a restart would enforce. `Some` is the refusal to send.
-async fn commit(
-    ctl: &Control,
-    change: impl FnOnce(&Registry) -> Result<(), Box<Reply>>,
-) -> Option<Reply> {
-    let _push = ctl.push_lock.lock().await;
-    let before = ctl.dp.registry.checkpoint();
-    if let Err(r) = change(&ctl.dp.registry) {
-        return Some(rejected(ctl, *r));
-    }
-    match persist::save(&ctl.dp.config().state_dir, &ctl.dp.registry) {
-        Ok(()) => {
+    match ctl.committer.submit(Change::Delete(sid.clone())).await {
+        Outcome::Applied => {
             applied(ctl);
-            None
+            ctl.dp.cache.remove_sandbox(&sid);
+            json_reply(StatusCode::OK, &json!({ "deleted": id }))
         }
-        Err(e) => {
-            ctl.dp.registry.restore(before);
-            tracing::error!(error = %e, "snapshot write failed; push rolled back");
-            Some(rejected(
-                ctl,
-                error(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    &format!("not applied: {e}"),
-                    None,
-                ),
-            ))
-        }
+        Outcome::Missing => error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None),
+        other => refused(ctl, other, "id"),
     }
 }
 
@@ -470,17 +453,101 @@ fn json_reply(status: StatusCode, v: &Value) -> Reply {
     r
 }
 
-/// A change the registry refused (an address another sandbox holds).
-fn conflict(e: impl std::fmt::Display, field: &str) -> Box<Reply> {
-    Box::new(error(StatusCode::CONFLICT, &e.to_string(), Some(field)))
-}
-
 fn error(status: StatusCode, message: &str, field: Option<&str>) -> Reply {
     let mut v = json!({ "error": message });
     if let Some(f) = field {
         v["field"] = json!(f);
     }
     json_reply(status, &v)
+}
+
+fn text_owned(status: StatusCode, body: String) -> Reply {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r
+}
+
+/// Sandboxes a resync may carry at most.
+const MAX_RESYNC: usize = 1_000_000;
+
+/// A resync sent as NDJSON (`application/x-ndjson`): one sandbox document
+/// per line, streamed, so its size is not bound by the body cap (each line
+/// is).
+fn is_ndjson<B>(req: &Request<B>) -> bool {
+    req.headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().starts_with("application/x-ndjson"))
+}
+
+/// Reads an NDJSON resync body line by line; errors name the line.
+async fn stream_docs(req: Request<Incoming>) -> Result<Vec<SandboxDoc>, Reply> {
+    let mut body = req.into_body();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut docs = Vec::new();
+    let mut line_no = 0usize;
+    loop {
+        let frame = match body.frame().await {
+            None => break,
+            Some(Ok(f)) => f,
+            Some(Err(e)) => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("reading the body: {e}"),
+                    None,
+                ))
+            }
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        pending.extend_from_slice(&data);
+        while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=nl).collect();
+            line_no += 1;
+            ndjson_line(&line[..line.len() - 1], line_no, &mut docs).map_err(|r| *r)?;
+        }
+        if pending.len() > MAX_BODY {
+            return Err(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("line {} is longer than {MAX_BODY} bytes", line_no + 1),
+                None,
+            ));
+        }
+    }
+    if !pending.is_empty() {
+        ndjson_line(&pending, line_no + 1, &mut docs).map_err(|r| *r)?;
+    }
+    Ok(docs)
+}
+
+fn ndjson_line(line: &[u8], line_no: usize, docs: &mut Vec<SandboxDoc>) -> Result<(), Box<Reply>> {
+    let bad =
+        |status, message: String, field: Option<&str>| Box::new(error(status, &message, field));
+    let text = std::str::from_utf8(line).map_err(|_| {
+        bad(
+            StatusCode::BAD_REQUEST,
+            format!("line {line_no} is not UTF-8"),
+            None,
+        )
+    })?;
+    if text.trim().is_empty() {
+        return Ok(());
+    }
+    if docs.len() >= MAX_RESYNC {
+        let why = format!("more than {MAX_RESYNC} sandboxes");
+        return Err(bad(StatusCode::PAYLOAD_TOO_LARGE, why, None));
+    }
+    let doc: SandboxDoc = egress_policy::from_json(text).map_err(|e| {
+        let why = format!("line {line_no}: {}", e.message);
+        bad(
+            StatusCode::BAD_REQUEST,
+            why,
+            Some(e.path.trim_start_matches('.')),
+        )
+    })?;
+    docs.push(doc);
+    Ok(())
 }
 
 fn text(status: StatusCode, body: &'static str) -> Reply {

@@ -142,11 +142,17 @@ impl Gateway {
             cache.clone(),
             registry.clone(),
         );
-        // The last pushed state, before a single flow is served.
-        if let Some(doc) = crate::persist::load(&config.state_dir)? {
-            let n = crate::persist::apply(&registry, doc, &config.state_dir)?;
-            tracing::info!(sandboxes = n, path = %crate::persist::path(&config.state_dir).display(), "loaded snapshot");
+        // The last acknowledged state, before a single flow is served.
+        let (journal, seq, n) = crate::journal::recover(&registry, &config.state_dir)?;
+        if seq > 0 {
+            tracing::info!(sandboxes = n, generation = seq, dir = %config.state_dir.display(), "recovered pushed state");
         }
+        let committer = crate::commit::Committer::start(
+            registry.clone(),
+            config.state_dir.clone(),
+            journal,
+            seq,
+        );
         let metrics = crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter);
         metrics.declare("deny", crate::flow::Refusal::CODES);
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
@@ -160,7 +166,11 @@ impl Gateway {
             bound,
             tasks: JoinSet::new(),
         };
-        gateway.serve(listeners, &dns, Control::new(gateway.dp.clone(), token));
+        gateway.serve(
+            listeners,
+            &dns,
+            Control::new(gateway.dp.clone(), token, committer),
+        );
         Ok(gateway)
     }
 

@@ -5,6 +5,7 @@
 mod admin;
 pub mod authority;
 pub mod cli;
+mod commit;
 pub mod config;
 pub mod decide;
 mod flow;
@@ -12,6 +13,7 @@ pub mod flowlog;
 mod gateway;
 mod intercept;
 mod io;
+pub mod journal;
 mod metrics;
 pub mod peek;
 pub mod persist;

@@ -1,5 +1,6 @@
-//! The snapshot of pushed state: written on every accepted push (write,
-//! fsync, rename), loaded at start before any flow is served, so a restart
+//! The snapshot of pushed state (write, fsync, rename): the compacted part
+//! of the durable state, with the journal ([`crate::journal`]) holding the
+//! changes since. Loaded at start before any flow is served, so a restart
 //! enforces the last pushed policies with no window of open or closed traffic.
 
 use std::io::Write;
@@ -20,6 +21,9 @@ pub const SNAPSHOT_FILE: &str = "snapshot.json";
 #[serde(deny_unknown_fields)]
 pub struct SnapshotDoc {
     pub version: u32,
+    /// The last journal sequence number this snapshot covers.
+    #[serde(default)]
+    pub seq: u64,
     pub sandboxes: Vec<SandboxDoc>,
 }
 
@@ -69,10 +73,11 @@ pub fn load(state_dir: &Path) -> Result<Option<SnapshotDoc>, PersistError> {
     Ok(Some(doc))
 }
 
-/// The registry's state as a document.
-pub fn document(registry: &Registry) -> SnapshotDoc {
+/// The registry's state as a document, covering the journal up to `seq`.
+pub fn document(registry: &Registry, seq: u64) -> SnapshotDoc {
     SnapshotDoc {
         version: 1,
+        seq,
         sandboxes: registry
             .all()
             .iter()
@@ -85,8 +90,9 @@ pub fn document(registry: &Registry) -> SnapshotDoc {
     }
 }
 
-/// Writes the registry's state: a temporary file, fsync, rename, fsync the directory.
-pub fn save(state_dir: &Path, registry: &Registry) -> Result<(), PersistError> {
+/// Writes the registry's state, covering the journal up to `seq`: a
+/// temporary file, fsync, rename, fsync the directory. Returns its size.
+pub fn save(state_dir: &Path, registry: &Registry, seq: u64) -> Result<u64, PersistError> {
     let path = path(state_dir);
     let io = |source| PersistError::Io {
         path: path.clone(),
@@ -94,7 +100,7 @@ pub fn save(state_dir: &Path, registry: &Registry) -> Result<(), PersistError> {
     };
     std::fs::create_dir_all(state_dir).map_err(io)?;
     let tmp = state_dir.join(format!(".{SNAPSHOT_FILE}.tmp"));
-    let bytes = serde_json::to_vec_pretty(&document(registry)).map_err(|e| io(e.into()))?;
+    let bytes = serde_json::to_vec(&document(registry, seq)).map_err(|e| io(e.into()))?;
     {
         let mut f = std::fs::File::create(&tmp).map_err(io)?;
         f.write_all(&bytes).map_err(io)?;
@@ -104,7 +110,7 @@ pub fn save(state_dir: &Path, registry: &Registry) -> Result<(), PersistError> {
     std::fs::File::open(state_dir)
         .and_then(|d| d.sync_all())
         .map_err(io)?;
-    Ok(())
+    Ok(bytes.len() as u64)
 }
 
 /// Sandbox documents as registry entries.

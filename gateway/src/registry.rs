@@ -1,9 +1,11 @@
 //! The sandboxes the gateway knows: source addresses → sandbox → compiled
 //! policy. Readers take a lock-free snapshot per flow; writers swap a whole
-//! new snapshot, so a flow sees one consistent state and a push applies
-//! atomically.
+//! new generation, so a flow sees one consistent state and a push applies
+//! atomically. Generations are persistent maps (structural sharing): a push
+//! copies O(log n) of the map, not the whole registry, so its cost does not
+//! grow with the number of sandboxes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -30,10 +32,10 @@ pub enum RegistryError {
 }
 
 /// One consistent generation of the registry (not the snapshot file: see `persist`).
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Generation {
-    by_addr: HashMap<IpAddr, Arc<Sandbox>>,
-    by_id: BTreeMap<SandboxId, Arc<Sandbox>>,
+    by_addr: imbl::HashMap<IpAddr, Arc<Sandbox>>,
+    by_id: imbl::OrdMap<SandboxId, Arc<Sandbox>>,
 }
 
 /// The registry; cheap to read from any task.
@@ -72,6 +74,14 @@ impl Registry {
         self.snapshot.load().by_id.values().cloned().collect()
     }
 
+    pub fn len(&self) -> usize {
+        self.snapshot.load().by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The current state, to restore if what follows a change fails.
     pub fn checkpoint(&self) -> Arc<Generation> {
         self.snapshot.load_full()
@@ -82,6 +92,12 @@ impl Registry {
         self.snapshot.store(snapshot);
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.write
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Adds or replaces one sandbox.
     pub fn put(
         &self,
@@ -89,20 +105,20 @@ impl Registry {
         addresses: Vec<IpAddr>,
         policy: Policy,
     ) -> Result<(), RegistryError> {
-        let _guard = self
-            .write
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let current = self.snapshot.load();
-        let mut entries: Vec<(SandboxId, Vec<IpAddr>, Arc<Sandbox>)> = current
-            .by_id
-            .iter()
-            .filter(|(k, _)| **k != id)
-            .map(|(k, s)| (k.clone(), s.addresses.clone(), s.clone()))
-            .collect();
-        let sandbox = Arc::new(self.compile(id.clone(), addresses, policy));
-        entries.push((id, sandbox.addresses.clone(), sandbox));
-        let next = build(entries)?;
+        self.put_prepared(self.prepare(id, addresses, policy))
+    }
+
+    /// Compiles a sandbox for [`Registry::put_prepared`]: the costly part of
+    /// a push, done before (and outside) the serialised swap.
+    pub fn prepare(&self, id: SandboxId, addresses: Vec<IpAddr>, policy: Policy) -> Arc<Sandbox> {
+        Arc::new(self.compile(id, addresses, policy))
+    }
+
+    /// Adds or replaces a prepared sandbox.
+    pub fn put_prepared(&self, sandbox: Arc<Sandbox>) -> Result<(), RegistryError> {
+        let _guard = self.lock();
+        let mut next = (*self.snapshot.load_full()).clone();
+        next.insert(sandbox)?;
         self.snapshot.store(Arc::new(next));
         Ok(())
     }
@@ -112,40 +128,31 @@ impl Registry {
         &self,
         sandboxes: Vec<(SandboxId, Vec<IpAddr>, Policy)>,
     ) -> Result<(), RegistryError> {
-        let _guard = self
-            .write
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let entries = sandboxes
+        let compiled = sandboxes
             .into_iter()
-            .map(|(id, addrs, policy)| {
-                let s = Arc::new(self.compile(id.clone(), addrs, policy));
-                (id, s.addresses.clone(), s)
-            })
+            .map(|(id, addrs, policy)| self.prepare(id, addrs, policy))
             .collect();
-        self.snapshot.store(Arc::new(build(entries)?));
+        self.replace_prepared(compiled)
+    }
+
+    /// Replaces every sandbox with prepared ones.
+    pub fn replace_prepared(&self, sandboxes: Vec<Arc<Sandbox>>) -> Result<(), RegistryError> {
+        let mut next = Generation::default();
+        for s in sandboxes {
+            next.insert(s)?;
+        }
+        let _guard = self.lock();
+        self.snapshot.store(Arc::new(next));
         Ok(())
     }
 
     pub fn remove(&self, id: &SandboxId) -> bool {
-        let _guard = self
-            .write
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let current = self.snapshot.load();
-        if !current.by_id.contains_key(id) {
+        let _guard = self.lock();
+        let mut next = (*self.snapshot.load_full()).clone();
+        if !next.remove(id) {
             return false;
         }
-        let entries = current
-            .by_id
-            .iter()
-            .filter(|(k, _)| *k != id)
-            .map(|(k, s)| (k.clone(), s.addresses.clone(), s.clone()))
-            .collect();
-        // Removing cannot create a conflict.
-        if let Ok(next) = build(entries) {
-            self.snapshot.store(Arc::new(next));
-        }
+        self.snapshot.store(Arc::new(next));
         true
     }
 
@@ -158,27 +165,41 @@ impl Registry {
     }
 }
 
-fn build(
-    entries: Vec<(SandboxId, Vec<IpAddr>, Arc<Sandbox>)>,
-) -> Result<Generation, RegistryError> {
-    let mut snap = Generation::default();
-    for (id, addrs, sandbox) in entries {
-        for a in addrs {
-            if let Some(owner) = snap.by_addr.get(&a) {
-                return Err(if owner.id == id {
-                    RegistryError::DuplicateAddress(id.to_string(), a)
-                } else {
-                    RegistryError::AddressInUse {
+impl Generation {
+    /// Adds or replaces `sandbox`; refuses an address another sandbox holds
+    /// or one it lists twice.
+    fn insert(&mut self, sandbox: Arc<Sandbox>) -> Result<(), RegistryError> {
+        let mut seen = HashSet::with_capacity(sandbox.addresses.len());
+        for &a in &sandbox.addresses {
+            if !seen.insert(a) {
+                return Err(RegistryError::DuplicateAddress(sandbox.id.to_string(), a));
+            }
+            if let Some(owner) = self.by_addr.get(&a) {
+                if owner.id != sandbox.id {
+                    return Err(RegistryError::AddressInUse {
                         address: a,
                         owner: owner.id.to_string(),
-                    }
-                });
+                    });
+                }
             }
-            snap.by_addr.insert(a, sandbox.clone());
         }
-        snap.by_id.insert(id, sandbox);
+        self.remove(&sandbox.id);
+        for &a in &sandbox.addresses {
+            self.by_addr.insert(a, sandbox.clone());
+        }
+        self.by_id.insert(sandbox.id.clone(), sandbox);
+        Ok(())
     }
-    Ok(snap)
+
+    fn remove(&mut self, id: &SandboxId) -> bool {
+        let Some(old) = self.by_id.remove(id) else {
+            return false;
+        };
+        for a in &old.addresses {
+            self.by_addr.remove(a);
+        }
+        true
+    }
 }
 
 fn canonical(ip: IpAddr) -> IpAddr {

@@ -3,6 +3,7 @@
 #![allow(unreachable_pub)] // a test binary: `pub` only shares helpers between its modules
 
 mod admin;
+mod durability;
 mod lifecycle;
 mod promtool;
 mod redirect;

@@ -137,3 +137,30 @@ pub fn metrics(text: &str) -> std::collections::HashMap<String, f64> {
         })
         .collect()
 }
+
+/// One request with a body of `content_type`; the status and the body.
+pub async fn http_typed(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: String,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.expect("connect admin");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("write");
+    // The server may answer (and close) before reading all of a refused body.
+    let _ = s.write_all(body.as_bytes()).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}

@@ -1,0 +1,227 @@
+//! The commit path of the control API: one thread owns the journal and
+//! applies changes to the registry in order. Pushes that arrive together
+//! share one fsync (group commit); each still swaps the registry atomically
+//! on its own. A change is acknowledged only once durable; if the write
+//! fails, the batch's changes are undone, so memory never runs ahead of what
+//! a restart would enforce. Compiling a pushed policy — the costly part —
+//! happens before, concurrently, in the request's task.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use egress_policy::SandboxId;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::journal::{self, Journal, Record};
+use crate::persist::{self, SandboxDoc};
+use crate::registry::{Registry, RegistryError, Sandbox};
+
+/// Pushes committed together at most.
+const MAX_BATCH: usize = 1_024;
+
+/// One change the control API asks for.
+pub(crate) enum Change {
+    Put(Arc<Sandbox>),
+    Delete(SandboxId),
+    /// A resync: everything at once, written as a new snapshot.
+    Replace(Vec<Arc<Sandbox>>),
+}
+
+/// What became of a change.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Applied,
+    Refused(RegistryError),
+    /// A delete of a sandbox that is not there.
+    Missing,
+    /// Not durable: not applied.
+    Failed(String),
+}
+
+struct Job {
+    change: Change,
+    reply: oneshot::Sender<Outcome>,
+}
+
+/// The handle the API submits changes through.
+#[derive(Debug, Clone)]
+pub(crate) struct Committer {
+    jobs: mpsc::UnboundedSender<JobBox>,
+    /// Changes committed since the state was first written: the state's
+    /// generation, reported to controllers.
+    pub(crate) generation: Arc<AtomicU64>,
+}
+
+/// A job, boxed so the channel's item stays small.
+type JobBox = Box<Job>;
+
+impl Committer {
+    /// Starts the commit thread; `seq` is the last sequence number applied
+    /// (the snapshot's, or the journal's last record).
+    pub(crate) fn start(
+        registry: Arc<Registry>,
+        state_dir: PathBuf,
+        journal: Journal,
+        seq: u64,
+    ) -> Self {
+        let (jobs, rx) = mpsc::unbounded_channel();
+        let generation = Arc::new(AtomicU64::new(seq));
+        let worker = Worker {
+            registry,
+            state_dir,
+            journal,
+            generation: generation.clone(),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("egress-commit".into())
+            .spawn(move || worker.run(rx));
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start the commit thread: every push will fail");
+        }
+        Self { jobs, generation }
+    }
+
+    /// Submits a change and waits until it is durable (or refused).
+    pub(crate) async fn submit(&self, change: Change) -> Outcome {
+        let (reply, answer) = oneshot::channel();
+        if self.jobs.send(Box::new(Job { change, reply })).is_err() {
+            return Outcome::Failed("the commit thread has stopped".into());
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Outcome::Failed("the commit thread has stopped".into()))
+    }
+}
+
+struct Worker {
+    registry: Arc<Registry>,
+    state_dir: PathBuf,
+    journal: Journal,
+    generation: Arc<AtomicU64>,
+}
+
+impl Worker {
+    fn run(mut self, mut rx: mpsc::UnboundedReceiver<JobBox>) {
+        let mut carry: Option<JobBox> = None;
+        loop {
+            let Some(first) = carry.take().or_else(|| rx.blocking_recv()) else {
+                return;
+            };
+            if matches!(first.change, Change::Replace(_)) {
+                self.replace(*first);
+                continue;
+            }
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(job) if matches!(job.change, Change::Replace(_)) => {
+                        carry = Some(job);
+                        break;
+                    }
+                    Ok(job) => batch.push(job),
+                    Err(_) => break,
+                }
+            }
+            self.commit(batch);
+            self.compact_if_due();
+        }
+    }
+
+    /// Applies a batch of puts and deletes in order, then makes them durable
+    /// with one append and one fsync.
+    fn commit(&mut self, batch: Vec<JobBox>) {
+        let before = self.registry.checkpoint();
+        let mut records = Vec::with_capacity(batch.len());
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for job in &batch {
+            let outcome = match &job.change {
+                Change::Put(s) => match self.registry.put_prepared(s.clone()) {
+                    Ok(()) => {
+                        records.push(journal::Change::Put(doc(s)));
+                        Outcome::Applied
+                    }
+                    Err(e) => Outcome::Refused(e),
+                },
+                Change::Delete(id) if self.registry.remove(id) => {
+                    records.push(journal::Change::Delete(id.to_string()));
+                    Outcome::Applied
+                }
+                Change::Delete(_) => Outcome::Missing,
+                Change::Replace(_) => Outcome::Failed("a resync is committed on its own".into()),
+            };
+            outcomes.push(outcome);
+        }
+        if !records.is_empty() {
+            let first = self.generation.load(Ordering::Acquire) + 1;
+            let records: Vec<Record> = (first..)
+                .zip(records)
+                .map(|(seq, change)| Record { seq, change })
+                .collect();
+            if let Err(e) = self.journal.append(&records) {
+                self.registry.restore(before);
+                tracing::error!(error = %e, "journal write failed; pushes rolled back");
+                for o in &mut outcomes {
+                    if matches!(o, Outcome::Applied) {
+                        *o = Outcome::Failed(format!("not applied: {e}"));
+                    }
+                }
+            } else {
+                self.generation
+                    .fetch_add(records.len() as u64, Ordering::Release);
+            }
+        }
+        for (job, outcome) in batch.into_iter().zip(outcomes) {
+            let _ = job.reply.send(outcome);
+        }
+    }
+
+    /// A resync: the new state goes to a new snapshot, and the journal starts over.
+    fn replace(&mut self, job: Job) {
+        let Change::Replace(sandboxes) = job.change else {
+            return;
+        };
+        let before = self.registry.checkpoint();
+        let outcome = match self.registry.replace_prepared(sandboxes) {
+            Err(e) => Outcome::Refused(e),
+            Ok(()) => match self.snapshot(self.generation.load(Ordering::Acquire) + 1) {
+                Ok(()) => {
+                    self.generation.fetch_add(1, Ordering::Release);
+                    Outcome::Applied
+                }
+                Err(e) => {
+                    self.registry.restore(before);
+                    tracing::error!(error = %e, "snapshot write failed; resync rolled back");
+                    Outcome::Failed(format!("not applied: {e}"))
+                }
+            },
+        };
+        let _ = job.reply.send(outcome);
+    }
+
+    /// Writes the whole state as the snapshot covering `seq`, and empties the journal.
+    fn snapshot(&mut self, seq: u64) -> Result<(), persist::PersistError> {
+        let bytes = persist::save(&self.state_dir, &self.registry, seq)?;
+        self.journal.reset(bytes)
+    }
+
+    fn compact_if_due(&mut self) {
+        if !self.journal.compaction_due() {
+            return;
+        }
+        let journal_bytes = self.journal.bytes();
+        match self.snapshot(self.generation.load(Ordering::Acquire)) {
+            Ok(()) => tracing::info!(journal_bytes, "compacted the journal into the snapshot"),
+            // The journal still holds everything: nothing is lost, compaction retries later.
+            Err(e) => tracing::warn!(error = %e, "journal compaction failed"),
+        }
+    }
+}
+
+fn doc(s: &Sandbox) -> SandboxDoc {
+    SandboxDoc {
+        id: s.id.to_string(),
+        addresses: s.addresses.clone(),
+        policy: s.policy.policy().clone(),
+    }
+}

@@ -1,0 +1,228 @@
+//! Durable pushed state that costs O(change): the last compacted snapshot
+//! (`snapshot.json`, see [`crate::persist`]) plus an append-only journal of
+//! the pushes and deletes since (`journal.log`).
+//!
+//! A journal record is `[len: u32 LE][crc32: u32 LE][JSON: len bytes]`,
+//! appended and fsynced (one fsync for every record of a group commit)
+//! before any push in it is acknowledged. At start the snapshot is loaded and
+//! the journal replayed on top. A record cut short or failing its checksum
+//! at the very end is a torn write — it was never acknowledged — and is
+//! dropped with a log line naming the file and offset; a bad record with
+//! more after it is corruption, and startup stops naming the file and offset
+//! rather than enforce a silently partial policy set. When the journal
+//! outgrows the snapshot it is compacted: a new snapshot, then an empty
+//! journal.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use egress_policy::SandboxId;
+
+use crate::persist::{self, PersistError, SandboxDoc};
+use crate::registry::Registry;
+
+/// The file name under `state_dir`.
+pub const JOURNAL_FILE: &str = "journal.log";
+
+/// Largest record accepted when reading (a push body is capped at 1 MiB).
+const MAX_RECORD: usize = 4 << 20;
+/// Compaction waits until the journal is at least this large.
+const MIN_COMPACT_BYTES: u64 = 4 << 20;
+
+/// One change, as journaled.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Change {
+    Put(SandboxDoc),
+    Delete(String),
+}
+
+/// A journal record: a change and its sequence number. Sequence numbers
+/// never restart; the snapshot says the last one it covers, so records it
+/// already holds are skipped on replay (a crash between writing a snapshot
+/// and emptying the journal replays nothing twice).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub seq: u64,
+    pub change: Change,
+}
+
+/// The open journal.
+#[derive(Debug)]
+pub struct Journal {
+    file: File,
+    path: PathBuf,
+    /// Bytes in the journal now.
+    bytes: u64,
+    /// The snapshot's size when it was written: compaction is due once the
+    /// journal outgrows it (and [`MIN_COMPACT_BYTES`]).
+    snapshot_bytes: u64,
+}
+
+pub fn path(state_dir: &Path) -> PathBuf {
+    state_dir.join(JOURNAL_FILE)
+}
+
+impl Journal {
+    /// Opens (or creates) the journal; returns it and the records to replay.
+    /// A torn tail is cut off the file so appends continue from a clean end.
+    pub fn open(
+        state_dir: &Path,
+        snapshot_bytes: u64,
+    ) -> Result<(Self, Vec<Record>), PersistError> {
+        let path = path(state_dir);
+        let io = |source| PersistError::Io {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(state_dir).map_err(io)?;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(&path)
+            .map_err(io)?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).map_err(io)?;
+        let (records, good) = read_records(&bytes, &path)?;
+        if good < bytes.len() {
+            tracing::warn!(path = %path.display(), offset = good, dropped_bytes = bytes.len() - good, "dropping a torn record at the end of the journal (it was never acknowledged)");
+            file.set_len(good as u64).map_err(io)?;
+            file.sync_all().map_err(io)?;
+        }
+        let journal = Self {
+            file,
+            path,
+            bytes: good as u64,
+            snapshot_bytes,
+        };
+        Ok((journal, records))
+    }
+
+    /// Appends `records` and makes them durable with one fsync.
+    pub fn append(&mut self, records: &[Record]) -> Result<(), PersistError> {
+        let mut buf = Vec::new();
+        for r in records {
+            let json = serde_json::to_vec(r).map_err(|e| self.io(e.into()))?;
+            buf.extend_from_slice(&u32::try_from(json.len()).unwrap_or(u32::MAX).to_le_bytes());
+            buf.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
+            buf.extend_from_slice(&json);
+        }
+        self.file.write_all(&buf).map_err(|e| self.io(e))?;
+        self.file.sync_data().map_err(|e| self.io(e))?;
+        self.bytes += buf.len() as u64;
+        Ok(())
+    }
+
+    /// Whether the journal has outgrown the snapshot.
+    pub fn compaction_due(&self) -> bool {
+        self.bytes >= MIN_COMPACT_BYTES.max(self.snapshot_bytes)
+    }
+
+    /// Empties the journal after a new snapshot (`snapshot_bytes` long) was
+    /// written: the snapshot now holds everything.
+    pub fn reset(&mut self, snapshot_bytes: u64) -> Result<(), PersistError> {
+        self.file.set_len(0).map_err(|e| self.io(e))?;
+        self.file.sync_all().map_err(|e| self.io(e))?;
+        self.bytes = 0;
+        self.snapshot_bytes = snapshot_bytes;
+        Ok(())
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    fn io(&self, source: std::io::Error) -> PersistError {
+        PersistError::Io {
+            path: self.path.clone(),
+            source,
+        }
+    }
+}
+
+/// The records in `bytes`, and where the good part ends: a record cut short
+/// or failing its checksum at the end is a torn tail (left out); one with
+/// more bytes after it is corruption.
+fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), PersistError> {
+    let mut records = Vec::new();
+    let mut off = 0;
+    while off < bytes.len() {
+        let Some(header) = bytes.get(off..off + 8) else {
+            return Ok((records, off));
+        };
+        let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+        let end = off + 8 + len;
+        let Some(payload) = bytes.get(off + 8..end).filter(|_| len <= MAX_RECORD) else {
+            return Ok((records, off));
+        };
+        let corrupt = |why: String| PersistError::Corrupt {
+            path: path.to_owned(),
+            message: format!("record at offset {off}: {why}"),
+        };
+        if crc32fast::hash(payload) != crc {
+            if end == bytes.len() {
+                return Ok((records, off));
+            }
+            return Err(corrupt(
+                "checksum mismatch with more records after it".into(),
+            ));
+        }
+        let record: Record = egress_policy::from_json(
+            std::str::from_utf8(payload).map_err(|e| corrupt(e.to_string()))?,
+        )
+        .map_err(|e| corrupt(e.to_string()))?;
+        records.push(record);
+        off = end;
+    }
+    Ok((records, off))
+}
+
+/// Loads the snapshot and replays the journal on top: the registry as last
+/// acknowledged. Returns the open journal, the last sequence number applied
+/// and the number of sandboxes.
+pub fn recover(
+    registry: &Registry,
+    state_dir: &Path,
+) -> Result<(Journal, u64, usize), PersistError> {
+    let (snapshot_seq, snapshot_bytes) = match persist::load(state_dir)? {
+        Some(doc) => {
+            let seq = doc.seq;
+            persist::apply(registry, doc, state_dir)?;
+            let bytes = std::fs::metadata(persist::path(state_dir)).map_or(0, |m| m.len());
+            (seq, bytes)
+        }
+        None => (0, 0),
+    };
+    let (journal, records) = Journal::open(state_dir, snapshot_bytes)?;
+    let mut seq = snapshot_seq;
+    for r in records.into_iter().filter(|r| r.seq > snapshot_seq) {
+        match r.change {
+            Change::Put(doc) => {
+                let id = SandboxId::parse(&doc.id).map_err(|e| PersistError::Corrupt {
+                    path: journal.path.clone(),
+                    message: format!("record {}: {e}", r.seq),
+                })?;
+                registry
+                    .put(id, doc.addresses, doc.policy)
+                    .map_err(|e| PersistError::Corrupt {
+                        path: journal.path.clone(),
+                        message: format!("record {}: {e}", r.seq),
+                    })?;
+            }
+            Change::Delete(id) => {
+                registry.remove(&SandboxId::new(&id));
+            }
+        }
+        seq = seq.max(r.seq);
+    }
+    Ok((journal, seq, registry.len()))
+}
+
+#[cfg(test)]
+mod tests;

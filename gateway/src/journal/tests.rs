@@ -1,0 +1,126 @@
+use std::sync::Arc;
+
+use egress_policy::{PlatformDenies, Policy};
+
+use super::*;
+
+fn doc(id: &str, addr: &str) -> SandboxDoc {
+    SandboxDoc {
+        id: id.into(),
+        addresses: vec![addr.parse().expect("ip")],
+        policy: Policy::from_json(r#"{"default": "allow"}"#).expect("policy"),
+    }
+}
+
+fn put(seq: u64, id: &str, addr: &str) -> Record {
+    Record {
+        seq,
+        change: Change::Put(doc(id, addr)),
+    }
+}
+
+fn registry() -> Registry {
+    Registry::new(Arc::new(PlatformDenies::builtin()))
+}
+
+fn write(dir: &Path, records: &[Record]) -> u64 {
+    let (mut j, existing) = Journal::open(dir, 0).expect("open");
+    assert!(existing.is_empty());
+    j.append(records).expect("append");
+    j.bytes()
+}
+
+#[test]
+fn records_replay_in_order_on_top_of_the_snapshot() {
+    let dir = tempfile::tempdir().expect("dir");
+    write(
+        dir.path(),
+        &[
+            put(1, "a", "100.64.0.1"),
+            put(2, "b", "100.64.0.2"),
+            Record {
+                seq: 3,
+                change: Change::Delete("a".into()),
+            },
+        ],
+    );
+    let r = registry();
+    let (_, seq, n) = recover(&r, dir.path()).expect("recover");
+    assert_eq!((seq, n), (3, 1));
+    assert!(r.get(&SandboxId::new("b")).is_some());
+    assert!(r.get(&SandboxId::new("a")).is_none());
+}
+
+#[test]
+fn a_torn_tail_is_dropped_at_every_cut_and_appends_continue_after_it() {
+    let dir = tempfile::tempdir().expect("dir");
+    let first = write(dir.path(), &[put(1, "a", "100.64.0.1")]) as usize;
+    let (mut j, _) = Journal::open(dir.path(), 0).expect("open");
+    j.append(&[put(2, "b", "100.64.0.2")]).expect("append");
+    drop(j);
+    let full = std::fs::read(path(dir.path())).expect("read");
+    for cut in first..full.len() {
+        std::fs::write(path(dir.path()), &full[..cut]).expect("cut");
+        let r = registry();
+        let (mut j, seq, n) = recover(&r, dir.path()).expect("a torn tail is not fatal");
+        assert_eq!((seq, n), (1, 1), "cut at {cut}");
+        assert_eq!(
+            std::fs::metadata(path(dir.path())).expect("meta").len() as usize,
+            first,
+            "the tail is cut off"
+        );
+        j.append(&[put(2, "b", "100.64.0.2")])
+            .expect("append after");
+        drop(j);
+        let (_, seq, n) = recover(&registry(), dir.path()).expect("recover");
+        assert_eq!((seq, n), (2, 2), "cut at {cut}");
+    }
+}
+
+#[test]
+fn a_bad_checksum_at_the_end_is_torn_but_in_the_middle_stops_startup() {
+    let dir = tempfile::tempdir().expect("dir");
+    write(
+        dir.path(),
+        &[put(1, "a", "100.64.0.1"), put(2, "b", "100.64.0.2")],
+    );
+    let full = std::fs::read(path(dir.path())).expect("read");
+    let mut tail = full.clone();
+    let last = tail.len() - 2;
+    tail[last] ^= 0x40;
+    std::fs::write(path(dir.path()), &tail).expect("write");
+    let (_, seq, _) = recover(&registry(), dir.path()).expect("tail");
+    assert_eq!(seq, 1);
+    let mut middle = full;
+    middle[10] ^= 0x40;
+    std::fs::write(path(dir.path()), &middle).expect("write");
+    let e = recover(&registry(), dir.path()).expect_err("a corrupt middle is fatal");
+    let text = e.to_string();
+    assert!(
+        text.contains(JOURNAL_FILE) && text.contains("offset 0"),
+        "{text}"
+    );
+}
+
+#[test]
+fn records_the_snapshot_covers_are_not_replayed() {
+    let dir = tempfile::tempdir().expect("dir");
+    // A resync wrote a snapshot covering seq 3 (only "c"), then the process
+    // died before the journal was emptied: its older records must not come back.
+    write(
+        dir.path(),
+        &[put(1, "a", "100.64.0.1"), put(2, "b", "100.64.0.2")],
+    );
+    let snap = registry();
+    snap.put(
+        SandboxId::new("c"),
+        vec!["100.64.0.3".parse().expect("ip")],
+        Policy::default(),
+    )
+    .expect("put");
+    persist::save(dir.path(), &snap, 3).expect("snapshot");
+    let r = registry();
+    let (_, seq, n) = recover(&r, dir.path()).expect("recover");
+    assert_eq!((seq, n), (3, 1));
+    assert!(r.get(&SandboxId::new("c")).is_some());
+}
