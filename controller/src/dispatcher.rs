@@ -21,6 +21,9 @@ use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
 use crate::store::{self, SandboxRow, WorkerRow};
 
+/// Pushes in flight to one gateway at once.
+const PUSH_CONCURRENCY: usize = 32;
+
 /// The advisory lock key leaders hold (any constant shared by the replicas).
 const LEADER_LOCK: i64 = 0x6567_7265_7373;
 
@@ -182,46 +185,59 @@ impl Dispatcher {
         moved
     }
 
+    /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
+    /// time (the gateway commits concurrent pushes together); stops at the
+    /// first failure, to retry on the next round.
     async fn push_changes(&self, w: &WorkerRow) -> bool {
         let Ok(changes) = store::unpushed(&self.pool, &w.id, 256).await else {
             return false;
         };
         let mut moved = false;
-        for s in changes {
-            let (method, body) =
-                if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
-                    (Method::DELETE, None)
-                } else {
-                    (
-                        Method::PUT,
-                        Some(json!({"addresses": s.addresses, "policy": s.policy})),
-                    )
-                };
-            let path = format!("/v1/sandboxes/{}", s.id);
-            match call(&w.admin_url, &w.token, method, &path, body.as_ref()).await {
-                Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
-                    if let Ok(lag) = store::pushed(&self.pool, &s.id, s.generation).await {
-                        self.metrics.push_latency_seconds.observe(lag);
-                    }
-                    self.metrics
-                        .pushes
-                        .get_or_create(&OutcomeLabels { outcome: "applied" })
-                        .inc();
-                    moved = true;
-                }
-                outcome => {
-                    let error = match outcome {
-                        Ok((status, body)) => format!("{status}: {body}"),
-                        Err(e) => e,
+        for chunk in changes.chunks(PUSH_CONCURRENCY) {
+            let mut pushes = tokio::task::JoinSet::new();
+            for s in chunk {
+                let (url, token) = (w.admin_url.clone(), w.token.clone());
+                let (id, generation) = (s.id.clone(), s.generation);
+                let (method, body) =
+                    if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
+                        (Method::DELETE, None)
+                    } else {
+                        (
+                            Method::PUT,
+                            Some(json!({"addresses": s.addresses, "policy": s.policy})),
+                        )
                     };
-                    tracing::warn!(worker = %w.id, sandbox = %s.id, %error, "push failed; will retry");
-                    self.metrics
-                        .pushes
-                        .get_or_create(&OutcomeLabels { outcome: "failed" })
-                        .inc();
-                    let _ = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
-                    return moved;
+                pushes.spawn(async move {
+                    let path = format!("/v1/sandboxes/{id}");
+                    let outcome = call(&url, &token, method, &path, body.as_ref()).await;
+                    (id, generation, outcome)
+                });
+            }
+            let mut failed = None;
+            while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
+                match outcome {
+                    Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
+                        if let Ok(lag) = store::pushed(&self.pool, &id, generation).await {
+                            self.metrics.push_latency_seconds.observe(lag);
+                        }
+                        self.metrics
+                            .pushes
+                            .get_or_create(&OutcomeLabels { outcome: "applied" })
+                            .inc();
+                        moved = true;
+                    }
+                    Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
+                    Err(e) => failed = Some((id, e)),
                 }
+            }
+            if let Some((id, error)) = failed {
+                tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
+                self.metrics
+                    .pushes
+                    .get_or_create(&OutcomeLabels { outcome: "failed" })
+                    .inc();
+                let _ = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
+                return moved;
             }
         }
         moved

@@ -13,7 +13,6 @@
 use std::net::IpAddr;
 
 use egress_policy::Hostname;
-use http::uri::Authority as UriAuthority;
 
 /// What a request's authority names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,11 +25,9 @@ pub enum Target {
 /// `Host` (HTTP/1.1) or `:authority` (HTTP/2).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Authority {
-    /// In normal form, with the port if the client gave one
-    /// (`API.Example.Test.:8443` → `api.example.test:8443`): what the gateway
-    /// judged is, byte for byte, what the origin receives.
-    pub value: String,
     pub target: Target,
+    /// The port, if the client gave one.
+    pub port: Option<u16>,
 }
 
 /// Why a request's authority claims are refused: the request gets `400`.
@@ -61,16 +58,22 @@ impl Authority {
     }
 
     fn new(target: Target, port: Option<u16>) -> Self {
-        let host = match &target {
+        Self { target, port }
+    }
+
+    /// The authority in normal form, with the port if the client gave one
+    /// (`API.Example.Test.:8443` → `api.example.test:8443`): what the gateway
+    /// judged is, byte for byte, what the origin receives.
+    pub fn value(&self) -> String {
+        let host = match &self.target {
             Target::Name(h) => h.to_string(),
             Target::Ip(IpAddr::V4(v4)) => v4.to_string(),
             Target::Ip(IpAddr::V6(v6)) => format!("[{v6}]"),
         };
-        let value = match port {
+        match self.port {
             Some(p) => format!("{host}:{p}"),
             None => host,
-        };
-        Self { value, target }
+        }
     }
 }
 
@@ -97,7 +100,7 @@ pub fn judge<'a>(
     let target = target.map(parse).transpose()?;
     match (target, host) {
         (Some(t), Some(h)) if t.target != h.target => {
-            Err(AuthorityError::Disagree(t.value, h.value))
+            Err(AuthorityError::Disagree(t.value(), h.value()))
         }
         (Some(t), _) => Ok(Some(t)),
         (None, h) => Ok(h),
@@ -135,25 +138,31 @@ fn parse(raw: &str) -> Result<Authority, AuthorityError> {
     if raw.contains('@') {
         return Err(invalid("user info in an authority"));
     }
-    let parsed: UriAuthority = raw.parse().map_err(|e| invalid(&format!("{e}")))?;
-    if parsed.as_str().len() != raw.len() {
-        return Err(invalid("not an authority"));
-    }
-    let host = parsed.host();
-    let port = match &parsed.as_str()[host.len()..] {
+    let (target, port) = match raw.strip_prefix('[') {
+        Some(rest) => {
+            let (v6, port) = rest
+                .split_once(']')
+                .ok_or_else(|| invalid("bad IPv6 literal"))?;
+            let ip = v6.parse().map_err(|_| invalid("bad IPv6 literal"))?;
+            (Target::Ip(IpAddr::V6(ip)), port)
+        }
+        None => {
+            let (host, port) = raw.rfind(':').map_or((raw, ""), |i| raw.split_at(i));
+            let target = match host.parse::<std::net::Ipv4Addr>() {
+                Ok(v4) => Target::Ip(IpAddr::V4(v4)),
+                Err(_) => Target::Name(Hostname::parse(host).map_err(|e| invalid(&e.to_string()))?),
+            };
+            (target, port)
+        }
+    };
+    let port = match port {
         "" => None,
-        rest => Some(
-            rest.strip_prefix(':')
-                .and_then(|p| p.parse::<u16>().ok())
+        p => Some(
+            p.strip_prefix(':')
+                .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|d| d.parse::<u16>().ok())
                 .ok_or_else(|| invalid("bad port"))?,
         ),
-    };
-    let target = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-        Some(v6) => Target::Ip(v6.parse().map_err(|_| invalid("bad IPv6 literal"))?),
-        None => match host.parse::<IpAddr>() {
-            Ok(ip) => Target::Ip(ip),
-            Err(_) => Target::Name(Hostname::parse(host).map_err(|e| invalid(&e.to_string()))?),
-        },
     };
     Ok(Authority::new(target, port))
 }
@@ -176,21 +185,21 @@ mod tests {
             .expect("ok")
             .expect("some");
         assert_eq!(
-            (a.value.as_str(), a.target),
+            (a.value().as_str(), a.target),
             ("api.example.test:8443", name("api.example.test"))
         );
         let a = one(Some("api.example.test"), &["API.example.test.:443"])
             .expect("ok")
             .expect("some");
         assert_eq!(
-            (a.value.as_str(), a.target),
+            (a.value().as_str(), a.target),
             ("api.example.test", name("api.example.test"))
         );
         let a = one(Some("[2001:DB8::1]:443"), &[])
             .expect("ok")
             .expect("some");
         assert_eq!(a.target, Target::Ip("2001:db8::1".parse().expect("ip")));
-        assert_eq!(a.value, "[2001:db8::1]:443");
+        assert_eq!(a.value(), "[2001:db8::1]:443");
         assert_eq!(a.name(), None);
         assert_eq!(one(None, &[]), Ok(None));
     }

@@ -225,10 +225,10 @@ impl Conn {
         // The name the origin's certificate must carry (none: its address).
         let verify_as = self.sni.as_ref().or(host);
         if is_upgrade(&req) {
-            return self.upgrade(req, verify_as, &authority.value).await;
+            return self.upgrade(req, verify_as, &authority.value()).await;
         }
         strip_hop_by_hop(req.headers_mut());
-        match self.forward(req, verify_as, &authority.value).await {
+        match self.forward(req, verify_as, &authority.value()).await {
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
                 resp.map(BodyExt::boxed)

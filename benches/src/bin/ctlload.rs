@@ -23,7 +23,6 @@ use egress_controller::store;
 use egress_gateway::config::Config;
 use egress_gateway::flowlog::FlowLog;
 use egress_gateway::{Gateway, SoOriginalDst};
-use egress_policy::SandboxId;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
@@ -34,6 +33,11 @@ struct Args {
     count: usize,
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// Space the creates this many milliseconds apart (0: as fast as the
+    /// concurrency allows): an offered rate below capacity measures push
+    /// latency without a backlog.
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 120)]
     limit_s: u64,
@@ -147,12 +151,13 @@ async fn main() -> Result<(), String> {
         backoff: Duration::from_millis(200),
         resync_interval: Duration::from_secs(5),
     };
+    let dispatcher_metrics = Arc::new(Metrics::new());
     tokio::spawn(
         Dispatcher {
             pool,
             database_url: url.clone(),
             deployment,
-            metrics: Arc::new(Metrics::new()),
+            metrics: dispatcher_metrics.clone(),
             limits,
         }
         .run(),
@@ -176,9 +181,33 @@ async fn main() -> Result<(), String> {
 
     let started = Instant::now();
     let limit = Duration::from_secs(args.limit_s);
+    // When each sandbox first appears on the gateway, watched from the start.
+    let seen: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Arc::default();
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (seen, watching, registry) = (seen.clone(), watching.clone(), gw.registry().clone());
+        tokio::spawn(async move {
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                let now = Instant::now();
+                let ids = registry.ids();
+                {
+                    let mut seen = seen
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    for id in ids {
+                        seen.entry(id.to_string()).or_insert(now);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+    };
     let gate = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
     let mut tasks = Vec::with_capacity(args.count);
     for _ in 0..args.count {
+        if args.interval_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(args.interval_ms)).await;
+        }
         let gate = gate.clone();
         tasks.push(tokio::spawn(async move {
             let _permit = gate.acquire_owned().await;
@@ -205,34 +234,48 @@ async fn main() -> Result<(), String> {
         acked.insert(id, at);
     }
     let api_done = started.elapsed();
-    // Watch the gateway: when each sandbox appears there.
+    // Wait until every acknowledged sandbox reached the gateway.
     let mut latencies = Vec::with_capacity(acked.len());
-    let mut pending: Vec<(String, Instant)> = acked.into_iter().collect();
-    while !pending.is_empty() {
+    loop {
         if started.elapsed() > limit {
             return Err(format!(
-                "{} sandboxes never reached the gateway within {limit:?}",
-                pending.len()
+                "not every sandbox reached the gateway within {limit:?}"
             ));
         }
-        let now = Instant::now();
-        pending.retain(|(id, at)| {
-            if gw.registry().get(&SandboxId::new(id)).is_some() {
-                latencies.push(now.duration_since(*at).as_secs_f64() * 1000.0);
-                false
-            } else {
-                true
+        let done = {
+            let seen = seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            acked.keys().all(|id| seen.contains_key(id))
+        };
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    let _ = watcher.await;
+    {
+        let seen = seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (id, at) in &acked {
+            if let Some(t) = seen.get(id) {
+                latencies.push(t.saturating_duration_since(*at).as_secs_f64() * 1000.0);
             }
-        });
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
     let total = started.elapsed();
+    if std::env::var_os("CTLLOAD_METRICS").is_some() {
+        eprintln!("{}", dispatcher_metrics.encode());
+    }
     latencies.sort_by(f64::total_cmp);
     println!(
         "{}",
         json!({
             "creates": args.count,
             "concurrency": args.concurrency,
+            "interval_ms": args.interval_ms,
             "api_creates_per_s": args.count as f64 / api_done.as_secs_f64(),
             "enforced_per_s": args.count as f64 / total.as_secs_f64(),
             "push_latency_ms": {"p50": percentile(&latencies, 0.5), "p90": percentile(&latencies, 0.9), "p99": percentile(&latencies, 0.99)},
