@@ -21,6 +21,7 @@ extra_upstream_roots = ["${PB_UPSTREAM_CA:?}"]
 max_connections = 20000
 # One event loop, as Squid and mitmproxy run (see benches/RESULTS.md).
 worker_threads = ${GW_WORKERS:-1}
+max_request_head = ${GW_MAX_HEAD:-65536}
 [log]
 flow_log = "off"
 EOF2

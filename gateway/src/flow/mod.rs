@@ -33,6 +33,9 @@ pub(crate) async fn handle(
     mut stream: TcpStream,
     peer: std::net::SocketAddr,
 ) {
+    // Small writes (TLS records, HTTP heads) leave at once: Nagle against
+    // the client's delayed ACKs would stall every response.
+    let _ = stream.set_nodelay(true);
     let mut rec = Record::start(&dp, peer);
     let accepted = match identify::identify(&dp, &stream, peer) {
         Ok(a) => a,
