@@ -41,15 +41,28 @@ pub struct Api {
 
 /// Serves on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, api: Arc<Api>) {
+    accept(listener, move |req| {
+        let api = api.clone();
+        async move { api.handle(req).await }
+    })
+    .await;
+}
+
+/// Accepts connections on `listener` forever, answering each request with `handle`.
+async fn accept<F, Fut>(listener: TcpListener, handle: F)
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Reply> + Send + 'static,
+{
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let api = api.clone();
+        let handle = handle.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let api = api.clone();
-                async move { Ok::<_, std::convert::Infallible>(api.handle(req).await) }
+                let reply = handle(req);
+                async move { Ok::<_, std::convert::Infallible>(reply.await) }
             });
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), service)
@@ -682,23 +695,13 @@ impl Api {
 
 /// The dispatcher's listener: `/metrics` and `/healthz` only.
 pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
+    accept(listener, move |req: Request<Incoming>| {
+        let reply = match req.uri().path() {
+            "/metrics" => text(metrics.encode()),
+            "/healthz" => json_reply(StatusCode::OK, &json!({"ok": true})),
+            _ => error(StatusCode::NOT_FOUND, "no such route"),
         };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let reply = match req.uri().path() {
-                    "/metrics" => text(metrics.encode()),
-                    "/healthz" => json_reply(StatusCode::OK, &json!({"ok": true})),
-                    _ => error(StatusCode::NOT_FOUND, "no such route"),
-                };
-                async move { Ok::<_, std::convert::Infallible>(reply) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+        async move { reply }
+    })
+    .await;
 }

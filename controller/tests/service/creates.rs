@@ -32,22 +32,23 @@ async fn create(
 #[tokio::test]
 async fn a_native_create_is_queued_composed_at_execution_and_pushed_to_its_gateway() {
     let url = db!();
-    let dir = tempfile::tempdir().expect("dir");
-    let gw = gateway(dir.path(), "127.0.0.1:0").await;
-    let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
-    let api = api(&url, d.clone()).await;
-    setup(&api, template(), gw.bound().admin, "100.64.10.0/24").await;
-    let _dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let w = world(
+        &url,
+        deployment(Some(PROFILES), Some(EXEMPTIONS)),
+        template(),
+    )
+    .await;
+    let (gw, api) = (&w.gw, &w.api);
 
     let (s, v) = create(
-        &api,
+        api,
         FEDERATED,
         &[("X-Space-Egress-Profiles", "+sensor")],
         json!({"template": "base"}),
     )
     .await;
     assert_eq!(s, 202, "{v}");
-    let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    let op = settled(api, FEDERATED, v["operation"].as_str().expect("op")).await;
     assert_eq!(op["state"], json!("succeeded"), "{op}");
     let id = v["sandbox"].as_str().expect("id");
     let (_, doc) = call(
@@ -94,7 +95,7 @@ async fn a_native_create_is_queued_composed_at_execution_and_pushed_to_its_gatew
             .is_some_and(|p| p.iter().any(|a| a["source"] == json!("profile:sensor"))),
         "{doc}"
     );
-    let pushed = on_gateway(&gw, id).await;
+    let pushed = on_gateway(gw, id).await;
     assert_eq!(
         pushed["policy"], doc["policy"],
         "the gateway enforces the saved policy"
@@ -154,21 +155,17 @@ async fn header_errors_are_400_with_their_reason_and_count_as_invalid_requests()
 #[tokio::test]
 async fn a_non_federated_create_ignores_the_header_and_applies_no_profiles_not_even_defaults() {
     let url = db!();
-    let dir = tempfile::tempdir().expect("dir");
-    let gw = gateway(dir.path(), "127.0.0.1:0").await;
-    let d = deployment(Some(PROFILES), None);
-    let api = api(&url, d.clone()).await;
-    setup(&api, template(), gw.bound().admin, "100.64.10.0/24").await;
-    let _dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let w = world(&url, deployment(Some(PROFILES), None), template()).await;
+    let api = &w.api;
     let (s, v) = create(
-        &api,
+        api,
         PLAIN,
         &[("X-Space-Egress-Profiles", "+sensor")],
         json!({"template": "base"}),
     )
     .await;
     assert_eq!(s, 202, "{v}");
-    settled(&api, PLAIN, v["operation"].as_str().expect("op")).await;
+    settled(api, PLAIN, v["operation"].as_str().expect("op")).await;
     let id = v["sandbox"].as_str().expect("id");
     let (_, doc) = call(
         api.addr,

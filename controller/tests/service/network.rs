@@ -41,35 +41,18 @@ async fn doc(api: &ApiProcess, id: &str) -> Value {
     .1
 }
 
-async fn world(
-    url: &str,
-) -> (
-    tempfile::TempDir,
-    egress_gateway::Gateway,
-    ApiProcess,
-    DispatcherTask,
-) {
-    let dir = tempfile::tempdir().expect("dir");
-    let gw = gateway(dir.path(), "127.0.0.1:0").await;
-    let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
-    let api = api(url, d.clone()).await;
-    setup(
-        &api,
-        json!({"default": "allow"}),
-        gw.bound().admin,
-        "100.64.10.0/24",
-    )
-    .await;
-    let dispatcher = dispatcher(url, d, limits(5, 60_000, 100)).await;
-    (dir, gw, api, dispatcher)
-}
-
 #[tokio::test]
 async fn replacement_resolves_saved_names_now_and_never_re_applies_defaults() {
     let url = db!();
-    let (_dir, gw, api, _d) = world(&url).await;
-    let id = running(&api, &gw).await;
-    let before = doc(&api, &id).await;
+    let w = world(
+        &url,
+        deployment(Some(PROFILES), Some(EXEMPTIONS)),
+        json!({"default": "allow"}),
+    )
+    .await;
+    let (gw, api) = (&w.gw, &w.api);
+    let id = running(api, gw).await;
+    let before = doc(api, &id).await;
     assert_eq!(before["egress_profiles"], json!(["audit", "sensor"]));
     // A fresh tenant base: saved names resolved, deployment exemptions
     // appended (interception on), existing ones kept, no duplicates.
@@ -103,13 +86,13 @@ async fn replacement_resolves_saved_names_now_and_never_re_applies_defaults() {
         "the old base is gone"
     );
     let pushed = {
-        let mut got = on_gateway(&gw, &id).await;
+        let mut got = on_gateway(gw, &id).await;
         for _ in 0..100 {
             if got["policy"] == after["policy"] {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            got = on_gateway(&gw, &id).await;
+            got = on_gateway(gw, &id).await;
         }
         got
     };
@@ -160,9 +143,15 @@ async fn replacement_resolves_saved_names_now_and_never_re_applies_defaults() {
 #[tokio::test]
 async fn a_missing_saved_name_is_503_and_the_old_policy_stays() {
     let url = db!();
-    let (_dir, gw, api, _d) = world(&url).await;
-    let id = running(&api, &gw).await;
-    let before = doc(&api, &id).await;
+    let w = world(
+        &url,
+        deployment(Some(PROFILES), Some(EXEMPTIONS)),
+        json!({"default": "allow"}),
+    )
+    .await;
+    let (gw, api) = (&w.gw, &w.api);
+    let id = running(api, gw).await;
+    let before = doc(api, &id).await;
     // Another API replica, configured without `sensor`.
     let stale = api_without_sensor(&url).await;
     for body in [
@@ -181,7 +170,7 @@ async fn a_missing_saved_name_is_503_and_the_old_policy_stays() {
         assert_eq!(s, 503, "{v}");
         assert_eq!(v["missing_profiles"], json!(["sensor"]));
     }
-    assert_eq!(doc(&api, &id).await, before, "nothing changed");
+    assert_eq!(doc(api, &id).await, before, "nothing changed");
     let text = stale.metrics.encode();
     assert!(
         text.contains(r#"{profile="sensor",outcome="failed",reason="unconfigured"} 2"#),
@@ -203,9 +192,15 @@ async fn api_without_sensor(url: &str) -> ApiProcess {
 #[tokio::test]
 async fn lifecycle_operations_keep_the_saved_effective_policy() {
     let url = db!();
-    let (_dir, gw, api, _d) = world(&url).await;
-    let id = running(&api, &gw).await;
-    let policy = doc(&api, &id).await["policy"].clone();
+    let w = world(
+        &url,
+        deployment(Some(PROFILES), Some(EXEMPTIONS)),
+        json!({"default": "allow"}),
+    )
+    .await;
+    let (gw, api) = (&w.gw, &w.api);
+    let id = running(api, gw).await;
+    let policy = doc(api, &id).await["policy"].clone();
     for (action, state) in [
         ("stop", "stopped"),
         ("start", "running"),

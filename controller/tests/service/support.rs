@@ -267,3 +267,26 @@ pub async fn on_gateway(gw: &Gateway, id: &str) -> Value {
     }
     panic!("the gateway never received sandbox {id}");
 }
+
+/// A gateway, an API and a leading dispatcher on one deployment, with the
+/// template `base` (`template_policy`) and the worker `w1` registered.
+pub struct World {
+    pub gw: Gateway,
+    pub api: ApiProcess,
+    _dispatcher: DispatcherTask,
+    _dir: tempfile::TempDir,
+}
+
+pub async fn world(url: &str, d: Arc<Deployment>, template_policy: Value) -> World {
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(url, d.clone()).await;
+    setup(&api, template_policy, gw.bound().admin, "100.64.10.0/24").await;
+    let dispatcher = dispatcher(url, d, limits(5, 60_000, 100)).await;
+    World {
+        gw,
+        api,
+        _dispatcher: dispatcher,
+        _dir: dir,
+    }
+}
