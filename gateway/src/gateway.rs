@@ -125,23 +125,7 @@ impl Gateway {
         let listeners = Listeners::bind(&config).await?;
         let bound = listeners.bound;
         let registry = Arc::new(Registry::new(Arc::new(platform(&config, &bound))));
-        let cache = Arc::new(AttributionCache::new(
-            CacheConfig {
-                min_ttl: config.dns.min_ttl,
-                max_ttl: config.dns.max_ttl,
-                ..CacheConfig::default()
-            },
-            clock,
-        ));
-        let dns = DnsProxy::new(
-            ProxyConfig {
-                upstreams: config.dns.upstreams.clone(),
-                upstream_timeout: config.dns.upstream_timeout,
-                ..ProxyConfig::default()
-            },
-            cache.clone(),
-            registry.clone(),
-        );
+        let (cache, dns) = attribution(&config, &registry, clock);
         // The last acknowledged state, before a single flow is served.
         let (journal, seq, n) = crate::journal::recover(&registry, &config.state_dir)?;
         if seq > 0 {
@@ -223,6 +207,32 @@ impl Gateway {
             Err(_) => max - self.slots.available_permits(),
         }
     }
+}
+
+/// The attribution cache (on `clock`) and the DNS proxy that fills it.
+fn attribution(
+    config: &Config,
+    registry: &Arc<Registry>,
+    clock: Arc<dyn Clock>,
+) -> (Arc<AttributionCache>, Arc<DnsProxy>) {
+    let cache = Arc::new(AttributionCache::new(
+        CacheConfig {
+            min_ttl: config.dns.min_ttl,
+            max_ttl: config.dns.max_ttl,
+            ..CacheConfig::default()
+        },
+        clock,
+    ));
+    let dns = DnsProxy::new(
+        ProxyConfig {
+            upstreams: config.dns.upstreams.clone(),
+            upstream_timeout: config.dns.upstream_timeout,
+            ..ProxyConfig::default()
+        },
+        cache.clone(),
+        registry.clone(),
+    );
+    (cache, dns)
 }
 
 /// The CA (loaded, or created in `state_dir`) and the leaf minter over it.

@@ -63,64 +63,55 @@ impl Metrics {
         cache: Arc<AttributionCache>,
         minter: Arc<LeafMinter>,
     ) -> Self {
-        let mut registry = Registry::with_prefix("egress");
-        let flows = Family::<FlowLabels, Counter>::default();
-        registry.register(
+        let latency = || Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        let mut m = Self {
+            registry: Registry::with_prefix("egress"),
+            flows: Family::default(),
+            bytes: Family::default(),
+            active: Gauge::default(),
+            peek_seconds: latency(),
+            handshake_seconds: latency(),
+            upstream_connect_seconds: latency(),
+            pushes: Family::default(),
+        };
+        let r = &mut m.registry;
+        r.register(
             "flows",
             "Flows ended, by verdict and reason code",
-            flows.clone(),
+            m.flows.clone(),
         );
-        let bytes = Family::<DirectionLabels, Counter>::default();
-        registry.register(
+        r.register(
             "bytes",
             "Bytes of ended flows, up (sandbox to origin) and down, added when the flow ends",
-            bytes.clone(),
+            m.bytes.clone(),
         );
-        let active = Gauge::default();
-        registry.register(
+        r.register(
             "active_connections",
             "Flows being handled now (compare with limits.max_connections)",
-            active.clone(),
+            m.active.clone(),
         );
-        let latency = || Histogram::new(exponential_buckets(0.0001, 2.0, 18));
-        let (peek_seconds, handshake_seconds, upstream_connect_seconds) =
-            (latency(), latency(), latency());
-        for (name, help, histogram) in [
-            (
-                "peek_seconds",
-                "Seconds to classify a flow from its first bytes",
-                &peek_seconds,
-            ),
-            (
-                "tls_handshake_seconds",
-                "Seconds of the client-side TLS handshake on intercepted flows",
-                &handshake_seconds,
-            ),
-            (
-                "upstream_connect_seconds",
-                "Seconds of the TCP connect to the original destination",
-                &upstream_connect_seconds,
-            ),
-        ] {
-            registry.register(name, help, histogram.clone());
-        }
-        let pushes = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
+        r.register(
+            "peek_seconds",
+            "Seconds to classify a flow from its first bytes",
+            m.peek_seconds.clone(),
+        );
+        r.register(
+            "tls_handshake_seconds",
+            "Seconds of the client-side TLS handshake on intercepted flows",
+            m.handshake_seconds.clone(),
+        );
+        r.register(
+            "upstream_connect_seconds",
+            "Seconds of the TCP connect to the original destination",
+            m.upstream_connect_seconds.clone(),
+        );
+        r.register(
             "policy_pushes",
             "Policy pushes (admin PUT one, PUT all, DELETE), applied or rejected",
-            pushes.clone(),
+            m.pushes.clone(),
         );
-        registry.register_collector(Box::new(Sources { dns, cache, minter }));
-        Self {
-            registry,
-            flows,
-            bytes,
-            active,
-            peek_seconds,
-            handshake_seconds,
-            upstream_connect_seconds,
-            pushes,
-        }
+        r.register_collector(Box::new(Sources { dns, cache, minter }));
+        m
     }
 
     /// The text exposition format.

@@ -22,19 +22,11 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
     let config_path = args.config.as_deref();
     init_logging();
 
-    let config = match config_path {
-        Some(p) => Config::load(p),
-        None => Ok(Config::default()),
-    };
-    let config = match config {
+    let config = match config_path.map_or_else(|| Ok(Config::default()), Config::load) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if config.limits.worker_threads > 0 {
-        builder.worker_threads(config.limits.worker_threads);
-    }
-    let runtime = match builder.enable_all().build() {
+    let runtime = match runtime(config.limits.worker_threads) {
         Ok(rt) => rt,
         Err(e) => return fail(format_args!("cannot start the runtime: {e}")),
     };
@@ -72,16 +64,24 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         ));
         let left = gateway.run_until(shutdown_signal(term)).await;
         reloader.abort();
-        if left == 0 {
-            tracing::info!("stopped; every flow finished");
-        } else {
-            tracing::warn!(
-                open_flows = left,
+        match left {
+            0 => tracing::info!("stopped; every flow finished"),
+            n => tracing::warn!(
+                open_flows = n,
                 "stopped at the drain deadline with flows still open"
-            );
+            ),
         }
         ExitCode::SUCCESS
     })
+}
+
+/// The runtime: `threads` workers, or one per CPU with 0.
+fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        builder.worker_threads(threads);
+    }
+    builder.enable_all().build()
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).
