@@ -111,7 +111,11 @@ pub fn judge<'a>(
 /// hostname (`Some`), or an IP literal (`None`, no name); anything else is
 /// an error — the gateway resets a ClientHello that carries it.
 pub fn server_name(s: &str) -> Result<Option<Hostname>, egress_policy::NameError> {
-    if s.parse::<IpAddr>().is_ok() {
+    // Only digits, hex letters, dots and colons can spell an address.
+    let could_be_ip = s
+        .bytes()
+        .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
+    if could_be_ip && s.parse::<IpAddr>().is_ok() {
         return Ok(None);
     }
     Hostname::parse(s).map(Some)
@@ -148,9 +152,14 @@ fn parse(raw: &str) -> Result<Authority, AuthorityError> {
         }
         None => {
             let (host, port) = raw.rfind(':').map_or((raw, ""), |i| raw.split_at(i));
-            let target = match host.parse::<std::net::Ipv4Addr>() {
-                Ok(v4) => Target::Ip(IpAddr::V4(v4)),
-                Err(_) => Target::Name(Hostname::parse(host).map_err(|e| invalid(&e.to_string()))?),
+            // Only digits and dots can spell an IPv4 address.
+            let dotted = host.bytes().all(|b| b.is_ascii_digit() || b == b'.');
+            let v4 = dotted
+                .then(|| host.parse::<std::net::Ipv4Addr>().ok())
+                .flatten();
+            let target = match v4 {
+                Some(v4) => Target::Ip(IpAddr::V4(v4)),
+                None => Target::Name(Hostname::parse(host).map_err(|e| invalid(&e.to_string()))?),
             };
             (target, port)
         }

@@ -60,7 +60,12 @@ impl Hostname {
     pub fn parse(s: &str) -> Result<Self, NameError> {
         let trimmed = s.strip_suffix('.').unwrap_or(s);
         validate(trimmed)?;
-        Ok(Self(Arc::from(trimmed.to_ascii_lowercase())))
+        // Names usually arrive lower-case: then one allocation, not two.
+        if trimmed.bytes().any(|b| b.is_ascii_uppercase()) {
+            Ok(Self(Arc::from(trimmed.to_ascii_lowercase())))
+        } else {
+            Ok(Self(Arc::from(trimmed)))
+        }
     }
 
     pub fn as_str(&self) -> &str {
