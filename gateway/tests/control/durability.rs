@@ -14,8 +14,19 @@ use serde_json::{json, Value};
 
 use crate::support::*;
 
+/// A gateway process, killed (by its PID) when the test lets go of it,
+/// however the test ends.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The gateway binary on `admin`, state in `state`; ready once `/readyz` answers.
-async fn spawn(dir: &std::path::Path, admin: SocketAddr) -> std::process::Child {
+async fn spawn(dir: &std::path::Path, admin: SocketAddr) -> Running {
     let cfg = dir.join("gw.toml");
     std::fs::write(
         &cfg,
@@ -31,6 +42,7 @@ async fn spawn(dir: &std::path::Path, admin: SocketAddr) -> std::process::Child 
         .stderr(std::fs::File::create(dir.join("gw.log")).expect("log"))
         .spawn()
         .expect("start");
+    let child = Running(child);
     let deadline = Instant::now() + Duration::from_secs(20);
     while !ready(admin).await {
         assert!(
@@ -100,7 +112,7 @@ async fn every_acknowledged_push_survives_a_kill_at_random_points() {
     let acked: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
     let mut version = 0u64;
     for round in 0..4u64 {
-        let mut child = spawn(dir.path(), admin).await;
+        let child = spawn(dir.path(), admin).await;
         // Recovered: every acknowledged push is there, at its version or later.
         let (_, body) = http(admin, "GET", "/v1/sandboxes", None, None).await;
         let list: Value = serde_json::from_str(&body).expect("json");
@@ -148,8 +160,7 @@ async fn every_acknowledged_push_survives_a_kill_at_random_points() {
         }
         // Kill at a point that differs per round.
         tokio::time::sleep(Duration::from_millis(150 + 97 * round)).await;
-        child.kill().expect("SIGKILL");
-        let _ = child.wait();
+        drop(child); // SIGKILL
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         for p in pushers {
             let _ = p.await;
