@@ -250,7 +250,7 @@ impl Dispatcher {
         };
         // NDJSON, streamed by the gateway: no size bound on a resync.
         let mut ndjson = String::new();
-        for (s, _) in &rows {
+        for s in &rows {
             let line = json!({"id": s.id, "addresses": s.addresses, "policy": s.policy});
             ndjson.push_str(&line.to_string());
             ndjson.push('\n');
@@ -259,8 +259,8 @@ impl Dispatcher {
             Ok((status, _)) if status.is_success() => {
                 let epoch = self.epoch(w).await;
                 let _ = store::worker_seen(&self.pool, &w.id, epoch.as_deref(), false, None).await;
-                for (s, generation) in &rows {
-                    let _ = store::pushed(&self.pool, &s.id, *generation).await;
+                for s in &rows {
+                    let _ = store::pushed(&self.pool, &s.id, s.generation).await;
                 }
                 self.mark_forgotten(w).await;
                 tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
@@ -338,7 +338,7 @@ impl Dispatcher {
 }
 
 /// Whether the gateway's list differs from the store's rows.
-fn differs(rows: &[(SandboxRow, i64)], gateway: &Value) -> bool {
+fn differs(rows: &[SandboxRow], gateway: &Value) -> bool {
     let theirs: BTreeMap<&str, (Vec<String>, Option<Policy>)> = gateway
         .get("sandboxes")
         .and_then(Value::as_array)
@@ -362,7 +362,7 @@ fn differs(rows: &[(SandboxRow, i64)], gateway: &Value) -> bool {
         .unwrap_or_default();
     let ours: BTreeMap<&str, (Vec<String>, Option<Policy>)> = rows
         .iter()
-        .map(|(s, _)| (s.id.as_str(), (s.addresses.clone(), s.policy.clone())))
+        .map(|s| (s.id.as_str(), (s.addresses.clone(), s.policy.clone())))
         .collect();
     theirs != ours
 }

@@ -293,19 +293,14 @@ pub async fn lock_worker(
 }
 
 /// The sandboxes a worker's gateway should know, as the gateway's resync document.
-pub async fn worker_sandboxes(
-    pool: &PgPool,
-    worker: &str,
-) -> Result<Vec<(SandboxRow, i64)>, sqlx::Error> {
+pub async fn worker_sandboxes(pool: &PgPool, worker: &str) -> Result<Vec<SandboxRow>, sqlx::Error> {
     let rows = sqlx::query(
         "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('creating', 'failed', 'destroyed') ORDER BY id",
     )
     .bind(worker)
     .fetch_all(pool)
     .await?;
-    rows.iter()
-        .map(|r| Ok((SandboxRow::from_row(r)?, r.try_get("generation")?)))
-        .collect()
+    rows.iter().map(SandboxRow::from_row).collect()
 }
 
 /// Changes a worker's gateway has not acknowledged yet, oldest first.

@@ -29,7 +29,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::commit::{Change, Committer, Outcome};
+use crate::commit::{Change, Committer, NotApplied};
 use crate::decide::{decide, explained, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
@@ -230,14 +230,7 @@ fn list(ctl: &Control) -> Reply {
 
 fn get(ctl: &Control, id: &str) -> Reply {
     match ctl.dp.registry.get(&SandboxId::new(id)) {
-        Some(s) => json_reply(
-            StatusCode::OK,
-            &sandbox_json(&SandboxDoc {
-                id: s.id.to_string(),
-                addresses: s.addresses.clone(),
-                policy: s.policy.policy().clone(),
-            }),
-        ),
+        Some(s) => json_reply(StatusCode::OK, &sandbox_json(&SandboxDoc::from(&*s))),
         None => error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None),
     }
 }
@@ -281,33 +274,21 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     // Compiling the policy is the costly part: done here, concurrently.
     let sandbox = ctl.dp.registry.prepare(sid, doc.addresses, doc.policy);
     match ctl.committer.submit(Change::Put(sandbox.clone())).await {
-        Outcome::Applied => {
+        Ok(()) => {
             applied(ctl);
-            json_reply(
-                StatusCode::OK,
-                &sandbox_json(&SandboxDoc {
-                    id,
-                    addresses: sandbox.addresses.clone(),
-                    policy: sandbox.policy.policy().clone(),
-                }),
-            )
+            json_reply(StatusCode::OK, &sandbox_json(&SandboxDoc::from(&*sandbox)))
         }
-        other => refused(ctl, other, "addresses"),
+        Err(why) => refused(ctl, why, "addresses"),
     }
 }
 
 /// A push that did not apply: `409` for a conflict, `500` when it could not
 /// be made durable (nothing applied).
-fn refused(ctl: &Control, outcome: Outcome, field: &str) -> Reply {
-    let reply = match outcome {
-        Outcome::Refused(e) => error(StatusCode::CONFLICT, &e.to_string(), Some(field)),
-        Outcome::Missing => error(StatusCode::NOT_FOUND, "no such sandbox", None),
-        Outcome::Failed(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
-        Outcome::Applied => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "unexpected outcome",
-            None,
-        ),
+fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
+    let reply = match why {
+        NotApplied::Refused(e) => error(StatusCode::CONFLICT, &e.to_string(), Some(field)),
+        NotApplied::Missing => error(StatusCode::NOT_FOUND, "no such sandbox", None),
+        NotApplied::Failed(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
     };
     rejected(ctl, reply)
 }
@@ -332,24 +313,26 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
         .map(|(id, addresses, policy)| ctl.dp.registry.prepare(id, addresses, policy))
         .collect();
     match ctl.committer.submit(Change::Replace(prepared)).await {
-        Outcome::Applied => {
+        Ok(()) => {
             applied(ctl);
             json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
         }
-        other => refused(ctl, other, "sandboxes"),
+        Err(why) => refused(ctl, why, "sandboxes"),
     }
 }
 
 async fn delete(ctl: &Control, id: &str) -> Reply {
     let sid = SandboxId::new(id);
     match ctl.committer.submit(Change::Delete(sid.clone())).await {
-        Outcome::Applied => {
+        Ok(()) => {
             applied(ctl);
             ctl.dp.cache.remove_sandbox(&sid);
             json_reply(StatusCode::OK, &json!({ "deleted": id }))
         }
-        Outcome::Missing => error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None),
-        other => refused(ctl, other, "id"),
+        Err(NotApplied::Missing) => {
+            error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None)
+        }
+        Err(why) => refused(ctl, why, "id"),
     }
 }
 

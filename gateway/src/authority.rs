@@ -54,11 +54,10 @@ impl Authority {
 
     /// An authority for a bare address (HTTP/1.0 without `Host`).
     pub fn of_ip(ip: IpAddr) -> Self {
-        Self::new(Target::Ip(ip), None)
-    }
-
-    fn new(target: Target, port: Option<u16>) -> Self {
-        Self { target, port }
+        Self {
+            target: Target::Ip(ip),
+            port: None,
+        }
     }
 
     /// The authority in normal form, with the port if the client gave one
@@ -173,7 +172,7 @@ fn parse(raw: &str) -> Result<Authority, AuthorityError> {
                 .ok_or_else(|| invalid("bad port"))?,
         ),
     };
-    Ok(Authority::new(target, port))
+    Ok(Authority { target, port })
 }
 
 #[cfg(test)]

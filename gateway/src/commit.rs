@@ -28,16 +28,18 @@ pub(crate) enum Change {
     Replace(Vec<Arc<Sandbox>>),
 }
 
-/// What became of a change.
+/// Why a change was not applied.
 #[derive(Debug)]
-pub(crate) enum Outcome {
-    Applied,
+pub(crate) enum NotApplied {
     Refused(RegistryError),
     /// A delete of a sandbox that is not there.
     Missing,
     /// Not durable: not applied.
     Failed(String),
 }
+
+/// What became of a change.
+pub(crate) type Outcome = Result<(), NotApplied>;
 
 struct Job {
     change: Change,
@@ -86,11 +88,11 @@ impl Committer {
     pub(crate) async fn submit(&self, change: Change) -> Outcome {
         let (reply, answer) = oneshot::channel();
         if self.jobs.send(Box::new(Job { change, reply })).is_err() {
-            return Outcome::Failed("the commit thread has stopped".into());
+            return Err(NotApplied::Failed("the commit thread has stopped".into()));
         }
         answer
             .await
-            .unwrap_or_else(|_| Outcome::Failed("the commit thread has stopped".into()))
+            .unwrap_or_else(|_| Err(NotApplied::Failed("the commit thread has stopped".into())))
     }
 }
 
@@ -138,17 +140,19 @@ impl Worker {
             let outcome = match &job.change {
                 Change::Put(s) => match self.registry.put_prepared(s.clone()) {
                     Ok(()) => {
-                        records.push(journal::Change::Put(doc(s)));
-                        Outcome::Applied
+                        records.push(journal::Change::Put(SandboxDoc::from(&**s)));
+                        Ok(())
                     }
-                    Err(e) => Outcome::Refused(e),
+                    Err(e) => Err(NotApplied::Refused(e)),
                 },
                 Change::Delete(id) if self.registry.remove(id) => {
                     records.push(journal::Change::Delete(id.to_string()));
-                    Outcome::Applied
+                    Ok(())
                 }
-                Change::Delete(_) => Outcome::Missing,
-                Change::Replace(_) => Outcome::Failed("a resync is committed on its own".into()),
+                Change::Delete(_) => Err(NotApplied::Missing),
+                Change::Replace(_) => Err(NotApplied::Failed(
+                    "a resync is committed on its own".into(),
+                )),
             };
             outcomes.push(outcome);
         }
@@ -162,8 +166,8 @@ impl Worker {
                 self.registry.restore(before);
                 tracing::error!(error = %e, "journal write failed; pushes rolled back");
                 for o in &mut outcomes {
-                    if matches!(o, Outcome::Applied) {
-                        *o = Outcome::Failed(format!("not applied: {e}"));
+                    if o.is_ok() {
+                        *o = Err(NotApplied::Failed(format!("not applied: {e}")));
                     }
                 }
             } else {
@@ -183,16 +187,16 @@ impl Worker {
         };
         let before = self.registry.checkpoint();
         let outcome = match self.registry.replace_prepared(sandboxes) {
-            Err(e) => Outcome::Refused(e),
+            Err(e) => Err(NotApplied::Refused(e)),
             Ok(()) => match self.snapshot(self.generation.load(Ordering::Acquire) + 1) {
                 Ok(()) => {
                     self.generation.fetch_add(1, Ordering::Release);
-                    Outcome::Applied
+                    Ok(())
                 }
                 Err(e) => {
                     self.registry.restore(before);
                     tracing::error!(error = %e, "snapshot write failed; resync rolled back");
-                    Outcome::Failed(format!("not applied: {e}"))
+                    Err(NotApplied::Failed(format!("not applied: {e}")))
                 }
             },
         };
@@ -215,13 +219,5 @@ impl Worker {
             // The journal still holds everything: nothing is lost, compaction retries later.
             Err(e) => tracing::warn!(error = %e, "journal compaction failed"),
         }
-    }
-}
-
-fn doc(s: &Sandbox) -> SandboxDoc {
-    SandboxDoc {
-        id: s.id.to_string(),
-        addresses: s.addresses.clone(),
-        policy: s.policy.policy().clone(),
     }
 }

@@ -11,7 +11,7 @@ use egress_policy::Policy;
 use egress_policy::SandboxId;
 use serde::{Deserialize, Serialize};
 
-use crate::registry::Registry;
+use crate::registry::{Registry, Sandbox};
 
 /// The file name under `state_dir`.
 pub const SNAPSHOT_FILE: &str = "snapshot.json";
@@ -34,6 +34,16 @@ pub struct SandboxDoc {
     pub id: String,
     pub addresses: Vec<IpAddr>,
     pub policy: Policy,
+}
+
+impl From<&Sandbox> for SandboxDoc {
+    fn from(s: &Sandbox) -> Self {
+        Self {
+            id: s.id.to_string(),
+            addresses: s.addresses.clone(),
+            policy: s.policy.policy().clone(),
+        }
+    }
 }
 
 /// Why the snapshot could not be read or written.
@@ -81,11 +91,7 @@ pub fn document(registry: &Registry, seq: u64) -> SnapshotDoc {
         sandboxes: registry
             .all()
             .iter()
-            .map(|s| SandboxDoc {
-                id: s.id.to_string(),
-                addresses: s.addresses.clone(),
-                policy: s.policy.policy().clone(),
-            })
+            .map(|s| SandboxDoc::from(&**s))
             .collect(),
     }
 }

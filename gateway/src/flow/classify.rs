@@ -8,6 +8,7 @@ use egress_policy::Protocol;
 use tokio::net::TcpStream;
 
 use super::Refusal;
+use crate::config::Config;
 use crate::decide::Claims;
 use crate::peek::{peek, Classified};
 use crate::state::Dataplane;
@@ -16,9 +17,9 @@ use crate::state::Dataplane;
 /// handed back for the chosen path to replay.
 pub(super) async fn classify(
     dp: &Dataplane,
+    config: &Config,
     stream: &mut TcpStream,
 ) -> Result<(Classified, Vec<u8>), Refusal> {
-    let config = dp.config();
     let started = Instant::now();
     let peeked = peek(stream, config.limits.peek_bytes, config.timeouts.peek).await;
     dp.metrics

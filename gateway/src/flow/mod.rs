@@ -42,7 +42,8 @@ pub(crate) async fn handle(
         Err(refusal) => return rec.refused(&mut stream, refusal).await,
     };
     rec.accepted(&accepted);
-    let (classified, peeked) = match classify::classify(&dp, &mut stream).await {
+    let config = dp.config();
+    let (classified, peeked) = match classify::classify(&dp, &config, &mut stream).await {
         Ok(c) => c,
         Err(refusal) => return rec.refused(&mut stream, refusal).await,
     };
@@ -70,7 +71,6 @@ pub(crate) async fn handle(
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
-            let config = dp.config();
             let moved =
                 crate::splice::splice_to(&dp, stream, accepted.dst, &peeked, &config.timeouts)
                     .await;

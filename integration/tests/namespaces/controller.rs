@@ -98,35 +98,11 @@ fn api(
     headers: &[&str],
     body: Option<&str>,
 ) -> (u16, serde_json::Value) {
-    let url = format!("http://127.0.0.1:8080{path}");
     let auth = format!("authorization: Bearer {token}");
-    let mut args = vec![
-        "-s",
-        "-o",
-        "-",
-        "-w",
-        "\n%{http_code}",
-        "-X",
-        method,
-        "--max-time",
-        "5",
-        "-H",
-        &auth,
-    ];
-    for h in headers {
-        args.extend(["-H", h]);
-    }
-    if let Some(b) = body {
-        args.extend(["-H", "content-type: application/json", "--data-binary", b]);
-    }
-    args.push(&url);
-    let out = t.exec(&t.gw, "curl", &args);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    (
-        code.trim().parse().unwrap_or(0),
-        serde_json::from_str(body).unwrap_or(json!(body)),
-    )
+    let mut all = vec![auth.as_str()];
+    all.extend_from_slice(headers);
+    let (code, body) = t.http_in_gw(method, &format!("http://127.0.0.1:8080{path}"), &all, body);
+    (code, serde_json::from_str(&body).unwrap_or(json!(body)))
 }
 
 fn eventually(what: &str, mut check: impl FnMut() -> bool) {

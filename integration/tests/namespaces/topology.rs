@@ -322,7 +322,18 @@ impl Topology {
 
     /// An admin API call from inside the gateway namespace: status and body.
     pub fn admin(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-        let url = format!("http://127.0.0.1:15000{path}");
+        self.http_in_gw(method, &format!("http://127.0.0.1:15000{path}"), &[], body)
+    }
+
+    /// An HTTP call with curl from inside the gateway namespace (`headers`
+    /// as `name: value`): status and body.
+    pub fn http_in_gw(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[&str],
+        body: Option<&str>,
+    ) -> (u16, String) {
         let mut args = vec![
             "-s",
             "-o",
@@ -333,11 +344,14 @@ impl Topology {
             method,
             "--max-time",
             "5",
-            &url,
         ];
+        for h in headers {
+            args.extend(["-H", h]);
+        }
         if let Some(b) = body {
             args.extend(["-H", "content-type: application/json", "--data-binary", b]);
         }
+        args.push(url);
         let out = self.exec(&self.gw, "curl", &args);
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
