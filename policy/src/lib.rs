@@ -1,7 +1,8 @@
 //! Egress policy: destinations and their normal form, the tenant/effective
 //! policy model, operator profiles (`SPACE_EGRESS_PROFILES`), deployment TLS
 //! exemptions (`SPACE_TLS_INTERCEPTION_EXEMPTIONS`), profile selection
-//! (`X-Space-Egress-Profiles`), composition, and the compiled per-flow matcher.
+//! (`X-Space-Egress-Profiles`), composition, the compiled per-flow matcher,
+//! and the machine (L4) egress policy of user-mode VMs ([`machine`]).
 //!
 //! Pure: no I/O, no async, no clock. The gateway and the controller both
 //! build on it; everything that reads the network or the environment lives
@@ -11,6 +12,7 @@ mod compose;
 mod dest;
 mod exemptions;
 mod json;
+pub mod machine;
 mod matcher;
 mod name;
 mod platform;
