@@ -9,6 +9,7 @@
 //! | `PUT /v1/sandboxes` | `{"sandboxes": [{"id", "addresses", "policy"}]}`: replace all (resync) |
 //! | `POST /v1/explain` | `{"sandbox", "dst", "tls", "sni", "host"}`: the decision now, and why |
 //! | `GET /v1/sandboxes/{id}/attribution` | live attribution with remaining TTL |
+//! | `/v1/vms/…`, `/v1/network/egress/defaults` | machine egress ([`crate::machine::api`]) |
 //! | `GET /healthz`, `/readyz`, `/metrics` | |
 //!
 //! With `admin.token_file` set, every route but `/healthz` needs
@@ -45,6 +46,8 @@ pub(crate) struct Control {
     /// New at every start: a controller that sees it change knows the
     /// gateway restarted and resyncs it.
     epoch: String,
+    /// Machine egress: the VM routes.
+    machines: Arc<crate::machine::Machines>,
 }
 
 impl Control {
@@ -52,12 +55,14 @@ impl Control {
         dp: Arc<Dataplane>,
         token: Option<String>,
         committer: Committer,
+        machines: Arc<crate::machine::Machines>,
     ) -> Arc<Self> {
         Arc::new(Self {
             dp,
             token,
             committer,
             epoch: epoch(),
+            machines,
         })
     }
 }
@@ -125,7 +130,7 @@ struct Explain {
     host: Option<String>,
 }
 
-type Reply = Response<Full<Bytes>>;
+pub(crate) type Reply = Response<Full<Bytes>>;
 
 async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     let path = req.uri().path().to_owned();
@@ -137,6 +142,9 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     }
     let method = req.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    if let ["v1", "vms", ..] | ["v1", "network", ..] = segments.as_slice() {
+        return crate::machine::api::route(req, &ctl.machines, &ctl.dp).await;
+    }
     match (&method, segments.as_slice()) {
         (&Method::GET, ["readyz"]) if ctl.dp.ready.load(Ordering::Acquire) => {
             let state = format!(
@@ -237,6 +245,15 @@ fn get(ctl: &Control, id: &str) -> Reply {
 
 /// Reads and parses a capped JSON body; errors name the field.
 async fn body<T: for<'de> Deserialize<'de>>(req: Request<Incoming>) -> Result<T, Reply> {
+    let text = body_text(req).await?;
+    egress_policy::from_json(&text).map_err(|e| {
+        let field = (!e.path.is_empty()).then_some(e.path.trim_start_matches('.'));
+        error(StatusCode::BAD_REQUEST, &e.message, field)
+    })
+}
+
+/// Reads a body of at most 1 MiB of UTF-8 (`413` beyond, `400` otherwise).
+pub(crate) async fn body_text(req: Request<Incoming>) -> Result<String, Reply> {
     let bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(e)
@@ -257,12 +274,8 @@ async fn body<T: for<'de> Deserialize<'de>>(req: Request<Incoming>) -> Result<T,
             ))
         }
     };
-    let text = std::str::from_utf8(&bytes)
-        .map_err(|_| error(StatusCode::BAD_REQUEST, "body is not UTF-8", None))?;
-    egress_policy::from_json(text).map_err(|e| {
-        let field = (!e.path.is_empty()).then_some(e.path.trim_start_matches('.'));
-        error(StatusCode::BAD_REQUEST, &e.message, field)
-    })
+    String::from_utf8(bytes.to_vec())
+        .map_err(|_| error(StatusCode::BAD_REQUEST, "body is not UTF-8", None))
 }
 
 fn valid_id(id: &str) -> Result<(), String> {
@@ -424,7 +437,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn json_reply(status: StatusCode, v: &Value) -> Reply {
+pub(crate) fn json_reply(status: StatusCode, v: &Value) -> Reply {
     let mut body = serde_json::to_vec(v).unwrap_or_default();
     body.push(b'\n');
     let mut r = Response::new(Full::new(Bytes::from(body)));
@@ -436,7 +449,7 @@ fn json_reply(status: StatusCode, v: &Value) -> Reply {
     r
 }
 
-fn error(status: StatusCode, message: &str, field: Option<&str>) -> Reply {
+pub(crate) fn error(status: StatusCode, message: &str, field: Option<&str>) -> Reply {
     let mut v = json!({ "error": message });
     if let Some(f) = field {
         v["field"] = json!(f);

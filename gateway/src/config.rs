@@ -21,6 +21,23 @@ pub struct Config {
     pub limits: Limits,
     pub log: Log,
     pub admin: Admin,
+    pub machine_egress: MachineEgressConfig,
+}
+
+/// Machine egress: the L4 policy of user-mode VMs, enforced in nftables
+/// (`docs/machine-egress.md`).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MachineEgressConfig {
+    /// The nftables command and any leading arguments, e.g.
+    /// `["ip", "netns", "exec", "qemu", "nft"]` to govern another namespace.
+    pub nft: Vec<String>,
+    /// Refused (or, in audit, would-be-refused) destinations kept per VM;
+    /// the oldest are evicted beyond it.
+    pub observed_capacity: usize,
+    /// How often the kernel's counters are read for new observations.
+    #[serde(deserialize_with = "duration")]
+    pub observe_interval: Duration,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
@@ -154,7 +171,35 @@ impl Default for Config {
             limits: Limits::default(),
             log: Log::default(),
             admin: Admin::default(),
+            machine_egress: MachineEgressConfig::default(),
         }
+    }
+}
+
+impl Default for MachineEgressConfig {
+    fn default() -> Self {
+        Self {
+            nft: vec!["nft".into()],
+            observed_capacity: 4_096,
+            observe_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+impl MachineEgressConfig {
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
+        if self.nft.first().is_none_or(|c| c.is_empty()) {
+            return Some(("machine_egress.nft", "name the nft command".into()));
+        }
+        if !(16..=65_536).contains(&self.observed_capacity) {
+            let why = format!("{} is outside 16..=65536", self.observed_capacity);
+            return Some(("machine_egress.observed_capacity", why));
+        }
+        if self.observe_interval < Duration::from_millis(100) {
+            let why = format!("{:?} is shorter than 100ms", self.observe_interval);
+            return Some(("machine_egress.observe_interval", why));
+        }
+        None
     }
 }
 
@@ -318,7 +363,9 @@ impl Config {
             );
             return Some(("dns.upstreams", why));
         }
-        self.limits.first_invalid()
+        self.limits
+            .first_invalid()
+            .or_else(|| self.machine_egress.first_invalid())
     }
 
     /// The CA files: configured, or `state_dir` for a created one.
@@ -386,6 +433,7 @@ struct RestartOnly<'a> {
     admin: &'a Admin,
     limits: RestartLimits,
     log: &'a Log,
+    machine_egress: &'a MachineEgressConfig,
 }
 
 #[derive(Debug, PartialEq, Serialize)]
@@ -419,6 +467,7 @@ impl Config {
                 worker_threads: self.limits.worker_threads,
             },
             log: &self.log,
+            machine_egress: &self.machine_egress,
         }
     }
 

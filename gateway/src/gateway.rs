@@ -55,6 +55,8 @@ pub enum StartError {
     Token { path: String, message: String },
     #[error("{0}")]
     Snapshot(#[from] crate::persist::PersistError),
+    #[error("machine egress: {0}")]
+    Machines(#[from] crate::machine::MachineError),
     #[error("cannot listen on {what} {addr}: {source}")]
     Bind {
         what: &'static str,
@@ -137,8 +139,16 @@ impl Gateway {
             journal,
             seq,
         );
-        let metrics = crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter);
+        // Every VM's table, before a single flow is served.
+        let machines = crate::machine::Machines::start(
+            &config.machine_egress,
+            &config.state_dir,
+            registry.clone(),
+        )?;
+        let mut metrics =
+            crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter);
         metrics.declare("deny", crate::flow::Refusal::CODES);
+        metrics.machines(machines.clone());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
         let dp = Arc::new(Dataplane::new(
             config, registry, cache, flow_log, metrics, orig_dst,
@@ -150,10 +160,12 @@ impl Gateway {
             bound,
             tasks: JoinSet::new(),
         };
+        let every = gateway.dp.config().machine_egress.observe_interval;
+        gateway.tasks.spawn(machines.clone().observer(every));
         gateway.serve(
             listeners,
             &dns,
-            Control::new(gateway.dp.clone(), token, committer),
+            Control::new(gateway.dp.clone(), token, committer, machines),
         );
         Ok(gateway)
     }

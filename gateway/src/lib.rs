@@ -14,6 +14,7 @@ mod gateway;
 mod intercept;
 mod io;
 pub mod journal;
+pub mod machine;
 mod metrics;
 pub mod peek;
 pub mod persist;

@@ -114,6 +114,12 @@ impl Metrics {
         m
     }
 
+    /// Adds the machine egress figures, read at scrape time.
+    pub(crate) fn machines(&mut self, machines: Arc<crate::machine::Machines>) {
+        self.registry
+            .register_collector(Box::new(MachineSources { machines }));
+    }
+
     /// The text exposition format.
     pub(crate) fn encode(&self) -> String {
         let mut out = String::new();
@@ -220,6 +226,64 @@ impl Collector for Sources {
             let g = ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX));
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabels {
+    mode: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VmLabels {
+    vm: String,
+    /// `refused` (dropped) or `would_refuse` (audit: recorded, passed).
+    outcome: &'static str,
+}
+
+/// Machine egress, read at scrape time. The `vm` label is bounded by the
+/// VMs on this worker; a removed VM's series goes with it.
+#[derive(Debug)]
+struct MachineSources {
+    machines: Arc<crate::machine::Machines>,
+}
+
+impl Collector for MachineSources {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let f = self.machines.figures();
+        let gauge = ConstGauge::new(0i64);
+        let mut family = encoder.encode_descriptor(
+            "machine_vms",
+            "VMs under machine egress, by the mode of the policy in force.",
+            None,
+            gauge.metric_type(),
+        )?;
+        for (mode, n) in crate::machine::MODES.iter().zip(f.by_mode) {
+            ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(family.encode_family(
+                &ModeLabels {
+                    mode: mode.as_str(),
+                },
+            )?)?;
+        }
+        let counter = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "machine_refused_packets",
+            "Packets from a VM its policy refused (dropped), or in audit mode would have refused (passed), by VM; read from the kernel's counters.",
+            None,
+            counter.metric_type(),
+        )?;
+        for (vm, audit, n) in f.packets {
+            let outcome = if audit { "would_refuse" } else { "refused" };
+            ConstCounter::new(n).encode(family.encode_family(&VmLabels { vm, outcome })?)?;
+        }
+        let c = ConstCounter::new(f.evictions);
+        c.encode(encoder.encode_descriptor(
+            "machine_observed_evictions",
+            "Observed destinations evicted by the per-VM bound (machine_egress.observed_capacity).",
+            None,
+            c.metric_type(),
+        )?)?;
         Ok(())
     }
 }

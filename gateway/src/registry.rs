@@ -29,6 +29,8 @@ pub enum RegistryError {
     AddressInUse { address: IpAddr, owner: String },
     #[error("sandbox {0} lists address {1} twice")]
     DuplicateAddress(String, IpAddr),
+    #[error("address {address} belongs to VM {vm}")]
+    AddressOfVm { address: IpAddr, vm: String },
 }
 
 /// One consistent generation of the registry (not the snapshot file: see `persist`).
@@ -43,15 +45,20 @@ pub struct Generation {
 pub struct Registry {
     snapshot: ArcSwap<Generation>,
     platform: Arc<PlatformDenies>,
-    write: std::sync::Mutex<()>,
+    /// Serialises writers, and holds the addresses VMs claim (machine
+    /// egress): an address belongs to one sandbox or one VM, never both.
+    write: std::sync::Mutex<VmClaims>,
 }
+
+/// Address → the VM that claims it.
+type VmClaims = std::collections::HashMap<IpAddr, String>;
 
 impl Registry {
     pub fn new(platform: Arc<PlatformDenies>) -> Self {
         Self {
             snapshot: ArcSwap::from_pointee(Generation::default()),
             platform,
-            write: std::sync::Mutex::new(()),
+            write: std::sync::Mutex::new(VmClaims::new()),
         }
     }
 
@@ -92,7 +99,7 @@ impl Registry {
         self.snapshot.store(snapshot);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VmClaims> {
         self.write
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -116,7 +123,8 @@ impl Registry {
 
     /// Adds or replaces a prepared sandbox.
     pub fn put_prepared(&self, sandbox: Arc<Sandbox>) -> Result<(), RegistryError> {
-        let _guard = self.lock();
+        let claims = self.lock();
+        unclaimed(&claims, &sandbox)?;
         let mut next = (*self.snapshot.load_full()).clone();
         next.insert(sandbox)?;
         self.snapshot.store(Arc::new(next));
@@ -141,9 +149,47 @@ impl Registry {
         for s in sandboxes {
             next.insert(s)?;
         }
-        let _guard = self.lock();
+        let claims = self.lock();
+        for s in next.by_id.values() {
+            unclaimed(&claims, s)?;
+        }
         self.snapshot.store(Arc::new(next));
         Ok(())
+    }
+
+    /// Gives `vm` exactly `addresses` (replacing what it claimed before);
+    /// refused when a sandbox or another VM holds one of them.
+    pub fn claim_for_vm(&self, vm: &str, addresses: &[IpAddr]) -> Result<(), RegistryError> {
+        let mut claims = self.lock();
+        let generation = self.snapshot.load();
+        let addresses: Vec<IpAddr> = addresses.iter().copied().map(canonical).collect();
+        for &a in &addresses {
+            if let Some(owner) = generation.by_addr.get(&a) {
+                return Err(RegistryError::AddressInUse {
+                    address: a,
+                    owner: owner.id.to_string(),
+                });
+            }
+            match claims.get(&a) {
+                Some(other) if other != vm => {
+                    return Err(RegistryError::AddressOfVm {
+                        address: a,
+                        vm: other.clone(),
+                    })
+                }
+                _ => {}
+            }
+        }
+        claims.retain(|_, owner| owner != vm);
+        for a in addresses {
+            claims.insert(a, vm.to_owned());
+        }
+        Ok(())
+    }
+
+    /// Releases every address `vm` claimed.
+    pub fn release_vm(&self, vm: &str) {
+        self.lock().retain(|_, owner| owner != vm);
     }
 
     pub fn remove(&self, id: &SandboxId) -> bool {
@@ -162,6 +208,21 @@ impl Registry {
             addresses: addresses.into_iter().map(canonical).collect(),
             policy: CompiledPolicy::new(policy, self.platform.clone()),
         }
+    }
+}
+
+/// Refuses a sandbox holding an address a VM claims.
+fn unclaimed(claims: &VmClaims, sandbox: &Sandbox) -> Result<(), RegistryError> {
+    match sandbox
+        .addresses
+        .iter()
+        .find_map(|a| Some((a, claims.get(a)?)))
+    {
+        Some((&address, vm)) => Err(RegistryError::AddressOfVm {
+            address,
+            vm: vm.clone(),
+        }),
+        None => Ok(()),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Command-line interface: the clap definitions and the dispatch, nothing else.
 //!
 //! Each command lives in its own module and owns its flags (`run`, `policy`,
-//! `redirect`, `ca`). They share one module, `output`: the document a command
+//! `redirect`, `ca`, `machine-egress`). They share one module, `output`: the document a command
 //! prints, its errors and how both reach stdout, stderr and the exit code.
 //! `output` imports no other command module and no command imports another, so
 //! the modules form a tree rooted here rather than a circle.
@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod ca;
+mod machine;
 mod output;
 mod policy;
 mod redirect;
@@ -39,6 +40,9 @@ enum Command {
     /// Manage the interception CA.
     #[command(subcommand)]
     Ca(ca::CaCommand),
+    /// The machine (L4) egress policy of user-mode VMs.
+    #[command(subcommand, name = "machine-egress")]
+    MachineEgress(machine::MachineCommand),
 }
 
 /// Runs the CLI with the process's arguments and environment.
@@ -49,5 +53,6 @@ pub fn main() -> ExitCode {
         Command::Policy(cmd) => output::finish(policy::run(cmd, &|name| std::env::var_os(name))),
         Command::Redirect(args) => redirect::run(&args),
         Command::Ca(cmd) => ca::run(cmd),
+        Command::MachineEgress(cmd) => output::finish(machine::run(cmd)),
     }
 }

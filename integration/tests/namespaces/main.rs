@@ -5,5 +5,6 @@
 #![allow(unreachable_pub)] // a test binary: `pub` only shares helpers between its modules
 
 mod controller;
+mod machine;
 mod scenarios;
 mod topology;

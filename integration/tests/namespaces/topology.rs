@@ -3,6 +3,11 @@
 //! `egress-gateway redirect` rules on both sandbox interfaces and drops
 //! forwarding; no namespace has a route to the host network. Everything is
 //! removed on drop, also when a test fails.
+//!
+//! [`Topology::with_vm`] adds a fifth namespace standing in for the QEMU
+//! process of a user-mode VM (machine egress): its traffic is forwarded by
+//! the gateway namespace's kernel — and only its traffic, from its veth —
+//! under the VM's nftables table.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -14,6 +19,8 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 
 pub const SB1_IP: &str = "100.64.1.2";
 pub const SB2_IP: &str = "100.64.2.2";
+/// The VM stand-in's address (machine egress).
+pub const VM_IP: &str = "100.64.4.2";
 
 /// Whether namespace tests can run here; with `EGRESS_E2E_REQUIRED=1`
 /// (set by CI) a missing prerequisite is a failure, not a skip.
@@ -50,6 +57,8 @@ pub struct Topology {
     pub sb1: String,
     pub sb2: String,
     pub inet: String,
+    /// The namespace standing in for a VM's QEMU process, when asked for.
+    pub vm: Option<String>,
     pub dir: tempfile::TempDir,
     gateway: Option<Child>,
     internet: Option<Child>,
@@ -84,6 +93,17 @@ pub fn bin(name: &str) -> PathBuf {
 
 impl Topology {
     pub fn new() -> Self {
+        Self::build(false)
+    }
+
+    /// With a namespace standing in for a VM's QEMU process at [`VM_IP`],
+    /// reached through the veth `vm1`; the gateway namespace forwards what
+    /// comes from it (and replies to it), nothing else.
+    pub fn with_vm() -> Self {
+        Self::build(true)
+    }
+
+    fn build(with_vm: bool) -> Self {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let tag = format!("{}-{n}", std::process::id());
         let dir = tempfile::tempdir().expect("temp dir");
@@ -92,11 +112,15 @@ impl Topology {
             sb1: format!("egw-sb1-{tag}"),
             sb2: format!("egw-sb2-{tag}"),
             inet: format!("egw-net-{tag}"),
+            vm: with_vm.then(|| format!("egw-vm-{tag}")),
             dir,
             gateway: None,
             internet: None,
         };
-        for ns in [&t.gw, &t.sb1, &t.sb2, &t.inet] {
+        for ns in [&t.gw, &t.sb1, &t.sb2, &t.inet]
+            .into_iter()
+            .chain(t.vm.as_ref())
+        {
             run("ip", &["netns", "add", ns]);
             run("ip", &["-n", ns, "link", "set", "lo", "up"]);
             // IPv4 only: no router advertisements or autoconfigured addresses.
@@ -140,6 +164,13 @@ impl Topology {
             "ip",
             &["-n", &t.sb2, "route", "add", "default", "via", "100.64.2.1"],
         );
+        if let Some(vm) = &t.vm {
+            link(vm, "vm1", "100.64.4.1/30", "100.64.4.2/30");
+            run(
+                "ip",
+                &["-n", vm, "route", "add", "default", "via", "100.64.4.1"],
+            );
+        }
         for net in ["203.0.113.0/24", "198.51.100.0/24"] {
             run(
                 "ip",
@@ -172,7 +203,10 @@ impl Topology {
                 ],
             );
         }
-        // The gateway namespace never forwards: every byte crosses the gateway process.
+        // Sandbox traffic is never forwarded: every byte crosses the gateway
+        // process. Only the VM stand-in's traffic (and replies to it) is, and
+        // only after its machine egress table judged it.
+        let forward = if t.vm.is_some() { 1 } else { 0 };
         run(
             "ip",
             &[
@@ -181,9 +215,14 @@ impl Topology {
                 &t.gw,
                 "sysctl",
                 "-qw",
-                "net.ipv4.ip_forward=0",
+                &format!("net.ipv4.ip_forward={forward}"),
             ],
         );
+        let vm_rules = if t.vm.is_some() {
+            "  iifname \"vm1\" oifname \"inet0\" accept\n  iifname \"inet0\" oifname \"vm1\" ct state established,related accept\n"
+        } else {
+            ""
+        };
         let mut nft = Command::new("ip")
             .args(["netns", "exec", &t.gw, "nft", "-f", "-"])
             .stdin(Stdio::piped())
@@ -191,7 +230,7 @@ impl Topology {
             .expect("nft");
         std::io::Write::write_all(
             nft.stdin.as_mut().expect("stdin"),
-            b"table inet egw_forward {\n chain forward {\n  type filter hook forward priority 0; policy drop;\n }\n}\n",
+            format!("table inet egw_forward {{\n chain forward {{\n  type filter hook forward priority 0; policy drop;\n{vm_rules} }}\n}}\n").as_bytes(),
         )
         .expect("write");
         assert!(nft.wait().expect("nft").success());
@@ -430,7 +469,10 @@ impl Drop for Topology {
             let _ = child.kill();
             let _ = child.wait();
         }
-        for ns in [&self.gw, &self.sb1, &self.sb2, &self.inet] {
+        for ns in [&self.gw, &self.sb1, &self.sb2, &self.inet]
+            .into_iter()
+            .chain(self.vm.as_ref())
+        {
             // Whatever else still runs in the namespace, by PID.
             if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
                 for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {

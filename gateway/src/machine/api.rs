@@ -1,0 +1,342 @@
+//! The VM-manager routes of machine egress, on the admin listener (same
+//! bearer token):
+//!
+//! | route | what |
+//! | --- | --- |
+//! | `GET /v1/vms` | every VM |
+//! | `PUT /v1/vms/{id}` | `{"addresses": [..], "egress": <policy, optional>}`: register; without `egress` it follows the node default |
+//! | `GET`/`DELETE /v1/vms/{id}` | read; remove the VM and its table |
+//! | `GET`/`PUT`/`DELETE /v1/vms/{id}/network/egress` | the VM's policy; `DELETE` clears its own (it follows the node default) |
+//! | `GET /v1/vms/{id}/network/egress/observed` | refused (audit: would-be-refused) destinations |
+//! | `POST /v1/vms/{id}/network/egress/suggest[?apply=true]` | rules that would allow what was observed |
+//! | `GET`/`PUT /v1/network/egress/defaults[?apply_running=true]` | the node default |
+//!
+//! Invalid policies are `400` with `{"error", "errors": [{"rule", "message"}]}`
+//! — the same errors as `egress-gateway machine-egress check`; an unknown VM
+//! is `404`; an address a sandbox or another VM holds is `409`.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+
+use egress_policy::machine::{self, MachineEgress, Observed, Problem};
+use http::{Method, Request, StatusCode};
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+
+use super::{EgressView, MachineError, Machines, Vm};
+use crate::admin::{body_text, error, json_reply, Reply};
+use crate::state::Dataplane;
+
+/// Serves one machine egress request.
+pub(crate) async fn route(req: Request<Incoming>, m: &Arc<Machines>, dp: &Arc<Dataplane>) -> Reply {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let query = req.uri().query().unwrap_or("").to_owned();
+    let segments: Vec<String> = path
+        .trim_matches('/')
+        .split('/')
+        .map(str::to_owned)
+        .collect();
+    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+    match (&method, segments.as_slice()) {
+        (&Method::GET, ["v1", "vms"]) => {
+            let vms: Vec<Value> = m.vms().iter().map(vm_json).collect();
+            json_reply(StatusCode::OK, &json!({ "vms": vms }))
+        }
+        (&Method::PUT, ["v1", "vms", id]) => {
+            let id = (*id).to_owned();
+            let doc = match body_text(req).await {
+                Ok(t) => t,
+                Err(r) => return r,
+            };
+            let (addresses, egress) = match registration(&doc) {
+                Ok(x) => x,
+                Err(r) => return *r,
+            };
+            let m = m.clone();
+            blocking(move || m.put_vm(&id, addresses, egress).map(|vm| vm_json(&vm))).await
+        }
+        (&Method::GET, ["v1", "vms", id]) => match m.vm(id) {
+            Ok(vm) => json_reply(StatusCode::OK, &vm_json(&vm)),
+            Err(e) => failed(&e),
+        },
+        (&Method::DELETE, ["v1", "vms", id]) => {
+            let (m, id) = (m.clone(), (*id).to_owned());
+            blocking(move || m.delete_vm(&id).map(|()| json!({ "deleted": id }))).await
+        }
+        (&Method::GET, ["v1", "vms", id, "network", "egress"]) => match m.egress(id) {
+            Ok(view) => json_reply(StatusCode::OK, &egress_json(id, &view)),
+            Err(e) => failed(&e),
+        },
+        (&Method::PUT, ["v1", "vms", id, "network", "egress"]) => {
+            let policy = match policy_body(req).await {
+                Ok(p) => p,
+                Err(r) => return r,
+            };
+            let (m, id) = (m.clone(), (*id).to_owned());
+            blocking(move || {
+                m.set_egress(&id, Some(policy))
+                    .map(|v| egress_json(&id, &v))
+            })
+            .await
+        }
+        (&Method::DELETE, ["v1", "vms", id, "network", "egress"]) => {
+            let (m, id) = (m.clone(), (*id).to_owned());
+            blocking(move || m.set_egress(&id, None).map(|v| egress_json(&id, &v))).await
+        }
+        (&Method::GET, ["v1", "vms", id, "network", "egress", "observed"]) => {
+            let (m2, id2) = (m.clone(), (*id).to_owned());
+            let dp = dp.clone();
+            blocking(move || {
+                let vm = m2.vm(&id2)?;
+                let (entries, evictions) = m2.observed(&id2)?;
+                let list: Vec<Value> = entries
+                    .iter()
+                    .map(|((addr, proto, port), seen)| {
+                        json!({
+                            "address": addr,
+                            "proto": proto.as_str(),
+                            "port": port,
+                            "count": seen.count,
+                            "first_seen": super::observed::unix(seen.first),
+                            "last_seen": super::observed::unix(seen.last),
+                            "names": names(&dp, *addr),
+                        })
+                    })
+                    .collect();
+                Ok(json!({
+                    "vm": id2,
+                    "mode": vm.effective.mode.as_str(),
+                    "recorded": if vm.effective.mode == machine::Mode::Audit { "would_refuse" } else { "refused" },
+                    "evictions": evictions,
+                    "observed": list,
+                }))
+            })
+            .await
+        }
+        (&Method::POST, ["v1", "vms", id, "network", "egress", "suggest"]) => {
+            let apply = match flag(&query, "apply") {
+                Ok(a) => a,
+                Err(r) => return *r,
+            };
+            let (m, id) = (m.clone(), (*id).to_owned());
+            let dp = dp.clone();
+            blocking(move || suggest(&m, &dp, &id, apply)).await
+        }
+        (&Method::GET, ["v1", "network", "egress", "defaults"]) => json_reply(
+            StatusCode::OK,
+            &json!({ "policy": m.default_policy().to_value() }),
+        ),
+        (&Method::PUT, ["v1", "network", "egress", "defaults"]) => {
+            let apply_running = match flag(&query, "apply_running") {
+                Ok(a) => a,
+                Err(r) => return *r,
+            };
+            let policy = match policy_body(req).await {
+                Ok(p) => p,
+                Err(r) => return r,
+            };
+            let m = m.clone();
+            blocking(move || {
+                let value = policy.to_value();
+                m.set_default(policy, apply_running).map(|applied| {
+                    json!({ "policy": value, "apply_running": apply_running, "applied_to": applied })
+                })
+            })
+            .await
+        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no route {method} {path}"),
+            None,
+        ),
+    }
+}
+
+/// Runs a change (it runs nft and fsyncs) off the async threads.
+async fn blocking(f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static) -> Reply {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(Ok(v)) => json_reply(StatusCode::OK, &v),
+        Ok(Err(e)) => failed(&e),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string(), None),
+    }
+}
+
+fn failed(e: &MachineError) -> Reply {
+    let (status, field) = match e {
+        MachineError::Id(_) => (StatusCode::BAD_REQUEST, Some("id")),
+        MachineError::Missing(_) => (StatusCode::NOT_FOUND, None),
+        MachineError::Conflict(_) => (StatusCode::CONFLICT, Some("addresses")),
+        MachineError::DuplicateAddress { .. } | MachineError::NoAddress => {
+            (StatusCode::BAD_REQUEST, Some("addresses"))
+        }
+        MachineError::Kernel(_) | MachineError::Persist { .. } => {
+            (StatusCode::INTERNAL_SERVER_ERROR, None)
+        }
+    };
+    error(status, &e.to_string(), field)
+}
+
+/// `400` with the validation errors, as `machine-egress check` prints them.
+fn invalid(problems: &[Problem]) -> Reply {
+    json_reply(
+        StatusCode::BAD_REQUEST,
+        &json!({ "error": "invalid machine egress policy", "errors": problems }),
+    )
+}
+
+async fn policy_body(req: Request<Incoming>) -> Result<MachineEgress, Reply> {
+    let text = body_text(req).await?;
+    MachineEgress::from_json(&text).map_err(|p| invalid(&p))
+}
+
+/// `PUT /v1/vms/{id}`'s body.
+fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), Box<Reply>> {
+    let bad = |msg: &str, field: &str| Box::new(error(StatusCode::BAD_REQUEST, msg, Some(field)));
+    let doc: Value = serde_json::from_str(text)
+        .map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, &format!("body: {e}"), None)))?;
+    let Some(obj) = doc.as_object() else {
+        return Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "body must be a JSON object",
+            None,
+        )));
+    };
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !["addresses", "egress"].contains(&k.as_str()))
+    {
+        return Err(bad(
+            &format!("unknown field {k:?}, expected \"addresses\" or \"egress\""),
+            k,
+        ));
+    }
+    let Some(list) = obj.get("addresses").and_then(Value::as_array) else {
+        return Err(bad(
+            "addresses: expected a list of IP addresses",
+            "addresses",
+        ));
+    };
+    let mut addresses = Vec::with_capacity(list.len());
+    for (i, a) in list.iter().enumerate() {
+        let field = format!("addresses[{i}]");
+        match a.as_str().map(str::parse::<IpAddr>) {
+            Some(Ok(ip)) => addresses.push(ip),
+            _ => return Err(bad(&format!("{field}: {a} is not an IP address"), &field)),
+        }
+    }
+    let egress = match obj.get("egress") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(MachineEgress::from_value(v).map_err(|p| Box::new(invalid(&p)))?),
+    };
+    Ok((addresses, egress))
+}
+
+/// `?name=true|false|1|0`; absent is false.
+fn flag(query: &str, name: &str) -> Result<bool, Box<Reply>> {
+    let mut value = false;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, "true"));
+        if k != name {
+            return Err(Box::new(error(
+                StatusCode::BAD_REQUEST,
+                &format!("unknown query parameter {k:?} (expected {name})"),
+                Some(k),
+            )));
+        }
+        value = match v {
+            "true" | "1" => true,
+            "false" | "0" => false,
+            other => {
+                return Err(Box::new(error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("{name}={other:?}: expected true or false"),
+                    Some(name),
+                )))
+            }
+        };
+    }
+    Ok(value)
+}
+
+fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value, MachineError> {
+    let vm = m.vm(id)?;
+    let (entries, _) = m.observed(id)?;
+    let observed: Vec<Observed> = entries
+        .iter()
+        .map(|((addr, proto, port), seen)| Observed {
+            addr: *addr,
+            proto: *proto,
+            port: *port,
+            names: names(dp, *addr),
+            count: seen.count,
+        })
+        .collect();
+    let s = machine::suggest(&vm.effective, &observed);
+    let added: Vec<Value> = s
+        .added
+        .iter()
+        .map(|r| {
+            MachineEgress {
+                mode: machine::Mode::Allowlist,
+                rules: vec![r.clone()],
+            }
+            .to_value()["rules"][0]
+                .clone()
+        })
+        .collect();
+    let uncovered: Vec<Value> = s
+        .uncovered
+        .iter()
+        .map(|o| json!({ "address": o.addr, "proto": o.proto.as_str(), "port": o.port }))
+        .collect();
+    let policy = s.policy.to_value();
+    if apply {
+        m.set_egress(id, Some(s.policy))?;
+    }
+    Ok(json!({
+        "vm": id,
+        "policy": policy,
+        "added": added,
+        "notes": s.notes,
+        "uncovered": uncovered,
+        "applied": apply,
+    }))
+}
+
+/// Names the gateway's DNS attribution holds for `addr`, over every sandbox
+/// on this worker: a hint for the operator (notes), never a decision.
+fn names(dp: &Dataplane, addr: Ipv4Addr) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for sandbox in dp.registry.ids() {
+        let found = dp.cache.names_for(&sandbox, IpAddr::V4(addr));
+        for n in found.names().iter() {
+            let n = n.to_string();
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        if names.len() >= 8 {
+            break;
+        }
+    }
+    names
+}
+
+fn vm_json(vm: &Vm) -> Value {
+    json!({
+        "id": vm.id,
+        "addresses": vm.addresses,
+        "egress": vm.egress.as_ref().map(MachineEgress::to_value),
+        "effective": vm.effective.to_value(),
+        "follows_default": vm.egress.is_none(),
+    })
+}
+
+fn egress_json(id: &str, view: &EgressView) -> Value {
+    json!({
+        "vm": id,
+        "source": if view.own { "vm" } else { "default" },
+        "policy": view.policy.to_value(),
+    })
+}

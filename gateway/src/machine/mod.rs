@@ -1,0 +1,488 @@
+//! Machine egress: the L4 policy of user-mode VMs, whose traffic their QEMU
+//! process re-originates. The gateway does not proxy it: each VM's policy is
+//! compiled into its own nftables table ([`nft`]) and the kernel enforces it,
+//! TCP and UDP alike. The gateway keeps the VMs, the node default and what
+//! the kernel refused ([`observed`]), serves the VM-manager routes
+//! ([`api`]) and persists its state (`machines.json` in `state_dir`), so a
+//! restart re-installs every table before the gateway reports ready.
+//!
+//! Every change is one transaction: the tables it touches are replaced in
+//! one `nft -f`, then the state is made durable; if that fails the previous
+//! tables are put back and the change is refused. Changes are serialised.
+
+pub(crate) mod api;
+pub mod nft;
+pub mod observed;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write as _;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::SystemTime;
+
+use egress_policy::machine::{MachineEgress, Mode};
+use serde::{Deserialize, Serialize};
+
+use crate::config::MachineEgressConfig;
+use crate::registry::{Registry, RegistryError};
+use nft::{Nft, NftError};
+
+/// The file name under `state_dir`.
+pub const STATE_FILE: &str = "machines.json";
+
+/// Longest VM id.
+const MAX_ID: usize = 64;
+
+/// Why a change was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    #[error("invalid VM id {0:?}: expected 1 to 64 letters, digits, '-', '_' or '.'")]
+    Id(String),
+    #[error("no VM {0:?}")]
+    Missing(String),
+    #[error("{0}")]
+    Conflict(#[from] RegistryError),
+    #[error("VM {vm} lists address {address} twice")]
+    DuplicateAddress { vm: String, address: IpAddr },
+    #[error("a VM needs at least one address")]
+    NoAddress,
+    #[error("installing the rules failed (nothing changed): {0}")]
+    Kernel(#[from] NftError),
+    #[error("{path}: {message} (the rules were put back; nothing changed)")]
+    Persist { path: PathBuf, message: String },
+}
+
+/// One VM as the gateway keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Vm {
+    pub id: String,
+    pub addresses: Vec<IpAddr>,
+    /// Its own policy; `None`: it follows the node default.
+    pub egress: Option<MachineEgress>,
+    /// The policy installed: its own, or the node default as it was when
+    /// the VM started (or was last brought in line with `apply_running`).
+    pub effective: MachineEgress,
+}
+
+/// The persisted state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct State {
+    version: u32,
+    /// The node default; without one, `loopback` (nothing leaves).
+    default: MachineEgress,
+    vms: BTreeMap<String, Vm>,
+}
+
+/// Machine egress on this worker.
+#[derive(Debug)]
+pub struct Machines {
+    nft: Nft,
+    capacity: usize,
+    state_dir: PathBuf,
+    registry: Arc<Registry>,
+    state: Mutex<State>,
+    observed: Mutex<HashMap<String, observed::Store>>,
+    /// The kernel's `refused` counters at the last read, by VM id.
+    refused: Mutex<BTreeMap<String, u64>>,
+    /// Observations evicted by the bound, over every VM ever registered.
+    evictions: AtomicU64,
+}
+
+/// A VM's policy as the API reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressView {
+    pub policy: MachineEgress,
+    /// The VM has its own policy (else it follows the node default).
+    pub own: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Checks a VM id: the same alphabet as sandbox ids, at most 64 characters.
+pub fn valid_id(id: &str) -> Result<(), MachineError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(MachineError::Id(id.chars().take(MAX_ID + 1).collect()))
+    }
+}
+
+impl Machines {
+    /// Loads `machines.json` and installs every VM's table — before the
+    /// gateway serves anything. Tables of VMs the state does not know are
+    /// removed (the state is the record; a VM deleted while its table could
+    /// not be removed is cleaned up here).
+    pub fn start(
+        config: &MachineEgressConfig,
+        state_dir: &Path,
+        registry: Arc<Registry>,
+    ) -> Result<Arc<Self>, MachineError> {
+        let path = state_dir.join(STATE_FILE);
+        let loaded =
+            match std::fs::read_to_string(&path) {
+                Ok(text) => Some(serde_json::from_str::<State>(&text).map_err(|e| {
+                    MachineError::Persist {
+                        path: path.clone(),
+                        message: format!("corrupt machine egress state: {e}; fix or remove it"),
+                    }
+                })?),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => {
+                    return Err(MachineError::Persist {
+                        path,
+                        message: e.to_string(),
+                    })
+                }
+            };
+        let machines = Self {
+            nft: Nft::new(config.nft.clone()),
+            capacity: config.observed_capacity,
+            state_dir: state_dir.to_owned(),
+            registry,
+            state: Mutex::new(State {
+                version: 1,
+                default: MachineEgress::loopback(),
+                vms: BTreeMap::new(),
+            }),
+            observed: Mutex::new(HashMap::new()),
+            refused: Mutex::new(BTreeMap::new()),
+            evictions: AtomicU64::new(0),
+        };
+        if let Some(state) = loaded {
+            for vm in state.vms.values() {
+                machines.registry.claim_for_vm(&vm.id, &vm.addresses)?;
+            }
+            let text: String = state.vms.values().map(|vm| machines.ruleset(vm)).collect();
+            if !text.is_empty() {
+                machines.nft.apply(&text)?;
+            }
+            // Tables of VMs this state does not have.
+            let known: Vec<String> = state.vms.keys().map(|id| nft::table_name(id)).collect();
+            for table in machines.nft.tables()? {
+                if !known.contains(&table) {
+                    tracing::warn!(%table, "removing the table of a VM the gateway no longer has");
+                    let text = format!("table inet {table}\ndelete table inet {table}\n");
+                    machines.nft.apply(&text)?;
+                }
+            }
+            if !state.vms.is_empty() {
+                tracing::info!(vms = state.vms.len(), "re-installed machine egress tables");
+            }
+            *lock(&machines.state) = state;
+        }
+        Ok(Arc::new(machines))
+    }
+
+    fn ruleset(&self, vm: &Vm) -> String {
+        nft::ruleset(&vm.id, &vm.addresses, &vm.effective, self.capacity)
+    }
+
+    /// Applies `next` in place of the current state for the VMs in `touched`
+    /// (their tables replaced, or removed when `next` no longer has them):
+    /// one nft transaction, then durable; otherwise rolled back.
+    fn commit(
+        &self,
+        state: &mut State,
+        next: State,
+        touched: &[String],
+    ) -> Result<(), MachineError> {
+        let text = |s: &State| -> String {
+            touched
+                .iter()
+                .map(|id| match s.vms.get(id) {
+                    Some(vm) => self.ruleset(vm),
+                    None => {
+                        let t = nft::table_name(id);
+                        format!("table inet {t}\ndelete table inet {t}\n")
+                    }
+                })
+                .collect()
+        };
+        // Replacing a table empties its observed set: keep what it held.
+        for id in touched.iter().filter(|id| state.vms.contains_key(*id)) {
+            if let Err(e) = self.read_observed(id) {
+                tracing::warn!(vm = %id, error = %e, "reading observed destinations before a change failed");
+            }
+        }
+        let forward = text(&next);
+        if !forward.is_empty() {
+            self.nft.apply(&forward)?;
+        }
+        if let Err(message) = save(&self.state_dir, &next) {
+            let back = text(state);
+            if let Err(e) = self.nft.apply(&back) {
+                tracing::error!(error = %e, "could not put the previous machine egress rules back");
+            }
+            return Err(MachineError::Persist {
+                path: self.state_dir.join(STATE_FILE),
+                message,
+            });
+        }
+        *state = next;
+        Ok(())
+    }
+
+    /// Registers (or re-registers) a VM by the addresses its QEMU process's
+    /// traffic has. Without `egress` it follows the node default.
+    pub fn put_vm(
+        &self,
+        id: &str,
+        addresses: Vec<IpAddr>,
+        egress: Option<MachineEgress>,
+    ) -> Result<Vm, MachineError> {
+        valid_id(id)?;
+        if addresses.is_empty() {
+            return Err(MachineError::NoAddress);
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(&address) = addresses.iter().find(|a| !seen.insert(**a)) {
+            return Err(MachineError::DuplicateAddress {
+                vm: id.to_owned(),
+                address,
+            });
+        }
+        let mut state = lock(&self.state);
+        let before = state.vms.get(id).map(|vm| vm.addresses.clone());
+        self.registry.claim_for_vm(id, &addresses)?;
+        let mut next = state.clone();
+        let effective = egress.clone().unwrap_or_else(|| next.default.clone());
+        let vm = Vm {
+            id: id.to_owned(),
+            addresses,
+            egress,
+            effective,
+        };
+        next.vms.insert(id.to_owned(), vm.clone());
+        if let Err(e) = self.commit(&mut state, next, &[id.to_owned()]) {
+            match before {
+                Some(addresses) => {
+                    let _ = self.registry.claim_for_vm(id, &addresses);
+                }
+                None => self.registry.release_vm(id),
+            }
+            return Err(e);
+        }
+        Ok(vm)
+    }
+
+    /// Removes a VM and its table.
+    pub fn delete_vm(&self, id: &str) -> Result<(), MachineError> {
+        let mut state = lock(&self.state);
+        if !state.vms.contains_key(id) {
+            return Err(MachineError::Missing(id.to_owned()));
+        }
+        let mut next = state.clone();
+        next.vms.remove(id);
+        self.commit(&mut state, next, &[id.to_owned()])?;
+        self.registry.release_vm(id);
+        lock(&self.observed).remove(id);
+        lock(&self.refused).remove(id);
+        Ok(())
+    }
+
+    pub fn vm(&self, id: &str) -> Result<Vm, MachineError> {
+        lock(&self.state)
+            .vms
+            .get(id)
+            .cloned()
+            .ok_or_else(|| MachineError::Missing(id.to_owned()))
+    }
+
+    pub fn vms(&self) -> Vec<Vm> {
+        lock(&self.state).vms.values().cloned().collect()
+    }
+
+    pub fn egress(&self, id: &str) -> Result<EgressView, MachineError> {
+        let vm = self.vm(id)?;
+        Ok(EgressView {
+            own: vm.egress.is_some(),
+            policy: vm.effective,
+        })
+    }
+
+    /// Sets a VM's own policy (`Some`) or clears it (`None`: it follows the
+    /// node default from now on). The running VM takes it at once.
+    pub fn set_egress(
+        &self,
+        id: &str,
+        policy: Option<MachineEgress>,
+    ) -> Result<EgressView, MachineError> {
+        let mut state = lock(&self.state);
+        let mut next = state.clone();
+        let default = next.default.clone();
+        let vm = next
+            .vms
+            .get_mut(id)
+            .ok_or_else(|| MachineError::Missing(id.to_owned()))?;
+        vm.effective = policy.clone().unwrap_or(default);
+        vm.egress = policy;
+        let view = EgressView {
+            own: vm.egress.is_some(),
+            policy: vm.effective.clone(),
+        };
+        self.commit(&mut state, next, &[id.to_owned()])?;
+        Ok(view)
+    }
+
+    pub fn default_policy(&self) -> MachineEgress {
+        lock(&self.state).default.clone()
+    }
+
+    /// Sets the node default. With `apply_running`, VMs that follow it take
+    /// it at once (one transaction for all of them); without, only VMs
+    /// registered afterwards. Returns the VMs that changed.
+    pub fn set_default(
+        &self,
+        policy: MachineEgress,
+        apply_running: bool,
+    ) -> Result<Vec<String>, MachineError> {
+        let mut state = lock(&self.state);
+        let mut next = state.clone();
+        next.default = policy.clone();
+        let mut touched = Vec::new();
+        if apply_running {
+            for vm in next.vms.values_mut() {
+                if vm.egress.is_none() && vm.effective != policy {
+                    vm.effective = policy.clone();
+                    touched.push(vm.id.clone());
+                }
+            }
+        }
+        self.commit(&mut state, next, &touched)?;
+        Ok(touched)
+    }
+
+    /// Reads the VM's observed set from the kernel now, and returns the
+    /// record, most recently seen first, with the store's evictions.
+    pub fn observed(
+        &self,
+        id: &str,
+    ) -> Result<(Vec<(observed::Key, observed::Seen)>, u64), MachineError> {
+        self.vm(id)?;
+        self.read_observed(id)?;
+        let stores = lock(&self.observed);
+        Ok(stores
+            .get(id)
+            .map(|s| (s.entries(), s.evictions()))
+            .unwrap_or_default())
+    }
+
+    fn read_observed(&self, id: &str) -> Result<(), NftError> {
+        let kernel = self.nft.observed(id)?;
+        let now = SystemTime::now();
+        let forget = {
+            let mut stores = lock(&self.observed);
+            let store = stores
+                .entry(id.to_owned())
+                .or_insert_with(|| observed::Store::new(self.capacity));
+            let before = store.evictions();
+            let forget = store.merge(now, &kernel);
+            self.evictions
+                .fetch_add(store.evictions() - before, Ordering::Relaxed);
+            forget
+        };
+        self.nft.forget(id, &forget)
+    }
+
+    /// One round of the observer: reads every VM's `refused` counter, and
+    /// the observed set of each VM whose counter moved.
+    pub fn observe(&self) {
+        let vms = self.vms();
+        if vms.is_empty() {
+            return;
+        }
+        let counters = match self.nft.refused_counters() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the machine egress counters failed");
+                return;
+            }
+        };
+        for vm in vms {
+            let Some(&now) = counters.get(&nft::table_name(&vm.id)) else {
+                continue;
+            };
+            let moved = lock(&self.refused).insert(vm.id.clone(), now) != Some(now);
+            if moved {
+                if let Err(e) = self.read_observed(&vm.id) {
+                    tracing::warn!(vm = %vm.id, error = %e, "reading observed destinations failed");
+                }
+            }
+        }
+    }
+
+    /// Runs [`Machines::observe`] every `every` until the task is dropped.
+    pub(crate) async fn observer(self: Arc<Self>, every: std::time::Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let me = self.clone();
+            let _ = tokio::task::spawn_blocking(move || me.observe()).await;
+        }
+    }
+
+    /// For the metrics: VMs by mode, refused packets by VM (and whether they
+    /// were dropped or, in audit, only recorded), evictions.
+    pub(crate) fn figures(&self) -> Figures {
+        let state = lock(&self.state);
+        let refused = lock(&self.refused);
+        let mut by_mode = [0u64; 4];
+        let mut packets = Vec::new();
+        for vm in state.vms.values() {
+            by_mode[mode_index(vm.effective.mode)] += 1;
+            let n = refused.get(&vm.id).copied().unwrap_or(0);
+            let audit = vm.effective.mode == Mode::Audit;
+            packets.push((vm.id.clone(), audit, n));
+        }
+        Figures {
+            by_mode,
+            packets,
+            evictions: self.evictions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What the metrics report.
+#[derive(Debug)]
+pub(crate) struct Figures {
+    /// VMs by effective mode, in [`MODES`] order.
+    pub(crate) by_mode: [u64; 4],
+    /// (VM, audit, packets refused or would-be-refused).
+    pub(crate) packets: Vec<(String, bool, u64)>,
+    pub(crate) evictions: u64,
+}
+
+pub(crate) const MODES: [Mode; 4] = [Mode::Loopback, Mode::Allowlist, Mode::Audit, Mode::Open];
+
+fn mode_index(mode: Mode) -> usize {
+    MODES.iter().position(|m| *m == mode).unwrap_or(0)
+}
+
+/// Writes the state: a temporary file, fsync, rename, fsync the directory.
+fn save(dir: &Path, state: &State) -> Result<(), String> {
+    let run = || -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
+        let bytes = serde_json::to_vec_pretty(state).map_err(std::io::Error::from)?;
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, dir.join(STATE_FILE))?;
+        std::fs::File::open(dir)?.sync_all()
+    };
+    run().map_err(|e| e.to_string())
+}

@@ -1,0 +1,367 @@
+//! Machine egress end to end: a namespace stands in for a user-mode VM's
+//! QEMU process; the gateway compiles the VM's policy into nftables in its
+//! own namespace and the kernel forwards or refuses what the VM sends, TCP
+//! and UDP, to the fake internet.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::topology::{self, Topology, SB1_IP, VM_IP};
+
+const API_IP: &str = "203.0.113.10"; // api.example.test
+const OTHER_IP: &str = "203.0.113.11"; // other.example.test
+const DNS: &str = egress_integration::DNS_IP;
+
+fn vm(t: &Topology) -> &str {
+    t.vm.as_deref().expect("a topology with a VM")
+}
+
+/// An HTTP GET from the VM: true when the origin answered 200.
+fn tcp_ok(t: &Topology, ip: &str) -> bool {
+    let out = t.exec(
+        vm(t),
+        "curl",
+        &[
+            "-s",
+            "-o",
+            "/dev/null",
+            "--connect-timeout",
+            "1",
+            "--max-time",
+            "3",
+            "-w",
+            "%{http_code}",
+            &format!("http://{ip}/"),
+        ],
+    );
+    String::from_utf8_lossy(&out.stdout).trim() == "200"
+}
+
+/// A DNS query from the VM to the fake resolver, over UDP or TCP: true when
+/// the answer came back.
+fn dns_ok(t: &Topology, tcp: bool) -> bool {
+    let mut args = vec!["+short", "+time=1", "+tries=1"];
+    if tcp {
+        args.push("+tcp");
+    }
+    let at = format!("@{DNS}");
+    args.extend([at.as_str(), "api.example.test"]);
+    let out = t.exec(vm(t), "dig", &args);
+    String::from_utf8_lossy(&out.stdout).contains(API_IP)
+}
+
+fn json(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+fn put_egress(t: &Topology, id: &str, policy: &str) -> Value {
+    let (status, body) = t.admin("PUT", &format!("/v1/vms/{id}/network/egress"), Some(policy));
+    assert_eq!(status, 200, "{body}");
+    json(&body)
+}
+
+fn register(t: &Topology, id: &str, addr: &str, egress: Option<&str>) {
+    let doc = match egress {
+        Some(e) => format!(r#"{{"addresses": ["{addr}"], "egress": {e}}}"#),
+        None => format!(r#"{{"addresses": ["{addr}"]}}"#),
+    };
+    let (status, body) = t.admin("PUT", &format!("/v1/vms/{id}"), Some(&doc));
+    assert_eq!(status, 200, "{body}");
+}
+
+const ALLOW_DNS_AND_API: &str = r#"{"mode": "allowlist", "rules": [
+    {"cidr": "203.0.113.53", "proto": "udp", "port": 53, "note": "fake resolver"},
+    {"cidr": "203.0.113.10/32", "proto": "tcp", "port": 80}]}"#;
+
+#[test]
+fn each_mode_governs_tcp_and_udp_in_the_kernel() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    // Unregistered, the stand-in is only forwarded by the test topology: the
+    // gateway has no say yet.
+    register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
+    assert!(dns_ok(&t, false), "udp 53 to the resolver is allowed");
+    assert!(!dns_ok(&t, true), "tcp 53 is not");
+    assert!(tcp_ok(&t, API_IP), "tcp 80 to the API is allowed");
+    assert!(!tcp_ok(&t, OTHER_IP), "another address is not");
+
+    put_egress(&t, "vm1", r#"{"mode": "loopback"}"#);
+    assert!(
+        !dns_ok(&t, false) && !tcp_ok(&t, API_IP),
+        "loopback: nothing leaves"
+    );
+
+    let view = put_egress(&t, "vm1", r#"{"mode": "open"}"#);
+    assert_eq!(view["source"], "vm");
+    assert!(
+        dns_ok(&t, false) && dns_ok(&t, true) && tcp_ok(&t, OTHER_IP),
+        "open: everything"
+    );
+
+    // The observed record kept what loopback and the allowlist refused.
+    let (status, body) = t.admin("GET", "/v1/vms/vm1/network/egress/observed", None);
+    assert_eq!(status, 200, "{body}");
+    let observed = json(&body);
+    let seen = |addr: &str, proto: &str, port: u64| {
+        observed["observed"]
+            .as_array()
+            .expect("list")
+            .iter()
+            .any(|e| {
+                e["address"] == addr
+                    && e["proto"] == proto
+                    && e["port"] == port
+                    && e["count"].as_u64() > Some(0)
+            })
+    };
+    assert!(seen(OTHER_IP, "tcp", 80), "{body}");
+    assert!(seen(DNS, "tcp", 53), "{body}");
+    assert!(seen(DNS, "udp", 53), "refused under loopback: {body}");
+
+    // An address belongs to a sandbox or a VM, never both.
+    let doc = format!(r#"{{"addresses": ["{VM_IP}"], "policy": {{"default": "deny"}}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/sandboxes/sb-x", Some(&doc));
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("belongs to VM vm1"), "{body}");
+    t.push("sb1", SB1_IP, r#"{"default": "deny"}"#);
+    let (status, body) = t.admin(
+        "PUT",
+        "/v1/vms/vm2",
+        Some(&format!(r#"{{"addresses": ["{SB1_IP}"]}}"#)),
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("already belongs to sandbox sb1"), "{body}");
+
+    // Invalid policies: 400 with the checker's errors; unknown VM: 404.
+    let (status, body) = t.admin(
+        "PUT",
+        "/v1/vms/vm1/network/egress",
+        Some(r#"{"mode": "open", "rules": [{"cidr": "10.1.2.3/8"}]}"#),
+    );
+    assert_eq!(status, 400, "{body}");
+    let errors = json(&body)["errors"].clone();
+    assert!(errors.to_string().contains("10.0.0.0/8"), "{body}");
+    assert_eq!(t.admin("GET", "/v1/vms/nope/network/egress", None).0, 404);
+
+    // Removing the VM removes its table.
+    let (status, body) = t.admin("DELETE", "/v1/vms/vm1", None);
+    assert_eq!(status, 200, "{body}");
+    let tables = t.exec(&t.gw, "nft", &["list", "tables"]);
+    assert!(!String::from_utf8_lossy(&tables.stdout).contains("egress_vm_vm1"));
+}
+
+#[test]
+fn a_policy_change_under_traffic_leaves_no_window() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
+    // Two loops in the VM, for the whole run: UDP queries (allowed by every
+    // policy below) and TCP connects to an address no policy allows.
+    let script = format!(
+        "end=$(($(date +%s) + 8)); ok=0; bad=0; leak=0; \
+         while [ $(date +%s) -lt $end ]; do \
+           if dig +short +time=1 +tries=1 @{DNS} api.example.test | grep -q {API_IP}; then ok=$((ok+1)); else bad=$((bad+1)); fi; \
+           if curl -s -o /dev/null --connect-timeout 0.2 http://{OTHER_IP}/; then leak=$((leak+1)); fi; \
+         done; echo $ok $bad $leak"
+    );
+    let ns = vm(&t).to_owned();
+    let probe = std::thread::spawn(move || {
+        std::process::Command::new("ip")
+            .args(["netns", "exec", &ns, "sh", "-c", &script])
+            .output()
+            .expect("probe")
+    });
+    // Swap between two policies that both allow DNS and neither allows OTHER_IP.
+    let other = r#"{"mode": "allowlist", "rules": [
+        {"cidr": "203.0.113.0/26", "proto": "udp", "port": 53},
+        {"cidr": "198.51.100.0/24", "proto": "tcp"}]}"#;
+    let started = Instant::now();
+    let mut swaps = 0;
+    while started.elapsed() < Duration::from_secs(7) {
+        put_egress(
+            &t,
+            "vm1",
+            if swaps % 2 == 0 {
+                other
+            } else {
+                ALLOW_DNS_AND_API
+            },
+        );
+        swaps += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = probe.join().expect("probe thread");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let figures: Vec<u64> = text
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [ok, bad, leak] = figures[..] else {
+        panic!("probe output {text:?}");
+    };
+    eprintln!("policy swaps {swaps}: DNS answered {ok}, unanswered {bad}; connects to a refused address that got through {leak}");
+    assert!(swaps >= 10, "only {swaps} swaps");
+    assert_eq!(leak, 0, "a refused destination was reachable during a swap");
+    assert_eq!(bad, 0, "an allowed flow was refused during a swap");
+    assert!(ok > 5, "{text}");
+}
+
+#[test]
+fn audit_then_suggest_then_allowlist() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    // A sandbox on this worker resolves the API's name: the gateway's
+    // attribution knows it, so the suggestion's note carries it.
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}]}"#,
+    );
+    assert!(t.dig(&t.sb1, "api.example.test", false).contains(API_IP));
+
+    register(
+        &t,
+        "vm1",
+        VM_IP,
+        Some(
+            r#"{"mode": "audit", "rules": [{"cidr": "203.0.113.53", "proto": "udp", "port": 53}]}"#,
+        ),
+    );
+    assert!(tcp_ok(&t, API_IP), "audit allows everything");
+    assert!(dns_ok(&t, false));
+    let (_, body) = t.admin("GET", "/v1/vms/vm1/network/egress/observed", None);
+    let observed = json(&body);
+    assert_eq!(observed["recorded"], "would_refuse", "{body}");
+    let entries = observed["observed"].as_array().expect("list").clone();
+    let api = entries
+        .iter()
+        .find(|e| e["address"] == API_IP && e["port"] == 80)
+        .unwrap_or_else(|| panic!("no entry for the API: {body}"));
+    assert_eq!(api["names"][0], "api.example.test", "{body}");
+    assert!(
+        !entries
+            .iter()
+            .any(|e| e["address"] == DNS && e["proto"] == "udp"),
+        "allowed by a rule, so not recorded: {body}"
+    );
+
+    let (status, body) = t.admin(
+        "POST",
+        "/v1/vms/vm1/network/egress/suggest?apply=true",
+        None,
+    );
+    assert_eq!(status, 200, "{body}");
+    let suggestion = json(&body);
+    let rules = suggestion["policy"]["rules"]
+        .as_array()
+        .expect("rules")
+        .clone();
+    assert!(
+        rules.iter().any(|r| r["cidr"] == "203.0.113.10/32"
+            && r["proto"] == "tcp"
+            && r["port"] == 80
+            && r["note"]
+                .as_str()
+                .is_some_and(|n| n.contains("api.example.test"))),
+        "{body}"
+    );
+    assert_eq!(
+        rules[0]["cidr"], "203.0.113.53/32",
+        "current rules come first: {body}"
+    );
+    let (_, now) = t.admin("GET", "/v1/vms/vm1/network/egress", None);
+    assert_eq!(json(&now)["policy"], suggestion["policy"], "applied");
+
+    // Enforce what was learnt: the flow that audit recorded is now allowed,
+    // anything else refused.
+    let mut enforced = suggestion["policy"].clone();
+    enforced["mode"] = "allowlist".into();
+    put_egress(&t, "vm1", &enforced.to_string());
+    assert!(tcp_ok(&t, API_IP), "learnt and allowed");
+    assert!(dns_ok(&t, false));
+    assert!(!tcp_ok(&t, OTHER_IP), "never observed, refused");
+}
+
+#[test]
+fn defaults_apply_running_and_restart() {
+    if !topology::available() {
+        return;
+    }
+    let mut t = Topology::with_vm();
+    // No default set: loopback, nothing leaves.
+    register(&t, "vm1", VM_IP, None);
+    let (_, body) = t.admin("GET", "/v1/vms/vm1/network/egress", None);
+    assert_eq!(json(&body)["source"], "default");
+    assert_eq!(json(&body)["policy"]["mode"], "loopback");
+    assert!(!tcp_ok(&t, API_IP));
+
+    // A new default without apply_running: running VMs keep theirs.
+    let (status, body) = t.admin(
+        "PUT",
+        "/v1/network/egress/defaults",
+        Some(ALLOW_DNS_AND_API),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        !tcp_ok(&t, API_IP),
+        "vm1 started before the default changed"
+    );
+    // A VM registered afterwards takes it.
+    let (status, body) = t.admin(
+        "PUT",
+        "/v1/vms/vm2",
+        Some(r#"{"addresses": ["100.64.9.9"]}"#),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        json(&body)["effective"]["rules"].as_array().map(Vec::len),
+        Some(2)
+    );
+
+    // With apply_running: vm1 follows at once.
+    let (status, body) = t.admin(
+        "PUT",
+        "/v1/network/egress/defaults?apply_running=true",
+        Some(ALLOW_DNS_AND_API),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json(&body)["applied_to"], serde_json::json!(["vm1"]));
+    assert!(tcp_ok(&t, API_IP) && !tcp_ok(&t, OTHER_IP));
+
+    // Restart: the gateway's tables are gone (as after a reboot of the
+    // namespace's rules); it re-installs them before it reports ready.
+    assert!(t.stop_gateway().success());
+    topology::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &t.gw,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            "egress_vm_vm1",
+        ],
+    );
+    assert!(tcp_ok(&t, OTHER_IP), "no table: the test topology forwards");
+    t.start_gateway();
+    let tables = t.exec(&t.gw, "nft", &["list", "tables"]);
+    assert!(String::from_utf8_lossy(&tables.stdout).contains("egress_vm_vm1"));
+    assert!(tcp_ok(&t, API_IP), "the restored policy allows the API");
+    assert!(!tcp_ok(&t, OTHER_IP), "and nothing else");
+    let (_, body) = t.admin("GET", "/v1/network/egress/defaults", None);
+    assert_eq!(
+        json(&body)["policy"]["rules"].as_array().map(Vec::len),
+        Some(2)
+    );
+    let (_, body) = t.admin("GET", "/v1/vms/vm2", None);
+    assert_eq!(json(&body)["follows_default"], true, "{body}");
+}
