@@ -5,10 +5,12 @@
 //! it and declares it again), so the VM never runs without a policy and
 //! never with half of one. The rules:
 //!
-//! - packets *from* the VM's addresses (forward hook) are judged per packet
-//!   against the mode and the rule sets: `any` (interval CIDRs), `proto`
-//!   (CIDR . protocol) and `port` (CIDR . protocol . port) — a changed policy
-//!   therefore also governs flows that were already open;
+//! - packets *from* the VM's addresses (forward hook) that open a flow are
+//!   judged against the mode and the rule sets: `any` (interval CIDRs),
+//!   `proto` (CIDR . protocol) and `port` (CIDR . protocol . port); packets
+//!   of a flow already established pass on its conntrack entry, so an open
+//!   flow keeps the verdict it was accepted under (as a sandbox flow keeps
+//!   its policy) — except under `loopback`, which cuts open flows too;
 //! - refused packets (or, in audit, would-be-refused ones) update the dynamic
 //!   set `observed` (destination . protocol . port, with a per-element
 //!   counter and a timeout refreshed by each packet) and count in the named
@@ -139,7 +141,11 @@ pub fn ruleset(vm: &str, addresses: &[IpAddr], policy: &MachineEgress, capacity:
         "        ip6 daddr @src6 ct state established,related accept"
     );
     let _ = writeln!(out, "        ip6 daddr @src6 drop\n    }}");
-    let judged = "        ip daddr @any accept\n        ip daddr . meta l4proto @proto accept\n        ip daddr . meta l4proto . th dport @port accept\n";
+    // An open flow keeps the verdict it was accepted under, as sandbox flows
+    // do: its packets pass on the conntrack entry (one lookup the kernel
+    // made anyway) instead of three set lookups each. Loopback has no such
+    // rule: it cuts open flows too.
+    let judged = "        ct state established accept\n        ip daddr @any accept\n        ip daddr . meta l4proto @proto accept\n        ip daddr . meta l4proto . th dport @port accept\n";
     let record = "        meta l4proto { tcp, udp } update @observed { ip daddr . meta l4proto . th dport }\n";
     let (egress4, egress6) = match policy.mode {
         Mode::Open => ("        accept\n".to_owned(), "        accept\n"),

@@ -46,6 +46,8 @@ fn an_allowlist_compiles_into_interval_and_concatenated_sets() {
     assert!(r.contains("size 4096"));
     let egress4 = &r[r.find("chain egress4").expect("chain")..];
     assert!(egress4.contains("ip daddr @any accept"));
+    // Open flows keep their verdict: the conntrack fast path comes first.
+    assert!(egress4.find("ct state established accept") < egress4.find("ip daddr @any"));
     assert!(egress4.contains("update @observed"));
     assert!(egress4.contains("counter name refused drop"));
     // Recording comes before the drop, in its own rule.
@@ -70,7 +72,7 @@ fn each_mode_has_its_verdict() {
     };
     let loopback = chain("loopback");
     assert!(loopback.contains("update @observed") && loopback.contains("refused drop"));
-    assert!(!loopback.contains("accept"));
+    assert!(!loopback.contains("accept"), "loopback cuts open flows too");
     let open = chain("open");
     assert!(open.contains("accept") && !open.contains("drop") && !open.contains("@observed"));
     let audit = chain("audit");
