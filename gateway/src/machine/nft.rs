@@ -8,7 +8,7 @@
 //! - packets *from* the VM's addresses (forward hook) that open a flow are
 //!   judged against the mode and the rule sets: `any` (interval CIDRs),
 //!   `proto` (CIDR . protocol) and `port` (CIDR . protocol . port); packets
-//!   of a flow already established pass on its conntrack entry, so an open
+//!   of a flow already established pass on its conntrack entry first, so an open
 //!   flow keeps the verdict it was accepted under (as a sandbox flow keeps
 //!   its policy) — except under `loopback`, which cuts open flows too;
 //! - refused packets (or, in audit, would-be-refused ones) update the dynamic
@@ -124,11 +124,17 @@ pub fn ruleset(vm: &str, addresses: &[IpAddr], policy: &MachineEgress, capacity:
         OBSERVED_TIMEOUT.as_secs()
     );
     // Before the usual filter priority, so other forward chains see only
-    // what the VM's policy let through.
+    // what the VM's policy let through. An open flow keeps the verdict it
+    // was accepted under, as sandbox flows do: its packets, both ways, pass
+    // on the conntrack entry the kernel looked up anyway, before any set
+    // lookup. Loopback has no such rule: it cuts open flows too.
     let _ = writeln!(
         out,
         "    chain forward {{\n        type filter hook forward priority filter - 10; policy accept;"
     );
+    if policy.mode != Mode::Loopback {
+        let _ = writeln!(out, "        ct state established,related accept");
+    }
     let _ = writeln!(out, "        ip saddr @src4 jump egress4");
     let _ = writeln!(out, "        ip6 saddr @src6 jump egress6");
     let _ = writeln!(
@@ -141,11 +147,7 @@ pub fn ruleset(vm: &str, addresses: &[IpAddr], policy: &MachineEgress, capacity:
         "        ip6 daddr @src6 ct state established,related accept"
     );
     let _ = writeln!(out, "        ip6 daddr @src6 drop\n    }}");
-    // An open flow keeps the verdict it was accepted under, as sandbox flows
-    // do: its packets pass on the conntrack entry (one lookup the kernel
-    // made anyway) instead of three set lookups each. Loopback has no such
-    // rule: it cuts open flows too.
-    let judged = "        ct state established accept\n        ip daddr @any accept\n        ip daddr . meta l4proto @proto accept\n        ip daddr . meta l4proto . th dport @port accept\n";
+    let judged = "        ip daddr @any accept\n        ip daddr . meta l4proto @proto accept\n        ip daddr . meta l4proto . th dport @port accept\n";
     let record = "        meta l4proto { tcp, udp } update @observed { ip daddr . meta l4proto . th dport }\n";
     let (egress4, egress6) = match policy.mode {
         Mode::Open => ("        accept\n".to_owned(), "        accept\n"),

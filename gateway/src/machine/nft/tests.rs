@@ -47,7 +47,11 @@ fn an_allowlist_compiles_into_interval_and_concatenated_sets() {
     let egress4 = &r[r.find("chain egress4").expect("chain")..];
     assert!(egress4.contains("ip daddr @any accept"));
     // Open flows keep their verdict: the conntrack fast path comes first.
-    assert!(egress4.find("ct state established accept") < egress4.find("ip daddr @any"));
+    let forward = &r[r.find("chain forward").expect("chain")..];
+    assert!(
+        forward.find("ct state established,related accept") < forward.find("ip saddr @src4"),
+        "{forward}"
+    );
     assert!(egress4.contains("update @observed"));
     assert!(egress4.contains("counter name refused drop"));
     // Recording comes before the drop, in its own rule.
@@ -72,7 +76,14 @@ fn each_mode_has_its_verdict() {
     };
     let loopback = chain("loopback");
     assert!(loopback.contains("update @observed") && loopback.contains("refused drop"));
-    assert!(!loopback.contains("accept"), "loopback cuts open flows too");
+    assert!(!loopback.contains("accept"));
+    let r = ruleset("vm", &addrs(), &policy(r#"{"mode": "loopback"}"#), 64);
+    let forward =
+        &r[r.find("chain forward").expect("chain")..r.find("chain egress4").expect("chain")];
+    assert!(
+        forward.find("ip saddr @src4") < forward.find("established"),
+        "loopback cuts open flows too: {forward}"
+    );
     let open = chain("open");
     assert!(open.contains("accept") && !open.contains("drop") && !open.contains("@observed"));
     let audit = chain("audit");
