@@ -1,0 +1,418 @@
+//! The console relay: the console's machine egress routes, bearer
+//! authenticated, onto the worker's admin API.
+//!
+//! | route | worker |
+//! | --- | --- |
+//! | `GET`/`PUT`/`DELETE /vm-egress/{runtimeID}` | `/v1/vms/{id}/network/egress` |
+//! | `GET /vm-egress-observed/{runtimeID}` | `/v1/vms/{id}/network/egress/observed` |
+//! | `POST /vm-egress-suggest/{runtimeID}[?apply=true]` | `/v1/vms/{id}/network/egress/suggest` |
+//! | `GET`/`PUT /egress-defaults[?apply_running=true]` | `/v1/network/egress/defaults` |
+//!
+//! The runtime id is the last path segment, so a caller that appends it
+//! needs no special case; it must be 1–64 of `[A-Za-z0-9._-]` (not `.` or
+//! `..`) and is passed on as it is, the query string unchanged. Every route
+//! needs `Authorization: Bearer <token>` (`401` otherwise); bodies are capped
+//! at 64 KiB (`413`). The worker's status and body come back as they are; a
+//! worker that cannot be reached, or does not answer within the timeout, is
+//! `502 {"error": "worker unreachable: …"}`.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use serde_json::{json, Value};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Largest request body relayed.
+pub const MAX_BODY: usize = 64 * 1024;
+/// Largest worker reply relayed (an observed list is well below it).
+pub const MAX_REPLY: usize = 8 << 20;
+/// Shortest caller token accepted by [`load_tokens`].
+pub const MIN_TOKEN_CHARS: usize = 16;
+/// The caller's request body must arrive within this.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest runtime id.
+pub const MAX_ID: usize = 64;
+
+/// What the relay needs.
+#[derive(Clone)]
+pub struct RelayConfig {
+    /// The worker's admin listener.
+    pub worker: SocketAddr,
+    /// The bearer token sent to the worker, when it requires one.
+    pub worker_token: Option<String>,
+    /// The caller tokens accepted (any one of them).
+    pub tokens: Vec<String>,
+    /// Bounds the whole exchange with the worker: connect, request, reply.
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for RelayConfig {
+    /// Without the tokens.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayConfig")
+            .field("worker", &self.worker)
+            .field("worker_token", &self.worker_token.as_ref().map(|_| "…"))
+            .field("tokens", &self.tokens.len())
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// The token file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokensError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: no tokens (one per line)")]
+    Empty { path: String },
+    #[error("{path}: line {line}: a token must be at least {MIN_TOKEN_CHARS} characters")]
+    Short { path: String, line: usize },
+}
+
+/// The caller tokens: one per non-empty line, trimmed. An empty file, or a
+/// token shorter than 16 characters, is an error naming the file (and the
+/// line, never the token).
+pub fn load_tokens(path: impl AsRef<Path>) -> Result<Vec<String>, TokensError> {
+    let path = path.as_ref();
+    let shown = || path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| TokensError::Read {
+        path: shown(),
+        source,
+    })?;
+    let mut tokens = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let token = line.trim();
+        if token.is_empty() {
+            continue;
+        }
+        if token.chars().count() < MIN_TOKEN_CHARS {
+            return Err(TokensError::Short {
+                path: shown(),
+                line: i + 1,
+            });
+        }
+        tokens.push(token.to_owned());
+    }
+    if tokens.is_empty() {
+        return Err(TokensError::Empty { path: shown() });
+    }
+    Ok(tokens)
+}
+
+/// Serves the relay (plain HTTP/1.1 and HTTP/2) on `listener` until the
+/// task is dropped.
+pub async fn serve(listener: TcpListener, config: Arc<RelayConfig>) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "relay accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let config = config.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let config = config.clone();
+                async move { Ok::<_, Infallible>(handle(req, &config).await) }
+            });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10));
+            if let Err(e) = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "relay connection ended");
+            }
+        });
+    }
+}
+
+type Reply = Response<Full<Bytes>>;
+
+/// A relayed route: the worker path (without the query) and the runtime id.
+struct Target {
+    route: &'static str,
+    id: Option<String>,
+    path: String,
+}
+
+async fn handle(req: Request<Incoming>, config: &RelayConfig) -> Reply {
+    let method = req.method().clone();
+    let (reply, route, id) = relay(req, config).await;
+    tracing::info!(
+        %method,
+        route,
+        id = id.as_deref(),
+        status = reply.status().as_u16(),
+        "relay"
+    );
+    reply
+}
+
+/// The reply, the route name and the runtime id, for the log.
+async fn relay(
+    req: Request<Incoming>,
+    config: &RelayConfig,
+) -> (Reply, &'static str, Option<String>) {
+    if !authorized(&req, &config.tokens) {
+        let mut r = error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+        r.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return (r, "-", None);
+    }
+    let target = match target(req.method(), req.uri().path()) {
+        Ok(t) => t,
+        Err((r, route)) => return (*r, route, None),
+    };
+    let (route, id) = (target.route, target.id.clone());
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return (too_large(), route, id);
+    }
+    let path_and_query = match req.uri().query() {
+        Some(q) => format!("{}?{q}", target.path),
+        None => target.path,
+    };
+    let method = req.method().clone();
+    let collected = tokio::time::timeout(
+        BODY_TIMEOUT,
+        Limited::new(req.into_body(), MAX_BODY).collect(),
+    )
+    .await;
+    let body = match collected {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            return (too_large(), route, id)
+        }
+        Ok(Err(e)) => {
+            let r = error(StatusCode::BAD_REQUEST, &format!("reading the body: {e}"));
+            return (r, route, id);
+        }
+        Err(_) => {
+            let r = error(
+                StatusCode::REQUEST_TIMEOUT,
+                "the body did not arrive in time",
+            );
+            return (r, route, id);
+        }
+    };
+    let exchange = forward(config, method, &path_and_query, body);
+    let reply = match tokio::time::timeout(config.timeout, exchange).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(reason)) => unreachable_worker(&reason),
+        Err(_) => unreachable_worker(&format!("no answer within {:?}", config.timeout)),
+    };
+    (reply, route, id)
+}
+
+/// Maps a relay path onto the worker's, or the error reply.
+fn target(method: &Method, path: &str) -> Result<Target, (Box<Reply>, &'static str)> {
+    const VM: [Method; 3] = [Method::GET, Method::PUT, Method::DELETE];
+    const DEFAULTS: [Method; 2] = [Method::GET, Method::PUT];
+    type Route = (&'static str, &'static [Method], &'static str);
+    // (prefix the id follows, methods, worker path with {id})
+    const PER_VM: [Route; 3] = [
+        ("/vm-egress/", &VM, "/v1/vms/{id}/network/egress"),
+        (
+            "/vm-egress-observed/",
+            &[Method::GET],
+            "/v1/vms/{id}/network/egress/observed",
+        ),
+        (
+            "/vm-egress-suggest/",
+            &[Method::POST],
+            "/v1/vms/{id}/network/egress/suggest",
+        ),
+    ];
+    if path == "/egress-defaults" {
+        let route = "/egress-defaults";
+        allowed(method, &DEFAULTS).map_err(|r| (r, route))?;
+        return Ok(Target {
+            route,
+            id: None,
+            path: "/v1/network/egress/defaults".into(),
+        });
+    }
+    for (prefix, methods, worker) in PER_VM {
+        let Some(id) = path.strip_prefix(prefix) else {
+            continue;
+        };
+        let route = prefix.trim_end_matches('/');
+        allowed(method, methods).map_err(|r| (r, route))?;
+        if !valid_id(id) {
+            let shown: String = id.chars().take(MAX_ID + 1).collect();
+            let msg = format!("runtime id {shown:?}: expected 1 to {MAX_ID} of A-Z a-z 0-9 . _ -");
+            return Err((Box::new(error(StatusCode::BAD_REQUEST, &msg)), route));
+        }
+        return Ok(Target {
+            route,
+            id: Some(id.to_owned()),
+            path: worker.replace("{id}", id),
+        });
+    }
+    let msg = format!("no route {method} {path}");
+    Err((Box::new(error(StatusCode::NOT_FOUND, &msg)), "-"))
+}
+
+/// `405` with `Allow` unless `method` is one of `methods`.
+fn allowed(method: &Method, methods: &[Method]) -> Result<(), Box<Reply>> {
+    if methods.contains(method) {
+        return Ok(());
+    }
+    let list: Vec<&str> = methods.iter().map(Method::as_str).collect();
+    let list = list.join(", ");
+    let mut r = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &format!("{method} is not allowed here: use {list}"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&list) {
+        r.headers_mut().insert(header::ALLOW, v);
+    }
+    Err(Box::new(r))
+}
+
+/// 1–64 of `[A-Za-z0-9._-]`, and not `.` or `..` (a path step, not an id).
+fn valid_id(id: &str) -> bool {
+    (1..=MAX_ID).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && id != "."
+        && id != ".."
+}
+
+/// Whether the request presents one of `tokens`. Every token is compared,
+/// each in time independent of where the bytes differ.
+fn authorized<B>(req: &Request<B>, tokens: &[String]) -> bool {
+    let Some(value) = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some((scheme, presented)) = value.split_once(' ') else {
+        return false;
+    };
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return false;
+    }
+    let presented = presented.trim().as_bytes();
+    let mut any = 0u8;
+    for token in tokens {
+        any |= u8::from(constant_time_eq(presented, token.as_bytes()));
+    }
+    any == 1 && !presented.is_empty()
+}
+
+/// Equality whose time depends only on the lengths, not on the contents.
+fn constant_time_eq(presented: &[u8], token: &[u8]) -> bool {
+    let mut diff = usize::from(presented.len() != token.len());
+    for (i, t) in token.iter().enumerate() {
+        diff |= usize::from(presented.get(i).copied().unwrap_or(0) ^ t);
+    }
+    diff == 0
+}
+
+/// One exchange with the worker on a fresh connection; `Err` is the reason
+/// it failed.
+async fn forward(
+    config: &RelayConfig,
+    method: Method,
+    path_and_query: &str,
+    body: Bytes,
+) -> Result<Reply, String> {
+    let stream = TcpStream::connect(config.worker)
+        .await
+        .map_err(|e| format!("connect {}: {e}", config.worker))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    let conn = tokio::spawn(conn);
+    let has_body = !body.is_empty();
+    let mut builder = Request::builder()
+        .method(method)
+        .uri(path_and_query)
+        .header(header::HOST, config.worker.to_string());
+    if has_body {
+        builder = builder.header(header::CONTENT_TYPE, "application/json");
+    }
+    if let Some(t) = &config.worker_token {
+        builder = builder.header(header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    let req = builder
+        .body(Full::new(body))
+        .map_err(|e| format!("building the request: {e}"))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("exchange: {e}"))?;
+    let (parts, incoming) = resp.into_parts();
+    let bytes = Limited::new(incoming, MAX_REPLY)
+        .collect()
+        .await
+        .map_err(|e| format!("reading the reply: {e}"))?
+        .to_bytes();
+    conn.abort();
+    let mut r = Response::new(Full::new(bytes));
+    *r.status_mut() = parts.status;
+    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+        r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    }
+    Ok(r)
+}
+
+fn unreachable_worker(reason: &str) -> Reply {
+    error(
+        StatusCode::BAD_GATEWAY,
+        &format!("worker unreachable: {reason}"),
+    )
+}
+
+fn too_large() -> Reply {
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("body larger than {MAX_BODY} bytes"),
+    )
+}
+
+fn error(status: StatusCode, message: &str) -> Reply {
+    json_reply(status, &json!({ "error": message }))
+}
+
+fn json_reply(status: StatusCode, v: &Value) -> Reply {
+    let mut body = serde_json::to_vec(v).unwrap_or_default();
+    body.push(b'\n');
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}

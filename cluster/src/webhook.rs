@@ -1,0 +1,315 @@
+//! The admission webhook: a `ValidatingWebhookConfiguration` sends every
+//! `Machine` CREATE and UPDATE here (`deploy/machine-webhook.yaml`) and a
+//! policy the worker would refuse is refused before it is stored.
+//!
+//! [`review`] is the decision, a pure function of the `AdmissionReview`
+//! (`admission.k8s.io/v1`); [`serve`] is the HTTPS listener around it
+//! (`POST /validate`, HTTP/1.1 and HTTP/2). The check is
+//! `egress_policy::machine`'s, the one the worker and
+//! `egress-gateway machine-egress check` run, so the webhook and the worker
+//! never disagree about a policy.
+
+use std::convert::Infallible;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use egress_policy::machine::MachineEgress;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::response::StatusSummary;
+use kube::core::DynamicObject;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+/// The API group of the `Machine` resource.
+pub const GROUP: &str = "kairon.zyvor.dev";
+/// The `Machine` kind.
+pub const KIND: &str = "Machine";
+/// The only `AdmissionReview` version served (`admissionReviewVersions: [v1]`).
+pub const REVIEW_API_VERSION: &str = "admission.k8s.io/v1";
+/// Largest request body accepted; the API server's reviews are far smaller.
+pub const MAX_BODY: usize = 1 << 20;
+/// A TLS handshake (and the request head after it) must complete within this.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The body is not an `AdmissionReview` the webhook can answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ReviewError {
+    #[error("body is not JSON: {0}")]
+    Json(#[source] serde_json::Error),
+    #[error("not an {REVIEW_API_VERSION} AdmissionReview: {0}")]
+    NotReview(String),
+}
+
+/// Decides one `AdmissionReview`: the response review (`apiVersion`
+/// `admission.k8s.io/v1`, `kind` `AdmissionReview`, the request's `uid`).
+///
+/// A `Machine` (group `kairon.zyvor.dev`) CREATE or UPDATE is allowed when
+/// `spec.network.egress` is absent or null, or when it is a valid machine
+/// egress policy; otherwise it is denied (`status.code` 400) with every
+/// problem, joined by `"; "`, each naming its field
+/// (`spec.network.egress.rules[i]: …` or `spec.network.egress: …`). Other
+/// operations and other kinds are allowed.
+///
+/// Malformed input (not JSON, not a v1 `AdmissionReview`, no `request`, no
+/// `uid`) is an error, never a panic.
+pub fn review(body: &[u8]) -> Result<Value, ReviewError> {
+    let doc: Value = serde_json::from_slice(body).map_err(ReviewError::Json)?;
+    let not = |m: String| ReviewError::NotReview(m);
+    let Some(top) = doc.as_object() else {
+        return Err(not("the body is not a JSON object".into()));
+    };
+    let kind = top.get("kind").and_then(Value::as_str);
+    if kind != Some("AdmissionReview") {
+        return Err(not(format!("kind is {}", shown(top.get("kind")))));
+    }
+    let api_version = top.get("apiVersion").and_then(Value::as_str);
+    if api_version != Some(REVIEW_API_VERSION) {
+        return Err(not(format!(
+            "apiVersion is {}",
+            shown(top.get("apiVersion"))
+        )));
+    }
+    if top.get("request").is_none_or(Value::is_null) {
+        return Err(not("no request".into()));
+    }
+    let review: AdmissionReview<DynamicObject> =
+        serde_json::from_value(doc).map_err(|e| not(e.to_string()))?;
+    let req: AdmissionRequest<DynamicObject> =
+        review.try_into().map_err(|_| not("no request".into()))?;
+    if req.uid.is_empty() {
+        return Err(not("request.uid is empty".into()));
+    }
+    let response = decide(&req)?;
+    serde_json::to_value(response.into_review()).map_err(|e| not(e.to_string()))
+}
+
+/// The verdict on one request.
+fn decide(req: &AdmissionRequest<DynamicObject>) -> Result<AdmissionResponse, ReviewError> {
+    let allowed = AdmissionResponse::from(req);
+    let machine = req.kind.group == GROUP && req.kind.kind == KIND;
+    if !machine || !matches!(req.operation, Operation::Create | Operation::Update) {
+        return Ok(allowed);
+    }
+    let Some(object) = &req.object else {
+        return Err(ReviewError::NotReview(format!(
+            "{:?} of a {KIND} without request.object",
+            req.operation
+        )));
+    };
+    let egress = object.data.pointer("/spec/network/egress");
+    let Some(egress) = egress.filter(|v| !v.is_null()) else {
+        return Ok(allowed);
+    };
+    match MachineEgress::from_value(egress) {
+        Ok(_) => Ok(allowed),
+        Err(problems) => {
+            let message: Vec<String> = problems
+                .iter()
+                .map(|p| match p.rule {
+                    Some(i) => format!("spec.network.egress.rules[{i}]: {}", p.message),
+                    None => format!("spec.network.egress: {}", p.message),
+                })
+                .collect();
+            let mut denied = allowed.deny(message.join("; "));
+            denied.result.status = Some(StatusSummary::Failure);
+            denied.result.code = 400;
+            denied.result.reason = "BadRequest".into();
+            Ok(denied)
+        }
+    }
+}
+
+/// A JSON value for an error message, `absent` when missing.
+fn shown(v: Option<&Value>) -> String {
+    v.map_or_else(|| "absent".to_owned(), Value::to_string)
+}
+
+/// The certificate or key cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{path}: {message}")]
+    File { path: String, message: String },
+    #[error("the certificate {cert} and the key {key} do not make a TLS configuration: {source}")]
+    Config {
+        cert: String,
+        key: String,
+        #[source]
+        source: rustls::Error,
+    },
+}
+
+/// The webhook's TLS configuration from a PEM certificate chain (leaf first)
+/// and a PEM private key; ALPN offers `h2` and `http/1.1`. Errors name the
+/// file.
+pub fn tls_config(
+    cert_pem_path: impl AsRef<Path>,
+    key_pem_path: impl AsRef<Path>,
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let (cert_path, key_path) = (cert_pem_path.as_ref(), key_pem_path.as_ref());
+    let file_err = |path: &Path, message: String| TlsError::File {
+        path: path.display().to_string(),
+        message,
+    };
+    let cert_text =
+        std::fs::read(cert_path).map_err(|e| file_err(cert_path, format!("cannot read: {e}")))?;
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_text)
+        .collect::<Result<_, _>>()
+        .map_err(|e| file_err(cert_path, format!("not a PEM certificate chain: {e}")))?;
+    if chain.is_empty() {
+        return Err(file_err(cert_path, "no PEM certificate in the file".into()));
+    }
+    let key_text =
+        std::fs::read(key_path).map_err(|e| file_err(key_path, format!("cannot read: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(&key_text)
+        .map_err(|e| file_err(key_path, format!("no usable PEM private key: {e}")))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config_err = |source| TlsError::Config {
+        cert: cert_path.display().to_string(),
+        key: key_path.display().to_string(),
+        source,
+    };
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(config_err)?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(config_err)?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Serves the webhook over TLS on `listener` until the task is dropped:
+/// `POST /validate` (and `POST /`) answer `200` with the response review;
+/// a body over 1 MiB is `413`; a body that is not an `AdmissionReview` is
+/// `400 {"error": ..}`; other paths `404`, other methods `405`.
+pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors, say: do not spin.
+                tracing::warn!(error = %e, "webhook accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "webhook TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "webhook TLS handshake timed out");
+                    return;
+                }
+            };
+            let service =
+                hyper::service::service_fn(
+                    |req| async move { Ok::<_, Infallible>(handle(req).await) },
+                );
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HANDSHAKE_TIMEOUT);
+            if let Err(e) = builder.serve_connection(TokioIo::new(tls), service).await {
+                tracing::debug!(%peer, error = %e, "webhook connection ended");
+            }
+        });
+    }
+}
+
+type Reply = Response<Full<Bytes>>;
+
+async fn handle(req: Request<Incoming>) -> Reply {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let reply = route(req).await;
+    tracing::info!(%method, %path, status = reply.status().as_u16(), "webhook");
+    reply
+}
+
+async fn route(req: Request<Incoming>) -> Reply {
+    if !matches!(req.uri().path(), "/validate" | "/") {
+        return error(StatusCode::NOT_FOUND, "no such route: use POST /validate");
+    }
+    if req.method() != Method::POST {
+        let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
+        r.headers_mut()
+            .insert(header::ALLOW, header::HeaderValue::from_static("POST"));
+        return r;
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return too_large();
+    }
+    let collected = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        Limited::new(req.into_body(), MAX_BODY).collect(),
+    )
+    .await;
+    let body = match collected {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            return too_large()
+        }
+        Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, &format!("reading the body: {e}")),
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                "the body did not arrive in time",
+            )
+        }
+    };
+    match review(&body) {
+        Ok(v) => {
+            let allowed = v.pointer("/response/allowed").and_then(Value::as_bool);
+            let uid = v.pointer("/response/uid").and_then(Value::as_str);
+            tracing::info!(uid, allowed, "admission review");
+            json_reply(StatusCode::OK, &v)
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
+    }
+}
+
+fn too_large() -> Reply {
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("body larger than {MAX_BODY} bytes"),
+    )
+}
+
+fn error(status: StatusCode, message: &str) -> Reply {
+    json_reply(status, &json!({ "error": message }))
+}
+
+fn json_reply(status: StatusCode, v: &Value) -> Reply {
+    let mut body = serde_json::to_vec(v).unwrap_or_default();
+    body.push(b'\n');
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
