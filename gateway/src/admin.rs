@@ -88,8 +88,14 @@ const MAX_BODY: usize = 1 << 20;
 /// Serves the admin API on `listener` until the task is dropped.
 pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // EMFILE and friends: back off briefly rather than spin.
+                tracing::warn!(error = %e, "admin accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
         };
         let ctl = ctl.clone();
         tokio::spawn(async move {

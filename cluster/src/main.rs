@@ -1,0 +1,145 @@
+//! `egress-cluster`: machine egress in the cluster (see the crate docs).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use egress_cluster::{reconcile, relay, resource, webhook, worker};
+
+#[derive(Parser)]
+#[command(
+    name = "egress-cluster",
+    version,
+    about = "Machine egress in the cluster: CRD, node reconciler, admission webhook, console relay"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the Machine CRD (YAML), generated from the Rust type.
+    Crd,
+    /// Run the node reconciler: keep running VMs in line with spec.network.egress.
+    Reconcile {
+        /// This node's name: Machines labelled kairon.zyvor.dev/node=<node> are watched.
+        #[arg(long, env = "NODE_NAME")]
+        node: String,
+        /// The worker's admin API (the gateway's admin listener).
+        #[arg(long, default_value = "127.0.0.1:15000")]
+        worker: SocketAddr,
+        /// A file holding the worker's bearer token.
+        #[arg(long)]
+        worker_token_file: Option<PathBuf>,
+        /// How often a converged Machine is checked again, in seconds.
+        #[arg(long, default_value_t = 60)]
+        resync_secs: u64,
+    },
+    /// Serve the admission webhook (AdmissionReview v1) over TLS.
+    Webhook {
+        #[arg(long, default_value = "0.0.0.0:8443")]
+        listen: SocketAddr,
+        #[arg(long)]
+        cert: PathBuf,
+        #[arg(long)]
+        key: PathBuf,
+    },
+    /// Serve the console relay onto a worker's VM routes.
+    Relay {
+        #[arg(long, default_value = "127.0.0.1:15080")]
+        listen: SocketAddr,
+        #[arg(long, default_value = "127.0.0.1:15000")]
+        worker: SocketAddr,
+        /// Accepted caller tokens, one per line.
+        #[arg(long)]
+        tokens_file: PathBuf,
+        /// A file holding the worker's bearer token.
+        #[arg(long)]
+        worker_token_file: Option<PathBuf>,
+    },
+}
+
+fn read_token(path: &std::path::Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(text.trim().to_owned())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse().command).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("egress-cluster: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> Result<(), String> {
+    match command {
+        Command::Crd => {
+            print!("{}", resource::crd_yaml().map_err(|e| e.to_string())?);
+            Ok(())
+        }
+        Command::Reconcile {
+            node,
+            worker,
+            worker_token_file,
+            resync_secs,
+        } => {
+            let token = worker_token_file.as_deref().map(read_token).transpose()?;
+            let client = kube::Client::try_default()
+                .await
+                .map_err(|e| format!("Kubernetes client: {e}"))?;
+            let worker = worker::Worker {
+                admin: worker,
+                token,
+                timeout: Duration::from_secs(10),
+            };
+            let ctx = reconcile::Context::new(client, worker, Duration::from_secs(resync_secs));
+            reconcile::run(ctx, &node).await;
+            Ok(())
+        }
+        Command::Webhook { listen, cert, key } => {
+            let tls = webhook::tls_config(&cert, &key).map_err(|e| e.to_string())?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|e| format!("--listen {listen}: {e}"))?;
+            tracing::info!(%listen, "admission webhook serving");
+            webhook::serve(listener, tls).await;
+            Ok(())
+        }
+        Command::Relay {
+            listen,
+            worker,
+            tokens_file,
+            worker_token_file,
+        } => {
+            let tokens = relay::load_tokens(&tokens_file).map_err(|e| e.to_string())?;
+            let worker_token = worker_token_file.as_deref().map(read_token).transpose()?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|e| format!("--listen {listen}: {e}"))?;
+            tracing::info!(%listen, %worker, "console relay serving");
+            let config = Arc::new(relay::RelayConfig {
+                worker,
+                worker_token,
+                tokens,
+                timeout: Duration::from_secs(10),
+            });
+            relay::serve(listener, config).await;
+            Ok(())
+        }
+    }
+}

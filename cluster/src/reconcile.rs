@@ -1,0 +1,186 @@
+//! `egress-cluster reconcile`: the node reconciler. A kube-rs controller
+//! watches the Machines placed on this node (label
+//! [`NODE_LABEL`](crate::resource::NODE_LABEL)) and, for each running VM,
+//! brings the worker's policy in line with `spec.network.egress` through
+//! [`decide`](crate::decide::decide). Each Machine is reconciled on its own:
+//! a failing worker call requeues that Machine with exponential backoff
+//! (1 s doubling to 5 min) and never holds up the others; a converged one is
+//! looked at again every `resync` so drift on the worker (a policy written
+//! through the relay) is caught.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+
+use crate::decide::{self, decide};
+use crate::resource::{Machine, MANAGED_ANNOTATION, NODE_LABEL};
+use crate::worker::{Worker, WorkerError};
+
+/// Why one reconcile failed (the Machine is requeued with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    #[error("patching the annotation: {0}")]
+    Kube(#[from] kube::Error),
+}
+
+/// The reconciler's shared state.
+pub struct Context {
+    pub client: Client,
+    pub worker: Worker,
+    /// How often a converged Machine is checked again.
+    pub resync: Duration,
+    /// Consecutive failures per Machine, for the backoff.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    pub fn new(client: Client, worker: Worker, resync: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            client,
+            worker,
+            resync,
+            failures: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn failures(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
+        self.failures.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What one reconcile did, for logs and tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Done {
+    /// Not running (no runtime id, or not `Running`): nothing to do.
+    NotRunning,
+    /// `spec.network.egress` is invalid (the webhook should have refused
+    /// it): nothing written.
+    Invalid(String),
+    /// The worker has no such VM (yet).
+    NoVm,
+    Applied(decide::Action),
+}
+
+fn key(m: &Machine) -> String {
+    format!("{}/{}", m.namespace().unwrap_or_default(), m.name_any())
+}
+
+/// Reconciles one Machine: reads the worker's policy, applies the decision,
+/// and records in the annotation whether the reconciler manages the policy.
+pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, ReconcileError> {
+    let Some(vm) = m.running() else {
+        return Ok(Done::NotRunning);
+    };
+    let spec = match m.egress() {
+        None => None,
+        Some(Ok(p)) => Some(p),
+        Some(Err(problems)) => {
+            let why = problems
+                .iter()
+                .map(|p| p.message.clone())
+                .collect::<Vec<_>>()
+                .join("; ");
+            tracing::warn!(machine = %key(m), %why, "spec.network.egress is invalid; not written");
+            return Ok(Done::Invalid(why));
+        }
+    };
+    let Some(current) = ctx.worker.policy(vm).await? else {
+        return Ok(Done::NoVm);
+    };
+    let d = decide(spec.as_ref(), m.managed(), &current);
+    match &d.action {
+        decide::Action::Write(p) => ctx.worker.write(vm, p).await?,
+        decide::Action::Clear => ctx.worker.clear(vm).await?,
+        decide::Action::Leave => {}
+    }
+    if d.managed != m.managed() {
+        let value = if d.managed {
+            serde_json::json!("true")
+        } else {
+            serde_json::Value::Null
+        };
+        let patch =
+            serde_json::json!({ "metadata": { "annotations": { MANAGED_ANNOTATION: value } } });
+        let api: Api<Machine> = Api::namespaced(
+            ctx.client.clone(),
+            &m.namespace().unwrap_or_else(|| "default".into()),
+        );
+        api.patch(
+            &m.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+    }
+    if d.action != decide::Action::Leave {
+        tracing::info!(machine = %key(m), %vm, action = ?d.action, "reconciled");
+    }
+    Ok(Done::Applied(d.action))
+}
+
+async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
+    let done = reconcile_one(&m, &ctx).await?;
+    ctx.failures().remove(&key(&m));
+    Ok(match done {
+        Done::NotRunning | Done::Invalid(_) => Action::await_change(),
+        // The VM manager has not registered it yet: look again soon.
+        Done::NoVm => Action::requeue(Duration::from_secs(10)),
+        Done::Applied(_) => Action::requeue(ctx.resync),
+    })
+}
+
+/// The backoff after `failures` consecutive failures: 1 s doubling, at most 5 min.
+pub fn backoff(failures: u32) -> Duration {
+    let secs = 1u64 << failures.saturating_sub(1).min(9);
+    Duration::from_secs(secs.min(300))
+}
+
+fn error_policy(m: Arc<Machine>, err: &ReconcileError, ctx: Arc<Context>) -> Action {
+    let n = {
+        let mut failures = ctx.failures();
+        let n = failures.entry(key(&m)).or_insert(0);
+        *n = n.saturating_add(1);
+        *n
+    };
+    let wait = backoff(n);
+    tracing::warn!(machine = %key(&m), error = %err, failures = n, retry_in = ?wait, "reconcile failed");
+    Action::requeue(wait)
+}
+
+/// Runs the controller for the Machines on `node` until the stream ends.
+pub async fn run(ctx: Arc<Context>, node: &str) {
+    let api: Api<Machine> = Api::all(ctx.client.clone());
+    let selector = format!("{NODE_LABEL}={node}");
+    Controller::new(api, watcher::Config::default().labels(&selector))
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "controller event");
+            }
+        })
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::backoff;
+    use std::time::Duration;
+
+    #[test]
+    fn backoff_doubles_to_five_minutes() {
+        assert_eq!(backoff(1), Duration::from_secs(1));
+        assert_eq!(backoff(2), Duration::from_secs(2));
+        assert_eq!(backoff(5), Duration::from_secs(16));
+        assert_eq!(backoff(10), Duration::from_secs(300));
+        assert_eq!(backoff(u32::MAX), Duration::from_secs(300));
+    }
+}

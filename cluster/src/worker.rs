@@ -1,0 +1,179 @@
+//! The worker's VM routes (the gateway's admin API), as the reconciler uses
+//! them. One HTTP/1.1 connection per call, every call bounded in time.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use egress_policy::machine::MachineEgress;
+use http::{header, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+
+use crate::decide::WorkerPolicy;
+
+/// Why a call to the worker failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("worker unreachable: {0}")]
+    Unreachable(String),
+    #[error("worker answered {status} to {what}: {body}")]
+    Status {
+        what: String,
+        status: StatusCode,
+        body: String,
+    },
+    #[error("worker's answer to {what} is unreadable: {message}")]
+    Unreadable { what: String, message: String },
+}
+
+/// The worker's admin API.
+#[derive(Clone, Debug)]
+pub struct Worker {
+    pub admin: SocketAddr,
+    /// Sent as `Authorization: Bearer …` when set.
+    pub token: Option<String>,
+    pub timeout: Duration,
+}
+
+/// One exchange's answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub content_type: Option<header::HeaderValue>,
+    pub body: Bytes,
+}
+
+/// Sends one request to `addr` over a fresh HTTP/1.1 connection, bounded by
+/// `timeout` as a whole.
+pub async fn exchange(
+    addr: SocketAddr,
+    token: Option<&str>,
+    method: Method,
+    path_and_query: &str,
+    body: Option<Bytes>,
+    timeout: Duration,
+) -> Result<Answer, WorkerError> {
+    let call = async {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| WorkerError::Unreachable(format!("{addr}: {e}")))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| WorkerError::Unreachable(e.to_string()))?;
+        tokio::spawn(conn);
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path_and_query)
+            .header(header::HOST, addr.to_string());
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        if body.is_some() {
+            req = req.header(header::CONTENT_TYPE, "application/json");
+        }
+        let req = req
+            .body(Full::new(body.unwrap_or_default()))
+            .map_err(|e| WorkerError::Unreachable(e.to_string()))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| WorkerError::Unreachable(e.to_string()))?;
+        let status = resp.status();
+        let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| WorkerError::Unreachable(e.to_string()))?
+            .to_bytes();
+        Ok(Answer {
+            status,
+            content_type,
+            body,
+        })
+    };
+    tokio::time::timeout(timeout, call)
+        .await
+        .map_err(|_| WorkerError::Unreachable(format!("{addr}: no answer within {timeout:?}")))?
+}
+
+impl Worker {
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Bytes>,
+    ) -> Result<Answer, WorkerError> {
+        exchange(
+            self.admin,
+            self.token.as_deref(),
+            method,
+            path,
+            body,
+            self.timeout,
+        )
+        .await
+    }
+
+    fn ok(what: String, a: Answer) -> Result<serde_json::Value, WorkerError> {
+        if !a.status.is_success() {
+            return Err(WorkerError::Status {
+                what,
+                status: a.status,
+                body: String::from_utf8_lossy(&a.body).into_owned(),
+            });
+        }
+        serde_json::from_slice(&a.body).map_err(|e| WorkerError::Unreadable {
+            what,
+            message: e.to_string(),
+        })
+    }
+
+    /// The VM's policy on the worker; `None` when the worker has no such VM.
+    pub async fn policy(&self, vm: &str) -> Result<Option<WorkerPolicy>, WorkerError> {
+        let path = format!("/v1/vms/{vm}/network/egress");
+        let a = self.call(Method::GET, &path, None).await?;
+        if a.status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        let what = format!("GET {path}");
+        let doc = Self::ok(what.clone(), a)?;
+        let unreadable = |message: String| WorkerError::Unreadable {
+            what: what.clone(),
+            message,
+        };
+        let own = match doc["source"].as_str() {
+            Some("vm") => true,
+            Some("default") => false,
+            other => return Err(unreadable(format!("source {other:?}"))),
+        };
+        let policy = MachineEgress::from_value(&doc["policy"])
+            .map_err(|p| unreadable(format!("policy: {p:?}")))?;
+        Ok(Some(WorkerPolicy { own, policy }))
+    }
+
+    /// Sets the VM's own policy.
+    pub async fn write(&self, vm: &str, policy: &MachineEgress) -> Result<(), WorkerError> {
+        let path = format!("/v1/vms/{vm}/network/egress");
+        let body = Bytes::from(policy.to_value().to_string());
+        let a = self.call(Method::PUT, &path, Some(body)).await?;
+        Self::ok(format!("PUT {path}"), a).map(drop)
+    }
+
+    /// Clears the VM's own policy: it follows the node default.
+    pub async fn clear(&self, vm: &str) -> Result<(), WorkerError> {
+        let path = format!("/v1/vms/{vm}/network/egress");
+        let a = self.call(Method::DELETE, &path, None).await?;
+        Self::ok(format!("DELETE {path}"), a).map(drop)
+    }
+
+    /// The VM create request (registration), carrying its policy.
+    pub async fn create(&self, vm: &str, body: &serde_json::Value) -> Result<(), WorkerError> {
+        let path = format!("/v1/vms/{vm}");
+        let a = self
+            .call(Method::PUT, &path, Some(Bytes::from(body.to_string())))
+            .await?;
+        Self::ok(format!("PUT {path}"), a).map(drop)
+    }
+}

@@ -1,0 +1,389 @@
+//! The node reconciler against a real worker (a gateway, its VM tables in a
+//! throwaway namespace) and a stand-in for the Kubernetes API.
+//!
+//! No API server can run on this machine, so the stand-in answers the few
+//! calls the reconciler makes — list and watch Machines, merge-patch one —
+//! from memory, *behind kube-rs's client interface*: it is the
+//! `tower::Service` a `kube::Client` sends its HTTP requests to, so the
+//! reconciler, the kube-rs controller and the client run unchanged.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use egress_cluster::decide::Action as Did;
+use egress_cluster::reconcile::{self, reconcile_one, Context, Done, ReconcileError};
+use egress_cluster::resource::{Machine, MANAGED_ANNOTATION};
+use egress_cluster::worker::Worker as WorkerApi;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use serde_json::{json, Value};
+use support::{http, Worker};
+
+const ALLOW_API: &str =
+    r#"{"mode": "allowlist", "rules": [{"cidr": "10.0.0.0/8", "proto": "tcp", "port": 5151}]}"#;
+
+/// Machines by (namespace, name), as the API server would hold them, and
+/// every merge patch received.
+#[derive(Clone, Default)]
+struct StandIn {
+    machines: Arc<Mutex<BTreeMap<(String, String), Value>>>,
+    patches: Arc<Mutex<Vec<(String, Value)>>>,
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn full(status: u16, v: &Value) -> http::Response<Body> {
+    http::Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(v.to_string())).boxed())
+        .expect("response")
+}
+
+impl StandIn {
+    fn put(&self, m: Value) {
+        let key = (
+            m["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("default")
+                .to_owned(),
+            m["metadata"]["name"].as_str().expect("name").to_owned(),
+        );
+        self.machines.lock().expect("lock").insert(key, m);
+    }
+
+    fn get(&self, ns: &str, name: &str) -> Value {
+        self.machines.lock().expect("lock")[&(ns.to_owned(), name.to_owned())].clone()
+    }
+
+    fn client(&self) -> kube::Client {
+        let me = self.clone();
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let me = me.clone();
+            async move { Ok::<_, Infallible>(me.answer(req).await) }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    async fn answer(&self, req: http::Request<kube::client::Body>) -> http::Response<Body> {
+        let method = req.method().clone();
+        let path = req.uri().path().to_owned();
+        let query = req.uri().query().unwrap_or("").to_owned();
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        match (method.as_str(), parts.as_slice()) {
+            ("GET", ["apis", "kairon.zyvor.dev", "v1beta1", "machines"])
+                if query.contains("watch=true") =>
+            {
+                // A watch that stays open and quiet.
+                let quiet =
+                    futures::stream::pending::<Result<hyper::body::Frame<Bytes>, Infallible>>();
+                http::Response::builder()
+                    .status(200)
+                    .header("content-type", "application/json")
+                    .body(BodyExt::boxed(StreamBody::new(quiet)))
+                    .expect("response")
+            }
+            ("GET", ["apis", "kairon.zyvor.dev", "v1beta1", "machines"]) => {
+                let selector = query
+                    .split('&')
+                    .find_map(|kv| kv.strip_prefix("labelSelector="))
+                    .map(|s| s.replace("%3D", "=").replace("%2F", "/"))
+                    .unwrap_or_default();
+                let (key, value) = selector.split_once('=').unwrap_or(("", ""));
+                let items: Vec<Value> = self
+                    .machines
+                    .lock()
+                    .expect("lock")
+                    .values()
+                    .filter(|m| key.is_empty() || m["metadata"]["labels"][key] == value)
+                    .cloned()
+                    .collect();
+                full(
+                    200,
+                    &json!({"apiVersion": "kairon.zyvor.dev/v1beta1", "kind": "MachineList",
+                            "metadata": {"resourceVersion": "1"}, "items": items}),
+                )
+            }
+            (
+                "PATCH",
+                ["apis", "kairon.zyvor.dev", "v1beta1", "namespaces", ns, "machines", name],
+            ) => {
+                let patch: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let key = ((*ns).to_owned(), (*name).to_owned());
+                let mut machines = self.machines.lock().expect("lock");
+                let Some(m) = machines.get_mut(&key) else {
+                    return full(
+                        404,
+                        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"}),
+                    );
+                };
+                let annotations = m["metadata"]
+                    .as_object_mut()
+                    .expect("metadata")
+                    .entry("annotations")
+                    .or_insert_with(|| json!({}));
+                for (k, v) in patch["metadata"]["annotations"]
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default()
+                {
+                    match v {
+                        Value::Null => {
+                            annotations.as_object_mut().expect("object").remove(&k);
+                        }
+                        v => annotations[k.as_str()] = v,
+                    }
+                }
+                self.patches
+                    .lock()
+                    .expect("lock")
+                    .push((name.to_string(), patch));
+                full(200, m)
+            }
+            _ => full(
+                404,
+                &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": format!("stand-in: no {method} {path}")}),
+            ),
+        }
+    }
+}
+
+fn machine(name: &str, node: &str, vm: &str, egress: Option<&str>, managed: bool) -> Value {
+    let mut m = json!({
+        "apiVersion": "kairon.zyvor.dev/v1beta1",
+        "kind": "Machine",
+        "metadata": {"name": name, "namespace": "prod", "resourceVersion": "1",
+                     "labels": {"kairon.zyvor.dev/node": node}},
+        "spec": {"network": {"mode": "user"}},
+        "status": {"phase": "Running", "runtimeID": vm, "addresses": ["100.64.50.2"]},
+    });
+    if let Some(e) = egress {
+        m["spec"]["network"]["egress"] = serde_json::from_str(e).expect("json");
+    }
+    if managed {
+        m["metadata"]["annotations"] = json!({ MANAGED_ANNOTATION: "true" });
+    }
+    m
+}
+
+fn typed(v: &Value) -> Machine {
+    serde_json::from_value(v.clone()).expect("a Machine")
+}
+
+fn worker_api(w: &Worker) -> WorkerApi {
+    WorkerApi {
+        admin: w.admin,
+        token: Some(w.token.clone()),
+        timeout: Duration::from_secs(5),
+    }
+}
+
+async fn worker_policy(w: &Worker, vm: &str) -> Value {
+    let (status, _, body) = http(
+        w.admin,
+        "GET",
+        &format!("/v1/vms/{vm}/network/egress"),
+        &w.auth(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    support::json(&body)
+}
+
+async fn set_directly(w: &Worker, vm: &str, policy: &str) {
+    let (status, _, body) = http(
+        w.admin,
+        "PUT",
+        &format!("/v1/vms/{vm}/network/egress"),
+        &w.auth(),
+        Some(policy),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+#[tokio::test]
+async fn each_reconciliation_rule_against_a_real_worker() {
+    let Some(w) = Worker::start().await else {
+        return;
+    };
+    w.register_vm("vm-web", "100.64.50.2").await;
+    let api = StandIn::default();
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60));
+
+    // Running, field set, VM on the node default: written, and managed.
+    api.put(machine("web", "node-a", "vm-web", Some(ALLOW_API), false));
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    assert!(matches!(done, Done::Applied(Did::Write(_))), "{done:?}");
+    let now = worker_policy(&w, "vm-web").await;
+    assert_eq!(now["source"], "vm");
+    assert_eq!(now["policy"]["rules"][0]["port"], 5151);
+    assert!(
+        w.ruleset().contains("10.0.0.0/8 . tcp . 5151"),
+        "the kernel has it"
+    );
+    assert_eq!(
+        api.get("prod", "web")["metadata"]["annotations"][MANAGED_ANNOTATION],
+        "true"
+    );
+
+    // Again: the worker already has it, nothing is written.
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    assert_eq!(done, Done::Applied(Did::Leave));
+    let patches = api.patches.lock().expect("lock").len();
+    assert_eq!(patches, 1, "the annotation is patched once");
+
+    // Changed through the relay (directly on the worker): the spec wins.
+    set_directly(&w, "vm-web", r#"{"mode": "open"}"#).await;
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    assert!(matches!(done, Done::Applied(Did::Write(_))), "{done:?}");
+    assert_eq!(
+        worker_policy(&w, "vm-web").await["policy"]["mode"],
+        "allowlist"
+    );
+
+    // The field removed: the reconciler set the policy, so it clears it.
+    let mut m = api.get("prod", "web");
+    m["spec"]["network"]
+        .as_object_mut()
+        .expect("network")
+        .remove("egress");
+    api.put(m);
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    assert_eq!(done, Done::Applied(Did::Clear));
+    assert_eq!(worker_policy(&w, "vm-web").await["source"], "default");
+    assert!(api.get("prod", "web")["metadata"]["annotations"]
+        .get(MANAGED_ANNOTATION)
+        .is_none());
+
+    // Never had the field, a policy set directly: left alone.
+    set_directly(&w, "vm-web", r#"{"mode": "open"}"#).await;
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    assert_eq!(done, Done::Applied(Did::Leave));
+    let now = worker_policy(&w, "vm-web").await;
+    assert_eq!(
+        (now["source"].as_str(), now["policy"]["mode"].as_str()),
+        (Some("vm"), Some("open"))
+    );
+
+    // Not running, or not on the worker: nothing written.
+    let mut stopped = machine("stopped", "node-a", "vm-web", Some(ALLOW_API), false);
+    stopped["status"]["phase"] = "Stopped".into();
+    assert_eq!(
+        reconcile_one(&typed(&stopped), &ctx).await.expect("ok"),
+        Done::NotRunning
+    );
+    let ghost = machine("ghost", "node-a", "vm-ghost", Some(ALLOW_API), false);
+    assert_eq!(
+        reconcile_one(&typed(&ghost), &ctx).await.expect("ok"),
+        Done::NoVm
+    );
+    // An invalid field (the webhook would have refused it) is not written.
+    let bad = machine(
+        "bad",
+        "node-a",
+        "vm-web",
+        Some(r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#),
+        false,
+    );
+    assert!(matches!(
+        reconcile_one(&typed(&bad), &ctx).await.expect("ok"),
+        Done::Invalid(_)
+    ));
+    assert_eq!(worker_policy(&w, "vm-web").await["policy"]["mode"], "open");
+
+    // An unreachable worker is an error (the controller requeues with backoff).
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let gone = closed.local_addr().expect("addr");
+    drop(closed);
+    let down = Context::new(
+        api.client(),
+        WorkerApi {
+            admin: gone,
+            token: None,
+            timeout: Duration::from_secs(2),
+        },
+        Duration::from_secs(60),
+    );
+    let err = reconcile_one(&typed(&api.get("prod", "web")), &down)
+        .await
+        .expect_err("unreachable");
+    assert!(matches!(err, ReconcileError::Worker(_)), "{err}");
+}
+
+/// The kube-rs controller itself: it lists the Machines labelled for its
+/// node, reconciles each on its own (a Machine whose VM the worker does not
+/// have does not hold up the others), and leaves other nodes' alone.
+#[tokio::test]
+async fn the_controller_reconciles_only_its_nodes_machines() {
+    let Some(w) = Worker::start().await else {
+        return;
+    };
+    w.register_vm("vm-a", "100.64.50.2").await;
+    w.register_vm("vm-b", "100.64.50.3").await;
+    let api = StandIn::default();
+    api.put(machine(
+        "ghost",
+        "node-a",
+        "vm-ghost",
+        Some(ALLOW_API),
+        false,
+    ));
+    api.put(machine("a", "node-a", "vm-a", Some(ALLOW_API), false));
+    api.put(machine("b", "node-b", "vm-b", Some(ALLOW_API), false));
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60));
+    let controller = tokio::spawn(async move { reconcile::run(ctx, "node-a").await });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if worker_policy(&w, "vm-a").await["source"] == "vm" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the controller did not reconcile vm-a"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    controller.abort();
+    assert_eq!(
+        worker_policy(&w, "vm-b").await["source"],
+        "default",
+        "another node's Machine"
+    );
+    assert_eq!(
+        api.get("prod", "a")["metadata"]["annotations"][MANAGED_ANNOTATION],
+        "true"
+    );
+    let patched: Vec<String> = api
+        .patches
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert_eq!(patched, ["a"]);
+}
