@@ -28,12 +28,12 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde_json::{json, Value};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 /// Largest request body relayed.
 pub const MAX_BODY: usize = 64 * 1024;
 /// Largest worker reply relayed (an observed list is well below it).
-pub const MAX_REPLY: usize = 8 << 20;
+pub const MAX_REPLY: usize = crate::worker::MAX_REPLY;
 /// Shortest caller token accepted by [`load_tokens`].
 pub const MIN_TOKEN_CHARS: usize = 16;
 /// The caller's request body must arrive within this.
@@ -220,11 +220,9 @@ async fn relay(
             return (r, route, id);
         }
     };
-    let exchange = forward(config, method, &path_and_query, body);
-    let reply = match tokio::time::timeout(config.timeout, exchange).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(reason)) => unreachable_worker(&reason),
-        Err(_) => unreachable_worker(&format!("no answer within {:?}", config.timeout)),
+    let reply = match forward(config, method, &path_and_query, body).await {
+        Ok(r) => r,
+        Err(reason) => unreachable_worker(&reason),
     };
     (reply, route, id)
 }
@@ -338,51 +336,32 @@ fn constant_time_eq(presented: &[u8], token: &[u8]) -> bool {
     diff == 0
 }
 
-/// One exchange with the worker on a fresh connection; `Err` is the reason
-/// it failed.
+/// One exchange with the worker ([`crate::worker::exchange`]); `Err` is
+/// the reason it failed.
 async fn forward(
     config: &RelayConfig,
     method: Method,
     path_and_query: &str,
     body: Bytes,
 ) -> Result<Reply, String> {
-    let stream = TcpStream::connect(config.worker)
-        .await
-        .map_err(|e| format!("connect {}: {e}", config.worker))?;
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    let conn = tokio::spawn(conn);
-    let has_body = !body.is_empty();
-    let mut builder = Request::builder()
-        .method(method)
-        .uri(path_and_query)
-        .header(header::HOST, config.worker.to_string());
-    if has_body {
-        builder = builder.header(header::CONTENT_TYPE, "application/json");
-    }
-    if let Some(t) = &config.worker_token {
-        builder = builder.header(header::AUTHORIZATION, format!("Bearer {t}"));
-    }
-    let req = builder
-        .body(Full::new(body))
-        .map_err(|e| format!("building the request: {e}"))?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("exchange: {e}"))?;
-    let (parts, incoming) = resp.into_parts();
-    let bytes = Limited::new(incoming, MAX_REPLY)
-        .collect()
-        .await
-        .map_err(|e| format!("reading the reply: {e}"))?
-        .to_bytes();
-    conn.abort();
-    let mut r = Response::new(Full::new(bytes));
-    *r.status_mut() = parts.status;
-    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
-        r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    let body = (!body.is_empty()).then_some(body);
+    let answer = crate::worker::exchange(
+        config.worker,
+        config.worker_token.as_deref(),
+        method,
+        path_and_query,
+        body,
+        config.timeout,
+    )
+    .await
+    .map_err(|e| match e {
+        crate::worker::WorkerError::Unreachable(reason) => reason,
+        other => other.to_string(),
+    })?;
+    let mut r = Response::new(Full::new(answer.body));
+    *r.status_mut() = answer.status;
+    if let Some(ct) = answer.content_type {
+        r.headers_mut().insert(header::CONTENT_TYPE, ct);
     }
     Ok(r)
 }

@@ -44,8 +44,12 @@ pub struct Answer {
     pub body: Bytes,
 }
 
+/// Largest reply read from the worker.
+pub const MAX_REPLY: usize = 8 << 20;
+
 /// Sends one request to `addr` over a fresh HTTP/1.1 connection, bounded by
-/// `timeout` as a whole.
+/// `timeout` as a whole and its reply by [`MAX_REPLY`]. The reconciler and
+/// the relay both call the worker through it.
 pub async fn exchange(
     addr: SocketAddr,
     token: Option<&str>,
@@ -57,11 +61,12 @@ pub async fn exchange(
     let call = async {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
-            .map_err(|e| WorkerError::Unreachable(format!("{addr}: {e}")))?;
+            .map_err(|e| WorkerError::Unreachable(format!("connect {addr}: {e}")))?;
+        let _ = stream.set_nodelay(true);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| WorkerError::Unreachable(e.to_string()))?;
-        tokio::spawn(conn);
+            .map_err(|e| WorkerError::Unreachable(format!("handshake: {e}")))?;
+        let conn = tokio::spawn(conn);
         let mut req = Request::builder()
             .method(method)
             .uri(path_and_query)
@@ -74,19 +79,19 @@ pub async fn exchange(
         }
         let req = req
             .body(Full::new(body.unwrap_or_default()))
-            .map_err(|e| WorkerError::Unreachable(e.to_string()))?;
+            .map_err(|e| WorkerError::Unreachable(format!("building the request: {e}")))?;
         let resp = sender
             .send_request(req)
             .await
-            .map_err(|e| WorkerError::Unreachable(e.to_string()))?;
+            .map_err(|e| WorkerError::Unreachable(format!("exchange: {e}")))?;
         let status = resp.status();
         let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-        let body = resp
-            .into_body()
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_REPLY)
             .collect()
             .await
-            .map_err(|e| WorkerError::Unreachable(e.to_string()))?
+            .map_err(|e| WorkerError::Unreachable(format!("reading the reply: {e}")))?
             .to_bytes();
+        conn.abort();
         Ok(Answer {
             status,
             content_type,
@@ -95,7 +100,7 @@ pub async fn exchange(
     };
     tokio::time::timeout(timeout, call)
         .await
-        .map_err(|_| WorkerError::Unreachable(format!("{addr}: no answer within {timeout:?}")))?
+        .map_err(|_| WorkerError::Unreachable(format!("no answer within {timeout:?}")))?
 }
 
 impl Worker {
