@@ -15,6 +15,7 @@
 pub mod decide;
 pub mod reconcile;
 pub mod relay;
+mod reply;
 pub mod resource;
 pub mod webhook;
 pub mod worker;

@@ -27,8 +27,9 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use serde_json::{json, Value};
 use tokio::net::TcpListener;
+
+use crate::reply::{error, too_large, Reply};
 
 /// Largest request body relayed.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -144,8 +145,6 @@ pub async fn serve(listener: TcpListener, config: Arc<RelayConfig>) {
     }
 }
 
-type Reply = Response<Full<Bytes>>;
-
 /// A relayed route: the worker path (without the query) and the runtime id.
 struct Target {
     route: &'static str,
@@ -188,7 +187,7 @@ async fn relay(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return (too_large(), route, id);
+        return (too_large(MAX_BODY), route, id);
     }
     let path_and_query = match req.uri().query() {
         Some(q) => format!("{}?{q}", target.path),
@@ -206,7 +205,7 @@ async fn relay(
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some() =>
         {
-            return (too_large(), route, id)
+            return (too_large(MAX_BODY), route, id)
         }
         Ok(Err(e)) => {
             let r = error(StatusCode::BAD_REQUEST, &format!("reading the body: {e}"));
@@ -371,27 +370,4 @@ fn unreachable_worker(reason: &str) -> Reply {
         StatusCode::BAD_GATEWAY,
         &format!("worker unreachable: {reason}"),
     )
-}
-
-fn too_large() -> Reply {
-    error(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        &format!("body larger than {MAX_BODY} bytes"),
-    )
-}
-
-fn error(status: StatusCode, message: &str) -> Reply {
-    json_reply(status, &json!({ "error": message }))
-}
-
-fn json_reply(status: StatusCode, v: &Value) -> Reply {
-    let mut body = serde_json::to_vec(v).unwrap_or_default();
-    body.push(b'\n');
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    r
 }

@@ -14,10 +14,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use egress_policy::machine::MachineEgress;
-use http::{header, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http::{header, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
@@ -25,8 +24,10 @@ use kube::core::response::StatusSummary;
 use kube::core::DynamicObject;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::net::TcpListener;
+
+use crate::reply::{error, json_reply, too_large, Reply};
 
 /// The API group of the `Machine` resource.
 pub const GROUP: &str = "kairon.zyvor.dev";
@@ -231,8 +232,6 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
     }
 }
 
-type Reply = Response<Full<Bytes>>;
-
 async fn handle(req: Request<Incoming>) -> Reply {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
@@ -257,7 +256,7 @@ async fn route(req: Request<Incoming>) -> Reply {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return too_large();
+        return too_large(MAX_BODY);
     }
     let collected = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
@@ -270,7 +269,7 @@ async fn route(req: Request<Incoming>) -> Reply {
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some() =>
         {
-            return too_large()
+            return too_large(MAX_BODY)
         }
         Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, &format!("reading the body: {e}")),
         Err(_) => {
@@ -289,27 +288,4 @@ async fn route(req: Request<Incoming>) -> Reply {
         }
         Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
     }
-}
-
-fn too_large() -> Reply {
-    error(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        &format!("body larger than {MAX_BODY} bytes"),
-    )
-}
-
-fn error(status: StatusCode, message: &str) -> Reply {
-    json_reply(status, &json!({ "error": message }))
-}
-
-fn json_reply(status: StatusCode, v: &Value) -> Reply {
-    let mut body = serde_json::to_vec(v).unwrap_or_default();
-    body.push(b'\n');
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    r
 }
