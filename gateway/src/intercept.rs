@@ -21,6 +21,7 @@ use tokio::net::TcpStream;
 
 use crate::authority::{self, Authority, AuthorityError, Target};
 use crate::decide::{decide, Claims};
+use crate::fault::{Fault, Side};
 use crate::io::{quiet_for, Counted, Counts, Rewind};
 use crate::pool::{Body, PoolKey, Sender};
 use crate::registry::Sandbox;
@@ -119,8 +120,14 @@ where
         .observe(started.elapsed().as_secs_f64());
     let tls = match accepted {
         Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => return failed(format!("tls_handshake: {e}")),
-        Err(_) => return failed("tls_handshake: timed out".into()),
+        Ok(Err(e)) => {
+            dp.metrics.fault(Fault::CLIENT_TLS);
+            return failed(format!("tls_handshake: {e}"));
+        }
+        Err(_) => {
+            dp.metrics.fault(Fault::CLIENT_TLS);
+            return failed("tls_handshake: timed out".into());
+        }
     };
     let conn = Conn::new(dp.clone(), up.clone(), sandbox, dst, sni, true);
     serve(conn, tls, activity).await
@@ -148,6 +155,7 @@ where
     let served = tokio::select! {
         r = serving => r,
         () = quiet_for(activity, config.timeouts.idle) => {
+            conn.dp.metrics.fault(Fault::IDLE_TIMEOUT);
             return conn.served(Some("idle_timeout".into()));
         }
     };
@@ -159,13 +167,33 @@ where
         // hyper answers bytes that are not HTTP with 400 and closes: the
         // protocol the spec's exemptions exist for.
         if text.contains("parse") || text.contains("invalid") || text.contains("malformed") {
+            conn.dp.metrics.fault(Fault::NON_HTTP);
             format!("non_http: {text}")
         } else {
+            conn.dp.metrics.fault(client_fault(&*e));
             text
         }
     });
     let refused = conn.refused.lock().map(|r| r.clone()).unwrap_or_default();
+    if error.is_none() && refused.is_some() {
+        conn.dp.metrics.fault(Fault::BAD_REQUEST);
+    }
     conn.served(error.or_else(|| refused.map(|r| format!("bad_request: {r}"))))
+}
+
+/// A client connection that ended in an error: a reset if an I/O error
+/// underneath says so, otherwise an HTTP-level failure of the client.
+fn client_fault(e: &(dyn std::error::Error + 'static)) -> Fault {
+    let mut source = Some(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(f) = Fault::io(Side::Client, io) {
+                return f;
+            }
+        }
+        source = err.source();
+    }
+    Fault::CLIENT_HTTP
 }
 
 fn failed(error: String) -> Served {
@@ -233,7 +261,10 @@ impl Conn {
                 strip_hop_by_hop(resp.headers_mut());
                 resp.map(BodyExt::boxed)
             }
-            Err(e) => text(StatusCode::BAD_GATEWAY, &format!("{e}\n")),
+            Err(e) => {
+                self.dp.metrics.fault(e.fault());
+                text(StatusCode::BAD_GATEWAY, &format!("{e}\n"))
+            }
         }
     }
 
@@ -381,11 +412,22 @@ impl Conn {
         authority: &str,
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut req);
-        let Ok(Sender::H1(mut sender)) = self.connect(verify_as, false).await else {
-            return text(
-                StatusCode::BAD_GATEWAY,
-                "cannot reach the origin for the upgrade\n",
-            );
+        let mut sender = match self.connect(verify_as, false).await {
+            Ok(Sender::H1(s)) => s,
+            Ok(Sender::H2(_)) => {
+                self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
+                return text(
+                    StatusCode::BAD_GATEWAY,
+                    "cannot reach the origin for the upgrade\n",
+                );
+            }
+            Err(e) => {
+                self.dp.metrics.fault(e.fault());
+                return text(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("cannot reach the origin for the upgrade: {e}\n"),
+                );
+            }
         };
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, body.boxed());
@@ -394,10 +436,11 @@ impl Conn {
         let mut resp = match sender.send_request(out).await {
             Ok(r) => r,
             Err(e) => {
+                self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
                 return text(
                     StatusCode::BAD_GATEWAY,
                     &format!("upstream HTTP failed: {e}\n"),
-                )
+                );
             }
         };
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {

@@ -8,6 +8,7 @@ pub mod cli;
 mod commit;
 pub mod config;
 pub mod decide;
+mod fault;
 mod flow;
 pub mod flowlog;
 mod gateway;

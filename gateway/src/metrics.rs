@@ -47,6 +47,13 @@ pub(crate) struct Metrics {
     pub(crate) handshake_seconds: Histogram,
     pub(crate) upstream_connect_seconds: Histogram,
     pub(crate) pushes: Family<OutcomeLabels, Counter>,
+    faults: Family<FaultLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FaultLabels {
+    side: &'static str,
+    kind: &'static str,
 }
 
 /// Reads the DNS proxy's, the attribution cache's and the minter's counters at scrape time.
@@ -73,6 +80,7 @@ impl Metrics {
             handshake_seconds: latency(),
             upstream_connect_seconds: latency(),
             pushes: Family::default(),
+            faults: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -110,8 +118,29 @@ impl Metrics {
             "Policy pushes (admin PUT one, PUT all, DELETE), applied or rejected",
             m.pushes.clone(),
         );
+        r.register(
+            "flow_errors",
+            "Failures after the verdict, by whose fault (side: client, upstream, gateway) and kind",
+            m.faults.clone(),
+        );
+        for f in crate::fault::ALL {
+            let _ = m.faults.get_or_create(&FaultLabels {
+                side: f.side.as_str(),
+                kind: f.kind,
+            });
+        }
         r.register_collector(Box::new(Sources { dns, cache, minter }));
         m
+    }
+
+    /// Counts one failure after the verdict.
+    pub(crate) fn fault(&self, f: crate::fault::Fault) {
+        self.faults
+            .get_or_create(&FaultLabels {
+                side: f.side.as_str(),
+                kind: f.kind,
+            })
+            .inc();
     }
 
     /// Adds the machine egress figures, read at scrape time.

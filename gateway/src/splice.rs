@@ -13,6 +13,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
 use crate::config::Timeouts;
+use crate::fault::{Fault, Side};
 use crate::io::{quiet_for, reset, Counts};
 use crate::state::Dataplane;
 use crate::upstream::connect_tcp;
@@ -25,6 +26,8 @@ pub(crate) struct Spliced {
     /// Origin to client.
     pub(crate) down: u64,
     pub(crate) idle_timeout: bool,
+    /// A side reset the flow while bytes moved.
+    pub(crate) fault: Option<Fault>,
 }
 
 /// Connects to `dst`, sends the `peeked` bytes first, then joins the two
@@ -41,11 +44,14 @@ pub(crate) async fn splice_to(
         Ok(o) => o,
         Err(e) => {
             reset(&client);
+            dp.metrics.fault(Fault::connect(&e));
             return Err(format!("upstream_connect: {e}"));
         }
     };
     if let Err(e) = origin.write_all(peeked).await {
         reset(&client);
+        dp.metrics
+            .fault(Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP));
         return Err(format!("upstream_write: {e}"));
     }
     let mut moved = splice(client, origin, timeouts.idle).await;
@@ -60,18 +66,29 @@ pub(crate) async fn splice(client: TcpStream, origin: TcpStream, idle: Duration)
     let counts = Counts::default();
     let both = async {
         tokio::join!(
-            pump(&mut cr, &mut ow, &counts.read),
-            pump(&mut or, &mut cw, &counts.written)
+            pump(
+                &mut cr,
+                &mut ow,
+                &counts.read,
+                (Side::Client, Side::Upstream)
+            ),
+            pump(
+                &mut or,
+                &mut cw,
+                &counts.written,
+                (Side::Upstream, Side::Client)
+            )
         )
     };
-    let idle_timeout = tokio::select! {
-        _ = both => false,
-        () = quiet_for(&counts, idle) => true,
+    let (idle_timeout, fault) = tokio::select! {
+        (up, down) = both => (false, up.or(down)),
+        () = quiet_for(&counts, idle) => (true, Some(Fault::IDLE_TIMEOUT)),
     };
     Spliced {
         up: counts.read.load(Ordering::Relaxed),
         down: counts.written.load(Ordering::Relaxed),
         idle_timeout,
+        fault,
     }
 }
 
@@ -83,19 +100,32 @@ pub(crate) async fn splice(client: TcpStream, origin: TcpStream, idle: Duration)
 /// A read that does not fill the buffer has drained the socket and clears
 /// its readiness (tokio on epoll), so a small message costs one read and
 /// one write — no extra read that would only say "would block".
-async fn pump(r: &mut OwnedReadHalf, w: &mut OwnedWriteHalf, moved: &AtomicU64) {
+/// `sides`: who is behind the reading and the writing half, to name a reset.
+async fn pump(
+    r: &mut OwnedReadHalf,
+    w: &mut OwnedWriteHalf,
+    moved: &AtomicU64,
+    sides: (Side, Side),
+) -> Option<Fault> {
     const BUF: usize = 64 * 1024;
+    let mut fault = None;
     'flow: loop {
-        if r.readable().await.is_err() {
+        if let Err(e) = r.readable().await {
+            fault = Fault::io(sides.0, &e);
             break;
         }
         let mut buf: Vec<u8> = Vec::with_capacity(BUF);
         loop {
             buf.clear();
             match r.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => break 'flow,
+                Ok(0) => break 'flow,
+                Err(e) => {
+                    fault = Fault::io(sides.0, &e);
+                    break 'flow;
+                }
                 Ok(n) => {
-                    if w.write_all(&buf[..n]).await.is_err() {
+                    if let Err(e) = w.write_all(&buf[..n]).await {
+                        fault = Fault::io(sides.1, &e);
                         break 'flow;
                     }
                     moved.fetch_add(n as u64, Ordering::Relaxed);
@@ -108,6 +138,7 @@ async fn pump(r: &mut OwnedReadHalf, w: &mut OwnedWriteHalf, moved: &AtomicU64) 
     }
     // Half-close: the other side learns that no more bytes come this way.
     let _ = w.shutdown().await;
+    fault
 }
 
 #[cfg(test)]
@@ -148,9 +179,32 @@ mod tests {
             Spliced {
                 up: 12,
                 down: 100_000,
-                idle_timeout: false
+                idle_timeout: false,
+                fault: None,
             }
         );
+    }
+
+    #[tokio::test]
+    async fn a_reset_is_counted_against_the_side_that_sent_it() {
+        let (client, gw_client) = pair().await;
+        let (gw_origin, mut origin) = pair().await;
+        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5)));
+        origin.write_all(b"hello").await.expect("write");
+        // The client goes away with a reset (SO_LINGER 0), not a FIN.
+        socket2::SockRef::from(&client)
+            .set_linger(Some(Duration::ZERO))
+            .expect("linger");
+        drop(client);
+        let s = task.await.expect("task");
+        assert_eq!(
+            s.fault,
+            Some(
+                Fault::io(Side::Client, &std::io::ErrorKind::ConnectionReset.into())
+                    .expect("a reset")
+            )
+        );
+        assert!(!s.idle_timeout);
     }
 
     #[tokio::test]

@@ -16,6 +16,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::net::TcpStream;
 
 use crate::config::{Config, Timeouts};
+use crate::fault::Fault;
 use crate::metrics::Metrics;
 use crate::pool::{Sender, UpstreamPool};
 
@@ -34,11 +35,26 @@ pub struct RootsError {
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ForwardError {
     #[error("cannot connect to {0}: {1}")]
-    Connect(SocketAddr, String),
+    Connect(SocketAddr, std::io::Error),
     #[error("upstream TLS failed for {name}: {reason}")]
-    Tls { name: String, reason: String },
+    Tls {
+        name: String,
+        reason: String,
+        fault: Fault,
+    },
     #[error("upstream HTTP failed: {0}")]
     Http(String),
+}
+
+impl ForwardError {
+    /// Whose fault it was, for `egress_flow_errors_total`.
+    pub(crate) fn fault(&self) -> Fault {
+        match self {
+            Self::Connect(_, e) => Fault::connect(e),
+            Self::Tls { fault, .. } => *fault,
+            Self::Http(_) => Fault::UPSTREAM_HTTP,
+        }
+    }
 }
 
 /// The intercept path's state.
@@ -99,19 +115,26 @@ impl Upstreams {
                 ServerName::try_from(n.as_str().to_owned()).map_err(|e| ForwardError::Tls {
                     name: n.to_string(),
                     reason: e.to_string(),
+                    fault: Fault::upstream_tls(&std::io::Error::other(e)),
                 })?,
             ),
             None => (dst.ip().to_string(), ServerName::IpAddress(dst.ip().into())),
         };
-        let failed = |reason: String| ForwardError::Tls {
+        let failed = |e: std::io::Error| ForwardError::Tls {
             name: name.clone(),
-            reason,
+            reason: e.to_string(),
+            fault: Fault::upstream_tls(&e),
         };
         let connector = tokio_rustls::TlsConnector::from(config.clone());
         let tls = tokio::time::timeout(timeouts.tls_handshake, connector.connect(server_name, tcp))
             .await
-            .map_err(|_| failed("handshake timed out".into()))?
-            .map_err(|e| failed(e.to_string()))?;
+            .map_err(|_| {
+                failed(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "handshake timed out",
+                ))
+            })?
+            .map_err(failed)?;
         if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
             let (sender, conn) =
                 hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
@@ -142,15 +165,13 @@ pub(crate) async fn connect_tcp(
     dst: SocketAddr,
     timeout: Duration,
     metrics: &Metrics,
-) -> Result<TcpStream, String> {
+) -> Result<TcpStream, std::io::Error> {
     let started = Instant::now();
     let tcp = tokio::time::timeout(timeout, TcpStream::connect(dst)).await;
     metrics
         .upstream_connect_seconds
         .observe(started.elapsed().as_secs_f64());
-    let tcp = tcp
-        .map_err(|_| "timed out".to_owned())?
-        .map_err(|e| e.to_string())?;
+    let tcp = tcp.map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"))??;
     let _ = tcp.set_nodelay(true);
     Ok(tcp)
 }

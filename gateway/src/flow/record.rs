@@ -87,8 +87,13 @@ impl<'a> Record<'a> {
             Ok(moved) => {
                 self.line.bytes_up = moved.up;
                 self.line.bytes_down = moved.down;
+                if let Some(f) = moved.fault {
+                    self.dp.metrics.fault(f);
+                }
                 if moved.idle_timeout {
                     self.line.error = Some("idle_timeout".into());
+                } else if let Some(f) = moved.fault {
+                    self.line.error = Some(format!("{}_{}", f.side.as_str(), f.kind));
                 }
             }
             Err(e) => self.line.error = Some(e),

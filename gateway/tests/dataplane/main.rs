@@ -3,6 +3,7 @@
 //! a hickory-server upstream, origins with certificates from a test CA.
 
 mod explain;
+mod faults;
 mod harness;
 mod two_readings;
 mod verdicts;
