@@ -31,6 +31,9 @@ impl OriginalDst for SoOriginalDst {
         let sock = socket2::SockRef::from(stream);
         let addr = match stream.local_addr()? {
             SocketAddr::V4(_) => sock.original_dst_v4()?,
+            // An IPv4 connection on a dual-stack (`[::]`) listener: its
+            // conntrack entry is IPv4, so ask the IPv4 way.
+            SocketAddr::V6(v6) if v6.ip().to_ipv4_mapped().is_some() => sock.original_dst_v4()?,
             SocketAddr::V6(_) => sock.original_dst_v6()?,
         };
         addr.as_socket().ok_or_else(|| {
@@ -361,6 +364,8 @@ async fn accept(
                 continue;
             }
         };
+        // On a dual-stack listener IPv4 peers arrive as `::ffff:a.b.c.d`.
+        let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "connection limit reached; closing");
             crate::io::reset(&stream);

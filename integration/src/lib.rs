@@ -5,7 +5,7 @@
 //! documentation ranges only (203.0.113.0/24, 198.51.100.0/24).
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use egress_certs::{CertificateAuthority, LeafMinter, LeafResolver, MintConfig};
 use hickory_proto::op::{Metadata, ResponseCode};
-use hickory_proto::rr::rdata::{A, CNAME};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_server::net::runtime::Time;
 use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
@@ -68,6 +68,26 @@ pub fn zone() -> HashMap<&'static str, Entry> {
     ])
 }
 
+/// The IPv6 addresses (AAAA) of some names, in 2001:db8:f::/48: the same
+/// origins, reachable over IPv6 as well.
+pub fn zone6() -> HashMap<&'static str, (Ipv6Addr, u32)> {
+    let ip = |s: &str| s.parse::<Ipv6Addr>().unwrap_or(Ipv6Addr::UNSPECIFIED);
+    HashMap::from([
+        ("api.example.test", (ip("2001:db8:f::10"), 300)),
+        ("other.example.test", (ip("2001:db8:f::11"), 300)),
+        ("a.relay.example.test", (ip("2001:db8:f::20"), 300)),
+        ("edge.cdn.example.test", (ip("2001:db8:f::100:10"), 300)),
+        ("plain.example.test", (ip("2001:db8:f::100:20"), 300)),
+    ])
+}
+
+/// Every IPv6 address the fake internet serves on.
+pub fn addresses6() -> Vec<Ipv6Addr> {
+    let mut v: Vec<Ipv6Addr> = zone6().values().map(|(ip, _)| *ip).collect();
+    v.sort();
+    v
+}
+
 /// Every address the fake internet serves on.
 pub fn addresses() -> Vec<Ipv4Addr> {
     let mut v: Vec<Ipv4Addr> = zone()
@@ -116,7 +136,12 @@ impl RequestHandler for Zone {
             match entry {
                 Entry::A(ip, ttl) => {
                     if qtype == RecordType::A {
-                        records.push(Record::from_rdata(owner, *ttl, RData::A(A(*ip))));
+                        records.push(Record::from_rdata(owner.clone(), *ttl, RData::A(A(*ip))));
+                    }
+                    if qtype == RecordType::AAAA {
+                        if let Some((ip6, ttl6)) = zone6().get(current.as_str()) {
+                            records.push(Record::from_rdata(owner, *ttl6, RData::AAAA(AAAA(*ip6))));
+                        }
                     }
                     break;
                 }
@@ -190,6 +215,8 @@ pub async fn serve_tls(addr: SocketAddr, minter: Arc<LeafMinter>) -> std::io::Re
         let minter = minter.clone();
         tokio::spawn(async move {
             let Ok(local) = tcp.local_addr() else { return };
+            // A dual-stack listener sees IPv4 as `::ffff:a.b.c.d`.
+            let local = SocketAddr::new(local.ip().to_canonical(), local.port());
             let turn = local.ip()
                 == TURN_IP
                     .parse::<IpAddr>()

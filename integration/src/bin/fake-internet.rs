@@ -1,4 +1,5 @@
-//! `fake-internet --ca-dir DIR`: DNS on 203.0.113.53:53, HTTPS on :443, HTTP on :80.
+//! `fake-internet --ca-dir DIR`: DNS on 203.0.113.53:53, HTTPS on :443, HTTP on :80
+//! (IPv4 and IPv6).
 //! Run it inside the "internet" namespace; it prints `ready` once listening.
 
 use std::net::SocketAddr;
@@ -31,8 +32,9 @@ async fn main() -> ExitCode {
         53,
     )
         .into();
-    let tls: SocketAddr = ([0, 0, 0, 0], 443).into();
-    let http: SocketAddr = ([0, 0, 0, 0], 80).into();
+    // Dual stack: `[::]` takes IPv4 too (as `::ffff:a.b.c.d`).
+    let tls: SocketAddr = (std::net::Ipv6Addr::UNSPECIFIED, 443).into();
+    let http: SocketAddr = (std::net::Ipv6Addr::UNSPECIFIED, 80).into();
     let dns_task = tokio::spawn(egress_integration::serve_dns(dns));
     let tls_task = tokio::spawn(egress_integration::serve_tls(tls, minter));
     let http_task = tokio::spawn(egress_integration::serve_http(http));

@@ -186,13 +186,15 @@ fn a_sandbox_created_through_the_controller_obeys_its_composed_policy_and_surviv
         None,
     );
     assert_eq!(doc["addresses"], json!([SB1_IP]), "{doc}");
+    // The worker's pool is IPv4: the sandbox is known by that address only,
+    // so its clients use IPv4 here (IPv6 would be an unknown sandbox: denied).
 
     // The profile's allow, intercepted (DNS through 8.8.8.8, allowed by composition).
-    let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/hello", &[]);
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/hello", &["-4"]);
     assert_eq!(code, 0, "{body}");
     assert!(body.contains("host=api.example.test"), "{body}");
     // The tenant's deny beats the profile's allow.
-    let (code, _) = t.curl(&t.sb1, "gateway", "https://other.example.test/", &[]);
+    let (code, _) = t.curl(&t.sb1, "gateway", "https://other.example.test/", &["-4"]);
     assert_ne!(code, 0, "denied");
     // The profile's exemption splices an attributed name: the origin's own certificate.
     assert!(t
@@ -208,7 +210,7 @@ fn a_sandbox_created_through_the_controller_obeys_its_composed_policy_and_surviv
     eventually("the resync", || {
         t.admin("GET", &format!("/v1/sandboxes/{id}"), None).0 == 200
     });
-    let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/again", &[]);
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/again", &["-4"]);
     assert_eq!(code, 0, "after the resync: {body}");
 }
 

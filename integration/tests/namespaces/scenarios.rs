@@ -59,18 +59,24 @@ fn allowed_and_denied_by_ip_cidr_and_domain() {
         body.contains("fake internet: GET /hello host=api.example.test"),
         "{body}"
     );
-    // IP allow, by address.
-    let (code, body) = t.curl(&t.sb1, "gateway", "https://other.example.test/", &[]);
+    // IP allow, by address (IPv4 rules: the client uses IPv4; the IPv6
+    // paths are in dual_stack.rs).
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://other.example.test/", &["-4"]);
     assert_eq!(code, 0, "{body}");
     // CIDR allow (the CNAME chain ends at 198.51.100.10).
-    let (code, body) = t.curl(&t.sb1, "gateway", "https://www.chain.example.test/", &[]);
+    let (code, body) = t.curl(
+        &t.sb1,
+        "gateway",
+        "https://www.chain.example.test/",
+        &["-4"],
+    );
     assert_eq!(code, 0, "{body}");
     // CIDR deny beats the CIDR allow: plain HTTP gets a 403 naming the rule.
     let (code, body) = t.curl(
         &t.sb1,
         "gateway",
         "http://plain.example.test/",
-        &["-w", "%{http_code}"],
+        &["-4", "-w", "%{http_code}"],
     );
     assert_eq!(code, 0);
     assert!(

@@ -18,6 +18,10 @@ use std::time::{Duration, Instant};
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
 pub const SB1_IP: &str = "100.64.1.2";
+/// sb1's IPv6 address (the sandboxes are dual stack).
+pub const SB1_IP6: &str = "2001:db8:1::2";
+/// sb2's IPv6 address.
+pub const SB2_IP6: &str = "2001:db8:2::2";
 pub const SB2_IP: &str = "100.64.2.2";
 /// The VM stand-in's address (machine egress).
 pub const VM_IP: &str = "100.64.4.2";
@@ -123,18 +127,16 @@ impl Topology {
         {
             run("ip", &["netns", "add", ns]);
             run("ip", &["-n", ns, "link", "set", "lo", "up"]);
-            // IPv4 only: no router advertisements or autoconfigured addresses.
-            run(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    ns,
-                    "sysctl",
-                    "-qw",
-                    "net.ipv6.conf.all.disable_ipv6=1",
-                ],
-            );
+            // Dual stack with static addresses only: no router
+            // advertisements, no autoconfigured addresses.
+            for key in [
+                "net.ipv6.conf.all.accept_ra=0",
+                "net.ipv6.conf.default.accept_ra=0",
+                "net.ipv6.conf.all.autoconf=0",
+                "net.ipv6.conf.default.autoconf=0",
+            ] {
+                run("ip", &["netns", "exec", ns, "sysctl", "-qw", key]);
+            }
         }
         // Veth pairs made inside the gateway namespace: nothing touches the host's.
         let link = |peer_ns: &str, gw_if: &str, gw_ip: &str, peer_ip: &str| {
@@ -156,6 +158,72 @@ impl Topology {
         link(&t.sb1, "sb1", "100.64.1.1/30", "100.64.1.2/30");
         link(&t.sb2, "sb2", "100.64.2.1/30", "100.64.2.2/30");
         link(&t.inet, "inet0", "100.64.3.1/30", "100.64.3.2/30");
+        // IPv6 on the same links, documentation prefixes only; `nodad`: usable at once.
+        for (peer_ns, gw_if, n) in [
+            (&t.sb1, "sb1", 1),
+            (&t.sb2, "sb2", 2),
+            (&t.inet, "inet0", 3),
+        ] {
+            let (gw_ip, peer_ip) = (format!("2001:db8:{n}::1/64"), format!("2001:db8:{n}::2/64"));
+            run(
+                "ip",
+                &["-n", &t.gw, "addr", "add", &gw_ip, "dev", gw_if, "nodad"],
+            );
+            run(
+                "ip",
+                &[
+                    "-n", peer_ns, "addr", "add", &peer_ip, "dev", "eth0", "nodad",
+                ],
+            );
+        }
+        for (ns, n) in [(&t.sb1, 1), (&t.sb2, 2)] {
+            let via = format!("2001:db8:{n}::1");
+            run(
+                "ip",
+                &["-n", ns, "-6", "route", "add", "default", "via", &via],
+            );
+        }
+        run(
+            "ip",
+            &[
+                "-n",
+                &t.gw,
+                "-6",
+                "route",
+                "add",
+                "2001:db8:f::/48",
+                "via",
+                "2001:db8:3::2",
+            ],
+        );
+        run(
+            "ip",
+            &[
+                "-n",
+                &t.inet,
+                "-6",
+                "route",
+                "add",
+                "2001:db8::/32",
+                "via",
+                "2001:db8:3::1",
+            ],
+        );
+        for a in egress_integration::addresses6() {
+            run(
+                "ip",
+                &[
+                    "-n",
+                    &t.inet,
+                    "addr",
+                    "add",
+                    &format!("{a}/128"),
+                    "dev",
+                    "lo",
+                    "nodad",
+                ],
+            );
+        }
         run(
             "ip",
             &["-n", &t.sb1, "route", "add", "default", "via", "100.64.1.1"],
@@ -207,6 +275,17 @@ impl Topology {
         // process. Only the VM stand-in's traffic (and replies to it) is, and
         // only after its machine egress table judged it.
         let forward = if t.vm.is_some() { 1 } else { 0 };
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &t.gw,
+                "sysctl",
+                "-qw",
+                "net.ipv6.conf.all.forwarding=0",
+            ],
+        );
         run(
             "ip",
             &[
@@ -288,6 +367,8 @@ impl Topology {
         let cfg = format!(
             r#"
             state_dir = "{state}"
+            [listen]
+            transparent = "[::]:15001"
             [dns]
             upstreams = ["{dns}:53"]
             min_ttl = "1s"
@@ -397,9 +478,23 @@ impl Topology {
         (code.trim().parse().unwrap_or(0), body.to_owned())
     }
 
-    /// Pushes `policy` for the sandbox at `addr` under `id`.
+    /// Pushes `policy` for the sandbox at `addr` under `id`; a sandbox
+    /// namespace's IPv6 address comes with its IPv4 one (they are dual stack).
     pub fn push(&self, id: &str, addr: &str, policy: &str) {
-        let doc = format!(r#"{{"addresses": ["{addr}"], "policy": {policy}}}"#);
+        match addr {
+            SB1_IP => self.push_addrs(id, &[addr, SB1_IP6], policy),
+            SB2_IP => self.push_addrs(id, &[addr, SB2_IP6], policy),
+            _ => self.push_addrs(id, &[addr], policy),
+        }
+    }
+
+    /// Pushes `policy` for the sandbox with all of `addrs` under `id`.
+    pub fn push_addrs(&self, id: &str, addrs: &[&str], policy: &str) {
+        let list: Vec<String> = addrs.iter().map(|a| format!("\"{a}\"")).collect();
+        let doc = format!(
+            r#"{{"addresses": [{}], "policy": {policy}}}"#,
+            list.join(", ")
+        );
         let (status, body) = self.admin("PUT", &format!("/v1/sandboxes/{id}"), Some(&doc));
         assert_eq!(status, 200, "push {id}: {body}");
     }
