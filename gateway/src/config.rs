@@ -108,6 +108,12 @@ pub struct Timeouts {
     /// A spliced or intercepted flow with no bytes either way for this long is closed.
     #[serde(deserialize_with = "duration")]
     pub idle: Duration,
+    /// An HTTP/1 request head (after termination, or on plain HTTP) must
+    /// arrive whole within this, counted from the moment the connection
+    /// waits for it: a client that trickles a head, or keeps a keep-alive
+    /// connection idle, is closed.
+    #[serde(deserialize_with = "duration")]
+    pub request_head: Duration,
     /// On SIGTERM/SIGINT, how long open flows may take to finish.
     #[serde(deserialize_with = "duration")]
     pub drain: Duration,
@@ -240,6 +246,7 @@ impl Default for Timeouts {
             connect: Duration::from_secs(10),
             tls_handshake: Duration::from_secs(10),
             idle: Duration::from_secs(300),
+            request_head: Duration::from_secs(60),
             drain: Duration::from_secs(30),
         }
     }
@@ -347,6 +354,7 @@ impl Config {
             ("timeouts.connect", self.timeouts.connect),
             ("timeouts.tls_handshake", self.timeouts.tls_handshake),
             ("timeouts.idle", self.timeouts.idle),
+            ("timeouts.request_head", self.timeouts.request_head),
         ] {
             if d.is_zero() {
                 return Some((key, "must be longer than zero".into()));

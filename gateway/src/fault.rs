@@ -42,6 +42,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::upstream("http"),
     Fault::upstream("reset"),
     Fault::client("tls_handshake"),
+    Fault::client("head_timeout"),
     Fault::client("reset"),
     Fault::client("bad_request"),
     Fault::client("non_http"),
@@ -73,6 +74,7 @@ impl Fault {
 
     pub(crate) const IDLE_TIMEOUT: Self = Self::gateway("idle_timeout");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
+    pub(crate) const HEAD_TIMEOUT: Self = Self::client("head_timeout");
     pub(crate) const BAD_REQUEST: Self = Self::client("bad_request");
     pub(crate) const NON_HTTP: Self = Self::client("non_http");
     pub(crate) const UPSTREAM_HTTP: Self = Self::upstream("http");

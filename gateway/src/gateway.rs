@@ -368,6 +368,7 @@ async fn accept(
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "connection limit reached; closing");
+            dp.metrics.over_limit.inc();
             crate::io::reset(&stream);
             continue;
         };

@@ -147,7 +147,11 @@ where
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     // Bounded request heads: a larger one is answered 431 and never forwarded.
     let max_head = config.limits.max_request_head;
-    builder.http1().max_buf_size(max_head);
+    builder
+        .http1()
+        .max_buf_size(max_head)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(config.timeouts.request_head);
     builder
         .http2()
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
@@ -163,6 +167,12 @@ where
         conn.up.pool.put(key, sender);
     }
     let error = served.err().map(|e| {
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+        {
+            conn.dp.metrics.fault(Fault::HEAD_TIMEOUT);
+            return "head_timeout".to_owned();
+        }
         let text = e.to_string();
         // hyper answers bytes that are not HTTP with 400 and closes: the
         // protocol the spec's exemptions exist for.

@@ -48,6 +48,7 @@ pub(crate) struct Metrics {
     pub(crate) upstream_connect_seconds: Histogram,
     pub(crate) pushes: Family<OutcomeLabels, Counter>,
     faults: Family<FaultLabels, Counter>,
+    pub(crate) over_limit: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -81,6 +82,7 @@ impl Metrics {
             upstream_connect_seconds: latency(),
             pushes: Family::default(),
             faults: Family::default(),
+            over_limit: Counter::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -117,6 +119,11 @@ impl Metrics {
             "policy_pushes",
             "Policy pushes (admin PUT one, PUT all, DELETE), applied or rejected",
             m.pushes.clone(),
+        );
+        r.register(
+            "connections_over_limit",
+            "Connections reset at accept because limits.max_connections flows were being handled",
+            m.over_limit.clone(),
         );
         r.register(
             "flow_errors",

@@ -98,3 +98,128 @@ async fn failures_after_the_verdict_are_counted_by_whose_fault_they_were() {
     assert_eq!(errors(&e, "upstream", "tls_verify").await, 1);
     assert_eq!(errors(&e, "upstream", "connect_refused").await, 1);
 }
+
+/// A counter without labels from `/metrics`.
+async fn counter(e: &Env, name: &str) -> u64 {
+    let mut s = tokio::net::TcpStream::connect(e.gateway.bound().admin)
+        .await
+        .expect("admin");
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+        .await
+        .expect("write");
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.expect("read");
+    let series = format!("{name} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .unwrap_or_else(|| panic!("no series {name} in:\n{text}"))
+        .trim()
+        .parse()
+        .expect("a count")
+}
+
+/// Whether the gateway closed (or reset) `s` within `within`.
+async fn closed_within<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    within: std::time::Duration,
+) -> bool {
+    let mut buf = [0u8; 256];
+    let read = async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(within, read).await.is_ok()
+}
+
+#[tokio::test]
+async fn slow_clients_are_closed_at_the_timeouts_and_the_limit_resets_new_ones() {
+    use std::time::{Duration, Instant};
+    let e = env(Options {
+        peek: "500ms",
+        request_head: "700ms",
+        max_connections: 8,
+        ..Options::default()
+    })
+    .await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    // Eight silent connections hold every slot...
+    let mut silent = Vec::new();
+    for _ in 0..8 {
+        silent.push(e.connect(SANDBOX_A, e.origins.api).await);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // ...so the ninth is reset at once, and counted.
+    let mut ninth = e.connect(SANDBOX_A, e.origins.api).await;
+    assert!(
+        closed_within(&mut ninth, Duration::from_millis(500)).await,
+        "over the limit: reset at accept"
+    );
+    assert_eq!(counter(&e, "egress_connections_over_limit_total").await, 1);
+    // The peek timeout closes the silent ones and frees their slots.
+    for s in &mut silent {
+        assert!(
+            closed_within(s, Duration::from_secs(3)).await,
+            "closed at timeouts.peek"
+        );
+    }
+    drop(silent);
+
+    // Slow-loris on the request head after termination: a head trickled a
+    // byte at a time is cut at timeouts.request_head.
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("a slot is free again");
+    tls.write_all(b"GET / HTTP/1.1\r\nHost: api.example.test\r\n")
+        .await
+        .expect("write");
+    let started = Instant::now();
+    let trickle = async {
+        for b in b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+            if tls.write_all(&[*b]).await.is_err() || tls.flush().await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), trickle)
+        .await
+        .expect("the trickle ends: the gateway closed the connection");
+    assert!(
+        closed_within(&mut tls, Duration::from_secs(3)).await,
+        "closed at the head timeout"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(4_000),
+        "a 45-byte trickle at 100 ms a byte would take 4.5 s"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while errors(&e, "client", "head_timeout").await == 0 {
+        assert!(Instant::now() < deadline, "head_timeout not counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Eight peek timeouts and the head timeout (the reset at accept has no line).
+    let lines = e.flow_lines(9).await;
+    assert!(
+        lines.iter().any(|l| l["error"] == "head_timeout"),
+        "{lines:?}"
+    );
+
+    // Healthy: a whole request is served.
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let (status, _) = http_get(tls, false, "api.example.test", "/")
+        .await
+        .expect("answer");
+    assert_eq!(status, 200);
+}

@@ -342,6 +342,8 @@ pub struct Options {
     pub max_ttl: &'static str,
     pub peek: &'static str,
     pub idle: &'static str,
+    pub request_head: &'static str,
+    pub max_connections: usize,
 }
 
 impl Default for Options {
@@ -351,6 +353,8 @@ impl Default for Options {
             max_ttl: "1h",
             peek: "2s",
             idle: "10s",
+            request_head: "30s",
+            max_connections: 10_000,
         }
     }
 }
@@ -426,6 +430,9 @@ pub async fn env(opts: Options) -> Env {
         connect = "2s"
         tls_handshake = "2s"
         idle = "{idle}"
+        request_head = "{request_head}"
+        [limits]
+        max_connections = {max_connections}
         "#,
         state = dir.path().join("state").display(),
         roots = roots.display(),
@@ -433,6 +440,8 @@ pub async fn env(opts: Options) -> Env {
         max_ttl = opts.max_ttl,
         peek = opts.peek,
         idle = opts.idle,
+        request_head = opts.request_head,
+        max_connections = opts.max_connections,
     );
     let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
     let redirects = Arc::new(Redirects::default());
