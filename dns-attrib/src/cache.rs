@@ -25,6 +25,7 @@ use moka::notification::RemovalCause;
 
 use crate::chain::Attribution;
 use crate::clock::{Clock, Millis};
+use crate::ghosts::Ghosts;
 
 /// Bounds and TTL clamp of the cache.
 #[derive(Clone, Debug)]
@@ -53,8 +54,8 @@ pub struct AttributionCache {
 
 struct SandboxCache {
     ips: moka::sync::Cache<IpAddr, Arc<IpNames>>,
-    /// Addresses recently evicted for size, so a miss can say `evicted`.
-    evicted: moka::sync::Cache<IpAddr, ()>,
+    /// Addresses evicted for size, so a miss can say `evicted`.
+    evicted: Arc<Ghosts>,
 }
 
 /// The names attributed to one address, with their expiries.
@@ -183,7 +184,7 @@ impl AttributionCache {
         let now = self.clock.now();
         let expiry = now.saturating_add(self.lifetime(a.ttl));
         for ip in &a.addrs {
-            cache.evicted.invalidate(ip);
+            cache.evicted.remove(ip);
             cache.ips.entry(*ip).and_upsert_with(|old| {
                 let old = old.map(|e| e.into_value());
                 Arc::new(IpNames::merged(
@@ -207,7 +208,7 @@ impl AttributionCache {
         match cache.ips.get(&ip) {
             Some(entry) if entry.live(now).next().is_some() => Lookup::Found { entry, now },
             Some(_) => Lookup::Missing(AttributionGap::Expired),
-            None if cache.evicted.contains_key(&ip) => Lookup::Missing(AttributionGap::Evicted),
+            None if cache.evicted.contains(&ip) => Lookup::Missing(AttributionGap::Evicted),
             None => Lookup::Missing(AttributionGap::NoDnsSeen),
         }
     }
@@ -260,7 +261,6 @@ impl AttributionCache {
     pub fn sync(&self) {
         for c in self.all() {
             c.ips.run_pending_tasks();
-            c.evicted.run_pending_tasks();
         }
     }
 
@@ -306,9 +306,10 @@ impl fmt::Debug for AttributionCache {
 
 impl SandboxCache {
     fn new(config: &CacheConfig, evictions: Arc<AtomicU64>) -> Self {
-        let evicted = moka::sync::Cache::builder()
-            .max_capacity((config.per_sandbox_ips / 4).max(1_024))
-            .build();
+        // Four slots per cached address: a flood is remembered as `evicted`
+        // for about four cache-fulls of names, in 16 bytes per cached address.
+        let slots = usize::try_from(config.per_sandbox_ips.saturating_mul(4)).unwrap_or(1 << 20);
+        let evicted = Arc::new(Ghosts::new(slots.clamp(1_024, 1 << 24)));
         let ghost = evicted.clone();
         let ips = moka::sync::Cache::builder()
             .max_capacity(config.per_sandbox_ips)
@@ -320,7 +321,7 @@ impl SandboxCache {
             .eviction_listener(move |ip: Arc<IpAddr>, _, cause| {
                 if cause == RemovalCause::Size {
                     evictions.fetch_add(1, Ordering::Relaxed);
-                    ghost.insert(*ip, ());
+                    ghost.insert(&ip);
                 }
             })
             .build();

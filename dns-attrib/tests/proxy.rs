@@ -688,3 +688,118 @@ async fn upstream_sockets_are_reused_a_bounded_number_of_times_and_late_duplicat
         "one socket for 32 queries, then a fresh one: {ports:?}"
     );
 }
+
+/// The process's resident memory, in KiB (Linux).
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// A name flood through the proxy: one sandbox resolves `EGRESS_FLOOD_NAMES`
+/// distinct names from a fake upstream (default 200,000, about 30 s in a
+/// debug build; `EGRESS_FLOOD_NAMES=1000000 cargo test --release -p
+/// dns-attrib --test proxy a_million` for the full flood). Its cache stays
+/// at its bound, memory stays bounded, the other sandbox's attribution is
+/// untouched, and recently evicted addresses read `evicted`, not
+/// `no_dns_seen`. Prints the figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_million_name_flood_stays_bounded_and_says_evicted() {
+    let total: u32 = std::env::var("EGRESS_FLOOD_NAMES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200_000);
+    let h = harness(|_, _| {}, false).await;
+    // The quiet sandbox resolves one name before the flood.
+    let (_, m) = udp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    let quiet_before = names(&h, "b", "203.0.113.7");
+    assert!(!quiet_before.is_empty(), "attributed before the flood");
+    let rss_before = rss_kib();
+    let started = std::time::Instant::now();
+    const WORKERS: u32 = 32;
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let target = h.udp;
+        tasks.push(tokio::spawn(async move {
+            let s = UdpSocket::bind((SANDBOX_A.parse::<IpAddr>().expect("ip"), 0))
+                .await
+                .expect("bind");
+            let mut buf = vec![0u8; 4096];
+            let mut answered = 0u32;
+            let mut i = w;
+            while i < total {
+                let q = query(&format!("n{i}.flood.test."), RecordType::A, None)
+                    .to_vec()
+                    .expect("encode");
+                s.send_to(&q, target).await.expect("send");
+                if let Ok(Ok(_)) =
+                    tokio::time::timeout(Duration::from_secs(2), s.recv_from(&mut buf)).await
+                {
+                    answered += 1;
+                }
+                i += WORKERS;
+            }
+            answered
+        }));
+    }
+    let mut answered = 0u32;
+    for t in tasks {
+        answered += t.await.expect("worker");
+    }
+    let elapsed = started.elapsed();
+    let cache = h.proxy.cache();
+    cache.sync();
+    let rss_after = rss_kib();
+    assert!(
+        answered >= total - total / 1_000,
+        "{answered} of {total} answered"
+    );
+    assert!(
+        cache.entry_count() <= 65_536 + 1,
+        "bounded: {}",
+        cache.entry_count()
+    );
+    assert_eq!(
+        names(&h, "b", "203.0.113.7"),
+        quiet_before,
+        "no cross-sandbox eviction"
+    );
+    // The newest names are cached; recently evicted ones say so.
+    let ip = |n: u32| IpAddr::V4(Ipv4Addr::from(0xc633_0000 + n));
+    let a = SandboxId::new("a");
+    assert!(
+        !names(&h, "a", &ip(total - 1).to_string()).is_empty(),
+        "the newest is cached"
+    );
+    if total > 100_000 {
+        let window = (total - 80_000)..(total - 70_000);
+        let evicted = window
+            .filter(|n| cache.names_for(&a, ip(*n)).gap() == AttributionGap::Evicted)
+            .count();
+        assert!(
+            evicted > 9_500,
+            "{evicted} of 10,000 recently evicted addresses read as evicted"
+        );
+    }
+    // A name this sandbox never asked for is not blamed on eviction.
+    assert_eq!(
+        cache.names_for(&a, "192.0.2.77".parse().expect("ip")).gap(),
+        AttributionGap::NoDnsSeen
+    );
+    println!(
+        "name flood: {total} distinct names in {:.1} s ({:.0} q/s, debug={}); cache {} entries (bound 65,536), {} evictions; RSS {} MiB before, {} MiB after",
+        elapsed.as_secs_f64(),
+        f64::from(total) / elapsed.as_secs_f64(),
+        cfg!(debug_assertions),
+        cache.entry_count(),
+        cache.evictions(),
+        rss_before / 1024,
+        rss_after / 1024
+    );
+}

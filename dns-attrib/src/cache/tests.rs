@@ -138,7 +138,9 @@ fn a_flooding_sandbox_evicts_only_its_own_entries() {
         ["n19999.flood.test"],
         "a fresh answer is always admitted"
     );
-    let gaps: Vec<AttributionGap> = (0..100u32)
+    // Recently evicted addresses (not the newest 100, which are cached)
+    // read as evicted, not as never seen.
+    let gaps: Vec<AttributionGap> = (19_700..19_900u32)
         .map(|i| {
             cache
                 .names_for(
@@ -148,9 +150,13 @@ fn a_flooding_sandbox_evicts_only_its_own_entries() {
                 .gap()
         })
         .collect();
+    let evicted = gaps
+        .iter()
+        .filter(|g| **g == AttributionGap::Evicted)
+        .count();
     assert!(
-        gaps.contains(&AttributionGap::Evicted),
-        "an early address reads as evicted: {gaps:?}"
+        evicted > 180,
+        "{evicted} of 200 recently evicted read as evicted: {gaps:?}"
     );
 }
 
