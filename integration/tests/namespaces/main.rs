@@ -6,6 +6,7 @@
 
 mod controller;
 mod dual_stack;
+mod load;
 mod machine;
 mod scenarios;
 mod topology;

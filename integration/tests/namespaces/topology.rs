@@ -432,6 +432,13 @@ impl Topology {
         }
     }
 
+    /// Kills the gateway with SIGKILL: no drain, no last write.
+    pub fn kill_gateway(&mut self) {
+        let mut child = self.gateway.take().expect("a running gateway");
+        run("kill", &["-KILL", &child.id().to_string()]);
+        let _ = child.wait();
+    }
+
     pub fn exec(&self, ns: &str, program: &str, args: &[&str]) -> Output {
         Command::new("ip")
             .args(["netns", "exec", ns, program])
