@@ -27,6 +27,51 @@ use tokio::net::{TcpListener, UdpSocket};
 pub const DNS_IP: &str = "203.0.113.53";
 /// The TURN-like service's address: TLS, then `PING\n` → `PONG\n`.
 pub const TURN_IP: &str = "203.0.113.30";
+/// An origin that resets one connection in ten (right after accepting it).
+pub const RESET_IP: &str = "203.0.113.60";
+/// An origin that accepts connections and never says a word.
+pub const STALL_IP: &str = "203.0.113.61";
+
+/// Requests each origin answered, by the `Host` (or `:authority`) it saw;
+/// `GET /_counts` (plain HTTP, any address) returns them as JSON.
+static COUNTS: std::sync::LazyLock<std::sync::Mutex<HashMap<String, u64>>> =
+    std::sync::LazyLock::new(|| std::sync::Mutex::new(HashMap::new()));
+
+/// What the origin at `ip` does with a new connection.
+enum Behaviour {
+    Serve,
+    Reset,
+    Stall,
+}
+
+fn behaviour(ip: IpAddr) -> Behaviour {
+    static ACCEPTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let is = |s: &str| s.parse::<IpAddr>().is_ok_and(|x| x == ip);
+    if is(STALL_IP) {
+        Behaviour::Stall
+    } else if is(RESET_IP) && ACCEPTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 10 == 0
+    {
+        Behaviour::Reset
+    } else {
+        Behaviour::Serve
+    }
+}
+
+/// Applies the origin's behaviour to a new connection: `false` when it
+/// must not be served.
+async fn greet(tcp: &tokio::net::TcpStream, ip: IpAddr) -> bool {
+    match behaviour(ip) {
+        Behaviour::Serve => true,
+        Behaviour::Reset => {
+            let _ = socket2::SockRef::from(tcp).set_linger(Some(Duration::ZERO));
+            false
+        }
+        Behaviour::Stall => {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            false
+        }
+    }
+}
 
 /// One name in the test zone.
 #[derive(Clone, Debug)]
@@ -65,6 +110,9 @@ pub fn zone() -> HashMap<&'static str, Entry> {
         ("git.example.test", Entry::A(ip("203.0.113.43"), 300)),
         ("blocked.example.test", Entry::A(ip("203.0.113.44"), 300)),
         ("deb.example.test", Entry::A(ip("198.51.100.21"), 300)),
+        // Faults: an origin that resets, one that stalls.
+        ("reset.example.test", Entry::A(ip(RESET_IP), 300)),
+        ("stall.example.test", Entry::A(ip(STALL_IP), 300)),
     ])
 }
 
@@ -217,6 +265,9 @@ pub async fn serve_tls(addr: SocketAddr, minter: Arc<LeafMinter>) -> std::io::Re
             let Ok(local) = tcp.local_addr() else { return };
             // A dual-stack listener sees IPv4 as `::ffff:a.b.c.d`.
             let local = SocketAddr::new(local.ip().to_canonical(), local.port());
+            if !greet(&tcp, local.ip()).await {
+                return;
+            }
             let turn = local.ip()
                 == TURN_IP
                     .parse::<IpAddr>()
@@ -257,6 +308,11 @@ pub async fn serve_http(addr: SocketAddr) -> std::io::Result<()> {
     loop {
         let (tcp, _) = listener.accept().await?;
         tokio::spawn(async move {
+            if let Ok(local) = tcp.local_addr() {
+                if !greet(&tcp, local.ip().to_canonical()).await {
+                    return;
+                }
+            }
             let service = hyper::service::service_fn(|req| async move {
                 Ok::<_, std::convert::Infallible>(respond(req).await)
             });
@@ -290,6 +346,15 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
     } else {
         hosts.join(",")
     };
+    if path == "/_counts" {
+        let counts = COUNTS.lock().map(|c| c.clone()).unwrap_or_default();
+        let body = serde_json::to_string(&counts).unwrap_or_default();
+        return hyper::Response::new(Full::new(Bytes::from(body)));
+    }
+    if let Ok(mut c) = COUNTS.lock() {
+        let name = host.split(':').next().unwrap_or("").to_owned();
+        *c.entry(name).or_insert(0) += 1;
+    }
     if path == "/ws" && req.headers().contains_key(hyper::header::UPGRADE) {
         let on = hyper::upgrade::on(&mut req);
         tokio::spawn(async move {

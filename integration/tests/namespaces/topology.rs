@@ -432,6 +432,11 @@ impl Topology {
         }
     }
 
+    /// The gateway process's PID (`ip netns exec` execs it).
+    pub fn gateway_pid(&self) -> u32 {
+        self.gateway.as_ref().expect("a running gateway").id()
+    }
+
     /// Kills the gateway with SIGKILL: no drain, no last write.
     pub fn kill_gateway(&mut self) {
         let mut child = self.gateway.take().expect("a running gateway");
