@@ -49,7 +49,10 @@ fn behaviour(ip: IpAddr) -> Behaviour {
     let is = |s: &str| s.parse::<IpAddr>().is_ok_and(|x| x == ip);
     if is(STALL_IP) {
         Behaviour::Stall
-    } else if is(RESET_IP) && ACCEPTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 10 == 0
+    } else if is(RESET_IP)
+        && ACCEPTED
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .is_multiple_of(10)
     {
         Behaviour::Reset
     } else {
