@@ -11,6 +11,8 @@ pub mod decide;
 mod fault;
 mod flow;
 pub mod flowlog;
+#[doc(hidden)]
+pub mod fuzzing;
 mod gateway;
 mod intercept;
 mod io;

@@ -349,3 +349,6 @@ pub mod fixture;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod captured;

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Smoke-runs every fuzz target (STYLE 15; rustls' CI runs each for 10 s):
+# builds them with `cargo +nightly fuzz build`, replays fuzz/regressions/<t>/
+# (inputs that once crashed: each must pass now), then fuzzes each target for
+# ${FUZZ_SECONDS:-30} seconds starting from its committed seeds,
+# fuzz/corpus/<t>/. The fuzzer works on a temporary copy of the seeds, so a
+# run never writes into the repository. Fails on any crash, leak, timeout or
+# out-of-memory, printing the input's path and base64; prints per target the
+# executions libFuzzer reports (stat::number_of_executed_units).
+#
+#   FUZZ_SECONDS=10 bash .ci/fuzz.sh            # every target
+#   FUZZ_SECONDS=60 bash .ci/fuzz.sh dns_answer  # some targets
+#
+# Needs the nightly toolchain (libFuzzer's sanitizer flags are nightly-only);
+# installs cargo-fuzz when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=${FUZZ_SECONDS:-30}
+export CARGO_TERM_COLOR=never
+
+if ! cargo +nightly --version >/dev/null 2>&1; then
+  echo ".ci/fuzz.sh: the nightly toolchain is not installed (rustup toolchain install nightly)" >&2
+  exit 1
+fi
+if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
+  echo "== cargo install --locked cargo-fuzz"
+  cargo install --locked cargo-fuzz
+fi
+
+mapfile -t all_targets < <(cd fuzz && cargo +nightly fuzz list)
+if [ "$#" -gt 0 ]; then
+  targets=("$@")
+else
+  targets=("${all_targets[@]}")
+fi
+if [ "${#targets[@]}" -eq 0 ]; then
+  echo ".ci/fuzz.sh: no fuzz targets" >&2
+  exit 1
+fi
+
+echo "== cargo +nightly fuzz build (${#targets[@]} targets)"
+if [ "$#" -eq 0 ]; then
+  (cd fuzz && cargo +nightly fuzz build)
+else
+  for t in "${targets[@]}"; do
+    (cd fuzz && cargo +nightly fuzz build "$t")
+  done
+fi
+triple=$(rustc +nightly -vV | sed -n 's/^host: //p')
+bin_dir="fuzz/target/$triple/release"
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Prints every input libFuzzer saved in $1 (crash-, leak-, timeout-, oom-).
+report_artifacts() {
+  local found=0 f
+  for f in "$1"/crash-* "$1"/leak-* "$1"/timeout-* "$1"/oom-*; do
+    [ -e "$f" ] || continue
+    found=1
+    echo "   input: $f"
+    echo "   base64: $(base64 -w0 "$f")"
+    mkdir -p fuzz/artifacts
+    cp "$f" fuzz/artifacts/ && echo "   kept as fuzz/artifacts/$(basename "$f")"
+  done
+  [ "$found" = 1 ] || echo "   (libFuzzer saved no input; see the log above)"
+}
+
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+  bin="$bin_dir/$t"
+  [ -x "$bin" ] || { echo ".ci/fuzz.sh: $bin was not built" >&2; exit 1; }
+  artifacts="$work/$t-artifacts"
+  corpus="$work/$t-corpus"
+  mkdir -p "$artifacts" "$corpus"
+  if [ -d "fuzz/corpus/$t" ]; then
+    cp -R "fuzz/corpus/$t/." "$corpus/"
+  fi
+  log="$work/$t.log"
+
+  if [ -d "fuzz/regressions/$t" ] && [ -n "$(ls -A "fuzz/regressions/$t")" ]; then
+    echo "== $t: replaying fuzz/regressions/$t"
+    if ! "$bin" -artifact_prefix="$artifacts/" "fuzz/regressions/$t"/* >"$log" 2>&1; then
+      tail -n 40 "$log"
+      echo "!! $t: a regression input fails again"
+      report_artifacts "$artifacts"
+      failed+=("$t")
+      summary+=("$t: regression failed")
+      continue
+    fi
+  fi
+
+  echo "== $t: fuzzing for ${seconds}s from $(ls -A "$corpus" | wc -l) seeds"
+  status=0
+  "$bin" "$corpus" \
+    -max_total_time="$seconds" \
+    -timeout=25 \
+    -rss_limit_mb=2048 \
+    -print_final_stats=1 \
+    -artifact_prefix="$artifacts/" >"$log" 2>&1 || status=$?
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
+  if [ "$status" -ne 0 ]; then
+    tail -n 60 "$log"
+    echo "!! $t: libFuzzer exited with $status"
+    report_artifacts "$artifacts"
+    failed+=("$t")
+    summary+=("$t: FAILED after ${execs:-?} executions")
+  else
+    summary+=("$t: ${execs:-?} executions in ${seconds}s, corpus $(ls -A "$corpus" | wc -l) inputs")
+  fi
+  echo "   ${summary[-1]}"
+done
+
+echo "== fuzz summary"
+printf '   %s\n' "${summary[@]}"
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "!! failed: ${failed[*]}"
+  exit 1
+fi
+echo "== all ${#targets[@]} fuzz targets passed"

@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Writes the committed seed corpora, fuzz/corpus/<target>/, from scratch.
+
+Run from the repository root: `python3 fuzz/make_seeds.py`. Deterministic:
+rerunning rewrites the same files. Seeds are small and each shows the
+target one shape of valid (or nearly valid) input: the documents of
+docs/policy.md and docs/machine-egress.md, the captured ClientHellos of
+gateway/src/peek/captured/, hand-encoded DNS answers (with compression
+pointers, as upstreams send them), request heads, admin bodies.
+"""
+import json
+import os
+import shutil
+import struct
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "fuzz", "corpus")
+
+
+def write(target, name, data):
+    d = os.path.join(CORPUS, target)
+    os.makedirs(d, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode()
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+# === peek_segments ===
+
+def hello(sni=None, alpn=(), padding=0, early=False):
+    """A ClientHello like gateway/src/peek/fixture.rs builds."""
+    exts = []
+    if sni is not None:
+        name = sni.encode() if isinstance(sni, str) else sni
+        entry = b"\x00" + struct.pack(">H", len(name)) + name
+        exts.append((0x0000, struct.pack(">H", len(entry)) + entry))
+    if alpn:
+        lst = b"".join(bytes([len(p)]) + p.encode() for p in alpn)
+        exts.append((0x0010, struct.pack(">H", len(lst)) + lst))
+    if early:
+        exts.append((0x002A, b""))
+    if padding:
+        exts.append((0x0015, b"\x00" * padding))
+    block = b"".join(struct.pack(">HH", t, len(d)) + d for t, d in exts)
+    body = b"\x03\x03" + b"\x07" * 32 + b"\x20" + b"\x09" * 32
+    body += b"\x00\x02\x13\x01\x01\x00" + struct.pack(">H", len(block)) + block
+    return b"\x01" + struct.pack(">I", len(body))[1:] + body
+
+
+def records(hs, fragment):
+    out = b""
+    for i in range(0, len(hs), fragment):
+        c = hs[i:i + fragment]
+        out += b"\x16\x03\x01" + struct.pack(">H", len(c)) + c
+    return out
+
+
+def peek_input(data, cuts=(), max_bound=16384):
+    """[max - 512: u16 LE][n: u8][n x cut: u16 LE][data]."""
+    head = struct.pack("<H", max_bound - 512) + bytes([len(cuts)])
+    head += b"".join(struct.pack("<H", c) for c in cuts)
+    return head + data
+
+
+def peek_seeds():
+    captured = os.path.join(ROOT, "gateway", "src", "peek", "captured")
+    for f in sorted(os.listdir(captured)):
+        with open(os.path.join(captured, f), "rb") as fh:
+            data = fh.read()
+        write("peek_segments", "captured-" + f, peek_input(data))
+        if f == "curl.bin":
+            # Cut mid-header, mid-extension, with stalls.
+            write("peek_segments", "captured-curl-cut.bin",
+                  peek_input(data, (3, 0x8000 | 2, 40, 0x8000 | 100)))
+    write("peek_segments", "hello-pq-records.bin",
+          peek_input(records(hello("pq.example.test", ["h2"], 1800, True), 100), (7, 513)))
+    write("peek_segments", "hello-no-sni.bin", peek_input(records(hello(), 16384)))
+    write("peek_segments", "hello-ip-sni.bin",
+          peek_input(records(hello("198.51.100.1"), 16384)))
+    write("peek_segments", "hello-nul-sni.bin",
+          peek_input(records(hello(b"a.test\x00.evil.test"), 16384)))
+    write("peek_segments", "hello-too-large.bin",
+          peek_input(records(hello("big.example.test", [], 1200), 300), max_bound=1024))
+    heads = {
+        "http-get.bin": "GET /x HTTP/1.1\r\nHost: api.example.test\r\n\r\n",
+        "http-absolute.bin": "GET http://api.example.test:8080/x HTTP/1.1\r\nHost: api.example.test:8080\r\n\r\n",
+        "http-connect.bin": "CONNECT api.example.test:443 HTTP/1.1\r\nHost: api.example.test:443\r\n\r\n",
+        "http-two-hosts.bin": "GET / HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n\r\n",
+        "http-disagree.bin": "GET http://allowed.test/ HTTP/1.1\r\nHost: denied.test\r\n\r\n",
+        "http-10-no-host.bin": "GET / HTTP/1.0\r\n\r\n",
+        "http-11-no-host.bin": "GET / HTTP/1.1\r\nUser-Agent: x\r\n\r\n",
+        "opaque-ssh.bin": "SSH-2.0-OpenSSH_9.2\r\n",
+    }
+    for name, head in heads.items():
+        write("peek_segments", name, peek_input(head.encode(), (5, 0x8000 | 9)))
+
+
+# === dns_answer ===
+
+def qname(name):
+    out = b""
+    for label in name.rstrip(".").split("."):
+        if label:
+            out += bytes([len(label)]) + label.encode()
+    return out + b"\x00"
+
+
+class Msg:
+    """A DNS response with name compression (pointers to earlier names)."""
+
+    def __init__(self, question, qtype=1):
+        self.buf = bytearray(struct.pack(">HHHHHH", 0x1234, 0x8180, 1, 0, 0, 0))
+        self.names = {}
+        self.buf += self.name(question) + struct.pack(">HH", qtype, 1)
+        self.answers = 0
+
+    def name(self, name):
+        name = name.rstrip(".")
+        if not name:
+            return b"\x00"
+        if name in self.names:
+            return struct.pack(">H", 0xC000 | self.names[name])
+        label, _, rest = name.partition(".")
+        here = len(self.buf)
+        encoded = bytes([len(label)]) + label.encode()
+        if here < 0x3FFF:
+            self.names[name] = here
+        # The suffix is encoded (or pointed to) right after this label.
+        self.buf += encoded
+        tail = self.name(rest)
+        del self.buf[here:]
+        return encoded + tail
+
+    def rr(self, owner, rtype, ttl, rdata_fn):
+        self.buf += self.name(owner)
+        self.buf += struct.pack(">HHI", rtype, 1, ttl)
+        at = len(self.buf)
+        self.buf += b"\x00\x00"
+        rdata = rdata_fn()
+        self.buf += rdata
+        self.buf[at:at + 2] = struct.pack(">H", len(rdata))
+        self.answers += 1
+        return self
+
+    def a(self, owner, ttl, ip):
+        return self.rr(owner, 1, ttl, lambda: bytes(int(o) for o in ip.split(".")))
+
+    def aaaa(self, owner, ttl, ip):
+        import ipaddress
+        return self.rr(owner, 28, ttl, lambda: ipaddress.IPv6Address(ip).packed)
+
+    def cname(self, owner, ttl, target):
+        return self.rr(owner, 5, ttl, lambda: self.name(target))
+
+    def bytes(self):
+        out = bytearray(self.buf)
+        out[6:8] = struct.pack(">H", self.answers)
+        return bytes(out)
+
+
+def frames(*msgs):
+    """[mode 0 = raw] then [sandbox][len: u16 BE][message] per message."""
+    out = b"\x00"
+    for sandbox, m in msgs:
+        out += bytes([sandbox]) + struct.pack(">H", len(m)) + m
+    return out
+
+
+def dns_seeds():
+    simple = Msg("api.example.test").a("api.example.test", 300, "203.0.113.7") \
+        .aaaa("api.example.test", 200, "2001:db8::7").bytes()
+    write("dns_answer", "a-aaaa.bin", frames((0, simple)))
+    chain = Msg("www.shop.test").cname("www.shop.test", 120, "shop.cdn.test") \
+        .cname("shop.cdn.test", 60, "edge.cdn.test") \
+        .a("edge.cdn.test", 600, "198.51.100.9").bytes()
+    write("dns_answer", "cname-chain.bin", frames((1, chain)))
+    unordered = Msg("www.shop.test").a("edge.cdn.test", 600, "198.51.100.9") \
+        .cname("shop.cdn.test", 60, "edge.cdn.test") \
+        .cname("WWW.Shop.Test", 120, "shop.cdn.test").bytes()
+    write("dns_answer", "cname-out-of-order-case.bin", frames((1, unordered)))
+    offchain = Msg("api.example.test").a("api.example.test", 300, "203.0.113.7") \
+        .a("evil.test", 300, "203.0.113.7").cname("other.test", 300, "api.example.test").bytes()
+    write("dns_answer", "off-chain-owner.bin", frames((2, offchain)))
+    loop = Msg("a.loop.test").cname("a.loop.test", 30, "b.loop.test") \
+        .cname("b.loop.test", 30, "a.loop.test").a("b.loop.test", 30, "192.0.2.1").bytes()
+    write("dns_answer", "cname-loop.bin", frames((0, loop)))
+    long = Msg("l0.long.test")
+    for i in range(20):
+        long.cname(f"l{i}.long.test", 100 + i, f"l{i + 1}.long.test")
+    for i in range(21):
+        long.a(f"l{i}.long.test", 100, f"192.0.2.{i + 1}")
+    write("dns_answer", "cname-chain-too-long.bin", frames((3, long.bytes())))
+    absurd = Msg("ttl.test").a("ttl.test", 0, "192.0.2.10").a("ttl.test", 0xFFFFFFFF, "192.0.2.11") \
+        .a("ttl.test", 0x80000000, "192.0.2.12").bytes()
+    write("dns_answer", "absurd-ttls.bin", frames((0, absurd)))
+    many = Msg("many.test")
+    for i in range(80):
+        many.a("many.test", 60, f"10.0.{i // 256}.{i % 256}")
+    write("dns_answer", "many-answers.bin", frames((0, many.bytes())))
+    svc = Msg("_svc.example.test").cname("_svc.example.test", 60, "host.example.test") \
+        .a("host.example.test", 60, "192.0.2.20").bytes()
+    write("dns_answer", "non-hostname-question.bin", frames((0, svc)))
+    # Six sandboxes: the fifth and sixth find the cache full of sandboxes.
+    write("dns_answer", "six-sandboxes.bin",
+          frames(*[(i, simple) for i in range(6)], (0, chain)))
+    # Built mode: bit 7 set, the rest read by `arbitrary`.
+    write("dns_answer", "built-empty.bin", b"\x80")
+    write("dns_answer", "built-bytes.bin", b"\x80" + bytes(range(0, 256, 3)))
+
+
+# === policy_documents ===
+
+POLICY = {
+    "default": "deny",
+    "allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}, {"ip": "1.1.1.1"}],
+    "deny": [{"cidr": "203.0.113.0/28"}],
+    "tls_interception": "on",
+    "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}],
+}
+PROFILES = """{
+  "audit":  {"default": true, "allow": [{"domain": "audit.example.test"}]},
+  "sensor": {"allow": [{"domain": "sensor.example.test"}, {"cidr": "192.0.2.0/24"}],
+             "tls_interception_exemptions": [{"domain": "sensor.example.test"}]}
+}"""
+EXEMPTIONS = '[{"domain": "relay.example.test"}, {"wildcard_domain": "*.relay.example.test"}]'
+MACHINE = """{"mode": "allowlist",
+ "rules": [{"cidr": "10.0.0.0/8", "proto": "tcp", "port": 5151, "note": "Veyron API"},
+           {"cidr": "91.189.88.0/21", "proto": "tcp", "port": 80},
+           {"cidr": "0.0.0.0/0", "proto": "udp", "port": 53}]}"""
+MACHINE_NESTED = json.dumps({"mode": "audit", "rules": [
+    {"cidr": "10.0.0.0/8"}, {"cidr": "10.1.0.0/16", "proto": "tcp"},
+    {"cidr": "10.1.2.0/24", "proto": "tcp", "port": 443}, {"cidr": "10.1.2.3", "proto": "udp"},
+    {"cidr": "10.1.2.0/24", "proto": "tcp", "port": 443}]})
+
+
+def policy_seeds():
+    docs = [
+        (0, "policy-full.json", json.dumps(POLICY)),
+        (0, "policy-empty.json", "{}"),
+        (0, "policy-mapped.json",
+         '{"default": "allow", "allow": [{"ip": "::ffff:8.8.8.8"}, {"cidr": "::ffff:0:0/104"}],'
+         ' "deny": [{"domain": "API.Example.test."}, {"ip": "64:ff9b::c000:201"}]}'),
+        (0, "policy-duplicate-key.json", '{"default": "deny", "default": "allow"}'),
+        (0, "policy-host-bits.json", '{"allow": [{"cidr": "10.0.0.1/8"}]}'),
+        (1, "profiles.json", PROFILES),
+        (1, "profiles-empty.json", "{}"),
+        (1, "profiles-bad-name.json", '{"Bad_Name": {"allow": [{"ip": "192.0.2.1"}]}}'),
+        (2, "exemptions.json", EXEMPTIONS),
+        (2, "exemptions-ip.json", '[{"ip": "203.0.113.7"}]'),
+        (3, "select-add-remove.txt", "+research -base"),
+        (3, "select-gpu.txt", "+gpu-2"),
+        (3, "select-conflict.txt", "+research -research"),
+        (3, "select-unknown.txt", "+nope"),
+        (3, "select-double-space.txt", "+research  -base"),
+        (133, "select-unfederated.txt", "+research"),  # 133 % 5 == 3, bit 7: unfederated
+        (4, "machine-allowlist.json", MACHINE),
+        (4, "machine-nested.json", MACHINE_NESTED),
+        (4, "machine-loopback.json", "{}"),
+        (4, "machine-open-with-rules.json", '{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}'),
+    ]
+    for sel, name, text in docs:
+        write("policy_documents", name, bytes([sel]) + text.encode())
+
+
+# === destinations ===
+
+def destination_seeds():
+    values = [
+        "203.0.113.7", "::ffff:8.8.8.8", "64:ff9b::808:808", "::ffff:0:0/104",
+        "::ffff:10.0.0.0/104", "64:ff9b::/96", "2001:db8::/32", "10.0.0.1/8", "0.0.0.0/0",
+        "API.Example.Test.", "api.example.test", "*.relay.example.test", "*.*.test",
+        "xn--bcher-kva.example.test", "a_b.test", "10.0.0.1", "1.2.3", "a." * 126 + "a",
+        "-a.test", "*.", "[::1]", "fe80::1%eth0",
+    ]
+    for i, v in enumerate(values):
+        write("destinations", f"value-{i:02}.txt", v)
+
+
+# === admin_bodies ===
+
+def admin_seeds():
+    sandbox = {"id": "sb-1", "addresses": ["10.200.0.2", "fd00::2"], "policy": POLICY}
+    bodies = [
+        (0, "put-sandbox.json", json.dumps({"addresses": ["10.200.0.2"], "policy": POLICY})),
+        (0, "put-sandbox-mapped-dup.json",
+         '{"addresses": ["10.200.0.2", "::ffff:10.200.0.2"], "policy": {}}'),
+        (0, "put-sandbox-unknown-field.json", '{"addresses": [], "policy": {}, "extra": 1}'),
+        (1, "resync.json", json.dumps({"sandboxes": [sandbox,
+                                                     {"id": "sb-2", "addresses": ["10.200.0.3"],
+                                                      "policy": {}}]})),
+        (1, "resync-dup-id.json", json.dumps({"sandboxes": [sandbox, sandbox]})),
+        (2, "resync.ndjson", json.dumps(sandbox) + "\n\n" +
+         json.dumps({"id": "sb-2", "addresses": [], "policy": {}})),
+        (3, "explain.json", json.dumps({"sandbox": "sb-1", "dst": "198.51.100.7:443", "tls": True,
+                                        "sni": "API.example.test.", "host": "api.example.test"})),
+        (3, "explain-ip-sni.json", '{"sandbox": "sb-1", "dst": "[2001:db8::1]:80", "sni": "198.51.100.1"}'),
+        (4, "machine-egress.json", MACHINE),
+        (5, "vm-registration.json", json.dumps({"addresses": ["100.64.0.2"],
+                                                "egress": json.loads(MACHINE)})),
+        (5, "vm-registration-default.json", '{"addresses": ["100.64.0.2", "fd00::5"], "egress": null}'),
+    ]
+    for route, name, text in bodies:
+        write("admin_bodies", name, bytes([route]) + text.encode())
+
+
+# === http_head (arbitrary-structured: raw bytes are read by `arbitrary`) ===
+
+def http_head_seeds():
+    # `arbitrary` reads enum tags as u32 LE and strings as length-prefixed
+    # slices; these few byte strings just give it varied starting points.
+    for i, b in enumerate([b"", b"\x00" * 16, b"\x01\x00\x00\x00" * 8,
+                           b"\x02\x00\x00\x00\x01" + b"api.example.test" * 2,
+                           bytes(range(64)), b"\xff" * 32]):
+        write("http_head", f"start-{i}.bin", b)
+
+
+# === machine_policy ===
+
+def machine_seeds():
+    docs = {
+        "allowlist.json": MACHINE,
+        "nested.json": MACHINE_NESTED,
+        "loopback.json": "{}",
+        "open.json": '{"mode": "open"}',
+        "rules-no-mode.json": '{"rules": [{"cidr": "192.0.2.1", "proto": "udp"}]}',
+        "five-entries.json": json.dumps({"mode": "allowlist", "rules": [
+            {"cidr": "10.0.0.0/8", "proto": "tcp", "port": p} for p in (1, 2, 3, 4)] + [
+            {"cidr": "10.1.0.0/16", "proto": "udp"}]}),
+        "ipv6.json": '{"mode": "allowlist", "rules": [{"cidr": "::ffff:10.0.0.0/104"}]}',
+        "port-without-proto.json": '{"mode": "allowlist", "rules": [{"cidr": "10.0.0.0/8", "port": 80}]}',
+        "repeated-key.json": '{"mode": "open", "mode": "loopback"}',
+    }
+    for name, text in docs.items():
+        write("machine_policy", name, text)
+
+
+def main():
+    for target in ["peek_segments", "dns_answer", "policy_documents", "destinations",
+                   "admin_bodies", "http_head", "machine_policy"]:
+        shutil.rmtree(os.path.join(CORPUS, target), ignore_errors=True)
+    peek_seeds()
+    dns_seeds()
+    policy_seeds()
+    destination_seeds()
+    admin_seeds()
+    http_head_seeds()
+    machine_seeds()
+    for target in sorted(os.listdir(CORPUS)):
+        print(target, len(os.listdir(os.path.join(CORPUS, target))), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+//! Not an API: entry points for `fuzz/` (the `admin_bodies` target).
+//!
+//! The admin listener's request bodies are untrusted bytes (STYLE 15), but
+//! the structs it reads them into are private to [`crate::admin`] and
+//! [`crate::machine::api`], and reading a body there needs a hyper request.
+//! [`admin_body`] reads raw bytes the way those routes do: the same UTF-8
+//! check, the same [`egress_policy::from_json`], the same checks that answer
+//! `400`/`409` before anything is stored, the same compilation into a
+//! registry (in memory, nothing persisted, no nftables).
+//!
+//! [`PutSandbox`], [`Resync`] and [`Explain`] mirror admin's private
+//! request structs field for field (`deny_unknown_fields` included), and
+//! [`registration`] mirrors `machine::api`'s `PUT /v1/vms/{id}` reader: a
+//! change to those must be made here too until admin uses these (see
+//! `fuzz/README.md`).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, OnceLock};
+
+use dns_attrib::{AttributionCache, CacheConfig, ManualClock};
+use egress_policy::machine::MachineEgress;
+use egress_policy::{CompiledPolicy, Hostname, PlatformDenies, Policy, SandboxId};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::decide::{decide, explained, Claims};
+use crate::persist::SandboxDoc;
+use crate::registry::Registry;
+
+/// Longest request body the admin reads (admin's `MAX_BODY`).
+const MAX_BODY: usize = 1 << 20;
+
+/// The admin bodies [`admin_body`] reads; a fuzzer's byte picks one with
+/// [`Route::from_byte`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// `PUT /v1/sandboxes/{id}`: `{"addresses", "policy"}`.
+    PutSandbox,
+    /// `PUT /v1/sandboxes`: `{"sandboxes": [{"id", "addresses", "policy"}]}`.
+    Resync,
+    /// `PUT /v1/sandboxes` as `application/x-ndjson`: one sandbox per line.
+    ResyncNdjson,
+    /// `POST /v1/explain`: `{"sandbox", "dst", "tls", "sni", "host"}`.
+    Explain,
+    /// `PUT /v1/vms/{id}/network/egress` and `/v1/network/egress/defaults`.
+    MachineEgress,
+    /// `PUT /v1/vms/{id}`: `{"addresses", "egress"}`.
+    VmRegistration,
+}
+
+/// `PUT /v1/sandboxes/{id}`'s body (admin's `PutSandbox`).
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PutSandbox {
+    pub addresses: Vec<IpAddr>,
+    pub policy: Policy,
+}
+
+/// `PUT /v1/sandboxes`'s JSON body (admin's `Resync`).
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resync {
+    pub sandboxes: Vec<SandboxDoc>,
+}
+
+/// `POST /v1/explain`'s body (admin's `Explain`).
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Explain {
+    pub sandbox: String,
+    pub dst: SocketAddr,
+    #[serde(default)]
+    pub tls: bool,
+    #[serde(default)]
+    pub sni: Option<String>,
+    #[serde(default)]
+    pub host: Option<String>,
+}
+
+// === impl Route ===
+
+impl Route {
+    pub const ALL: [Self; 6] = [
+        Self::PutSandbox,
+        Self::Resync,
+        Self::ResyncNdjson,
+        Self::Explain,
+        Self::MachineEgress,
+        Self::VmRegistration,
+    ];
+
+    pub fn from_byte(b: u8) -> Self {
+        Self::ALL[usize::from(b) % Self::ALL.len()]
+    }
+}
+
+/// Reads `bytes` as `route`'s body. `Ok`: the admin would accept it, and
+/// this is the accepted document in normal form (what the admin stores and
+/// answers with), itself a body `route` accepts. `Err`: why the admin
+/// answers `4xx`.
+pub fn admin_body(route: Route, bytes: &[u8]) -> Result<String, String> {
+    // admin's `body_text`: capped, then UTF-8 (NDJSON is checked per line).
+    let text = || {
+        if bytes.len() > MAX_BODY {
+            return Err(format!("body larger than {MAX_BODY} bytes"));
+        }
+        std::str::from_utf8(bytes).map_err(|_| "body is not UTF-8".to_owned())
+    };
+    let normal = match route {
+        Route::PutSandbox => put_sandbox(text()?)?,
+        Route::Resync => {
+            let doc: Resync = egress_policy::from_json(text()?).map_err(|e| e.to_string())?;
+            let sandboxes = resync(doc.sandboxes)?;
+            to_json(&Resync { sandboxes })?
+        }
+        Route::ResyncNdjson => resync_ndjson(bytes)?,
+        Route::Explain => explain(text()?)?,
+        Route::MachineEgress => MachineEgress::from_json(text()?)
+            .map_err(|p| format!("{p:?}"))?
+            .to_value()
+            .to_string(),
+        Route::VmRegistration => {
+            let (addresses, egress) = registration(text()?)?;
+            let mut doc = json!({ "addresses": addresses });
+            if let Some(e) = egress {
+                doc["egress"] = e.to_value();
+            }
+            doc.to_string()
+        }
+    };
+    Ok(normal)
+}
+
+fn to_json<T: Serialize>(v: &T) -> Result<String, String> {
+    serde_json::to_string(v).map_err(|e| e.to_string())
+}
+
+fn registry() -> Registry {
+    Registry::new(Arc::new(PlatformDenies::builtin()))
+}
+
+fn put_sandbox(text: &str) -> Result<String, String> {
+    let doc: PutSandbox = egress_policy::from_json(text).map_err(|e| e.to_string())?;
+    let registry = registry();
+    let sandbox = registry.prepare(SandboxId::new("fuzz"), doc.addresses, doc.policy);
+    registry
+        .put_prepared(sandbox.clone())
+        .map_err(|e| e.to_string())?;
+    let stored = SandboxDoc::from(&*sandbox);
+    let normal = PutSandbox {
+        addresses: stored.addresses,
+        policy: stored.policy,
+    };
+    to_json(&normal)
+}
+
+/// admin's `resync`: every id valid and once, then one atomic replace;
+/// the sandboxes as stored.
+fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, s) in docs.iter().enumerate() {
+        SandboxId::parse(&s.id).map_err(|e| format!("sandboxes[{i}].id: {e}"))?;
+        if !seen.insert(s.id.clone()) {
+            return Err(format!("sandbox {:?} appears twice", s.id));
+        }
+    }
+    let registry = registry();
+    let prepared: Vec<_> = crate::persist::entries(docs)
+        .into_iter()
+        .map(|(id, addresses, policy)| registry.prepare(id, addresses, policy))
+        .collect();
+    let stored: Vec<SandboxDoc> = prepared.iter().map(|s| SandboxDoc::from(&**s)).collect();
+    registry
+        .replace_prepared(prepared)
+        .map_err(|e| e.to_string())?;
+    Ok(stored)
+}
+
+/// admin's `stream_docs` + `ndjson_line`: split at `\n` (wherever the body's
+/// frames were cut), blank lines skipped, a last line without `\n` read too.
+fn resync_ndjson(bytes: &[u8]) -> Result<String, String> {
+    let mut docs: Vec<SandboxDoc> = Vec::new();
+    for (i, line) in bytes.split(|b| *b == b'\n').enumerate() {
+        if line.len() > MAX_BODY {
+            return Err(format!("line {} is longer than {MAX_BODY} bytes", i + 1));
+        }
+        let text = std::str::from_utf8(line).map_err(|_| format!("line {} is not UTF-8", i + 1))?;
+        if text.trim().is_empty() {
+            continue;
+        }
+        let doc: SandboxDoc =
+            egress_policy::from_json(text).map_err(|e| format!("line {}: {e}", i + 1))?;
+        docs.push(doc);
+    }
+    let mut out = String::new();
+    for doc in &resync(docs)? {
+        out.push_str(&to_json(doc)?);
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// admin's `explain`, judged against a fixed policy with no attribution.
+fn explain(text: &str) -> Result<String, String> {
+    let e: Explain = egress_policy::from_json(text).map_err(|e| e.to_string())?;
+    let sni = match e.sni.as_deref().map(crate::authority::server_name) {
+        None => None,
+        Some(Ok(sni)) => sni,
+        Some(Err(err)) => return Err(format!("invalid sni: {err}")),
+    };
+    let host = match e.host.as_deref().map(Hostname::parse) {
+        None => None,
+        Some(Ok(h)) => Some(h),
+        Some(Err(err)) => return Err(format!("invalid host: {err}")),
+    };
+    let policy = explain_policy();
+    let cache = AttributionCache::new(CacheConfig::default(), ManualClock::new());
+    let id = SandboxId::new(&e.sandbox);
+    let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
+    let decided = decide(&cache, &id, policy, &claims);
+    let reply = explained(&decided.verdict, policy, &decided.lookup.names());
+    if !reply["verdict"].is_string() || !reply["reason"].is_string() {
+        return Err(format!("an explanation without verdict or reason: {reply}"));
+    }
+    // The normal form: what explain judged, each claim as the dataplane reads it.
+    let normal = Explain {
+        sandbox: e.sandbox,
+        dst: e.dst,
+        tls: e.tls,
+        sni: sni.map(|s| s.to_string()),
+        host: host.map(|h| h.to_string()),
+    };
+    to_json(&normal)
+}
+
+/// A policy with a rule of every kind, so explanations take every branch.
+fn explain_policy() -> &'static CompiledPolicy {
+    static POLICY: OnceLock<CompiledPolicy> = OnceLock::new();
+    POLICY.get_or_init(|| {
+        let doc = r#"{
+            "default": "deny",
+            "allow": [{"domain": "api.example.test"}, {"wildcard_domain": "*.cdn.example.test"},
+                      {"ip": "8.8.8.8"}, {"cidr": "198.51.100.0/24"}],
+            "deny": [{"cidr": "198.51.100.128/25"}, {"domain": "bad.example.test"}],
+            "tls_interception": "on",
+            "tls_interception_exemptions": [{"domain": "pinned.example.test"}]
+        }"#;
+        let policy = Policy::from_json(doc).unwrap_or_default();
+        CompiledPolicy::new(policy, Arc::new(PlatformDenies::builtin()))
+    })
+}
+
+/// `machine::api`'s `registration` plus `Machines::put_vm`'s checks before
+/// it touches the kernel: `(addresses, own policy)`.
+fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), String> {
+    let doc: Value = serde_json::from_str(text).map_err(|e| format!("body: {e}"))?;
+    let Some(obj) = doc.as_object() else {
+        return Err("body must be a JSON object".into());
+    };
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !["addresses", "egress"].contains(&k.as_str()))
+    {
+        return Err(format!("unknown field {k:?}"));
+    }
+    let Some(list) = obj.get("addresses").and_then(Value::as_array) else {
+        return Err("addresses: expected a list of IP addresses".into());
+    };
+    let mut addresses = Vec::with_capacity(list.len());
+    for (i, a) in list.iter().enumerate() {
+        match a.as_str().map(str::parse::<IpAddr>) {
+            Some(Ok(ip)) => addresses.push(ip),
+            _ => return Err(format!("addresses[{i}]: {a} is not an IP address")),
+        }
+    }
+    let egress = match obj.get("egress") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(MachineEgress::from_value(v).map_err(|p| format!("{p:?}"))?),
+    };
+    if addresses.is_empty() {
+        return Err("a VM needs at least one address".into());
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(a) = addresses.iter().find(|a| !seen.insert(**a)) {
+        return Err(format!("address {a} listed twice"));
+    }
+    Ok((addresses, egress))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepted_bodies_come_back_in_normal_form() {
+        let cases = [
+            (
+                Route::PutSandbox,
+                r#"{"addresses": ["::ffff:10.200.0.2"], "policy": {"allow": [{"domain": "API.example.test."}]}}"#,
+                r#"{"addresses":["10.200.0.2"],"policy":{"default":"deny","allow":[{"domain":"api.example.test"}],"deny":[],"tls_interception":"off","tls_interception_exemptions":[]}}"#,
+            ),
+            (
+                Route::ResyncNdjson,
+                "{\"id\": \"a\", \"addresses\": [], \"policy\": {}}\n\n",
+                "{\"id\":\"a\",\"addresses\":[],\"policy\":{\"default\":\"deny\",\"allow\":[],\"deny\":[],\"tls_interception\":\"off\",\"tls_interception_exemptions\":[]}}\n",
+            ),
+            (
+                Route::Explain,
+                r#"{"sandbox": "a", "dst": "198.51.100.7:443", "tls": true, "sni": "198.51.100.7", "host": "A.test."}"#,
+                r#"{"sandbox":"a","dst":"198.51.100.7:443","tls":true,"sni":null,"host":"a.test"}"#,
+            ),
+            (
+                Route::VmRegistration,
+                r#"{"addresses": ["100.64.0.2"], "egress": {"rules": [{"cidr": "10.1.2.3"}]}}"#,
+                r#"{"addresses":["100.64.0.2"],"egress":{"mode":"allowlist","rules":[{"cidr":"10.1.2.3/32"}]}}"#,
+            ),
+        ];
+        for (route, body, normal) in cases {
+            assert_eq!(admin_body(route, body.as_bytes()).as_deref(), Ok(normal));
+            assert_eq!(admin_body(route, normal.as_bytes()).as_deref(), Ok(normal));
+        }
+    }
+
+    #[test]
+    fn refused_bodies() {
+        let cases = [
+            (
+                Route::PutSandbox,
+                r#"{"addresses": [], "policy": {}, "x": 1}"#,
+            ),
+            (
+                Route::PutSandbox,
+                r#"{"addresses": ["10.0.0.1", "::ffff:10.0.0.1"], "policy": {}}"#,
+            ),
+            (
+                Route::Resync,
+                r#"{"sandboxes": [{"id": "a", "addresses": [], "policy": {}}, {"id": "a", "addresses": [], "policy": {}}]}"#,
+            ),
+            (
+                Route::Resync,
+                r#"{"sandboxes": [{"id": "a/b", "addresses": [], "policy": {}}]}"#,
+            ),
+            (Route::Explain, r#"{"sandbox": "a", "dst": "198.51.100.7"}"#),
+            (
+                Route::Explain,
+                r#"{"sandbox": "a", "dst": "198.51.100.7:443", "sni": "a\u0000b.test"}"#,
+            ),
+            (
+                Route::MachineEgress,
+                r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#,
+            ),
+            (Route::VmRegistration, r#"{"addresses": []}"#),
+            (
+                Route::VmRegistration,
+                r#"{"addresses": ["100.64.0.2", "100.64.0.2"]}"#,
+            ),
+        ];
+        for (route, body) in cases {
+            assert!(
+                admin_body(route, body.as_bytes()).is_err(),
+                "{route:?} {body}"
+            );
+        }
+        assert!(admin_body(Route::PutSandbox, b"{\"addresses\": [\xff]}").is_err());
+    }
+}
