@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # Captures the ClientHellos of the TLS clients installed here into
-# gateway/src/peek/captured/<client>.bin (run from the repository root).
+# gateway/src/peek/captured/<client>.bin (run from the repository root, as
+# root: it re-runs itself inside a throwaway network namespace that has only
+# loopback, so a client that phones home — a browser — reaches nothing).
 # Loopback only: every client connects to 127.0.0.1 and is told the name
 # captured.example.test without resolving it (curl --resolve, -servername,
 # server_hostname, SNIHostName); never point one at a name it would resolve.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+if [ -z "${CAPTURE_NS:-}" ]; then
+  ns=capture-$$
+  ip netns add "$ns" && ip -n "$ns" link set lo up || exit 1
+  trap 'ip netns del "$ns"' EXIT
+  CAPTURE_NS=$ns ip netns exec "$ns" bash "$0" "$@"
+  exit $?
+fi
 out=${CAPTURE_OUT:-gateway/src/peek/captured}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -43,6 +52,12 @@ fi
 if command -v java >/dev/null; then
   capture java "java $here/JavaClient.java PORT $name"
 fi
-if command -v go >/dev/null; then echo "go is installed: add a Go client here"; fi
-if [ -x /usr/bin/chromium ]; then echo "chromium is installed: add a headless Chromium capture here"; fi
+if command -v go >/dev/null; then
+  capture go "GOCACHE=$tmp/gocache GOPATH=$tmp/gopath GOFLAGS=-mod=mod GOPROXY=off go run $here/go_client.go PORT $name"
+fi
+if [ -x /usr/bin/chromium ]; then
+  # The name maps to loopback inside Chromium: no lookup; the namespace has
+  # no route anywhere else.
+  capture chromium "chromium --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir=$tmp/chromium --host-resolver-rules='MAP $name 127.0.0.1' https://$name:PORT/"
+fi
 ls -l "$out"

@@ -7,7 +7,8 @@
 //! ClientHello: nothing a server said, no second flight. `openssl-frag` is
 //! OpenSSL with `-max_send_frag 512` and a long ALPN list, so its hello spans
 //! three records. The capture listener and the client commands are in
-//! `fuzz/README.md`; the same files seed the `peek_segments` fuzz target.
+//! `fuzz/capture/capture.sh` (run in a throwaway network namespace with only
+//! loopback); the same files seed the `peek_segments` fuzz target.
 
 use super::{classify_bytes, peek, Classified, ClientHello};
 use egress_policy::Hostname;
@@ -25,6 +26,8 @@ const CAPTURED: &[(&str, &[u8])] = &[
     ("python", include_bytes!("captured/python.bin")),
     ("node", include_bytes!("captured/node.bin")),
     ("java", include_bytes!("captured/java.bin")),
+    ("go", include_bytes!("captured/go.bin")),
+    ("chromium", include_bytes!("captured/chromium.bin")),
 ];
 
 fn expected() -> Classified {
