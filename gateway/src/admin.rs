@@ -26,7 +26,7 @@ use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
@@ -110,30 +110,33 @@ pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
     }
 }
 
-#[derive(Deserialize)]
+/// `PUT /v1/sandboxes/{id}`'s body.
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-struct PutSandbox {
-    addresses: Vec<IpAddr>,
-    policy: Policy,
+pub(crate) struct PutSandbox {
+    pub(crate) addresses: Vec<IpAddr>,
+    pub(crate) policy: Policy,
 }
 
-#[derive(Deserialize)]
+/// `PUT /v1/sandboxes`'s JSON body.
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-struct Resync {
-    sandboxes: Vec<SandboxDoc>,
+pub(crate) struct Resync {
+    pub(crate) sandboxes: Vec<SandboxDoc>,
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/explain`'s body.
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-struct Explain {
-    sandbox: String,
-    dst: SocketAddr,
+pub(crate) struct Explain {
+    pub(crate) sandbox: String,
+    pub(crate) dst: SocketAddr,
     #[serde(default)]
-    tls: bool,
+    pub(crate) tls: bool,
     #[serde(default)]
-    sni: Option<String>,
+    pub(crate) sni: Option<String>,
     #[serde(default)]
-    host: Option<String>,
+    pub(crate) host: Option<String>,
 }
 
 pub(crate) type Reply = Response<Full<Bytes>>;

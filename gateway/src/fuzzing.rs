@@ -8,21 +8,20 @@
 //! `400`/`409` before anything is stored, the same compilation into a
 //! registry (in memory, nothing persisted, no nftables).
 //!
-//! [`PutSandbox`], [`Resync`] and [`Explain`] mirror admin's private
-//! request structs field for field (`deny_unknown_fields` included), and
-//! [`registration`] mirrors `machine::api`'s `PUT /v1/vms/{id}` reader: a
-//! change to those must be made here too until admin uses these (see
-//! `fuzz/README.md`).
+//! The request structs are admin's own, and VM registrations are read by
+//! `machine::api`'s reader and checked by `machine::check_addresses`: what
+//! is fuzzed here is what the routes run.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::{Arc, OnceLock};
 
 use dns_attrib::{AttributionCache, CacheConfig, ManualClock};
 use egress_policy::machine::MachineEgress;
 use egress_policy::{CompiledPolicy, Hostname, PlatformDenies, Policy, SandboxId};
-use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::json;
 
+use crate::admin::{Explain, PutSandbox, Resync};
 use crate::decide::{decide, explained, Claims};
 use crate::persist::SandboxDoc;
 use crate::registry::Registry;
@@ -46,35 +45,6 @@ pub enum Route {
     MachineEgress,
     /// `PUT /v1/vms/{id}`: `{"addresses", "egress"}`.
     VmRegistration,
-}
-
-/// `PUT /v1/sandboxes/{id}`'s body (admin's `PutSandbox`).
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct PutSandbox {
-    pub addresses: Vec<IpAddr>,
-    pub policy: Policy,
-}
-
-/// `PUT /v1/sandboxes`'s JSON body (admin's `Resync`).
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Resync {
-    pub sandboxes: Vec<SandboxDoc>,
-}
-
-/// `POST /v1/explain`'s body (admin's `Explain`).
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Explain {
-    pub sandbox: String,
-    pub dst: SocketAddr,
-    #[serde(default)]
-    pub tls: bool,
-    #[serde(default)]
-    pub sni: Option<String>,
-    #[serde(default)]
-    pub host: Option<String>,
 }
 
 // === impl Route ===
@@ -250,40 +220,12 @@ fn explain_policy() -> &'static CompiledPolicy {
     })
 }
 
-/// `machine::api`'s `registration` plus `Machines::put_vm`'s checks before
-/// it touches the kernel: `(addresses, own policy)`.
+/// `machine::api`'s `PUT /v1/vms/{id}` reader plus `Machines::put_vm`'s
+/// address checks, before it touches the kernel: `(addresses, own policy)`.
 fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), String> {
-    let doc: Value = serde_json::from_str(text).map_err(|e| format!("body: {e}"))?;
-    let Some(obj) = doc.as_object() else {
-        return Err("body must be a JSON object".into());
-    };
-    if let Some(k) = obj
-        .keys()
-        .find(|k| !["addresses", "egress"].contains(&k.as_str()))
-    {
-        return Err(format!("unknown field {k:?}"));
-    }
-    let Some(list) = obj.get("addresses").and_then(Value::as_array) else {
-        return Err("addresses: expected a list of IP addresses".into());
-    };
-    let mut addresses = Vec::with_capacity(list.len());
-    for (i, a) in list.iter().enumerate() {
-        match a.as_str().map(str::parse::<IpAddr>) {
-            Some(Ok(ip)) => addresses.push(ip),
-            _ => return Err(format!("addresses[{i}]: {a} is not an IP address")),
-        }
-    }
-    let egress = match obj.get("egress") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(MachineEgress::from_value(v).map_err(|p| format!("{p:?}"))?),
-    };
-    if addresses.is_empty() {
-        return Err("a VM needs at least one address".into());
-    }
-    let mut seen = std::collections::HashSet::new();
-    if let Some(a) = addresses.iter().find(|a| !seen.insert(**a)) {
-        return Err(format!("address {a} listed twice"));
-    }
+    let (addresses, egress) = crate::machine::api::registration_doc(text).map_err(|e| e.message)?;
+    let addresses =
+        crate::machine::check_addresses("fuzz", addresses).map_err(|e| e.to_string())?;
     Ok((addresses, egress))
 }
 

@@ -190,46 +190,72 @@ async fn policy_body(req: Request<Incoming>) -> Result<MachineEgress, Reply> {
     MachineEgress::from_json(&text).map_err(|p| invalid(&p))
 }
 
-/// `PUT /v1/vms/{id}`'s body.
-fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), Box<Reply>> {
-    let bad = |msg: &str, field: &str| Box::new(error(StatusCode::BAD_REQUEST, msg, Some(field)));
-    let doc: Value = serde_json::from_str(text)
-        .map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, &format!("body: {e}"), None)))?;
+/// Why a `PUT /v1/vms/{id}` body was refused: the message, the field it
+/// names, and the policy's problems when it was the policy.
+#[derive(Debug)]
+pub(crate) struct RegistrationError {
+    pub(crate) message: String,
+    pub(crate) field: Option<String>,
+    pub(crate) problems: Option<Vec<Problem>>,
+}
+
+/// Reads `PUT /v1/vms/{id}`'s body: `{"addresses": [..], "egress": <policy>?}`.
+pub(crate) fn registration_doc(
+    text: &str,
+) -> Result<(Vec<IpAddr>, Option<MachineEgress>), RegistrationError> {
+    let bad = |message: String, field: Option<&str>| RegistrationError {
+        message,
+        field: field.map(str::to_owned),
+        problems: None,
+    };
+    let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("body: {e}"), None))?;
     let Some(obj) = doc.as_object() else {
-        return Err(Box::new(error(
-            StatusCode::BAD_REQUEST,
-            "body must be a JSON object",
-            None,
-        )));
+        return Err(bad("body must be a JSON object".into(), None));
     };
     if let Some(k) = obj
         .keys()
         .find(|k| !["addresses", "egress"].contains(&k.as_str()))
     {
-        return Err(bad(
-            &format!("unknown field {k:?}, expected \"addresses\" or \"egress\""),
-            k,
-        ));
+        let why = format!("unknown field {k:?}, expected \"addresses\" or \"egress\"");
+        return Err(bad(why, Some(k)));
     }
     let Some(list) = obj.get("addresses").and_then(Value::as_array) else {
-        return Err(bad(
-            "addresses: expected a list of IP addresses",
-            "addresses",
-        ));
+        let why = "addresses: expected a list of IP addresses".to_owned();
+        return Err(bad(why, Some("addresses")));
     };
     let mut addresses = Vec::with_capacity(list.len());
     for (i, a) in list.iter().enumerate() {
         let field = format!("addresses[{i}]");
         match a.as_str().map(str::parse::<IpAddr>) {
             Some(Ok(ip)) => addresses.push(ip),
-            _ => return Err(bad(&format!("{field}: {a} is not an IP address"), &field)),
+            _ => {
+                return Err(bad(
+                    format!("{field}: {a} is not an IP address"),
+                    Some(&field),
+                ))
+            }
         }
     }
     let egress = match obj.get("egress") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(MachineEgress::from_value(v).map_err(|p| Box::new(invalid(&p)))?),
+        Some(v) => Some(MachineEgress::from_value(v).map_err(|p| RegistrationError {
+            message: "invalid machine egress policy".into(),
+            field: Some("egress".into()),
+            problems: Some(p),
+        })?),
     };
     Ok((addresses, egress))
+}
+
+/// The body as the route answers it: `400` naming the field, or the
+/// checker's errors for an invalid policy.
+fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), Box<Reply>> {
+    registration_doc(text).map_err(|e| {
+        Box::new(match e.problems {
+            Some(p) => invalid(&p),
+            None => error(StatusCode::BAD_REQUEST, &e.message, e.field.as_deref()),
+        })
+    })
 }
 
 /// `?name=true|false|1|0`; absent is false.

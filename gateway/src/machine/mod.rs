@@ -104,6 +104,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// A VM's addresses in canonical form (an IPv4-mapped IPv6 address is its
+/// IPv4 address, as for sandboxes): at least one, none twice.
+pub(crate) fn check_addresses(
+    id: &str,
+    addresses: Vec<IpAddr>,
+) -> Result<Vec<IpAddr>, MachineError> {
+    if addresses.is_empty() {
+        return Err(MachineError::NoAddress);
+    }
+    let addresses: Vec<IpAddr> = addresses.into_iter().map(|a| a.to_canonical()).collect();
+    let mut seen = std::collections::HashSet::new();
+    if let Some(&address) = addresses.iter().find(|a| !seen.insert(**a)) {
+        return Err(MachineError::DuplicateAddress {
+            vm: id.to_owned(),
+            address,
+        });
+    }
+    Ok(addresses)
+}
+
 /// Checks a VM id: the same alphabet as sandbox ids, at most 64 characters.
 pub fn valid_id(id: &str) -> Result<(), MachineError> {
     let ok = !id.is_empty()
@@ -242,16 +262,7 @@ impl Machines {
         egress: Option<MachineEgress>,
     ) -> Result<Vm, MachineError> {
         valid_id(id)?;
-        if addresses.is_empty() {
-            return Err(MachineError::NoAddress);
-        }
-        let mut seen = std::collections::HashSet::new();
-        if let Some(&address) = addresses.iter().find(|a| !seen.insert(**a)) {
-            return Err(MachineError::DuplicateAddress {
-                vm: id.to_owned(),
-                address,
-            });
-        }
+        let addresses = check_addresses(id, addresses)?;
         let mut state = lock(&self.state);
         let before = state.vms.get(id).map(|vm| vm.addresses.clone());
         self.registry.claim_for_vm(id, &addresses)?;
@@ -485,4 +496,32 @@ fn save(dir: &Path, state: &State) -> Result<(), String> {
         std::fs::File::open(dir)?.sync_all()
     };
     run().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_canonical_and_listed_once() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        assert_eq!(
+            check_addresses("vm", vec![ip("::ffff:100.64.0.2")]).expect("valid"),
+            [ip("100.64.0.2")]
+        );
+        // The same address twice, once IPv4-mapped: refused, as for sandboxes.
+        let twice = check_addresses("vm", vec![ip("::ffff:100.64.0.2"), ip("100.64.0.2")]);
+        assert!(
+            matches!(twice, Err(MachineError::DuplicateAddress { .. })),
+            "{twice:?}"
+        );
+        assert!(matches!(
+            check_addresses("vm", vec![]),
+            Err(MachineError::NoAddress)
+        ));
+        assert!(valid_id("vm-1.a_b").is_ok());
+        for bad in ["", "a/b", "a b", &"a".repeat(65)] {
+            assert!(valid_id(bad).is_err(), "{bad:?}");
+        }
+    }
 }
