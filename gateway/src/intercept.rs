@@ -377,6 +377,7 @@ impl Conn {
                 self.up.pool.put(old_key, old);
             }
             let key = PoolKey {
+                sandbox: self.sandbox.id.clone(),
                 dst: self.dst,
                 tls: self.tls,
                 name: name.cloned(),
