@@ -11,8 +11,8 @@ use crate::harness::*;
 
 const H1: &[&[u8]] = &[b"http/1.1"];
 
-/// The counter for (side, kind) from `/metrics`.
-async fn errors(e: &Env, side: &str, kind: &str) -> u64 {
+/// The gateway's `/metrics` text.
+async fn scrape(e: &Env) -> String {
     let mut s = tokio::net::TcpStream::connect(e.gateway.bound().admin)
         .await
         .expect("admin");
@@ -21,13 +21,28 @@ async fn errors(e: &Env, side: &str, kind: &str) -> u64 {
         .expect("write");
     let mut text = String::new();
     s.read_to_string(&mut text).await.expect("read");
-    let series = format!("egress_flow_errors_total{{side=\"{side}\",kind=\"{kind}\"}} ");
+    text
+}
+
+/// The value of the series whose line starts with `series ` in `/metrics`.
+async fn value(e: &Env, series: &str) -> u64 {
+    let text = scrape(e).await;
+    let prefix = format!("{series} ");
     text.lines()
-        .find_map(|l| l.strip_prefix(series.as_str()))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .unwrap_or_else(|| panic!("no series {series} in:\n{text}"))
         .trim()
         .parse()
         .expect("a count")
+}
+
+/// `egress_flow_errors_total{side, kind}`.
+async fn errors(e: &Env, side: &str, kind: &str) -> u64 {
+    value(
+        e,
+        &format!("egress_flow_errors_total{{side=\"{side}\",kind=\"{kind}\"}}"),
+    )
+    .await
 }
 
 #[tokio::test]
@@ -99,25 +114,6 @@ async fn failures_after_the_verdict_are_counted_by_whose_fault_they_were() {
     assert_eq!(errors(&e, "upstream", "connect_refused").await, 1);
 }
 
-/// A counter without labels from `/metrics`.
-async fn counter(e: &Env, name: &str) -> u64 {
-    let mut s = tokio::net::TcpStream::connect(e.gateway.bound().admin)
-        .await
-        .expect("admin");
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
-        .await
-        .expect("write");
-    let mut text = String::new();
-    s.read_to_string(&mut text).await.expect("read");
-    let series = format!("{name} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(series.as_str()))
-        .unwrap_or_else(|| panic!("no series {name} in:\n{text}"))
-        .trim()
-        .parse()
-        .expect("a count")
-}
-
 /// Whether the gateway closed (or reset) `s` within `within`.
 async fn closed_within<S: tokio::io::AsyncRead + Unpin>(
     s: &mut S,
@@ -162,7 +158,7 @@ async fn slow_clients_are_closed_at_the_timeouts_and_the_limit_resets_new_ones()
         closed_within(&mut ninth, Duration::from_millis(500)).await,
         "over the limit: reset at accept"
     );
-    assert_eq!(counter(&e, "egress_connections_over_limit_total").await, 1);
+    assert_eq!(value(&e, "egress_connections_over_limit_total").await, 1);
     // The peek timeout closes the silent ones and frees their slots.
     for s in &mut silent {
         assert!(
