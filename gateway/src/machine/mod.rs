@@ -86,10 +86,31 @@ pub struct Machines {
     registry: Arc<Registry>,
     state: Mutex<State>,
     observed: Mutex<HashMap<String, observed::Store>>,
-    /// The kernel's `refused` counters at the last read, by VM id.
-    refused: Mutex<BTreeMap<String, u64>>,
+    /// Refused packets by VM id: the kernel's `refused` counter at the last
+    /// read, and the total since the VM was registered (a replaced table
+    /// starts its counter again; the total carries on).
+    refused: Mutex<BTreeMap<String, Refused>>,
     /// Observations evicted by the bound, over every VM ever registered.
     evictions: AtomicU64,
+}
+
+/// One VM's refused-packet count.
+#[derive(Clone, Copy, Debug, Default)]
+struct Refused {
+    kernel: u64,
+    total: u64,
+}
+
+impl Refused {
+    /// Takes in a read of the kernel counter; true when it moved.
+    fn account(&mut self, now: u64) -> bool {
+        // Lower than last read: the table was replaced, all of it is new.
+        let new = now.checked_sub(self.kernel).unwrap_or(now);
+        self.total = self.total.saturating_add(new);
+        let moved = now != self.kernel;
+        self.kernel = now;
+        moved
+    }
 }
 
 /// A VM's policy as the API reports it.
@@ -229,8 +250,28 @@ impl Machines {
                 })
                 .collect()
         };
-        // Replacing a table empties its observed set: keep what it held.
-        for id in touched.iter().filter(|id| state.vms.contains_key(*id)) {
+        // Replacing a table empties its observed set and restarts its
+        // counter: keep what they held.
+        let existing: Vec<&String> = touched
+            .iter()
+            .filter(|id| state.vms.contains_key(*id))
+            .collect();
+        if !existing.is_empty() {
+            match self.nft.refused_counters() {
+                Ok(counters) => {
+                    let mut refused = lock(&self.refused);
+                    for id in &existing {
+                        if let Some(&n) = counters.get(&nft::table_name(id)) {
+                            refused.entry((*id).clone()).or_default().account(n);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading refused counters before a change failed")
+                }
+            }
+        }
+        for id in existing {
             if let Err(e) = self.read_observed(id) {
                 tracing::warn!(vm = %id, error = %e, "reading observed destinations before a change failed");
             }
@@ -249,6 +290,14 @@ impl Machines {
                 message,
             });
         }
+        // The new tables count from zero.
+        let mut refused = lock(&self.refused);
+        for id in touched {
+            if let Some(r) = refused.get_mut(id) {
+                r.kernel = 0;
+            }
+        }
+        drop(refused);
         *state = next;
         Ok(())
     }
@@ -424,7 +473,10 @@ impl Machines {
             let Some(&now) = counters.get(&nft::table_name(&vm.id)) else {
                 continue;
             };
-            let moved = lock(&self.refused).insert(vm.id.clone(), now) != Some(now);
+            let moved = lock(&self.refused)
+                .entry(vm.id.clone())
+                .or_default()
+                .account(now);
             if moved {
                 if let Err(e) = self.read_observed(&vm.id) {
                     tracing::warn!(vm = %vm.id, error = %e, "reading observed destinations failed");
@@ -453,7 +505,7 @@ impl Machines {
         let mut packets = Vec::new();
         for vm in state.vms.values() {
             by_mode[mode_index(vm.effective.mode)] += 1;
-            let n = refused.get(&vm.id).copied().unwrap_or(0);
+            let n = refused.get(&vm.id).map_or(0, |r| r.total);
             let audit = vm.effective.mode == Mode::Audit;
             packets.push((vm.id.clone(), audit, n));
         }
@@ -501,6 +553,18 @@ fn save(dir: &Path, state: &State) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refused_counts_survive_a_replaced_table() {
+        let mut r = Refused::default();
+        assert!(r.account(5));
+        assert!(!r.account(5), "no new packets");
+        assert!(r.account(9));
+        assert_eq!(r.total, 9);
+        // The table was replaced: its counter starts again below the last read.
+        assert!(r.account(2));
+        assert_eq!(r.total, 11);
+    }
 
     #[test]
     fn addresses_are_canonical_and_listed_once() {

@@ -146,6 +146,34 @@ fn each_mode_governs_tcp_and_udp_in_the_kernel() {
     assert!(errors.to_string().contains("10.0.0.0/8"), "{body}");
     assert_eq!(t.admin("GET", "/v1/vms/nope/network/egress", None).0, 404);
 
+    // The metrics read the kernel's counters at the observer's next round
+    // (machine_egress.observe_interval, 5 s by default).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, text) = t.admin("GET", "/metrics", None);
+        let refused = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    "egress_machine_refused_packets_total{vm=\"vm1\",outcome=\"refused\"} ",
+                )
+            })
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        if refused > 0 {
+            assert!(
+                text.contains("egress_machine_vms{mode=\"open\"} 1"),
+                "{text}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "refused packets never counted:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+
     // Removing the VM removes its table.
     let (status, body) = t.admin("DELETE", "/v1/vms/vm1", None);
     assert_eq!(status, 200, "{body}");
