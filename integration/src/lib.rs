@@ -327,7 +327,8 @@ pub async fn serve_http(addr: SocketAddr) -> std::io::Result<()> {
     }
 }
 
-/// `/bytes/N`, `/echo` (the request body back), `/slow` (answers after 2 s),
+/// `/bytes/N`, `/echo` (the request body back), `/slow` (answers after 2 s;
+/// `/slow/N`: after N seconds, at most 30),
 /// `/ws` (an upgrade that echoes), anything else: a line naming the request
 /// and the `Host` headers and authority it arrived with.
 async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
@@ -383,6 +384,13 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
         .and_then(|n| n.parse::<usize>().ok())
     {
         return hyper::Response::new(Full::new(Bytes::from(vec![b'x'; n.min(64 << 20)])));
+    }
+    if let Some(secs) = path
+        .strip_prefix("/slow/")
+        .and_then(|n| n.parse::<u64>().ok())
+    {
+        tokio::time::sleep(Duration::from_secs(secs.min(30))).await;
+        return hyper::Response::new(Full::new(Bytes::from_static(b"slow done\n")));
     }
     match path.as_str() {
         "/echo" => {
