@@ -104,19 +104,24 @@ pub fn save(state_dir: &Path, registry: &Registry, seq: u64) -> Result<u64, Pers
         path: path.clone(),
         source,
     };
-    std::fs::create_dir_all(state_dir).map_err(io)?;
-    let tmp = state_dir.join(format!(".{SNAPSHOT_FILE}.tmp"));
     let bytes = serde_json::to_vec(&document(registry, seq)).map_err(|e| io(e.into()))?;
-    {
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
-    }
-    std::fs::rename(&tmp, &path).map_err(io)?;
-    std::fs::File::open(state_dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io)?;
+    write_atomically(state_dir, SNAPSHOT_FILE, &bytes).map_err(io)?;
     Ok(bytes.len() as u64)
+}
+
+/// Replaces `dir/name` with `bytes` so that a crash leaves the old file or
+/// the new one, never a mix: a temporary file, fsync, rename, fsync the
+/// directory.
+pub(crate) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{name}.tmp"));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, dir.join(name))?;
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// Sandbox documents as registry entries.

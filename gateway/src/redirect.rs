@@ -4,9 +4,6 @@
 //! from it (QUIC falls back to TCP). Each interface has its own table, so
 //! sandboxes come and go independently.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
 /// Why rules could not be made or applied.
 #[derive(Debug, thiserror::Error)]
 pub enum RedirectError {
@@ -67,42 +64,23 @@ table inet {table} {{
     ))
 }
 
-/// Applies the ruleset with `nft -f -`.
+/// Applies the ruleset with `nft -f -` (the same runner as machine egress).
 pub fn apply(iface: &str, ports: Ports) -> Result<(), RedirectError> {
-    nft(&["-f", "-"], Some(&ruleset(iface, ports)?))
+    nft()
+        .apply(&ruleset(iface, ports)?)
+        .map_err(|e| RedirectError::Nft(e.0))
 }
 
 /// Deletes the interface's table.
 pub fn remove(iface: &str) -> Result<(), RedirectError> {
     let table = table_name(iface)?;
-    nft(&["delete", "table", "inet", &table], None)
+    nft()
+        .apply(&format!("delete table inet {table}\n"))
+        .map_err(|e| RedirectError::Nft(e.0))
 }
 
-fn nft(args: &[&str], stdin: Option<&str>) -> Result<(), RedirectError> {
-    let mut child = Command::new("nft")
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| RedirectError::Nft(format!("cannot run nft: {e}")))?;
-    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(text.as_bytes())
-            .map_err(|e| RedirectError::Nft(e.to_string()))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| RedirectError::Nft(e.to_string()))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(RedirectError::Nft(
-            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        ))
-    }
+fn nft() -> crate::machine::nft::Nft {
+    crate::machine::nft::Nft::new(vec!["nft".into()])
 }
 
 #[cfg(test)]

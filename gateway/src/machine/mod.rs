@@ -15,7 +15,6 @@ pub mod nft;
 pub mod observed;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write as _;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -147,12 +146,8 @@ pub(crate) fn check_addresses(
 
 /// Checks a VM id: the same alphabet as sandbox ids, at most 64 characters.
 pub fn valid_id(id: &str) -> Result<(), MachineError> {
-    let ok = !id.is_empty()
-        && id.len() <= MAX_ID
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
-    if ok {
+    // The sandbox id's alphabet, shorter: an id becomes an nft table name.
+    if id.len() <= MAX_ID && egress_policy::SandboxId::parse(id).is_ok() {
         Ok(())
     } else {
         Err(MachineError::Id(id.chars().take(MAX_ID + 1).collect()))
@@ -251,7 +246,8 @@ impl Machines {
                 .collect()
         };
         // Replacing a table empties its observed set and restarts its
-        // counter: keep what they held.
+        // counter: keep what they held (the set is read only when the
+        // counter moved since the last read, as the observer does).
         let existing: Vec<&String> = touched
             .iter()
             .filter(|id| state.vms.contains_key(*id))
@@ -259,21 +255,24 @@ impl Machines {
         if !existing.is_empty() {
             match self.nft.refused_counters() {
                 Ok(counters) => {
-                    let mut refused = lock(&self.refused);
-                    for id in &existing {
-                        if let Some(&n) = counters.get(&nft::table_name(id)) {
-                            refused.entry((*id).clone()).or_default().account(n);
+                    for id in existing {
+                        let Some(&n) = counters.get(&nft::table_name(id)) else {
+                            continue;
+                        };
+                        let moved = lock(&self.refused)
+                            .entry(id.clone())
+                            .or_default()
+                            .account(n);
+                        if moved {
+                            if let Err(e) = self.read_observed(id) {
+                                tracing::warn!(vm = %id, error = %e, "reading observed destinations before a change failed");
+                            }
                         }
                     }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "reading refused counters before a change failed")
                 }
-            }
-        }
-        for id in existing {
-            if let Err(e) = self.read_observed(id) {
-                tracing::warn!(vm = %id, error = %e, "reading observed destinations before a change failed");
             }
         }
         let forward = text(&next);
@@ -533,21 +532,10 @@ fn mode_index(mode: Mode) -> usize {
     MODES.iter().position(|m| *m == mode).unwrap_or(0)
 }
 
-/// Writes the state: a temporary file, fsync, rename, fsync the directory.
+/// Writes the state (write, fsync, rename, like the snapshot).
 fn save(dir: &Path, state: &State) -> Result<(), String> {
-    let run = || -> std::io::Result<()> {
-        std::fs::create_dir_all(dir)?;
-        let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
-        let bytes = serde_json::to_vec_pretty(state).map_err(std::io::Error::from)?;
-        {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-        }
-        std::fs::rename(&tmp, dir.join(STATE_FILE))?;
-        std::fs::File::open(dir)?.sync_all()
-    };
-    run().map_err(|e| e.to_string())
+    let bytes = serde_json::to_vec_pretty(state).map_err(|e| e.to_string())?;
+    crate::persist::write_atomically(dir, STATE_FILE, &bytes).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
