@@ -318,16 +318,8 @@ fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
 /// Replaces every sandbox (the controller's resync), atomically; written as
 /// a new snapshot.
 async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
-    let mut seen = std::collections::HashSet::new();
-    for (i, s) in docs.iter().enumerate() {
-        let field = format!("sandboxes[{i}].id");
-        if let Err(msg) = valid_id(&s.id) {
-            return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
-        }
-        if !seen.insert(s.id.clone()) {
-            let msg = format!("sandbox {:?} appears twice", s.id);
-            return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
-        }
+    if let Err((msg, field)) = resync_ids(&docs) {
+        return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
     }
     let n = docs.len();
     let prepared = persist::entries(docs)
@@ -341,6 +333,19 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
         }
         Err(why) => refused(ctl, why, "sandboxes"),
     }
+}
+
+/// A resync's ids: each valid, none twice; else the message and the field.
+pub(crate) fn resync_ids(docs: &[SandboxDoc]) -> Result<(), (String, String)> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, s) in docs.iter().enumerate() {
+        let field = format!("sandboxes[{i}].id");
+        valid_id(&s.id).map_err(|msg| (msg, field.clone()))?;
+        if !seen.insert(s.id.as_str()) {
+            return Err((format!("sandbox {:?} appears twice", s.id), field));
+        }
+    }
+    Ok(())
 }
 
 async fn delete(ctl: &Control, id: &str) -> Reply {

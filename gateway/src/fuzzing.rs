@@ -127,13 +127,7 @@ fn put_sandbox(text: &str) -> Result<String, String> {
 /// admin's `resync`: every id valid and once, then one atomic replace;
 /// the sandboxes as stored.
 fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
-    let mut seen = std::collections::HashSet::new();
-    for (i, s) in docs.iter().enumerate() {
-        SandboxId::parse(&s.id).map_err(|e| format!("sandboxes[{i}].id: {e}"))?;
-        if !seen.insert(s.id.clone()) {
-            return Err(format!("sandbox {:?} appears twice", s.id));
-        }
-    }
+    crate::admin::resync_ids(&docs).map_err(|(msg, field)| format!("{field}: {msg}"))?;
     let registry = registry();
     let prepared: Vec<_> = crate::persist::entries(docs)
         .into_iter()
