@@ -60,8 +60,10 @@ fn policy(n: usize) -> Policy {
     }
     Policy {
         default: DefaultAction::Deny,
-        allow,
-        deny: vec![Destination::parse(Kind::Domain, "bad.example.test").expect("valid")],
+        allow: allow.into_iter().map(Into::into).collect(),
+        deny: vec![Destination::parse(Kind::Domain, "bad.example.test")
+            .expect("valid")
+            .into()],
         tls_interception: TlsInterception::On,
         tls_interception_exemptions: vec![Destination::parse(
             Kind::WildcardDomain,

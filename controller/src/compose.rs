@@ -57,8 +57,17 @@ fn provenance(
     resolved: &[(&ProfileName, &egress_policy::Profile)],
 ) -> Vec<Added> {
     let mut out = Vec::new();
+    // Composition adds whole-destination allows only.
+    let whole = |rules: &[egress_policy::Rule]| -> Vec<Destination> {
+        rules
+            .iter()
+            .filter(|r| r.http.is_none())
+            .map(|r| r.dest.clone())
+            .collect()
+    };
+    let (base_allow, allow) = (whole(&base.allow), whole(&policy.allow));
     let lists: [(&'static str, &[Destination], &[Destination]); 2] = [
-        ("allow", &base.allow, &policy.allow),
+        ("allow", &base_allow, &allow),
         (
             "tls_interception_exemptions",
             &base.tls_interception_exemptions,

@@ -311,8 +311,8 @@ fn allow_by_default(allow: &[Entry<'_>], deny: &[Entry<'_>]) -> Result<Policy, E
 fn policy(default: DefaultAction, allow: Vec<Destination>, deny: Vec<Destination>) -> Policy {
     Policy {
         default,
-        allow,
-        deny,
+        allow: allow.into_iter().map(Into::into).collect(),
+        deny: deny.into_iter().map(Into::into).collect(),
         tls_interception: TlsInterception::Off,
         tls_interception_exemptions: Vec::new(),
     }

@@ -15,6 +15,7 @@ use crate::dest::Destination;
 use crate::exemptions::DeploymentExemptions;
 use crate::policy::{DefaultAction, Policy, TlsInterception};
 use crate::profiles::{Profile, ProfileName, Profiles};
+use crate::rule::Rule;
 use crate::select::Admission;
 
 /// The reserved resolvers whose DNS the gateway intercepts and attributes.
@@ -81,7 +82,7 @@ pub fn compose<'a>(
     for profile in profiles {
         any_profile = true;
         for d in &profile.allow {
-            push_new(&mut policy.allow, d.get());
+            push_new_rule(&mut policy.allow, d.get());
         }
         for d in &profile.tls_interception_exemptions {
             push_new(&mut policy.tls_interception_exemptions, d.get());
@@ -89,7 +90,7 @@ pub fn compose<'a>(
     }
     if any_profile && policy.default == DefaultAction::Deny {
         for ip in RESERVED_RESOLVERS {
-            push_new(&mut policy.allow, &Destination::Ip(ip));
+            push_new_rule(&mut policy.allow, &Destination::Ip(ip));
         }
     }
     if let Some(list) = deployment {
@@ -104,6 +105,14 @@ pub fn compose<'a>(
         exemptions_added: policy.tls_interception_exemptions.len()
             != base.tls_interception_exemptions.len(),
         policy,
+    }
+}
+
+/// Adds `d` as a whole-destination allow unless one is there already (a
+/// qualified entry for the same name does not count: it allows less).
+fn push_new_rule(list: &mut Vec<Rule>, d: &Destination) {
+    if !list.iter().any(|r| r == d) {
+        list.push(Rule::from(d.clone()));
     }
 }
 

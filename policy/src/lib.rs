@@ -11,6 +11,7 @@
 mod compose;
 mod dest;
 mod exemptions;
+pub mod http;
 mod json;
 pub mod machine;
 mod matcher;
@@ -18,6 +19,7 @@ mod name;
 mod platform;
 mod policy;
 mod profiles;
+mod rule;
 mod sandbox;
 mod select;
 
@@ -30,12 +32,13 @@ pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
 pub use json::{parse as from_json, JsonError};
 pub use matcher::{
     Allowed, AttributionGap, CompiledPolicy, Denied, Flow, Intercepted, PlatformDenies, Protocol,
-    Spliced, Verdict,
+    RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced, Verdict,
 };
 pub use name::{Hostname, NameError, WildcardDomain};
 pub use platform::{default_denies, DEFAULT_PLATFORM_DENY_CIDRS};
 pub use policy::{DefaultAction, Policy, TlsInterception};
 pub use profiles::{Profile, ProfileName, Profiles, ProfilesError, PROFILES_ENV};
+pub use rule::Rule;
 pub use sandbox::{SandboxId, SandboxIdError};
 pub use select::{
     select, Admission, AdmissionReason, Outcome, Selection, SelectionError, SelectionErrorKind,

@@ -17,17 +17,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::dest::Destination;
 use crate::json::{self, JsonError};
+use crate::rule::Rule;
 
-/// A tenant or effective egress policy. All four destination kinds are accepted in every list.
+/// A tenant or effective egress policy. All four destination kinds are accepted in every list;
+/// allow and deny entries for names may carry an `http` qualifier ([`Rule`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(remote = "Self", deny_unknown_fields)]
 pub struct Policy {
     #[serde(default)]
     pub default: DefaultAction,
     #[serde(default)]
-    pub allow: Vec<Destination>,
+    pub allow: Vec<Rule>,
     #[serde(default)]
-    pub deny: Vec<Destination>,
+    pub deny: Vec<Rule>,
     #[serde(default)]
     pub tls_interception: TlsInterception,
     #[serde(default)]

@@ -30,8 +30,10 @@ fn nets(list: &[&str]) -> Vec<IpNet> {
     list.iter().map(|s| net(s)).collect()
 }
 
-fn dests(list: &[&str]) -> Vec<Destination> {
-    list.iter().map(|s| parse_entry(s).expect(s)).collect()
+fn dests(list: &[&str]) -> Vec<egress_policy::Rule> {
+    list.iter()
+        .map(|s| parse_entry(s).expect(s).into())
+        .collect()
 }
 
 fn translated(network: serde_json::Value) -> Policy {
@@ -458,13 +460,13 @@ fn mapped_pieces_are_left_out() {
     assert_eq!(p.default, DefaultAction::Allow);
     assert_eq!(p.deny.len(), 127);
     assert!(p.deny.iter().all(|d| matches!(
-        d,
+        d.dest,
         Destination::Cidr(IpNet::V6(_)) | Destination::Ip(IpAddr::V6(_))
     )));
     assert!(!p
         .deny
         .iter()
-        .any(|d| matches!(d, Destination::Cidr(n) if is_ipv4_mapped(n))));
+        .any(|d| matches!(d.dest, Destination::Cidr(n) if is_ipv4_mapped(&n))));
     let p = translated(json!({"network": {"denyOut": ["::ffff:10.0.0.0/104"]}}));
     assert_eq!(p.deny, dests(&["10.0.0.0/8"]));
 }
@@ -630,8 +632,8 @@ fn e2b_allows(c: &E2bCreate, ip: IpAddr) -> bool {
 
 /// Our rule by address: deny wins, then allow, then the default.
 fn ours_allows(p: &Policy, ip: IpAddr) -> bool {
-    let hit = |list: &[Destination]| {
-        list.iter().any(|d| match d {
+    let hit = |list: &[egress_policy::Rule]| {
+        list.iter().any(|d| match &d.dest {
             Destination::Ip(a) => *a == ip,
             Destination::Cidr(n) => n.contains(&ip),
             Destination::Domain(_) | Destination::WildcardDomain(_) => false,

@@ -21,7 +21,7 @@ fn policy(text: &str) -> Policy {
     Policy::from_json(text).expect(text)
 }
 
-fn values(list: &[Destination]) -> Vec<String> {
+fn values<T: ToString>(list: &[T]) -> Vec<String> {
     list.iter().map(ToString::to_string).collect()
 }
 

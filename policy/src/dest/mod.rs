@@ -90,7 +90,7 @@ impl Kind {
         }
     }
 
-    fn from_key(key: &str) -> Option<Self> {
+    pub(crate) fn from_key(key: &str) -> Option<Self> {
         Some(match key {
             "ip" => Self::Ip,
             "cidr" => Self::Cidr,

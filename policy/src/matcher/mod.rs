@@ -13,6 +13,7 @@
 
 mod ipset;
 mod names;
+mod request;
 mod verdict;
 
 use std::net::{IpAddr, SocketAddr};
@@ -21,9 +22,12 @@ use std::sync::Arc;
 use crate::dest::{canonical_ip, embedded_ipv4, Destination};
 use crate::name::Hostname;
 use crate::policy::{DefaultAction, Policy, TlsInterception};
+use crate::rule::Rule;
 
 use self::ipset::{IpSet, RuleIdx};
 use self::names::NameSet;
+use self::request::RequestRules;
+pub use self::request::{RequestCode, RequestDenial, RequestJudgement, RuleRef};
 pub use self::verdict::{Allowed, AttributionGap, Denied, Intercepted, Spliced, Verdict};
 
 /// What the first bytes of a flow showed.
@@ -66,9 +70,17 @@ pub struct PlatformDenies {
 pub struct CompiledPolicy {
     policy: Policy,
     platform: Arc<PlatformDenies>,
+    /// Unqualified denies (a qualified one denies requests, not flows).
     deny: RuleSet,
     allow: RuleSet,
+    /// The allows for a flow whose requests cannot be seen: without the
+    /// entries whose qualifier is enforced. `None`: the same as `allow`.
+    allow_unseen: Option<RuleSet>,
     exempt: RuleSet,
+    /// Qualified entries and credential hosts; `None` when there are none.
+    requests: Option<Box<RequestRules>>,
+    /// The names of the sandbox's credentials, by index.
+    credentials: Vec<String>,
 }
 
 /// The address and name lookups of one destination list.
@@ -82,9 +94,23 @@ struct RuleSet {
 
 impl RuleSet {
     fn new(list: &[Destination]) -> Self {
+        Self::of(list.iter().enumerate())
+    }
+
+    /// The entries of `list` that `keep` keeps, by their index in `list`.
+    fn rules(list: &[Rule], keep: impl Fn(&Rule) -> bool) -> Self {
+        Self::of(
+            list.iter()
+                .enumerate()
+                .filter(|(_, r)| keep(r))
+                .map(|(i, r)| (i, &r.dest)),
+        )
+    }
+
+    fn of<'a>(list: impl Iterator<Item = (usize, &'a Destination)>) -> Self {
         let mut names = NameSet::default();
         let mut nets = Vec::new();
-        for (i, d) in list.iter().enumerate() {
+        for (i, d) in list {
             // A policy list longer than u32::MAX cannot be pushed (bodies are capped).
             let rule = RuleIdx::try_from(i).unwrap_or(RuleIdx::MAX);
             match d {
@@ -154,13 +180,68 @@ impl PlatformDenies {
 
 impl CompiledPolicy {
     pub fn new(policy: Policy, platform: Arc<PlatformDenies>) -> Self {
+        Self::with_credentials(policy, platform, std::iter::empty())
+    }
+
+    /// Compiles a policy for a sandbox with credentials: `(name, hosts)` in
+    /// the order the sandbox lists them. Their hosts are never spliced.
+    pub fn with_credentials<'a>(
+        policy: Policy,
+        platform: Arc<PlatformDenies>,
+        credentials: impl IntoIterator<Item = (&'a str, Vec<&'a Destination>)>,
+    ) -> Self {
+        let mut names = Vec::new();
+        let mut hosts = Vec::new();
+        for (i, (name, list)) in credentials.into_iter().enumerate() {
+            names.push(name.to_owned());
+            let i = RuleIdx::try_from(i).unwrap_or(RuleIdx::MAX);
+            hosts.extend(list.into_iter().map(|d| (i, d)));
+        }
+        let requests = RequestRules::new(&policy.allow, &policy.deny, hosts).map(Box::new);
+        let allow_unseen = policy
+            .allow
+            .iter()
+            .any(Rule::enforced_http)
+            .then(|| RuleSet::rules(&policy.allow, |r| !r.enforced_http()));
         Self {
-            deny: RuleSet::new(&policy.deny),
-            allow: RuleSet::new(&policy.allow),
+            deny: RuleSet::rules(&policy.deny, |r| r.http.is_none()),
+            allow: RuleSet::rules(&policy.allow, |_| true),
+            allow_unseen,
             exempt: RuleSet::new(&policy.tls_interception_exemptions),
+            requests,
+            credentials: names,
             platform,
             policy,
         }
+    }
+
+    /// Whether any entry is qualified or the sandbox has credentials: only
+    /// then does [`CompiledPolicy::judge_request`] have anything to say.
+    pub fn has_request_rules(&self) -> bool {
+        self.requests.is_some()
+    }
+
+    /// Judges one request on a flow the gateway sees the requests of:
+    /// `names` is the request's name, or every name its destination may be
+    /// when the name is not verified; `target` the request target as sent.
+    pub fn judge_request(
+        &self,
+        names: &[&Hostname],
+        method: &str,
+        target: &str,
+    ) -> RequestJudgement {
+        match &self.requests {
+            None => RequestJudgement::default(),
+            Some(r) => r.judge(&self.policy.allow, &self.policy.deny, names, method, target),
+        }
+    }
+
+    /// The rule that needs the requests of a flow with this evidence
+    /// (enforced ones only, or any with `audit`).
+    fn needs_requests(&self, flow: &Flow<'_>, audit: bool) -> Option<RuleRef> {
+        let r = self.requests.as_deref()?;
+        let names = flow.attributed.iter().chain(flow.sni).chain(flow.host);
+        r.needs_requests(&self.policy.allow, &self.policy.deny, names, audit)
     }
 
     pub fn policy(&self) -> &Policy {
@@ -189,6 +270,14 @@ impl CompiledPolicy {
         }
         let terminating =
             flow.protocol == Protocol::Tls && self.policy.tls_interception == TlsInterception::On;
+        // Requests are seen on plain HTTP and terminated TLS, never on
+        // spliced or opaque bytes: rules that need them cannot hold there.
+        let seen = flow.protocol == Protocol::Http || terminating;
+        if !seen {
+            if let Some(r) = self.needs_requests(flow, false) {
+                return Verdict::Deny(Denied::Unseen(r));
+            }
+        }
         if terminating {
             if let (Some(sni), Some(host)) = (flow.sni, flow.host) {
                 if sni != host {
@@ -196,7 +285,7 @@ impl CompiledPolicy {
                 }
             }
         }
-        let allowed = match self.allowed(flow, &addrs, terminating) {
+        let allowed = match self.allowed(flow, &addrs, terminating, seen) {
             Ok(a) => a,
             Err(gap) => return Verdict::Deny(Denied::NotAllowed(gap)),
         };
@@ -213,11 +302,16 @@ impl CompiledPolicy {
         flow: &Flow<'_>,
         addrs: &Addrs,
         terminating: bool,
+        seen: bool,
     ) -> Result<Allowed, AttributionGap> {
-        if let Some(r) = self.allow.lookup_addr(addrs) {
+        let allow = match &self.allow_unseen {
+            Some(unseen) if !seen => unseen,
+            _ => &self.allow,
+        };
+        if let Some(r) = allow.lookup_addr(addrs) {
             return Ok(Allowed::Address(r));
         }
-        let names = &self.allow.names;
+        let names = &allow.names;
         let attributed_allowed = names.lookup_any(flow.attributed);
         let claim = match flow.protocol {
             Protocol::Tls => flow.sni,
@@ -258,8 +352,20 @@ impl CompiledPolicy {
         })
     }
 
-    /// Step 5: splice an exempted stream, else terminate it.
+    /// Step 5: splice an exempted stream, else terminate it; a stream to a
+    /// name with per-request rules or credentials is terminated all the
+    /// same, since those need its requests.
     fn exemption(&self, flow: &Flow<'_>, addrs: &Addrs, allowed: Allowed) -> Verdict {
+        let verdict = self.exempt_or_not(flow, addrs, allowed);
+        if let Verdict::Splice(allowed, _) = verdict {
+            if let Some(r) = self.needs_requests(flow, true) {
+                return Verdict::Intercept(allowed, Intercepted::RequestRules(r));
+            }
+        }
+        verdict
+    }
+
+    fn exempt_or_not(&self, flow: &Flow<'_>, addrs: &Addrs, allowed: Allowed) -> Verdict {
         if let Allowed::VerifiedName(_) = allowed {
             // Only termination verifies the claim; splicing would trust it.
             return Verdict::Intercept(allowed, Intercepted::NeedsVerification);
@@ -293,15 +399,42 @@ impl CompiledPolicy {
         }
     }
 
-    /// The destination a rule index refers to, for reasons and logs.
-    pub(crate) fn rule(&self, list: RuleList, idx: RuleIdx) -> Option<&Destination> {
-        let list = match list {
-            RuleList::Platform => &self.platform.list,
-            RuleList::Deny => &self.policy.deny,
-            RuleList::Allow => &self.policy.allow,
-            RuleList::Exemption => &self.policy.tls_interception_exemptions,
+    /// The entry a rule index refers to, for reasons and logs.
+    pub(crate) fn rule(&self, list: RuleList, idx: RuleIdx) -> Option<String> {
+        let i = usize::try_from(idx).ok()?;
+        let text = match list {
+            RuleList::Platform => self.platform.list.get(i)?.to_string(),
+            RuleList::Deny => self.policy.deny.get(i)?.to_string(),
+            RuleList::Allow => self.policy.allow.get(i)?.to_string(),
+            RuleList::Exemption => self.policy.tls_interception_exemptions.get(i)?.to_string(),
+            RuleList::Credential => format!("credential {:?}", self.credentials.get(i)?),
         };
-        list.get(usize::try_from(idx).ok()?)
+        Some(text)
+    }
+
+    /// The entry `r` refers to, readable (`deny[0] domain a.test http POST /x`).
+    pub fn describe_rule(&self, r: RuleRef) -> String {
+        let (list, idx) = match r {
+            RuleRef::Allow(i) => (RuleList::Allow, i),
+            RuleRef::Deny(i) => (RuleList::Deny, i),
+            RuleRef::Credential(i) => (RuleList::Credential, i),
+        };
+        match self.rule(list, idx) {
+            Some(text) => format!("{} {text}", r.label()),
+            None => r.label(),
+        }
+    }
+
+    /// The readable reason for a refused request.
+    pub fn describe_request(&self, d: &RequestDenial) -> String {
+        let why = match d.code {
+            RequestCode::HttpDeny => "denied by",
+            RequestCode::HttpNotAllowed => {
+                "not covered by the qualified allow entries of its name, first"
+            }
+            RequestCode::AmbiguousPath => "the path reads two ways, and a rule needs it:",
+        };
+        format!("{why} {}", self.describe_rule(d.rule))
     }
 }
 
@@ -312,6 +445,7 @@ pub(crate) enum RuleList {
     Deny,
     Allow,
     Exemption,
+    Credential,
 }
 
 #[cfg(test)]

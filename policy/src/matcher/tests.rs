@@ -555,8 +555,8 @@ fn arb_policy() -> impl Strategy<Value = Policy> {
         } else {
             DefaultAction::Deny
         },
-        allow: a,
-        deny: d,
+        allow: a.into_iter().map(Rule::from).collect(),
+        deny: d.into_iter().map(Rule::from).collect(),
         tls_interception: if on {
             TlsInterception::On
         } else {
@@ -641,9 +641,9 @@ proptest! {
     fn a_deny_always_beats_any_allow_or_exemption(mut policy in arb_policy(), f in arb_facts(), pick in 0usize..64, at in 0usize..8) {
         let deny = matching_deny(&f, pick);
         let at = at % (policy.deny.len() + 1);
-        policy.deny.insert(at, deny.clone());
+        policy.deny.insert(at, Rule::from(deny.clone()));
         // The same destination as an allow and an exemption, for good measure.
-        policy.allow.push(deny.clone());
+        policy.allow.push(Rule::from(deny.clone()));
         policy.tls_interception_exemptions.push(deny);
         let p = CompiledPolicy::new(policy, Arc::new(PlatformDenies::new(vec![])));
         let v = run(&p, &f);
@@ -678,4 +678,293 @@ proptest! {
             }
         }
     }
+}
+
+// === per-request rules ===
+
+/// Judges `method target` to `name` under `p`: `(deny, would_deny)` as `code rule`.
+fn request(p: &CompiledPolicy, name: &str, method: &str, target: &str) -> (String, String) {
+    let n = h(name);
+    let j = p.judge_request(&[&n], method, target);
+    let show = |d: Option<RequestDenial>| {
+        d.map_or_else(String::new, |d| {
+            format!("{} {}", d.code.as_str(), d.rule.label())
+        })
+    };
+    (show(j.deny), show(j.would_deny))
+}
+
+fn pass() -> (String, String) {
+    (String::new(), String::new())
+}
+
+fn denied(what: &str) -> (String, String) {
+    (what.to_owned(), String::new())
+}
+
+#[test]
+fn read_only_allows_reads_and_refuses_writes() {
+    let p = compile(
+        r#"{"allow": [{"domain": "github.test", "http": "read_only"}], "tls_interception": "on"}"#,
+    );
+    assert_eq!(request(&p, "github.test", "GET", "/a"), pass());
+    assert_eq!(request(&p, "github.test", "HEAD", "/"), pass());
+    assert_eq!(request(&p, "github.test", "OPTIONS", "*"), pass());
+    assert_eq!(
+        request(&p, "github.test", "POST", "/a"),
+        denied("http_not_allowed allow[0]")
+    );
+    assert_eq!(
+        request(&p, "github.test", "DELETE", "/a"),
+        denied("http_not_allowed allow[0]")
+    );
+    // A name with no qualified entry is not judged per request.
+    assert_eq!(request(&p, "other.test", "POST", "/a"), pass());
+}
+
+#[test]
+fn qualified_deny_cannot_be_dodged_by_the_path() {
+    let p = compile(
+        r#"{"allow": [{"domain": "github.test"}],
+            "deny": [{"domain": "github.test", "http": {"methods": ["POST"], "paths": ["/gists"]}}],
+            "tls_interception": "on"}"#,
+    );
+    for target in [
+        "/gists",
+        "/gists/",
+        "/gists/1",
+        "//gists",
+        "/./gists",
+        "/x/../gists",
+        "/x/%2e%2e/gists",
+        "/x/%2E%2E/gists",
+        "/%67ists",
+        "/gists?x=1",
+    ] {
+        assert_eq!(
+            request(&p, "github.test", "POST", target),
+            denied("http_deny deny[0]"),
+            "{target}"
+        );
+    }
+    for target in [
+        "/gists;x",
+        "/a%2f..%2fgists",
+        "/a\\..\\gists",
+        "/%252e%252e/gists",
+        "/a%zz",
+    ] {
+        assert_eq!(
+            request(&p, "github.test", "POST", target),
+            denied("ambiguous_path deny[0]"),
+            "{target}"
+        );
+    }
+    assert_eq!(request(&p, "github.test", "GET", "/gists"), pass());
+    assert_eq!(request(&p, "github.test", "POST", "/gistsx"), pass());
+    assert_eq!(request(&p, "github.test", "POST", "/repos"), pass());
+    // A method the deny does not cover never needs the path.
+    assert_eq!(request(&p, "github.test", "GET", "/gists;x"), pass());
+    // The flow itself is allowed: a qualified deny denies requests.
+    assert!(matches!(
+        decide(
+            &p,
+            &tls("198.51.100.7:443")
+                .sni("github.test")
+                .dns(&["github.test"])
+        ),
+        Verdict::Intercept(..)
+    ));
+}
+
+#[test]
+fn path_globs_and_methods_select_requests() {
+    let p = compile(
+        r#"{"allow": [{"domain": "api.test", "http": {"methods": ["GET"], "paths": ["/repos/*/issues"]}},
+                      {"domain": "api.test", "http": {"methods": ["POST"], "paths": ["/repos/*/issues/*/comments"]}}],
+            "tls_interception": "on"}"#,
+    );
+    assert_eq!(request(&p, "api.test", "GET", "/repos/a/issues"), pass());
+    assert_eq!(request(&p, "api.test", "GET", "/repos/a/issues/3"), pass());
+    assert_eq!(
+        request(&p, "api.test", "POST", "/repos/a/issues/3/comments"),
+        pass()
+    );
+    assert_eq!(
+        request(&p, "api.test", "POST", "/repos/a/issues"),
+        denied("http_not_allowed allow[0]")
+    );
+    assert_eq!(
+        request(&p, "api.test", "GET", "/repos/a/pulls"),
+        denied("http_not_allowed allow[0]")
+    );
+    assert_eq!(
+        request(&p, "api.test", "GET", "/repos/a%2fb/issues"),
+        denied("ambiguous_path allow[0]")
+    );
+}
+
+#[test]
+fn audit_rules_pass_and_say_what_they_would_deny() {
+    let p = compile(
+        r#"{"allow": [{"domain": "github.test", "http": "read_only", "mode": "audit"}],
+            "deny": [{"domain": "github.test", "http": {"paths": ["/admin"]}, "mode": "audit"}],
+            "tls_interception": "on"}"#,
+    );
+    assert_eq!(request(&p, "github.test", "GET", "/a"), pass());
+    assert_eq!(
+        request(&p, "github.test", "POST", "/a"),
+        (String::new(), "http_not_allowed allow[0]".into())
+    );
+    assert_eq!(
+        request(&p, "github.test", "GET", "/admin/x"),
+        (String::new(), "http_deny deny[0]".into())
+    );
+    // Audited entries never change a flow: no denial, and the audited
+    // allow lets a spliced flow out as an unqualified one would.
+    let off =
+        compile(r#"{"allow": [{"domain": "github.test", "http": "read_only", "mode": "audit"}]}"#);
+    assert!(matches!(
+        decide(
+            &off,
+            &tls("198.51.100.7:443")
+                .sni("github.test")
+                .dns(&["github.test"])
+        ),
+        Verdict::Splice(Allowed::AttributedName(0), Spliced::InterceptionOff)
+    ));
+}
+
+#[test]
+fn the_most_specific_level_decides() {
+    let p = compile(
+        r#"{"allow": [{"wildcard_domain": "*.github.test"}, {"domain": "api.github.test", "http": "read_only"},
+                      {"domain": "raw.github.test", "http": "read_only"}, {"domain": "raw.github.test"}],
+            "default": "allow", "tls_interception": "on"}"#,
+    );
+    assert_eq!(
+        request(&p, "api.github.test", "POST", "/"),
+        denied("http_not_allowed allow[1]")
+    );
+    assert_eq!(request(&p, "www.github.test", "POST", "/"), pass());
+    // An unqualified entry at the same level opens the name.
+    assert_eq!(request(&p, "raw.github.test", "POST", "/"), pass());
+    // Default allow does not open a name its entries restrict.
+    let d = compile(
+        r#"{"default": "allow", "allow": [{"domain": "github.test", "http": "read_only"}], "tls_interception": "on"}"#,
+    );
+    assert_eq!(
+        request(&d, "github.test", "PUT", "/"),
+        denied("http_not_allowed allow[0]")
+    );
+}
+
+#[test]
+fn flows_whose_requests_cannot_be_seen_are_denied_or_terminated() {
+    let ro = r#"{"domain": "github.test", "http": "read_only"}"#;
+    // Interception off: the requests would pass unseen, so the flow is denied.
+    let off = compile(&format!(r#"{{"default": "allow", "allow": [{ro}]}}"#));
+    let to_github = tls("198.51.100.7:443")
+        .sni("github.test")
+        .dns(&["github.test"]);
+    let v = decide(&off, &to_github);
+    assert_eq!(v, Verdict::Deny(Denied::Unseen(RuleRef::Allow(0))));
+    assert_eq!(v.code(), "needs_interception");
+    assert!(
+        v.describe(&off)
+            .contains("allow[0] domain github.test http read_only"),
+        "{}",
+        v.describe(&off)
+    );
+    // Opaque bytes to the name likewise, even with interception on.
+    let on = compile(&format!(
+        r#"{{"allow": [{ro}, {{"domain": "other.test"}}], "tls_interception": "on",
+            "tls_interception_exemptions": [{{"domain": "github.test"}}, {{"cidr": "198.51.100.0/24"}}]}}"#
+    ));
+    assert_eq!(
+        decide(&on, &opaque("198.51.100.7:443").dns(&["github.test"])),
+        Verdict::Deny(Denied::Unseen(RuleRef::Allow(0)))
+    );
+    // An exemption would splice: terminated instead, and explain says why.
+    let v = decide(&on, &to_github);
+    assert_eq!(
+        v,
+        Verdict::Intercept(
+            Allowed::AttributedName(0),
+            Intercepted::RequestRules(RuleRef::Allow(0))
+        )
+    );
+    assert_eq!(v.code(), "request_rules");
+    // Plain HTTP is seen: allowed, judged per request.
+    assert!(matches!(
+        decide(
+            &on,
+            &http("198.51.100.7:443")
+                .host("github.test")
+                .dns(&["github.test"])
+        ),
+        Verdict::Allow(_)
+    ));
+    // Other names under the same exemption still splice.
+    assert!(matches!(
+        decide(
+            &on,
+            &tls("198.51.100.8:443")
+                .sni("other.test")
+                .dns(&["other.test"])
+        ),
+        Verdict::Splice(..)
+    ));
+    // A qualified deny with interception off denies the flow it cannot judge.
+    let deny = compile(
+        r#"{"default": "allow", "deny": [{"domain": "github.test", "http": {"methods": ["POST"]}}]}"#,
+    );
+    assert_eq!(
+        decide(&deny, &to_github),
+        Verdict::Deny(Denied::Unseen(RuleRef::Deny(0)))
+    );
+}
+
+#[test]
+fn credential_hosts_are_never_spliced() {
+    let policy = Policy::from_json(
+        r#"{"allow": [{"wildcard_domain": "*.test"}], "tls_interception": "on",
+            "tls_interception_exemptions": [{"wildcard_domain": "*.test"}]}"#,
+    )
+    .expect("valid");
+    let hosts = [Destination::Domain(h("api.github.test"))];
+    let p = CompiledPolicy::with_credentials(
+        policy,
+        Arc::new(PlatformDenies::builtin()),
+        [("github", hosts.iter().collect())],
+    );
+    let v = decide(
+        &p,
+        &tls("198.51.100.7:443")
+            .sni("api.github.test")
+            .dns(&["api.github.test"]),
+    );
+    assert_eq!(
+        v,
+        Verdict::Intercept(
+            Allowed::AttributedName(0),
+            Intercepted::RequestRules(RuleRef::Credential(0))
+        )
+    );
+    assert!(
+        v.describe(&p).contains("credential \"github\""),
+        "{}",
+        v.describe(&p)
+    );
+    assert!(matches!(
+        decide(
+            &p,
+            &tls("198.51.100.8:443")
+                .sni("www.other.test")
+                .dns(&["www.other.test"])
+        ),
+        Verdict::Splice(..)
+    ));
+    // Credentials never change what a request may do.
+    assert_eq!(request(&p, "api.github.test", "POST", "/"), pass());
 }

@@ -6,7 +6,7 @@
 //! the flow log and the explain API.
 
 use super::ipset::RuleIdx;
-use super::{CompiledPolicy, RuleList};
+use super::{CompiledPolicy, RuleList, RuleRef};
 
 /// What happens to a flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +32,9 @@ pub enum Denied {
     Misdirected,
     /// No allow rule matched and the default is deny.
     NotAllowed(AttributionGap),
+    /// The flow's requests cannot be seen (spliced with interception off,
+    /// or not HTTP), and a rule or credential for its name needs them.
+    Unseen(RuleRef),
 }
 
 /// Why a flow was allowed.
@@ -67,6 +70,9 @@ pub enum Intercepted {
     NoAttribution(AttributionGap),
     /// The flow is allowed only by its SNI/Host claim, which termination verifies.
     NeedsVerification,
+    /// An exemption would splice it, but per-request rules or credentials
+    /// for its name need its requests.
+    RequestRules(RuleRef),
 }
 
 /// Why name evidence was missing or did not fit.
@@ -106,6 +112,8 @@ impl Verdict {
         "exempt",
         "not_exempt",
         "needs_verification",
+        "needs_interception",
+        "request_rules",
     ];
 
     /// `deny`, `allow`, `splice` or `intercept`.
@@ -122,12 +130,23 @@ impl Verdict {
         matches!(self, Self::Deny(_))
     }
 
+    /// The index of the entry that denied, in its list (platform, `deny`,
+    /// `allow` or the credentials), when an entry did.
+    pub fn deny_rule(&self) -> Option<RuleIdx> {
+        match self {
+            Self::Deny(Denied::Platform(r) | Denied::Tenant(r)) => Some(*r),
+            Self::Deny(Denied::Unseen(r)) => Some(r.index()),
+            _ => None,
+        }
+    }
+
     /// A bounded reason label for metrics and logs.
     pub fn code(&self) -> &'static str {
         match self {
             Self::Deny(Denied::Platform(_)) => "platform_deny",
             Self::Deny(Denied::Tenant(_)) => "tenant_deny",
             Self::Deny(Denied::Misdirected) => "misdirected",
+            Self::Deny(Denied::Unseen(_)) => "needs_interception",
             Self::Deny(Denied::NotAllowed(gap)) => match gap {
                 AttributionGap::NoMatch => "no_allow_match",
                 g => g.code(),
@@ -138,6 +157,7 @@ impl Verdict {
             Self::Intercept(_, Intercepted::NotExempt) => "not_exempt",
             Self::Intercept(_, Intercepted::NoAttribution(gap)) => gap.code(),
             Self::Intercept(_, Intercepted::NeedsVerification) => "needs_verification",
+            Self::Intercept(_, Intercepted::RequestRules(_)) => "request_rules",
         }
     }
 
@@ -146,7 +166,7 @@ impl Verdict {
         let rule = |list, idx| {
             policy
                 .rule(list, idx)
-                .map_or_else(|| format!("rule #{idx}"), ToString::to_string)
+                .unwrap_or_else(|| format!("rule #{idx}"))
         };
         match *self {
             Self::Deny(Denied::Platform(r)) => {
@@ -156,6 +176,10 @@ impl Verdict {
             Self::Deny(Denied::Misdirected) => {
                 "misdirected: Host does not match the TLS server name".into()
             }
+            Self::Deny(Denied::Unseen(r)) => format!(
+                "{} needs the requests, which this flow does not show (TLS interception off, or not HTTP)",
+                policy.describe_rule(r)
+            ),
             Self::Deny(Denied::NotAllowed(gap)) => match gap {
                 AttributionGap::NoMatch => "no allow rule matches and the default is deny".into(),
                 g => format!("no allow rule matches: {}", g.describe()),
@@ -168,6 +192,11 @@ impl Verdict {
                 "{}; exempt from interception by {}",
                 a.describe(policy),
                 rule(RuleList::Exemption, r)
+            ),
+            Self::Intercept(a, Intercepted::RequestRules(r)) => format!(
+                "{}; intercepted, not spliced: {} needs the requests",
+                a.describe(policy),
+                policy.describe_rule(r)
             ),
             Self::Intercept(a, why) => {
                 format!("{}; intercepted: {}", a.describe(policy), why.describe())
@@ -190,7 +219,7 @@ impl Allowed {
         let rule = |idx| {
             policy
                 .rule(RuleList::Allow, idx)
-                .map_or_else(|| format!("rule #{idx}"), ToString::to_string)
+                .unwrap_or_else(|| format!("rule #{idx}"))
         };
         match *self {
             Self::Address(r) => format!("allowed by {}", rule(r)),
@@ -211,6 +240,7 @@ impl Intercepted {
             Self::NeedsVerification => {
                 "allowed only by the server name, which termination verifies".into()
             }
+            Self::RequestRules(r) => format!("{} needs the requests", r.label()),
         }
     }
 }
@@ -269,6 +299,11 @@ mod tests {
             Verdict::Splice(Allowed::Default, Spliced::Exempt(0)),
             Verdict::Intercept(Allowed::Default, Intercepted::NotExempt),
             Verdict::Intercept(Allowed::Default, Intercepted::NeedsVerification),
+            Verdict::Deny(Denied::Unseen(RuleRef::Allow(0))),
+            Verdict::Intercept(
+                Allowed::Default,
+                Intercepted::RequestRules(RuleRef::Deny(0)),
+            ),
         ];
         all.extend(gaps.map(|g| Verdict::Deny(Denied::NotAllowed(g))));
         all.extend(

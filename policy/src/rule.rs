@@ -1,0 +1,228 @@
+//! An entry of a tenant's `allow` or `deny` list: a destination, and for a
+//! domain or wildcard optionally an `http` qualifier and its `mode`.
+//!
+//! ```json
+//! {"domain": "github.com", "http": "read_only"}
+//! {"wildcard_domain": "*.github.com", "http": {"methods": ["POST"], "paths": ["/gists"]}, "mode": "audit"}
+//! ```
+//!
+//! An entry without `http` is exactly the destination it names, as before.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::ser::{SerializeMap, Serializer};
+use serde::{Deserialize, Serialize};
+
+use crate::dest::{Destination, DestinationError, Kind, ALL_KINDS};
+use crate::http::{HttpMatch, Mode};
+
+/// One allow or deny entry.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Rule {
+    pub dest: Destination,
+    /// Which requests the entry covers; `None`: the whole destination.
+    pub http: Option<HttpMatch>,
+    /// Enforced or audited; only a qualified entry may be audited.
+    pub mode: Mode,
+}
+
+impl Rule {
+    /// Whether the entry has a qualifier that is enforced.
+    pub fn enforced_http(&self) -> bool {
+        self.http.is_some() && self.mode == Mode::Enforce
+    }
+}
+
+impl From<Destination> for Rule {
+    fn from(dest: Destination) -> Self {
+        Self {
+            dest,
+            http: None,
+            mode: Mode::Enforce,
+        }
+    }
+}
+
+impl PartialEq<Destination> for Rule {
+    fn eq(&self, other: &Destination) -> bool {
+        self.http.is_none() && self.dest == *other
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.dest, f)?;
+        if let Some(http) = &self.http {
+            write!(f, " http {http}")?;
+        }
+        if self.mode == Mode::Audit {
+            f.write_str(" (audit)")?;
+        }
+        Ok(())
+    }
+}
+
+impl Serialize for Rule {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let len = 1 + usize::from(self.http.is_some()) + usize::from(self.mode == Mode::Audit);
+        let mut map = s.serialize_map(Some(len))?;
+        map.serialize_entry(self.dest.kind().as_str(), &self.dest.value())?;
+        if let Some(http) = &self.http {
+            map.serialize_entry("http", http)?;
+        }
+        if self.mode == Mode::Audit {
+            map.serialize_entry("mode", &self.mode)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Rule {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(RuleVisitor)
+    }
+}
+
+struct RuleVisitor;
+
+impl<'de> Visitor<'de> for RuleVisitor {
+    type Value = Rule;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "an object with exactly one of {ALL_KINDS}, and optionally http and mode"
+        )
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Rule, A::Error> {
+        let shape = || {
+            de::Error::custom(DestinationError::Shape {
+                expected: ALL_KINDS,
+            })
+        };
+        let mut dest: Option<(Kind, String)> = None;
+        let mut http: Option<HttpMatch> = None;
+        let mut mode: Option<Mode> = None;
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "http" if http.is_some() => {
+                    return Err(de::Error::custom(DestinationError::DuplicateKey { key }))
+                }
+                "http" => http = Some(map.next_value()?),
+                "mode" if mode.is_some() => {
+                    return Err(de::Error::custom(DestinationError::DuplicateKey { key }))
+                }
+                "mode" => mode = Some(map.next_value()?),
+                _ => {
+                    let Some(kind) = Kind::from_key(&key) else {
+                        return Err(de::Error::custom(DestinationError::UnsupportedSelector {
+                            selector: key,
+                            expected: ALL_KINDS,
+                        }));
+                    };
+                    match &dest {
+                        Some((k, _)) if *k == kind => {
+                            return Err(de::Error::custom(DestinationError::DuplicateKey { key }))
+                        }
+                        Some(_) => return Err(shape()),
+                        None => dest = Some((kind, map.next_value()?)),
+                    }
+                }
+            }
+        }
+        let (kind, value) = dest.ok_or_else(shape)?;
+        let dest = Destination::parse(kind, &value).map_err(de::Error::custom)?;
+        if http.is_some() && !dest.is_name() {
+            return Err(de::Error::custom(format_args!(
+                "http applies to domain and wildcard_domain entries, not {kind} {value:?}: \
+                 a request is qualified by the name it is for"
+            )));
+        }
+        if mode.is_some() && http.is_none() {
+            return Err(de::Error::custom(
+                "mode applies only to an entry with http: a whole destination is always enforced",
+            ));
+        }
+        Ok(Rule {
+            dest,
+            http,
+            mode: mode.unwrap_or_default(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_entries_are_destinations() {
+        let r: Rule = serde_json::from_str(r#"{"domain": "API.example.test."}"#).expect("valid");
+        assert_eq!(r.http, None);
+        assert_eq!(
+            serde_json::to_string(&r).expect("ser"),
+            r#"{"domain":"api.example.test"}"#
+        );
+    }
+
+    #[test]
+    fn qualified_entries_round_trip() {
+        let text = r#"{"mode":"audit","http":{"methods":["POST"],"paths":["/gists"]},"wildcard_domain":"*.github.test"}"#;
+        let r: Rule = serde_json::from_str(text).expect("valid");
+        assert_eq!(r.mode, Mode::Audit);
+        assert_eq!(
+            r.to_string(),
+            "wildcard_domain *.github.test http POST /gists (audit)"
+        );
+        let out = serde_json::to_value(&r).expect("ser");
+        assert_eq!(
+            out,
+            serde_json::json!({"wildcard_domain": "*.github.test", "http": {"methods": ["POST"], "paths": ["/gists"]}, "mode": "audit"})
+        );
+        let ro: Rule = serde_json::from_str(r#"{"domain": "github.test", "http": "read_only"}"#)
+            .expect("valid");
+        assert!(ro.enforced_http());
+    }
+
+    #[test]
+    fn errors_name_the_value() {
+        for (text, needle) in [
+            (
+                r#"{"ip": "203.0.113.1", "http": "read_only"}"#,
+                "not ip \"203.0.113.1\"",
+            ),
+            (
+                r#"{"domain": "a.test", "mode": "audit"}"#,
+                "mode applies only to an entry with http",
+            ),
+            (
+                r#"{"domain": "a.test", "http": "read_only", "http": "read_only"}"#,
+                "duplicate key \"http\"",
+            ),
+            (
+                r#"{"domain": "a.test", "mode": "warn", "http": "read_only"}"#,
+                "unknown variant `warn`",
+            ),
+            (
+                r#"{"domain": "a.test", "domain": "b.test"}"#,
+                "duplicate key \"domain\"",
+            ),
+            (
+                r#"{"domain": "a.test", "ip": "203.0.113.1"}"#,
+                "exactly one of",
+            ),
+            (r#"{"http": "read_only"}"#, "exactly one of"),
+            (
+                r#"{"domain": "a.test", "port": 443}"#,
+                "unsupported selector \"port\"",
+            ),
+        ] {
+            let e = serde_json::from_str::<Rule>(text)
+                .expect_err(text)
+                .to_string();
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+    }
+}
