@@ -31,7 +31,8 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 use crate::commit::{Change, Committer, NotApplied};
-use crate::decide::{decide, explained, Claims};
+use crate::credentials::{self, Credential};
+use crate::decide::{decide, explained, explained_request, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
 use crate::state::Dataplane;
@@ -116,6 +117,8 @@ pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
 pub(crate) struct PutSandbox {
     pub(crate) addresses: Vec<IpAddr>,
     pub(crate) policy: Policy,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) credentials: Vec<Credential>,
 }
 
 /// `PUT /v1/sandboxes`'s JSON body.
@@ -137,6 +140,12 @@ pub(crate) struct Explain {
     pub(crate) sni: Option<String>,
     #[serde(default)]
     pub(crate) host: Option<String>,
+    /// A request on the flow, judged by the per-request rules: its method…
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) method: Option<String>,
+    /// …and its target (`/path?query`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) path: Option<String>,
 }
 
 pub(crate) type Reply = Response<Full<Bytes>>;
@@ -293,8 +302,16 @@ fn valid_id(id: &str) -> Result<(), String> {
 
 async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     let sid = SandboxId::new(&id);
+    if let Err(e) =
+        credentials::validate(&doc.credentials).and_then(|()| ctl.dp.secrets.load(&doc.credentials))
+    {
+        return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some("credentials")));
+    }
     // Compiling the policy is the costly part: done here, concurrently.
-    let sandbox = ctl.dp.registry.prepare(sid, doc.addresses, doc.policy);
+    let sandbox = ctl
+        .dp
+        .registry
+        .prepare_with(sid, doc.addresses, doc.policy, doc.credentials);
     match ctl.committer.submit(Change::Put(sandbox.clone())).await {
         Ok(()) => {
             applied(ctl);
@@ -321,10 +338,18 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
     if let Err((msg, field)) = resync_ids(&docs) {
         return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
     }
+    for (i, d) in docs.iter().enumerate() {
+        if let Err(e) =
+            credentials::validate(&d.credentials).and_then(|()| ctl.dp.secrets.load(&d.credentials))
+        {
+            let field = format!("sandboxes[{i}].credentials");
+            return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some(&field)));
+        }
+    }
     let n = docs.len();
-    let prepared = persist::entries(docs)
+    let prepared = docs
         .into_iter()
-        .map(|(id, addresses, policy)| ctl.dp.registry.prepare(id, addresses, policy))
+        .map(|d| d.prepare(&ctl.dp.registry))
         .collect();
     match ctl.committer.submit(Change::Replace(prepared)).await {
         Ok(()) => {
@@ -413,12 +438,36 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
             )
         }
     };
+    let request = match (e.method.as_deref(), e.path.as_deref()) {
+        (None, None) => None,
+        (Some(m), Some(p)) if http::Method::from_bytes(m.as_bytes()).is_ok() => Some((m, p)),
+        (Some(m), Some(_)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid method {m:?}"),
+                Some("method"),
+            )
+        }
+        (Some(_), None) | (None, Some(_)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "a request needs both method and path",
+                Some(if e.method.is_some() { "path" } else { "method" }),
+            )
+        }
+    };
     let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
     let decided = decide(&ctl.dp.cache, &sandbox.id, &sandbox.policy, &claims);
-    json_reply(
-        StatusCode::OK,
-        &explained(&decided.verdict, &sandbox.policy, &decided.lookup.names()),
-    )
+    let names = decided.lookup.names();
+    let mut v = explained(&decided.verdict, &sandbox.policy, &names);
+    if let Some((method, path)) = request {
+        if !decided.verdict.is_deny() {
+            // On a terminated flow the request's name is its Host, which must be the SNI.
+            let name = host.as_ref().or(sni.as_ref());
+            v["request"] = explained_request(&sandbox.policy, e.tls, name, &names, method, path);
+        }
+    }
+    json_reply(StatusCode::OK, &v)
 }
 
 fn attribution(ctl: &Control, id: &str) -> Reply {
@@ -444,7 +493,11 @@ fn attribution(ctl: &Control, id: &str) -> Reply {
 }
 
 fn sandbox_json(s: &SandboxDoc) -> Value {
-    json!({ "id": s.id, "addresses": s.addresses, "policy": s.policy })
+    let mut v = json!({ "id": s.id, "addresses": s.addresses, "policy": s.policy });
+    if !s.credentials.is_empty() {
+        v["credentials"] = json!(s.credentials);
+    }
+    v
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -91,3 +91,55 @@ pub fn explained(verdict: &Verdict, policy: &CompiledPolicy, attributed: &[Hostn
         "attributed": attributed.iter().map(ToString::to_string).collect::<Vec<_>>(),
     })
 }
+
+/// The names a request is judged by per-request rules on: its own name
+/// alone where the origin's certificate verifies it (terminated TLS), and
+/// every name the address may be where it is only a claim (plain HTTP) or
+/// absent (an address for authority).
+pub fn request_names<'a>(
+    tls: bool,
+    host: Option<&'a Hostname>,
+    attributed: &'a [Hostname],
+) -> Vec<&'a Hostname> {
+    let mut names: Vec<&Hostname> = host.into_iter().collect();
+    if !tls || host.is_none() {
+        names.extend(attributed.iter().filter(|n| Some(*n) != host));
+    }
+    names
+}
+
+/// The explain answer for one request on a flow that is let through:
+/// `allow` or `deny` with the code, the rule's index and text, and what an
+/// audited rule would have refused.
+pub fn explained_request(
+    policy: &CompiledPolicy,
+    tls: bool,
+    host: Option<&Hostname>,
+    attributed: &[Hostname],
+    method: &str,
+    target: &str,
+) -> Value {
+    let names = request_names(tls, host, attributed);
+    let judged = policy.judge_request(&names, method, target);
+    let show = |d: &egress_policy::RequestDenial| {
+        json!({
+            "reason": d.code.as_str(),
+            "rule": d.rule.index(),
+            "detail": policy.describe_request(d),
+        })
+    };
+    let mut v = match &judged.deny {
+        Some(d) => {
+            let mut v = show(d);
+            v["verdict"] = json!("deny");
+            v
+        }
+        None => json!({"verdict": "allow"}),
+    };
+    v["method"] = json!(method);
+    v["path"] = json!(target);
+    if let Some(w) = &judged.would_deny {
+        v["would_deny"] = show(w);
+    }
+    v
+}

@@ -32,6 +32,16 @@ pub struct FlowRecord {
     /// Requests served on an intercepted flow.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requests: Option<u64>,
+    /// Requests refused with 403 on a flow that was let through.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub denied_requests: Option<u64>,
+    /// The first of them: `<code> <rule>: <method> <path>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_denied: Option<String>,
+    /// The first request an audited rule would have refused (it was let
+    /// through): `<code> <rule>: <method> <path>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub would_deny: Option<String>,
 }
 
 /// Where flow lines go.

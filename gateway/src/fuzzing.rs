@@ -111,8 +111,14 @@ fn registry() -> Registry {
 
 fn put_sandbox(text: &str) -> Result<String, String> {
     let doc: PutSandbox = egress_policy::from_json(text).map_err(|e| e.to_string())?;
+    crate::credentials::validate(&doc.credentials)?;
     let registry = registry();
-    let sandbox = registry.prepare(SandboxId::new("fuzz"), doc.addresses, doc.policy);
+    let sandbox = registry.prepare_with(
+        SandboxId::new("fuzz"),
+        doc.addresses,
+        doc.policy,
+        doc.credentials,
+    );
     registry
         .put_prepared(sandbox.clone())
         .map_err(|e| e.to_string())?;
@@ -120,6 +126,7 @@ fn put_sandbox(text: &str) -> Result<String, String> {
     let normal = PutSandbox {
         addresses: stored.addresses,
         policy: stored.policy,
+        credentials: stored.credentials,
     };
     to_json(&normal)
 }
@@ -129,10 +136,10 @@ fn put_sandbox(text: &str) -> Result<String, String> {
 fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
     crate::admin::resync_ids(&docs).map_err(|(msg, field)| format!("{field}: {msg}"))?;
     let registry = registry();
-    let prepared: Vec<_> = crate::persist::entries(docs)
-        .into_iter()
-        .map(|(id, addresses, policy)| registry.prepare(id, addresses, policy))
-        .collect();
+    for d in &docs {
+        crate::credentials::validate(&d.credentials)?;
+    }
+    let prepared: Vec<_> = docs.into_iter().map(|d| d.prepare(&registry)).collect();
     let stored: Vec<SandboxDoc> = prepared.iter().map(|s| SandboxDoc::from(&**s)).collect();
     registry
         .replace_prepared(prepared)
@@ -182,9 +189,17 @@ fn explain(text: &str) -> Result<String, String> {
     let id = SandboxId::new(&e.sandbox);
     let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
     let decided = decide(&cache, &id, policy, &claims);
-    let reply = explained(&decided.verdict, policy, &decided.lookup.names());
+    let names = decided.lookup.names();
+    let reply = explained(&decided.verdict, policy, &names);
     if !reply["verdict"].is_string() || !reply["reason"].is_string() {
         return Err(format!("an explanation without verdict or reason: {reply}"));
+    }
+    if let (Some(method), Some(path)) = (&e.method, &e.path) {
+        let name = host.as_ref().or(sni.as_ref());
+        let request = crate::decide::explained_request(policy, e.tls, name, &names, method, path);
+        if !request["verdict"].is_string() {
+            return Err(format!("a request explanation without verdict: {request}"));
+        }
     }
     // The normal form: what explain judged, each claim as the dataplane reads it.
     let normal = Explain {
@@ -193,6 +208,8 @@ fn explain(text: &str) -> Result<String, String> {
         tls: e.tls,
         sni: sni.map(|s| s.to_string()),
         host: host.map(|h| h.to_string()),
+        method: e.method,
+        path: e.path,
     };
     to_json(&normal)
 }
@@ -204,8 +221,12 @@ fn explain_policy() -> &'static CompiledPolicy {
         let doc = r#"{
             "default": "deny",
             "allow": [{"domain": "api.example.test"}, {"wildcard_domain": "*.cdn.example.test"},
-                      {"ip": "8.8.8.8"}, {"cidr": "198.51.100.0/24"}],
-            "deny": [{"cidr": "198.51.100.128/25"}, {"domain": "bad.example.test"}],
+                      {"ip": "8.8.8.8"}, {"cidr": "198.51.100.0/24"},
+                      {"domain": "ro.example.test", "http": "read_only"},
+                      {"wildcard_domain": "*.api.example.test", "http": {"methods": ["GET"], "paths": ["/repos/*/issues"]}}],
+            "deny": [{"cidr": "198.51.100.128/25"}, {"domain": "bad.example.test"},
+                     {"domain": "api.example.test", "http": {"methods": ["POST"], "paths": ["/gists"]}},
+                     {"domain": "api.example.test", "http": {"paths": ["/admin"]}, "mode": "audit"}],
             "tls_interception": "on",
             "tls_interception_exemptions": [{"domain": "pinned.example.test"}]
         }"#;

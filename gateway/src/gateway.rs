@@ -156,6 +156,7 @@ impl Gateway {
         let dp = Arc::new(Dataplane::new(
             config, registry, cache, flow_log, metrics, orig_dst,
         ));
+        dp.reload_secrets();
         let mut gateway = Self {
             dp,
             up,

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use egress_policy::{Denied, Hostname, Protocol, Verdict};
+use dns_attrib::Lookup;
+use egress_policy::{Denied, Hostname, Protocol, RequestDenial, Verdict};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
@@ -20,12 +21,14 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::authority::{self, Authority, AuthorityError, Target};
-use crate::decide::{decide, Claims};
+use crate::credentials;
+use crate::decide::{decide, request_names, Claims};
 use crate::fault::{Fault, Side};
 use crate::io::{quiet_for, Counted, Counts, Rewind};
+use crate::metrics::CodeLabels;
 use crate::pool::{Body, PoolKey, Sender};
 use crate::registry::Sandbox;
-use crate::reply::text;
+use crate::reply::{text, Denial};
 use crate::state::Dataplane;
 use crate::upstream::{server_tls, ForwardError, Upstreams};
 
@@ -37,6 +40,12 @@ pub(crate) struct Served {
     pub(crate) bytes_down: u64,
     /// The last request's host.
     pub(crate) host: Option<String>,
+    /// Requests refused with 403 (the flow itself was let through).
+    pub(crate) denied_requests: u64,
+    /// The first refused request: `<code> <rule>: <method> <path>`.
+    pub(crate) request_denied: Option<String>,
+    /// The first request an audited rule would have refused, likewise.
+    pub(crate) would_deny: Option<String>,
     /// Why the flow ended badly, if it did (`tls_handshake`, `non_http`, …).
     pub(crate) error: Option<String>,
 }
@@ -60,6 +69,11 @@ struct Conn {
     host: Mutex<Option<String>>,
     /// Why the last refused request was refused (`400`), for the flow log.
     refused: Mutex<Option<String>>,
+    denied_requests: AtomicU64,
+    /// The first request refused by policy, and the first an audit rule
+    /// would have refused, for the flow log.
+    request_denied: Mutex<Option<String>>,
+    would_deny: Mutex<Option<String>>,
     /// The upstream connection this client connection uses, and what it was verified as.
     upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
 }
@@ -234,6 +248,9 @@ impl Conn {
             requests: AtomicU64::new(0),
             host: Mutex::new(None),
             refused: Mutex::new(None),
+            denied_requests: AtomicU64::new(0),
+            request_denied: Mutex::new(None),
+            would_deny: Mutex::new(None),
             upstream: tokio::sync::Mutex::new(None),
         })
     }
@@ -243,6 +260,17 @@ impl Conn {
         Served {
             requests: self.requests.load(Ordering::Relaxed),
             host: self.host.lock().map(|h| h.clone()).unwrap_or_default(),
+            denied_requests: self.denied_requests.load(Ordering::Relaxed),
+            request_denied: self
+                .request_denied
+                .lock()
+                .map(|h| h.clone())
+                .unwrap_or_default(),
+            would_deny: self
+                .would_deny
+                .lock()
+                .map(|h| h.clone())
+                .unwrap_or_default(),
             error,
             ..Served::default()
         }
@@ -257,8 +285,13 @@ impl Conn {
             Err(Refused::Misdirected) => return misdirected(),
         };
         let host = authority.name();
-        if let Some(denied) = self.judge(host) {
-            return denied;
+        let lookup = match self.judge(host) {
+            Ok(lookup) => lookup,
+            Err(None) => return misdirected(),
+            Err(Some(denial)) => return refused_after_body(req, denial).await,
+        };
+        if let Err(denial) = self.per_request(&mut req, host, &lookup) {
+            return refused_after_body(req, denial).await;
         }
         // The name the origin's certificate must carry (none: its address).
         let verify_as = self.sni.as_ref().or(host);
@@ -313,8 +346,9 @@ impl Conn {
     }
 
     /// Decides this request (an IP-literal authority names no domain: `host`
-    /// is `None`); the answer when it is denied.
-    fn judge(&self, host: Option<&Hostname>) -> Option<Response<Body>> {
+    /// is `None`): the attribution it was judged on, or why it is denied
+    /// (`None`: misdirected).
+    fn judge(&self, host: Option<&Hostname>) -> Result<Lookup, Option<Denial>> {
         let claims = Claims {
             dst: self.dst,
             protocol: if self.tls {
@@ -325,23 +359,145 @@ impl Conn {
             sni: self.sni.as_ref(),
             host,
         };
-        let verdict = decide(
+        let decided = decide(
             &self.dp.cache,
             &self.sandbox.id,
             &self.sandbox.policy,
             &claims,
-        )
-        .verdict;
+        );
+        let verdict = decided.verdict;
         match verdict {
-            Verdict::Deny(Denied::Misdirected) => Some(misdirected()),
+            Verdict::Deny(Denied::Misdirected) => Err(None),
             Verdict::Deny(_) => {
-                let reason = verdict.describe(&self.sandbox.policy);
-                Some(text(
-                    StatusCode::FORBIDDEN,
-                    &format!("egress denied: {reason}\n"),
-                ))
+                self.note_denied(verdict.code(), || {
+                    let host = host.map_or_else(|| "-".to_owned(), ToString::to_string);
+                    format!("{} (the request's host {host})", verdict.code())
+                });
+                Err(Some(Denial {
+                    status: StatusCode::FORBIDDEN,
+                    code: verdict.code(),
+                    rule: verdict.deny_rule(),
+                    detail: verdict.describe(&self.sandbox.policy),
+                }))
             }
-            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => None,
+            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => Ok(decided.lookup),
+        }
+    }
+
+    /// The per-request rules and the credentials, for a request its flow's
+    /// policy lets through: refused, or let through with the credentials
+    /// of its host in place of their placeholders.
+    fn per_request(
+        &self,
+        req: &mut Request<Incoming>,
+        host: Option<&Hostname>,
+        lookup: &Lookup,
+    ) -> Result<(), Denial> {
+        let policy = &self.sandbox.policy;
+        if !policy.has_request_rules() {
+            return Ok(());
+        }
+        let target = req
+            .uri()
+            .path_and_query()
+            .map_or_else(|| req.uri().path(), |pq| pq.as_str())
+            .to_owned();
+        let method = req.method().clone();
+        let method = method.as_str();
+        // The request's name counts alone where the origin's certificate
+        // verifies it; plain HTTP's Host is a claim, so every name the
+        // address may be is judged too.
+        let attributed = lookup.names();
+        let names = request_names(self.tls, host, &attributed);
+        let judged = policy.judge_request(&names, method, &target);
+        let show = |d: &RequestDenial| {
+            let path = target.split('?').next().unwrap_or("");
+            let path: String = path.chars().take(256).collect();
+            format!("{} {}: {method} {path}", d.code.as_str(), d.rule.label())
+        };
+        if let Some(w) = &judged.would_deny {
+            self.dp
+                .metrics
+                .requests_would_deny
+                .get_or_create(&CodeLabels {
+                    code: w.code.as_str(),
+                })
+                .inc();
+            if let Ok(mut slot) = self.would_deny.lock() {
+                slot.get_or_insert_with(|| show(w));
+            }
+        }
+        if let Some(d) = &judged.deny {
+            self.note_denied(d.code.as_str(), || show(d));
+            return Err(Denial {
+                status: StatusCode::FORBIDDEN,
+                code: d.code.as_str(),
+                rule: Some(d.rule.index()),
+                detail: policy.describe_request(d),
+            });
+        }
+        if self.sandbox.credentials.is_empty() {
+            return Ok(());
+        }
+        let verified = host.filter(|_| self.tls);
+        match credentials::apply(
+            &self.sandbox.credentials,
+            &self.dp.secrets,
+            verified,
+            &target,
+            req.headers_mut(),
+        ) {
+            Ok(applied) => {
+                self.dp
+                    .metrics
+                    .credentials_injected
+                    .inc_by(applied.injected as u64);
+                Ok(())
+            }
+            Err(refused) => {
+                let code = refused.why.code();
+                let name = &self.sandbox.credentials[refused.index].name;
+                let rule = u32::try_from(refused.index).unwrap_or(u32::MAX);
+                self.note_denied(code, || {
+                    format!("{code} credentials[{rule}] {name:?}: {method}")
+                });
+                let detail = match refused.why {
+                    credentials::Refusal::HostMismatch => {
+                        format!("the placeholder of credential {name:?} is only for its hosts")
+                    }
+                    credentials::Refusal::Required => format!(
+                        "requests to these hosts must carry credential {name:?}'s placeholder"
+                    ),
+                    credentials::Refusal::Unavailable => {
+                        format!("the value of credential {name:?} cannot be read by the gateway")
+                    }
+                };
+                let status = match refused.why {
+                    credentials::Refusal::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+                    _ => StatusCode::FORBIDDEN,
+                };
+                Err(Denial {
+                    status,
+                    code,
+                    rule: Some(rule),
+                    detail,
+                })
+            }
+        }
+    }
+
+    /// Counts a refused request, and keeps the first for the flow log.
+    fn note_denied(&self, code: &'static str, show: impl FnOnce() -> String) {
+        self.dp
+            .metrics
+            .requests_denied
+            .get_or_create(&CodeLabels { code })
+            .inc();
+        self.denied_requests.fetch_add(1, Ordering::Relaxed);
+        if self.dp.flow_log.enabled() {
+            if let Ok(mut slot) = self.request_denied.lock() {
+                slot.get_or_insert_with(show);
+            }
         }
     }
 
@@ -484,6 +640,15 @@ impl Conn {
             )
             .await
     }
+}
+
+/// Answers a refused request once its body is read (up to 64 KiB, for at
+/// most a second), so an HTTP/2 client gets the answer rather than a reset
+/// stream; a larger or slower body is not waited for.
+async fn refused_after_body(req: Request<Incoming>, denial: Denial) -> Response<Body> {
+    let body = http_body_util::Limited::new(req.into_body(), 64 * 1024);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), body.collect()).await;
+    denial.response()
 }
 
 fn is_upgrade(req: &Request<Incoming>) -> bool {

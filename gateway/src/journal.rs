@@ -208,8 +208,9 @@ pub fn recover(
                     path: journal.path.clone(),
                     message: format!("record {}: {e}", r.seq),
                 })?;
+                let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, doc.credentials);
                 registry
-                    .put(id, doc.addresses, doc.policy)
+                    .put_prepared(sandbox)
                     .map_err(|e| PersistError::Corrupt {
                         path: journal.path.clone(),
                         message: format!("record {}: {e}", r.seq),

@@ -7,6 +7,7 @@ pub mod authority;
 pub mod cli;
 mod commit;
 pub mod config;
+pub mod credentials;
 pub mod decide;
 mod fault;
 mod flow;

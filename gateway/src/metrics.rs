@@ -37,6 +37,11 @@ pub(crate) struct OutcomeLabels {
     pub(crate) outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct CodeLabels {
+    pub(crate) code: &'static str,
+}
+
 /// The gateway's own instruments.
 pub(crate) struct Metrics {
     registry: Registry,
@@ -49,6 +54,12 @@ pub(crate) struct Metrics {
     pub(crate) pushes: Family<OutcomeLabels, Counter>,
     faults: Family<FaultLabels, Counter>,
     pub(crate) over_limit: Counter,
+    /// Requests refused on a flow that was let through, by code.
+    pub(crate) requests_denied: Family<CodeLabels, Counter>,
+    /// Requests an audited rule would have refused, by code.
+    pub(crate) requests_would_deny: Family<CodeLabels, Counter>,
+    /// Credential values put in place of a placeholder.
+    pub(crate) credentials_injected: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -83,6 +94,9 @@ impl Metrics {
             pushes: Family::default(),
             faults: Family::default(),
             over_limit: Counter::default(),
+            requests_denied: Family::default(),
+            requests_would_deny: Family::default(),
+            credentials_injected: Counter::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -130,6 +144,30 @@ impl Metrics {
             "Failures after the verdict, by whose fault (side: client, upstream, gateway) and kind",
             m.faults.clone(),
         );
+        r.register(
+            "requests_denied",
+            "Requests refused with 403 on a flow that was let through (per-request rules, credentials, the request's own authority), by code",
+            m.requests_denied.clone(),
+        );
+        r.register(
+            "requests_would_deny",
+            "Requests an audited per-request rule would have refused; they were let through",
+            m.requests_would_deny.clone(),
+        );
+        r.register(
+            "credentials_injected",
+            "Host-bound credential values put in place of a placeholder (or added) on requests to their hosts",
+            m.credentials_injected.clone(),
+        );
+        for code in egress_policy::RequestCode::CODES
+            .iter()
+            .chain(crate::credentials::Refusal::CODES)
+        {
+            let _ = m.requests_denied.get_or_create(&CodeLabels { code });
+        }
+        for code in egress_policy::RequestCode::CODES {
+            let _ = m.requests_would_deny.get_or_create(&CodeLabels { code });
+        }
         for f in crate::fault::ALL {
             let _ = m.faults.get_or_create(&FaultLabels {
                 side: f.side.as_str(),

@@ -6,11 +6,13 @@
 use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use egress_policy::Policy;
 use egress_policy::SandboxId;
 use serde::{Deserialize, Serialize};
 
+use crate::credentials::Credential;
 use crate::registry::{Registry, Sandbox};
 
 /// The file name under `state_dir`.
@@ -34,6 +36,10 @@ pub struct SandboxDoc {
     pub id: String,
     pub addresses: Vec<IpAddr>,
     pub policy: Policy,
+    /// Host-bound credentials: references to where the gateway reads each
+    /// value, never a value.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub credentials: Vec<Credential>,
 }
 
 impl From<&Sandbox> for SandboxDoc {
@@ -42,7 +48,21 @@ impl From<&Sandbox> for SandboxDoc {
             id: s.id.to_string(),
             addresses: s.addresses.clone(),
             policy: s.policy.policy().clone(),
+            credentials: s.credentials.clone(),
         }
+    }
+}
+
+impl SandboxDoc {
+    /// Compiles the document for the registry (the id is taken as it is:
+    /// callers check it where it comes from outside).
+    pub fn prepare(self, registry: &Registry) -> Arc<Sandbox> {
+        registry.prepare_with(
+            SandboxId::new(&self.id),
+            self.addresses,
+            self.policy,
+            self.credentials,
+        )
     }
 }
 
@@ -124,13 +144,6 @@ pub(crate) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io:
     std::fs::File::open(dir)?.sync_all()
 }
 
-/// Sandbox documents as registry entries.
-pub fn entries(docs: Vec<SandboxDoc>) -> Vec<(SandboxId, Vec<IpAddr>, Policy)> {
-    docs.into_iter()
-        .map(|s| (SandboxId::new(&s.id), s.addresses, s.policy))
-        .collect()
-}
-
 /// Applies a loaded snapshot to the registry.
 pub fn apply(
     registry: &Registry,
@@ -138,8 +151,13 @@ pub fn apply(
     state_dir: &Path,
 ) -> Result<usize, PersistError> {
     let n = doc.sandboxes.len();
+    let prepared = doc
+        .sandboxes
+        .into_iter()
+        .map(|d| d.prepare(registry))
+        .collect();
     registry
-        .replace_all(entries(doc.sandboxes))
+        .replace_prepared(prepared)
         .map_err(|e| PersistError::Corrupt {
             path: path(state_dir),
             message: e.to_string(),

@@ -14,12 +14,16 @@ use dns_attrib::{Admit, QueryAdmission};
 use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
 
-/// One sandbox: its addresses and its compiled effective policy.
+use crate::credentials::Credential;
+
+/// One sandbox: its addresses, its compiled effective policy, and its
+/// host-bound credentials (references only; the values are in `Secrets`).
 #[derive(Debug)]
 pub struct Sandbox {
     pub id: SandboxId,
     pub addresses: Vec<IpAddr>,
     pub policy: CompiledPolicy,
+    pub credentials: Vec<Credential>,
 }
 
 /// Why a change was refused.
@@ -118,7 +122,18 @@ impl Registry {
     /// Compiles a sandbox for [`Registry::put_prepared`]: the costly part of
     /// a push, done before (and outside) the serialised swap.
     pub fn prepare(&self, id: SandboxId, addresses: Vec<IpAddr>, policy: Policy) -> Arc<Sandbox> {
-        Arc::new(self.compile(id, addresses, policy))
+        self.prepare_with(id, addresses, policy, Vec::new())
+    }
+
+    /// [`Registry::prepare`] for a sandbox with credentials.
+    pub fn prepare_with(
+        &self,
+        id: SandboxId,
+        addresses: Vec<IpAddr>,
+        policy: Policy,
+        credentials: Vec<Credential>,
+    ) -> Arc<Sandbox> {
+        Arc::new(self.compile(id, addresses, policy, credentials))
     }
 
     /// Adds or replaces a prepared sandbox.
@@ -138,7 +153,7 @@ impl Registry {
     ) -> Result<(), RegistryError> {
         let compiled = sandboxes
             .into_iter()
-            .map(|(id, addrs, policy)| self.prepare(id, addrs, policy))
+            .map(|(id, addrs, policy)| self.prepare_with(id, addrs, policy, Vec::new()))
             .collect();
         self.replace_prepared(compiled)
     }
@@ -202,11 +217,23 @@ impl Registry {
         true
     }
 
-    fn compile(&self, id: SandboxId, addresses: Vec<IpAddr>, policy: Policy) -> Sandbox {
+    fn compile(
+        &self,
+        id: SandboxId,
+        addresses: Vec<IpAddr>,
+        policy: Policy,
+        credentials: Vec<Credential>,
+    ) -> Sandbox {
+        let hosts = credentials.iter().map(|c| {
+            let list = c.hosts.iter().map(|h| h.destination()).collect();
+            (c.name.as_str(), list)
+        });
+        let policy = CompiledPolicy::with_credentials(policy, self.platform.clone(), hosts);
         Sandbox {
             id,
             addresses: addresses.into_iter().map(canonical).collect(),
-            policy: CompiledPolicy::new(policy, self.platform.clone()),
+            policy,
+            credentials,
         }
     }
 }

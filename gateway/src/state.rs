@@ -29,6 +29,8 @@ pub struct Dataplane {
     pub(crate) orig_dst: Arc<dyn OriginalDst>,
     /// Serving (readiness): false before start and while draining.
     pub(crate) ready: AtomicBool,
+    /// The values of the sandboxes' host-bound credentials.
+    pub(crate) secrets: crate::credentials::Secrets,
 }
 
 impl Dataplane {
@@ -48,6 +50,20 @@ impl Dataplane {
             metrics,
             orig_dst,
             ready: AtomicBool::new(false),
+            secrets: crate::credentials::Secrets::default(),
+        }
+    }
+
+    /// Reads every registered sandbox's credential values again (start,
+    /// SIGHUP); logs the ones that cannot be read, by source, never a value.
+    pub fn reload_secrets(&self) {
+        let sandboxes = self.registry.all();
+        let sources = sandboxes
+            .iter()
+            .flat_map(|s| s.credentials.iter().map(|c| &c.source));
+        let failed = self.secrets.reload(sources);
+        for why in &failed {
+            tracing::error!(source = %why, "credential value unreadable: requests that need it are refused (credential_unavailable)");
         }
     }
 

@@ -37,6 +37,12 @@ pub const STALL_IP: &str = "203.0.113.61";
 static COUNTS: std::sync::LazyLock<std::sync::Mutex<HashMap<String, u64>>> =
     std::sync::LazyLock::new(|| std::sync::Mutex::new(HashMap::new()));
 
+/// What the origins received, one line per request (the last 10,000):
+/// `METHOD host path authorization=… x-api-key=…`; `GET /_seen` (plain
+/// HTTP, any address) returns them as a JSON array.
+static SEEN: std::sync::LazyLock<std::sync::Mutex<std::collections::VecDeque<String>>> =
+    std::sync::LazyLock::new(|| std::sync::Mutex::new(std::collections::VecDeque::new()));
+
 /// What the origin at `ip` does with a new connection.
 enum Behaviour {
     Serve,
@@ -355,9 +361,38 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
         let body = serde_json::to_string(&counts).unwrap_or_default();
         return hyper::Response::new(Full::new(Bytes::from(body)));
     }
+    if path == "/_seen" {
+        let seen: Vec<String> = SEEN
+            .lock()
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default();
+        let body = serde_json::to_string(&seen).unwrap_or_default();
+        return hyper::Response::new(Full::new(Bytes::from(body)));
+    }
     if let Ok(mut c) = COUNTS.lock() {
         let name = host.split(':').next().unwrap_or("").to_owned();
         *c.entry(name).or_insert(0) += 1;
+    }
+    if let Ok(mut seen) = SEEN.lock() {
+        let header = |name: &str| {
+            req.headers()
+                .get_all(name)
+                .iter()
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        if seen.len() >= 10_000 {
+            seen.pop_front();
+        }
+        seen.push_back(format!(
+            "{} {} {} authorization={} x-api-key={}",
+            req.method(),
+            host.split(':').next().unwrap_or(""),
+            req.uri().path(),
+            header("authorization"),
+            header("x-api-key"),
+        ));
     }
     if path == "/ws" && req.headers().contains_key(hyper::header::UPGRADE) {
         let on = hyper::upgrade::on(&mut req);

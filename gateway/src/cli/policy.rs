@@ -13,7 +13,7 @@ use egress_policy::{
 use serde_json::json;
 
 use super::output::{CliError, Output};
-use crate::decide::{explained, judge, Claims};
+use crate::decide::{explained, explained_request, judge, Claims};
 
 #[derive(Debug, Subcommand)]
 pub(super) enum PolicyCommand {
@@ -71,6 +71,12 @@ pub(super) struct ExplainArgs {
     /// A name the sandbox resolved to the destination IP through the reserved resolvers.
     #[arg(long, value_name = "NAME")]
     attributed: Vec<String>,
+    /// A request on the flow, judged by the per-request rules: its method (with --path).
+    #[arg(long, value_name = "METHOD", requires = "path")]
+    method: Option<String>,
+    /// The request's target, `/path?query` (with --method).
+    #[arg(long, value_name = "TARGET", requires = "method")]
+    path: Option<String>,
 }
 
 /// Reads an environment variable (injected so tests need not touch the process's).
@@ -239,6 +245,19 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     let verdict = judge(&compiled, &claims, &attributed, AttributionGap::NoDnsSeen);
     let mut json = explained(&verdict, &compiled, &attributed);
     json["sni"] = json!(sni);
+    if let (Some(method), Some(path)) = (&args.method, &args.path) {
+        if http::Method::from_bytes(method.as_bytes()).is_err() {
+            return Err(CliError::Arg {
+                flag: "--method",
+                message: format!("{method:?} is not an HTTP method"),
+            });
+        }
+        if !verdict.is_deny() {
+            let name = host.as_ref().or(sni.as_ref());
+            json["request"] =
+                explained_request(&compiled, args.tls, name, &attributed, method, path);
+        }
+    }
     Ok(Output {
         json,
         failed: false,

@@ -112,13 +112,16 @@ fn announce(gateway: &Gateway) {
     );
 }
 
-/// SIGHUP: read the configuration file again; a bad one keeps the running one.
+/// SIGHUP: read the credential values and the configuration file again; a
+/// bad configuration keeps the running one.
 async fn reload_on_sighup(
     mut hup: tokio::signal::unix::Signal,
     dp: Arc<crate::Dataplane>,
     path: Option<PathBuf>,
 ) {
     while hup.recv().await.is_some() {
+        dp.reload_secrets();
+        tracing::info!("SIGHUP: credential values read again");
         let Some(path) = &path else {
             tracing::info!("SIGHUP: running on built-in defaults, no configuration file to reload");
             continue;

@@ -84,13 +84,13 @@ pub(crate) async fn handle(
 /// (plain HTTP), a reset otherwise.
 async fn deny(stream: &mut TcpStream, claims: &Claims<'_>, verdict: &Verdict, accepted: &Accepted) {
     if claims.protocol == Protocol::Http {
-        let body = format!(
-            "egress denied: {}\n",
-            verdict.describe(&accepted.sandbox.policy)
-        );
-        let _ = stream
-            .write_all(&crate::reply::closing(http::StatusCode::FORBIDDEN, &body))
-            .await;
+        let denial = crate::reply::Denial {
+            status: http::StatusCode::FORBIDDEN,
+            code: verdict.code(),
+            rule: verdict.deny_rule(),
+            detail: verdict.describe(&accepted.sandbox.policy),
+        };
+        let _ = stream.write_all(&denial.closing()).await;
         let _ = stream.shutdown().await;
     } else {
         crate::io::reset(stream);

@@ -76,6 +76,9 @@ impl<'a> Record<'a> {
         self.line.bytes_up = out.bytes_up;
         self.line.bytes_down = out.bytes_down;
         self.line.requests = Some(out.requests);
+        self.line.denied_requests = (out.denied_requests > 0).then_some(out.denied_requests);
+        self.line.request_denied = out.request_denied;
+        self.line.would_deny = out.would_deny;
         if out.host.is_some() {
             self.line.host = out.host;
         }

@@ -114,7 +114,12 @@ mod tests {
     #[test]
     fn the_docs_explain_every_reason_code() {
         let doc = include_str!("../../../docs/reason-codes.md");
-        for code in Refusal::CODES.iter().chain(egress_policy::Verdict::CODES) {
+        let codes = Refusal::CODES
+            .iter()
+            .chain(egress_policy::Verdict::CODES)
+            .chain(egress_policy::RequestCode::CODES)
+            .chain(crate::credentials::Refusal::CODES);
+        for code in codes {
             assert!(
                 doc.contains(&format!("`{code}`")),
                 "docs/reason-codes.md lacks {code}"

@@ -9,6 +9,7 @@ fn doc(id: &str, addr: &str) -> SandboxDoc {
         id: id.into(),
         addresses: vec![addr.parse().expect("ip")],
         policy: Policy::from_json(r#"{"default": "allow"}"#).expect("policy"),
+        credentials: Vec::new(),
     }
 }
 
@@ -123,4 +124,35 @@ fn records_the_snapshot_covers_are_not_replayed() {
     let (_, seq, n) = recover(&r, dir.path()).expect("recover");
     assert_eq!((seq, n), (3, 1));
     assert!(r.get(&SandboxId::new("c")).is_some());
+}
+
+#[test]
+fn credentials_are_kept_as_references_and_recovered() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut d = doc("c", "100.64.0.3");
+    d.credentials = serde_json::from_str(
+        r#"[{"name": "gh", "placeholder": "EGRESS_PH_GH", "hosts": ["api.github.test"],
+             "inject": {"header": "authorization", "format": "token {value}"},
+             "source": {"env": "GH_TOKEN"}, "require": true}]"#,
+    )
+    .expect("credentials");
+    write(
+        dir.path(),
+        &[Record {
+            seq: 1,
+            change: Change::Put(d.clone()),
+        }],
+    );
+    let bytes = std::fs::read(dir.path().join(JOURNAL_FILE)).expect("journal");
+    let on_disk = String::from_utf8_lossy(&bytes);
+    assert!(
+        on_disk.contains(r#""source":{"env":"GH_TOKEN"}"#),
+        "{on_disk}"
+    );
+    let r = registry();
+    recover(&r, dir.path()).expect("recover");
+    let s = r.get(&SandboxId::new("c")).expect("recovered");
+    assert_eq!(s.credentials, d.credentials);
+    // Their hosts are never spliced: the compiled policy knows them.
+    assert!(s.policy.has_request_rules());
 }

@@ -8,5 +8,6 @@ mod controller;
 mod dual_stack;
 mod load;
 mod machine;
+mod requests;
 mod scenarios;
 mod topology;

@@ -64,6 +64,8 @@ pub struct Topology {
     /// The namespace standing in for a VM's QEMU process, when asked for.
     pub vm: Option<String>,
     pub dir: tempfile::TempDir,
+    /// Environment variables the next `start_gateway` gives the gateway.
+    pub gateway_env: Vec<(String, String)>,
     gateway: Option<Child>,
     internet: Option<Child>,
 }
@@ -118,6 +120,7 @@ impl Topology {
             inet: format!("egw-net-{tag}"),
             vm: with_vm.then(|| format!("egw-vm-{tag}")),
             dir,
+            gateway_env: Vec::new(),
             gateway: None,
             internet: None,
         };
@@ -395,6 +398,7 @@ impl Topology {
             .arg(bin("egress-gateway"))
             .args(["run", "--config"])
             .arg(self.path("gateway.toml"))
+            .envs(self.gateway_env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(self.path("gateway.log")).expect("log"))
             .spawn()

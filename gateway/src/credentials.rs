@@ -1,0 +1,607 @@
+//! Host-bound credentials: the sandbox holds a placeholder, the gateway the
+//! real value, and the value goes upstream only to the credential's hosts.
+//!
+//! ```json
+//! {"name": "github", "placeholder": "EGRESS_PLACEHOLDER_GITHUB",
+//!  "hosts": ["api.github.test", "*.github.test"],
+//!  "inject": {"header": "authorization", "format": "Bearer {value}"},
+//!  "source": {"file": "/run/secrets/github"}, "require": true}
+//! ```
+//!
+//! - The value is read by the gateway from its own side (a file, or its own
+//!   environment), when the sandbox is pushed or restored and again on
+//!   SIGHUP. The policy document and the snapshot carry only the reference.
+//! - On an intercepted request to one of `hosts` (the request's name, which
+//!   the gateway verifies in the origin's certificate), the placeholder is
+//!   replaced by the value in the configured header (`inject`, which also
+//!   adds the header when the sandbox sent none) or in every header
+//!   (`replace`).
+//! - A request that carries a placeholder (in a header or the request
+//!   target) anywhere else is refused `credential_host_mismatch`: the
+//!   placeholder is leaving for a host it is not for. Plain HTTP never gets
+//!   a value: nothing verifies its host, and the value would travel in clear.
+//! - `require`: a request to the hosts without the placeholder is refused
+//!   `credential_required`, so the sandbox cannot use a key of its own there.
+//! - The value never appears in logs, metrics, errors or explain output:
+//!   [`Secret`] has no `Debug` or `Display` that shows it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use egress_policy::{Destination, Hostname, Kind};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use serde::{Deserialize, Serialize};
+
+/// Most credentials per sandbox.
+pub const MAX_CREDENTIALS: usize = 32;
+/// Most hosts per credential.
+const MAX_HOSTS: usize = 64;
+/// Largest value read from a file or the environment.
+const MAX_VALUE: usize = 8 * 1024;
+/// Shortest placeholder: a short one could occur in ordinary text.
+const MIN_PLACEHOLDER: usize = 8;
+const MAX_PLACEHOLDER: usize = 256;
+
+/// One credential of a sandbox, as pushed (no value).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Credential {
+    pub name: String,
+    pub placeholder: String,
+    pub hosts: Vec<HostPattern>,
+    pub inject: Inject,
+    pub source: Source,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require: bool,
+}
+
+/// A host a credential is for: `api.github.test` or `*.github.test`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostPattern(Destination);
+
+/// Where the value goes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawInject", into = "RawInject")]
+pub enum Inject {
+    /// The placeholder is replaced in this header; the header is added
+    /// (`format` with `{value}`) when the sandbox sent none.
+    Header { header: HeaderName, format: String },
+    /// The placeholder is replaced in every header.
+    ReplaceHeaders,
+}
+
+/// Where the gateway reads the value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "RawSource", into = "RawSource")]
+pub enum Source {
+    File(PathBuf),
+    Env(String),
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInject {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    header: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    format: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    replace: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    file: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    env: Option<String>,
+}
+
+/// A credential's value. Shows as `<redacted>`, never as itself.
+#[derive(Clone)]
+pub struct Secret(Arc<[u8]>);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// Headers a credential may not be injected into: they frame or route the
+/// request, and the gateway sets or strips them itself.
+const FORBIDDEN_HEADERS: &[&str] = &[
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+];
+
+// === impl HostPattern ===
+
+impl HostPattern {
+    pub fn destination(&self) -> &Destination {
+        &self.0
+    }
+
+    pub fn matches(&self, name: &Hostname) -> bool {
+        match &self.0 {
+            Destination::Domain(d) => d == name,
+            Destination::WildcardDomain(w) => w.matches(name),
+            Destination::Ip(_) | Destination::Cidr(_) => false,
+        }
+    }
+}
+
+impl Serialize for HostPattern {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0.value())
+    }
+}
+
+impl<'de> Deserialize<'de> for HostPattern {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        let kind = if text.starts_with("*.") {
+            Kind::WildcardDomain
+        } else {
+            Kind::Domain
+        };
+        Destination::parse(kind, &text)
+            .map(Self)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+// === impl Inject / Source ===
+
+impl TryFrom<RawInject> for Inject {
+    type Error = String;
+    fn try_from(raw: RawInject) -> Result<Self, String> {
+        const SHAPE: &str = r#"expected {"header": "<name>", "format": "... {value} ..."} or {"replace": "headers"}"#;
+        match raw {
+            RawInject {
+                header: Some(header),
+                format: Some(format),
+                replace: None,
+            } => {
+                let name = HeaderName::from_bytes(header.as_bytes())
+                    .map_err(|_| format!("invalid header name {header:?}"))?;
+                if FORBIDDEN_HEADERS.contains(&name.as_str()) {
+                    return Err(format!(
+                        "header {header:?} frames or routes the request: a credential cannot go there"
+                    ));
+                }
+                if format.matches("{value}").count() != 1 {
+                    return Err(format!(
+                        "format {format:?} must contain {{value}} exactly once"
+                    ));
+                }
+                if HeaderValue::from_str(&format.replace("{value}", "")).is_err() {
+                    return Err(format!("format {format:?} is not a valid header value"));
+                }
+                Ok(Self::Header {
+                    header: name,
+                    format,
+                })
+            }
+            RawInject {
+                header: None,
+                format: None,
+                replace: Some(r),
+            } if r == "headers" => Ok(Self::ReplaceHeaders),
+            RawInject {
+                replace: Some(r), ..
+            } if r != "headers" => Err(format!("unknown replace {r:?}: {SHAPE}")),
+            _ => Err(SHAPE.to_owned()),
+        }
+    }
+}
+
+impl From<Inject> for RawInject {
+    fn from(i: Inject) -> Self {
+        match i {
+            Inject::Header { header, format } => Self {
+                header: Some(header.as_str().to_owned()),
+                format: Some(format),
+                replace: None,
+            },
+            Inject::ReplaceHeaders => Self {
+                header: None,
+                format: None,
+                replace: Some("headers".into()),
+            },
+        }
+    }
+}
+
+impl TryFrom<RawSource> for Source {
+    type Error = String;
+    fn try_from(raw: RawSource) -> Result<Self, String> {
+        match raw {
+            RawSource {
+                file: Some(path),
+                env: None,
+            } if path.is_absolute() => Ok(Self::File(path)),
+            RawSource {
+                file: Some(path),
+                env: None,
+            } => Err(format!("file {path:?} must be an absolute path")),
+            RawSource {
+                file: None,
+                env: Some(name),
+            } => {
+                let ok = name
+                    .bytes()
+                    .next()
+                    .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+                    && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                    && name.len() <= 128;
+                if ok {
+                    Ok(Self::Env(name))
+                } else {
+                    Err(format!("invalid environment variable name {name:?}"))
+                }
+            }
+            _ => Err(r#"expected {"file": "/path"} or {"env": "NAME"}"#.to_owned()),
+        }
+    }
+}
+
+impl From<Source> for RawSource {
+    fn from(s: Source) -> Self {
+        match s {
+            Source::File(p) => Self {
+                file: Some(p),
+                env: None,
+            },
+            Source::Env(n) => Self {
+                file: None,
+                env: Some(n),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::File(p) => write!(f, "file {:?}", p.display().to_string()),
+            Self::Env(n) => write!(f, "environment variable {n:?}"),
+        }
+    }
+}
+
+/// Checks a sandbox's credentials; the error names the field and the value
+/// (never a credential's value: the document does not hold one).
+pub fn validate(list: &[Credential]) -> Result<(), String> {
+    if list.len() > MAX_CREDENTIALS {
+        return Err(format!("credentials: more than {MAX_CREDENTIALS}"));
+    }
+    for (i, c) in list.iter().enumerate() {
+        let at = |field: &str| format!("credentials[{i}].{field}");
+        let name_ok = !c.name.is_empty()
+            && c.name.len() <= 64
+            && c.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !name_ok {
+            return Err(format!(
+                "{}: invalid name {:?}: 1 to 64 letters, digits, '-', '_' or '.'",
+                at("name"),
+                c.name
+            ));
+        }
+        let p = &c.placeholder;
+        let placeholder_ok = (MIN_PLACEHOLDER..=MAX_PLACEHOLDER).contains(&p.len())
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !placeholder_ok {
+            return Err(format!(
+                "{}: invalid placeholder {p:?}: {MIN_PLACEHOLDER} to {MAX_PLACEHOLDER} letters, digits, '-', '_' or '.'",
+                at("placeholder")
+            ));
+        }
+        if c.hosts.is_empty() || c.hosts.len() > MAX_HOSTS {
+            return Err(format!("{}: 1 to {MAX_HOSTS} hosts", at("hosts")));
+        }
+        for (j, other) in list.iter().enumerate().take(i) {
+            if other.name == c.name {
+                return Err(format!(
+                    "{}: name {:?} is also credentials[{j}]'s",
+                    at("name"),
+                    c.name
+                ));
+            }
+            if other.placeholder.contains(p.as_str()) || p.contains(other.placeholder.as_str()) {
+                return Err(format!(
+                    "{}: placeholder {p:?} overlaps credentials[{j}]'s {:?}: each must be distinct and neither inside the other",
+                    at("placeholder"),
+                    other.placeholder
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The values the gateway holds, by source. Read when a sandbox is pushed
+/// or restored, and again on SIGHUP.
+#[derive(Default)]
+pub struct Secrets {
+    values: ArcSwap<HashMap<Source, Secret>>,
+    write: std::sync::Mutex<()>,
+}
+
+impl fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Secrets")
+            .field("sources", &self.values.load().len())
+            .finish()
+    }
+}
+
+impl Secrets {
+    /// Reads the values of `list` (a push): the first that cannot be read
+    /// is the error, naming the credential and its source, and nothing is kept.
+    pub fn load(&self, list: &[Credential]) -> Result<(), String> {
+        let mut read = Vec::with_capacity(list.len());
+        for (i, c) in list.iter().enumerate() {
+            let value = read_source(&c.source)
+                .map_err(|e| format!("credentials[{i}].source: {} ({}): {e}", c.source, c.name))?;
+            read.push((c.source.clone(), value));
+        }
+        if read.is_empty() {
+            return Ok(());
+        }
+        let _w = self.lock();
+        let mut next = (**self.values.load()).clone();
+        next.extend(read);
+        self.values.store(Arc::new(next));
+        Ok(())
+    }
+
+    /// Reads every source again (SIGHUP): one that cannot be read is
+    /// dropped, and requests that need it are refused until it can be.
+    /// Returns the sources that failed, with why.
+    pub fn reload<'a>(&self, sources: impl IntoIterator<Item = &'a Source>) -> Vec<String> {
+        let _w = self.lock();
+        let mut next = HashMap::new();
+        let mut failed = Vec::new();
+        for s in sources {
+            if next.contains_key(s) {
+                continue;
+            }
+            match read_source(s) {
+                Ok(v) => {
+                    next.insert(s.clone(), v);
+                }
+                Err(e) => failed.push(format!("{s}: {e}")),
+            }
+        }
+        self.values.store(Arc::new(next));
+        failed
+    }
+
+    pub fn get(&self, source: &Source) -> Option<Secret> {
+        self.values.load().get(source).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.write
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Reads one value: a file's contents without its final line break, or an
+/// environment variable of this process. It must fit in a header.
+fn read_source(source: &Source) -> Result<Secret, String> {
+    let mut bytes = match source {
+        Source::File(path) => {
+            let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+            if meta.len() > MAX_VALUE as u64 {
+                return Err(format!("larger than {MAX_VALUE} bytes"));
+            }
+            std::fs::read(path).map_err(|e| e.to_string())?
+        }
+        Source::Env(name) => std::env::var_os(name)
+            .ok_or_else(|| "not set in the gateway's environment".to_owned())?
+            .into_encoded_bytes(),
+    };
+    if bytes.ends_with(b"\n") {
+        bytes.pop();
+        if bytes.ends_with(b"\r") {
+            bytes.pop();
+        }
+    }
+    if bytes.is_empty() {
+        return Err("empty".into());
+    }
+    if bytes.len() > MAX_VALUE {
+        return Err(format!("larger than {MAX_VALUE} bytes"));
+    }
+    if !bytes
+        .iter()
+        .all(|&b| (0x20..0x7f).contains(&b) || b == b'\t')
+    {
+        return Err("holds a byte a header value cannot carry (control or non-ASCII)".into());
+    }
+    Ok(Secret(bytes.into()))
+}
+
+/// Why a request was refused for a credential.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A placeholder is on its way to a host it is not for.
+    HostMismatch,
+    /// A request to the credential's hosts without its placeholder.
+    Required,
+    /// The value could not be read: nothing to put in the placeholder's place.
+    Unavailable,
+}
+
+impl Refusal {
+    pub const CODES: &'static [&'static str] = &[
+        "credential_host_mismatch",
+        "credential_required",
+        "credential_unavailable",
+    ];
+
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::HostMismatch => "credential_host_mismatch",
+            Self::Required => "credential_required",
+            Self::Unavailable => "credential_unavailable",
+        }
+    }
+}
+
+/// A request refused for credential `index`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refused {
+    pub why: Refusal,
+    pub index: usize,
+}
+
+/// What [`apply`] did: how many values went in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub injected: usize,
+}
+
+/// Applies a sandbox's credentials to one request's headers.
+///
+/// `host` is the request's name when the gateway verifies it in the
+/// origin's certificate (intercepted TLS), `None` otherwise (plain HTTP, or
+/// an address); `target` is the request target as sent. Nothing is changed
+/// when the request is refused.
+pub fn apply(
+    list: &[Credential],
+    secrets: &Secrets,
+    host: Option<&Hostname>,
+    target: &str,
+    headers: &mut HeaderMap,
+) -> Result<Applied, Refused> {
+    let carries = |c: &Credential, headers: &HeaderMap| {
+        headers
+            .values()
+            .any(|v| contains(v.as_bytes(), c.placeholder.as_bytes()))
+    };
+    let mut mine = Vec::new();
+    for (index, c) in list.iter().enumerate() {
+        let for_host = host.is_some_and(|h| c.hosts.iter().any(|p| p.matches(h)));
+        if for_host {
+            mine.push((index, c));
+        } else if target.contains(c.placeholder.as_str()) || carries(c, headers) {
+            return Err(Refused {
+                why: Refusal::HostMismatch,
+                index,
+            });
+        }
+    }
+    // Judge every credential of the host before changing anything.
+    let mut plan = Vec::with_capacity(mine.len());
+    for (index, c) in mine {
+        let refused = |why| Refused { why, index };
+        let present = match &c.inject {
+            Inject::Header { header, .. } => headers
+                .get_all(header)
+                .iter()
+                .any(|v| contains(v.as_bytes(), c.placeholder.as_bytes())),
+            Inject::ReplaceHeaders => carries(c, headers),
+        };
+        let absent =
+            matches!(&c.inject, Inject::Header { header, .. } if !headers.contains_key(header));
+        if !present && !absent {
+            if c.require {
+                return Err(refused(Refusal::Required));
+            }
+            continue;
+        }
+        let secret = secrets
+            .get(&c.source)
+            .ok_or_else(|| refused(Refusal::Unavailable))?;
+        plan.push((c, secret, absent));
+    }
+    let mut applied = Applied::default();
+    for (c, secret, absent) in plan {
+        match &c.inject {
+            Inject::Header { header, format } if absent => {
+                let mut value = Vec::with_capacity(format.len() + secret.0.len());
+                let (before, after) = format.split_once("{value}").unwrap_or((format, ""));
+                value.extend_from_slice(before.as_bytes());
+                value.extend_from_slice(&secret.0);
+                value.extend_from_slice(after.as_bytes());
+                if let Some(v) = sensitive(&value) {
+                    headers.insert(header.clone(), v);
+                }
+            }
+            Inject::Header { header, .. } => replace_in(headers, Some(header), c, &secret),
+            Inject::ReplaceHeaders => replace_in(headers, None, c, &secret),
+        }
+        applied.injected += 1;
+    }
+    Ok(applied)
+}
+
+/// Replaces the placeholder with the value in `only`'s values, or in every header's.
+fn replace_in(headers: &mut HeaderMap, only: Option<&HeaderName>, c: &Credential, secret: &Secret) {
+    let needle = c.placeholder.as_bytes();
+    let names: Vec<HeaderName> = match only {
+        Some(h) => vec![h.clone()],
+        None => headers.keys().cloned().collect(),
+    };
+    for name in names {
+        let values: Vec<HeaderValue> = headers.get_all(&name).iter().cloned().collect();
+        if !values.iter().any(|v| contains(v.as_bytes(), needle)) {
+            continue;
+        }
+        headers.remove(&name);
+        for v in values {
+            let replaced = replace_bytes(v.as_bytes(), needle, &secret.0);
+            match sensitive(&replaced) {
+                Some(nv) => headers.append(name.clone(), nv),
+                None => headers.append(name.clone(), v),
+            };
+        }
+    }
+}
+
+/// A header value never indexed by HPACK nor shown by `Debug`.
+fn sensitive(bytes: &[u8]) -> Option<HeaderValue> {
+    let mut v = HeaderValue::from_bytes(bytes).ok()?;
+    v.set_sensitive(true);
+    Some(v)
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+fn replace_bytes(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(hay.len() + with.len());
+    let mut i = 0;
+    while i < hay.len() {
+        if hay[i..].starts_with(needle) {
+            out.extend_from_slice(with);
+            i += needle.len();
+        } else {
+            out.push(hay[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

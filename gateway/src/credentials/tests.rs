@@ -1,0 +1,241 @@
+use super::*;
+
+const VALUE: &str = "ghp_real-value-0123456789";
+
+fn creds(json: &str) -> Vec<Credential> {
+    let list: Vec<Credential> = serde_json::from_str(json).expect(json);
+    validate(&list).expect("valid");
+    list
+}
+
+fn h(s: &str) -> Hostname {
+    Hostname::parse(s).expect(s)
+}
+
+/// A file holding the value, and secrets loaded from it.
+fn loaded(list: &[Credential]) -> Secrets {
+    let s = Secrets::default();
+    s.load(list).expect("readable");
+    s
+}
+
+fn value_file(dir: &tempfile::TempDir) -> String {
+    let p = dir.path().join("github");
+    std::fs::write(&p, format!("{VALUE}\n")).expect("write");
+    p.display().to_string()
+}
+
+fn github(path: &str, require: bool) -> Vec<Credential> {
+    creds(&format!(
+        r#"[{{"name": "github", "placeholder": "EGRESS_PH_GITHUB", "hosts": ["api.github.test", "*.githubusercontent.test"],
+             "inject": {{"header": "authorization", "format": "Bearer {{value}}"}},
+             "source": {{"file": "{path}"}}, "require": {require}}}]"#
+    ))
+}
+
+fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    let mut m = HeaderMap::new();
+    for (k, v) in pairs {
+        m.append(
+            HeaderName::from_bytes(k.as_bytes()).expect("name"),
+            HeaderValue::from_str(v).expect("value"),
+        );
+    }
+    m
+}
+
+#[test]
+fn the_value_replaces_the_placeholder_only_for_its_hosts() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let list = github(&value_file(&dir), false);
+    let secrets = loaded(&list);
+    let mut hs = headers(&[("authorization", "Bearer EGRESS_PH_GITHUB")]);
+    let out = apply(
+        &list,
+        &secrets,
+        Some(&h("api.github.test")),
+        "/user",
+        &mut hs,
+    );
+    assert_eq!(out, Ok(Applied { injected: 1 }));
+    assert_eq!(hs["authorization"], format!("Bearer {VALUE}").as_str());
+    assert!(hs["authorization"].is_sensitive());
+    // The header is added when the sandbox sent none.
+    let mut hs = headers(&[]);
+    apply(
+        &list,
+        &secrets,
+        Some(&h("raw.githubusercontent.test")),
+        "/",
+        &mut hs,
+    )
+    .expect("added");
+    assert_eq!(hs["authorization"], format!("Bearer {VALUE}").as_str());
+    // The placeholder to any other host, or over plain HTTP, is refused.
+    for (host, target, hdrs) in [
+        (
+            Some("evil.test"),
+            "/",
+            vec![("authorization", "Bearer EGRESS_PH_GITHUB")],
+        ),
+        (Some("evil.test"), "/?k=EGRESS_PH_GITHUB", vec![]),
+        (
+            Some("evil.test"),
+            "/",
+            vec![("x-note", "see EGRESS_PH_GITHUB here")],
+        ),
+        (
+            None,
+            "/",
+            vec![("authorization", "Bearer EGRESS_PH_GITHUB")],
+        ),
+    ] {
+        let mut hs = headers(&hdrs);
+        let before = hs.clone();
+        let out = apply(&list, &secrets, host.map(h).as_ref(), target, &mut hs);
+        assert_eq!(
+            out,
+            Err(Refused {
+                why: Refusal::HostMismatch,
+                index: 0
+            }),
+            "{host:?} {target} {hdrs:?}"
+        );
+        assert_eq!(hs, before, "nothing changes on a refusal");
+    }
+    // A request to another host without the placeholder is untouched.
+    let mut hs = headers(&[("authorization", "Bearer own")]);
+    assert_eq!(
+        apply(&list, &secrets, Some(&h("evil.test")), "/", &mut hs),
+        Ok(Applied::default())
+    );
+    assert_eq!(hs["authorization"], "Bearer own");
+}
+
+#[test]
+fn require_refuses_a_key_of_the_sandboxs_own() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let list = github(&value_file(&dir), true);
+    let secrets = loaded(&list);
+    let mut hs = headers(&[("authorization", "Bearer my-own-key")]);
+    assert_eq!(
+        apply(&list, &secrets, Some(&h("api.github.test")), "/", &mut hs),
+        Err(Refused {
+            why: Refusal::Required,
+            index: 0
+        })
+    );
+    let optional = github(&value_file(&dir), false);
+    let mut hs = headers(&[("authorization", "Bearer my-own-key")]);
+    assert_eq!(
+        apply(
+            &optional,
+            &secrets,
+            Some(&h("api.github.test")),
+            "/",
+            &mut hs
+        ),
+        Ok(Applied::default())
+    );
+}
+
+#[test]
+fn replace_mode_replaces_in_every_header_and_unreadable_values_refuse() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = value_file(&dir);
+    let list = creds(&format!(
+        r#"[{{"name": "k", "placeholder": "PH_KEY_0001", "hosts": ["api.test"],
+             "inject": {{"replace": "headers"}}, "source": {{"file": "{path}"}}}}]"#
+    ));
+    let secrets = loaded(&list);
+    let mut hs = headers(&[
+        ("x-api-key", "PH_KEY_0001"),
+        ("cookie", "a=1; k=PH_KEY_0001"),
+    ]);
+    apply(&list, &secrets, Some(&h("api.test")), "/", &mut hs).expect("replaced");
+    assert_eq!(hs["x-api-key"], VALUE);
+    assert_eq!(hs["cookie"], format!("a=1; k={VALUE}").as_str());
+    // SIGHUP after the file went away: the value is dropped, requests refused.
+    std::fs::remove_file(&path).expect("rm");
+    let failed = secrets.reload(list.iter().map(|c| &c.source));
+    assert_eq!(failed.len(), 1);
+    assert!(failed[0].contains(&path), "{failed:?}");
+    let mut hs = headers(&[("x-api-key", "PH_KEY_0001")]);
+    assert_eq!(
+        apply(&list, &secrets, Some(&h("api.test")), "/", &mut hs),
+        Err(Refused {
+            why: Refusal::Unavailable,
+            index: 0
+        })
+    );
+    // And a push that names an unreadable source is refused, naming it.
+    let e = Secrets::default().load(&list).expect_err("unreadable");
+    assert!(
+        e.starts_with("credentials[0].source: file") && e.contains(&path),
+        "{e}"
+    );
+}
+
+#[test]
+fn values_never_show() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let list = github(&value_file(&dir), false);
+    let secrets = loaded(&list);
+    let secret = secrets.get(&list[0].source).expect("loaded");
+    assert_eq!(format!("{secret:?}"), "<redacted>");
+    assert!(!format!("{secrets:?}").contains(VALUE));
+    let mut hs = headers(&[]);
+    apply(&list, &secrets, Some(&h("api.github.test")), "/", &mut hs).expect("added");
+    assert!(!format!("{hs:?}").contains(VALUE), "{hs:?}");
+}
+
+#[test]
+fn documents_are_checked_field_by_field() {
+    let ok = r#""name": "a", "hosts": ["a.test"], "inject": {"replace": "headers"}, "source": {"env": "A_KEY"}"#;
+    for (doc, needle) in [
+        (format!(r#"[{{"placeholder": "short", {ok}}}]"#), "credentials[0].placeholder: invalid placeholder \"short\""),
+        (
+            format!(r#"[{{"placeholder": "PH_000001", {ok}}}, {{"placeholder": "PH_0000012", {ok}}}]"#),
+            "credentials[1].name: name \"a\" is also credentials[0]'s",
+        ),
+        (
+            r#"[{"name": "a", "placeholder": "PH_000001", "hosts": [], "inject": {"replace": "headers"}, "source": {"env": "A"}}]"#.into(),
+            "credentials[0].hosts: 1 to 64 hosts",
+        ),
+    ] {
+        let list: Vec<Credential> = serde_json::from_str(&doc).expect(&doc);
+        let e = validate(&list).expect_err(&doc);
+        assert!(e.contains(needle), "{doc}: {e}");
+    }
+    for (doc, needle) in [
+        (
+            r#"{"header": "host", "format": "{value}"}"#,
+            "frames or routes",
+        ),
+        (
+            r#"{"header": "authorization", "format": "Bearer"}"#,
+            "{value} exactly once",
+        ),
+        (r#"{"replace": "body"}"#, "unknown replace \"body\""),
+        (r#"{"header": "authorization"}"#, "expected"),
+    ] {
+        let e = serde_json::from_str::<Inject>(doc)
+            .expect_err(doc)
+            .to_string();
+        assert!(e.contains(needle), "{doc}: {e}");
+    }
+    for (doc, needle) in [
+        (r#"{"file": "relative/path"}"#, "absolute path"),
+        (r#"{"env": "1BAD"}"#, "invalid environment variable name"),
+        (r#"{"file": "/a", "env": "A"}"#, "expected"),
+    ] {
+        let e = serde_json::from_str::<Source>(doc)
+            .expect_err(doc)
+            .to_string();
+        assert!(e.contains(needle), "{doc}: {e}");
+    }
+    let e = serde_json::from_str::<HostPattern>(r#""bad_host""#)
+        .expect_err("bad")
+        .to_string();
+    assert!(e.contains("bad_host"), "{e}");
+}
