@@ -152,5 +152,77 @@ fn bench_decide(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_decide);
+/// A host with 100 path rules (50 qualified allows, 50 qualified denies),
+/// and the per-request check of requests that match early, late and never.
+/// With `shared`, every pattern starts with the same segment (`/api/v{i}/…`),
+/// so the first-segment index narrows nothing and all 100 are checked.
+fn request_policy(shared: bool) -> CompiledPolicy {
+    let mut allow = Vec::new();
+    let mut deny = Vec::new();
+    let root = if shared { "/api" } else { "" };
+    for i in 0..50 {
+        allow.push(serde_json::json!({"domain": "api.example.test",
+            "http": {"methods": ["GET", "HEAD"], "paths": [format!("{root}/v{i}/repos/*/issues")]}}));
+        deny.push(serde_json::json!({"domain": "api.example.test",
+            "http": {"methods": ["POST"], "paths": [format!("{root}/v{i}/admin/*/keys")]}}));
+    }
+    let doc = serde_json::json!({"allow": allow, "deny": deny, "tls_interception": "on"});
+    let policy = Policy::from_json(&doc.to_string()).expect("valid");
+    CompiledPolicy::new(policy, Arc::new(PlatformDenies::builtin()))
+}
+
+fn bench_request(c: &mut Criterion) {
+    let p = request_policy(false);
+    let shared = request_policy(true);
+    let plain = CompiledPolicy::new(
+        Policy::from_json(
+            r#"{"allow": [{"domain": "api.example.test"}], "tls_interception": "on"}"#,
+        )
+        .expect("valid"),
+        Arc::new(PlatformDenies::builtin()),
+    );
+    let host = Hostname::parse("api.example.test").expect("valid");
+    let names = [&host];
+    let cases = [
+        ("match_first", "GET", "/v0/repos/a/issues/7"),
+        ("match_last", "GET", "/v49/repos/a/./b/../issues?state=open"),
+        ("deny_last", "POST", "/v49/admin/x/keys"),
+        ("no_match", "GET", "/elsewhere/a/b/c/d"),
+    ];
+    let mut group = c.benchmark_group("request_100_path_rules");
+    for (name, method, target) in cases {
+        let judged = p.judge_request(&names, method, target);
+        let expect_deny = name != "match_first" && name != "match_last";
+        assert_eq!(judged.deny.is_some(), expect_deny, "{name}: {judged:?}");
+        group.bench_function(name, |b| {
+            b.iter(|| p.judge_request(black_box(&names), black_box(method), black_box(target)))
+        });
+    }
+    for (name, method, target) in [
+        (
+            "shared_first_segment_match_last",
+            "GET",
+            "/api/v49/repos/a/issues/7",
+        ),
+        ("shared_first_segment_no_match", "GET", "/api/elsewhere/a/b"),
+    ] {
+        let judged = shared.judge_request(&names, method, target);
+        assert_eq!(
+            judged.deny.is_some(),
+            name.ends_with("no_match"),
+            "{name}: {judged:?}"
+        );
+        group.bench_function(name, |b| {
+            b.iter(|| shared.judge_request(black_box(&names), black_box(method), black_box(target)))
+        });
+    }
+    // The same request under a policy without qualifiers: what every
+    // request pays when no rule needs it.
+    group.bench_function("no_qualifiers", |b| {
+        b.iter(|| plain.judge_request(black_box(&names), "POST", black_box("/v49/admin/x/keys")))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_decide, bench_request);
 criterion_main!(benches);

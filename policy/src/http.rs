@@ -12,6 +12,7 @@
 //! an encoded `/`, `\`, `%` or control character, a raw `\` or `;`, a broken
 //! escape — has no normal form, and a rule that needs the path refuses it.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -118,6 +119,14 @@ impl HttpMatch {
                 (methods.is_empty() || methods.iter().any(|m| m == method))
                     && (paths.is_empty() || paths.iter().any(|p| p.covers(path)))
             }
+        }
+    }
+
+    /// The path patterns (none: any path).
+    pub fn paths(&self) -> &[PathPattern] {
+        match self {
+            Self::ReadOnly => &[],
+            Self::Requests { paths, .. } => paths,
         }
     }
 
@@ -308,6 +317,14 @@ impl PathPattern {
     pub fn as_str(&self) -> &str {
         &self.text
     }
+
+    /// The segments: `Some(literal)`, or `None` for `*`.
+    pub fn segments(&self) -> impl Iterator<Item = Option<&str>> {
+        self.segments.iter().map(|s| match s {
+            Segment::Literal(l) => Some(l.as_str()),
+            Segment::Any => None,
+        })
+    }
 }
 
 impl fmt::Display for PathPattern {
@@ -325,16 +342,25 @@ pub fn segments_of(normal: &str) -> impl Iterator<Item = &str> {
 /// unreserved characters percent-decoded, other escapes upper-cased,
 /// dot-segments resolved, empty segments dropped. `*` (asterisk-form) stays `*`.
 pub fn normalize(target: &str) -> Result<String, PathError> {
+    normal_path(target).map(Cow::into_owned)
+}
+
+/// [`normalize`], borrowing the target when its path is already normal
+/// (the common case: no escapes, no dot or empty segments).
+pub fn normal_path(target: &str) -> Result<Cow<'_, str>, PathError> {
     let path = target.split(['?', '#']).next().unwrap_or("");
     if path == "*" {
-        return Ok("*".to_owned());
+        return Ok(Cow::Borrowed(path));
     }
     if !path.starts_with('/') {
         return Err(PathError::NotAbsolute);
     }
+    if is_normal(path) {
+        return Ok(Cow::Borrowed(path));
+    }
     // Decode first, so an encoded dot is a dot when segments are resolved.
     let bytes = path.as_bytes();
-    let mut decoded = String::with_capacity(path.len());
+    let mut decoded: Vec<u8> = Vec::with_capacity(path.len());
     let mut i = 0;
     while i < bytes.len() {
         let b = bytes[i];
@@ -346,45 +372,65 @@ pub fn normalize(target: &str) -> Result<String, PathError> {
                 };
                 let v = hi << 4 | lo;
                 if v.is_ascii_alphanumeric() || b"-._~".contains(&v) {
-                    decoded.push(char::from(v));
+                    decoded.push(v);
                 } else if v == b'/' || v == b'\\' || v == b'%' || v < 0x20 || v == 0x7f {
                     return Err(PathError::EncodedDelimiter);
                 } else {
-                    decoded.push('%');
-                    decoded.push(char::from(b"0123456789ABCDEF"[usize::from(hi)]));
-                    decoded.push(char::from(b"0123456789ABCDEF"[usize::from(lo)]));
+                    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+                    decoded.extend_from_slice(&[b'%', HEX[usize::from(hi)], HEX[usize::from(lo)]]);
                 }
                 i += 3;
             }
             b'\\' | b';' => return Err(PathError::AmbiguousChar),
             _ if b < 0x20 || b == 0x7f => return Err(PathError::AmbiguousChar),
+            // Other bytes (multi-byte UTF-8 included) pass through as they are.
             _ => {
-                // Multi-byte UTF-8 passes through whole (the target is a &str).
-                let len = utf8_len(b);
-                decoded.push_str(&path[i..i + len]);
-                i += len;
+                decoded.push(b);
+                i += 1;
             }
         }
     }
-    let mut out: Vec<&str> = Vec::new();
-    for seg in decoded.split('/') {
+    // Resolve segments into one buffer: `..` cuts back to the previous `/`.
+    let mut normal: Vec<u8> = Vec::with_capacity(decoded.len() + 1);
+    for seg in decoded.split(|&c| c == b'/') {
         match seg {
-            "" | "." => {}
-            ".." => {
-                out.pop();
+            b"" | b"." => {}
+            b".." => {
+                let cut = normal.iter().rposition(|&c| c == b'/').unwrap_or(0);
+                normal.truncate(cut);
             }
-            s => out.push(s),
+            s => {
+                normal.push(b'/');
+                normal.extend_from_slice(s);
+            }
         }
     }
-    let mut normal = String::with_capacity(decoded.len());
-    if out.is_empty() {
-        normal.push('/');
+    if normal.is_empty() {
+        normal.push(b'/');
     }
-    for s in out {
-        normal.push('/');
-        normal.push_str(s);
+    // Only ASCII escapes were replaced, by ASCII: still UTF-8.
+    String::from_utf8(normal)
+        .map(Cow::Owned)
+        .map_err(|_| PathError::BadEscape)
+}
+
+/// Whether an absolute path is its own normal form: no escape, no
+/// character that reads two ways, no empty, `.` or `..` segment, no
+/// trailing `/` (except the root).
+fn is_normal(path: &str) -> bool {
+    let b = path.as_bytes();
+    if b.len() > 1 && b.ends_with(b"/") {
+        return false;
     }
-    Ok(normal)
+    if b.iter()
+        .any(|&c| matches!(c, b'%' | b'\\' | b';') || c < 0x20 || c == 0x7f)
+    {
+        return false;
+    }
+    path == "/"
+        || path[1..]
+            .split('/')
+            .all(|seg| !seg.is_empty() && seg != "." && seg != "..")
 }
 
 fn hex_val(b: u8) -> Option<u8> {
@@ -393,15 +439,6 @@ fn hex_val(b: u8) -> Option<u8> {
         b'a'..=b'f' => Some(b - b'a' + 10),
         b'A'..=b'F' => Some(b - b'A' + 10),
         _ => None,
-    }
-}
-
-fn utf8_len(first: u8) -> usize {
-    match first {
-        0xf0.. => 4,
-        0xe0.. => 3,
-        0xc0.. => 2,
-        _ => 1,
     }
 }
 
@@ -430,6 +467,32 @@ mod tests {
             ("*", "*"),
         ] {
             assert_eq!(normalize(raw).as_deref(), Ok(normal), "{raw}");
+        }
+    }
+
+    #[test]
+    fn the_fast_path_agrees_with_the_slow_one() {
+        for raw in [
+            "/", "/a", "/a/b", "/a/", "/a//b", "/./a", "/a/..", "/a/.b", "/a/..b", "/a%41", "/a b",
+        ] {
+            let fast = normal_path(raw).map(|c| matches!(c, Cow::Borrowed(_)));
+            let normal = normalize(raw).expect(raw);
+            assert_eq!(fast.is_ok_and(|b| b), normal == raw, "{raw}");
+        }
+    }
+
+    proptest::proptest! {
+        /// A normal path is its own normal form, has no dot or empty
+        /// segment, and the fast path recognises it.
+        #[test]
+        fn normal_forms_are_fixed_points(raw in "/[a/.%2eEfF5c;~?]{0,24}") {
+            if let Ok(n) = normalize(&raw) {
+                let again = normalize(&n);
+                proptest::prop_assert_eq!(again.as_deref(), Ok(n.as_str()));
+                // The fast path is conservative: it leaves escapes to the slow one.
+                proptest::prop_assert!(is_normal(&n) || n.contains('%') || n == "*", "{} -> {}", raw, n);
+                proptest::prop_assert!(segments_of(&n).all(|s| s != "." && s != ".."));
+            }
         }
     }
 

@@ -241,7 +241,7 @@ impl CompiledPolicy {
     fn needs_requests(&self, flow: &Flow<'_>, audit: bool) -> Option<RuleRef> {
         let r = self.requests.as_deref()?;
         let names = flow.attributed.iter().chain(flow.sni).chain(flow.host);
-        r.needs_requests(&self.policy.allow, &self.policy.deny, names, audit)
+        r.needs_requests(&self.policy.deny, names, audit)
     }
 
     pub fn policy(&self) -> &Policy {

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 
 use crate::dest::Destination;
-use crate::http::{normalize, segments_of, Mode, PathError};
+use crate::http::{normal_path, segments_of, Mode};
 use crate::name::Hostname;
 use crate::rule::Rule;
 
@@ -64,46 +64,113 @@ pub struct RequestJudgement {
     pub would_deny: Option<RequestDenial>,
 }
 
+/// The entries of one level (one exact name, or one wildcard suffix), their
+/// path patterns in a segment trie, so finding the entries that cover a
+/// path costs one step per segment of the path, not one per entry.
+#[derive(Debug, Default)]
+struct Level {
+    rules: Vec<RuleIdx>,
+    /// Entries without path patterns (unqualified, method-only, read_only).
+    no_path: Vec<RuleIdx>,
+    /// Entries with path patterns.
+    paths: PathTrie,
+    /// An entry here is unqualified: every request to the name passes.
+    open: bool,
+    /// An entry here is unqualified or audited: every request passes
+    /// while audited entries are not enforced.
+    open_enforced: bool,
+}
+
 /// Entries grouped by the level of name they match at.
 #[derive(Debug, Default)]
 struct Levels {
-    exact: HashMap<Hostname, Vec<RuleIdx>>,
+    exact: HashMap<Hostname, Level>,
     /// Keyed by the suffix after `*.`.
-    wildcard: HashMap<Hostname, Vec<RuleIdx>>,
+    wildcard: HashMap<Hostname, Level>,
 }
 
 impl Levels {
-    fn insert(&mut self, d: &Destination, rule: RuleIdx) {
-        match d {
-            Destination::Domain(h) => self.exact.entry(h.clone()).or_default().push(rule),
-            Destination::WildcardDomain(w) => {
-                self.wildcard
-                    .entry(w.suffix().clone())
-                    .or_default()
-                    .push(rule);
+    fn insert(&mut self, r: &Rule, rule: RuleIdx) {
+        let level = match &r.dest {
+            Destination::Domain(h) => self.exact.entry(h.clone()).or_default(),
+            Destination::WildcardDomain(w) => self.wildcard.entry(w.suffix().clone()).or_default(),
+            Destination::Ip(_) | Destination::Cidr(_) => return,
+        };
+        level.rules.push(rule);
+        level.open |= r.http.is_none();
+        level.open_enforced |= !r.enforced_http();
+        let paths = r.http.as_ref().map_or(&[][..], |h| h.paths());
+        if paths.is_empty() {
+            level.no_path.push(rule);
+        }
+        for p in paths {
+            level.paths.insert(p.segments(), rule);
+        }
+    }
+
+    /// The most specific level naming `name`.
+    fn most_specific(&self, name: &Hostname) -> Option<&Level> {
+        if let Some(l) = self.exact.get(name.as_str()) {
+            return Some(l);
+        }
+        name.parents().find_map(|p| self.wildcard.get(p))
+    }
+
+    /// Every level naming `name`.
+    fn all<'a>(&'a self, name: &'a Hostname) -> impl Iterator<Item = &'a Level> + 'a {
+        let exact = self.exact.get(name.as_str()).into_iter();
+        exact.chain(name.parents().filter_map(|p| self.wildcard.get(p)))
+    }
+}
+
+impl Level {
+    /// The entries whose path patterns cover the normal path `segments`,
+    /// and those without patterns: all the entries that could cover the
+    /// request, the method aside.
+    fn covering(&self, segments: &[&str], out: &mut Vec<RuleIdx>) {
+        out.clear();
+        out.extend_from_slice(&self.no_path);
+        self.paths.covering(segments, out);
+    }
+}
+
+/// Path patterns by segment: a node holds the entries whose pattern ends
+/// there (covering every path below it), a child per literal segment, and
+/// one for `*`.
+#[derive(Debug, Default)]
+struct PathTrie {
+    rules: Vec<RuleIdx>,
+    literal: HashMap<Box<str>, Self>,
+    any: Option<Box<Self>>,
+}
+
+impl PathTrie {
+    fn insert<'a>(&mut self, mut segments: impl Iterator<Item = Option<&'a str>>, rule: RuleIdx) {
+        match segments.next() {
+            None => {
+                if self.rules.last() != Some(&rule) {
+                    self.rules.push(rule);
+                }
             }
-            Destination::Ip(_) | Destination::Cidr(_) => {}
+            Some(Some(literal)) => self
+                .literal
+                .entry(literal.into())
+                .or_default()
+                .insert(segments, rule),
+            Some(None) => self.any.get_or_insert_default().insert(segments, rule),
         }
     }
 
-    /// The entries of the most specific level naming `name`.
-    fn most_specific(&self, name: &Hostname) -> Option<&[RuleIdx]> {
-        if let Some(r) = self.exact.get(name.as_str()) {
-            return Some(r);
+    fn covering(&self, path: &[&str], out: &mut Vec<RuleIdx>) {
+        out.extend_from_slice(&self.rules);
+        if let Some((first, rest)) = path.split_first() {
+            if let Some(child) = self.literal.get(*first) {
+                child.covering(rest, out);
+            }
+            if let Some(any) = &self.any {
+                any.covering(rest, out);
+            }
         }
-        name.parents()
-            .find_map(|p| self.wildcard.get(p))
-            .map(Vec::as_slice)
-    }
-
-    /// Every entry naming `name`, at any level.
-    fn all<'a>(&'a self, name: &'a Hostname) -> impl Iterator<Item = RuleIdx> + 'a {
-        let exact = self.exact.get(name.as_str()).into_iter().flatten();
-        let wild = name
-            .parents()
-            .filter_map(|p| self.wildcard.get(p))
-            .flatten();
-        exact.chain(wild).copied()
     }
 }
 
@@ -116,22 +183,16 @@ pub(crate) struct RequestRules {
     deny: Levels,
     /// Hosts of the sandbox's credentials, by credential index.
     credentials: NameSet,
+    /// Whether any qualified entry names paths (else the path is never read).
+    any_paths: bool,
+    /// Whether any qualified entry is audited (else a passing request is
+    /// not judged a second time).
+    any_audit: bool,
 }
 
-/// The request's path, normalised at most once and only if a rule needs it.
-struct Path<'a> {
-    target: &'a str,
-    normal: Option<Result<String, PathError>>,
-}
-
-impl Path<'_> {
-    /// The normal path's segments, or `None` if it reads two ways.
-    fn segments(&mut self) -> Option<Vec<&str>> {
-        let target = self.target;
-        let normal = self.normal.get_or_insert_with(|| normalize(target));
-        normal.as_ref().ok().map(|n| segments_of(n).collect())
-    }
-}
+/// The request's normal path as segments; `None`: it reads two ways (or,
+/// when no rule needs a path, it was never read).
+struct Path<'a>(Option<&'a [&'a str]>);
 
 impl RequestRules {
     /// `None` when the policy has no qualified entry and no credentials:
@@ -144,11 +205,11 @@ impl RequestRules {
         let mut rules = Self::default();
         if allow.iter().any(|r| r.http.is_some()) {
             for (i, r) in allow.iter().enumerate() {
-                rules.allow.insert(&r.dest, idx(i));
+                rules.allow.insert(r, idx(i));
             }
         }
         for (i, r) in deny.iter().enumerate().filter(|(_, r)| r.http.is_some()) {
-            rules.deny.insert(&r.dest, idx(i));
+            rules.deny.insert(r, idx(i));
         }
         for (i, d) in credentials {
             match d {
@@ -156,6 +217,14 @@ impl RequestRules {
                 Destination::WildcardDomain(w) => rules.credentials.insert_wildcard(w, i),
                 Destination::Ip(_) | Destination::Cidr(_) => {}
             }
+        }
+        let qualified = allow
+            .iter()
+            .chain(deny)
+            .filter_map(|r| Some((r.http.as_ref()?, r.mode)));
+        for (http, mode) in qualified {
+            rules.any_paths |= http.needs_path();
+            rules.any_audit |= mode == Mode::Audit;
         }
         let empty = rules.allow.exact.is_empty()
             && rules.allow.wildcard.is_empty()
@@ -168,16 +237,13 @@ impl RequestRules {
     /// The rule that restricts requests to `name` at its allow level: none
     /// if an entry there lets every request through (an unqualified one, or
     /// an audited one when `audit` is false).
-    fn allow_restriction(
-        &self,
-        allow: &[Rule],
-        name: &Hostname,
-        audit: bool,
-    ) -> Option<&[RuleIdx]> {
+    fn allow_restriction(&self, name: &Hostname, audit: bool) -> Option<&Level> {
         let level = self.allow.most_specific(name)?;
-        let open = level.iter().any(|&i| {
-            rule(allow, i).is_none_or(|r| r.http.is_none() || (r.mode == Mode::Audit && !audit))
-        });
+        let open = if audit {
+            level.open
+        } else {
+            level.open_enforced
+        };
         (!open).then_some(level)
     }
 
@@ -186,18 +252,18 @@ impl RequestRules {
     /// false) or any (true, to decide whether to terminate rather than splice).
     pub(crate) fn needs_requests<'n>(
         &self,
-        allow: &[Rule],
         deny: &[Rule],
         names: impl Iterator<Item = &'n Hostname> + Clone,
         audit: bool,
     ) -> Option<RuleRef> {
         let counts = |r: Option<&Rule>| r.is_some_and(|r| audit || r.mode == Mode::Enforce);
         for name in names.clone() {
-            if let Some(i) = self.deny.all(name).find(|&i| counts(rule(deny, i))) {
+            let mut denies = self.deny.all(name).flat_map(|l| l.rules.iter().copied());
+            if let Some(i) = denies.find(|&i| counts(rule(deny, i))) {
                 return Some(RuleRef::Deny(i));
             }
-            if let Some(level) = self.allow_restriction(allow, name, audit) {
-                return level.first().map(|&i| RuleRef::Allow(i));
+            if let Some(level) = self.allow_restriction(name, audit) {
+                return level.rules.first().map(|&i| RuleRef::Allow(i));
             }
         }
         self.credentials
@@ -215,14 +281,18 @@ impl RequestRules {
         method: &str,
         target: &str,
     ) -> RequestJudgement {
-        let mut path = Path {
-            target,
-            normal: None,
+        // Normalised once, and only if a rule needs the path.
+        let normal = self.any_paths.then(|| normal_path(target));
+        let segments: Option<Vec<&str>> = match &normal {
+            Some(Ok(n)) => Some(segments_of(n).collect()),
+            _ => None,
         };
-        let deny_now = self.refusal(allow, deny, names, method, &mut path, false);
+        let path = Path(segments.as_deref());
+        let deny_now = self.refusal(allow, deny, names, method, &path, false);
         let would_deny = match deny_now {
             Some(_) => None,
-            None => self.refusal(allow, deny, names, method, &mut path, true),
+            None if self.any_audit => self.refusal(allow, deny, names, method, &path, true),
+            None => None,
         };
         RequestJudgement {
             deny: deny_now,
@@ -236,41 +306,63 @@ impl RequestRules {
         deny: &[Rule],
         names: &[&Hostname],
         method: &str,
-        path: &mut Path<'_>,
+        path: &Path<'_>,
         audit: bool,
     ) -> Option<RequestDenial> {
         let applies = |r: &Rule| audit || r.mode == Mode::Enforce;
+        // The deny with the lowest index that covers the request.
+        let mut denied: Option<RequestDenial> = None;
+        let mut covering = Vec::new();
         for name in names {
-            for i in self.deny.all(name) {
-                let Some(r) = rule(deny, i).filter(|r| applies(r)) else {
-                    continue;
-                };
-                let Some(http) = &r.http else { continue };
-                if !http.covers_method(method) {
-                    continue;
-                }
-                let code = if !http.needs_path() {
-                    RequestCode::HttpDeny
-                } else {
-                    match path.segments() {
-                        Some(segs) if http.covers(method, &segs) => RequestCode::HttpDeny,
-                        Some(_) => continue,
-                        None => RequestCode::AmbiguousPath,
+            for level in self.deny.all(name) {
+                let (candidates, code) = match path.0 {
+                    Some(segs) => {
+                        level.covering(segs, &mut covering);
+                        (&covering[..], RequestCode::HttpDeny)
                     }
+                    None => (&level.rules[..], RequestCode::AmbiguousPath),
                 };
-                return Some(RequestDenial {
-                    code,
-                    rule: RuleRef::Deny(i),
-                });
+                for &i in candidates {
+                    if denied.is_some_and(|d| d.rule.index() <= i) {
+                        continue;
+                    }
+                    let Some(http) = rule(deny, i)
+                        .filter(|r| applies(r))
+                        .and_then(|r| r.http.as_ref())
+                    else {
+                        continue;
+                    };
+                    if http.covers_method(method) {
+                        let code = if http.needs_path() {
+                            code
+                        } else {
+                            RequestCode::HttpDeny
+                        };
+                        denied = Some(RequestDenial {
+                            code,
+                            rule: RuleRef::Deny(i),
+                        });
+                    }
+                }
             }
         }
+        if denied.is_some() {
+            return denied;
+        }
         for name in names {
-            let Some(level) = self.allow_restriction(allow, name, audit) else {
+            let Some(level) = self.allow_restriction(name, audit) else {
                 continue;
             };
             let mut ambiguous = None;
+            let candidates = match path.0 {
+                Some(segs) => {
+                    level.covering(segs, &mut covering);
+                    &covering[..]
+                }
+                None => &level.rules[..],
+            };
             let mut covered = false;
-            for &i in level {
+            for &i in candidates {
                 let Some(http) = rule(allow, i)
                     .filter(|r| applies(r))
                     .and_then(|r| r.http.as_ref())
@@ -280,21 +372,14 @@ impl RequestRules {
                 if !http.covers_method(method) {
                     continue;
                 }
-                if !http.needs_path() {
+                if path.0.is_some() || !http.needs_path() {
                     covered = true;
                     break;
                 }
-                match path.segments() {
-                    Some(segs) if http.covers(method, &segs) => {
-                        covered = true;
-                        break;
-                    }
-                    Some(_) => {}
-                    None => ambiguous = ambiguous.or(Some(i)),
-                }
+                ambiguous = ambiguous.or(Some(i));
             }
             if !covered {
-                let first = level.first().copied().unwrap_or_default();
+                let first = level.rules.first().copied().unwrap_or_default();
                 return Some(match ambiguous {
                     Some(i) => RequestDenial {
                         code: RequestCode::AmbiguousPath,
