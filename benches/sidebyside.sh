@@ -1,74 +1,43 @@
 #!/usr/bin/env bash
-# Side-by-side benchmark of this gateway against direct, mitmproxy and Squid
-# in the shared testbed (../shared/testbed), in one interleaved session.
+# Side-by-side benchmark of this gateway against direct, mitmproxy and Squid,
+# in one interleaved session, with this repository's harness (benches/peers;
+# its README has the topology and what each figure means).
 #
-#   benches/sidebyside.sh                 # intercept mode, all columns
-#   MODE=splice benches/sidebyside.sh     # the gateway splices (CIDR exemption)
+#   benches/sidebyside.sh                                          # intercept mode, all five columns
+#   MODE=splice PEERS="direct squid-splice gateway" benches/sidebyside.sh   # the gateway splices
 #   PEERS="direct gateway squid-bump" ROUNDS=3 benches/sidebyside.sh
 #
-# After the testbed's comparison it runs benches/dns-load.sh (DNS through the
-# gateway vs the upstream directly, loopback) and, in splice mode,
-# benches/idle-rss.sh (RSS holding 9,000 idle spliced connections), and
-# appends both to the summary (EXTRAS=0 skips them).
-#
-# Root only; run ../shared/testbed/setup.sh once first.  The gateway is the
-# release build with one worker thread (GW_WORKERS=N for more); its sandbox
-# (the testbed client, 100.64.0.1) is pushed over the control API once the
-# gateway is ready: allow 203.0.113.0/24 with TLS interception on, plus
-# (MODE=splice) a CIDR exemption for the same range.  Results land in
-# /tmp/peerbench/results/<time>/ (the testbed's), and the summary is copied
-# to benches/results/<mode>-<time>.md.
+# It runs benches/peers/run.sh (every knob of it applies: ROUNDS, DUR, TESTS,
+# GW_WORKERS, GW_BIN, ...), then appends to the summary it copied to
+# benches/results/peers-<mode>-<time>.md: the gateway against each peer
+# (benches/vs-peers.py, when there is a peer besides direct), DNS through
+# the gateway (benches/dns-load.sh) and, in splice mode, the gateway's
+# memory holding 9,000 idle spliced connections (benches/idle-rss.sh).
+# EXTRAS=0 skips the last two.  Root; benches/peers/setup.sh once.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-testbed=${TESTBED:-$root/../shared/testbed}
 mode=${MODE:-intercept}
-bin=$root/target/release/egress-gateway
-[ -x "$bin" ] || cargo build --release -p egress-gateway --manifest-path "$root/Cargo.toml"
-state=/tmp/peerbench/egress-gateway-$mode
-rm -rf "$state"
-mkdir -p "$state"
-"$bin" ca init --dir "$state/ca" >/dev/null
-case $mode in
-    intercept) policy='{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on"}' ;;
-    splice) policy='{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on", "tls_interception_exemptions": [{"cidr": "203.0.113.0/24"}]}' ;;
-    *) echo "MODE must be intercept or splice" >&2; exit 2 ;;
-esac
-# The testbed client's sandbox, as the controller pushes it (gateway-column.sh
-# PUTs it over the control API once the gateway is ready).
-printf '{"addresses": ["100.64.0.1"], "policy": %s}\n' "$policy" > "$state/sandbox.json"
-export GATEWAY_CMD="$root/benches/gateway-column.sh $state $bin"
-export GATEWAY_CA_CERT=$state/ca/ca.crt
-if [ "$mode" = splice ]; then export GATEWAY_EXPECT_ISSUER="PeerBench Test Origin CA"; fi
-export PEERS=${PEERS:-"direct mitmproxy squid-bump squid-splice gateway"}
-cd "$testbed"
-# run.sh reads the test PKI before it brings the testbed up when a gateway CA
-# is added to the client bundle: bring it up first (and down at the end).
-if [ ! -s "${PB_STATE:-/tmp/peerbench}/pki/client-bundle.pem" ]; then
-    ./testbed.sh up
-    trap './testbed.sh down' EXIT
+peers=${PEERS:-"direct mitmproxy squid-bump squid-splice gateway"}
+summary=${SUMMARY_TO:-$root/benches/results/peers-$mode-$(date -u +%Y%m%dT%H%M%SZ).md}
+[ "$summary" != none ] || { echo "sidebyside.sh appends to the summary: SUMMARY_TO cannot be none" >&2; exit 2; }
+MODE=$mode PEERS=$peers SUMMARY_TO=$summary "$root/benches/peers/run.sh"
+others=$(echo "$peers" | tr ' ' '\n' | grep -cvxE 'direct|gateway|' || true)
+if [[ " $peers " == *" gateway "* ]] && [ "$others" -gt 0 ]; then
+    printf '\nThe gateway against each peer (same session; throughput and CPU as gateway ÷ peer, latency as gateway − peer):\n\n' | tee -a "$summary"
+    python3 "$root/benches/vs-peers.py" "$summary" | tee -a "$summary"
 fi
-out=$(mktemp)
-./run.sh | tee "$out"
-echo "Gateway column: limits.worker_threads = ${GW_WORKERS:-1} (GW_WORKERS)." | tee -a "$out"
-if [ "$(echo "$PEERS" | wc -w)" -gt 2 ]; then
-    printf '\nThe gateway against each peer (same session; throughput and CPU as gateway ÷ peer, latency as gateway − peer):\n\n' | tee -a "$out"
-    python3 "$root/benches/vs-peers.py" "$out" | tee -a "$out"
-fi
-# DNS through the gateway's listener and memory with idle spliced flows, in
-# the same session (EXTRAS=0 skips them; each also runs on its own).
 if [ "${EXTRAS:-1}" = 1 ]; then
-    echo | tee -a "$out"
-    "$root/benches/dns-load.sh" | tee -a "$out"
+    echo | tee -a "$summary"
+    "$root/benches/dns-load.sh" | tee -a "$summary"
     if [ "$mode" = splice ]; then
         rss=$("$root/benches/idle-rss.sh" | tail -1)
-        python3 - "$rss" <<'EOF2' | tee -a "$out"
+        python3 - "$rss" <<'EOF' | tee -a "$summary"
 import json, sys
 r = json.loads(sys.argv[1])
 print(f"\n### Memory: {r['connections']:,} idle spliced TLS connections\n")
 print(f"RSS {r['rss_before_kib'] / 1024:.1f} MiB before, {r['rss_with_idle_kib'] / 1024:.1f} MiB holding them: "
       f"{r['bytes_per_idle_connection'] / 1024:.1f} KiB per idle connection.")
-EOF2
+EOF
     fi
 fi
-mkdir -p "$root/benches/results"
-cp "$out" "$root/benches/results/$mode-$(date -u +%Y%m%dT%H%M%SZ).md"
+echo "summary: $summary" >&2
