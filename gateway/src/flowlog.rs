@@ -1,8 +1,14 @@
 //! The flow log: one JSON line per flow, the input of the replay tool too.
 
-use std::io::Write;
+use std::io::{BufWriter, Write};
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use time::format_description::well_known::Rfc3339;
+use time::OffsetDateTime;
 
 use serde::Serialize;
 
@@ -44,9 +50,21 @@ pub struct FlowRecord {
     pub would_deny: Option<String>,
 }
 
-/// Where flow lines go.
+/// Lines queued for the writer before new ones are dropped (and counted).
+const QUEUE: usize = 65_536;
+
+/// Where flow lines go. A flow's task only queues its record; a thread of
+/// the log's own formats the lines and writes them through a buffer,
+/// flushing whenever the queue runs dry, so a line is on disk within
+/// moments of its flow's end and the flows never wait on the file.
 pub struct FlowLog {
-    sink: Option<Mutex<Box<dyn Write + Send>>>,
+    sink: Option<Writer>,
+}
+
+struct Writer {
+    tx: Mutex<Option<SyncSender<(OffsetDateTime, FlowRecord)>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    dropped: Arc<AtomicU64>,
 }
 
 impl FlowLog {
@@ -62,15 +80,15 @@ impl FlowLog {
                     .open(path)?,
             )),
         };
-        Ok(Self {
-            sink: sink.map(Mutex::new),
-        })
+        sink.map(Writer::start)
+            .transpose()
+            .map(|sink| Self { sink })
     }
 
     /// A log that hands lines to `w` (tests).
     pub fn to_writer(w: Box<dyn Write + Send>) -> Self {
         Self {
-            sink: Some(Mutex::new(w)),
+            sink: Writer::start(w).ok(),
         }
     }
 
@@ -80,21 +98,100 @@ impl FlowLog {
         self.sink.is_some()
     }
 
-    pub fn write(&self, mut record: FlowRecord) {
+    /// Queues one flow's line; never blocks. A full queue drops the line
+    /// and counts it ([`FlowLog::dropped`]).
+    pub fn write(&self, record: FlowRecord) {
         let Some(sink) = &self.sink else { return };
-        record.ts = time::OffsetDateTime::now_utc()
-            .format(&time::format_description::well_known::Rfc3339)
-            .unwrap_or_default();
-        let Ok(mut line) = serde_json::to_vec(&record) else {
-            return;
-        };
-        line.push(b'\n');
-        let mut w = sink
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Err(e) = w.write_all(&line).and_then(|()| w.flush()) {
-            tracing::warn!(error = %e, "flow log write failed");
+        let tx = sink.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        let queued = tx
+            .as_ref()
+            .is_some_and(|tx| tx.try_send((OffsetDateTime::now_utc(), record)).is_ok());
+        if !queued {
+            sink.dropped.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Lines dropped because the writer fell behind (or had stopped).
+    pub fn dropped(&self) -> Arc<AtomicU64> {
+        self.sink
+            .as_ref()
+            .map_or_else(Arc::default, |s| s.dropped.clone())
+    }
+
+    /// Writes out every queued line and stops the writer (at shutdown,
+    /// after the flows have drained); later lines are dropped.
+    pub fn close(&self) {
+        let Some(sink) = &self.sink else { return };
+        drop(
+            sink.tx
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+        if let Some(thread) = sink
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Writer {
+    fn start(w: Box<dyn Write + Send>) -> std::io::Result<Self> {
+        let (tx, rx) = sync_channel::<(OffsetDateTime, FlowRecord)>(QUEUE);
+        let thread = std::thread::Builder::new()
+            .name("flow-log".into())
+            .spawn(move || write_lines(&rx, w))?;
+        Ok(Self {
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+            dropped: Arc::default(),
+        })
+    }
+}
+
+/// The writer thread: until every sender is gone, a line per record,
+/// flushed each time the queue is empty.
+fn write_lines(rx: &Receiver<(OffsetDateTime, FlowRecord)>, w: Box<dyn Write + Send>) {
+    let mut out = BufWriter::with_capacity(64 * 1024, w);
+    let mut line = Vec::with_capacity(1024);
+    let mut failed = false;
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        while let Some((at, mut record)) = next.take() {
+            record.ts = at.format(&Rfc3339).unwrap_or_default();
+            line.clear();
+            if serde_json::to_writer(&mut line, &record).is_ok() {
+                line.push(b'\n');
+                if let Err(e) = out.write_all(&line) {
+                    warn_once(&mut failed, &e);
+                }
+            }
+            next = rx.try_recv().ok();
+        }
+        if let Err(e) = out.flush() {
+            warn_once(&mut failed, &e);
+        } else {
+            failed = false;
+        }
+    }
+    let _ = out.flush();
+}
+
+/// Warns when writing starts failing, not on every line.
+fn warn_once(failed: &mut bool, e: &std::io::Error) {
+    if !*failed {
+        tracing::warn!(error = %e, "flow log write failed");
+        *failed = true;
+    }
+}
+
+impl Drop for FlowLog {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 
@@ -103,5 +200,105 @@ impl std::fmt::Debug for FlowLog {
         f.debug_struct("FlowLog")
             .field("enabled", &self.sink.is_some())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer that keeps what it is given, and can be held shut.
+    #[derive(Clone, Default)]
+    struct Held {
+        bytes: Arc<Mutex<Vec<u8>>>,
+        gate: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    }
+
+    impl Write for Held {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let (open, cv) = &*self.gate;
+            let mut open = open.lock().unwrap_or_else(PoisonError::into_inner);
+            while !*open {
+                open = cv.wait(open).unwrap_or_else(PoisonError::into_inner);
+            }
+            self.bytes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Held {
+        fn open(&self) {
+            let (open, cv) = &*self.gate;
+            *open.lock().unwrap_or_else(PoisonError::into_inner) = true;
+            cv.notify_all();
+        }
+        fn lines(&self) -> Vec<serde_json::Value> {
+            let bytes = self.bytes.lock().unwrap_or_else(PoisonError::into_inner);
+            String::from_utf8_lossy(&bytes)
+                .lines()
+                .map(|l| serde_json::from_str(l).expect("json line"))
+                .collect()
+        }
+    }
+
+    fn record(n: u64) -> FlowRecord {
+        FlowRecord {
+            verdict: "allow",
+            reason: "allow_default",
+            bytes_up: n,
+            ..FlowRecord::default()
+        }
+    }
+
+    #[test]
+    fn every_line_is_written_in_order_by_close() {
+        let w = Held::default();
+        w.open();
+        let log = FlowLog::to_writer(Box::new(w.clone()));
+        for n in 0..1000 {
+            log.write(record(n));
+        }
+        log.close();
+        let lines = w.lines();
+        assert_eq!(lines.len(), 1000);
+        for (n, line) in lines.iter().enumerate() {
+            assert_eq!(line["bytes_up"], n as u64);
+            assert!(
+                line["ts"].as_str().is_some_and(|t| t.ends_with('Z')),
+                "{line}"
+            );
+        }
+        assert_eq!(log.dropped().load(Ordering::Relaxed), 0);
+        // After close, lines are dropped and counted, never block.
+        log.write(record(1));
+        assert_eq!(log.dropped().load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_stuck_writer_never_blocks_a_flow_and_drops_are_counted() {
+        let w = Held::default();
+        let log = FlowLog::to_writer(Box::new(w.clone()));
+        // The writer takes lines until its buffer is full, then is stuck;
+        // the queue then fills, and the rest are dropped, not waited for.
+        let total = QUEUE as u64 * 2;
+        for n in 0..total {
+            log.write(record(n));
+        }
+        let dropped = log.dropped().load(Ordering::Relaxed);
+        // Unstick the writer before any assertion, so a failure cannot hang.
+        w.open();
+        log.close();
+        assert!(dropped > 0, "a full queue drops");
+        assert_eq!(
+            w.lines().len() as u64 + dropped,
+            total,
+            "every line written or counted"
+        );
     }
 }

@@ -152,6 +152,7 @@ impl Gateway {
             crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter);
         metrics.declare("deny", crate::flow::Refusal::CODES);
         metrics.machines(machines.clone());
+        metrics.flow_log(flow_log.dropped());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
         let dp = Arc::new(Dataplane::new(
             config, registry, cache, flow_log, metrics, orig_dst,
@@ -218,10 +219,15 @@ impl Gateway {
         let config = self.dp.config();
         let max = config.limits.max_connections;
         let all = u32::try_from(max).unwrap_or(u32::MAX);
-        match tokio::time::timeout(config.timeouts.drain, self.slots.acquire_many(all)).await {
-            Ok(_) => 0,
-            Err(_) => max - self.slots.available_permits(),
-        }
+        let left =
+            match tokio::time::timeout(config.timeouts.drain, self.slots.acquire_many(all)).await {
+                Ok(_) => 0,
+                Err(_) => max - self.slots.available_permits(),
+            };
+        // Every line of the drained flows on disk before the process exits.
+        let dp = self.dp.clone();
+        let _ = tokio::task::spawn_blocking(move || dp.flow_log.close()).await;
+        left
     }
 }
 

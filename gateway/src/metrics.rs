@@ -188,6 +188,12 @@ impl Metrics {
             .inc();
     }
 
+    /// Adds the flow log's dropped-line count, read at scrape time.
+    pub(crate) fn flow_log(&mut self, dropped: Arc<std::sync::atomic::AtomicU64>) {
+        self.registry
+            .register_collector(Box::new(FlowLogSources { dropped }));
+    }
+
     /// Adds the machine egress figures, read at scrape time.
     pub(crate) fn machines(&mut self, machines: Arc<crate::machine::Machines>) {
         self.registry
@@ -359,5 +365,23 @@ impl Collector for MachineSources {
             c.metric_type(),
         )?)?;
         Ok(())
+    }
+}
+
+/// Reads the flow log's dropped-line count at scrape time.
+#[derive(Debug)]
+struct FlowLogSources {
+    dropped: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Collector for FlowLogSources {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let c = ConstCounter::new(self.dropped.load(std::sync::atomic::Ordering::Relaxed));
+        c.encode(encoder.encode_descriptor(
+            "flow_log_dropped_lines",
+            "Flow-log lines dropped because the log's writer had 65,536 lines queued (a disk slower than the flows); the flows themselves are unaffected.",
+            None,
+            c.metric_type(),
+        )?)
     }
 }
