@@ -39,6 +39,7 @@ fn denied_reached(t: &Topology) -> bool {
 
 #[test]
 fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
+    const MIN_OPEN: u64 = 100;
     if !available() {
         return;
     }
@@ -77,20 +78,22 @@ fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
         .spawn()
         .expect("probe");
     // SIGTERM once the origin holds them all, or once no more arrive (a
-    // loaded machine may not finish a thousand handshakes in 8 s). The
-    // origin counts requests as they arrive and answers each 8 s later.
+    // loaded machine may not finish a thousand handshakes in 8 s; on two
+    // cores shared with builds a few hundred is what it manages, so a
+    // hundred open flows is the floor the drain is judged on). The origin
+    // counts requests as they arrive and answers each 8 s later.
     let deadline = Instant::now() + Duration::from_secs(7);
     let (mut open, mut last_rise) = (0, Instant::now());
     while Instant::now() < deadline && open < 1_000 {
         let now = reached(&t);
         if now > open {
             (open, last_rise) = (now, Instant::now());
-        } else if open >= 200 && last_rise.elapsed() > Duration::from_secs(1) {
+        } else if open >= MIN_OPEN && last_rise.elapsed() > Duration::from_secs(1) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    if open < 200 {
+    if open < MIN_OPEN {
         let mut probe = probe;
         let _ = probe.kill();
         let out = probe.wait_with_output().expect("probe");
