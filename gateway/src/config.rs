@@ -74,6 +74,9 @@ pub struct Dns {
     pub max_ttl: Duration,
     #[serde(deserialize_with = "duration")]
     pub upstream_timeout: Duration,
+    /// Sandboxes with an attribution cache at once; past that, a sandbox's
+    /// DNS attributes nothing (its name allows fail closed, with a warning).
+    pub max_sandboxes: usize,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
@@ -227,6 +230,7 @@ impl Default for Dns {
             min_ttl: Duration::from_secs(30),
             max_ttl: Duration::from_secs(24 * 3600),
             upstream_timeout: Duration::from_secs(2),
+            max_sandboxes: 16_384,
         }
     }
 }
@@ -342,6 +346,12 @@ impl Config {
             return Some((
                 "dns.min_ttl",
                 format!("{min:?} is longer than dns.max_ttl {max:?}"),
+            ));
+        }
+        if self.dns.max_sandboxes == 0 {
+            return Some((
+                "dns.max_sandboxes",
+                "0 would attribute no sandbox's DNS: at least 1".into(),
             ));
         }
         if self.tls.ca_cert.is_some() != self.tls.ca_key.is_some() {
@@ -587,6 +597,7 @@ mod tests {
                 "invalid duration \"30 seconds\"",
             ),
             ("[dns]\nmin_ttl = \"2h\"\nmax_ttl = \"1h\"", "dns.min_ttl"),
+            ("[dns]\nmax_sandboxes = 0", "dns.max_sandboxes"),
             (
                 "[dns]\nupstreams = [\"8.8.8.8:53\"]",
                 "dns.upstreams: 8.8.8.8:53 is a reserved resolver",

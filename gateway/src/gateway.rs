@@ -241,6 +241,7 @@ fn attribution(
         CacheConfig {
             min_ttl: config.dns.min_ttl,
             max_ttl: config.dns.max_ttl,
+            max_sandboxes: config.dns.max_sandboxes,
             ..CacheConfig::default()
         },
         clock,
