@@ -94,11 +94,20 @@ fn every_verdict_path_over_ipv6() {
     );
 
     // The flow log names IPv6 destinations and the same reasons as IPv4.
-    let flows = t.flows();
-    let v6: Vec<&serde_json::Value> = flows
-        .iter()
-        .filter(|f| f["dst"].as_str().is_some_and(|d| d.starts_with('[')))
-        .collect();
+    let v6_of = |flows: &[serde_json::Value]| -> Vec<serde_json::Value> {
+        flows
+            .iter()
+            .filter(|f| f["dst"].as_str().is_some_and(|d| d.starts_with('[')))
+            .cloned()
+            .collect()
+    };
+    // The link-local refusal is the last flow: wait for its line.
+    let flows = t.flows_when(|f| {
+        v6_of(f)
+            .iter()
+            .any(|l| l["dst"].as_str().is_some_and(|d| d.starts_with("[fe80::")))
+    });
+    let v6 = v6_of(&flows);
     let has = |verdict: &str, dst_prefix: &str| {
         v6.iter().any(|f| {
             f["verdict"] == json!(verdict)
@@ -115,7 +124,10 @@ fn every_verdict_path_over_ipv6() {
     // IPv4 still works through the dual-stack listener, from the same sandbox.
     let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/v4", &["-4"]);
     assert_eq!(code, 0, "{body}");
-    assert!(flows.iter().chain(t.flows().iter()).any(|f| f["src"]
-        .as_str()
-        .is_some_and(|s| s.starts_with("100.64.1.2:"))));
+    let from_v4 = |f: &serde_json::Value| {
+        f["src"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("100.64.1.2:"))
+    };
+    assert!(t.flows_when(|f| f.iter().any(from_v4)).iter().any(from_v4));
 }

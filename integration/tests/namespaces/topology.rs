@@ -560,6 +560,23 @@ impl Topology {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// The flow log's lines once `ready` holds for them, or after 10 s
+    /// (a flow's line is written just after it ends, by the log's own
+    /// thread, so a test that has just seen its client finish must wait).
+    pub fn flows_when(
+        &self,
+        ready: impl Fn(&[serde_json::Value]) -> bool,
+    ) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let flows = self.flows();
+            if ready(&flows) || Instant::now() > deadline {
+                return flows;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The flow log's lines so far.
     pub fn flows(&self) -> Vec<serde_json::Value> {
         std::fs::read_to_string(self.path("flows.jsonl"))
