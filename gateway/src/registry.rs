@@ -146,19 +146,8 @@ impl Registry {
         Ok(())
     }
 
-    /// Replaces every sandbox at once (the controller's resync).
-    pub fn replace_all(
-        &self,
-        sandboxes: Vec<(SandboxId, Vec<IpAddr>, Policy)>,
-    ) -> Result<(), RegistryError> {
-        let compiled = sandboxes
-            .into_iter()
-            .map(|(id, addrs, policy)| self.prepare_with(id, addrs, policy, Vec::new()))
-            .collect();
-        self.replace_prepared(compiled)
-    }
-
-    /// Replaces every sandbox with prepared ones.
+    /// Replaces every sandbox with prepared ones (the controller's resync,
+    /// a snapshot's restore).
     pub fn replace_prepared(&self, sandboxes: Vec<Arc<Sandbox>>) -> Result<(), RegistryError> {
         let mut next = Generation::default();
         for s in sandboxes {
@@ -374,12 +363,12 @@ mod tests {
         )
         .expect("re-put moves addresses");
         assert!(r.lookup(ip("100.64.1.2")).is_none());
-        r.replace_all(vec![(
+        let c = r.prepare(
             SandboxId::new("c"),
             vec![ip("100.64.2.2")],
             Policy::default(),
-        )])
-        .expect("resync");
+        );
+        r.replace_prepared(vec![c]).expect("resync");
         assert_eq!(r.ids(), [SandboxId::new("c")]);
         assert!(r.remove(&SandboxId::new("c")));
         assert!(!r.remove(&SandboxId::new("c")));
