@@ -968,3 +968,28 @@ fn credential_hosts_are_never_spliced() {
     // Credentials never change what a request may do.
     assert_eq!(request(&p, "api.github.test", "POST", "/"), pass());
 }
+
+proptest! {
+    /// The per-level segment trie finds exactly the entries whose patterns
+    /// cover a path, as `PathPattern::covers` says one by one.
+    #[test]
+    fn the_path_trie_agrees_with_each_pattern(
+        patterns in prop::collection::vec(prop::collection::vec(prop::sample::select(vec!["a", "b", "*"]), 0..4), 1..6),
+        path in prop::collection::vec(prop::sample::select(vec!["a", "b", "c"]), 0..5),
+    ) {
+        let texts: Vec<String> = patterns.iter().map(|p| format!("/{}", p.join("/"))).collect();
+        let allow: Vec<String> = texts
+            .iter()
+            .map(|t| format!(r#"{{"domain": "api.test", "http": {{"paths": ["{t}"]}}}}"#))
+            .collect();
+        let p = compile(&format!(r#"{{"allow": [{}], "tls_interception": "on"}}"#, allow.join(",")));
+        let target = format!("/{}", path.join("/"));
+        let segs: Vec<&str> = path.clone();
+        let naive = texts
+            .iter()
+            .any(|t| crate::http::PathPattern::parse(t).expect(t).covers(&segs));
+        let n = h("api.test");
+        let judged = p.judge_request(&[&n], "GET", &target);
+        prop_assert_eq!(judged.deny.is_none(), naive, "{:?} {}", texts, target);
+    }
+}
