@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Opens N TLS connections (full handshake, verified) to HOST:443 at IP and holds
-them idle: the client side of benches/idle-rss.sh. Prints `held N` when all are
-open, then sleeps HOLD seconds. Standard library only."""
+them idle: the client side of benches/idle-rss.sh. With --request PATH each
+connection first sends one HTTP/1.1 keep-alive request and reads the whole
+response (so an intercepting gateway holds its upstream connection too).
+Prints `held N` when all are open, then sleeps HOLD seconds. Standard
+library only."""
 import argparse
 import resource
 import socket
@@ -15,17 +18,64 @@ ap.add_argument("--host", required=True)
 ap.add_argument("--cafile", required=True)
 ap.add_argument("--n", type=int, default=10000)
 ap.add_argument("--hold", type=float, default=15)
+ap.add_argument("--request", metavar="PATH", help="send one GET PATH per connection")
+ap.add_argument("--open-deadline", type=float, default=300, help="seconds to open all")
 a = ap.parse_args()
-resource.setrlimit(resource.RLIMIT_NOFILE, (a.n + 1024, a.n + 1024))
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+want = a.n + 1024
+if hard != resource.RLIM_INFINITY and want > hard:
+    sys.exit(f"{a.n} connections need {want} descriptors; the hard limit is {hard}")
+resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 ctx = ssl.create_default_context(cafile=a.cafile)
+ctx.set_alpn_protocols(["http/1.1"])
+request = None
+if a.request:
+    request = f"GET {a.request} HTTP/1.1\r\nHost: {a.host}\r\nUser-Agent: idle-hold\r\n\r\n".encode()
+
+
+def read_response(s):
+    """Reads one response (Content-Length or chunked) and checks it is a 200."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(16384)
+        if not chunk:
+            raise OSError("closed before the response head")
+        buf += chunk
+    head, body = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    if not lines[0].split(" ")[1:2] == ["200"]:
+        raise OSError(f"response {lines[0]!r}")
+    fields = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:])}
+    if "content-length" in fields:
+        left = int(fields["content-length"]) - len(body)
+        while left > 0:
+            chunk = s.recv(min(left, 16384))
+            if not chunk:
+                raise OSError("closed inside the body")
+            left -= len(chunk)
+    elif fields.get("transfer-encoding", "").lower() == "chunked":
+        while not body.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(16384)
+            if not chunk:
+                raise OSError("closed inside the body")
+            body += chunk
+    else:
+        raise OSError("a response without a length on a keep-alive connection")
+
+
 held = []
-deadline = time.time() + 300
+deadline = time.time() + a.open_deadline
 for i in range(a.n):
     if time.time() > deadline:
-        sys.exit(f"only {len(held)} connections in 300 s")
+        sys.exit(f"only {len(held)} connections in {a.open_deadline:.0f} s")
     try:
         s = socket.create_connection((a.ip, 443), timeout=10)
-        held.append(ctx.wrap_socket(s, server_hostname=a.host))
+        t = ctx.wrap_socket(s, server_hostname=a.host)
+        if request:
+            t.sendall(request)
+            read_response(t)
+        held.append(t)
     except OSError as e:
         sys.exit(f"connection {len(held) + 1} failed: {e}")
 print(f"held {len(held)}", flush=True)

@@ -3,8 +3,17 @@
 //! Each sandbox has its own bounded cache, so a sandbox that resolves
 //! millions of names evicts only its own entries; the number of sandboxes is
 //! bounded too, which bounds the whole. Expiry is decided on an injectable
-//! [`Clock`]; moka's own time-based eviction only reclaims memory well after
-//! the logical expiry.
+//! [`Clock`]; an address not written for `max_ttl` + 60 s of real time (so
+//! every name on it has long expired) is reclaimed, memory only.
+//!
+//! A sandbox's cache is an exact LRU behind one mutex: the `lru` crate's
+//! [`LruCache`], unbounded, with the bound kept here so that an eviction for
+//! size can be counted and remembered as a ghost. Recording an answer for a
+//! known address is a hash probe, a merge of at most `names_per_ip` names and
+//! a relink, with no allocation besides the merged entry (a new address adds
+//! the crate's list node); a lookup is a hash probe, a relink and an `Arc`
+//! clone. Either holds the lock for well under a microsecond, and only that
+//! sandbox's DNS answers and flows share it.
 //!
 //! TTLs are clamped to `[min_ttl, max_ttl]`. The floor exists because a
 //! TTL-0 (or 1 s) answer must still cover the connection that follows it:
@@ -17,11 +26,11 @@ use std::collections::HashMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use egress_policy::{AttributionGap, Hostname, SandboxId};
-use moka::notification::RemovalCause;
+use lru::LruCache;
 
 use crate::chain::Attribution;
 use crate::clock::{Clock, Millis};
@@ -53,16 +62,33 @@ pub struct AttributionCache {
 }
 
 struct SandboxCache {
-    ips: moka::sync::Cache<IpAddr, Arc<IpNames>>,
+    /// The sandbox's addresses, most recently used first.
+    lru: Mutex<LruCache<IpAddr, Slot>>,
+    /// Addresses kept at most. The [`LruCache`] itself is unbounded: a bound
+    /// of 0 must store nothing, and an eviction for size is counted here.
+    capacity: usize,
     /// Addresses evicted for size, so a miss can say `evicted`.
-    evicted: Arc<Ghosts>,
+    evicted: Ghosts,
+    /// Origin of [`Slot::written`] (real time: reclaim is about memory).
+    origin: Instant,
+    /// Seconds after its last write that an address is reclaimed.
+    reclaim_after: u64,
+    evictions: Arc<AtomicU64>,
+}
+
+/// What a sandbox's cache holds for one address.
+struct Slot {
+    names: Arc<IpNames>,
+    /// Seconds since [`SandboxCache::origin`] at the last write.
+    written: u64,
 }
 
 /// The names attributed to one address, with their expiries.
 #[derive(Debug)]
 pub struct IpNames {
-    names: Box<[Hostname]>,
-    expires: Box<[Millis]>,
+    names: Vec<Hostname>,
+    /// One per name, in the same order.
+    expires: Vec<Millis>,
     /// The earliest expiry: before it, every name is live and a lookup borrows.
     first_expiry: Millis,
 }
@@ -122,34 +148,69 @@ impl IpNames {
             .filter(move |(_, e)| *e > now)
     }
 
-    fn merged(
-        old: Option<&Self>,
-        now: Millis,
-        names: &[Hostname],
-        expiry: Millis,
-        cap: usize,
-    ) -> Self {
-        let mut all: Vec<(Hostname, Millis)> = old
-            .map(|o| o.live(now).map(|(n, e)| (n.clone(), e)).collect())
-            .unwrap_or_default();
+    /// The names `a` attributes, expiring at `expiry`.
+    fn new(now: Millis, names: &[Hostname], expiry: Millis, cap: usize) -> Self {
+        let mut fresh = Self {
+            names: Vec::with_capacity(names.len()),
+            expires: Vec::with_capacity(names.len()),
+            first_expiry: now,
+        };
+        fresh.merge(now, names, expiry, cap);
+        fresh
+    }
+
+    /// A copy of the live names, with room for `more`.
+    fn live_copy(&self, now: Millis, more: usize) -> Self {
+        let mut copy = Self {
+            names: Vec::with_capacity(self.names.len() + more),
+            expires: Vec::with_capacity(self.names.len() + more),
+            first_expiry: self.first_expiry,
+        };
+        for (n, e) in self.live(now) {
+            copy.names.push(n.clone());
+            copy.expires.push(e);
+        }
+        copy
+    }
+
+    /// Drops the expired names, adds `names` (or extends their expiry), and
+    /// keeps at most `cap`: past that, the soonest to expire are dropped (of
+    /// equal expiries, the later in order). No sort; in place.
+    fn merge(&mut self, now: Millis, names: &[Hostname], expiry: Millis, cap: usize) {
+        if self.first_expiry <= now {
+            let mut kept = 0;
+            for i in 0..self.names.len() {
+                if self.expires[i] > now {
+                    self.names.swap(kept, i);
+                    self.expires.swap(kept, i);
+                    kept += 1;
+                }
+            }
+            self.names.truncate(kept);
+            self.expires.truncate(kept);
+        }
         for n in names {
-            match all.iter_mut().find(|(m, _)| m == n) {
+            match self.names.iter().position(|m| m == n) {
                 // A later answer with a shorter TTL does not cut short an earlier one.
-                Some((_, e)) => *e = (*e).max(expiry),
-                None => all.push((n.clone(), expiry)),
+                Some(i) => self.expires[i] = self.expires[i].max(expiry),
+                None => {
+                    self.names.push(n.clone());
+                    self.expires.push(expiry);
+                }
             }
         }
-        if all.len() > cap {
-            all.sort_by_key(|(_, e)| std::cmp::Reverse(*e));
-            all.truncate(cap);
+        while self.names.len() > cap {
+            // The soonest to expire; of equal expiries, the last.
+            let mut at = 0;
+            for (i, e) in self.expires.iter().enumerate() {
+                if *e <= self.expires[at] {
+                    at = i;
+                }
+            }
+            self.names.remove(at);
+            self.expires.remove(at);
         }
-        let first_expiry = all.iter().map(|(_, e)| *e).min().unwrap_or(now);
-        let (names, expires): (Vec<_>, Vec<_>) = all.into_iter().unzip();
-        Self {
-            names: names.into(),
-            expires: expires.into(),
-            first_expiry,
-        }
+        self.first_expiry = self.expires.iter().copied().min().unwrap_or(now);
     }
 }
 
@@ -183,19 +244,61 @@ impl AttributionCache {
         };
         let now = self.clock.now();
         let expiry = now.saturating_add(self.lifetime(a.ttl));
+        let written = cache.seconds();
+        // Entries replaced or reclaimed are dropped after the lock is released.
+        let mut dropped = Vec::new();
+        let mut lru = cache.lock();
         for ip in &a.addrs {
             cache.evicted.remove(ip);
-            cache.ips.entry(*ip).and_upsert_with(|old| {
-                let old = old.map(|e| e.into_value());
-                Arc::new(IpNames::merged(
-                    old.as_deref(),
-                    now,
-                    &a.names,
-                    expiry,
-                    self.config.names_per_ip,
-                ))
-            });
+            // Written again, an address is used again: `get_mut` relinks it first.
+            match lru.get_mut(ip) {
+                Some(slot) => {
+                    let cap = self.config.names_per_ip;
+                    match Arc::get_mut(&mut slot.names) {
+                        // No lookup holds this entry: merged in place, no copy.
+                        Some(entry) => entry.merge(now, &a.names, expiry, cap),
+                        // A lookup still reads it: it keeps its snapshot.
+                        None => {
+                            let mut copy = slot.names.live_copy(now, a.names.len());
+                            copy.merge(now, &a.names, expiry, cap);
+                            dropped.push(std::mem::replace(&mut slot.names, Arc::new(copy)));
+                        }
+                    }
+                    slot.written = written;
+                }
+                None => {
+                    let names = Arc::new(IpNames::new(
+                        now,
+                        &a.names,
+                        expiry,
+                        self.config.names_per_ip,
+                    ));
+                    while lru.len() >= cache.capacity {
+                        let Some((ip, old)) = lru.pop_lru() else {
+                            break;
+                        };
+                        cache.evictions.fetch_add(1, Ordering::Relaxed);
+                        cache.evicted.insert(&ip);
+                        dropped.push(old.names);
+                    }
+                    if cache.capacity > 0 {
+                        lru.put(*ip, Slot { names, written });
+                    }
+                }
+            }
         }
+        // Memory reclaim: the least recently used, if not written for long.
+        // Not an eviction: its names have long expired, nothing is lost.
+        while lru
+            .peek_lru()
+            .is_some_and(|(_, slot)| cache.reclaimable(slot, written))
+        {
+            if let Some((_, old)) = lru.pop_lru() {
+                dropped.push(old.names);
+            }
+        }
+        drop(lru);
+        drop(dropped);
         true
     }
 
@@ -205,7 +308,21 @@ impl AttributionCache {
             return Lookup::Missing(AttributionGap::NoDnsSeen);
         };
         let now = self.clock.now();
-        match cache.ips.get(&ip) {
+        let seconds = cache.seconds();
+        let found = {
+            let mut lru = cache.lock();
+            // A lookup is a use. One not to be reclaimed, that is: a stale
+            // address stays where it is, on its way to the tail and reclaim.
+            match lru.peek(&ip) {
+                Some(slot) if !cache.reclaimable(slot, seconds) => {
+                    let names = slot.names.clone();
+                    lru.promote(&ip);
+                    Some(names)
+                }
+                _ => None,
+            }
+        };
+        match found {
             Some(entry) if entry.live(now).next().is_some() => Lookup::Found { entry, now },
             Some(_) => Lookup::Missing(AttributionGap::Expired),
             None if cache.evicted.contains(&ip) => Lookup::Missing(AttributionGap::Evicted),
@@ -218,9 +335,17 @@ impl AttributionCache {
         let Some(cache) = self.existing(sandbox) else {
             return Vec::new();
         };
+        let seconds = cache.seconds();
+        let all: Vec<(IpAddr, Arc<IpNames>)> = {
+            // `iter` reads without relinking: listing is not a use.
+            let lru = cache.lock();
+            lru.iter()
+                .filter(|(_, slot)| !cache.reclaimable(slot, seconds))
+                .map(|(ip, slot)| (*ip, slot.names.clone()))
+                .collect()
+        };
         let now = self.clock.now();
-        let mut out: Vec<_> = cache
-            .ips
+        let mut out: Vec<_> = all
             .iter()
             .map(|(ip, e)| {
                 let names: Vec<_> = e
@@ -242,9 +367,9 @@ impl AttributionCache {
         }
     }
 
-    /// Addresses cached over all sandboxes (a metric; approximate until maintenance runs).
+    /// Addresses cached over all sandboxes (a metric).
     pub fn entry_count(&self) -> u64 {
-        self.all().iter().map(|c| c.ips.entry_count()).sum()
+        self.all().iter().map(|c| c.lock().len() as u64).sum()
     }
 
     /// Addresses evicted for size since start (a metric).
@@ -257,10 +382,25 @@ impl AttributionCache {
         self.refused_sandboxes.load(Ordering::Relaxed)
     }
 
-    /// Runs pending maintenance (evictions), making counts exact.
+    /// Reclaims every address not written for `max_ttl` + 60 s (the size
+    /// bound is always exact; this only makes the reclaim exact too).
     pub fn sync(&self) {
         for c in self.all() {
-            c.ips.run_pending_tasks();
+            let seconds = c.seconds();
+            let mut dropped = Vec::new();
+            let mut lru = c.lock();
+            let stale: Vec<IpAddr> = lru
+                .iter()
+                .filter(|(_, slot)| c.reclaimable(slot, seconds))
+                .map(|(ip, _)| *ip)
+                .collect();
+            for ip in stale {
+                if let Some(old) = lru.pop(&ip) {
+                    dropped.push(old.names);
+                }
+            }
+            drop(lru);
+            drop(dropped);
         }
     }
 
@@ -309,23 +449,33 @@ impl SandboxCache {
         // Four slots per cached address: a flood is remembered as `evicted`
         // for about four cache-fulls of names, in 16 bytes per cached address.
         let slots = usize::try_from(config.per_sandbox_ips.saturating_mul(4)).unwrap_or(1 << 20);
-        let evicted = Arc::new(Ghosts::new(slots.clamp(1_024, 1 << 24)));
-        let ghost = evicted.clone();
-        let ips = moka::sync::Cache::builder()
-            .max_capacity(config.per_sandbox_ips)
-            // LRU, not TinyLFU: a fresh answer must always be admitted, or the
-            // connection that follows it would find no attribution.
-            .eviction_policy(moka::policy::EvictionPolicy::lru())
-            // Memory reclaim only: logical expiry is decided on the injected clock.
-            .time_to_live(config.max_ttl + Duration::from_secs(60))
-            .eviction_listener(move |ip: Arc<IpAddr>, _, cause| {
-                if cause == RemovalCause::Size {
-                    evictions.fetch_add(1, Ordering::Relaxed);
-                    ghost.insert(&ip);
-                }
-            })
-            .build();
-        Self { ips, evicted }
+        let capacity = usize::try_from(config.per_sandbox_ips).unwrap_or(usize::MAX);
+        Self {
+            // Unbounded, so the map grows with use rather than being sized for
+            // the bound up front: most sandboxes resolve a handful of names.
+            lru: Mutex::new(LruCache::unbounded()),
+            capacity,
+            evicted: Ghosts::new(slots.clamp(1_024, 1 << 24)),
+            origin: Instant::now(),
+            reclaim_after: (config.max_ttl + Duration::from_secs(60)).as_secs(),
+            evictions,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LruCache<IpAddr, Slot>> {
+        // Every update leaves the cache consistent before it can panic: the
+        // crate's operations are whole, and a merge only rewrites one entry.
+        self.lru.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whole seconds since `origin`.
+    fn seconds(&self) -> u64 {
+        self.origin.elapsed().as_secs()
+    }
+
+    /// Not written for `reclaim_after` at `seconds`: as good as gone.
+    fn reclaimable(&self, slot: &Slot, seconds: u64) -> bool {
+        slot.written.saturating_add(self.reclaim_after) <= seconds
     }
 }
 

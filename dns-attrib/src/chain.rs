@@ -27,15 +27,14 @@ pub struct Attribution {
 
 /// Extracts what `answer` attributes for `question`, or `None` when it binds no address.
 pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
-    let mut chain: Vec<Name> = vec![question.to_lowercase()];
+    // Compared case-insensitively; lower-cased only when made hostnames.
+    let mut chain: Vec<Name> = vec![question.clone()];
     let mut ttl = u32::MAX;
     // Follow CNAMEs from the question name, in whatever order the records come.
     while chain.len() <= MAX_CHAIN {
         let Some(current) = chain.last() else { break };
         let next = answer.answers.iter().find_map(|r| match &r.data {
-            RData::CNAME(target) if same_name(&r.name, current) => {
-                Some((target.0.to_lowercase(), r.ttl))
-            }
+            RData::CNAME(target) if same_name(&r.name, current) => Some((target.0.clone(), r.ttl)),
             _ => None,
         });
         let Some((target, t)) = next else { break };
@@ -66,7 +65,7 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
     for n in &chain {
         // A chain name that is not a hostname (`_svc.example`) can match no
         // domain rule; it is skipped, the rest of the chain still counts.
-        if let Ok(h) = Hostname::parse(&n.to_ascii()) {
+        if let Some(h) = hostname(n) {
             if !names.contains(&h) {
                 names.push(h);
             }
@@ -76,6 +75,28 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
         return None;
     }
     Some(Attribution { names, addrs, ttl })
+}
+
+/// `name` as a hostname (lower case, no trailing dot), or `None` when it is
+/// not one. A label with any byte but a letter, a digit or a hyphen is not
+/// (its presentation form would need an escape); the rest is
+/// [`Hostname::parse`]'s to judge. Built from the labels directly: no
+/// escaping pass, no lower-cased copy of the name.
+fn hostname(name: &Name) -> Option<Hostname> {
+    let mut s = String::with_capacity(name.len());
+    for label in name.iter() {
+        if !label
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || *b == b'-')
+        {
+            return None;
+        }
+        if !s.is_empty() {
+            s.push('.');
+        }
+        s.extend(label.iter().map(|b| char::from(b.to_ascii_lowercase())));
+    }
+    Hostname::parse(&s).ok()
 }
 
 /// Case-insensitive, ignoring the trailing root dot.

@@ -11,14 +11,16 @@
 //! UDP answer never exceeds the size the query allows.
 
 use std::collections::HashMap;
+use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::stream::{FuturesUnordered, StreamExt};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio::time::{timeout, Instant};
 
 use egress_policy::SandboxId;
@@ -101,6 +103,10 @@ struct SocketPool {
 struct PooledSocket {
     socket: UdpSocket,
     uses: u32,
+    /// Room for the largest answer, kept with the socket: allocated once
+    /// per socket rather than once per query, never zeroed, and only the
+    /// bytes an answer fills are ever touched.
+    buf: Vec<u8>,
 }
 
 /// Why no upstream answered.
@@ -161,39 +167,60 @@ impl DnsProxy {
     }
 
     /// Serves UDP queries on `socket`, standing in for `resolver`, until the task is dropped.
+    ///
+    /// Every admitted query is answered on this task, concurrently with the
+    /// others and with receiving: no task is spawned per query, so a query,
+    /// its upstream exchange and its answer never leave the thread that
+    /// received it. Past the in-flight bound the answer is SERVFAIL.
     pub async fn serve_udp(self: Arc<Self>, socket: UdpSocket, resolver: SocketAddr) {
-        let socket = Arc::new(socket);
         // A query larger than this is not a query a stub resolver sends; it
         // arrives cut short and answers FORMERR.
         let mut buf = vec![0u8; 4_096];
+        let mut answering = FuturesUnordered::new();
         loop {
-            let (len, src) = match socket.recv_from(&mut buf).await {
-                Ok(x) => x,
-                Err(e) => {
-                    // ICMP errors from earlier sends surface here on Linux; keep serving.
-                    tracing::debug!(error = %e, "dns udp receive");
-                    continue;
+            tokio::select! {
+                // Answers first: they free in-flight slots.
+                biased;
+                Some(()) = answering.next(), if !answering.is_empty() => {}
+                received = socket.recv_from(&mut buf) => {
+                    let (len, src) = match received {
+                        Ok(x) => x,
+                        Err(e) => {
+                            // ICMP errors from earlier sends surface here on Linux; keep serving.
+                            tracing::debug!(error = %e, "dns udp receive");
+                            continue;
+                        }
+                    };
+                    let query = &buf[..len];
+                    let Ok(permit) = self.in_flight.try_acquire() else {
+                        self.metrics.overloaded.inc();
+                        if let Some(resp) = error_reply(query, ResponseCode::ServFail) {
+                            let _ = socket.send_to(&resp, src).await;
+                        }
+                        continue;
+                    };
+                    answering.push(self.answer_udp(query.to_vec(), src, resolver, &socket, permit));
                 }
-            };
-            let query = buf[..len].to_vec();
-            let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
-                self.metrics.overloaded.inc();
-                if let Some(resp) = error_reply(&query, ResponseCode::ServFail) {
-                    let _ = socket.send_to(&resp, src).await;
-                }
-                continue;
-            };
-            let (this, socket) = (self.clone(), socket.clone());
-            tokio::spawn(async move {
-                if let Some(resp) = this
-                    .answer(&query, src.ip(), resolver, Transport::Udp)
-                    .await
-                {
-                    let _ = socket.send_to(&resp, src).await;
-                }
-                drop(permit);
-            });
+            }
         }
+    }
+
+    /// Answers one UDP query from `src` on `socket`; the permit is its in-flight slot.
+    async fn answer_udp(
+        &self,
+        query: Vec<u8>,
+        src: SocketAddr,
+        resolver: SocketAddr,
+        socket: &UdpSocket,
+        permit: SemaphorePermit<'_>,
+    ) {
+        if let Some(resp) = self
+            .answer(&query, src.ip(), resolver, Transport::Udp)
+            .await
+        {
+            let _ = socket.send_to(&resp, src).await;
+        }
+        drop(permit);
     }
 
     /// Serves DNS over TCP on `listener`, standing in for `resolver`, until the task is dropped.
@@ -396,6 +423,36 @@ impl Drop for SandboxSlot<'_> {
     }
 }
 
+// === impl PooledSocket ===
+
+impl PooledSocket {
+    /// A fresh socket connected to `upstream`, and whether `raw` was
+    /// already sent on it. A new socket is writable at once, but the runtime
+    /// learns that only at its next turn of the reactor, which a busy
+    /// listener may not take for a while: the first datagram goes out
+    /// before the socket is handed to the runtime.
+    fn open(upstream: SocketAddr, raw: &[u8]) -> io::Result<(Self, bool)> {
+        let local: SocketAddr = match upstream {
+            SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+            SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+        };
+        let socket = std::net::UdpSocket::bind(local)?;
+        socket.connect(upstream)?;
+        socket.set_nonblocking(true)?;
+        let sent = match socket.send(raw) {
+            Ok(_) => true,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+            Err(e) => return Err(e),
+        };
+        let pooled = Self {
+            socket: UdpSocket::from_std(socket)?,
+            uses: 0,
+            buf: Vec::with_capacity(MAX_MESSAGE),
+        };
+        Ok((pooled, sent))
+    }
+}
+
 // === impl SocketPool ===
 
 impl SocketPool {
@@ -412,32 +469,36 @@ impl SocketPool {
         limit: Duration,
     ) -> Result<(Vec<u8>, Message), UpstreamError> {
         let pooled = self.idle.lock().ok().and_then(|mut idle| idle.pop());
-        let mut pooled = match pooled {
-            Some(p) => p,
-            None => {
-                let local: SocketAddr = match upstream {
-                    SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-                    SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-                };
-                let socket = UdpSocket::bind(local).await?;
-                socket.connect(upstream).await?;
-                PooledSocket { socket, uses: 0 }
-            }
+        let (mut pooled, sent) = match pooled {
+            Some(p) => (p, false),
+            None => PooledSocket::open(upstream, raw)?,
         };
+        if pooled.uses > 0 {
+            // The last answer left the socket marked readable; left so, the
+            // first receive below would be a system call that only says
+            // "nothing yet". Nothing this query waits for can have arrived
+            // before it is sent, so forgetting that mark loses no wake-up; a
+            // stray datagram still queued is read (and skipped) along with
+            // the answer, whose arrival marks the socket readable again.
+            let _ = pooled.socket.try_io(Interest::READABLE, || {
+                Err::<(), _>(io::ErrorKind::WouldBlock.into())
+            });
+        }
         pooled.uses += 1;
-        pooled.socket.send(raw).await?;
+        if !sent {
+            pooled.socket.send(raw).await?;
+        }
         let deadline = Instant::now() + limit;
-        // Uninitialised capacity: nothing to zero, and the answer is copied
-        // out at its own size.
-        let mut buf = Vec::with_capacity(MAX_MESSAGE);
         loop {
-            buf.clear();
-            tokio::time::timeout_at(deadline, pooled.socket.recv_buf(&mut buf))
+            pooled.buf.clear();
+            tokio::time::timeout_at(deadline, pooled.socket.recv_buf(&mut pooled.buf))
                 .await
                 .map_err(|_| UpstreamError::Timeout)??;
-            if let Some(msg) = matching(&buf, query, question) {
+            if let Some(msg) = matching(&pooled.buf, query, question) {
+                // Copied out at its own size.
+                let bytes = pooled.buf.as_slice().to_vec();
                 self.put_back(pooled);
-                return Ok((buf.as_slice().to_vec(), msg));
+                return Ok((bytes, msg));
             }
         }
     }

@@ -498,6 +498,116 @@ async fn servfail_when_every_upstream_times_out() {
     assert!(names(&h, "a", "203.0.113.7").is_empty());
 }
 
+/// Sends `q` from a fresh socket bound to `src`, without waiting for the answer.
+async fn udp_send(h: &Harness, src: &str, q: &Message) -> UdpSocket {
+    let s = UdpSocket::bind((src.parse::<IpAddr>().expect("src"), 0))
+        .await
+        .expect("bind client");
+    s.send_to(&q.to_vec().expect("encode"), h.udp)
+        .await
+        .expect("send");
+    s
+}
+
+/// The answer on `s`, if one comes within `within`.
+async fn udp_answer(s: &UdpSocket, within: Duration) -> Option<Message> {
+    let mut buf = vec![0u8; 65_535];
+    let (n, _) = tokio::time::timeout(within, s.recv_from(&mut buf))
+        .await
+        .ok()?
+        .expect("recv");
+    Some(Message::from_vec(&buf[..n]).expect("parses"))
+}
+
+#[tokio::test]
+async fn in_flight_queries_are_bounded_per_sandbox_and_in_total() {
+    let (silent_addr, _sock) = silent().await;
+    let h = harness(
+        move |pc, _| {
+            pc.upstreams = vec![silent_addr];
+            pc.upstream_timeout = Duration::from_millis(1_500);
+            pc.max_in_flight = 3;
+            pc.max_in_flight_per_sandbox = 2;
+        },
+        false,
+    )
+    .await;
+    let q = |n: &str| query(n, RecordType::A, None);
+    // A's first two wait on the silent upstream.
+    let a1 = udp_send(&h, SANDBOX_A, &q("n1.flood.test.")).await;
+    let a2 = udp_send(&h, SANDBOX_A, &q("n2.flood.test.")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    // A third from A is past A's bound: SERVFAIL at once.
+    let (_, m) = udp(&h, SANDBOX_A, &q("n3.flood.test.")).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    // While two queries wait, the listener still answers at once what needs
+    // no upstream.
+    let (_, m) = udp(&h, "127.0.0.9", &q("api.test.")).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::Refused);
+    // B's first fits in the total of three; anything more does not, whoever
+    // sends it.
+    let b1 = udp_send(&h, SANDBOX_B, &q("n4.flood.test.")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for src in [SANDBOX_B, "127.0.0.9"] {
+        let (_, m) = udp(&h, src, &q("n5.flood.test.")).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::ServFail, "{src}");
+    }
+    assert_eq!(h.proxy.metrics().overloaded.get(), 3);
+    assert!(
+        started.elapsed() < Duration::from_millis(1_000),
+        "nothing above waited on the upstream: {:?}",
+        started.elapsed()
+    );
+    // The waiting ones end when the upstream times out, and free their slots.
+    for s in [a1, a2, b1] {
+        let m = udp_answer(&s, Duration::from_secs(3))
+            .await
+            .expect("answered");
+        assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    }
+    assert_eq!(h.proxy.metrics().upstream_failures.get(), 3);
+    let a3 = udp_send(&h, SANDBOX_A, &q("n6.flood.test.")).await;
+    let a4 = udp_send(&h, SANDBOX_A, &q("n7.flood.test.")).await;
+    for s in [a3, a4] {
+        let m = udp_answer(&s, Duration::from_secs(3))
+            .await
+            .expect("answered");
+        assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    }
+    assert_eq!(h.proxy.metrics().overloaded.get(), 3, "room again");
+    assert_eq!(h.proxy.metrics().upstream_failures.get(), 5);
+}
+
+#[tokio::test]
+async fn concurrent_queries_are_answered_concurrently() {
+    let h = harness(|_, _| {}, false).await;
+    let mut sockets = Vec::new();
+    // 50 per sandbox: within the per-sandbox bound of 64.
+    for i in 0..100u32 {
+        let src = if i % 2 == 0 { SANDBOX_A } else { SANDBOX_B };
+        let s = udp_send(
+            &h,
+            src,
+            &query(&format!("n{i}.flood.test."), RecordType::A, None),
+        )
+        .await;
+        sockets.push((i, s));
+    }
+    for (i, s) in sockets {
+        let m = udp_answer(&s, Duration::from_secs(3))
+            .await
+            .expect("answered");
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(m.queries[0].name.to_string(), format!("n{i}.flood.test."));
+        let sandbox = if i % 2 == 0 { "a" } else { "b" };
+        let ip = Ipv4Addr::from(0xc633_0000 + i).to_string();
+        assert_eq!(names(&h, sandbox, &ip), [format!("n{i}.flood.test")]);
+    }
+    assert_eq!(h.proxy.metrics().answers.get(), 100);
+    assert_eq!(h.proxy.metrics().overloaded.get(), 0);
+}
+
 #[tokio::test]
 async fn a_silent_upstream_is_skipped_for_the_next() {
     let h = harness(|_, _| {}, true).await;

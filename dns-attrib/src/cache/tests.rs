@@ -217,3 +217,76 @@ fn entries_list_live_names_with_remaining_ttl() {
     assert_eq!(e[0].1, [(h("api.test"), Duration::from_secs(100))]);
     assert!(cache.entries(&SandboxId::new("nobody")).is_empty());
 }
+
+#[test]
+fn the_least_recently_used_address_goes_first_and_a_lookup_is_a_use() {
+    let config = CacheConfig {
+        per_sandbox_ips: 3,
+        ..CacheConfig::default()
+    };
+    let (_clock, cache) = setup(config);
+    let sb = SandboxId::new("a");
+    for (n, a) in [
+        ("one.test", "203.0.113.1"),
+        ("two.test", "203.0.113.2"),
+        ("three.test", "203.0.113.3"),
+    ] {
+        cache.record(&sb, &attr(&[n], &[a], 60));
+    }
+    // .1 is read, so .2 is now the least recently used.
+    assert_eq!(live(&cache, &sb, "203.0.113.1"), ["one.test"]);
+    cache.record(&sb, &attr(&["four.test"], &["203.0.113.4"], 60));
+    assert_eq!(cache.entry_count(), 3);
+    assert_eq!(cache.evictions(), 1);
+    assert_eq!(
+        cache.names_for(&sb, ip("203.0.113.2")).gap(),
+        AttributionGap::Evicted
+    );
+    for (n, a) in [
+        ("one.test", "203.0.113.1"),
+        ("three.test", "203.0.113.3"),
+        ("four.test", "203.0.113.4"),
+    ] {
+        assert_eq!(live(&cache, &sb, a), [n]);
+    }
+    // Written again, an address is used again: .1 is now the oldest use.
+    cache.record(&sb, &attr(&["three.test"], &["203.0.113.3"], 60));
+    cache.record(&sb, &attr(&["two.test"], &["203.0.113.2"], 60));
+    assert_eq!(
+        cache.names_for(&sb, ip("203.0.113.1")).gap(),
+        AttributionGap::Evicted
+    );
+    assert_eq!(
+        live(&cache, &sb, "203.0.113.2"),
+        ["two.test"],
+        "no longer a ghost"
+    );
+    assert_eq!(cache.evictions(), 2);
+}
+
+#[test]
+fn a_lookup_keeps_its_snapshot_while_the_address_is_recorded_again() {
+    let (clock, cache) = setup(CacheConfig::default());
+    let sb = SandboxId::new("a");
+    cache.record(&sb, &attr(&["a.test"], &["203.0.113.7"], 60));
+    let held = cache.names_for(&sb, ip("203.0.113.7"));
+    // Merged into a copy: the held lookup still reads what it found.
+    cache.record(&sb, &attr(&["b.test"], &["203.0.113.7"], 60));
+    assert_eq!(held.names().len(), 1);
+    assert_eq!(held.names()[0], h("a.test"));
+    drop(held);
+    // Nobody holds it now: merged in place.
+    cache.record(&sb, &attr(&["c.test"], &["203.0.113.7"], 120));
+    assert_eq!(
+        live(&cache, &sb, "203.0.113.7"),
+        ["a.test", "b.test", "c.test"]
+    );
+    // In place, expired names are dropped as well.
+    clock.advance(Duration::from_secs(90));
+    cache.record(&sb, &attr(&["d.test"], &["203.0.113.7"], 60));
+    assert_eq!(live(&cache, &sb, "203.0.113.7"), ["c.test", "d.test"]);
+    assert!(matches!(
+        cache.names_for(&sb, ip("203.0.113.7")).names(),
+        Cow::Borrowed(_)
+    ));
+}

@@ -123,3 +123,29 @@ fn non_hostname_chain_names_are_skipped_and_other_rdata_ignored() {
     let got = attribution(&n("_svc.api.test."), &m).expect("attributes");
     assert_eq!(names(&got), ["api.test"]);
 }
+
+#[test]
+fn names_whose_labels_need_escaping_or_read_as_addresses_are_skipped() {
+    let raw = |labels: &[&[u8]]| Name::from_labels(labels.iter().copied()).expect("labels");
+    let odd = [
+        raw(&[b"a.b", b"test"]),
+        raw(&[b"sp ace", b"test"]),
+        raw(&[b"caf\xc3\xa9", b"test"]),
+        raw(&[b"-edge", b"test"]),
+        raw(&[b"10", b"0", b"0", b"1"]),
+    ];
+    for name in odd {
+        let mut m = answer(vec![a("api.test.", 30, "203.0.113.7")]);
+        m.add_answer(Record::from_rdata(
+            name.clone(),
+            30,
+            RData::CNAME(CNAME(n("api.test."))),
+        ));
+        let got = attribution(&name, &m).expect("the rest of the chain still counts");
+        assert_eq!(names(&got), ["api.test"], "{name:?}");
+    }
+    // Letters, digits and inner hyphens, in any case: lower-cased.
+    let m = answer(vec![a("Xn--Bcher-Kva.Example.", 30, "203.0.113.8")]);
+    let got = attribution(&n("XN--bcher-kva.example."), &m).expect("attributes");
+    assert_eq!(names(&got), ["xn--bcher-kva.example"]);
+}
