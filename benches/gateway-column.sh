@@ -11,7 +11,8 @@
 # is in $1/gateway.pid.  Knobs: GW_WORKERS (limits.worker_threads, default 1:
 # one event loop, as Squid and mitmproxy run), GW_FLOW_LOG (off, the default;
 # "file" = $1/flows.jsonl; or any value log.flow_log takes), GW_ADMIN_PORT
-# (15000), GW_MAX_HEAD (limits.max_request_head).
+# (15000), GW_MAX_HEAD (limits.max_request_head), GW_KERNEL_SPLICE
+# (splice.kernel: off, the default, or on).
 set -euo pipefail
 state=$1
 bin=$2
@@ -35,6 +36,8 @@ worker_threads = ${GW_WORKERS:-1}
 max_request_head = ${GW_MAX_HEAD:-65536}
 [log]
 flow_log = "$flow_log"
+[splice]
+kernel = "${GW_KERNEL_SPLICE:-off}"
 EOF
 export RUST_LOG=${RUST_LOG:-warn}
 # Two descriptors per spliced flow: room for benches/idle-rss.sh.

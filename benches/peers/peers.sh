@@ -3,7 +3,7 @@
 # each listens and which certificate issuer the client must see through it.
 #
 #   peers.sh start COLUMN       mitmproxy | squid-bump | squid-splice | gateway | gateway-ro |
-#                               gateway-log (direct: nothing to start)
+#                               gateway-log | gateway-kernel (direct: nothing to start)
 #   peers.sh stop COLUMN
 #   peers.sh ports COLUMN       "direct" or "TLS_PORT HTTP_PORT" (arguments of topo.sh mode)
 #   peers.sh issuer COLUMN      issuer CN the client sees through the column
@@ -13,8 +13,9 @@
 # target/release/egress-gateway), and the knobs of ../gateway-column.sh
 # (GW_WORKERS, GW_FLOW_LOG, ...).  Two variants run beside it as columns of
 # their own, on their own ports: gateway-ro (the origin's name under a
-# read_only per-request rule, judged on every request) and gateway-log (the
-# flow log on, to a file).  MITM_EXTRA_ARGS is appended to mitmdump's
+# read_only per-request rule, judged on every request), gateway-log (the
+# flow log on, to a file) and gateway-kernel (splice.kernel = on, the
+# experimental kernel splice: spliced flows moved by the kernel).  MITM_EXTRA_ARGS is appended to mitmdump's
 # command line; SQUID_ACCESS_LOG=1 turns Squid's access log on (off, like
 # mitmdump -q and the gateway's flow log, by default).
 set -euo pipefail
@@ -106,11 +107,12 @@ gw_port() {
         gateway) echo "$GATEWAY_PORT" ;;
         gateway-ro) echo $((GATEWAY_PORT + 1)) ;;
         gateway-log) echo $((GATEWAY_PORT + 2)) ;;
+        gateway-kernel) echo $((GATEWAY_PORT + 3)) ;;
     esac
 }
 
 start_gateway() {
-    local col=$1 state=$EB_RUN/$1 policy flow_log=${GW_FLOW_LOG:-off}
+    local col=$1 state=$EB_RUN/$1 policy flow_log=${GW_FLOW_LOG:-off} kernel=${GW_KERNEL_SPLICE:-off}
     [ -x "$GW_BIN" ] || eb_die "no gateway binary at $GW_BIN (cargo build --release -p egress-gateway)"
     eb_stop "peer-$col"
     rm -rf "$state"
@@ -126,13 +128,15 @@ start_gateway() {
         # exemption would not splice them) and each is judged.
         gateway-ro) policy=${policy/'"allow": ['/'"allow": [{"domain": "'"$ORIGIN_HOST"'", "http": "read_only"}, '} ;;
         gateway-log) flow_log=file ;;
+        # The kernel splice (experimental): spliced flows moved by the kernel.
+        gateway-kernel) kernel=on ;;
     esac
     # The client's sandbox, as the controller pushes it.
     printf '{"addresses": ["%s"], "policy": %s}\n' "$CL_IP" "$policy" > "$state/sandbox.json"
     local port admin
     port=$(gw_port "$col")
     admin=$((GW_ADMIN_PORT + port - GATEWAY_PORT))
-    EB_LISTEN_PORT=$port EB_UPSTREAM_CA=$ORIGIN_CA_CRT GW_ADMIN_PORT=$admin GW_FLOW_LOG=$flow_log \
+    EB_LISTEN_PORT=$port EB_UPSTREAM_CA=$ORIGIN_CA_CRT GW_ADMIN_PORT=$admin GW_FLOW_LOG=$flow_log GW_KERNEL_SPLICE=$kernel \
         eb_spawn "peer-$col" "$NS_GW" "$EB_ROOT/benches/gateway-column.sh" "$state" "$GW_BIN"
     for _ in $(seq 200); do
         [ -e "$state/ready" ] && break
@@ -149,7 +153,7 @@ ports() {
         mitmproxy) echo "$MITM_PORT $MITM_PORT" ;;
         squid-bump) echo "$SQUID_BUMP_PORT $SQUID_BUMP_HTTP_PORT" ;;
         squid-splice) echo "$SQUID_SPLICE_PORT $SQUID_SPLICE_HTTP_PORT" ;;
-        gateway|gateway-ro|gateway-log) echo "$(gw_port "$1") $(gw_port "$1")" ;;
+        gateway|gateway-ro|gateway-log|gateway-kernel) echo "$(gw_port "$1") $(gw_port "$1")" ;;
         *) eb_die "unknown column $1" ;;
     esac
 }
@@ -162,7 +166,7 @@ issuer() {
             # Never spliced: its requests are judged.
             openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                 | awk -F' = ' '/commonName/ {print $2; exit}' ;;
-        gateway|gateway-log)
+        gateway|gateway-log|gateway-kernel)
             if [ "$MODE" = splice ]; then echo "$ORIGIN_CA_CN"; else
                 openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                     | awk -F' = ' '/commonName/ {print $2; exit}'
@@ -176,7 +180,7 @@ case ${1:-}:${2:-} in
     start:mitmproxy) start_mitmproxy ;;
     start:squid-bump) start_squid bump ;;
     start:squid-splice) start_squid splice ;;
-    start:gateway|start:gateway-ro|start:gateway-log) start_gateway "$2" ;;
+    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel) start_gateway "$2" ;;
     stop:mitmproxy|stop:squid-bump|stop:squid-splice|stop:gateway*) eb_stop "peer-$2" ;;
     ports:?*) ports "$2" ;;
     issuer:?*) issuer "$2" ;;

@@ -22,6 +22,30 @@ pub struct Config {
     pub log: Log,
     pub admin: Admin,
     pub machine_egress: MachineEgressConfig,
+    pub splice: Splice,
+}
+
+/// How spliced flows move their bytes.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Splice {
+    /// `off` (the default): the gateway copies them. `on`, experimental:
+    /// the kernel moves them (sockmap and an `sk_skb` program, loaded at
+    /// start), or the gateway where the program cannot be loaded (said once
+    /// in the log); `egress_spliced_flows_total{path}` counts each. Not for
+    /// untrusted sandboxes yet: the kernel's redirect has no back-pressure
+    /// of its own, and a reader that stops can make the gateway's kernel
+    /// hold without bound what its peer sends (docs/architecture.md).
+    pub kernel: KernelSplice,
+}
+
+/// See [`Splice::kernel`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelSplice {
+    #[default]
+    Off,
+    On,
 }
 
 /// Machine egress: the L4 policy of user-mode VMs, enforced in nftables
@@ -181,6 +205,7 @@ impl Default for Config {
             log: Log::default(),
             admin: Admin::default(),
             machine_egress: MachineEgressConfig::default(),
+            splice: Splice::default(),
         }
     }
 }
@@ -452,6 +477,7 @@ struct RestartOnly<'a> {
     limits: RestartLimits,
     log: &'a Log,
     machine_egress: &'a MachineEgressConfig,
+    splice: &'a Splice,
 }
 
 #[derive(Debug, PartialEq, Serialize)]
@@ -486,6 +512,7 @@ impl Config {
             },
             log: &self.log,
             machine_egress: &self.machine_egress,
+            splice: &self.splice,
         }
     }
 

@@ -48,6 +48,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::client("non_http"),
     Fault::client("http"),
     Fault::gateway("idle_timeout"),
+    Fault::gateway("splice_backlog"),
 ];
 
 impl Fault {
@@ -73,6 +74,8 @@ impl Fault {
     }
 
     pub(crate) const IDLE_TIMEOUT: Self = Self::gateway("idle_timeout");
+    /// A kernel-spliced flow, half-closed, whose reader fell too far behind.
+    pub(crate) const SPLICE_BACKLOG: Self = Self::gateway("splice_backlog");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
     pub(crate) const HEAD_TIMEOUT: Self = Self::client("head_timeout");
     pub(crate) const BAD_REQUEST: Self = Self::client("bad_request");

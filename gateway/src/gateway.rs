@@ -154,9 +154,10 @@ impl Gateway {
         metrics.machines(machines.clone());
         metrics.flow_log(flow_log.dropped());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
-        let dp = Arc::new(Dataplane::new(
-            config, registry, cache, flow_log, metrics, orig_dst,
-        ));
+        let kernel = crate::ksplice::load(config.splice.kernel);
+        let mut dp = Dataplane::new(config, registry, cache, flow_log, metrics, orig_dst);
+        dp.kernel = kernel;
+        let dp = Arc::new(dp);
         dp.reload_secrets();
         let mut gateway = Self {
             dp,

@@ -18,6 +18,7 @@ mod gateway;
 mod intercept;
 mod io;
 pub mod journal;
+mod ksplice;
 pub mod machine;
 mod metrics;
 pub mod peek;

@@ -60,6 +60,14 @@ pub(crate) struct Metrics {
     pub(crate) requests_would_deny: Family<CodeLabels, Counter>,
     /// Credential values put in place of a placeholder.
     pub(crate) credentials_injected: Counter,
+    /// Spliced flows, by who moved their bytes.
+    pub(crate) spliced: Family<PathLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct PathLabels {
+    /// `kernel` or `user`.
+    pub(crate) path: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -97,6 +105,7 @@ impl Metrics {
             requests_denied: Family::default(),
             requests_would_deny: Family::default(),
             credentials_injected: Counter::default(),
+            spliced: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -159,6 +168,14 @@ impl Metrics {
             "Host-bound credential values put in place of a placeholder (or added) on requests to their hosts",
             m.credentials_injected.clone(),
         );
+        r.register(
+            "spliced_flows",
+            "Spliced flows ended, by who moved the bytes: kernel (sockmap), or user (the gateway's copy: splice.kernel off, the program not loadable, or the flow could not join the map)",
+            m.spliced.clone(),
+        );
+        for path in ["kernel", "user"] {
+            let _ = m.spliced.get_or_create(&PathLabels { path });
+        }
         for code in egress_policy::RequestCode::CODES
             .iter()
             .chain(crate::credentials::Refusal::CODES)

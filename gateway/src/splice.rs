@@ -54,9 +54,30 @@ pub(crate) async fn splice_to(
             .fault(Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP));
         return Err(format!("upstream_write: {e}"));
     }
+    let (client, origin) = match &dp.kernel {
+        Some(kernel) => match crate::ksplice::splice(kernel, client, origin, timeouts.idle).await {
+            Ok(moved) => {
+                count(dp, "kernel");
+                return Ok(moved);
+            }
+            Err((client, origin, e)) => {
+                tracing::debug!(error = %e, "flow not joined to the kernel splice; copied");
+                (client, origin)
+            }
+        },
+        None => (client, origin),
+    };
+    count(dp, "user");
     let mut moved = splice(client, origin, timeouts.idle).await;
     moved.up += peeked.len() as u64;
     Ok(moved)
+}
+
+fn count(dp: &Dataplane, path: &'static str) {
+    dp.metrics
+        .spliced
+        .get_or_create(&crate::metrics::PathLabels { path })
+        .inc();
 }
 
 /// Copies until both directions have closed, an error, or `idle` passes quietly.

@@ -31,6 +31,8 @@ pub struct Dataplane {
     pub(crate) ready: AtomicBool,
     /// The values of the sandboxes' host-bound credentials.
     pub(crate) secrets: crate::credentials::Secrets,
+    /// The in-kernel splice, where it could be loaded (`splice.kernel`).
+    pub(crate) kernel: Option<crate::ksplice::KernelSplice>,
 }
 
 impl Dataplane {
@@ -51,6 +53,7 @@ impl Dataplane {
             orig_dst,
             ready: AtomicBool::new(false),
             secrets: crate::credentials::Secrets::default(),
+            kernel: None,
         }
     }
 
