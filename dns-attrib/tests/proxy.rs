@@ -888,7 +888,11 @@ async fn a_million_name_flood_stays_bounded_and_says_evicted() {
         "the newest is cached"
     );
     if total > 100_000 {
-        let window = (total - 80_000)..(total - 70_000);
+        // 25,000 to 35,000 evictions ago, by name number: 32 workers
+        // resolve side by side, one may run a few thousand names behind
+        // another, so nearer the cache's edge a name's number says little
+        // of when it was evicted.
+        let window = (total - 100_000)..(total - 90_000);
         let evicted = window
             .filter(|n| cache.names_for(&a, ip(*n)).gap() == AttributionGap::Evicted)
             .count();
