@@ -153,9 +153,14 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let service_conn = conn.clone();
+    // Boxed: hyper keeps a slot for the service's future for the whole
+    // connection, sized for it; the request's future (~9 kB, the upstream
+    // connect inline) then exists only while a request is in flight, and an
+    // idle connection holds a pointer (benches/RESULTS.md, Scale).
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let conn = service_conn.clone();
-        async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) }
+        Box::pin(async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) })
+            as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
     });
     let config = conn.dp.config();
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
@@ -540,7 +545,18 @@ impl Conn {
             };
             let sender = match self.up.pool.take(&key) {
                 Some(s) => s,
-                None => self.connect(verify_as, true).await?,
+                None => {
+                    let fresh = self.connect(verify_as, true).await?;
+                    // An HTTP/2 connection multiplexes: pooled at once, the
+                    // sandbox's other client connections to the same
+                    // destination and name take it, instead of each idle
+                    // client connection pinning an upstream connection of
+                    // its own. The key holds the sandbox: never another's.
+                    if let Sender::H2(h2) = &fresh {
+                        self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
+                    }
+                    fresh
+                }
             };
             *guard = Some((key, sender));
         }
