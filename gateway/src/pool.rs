@@ -1,4 +1,10 @@
-//! Idle upstream connections, shared across one sandbox's client connections.
+//! Upstream connections, shared across one sandbox's client connections.
+//!
+//! An HTTP/1.1 connection enters the pool when its client connection is
+//! done with it. An HTTP/2 connection enters it as it is made: it
+//! multiplexes, so the sandbox's other client connections to the same
+//! destination and name take a clone rather than each pinning one of its
+//! own (an idle intercepted connection then holds no upstream connection).
 //!
 //! A connection is pooled under its sandbox, the original destination *and*
 //! the name its certificate was verified for: a request is only ever sent
