@@ -67,12 +67,13 @@ pub(crate) async fn splice_to(
         },
         None => (client, origin),
     };
-    count(dp, "user");
     let mut moved = splice(client, origin, timeouts.idle).await;
+    count(dp, "user");
     moved.up += peeked.len() as u64;
     Ok(moved)
 }
 
+/// Counts an ended spliced flow by who moved its bytes.
 fn count(dp: &Dataplane, path: &'static str) {
     dp.metrics
         .spliced
@@ -163,11 +164,12 @@ async fn pump(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tokio::net::TcpListener;
 
-    async fn pair() -> (TcpStream, TcpStream) {
+    /// A connected pair of loopback sockets (the kernel path's tests use it too).
+    pub(crate) async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let a = TcpStream::connect(l.local_addr().expect("addr"))
             .await

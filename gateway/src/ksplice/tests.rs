@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
+
+use crate::splice::tests::pair;
 
 use super::*;
 
@@ -21,15 +23,6 @@ fn kernel() -> Option<&'static KernelSplice> {
             None
         }
     }
-}
-
-async fn pair() -> (TcpStream, TcpStream) {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let a = TcpStream::connect(l.local_addr().expect("addr"))
-        .await
-        .expect("connect");
-    let (b, _) = l.accept().await.expect("accept");
-    (a, b)
 }
 
 /// A joined flow's task, and the far ends: the client's and the origin's.
