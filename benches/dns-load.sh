@@ -17,7 +17,9 @@
 # `dnsdist`, when installed) listens on 127.0.0.1:25054 with that upstream as
 # its only server: no cache, no console, no web server, no carbon, no
 # security polling. `gateway2` is the gateway with two worker threads
-# (127.0.0.1:25056); `gateway-base` is $BASE_GW (127.0.0.1:25055).
+# (127.0.0.1:25056), `gateway-pc` the same two threads with a runtime and a
+# SO_REUSEPORT socket each (limits.thread_per_core, 127.0.0.1:25057);
+# `gateway-base` is $BASE_GW (127.0.0.1:25055).
 # Every query asks for a name not asked before; the same generator and the
 # same names for every path. Latency: one query outstanding; throughput:
 # CONC (32) outstanding. The order of the paths rotates from round to round.
@@ -53,7 +55,7 @@ pids+=($!)
 
 # gateway NAME BINARY DNS_PORT ADMIN_PORT WORKERS
 gateway() {
-    local name=$1 bin=$2 port=$3 admin=$4 workers=$5 dir=$state/$1
+    local name=$1 bin=$2 port=$3 admin=$4 workers=$5 per_core=${6:-false} dir=$state/$1
     mkdir -p "$dir"
     printf '{"version": 1, "sandboxes": [{"id": "dns-bench", "addresses": ["%s"], "policy": %s}]}\n' "$sandbox" \
         '{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.bench.test"}]}' > "$dir/snapshot.json"
@@ -68,6 +70,7 @@ admin = "127.0.0.1:$admin"
 upstreams = ["$up_addr"]
 [limits]
 worker_threads = $workers
+thread_per_core = $per_core
 [log]
 flow_log = "off"
 EOF
@@ -103,6 +106,7 @@ for p in "${peers[@]}"; do
         direct) ;;
         gateway) gateway gateway "$gw" 25053 25000 "${GW_WORKERS:-1}" ;;
         gateway2) gateway gateway2 "$gw" 25056 25002 2 ;;
+        gateway-pc) gateway gateway-pc "$gw" 25057 25003 2 true ;;
         gateway-base) gateway gateway-base "${BASE_GW:?BASE_GW names the other gateway binary}" 25055 25001 "${GW_WORKERS:-1}" ;;
         dnsdist) dnsdist_start ;;
         *) echo "dns-load.sh: unknown path $p" >&2; exit 2 ;;

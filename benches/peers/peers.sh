@@ -3,7 +3,8 @@
 # each listens and which certificate issuer the client must see through it.
 #
 #   peers.sh start COLUMN       mitmproxy | squid-bump | squid-splice | gateway | gateway-ro |
-#                               gateway-log | gateway-kernel (direct: nothing to start)
+#                               gateway-log | gateway-kernel | gateway-2 | gateway-pc
+#                               (direct: nothing to start)
 #   peers.sh stop COLUMN
 #   peers.sh ports COLUMN       "direct" or "TLS_PORT HTTP_PORT" (arguments of topo.sh mode)
 #   peers.sh issuer COLUMN      issuer CN the client sees through the column
@@ -14,8 +15,11 @@
 # (GW_WORKERS, GW_FLOW_LOG, ...).  Two variants run beside it as columns of
 # their own, on their own ports: gateway-ro (the origin's name under a
 # read_only per-request rule, judged on every request), gateway-log (the
-# flow log on, to a file) and gateway-kernel (splice.kernel = on, the
-# experimental kernel splice: spliced flows moved by the kernel).  MITM_EXTRA_ARGS is appended to mitmdump's
+# flow log on, to a file), gateway-kernel (splice.kernel = on, the
+# experimental kernel splice: spliced flows moved by the kernel), gateway-2
+# (two worker threads on one work-stealing runtime) and gateway-pc (two
+# worker threads, one runtime and one set of SO_REUSEPORT listeners each:
+# limits.thread_per_core).  MITM_EXTRA_ARGS is appended to mitmdump's
 # command line; SQUID_ACCESS_LOG=1 turns Squid's access log on (off, like
 # mitmdump -q and the gateway's flow log, by default).
 set -euo pipefail
@@ -108,11 +112,14 @@ gw_port() {
         gateway-ro) echo $((GATEWAY_PORT + 1)) ;;
         gateway-log) echo $((GATEWAY_PORT + 2)) ;;
         gateway-kernel) echo $((GATEWAY_PORT + 3)) ;;
+        gateway-2) echo $((GATEWAY_PORT + 4)) ;;
+        gateway-pc) echo $((GATEWAY_PORT + 5)) ;;
     esac
 }
 
 start_gateway() {
     local col=$1 state=$EB_RUN/$1 policy flow_log=${GW_FLOW_LOG:-off} kernel=${GW_KERNEL_SPLICE:-off}
+    local workers=${GW_WORKERS:-1} per_core=${GW_PER_CORE:-false}
     [ -x "$GW_BIN" ] || eb_die "no gateway binary at $GW_BIN (cargo build --release -p egress-gateway)"
     eb_stop "peer-$col"
     rm -rf "$state"
@@ -130,6 +137,9 @@ start_gateway() {
         gateway-log) flow_log=file ;;
         # The kernel splice (experimental): spliced flows moved by the kernel.
         gateway-kernel) kernel=on ;;
+        # One thread or two: shared by a work-stealing runtime, or one per core.
+        gateway-2) workers=2 ;;
+        gateway-pc) workers=2 per_core=true ;;
     esac
     # The client's sandbox, as the controller pushes it.
     printf '{"addresses": ["%s"], "policy": %s}\n' "$CL_IP" "$policy" > "$state/sandbox.json"
@@ -137,6 +147,7 @@ start_gateway() {
     port=$(gw_port "$col")
     admin=$((GW_ADMIN_PORT + port - GATEWAY_PORT))
     EB_LISTEN_PORT=$port EB_UPSTREAM_CA=$ORIGIN_CA_CRT GW_ADMIN_PORT=$admin GW_FLOW_LOG=$flow_log GW_KERNEL_SPLICE=$kernel \
+        GW_WORKERS=$workers GW_PER_CORE=$per_core \
         eb_spawn "peer-$col" "$NS_GW" "$EB_ROOT/benches/gateway-column.sh" "$state" "$GW_BIN"
     for _ in $(seq 200); do
         [ -e "$state/ready" ] && break
@@ -153,7 +164,7 @@ ports() {
         mitmproxy) echo "$MITM_PORT $MITM_PORT" ;;
         squid-bump) echo "$SQUID_BUMP_PORT $SQUID_BUMP_HTTP_PORT" ;;
         squid-splice) echo "$SQUID_SPLICE_PORT $SQUID_SPLICE_HTTP_PORT" ;;
-        gateway|gateway-ro|gateway-log|gateway-kernel) echo "$(gw_port "$1") $(gw_port "$1")" ;;
+        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc) echo "$(gw_port "$1") $(gw_port "$1")" ;;
         *) eb_die "unknown column $1" ;;
     esac
 }
@@ -166,7 +177,7 @@ issuer() {
             # Never spliced: its requests are judged.
             openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                 | awk -F' = ' '/commonName/ {print $2; exit}' ;;
-        gateway|gateway-log|gateway-kernel)
+        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc)
             if [ "$MODE" = splice ]; then echo "$ORIGIN_CA_CN"; else
                 openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                     | awk -F' = ' '/commonName/ {print $2; exit}'
@@ -180,7 +191,7 @@ case ${1:-}:${2:-} in
     start:mitmproxy) start_mitmproxy ;;
     start:squid-bump) start_squid bump ;;
     start:squid-splice) start_squid splice ;;
-    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel) start_gateway "$2" ;;
+    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel|start:gateway-2|start:gateway-pc) start_gateway "$2" ;;
     stop:mitmproxy|stop:squid-bump|stop:squid-splice|stop:gateway*) eb_stop "peer-$2" ;;
     ports:?*) ports "$2" ;;
     issuer:?*) issuer "$2" ;;

@@ -86,7 +86,8 @@ pub struct DnsProxy {
     admission: Arc<dyn QueryAdmission>,
     metrics: Arc<DnsMetrics>,
     in_flight: Arc<Semaphore>,
-    per_sandbox: Mutex<HashMap<SandboxId, usize>>,
+    /// Shared with every [`DnsProxy::sibling`], so the bound holds over all of them.
+    per_sandbox: Arc<Mutex<HashMap<SandboxId, usize>>>,
     /// One per upstream, in the order of `config.upstreams`.
     sockets: Vec<SocketPool>,
 }
@@ -154,7 +155,23 @@ impl DnsProxy {
             cache,
             admission,
             metrics: Arc::new(DnsMetrics::default()),
-            per_sandbox: Mutex::new(HashMap::new()),
+            per_sandbox: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    /// A proxy for another thread's listeners: the same cache, admission,
+    /// metrics and in-flight bounds (global and per sandbox), with upstream
+    /// sockets of its own, so a query is received, resolved and answered on
+    /// one thread and its sockets register with that thread's runtime only.
+    pub fn sibling(&self) -> Arc<Self> {
+        Arc::new(Self {
+            config: self.config.clone(),
+            cache: self.cache.clone(),
+            admission: self.admission.clone(),
+            metrics: self.metrics.clone(),
+            in_flight: self.in_flight.clone(),
+            per_sandbox: self.per_sandbox.clone(),
+            sockets: self.sockets.iter().map(|_| SocketPool::default()).collect(),
         })
     }
 

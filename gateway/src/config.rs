@@ -163,6 +163,13 @@ pub struct Limits {
     /// where the gateway shares a couple of cores with the sandboxes, 1 costs
     /// 10–20% less CPU per request (benches/RESULTS.md).
     pub worker_threads: usize,
+    /// `false` (the default): one work-stealing runtime with
+    /// `worker_threads` threads and one listener of each kind. `true`: one
+    /// single-threaded runtime per worker thread, each with its own
+    /// `SO_REUSEPORT` transparent and DNS listeners and its own upstream
+    /// pool, so a flow's tasks never cross threads; the control API runs on
+    /// a thread of its own.
+    pub thread_per_core: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -312,6 +319,17 @@ const MIN_REQUEST_HEAD: usize = 8 * 1024;
 /// Heads larger than this are a memory risk, not a request.
 const MAX_REQUEST_HEAD: usize = 1024 * 1024;
 
+impl Limits {
+    /// The worker threads: `worker_threads`, or with 0 one per CPU the
+    /// process may run on (1 when that cannot be read).
+    pub fn threads(&self) -> usize {
+        match self.worker_threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            n => n,
+        }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self {
@@ -320,6 +338,7 @@ impl Default for Limits {
             max_connections: 10_000,
             leaf_cache: 10_000,
             worker_threads: 0,
+            thread_per_core: false,
         }
     }
 }
@@ -485,6 +504,7 @@ struct RestartLimits {
     max_connections: usize,
     leaf_cache: u64,
     worker_threads: usize,
+    thread_per_core: bool,
 }
 
 impl Config {
@@ -509,6 +529,7 @@ impl Config {
                 max_connections: self.limits.max_connections,
                 leaf_cache: self.limits.leaf_cache,
                 worker_threads: self.limits.worker_threads,
+                thread_per_core: self.limits.thread_per_core,
             },
             log: &self.log,
             machine_egress: &self.machine_egress,

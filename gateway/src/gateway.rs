@@ -11,8 +11,9 @@ use std::sync::Arc;
 use dns_attrib::{AttributionCache, CacheConfig, Clock, DnsProxy, ProxyConfig, SystemClock};
 use egress_certs::{CertificateAuthority, LeafMinter, MintConfig};
 use egress_policy::{Destination, PlatformDenies};
+use prometheus_client::metrics::counter::Counter;
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::admin::Control;
@@ -60,6 +61,12 @@ pub enum StartError {
     Snapshot(#[from] crate::persist::PersistError),
     #[error("machine egress: {0}")]
     Machines(#[from] crate::machine::MachineError),
+    #[error("state_dir: {path} is locked by another running gateway; one state directory serves one gateway")]
+    StateDirInUse { path: String },
+    #[error("state_dir: {path}: {source}")]
+    StateDir { path: String, source: io::Error },
+    #[error("cannot start worker thread {worker}: {source}")]
+    Worker { worker: usize, source: io::Error },
     #[error("cannot listen on {what} {addr}: {source}")]
     Bind {
         what: &'static str,
@@ -85,15 +92,51 @@ pub struct Gateway {
     slots: Arc<Semaphore>,
     bound: Bound,
     tasks: JoinSet<()>,
+    /// With `limits.thread_per_core`, the worker threads; none without.
+    workers: Workers,
+    /// `state_dir/gateway.lock`, held (`flock`) while the gateway lives.
+    _lock: std::fs::File,
 }
 
 /// Every listener, bound before anything is served.
 struct Listeners {
+    /// One set per worker thread with `limits.thread_per_core` (the same
+    /// addresses, `SO_REUSEPORT`); one set without.
+    data: Vec<DataListeners>,
+    admin: TcpListener,
+    bound: Bound,
+}
+
+/// What one thread serves flows and queries on, bound but not yet
+/// registered with a runtime.
+struct DataListeners {
+    transparent: std::net::TcpListener,
+    dns: (std::net::UdpSocket, std::net::TcpListener),
+    dns_alt: (std::net::UdpSocket, std::net::TcpListener),
+}
+
+/// The same, registered with the runtime that will serve them.
+struct Served {
     transparent: TcpListener,
     dns: (UdpSocket, TcpListener),
     dns_alt: (UdpSocket, TcpListener),
-    admin: TcpListener,
-    bound: Bound,
+}
+
+/// The per-core worker threads and the phase they follow.
+struct Workers {
+    phase: watch::Sender<Phase>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Where the gateway is in its life; worker threads follow it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    /// Accepting flows and queries.
+    Serving,
+    /// No new flows; open ones go on.
+    Draining,
+    /// The drain is over: what is left is dropped with the runtime.
+    Exit,
 }
 
 const RESOLVER_PRIMARY: SocketAddr =
@@ -121,13 +164,15 @@ impl Gateway {
         flow_log: FlowLog,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StartError> {
+        // Before anything in the state directory is read or written.
+        let lock = lock_state_dir(&config.state_dir)?;
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let token = match &config.admin.token_file {
             None => None,
             Some(path) => Some(read_token(path)?),
         };
-        let listeners = Listeners::bind(&config).await?;
+        let listeners = Listeners::bind(&config)?;
         let bound = listeners.bound;
         let registry = Arc::new(Registry::new(Arc::new(platform(&config, &bound))));
         let (cache, dns) = attribution(&config, &registry, clock);
@@ -165,6 +210,11 @@ impl Gateway {
             slots,
             bound,
             tasks: JoinSet::new(),
+            workers: Workers {
+                phase: watch::Sender::new(Phase::Serving),
+                threads: Vec::new(),
+            },
+            _lock: lock,
         };
         let every = gateway.dp.config().machine_egress.observe_interval;
         gateway.tasks.spawn(machines.clone().observer(every));
@@ -172,24 +222,55 @@ impl Gateway {
             listeners,
             &dns,
             Control::new(gateway.dp.clone(), token, committer, machines),
-        );
+        )?;
         Ok(gateway)
     }
 
-    /// Spawns every listener's task and declares the gateway ready.
-    fn serve(&mut self, l: Listeners, dns: &Arc<DnsProxy>, control: Arc<Control>) {
-        self.tasks
-            .spawn(dns.clone().serve_udp(l.dns.0, RESOLVER_PRIMARY));
-        self.tasks
-            .spawn(dns.clone().serve_tcp(l.dns.1, RESOLVER_PRIMARY));
-        self.tasks
-            .spawn(dns.clone().serve_udp(l.dns_alt.0, RESOLVER_ALT));
-        self.tasks
-            .spawn(dns.clone().serve_tcp(l.dns_alt.1, RESOLVER_ALT));
+    /// Spawns every listener's task (with `limits.thread_per_core`, starts
+    /// the worker threads) and declares the gateway ready.
+    fn serve(
+        &mut self,
+        l: Listeners,
+        dns: &Arc<DnsProxy>,
+        control: Arc<Control>,
+    ) -> Result<(), StartError> {
         self.tasks.spawn(crate::admin::serve(l.admin, control));
-        let (dp, up, slots) = (self.dp.clone(), self.up.clone(), self.slots.clone());
-        self.tasks.spawn(accept(l.transparent, dp, up, slots));
+        let failed = |worker| move |source| StartError::Worker { worker, source };
+        if !self.dp.config().limits.thread_per_core {
+            for data in l.data {
+                let served = data.register().map_err(failed(0))?;
+                let (dp, up, slots) = (self.dp.clone(), self.up.clone(), self.slots.clone());
+                let accepted = self.dp.metrics.worker(0);
+                serve_data(&mut self.tasks, served, dns, dp, up, slots, accepted);
+            }
+        } else {
+            for (i, data) in l.data.into_iter().enumerate() {
+                // The runtime is built here and the sockets registered with
+                // it, so a failure stops the start instead of a thread.
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(failed(i))?;
+                let served = {
+                    let _in = rt.enter();
+                    data.register().map_err(failed(i))?
+                };
+                let dns = dns.sibling();
+                let up = Arc::new(self.up.for_worker());
+                let (dp, slots) = (self.dp.clone(), self.slots.clone());
+                let accepted = self.dp.metrics.worker(i);
+                let phase = self.workers.phase.subscribe();
+                let thread = std::thread::Builder::new()
+                    .name(format!("egress-worker-{i}"))
+                    .spawn(move || {
+                        rt.block_on(worker(served, dns, dp, up, slots, accepted, phase));
+                    })
+                    .map_err(failed(i))?;
+                self.workers.threads.push(thread);
+            }
+        }
         self.dp.ready.store(true, Ordering::Release);
+        Ok(())
     }
 
     pub fn bound(&self) -> Bound {
@@ -216,6 +297,7 @@ impl Gateway {
     pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> usize {
         shutdown.await;
         self.dp.ready.store(false, Ordering::Release);
+        self.workers.phase.send_replace(Phase::Draining);
         self.tasks.shutdown().await;
         let config = self.dp.config();
         let max = config.limits.max_connections;
@@ -225,6 +307,14 @@ impl Gateway {
                 Ok(_) => 0,
                 Err(_) => max - self.slots.available_permits(),
             };
+        self.workers.phase.send_replace(Phase::Exit);
+        let threads = std::mem::take(&mut self.workers.threads);
+        let _ = tokio::task::spawn_blocking(move || {
+            for t in threads {
+                let _ = t.join();
+            }
+        })
+        .await;
         // Every line of the drained flows on disk before the process exits.
         let dp = self.dp.clone();
         let _ = tokio::task::spawn_blocking(move || dp.flow_log.close()).await;
@@ -285,37 +375,142 @@ fn platform(config: &Config, bound: &Bound) -> PlatformDenies {
 }
 
 impl Listeners {
-    async fn bind(config: &Config) -> Result<Self, StartError> {
-        let tcp = |what, addr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| StartError::Bind { what, addr, source })
-        };
+    /// Binds every listener: with `limits.thread_per_core`, one set of
+    /// transparent and DNS listeners per worker thread, all on the first
+    /// set's addresses (`SO_REUSEPORT`; the kernel spreads connections and
+    /// queries over them by their addresses and ports).
+    fn bind(config: &Config) -> Result<Self, StartError> {
         let local = |l: io::Result<SocketAddr>, what, addr| {
             l.map_err(|source| StartError::Bind { what, addr, source })
         };
         let listen = &config.listen;
-        let transparent = tcp("listen.transparent", listen.transparent).await?;
-        let dns = bind_dns("listen.dns", listen.dns).await?;
-        let dns_alt = bind_dns("listen.dns_alt", listen.dns_alt).await?;
-        let admin = tcp("listen.admin", listen.admin).await?;
+        let copies = if config.limits.thread_per_core {
+            config.limits.threads()
+        } else {
+            1
+        };
+        let reuse = copies > 1;
+        let first = DataListeners::bind((listen.transparent, listen.dns, listen.dns_alt), reuse)?;
+        let admin_std = tcp_listener(listen.admin, false).map_err(|source| StartError::Bind {
+            what: "listen.admin",
+            addr: listen.admin,
+            source,
+        })?;
+        let admin = TcpListener::from_std(admin_std).map_err(|source| StartError::Bind {
+            what: "listen.admin",
+            addr: listen.admin,
+            source,
+        })?;
         let bound = Bound {
             transparent: local(
-                transparent.local_addr(),
+                first.transparent.local_addr(),
                 "listen.transparent",
                 listen.transparent,
             )?,
-            dns: local(dns.0.local_addr(), "listen.dns", listen.dns)?,
-            dns_alt: local(dns_alt.0.local_addr(), "listen.dns_alt", listen.dns_alt)?,
+            dns: local(first.dns.0.local_addr(), "listen.dns", listen.dns)?,
+            dns_alt: local(
+                first.dns_alt.0.local_addr(),
+                "listen.dns_alt",
+                listen.dns_alt,
+            )?,
             admin: local(admin.local_addr(), "listen.admin", listen.admin)?,
         };
+        let mut data = vec![first];
+        for _ in 1..copies {
+            data.push(DataListeners::bind(
+                (bound.transparent, bound.dns, bound.dns_alt),
+                true,
+            )?);
+        }
+        Ok(Self { data, admin, bound })
+    }
+}
+
+impl DataListeners {
+    fn bind(
+        (transparent, dns, dns_alt): (SocketAddr, SocketAddr, SocketAddr),
+        reuse_port: bool,
+    ) -> Result<Self, StartError> {
+        let what = "listen.transparent";
+        let transparent =
+            tcp_listener(transparent, reuse_port).map_err(|source| StartError::Bind {
+                what,
+                addr: transparent,
+                source,
+            })?;
         Ok(Self {
             transparent,
-            dns,
-            dns_alt,
-            admin,
-            bound,
+            dns: bind_dns("listen.dns", dns, reuse_port)?,
+            dns_alt: bind_dns("listen.dns_alt", dns_alt, reuse_port)?,
         })
+    }
+
+    /// Registers the sockets with the runtime this is called in.
+    fn register(self) -> io::Result<Served> {
+        Ok(Served {
+            transparent: TcpListener::from_std(self.transparent)?,
+            dns: (
+                UdpSocket::from_std(self.dns.0)?,
+                TcpListener::from_std(self.dns.1)?,
+            ),
+            dns_alt: (
+                UdpSocket::from_std(self.dns_alt.0)?,
+                TcpListener::from_std(self.dns_alt.1)?,
+            ),
+        })
+    }
+}
+
+/// A non-blocking TCP listener on `addr` (`SO_REUSEADDR`, as tokio's
+/// `bind`; `SO_REUSEPORT` when `reuse_port`), with tokio's backlog.
+fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    if reuse_port {
+        s.set_reuse_port(true)?;
+    }
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(1024)?;
+    Ok(s.into())
+}
+
+/// A non-blocking UDP socket on `addr` (`SO_REUSEPORT` when `reuse_port`).
+fn udp_socket(addr: SocketAddr, reuse_port: bool) -> io::Result<std::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    if reuse_port {
+        s.set_reuse_port(true)?;
+    }
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    Ok(s.into())
+}
+
+/// Takes `state_dir/gateway.lock` (an exclusive `flock`, released when the
+/// process exits however it exits). A second gateway on the same directory
+/// is refused at start: it would append to the same journal, and with
+/// `limits.thread_per_core` (`SO_REUSEPORT`) its listeners would bind beside
+/// the first one's and take part of its traffic.
+fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
+    let path = dir.join("gateway.lock");
+    let shown = path.display().to_string();
+    let failed = |source| StartError::StateDir {
+        path: shown.clone(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(failed)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(failed)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StartError::StateDirInUse { path: shown }),
+        Err(std::fs::TryLockError::Error(e)) => Err(failed(e)),
     }
 }
 
@@ -337,16 +532,17 @@ fn read_token(path: &std::path::Path) -> Result<String, StartError> {
 
 /// A UDP socket and a TCP listener on the same address. With port 0 the
 /// kernel picks the UDP port, which TCP may already use: try a few.
-async fn bind_dns(
+fn bind_dns(
     what: &'static str,
     addr: SocketAddr,
-) -> Result<(UdpSocket, TcpListener), StartError> {
+    reuse_port: bool,
+) -> Result<(std::net::UdpSocket, std::net::TcpListener), StartError> {
     let err = |source| StartError::Bind { what, addr, source };
     let mut last = None;
     for _ in 0..16 {
-        let udp = UdpSocket::bind(addr).await.map_err(err)?;
+        let udp = udp_socket(addr, reuse_port).map_err(err)?;
         let local = udp.local_addr().map_err(err)?;
-        match TcpListener::bind(local).await {
+        match tcp_listener(local, reuse_port) {
             Ok(tcp) => return Ok((udp, tcp)),
             Err(e) if addr.port() == 0 && e.kind() == io::ErrorKind::AddrInUse => last = Some(e),
             Err(e) => return Err(err(e)),
@@ -357,11 +553,49 @@ async fn bind_dns(
     })))
 }
 
+/// Spawns one set of listeners' tasks: DNS on both resolver addresses (UDP
+/// and TCP) and the transparent accept loop.
+fn serve_data(
+    tasks: &mut JoinSet<()>,
+    l: Served,
+    dns: &Arc<DnsProxy>,
+    dp: Arc<Dataplane>,
+    up: Arc<Upstreams>,
+    slots: Arc<Semaphore>,
+    accepted: Counter,
+) {
+    tasks.spawn(dns.clone().serve_udp(l.dns.0, RESOLVER_PRIMARY));
+    tasks.spawn(dns.clone().serve_tcp(l.dns.1, RESOLVER_PRIMARY));
+    tasks.spawn(dns.clone().serve_udp(l.dns_alt.0, RESOLVER_ALT));
+    tasks.spawn(dns.clone().serve_tcp(l.dns_alt.1, RESOLVER_ALT));
+    tasks.spawn(accept(l.transparent, dp, up, slots, accepted));
+}
+
+/// One worker thread's life (`limits.thread_per_core`): serve its listeners
+/// until the drain starts, then let its open flows run until the drain is
+/// over (or the gateway is dropped).
+async fn worker(
+    l: Served,
+    dns: Arc<DnsProxy>,
+    dp: Arc<Dataplane>,
+    up: Arc<Upstreams>,
+    slots: Arc<Semaphore>,
+    accepted: Counter,
+    mut phase: watch::Receiver<Phase>,
+) {
+    let mut tasks = JoinSet::new();
+    serve_data(&mut tasks, l, &dns, dp, up, slots, accepted);
+    let _ = phase.wait_for(|p| *p >= Phase::Draining).await;
+    tasks.shutdown().await;
+    let _ = phase.wait_for(|p| *p >= Phase::Exit).await;
+}
+
 async fn accept(
     listener: TcpListener,
     dp: Arc<Dataplane>,
     up: Arc<Upstreams>,
     slots: Arc<Semaphore>,
+    accepted: Counter,
 ) {
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -373,6 +607,7 @@ async fn accept(
                 continue;
             }
         };
+        accepted.inc();
         // On a dual-stack listener IPv4 peers arrive as `::ffff:a.b.c.d`.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let Ok(permit) = slots.clone().try_acquire_owned() else {

@@ -62,6 +62,15 @@ pub(crate) struct Metrics {
     pub(crate) credentials_injected: Counter,
     /// Spliced flows, by who moved their bytes.
     pub(crate) spliced: Family<PathLabels, Counter>,
+    /// Connections accepted on the transparent listener, by worker thread.
+    pub(crate) accepted: Family<WorkerLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct WorkerLabels {
+    /// The worker's index, `0` to `limits.worker_threads - 1` with
+    /// `limits.thread_per_core`; `0` alone without (one accept loop).
+    pub(crate) worker: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -106,6 +115,7 @@ impl Metrics {
             requests_would_deny: Family::default(),
             credentials_injected: Counter::default(),
             spliced: Family::default(),
+            accepted: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -173,6 +183,11 @@ impl Metrics {
             "Spliced flows ended, by who moved the bytes: kernel (sockmap), or user (the gateway's copy: splice.kernel off, the program not loadable, or the flow could not join the map)",
             m.spliced.clone(),
         );
+        r.register(
+            "worker_connections",
+            "Connections accepted on the transparent listener, by worker (with limits.thread_per_core, the kernel spreads them over the workers' listeners)",
+            m.accepted.clone(),
+        );
         for path in ["kernel", "user"] {
             let _ = m.spliced.get_or_create(&PathLabels { path });
         }
@@ -228,6 +243,16 @@ impl Metrics {
 
     /// Creates the `flows` series for `verdict` with each of `reasons` at
     /// zero, so they exist (and `rate()` works) before the first such flow.
+    /// Worker `i`'s accept counter, made once per worker so the accept loop
+    /// never looks up its label.
+    pub(crate) fn worker(&self, i: usize) -> Counter {
+        self.accepted
+            .get_or_create(&WorkerLabels {
+                worker: i.to_string(),
+            })
+            .clone()
+    }
+
     pub(crate) fn declare(&self, verdict: &'static str, reasons: &[&'static str]) {
         for &reason in reasons {
             let _ = self.flows.get_or_create(&FlowLabels { verdict, reason });

@@ -90,6 +90,20 @@ impl Upstreams {
         })
     }
 
+    /// The same configs (the terminating one too, so sessions resume on any
+    /// thread) with an empty pool of its own: one per worker thread with
+    /// `limits.thread_per_core`, so a pooled connection is only ever used on
+    /// the runtime its I/O is registered with.
+    pub(crate) fn for_worker(&self) -> Self {
+        Self {
+            minter: self.minter.clone(),
+            tls: self.tls.clone(),
+            tls_h1: self.tls_h1.clone(),
+            server_tls: self.server_tls.clone(),
+            pool: UpstreamPool::default(),
+        }
+    }
+
     /// Opens an HTTP connection to `dst`: TLS verified for `verify_as` (or,
     /// without a name, for the address) when `tls`, else plain. `allow_h2`:
     /// offer HTTP/2 (not for upgrades).

@@ -26,7 +26,7 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    let runtime = match runtime(config.limits.worker_threads) {
+    let runtime = match runtime(&config.limits) {
         Ok(rt) => rt,
         Err(e) => return fail(format_args!("cannot start the runtime: {e}")),
     };
@@ -75,11 +75,15 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
     })
 }
 
-/// The runtime: `threads` workers, or one per CPU with 0.
-fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+/// The runtime: `limits.worker_threads` workers (one per CPU with 0); with
+/// `limits.thread_per_core`, one thread for the control API, the signals and
+/// the drain (the worker threads bring runtimes of their own).
+fn runtime(limits: &crate::config::Limits) -> std::io::Result<tokio::runtime::Runtime> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if threads > 0 {
-        builder.worker_threads(threads);
+    if limits.thread_per_core {
+        builder.worker_threads(1);
+    } else if limits.worker_threads > 0 {
+        builder.worker_threads(limits.worker_threads);
     }
     builder.enable_all().build()
 }

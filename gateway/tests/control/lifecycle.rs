@@ -97,9 +97,20 @@ async fn a_corrupt_snapshot_fails_loudly() {
 
 #[tokio::test]
 async fn shutdown_drains_open_flows_up_to_the_deadline() {
+    // One runtime, and a worker thread per core with listeners of its own.
+    for layout in ["", "[limits]\nthread_per_core = true\nworker_threads = 2"] {
+        drains_open_flows_up_to_the_deadline(layout).await;
+    }
+}
+
+async fn drains_open_flows_up_to_the_deadline(layout: &str) {
     let dir = tempfile::tempdir().expect("dir");
     let origin = echo().await;
-    let gw = start(config(dir.path(), "drain = \"5s\""), origin).await;
+    let gw = start(
+        config(dir.path(), &format!("drain = \"5s\"\n{layout}")),
+        origin,
+    )
+    .await;
     let doc = format!(
         r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}]}}}}"#
     );
@@ -147,7 +158,11 @@ async fn shutdown_drains_open_flows_up_to_the_deadline() {
     assert_eq!(left, 0);
 
     // With a flow that never ends, the deadline wins and says so.
-    let gw = start(config(dir.path(), "drain = \"300ms\""), origin).await;
+    let gw = start(
+        config(dir.path(), &format!("drain = \"300ms\"\n{layout}")),
+        origin,
+    )
+    .await;
     let mut stuck = connect_from(&gw, SANDBOX).await;
     stuck.write_all(b"ping").await.expect("write");
     stuck.read_exact(&mut buf).await.expect("echo");
@@ -282,4 +297,36 @@ async fn a_connection_that_was_not_redirected_is_refused() {
     let m = metrics(&text);
     let key = r#"egress_flows_total{verdict="deny",reason="not_redirected"}"#;
     assert_eq!(m.get(key), Some(&1.0), "{m:?}");
+}
+
+#[tokio::test]
+async fn a_second_gateway_on_the_same_state_dir_is_refused_while_the_first_runs() {
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    // Per core: its listeners use SO_REUSEPORT, so only the lock stops a
+    // second gateway from binding beside the first.
+    let per_core = "[limits]\nthread_per_core = true\nworker_threads = 2";
+    let first = start(config(dir.path(), per_core), origin).await;
+    let mut again = config(dir.path(), per_core);
+    again.listen.transparent = first.bound().transparent;
+    let err = Gateway::start(
+        again,
+        std::sync::Arc::new(egress_gateway::SoOriginalDst),
+        egress_gateway::flowlog::FlowLog::open("off").expect("off"),
+    )
+    .await
+    .err()
+    .expect("refuses to start");
+    let lock = dir.path().join("gateway.lock");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "state_dir: {} is locked by another running gateway; one state directory serves one gateway",
+            lock.display()
+        )
+    );
+    first.run_until(async {}).await;
+    // Stopped, the lock is free again.
+    let second = start(config(dir.path(), per_core), origin).await;
+    second.run_until(async {}).await;
 }

@@ -11,31 +11,6 @@ use crate::harness::*;
 
 const H1: &[&[u8]] = &[b"http/1.1"];
 
-/// The gateway's `/metrics` text.
-async fn scrape(e: &Env) -> String {
-    let mut s = tokio::net::TcpStream::connect(e.gateway.bound().admin)
-        .await
-        .expect("admin");
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
-        .await
-        .expect("write");
-    let mut text = String::new();
-    s.read_to_string(&mut text).await.expect("read");
-    text
-}
-
-/// The value of the series whose line starts with `series ` in `/metrics`.
-async fn value(e: &Env, series: &str) -> u64 {
-    let text = scrape(e).await;
-    let prefix = format!("{series} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(prefix.as_str()))
-        .unwrap_or_else(|| panic!("no series {series} in:\n{text}"))
-        .trim()
-        .parse()
-        .expect("a count")
-}
-
 /// `egress_flow_errors_total{side, kind}`.
 async fn errors(e: &Env, side: &str, kind: &str) -> u64 {
     value(

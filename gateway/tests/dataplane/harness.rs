@@ -344,6 +344,8 @@ pub struct Options {
     pub idle: &'static str,
     pub request_head: &'static str,
     pub max_connections: usize,
+    /// With more than 0: `limits.thread_per_core` with this many worker threads.
+    pub workers: usize,
 }
 
 impl Default for Options {
@@ -355,6 +357,7 @@ impl Default for Options {
             idle: "10s",
             request_head: "30s",
             max_connections: 10_000,
+            workers: 0,
         }
     }
 }
@@ -433,6 +436,7 @@ pub async fn env(opts: Options) -> Env {
         request_head = "{request_head}"
         [limits]
         max_connections = {max_connections}
+        {per_core}
         "#,
         state = dir.path().join("state").display(),
         roots = roots.display(),
@@ -442,6 +446,10 @@ pub async fn env(opts: Options) -> Env {
         idle = opts.idle,
         request_head = opts.request_head,
         max_connections = opts.max_connections,
+        per_core = match opts.workers {
+            0 => String::new(),
+            n => format!("thread_per_core = true\nworker_threads = {n}"),
+        },
     );
     let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
     let redirects = Arc::new(Redirects::default());
@@ -649,4 +657,29 @@ pub async fn closed_without_data(s: &mut TcpStream) -> bool {
         tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf)).await,
         Ok(Ok(0)) | Ok(Err(_))
     )
+}
+
+/// The gateway's `/metrics` text.
+pub async fn scrape(e: &Env) -> String {
+    let mut s = tokio::net::TcpStream::connect(e.gateway.bound().admin)
+        .await
+        .expect("admin");
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+        .await
+        .expect("write");
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.expect("read");
+    text
+}
+
+/// The value of the series whose line starts with `series ` in `/metrics`.
+pub async fn value(e: &Env, series: &str) -> u64 {
+    let text = scrape(e).await;
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .unwrap_or_else(|| panic!("no series {series} in:\n{text}"))
+        .trim()
+        .parse()
+        .expect("a count")
 }

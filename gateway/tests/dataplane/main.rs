@@ -5,5 +5,6 @@
 mod explain;
 mod faults;
 mod harness;
+mod per_core;
 mod two_readings;
 mod verdicts;
