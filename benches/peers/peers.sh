@@ -3,8 +3,8 @@
 # each listens and which certificate issuer the client must see through it.
 #
 #   peers.sh start COLUMN       mitmproxy | squid-bump | squid-splice | gateway | gateway-ro |
-#                               gateway-log | gateway-kernel | gateway-2 | gateway-pc
-#                               (direct: nothing to start)
+#                               gateway-log | gateway-kernel | gateway-2 | gateway-pc |
+#                               gateway-base (direct: nothing to start)
 #   peers.sh stop COLUMN
 #   peers.sh ports COLUMN       "direct" or "TLS_PORT HTTP_PORT" (arguments of topo.sh mode)
 #   peers.sh issuer COLUMN      issuer CN the client sees through the column
@@ -19,7 +19,8 @@
 # experimental kernel splice: spliced flows moved by the kernel), gateway-2
 # (two worker threads on one work-stealing runtime) and gateway-pc (two
 # worker threads, one runtime and one set of SO_REUSEPORT listeners each:
-# limits.thread_per_core).  MITM_EXTRA_ARGS is appended to mitmdump's
+# limits.thread_per_core); gateway-base is the plain column run from another
+# binary, GW_BASE_BIN (an A/B of two builds in one interleaved session).  MITM_EXTRA_ARGS is appended to mitmdump's
 # command line; SQUID_ACCESS_LOG=1 turns Squid's access log on (off, like
 # mitmdump -q and the gateway's flow log, by default).
 set -euo pipefail
@@ -114,17 +115,20 @@ gw_port() {
         gateway-kernel) echo $((GATEWAY_PORT + 3)) ;;
         gateway-2) echo $((GATEWAY_PORT + 4)) ;;
         gateway-pc) echo $((GATEWAY_PORT + 5)) ;;
+        gateway-base) echo $((GATEWAY_PORT + 6)) ;;
     esac
 }
 
 start_gateway() {
     local col=$1 state=$EB_RUN/$1 policy flow_log=${GW_FLOW_LOG:-off} kernel=${GW_KERNEL_SPLICE:-off}
     local workers=${GW_WORKERS:-1} per_core=${GW_PER_CORE:-false}
-    [ -x "$GW_BIN" ] || eb_die "no gateway binary at $GW_BIN (cargo build --release -p egress-gateway)"
+    local bin=$GW_BIN
+    [ "$col" = gateway-base ] && bin=${GW_BASE_BIN:?gateway-base runs GW_BASE_BIN, another gateway binary}
+    [ -x "$bin" ] || eb_die "no gateway binary at $bin (cargo build --release -p egress-gateway)"
     eb_stop "peer-$col"
     rm -rf "$state"
     mkdir -p "$state"
-    "$GW_BIN" ca init --dir "$state/ca" >/dev/null
+    "$bin" ca init --dir "$state/ca" >/dev/null
     case $MODE in
         intercept) policy='{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on"}' ;;
         splice) policy='{"default": "deny", "allow": [{"cidr": "203.0.113.0/24"}], "tls_interception": "on", "tls_interception_exemptions": [{"cidr": "203.0.113.0/24"}]}' ;;
@@ -148,7 +152,7 @@ start_gateway() {
     admin=$((GW_ADMIN_PORT + port - GATEWAY_PORT))
     EB_LISTEN_PORT=$port EB_UPSTREAM_CA=$ORIGIN_CA_CRT GW_ADMIN_PORT=$admin GW_FLOW_LOG=$flow_log GW_KERNEL_SPLICE=$kernel \
         GW_WORKERS=$workers GW_PER_CORE=$per_core \
-        eb_spawn "peer-$col" "$NS_GW" "$EB_ROOT/benches/gateway-column.sh" "$state" "$GW_BIN"
+        eb_spawn "peer-$col" "$NS_GW" "$EB_ROOT/benches/gateway-column.sh" "$state" "$bin"
     for _ in $(seq 200); do
         [ -e "$state/ready" ] && break
         [ -d "/proc/$(eb_pid_of "peer-$col")" ] || break
@@ -164,7 +168,7 @@ ports() {
         mitmproxy) echo "$MITM_PORT $MITM_PORT" ;;
         squid-bump) echo "$SQUID_BUMP_PORT $SQUID_BUMP_HTTP_PORT" ;;
         squid-splice) echo "$SQUID_SPLICE_PORT $SQUID_SPLICE_HTTP_PORT" ;;
-        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc) echo "$(gw_port "$1") $(gw_port "$1")" ;;
+        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base) echo "$(gw_port "$1") $(gw_port "$1")" ;;
         *) eb_die "unknown column $1" ;;
     esac
 }
@@ -177,7 +181,7 @@ issuer() {
             # Never spliced: its requests are judged.
             openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                 | awk -F' = ' '/commonName/ {print $2; exit}' ;;
-        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc)
+        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base)
             if [ "$MODE" = splice ]; then echo "$ORIGIN_CA_CN"; else
                 openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                     | awk -F' = ' '/commonName/ {print $2; exit}'

@@ -15,6 +15,7 @@
 #   LAT_KA_N=300 LAT_KA_RATE=100 LAT_NEW_N=150 LAT_NEW_RATE=50
 #   GW_BIN              gateway binary (default target/release/egress-gateway, built first
 #                       unless GW_BUILD=0); GW_WORKERS=1, GW_FLOW_LOG=off (see ../gateway-column.sh)
+#   GW_BASE_BIN         the binary of the gateway-base column (an A/B of two builds)
 #   WARMUP=1            a short warm-up of every column before round 1
 #   KEEP_UP=1           leave the namespaces and columns running afterwards (topo.sh down ends them)
 #   OUT                 raw results (default /tmp/egress-peers/results/<UTC time>)
@@ -52,7 +53,7 @@ SUMMARY_TO=${SUMMARY_TO:-$EB_ROOT/benches/results/peers-$MODE-$STAMP.md}
 export MODE
 case $MODE in intercept|splice) ;; *) eb_die "MODE is intercept or splice" ;; esac
 for p in $PEERS; do
-    case $p in direct|mitmproxy|squid-bump|squid-splice|gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc) ;; *) eb_die "unknown column $p" ;; esac
+    case $p in direct|mitmproxy|squid-bump|squid-splice|gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base) ;; *) eb_die "unknown column $p" ;; esac
 done
 for t in $TESTS; do
     case $t in ka|newres|newfull|bulk|h2|latka|latnew) ;; *) eb_die "unknown test $t" ;; esac
@@ -128,6 +129,7 @@ done
     echo "gw_workers: ${GW_WORKERS:-1}"
     echo "gw_flow_log: ${GW_FLOW_LOG:-off}"
     [[ " $PEERS " == *" gateway"* ]] && echo "gw_bin: ${GW_BIN:-$EB_ROOT/target/release/egress-gateway} ($(git -C "$EB_ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$EB_ROOT" diff --quiet HEAD -- 2>/dev/null || echo ', work tree modified'))"
+    [[ " $PEERS " == *" gateway-base "* ]] && echo "gw_base_bin: ${GW_BASE_BIN:-}"
     echo "versions: $(openssl version | awk '{print "OpenSSL " $2}'), $(nginx -v 2>&1 | sed 's/.*: //'), $(wrk -v 2>&1 | head -1 | awk '{print "wrk " $2}'), $(h2load --version 2>&1 | head -1 | sed 's/.*nghttp2\//h2load /'), $(squid -v | head -1 | sed 's/.*Version /Squid /'), mitmproxy $(mitmdump --version 2>/dev/null | awk '/Mitmproxy/ {print $2}')"
     echo "loadavg_before: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "procstat_before: $(grep '^cpu ' /proc/stat)"
