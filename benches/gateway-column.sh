@@ -12,7 +12,7 @@
 # one event loop, as Squid and mitmproxy run), GW_FLOW_LOG (off, the default;
 # "file" = $1/flows.jsonl; or any value log.flow_log takes), GW_ADMIN_PORT
 # (15000), GW_MAX_HEAD (limits.max_request_head), GW_KERNEL_SPLICE
-# (splice.kernel: off, the default, or on), GW_PER_CORE (limits.thread_per_core:
+# (splice.kernel: off, the default, on, or pipe), GW_PER_CORE (limits.thread_per_core:
 # false, the default, or true).
 set -euo pipefail
 state=$1
@@ -34,7 +34,7 @@ extra_upstream_roots = ["${EB_UPSTREAM_CA:?}"]
 [limits]
 max_connections = 20000
 worker_threads = ${GW_WORKERS:-1}
-thread_per_core = ${GW_PER_CORE:-false}
+$([ "${GW_PER_CORE:-false}" = true ] && echo "thread_per_core = true")
 max_request_head = ${GW_MAX_HEAD:-65536}
 [log]
 flow_log = "$flow_log"

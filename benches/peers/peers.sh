@@ -4,7 +4,7 @@
 #
 #   peers.sh start COLUMN       mitmproxy | squid-bump | squid-splice | gateway | gateway-ro |
 #                               gateway-log | gateway-kernel | gateway-2 | gateway-pc |
-#                               gateway-base (direct: nothing to start)
+#                               gateway-base | gateway-pipe (direct: nothing to start)
 #   peers.sh stop COLUMN
 #   peers.sh ports COLUMN       "direct" or "TLS_PORT HTTP_PORT" (arguments of topo.sh mode)
 #   peers.sh issuer COLUMN      issuer CN the client sees through the column
@@ -16,7 +16,8 @@
 # their own, on their own ports: gateway-ro (the origin's name under a
 # read_only per-request rule, judged on every request), gateway-log (the
 # flow log on, to a file), gateway-kernel (splice.kernel = on, the
-# experimental kernel splice: spliced flows moved by the kernel), gateway-2
+# experimental kernel splice: spliced flows moved by the kernel),
+# gateway-pipe (splice.kernel = pipe: splice(2) through a pipe), gateway-2
 # (two worker threads on one work-stealing runtime) and gateway-pc (two
 # worker threads, one runtime and one set of SO_REUSEPORT listeners each:
 # limits.thread_per_core); gateway-base is the plain column run from another
@@ -116,6 +117,7 @@ gw_port() {
         gateway-2) echo $((GATEWAY_PORT + 4)) ;;
         gateway-pc) echo $((GATEWAY_PORT + 5)) ;;
         gateway-base) echo $((GATEWAY_PORT + 6)) ;;
+        gateway-pipe) echo $((GATEWAY_PORT + 7)) ;;
     esac
 }
 
@@ -141,6 +143,8 @@ start_gateway() {
         gateway-log) flow_log=file ;;
         # The kernel splice (experimental): spliced flows moved by the kernel.
         gateway-kernel) kernel=on ;;
+        # splice(2) through a pipe per direction.
+        gateway-pipe) kernel=pipe ;;
         # One thread or two: shared by a work-stealing runtime, or one per core.
         gateway-2) workers=2 ;;
         gateway-pc) workers=2 per_core=true ;;
@@ -168,7 +172,7 @@ ports() {
         mitmproxy) echo "$MITM_PORT $MITM_PORT" ;;
         squid-bump) echo "$SQUID_BUMP_PORT $SQUID_BUMP_HTTP_PORT" ;;
         squid-splice) echo "$SQUID_SPLICE_PORT $SQUID_SPLICE_HTTP_PORT" ;;
-        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base) echo "$(gw_port "$1") $(gw_port "$1")" ;;
+        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe) echo "$(gw_port "$1") $(gw_port "$1")" ;;
         *) eb_die "unknown column $1" ;;
     esac
 }
@@ -181,7 +185,7 @@ issuer() {
             # Never spliced: its requests are judged.
             openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                 | awk -F' = ' '/commonName/ {print $2; exit}' ;;
-        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base)
+        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe)
             if [ "$MODE" = splice ]; then echo "$ORIGIN_CA_CN"; else
                 openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                     | awk -F' = ' '/commonName/ {print $2; exit}'
@@ -195,7 +199,7 @@ case ${1:-}:${2:-} in
     start:mitmproxy) start_mitmproxy ;;
     start:squid-bump) start_squid bump ;;
     start:squid-splice) start_squid splice ;;
-    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel|start:gateway-2|start:gateway-pc) start_gateway "$2" ;;
+    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel|start:gateway-2|start:gateway-pc|start:gateway-base|start:gateway-pipe) start_gateway "$2" ;;
     stop:mitmproxy|stop:squid-bump|stop:squid-splice|stop:gateway*) eb_stop "peer-$2" ;;
     ports:?*) ports "$2" ;;
     issuer:?*) issuer "$2" ;;

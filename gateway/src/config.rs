@@ -36,6 +36,7 @@ pub struct Splice {
     /// untrusted sandboxes yet: the kernel's redirect has no back-pressure
     /// of its own, and a reader that stops can make the gateway's kernel
     /// hold without bound what its peer sends (docs/architecture.md).
+    /// `pipe`: `splice(2)` through a pipe per direction (bounded by TCP).
     pub kernel: KernelSplice,
 }
 
@@ -46,6 +47,10 @@ pub enum KernelSplice {
     #[default]
     Off,
     On,
+    /// `splice(2)` through a pipe per direction: the bytes never reach user
+    /// space, and TCP's back-pressure is intact (the gateway still wakes for
+    /// each burst).
+    Pipe,
 }
 
 /// Machine egress: the L4 policy of user-mode VMs, enforced in nftables
@@ -623,11 +628,16 @@ mod tests {
             [limits]
             peek_bytes = 8192
             worker_threads = 1
+            thread_per_core = true
             [log]
             flow_log = "/var/log/egress/flows.jsonl"
+            [splice]
+            kernel = "pipe"
             "#,
         )
         .expect("valid");
+        assert!(c.limits.thread_per_core);
+        assert_eq!(c.splice.kernel, KernelSplice::Pipe);
         assert_eq!(c.dns.upstreams.len(), 2);
         assert_eq!(c.timeouts.peek, Duration::from_millis(500));
         assert_eq!(c.policy.platform_deny.len(), 2);
@@ -669,6 +679,8 @@ mod tests {
                 "10.0.0.0/8",
             ),
             ("bogus = 1", "unknown field `bogus`"),
+            ("[splice]\nkernel = \"fast\"", "unknown variant `fast`"),
+            ("[limits]\nthread_per_core = 2", "thread_per_core"),
         ];
         for (text, needle) in cases {
             let e = parse(text).expect_err(text);

@@ -87,7 +87,7 @@ pub(crate) struct KernelSplice {
 /// The in-kernel splice as `mode` asks, or `None` (the user-space copy);
 /// said once in the log either way.
 pub(crate) fn load(mode: crate::config::KernelSplice) -> Option<KernelSplice> {
-    if mode == crate::config::KernelSplice::Off {
+    if mode != crate::config::KernelSplice::On {
         return None;
     }
     match KernelSplice::load() {

@@ -75,7 +75,7 @@ pub(crate) struct WorkerLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct PathLabels {
-    /// `kernel` or `user`.
+    /// `kernel`, `pipe` or `user`.
     pub(crate) path: &'static str,
 }
 
@@ -180,7 +180,7 @@ impl Metrics {
         );
         r.register(
             "spliced_flows",
-            "Spliced flows ended, by who moved the bytes: kernel (sockmap), or user (the gateway's copy: splice.kernel off, the program not loadable, or the flow could not join the map)",
+            "Spliced flows ended, by who moved the bytes: kernel (sockmap), pipe (splice(2) through a pipe), or user (the gateway's copy: splice.kernel off, the program not loadable, the flow could not join the map, or no pipe could be made)",
             m.spliced.clone(),
         );
         r.register(
@@ -188,7 +188,7 @@ impl Metrics {
             "Connections accepted on the transparent listener, by worker (with limits.thread_per_core, the kernel spreads them over the workers' listeners)",
             m.accepted.clone(),
         );
-        for path in ["kernel", "user"] {
+        for path in ["kernel", "pipe", "user"] {
             let _ = m.spliced.get_or_create(&PathLabels { path });
         }
         for code in egress_policy::RequestCode::CODES

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
@@ -17,6 +17,8 @@ use crate::fault::{Fault, Side};
 use crate::io::{quiet_for, reset, Counts};
 use crate::state::Dataplane;
 use crate::upstream::connect_tcp;
+use rustix::fd::OwnedFd;
+use rustix::pipe::{PipeFlags, SpliceFlags};
 
 /// What a splice moved.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -67,8 +69,19 @@ pub(crate) async fn splice_to(
         },
         None => (client, origin),
     };
-    let mut moved = splice(client, origin, timeouts.idle).await;
-    count(dp, "user");
+    let pipes = match dp.config().splice.kernel {
+        crate::config::KernelSplice::Pipe => match Pipes::new() {
+            Ok(p) => Some(p),
+            Err(e) => {
+                tracing::debug!(error = %e, "no pipes for splice(2); copied");
+                None
+            }
+        },
+        _ => None,
+    };
+    let path = if pipes.is_some() { "pipe" } else { "user" };
+    let mut moved = splice(client, origin, timeouts.idle, pipes).await;
+    count(dp, path);
     moved.up += peeked.len() as u64;
     Ok(moved)
 }
@@ -81,31 +94,61 @@ fn count(dp: &Dataplane, path: &'static str) {
         .inc();
 }
 
-/// Copies until both directions have closed, an error, or `idle` passes quietly.
-pub(crate) async fn splice(client: TcpStream, origin: TcpStream, idle: Duration) -> Spliced {
+/// One pipe per direction for `splice(2)`, made before the flow starts so a
+/// lack of descriptors falls back to the copy instead of failing mid-flow.
+pub(crate) struct Pipes {
+    up: (OwnedFd, OwnedFd),
+    down: (OwnedFd, OwnedFd),
+}
+
+impl Pipes {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        let flags = PipeFlags::NONBLOCK | PipeFlags::CLOEXEC;
+        Ok(Self {
+            up: rustix::pipe::pipe_with(flags)?,
+            down: rustix::pipe::pipe_with(flags)?,
+        })
+    }
+}
+
+/// Copies until both directions have closed, an error, or `idle` passes
+/// quietly; with `pipes`, each direction moves socket → pipe → socket by
+/// `splice(2)`, inside the kernel, else through a buffer of the gateway's.
+pub(crate) async fn splice(
+    client: TcpStream,
+    origin: TcpStream,
+    idle: Duration,
+    pipes: Option<Pipes>,
+) -> Spliced {
     let (mut cr, mut cw) = client.into_split();
     let (mut or, mut ow) = origin.into_split();
     let counts = Counts::default();
+    let up_sides = (Side::Client, Side::Upstream);
+    let down_sides = (Side::Upstream, Side::Client);
     let both = async {
-        tokio::join!(
-            pump(
-                &mut cr,
-                &mut ow,
-                &counts.read,
-                (Side::Client, Side::Upstream)
-            ),
-            pump(
-                &mut or,
-                &mut cw,
-                &counts.written,
-                (Side::Upstream, Side::Client)
-            )
-        )
+        match &pipes {
+            Some(p) => {
+                tokio::join!(
+                    pipe_pump(&cr, &ow, &p.up, &counts.read, up_sides),
+                    pipe_pump(&or, &cw, &p.down, &counts.written, down_sides)
+                )
+            }
+            None => {
+                tokio::join!(
+                    pump(&mut cr, &mut ow, &counts.read, up_sides),
+                    pump(&mut or, &mut cw, &counts.written, down_sides)
+                )
+            }
+        }
     };
     let (idle_timeout, fault) = tokio::select! {
         (up, down) = both => (false, up.or(down)),
         () = quiet_for(&counts, idle) => (true, Some(Fault::IDLE_TIMEOUT)),
     };
+    if pipes.is_some() {
+        // The pumps half-closed with `shutdown(2)` on the socket itself.
+        drop((cr, cw, or, ow));
+    }
     Spliced {
         up: counts.read.load(Ordering::Relaxed),
         down: counts.written.load(Ordering::Relaxed),
@@ -163,6 +206,80 @@ async fn pump(
     fault
 }
 
+/// Most bytes one `splice(2)` moves into the pipe: its default capacity,
+/// so the pipe is always empty before a fill and a fill never blocks on it.
+const PIPE_CHUNK: usize = 64 * 1024;
+
+/// One direction by `splice(2)`: socket → pipe, then pipe → socket until
+/// the pipe is empty; on EOF or error, half-close the other side. A fill
+/// shorter than [`PIPE_CHUNK`] drained the socket, so its readiness is
+/// cleared then (as tokio's own reads do), saving a call that would only
+/// say "would block". TCP's back-pressure holds: nothing more is taken from
+/// the source while the pipe is being emptied into a destination that is
+/// behind.
+async fn pipe_pump(
+    r: &OwnedReadHalf,
+    w: &OwnedWriteHalf,
+    (pipe_r, pipe_w): &(OwnedFd, OwnedFd),
+    moved: &AtomicU64,
+    sides: (Side, Side),
+) -> Option<Fault> {
+    let flags = SpliceFlags::MOVE | SpliceFlags::NONBLOCK;
+    let (src, dst): (&TcpStream, &TcpStream) = (r.as_ref(), w.as_ref());
+    let mut fault = None;
+    'flow: loop {
+        let filled = loop {
+            if let Err(e) = src.readable().await {
+                fault = Fault::io(sides.0, &e);
+                break 'flow;
+            }
+            let mut short = 0;
+            let got = src.try_io(Interest::READABLE, || {
+                let n = rustix::pipe::splice(src, None, pipe_w, None, PIPE_CHUNK, flags)?;
+                if n > 0 && n < PIPE_CHUNK {
+                    short = n;
+                    return Err(std::io::ErrorKind::WouldBlock.into());
+                }
+                Ok(n)
+            });
+            match got {
+                Ok(0) => break 'flow,
+                Ok(n) => break n,
+                Err(_) if short > 0 => break short,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    fault = Fault::io(sides.0, &e);
+                    break 'flow;
+                }
+            }
+        };
+        let mut left = filled;
+        while left > 0 {
+            if let Err(e) = dst.writable().await {
+                fault = Fault::io(sides.1, &e);
+                break 'flow;
+            }
+            let sent = dst.try_io(Interest::WRITABLE, || {
+                Ok(rustix::pipe::splice(pipe_r, None, dst, None, left, flags)?)
+            });
+            match sent {
+                Ok(n) => {
+                    left -= n;
+                    moved.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    fault = Fault::io(sides.1, &e);
+                    break 'flow;
+                }
+            }
+        }
+    }
+    // Half-close: the other side learns that no more bytes come this way.
+    let _ = socket2::SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+    fault
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -178,11 +295,23 @@ pub(crate) mod tests {
         (a, b)
     }
 
+    /// Both ways of moving bytes: through the gateway's buffer, and by
+    /// `splice(2)` through pipes.
+    fn ways() -> [Option<Pipes>; 2] {
+        [None, Some(Pipes::new().expect("pipes"))]
+    }
+
     #[tokio::test]
     async fn copies_both_ways_with_half_close_and_counts() {
+        for pipes in ways() {
+            copies_both_ways(pipes).await;
+        }
+    }
+
+    async fn copies_both_ways(pipes: Option<Pipes>) {
         let (mut client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5)));
+        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5), pipes));
         client.write_all(b"hello origin").await.expect("write");
         client.shutdown().await.expect("half-close");
         let mut got = Vec::new();
@@ -210,9 +339,15 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_reset_is_counted_against_the_side_that_sent_it() {
+        for pipes in ways() {
+            reset_is_counted(pipes).await;
+        }
+    }
+
+    async fn reset_is_counted(pipes: Option<Pipes>) {
         let (client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5)));
+        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5), pipes));
         origin.write_all(b"hello").await.expect("write");
         // The client goes away with a reset (SO_LINGER 0), not a FIN.
         socket2::SockRef::from(&client)
@@ -232,9 +367,20 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn idle_flows_are_closed_but_one_busy_direction_keeps_it_open() {
+        for pipes in ways() {
+            idle_flows_are_closed(pipes).await;
+        }
+    }
+
+    async fn idle_flows_are_closed(pipes: Option<Pipes>) {
         let (_client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_millis(300)));
+        let task = tokio::spawn(splice(
+            gw_client,
+            gw_origin,
+            Duration::from_millis(300),
+            pipes,
+        ));
         // Downstream trickles every 100 ms for 600 ms: longer than the idle
         // timeout in total, but never quiet for that long.
         for _ in 0..6 {
@@ -248,5 +394,54 @@ pub(crate) mod tests {
             .expect("task");
         assert!(s.idle_timeout);
         assert_eq!(s.down, 6);
+    }
+
+    /// Through pipes, TCP's back-pressure holds both ways: a destination
+    /// that stops reading stops its source after a few socket buffers, with
+    /// the other direction half-closed or not, and nothing is lost.
+    #[tokio::test]
+    async fn pipes_keep_tcp_back_pressure_and_lose_nothing() {
+        let (mut client, gw_client) = pair().await;
+        let (gw_origin, mut origin) = pair().await;
+        let pipes = Pipes::new().expect("pipes");
+        let task = tokio::spawn(splice(
+            gw_client,
+            gw_origin,
+            Duration::from_secs(10),
+            Some(pipes),
+        ));
+        // The origin does not read: the client can write only so much.
+        let chunk = vec![1u8; 64 * 1024];
+        let mut sent = 0usize;
+        while let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(200), client.write(&chunk)).await
+        {
+            sent += n;
+            assert!(sent < 64 << 20, "no back-pressure: {sent} bytes taken");
+        }
+        // The client half-closes and stops reading; the origin streams.
+        client.shutdown().await.expect("half-close");
+        let mut streamed = 0usize;
+        while let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(200), origin.write(&chunk)).await
+        {
+            streamed += n;
+            assert!(
+                streamed < 64 << 20,
+                "no back-pressure: {streamed} bytes taken"
+            );
+        }
+        // Every byte the client sent reaches the origin, then its EOF.
+        let mut got = Vec::new();
+        origin.read_to_end(&mut got).await.expect("read");
+        assert_eq!(got.len(), sent);
+        // And every byte the origin streamed reaches the client.
+        origin.shutdown().await.expect("close");
+        let mut back = Vec::new();
+        client.read_to_end(&mut back).await.expect("read");
+        assert_eq!(back.len(), streamed);
+        let moved = task.await.expect("task");
+        assert_eq!((moved.up, moved.down), (sent as u64, streamed as u64));
+        assert_eq!(moved.fault, None);
     }
 }

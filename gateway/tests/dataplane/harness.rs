@@ -346,6 +346,8 @@ pub struct Options {
     pub max_connections: usize,
     /// With more than 0: `limits.thread_per_core` with this many worker threads.
     pub workers: usize,
+    /// `splice.kernel`.
+    pub splice: &'static str,
 }
 
 impl Default for Options {
@@ -358,6 +360,7 @@ impl Default for Options {
             request_head: "30s",
             max_connections: 10_000,
             workers: 0,
+            splice: "off",
         }
     }
 }
@@ -437,6 +440,8 @@ pub async fn env(opts: Options) -> Env {
         [limits]
         max_connections = {max_connections}
         {per_core}
+        [splice]
+        kernel = "{splice}"
         "#,
         state = dir.path().join("state").display(),
         roots = roots.display(),
@@ -446,6 +451,7 @@ pub async fn env(opts: Options) -> Env {
         idle = opts.idle,
         request_head = opts.request_head,
         max_connections = opts.max_connections,
+        splice = opts.splice,
         per_core = match opts.workers {
             0 => String::new(),
             n => format!("thread_per_core = true\nworker_threads = {n}"),

@@ -11,7 +11,18 @@ const H2: &[&[u8]] = &[b"h2"];
 
 #[tokio::test]
 async fn ip_allow_with_interception_off_splices_and_the_client_sees_the_origin() {
-    let e = env(Options::default()).await;
+    // The gateway's copy, and `splice(2)` through pipes: the same bytes.
+    for (splice, path) in [("off", "user"), ("pipe", "pipe")] {
+        splices_and_the_client_sees_the_origin(splice, path).await;
+    }
+}
+
+async fn splices_and_the_client_sees_the_origin(splice: &'static str, path: &str) {
+    let e = env(Options {
+        splice,
+        ..Options::default()
+    })
+    .await;
     e.sandbox(
         "a",
         SANDBOX_A,
@@ -27,6 +38,10 @@ async fn ip_allow_with_interception_off_splices_and_the_client_sees_the_origin()
         .expect("request");
     assert_eq!(status, 200);
     assert!(body.starts_with("origin=api GET /hello"), "{body}");
+    let lines = e.flow_lines(1).await;
+    assert_eq!(lines[0]["verdict"], json!("splice"));
+    let counted = format!("egress_spliced_flows_total{{path=\"{path}\"}}");
+    assert_eq!(value(&e, &counted).await, 1, "{counted}");
 }
 
 #[tokio::test]
