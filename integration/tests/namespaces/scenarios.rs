@@ -217,6 +217,52 @@ fn attribution_expires_and_follows_cname_chains_per_sandbox() {
     assert!(reasons.iter().any(|r| r == "expired"), "{reasons:?}");
 }
 
+/// `limits.thread_per_core` behind the real redirect: every worker thread's
+/// `SO_REUSEPORT` listener gets redirected flows and reads their original
+/// destination, and DNS over UDP and TCP is answered on whichever thread's
+/// socket the kernel picks.
+#[test]
+fn per_core_workers_behind_the_redirect_decide_alike() {
+    let mut t = topology!();
+    t.stop_gateway();
+    t.set_limits("thread_per_core = true\nworker_threads = 2");
+    t.start_gateway();
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "deny", "tls_interception": "on",
+            "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}]}"#,
+    );
+    for tcp in [false, true] {
+        assert!(
+            t.dig(&t.sb1, "api.example.test", tcp)
+                .contains("203.0.113.10"),
+            "DNS (tcp: {tcp}) through a worker's socket"
+        );
+    }
+    // Each curl is a new source port: the kernel spreads them.
+    for _ in 0..12 {
+        let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/hello", &["-4"]);
+        assert_eq!(code, 0, "{body}");
+        assert!(body.contains("host=api.example.test"), "{body}");
+        let (code, _) = t.curl(&t.sb1, "gateway", "https://a.relay.example.test/", &["-4"]);
+        assert_ne!(code, 0, "not allowed on any thread");
+    }
+    let (status, metrics) = t.admin("GET", "/metrics", None);
+    assert_eq!(status, 200);
+    let accepted = |worker: u32| -> u64 {
+        let series = format!("egress_worker_connections_total{{worker=\"{worker}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in the scrape"))
+    };
+    let (w0, w1) = (accepted(0), accepted(1));
+    assert!(w0 > 0 && w1 > 0, "both threads accepted: {w0} and {w1}");
+    assert!(w0 + w1 >= 24, "{w0} + {w1}");
+}
+
 #[test]
 fn dns_over_tcp_and_quic_dropped() {
     let t = topology!();

@@ -366,7 +366,17 @@ impl Topology {
         self.internet = Some(child);
     }
 
+    /// Rewrites the gateway's configuration with `limits` as its `[limits]`
+    /// section; the next `start_gateway` runs with it.
+    pub fn set_limits(&self, limits: &str) {
+        self.write_config_with(limits);
+    }
+
     fn write_config(&self) {
+        self.write_config_with("");
+    }
+
+    fn write_config_with(&self, limits: &str) {
         let cfg = format!(
             r#"
             state_dir = "{state}"
@@ -382,6 +392,8 @@ impl Topology {
             drain = "10s"
             [log]
             flow_log = "{flows}"
+            [limits]
+            {limits}
             "#,
             state = self.path("gw-state").display(),
             dns = egress_integration::DNS_IP,
