@@ -102,6 +102,13 @@ fn init_logging() {
 /// What an operator needs to know once the gateway listens.
 fn announce(gateway: &Gateway) {
     let b = gateway.bound();
+    let limits = &gateway.dataplane().config().limits;
+    if limits.thread_per_core {
+        tracing::info!(
+            "thread per core: {} worker threads, each with its own runtime, upstream pool and transparent and DNS listeners (SO_REUSEPORT); the control API on a thread of its own",
+            limits.threads()
+        );
+    }
     let ca = &gateway.ca().paths().cert;
     tracing::info!("transparent TCP on {}, DNS for 8.8.8.8 on {} and for 1.1.1.1 on {} (UDP and TCP), admin on http://{}/healthz", b.transparent, b.dns, b.dns_alt, b.admin);
     tracing::info!("sandboxes must trust the interception CA {}", ca.display());
