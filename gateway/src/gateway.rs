@@ -391,16 +391,13 @@ impl Listeners {
         };
         let reuse = copies > 1;
         let first = DataListeners::bind((listen.transparent, listen.dns, listen.dns_alt), reuse)?;
-        let admin_std = tcp_listener(listen.admin, false).map_err(|source| StartError::Bind {
-            what: "listen.admin",
-            addr: listen.admin,
-            source,
-        })?;
-        let admin = TcpListener::from_std(admin_std).map_err(|source| StartError::Bind {
-            what: "listen.admin",
-            addr: listen.admin,
-            source,
-        })?;
+        let admin = tcp_listener(listen.admin, false)
+            .and_then(TcpListener::from_std)
+            .map_err(|source| StartError::Bind {
+                what: "listen.admin",
+                addr: listen.admin,
+                source,
+            })?;
         let bound = Bound {
             transparent: local(
                 first.transparent.local_addr(),

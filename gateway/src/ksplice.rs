@@ -11,13 +11,15 @@
 //!
 //! What the kernel does not do, this task does:
 //!
-//! - **Bounded memory.** An `sk_skb` redirect has no back-pressure of its
-//!   own: the receiving socket's window stays open while the bytes queue in
-//!   kernel memory before the other socket (measured here: a sender whose
-//!   receiver never reads queued 845 MiB in 3 s). With the limit, bytes
-//!   redirected and not yet written to the destination stay under
-//!   [`WINDOW`] (plus one segment), and passed bytes are charged to the
-//!   source's receive buffer, so TCP's window closes on the sender.
+//! - **Memory, bounded where the kernel lets it be.** An `sk_skb` redirect
+//!   has no back-pressure of its own: the receiving socket's window stays
+//!   open while the bytes queue in kernel memory before the other socket
+//!   (measured here: a sender whose receiver never reads queued 845 MiB in
+//!   3 s). With the limit, bytes redirected and not yet written to the
+//!   destination stay under [`WINDOW`] (plus one segment); passed bytes
+//!   fill the source's receive buffer and then wait in the kernel's retry
+//!   queue, which nothing bounds (126 MiB measured for a half-closed flow
+//!   whose reader stopped). That is why this path is off by default.
 //! - **Half-close.** A FIN is not redirected. When a source has sent its
 //!   FIN and all it sent is written to the destination, the destination is
 //!   shut down for writing.
@@ -173,7 +175,8 @@ pub(crate) async fn splice(
             Ok(j) => j,
             Err(e) => return Err((client, origin, e)),
         };
-        let (fault, ways) = run(&joined, [&client, &origin], idle).await;
+        let mut ways = [Way::default(), Way::default()];
+        let fault = watch(&joined, [&client, &origin], idle, &mut ways).await;
         tracing::debug!(
             up_taken = ways[0].tally.taken,
             up_passed = ways[0].tally.passed,
@@ -241,19 +244,10 @@ struct Wants {
     soon: bool,
 }
 
-/// Watches a joined flow; `Some(fault)` if a reset or the idle timeout
-/// ended it, `None` when both directions closed (or an error that names no
-/// side, as on the user-space path).
-async fn run(
-    joined: &Joined<'_>,
-    socks: [&TcpStream; 2],
-    idle: Duration,
-) -> (Option<Fault>, [Way; 2]) {
-    let mut ways = [Way::default(), Way::default()];
-    let fault = watch(joined, socks, idle, &mut ways).await;
-    (fault, ways)
-}
-
+/// Watches a joined flow, keeping each direction's state in `ways`;
+/// `Some(fault)` if a reset or the idle timeout ended it, `None` when both
+/// directions closed (or an error that names no side, as on the user-space
+/// path).
 async fn watch(
     joined: &Joined<'_>,
     socks: [&TcpStream; 2],

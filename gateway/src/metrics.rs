@@ -60,8 +60,9 @@ pub(crate) struct Metrics {
     pub(crate) requests_would_deny: Family<CodeLabels, Counter>,
     /// Credential values put in place of a placeholder.
     pub(crate) credentials_injected: Counter,
-    /// Spliced flows, by who moved their bytes.
-    pub(crate) spliced: Family<PathLabels, Counter>,
+    /// Spliced flows, by who moved their bytes (`SplicePath as usize`):
+    /// made once, so an ended flow never looks up its label.
+    spliced: [Counter; 3],
     /// Connections accepted on the transparent listener, by worker thread.
     pub(crate) accepted: Family<WorkerLabels, Counter>,
 }
@@ -74,9 +75,31 @@ pub(crate) struct WorkerLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(crate) struct PathLabels {
-    /// `kernel`, `pipe` or `user`.
-    pub(crate) path: &'static str,
+struct PathLabels {
+    path: &'static str,
+}
+
+/// Who moved a spliced flow's bytes: the `path` of `egress_spliced_flows_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SplicePath {
+    /// The sockmap (`splice.kernel = "on"`).
+    Kernel,
+    /// `splice(2)` through pipes (`splice.kernel = "pipe"`).
+    Pipe,
+    /// The gateway's copy.
+    User,
+}
+
+impl SplicePath {
+    const ALL: [Self; 3] = [Self::Kernel, Self::Pipe, Self::User];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Kernel => "kernel",
+            Self::Pipe => "pipe",
+            Self::User => "user",
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -114,7 +137,7 @@ impl Metrics {
             requests_denied: Family::default(),
             requests_would_deny: Family::default(),
             credentials_injected: Counter::default(),
-            spliced: Family::default(),
+            spliced: Default::default(),
             accepted: Family::default(),
         };
         let r = &mut m.registry;
@@ -178,19 +201,22 @@ impl Metrics {
             "Host-bound credential values put in place of a placeholder (or added) on requests to their hosts",
             m.credentials_injected.clone(),
         );
+        let spliced = Family::<PathLabels, Counter>::default();
+        m.spliced = SplicePath::ALL.map(|p| {
+            spliced
+                .get_or_create(&PathLabels { path: p.label() })
+                .clone()
+        });
         r.register(
             "spliced_flows",
             "Spliced flows ended, by who moved the bytes: kernel (sockmap), pipe (splice(2) through a pipe), or user (the gateway's copy: splice.kernel off, the program not loadable, the flow could not join the map, or no pipe could be made)",
-            m.spliced.clone(),
+            spliced,
         );
         r.register(
             "worker_connections",
             "Connections accepted on the transparent listener, by worker (with limits.thread_per_core, the kernel spreads them over the workers' listeners)",
             m.accepted.clone(),
         );
-        for path in ["kernel", "pipe", "user"] {
-            let _ = m.spliced.get_or_create(&PathLabels { path });
-        }
         for code in egress_policy::RequestCode::CODES
             .iter()
             .chain(crate::credentials::Refusal::CODES)
@@ -243,6 +269,11 @@ impl Metrics {
 
     /// Creates the `flows` series for `verdict` with each of `reasons` at
     /// zero, so they exist (and `rate()` works) before the first such flow.
+    /// Counts a spliced flow that ended, by who moved its bytes.
+    pub(crate) fn spliced(&self, path: SplicePath) {
+        self.spliced[path as usize].inc();
+    }
+
     /// Worker `i`'s accept counter, made once per worker so the accept loop
     /// never looks up its label.
     pub(crate) fn worker(&self, i: usize) -> Counter {

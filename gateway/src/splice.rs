@@ -12,9 +12,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use crate::config::Timeouts;
+use crate::config::Config;
 use crate::fault::{Fault, Side};
 use crate::io::{quiet_for, reset, Counts};
+use crate::metrics::SplicePath;
 use crate::state::Dataplane;
 use crate::upstream::connect_tcp;
 use rustix::fd::OwnedFd;
@@ -40,8 +41,9 @@ pub(crate) async fn splice_to(
     client: TcpStream,
     dst: std::net::SocketAddr,
     peeked: &[u8],
-    timeouts: &Timeouts,
+    config: &Config,
 ) -> Result<Spliced, String> {
+    let timeouts = &config.timeouts;
     let mut origin = match connect_tcp(dst, timeouts.connect, &dp.metrics).await {
         Ok(o) => o,
         Err(e) => {
@@ -59,7 +61,7 @@ pub(crate) async fn splice_to(
     let (client, origin) = match &dp.kernel {
         Some(kernel) => match crate::ksplice::splice(kernel, client, origin, timeouts.idle).await {
             Ok(moved) => {
-                count(dp, "kernel");
+                dp.metrics.spliced(SplicePath::Kernel);
                 return Ok(moved);
             }
             Err((client, origin, e)) => {
@@ -69,7 +71,7 @@ pub(crate) async fn splice_to(
         },
         None => (client, origin),
     };
-    let pipes = match dp.config().splice.kernel {
+    let pipes = match config.splice.kernel {
         crate::config::KernelSplice::Pipe => match Pipes::new() {
             Ok(p) => Some(p),
             Err(e) => {
@@ -79,19 +81,15 @@ pub(crate) async fn splice_to(
         },
         _ => None,
     };
-    let path = if pipes.is_some() { "pipe" } else { "user" };
+    let path = if pipes.is_some() {
+        SplicePath::Pipe
+    } else {
+        SplicePath::User
+    };
     let mut moved = splice(client, origin, timeouts.idle, pipes).await;
-    count(dp, path);
+    dp.metrics.spliced(path);
     moved.up += peeked.len() as u64;
     Ok(moved)
-}
-
-/// Counts an ended spliced flow by who moved its bytes.
-fn count(dp: &Dataplane, path: &'static str) {
-    dp.metrics
-        .spliced
-        .get_or_create(&crate::metrics::PathLabels { path })
-        .inc();
 }
 
 /// One pipe per direction for `splice(2)`, made before the flow starts so a
@@ -145,10 +143,6 @@ pub(crate) async fn splice(
         (up, down) = both => (false, up.or(down)),
         () = quiet_for(&counts, idle) => (true, Some(Fault::IDLE_TIMEOUT)),
     };
-    if pipes.is_some() {
-        // The pumps half-closed with `shutdown(2)` on the socket itself.
-        drop((cr, cw, or, ow));
-    }
     Spliced {
         up: counts.read.load(Ordering::Relaxed),
         down: counts.written.load(Ordering::Relaxed),
@@ -355,14 +349,13 @@ pub(crate) mod tests {
             .expect("linger");
         drop(client);
         let s = task.await.expect("task");
-        assert_eq!(
-            s.fault,
-            Some(
-                Fault::io(Side::Client, &std::io::ErrorKind::ConnectionReset.into())
-                    .expect("a reset")
-            )
-        );
+        assert_eq!(s.fault, client_reset());
         assert!(!s.idle_timeout);
+    }
+
+    /// The fault a reset from the client leaves (both splice paths).
+    pub(crate) fn client_reset() -> Option<Fault> {
+        Some(Fault::io(Side::Client, &std::io::ErrorKind::ConnectionReset.into()).expect("a reset"))
     }
 
     #[tokio::test]
@@ -381,8 +374,17 @@ pub(crate) mod tests {
             Duration::from_millis(300),
             pipes,
         ));
-        // Downstream trickles every 100 ms for 600 ms: longer than the idle
-        // timeout in total, but never quiet for that long.
+        trickles_then_closes_as_idle(task, &mut origin).await;
+    }
+
+    /// With `task` splicing at a 300 ms idle timeout: the origin trickles a
+    /// byte every 100 ms for 600 ms, longer than the timeout in total but
+    /// never quiet for that long, so the flow stays open; then it is closed
+    /// as idle, with the 6 bytes counted (both splice paths).
+    pub(crate) async fn trickles_then_closes_as_idle(
+        task: tokio::task::JoinHandle<Spliced>,
+        origin: &mut TcpStream,
+    ) {
         for _ in 0..6 {
             origin.write_all(b"x").await.expect("write");
             tokio::time::sleep(Duration::from_millis(100)).await;

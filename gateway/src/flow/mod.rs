@@ -71,9 +71,7 @@ pub(crate) async fn handle(
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
-            let moved =
-                crate::splice::splice_to(&dp, stream, accepted.dst, &peeked, &config.timeouts)
-                    .await;
+            let moved = crate::splice::splice_to(&dp, stream, accepted.dst, &peeked, &config).await;
             rec.spliced(moved);
         }
     }

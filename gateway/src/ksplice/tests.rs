@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::splice::tests::pair;
+use crate::splice::tests::{client_reset, pair, trickles_then_closes_as_idle};
 
 use super::*;
 
@@ -217,10 +217,7 @@ async fn a_reset_is_counted_against_the_side_that_sent_it() {
         .await
         .expect("ends at the reset")
         .expect("task");
-    assert_eq!(
-        s.fault,
-        Some(Fault::io(Side::Client, &io::ErrorKind::ConnectionReset.into()).expect("a reset"))
-    );
+    assert_eq!(s.fault, client_reset());
     assert!(!s.idle_timeout);
 }
 
@@ -228,17 +225,7 @@ async fn a_reset_is_counted_against_the_side_that_sent_it() {
 async fn idle_flows_are_closed_but_one_busy_direction_keeps_it_open() {
     let Some(k) = kernel() else { return };
     let (task, _client, mut origin) = flow(k, Duration::from_millis(300)).await;
-    for _ in 0..6 {
-        origin.write_all(b"x").await.expect("write");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(!task.is_finished(), "still open while bytes flow one way");
-    let s = tokio::time::timeout(Duration::from_secs(3), task)
-        .await
-        .expect("closed when idle")
-        .expect("task");
-    assert!(s.idle_timeout);
-    assert_eq!(s.down, 6);
+    trickles_then_closes_as_idle(task, &mut origin).await;
 }
 
 #[tokio::test]
