@@ -306,14 +306,7 @@ pub(crate) mod tests {
         let (mut client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
         let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5), pipes));
-        client.write_all(b"hello origin").await.expect("write");
-        client.shutdown().await.expect("half-close");
-        let mut got = Vec::new();
-        origin
-            .read_to_end(&mut got)
-            .await
-            .expect("origin sees EOF after the bytes");
-        assert_eq!(got, b"hello origin");
+        hello_then_half_close(&mut client, &mut origin).await;
         origin.write_all(&vec![7u8; 100_000]).await.expect("write");
         origin.shutdown().await.expect("close");
         let mut back = Vec::new();
@@ -351,6 +344,19 @@ pub(crate) mod tests {
         let s = task.await.expect("task");
         assert_eq!(s.fault, client_reset());
         assert!(!s.idle_timeout);
+    }
+
+    /// The client sends 12 bytes and its FIN; the origin reads exactly
+    /// those, then EOF (both splice paths; `up` counts 12).
+    pub(crate) async fn hello_then_half_close(client: &mut TcpStream, origin: &mut TcpStream) {
+        client.write_all(b"hello origin").await.expect("write");
+        client.shutdown().await.expect("half-close");
+        let mut got = Vec::new();
+        origin
+            .read_to_end(&mut got)
+            .await
+            .expect("origin sees EOF after the bytes");
+        assert_eq!(got, b"hello origin");
     }
 
     /// The fault a reset from the client leaves (both splice paths).

@@ -7,7 +7,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::splice::tests::{client_reset, pair, trickles_then_closes_as_idle};
+use crate::splice::tests::{
+    client_reset, hello_then_half_close, pair, trickles_then_closes_as_idle,
+};
 
 use super::*;
 
@@ -65,14 +67,7 @@ fn pattern(len: usize) -> Vec<u8> {
 async fn copies_both_ways_with_half_close_and_counts() {
     let Some(k) = kernel() else { return };
     let (task, mut client, mut origin) = flow(k, Duration::from_secs(5)).await;
-    client.write_all(b"hello origin").await.expect("write");
-    client.shutdown().await.expect("half-close");
-    let mut got = Vec::new();
-    origin
-        .read_to_end(&mut got)
-        .await
-        .expect("origin sees EOF after the bytes");
-    assert_eq!(got, b"hello origin");
+    hello_then_half_close(&mut client, &mut origin).await;
     // The other direction still works after the client's FIN.
     let down = pattern(3 << 20);
     origin.write_all(&down).await.expect("write");
