@@ -39,6 +39,13 @@ if [ "${#targets[@]}" -eq 0 ]; then
   exit 1
 fi
 
+# cargo-fuzz has no --locked (rust-fuzz/cargo-fuzz#312): check the lock file
+# first, so a stale fuzz/Cargo.lock fails here instead of being rewritten.
+if ! (cd fuzz && cargo +nightly metadata --locked --format-version 1 >/dev/null); then
+  echo ".ci/fuzz.sh: fuzz/Cargo.lock is out of date: run 'cargo +nightly metadata --format-version 1 >/dev/null' in fuzz/ and commit it" >&2
+  exit 1
+fi
+
 echo "== cargo +nightly fuzz build (${#targets[@]} targets)"
 if [ "$#" -eq 0 ]; then
   (cd fuzz && cargo +nightly fuzz build)
@@ -80,16 +87,32 @@ for t in "${targets[@]}"; do
   fi
   log="$work/$t.log"
 
-  if [ -d "fuzz/regressions/$t" ] && [ -n "$(ls -A "fuzz/regressions/$t")" ]; then
-    echo "== $t: replaying fuzz/regressions/$t"
-    if ! "$bin" -artifact_prefix="$artifacts/" "fuzz/regressions/$t"/* >"$log" 2>&1; then
-      tail -n 40 "$log"
-      echo "!! $t: a regression input fails again"
-      report_artifacts "$artifacts"
-      failed+=("$t")
-      summary+=("$t: regression failed")
-      continue
-    fi
+  # Every target has its regression folder (fuzz/regressions/README.md);
+  # libFuzzer prints "Executed <file>" for each input it ran, so the replay
+  # is checked to have run every one of them.
+  inputs=("fuzz/regressions/$t"/*)
+  if [ ! -e "${inputs[0]}" ]; then
+    echo "!! $t: fuzz/regressions/$t has no inputs (see fuzz/regressions/README.md)"
+    failed+=("$t")
+    summary+=("$t: no regression inputs")
+    continue
+  fi
+  echo "== $t: replaying ${#inputs[@]} inputs of fuzz/regressions/$t"
+  if ! "$bin" -artifact_prefix="$artifacts/" "${inputs[@]}" >"$log" 2>&1; then
+    tail -n 40 "$log"
+    echo "!! $t: a regression input fails again"
+    report_artifacts "$artifacts"
+    failed+=("$t")
+    summary+=("$t: regression failed")
+    continue
+  fi
+  replayed=$(grep -c '^Executed ' "$log" || true)
+  if [ "$replayed" -ne "${#inputs[@]}" ]; then
+    tail -n 20 "$log"
+    echo "!! $t: replayed $replayed of ${#inputs[@]} regression inputs"
+    failed+=("$t")
+    summary+=("$t: regression replay incomplete")
+    continue
   fi
 
   echo "== $t: fuzzing for ${seconds}s from $(ls -A "$corpus" | wc -l) seeds"
@@ -108,7 +131,7 @@ for t in "${targets[@]}"; do
     failed+=("$t")
     summary+=("$t: FAILED after ${execs:-?} executions")
   else
-    summary+=("$t: ${execs:-?} executions in ${seconds}s, corpus $(ls -A "$corpus" | wc -l) inputs")
+    summary+=("$t: ${replayed} regressions replayed, ${execs:-?} executions in ${seconds}s, corpus $(ls -A "$corpus" | wc -l) inputs")
   fi
   echo "   ${summary[-1]}"
 done
