@@ -531,16 +531,12 @@ mod tests {
         (c, s)
     }
 
-    /// Loading needs CAP_BPF; without it (and without `EGRESS_E2E_REQUIRED`) the test says so and passes.
+    /// Loading needs CAP_BPF; without it (and without `EGRESS_E2E_REQUIRED=1`) the test says so and passes.
     fn loaded() -> Option<Sockmap> {
         match Sockmap::load(64) {
             Ok(m) => Some(m),
             Err(e) => {
-                assert!(
-                    std::env::var("EGRESS_E2E_REQUIRED").as_deref() != Ok("1"),
-                    "the sockmap is required (EGRESS_E2E_REQUIRED is set): {e}"
-                );
-                eprintln!("skipped: {e}");
+                egress_testkit::skip("the sockmap", format!("cannot be loaded here: {e}"));
                 None
             }
         }

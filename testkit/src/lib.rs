@@ -45,8 +45,9 @@ pub fn required() -> bool {
 ///
 /// # Panics
 ///
-/// When [`required`] — CI wants every test to run — with
+/// At the caller's line, when [`required`] — CI wants every test to run — with
 /// `<what> is required (EGRESS_E2E_REQUIRED=1): <why>`.
+#[track_caller]
 pub fn skip(what: &str, why: impl Display) {
     assert!(!required(), "{what} is required ({REQUIRED_VAR}=1): {why}");
     eprintln!("SKIPPED: {what}: {why}");

@@ -76,11 +76,10 @@ pub fn available() -> bool {
     if root && nft && ip {
         return true;
     }
-    let why = format!("the worker tests need root, nft and ip (root={root} nft={nft} ip={ip})");
-    if std::env::var("EGRESS_E2E_REQUIRED").as_deref() == Ok("1") {
-        panic!("{why}");
-    }
-    eprintln!("SKIPPED: {why}");
+    egress_testkit::skip(
+        "the worker tests",
+        format!("they need root, nft and ip (root={root} nft={nft} ip={ip})"),
+    );
     false
 }
 

@@ -19,18 +19,17 @@ use std::time::Duration;
 
 use crate::support::*;
 
-/// Whether promtool is installed; panics instead of skipping under `EGRESS_E2E_REQUIRED=1`.
+/// Whether promtool is installed; [`egress_testkit::skip`] when not.
 fn promtool_available() -> bool {
     let ok = Command::new("promtool")
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
-        let why = "the metrics lint needs promtool (apt-get install prometheus)";
-        if std::env::var("EGRESS_E2E_REQUIRED").as_deref() == Ok("1") {
-            panic!("{why}");
-        }
-        eprintln!("SKIPPED: {why}");
+        egress_testkit::skip(
+            "the metrics lint",
+            "no promtool here (apt-get install prometheus)",
+        );
     }
     ok
 }

@@ -127,11 +127,7 @@ fn nft_accepts_every_mode() {
         .output()
         .is_err()
     {
-        assert!(
-            std::env::var_os("EGRESS_E2E_REQUIRED").is_none(),
-            "nft is required (EGRESS_E2E_REQUIRED is set)"
-        );
-        eprintln!("skipped: no nft");
+        egress_testkit::skip("nft_accepts_every_mode", "no nft here");
         return;
     }
     let rules: Vec<String> = (0..256)
