@@ -22,6 +22,20 @@ use crate::decide::{self, decide};
 use crate::resource::{Machine, MANAGED_ANNOTATION, NODE_LABEL};
 use crate::worker::{Worker, WorkerError};
 
+/// What this reconciler calls on the Kubernetes API, as RBAC names it:
+/// `(API group, resource, verbs)`. `deploy/kubernetes`'s RBAC for the
+/// reconciler is checked against it (`integration/tests/manifests.rs`), so
+/// a new call here must be added here. The calls, all in this file:
+///
+/// - [`run`]: `Controller::new(Api::all, watcher)` lists Machines in every
+///   namespace and watches them (label selector, no `get`);
+/// - [`reconcile_one`]: `Api::patch` with a merge patch of the
+///   `MANAGED_ANNOTATION` annotation (the object, not `machines/status`).
+///
+/// No events are recorded and nothing else is read.
+pub const KUBE_ACCESS: &[(&str, &str, &[&str])] =
+    &[("kairon.zyvor.dev", "machines", &["list", "watch", "patch"])];
+
 /// Why one reconcile failed (the Machine is requeued with backoff).
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
