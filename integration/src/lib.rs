@@ -43,6 +43,11 @@ static COUNTS: std::sync::LazyLock<std::sync::Mutex<HashMap<String, u64>>> =
 static SEEN: std::sync::LazyLock<std::sync::Mutex<std::collections::VecDeque<String>>> =
     std::sync::LazyLock::new(|| std::sync::Mutex::new(std::collections::VecDeque::new()));
 
+/// Set by `GET /_release`: every `/hold` request is answered (and later
+/// ones at once), so a test decides when held requests end, not a clock.
+static RELEASE: std::sync::LazyLock<tokio::sync::watch::Sender<bool>> =
+    std::sync::LazyLock::new(|| tokio::sync::watch::Sender::new(false));
+
 /// What the origin at `ip` does with a new connection.
 enum Behaviour {
     Serve,
@@ -304,7 +309,13 @@ pub async fn serve_tls(addr: SocketAddr, minter: Arc<LeafMinter>) -> std::io::Re
             let service = hyper::service::service_fn(|req| async move {
                 Ok::<_, std::convert::Infallible>(respond(req).await)
             });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+            // Streams at once on one HTTP/2 connection: more than hyper's
+            // 200, as the gateway multiplexes a sandbox's requests to an
+            // origin onto one upstream connection and the drain test holds
+            // a thousand of them open at the origin.
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder.http2().max_concurrent_streams(4096);
+            let _ = builder
                 .serve_connection_with_upgrades(TokioIo::new(tls), service)
                 .await;
         });
@@ -334,7 +345,8 @@ pub async fn serve_http(addr: SocketAddr) -> std::io::Result<()> {
 }
 
 /// `/bytes/N`, `/echo` (the request body back), `/slow` (answers after 2 s;
-/// `/slow/N`: after N seconds, at most 30),
+/// `/slow/N`: after N seconds, at most 30), `/hold` (answers once
+/// `GET /_release` was asked, or after 120 s),
 /// `/ws` (an upgrade that echoes), anything else: a line naming the request
 /// and the `Host` headers and authority it arrived with.
 async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
@@ -356,19 +368,58 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
     } else {
         hosts.join(",")
     };
-    if path == "/_counts" {
-        let counts = COUNTS.lock().map(|c| c.clone()).unwrap_or_default();
-        let body = serde_json::to_string(&counts).unwrap_or_default();
-        return hyper::Response::new(Full::new(Bytes::from(body)));
+    if let Some(answer) = control(&path) {
+        return answer;
     }
-    if path == "/_seen" {
-        let seen: Vec<String> = SEEN
-            .lock()
-            .map(|s| s.iter().cloned().collect())
-            .unwrap_or_default();
-        let body = serde_json::to_string(&seen).unwrap_or_default();
-        return hyper::Response::new(Full::new(Bytes::from(body)));
+    record(&req, &host);
+    if path == "/ws" && req.headers().contains_key(hyper::header::UPGRADE) {
+        return upgrade(&mut req);
     }
+    if let Some(answer) = timed(&path).await {
+        return answer;
+    }
+    match path.as_str() {
+        "/echo" => {
+            let body = req
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            hyper::Response::new(Full::new(body))
+        }
+        _ => hyper::Response::new(Full::new(Bytes::from(format!(
+            "fake internet: {} {path} host={host} authority={authority}\n",
+            req.method()
+        )))),
+    }
+}
+
+/// The tests' own paths: `/_counts`, `/_seen`, `/_release`.
+fn control(path: &str) -> Option<hyper::Response<Full<Bytes>>> {
+    let body = match path {
+        "/_counts" => {
+            let counts = COUNTS.lock().map(|c| c.clone()).unwrap_or_default();
+            serde_json::to_string(&counts).unwrap_or_default()
+        }
+        "/_seen" => {
+            let seen: Vec<String> = SEEN
+                .lock()
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default();
+            serde_json::to_string(&seen).unwrap_or_default()
+        }
+        "/_release" => {
+            RELEASE.send_replace(true);
+            "released\n".to_owned()
+        }
+        _ => return None,
+    };
+    Some(hyper::Response::new(Full::new(Bytes::from(body))))
+}
+
+/// Counts the request by host and keeps its line in `SEEN`.
+fn record(req: &hyper::Request<hyper::body::Incoming>, host: &str) {
     if let Ok(mut c) = COUNTS.lock() {
         let name = host.split(':').next().unwrap_or("").to_owned();
         *c.entry(name).or_insert(0) += 1;
@@ -394,56 +445,57 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
             header("x-api-key"),
         ));
     }
-    if path == "/ws" && req.headers().contains_key(hyper::header::UPGRADE) {
-        let on = hyper::upgrade::on(&mut req);
-        tokio::spawn(async move {
-            if let Ok(up) = on.await {
-                let mut io = TokioIo::new(up);
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = io.read(&mut buf).await {
-                    if n == 0 || io.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
+}
+
+/// `/ws`: switches protocols and echoes what arrives.
+fn upgrade(req: &mut hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
+    let on = hyper::upgrade::on(req);
+    tokio::spawn(async move {
+        if let Ok(up) = on.await {
+            let mut io = TokioIo::new(up);
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = io.read(&mut buf).await {
+                if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                    break;
                 }
             }
-        });
-        return hyper::Response::builder()
-            .status(101)
-            .header("connection", "upgrade")
-            .header("upgrade", "websocket")
-            .body(Full::new(Bytes::new()))
-            .unwrap_or_default();
-    }
+        }
+    });
+    hyper::Response::builder()
+        .status(101)
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .body(Full::new(Bytes::new()))
+        .unwrap_or_default()
+}
+
+/// The paths whose answer is about size or time: `/bytes/N`, `/hold`,
+/// `/slow/N`, `/slow`.
+async fn timed(path: &str) -> Option<hyper::Response<Full<Bytes>>> {
     if let Some(n) = path
         .strip_prefix("/bytes/")
         .and_then(|n| n.parse::<usize>().ok())
     {
-        return hyper::Response::new(Full::new(Bytes::from(vec![b'x'; n.min(64 << 20)])));
+        return Some(hyper::Response::new(Full::new(Bytes::from(vec![
+            b'x';
+            n.min(
+                64 << 20
+            )
+        ]))));
     }
-    if let Some(secs) = path
-        .strip_prefix("/slow/")
-        .and_then(|n| n.parse::<u64>().ok())
-    {
-        tokio::time::sleep(Duration::from_secs(secs.min(30))).await;
-        return hyper::Response::new(Full::new(Bytes::from_static(b"slow done\n")));
-    }
-    match path.as_str() {
-        "/echo" => {
-            let body = req
-                .into_body()
-                .collect()
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            hyper::Response::new(Full::new(body))
-        }
-        "/slow" => {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            hyper::Response::new(Full::new(Bytes::from_static(b"slow done\n")))
-        }
-        _ => hyper::Response::new(Full::new(Bytes::from(format!(
-            "fake internet: {} {path} host={host} authority={authority}\n",
-            req.method()
-        )))),
-    }
+    let wait = if path == "/hold" {
+        let mut released = RELEASE.subscribe();
+        let _ = tokio::time::timeout(Duration::from_secs(120), released.wait_for(|r| *r)).await;
+        return Some(hyper::Response::new(Full::new(Bytes::from_static(
+            b"held\n",
+        ))));
+    } else if path == "/slow" {
+        2
+    } else {
+        path.strip_prefix("/slow/")?.parse::<u64>().ok()?.min(30)
+    };
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    Some(hyper::Response::new(Full::new(Bytes::from_static(
+        b"slow done\n",
+    ))))
 }

@@ -39,7 +39,7 @@ fn denied_reached(t: &Topology) -> bool {
 
 #[test]
 fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
-    const MIN_OPEN: u64 = 100;
+    const OPEN: u64 = 1_000;
     if !available() {
         return;
     }
@@ -53,7 +53,9 @@ fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
         .contains("203.0.113.11"));
     assert!(!denied_reached(&t), "denied before anything happens");
 
-    // A thousand requests to a path that answers after 8 s, all at once.
+    // A thousand requests to a path the origin holds until the test
+    // releases it, all at once: however slowly a loaded machine makes the
+    // handshakes, all thousand are open at the origin before SIGTERM.
     let bundle = t.ca("gateway");
     let probe = Command::new("ip")
         .args(["netns", "exec", &t.sb1])
@@ -71,34 +73,27 @@ fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
             "--concurrency",
             "1000",
             "--path",
-            "/slow/8",
+            "/hold",
+            "--response-timeout-secs",
+            "150",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("probe");
-    // SIGTERM once the origin holds them all, or once no more arrive (a
-    // loaded machine may not finish a thousand handshakes in 8 s; on two
-    // cores shared with builds a few hundred is what it manages, so a
-    // hundred open flows is the floor the drain is judged on). The origin
-    // counts requests as they arrive and answers each 8 s later.
-    let deadline = Instant::now() + Duration::from_secs(7);
-    let (mut open, mut last_rise) = (0, Instant::now());
-    while Instant::now() < deadline && open < 1_000 {
-        let now = reached(&t);
-        if now > open {
-            (open, last_rise) = (now, Instant::now());
-        } else if open >= MIN_OPEN && last_rise.elapsed() > Duration::from_secs(1) {
-            break;
-        }
+    // The deadline only bounds a failure; a pass never waits for it.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut open = 0;
+    while Instant::now() < deadline && open < OPEN {
+        open = reached(&t);
         std::thread::sleep(Duration::from_millis(100));
     }
-    if open < MIN_OPEN {
+    if open < OPEN {
         let mut probe = probe;
         let _ = probe.kill();
         let out = probe.wait_with_output().expect("probe");
         panic!(
-            "only {open} requests reached the origin; probe: {} {}",
+            "only {open} of {OPEN} requests reached the origin in 90 s; probe: {} {}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr),
         );
@@ -116,25 +111,33 @@ fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
                 .expect("curl")
         })
     };
+    // The origin answers the held requests a second after SIGTERM, once the
+    // new flow above has been tried against the draining gateway.
+    let release = {
+        let gw = t.gw.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            Command::new("ip")
+                .args(["netns", "exec", &gw, "curl", "-s", "--max-time", "5"])
+                .arg("http://203.0.113.10/_release")
+                .output()
+                .expect("curl")
+        })
+    };
     assert!(t.stop_gateway().success(), "a clean drain");
     let drained = stopping.elapsed();
+    let released = release.join().expect("release thread");
+    assert!(
+        String::from_utf8_lossy(&released.stdout).contains("released"),
+        "the origin released the held requests"
+    );
     let out = probe.wait_with_output().expect("probe");
     let report: serde_json::Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
-    // Every request the origin held at SIGTERM finished; one that had not
-    // connected yet was refused (the listener closes when the drain starts).
-    let ok = report["ok"].as_u64().unwrap_or(0);
-    assert!(
-        ok >= open,
-        "{open} in flight at SIGTERM, {ok} finished: {report}"
-    );
-    for e in report["first_errors"].as_array().expect("errors") {
-        let e = e.as_str().unwrap_or("");
-        assert!(
-            e.contains("onnect"),
-            "a request not yet open fails to connect: {e}"
-        );
-    }
+    // Every one of the thousand requests open at SIGTERM finished.
+    assert_eq!(report["ok"], json!(OPEN), "{report}");
+    assert_eq!(report["errors"], json!({}), "{report}");
+    let ok = OPEN;
     let during = during.join().expect("curl thread");
     assert!(
         !String::from_utf8_lossy(&during.stdout).contains("fake internet"),
@@ -156,7 +159,7 @@ fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
     let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/again", &["-4"]);
     assert_eq!(code, 0, "allowed after SIGKILL and restart: {body}");
     println!(
-        "restart under load: {open} requests in flight at SIGTERM, {ok} of 1000 finished (the rest had not connected and were refused); the drain took {:.1} s; denied destination never reached before, during or after SIGTERM and SIGKILL restarts",
+        "restart under load: {open} requests in flight at SIGTERM, {ok} of 1000 finished; the drain took {:.1} s; denied destination never reached before, during or after SIGTERM and SIGKILL restarts",
         drained.as_secs_f64()
     );
 }
@@ -218,13 +221,161 @@ fn nft_in(ns: &str, script: &str) {
     assert!(child.wait().expect("nft").success(), "nft: {script}");
 }
 
+/// The five loads of one wave (10,000 flows), run at once while `meanwhile`
+/// runs; each report by name.
+fn wave(t: &Topology, meanwhile: impl FnOnce()) -> Vec<(&'static str, serde_json::Value)> {
+    let loads = [
+        (
+            "intercepted",
+            &t.sb1,
+            "203.0.113.10:443",
+            "api.example.test",
+            "gateway",
+            4_300,
+            300,
+        ),
+        (
+            "spliced",
+            &t.sb1,
+            "203.0.113.20:443",
+            "a.relay.example.test",
+            "origin",
+            2_000,
+            200,
+        ),
+        (
+            "denied",
+            &t.sb2,
+            "203.0.113.11:443",
+            "other.example.test",
+            "both",
+            2_000,
+            200,
+        ),
+        (
+            "reset origin",
+            &t.sb2,
+            "203.0.113.60:443",
+            "reset.example.test",
+            "gateway",
+            1_500,
+            150,
+        ),
+        (
+            "stalled origin",
+            &t.sb1,
+            "203.0.113.61:443",
+            "stall.example.test",
+            "gateway",
+            200,
+            100,
+        ),
+    ];
+    let running: Vec<_> = loads
+        .into_iter()
+        .map(|(name, ns, target, sni, ca, count, concurrency)| {
+            (name, many(t, ns, target, sni, ca, count, concurrency))
+        })
+        .collect();
+    meanwhile();
+    running
+        .into_iter()
+        .map(|(name, probe)| (name, probe.join().expect("probe")))
+        .collect()
+}
+
+/// The upstream DNS server goes away (its packets dropped in the fake
+/// internet): a clear SERVFAIL; then it comes back.
+fn dns_outage(t: &Topology) {
+    std::thread::sleep(Duration::from_secs(1));
+    nft_in(
+        &t.inet,
+        "table inet dns_outage {\n chain input {\n  type filter hook input priority 0; policy accept;\n  th dport 53 drop\n }\n}\n",
+    );
+    let during = t.exec(
+        &t.sb2,
+        "dig",
+        &["+time=6", "+tries=1", "@8.8.8.8", "deb.example.test"],
+    );
+    let during = String::from_utf8_lossy(&during.stdout).into_owned();
+    assert!(
+        during.contains("status: SERVFAIL"),
+        "a clear SERVFAIL while the upstream is gone: {during}"
+    );
+    nft_in(&t.inet, "delete table inet dns_outage\n");
+    assert!(
+        t.dig(&t.sb2, "deb.example.test", false)
+            .contains("198.51.100.21"),
+        "DNS is back"
+    );
+}
+
+/// What the origin for api.example.test has answered so far.
+fn api_reached(t: &Topology) -> serde_json::Value {
+    let (_, counts) = t.http_in_gw("GET", "http://203.0.113.10/_counts", &[], None);
+    serde_json::from_str(&counts).expect("counts")
+}
+
+/// Every flow of a wave accounted for: allowed requests complete (or fail to
+/// connect in the kernel's queues, rarely), denied ones never reach an
+/// origin, failing origins get clear 502s; `before`: the api origin's count
+/// before the wave. Returns (intercepted ok, reset origin ok, reset failed).
+fn check_wave(t: &Topology, reports: &[(&str, serde_json::Value)], before: u64) -> [u64; 3] {
+    let get = |name: &str| &reports.iter().find(|(n, _)| *n == name).expect("report").1;
+    let ok = |name: &str| get(name)["ok"].as_u64().unwrap_or(0);
+    let failed = |name: &str| get(name)["failed"].as_u64().unwrap_or(0);
+    // Every error of a load, by kind, is one of `kinds`.
+    let only = |name: &str, kinds: &[&str]| {
+        for (kind, _) in get(name)["errors"].as_object().expect("errors") {
+            assert!(
+                kinds.iter().any(|k| kind.starts_with(k)),
+                "{name}: {}",
+                get(name)
+            );
+        }
+    };
+    // On a loaded 2-core machine a client connect can time out in the
+    // kernel's queues (the probe says so); anything else is a loss.
+    for (name, count) in [("intercepted", 4_300), ("spliced", 2_000)] {
+        assert_eq!(ok(name) + failed(name), count, "{}", get(name));
+        assert!(failed(name) <= count / 200, "{name}: {}", get(name));
+        only(name, &["connect timed out"]);
+    }
+    assert_eq!(ok("denied"), 0, "{}", get("denied"));
+    let reset_failed = failed("reset origin");
+    // One upstream connection in ten is reset; the gateway reuses upstream
+    // connections, so fewer than one request in ten meets a reset.
+    assert!(
+        (1..=300).contains(&reset_failed),
+        "some, at most about one in ten, fail: {}",
+        get("reset origin")
+    );
+    assert_eq!(failed("stalled origin"), 200, "{}", get("stalled origin"));
+    // The failures are answers that say what happened, not hangs.
+    only("reset origin", &["HTTP/1.1 502"]);
+    only("stalled origin", &["HTTP/1.1 502"]);
+    let counts = api_reached(t);
+    assert!(counts.get("other.example.test").is_none(), "{counts}");
+    assert_eq!(
+        counts["api.example.test"],
+        json!(before + ok("intercepted")),
+        "every intercepted request that succeeded reached the origin once: {counts}"
+    );
+    [ok("intercepted"), ok("reset origin"), reset_failed]
+}
+
 /// Ten thousand flows from two sandboxes — intercepted, spliced, denied, to
 /// an origin that resets one connection in ten and to one that stalls —
-/// while the upstream DNS server goes away and comes back. Every allowed
-/// request completes or fails with a clear error, no denied flow reaches an
-/// origin, and the gateway's memory and descriptors come back down.
+/// while the upstream DNS server goes away and comes back; then the same
+/// ten thousand again. Every allowed request completes or fails with a clear
+/// error, no denied flow reaches an origin, and the second wave leaves the
+/// gateway's memory where the first left it (a leak of a few KiB per flow
+/// would show) and its descriptors exactly where they were.
 #[test]
 fn ten_thousand_flows_with_faults_lose_nothing_and_leak_nothing() {
+    /// Most resident memory the second wave may add, per flow. A wave's
+    /// buffers are freed and reused; what stays is what leaked.
+    const MAX_GROWTH_PER_FLOW_KIB: u64 = 1;
     if !available() {
         return;
     }
@@ -252,150 +403,35 @@ fn ten_thousand_flows_with_faults_lose_nothing_and_leak_nothing() {
     ] {
         assert!(t.dig(ns, name, false).contains(ip), "{name}");
     }
-    // Warm up, then the baseline.
     let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/warm", &["-4"]);
     assert_eq!(code, 0, "{body}");
-    std::thread::sleep(Duration::from_millis(500));
     let pid = t.gateway_pid();
-    let (rss_before, fds_before) = footprint(pid);
 
     let started = Instant::now();
-    let intercepted = many(
-        &t,
-        &t.sb1,
-        "203.0.113.10:443",
-        "api.example.test",
-        "gateway",
-        4_300,
-        300,
-    );
-    let spliced = many(
-        &t,
-        &t.sb1,
-        "203.0.113.20:443",
-        "a.relay.example.test",
-        "origin",
-        2_000,
-        200,
-    );
-    let denied = many(
-        &t,
-        &t.sb2,
-        "203.0.113.11:443",
-        "other.example.test",
-        "both",
-        2_000,
-        200,
-    );
-    let resets = many(
-        &t,
-        &t.sb2,
-        "203.0.113.60:443",
-        "reset.example.test",
-        "gateway",
-        1_500,
-        150,
-    );
-    let stalls = many(
-        &t,
-        &t.sb1,
-        "203.0.113.61:443",
-        "stall.example.test",
-        "gateway",
-        200,
-        100,
-    );
-
-    // The upstream DNS server goes away mid-run (its packets dropped in the
-    // fake internet) and comes back.
-    std::thread::sleep(Duration::from_secs(1));
-    nft_in(
-        &t.inet,
-        "table inet dns_outage {\n chain input {\n  type filter hook input priority 0; policy accept;\n  th dport 53 drop\n }\n}\n",
-    );
-    let during = t.exec(
-        &t.sb2,
-        "dig",
-        &["+time=6", "+tries=1", "@8.8.8.8", "deb.example.test"],
-    );
-    let during = String::from_utf8_lossy(&during.stdout).into_owned();
-    assert!(
-        during.contains("status: SERVFAIL"),
-        "a clear SERVFAIL while the upstream is gone: {during}"
-    );
-    nft_in(&t.inet, "delete table inet dns_outage\n");
-    assert!(
-        t.dig(&t.sb2, "deb.example.test", false)
-            .contains("198.51.100.21"),
-        "DNS is back"
-    );
-
-    let reports = [
-        ("intercepted", intercepted.join().expect("probe")),
-        ("spliced", spliced.join().expect("probe")),
-        ("denied", denied.join().expect("probe")),
-        ("reset origin", resets.join().expect("probe")),
-        ("stalled origin", stalls.join().expect("probe")),
-    ];
+    let first = wave(&t, || dns_outage(&t));
     let elapsed = started.elapsed();
-    let get = |name: &str| &reports.iter().find(|(n, _)| *n == name).expect("report").1;
-    let ok = |name: &str| get(name)["ok"].as_u64().unwrap_or(0);
-    let failed = |name: &str| get(name)["failed"].as_u64().unwrap_or(0);
-    // On a loaded 2-core machine a client connect can time out in the
-    // kernel's queues (the probe says so); anything else is a loss.
-    for (name, count) in [("intercepted", 4_300), ("spliced", 2_000)] {
-        assert_eq!(ok(name) + failed(name), count, "{}", get(name));
-        assert!(failed(name) <= count / 200, "{name}: {}", get(name));
-        for e in get(name)["first_errors"].as_array().expect("errors") {
-            assert_eq!(e, "connect timed out", "{name}: {}", get(name));
-        }
-    }
-    assert_eq!(ok("denied"), 0, "{}", get("denied"));
-    let reset_failed = failed("reset origin");
-    // One upstream connection in ten is reset; the gateway reuses upstream
-    // connections, so fewer than one request in ten meets a reset.
-    assert!(
-        (1..=300).contains(&reset_failed),
-        "some, at most about one in ten, fail: {}",
-        get("reset origin")
-    );
-    assert_eq!(failed("stalled origin"), 200, "{}", get("stalled origin"));
-    // The failures are answers that say what happened, not hangs.
-    for name in ["reset origin", "stalled origin"] {
-        for e in get(name)["first_errors"].as_array().expect("errors") {
-            let e = e.as_str().unwrap_or("");
-            assert!(e.starts_with("HTTP/1.1 502"), "{name}: {e}");
-        }
-    }
-    // No denied flow reached an origin.
-    let (_, counts) = t.http_in_gw("GET", "http://203.0.113.10/_counts", &[], None);
-    let counts: serde_json::Value = serde_json::from_str(&counts).expect("counts");
-    assert!(counts.get("other.example.test").is_none(), "{counts}");
-    assert_eq!(
-        counts["api.example.test"],
-        json!(ok("intercepted") + 1),
-        "every intercepted request that succeeded reached the origin once (and the warm-up): {counts}"
-    );
-
-    // Memory and descriptors come back down once the flows are over (the
-    // upstream pool may keep up to 32 idle connections per origin).
+    let [ok1, reset_ok, reset_failed] = check_wave(&t, &first, 1);
+    // Flows that end are logged and torn down just after the client sees
+    // the end: let the gateway settle before reading its footprint.
     std::thread::sleep(Duration::from_secs(3));
-    let (rss_after, fds_after) = footprint(pid);
-    assert!(
-        fds_after <= fds_before + 2 * 32 + 8,
-        "descriptors {fds_before} → {fds_after}"
+    let (rss_first, fds_first) = footprint(pid);
+
+    let second = wave(&t, || ());
+    let [ok2, ..] = check_wave(&t, &second, 1 + ok1);
+    std::thread::sleep(Duration::from_secs(3));
+    let (rss_second, fds_second) = footprint(pid);
+    assert_eq!(
+        fds_second, fds_first,
+        "descriptors after the first wave {fds_first}, after the second {fds_second}"
     );
+    let growth = rss_second.saturating_sub(rss_first);
     assert!(
-        rss_after <= rss_before.max(64 * 1024) * 4,
-        "RSS {rss_before} KiB → {rss_after} KiB"
+        growth <= 10_000 * MAX_GROWTH_PER_FLOW_KIB,
+        "the second wave of 10,000 flows grew RSS {rss_first} → {rss_second} KiB ({} B per flow)",
+        growth * 1024 / 10_000
     );
     println!(
-        "fault and load: 10,000 flows in {:.1} s (intercepted {} of 4,300 ok, spliced {} of 2,000 ok, denied 2,000 refused and none reached an origin, reset origin {} ok / {reset_failed} clear 502s, stalled origin 200 clear 502s after the upstream handshake timeout); DNS outage answered SERVFAIL and recovered; gateway RSS {} → {} MiB, descriptors {fds_before} → {fds_after}",
+        "fault and load: 10,000 flows in {:.1} s (intercepted {ok1} of 4,300 ok, denied 2,000 refused and none reached an origin, reset origin {reset_ok} ok / {reset_failed} clear 502s, stalled origin 200 clear 502s after the upstream handshake timeout); DNS outage answered SERVFAIL and recovered; a second wave ({ok2} intercepted ok) moved RSS {rss_first} → {rss_second} KiB and descriptors {fds_first} → {fds_second}",
         elapsed.as_secs_f64(),
-        ok("intercepted"),
-        ok("spliced"),
-        ok("reset origin"),
-        rss_before / 1024,
-        rss_after / 1024,
     );
 }

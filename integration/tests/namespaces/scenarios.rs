@@ -144,8 +144,30 @@ fn exemption_splices_only_after_dns_through_the_reserved_resolvers() {
         .0,
         0
     );
-    // Resolving with another resolver is not possible (other UDP is dropped) and not attribution.
-    assert_eq!(t.dig(&t.sb1, "@203.0.113.53", false).trim(), "");
+    // Resolving with another resolver is not possible (other UDP is dropped
+    // by the redirect rules' guard) and not attribution. The resolver is
+    // there: asked from the gateway's namespace, it answers.
+    assert!(t
+        .dig_at(
+            &t.gw,
+            egress_integration::DNS_IP,
+            "a.relay.example.test",
+            false
+        )
+        .contains("203.0.113.20"));
+    let dropped = || udp_guard_drops(&t, "sb1");
+    let before = dropped();
+    let elsewhere = t.dig_at(
+        &t.sb1,
+        egress_integration::DNS_IP,
+        "a.relay.example.test",
+        false,
+    );
+    assert!(
+        elsewhere.contains("no servers could be reached") && !elsewhere.contains("203.0.113.20"),
+        "{elsewhere}"
+    );
+    assert!(dropped() > before, "the guard dropped the query");
     // After DNS through 8.8.8.8: spliced, the client sees the origin's own certificate.
     assert!(t
         .dig(&t.sb1, "a.relay.example.test", false)
@@ -545,4 +567,17 @@ fn a_request_that_names_two_hosts_never_reaches_the_origin() {
         t.flows_when(|f| f.iter().any(refused)).iter().any(refused),
         "the flow log names the refusal"
     );
+}
+
+/// Packets the redirect rules' UDP guard dropped on `iface` so far.
+fn udp_guard_drops(t: &Topology, iface: &str) -> u64 {
+    let out = t.exec(&t.gw, "nft", &["list", "ruleset"]);
+    let rules = String::from_utf8_lossy(&out.stdout);
+    let needle = format!("iifname \"{iface}\" meta l4proto udp counter packets ");
+    rules
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(needle.as_str()))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no UDP guard for {iface} in:\n{rules}"))
 }
