@@ -5,6 +5,7 @@
 #![allow(unreachable_pub)] // a test binary: `pub` only shares helpers between its modules
 
 mod controller;
+mod demo;
 mod dual_stack;
 mod load;
 mod machine;
