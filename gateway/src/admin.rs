@@ -12,7 +12,7 @@
 //! | `/v1/vms/…`, `/v1/network/egress/defaults` | machine egress ([`crate::machine::api`]) |
 //! | `GET /healthz`, `/readyz`, `/metrics` | |
 //!
-//! With `admin.token_file` set, every route but `/healthz` needs
+//! With `admin.token_file` set, every route but `/healthz` and `/readyz` needs
 //! `Authorization: Bearer <token>`. Bodies are capped at 1 MiB (`413`).
 
 use std::net::{IpAddr, SocketAddr};
@@ -40,7 +40,7 @@ use crate::state::Dataplane;
 /// The control API's state: the dataplane it changes, and what only it uses.
 pub(crate) struct Control {
     dp: Arc<Dataplane>,
-    /// `admin.token_file`'s token, required on every route but `/healthz`.
+    /// `admin.token_file`'s token, required on every route but `/healthz` and `/readyz`.
     token: Option<String>,
     /// Makes pushes durable and applies them in order (group commit).
     committer: Committer,
@@ -150,10 +150,31 @@ pub(crate) struct Explain {
 
 pub(crate) type Reply = Response<Full<Bytes>>;
 
+/// `GET /readyz`: `200 ready epoch=… generation=…` once the pushed state is
+/// enforced and the listeners are up, else `503 not ready`.
+fn readyz(ctl: &Control) -> Reply {
+    if ctl.dp.ready.load(Ordering::Acquire) {
+        let state = format!(
+            "ready epoch={} generation={}\n",
+            ctl.epoch,
+            ctl.generation()
+        );
+        text_owned(StatusCode::OK, state)
+    } else {
+        text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
 async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     let path = req.uri().path().to_owned();
     if path == "/healthz" {
         return text(StatusCode::OK, "ok\n");
+    }
+    // Readiness answers without the token too: a kubelet or load balancer
+    // probe cannot present one, and the body (epoch and generation) is no
+    // secret.
+    if path == "/readyz" && req.method() == Method::GET {
+        return readyz(ctl);
     }
     if let Some(refused) = authorize(&req, ctl) {
         return refused;
@@ -164,15 +185,6 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
         return crate::machine::api::route(req, &ctl.machines, &ctl.dp).await;
     }
     match (&method, segments.as_slice()) {
-        (&Method::GET, ["readyz"]) if ctl.dp.ready.load(Ordering::Acquire) => {
-            let state = format!(
-                "ready epoch={} generation={}\n",
-                ctl.epoch,
-                ctl.generation()
-            );
-            text_owned(StatusCode::OK, state)
-        }
-        (&Method::GET, ["readyz"]) => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
         (&Method::GET, ["metrics"]) => metrics(ctl),
         (&Method::GET, ["v1", "sandboxes"]) => list(ctl),
         (&Method::PUT, ["v1", "sandboxes"]) if is_ndjson(&req) => match stream_docs(req).await {
