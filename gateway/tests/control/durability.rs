@@ -1,12 +1,13 @@
 //! Durable state under a push storm: the gateway process is killed (SIGKILL)
-//! at random points while pushers run; after each restart every
-//! acknowledged push is there (or a later version of the same sandbox that
-//! was durable but not yet acknowledged), and nothing is half-applied.
-//! Also: concurrent pushes share commits, and a streamed NDJSON resync
-//! larger than the body cap applies atomically.
+//! at random points while pushers run; after each restart — the last one
+//! too — every acknowledged push is there (or a later version of the same
+//! sandbox that was durable but not yet acknowledged), and nothing is
+//! half-applied. Also: concurrent pushes share commits, and a streamed NDJSON
+//! resync larger than the body cap applies atomically.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -104,44 +105,49 @@ fn version_of(doc: &Value) -> Option<u64> {
         .ok()
 }
 
-#[tokio::test]
-async fn every_acknowledged_push_survives_a_kill_at_random_points() {
-    let dir = tempfile::tempdir().expect("dir");
-    let admin = free_admin();
-    // Highest acknowledged version per sandbox, across every round.
-    let acked: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
-    let mut version = 0u64;
-    for round in 0..4u64 {
-        let child = spawn(dir.path(), admin).await;
-        // Recovered: every acknowledged push is there, at its version or later.
-        let (_, body) = http(admin, "GET", "/v1/sandboxes", None, None).await;
-        let list: Value = serde_json::from_str(&body).expect("json");
-        let got: HashMap<String, u64> = list["sandboxes"]
-            .as_array()
-            .expect("list")
-            .iter()
-            .map(|s| {
-                (
-                    s["id"].as_str().unwrap_or_default().to_owned(),
-                    version_of(s).expect("a whole policy"),
-                )
-            })
-            .collect();
-        for (id, v) in acked.lock().expect("lock").iter() {
-            let have = got.get(id).copied();
-            assert!(
-                have.is_some_and(|h| h >= *v),
-                "round {round}: {id} acknowledged at v{v}, recovered {have:?}"
-            );
-        }
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut pushers = Vec::new();
-        for p in 0..8u64 {
-            let (acked, stop) = (acked.clone(), stop.clone());
-            let base = version + p * 1_000_000;
-            pushers.push(tokio::spawn(async move {
-                let mut v = base;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+/// Highest acknowledged version per sandbox, across every round.
+type Acked = Arc<Mutex<HashMap<String, u64>>>;
+
+/// Every acknowledged push is in the state the gateway on `admin` recovered,
+/// at its version or later; every recovered policy is whole.
+async fn assert_recovered(admin: SocketAddr, acked: &Acked, when: &str) {
+    let (_, body) = http(admin, "GET", "/v1/sandboxes", None, None).await;
+    let list: Value = serde_json::from_str(&body).expect("json");
+    let got: HashMap<String, u64> = list["sandboxes"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .map(|s| {
+            (
+                s["id"].as_str().unwrap_or_default().to_owned(),
+                version_of(s).expect("a whole policy"),
+            )
+        })
+        .collect();
+    for (id, v) in acked.lock().expect("lock").iter() {
+        let have = got.get(id).copied();
+        assert!(
+            have.is_some_and(|h| h >= *v),
+            "{when}: {id} acknowledged at v{v}, recovered {have:?}"
+        );
+    }
+}
+
+/// Eight pushers, each over its own 20 sandboxes with rising versions from
+/// `version`, until `stop` or the gateway is gone; `acks` counts acknowledgements.
+fn pushers(
+    admin: SocketAddr,
+    version: u64,
+    acked: &Acked,
+    acks: &Arc<AtomicU64>,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..8u64)
+        .map(|p| {
+            let (acked, acks, stop) = (acked.clone(), acks.clone(), stop.clone());
+            let mut v = version + p * 1_000_000;
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
                     v += 1;
                     let slot = v % 20;
                     let id = format!("p{p}-{slot}");
@@ -151,22 +157,81 @@ async fn every_acknowledged_push_survives_a_kill_at_random_points() {
                             let mut a = acked.lock().expect("lock");
                             let e = a.entry(id).or_insert(0);
                             *e = (*e).max(v);
+                            acks.fetch_add(1, Ordering::SeqCst);
                         }
                         Some(_) => {}
                         None => return, // the gateway is gone
                     }
                 }
-            }));
+            })
+        })
+        .collect()
+}
+
+/// The kill points' seed: `EGRESS_KILL_SEED` to repeat a run, else new each run.
+fn kill_seed() -> u64 {
+    std::env::var("EGRESS_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            now.as_secs() ^ u64::from(now.subsec_nanos()) ^ u64::from(std::process::id())
+        })
+}
+
+/// splitmix64: the next number of the sequence `state` is at.
+fn next_random(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Each round kills the gateway after a seeded random number of acknowledged
+/// pushes (1 to 400), with pushes in flight; the seed is printed, and
+/// `EGRESS_KILL_SEED` repeats it. Counted in acknowledgements rather than
+/// time, a kill point is the same amount of work however loaded the machine.
+#[tokio::test]
+async fn every_acknowledged_push_survives_a_kill_at_random_points() {
+    let seed = kill_seed();
+    eprintln!("kill points from seed {seed} (EGRESS_KILL_SEED={seed} repeats them)");
+    let mut random = seed;
+    let dir = tempfile::tempdir().expect("dir");
+    let admin = free_admin();
+    let acked: Acked = Arc::default();
+    let mut version = 0u64;
+    for round in 0..4u64 {
+        let child = spawn(dir.path(), admin).await;
+        assert_recovered(admin, &acked, &format!("seed {seed}, round {round}")).await;
+        let kill_after = 1 + next_random(&mut random) % 400;
+        let (acks, stop) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let running = pushers(admin, version, &acked, &acks, &stop);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while acks.load(Ordering::SeqCst) < kill_after {
+            assert!(
+                Instant::now() < deadline,
+                "seed {seed}, round {round}: {} of {kill_after} pushes acknowledged",
+                acks.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        // Kill at a point that differs per round.
-        tokio::time::sleep(Duration::from_millis(150 + 97 * round)).await;
         drop(child); // SIGKILL
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        for p in pushers {
+        stop.store(true, Ordering::Relaxed);
+        for p in running {
             let _ = p.await;
         }
+        eprintln!("round {round}: killed after {kill_after} acknowledged pushes");
         version += 10_000_000;
     }
+    // The last round's acknowledgements, after one more restart.
+    let _child = spawn(dir.path(), admin).await;
+    assert_recovered(admin, &acked, &format!("seed {seed}, after the last round")).await;
     assert!(
         acked.lock().expect("lock").len() >= 20,
         "the storm pushed something"
@@ -234,13 +299,61 @@ async fn a_streamed_resync_beyond_the_body_cap_applies_at_once() {
     assert!(ready.contains("generation=1"), "{ready}");
 }
 
+/// The write system calls and bytes of the gateway `pid`'s commit thread
+/// (`egress-commit`) so far, from the kernel's per-thread I/O accounting.
+fn commit_thread_writes(pid: u32) -> (u64, u64) {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the gateway's threads");
+    let commit = tasks
+        .filter_map(Result::ok)
+        .find(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim() == "egress-commit")
+        })
+        .expect("the commit thread");
+    let io = std::fs::read_to_string(commit.path().join("io")).expect("its I/O accounting");
+    let field = |name: &str| -> u64 {
+        io.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {io}"))
+    };
+    (field("syscw:"), field("wchar:"))
+}
+
+/// The commits the gateway made between two readings of
+/// [`commit_thread_writes`], while the journal grew by `journal_bytes`.
+///
+/// The commit thread writes the journal, one `write` per commit (a group
+/// commit's records go out in one buffer, then one fsync), and nothing else
+/// but the wake-ups of the tasks it answers: 8 bytes each to the runtime's
+/// eventfd. So the bytes beyond the journal's growth are wake-ups, and the
+/// other writes are commits. (Compaction, which writes a snapshot, waits for
+/// a journal of 4 MiB.)
+fn commits_between(before: (u64, u64), after: (u64, u64), journal_bytes: u64) -> u64 {
+    let (writes, bytes) = (after.0 - before.0, after.1 - before.1);
+    let wake_bytes = bytes - journal_bytes;
+    assert_eq!(
+        wake_bytes % 8,
+        0,
+        "{bytes} bytes written, {journal_bytes} to the journal"
+    );
+    writes - wake_bytes / 8
+}
+
+/// 200 pushes at once, to a gateway process of its own (so its commit
+/// thread is the only one of its name): every one lands with its own
+/// sequence number, in fewer commits than pushes.
 #[tokio::test]
 async fn concurrent_pushes_all_land_and_share_commits() {
+    const PUSHES: u32 = 200;
     let dir = tempfile::tempdir().expect("dir");
-    let gw = start(config(dir.path(), ""), echo().await).await;
-    let a = gw.bound().admin;
+    let a = free_admin();
+    let child = spawn(dir.path(), a).await;
+    let journal = dir.path().join("state").join("journal.log");
+    let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    let (journal_before, writes_before) = (size(&journal), commit_thread_writes(child.0.id()));
     let mut tasks = Vec::new();
-    for i in 0..200u32 {
+    for i in 0..PUSHES {
         tasks.push(tokio::spawn(async move {
             let doc = format!(
                 r#"{{"addresses": ["100.65.{}.{}"], "policy": {{"default": "allow"}}}}"#,
@@ -255,8 +368,22 @@ async fn concurrent_pushes_all_land_and_share_commits() {
     for t in tasks {
         assert_eq!(t.await.expect("task"), 200);
     }
+    let commits = commits_between(
+        writes_before,
+        commit_thread_writes(child.0.id()),
+        size(&journal) - journal_before,
+    );
     let (_, body) = http(a, "GET", "/v1/sandboxes", None, None).await;
     let v: Value = serde_json::from_str(&body).expect("json");
-    assert_eq!(v["generation"], json!(200), "one sequence number per push");
-    assert_eq!(gw.registry().len(), 200);
+    assert_eq!(
+        v["generation"],
+        json!(PUSHES),
+        "one sequence number per push"
+    );
+    assert_eq!(v["sandboxes"].as_array().map(Vec::len), Some(200));
+    eprintln!("{PUSHES} pushes in {commits} commits");
+    assert!(
+        (1..u64::from(PUSHES)).contains(&commits),
+        "{PUSHES} concurrent pushes made {commits} commits: none shared one"
+    );
 }
