@@ -1,7 +1,10 @@
 //! Pushes, resync after a gateway restart, a gateway that is down, leader
 //! failover between dispatcher processes, and configuration checks at start.
 
+use std::net::SocketAddr;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
@@ -73,50 +76,117 @@ async fn a_restarted_gateway_is_resynced_without_waiting_for_a_change() {
     );
 }
 
+/// A gateway that is down: its admin port closes every connection
+/// unanswered, and counts them.
+async fn down_gateway() -> (SocketAddr, Arc<AtomicUsize>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let contacted = Arc::new(AtomicUsize::new(0));
+    let count = contacted.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            drop(s);
+        }
+    });
+    (addr, contacted)
+}
+
+/// A create, answered; the bound only turns a create that waits on the
+/// gateway (which never comes back) into a failure instead of a hang.
+async fn answered_create(api: &ApiProcess) -> String {
+    tokio::time::timeout(Duration::from_secs(60), create(api))
+        .await
+        .expect("a create answered while the gateway is down")
+        .1
+}
+
+/// Polls the dispatcher's metrics until `want` holds (a generous bound
+/// turns "never" into a failure).
+async fn metrics_until(d: &DispatcherTask, what: &str, want: impl Fn(&str) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = d.metrics.encode();
+        if want(&text) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "never {what}: {text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn push_lag(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("egress_controller_push_lag_seconds "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+/// Ordered, not timed: creates are answered before any dispatcher runs
+/// (so the API cannot be waiting on a push) and the gateway is not
+/// contacted; then again once the dispatcher has failed to push. The lag
+/// is waited for until it passes a second.
 #[tokio::test]
 async fn a_gateway_that_is_down_never_blocks_the_api_and_its_lag_shows() {
     let url = db!();
     let d = deployment(None, None);
     let api = api(&url, d.clone()).await;
-    let dead: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-    setup(&api, json!({"default": "allow"}), dead, "100.64.10.0/24").await;
-    let dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
-    let started = std::time::Instant::now();
+    let (down, contacted) = down_gateway().await;
+    setup(&api, json!({"default": "allow"}), down, "100.64.10.0/24").await;
     let mut ops = Vec::new();
-    for _ in 0..5 {
-        ops.push(create(&api).await.1);
+    for _ in 0..3 {
+        ops.push(answered_create(&api).await);
     }
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "creates answered while the gateway is down"
+    assert_eq!(
+        contacted.load(Ordering::SeqCst),
+        0,
+        "the API itself contacted the gateway"
     );
+    let dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    metrics_until(&dispatcher, "a failed push", |t| {
+        t.contains(r#"egress_controller_pushes_total{outcome="failed"}"#)
+    })
+    .await;
+    assert!(
+        contacted.load(Ordering::SeqCst) > 0,
+        "pushed to the gateway"
+    );
+    for _ in 0..2 {
+        ops.push(answered_create(&api).await);
+    }
     for op in &ops {
         assert_eq!(
             settled(&api, FEDERATED, op).await["state"],
             json!("succeeded")
         );
     }
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
-    let text = dispatcher.metrics.encode();
-    let lag = text
-        .lines()
-        .find_map(|l| l.strip_prefix("egress_controller_push_lag_seconds "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0);
-    assert!(lag >= 1.0, "push lag {lag} in {text}");
-    assert!(
-        text.contains(r#"egress_controller_pushes_total{outcome="failed"}"#),
-        "{text}"
-    );
+    metrics_until(&dispatcher, "a push lag of a second", |t| {
+        push_lag(t) >= 1.0
+    })
+    .await;
 }
 
-/// A dispatcher process; its stderr goes to `log`.
+/// A dispatcher process, killed (by its PID) when dropped: a failing test
+/// leaves none behind.
+struct DispatcherProcess(std::process::Child);
+
+impl Drop for DispatcherProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A dispatcher process; its stderr goes to `log`, its metrics to `metrics`.
 fn spawn_dispatcher(
     url: &str,
     tenants: &std::path::Path,
     log: &std::path::Path,
-    env: &[(&str, &str)],
-) -> std::process::Child {
+    metrics: SocketAddr,
+) -> DispatcherProcess {
     let mut cmd = Command::new(BIN);
     cmd.args(["dispatcher", "--tenants"])
         .arg(tenants)
@@ -126,17 +196,14 @@ fn spawn_dispatcher(
             "--retry-backoff",
             "100ms",
             "--metrics-listen",
-            "127.0.0.1:0",
         ])
+        .arg(metrics.to_string())
         .env("DATABASE_URL", url)
         .env_remove("SPACE_EGRESS_PROFILES")
         .env_remove("SPACE_TLS_INTERCEPTION_EXEMPTIONS")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(log).expect("log"));
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.spawn().expect("spawn dispatcher")
+    DispatcherProcess(cmd.spawn().expect("spawn dispatcher"))
 }
 
 fn tenants_file(dir: &std::path::Path) -> std::path::PathBuf {
@@ -165,6 +232,24 @@ async fn wait_for(log: &std::path::Path, needle: &str) {
     );
 }
 
+fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+/// Operations the dispatcher serving metrics on `addr` has run to success.
+async fn succeeded_by(addr: SocketAddr) -> u64 {
+    let (status, text) = call(addr, "GET", "/metrics", None, &[], None).await;
+    assert_eq!(status, 200, "{text}");
+    let text = text.as_str().expect("the metrics text");
+    text.lines()
+        .find_map(|l| l.strip_prefix(r#"egress_controller_operations_total{outcome="succeeded"} "#))
+        .map_or(0, |v| v.trim().parse().expect("a count"))
+}
+
+/// Each operation ran exactly once: 40 queued before the kill, 10 after it
+/// (those only the standby can run, the leader being dead), and the
+/// standby's own count shows it ran at least those and nothing while it
+/// stood by.
 #[tokio::test]
 async fn a_standby_takes_over_when_the_leader_dies_and_no_operation_runs_twice() {
     let url = db!();
@@ -180,9 +265,10 @@ async fn a_standby_takes_over_when_the_leader_dies_and_no_operation_runs_twice()
     .await;
     let tenants = tenants_file(dir.path());
     let (log_a, log_b) = (dir.path().join("a.log"), dir.path().join("b.log"));
-    let mut a = spawn_dispatcher(&url, &tenants, &log_a, &[]);
+    let a = spawn_dispatcher(&url, &tenants, &log_a, free_addr());
     wait_for(&log_a, "leading").await;
-    let mut b = spawn_dispatcher(&url, &tenants, &log_b, &[]);
+    let metrics_b = free_addr();
+    let b = spawn_dispatcher(&url, &tenants, &log_b, metrics_b);
     wait_for(&log_b, "standing by").await;
     let mut ops = Vec::new();
     for _ in 0..40 {
@@ -190,9 +276,12 @@ async fn a_standby_takes_over_when_the_leader_dies_and_no_operation_runs_twice()
     }
     // Kill the leader while it works through the queue.
     settled(&api, FEDERATED, &ops[3]).await;
-    a.kill().expect("kill the leader");
-    let _ = a.wait();
+    assert_eq!(succeeded_by(metrics_b).await, 0, "a standby runs nothing");
+    drop(a); // SIGKILL the leader
     wait_for(&log_b, "leading").await;
+    for _ in 0..10 {
+        ops.push(create(&api).await.1);
+    }
     for op in &ops {
         assert_eq!(
             settled(&api, FEDERATED, op).await["state"],
@@ -200,7 +289,19 @@ async fn a_standby_takes_over_when_the_leader_dies_and_no_operation_runs_twice()
             "{op}"
         );
     }
-    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let by_b = succeeded_by(metrics_b).await;
+    assert!(
+        (10..=49).contains(&by_b),
+        "the standby ran {by_b} of 50 operations: want the 10 queued after the kill, not ops[3]"
+    );
+    assert_executed_once(&url, 50).await;
+    drop(b);
+}
+
+/// Every one of the `n` operations succeeded on its first attempt, and each
+/// sandbox got its own address at generation 1.
+async fn assert_executed_once(url: &str, n: i64) {
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
     let once: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM operations WHERE state = 'succeeded' AND attempts = 1",
     )
@@ -218,11 +319,9 @@ async fn a_standby_takes_over_when_the_leader_dies_and_no_operation_runs_twice()
         .expect("count");
     assert_eq!(
         (once, generations, distinct),
-        (40, 0, 40),
+        (n, 0, n),
         "each operation executed exactly once"
     );
-    let _ = b.kill();
-    let _ = b.wait();
 }
 
 #[tokio::test]
@@ -266,7 +365,7 @@ async fn invalid_configuration_stops_both_roles_and_a_standby_before_it_leads() 
     }
     // A leader holds the lock; a standby with bad configuration still refuses to start.
     let log = dir.path().join("leader.log");
-    let mut leader = spawn_dispatcher(&url, &tenants, &log, &[]);
+    let leader = spawn_dispatcher(&url, &tenants, &log, free_addr());
     wait_for(&log, "leading").await;
     let standby = Command::new(BIN)
         .args(["dispatcher", "--tenants"])
@@ -277,8 +376,7 @@ async fn invalid_configuration_stops_both_roles_and_a_standby_before_it_leads() 
         .expect("run");
     assert!(!standby.status.success());
     assert!(String::from_utf8_lossy(&standby.stderr).contains("Sensor"));
-    let _ = leader.kill();
-    let _ = leader.wait();
+    drop(leader);
     // The tenants file is checked too, naming the field.
     std::fs::write(
         &tenants,
