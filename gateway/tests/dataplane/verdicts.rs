@@ -1,8 +1,14 @@
 //! Each verdict, seen from a sandbox.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
 use serde_json::json;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
 
 use crate::harness::*;
 
@@ -532,6 +538,85 @@ async fn the_flow_log_has_a_line_per_flow_with_its_facts() {
     assert!(line["ts"].as_str().is_some_and(|t| t.ends_with('Z')));
 }
 
+/// An HTTPS origin for api.example.test answering `received <n>`, n the
+/// bytes of the request body; on `first` it reports the size of the body's
+/// first piece as soon as that piece arrives, before the body is complete.
+async fn body_counting_origin(e: &Env) -> (SocketAddr, mpsc::UnboundedReceiver<usize>) {
+    let listener = tokio::net::TcpListener::bind((API_IP, 0))
+        .await
+        .expect("bind origin");
+    let addr = listener.local_addr().expect("addr");
+    let acceptor = tokio_rustls::TlsAcceptor::from(e.origin_ca.server(&["api.example.test"], H1));
+    let (first, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, first) = (acceptor.clone(), first.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let first = first.clone();
+                        async move {
+                            let mut body = req.into_body();
+                            let mut n = 0;
+                            while let Some(frame) = body.frame().await {
+                                let piece = frame?.into_data().map_or(0, |d| d.len());
+                                if n == 0 && piece > 0 {
+                                    let _ = first.send(piece);
+                                }
+                                n += piece;
+                            }
+                            let text = format!("received {n}");
+                            Ok::<_, hyper::Error>(hyper::Response::new(Full::new(Bytes::from(
+                                text,
+                            ))))
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// Streaming, shown by order: the client sends the head and the first 100 KB,
+/// then waits until the origin has bytes of the body, and only then sends the
+/// other 200 KB. A gateway that held the body back until it had all of it
+/// would leave the origin empty-handed: the wait's bound is the failure.
+async fn a_request_body_streams(e: &Env) {
+    let (origin, mut first) = body_counting_origin(e).await;
+    let (mut tls, minted) = e
+        .tls(SANDBOX_A, origin, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (head, rest) = (vec![b'u'; 100_000], vec![b'u'; 200_000]);
+    let request = "POST /upload HTTP/1.1\r\nhost: api.example.test\r\ncontent-length: 300000\r\nconnection: close\r\n\r\n";
+    tls.write_all(request.as_bytes()).await.expect("head");
+    tls.write_all(&head).await.expect("first bytes");
+    tls.flush().await.expect("flush");
+    let seen = tokio::time::timeout(Duration::from_secs(30), first.recv())
+        .await
+        .expect("the origin got none of the body before the client sent all of it")
+        .expect("the origin runs");
+    assert!((1..=100_000).contains(&seen), "{seen}");
+    tls.write_all(&rest).await.expect("the rest");
+    tls.flush().await.expect("flush");
+    let mut response = Vec::new();
+    tls.read_to_end_ignored(&mut response).await;
+    let response = String::from_utf8_lossy(&response);
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(
+        response.contains("received 300000"),
+        "the whole body arrived: {response}"
+    );
+}
+
 #[tokio::test]
 async fn request_bodies_stream_through_interception_and_idle_flows_close() {
     let e = env(Options {
@@ -544,12 +629,13 @@ async fn request_bodies_stream_through_interception_and_idle_flows_close() {
         SANDBOX_A,
         policy(r#"{"default": "allow", "tls_interception": "on"}"#),
     );
+    a_request_body_streams(&e).await;
+    // And byte for byte, sent the usual way, to the origin that echoes it.
     let (tls, _) = e
         .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
         .await
         .expect("handshake");
-    let upload = vec![b'u'; 300_000];
-    let (status, body) = http_post(tls, "api.example.test", "/upload", upload)
+    let (status, body) = http_post(tls, "api.example.test", "/upload", vec![b'u'; 300_000])
         .await
         .expect("request");
     assert_eq!(status, 200);
@@ -572,7 +658,7 @@ async fn request_bodies_stream_through_interception_and_idle_flows_close() {
     let closed =
         tokio::time::timeout(Duration::from_secs(5), tls.read_to_end_ignored(&mut got)).await;
     assert!(closed.is_ok(), "an idle intercepted flow is closed");
-    let lines = e.flow_lines(2).await;
+    let lines = e.flow_lines(3).await; // two uploads, then the idle flow
     assert!(
         lines.iter().any(|l| l["error"] == json!("idle_timeout")),
         "{lines:?}"
