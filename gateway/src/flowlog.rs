@@ -25,7 +25,7 @@ pub struct FlowRecord {
     pub attributed: Vec<String>,
     /// `deny`, `allow`, `splice` or `intercept`.
     pub verdict: &'static str,
-    /// A bounded reason code (see the README).
+    /// A bounded reason code (docs/reason-codes.md).
     pub reason: &'static str,
     /// The readable reason, naming the rule.
     pub detail: String,

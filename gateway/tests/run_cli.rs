@@ -71,6 +71,63 @@ fn run_without_arguments_serves_healthz_and_creates_the_ca() {
         .expect("read");
     assert!(stderr.contains("interception CA"), "{stderr}");
     assert!(stderr.contains("0.0.0.0:15001"), "{stderr}");
+    assert!(
+        stderr.contains("no sandboxes are registered yet"),
+        "{stderr}"
+    );
+}
+
+/// A restart with pushed state recovers it, and then does not claim that no
+/// sandbox is registered.
+#[test]
+fn a_restart_with_pushed_state_does_not_say_none_are_registered() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).expect("state dir");
+    std::fs::write(
+        state.join("snapshot.json"),
+        r#"{"version": 1, "seq": 1, "sandboxes": [{"id": "sb-1", "addresses": ["100.64.1.2"], "policy": {"default": "deny"}}]}"#,
+    )
+    .expect("write snapshot");
+    let config = dir.path().join("gw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n",
+            state.display()
+        ),
+    )
+    .expect("write config");
+    let child = Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let mut running = Running(child);
+    let mut stderr = std::io::BufReader::new(running.0.stderr.take().expect("stderr"));
+    // Up to the redirect hint, which announce() logs just before it checks
+    // the registry; then the rest, once the process is gone.
+    let mut log = String::new();
+    while !log.contains("redirect a sandbox interface") {
+        let n = stderr.read_line(&mut log).expect("read stderr");
+        assert!(
+            n > 0,
+            "the gateway exited before it announced itself: {log}"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = running.0.kill();
+    let _ = running.0.wait();
+    stderr.read_to_string(&mut log).expect("read stderr");
+    assert!(
+        log.contains("recovered pushed state") && log.contains("sandboxes=1"),
+        "{log}"
+    );
+    assert!(!log.contains("no sandboxes are registered yet"), "{log}");
 }
 
 #[test]

@@ -118,9 +118,12 @@ fn announce(gateway: &Gateway) {
         b.dns.port(),
         b.dns_alt.port()
     );
-    tracing::info!(
-        "no sandboxes are registered yet: every flow is denied until policies are pushed"
-    );
+    // After recovery: a restart with pushed state has sandboxes already.
+    if gateway.registry().is_empty() {
+        tracing::info!(
+            "no sandboxes are registered yet: every flow is denied until policies are pushed"
+        );
+    }
 }
 
 /// SIGHUP: read the credential values and the configuration file again; a
