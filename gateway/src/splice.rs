@@ -372,36 +372,48 @@ pub(crate) mod tests {
     }
 
     async fn idle_flows_are_closed(pipes: Option<Pipes>) {
-        let (_client, gw_client) = pair().await;
+        let (mut client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(
-            gw_client,
-            gw_origin,
-            Duration::from_millis(300),
-            pipes,
-        ));
-        trickles_then_closes_as_idle(task, &mut origin).await;
+        let task = tokio::spawn(splice(gw_client, gw_origin, TRICKLE_IDLE, pipes));
+        trickles_then_closes_as_idle(task, &mut client, &mut origin).await;
     }
 
-    /// With `task` splicing at a 300 ms idle timeout: the origin trickles a
-    /// byte every 100 ms for 600 ms, longer than the timeout in total but
-    /// never quiet for that long, so the flow stays open; then it is closed
-    /// as idle, with the 6 bytes counted (both splice paths).
+    /// The idle timeout [`trickles_then_closes_as_idle`] wants its flow spliced at.
+    pub(crate) const TRICKLE_IDLE: Duration = Duration::from_secs(1);
+
+    /// With `task` splicing at [`TRICKLE_IDLE`]: the origin trickles a byte,
+    /// and sends the next only once the client has read it and a tenth of
+    /// the timeout has passed, until bytes have flowed for twice the timeout.
+    /// The flow is busy one way for longer than the timeout in total, never
+    /// quiet for more than a tenth of it and one byte's trip (however loaded
+    /// the machine, the wait for each byte is what is measured, and a late
+    /// byte only makes the flow busy for longer), so every byte arrives and
+    /// the flow is open after the last. Then, quiet, it is closed as idle,
+    /// with every byte counted (both splice paths).
     pub(crate) async fn trickles_then_closes_as_idle(
         task: tokio::task::JoinHandle<Spliced>,
+        client: &mut TcpStream,
         origin: &mut TcpStream,
     ) {
-        for _ in 0..6 {
+        let started = std::time::Instant::now();
+        let mut sent = 0u64;
+        while started.elapsed() < 2 * TRICKLE_IDLE {
+            tokio::time::sleep(TRICKLE_IDLE / 10).await;
             origin.write_all(b"x").await.expect("write");
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            let mut b = [0u8; 1];
+            client
+                .read_exact(&mut b)
+                .await
+                .expect("each byte arrives while the flow is busy one way");
+            sent += 1;
         }
         assert!(!task.is_finished(), "still open while bytes flow one way");
-        let s = tokio::time::timeout(Duration::from_secs(3), task)
+        let s = tokio::time::timeout(30 * TRICKLE_IDLE, task)
             .await
             .expect("closed when idle")
             .expect("task");
         assert!(s.idle_timeout);
-        assert_eq!(s.down, 6);
+        assert_eq!(s.down, sent);
     }
 
     /// Through pipes, TCP's back-pressure holds both ways: a destination

@@ -8,7 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::splice::tests::{
-    client_reset, hello_then_half_close, pair, trickles_then_closes_as_idle,
+    client_reset, hello_then_half_close, pair, trickles_then_closes_as_idle, TRICKLE_IDLE,
 };
 
 use super::*;
@@ -120,27 +120,29 @@ async fn bytes_queued_before_joining_are_not_stranded() {
 async fn a_receiver_that_does_not_read_stops_the_sender() {
     let Some(k) = kernel() else { return };
     let (task, client, mut origin) = flow(k, Duration::from_secs(10)).await;
-    // The client writes for a second; the origin reads nothing.
+    // The origin reads nothing; the client writes until everything is
+    // taken or nothing more is for a second. Not a time budget: without
+    // back-pressure the client writes all 48 MiB, however slow the machine
+    // (a pause there only ends the writing early, and the check below
+    // holds with back-pressure whenever the writing ends).
     let (mut cr, mut cw) = client.into_split();
     let total = 48 << 20;
     let up = pattern(total);
     let sender = tokio::spawn(async move {
         let mut sent = 0;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
         while sent < up.len() {
             let end = (sent + 65_536).min(up.len());
-            match tokio::time::timeout_at(deadline, cw.write(&up[sent..end])).await {
+            match tokio::time::timeout(Duration::from_secs(1), cw.write(&up[sent..end])).await {
                 Ok(Ok(n)) => sent += n,
                 Ok(Err(e)) => panic!("write: {e}"),
-                Err(_) => return (sent, cw, up),
+                Err(_) => break,
             }
         }
         (sent, cw, up)
     });
     let (sent, mut cw, up) = sender.await.expect("sender");
-    // Without back-pressure the kernel takes it all (hundreds of MiB a
-    // second); with it, the sender stops after what the socket buffers,
-    // the high-water mark and one receive window hold.
+    // With back-pressure the sender stops after what the socket buffers, the
+    // high-water mark and one receive window hold.
     eprintln!("accepted while the origin read nothing: {sent} bytes");
     assert!(
         sent < 16 << 20,
@@ -215,8 +217,8 @@ async fn a_reset_is_counted_against_the_side_that_sent_it() {
 #[tokio::test]
 async fn idle_flows_are_closed_but_one_busy_direction_keeps_it_open() {
     let Some(k) = kernel() else { return };
-    let (task, _client, mut origin) = flow(k, Duration::from_millis(300)).await;
-    trickles_then_closes_as_idle(task, &mut origin).await;
+    let (task, mut client, mut origin) = flow(k, TRICKLE_IDLE).await;
+    trickles_then_closes_as_idle(task, &mut client, &mut origin).await;
 }
 
 #[tokio::test]
