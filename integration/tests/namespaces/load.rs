@@ -320,7 +320,12 @@ fn api_reached(t: &Topology) -> serde_json::Value {
 /// connect in the kernel's queues, rarely), denied ones never reach an
 /// origin, failing origins get clear 502s; `before`: the api origin's count
 /// before the wave. Returns (intercepted ok, reset origin ok, reset failed).
-fn check_wave(t: &Topology, reports: &[(&str, serde_json::Value)], before: u64) -> [u64; 3] {
+fn check_wave(
+    t: &Topology,
+    reports: &[(&str, serde_json::Value)],
+    before: u64,
+    first: bool,
+) -> [u64; 3] {
     let get = |name: &str| &reports.iter().find(|(n, _)| *n == name).expect("report").1;
     let ok = |name: &str| get(name)["ok"].as_u64().unwrap_or(0);
     let failed = |name: &str| get(name)["failed"].as_u64().unwrap_or(0);
@@ -343,10 +348,13 @@ fn check_wave(t: &Topology, reports: &[(&str, serde_json::Value)], before: u64) 
     }
     assert_eq!(ok("denied"), 0, "{}", get("denied"));
     let reset_failed = failed("reset origin");
-    // One upstream connection in ten is reset; the gateway reuses upstream
-    // connections, so fewer than one request in ten meets a reset.
+    // One new upstream connection in ten is reset; the gateway reuses
+    // upstream connections, so fewer than one request in ten meets a reset
+    // (in the first wave, with a cold pool, at least one does; the second
+    // may reuse connections the first left).
+    let least = u64::from(first);
     assert!(
-        (1..=300).contains(&reset_failed),
+        (least..=300).contains(&reset_failed),
         "some, at most about one in ten, fail: {}",
         get("reset origin")
     );
@@ -410,14 +418,14 @@ fn ten_thousand_flows_with_faults_lose_nothing_and_leak_nothing() {
     let started = Instant::now();
     let first = wave(&t, || dns_outage(&t));
     let elapsed = started.elapsed();
-    let [ok1, reset_ok, reset_failed] = check_wave(&t, &first, 1);
+    let [ok1, reset_ok, reset_failed] = check_wave(&t, &first, 1, true);
     // Flows that end are logged and torn down just after the client sees
     // the end: let the gateway settle before reading its footprint.
     std::thread::sleep(Duration::from_secs(3));
     let (rss_first, fds_first) = footprint(pid);
 
     let second = wave(&t, || ());
-    let [ok2, ..] = check_wave(&t, &second, 1 + ok1);
+    let [ok2, ..] = check_wave(&t, &second, 1 + ok1, false);
     std::thread::sleep(Duration::from_secs(3));
     let (rss_second, fds_second) = footprint(pid);
     assert_eq!(
