@@ -382,8 +382,11 @@ fn check_wave(
 #[test]
 fn ten_thousand_flows_with_faults_lose_nothing_and_leak_nothing() {
     /// Most resident memory the second wave may add, per flow. A wave's
-    /// buffers are freed and reused; what stays is what leaked.
-    const MAX_GROWTH_PER_FLOW_KIB: u64 = 1;
+    /// buffers are freed and reused; what stays is what leaked. Seen on an
+    /// idle machine: -0.3 KiB; with the rest of the suite running beside
+    /// it: up to 1.5 KiB (allocator pages taken while other tests ran). A
+    /// leak of 20 KiB per flow moved it 21.6 KiB.
+    const MAX_GROWTH_PER_FLOW_KIB: u64 = 4;
     if !available() {
         return;
     }
