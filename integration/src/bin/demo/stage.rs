@@ -253,16 +253,7 @@ impl Stage {
     }
 
     fn exec_ok(&self, ns: &str, program: &str, args: &[&str]) -> Result<(), String> {
-        let out = self.exec(ns, program, args)?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{program} {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
+        checked(self.exec(ns, program, args)?, program, args)
     }
 
     /// A request to the gateway's admin API from the worker namespace:
@@ -344,6 +335,11 @@ fn sh(program: &str, args: &[&str]) -> Result<(), String> {
         .args(args)
         .output()
         .map_err(|e| format!("{program}: {e}"))?;
+    checked(out, program, args)
+}
+
+/// A command's failure, with what it said, as an error.
+fn checked(out: Output, program: &str, args: &[&str]) -> Result<(), String> {
     if out.status.success() {
         Ok(())
     } else {
