@@ -10,6 +10,7 @@
 mod cache;
 mod chain;
 mod clock;
+pub mod doh;
 mod ghosts;
 mod metrics;
 mod proxy;
