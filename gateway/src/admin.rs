@@ -469,7 +469,13 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
         }
     };
     let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
-    let decided = decide(&ctl.dp.cache, &sandbox.id, &sandbox.policy, &claims);
+    let decided = decide(
+        &ctl.dp.cache,
+        &sandbox.id,
+        &sandbox.policy,
+        &claims,
+        &ctl.dp.doh_names,
+    );
     let names = decided.lookup.names();
     let mut v = explained(&decided.verdict, &sandbox.policy, &names);
     if let Some((method, path)) = request {

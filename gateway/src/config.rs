@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use egress_policy::Destination;
+use egress_policy::{Destination, Hostname};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// The whole configuration.
@@ -106,6 +106,10 @@ pub struct Dns {
     /// Sandboxes with an attribution cache at once; past that, a sandbox's
     /// DNS attributes nothing (its name allows fail closed, with a warning).
     pub max_sandboxes: usize,
+    /// DoH servers refused as `encrypted_dns` unless a policy allows them by
+    /// name, besides the built-in list (`egress_gateway::doh::BUILTIN_DOH_NAMES`).
+    #[serde(deserialize_with = "hostnames")]
+    pub doh_names: Vec<Hostname>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
@@ -268,6 +272,7 @@ impl Default for Dns {
             max_ttl: Duration::from_secs(24 * 3600),
             upstream_timeout: Duration::from_secs(2),
             max_sandboxes: 16_384,
+            doh_names: Vec::new(),
         }
     }
 }
@@ -459,6 +464,16 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
             "invalid duration {s:?}: expected a whole number with ms, s, m, h or d, e.g. \"30s\""
         ))
     })
+}
+
+fn hostnames<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Hostname>, D::Error> {
+    Vec::<String>::deserialize(d)?
+        .iter()
+        .map(|s| {
+            Hostname::parse(s)
+                .map_err(|e| serde::de::Error::custom(format!("invalid hostname {s:?}: {e}")))
+        })
+        .collect()
 }
 
 pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
@@ -656,6 +671,10 @@ mod tests {
             ),
             ("[dns]\nmin_ttl = \"2h\"\nmax_ttl = \"1h\"", "dns.min_ttl"),
             ("[dns]\nmax_sandboxes = 0", "dns.max_sandboxes"),
+            (
+                "[dns]\ndoh_names = [\"doh.corp.example\", \"not a name\"]",
+                "invalid hostname \"not a name\"",
+            ),
             (
                 "[dns]\nupstreams = [\"8.8.8.8:53\"]",
                 "dns.upstreams: 8.8.8.8:53 is a reserved resolver",

@@ -7,6 +7,8 @@ use std::net::SocketAddr;
 use dns_attrib::{AttributionCache, Lookup};
 use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, Flow, Hostname, Protocol, Verdict};
+
+use crate::doh::DohNames;
 use serde_json::{json, Value};
 
 /// What a flow claims: where it goes, what it speaks, and the names it gives.
@@ -58,19 +60,26 @@ pub fn decide(
     id: &SandboxId,
     policy: &CompiledPolicy,
     claims: &Claims<'_>,
+    doh: &DohNames,
 ) -> Decided {
     let lookup = cache.names_for(id, claims.dst.ip());
-    let verdict = judge(policy, claims, &lookup.names(), lookup.gap());
+    let verdict = judge(policy, claims, &lookup.names(), lookup.gap(), doh);
     Decided { verdict, lookup }
 }
 
-/// Judges `claims` on the attribution given (`gap`: why `attributed` is empty).
+/// Judges `claims` on the attribution given (`gap`: why `attributed` is
+/// empty); `doh` tells encrypted DNS from other TLS.
 pub fn judge(
     policy: &CompiledPolicy,
     claims: &Claims<'_>,
     attributed: &[Hostname],
     gap: AttributionGap,
+    doh: &DohNames,
 ) -> Verdict {
+    let encrypted_dns = match claims.protocol {
+        Protocol::Tls => doh.kind(claims.dst, claims.sni.or(claims.host), attributed),
+        Protocol::Http | Protocol::Opaque => None,
+    };
     policy.decide(&Flow {
         dst: claims.dst,
         protocol: claims.protocol,
@@ -78,6 +87,7 @@ pub fn judge(
         host: claims.host,
         attributed,
         attribution_gap: gap,
+        encrypted_dns,
     })
 }
 

@@ -23,6 +23,7 @@ use serde_json::json;
 
 use crate::admin::{Explain, PutSandbox, Resync};
 use crate::decide::{decide, explained, Claims};
+use crate::doh::DohNames;
 use crate::persist::SandboxDoc;
 use crate::registry::Registry;
 
@@ -188,7 +189,7 @@ fn explain(text: &str) -> Result<String, String> {
     let cache = AttributionCache::new(CacheConfig::default(), ManualClock::new());
     let id = SandboxId::new(&e.sandbox);
     let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
-    let decided = decide(&cache, &id, policy, &claims);
+    let decided = decide(&cache, &id, policy, &claims, &DohNames::new(&[]));
     let names = decided.lookup.names();
     let reply = explained(&decided.verdict, policy, &names);
     if !reply["verdict"].is_string() || !reply["reason"].is_string() {

@@ -202,6 +202,7 @@ impl Gateway {
         let kernel = crate::ksplice::load(config.splice.kernel);
         let mut dp = Dataplane::new(config, registry, cache, flow_log, metrics, orig_dst);
         dp.kernel = kernel;
+        dp.resolver = Some(dns.clone());
         let dp = Arc::new(dp);
         dp.reload_secrets();
         let mut gateway = Self {

@@ -5,7 +5,7 @@
 //! Bodies stream both ways; WebSocket upgrades are bridged; the gateway never
 //! dials a name from SNI or Host — only the original destination address.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -76,6 +76,9 @@ struct Conn {
     would_deny: Mutex<Option<String>>,
     /// The upstream connection this client connection uses, and what it was verified as.
     upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
+    /// DNS over HTTPS to a reserved resolver, from this sandbox address:
+    /// every request is answered by the gateway's DNS proxy, none forwarded.
+    doh_from: Option<IpAddr>,
 }
 
 /// Serves a flow request by request: intercepted TLS (`tls` is the
@@ -89,14 +92,24 @@ pub(crate) async fn http_flow(
     tls: Option<Option<Hostname>>,
     stream: TcpStream,
     peeked: Vec<u8>,
+    doh: bool,
 ) -> Served {
+    // A DoH query is admitted as DNS from the sandbox's own address.
+    let doh_from = match (doh, stream.peer_addr()) {
+        (false, _) => None,
+        (true, Ok(peer)) => Some(peer.ip()),
+        (true, Err(e)) => return failed(format!("peer_address: {e}")),
+    };
     let counts = Arc::new(Counts::default());
     let peeked_len = peeked.len() as u64;
     let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
     let mut out = match tls {
-        Some(sni) => intercept(dp, up, sandbox, dst, sni, client, &counts).await,
+        Some(sni) => {
+            let target = (sandbox, dst, doh_from);
+            intercept(dp, up, target, sni, client, &counts).await
+        }
         None => {
-            let conn = Conn::new(dp.clone(), up.clone(), sandbox, dst, None, false);
+            let conn = Conn::new(dp.clone(), up.clone(), (sandbox, dst, None), None, false);
             serve(conn, client, &counts).await
         }
     };
@@ -109,8 +122,7 @@ pub(crate) async fn http_flow(
 async fn intercept<S>(
     dp: &Arc<Dataplane>,
     up: &Arc<Upstreams>,
-    sandbox: Arc<Sandbox>,
-    dst: SocketAddr,
+    target: (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
     sni: Option<Hostname>,
     client: S,
     activity: &Counts,
@@ -123,7 +135,7 @@ where
     // address, which only this flow knows.
     let config = match sni {
         Some(_) => up.server_tls.clone(),
-        None => server_tls(&up.minter, Some(dst.ip())),
+        None => server_tls(&up.minter, Some(target.1.ip())),
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let started = Instant::now();
@@ -143,7 +155,7 @@ where
             return failed("tls_handshake: timed out".into());
         }
     };
-    let conn = Conn::new(dp.clone(), up.clone(), sandbox, dst, sni, true);
+    let conn = Conn::new(dp.clone(), up.clone(), target, sni, true);
     serve(conn, tls, activity).await
 }
 
@@ -238,8 +250,7 @@ impl Conn {
     fn new(
         dp: Arc<Dataplane>,
         up: Arc<Upstreams>,
-        sandbox: Arc<Sandbox>,
-        dst: SocketAddr,
+        (sandbox, dst, doh_from): (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
         sni: Option<Hostname>,
         tls: bool,
     ) -> Arc<Self> {
@@ -257,6 +268,7 @@ impl Conn {
             request_denied: Mutex::new(None),
             would_deny: Mutex::new(None),
             upstream: tokio::sync::Mutex::new(None),
+            doh_from,
         })
     }
 
@@ -284,6 +296,12 @@ impl Conn {
     /// One request: its authority, its verdict, then upgrade or forward.
     async fn handle(&self, mut req: Request<Incoming>) -> Response<Body> {
         self.requests.fetch_add(1, Ordering::Relaxed);
+        if let Some(src) = self.doh_from {
+            return match &self.dp.resolver {
+                Some(proxy) => crate::doh::answer(proxy, src, self.dst, req).await,
+                None => text(StatusCode::SERVICE_UNAVAILABLE, "no DNS proxy\n"),
+            };
+        }
         let authority = match self.authority(&req) {
             Ok(a) => a,
             Err(Refused::BadRequest(why)) => return self.refuse(&req, why),
@@ -369,6 +387,7 @@ impl Conn {
             &self.sandbox.id,
             &self.sandbox.policy,
             &claims,
+            &self.dp.doh_names,
         );
         let verdict = decided.verdict;
         match verdict {

@@ -9,6 +9,7 @@ mod commit;
 pub mod config;
 pub mod credentials;
 pub mod decide;
+pub mod doh;
 mod fault;
 mod flow;
 pub mod flowlog;

@@ -298,8 +298,15 @@ impl QueryAdmission for Registry {
             sni: None,
             host: None,
         };
-        let verdict =
-            crate::decide::judge(&sandbox.policy, &claims, &[], AttributionGap::NoDnsSeen);
+        // Opaque, so never encrypted DNS: no DoH names needed.
+        let none = crate::doh::DohNames::empty();
+        let verdict = crate::decide::judge(
+            &sandbox.policy,
+            &claims,
+            &[],
+            AttributionGap::NoDnsSeen,
+            &none,
+        );
         if verdict.is_deny() {
             Admit::Refused(sandbox.id.clone())
         } else {

@@ -33,6 +33,10 @@ pub struct Dataplane {
     pub(crate) secrets: crate::credentials::Secrets,
     /// The in-kernel splice, where it could be loaded (`splice.kernel`).
     pub(crate) kernel: Option<crate::ksplice::KernelSplice>,
+    /// Well-known DoH servers' names (`dns.doh_names` and the built-in ones).
+    pub(crate) doh_names: crate::doh::DohNames,
+    /// The DNS proxy that answers DoH to the reserved resolvers (set at start).
+    pub(crate) resolver: Option<Arc<dns_attrib::DnsProxy>>,
 }
 
 impl Dataplane {
@@ -44,6 +48,7 @@ impl Dataplane {
         metrics: Metrics,
         orig_dst: Arc<dyn OriginalDst>,
     ) -> Self {
+        let doh_names = crate::doh::DohNames::new(&config.dns.doh_names);
         Self {
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
@@ -54,6 +59,8 @@ impl Dataplane {
             ready: AtomicBool::new(false),
             secrets: crate::credentials::Secrets::default(),
             kernel: None,
+            doh_names,
+            resolver: None,
         }
     }
 

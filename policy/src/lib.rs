@@ -31,8 +31,9 @@ pub use dest::{
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
 pub use json::{parse as from_json, JsonError};
 pub use matcher::{
-    Allowed, AttributionGap, CompiledPolicy, Denied, Flow, Intercepted, PlatformDenies, Protocol,
-    RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced, Verdict,
+    Allowed, AttributionGap, CompiledPolicy, Denied, EncryptedDns, Flow, Intercepted,
+    PlatformDenies, Protocol, RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced,
+    Verdict,
 };
 pub use name::{Hostname, NameError, WildcardDomain};
 pub use platform::{default_denies, DEFAULT_PLATFORM_DENY_CIDRS};

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use dns_attrib::{Attribution, AttributionCache, CacheConfig, ManualClock};
 use egress_gateway::decide::{decide, Claims};
+use egress_gateway::doh::DohNames;
 use egress_gateway::registry::Registry;
 use egress_policy::{Hostname, PlatformDenies, Policy, Protocol, SandboxId, Verdict};
 
@@ -298,9 +299,10 @@ impl World {
     /// Checks every flow decides as its name says (an allowed service is
     /// intercepted, the others denied) and returns how many were allowed.
     fn check(&self, flows: &[Flow]) -> usize {
+        let doh = DohNames::new(&[]);
         for f in flows {
             let sandbox = self.registry.lookup(f.src).expect("registered");
-            let d = decide(&self.cache, &sandbox.id, &sandbox.policy, &f.claims());
+            let d = decide(&self.cache, &sandbox.id, &sandbox.policy, &f.claims(), &doh);
             let allowed = matches!(d.verdict, Verdict::Intercept(..));
             assert_eq!(
                 allowed,
@@ -336,6 +338,7 @@ impl Flow {
 /// Nanoseconds per flow over `decisions` flows cycling through `flows`:
 /// the registry lookup by source, then the decision.
 fn time_flows(world: &World, flows: &[Flow], decisions: usize) -> f64 {
+    let doh = DohNames::new(&[]);
     let started = Instant::now();
     for k in 0..decisions {
         let f = &flows[k % flows.len()];
@@ -345,6 +348,7 @@ fn time_flows(world: &World, flows: &[Flow], decisions: usize) -> f64 {
             &sandbox.id,
             &sandbox.policy,
             &black_box(f.claims()),
+            &doh,
         );
         black_box(d);
     }

@@ -14,6 +14,7 @@ use serde_json::json;
 
 use super::output::{CliError, Output};
 use crate::decide::{explained, explained_request, judge, Claims};
+use crate::doh::DohNames;
 
 #[derive(Debug, Subcommand)]
 pub(super) enum PolicyCommand {
@@ -242,7 +243,15 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
         .collect::<Result<Vec<_>, _>>()?;
     let compiled = CompiledPolicy::new(policy, Arc::new(PlatformDenies::builtin()));
     let claims = Claims::asked(args.dst, args.tls, sni.as_ref(), host.as_ref());
-    let verdict = judge(&compiled, &claims, &attributed, AttributionGap::NoDnsSeen);
+    // The built-in DoH names: the CLI reads no gateway configuration.
+    let doh = DohNames::new(&[]);
+    let verdict = judge(
+        &compiled,
+        &claims,
+        &attributed,
+        AttributionGap::NoDnsSeen,
+        &doh,
+    );
     let mut json = explained(&verdict, &compiled, &attributed);
     json["sni"] = json!(sni);
     if let (Some(method), Some(path)) = (&args.method, &args.path) {

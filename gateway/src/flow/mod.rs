@@ -14,7 +14,7 @@ mod refusal;
 
 use std::sync::Arc;
 
-use egress_policy::{Protocol, Verdict};
+use egress_policy::{Intercepted, Protocol, Verdict};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -53,21 +53,22 @@ pub(crate) async fn handle(
         &accepted.sandbox.id,
         &accepted.sandbox.policy,
         &claims,
+        &dp.doh_names,
     );
     rec.decided(&claims, &decided, &accepted.sandbox);
     match decided.verdict {
         Verdict::Deny(_) => deny(&mut stream, &claims, &decided.verdict, &accepted).await,
-        Verdict::Intercept(..) => {
-            let sni = claims.sni.cloned();
-            let out =
-                crate::intercept::http_flow(&dp, &up, accepted.target(), Some(sni), stream, peeked)
-                    .await;
+        Verdict::Intercept(_, why) => {
+            let sni = Some(claims.sni.cloned());
+            let doh = why == Intercepted::ReservedResolver;
+            let target = accepted.target();
+            let out = crate::intercept::http_flow(&dp, &up, target, sni, stream, peeked, doh).await;
             rec.served(out);
         }
         Verdict::Allow(_) if claims.protocol == Protocol::Http => {
+            let target = accepted.target();
             let out =
-                crate::intercept::http_flow(&dp, &up, accepted.target(), None, stream, peeked)
-                    .await;
+                crate::intercept::http_flow(&dp, &up, target, None, stream, peeked, false).await;
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {

@@ -597,10 +597,26 @@ pub async fn http_post<S>(
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let (status, body) = http_post_bytes(io, host, path, "application/octet-stream", body).await?;
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// [`http_post`] of a `content_type` body, with the response body as bytes.
+pub async fn http_post_bytes<S>(
+    io: S,
+    host: &str,
+    path: &str,
+    content_type: &str,
+    body: Vec<u8>,
+) -> Result<(u16, Vec<u8>), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let req = hyper::Request::builder()
         .method("POST")
         .uri(path)
         .header("host", host)
+        .header("content-type", content_type)
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
@@ -608,18 +624,25 @@ where
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
     let resp = s.send_request(req).await.map_err(|e| e.to_string())?;
-    let status = resp.status().as_u16();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    status_and_body(resp).await
 }
 
 /// Sends one HTTP request over `io` (HTTP/2 when negotiated) and returns status and body.
 pub async fn http_get<S>(io: S, h2: bool, host: &str, path: &str) -> Result<(u16, String), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (status, body) = http_get_bytes(io, h2, host, path).await?;
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// [`http_get`] with the response body as bytes.
+pub async fn http_get_bytes<S>(
+    io: S,
+    h2: bool,
+    host: &str,
+    path: &str,
+) -> Result<(u16, Vec<u8>), String>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -646,6 +669,12 @@ where
         tokio::spawn(conn);
         s.send_request(req).await.map_err(|e| e.to_string())?
     };
+    status_and_body(resp).await
+}
+
+async fn status_and_body(
+    resp: hyper::Response<hyper::body::Incoming>,
+) -> Result<(u16, Vec<u8>), String> {
     let status = resp.status().as_u16();
     let body = resp
         .into_body()
@@ -653,7 +682,7 @@ where
         .await
         .map_err(|e| e.to_string())?
         .to_bytes();
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    Ok((status, body.to_vec()))
 }
 
 /// Whether the gateway closed `s` without a byte (reset or close).

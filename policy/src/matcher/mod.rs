@@ -41,6 +41,20 @@ pub enum Protocol {
     Opaque,
 }
 
+/// A TLS flow that carries DNS the gateway would not otherwise see: the
+/// gateway tells which (it keeps the list of well-known DoH servers), the
+/// matcher decides what becomes of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EncryptedDns {
+    /// To a reserved resolver's HTTPS port: DNS over HTTPS, answered by the
+    /// gateway itself when interception is on; refused when it is off.
+    ReservedDoh,
+    /// DNS over TLS (port 853), to any address.
+    Dot,
+    /// To a well-known DoH server, by its SNI or an attributed name.
+    KnownDoh,
+}
+
 /// The facts of one flow the matcher decides on.
 #[derive(Clone, Copy, Debug)]
 pub struct Flow<'a> {
@@ -56,6 +70,8 @@ pub struct Flow<'a> {
     pub attributed: &'a [Hostname],
     /// Why `attributed` is empty, when it is.
     pub attribution_gap: AttributionGap,
+    /// The flow is encrypted DNS, and which (only ever set for TLS).
+    pub encrypted_dns: Option<EncryptedDns>,
 }
 
 /// Platform denies (gateway configuration), compiled once and shared.
@@ -289,6 +305,9 @@ impl CompiledPolicy {
             Ok(a) => a,
             Err(gap) => return Verdict::Deny(Denied::NotAllowed(gap)),
         };
+        if let Some(verdict) = encrypted_dns(flow.encrypted_dns, allowed, terminating) {
+            return verdict;
+        }
         match (flow.protocol, terminating) {
             (Protocol::Http | Protocol::Opaque, _) => Verdict::Allow(allowed),
             (Protocol::Tls, false) => Verdict::Splice(allowed, Spliced::InterceptionOff),
@@ -450,3 +469,30 @@ pub(crate) enum RuleList {
 
 #[cfg(test)]
 mod tests;
+
+/// Step 4b, for encrypted DNS that step 4 allowed: DoH to a reserved
+/// resolver is answered by the gateway (terminated, never forwarded) or,
+/// with interception off, refused; DoT and DoH to another resolver leave
+/// only when an allow names them (an address allow or the default is not
+/// enough: the names they resolve would never be attributed). `None`: the
+/// flow goes on to the exemption step.
+fn encrypted_dns(
+    kind: Option<EncryptedDns>,
+    allowed: Allowed,
+    terminating: bool,
+) -> Option<Verdict> {
+    let by_name = matches!(
+        allowed,
+        Allowed::AttributedName(_) | Allowed::VerifiedName(_)
+    );
+    match kind? {
+        EncryptedDns::ReservedDoh if terminating => {
+            Some(Verdict::Intercept(allowed, Intercepted::ReservedResolver))
+        }
+        EncryptedDns::ReservedDoh => Some(Verdict::Deny(Denied::EncryptedDns)),
+        EncryptedDns::Dot | EncryptedDns::KnownDoh if !by_name => {
+            Some(Verdict::Deny(Denied::EncryptedDns))
+        }
+        EncryptedDns::Dot | EncryptedDns::KnownDoh => None,
+    }
+}

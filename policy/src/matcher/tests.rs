@@ -13,6 +13,7 @@ struct F {
     host: Option<&'static str>,
     names: Vec<&'static str>,
     gap: AttributionGap,
+    encrypted_dns: Option<EncryptedDns>,
 }
 
 fn tls(dst: &'static str) -> F {
@@ -23,6 +24,7 @@ fn tls(dst: &'static str) -> F {
         host: None,
         names: vec![],
         gap: AttributionGap::NoDnsSeen,
+        encrypted_dns: None,
     }
 }
 fn http(dst: &'static str) -> F {
@@ -55,6 +57,10 @@ impl F {
         self.gap = gap;
         self
     }
+    fn dns_over(mut self, kind: EncryptedDns) -> Self {
+        self.encrypted_dns = Some(kind);
+        self
+    }
 }
 
 fn h(s: &str) -> Hostname {
@@ -79,6 +85,7 @@ fn decide(p: &CompiledPolicy, f: &F) -> Verdict {
         host: host.as_ref(),
         attributed: &names,
         attribution_gap: f.gap,
+        encrypted_dns: f.encrypted_dns,
     })
 }
 
@@ -469,6 +476,74 @@ fn exemptions_choose_splice_only_with_attribution() {
 }
 
 #[test]
+fn encrypted_dns_is_answered_or_needs_an_allow_by_name() {
+    use EncryptedDns::{Dot, KnownDoh, ReservedDoh};
+    let on = r#"{"default": "deny", "tls_interception": "on",
+                 "allow": [{"ip": "8.8.8.8"}, {"cidr": "203.0.113.0/24"}, {"domain": "doh.corp.test"}],
+                 "tls_interception_exemptions": [{"ip": "8.8.8.8"}, {"domain": "doh.corp.test"}]}"#;
+    let off = r#"{"default": "allow", "allow": [{"domain": "doh.corp.test"}]}"#;
+    let dot = |dst| tls(dst).dns_over(Dot);
+    table(&[
+        // DoH to a reserved resolver: answered, even where an exemption would splice.
+        (
+            on,
+            tls("8.8.8.8:443").sni("dns.google").dns_over(ReservedDoh),
+            "intercept",
+            "doh_answered",
+        ),
+        (
+            off,
+            tls("8.8.8.8:443").dns_over(ReservedDoh),
+            "deny",
+            "encrypted_dns",
+        ),
+        // ... only where the policy permits the resolver at all.
+        (
+            on,
+            tls("1.1.1.1:443").dns_over(ReservedDoh),
+            "deny",
+            "no_dns_seen",
+        ),
+        // DoT and other DoH: an address allow or the default is not enough.
+        (on, dot("203.0.113.9:853"), "deny", "encrypted_dns"),
+        (off, dot("198.51.100.9:853"), "deny", "encrypted_dns"),
+        (
+            on,
+            tls("203.0.113.9:443")
+                .sni("dns.quad9.net")
+                .dns_over(KnownDoh),
+            "deny",
+            "encrypted_dns",
+        ),
+        // Allowed by name: it goes on as any flow (here: exempt, spliced).
+        (
+            on,
+            dot("198.51.100.9:853")
+                .sni("doh.corp.test")
+                .dns(&["doh.corp.test"]),
+            "splice",
+            "exempt",
+        ),
+        (
+            off,
+            tls("198.51.100.9:443")
+                .sni("doh.corp.test")
+                .dns(&["doh.corp.test"])
+                .dns_over(KnownDoh),
+            "splice",
+            "interception_off",
+        ),
+        // Denies still win.
+        (
+            r#"{"default": "allow", "deny": [{"ip": "8.8.8.8"}], "tls_interception": "on"}"#,
+            tls("8.8.8.8:443").dns_over(ReservedDoh),
+            "deny",
+            "tenant_deny",
+        ),
+    ]);
+}
+
+#[test]
 fn exemptions_never_grant_access() {
     let p = r#"{"default": "deny", "allow": [{"domain": "api.test"}], "tls_interception": "on",
                 "tls_interception_exemptions": [{"wildcard_domain": "*.relay.test"}, {"cidr": "198.51.100.0/24"}, {"domain": "api.test"}]}"#;
@@ -603,6 +678,7 @@ fn run(p: &CompiledPolicy, f: &Facts) -> Verdict {
         host: host.as_ref(),
         attributed: &names,
         attribution_gap: AttributionGap::NoDnsSeen,
+        encrypted_dns: None,
     })
 }
 

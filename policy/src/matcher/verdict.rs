@@ -35,6 +35,10 @@ pub enum Denied {
     /// The flow's requests cannot be seen (spliced with interception off,
     /// or not HTTP), and a rule or credential for its name needs them.
     Unseen(RuleRef),
+    /// DNS over TLS, or DNS over HTTPS the gateway cannot answer (interception
+    /// off, or another resolver not allowed by name): the names it would
+    /// resolve would never be attributed.
+    EncryptedDns,
 }
 
 /// Why a flow was allowed.
@@ -73,6 +77,9 @@ pub enum Intercepted {
     /// An exemption would splice it, but per-request rules or credentials
     /// for its name need its requests.
     RequestRules(RuleRef),
+    /// DNS over HTTPS to a reserved resolver: the gateway answers it through
+    /// its DNS proxy, and nothing of it is forwarded.
+    ReservedResolver,
 }
 
 /// Why name evidence was missing or did not fit.
@@ -114,6 +121,8 @@ impl Verdict {
         "needs_verification",
         "needs_interception",
         "request_rules",
+        "encrypted_dns",
+        "doh_answered",
     ];
 
     /// `deny`, `allow`, `splice` or `intercept`.
@@ -147,6 +156,7 @@ impl Verdict {
             Self::Deny(Denied::Tenant(_)) => "tenant_deny",
             Self::Deny(Denied::Misdirected) => "misdirected",
             Self::Deny(Denied::Unseen(_)) => "needs_interception",
+            Self::Deny(Denied::EncryptedDns) => "encrypted_dns",
             Self::Deny(Denied::NotAllowed(gap)) => match gap {
                 AttributionGap::NoMatch => "no_allow_match",
                 g => g.code(),
@@ -158,6 +168,7 @@ impl Verdict {
             Self::Intercept(_, Intercepted::NoAttribution(gap)) => gap.code(),
             Self::Intercept(_, Intercepted::NeedsVerification) => "needs_verification",
             Self::Intercept(_, Intercepted::RequestRules(_)) => "request_rules",
+            Self::Intercept(_, Intercepted::ReservedResolver) => "doh_answered",
         }
     }
 
@@ -180,6 +191,9 @@ impl Verdict {
                 "{} needs the requests, which this flow does not show (TLS interception off, or not HTTP)",
                 policy.describe_rule(r)
             ),
+            Self::Deny(Denied::EncryptedDns) => {
+                "encrypted DNS (DNS over TLS, or DNS over HTTPS to a resolver the gateway does not answer) that no allow names".into()
+            }
             Self::Deny(Denied::NotAllowed(gap)) => match gap {
                 AttributionGap::NoMatch => "no allow rule matches and the default is deny".into(),
                 g => format!("no allow rule matches: {}", g.describe()),
@@ -241,6 +255,9 @@ impl Intercepted {
                 "allowed only by the server name, which termination verifies".into()
             }
             Self::RequestRules(r) => format!("{} needs the requests", r.label()),
+            Self::ReservedResolver => {
+                "DNS over HTTPS to a reserved resolver, answered by the gateway's DNS proxy".into()
+            }
         }
     }
 }
@@ -300,6 +317,8 @@ mod tests {
             Verdict::Intercept(Allowed::Default, Intercepted::NotExempt),
             Verdict::Intercept(Allowed::Default, Intercepted::NeedsVerification),
             Verdict::Deny(Denied::Unseen(RuleRef::Allow(0))),
+            Verdict::Deny(Denied::EncryptedDns),
+            Verdict::Intercept(Allowed::Default, Intercepted::ReservedResolver),
             Verdict::Intercept(
                 Allowed::Default,
                 Intercepted::RequestRules(RuleRef::Deny(0)),

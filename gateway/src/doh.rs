@@ -1,0 +1,231 @@
+//! Encrypted DNS: what the gateway does with DNS a sandbox sends over TLS.
+//!
+//! DNS over HTTPS to the reserved resolvers (Chromium, Firefox and curl
+//! upgrade 8.8.8.8 and 1.1.1.1 to `dns.google` and `cloudflare-dns.com` on
+//! their own) is terminated and answered here, through the DNS proxy's own
+//! path: the same admission, the same attribution committed before the
+//! answer. Nothing of such a flow goes to the real resolver. Every other
+//! kind of encrypted DNS — DNS over TLS (port 853) anywhere, DoH to another
+//! well-known resolver — would resolve names the gateway never sees, so it
+//! is refused (`encrypted_dns`) unless the policy allows that name by name.
+//! Clients then fall back to port 53 (docs/attribution.md says which do).
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dns_attrib::doh::{self, DohError};
+use dns_attrib::{DnsProxy, Transport};
+use egress_policy::{EncryptedDns, Hostname, RESERVED_RESOLVERS};
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+
+use crate::pool::Body;
+use crate::reply::text;
+
+/// The port of DNS over TLS (RFC 7858).
+pub(crate) const DOT_PORT: u16 = 853;
+
+/// The port a DoH server listens on at the reserved resolvers.
+const DOH_PORT: u16 = 443;
+
+/// How long a DoH request's body may take to arrive.
+const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Well-known public DoH servers' names (besides the reserved resolvers,
+/// which are answered): the operator adds to them with `dns.doh_names`.
+pub const BUILTIN_DOH_NAMES: &[&str] = &[
+    "dns.google",
+    "dns.google.com",
+    "dns64.dns.google",
+    "cloudflare-dns.com",
+    "one.one.one.one",
+    "1dot1dot1dot1.cloudflare-dns.com",
+    "mozilla.cloudflare-dns.com",
+    "chrome.cloudflare-dns.com",
+    "security.cloudflare-dns.com",
+    "family.cloudflare-dns.com",
+    "dns.quad9.net",
+    "dns9.quad9.net",
+    "dns10.quad9.net",
+    "dns11.quad9.net",
+    "doh.opendns.com",
+    "doh.familyshield.opendns.com",
+    "dns.nextdns.io",
+    "doh.cleanbrowsing.org",
+    "dns.adguard.com",
+    "dns.adguard-dns.com",
+    "doh.mullvad.net",
+    "dns.mullvad.net",
+    "doh.dns.sb",
+    "dns.alidns.com",
+    "doh.pub",
+    "dns.controld.com",
+    "freedns.controld.com",
+];
+
+/// The names of well-known DoH servers: built in, plus the operator's.
+#[derive(Debug)]
+pub struct DohNames(HashSet<Hostname>);
+
+impl DohNames {
+    /// The built-in list and `extra`.
+    pub fn new(extra: &[Hostname]) -> Self {
+        let builtin = BUILTIN_DOH_NAMES
+            .iter()
+            .filter_map(|n| Hostname::parse(n).ok());
+        Self(builtin.chain(extra.iter().cloned()).collect())
+    }
+
+    /// No names at all: for judging what can never be encrypted DNS.
+    pub fn empty() -> Self {
+        Self(HashSet::new())
+    }
+
+    /// What kind of encrypted DNS a TLS flow to `dst` is, judged on its
+    /// address, its port, its server name and the names attributed to its
+    /// address.
+    pub fn kind(
+        &self,
+        dst: SocketAddr,
+        sni: Option<&Hostname>,
+        attributed: &[Hostname],
+    ) -> Option<EncryptedDns> {
+        let ip = canonical(dst.ip());
+        if dst.port() == DOH_PORT && RESERVED_RESOLVERS.contains(&ip) {
+            return Some(EncryptedDns::ReservedDoh);
+        }
+        if dst.port() == DOT_PORT {
+            return Some(EncryptedDns::Dot);
+        }
+        let known = |n: &Hostname| self.0.contains(n);
+        (sni.is_some_and(known) || attributed.iter().any(known)).then_some(EncryptedDns::KnownDoh)
+    }
+}
+
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Answers one request on a DoH flow to the reserved resolver `dst`, from
+/// sandbox address `src`, through `proxy`. Never forwards anything.
+pub(crate) async fn answer(
+    proxy: &DnsProxy,
+    src: IpAddr,
+    dst: SocketAddr,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let (parts, body) = req.into_parts();
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .map(HeaderValue::as_bytes);
+    let body = match read_body(body).await {
+        Ok(b) => b,
+        Err(e) => return refused(&e),
+    };
+    let query = match doh::query(parts.method.as_str(), target, content_type, &body) {
+        Ok(q) => q,
+        Err(e) => return refused(&e),
+    };
+    // The query is a flow to the resolver's DNS port, admitted as one.
+    let resolver = SocketAddr::new(canonical(dst.ip()), 53);
+    match proxy.answer(&query, src, resolver, Transport::Tcp).await {
+        Some(answer) => dns_message(answer),
+        None => refused(&DohError::Bad("not a DNS query")),
+    }
+}
+
+/// The body, at most one DNS message (and a byte, to tell it was more).
+async fn read_body(body: Incoming) -> Result<Bytes, DohError> {
+    let limited = Limited::new(body, doh::MAX_MESSAGE + 1);
+    match tokio::time::timeout(BODY_TIMEOUT, limited.collect()).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(_)) => Err(DohError::TooLarge),
+        Err(_) => Err(DohError::Bad("the body did not arrive in time")),
+    }
+}
+
+fn dns_message(answer: Vec<u8>) -> Response<Body> {
+    let max_age = doh::max_age(&answer);
+    let mut resp = Response::new(
+        Full::new(Bytes::from(answer))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(doh::DNS_MESSAGE),
+    );
+    if let Some(age) = max_age.and_then(|a| HeaderValue::from_str(&format!("max-age={a}")).ok()) {
+        headers.insert(header::CACHE_CONTROL, age);
+    }
+    resp
+}
+
+fn refused(e: &DohError) -> Response<Body> {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST);
+    text(status, &format!("{e}\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().expect(s)
+    }
+
+    fn name(s: &str) -> Hostname {
+        Hostname::parse(s).expect(s)
+    }
+
+    #[test]
+    fn kinds_of_encrypted_dns() {
+        let names = DohNames::new(&[name("doh.corp.example")]);
+        let kind = |dst: &str, sni: Option<&str>, attributed: &[&str]| {
+            let sni = sni.map(name);
+            let attributed: Vec<Hostname> = attributed.iter().map(|n| name(n)).collect();
+            names.kind(addr(dst), sni.as_ref(), &attributed)
+        };
+        use EncryptedDns::*;
+        assert_eq!(
+            kind("8.8.8.8:443", Some("dns.google"), &[]),
+            Some(ReservedDoh)
+        );
+        assert_eq!(kind("1.1.1.1:443", None, &[]), Some(ReservedDoh));
+        assert_eq!(kind("[::ffff:1.1.1.1]:443", None, &[]), Some(ReservedDoh));
+        assert_eq!(kind("8.8.8.8:853", Some("dns.google"), &[]), Some(Dot));
+        assert_eq!(kind("203.0.113.9:853", None, &[]), Some(Dot));
+        assert_eq!(
+            kind("203.0.113.9:443", Some("dns.quad9.net"), &[]),
+            Some(KnownDoh)
+        );
+        assert_eq!(
+            kind("203.0.113.9:443", None, &["dns.quad9.net"]),
+            Some(KnownDoh)
+        );
+        assert_eq!(
+            kind("203.0.113.9:443", Some("doh.corp.example"), &[]),
+            Some(KnownDoh)
+        );
+        assert_eq!(
+            kind("203.0.113.9:443", Some("api.example.test"), &["x.test"]),
+            None
+        );
+        assert_eq!(kind("8.8.4.4:443", Some("api.example.test"), &[]), None);
+    }
+
+    #[test]
+    fn the_builtin_names_are_hostnames() {
+        assert_eq!(DohNames::new(&[]).0.len(), BUILTIN_DOH_NAMES.len());
+    }
+}

@@ -1,0 +1,168 @@
+//! Encrypted DNS from a sandbox: DoH to a reserved resolver is answered by
+//! the gateway and attributes what it resolves; DoH with interception off,
+//! DoT and DoH to other resolvers are refused `encrypted_dns`.
+
+use std::net::SocketAddr;
+
+use hickory_proto::op::{Message, MessageType, OpCode, Query};
+use hickory_proto::rr::{Name, RData, RecordType};
+use serde_json::json;
+
+use crate::harness::*;
+
+const H1: &[&[u8]] = &[b"http/1.1"];
+const H2: &[&[u8]] = &[b"h2"];
+
+fn dns_google() -> SocketAddr {
+    "8.8.8.8:443".parse().expect("addr")
+}
+
+/// A DoH query for `name` (id 0, as RFC 8484 asks).
+fn query(name: &str) -> Vec<u8> {
+    let mut q = Message::new(0, MessageType::Query, OpCode::Query);
+    q.add_query(Query::query(
+        Name::from_ascii(name).expect("name"),
+        RecordType::A,
+    ));
+    q.to_vec().expect("encode")
+}
+
+/// The A records of a DoH answer body.
+fn addresses(body: &[u8]) -> Vec<String> {
+    let m = Message::from_vec(body).expect("a DNS message");
+    m.answers
+        .iter()
+        .filter_map(|r| match &r.data {
+            RData::A(a) => Some(a.to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn unpadded_base64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().fold(0u32, |n, &b| n << 8 | u32::from(b)) << (8 * (3 - chunk.len()));
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn doh_to_a_reserved_resolver_is_answered_and_attributes() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(
+            r#"{"default": "deny", "tls_interception": "on",
+                "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.relay.example.test"}],
+                "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}]}"#,
+        ),
+    );
+    // Before any DNS: the exemption by name cannot apply.
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "no attribution yet: terminated, not spliced");
+
+    // DoH POST over HTTP/1.1 to dns.google at 8.8.8.8: a minted certificate,
+    // the fake upstream's answer.
+    let (tls, minted) = e
+        .tls(SANDBOX_A, dns_google(), "dns.google", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "the gateway terminates DoH");
+    let (status, body) = http_post_bytes(
+        tls,
+        "dns.google",
+        "/dns-query",
+        "application/dns-message",
+        query("a.relay.example.test."),
+    )
+    .await
+    .expect("DoH POST");
+    assert_eq!(status, 200);
+    assert_eq!(addresses(&body), [RELAY_IP]);
+
+    // ... which attributes: the exemption by name now splices.
+    let (_, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(
+        !minted,
+        "attributed through DoH: spliced, the origin's own certificate"
+    );
+
+    // DoH GET over HTTP/2; a path that is not DoH is answered 404, never forwarded.
+    let (tls, _) = e
+        .tls(SANDBOX_A, dns_google(), "dns.google", H2)
+        .await
+        .expect("handshake");
+    let path = format!(
+        "/dns-query?dns={}",
+        unpadded_base64url(&query("relay.example.test."))
+    );
+    let (status, body) = http_get_bytes(tls, true, "dns.google", &path)
+        .await
+        .expect("DoH GET");
+    assert_eq!((status, addresses(&body)), (200, vec![RELAY_IP.to_owned()]));
+    let (tls, _) = e
+        .tls(SANDBOX_A, dns_google(), "dns.google", H1)
+        .await
+        .expect("handshake");
+    let (status, _) = http_get(tls, false, "dns.google", "/resolve?name=x.test")
+        .await
+        .expect("GET");
+    assert_eq!(status, 404);
+
+    let lines = e.flow_lines(5).await;
+    let doh: Vec<_> = lines
+        .iter()
+        .filter(|l| l["sni"] == json!("dns.google"))
+        .collect();
+    assert_eq!(doh.len(), 3, "{lines:?}");
+    for l in doh {
+        assert_eq!(
+            (&l["verdict"], &l["reason"]),
+            (&json!("intercept"), &json!("doh_answered")),
+            "{l}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn other_encrypted_dns_is_refused_unless_allowed_by_name() {
+    let e = env(Options::default()).await;
+    // Interception off: the gateway cannot answer DoH, so it refuses it.
+    e.sandbox("off", SANDBOX_A, policy(r#"{"default": "allow"}"#));
+    // Interception on, everything allowed by address.
+    e.sandbox(
+        "on",
+        SANDBOX_B,
+        policy(r#"{"default": "deny", "tls_interception": "on", "allow": [{"cidr": "127.0.0.0/24"}, {"ip": "8.8.8.8"}]}"#),
+    );
+    let dot: SocketAddr = format!("{API_IP}:853").parse().expect("addr");
+    for (src, dst, sni) in [
+        (SANDBOX_A, dns_google(), "dns.google"),
+        (SANDBOX_A, dot, "dns.example.test"),
+        (SANDBOX_B, dot, "dns.example.test"),
+        (SANDBOX_B, e.origins.api, "dns.quad9.net"),
+    ] {
+        let refused = e.tls(src, dst, sni, H1).await;
+        assert!(refused.is_err(), "{src} → {dst} ({sni}) was not refused");
+    }
+    let lines = e.flow_lines(4).await;
+    for l in &lines {
+        assert_eq!(
+            (&l["verdict"], &l["reason"]),
+            (&json!("deny"), &json!("encrypted_dns")),
+            "{l}"
+        );
+    }
+}
