@@ -124,6 +124,11 @@ pub fn zone() -> HashMap<&'static str, Entry> {
         ("git.example.test", Entry::A(ip("203.0.113.43"), 300)),
         ("blocked.example.test", Entry::A(ip("203.0.113.44"), 300)),
         ("deb.example.test", Entry::A(ip("198.51.100.21"), 300)),
+        // A DoH server's name at a reserved resolver, as the real zone has
+        // it: a client bootstraps its DoH URL through port 53. Nothing
+        // serves at 8.8.8.8 in the fake internet (`addresses` leaves the
+        // reserved resolvers out): the gateway answers DoH there itself.
+        ("dns.google", Entry::A(ip("8.8.8.8"), 300)),
         // Faults: an origin that resets, one that stalls.
         ("reset.example.test", Entry::A(ip(RESET_IP), 300)),
         ("stall.example.test", Entry::A(ip(STALL_IP), 300)),
@@ -158,6 +163,7 @@ pub fn addresses() -> Vec<Ipv4Addr> {
             Entry::A(ip, _) => Some(*ip),
             Entry::Cname(..) => None,
         })
+        .filter(|ip| !egress_policy::RESERVED_RESOLVERS.contains(&IpAddr::V4(*ip)))
         .collect();
     v.push(DNS_IP.parse().unwrap_or(Ipv4Addr::UNSPECIFIED));
     v.sort();

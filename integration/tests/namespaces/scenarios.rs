@@ -581,3 +581,54 @@ fn udp_guard_drops(t: &Topology, iface: &str) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no UDP guard for {iface} in:\n{rules}"))
 }
+
+/// curl resolving over DNS over HTTPS (`--doh-url https://dns.google/…`),
+/// as a browser upgrading 8.8.8.8 does: the gateway answers the DoH itself,
+/// the names are attributed, and an exemption by name splices. With
+/// interception off the DoH flow is refused, and curl fails closed.
+#[test]
+fn doh_to_a_reserved_resolver_attributes_behind_the_redirect() {
+    let t = topology!();
+    let policy = |interception: &str| {
+        format!(
+            r#"{{"default": "deny", "tls_interception": "{interception}",
+                "allow": [{{"ip": "8.8.8.8"}}, {{"wildcard_domain": "*.relay.example.test"}}],
+                "tls_interception_exemptions": [{{"wildcard_domain": "*.relay.example.test"}}]}}"#
+        )
+    };
+    t.push("sb1", SB1_IP, &policy("on"));
+    let doh = ["-4", "--doh-url", "https://dns.google/dns-query"];
+    // Trusting only the origin's CA for the site, and the gateway's for
+    // the DoH server: curl uses one bundle for both.
+    let (code, body) = t.curl(&t.sb1, "both", "https://a.relay.example.test/", &doh);
+    assert_eq!(code, 0, "{body}");
+    assert!(body.contains("fake internet"), "{body}");
+    let flows = t.flows_when(|f| f.iter().any(|l| l["sni"] == "a.relay.example.test"));
+    let site = flows
+        .iter()
+        .find(|l| l["sni"] == "a.relay.example.test")
+        .expect("site flow");
+    assert_eq!(
+        (&site["verdict"], &site["reason"]),
+        (&json!("splice"), &json!("exempt")),
+        "{site}"
+    );
+    let resolver = flows
+        .iter()
+        .find(|l| l["sni"] == "dns.google")
+        .expect("DoH flow");
+    assert_eq!(resolver["reason"], json!("doh_answered"), "{resolver}");
+    assert_eq!(resolver["dst"], json!("8.8.8.8:443"), "{resolver}");
+
+    // Interception off: the gateway cannot answer DoH, so it refuses it.
+    t.push("sb1", SB1_IP, &policy("off"));
+    let (code, body) = t.curl(&t.sb1, "both", "https://a.relay.example.test/", &doh);
+    assert_ne!(code, 0, "{body}");
+    let flows = t.flows_when(|f| f.iter().any(|l| l["reason"] == "encrypted_dns"));
+    assert!(
+        flows
+            .iter()
+            .any(|l| l["reason"] == "encrypted_dns" && l["dst"] == "8.8.8.8:443"),
+        "{flows:?}"
+    );
+}
