@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+
+mod doh;
 use hdrhistogram::Histogram;
 use hickory_proto::op::Metadata;
 use hickory_proto::rr::rdata::A;
@@ -61,6 +63,14 @@ enum Command {
         /// No query is started after this many seconds (the run is bounded in time).
         #[arg(long, default_value_t = 120)]
         deadline_s: u64,
+        /// DNS over HTTPS instead of UDP: POSTs (RFC 8484) over one HTTP/2
+        /// connection to `target` with this server name, `concurrency`
+        /// streams at a time.
+        #[arg(long)]
+        doh_sni: Option<String>,
+        /// The CA the DoH server's certificate chains to (the gateway's).
+        #[arg(long)]
+        doh_ca: Option<std::path::PathBuf>,
     },
 }
 
@@ -76,6 +86,8 @@ async fn main() -> ExitCode {
             timeout_ms,
             prefix,
             deadline_s,
+            doh_sni,
+            doh_ca,
         } => {
             let load = Load {
                 target,
@@ -85,7 +97,11 @@ async fn main() -> ExitCode {
                 prefix,
                 deadline: Instant::now() + Duration::from_secs(deadline_s),
             };
-            load.run(concurrency.max(1)).await
+            match (doh_sni, doh_ca) {
+                (None, None) => load.run(concurrency.max(1)).await,
+                (Some(sni), Some(ca)) => doh::run(load, &sni, &ca, concurrency.max(1)).await,
+                _ => Err("give both --doh-sni and --doh-ca, or neither".to_owned()),
+            }
         }
     };
     match result {
@@ -176,16 +192,7 @@ impl Load {
             tally.answered += t.answered;
             tally.failed += t.failed;
         }
-        let secs = started.elapsed().as_secs_f64();
-        println!(
-            "{{\"answered\": {}, \"failed\": {}, \"secs\": {secs:.3}, \"qps\": {:.0}, \"p50_us\": {}, \"p90_us\": {}, \"p99_us\": {}}}",
-            tally.answered,
-            tally.failed,
-            f64::from(tally.answered) / secs,
-            hist.value_at_quantile(0.5),
-            hist.value_at_quantile(0.9),
-            hist.value_at_quantile(0.99),
-        );
+        report(&hist, &tally, started.elapsed().as_secs_f64());
         Ok(())
     }
 
@@ -238,6 +245,19 @@ impl Load {
             }
         }
     }
+}
+
+/// The run's one JSON line.
+fn report(hist: &Histogram<u64>, tally: &Tally, secs: f64) {
+    println!(
+        "{{\"answered\": {}, \"failed\": {}, \"secs\": {secs:.3}, \"qps\": {:.0}, \"p50_us\": {}, \"p90_us\": {}, \"p99_us\": {}}}",
+        tally.answered,
+        tally.failed,
+        f64::from(tally.answered) / secs,
+        hist.value_at_quantile(0.5),
+        hist.value_at_quantile(0.9),
+        hist.value_at_quantile(0.99),
+    );
 }
 
 /// A recursion-desired query for `name` (type A, class IN) with `id`, into `out`.
