@@ -13,9 +13,11 @@ mod clock;
 mod ghosts;
 mod metrics;
 mod proxy;
+mod svcb;
 
 pub use cache::{AttributionCache, CacheConfig, IpNames, Lookup};
 pub use chain::{attribution, Attribution};
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use metrics::{Counter, DnsMetrics};
 pub use proxy::{Admit, DnsProxy, ProxyConfig, QueryAdmission, Transport};
+pub use svcb::{has_ech, strip_ech, EchStripError, EchStripped};

@@ -4,7 +4,9 @@
 //! [`QueryAdmission`]); refuse when it is unknown or its policy does not permit
 //! the resolver; forward the query unchanged to the upstreams in order
 //! (timeout, next upstream, TCP when the UDP answer is truncated); commit
-//! what the answer attributes *before* returning it, byte for byte.
+//! what the answer attributes *before* returning it, byte for byte — but
+//! for the `ech` parameter of SVCB/HTTPS records, which is cut out
+//! ([`crate::svcb`]).
 //!
 //! Every wait has a timeout, in-flight queries are bounded per sandbox and in
 //! total, malformed input ends in FORMERR or silence — never a panic — and a
@@ -28,6 +30,7 @@ use egress_policy::SandboxId;
 use crate::cache::AttributionCache;
 use crate::chain::attribution;
 use crate::metrics::DnsMetrics;
+use crate::svcb::strip_ech;
 
 /// The largest DNS message (TCP length prefix is 16 bits).
 const MAX_MESSAGE: usize = 65_535;
@@ -308,20 +311,12 @@ impl DnsProxy {
         transport: Transport,
     ) -> Option<Vec<u8>> {
         self.metrics.queries.inc();
-        let Ok(query) = Message::from_vec(raw) else {
-            self.metrics.formerr.inc();
-            return error_reply(raw, ResponseCode::FormErr);
+        let query = match self.parse_query(raw) {
+            Ok(q) => q,
+            Err(reply) => return reply,
         };
-        if query.metadata.message_type != MessageType::Query {
-            return None; // a response sent to us: never answer it (no reflection loops)
-        }
-        if query.metadata.op_code != OpCode::Query {
-            return reply(&query, ResponseCode::NotImp);
-        }
-        let [question] = query.queries.as_slice() else {
-            self.metrics.formerr.inc();
-            return reply(&query, ResponseCode::FormErr);
-        };
+        // `parse_query` admits exactly one question.
+        let question = query.queries.first()?;
         let sandbox = match self.admission.admit(src, resolver) {
             Admit::Allowed(id) => id,
             Admit::Refused(_) | Admit::Unknown => {
@@ -337,11 +332,59 @@ impl DnsProxy {
             self.metrics.servfail.inc();
             return reply(&query, ResponseCode::ServFail);
         };
+        self.deliver(&query, &sandbox, bytes, answer, transport)
+    }
+
+    /// The query in `raw`, or the reply (perhaps none) that ends it: it
+    /// must parse, be a query with opcode QUERY and carry one question.
+    fn parse_query(&self, raw: &[u8]) -> Result<Message, Option<Vec<u8>>> {
+        let Ok(query) = Message::from_vec(raw) else {
+            self.metrics.formerr.inc();
+            return Err(error_reply(raw, ResponseCode::FormErr));
+        };
+        if query.metadata.message_type != MessageType::Query {
+            return Err(None); // a response sent to us: never answer it (no reflection loops)
+        }
+        if query.metadata.op_code != OpCode::Query {
+            return Err(reply(&query, ResponseCode::NotImp));
+        }
+        if query.queries.len() != 1 {
+            self.metrics.formerr.inc();
+            return Err(reply(&query, ResponseCode::FormErr));
+        }
+        Ok(query)
+    }
+
+    /// An upstream's answer on its way to the sandbox: `ech` stripped (or
+    /// SERVFAIL when that cannot be done faithfully), what it attributes
+    /// committed, cut to the size a UDP query allows.
+    fn deliver(
+        &self,
+        query: &Message,
+        sandbox: &SandboxId,
+        bytes: Vec<u8>,
+        answer: Message,
+        transport: Transport,
+    ) -> Option<Vec<u8>> {
+        let (bytes, answer) = match strip_ech(&answer) {
+            Ok(None) => (bytes, answer),
+            Ok(Some(stripped)) => {
+                self.metrics.ech_stripped.inc();
+                (stripped.bytes, stripped.message)
+            }
+            Err(e) => {
+                // Fail closed: an `ech` must not reach the sandbox.
+                tracing::debug!(error = %e, "dns answer with ech not rewritable");
+                self.metrics.servfail.inc();
+                return reply(query, ResponseCode::ServFail);
+            }
+        };
+        let question = query.queries.first()?;
         if answer.metadata.response_code == ResponseCode::NoError {
             if let Some(a) = attribution(&question.name, &answer) {
                 // Committed before the sandbox sees the answer, so the
                 // connection that follows can never race it.
-                if self.cache.record(&sandbox, &a) {
+                if self.cache.record(sandbox, &a) {
                     self.metrics.attributed.inc();
                 }
             }

@@ -12,7 +12,10 @@ use dns_attrib::{
 };
 use egress_policy::{AttributionGap, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
-use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+use hickory_proto::rr::rdata::svcb::{
+    Alpn, EchConfigList, IpHint, SvcParamKey, SvcParamValue, Unknown, SVCB,
+};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME, HTTPS};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_server::net::runtime::Time;
 use hickory_server::net::xfer::Protocol;
@@ -110,6 +113,35 @@ fn a(owner: &str, ttl: u32, ip: Ipv4Addr) -> Record {
     Record::from_rdata(name(owner), ttl, RData::A(A(ip)))
 }
 
+/// An HTTPS record for `owner` with alpn, ipv4hint and an unknown key, and `ech` when asked.
+fn https_record(owner: &str, ech: bool) -> Record {
+    let mut params = vec![
+        (
+            SvcParamKey::Alpn,
+            SvcParamValue::Alpn(Alpn(vec!["h2".into(), "http/1.1".into()])),
+        ),
+        (
+            SvcParamKey::Ipv4Hint,
+            SvcParamValue::Ipv4Hint(IpHint(vec![A::new(203, 0, 113, 65)])),
+        ),
+    ];
+    if ech {
+        params.push((
+            SvcParamKey::EchConfigList,
+            SvcParamValue::EchConfigList(EchConfigList(b"\x00\x08\xfe\x0d\x00\x04ech!".to_vec())),
+        ));
+    }
+    params.push((
+        SvcParamKey::Unknown(65000),
+        SvcParamValue::Unknown(Unknown(b"kept".to_vec())),
+    ));
+    Record::from_rdata(
+        name(owner),
+        300,
+        RData::HTTPS(HTTPS(SVCB::new(1, name("."), params))),
+    )
+}
+
 fn scripts() -> HashMap<String, Script> {
     let ip = |s: &str| s.parse::<Ipv4Addr>().expect(s);
     let mut m = HashMap::new();
@@ -176,6 +208,16 @@ fn scripts() -> HashMap<String, Script> {
         "wide.test",
         Script {
             answers: many,
+            ..Script::default()
+        },
+    );
+    put(
+        "ech.test",
+        Script {
+            answers: vec![
+                https_record("ech.test.", true),
+                a("ech.test.", 300, ip("203.0.113.65")),
+            ],
             ..Script::default()
         },
     );
@@ -407,6 +449,50 @@ async fn answers_are_returned_byte_for_byte() {
         buf
     };
     assert_eq!(through_proxy, direct);
+}
+
+#[tokio::test]
+async fn ech_is_stripped_from_https_answers_and_the_rest_kept() {
+    let h = harness(|_, _| {}, false).await;
+    let q = query("ech.test.", RecordType::HTTPS, Some(1232));
+    // The upstream does send it.
+    let direct = {
+        let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+        let up = *h.upstream_addrs.last().expect("an upstream");
+        s.send_to(&q.to_vec().expect("encode"), up)
+            .await
+            .expect("send");
+        let mut buf = vec![0u8; 65_535];
+        let (n, _) = s.recv_from(&mut buf).await.expect("recv");
+        Message::from_vec(&buf[..n]).expect("parses")
+    };
+    assert!(dns_attrib::has_ech(&direct), "{direct:?}");
+    for over_tcp in [false, true] {
+        let m = if over_tcp {
+            tcp(&h, SANDBOX_A, &q).await
+        } else {
+            udp(&h, SANDBOX_A, &q).await.1
+        };
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(m.metadata.id, 0x4242);
+        assert!(!dns_attrib::has_ech(&m), "tcp={over_tcp}: {m:?}");
+        assert_eq!(
+            m.answers,
+            [
+                https_record("ech.test.", false),
+                a("ech.test.", 300, "203.0.113.65".parse().expect("ip"))
+            ],
+            "everything but ech, in order"
+        );
+    }
+    assert_eq!(h.proxy.metrics().ech_stripped.get(), 2);
+    assert_eq!(h.proxy.metrics().servfail.get(), 0);
+    // The attribution is the answer's, as ever.
+    assert_eq!(names(&h, "a", "203.0.113.65"), ["ech.test"]);
+    // An HTTPS answer without ech is passed byte for byte.
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::HTTPS, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(h.proxy.metrics().ech_stripped.get(), 2);
 }
 
 #[tokio::test]

@@ -342,11 +342,16 @@ impl Collector for Sources {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         self.dns_events(&mut encoder)?;
         let d = &self.dns;
-        let counters: [(&str, &str, u64); 3] = [
+        let counters: [(&str, &str, u64); 4] = [
             (
                 "dns_queries",
                 "DNS messages received, over UDP and TCP.",
                 d.queries.get(),
+            ),
+            (
+                "dns_ech_stripped",
+                "DNS answers whose SVCB/HTTPS records lost their ech parameter before reaching the sandbox.",
+                d.ech_stripped.get(),
             ),
             (
                 "attribution_evictions",
