@@ -10,6 +10,7 @@
 mod cache;
 mod chain;
 mod clock;
+mod gate;
 mod ghosts;
 mod metrics;
 mod proxy;
@@ -19,5 +20,5 @@ pub use cache::{AttributionCache, CacheConfig, IpNames, Lookup};
 pub use chain::{attribution, Attribution};
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use metrics::{Counter, DnsMetrics};
-pub use proxy::{Admit, DnsProxy, ProxyConfig, QueryAdmission, Transport};
+pub use proxy::{Admit, DnsProxy, ProxyConfig, QueryAdmission, QueryRules, Transport};
 pub use svcb::{has_ech, strip_ech, EchStripError, EchStripped};

@@ -40,6 +40,10 @@ pub struct DnsMetrics {
     pub overloaded: Counter,
     /// Answers that attributed names to addresses.
     pub attributed: Counter,
+    /// REFUSED by the policy's `dns` section: ANY, or a type outside `query_types`.
+    pub policy_refused: Counter,
+    /// NXDOMAIN from the proxy itself under `resolve: "policy"`.
+    pub policy_nxdomain: Counter,
     /// Answers whose SVCB/HTTPS records lost their `ech` parameter.
     pub ech_stripped: Counter,
 }

@@ -2,7 +2,8 @@
 //!
 //! Per query: identify the sandbox from the source address (the gateway's
 //! [`QueryAdmission`]); refuse when it is unknown or its policy does not permit
-//! the resolver; forward the query unchanged to the upstreams in order
+//! the resolver; answer locally what the policy's `dns` section keeps from
+//! leaving ([`crate::gate`]); forward the query unchanged to the upstreams in order
 //! (timeout, next upstream, TCP when the UDP answer is truncated); commit
 //! what the answer attributes *before* returning it, byte for byte — but
 //! for the `ech` parameter of SVCB/HTTPS records, which is cut out
@@ -25,10 +26,11 @@ use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio::time::{timeout, Instant};
 
-use egress_policy::SandboxId;
+use egress_policy::{CompiledPolicy, SandboxId};
 
 use crate::cache::AttributionCache;
 use crate::chain::attribution;
+use crate::gate::{gate, Gate};
 use crate::metrics::DnsMetrics;
 use crate::svcb::strip_ech;
 
@@ -43,10 +45,11 @@ const POOL_IDLE_MAX: usize = 64;
 const SOCKET_MAX_USES: u32 = 32;
 
 /// The gateway's answer to "who sent this query, and may it use this resolver?".
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum Admit {
-    /// A known sandbox whose policy permits the resolver address.
-    Allowed(SandboxId),
+    /// A known sandbox whose policy permits the resolver address; that
+    /// policy's `dns` section judges the query.
+    Allowed(SandboxId, Arc<dyn QueryRules>),
     /// A known sandbox whose policy does not: REFUSED, nothing recorded.
     Refused(SandboxId),
     /// No sandbox has this source address: REFUSED (fail closed).
@@ -56,6 +59,12 @@ pub enum Admit {
 /// Implemented by the gateway: sandbox identity and policy for DNS flows.
 pub trait QueryAdmission: Send + Sync + 'static {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit;
+}
+
+/// The policy a sandbox's queries are judged by: the gateway's sandbox
+/// record, handed over as it is (no copy per query).
+pub trait QueryRules: Send + Sync + 'static {
+    fn policy(&self) -> &CompiledPolicy;
 }
 
 /// Proxy settings.
@@ -317,13 +326,16 @@ impl DnsProxy {
         };
         // `parse_query` admits exactly one question.
         let question = query.queries.first()?;
-        let sandbox = match self.admission.admit(src, resolver) {
-            Admit::Allowed(id) => id,
+        let (sandbox, rules) = match self.admission.admit(src, resolver) {
+            Admit::Allowed(id, rules) => (id, rules),
             Admit::Refused(_) | Admit::Unknown => {
                 self.metrics.refused.inc();
                 return reply(&query, ResponseCode::Refused);
             }
         };
+        if let Some(local) = self.local_answer(&query, question, &sandbox, rules.policy()) {
+            return local;
+        }
         let Some(_slot) = SandboxSlot::take(self, &sandbox) else {
             self.metrics.overloaded.inc();
             return reply(&query, ResponseCode::ServFail);
@@ -333,6 +345,30 @@ impl DnsProxy {
             return reply(&query, ResponseCode::ServFail);
         };
         self.deliver(&query, &sandbox, bytes, answer, transport)
+    }
+
+    /// The proxy's own answer when the policy's `dns` section keeps the
+    /// query from leaving ([`crate::gate`]); `None`: forward it.
+    fn local_answer(
+        &self,
+        query: &Message,
+        question: &Query,
+        sandbox: &SandboxId,
+        policy: &CompiledPolicy,
+    ) -> Option<Option<Vec<u8>>> {
+        let (code, reason) = match gate(policy, question) {
+            Gate::Forward => return None,
+            Gate::Refuse(reason) => {
+                self.metrics.policy_refused.inc();
+                (ResponseCode::Refused, reason)
+            }
+            Gate::NxDomain(reason) => {
+                self.metrics.policy_nxdomain.inc();
+                (ResponseCode::NXDomain, reason)
+            }
+        };
+        tracing::debug!(%sandbox, name = %question.name, qtype = %question.query_type, reason, "dns query answered by policy");
+        Some(reply(query, code))
     }
 
     /// The query in `raw`, or the reply (perhaps none) that ends it: it
@@ -438,6 +474,22 @@ impl DnsProxy {
             }
         }
         None
+    }
+}
+
+impl std::fmt::Debug for Admit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Allowed(id, _) => f.debug_tuple("Allowed").field(id).finish_non_exhaustive(),
+            Self::Refused(id) => f.debug_tuple("Refused").field(id).finish(),
+            Self::Unknown => f.write_str("Unknown"),
+        }
+    }
+}
+
+impl QueryRules for CompiledPolicy {
+    fn policy(&self) -> &CompiledPolicy {
+        self
     }
 }
 

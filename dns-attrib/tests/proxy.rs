@@ -10,7 +10,7 @@ use std::time::Duration;
 use dns_attrib::{
     Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig, QueryAdmission,
 };
-use egress_policy::{AttributionGap, SandboxId};
+use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::svcb::{
     Alpn, EchConfigList, IpHint, SvcParamKey, SvcParamValue, Unknown, SVCB,
@@ -277,15 +277,43 @@ const SANDBOX_B: &str = "127.0.0.3";
 const NO_DNS: &str = "127.0.0.4";
 const RESOLVER: &str = "8.8.8.8:53";
 
-/// A and B may use the resolver; "nodns" may not; anything else is unknown.
-struct Sandboxes;
+const SANDBOX_C: &str = "127.0.0.5";
+
+/// C's policy: names by policy, a few types.
+const POLICY_C: &str = r#"{"default": "deny",
+    "allow": [{"domain": "api.test"}, {"wildcard_domain": "*.shop.test"}, {"ip": "8.8.8.8"}],
+    "deny": [{"domain": "bad.shop.test"}],
+    "dns": {"resolve": "policy", "query_types": ["A", "AAAA", "HTTPS"]}}"#;
+
+/// A and B may use the resolver, with no `dns` section; C with `POLICY_C`;
+/// "nodns" may not; anything else is unknown.
+struct Sandboxes {
+    open: Arc<CompiledPolicy>,
+    c: Arc<CompiledPolicy>,
+}
+
+impl Sandboxes {
+    fn new() -> Self {
+        let compile = |text: &str| {
+            Arc::new(CompiledPolicy::new(
+                Policy::from_json(text).expect(text),
+                Arc::new(PlatformDenies::builtin()),
+            ))
+        };
+        Self {
+            open: compile(r#"{"default": "allow"}"#),
+            c: compile(POLICY_C),
+        }
+    }
+}
 
 impl QueryAdmission for Sandboxes {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit {
         assert_eq!(resolver, RESOLVER.parse::<SocketAddr>().expect("addr"));
         match src.to_string().as_str() {
-            SANDBOX_A => Admit::Allowed(SandboxId::new("a")),
-            SANDBOX_B => Admit::Allowed(SandboxId::new("b")),
+            SANDBOX_A => Admit::Allowed(SandboxId::new("a"), self.open.clone()),
+            SANDBOX_B => Admit::Allowed(SandboxId::new("b"), self.open.clone()),
+            SANDBOX_C => Admit::Allowed(SandboxId::new("c"), self.c.clone()),
             NO_DNS => Admit::Refused(SandboxId::new("nodns")),
             _ => Admit::Unknown,
         }
@@ -323,7 +351,7 @@ async fn harness(
     let clock = ManualClock::new();
     let cache = Arc::new(AttributionCache::new(cc, clock.clone()));
     let upstream_addrs = pc.upstreams.clone();
-    let proxy = DnsProxy::new(pc, cache, Arc::new(Sandboxes));
+    let proxy = DnsProxy::new(pc, cache, Arc::new(Sandboxes::new()));
     let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
     let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let (udp_addr, tcp_addr) = (
@@ -493,6 +521,71 @@ async fn ech_is_stripped_from_https_answers_and_the_rest_kept() {
     let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::HTTPS, None)).await;
     assert_eq!(m.metadata.response_code, ResponseCode::NoError);
     assert_eq!(h.proxy.metrics().ech_stripped.get(), 2);
+}
+
+#[tokio::test]
+async fn resolve_policy_answers_denied_names_locally_and_nothing_reaches_the_upstream() {
+    let h = harness(|_, _| {}, false).await;
+    let upstream = |h: &Harness| h.upstream.udp.load(Ordering::SeqCst);
+    // Allowed names are looked up, and attributed as ever.
+    for (name, rtype) in [
+        ("api.test.", RecordType::A),
+        ("www.shop.test.", RecordType::A),
+        ("api.test.", RecordType::HTTPS),
+    ] {
+        let before = upstream(&h);
+        let (_, m) = udp(&h, SANDBOX_C, &query(name, rtype, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
+        assert_eq!(upstream(&h), before + 1, "{name} was asked upstream");
+    }
+    assert_eq!(names(&h, "c", "203.0.113.7"), ["api.test"]);
+    // Denied, not covered by an allow, not a hostname: NXDOMAIN, never sent.
+    let before = upstream(&h);
+    for name in [
+        "bad.shop.test.",
+        "mfrggzdfmztwq2lknnwg23tpoa.exfil.attacker.test.",
+        "shop.test.",
+        "_svc._tcp.api.test.",
+    ] {
+        let (_, m) = udp(&h, SANDBOX_C, &query(name, RecordType::A, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NXDomain, "{name}");
+        assert_eq!(m.metadata.id, 0x4242);
+        assert!(m.answers.is_empty());
+        assert_eq!(
+            m.queries[0].name.to_string(),
+            name,
+            "the question is echoed"
+        );
+    }
+    let m = tcp(&h, SANDBOX_C, &query("bad.shop.test.", RecordType::A, None)).await;
+    assert_eq!(
+        m.metadata.response_code,
+        ResponseCode::NXDomain,
+        "over TCP too"
+    );
+    // Types outside query_types, and ANY, are REFUSED, also for allowed names.
+    for rtype in [RecordType::TXT, RecordType::ANY, RecordType::NULL] {
+        let (_, m) = udp(&h, SANDBOX_C, &query("api.test.", rtype, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::Refused, "{rtype}");
+    }
+    assert_eq!(upstream(&h), before, "nothing reached the upstream");
+    assert_eq!(h.upstream.tcp.load(Ordering::SeqCst), 0);
+    assert_eq!(h.proxy.metrics().policy_nxdomain.get(), 5);
+    assert_eq!(h.proxy.metrics().policy_refused.get(), 3);
+    assert_eq!(
+        h.proxy.metrics().refused.get(),
+        0,
+        "not an admission refusal"
+    );
+    // Without a dns section, the same queries leave as before (ANY included).
+    for (name, rtype) in [
+        ("bad.shop.test.", RecordType::A),
+        ("api.test.", RecordType::ANY),
+    ] {
+        let (_, m) = udp(&h, SANDBOX_A, &query(name, rtype, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
+    }
+    assert_eq!(upstream(&h), before + 2);
 }
 
 #[tokio::test]

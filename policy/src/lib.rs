@@ -10,6 +10,7 @@
 
 mod compose;
 mod dest;
+pub mod dns;
 mod exemptions;
 pub mod http;
 mod json;
@@ -28,11 +29,13 @@ pub use dest::{
     embedded_ipv4, Destination, DestinationError, ExemptionDestination, Kind, KindList,
     ProfileDestination,
 };
+pub use dns::{DnsPolicy, QueryType, QueryTypes, Resolve};
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
 pub use json::{parse as from_json, JsonError};
 pub use matcher::{
-    Allowed, AttributionGap, CompiledPolicy, Denied, Flow, Intercepted, PlatformDenies, Protocol,
-    RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced, Verdict,
+    Allowed, AttributionGap, CompiledPolicy, Denied, Flow, Intercepted, NameVerdict,
+    PlatformDenies, Protocol, RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced,
+    Verdict,
 };
 pub use name::{Hostname, NameError, WildcardDomain};
 pub use platform::{default_denies, DEFAULT_PLATFORM_DENY_CIDRS};
