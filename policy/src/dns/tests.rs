@@ -48,6 +48,24 @@ fn the_section_reads_and_writes_in_normal_form() {
 }
 
 #[test]
+fn budget_overrides_read_and_write_back() {
+    let p = policy(r#"{"dns": {"budget": {"new_names_per_minute": 60}}}"#);
+    let budget = p
+        .dns
+        .as_ref()
+        .and_then(|d| d.budget.clone())
+        .expect("a budget");
+    assert_eq!(budget.qps, None, "left to the operator's default");
+    assert_eq!(budget.new_names_per_minute.map(Rate::get), Some(60));
+    let out = serde_json::to_value(&p).expect("serialises");
+    assert_eq!(
+        out["dns"],
+        serde_json::json!({"resolve": "any", "budget": {"new_names_per_minute": 60}})
+    );
+    assert_eq!(Policy::from_json(&out.to_string()).expect("again"), p);
+}
+
+#[test]
 fn any_is_refused_whenever_the_section_is_there() {
     let all = DnsPolicy::default();
     assert!(all.permits_type(1) && all.permits_type(16) && all.permits_type(65));
