@@ -300,6 +300,11 @@ def policy_seeds():
          ' "deny": [{"domain": "API.Example.test."}, {"ip": "64:ff9b::c000:201"}]}'),
         (0, "policy-duplicate-key.json", '{"default": "deny", "default": "allow"}'),
         (0, "policy-host-bits.json", '{"allow": [{"cidr": "10.0.0.1/8"}]}'),
+        (0, "policy-dns.json",
+         '{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.cdn.test"}],'
+         ' "dns": {"resolve": "policy", "query_types": ["A", "TYPE28", "HTTPS", "TYPE65000"],'
+         ' "budget": {"qps": 20, "new_names_per_minute": 300}}}'),
+        (0, "policy-dns-any.json", '{"dns": {"query_types": ["ANY"], "budget": {"qps": 0}}}'),
         (1, "profiles.json", PROFILES),
         (1, "profiles-empty.json", "{}"),
         (1, "profiles-bad-name.json", '{"Bad_Name": {"allow": [{"ip": "192.0.2.1"}]}}'),
