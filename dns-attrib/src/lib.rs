@@ -6,6 +6,12 @@
 //! this IP, and that answer has not expired*. This crate produces that fact,
 //! and nothing else may: [`AttributionCache::record`] is called only by the
 //! proxy, with answers to queries it forwarded.
+//!
+//! The proxy also decides what of a sandbox's DNS may leave and what comes
+//! back: the policy's `dns` section (query types, names by policy), per
+//! sandbox budgets against names used as a channel, and answers stripped of
+//! the `ech` parameter that would hide the real server name from the
+//! gateway.
 
 mod budget;
 mod cache;
