@@ -210,6 +210,62 @@ def dns_seeds():
     write("dns_answer", "built-bytes.bin", b"\x80" + bytes(range(0, 256, 3)))
 
 
+# === svcb_rewrite ===
+
+def svcb_rdata(priority, target, params):
+    """SVCB/HTTPS RDATA: params is [(key, value bytes)], written in the order given."""
+    out = struct.pack(">H", priority) + qname(target)
+    for key, value in params:
+        out += struct.pack(">HH", key, len(value)) + value
+    return out
+
+
+ALPN = (1, b"\x02h2\x08http/1.1")
+PORT = (3, struct.pack(">H", 8443))
+V4HINT = (4, bytes([192, 0, 2, 1, 192, 0, 2, 2]))
+ECH = (5, b"\x00\x08\xfe\x0d\x00\x04ech!")
+V6HINT = (6, bytes(15) + b"\x01")
+UNKNOWN = (65000, b"opaque")
+
+
+def svcb_message(sections, rtype=65):
+    """A response to `www.example.test` type `rtype`; sections is [(section 0-2, rtype, rdata)]."""
+    header = struct.pack(">HHHHHH", 0x1234, 0x8180, 1,
+                         *[sum(1 for s, _, _ in sections if s == i) for i in range(3)])
+    out = header + qname("www.example.test") + struct.pack(">HH", rtype, 1)
+    for i in range(3):
+        for section, t, rdata in sections:
+            if section == i:
+                out += b"\xc0\x0c" + struct.pack(">HHIH", t, 1, 300, len(rdata)) + rdata
+    return out
+
+
+def svcb_seeds():
+    raw = lambda name, m: write("svcb_rewrite", name, b"\x00" + m)
+    raw("https-ech.bin", svcb_message([(0, 65, svcb_rdata(1, ".", [ALPN, V4HINT, ECH, V6HINT]))]))
+    raw("https-no-ech.bin", svcb_message([(0, 65, svcb_rdata(1, ".", [ALPN, PORT, V4HINT, UNKNOWN]))]))
+    raw("mandatory-alpn-ech.bin", svcb_message([(0, 65, svcb_rdata(
+        1, ".", [(0, struct.pack(">HH", 1, 5)), ALPN, ECH, UNKNOWN]))]))
+    raw("mandatory-ech-only.bin", svcb_message([(0, 65, svcb_rdata(
+        1, ".", [(0, struct.pack(">H", 5)), ECH]))]))
+    raw("svcb-alias.bin", svcb_message([(0, 64, svcb_rdata(0, "svc.example.test", []))], rtype=64))
+    raw("two-records-one-ech.bin", svcb_message([
+        (0, 65, svcb_rdata(1, "a.example.test", [ALPN, ECH])),
+        (0, 65, svcb_rdata(2, "b.example.test", [ALPN, PORT])),
+        (0, 1, bytes([203, 0, 113, 7]))]))
+    raw("every-section.bin", svcb_message([
+        (0, 65, svcb_rdata(1, ".", [ECH])),
+        (1, 64, svcb_rdata(3, "svc.example.test", [PORT, ECH])),
+        (2, 65, svcb_rdata(1, ".", [ALPN, ECH, V6HINT]))]))
+    opt = b"\x00" + struct.pack(">HHIH", 41, 1232, 0, 0)
+    edns = svcb_message([(0, 65, svcb_rdata(1, ".", [ALPN, ECH]))])
+    edns = edns[:10] + struct.pack(">H", 1) + edns[12:] + opt
+    raw("https-ech-edns.bin", edns)
+    raw("keys-out-of-order.bin", svcb_message([(0, 65, svcb_rdata(1, ".", [ECH, ALPN]))]))
+    # Built mode: bit 7 set, the rest read by `arbitrary`.
+    write("svcb_rewrite", "built-bytes.bin", b"\x80" + bytes(range(1, 200, 7)))
+
+
 # === policy_documents ===
 
 POLICY = {
@@ -244,6 +300,11 @@ def policy_seeds():
          ' "deny": [{"domain": "API.Example.test."}, {"ip": "64:ff9b::c000:201"}]}'),
         (0, "policy-duplicate-key.json", '{"default": "deny", "default": "allow"}'),
         (0, "policy-host-bits.json", '{"allow": [{"cidr": "10.0.0.1/8"}]}'),
+        (0, "policy-dns.json",
+         '{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.cdn.test"}],'
+         ' "dns": {"resolve": "policy", "query_types": ["A", "TYPE28", "HTTPS", "TYPE65000"],'
+         ' "budget": {"qps": 20, "new_names_per_minute": 300}}}'),
+        (0, "policy-dns-any.json", '{"dns": {"query_types": ["ANY"], "budget": {"qps": 0}}}'),
         (1, "profiles.json", PROFILES),
         (1, "profiles-empty.json", "{}"),
         (1, "profiles-bad-name.json", '{"Bad_Name": {"allow": [{"ip": "192.0.2.1"}]}}'),
@@ -338,7 +399,7 @@ def machine_seeds():
 
 def main():
     for target in ["peek_segments", "dns_answer", "policy_documents", "destinations",
-                   "admin_bodies", "http_head", "machine_policy"]:
+                   "admin_bodies", "http_head", "machine_policy", "svcb_rewrite"]:
         shutil.rmtree(os.path.join(CORPUS, target), ignore_errors=True)
     peek_seeds()
     dns_seeds()
@@ -347,6 +408,7 @@ def main():
     admin_seeds()
     http_head_seeds()
     machine_seeds()
+    svcb_seeds()
     for target in sorted(os.listdir(CORPUS)):
         print(target, len(os.listdir(os.path.join(CORPUS, target))), file=sys.stderr)
 

@@ -70,6 +70,7 @@ fn policy(n: usize) -> Policy {
             "*.relay.example.test",
         )
         .expect("valid")],
+        dns: None,
     }
 }
 

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dns_attrib::{
-    Admit, Attribution, AttributionCache, CacheConfig, DnsProxy, ProxyConfig, QueryAdmission,
-    SystemClock, Transport,
+    Admit, Attribution, AttributionCache, BudgetLimits, CacheConfig, DnsProxy, ProxyConfig,
+    QueryAdmission, SystemClock, Transport,
 };
-use egress_policy::{Hostname, SandboxId};
+use egress_policy::{CompiledPolicy, Hostname, PlatformDenies, Policy, SandboxId};
 use tokio::net::UdpSocket;
 
 fn attribution(i: u32) -> Attribution {
@@ -92,11 +92,12 @@ fn query(id: u16, name: &str) -> Vec<u8> {
     q
 }
 
-struct Everyone;
+/// Admits every source as one sandbox whose policy has no `dns` section.
+struct Everyone(Arc<CompiledPolicy>);
 
 impl QueryAdmission for Everyone {
     fn admit(&self, _src: IpAddr, _resolver: SocketAddr) -> Admit {
-        Admit::Allowed(SandboxId::new("bench"))
+        Admit::Allowed(SandboxId::new("bench"), self.0.clone())
     }
 }
 
@@ -131,13 +132,26 @@ fn bench_proxy(c: &mut Criterion) {
         let up = upstream().await;
         let config = ProxyConfig {
             upstreams: vec![up],
+            // Budgets on, as in production, but out of reach: the bench
+            // measures what checking them costs, not their refusals.
+            budget: BudgetLimits {
+                qps: 1_000_000,
+                new_names_per_minute: 1_000_000,
+            },
             ..ProxyConfig::default()
         };
         let cache = Arc::new(AttributionCache::new(
             CacheConfig::default(),
             SystemClock::new(),
         ));
-        let proxy = DnsProxy::new(config, cache, Arc::new(Everyone));
+        let proxy = DnsProxy::new(
+            config,
+            cache,
+            Arc::new(Everyone(Arc::new(CompiledPolicy::new(
+                Policy::default(),
+                Arc::new(PlatformDenies::builtin()),
+            )))),
+        );
         let sock = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
         let addr = sock.local_addr().expect("addr");
         tokio::spawn(

@@ -315,6 +315,7 @@ fn policy(default: DefaultAction, allow: Vec<Destination>, deny: Vec<Destination
         deny: deny.into_iter().map(Into::into).collect(),
         tls_interception: TlsInterception::Off,
         tls_interception_exemptions: Vec::new(),
+        dns: None,
     }
 }
 

@@ -82,7 +82,7 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
 /// (its presentation form would need an escape); the rest is
 /// [`Hostname::parse`]'s to judge. Built from the labels directly: no
 /// escaping pass, no lower-cased copy of the name.
-fn hostname(name: &Name) -> Option<Hostname> {
+pub(crate) fn hostname(name: &Name) -> Option<Hostname> {
     let mut s = String::with_capacity(name.len());
     for label in name.iter() {
         if !label

@@ -27,7 +27,8 @@ pub struct DnsMetrics {
     pub refused: Counter,
     /// FORMERR: the query did not parse or had other than one question.
     pub formerr: Counter,
-    /// SERVFAIL because every upstream failed.
+    /// SERVFAIL because every upstream failed, or an answer carrying `ech`
+    /// could not be rewritten faithfully.
     pub servfail: Counter,
     /// Attempts on one upstream that timed out or failed.
     pub upstream_failures: Counter,
@@ -39,4 +40,12 @@ pub struct DnsMetrics {
     pub overloaded: Counter,
     /// Answers that attributed names to addresses.
     pub attributed: Counter,
+    /// REFUSED by the policy's `dns` section: ANY, or a type outside `query_types`.
+    pub policy_refused: Counter,
+    /// NXDOMAIN from the proxy itself under `resolve: "policy"`.
+    pub policy_nxdomain: Counter,
+    /// REFUSED because the sandbox is over a DNS budget (`dns_budget`).
+    pub budget_refused: Counter,
+    /// Answers whose SVCB/HTTPS records lost their `ech` parameter.
+    pub ech_stripped: Counter,
 }

@@ -2,9 +2,13 @@
 //!
 //! Per query: identify the sandbox from the source address (the gateway's
 //! [`QueryAdmission`]); refuse when it is unknown or its policy does not permit
-//! the resolver; forward the query unchanged to the upstreams in order
+//! the resolver; refuse a query over the sandbox's budgets ([`crate::budget`]);
+//! answer locally what the policy's `dns` section keeps from
+//! leaving ([`crate::gate`]); forward the query unchanged to the upstreams in order
 //! (timeout, next upstream, TCP when the UDP answer is truncated); commit
-//! what the answer attributes *before* returning it, byte for byte.
+//! what the answer attributes *before* returning it, byte for byte — but
+//! for the `ech` parameter of SVCB/HTTPS records, which is cut out
+//! ([`crate::svcb`]).
 //!
 //! Every wait has a timeout, in-flight queries are bounded per sandbox and in
 //! total, malformed input ends in FORMERR or silence — never a panic — and a
@@ -23,11 +27,14 @@ use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio::time::{timeout, Instant};
 
-use egress_policy::SandboxId;
+use egress_policy::{CompiledPolicy, SandboxId};
 
+use crate::budget::{BudgetLimits, Budgets, Crossing};
 use crate::cache::AttributionCache;
 use crate::chain::attribution;
+use crate::gate::{gate, Gate};
 use crate::metrics::DnsMetrics;
+use crate::svcb::strip_ech;
 
 /// The largest DNS message (TCP length prefix is 16 bits).
 const MAX_MESSAGE: usize = 65_535;
@@ -40,10 +47,11 @@ const POOL_IDLE_MAX: usize = 64;
 const SOCKET_MAX_USES: u32 = 32;
 
 /// The gateway's answer to "who sent this query, and may it use this resolver?".
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum Admit {
-    /// A known sandbox whose policy permits the resolver address.
-    Allowed(SandboxId),
+    /// A known sandbox whose policy permits the resolver address; that
+    /// policy's `dns` section judges the query.
+    Allowed(SandboxId, Arc<dyn QueryRules>),
     /// A known sandbox whose policy does not: REFUSED, nothing recorded.
     Refused(SandboxId),
     /// No sandbox has this source address: REFUSED (fail closed).
@@ -53,6 +61,12 @@ pub enum Admit {
 /// Implemented by the gateway: sandbox identity and policy for DNS flows.
 pub trait QueryAdmission: Send + Sync + 'static {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit;
+}
+
+/// The policy a sandbox's queries are judged by: the gateway's sandbox
+/// record, handed over as it is (no copy per query).
+pub trait QueryRules: Send + Sync + 'static {
+    fn policy(&self) -> &CompiledPolicy;
 }
 
 /// Proxy settings.
@@ -70,6 +84,12 @@ pub struct ProxyConfig {
     pub tcp_idle_timeout: Duration,
     /// TCP client connections at once (default 256).
     pub max_tcp_connections: usize,
+    /// Each sandbox's DNS budgets, unless its policy overrides them
+    /// (default 500 queries per second, 1,000 new names per minute).
+    pub budget: BudgetLimits,
+    /// Sandboxes with budgets at once (default 16,384); the least recently
+    /// active make room ([`crate::budget`]).
+    pub budget_sandboxes: usize,
 }
 
 /// The transport a query arrived on, which bounds the answer's size.
@@ -86,6 +106,8 @@ pub struct DnsProxy {
     admission: Arc<dyn QueryAdmission>,
     metrics: Arc<DnsMetrics>,
     in_flight: Arc<Semaphore>,
+    /// Shared with every [`DnsProxy::sibling`]: one table per gateway.
+    budgets: Arc<Budgets>,
     /// Shared with every [`DnsProxy::sibling`], so the bound holds over all of them.
     per_sandbox: Arc<Mutex<HashMap<SandboxId, usize>>>,
     /// One per upstream, in the order of `config.upstreams`.
@@ -132,6 +154,8 @@ impl Default for ProxyConfig {
             max_in_flight_per_sandbox: 64,
             tcp_idle_timeout: Duration::from_secs(10),
             max_tcp_connections: 256,
+            budget: BudgetLimits::default(),
+            budget_sandboxes: 16_384,
         }
     }
 }
@@ -146,6 +170,7 @@ impl DnsProxy {
     ) -> Arc<Self> {
         Arc::new(Self {
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+            budgets: Arc::new(Budgets::new(config.budget_sandboxes)),
             sockets: config
                 .upstreams
                 .iter()
@@ -170,6 +195,7 @@ impl DnsProxy {
             admission: self.admission.clone(),
             metrics: self.metrics.clone(),
             in_flight: self.in_flight.clone(),
+            budgets: self.budgets.clone(),
             per_sandbox: self.per_sandbox.clone(),
             sockets: self.sockets.iter().map(|_| SocketPool::default()).collect(),
         })
@@ -308,26 +334,15 @@ impl DnsProxy {
         transport: Transport,
     ) -> Option<Vec<u8>> {
         self.metrics.queries.inc();
-        let Ok(query) = Message::from_vec(raw) else {
-            self.metrics.formerr.inc();
-            return error_reply(raw, ResponseCode::FormErr);
+        let query = match self.parse_query(raw) {
+            Ok(q) => q,
+            Err(reply) => return reply,
         };
-        if query.metadata.message_type != MessageType::Query {
-            return None; // a response sent to us: never answer it (no reflection loops)
-        }
-        if query.metadata.op_code != OpCode::Query {
-            return reply(&query, ResponseCode::NotImp);
-        }
-        let [question] = query.queries.as_slice() else {
-            self.metrics.formerr.inc();
-            return reply(&query, ResponseCode::FormErr);
-        };
-        let sandbox = match self.admission.admit(src, resolver) {
-            Admit::Allowed(id) => id,
-            Admit::Refused(_) | Admit::Unknown => {
-                self.metrics.refused.inc();
-                return reply(&query, ResponseCode::Refused);
-            }
+        // `parse_query` admits exactly one question.
+        let question = query.queries.first()?;
+        let sandbox = match self.judge(&query, question, src, resolver) {
+            Ok(sandbox) => sandbox,
+            Err(reply) => return reply,
         };
         let Some(_slot) = SandboxSlot::take(self, &sandbox) else {
             self.metrics.overloaded.inc();
@@ -337,11 +352,140 @@ impl DnsProxy {
             self.metrics.servfail.inc();
             return reply(&query, ResponseCode::ServFail);
         };
+        self.deliver(&query, &sandbox, bytes, answer, transport)
+    }
+
+    /// Admission, the sandbox's budgets and its policy's `dns` section: the
+    /// sandbox whose query may leave, or the reply that ends it. A query
+    /// spends a query token; only a query that would leave spends a
+    /// new-name token (names answered here tell no one anything).
+    fn judge(
+        &self,
+        query: &Message,
+        question: &Query,
+        src: IpAddr,
+        resolver: SocketAddr,
+    ) -> Result<SandboxId, Option<Vec<u8>>> {
+        let (sandbox, rules) = match self.admission.admit(src, resolver) {
+            Admit::Allowed(id, rules) => (id, rules),
+            Admit::Refused(_) | Admit::Unknown => {
+                self.metrics.refused.inc();
+                return Err(reply(query, ResponseCode::Refused));
+            }
+        };
+        let policy = rules.policy();
+        let limits = self.limits(policy);
+        let now = self.cache.now();
+        let over = |c| self.over_budget(query, &sandbox, c);
+        self.budgets.query(&sandbox, limits, now).map_err(over)?;
+        if let Some(local) = self.local_answer(query, question, &sandbox, policy) {
+            return Err(local);
+        }
+        let over = |c| self.over_budget(query, &sandbox, c);
+        self.budgets
+            .name(&sandbox, &question.name, limits, now)
+            .map_err(over)?;
+        Ok(sandbox)
+    }
+
+    /// The operator's budgets, with the policy's overrides.
+    fn limits(&self, policy: &CompiledPolicy) -> BudgetLimits {
+        let mut limits = self.config.budget;
+        if let Some(b) = policy.policy().dns.as_ref().and_then(|d| d.budget.as_ref()) {
+            if let Some(qps) = b.qps {
+                limits.qps = qps.get();
+            }
+            if let Some(n) = b.new_names_per_minute {
+                limits.new_names_per_minute = n.get();
+            }
+        }
+        limits
+    }
+
+    /// REFUSED for a query over budget (`dns_budget`), logged when the
+    /// sandbox crosses the budget, not for every query past it.
+    fn over_budget(&self, query: &Message, sandbox: &SandboxId, c: Crossing) -> Option<Vec<u8>> {
+        self.metrics.budget_refused.inc();
+        if c.first {
+            tracing::warn!(%sandbox, reason = "dns_budget", budget = c.over.code(), "DNS over budget: REFUSED until the budget refills");
+        }
+        reply(query, ResponseCode::Refused)
+    }
+
+    /// The proxy's own answer when the policy's `dns` section keeps the
+    /// query from leaving ([`crate::gate`]); `None`: forward it.
+    fn local_answer(
+        &self,
+        query: &Message,
+        question: &Query,
+        sandbox: &SandboxId,
+        policy: &CompiledPolicy,
+    ) -> Option<Option<Vec<u8>>> {
+        let (code, reason) = match gate(policy, question) {
+            Gate::Forward => return None,
+            Gate::Refuse(reason) => {
+                self.metrics.policy_refused.inc();
+                (ResponseCode::Refused, reason)
+            }
+            Gate::NxDomain(reason) => {
+                self.metrics.policy_nxdomain.inc();
+                (ResponseCode::NXDomain, reason)
+            }
+        };
+        tracing::debug!(%sandbox, name = %question.name, qtype = %question.query_type, reason, "dns query answered by policy");
+        Some(reply(query, code))
+    }
+
+    /// The query in `raw`, or the reply (perhaps none) that ends it: it
+    /// must parse, be a query with opcode QUERY and carry one question.
+    fn parse_query(&self, raw: &[u8]) -> Result<Message, Option<Vec<u8>>> {
+        let Ok(query) = Message::from_vec(raw) else {
+            self.metrics.formerr.inc();
+            return Err(error_reply(raw, ResponseCode::FormErr));
+        };
+        if query.metadata.message_type != MessageType::Query {
+            return Err(None); // a response sent to us: never answer it (no reflection loops)
+        }
+        if query.metadata.op_code != OpCode::Query {
+            return Err(reply(&query, ResponseCode::NotImp));
+        }
+        if query.queries.len() != 1 {
+            self.metrics.formerr.inc();
+            return Err(reply(&query, ResponseCode::FormErr));
+        }
+        Ok(query)
+    }
+
+    /// An upstream's answer on its way to the sandbox: `ech` stripped (or
+    /// SERVFAIL when that cannot be done faithfully), what it attributes
+    /// committed, cut to the size a UDP query allows.
+    fn deliver(
+        &self,
+        query: &Message,
+        sandbox: &SandboxId,
+        bytes: Vec<u8>,
+        answer: Message,
+        transport: Transport,
+    ) -> Option<Vec<u8>> {
+        let (bytes, answer) = match strip_ech(&answer) {
+            Ok(None) => (bytes, answer),
+            Ok(Some(stripped)) => {
+                self.metrics.ech_stripped.inc();
+                (stripped.bytes, stripped.message)
+            }
+            Err(e) => {
+                // Fail closed: an `ech` must not reach the sandbox.
+                tracing::debug!(error = %e, "dns answer with ech not rewritable");
+                self.metrics.servfail.inc();
+                return reply(query, ResponseCode::ServFail);
+            }
+        };
+        let question = query.queries.first()?;
         if answer.metadata.response_code == ResponseCode::NoError {
             if let Some(a) = attribution(&question.name, &answer) {
                 // Committed before the sandbox sees the answer, so the
                 // connection that follows can never race it.
-                if self.cache.record(&sandbox, &a) {
+                if self.cache.record(sandbox, &a) {
                     self.metrics.attributed.inc();
                 }
             }
@@ -395,6 +539,22 @@ impl DnsProxy {
             }
         }
         None
+    }
+}
+
+impl std::fmt::Debug for Admit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Allowed(id, _) => f.debug_tuple("Allowed").field(id).finish_non_exhaustive(),
+            Self::Refused(id) => f.debug_tuple("Refused").field(id).finish(),
+            Self::Unknown => f.write_str("Unknown"),
+        }
+    }
+}
+
+impl QueryRules for CompiledPolicy {
+    fn policy(&self) -> &CompiledPolicy {
+        self
     }
 }
 

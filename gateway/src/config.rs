@@ -105,7 +105,16 @@ pub struct Dns {
     pub upstream_timeout: Duration,
     /// Sandboxes with an attribution cache at once; past that, a sandbox's
     /// DNS attributes nothing (its name allows fail closed, with a warning).
+    /// Also the sandboxes with DNS budgets at once (the least recently
+    /// active make room).
     pub max_sandboxes: usize,
+    /// Each sandbox's DNS queries per second (a burst of one second's
+    /// worth); past it, REFUSED (`dns_budget`). A policy's `dns.budget`
+    /// overrides it.
+    pub budget_qps: u32,
+    /// Each sandbox's new distinct names per minute (a burst of one
+    /// minute's worth): what a name-encoding channel spends.
+    pub budget_new_names_per_minute: u32,
     /// DoH servers refused as `encrypted_dns` unless a policy allows them by
     /// name, besides the built-in list (`egress_gateway::doh::BUILTIN_DOH_NAMES`).
     #[serde(deserialize_with = "hostnames")]
@@ -272,6 +281,8 @@ impl Default for Dns {
             max_ttl: Duration::from_secs(24 * 3600),
             upstream_timeout: Duration::from_secs(2),
             max_sandboxes: 16_384,
+            budget_qps: 500,
+            budget_new_names_per_minute: 1_000,
             doh_names: Vec::new(),
         }
     }
@@ -407,6 +418,18 @@ impl Config {
                 "dns.max_sandboxes",
                 "0 would attribute no sandbox's DNS: at least 1".into(),
             ));
+        }
+        for (key, n) in [
+            ("dns.budget_qps", self.dns.budget_qps),
+            (
+                "dns.budget_new_names_per_minute",
+                self.dns.budget_new_names_per_minute,
+            ),
+        ] {
+            if !(1..=egress_policy::dns::MAX_RATE).contains(&n) {
+                let why = format!("{n} is outside 1..={}", egress_policy::dns::MAX_RATE);
+                return Some((key, why));
+            }
         }
         if self.tls.ca_cert.is_some() != self.tls.ca_key.is_some() {
             let why = "tls.ca_cert and tls.ca_key go together: set both or neither";
@@ -674,6 +697,14 @@ mod tests {
             (
                 "[dns]\ndoh_names = [\"doh.corp.example\", \"not a name\"]",
                 "invalid hostname \"not a name\"",
+            ),
+            (
+                "[dns]\nbudget_qps = 0",
+                "dns.budget_qps: 0 is outside 1..=1000000",
+            ),
+            (
+                "[dns]\nbudget_new_names_per_minute = 2000000",
+                "dns.budget_new_names_per_minute: 2000000 is outside",
             ),
             (
                 "[dns]\nupstreams = [\"8.8.8.8:53\"]",

@@ -8,7 +8,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use dns_attrib::{AttributionCache, CacheConfig, Clock, DnsProxy, ProxyConfig, SystemClock};
+use dns_attrib::{
+    AttributionCache, BudgetLimits, CacheConfig, Clock, DnsProxy, ProxyConfig, SystemClock,
+};
 use egress_certs::{CertificateAuthority, LeafMinter, MintConfig};
 use egress_policy::{Destination, PlatformDenies};
 use prometheus_client::metrics::counter::Counter;
@@ -342,6 +344,11 @@ fn attribution(
         ProxyConfig {
             upstreams: config.dns.upstreams.clone(),
             upstream_timeout: config.dns.upstream_timeout,
+            budget: BudgetLimits {
+                qps: config.dns.budget_qps,
+                new_names_per_minute: config.dns.budget_new_names_per_minute,
+            },
+            budget_sandboxes: config.dns.max_sandboxes,
             ..ProxyConfig::default()
         },
         cache.clone(),

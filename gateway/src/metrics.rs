@@ -313,9 +313,12 @@ impl Sources {
     /// `dns_events{outcome}`: the DNS proxy's counters as one family.
     fn dns_events(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let d = &self.dns;
-        let outcomes: [(&'static str, u64); 9] = [
+        let outcomes: [(&'static str, u64); 12] = [
             ("answered", d.answers.get()),
             ("refused", d.refused.get()),
+            ("policy_refused", d.policy_refused.get()),
+            ("policy_nxdomain", d.policy_nxdomain.get()),
+            ("dns_budget", d.budget_refused.get()),
             ("formerr", d.formerr.get()),
             ("servfail", d.servfail.get()),
             ("truncated", d.truncated.get()),
@@ -327,7 +330,7 @@ impl Sources {
         let counter = ConstCounter::new(0u64);
         let mut family = encoder.encode_descriptor(
                 "dns_events",
-                "DNS proxy events by outcome: answers, REFUSED, FORMERR, SERVFAIL, truncations, overload, attributions, TCP retries, upstream failures.",
+                "DNS proxy events by outcome: answers, REFUSED (admission; the policy's dns section), NXDOMAIN by policy, REFUSED over a sandbox's DNS budget, FORMERR, SERVFAIL, truncations, overload, attributions, TCP retries, upstream failures.",
                 None,
                 counter.metric_type(),
             )?;
@@ -342,11 +345,16 @@ impl Collector for Sources {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         self.dns_events(&mut encoder)?;
         let d = &self.dns;
-        let counters: [(&str, &str, u64); 3] = [
+        let counters: [(&str, &str, u64); 4] = [
             (
                 "dns_queries",
                 "DNS messages received, over UDP and TCP.",
                 d.queries.get(),
+            ),
+            (
+                "dns_ech_stripped",
+                "DNS answers whose SVCB/HTTPS records lost their ech parameter before reaching the sandbox.",
+                d.ech_stripped.get(),
             ),
             (
                 "attribution_evictions",

@@ -10,7 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use dns_attrib::{Admit, QueryAdmission};
+use dns_attrib::{Admit, QueryAdmission, QueryRules};
 use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
 
@@ -286,6 +286,12 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+impl QueryRules for Sandbox {
+    fn policy(&self) -> &CompiledPolicy {
+        &self.policy
+    }
+}
+
 impl QueryAdmission for Registry {
     /// A DNS query is a flow to the resolver: the sandbox's policy must allow it.
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit {
@@ -310,7 +316,7 @@ impl QueryAdmission for Registry {
         if verdict.is_deny() {
             Admit::Refused(sandbox.id.clone())
         } else {
-            Admit::Allowed(sandbox.id.clone())
+            Admit::Allowed(sandbox.id.clone(), sandbox)
         }
     }
 }
@@ -398,14 +404,16 @@ mod tests {
         )
         .expect("put");
         let g: SocketAddr = "8.8.8.8:53".parse().expect("addr");
-        assert_eq!(
-            r.admit(ip("100.64.1.2"), g),
-            Admit::Allowed(SandboxId::new("a"))
+        match r.admit(ip("100.64.1.2"), g) {
+            Admit::Allowed(id, rules) => {
+                assert_eq!(id, SandboxId::new("a"));
+                assert_eq!(rules.policy().policy().allow.len(), 1, "a's own policy");
+            }
+            other => panic!("a: {other:?}"),
+        }
+        assert!(
+            matches!(r.admit(ip("100.64.1.3"), g), Admit::Refused(id) if id == SandboxId::new("b"))
         );
-        assert_eq!(
-            r.admit(ip("100.64.1.3"), g),
-            Admit::Refused(SandboxId::new("b"))
-        );
-        assert_eq!(r.admit(ip("100.64.1.4"), g), Admit::Unknown);
+        assert!(matches!(r.admit(ip("100.64.1.4"), g), Admit::Unknown));
     }
 }

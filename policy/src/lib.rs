@@ -10,6 +10,7 @@
 
 mod compose;
 mod dest;
+pub mod dns;
 mod exemptions;
 pub mod http;
 mod json;
@@ -28,10 +29,11 @@ pub use dest::{
     embedded_ipv4, Destination, DestinationError, ExemptionDestination, Kind, KindList,
     ProfileDestination,
 };
+pub use dns::{DnsBudget, DnsPolicy, QueryType, QueryTypes, Rate, Resolve};
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
 pub use json::{parse as from_json, JsonError};
 pub use matcher::{
-    Allowed, AttributionGap, CompiledPolicy, Denied, EncryptedDns, Flow, Intercepted,
+    Allowed, AttributionGap, CompiledPolicy, Denied, EncryptedDns, Flow, Intercepted, NameVerdict,
     PlatformDenies, Protocol, RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced,
     Verdict,
 };

@@ -11,11 +11,14 @@
 //! ```
 //!
 //! Omitted fields take the closed choice: `default` is `deny`, lists are
-//! empty, `tls_interception` is `off`.
+//! empty, `tls_interception` is `off`. The optional `dns` section
+//! ([`crate::dns`]) is absent unless written: without it DNS is forwarded
+//! as it comes.
 
 use serde::{Deserialize, Serialize};
 
 use crate::dest::Destination;
+use crate::dns::DnsPolicy;
 use crate::json::{self, JsonError};
 use crate::rule::Rule;
 
@@ -34,6 +37,10 @@ pub struct Policy {
     pub tls_interception: TlsInterception,
     #[serde(default)]
     pub tls_interception_exemptions: Vec<Destination>,
+    /// What the DNS proxy does with the sandbox's queries; `None`: forward
+    /// every query as it comes (and the document is written without it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<DnsPolicy>,
 }
 
 /// What happens to a flow no rule allows.

@@ -126,3 +126,43 @@ fn missing_saved_names_fail_without_defaults() {
         "defaults never added"
     );
 }
+
+#[test]
+fn the_dns_section_is_the_bases_and_profile_allows_become_resolvable() {
+    let p = profiles();
+    let base = policy(
+        r#"{"default": "deny", "tls_interception": "on",
+            "dns": {"resolve": "policy", "query_types": ["A", "AAAA"]}}"#,
+    );
+    let chosen = resolve_saved(&p, &["sensor"]).expect("configured");
+    let c = compose(
+        &base,
+        chosen.iter().map(|(_, prof)| *prof),
+        Some(&deployment()),
+    );
+    assert_eq!(c.policy.dns, base.dns, "carried over unchanged");
+    let compiled = crate::CompiledPolicy::new(
+        c.policy,
+        std::sync::Arc::new(crate::PlatformDenies::builtin()),
+    );
+    let name = |n: &str| crate::Hostname::parse(n).expect(n);
+    assert_eq!(
+        compiled.judge_name(&name("sensor.example.test")),
+        crate::NameVerdict::Resolve,
+        "the profile's allow is resolvable under resolve: policy"
+    );
+    // A deployment exemption never allows, so never makes a name resolvable.
+    assert_eq!(
+        compiled.judge_name(&name("a.relay.example.test")),
+        crate::NameVerdict::NoAllowMatch
+    );
+    // A profile cannot carry a dns section.
+    let err = Profiles::from_env_value(Some(
+        r#"{"x": {"allow": [{"ip": "192.0.2.1"}], "dns": {"resolve": "any"}}}"#,
+    ))
+    .expect_err("unknown field");
+    assert!(err.to_string().contains("unknown field `dns`"), "{err}");
+    // Without a section, composition adds none.
+    let plain = compose(&policy(r#"{"default": "deny"}"#), [chosen[0].1], None);
+    assert_eq!(plain.policy.dns, None);
+}

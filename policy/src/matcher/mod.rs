@@ -13,6 +13,7 @@
 
 mod ipset;
 mod names;
+mod query;
 mod request;
 mod verdict;
 
@@ -26,6 +27,7 @@ use crate::rule::Rule;
 
 use self::ipset::{IpSet, RuleIdx};
 use self::names::NameSet;
+pub use self::query::NameVerdict;
 use self::request::RequestRules;
 pub use self::request::{RequestCode, RequestDenial, RequestJudgement, RuleRef};
 pub use self::verdict::{Allowed, AttributionGap, Denied, Intercepted, Spliced, Verdict};

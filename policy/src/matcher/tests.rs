@@ -638,6 +638,7 @@ fn arb_policy() -> impl Strategy<Value = Policy> {
             TlsInterception::Off
         },
         tls_interception_exemptions: e,
+        dns: None,
     })
 }
 
