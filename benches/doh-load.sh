@@ -5,6 +5,7 @@
 #
 #   benches/doh-load.sh              # ROUNDS=5 LAT_COUNT=3000 LOAD_COUNT=30000 CONC=32
 #   SKIP_BUILD=1 benches/doh-load.sh # measure the release binaries as they are
+#   SKIP_BUILD=1 GW_BIN=/tmp/gw LOAD_BIN=/tmp/dnsload benches/doh-load.sh  # copied binaries
 #
 # Root. It re-runs itself in a network namespace of its own with only
 # loopback (unshare -n): the sandbox is 127.0.0.2; its TCP to 8.8.8.8:443 is
@@ -39,7 +40,7 @@ table ip egress_doh_bench {
 NFT
 [ "${SKIP_BUILD:-0}" = 1 ] || cargo build --release --quiet -p egress-gateway -p egress-benches --bins --manifest-path "$root/Cargo.toml"
 gw=${GW_BIN:-$root/target/release/egress-gateway}
-load=$root/target/release/egress-dnsload
+load=${LOAD_BIN:-$root/target/release/egress-dnsload}
 state=$(mktemp -d /tmp/egress-doh-load.XXXXXX)
 pids=()
 cleanup() {
