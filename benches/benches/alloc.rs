@@ -77,6 +77,7 @@ fn main() {
             host: None,
             attributed: &names,
             attribution_gap: egress_policy::AttributionGap::NoDnsSeen,
+            ech: false,
         });
         std::hint::black_box(v);
     });

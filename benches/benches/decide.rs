@@ -134,6 +134,7 @@ fn bench_decide(c: &mut Criterion) {
                 host: None,
                 attributed: &case.attributed,
                 attribution_gap: AttributionGap::NoDnsSeen,
+                ech: false,
             };
             verdicts.push(p.decide(&flow).code());
             group.bench_with_input(

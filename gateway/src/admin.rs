@@ -136,6 +136,9 @@ pub(crate) struct Explain {
     pub(crate) dst: SocketAddr,
     #[serde(default)]
     pub(crate) tls: bool,
+    /// The ClientHello carries `encrypted_client_hello` (`sni` is then its outer name).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) ech: bool,
     #[serde(default)]
     pub(crate) sni: Option<String>,
     #[serde(default)]
@@ -468,7 +471,7 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
             )
         }
     };
-    let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
+    let claims = Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref());
     let decided = decide(&ctl.dp.cache, &sandbox.id, &sandbox.policy, &claims);
     let names = decided.lookup.names();
     let mut v = explained(&decided.verdict, &sandbox.policy, &names);

@@ -18,6 +18,8 @@ pub struct Claims<'a> {
     pub protocol: Protocol,
     pub sni: Option<&'a Hostname>,
     pub host: Option<&'a Hostname>,
+    /// The ClientHello carries `encrypted_client_hello`: `sni` is its outer name.
+    pub ech: bool,
 }
 
 /// A flow judged against the live attribution.
@@ -29,11 +31,13 @@ pub struct Decided {
 }
 
 impl<'a> Claims<'a> {
-    /// The claims of an explain question: TLS when it says so, HTTP when it
-    /// names a Host, opaque bytes otherwise.
+    /// The claims of an explain question: TLS when it says so (with `ech`
+    /// when its hello carries `encrypted_client_hello`), HTTP when it names
+    /// a Host, opaque bytes otherwise.
     pub fn asked(
         dst: SocketAddr,
         tls: bool,
+        ech: bool,
         sni: Option<&'a Hostname>,
         host: Option<&'a Hostname>,
     ) -> Self {
@@ -47,6 +51,7 @@ impl<'a> Claims<'a> {
             protocol,
             sni,
             host,
+            ech: tls && ech,
         }
     }
 }
@@ -78,6 +83,7 @@ pub fn judge(
         host: claims.host,
         attributed,
         attribution_gap: gap,
+        ech: claims.ech,
     })
 }
 

@@ -32,6 +32,11 @@ pub struct ClientHello {
     pub sni: Option<Hostname>,
     /// The client offers TLS 1.3 0-RTT data.
     pub early_data: bool,
+    /// The hello carries an `encrypted_client_hello` extension. Its content
+    /// is not read: a real ECH offer and GREASE ECH (which Chromium sends by
+    /// default) look alike on the wire, so every form counts. The SNI is
+    /// then the outer name, and the name the flow is for may be encrypted.
+    pub ech: bool,
 }
 
 /// Why a flow could not be classified: it is dropped.
@@ -77,6 +82,8 @@ const MAX_RECORD: usize = 16_384;
 const EXT_SERVER_NAME: u16 = 0x0000;
 /// The `early_data` extension (RFC 8446 §4.2.10).
 const EXT_EARLY_DATA: u16 = 0x002a;
+/// The `encrypted_client_hello` extension (draft-ietf-tls-esni §5).
+const EXT_ENCRYPTED_CLIENT_HELLO: u16 = 0xfe0d;
 /// Extensions a ClientHello may carry (browsers send about 20).
 const MAX_EXTENSIONS: usize = 64;
 
@@ -274,6 +281,7 @@ fn parse_client_hello(msg: &[u8]) -> Result<ClientHello, PeekError> {
         match kind {
             EXT_SERVER_NAME => out.sni = server_name(data)?,
             EXT_EARLY_DATA => out.early_data = true,
+            EXT_ENCRYPTED_CLIENT_HELLO => out.ech = true,
             _ => {}
         }
     }

@@ -297,6 +297,7 @@ impl QueryAdmission for Registry {
             protocol: Protocol::Opaque,
             sni: None,
             host: None,
+            ech: false,
         };
         let verdict =
             crate::decide::judge(&sandbox.policy, &claims, &[], AttributionGap::NoDnsSeen);

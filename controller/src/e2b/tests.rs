@@ -652,6 +652,7 @@ fn matcher_allows(p: &Policy, ip: IpAddr) -> bool {
         host: None,
         attributed: &[],
         attribution_gap: Default::default(),
+        ech: false,
     };
     !matches!(compiled.decide(&flow), Verdict::Deny(_))
 }

@@ -62,6 +62,9 @@ pub(super) struct ExplainArgs {
     /// The flow starts with a TLS ClientHello.
     #[arg(long)]
     tls: bool,
+    /// The ClientHello carries `encrypted_client_hello` (with --tls; --sni is its outer name).
+    #[arg(long, requires = "tls")]
+    ech: bool,
     /// The ClientHello's server name (an IP literal counts as none).
     #[arg(long, value_name = "NAME")]
     sni: Option<String>,
@@ -241,7 +244,7 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     let compiled = CompiledPolicy::new(policy, Arc::new(PlatformDenies::builtin()));
-    let claims = Claims::asked(args.dst, args.tls, sni.as_ref(), host.as_ref());
+    let claims = Claims::asked(args.dst, args.tls, args.ech, sni.as_ref(), host.as_ref());
     let verdict = judge(&compiled, &claims, &attributed, AttributionGap::NoDnsSeen);
     let mut json = explained(&verdict, &compiled, &attributed);
     json["sni"] = json!(sni);

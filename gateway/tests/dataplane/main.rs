@@ -2,6 +2,7 @@
 //! The dataplane in-process on loopback: real sockets, real TLS handshakes,
 //! a hickory-server upstream, origins with certificates from a test CA.
 
+mod ech;
 mod explain;
 mod faults;
 mod harness;

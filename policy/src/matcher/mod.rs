@@ -56,6 +56,11 @@ pub struct Flow<'a> {
     pub attributed: &'a [Hostname],
     /// Why `attributed` is empty, when it is.
     pub attribution_gap: AttributionGap,
+    /// The ClientHello carries an `encrypted_client_hello` extension (real
+    /// or GREASE: they look alike), so the name it is really for may be
+    /// encrypted inside it. `sni` is then the outer name only, and no
+    /// hostname exemption splices the flow.
+    pub ech: bool,
 }
 
 /// Platform denies (gateway configuration), compiled once and shared.
@@ -370,9 +375,24 @@ impl CompiledPolicy {
             // Only termination verifies the claim; splicing would trust it.
             return Verdict::Intercept(allowed, Intercepted::NeedsVerification);
         }
+        // An address exemption trusts the address, whatever name the
+        // stream is for, so ECH hides nothing it judged (docs/evidence.md).
         if let Some(r) = self.exempt.lookup_addr(addrs) {
             return Verdict::Splice(allowed, Spliced::Exempt(r));
         }
+        match self.exempt_by_name(flow, allowed) {
+            // A hostname exemption was granted to the outer name; the
+            // encrypted inner name could be any other.
+            Verdict::Splice(allowed, Spliced::Exempt(r)) if flow.ech => {
+                Verdict::Intercept(allowed, Intercepted::Ech(r))
+            }
+            verdict => verdict,
+        }
+    }
+
+    /// A hostname exemption: an attributed name matches it, and the SNI, if
+    /// any, is attributed and matches too.
+    fn exempt_by_name(&self, flow: &Flow<'_>, allowed: Allowed) -> Verdict {
         let names = &self.exempt.names;
         if names.is_empty() {
             return Verdict::Intercept(allowed, Intercepted::NotExempt);

@@ -13,6 +13,7 @@ struct F {
     host: Option<&'static str>,
     names: Vec<&'static str>,
     gap: AttributionGap,
+    ech: bool,
 }
 
 fn tls(dst: &'static str) -> F {
@@ -23,6 +24,7 @@ fn tls(dst: &'static str) -> F {
         host: None,
         names: vec![],
         gap: AttributionGap::NoDnsSeen,
+        ech: false,
     }
 }
 fn http(dst: &'static str) -> F {
@@ -55,6 +57,11 @@ impl F {
         self.gap = gap;
         self
     }
+    /// The ClientHello carries `encrypted_client_hello`.
+    fn ech(mut self) -> Self {
+        self.ech = true;
+        self
+    }
 }
 
 fn h(s: &str) -> Hostname {
@@ -79,6 +86,7 @@ fn decide(p: &CompiledPolicy, f: &F) -> Verdict {
         host: host.as_ref(),
         attributed: &names,
         attribution_gap: f.gap,
+        ech: f.ech,
     })
 }
 
@@ -468,6 +476,56 @@ fn exemptions_choose_splice_only_with_attribution() {
     ]);
 }
 
+/// A ClientHello with `encrypted_client_hello` is judged on its outer name,
+/// and a hostname exemption granted to that name never splices it: the
+/// encrypted inner name may be any other. An address exemption still does.
+#[test]
+fn ech_hellos_are_never_spliced_by_a_hostname_exemption() {
+    let p = r#"{"default": "allow", "tls_interception": "on",
+                "deny": [{"domain": "denied.test"}],
+                "tls_interception_exemptions": [{"wildcard_domain": "*.relay.test"}, {"cidr": "198.51.100.0/24"}]}"#;
+    let dst = "203.0.113.7:443";
+    let exempt = tls(dst).sni("a.relay.test").dns(&["a.relay.test"]);
+    table(&[
+        (p, exempt.clone(), "splice", "exempt"),
+        (p, exempt.clone().ech(), "intercept", "ech"),
+        (p, tls(dst).dns(&["a.relay.test"]).ech(), "intercept", "ech"),
+        // What ECH did not change keeps its reason.
+        (
+            p,
+            tls(dst).sni("a.relay.test").ech(),
+            "intercept",
+            "no_dns_seen",
+        ),
+        (p, tls(dst).sni("www.test").ech(), "intercept", "not_exempt"),
+        // Judged on the outer name: a denied outer name is denied.
+        (p, tls(dst).sni("denied.test").ech(), "deny", "tenant_deny"),
+        // An address exemption never looked at a name.
+        (
+            p,
+            tls("198.51.100.9:443").sni("a.relay.test").ech(),
+            "splice",
+            "exempt",
+        ),
+        (p, tls("198.51.100.9:443").ech(), "splice", "exempt"),
+        // With interception off there is nothing to terminate: spliced as before.
+        (
+            r#"{"default": "allow"}"#,
+            exempt.clone().ech(),
+            "splice",
+            "interception_off",
+        ),
+    ]);
+    let c = compile(p);
+    let v = decide(&c, &exempt.ech());
+    assert_eq!(
+        v.describe(&c),
+        "allowed by default; intercepted, not spliced: exemption not applied: ech (the \
+         ClientHello carries encrypted_client_hello; wildcard_domain *.relay.test matches only \
+         its outer name)"
+    );
+}
+
 #[test]
 fn exemptions_never_grant_access() {
     let p = r#"{"default": "deny", "allow": [{"domain": "api.test"}], "tls_interception": "on",
@@ -573,6 +631,7 @@ struct Facts {
     sni: Option<&'static str>,
     host: Option<&'static str>,
     names: Vec<&'static str>,
+    ech: bool,
 }
 
 fn arb_facts() -> impl Strategy<Value = Facts> {
@@ -582,13 +641,15 @@ fn arb_facts() -> impl Strategy<Value = Facts> {
         prop::option::of(prop::sample::select(NAMES)),
         prop::option::of(prop::sample::select(NAMES)),
         prop::sample::subsequence(NAMES, 0..3),
+        any::<bool>(),
     )
-        .prop_map(|(ip, protocol, sni, host, names)| Facts {
+        .prop_map(|(ip, protocol, sni, host, names, ech)| Facts {
             ip,
             protocol,
             sni,
             host,
             names,
+            ech: ech && protocol == Protocol::Tls,
         })
 }
 
@@ -603,6 +664,7 @@ fn run(p: &CompiledPolicy, f: &Facts) -> Verdict {
         host: host.as_ref(),
         attributed: &names,
         attribution_gap: AttributionGap::NoDnsSeen,
+        ech: f.ech,
     })
 }
 
@@ -662,6 +724,26 @@ proptest! {
         prop_assert_eq!(with_v.is_deny(), without_v.is_deny(), "{:?} vs {:?}", with_v, without_v);
         if let Verdict::Splice(_, Spliced::Exempt(_)) = with_v {
             prop_assert!(matches!(without_v, Verdict::Intercept(..)), "{:?}", without_v);
+        }
+    }
+
+    /// ECH never changes allow or deny, never turns a termination into a
+    /// splice, and a flow it spliced by exemption has an address exemption.
+    #[test]
+    fn ech_only_turns_a_name_exemption_into_termination(policy in arb_policy(), mut f in arb_facts()) {
+        f.ech = false;
+        let p = CompiledPolicy::new(policy, Arc::new(PlatformDenies::new(vec![])));
+        let plain = run(&p, &f);
+        f.ech = f.protocol == Protocol::Tls;
+        let ech = run(&p, &f);
+        prop_assert_eq!(plain.is_deny(), ech.is_deny());
+        match (plain, ech) {
+            (a, b) if a == b => {}
+            (Verdict::Splice(a, Spliced::Exempt(r)), Verdict::Intercept(b, Intercepted::Ech(s))) => {
+                prop_assert_eq!((a, r), (b, s));
+                prop_assert!(p.exempt.lookup_addr(&Addrs::of(SocketAddr::new(f.ip.parse().expect("ip"), 443))).is_none());
+            }
+            (a, b) => prop_assert!(false, "{:?} became {:?}", a, b),
         }
     }
 

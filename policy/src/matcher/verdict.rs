@@ -73,6 +73,10 @@ pub enum Intercepted {
     /// An exemption would splice it, but per-request rules or credentials
     /// for its name need its requests.
     RequestRules(RuleRef),
+    /// A hostname exemption (by index into `tls_interception_exemptions`)
+    /// matches the outer name, but the ClientHello carries
+    /// `encrypted_client_hello`: the name the flow is for may be another.
+    Ech(RuleIdx),
 }
 
 /// Why name evidence was missing or did not fit.
@@ -114,6 +118,7 @@ impl Verdict {
         "needs_verification",
         "needs_interception",
         "request_rules",
+        "ech",
     ];
 
     /// `deny`, `allow`, `splice` or `intercept`.
@@ -158,6 +163,7 @@ impl Verdict {
             Self::Intercept(_, Intercepted::NoAttribution(gap)) => gap.code(),
             Self::Intercept(_, Intercepted::NeedsVerification) => "needs_verification",
             Self::Intercept(_, Intercepted::RequestRules(_)) => "request_rules",
+            Self::Intercept(_, Intercepted::Ech(_)) => "ech",
         }
     }
 
@@ -197,6 +203,12 @@ impl Verdict {
                 "{}; intercepted, not spliced: {} needs the requests",
                 a.describe(policy),
                 policy.describe_rule(r)
+            ),
+            Self::Intercept(a, Intercepted::Ech(r)) => format!(
+                "{}; intercepted, not spliced: exemption not applied: ech (the ClientHello \
+                 carries encrypted_client_hello; {} matches only its outer name)",
+                a.describe(policy),
+                rule(RuleList::Exemption, r)
             ),
             Self::Intercept(a, why) => {
                 format!("{}; intercepted: {}", a.describe(policy), why.describe())
@@ -241,6 +253,7 @@ impl Intercepted {
                 "allowed only by the server name, which termination verifies".into()
             }
             Self::RequestRules(r) => format!("{} needs the requests", r.label()),
+            Self::Ech(r) => format!("exemption not applied: ech (exemption #{r})"),
         }
     }
 }
@@ -304,6 +317,7 @@ mod tests {
                 Allowed::Default,
                 Intercepted::RequestRules(RuleRef::Deny(0)),
             ),
+            Verdict::Intercept(Allowed::Default, Intercepted::Ech(0)),
         ];
         all.extend(gaps.map(|g| Verdict::Deny(Denied::NotAllowed(g))));
         all.extend(
