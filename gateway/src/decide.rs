@@ -33,7 +33,7 @@ pub struct Decided {
 impl<'a> Claims<'a> {
     /// The claims of an explain question: TLS when it says so (with `ech`
     /// when its hello carries `encrypted_client_hello`), HTTP when it names
-    /// a Host, opaque bytes otherwise.
+    /// a Host, unreadable opaque bytes otherwise.
     pub fn asked(
         dst: SocketAddr,
         tls: bool,
@@ -44,7 +44,7 @@ impl<'a> Claims<'a> {
         let protocol = match (tls, host) {
             (true, _) => Protocol::Tls,
             (false, Some(_)) => Protocol::Http,
-            (false, None) => Protocol::Opaque,
+            (false, None) => Protocol::Opaque(None),
         };
         Self {
             dst,

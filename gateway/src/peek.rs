@@ -1,11 +1,12 @@
 //! Classify a flow from its first bytes: a TLS ClientHello (which may span
 //! several TCP segments and several TLS records), an HTTP/1.x request head,
-//! or opaque bytes. Reads are bounded in bytes and time; the bytes read are
-//! handed back so the chosen path can replay them.
+//! or opaque bytes, named where they admit one reading (an SSH
+//! identification string, [`stream`]). Reads are bounded in bytes and time;
+//! the bytes read are handed back so the chosen path can replay them.
 
 use std::time::Duration;
 
-use egress_policy::{Hostname, NameError};
+use egress_policy::{Hostname, NameError, StreamProtocol};
 use tls_parser::parse_tls_handshake_client_hello;
 
 use crate::authority::{self, AuthorityError};
@@ -20,7 +21,9 @@ pub enum Classified {
     Http {
         host: Option<Hostname>,
     },
-    Opaque,
+    /// Neither: a stream the gateway cannot read, with the protocol its
+    /// first bytes name (`None`: unreadable, nothing it recognises).
+    Opaque(Option<StreamProtocol>),
 }
 
 /// The parts of a ClientHello the gateway uses.
@@ -140,7 +143,10 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
         .iter()
         .any(|m| buf.starts_with(m) || m.starts_with(&buf[..buf.len().min(m.len())]));
     if !could_be_http {
-        return Ok(Step::Done(Classified::Opaque));
+        return Ok(match stream::identify(buf) {
+            Stream::NeedMore => Step::NeedMore,
+            Stream::Done(kind) => Step::Done(Classified::Opaque(kind)),
+        });
     }
     if !METHODS.iter().any(|m| buf.starts_with(m)) {
         return Ok(Step::NeedMore);
@@ -340,7 +346,8 @@ fn finish_at_eof(buf: &[u8]) -> Result<Classified, PeekError> {
         Some(_) if METHODS.iter().any(|m| buf.starts_with(m)) => {
             Ok(Classified::Http { host: None })
         }
-        Some(_) => Ok(Classified::Opaque),
+        // Cut short before it could be named: unreadable.
+        Some(_) => Ok(Classified::Opaque(None)),
     }
 }
 
@@ -348,9 +355,18 @@ fn finish_at_limit(buf: &[u8]) -> Result<Classified, PeekError> {
     match buf.first() {
         Some(&HANDSHAKE) => Err(PeekError::TooLarge),
         // A request head longer than the limit: no Host evidence.
-        _ => Ok(Classified::Http { host: None }),
+        Some(_) if METHODS.iter().any(|m| buf.starts_with(m)) => {
+            Ok(Classified::Http { host: None })
+        }
+        // A stream line longer than the limit (never, with `limits.peek_bytes`
+        // at 512 or more): unreadable.
+        _ => Ok(Classified::Opaque(None)),
     }
 }
+
+mod stream;
+
+use self::stream::Stream;
 
 #[doc(hidden)]
 pub mod fixture;

@@ -34,7 +34,7 @@ impl Classified {
         let (protocol, sni, host, ech) = match self {
             Self::Tls(ch) => (Protocol::Tls, ch.sni.as_ref(), None, ch.ech),
             Self::Http { host } => (Protocol::Http, None, host.as_ref(), false),
-            Self::Opaque => (Protocol::Opaque, None, None, false),
+            Self::Opaque(kind) => (Protocol::Opaque(*kind), None, None, false),
         };
         Claims {
             dst,

@@ -481,9 +481,28 @@ async fn opaque_bytes_and_silence() {
     let (c, read) = run(b"SSH-2.0-OpenSSH_9.6\r\n".to_vec(), 100)
         .await
         .expect("classified");
-    assert_eq!((c, read.len()), (Classified::Opaque, 21));
+    assert_eq!(
+        (c, read.len()),
+        (Classified::Opaque(Some(StreamProtocol::Ssh)), 21)
+    );
     let (c, _) = run(vec![0x00, 0x01, 0x02], 1).await.expect("classified");
-    assert_eq!(c, Classified::Opaque);
+    assert_eq!(c, Classified::Opaque(None));
+    // An SSLv2-style hello: unreadable at its first byte.
+    let (c, read) = run(vec![0x80, 0x2e, 0x01, 0x00, 0x02, 0, 0x15], 64)
+        .await
+        .expect("classified");
+    assert_eq!((c, read.len()), (Classified::Opaque(None), 7));
+    // A banner cut short by the client's close is unreadable.
+    let (c, _) = run(b"SSH-2.0-Open".to_vec(), 3).await.expect("classified");
+    assert_eq!(c, Classified::Opaque(None));
+    // A banner and the client's next bytes, one byte at a time.
+    let mut both = b"SSH-2.0-OpenSSH_9.6\r\n".to_vec();
+    both.extend_from_slice(&[0, 0, 5, 0xdc, 8, 0x14]);
+    let (c, read) = run(both, 1).await.expect("classified");
+    assert_eq!(
+        (c, read.len()),
+        (Classified::Opaque(Some(StreamProtocol::Ssh)), 21)
+    );
     assert_eq!(run(vec![], 1).await, Err(PeekError::Closed));
     // A silent client is dropped at the timeout.
     let (mut client, _server) = tokio::io::duplex(64);

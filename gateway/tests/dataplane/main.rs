@@ -7,5 +7,6 @@ mod explain;
 mod faults;
 mod harness;
 mod per_core;
+mod streams;
 mod two_readings;
 mod verdicts;

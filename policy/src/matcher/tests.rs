@@ -35,7 +35,7 @@ fn http(dst: &'static str) -> F {
 }
 fn opaque(dst: &'static str) -> F {
     F {
-        proto: Protocol::Opaque,
+        proto: Protocol::Opaque(None),
         ..tls(dst)
     }
 }
@@ -92,8 +92,16 @@ fn decide(p: &CompiledPolicy, f: &F) -> Verdict {
 
 /// Checks `(policy, flow, verdict name, reason code)` rows.
 fn table(rows: &[(&str, F, &str, &str)]) {
+    table_under(OpaqueStreams::Allow, rows);
+}
+
+/// [`table`] with the gateway's `opaque_streams` set to `mode`.
+fn table_under(mode: OpaqueStreams, rows: &[(&str, F, &str, &str)]) {
     for (i, (policy, flow, verdict, code)) in rows.iter().enumerate() {
-        let p = compile(policy);
+        let p = CompiledPolicy::new(
+            Policy::from_json(policy).expect(policy),
+            Arc::new(PlatformDenies::builtin().with_opaque_streams(mode)),
+        );
         let v = decide(&p, flow);
         assert_eq!(
             (v.name(), v.code()),
@@ -476,6 +484,104 @@ fn exemptions_choose_splice_only_with_attribution() {
     ]);
 }
 
+fn ssh(dst: &'static str) -> F {
+    F {
+        proto: Protocol::Opaque(Some(StreamProtocol::Ssh)),
+        ..tls(dst)
+    }
+}
+
+/// Streams the gateway cannot read: under `opaque_streams = "allow"` an
+/// allow lets them through (the seed's meaning) unless its `streams` name
+/// others; under `"deny"` only an entry naming the protocol does, and the
+/// default never. TLS, HTTP and DNS admission are never affected.
+#[test]
+fn opaque_streams_pass_where_the_setting_or_an_entry_says() {
+    let p = r#"{"default": "deny", "tls_interception": "on",
+                "allow": [{"cidr": "203.0.113.0/24", "streams": ["ssh"]}, {"cidr": "198.51.100.0/24"},
+                          {"ip": "192.0.2.1", "streams": []}, {"domain": "git.test", "streams": ["ssh"]},
+                          {"ip": "8.8.8.8"}]}"#;
+    let any = r#"{"default": "allow"}"#;
+    let rows = |deny: bool| -> Vec<(&str, F, &str, &str)> {
+        let refused = |allowed: &'static str| {
+            if deny {
+                ("deny", "unreadable_stream")
+            } else {
+                ("allow", allowed)
+            }
+        };
+        let (v, c) = refused("allow_address");
+        let (dv, dc) = refused("allow_default");
+        vec![
+            (p, ssh("203.0.113.7:22"), "allow", "allow_address"),
+            (p, opaque("203.0.113.7:22"), "deny", "unreadable_stream"),
+            (p, ssh("198.51.100.7:22"), v, c),
+            (p, opaque("198.51.100.7:22"), v, c),
+            (p, ssh("192.0.2.1:22"), "deny", "unreadable_stream"),
+            (p, opaque("192.0.2.1:22"), "deny", "unreadable_stream"),
+            (
+                p,
+                ssh("192.0.2.9:22").dns(&["git.test"]),
+                "allow",
+                "allow_attributed_name",
+            ),
+            (
+                p,
+                opaque("192.0.2.9:22").dns(&["git.test"]),
+                "deny",
+                "unreadable_stream",
+            ),
+            (p, ssh("192.0.2.9:22"), "deny", "no_dns_seen"),
+            (p, ssh("192.0.2.77:22"), "deny", "no_dns_seen"),
+            (any, opaque("192.0.2.9:22"), dv, dc),
+            (any, ssh("192.0.2.9:22"), dv, dc),
+            // Readable flows and DNS admission are judged as before.
+            (p, tls("192.0.2.1:443"), "intercept", "not_exempt"),
+            (p, http("203.0.113.7:80"), "allow", "allow_address"),
+            (
+                p,
+                F {
+                    proto: Protocol::Dns,
+                    ..tls("8.8.8.8:53")
+                },
+                "allow",
+                "allow_address",
+            ),
+            (
+                any,
+                F {
+                    proto: Protocol::Dns,
+                    ..tls("8.8.8.8:53")
+                },
+                "allow",
+                "allow_default",
+            ),
+        ]
+    };
+    table_under(OpaqueStreams::Allow, &rows(false));
+    table_under(OpaqueStreams::Deny, &rows(true));
+
+    let c = CompiledPolicy::new(
+        Policy::from_json(p).expect("policy"),
+        Arc::new(PlatformDenies::builtin().with_opaque_streams(OpaqueStreams::Deny)),
+    );
+    for (flow, text, rule) in [
+        (
+            opaque("203.0.113.7:22"),
+            "unreadable stream: a stream that is not TLS, HTTP or a protocol the gateway can name; allowed by cidr 203.0.113.0/24 streams [ssh], but its streams do not name it",
+            Some(0),
+        ),
+        (
+            ssh("198.51.100.7:22"),
+            "unreadable stream: an ssh stream; allowed by cidr 198.51.100.0/24, but the gateway's opaque_streams is deny",
+            Some(1),
+        ),
+    ] {
+        let v = decide(&c, &flow);
+        assert_eq!((v.describe(&c).as_str(), v.deny_rule()), (text, rule));
+    }
+}
+
 /// A ClientHello with `encrypted_client_hello` is judged on its outer name,
 /// and a hostname exemption granted to that name never splices it: the
 /// encrypted inner name may be any other. An address exemption still does.
@@ -637,7 +743,15 @@ struct Facts {
 fn arb_facts() -> impl Strategy<Value = Facts> {
     (
         prop::sample::select(IPS),
-        prop::sample::select(&[Protocol::Tls, Protocol::Http, Protocol::Opaque][..]),
+        prop::sample::select(
+            &[
+                Protocol::Tls,
+                Protocol::Http,
+                Protocol::Opaque(None),
+                Protocol::Opaque(Some(StreamProtocol::Ssh)),
+                Protocol::Dns,
+            ][..],
+        ),
         prop::option::of(prop::sample::select(NAMES)),
         prop::option::of(prop::sample::select(NAMES)),
         prop::sample::subsequence(NAMES, 0..3),
@@ -724,6 +838,20 @@ proptest! {
         prop_assert_eq!(with_v.is_deny(), without_v.is_deny(), "{:?} vs {:?}", with_v, without_v);
         if let Verdict::Splice(_, Spliced::Exempt(_)) = with_v {
             prop_assert!(matches!(without_v, Verdict::Intercept(..)), "{:?}", without_v);
+        }
+    }
+
+    /// `opaque_streams = "deny"` never turns a deny into an allow, never
+    /// changes a flow that is not an opaque stream, and only denies an
+    /// opaque stream as `unreadable_stream`.
+    #[test]
+    fn denying_opaque_streams_only_refuses_opaque_streams(policy in arb_policy(), f in arb_facts()) {
+        let open = run(&CompiledPolicy::new(policy.clone(), Arc::new(PlatformDenies::new(vec![]))), &f);
+        let closed = run(&CompiledPolicy::new(policy, Arc::new(PlatformDenies::new(vec![]).with_opaque_streams(OpaqueStreams::Deny))), &f);
+        match (open, closed, f.protocol) {
+            (a, b, _) if a == b => {}
+            (Verdict::Allow(a), Verdict::Deny(Denied::Stream(b, _)), Protocol::Opaque(_)) => prop_assert_eq!(a, b),
+            (a, b, _) => prop_assert!(false, "{:?} became {:?}", a, b),
         }
     }
 

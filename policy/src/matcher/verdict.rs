@@ -7,6 +7,7 @@
 
 use super::ipset::RuleIdx;
 use super::{CompiledPolicy, RuleList, RuleRef};
+use crate::stream::{OpaqueStreams, StreamProtocol};
 
 /// What happens to a flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +36,11 @@ pub enum Denied {
     /// The flow's requests cannot be seen (spliced with interception off,
     /// or not HTTP), and a rule or credential for its name needs them.
     Unseen(RuleRef),
+    /// An opaque stream (of the protocol named, `None`: unreadable) that
+    /// `Allowed` would let out, had it been TLS or HTTP: the entry's
+    /// `streams` do not name it, or it has none and the gateway's
+    /// `opaque_streams` is `deny`.
+    Stream(Allowed, Option<StreamProtocol>),
 }
 
 /// Why a flow was allowed.
@@ -119,6 +125,7 @@ impl Verdict {
         "needs_interception",
         "request_rules",
         "ech",
+        "unreadable_stream",
     ];
 
     /// `deny`, `allow`, `splice` or `intercept`.
@@ -141,6 +148,7 @@ impl Verdict {
         match self {
             Self::Deny(Denied::Platform(r) | Denied::Tenant(r)) => Some(*r),
             Self::Deny(Denied::Unseen(r)) => Some(r.index()),
+            Self::Deny(Denied::Stream(a, _)) => a.rule(),
             _ => None,
         }
     }
@@ -152,6 +160,7 @@ impl Verdict {
             Self::Deny(Denied::Tenant(_)) => "tenant_deny",
             Self::Deny(Denied::Misdirected) => "misdirected",
             Self::Deny(Denied::Unseen(_)) => "needs_interception",
+            Self::Deny(Denied::Stream(..)) => "unreadable_stream",
             Self::Deny(Denied::NotAllowed(gap)) => match gap {
                 AttributionGap::NoMatch => "no_allow_match",
                 g => g.code(),
@@ -190,6 +199,7 @@ impl Verdict {
                 AttributionGap::NoMatch => "no allow rule matches and the default is deny".into(),
                 g => format!("no allow rule matches: {}", g.describe()),
             },
+            Self::Deny(Denied::Stream(a, kind)) => describe_stream(policy, a, kind),
             Self::Allow(a) => a.describe(policy),
             Self::Splice(a, Spliced::InterceptionOff) => {
                 format!("{}; TLS interception is off", a.describe(policy))
@@ -217,7 +227,38 @@ impl Verdict {
     }
 }
 
+/// An opaque stream refused: what it is, what would have allowed it, and why
+/// that does not let it through.
+fn describe_stream(policy: &CompiledPolicy, a: Allowed, kind: Option<StreamProtocol>) -> String {
+    let what = match kind {
+        Some(p) => format!("an {p} stream"),
+        None => "a stream that is not TLS, HTTP or a protocol the gateway can name".into(),
+    };
+    let named = a
+        .rule()
+        .and_then(|r| policy.policy().allow.get(usize::try_from(r).ok()?))
+        .and_then(|rule| rule.streams.as_ref());
+    let why: &str = match (named, policy.platform().opaque_streams()) {
+        (Some(_), _) => "its streams do not name it",
+        (None, OpaqueStreams::Deny) => "the gateway's opaque_streams is deny",
+        // The sets let every stream through an entry without streams here.
+        (None, OpaqueStreams::Allow) => "no entry lets it through",
+    };
+    format!(
+        "unreadable stream: {what}; {}, but {why}",
+        a.describe(policy)
+    )
+}
+
 impl Allowed {
+    /// The index of the allow entry, when an entry allowed.
+    pub fn rule(&self) -> Option<RuleIdx> {
+        match self {
+            Self::Address(r) | Self::AttributedName(r) | Self::VerifiedName(r) => Some(*r),
+            Self::Default => None,
+        }
+    }
+
     fn code(&self) -> &'static str {
         match self {
             Self::Address(_) => "allow_address",
@@ -318,6 +359,7 @@ mod tests {
                 Intercepted::RequestRules(RuleRef::Deny(0)),
             ),
             Verdict::Intercept(Allowed::Default, Intercepted::Ech(0)),
+            Verdict::Deny(Denied::Stream(Allowed::Address(0), None)),
         ];
         all.extend(gaps.map(|g| Verdict::Deny(Denied::NotAllowed(g))));
         all.extend(
