@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 
 use dns_attrib::{AttributionCache, Lookup};
 use egress_policy::SandboxId;
-use egress_policy::{AttributionGap, CompiledPolicy, Flow, Hostname, Protocol, Verdict};
+use egress_policy::{
+    AttributionGap, CompiledPolicy, Flow, Hostname, Protocol, StreamProtocol, Verdict,
+};
 use serde_json::{json, Value};
 
 /// What a flow claims: where it goes, what it speaks, and the names it gives.
@@ -53,6 +55,15 @@ impl<'a> Claims<'a> {
             host,
             ech: tls && ech,
         }
+    }
+
+    /// These claims, where they are an opaque stream, as one of `kind` (the
+    /// protocol the peek would name; `None`: unreadable).
+    pub fn with_stream(mut self, kind: Option<StreamProtocol>) -> Self {
+        if let Protocol::Opaque(_) = self.protocol {
+            self.protocol = Protocol::Opaque(kind);
+        }
+        self
     }
 }
 

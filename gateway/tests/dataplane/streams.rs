@@ -131,6 +131,24 @@ async fn with_opaque_streams_deny_only_named_protocols_pass() {
         .await,
         3
     );
+    // Explain agrees, told what the stream is.
+    for (dst, stream, reason) in [
+        (ssh, Some("ssh"), "allow_address"),
+        (ssh, None, "unreadable_stream"),
+        (legacy, Some("ssh"), "unreadable_stream"),
+        (legacy, None, "unreadable_stream"),
+    ] {
+        let mut q = json!({"sandbox": "a", "dst": dst.to_string()});
+        if let Some(s) = stream {
+            q["stream"] = json!(s);
+        }
+        let answer = crate::explain::explain(&e, q).await;
+        assert_eq!(
+            answer["reason"],
+            json!(reason),
+            "{dst} {stream:?}: {answer}"
+        );
+    }
 }
 
 #[tokio::test]
