@@ -29,8 +29,9 @@ def write(target, name, data):
 
 # === peek_segments ===
 
-def hello(sni=None, alpn=(), padding=0, early=False):
-    """A ClientHello like gateway/src/peek/fixture.rs builds."""
+def hello(sni=None, alpn=(), padding=0, early=False, ech=False):
+    """A ClientHello like gateway/src/peek/fixture.rs builds (`ech`: with an
+    outer encrypted_client_hello extension, as `fixture::ech_outer`)."""
     exts = []
     if sni is not None:
         name = sni.encode() if isinstance(sni, str) else sni
@@ -43,6 +44,10 @@ def hello(sni=None, alpn=(), padding=0, early=False):
         exts.append((0x002A, b""))
     if padding:
         exts.append((0x0015, b"\x00" * padding))
+    if ech:
+        enc, payload = bytes(range(32)), bytes((i * 7) % 256 for i in range(180))
+        exts.append((0xFE0D, b"\x00\x00\x01\x00\x01\x17" + struct.pack(">H", len(enc)) + enc
+                     + struct.pack(">H", len(payload)) + payload))
     block = b"".join(struct.pack(">HH", t, len(d)) + d for t, d in exts)
     body = b"\x03\x03" + b"\x07" * 32 + b"\x20" + b"\x09" * 32
     body += b"\x00\x02\x13\x01\x01\x00" + struct.pack(">H", len(block)) + block
@@ -77,6 +82,8 @@ def peek_seeds():
     write("peek_segments", "hello-pq-records.bin",
           peek_input(records(hello("pq.example.test", ["h2"], 1800, True), 100), (7, 513)))
     write("peek_segments", "hello-no-sni.bin", peek_input(records(hello(), 16384)))
+    write("peek_segments", "hello-ech.bin",
+          peek_input(records(hello("public.example.test", ["h2"], ech=True), 120), (9, 0x8000 | 200)))
     write("peek_segments", "hello-ip-sni.bin",
           peek_input(records(hello("198.51.100.1"), 16384)))
     write("peek_segments", "hello-nul-sni.bin",
@@ -92,9 +99,14 @@ def peek_seeds():
         "http-10-no-host.bin": "GET / HTTP/1.0\r\n\r\n",
         "http-11-no-host.bin": "GET / HTTP/1.1\r\nUser-Agent: x\r\n\r\n",
         "opaque-ssh.bin": "SSH-2.0-OpenSSH_9.2\r\n",
+        "opaque-ssh-comments.bin": "SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13.5\r\n\x00\x00\x05\xdc",
+        "opaque-ssh-bare-lf.bin": "SSH-2.0-OpenSSH_9.2\n",
     }
     for name, head in heads.items():
         write("peek_segments", name, peek_input(head.encode(), (5, 0x8000 | 9)))
+    # The SSLv2-compatible hello testssl.sh probes with: unreadable.
+    write("peek_segments", "opaque-sslv2.bin",
+          peek_input(bytes([0x80, 0x2E, 0x01, 0x00, 0x02, 0x00, 0x15, 0x00, 0x00, 0x00, 0x10]), (1,)))
 
 
 # === dns_answer ===
@@ -305,6 +317,10 @@ def policy_seeds():
          ' "dns": {"resolve": "policy", "query_types": ["A", "TYPE28", "HTTPS", "TYPE65000"],'
          ' "budget": {"qps": 20, "new_names_per_minute": 300}}}'),
         (0, "policy-dns-any.json", '{"dns": {"query_types": ["ANY"], "budget": {"qps": 0}}}'),
+        (0, "policy-streams.json",
+         '{"allow": [{"cidr": "203.0.113.0/24", "streams": ["ssh"]}, {"domain": "git.example.test", "streams": []}],'
+         ' "deny": [{"ip": "203.0.113.9"}]}'),
+        (0, "policy-streams-on-deny.json", '{"deny": [{"ip": "203.0.113.9", "streams": ["ssh"]}]}'),
         (1, "profiles.json", PROFILES),
         (1, "profiles-empty.json", "{}"),
         (1, "profiles-bad-name.json", '{"Bad_Name": {"allow": [{"ip": "192.0.2.1"}]}}'),
@@ -357,6 +373,9 @@ def admin_seeds():
         (3, "explain.json", json.dumps({"sandbox": "sb-1", "dst": "198.51.100.7:443", "tls": True,
                                         "sni": "API.example.test.", "host": "api.example.test"})),
         (3, "explain-ip-sni.json", '{"sandbox": "sb-1", "dst": "[2001:db8::1]:80", "sni": "198.51.100.1"}'),
+        (3, "explain-ech.json",
+         '{"sandbox": "sb-1", "dst": "198.51.100.7:443", "tls": true, "ech": true, "sni": "api.example.test"}'),
+        (3, "explain-stream.json", '{"sandbox": "sb-1", "dst": "198.51.100.7:22", "stream": "ssh"}'),
         (4, "machine-egress.json", MACHINE),
         (5, "vm-registration.json", json.dumps({"addresses": ["100.64.0.2"],
                                                 "egress": json.loads(MACHINE)})),

@@ -78,6 +78,7 @@ fn main() {
             attributed: &names,
             attribution_gap: egress_policy::AttributionGap::NoDnsSeen,
             encrypted_dns: None,
+            ech: false,
         });
         std::hint::black_box(v);
     });

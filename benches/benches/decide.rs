@@ -136,6 +136,7 @@ fn bench_decide(c: &mut Criterion) {
                 attributed: &case.attributed,
                 attribution_gap: AttributionGap::NoDnsSeen,
                 encrypted_dns: None,
+                ech: false,
             };
             verdicts.push(p.decide(&flow).code());
             group.bench_with_input(

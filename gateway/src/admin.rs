@@ -136,10 +136,17 @@ pub(crate) struct Explain {
     pub(crate) dst: SocketAddr,
     #[serde(default)]
     pub(crate) tls: bool,
+    /// The ClientHello carries `encrypted_client_hello` (`sni` is then its outer name).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) ech: bool,
     #[serde(default)]
     pub(crate) sni: Option<String>,
     #[serde(default)]
     pub(crate) host: Option<String>,
+    /// The protocol of a stream that is neither TLS nor HTTP (no `tls`, no
+    /// `host`), as the peek names it: `ssh`. Absent: unreadable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) stream: Option<egress_policy::StreamProtocol>,
     /// A request on the flow, judged by the per-request rules: its method…
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) method: Option<String>,
@@ -450,25 +457,12 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
             )
         }
     };
-    let request = match (e.method.as_deref(), e.path.as_deref()) {
-        (None, None) => None,
-        (Some(m), Some(p)) if http::Method::from_bytes(m.as_bytes()).is_ok() => Some((m, p)),
-        (Some(m), Some(_)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid method {m:?}"),
-                Some("method"),
-            )
-        }
-        (Some(_), None) | (None, Some(_)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "a request needs both method and path",
-                Some(if e.method.is_some() { "path" } else { "method" }),
-            )
-        }
+    let request = match explained_request_of(&e) {
+        Ok(r) => r,
+        Err((why, field)) => return error(StatusCode::BAD_REQUEST, &why, Some(field)),
     };
-    let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
+    let claims =
+        Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref()).with_stream(e.stream);
     let decided = decide(
         &ctl.dp.cache,
         &sandbox.id,
@@ -486,6 +480,20 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
         }
     }
     json_reply(StatusCode::OK, &v)
+}
+
+/// The request an explain question asks about: `method` and `path`
+/// together, or neither; else why not and the field to blame.
+fn explained_request_of(e: &Explain) -> Result<Option<(&str, &str)>, (String, &'static str)> {
+    match (e.method.as_deref(), e.path.as_deref()) {
+        (None, None) => Ok(None),
+        (Some(m), Some(p)) if http::Method::from_bytes(m.as_bytes()).is_ok() => Ok(Some((m, p))),
+        (Some(m), Some(_)) => Err((format!("invalid method {m:?}"), "method")),
+        (Some(_), None) | (None, Some(_)) => Err((
+            "a request needs both method and path".into(),
+            if e.method.is_some() { "path" } else { "method" },
+        )),
+    }
 }
 
 fn attribution(ctl: &Control, id: &str) -> Reply {

@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use egress_policy::{Destination, Hostname};
+use egress_policy::{Destination, Hostname, OpaqueStreams};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// The whole configuration.
@@ -138,6 +138,10 @@ pub struct PolicyConfig {
     /// (loopback, link-local and metadata, private ranges, …); the
     /// gateway's own listen addresses are always added.
     pub platform_deny: Vec<Destination>,
+    /// Streams the gateway cannot read (neither TLS nor HTTP): `allow` (an
+    /// allow lets them through, the seed's meaning) or `deny` (only where an
+    /// allow entry's `streams` names their protocol).
+    pub opaque_streams: OpaqueStreams,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -292,6 +296,7 @@ impl Default for PolicyConfig {
     fn default() -> Self {
         Self {
             platform_deny: egress_policy::default_denies(),
+            opaque_streams: OpaqueStreams::Allow,
         }
     }
 }
@@ -640,6 +645,11 @@ mod tests {
         assert_eq!(c.state_dir, PathBuf::from("./.egress-gateway"));
         assert_eq!(c.dns.min_ttl, Duration::from_secs(30));
         assert!(!c.policy.platform_deny.is_empty());
+        assert_eq!(
+            c.policy.opaque_streams,
+            OpaqueStreams::Allow,
+            "the seed's meaning"
+        );
         assert_eq!(c.log.flow_log, "stdout");
     }
 
@@ -660,6 +670,7 @@ mod tests {
             extra_upstream_roots = ["/etc/egress/origin-ca.pem"]
             [policy]
             platform_deny = [{cidr = "169.254.0.0/16"}, {domain = "metadata.google.internal"}]
+            opaque_streams = "deny"
             [timeouts]
             peek = "500ms"
             idle = "5m"
@@ -679,6 +690,7 @@ mod tests {
         assert_eq!(c.dns.upstreams.len(), 2);
         assert_eq!(c.timeouts.peek, Duration::from_millis(500));
         assert_eq!(c.policy.platform_deny.len(), 2);
+        assert_eq!(c.policy.opaque_streams, OpaqueStreams::Deny);
         assert_eq!(c.limits.worker_threads, 1);
         assert!(c.ca_paths().is_some());
     }
@@ -730,6 +742,10 @@ mod tests {
             ),
             ("bogus = 1", "unknown field `bogus`"),
             ("[splice]\nkernel = \"fast\"", "unknown variant `fast`"),
+            (
+                "[policy]\nopaque_streams = \"block\"",
+                "unknown variant `block`, expected `allow` or `deny`",
+            ),
             ("[limits]\nthread_per_core = 2", "thread_per_core"),
         ];
         for (text, needle) in cases {

@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 
 use dns_attrib::{AttributionCache, Lookup};
 use egress_policy::SandboxId;
-use egress_policy::{AttributionGap, CompiledPolicy, Flow, Hostname, Protocol, Verdict};
+use egress_policy::{
+    AttributionGap, CompiledPolicy, Flow, Hostname, Protocol, StreamProtocol, Verdict,
+};
 
 use crate::doh::DohNames;
 use serde_json::{json, Value};
@@ -20,6 +22,8 @@ pub struct Claims<'a> {
     pub protocol: Protocol,
     pub sni: Option<&'a Hostname>,
     pub host: Option<&'a Hostname>,
+    /// The ClientHello carries `encrypted_client_hello`: `sni` is its outer name.
+    pub ech: bool,
 }
 
 /// A flow judged against the live attribution.
@@ -31,25 +35,37 @@ pub struct Decided {
 }
 
 impl<'a> Claims<'a> {
-    /// The claims of an explain question: TLS when it says so, HTTP when it
-    /// names a Host, opaque bytes otherwise.
+    /// The claims of an explain question: TLS when it says so (with `ech`
+    /// when its hello carries `encrypted_client_hello`), HTTP when it names
+    /// a Host, unreadable opaque bytes otherwise.
     pub fn asked(
         dst: SocketAddr,
         tls: bool,
+        ech: bool,
         sni: Option<&'a Hostname>,
         host: Option<&'a Hostname>,
     ) -> Self {
         let protocol = match (tls, host) {
             (true, _) => Protocol::Tls,
             (false, Some(_)) => Protocol::Http,
-            (false, None) => Protocol::Opaque,
+            (false, None) => Protocol::Opaque(None),
         };
         Self {
             dst,
             protocol,
             sni,
             host,
+            ech: tls && ech,
         }
+    }
+
+    /// These claims, where they are an opaque stream, as one of `kind` (the
+    /// protocol the peek would name; `None`: unreadable).
+    pub fn with_stream(mut self, kind: Option<StreamProtocol>) -> Self {
+        if let Protocol::Opaque(_) = self.protocol {
+            self.protocol = Protocol::Opaque(kind);
+        }
+        self
     }
 }
 
@@ -78,7 +94,7 @@ pub fn judge(
 ) -> Verdict {
     let encrypted_dns = match claims.protocol {
         Protocol::Tls => doh.kind(claims.dst, claims.sni.or(claims.host), attributed),
-        Protocol::Http | Protocol::Opaque => None,
+        Protocol::Http | Protocol::Opaque(_) | Protocol::Dns => None,
     };
     policy.decide(&Flow {
         dst: claims.dst,
@@ -88,6 +104,7 @@ pub fn judge(
         attributed,
         attribution_gap: gap,
         encrypted_dns,
+        ech: claims.ech,
     })
 }
 

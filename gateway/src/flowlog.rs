@@ -23,6 +23,11 @@ pub struct FlowRecord {
     pub sni: Option<String>,
     pub host: Option<String>,
     pub attributed: Vec<String>,
+    /// What the first bytes were: `tls`, `http`, a stream protocol the
+    /// gateway names (`ssh`), or `opaque`; absent when the flow ended
+    /// before it was classified.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<&'static str>,
     /// `deny`, `allow`, `splice` or `intercept`.
     pub verdict: &'static str,
     /// A bounded reason code (docs/reason-codes.md).

@@ -188,7 +188,8 @@ fn explain(text: &str) -> Result<String, String> {
     let policy = explain_policy();
     let cache = AttributionCache::new(CacheConfig::default(), ManualClock::new());
     let id = SandboxId::new(&e.sandbox);
-    let claims = Claims::asked(e.dst, e.tls, sni.as_ref(), host.as_ref());
+    let claims =
+        Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref()).with_stream(e.stream);
     let decided = decide(&cache, &id, policy, &claims, &DohNames::new(&[]));
     let names = decided.lookup.names();
     let reply = explained(&decided.verdict, policy, &names);
@@ -207,7 +208,11 @@ fn explain(text: &str) -> Result<String, String> {
         sandbox: e.sandbox,
         dst: e.dst,
         tls: e.tls,
+        // Only a ClientHello carries the extension.
+        ech: e.tls && e.ech,
         sni: sni.map(|s| s.to_string()),
+        // Only a stream that is neither TLS nor HTTP is named.
+        stream: e.stream.filter(|_| !e.tls && host.is_none()),
         host: host.map(|h| h.to_string()),
         method: e.method,
         path: e.path,

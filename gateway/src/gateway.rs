@@ -379,7 +379,7 @@ fn platform(config: &Config, bound: &Bound) -> PlatformDenies {
             list.push(Destination::Ip(addr.ip()));
         }
     }
-    PlatformDenies::new(list)
+    PlatformDenies::new(list).with_opaque_streams(config.policy.opaque_streams)
 }
 
 impl Listeners {

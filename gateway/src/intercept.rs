@@ -381,6 +381,8 @@ impl Conn {
             },
             sni: self.sni.as_ref(),
             host,
+            // The flow is terminated: what a request is for is its own name.
+            ech: false,
         };
         let decided = decide(
             &self.dp.cache,

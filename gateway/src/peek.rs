@@ -1,11 +1,12 @@
 //! Classify a flow from its first bytes: a TLS ClientHello (which may span
 //! several TCP segments and several TLS records), an HTTP/1.x request head,
-//! or opaque bytes. Reads are bounded in bytes and time; the bytes read are
-//! handed back so the chosen path can replay them.
+//! or opaque bytes, named where they admit one reading (an SSH
+//! identification string, [`stream`]). Reads are bounded in bytes and time;
+//! the bytes read are handed back so the chosen path can replay them.
 
 use std::time::Duration;
 
-use egress_policy::{Hostname, NameError};
+use egress_policy::{Hostname, NameError, StreamProtocol};
 use tls_parser::parse_tls_handshake_client_hello;
 
 use crate::authority::{self, AuthorityError};
@@ -20,7 +21,9 @@ pub enum Classified {
     Http {
         host: Option<Hostname>,
     },
-    Opaque,
+    /// Neither: a stream the gateway cannot read, with the protocol its
+    /// first bytes name (`None`: unreadable, nothing it recognises).
+    Opaque(Option<StreamProtocol>),
 }
 
 /// The parts of a ClientHello the gateway uses.
@@ -32,6 +35,11 @@ pub struct ClientHello {
     pub sni: Option<Hostname>,
     /// The client offers TLS 1.3 0-RTT data.
     pub early_data: bool,
+    /// The hello carries an `encrypted_client_hello` extension. Its content
+    /// is not read: a real ECH offer and GREASE ECH (which Chromium sends by
+    /// default) look alike on the wire, so every form counts. The SNI is
+    /// then the outer name, and the name the flow is for may be encrypted.
+    pub ech: bool,
 }
 
 /// Why a flow could not be classified: it is dropped.
@@ -77,6 +85,8 @@ const MAX_RECORD: usize = 16_384;
 const EXT_SERVER_NAME: u16 = 0x0000;
 /// The `early_data` extension (RFC 8446 §4.2.10).
 const EXT_EARLY_DATA: u16 = 0x002a;
+/// The `encrypted_client_hello` extension (draft-ietf-tls-esni §5).
+const EXT_ENCRYPTED_CLIENT_HELLO: u16 = 0xfe0d;
 /// Extensions a ClientHello may carry (browsers send about 20).
 const MAX_EXTENSIONS: usize = 64;
 
@@ -133,7 +143,10 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
         .iter()
         .any(|m| buf.starts_with(m) || m.starts_with(&buf[..buf.len().min(m.len())]));
     if !could_be_http {
-        return Ok(Step::Done(Classified::Opaque));
+        return Ok(match stream::identify(buf) {
+            Stream::NeedMore => Step::NeedMore,
+            Stream::Done(kind) => Step::Done(Classified::Opaque(kind)),
+        });
     }
     if !METHODS.iter().any(|m| buf.starts_with(m)) {
         return Ok(Step::NeedMore);
@@ -274,6 +287,7 @@ fn parse_client_hello(msg: &[u8]) -> Result<ClientHello, PeekError> {
         match kind {
             EXT_SERVER_NAME => out.sni = server_name(data)?,
             EXT_EARLY_DATA => out.early_data = true,
+            EXT_ENCRYPTED_CLIENT_HELLO => out.ech = true,
             _ => {}
         }
     }
@@ -332,7 +346,8 @@ fn finish_at_eof(buf: &[u8]) -> Result<Classified, PeekError> {
         Some(_) if METHODS.iter().any(|m| buf.starts_with(m)) => {
             Ok(Classified::Http { host: None })
         }
-        Some(_) => Ok(Classified::Opaque),
+        // Cut short before it could be named: unreadable.
+        Some(_) => Ok(Classified::Opaque(None)),
     }
 }
 
@@ -340,9 +355,18 @@ fn finish_at_limit(buf: &[u8]) -> Result<Classified, PeekError> {
     match buf.first() {
         Some(&HANDSHAKE) => Err(PeekError::TooLarge),
         // A request head longer than the limit: no Host evidence.
-        _ => Ok(Classified::Http { host: None }),
+        Some(_) if METHODS.iter().any(|m| buf.starts_with(m)) => {
+            Ok(Classified::Http { host: None })
+        }
+        // A stream line longer than the limit (never, with `limits.peek_bytes`
+        // at 512 or more): unreadable.
+        _ => Ok(Classified::Opaque(None)),
     }
 }
+
+mod stream;
+
+use self::stream::Stream;
 
 #[doc(hidden)]
 pub mod fixture;

@@ -300,9 +300,11 @@ impl QueryAdmission for Registry {
         };
         let claims = crate::decide::Claims {
             dst: resolver,
-            protocol: Protocol::Opaque,
+            // Read by the gateway's own DNS proxy: never an unreadable stream.
+            protocol: Protocol::Dns,
             sni: None,
             host: None,
+            ech: false,
         };
         // Opaque, so never encrypted DNS: no DoH names needed.
         let none = crate::doh::DohNames::empty();

@@ -276,7 +276,7 @@ fn compose_reports_a_bad_base_file_by_name() {
 #[test]
 fn explain_verdicts() {
     let policy = file(
-        r#"{"allow": [{"domain": "api.example.test"}, {"ip": "203.0.113.9"}], "deny": [{"domain": "bad.example.test"}],
+        r#"{"allow": [{"domain": "api.example.test"}, {"ip": "203.0.113.9"}, {"ip": "203.0.113.8", "streams": ["ssh"]}], "deny": [{"domain": "bad.example.test"}],
             "tls_interception": "on", "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}],
             "default": "deny"}"#,
     );
@@ -289,6 +289,62 @@ fn explain_verdicts() {
             "platform_deny",
         ),
         (&["--dst", "203.0.113.9:22"], "allow", "allow_address"),
+        (
+            &["--dst", "203.0.113.9:22", "--opaque-streams", "deny"],
+            "deny",
+            "unreadable_stream",
+        ),
+        (
+            &[
+                "--dst",
+                "203.0.113.8:22",
+                "--stream",
+                "ssh",
+                "--opaque-streams",
+                "deny",
+            ],
+            "allow",
+            "allow_address",
+        ),
+        (
+            &[
+                "--dst",
+                "203.0.113.9:22",
+                "--stream",
+                "ssh",
+                "--opaque-streams",
+                "deny",
+            ],
+            "deny",
+            "unreadable_stream",
+        ),
+        (
+            &[
+                "--dst",
+                "203.0.113.9:443",
+                "--tls",
+                "--ech",
+                "--sni",
+                "a.relay.example.test",
+                "--attributed",
+                "a.relay.example.test",
+            ],
+            "intercept",
+            "ech",
+        ),
+        (
+            &[
+                "--dst",
+                "203.0.113.9:443",
+                "--tls",
+                "--sni",
+                "a.relay.example.test",
+                "--attributed",
+                "a.relay.example.test",
+            ],
+            "splice",
+            "exempt",
+        ),
         (
             &[
                 "--dst",
@@ -404,6 +460,24 @@ fn explain_refuses_bad_arguments() {
         &[],
     );
     assert_eq!(r.code, 2, "clap usage error: {}", r.stderr);
+    for bad in [
+        &["--stream", "rdp"][..],
+        &["--opaque-streams", "block"],
+        &["--ech"],
+        &["--tls", "--stream", "ssh"],
+    ] {
+        let mut args = vec![
+            "policy",
+            "explain",
+            "--policy",
+            p,
+            "--dst",
+            "203.0.113.7:22",
+        ];
+        args.extend_from_slice(bad);
+        let r = gateway(&args, &[]);
+        assert_eq!(r.code, 2, "{bad:?}: {}", r.stderr);
+    }
     let r = gateway(
         &[
             "policy",

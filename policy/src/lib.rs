@@ -23,6 +23,7 @@ mod profiles;
 mod rule;
 mod sandbox;
 mod select;
+mod stream;
 
 pub use compose::{compose, resolve_saved, Composed, MissingProfile, RESERVED_RESOLVERS};
 pub use dest::{
@@ -47,3 +48,4 @@ pub use select::{
     select, Admission, AdmissionReason, Outcome, Selection, SelectionError, SelectionErrorKind,
     PROFILES_HEADER, UNKNOWN_PROFILE_LABEL,
 };
+pub use stream::{OpaqueStreams, StreamProtocol, Streams};

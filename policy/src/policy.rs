@@ -31,7 +31,7 @@ pub struct Policy {
     pub default: DefaultAction,
     #[serde(default)]
     pub allow: Vec<Rule>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::rule::deny_list")]
     pub deny: Vec<Rule>,
     #[serde(default)]
     pub tls_interception: TlsInterception,
@@ -167,6 +167,16 @@ mod tests {
                 "exactly one of",
             ),
             (r#"{"allow": [{}]}"#, "allow[0]", "exactly one of"),
+            (
+                r#"{"deny": [{"ip": "1.2.3.4"}, {"ip": "1.2.3.5", "streams": ["ssh"]}]}"#,
+                "deny[1]",
+                "streams applies to allow entries only, not to deny ip 1.2.3.5",
+            ),
+            (
+                r#"{"allow": [{"ip": "1.2.3.4", "streams": ["ftp"]}]}"#,
+                "allow[0].streams[0]",
+                "unknown variant `ftp`, expected `ssh`",
+            ),
             (
                 r#"{"allow": [{"ip": 7}]}"#,
                 "allow[0].ip",

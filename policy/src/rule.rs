@@ -1,12 +1,15 @@
 //! An entry of a tenant's `allow` or `deny` list: a destination, and for a
-//! domain or wildcard optionally an `http` qualifier and its `mode`.
+//! domain or wildcard optionally an `http` qualifier and its `mode`; for an
+//! allow entry optionally the opaque `streams` it lets through.
 //!
 //! ```json
 //! {"domain": "github.com", "http": "read_only"}
 //! {"wildcard_domain": "*.github.com", "http": {"methods": ["POST"], "paths": ["/gists"]}, "mode": "audit"}
+//! {"cidr": "203.0.113.0/24", "streams": ["ssh"]}
 //! ```
 //!
-//! An entry without `http` is exactly the destination it names, as before.
+//! An entry without `http` and `streams` is exactly the destination it
+//! names, as before.
 
 use std::fmt;
 
@@ -16,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dest::{Destination, DestinationError, Kind, ALL_KINDS};
 use crate::http::{HttpMatch, Mode};
+use crate::stream::Streams;
 
 /// One allow or deny entry.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -25,6 +29,10 @@ pub struct Rule {
     pub http: Option<HttpMatch>,
     /// Enforced or audited; only a qualified entry may be audited.
     pub mode: Mode,
+    /// The opaque streams (neither TLS nor HTTP) an allow entry lets
+    /// through; `None`: as the gateway's `opaque_streams` says. Never on a
+    /// deny entry, never beside `http`.
+    pub streams: Option<Streams>,
 }
 
 impl Rule {
@@ -40,13 +48,14 @@ impl From<Destination> for Rule {
             dest,
             http: None,
             mode: Mode::Enforce,
+            streams: None,
         }
     }
 }
 
 impl PartialEq<Destination> for Rule {
     fn eq(&self, other: &Destination) -> bool {
-        self.http.is_none() && self.dest == *other
+        self.http.is_none() && self.streams.is_none() && self.dest == *other
     }
 }
 
@@ -59,13 +68,19 @@ impl fmt::Display for Rule {
         if self.mode == Mode::Audit {
             f.write_str(" (audit)")?;
         }
+        if let Some(streams) = &self.streams {
+            write!(f, " streams {streams}")?;
+        }
         Ok(())
     }
 }
 
 impl Serialize for Rule {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let len = 1 + usize::from(self.http.is_some()) + usize::from(self.mode == Mode::Audit);
+        let len = 1
+            + usize::from(self.http.is_some())
+            + usize::from(self.mode == Mode::Audit)
+            + usize::from(self.streams.is_some());
         let mut map = s.serialize_map(Some(len))?;
         map.serialize_entry(self.dest.kind().as_str(), &self.dest.value())?;
         if let Some(http) = &self.http {
@@ -73,6 +88,9 @@ impl Serialize for Rule {
         }
         if self.mode == Mode::Audit {
             map.serialize_entry("mode", &self.mode)?;
+        }
+        if let Some(streams) = &self.streams {
+            map.serialize_entry("streams", streams)?;
         }
         map.end()
     }
@@ -92,7 +110,7 @@ impl<'de> Visitor<'de> for RuleVisitor {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "an object with exactly one of {ALL_KINDS}, and optionally http and mode"
+            "an object with exactly one of {ALL_KINDS}, and optionally http and mode, or streams"
         )
     }
 
@@ -105,8 +123,13 @@ impl<'de> Visitor<'de> for RuleVisitor {
         let mut dest: Option<(Kind, String)> = None;
         let mut http: Option<HttpMatch> = None;
         let mut mode: Option<Mode> = None;
+        let mut streams: Option<Streams> = None;
         while let Some(key) = map.next_key::<String>()? {
             match key.as_str() {
+                "streams" if streams.is_some() => {
+                    return Err(de::Error::custom(DestinationError::DuplicateKey { key }))
+                }
+                "streams" => streams = Some(map.next_value()?),
                 "http" if http.is_some() => {
                     return Err(de::Error::custom(DestinationError::DuplicateKey { key }))
                 }
@@ -134,23 +157,63 @@ impl<'de> Visitor<'de> for RuleVisitor {
         }
         let (kind, value) = dest.ok_or_else(shape)?;
         let dest = Destination::parse(kind, &value).map_err(de::Error::custom)?;
-        if http.is_some() && !dest.is_name() {
-            return Err(de::Error::custom(format_args!(
-                "http applies to domain and wildcard_domain entries, not {kind} {value:?}: \
-                 a request is qualified by the name it is for"
-            )));
-        }
-        if mode.is_some() && http.is_none() {
-            return Err(de::Error::custom(
-                "mode applies only to an entry with http: a whole destination is always enforced",
-            ));
-        }
-        Ok(Rule {
+        let rule = Rule {
             dest,
             http,
             mode: mode.unwrap_or_default(),
-        })
+            streams,
+        };
+        rule.check(mode.is_some()).map_err(de::Error::custom)?;
+        Ok(rule)
     }
+}
+
+impl Rule {
+    /// The checks between fields; `mode_given`: the entry spelled `mode`.
+    fn check(&self, mode_given: bool) -> Result<(), String> {
+        let (kind, value) = (self.dest.kind(), self.dest.value());
+        if self.http.is_some() && !self.dest.is_name() {
+            return Err(format!(
+                "http applies to domain and wildcard_domain entries, not {kind} {value:?}: \
+                 a request is qualified by the name it is for"
+            ));
+        }
+        if mode_given && self.http.is_none() {
+            return Err(
+                "mode applies only to an entry with http: a whole destination is always enforced"
+                    .into(),
+            );
+        }
+        if self.streams.is_some() && self.http.is_some() {
+            return Err(format!(
+                "streams and http on one entry ({kind} {value:?}): http qualifies HTTP requests, \
+                 streams lets opaque streams through; give each an entry of its own"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Reads a `deny` list: entries as in `allow`, without `streams` (a deny
+/// refuses a destination whole; what passes through an allow is the allow's
+/// to say). serde_path_to_error names the entry's index.
+pub(crate) fn deny_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Rule>, D::Error> {
+    struct DenyEntry(Rule);
+    impl<'de> Deserialize<'de> for DenyEntry {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let rule = Rule::deserialize(d)?;
+            if rule.streams.is_some() {
+                return Err(de::Error::custom(format_args!(
+                    "streams applies to allow entries only, not to deny {}: a deny refuses \
+                     every stream to its destination",
+                    rule.dest
+                )));
+            }
+            Ok(Self(rule))
+        }
+    }
+    let list = Vec::<DenyEntry>::deserialize(d)?;
+    Ok(list.into_iter().map(|e| e.0).collect())
 }
 
 #[cfg(test)]
@@ -187,6 +250,31 @@ mod tests {
     }
 
     #[test]
+    fn entries_with_streams_round_trip_in_normal_form() {
+        for (text, normal, shown) in [
+            (
+                r#"{"streams": ["ssh"], "cidr": "203.0.113.0/24"}"#,
+                r#"{"cidr":"203.0.113.0/24","streams":["ssh"]}"#,
+                "cidr 203.0.113.0/24 streams [ssh]",
+            ),
+            (
+                r#"{"domain": "Git.Example.test", "streams": []}"#,
+                r#"{"domain":"git.example.test","streams":[]}"#,
+                "domain git.example.test streams []",
+            ),
+        ] {
+            let r: Rule = serde_json::from_str(text).expect(text);
+            assert_eq!(serde_json::to_string(&r).expect("ser"), normal);
+            assert_eq!(r.to_string(), shown);
+            let again: Rule = serde_json::from_str(normal).expect(normal);
+            assert_eq!(again, r);
+            // An entry with streams is not the bare destination: composition
+            // adds a profile's whole-destination allow beside it.
+            assert!(r != r.dest);
+        }
+    }
+
+    #[test]
     fn errors_name_the_value() {
         for (text, needle) in [
             (
@@ -217,6 +305,22 @@ mod tests {
             (
                 r#"{"domain": "a.test", "port": 443}"#,
                 "unsupported selector \"port\"",
+            ),
+            (
+                r#"{"domain": "a.test", "http": "read_only", "streams": ["ssh"]}"#,
+                "streams and http on one entry (domain \"a.test\")",
+            ),
+            (
+                r#"{"ip": "203.0.113.1", "streams": ["ssh"], "streams": []}"#,
+                "duplicate key \"streams\"",
+            ),
+            (
+                r#"{"ip": "203.0.113.1", "streams": ["rdp"]}"#,
+                "unknown variant `rdp`",
+            ),
+            (
+                r#"{"ip": "203.0.113.1", "streams": "ssh"}"#,
+                "a list of stream protocols",
             ),
         ] {
             let e = serde_json::from_str::<Rule>(text)

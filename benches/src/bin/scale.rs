@@ -331,6 +331,7 @@ impl Flow {
             protocol: Protocol::Tls,
             sni: Some(&self.sni),
             host: None,
+            ech: false,
         }
     }
 }

@@ -647,12 +647,13 @@ fn matcher_allows(p: &Policy, ip: IpAddr) -> bool {
     let compiled = CompiledPolicy::new(p.clone(), Arc::new(PlatformDenies::new(vec![])));
     let flow = Flow {
         dst: SocketAddr::new(ip, 443),
-        protocol: Protocol::Opaque,
+        protocol: Protocol::Opaque(None),
         sni: None,
         host: None,
         attributed: &[],
         attribution_gap: Default::default(),
         encrypted_dns: None,
+        ech: false,
     };
     !matches!(compiled.decide(&flow), Verdict::Deny(_))
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use clap::{Args, Subcommand};
 use egress_policy::{
     compose, resolve_saved, select, AttributionGap, CompiledPolicy, DeploymentExemptions, Hostname,
-    PlatformDenies, Policy, Profiles, EXEMPTIONS_ENV, PROFILES_ENV,
+    OpaqueStreams, PlatformDenies, Policy, Profiles, StreamProtocol, EXEMPTIONS_ENV, PROFILES_ENV,
 };
 use serde_json::json;
 
@@ -63,9 +63,19 @@ pub(super) struct ExplainArgs {
     /// The flow starts with a TLS ClientHello.
     #[arg(long)]
     tls: bool,
+    /// The ClientHello carries `encrypted_client_hello` (with --tls; --sni is its outer name).
+    #[arg(long, requires = "tls")]
+    ech: bool,
     /// The ClientHello's server name (an IP literal counts as none).
     #[arg(long, value_name = "NAME")]
     sni: Option<String>,
+    /// Without --tls and --host: the protocol the stream's first bytes name
+    /// (`ssh`); omitted, an unreadable stream.
+    #[arg(long, value_name = "PROTOCOL", value_parser = stream_protocol, conflicts_with_all = ["tls", "host"])]
+    stream: Option<StreamProtocol>,
+    /// The gateway's `policy.opaque_streams`.
+    #[arg(long, value_name = "allow|deny", value_parser = opaque_streams, default_value = "allow")]
+    opaque_streams: OpaqueStreams,
     /// The HTTP Host (plain HTTP, or a request on a terminated flow).
     #[arg(long, value_name = "NAME")]
     host: Option<String>,
@@ -78,6 +88,20 @@ pub(super) struct ExplainArgs {
     /// The request's target, `/path?query` (with --method).
     #[arg(long, value_name = "TARGET", requires = "method")]
     path: Option<String>,
+}
+
+fn stream_protocol(s: &str) -> Result<StreamProtocol, String> {
+    StreamProtocol::ALL
+        .into_iter()
+        .find(|p| p.as_str() == s)
+        .ok_or_else(|| format!("{s:?} is not a stream protocol the gateway names (ssh)"))
+}
+
+fn opaque_streams(s: &str) -> Result<OpaqueStreams, String> {
+    [OpaqueStreams::Allow, OpaqueStreams::Deny]
+        .into_iter()
+        .find(|o| o.as_str() == s)
+        .ok_or_else(|| format!("{s:?}: expected allow or deny"))
 }
 
 /// Reads an environment variable (injected so tests need not touch the process's).
@@ -204,6 +228,14 @@ fn compose_cmd(args: &ComposeArgs, env: Env<'_>) -> Result<Output, CliError> {
     })
 }
 
+/// `name`, given for `flag`, as a hostname.
+fn hostname(flag: &'static str, name: &str) -> Result<Hostname, CliError> {
+    Hostname::parse(name).map_err(|e| CliError::Arg {
+        flag,
+        message: format!("{name:?}: {e}"),
+    })
+}
+
 fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     let policy = read_policy(&args.policy)?;
     // Read as the dataplane reads it: an IP literal is no SNI; a name the
@@ -224,25 +256,17 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     let host = args
         .host
         .as_deref()
-        .map(|h| {
-            Hostname::parse(h).map_err(|e| CliError::Arg {
-                flag: "--host",
-                message: format!("{h:?}: {e}"),
-            })
-        })
+        .map(|h| hostname("--host", h))
         .transpose()?;
     let attributed = args
         .attributed
         .iter()
-        .map(|n| {
-            Hostname::parse(n).map_err(|e| CliError::Arg {
-                flag: "--attributed",
-                message: format!("{n:?}: {e}"),
-            })
-        })
+        .map(|n| hostname("--attributed", n))
         .collect::<Result<Vec<_>, _>>()?;
-    let compiled = CompiledPolicy::new(policy, Arc::new(PlatformDenies::builtin()));
-    let claims = Claims::asked(args.dst, args.tls, sni.as_ref(), host.as_ref());
+    let platform = PlatformDenies::builtin().with_opaque_streams(args.opaque_streams);
+    let compiled = CompiledPolicy::new(policy, Arc::new(platform));
+    let claims = Claims::asked(args.dst, args.tls, args.ech, sni.as_ref(), host.as_ref())
+        .with_stream(args.stream);
     // The built-in DoH names: the CLI reads no gateway configuration.
     let doh = DohNames::new(&[]);
     let verdict = judge(

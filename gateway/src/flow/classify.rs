@@ -31,16 +31,17 @@ pub(super) async fn classify(
 impl Classified {
     /// The claims of this flow to `dst`.
     pub(crate) fn claims(&self, dst: SocketAddr) -> Claims<'_> {
-        let (protocol, sni, host) = match self {
-            Self::Tls(ch) => (Protocol::Tls, ch.sni.as_ref(), None),
-            Self::Http { host } => (Protocol::Http, None, host.as_ref()),
-            Self::Opaque => (Protocol::Opaque, None, None),
+        let (protocol, sni, host, ech) = match self {
+            Self::Tls(ch) => (Protocol::Tls, ch.sni.as_ref(), None, ch.ech),
+            Self::Http { host } => (Protocol::Http, None, host.as_ref(), false),
+            Self::Opaque(kind) => (Protocol::Opaque(*kind), None, None, false),
         };
         Claims {
             dst,
             protocol,
             sni,
             host,
+            ech,
         }
     }
 }

@@ -59,6 +59,7 @@ impl<'a> Record<'a> {
     pub(crate) fn decided(&mut self, claims: &Claims<'_>, decided: &Decided, sandbox: &Sandbox) {
         self.line.verdict = decided.verdict.name();
         self.line.reason = decided.verdict.code();
+        self.line.protocol = Some(claims.protocol.as_str());
         if self.logging {
             self.line.sni = claims.sni.map(ToString::to_string);
             self.line.host = claims.host.map(ToString::to_string);

@@ -40,6 +40,19 @@ pub fn sni_data(entries: &[(u8, &[u8])]) -> Vec<u8> {
     d
 }
 
+/// The data of an outer `encrypted_client_hello` extension
+/// (draft-ietf-tls-esni §5): HKDF-SHA256 with AES-128-GCM, `config_id`, an
+/// `enc` of `enc` bytes and a `payload` of `payload` bytes. Real ECH and
+/// GREASE ECH have this same shape; only the server's key tells them apart.
+pub fn ech_outer(config_id: u8, enc: usize, payload: usize) -> Vec<u8> {
+    let mut d = vec![0, 0x00, 0x01, 0x00, 0x01, config_id];
+    d.extend_from_slice(&(enc as u16).to_be_bytes());
+    d.extend((0..enc).map(|i| i as u8));
+    d.extend_from_slice(&(payload as u16).to_be_bytes());
+    d.extend((0..payload).map(|i| (i * 7) as u8));
+    d
+}
+
 /// A ClientHello carrying exactly `exts` (type, data), in order.
 pub fn hello_with(exts: &[(u16, Vec<u8>)]) -> Vec<u8> {
     let mut block = Vec::new();

@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 
 use tokio::io::ReadBuf;
 
-use super::fixture::{handshake, hello, hello_with, records, sni_data};
+use super::fixture::{ech_outer, handshake, hello, hello_with, records, sni_data};
 use super::*;
 
 /// Yields at most `step` bytes per read: a slow, segmented sender.
@@ -58,7 +58,8 @@ async fn client_hello_in_one_record() {
         c,
         Classified::Tls(ClientHello {
             sni: Some(name("api.example.test")),
-            early_data: false
+            early_data: false,
+            ech: false,
         })
     );
     assert_eq!(read, bytes, "everything read is handed back for replay");
@@ -101,6 +102,70 @@ async fn hello_from_rustls_parses() {
         panic!("not TLS")
     };
     assert_eq!(ch.sni, Some(name("real.example.test")));
+}
+
+/// `encrypted_client_hello` is seen wherever it sits, in every form: the
+/// outer variant (real or GREASE), the inner one a client must not send in
+/// the clear, an empty one. Without it the hello is not ECH.
+#[tokio::test]
+async fn an_encrypted_client_hello_extension_is_seen_in_every_form() {
+    let sni = || (0x0000u16, sni_data(&[(0, b"public.example.test")]));
+    let alpn = (0x0010u16, vec![0, 3, 2, b'h', b'2']);
+    let forms: [(&str, Vec<u8>); 3] = [
+        ("outer", ech_outer(0x2a, 32, 200)),
+        ("inner", vec![1]),
+        ("empty", vec![]),
+    ];
+    for (what, data) in forms {
+        for exts in [
+            vec![sni(), (0xfe0d, data.clone()), alpn.clone()],
+            vec![(0xfe0d, data.clone()), sni()],
+            vec![sni(), alpn.clone(), (0xfe0d, data.clone())],
+        ] {
+            let hs = hello_with(&exts);
+            for (fragment, step) in [(16_384, 4_096), (40, 1)] {
+                let (c, _) = run(records(&hs, fragment), step).await.expect(what);
+                assert_eq!(
+                    c,
+                    Classified::Tls(ClientHello {
+                        sni: Some(name("public.example.test")),
+                        early_data: false,
+                        ech: true,
+                    }),
+                    "{what}, fragment {fragment}"
+                );
+            }
+        }
+    }
+    let (c, _) = run(records(&hello_with(&[sni(), alpn]), 16_384), 4_096)
+        .await
+        .expect("classified");
+    assert_eq!(c, tls(Some("public.example.test")), "no extension, no ECH");
+    // Twice is malformed like any other repeated extension.
+    let twice = hello_with(&[(0xfe0d, ech_outer(1, 32, 100)), sni(), (0xfe0d, vec![1])]);
+    assert_eq!(
+        run(records(&twice, 16_384), 4_096).await,
+        Err(PeekError::Malformed("an extension type appears twice"))
+    );
+}
+
+#[test]
+fn every_prefix_of_an_ech_hello_waits_for_more() {
+    let hs = hello_with(&[
+        (0x0000, sni_data(&[(0, b"public.example.test")])),
+        (0xfe0d, ech_outer(7, 32, 150)),
+    ]);
+    let bytes = records(&hs, 60);
+    for end in 0..bytes.len() {
+        assert!(
+            matches!(classify(&bytes[..end]), Ok(Step::NeedMore)),
+            "prefix {end}"
+        );
+    }
+    assert!(matches!(
+        classify(&bytes),
+        Ok(Step::Done(Classified::Tls(ClientHello { ech: true, .. })))
+    ));
 }
 
 #[tokio::test]
@@ -324,7 +389,8 @@ async fn no_sni_only_without_the_extension_or_with_one_ip_literal() {
             c,
             Classified::Tls(ClientHello {
                 sni: expected,
-                early_data: false
+                early_data: false,
+                ech: false,
             }),
             "{what}"
         );
@@ -415,9 +481,28 @@ async fn opaque_bytes_and_silence() {
     let (c, read) = run(b"SSH-2.0-OpenSSH_9.6\r\n".to_vec(), 100)
         .await
         .expect("classified");
-    assert_eq!((c, read.len()), (Classified::Opaque, 21));
+    assert_eq!(
+        (c, read.len()),
+        (Classified::Opaque(Some(StreamProtocol::Ssh)), 21)
+    );
     let (c, _) = run(vec![0x00, 0x01, 0x02], 1).await.expect("classified");
-    assert_eq!(c, Classified::Opaque);
+    assert_eq!(c, Classified::Opaque(None));
+    // An SSLv2-style hello: unreadable at its first byte.
+    let (c, read) = run(vec![0x80, 0x2e, 0x01, 0x00, 0x02, 0, 0x15], 64)
+        .await
+        .expect("classified");
+    assert_eq!((c, read.len()), (Classified::Opaque(None), 7));
+    // A banner cut short by the client's close is unreadable.
+    let (c, _) = run(b"SSH-2.0-Open".to_vec(), 3).await.expect("classified");
+    assert_eq!(c, Classified::Opaque(None));
+    // A banner and the client's next bytes, one byte at a time.
+    let mut both = b"SSH-2.0-OpenSSH_9.6\r\n".to_vec();
+    both.extend_from_slice(&[0, 0, 5, 0xdc, 8, 0x14]);
+    let (c, read) = run(both, 1).await.expect("classified");
+    assert_eq!(
+        (c, read.len()),
+        (Classified::Opaque(Some(StreamProtocol::Ssh)), 21)
+    );
     assert_eq!(run(vec![], 1).await, Err(PeekError::Closed));
     // A silent client is dropped at the timeout.
     let (mut client, _server) = tokio::io::duplex(64);

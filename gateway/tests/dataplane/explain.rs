@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::harness::*;
 
 /// `POST /v1/explain` with `body`.
-async fn explain(e: &Env, body: Value) -> Value {
+pub async fn explain(e: &Env, body: Value) -> Value {
     let tcp = tokio::net::TcpStream::connect(e.gateway.bound().admin)
         .await
         .expect("admin");

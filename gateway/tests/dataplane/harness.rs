@@ -348,6 +348,8 @@ pub struct Options {
     pub workers: usize,
     /// `splice.kernel`.
     pub splice: &'static str,
+    /// `policy.opaque_streams`.
+    pub opaque_streams: &'static str,
 }
 
 impl Default for Options {
@@ -361,6 +363,7 @@ impl Default for Options {
             max_connections: 10_000,
             workers: 0,
             splice: "off",
+            opaque_streams: "allow",
         }
     }
 }
@@ -431,6 +434,7 @@ pub async fn env(opts: Options) -> Env {
         extra_upstream_roots = ["{roots}"]
         [policy]
         platform_deny = [{{cidr = "169.254.0.0/16"}}, {{cidr = "10.0.0.0/8"}}]
+        opaque_streams = "{opaque_streams}"
         [timeouts]
         peek = "{peek}"
         connect = "2s"
@@ -452,6 +456,7 @@ pub async fn env(opts: Options) -> Env {
         request_head = opts.request_head,
         max_connections = opts.max_connections,
         splice = opts.splice,
+        opaque_streams = opts.opaque_streams,
         per_core = match opts.workers {
             0 => String::new(),
             n => format!("thread_per_core = true\nworker_threads = {n}"),

@@ -3,9 +3,11 @@
 //! a hickory-server upstream, origins with certificates from a test CA.
 
 mod doh;
+mod ech;
 mod explain;
 mod faults;
 mod harness;
 mod per_core;
+mod streams;
 mod two_readings;
 mod verdicts;

@@ -56,6 +56,36 @@ fn profiles_append_allows_exemptions_and_resolvers_without_duplicates() {
     assert_eq!(again.policy, c.policy);
 }
 
+/// An entry's `streams` are the tenant's: composition keeps them, and a
+/// profile's whole-destination allow for the same address is added beside
+/// an entry that names streams (allows are a union, like a qualified entry).
+#[test]
+fn entries_with_streams_are_kept_and_never_stand_for_a_profile_allow() {
+    let p = profiles();
+    let base = policy(
+        r#"{"default": "deny", "allow": [{"cidr": "198.51.100.0/24", "streams": ["ssh"]}, {"ip": "8.8.8.8"}, {"ip": "1.1.1.1"}]}"#,
+    );
+    let chosen = resolve_saved(&p, &["sensor"]).expect("configured");
+    let c = compose(&base, chosen.iter().map(|(_, prof)| *prof), None);
+    assert_eq!(
+        values(&c.policy.allow),
+        [
+            "cidr 198.51.100.0/24 streams [ssh]",
+            "ip 8.8.8.8",
+            "ip 1.1.1.1",
+            "domain sensor.example.test",
+            "cidr 198.51.100.0/24",
+        ]
+    );
+    let again = compose(&c.policy, chosen.iter().map(|(_, prof)| *prof), None);
+    assert!(!again.changed, "composition is idempotent");
+    let text = serde_json::to_string(&c.policy).expect("ser");
+    assert_eq!(
+        Policy::from_json(&text).expect("normal form parses"),
+        c.policy
+    );
+}
+
 #[test]
 fn default_allow_gets_no_resolver_allowances_and_no_profiles_adds_nothing() {
     let p = profiles();

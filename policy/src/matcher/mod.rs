@@ -15,6 +15,7 @@ mod ipset;
 mod names;
 mod query;
 mod request;
+mod streams;
 mod verdict;
 
 use std::net::{IpAddr, SocketAddr};
@@ -24,12 +25,14 @@ use crate::dest::{canonical_ip, embedded_ipv4, Destination};
 use crate::name::Hostname;
 use crate::policy::{DefaultAction, Policy, TlsInterception};
 use crate::rule::Rule;
+use crate::stream::{OpaqueStreams, StreamProtocol};
 
 use self::ipset::{IpSet, RuleIdx};
 use self::names::NameSet;
 pub use self::query::NameVerdict;
 use self::request::RequestRules;
 pub use self::request::{RequestCode, RequestDenial, RequestJudgement, RuleRef};
+use self::streams::StreamSets;
 pub use self::verdict::{Allowed, AttributionGap, Denied, Intercepted, Spliced, Verdict};
 
 /// What the first bytes of a flow showed.
@@ -39,8 +42,25 @@ pub enum Protocol {
     Tls,
     /// An HTTP/1.x request line (`Host`, if any, in [`Flow::host`]).
     Http,
-    /// Anything else.
-    Opaque,
+    /// Anything else: a stream the gateway cannot read, with the protocol
+    /// its first bytes name (`None`: none it recognises).
+    Opaque(Option<StreamProtocol>),
+    /// A DNS query to a reserved resolver, which the gateway's own DNS proxy
+    /// reads and answers (its admission).
+    Dns,
+}
+
+impl Protocol {
+    /// `tls`, `http`, `dns`, a stream protocol's name (`ssh`), or `opaque`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tls => "tls",
+            Self::Http => "http",
+            Self::Dns => "dns",
+            Self::Opaque(Some(p)) => p.as_str(),
+            Self::Opaque(None) => "opaque",
+        }
+    }
 }
 
 /// A TLS flow that carries DNS the gateway would not otherwise see: the
@@ -74,6 +94,11 @@ pub struct Flow<'a> {
     pub attribution_gap: AttributionGap,
     /// The flow is encrypted DNS, and which (only ever set for TLS).
     pub encrypted_dns: Option<EncryptedDns>,
+    /// The ClientHello carries an `encrypted_client_hello` extension (real
+    /// or GREASE: they look alike), so the name it is really for may be
+    /// encrypted inside it. `sni` is then the outer name only, and no
+    /// hostname exemption splices the flow.
+    pub ech: bool,
 }
 
 /// Platform denies (gateway configuration), compiled once and shared.
@@ -81,6 +106,9 @@ pub struct Flow<'a> {
 pub struct PlatformDenies {
     list: Vec<Destination>,
     rules: RuleSet,
+    /// The gateway's `policy.opaque_streams`: a setting of the operator's,
+    /// compiled into every sandbox's policy like the list.
+    opaque_streams: OpaqueStreams,
 }
 
 /// A policy compiled for lookups that never scan rules.
@@ -94,6 +122,9 @@ pub struct CompiledPolicy {
     /// The allows for a flow whose requests cannot be seen: without the
     /// entries whose qualifier is enforced. `None`: the same as `allow`.
     allow_unseen: Option<RuleSet>,
+    /// The allows for opaque streams, by kind; `None`: the same as the
+    /// allows for a flow whose requests cannot be seen.
+    streams: Option<Box<StreamSets>>,
     exempt: RuleSet,
     /// Qualified entries and credential hosts; `None` when there are none.
     requests: Option<Box<RequestRules>>,
@@ -179,7 +210,21 @@ impl Addrs {
 impl PlatformDenies {
     pub fn new(list: Vec<Destination>) -> Self {
         let rules = RuleSet::new(&list);
-        Self { list, rules }
+        Self {
+            list,
+            rules,
+            opaque_streams: OpaqueStreams::default(),
+        }
+    }
+
+    /// With the gateway's setting for streams it cannot read.
+    pub fn with_opaque_streams(mut self, opaque_streams: OpaqueStreams) -> Self {
+        self.opaque_streams = opaque_streams;
+        self
+    }
+
+    pub fn opaque_streams(&self) -> OpaqueStreams {
+        self.opaque_streams
     }
 
     /// The built-in list: loopback, link-local and cloud metadata, private
@@ -221,10 +266,12 @@ impl CompiledPolicy {
             .iter()
             .any(Rule::enforced_http)
             .then(|| RuleSet::rules(&policy.allow, |r| !r.enforced_http()));
+        let streams = StreamSets::new(&policy.allow, platform.opaque_streams).map(Box::new);
         Self {
             deny: RuleSet::rules(&policy.deny, |r| r.http.is_none()),
             allow: RuleSet::rules(&policy.allow, |_| true),
             allow_unseen,
+            streams,
             exempt: RuleSet::new(&policy.tls_interception_exemptions),
             requests,
             credentials: names,
@@ -303,32 +350,68 @@ impl CompiledPolicy {
                 }
             }
         }
-        let allowed = match self.allowed(flow, &addrs, terminating, seen) {
+        let (allow, default_ok) = self.allows_for(flow.protocol, seen);
+        let allowed = match self.allowed(flow, &addrs, terminating, allow, default_ok) {
             Ok(a) => a,
-            Err(gap) => return Verdict::Deny(Denied::NotAllowed(gap)),
+            Err(gap) => return Verdict::Deny(self.not_allowed(flow, &addrs, seen, gap)),
         };
         if let Some(verdict) = encrypted_dns(flow.encrypted_dns, allowed, terminating) {
             return verdict;
         }
         match (flow.protocol, terminating) {
-            (Protocol::Http | Protocol::Opaque, _) => Verdict::Allow(allowed),
+            (Protocol::Http | Protocol::Opaque(_) | Protocol::Dns, _) => Verdict::Allow(allowed),
             (Protocol::Tls, false) => Verdict::Splice(allowed, Spliced::InterceptionOff),
             (Protocol::Tls, true) => self.exemption(flow, &addrs, allowed),
         }
     }
 
-    /// Step 4: the allow rule (or default) that lets the flow out.
+    /// The allows a flow of `protocol` is judged by, and whether `default:
+    /// allow` lets it through: an opaque stream by the entries that let its
+    /// kind through, a flow whose requests are not `seen` by the entries
+    /// without enforced per-request rules, others by every allow.
+    fn allows_for(&self, protocol: Protocol, seen: bool) -> (&RuleSet, bool) {
+        match (&self.streams, protocol) {
+            (Some(streams), Protocol::Opaque(kind)) => (streams.get(kind), streams.default),
+            _ => (self.allows_unseen(seen), true),
+        }
+    }
+
+    fn allows_unseen(&self, seen: bool) -> &RuleSet {
+        match &self.allow_unseen {
+            Some(unseen) if !seen => unseen,
+            _ => &self.allow,
+        }
+    }
+
+    /// Why nothing allowed the flow: an opaque stream that an allow (or the
+    /// default) covers, only not for its kind, is refused as a stream;
+    /// otherwise the attribution gap.
+    fn not_allowed(
+        &self,
+        flow: &Flow<'_>,
+        addrs: &Addrs,
+        seen: bool,
+        gap: AttributionGap,
+    ) -> Denied {
+        let (Some(_), Protocol::Opaque(kind)) = (&self.streams, flow.protocol) else {
+            return Denied::NotAllowed(gap);
+        };
+        match self.allowed(flow, addrs, false, self.allows_unseen(seen), true) {
+            Ok(a) => Denied::Stream(a, kind),
+            Err(gap) => Denied::NotAllowed(gap),
+        }
+    }
+
+    /// Step 4: the allow rule in `allow` (or the default, where
+    /// `default_ok`) that lets the flow out.
     fn allowed(
         &self,
         flow: &Flow<'_>,
         addrs: &Addrs,
         terminating: bool,
-        seen: bool,
+        allow: &RuleSet,
+        default_ok: bool,
     ) -> Result<Allowed, AttributionGap> {
-        let allow = match &self.allow_unseen {
-            Some(unseen) if !seen => unseen,
-            _ => &self.allow,
-        };
         if let Some(r) = allow.lookup_addr(addrs) {
             return Ok(Allowed::Address(r));
         }
@@ -337,7 +420,7 @@ impl CompiledPolicy {
         let claim = match flow.protocol {
             Protocol::Tls => flow.sni,
             Protocol::Http => flow.host,
-            Protocol::Opaque => None,
+            Protocol::Opaque(_) | Protocol::Dns => None,
         };
         let claim_attributed = claim.is_none_or(|c| flow.attributed.contains(c));
         let by_attribution = match (flow.protocol, claim) {
@@ -352,7 +435,7 @@ impl CompiledPolicy {
         if let Some(r) = by_attribution {
             return Ok(Allowed::AttributedName(r));
         }
-        if self.policy.default == DefaultAction::Allow {
+        if default_ok && self.policy.default == DefaultAction::Allow {
             return Ok(Allowed::Default);
         }
         if terminating {
@@ -391,9 +474,24 @@ impl CompiledPolicy {
             // Only termination verifies the claim; splicing would trust it.
             return Verdict::Intercept(allowed, Intercepted::NeedsVerification);
         }
+        // An address exemption trusts the address, whatever name the
+        // stream is for, so ECH hides nothing it judged (docs/evidence.md).
         if let Some(r) = self.exempt.lookup_addr(addrs) {
             return Verdict::Splice(allowed, Spliced::Exempt(r));
         }
+        match self.exempt_by_name(flow, allowed) {
+            // A hostname exemption was granted to the outer name; the
+            // encrypted inner name could be any other.
+            Verdict::Splice(allowed, Spliced::Exempt(r)) if flow.ech => {
+                Verdict::Intercept(allowed, Intercepted::Ech(r))
+            }
+            verdict => verdict,
+        }
+    }
+
+    /// A hostname exemption: an attributed name matches it, and the SNI, if
+    /// any, is attributed and matches too.
+    fn exempt_by_name(&self, flow: &Flow<'_>, allowed: Allowed) -> Verdict {
         let names = &self.exempt.names;
         if names.is_empty() {
             return Verdict::Intercept(allowed, Intercepted::NotExempt);

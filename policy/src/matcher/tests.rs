@@ -14,6 +14,7 @@ struct F {
     names: Vec<&'static str>,
     gap: AttributionGap,
     encrypted_dns: Option<EncryptedDns>,
+    ech: bool,
 }
 
 fn tls(dst: &'static str) -> F {
@@ -25,6 +26,7 @@ fn tls(dst: &'static str) -> F {
         names: vec![],
         gap: AttributionGap::NoDnsSeen,
         encrypted_dns: None,
+        ech: false,
     }
 }
 fn http(dst: &'static str) -> F {
@@ -35,7 +37,7 @@ fn http(dst: &'static str) -> F {
 }
 fn opaque(dst: &'static str) -> F {
     F {
-        proto: Protocol::Opaque,
+        proto: Protocol::Opaque(None),
         ..tls(dst)
     }
 }
@@ -59,6 +61,11 @@ impl F {
     }
     fn dns_over(mut self, kind: EncryptedDns) -> Self {
         self.encrypted_dns = Some(kind);
+        self
+    }
+    /// The ClientHello carries `encrypted_client_hello`.
+    fn ech(mut self) -> Self {
+        self.ech = true;
         self
     }
 }
@@ -86,13 +93,22 @@ fn decide(p: &CompiledPolicy, f: &F) -> Verdict {
         attributed: &names,
         attribution_gap: f.gap,
         encrypted_dns: f.encrypted_dns,
+        ech: f.ech,
     })
 }
 
 /// Checks `(policy, flow, verdict name, reason code)` rows.
 fn table(rows: &[(&str, F, &str, &str)]) {
+    table_under(OpaqueStreams::Allow, rows);
+}
+
+/// [`table`] with the gateway's `opaque_streams` set to `mode`.
+fn table_under(mode: OpaqueStreams, rows: &[(&str, F, &str, &str)]) {
     for (i, (policy, flow, verdict, code)) in rows.iter().enumerate() {
-        let p = compile(policy);
+        let p = CompiledPolicy::new(
+            Policy::from_json(policy).expect(policy),
+            Arc::new(PlatformDenies::builtin().with_opaque_streams(mode)),
+        );
         let v = decide(&p, flow);
         assert_eq!(
             (v.name(), v.code()),
@@ -475,6 +491,154 @@ fn exemptions_choose_splice_only_with_attribution() {
     ]);
 }
 
+fn ssh(dst: &'static str) -> F {
+    F {
+        proto: Protocol::Opaque(Some(StreamProtocol::Ssh)),
+        ..tls(dst)
+    }
+}
+
+/// Streams the gateway cannot read: under `opaque_streams = "allow"` an
+/// allow lets them through (the seed's meaning) unless its `streams` name
+/// others; under `"deny"` only an entry naming the protocol does, and the
+/// default never. TLS, HTTP and DNS admission are never affected.
+#[test]
+fn opaque_streams_pass_where_the_setting_or_an_entry_says() {
+    let p = r#"{"default": "deny", "tls_interception": "on",
+                "allow": [{"cidr": "203.0.113.0/24", "streams": ["ssh"]}, {"cidr": "198.51.100.0/24"},
+                          {"ip": "192.0.2.1", "streams": []}, {"domain": "git.test", "streams": ["ssh"]},
+                          {"ip": "8.8.8.8"}]}"#;
+    let any = r#"{"default": "allow"}"#;
+    let rows = |deny: bool| -> Vec<(&str, F, &str, &str)> {
+        let refused = |allowed: &'static str| {
+            if deny {
+                ("deny", "unreadable_stream")
+            } else {
+                ("allow", allowed)
+            }
+        };
+        let (v, c) = refused("allow_address");
+        let (dv, dc) = refused("allow_default");
+        vec![
+            (p, ssh("203.0.113.7:22"), "allow", "allow_address"),
+            (p, opaque("203.0.113.7:22"), "deny", "unreadable_stream"),
+            (p, ssh("198.51.100.7:22"), v, c),
+            (p, opaque("198.51.100.7:22"), v, c),
+            (p, ssh("192.0.2.1:22"), "deny", "unreadable_stream"),
+            (p, opaque("192.0.2.1:22"), "deny", "unreadable_stream"),
+            (
+                p,
+                ssh("192.0.2.9:22").dns(&["git.test"]),
+                "allow",
+                "allow_attributed_name",
+            ),
+            (
+                p,
+                opaque("192.0.2.9:22").dns(&["git.test"]),
+                "deny",
+                "unreadable_stream",
+            ),
+            (p, ssh("192.0.2.9:22"), "deny", "no_dns_seen"),
+            (p, ssh("192.0.2.77:22"), "deny", "no_dns_seen"),
+            (any, opaque("192.0.2.9:22"), dv, dc),
+            (any, ssh("192.0.2.9:22"), dv, dc),
+            // Readable flows and DNS admission are judged as before.
+            (p, tls("192.0.2.1:443"), "intercept", "not_exempt"),
+            (p, http("203.0.113.7:80"), "allow", "allow_address"),
+            (
+                p,
+                F {
+                    proto: Protocol::Dns,
+                    ..tls("8.8.8.8:53")
+                },
+                "allow",
+                "allow_address",
+            ),
+            (
+                any,
+                F {
+                    proto: Protocol::Dns,
+                    ..tls("8.8.8.8:53")
+                },
+                "allow",
+                "allow_default",
+            ),
+        ]
+    };
+    table_under(OpaqueStreams::Allow, &rows(false));
+    table_under(OpaqueStreams::Deny, &rows(true));
+
+    let c = CompiledPolicy::new(
+        Policy::from_json(p).expect("policy"),
+        Arc::new(PlatformDenies::builtin().with_opaque_streams(OpaqueStreams::Deny)),
+    );
+    for (flow, text, rule) in [
+        (
+            opaque("203.0.113.7:22"),
+            "unreadable stream: a stream that is not TLS, HTTP or a protocol the gateway can name; allowed by cidr 203.0.113.0/24 streams [ssh], but its streams do not name it",
+            Some(0),
+        ),
+        (
+            ssh("198.51.100.7:22"),
+            "unreadable stream: an ssh stream; allowed by cidr 198.51.100.0/24, but the gateway's opaque_streams is deny",
+            Some(1),
+        ),
+    ] {
+        let v = decide(&c, &flow);
+        assert_eq!((v.describe(&c).as_str(), v.deny_rule()), (text, rule));
+    }
+}
+
+/// A ClientHello with `encrypted_client_hello` is judged on its outer name,
+/// and a hostname exemption granted to that name never splices it: the
+/// encrypted inner name may be any other. An address exemption still does.
+#[test]
+fn ech_hellos_are_never_spliced_by_a_hostname_exemption() {
+    let p = r#"{"default": "allow", "tls_interception": "on",
+                "deny": [{"domain": "denied.test"}],
+                "tls_interception_exemptions": [{"wildcard_domain": "*.relay.test"}, {"cidr": "198.51.100.0/24"}]}"#;
+    let dst = "203.0.113.7:443";
+    let exempt = tls(dst).sni("a.relay.test").dns(&["a.relay.test"]);
+    table(&[
+        (p, exempt.clone(), "splice", "exempt"),
+        (p, exempt.clone().ech(), "intercept", "ech"),
+        (p, tls(dst).dns(&["a.relay.test"]).ech(), "intercept", "ech"),
+        // What ECH did not change keeps its reason.
+        (
+            p,
+            tls(dst).sni("a.relay.test").ech(),
+            "intercept",
+            "no_dns_seen",
+        ),
+        (p, tls(dst).sni("www.test").ech(), "intercept", "not_exempt"),
+        // Judged on the outer name: a denied outer name is denied.
+        (p, tls(dst).sni("denied.test").ech(), "deny", "tenant_deny"),
+        // An address exemption never looked at a name.
+        (
+            p,
+            tls("198.51.100.9:443").sni("a.relay.test").ech(),
+            "splice",
+            "exempt",
+        ),
+        (p, tls("198.51.100.9:443").ech(), "splice", "exempt"),
+        // With interception off there is nothing to terminate: spliced as before.
+        (
+            r#"{"default": "allow"}"#,
+            exempt.clone().ech(),
+            "splice",
+            "interception_off",
+        ),
+    ]);
+    let c = compile(p);
+    let v = decide(&c, &exempt.ech());
+    assert_eq!(
+        v.describe(&c),
+        "allowed by default; intercepted, not spliced: exemption not applied: ech (the \
+         ClientHello carries encrypted_client_hello; wildcard_domain *.relay.test matches only \
+         its outer name)"
+    );
+}
+
 #[test]
 fn encrypted_dns_is_answered_or_needs_an_allow_by_name() {
     use EncryptedDns::{Dot, KnownDoh, ReservedDoh};
@@ -649,22 +813,33 @@ struct Facts {
     sni: Option<&'static str>,
     host: Option<&'static str>,
     names: Vec<&'static str>,
+    ech: bool,
 }
 
 fn arb_facts() -> impl Strategy<Value = Facts> {
     (
         prop::sample::select(IPS),
-        prop::sample::select(&[Protocol::Tls, Protocol::Http, Protocol::Opaque][..]),
+        prop::sample::select(
+            &[
+                Protocol::Tls,
+                Protocol::Http,
+                Protocol::Opaque(None),
+                Protocol::Opaque(Some(StreamProtocol::Ssh)),
+                Protocol::Dns,
+            ][..],
+        ),
         prop::option::of(prop::sample::select(NAMES)),
         prop::option::of(prop::sample::select(NAMES)),
         prop::sample::subsequence(NAMES, 0..3),
+        any::<bool>(),
     )
-        .prop_map(|(ip, protocol, sni, host, names)| Facts {
+        .prop_map(|(ip, protocol, sni, host, names, ech)| Facts {
             ip,
             protocol,
             sni,
             host,
             names,
+            ech: ech && protocol == Protocol::Tls,
         })
 }
 
@@ -680,6 +855,7 @@ fn run(p: &CompiledPolicy, f: &Facts) -> Verdict {
         attributed: &names,
         attribution_gap: AttributionGap::NoDnsSeen,
         encrypted_dns: None,
+        ech: f.ech,
     })
 }
 
@@ -739,6 +915,40 @@ proptest! {
         prop_assert_eq!(with_v.is_deny(), without_v.is_deny(), "{:?} vs {:?}", with_v, without_v);
         if let Verdict::Splice(_, Spliced::Exempt(_)) = with_v {
             prop_assert!(matches!(without_v, Verdict::Intercept(..)), "{:?}", without_v);
+        }
+    }
+
+    /// `opaque_streams = "deny"` never turns a deny into an allow, never
+    /// changes a flow that is not an opaque stream, and only denies an
+    /// opaque stream as `unreadable_stream`.
+    #[test]
+    fn denying_opaque_streams_only_refuses_opaque_streams(policy in arb_policy(), f in arb_facts()) {
+        let open = run(&CompiledPolicy::new(policy.clone(), Arc::new(PlatformDenies::new(vec![]))), &f);
+        let closed = run(&CompiledPolicy::new(policy, Arc::new(PlatformDenies::new(vec![]).with_opaque_streams(OpaqueStreams::Deny))), &f);
+        match (open, closed, f.protocol) {
+            (a, b, _) if a == b => {}
+            (Verdict::Allow(a), Verdict::Deny(Denied::Stream(b, _)), Protocol::Opaque(_)) => prop_assert_eq!(a, b),
+            (a, b, _) => prop_assert!(false, "{:?} became {:?}", a, b),
+        }
+    }
+
+    /// ECH never changes allow or deny, never turns a termination into a
+    /// splice, and a flow it spliced by exemption has an address exemption.
+    #[test]
+    fn ech_only_turns_a_name_exemption_into_termination(policy in arb_policy(), mut f in arb_facts()) {
+        f.ech = false;
+        let p = CompiledPolicy::new(policy, Arc::new(PlatformDenies::new(vec![])));
+        let plain = run(&p, &f);
+        f.ech = f.protocol == Protocol::Tls;
+        let ech = run(&p, &f);
+        prop_assert_eq!(plain.is_deny(), ech.is_deny());
+        match (plain, ech) {
+            (a, b) if a == b => {}
+            (Verdict::Splice(a, Spliced::Exempt(r)), Verdict::Intercept(b, Intercepted::Ech(s))) => {
+                prop_assert_eq!((a, r), (b, s));
+                prop_assert!(p.exempt.lookup_addr(&Addrs::of(SocketAddr::new(f.ip.parse().expect("ip"), 443))).is_none());
+            }
+            (a, b) => prop_assert!(false, "{:?} became {:?}", a, b),
         }
     }
 

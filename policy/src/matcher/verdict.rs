@@ -7,6 +7,7 @@
 
 use super::ipset::RuleIdx;
 use super::{CompiledPolicy, RuleList, RuleRef};
+use crate::stream::{OpaqueStreams, StreamProtocol};
 
 /// What happens to a flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +40,11 @@ pub enum Denied {
     /// off, or another resolver not allowed by name): the names it would
     /// resolve would never be attributed.
     EncryptedDns,
+    /// An opaque stream (of the protocol named, `None`: unreadable) that
+    /// `Allowed` would let out, had it been TLS or HTTP: the entry's
+    /// `streams` do not name it, or it has none and the gateway's
+    /// `opaque_streams` is `deny`.
+    Stream(Allowed, Option<StreamProtocol>),
 }
 
 /// Why a flow was allowed.
@@ -80,6 +86,10 @@ pub enum Intercepted {
     /// DNS over HTTPS to a reserved resolver: the gateway answers it through
     /// its DNS proxy, and nothing of it is forwarded.
     ReservedResolver,
+    /// A hostname exemption (by index into `tls_interception_exemptions`)
+    /// matches the outer name, but the ClientHello carries
+    /// `encrypted_client_hello`: the name the flow is for may be another.
+    Ech(RuleIdx),
 }
 
 /// Why name evidence was missing or did not fit.
@@ -123,6 +133,8 @@ impl Verdict {
         "request_rules",
         "encrypted_dns",
         "doh_answered",
+        "ech",
+        "unreadable_stream",
     ];
 
     /// `deny`, `allow`, `splice` or `intercept`.
@@ -145,6 +157,7 @@ impl Verdict {
         match self {
             Self::Deny(Denied::Platform(r) | Denied::Tenant(r)) => Some(*r),
             Self::Deny(Denied::Unseen(r)) => Some(r.index()),
+            Self::Deny(Denied::Stream(a, _)) => a.rule(),
             _ => None,
         }
     }
@@ -157,6 +170,7 @@ impl Verdict {
             Self::Deny(Denied::Misdirected) => "misdirected",
             Self::Deny(Denied::Unseen(_)) => "needs_interception",
             Self::Deny(Denied::EncryptedDns) => "encrypted_dns",
+            Self::Deny(Denied::Stream(..)) => "unreadable_stream",
             Self::Deny(Denied::NotAllowed(gap)) => match gap {
                 AttributionGap::NoMatch => "no_allow_match",
                 g => g.code(),
@@ -169,6 +183,7 @@ impl Verdict {
             Self::Intercept(_, Intercepted::NeedsVerification) => "needs_verification",
             Self::Intercept(_, Intercepted::RequestRules(_)) => "request_rules",
             Self::Intercept(_, Intercepted::ReservedResolver) => "doh_answered",
+            Self::Intercept(_, Intercepted::Ech(_)) => "ech",
         }
     }
 
@@ -198,6 +213,7 @@ impl Verdict {
                 AttributionGap::NoMatch => "no allow rule matches and the default is deny".into(),
                 g => format!("no allow rule matches: {}", g.describe()),
             },
+            Self::Deny(Denied::Stream(a, kind)) => describe_stream(policy, a, kind),
             Self::Allow(a) => a.describe(policy),
             Self::Splice(a, Spliced::InterceptionOff) => {
                 format!("{}; TLS interception is off", a.describe(policy))
@@ -212,6 +228,12 @@ impl Verdict {
                 a.describe(policy),
                 policy.describe_rule(r)
             ),
+            Self::Intercept(a, Intercepted::Ech(r)) => format!(
+                "{}; intercepted, not spliced: exemption not applied: ech (the ClientHello \
+                 carries encrypted_client_hello; {} matches only its outer name)",
+                a.describe(policy),
+                rule(RuleList::Exemption, r)
+            ),
             Self::Intercept(a, why) => {
                 format!("{}; intercepted: {}", a.describe(policy), why.describe())
             }
@@ -219,7 +241,38 @@ impl Verdict {
     }
 }
 
+/// An opaque stream refused: what it is, what would have allowed it, and why
+/// that does not let it through.
+fn describe_stream(policy: &CompiledPolicy, a: Allowed, kind: Option<StreamProtocol>) -> String {
+    let what = match kind {
+        Some(p) => format!("an {p} stream"),
+        None => "a stream that is not TLS, HTTP or a protocol the gateway can name".into(),
+    };
+    let named = a
+        .rule()
+        .and_then(|r| policy.policy().allow.get(usize::try_from(r).ok()?))
+        .and_then(|rule| rule.streams.as_ref());
+    let why: &str = match (named, policy.platform().opaque_streams()) {
+        (Some(_), _) => "its streams do not name it",
+        (None, OpaqueStreams::Deny) => "the gateway's opaque_streams is deny",
+        // The sets let every stream through an entry without streams here.
+        (None, OpaqueStreams::Allow) => "no entry lets it through",
+    };
+    format!(
+        "unreadable stream: {what}; {}, but {why}",
+        a.describe(policy)
+    )
+}
+
 impl Allowed {
+    /// The index of the allow entry, when an entry allowed.
+    pub fn rule(&self) -> Option<RuleIdx> {
+        match self {
+            Self::Address(r) | Self::AttributedName(r) | Self::VerifiedName(r) => Some(*r),
+            Self::Default => None,
+        }
+    }
+
     fn code(&self) -> &'static str {
         match self {
             Self::Address(_) => "allow_address",
@@ -258,6 +311,7 @@ impl Intercepted {
             Self::ReservedResolver => {
                 "DNS over HTTPS to a reserved resolver, answered by the gateway's DNS proxy".into()
             }
+            Self::Ech(r) => format!("exemption not applied: ech (exemption #{r})"),
         }
     }
 }
@@ -323,6 +377,8 @@ mod tests {
                 Allowed::Default,
                 Intercepted::RequestRules(RuleRef::Deny(0)),
             ),
+            Verdict::Intercept(Allowed::Default, Intercepted::Ech(0)),
+            Verdict::Deny(Denied::Stream(Allowed::Address(0), None)),
         ];
         all.extend(gaps.map(|g| Verdict::Deny(Denied::NotAllowed(g))));
         all.extend(

@@ -114,6 +114,8 @@ fn errors_name_profile_and_field() {
         (r#"{"s": {"allow": [{"ip": "203.0.113.7"}], "tls_interception_exemptions": [{"wildcard_domain": "*.a.test"}]}}"#,
          "profile \"s\": field \"tls_interception_exemptions[0]\": wildcard_domain destinations are not accepted"),
         (r#"{"s": {"allow": [{"domain": "a.test", "port": 443}]}}"#, "profile \"s\": field \"allow[0]\": unsupported selector \"port\""),
+        // Profiles take destinations only: no http, no streams.
+        (r#"{"s": {"allow": [{"ip": "203.0.113.7", "streams": ["ssh"]}]}}"#, "profile \"s\": field \"allow[0]\": unsupported selector \"streams\""),
         (r#"{"s": {"allow": [{"cidr": "192.0.2.1/24"}]}}"#, "profile \"s\": field \"allow[0]\": cidr \"192.0.2.1/24\" has host bits set"),
         (r#"{"s": {"allow": [{"domain": "bad_name.test"}]}}"#, "profile \"s\": field \"allow[0]\": invalid domain \"bad_name.test\""),
         (r#"{"s": {"default": "yes", "allow": [{"ip": "203.0.113.7"}]}}"#, "profile \"s\": field \"default\": invalid type: string \"yes\", expected a boolean"),
