@@ -64,6 +64,9 @@ dns_alt = "127.0.0.1:0"
 admin = "127.0.0.1:25000"
 [dns]
 upstreams = ["$up_addr"]
+# One sandbox sends every query: budgets on, but out of the load's reach.
+budget_qps = 1000000
+budget_new_names_per_minute = 1000000
 [limits]
 worker_threads = ${GW_WORKERS:-1}
 [log]
