@@ -328,6 +328,28 @@ pub async fn serve_tls(addr: SocketAddr, minter: Arc<LeafMinter>) -> std::io::Re
     }
 }
 
+/// An SSH server's first words on `addr` (port 22): its identification
+/// string, then an echo of what the client sends (bounded: 64 KiB, 10 s),
+/// so a test sees a stream pass both ways.
+pub async fn serve_ssh(addr: SocketAddr) -> std::io::Result<()> {
+    let listener = TcpListener::bind(addr).await?;
+    loop {
+        let (mut tcp, _) = listener.accept().await?;
+        tokio::spawn(async move {
+            if tcp.write_all(b"SSH-2.0-fake-internet\r\n").await.is_err() {
+                return;
+            }
+            let mut buf = vec![0u8; 65_536];
+            if let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_secs(10), tcp.read(&mut buf)).await
+            {
+                let _ = tcp.write_all(&buf[..n]).await;
+            }
+            let _ = tcp.shutdown().await;
+        });
+    }
+}
+
 /// Plain HTTP on `addr`.
 pub async fn serve_http(addr: SocketAddr) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;

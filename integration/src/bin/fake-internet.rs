@@ -1,4 +1,5 @@
-//! `fake-internet --ca-dir DIR`: DNS on 203.0.113.53:53, HTTPS on :443, HTTP on :80
+//! `fake-internet --ca-dir DIR`: DNS on 203.0.113.53:53, HTTPS on :443, HTTP on :80,
+//! an SSH-like banner and echo on :22
 //! (IPv4 and IPv6).
 //! Run it inside the "internet" namespace; it prints `ready` once listening.
 
@@ -38,11 +39,14 @@ async fn main() -> ExitCode {
     let dns_task = tokio::spawn(egress_integration::serve_dns(dns));
     let tls_task = tokio::spawn(egress_integration::serve_tls(tls, minter));
     let http_task = tokio::spawn(egress_integration::serve_http(http));
+    let ssh: SocketAddr = (std::net::Ipv6Addr::UNSPECIFIED, 22).into();
+    let ssh_task = tokio::spawn(egress_integration::serve_ssh(ssh));
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     for (what, t) in [
         ("dns", &dns_task),
         ("https", &tls_task),
         ("http", &http_task),
+        ("ssh", &ssh_task),
     ] {
         if t.is_finished() {
             eprintln!("fake-internet: the {what} server stopped at start");
@@ -50,6 +54,6 @@ async fn main() -> ExitCode {
         }
     }
     println!("ready");
-    let _ = tokio::join!(dns_task, tls_task, http_task);
+    let _ = tokio::join!(dns_task, tls_task, http_task, ssh_task);
     ExitCode::FAILURE
 }

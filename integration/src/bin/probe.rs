@@ -49,6 +49,10 @@ struct RequestArgs {
     /// HTTP/1.1: the whole request as text, with `\r` and `\n` written as escapes.
     #[arg(long, conflicts_with = "h2_authority")]
     raw: Option<String>,
+    /// Any bytes, in hex (a hand-built ClientHello, an SSLv2 hello): sent
+    /// as they are over plain TCP.
+    #[arg(long, conflicts_with_all = ["h2_authority", "raw", "sni"])]
+    hex: Option<String>,
     /// HTTP/2 (ALPN h2) to `/` with this `:authority`.
     #[arg(long)]
     h2_authority: Option<String>,
@@ -211,14 +215,38 @@ async fn request(args: RequestArgs) -> Result<serde_json::Value, String> {
     if let Some(authority) = args.h2_authority {
         return h2_request(io, &authority, &args.hosts, args.pad).await;
     }
-    let raw = args.raw.ok_or("give --raw or --h2-authority")?;
+    let bytes = match (args.raw, args.hex) {
+        (Some(raw), _) => raw.replace("\\r", "\r").replace("\\n", "\n").into_bytes(),
+        (None, Some(hex)) => unhex(&hex)?,
+        (None, None) => return Err("give --raw, --hex or --h2-authority".to_owned()),
+    };
     let mut io = io;
-    io.write_all(raw.replace("\\r", "\r").replace("\\n", "\n").as_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
+    io.write_all(&bytes).await.map_err(|e| e.to_string())?;
     let mut resp = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(5), io.read_to_end(&mut resp)).await;
     Ok(serde_json::json!({"response": String::from_utf8_lossy(&resp)}))
+}
+
+/// `hex` as bytes (two digits a byte).
+fn unhex(hex: &str) -> Result<Vec<u8>, String> {
+    let digits = hex.trim().as_bytes();
+    if digits.len() % 2 != 0 {
+        return Err("--hex: an odd number of digits".to_owned());
+    }
+    digits
+        .chunks(2)
+        .map(|pair| {
+            std::str::from_utf8(pair)
+                .ok()
+                .and_then(|d| u8::from_str_radix(d, 16).ok())
+                .ok_or_else(|| {
+                    format!(
+                        "--hex: {:?} is not a hex byte",
+                        String::from_utf8_lossy(pair)
+                    )
+                })
+        })
+        .collect()
 }
 
 async fn h2_request(

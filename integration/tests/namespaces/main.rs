@@ -13,3 +13,4 @@ mod machine;
 mod requests;
 mod scenarios;
 mod topology;
+mod unreadable;

@@ -366,14 +366,21 @@ impl Topology {
     /// Rewrites the gateway's configuration with `limits` as its `[limits]`
     /// section; the next `start_gateway` runs with it.
     pub fn set_limits(&self, limits: &str) {
-        self.write_config_with(limits);
+        self.write_config_with(limits, "");
+    }
+
+    /// Rewrites the gateway's configuration with `policy` as its `[policy]`
+    /// section (e.g. `opaque_streams = "deny"`); the next `start_gateway`
+    /// runs with it.
+    pub fn set_policy_config(&self, policy: &str) {
+        self.write_config_with("", policy);
     }
 
     fn write_config(&self) {
-        self.write_config_with("");
+        self.write_config_with("", "");
     }
 
-    fn write_config_with(&self, limits: &str) {
+    fn write_config_with(&self, limits: &str, policy: &str) {
         let cfg = format!(
             r#"
             state_dir = "{state}"
@@ -391,6 +398,8 @@ impl Topology {
             flow_log = "{flows}"
             [limits]
             {limits}
+            [policy]
+            {policy}
             "#,
             state = self.path("gw-state").display(),
             dns = egress_integration::DNS_IP,
