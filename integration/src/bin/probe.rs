@@ -230,7 +230,7 @@ async fn request(args: RequestArgs) -> Result<serde_json::Value, String> {
 /// `hex` as bytes (two digits a byte).
 fn unhex(hex: &str) -> Result<Vec<u8>, String> {
     let digits = hex.trim().as_bytes();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return Err("--hex: an odd number of digits".to_owned());
     }
     digits
