@@ -99,30 +99,65 @@ fn chromium(t: &Topology, home: &Path, url: &str) -> std::process::Output {
         .expect("chromium")
 }
 
-#[test]
-fn chromium_with_doh_forced_is_attributed_and_exempt_by_name() {
-    if !available() || !chromium_present() {
-        return;
+/// Waits (up to 10 s) until the sandbox has no tentative address left: the
+/// kernel finishing duplicate address detection on a link-local address
+/// while a page loads is a network change to Chromium (`ERR_NETWORK_CHANGED`).
+fn settled(t: &Topology) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        let out = t.exec(&t.sb1, "ip", &["addr", "show", "tentative"]);
+        if out.status.success() && out.stdout.is_empty() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    let t = Topology::new();
-    t.push(
-        "sb1",
-        SB1_IP,
-        r#"{"default": "deny", "tls_interception": "on",
-            "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.relay.example.test"}],
-            "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}]}"#,
-    );
-    let _policy = ManagedPolicy::write(
-        r#"{"DnsOverHttpsMode": "secure", "DnsOverHttpsTemplates": "https://dns.google/dns-query"}"#,
-    );
+}
+
+/// Loads the relay's page in Chromium under `managed` (a Chromium policy),
+/// with the sandbox on `policy`: insists the page arrived, and returns the
+/// flow log once the site's flow is in it, and the site's flow.
+fn load_the_site(
+    t: &Topology,
+    policy: &str,
+    managed: &str,
+) -> (Vec<serde_json::Value>, serde_json::Value) {
+    t.push("sb1", SB1_IP, policy);
+    settled(t);
+    let _policy = ManagedPolicy::write(managed);
     let home = tempfile::tempdir().expect("home");
-    let out = chromium(&t, home.path(), "https://a.relay.example.test/");
+    let out = chromium(t, home.path(), "https://a.relay.example.test/");
     let page = String::from_utf8_lossy(&out.stdout);
     let flows = t.flows_when(|f| f.iter().any(|l| l["sni"] == "a.relay.example.test"));
     assert!(
         page.contains("fake internet"),
         "page: {page}\nstderr: {}\nflows: {flows:?}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    let site = flows
+        .iter()
+        .find(|l| l["sni"] == "a.relay.example.test")
+        .cloned()
+        .expect("site");
+    (flows, site)
+}
+
+/// The site's flow: attributed through the DoH the gateway answered, and —
+/// Chromium sends GREASE ECH in every ClientHello, which no one can tell
+/// from real ECH — terminated (`ech`) though its name is exempt: an
+/// exemption granted to the outer name never splices a flow whose real name
+/// may be encrypted. The page still loads, through the interception.
+#[test]
+fn chromium_with_doh_forced_is_attributed_and_its_grease_ech_is_not_spliced() {
+    if !available() || !chromium_present() {
+        return;
+    }
+    let t = Topology::new();
+    let (flows, site) = load_the_site(
+        &t,
+        r#"{"default": "deny", "tls_interception": "on",
+            "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.relay.example.test"}],
+            "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}]}"#,
+        r#"{"DnsOverHttpsMode": "secure", "DnsOverHttpsTemplates": "https://dns.google/dns-query"}"#,
     );
     let doh: Vec<_> = flows.iter().filter(|l| l["sni"] == "dns.google").collect();
     assert!(!doh.is_empty(), "no DoH flow: {flows:?}");
@@ -130,49 +165,36 @@ fn chromium_with_doh_forced_is_attributed_and_exempt_by_name() {
         doh.iter().any(|l| l["reason"] == json!("doh_answered")),
         "{doh:?}"
     );
-    let site = flows
-        .iter()
-        .find(|l| l["sni"] == "a.relay.example.test")
-        .expect("site");
+    assert_eq!(
+        site["attributed"],
+        json!(["a.relay.example.test"]),
+        "{site}"
+    );
     assert_eq!(
         (&site["verdict"], &site["reason"]),
-        (&json!("splice"), &json!("exempt")),
+        (&json!("intercept"), &json!("ech")),
         "{site}"
     );
 }
 
 /// Automatic DoH (Chromium's default where the system resolver is a known
-/// DoH provider) with interception off: the gateway refuses the DoH flow
-/// (`encrypted_dns`), Chromium falls back to port 53, and the site, allowed
-/// by name, works on the attribution that DNS made.
+/// DoH provider) with interception off: the gateway would refuse a DoH flow
+/// (`encrypted_dns`), Chromium falls back to (or stays on) port 53, and the
+/// site, allowed by name, works on the attribution that DNS made.
 #[test]
 fn chromium_in_automatic_mode_falls_back_to_port_53_without_interception() {
     if !available() || !chromium_present() {
         return;
     }
     let t = Topology::new();
-    t.push(
-        "sb1",
-        SB1_IP,
+    let (flows, site) = load_the_site(
+        &t,
         r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.relay.example.test"}]}"#,
-    );
-    let _policy = ManagedPolicy::write(r#"{"DnsOverHttpsMode": "automatic"}"#);
-    let home = tempfile::tempdir().expect("home");
-    let out = chromium(&t, home.path(), "https://a.relay.example.test/");
-    let page = String::from_utf8_lossy(&out.stdout);
-    let flows = t.flows_when(|f| f.iter().any(|l| l["sni"] == "a.relay.example.test"));
-    assert!(
-        page.contains("fake internet"),
-        "page: {page}\nstderr: {}\nflows: {flows:?}",
-        String::from_utf8_lossy(&out.stderr)
+        r#"{"DnsOverHttpsMode": "automatic"}"#,
     );
     for l in flows.iter().filter(|l| l["dst"] == "8.8.8.8:443") {
         assert_eq!(l["reason"], json!("encrypted_dns"), "{l}");
     }
-    let site = flows
-        .iter()
-        .find(|l| l["sni"] == "a.relay.example.test")
-        .expect("site");
     assert_eq!(
         (&site["verdict"], &site["reason"]),
         (&json!("splice"), &json!("interception_off")),
@@ -186,5 +208,29 @@ fn chromium_in_automatic_mode_falls_back_to_port_53_without_interception() {
     println!(
         "chromium, automatic DoH, interception off: {} DoH flows refused, the site attributed through port 53",
         flows.iter().filter(|l| l["dst"] == "8.8.8.8:443").count()
+    );
+}
+
+/// The operator's way to keep a browser's hostname exemptions splicing:
+/// Chromium's `EncryptedClientHelloEnabled: false` policy stops its GREASE
+/// ECH, and the exempt site, attributed through DoH, is spliced.
+#[test]
+fn chromium_without_ech_is_spliced_by_its_exemption() {
+    if !available() || !chromium_present() {
+        return;
+    }
+    let t = Topology::new();
+    let (_, site) = load_the_site(
+        &t,
+        r#"{"default": "deny", "tls_interception": "on",
+            "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.relay.example.test"}],
+            "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}]}"#,
+        r#"{"DnsOverHttpsMode": "secure", "DnsOverHttpsTemplates": "https://dns.google/dns-query",
+            "EncryptedClientHelloEnabled": false}"#,
+    );
+    assert_eq!(
+        (&site["verdict"], &site["reason"]),
+        (&json!("splice"), &json!("exempt")),
+        "{site}"
     );
 }

@@ -17,7 +17,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::net::TcpSocket;
 
-use crate::{encode_query, report, Load, Tally};
+use crate::{encode_query, finish, Load, Tally};
 
 type Sender = SendRequest<Full<Bytes>>;
 
@@ -33,16 +33,7 @@ pub(crate) async fn run(load: Load, sni: &str, ca: &Path, concurrency: u32) -> R
             tokio::spawn(async move { worker(&load, sender, uri, &next).await })
         })
         .collect();
-    let mut hist = Histogram::<u64>::new(3).map_err(|e| e.to_string())?;
-    let mut tally = Tally::default();
-    for w in workers {
-        let (h, t) = w.await.map_err(|e| e.to_string())??;
-        hist.add(h).map_err(|e| e.to_string())?;
-        tally.answered += t.answered;
-        tally.failed += t.failed;
-    }
-    report(&hist, &tally, started.elapsed().as_secs_f64());
-    Ok(())
+    finish(workers, started).await
 }
 
 /// TLS (trusting `ca`, ALPN h2) and HTTP/2 to `load.target` from `load.source`.

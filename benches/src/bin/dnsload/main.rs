@@ -184,16 +184,7 @@ impl Load {
                 async move { this.worker(socket, &next).await },
             ));
         }
-        let mut hist = Histogram::<u64>::new(3).map_err(|e| e.to_string())?;
-        let mut tally = Tally::default();
-        for w in workers {
-            let (h, t) = w.await.map_err(|e| e.to_string())??;
-            hist.add(h).map_err(|e| e.to_string())?;
-            tally.answered += t.answered;
-            tally.failed += t.failed;
-        }
-        report(&hist, &tally, started.elapsed().as_secs_f64());
-        Ok(())
+        finish(workers, started).await
     }
 
     /// Takes query numbers until `count` is reached (or the deadline passes);
@@ -246,6 +237,23 @@ impl Load {
         }
     }
 }
+
+/// Every worker's histogram and tally, summed, printed as the run's line.
+async fn finish(workers: Vec<Worker>, started: Instant) -> Result<(), String> {
+    let mut hist = Histogram::<u64>::new(3).map_err(|e| e.to_string())?;
+    let mut tally = Tally::default();
+    for w in workers {
+        let (h, t) = w.await.map_err(|e| e.to_string())??;
+        hist.add(h).map_err(|e| e.to_string())?;
+        tally.answered += t.answered;
+        tally.failed += t.failed;
+    }
+    report(&hist, &tally, started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// A generator task: its latencies and counts.
+type Worker = tokio::task::JoinHandle<Result<(Histogram<u64>, Tally), String>>;
 
 /// The run's one JSON line.
 fn report(hist: &Histogram<u64>, tally: &Tally, secs: f64) {
