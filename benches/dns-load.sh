@@ -9,6 +9,8 @@
 #       benches/dns-load.sh                             # an older binary beside the current one
 #   unshare -n sh -c 'ip link set lo up && benches/dns-load.sh'   # a loopback-only namespace
 #   SKIP_BUILD=1 GW_BIN=/tmp/egress-gateway benches/dns-load.sh   # measure a copied binary as is
+#   BASE_GW=/tmp/egress-gateway.pre-budgets BASE_BUDGETS=0 PEERS="direct gateway gateway-base" \
+#       benches/dns-load.sh                             # against a binary from before the DNS budgets
 #
 # The upstream is `egress-dnsload serve` (hickory-server) on 127.0.0.1:25353.
 # The release gateway answers for 8.8.8.8 on 127.0.0.1:25053 and forwards to
@@ -19,7 +21,9 @@
 # security polling. `gateway2` is the gateway with two worker threads
 # (127.0.0.1:25056), `gateway-pc` the same two threads with a runtime and a
 # SO_REUSEPORT socket each (limits.thread_per_core, 127.0.0.1:25057);
-# `gateway-base` is $BASE_GW (127.0.0.1:25055).
+# `gateway-base` is $BASE_GW (127.0.0.1:25055); BASE_BUDGETS=0 leaves the
+# budget keys out of its configuration (a binary that predates them refuses
+# them).
 # Every query asks for a name not asked before; the same generator and the
 # same names for every path. Latency: one query outstanding; throughput:
 # CONC (32) outstanding. The order of the paths rotates from round to round.
@@ -36,8 +40,9 @@ default_peers="direct gateway"
 command -v dnsdist >/dev/null && default_peers="$default_peers dnsdist"
 read -r -a peers <<< "${PEERS:-$default_peers}"
 [ "${SKIP_BUILD:-0}" = 1 ] || cargo build --release --quiet -p egress-gateway -p egress-benches --bins --manifest-path "$root/Cargo.toml"
-gw=${GW_BIN:-$root/target/release/egress-gateway}
-load=$root/target/release/egress-dnsload
+target_dir=${CARGO_TARGET_DIR:-$root/target}
+gw=${GW_BIN:-$target_dir/release/egress-gateway}
+load=${LOAD_BIN:-$target_dir/release/egress-dnsload}
 state=$(mktemp -d /tmp/egress-dns-load.XXXXXX)
 pids=()
 cleanup() {
@@ -53,9 +58,13 @@ target[direct]=$up_addr
 "$load" serve --listen "$up_addr" > "$state/upstream.out" &
 pids+=($!)
 
-# gateway NAME BINARY DNS_PORT ADMIN_PORT WORKERS
+# gateway NAME BINARY DNS_PORT ADMIN_PORT WORKERS [PER_CORE] [BUDGET_KEYS]
 gateway() {
-    local name=$1 bin=$2 port=$3 admin=$4 workers=$5 per_core=${6:-false} dir=$state/$1
+    local name=$1 bin=$2 port=$3 admin=$4 workers=$5 per_core=${6:-false} budgets=${7:-1} dir=$state/$1
+    # One sandbox sends every query: budgets on, but out of the load's reach
+    # (a query within budget costs the same whatever the limit).
+    local budget_keys=$'budget_qps = 1000000\nbudget_new_names_per_minute = 1000000'
+    [ "$budgets" = 1 ] || budget_keys="# budgets: none (a binary from before them)"
     mkdir -p "$dir"
     printf '{"version": 1, "sandboxes": [{"id": "dns-bench", "addresses": ["%s"], "policy": %s}]}\n' "$sandbox" \
         '{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"wildcard_domain": "*.bench.test"}]}' > "$dir/snapshot.json"
@@ -68,9 +77,7 @@ dns_alt = "127.0.0.1:0"
 admin = "127.0.0.1:$admin"
 [dns]
 upstreams = ["$up_addr"]
-# One sandbox sends every query: budgets on, but out of the load's reach.
-budget_qps = 1000000
-budget_new_names_per_minute = 1000000
+$budget_keys
 [limits]
 worker_threads = $workers
 thread_per_core = $per_core
@@ -110,7 +117,7 @@ for p in "${peers[@]}"; do
         gateway) gateway gateway "$gw" 25053 25000 "${GW_WORKERS:-1}" ;;
         gateway2) gateway gateway2 "$gw" 25056 25002 2 ;;
         gateway-pc) gateway gateway-pc "$gw" 25057 25003 2 true ;;
-        gateway-base) gateway gateway-base "${BASE_GW:?BASE_GW names the other gateway binary}" 25055 25001 "${GW_WORKERS:-1}" ;;
+        gateway-base) gateway gateway-base "${BASE_GW:?BASE_GW names the other gateway binary}" 25055 25001 "${GW_WORKERS:-1}" false "${BASE_BUDGETS:-1}" ;;
         dnsdist) dnsdist_start ;;
         *) echo "dns-load.sh: unknown path $p" >&2; exit 2 ;;
     esac
@@ -121,7 +128,7 @@ for p in "${peers[@]}"; do
     ok=0
     for _ in $(seq 50); do
         if timeout 10 "$load" query --target "${target[$p]}" --source "$sandbox" --count 20 --concurrency 1 \
-            --timeout-ms 200 --prefix "warm-$p-" 2>/dev/null | grep -q '"failed": 0'; then ok=1; break; fi
+            --timeout-ms 200 --prefix "warm-$p-" 2>/dev/null | grep -q '"refused": 0, "failed": 0'; then ok=1; break; fi
         sleep 0.1
     done
     [ "$ok" = 1 ] || { echo "dns-load.sh: $p does not answer" >&2; cat "$state"/*.out "$state"/*/gateway.err >&2 || true; exit 1; }
@@ -166,7 +173,7 @@ def per_round(f):
     return [f(r) for r in rs]
 def spread(v, fmt):
     return f"{fmt(statistics.median(v))} ({fmt(min(v))}–{fmt(max(v))})"
-failed = sum(x["result"]["failed"] for x in rows)
+failed = sum(x["result"]["failed"] + x["result"].get("refused", 0) for x in rows)
 title = "the gateway's listener vs dnsdist" if "dnsdist" in peers else "through the gateway's listener"
 print(f"### DNS: {title} ({rounds} interleaved rounds; median, (min–max) over rounds; {failed} queries failed)\n")
 print("| figure | " + " | ".join(peers) + " |")
@@ -192,4 +199,9 @@ if "gateway" in proxies and others:
     for o in others:
         v = per_round(lambda r: get("gateway", "load", "qps", r) / get(o, "load", "qps", r))
         print(f"- vs {o}: " + ", ".join(f"{x:.2f}" for x in v) + f" (median {statistics.median(v):.2f}×)")
+    print("\nAnd p50 latency, gateway ÷ other (1 outstanding; 32 outstanding):\n")
+    for o in others:
+        for kind in ("latency", "load"):
+            v = per_round(lambda r: get("gateway", kind, "p50_us", r) / get(o, kind, "p50_us", r))
+            print(f"- vs {o}, {kind}: " + ", ".join(f"{x:.2f}" for x in v) + f" (median {statistics.median(v):.2f}×)")
 EOF

@@ -1,5 +1,5 @@
-//! The fake internet: an authoritative DNS server for a test zone, HTTPS
-//! origins whose certificates are minted per SNI under a test CA, a plain
+//! The fake internet: an authoritative DNS server for a test zone (which
+//! counts the queries it receives, by name), HTTPS origins whose certificates are minted per SNI under a test CA, a plain
 //! HTTP origin, and a non-HTTP TLS service (a line protocol standing in for
 //! TURN-over-TLS). It runs inside a network namespace whose addresses are
 //! documentation ranges only (203.0.113.0/24, 198.51.100.0/24).
@@ -13,7 +13,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use egress_certs::{CertificateAuthority, LeafMinter, LeafResolver, MintConfig};
 use hickory_proto::op::{Metadata, ResponseCode};
-use hickory_proto::rr::rdata::{A, AAAA, CNAME};
+use hickory_proto::rr::rdata::svcb::{
+    Alpn, EchConfigList, IpHint, Mandatory, SvcParamKey, SvcParamValue, SVCB,
+};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME, HTTPS, TXT};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_server::net::runtime::Time;
 use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
@@ -104,6 +107,8 @@ pub fn zone() -> HashMap<&'static str, Entry> {
         ("a.relay.example.test", Entry::A(ip("203.0.113.20"), 300)),
         ("short.relay.example.test", Entry::A(ip("203.0.113.21"), 1)),
         ("turn.example.test", Entry::A(ip(TURN_IP), 300)),
+        // Its HTTPS record carries `ech` (see `ech_https`).
+        (ECH_NAME, Entry::A(ip("203.0.113.10"), 300)),
         (
             "www.chain.example.test",
             Entry::Cname("cdn.chain.example.test", 120),
@@ -173,6 +178,20 @@ pub fn addresses() -> Vec<Ipv4Addr> {
 
 // === DNS ===
 
+/// The zone's name whose HTTPS (type 65) record publishes an ECH
+/// configuration: `1 . mandatory=alpn,ech alpn="h2" ipv4hint=203.0.113.10 ech=…`.
+pub const ECH_NAME: &str = "ech.example.test";
+
+/// Under this zone every name has a TXT record (`"ok"`): the shape of a DNS
+/// exfiltration channel, data going out in the names and coming back in TXT.
+pub const EXFIL_ZONE: &str = "exfil.example.test";
+
+/// Queries the DNS server received, by question name (lower case, without
+/// the trailing dot); `GET /_dns_counts` (plain HTTP, any address) returns
+/// them as JSON.
+static DNS_COUNTS: std::sync::LazyLock<std::sync::Mutex<HashMap<String, u64>>> =
+    std::sync::LazyLock::new(|| std::sync::Mutex::new(HashMap::new()));
+
 struct Zone(HashMap<&'static str, Entry>);
 
 #[async_trait::async_trait]
@@ -191,10 +210,28 @@ impl RequestHandler for Zone {
             .map_or((String::new(), RecordType::A), |q| {
                 (q.name().to_string(), q.query_type())
             });
+        let qname = qname.trim_end_matches('.').to_ascii_lowercase();
+        if let Ok(mut c) = DNS_COUNTS.lock() {
+            *c.entry(qname.clone()).or_insert(0) += 1;
+        }
+        let records = match exfil_txt(&qname, qtype) {
+            Some(txt) => Some(vec![txt]),
+            None => self.lookup(qname, qtype),
+        };
+        if records.is_none() {
+            metadata.response_code = ResponseCode::NXDomain;
+        }
+        answer(request, handle, metadata, &records.unwrap_or_default()).await
+    }
+}
+
+impl Zone {
+    /// The records answering `qtype` for `qname`, CNAMEs followed inside the
+    /// zone as an authoritative server does; `None`: no such name.
+    fn lookup(&self, qname: String, qtype: RecordType) -> Option<Vec<Record>> {
         let mut records = Vec::new();
-        let mut current = qname.trim_end_matches('.').to_ascii_lowercase();
+        let mut current = qname;
         let mut found = false;
-        // Follow CNAMEs inside the zone, as an authoritative server does.
         for _ in 0..8 {
             let Some(entry) = self.0.get(current.as_str()) else {
                 break;
@@ -203,13 +240,17 @@ impl RequestHandler for Zone {
             let owner = Name::from_ascii(format!("{current}.")).unwrap_or_default();
             match entry {
                 Entry::A(ip, ttl) => {
-                    if qtype == RecordType::A {
-                        records.push(Record::from_rdata(owner.clone(), *ttl, RData::A(A(*ip))));
-                    }
-                    if qtype == RecordType::AAAA {
-                        if let Some((ip6, ttl6)) = zone6().get(current.as_str()) {
-                            records.push(Record::from_rdata(owner, *ttl6, RData::AAAA(AAAA(*ip6))));
+                    match qtype {
+                        RecordType::A => {
+                            records.push(Record::from_rdata(owner, *ttl, RData::A(A(*ip))))
                         }
+                        RecordType::AAAA => {
+                            records.extend(zone6().get(current.as_str()).map(|(ip6, ttl6)| {
+                                Record::from_rdata(owner, *ttl6, RData::AAAA(AAAA(*ip6)))
+                            }))
+                        }
+                        RecordType::HTTPS if current == ECH_NAME => records.push(ech_https(owner)),
+                        _ => {}
                     }
                     break;
                 }
@@ -220,11 +261,49 @@ impl RequestHandler for Zone {
                 }
             }
         }
-        if !found {
-            metadata.response_code = ResponseCode::NXDomain;
-        }
-        answer(request, handle, metadata, &records).await
+        found.then_some(records)
     }
+}
+
+/// [`ECH_NAME`]'s HTTPS record, `ech` included (and named mandatory).
+fn ech_https(owner: Name) -> Record {
+    let params = vec![
+        (
+            SvcParamKey::Mandatory,
+            SvcParamValue::Mandatory(Mandatory(vec![
+                SvcParamKey::Alpn,
+                SvcParamKey::EchConfigList,
+            ])),
+        ),
+        (
+            SvcParamKey::Alpn,
+            SvcParamValue::Alpn(Alpn(vec!["h2".to_owned()])),
+        ),
+        (
+            SvcParamKey::Ipv4Hint,
+            SvcParamValue::Ipv4Hint(IpHint(vec![A::new(203, 0, 113, 10)])),
+        ),
+        (
+            SvcParamKey::EchConfigList,
+            SvcParamValue::EchConfigList(EchConfigList(
+                b"\x00\x13\xfe\x0d\x00\x0ffake-ech-config".to_vec(),
+            )),
+        ),
+    ];
+    Record::from_rdata(
+        owner,
+        300,
+        RData::HTTPS(HTTPS(SVCB::new(1, Name::root(), params))),
+    )
+}
+
+/// The TXT answer for a name under [`EXFIL_ZONE`].
+fn exfil_txt(qname: &str, qtype: RecordType) -> Option<Record> {
+    let under = qname.strip_suffix(EXFIL_ZONE)?.ends_with('.');
+    (under && qtype == RecordType::TXT).then(|| {
+        let owner = Name::from_ascii(format!("{qname}.")).unwrap_or_default();
+        Record::from_rdata(owner, 60, RData::TXT(TXT::new(vec!["ok".to_owned()])))
+    })
 }
 
 /// Sends `records` as the answer section of the response to `request`.
@@ -423,11 +502,15 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
     }
 }
 
-/// The tests' own paths: `/_counts`, `/_seen`, `/_release`.
+/// The tests' own paths: `/_counts`, `/_dns_counts`, `/_seen`, `/_release`.
 fn control(path: &str) -> Option<hyper::Response<Full<Bytes>>> {
     let body = match path {
         "/_counts" => {
             let counts = COUNTS.lock().map(|c| c.clone()).unwrap_or_default();
+            serde_json::to_string(&counts).unwrap_or_default()
+        }
+        "/_dns_counts" => {
+            let counts = DNS_COUNTS.lock().map(|c| c.clone()).unwrap_or_default();
             serde_json::to_string(&counts).unwrap_or_default()
         }
         "/_seen" => {

