@@ -23,7 +23,7 @@ use bytes::Bytes;
 use egress_policy::SandboxId;
 use egress_policy::{Hostname, Policy};
 use http::{header, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::{Deserialize, Serialize};
@@ -31,6 +31,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 use crate::commit::{Change, Committer, NotApplied};
+use crate::control_http::{body_text, error, json_reply, Reply, MAX_BODY};
 use crate::credentials::{self, Credential};
 use crate::decide::{decide, explained, explained_request, Claims};
 use crate::metrics::OutcomeLabels;
@@ -82,9 +83,6 @@ fn epoch() -> String {
     let _ = ring::rand::SystemRandom::new().fill(&mut bytes);
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
-
-/// Largest request body accepted.
-const MAX_BODY: usize = 1 << 20;
 
 /// Serves the admin API on `listener` until the task is dropped.
 pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
@@ -154,8 +152,6 @@ pub(crate) struct Explain {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) path: Option<String>,
 }
-
-pub(crate) type Reply = Response<Full<Bytes>>;
 
 /// `GET /readyz`: `200 ready epoch=… generation=…` once the pushed state is
 /// enforced and the listeners are up, else `503 not ready`.
@@ -287,32 +283,6 @@ async fn body<T: for<'de> Deserialize<'de>>(req: Request<Incoming>) -> Result<T,
         let field = (!e.path.is_empty()).then_some(e.path.trim_start_matches('.'));
         error(StatusCode::BAD_REQUEST, &e.message, field)
     })
-}
-
-/// Reads a body of at most 1 MiB of UTF-8 (`413` beyond, `400` otherwise).
-pub(crate) async fn body_text(req: Request<Incoming>) -> Result<String, Reply> {
-    let bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return Err(error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &format!("body larger than {MAX_BODY} bytes"),
-                None,
-            ));
-        }
-        Err(e) => {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                &format!("reading the body: {e}"),
-                None,
-            ))
-        }
-    };
-    String::from_utf8(bytes.to_vec())
-        .map_err(|_| error(StatusCode::BAD_REQUEST, "body is not UTF-8", None))
 }
 
 fn valid_id(id: &str) -> Result<(), String> {
@@ -528,26 +498,6 @@ fn sandbox_json(s: &SandboxDoc) -> Value {
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-pub(crate) fn json_reply(status: StatusCode, v: &Value) -> Reply {
-    let mut body = serde_json::to_vec(v).unwrap_or_default();
-    body.push(b'\n');
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    r
-}
-
-pub(crate) fn error(status: StatusCode, message: &str, field: Option<&str>) -> Reply {
-    let mut v = json!({ "error": message });
-    if let Some(f) = field {
-        v["field"] = json!(f);
-    }
-    json_reply(status, &v)
 }
 
 fn text_owned(status: StatusCode, body: String) -> Reply {

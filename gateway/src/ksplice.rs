@@ -46,7 +46,7 @@ use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 use crate::fault::{Fault, Side};
-use crate::splice::Spliced;
+use crate::spliced::Spliced;
 
 /// Sockets each map holds: 32,768 kernel-spliced flows; beyond, the user-space copy.
 const SOCKETS: u32 = 65_536;

@@ -7,6 +7,7 @@ pub mod authority;
 pub mod cli;
 mod commit;
 pub mod config;
+mod control_http;
 pub mod credentials;
 pub mod decide;
 pub mod doh;
@@ -29,6 +30,7 @@ pub mod redirect;
 pub mod registry;
 mod reply;
 mod splice;
+mod spliced;
 mod state;
 mod upstream;
 

@@ -253,7 +253,7 @@ impl Metrics {
     }
 
     /// Adds the machine egress figures, read at scrape time.
-    pub(crate) fn machines(&mut self, machines: Arc<crate::machine::Machines>) {
+    pub(crate) fn machines(&mut self, machines: Arc<dyn MachineFigures>) {
         self.registry
             .register_collector(Box::new(MachineSources { machines }));
     }
@@ -403,11 +403,27 @@ struct VmLabels {
     outcome: &'static str,
 }
 
+/// What machine egress reports at each scrape (`machine::Machines`
+/// answers it; declared here so metrics need not know machine egress).
+pub(crate) trait MachineFigures: Send + Sync + std::fmt::Debug {
+    fn figures(&self) -> MachineCounts;
+}
+
+/// Machine egress's figures at one moment.
+#[derive(Debug, Default)]
+pub(crate) struct MachineCounts {
+    /// VMs by the mode of the policy in force: (mode, VMs), every mode.
+    pub(crate) by_mode: Vec<(&'static str, u64)>,
+    /// (VM, audit, packets refused or would-be-refused).
+    pub(crate) packets: Vec<(String, bool, u64)>,
+    pub(crate) evictions: u64,
+}
+
 /// Machine egress, read at scrape time. The `vm` label is bounded by the
 /// VMs on this worker; a removed VM's series goes with it.
 #[derive(Debug)]
 struct MachineSources {
-    machines: Arc<crate::machine::Machines>,
+    machines: Arc<dyn MachineFigures>,
 }
 
 impl Collector for MachineSources {
@@ -420,12 +436,9 @@ impl Collector for MachineSources {
             None,
             gauge.metric_type(),
         )?;
-        for (mode, n) in crate::machine::MODES.iter().zip(f.by_mode) {
-            ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(family.encode_family(
-                &ModeLabels {
-                    mode: mode.as_str(),
-                },
-            )?)?;
+        for (mode, n) in f.by_mode {
+            ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX))
+                .encode(family.encode_family(&ModeLabels { mode })?)?;
         }
         let counter = ConstCounter::new(0u64);
         let mut family = encoder.encode_descriptor(

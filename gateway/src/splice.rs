@@ -16,22 +16,11 @@ use crate::config::Config;
 use crate::fault::{Fault, Side};
 use crate::io::{quiet_for, reset, Counts};
 use crate::metrics::SplicePath;
+use crate::spliced::Spliced;
 use crate::state::Dataplane;
 use crate::upstream::connect_tcp;
 use rustix::fd::OwnedFd;
 use rustix::pipe::{PipeFlags, SpliceFlags};
-
-/// What a splice moved.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Spliced {
-    /// Client to origin.
-    pub(crate) up: u64,
-    /// Origin to client.
-    pub(crate) down: u64,
-    pub(crate) idle_timeout: bool,
-    /// A side reset the flow while bytes moved.
-    pub(crate) fault: Option<Fault>,
-}
 
 /// Connects to `dst`, sends the `peeked` bytes first, then joins the two
 /// sockets as they are. The error names the step that failed (the client is

@@ -12,7 +12,7 @@ use crate::decide::{Claims, Decided};
 use crate::flowlog::FlowRecord;
 use crate::intercept::Served;
 use crate::registry::Sandbox;
-use crate::splice::Spliced;
+use crate::spliced::Spliced;
 use crate::state::Dataplane;
 
 /// One flow's record in the making; counted as active while it lives.

@@ -24,7 +24,7 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 
 use super::{EgressView, MachineError, Machines, Vm};
-use crate::admin::{body_text, error, json_reply, Reply};
+use crate::control_http::{body_text, error, json_reply, Reply};
 use crate::state::Dataplane;
 
 /// Serves one machine egress request.

@@ -494,42 +494,36 @@ impl Machines {
             let _ = tokio::task::spawn_blocking(move || me.observe()).await;
         }
     }
+}
 
-    /// For the metrics: VMs by mode, refused packets by VM (and whether they
-    /// were dropped or, in audit, only recorded), evictions.
-    pub(crate) fn figures(&self) -> Figures {
+// === impl MachineFigures ===
+
+impl crate::metrics::MachineFigures for Machines {
+    /// VMs by mode, refused packets by VM (and whether they were dropped
+    /// or, in audit, only recorded), evictions.
+    fn figures(&self) -> crate::metrics::MachineCounts {
         let state = lock(&self.state);
         let refused = lock(&self.refused);
-        let mut by_mode = [0u64; 4];
+        let mut by_mode: Vec<(&'static str, u64)> =
+            Mode::ALL.iter().map(|m| (m.as_str(), 0)).collect();
         let mut packets = Vec::new();
         for vm in state.vms.values() {
-            by_mode[mode_index(vm.effective.mode)] += 1;
+            if let Some(slot) = by_mode
+                .iter_mut()
+                .find(|(m, _)| *m == vm.effective.mode.as_str())
+            {
+                slot.1 += 1;
+            }
             let n = refused.get(&vm.id).map_or(0, |r| r.total);
             let audit = vm.effective.mode == Mode::Audit;
             packets.push((vm.id.clone(), audit, n));
         }
-        Figures {
+        crate::metrics::MachineCounts {
             by_mode,
             packets,
             evictions: self.evictions.load(Ordering::Relaxed),
         }
     }
-}
-
-/// What the metrics report.
-#[derive(Debug)]
-pub(crate) struct Figures {
-    /// VMs by effective mode, in [`MODES`] order.
-    pub(crate) by_mode: [u64; 4],
-    /// (VM, audit, packets refused or would-be-refused).
-    pub(crate) packets: Vec<(String, bool, u64)>,
-    pub(crate) evictions: u64,
-}
-
-pub(crate) const MODES: [Mode; 4] = [Mode::Loopback, Mode::Allowlist, Mode::Audit, Mode::Open];
-
-fn mode_index(mode: Mode) -> usize {
-    MODES.iter().position(|m| *m == mode).unwrap_or(0)
 }
 
 /// Writes the state (write, fsync, rename, like the snapshot).
