@@ -94,7 +94,7 @@ impl DohNames {
         sni: Option<&Hostname>,
         attributed: &[Hostname],
     ) -> Option<EncryptedDns> {
-        let ip = canonical(dst.ip());
+        let ip = dst.ip().to_canonical();
         if dst.port() == DOH_PORT && RESERVED_RESOLVERS.contains(&ip) {
             return Some(EncryptedDns::ReservedDoh);
         }
@@ -103,13 +103,6 @@ impl DohNames {
         }
         let known = |n: &Hostname| self.0.contains(n);
         (sni.is_some_and(known) || attributed.iter().any(known)).then_some(EncryptedDns::KnownDoh)
-    }
-}
-
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
     }
 }
 
@@ -136,7 +129,7 @@ pub(crate) async fn answer(
         Err(e) => return refused(&e),
     };
     // The query is a flow to the resolver's DNS port, admitted as one.
-    let resolver = SocketAddr::new(canonical(dst.ip()), 53);
+    let resolver = SocketAddr::new(dst.ip().to_canonical(), 53);
     match proxy.answer(&query, src, resolver, Transport::Tcp).await {
         Some(answer) => dns_message(answer),
         None => refused(&DohError::Bad("not a DNS query")),

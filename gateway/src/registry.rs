@@ -68,7 +68,7 @@ impl Registry {
 
     /// The sandbox a source address belongs to.
     pub fn lookup(&self, src: IpAddr) -> Option<Arc<Sandbox>> {
-        let src = canonical(src);
+        let src = src.to_canonical();
         self.snapshot.load().by_addr.get(&src).cloned()
     }
 
@@ -166,7 +166,11 @@ impl Registry {
     pub fn claim_for_vm(&self, vm: &str, addresses: &[IpAddr]) -> Result<(), RegistryError> {
         let mut claims = self.lock();
         let generation = self.snapshot.load();
-        let addresses: Vec<IpAddr> = addresses.iter().copied().map(canonical).collect();
+        let addresses: Vec<IpAddr> = addresses
+            .iter()
+            .copied()
+            .map(|a| a.to_canonical())
+            .collect();
         for &a in &addresses {
             if let Some(owner) = generation.by_addr.get(&a) {
                 return Err(RegistryError::AddressInUse {
@@ -220,7 +224,7 @@ impl Registry {
         let policy = CompiledPolicy::with_credentials(policy, self.platform.clone(), hosts);
         Sandbox {
             id,
-            addresses: addresses.into_iter().map(canonical).collect(),
+            addresses: addresses.into_iter().map(|a| a.to_canonical()).collect(),
             policy,
             credentials,
         }
@@ -276,13 +280,6 @@ impl Generation {
             self.by_addr.remove(a);
         }
         true
-    }
-}
-
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
     }
 }
 

@@ -4,6 +4,8 @@
 
 use std::net::SocketAddr;
 
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
 use hickory_proto::op::{Message, MessageType, OpCode, Query};
 use hickory_proto::rr::{Name, RData, RecordType};
 use serde_json::json;
@@ -37,18 +39,6 @@ fn addresses(body: &[u8]) -> Vec<String> {
             _ => None,
         })
         .collect()
-}
-
-fn unpadded_base64url(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().fold(0u32, |n, &b| n << 8 | u32::from(b)) << (8 * (3 - chunk.len()));
-        for i in 0..=chunk.len() {
-            out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
-        }
-    }
-    out
 }
 
 #[tokio::test]
@@ -106,7 +96,7 @@ async fn doh_to_a_reserved_resolver_is_answered_and_attributes() {
         .expect("handshake");
     let path = format!(
         "/dns-query?dns={}",
-        unpadded_base64url(&query("relay.example.test."))
+        URL_SAFE_NO_PAD.encode(query("relay.example.test."))
     );
     let (status, body) = http_get_bytes(tls, true, "dns.google", &path)
         .await
