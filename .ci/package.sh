@@ -133,7 +133,7 @@ say "gateway.toml: loads with all $shown keys it shows uncommented"
 
 # === units ===
 
-UNITS=(egress-gateway.service egress-gateway-redirect@.service
+UNITS=(egress-gateway.service egress-gateway-redirect@.service egress-gateway-fence.service
   egress-controller-api.service egress-controller-dispatcher.service
   egress-cluster-relay.service)
 for u in "${UNITS[@]}"; do
@@ -142,7 +142,7 @@ done
 # A template is verified through an instance (the interface name keeps its '-').
 say "systemd-analyze verify"
 verify_out=$(cd /usr/lib/systemd/system && systemd-analyze verify \
-  egress-gateway.service egress-gateway-redirect@tap-sb1.service \
+  egress-gateway.service egress-gateway-redirect@tap-sb1.service egress-gateway-fence.service \
   egress-controller-api.service egress-controller-dispatcher.service \
   egress-cluster-relay.service 2>&1) || { echo "$verify_out"; die "systemd-analyze verify failed"; }
 # Only our units' own findings count: verify also reads units we depend on.
@@ -150,7 +150,7 @@ if echo "$verify_out" | grep -E 'egress-(gateway|controller|cluster)' >&2; then
   die "systemd-analyze verify found problems in the units above"
 fi
 [ -z "$verify_out" ] || echo "$verify_out" | sed 's/^/     (not ours) /'
-say "systemd-analyze verify: the 5 units are clean"
+say "systemd-analyze verify: the ${#UNITS[@]} units are clean"
 
 # The redirect unit's commands exactly as it runs them (ExecStart=/ExecStop=
 # with the instance tap-sb1), below.
@@ -197,9 +197,20 @@ for f in ca/ca.crt ca/ca.key gateway.lock; do
 done
 [ "$(stat -c %a /var/lib/egress-gateway/ca/ca.key)" = 600 ] || die "ca.key is not mode 0600"
 
-# The redirect unit's ExecStart and ExecStop in the namespace (nftables is per
-# namespace), with only the capability the unit leaves it.
+# The fence unit's command (with the packaged configuration's fence
+# uncommented: ["tap*"]), then the redirect unit's ExecStart and ExecStop, in
+# the namespace (nftables is per namespace), with only the capability the
+# units leave them: attaching lets tap-sb1 through the fence, detaching closes it.
+read -r -a FENCE_START <<<"$(sed -n 's/^ExecStart=//p' /usr/lib/systemd/system/egress-gateway-fence.service |
+  sed "s#/etc/egress-gateway/gateway.toml#$WORK/uncommented.toml#")"
+ip netns exec "$NS" setpriv --bounding-set=-all,+net_admin "${FENCE_START[@]}"
+fence=$(ip netns exec "$NS" nft list table inet egress_gw_fence)
+grep -q 'iifname "tap\*" iifname != @attached counter packets 0 bytes 0 drop' <<<"$fence" ||
+  { echo "$fence"; die "the fence does not drop unattached tap* interfaces"; }
+say "fence: ExecStart installed inet egress_gw_fence for tap*"
 ip netns exec "$NS" setpriv --bounding-set=-all,+net_admin "${REDIRECT_START[@]}"
+ip netns exec "$NS" nft list set inet egress_gw_fence attached | grep -q '"tap-sb1"' ||
+  die "attaching tap-sb1 did not let it through the fence"
 table=$(ip netns exec "$NS" nft list table inet egress_gw_tap_sb1)
 grep -q 'iifname "tap-sb1" meta l4proto tcp redirect to :15001' <<<"$table" ||
   { echo "$table"; die "the redirect table does not send tap-sb1's TCP to :15001"; }
@@ -208,7 +219,10 @@ ip netns exec "$NS" setpriv --bounding-set=-all,+net_admin "${REDIRECT_STOP[@]}"
 if ip netns exec "$NS" nft list table inet egress_gw_tap_sb1 >/dev/null 2>&1; then
   die "ExecStop left the table inet egress_gw_tap_sb1"
 fi
-say "redirect@tap-sb1: ExecStop removed it"
+if ip netns exec "$NS" nft list set inet egress_gw_fence attached | grep -q '"tap-sb1"'; then
+  die "detaching tap-sb1 left it through the fence"
+fi
+say "redirect@tap-sb1: ExecStop removed it and closed the fence on it"
 
 # Stop by PID: SIGTERM drains (nothing is open) and exits 0.
 kill -TERM "$GW_PID"

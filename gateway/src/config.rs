@@ -23,6 +23,17 @@ pub struct Config {
     pub admin: Admin,
     pub machine_egress: MachineEgressConfig,
     pub splice: Splice,
+    pub redirect: RedirectConfig,
+}
+
+/// The redirect rules' worker-wide side (`egress-gateway redirect --fence`).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedirectConfig {
+    /// Interface names or prefixes ending in `*` (`["tap*"]`) that are
+    /// sandbox interfaces: the fence drops everything arriving on them
+    /// until they are attached (`redirect --sandbox-iface IFACE --apply`).
+    pub fence: Vec<String>,
 }
 
 /// How spliced flows move their bytes.
@@ -235,6 +246,7 @@ impl Default for Config {
             admin: Admin::default(),
             machine_egress: MachineEgressConfig::default(),
             splice: Splice::default(),
+            redirect: RedirectConfig::default(),
         }
     }
 }
@@ -462,6 +474,15 @@ impl Config {
                 "{up} is a reserved resolver the gateway intercepts; name the resolver behind it"
             );
             return Some(("dns.upstreams", why));
+        }
+        if let Some(bad) = self
+            .redirect
+            .fence
+            .iter()
+            .find(|p| crate::redirect::check_pattern(p).is_err())
+        {
+            let why = format!("{bad:?}: expected an interface name, or a prefix ending in '*'");
+            return Some(("redirect.fence", why));
         }
         self.limits
             .first_invalid()
@@ -723,6 +744,10 @@ mod tests {
                 "dns.upstreams: 8.8.8.8:53 is a reserved resolver",
             ),
             ("[tls]\nca_cert = \"/x\"", "tls.ca_cert"),
+            (
+                "[redirect]\nfence = [\"tap*\", \"t*p\"]",
+                "redirect.fence: \"t*p\": expected an interface name",
+            ),
             (
                 "[timeouts]\npeek = \"0s\"",
                 "timeouts.peek: must be longer than zero",

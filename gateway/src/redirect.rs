@@ -1,14 +1,31 @@
-//! `egress-gateway redirect`: the nftables ruleset that sends one sandbox
-//! interface's traffic to the gateway — TCP to the transparent listener, DNS
-//! to 8.8.8.8 and 1.1.1.1 to their DNS listeners — and drops every other UDP
-//! from it (QUIC falls back to TCP). Each interface has its own table, so
-//! sandboxes come and go independently.
+//! `egress-gateway redirect`: the nftables rules that send sandbox
+//! interfaces' traffic to the gateway — TCP to the transparent listener, DNS
+//! to 8.8.8.8 and 1.1.1.1 to their DNS listeners — and drop every other UDP
+//! from them (QUIC falls back to TCP).
+//!
+//! Two tables work together so that a sandbox never has a moment of egress
+//! outside the gateway:
+//!
+//! - **The fence** (`inet egress_gw_fence`, from `redirect.fence` patterns
+//!   such as `tap*`), installed once at boot before any sandbox exists: it
+//!   drops everything arriving on an interface that matches a pattern and is
+//!   not in its `attached` set. A sandbox interface that appears is fenced
+//!   from its first packet.
+//! - **One table per attached interface** (`inet egress_gw_<iface>`), made
+//!   when the VM manager (or a udev rule) says the interface is there. The
+//!   same nft transaction that makes the table adds the interface to the
+//!   fence's set, and detaching deletes both in one transaction: at every
+//!   instant the interface's traffic is either redirected or dropped.
 
 /// Why rules could not be made or applied.
 #[derive(Debug, thiserror::Error)]
 pub enum RedirectError {
     #[error("--sandbox-iface {0:?}: expected 1 to 15 letters, digits, '-', '_' or '.'")]
     Iface(String),
+    #[error("redirect.fence: {0:?}: expected 1 to 15 letters, digits, '-', '_' or '.', optionally ending in '*'")]
+    Pattern(String),
+    #[error("redirect.fence is empty: name the sandbox interfaces to fence (e.g. [\"tap*\"])")]
+    NoPatterns,
     #[error("nft: {0}")]
     Nft(String),
 }
@@ -21,20 +38,42 @@ pub struct Ports {
     pub dns_alt: u16,
 }
 
+/// The fence's table.
+pub const FENCE_TABLE: &str = "egress_gw_fence";
+
+/// The fence table and its set, declared idempotently: `nft` merges a
+/// declaration into an existing table, so attaching works whether or not
+/// the fence chain was installed (without it the set is only bookkeeping).
+const FENCE_DECLARATION: &str =
+    "table inet egress_gw_fence {\n    set attached {\n        type ifname\n    }\n}\n";
+
 /// The table holding one interface's rules.
 pub fn table_name(iface: &str) -> Result<String, RedirectError> {
-    let valid = !iface.is_empty()
-        && iface.len() <= 15
-        && iface
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
-    if !valid {
+    if !valid_name(iface) {
         return Err(RedirectError::Iface(iface.to_owned()));
     }
     Ok(format!("egress_gw_{}", iface.replace(['-', '.'], "_")))
 }
 
-/// The ruleset, idempotent to apply: it replaces the interface's table whole.
+/// An interface name: what the kernel accepts and nft can quote.
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 15
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// Checks a fence pattern: an interface name, or a prefix ending in `*`.
+pub fn check_pattern(p: &str) -> Result<(), RedirectError> {
+    if valid_name(p.strip_suffix('*').unwrap_or(p)) {
+        Ok(())
+    } else {
+        Err(RedirectError::Pattern(p.to_owned()))
+    }
+}
+
+/// The interface's table, and the interface added to the fence's set, in
+/// one transaction; idempotent to apply: it replaces the table whole.
 pub fn ruleset(iface: &str, ports: Ports) -> Result<String, RedirectError> {
     let table = table_name(iface)?;
     let Ports {
@@ -60,29 +99,75 @@ table inet {table} {{
         iifname "{iface}" meta l4proto tcp redirect to :{transparent}
     }}
 }}
+# Through the fence (if one is installed), in the same transaction.
+{FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {{ "{iface}" }}
 "#
     ))
 }
 
-/// Applies the ruleset with `nft -f -` (the same runner as machine egress).
-pub fn apply(iface: &str, ports: Ports) -> Result<(), RedirectError> {
-    nft()
-        .apply(&ruleset(iface, ports)?)
-        .map_err(|e| RedirectError::Nft(e.0))
-}
-
-/// Deletes the interface's table.
-pub fn remove(iface: &str) -> Result<(), RedirectError> {
+/// Detaching: the interface leaves the fence's set and its table goes, in
+/// one transaction; idempotent (adding first makes the deletes valid when
+/// the element or table is already gone).
+pub fn removal(iface: &str) -> Result<String, RedirectError> {
     let table = table_name(iface)?;
-    nft()
-        .apply(&format!("delete table inet {table}\n"))
+    Ok(format!(
+        "# egress-gateway: detach sandbox interface {iface}\n{FENCE_DECLARATION}\
+add element inet {FENCE_TABLE} attached {{ \"{iface}\" }}\n\
+delete element inet {FENCE_TABLE} attached {{ \"{iface}\" }}\n\
+table inet {table}\ndelete table inet {table}\n"
+    ))
+}
+
+/// The fence: every interface matching one of `patterns` that is not
+/// attached is dropped before routing (priority raw), counted per pattern.
+/// Applying replaces the chain and keeps the set, so re-applying never
+/// fences an attached sandbox.
+pub fn fence_ruleset(patterns: &[String]) -> Result<String, RedirectError> {
+    if patterns.is_empty() {
+        return Err(RedirectError::NoPatterns);
+    }
+    let mut rules = String::new();
+    for p in patterns {
+        check_pattern(p)?;
+        rules.push_str(&format!(
+            "add rule inet {FENCE_TABLE} fence iifname \"{p}\" iifname != @attached counter drop\n"
+        ));
+    }
+    Ok(format!(
+        "# egress-gateway: fence sandbox interfaces {patterns:?}\n{FENCE_DECLARATION}\
+table inet {FENCE_TABLE} {{\n    chain fence {{\n        type filter hook prerouting priority raw; policy accept;\n    }}\n}}\n\
+flush chain inet {FENCE_TABLE} fence\n{rules}"
+    ))
+}
+
+/// Applies the interface's ruleset with `nft -f -` (the same runner as machine egress).
+pub fn apply(iface: &str, ports: Ports) -> Result<(), RedirectError> {
+    run(&ruleset(iface, ports)?)
+}
+
+/// Detaches the interface: fenced again (if it matches the fence), its table gone.
+pub fn remove(iface: &str) -> Result<(), RedirectError> {
+    run(&removal(iface)?)
+}
+
+/// Installs (or replaces) the fence.
+pub fn apply_fence(patterns: &[String]) -> Result<(), RedirectError> {
+    run(&fence_ruleset(patterns)?)
+}
+
+/// Deletes the fence and its set (uninstalling; sandboxes are then only
+/// as fenced as their own tables make them).
+pub fn remove_fence() -> Result<(), RedirectError> {
+    run(&format!(
+        "table inet {FENCE_TABLE}\ndelete table inet {FENCE_TABLE}\n"
+    ))
+}
+
+fn run(script: &str) -> Result<(), RedirectError> {
+    crate::machine::nft::Nft::new(vec!["nft".into()])
+        .apply(script)
         .map_err(|e| RedirectError::Nft(e.0))
 }
-
-fn nft() -> crate::machine::nft::Nft {
-    crate::machine::nft::Nft::new(vec!["nft".into()])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,5 +211,46 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn attaching_and_detaching_go_through_the_fence_in_one_transaction() {
+        let r = ruleset("tap-sb1", PORTS).expect("valid");
+        // The table first, then the interface let through the fence.
+        let table = r.find("table inet egress_gw_tap_sb1 {").expect("table");
+        let element = r
+            .find(r#"add element inet egress_gw_fence attached { "tap-sb1" }"#)
+            .expect("element");
+        assert!(table < element);
+        let d = removal("tap-sb1").expect("valid");
+        let gone = d
+            .find(r#"delete element inet egress_gw_fence attached { "tap-sb1" }"#)
+            .expect("element deleted");
+        assert!(
+            gone < d
+                .find("delete table inet egress_gw_tap_sb1")
+                .expect("table")
+        );
+        assert!(matches!(removal("a b"), Err(RedirectError::Iface(_))));
+    }
+
+    #[test]
+    fn the_fence_drops_unattached_interfaces_and_keeps_the_set() {
+        let f = fence_ruleset(&["tap*".into(), "vm-1".into()]).expect("valid");
+        assert!(f.contains(
+            r#"add rule inet egress_gw_fence fence iifname "tap*" iifname != @attached counter drop"#
+        ));
+        assert!(f.contains(r#"iifname "vm-1" iifname != @attached"#));
+        assert!(f.contains("type filter hook prerouting priority raw; policy accept;"));
+        // Re-applying flushes the chain, never the set of attached interfaces.
+        assert!(f.contains("flush chain inet egress_gw_fence fence"));
+        assert!(!f.contains("delete table") && !f.contains("flush set"));
+        for bad in ["", "*", "t*p", "tap**", "a\"b*", "averyveryverylong*"] {
+            assert!(
+                matches!(fence_ruleset(&[bad.into()]), Err(RedirectError::Pattern(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(fence_ruleset(&[]), Err(RedirectError::NoPatterns)));
     }
 }

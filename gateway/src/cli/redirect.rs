@@ -1,7 +1,8 @@
 //! `egress-gateway redirect`: print, apply or remove the nftables table that
-//! sends a sandbox interface's traffic to the gateway's listeners. The rules
-//! themselves are built in [`crate::redirect`]; this module only reads the
-//! flags and the listener ports.
+//! sends a sandbox interface's traffic to the gateway's listeners (attaching
+//! the interface), or the fence that drops unattached sandbox interfaces.
+//! The rules themselves are built in [`crate::redirect`]; this module only
+//! reads the flags, the listener ports and the fence patterns.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,13 +14,23 @@ use crate::config::Config;
 use crate::redirect::{self, Ports};
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["sandbox_iface", "fence"])))]
 pub(super) struct RedirectArgs {
+    /// The sandbox interface to attach (its table, and through the fence).
     #[arg(long, value_name = "IFACE")]
-    sandbox_iface: String,
+    sandbox_iface: Option<String>,
+    /// The fence for `redirect.fence`'s patterns in the configuration
+    /// (`--fence-pattern` overrides them): unattached sandbox interfaces are dropped.
+    #[arg(long)]
+    fence: bool,
+    /// A fence pattern (an interface name or a prefix ending in `*`); repeatable.
+    #[arg(long, value_name = "PATTERN", requires = "fence")]
+    fence_pattern: Vec<String>,
     /// Apply with `nft -f -` instead of printing.
     #[arg(long, conflicts_with = "remove")]
     apply: bool,
-    /// Delete the interface's table.
+    /// Detach the interface (its table deleted and the fence closed on it),
+    /// or with `--fence` delete the fence.
     #[arg(long)]
     remove: bool,
     /// Take the listener ports from this configuration (default: the built-in ports).
@@ -37,16 +48,30 @@ pub(super) fn run(args: &RedirectArgs) -> ExitCode {
         dns: config.listen.dns.port(),
         dns_alt: config.listen.dns_alt.port(),
     };
-    let iface = args.sandbox_iface.as_str();
-    let result = if args.remove {
-        redirect::remove(iface)
-    } else if args.apply {
-        redirect::apply(iface, ports)
-    } else {
-        redirect::ruleset(iface, ports).map(|r| print!("{r}"))
+    let result = match &args.sandbox_iface {
+        _ if args.fence => fence(args, &config),
+        None => return fail("--sandbox-iface or --fence is required"),
+        Some(iface) if args.remove => redirect::remove(iface),
+        Some(iface) if args.apply => redirect::apply(iface, ports),
+        Some(iface) => redirect::ruleset(iface, ports).map(|r| print!("{r}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),
+    }
+}
+
+fn fence(args: &RedirectArgs, config: &Config) -> Result<(), redirect::RedirectError> {
+    let patterns = if args.fence_pattern.is_empty() {
+        &config.redirect.fence
+    } else {
+        &args.fence_pattern
+    };
+    if args.remove {
+        redirect::remove_fence()
+    } else if args.apply {
+        redirect::apply_fence(patterns)
+    } else {
+        redirect::fence_ruleset(patterns).map(|r| print!("{r}"))
     }
 }

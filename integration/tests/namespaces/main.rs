@@ -9,6 +9,7 @@ mod controller;
 mod demo;
 mod dns_policy;
 mod dual_stack;
+mod fleet;
 mod load;
 mod machine;
 mod requests;

@@ -63,6 +63,8 @@ pub struct Topology {
     pub dir: tempfile::TempDir,
     /// Environment variables the next `start_gateway` gives the gateway.
     pub gateway_env: Vec<(String, String)>,
+    /// Sandbox namespaces added by [`Topology::add_sandbox`].
+    pub extra: Vec<String>,
     gateway: Option<Child>,
     internet: Option<Child>,
 }
@@ -118,6 +120,7 @@ impl Topology {
             vm: with_vm.then(|| format!("egw-vm-{tag}")),
             dir,
             gateway_env: Vec::new(),
+            extra: Vec::new(),
             gateway: None,
             internet: None,
         };
@@ -338,6 +341,57 @@ impl Topology {
         t.write_config();
         t.start_gateway();
         t
+    }
+
+    /// Another sandbox namespace, `egw-<name>-…`, joined to the gateway
+    /// namespace by the veth `gw_if` on `100.64.<n>.0/30` (the sandbox at
+    /// `.2`, its default route via `.1`); no redirect rules for it. Removed
+    /// with the topology.
+    pub fn add_sandbox(&mut self, name: &str, gw_if: &str, n: u8) -> String {
+        let ns = self.gw.replacen("egw-gw-", &format!("egw-{name}-"), 1);
+        run("ip", &["netns", "add", &ns]);
+        self.extra.push(ns.clone());
+        run("ip", &["-n", &ns, "link", "set", "lo", "up"]);
+        let (gw_ip, sb_ip, via) = (
+            format!("100.64.{n}.1/30"),
+            format!("100.64.{n}.2/30"),
+            format!("100.64.{n}.1"),
+        );
+        run(
+            "ip",
+            &[
+                "-n", &self.gw, "link", "add", gw_if, "type", "veth", "peer", "name", "eth0",
+                "netns", &ns,
+            ],
+        );
+        run("ip", &["-n", &self.gw, "addr", "add", &gw_ip, "dev", gw_if]);
+        run("ip", &["-n", &self.gw, "link", "set", gw_if, "up"]);
+        run("ip", &["-n", &ns, "addr", "add", &sb_ip, "dev", "eth0"]);
+        run("ip", &["-n", &ns, "link", "set", "eth0", "up"]);
+        run("ip", &["-n", &ns, "route", "add", "default", "via", &via]);
+        let etc = PathBuf::from("/etc/netns").join(&ns);
+        std::fs::create_dir_all(&etc).expect("/etc/netns");
+        std::fs::write(
+            etc.join("resolv.conf"),
+            "nameserver 8.8.8.8\noptions timeout:2 attempts:1\n",
+        )
+        .expect("resolv.conf");
+        ns
+    }
+
+    /// `egress-gateway ARGS` run in the gateway namespace; insists it succeeds.
+    pub fn gateway_cli(&self, args: &[&str]) -> String {
+        let out = self.exec(
+            &self.gw,
+            bin("egress-gateway").to_str().expect("utf-8"),
+            args,
+        );
+        assert!(
+            out.status.success(),
+            "egress-gateway {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
@@ -624,6 +678,7 @@ impl Drop for Topology {
         for ns in [&self.gw, &self.sb1, &self.sb2, &self.inet]
             .into_iter()
             .chain(self.vm.as_ref())
+            .chain(&self.extra)
         {
             // Whatever else still runs in the namespace, by PID.
             if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
