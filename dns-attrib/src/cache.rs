@@ -239,16 +239,39 @@ impl AttributionCache {
     /// Records what one answer attributes. Returns false when the sandbox
     /// could not get a cache (too many sandboxes).
     pub fn record(&self, sandbox: &SandboxId, a: &Attribution) -> bool {
+        let now = self.clock.now();
+        let expiry = now.saturating_add(self.lifetime(a.ttl));
+        self.record_until(sandbox, &a.names, &a.addrs, expiry)
+    }
+
+    /// Restores what another gateway attributed (a takeover): each name on
+    /// `ip` lives exactly as long as it had left there, never longer than
+    /// `max_ttl` (the floor is not applied: nothing is extended). Returns
+    /// false when the sandbox could not get a cache.
+    pub fn restore(&self, sandbox: &SandboxId, ip: IpAddr, names: &[(Hostname, Duration)]) -> bool {
+        let now = self.clock.now();
+        names.iter().all(|(name, left)| {
+            let expiry = now.saturating_add((*left).min(self.config.max_ttl));
+            self.record_until(sandbox, std::slice::from_ref(name), &[ip], expiry)
+        })
+    }
+
+    fn record_until(
+        &self,
+        sandbox: &SandboxId,
+        a_names: &[Hostname],
+        addrs: &[IpAddr],
+        expiry: Millis,
+    ) -> bool {
         let Some(cache) = self.sandbox_cache(sandbox) else {
             return false;
         };
         let now = self.clock.now();
-        let expiry = now.saturating_add(self.lifetime(a.ttl));
         let written = cache.seconds();
         // Entries replaced or reclaimed are dropped after the lock is released.
         let mut dropped = Vec::new();
         let mut lru = cache.lock();
-        for ip in &a.addrs {
+        for ip in addrs {
             cache.evicted.remove(ip);
             // Written again, an address is used again: `get_mut` relinks it first.
             match lru.get_mut(ip) {
@@ -256,23 +279,19 @@ impl AttributionCache {
                     let cap = self.config.names_per_ip;
                     match Arc::get_mut(&mut slot.names) {
                         // No lookup holds this entry: merged in place, no copy.
-                        Some(entry) => entry.merge(now, &a.names, expiry, cap),
+                        Some(entry) => entry.merge(now, a_names, expiry, cap),
                         // A lookup still reads it: it keeps its snapshot.
                         None => {
-                            let mut copy = slot.names.live_copy(now, a.names.len());
-                            copy.merge(now, &a.names, expiry, cap);
+                            let mut copy = slot.names.live_copy(now, a_names.len());
+                            copy.merge(now, a_names, expiry, cap);
                             dropped.push(std::mem::replace(&mut slot.names, Arc::new(copy)));
                         }
                     }
                     slot.written = written;
                 }
                 None => {
-                    let names = Arc::new(IpNames::new(
-                        now,
-                        &a.names,
-                        expiry,
-                        self.config.names_per_ip,
-                    ));
+                    let names =
+                        Arc::new(IpNames::new(now, a_names, expiry, self.config.names_per_ip));
                     while lru.len() >= cache.capacity {
                         let Some((ip, old)) = lru.pop_lru() else {
                             break;

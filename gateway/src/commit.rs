@@ -26,6 +26,9 @@ pub(crate) enum Change {
     Delete(SandboxId),
     /// A resync: everything at once, written as a new snapshot.
     Replace(Vec<Arc<Sandbox>>),
+    /// The last change (a takeover): the thread answers and stops, so every
+    /// change acknowledged before is durable and none is after.
+    Seal,
 }
 
 /// Why a change was not applied.
@@ -84,6 +87,12 @@ impl Committer {
         Self { jobs, generation }
     }
 
+    /// Stops the commit thread once everything submitted before is durable;
+    /// later submissions fail ("the commit thread has stopped").
+    pub(crate) async fn seal(&self) {
+        let _ = self.submit(Change::Seal).await;
+    }
+
     /// Submits a change and waits until it is durable (or refused).
     pub(crate) async fn submit(&self, change: Change) -> Outcome {
         let (reply, answer) = oneshot::channel();
@@ -110,14 +119,22 @@ impl Worker {
             let Some(first) = carry.take().or_else(|| rx.blocking_recv()) else {
                 return;
             };
-            if matches!(first.change, Change::Replace(_)) {
-                self.replace(*first);
-                continue;
+            match first.change {
+                Change::Replace(_) => {
+                    self.replace(*first);
+                    continue;
+                }
+                Change::Seal => {
+                    rx.close();
+                    let _ = first.reply.send(Ok(()));
+                    return;
+                }
+                Change::Put(_) | Change::Delete(_) => {}
             }
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH {
                 match rx.try_recv() {
-                    Ok(job) if matches!(job.change, Change::Replace(_)) => {
+                    Ok(job) if matches!(job.change, Change::Replace(_) | Change::Seal) => {
                         carry = Some(job);
                         break;
                     }
@@ -150,8 +167,8 @@ impl Worker {
                     Ok(())
                 }
                 Change::Delete(_) => Err(NotApplied::Missing),
-                Change::Replace(_) => Err(NotApplied::Failed(
-                    "a resync is committed on its own".into(),
+                Change::Replace(_) | Change::Seal => Err(NotApplied::Failed(
+                    "a resync or a seal is committed on its own".into(),
                 )),
             };
             outcomes.push(outcome);

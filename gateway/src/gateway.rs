@@ -69,6 +69,8 @@ pub enum StartError {
     StateDir { path: String, source: io::Error },
     #[error("cannot start worker thread {worker}: {source}")]
     Worker { worker: usize, source: io::Error },
+    #[error("takeover: {0}")]
+    Takeover(String),
     #[error("cannot listen on {what} {addr}: {source}")]
     Bind {
         what: &'static str,
@@ -96,8 +98,13 @@ pub struct Gateway {
     tasks: JoinSet<()>,
     /// With `limits.thread_per_core`, the worker threads; none without.
     workers: Workers,
-    /// `state_dir/gateway.lock`, held (`flock`) while the gateway lives.
-    _lock: std::fs::File,
+    /// `state_dir/gateway.lock`, held (`flock`) while the gateway serves;
+    /// released early only to hand over to a successor.
+    lock: Option<std::fs::File>,
+    /// The handover socket and the listening sockets a successor would take.
+    offer: Option<crate::handover::Offer>,
+    /// Sealed before a handover: no push is acknowledged after.
+    committer: crate::commit::Committer,
 }
 
 /// Every listener, bound before anything is served.
@@ -166,15 +173,42 @@ impl Gateway {
         flow_log: FlowLog,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StartError> {
+        Self::start_inner(config, orig_dst, flow_log, clock, None).await
+    }
+
+    /// Starts on the sockets, state and attribution a running gateway
+    /// handed over ([`crate::handover::take_over`]): no listener is bound.
+    pub async fn take_over(
+        config: Config,
+        orig_dst: Arc<dyn OriginalDst>,
+        flow_log: FlowLog,
+        taken: crate::handover::Taken,
+    ) -> Result<Self, StartError> {
+        Self::start_inner(config, orig_dst, flow_log, SystemClock::new(), Some(taken)).await
+    }
+
+    async fn start_inner(
+        config: Config,
+        orig_dst: Arc<dyn OriginalDst>,
+        flow_log: FlowLog,
+        clock: Arc<dyn Clock>,
+        taken: Option<crate::handover::Taken>,
+    ) -> Result<Self, StartError> {
         // Before anything in the state directory is read or written.
-        let lock = lock_state_dir(&config.state_dir)?;
+        let lock = match taken {
+            None => lock_state_dir(&config.state_dir)?,
+            Some(_) => lock_released(&config.state_dir)?,
+        };
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let token = match &config.admin.token_file {
             None => None,
             Some(path) => Some(read_token(path)?),
         };
-        let listeners = Listeners::bind(&config)?;
+        let (listeners, attributed) = match taken {
+            None => (Listeners::bind(&config)?, Vec::new()),
+            Some(t) => (Listeners::adopt(&config, t.sockets)?, t.attribution),
+        };
         let bound = listeners.bound;
         let registry = Arc::new(Registry::new(Arc::new(platform(&config, &bound))));
         let (cache, dns) = attribution(&config, &registry, clock);
@@ -183,12 +217,14 @@ impl Gateway {
         if seq > 0 {
             tracing::info!(sandboxes = n, generation = seq, dir = %config.state_dir.display(), "recovered pushed state");
         }
+        restore_attribution(&cache, &registry, attributed);
         let committer = crate::commit::Committer::start(
             registry.clone(),
             config.state_dir.clone(),
             journal,
             seq,
         );
+        let offer = offer(&config, &listeners);
         // Every VM's table, before a single flow is served.
         let machines = crate::machine::Machines::start(
             &config.machine_egress,
@@ -217,7 +253,9 @@ impl Gateway {
                 phase: watch::Sender::new(Phase::Serving),
                 threads: Vec::new(),
             },
-            _lock: lock,
+            lock: Some(lock),
+            offer,
+            committer: committer.clone(),
         };
         let every = gateway.dp.config().machine_egress.observe_interval;
         gateway.tasks.spawn(machines.clone().observer(every));
@@ -297,11 +335,30 @@ impl Gateway {
     /// Serves until `shutdown` completes; then stops accepting, lets open
     /// flows finish for up to `timeouts.drain`, and returns the number of
     /// flows still open when it gave up (0 for a clean drain).
+    ///
+    /// A successor asking through the handover socket
+    /// ([`crate::handover`]) ends serving too: it gets the listening
+    /// sockets, the pushed state and the attribution, and this gateway
+    /// drains what it has open.
     pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> usize {
-        shutdown.await;
+        let successor = match &self.offer {
+            Some(offer) => tokio::select! {
+                () = shutdown => None,
+                s = offer.successor() => Some(s),
+            },
+            None => {
+                shutdown.await;
+                None
+            }
+        };
         self.dp.ready.store(false, Ordering::Release);
         self.workers.phase.send_replace(Phase::Draining);
         self.tasks.shutdown().await;
+        if let Some(successor) = successor {
+            self.hand_over(successor).await;
+        }
+        // Without a successor the listening sockets close here.
+        self.offer = None;
         let config = self.dp.config();
         let max = config.limits.max_connections;
         let all = u32::try_from(max).unwrap_or(u32::MAX);
@@ -322,6 +379,79 @@ impl Gateway {
         let dp = self.dp.clone();
         let _ = tokio::task::spawn_blocking(move || dp.flow_log.close()).await;
         left
+    }
+}
+
+impl Gateway {
+    /// Seals the pushed state, lets go of the state directory and sends the
+    /// successor the sockets and the attribution.
+    async fn hand_over(&mut self, successor: std::os::unix::net::UnixStream) {
+        // Every acknowledged push is in the journal; none is acknowledged after.
+        self.committer.seal().await;
+        let attribution = crate::handover::export(&self.dp.cache, &self.dp.registry.ids());
+        drop(self.lock.take());
+        let Some(offer) = self.offer.take() else {
+            return;
+        };
+        let n = attribution.len();
+        let sent =
+            tokio::task::spawn_blocking(move || offer.hand_over(successor, &attribution)).await;
+        match sent {
+            Ok(Ok(())) => tracing::info!(
+                attributed = n,
+                "handed the listeners, the pushed state and the attribution to a successor; draining"
+            ),
+            Ok(Err(e)) => tracing::error!(error = %e, "the handover failed after this gateway stopped serving: start a gateway on this state_dir"),
+            Err(e) => tracing::error!(error = %e, "the handover failed after this gateway stopped serving: start a gateway on this state_dir"),
+        }
+    }
+}
+
+/// Restores a predecessor's attribution for the sandboxes the recovered
+/// state has (a line for any other sandbox is dropped).
+fn restore_attribution(
+    cache: &AttributionCache,
+    registry: &Registry,
+    lines: Vec<crate::handover::Attributed>,
+) {
+    if lines.is_empty() {
+        return;
+    }
+    let (mut restored, total) = (0usize, lines.len());
+    for line in lines {
+        let Ok(id) = egress_policy::SandboxId::parse(&line.sandbox) else {
+            continue;
+        };
+        if registry.get(&id).is_none() {
+            continue;
+        }
+        let names: Vec<_> = line
+            .names
+            .iter()
+            .filter_map(|(n, ms)| {
+                let name = egress_policy::Hostname::parse(n).ok()?;
+                Some((name, std::time::Duration::from_millis(*ms)))
+            })
+            .collect();
+        if cache.restore(&id, line.ip, &names) {
+            restored += 1;
+        }
+    }
+    tracing::info!(restored, of = total, "attributed addresses taken over");
+}
+
+/// The handover offer: the socket and duplicates of every listener. A
+/// gateway that cannot offer still serves; it is replaced by a restart.
+fn offer(config: &Config, listeners: &Listeners) -> Option<crate::handover::Offer> {
+    let offered = listeners
+        .duplicates()
+        .and_then(|sockets| crate::handover::Offer::listen(config, sockets));
+    match offered {
+        Ok(o) => Some(o),
+        Err(e) => {
+            tracing::warn!(error = %e, "no handover socket: replacing this gateway will need a restart");
+            None
+        }
     }
 }
 
@@ -357,6 +487,18 @@ fn attribution(
     (cache, dns)
 }
 
+/// What a successor checks before it asks for a takeover (after which a
+/// failure would leave nothing serving): the CA, the origin roots and the
+/// admin token load.
+pub fn preflight(config: &Config) -> Result<(), StartError> {
+    let minter = minter(config)?;
+    Upstreams::new(config, minter)?;
+    if let Some(path) = &config.admin.token_file {
+        read_token(path)?;
+    }
+    Ok(())
+}
+
 /// The CA (loaded, or created in `state_dir`) and the leaf minter over it.
 fn minter(config: &Config) -> Result<Arc<LeafMinter>, StartError> {
     let ca = match config.ca_paths() {
@@ -388,15 +530,8 @@ impl Listeners {
     /// set's addresses (`SO_REUSEPORT`; the kernel spreads connections and
     /// queries over them by their addresses and ports).
     fn bind(config: &Config) -> Result<Self, StartError> {
-        let local = |l: io::Result<SocketAddr>, what, addr| {
-            l.map_err(|source| StartError::Bind { what, addr, source })
-        };
         let listen = &config.listen;
-        let copies = if config.limits.thread_per_core {
-            config.limits.threads()
-        } else {
-            1
-        };
+        let copies = crate::handover::copies(config);
         let reuse = copies > 1;
         let first = DataListeners::bind((listen.transparent, listen.dns, listen.dns_alt), reuse)?;
         let admin = tcp_listener(listen.admin, false)
@@ -406,7 +541,58 @@ impl Listeners {
                 addr: listen.admin,
                 source,
             })?;
-        let bound = Bound {
+        let bound = Self::bound_of(&first, &admin, listen)?;
+        let mut data = vec![first];
+        for _ in 1..copies {
+            data.push(DataListeners::bind(
+                (bound.transparent, bound.dns, bound.dns_alt),
+                true,
+            )?);
+        }
+        Ok(Self { data, admin, bound })
+    }
+
+    /// The sockets a predecessor handed over, in the shape `config` binds:
+    /// for each copy a transparent listener and both DNS pairs, and the admin listener.
+    fn adopt(
+        config: &Config,
+        sockets: Vec<(crate::handover::Kind, std::os::fd::OwnedFd)>,
+    ) -> Result<Self, StartError> {
+        use crate::handover::Kind;
+        let mut sockets: std::collections::VecDeque<_> = sockets.into();
+        let mut take = |kind: Kind| {
+            let at = sockets.iter().position(|(k, _)| *k == kind);
+            at.and_then(|i| sockets.remove(i))
+                .map(|(_, fd)| fd)
+                .ok_or_else(|| {
+                    StartError::Takeover(format!(
+                        "the running gateway handed over no {kind:?} socket"
+                    ))
+                })
+        };
+        let admin = TcpListener::from_std(take(Kind::Admin)?.into())
+            .map_err(|e| StartError::Takeover(format!("the admin listener: {e}")))?;
+        let mut data = Vec::new();
+        for _ in 0..crate::handover::copies(config) {
+            data.push(DataListeners {
+                transparent: take(Kind::Transparent)?.into(),
+                dns: (take(Kind::DnsUdp)?.into(), take(Kind::DnsTcp)?.into()),
+                dns_alt: (take(Kind::DnsAltUdp)?.into(), take(Kind::DnsAltTcp)?.into()),
+            });
+        }
+        let bound = Self::bound_of(&data[0], &admin, &config.listen)?;
+        Ok(Self { data, admin, bound })
+    }
+
+    fn bound_of(
+        first: &DataListeners,
+        admin: &TcpListener,
+        listen: &crate::config::Listen,
+    ) -> Result<Bound, StartError> {
+        let local = |l: io::Result<SocketAddr>, what, addr| {
+            l.map_err(|source| StartError::Bind { what, addr, source })
+        };
+        Ok(Bound {
             transparent: local(
                 first.transparent.local_addr(),
                 "listen.transparent",
@@ -419,15 +605,28 @@ impl Listeners {
                 listen.dns_alt,
             )?,
             admin: local(admin.local_addr(), "listen.admin", listen.admin)?,
-        };
-        let mut data = vec![first];
-        for _ in 1..copies {
-            data.push(DataListeners::bind(
-                (bound.transparent, bound.dns, bound.dns_alt),
-                true,
-            )?);
+        })
+    }
+
+    /// A duplicate of every listening socket, for a successor: while one is
+    /// open the socket keeps listening, so connections queue instead of
+    /// being refused.
+    fn duplicates(&self) -> io::Result<Vec<(crate::handover::Kind, std::os::fd::OwnedFd)>> {
+        use crate::handover::Kind;
+        use std::os::fd::AsFd;
+        let mut out = Vec::new();
+        for d in &self.data {
+            out.push((
+                Kind::Transparent,
+                d.transparent.as_fd().try_clone_to_owned()?,
+            ));
+            out.push((Kind::DnsUdp, d.dns.0.as_fd().try_clone_to_owned()?));
+            out.push((Kind::DnsTcp, d.dns.1.as_fd().try_clone_to_owned()?));
+            out.push((Kind::DnsAltUdp, d.dns_alt.0.as_fd().try_clone_to_owned()?));
+            out.push((Kind::DnsAltTcp, d.dns_alt.1.as_fd().try_clone_to_owned()?));
         }
-        Ok(Self { data, admin, bound })
+        out.push((Kind::Admin, self.admin.as_fd().try_clone_to_owned()?));
+        Ok(out)
     }
 }
 
@@ -516,6 +715,21 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(StartError::StateDirInUse { path: shown }),
         Err(std::fs::TryLockError::Error(e)) => Err(failed(e)),
+    }
+}
+
+/// The lock a predecessor releases as it hands over: taken within the
+/// handover's timeout, or the takeover fails (and nothing was served).
+fn lock_released(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match lock_state_dir(dir) {
+            Err(StartError::StateDirInUse { path }) if std::time::Instant::now() < deadline => {
+                let _ = path;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
     }
 }
 

@@ -17,6 +17,7 @@ pub mod flowlog;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gateway;
+pub mod handover;
 mod intercept;
 mod io;
 pub mod journal;
@@ -34,6 +35,6 @@ mod spliced;
 mod state;
 mod upstream;
 
-pub use gateway::{Bound, Gateway, SoOriginalDst, StartError};
+pub use gateway::{preflight, Bound, Gateway, SoOriginalDst, StartError};
 pub use state::{Dataplane, OriginalDst};
 pub use upstream::RootsError;

@@ -290,3 +290,34 @@ fn a_lookup_keeps_its_snapshot_while_the_address_is_recorded_again() {
         Cow::Borrowed(_)
     ));
 }
+
+#[test]
+fn a_restored_attribution_keeps_exactly_what_it_had_left() {
+    let (clock, old) = setup(CacheConfig::default());
+    let sb = SandboxId::new("a");
+    old.record(&sb, &attr(&["api.test", "cdn.test"], &["203.0.113.7"], 300));
+    clock.advance(Duration::from_secs(298));
+    let entries = old.entries(&sb);
+    assert_eq!(entries.len(), 1);
+    // A successor (its own clock) restores what is left: two seconds, not
+    // the 30 s floor a fresh answer would get.
+    let (clock2, new) = setup(CacheConfig::default());
+    let (addr, names) = &entries[0];
+    assert!(new.restore(&sb, *addr, names));
+    assert_eq!(live(&new, &sb, "203.0.113.7"), ["api.test", "cdn.test"]);
+    clock2.advance(Duration::from_millis(1_999));
+    assert_eq!(live(&new, &sb, "203.0.113.7"), ["api.test", "cdn.test"]);
+    clock2.advance(Duration::from_millis(1));
+    assert!(matches!(
+        new.names_for(&sb, ip("203.0.113.7")),
+        Lookup::Missing(AttributionGap::Expired)
+    ));
+    // Never beyond max_ttl.
+    assert!(new.restore(
+        &sb,
+        ip("203.0.113.9"),
+        &[(h("long.test"), Duration::from_secs(10 * 86_400))]
+    ));
+    clock2.advance(Duration::from_secs(24 * 3600));
+    assert!(live(&new, &sb, "203.0.113.9").is_empty());
+}

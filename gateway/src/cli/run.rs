@@ -16,6 +16,11 @@ pub(super) struct RunArgs {
     /// TOML configuration; every key has a default, so this is optional.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Replace the gateway running on the same state_dir without a window:
+    /// take over its listening sockets, its pushed state and its DNS
+    /// attribution; it then drains and exits. Same [listen] required.
+    #[arg(long)]
+    take_over: bool,
 }
 
 pub(super) fn run(args: &RunArgs) -> ExitCode {
@@ -52,7 +57,7 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         if config.dns.upstreams.is_empty() {
             tracing::warn!("dns.upstreams is empty: every DNS query will be answered SERVFAIL");
         }
-        let gateway = match Gateway::start(config, Arc::new(SoOriginalDst), flow_log).await {
+        let gateway = match start(config, flow_log, args.take_over).await {
             Ok(g) => g,
             Err(e) => return fail(e),
         };
@@ -73,6 +78,32 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         }
         ExitCode::SUCCESS
     })
+}
+
+/// Starts the gateway, or takes over from the one running on its state
+/// directory once everything a takeover cannot undo has been checked.
+async fn start(config: Config, flow_log: FlowLog, take_over: bool) -> Result<Gateway, String> {
+    let orig_dst = Arc::new(SoOriginalDst);
+    if !take_over {
+        return Gateway::start(config, orig_dst, flow_log)
+            .await
+            .map_err(|e| e.to_string());
+    }
+    let asked = config.clone();
+    let taken = tokio::task::spawn_blocking(move || {
+        crate::preflight(&asked).map_err(|e| e.to_string())?;
+        crate::handover::take_over(&asked).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    tracing::info!(
+        sockets = taken.sockets.len(),
+        attributed = taken.attribution.len(),
+        "took over the running gateway's listeners; it drains its open flows"
+    );
+    Gateway::take_over(config, orig_dst, flow_log, taken)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// The runtime: `limits.worker_threads` workers (one per CPU with 0); with

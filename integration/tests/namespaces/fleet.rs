@@ -150,3 +150,195 @@ fn a_sandbox_interface_is_fenced_until_attached_and_again_once_detached() {
         "re-applying the fence cut an attached sandbox: {body}"
     );
 }
+
+/// Requests the fake internet has seen for api.example.test.
+fn reached(t: &Topology) -> u64 {
+    let (_, body) = t.http_in_gw("GET", "http://203.0.113.10/_counts", &[], None);
+    serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|c| c["api.example.test"].as_u64())
+        .unwrap_or(0)
+}
+
+/// `egress-probe many` from sb1 to api.example.test by address (no DNS).
+/// The name is exempt from interception, so each flow is spliced on its
+/// SNI, which the gateway trusts only while it holds sb1's attribution of
+/// the address to that name.
+fn probe(t: &Topology, count: &str, concurrency: &str, path: &str) -> std::process::Child {
+    std::process::Command::new("ip")
+        .args(["netns", "exec", &t.sb1])
+        .arg(env!("CARGO_BIN_EXE_egress-probe"))
+        .args([
+            "many",
+            "--connect",
+            "203.0.113.10:443",
+            "--sni",
+            "api.example.test",
+            "--ca",
+        ])
+        .arg(t.ca("both"))
+        .args([
+            "--count",
+            count,
+            "--concurrency",
+            concurrency,
+            "--path",
+            path,
+        ])
+        .args(["--response-timeout-secs", "60"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("probe")
+}
+
+fn report(child: std::process::Child) -> serde_json::Value {
+    let out = child.wait_with_output().expect("probe");
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn a_gateway_replaced_under_load_loses_no_flow_and_keeps_its_state() {
+    const HELD: u64 = 20;
+    const LOAD: u64 = 3_000;
+    if !available() {
+        return;
+    }
+    let mut t = Topology::new();
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}],
+            "tls_interception_exemptions": [{"domain": "api.example.test"}]}"#,
+    );
+    // The only DNS answer of the test: every flow below connects by address.
+    assert!(t
+        .dig(&t.sb1, "api.example.test", false)
+        .contains("203.0.113.10"));
+
+    // The successor's configuration: the same state_dir and [listen], its
+    // own flow log, so each process's flows can be counted.
+    let first = std::fs::read_to_string(t.path("gateway.toml")).expect("config");
+    let flows_a = t.path("flows.jsonl");
+    let flows_b = t.path("flows-b.jsonl");
+    let second = first.replace(
+        &format!("flow_log = \"{}\"", flows_a.display()),
+        &format!("flow_log = \"{}\"", flows_b.display()),
+    );
+    assert_ne!(first, second);
+    std::fs::write(t.path("gateway-b.toml"), &second).expect("config");
+
+    // A successor with other listeners is refused; the running gateway
+    // goes on serving as if nothing happened.
+    let other = second.replace(
+        "[listen]\n",
+        "[listen]\n            admin = \"127.0.0.1:15999\"\n",
+    );
+    std::fs::write(t.path("gateway-other.toml"), other).expect("config");
+    let refused = t.exec(
+        &t.gw,
+        bin("egress-gateway").to_str().expect("utf-8"),
+        &[
+            "run",
+            "--take-over",
+            "--config",
+            t.path("gateway-other.toml").to_str().expect("utf-8"),
+        ],
+    );
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("refused the takeover") && said.contains("[listen]"),
+        "{said}"
+    );
+    assert_eq!(
+        t.admin("GET", "/readyz", None).0,
+        200,
+        "the running gateway stopped"
+    );
+
+    // Requests the origin holds: open on the first gateway when it hands over.
+    let held = probe(&t, "20", "20", "/hold");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while reached(&t) < HELD && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    if reached(&t) < HELD {
+        let mut held = held;
+        let _ = held.kill();
+        let out = held.wait_with_output().expect("probe");
+        panic!(
+            "the held requests did not all reach the origin: {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // Load, new connection by new connection, across the replacement.
+    let load = probe(&t, &LOAD.to_string(), "16", "/bytes/1000");
+    while reached(&t) < HELD + 300 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    t.take_over_gateway(&t.path("gateway-b.toml"), "gateway-b.log");
+    let (status, sandboxes) = t.admin("GET", "/v1/sandboxes", None);
+    assert_eq!(status, 200);
+    assert!(
+        sandboxes.contains("\"sb1\""),
+        "the pushed state was not carried over: {sandboxes}"
+    );
+
+    let load = report(load);
+    assert_eq!(load["ok"], serde_json::json!(LOAD), "{load}");
+    assert_eq!(load["errors"], serde_json::json!({}), "{load}");
+    // The predecessor finishes what it had open, then exits cleanly.
+    let (_, released) = t.http_in_gw("GET", "http://203.0.113.10/_release", &[], None);
+    assert!(released.contains("released"), "{released}");
+    let held = report(held);
+    assert_eq!(held["ok"], serde_json::json!(HELD), "{held}");
+    assert!(t
+        .wait_predecessor(std::time::Duration::from_secs(20))
+        .success());
+
+    // Every connection was served by one of the two, and each served some.
+    let count = |path: &std::path::Path| {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"verdict\":\"splice\""))
+            .count() as u64
+    };
+    // The successor writes its lines from its log thread: wait for them.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let (mut a, mut b) = (count(&flows_a), count(&flows_b));
+    while a + b < HELD + LOAD && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        (a, b) = (count(&flows_a), count(&flows_b));
+    }
+    assert!(
+        a > HELD && b > 0,
+        "first gateway {a} flows, successor {b}: {}",
+        std::fs::read_to_string(&flows_b)
+            .unwrap_or_default()
+            .lines()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(
+        a + b,
+        HELD + LOAD,
+        "first gateway {a} + successor {b} spliced flows"
+    );
+    // The successor still refuses what the policy refuses.
+    let (code, body) = t.curl(
+        &t.sb1,
+        "both",
+        "https://other.example.test/",
+        &["-4", "--max-time", "3"],
+    );
+    assert!(!(code == 0 && body.contains("fake internet")), "{body}");
+    println!(
+        "replaced under load: {LOAD} requests, none failed; {a} flows on the first gateway (its {HELD} held requests finished after the handover), {b} on the successor, which served by sb1's carried-over attribution"
+    );
+}

@@ -66,6 +66,8 @@ pub struct Topology {
     /// Sandbox namespaces added by [`Topology::add_sandbox`].
     pub extra: Vec<String>,
     gateway: Option<Child>,
+    /// A gateway that handed over to `gateway` and is draining.
+    predecessor: Option<Child>,
     internet: Option<Child>,
 }
 
@@ -122,6 +124,7 @@ impl Topology {
             gateway_env: Vec::new(),
             extra: Vec::new(),
             gateway: None,
+            predecessor: None,
             internet: None,
         };
         for ns in [&t.gw, &t.sb1, &t.sb2, &t.inet]
@@ -490,6 +493,53 @@ impl Topology {
         }
     }
 
+    /// Starts a successor with `run --take-over --config CONFIG` (same
+    /// state_dir and [listen] as the running gateway's), its log in `log`,
+    /// and waits until it serves. The predecessor drains its open flows and
+    /// exits by itself: [`Topology::wait_predecessor`].
+    pub fn take_over_gateway(&mut self, config: &Path, log: &str) {
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.gw])
+            .arg(bin("egress-gateway"))
+            .args(["run", "--take-over", "--config"])
+            .arg(config)
+            .envs(self.gateway_env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.path(log)).expect("log"))
+            .spawn()
+            .expect("successor");
+        self.predecessor = self.gateway.replace(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let said = std::fs::read_to_string(self.path(log)).unwrap_or_default();
+            if said.contains("took over") && self.admin("GET", "/readyz", None).0 == 200 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the successor did not take over: {said}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The predecessor's exit status, once it has drained (within `within`).
+    pub fn wait_predecessor(&mut self, within: Duration) -> std::process::ExitStatus {
+        let mut child = self.predecessor.take().expect("a predecessor");
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = child.try_wait().expect("status") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the predecessor did not exit within {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Sends SIGTERM and waits for the exit status.
     pub fn stop_gateway(&mut self) -> std::process::ExitStatus {
         let mut child = self.gateway.take().expect("a running gateway");
@@ -667,9 +717,13 @@ impl Topology {
 
 impl Drop for Topology {
     fn drop(&mut self) {
-        for child in [self.gateway.take(), self.internet.take()]
-            .into_iter()
-            .flatten()
+        for child in [
+            self.gateway.take(),
+            self.predecessor.take(),
+            self.internet.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
             let mut child = child;
             let _ = child.kill();

@@ -1,0 +1,472 @@
+//! Replacing a running gateway without a window: its successor takes over
+//! its listening sockets, its pushed state and its DNS attribution.
+//!
+//! The running gateway listens on `state_dir/handover.sock` (mode 0600, in a
+//! 0700 directory). A successor started with `egress-gateway run
+//! --take-over` and the same configuration connects and asks, naming its
+//! listen addresses and listener copies; a successor whose listeners would
+//! differ is refused and the running gateway goes on as if nothing happened.
+//! A compatible one gets, in order:
+//!
+//! 1. The running gateway stops accepting flows, DNS queries and admin
+//!    calls, and seals its commit thread: every push acknowledged so far is
+//!    in the journal, and none is acknowledged after. Its listening sockets
+//!    stay open (duplicates are kept for this), so connections and queries
+//!    that arrive now wait in the kernel's queues.
+//! 2. It releases `state_dir/gateway.lock`.
+//! 3. It sends one line naming the sockets, with the sockets themselves
+//!    (`SCM_RIGHTS`), then one line per attributed address with the names
+//!    and the exact time each has left; then it closes the connection and
+//!    drains its open flows as on SIGTERM.
+//! 4. The successor takes the lock, recovers the snapshot and journal,
+//!    restores the attribution (lifetimes unchanged: nothing is extended)
+//!    and serves on the very sockets, starting with what queued meanwhile.
+//!
+//! Every connection is accepted by exactly one of the two; none is refused.
+//! If the successor dies after step 3, nothing serves: connections are
+//! refused (fail closed) until a gateway starts again from the same state.
+
+use std::io::{self, BufRead, BufReader, IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::net::IpAddr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use egress_policy::SandboxId;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Config, Listen};
+
+/// The socket's file name in `state_dir`.
+pub const SOCKET_FILE: &str = "handover.sock";
+
+/// What both sides speak; a successor of another version is refused.
+const VERSION: u32 = 1;
+
+/// Most sockets one handover carries (the kernel's `SCM_MAX_FD` is 253):
+/// five per listener copy and the admin listener.
+const MAX_SOCKETS: usize = 250;
+
+/// Each read and write of the handover, on either side.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest request or header line.
+const MAX_LINE: usize = 64 * 1024;
+
+/// What a listening socket is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    Transparent,
+    DnsUdp,
+    DnsTcp,
+    DnsAltUdp,
+    DnsAltTcp,
+    Admin,
+}
+
+/// The successor's question.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Request {
+    version: u32,
+    listen: Listen,
+    /// Sets of transparent and DNS listeners (`limits.thread_per_core`).
+    copies: usize,
+}
+
+/// The running gateway's answer: the sockets (in the order of the
+/// descriptors sent with it) and how many attribution lines follow, or why not.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Header {
+    version: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    refused: Option<String>,
+    #[serde(default)]
+    sockets: Vec<Kind>,
+    #[serde(default)]
+    attributed: usize,
+}
+
+/// One attributed address of one sandbox: its live names, each with the
+/// milliseconds it has left. Read back through `SandboxId::parse` and
+/// `Hostname::parse`: a line either does not pass is dropped.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct Attributed {
+    pub sandbox: String,
+    pub ip: IpAddr,
+    pub names: Vec<(String, u64)>,
+}
+
+/// What a successor took over.
+#[derive(Debug)]
+pub struct Taken {
+    pub(crate) sockets: Vec<(Kind, OwnedFd)>,
+    pub(crate) attribution: Vec<Attributed>,
+}
+
+/// Why a takeover failed. Before the running gateway accepted, it goes on
+/// serving; the error says which.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoverError {
+    #[error("cannot reach the running gateway at {path}: {source} (is one running with this state_dir?)")]
+    Connect { path: String, source: io::Error },
+    #[error("the running gateway refused the takeover and goes on serving: {0}")]
+    Refused(String),
+    #[error("takeover: {0}")]
+    Protocol(String),
+    #[error("takeover: {0}")]
+    Io(#[from] io::Error),
+}
+
+// === the successor's side ===
+
+/// Asks the gateway running on `config.state_dir` for its sockets and
+/// attribution. Blocking, with a timeout on every wait.
+pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
+    let path = config.state_dir.join(SOCKET_FILE);
+    let mut stream = UnixStream::connect(&path).map_err(|source| HandoverError::Connect {
+        path: path.display().to_string(),
+        source,
+    })?;
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))?;
+    let request = Request {
+        version: VERSION,
+        listen: config.listen.clone(),
+        copies: copies(config),
+    };
+    let mut line =
+        serde_json::to_vec(&request).map_err(|e| HandoverError::Protocol(e.to_string()))?;
+    line.push(b'\n');
+    stream.write_all(&line)?;
+    let (header, fds, rest) = receive_header(&stream)?;
+    if let Some(why) = header.refused {
+        return Err(HandoverError::Refused(why));
+    }
+    if header.version != VERSION || header.sockets.len() != fds.len() {
+        let why = format!(
+            "version {} with {} socket kinds for {} descriptors",
+            header.version,
+            header.sockets.len(),
+            fds.len()
+        );
+        return Err(HandoverError::Protocol(why));
+    }
+    let sockets = header.sockets.into_iter().zip(fds).collect();
+    let attribution = receive_attribution(rest.chain(stream), header.attributed)?;
+    Ok(Taken {
+        sockets,
+        attribution,
+    })
+}
+
+/// The header, the descriptors that came with it, and the bytes read past it.
+type Received = (Header, Vec<OwnedFd>, io::Cursor<Vec<u8>>);
+
+/// Reads up to the header's newline, collecting the descriptors that come
+/// with it; returns the bytes read past the line.
+fn receive_header(stream: &UnixStream) -> Result<Received, HandoverError> {
+    let mut bytes = Vec::new();
+    let mut fds = Vec::new();
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_SOCKETS))];
+    loop {
+        let mut chunk = [0u8; 16 * 1024];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = rustix::net::recvmsg(
+            stream,
+            &mut [IoSliceMut::new(&mut chunk)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .map_err(io::Error::from)?;
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = message {
+                fds.extend(received);
+            }
+        }
+        if got.bytes == 0 {
+            return Err(HandoverError::Protocol(
+                "the running gateway closed the connection before answering".into(),
+            ));
+        }
+        bytes.extend_from_slice(&chunk[..got.bytes]);
+        if let Some(end) = bytes.iter().position(|&b| b == b'\n') {
+            let header = serde_json::from_slice(&bytes[..end])
+                .map_err(|e| HandoverError::Protocol(format!("bad header: {e}")))?;
+            let rest = io::Cursor::new(bytes[end + 1..].to_vec());
+            return Ok((header, fds, rest));
+        }
+        if bytes.len() > MAX_LINE {
+            return Err(HandoverError::Protocol("header line too long".into()));
+        }
+    }
+}
+
+fn receive_attribution(from: impl Read, expected: usize) -> Result<Vec<Attributed>, HandoverError> {
+    let mut out = Vec::with_capacity(expected.min(1 << 20));
+    for line in BufReader::new(from).lines() {
+        let line = line?;
+        let entry = serde_json::from_str(&line)
+            .map_err(|e| HandoverError::Protocol(format!("bad attribution line: {e}")))?;
+        out.push(entry);
+    }
+    if out.len() != expected {
+        let why = format!(
+            "{} attribution lines of {expected}: the stream was cut",
+            out.len()
+        );
+        return Err(HandoverError::Protocol(why));
+    }
+    Ok(out)
+}
+
+/// Sets of transparent and DNS listeners a configuration binds.
+pub(crate) fn copies(config: &Config) -> usize {
+    if config.limits.thread_per_core {
+        config.limits.threads()
+    } else {
+        1
+    }
+}
+
+// === the running gateway's side ===
+
+/// The offer a running gateway keeps open: its socket and duplicates of
+/// every listening socket.
+pub(crate) struct Offer {
+    listener: tokio::net::UnixListener,
+    sockets: Vec<(Kind, OwnedFd)>,
+    expected: Request,
+}
+
+impl Offer {
+    /// Listens on `state_dir/handover.sock`. The caller holds the state
+    /// directory's lock, so a file already there is a dead gateway's.
+    pub(crate) fn listen(config: &Config, sockets: Vec<(Kind, OwnedFd)>) -> io::Result<Self> {
+        let path = config.state_dir.join(SOCKET_FILE);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let listener = tokio::net::UnixListener::bind(&path)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        Ok(Self {
+            listener,
+            sockets,
+            expected: Request {
+                version: VERSION,
+                listen: config.listen.clone(),
+                copies: copies(config),
+            },
+        })
+    }
+
+    /// Waits for a successor whose listeners are these; refuses any other
+    /// (it is told why) and keeps waiting.
+    pub(crate) async fn successor(&self) -> UnixStream {
+        loop {
+            let Ok((stream, _)) = self.listener.accept().await else {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            };
+            let Ok(stream) = stream.into_std() else {
+                continue;
+            };
+            let request = tokio::task::spawn_blocking(move || read_request(stream)).await;
+            let Ok(Ok((mut stream, request))) = request else {
+                continue;
+            };
+            match self.refusal(&request) {
+                None => return stream,
+                Some(why) => {
+                    tracing::warn!(%why, "refused a takeover; serving on");
+                    let _ = send_header(
+                        &mut stream,
+                        &Header {
+                            refused: Some(why),
+                            ..Header::default()
+                        },
+                        &[],
+                    );
+                }
+            }
+        }
+    }
+
+    fn refusal(&self, r: &Request) -> Option<String> {
+        let e = &self.expected;
+        if r.version != e.version {
+            return Some(format!(
+                "handover version {} (this gateway speaks {})",
+                r.version, e.version
+            ));
+        }
+        if r.listen != e.listen {
+            return Some(format!(
+                "its [listen] {:?} differs from this gateway's {:?}",
+                r.listen, e.listen
+            ));
+        }
+        if r.copies != e.copies {
+            return Some(format!(
+                "{} listener copies (limits.thread_per_core) where this gateway has {}",
+                r.copies, e.copies
+            ));
+        }
+        None
+    }
+
+    /// Sends the sockets and then the attribution to `successor`; blocking.
+    pub(crate) fn hand_over(
+        self,
+        mut successor: UnixStream,
+        attribution: &[Attributed],
+    ) -> io::Result<()> {
+        let header = Header {
+            version: VERSION,
+            refused: None,
+            sockets: self.sockets.iter().map(|(k, _)| *k).collect(),
+            attributed: attribution.len(),
+        };
+        let fds: Vec<_> = self.sockets.iter().map(|(_, fd)| fd.as_fd()).collect();
+        send_header(&mut successor, &header, &fds)?;
+        let mut out = io::BufWriter::new(successor);
+        for entry in attribution {
+            serde_json::to_writer(&mut out, entry)?;
+            out.write_all(b"\n")?;
+        }
+        out.flush()
+    }
+}
+
+fn read_request(stream: UnixStream) -> io::Result<(UnixStream, Request)> {
+    // From tokio: non-blocking until told otherwise.
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))?;
+    let mut line = String::new();
+    BufReader::new((&stream).take(MAX_LINE as u64)).read_line(&mut line)?;
+    let request = serde_json::from_str(&line).map_err(io::Error::other)?;
+    Ok((stream, request))
+}
+
+/// One `sendmsg`: the header line, with `fds` attached to its first byte.
+fn send_header(
+    stream: &mut UnixStream,
+    header: &Header,
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> io::Result<()> {
+    if fds.len() > MAX_SOCKETS {
+        return Err(io::Error::other(format!(
+            "{} sockets: more than {MAX_SOCKETS}",
+            fds.len()
+        )));
+    }
+    let mut line = serde_json::to_vec(header)?;
+    line.push(b'\n');
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_SOCKETS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other("the descriptors do not fit one message"));
+    }
+    let sent = rustix::net::sendmsg(
+        &*stream,
+        &[IoSlice::new(&line)],
+        &mut control,
+        SendFlags::empty(),
+    )
+    .map_err(io::Error::from)?;
+    // The descriptors went with the first byte; the rest of the line, if
+    // the kernel took only part of it, follows as plain bytes.
+    stream.write_all(&line[sent..])
+}
+
+/// A sandbox's attribution as handover lines.
+pub(crate) fn export(cache: &dns_attrib::AttributionCache, ids: &[SandboxId]) -> Vec<Attributed> {
+    let mut out = Vec::new();
+    for id in ids {
+        for (ip, names) in cache.entries(id) {
+            let names = names
+                .into_iter()
+                .map(|(n, left)| {
+                    let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+                    (n.to_string(), ms)
+                })
+                .collect();
+            out.push(Attributed {
+                sandbox: id.as_str().to_owned(),
+                ip,
+                names,
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_carries_sockets_and_a_refusal_carries_none() {
+        let (mut a, b) = UnixStream::pair().expect("pair");
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let fd = OwnedFd::from(l);
+        let header = Header {
+            version: VERSION,
+            sockets: vec![Kind::Transparent],
+            attributed: 0,
+            ..Header::default()
+        };
+        send_header(&mut a, &header, &[fd.as_fd()]).expect("send");
+        drop(fd);
+        let (got, fds, _) = receive_header(&b).expect("receive");
+        assert_eq!(got.sockets, vec![Kind::Transparent]);
+        assert_eq!(fds.len(), 1);
+        // The very socket: still listening on its address after the
+        // sender's descriptor closed.
+        let l = std::net::TcpListener::from(fds.into_iter().next().expect("fd"));
+        assert_eq!(l.local_addr().expect("addr"), addr);
+        std::net::TcpStream::connect(addr).expect("connect");
+        l.accept()
+            .expect("the queued connection is accepted by the receiver");
+
+        let refused = Header {
+            refused: Some("no".into()),
+            ..Header::default()
+        };
+        send_header(&mut a, &refused, &[]).expect("send");
+        let (got, fds, _) = receive_header(&b).expect("receive");
+        assert_eq!((got.refused.as_deref(), fds.len()), (Some("no"), 0));
+    }
+
+    #[test]
+    fn a_cut_attribution_stream_is_an_error() {
+        let line = serde_json::to_string(&Attributed {
+            sandbox: "sb1".into(),
+            ip: "203.0.113.10".parse().expect("ip"),
+            names: vec![("api.example.test".into(), 2_500)],
+        })
+        .expect("json");
+        let two = format!("{line}\n{line}\n");
+        assert_eq!(
+            receive_attribution(two.as_bytes(), 2).expect("two").len(),
+            2
+        );
+        assert!(matches!(
+            receive_attribution(format!("{line}\n").as_bytes(), 2),
+            Err(HandoverError::Protocol(_))
+        ));
+        assert!(matches!(
+            receive_attribution(&b"{not json\n"[..], 1),
+            Err(HandoverError::Protocol(_))
+        ));
+    }
+}
