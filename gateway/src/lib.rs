@@ -4,6 +4,7 @@
 
 mod admin;
 pub mod authority;
+mod ca_reload;
 pub mod cli;
 mod commit;
 pub mod config;
@@ -34,6 +35,7 @@ mod spliced;
 mod state;
 mod upstream;
 
+pub use ca_reload::{CaReload, CaReloader};
 pub use gateway::{Bound, Gateway, SoOriginalDst, StartError};
 pub use state::{Dataplane, OriginalDst};
 pub use upstream::RootsError;
