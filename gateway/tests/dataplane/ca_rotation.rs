@@ -133,15 +133,23 @@ async fn a_replaced_ca_serves_new_handshakes_while_open_connections_carry_on() {
     );
     assert!(shown.contains("does not belong"), "{shown}");
     assert_eq!(e.gateway.ca().fingerprint(), b.fingerprint());
-    let still = handshake(&e, trusting(&b)).await.expect("B still in service");
+    let still = handshake(&e, trusting(&b))
+        .await
+        .expect("B still in service");
     assert_eq!(&served_ca(&still), b.cert_der());
 
-    assert_eq!(value(&e, r#"egress_tls_ca_reloads_total{result="ok"}"#).await, 1);
+    assert_eq!(
+        value(&e, r#"egress_tls_ca_reloads_total{result="ok"}"#).await,
+        1
+    );
     assert_eq!(
         value(&e, r#"egress_tls_ca_reloads_total{result="error"}"#).await,
         1
     );
     let not_after = u64::try_from(b.not_after().unix_timestamp()).expect("after 1970");
-    assert_eq!(value(&e, "egress_tls_ca_not_after_seconds").await, not_after);
+    assert_eq!(
+        value(&e, "egress_tls_ca_not_after_seconds").await,
+        not_after
+    );
     assert_eq!(value(&e, "egress_tls_leaf_keys_total").await, 2);
 }
