@@ -1,4 +1,5 @@
-//! The interception CA: load from PEM, or create.
+//! The interception CA: load from PEM (one CA, or a worker's intermediate
+//! with the chain above it; `chain.rs` says what is accepted), or create.
 
 use std::fs;
 use std::io::Write;
@@ -23,6 +24,9 @@ pub const CA_KEY_FILE: &str = "ca.key";
 /// The subject common name of a CA the gateway creates.
 pub const DEFAULT_COMMON_NAME: &str = "egress-gateway interception CA";
 
+/// The subject common name of a fleet root `ca init --root` creates.
+pub const ROOT_COMMON_NAME: &str = "egress-gateway fleet root";
+
 /// Ten years: the CA is installed in sandbox images, so it should outlive them.
 const CA_VALIDITY: Duration = Duration::days(3650);
 
@@ -36,9 +40,15 @@ pub struct CaPaths {
 /// A CA that can sign leaves.
 pub struct CertificateAuthority {
     issuer: Issuer<'static, KeyPair>,
+    /// The first certificate in the file: the one whose key signs.
     cert_der: CertificateDer<'static>,
+    /// What follows a minted leaf in a handshake (`cert_der` first).
+    chain: Vec<CertificateDer<'static>>,
     cert_pem: String,
     paths: CaPaths,
+    not_after: OffsetDateTime,
+    subject: String,
+    fingerprint: String,
 }
 
 impl std::fmt::Debug for CertificateAuthority {
@@ -65,8 +75,15 @@ impl CaPaths {
 
 impl CertificateAuthority {
     /// Loads a CA from PEM files. Refuses a key readable by group or others,
-    /// a certificate that is not a CA, and a key that does not match it.
+    /// a certificate that is not a CA, a key that does not match the first
+    /// certificate, and a chain whose certificates do not each issue the one
+    /// before (see `chain.rs`).
     pub fn load(paths: &CaPaths) -> Result<Self, CertError> {
+        Self::load_at(paths, OffsetDateTime::now_utc())
+    }
+
+    /// [`CertificateAuthority::load`], refusing certificates expired at `now`.
+    pub fn load_at(paths: &CaPaths, now: OffsetDateTime) -> Result<Self, CertError> {
         let key_pem = read_private(&paths.key)?;
         let cert_pem = fs::read_to_string(&paths.cert).map_err(|source| CertError::Io {
             path: paths.cert.clone(),
@@ -78,16 +95,22 @@ impl CertificateAuthority {
         };
         let key = KeyPair::from_pem(&key_pem)
             .map_err(|e| invalid(&paths.key, format!("not a usable private key: {e}")))?;
-        let cert_der = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+        let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| invalid(&paths.cert, format!("no PEM certificate: {e}")))?;
-        check_ca_cert(&cert_der, &key).map_err(|m| invalid(&paths.cert, m))?;
+        let chain = crate::chain::check(&certs, &key, now).map_err(|m| invalid(&paths.cert, m))?;
+        let cert_der = chain.served[0].clone();
         let issuer = Issuer::from_ca_cert_der(&cert_der, key)
             .map_err(|e| invalid(&paths.cert, format!("cannot sign with this CA: {e}")))?;
         Ok(Self {
             issuer,
+            fingerprint: fingerprint(&cert_der),
             cert_der,
+            chain: chain.served,
             cert_pem,
             paths: paths.clone(),
+            not_after: chain.not_after,
+            subject: chain.subject,
         })
     }
 
@@ -99,6 +122,16 @@ impl CertificateAuthority {
     /// [`CertificateAuthority::create`] with another subject common name
     /// (test CAs for fake origins must not look like the gateway's).
     pub fn create_named(dir: &Path, common_name: &str) -> Result<Self, CertError> {
+        Self::create_with(dir, common_name, 0)
+    }
+
+    /// A fleet root in `dir`: as [`CertificateAuthority::create`], but with
+    /// pathLen 1, so it can issue each worker's intermediate (`ca sign`).
+    pub fn create_root(dir: &Path) -> Result<Self, CertError> {
+        Self::create_with(dir, ROOT_COMMON_NAME, 1)
+    }
+
+    fn create_with(dir: &Path, common_name: &str, path_len: u8) -> Result<Self, CertError> {
         let paths = CaPaths::in_dir(dir);
         for path in [&paths.cert, &paths.key] {
             if path.exists() {
@@ -115,7 +148,7 @@ impl CertificateAuthority {
         };
         let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(mint_err)?;
         let mut params = CertificateParams::default();
-        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(path_len));
         params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
             KeyUsagePurpose::CrlSign,
@@ -172,8 +205,31 @@ impl CertificateAuthority {
         &self.cert_pem
     }
 
+    /// The first certificate in the file: the CA that signs leaves.
     pub fn cert_der(&self) -> &CertificateDer<'static> {
         &self.cert_der
+    }
+
+    /// What follows every minted leaf in a handshake: the signing CA, then
+    /// any intermediates above it (never a root).
+    pub fn chain(&self) -> &[CertificateDer<'static>] {
+        &self.chain
+    }
+
+    /// The earliest `notAfter` of the certificates in the file.
+    pub fn not_after(&self) -> OffsetDateTime {
+        self.not_after
+    }
+
+    /// The signing CA's subject (RFC 4514 text).
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    /// SHA-256 of the signing CA's certificate, as colon-separated hex (the
+    /// form `openssl x509 -fingerprint -sha256` prints).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     pub(crate) fn issuer(&self) -> &Issuer<'static, KeyPair> {
@@ -182,7 +238,7 @@ impl CertificateAuthority {
 }
 
 /// Reads a private key file, refusing one that group or others can read.
-fn read_private(path: &Path) -> Result<String, CertError> {
+pub(crate) fn read_private(path: &Path) -> Result<String, CertError> {
     let io = |source| CertError::Io {
         path: path.to_owned(),
         source,
@@ -198,26 +254,14 @@ fn read_private(path: &Path) -> Result<String, CertError> {
     fs::read_to_string(path).map_err(io)
 }
 
-/// The certificate must be a CA whose public key is `key`'s.
-fn check_ca_cert(der: &CertificateDer<'_>, key: &KeyPair) -> Result<(), String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der)
-        .map_err(|e| format!("not a valid X.509 certificate: {e}"))?;
-    let is_ca = cert
-        .basic_constraints()
-        .ok()
-        .flatten()
-        .is_some_and(|bc| bc.value.ca);
-    if !is_ca {
-        return Err("not a CA certificate (basicConstraints CA is not set)".into());
-    }
-    if cert.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
-        return Err("the private key does not belong to this certificate".into());
-    }
-    Ok(())
+fn fingerprint(der: &CertificateDer<'_>) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    let hex: Vec<String> = digest.as_ref().iter().map(|b| format!("{b:02X}")).collect();
+    hex.join(":")
 }
 
 /// Creates `path` (never overwriting) with `mode` from the start, and syncs it.
-fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CertError> {
+pub(crate) fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CertError> {
     let io = |source| CertError::Io {
         path: path.to_owned(),
         source,

@@ -1,7 +1,10 @@
 //! The interception CA and the leaves minted under it.
 //!
 //! - [`CertificateAuthority`]: loaded from PEM files (the key file must not be
-//!   readable by group or others) or created (ECDSA P-256, long-lived).
+//!   readable by group or others; the certificate file may hold a worker's
+//!   intermediate and the chain above it) or created (ECDSA P-256, long-lived).
+//! - [`request`] and [`sign_intermediate`]: a worker's intermediate under a
+//!   fleet root, the worker's key never leaving the worker.
 //! - [`LeafMinter`]: mints short-lived leaves for a server name, or for the
 //!   destination IP when the client sent no usable SNI. One leaf key pair
 //!   serves every leaf, so minting costs one signature; a bounded cache with
@@ -11,11 +14,16 @@
 //! Only this crate names rcgen and ring.
 
 mod ca;
+mod chain;
 mod mint;
+mod request;
 mod resolver;
 
-pub use ca::{CaPaths, CertificateAuthority, CA_CERT_FILE, CA_KEY_FILE, DEFAULT_COMMON_NAME};
+pub use ca::{
+    CaPaths, CertificateAuthority, CA_CERT_FILE, CA_KEY_FILE, DEFAULT_COMMON_NAME, ROOT_COMMON_NAME,
+};
 pub use mint::{LeafMinter, LeafName, MintConfig};
+pub use request::{request, sign_intermediate, Signed, CA_CSR_FILE, DEFAULT_INTERMEDIATE_VALIDITY};
 pub use resolver::LeafResolver;
 
 use std::path::PathBuf;

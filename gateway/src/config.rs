@@ -132,14 +132,21 @@ pub struct Dns {
     pub doh_names: Vec<Hostname>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Tls {
-    /// The interception CA; both or neither. Neither: one is created in `state_dir`.
+    /// The interception CA; both or neither. Neither: one is created in
+    /// `state_dir`. `ca_cert` may hold a chain: the worker's intermediate
+    /// first (the one `ca_key` belongs to), then further intermediates, then
+    /// optionally the fleet root (not served). Read again on SIGHUP.
     pub ca_cert: Option<PathBuf>,
     pub ca_key: Option<PathBuf>,
     /// PEM files trusted, besides the built-in web roots, when verifying origins.
     pub extra_upstream_roots: Vec<PathBuf>,
+    /// How long one leaf key signs minted leaves (default `24h`, from `1m`
+    /// to `30d`): the first mint after that makes a new key.
+    #[serde(deserialize_with = "duration")]
+    pub leaf_key_lifetime: Duration,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -352,6 +359,38 @@ impl Limits {
     }
 }
 
+/// Shorter leaf key lifetimes would mint most leaves twice for nothing: a
+/// key that signs for less than a minute protects nothing a minute would not.
+const MIN_LEAF_KEY_LIFETIME: Duration = Duration::from_secs(60);
+/// A month: past that the key is effectively the process's, as before.
+const MAX_LEAF_KEY_LIFETIME: Duration = Duration::from_secs(30 * 86_400);
+
+impl Tls {
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
+        if self.ca_cert.is_some() != self.ca_key.is_some() {
+            let why = "tls.ca_cert and tls.ca_key go together: set both or neither";
+            return Some(("tls.ca_cert", why.into()));
+        }
+        let lifetime = self.leaf_key_lifetime;
+        if !(MIN_LEAF_KEY_LIFETIME..=MAX_LEAF_KEY_LIFETIME).contains(&lifetime) {
+            let why = format!("{lifetime:?} is outside 1m..=30d");
+            return Some(("tls.leaf_key_lifetime", why));
+        }
+        None
+    }
+}
+
+impl Default for Tls {
+    fn default() -> Self {
+        Self {
+            ca_cert: None,
+            ca_key: None,
+            extra_upstream_roots: Vec::new(),
+            leaf_key_lifetime: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
 /// The smallest head bound hyper's HTTP/1 server accepts.
 const MIN_REQUEST_HEAD: usize = 8 * 1024;
 /// Heads larger than this are a memory risk, not a request.
@@ -448,9 +487,8 @@ impl Config {
                 return Some((key, why));
             }
         }
-        if self.tls.ca_cert.is_some() != self.tls.ca_key.is_some() {
-            let why = "tls.ca_cert and tls.ca_key go together: set both or neither";
-            return Some(("tls.ca_cert", why.into()));
+        if let Some(invalid) = self.tls.first_invalid() {
+            return Some(invalid);
         }
         for (key, d) in [
             ("dns.upstream_timeout", self.dns.upstream_timeout),
@@ -489,7 +527,7 @@ impl Config {
             .or_else(|| self.machine_egress.first_invalid())
     }
 
-    /// The CA files: configured, or `state_dir` for a created one.
+    /// The CA files: configured, or `None` for one created in `state_dir`.
     pub fn ca_paths(&self) -> Option<egress_certs::CaPaths> {
         match (&self.tls.ca_cert, &self.tls.ca_key) {
             (Some(cert), Some(key)) => Some(egress_certs::CaPaths {
@@ -689,6 +727,7 @@ mod tests {
             ca_cert = "/etc/egress/ca.crt"
             ca_key = "/etc/egress/ca.key"
             extra_upstream_roots = ["/etc/egress/origin-ca.pem"]
+            leaf_key_lifetime = "6h"
             [policy]
             platform_deny = [{cidr = "169.254.0.0/16"}, {domain = "metadata.google.internal"}]
             opaque_streams = "deny"
@@ -714,6 +753,7 @@ mod tests {
         assert_eq!(c.policy.opaque_streams, OpaqueStreams::Deny);
         assert_eq!(c.limits.worker_threads, 1);
         assert!(c.ca_paths().is_some());
+        assert_eq!(c.tls.leaf_key_lifetime, Duration::from_secs(6 * 3600));
     }
 
     #[test]
@@ -747,6 +787,14 @@ mod tests {
             (
                 "[redirect]\nfence = [\"tap*\", \"t*p\"]",
                 "redirect.fence: \"t*p\": expected an interface name",
+            ),
+            (
+                "[tls]\nleaf_key_lifetime = \"30s\"",
+                "tls.leaf_key_lifetime: 30s is outside 1m..=30d",
+            ),
+            (
+                "[tls]\nleaf_key_lifetime = \"31d\"",
+                "tls.leaf_key_lifetime: 2678400s is outside",
             ),
             (
                 "[timeouts]\npeek = \"0s\"",

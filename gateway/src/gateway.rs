@@ -19,6 +19,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::admin::Control;
+use crate::ca_reload::CaReloader;
 use crate::config::Config;
 use crate::flowlog::FlowLog;
 use crate::registry::Registry;
@@ -98,6 +99,8 @@ pub struct Gateway {
     tasks: JoinSet<()>,
     /// With `limits.thread_per_core`, the worker threads; none without.
     workers: Workers,
+    /// Reads the CA files again on SIGHUP.
+    ca: CaReloader,
     /// `state_dir/gateway.lock`, held (`flock`) while the gateway serves;
     /// released early only to hand over to a successor.
     lock: Option<std::fs::File>,
@@ -232,7 +235,8 @@ impl Gateway {
             registry.clone(),
         )?;
         let mut metrics =
-            crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter);
+            crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter.clone());
+        let ca = CaReloader::new(minter, &config, metrics.ca_reloads.clone());
         metrics.declare("deny", crate::flow::Refusal::CODES);
         metrics.machines(machines.clone());
         metrics.flow_log(flow_log.dropped());
@@ -253,6 +257,7 @@ impl Gateway {
                 phase: watch::Sender::new(Phase::Serving),
                 threads: Vec::new(),
             },
+            ca,
             lock: Some(lock),
             offer,
             committer: committer.clone(),
@@ -327,9 +332,15 @@ impl Gateway {
         &self.dp.registry
     }
 
-    /// The interception CA sandboxes must trust.
-    pub fn ca(&self) -> &CertificateAuthority {
+    /// The interception CA leaves are minted under now (sandboxes trust it,
+    /// or the fleet root above it).
+    pub fn ca(&self) -> Arc<CertificateAuthority> {
         self.up.minter.ca()
+    }
+
+    /// What SIGHUP uses to read the CA files again; tests call it directly.
+    pub fn ca_reloader(&self) -> CaReloader {
+        self.ca.clone()
     }
 
     /// Serves until `shutdown` completes; then stops accepting, lets open
@@ -507,6 +518,8 @@ fn minter(config: &Config) -> Result<Arc<LeafMinter>, StartError> {
     };
     let mint = MintConfig {
         cache_capacity: config.limits.leaf_cache,
+        key_lifetime: time::Duration::try_from(config.tls.leaf_key_lifetime)
+            .unwrap_or(MintConfig::default().key_lifetime),
         ..MintConfig::default()
     };
     Ok(Arc::new(LeafMinter::new(Arc::new(ca), mint)?))

@@ -4,6 +4,7 @@
 
 mod admin;
 pub mod authority;
+mod ca_reload;
 pub mod cli;
 mod commit;
 pub mod config;
@@ -35,6 +36,7 @@ mod spliced;
 mod state;
 mod upstream;
 
+pub use ca_reload::{CaReload, CaReloader};
 pub use gateway::{preflight, Bound, Gateway, SoOriginalDst, StartError};
 pub use state::{Dataplane, OriginalDst};
 pub use upstream::RootsError;

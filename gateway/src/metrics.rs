@@ -38,6 +38,12 @@ pub(crate) struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ResultLabels {
+    /// `ok` or `error`.
+    pub(crate) result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct CodeLabels {
     pub(crate) code: &'static str,
 }
@@ -65,6 +71,8 @@ pub(crate) struct Metrics {
     spliced: [Counter; 3],
     /// Connections accepted on the transparent listener, by worker thread.
     pub(crate) accepted: Family<WorkerLabels, Counter>,
+    /// Reloads of the interception CA's files (SIGHUP), by result.
+    pub(crate) ca_reloads: Family<ResultLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -139,6 +147,7 @@ impl Metrics {
             credentials_injected: Counter::default(),
             spliced: Default::default(),
             accepted: Family::default(),
+            ca_reloads: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -233,7 +242,20 @@ impl Metrics {
             });
         }
         r.register_collector(Box::new(Sources { dns, cache, minter }));
+        m.register_ca_reloads();
         m
+    }
+
+    /// `tls_ca_reloads{result}`, both results at zero from the start.
+    fn register_ca_reloads(&mut self) {
+        self.registry.register(
+            "tls_ca_reloads",
+            "Reloads of the interception CA's files (SIGHUP), by result: ok (the files were valid, changed or not) or error (the CA in service was kept)",
+            self.ca_reloads.clone(),
+        );
+        for result in ["ok", "error"] {
+            let _ = self.ca_reloads.get_or_create(&ResultLabels { result });
+        }
     }
 
     /// Counts one failure after the verdict.
@@ -345,7 +367,7 @@ impl Collector for Sources {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         self.dns_events(&mut encoder)?;
         let d = &self.dns;
-        let counters: [(&str, &str, u64); 4] = [
+        let counters: [(&str, &str, u64); 5] = [
             (
                 "dns_queries",
                 "DNS messages received, over UDP and TCP.",
@@ -365,6 +387,11 @@ impl Collector for Sources {
                 "certificates_minted",
                 "Leaf certificates minted.",
                 self.minter.minted(),
+            ),
+            (
+                "tls_leaf_keys",
+                "Leaf keys made since start, the first included: one more each time tls.leaf_key_lifetime runs out or a new CA is put in service.",
+                self.minter.generations(),
             ),
         ];
         for (name, help, n) in counters {
@@ -387,6 +414,13 @@ impl Collector for Sources {
             let g = ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX));
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
+        let g = ConstGauge::new(self.minter.ca().not_after().unix_timestamp());
+        g.encode(encoder.encode_descriptor(
+            "tls_ca_not_after_seconds",
+            "When the interception CA in service expires (the earliest notAfter in tls.ca_cert), in seconds since the Unix epoch.",
+            None,
+            g.metric_type(),
+        )?)?;
         Ok(())
     }
 }

@@ -65,6 +65,7 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         let reloader = tokio::spawn(reload_on_sighup(
             hup,
             gateway.dataplane().clone(),
+            gateway.ca_reloader(),
             config_path.map(Path::to_owned),
         ));
         let left = gateway.run_until(shutdown_signal(term)).await;
@@ -140,9 +141,10 @@ fn announce(gateway: &Gateway) {
             limits.threads()
         );
     }
-    let ca = &gateway.ca().paths().cert;
+    let ca = gateway.ca();
+    let ca = &ca.paths().cert;
     tracing::info!("transparent TCP on {}, DNS for 8.8.8.8 on {} and for 1.1.1.1 on {} (UDP and TCP), admin on http://{}/healthz", b.transparent, b.dns, b.dns_alt, b.admin);
-    tracing::info!("sandboxes must trust the interception CA {}", ca.display());
+    tracing::info!(subject = %gateway.ca().subject(), sha256 = %gateway.ca().fingerprint(), "sandboxes must trust the interception CA {} (a worker intermediate: the fleet root above it)", ca.display());
     tracing::info!(
         "redirect a sandbox interface IFACE with nftables: tcp -> :{}, udp/tcp 53 to 8.8.8.8 -> :{}, to 1.1.1.1 -> :{}; drop other udp",
         b.transparent.port(),
@@ -157,16 +159,19 @@ fn announce(gateway: &Gateway) {
     }
 }
 
-/// SIGHUP: read the credential values and the configuration file again; a
-/// bad configuration keeps the running one.
+/// SIGHUP: read the credential values, the interception CA's files and the
+/// configuration file again; a bad CA or configuration keeps the running one.
 async fn reload_on_sighup(
     mut hup: tokio::signal::unix::Signal,
     dp: Arc<crate::Dataplane>,
+    ca: crate::CaReloader,
     path: Option<PathBuf>,
 ) {
     while hup.recv().await.is_some() {
         dp.reload_secrets();
         tracing::info!("SIGHUP: credential values read again");
+        // Logged and counted inside: the CA in service stays on an error.
+        let _ = ca.reload();
         let Some(path) = &path else {
             tracing::info!("SIGHUP: running on built-in defaults, no configuration file to reload");
             continue;

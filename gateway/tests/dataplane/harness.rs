@@ -350,6 +350,8 @@ pub struct Options {
     pub splice: &'static str,
     /// `policy.opaque_streams`.
     pub opaque_streams: &'static str,
+    /// `tls.ca_cert` and `tls.ca_key`; without, a CA made in the state directory.
+    pub ca_files: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 impl Default for Options {
@@ -364,6 +366,7 @@ impl Default for Options {
             workers: 0,
             splice: "off",
             opaque_streams: "allow",
+            ca_files: None,
         }
     }
 }
@@ -432,6 +435,7 @@ pub async fn env(opts: Options) -> Env {
         max_ttl = "{max_ttl}"
         [tls]
         extra_upstream_roots = ["{roots}"]
+        {ca_files}
         [policy]
         platform_deny = [{{cidr = "169.254.0.0/16"}}, {{cidr = "10.0.0.0/8"}}]
         opaque_streams = "{opaque_streams}"
@@ -457,6 +461,14 @@ pub async fn env(opts: Options) -> Env {
         max_connections = opts.max_connections,
         splice = opts.splice,
         opaque_streams = opts.opaque_streams,
+        ca_files = match &opts.ca_files {
+            None => String::new(),
+            Some((cert, key)) => format!(
+                "ca_cert = \"{}\"\nca_key = \"{}\"",
+                cert.display(),
+                key.display()
+            ),
+        },
         per_core = match opts.workers {
             0 => String::new(),
             n => format!("thread_per_core = true\nworker_threads = {n}"),

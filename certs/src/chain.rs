@@ -1,0 +1,105 @@
+//! What `tls.ca_cert` may hold, checked before a leaf is signed under it.
+//!
+//! Either one CA certificate (the gateway's own, self-signed, or a fleet CA
+//! delivered to every worker), or a chain: the worker's intermediate first,
+//! then further intermediates, then optionally the root. The first must be a
+//! CA whose public key is the configured key's; each must be issued by the
+//! next (names match and the signature verifies), so a client that trusts
+//! the top of the chain verifies every leaf. A trailing self-signed root of a
+//! longer chain is checked but not served: clients must already have it, and
+//! sending it costs every handshake its bytes.
+
+use rcgen::KeyPair;
+use rustls_pki_types::CertificateDer;
+use time::OffsetDateTime;
+use x509_parser::certificate::X509Certificate;
+
+/// A checked chain.
+#[derive(Clone, Debug)]
+pub(crate) struct Chain {
+    /// What follows every minted leaf in a handshake: the first certificate
+    /// and every further one but a trailing root.
+    pub(crate) served: Vec<CertificateDer<'static>>,
+    /// The earliest `notAfter` in the file: minted leaves stop verifying then.
+    pub(crate) not_after: OffsetDateTime,
+    /// The first certificate's subject, as RFC 4514 text.
+    pub(crate) subject: String,
+}
+
+/// Checks `certs` (in file order) against `key` at `now`. The error is one
+/// sentence naming the certificate by position and subject.
+pub(crate) fn check(
+    certs: &[CertificateDer<'static>],
+    key: &KeyPair,
+    now: OffsetDateTime,
+) -> Result<Chain, String> {
+    let parsed = certs
+        .iter()
+        .enumerate()
+        .map(|(i, der)| {
+            x509_parser::parse_x509_certificate(der)
+                .map(|(_, c)| c)
+                .map_err(|e| format!("certificate {}: not valid X.509: {e}", i + 1))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(first) = parsed.first() else {
+        return Err("no PEM certificate in the file".into());
+    };
+    if first.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+        return Err(
+            "the private key does not belong to the first certificate (the worker's CA must come first)"
+                .into(),
+        );
+    }
+    let n = parsed.len();
+    for (i, cert) in parsed.iter().enumerate() {
+        let name = || format!("certificate {} of {n} ({})", i + 1, cert.subject());
+        if !cert.is_ca() {
+            return Err(format!(
+                "{}: not a CA certificate (basicConstraints CA is not set)",
+                name()
+            ));
+        }
+        if cert.validity().not_after.to_datetime() < now {
+            return Err(format!(
+                "{}: expired at {}",
+                name(),
+                cert.validity().not_after
+            ));
+        }
+        if let Some(next) = parsed.get(i + 1) {
+            issued_by(cert, next).map_err(|why| format!("{}: {why}", name()))?;
+        }
+    }
+    let mut served = certs.to_vec();
+    if n > 1 && parsed.last().is_some_and(self_signed) {
+        served.pop();
+    }
+    let not_after = parsed
+        .iter()
+        .map(|c| c.validity().not_after.to_datetime())
+        .min()
+        .unwrap_or(now);
+    Ok(Chain {
+        served,
+        not_after,
+        subject: first.subject().to_string(),
+    })
+}
+
+/// `cert` names `issuer` as its issuer and carries its signature.
+fn issued_by(cert: &X509Certificate<'_>, issuer: &X509Certificate<'_>) -> Result<(), String> {
+    if cert.issuer().as_raw() != issuer.subject().as_raw() {
+        return Err(format!(
+            "issued by {}, but the next certificate is {} (order: the worker's CA first, the root last)",
+            cert.issuer(),
+            issuer.subject()
+        ));
+    }
+    cert.verify_signature(Some(issuer.public_key()))
+        .map_err(|e| format!("its signature does not verify with the next certificate's key: {e}"))
+}
+
+fn self_signed(cert: &X509Certificate<'_>) -> bool {
+    cert.issuer().as_raw() == cert.subject().as_raw() && cert.verify_signature(None).is_ok()
+}
