@@ -33,6 +33,7 @@ mod splice;
 mod spliced;
 mod state;
 mod upstream;
+pub mod upstream_proxy;
 
 pub use gateway::{Bound, Gateway, SoOriginalDst, StartError};
 pub use state::{Dataplane, OriginalDst};

@@ -65,6 +65,15 @@ pub(crate) struct Metrics {
     spliced: [Counter; 3],
     /// Connections accepted on the transparent listener, by worker thread.
     pub(crate) accepted: Family<WorkerLabels, Counter>,
+    /// Tunnels asked of the operator's upstream proxies, by proxy and result.
+    proxy_connects: Family<ProxyLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProxyLabels {
+    /// A configured proxy's name (`upstream_proxy.proxies`): a bounded set.
+    proxy: String,
+    result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -139,6 +148,7 @@ impl Metrics {
             credentials_injected: Counter::default(),
             spliced: Default::default(),
             accepted: Family::default(),
+            proxy_connects: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -217,6 +227,11 @@ impl Metrics {
             "Connections accepted on the transparent listener, by worker (with limits.thread_per_core, the kernel spreads them over the workers' listeners)",
             m.accepted.clone(),
         );
+        r.register(
+            "upstream_proxy_connects",
+            "Tunnels asked of the operator's upstream proxies (CONNECT to the original destination), by proxy and result: ok, unreachable, refused (not 2xx), closed, timeout, bad_response, unavailable (its password unreadable)",
+            m.proxy_connects.clone(),
+        );
         for code in egress_policy::RequestCode::CODES
             .iter()
             .chain(crate::credentials::Refusal::CODES)
@@ -242,6 +257,28 @@ impl Metrics {
             .get_or_create(&FaultLabels {
                 side: f.side.as_str(),
                 kind: f.kind,
+            })
+            .inc();
+    }
+
+    /// Creates every configured proxy's series at zero.
+    pub(crate) fn declare_proxies<'a>(&self, names: impl Iterator<Item = &'a str>) {
+        for proxy in names {
+            for &result in crate::upstream_proxy::RESULTS {
+                let _ = self.proxy_connects.get_or_create(&ProxyLabels {
+                    proxy: proxy.to_owned(),
+                    result,
+                });
+            }
+        }
+    }
+
+    /// Counts one tunnel asked of `proxy`.
+    pub(crate) fn proxy_connect(&self, proxy: &str, result: &'static str) {
+        self.proxy_connects
+            .get_or_create(&ProxyLabels {
+                proxy: proxy.to_owned(),
+                result,
             })
             .inc();
     }
