@@ -350,6 +350,8 @@ pub struct Options {
     pub splice: &'static str,
     /// `policy.opaque_streams`.
     pub opaque_streams: &'static str,
+    /// More configuration, appended (e.g. an `[upstream_proxy]` section).
+    pub extra: String,
 }
 
 impl Default for Options {
@@ -364,6 +366,7 @@ impl Default for Options {
             workers: 0,
             splice: "off",
             opaque_streams: "allow",
+            extra: String::new(),
         }
     }
 }
@@ -446,7 +449,9 @@ pub async fn env(opts: Options) -> Env {
         {per_core}
         [splice]
         kernel = "{splice}"
+        {extra}
         "#,
+        extra = opts.extra,
         state = dir.path().join("state").display(),
         roots = roots.display(),
         min_ttl = opts.min_ttl,
