@@ -15,3 +15,4 @@ mod requests;
 mod scenarios;
 mod topology;
 mod unreadable;
+mod upstream_proxy;
