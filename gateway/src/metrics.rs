@@ -227,11 +227,6 @@ impl Metrics {
             "Connections accepted on the transparent listener, by worker (with limits.thread_per_core, the kernel spreads them over the workers' listeners)",
             m.accepted.clone(),
         );
-        r.register(
-            "upstream_proxy_connects",
-            "Tunnels asked of the operator's upstream proxies (CONNECT to the original destination), by proxy and result: ok, unreachable, refused (not 2xx), closed, timeout, bad_response, unavailable (its password unreadable)",
-            m.proxy_connects.clone(),
-        );
         for code in egress_policy::RequestCode::CODES
             .iter()
             .chain(crate::credentials::Refusal::CODES)
@@ -261,8 +256,14 @@ impl Metrics {
             .inc();
     }
 
-    /// Creates every configured proxy's series at zero.
-    pub(crate) fn declare_proxies<'a>(&self, names: impl Iterator<Item = &'a str>) {
+    /// Registers `upstream_proxy_connects`, with every configured proxy's
+    /// series at zero.
+    pub(crate) fn upstream_proxies<'a>(&mut self, names: impl Iterator<Item = &'a str>) {
+        self.registry.register(
+            "upstream_proxy_connects",
+            "Tunnels asked of the operator's upstream proxies (CONNECT to the original destination), by proxy and result: ok, unreachable, refused (not 2xx), closed, timeout, bad_response, unavailable (its password unreadable)",
+            self.proxy_connects.clone(),
+        );
         for proxy in names {
             for &result in crate::upstream_proxy::RESULTS {
                 let _ = self.proxy_connects.get_or_create(&ProxyLabels {

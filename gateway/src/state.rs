@@ -47,12 +47,12 @@ impl Dataplane {
         registry: Arc<Registry>,
         cache: Arc<AttributionCache>,
         flow_log: FlowLog,
-        metrics: Metrics,
+        mut metrics: Metrics,
         orig_dst: Arc<dyn OriginalDst>,
     ) -> Self {
         let doh_names = crate::doh::DohNames::new(&config.dns.doh_names);
         let proxies = crate::upstream_proxy::UpstreamProxies::new(&config.upstream_proxy);
-        metrics.declare_proxies(proxies.names().map(|n| n.as_str()));
+        metrics.upstream_proxies(proxies.names().map(|n| n.as_str()));
         Self {
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
