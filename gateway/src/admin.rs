@@ -36,7 +36,9 @@ use crate::credentials::{self, Credential};
 use crate::decide::{decide, explained, explained_request, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
+use crate::registry::Extras;
 use crate::state::Dataplane;
+use crate::upstream_proxy::ProxyChoice;
 
 /// The control API's state: the dataplane it changes, and what only it uses.
 pub(crate) struct Control {
@@ -117,6 +119,10 @@ pub(crate) struct PutSandbox {
     pub(crate) policy: Policy,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) credentials: Vec<Credential>,
+    /// `"direct"` or a proxy of this gateway's `[upstream_proxy.proxies]`;
+    /// absent: the worker's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) upstream_proxy: Option<ProxyChoice>,
 }
 
 /// `PUT /v1/sandboxes`'s JSON body.
@@ -296,11 +302,21 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     {
         return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some("credentials")));
     }
+    if let Some(Err(e)) = doc.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
+        return rejected(
+            ctl,
+            error(StatusCode::BAD_REQUEST, &e, Some("upstream_proxy")),
+        );
+    }
+    let extras = Extras {
+        credentials: doc.credentials,
+        upstream_proxy: doc.upstream_proxy,
+    };
     // Compiling the policy is the costly part: done here, concurrently.
     let sandbox = ctl
         .dp
         .registry
-        .prepare_with(sid, doc.addresses, doc.policy, doc.credentials);
+        .prepare_with(sid, doc.addresses, doc.policy, extras);
     match ctl.committer.submit(Change::Put(sandbox.clone())).await {
         Ok(()) => {
             applied(ctl);
@@ -332,6 +348,10 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
             credentials::validate(&d.credentials).and_then(|()| ctl.dp.secrets.load(&d.credentials))
         {
             let field = format!("sandboxes[{i}].credentials");
+            return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some(&field)));
+        }
+        if let Some(Err(e)) = d.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
+            let field = format!("sandboxes[{i}].upstream_proxy");
             return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some(&field)));
         }
     }
@@ -492,6 +512,9 @@ fn sandbox_json(s: &SandboxDoc) -> Value {
     let mut v = json!({ "id": s.id, "addresses": s.addresses, "policy": s.policy });
     if !s.credentials.is_empty() {
         v["credentials"] = json!(s.credentials);
+    }
+    if let Some(way) = &s.upstream_proxy {
+        v["upstream_proxy"] = json!(way);
     }
     v
 }

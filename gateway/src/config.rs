@@ -8,6 +8,8 @@ use std::time::Duration;
 use egress_policy::{Destination, Hostname, OpaqueStreams};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::upstream_proxy::UpstreamProxyConfig;
+
 /// The whole configuration.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -23,6 +25,9 @@ pub struct Config {
     pub admin: Admin,
     pub machine_egress: MachineEgressConfig,
     pub splice: Splice,
+    /// The operator's HTTP CONNECT proxies for the gateway's own upstream
+    /// connections (`crate::upstream_proxy`).
+    pub upstream_proxy: UpstreamProxyConfig,
     pub redirect: RedirectConfig,
 }
 
@@ -254,6 +259,7 @@ impl Default for Config {
             machine_egress: MachineEgressConfig::default(),
             splice: Splice::default(),
             redirect: RedirectConfig::default(),
+            upstream_proxy: UpstreamProxyConfig::default(),
         }
     }
 }
@@ -525,6 +531,7 @@ impl Config {
         self.limits
             .first_invalid()
             .or_else(|| self.machine_egress.first_invalid())
+            .or_else(|| self.upstream_proxy.first_invalid())
     }
 
     /// The CA files: configured, or `None` for one created in `state_dir`.
@@ -604,6 +611,7 @@ struct RestartOnly<'a> {
     log: &'a Log,
     machine_egress: &'a MachineEgressConfig,
     splice: &'a Splice,
+    upstream_proxy: &'a UpstreamProxyConfig,
 }
 
 #[derive(Debug, PartialEq, Serialize)]
@@ -641,6 +649,7 @@ impl Config {
             log: &self.log,
             machine_egress: &self.machine_egress,
             splice: &self.splice,
+            upstream_proxy: &self.upstream_proxy,
         }
     }
 
@@ -742,6 +751,12 @@ mod tests {
             flow_log = "/var/log/egress/flows.jsonl"
             [splice]
             kernel = "pipe"
+            [upstream_proxy]
+            default = "corp"
+            [upstream_proxy.proxies.corp]
+            address = "203.0.113.8:3128"
+            username = "gw"
+            password_file = "/etc/egress-gateway/proxy-password"
             "#,
         )
         .expect("valid");
@@ -754,6 +769,7 @@ mod tests {
         assert_eq!(c.limits.worker_threads, 1);
         assert!(c.ca_paths().is_some());
         assert_eq!(c.tls.leaf_key_lifetime, Duration::from_secs(6 * 3600));
+        assert_eq!(c.upstream_proxy.default.as_deref(), Some("corp"));
     }
 
     #[test]
@@ -820,6 +836,14 @@ mod tests {
                 "unknown variant `block`, expected `allow` or `deny`",
             ),
             ("[limits]\nthread_per_core = 2", "thread_per_core"),
+            (
+                "[upstream_proxy]\ndefault = \"corp\"",
+                "upstream_proxy.default: \"corp\" names no proxy",
+            ),
+            (
+                "[upstream_proxy.proxies.corp]\naddress = \"proxy.corp:3128\"",
+                "invalid socket address",
+            ),
         ];
         for (text, needle) in cases {
             let e = parse(text).expect_err(text);

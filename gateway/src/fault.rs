@@ -6,6 +6,8 @@
 
 use std::io;
 
+use crate::upstream_proxy::ProxyFailure;
+
 /// Who caused it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Side {
@@ -41,6 +43,11 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::upstream("tls_failed"),
     Fault::upstream("http"),
     Fault::upstream("reset"),
+    Fault::upstream("proxy_unreachable"),
+    Fault::upstream("proxy_refused"),
+    Fault::upstream("proxy_closed"),
+    Fault::upstream("proxy_timeout"),
+    Fault::upstream("proxy_bad_response"),
     Fault::client("tls_handshake"),
     Fault::client("head_timeout"),
     Fault::client("reset"),
@@ -49,6 +56,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::client("http"),
     Fault::gateway("idle_timeout"),
     Fault::gateway("splice_backlog"),
+    Fault::gateway("proxy_unavailable"),
 ];
 
 impl Fault {
@@ -93,6 +101,20 @@ impl Fault {
             }
             _ => "connect_failed",
         })
+    }
+
+    /// The operator's upstream proxy gave no tunnel: its fault (the
+    /// upstream side), or the gateway's own when the proxy is unusable here
+    /// (its password unreadable, or not configured).
+    pub(crate) fn proxy(f: &ProxyFailure) -> Self {
+        match f {
+            ProxyFailure::Connect(..) => Self::upstream("proxy_unreachable"),
+            ProxyFailure::Refused { .. } => Self::upstream("proxy_refused"),
+            ProxyFailure::Closed(_) => Self::upstream("proxy_closed"),
+            ProxyFailure::TimedOut { .. } => Self::upstream("proxy_timeout"),
+            ProxyFailure::BadResponse { .. } => Self::upstream("proxy_bad_response"),
+            ProxyFailure::Missing | ProxyFailure::NoPassword => Self::gateway("proxy_unavailable"),
+        }
     }
 
     /// A failed TLS handshake with the origin: its certificate did not

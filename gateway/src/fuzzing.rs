@@ -114,12 +114,11 @@ fn put_sandbox(text: &str) -> Result<String, String> {
     let doc: PutSandbox = egress_policy::from_json(text).map_err(|e| e.to_string())?;
     crate::credentials::validate(&doc.credentials)?;
     let registry = registry();
-    let sandbox = registry.prepare_with(
-        SandboxId::new("fuzz"),
-        doc.addresses,
-        doc.policy,
-        doc.credentials,
-    );
+    let extras = crate::registry::Extras {
+        credentials: doc.credentials,
+        upstream_proxy: doc.upstream_proxy,
+    };
+    let sandbox = registry.prepare_with(SandboxId::new("fuzz"), doc.addresses, doc.policy, extras);
     registry
         .put_prepared(sandbox.clone())
         .map_err(|e| e.to_string())?;
@@ -128,6 +127,7 @@ fn put_sandbox(text: &str) -> Result<String, String> {
         addresses: stored.addresses,
         policy: stored.policy,
         credentials: stored.credentials,
+        upstream_proxy: stored.upstream_proxy,
     };
     to_json(&normal)
 }

@@ -31,6 +31,7 @@ use crate::registry::Sandbox;
 use crate::reply::{text, Denial};
 use crate::state::Dataplane;
 use crate::upstream::{server_tls, ForwardError, Upstreams};
+use crate::upstream_proxy::Route;
 
 /// What the HTTP path (intercepted TLS or plain HTTP) reports of a flow.
 #[derive(Debug, Default)]
@@ -329,7 +330,7 @@ impl Conn {
             }
             Err(e) => {
                 self.dp.metrics.fault(e.fault());
-                text(StatusCode::BAD_GATEWAY, &format!("{e}\n"))
+                e.response("")
             }
         }
     }
@@ -563,6 +564,7 @@ impl Conn {
                 dst: self.dst,
                 tls: self.tls,
                 name: name.cloned(),
+                via: self.route().proxy().cloned(),
             };
             let sender = match self.up.pool.take(&key) {
                 Some(s) => s,
@@ -627,10 +629,7 @@ impl Conn {
             }
             Err(e) => {
                 self.dp.metrics.fault(e.fault());
-                return text(
-                    StatusCode::BAD_GATEWAY,
-                    &format!("cannot reach the origin for the upgrade: {e}\n"),
-                );
+                return e.response("cannot reach the origin for the upgrade: ");
             }
         };
         let (parts, body) = req.into_parts();
@@ -659,6 +658,11 @@ impl Conn {
         resp.map(BodyExt::boxed)
     }
 
+    /// The way out for this sandbox: direct or through the operator's proxy.
+    fn route(&self) -> Route {
+        self.dp.proxies.route(self.sandbox.upstream_proxy.as_ref())
+    }
+
     /// Opens a connection to the original destination (see [`Upstreams::connect`]).
     async fn connect(
         &self,
@@ -666,9 +670,10 @@ impl Conn {
         allow_h2: bool,
     ) -> Result<Sender, ForwardError> {
         let config = self.dp.config();
+        let route = self.route();
         self.up
             .connect(
-                self.dst,
+                (self.dst, &route),
                 self.tls,
                 verify_as,
                 allow_h2,

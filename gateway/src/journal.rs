@@ -208,7 +208,11 @@ pub fn recover(
                     path: journal.path.clone(),
                     message: format!("record {}: {e}", r.seq),
                 })?;
-                let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, doc.credentials);
+                let extras = crate::registry::Extras {
+                    credentials: doc.credentials,
+                    upstream_proxy: doc.upstream_proxy,
+                };
+                let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, extras);
                 registry
                     .put_prepared(sandbox)
                     .map_err(|e| PersistError::Corrupt {

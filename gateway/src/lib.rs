@@ -35,6 +35,7 @@ mod splice;
 mod spliced;
 mod state;
 mod upstream;
+pub mod upstream_proxy;
 
 pub use ca_reload::{CaReload, CaReloader};
 pub use gateway::{preflight, Bound, Gateway, SoOriginalDst, StartError};

@@ -73,6 +73,15 @@ pub(crate) struct Metrics {
     pub(crate) accepted: Family<WorkerLabels, Counter>,
     /// Reloads of the interception CA's files (SIGHUP), by result.
     pub(crate) ca_reloads: Family<ResultLabels, Counter>,
+    /// Tunnels asked of the operator's upstream proxies, by proxy and result.
+    proxy_connects: Family<ProxyLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProxyLabels {
+    /// A configured proxy's name (`upstream_proxy.proxies`): a bounded set.
+    proxy: String,
+    result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -148,6 +157,7 @@ impl Metrics {
             spliced: Default::default(),
             accepted: Family::default(),
             ca_reloads: Family::default(),
+            proxy_connects: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -264,6 +274,34 @@ impl Metrics {
             .get_or_create(&FaultLabels {
                 side: f.side.as_str(),
                 kind: f.kind,
+            })
+            .inc();
+    }
+
+    /// Registers `upstream_proxy_connects`, with every configured proxy's
+    /// series at zero.
+    pub(crate) fn upstream_proxies<'a>(&mut self, names: impl Iterator<Item = &'a str>) {
+        self.registry.register(
+            "upstream_proxy_connects",
+            "Tunnels asked of the operator's upstream proxies (CONNECT to the original destination), by proxy and result: ok, unreachable, refused (not 2xx), closed, timeout, bad_response, unavailable (its password unreadable)",
+            self.proxy_connects.clone(),
+        );
+        for proxy in names {
+            for &result in crate::upstream_proxy::RESULTS {
+                let _ = self.proxy_connects.get_or_create(&ProxyLabels {
+                    proxy: proxy.to_owned(),
+                    result,
+                });
+            }
+        }
+    }
+
+    /// Counts one tunnel asked of `proxy`.
+    pub(crate) fn proxy_connect(&self, proxy: &str, result: &'static str) {
+        self.proxy_connects
+            .get_or_create(&ProxyLabels {
+                proxy: proxy.to_owned(),
+                result,
             })
             .inc();
     }

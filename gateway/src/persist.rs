@@ -13,7 +13,8 @@ use egress_policy::SandboxId;
 use serde::{Deserialize, Serialize};
 
 use crate::credentials::Credential;
-use crate::registry::{Registry, Sandbox};
+use crate::registry::{Extras, Registry, Sandbox};
+use crate::upstream_proxy::ProxyChoice;
 
 /// The file name under `state_dir`.
 pub const SNAPSHOT_FILE: &str = "snapshot.json";
@@ -40,6 +41,10 @@ pub struct SandboxDoc {
     /// value, never a value.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub credentials: Vec<Credential>,
+    /// Its own way out: `"direct"` or a configured proxy's name; absent:
+    /// the worker's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_proxy: Option<ProxyChoice>,
 }
 
 impl From<&Sandbox> for SandboxDoc {
@@ -49,6 +54,7 @@ impl From<&Sandbox> for SandboxDoc {
             addresses: s.addresses.clone(),
             policy: s.policy.policy().clone(),
             credentials: s.credentials.clone(),
+            upstream_proxy: s.upstream_proxy.clone(),
         }
     }
 }
@@ -61,7 +67,10 @@ impl SandboxDoc {
             SandboxId::new(&self.id),
             self.addresses,
             self.policy,
-            self.credentials,
+            Extras {
+                credentials: self.credentials,
+                upstream_proxy: self.upstream_proxy,
+            },
         )
     }
 }

@@ -24,6 +24,8 @@ use bytes::Bytes;
 use egress_policy::{Hostname, SandboxId};
 use http_body_util::combinators::BoxBody;
 
+use crate::upstream_proxy::ProxyName;
+
 pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
 
 /// A connection to an origin.
@@ -41,6 +43,9 @@ pub(crate) struct PoolKey {
     pub(crate) dst: SocketAddr,
     pub(crate) tls: bool,
     pub(crate) name: Option<Hostname>,
+    /// The operator's proxy it was tunnelled through (`None`: direct): a
+    /// sandbox re-registered with another way out never takes the old one's.
+    pub(crate) via: Option<ProxyName>,
 }
 
 impl PoolKey {
@@ -187,6 +192,7 @@ mod tests {
             dst: "198.51.100.7:443".parse().expect("addr"),
             tls: true,
             name: Some(Hostname::parse("api.example.test").expect("name")),
+            via: None,
         }
     }
 

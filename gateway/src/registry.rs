@@ -15,15 +15,26 @@ use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
 
 use crate::credentials::Credential;
+use crate::upstream_proxy::ProxyChoice;
 
-/// One sandbox: its addresses, its compiled effective policy, and its
-/// host-bound credentials (references only; the values are in `Secrets`).
+/// One sandbox: its addresses, its compiled effective policy, its
+/// host-bound credentials (references only; the values are in `Secrets`)
+/// and its own way out, if it has one.
 #[derive(Debug)]
 pub struct Sandbox {
     pub id: SandboxId,
     pub addresses: Vec<IpAddr>,
     pub policy: CompiledPolicy,
     pub credentials: Vec<Credential>,
+    /// `direct` or a configured proxy; `None`: the worker's default.
+    pub upstream_proxy: Option<ProxyChoice>,
+}
+
+/// What a registration carries besides its addresses and policy.
+#[derive(Debug, Default)]
+pub struct Extras {
+    pub credentials: Vec<Credential>,
+    pub upstream_proxy: Option<ProxyChoice>,
 }
 
 /// Why a change was refused.
@@ -122,18 +133,18 @@ impl Registry {
     /// Compiles a sandbox for [`Registry::put_prepared`]: the costly part of
     /// a push, done before (and outside) the serialised swap.
     pub fn prepare(&self, id: SandboxId, addresses: Vec<IpAddr>, policy: Policy) -> Arc<Sandbox> {
-        self.prepare_with(id, addresses, policy, Vec::new())
+        self.prepare_with(id, addresses, policy, Extras::default())
     }
 
-    /// [`Registry::prepare`] for a sandbox with credentials.
+    /// [`Registry::prepare`] for a sandbox with credentials or its own way out.
     pub fn prepare_with(
         &self,
         id: SandboxId,
         addresses: Vec<IpAddr>,
         policy: Policy,
-        credentials: Vec<Credential>,
+        extras: Extras,
     ) -> Arc<Sandbox> {
-        Arc::new(self.compile(id, addresses, policy, credentials))
+        Arc::new(self.compile(id, addresses, policy, extras))
     }
 
     /// Adds or replaces a prepared sandbox.
@@ -215,7 +226,10 @@ impl Registry {
         id: SandboxId,
         addresses: Vec<IpAddr>,
         policy: Policy,
-        credentials: Vec<Credential>,
+        Extras {
+            credentials,
+            upstream_proxy,
+        }: Extras,
     ) -> Sandbox {
         let hosts = credentials.iter().map(|c| {
             let list = c.hosts.iter().map(|h| h.destination()).collect();
@@ -227,6 +241,7 @@ impl Registry {
             addresses: addresses.into_iter().map(|a| a.to_canonical()).collect(),
             policy,
             credentials,
+            upstream_proxy,
         }
     }
 }

@@ -18,27 +18,29 @@ use crate::io::{quiet_for, reset, Counts};
 use crate::metrics::SplicePath;
 use crate::spliced::Spliced;
 use crate::state::Dataplane;
-use crate::upstream::connect_tcp;
+use crate::upstream::connect_out;
+use crate::upstream_proxy::Route;
 use rustix::fd::OwnedFd;
 use rustix::pipe::{PipeFlags, SpliceFlags};
 
-/// Connects to `dst`, sends the `peeked` bytes first, then joins the two
+/// Connects to `dst` the way `route` says (direct, or through the
+/// operator's proxy), sends the `peeked` bytes first, then joins the two
 /// sockets as they are. The error names the step that failed (the client is
 /// reset); the byte counts include the peeked bytes.
 pub(crate) async fn splice_to(
     dp: &Dataplane,
     client: TcpStream,
-    dst: std::net::SocketAddr,
+    (dst, route): (std::net::SocketAddr, &Route),
     peeked: &[u8],
     config: &Config,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
-    let mut origin = match connect_tcp(dst, timeouts.connect, &dp.metrics).await {
+    let mut origin = match connect_out(route, dst, timeouts.connect, &dp.metrics).await {
         Ok(o) => o,
         Err(e) => {
             reset(&client);
-            dp.metrics.fault(Fault::connect(&e));
-            return Err(format!("upstream_connect: {e}"));
+            dp.metrics.fault(e.fault());
+            return Err(e.log());
         }
     };
     if let Err(e) = origin.write_all(peeked).await {

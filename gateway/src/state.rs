@@ -37,6 +37,8 @@ pub struct Dataplane {
     pub(crate) doh_names: crate::doh::DohNames,
     /// The DNS proxy that answers DoH to the reserved resolvers (set at start).
     pub(crate) resolver: Option<Arc<dns_attrib::DnsProxy>>,
+    /// The operator's upstream proxies (`upstream_proxy`, fixed at start).
+    pub(crate) proxies: crate::upstream_proxy::UpstreamProxies,
 }
 
 impl Dataplane {
@@ -45,10 +47,12 @@ impl Dataplane {
         registry: Arc<Registry>,
         cache: Arc<AttributionCache>,
         flow_log: FlowLog,
-        metrics: Metrics,
+        mut metrics: Metrics,
         orig_dst: Arc<dyn OriginalDst>,
     ) -> Self {
         let doh_names = crate::doh::DohNames::new(&config.dns.doh_names);
+        let proxies = crate::upstream_proxy::UpstreamProxies::new(&config.upstream_proxy);
+        metrics.upstream_proxies(proxies.names().map(|n| n.as_str()));
         Self {
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
@@ -61,12 +65,17 @@ impl Dataplane {
             kernel: None,
             doh_names,
             resolver: None,
+            proxies,
         }
     }
 
-    /// Reads every registered sandbox's credential values again (start,
-    /// SIGHUP); logs the ones that cannot be read, by source, never a value.
+    /// Reads every registered sandbox's credential values and every
+    /// upstream proxy's password again (start, SIGHUP); logs the ones that
+    /// cannot be read, by source, never a value.
     pub fn reload_secrets(&self) {
+        for why in self.proxies.reload() {
+            tracing::error!(proxy = %why, "upstream proxy password unreadable: connections through it fail (proxy_unavailable), none go direct");
+        }
         let sandboxes = self.registry.all();
         let sources = sandboxes
             .iter()

@@ -1,8 +1,9 @@
-//! The way out: one TCP connect to the original destination (both the splice
-//! and the intercept path use it), the TLS client configs that verify
-//! origins, the terminating server config, and the pool of idle upstream
-//! HTTP connections. Owned by the intercept path; the splice path only
-//! borrows [`connect_tcp`].
+//! The way out: one TCP connect to the original destination, direct or
+//! through the operator's CONNECT proxy (both the splice and the intercept
+//! path use it), the TLS client configs that verify origins, the
+//! terminating server config, and the pool of idle upstream HTTP
+//! connections. Owned by the intercept path; the splice path only borrows
+//! [`connect_out`].
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -18,7 +19,8 @@ use tokio::net::TcpStream;
 use crate::config::{Config, Timeouts};
 use crate::fault::Fault;
 use crate::metrics::Metrics;
-use crate::pool::{Sender, UpstreamPool};
+use crate::pool::{Body, Sender, UpstreamPool};
+use crate::upstream_proxy::{ProxyError, ProxyFailure, Route};
 
 /// Sessions the shared terminating config remembers for resumption.
 const RESUMABLE_SESSIONS: usize = 10_000;
@@ -31,11 +33,40 @@ pub struct RootsError {
     pub message: String,
 }
 
+/// Why no connection to the original destination was opened.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConnectError {
+    /// The direct TCP connect failed.
+    #[error("{0}")]
+    Direct(std::io::Error),
+    /// The operator's proxy gave no tunnel (nothing was tried direct).
+    #[error(transparent)]
+    Proxy(ProxyError),
+}
+
+impl ConnectError {
+    /// Whose fault it was, for `egress_flow_errors_total`.
+    pub(crate) fn fault(&self) -> Fault {
+        match self {
+            Self::Direct(e) => Fault::connect(e),
+            Self::Proxy(e) => Fault::proxy(&e.failure),
+        }
+    }
+
+    /// The flow log's `error`: `upstream_connect: …` or `upstream_proxy: …`.
+    pub(crate) fn log(&self) -> String {
+        match self {
+            Self::Direct(e) => format!("upstream_connect: {e}"),
+            Self::Proxy(e) => format!("upstream_proxy: {e}"),
+        }
+    }
+}
+
 /// Why a request could not be forwarded: the client gets a 502 saying so.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ForwardError {
     #[error("cannot connect to {0}: {1}")]
-    Connect(SocketAddr, std::io::Error),
+    Connect(SocketAddr, ConnectError),
     #[error("upstream TLS failed for {name}: {reason}")]
     Tls {
         name: String,
@@ -50,12 +81,34 @@ impl ForwardError {
     /// Whose fault it was, for `egress_flow_errors_total`.
     pub(crate) fn fault(&self) -> Fault {
         match self {
-            Self::Connect(_, e) => Fault::connect(e),
+            Self::Connect(_, e) => e.fault(),
             Self::Tls { fault, .. } => *fault,
             Self::Http(_) => Fault::UPSTREAM_HTTP,
         }
     }
+
+    /// The client's `502`: the error as its body (after `context`, if any),
+    /// and for a proxy's failure `x-egress-upstream-proxy: <proxy>; <result>`
+    /// (`; status=<n>` for a refusal), so a client can tell the operator's
+    /// proxy from the origin without parsing the text.
+    pub(crate) fn response(&self, context: &str) -> http::Response<Body> {
+        let mut resp =
+            crate::reply::text(http::StatusCode::BAD_GATEWAY, &format!("{context}{self}\n"));
+        if let Self::Connect(_, ConnectError::Proxy(e)) = self {
+            let mut v = format!("{}; {}", e.proxy, e.failure.result());
+            if let ProxyFailure::Refused { status, .. } = &e.failure {
+                v.push_str(&format!("; status={status}"));
+            }
+            if let Ok(v) = http::HeaderValue::from_str(&v) {
+                resp.headers_mut().insert(PROXY_HEADER, v);
+            }
+        }
+        resp
+    }
 }
+
+/// The header of a `502` the operator's upstream proxy caused.
+pub(crate) const PROXY_HEADER: &str = "x-egress-upstream-proxy";
 
 /// The intercept path's state.
 pub(crate) struct Upstreams {
@@ -109,14 +162,14 @@ impl Upstreams {
     /// offer HTTP/2 (not for upgrades).
     pub(crate) async fn connect(
         &self,
-        dst: SocketAddr,
+        (dst, route): (SocketAddr, &Route),
         tls: bool,
         verify_as: Option<&Hostname>,
         allow_h2: bool,
         timeouts: &Timeouts,
         metrics: &Metrics,
     ) -> Result<Sender, ForwardError> {
-        let tcp = connect_tcp(dst, timeouts.connect, metrics)
+        let tcp = connect_out(route, dst, timeouts.connect, metrics)
             .await
             .map_err(|e| ForwardError::Connect(dst, e))?;
         if !tls {
@@ -173,9 +226,50 @@ where
     Ok(Sender::H1(sender))
 }
 
+/// A connection to the original destination `dst`, the way `route` says:
+/// direct, or tunnelled through the operator's proxy (never direct when a
+/// proxy is the way: its failure is the connection's). Within `timeout`,
+/// timed in `upstream_connect_seconds`; a proxy's answer is counted in
+/// `upstream_proxy_connects_total`. The error says why, for the flow log
+/// and 502s.
+pub(crate) async fn connect_out(
+    route: &Route,
+    dst: SocketAddr,
+    timeout: Duration,
+    metrics: &Metrics,
+) -> Result<TcpStream, ConnectError> {
+    let proxy = match route {
+        Route::Direct => {
+            return connect_tcp(dst, timeout, metrics)
+                .await
+                .map_err(ConnectError::Direct)
+        }
+        Route::Missing(name) => {
+            return Err(ConnectError::Proxy(ProxyError {
+                proxy: name.clone(),
+                failure: ProxyFailure::Missing,
+            }))
+        }
+        Route::Via(proxy) => proxy,
+    };
+    let started = Instant::now();
+    let tunnel = crate::upstream_proxy::connect(proxy, dst, timeout).await;
+    metrics
+        .upstream_connect_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let result = tunnel.as_ref().map_or_else(ProxyFailure::result, |_| "ok");
+    metrics.proxy_connect(proxy.name.as_str(), result);
+    tunnel.map_err(|failure| {
+        ConnectError::Proxy(ProxyError {
+            proxy: proxy.name.clone(),
+            failure,
+        })
+    })
+}
+
 /// TCP to the original destination within `timeout`, timed in
 /// `upstream_connect_seconds`; the error says why, for the flow log and 502s.
-pub(crate) async fn connect_tcp(
+async fn connect_tcp(
     dst: SocketAddr,
     timeout: Duration,
     metrics: &Metrics,

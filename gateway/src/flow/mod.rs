@@ -72,7 +72,9 @@ pub(crate) async fn handle(
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
-            let moved = crate::splice::splice_to(&dp, stream, accepted.dst, &peeked, &config).await;
+            let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
+            let to = (accepted.dst, &route);
+            let moved = crate::splice::splice_to(&dp, stream, to, &peeked, &config).await;
             rec.spliced(moved);
         }
     }

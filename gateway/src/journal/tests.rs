@@ -10,6 +10,7 @@ fn doc(id: &str, addr: &str) -> SandboxDoc {
         addresses: vec![addr.parse().expect("ip")],
         policy: Policy::from_json(r#"{"default": "allow"}"#).expect("policy"),
         credentials: Vec::new(),
+        upstream_proxy: None,
     }
 }
 

@@ -352,6 +352,8 @@ pub struct Options {
     pub opaque_streams: &'static str,
     /// `tls.ca_cert` and `tls.ca_key`; without, a CA made in the state directory.
     pub ca_files: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// More configuration, appended (e.g. an `[upstream_proxy]` section).
+    pub extra: String,
 }
 
 impl Default for Options {
@@ -367,6 +369,7 @@ impl Default for Options {
             splice: "off",
             opaque_streams: "allow",
             ca_files: None,
+            extra: String::new(),
         }
     }
 }
@@ -450,7 +453,9 @@ pub async fn env(opts: Options) -> Env {
         {per_core}
         [splice]
         kernel = "{splice}"
+        {extra}
         "#,
+        extra = opts.extra,
         state = dir.path().join("state").display(),
         roots = roots.display(),
         min_ttl = opts.min_ttl,

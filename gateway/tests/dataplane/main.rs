@@ -11,4 +11,5 @@ mod harness;
 mod per_core;
 mod streams;
 mod two_readings;
+mod upstream_proxy;
 mod verdicts;

@@ -16,3 +16,4 @@ mod requests;
 mod scenarios;
 mod topology;
 mod unreadable;
+mod upstream_proxy;

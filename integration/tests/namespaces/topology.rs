@@ -433,11 +433,21 @@ impl Topology {
         self.write_config_with("", policy);
     }
 
+    /// Rewrites the gateway's configuration with `section` appended (e.g. an
+    /// `[upstream_proxy]` section); the next `start_gateway` runs with it.
+    pub fn set_extra_config(&self, section: &str) {
+        self.write_config_full("", "", section);
+    }
+
     fn write_config(&self) {
         self.write_config_with("", "");
     }
 
     fn write_config_with(&self, limits: &str, policy: &str) {
+        self.write_config_full(limits, policy, "");
+    }
+
+    fn write_config_full(&self, limits: &str, policy: &str, extra: &str) {
         let cfg = format!(
             r#"
             state_dir = "{state}"
@@ -457,6 +467,7 @@ impl Topology {
             {limits}
             [policy]
             {policy}
+            {extra}
             "#,
             state = self.path("gw-state").display(),
             dns = egress_integration::DNS_IP,
