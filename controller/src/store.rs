@@ -11,7 +11,16 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
 /// The schema, embedded at build time from `controller/migrations/`.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// Migrations a newer build applied and this one does not know are
+/// ignored, not refused: in a rolling upgrade an old replica that restarts
+/// must start against the new schema (migrations only add; see
+/// docs/operations.md, "Fleet: the controller's PostgreSQL in production").
+/// Under sqlx's migration lock, so replicas starting together apply each
+/// migration once.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("./migrations")
+};
 
 /// Connects (bounded waits) and brings the schema up to date.
 pub async fn connect(url: &str) -> Result<PgPool, String> {

@@ -41,6 +41,28 @@ pub struct RedirectConfig {
     pub fence: Vec<String>,
 }
 
+impl RedirectConfig {
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
+        let bad = self.fence.iter().find(|p| !is_iface_pattern(p))?;
+        let why = format!("{bad:?}: expected an interface name, or a prefix ending in '*'");
+        Some(("redirect.fence", why))
+    }
+}
+
+/// An interface name as the kernel takes it and nft can quote: 1 to 15
+/// letters, digits, `-`, `_` or `.`.
+pub fn is_iface_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 15
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// An interface name, or a prefix of one ending in `*` (a fence pattern).
+pub fn is_iface_pattern(p: &str) -> bool {
+    is_iface_name(p.strip_suffix('*').unwrap_or(p))
+}
+
 /// How spliced flows move their bytes.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -519,18 +541,10 @@ impl Config {
             );
             return Some(("dns.upstreams", why));
         }
-        if let Some(bad) = self
-            .redirect
-            .fence
-            .iter()
-            .find(|p| crate::redirect::check_pattern(p).is_err())
-        {
-            let why = format!("{bad:?}: expected an interface name, or a prefix ending in '*'");
-            return Some(("redirect.fence", why));
-        }
         self.limits
             .first_invalid()
             .or_else(|| self.machine_egress.first_invalid())
+            .or_else(|| self.redirect.first_invalid())
             .or_else(|| self.upstream_proxy.first_invalid())
     }
 

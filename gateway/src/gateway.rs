@@ -140,6 +140,15 @@ struct Workers {
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
+impl Default for Workers {
+    fn default() -> Self {
+        Self {
+            phase: watch::Sender::new(Phase::Serving),
+            threads: Vec::new(),
+        }
+    }
+}
+
 /// Where the gateway is in its life; worker threads follow it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Phase {
@@ -204,29 +213,16 @@ impl Gateway {
         };
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
-        let token = match &config.admin.token_file {
-            None => None,
-            Some(path) => Some(read_token(path)?),
-        };
-        let (listeners, attributed) = match taken {
-            None => (Listeners::bind(&config)?, Vec::new()),
-            Some(t) => (Listeners::adopt(&config, t.sockets)?, t.attribution),
-        };
-        let bound = listeners.bound;
-        let registry = Arc::new(Registry::new(Arc::new(platform(&config, &bound))));
+        let token = config
+            .admin
+            .token_file
+            .as_deref()
+            .map(read_token)
+            .transpose()?;
+        let (listeners, attributed) = Listeners::open(&config, taken)?;
+        let registry = Arc::new(Registry::new(Arc::new(platform(&config, &listeners.bound))));
         let (cache, dns) = attribution(&config, &registry, clock);
-        // The last acknowledged state, before a single flow is served.
-        let (journal, seq, n) = crate::journal::recover(&registry, &config.state_dir)?;
-        if seq > 0 {
-            tracing::info!(sandboxes = n, generation = seq, dir = %config.state_dir.display(), "recovered pushed state");
-        }
-        restore_attribution(&cache, &registry, attributed);
-        let committer = crate::commit::Committer::start(
-            registry.clone(),
-            config.state_dir.clone(),
-            journal,
-            seq,
-        );
+        let committer = recover(&config, &registry, &cache, attributed)?;
         let offer = offer(&config, &listeners);
         // Every VM's table, before a single flow is served.
         let machines = crate::machine::Machines::start(
@@ -251,12 +247,9 @@ impl Gateway {
             dp,
             up,
             slots,
-            bound,
+            bound: listeners.bound,
             tasks: JoinSet::new(),
-            workers: Workers {
-                phase: watch::Sender::new(Phase::Serving),
-                threads: Vec::new(),
-            },
+            workers: Workers::default(),
             ca,
             lock: Some(lock),
             offer,
@@ -418,6 +411,28 @@ impl Gateway {
     }
 }
 
+/// The last acknowledged state (snapshot and journal) and a predecessor's
+/// attribution, before a single flow is served; the commit thread that
+/// carries the state on.
+fn recover(
+    config: &Config,
+    registry: &Arc<Registry>,
+    cache: &AttributionCache,
+    attributed: Vec<crate::handover::Attributed>,
+) -> Result<crate::commit::Committer, StartError> {
+    let (journal, seq, n) = crate::journal::recover(registry, &config.state_dir)?;
+    if seq > 0 {
+        tracing::info!(sandboxes = n, generation = seq, dir = %config.state_dir.display(), "recovered pushed state");
+    }
+    restore_attribution(cache, registry, attributed);
+    Ok(crate::commit::Committer::start(
+        registry.clone(),
+        config.state_dir.clone(),
+        journal,
+        seq,
+    ))
+}
+
 /// Restores a predecessor's attribution for the sandboxes the recovered
 /// state has (a line for any other sandbox is dropped).
 fn restore_attribution(
@@ -563,6 +578,17 @@ impl Listeners {
             )?);
         }
         Ok(Self { data, admin, bound })
+    }
+
+    /// Bound afresh, or a predecessor's (with its attribution).
+    fn open(
+        config: &Config,
+        taken: Option<crate::handover::Taken>,
+    ) -> Result<(Self, Vec<crate::handover::Attributed>), StartError> {
+        match taken {
+            None => Ok((Self::bind(config)?, Vec::new())),
+            Some(t) => Ok((Self::adopt(config, t.sockets)?, t.attribution)),
+        }
     }
 
     /// The sockets a predecessor handed over, in the shape `config` binds:

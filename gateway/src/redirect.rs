@@ -49,23 +49,15 @@ const FENCE_DECLARATION: &str =
 
 /// The table holding one interface's rules.
 pub fn table_name(iface: &str) -> Result<String, RedirectError> {
-    if !valid_name(iface) {
+    if !crate::config::is_iface_name(iface) {
         return Err(RedirectError::Iface(iface.to_owned()));
     }
     Ok(format!("egress_gw_{}", iface.replace(['-', '.'], "_")))
 }
 
-/// An interface name: what the kernel accepts and nft can quote.
-fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 15
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-}
-
 /// Checks a fence pattern: an interface name, or a prefix ending in `*`.
 pub fn check_pattern(p: &str) -> Result<(), RedirectError> {
-    if valid_name(p.strip_suffix('*').unwrap_or(p)) {
+    if crate::config::is_iface_pattern(p) {
         Ok(())
     } else {
         Err(RedirectError::Pattern(p.to_owned()))

@@ -461,3 +461,42 @@ async fn an_e2b_create_is_translated_and_composed_by_the_api() {
     .await;
     assert_eq!(s, 400);
 }
+
+/// A rolling upgrade: the schema has a migration a newer build applied; a
+/// replica of this (older) build restarting against it still starts, and
+/// still serves its API.
+#[tokio::test]
+async fn an_old_replica_starts_against_a_newer_schema() {
+    use sqlx::Executor;
+    let url = db!();
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("first start");
+    // What a newer build's migration leaves: an added column and its row
+    // in sqlx's table, with a version this build does not have.
+    pool.execute("ALTER TABLE sandboxes ADD COLUMN added_by_a_newer_build TEXT")
+        .await
+        .expect("alter");
+    pool.execute(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES (99990101000000, 'a newer build', true, '\\x00'::bytea, 1)",
+    )
+    .await
+    .expect("record the newer migration");
+    pool.close().await;
+    let again = egress_controller::store::connect(&url).await;
+    assert!(again.is_ok(), "{:?}", again.err());
+    // Its API reads the sandboxes table as it now is.
+    let api = api(&url, deployment(None, None)).await;
+    let (s, v) = call(
+        api.addr,
+        "GET",
+        "/v1/sandboxes/sb-none",
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 404, "{v}");
+    assert_ne!(v["error"], json!("no such route"), "{v}");
+}

@@ -16,6 +16,7 @@ mod output;
 mod policy;
 mod redirect;
 mod run;
+mod upgrade;
 
 #[derive(Debug, Parser)]
 #[command(

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
+use tokio::signal::unix::Signal;
 
 use super::output::fail;
 use crate::config::Config;
@@ -38,15 +39,9 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
     runtime.block_on(async move {
         // Signal handlers before anything else: a SIGHUP or SIGTERM during
         // startup is then handled, not the default "terminate".
-        use tokio::signal::unix::{signal, SignalKind};
-        let (hup, term) = match (
-            signal(SignalKind::hangup()),
-            signal(SignalKind::terminate()),
-        ) {
-            (Ok(h), Ok(t)) => (h, t),
-            (Err(e), _) | (_, Err(e)) => {
-                return fail(format_args!("cannot install signal handlers: {e}"));
-            }
+        let (hup, term, usr2) = match signals() {
+            Ok(s) => s,
+            Err(e) => return fail(format_args!("cannot install signal handlers: {e}")),
         };
         let flow_log = match FlowLog::open(&config.log.flow_log) {
             Ok(l) => l,
@@ -62,6 +57,11 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
             Err(e) => return fail(e),
         };
         announce(&gateway);
+        super::upgrade::ready();
+        let upgrader = tokio::spawn(super::upgrade::on_sigusr2(
+            usr2,
+            std::env::args_os().collect(),
+        ));
         let reloader = tokio::spawn(reload_on_sighup(
             hup,
             gateway.dataplane().clone(),
@@ -70,6 +70,7 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         ));
         let left = gateway.run_until(shutdown_signal(term)).await;
         reloader.abort();
+        upgrader.abort();
         match left {
             0 => tracing::info!("stopped; every flow finished"),
             n => tracing::warn!(
@@ -79,6 +80,16 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         }
         ExitCode::SUCCESS
     })
+}
+
+/// SIGHUP (reload), SIGTERM (drain) and SIGUSR2 (a successor takes over).
+fn signals() -> std::io::Result<(Signal, Signal, Signal)> {
+    use tokio::signal::unix::{signal, SignalKind};
+    Ok((
+        signal(SignalKind::hangup())?,
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::user_defined2())?,
+    ))
 }
 
 /// Starts the gateway, or takes over from the one running on its state
@@ -200,5 +211,6 @@ async fn shutdown_signal(mut term: tokio::signal::unix::Signal) {
         _ = tokio::signal::ctrl_c() => {}
         () = term => {}
     }
+    super::upgrade::notify("STOPPING=1");
     tracing::info!("shutting down: no new flows; draining open ones");
 }

@@ -342,3 +342,70 @@ fn a_gateway_replaced_under_load_loses_no_flow_and_keeps_its_state() {
         "replaced under load: {LOAD} requests, none failed; {a} flows on the first gateway (its {HELD} held requests finished after the handover), {b} on the successor, which served by sb1's carried-over attribution"
     );
 }
+
+/// The next notification on `socket` (a stand-in for systemd's notify
+/// socket: systemd does not run here), as text.
+fn notification(socket: &std::os::unix::net::UnixDatagram) -> String {
+    let mut buf = [0u8; 4096];
+    let n = socket.recv(&mut buf).expect("a notification within 20 s");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn sigusr2_starts_a_successor_that_takes_over_and_tells_systemd() {
+    if !available() {
+        return;
+    }
+    let mut t = Topology::new();
+    let socket = std::os::unix::net::UnixDatagram::bind(t.path("notify")).expect("bind");
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .expect("timeout");
+    let path = t.path("notify").display().to_string();
+    t.gateway_env.push(("NOTIFY_SOCKET".into(), path));
+    t.stop_gateway();
+    t.start_gateway();
+    let first = t.gateway_pid();
+    let said = notification(&socket);
+    assert!(
+        said.contains("READY=1") && said.contains(&format!("MAINPID={first}")),
+        "{said}"
+    );
+    t.push(
+        "sb1",
+        SB1_IP,
+        r#"{"default": "allow", "tls_interception": "on"}"#,
+    );
+    let (code, body) = t.curl(
+        &t.sb1,
+        "gateway",
+        "https://api.example.test/before",
+        &["-4"],
+    );
+    assert_eq!(code, 0, "{body}");
+
+    run("kill", &["-USR2", &first.to_string()]);
+    // The successor (started by the gateway itself, the same command with
+    // --take-over) says it is now the service's main process.
+    let said = notification(&socket);
+    let successor: u32 = said
+        .lines()
+        .find_map(|l| l.strip_prefix("MAINPID="))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no MAINPID in {said:?}"));
+    assert!(said.contains("READY=1") && successor != first, "{said}");
+    let cmdline = std::fs::read(format!("/proc/{successor}/cmdline")).expect("successor");
+    assert!(
+        String::from_utf8_lossy(&cmdline).contains("--take-over"),
+        "{}",
+        String::from_utf8_lossy(&cmdline)
+    );
+    // The first one drains (nothing is open) and exits cleanly.
+    assert!(t
+        .wait_gateway_exit(std::time::Duration::from_secs(20))
+        .success());
+    let (_, sandboxes) = t.admin("GET", "/v1/sandboxes", None);
+    assert!(sandboxes.contains("\"sb1\""), "{sandboxes}");
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/after", &["-4"]);
+    assert_eq!(code, 0, "the successor does not serve: {body}");
+}

@@ -536,21 +536,35 @@ impl Topology {
 
     /// The predecessor's exit status, once it has drained (within `within`).
     pub fn wait_predecessor(&mut self, within: Duration) -> std::process::ExitStatus {
-        let mut child = self.predecessor.take().expect("a predecessor");
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(s) = child.try_wait().expect("status") {
-                return s;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("the predecessor did not exit within {within:?}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let child = self.predecessor.take().expect("a predecessor");
+        wait_exit(child, within)
     }
 
+    /// The gateway process's exit status, once it has exited by itself
+    /// (within `within`): after it handed over to a successor it started.
+    pub fn wait_gateway_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let child = self.gateway.take().expect("a running gateway");
+        wait_exit(child, within)
+    }
+}
+
+/// A child's exit status within `within`; killed (and the test failed) past it.
+fn wait_exit(mut child: Child, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait().expect("status") {
+            return s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the process did not exit within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Topology {
     /// Sends SIGTERM and waits for the exit status.
     pub fn stop_gateway(&mut self) -> std::process::ExitStatus {
         let mut child = self.gateway.take().expect("a running gateway");
