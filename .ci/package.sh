@@ -209,8 +209,10 @@ grep -q 'iifname "tap\*" iifname != @attached counter packets 0 bytes 0 drop' <<
   { echo "$fence"; die "the fence does not drop unattached tap* interfaces"; }
 say "fence: ExecStart installed inet egress_gw_fence for tap*"
 ip netns exec "$NS" setpriv --bounding-set=-all,+net_admin "${REDIRECT_START[@]}"
-ip netns exec "$NS" nft list set inet egress_gw_fence attached | grep -q '"tap-sb1"' ||
-  die "attaching tap-sb1 did not let it through the fence"
+# (Captured first: `nft … | grep -q` under pipefail fails when grep stops reading.)
+attached=$(ip netns exec "$NS" nft list set inet egress_gw_fence attached)
+grep -q '"tap-sb1"' <<<"$attached" ||
+  { echo "$attached"; die "attaching tap-sb1 did not let it through the fence"; }
 table=$(ip netns exec "$NS" nft list table inet egress_gw_tap_sb1)
 grep -q 'iifname "tap-sb1" meta l4proto tcp redirect to :15001' <<<"$table" ||
   { echo "$table"; die "the redirect table does not send tap-sb1's TCP to :15001"; }
@@ -219,7 +221,8 @@ ip netns exec "$NS" setpriv --bounding-set=-all,+net_admin "${REDIRECT_STOP[@]}"
 if ip netns exec "$NS" nft list table inet egress_gw_tap_sb1 >/dev/null 2>&1; then
   die "ExecStop left the table inet egress_gw_tap_sb1"
 fi
-if ip netns exec "$NS" nft list set inet egress_gw_fence attached | grep -q '"tap-sb1"'; then
+attached=$(ip netns exec "$NS" nft list set inet egress_gw_fence attached)
+if grep -q '"tap-sb1"' <<<"$attached"; then
   die "detaching tap-sb1 left it through the fence"
 fi
 say "redirect@tap-sb1: ExecStop removed it and closed the fence on it"

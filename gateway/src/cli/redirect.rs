@@ -69,6 +69,11 @@ fn fence(args: &RedirectArgs, config: &Config) -> Result<(), redirect::RedirectE
     };
     if args.remove {
         redirect::remove_fence()
+    } else if args.apply && patterns.is_empty() {
+        // The packaged unit is enabled everywhere; it fences nothing until
+        // redirect.fence names the sandbox interfaces.
+        eprintln!("egress-gateway: redirect.fence is empty: no fence installed");
+        Ok(())
     } else if args.apply {
         redirect::apply_fence(patterns)
     } else {
