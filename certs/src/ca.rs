@@ -154,12 +154,7 @@ impl CertificateAuthority {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        params
-            .distinguished_name
-            .push(DnType::OrganizationName, "egress-gateway");
+        name_ca(&mut params, common_name);
         let now = OffsetDateTime::now_utc();
         params.not_before = now - Duration::hours(1);
         params.not_after = now + CA_VALIDITY;
@@ -235,6 +230,17 @@ impl CertificateAuthority {
     pub(crate) fn issuer(&self) -> &Issuer<'static, KeyPair> {
         &self.issuer
     }
+}
+
+/// The subject of a CA the gateway makes (or asks to be signed): a common
+/// name and the organization `egress-gateway`.
+pub(crate) fn name_ca(params: &mut CertificateParams, common_name: &str) {
+    params
+        .distinguished_name
+        .push(DnType::CommonName, common_name);
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "egress-gateway");
 }
 
 /// Reads a private key file, refusing one that group or others can read.

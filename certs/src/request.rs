@@ -64,12 +64,7 @@ pub fn request(dir: &Path, common_name: &str) -> Result<PathBuf, CertError> {
         key
     };
     let mut params = CertificateParams::default();
-    params
-        .distinguished_name
-        .push(DnType::CommonName, common_name);
-    params
-        .distinguished_name
-        .push(DnType::OrganizationName, "egress-gateway");
+    crate::ca::name_ca(&mut params, common_name);
     let pem = params
         .serialize_request(&key)
         .and_then(|csr| csr.pem())

@@ -2,6 +2,9 @@
 //! the chain loaded and served, and what is refused on the way; the leaf key
 //! lifetime and CA replacement on an injected clock.
 
+mod support;
+use support::server;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -13,11 +16,11 @@ use egress_certs::{
 };
 use egress_policy::Hostname;
 use rustls::pki_types::{CertificateDer, ServerName};
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls::{ClientConfig, RootCertStore};
 use time::{Duration, OffsetDateTime};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
 
 /// A fleet root in `dir/root` and a worker intermediate in `dir/worker`
 /// (`ca.crt` = intermediate then root, `ca.key` the worker's own).
@@ -48,28 +51,6 @@ fn roots(trusted: &CertificateDer<'static>) -> Arc<ClientConfig> {
             .with_root_certificates(roots)
             .with_no_client_auth(),
     )
-}
-
-/// Serves every connection with `resolver`, writing `ok` after the handshake.
-async fn server(resolver: LeafResolver) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let config = ServerConfig::builder()
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(resolver));
-    let acceptor = TlsAcceptor::from(Arc::new(config));
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                if let Ok(mut tls) = acceptor.accept(tcp).await {
-                    let _ = tls.write_all(b"ok").await;
-                    let _ = tls.shutdown().await;
-                }
-            });
-        }
-    });
-    addr
 }
 
 /// A verified handshake for `name`; the chain the server sent.

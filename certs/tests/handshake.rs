@@ -1,5 +1,8 @@
 //! Real TLS handshakes on loopback against leaves minted under a throwaway CA.
 
+mod support;
+use support::server;
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -7,10 +10,10 @@ use egress_certs::{CertificateAuthority, LeafMinter, LeafName, LeafResolver, Min
 use egress_policy::Hostname;
 use rustls::client::danger::ServerCertVerifier;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::{TlsAcceptor, TlsConnector};
+use rustls::{ClientConfig, RootCertStore};
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -41,28 +44,6 @@ fn client(ca: &CertificateAuthority) -> TlsConnector {
         .with_root_certificates(roots)
         .with_no_client_auth();
     TlsConnector::from(Arc::new(config))
-}
-
-/// Serves every connection with `resolver`, writing `ok` after the handshake.
-async fn server(resolver: LeafResolver) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let config = ServerConfig::builder()
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(resolver));
-    let acceptor = TlsAcceptor::from(Arc::new(config));
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                if let Ok(mut tls) = acceptor.accept(tcp).await {
-                    let _ = tls.write_all(b"ok").await;
-                    let _ = tls.shutdown().await;
-                }
-            });
-        }
-    });
-    addr
 }
 
 /// Connects with `name` as the server name; `Ok` once `ok` arrives over verified TLS.

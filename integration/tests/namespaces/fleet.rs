@@ -151,15 +151,6 @@ fn a_sandbox_interface_is_fenced_until_attached_and_again_once_detached() {
     );
 }
 
-/// Requests the fake internet has seen for api.example.test.
-fn reached(t: &Topology) -> u64 {
-    let (_, body) = t.http_in_gw("GET", "http://203.0.113.10/_counts", &[], None);
-    serde_json::from_str::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|c| c["api.example.test"].as_u64())
-        .unwrap_or(0)
-}
-
 /// `egress-probe many` from sb1 to api.example.test by address (no DNS).
 /// The name is exempt from interception, so each flow is spliced on its
 /// SNI, which the gateway trusts only while it holds sb1's attribution of
@@ -261,10 +252,10 @@ fn a_gateway_replaced_under_load_loses_no_flow_and_keeps_its_state() {
     // Requests the origin holds: open on the first gateway when it hands over.
     let held = probe(&t, "20", "20", "/hold");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while reached(&t) < HELD && std::time::Instant::now() < deadline {
+    while t.reached() < HELD && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    if reached(&t) < HELD {
+    if t.reached() < HELD {
         let mut held = held;
         let _ = held.kill();
         let out = held.wait_with_output().expect("probe");
@@ -277,7 +268,7 @@ fn a_gateway_replaced_under_load_loses_no_flow_and_keeps_its_state() {
 
     // Load, new connection by new connection, across the replacement.
     let load = probe(&t, &LOAD.to_string(), "16", "/bytes/1000");
-    while reached(&t) < HELD + 300 {
+    while t.reached() < HELD + 300 {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     t.take_over_gateway(&t.path("gateway-b.toml"), "gateway-b.log");

@@ -15,16 +15,6 @@ use crate::topology::{available, Topology, SB1_IP};
 const POLICY: &str = r#"{"default": "deny", "tls_interception": "on",
     "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}]}"#;
 
-/// Requests the origin for api.example.test has received (it counts them as
-/// they arrive), read from the fake internet directly.
-fn reached(t: &Topology) -> u64 {
-    let (_, body) = t.http_in_gw("GET", "http://203.0.113.10/_counts", &[], None);
-    serde_json::from_str::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|c| c["api.example.test"].as_u64())
-        .unwrap_or(0)
-}
-
 /// A request from sb1 to a destination the policy denies: true if it was
 /// answered by the origin (it must never be).
 fn denied_reached(t: &Topology) -> bool {
@@ -85,7 +75,7 @@ fn a_thousand_open_flows_drain_on_sigterm_and_nothing_leaks_across_restarts() {
     let deadline = Instant::now() + Duration::from_secs(90);
     let mut open = 0;
     while Instant::now() < deadline && open < OPEN {
-        open = reached(&t);
+        open = t.reached();
         std::thread::sleep(Duration::from_millis(100));
     }
     if open < OPEN {

@@ -730,6 +730,16 @@ impl Topology {
         }
     }
 
+    /// Requests the origin for api.example.test has received (it counts
+    /// them as they arrive), read from the fake internet directly.
+    pub fn reached(&self) -> u64 {
+        let (_, body) = self.http_in_gw("GET", "http://203.0.113.10/_counts", &[], None);
+        serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|c| c["api.example.test"].as_u64())
+            .unwrap_or(0)
+    }
+
     /// The flow log's lines so far.
     pub fn flows(&self) -> Vec<serde_json::Value> {
         std::fs::read_to_string(self.path("flows.jsonl"))
