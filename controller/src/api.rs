@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 
+use crate::approvals::laid_over;
 use crate::compose::effective;
 use crate::config::{Deployment, Tenant, Tenants};
 use crate::metrics::{Metrics, RequestLabels};
@@ -549,9 +550,7 @@ impl Api {
                     &json!({"error": m.to_string(), "missing_profiles": missing}),
                 )
             })?;
-        let (policy, provenance) = crate::approvals::laid_over(&mut tx, &row, &eff)
-            .await
-            .map_err(db)?;
+        let (policy, provenance) = laid_over(&mut tx, &row, &eff).await.map_err(db)?;
         let placement = Placement {
             policy: &policy,
             inherits_template: eff.inherits_template,
