@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 
+use crate::approvals::laid_over;
 use crate::compose::effective;
 use crate::config::{Deployment, Tenant, Tenants};
 use crate::metrics::{Metrics, RequestLabels};
@@ -29,7 +30,7 @@ use crate::{e2b, ids};
 /// Largest request body accepted.
 const MAX_BODY: usize = 1 << 20;
 
-type Reply = Response<Full<Bytes>>;
+pub(crate) type Reply = Response<Full<Bytes>>;
 
 /// What the API serves from.
 pub struct Api {
@@ -81,6 +82,10 @@ fn route_of(method: &Method, segments: &[&str]) -> &'static str {
         ("PUT", ["v1", "sandboxes", _, "network"]) => "network",
         ("PUT", ["sandboxes", _, "network"]) => "e2b_network",
         ("POST", ["v1", "sandboxes", _, "fork"]) => "fork",
+        ("GET", ["v1", "sandboxes", _, "proposals"]) => "proposals",
+        ("POST", ["v1", "sandboxes", _, "proposals", _, "approve"]) => "approve",
+        ("GET", ["v1", "approvals"]) => "approvals",
+        ("DELETE", ["v1", "approvals", _]) => "revoke",
         ("POST", ["v1", "sandboxes", _, _]) => "lifecycle",
         ("GET", ["v1", "operations", _]) => "operation",
         ("PUT", ["v1", "templates", _]) => "template",
@@ -141,6 +146,13 @@ impl Api {
                 self.e2b_network(&caller, &id, body(req).await).await
             }
             "fork" => self.fork(&caller, &id).await,
+            "proposals" => self.proposals(&caller, &id).await,
+            "approve" => {
+                let pid = segments.get(4).copied().unwrap_or_default().to_owned();
+                self.approve(&caller, (&id, &pid), body(req).await).await
+            }
+            "approvals" => self.approvals(&caller).await,
+            "revoke" => self.revoke(&caller, &id).await,
             "lifecycle" => {
                 let action = segments.get(3).copied().unwrap_or_default().to_owned();
                 self.lifecycle(&caller, &id, &action).await
@@ -158,7 +170,7 @@ impl Api {
 }
 
 /// The request body as JSON, within [`MAX_BODY`].
-async fn body(req: Request<Incoming>) -> Result<Value, Reply> {
+pub(crate) async fn body(req: Request<Incoming>) -> Result<Value, Reply> {
     let bytes = Limited::new(req.into_body(), MAX_BODY)
         .collect()
         .await
@@ -169,7 +181,7 @@ async fn body(req: Request<Incoming>) -> Result<Value, Reply> {
 }
 
 /// Parses `v` as `T`; the error names the field.
-fn typed<T: for<'de> Deserialize<'de>>(v: Value) -> Result<T, Reply> {
+pub(crate) fn typed<T: for<'de> Deserialize<'de>>(v: Value) -> Result<T, Reply> {
     serde_path_to_error::deserialize(v).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
@@ -211,7 +223,7 @@ fn text(body: String) -> Reply {
     r
 }
 
-fn db(e: sqlx::Error) -> Reply {
+pub(crate) fn db(e: sqlx::Error) -> Reply {
     tracing::warn!(error = %e, "database error");
     error(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -220,7 +232,11 @@ fn db(e: sqlx::Error) -> Reply {
 }
 
 /// A sandbox the caller may see (its tenant's, or any for an admin).
-fn visible(caller: &Tenant, row: Option<SandboxRow>, id: &str) -> Result<SandboxRow, Reply> {
+pub(crate) fn visible(
+    caller: &Tenant,
+    row: Option<SandboxRow>,
+    id: &str,
+) -> Result<SandboxRow, Reply> {
     match row {
         Some(r) if caller.admin || r.tenant == caller.tenant => Ok(r),
         _ => Err(error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"))),
@@ -534,10 +550,11 @@ impl Api {
                     &json!({"error": m.to_string(), "missing_profiles": missing}),
                 )
             })?;
+        let (policy, provenance) = laid_over(&mut tx, &row, &eff).await.map_err(db)?;
         let placement = Placement {
-            policy: &eff.policy,
+            policy: &policy,
             inherits_template: eff.inherits_template,
-            provenance: serde_json::to_value(&eff.provenance).unwrap_or_default(),
+            provenance,
             state: &row.state,
             worker: None,
             addresses: &row.addresses,

@@ -47,9 +47,22 @@ pub struct Tenant {
     /// Admins manage templates and workers and see every sandbox.
     #[serde(default)]
     pub admin: bool,
+    /// Who holds the token (a person or a service), recorded with each
+    /// approval; absent: `tenant:<tenant>`.
+    #[serde(default)]
+    pub principal: Option<String>,
 }
 
-/// The tokens file: `{"tokens": {"<token>": {"tenant", "federated", "admin"}}}`.
+impl Tenant {
+    /// The identity an approval records.
+    pub fn principal(&self) -> String {
+        self.principal
+            .clone()
+            .unwrap_or_else(|| format!("tenant:{}", self.tenant))
+    }
+}
+
+/// The tokens file: `{"tokens": {"<token>": {"tenant", "federated", "admin", "principal"}}}`.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tenants {

@@ -24,6 +24,10 @@ use crate::store::{self, SandboxRow, WorkerRow};
 /// Pushes in flight to one gateway at once.
 const PUSH_CONCURRENCY: usize = 32;
 
+/// How often approvals past their `until` are looked for: an expired rule
+/// is taken out within this (plus the push).
+const EXPIRY_INTERVAL: Duration = Duration::from_millis(500);
+
 /// The advisory lock key leaders hold (any constant shared by the replicas).
 const LEADER_LOCK: i64 = 0x6567_7265_7373;
 
@@ -78,6 +82,7 @@ impl Dispatcher {
 
     async fn lead(&self, mut lock: PgConnection) {
         let mut compared = Instant::now() - self.limits.resync_interval;
+        let mut expired = Instant::now() - EXPIRY_INTERVAL;
         loop {
             if sqlx::query("SELECT 1").execute(&mut lock).await.is_err() {
                 return;
@@ -96,6 +101,10 @@ impl Dispatcher {
             if compared.elapsed() >= self.limits.resync_interval {
                 self.compare_gateways().await;
                 compared = Instant::now();
+            }
+            if expired.elapsed() >= EXPIRY_INTERVAL {
+                self.expire_approvals().await;
+                expired = Instant::now();
             }
             worked |= self.push_all().await;
             self.observe_backlog().await;
@@ -152,6 +161,16 @@ impl Dispatcher {
             }
         }
         Ok(true)
+    }
+
+    /// Takes the approvals past their `until` out of the sandboxes they
+    /// reached; the new generations are pushed like any change.
+    async fn expire_approvals(&self) {
+        match crate::approvals::expire(&self.pool).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(expired = n, "approvals expired"),
+            Err(e) => tracing::warn!(error = %e, "expiring approvals"),
+        }
     }
 
     fn count(&self, outcome: &'static str) {

@@ -10,6 +10,8 @@
 //! - [`store`]: the schema (versioned migrations) and every statement.
 
 pub mod api;
+pub mod approvals;
+mod approve;
 pub mod compose;
 pub mod config;
 pub mod dispatcher;

@@ -161,11 +161,18 @@ async fn place(
             .iter()
             .filter_map(|a| serde_json::to_value(a).ok()),
     );
+    // The approvals of its template and tenant (and, for a fork, none of
+    // the source's own: they are taken out) reach a new sandbox too.
+    let mut policy = eff.policy.clone();
+    if let Some(row) = store::sandbox(conn, sandbox).await? {
+        let active = crate::approvals::in_force(conn, &row.tenant, &row.template, sandbox).await?;
+        crate::approvals::overlay(&mut policy, &mut provenance, &active);
+    }
     store::save_effective(
         conn,
         sandbox,
         &Placement {
-            policy: &eff.policy,
+            policy: &policy,
             inherits_template: eff.inherits_template,
             provenance: Value::Array(provenance),
             state: "running",

@@ -9,6 +9,7 @@
 //! | `PUT /v1/sandboxes` | `{"sandboxes": [{"id", "addresses", "policy"}]}`: replace all (resync) |
 //! | `POST /v1/explain` | `{"sandbox", "dst", "tls", "sni", "host"}`: the decision now, and why |
 //! | `GET /v1/sandboxes/{id}/attribution` | live attribution with remaining TTL |
+//! | `GET /v1/sandboxes/{id}/proposals` | allow entries the sandbox's denials propose ([`crate::proposed`]) |
 //! | `/v1/vms/…`, `/v1/network/egress/defaults` | machine egress ([`crate::machine::api`]) |
 //! | `GET /healthz`, `/readyz`, `/metrics` | |
 //!
@@ -217,6 +218,7 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
         }
         (&Method::DELETE, ["v1", "sandboxes", id]) => delete(ctl, id).await,
         (&Method::GET, ["v1", "sandboxes", id, "attribution"]) => attribution(ctl, id),
+        (&Method::GET, ["v1", "sandboxes", id, "proposals"]) => proposals(ctl, id),
         (&Method::POST, ["v1", "explain"]) => match body::<Explain>(req).await {
             Ok(e) => explain(ctl, e),
             Err(r) => r,
@@ -363,6 +365,8 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
     match ctl.committer.submit(Change::Replace(prepared)).await {
         Ok(()) => {
             applied(ctl);
+            let registry = &ctl.dp.registry;
+            ctl.dp.proposed.retain(|id| registry.get(id).is_some());
             json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
         }
         Err(why) => refused(ctl, why, "sandboxes"),
@@ -388,6 +392,7 @@ async fn delete(ctl: &Control, id: &str) -> Reply {
         Ok(()) => {
             applied(ctl);
             ctl.dp.cache.remove_sandbox(&sid);
+            ctl.dp.proposed.forget(&sid);
             json_reply(StatusCode::OK, &json!({ "deleted": id }))
         }
         Err(NotApplied::Missing) => {
@@ -506,6 +511,16 @@ fn attribution(ctl: &Control, id: &str) -> Reply {
         StatusCode::OK,
         &json!({ "sandbox": id, "entries": entries }),
     )
+}
+
+/// What the sandbox's denials propose ([`crate::proposed`]).
+fn proposals(ctl: &Control, id: &str) -> Reply {
+    let sid = SandboxId::new(id);
+    let Some(sandbox) = ctl.dp.registry.get(&sid) else {
+        return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
+    };
+    let list = ctl.dp.proposed.list(&sid, sandbox.policy.platform());
+    json_reply(StatusCode::OK, &crate::proposed::document(id, &list))
 }
 
 fn sandbox_json(s: &SandboxDoc) -> Value {

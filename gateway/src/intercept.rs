@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use dns_attrib::Lookup;
-use egress_policy::{Denied, Hostname, Protocol, RequestDenial, Verdict};
+use egress_policy::{Denied, Hostname, Protocol, RequestCode, RequestDenial, RuleRef, Verdict};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
@@ -396,6 +396,14 @@ impl Conn {
         match verdict {
             Verdict::Deny(Denied::Misdirected) => Err(None),
             Verdict::Deny(_) => {
+                let seen = crate::proposed::Seen {
+                    dst: self.dst,
+                    sni: self.sni.as_ref(),
+                    host,
+                    attributed: &decided.lookup.names(),
+                    reason: verdict.code(),
+                };
+                self.dp.proposed.record(&self.sandbox.id, seen, None);
                 self.note_denied(verdict.code(), || {
                     let host = host.map_or_else(|| "-".to_owned(), ToString::to_string);
                     format!("{} (the request's host {host})", verdict.code())
@@ -455,6 +463,7 @@ impl Conn {
             }
         }
         if let Some(d) = &judged.deny {
+            self.propose_request(d, (host, &attributed[..]), method, &target);
             self.note_denied(d.code.as_str(), || show(d));
             return Err(Denial {
                 status: StatusCode::FORBIDDEN,
@@ -511,6 +520,42 @@ impl Conn {
                 })
             }
         }
+    }
+
+    /// Hands a refused request to the sandbox's proposals, with the
+    /// destination of the allow entry whose level refused it.
+    fn propose_request(
+        &self,
+        d: &RequestDenial,
+        (host, attributed): (Option<&Hostname>, &[Hostname]),
+        method: &str,
+        target: &str,
+    ) {
+        let (RequestCode::HttpNotAllowed, RuleRef::Allow(i)) = (d.code, d.rule) else {
+            return;
+        };
+        let Ok(path) = egress_policy::http::normalize(target) else {
+            return;
+        };
+        let level = usize::try_from(i)
+            .ok()
+            .and_then(|i| self.sandbox.policy.policy().allow.get(i))
+            .map(|r| r.dest.clone());
+        let seen = crate::proposed::Seen {
+            dst: self.dst,
+            sni: self.sni.as_ref(),
+            host,
+            attributed,
+            reason: d.code.as_str(),
+        };
+        let request = egress_policy::proposals::DeniedRequest {
+            method: method.to_owned(),
+            path,
+            level,
+        };
+        self.dp
+            .proposed
+            .record(&self.sandbox.id, seen, Some(request));
     }
 
     /// Counts a refused request, and keeps the first for the flow log.

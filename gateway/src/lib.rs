@@ -28,6 +28,7 @@ mod metrics;
 pub mod peek;
 pub mod persist;
 mod pool;
+mod proposed;
 pub mod redirect;
 pub mod registry;
 mod reply;

@@ -39,6 +39,8 @@ pub struct Dataplane {
     pub(crate) resolver: Option<Arc<dns_attrib::DnsProxy>>,
     /// The operator's upstream proxies (`upstream_proxy`, fixed at start).
     pub(crate) proxies: crate::upstream_proxy::UpstreamProxies,
+    /// What each sandbox's denials propose (`GET /v1/sandboxes/{id}/proposals`).
+    pub(crate) proposed: crate::proposed::Proposed,
 }
 
 impl Dataplane {
@@ -66,6 +68,7 @@ impl Dataplane {
             doh_names,
             resolver: None,
             proxies,
+            proposed: crate::proposed::Proposed::default(),
         }
     }
 

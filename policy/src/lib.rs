@@ -20,6 +20,7 @@ mod name;
 mod platform;
 mod policy;
 mod profiles;
+pub mod proposals;
 mod rule;
 mod sandbox;
 mod select;

@@ -5,6 +5,7 @@
 
 mod support;
 
+mod approvals;
 mod creates;
 mod gateways;
 mod network;

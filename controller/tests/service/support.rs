@@ -154,6 +154,15 @@ pub async fn dispatcher(url: &str, deployment: Arc<Deployment>, limits: Limits) 
 
 /// A real gateway whose admin API listens on `admin` (port 0: any).
 pub async fn gateway(state: &std::path::Path, admin: &str) -> Gateway {
+    gateway_with(state, admin, Arc::new(SoOriginalDst)).await
+}
+
+/// [`gateway`], reading each flow's destination from `orig_dst`.
+pub async fn gateway_with(
+    state: &std::path::Path,
+    admin: &str,
+    orig_dst: Arc<dyn egress_gateway::OriginalDst>,
+) -> Gateway {
     let toml = format!(
         r#"
         state_dir = "{}"
@@ -166,13 +175,9 @@ pub async fn gateway(state: &std::path::Path, admin: &str) -> Gateway {
         state.display()
     );
     let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
-    Gateway::start(
-        config,
-        Arc::new(SoOriginalDst),
-        FlowLog::open("off").expect("log"),
-    )
-    .await
-    .expect("gateway starts")
+    Gateway::start(config, orig_dst, FlowLog::open("off").expect("log"))
+        .await
+        .expect("gateway starts")
 }
 
 /// One request: status and JSON body.

@@ -22,7 +22,7 @@ pub(crate) use identify::Accepted;
 pub(crate) use record::Record;
 pub(crate) use refusal::Refusal;
 
-use crate::decide::{decide, Claims};
+use crate::decide::{decide, Claims, Decided};
 use crate::state::Dataplane;
 use crate::upstream::Upstreams;
 
@@ -57,7 +57,10 @@ pub(crate) async fn handle(
     );
     rec.decided(&claims, &decided, &accepted.sandbox);
     match decided.verdict {
-        Verdict::Deny(_) => deny(&mut stream, &claims, &decided.verdict, &accepted).await,
+        Verdict::Deny(_) => {
+            propose(&dp, &accepted, &claims, &decided);
+            deny(&mut stream, &claims, &decided.verdict, &accepted).await;
+        }
         Verdict::Intercept(_, why) => {
             let sni = Some(claims.sni.cloned());
             let doh = why == Intercepted::ReservedResolver;
@@ -79,6 +82,18 @@ pub(crate) async fn handle(
         }
     }
     rec.finish();
+}
+
+/// Hands a denied flow to the sandbox's proposals.
+fn propose(dp: &Dataplane, accepted: &Accepted, claims: &Claims<'_>, decided: &Decided) {
+    let seen = crate::proposed::Seen {
+        dst: accepted.dst,
+        sni: claims.sni,
+        host: claims.host,
+        attributed: &decided.lookup.names(),
+        reason: decided.verdict.code(),
+    };
+    dp.proposed.record(&accepted.sandbox.id, seen, None);
 }
 
 /// A denied flow: `403` with the reason where the protocol allows an answer

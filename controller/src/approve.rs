@@ -1,0 +1,154 @@
+//! The API's proposal and approval routes: a sandbox's proposals, fetched
+//! from its worker's gateway; approving one (a row in `approvals`, laid over
+//! every sandbox its scope reaches, pushed like any policy change); listing
+//! and revoking approvals. Everything is scoped by the caller's tenant: a
+//! sandbox or approval of another tenant is `404`.
+#![allow(clippy::result_large_err)]
+
+use egress_policy::Rule;
+use http::{Method, StatusCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::api::{db, error, json_reply, typed, visible, Api, Reply};
+use crate::approvals::{self, NewApproval, Scope};
+use crate::config::Tenant;
+use crate::{gateway_client, ids, store};
+
+/// `POST /v1/sandboxes/{id}/proposals/{pid}/approve`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApproveBody {
+    scope: Scope,
+    /// RFC 3339; absent: until revoked.
+    #[serde(default)]
+    until: Option<String>,
+}
+
+impl Api {
+    /// `GET /v1/sandboxes/{id}/proposals`: the worker's answer, as it is.
+    pub(crate) async fn proposals(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
+        let doc = self.fetch_proposals(caller, id).await?;
+        Ok(json_reply(StatusCode::OK, &doc))
+    }
+
+    /// The sandbox's proposals from its worker's gateway.
+    async fn fetch_proposals(&self, caller: &Tenant, id: &str) -> Result<Value, Reply> {
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let row = visible(caller, store::sandbox(&mut conn, id).await.map_err(db)?, id)?;
+        drop(conn);
+        let no_proposals = || {
+            error(
+                StatusCode::NOT_FOUND,
+                &format!("sandbox {id} is not on a gateway yet"),
+            )
+        };
+        let worker = row.worker.ok_or_else(no_proposals)?;
+        let workers = store::workers(&self.pool).await.map_err(db)?;
+        let w = workers
+            .iter()
+            .find(|w| w.id == worker)
+            .ok_or_else(no_proposals)?;
+        let path = format!("/v1/sandboxes/{id}/proposals");
+        let answer = gateway_client::call(&w.admin_url, &w.token, Method::GET, &path, None).await;
+        match answer {
+            Ok((StatusCode::OK, doc)) => Ok(doc),
+            Ok((StatusCode::NOT_FOUND, _)) => Err(no_proposals()),
+            Ok((status, doc)) => Err(error(
+                StatusCode::BAD_GATEWAY,
+                &format!("worker {worker} answered {status}: {doc}"),
+            )),
+            Err(e) => Err(error(
+                StatusCode::BAD_GATEWAY,
+                &format!("worker {worker}: {e}"),
+            )),
+        }
+    }
+
+    /// `POST /v1/sandboxes/{id}/proposals/{pid}/approve`.
+    pub(crate) async fn approve(
+        &self,
+        caller: &Tenant,
+        (id, pid): (&str, &str),
+        body: Result<Value, Reply>,
+    ) -> Result<Reply, Reply> {
+        let req: ApproveBody = typed(body?)?;
+        if let Some(until) = &req.until {
+            self.check_until(until).await?;
+        }
+        let doc = self.fetch_proposals(caller, id).await?;
+        let proposal = doc["proposals"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["id"] == pid)
+            .cloned()
+            .ok_or_else(|| error(StatusCode::NOT_FOUND, &format!("no proposal {pid:?}")))?;
+        let rule: Rule = serde_json::from_value(proposal["rule"].clone()).map_err(|e| {
+            error(
+                StatusCode::BAD_GATEWAY,
+                &format!("the worker proposed an invalid rule: {e}"),
+            )
+        })?;
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let row = visible(caller, store::sandbox(&mut tx, id).await.map_err(db)?, id)?;
+        let target = match req.scope {
+            Scope::Sandbox => row.id.clone(),
+            Scope::Template => row.template.clone(),
+            Scope::Tenant => row.tenant.clone(),
+        };
+        let approval_id = ids::new("ap");
+        let new = NewApproval {
+            id: &approval_id,
+            tenant: &row.tenant,
+            scope: req.scope,
+            target: &target,
+            rule: &rule,
+            principal: &caller.principal(),
+            until: req.until.as_deref(),
+            evidence: &proposal,
+        };
+        let approval = approvals::approve(&mut tx, &new).await.map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(json_reply(StatusCode::CREATED, &approval.document()))
+    }
+
+    /// `400` unless `until` is an RFC 3339 time in the future.
+    async fn check_until(&self, until: &str) -> Result<(), Reply> {
+        let future: Result<bool, _> = sqlx::query_scalar("SELECT $1::timestamptz > now()")
+            .bind(until)
+            .fetch_one(&self.pool)
+            .await;
+        match future {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!("until: {until:?} is past"),
+            )),
+            Err(_) => Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!("until: {until:?} is not an RFC 3339 time"),
+            )),
+        }
+    }
+
+    /// `GET /v1/approvals`: the caller's tenant's (an admin's: every tenant's).
+    pub(crate) async fn approvals(&self, caller: &Tenant) -> Result<Reply, Reply> {
+        let tenant = (!caller.admin).then_some(caller.tenant.as_str());
+        let list = approvals::list(&self.pool, tenant).await.map_err(db)?;
+        let docs: Vec<Value> = list.iter().map(approvals::Approval::document).collect();
+        Ok(json_reply(StatusCode::OK, &json!({ "approvals": docs })))
+    }
+
+    /// `DELETE /v1/approvals/{id}`: revoked, and its rule taken out.
+    pub(crate) async fn revoke(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
+        let tenant = (!caller.admin).then_some(caller.tenant.as_str());
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let revoked = approvals::revoke(&mut tx, id, tenant).await.map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        match revoked {
+            Some(a) => Ok(json_reply(StatusCode::OK, &a.document())),
+            None => Err(error(StatusCode::NOT_FOUND, &format!("no approval {id:?}"))),
+        }
+    }
+}

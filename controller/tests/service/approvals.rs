@@ -1,0 +1,286 @@
+//! Proposals through the controller and their approval: each scope reaches
+//! the gateway (the push is observed with the gateway's explain), shows in
+//! provenance, is revoked or expires, and is invisible to other tenants.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sqlx::Connection;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::db;
+use crate::support::*;
+
+/// Where every flow in these tests goes: a fake origin the gateway never
+/// dials, since each flow here is denied.
+const ORIGIN: &str = "198.51.100.7:80";
+
+/// Every transparent connection "to" [`ORIGIN`].
+struct ToOrigin;
+
+impl egress_gateway::OriginalDst for ToOrigin {
+    fn original_dst(&self, _: &tokio::net::TcpStream) -> std::io::Result<SocketAddr> {
+        Ok(ORIGIN.parse().expect("addr"))
+    }
+}
+
+struct Setup {
+    gw: egress_gateway::Gateway,
+    api: ApiProcess,
+    url: String,
+    _dispatcher: DispatcherTask,
+    _dir: tempfile::TempDir,
+}
+
+/// A gateway whose sandboxes live on loopback (`127.0.0.0/29`), on a
+/// deny-by-default template with interception on.
+async fn setup_world(url: String) -> Setup {
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway_with(dir.path(), "127.0.0.1:0", Arc::new(ToOrigin)).await;
+    let d = deployment(None, None);
+    let api = api(&url, d.clone()).await;
+    let template = json!({"default": "deny", "tls_interception": "on"});
+    setup(&api, template, gw.bound().admin, "127.0.0.0/29").await;
+    let dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    Setup {
+        gw,
+        api,
+        url,
+        _dispatcher: dispatcher,
+        _dir: dir,
+    }
+}
+
+/// A running sandbox of `token`'s tenant, on the gateway: its id and address.
+async fn sandbox(w: &Setup, token: &str) -> (String, String) {
+    let body = json!({"template": "base"});
+    let (s, v) = call(
+        w.api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(token),
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    settled(&w.api, token, v["operation"].as_str().expect("op")).await;
+    let id = v["sandbox"].as_str().expect("id").to_owned();
+    let on = on_gateway(&w.gw, &id).await;
+    (id, on["addresses"][0].as_str().expect("address").to_owned())
+}
+
+/// A plain HTTP request for `api.example.test` from `src`: denied.
+async fn denied_request(w: &Setup, src: &str) {
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind((src.parse::<std::net::IpAddr>().expect("ip"), 0).into())
+        .expect("bind");
+    let mut s = sock
+        .connect(w.gw.bound().transparent)
+        .await
+        .expect("connect");
+    s.write_all(b"GET / HTTP/1.1\r\nHost: api.example.test\r\n\r\n")
+        .await
+        .expect("write");
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer).await;
+    assert!(answer.starts_with(b"HTTP/1.1 403"), "{answer:?}");
+}
+
+/// The gateway's verdict now for TLS to `api.example.test` from sandbox `id`.
+async fn verdict(w: &Setup, id: &str) -> String {
+    let body =
+        json!({"sandbox": id, "dst": "198.51.100.7:443", "tls": true, "sni": "api.example.test"});
+    let (s, v) = call(
+        w.gw.bound().admin,
+        "POST",
+        "/v1/explain",
+        None,
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    v["verdict"].as_str().expect("verdict").to_owned()
+}
+
+/// Waits (≤ 10 s) until the gateway's verdict for `id` is `want`.
+async fn until_verdict(w: &Setup, id: &str, want: &str) {
+    for _ in 0..200 {
+        if verdict(w, id).await == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("sandbox {id} never got {want}: {}", verdict(w, id).await);
+}
+
+/// The proposals of `id` through the controller.
+async fn proposals(w: &Setup, token: &str, id: &str) -> (u16, Value) {
+    let path = format!("/v1/sandboxes/{id}/proposals");
+    call(w.api.addr, "GET", &path, Some(token), &[], None).await
+}
+
+/// Approves `id`'s only proposal for `scope` (and `until`).
+async fn approve(w: &Setup, token: &str, id: &str, body: Value) -> (u16, Value) {
+    let (s, doc) = proposals(w, FEDERATED, id).await;
+    assert_eq!(s, 200, "{doc}");
+    let pid = doc["proposals"][0]["id"].as_str().expect("a proposal");
+    let path = format!("/v1/sandboxes/{id}/proposals/{pid}/approve");
+    call(w.api.addr, "POST", &path, Some(token), &[], Some(body)).await
+}
+
+#[tokio::test]
+async fn an_approved_proposal_reaches_the_gateway_shows_in_provenance_and_is_revoked() {
+    let w = setup_world(db!()).await;
+    let (id, addr) = sandbox(&w, FEDERATED).await;
+    denied_request(&w, &addr).await;
+    denied_request(&w, &addr).await;
+    let (s, doc) = proposals(&w, FEDERATED, &id).await;
+    assert_eq!(s, 200, "{doc}");
+    let p = &doc["proposals"][0];
+    assert_eq!(p["rule"], json!({"domain": "api.example.test"}));
+    assert_eq!(p["count"], 2);
+    // Another tenant sees nothing and approves nothing.
+    assert_eq!(proposals(&w, PLAIN, &id).await.0, 404);
+    let (s, _) = approve(&w, PLAIN, &id, json!({"scope": "sandbox"})).await;
+    assert_eq!(s, 404);
+    assert_eq!(verdict(&w, &id).await, "deny");
+
+    let (s, a) = approve(&w, FEDERATED, &id, json!({"scope": "sandbox"})).await;
+    assert_eq!(s, 201, "{a}");
+    assert_eq!(a["principal"], "tenant:t1");
+    assert_eq!(a["evidence"]["count"], 2);
+    let aid = a["id"].as_str().expect("id").to_owned();
+    until_verdict(&w, &id, "intercept").await;
+    let path = format!("/v1/sandboxes/{id}");
+    let (_, sb) = call(w.api.addr, "GET", &path, Some(FEDERATED), &[], None).await;
+    let added = sb["provenance"]
+        .as_array()
+        .expect("provenance")
+        .iter()
+        .find(|e| e["source"] == "approval")
+        .expect("an approval in the provenance")
+        .clone();
+    assert_eq!(added["approval"], json!(aid));
+    assert_eq!(added["destination"], json!({"domain": "api.example.test"}));
+
+    let (_, mine) = call(
+        w.api.addr,
+        "GET",
+        "/v1/approvals",
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(mine["approvals"].as_array().expect("list").len(), 1);
+    let (_, theirs) = call(w.api.addr, "GET", "/v1/approvals", Some(PLAIN), &[], None).await;
+    assert_eq!(theirs["approvals"], json!([]));
+    let revoke = format!("/v1/approvals/{aid}");
+    assert_eq!(
+        call(w.api.addr, "DELETE", &revoke, Some(PLAIN), &[], None)
+            .await
+            .0,
+        404
+    );
+    let (s, r) = call(w.api.addr, "DELETE", &revoke, Some(FEDERATED), &[], None).await;
+    assert_eq!(s, 200, "{r}");
+    until_verdict(&w, &id, "deny").await;
+    let (_, sb) = call(w.api.addr, "GET", &path, Some(FEDERATED), &[], None).await;
+    assert!(!sb["provenance"].to_string().contains("approval"), "{sb}");
+}
+
+#[tokio::test]
+async fn template_and_tenant_approvals_reach_later_sandboxes_of_the_tenant_only() {
+    let w = setup_world(db!()).await;
+    let (a, addr) = sandbox(&w, FEDERATED).await;
+    denied_request(&w, &addr).await;
+    let (s, t) = approve(&w, FEDERATED, &a, json!({"scope": "template"})).await;
+    assert_eq!(s, 201, "{t}");
+    assert_eq!(t["target"], "base");
+    until_verdict(&w, &a, "intercept").await;
+    let (b, _) = sandbox(&w, FEDERATED).await;
+    until_verdict(&w, &b, "intercept").await;
+    let (other, _) = sandbox(&w, PLAIN).await;
+    assert_eq!(
+        verdict(&w, &other).await,
+        "deny",
+        "another tenant's sandbox"
+    );
+
+    let revoke = format!("/v1/approvals/{}", t["id"].as_str().expect("id"));
+    assert_eq!(
+        call(w.api.addr, "DELETE", &revoke, Some(FEDERATED), &[], None)
+            .await
+            .0,
+        200
+    );
+    until_verdict(&w, &b, "deny").await;
+    let (s, t) = approve(&w, FEDERATED, &a, json!({"scope": "tenant"})).await;
+    assert_eq!(s, 201, "{t}");
+    assert_eq!(t["target"], "t1");
+    until_verdict(&w, &b, "intercept").await;
+    let (c, _) = sandbox(&w, FEDERATED).await;
+    until_verdict(&w, &c, "intercept").await;
+    assert_eq!(
+        verdict(&w, &other).await,
+        "deny",
+        "another tenant's sandbox"
+    );
+}
+
+#[tokio::test]
+async fn an_approval_expires_and_the_gateway_denies_again() {
+    let w = setup_world(db!()).await;
+    let (id, addr) = sandbox(&w, FEDERATED).await;
+    denied_request(&w, &addr).await;
+    let mut conn = sqlx::PgConnection::connect(&w.url).await.expect("db");
+    let past: String = sqlx::query_scalar("SELECT to_json(now() - interval '1 second') #>> '{}'")
+        .fetch_one(&mut conn)
+        .await
+        .expect("time");
+    let (s, _) = approve(
+        &w,
+        FEDERATED,
+        &id,
+        json!({"scope": "sandbox", "until": past}),
+    )
+    .await;
+    assert_eq!(s, 400, "a time in the past");
+    let (s, _) = approve(
+        &w,
+        FEDERATED,
+        &id,
+        json!({"scope": "sandbox", "until": "soon"}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    let soon: String = sqlx::query_scalar("SELECT to_json(now() + interval '2 seconds') #>> '{}'")
+        .fetch_one(&mut conn)
+        .await
+        .expect("time");
+    let (s, a) = approve(
+        &w,
+        FEDERATED,
+        &id,
+        json!({"scope": "sandbox", "until": soon}),
+    )
+    .await;
+    assert_eq!(s, 201, "{a}");
+    until_verdict(&w, &id, "intercept").await;
+    until_verdict(&w, &id, "deny").await;
+    let (_, list) = call(
+        w.api.addr,
+        "GET",
+        "/v1/approvals",
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert!(list["approvals"][0]["removed_at"].is_string(), "{list}");
+    assert!(list["approvals"][0]["revoked_at"].is_null(), "{list}");
+}

@@ -1,0 +1,364 @@
+//! Proposals: the allow entries that would have let a sandbox's denied flows
+//! and refused requests through, with the evidence for each.
+//!
+//! The gateway hands every denial to [`Proposals::record`]; an operator (or
+//! the controller) lists them with [`Proposals::list`] and approves the ones
+//! it wants. Pure: the time of each denial is passed in.
+//!
+//! What is proposed, and why:
+//!
+//! - Only denials the policy made for want of an allow
+//!   ([`PROPOSED_REASONS`]): `no_allow_match`, the attribution gaps
+//!   (`no_dns_seen`, `expired`, `evicted`) and, per request,
+//!   `http_not_allowed`. A platform deny is the operator's and a tenant
+//!   deny (or an `http_deny`) beats every allow, so proposing an allow would
+//!   not help; evidence that reads two ways (`sni_mismatch`,
+//!   `ambiguous_path`, malformed hellos) or flows an allow does not fix
+//!   (`needs_interception`, `unreadable_stream`, `encrypted_dns`,
+//!   credentials) are never proposed either.
+//! - A flow with a name proposes that name: the SNI, else the `Host`, else
+//!   the first name attributed to the address. One without any proposes
+//!   its address.
+//! - A refused request proposes the entry that decided (a `domain`, or the
+//!   `wildcard_domain` whose level holds the qualified entries, so adding it
+//!   does not narrow that level's other names) with its method and normal
+//!   path: `{"domain": .., "http": {"methods": ["POST"], "paths": ["/v1/x"]}}`.
+//! - At least [`WILDCARD_SIBLINGS`] distinct names under one registrable
+//!   domain (Public Suffix List, the `psl` crate) are listed as one
+//!   `*.<registrable domain>`: never a wildcard over a public suffix
+//!   (`*.co.uk`, `*.github.io`), since a registrable domain is one label
+//!   more than its suffix.
+//! - At least [`AGGREGATE_ADDRESSES`] addresses in one `/24` (IPv4) or `/48`
+//!   (IPv6) are listed as that network, unless it overlaps a platform deny;
+//!   fewer stay single `ip` entries.
+//!
+//! Bounds: [`MAX_SEEN`] entries per sandbox (the least recently seen is
+//! evicted), [`MAX_EXAMPLES`] examples per entry (the most recent).
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::time::SystemTime;
+
+use ipnet::IpNet;
+
+use crate::dest::canonical_ip;
+use crate::{Destination, Hostname, PlatformDenies, Rule, WildcardDomain};
+
+/// Entries kept per sandbox: a sandbox scanning addresses or names cannot
+/// grow the gateway's memory past this.
+pub const MAX_SEEN: usize = 256;
+/// Examples kept per proposal.
+pub const MAX_EXAMPLES: usize = 3;
+/// Distinct names under one registrable domain before they are proposed as
+/// one wildcard: two could be chance, three are a pattern (CDN shards,
+/// regional endpoints).
+pub const WILDCARD_SIBLINGS: usize = 3;
+/// Distinct addresses in one `/24` or `/48` before they are proposed as it.
+pub const AGGREGATE_ADDRESSES: usize = 3;
+/// The deny reasons an allow entry would have prevented.
+pub const PROPOSED_REASONS: &[&str] = &[
+    "no_allow_match",
+    "no_dns_seen",
+    "expired",
+    "evicted",
+    "http_not_allowed",
+];
+
+/// One denied flow or refused request, as the gateway saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Denial {
+    pub at: SystemTime,
+    pub dst: SocketAddr,
+    pub sni: Option<Hostname>,
+    pub host: Option<Hostname>,
+    pub attributed: Vec<Hostname>,
+    /// The reason code (docs/reason-codes.md).
+    pub reason: &'static str,
+    /// Set for a refused request.
+    pub request: Option<DeniedRequest>,
+}
+
+/// The request part of a [`Denial`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeniedRequest {
+    pub method: String,
+    /// The normal path (query dropped).
+    pub path: String,
+    /// For `http_not_allowed`: the destination of the allow entry that
+    /// decided (its level's first qualified entry).
+    pub level: Option<Destination>,
+}
+
+/// One proposed allow entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Proposal {
+    /// `p-` and a hash of the rule's JSON: the same rule has the same id.
+    pub id: String,
+    pub rule: Rule,
+    pub reasons: Vec<&'static str>,
+    pub count: u64,
+    pub first_seen: SystemTime,
+    pub last_seen: SystemTime,
+    /// Up to [`MAX_EXAMPLES`], oldest first.
+    pub examples: Vec<Denial>,
+}
+
+/// One sandbox's denials, merged by what each would propose.
+#[derive(Clone, Debug, Default)]
+pub struct Proposals {
+    seen: HashMap<Key, Seen>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Key {
+    Name(Hostname),
+    Addr(IpAddr),
+    Request(Rule),
+}
+
+#[derive(Clone, Debug)]
+struct Seen {
+    reasons: BTreeSet<&'static str>,
+    count: u64,
+    first: SystemTime,
+    last: SystemTime,
+    examples: Vec<Denial>,
+}
+
+// === impl Proposals ===
+
+impl Proposals {
+    /// Records one denial; `false` when it proposes nothing.
+    pub fn record(&mut self, denial: Denial) -> bool {
+        let Some(key) = key_of(&denial) else {
+            return false;
+        };
+        if !self.seen.contains_key(&key) && self.seen.len() >= MAX_SEEN {
+            self.evict();
+        }
+        let at = denial.at;
+        self.seen
+            .entry(key)
+            .or_insert_with(|| Seen::new(at))
+            .add(denial);
+        true
+    }
+
+    /// Entries held (before wildcards and networks merge them).
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
+    }
+
+    /// The proposals, most recently seen first; `platform` keeps an
+    /// aggregated network off any address the operator denies.
+    pub fn list(&self, platform: &PlatformDenies) -> Vec<Proposal> {
+        let mut names: BTreeMap<&Hostname, &Seen> = BTreeMap::new();
+        let mut addrs: BTreeMap<IpAddr, &Seen> = BTreeMap::new();
+        let mut out = Vec::new();
+        for (key, seen) in &self.seen {
+            match key {
+                Key::Name(n) => {
+                    names.insert(n, seen);
+                }
+                Key::Addr(ip) => {
+                    addrs.insert(*ip, seen);
+                }
+                Key::Request(rule) => out.push(seen.proposal(rule.clone())),
+            }
+        }
+        out.extend(wildcards(names));
+        out.extend(networks(addrs, platform));
+        out.sort_by(|a, b| b.last_seen.cmp(&a.last_seen).then(a.id.cmp(&b.id)));
+        out
+    }
+
+    /// Drops the least recently seen entry.
+    fn evict(&mut self) {
+        let oldest = self
+            .seen
+            .iter()
+            .min_by_key(|(_, s)| s.last)
+            .map(|(k, _)| k.clone());
+        if let Some(k) = oldest {
+            self.seen.remove(&k);
+        }
+    }
+}
+
+/// What `d` would propose, if anything.
+fn key_of(d: &Denial) -> Option<Key> {
+    if !PROPOSED_REASONS.contains(&d.reason) {
+        return None;
+    }
+    let name = match &d.request {
+        Some(_) => d.host.as_ref().or(d.sni.as_ref()),
+        None => d.sni.as_ref().or(d.host.as_ref()),
+    }
+    .or(d.attributed.first());
+    match (&d.request, name) {
+        (Some(r), Some(name)) if d.reason == "http_not_allowed" => {
+            let dest = r
+                .level
+                .clone()
+                .unwrap_or_else(|| Destination::Domain(name.clone()));
+            qualified(dest, &r.method, &r.path).map(Key::Request)
+        }
+        (Some(_), None) if d.reason == "http_not_allowed" => None,
+        (_, Some(name)) => Some(Key::Name(name.clone())),
+        (_, None) => Some(Key::Addr(canonical_ip(d.dst.ip()))),
+    }
+}
+
+/// `dest` qualified by one method and path, as the schema writes it; a path
+/// no pattern can name (a `*` inside a segment) falls back to the method.
+fn qualified(dest: Destination, method: &str, path: &str) -> Option<Rule> {
+    let key = dest.kind().as_str();
+    let value = dest.value();
+    let with_path = serde_json::json!({key: value, "http": {"methods": [method], "paths": [path]}});
+    let method_only = serde_json::json!({key: value, "http": {"methods": [method]}});
+    serde_json::from_value(with_path)
+        .or_else(|_| serde_json::from_value(method_only))
+        .ok()
+}
+
+/// Names, with [`WILDCARD_SIBLINGS`] or more under one registrable domain
+/// merged into `*.<registrable>`.
+fn wildcards(names: BTreeMap<&Hostname, &Seen>) -> Vec<Proposal> {
+    let mut groups: BTreeMap<&str, Vec<(&Hostname, &Seen)>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (name, seen) in names {
+        match psl::domain_str(name.as_str()) {
+            // The apex is not a sibling: a wildcard never covers it.
+            Some(reg) if reg != name.as_str() => groups.entry(reg).or_default().push((name, seen)),
+            _ => out.push(seen.proposal(Destination::Domain(name.clone()).into())),
+        }
+    }
+    for (reg, members) in groups {
+        let wildcard = WildcardDomain::parse(&format!("*.{reg}")).ok();
+        match wildcard {
+            Some(w) if members.len() >= WILDCARD_SIBLINGS => {
+                let merged = Seen::merged(members.iter().map(|(_, s)| *s));
+                out.push(merged.proposal(Destination::WildcardDomain(w).into()));
+            }
+            _ => out.extend(
+                members
+                    .into_iter()
+                    .map(|(n, s)| s.proposal(Destination::Domain(n.clone()).into())),
+            ),
+        }
+    }
+    out
+}
+
+/// Addresses, with [`AGGREGATE_ADDRESSES`] or more in one `/24` or `/48`
+/// (that no platform deny overlaps) merged into it.
+fn networks(addrs: BTreeMap<IpAddr, &Seen>, platform: &PlatformDenies) -> Vec<Proposal> {
+    let mut groups: BTreeMap<IpNet, Vec<(IpAddr, &Seen)>> = BTreeMap::new();
+    for (ip, seen) in addrs {
+        groups.entry(covering(ip)).or_default().push((ip, seen));
+    }
+    let mut out = Vec::new();
+    for (net, members) in groups {
+        if members.len() >= AGGREGATE_ADDRESSES && !overlaps_platform(net, platform) {
+            let merged = Seen::merged(members.iter().map(|(_, s)| *s));
+            out.push(merged.proposal(Destination::Cidr(net).into()));
+        } else {
+            out.extend(
+                members
+                    .into_iter()
+                    .map(|(ip, s)| s.proposal(Destination::Ip(ip).into())),
+            );
+        }
+    }
+    out
+}
+
+/// The `/24` (IPv4) or `/48` (IPv6) holding `ip`.
+fn covering(ip: IpAddr) -> IpNet {
+    let prefix = if ip.is_ipv4() { 24 } else { 48 };
+    // The prefix is within both families' lengths.
+    IpNet::new(ip, prefix).map_or(IpNet::from(ip), |n| n.trunc())
+}
+
+fn overlaps_platform(net: IpNet, platform: &PlatformDenies) -> bool {
+    platform.list().iter().any(|d| match d {
+        Destination::Ip(ip) => net.contains(ip),
+        Destination::Cidr(c) => net.contains(&c.network()) || c.contains(&net.network()),
+        Destination::Domain(_) | Destination::WildcardDomain(_) => false,
+    })
+}
+
+/// `p-` and the FNV-1a hash of the rule's JSON, in hex: stable across
+/// restarts and gateways, so the controller can name a proposal it listed.
+fn id_of(rule: &Rule) -> String {
+    let text = serde_json::to_string(rule).unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("p-{h:016x}")
+}
+
+// === impl Seen ===
+
+impl Seen {
+    fn new(at: SystemTime) -> Self {
+        Self {
+            reasons: BTreeSet::new(),
+            count: 0,
+            first: at,
+            last: at,
+            examples: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, d: Denial) {
+        self.reasons.insert(d.reason);
+        self.count += 1;
+        self.first = self.first.min(d.at);
+        self.last = self.last.max(d.at);
+        self.examples.push(d);
+        self.trim();
+    }
+
+    /// Keeps the [`MAX_EXAMPLES`] most recent examples, oldest first.
+    fn trim(&mut self) {
+        self.examples.sort_by_key(|e| e.at);
+        let extra = self.examples.len().saturating_sub(MAX_EXAMPLES);
+        self.examples.drain(..extra);
+    }
+
+    fn merged<'a>(all: impl Iterator<Item = &'a Self>) -> Self {
+        let mut out: Option<Self> = None;
+        for s in all {
+            let m = out.get_or_insert_with(|| Self::new(s.first));
+            m.reasons.extend(s.reasons.iter().copied());
+            m.count += s.count;
+            m.first = m.first.min(s.first);
+            m.last = m.last.max(s.last);
+            m.examples.extend(s.examples.iter().cloned());
+            m.trim();
+        }
+        out.unwrap_or_else(|| Self::new(SystemTime::UNIX_EPOCH))
+    }
+
+    fn proposal(&self, rule: Rule) -> Proposal {
+        Proposal {
+            id: id_of(&rule),
+            rule,
+            reasons: self.reasons.iter().copied().collect(),
+            count: self.count,
+            first_seen: self.first,
+            last_seen: self.last,
+            examples: self.examples.clone(),
+        }
+    }
+}

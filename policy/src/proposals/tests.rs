@@ -1,0 +1,312 @@
+use std::time::{Duration, SystemTime};
+
+use super::*;
+
+fn at(s: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + s)
+}
+
+fn name(s: &str) -> Hostname {
+    Hostname::parse(s).expect(s)
+}
+
+fn flow(dst: &str, sni: Option<&str>, reason: &'static str, t: u64) -> Denial {
+    Denial {
+        at: at(t),
+        dst: dst.parse().expect(dst),
+        sni: sni.map(name),
+        host: None,
+        attributed: Vec::new(),
+        reason,
+        request: None,
+    }
+}
+
+fn rules(p: &Proposals) -> Vec<String> {
+    let mut v: Vec<String> = p
+        .list(&PlatformDenies::builtin())
+        .iter()
+        .map(|p| serde_json::to_string(&p.rule).expect("json"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_denied_name_is_proposed_with_counts_and_examples() {
+    let mut p = Proposals::default();
+    for t in 0..5 {
+        assert!(p.record(flow(
+            "198.51.100.7:443",
+            Some("api.x.test"),
+            "no_allow_match",
+            t
+        )));
+    }
+    let list = p.list(&PlatformDenies::builtin());
+    assert_eq!(list.len(), 1);
+    let one = &list[0];
+    assert_eq!(
+        serde_json::to_string(&one.rule).expect("json"),
+        r#"{"domain":"api.x.test"}"#
+    );
+    assert_eq!(one.count, 5);
+    assert_eq!((one.first_seen, one.last_seen), (at(0), at(4)));
+    assert_eq!(one.examples.len(), MAX_EXAMPLES);
+    assert_eq!(one.examples[0].at, at(2), "the most recent, oldest first");
+    assert_eq!(one.reasons, ["no_allow_match"]);
+    assert!(one.id.starts_with("p-"));
+}
+
+#[test]
+fn the_id_is_derived_from_the_rule() {
+    let mut a = Proposals::default();
+    let mut b = Proposals::default();
+    a.record(flow(
+        "198.51.100.7:443",
+        Some("api.x.test"),
+        "no_allow_match",
+        0,
+    ));
+    b.record(flow("203.0.113.9:80", Some("api.x.test"), "no_dns_seen", 9));
+    let platform = PlatformDenies::builtin();
+    assert_eq!(a.list(&platform)[0].id, b.list(&platform)[0].id);
+    b.record(flow("203.0.113.9:80", Some("web.x.test"), "no_dns_seen", 9));
+    let ids: BTreeSet<String> = b.list(&platform).into_iter().map(|p| p.id).collect();
+    assert_eq!(ids.len(), 2);
+}
+
+#[test]
+fn evidence_names_sni_then_host_then_attribution() {
+    let mut d = flow("198.51.100.7:443", None, "no_allow_match", 0);
+    d.attributed = vec![name("cdn.x.test"), name("other.x.test")];
+    assert_eq!(key_of(&d), Some(Key::Name(name("cdn.x.test"))));
+    d.host = Some(name("host.x.test"));
+    assert_eq!(key_of(&d), Some(Key::Name(name("host.x.test"))));
+    d.sni = Some(name("sni.x.test"));
+    assert_eq!(key_of(&d), Some(Key::Name(name("sni.x.test"))));
+}
+
+#[test]
+fn platform_denies_and_reasons_an_allow_does_not_fix_are_never_proposed() {
+    let never = [
+        "platform_deny",
+        "tenant_deny",
+        "http_deny",
+        "misdirected",
+        "sni_mismatch",
+        "ambiguous_path",
+        "needs_interception",
+        "unreadable_stream",
+        "encrypted_dns",
+        "credential_required",
+        "malformed_client_hello",
+        "unknown_sandbox",
+    ];
+    let mut p = Proposals::default();
+    for reason in never {
+        assert!(
+            !p.record(flow("169.254.169.254:80", None, reason, 0)),
+            "{reason}"
+        );
+        assert!(
+            !p.record(flow("198.51.100.7:443", Some("a.x.test"), reason, 0)),
+            "{reason}"
+        );
+    }
+    assert!(p.is_empty());
+    for reason in PROPOSED_REASONS
+        .iter()
+        .filter(|r| **r != "http_not_allowed")
+    {
+        assert!(
+            p.record(flow("198.51.100.7:443", None, reason, 0)),
+            "{reason}"
+        );
+    }
+}
+
+#[test]
+fn siblings_become_a_wildcard_only_at_the_threshold() {
+    let mut p = Proposals::default();
+    for (i, n) in ["a.cdn.x.test", "b.x.test"].iter().enumerate() {
+        p.record(flow(
+            "198.51.100.7:443",
+            Some(n),
+            "no_allow_match",
+            i as u64,
+        ));
+    }
+    assert_eq!(
+        rules(&p),
+        [r#"{"domain":"a.cdn.x.test"}"#, r#"{"domain":"b.x.test"}"#]
+    );
+    // The apex is not a sibling, and stays a name of its own.
+    p.record(flow(
+        "198.51.100.7:443",
+        Some("x.test"),
+        "no_allow_match",
+        3,
+    ));
+    assert_eq!(rules(&p).len(), 3);
+    p.record(flow("198.51.100.8:443", Some("c.x.test"), "no_dns_seen", 4));
+    assert_eq!(
+        rules(&p),
+        [
+            r#"{"domain":"x.test"}"#,
+            r#"{"wildcard_domain":"*.x.test"}"#
+        ]
+    );
+    let list = p.list(&PlatformDenies::builtin());
+    let w = list
+        .iter()
+        .find(|p| p.rule.dest.kind() == crate::Kind::WildcardDomain)
+        .expect("wildcard");
+    assert_eq!(w.count, 3);
+    assert_eq!(w.reasons, ["no_allow_match", "no_dns_seen"]);
+    assert_eq!((w.first_seen, w.last_seen), (at(0), at(4)));
+}
+
+#[test]
+fn never_a_wildcard_over_a_public_suffix() {
+    let mut p = Proposals::default();
+    for n in [
+        "a.co.uk",
+        "b.co.uk",
+        "c.co.uk",
+        "a.github.io",
+        "b.github.io",
+        "c.github.io",
+    ] {
+        p.record(flow("198.51.100.7:443", Some(n), "no_allow_match", 0));
+    }
+    let got = rules(&p);
+    assert_eq!(got.len(), 6, "{got:?}");
+    assert!(got.iter().all(|r| r.starts_with(r#"{"domain""#)), "{got:?}");
+    // Under one registrable domain of a private suffix, siblings do merge.
+    for n in ["x.a.github.io", "y.a.github.io", "z.a.github.io"] {
+        p.record(flow("198.51.100.7:443", Some(n), "no_allow_match", 0));
+    }
+    assert!(rules(&p).contains(&r#"{"wildcard_domain":"*.a.github.io"}"#.to_owned()));
+}
+
+#[test]
+fn addresses_aggregate_to_their_network_only_at_the_threshold() {
+    let mut p = Proposals::default();
+    p.record(flow("198.51.100.7:443", None, "no_allow_match", 0));
+    p.record(flow("198.51.100.8:22", None, "no_allow_match", 1));
+    p.record(flow("203.0.113.1:443", None, "no_allow_match", 2));
+    p.record(flow("[2001:db8:1:2::1]:443", None, "no_allow_match", 2));
+    assert_eq!(
+        rules(&p),
+        [
+            r#"{"ip":"198.51.100.7"}"#,
+            r#"{"ip":"198.51.100.8"}"#,
+            r#"{"ip":"2001:db8:1:2::1"}"#,
+            r#"{"ip":"203.0.113.1"}"#,
+        ]
+    );
+    p.record(flow("198.51.100.200:443", None, "no_allow_match", 3));
+    p.record(flow("[2001:db8:1:3::1]:443", None, "no_allow_match", 2));
+    p.record(flow("[2001:db8:1:ff::9]:443", None, "no_allow_match", 2));
+    assert_eq!(
+        rules(&p),
+        [
+            r#"{"cidr":"198.51.100.0/24"}"#,
+            r#"{"cidr":"2001:db8:1::/48"}"#,
+            r#"{"ip":"203.0.113.1"}"#,
+        ]
+    );
+    // A mapped address is its IPv4 address.
+    p.record(flow("[::ffff:203.0.113.1]:443", None, "no_allow_match", 4));
+    assert_eq!(rules(&p).len(), 3);
+}
+
+#[test]
+fn a_network_over_a_platform_deny_is_not_proposed() {
+    let platform = PlatformDenies::new(vec![Destination::Ip("198.51.100.1".parse().expect("ip"))]);
+    let mut p = Proposals::default();
+    for a in ["198.51.100.7:1", "198.51.100.8:1", "198.51.100.9:1"] {
+        p.record(flow(a, None, "no_allow_match", 0));
+    }
+    let list = p.list(&platform);
+    assert_eq!(list.len(), 3);
+    assert!(list.iter().all(|p| p.rule.dest.kind() == crate::Kind::Ip));
+}
+
+fn request(host: &str, method: &str, path: &str, level: Option<Destination>) -> Denial {
+    Denial {
+        host: Some(name(host)),
+        request: Some(DeniedRequest {
+            method: method.into(),
+            path: path.into(),
+            level,
+        }),
+        ..flow("198.51.100.7:443", Some(host), "http_not_allowed", 0)
+    }
+}
+
+#[test]
+fn a_refused_request_proposes_its_method_and_path_at_the_deciding_level() {
+    let mut p = Proposals::default();
+    p.record(request("api.x.test", "POST", "/v1/x", None));
+    p.record(request("api.x.test", "POST", "/v1/x", None));
+    let level = Destination::WildcardDomain(WildcardDomain::parse("*.y.test").expect("w"));
+    p.record(request("a.y.test", "DELETE", "/r/1", Some(level)));
+    // A path no pattern can name keeps the method.
+    p.record(request("api.x.test", "PUT", "/a*b", None));
+    assert_eq!(
+        rules(&p),
+        [
+            r#"{"domain":"api.x.test","http":{"methods":["POST"],"paths":["/v1/x"]}}"#,
+            r#"{"domain":"api.x.test","http":{"methods":["PUT"]}}"#,
+            r#"{"wildcard_domain":"*.y.test","http":{"methods":["DELETE"],"paths":["/r/1"]}}"#,
+        ]
+    );
+    let list = p.list(&PlatformDenies::builtin());
+    let post = list.iter().find(|p| p.rule.http.is_some() && p.count == 2);
+    assert!(post.is_some());
+    // A request denied by its flow reason proposes the name, unqualified.
+    let mut d = request("other.x.test", "GET", "/", None);
+    d.reason = "no_allow_match";
+    assert_eq!(key_of(&d), Some(Key::Name(name("other.x.test"))));
+    // Requests are never merged into wildcards.
+    for h in ["a.z.test", "b.z.test", "c.z.test"] {
+        p.record(request(h, "POST", "/", None));
+    }
+    assert!(!rules(&p).iter().any(|r| r.contains("*.z.test")));
+}
+
+#[test]
+fn entries_are_bounded_least_recently_seen_first_out() {
+    let mut p = Proposals::default();
+    for i in 0..MAX_SEEN as u64 {
+        let host = format!("h{i}.n{i}.test");
+        p.record(flow("198.51.100.7:443", Some(&host), "no_allow_match", i));
+    }
+    // Seen again: now the most recent.
+    p.record(flow(
+        "198.51.100.7:443",
+        Some("h0.n0.test"),
+        "no_allow_match",
+        10_000,
+    ));
+    p.record(flow(
+        "198.51.100.7:443",
+        Some("new.test"),
+        "no_allow_match",
+        10_001,
+    ));
+    assert_eq!(p.len(), MAX_SEEN);
+    let names: BTreeSet<String> = p
+        .list(&PlatformDenies::builtin())
+        .iter()
+        .map(|p| p.rule.dest.value())
+        .collect();
+    assert!(names.contains("h0.n0.test"));
+    assert!(names.contains("new.test"));
+    assert!(
+        !names.contains("h1.n1.test"),
+        "the least recently seen went"
+    );
+}
