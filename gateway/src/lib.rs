@@ -3,6 +3,7 @@
 //! a thin shell over [`Gateway`], so integration tests drive the very code it runs.
 
 mod admin;
+mod budget;
 pub mod authority;
 mod ca_reload;
 pub mod cli;

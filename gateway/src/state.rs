@@ -39,6 +39,8 @@ pub struct Dataplane {
     pub(crate) resolver: Option<Arc<dns_attrib::DnsProxy>>,
     /// The operator's upstream proxies (`upstream_proxy`, fixed at start).
     pub(crate) proxies: crate::upstream_proxy::UpstreamProxies,
+    /// Request and byte budgets spent ([`crate::budget`]).
+    pub(crate) budgets: crate::budget::BudgetTable,
 }
 
 impl Dataplane {
@@ -53,7 +55,13 @@ impl Dataplane {
         let doh_names = crate::doh::DohNames::new(&config.dns.doh_names);
         let proxies = crate::upstream_proxy::UpstreamProxies::new(&config.upstream_proxy);
         metrics.upstream_proxies(proxies.names().map(|n| n.as_str()));
+        let budgets = crate::budget::BudgetTable::new(
+            config.limits.max_budget_states,
+            metrics.budget_states.clone(),
+            metrics.budget_states_full.clone(),
+        );
         Self {
+            budgets,
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
             cache,
