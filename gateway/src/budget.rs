@@ -30,7 +30,10 @@ use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use dns_attrib::Millis;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use dns_attrib::{AttributionCache, Millis};
 use egress_policy::{Budget, SandboxId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -91,6 +94,71 @@ struct Limit {
     period: u64,
 }
 
+/// A running spliced or opaque flow's byte budget: every chunk is charged
+/// before it is written, and the first that does not fit cuts the flow.
+pub(crate) struct Meter {
+    table: Arc<BudgetTable>,
+    /// The clock the attribution cache runs on (tests move it).
+    clock: Arc<AttributionCache>,
+    sandbox: SandboxId,
+    rule: u32,
+    budget: Budget,
+    crossed: AtomicBool,
+    cut: tokio::sync::Notify,
+}
+
+// === impl Meter ===
+
+impl Meter {
+    pub(crate) fn new(
+        (table, clock): (Arc<BudgetTable>, Arc<AttributionCache>),
+        (sandbox, rule): (SandboxId, u32),
+        budget: Budget,
+    ) -> Self {
+        Self {
+            table,
+            clock,
+            sandbox,
+            rule,
+            budget,
+            crossed: AtomicBool::new(false),
+            cut: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Charges `n` bytes about to move; `false`: they do not fit, and the
+    /// flow is to be cut ([`Meter::cut`] wakes).
+    pub(crate) fn spend(&self, n: usize) -> bool {
+        let key = (&self.sandbox, self.rule);
+        let now = self.clock.now();
+        let ok = self.table.bytes(key, &self.budget, n as u64, now).is_ok();
+        if !ok && !self.crossed.swap(true, Ordering::Relaxed) {
+            self.cut.notify_one();
+        }
+        ok
+    }
+
+    /// Whether the flow crossed its budget.
+    pub(crate) fn crossed(&self) -> bool {
+        self.crossed.load(Ordering::Relaxed)
+    }
+
+    /// Resolves when the flow crossed its budget.
+    pub(crate) async fn cut(&self) {
+        self.cut.notified().await;
+    }
+
+    /// The entry's index and the readable reason, for the flow log.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "budgets[{}] ({}): {}",
+            self.rule,
+            self.budget.destination,
+            describe(Over::Bytes, &self.budget)
+        )
+    }
+}
+
 // === impl Over ===
 
 impl Over {
@@ -100,6 +168,18 @@ impl Over {
             Self::Bytes => "bytes",
             Self::NoState => "state",
         }
+    }
+}
+
+/// The readable reason of a refusal or cut, for the flow log and the answer.
+pub(crate) fn describe(over: Over, budget: &Budget) -> String {
+    match (over, budget.requests_per_minute, budget.bytes_per_hour) {
+        (Over::Requests, Some(n), _) => format!("over {n} requests a minute"),
+        (Over::Bytes, _, Some(n)) => format!("over {n} bytes an hour"),
+        (Over::NoState, ..) => {
+            "no room for a budget state (limits.max_budget_states): refused".to_owned()
+        }
+        _ => "over budget".to_owned(),
     }
 }
 
@@ -208,6 +288,7 @@ impl BudgetTable {
     }
 
     /// States held now.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.shards.iter().map(|s| lock(s).len()).sum()
     }

@@ -40,7 +40,7 @@ pub struct Dataplane {
     /// The operator's upstream proxies (`upstream_proxy`, fixed at start).
     pub(crate) proxies: crate::upstream_proxy::UpstreamProxies,
     /// Request and byte budgets spent ([`crate::budget`]).
-    pub(crate) budgets: crate::budget::BudgetTable,
+    pub(crate) budgets: Arc<crate::budget::BudgetTable>,
 }
 
 impl Dataplane {
@@ -55,11 +55,11 @@ impl Dataplane {
         let doh_names = crate::doh::DohNames::new(&config.dns.doh_names);
         let proxies = crate::upstream_proxy::UpstreamProxies::new(&config.upstream_proxy);
         metrics.upstream_proxies(proxies.names().map(|n| n.as_str()));
-        let budgets = crate::budget::BudgetTable::new(
+        let budgets = Arc::new(crate::budget::BudgetTable::new(
             config.limits.max_budget_states,
             metrics.budget_states.clone(),
             metrics.budget_states_full.clone(),
-        );
+        ));
         Self {
             budgets,
             config: arc_swap::ArcSwap::from_pointee(config),

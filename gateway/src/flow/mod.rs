@@ -7,6 +7,7 @@
 //! flow denied (fail closed). The flow's log line is built from the stage
 //! values as they arrive ([`Record`]), and written once when the flow ends.
 
+mod budget;
 mod classify;
 mod identify;
 mod record;
@@ -72,9 +73,17 @@ pub(crate) async fn handle(
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
+            let names = (&decided.lookup, claims.sni);
+            let meter = match budget::admit(&dp, &accepted.sandbox, names, peeked.len()) {
+                Ok(meter) => meter,
+                Err(detail) => {
+                    crate::io::reset(&stream);
+                    return rec.budget_refused(detail);
+                }
+            };
             let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
             let to = (accepted.dst, &route);
-            let moved = crate::splice::splice_to(&dp, stream, to, &peeked, &config).await;
+            let moved = crate::splice::splice_to(&dp, stream, to, &peeked, &config, meter).await;
             rec.spliced(moved);
         }
     }
