@@ -122,7 +122,13 @@ pub(crate) async fn http_flow(
         }
         None => {
             let target = (sandbox, dst, None);
-            let conn = Conn::new((dp.clone(), up.clone()), target, None, false, counts.clone());
+            let conn = Conn::new(
+                (dp.clone(), up.clone()),
+                target,
+                None,
+                false,
+                counts.clone(),
+            );
             serve(conn, client, &counts).await
         }
     };
@@ -168,7 +174,13 @@ where
             return failed("tls_handshake: timed out".into());
         }
     };
-    let conn = Conn::new((dp.clone(), up.clone()), target, sni, true, activity.clone());
+    let conn = Conn::new(
+        (dp.clone(), up.clone()),
+        target,
+        sni,
+        true,
+        activity.clone(),
+    );
     serve(conn, tls, &activity).await
 }
 
@@ -569,7 +581,7 @@ impl Conn {
             budget.destination,
             crate::budget::describe(over, budget)
         );
-        self.note_denied("budget_exceeded", || detail.clone());
+        self.note_denied("budget_exceeded", || format!("budget_exceeded {detail}"));
         Err(Denial {
             status: StatusCode::TOO_MANY_REQUESTS,
             code: "budget_exceeded",

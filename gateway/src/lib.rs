@@ -3,8 +3,8 @@
 //! a thin shell over [`Gateway`], so integration tests drive the very code it runs.
 
 mod admin;
-mod budget;
 pub mod authority;
+mod budget;
 mod ca_reload;
 pub mod cli;
 mod commit;

@@ -324,7 +324,13 @@ pub(crate) mod tests {
     async fn copies_both_ways(pipes: Option<Pipes>) {
         let (mut client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5), pipes, None));
+        let task = tokio::spawn(splice(
+            gw_client,
+            gw_origin,
+            Duration::from_secs(5),
+            pipes,
+            None,
+        ));
         hello_then_half_close(&mut client, &mut origin).await;
         origin.write_all(&vec![7u8; 100_000]).await.expect("write");
         origin.shutdown().await.expect("close");
@@ -354,7 +360,13 @@ pub(crate) mod tests {
     async fn reset_is_counted(pipes: Option<Pipes>) {
         let (client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5), pipes, None));
+        let task = tokio::spawn(splice(
+            gw_client,
+            gw_origin,
+            Duration::from_secs(5),
+            pipes,
+            None,
+        ));
         origin.write_all(b"hello").await.expect("write");
         // The client goes away with a reset (SO_LINGER 0), not a FIN.
         socket2::SockRef::from(&client)

@@ -29,9 +29,15 @@ fn a_minute_of_requests_is_the_burst_and_refills_continuously() {
     }
     assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Err(Over::Requests));
     // One request every 20 s at 3 a minute.
-    assert_eq!(t.request((&a, 0), &b, 0, Millis(19_999)), Err(Over::Requests));
+    assert_eq!(
+        t.request((&a, 0), &b, 0, Millis(19_999)),
+        Err(Over::Requests)
+    );
     assert_eq!(t.request((&a, 0), &b, 0, Millis(20_000)), Ok(()));
-    assert_eq!(t.request((&a, 0), &b, 0, Millis(20_000)), Err(Over::Requests));
+    assert_eq!(
+        t.request((&a, 0), &b, 0, Millis(20_000)),
+        Err(Over::Requests)
+    );
     // Never more than the burst, however long the pause.
     let later = Millis(10 * HOUR_MS);
     for _ in 0..3 {
@@ -64,7 +70,10 @@ fn a_crossing_flow_is_cut_and_drains_the_budget() {
         moved += 16 * 1024;
     }
     assert!(moved <= 100 * 1024, "never more than the budget: {moved}");
-    assert!(moved > 100 * 1024 - 16 * 1024, "a chunk short at most: {moved}");
+    assert!(
+        moved > 100 * 1024 - 16 * 1024,
+        "a chunk short at most: {moved}"
+    );
     // Drained: not even a small chunk, and no new flow.
     assert_eq!(t.bytes(key, &b, 1, Millis(0)), Err(Over::Bytes));
     assert_eq!(t.connect(key, &b, 0, Millis(0)), Err(Over::Bytes));
@@ -133,8 +142,14 @@ fn a_forgotten_state_grants_nothing_it_had_not_refilled() {
 fn a_lowered_limit_caps_what_was_left() {
     let t = table(64);
     let a = id("sb-a");
-    assert_eq!(t.request((&a, 0), &budget(Some(100), None), 0, Millis(0)), Ok(()));
+    assert_eq!(
+        t.request((&a, 0), &budget(Some(100), None), 0, Millis(0)),
+        Ok(())
+    );
     let lower = budget(Some(1), None);
     assert_eq!(t.request((&a, 0), &lower, 0, Millis(0)), Ok(()));
-    assert_eq!(t.request((&a, 0), &lower, 0, Millis(0)), Err(Over::Requests));
+    assert_eq!(
+        t.request((&a, 0), &lower, 0, Millis(0)),
+        Err(Over::Requests)
+    );
 }

@@ -31,7 +31,10 @@ pub(super) fn admit(
         return Ok(None);
     };
     let key = (&sandbox.id, rule);
-    if let Err(over) = dp.budgets.connect(key, budget, peeked as u64, dp.cache.now()) {
+    if let Err(over) = dp
+        .budgets
+        .connect(key, budget, peeked as u64, dp.cache.now())
+    {
         dp.metrics.budget_exceeded(over);
         let why = describe(over, budget);
         return Err(format!("budgets[{rule}] ({}): {why}", budget.destination));
