@@ -240,7 +240,6 @@ where
             text
         }
     });
-    conn.charge_rest();
     let refused = conn.refused.lock().map(|r| r.clone()).unwrap_or_default();
     if error.is_none() && refused.is_some() {
         conn.dp.metrics.fault(Fault::BAD_REQUEST);
@@ -311,8 +310,10 @@ impl Conn {
         })
     }
 
-    /// What the flow reports when its connection ends.
+    /// What the flow reports when its connection ends (its last bytes
+    /// charged to its budget).
     fn served(&self, error: Option<String>) -> Served {
+        self.charge_rest();
         Served {
             requests: self.requests.load(Ordering::Relaxed),
             host: self.host.lock().map(|h| h.clone()).unwrap_or_default(),

@@ -75,12 +75,18 @@ pub(crate) struct Metrics {
     pub(crate) ca_reloads: Family<ResultLabels, Counter>,
     /// Tunnels asked of the operator's upstream proxies, by proxy and result.
     proxy_connects: Family<ProxyLabels, Counter>,
+    pub(crate) budgets: BudgetMetrics,
+}
+
+/// The policy budgets' instruments.
+#[derive(Default)]
+pub(crate) struct BudgetMetrics {
     /// Flows and requests refused or cut over a budget, by kind.
-    pub(crate) budget_exceeded: Family<KindLabels, Counter>,
+    exceeded: Family<KindLabels, Counter>,
     /// Budget states held (sandbox × `budgets` entry).
-    pub(crate) budget_states: Gauge,
+    pub(crate) states: Gauge,
     /// Budget states refused for want of room (`limits.max_budget_states`).
-    pub(crate) budget_states_full: Counter,
+    pub(crate) states_full: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -170,9 +176,7 @@ impl Metrics {
             accepted: Family::default(),
             ca_reloads: Family::default(),
             proxy_connects: Family::default(),
-            budget_exceeded: Family::default(),
-            budget_states: Gauge::default(),
-            budget_states_full: Counter::default(),
+            budgets: BudgetMetrics::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -279,26 +283,27 @@ impl Metrics {
         r.register(
             "budget_exceeded",
             "Requests refused (429) and spliced or opaque flows refused or cut over a policy budget, by kind: requests, bytes, or state (no room for a budget state: limits.max_budget_states)",
-            self.budget_exceeded.clone(),
+            self.budgets.exceeded.clone(),
         );
         r.register(
             "budget_states",
             "Budget states held (one per sandbox and budgets entry in use; at most limits.max_budget_states)",
-            self.budget_states.clone(),
+            self.budgets.states.clone(),
         );
         r.register(
             "budget_states_full",
             "Budget states refused because limits.max_budget_states were held and none had refilled (the flow or request was refused)",
-            self.budget_states_full.clone(),
+            self.budgets.states_full.clone(),
         );
         for kind in ["requests", "bytes", "state"] {
-            let _ = self.budget_exceeded.get_or_create(&KindLabels { kind });
+            let _ = self.budgets.exceeded.get_or_create(&KindLabels { kind });
         }
     }
 
     /// Counts one budget refusal or cut.
     pub(crate) fn budget_exceeded(&self, over: crate::budget::Over) {
-        self.budget_exceeded
+        self.budgets
+            .exceeded
             .get_or_create(&KindLabels { kind: over.kind() })
             .inc();
     }

@@ -57,8 +57,8 @@ impl Dataplane {
         metrics.upstream_proxies(proxies.names().map(|n| n.as_str()));
         let budgets = Arc::new(crate::budget::BudgetTable::new(
             config.limits.max_budget_states,
-            metrics.budget_states.clone(),
-            metrics.budget_states_full.clone(),
+            metrics.budgets.states.clone(),
+            metrics.budgets.states_full.clone(),
         ));
         Self {
             budgets,

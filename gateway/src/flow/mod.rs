@@ -74,19 +74,33 @@ pub(crate) async fn handle(
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
             let names = (&decided.lookup, claims.sni);
-            let meter = match budget::admit(&dp, &accepted.sandbox, names, peeked.len()) {
-                Ok(meter) => meter,
-                Err(detail) => {
-                    crate::io::reset(&stream);
-                    return rec.budget_refused(detail);
-                }
-            };
-            let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
-            let to = (accepted.dst, &route);
-            let moved = crate::splice::splice_to(&dp, stream, to, &peeked, &config, meter).await;
-            rec.spliced(moved);
+            return splice(&dp, (stream, peeked), &accepted, names, rec).await;
         }
     }
+    rec.finish();
+}
+
+/// An allowed flow the gateway does not read: the budget stage, then the
+/// splice (under the budget's meter).
+async fn splice(
+    dp: &Dataplane,
+    (stream, peeked): (TcpStream, Vec<u8>),
+    accepted: &Accepted,
+    names: (&dns_attrib::Lookup, Option<&egress_policy::Hostname>),
+    mut rec: Record<'_>,
+) {
+    let meter = match budget::admit(dp, &accepted.sandbox, names, peeked.len()) {
+        Ok(meter) => meter,
+        Err(detail) => {
+            crate::io::reset(&stream);
+            return rec.budget_refused(detail);
+        }
+    };
+    let config = dp.config();
+    let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
+    let to = (accepted.dst, &route);
+    let moved = crate::splice::splice_to(dp, stream, to, &peeked, &config, meter).await;
+    rec.spliced(moved);
     rec.finish();
 }
 
