@@ -155,6 +155,10 @@ pub(crate) async fn splice(
         // Cut, not closed: neither side may take the end for a complete transfer.
         reset(cr.as_ref());
         reset(or.as_ref());
+        // Dropping a write half shuts it down: a FIN ahead of the RST, which
+        // a client reads as the end of the stream (curl: "transfer closed").
+        cw.forget();
+        ow.forget();
     }
     Spliced {
         up: counts.read.load(Ordering::Relaxed),
