@@ -71,6 +71,7 @@ fn policy(n: usize) -> Policy {
         )
         .expect("valid")],
         dns: None,
+        budgets: Default::default(),
     }
 }
 

@@ -316,6 +316,7 @@ fn policy(default: DefaultAction, allow: Vec<Destination>, deny: Vec<Destination
         tls_interception: TlsInterception::Off,
         tls_interception_exemptions: Vec::new(),
         dns: None,
+        budgets: Default::default(),
     }
 }
 

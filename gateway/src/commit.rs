@@ -157,7 +157,7 @@ impl Worker {
             let outcome = match &job.change {
                 Change::Put(s) => match self.registry.put_prepared(s.clone()) {
                     Ok(()) => {
-                        records.push(journal::Change::Put(SandboxDoc::from(&**s)));
+                        records.push(journal::Change::Put(Box::new(SandboxDoc::from(&**s))));
                         Ok(())
                     }
                     Err(e) => Err(NotApplied::Refused(e)),

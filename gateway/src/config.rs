@@ -237,6 +237,11 @@ pub struct Limits {
     /// pool, so a flow's tasks never cross threads; the control API runs on
     /// a thread of its own.
     pub thread_per_core: bool,
+    /// Budget states (one per sandbox and `budgets` entry in use) this
+    /// gateway keeps; past it a flow or request that needs a new one is
+    /// refused `budget_exceeded` (fail closed) unless a refilled state can
+    /// be forgotten ([`crate::budget`]).
+    pub max_budget_states: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -376,6 +381,13 @@ impl Limits {
             );
             return Some(("limits.max_request_head", why));
         }
+        if !(MIN_BUDGET_STATES..=MAX_BUDGET_STATES).contains(&self.max_budget_states) {
+            let why = format!(
+                "{} is outside {MIN_BUDGET_STATES}..={MAX_BUDGET_STATES}",
+                self.max_budget_states
+            );
+            return Some(("limits.max_budget_states", why));
+        }
         if self.max_connections == 0 {
             return Some(("limits.max_connections", "must be at least 1".into()));
         }
@@ -423,6 +435,9 @@ impl Default for Tls {
 const MIN_REQUEST_HEAD: usize = 8 * 1024;
 /// Heads larger than this are a memory risk, not a request.
 const MAX_REQUEST_HEAD: usize = 1024 * 1024;
+/// Budget states: one per shard at least; at most 16 Mi (about 1 GiB).
+const MIN_BUDGET_STATES: usize = 16;
+const MAX_BUDGET_STATES: usize = 1 << 24;
 
 impl Limits {
     /// The worker threads: `worker_threads`, or with 0 one per CPU the
@@ -444,6 +459,7 @@ impl Default for Limits {
             leaf_cache: 10_000,
             worker_threads: 0,
             thread_per_core: false,
+            max_budget_states: 65_536,
         }
     }
 }
@@ -631,6 +647,7 @@ struct RestartOnly<'a> {
 #[derive(Debug, PartialEq, Serialize)]
 struct RestartLimits {
     max_connections: usize,
+    max_budget_states: usize,
     leaf_cache: u64,
     worker_threads: usize,
     thread_per_core: bool,
@@ -656,6 +673,7 @@ impl Config {
             admin: &self.admin,
             limits: RestartLimits {
                 max_connections: self.limits.max_connections,
+                max_budget_states: self.limits.max_budget_states,
                 leaf_cache: self.limits.leaf_cache,
                 worker_threads: self.limits.worker_threads,
                 thread_per_core: self.limits.thread_per_core,

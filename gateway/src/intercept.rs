@@ -80,6 +80,17 @@ struct Conn {
     /// DNS over HTTPS to a reserved resolver, from this sandbox address:
     /// every request is answered by the gateway's DNS proxy, none forwarded.
     doh_from: Option<IpAddr>,
+    /// The flow's byte counts, and what of them budgets were charged for.
+    budget: BudgetCharge,
+}
+
+/// What a terminated flow has charged to its sandbox's byte budgets: the
+/// bytes it moved up to each request are charged to that request's entry.
+struct BudgetCharge {
+    activity: Arc<Counts>,
+    charged: AtomicU64,
+    /// The last request's entry (`u32::MAX`: none), charged the rest at the end.
+    rule: std::sync::atomic::AtomicU32,
 }
 
 /// Serves a flow request by request: intercepted TLS (`tls` is the
@@ -107,10 +118,17 @@ pub(crate) async fn http_flow(
     let mut out = match tls {
         Some(sni) => {
             let target = (sandbox, dst, doh_from);
-            intercept(dp, up, target, sni, client, &counts).await
+            intercept(dp, up, target, sni, client, counts.clone()).await
         }
         None => {
-            let conn = Conn::new(dp.clone(), up.clone(), (sandbox, dst, None), None, false);
+            let target = (sandbox, dst, None);
+            let conn = Conn::new(
+                (dp.clone(), up.clone()),
+                target,
+                None,
+                false,
+                counts.clone(),
+            );
             serve(conn, client, &counts).await
         }
     };
@@ -126,7 +144,7 @@ async fn intercept<S>(
     target: (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
     sni: Option<Hostname>,
     client: S,
-    activity: &Counts,
+    activity: Arc<Counts>,
 ) -> Served
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -156,8 +174,14 @@ where
             return failed("tls_handshake: timed out".into());
         }
     };
-    let conn = Conn::new(dp.clone(), up.clone(), target, sni, true);
-    serve(conn, tls, activity).await
+    let conn = Conn::new(
+        (dp.clone(), up.clone()),
+        target,
+        sni,
+        true,
+        activity.clone(),
+    );
+    serve(conn, tls, &activity).await
 }
 
 /// Runs the HTTP server over `io` until the client is done, idle, or gone.
@@ -245,15 +269,23 @@ fn failed(error: String) -> Served {
     }
 }
 
+// === impl BudgetCharge ===
+
+impl BudgetCharge {
+    fn moved(&self) -> u64 {
+        self.activity.read.load(Ordering::Relaxed) + self.activity.written.load(Ordering::Relaxed)
+    }
+}
+
 // === impl Conn ===
 
 impl Conn {
     fn new(
-        dp: Arc<Dataplane>,
-        up: Arc<Upstreams>,
+        (dp, up): (Arc<Dataplane>, Arc<Upstreams>),
         (sandbox, dst, doh_from): (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
         sni: Option<Hostname>,
         tls: bool,
+        activity: Arc<Counts>,
     ) -> Arc<Self> {
         Arc::new(Self {
             dp,
@@ -270,11 +302,18 @@ impl Conn {
             would_deny: Mutex::new(None),
             upstream: tokio::sync::Mutex::new(None),
             doh_from,
+            budget: BudgetCharge {
+                activity,
+                charged: AtomicU64::new(0),
+                rule: std::sync::atomic::AtomicU32::new(u32::MAX),
+            },
         })
     }
 
-    /// What the flow reports when its connection ends.
+    /// What the flow reports when its connection ends (its last bytes
+    /// charged to its budget).
     fn served(&self, error: Option<String>) -> Served {
+        self.charge_rest();
         Served {
             requests: self.requests.load(Ordering::Relaxed),
             host: self.host.lock().map(|h| h.clone()).unwrap_or_default(),
@@ -314,7 +353,10 @@ impl Conn {
             Err(None) => return misdirected(),
             Err(Some(denial)) => return refused_after_body(req, denial).await,
         };
-        if let Err(denial) = self.per_request(&mut req, host, &lookup) {
+        if let Err(denial) = self
+            .per_request(&mut req, host, &lookup)
+            .and_then(|()| self.within_budget(host, &lookup))
+        {
             return refused_after_body(req, denial).await;
         }
         // The name the origin's certificate must carry (none: its address).
@@ -556,6 +598,57 @@ impl Conn {
         self.dp
             .proposed
             .record(&self.sandbox.id, seen, Some(request));
+    }
+
+    /// The budget stage, after the policy let the request through: its
+    /// entry's request budget, and the bytes the flow moved so far charged
+    /// to it; over either, `429` (`budget_exceeded`). Budgets never allow.
+    fn within_budget(&self, host: Option<&Hostname>, lookup: &Lookup) -> Result<(), Denial> {
+        let budgets = &self.sandbox.policy.policy().budgets;
+        if budgets.is_empty() {
+            return Ok(());
+        }
+        let attributed = lookup.names();
+        let names = request_names(self.tls, host, &attributed);
+        let Some((rule, budget)) = budgets.find(names.iter().copied()) else {
+            return Ok(());
+        };
+        self.budget.rule.store(rule, Ordering::Relaxed);
+        let moved = self.budget.moved();
+        let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
+        let now = self.dp.cache.now();
+        let key = (&self.sandbox.id, rule);
+        let Err(over) = self.dp.budgets.request(key, budget, delta, now) else {
+            return Ok(());
+        };
+        self.dp.metrics.budget_exceeded(over);
+        let detail = format!(
+            "budgets[{rule}] ({}): {}",
+            budget.destination,
+            crate::budget::describe(over, budget)
+        );
+        self.note_denied("budget_exceeded", || format!("budget_exceeded {detail}"));
+        Err(Denial {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            code: "budget_exceeded",
+            rule: Some(rule),
+            detail,
+        })
+    }
+
+    /// Charges the bytes moved after the last request to its entry.
+    fn charge_rest(&self) {
+        let rule = self.budget.rule.load(Ordering::Relaxed);
+        let budgets = &self.sandbox.policy.policy().budgets;
+        let Some(budget) = budgets.iter().nth(rule as usize) else {
+            return;
+        };
+        let moved = self.budget.moved();
+        let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
+        let now = self.dp.cache.now();
+        self.dp
+            .budgets
+            .charge((&self.sandbox.id, rule), budget, delta, now);
     }
 
     /// Counts a refused request, and keeps the first for the flow log.

@@ -36,7 +36,8 @@ const MIN_COMPACT_BYTES: u64 = 4 << 20;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Change {
-    Put(SandboxDoc),
+    /// Boxed: a policy is large beside an id (clippy's large_enum_variant).
+    Put(Box<SandboxDoc>),
     Delete(String),
 }
 

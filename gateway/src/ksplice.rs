@@ -199,6 +199,7 @@ pub(crate) async fn splice(
         down: moved(&client, &ways[1]),
         idle_timeout: fault == Some(Fault::IDLE_TIMEOUT),
         fault,
+        budget_cut: None,
     })
 }
 

@@ -4,6 +4,7 @@
 
 mod admin;
 pub mod authority;
+mod budget;
 mod ca_reload;
 pub mod cli;
 mod commit;

@@ -75,6 +75,24 @@ pub(crate) struct Metrics {
     pub(crate) ca_reloads: Family<ResultLabels, Counter>,
     /// Tunnels asked of the operator's upstream proxies, by proxy and result.
     proxy_connects: Family<ProxyLabels, Counter>,
+    pub(crate) budgets: BudgetMetrics,
+}
+
+/// The policy budgets' instruments.
+#[derive(Default)]
+pub(crate) struct BudgetMetrics {
+    /// Flows and requests refused or cut over a budget, by kind.
+    exceeded: Family<KindLabels, Counter>,
+    /// Budget states held (sandbox × `budgets` entry).
+    pub(crate) states: Gauge,
+    /// Budget states refused for want of room (`limits.max_budget_states`).
+    pub(crate) states_full: Counter,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct KindLabels {
+    /// `requests`, `bytes` or `state` (no room for a budget state).
+    pub(crate) kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -158,6 +176,7 @@ impl Metrics {
             accepted: Family::default(),
             ca_reloads: Family::default(),
             proxy_connects: Family::default(),
+            budgets: BudgetMetrics::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -253,7 +272,40 @@ impl Metrics {
         }
         r.register_collector(Box::new(Sources { dns, cache, minter }));
         m.register_ca_reloads();
+        m.register_budgets();
         m
+    }
+
+    /// `budget_exceeded{kind}` (every kind at zero from the start),
+    /// `budget_states` and `budget_states_full`.
+    fn register_budgets(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "budget_exceeded",
+            "Requests refused (429) and spliced or opaque flows refused or cut over a policy budget, by kind: requests, bytes, or state (no room for a budget state: limits.max_budget_states)",
+            self.budgets.exceeded.clone(),
+        );
+        r.register(
+            "budget_states",
+            "Budget states held (one per sandbox and budgets entry in use; at most limits.max_budget_states)",
+            self.budgets.states.clone(),
+        );
+        r.register(
+            "budget_states_full",
+            "Budget states refused because limits.max_budget_states were held and none had refilled (the flow or request was refused)",
+            self.budgets.states_full.clone(),
+        );
+        for kind in ["requests", "bytes", "state"] {
+            let _ = self.budgets.exceeded.get_or_create(&KindLabels { kind });
+        }
+    }
+
+    /// Counts one budget refusal or cut.
+    pub(crate) fn budget_exceeded(&self, over: crate::budget::Over) {
+        self.budgets
+            .exceeded
+            .get_or_create(&KindLabels { kind: over.kind() })
+            .inc();
     }
 
     /// `tls_ca_reloads{result}`, both results at zero from the start.

@@ -12,6 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
+use crate::budget::Meter;
 use crate::config::Config;
 use crate::fault::{Fault, Side};
 use crate::io::{quiet_for, reset, Counts};
@@ -26,13 +27,17 @@ use rustix::pipe::{PipeFlags, SpliceFlags};
 /// Connects to `dst` the way `route` says (direct, or through the
 /// operator's proxy), sends the `peeked` bytes first, then joins the two
 /// sockets as they are. The error names the step that failed (the client is
-/// reset); the byte counts include the peeked bytes.
+/// reset); the byte counts include the peeked bytes. With a byte budget
+/// (`meter`) the flow takes the gateway's copy, which charges every chunk
+/// before writing it: neither the sockmap nor `splice(2)` could be cut at
+/// the budget.
 pub(crate) async fn splice_to(
     dp: &Dataplane,
     client: TcpStream,
     (dst, route): (std::net::SocketAddr, &Route),
     peeked: &[u8],
     config: &Config,
+    meter: Option<Meter>,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
     let mut origin = match connect_out(route, dst, timeouts.connect, &dp.metrics).await {
@@ -49,7 +54,8 @@ pub(crate) async fn splice_to(
             .fault(Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP));
         return Err(format!("upstream_write: {e}"));
     }
-    let (client, origin) = match &dp.kernel {
+    let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
+    let (client, origin) = match kernel {
         Some(kernel) => match crate::ksplice::splice(kernel, client, origin, timeouts.idle).await {
             Ok(moved) => {
                 dp.metrics.spliced(SplicePath::Kernel);
@@ -63,7 +69,7 @@ pub(crate) async fn splice_to(
         None => (client, origin),
     };
     let pipes = match config.splice.kernel {
-        crate::config::KernelSplice::Pipe => match Pipes::new() {
+        crate::config::KernelSplice::Pipe if meter.is_none() => match Pipes::new() {
             Ok(p) => Some(p),
             Err(e) => {
                 tracing::debug!(error = %e, "no pipes for splice(2); copied");
@@ -77,7 +83,7 @@ pub(crate) async fn splice_to(
     } else {
         SplicePath::User
     };
-    let mut moved = splice(client, origin, timeouts.idle, pipes).await;
+    let mut moved = splice(client, origin, timeouts.idle, pipes, meter.as_ref()).await;
     dp.metrics.spliced(path);
     moved.up += peeked.len() as u64;
     Ok(moved)
@@ -103,11 +109,14 @@ impl Pipes {
 /// Copies until both directions have closed, an error, or `idle` passes
 /// quietly; with `pipes`, each direction moves socket → pipe → socket by
 /// `splice(2)`, inside the kernel, else through a buffer of the gateway's.
+/// A `meter` is charged for every chunk the copy moves (give it no pipes):
+/// the first that does not fit resets both sides instead of moving.
 pub(crate) async fn splice(
     client: TcpStream,
     origin: TcpStream,
     idle: Duration,
     pipes: Option<Pipes>,
+    meter: Option<&Meter>,
 ) -> Spliced {
     let (mut cr, mut cw) = client.into_split();
     let (mut or, mut ow) = origin.into_split();
@@ -124,21 +133,39 @@ pub(crate) async fn splice(
             }
             None => {
                 tokio::join!(
-                    pump(&mut cr, &mut ow, &counts.read, up_sides),
-                    pump(&mut or, &mut cw, &counts.written, down_sides)
+                    pump(&mut cr, &mut ow, (&counts.read, meter), up_sides),
+                    pump(&mut or, &mut cw, (&counts.written, meter), down_sides)
                 )
             }
+        }
+    };
+    let cut = async {
+        match meter {
+            Some(m) => m.cut().await,
+            None => std::future::pending().await,
         }
     };
     let (idle_timeout, fault) = tokio::select! {
         (up, down) = both => (false, up.or(down)),
         () = quiet_for(&counts, idle) => (true, Some(Fault::IDLE_TIMEOUT)),
+        () = cut => (false, None),
     };
+    let budget_cut = meter.filter(|m| m.crossed()).map(Meter::describe);
+    if budget_cut.is_some() {
+        // Cut, not closed: neither side may take the end for a complete transfer.
+        reset(cr.as_ref());
+        reset(or.as_ref());
+        // Dropping a write half shuts it down: a FIN ahead of the RST, which
+        // a client reads as the end of the stream (curl: "transfer closed").
+        cw.forget();
+        ow.forget();
+    }
     Spliced {
         up: counts.read.load(Ordering::Relaxed),
         down: counts.written.load(Ordering::Relaxed),
         idle_timeout,
         fault,
+        budget_cut,
     }
 }
 
@@ -151,10 +178,12 @@ pub(crate) async fn splice(
 /// its readiness (tokio on epoll), so a small message costs one read and
 /// one write — no extra read that would only say "would block".
 /// `sides`: who is behind the reading and the writing half, to name a reset.
+/// With a meter, each chunk is charged before it is written; one that does
+/// not fit ends the pump at once, without a half-close (the flow is cut).
 async fn pump(
     r: &mut OwnedReadHalf,
     w: &mut OwnedWriteHalf,
-    moved: &AtomicU64,
+    (moved, meter): (&AtomicU64, Option<&Meter>),
     sides: (Side, Side),
 ) -> Option<Fault> {
     const BUF: usize = 64 * 1024;
@@ -174,6 +203,9 @@ async fn pump(
                     break 'flow;
                 }
                 Ok(n) => {
+                    if meter.is_some_and(|m| !m.spend(n)) {
+                        return None;
+                    }
                     if let Err(e) = w.write_all(&buf[..n]).await {
                         fault = Fault::io(sides.1, &e);
                         break 'flow;
@@ -296,7 +328,13 @@ pub(crate) mod tests {
     async fn copies_both_ways(pipes: Option<Pipes>) {
         let (mut client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5), pipes));
+        let task = tokio::spawn(splice(
+            gw_client,
+            gw_origin,
+            Duration::from_secs(5),
+            pipes,
+            None,
+        ));
         hello_then_half_close(&mut client, &mut origin).await;
         origin.write_all(&vec![7u8; 100_000]).await.expect("write");
         origin.shutdown().await.expect("close");
@@ -311,6 +349,7 @@ pub(crate) mod tests {
                 down: 100_000,
                 idle_timeout: false,
                 fault: None,
+                budget_cut: None,
             }
         );
     }
@@ -325,7 +364,13 @@ pub(crate) mod tests {
     async fn reset_is_counted(pipes: Option<Pipes>) {
         let (client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, Duration::from_secs(5), pipes));
+        let task = tokio::spawn(splice(
+            gw_client,
+            gw_origin,
+            Duration::from_secs(5),
+            pipes,
+            None,
+        ));
         origin.write_all(b"hello").await.expect("write");
         // The client goes away with a reset (SO_LINGER 0), not a FIN.
         socket2::SockRef::from(&client)
@@ -365,7 +410,7 @@ pub(crate) mod tests {
     async fn idle_flows_are_closed(pipes: Option<Pipes>) {
         let (mut client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, TRICKLE_IDLE, pipes));
+        let task = tokio::spawn(splice(gw_client, gw_origin, TRICKLE_IDLE, pipes, None));
         trickles_then_closes_as_idle(task, &mut client, &mut origin).await;
     }
 
@@ -420,6 +465,7 @@ pub(crate) mod tests {
             gw_origin,
             Duration::from_secs(10),
             Some(pipes),
+            None,
         ));
         // The origin does not read: the client can write only so much.
         let chunk = vec![1u8; 64 * 1024];

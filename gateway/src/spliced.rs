@@ -15,4 +15,7 @@ pub(crate) struct Spliced {
     pub(crate) idle_timeout: bool,
     /// A side reset the flow while bytes moved.
     pub(crate) fault: Option<Fault>,
+    /// The flow crossed its byte budget and was cut (reset both ways): the
+    /// entry and the limit, for the flow log.
+    pub(crate) budget_cut: Option<String>,
 }

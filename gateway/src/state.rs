@@ -41,6 +41,8 @@ pub struct Dataplane {
     pub(crate) proxies: crate::upstream_proxy::UpstreamProxies,
     /// What each sandbox's denials propose (`GET /v1/sandboxes/{id}/proposals`).
     pub(crate) proposed: crate::proposed::Proposed,
+    /// Request and byte budgets spent ([`crate::budget`]).
+    pub(crate) budgets: Arc<crate::budget::BudgetTable>,
 }
 
 impl Dataplane {
@@ -55,7 +57,13 @@ impl Dataplane {
         let doh_names = crate::doh::DohNames::new(&config.dns.doh_names);
         let proxies = crate::upstream_proxy::UpstreamProxies::new(&config.upstream_proxy);
         metrics.upstream_proxies(proxies.names().map(|n| n.as_str()));
+        let budgets = Arc::new(crate::budget::BudgetTable::new(
+            config.limits.max_budget_states,
+            metrics.budgets.states.clone(),
+            metrics.budgets.states_full.clone(),
+        ));
         Self {
+            budgets,
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
             cache,

@@ -8,6 +8,8 @@
 //! - Deployment exemptions are appended only when `tls_interception` is `on`;
 //!   they never add allows.
 //! - Denies are never touched: an allow composed here still loses to them.
+//! - `budgets` (like `dns`) are the base's, unchanged: a profile cannot
+//!   carry any, so no layer removes or loosens a budget the base set.
 
 use std::net::{IpAddr, Ipv4Addr};
 

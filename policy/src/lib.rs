@@ -8,6 +8,7 @@
 //! build on it; everything that reads the network or the environment lives
 //! in them and hands this crate strings and facts.
 
+pub mod budget;
 mod compose;
 mod dest;
 pub mod dns;
@@ -26,6 +27,7 @@ mod sandbox;
 mod select;
 mod stream;
 
+pub use budget::{Budget, BudgetDestination, Budgets};
 pub use compose::{compose, resolve_saved, Composed, MissingProfile, RESERVED_RESOLVERS};
 pub use dest::{
     embedded_ipv4, Destination, DestinationError, ExemptionDestination, Kind, KindList,

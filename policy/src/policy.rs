@@ -17,6 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::budget::Budgets;
 use crate::dest::Destination;
 use crate::dns::DnsPolicy;
 use crate::json::{self, JsonError};
@@ -41,6 +42,10 @@ pub struct Policy {
     /// every query as it comes (and the document is written without it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<DnsPolicy>,
+    /// Request and byte budgets per destination ([`crate::budget`]);
+    /// empty: none (and the document is written without them).
+    #[serde(default, skip_serializing_if = "Budgets::is_empty")]
+    pub budgets: Budgets,
 }
 
 /// What happens to a flow no rule allows.

@@ -7,6 +7,7 @@
 //! flow denied (fail closed). The flow's log line is built from the stage
 //! values as they arrive ([`Record`]), and written once when the flow ends.
 
+mod budget;
 mod classify;
 mod identify;
 mod record;
@@ -75,10 +76,8 @@ pub(crate) async fn handle(
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
-            let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
-            let to = (accepted.dst, &route);
-            let moved = crate::splice::splice_to(&dp, stream, to, &peeked, &config).await;
-            rec.spliced(moved);
+            let names = (&decided.lookup, claims.sni);
+            return splice(&dp, (stream, peeked), &accepted, names, rec).await;
         }
     }
     rec.finish();
@@ -94,6 +93,30 @@ fn propose(dp: &Dataplane, accepted: &Accepted, claims: &Claims<'_>, decided: &D
         reason: decided.verdict.code(),
     };
     dp.proposed.record(&accepted.sandbox.id, seen, None);
+}
+
+/// An allowed flow the gateway does not read: the budget stage, then the
+/// splice (under the budget's meter).
+async fn splice(
+    dp: &Dataplane,
+    (stream, peeked): (TcpStream, Vec<u8>),
+    accepted: &Accepted,
+    names: (&dns_attrib::Lookup, Option<&egress_policy::Hostname>),
+    mut rec: Record<'_>,
+) {
+    let meter = match budget::admit(dp, &accepted.sandbox, names, peeked.len()) {
+        Ok(meter) => meter,
+        Err(detail) => {
+            crate::io::reset(&stream);
+            return rec.budget_refused(detail);
+        }
+    };
+    let config = dp.config();
+    let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
+    let to = (accepted.dst, &route);
+    let moved = crate::splice::splice_to(dp, stream, to, &peeked, &config, meter).await;
+    rec.spliced(moved);
+    rec.finish();
 }
 
 /// A denied flow: `403` with the reason where the protocol allows an answer

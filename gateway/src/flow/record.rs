@@ -94,7 +94,10 @@ impl<'a> Record<'a> {
                 if let Some(f) = moved.fault {
                     self.dp.metrics.fault(f);
                 }
-                if moved.idle_timeout {
+                if let Some(why) = moved.budget_cut {
+                    self.line.error = Some(format!("budget_exceeded: {why}"));
+                    self.dp.metrics.budget_exceeded(crate::budget::Over::Bytes);
+                } else if moved.idle_timeout {
                     self.line.error = Some("idle_timeout".into());
                 } else if let Some(f) = moved.fault {
                     self.line.error = Some(format!("{}_{}", f.side.as_str(), f.kind));
@@ -102,6 +105,15 @@ impl<'a> Record<'a> {
             }
             Err(e) => self.line.error = Some(e),
         }
+    }
+
+    /// Ends a flow the policy let through but a budget refused (the client
+    /// was reset): the verdict becomes `deny`, the reason `budget_exceeded`.
+    pub(crate) fn budget_refused(mut self, detail: String) {
+        self.line.verdict = "deny";
+        self.line.reason = "budget_exceeded";
+        self.line.detail = detail;
+        self.finish();
     }
 
     /// Counts the flow in the metrics and writes its line.

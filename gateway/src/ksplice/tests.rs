@@ -79,6 +79,7 @@ async fn copies_both_ways_with_half_close_and_counts() {
             down: 3 << 20,
             idle_timeout: false,
             fault: None,
+            budget_cut: None,
         }
     );
 }

@@ -2,6 +2,7 @@
 //! The dataplane in-process on loopback: real sockets, real TLS handshakes,
 //! a hickory-server upstream, origins with certificates from a test CA.
 
+mod budgets;
 mod ca_rotation;
 mod doh;
 mod ech;

@@ -4,6 +4,7 @@
 
 #![allow(unreachable_pub)] // a test binary: `pub` only shares helpers between its modules
 
+mod budgets;
 mod chromium;
 mod controller;
 mod demo;

@@ -803,6 +803,7 @@ fn arb_policy() -> impl Strategy<Value = Policy> {
         },
         tls_interception_exemptions: e,
         dns: None,
+        budgets: Default::default(),
     })
 }
 

@@ -1,0 +1,413 @@
+//! Budget state: per sandbox and `budgets` entry, a request bucket and a
+//! byte bucket ([`egress_policy::budget`]), spent by every flow and request
+//! the policy let through.
+//!
+//! Buckets start full and refill continuously: the request bucket holds a
+//! minute of its rate, the byte bucket an hour of its rate. Both count in
+//! integer units, one token being the period in milliseconds (60,000 for a
+//! request, 3,600,000 for a byte), so a limit is also its refill in units
+//! per millisecond and 1 TiB an hour still fits a `u64`. Time is passed in
+//! ([`Millis`]): the table reads no clock, and tests move time by hand.
+//!
+//! A byte budget that a flow crosses is drained to zero (the flow is cut
+//! there), and a new spliced or opaque flow needs at least [`MIN_TO_START`]
+//! bytes left: less would be cut before a TLS handshake finished.
+//!
+//! State is bounded: at most `limits.max_budget_states` entries, spread over
+//! [`SHARDS`] maps each behind its own lock. A shard that is full forgets a
+//! state whose buckets have refilled completely — starting over from full
+//! grants nothing such a state would not — and if none has, the new state
+//! is refused: the flow or request that needed it is refused
+//! `budget_exceeded` (fail closed), counted in
+//! `egress_budget_states_full_total`. Forgetting a partly spent bucket would
+//! hand its sandbox a fresh budget, which a sandbox could provoke by
+//! touching many destinations; refusing cannot be turned into more bytes.
+//! A policy push that changes an entry's limit keeps the entry's state,
+//! capped at the new capacity. About 120 bytes a state: 8 MiB at 65,536.
+
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use dns_attrib::{AttributionCache, Millis};
+use egress_policy::{Budget, SandboxId};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+
+/// Independent maps (and locks) the states are spread over.
+pub(crate) const SHARDS: usize = 16;
+
+/// Bytes a byte budget must have left for a new spliced or opaque flow.
+pub(crate) const MIN_TO_START: u64 = 1024;
+
+const MINUTE_MS: u64 = 60_000;
+const HOUR_MS: u64 = 3_600_000;
+
+/// Which budget was exceeded (the `kind` of `egress_budget_exceeded_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Over {
+    Requests,
+    Bytes,
+    /// No room for the state this needed (fail closed).
+    NoState,
+}
+
+/// The budget states of every sandbox on this gateway.
+pub(crate) struct BudgetTable {
+    shards: Box<[Mutex<HashMap<Key, State>>]>,
+    per_shard: usize,
+    keys: RandomState,
+    /// States held now (`egress_budget_states`).
+    gauge: Gauge,
+    /// States refused for want of room (`egress_budget_states_full_total`).
+    full: Counter,
+}
+
+/// A sandbox and the index of its `budgets` entry.
+type Key = (SandboxId, u32);
+
+#[derive(Debug)]
+struct State {
+    requests: Bucket,
+    bytes: Bucket,
+}
+
+/// A token bucket, in units (a token is `period` units).
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    units: u64,
+    at: Millis,
+    /// The limit it was last spent under; `None`: never spent (full).
+    limit: Option<Limit>,
+}
+
+/// One entry's limits as bucket parameters.
+#[derive(Clone, Copy, Debug)]
+struct Limit {
+    /// Tokens per period, also units per millisecond.
+    rate: u64,
+    /// Milliseconds in the period, also units per token.
+    period: u64,
+}
+
+/// A running spliced or opaque flow's byte budget: every chunk is charged
+/// before it is written, and the first that does not fit cuts the flow.
+pub(crate) struct Meter {
+    table: Arc<BudgetTable>,
+    /// The clock the attribution cache runs on (tests move it).
+    clock: Arc<AttributionCache>,
+    sandbox: SandboxId,
+    rule: u32,
+    budget: Budget,
+    crossed: AtomicBool,
+    cut: tokio::sync::Notify,
+}
+
+// === impl Meter ===
+
+impl Meter {
+    pub(crate) fn new(
+        (table, clock): (Arc<BudgetTable>, Arc<AttributionCache>),
+        (sandbox, rule): (SandboxId, u32),
+        budget: Budget,
+    ) -> Self {
+        Self {
+            table,
+            clock,
+            sandbox,
+            rule,
+            budget,
+            crossed: AtomicBool::new(false),
+            cut: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Charges `n` bytes about to move; `false`: they do not fit, and the
+    /// flow is to be cut ([`Meter::cut`] wakes).
+    pub(crate) fn spend(&self, n: usize) -> bool {
+        let key = (&self.sandbox, self.rule);
+        let now = self.clock.now();
+        let ok = self.table.bytes(key, &self.budget, n as u64, now).is_ok();
+        if !ok && !self.crossed.swap(true, Ordering::Relaxed) {
+            self.cut.notify_one();
+        }
+        ok
+    }
+
+    /// Whether the flow crossed its budget.
+    pub(crate) fn crossed(&self) -> bool {
+        self.crossed.load(Ordering::Relaxed)
+    }
+
+    /// Resolves when the flow crossed its budget.
+    pub(crate) async fn cut(&self) {
+        self.cut.notified().await;
+    }
+
+    /// The entry's index and the readable reason, for the flow log.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "budgets[{}] ({}): {}",
+            self.rule,
+            self.budget.destination,
+            describe(Over::Bytes, &self.budget)
+        )
+    }
+}
+
+// === impl Over ===
+
+impl Over {
+    pub(crate) fn kind(self) -> &'static str {
+        match self {
+            Self::Requests => "requests",
+            Self::Bytes => "bytes",
+            Self::NoState => "state",
+        }
+    }
+}
+
+/// The readable reason of a refusal or cut, for the flow log and the answer.
+pub(crate) fn describe(over: Over, budget: &Budget) -> String {
+    match (over, budget.requests_per_minute, budget.bytes_per_hour) {
+        (Over::Requests, Some(n), _) => format!("over {n} requests a minute"),
+        (Over::Bytes, _, Some(n)) => format!("over {n} bytes an hour"),
+        (Over::NoState, ..) => {
+            "no room for a budget state (limits.max_budget_states): refused".to_owned()
+        }
+        _ => "over budget".to_owned(),
+    }
+}
+
+// === impl BudgetTable ===
+
+impl BudgetTable {
+    /// Room for `max_states` states (at least one per shard).
+    pub(crate) fn new(max_states: usize, gauge: Gauge, full: Counter) -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            per_shard: max_states.div_ceil(SHARDS).max(1),
+            keys: RandomState::new(),
+            gauge,
+            full,
+        }
+    }
+
+    /// A request on a terminated or plain-HTTP flow: first charges the
+    /// `bytes` the flow moved since the last charge, then needs a request
+    /// token and, with a byte limit, a byte left.
+    pub(crate) fn request(
+        &self,
+        (sandbox, rule): (&SandboxId, u32),
+        budget: &Budget,
+        bytes: u64,
+        now: Millis,
+    ) -> Result<(), Over> {
+        self.with((sandbox, rule), now, |s| {
+            if let Some(l) = byte_limit(budget) {
+                s.bytes.drain(l, bytes, now);
+                if !s.bytes.has(l, 1, now) {
+                    return Err(Over::Bytes);
+                }
+            }
+            match request_limit(budget) {
+                Some(l) if !s.requests.take(l, 1, now) => Err(Over::Requests),
+                _ => Ok(()),
+            }
+        })
+    }
+
+    /// A new spliced or opaque flow: one request token (a connection is the
+    /// only request the gateway sees on it), [`MIN_TO_START`] bytes left,
+    /// and the `peeked` bytes already read charged.
+    pub(crate) fn connect(
+        &self,
+        (sandbox, rule): (&SandboxId, u32),
+        budget: &Budget,
+        peeked: u64,
+        now: Millis,
+    ) -> Result<(), Over> {
+        self.with((sandbox, rule), now, |s| {
+            if let Some(l) = byte_limit(budget) {
+                if !s.bytes.has(l, MIN_TO_START.max(peeked), now) {
+                    return Err(Over::Bytes);
+                }
+            }
+            if let Some(l) = request_limit(budget) {
+                if !s.requests.take(l, 1, now) {
+                    return Err(Over::Requests);
+                }
+            }
+            if let Some(l) = byte_limit(budget) {
+                s.bytes.drain(l, peeked, now);
+            }
+            Ok(())
+        })
+    }
+
+    /// `n` more bytes of a running flow: `Err` when they do not fit, and
+    /// the budget is then drained (the flow is cut before they move).
+    pub(crate) fn bytes(
+        &self,
+        (sandbox, rule): (&SandboxId, u32),
+        budget: &Budget,
+        n: u64,
+        now: Millis,
+    ) -> Result<(), Over> {
+        let Some(l) = byte_limit(budget) else {
+            return Ok(());
+        };
+        self.with((sandbox, rule), now, |s| {
+            if s.bytes.take(l, n, now) {
+                Ok(())
+            } else {
+                s.bytes.drain(l, n, now);
+                Err(Over::Bytes)
+            }
+        })
+    }
+
+    /// Bytes a flow moved after its last request was judged: charged, never refused.
+    pub(crate) fn charge(
+        &self,
+        (sandbox, rule): (&SandboxId, u32),
+        budget: &Budget,
+        n: u64,
+        now: Millis,
+    ) {
+        if let Some(l) = byte_limit(budget) {
+            let _ = self.with((sandbox, rule), now, |s| {
+                s.bytes.drain(l, n, now);
+                Ok(())
+            });
+        }
+    }
+
+    /// States held now.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    fn with(
+        &self,
+        (sandbox, rule): (&SandboxId, u32),
+        now: Millis,
+        f: impl FnOnce(&mut State) -> Result<(), Over>,
+    ) -> Result<(), Over> {
+        let key = (sandbox.clone(), rule);
+        // SHARDS is a power of two; the low bits of SipHash are uniform.
+        let shard = (self.keys.hash_one(&key) as usize) & (SHARDS - 1);
+        let mut map = lock(&self.shards[shard]);
+        if let Some(state) = map.get_mut(&key) {
+            return f(state);
+        }
+        if map.len() >= self.per_shard {
+            if !forget_one_refilled(&mut map, now) {
+                self.full.inc();
+                return Err(Over::NoState);
+            }
+            self.gauge.dec();
+        }
+        self.gauge.inc();
+        f(map.entry(key).or_insert_with(|| State::full(now)))
+    }
+}
+
+/// Removes one state whose buckets are both full at `now`; `false` when none is.
+fn forget_one_refilled(map: &mut HashMap<Key, State>, now: Millis) -> bool {
+    let refilled = map
+        .iter()
+        .find(|(_, s)| s.requests.is_full(now) && s.bytes.is_full(now))
+        .map(|(k, _)| k.clone());
+    refilled.is_some_and(|k| map.remove(&k).is_some())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn request_limit(b: &Budget) -> Option<Limit> {
+    b.requests_per_minute.map(|rate| Limit {
+        rate: u64::from(rate),
+        period: MINUTE_MS,
+    })
+}
+
+fn byte_limit(b: &Budget) -> Option<Limit> {
+    b.bytes_per_hour.map(|rate| Limit {
+        rate,
+        period: HOUR_MS,
+    })
+}
+
+// === impl State ===
+
+impl State {
+    /// Both buckets full: `u64::MAX` units is "full at any limit", capped
+    /// at the limit's capacity when first used.
+    fn full(now: Millis) -> Self {
+        let b = Bucket {
+            units: u64::MAX,
+            at: now,
+            limit: None,
+        };
+        Self {
+            requests: b,
+            bytes: b,
+        }
+    }
+}
+
+// === impl Bucket ===
+
+impl Bucket {
+    /// Refills up to `now`, capped at the capacity (a period's worth).
+    fn refill(&mut self, l: Limit, now: Millis) {
+        let capacity = l.rate * l.period;
+        let elapsed = now.0.saturating_sub(self.at.0);
+        self.units = self
+            .units
+            .saturating_add(elapsed.saturating_mul(l.rate))
+            .min(capacity);
+        self.at = Millis(self.at.0.max(now.0));
+        self.limit = Some(l);
+    }
+
+    fn has(&mut self, l: Limit, tokens: u64, now: Millis) -> bool {
+        self.refill(l, now);
+        self.units >= tokens.saturating_mul(l.period)
+    }
+
+    fn take(&mut self, l: Limit, tokens: u64, now: Millis) -> bool {
+        let room = self.has(l, tokens, now);
+        if room {
+            self.units -= tokens * l.period;
+        }
+        room
+    }
+
+    /// Spends `tokens`, or everything left when fewer are.
+    fn drain(&mut self, l: Limit, tokens: u64, now: Millis) {
+        self.refill(l, now);
+        self.units = self.units.saturating_sub(tokens.saturating_mul(l.period));
+    }
+
+    /// Whether nothing is spent at `now`: never used, or refilled to its
+    /// last limit's capacity.
+    fn is_full(&self, now: Millis) -> bool {
+        let Some(l) = self.limit else {
+            return true;
+        };
+        let mut b = *self;
+        b.refill(l, now);
+        b.units >= l.rate * l.period
+    }
+}
+
+#[cfg(test)]
+mod tests;

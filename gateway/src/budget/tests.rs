@@ -1,0 +1,155 @@
+use super::*;
+
+fn budget(rpm: Option<u32>, bph: Option<u64>) -> Budget {
+    let mut entry = serde_json::json!({"destination": "*"});
+    if let Some(r) = rpm {
+        entry["requests_per_minute"] = r.into();
+    }
+    if let Some(b) = bph {
+        entry["bytes_per_hour"] = b.into();
+    }
+    serde_json::from_value(entry).expect("valid entry")
+}
+
+fn id(s: &str) -> SandboxId {
+    SandboxId::parse(s).expect("id")
+}
+
+fn table(max: usize) -> BudgetTable {
+    BudgetTable::new(max, Gauge::default(), Counter::default())
+}
+
+#[test]
+fn a_minute_of_requests_is_the_burst_and_refills_continuously() {
+    let t = table(64);
+    let b = budget(Some(3), None);
+    let a = id("sb-a");
+    for _ in 0..3 {
+        assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Ok(()));
+    }
+    assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Err(Over::Requests));
+    // One request every 20 s at 3 a minute.
+    assert_eq!(
+        t.request((&a, 0), &b, 0, Millis(19_999)),
+        Err(Over::Requests)
+    );
+    assert_eq!(t.request((&a, 0), &b, 0, Millis(20_000)), Ok(()));
+    assert_eq!(
+        t.request((&a, 0), &b, 0, Millis(20_000)),
+        Err(Over::Requests)
+    );
+    // Never more than the burst, however long the pause.
+    let later = Millis(10 * HOUR_MS);
+    for _ in 0..3 {
+        assert_eq!(t.request((&a, 0), &b, 0, later), Ok(()));
+    }
+    assert_eq!(t.request((&a, 0), &b, 0, later), Err(Over::Requests));
+}
+
+#[test]
+fn sandboxes_and_entries_have_buckets_of_their_own() {
+    let t = table(64);
+    let b = budget(Some(1), None);
+    let (a, other) = (id("sb-a"), id("sb-b"));
+    assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Ok(()));
+    assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Err(Over::Requests));
+    assert_eq!(t.request((&other, 0), &b, 0, Millis(0)), Ok(()));
+    assert_eq!(t.request((&a, 1), &b, 0, Millis(0)), Ok(()));
+    assert_eq!(t.len(), 3);
+}
+
+#[test]
+fn a_crossing_flow_is_cut_and_drains_the_budget() {
+    let t = table(64);
+    let b = budget(None, Some(100 * 1024));
+    let a = id("sb-a");
+    let key = (&a, 0);
+    assert_eq!(t.connect(key, &b, 500, Millis(0)), Ok(()));
+    let mut moved = 500;
+    while t.bytes(key, &b, 16 * 1024, Millis(0)).is_ok() {
+        moved += 16 * 1024;
+    }
+    assert!(moved <= 100 * 1024, "never more than the budget: {moved}");
+    assert!(
+        moved > 100 * 1024 - 16 * 1024,
+        "a chunk short at most: {moved}"
+    );
+    // Drained: not even a small chunk, and no new flow.
+    assert_eq!(t.bytes(key, &b, 1, Millis(0)), Err(Over::Bytes));
+    assert_eq!(t.connect(key, &b, 0, Millis(0)), Err(Over::Bytes));
+    // 100 KiB an hour: 1 KiB (MIN_TO_START) is back after 36 s.
+    assert_eq!(t.connect(key, &b, 0, Millis(35_999)), Err(Over::Bytes));
+    assert_eq!(t.connect(key, &b, 0, Millis(36_000)), Ok(()));
+}
+
+#[test]
+fn requests_charge_the_bytes_their_flow_moved_and_stop_when_none_are_left() {
+    let t = table(64);
+    let b = budget(Some(1000), Some(4096));
+    let a = id("sb-a");
+    assert_eq!(t.request((&a, 0), &b, 1000, Millis(0)), Ok(()));
+    t.charge((&a, 0), &b, 3000, Millis(0));
+    assert_eq!(t.request((&a, 0), &b, 96, Millis(0)), Err(Over::Bytes));
+    // 4 KiB an hour is a byte every ~879 ms.
+    assert_eq!(t.request((&a, 0), &b, 0, Millis(879)), Ok(()));
+}
+
+#[test]
+fn a_full_table_forgets_only_refilled_states_else_refuses() {
+    let t = table(SHARDS); // one state per shard
+    let b = budget(Some(2), None);
+    let sandboxes: Vec<SandboxId> = (0..4 * SHARDS).map(|i| id(&format!("sb-{i}"))).collect();
+    // Spend a token of each: a shard's second sandbox finds its shard full
+    // of a half-spent state, and is refused.
+    let refused: Vec<&SandboxId> = sandboxes
+        .iter()
+        .filter(|s| t.request((s, 0), &b, 0, Millis(0)) == Err(Over::NoState))
+        .collect();
+    assert!(!refused.is_empty(), "four times more sandboxes than room");
+    assert!(t.len() <= SHARDS);
+    assert_eq!(t.full.get(), refused.len() as u64);
+    assert_eq!(t.gauge.get(), t.len() as i64);
+    // Half a minute later the held states have refilled: one is forgotten
+    // for a newcomer, who starts full, and then holds a spent state.
+    let now = Millis(30_000);
+    assert_eq!(t.request((refused[0], 0), &b, 0, now), Ok(()));
+    assert_eq!(t.request((refused[0], 0), &b, 0, now), Ok(()));
+    assert_eq!(t.request((refused[0], 0), &b, 0, now), Err(Over::Requests));
+    assert_eq!(t.len() as i64, t.gauge.get());
+}
+
+#[test]
+fn a_forgotten_state_grants_nothing_it_had_not_refilled() {
+    // Property: whatever is forgotten was full, so the requests any sandbox
+    // gets in a minute never exceed burst + refill, with states churning.
+    let t = table(SHARDS);
+    let b = budget(Some(5), None);
+    let sandboxes: Vec<SandboxId> = (0..3 * SHARDS).map(|i| id(&format!("sb-{i}"))).collect();
+    let mut granted = vec![0u64; sandboxes.len()];
+    for ms in (0..60_000u64).step_by(1_000) {
+        for (i, s) in sandboxes.iter().enumerate() {
+            if t.request((s, 0), &b, 0, Millis(ms)) == Ok(()) {
+                granted[i] += 1;
+            }
+        }
+    }
+    for (i, g) in granted.iter().enumerate() {
+        assert!(*g <= 5 + 5, "sandbox {i} got {g} requests in a minute");
+    }
+}
+
+#[test]
+fn a_lowered_limit_caps_what_was_left() {
+    let t = table(64);
+    let a = id("sb-a");
+    assert_eq!(
+        t.request((&a, 0), &budget(Some(100), None), 0, Millis(0)),
+        Ok(())
+    );
+    let lower = budget(Some(1), None);
+    assert_eq!(t.request((&a, 0), &lower, 0, Millis(0)), Ok(()));
+    assert_eq!(
+        t.request((&a, 0), &lower, 0, Millis(0)),
+        Err(Over::Requests)
+    );
+}

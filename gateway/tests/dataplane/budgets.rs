@@ -1,0 +1,174 @@
+//! Budgets: a sandbox over its request budget gets `429`, another sandbox
+//! does not notice, the budget refills on the gateway's clock; a spliced
+//! bulk transfer is cut at its byte budget and the next flow is refused.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::*;
+
+const H1: &[&[u8]] = &[b"http/1.1"];
+
+/// One HTTP/1.1 GET on a kept-alive stream: the response head and body, as text.
+async fn get<S>(s: &mut S, host: &str, path: &str) -> String
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let req = format!("GET {path} HTTP/1.1\r\nhost: {host}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("an answer in time")
+            .expect("read");
+        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got);
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(|v| v.trim().parse().expect("length"))
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                return text.into_owned();
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_loop_over_its_request_budget_gets_429_and_the_other_sandbox_does_not() {
+    let e = env(Options::default()).await;
+    let p = r#"{"default": "deny", "tls_interception": "on",
+        "allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}, {"ip": "1.1.1.1"}],
+        "budgets": [{"destination": "other.example.test", "requests_per_minute": 100},
+                    {"destination": "*.example.test", "requests_per_minute": 3}]}"#;
+    e.sandbox("sb-a", SANDBOX_A, policy(p));
+    e.sandbox("sb-b", SANDBOX_B, policy(p));
+    let (mut a, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    for i in 0..3 {
+        let r = get(&mut a, "api.example.test", "/loop").await;
+        assert!(r.starts_with("HTTP/1.1 200"), "request {i}: {r}");
+    }
+    let over = get(&mut a, "api.example.test", "/loop").await;
+    assert!(over.starts_with("HTTP/1.1 429"), "{over}");
+    assert!(
+        over.contains("x-egress-denied: budget_exceeded; rule=1"),
+        "{over}"
+    );
+    assert!(over.contains("\"code\":\"budget_exceeded\""), "{over}");
+    // The connection stays open, and stays refused.
+    let again = get(&mut a, "api.example.test", "/loop").await;
+    assert!(again.starts_with("HTTP/1.1 429"), "{again}");
+    // The other sandbox, same policy, has a budget of its own.
+    let (mut b, _) = e
+        .tls(SANDBOX_B, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    for i in 0..3 {
+        let r = get(&mut b, "api.example.test", "/other").await;
+        assert!(r.starts_with("HTTP/1.1 200"), "sandbox b, request {i}: {r}");
+    }
+    // 3 a minute: a request's worth is back after 20 s on the gateway's clock.
+    e.clock.advance(Duration::from_secs(20));
+    let refilled = get(&mut a, "api.example.test", "/loop").await;
+    assert!(refilled.starts_with("HTTP/1.1 200"), "{refilled}");
+    let next = get(&mut a, "api.example.test", "/loop").await;
+    assert!(next.starts_with("HTTP/1.1 429"), "{next}");
+    drop((a, b));
+    let text = scrape(&e).await;
+    assert!(
+        text.contains("egress_budget_exceeded_total{kind=\"requests\"} 3"),
+        "{text}"
+    );
+    assert!(text.contains("egress_budget_states 2"), "{text}");
+    let lines = e.flow_lines(2).await;
+    let a_line = lines
+        .iter()
+        .find(|l| l["src"].as_str().is_some_and(|s| s.starts_with(SANDBOX_A)))
+        .expect("sandbox a's flow");
+    assert!(
+        a_line["request_denied"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("budget_exceeded budgets[1]")),
+        "{a_line}"
+    );
+}
+
+#[tokio::test]
+async fn a_spliced_bulk_transfer_is_cut_at_its_byte_budget_and_the_next_flow_refused() {
+    let e = env(Options::default()).await;
+    const BUDGET: u64 = 256 * 1024;
+    let p = format!(
+        r#"{{"default": "allow", "tls_interception": "on",
+        "tls_interception_exemptions": [{{"wildcard_domain": "*.relay.example.test"}}],
+        "budgets": [{{"destination": "*.relay.example.test", "bytes_per_hour": {BUDGET}}}]}}"#
+    );
+    e.sandbox("sb-a", SANDBOX_A, policy(&p));
+    e.sandbox("sb-b", SANDBOX_B, policy(&p));
+    e.resolve(SANDBOX_A, "a.relay.example.test.").await;
+    e.resolve(SANDBOX_B, "a.relay.example.test.").await;
+    let (mut tls, minted) = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(!minted, "spliced: the origin's own certificate");
+    let req = "GET /bytes/4194304 HTTP/1.1\r\nhost: a.relay.example.test\r\n\r\n";
+    tls.write_all(req.as_bytes()).await.expect("write");
+    let mut got = 0u64;
+    let mut buf = vec![0u8; 64 * 1024];
+    let cut = loop {
+        match tokio::time::timeout(Duration::from_secs(5), tls.read(&mut buf)).await {
+            Ok(Ok(0)) => break false,
+            Ok(Ok(n)) => got += n as u64,
+            Ok(Err(_)) => break true,
+            Err(_) => panic!("neither cut nor done after {got} bytes"),
+        }
+    };
+    assert!(cut, "reset, not closed: {got} bytes");
+    assert!(got > 64 * 1024, "bytes flowed before the cut: {got}");
+    assert!(got <= BUDGET, "at most the budget: {got}");
+    // The next flow to a covered name is refused at connect.
+    let refused = e
+        .tls(SANDBOX_A, e.origins.relay, "a.relay.example.test", H1)
+        .await;
+    assert!(refused.is_err(), "the next flow is refused");
+    // Another sandbox, same budget, downloads within its own.
+    let (b, _) = e
+        .tls(SANDBOX_B, e.origins.relay, "a.relay.example.test", H1)
+        .await
+        .expect("handshake");
+    let (status, body) = http_get_bytes(b, false, "a.relay.example.test", "/bytes/131072")
+        .await
+        .expect("sandbox b's download");
+    assert_eq!((status, body.len()), (200, 128 * 1024));
+    let lines = e.flow_lines(3).await;
+    let errors: Vec<&str> = lines.iter().filter_map(|l| l["error"].as_str()).collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("budget_exceeded: budgets[0]")),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["reason"] == "budget_exceeded" && l["verdict"] == "deny"),
+        "{lines:?}"
+    );
+    let text = scrape(&e).await;
+    assert!(
+        text.contains("egress_budget_exceeded_total{kind=\"bytes\"} 2"),
+        "{text}"
+    );
+}
