@@ -13,15 +13,17 @@ use serde_json::json;
 
 use crate::topology::*;
 
-const TENANT_TOKEN: &str = "tenant-token-0123456789";
-const ADMIN_TOKEN: &str = "admin-token-0123456789";
+pub const TENANT_TOKEN: &str = "tenant-token-0123456789";
+pub const ADMIN_TOKEN: &str = "admin-token-0123456789";
+/// A second tenant's token.
+pub const OTHER_TOKEN: &str = "other-tenant-token-0123456789";
 const PROFILES: &str = r#"{"sensor": {
     "allow": [{"domain": "api.example.test"}, {"domain": "other.example.test"}, {"domain": "turn.example.test"}],
     "tls_interception_exemptions": [{"domain": "turn.example.test"}]}}"#;
 
 /// The test cluster's socket directory and port, or `None` (skip) when
 /// there is none here.
-fn postgres() -> Option<(String, String)> {
+pub fn postgres() -> Option<(String, String)> {
     match std::env::var("EGRESS_PG_DIR") {
         Ok(dir) => Some((
             dir,
@@ -38,7 +40,7 @@ fn postgres() -> Option<(String, String)> {
 }
 
 /// The controller's two processes, ended by PID when the test ends.
-struct Controller(Vec<Child>);
+pub struct Controller(Vec<Child>);
 
 impl Drop for Controller {
     fn drop(&mut self) {
@@ -49,12 +51,13 @@ impl Drop for Controller {
     }
 }
 
-fn start_controller(t: &Topology, url: &str) -> Controller {
+pub fn start_controller(t: &Topology, url: &str) -> Controller {
     let tenants = t.path("tenants.json");
     std::fs::write(
         &tenants,
         format!(
             r#"{{"tokens": {{"{TENANT_TOKEN}": {{"tenant": "acme", "federated": true}},
+                            "{OTHER_TOKEN}": {{"tenant": "globex"}},
                             "{ADMIN_TOKEN}": {{"tenant": "ops", "admin": true}}}}}}"#
         ),
     )
@@ -89,7 +92,7 @@ fn start_controller(t: &Topology, url: &str) -> Controller {
 }
 
 /// A call to the controller's API from the gateway namespace.
-fn api(
+pub fn api(
     t: &Topology,
     method: &str,
     path: &str,
@@ -104,7 +107,7 @@ fn api(
     (code, serde_json::from_str(&body).unwrap_or(json!(body)))
 }
 
-fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !check() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
@@ -122,43 +125,9 @@ fn a_sandbox_created_through_the_controller_obeys_its_composed_policy_and_surviv
         return;
     };
     let mut t = Topology::new();
-    let db = format!("ns_{}", std::process::id());
-    let created = Command::new("psql")
-        .args([
-            "-h",
-            &socket_dir,
-            "-p",
-            &port,
-            "-U",
-            "postgres",
-            "-q",
-            "-c",
-            &format!("CREATE DATABASE {db}"),
-        ])
-        .output()
-        .expect("psql");
-    assert!(
-        created.status.success(),
-        "{}",
-        String::from_utf8_lossy(&created.stderr)
-    );
-    let url = format!("postgres://postgres@localhost:{port}/{db}?host={socket_dir}");
+    let url = fresh_database(&socket_dir, &port, "ns");
     let _controller = start_controller(&t, &url);
-    eventually("the API", || {
-        api(&t, "GET", "/healthz", TENANT_TOKEN, &[], None).0 == 200
-    });
-    let (s, v) = api(
-        &t,
-        "PUT",
-        "/v1/templates/base",
-        ADMIN_TOKEN,
-        &[],
-        Some(r#"{"policy": {"default": "deny", "tls_interception": "on"}}"#),
-    );
-    assert_eq!(s, 200, "{v}");
-    let worker = format!(r#"{{"admin_url": "http://127.0.0.1:15000", "pool": "{SB1_IP}/32"}}"#);
-    let (s, v) = api(&t, "PUT", "/v1/workers/w1", ADMIN_TOKEN, &[], Some(&worker));
-    assert_eq!(s, 200, "{v}");
+    base_and_worker(&t);
 
     // The tenant denies a name the profile allows: the deny wins.
     let tenant = r#"{"template": "base", "policy": {"default": "deny", "tls_interception": "on",
@@ -211,6 +180,43 @@ fn a_sandbox_created_through_the_controller_obeys_its_composed_policy_and_surviv
     });
     let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/again", &["-4"]);
     assert_eq!(code, 0, "after the resync: {body}");
+}
+
+/// A new database on the test cluster, named after `prefix` and this
+/// process; its URL (over the cluster's unix socket, which crosses namespaces).
+pub fn fresh_database(socket_dir: &str, port: &str, prefix: &str) -> String {
+    let db = format!("{prefix}_{}", std::process::id());
+    let created = Command::new("psql")
+        .args(["-h", socket_dir, "-p", port, "-U", "postgres", "-q", "-c"])
+        .arg(format!("CREATE DATABASE {db}"))
+        .output()
+        .expect("psql");
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    format!("postgres://postgres@localhost:{port}/{db}?host={socket_dir}")
+}
+
+/// Once the API answers: the template `base` (deny by default, intercepting)
+/// and the worker `w1` (this gateway, sb1's address as its pool).
+pub fn base_and_worker(t: &Topology) {
+    eventually("the API", || {
+        api(t, "GET", "/healthz", TENANT_TOKEN, &[], None).0 == 200
+    });
+    let (s, v) = api(
+        t,
+        "PUT",
+        "/v1/templates/base",
+        ADMIN_TOKEN,
+        &[],
+        Some(r#"{"policy": {"default": "deny", "tls_interception": "on"}}"#),
+    );
+    assert_eq!(s, 200, "{v}");
+    let worker = format!(r#"{{"admin_url": "http://127.0.0.1:15000", "pool": "{SB1_IP}/32"}}"#);
+    let (s, v) = api(t, "PUT", "/v1/workers/w1", ADMIN_TOKEN, &[], Some(&worker));
+    assert_eq!(s, 200, "{v}");
 }
 
 /// A TLS line to the TURN stand-in: whether the gateway presented the certificate.

@@ -16,5 +16,6 @@ mod machine;
 mod requests;
 mod scenarios;
 mod topology;
+mod tuning;
 mod unreadable;
 mod upstream_proxy;
