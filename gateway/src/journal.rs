@@ -211,6 +211,7 @@ pub fn recover(
                 let extras = crate::registry::Extras {
                     credentials: doc.credentials,
                     upstream_proxy: doc.upstream_proxy,
+                    shadow: doc.shadow,
                 };
                 let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, extras);
                 registry

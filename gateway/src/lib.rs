@@ -31,6 +31,7 @@ mod pool;
 pub mod redirect;
 pub mod registry;
 mod reply;
+pub mod shadow;
 mod splice;
 mod spliced;
 mod state;

@@ -39,6 +39,11 @@ pub struct Dataplane {
     pub(crate) resolver: Option<Arc<dns_attrib::DnsProxy>>,
     /// The operator's upstream proxies (`upstream_proxy`, fixed at start).
     pub(crate) proxies: crate::upstream_proxy::UpstreamProxies,
+    /// `shadow_diff_total`: differences of the sandboxes' shadow policies.
+    pub(crate) shadow_diffs: prometheus_client::metrics::family::Family<
+        crate::metrics::ShadowLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
 }
 
 impl Dataplane {
@@ -53,6 +58,7 @@ impl Dataplane {
         let doh_names = crate::doh::DohNames::new(&config.dns.doh_names);
         let proxies = crate::upstream_proxy::UpstreamProxies::new(&config.upstream_proxy);
         metrics.upstream_proxies(proxies.names().map(|n| n.as_str()));
+        let shadow_diffs = metrics.shadow_diffs();
         Self {
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
@@ -66,6 +72,7 @@ impl Dataplane {
             doh_names,
             resolver: None,
             proxies,
+            shadow_diffs,
         }
     }
 

@@ -73,6 +73,15 @@ impl<'a> Record<'a> {
         }
     }
 
+    /// The flow's answer under the sandbox's shadow policy.
+    pub(crate) fn shadow(&mut self, outcome: crate::shadow::Outcome) {
+        self.line.shadow = Some(outcome);
+    }
+
+    pub(crate) fn src(&self) -> Option<SocketAddr> {
+        self.line.src
+    }
+
     pub(crate) fn served(&mut self, out: Served) {
         self.line.bytes_up = out.bytes_up;
         self.line.bytes_down = out.bytes_down;
