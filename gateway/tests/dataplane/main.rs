@@ -9,6 +9,7 @@ mod explain;
 mod faults;
 mod harness;
 mod per_core;
+mod shadow;
 mod streams;
 mod two_readings;
 mod upstream_proxy;
