@@ -212,7 +212,7 @@ impl Worker {
         self.registry
             .put_prepared(s.clone())
             .map_err(NotApplied::Refused)?;
-        records.push(journal::Change::Put(SandboxDoc::from(&*s)));
+        records.push(journal::Change::Put(Box::new(SandboxDoc::from(&*s))));
         Ok(())
     }
 

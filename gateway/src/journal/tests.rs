@@ -18,7 +18,7 @@ fn doc(id: &str, addr: &str) -> SandboxDoc {
 fn put(seq: u64, id: &str, addr: &str) -> Record {
     Record {
         seq,
-        change: Change::Put(doc(id, addr)),
+        change: Change::Put(Box::new(doc(id, addr))),
     }
 }
 
@@ -142,7 +142,7 @@ fn credentials_are_kept_as_references_and_recovered() {
         dir.path(),
         &[Record {
             seq: 1,
-            change: Change::Put(d.clone()),
+            change: Change::Put(Box::new(d.clone())),
         }],
     );
     let bytes = std::fs::read(dir.path().join(JOURNAL_FILE)).expect("journal");
