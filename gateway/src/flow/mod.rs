@@ -56,19 +56,6 @@ pub(crate) async fn handle(
         &dp.doh_names,
     );
     rec.decided(&claims, &decided, &accepted.sandbox);
-    if let Some(shadow) = &accepted.sandbox.shadow {
-        let judge = crate::shadow::Judge {
-            doh: &dp.doh_names,
-            diffs: &dp.shadow_diffs,
-        };
-        rec.shadow(crate::shadow::flow(
-            &judge,
-            shadow,
-            &claims,
-            &decided,
-            rec.src(),
-        ));
-    }
     match decided.verdict {
         Verdict::Deny(_) => deny(&mut stream, &claims, &decided.verdict, &accepted).await,
         Verdict::Intercept(_, why) => {
