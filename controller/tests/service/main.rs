@@ -8,3 +8,4 @@ mod support;
 mod creates;
 mod gateways;
 mod network;
+mod shadow;
