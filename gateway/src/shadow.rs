@@ -15,6 +15,8 @@
 //! with it (journal and snapshot); its report is in memory only and starts
 //! again after a restart.
 
+#[doc(hidden)]
+pub mod bench;
 mod report;
 
 use std::sync::Arc;
