@@ -27,6 +27,8 @@ use crate::ops::{self, create_payload};
 use crate::store::{self, NewOperation, NewSandbox, Placement, SandboxRow};
 use crate::{e2b, ids};
 
+mod shadow;
+
 /// Largest request body accepted.
 const MAX_BODY: usize = 1 << 20;
 
@@ -81,6 +83,13 @@ fn route_of(method: &Method, segments: &[&str]) -> &'static str {
         ("DELETE", ["v1", "sandboxes", _]) => "destroy",
         ("PUT", ["v1", "sandboxes", _, "network"]) => "network",
         ("PUT", ["sandboxes", _, "network"]) => "e2b_network",
+        ("PUT", ["v1", "sandboxes", _, "shadow"]) => "shadow_put",
+        ("DELETE", ["v1", "sandboxes", _, "shadow"]) => "shadow_delete",
+        ("GET", ["v1", "sandboxes", _, "shadow", "report"]) => "shadow_report",
+        ("POST", ["v1", "sandboxes", _, "shadow", "promote"]) => "shadow_promote",
+        ("PUT", ["v1", "templates", _, "shadow"]) => "template_shadow_put",
+        ("DELETE", ["v1", "templates", _, "shadow"]) => "template_shadow_delete",
+        ("GET", ["v1", "templates", _, "shadow", "report"]) => "template_shadow_report",
         ("POST", ["v1", "sandboxes", _, "fork"]) => "fork",
         ("GET", ["v1", "sandboxes", _, "proposals"]) => "proposals",
         ("POST", ["v1", "sandboxes", _, "proposals", _, "approve"]) => "approve",
@@ -158,9 +167,22 @@ impl Api {
                 self.lifecycle(&caller, &id, &action).await
             }
             "operation" => self.operation(&caller, &id).await,
+            "shadow_put" => self.put_shadow(&caller, &id, body(req).await).await,
+            "shadow_delete" => self.delete_shadow(&caller, &id).await,
+            "shadow_report" => self.shadow_report(&caller, &id).await,
+            "shadow_promote" => self.promote_shadow(&caller, &id).await,
             "template" if caller.admin => self.template(&id, body(req).await).await,
             "worker" if caller.admin => self.worker(&id, body(req).await).await,
-            "template" | "worker" => {
+            "template_shadow_put" if caller.admin => {
+                self.put_template_shadow(&id, body(req).await).await
+            }
+            "template_shadow_delete" if caller.admin => self.delete_template_shadow(&id).await,
+            "template_shadow_report" if caller.admin => self.template_shadow_report(&id).await,
+            "template"
+            | "worker"
+            | "template_shadow_put"
+            | "template_shadow_delete"
+            | "template_shadow_report" => {
                 Err(error(StatusCode::FORBIDDEN, "an admin token is required"))
             }
             _ => Err(error(StatusCode::NOT_FOUND, "no such route")),
@@ -517,9 +539,23 @@ impl Api {
         base: Option<Policy>,
     ) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
+        let row = self.replace_in(&mut tx, caller, id, base).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(json_reply(StatusCode::OK, &row.document()))
+    }
+
+    /// [`Self::replace`] inside `tx` (which the caller commits); the
+    /// sandbox as saved.
+    async fn replace_in(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        caller: &Tenant,
+        id: &str,
+        base: Option<Policy>,
+    ) -> Result<SandboxRow, Reply> {
         let row = visible(
             caller,
-            store::sandbox_for_update(&mut tx, id).await.map_err(db)?,
+            store::sandbox_for_update(tx, id).await.map_err(db)?,
             id,
         )?;
         if !matches!(
@@ -534,23 +570,16 @@ impl Api {
         let inherit = base.is_none();
         let base = match base {
             Some(b) => b,
-            None => store::template_policy(&mut tx, &row.template)
+            None => store::template_policy(tx, &row.template)
                 .await
                 .map_err(db)?
                 .ok_or_else(|| {
                     error(StatusCode::CONFLICT, "the template is no longer registered")
                 })?,
         };
-        let eff =
-            effective(&self.deployment, &base, &row.egress_profiles, inherit).map_err(|m| {
-                self.metrics.admitted(&m.admissions);
-                let missing: Vec<&str> = m.admissions.iter().map(|a| a.profile.as_str()).collect();
-                json_reply(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    &json!({"error": m.to_string(), "missing_profiles": missing}),
-                )
-            })?;
-        let (policy, provenance) = laid_over(&mut tx, &row, &eff).await.map_err(db)?;
+        let eff = effective(&self.deployment, &base, &row.egress_profiles, inherit)
+            .map_err(|m| self.unresolved(&m))?;
+        let (policy, provenance) = laid_over(tx, &row, &eff).await.map_err(db)?;
         let placement = Placement {
             policy: &policy,
             inherits_template: eff.inherits_template,
@@ -559,15 +588,24 @@ impl Api {
             worker: None,
             addresses: &row.addresses,
         };
-        store::save_effective(&mut tx, id, &placement)
+        store::save_effective(tx, id, &placement)
             .await
             .map_err(db)?;
-        let row = store::sandbox(&mut tx, id).await.map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        Ok(json_reply(
-            StatusCode::OK,
-            &row.map(|r| r.document()).unwrap_or_default(),
-        ))
+        store::sandbox(tx, id)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}")))
+    }
+
+    /// A saved profile name this process no longer configures: `503` with
+    /// the missing names (counted as admissions).
+    fn unresolved(&self, m: &egress_policy::MissingProfile) -> Reply {
+        self.metrics.admitted(&m.admissions);
+        let missing: Vec<&str> = m.admissions.iter().map(|a| a.profile.as_str()).collect();
+        json_reply(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"error": m.to_string(), "missing_profiles": missing}),
+        )
     }
 
     /// Stop/start, pause/resume, suspend/restore, rollback and destroy: the

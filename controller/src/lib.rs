@@ -7,6 +7,7 @@
 //!   queued operations and pushes every change to the worker's gateway.
 //! - [`compose`]: a sandbox's effective policy and where each rule came from;
 //!   the rules themselves live in `egress-policy`.
+//! - [`shadow_report`]: a template rollout's shadow reports merged.
 //! - [`store`]: the schema (versioned migrations) and every statement.
 
 pub mod api;
@@ -20,4 +21,5 @@ pub mod gateway_client;
 pub mod ids;
 pub mod metrics;
 pub mod ops;
+pub mod shadow_report;
 pub mod store;

@@ -10,6 +10,8 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
+pub mod shadow;
+
 /// The schema, embedded at build time from `controller/migrations/`.
 /// Migrations a newer build applied and this one does not know are
 /// ignored, not refused: in a rolling upgrade an old replica that restarts

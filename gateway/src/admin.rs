@@ -10,6 +10,8 @@
 //! | `POST /v1/explain` | `{"sandbox", "dst", "tls", "sni", "host"}`: the decision now, and why |
 //! | `GET /v1/sandboxes/{id}/attribution` | live attribution with remaining TTL |
 //! | `GET /v1/sandboxes/{id}/proposals` | allow entries the sandbox's denials propose ([`crate::proposed`]) |
+//! | `PUT`/`GET`/`DELETE /v1/sandboxes/{id}/shadow` | a candidate policy judged beside the active one ([`crate::shadow`]) |
+//! | `GET /v1/sandboxes/{id}/shadow/report`, `POST …/shadow/promote` | what it would change; make it the policy |
 //! | `/v1/vms/…`, `/v1/network/egress/defaults` | machine egress ([`crate::machine::api`]) |
 //! | `GET /healthz`, `/readyz`, `/metrics` | |
 //!
@@ -40,6 +42,8 @@ use crate::persist::{self, SandboxDoc};
 use crate::registry::Extras;
 use crate::state::Dataplane;
 use crate::upstream_proxy::ProxyChoice;
+
+mod shadow;
 
 /// The control API's state: the dataplane it changes, and what only it uses.
 pub(crate) struct Control {
@@ -194,6 +198,9 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     if let ["v1", "vms", ..] | ["v1", "network", ..] = segments.as_slice() {
         return crate::machine::api::route(req, &ctl.machines, &ctl.dp).await;
     }
+    if let ["v1", "sandboxes", _, "shadow", ..] = segments.as_slice() {
+        return shadow_route(req, ctl, &segments).await;
+    }
     match (&method, segments.as_slice()) {
         (&Method::GET, ["metrics"]) => metrics(ctl),
         (&Method::GET, ["v1", "sandboxes"]) => list(ctl),
@@ -226,6 +233,31 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
         _ => error(
             StatusCode::NOT_FOUND,
             &format!("no route {method} {path}"),
+            None,
+        ),
+    }
+}
+
+/// The shadow routes ([`shadow`]).
+async fn shadow_route(req: Request<Incoming>, ctl: &Control, segments: &[&str]) -> Reply {
+    let method = req.method().clone();
+    match (&method, segments) {
+        (&Method::PUT, ["v1", "sandboxes", id, "shadow"]) => {
+            let id = (*id).to_owned();
+            match body::<shadow::PutShadow>(req).await {
+                Ok(doc) => shadow::put(ctl, &id, doc).await,
+                Err(r) => rejected(ctl, r),
+            }
+        }
+        (&Method::GET, ["v1", "sandboxes", id, "shadow"]) => shadow::get(ctl, id),
+        (&Method::DELETE, ["v1", "sandboxes", id, "shadow"]) => shadow::delete(ctl, id).await,
+        (&Method::GET, ["v1", "sandboxes", id, "shadow", "report"]) => shadow::report(ctl, id),
+        (&Method::POST, ["v1", "sandboxes", id, "shadow", "promote"]) => {
+            shadow::promote(ctl, id).await
+        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no route {method} /{}", segments.join("/")),
             None,
         ),
     }
@@ -313,6 +345,7 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     let extras = Extras {
         credentials: doc.credentials,
         upstream_proxy: doc.upstream_proxy,
+        shadow: None,
     };
     // Compiling the policy is the costly part: done here, concurrently.
     let sandbox = ctl

@@ -16,14 +16,21 @@ use tokio::sync::{mpsc, oneshot};
 use crate::journal::{self, Journal, Record};
 use crate::persist::{self, SandboxDoc};
 use crate::registry::{Registry, RegistryError, Sandbox};
+use crate::shadow::ShadowDoc;
 
 /// Pushes committed together at most.
 const MAX_BATCH: usize = 1_024;
 
 /// One change the control API asks for.
 pub(crate) enum Change {
+    /// A push; the sandbox's shadow, if it has one, is kept.
     Put(Arc<Sandbox>),
     Delete(SandboxId),
+    /// Sets (or, `None`, drops) a sandbox's shadow: compiled here, against
+    /// the credentials the sandbox has when it applies.
+    Shadow(SandboxId, Option<ShadowDoc>),
+    /// The shadow's candidate becomes the policy, the shadow goes: one put.
+    Promote(SandboxId),
     /// A resync: everything at once, written as a new snapshot.
     Replace(Vec<Arc<Sandbox>>),
     /// The last change (a takeover): the thread answers and stops, so every
@@ -35,7 +42,8 @@ pub(crate) enum Change {
 #[derive(Debug)]
 pub(crate) enum NotApplied {
     Refused(RegistryError),
-    /// A delete of a sandbox that is not there.
+    /// A delete (or a shadow change) of a sandbox that is not there, a
+    /// promotion of a shadow that is not there.
     Missing,
     /// Not durable: not applied.
     Failed(String),
@@ -129,7 +137,7 @@ impl Worker {
                     let _ = first.reply.send(Ok(()));
                     return;
                 }
-                Change::Put(_) | Change::Delete(_) => {}
+                Change::Put(_) | Change::Delete(_) | Change::Shadow(..) | Change::Promote(_) => {}
             }
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH {
@@ -155,12 +163,14 @@ impl Worker {
         let mut outcomes = Vec::with_capacity(batch.len());
         for job in &batch {
             let outcome = match &job.change {
-                Change::Put(s) => match self.registry.put_prepared(s.clone()) {
-                    Ok(()) => {
-                        records.push(journal::Change::Put(Box::new(SandboxDoc::from(&**s))));
-                        Ok(())
-                    }
-                    Err(e) => Err(NotApplied::Refused(e)),
+                Change::Put(s) => self.put(self.kept_shadow(s), &mut records),
+                Change::Shadow(id, doc) => match self.shadowed(id, doc.clone()) {
+                    Some(s) => self.put(Arc::new(s), &mut records),
+                    None => Err(NotApplied::Missing),
+                },
+                Change::Promote(id) => match self.registry.get(id).and_then(|s| s.promoted()) {
+                    Some(s) => self.put(Arc::new(s), &mut records),
+                    None => Err(NotApplied::Missing),
                 },
                 Change::Delete(id) if self.registry.remove(id) => {
                     records.push(journal::Change::Delete(id.to_string()));
@@ -197,12 +207,49 @@ impl Worker {
         }
     }
 
+    /// Applies one put and queues its record.
+    fn put(&self, s: Arc<Sandbox>, records: &mut Vec<journal::Change>) -> Outcome {
+        self.registry
+            .put_prepared(s.clone())
+            .map_err(NotApplied::Refused)?;
+        records.push(journal::Change::Put(Box::new(SandboxDoc::from(&*s))));
+        Ok(())
+    }
+
+    /// A pushed sandbox that names no shadow keeps the one it has (its
+    /// report too), compiled again if its credentials changed.
+    fn kept_shadow(&self, s: &Arc<Sandbox>) -> Arc<Sandbox> {
+        if s.shadow.is_some() {
+            return s.clone();
+        }
+        let Some(old) = self.registry.get(&s.id) else {
+            return s.clone();
+        };
+        let Some(shadow) = &old.shadow else {
+            return s.clone();
+        };
+        let shadow = if old.credentials == s.credentials {
+            shadow.clone()
+        } else {
+            Arc::new(self.registry.compile_shadow(shadow.doc(), &s.credentials))
+        };
+        Arc::new(s.with_shadow(Some(shadow)))
+    }
+
+    /// Sandbox `id` with the shadow `doc` (or none); `None` without the sandbox.
+    fn shadowed(&self, id: &SandboxId, doc: Option<ShadowDoc>) -> Option<Sandbox> {
+        let s = self.registry.get(id)?;
+        let shadow = doc.map(|d| Arc::new(self.registry.compile_shadow(d, &s.credentials)));
+        Some(s.with_shadow(shadow))
+    }
+
     /// A resync: the new state goes to a new snapshot, and the journal starts over.
     fn replace(&mut self, job: Job) {
         let Change::Replace(sandboxes) = job.change else {
             return;
         };
         let before = self.registry.checkpoint();
+        let sandboxes = sandboxes.iter().map(|s| self.kept_shadow(s)).collect();
         let outcome = match self.registry.replace_prepared(sandboxes) {
             Err(e) => Err(NotApplied::Refused(e)),
             Ok(()) => match self.snapshot(self.generation.load(Ordering::Acquire) + 1) {

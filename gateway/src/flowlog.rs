@@ -53,6 +53,10 @@ pub struct FlowRecord {
     /// through): `<code> <rule>: <method> <path>`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub would_deny: Option<String>,
+    /// The flow under the sandbox's shadow policy, when it has one:
+    /// `{verdict, reason}`, or `"unobservable"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<crate::shadow::Outcome>,
 }
 
 /// Lines queued for the writer before new ones are dropped (and counted).

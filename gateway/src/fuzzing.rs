@@ -117,6 +117,7 @@ fn put_sandbox(text: &str) -> Result<String, String> {
     let extras = crate::registry::Extras {
         credentials: doc.credentials,
         upstream_proxy: doc.upstream_proxy,
+        shadow: None,
     };
     let sandbox = registry.prepare_with(SandboxId::new("fuzz"), doc.addresses, doc.policy, extras);
     registry

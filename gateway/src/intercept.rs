@@ -137,6 +137,14 @@ pub(crate) async fn http_flow(
     out
 }
 
+/// A refused request's answer, for the shadow's comparison.
+fn deny_of(d: &Denial) -> crate::shadow::Judged {
+    crate::shadow::Judged {
+        verdict: "deny",
+        reason: d.code,
+    }
+}
+
 /// Terminates `client` with a minted leaf and serves it.
 async fn intercept<S>(
     dp: &Arc<Dataplane>,
@@ -348,15 +356,26 @@ impl Conn {
             Err(Refused::Misdirected) => return misdirected(),
         };
         let host = authority.name();
-        let lookup = match self.judge(host) {
-            Ok(lookup) => lookup,
+        let (lookup, judged) = self.judge(host);
+        let allowed = match judged {
+            Ok(allowed) => allowed,
             Err(None) => return misdirected(),
-            Err(Some(denial)) => return refused_after_body(req, denial).await,
+            Err(Some(denial)) => {
+                self.shadow_request(&req, host, &lookup, deny_of(&denial));
+                return refused_after_body(req, denial).await;
+            }
         };
-        if let Err(denial) = self
-            .per_request(&mut req, host, &lookup)
-            .and_then(|()| self.within_budget(host, &lookup))
-        {
+        let checked = self.per_request(&mut req, host, &lookup);
+        if self.sandbox.shadow.is_some() {
+            let active = match &checked {
+                // A credential's refusal is not the policy's: the candidate
+                // shares the credentials, and would refuse it too.
+                Err(d) if !d.code.starts_with("credential_") => deny_of(d),
+                Ok(()) | Err(_) => allowed,
+            };
+            self.shadow_request(&req, host, &lookup, active);
+        }
+        if let Err(denial) = checked.and_then(|()| self.within_budget(host, &lookup)) {
             return refused_after_body(req, denial).await;
         }
         // The name the origin's certificate must carry (none: its address).
@@ -411,11 +430,41 @@ impl Conn {
         Ok(authority)
     }
 
-    /// Decides this request (an IP-literal authority names no domain: `host`
-    /// is `None`): the attribution it was judged on, or why it is denied
-    /// (`None`: misdirected).
-    fn judge(&self, host: Option<&Hostname>) -> Result<Lookup, Option<Denial>> {
-        let claims = Claims {
+    /// Judges this request under the sandbox's shadow policy, if it has
+    /// one, on the evidence the active policy judged it on.
+    fn shadow_request(
+        &self,
+        req: &Request<Incoming>,
+        host: Option<&Hostname>,
+        lookup: &Lookup,
+        active: crate::shadow::Judged,
+    ) {
+        let Some(shadow) = &self.sandbox.shadow else {
+            return;
+        };
+        let attributed = lookup.names();
+        let target = req
+            .uri()
+            .path_and_query()
+            .map_or_else(|| req.uri().path(), |pq| pq.as_str());
+        let request = crate::shadow::Request {
+            claims: self.claims(host),
+            tls: self.tls,
+            attributed: &attributed,
+            gap: lookup.gap(),
+            method: req.method().as_str(),
+            target,
+        };
+        let judge = crate::shadow::Judge {
+            doh: &self.dp.doh_names,
+            diffs: &self.dp.shadow_diffs,
+        };
+        crate::shadow::request(&judge, shadow, &request, active);
+    }
+
+    /// The claims of a request on this flow (`host`: its name, if any).
+    fn claims<'a>(&'a self, host: Option<&'a Hostname>) -> Claims<'a> {
+        Claims {
             dst: self.dst,
             protocol: if self.tls {
                 Protocol::Tls
@@ -426,7 +475,17 @@ impl Conn {
             host,
             // The flow is terminated: what a request is for is its own name.
             ech: false,
-        };
+        }
+    }
+
+    /// Decides this request (an IP-literal authority names no domain: `host`
+    /// is `None`): the attribution it was judged on, and the request's answer
+    /// if let through, or why it is denied (`None`: misdirected).
+    fn judge(
+        &self,
+        host: Option<&Hostname>,
+    ) -> (Lookup, Result<crate::shadow::Judged, Option<Denial>>) {
+        let claims = self.claims(host);
         let decided = decide(
             &self.dp.cache,
             &self.sandbox.id,
@@ -435,7 +494,7 @@ impl Conn {
             &self.dp.doh_names,
         );
         let verdict = decided.verdict;
-        match verdict {
+        let answer = match verdict {
             Verdict::Deny(Denied::Misdirected) => Err(None),
             Verdict::Deny(_) => {
                 let seen = crate::proposed::Seen {
@@ -457,8 +516,11 @@ impl Conn {
                     detail: verdict.describe(&self.sandbox.policy),
                 }))
             }
-            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => Ok(decided.lookup),
-        }
+            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => {
+                Ok(crate::shadow::allowed(&verdict))
+            }
+        };
+        (decided.lookup, answer)
     }
 
     /// The per-request rules and the credentials, for a request its flow's

@@ -205,6 +205,7 @@ pub fn recover(
     for r in records.into_iter().filter(|r| r.seq > snapshot_seq) {
         match r.change {
             Change::Put(doc) => {
+                let doc = *doc;
                 let id = SandboxId::parse(&doc.id).map_err(|e| PersistError::Corrupt {
                     path: journal.path.clone(),
                     message: format!("record {}: {e}", r.seq),
@@ -212,6 +213,7 @@ pub fn recover(
                 let extras = crate::registry::Extras {
                     credentials: doc.credentials,
                     upstream_proxy: doc.upstream_proxy,
+                    shadow: doc.shadow.map(|b| *b),
                 };
                 let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, extras);
                 registry

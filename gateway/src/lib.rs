@@ -33,6 +33,7 @@ mod proposed;
 pub mod redirect;
 pub mod registry;
 mod reply;
+pub mod shadow;
 mod splice;
 mod spliced;
 mod state;

@@ -27,6 +27,15 @@ pub(crate) struct FlowLabels {
     pub(crate) reason: &'static str,
 }
 
+/// A shadow difference: the active verdict, the candidate's verdict (or
+/// `unobservable`) and the candidate's reason code.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ShadowLabels {
+    pub(crate) active: &'static str,
+    pub(crate) shadow: &'static str,
+    pub(crate) reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct DirectionLabels {
     pub(crate) direction: &'static str,
@@ -356,6 +365,17 @@ impl Metrics {
                 result,
             })
             .inc();
+    }
+
+    /// Registers `shadow_diff_total` and returns the family to count into.
+    pub(crate) fn shadow_diffs(&mut self) -> Family<ShadowLabels, Counter> {
+        let family = Family::<ShadowLabels, Counter>::default();
+        self.registry.register(
+            "shadow_diff",
+            "Flows and requests a sandbox's shadow (candidate) policy judged otherwise than its active policy, by active verdict, shadow verdict (unobservable: the candidate judges requests the active flow does not show) and the shadow's reason code",
+            family.clone(),
+        );
+        family
     }
 
     /// Adds the flow log's dropped-line count, read at scrape time.

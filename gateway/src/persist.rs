@@ -45,6 +45,10 @@ pub struct SandboxDoc {
     /// the worker's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_proxy: Option<ProxyChoice>,
+    /// A candidate policy judged beside `policy` (`PUT …/shadow`); kept by
+    /// a push that does not name one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<Box<crate::shadow::ShadowDoc>>,
 }
 
 impl From<&Sandbox> for SandboxDoc {
@@ -55,6 +59,7 @@ impl From<&Sandbox> for SandboxDoc {
             policy: s.policy.policy().clone(),
             credentials: s.credentials.clone(),
             upstream_proxy: s.upstream_proxy.clone(),
+            shadow: s.shadow.as_ref().map(|sh| Box::new(sh.doc())),
         }
     }
 }
@@ -70,6 +75,7 @@ impl SandboxDoc {
             Extras {
                 credentials: self.credentials,
                 upstream_proxy: self.upstream_proxy,
+                shadow: self.shadow.map(|b| *b),
             },
         )
     }

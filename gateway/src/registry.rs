@@ -15,6 +15,7 @@ use egress_policy::SandboxId;
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
 
 use crate::credentials::Credential;
+use crate::shadow::{Shadow, ShadowDoc};
 use crate::upstream_proxy::ProxyChoice;
 
 /// One sandbox: its addresses, its compiled effective policy, its
@@ -24,10 +25,12 @@ use crate::upstream_proxy::ProxyChoice;
 pub struct Sandbox {
     pub id: SandboxId,
     pub addresses: Vec<IpAddr>,
-    pub policy: CompiledPolicy,
+    pub policy: Arc<CompiledPolicy>,
     pub credentials: Vec<Credential>,
     /// `direct` or a configured proxy; `None`: the worker's default.
     pub upstream_proxy: Option<ProxyChoice>,
+    /// A candidate policy judged beside `policy`, never enforced ([`crate::shadow`]).
+    pub shadow: Option<Arc<Shadow>>,
 }
 
 /// What a registration carries besides its addresses and policy.
@@ -35,6 +38,7 @@ pub struct Sandbox {
 pub struct Extras {
     pub credentials: Vec<Credential>,
     pub upstream_proxy: Option<ProxyChoice>,
+    pub shadow: Option<ShadowDoc>,
 }
 
 /// Why a change was refused.
@@ -229,20 +233,60 @@ impl Registry {
         Extras {
             credentials,
             upstream_proxy,
+            shadow,
         }: Extras,
     ) -> Sandbox {
+        let shadow = shadow.map(|d| Arc::new(self.compile_shadow(d, &credentials)));
+        Sandbox {
+            id,
+            addresses: addresses.into_iter().map(|a| a.to_canonical()).collect(),
+            policy: Arc::new(self.compile_policy(policy, &credentials)),
+            credentials,
+            upstream_proxy,
+            shadow,
+        }
+    }
+
+    /// Compiles `policy` for a sandbox with `credentials`.
+    fn compile_policy(&self, policy: Policy, credentials: &[Credential]) -> CompiledPolicy {
         let hosts = credentials.iter().map(|c| {
             let list = c.hosts.iter().map(|h| h.destination()).collect();
             (c.name.as_str(), list)
         });
-        let policy = CompiledPolicy::with_credentials(policy, self.platform.clone(), hosts);
-        Sandbox {
-            id,
-            addresses: addresses.into_iter().map(|a| a.to_canonical()).collect(),
-            policy,
-            credentials,
-            upstream_proxy,
+        CompiledPolicy::with_credentials(policy, self.platform.clone(), hosts)
+    }
+
+    /// Compiles a candidate for a sandbox with `credentials`.
+    pub fn compile_shadow(&self, doc: ShadowDoc, credentials: &[Credential]) -> Shadow {
+        Shadow::new(
+            Arc::new(self.compile_policy(doc.policy, credentials)),
+            doc.since,
+        )
+    }
+}
+
+// === impl Sandbox ===
+
+impl Sandbox {
+    /// This sandbox with another shadow (or none).
+    pub fn with_shadow(&self, shadow: Option<Arc<Shadow>>) -> Self {
+        Self {
+            id: self.id.clone(),
+            addresses: self.addresses.clone(),
+            policy: self.policy.clone(),
+            credentials: self.credentials.clone(),
+            upstream_proxy: self.upstream_proxy.clone(),
+            shadow,
         }
+    }
+
+    /// This sandbox with its shadow's candidate as its policy and no
+    /// shadow; `None` without a shadow.
+    pub fn promoted(&self) -> Option<Self> {
+        let candidate = self.shadow.as_ref()?.policy.clone();
+        let mut next = self.with_shadow(None);
+        next.policy = candidate;
+        Some(next)
     }
 }
 

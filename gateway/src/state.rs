@@ -43,6 +43,11 @@ pub struct Dataplane {
     pub(crate) proposed: crate::proposed::Proposed,
     /// Request and byte budgets spent ([`crate::budget`]).
     pub(crate) budgets: Arc<crate::budget::BudgetTable>,
+    /// `shadow_diff_total`: differences of the sandboxes' shadow policies.
+    pub(crate) shadow_diffs: prometheus_client::metrics::family::Family<
+        crate::metrics::ShadowLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
 }
 
 impl Dataplane {
@@ -62,6 +67,7 @@ impl Dataplane {
             metrics.budgets.states.clone(),
             metrics.budgets.states_full.clone(),
         ));
+        let shadow_diffs = metrics.shadow_diffs();
         Self {
             budgets,
             config: arc_swap::ArcSwap::from_pointee(config),
@@ -77,6 +83,7 @@ impl Dataplane {
             resolver: None,
             proxies,
             proposed: crate::proposed::Proposed::default(),
+            shadow_diffs,
         }
     }
 

@@ -14,6 +14,10 @@
 //! ```sh
 //! ip netns exec SANDBOX egress-replay --log flows.jsonl --gateway-ca gw.crt --origin-ca origin.crt
 //! ```
+//!
+//! With `--shadow CANDIDATE` it sends nothing: each recorded decision is
+//! judged again under the candidate and the differences are reported in the
+//! shape of the gateway's shadow report ([`shadow`]).
 
 use std::io::BufRead;
 use std::net::SocketAddr;
@@ -30,6 +34,9 @@ use serde::Deserialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+#[path = "replay/shadow.rs"]
+mod shadow;
+
 #[derive(Parser)]
 #[command(about = "Replay a flow log from inside a sandbox and compare verdicts")]
 struct Args {
@@ -37,11 +44,15 @@ struct Args {
     #[arg(long)]
     log: PathBuf,
     /// The gateway's interception CA certificate.
-    #[arg(long)]
-    gateway_ca: PathBuf,
+    #[arg(long, required_unless_present = "shadow")]
+    gateway_ca: Option<PathBuf>,
     /// The CA the origins' certificates chain to.
+    #[arg(long, required_unless_present = "shadow")]
+    origin_ca: Option<PathBuf>,
+    /// A candidate policy: judge every recorded decision again under it
+    /// and report the differences, offline (no traffic is replayed).
     #[arg(long)]
-    origin_ca: PathBuf,
+    shadow: Option<PathBuf>,
     /// Flows in flight at once.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
@@ -71,6 +82,8 @@ struct Recorded {
     attributed: Vec<String>,
     verdict: String,
     #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
     bytes_down: u64,
     /// Seconds since the first flow, when `ts` is not used (generated samples).
     #[serde(default)]
@@ -89,7 +102,8 @@ struct Clients {
     gateway_ca_der: Vec<CertificateDer<'static>>,
 }
 
-fn load(path: &PathBuf) -> Result<Vec<CertificateDer<'static>>, String> {
+fn load(path: Option<&PathBuf>) -> Result<Vec<CertificateDer<'static>>, String> {
+    let path = path.ok_or("--gateway-ca and --origin-ca are required to replay")?;
     CertificateDer::pem_file_iter(path)
         .map_err(|e| format!("{}: {e}", path.display()))?
         .collect::<Result<Vec<_>, _>>()
@@ -97,8 +111,8 @@ fn load(path: &PathBuf) -> Result<Vec<CertificateDer<'static>>, String> {
 }
 
 fn clients(args: &Args) -> Result<Clients, String> {
-    let gateway = load(&args.gateway_ca)?;
-    let origin = load(&args.origin_ca)?;
+    let gateway = load(args.gateway_ca.as_ref())?;
+    let origin = load(args.origin_ca.as_ref())?;
     let mut roots = rustls::RootCertStore::empty();
     for c in gateway.iter().chain(&origin) {
         roots.add(c.clone()).map_err(|e| e.to_string())?;
@@ -203,9 +217,50 @@ async fn http_get<S: AsyncRead + AsyncWrite + Unpin>(
     Ok((status, total))
 }
 
+/// The flow log's lines, at most `limit`.
+fn read_log(path: &PathBuf, limit: Option<usize>) -> Result<Vec<Recorded>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut flows = Vec::new();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let Ok(line) = line else { break };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r = serde_json::from_str::<Recorded>(&line)
+            .map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))?;
+        flows.push(r);
+        if limit.is_some_and(|l| flows.len() >= l) {
+            break;
+        }
+    }
+    Ok(flows)
+}
+
+/// `--shadow`: the recorded decisions judged under the candidate.
+fn shadow_report(args: &Args, candidate: &std::path::Path) -> Result<serde_json::Value, String> {
+    let policy = shadow::candidate(candidate)?;
+    let flows = read_log(&args.log, args.limit)?;
+    Ok(shadow::report(&policy, &flows))
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(candidate) = &args.shadow {
+        return match shadow_report(&args, candidate) {
+            Ok(report) => {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("egress-replay: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let c = match clients(&args) {
         Ok(c) => Arc::new(c),
         Err(e) => {
@@ -213,30 +268,13 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let file = match std::fs::File::open(&args.log) {
+    let flows = match read_log(&args.log, args.limit) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("egress-replay: {}: {e}", args.log.display());
+            eprintln!("egress-replay: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let mut flows = Vec::new();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let Ok(line) = line else { break };
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str::<Recorded>(&line) {
-            Ok(r) => flows.push(r),
-            Err(e) => {
-                eprintln!("egress-replay: {}:{}: {e}", args.log.display(), i + 1);
-                return ExitCode::FAILURE;
-            }
-        }
-        if args.limit.is_some_and(|l| flows.len() >= l) {
-            break;
-        }
-    }
     let total = flows.len();
     let bar = if args.quiet {
         indicatif::ProgressBar::hidden()

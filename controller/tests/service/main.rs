@@ -9,3 +9,4 @@ mod approvals;
 mod creates;
 mod gateways;
 mod network;
+mod shadow;

@@ -60,6 +60,7 @@ impl<'a> Record<'a> {
         self.line.verdict = decided.verdict.name();
         self.line.reason = decided.verdict.code();
         self.line.protocol = Some(claims.protocol.as_str());
+        self.shadow(claims, decided, sandbox);
         if self.logging {
             self.line.sni = claims.sni.map(ToString::to_string);
             self.line.host = claims.host.map(ToString::to_string);
@@ -71,6 +72,20 @@ impl<'a> Record<'a> {
                 .collect();
             self.line.detail = decided.verdict.describe(&sandbox.policy);
         }
+    }
+
+    /// Judges the flow under the sandbox's shadow policy, if it has one,
+    /// on the evidence the active policy was judged on.
+    fn shadow(&mut self, claims: &Claims<'_>, decided: &Decided, sandbox: &Sandbox) {
+        let Some(shadow) = &sandbox.shadow else {
+            return;
+        };
+        let judge = crate::shadow::Judge {
+            doh: &self.dp.doh_names,
+            diffs: &self.dp.shadow_diffs,
+        };
+        let outcome = crate::shadow::flow(&judge, shadow, claims, decided, self.line.src);
+        self.line.shadow = Some(outcome);
     }
 
     pub(crate) fn served(&mut self, out: Served) {

@@ -11,6 +11,7 @@ fn doc(id: &str, addr: &str) -> SandboxDoc {
         policy: Policy::from_json(r#"{"default": "allow"}"#).expect("policy"),
         credentials: Vec::new(),
         upstream_proxy: None,
+        shadow: None,
     }
 }
 

@@ -7,4 +7,5 @@ mod durability;
 mod lifecycle;
 mod promtool;
 mod redirect;
+mod shadow;
 mod support;

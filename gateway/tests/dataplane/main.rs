@@ -11,6 +11,7 @@ mod faults;
 mod harness;
 mod per_core;
 mod proposals;
+mod shadow;
 mod streams;
 mod two_readings;
 mod upstream_proxy;

@@ -301,6 +301,15 @@ impl CompiledPolicy {
         }
     }
 
+    /// Whether a qualified entry (enforced or audited) or a credential for
+    /// any of `names` needs the requests of a flow to them: what a shadow
+    /// cannot judge on a flow whose bytes the gateway does not see.
+    pub fn needs_requests_of<'n>(&self, names: impl Iterator<Item = &'n Hostname> + Clone) -> bool {
+        self.requests
+            .as_deref()
+            .is_some_and(|r| r.needs_requests(&self.policy.deny, names, true).is_some())
+    }
+
     /// The rule that needs the requests of a flow with this evidence
     /// (enforced ones only, or any with `audit`).
     fn needs_requests(&self, flow: &Flow<'_>, audit: bool) -> Option<RuleRef> {

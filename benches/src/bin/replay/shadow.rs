@@ -1,0 +1,146 @@
+//! `egress-replay --shadow CANDIDATE`: every decision of the flow log judged
+//! again under a candidate policy, offline, by the gateway's own judge
+//! (`egress_gateway::decide::judge`) on the evidence the line records (the
+//! destination, SNI, `Host` and attributed names), and reported in the
+//! shape of the gateway's shadow report (`GET …/shadow/report`): the
+//! differences by destination and verdict pair with a count, first and
+//! last seen (the lines' `ts`) and the first line as the example, plus how
+//! many decisions did not change. The active side is the recorded verdict
+//! and reason: what the gateway decided. No traffic is sent.
+//!
+//! The protocol is not in the log: a line with an SNI or to port 443 is
+//! TLS, one with a `Host` plain HTTP, anything else an unreadable stream.
+//! Requests are not in the log either: a candidate's per-request rules are
+//! not judged.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use egress_gateway::decide::{judge, Claims};
+use egress_gateway::doh::DohNames;
+use egress_policy::{AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy, Protocol};
+use serde_json::{json, Value};
+
+use super::Recorded;
+
+/// One side's answer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Judged {
+    verdict: String,
+    reason: String,
+}
+
+struct Entry {
+    count: u64,
+    first_seen: Option<String>,
+    last_seen: Option<String>,
+    example: Value,
+}
+
+/// The candidate policy in `path`, compiled against the built-in platform denies.
+pub(crate) fn candidate(path: &Path) -> Result<CompiledPolicy, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let policy = Policy::from_json(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(CompiledPolicy::new(
+        policy,
+        Arc::new(PlatformDenies::builtin()),
+    ))
+}
+
+fn name(s: Option<&String>) -> Option<Hostname> {
+    s.and_then(|s| s.parse().ok())
+}
+
+/// The candidate's answer to one recorded flow.
+fn judged(policy: &CompiledPolicy, doh: &DohNames, r: &Recorded) -> Option<Judged> {
+    let dst = r.dst?;
+    let (sni, host) = (name(r.sni.as_ref()), name(r.host.as_ref()));
+    let attributed: Vec<Hostname> = r.attributed.iter().filter_map(|n| n.parse().ok()).collect();
+    let protocol = if sni.is_some() || dst.port() == 443 {
+        Protocol::Tls
+    } else if host.is_some() {
+        Protocol::Http
+    } else {
+        Protocol::Opaque(None)
+    };
+    let claims = Claims {
+        dst,
+        protocol,
+        sni: sni.as_ref(),
+        host: host.as_ref(),
+        ech: false,
+    };
+    let gap = if attributed.is_empty() {
+        AttributionGap::NoDnsSeen
+    } else {
+        AttributionGap::NoMatch
+    };
+    let v = judge(policy, &claims, &attributed, gap, doh);
+    Some(Judged {
+        verdict: v.name().to_owned(),
+        reason: v.code().to_owned(),
+    })
+}
+
+/// The name (else the address) a difference is reported under, as the gateway does.
+fn destination(r: &Recorded) -> String {
+    r.sni
+        .clone()
+        .or_else(|| r.host.clone())
+        .or_else(|| r.attributed.first().cloned())
+        .or_else(|| r.dst.map(|d| d.ip().to_string()))
+        .unwrap_or_default()
+}
+
+/// The report of `flows` under `policy`.
+pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded]) -> Value {
+    let doh = DohNames::new(&[]);
+    let mut entries: HashMap<(String, Judged, Judged), Entry> = HashMap::new();
+    let mut order = Vec::new();
+    let mut unchanged = 0u64;
+    for (i, r) in flows.iter().enumerate() {
+        let active = Judged {
+            verdict: r.verdict.clone(),
+            reason: r.reason.clone().unwrap_or_default(),
+        };
+        let Some(shadow) = judged(policy, &doh, r) else {
+            continue;
+        };
+        if shadow == active {
+            unchanged += 1;
+            continue;
+        }
+        let key = (destination(r), active, shadow);
+        let e = entries.entry(key.clone()).or_insert_with(|| {
+            order.push(key);
+            Entry {
+                count: 0,
+                first_seen: r.ts.clone(),
+                last_seen: None,
+                example: json!({"line": i + 1, "dst": r.dst, "sni": r.sni, "host": r.host,
+                                "attributed": r.attributed, "ts": r.ts}),
+            }
+        });
+        e.count += 1;
+        e.last_seen.clone_from(&r.ts);
+    }
+    let differences: Vec<Value> = order
+        .iter()
+        .filter_map(|k| entries.get(k).map(|e| (k, e)))
+        .map(|((destination, active, shadow), e)| {
+            json!({
+                "destination": destination,
+                "active": {"verdict": active.verdict, "reason": active.reason},
+                "shadow": {"verdict": shadow.verdict, "reason": shadow.reason},
+                "count": e.count, "first_seen": e.first_seen, "last_seen": e.last_seen,
+                "example": e.example,
+            })
+        })
+        .collect();
+    json!({
+        "flows": flows.len(),
+        "unchanged": unchanged,
+        "differences": differences,
+    })
+}
