@@ -83,6 +83,60 @@ fn blocked_to_allowed_through_proposals_a_shadow_and_an_approval() {
     assert!(name["count"].as_u64() >= Some(1), "{name}");
     assert_eq!(request["examples"][0]["method"], json!("POST"), "{request}");
 
+    // The candidate with both proposals, as a shadow on live traffic: the
+    // report shows exactly those two changing, and nothing is enforced.
+    let candidate = json!({"policy": {"default": "deny", "tls_interception": "on",
+        "allow": [{"ip": "8.8.8.8"}, {"domain": "other.example.test", "http": "read_only"},
+                  name["rule"], request_rule]}});
+    let shadow = format!("/v1/sandboxes/{id}/shadow");
+    let (s, v) = api(
+        &t,
+        "PUT",
+        &shadow,
+        TENANT_TOKEN,
+        &[],
+        Some(&candidate.to_string()),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(attempts(&t), [0, 403, 0], "a shadow enforced something");
+    let (s, report) = api(
+        &t,
+        "GET",
+        &format!("{shadow}/report"),
+        TENANT_TOKEN,
+        &[],
+        None,
+    );
+    assert_eq!(s, 200, "{report}");
+    let changed: Vec<(String, Value, Value)> = report["differences"]
+        .as_array()
+        .expect("differences")
+        .iter()
+        .map(|d| {
+            let dest = d["destination"].as_str().unwrap_or_default().to_owned();
+            (
+                dest,
+                d["active"]["verdict"].clone(),
+                d["shadow"]["verdict"].clone(),
+            )
+        })
+        .collect();
+    let dests: std::collections::BTreeSet<&str> =
+        changed.iter().map(|(d, _, _)| d.as_str()).collect();
+    assert_eq!(
+        dests.into_iter().collect::<Vec<_>>(),
+        ["api.example.test", "other.example.test"],
+        "{report}"
+    );
+    assert!(
+        changed
+            .iter()
+            .all(|(_, a, s)| a == &json!("deny") && s != &json!("deny")),
+        "{report}"
+    );
+    let (s, v) = api(&t, "DELETE", &shadow, TENANT_TOKEN, &[], None);
+    assert_eq!(s, 200, "{v}");
+
     // Approved for this sandbox: both open, and nothing else does.
     for p in [&name, &request] {
         let pid = p["id"].as_str().expect("pid");
