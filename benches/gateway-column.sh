@@ -59,5 +59,12 @@ if ! curl -sf --max-time 5 -X PUT --data-binary @"$state/sandbox.json" "$admin/v
     kill -TERM "$gw"
     exit 1
 fi
+# GW_SHADOW: a file with {"policy": ..}, set as the sandbox's shadow.
+if [ -n "${GW_SHADOW:-}" ] &&
+    ! curl -sf --max-time 5 -X PUT --data-binary @"$GW_SHADOW" "$admin/v1/sandboxes/eb-client/shadow" >/dev/null; then
+    echo "gateway-column: the shadow put failed" >&2
+    kill -TERM "$gw"
+    exit 1
+fi
 touch "$state/ready"
 wait "$gw"

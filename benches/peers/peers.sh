@@ -3,7 +3,7 @@
 # each listens and which certificate issuer the client must see through it.
 #
 #   peers.sh start COLUMN       mitmproxy | squid-bump | squid-splice | gateway | gateway-ro |
-#                               gateway-log | gateway-kernel | gateway-2 | gateway-pc |
+#                               gateway-log | gateway-kernel | gateway-2 | gateway-pc | gateway-shadow |
 #                               gateway-base | gateway-pipe (direct: nothing to start)
 #   peers.sh stop COLUMN
 #   peers.sh ports COLUMN       "direct" or "TLS_PORT HTTP_PORT" (arguments of topo.sh mode)
@@ -118,12 +118,13 @@ gw_port() {
         gateway-pc) echo $((GATEWAY_PORT + 5)) ;;
         gateway-base) echo $((GATEWAY_PORT + 6)) ;;
         gateway-pipe) echo $((GATEWAY_PORT + 7)) ;;
+        gateway-shadow) echo $((GATEWAY_PORT + 8)) ;;
     esac
 }
 
 start_gateway() {
     local col=$1 state=$EB_RUN/$1 policy flow_log=${GW_FLOW_LOG:-off} kernel=${GW_KERNEL_SPLICE:-off}
-    local workers=${GW_WORKERS:-1} per_core=${GW_PER_CORE:-false}
+    local workers=${GW_WORKERS:-1} per_core=${GW_PER_CORE:-false} shadow=
     local bin=$GW_BIN
     [ "$col" = gateway-base ] && bin=${GW_BASE_BIN:?gateway-base runs GW_BASE_BIN, another gateway binary}
     [ -x "$bin" ] || eb_die "no gateway binary at $bin (cargo build --release -p egress-gateway)"
@@ -148,14 +149,20 @@ start_gateway() {
         # One thread or two: shared by a work-stealing runtime, or one per core.
         gateway-2) workers=2 ;;
         gateway-pc) workers=2 per_core=true ;;
+        # The same policy, with a shadow beside it: every flow and request
+        # judged again under a candidate whose origin name is read-only.
+        gateway-shadow) shadow=$state/shadow.json ;;
     esac
+    if [ -n "$shadow" ]; then
+        printf '{"policy": %s}\n' "${policy/'"allow": ['/'"allow": [{"domain": "'"$ORIGIN_HOST"'", "http": "read_only"}, '}" > "$shadow"
+    fi
     # The client's sandbox, as the controller pushes it.
     printf '{"addresses": ["%s"], "policy": %s}\n' "$CL_IP" "$policy" > "$state/sandbox.json"
     local port admin
     port=$(gw_port "$col")
     admin=$((GW_ADMIN_PORT + port - GATEWAY_PORT))
     EB_LISTEN_PORT=$port EB_UPSTREAM_CA=$ORIGIN_CA_CRT GW_ADMIN_PORT=$admin GW_FLOW_LOG=$flow_log GW_KERNEL_SPLICE=$kernel \
-        GW_WORKERS=$workers GW_PER_CORE=$per_core \
+        GW_WORKERS=$workers GW_PER_CORE=$per_core GW_SHADOW=$shadow \
         eb_spawn "peer-$col" "$NS_GW" "$EB_ROOT/benches/gateway-column.sh" "$state" "$bin"
     for _ in $(seq 200); do
         [ -e "$state/ready" ] && break
@@ -172,7 +179,7 @@ ports() {
         mitmproxy) echo "$MITM_PORT $MITM_PORT" ;;
         squid-bump) echo "$SQUID_BUMP_PORT $SQUID_BUMP_HTTP_PORT" ;;
         squid-splice) echo "$SQUID_SPLICE_PORT $SQUID_SPLICE_HTTP_PORT" ;;
-        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe) echo "$(gw_port "$1") $(gw_port "$1")" ;;
+        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe|gateway-shadow) echo "$(gw_port "$1") $(gw_port "$1")" ;;
         *) eb_die "unknown column $1" ;;
     esac
 }
@@ -185,7 +192,7 @@ issuer() {
             # Never spliced: its requests are judged.
             openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                 | awk -F' = ' '/commonName/ {print $2; exit}' ;;
-        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe)
+        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe|gateway-shadow)
             if [ "$MODE" = splice ]; then echo "$ORIGIN_CA_CN"; else
                 openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                     | awk -F' = ' '/commonName/ {print $2; exit}'
@@ -199,7 +206,7 @@ case ${1:-}:${2:-} in
     start:mitmproxy) start_mitmproxy ;;
     start:squid-bump) start_squid bump ;;
     start:squid-splice) start_squid splice ;;
-    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel|start:gateway-2|start:gateway-pc|start:gateway-base|start:gateway-pipe) start_gateway "$2" ;;
+    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel|start:gateway-2|start:gateway-pc|start:gateway-base|start:gateway-pipe|start:gateway-shadow) start_gateway "$2" ;;
     stop:mitmproxy|stop:squid-bump|stop:squid-splice|stop:gateway*) eb_stop "peer-$2" ;;
     ports:?*) ports "$2" ;;
     issuer:?*) issuer "$2" ;;
