@@ -207,18 +207,10 @@ impl Gateway {
         taken: Option<crate::handover::Taken>,
     ) -> Result<Self, StartError> {
         // Before anything in the state directory is read or written.
-        let lock = match taken {
-            None => lock_state_dir(&config.state_dir)?,
-            Some(_) => lock_released(&config.state_dir)?,
-        };
+        let lock = lock(&config, taken.is_some())?;
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
-        let token = config
-            .admin
-            .token_file
-            .as_deref()
-            .map(read_token)
-            .transpose()?;
+        let token = token(&config)?;
         let (listeners, attributed) = Listeners::open(&config, taken)?;
         let registry = Arc::new(Registry::new(Arc::new(platform(&config, &listeners.bound))));
         let (cache, dns) = attribution(&config, &registry, clock);
@@ -755,6 +747,26 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
         Err(std::fs::TryLockError::WouldBlock) => Err(StartError::StateDirInUse { path: shown }),
         Err(std::fs::TryLockError::Error(e)) => Err(failed(e)),
     }
+}
+
+/// `state_dir/gateway.lock`: taken at once, or (taking over) once the
+/// predecessor lets go of it.
+fn lock(config: &Config, taking_over: bool) -> Result<std::fs::File, StartError> {
+    if taking_over {
+        lock_released(&config.state_dir)
+    } else {
+        lock_state_dir(&config.state_dir)
+    }
+}
+
+/// `admin.token_file`'s token, if one is configured.
+fn token(config: &Config) -> Result<Option<String>, StartError> {
+    config
+        .admin
+        .token_file
+        .as_deref()
+        .map(read_token)
+        .transpose()
 }
 
 /// The lock a predecessor releases as it hands over: taken within the
