@@ -31,6 +31,16 @@ const EXPIRY_INTERVAL: Duration = Duration::from_millis(500);
 /// The advisory lock key leaders hold (any constant shared by the replicas).
 const LEADER_LOCK: i64 = 0x6567_7265_7373;
 
+/// The channel `0004_work_notify.sql`'s triggers notify on: an operation
+/// was queued, or a sandbox's policy moved a generation.
+const WORK_CHANNEL: &str = "egress_work";
+
+/// With the notifications: the longest idle wait (what wakes the
+/// dispatcher without one — a retry's `not_before`, the resync and expiry
+/// rounds). Without them (the listener could not connect): the poll.
+const IDLE_WAIT: Duration = Duration::from_millis(250);
+const POLL: Duration = Duration::from_millis(50);
+
 /// Retry and pacing settings.
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -50,6 +60,21 @@ pub struct Dispatcher {
     pub deployment: Arc<Deployment>,
     pub metrics: Arc<Metrics>,
     pub limits: Limits,
+}
+
+/// Idle: until a notification (then every one already buffered is taken:
+/// one round serves them all), or [`IDLE_WAIT`]; without a listener, [`POLL`].
+async fn wait_for_work(listener: &mut Option<sqlx::postgres::PgListener>) {
+    let Some(l) = listener else {
+        return tokio::time::sleep(POLL).await;
+    };
+    match tokio::time::timeout(IDLE_WAIT, l.recv()).await {
+        Ok(Ok(_)) => while l.next_buffered().is_some() {},
+        // The listener's connection failed (it reconnects on the next
+        // call): wait as a poll would, never spin.
+        Ok(Err(_)) => tokio::time::sleep(POLL).await,
+        Err(_) => {}
+    }
 }
 
 impl Dispatcher {
@@ -81,6 +106,7 @@ impl Dispatcher {
     }
 
     async fn lead(&self, mut lock: PgConnection) {
+        let mut listener = self.listen().await;
         let mut compared = Instant::now() - self.limits.resync_interval;
         let mut expired = Instant::now() - EXPIRY_INTERVAL;
         loop {
@@ -109,7 +135,24 @@ impl Dispatcher {
             worked |= self.push_all().await;
             self.observe_backlog().await;
             if !worked {
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                wait_for_work(&mut listener).await;
+            }
+        }
+    }
+
+    /// Listens for work notifications on a connection of its own; `None`
+    /// (logged) means polling instead.
+    async fn listen(&self) -> Option<sqlx::postgres::PgListener> {
+        let listening = async {
+            let mut l = sqlx::postgres::PgListener::connect_with(&self.pool).await?;
+            l.listen(WORK_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(l)
+        };
+        match listening.await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::warn!(error = %e, "no LISTEN {WORK_CHANNEL}: polling every {POLL:?}");
+                None
             }
         }
     }

@@ -500,3 +500,43 @@ async fn an_old_replica_starts_against_a_newer_schema() {
     assert_eq!(s, 404, "{v}");
     assert_ne!(v["error"], json!("no such route"), "{v}");
 }
+
+/// Work wakes the dispatcher: a queued create notifies `egress_work` (so
+/// the leader runs it without waiting for its idle timer), and so does a
+/// sandbox whose policy moves a generation.
+#[tokio::test]
+async fn queued_work_and_policy_changes_notify_the_dispatcher() {
+    let url = db!();
+    let w = world(&url, deployment(None, None), template()).await;
+    let mut listener = sqlx::postgres::PgListener::connect(&url)
+        .await
+        .expect("listener");
+    listener.listen("egress_work").await.expect("listen");
+    let (s, v) = create(&w.api, FEDERATED, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 202, "{v}");
+    assert_eq!(next(&mut listener).await.channel(), "egress_work");
+    let op = settled(&w.api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(op["state"], json!("succeeded"), "{op}");
+    while listener.next_buffered().is_some() {}
+    // A network replacement saves a new generation: another notification.
+    let id = v["sandbox"].as_str().expect("id");
+    let (s, v) = call(
+        w.api.addr,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(FEDERATED),
+        &[],
+        Some(json!({"policy": {"default": "deny"}})),
+    )
+    .await;
+    assert!(s == 200 || s == 202, "{s} {v}");
+    assert_eq!(next(&mut listener).await.channel(), "egress_work");
+}
+
+/// The next notification on `l`, within 5 s.
+async fn next(l: &mut sqlx::postgres::PgListener) -> sqlx::postgres::PgNotification {
+    tokio::time::timeout(std::time::Duration::from_secs(5), l.recv())
+        .await
+        .expect("a notification within 5 s")
+        .expect("recv")
+}
