@@ -492,11 +492,26 @@ pub fn apply(
     target: &str,
     headers: &mut HeaderMap,
 ) -> Result<Applied, Refused> {
-    let carries = |c: &Credential, headers: &HeaderMap| {
-        headers
-            .values()
-            .any(|v| contains(v.as_bytes(), c.placeholder.as_bytes()))
-    };
+    let mine = host_credentials(list, host, target, headers)?;
+    // Judge every credential of the host before changing anything.
+    let plan = plan(mine, secrets, headers)?;
+    let mut applied = Applied::default();
+    for (c, secret, absent) in plan {
+        inject(headers, c, &secret, absent);
+        applied.injected += 1;
+    }
+    Ok(applied)
+}
+
+/// The credentials for `host`, with their index in `list`; a placeholder
+/// of any other credential, in the target or a header, refuses the request
+/// ([`Refusal::HostMismatch`]).
+fn host_credentials<'a>(
+    list: &'a [Credential],
+    host: Option<&Hostname>,
+    target: &str,
+    headers: &HeaderMap,
+) -> Result<Vec<(usize, &'a Credential)>, Refused> {
     let mut mine = Vec::new();
     for (index, c) in list.iter().enumerate() {
         let for_host = host.is_some_and(|h| c.hosts.iter().any(|p| p.matches(h)));
@@ -509,7 +524,19 @@ pub fn apply(
             });
         }
     }
-    // Judge every credential of the host before changing anything.
+    Ok(mine)
+}
+
+/// What goes in, before anything changes: each credential of the host
+/// whose placeholder the request carries, or whose header it lacks (then
+/// `true`: the header is added whole), with its value. A required
+/// credential the request does not use, or a value that cannot be read,
+/// refuses the request.
+fn plan<'a>(
+    mine: Vec<(usize, &'a Credential)>,
+    secrets: &Secrets,
+    headers: &HeaderMap,
+) -> Result<Vec<(&'a Credential, Secret, bool)>, Refused> {
     let mut plan = Vec::with_capacity(mine.len());
     for (index, c) in mine {
         let refused = |why| Refused { why, index };
@@ -533,25 +560,34 @@ pub fn apply(
             .ok_or_else(|| refused(Refusal::Unavailable))?;
         plan.push((c, secret, absent));
     }
-    let mut applied = Applied::default();
-    for (c, secret, absent) in plan {
-        match &c.inject {
-            Inject::Header { header, format } if absent => {
-                let mut value = Vec::with_capacity(format.len() + secret.0.len());
-                let (before, after) = format.split_once("{value}").unwrap_or((format, ""));
-                value.extend_from_slice(before.as_bytes());
-                value.extend_from_slice(&secret.0);
-                value.extend_from_slice(after.as_bytes());
-                if let Some(v) = sensitive(&value) {
-                    headers.insert(header.clone(), v);
-                }
+    Ok(plan)
+}
+
+/// Puts one credential's value in: its header, from its format, when the
+/// request lacks that header (`absent`); otherwise in its placeholder's
+/// place.
+fn inject(headers: &mut HeaderMap, c: &Credential, secret: &Secret, absent: bool) {
+    match &c.inject {
+        Inject::Header { header, format } if absent => {
+            let mut value = Vec::with_capacity(format.len() + secret.0.len());
+            let (before, after) = format.split_once("{value}").unwrap_or((format, ""));
+            value.extend_from_slice(before.as_bytes());
+            value.extend_from_slice(&secret.0);
+            value.extend_from_slice(after.as_bytes());
+            if let Some(v) = sensitive(&value) {
+                headers.insert(header.clone(), v);
             }
-            Inject::Header { header, .. } => replace_in(headers, Some(header), c, &secret),
-            Inject::ReplaceHeaders => replace_in(headers, None, c, &secret),
         }
-        applied.injected += 1;
+        Inject::Header { header, .. } => replace_in(headers, Some(header), c, secret),
+        Inject::ReplaceHeaders => replace_in(headers, None, c, secret),
     }
-    Ok(applied)
+}
+
+/// Whether any header value carries `c`'s placeholder.
+fn carries(c: &Credential, headers: &HeaderMap) -> bool {
+    headers
+        .values()
+        .any(|v| contains(v.as_bytes(), c.placeholder.as_bytes()))
 }
 
 /// Replaces the placeholder with the value in `only`'s values, or in every header's.

@@ -243,58 +243,73 @@ async fn pipe_pump(
 ) -> Option<Fault> {
     let flags = SpliceFlags::MOVE | SpliceFlags::NONBLOCK;
     let (src, dst): (&TcpStream, &TcpStream) = (r.as_ref(), w.as_ref());
-    let mut fault = None;
-    'flow: loop {
-        let filled = loop {
-            if let Err(e) = src.readable().await {
-                fault = Fault::io(sides.0, &e);
-                break 'flow;
-            }
-            let mut short = 0;
-            let got = src.try_io(Interest::READABLE, || {
-                let n = rustix::pipe::splice(src, None, pipe_w, None, PIPE_CHUNK, flags)?;
-                if n > 0 && n < PIPE_CHUNK {
-                    short = n;
-                    return Err(std::io::ErrorKind::WouldBlock.into());
-                }
-                Ok(n)
-            });
-            match got {
-                Ok(0) => break 'flow,
-                Ok(n) => break n,
-                Err(_) if short > 0 => break short,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => {
-                    fault = Fault::io(sides.0, &e);
-                    break 'flow;
-                }
-            }
+    let fault = loop {
+        let filled = match fill_pipe(src, pipe_w, flags).await {
+            Ok(0) => break None,
+            Ok(n) => n,
+            Err(e) => break Fault::io(sides.0, &e),
         };
-        let mut left = filled;
-        while left > 0 {
-            if let Err(e) = dst.writable().await {
-                fault = Fault::io(sides.1, &e);
-                break 'flow;
-            }
-            let sent = dst.try_io(Interest::WRITABLE, || {
-                Ok(rustix::pipe::splice(pipe_r, None, dst, None, left, flags)?)
-            });
-            match sent {
-                Ok(n) => {
-                    left -= n;
-                    moved.fetch_add(n as u64, Ordering::Relaxed);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => {
-                    fault = Fault::io(sides.1, &e);
-                    break 'flow;
-                }
-            }
+        if let Err(e) = drain_pipe(dst, pipe_r, filled, flags, moved).await {
+            break Fault::io(sides.1, &e);
         }
-    }
+    };
     // Half-close: the other side learns that no more bytes come this way.
     let _ = socket2::SockRef::from(dst).shutdown(std::net::Shutdown::Write);
     fault
+}
+
+/// Socket → pipe: one `splice(2)` of up to [`PIPE_CHUNK`] once `src` is
+/// readable; the bytes moved, 0 at EOF. A short fill clears the socket's
+/// readiness (it reports "would block" to `try_io`) but still counts.
+async fn fill_pipe(
+    src: &TcpStream,
+    pipe_w: &OwnedFd,
+    flags: SpliceFlags,
+) -> std::io::Result<usize> {
+    loop {
+        src.readable().await?;
+        let mut short = 0;
+        let got = src.try_io(Interest::READABLE, || {
+            let n = rustix::pipe::splice(src, None, pipe_w, None, PIPE_CHUNK, flags)?;
+            if n > 0 && n < PIPE_CHUNK {
+                short = n;
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            Ok(n)
+        });
+        match got {
+            Ok(n) => return Ok(n),
+            Err(_) if short > 0 => return Ok(short),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Pipe → socket: the `left` bytes the pipe holds, into `dst` as it
+/// becomes writable, each counted in `moved` as it goes.
+async fn drain_pipe(
+    dst: &TcpStream,
+    pipe_r: &OwnedFd,
+    mut left: usize,
+    flags: SpliceFlags,
+    moved: &AtomicU64,
+) -> std::io::Result<()> {
+    while left > 0 {
+        dst.writable().await?;
+        let sent = dst.try_io(Interest::WRITABLE, || {
+            Ok(rustix::pipe::splice(pipe_r, None, dst, None, left, flags)?)
+        });
+        match sent {
+            Ok(n) => {
+                left -= n;
+                moved.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -27,123 +27,30 @@ use super::{EgressView, MachineError, Machines, Vm};
 use crate::control_http::{body_text, error, json_reply, Reply};
 use crate::state::Dataplane;
 
-/// Serves one machine egress request.
+/// Serves one machine egress request: the match names the route, each
+/// handler below serves one.
 pub(crate) async fn route(req: Request<Incoming>, m: &Arc<Machines>, dp: &Arc<Dataplane>) -> Reply {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let query = req.uri().query().unwrap_or("").to_owned();
-    let segments: Vec<String> = path
-        .trim_matches('/')
-        .split('/')
-        .map(str::to_owned)
-        .collect();
-    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (&method, segments.as_slice()) {
-        (&Method::GET, ["v1", "vms"]) => {
-            let vms: Vec<Value> = m.vms().iter().map(vm_json).collect();
-            json_reply(StatusCode::OK, &json!({ "vms": vms }))
-        }
-        (&Method::PUT, ["v1", "vms", id]) => {
-            let id = (*id).to_owned();
-            let doc = match body_text(req).await {
-                Ok(t) => t,
-                Err(r) => return r,
-            };
-            let (addresses, egress) = match registration(&doc) {
-                Ok(x) => x,
-                Err(r) => return *r,
-            };
-            let m = m.clone();
-            blocking(move || m.put_vm(&id, addresses, egress).map(|vm| vm_json(&vm))).await
-        }
-        (&Method::GET, ["v1", "vms", id]) => match m.vm(id) {
-            Ok(vm) => json_reply(StatusCode::OK, &vm_json(&vm)),
-            Err(e) => failed(&e),
-        },
-        (&Method::DELETE, ["v1", "vms", id]) => {
-            let (m, id) = (m.clone(), (*id).to_owned());
-            blocking(move || m.delete_vm(&id).map(|()| json!({ "deleted": id }))).await
-        }
-        (&Method::GET, ["v1", "vms", id, "network", "egress"]) => match m.egress(id) {
-            Ok(view) => json_reply(StatusCode::OK, &egress_json(id, &view)),
-            Err(e) => failed(&e),
-        },
-        (&Method::PUT, ["v1", "vms", id, "network", "egress"]) => {
-            let policy = match policy_body(req).await {
-                Ok(p) => p,
-                Err(r) => return r,
-            };
-            let (m, id) = (m.clone(), (*id).to_owned());
-            blocking(move || {
-                m.set_egress(&id, Some(policy))
-                    .map(|v| egress_json(&id, &v))
-            })
-            .await
-        }
-        (&Method::DELETE, ["v1", "vms", id, "network", "egress"]) => {
-            let (m, id) = (m.clone(), (*id).to_owned());
-            blocking(move || m.set_egress(&id, None).map(|v| egress_json(&id, &v))).await
-        }
+        (&Method::GET, ["v1", "vms"]) => list_vms(m),
+        (&Method::PUT, ["v1", "vms", id]) => put_vm(req, m, id).await,
+        (&Method::GET, ["v1", "vms", id]) => get_vm(m, id),
+        (&Method::DELETE, ["v1", "vms", id]) => delete_vm(m, id).await,
+        (&Method::GET, ["v1", "vms", id, "network", "egress"]) => get_egress(m, id),
+        (&Method::PUT, ["v1", "vms", id, "network", "egress"]) => put_egress(req, m, id).await,
+        (&Method::DELETE, ["v1", "vms", id, "network", "egress"]) => clear_egress(m, id).await,
         (&Method::GET, ["v1", "vms", id, "network", "egress", "observed"]) => {
-            let (m2, id2) = (m.clone(), (*id).to_owned());
-            let dp = dp.clone();
-            blocking(move || {
-                let vm = m2.vm(&id2)?;
-                let (entries, evictions) = m2.observed(&id2)?;
-                let list: Vec<Value> = entries
-                    .iter()
-                    .map(|((addr, proto, port), seen)| {
-                        json!({
-                            "address": addr,
-                            "proto": proto.as_str(),
-                            "port": port,
-                            "count": seen.count,
-                            "first_seen": super::observed::unix(seen.first),
-                            "last_seen": super::observed::unix(seen.last),
-                            "names": names(&dp, *addr),
-                        })
-                    })
-                    .collect();
-                Ok(json!({
-                    "vm": id2,
-                    "mode": vm.effective.mode.as_str(),
-                    "recorded": if vm.effective.mode == machine::Mode::Audit { "would_refuse" } else { "refused" },
-                    "evictions": evictions,
-                    "observed": list,
-                }))
-            })
-            .await
+            get_observed(m, dp, id).await
         }
         (&Method::POST, ["v1", "vms", id, "network", "egress", "suggest"]) => {
-            let apply = match flag(&query, "apply") {
-                Ok(a) => a,
-                Err(r) => return *r,
-            };
-            let (m, id) = (m.clone(), (*id).to_owned());
-            let dp = dp.clone();
-            blocking(move || suggest(&m, &dp, &id, apply)).await
+            post_suggest(&query, m, dp, id).await
         }
-        (&Method::GET, ["v1", "network", "egress", "defaults"]) => json_reply(
-            StatusCode::OK,
-            &json!({ "policy": m.default_policy().to_value() }),
-        ),
+        (&Method::GET, ["v1", "network", "egress", "defaults"]) => get_defaults(m),
         (&Method::PUT, ["v1", "network", "egress", "defaults"]) => {
-            let apply_running = match flag(&query, "apply_running") {
-                Ok(a) => a,
-                Err(r) => return *r,
-            };
-            let policy = match policy_body(req).await {
-                Ok(p) => p,
-                Err(r) => return r,
-            };
-            let m = m.clone();
-            blocking(move || {
-                let value = policy.to_value();
-                m.set_default(policy, apply_running).map(|applied| {
-                    json!({ "policy": value, "apply_running": apply_running, "applied_to": applied })
-                })
-            })
-            .await
+            put_defaults(req, &query, m).await
         }
         _ => error(
             StatusCode::NOT_FOUND,
@@ -152,6 +59,117 @@ pub(crate) async fn route(req: Request<Incoming>, m: &Arc<Machines>, dp: &Arc<Da
         ),
     }
 }
+
+// === the routes ===
+
+/// `GET /v1/vms`.
+fn list_vms(m: &Machines) -> Reply {
+    let vms: Vec<Value> = m.vms().iter().map(vm_json).collect();
+    json_reply(StatusCode::OK, &json!({ "vms": vms }))
+}
+
+/// `PUT /v1/vms/{id}`: register (or re-register) a VM.
+async fn put_vm(req: Request<Incoming>, m: &Arc<Machines>, id: &str) -> Reply {
+    let doc = match body_text(req).await {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let (addresses, egress) = match registration(&doc) {
+        Ok(x) => x,
+        Err(r) => return *r,
+    };
+    let (m, id) = (m.clone(), id.to_owned());
+    blocking(move || m.put_vm(&id, addresses, egress).map(|vm| vm_json(&vm))).await
+}
+
+/// `GET /v1/vms/{id}`.
+fn get_vm(m: &Machines, id: &str) -> Reply {
+    match m.vm(id) {
+        Ok(vm) => json_reply(StatusCode::OK, &vm_json(&vm)),
+        Err(e) => failed(&e),
+    }
+}
+
+/// `DELETE /v1/vms/{id}`: remove the VM and its table.
+async fn delete_vm(m: &Arc<Machines>, id: &str) -> Reply {
+    let (m, id) = (m.clone(), id.to_owned());
+    blocking(move || m.delete_vm(&id).map(|()| json!({ "deleted": id }))).await
+}
+
+/// `GET /v1/vms/{id}/network/egress`.
+fn get_egress(m: &Machines, id: &str) -> Reply {
+    match m.egress(id) {
+        Ok(view) => json_reply(StatusCode::OK, &egress_json(id, &view)),
+        Err(e) => failed(&e),
+    }
+}
+
+/// `PUT /v1/vms/{id}/network/egress`: the VM's own policy.
+async fn put_egress(req: Request<Incoming>, m: &Arc<Machines>, id: &str) -> Reply {
+    let policy = match policy_body(req).await {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let (m, id) = (m.clone(), id.to_owned());
+    blocking(move || {
+        m.set_egress(&id, Some(policy))
+            .map(|v| egress_json(&id, &v))
+    })
+    .await
+}
+
+/// `DELETE /v1/vms/{id}/network/egress`: clear the VM's own policy, so it
+/// follows the node default.
+async fn clear_egress(m: &Arc<Machines>, id: &str) -> Reply {
+    let (m, id) = (m.clone(), id.to_owned());
+    blocking(move || m.set_egress(&id, None).map(|v| egress_json(&id, &v))).await
+}
+
+/// `GET /v1/vms/{id}/network/egress/observed`.
+async fn get_observed(m: &Arc<Machines>, dp: &Arc<Dataplane>, id: &str) -> Reply {
+    let (m, dp, id) = (m.clone(), dp.clone(), id.to_owned());
+    blocking(move || observed_json(&m, &dp, &id)).await
+}
+
+/// `POST /v1/vms/{id}/network/egress/suggest[?apply=true]`.
+async fn post_suggest(query: &str, m: &Arc<Machines>, dp: &Arc<Dataplane>, id: &str) -> Reply {
+    let apply = match flag(query, "apply") {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let (m, dp, id) = (m.clone(), dp.clone(), id.to_owned());
+    blocking(move || suggest(&m, &dp, &id, apply)).await
+}
+
+/// `GET /v1/network/egress/defaults`.
+fn get_defaults(m: &Machines) -> Reply {
+    json_reply(
+        StatusCode::OK,
+        &json!({ "policy": m.default_policy().to_value() }),
+    )
+}
+
+/// `PUT /v1/network/egress/defaults[?apply_running=true]`.
+async fn put_defaults(req: Request<Incoming>, query: &str, m: &Arc<Machines>) -> Reply {
+    let apply_running = match flag(query, "apply_running") {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let policy = match policy_body(req).await {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let m = m.clone();
+    blocking(move || {
+        let value = policy.to_value();
+        m.set_default(policy, apply_running).map(|applied| {
+            json!({ "policy": value, "apply_running": apply_running, "applied_to": applied })
+        })
+    })
+    .await
+}
+
+// === shared helpers ===
 
 /// Runs a change (it runs nft and fsyncs) off the async threads.
 async fn blocking(f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static) -> Reply {
@@ -283,6 +301,34 @@ fn flag(query: &str, name: &str) -> Result<bool, Box<Reply>> {
         };
     }
     Ok(value)
+}
+
+/// The VM's refused (or, in audit, would-be-refused) destinations, with
+/// the names DNS attribution holds for each.
+fn observed_json(m: &Machines, dp: &Dataplane, id: &str) -> Result<Value, MachineError> {
+    let vm = m.vm(id)?;
+    let (entries, evictions) = m.observed(id)?;
+    let list: Vec<Value> = entries
+        .iter()
+        .map(|((addr, proto, port), seen)| {
+            json!({
+                "address": addr,
+                "proto": proto.as_str(),
+                "port": port,
+                "count": seen.count,
+                "first_seen": super::observed::unix(seen.first),
+                "last_seen": super::observed::unix(seen.last),
+                "names": names(dp, *addr),
+            })
+        })
+        .collect();
+    Ok(json!({
+        "vm": id,
+        "mode": vm.effective.mode.as_str(),
+        "recorded": if vm.effective.mode == machine::Mode::Audit { "would_refuse" } else { "refused" },
+        "evictions": evictions,
+        "observed": list,
+    }))
 }
 
 fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value, MachineError> {

@@ -233,54 +233,13 @@ impl Machines {
         next: State,
         touched: &[String],
     ) -> Result<(), MachineError> {
-        let text = |s: &State| -> String {
-            touched
-                .iter()
-                .map(|id| match s.vms.get(id) {
-                    Some(vm) => self.ruleset(vm),
-                    None => {
-                        let t = nft::table_name(id);
-                        format!("table inet {t}\ndelete table inet {t}\n")
-                    }
-                })
-                .collect()
-        };
-        // Replacing a table empties its observed set and restarts its
-        // counter: keep what they held (the set is read only when the
-        // counter moved since the last read, as the observer does).
-        let existing: Vec<&String> = touched
-            .iter()
-            .filter(|id| state.vms.contains_key(*id))
-            .collect();
-        if !existing.is_empty() {
-            match self.nft.refused_counters() {
-                Ok(counters) => {
-                    for id in existing {
-                        let Some(&n) = counters.get(&nft::table_name(id)) else {
-                            continue;
-                        };
-                        let moved = lock(&self.refused)
-                            .entry(id.clone())
-                            .or_default()
-                            .account(n);
-                        if moved {
-                            if let Err(e) = self.read_observed(id) {
-                                tracing::warn!(vm = %id, error = %e, "reading observed destinations before a change failed");
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "reading refused counters before a change failed")
-                }
-            }
-        }
-        let forward = text(&next);
+        self.keep_observed(state, touched);
+        let forward = self.tables(&next, touched);
         if !forward.is_empty() {
             self.nft.apply(&forward)?;
         }
         if let Err(message) = save(&self.state_dir, &next) {
-            let back = text(state);
+            let back = self.tables(state, touched);
             if let Err(e) = self.nft.apply(&back) {
                 tracing::error!(error = %e, "could not put the previous machine egress rules back");
             }
@@ -289,16 +248,69 @@ impl Machines {
                 message,
             });
         }
-        // The new tables count from zero.
+        self.restart_refused(touched);
+        *state = next;
+        Ok(())
+    }
+
+    /// The nft text that makes the tables of `touched` what `s` says: each
+    /// VM's table replaced, or removed when `s` does not have it.
+    fn tables(&self, s: &State, touched: &[String]) -> String {
+        touched
+            .iter()
+            .map(|id| match s.vms.get(id) {
+                Some(vm) => self.ruleset(vm),
+                None => {
+                    let t = nft::table_name(id);
+                    format!("table inet {t}\ndelete table inet {t}\n")
+                }
+            })
+            .collect()
+    }
+
+    /// Replacing a table empties its observed set and restarts its
+    /// counter: keep what they held for the VMs of `touched` that `state`
+    /// has (the set is read only when the counter moved since the last
+    /// read, as the observer does). A failed read is logged, not fatal.
+    fn keep_observed(&self, state: &State, touched: &[String]) {
+        let existing: Vec<&String> = touched
+            .iter()
+            .filter(|id| state.vms.contains_key(*id))
+            .collect();
+        if existing.is_empty() {
+            return;
+        }
+        let counters = match self.nft.refused_counters() {
+            Ok(counters) => counters,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading refused counters before a change failed");
+                return;
+            }
+        };
+        for id in existing {
+            let Some(&n) = counters.get(&nft::table_name(id)) else {
+                continue;
+            };
+            let moved = lock(&self.refused)
+                .entry(id.clone())
+                .or_default()
+                .account(n);
+            if moved {
+                if let Err(e) = self.read_observed(id) {
+                    tracing::warn!(vm = %id, error = %e, "reading observed destinations before a change failed");
+                }
+            }
+        }
+    }
+
+    /// The new tables of `touched` count from zero.
+    fn restart_refused(&self, touched: &[String]) {
         let mut refused = lock(&self.refused);
         for id in touched {
             if let Some(r) = refused.get_mut(id) {
                 r.kernel = 0;
             }
         }
-        drop(refused);
-        *state = next;
-        Ok(())
     }
 
     /// Registers (or re-registers) a VM by the addresses its QEMU process's

@@ -26,7 +26,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use egress_policy::machine::{MachineEgress, Mode, Proto};
+use egress_policy::machine::{KernelSets, MachineEgress, Mode, Proto};
 
 /// How long an observed element lives in the kernel without packets.
 /// The gateway reads elements far more often; this only bounds how long a
@@ -73,66 +73,74 @@ pub fn table_name(vm: &str) -> String {
 /// The whole table for one VM; applying it replaces the previous one.
 pub fn ruleset(vm: &str, addresses: &[IpAddr], policy: &MachineEgress, capacity: usize) -> String {
     let table = table_name(vm);
-    let (v4, v6): (Vec<IpAddr>, Vec<IpAddr>) = addresses.iter().partition(|a| a.is_ipv4());
-    let list = |items: &[String]| items.join(", ");
-    let ips = |v: &[IpAddr]| list(&v.iter().map(ToString::to_string).collect::<Vec<_>>());
-    let sets = policy.kernel_sets();
     let mut out = String::new();
     let _ = writeln!(out, "# egress-gateway: machine egress of VM {vm:?}");
     let _ = writeln!(out, "table inet {table}\ndelete table inet {table}");
     let _ = writeln!(out, "table inet {table} {{");
     let _ = writeln!(out, "    comment \"mode {}\"", policy.mode.as_str());
     let _ = writeln!(out, "    counter refused {{ }}");
-    set(&mut out, "src4", "ipv4_addr", "", &ips(&v4));
-    set(&mut out, "src6", "ipv6_addr", "", &ips(&v6));
-    let any: Vec<String> = sets.any.iter().map(ToString::to_string).collect();
-    let proto: Vec<String> = sets
-        .proto
-        .iter()
-        .map(|(n, p)| format!("{n} . {p}"))
-        .collect();
-    let port: Vec<String> = sets
-        .port
-        .iter()
-        .map(|(n, p, port)| format!("{n} . {p} . {port}"))
-        .collect();
-    set(
-        &mut out,
-        "any",
-        "ipv4_addr",
-        "flags interval; ",
-        &list(&any),
-    );
+    source_sets(&mut out, addresses);
+    rule_sets(&mut out, &policy.kernel_sets());
+    observed_set(&mut out, capacity);
+    forward_chain(&mut out, policy.mode);
+    egress_chains(&mut out, policy.mode);
+    out.push_str("}\n");
+    out
+}
+
+/// `src4` and `src6`: the VM's addresses, which the forward chain matches.
+fn source_sets(out: &mut String, addresses: &[IpAddr]) {
+    let (v4, v6): (Vec<IpAddr>, Vec<IpAddr>) = addresses.iter().partition(|a| a.is_ipv4());
+    let ips = |v: &[IpAddr]| list(v.iter().map(ToString::to_string));
+    set(out, "src4", "ipv4_addr", "", &ips(&v4));
+    set(out, "src6", "ipv6_addr", "", &ips(&v6));
+}
+
+/// `any`, `proto` and `port`: the policy's rules, as the egress chains
+/// look them up.
+fn rule_sets(out: &mut String, sets: &KernelSets) {
     let interval = "flags interval; ";
-    set(
-        &mut out,
-        "proto",
-        "ipv4_addr . inet_proto",
-        interval,
-        &list(&proto),
+    let any = list(sets.any.iter().map(ToString::to_string));
+    let proto = list(sets.proto.iter().map(|(n, p)| format!("{n} . {p}")));
+    let port = list(
+        sets.port
+            .iter()
+            .map(|(n, p, port)| format!("{n} . {p} . {port}")),
     );
+    set(out, "any", "ipv4_addr", interval, &any);
+    set(out, "proto", "ipv4_addr . inet_proto", interval, &proto);
     set(
-        &mut out,
+        out,
         "port",
         "ipv4_addr . inet_proto . inet_service",
         interval,
-        &list(&port),
+        &port,
     );
+}
+
+/// `observed`: the dynamic set refused packets update.
+fn observed_set(out: &mut String, capacity: usize) {
     let _ = writeln!(
         out,
         "    set observed {{ type ipv4_addr . inet_proto . inet_service; size {capacity}; flags dynamic, timeout; timeout {}s; counter; }}",
         OBSERVED_TIMEOUT.as_secs()
     );
-    // Before the usual filter priority, so other forward chains see only
-    // what the VM's policy let through. An open flow keeps the verdict it
-    // was accepted under, as sandbox flows do: its packets, both ways, pass
-    // on the conntrack entry the kernel looked up anyway, before any set
-    // lookup. Loopback has no such rule: it cuts open flows too.
+}
+
+/// The `forward` chain: packets from the VM jump to its egress chain,
+/// packets to it pass only as replies.
+///
+/// Before the usual filter priority, so other forward chains see only
+/// what the VM's policy let through. An open flow keeps the verdict it
+/// was accepted under, as sandbox flows do: its packets, both ways, pass
+/// on the conntrack entry the kernel looked up anyway, before any set
+/// lookup. Loopback has no such rule: it cuts open flows too.
+fn forward_chain(out: &mut String, mode: Mode) {
     let _ = writeln!(
         out,
         "    chain forward {{\n        type filter hook forward priority filter - 10; policy accept;"
     );
-    if policy.mode != Mode::Loopback {
+    if mode != Mode::Loopback {
         let _ = writeln!(out, "        ct state established,related accept");
     }
     let _ = writeln!(out, "        ip saddr @src4 jump egress4");
@@ -147,9 +155,15 @@ pub fn ruleset(vm: &str, addresses: &[IpAddr], policy: &MachineEgress, capacity:
         "        ip6 daddr @src6 ct state established,related accept"
     );
     let _ = writeln!(out, "        ip6 daddr @src6 drop\n    }}");
+}
+
+/// The `egress4` and `egress6` chains: the per-mode rules for a packet
+/// the VM sends (IPv6 has no rule sets: it is refused, or passes in open
+/// and audit).
+fn egress_chains(out: &mut String, mode: Mode) {
     let judged = "        ip daddr @any accept\n        ip daddr . meta l4proto @proto accept\n        ip daddr . meta l4proto . th dport @port accept\n";
     let record = "        meta l4proto { tcp, udp } update @observed { ip daddr . meta l4proto . th dport }\n";
-    let (egress4, egress6) = match policy.mode {
+    let (egress4, egress6) = match mode {
         Mode::Open => ("        accept\n".to_owned(), "        accept\n"),
         Mode::Loopback => (
             format!("{record}        counter name refused drop\n"),
@@ -167,8 +181,11 @@ pub fn ruleset(vm: &str, addresses: &[IpAddr], policy: &MachineEgress, capacity:
     };
     let _ = writeln!(out, "    chain egress4 {{\n{egress4}    }}");
     let _ = writeln!(out, "    chain egress6 {{\n{egress6}    }}");
-    out.push_str("}\n");
-    out
+}
+
+/// The elements of a set, as nft lists them.
+fn list(items: impl Iterator<Item = String>) -> String {
+    items.collect::<Vec<_>>().join(", ")
 }
 
 fn set(out: &mut String, name: &str, ty: &str, flags: &str, elements: &str) {
