@@ -21,6 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::authority::{self, Authority, AuthorityError, Target};
+use crate::config::Config;
 use crate::credentials;
 use crate::decide::{decide, request_names, Claims};
 use crate::fault::{Fault, Side};
@@ -208,17 +209,7 @@ where
             as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
     });
     let config = conn.dp.config();
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    // Bounded request heads: a larger one is answered 431 and never forwarded.
-    let max_head = config.limits.max_request_head;
-    builder
-        .http1()
-        .max_buf_size(max_head)
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(config.timeouts.request_head);
-    builder
-        .http2()
-        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
+    let builder = http_server(&config);
     let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     let served = tokio::select! {
         r = serving => r,
@@ -230,29 +221,48 @@ where
     if let Some((key, sender)) = conn.upstream.lock().await.take() {
         conn.up.pool.put(key, sender);
     }
-    let error = served.err().map(|e| {
-        if e.downcast_ref::<hyper::Error>()
-            .is_some_and(hyper::Error::is_timeout)
-        {
-            conn.dp.metrics.fault(Fault::HEAD_TIMEOUT);
-            return "head_timeout".to_owned();
-        }
-        let text = e.to_string();
-        // hyper answers bytes that are not HTTP with 400 and closes: the
-        // protocol the spec's exemptions exist for.
-        if text.contains("parse") || text.contains("invalid") || text.contains("malformed") {
-            conn.dp.metrics.fault(Fault::NON_HTTP);
-            format!("non_http: {text}")
-        } else {
-            conn.dp.metrics.fault(client_fault(&*e));
-            text
-        }
-    });
+    let error = served.err().map(|e| connection_error(&conn, &*e));
     let refused = conn.refused.lock().map(|r| r.clone()).unwrap_or_default();
     if error.is_none() && refused.is_some() {
         conn.dp.metrics.fault(Fault::BAD_REQUEST);
     }
     conn.served(error.or_else(|| refused.map(|r| format!("bad_request: {r}"))))
+}
+
+/// The HTTP/1.1 and HTTP/2 server of a client connection. Bounded request
+/// heads: a larger one is answered 431 and never forwarded.
+fn http_server(config: &Config) -> hyper_util::server::conn::auto::Builder<TokioExecutor> {
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let max_head = config.limits.max_request_head;
+    builder
+        .http1()
+        .max_buf_size(max_head)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(config.timeouts.request_head);
+    builder
+        .http2()
+        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
+    builder
+}
+
+/// Counts the error a client connection ended in and says what it was.
+fn connection_error(conn: &Conn, e: &(dyn std::error::Error + Send + Sync + 'static)) -> String {
+    if e.downcast_ref::<hyper::Error>()
+        .is_some_and(hyper::Error::is_timeout)
+    {
+        conn.dp.metrics.fault(Fault::HEAD_TIMEOUT);
+        return "head_timeout".to_owned();
+    }
+    let text = e.to_string();
+    // hyper answers bytes that are not HTTP with 400 and closes: the
+    // protocol the spec's exemptions exist for.
+    if text.contains("parse") || text.contains("invalid") || text.contains("malformed") {
+        conn.dp.metrics.fault(Fault::NON_HTTP);
+        format!("non_http: {text}")
+    } else {
+        conn.dp.metrics.fault(client_fault(e));
+        text
+    }
 }
 
 /// A client connection that ended in an error: a reset if an I/O error
@@ -532,8 +542,7 @@ impl Conn {
         host: Option<&Hostname>,
         lookup: &Lookup,
     ) -> Result<(), Denial> {
-        let policy = &self.sandbox.policy;
-        if !policy.has_request_rules() {
+        if !self.sandbox.policy.has_request_rules() {
             return Ok(());
         }
         let target = req
@@ -543,12 +552,27 @@ impl Conn {
             .to_owned();
         let method = req.method().clone();
         let method = method.as_str();
+        self.request_rules((host, lookup), method, &target)?;
+        self.inject_credentials(req, host, method, &target)
+    }
+
+    /// The rules stage: the sandbox's per-request rules on `method` and
+    /// `target`. What an audited rule would have refused is counted (and
+    /// the first kept for the flow log); a refusal is proposed, counted and
+    /// answered `403`.
+    fn request_rules(
+        &self,
+        (host, lookup): (Option<&Hostname>, &Lookup),
+        method: &str,
+        target: &str,
+    ) -> Result<(), Denial> {
+        let policy = &self.sandbox.policy;
         // The request's name counts alone where the origin's certificate
         // verifies it; plain HTTP's Host is a claim, so every name the
         // address may be is judged too.
         let attributed = lookup.names();
         let names = request_names(self.tls, host, &attributed);
-        let judged = policy.judge_request(&names, method, &target);
+        let judged = policy.judge_request(&names, method, target);
         let show = |d: &RequestDenial| {
             let path = target.split('?').next().unwrap_or("");
             let path: String = path.chars().take(256).collect();
@@ -566,63 +590,76 @@ impl Conn {
                 slot.get_or_insert_with(|| show(w));
             }
         }
-        if let Some(d) = &judged.deny {
-            self.propose_request(d, (host, &attributed[..]), method, &target);
-            self.note_denied(d.code.as_str(), || show(d));
-            return Err(Denial {
-                status: StatusCode::FORBIDDEN,
-                code: d.code.as_str(),
-                rule: Some(d.rule.index()),
-                detail: policy.describe_request(d),
-            });
-        }
+        let Some(d) = &judged.deny else {
+            return Ok(());
+        };
+        self.propose_request(d, (host, &attributed[..]), method, target);
+        self.note_denied(d.code.as_str(), || show(d));
+        Err(Denial {
+            status: StatusCode::FORBIDDEN,
+            code: d.code.as_str(),
+            rule: Some(d.rule.index()),
+            detail: policy.describe_request(d),
+        })
+    }
+
+    /// The credentials stage: the values of the host's credentials in place
+    /// of their placeholders (counted), or the request refused for one.
+    fn inject_credentials(
+        &self,
+        req: &mut Request<Incoming>,
+        host: Option<&Hostname>,
+        method: &str,
+        target: &str,
+    ) -> Result<(), Denial> {
         if self.sandbox.credentials.is_empty() {
             return Ok(());
         }
         let verified = host.filter(|_| self.tls);
-        match credentials::apply(
+        let applied = credentials::apply(
             &self.sandbox.credentials,
             &self.dp.secrets,
             verified,
-            &target,
+            target,
             req.headers_mut(),
-        ) {
-            Ok(applied) => {
-                self.dp
-                    .metrics
-                    .credentials_injected
-                    .inc_by(applied.injected as u64);
-                Ok(())
+        )
+        .map_err(|refused| self.credential_refused(refused, method))?;
+        self.dp
+            .metrics
+            .credentials_injected
+            .inc_by(applied.injected as u64);
+        Ok(())
+    }
+
+    /// A request refused for a credential, counted: `403`, or `503` when
+    /// its value cannot be read.
+    fn credential_refused(&self, refused: credentials::Refused, method: &str) -> Denial {
+        let code = refused.why.code();
+        let name = &self.sandbox.credentials[refused.index].name;
+        let rule = u32::try_from(refused.index).unwrap_or(u32::MAX);
+        self.note_denied(code, || {
+            format!("{code} credentials[{rule}] {name:?}: {method}")
+        });
+        let detail = match refused.why {
+            credentials::Refusal::HostMismatch => {
+                format!("the placeholder of credential {name:?} is only for its hosts")
             }
-            Err(refused) => {
-                let code = refused.why.code();
-                let name = &self.sandbox.credentials[refused.index].name;
-                let rule = u32::try_from(refused.index).unwrap_or(u32::MAX);
-                self.note_denied(code, || {
-                    format!("{code} credentials[{rule}] {name:?}: {method}")
-                });
-                let detail = match refused.why {
-                    credentials::Refusal::HostMismatch => {
-                        format!("the placeholder of credential {name:?} is only for its hosts")
-                    }
-                    credentials::Refusal::Required => format!(
-                        "requests to these hosts must carry credential {name:?}'s placeholder"
-                    ),
-                    credentials::Refusal::Unavailable => {
-                        format!("the value of credential {name:?} cannot be read by the gateway")
-                    }
-                };
-                let status = match refused.why {
-                    credentials::Refusal::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-                    _ => StatusCode::FORBIDDEN,
-                };
-                Err(Denial {
-                    status,
-                    code,
-                    rule: Some(rule),
-                    detail,
-                })
+            credentials::Refusal::Required => {
+                format!("requests to these hosts must carry credential {name:?}'s placeholder")
             }
+            credentials::Refusal::Unavailable => {
+                format!("the value of credential {name:?} cannot be read by the gateway")
+            }
+        };
+        let status = match refused.why {
+            credentials::Refusal::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::FORBIDDEN,
+        };
+        Denial {
+            status,
+            code,
+            rule: Some(rule),
+            detail,
         }
     }
 
@@ -743,46 +780,17 @@ impl Conn {
         resp
     }
 
+    /// The forward stage: sends the request on the flow's upstream
+    /// connection to the original destination, in the form its protocol
+    /// wants (absolute URI on HTTP/2, origin form and `Host` on HTTP/1.1).
     async fn forward(
         &self,
         req: Request<Incoming>,
         verify_as: Option<&Hostname>,
         authority: &str,
     ) -> Result<Response<Incoming>, ForwardError> {
-        // Plain connections verify nothing: no name in their key.
-        let name = verify_as.filter(|_| self.tls);
         let mut guard = self.upstream.lock().await;
-        let reusable = guard
-            .as_ref()
-            .is_some_and(|(k, s)| k.is(self.dst, self.tls, name) && s.usable());
-        if !reusable {
-            if let Some((old_key, old)) = guard.take() {
-                self.up.pool.put(old_key, old);
-            }
-            let key = PoolKey {
-                sandbox: self.sandbox.id.clone(),
-                dst: self.dst,
-                tls: self.tls,
-                name: name.cloned(),
-                via: self.route().proxy().cloned(),
-            };
-            let sender = match self.up.pool.take(&key) {
-                Some(s) => s,
-                None => {
-                    let fresh = self.connect(verify_as, true).await?;
-                    // An HTTP/2 connection multiplexes: pooled at once, the
-                    // sandbox's other client connections to the same
-                    // destination and name take it, instead of each idle
-                    // client connection pinning an upstream connection of
-                    // its own. The key holds the sandbox: never another's.
-                    if let Sender::H2(h2) = &fresh {
-                        self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
-                    }
-                    fresh
-                }
-            };
-            *guard = Some((key, sender));
-        }
+        self.hold_upstream(&mut guard, verify_as).await?;
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, body.boxed());
         match guard.as_mut().map(|(_, s)| s) {
@@ -808,6 +816,51 @@ impl Conn {
             }
             None => Err(ForwardError::Http("no upstream connection".into())),
         }
+    }
+
+    /// Makes `held` a usable connection to the destination, verified as
+    /// `verify_as`: the one held if it still is, else one from the pool or
+    /// a fresh one (the one held goes back to the pool).
+    async fn hold_upstream(
+        &self,
+        held: &mut Option<(PoolKey, Sender)>,
+        verify_as: Option<&Hostname>,
+    ) -> Result<(), ForwardError> {
+        // Plain connections verify nothing: no name in their key.
+        let name = verify_as.filter(|_| self.tls);
+        let reusable = held
+            .as_ref()
+            .is_some_and(|(k, s)| k.is(self.dst, self.tls, name) && s.usable());
+        if reusable {
+            return Ok(());
+        }
+        if let Some((old_key, old)) = held.take() {
+            self.up.pool.put(old_key, old);
+        }
+        let key = PoolKey {
+            sandbox: self.sandbox.id.clone(),
+            dst: self.dst,
+            tls: self.tls,
+            name: name.cloned(),
+            via: self.route().proxy().cloned(),
+        };
+        let sender = match self.up.pool.take(&key) {
+            Some(s) => s,
+            None => {
+                let fresh = self.connect(verify_as, true).await?;
+                // An HTTP/2 connection multiplexes: pooled at once, the
+                // sandbox's other client connections to the same
+                // destination and name take it, instead of each idle
+                // client connection pinning an upstream connection of
+                // its own. The key holds the sandbox: never another's.
+                if let Sender::H2(h2) = &fresh {
+                    self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
+                }
+                fresh
+            }
+        };
+        *held = Some((key, sender));
+        Ok(())
     }
 
     /// Bridges an HTTP/1.1 upgrade (WebSocket) over a fresh HTTP/1.1 connection.

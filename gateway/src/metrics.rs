@@ -187,73 +187,120 @@ impl Metrics {
             proxy_connects: Family::default(),
             budgets: BudgetMetrics::default(),
         };
-        let r = &mut m.registry;
+        // Registration order is the scrape's family order.
+        m.register_flows();
+        m.register_operations();
+        m.register_requests();
+        m.register_spliced();
+        m.registry
+            .register_collector(Box::new(Sources { dns, cache, minter }));
+        m.register_ca_reloads();
+        m.register_budgets();
+        m
+    }
+
+    /// `flows`, `bytes`, `active_connections` and the flow stages' latencies.
+    fn register_flows(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "flows",
             "Flows ended, by verdict and reason code",
-            m.flows.clone(),
+            self.flows.clone(),
         );
         r.register(
             "bytes",
             "Bytes of ended flows, up (sandbox to origin) and down, added when the flow ends",
-            m.bytes.clone(),
+            self.bytes.clone(),
         );
         r.register(
             "active_connections",
             "Flows being handled now (compare with limits.max_connections)",
-            m.active.clone(),
+            self.active.clone(),
         );
         r.register(
             "peek_seconds",
             "Seconds to classify a flow from its first bytes",
-            m.peek_seconds.clone(),
+            self.peek_seconds.clone(),
         );
         r.register(
             "tls_handshake_seconds",
             "Seconds of the client-side TLS handshake on intercepted flows",
-            m.handshake_seconds.clone(),
+            self.handshake_seconds.clone(),
         );
         r.register(
             "upstream_connect_seconds",
             "Seconds of the TCP connect to the original destination",
-            m.upstream_connect_seconds.clone(),
+            self.upstream_connect_seconds.clone(),
         );
+    }
+
+    /// `policy_pushes`, `connections_over_limit` and `flow_errors{side,kind}`
+    /// (every fault at zero from the start).
+    fn register_operations(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "policy_pushes",
             "Policy pushes (admin PUT one, PUT all, DELETE), applied or rejected",
-            m.pushes.clone(),
+            self.pushes.clone(),
         );
         r.register(
             "connections_over_limit",
             "Connections reset at accept because limits.max_connections flows were being handled",
-            m.over_limit.clone(),
+            self.over_limit.clone(),
         );
         r.register(
             "flow_errors",
             "Failures after the verdict, by whose fault (side: client, upstream, gateway) and kind",
-            m.faults.clone(),
+            self.faults.clone(),
         );
+        for f in crate::fault::ALL {
+            let _ = self.faults.get_or_create(&FaultLabels {
+                side: f.side.as_str(),
+                kind: f.kind,
+            });
+        }
+    }
+
+    /// `requests_denied{code}` and `requests_would_deny{code}` (every code at
+    /// zero from the start) and `credentials_injected`.
+    fn register_requests(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "requests_denied",
             "Requests refused with 403 on a flow that was let through (per-request rules, credentials, the request's own authority), by code",
-            m.requests_denied.clone(),
+            self.requests_denied.clone(),
         );
         r.register(
             "requests_would_deny",
             "Requests an audited per-request rule would have refused; they were let through",
-            m.requests_would_deny.clone(),
+            self.requests_would_deny.clone(),
         );
         r.register(
             "credentials_injected",
             "Host-bound credential values put in place of a placeholder (or added) on requests to their hosts",
-            m.credentials_injected.clone(),
+            self.credentials_injected.clone(),
         );
+        for code in egress_policy::RequestCode::CODES
+            .iter()
+            .chain(crate::credentials::Refusal::CODES)
+        {
+            let _ = self.requests_denied.get_or_create(&CodeLabels { code });
+        }
+        for code in egress_policy::RequestCode::CODES {
+            let _ = self.requests_would_deny.get_or_create(&CodeLabels { code });
+        }
+    }
+
+    /// `spliced_flows{path}` (each path's counter made once, kept in
+    /// `spliced`) and `worker_connections{worker}`.
+    fn register_spliced(&mut self) {
         let spliced = Family::<PathLabels, Counter>::default();
-        m.spliced = SplicePath::ALL.map(|p| {
+        self.spliced = SplicePath::ALL.map(|p| {
             spliced
                 .get_or_create(&PathLabels { path: p.label() })
                 .clone()
         });
+        let r = &mut self.registry;
         r.register(
             "spliced_flows",
             "Spliced flows ended, by who moved the bytes: kernel (sockmap), pipe (splice(2) through a pipe), or user (the gateway's copy: splice.kernel off, the program not loadable, the flow could not join the map, or no pipe could be made)",
@@ -262,27 +309,8 @@ impl Metrics {
         r.register(
             "worker_connections",
             "Connections accepted on the transparent listener, by worker (with limits.thread_per_core, the kernel spreads them over the workers' listeners)",
-            m.accepted.clone(),
+            self.accepted.clone(),
         );
-        for code in egress_policy::RequestCode::CODES
-            .iter()
-            .chain(crate::credentials::Refusal::CODES)
-        {
-            let _ = m.requests_denied.get_or_create(&CodeLabels { code });
-        }
-        for code in egress_policy::RequestCode::CODES {
-            let _ = m.requests_would_deny.get_or_create(&CodeLabels { code });
-        }
-        for f in crate::fault::ALL {
-            let _ = m.faults.get_or_create(&FaultLabels {
-                side: f.side.as_str(),
-                kind: f.kind,
-            });
-        }
-        r.register_collector(Box::new(Sources { dns, cache, minter }));
-        m.register_ca_reloads();
-        m.register_budgets();
-        m
     }
 
     /// `budget_exceeded{kind}` (every kind at zero from the start),
@@ -399,8 +427,6 @@ impl Metrics {
         out
     }
 
-    /// Creates the `flows` series for `verdict` with each of `reasons` at
-    /// zero, so they exist (and `rate()` works) before the first such flow.
     /// Counts a spliced flow that ended, by who moved its bytes.
     pub(crate) fn spliced(&self, path: SplicePath) {
         self.spliced[path as usize].inc();
@@ -416,6 +442,8 @@ impl Metrics {
             .clone()
     }
 
+    /// Creates the `flows` series for `verdict` with each of `reasons` at
+    /// zero, so they exist (and `rate()` works) before the first such flow.
     pub(crate) fn declare(&self, verdict: &'static str, reasons: &[&'static str]) {
         for &reason in reasons {
             let _ = self.flows.get_or_create(&FlowLabels { verdict, reason });
