@@ -46,8 +46,7 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::default();
-        let m = Self {
+        let mut m = Self {
             registry: Registry::default(),
             admission: Family::default(),
             requests: Family::default(),
@@ -59,52 +58,58 @@ impl Metrics {
             push_latency_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             leader: Gauge::default(),
         };
+        m.register();
+        m
+    }
+
+    /// Registers every metric, in the order they are exposed.
+    fn register(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "space_sandbox_egress_profile_admission",
             "Egress profile admissions: ok/ready per selected profile; failed/invalid_request (profile=unknown) for refused selections; failed/unconfigured for saved names no longer configured",
-            m.admission.clone(),
+            self.admission.clone(),
         );
         registry.register(
             "egress_controller_requests",
             "API requests by route and status",
-            m.requests.clone(),
+            self.requests.clone(),
         );
         registry.register(
             "egress_controller_operations",
             "Queued operations finished, by outcome (succeeded, retried, failed)",
-            m.operations.clone(),
+            self.operations.clone(),
         );
         registry.register(
             "egress_controller_queue_depth",
             "Operations queued now",
-            m.queue_depth.clone(),
+            self.queue_depth.clone(),
         );
         registry.register(
             "egress_controller_queue_oldest_seconds",
             "Age of the oldest queued operation",
-            m.queue_oldest_seconds.clone(),
+            self.queue_oldest_seconds.clone(),
         );
         registry.register(
             "egress_controller_pushes",
             "Pushes to gateways, by outcome (applied, failed, resync)",
-            m.pushes.clone(),
+            self.pushes.clone(),
         );
         registry.register(
             "egress_controller_push_lag_seconds",
             "Age of the oldest change a gateway has not acknowledged",
-            m.push_lag_seconds.clone(),
+            self.push_lag_seconds.clone(),
         );
         registry.register(
             "egress_controller_push_latency_seconds",
             "From a sandbox change to its gateway acknowledging it",
-            m.push_latency_seconds.clone(),
+            self.push_latency_seconds.clone(),
         );
         registry.register(
             "egress_controller_leader",
             "1 while this dispatcher leads",
-            m.leader.clone(),
+            self.leader.clone(),
         );
-        Self { registry, ..m }
     }
 
     /// Counts admission results.

@@ -268,6 +268,7 @@ impl AttributionCache {
         };
         let now = self.clock.now();
         let written = cache.seconds();
+        let cap = self.config.names_per_ip;
         // Entries replaced or reclaimed are dropped after the lock is released.
         let mut dropped = Vec::new();
         let mut lru = cache.lock();
@@ -276,46 +277,16 @@ impl AttributionCache {
             // Written again, an address is used again: `get_mut` relinks it first.
             match lru.get_mut(ip) {
                 Some(slot) => {
-                    let cap = self.config.names_per_ip;
-                    match Arc::get_mut(&mut slot.names) {
-                        // No lookup holds this entry: merged in place, no copy.
-                        Some(entry) => entry.merge(now, a_names, expiry, cap),
-                        // A lookup still reads it: it keeps its snapshot.
-                        None => {
-                            let mut copy = slot.names.live_copy(now, a_names.len());
-                            copy.merge(now, a_names, expiry, cap);
-                            dropped.push(std::mem::replace(&mut slot.names, Arc::new(copy)));
-                        }
-                    }
+                    slot.merge(now, a_names, expiry, cap, &mut dropped);
                     slot.written = written;
                 }
                 None => {
-                    let names =
-                        Arc::new(IpNames::new(now, a_names, expiry, self.config.names_per_ip));
-                    while lru.len() >= cache.capacity {
-                        let Some((ip, old)) = lru.pop_lru() else {
-                            break;
-                        };
-                        cache.evictions.fetch_add(1, Ordering::Relaxed);
-                        cache.evicted.insert(&ip);
-                        dropped.push(old.names);
-                    }
-                    if cache.capacity > 0 {
-                        lru.put(*ip, Slot { names, written });
-                    }
+                    let names = Arc::new(IpNames::new(now, a_names, expiry, cap));
+                    cache.insert(&mut lru, *ip, Slot { names, written }, &mut dropped);
                 }
             }
         }
-        // Memory reclaim: the least recently used, if not written for long.
-        // Not an eviction: its names have long expired, nothing is lost.
-        while lru
-            .peek_lru()
-            .is_some_and(|(_, slot)| cache.reclaimable(slot, written))
-        {
-            if let Some((_, old)) = lru.pop_lru() {
-                dropped.push(old.names);
-            }
-        }
+        cache.reclaim(&mut lru, written, &mut dropped);
         drop(lru);
         drop(dropped);
         true
@@ -495,6 +466,73 @@ impl SandboxCache {
     /// Not written for `reclaim_after` at `seconds`: as good as gone.
     fn reclaimable(&self, slot: &Slot, seconds: u64) -> bool {
         slot.written.saturating_add(self.reclaim_after) <= seconds
+    }
+
+    /// Puts a new address in, evicting the least recently used while full
+    /// (counted, and remembered as evicted); nothing is kept at capacity 0.
+    fn insert(
+        &self,
+        lru: &mut LruCache<IpAddr, Slot>,
+        ip: IpAddr,
+        slot: Slot,
+        dropped: &mut Vec<Arc<IpNames>>,
+    ) {
+        while lru.len() >= self.capacity {
+            let Some((ip, old)) = lru.pop_lru() else {
+                break;
+            };
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+            self.evicted.insert(&ip);
+            dropped.push(old.names);
+        }
+        if self.capacity > 0 {
+            lru.put(ip, slot);
+        }
+    }
+
+    /// Memory reclaim: the least recently used, if not written for long.
+    /// Not an eviction: its names have long expired, nothing is lost.
+    fn reclaim(
+        &self,
+        lru: &mut LruCache<IpAddr, Slot>,
+        written: u64,
+        dropped: &mut Vec<Arc<IpNames>>,
+    ) {
+        while lru
+            .peek_lru()
+            .is_some_and(|(_, slot)| self.reclaimable(slot, written))
+        {
+            if let Some((_, old)) = lru.pop_lru() {
+                dropped.push(old.names);
+            }
+        }
+    }
+}
+
+// === impl Slot ===
+
+impl Slot {
+    /// Merges names into this address's entry: in place when no lookup
+    /// holds it, else into a copy, the lookup keeping its snapshot (the
+    /// replaced entry goes to `dropped`).
+    fn merge(
+        &mut self,
+        now: Millis,
+        a_names: &[Hostname],
+        expiry: Millis,
+        cap: usize,
+        dropped: &mut Vec<Arc<IpNames>>,
+    ) {
+        match Arc::get_mut(&mut self.names) {
+            // No lookup holds this entry: merged in place, no copy.
+            Some(entry) => entry.merge(now, a_names, expiry, cap),
+            // A lookup still reads it: it keeps its snapshot.
+            None => {
+                let mut copy = self.names.live_copy(now, a_names.len());
+                copy.merge(now, a_names, expiry, cap);
+                dropped.push(std::mem::replace(&mut self.names, Arc::new(copy)));
+            }
+        }
     }
 }
 

@@ -359,6 +359,18 @@ pub fn normal_path(target: &str) -> Result<Cow<'_, str>, PathError> {
         return Ok(Cow::Borrowed(path));
     }
     // Decode first, so an encoded dot is a dot when segments are resolved.
+    let decoded = decode_path(path)?;
+    let normal = resolve_segments(&decoded);
+    // Only ASCII escapes were replaced, by ASCII: still UTF-8.
+    String::from_utf8(normal)
+        .map(Cow::Owned)
+        .map_err(|_| PathError::BadEscape)
+}
+
+/// Percent-decodes the unreserved characters of an absolute path and
+/// upper-cases the other escapes; refuses bad escapes, encoded delimiters
+/// and characters that read two ways.
+fn decode_path(path: &str) -> Result<Vec<u8>, PathError> {
     let bytes = path.as_bytes();
     let mut decoded: Vec<u8> = Vec::with_capacity(path.len());
     let mut i = 0;
@@ -390,7 +402,12 @@ pub fn normal_path(target: &str) -> Result<Cow<'_, str>, PathError> {
             }
         }
     }
-    // Resolve segments into one buffer: `..` cuts back to the previous `/`.
+    Ok(decoded)
+}
+
+/// Resolves the segments of a decoded path into one buffer: empty and `.`
+/// segments dropped, `..` cuts back to the previous `/`; `/` if none is left.
+fn resolve_segments(decoded: &[u8]) -> Vec<u8> {
     let mut normal: Vec<u8> = Vec::with_capacity(decoded.len() + 1);
     for seg in decoded.split(|&c| c == b'/') {
         match seg {
@@ -408,10 +425,7 @@ pub fn normal_path(target: &str) -> Result<Cow<'_, str>, PathError> {
     if normal.is_empty() {
         normal.push(b'/');
     }
-    // Only ASCII escapes were replaced, by ASCII: still UTF-8.
-    String::from_utf8(normal)
-        .map(Cow::Owned)
-        .map_err(|_| PathError::BadEscape)
+    normal
 }
 
 /// Whether an absolute path is its own normal form: no escape, no

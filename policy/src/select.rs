@@ -156,23 +156,29 @@ pub fn select(
         return Ok(ready(chosen));
     };
     let tokens = tokenize(header)?;
+    check_tokens(profiles, &tokens)?;
+    Ok(ready(apply_tokens(profiles, &tokens)))
+}
 
+/// Refuses a repeated token, a profile both added and removed, and a
+/// profile that is not configured.
+fn check_tokens(profiles: &Profiles, tokens: &[(Sign, &str)]) -> Result<(), SelectionError> {
     let mut seen: BTreeSet<(bool, &str)> = BTreeSet::new();
-    for &(sign, name) in &tokens {
+    for &(sign, name) in tokens {
         if !seen.insert((sign == Sign::Plus, name)) {
             return Err(refuse(
                 profiles,
-                &tokens,
+                tokens,
                 SelectionErrorKind::Repeated,
                 format!("token {:?} is repeated", token(sign, name)),
             ));
         }
     }
-    for &(sign, name) in &tokens {
+    for &(sign, name) in tokens {
         if sign == Sign::Plus && seen.contains(&(false, name)) {
             return Err(refuse(
                 profiles,
-                &tokens,
+                tokens,
                 SelectionErrorKind::Conflicting,
                 format!("profile {name:?} is both added and removed"),
             ));
@@ -181,15 +187,19 @@ pub fn select(
     if let Some(&(_, name)) = tokens.iter().find(|(_, n)| profiles.get(n).is_none()) {
         return Err(refuse(
             profiles,
-            &tokens,
+            tokens,
             SelectionErrorKind::Unknown,
             format!("profile {name:?} is not configured"),
         ));
     }
+    Ok(())
+}
 
+/// The defaults with the checked tokens applied in order: `+` adds, `-` removes.
+fn apply_tokens(profiles: &Profiles, tokens: &[(Sign, &str)]) -> Vec<ProfileName> {
     let mut chosen: BTreeSet<ProfileName> = profiles.defaults().cloned().collect();
-    for &(sign, name) in &tokens {
-        // Checked above: every name is configured.
+    for &(sign, name) in tokens {
+        // Checked by `check_tokens`: every name is configured.
         let Some(configured) = profiles.name(name) else {
             continue;
         };
@@ -198,7 +208,7 @@ pub fn select(
             Sign::Minus => chosen.remove(configured),
         };
     }
-    Ok(ready(chosen.into_iter().collect()))
+    chosen.into_iter().collect()
 }
 
 fn ready(profiles: Vec<ProfileName>) -> Selection {

@@ -97,10 +97,30 @@ async fn main() -> Result<(), String> {
     let args = Args::parse();
     let url = std::env::var("DATABASE_URL")
         .map_err(|_| "DATABASE_URL is not set (eval \"$(.ci/pg.sh start)\")".to_owned())?;
+    let url = fresh_database(&url).await?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let gw = start_gateway(dir.path()).await?;
+    let (addr, dispatcher_metrics) = start_controller(&url).await?;
+    seed(addr, &gw).await?;
+
+    let started = Instant::now();
+    let limit = Duration::from_secs(args.limit_s);
+    let watch = Watch::start(&gw);
+    let acked = create_all(addr, &args).await?;
+    let api_done = started.elapsed();
+    watch.until_enforced(&acked, started, limit).await?;
+    let latencies = watch.stop(&acked).await;
+    let total = started.elapsed();
+    report(&args, api_done, total, latencies, &dispatcher_metrics);
+    Ok(())
+}
+
+/// Creates a database of its own on the cluster `url` names; its URL.
+async fn fresh_database(url: &str) -> Result<String, String> {
     let db = egress_controller::ids::new("load").replace('-', "_");
     {
         use sqlx::{Connection, Executor};
-        let mut admin = sqlx::PgConnection::connect(&url)
+        let mut admin = sqlx::PgConnection::connect(url)
             .await
             .map_err(|e| e.to_string())?;
         admin
@@ -108,24 +128,32 @@ async fn main() -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())?;
     }
-    let url = format!(
+    Ok(format!(
         "{}/{db}",
-        url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b)
-    );
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        url.rsplit_once('/').map_or(url, |(b, _)| b)
+    ))
+}
+
+/// A gateway on loopback, its state in `state_dir`, flow log off.
+async fn start_gateway(state_dir: &std::path::Path) -> Result<Gateway, String> {
     let toml = format!(
         "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n",
-        dir.path().display()
+        state_dir.display()
     );
     let config =
         Config::parse(&toml, std::path::Path::new("load.toml")).map_err(|e| e.to_string())?;
-    let gw = Gateway::start(
+    Gateway::start(
         config,
         Arc::new(SoOriginalDst),
         FlowLog::open("off").map_err(|e| e.to_string())?,
     )
     .await
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string())
+}
+
+/// The controller's API and a dispatcher on the database at `url`: the
+/// API's address and the dispatcher's metrics.
+async fn start_controller(url: &str) -> Result<(SocketAddr, Arc<Metrics>), String> {
     let deployment = Arc::new(Deployment::from_values(
         Some(r#"{"sensor": {"default": true, "allow": [{"domain": "sensor.example.test"}]}}"#),
         None,
@@ -133,7 +161,7 @@ async fn main() -> Result<(), String> {
     let tenants = Arc::new(Tenants::parse(&format!(
         r#"{{"tokens": {{"{TOKEN}": {{"tenant": "load", "federated": true, "admin": true}}}}}}"#
     ))?);
-    let pool = store::connect(&url).await?;
+    let pool = store::connect(url).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| e.to_string())?;
@@ -155,13 +183,18 @@ async fn main() -> Result<(), String> {
     tokio::spawn(
         Dispatcher {
             pool,
-            database_url: url.clone(),
+            database_url: url.to_owned(),
             deployment,
             metrics: dispatcher_metrics.clone(),
             limits,
         }
         .run(),
     );
+    Ok((addr, dispatcher_metrics))
+}
+
+/// The template the creates name, and the gateway as the one worker.
+async fn seed(addr: SocketAddr, gw: &Gateway) -> Result<(), String> {
     call(
         addr,
         "PUT",
@@ -170,38 +203,21 @@ async fn main() -> Result<(), String> {
         &[],
     )
     .await?;
+    let admin_url = format!("http://{}", gw.bound().admin);
     call(
         addr,
         "PUT",
         "/v1/workers/w1",
-        json!({"admin_url": format!("http://{}", gw.bound().admin), "pool": "100.64.0.0/14"}),
+        json!({"admin_url": admin_url, "pool": "100.64.0.0/14"}),
         &[],
     )
     .await?;
+    Ok(())
+}
 
-    let started = Instant::now();
-    let limit = Duration::from_secs(args.limit_s);
-    // When each sandbox first appears on the gateway, watched from the start.
-    let seen: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Arc::default();
-    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let watcher = {
-        let (seen, watching, registry) = (seen.clone(), watching.clone(), gw.registry().clone());
-        tokio::spawn(async move {
-            while watching.load(std::sync::atomic::Ordering::Relaxed) {
-                let now = Instant::now();
-                let ids = registry.ids();
-                {
-                    let mut seen = seen
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    for id in ids {
-                        seen.entry(id.to_string()).or_insert(now);
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-    };
+/// Sends `--count` creates, `--concurrency` at a time, `--interval-ms`
+/// apart: when the API acknowledged each sandbox.
+async fn create_all(addr: SocketAddr, args: &Args) -> Result<HashMap<String, Instant>, String> {
     let gate = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
     let mut tasks = Vec::with_capacity(args.count);
     for _ in 0..args.count {
@@ -233,39 +249,104 @@ async fn main() -> Result<(), String> {
         let (id, at) = t.await.map_err(|e| e.to_string())??;
         acked.insert(id, at);
     }
-    let api_done = started.elapsed();
-    // Wait until every acknowledged sandbox reached the gateway.
-    let mut latencies = Vec::with_capacity(acked.len());
-    loop {
-        if started.elapsed() > limit {
-            return Err(format!(
-                "not every sandbox reached the gateway within {limit:?}"
-            ));
-        }
-        let done = {
-            let seen = seen
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            acked.keys().all(|id| seen.contains_key(id))
+    Ok(acked)
+}
+
+/// When each sandbox first appears on the gateway, watched from the start.
+struct Watch {
+    seen: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
+    watching: Arc<std::sync::atomic::AtomicBool>,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl Watch {
+    /// Polls the gateway's sandboxes every millisecond.
+    fn start(gw: &Gateway) -> Self {
+        let seen: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Arc::default();
+        let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let watcher = {
+            let (seen, watching, registry) =
+                (seen.clone(), watching.clone(), gw.registry().clone());
+            tokio::spawn(async move {
+                while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                    let now = Instant::now();
+                    let ids = registry.ids();
+                    {
+                        let mut seen = seen
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        for id in ids {
+                            seen.entry(id.to_string()).or_insert(now);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
         };
-        if done {
-            break;
+        Self {
+            seen,
+            watching,
+            watcher,
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    watching.store(false, std::sync::atomic::Ordering::Relaxed);
-    let _ = watcher.await;
-    {
-        let seen = seen
+
+    /// Waits until every acknowledged sandbox reached the gateway, or
+    /// `limit` after `started`.
+    async fn until_enforced(
+        &self,
+        acked: &HashMap<String, Instant>,
+        started: Instant,
+        limit: Duration,
+    ) -> Result<(), String> {
+        loop {
+            if started.elapsed() > limit {
+                return Err(format!(
+                    "not every sandbox reached the gateway within {limit:?}"
+                ));
+            }
+            let done = {
+                let seen = self
+                    .seen
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                acked.keys().all(|id| seen.contains_key(id))
+            };
+            if done {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Stops watching: the push latency of each acknowledged sandbox seen,
+    /// in milliseconds.
+    async fn stop(self, acked: &HashMap<String, Instant>) -> Vec<f64> {
+        self.watching
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.watcher.await;
+        let mut latencies = Vec::with_capacity(acked.len());
+        let seen = self
+            .seen
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for (id, at) in &acked {
+        for (id, at) in acked {
             if let Some(t) = seen.get(id) {
                 latencies.push(t.saturating_duration_since(*at).as_secs_f64() * 1000.0);
             }
         }
+        latencies
     }
-    let total = started.elapsed();
+}
+
+/// The dispatcher's metrics on stderr if `CTLLOAD_METRICS` is set; the
+/// figures as one JSON line on stdout.
+fn report(
+    args: &Args,
+    api_done: Duration,
+    total: Duration,
+    mut latencies: Vec<f64>,
+    dispatcher_metrics: &Metrics,
+) {
     if std::env::var_os("CTLLOAD_METRICS").is_some() {
         eprintln!("{}", dispatcher_metrics.encode());
     }
@@ -281,5 +362,4 @@ async fn main() -> Result<(), String> {
             "push_latency_ms": {"p50": percentile(&latencies, 0.5), "p90": percentile(&latencies, 0.9), "p99": percentile(&latencies, 0.99)},
         })
     );
-    Ok(())
 }

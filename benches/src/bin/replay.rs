@@ -247,29 +247,10 @@ fn shadow_report(args: &Args, candidate: &std::path::Path) -> Result<serde_json:
 async fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(candidate) = &args.shadow {
-        return match shadow_report(&args, candidate) {
-            Ok(report) => {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).unwrap_or_default()
-                );
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("egress-replay: {e}");
-                ExitCode::FAILURE
-            }
-        };
+        return print_shadow(&args, candidate);
     }
-    let c = match clients(&args) {
-        Ok(c) => Arc::new(c),
-        Err(e) => {
-            eprintln!("egress-replay: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let flows = match read_log(&args.log, args.limit) {
-        Ok(f) => f,
+    let (c, flows) = match setup(&args) {
+        Ok(setup) => setup,
         Err(e) => {
             eprintln!("egress-replay: {e}");
             return ExitCode::FAILURE;
@@ -281,10 +262,52 @@ async fn main() -> ExitCode {
     } else {
         indicatif::ProgressBar::new(total as u64)
     };
-    let gate = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
     let started = Instant::now();
+    let tasks = replay_all(&args, &c, flows, &bar, started).await;
+    let tally = Tally::collect(tasks).await;
+    bar.finish_and_clear();
+    report(total, started.elapsed().as_secs_f64(), tally)
+}
+
+/// `--shadow`: prints the report, or why there is none.
+fn print_shadow(args: &Args, candidate: &std::path::Path) -> ExitCode {
+    match shadow_report(args, candidate) {
+        Ok(report) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&report).unwrap_or_default()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("egress-replay: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The TLS clients, then the flows to replay.
+fn setup(args: &Args) -> Result<(Arc<Clients>, Vec<Recorded>), String> {
+    let c = Arc::new(clients(args)?);
+    let flows = read_log(&args.log, args.limit)?;
+    Ok((c, flows))
+}
+
+/// One replayed flow: its index in the log, the record, what happened.
+type Replayed = (usize, Recorded, Outcome);
+
+/// Starts every flow, `--concurrency` at a time, at the recorded pace
+/// times `--speed` (if set), each bounded by `--timeout`.
+async fn replay_all(
+    args: &Args,
+    c: &Arc<Clients>,
+    flows: Vec<Recorded>,
+    bar: &indicatif::ProgressBar,
+    started: Instant,
+) -> Vec<tokio::task::JoinHandle<Replayed>> {
+    let gate = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
     let limit = Duration::from_secs(args.timeout);
-    let mut tasks = Vec::with_capacity(total);
+    let mut tasks = Vec::with_capacity(flows.len());
     for (i, r) in flows.into_iter().enumerate() {
         if args.speed > 0.0 {
             if let Some(at) = r.offset_s {
@@ -311,30 +334,57 @@ async fn main() -> ExitCode {
             (i, r, o)
         }));
     }
-    // Microseconds, 1 µs to 1 h, 3 significant digits: constant, valid bounds.
-    let mut latency =
-        Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid constant bounds");
-    let mut bytes = 0u64;
-    let mut mismatches = Vec::new();
-    for t in tasks {
-        let Ok((i, r, o)) = t.await else { continue };
-        let _ = latency.record(o.elapsed.as_micros() as u64);
-        bytes += o.bytes;
-        if o.verdict != r.verdict {
-            mismatches.push(serde_json::json!({
-                "line": i + 1,
-                "dst": r.dst,
-                "sni": r.sni,
-                "host": r.host,
-                "recorded": r.verdict,
-                "replayed": o.verdict,
-                "detail": o.detail,
-                "ts": r.ts,
-            }));
+    tasks
+}
+
+/// What the replayed flows add up to.
+struct Tally {
+    latency: Histogram<u64>,
+    bytes: u64,
+    mismatches: Vec<serde_json::Value>,
+}
+
+impl Tally {
+    /// Waits for every flow, in log order.
+    async fn collect(tasks: Vec<tokio::task::JoinHandle<Replayed>>) -> Self {
+        // Microseconds, 1 µs to 1 h, 3 significant digits: constant, valid bounds.
+        let mut latency =
+            Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid constant bounds");
+        let mut bytes = 0u64;
+        let mut mismatches = Vec::new();
+        for t in tasks {
+            let Ok((i, r, o)) = t.await else { continue };
+            let _ = latency.record(o.elapsed.as_micros() as u64);
+            bytes += o.bytes;
+            if o.verdict != r.verdict {
+                mismatches.push(serde_json::json!({
+                    "line": i + 1,
+                    "dst": r.dst,
+                    "sni": r.sni,
+                    "host": r.host,
+                    "recorded": r.verdict,
+                    "replayed": o.verdict,
+                    "detail": o.detail,
+                    "ts": r.ts,
+                }));
+            }
+        }
+        Self {
+            latency,
+            bytes,
+            mismatches,
         }
     }
-    bar.finish_and_clear();
-    let secs = started.elapsed().as_secs_f64();
+}
+
+/// Prints the report of `total` flows over `secs`: success if no verdict
+/// differs, 2 if one does.
+fn report(total: usize, secs: f64, tally: Tally) -> ExitCode {
+    let Tally {
+        latency,
+        bytes,
+        mismatches,
+    } = tally;
     let report = serde_json::json!({
         "flows": total,
         "seconds": (secs * 1000.0).round() / 1000.0,

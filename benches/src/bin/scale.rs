@@ -183,17 +183,7 @@ impl World {
         phases: &mut Vec<Phase>,
     ) -> Self {
         let label = format!("{sandboxes} × {names}");
-        let mut mark = Mem::now();
-        let mut phase = |what: String, per, count| {
-            let now = Mem::now();
-            phases.push(Phase {
-                what,
-                added: now.minus(mark),
-                per,
-                count,
-            });
-            mark = now;
-        };
+        let mut phases = Marks::new(phases);
         let registry = Registry::new(Arc::new(PlatformDenies::builtin()));
         let cache = AttributionCache::new(
             CacheConfig {
@@ -202,57 +192,24 @@ impl World {
             },
             ManualClock::new(),
         );
-        let ids: Vec<SandboxId> = (0..sandboxes)
-            .map(|i| SandboxId::new(&format!("sb-{i}")))
-            .collect();
-        for (i, id) in ids.iter().enumerate() {
-            registry
-                .put(id.clone(), vec![src(i)], policy(i))
-                .expect("distinct addresses");
-        }
-        phase(
+        let ids = register(&registry, sandboxes);
+        phases.mark(
             format!("{label}: registry (one address, 21 rules each)"),
             "sandbox",
             sandboxes,
         );
-        let record = |i: usize, j: usize| {
-            let a = Attribution {
-                names: chain(i, j),
-                addrs: vec![dst(i, j)],
-                ttl: TTL,
-            };
-            assert!(cache.record(&ids[i], &a), "the cache refused sandbox {i}");
-        };
         for i in 0..sandboxes {
-            record(i, 0);
+            record(&cache, &ids, i, 0);
         }
         cache.sync();
-        phase(
+        phases.mark(
             format!("{label}: first answer of each sandbox (its cache made)"),
             "sandbox",
             sandboxes,
         );
-        let started = Instant::now();
-        for i in 0..sandboxes {
-            for j in 1..names {
-                record(i, j);
-            }
-            if i % 500 == 499 {
-                assert!(Instant::now() < limit, "building took too long");
-                if sandboxes >= 1_000 {
-                    eprint!("\r  {label}: {} sandboxes", i + 1);
-                }
-            }
-        }
-        cache.sync();
-        if sandboxes >= 1_000 {
-            eprintln!(
-                " ({:.2} µs per answer)",
-                started.elapsed().as_secs_f64() * 1e6 / (sandboxes * names.max(2)) as f64
-            );
-        }
+        record_others(&cache, &ids, names, limit, &label);
         if names > 1 {
-            phase(
+            phases.mark(
                 format!("{label}: the other answers"),
                 "name",
                 sandboxes * (names - 1),
@@ -317,6 +274,86 @@ impl World {
     }
 }
 
+/// Build phases as they end: each adds what RSS grew by since the last.
+struct Marks<'a> {
+    phases: &'a mut Vec<Phase>,
+    mark: Mem,
+}
+
+impl<'a> Marks<'a> {
+    fn new(phases: &'a mut Vec<Phase>) -> Self {
+        Self {
+            phases,
+            mark: Mem::now(),
+        }
+    }
+
+    fn mark(&mut self, what: String, per: &'static str, count: usize) {
+        let now = Mem::now();
+        self.phases.push(Phase {
+            what,
+            added: now.minus(self.mark),
+            per,
+            count,
+        });
+        self.mark = now;
+    }
+}
+
+/// Registers `sandboxes` sandboxes, one address and policy each: their ids.
+fn register(registry: &Registry, sandboxes: usize) -> Vec<SandboxId> {
+    let ids: Vec<SandboxId> = (0..sandboxes)
+        .map(|i| SandboxId::new(&format!("sb-{i}")))
+        .collect();
+    for (i, id) in ids.iter().enumerate() {
+        registry
+            .put(id.clone(), vec![src(i)], policy(i))
+            .expect("distinct addresses");
+    }
+    ids
+}
+
+/// Records answer `j` of sandbox `i` as the DNS proxy does.
+fn record(cache: &AttributionCache, ids: &[SandboxId], i: usize, j: usize) {
+    let a = Attribution {
+        names: chain(i, j),
+        addrs: vec![dst(i, j)],
+        ttl: TTL,
+    };
+    assert!(cache.record(&ids[i], &a), "the cache refused sandbox {i}");
+}
+
+/// Records every answer but the first of each sandbox, by `limit`, with
+/// progress on stderr for large worlds.
+fn record_others(
+    cache: &AttributionCache,
+    ids: &[SandboxId],
+    names: usize,
+    limit: Instant,
+    label: &str,
+) {
+    let sandboxes = ids.len();
+    let started = Instant::now();
+    for i in 0..sandboxes {
+        for j in 1..names {
+            record(cache, ids, i, j);
+        }
+        if i % 500 == 499 {
+            assert!(Instant::now() < limit, "building took too long");
+            if sandboxes >= 1_000 {
+                eprint!("\r  {label}: {} sandboxes", i + 1);
+            }
+        }
+    }
+    cache.sync();
+    if sandboxes >= 1_000 {
+        eprintln!(
+            " ({:.2} µs per answer)",
+            started.elapsed().as_secs_f64() * 1e6 / (sandboxes * names.max(2)) as f64
+        );
+    }
+}
+
 struct Flow {
     src: IpAddr,
     dst: SocketAddr,
@@ -375,58 +412,106 @@ struct Case<'a> {
 
 fn main() {
     let args = Args::parse();
-    let limit = Instant::now() + Duration::from_secs(args.build_limit);
-    let default_max = CacheConfig::default().max_sandboxes;
-    let cache_sandboxes = if args.cache_sandboxes == 0 {
+    let built = Built::new(&args);
+    let mut cases = cases(&args, &built);
+    let allowed: Vec<usize> = cases.iter().map(|c| c.world.check(&c.flows)).collect();
+
+    if let Some(which) = &args.profile {
+        profile(&args, &cases, which);
+        return;
+    }
+
+    let medians = run_rounds(&args, &mut cases);
+    report_times(&args, &cases, &medians, &allowed);
+    report_memory(&args, &built, &cases, &medians);
+}
+
+/// `max_sandboxes` of the large worlds' caches.
+fn cache_sandboxes(args: &Args) -> usize {
+    if args.cache_sandboxes == 0 {
         args.sandboxes
     } else {
         args.cache_sandboxes
-    };
-    let start = Mem::now();
-    let mut phases = Vec::new();
-    let small = World::build(1, args.small_names, default_max, limit, &mut phases);
-    let built = Instant::now();
-    let large = World::build(
-        args.sandboxes,
-        args.names,
-        cache_sandboxes,
-        limit,
-        &mut phases,
-    );
-    let build_s = built.elapsed().as_secs_f64();
-    let after_large = Mem::now();
-    let control = (!args.no_control).then(|| {
-        World::build(
+    }
+}
+
+/// The worlds, and what building them took.
+struct Built {
+    small: World,
+    large: World,
+    control: Option<World>,
+    phases: Vec<Phase>,
+    /// At process start, and after the large world.
+    start: Mem,
+    after_large: Mem,
+    /// Seconds the large world took.
+    build_s: f64,
+}
+
+impl Built {
+    fn new(args: &Args) -> Self {
+        let limit = Instant::now() + Duration::from_secs(args.build_limit);
+        let default_max = CacheConfig::default().max_sandboxes;
+        let cache_sandboxes = cache_sandboxes(args);
+        let start = Mem::now();
+        let mut phases = Vec::new();
+        let small = World::build(1, args.small_names, default_max, limit, &mut phases);
+        let built = Instant::now();
+        let large = World::build(
             args.sandboxes,
-            args.small_names,
+            args.names,
             cache_sandboxes,
             limit,
             &mut phases,
-        )
-    });
+        );
+        let build_s = built.elapsed().as_secs_f64();
+        let after_large = Mem::now();
+        let control = (!args.no_control).then(|| {
+            World::build(
+                args.sandboxes,
+                args.small_names,
+                cache_sandboxes,
+                limit,
+                &mut phases,
+            )
+        });
+        Self {
+            small,
+            large,
+            control,
+            phases,
+            start,
+            after_large,
+            build_s,
+        }
+    }
+}
 
+/// The cases, in order: small, one, spread, control (if built).
+fn cases<'a>(args: &Args, built: &'a Built) -> Vec<Case<'a>> {
+    let (small, large) = (&built.small, &built.large);
     let s = args.sandboxes;
     let mut cases = vec![
         Case {
             name: format!("1 sandbox × {} names", args.small_names),
-            world: &small,
+            world: small,
             flows: small.flows(Some(0), args.flows),
             times: Vec::new(),
         },
         Case {
             name: format!("one sandbox of {s} × {}", args.names),
-            world: &large,
+            world: large,
             flows: large.flows(Some(s / 2), args.flows),
             times: Vec::new(),
         },
         Case {
             name: format!("spread over {s} × {}", args.names),
-            world: &large,
+            world: large,
             flows: large.flows(None, args.flows),
             times: Vec::new(),
         },
     ];
-    if let Some(c) = &control {
+    if let Some(c) = &built.control {
         cases.push(Case {
             name: format!("spread over {s} × {} (control)", args.small_names),
             world: c,
@@ -434,22 +519,25 @@ fn main() {
             times: Vec::new(),
         });
     }
-    let allowed: Vec<usize> = cases.iter().map(|c| c.world.check(&c.flows)).collect();
+    cases
+}
 
-    if let Some(which) = &args.profile {
-        let at = ["small", "one", "spread", "control"]
-            .iter()
-            .position(|w| w == which)
-            .filter(|&i| i < cases.len())
-            .expect("--profile: small, one, spread or control");
-        let c = &cases[at];
-        let ns = time_flows(c.world, &c.flows, args.decisions * args.rounds);
-        eprintln!("{}: {ns:.0} ns per flow", c.name);
-        return;
-    }
+/// `--profile`: times the one case, `decisions × rounds` flows.
+fn profile(args: &Args, cases: &[Case<'_>], which: &str) {
+    let at = ["small", "one", "spread", "control"]
+        .iter()
+        .position(|w| *w == which)
+        .filter(|&i| i < cases.len())
+        .expect("--profile: small, one, spread or control");
+    let c = &cases[at];
+    let ns = time_flows(c.world, &c.flows, args.decisions * args.rounds);
+    eprintln!("{}: {ns:.0} ns per flow", c.name);
+}
 
-    // Warm-up, then interleaved rounds (the order rotated each round).
-    for c in &cases {
+/// Warm-up, then interleaved rounds (the order rotated each round): the
+/// median of each case.
+fn run_rounds(args: &Args, cases: &mut [Case<'_>]) -> Vec<f64> {
+    for c in cases.iter() {
         time_flows(c.world, &c.flows, args.decisions / 10);
     }
     let n = cases.len();
@@ -460,8 +548,13 @@ fn main() {
             c.times.push(t);
         }
     }
-    let medians: Vec<f64> = cases.iter_mut().map(|c| median(&mut c.times)).collect();
+    cases.iter_mut().map(|c| median(&mut c.times)).collect()
+}
 
+/// The header and the table of times per case.
+fn report_times(args: &Args, cases: &[Case<'_>], medians: &[f64], allowed: &[usize]) {
+    let s = args.sandboxes;
+    let default_max = CacheConfig::default().max_sandboxes;
     println!(
         "egress-scale: {} interleaved rounds × {} flows per case, cycling {} distinct flows \
          (TLS, SNI = the attributed name); per flow: registry lookup by source + decide \
@@ -472,8 +565,9 @@ fn main() {
         println!(
             "\nNote: the gateway builds its attribution cache with CacheConfig::default(), \
              max_sandboxes = {default_max}: with {s} sandboxes registered, {} would get no \
-             attribution and fail closed. The large worlds here use max_sandboxes = {cache_sandboxes}.",
-            s - default_max
+             attribution and fail closed. The large worlds here use max_sandboxes = {}.",
+            s - default_max,
+            cache_sandboxes(args)
         );
     }
     println!(
@@ -481,7 +575,7 @@ fn main() {
         args.small_names
     );
     println!("|---|---:|---:|---:|---:|");
-    for (c, (m, a)) in cases.iter().zip(medians.iter().zip(&allowed)) {
+    for (c, (m, a)) in cases.iter().zip(medians.iter().zip(allowed)) {
         println!(
             "| {} | {m:.0} | {:.0}–{:.0} | {:.2}× | {a} / {} |",
             c.name,
@@ -491,15 +585,21 @@ fn main() {
             c.flows.len()
         );
     }
+}
+
+/// The memory table per build phase, then the JSON summary line.
+fn report_memory(args: &Args, built: &Built, cases: &[Case<'_>], medians: &[f64]) {
+    let (start, after_large) = (built.start, built.after_large);
     println!(
         "\nMemory (VmRSS, mimalloc): {:.1} MiB at process start, {:.1} MiB after the large \
-         world (built in {build_s:.1} s).\n",
+         world (built in {:.1} s).\n",
         mib(start.rss),
         mib(after_large.rss),
+        built.build_s,
     );
     println!("| phase | RSS added MiB | per |");
     println!("|---|---:|---:|");
-    for p in &phases {
+    for p in &built.phases {
         let b = p.added.rss as f64 * 1024.0 / p.count as f64;
         let per = if b >= 10_240.0 {
             format!("{:.1} KiB / {}", b / 1024.0, p.per)
@@ -510,13 +610,14 @@ fn main() {
     }
     let large_rss = after_large.rss.saturating_sub(start.rss);
     println!(
-        "\n{{\"sandboxes\": {s}, \"names\": {}, \"small_names\": {}, \"large_world_rss_kib\": {large_rss}, \
+        "\n{{\"sandboxes\": {}, \"names\": {}, \"small_names\": {}, \"large_world_rss_kib\": {large_rss}, \
          \"ns_per_flow\": {{{}}}}}",
+        args.sandboxes,
         args.names,
         args.small_names,
         cases
             .iter()
-            .zip(&medians)
+            .zip(medians)
             .map(|(c, m)| format!("\"{}\": {m:.1}", c.name))
             .collect::<Vec<_>>()
             .join(", ")

@@ -149,23 +149,50 @@ pub(super) fn policy(doc: &Json) -> Result<MachineEgress, Vec<Problem>> {
             describe(doc)
         ))]);
     };
-    let mut problems = Vec::new();
-    let mut mode = None;
-    let mut mode_refused = false;
-    let mut raw_rules: &[Json] = &[];
+    let (top, mut problems) = top_fields(fields);
+    let raw_rules = top.rules;
+    let mode = mode_of(&top, &mut problems);
+    let rules = rules_of(raw_rules, &mut problems);
+
+    if problems.is_empty() {
+        Ok(MachineEgress { mode, rules })
+    } else {
+        // The document's problems first, then each rule's in rule order.
+        problems.sort_by_key(|p| p.rule.map_or(0, |i| i + 1));
+        Err(problems)
+    }
+}
+
+/// A document's top-level fields, as far as they could be read.
+struct Top<'a> {
+    /// The mode named, if it was valid.
+    mode: Option<Mode>,
+    /// Whether a mode was named but refused.
+    mode_refused: bool,
+    /// The rules, not yet validated; empty if absent or not an array.
+    rules: &'a [Json],
+}
+
+/// Reads the top-level fields, with the problems found in them.
+fn top_fields(fields: &[(String, Json)]) -> (Top<'_>, Vec<Problem>) {
+    let mut found = Top {
+        mode: None,
+        mode_refused: false,
+        rules: &[],
+    };
     let (fields, mut top) = unique_fields(fields);
     for (key, value) in fields {
         match key {
             "mode" => match value {
                 Json::String(s) => match s.parse::<Mode>() {
-                    Ok(m) => mode = Some(m),
+                    Ok(m) => found.mode = Some(m),
                     Err(e) => {
-                        mode_refused = true;
+                        found.mode_refused = true;
                         top.push(e.to_string());
                     }
                 },
                 other => {
-                    mode_refused = true;
+                    found.mode_refused = true;
                     top.push(format!(
                         "mode: expected a string (loopback, allowlist, audit or open), found {}",
                         describe(other)
@@ -173,7 +200,7 @@ pub(super) fn policy(doc: &Json) -> Result<MachineEgress, Vec<Problem>> {
                 }
             },
             "rules" => match value {
-                Json::Array(a) => raw_rules = a,
+                Json::Array(a) => found.rules = a,
                 other => top.push(format!(
                     "rules: expected an array of rules, found {}",
                     describe(other)
@@ -182,20 +209,26 @@ pub(super) fn policy(doc: &Json) -> Result<MachineEgress, Vec<Problem>> {
             other => top.push(format!("unknown field {other:?}: expected mode or rules")),
         }
     }
-    problems.extend(top.into_iter().map(Problem::top));
+    (found, top.into_iter().map(Problem::top).collect())
+}
 
+/// The document's mode — `loopback` without rules and `allowlist` with them
+/// when none is named — reporting too many rules, and rules the mode would
+/// ignore.
+fn mode_of(top: &Top<'_>, problems: &mut Vec<Problem>) -> Mode {
+    let raw_rules = top.rules;
     if raw_rules.len() > MAX_RULES {
         problems.push(Problem::top(format!(
             "{} rules: at most {MAX_RULES} are allowed",
             raw_rules.len()
         )));
     }
-    let mode = match mode {
+    let mode = match top.mode {
         Some(m) => m,
         None if raw_rules.is_empty() => Mode::Loopback,
         None => Mode::Allowlist,
     };
-    if !mode_refused && !raw_rules.is_empty() && matches!(mode, Mode::Loopback | Mode::Open) {
+    if !top.mode_refused && !raw_rules.is_empty() && matches!(mode, Mode::Loopback | Mode::Open) {
         let what = match mode {
             Mode::Loopback => "nothing leaves",
             _ => "everything leaves",
@@ -206,11 +239,16 @@ pub(super) fn policy(doc: &Json) -> Result<MachineEgress, Vec<Problem>> {
             raw_rules.len()
         )));
     }
+    mode
+}
 
+/// Validates every rule, reporting into `problems`, then the entries per
+/// network; returns the valid rules.
+fn rules_of(raw_rules: &[Json], problems: &mut Vec<Problem>) -> Vec<Rule> {
     let mut rules = Vec::with_capacity(raw_rules.len().min(MAX_RULES));
     let mut valid = Vec::with_capacity(raw_rules.len().min(MAX_RULES));
     for (i, raw) in raw_rules.iter().enumerate() {
-        if let Some(rule) = rule(i, raw, &mut problems) {
+        if let Some(rule) = rule(i, raw, problems) {
             valid.push((i, rule.net, rule.entry()));
             rules.push(rule);
         }
@@ -219,14 +257,7 @@ pub(super) fn policy(doc: &Json) -> Result<MachineEgress, Vec<Problem>> {
     if raw_rules.len() <= MAX_RULES {
         problems.extend(entry_overflows(&valid));
     }
-
-    if problems.is_empty() {
-        Ok(MachineEgress { mode, rules })
-    } else {
-        // The document's problems first, then each rule's in rule order.
-        problems.sort_by_key(|p| p.rule.map_or(0, |i| i + 1));
-        Err(problems)
-    }
+    rules
 }
 
 /// Validates rule `i`, reporting into `problems`; `Some` when it is valid.

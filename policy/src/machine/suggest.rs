@@ -73,30 +73,66 @@ type Entries = BTreeSet<Entry>;
 /// rules are added; `audit` and `allowlist` stay.
 pub fn suggest(current: &MachineEgress, observed: &[Observed]) -> Suggestion {
     let (dests, allowed) = refused(current, observed);
-    let unchanged = |notes: Vec<String>, uncovered: &[Dest]| Suggestion {
-        policy: current.clone(),
-        added: Vec::new(),
-        notes,
-        uncovered: uncovered.iter().map(Dest::observed).collect(),
+    let (mut notes, budget) = match room(current, &dests, allowed) {
+        Ok(room) => room,
+        Err(unchanged) => return unchanged,
     };
+
+    let cur = Current::new(&current.rules);
+    let mut plan = Plan::per_address(&cur, &dests, &mut notes);
+    plan.fit(&cur, &dests, budget, &mut notes);
+    let added = plan.rules(&dests, &mut notes);
+
+    let policy = MachineEgress {
+        mode: mode_after(current.mode, &added, &mut notes),
+        rules: current.rules.iter().chain(&added).cloned().collect(),
+    };
+    if let Err(problems) = policy.validate() {
+        // A bug, not an input: refuse to suggest an invalid policy.
+        notes.push(format!(
+            "internal error: the suggestion did not validate, nothing added: {}",
+            joined(&problems)
+        ));
+        return unchanged(current, notes, &dests);
+    }
+    let mut uncovered: Vec<&Dest> = plan.uncovered.iter().map(|&i| &dests[i]).collect();
+    uncovered.sort_by_key(|d| d.key());
+    Suggestion {
+        policy,
+        added,
+        notes,
+        uncovered: uncovered.into_iter().map(Dest::observed).collect(),
+    }
+}
+
+/// The notes so far and how many rules may be added, or the unchanged
+/// policy when nothing can be: mode open, an invalid current policy,
+/// nothing refused, or no room for another rule.
+fn room(
+    current: &MachineEgress,
+    dests: &[Dest],
+    allowed: usize,
+) -> Result<(Vec<String>, usize), Suggestion> {
     if current.mode == Mode::Open {
-        return unchanged(
+        return Err(unchanged(
+            current,
             vec![
                 "mode open allows everything: no rules to suggest; use mode audit to \
                   record what an allowlist would drop"
                     .into(),
             ],
             &[],
-        );
+        ));
     }
     if let Err(problems) = current.validate() {
-        return unchanged(
+        return Err(unchanged(
+            current,
             vec![format!(
                 "the current policy is not valid, fix it first: {}",
                 joined(&problems)
             )],
-            &dests,
-        );
+            dests,
+        ));
     }
 
     let mut notes = Vec::new();
@@ -111,7 +147,7 @@ pub fn suggest(current: &MachineEgress, observed: &[Observed]) -> Suggestion {
     }
     if dests.is_empty() {
         notes.push("nothing to add: every observed destination is already allowed".into());
-        return unchanged(notes, &[]);
+        return Err(unchanged(current, notes, &[]));
     }
     let budget = MAX_RULES.saturating_sub(current.rules.len());
     if budget == 0 {
@@ -119,15 +155,26 @@ pub fn suggest(current: &MachineEgress, observed: &[Observed]) -> Suggestion {
             "the current policy already has {} rules, the most allowed: nothing could be added",
             current.rules.len()
         ));
-        return unchanged(notes, &dests);
+        return Err(unchanged(current, notes, dests));
     }
+    Ok((notes, budget))
+}
 
-    let cur = Current::new(&current.rules);
-    let mut plan = Plan::per_address(&cur, &dests, &mut notes);
-    plan.fit(&cur, &dests, budget, &mut notes);
-    let added = plan.rules(&dests, &mut notes);
+/// The current policy as the suggestion, with `notes`, and `uncovered` as
+/// what it still does not allow.
+fn unchanged(current: &MachineEgress, notes: Vec<String>, uncovered: &[Dest]) -> Suggestion {
+    Suggestion {
+        policy: current.clone(),
+        added: Vec::new(),
+        notes,
+        uncovered: uncovered.iter().map(Dest::observed).collect(),
+    }
+}
 
-    let mode = match current.mode {
+/// The suggested mode: `loopback` becomes `allowlist` when rules are added
+/// (noted), any other mode stays.
+fn mode_after(mode: Mode, added: &[Rule], notes: &mut Vec<String>) -> Mode {
+    match mode {
         Mode::Loopback if !added.is_empty() => {
             notes.push(
                 "mode loopback becomes allowlist: under loopback nothing leaves, whatever the rules"
@@ -136,27 +183,6 @@ pub fn suggest(current: &MachineEgress, observed: &[Observed]) -> Suggestion {
             Mode::Allowlist
         }
         m => m,
-    };
-    let policy = MachineEgress {
-        mode,
-        rules: current.rules.iter().chain(&added).cloned().collect(),
-    };
-    if let Err(problems) = policy.validate() {
-        // A bug, not an input: refuse to suggest an invalid policy.
-        let mut notes = notes;
-        notes.push(format!(
-            "internal error: the suggestion did not validate, nothing added: {}",
-            joined(&problems)
-        ));
-        return unchanged(notes, &dests);
-    }
-    let mut uncovered: Vec<&Dest> = plan.uncovered.iter().map(|&i| &dests[i]).collect();
-    uncovered.sort_by_key(|d| d.key());
-    Suggestion {
-        policy,
-        added,
-        notes,
-        uncovered: uncovered.into_iter().map(Dest::observed).collect(),
     }
 }
 

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 
 use crate::dest::Destination;
-use crate::http::{normal_path, segments_of, Mode};
+use crate::http::{normal_path, segments_of, HttpMatch, Mode};
 use crate::name::Hostname;
 use crate::rule::Rule;
 
@@ -300,6 +300,9 @@ impl RequestRules {
         }
     }
 
+    /// The refusal of one judgement: the covering deny with the lowest index,
+    /// else the first name whose allow rules restrict requests and do not
+    /// cover this one. `audit` judges audited rules as if enforced.
     fn refusal(
         &self,
         allow: &[Rule],
@@ -309,15 +312,27 @@ impl RequestRules {
         path: &Path<'_>,
         audit: bool,
     ) -> Option<RequestDenial> {
-        let applies = |r: &Rule| audit || r.mode == Mode::Enforce;
-        // The deny with the lowest index that covers the request.
-        let mut denied: Option<RequestDenial> = None;
         let mut covering = Vec::new();
+        self.denied(deny, names, method, path, audit, &mut covering)
+            .or_else(|| self.not_allowed(allow, names, method, path, audit, &mut covering))
+    }
+
+    /// The deny with the lowest index that covers the request, on any name.
+    fn denied(
+        &self,
+        deny: &[Rule],
+        names: &[&Hostname],
+        method: &str,
+        path: &Path<'_>,
+        audit: bool,
+        covering: &mut Vec<RuleIdx>,
+    ) -> Option<RequestDenial> {
+        let mut denied: Option<RequestDenial> = None;
         for name in names {
             for level in self.deny.all(name) {
                 let (candidates, code) = match path.0 {
                     Some(segs) => {
-                        level.covering(segs, &mut covering);
+                        level.covering(segs, covering);
                         (&covering[..], RequestCode::HttpDeny)
                     }
                     None => (&level.rules[..], RequestCode::AmbiguousPath),
@@ -326,10 +341,7 @@ impl RequestRules {
                     if denied.is_some_and(|d| d.rule.index() <= i) {
                         continue;
                     }
-                    let Some(http) = rule(deny, i)
-                        .filter(|r| applies(r))
-                        .and_then(|r| r.http.as_ref())
-                    else {
+                    let Some(http) = http_of(deny, i, audit) else {
                         continue;
                     };
                     if http.covers_method(method) {
@@ -346,54 +358,77 @@ impl RequestRules {
                 }
             }
         }
-        if denied.is_some() {
-            return denied;
-        }
-        for name in names {
-            let Some(level) = self.allow_restriction(name, audit) else {
-                continue;
-            };
-            let mut ambiguous = None;
-            let candidates = match path.0 {
-                Some(segs) => {
-                    level.covering(segs, &mut covering);
-                    &covering[..]
-                }
-                None => &level.rules[..],
-            };
-            let mut covered = false;
-            for &i in candidates {
-                let Some(http) = rule(allow, i)
-                    .filter(|r| applies(r))
-                    .and_then(|r| r.http.as_ref())
-                else {
-                    continue;
-                };
-                if !http.covers_method(method) {
-                    continue;
-                }
-                if path.0.is_some() || !http.needs_path() {
-                    covered = true;
-                    break;
-                }
-                ambiguous = ambiguous.or(Some(i));
-            }
-            if !covered {
-                let first = level.rules.first().copied().unwrap_or_default();
-                return Some(match ambiguous {
-                    Some(i) => RequestDenial {
-                        code: RequestCode::AmbiguousPath,
-                        rule: RuleRef::Allow(i),
-                    },
-                    None => RequestDenial {
-                        code: RequestCode::HttpNotAllowed,
-                        rule: RuleRef::Allow(first),
-                    },
-                });
-            }
-        }
-        None
+        denied
     }
+
+    /// The first name whose allow level restricts requests and has no rule
+    /// covering this one.
+    fn not_allowed(
+        &self,
+        allow: &[Rule],
+        names: &[&Hostname],
+        method: &str,
+        path: &Path<'_>,
+        audit: bool,
+        covering: &mut Vec<RuleIdx>,
+    ) -> Option<RequestDenial> {
+        names.iter().find_map(|name| {
+            let level = self.allow_restriction(name, audit)?;
+            level_refusal(level, allow, method, path, audit, covering)
+        })
+    }
+}
+
+/// Whether one allow level covers the request: `None` if a rule does,
+/// else the denial — ambiguous if a rule would have covered it but needs
+/// the path, which could not be normalised.
+fn level_refusal(
+    level: &Level,
+    allow: &[Rule],
+    method: &str,
+    path: &Path<'_>,
+    audit: bool,
+    covering: &mut Vec<RuleIdx>,
+) -> Option<RequestDenial> {
+    let candidates = match path.0 {
+        Some(segs) => {
+            level.covering(segs, covering);
+            &covering[..]
+        }
+        None => &level.rules[..],
+    };
+    let mut ambiguous = None;
+    for &i in candidates {
+        let Some(http) = http_of(allow, i, audit) else {
+            continue;
+        };
+        if !http.covers_method(method) {
+            continue;
+        }
+        if path.0.is_some() || !http.needs_path() {
+            return None;
+        }
+        ambiguous = ambiguous.or(Some(i));
+    }
+    let first = level.rules.first().copied().unwrap_or_default();
+    Some(match ambiguous {
+        Some(i) => RequestDenial {
+            code: RequestCode::AmbiguousPath,
+            rule: RuleRef::Allow(i),
+        },
+        None => RequestDenial {
+            code: RequestCode::HttpNotAllowed,
+            rule: RuleRef::Allow(first),
+        },
+    })
+}
+
+/// The `http` qualifier of rule `i`, if it has one and applies to this
+/// judgement (enforced, or any rule when `audit`).
+fn http_of(list: &[Rule], i: RuleIdx, audit: bool) -> Option<&HttpMatch> {
+    rule(list, i)
+        .filter(|r| audit || r.mode == Mode::Enforce)
+        .and_then(|r| r.http.as_ref())
 }
 
 fn idx(i: usize) -> RuleIdx {
