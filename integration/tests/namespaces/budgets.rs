@@ -204,7 +204,12 @@ fn a_spliced_bulk_download_is_cut_at_its_byte_budget_and_the_other_sandbox_is_no
         flows
             .iter()
             .filter(|l| l["sandbox"] == json!("sb2") && l["sni"] == json!("a.relay.example.test"))
-            .all(|l| l["verdict"] == json!("splice") && l.get("error").is_none()),
+            // Spliced and never cut by a budget (a client that resets after
+            // its last byte — curl sometimes does — is the client's error).
+            .all(|l| l["verdict"] == json!("splice")
+                && !l["error"]
+                    .as_str()
+                    .is_some_and(|e| e.starts_with("budget_exceeded"))),
         "{flows:?}"
     );
 }
