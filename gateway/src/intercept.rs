@@ -139,6 +139,22 @@ pub(crate) async fn http_flow(
 }
 
 /// A refused request's answer, for the shadow's comparison.
+/// The per-request stage that refused a request: the policy's rules, or a
+/// host-bound credential (which a shadow policy shares, so never a
+/// difference between the two).
+enum Stage {
+    Rules(Denial),
+    Credentials(Denial),
+}
+
+impl Stage {
+    fn into_denial(self) -> Denial {
+        match self {
+            Self::Rules(d) | Self::Credentials(d) => d,
+        }
+    }
+}
+
 fn deny_of(d: &Denial) -> crate::shadow::Judged {
     crate::shadow::Judged {
         verdict: "deny",
@@ -378,13 +394,14 @@ impl Conn {
         let checked = self.per_request(&mut req, host, &lookup);
         if self.sandbox.shadow.is_some() {
             let active = match &checked {
+                Err(Stage::Rules(d)) => deny_of(d),
                 // A credential's refusal is not the policy's: the candidate
                 // shares the credentials, and would refuse it too.
-                Err(d) if !d.code.starts_with("credential_") => deny_of(d),
-                Ok(()) | Err(_) => allowed,
+                Ok(()) | Err(Stage::Credentials(_)) => allowed,
             };
             self.shadow_request(&req, host, &lookup, active);
         }
+        let checked = checked.map_err(Stage::into_denial);
         if let Err(denial) = checked.and_then(|()| self.within_budget(host, &lookup)) {
             return refused_after_body(req, denial).await;
         }
@@ -534,14 +551,14 @@ impl Conn {
     }
 
     /// The per-request rules and the credentials, for a request its flow's
-    /// policy lets through: refused, or let through with the credentials
-    /// of its host in place of their placeholders.
+    /// policy lets through: refused (saying by which stage), or let through
+    /// with the credentials of its host in place of their placeholders.
     fn per_request(
         &self,
         req: &mut Request<Incoming>,
         host: Option<&Hostname>,
         lookup: &Lookup,
-    ) -> Result<(), Denial> {
+    ) -> Result<(), Stage> {
         if !self.sandbox.policy.has_request_rules() {
             return Ok(());
         }
@@ -552,8 +569,10 @@ impl Conn {
             .to_owned();
         let method = req.method().clone();
         let method = method.as_str();
-        self.request_rules((host, lookup), method, &target)?;
+        self.request_rules((host, lookup), method, &target)
+            .map_err(Stage::Rules)?;
         self.inject_credentials(req, host, method, &target)
+            .map_err(Stage::Credentials)
     }
 
     /// The rules stage: the sandbox's per-request rules on `method` and
