@@ -265,6 +265,19 @@ pub(crate) fn visible(
     }
 }
 
+/// The sandbox `id`, locked for update in `tx`, if the caller may see it.
+pub(crate) async fn visible_for_update(
+    tx: &mut sqlx::PgConnection,
+    caller: &Tenant,
+    id: &str,
+) -> Result<SandboxRow, Reply> {
+    visible(
+        caller,
+        store::sandbox_for_update(tx, id).await.map_err(db)?,
+        id,
+    )
+}
+
 // === creates ===
 
 #[derive(Deserialize)]
@@ -553,11 +566,7 @@ impl Api {
         id: &str,
         base: Option<Policy>,
     ) -> Result<SandboxRow, Reply> {
-        let row = visible(
-            caller,
-            store::sandbox_for_update(tx, id).await.map_err(db)?,
-            id,
-        )?;
+        let row = visible_for_update(tx, caller, id).await?;
         if !matches!(
             row.state.as_str(),
             "running" | "stopped" | "paused" | "suspended"
@@ -612,11 +621,7 @@ impl Api {
     /// saved effective policy stays as it is.
     async fn lifecycle(&self, caller: &Tenant, id: &str, action: &str) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
-        let row = visible(
-            caller,
-            store::sandbox_for_update(&mut tx, id).await.map_err(db)?,
-            id,
-        )?;
+        let row = visible_for_update(&mut tx, caller, id).await?;
         let next = transition(&row.state, action).ok_or_else(|| {
             error(
                 StatusCode::CONFLICT,

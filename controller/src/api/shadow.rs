@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sqlx::PgConnection;
 
-use super::{db, error, json_reply, policy_field, typed, visible, Api, Reply};
+use super::{db, error, json_reply, policy_field, typed, visible, visible_for_update, Api, Reply};
 use crate::compose::effective;
 use crate::config::Tenant;
 use crate::gateway_client::call;
@@ -118,11 +118,7 @@ impl Api {
         let req: ShadowBody = typed(body?)?;
         let candidate = policy_field(&req.policy, "policy")?;
         let mut tx = self.pool.begin().await.map_err(db)?;
-        let row = visible(
-            caller,
-            store::sandbox_for_update(&mut tx, id).await.map_err(db)?,
-            id,
-        )?;
+        let row = visible_for_update(&mut tx, caller, id).await?;
         let t = target(&mut tx, &row).await?;
         let eff = effective(&self.deployment, &candidate, &row.egress_profiles, false)
             .map_err(|m| self.unresolved(&m))?;
@@ -166,11 +162,7 @@ impl Api {
     /// `DELETE /v1/sandboxes/{id}/shadow`: from the store and the gateway.
     pub(super) async fn delete_shadow(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
-        let row = visible(
-            caller,
-            store::sandbox_for_update(&mut tx, id).await.map_err(db)?,
-            id,
-        )?;
+        let row = visible_for_update(&mut tx, caller, id).await?;
         let stored = shadows::delete(&mut tx, id).await.map_err(db)?;
         // A sandbox no gateway holds has no shadow there either.
         let on_gateway = match target(&mut tx, &row).await {
@@ -195,11 +187,7 @@ impl Api {
     /// lands, the sandbox briefly runs its old policy with no shadow).
     pub(super) async fn promote_shadow(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
-        let row = visible(
-            caller,
-            store::sandbox_for_update(&mut tx, id).await.map_err(db)?,
-            id,
-        )?;
+        let row = visible_for_update(&mut tx, caller, id).await?;
         let stored = shadows::get(&mut tx, id)
             .await
             .map_err(db)?
