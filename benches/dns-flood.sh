@@ -31,18 +31,9 @@ floods=${FLOODS:-2}
 up_addr=127.0.0.1:26353
 dns_addr=127.0.0.1:26053
 admin=127.0.0.1:26000
-target_dir=${CARGO_TARGET_DIR:-$root/target}
-[ "${SKIP_BUILD:-0}" = 1 ] || cargo build --release --quiet -p egress-gateway -p egress-benches --bins --manifest-path "$root/Cargo.toml"
-gw=${GW_BIN:-$target_dir/release/egress-gateway}
-load=${LOAD_BIN:-$target_dir/release/egress-dnsload}
-state=$(mktemp -d /tmp/egress-dns-flood.XXXXXX)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$state"
-}
-trap cleanup EXIT
+# shellcheck source=benches/dns-bench-lib.sh
+source "$root/benches/dns-bench-lib.sh"
+dns_bench_setup dns-flood
 
 "$load" serve --listen "$up_addr" --spread > "$state/upstream.out" &
 pids+=($!)

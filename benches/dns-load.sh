@@ -39,18 +39,9 @@ sandbox=127.0.0.2
 default_peers="direct gateway"
 command -v dnsdist >/dev/null && default_peers="$default_peers dnsdist"
 read -r -a peers <<< "${PEERS:-$default_peers}"
-[ "${SKIP_BUILD:-0}" = 1 ] || cargo build --release --quiet -p egress-gateway -p egress-benches --bins --manifest-path "$root/Cargo.toml"
-target_dir=${CARGO_TARGET_DIR:-$root/target}
-gw=${GW_BIN:-$target_dir/release/egress-gateway}
-load=${LOAD_BIN:-$target_dir/release/egress-dnsload}
-state=$(mktemp -d /tmp/egress-dns-load.XXXXXX)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$state"
-}
-trap cleanup EXIT
+# shellcheck source=benches/dns-bench-lib.sh
+source "$root/benches/dns-bench-lib.sh"
+dns_bench_setup dns-load
 
 declare -A target pid
 target[direct]=$up_addr

@@ -38,17 +38,9 @@ table ip egress_doh_bench {
     }
 }
 NFT
-[ "${SKIP_BUILD:-0}" = 1 ] || cargo build --release --quiet -p egress-gateway -p egress-benches --bins --manifest-path "$root/Cargo.toml"
-gw=${GW_BIN:-$root/target/release/egress-gateway}
-load=${LOAD_BIN:-$root/target/release/egress-dnsload}
-state=$(mktemp -d /tmp/egress-doh-load.XXXXXX)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$state"
-}
-trap cleanup EXIT
+# shellcheck source=benches/dns-bench-lib.sh
+source "$root/benches/dns-bench-lib.sh"
+dns_bench_setup doh-load
 
 "$load" serve --listen "$up_addr" > "$state/upstream.out" &
 pids+=($!)
