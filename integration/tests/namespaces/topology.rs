@@ -71,6 +71,22 @@ pub struct Topology {
     internet: Option<Child>,
 }
 
+/// Spawns `cmd` (its stdout read here, its stderr the test's) and waits for
+/// the line `ready` it prints once listening.
+pub fn spawn_ready(cmd: &mut Command, what: &str) -> Child {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("ready line");
+    assert_eq!(line.trim(), "ready", "{what} did not start");
+    child
+}
+
 /// Runs a command and insists it succeeds.
 pub fn run(program: &str, args: &[&str]) {
     let out = Command::new(program)
@@ -403,21 +419,12 @@ impl Topology {
 
     fn start_internet(&mut self) {
         let ca = self.path("inet-ca");
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.inet])
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.inet])
             .arg(env!("CARGO_BIN_EXE_fake-internet"))
             .arg("--ca-dir")
-            .arg(&ca)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("fake internet");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("ready line");
-        assert_eq!(line.trim(), "ready", "the fake internet did not start");
-        self.internet = Some(child);
+            .arg(&ca);
+        self.internet = Some(spawn_ready(&mut cmd, "the fake internet"));
     }
 
     /// Rewrites the gateway's configuration with `limits` as its `[limits]`

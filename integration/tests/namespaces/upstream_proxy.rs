@@ -5,8 +5,7 @@
 //! gateway with nothing asked of the proxy, a proxy that refuses gives the
 //! sandbox a 502, and a registration's `"direct"` bypasses the proxy.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 
 use crate::topology::*;
 
@@ -26,17 +25,7 @@ impl FakeProxy {
         if let Some(status) = answer {
             cmd.args(["--answer", &status.to_string()]);
         }
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("fake proxy");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("ready line");
-        assert_eq!(line.trim(), "ready", "the fake proxy did not start");
-        Self(child)
+        Self(spawn_ready(&mut cmd, "the fake proxy"))
     }
 }
 
