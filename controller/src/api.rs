@@ -26,6 +26,7 @@ use crate::ops::{self, create_payload};
 use crate::store::{self, NewOperation, NewSandbox, Placement, SandboxRow};
 use crate::{e2b, ids};
 
+mod pool;
 mod shadow;
 
 /// What the API serves from.
@@ -71,6 +72,8 @@ fn route_of(method: &Method, segments: &[&str]) -> &'static str {
         ("PUT", ["v1", "templates", _, "shadow"]) => "template_shadow_put",
         ("DELETE", ["v1", "templates", _, "shadow"]) => "template_shadow_delete",
         ("GET", ["v1", "templates", _, "shadow", "report"]) => "template_shadow_report",
+        ("PUT", ["v1", "templates", _, "pool"]) => "template_pool_put",
+        ("GET", ["v1", "templates", _, "pool"]) => "template_pool",
         ("POST", ["v1", "sandboxes", _, "fork"]) => "fork",
         ("GET", ["v1", "sandboxes", _, "proposals"]) => "proposals",
         ("POST", ["v1", "sandboxes", _, "proposals", _, "approve"]) => "approve",
@@ -159,7 +162,11 @@ impl Api {
             }
             "template_shadow_delete" if caller.admin => self.delete_template_shadow(&id).await,
             "template_shadow_report" if caller.admin => self.template_shadow_report(&id).await,
+            "template_pool_put" if caller.admin => self.put_pool(&id, body(req).await).await,
+            "template_pool" if caller.admin => self.get_pool(&id).await,
             "template"
+            | "template_pool_put"
+            | "template_pool"
             | "worker"
             | "template_shadow_put"
             | "template_shadow_delete"
@@ -203,13 +210,24 @@ fn text(body: String) -> Reply {
     egress_api::reply::openmetrics(body)
 }
 
+/// A database error: `503` with `Retry-After`, nothing changed (the
+/// transaction, if any, rolls back); the client retries, with the same
+/// `Idempotency-Key` for a create.
 pub(crate) fn db(e: sqlx::Error) -> Reply {
     tracing::warn!(error = %e, "database error");
-    error(
+    let mut r = error(
         StatusCode::SERVICE_UNAVAILABLE,
         "the database is unavailable; retry",
-    )
+    );
+    r.headers_mut().insert(
+        header::RETRY_AFTER,
+        header::HeaderValue::from_static(RETRY_AFTER_SECONDS),
+    );
+    r
 }
+
+/// What `Retry-After` says while the database is unavailable.
+const RETRY_AFTER_SECONDS: &str = "1";
 
 /// A sandbox the caller may see (its tenant's, or any for an admin).
 pub(crate) fn visible(
@@ -289,18 +307,30 @@ impl Api {
             .as_ref()
             .map(|p| policy_field(p, "policy"))
             .transpose()?;
+        let pooled = pool::named(headers, &req.template)?;
         let names = self.admit(caller, headers)?;
         let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
-        // Empty selections keep the fingerprint a create without profiles had.
-        let mut print =
-            json!({"template": req.template, "policy": req.policy, "worker": req.worker});
-        if !names.is_empty() {
-            print["egress_profiles"] = json!(names);
+        let fingerprint = create_fingerprint(&req, &names, pooled);
+        let payload = create_payload(policy.as_ref(), req.worker.as_deref());
+        if pooled {
+            let claim = pool::ClaimRequest {
+                claim: store::pool::Claim {
+                    template: &req.template,
+                    tenant: &caller.tenant,
+                    egress_profiles: &names,
+                    inherits_template: policy.is_none(),
+                    worker: req.worker.as_deref(),
+                },
+                payload: &payload,
+                key,
+                fingerprint: &fingerprint,
+            };
+            if let Some(reply) = self.native_claim(caller, &claim).await? {
+                return Ok(reply);
+            }
         }
-        let fingerprint = ids::fingerprint(print.to_string().as_bytes());
         let sandbox = ids::new("sb");
         let operation = ids::new("op");
-        let payload = create_payload(policy.as_ref(), req.worker.as_deref());
         let new = NewSandbox {
             id: &sandbox,
             tenant: &caller.tenant,
@@ -390,7 +420,16 @@ impl Api {
             .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
         let policy =
             e2b::translate(&create).map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
+        let pooled = pool::named(headers, &create.template_id)?;
         let names = self.admit(caller, headers)?;
+        if pooled {
+            if let Some(reply) = self
+                .e2b_claim(caller, headers, &raw, &names, &policy)
+                .await?
+            {
+                return Ok(reply);
+            }
+        }
         let sandbox = ids::new("sb");
         let mut tx = self.pool.begin().await.map_err(db)?;
         if store::template_policy(&mut tx, &create.template_id)
@@ -428,6 +467,20 @@ impl Api {
             &json!({"sandboxID": sandbox, "templateID": create.template_id}),
         ))
     }
+}
+
+/// A native create's idempotency fingerprint: the body, a nonempty
+/// selection (an empty one keeps the fingerprint a create without profiles
+/// had) and whether it names the warm pool.
+fn create_fingerprint(req: &CreateBody, names: &[String], pooled: bool) -> String {
+    let mut print = json!({"template": req.template, "policy": req.policy, "worker": req.worker});
+    if !names.is_empty() {
+        print["egress_profiles"] = json!(names);
+    }
+    if pooled {
+        print["warm_pool"] = json!(true);
+    }
+    ids::fingerprint(print.to_string().as_bytes())
 }
 
 fn selection_error(reason: &str, message: &str) -> Reply {

@@ -8,6 +8,7 @@
 //! - [`compose`]: a sandbox's effective policy and where each rule came from;
 //!   the rules themselves live in `egress-policy`.
 //! - [`shadow_report`]: a template rollout's shadow reports merged.
+//! - [`pool`]: warm pools refilled in the background (claims: `api`).
 //! - [`store`]: the schema (versioned migrations) and every statement.
 
 pub mod api;
@@ -21,5 +22,6 @@ pub mod gateway_client;
 pub mod ids;
 pub mod metrics;
 pub mod ops;
+pub mod pool;
 pub mod shadow_report;
 pub mod store;

@@ -120,6 +120,16 @@ fn main() -> ExitCode {
     runtime.block_on(run(cli.role, deployment, tenants))
 }
 
+/// The dispatcher's `/metrics` and `/healthz`, served in the background.
+async fn serve_metrics(listen: SocketAddr, metrics: Arc<Metrics>) -> Result<(), ExitCode> {
+    let listener = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) => return Err(fail(format_args!("--metrics-listen {listen}: {e}"))),
+    };
+    tokio::spawn(egress_controller::api::serve_metrics(listener, metrics));
+    Ok(())
+}
+
 async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> ExitCode {
     let metrics = Arc::new(Metrics::new());
     match role {
@@ -153,14 +163,9 @@ async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> 
                 Ok(p) => p,
                 Err(e) => return fail(e),
             };
-            let listener = match tokio::net::TcpListener::bind(metrics_listen).await {
-                Ok(l) => l,
-                Err(e) => return fail(format_args!("--metrics-listen {metrics_listen}: {e}")),
-            };
-            tokio::spawn(egress_controller::api::serve_metrics(
-                listener,
-                metrics.clone(),
-            ));
+            if let Err(e) = serve_metrics(metrics_listen, metrics.clone()).await {
+                return e;
+            }
             tracing::info!("dispatcher standing by for the leader lock");
             let limits = Limits {
                 attempts,
@@ -168,6 +173,8 @@ async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> 
                 backoff: retry_backoff,
                 resync_interval,
             };
+            // Warm pools refill beside the leader (one round at a time).
+            tokio::spawn(egress_controller::pool::refill_forever(pool.clone()));
             let d = Dispatcher {
                 pool,
                 database_url: common.database_url,

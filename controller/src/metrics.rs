@@ -42,6 +42,7 @@ pub struct Metrics {
     pub push_lag_seconds: Gauge<f64, AtomicU64>,
     pub push_latency_seconds: Histogram,
     pub leader: Gauge,
+    pub pool_claims: Family<OutcomeLabels, Counter>,
 }
 
 impl Metrics {
@@ -57,6 +58,7 @@ impl Metrics {
             push_lag_seconds: Gauge::default(),
             push_latency_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             leader: Gauge::default(),
+            pool_claims: Family::default(),
         };
         m.register();
         m
@@ -109,6 +111,11 @@ impl Metrics {
             "egress_controller_leader",
             "1 while this dispatcher leads",
             self.leader.clone(),
+        );
+        registry.register(
+            "egress_controller_pool_claims",
+            "Warm-pool claims, by outcome (claimed; empty: fell back to a create; replayed: an idempotency key)",
+            self.pool_claims.clone(),
         );
     }
 

@@ -67,6 +67,7 @@ pub async fn execute(
     match kind {
         "create" => create(conn, deployment, metrics, sandbox, payload).await,
         "fork" => fork(conn, deployment, sandbox, payload).await,
+        "claim" => claim(conn, deployment, metrics, sandbox, payload).await,
         other => Err(Failure::fatal(format!("unknown operation kind {other:?}"))),
     }
 }
@@ -82,6 +83,48 @@ pub async fn create(
     let row = store::sandbox_for_update(conn, sandbox)
         .await?
         .ok_or_else(|| Failure::fatal(format!("sandbox {sandbox} is gone")))?;
+    let eff = compose_create(conn, deployment, metrics, &row, payload).await?;
+    let worker = payload.get("worker").and_then(Value::as_str);
+    place(conn, sandbox, worker, &eff, Value::Array(vec![])).await
+}
+
+/// A claimed warm-pool sandbox (docs/controller.md, "Warm pools"): its
+/// policy composed exactly like a create's, from the names admitted at the
+/// claim; it keeps the worker and the address it was placed on.
+async fn claim(
+    conn: &mut PgConnection,
+    deployment: &Deployment,
+    metrics: &Metrics,
+    sandbox: &str,
+    payload: &Value,
+) -> Result<(), Failure> {
+    let row = store::sandbox_for_update(conn, sandbox)
+        .await?
+        .ok_or_else(|| Failure::fatal(format!("sandbox {sandbox} is gone")))?;
+    if row.state != "creating" {
+        return Err(Failure::fatal(format!(
+            "sandbox {sandbox} is {}",
+            row.state
+        )));
+    }
+    let worker = row
+        .worker
+        .clone()
+        .ok_or_else(|| Failure::fatal(format!("pooled sandbox {sandbox} has no worker")))?;
+    let eff = compose_create(conn, deployment, metrics, &row, payload).await?;
+    let placed = (worker.as_str(), row.addresses.as_slice());
+    save_placed(conn, sandbox, &eff, Value::Array(vec![]), placed).await
+}
+
+/// The effective policy of a create: the payload's tenant policy (or the
+/// template's default) with the row's saved names resolved now.
+async fn compose_create(
+    conn: &mut PgConnection,
+    deployment: &Deployment,
+    metrics: &Metrics,
+    row: &store::SandboxRow,
+    payload: &Value,
+) -> Result<Effective, Failure> {
     let tenant_policy = match payload.get("policy") {
         None | Some(Value::Null) => None,
         Some(p) => Some(
@@ -98,16 +141,14 @@ pub async fn create(
                 Failure::fatal(format!("template {:?} is not registered", row.template))
             })?,
     };
-    let eff = effective(deployment, &base, &row.egress_profiles, inherit).map_err(|m| {
+    effective(deployment, &base, &row.egress_profiles, inherit).map_err(|m| {
         metrics.admitted(&m.admissions);
         Failure {
             message: format!("{m} (503)"),
             retryable: true,
             missing_profiles: m.admissions.iter().map(|a| a.profile.clone()).collect(),
         }
-    })?;
-    let worker = payload.get("worker").and_then(Value::as_str);
-    place(conn, sandbox, worker, &eff, Value::Array(vec![])).await
+    })
 }
 
 /// A fork target: the source's names (copied at admission) and its
@@ -152,6 +193,26 @@ async fn place(
     })?;
     let address = free_address(&pool, &used)
         .ok_or_else(|| Failure::retry(format!("worker {worker}: no free address in {pool}")))?;
+    let addresses = [address.to_string()];
+    save_placed(
+        conn,
+        sandbox,
+        eff,
+        inherited_provenance,
+        (&worker, &addresses),
+    )
+    .await
+}
+
+/// Saves a placed sandbox as running: its composed policy with the
+/// approvals in force laid over it, on `placed` (worker, addresses).
+async fn save_placed(
+    conn: &mut PgConnection,
+    sandbox: &str,
+    eff: &Effective,
+    inherited_provenance: Value,
+    placed: (&str, &[String]),
+) -> Result<(), Failure> {
     let mut provenance = match inherited_provenance {
         Value::Array(v) => v,
         _ => Vec::new(),
@@ -176,8 +237,8 @@ async fn place(
             inherits_template: eff.inherits_template,
             provenance: Value::Array(provenance),
             state: "running",
-            worker: Some(&worker),
-            addresses: &[address.to_string()],
+            worker: Some(placed.0),
+            addresses: placed.1,
         },
     )
     .await?;

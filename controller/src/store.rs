@@ -10,6 +10,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
+pub mod pool;
 pub mod shadow;
 
 /// The schema, embedded at build time from `controller/migrations/`.
@@ -170,11 +171,12 @@ pub async fn save_effective(
     Ok(())
 }
 
-/// A lifecycle state change; `destroyed` also bumps the generation so the
-/// gateway is told to forget the sandbox.
+/// A lifecycle state change; `destroyed` and `failed` also bump the
+/// generation so the gateway is told to forget the sandbox (a failed claim
+/// of a warm-pool sandbox is on its gateway already).
 pub async fn set_state(conn: &mut PgConnection, id: &str, state: &str) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "UPDATE sandboxes SET state = $2, generation = generation + CASE WHEN $2 = 'destroyed' THEN 1 ELSE 0 END, changed_at = CASE WHEN $2 = 'destroyed' THEN now() ELSE changed_at END WHERE id = $1",
+        "UPDATE sandboxes SET state = $2, generation = generation + CASE WHEN $2 IN ('destroyed', 'failed') THEN 1 ELSE 0 END, changed_at = CASE WHEN $2 IN ('destroyed', 'failed') THEN now() ELSE changed_at END WHERE id = $1",
     )
     .bind(id)
     .bind(state)

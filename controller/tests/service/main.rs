@@ -9,4 +9,5 @@ mod approvals;
 mod creates;
 mod gateways;
 mod network;
+mod pools;
 mod shadow;
