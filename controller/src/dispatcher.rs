@@ -4,7 +4,8 @@
 //! in the transaction that claimed it, so an operation's effects commit once
 //! or not at all, even if the leader dies mid-way. It also pushes every
 //! change to the worker's gateway, and resyncs a gateway whose epoch changed
-//! (a restart) or whose sandboxes differ from the store (drift).
+//! (a restart) or whose sandboxes differ from the store (drift): each worker
+//! in a task of its own, so a slow gateway delays only its own sandboxes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,6 +24,14 @@ use crate::store::{self, SandboxRow, WorkerRow};
 
 /// Pushes in flight to one gateway at once.
 const PUSH_CONCURRENCY: usize = 32;
+
+/// Workers whose gateways are pushed to (or compared, or resynced) at once.
+/// Each worker has a task of its own, so a slow or unreachable gateway
+/// holds up only its own pushes (and one of these).
+const WORKERS_AT_ONCE: usize = 64;
+
+/// Push rounds a worker's task runs on one wake-up (256 changes each).
+const PUSH_ROUNDS: usize = 16;
 
 /// How often approvals past their `until` are looked for: an expired rule
 /// is taken out within this (plus the push).
@@ -80,6 +89,11 @@ async fn wait_for_work(listener: &mut Option<sqlx::postgres::PgListener>) {
 impl Dispatcher {
     /// Waits to lead, then leads until the lock's session is lost; forever.
     pub async fn run(self) {
+        let this = Arc::new(self);
+        this.run_shared().await;
+    }
+
+    async fn run_shared(self: &Arc<Self>) {
         loop {
             match self.acquire().await {
                 Some(lock) => {
@@ -105,9 +119,9 @@ impl Dispatcher {
         got.then_some(conn)
     }
 
-    async fn lead(&self, mut lock: PgConnection) {
+    async fn lead(self: &Arc<Self>, mut lock: PgConnection) {
         let mut listener = self.listen().await;
-        let mut compared = Instant::now() - self.limits.resync_interval;
+        let mut tenders = Tenders::default();
         let mut expired = Instant::now() - EXPIRY_INTERVAL;
         loop {
             if sqlx::query("SELECT 1").execute(&mut lock).await.is_err() {
@@ -124,15 +138,11 @@ impl Dispatcher {
                     }
                 }
             }
-            if compared.elapsed() >= self.limits.resync_interval {
-                self.compare_gateways().await;
-                compared = Instant::now();
-            }
             if expired.elapsed() >= EXPIRY_INTERVAL {
                 self.expire_approvals().await;
                 expired = Instant::now();
             }
-            worked |= self.push_all().await;
+            self.wake_tenders(&mut tenders).await;
             self.observe_backlog().await;
             if !worked {
                 wait_for_work(&mut listener).await;
@@ -231,20 +241,58 @@ impl Dispatcher {
         }
     }
 
-    /// Pushes what each gateway has not acknowledged; `true` if anything moved.
-    async fn push_all(&self) -> bool {
+    /// Wakes each worker's task (started on first sight) with the worker
+    /// as stored now; a task busy with a slow gateway takes the latest
+    /// when it is done.
+    async fn wake_tenders(self: &Arc<Self>, tenders: &mut Tenders) {
         let Ok(workers) = store::workers(&self.pool).await else {
-            return false;
+            return;
         };
-        let mut moved = false;
         for w in workers {
-            moved |= if w.needs_resync {
-                self.resync(&w).await
-            } else {
-                self.push_changes(&w).await
-            };
+            if let Some(tx) = tenders.workers.get(&w.id) {
+                let _ = tx.send(w);
+                continue;
+            }
+            let (tx, rx) = tokio::sync::watch::channel(w.clone());
+            let (this, permits) = (self.clone(), tenders.permits.clone());
+            tenders
+                .tasks
+                .spawn(async move { this.tender(rx, permits).await });
+            tenders.workers.insert(w.id, tx);
         }
-        moved
+    }
+
+    /// One worker's task: on each wake-up, compares its gateway with the
+    /// store when [`Limits::resync_interval`] has passed, then resyncs it or
+    /// pushes its changes until none are left, in change order.
+    async fn tender(
+        &self,
+        mut rx: tokio::sync::watch::Receiver<WorkerRow>,
+        permits: Arc<tokio::sync::Semaphore>,
+    ) {
+        let mut compared = Instant::now() - self.limits.resync_interval;
+        while rx.changed().await.is_ok() {
+            let mut w = rx.borrow_and_update().clone();
+            let Ok(_permit) = permits.acquire().await else {
+                return;
+            };
+            if compared.elapsed() >= self.limits.resync_interval {
+                w.needs_resync |= self.compare_gateway(&w).await;
+                compared = Instant::now();
+            }
+            for _ in 0..PUSH_ROUNDS {
+                let moved = if w.needs_resync {
+                    let done = self.resync(&w).await;
+                    w.needs_resync = !done;
+                    done
+                } else {
+                    self.push_changes(&w).await
+                };
+                if !moved {
+                    break;
+                }
+            }
+        }
     }
 
     /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
@@ -366,35 +414,54 @@ impl Dispatcher {
         body.get("epoch").and_then(Value::as_str).map(str::to_owned)
     }
 
-    /// Flags for resync every gateway that restarted (a new epoch) or whose
-    /// sandboxes differ from what the store says it acknowledged.
-    async fn compare_gateways(&self) {
-        let Ok(workers) = store::workers(&self.pool).await else {
-            return;
+    /// Whether a worker's gateway restarted (a new epoch) or holds other
+    /// sandboxes than the store says it acknowledged; if so it is flagged
+    /// for resync.
+    async fn compare_gateway(&self, w: &WorkerRow) -> bool {
+        if w.needs_resync {
+            return false;
+        }
+        let Ok((status, body)) =
+            call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
+        else {
+            return false;
         };
-        for w in workers.iter().filter(|w| !w.needs_resync) {
-            let Ok((status, body)) =
-                call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
-            else {
-                continue;
-            };
-            if !status.is_success() {
-                continue;
-            }
-            let epoch = body.get("epoch").and_then(Value::as_str);
-            let restarted = epoch.is_some() && epoch != w.epoch.as_deref();
-            // Changes still being pushed are not drift.
-            let settled = store::unpushed(&self.pool, &w.id, 1)
-                .await
-                .is_ok_and(|u| u.is_empty());
-            let drift = match store::worker_sandboxes(&self.pool, &w.id).await {
-                Ok(rows) if settled => differs(&rows, &body),
-                _ => false,
-            };
-            if restarted || drift {
-                tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-                let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
-            }
+        if !status.is_success() {
+            return false;
+        }
+        let epoch = body.get("epoch").and_then(Value::as_str);
+        let restarted = epoch.is_some() && epoch != w.epoch.as_deref();
+        // Changes still being pushed are not drift.
+        let settled = store::unpushed(&self.pool, &w.id, 1)
+            .await
+            .is_ok_and(|u| u.is_empty());
+        let drift = match store::worker_sandboxes(&self.pool, &w.id).await {
+            Ok(rows) if settled => differs(&rows, &body),
+            _ => false,
+        };
+        if restarted || drift {
+            tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
+            let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+        }
+        restarted || drift
+    }
+}
+
+/// The leader's per-worker tasks ([`Dispatcher::tender`]): how to wake
+/// each, and the bound on how many work at once. Dropped (the tasks
+/// aborted) when leadership ends.
+struct Tenders {
+    workers: std::collections::HashMap<String, tokio::sync::watch::Sender<WorkerRow>>,
+    tasks: tokio::task::JoinSet<()>,
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Tenders {
+    fn default() -> Self {
+        Self {
+            workers: Default::default(),
+            tasks: tokio::task::JoinSet::new(),
+            permits: Arc::new(tokio::sync::Semaphore::new(WORKERS_AT_ONCE)),
         }
     }
 }
