@@ -7,6 +7,7 @@ mod support;
 
 mod approvals;
 mod creates;
+mod faults;
 mod gateways;
 mod network;
 mod pools;

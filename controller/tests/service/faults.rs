@@ -1,0 +1,419 @@
+//! Faults that lose nothing (docs/reliability.md, "The controller under
+//! faults"): PostgreSQL restarted mid-queue, a gateway that stalls or is cut
+//! off while creates continue. Each test prints its figures.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use sqlx::Connection;
+
+use crate::support::*;
+
+// === a PostgreSQL cluster of the test's own ===
+
+/// A throwaway cluster on a port of its own (made by `.ci/pg.sh`), so the
+/// test can stop and start it; removed when dropped.
+struct OwnCluster {
+    dir: String,
+    port: u16,
+    bindir: String,
+}
+
+impl OwnCluster {
+    /// `None` (skipped) where the shared test cluster is not configured.
+    fn start() -> Option<Self> {
+        if std::env::var("DATABASE_URL").is_err() {
+            egress_testkit::skip("the PostgreSQL restart test", "DATABASE_URL is not set");
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/pg.sh");
+        let out = Command::new(script)
+            .arg("start")
+            .env("PGPORT_TEST", port.to_string())
+            .output()
+            .expect("run .ci/pg.sh");
+        assert!(
+            out.status.success(),
+            "pg.sh: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let dir = text
+            .lines()
+            .find_map(|l| l.strip_prefix("export EGRESS_PG_DIR="))
+            .expect("EGRESS_PG_DIR")
+            .to_owned();
+        let bindir = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("PostgreSQL is installed")
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .max()
+            .expect("a PostgreSQL version")
+            .display()
+            .to_string();
+        Some(Self { dir, port, bindir })
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// `pg_ctl` with `args`, as the `postgres` user when running as root.
+    fn pg_ctl(&self, args: &str) {
+        let line = format!("'{}/pg_ctl' -D '{}/data' {args}", self.bindir, self.dir);
+        let root = std::env::var("USER").is_ok_and(|u| u == "root")
+            || Command::new("id")
+                .arg("-u")
+                .output()
+                .is_ok_and(|o| o.stdout.starts_with(b"0"));
+        let status = if root {
+            Command::new("su")
+                .args(["postgres", "-s", "/bin/sh", "-c", &line])
+                .status()
+        } else {
+            Command::new("sh").args(["-c", &line]).status()
+        };
+        assert!(status.is_ok_and(|s| s.success()), "pg_ctl {args}");
+    }
+
+    fn stop(&self) {
+        self.pg_ctl("-m fast -w stop");
+    }
+
+    fn restart(&self) {
+        self.pg_ctl(&format!(
+            "-l '{dir}/server.log' -w -t 60 -o \"-c listen_addresses=127.0.0.1 -p {port} -k '{dir}' -c max_connections=400 -c fsync=off\" start",
+            dir = self.dir,
+            port = self.port
+        ));
+    }
+}
+
+impl Drop for OwnCluster {
+    fn drop(&mut self) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/pg.sh");
+        let _ = Command::new(script).args(["stop", &self.dir]).status();
+    }
+}
+
+/// One request: the status, `Retry-After`, and the JSON body.
+async fn call_with_retry_after(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Value>,
+) -> (u16, Option<String>, Value) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .expect("http");
+    tokio::spawn(conn);
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "api")
+        .header("authorization", format!("Bearer {FEDERATED}"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+    let resp = sender
+        .send_request(req.body(Full::new(Bytes::from(bytes))).expect("request"))
+        .await
+        .expect("answer");
+    let status = resp.status().as_u16();
+    let retry = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let bytes = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    (
+        status,
+        retry,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+async fn keyed_create(api: &ApiProcess, key: &str, worker: &str) -> (u16, Option<String>, Value) {
+    call_with_retry_after(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        &[("Idempotency-Key", key)],
+        Some(json!({"template": "base", "worker": worker})),
+    )
+    .await
+}
+
+/// Each of the `n` sandboxes was placed once (generation 1, an address of
+/// its own) by an operation that succeeded.
+async fn assert_placed_once(url: &str, n: i64) {
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
+    let row: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM operations WHERE state = 'succeeded'), \
+         (SELECT count(*) FROM sandboxes WHERE generation <> 1), \
+         (SELECT count(DISTINCT addresses) FROM sandboxes)",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("counts");
+    assert_eq!(row, (n, 0, n), "every operation ran, and exactly once");
+}
+
+/// Ordered, not timed: 120 creates are queued before a dispatcher runs;
+/// PostgreSQL is stopped (fast shutdown: sessions are cut) once the
+/// dispatcher has run a few, so it dies mid-queue. While it is down the API
+/// answers 503 with `Retry-After`; a create refused then is retried with
+/// its key after the restart. Nothing is lost or run twice.
+#[tokio::test]
+async fn postgresql_restarted_mid_queue_loses_no_operation_and_runs_none_twice() {
+    let Some(cluster) = OwnCluster::start() else {
+        return;
+    };
+    let url = cluster.url();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.0.0/16",
+    )
+    .await;
+    let n = 120;
+    let mut ops = Vec::new();
+    for i in 0..n {
+        let (s, _, v) = keyed_create(&api, &format!("k{i}"), "w1").await;
+        assert_eq!(s, 202, "{v}");
+        ops.push(v);
+    }
+    let d = dispatcher(&url, deployment(None, None), limits(20, 600_000, 100)).await;
+    settled(&api, FEDERATED, ops[3]["operation"].as_str().expect("op")).await;
+    let stopped = Instant::now();
+    cluster.stop();
+    let (s, retry, v) = keyed_create(&api, "during", "w1").await;
+    assert_eq!(
+        (s, retry.as_deref()),
+        (503, Some("1")),
+        "a create while the database is down: {v}"
+    );
+    let path = format!(
+        "/v1/operations/{}",
+        ops[n - 1]["operation"].as_str().expect("op")
+    );
+    let (s, retry, _) = call_with_retry_after(api.addr, "GET", &path, &[], None).await;
+    assert_eq!((s, retry.as_deref()), (503, Some("1")));
+    cluster.restart();
+    let outage = stopped.elapsed();
+    let restarted = Instant::now();
+    let mut during = Value::Null;
+    for _ in 0..200 {
+        let (s, _, v) = keyed_create(&api, "during", "w1").await;
+        if s == 202 {
+            during = v;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let first_202 = restarted.elapsed();
+    ops.push(during);
+    let (s, _, replay) = keyed_create(&api, "k0", "w1").await;
+    assert_eq!(
+        (s, &replay),
+        (202, &ops[0]),
+        "a key queued before the restart replays"
+    );
+    for v in &ops {
+        let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
+        assert_eq!(op["state"], json!("succeeded"), "{op}");
+        on_gateway(&gw, v["sandbox"].as_str().expect("id")).await;
+    }
+    let drained = restarted.elapsed();
+    assert_placed_once(&url, n as i64 + 1).await;
+    println!(
+        "FIGURES postgresql restart: {n} queued, stopped after the 4th ran; down {outage:.1?}; \
+         first 202 {first_202:.1?} after the restart; all {} enforced {drained:.1?} after it",
+        n + 1
+    );
+    drop(d);
+}
+
+// === a gateway that stalls or is cut off ===
+
+/// What a [`Front`] does with a connection.
+const FORWARD: u8 = 0;
+const STALL: u8 = 1;
+const CUT: u8 = 2;
+
+/// A loopback front for a gateway's admin API: forwards connections, or
+/// holds them without an answer (stall), or closes them at once (cut).
+struct Front {
+    addr: SocketAddr,
+    mode: Arc<AtomicU8>,
+    /// Stalled connections the client gave up on (closed).
+    given_up: Arc<AtomicUsize>,
+    /// Connections accepted while stalled.
+    held: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Front {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn front(upstream: SocketAddr, mode: u8) -> Front {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let mode = Arc::new(AtomicU8::new(mode));
+    let (given_up, held) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (m, g, h) = (mode.clone(), given_up.clone(), held.clone());
+    let task = tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            match m.load(Ordering::SeqCst) {
+                STALL => {
+                    h.fetch_add(1, Ordering::SeqCst);
+                    tokio::spawn(hold(s, g.clone()));
+                }
+                CUT => drop(s),
+                _ => {
+                    tokio::spawn(forward(s, upstream));
+                }
+            }
+        }
+    });
+    Front {
+        addr,
+        mode,
+        given_up,
+        held,
+        task,
+    }
+}
+
+/// Reads and never answers, until the client closes.
+async fn hold(mut s: tokio::net::TcpStream, given_up: Arc<AtomicUsize>) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = s.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+    }
+    given_up.fetch_add(1, Ordering::SeqCst);
+}
+
+async fn forward(mut s: tokio::net::TcpStream, upstream: SocketAddr) {
+    if let Ok(mut u) = tokio::net::TcpStream::connect(upstream).await {
+        let _ = tokio::io::copy_bidirectional(&mut s, &mut u).await;
+    }
+}
+
+async fn register_worker(api: &ApiProcess, id: &str, admin: SocketAddr, pool: &str) {
+    let (s, v) = call(
+        api.addr,
+        "PUT",
+        &format!("/v1/workers/{id}"),
+        Some(ADMIN),
+        &[],
+        Some(json!({"admin_url": format!("http://{admin}"), "token": "", "pool": pool})),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+}
+
+async fn create_on(api: &ApiProcess, worker: &str) -> String {
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"template": "base", "worker": worker})),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    v["sandbox"].as_str().expect("id").to_owned()
+}
+
+/// Ordered, not timed: worker w2's gateway sits behind a front that
+/// accepts and never answers. Once the dispatcher is stuck on it, creates
+/// on w1 are enforced on w1's gateway, every one of them while the stuck
+/// push is still outstanding (the front has seen no client give up: a
+/// dispatcher that pushed worker by worker would wait for it to time out
+/// first). Then the front forwards again and w2's sandboxes arrive too.
+#[tokio::test]
+async fn a_stalled_gateway_does_not_hold_up_pushes_to_the_others() {
+    let url = crate::db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let (d1, d2) = (dir.path().join("g1"), dir.path().join("g2"));
+    std::fs::create_dir_all(&d1).expect("dir");
+    std::fs::create_dir_all(&d2).expect("dir");
+    let gw1 = gateway(&d1, "127.0.0.1:0").await;
+    let gw2 = gateway(&d2, "127.0.0.1:0").await;
+    let slow = front(gw2.bound().admin, STALL).await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw1.bound().admin,
+        "100.64.1.0/24",
+    )
+    .await;
+    register_worker(&api, "w2", slow.addr, "100.64.2.0/24").await;
+    let stuck: Vec<String> = [create_on(&api, "w2").await, create_on(&api, "w2").await].into();
+    let d = dispatcher(&url, deployment(None, None), limits(5, 600_000, 100)).await;
+    for _ in 0..200 {
+        if slow.held.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        slow.held.load(Ordering::SeqCst) > 0,
+        "the dispatcher never reached w2"
+    );
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        let started = Instant::now();
+        let id = create_on(&api, "w1").await;
+        on_gateway(&gw1, &id).await;
+        slowest = slowest.max(started.elapsed());
+    }
+    assert_eq!(
+        slow.given_up.load(Ordering::SeqCst),
+        0,
+        "w1's creates were all enforced while the push to w2 was still held"
+    );
+    slow.mode.store(FORWARD, Ordering::SeqCst);
+    let released = Instant::now();
+    for id in &stuck {
+        on_gateway(&gw2, id).await;
+    }
+    println!(
+        "FIGURES stalled gateway: 5 creates on another worker enforced in at most {slowest:.0?} each \
+         while the stalled push was held; w2 caught up {:.1?} after the stall ended (its held push \
+         times out after 5 s first)",
+        released.elapsed()
+    );
+    drop(d);
+}
