@@ -3,6 +3,7 @@
 //! off while creates continue. Each test prints its figures.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -416,4 +417,250 @@ async fn a_stalled_gateway_does_not_hold_up_pushes_to_the_others() {
         released.elapsed()
     );
     drop(d);
+}
+
+/// A network policy replacement of sandbox `id`: allow only `domain`.
+async fn replace(api: &ApiProcess, id: &str, domain: &str) {
+    let policy = json!({"default": "deny", "allow": [{"domain": domain}]});
+    let (s, v) = call(
+        api.addr,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(FEDERATED),
+        &[],
+        Some(json!({"policy": policy})),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+}
+
+/// The domain a sandbox's policy on the gateway allows, if it is there.
+fn allowed_on(gw: &egress_gateway::Gateway, id: &str) -> Option<Value> {
+    let s = gw.registry().get(&egress_policy::SandboxId::new(id))?;
+    let policy = serde_json::to_value(s.policy.policy()).ok()?;
+    Some(policy["allow"][0]["domain"].clone())
+}
+
+/// The gateway is cut off (its admin port closes every connection) for
+/// `EGRESS_CUT_SECONDS` (30) while creates, replacements and a destroy
+/// continue; once the cut heals, the gateway holds exactly the store's
+/// latest state: every new sandbox, each replacement's last version, and
+/// not the destroyed one.
+#[tokio::test]
+async fn a_gateway_cut_off_for_30_s_gets_every_change_in_order_once_it_heals() {
+    let url = crate::db!();
+    let cut_for = std::env::var("EGRESS_CUT_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::from_secs(30), Duration::from_secs);
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let link = front(gw.bound().admin, FORWARD).await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        link.addr,
+        "100.64.0.0/16",
+    )
+    .await;
+    let d = dispatcher(&url, deployment(None, None), limits(5, 600_000, 100)).await;
+    let (kept, gone) = (create_on(&api, "w1").await, create_on(&api, "w1").await);
+    on_gateway(&gw, &kept).await;
+    on_gateway(&gw, &gone).await;
+
+    link.mode.store(CUT, Ordering::SeqCst);
+    let cut = Instant::now();
+    let (mut created, mut last) = (Vec::new(), String::new());
+    let mut i = 0;
+    while cut.elapsed() < cut_for {
+        created.push(create_on(&api, "w1").await);
+        last = format!("v{i}.example.test");
+        replace(&api, &kept, &last).await;
+        if i == 3 {
+            let (s, v) = call(
+                api.addr,
+                "DELETE",
+                &format!("/v1/sandboxes/{gone}"),
+                Some(FEDERATED),
+                &[],
+                None,
+            )
+            .await;
+            assert_eq!(s, 200, "{v}");
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        allowed_on(&gw, &created[0]).is_none(),
+        "nothing reached the gateway during the cut"
+    );
+    link.mode.store(FORWARD, Ordering::SeqCst);
+    let healed = Instant::now();
+    for _ in 0..600 {
+        let all = created.iter().all(|id| allowed_on(&gw, id).is_some());
+        let latest = allowed_on(&gw, &kept) == Some(json!(last));
+        let forgotten = allowed_on(&gw, &gone).is_none();
+        if all && latest && forgotten {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let caught_up = healed.elapsed();
+    for id in &created {
+        on_gateway(&gw, id).await;
+    }
+    assert_eq!(
+        allowed_on(&gw, &kept),
+        Some(json!(last)),
+        "the last replacement wins"
+    );
+    assert!(
+        allowed_on(&gw, &gone).is_none(),
+        "the destroyed sandbox is forgotten"
+    );
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let mut unpushed: i64 = -1;
+    for _ in 0..200 {
+        unpushed = sqlx::query_scalar(
+            "SELECT count(*) FROM sandboxes WHERE pushed_generation <> generation",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .expect("count");
+        if unpushed == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(unpushed, 0, "every generation acknowledged");
+    println!(
+        "FIGURES gateway cut: cut {:.0?}; meanwhile {} creates, {i} replacements, 1 destroy; \
+         all enforced {caught_up:.1?} after the cut healed",
+        cut_for,
+        created.len()
+    );
+    drop(d);
+}
+
+// === dispatcher processes ===
+
+const BIN: &str = env!("CARGO_BIN_EXE_egress-controller");
+
+/// A dispatcher process, SIGKILLed when dropped; its stderr goes to `log`.
+struct Process(std::process::Child, PathBuf);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_dispatcher(url: &str, dir: &std::path::Path, name: &str) -> Process {
+    let tenants = dir.join("tenants.json");
+    std::fs::write(
+        &tenants,
+        format!(
+            r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}}}}}}"#
+        ),
+    )
+    .expect("write");
+    let log = dir.join(format!("{name}.log"));
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let child = Command::new(BIN)
+        .args(["dispatcher", "--tenants"])
+        .arg(&tenants)
+        .args([
+            "--attempts",
+            "5",
+            "--retry-backoff",
+            "100ms",
+            "--resync-interval",
+            "200ms",
+            "--metrics-listen",
+        ])
+        .arg(metrics.to_string())
+        .env("DATABASE_URL", url)
+        .env_remove("SPACE_EGRESS_PROFILES")
+        .env_remove("SPACE_TLS_INTERCEPTION_EXEMPTIONS")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn dispatcher");
+    Process(child, log)
+}
+
+fn leads(p: &Process) -> bool {
+    std::fs::read_to_string(&p.1).is_ok_and(|t| t.contains("leading"))
+}
+
+/// The index of the one process that leads (≤ 10 s).
+async fn leader(ps: &[Process]) -> usize {
+    for _ in 0..200 {
+        let leading: Vec<usize> = (0..ps.len()).filter(|&i| leads(&ps[i])).collect();
+        if let [one] = leading[..] {
+            return one;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no single leader among the dispatchers");
+}
+
+/// Ordered, not timed: three dispatcher processes; the gateway's front
+/// holds every push, so the leader is SIGKILLed with its pushes in flight.
+/// Another takes over, the front forwards again, and every sandbox is on
+/// the gateway, each placed by one operation run exactly once.
+#[tokio::test]
+async fn a_dispatcher_sigkilled_mid_push_with_two_others_running_has_exactly_once_effects() {
+    let url = crate::db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let link = front(gw.bound().admin, STALL).await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        link.addr,
+        "100.64.0.0/16",
+    )
+    .await;
+    let mut ids = Vec::new();
+    for _ in 0..30 {
+        ids.push(create_on(&api, "w1").await);
+    }
+    let mut ps: Vec<Process> = ["a", "b", "c"]
+        .iter()
+        .map(|n| spawn_dispatcher(&url, dir.path(), n))
+        .collect();
+    let first = leader(&ps).await;
+    for _ in 0..400 {
+        if link.held.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        link.held.load(Ordering::SeqCst) > 0,
+        "the leader never pushed"
+    );
+    let killed = Instant::now();
+    drop(ps.remove(first)); // SIGKILL, pushes in flight
+    let second = leader(&ps).await;
+    link.mode.store(FORWARD, Ordering::SeqCst);
+    for id in &ids {
+        on_gateway(&gw, id).await;
+    }
+    let recovered = killed.elapsed();
+    assert_placed_once(&url, ids.len() as i64).await;
+    let standby = &ps[1 - second];
+    assert!(!leads(standby), "the third dispatcher still stands by");
+    println!(
+        "FIGURES dispatcher SIGKILL: 3 dispatchers, 30 creates; the leader killed with {} pushes held; \
+         all on the gateway {recovered:.1?} after the kill",
+        link.held.load(Ordering::SeqCst)
+    );
 }
