@@ -305,10 +305,12 @@ pub async fn lock_worker(
     Ok(Some((id, pool, used)))
 }
 
-/// The sandboxes a worker's gateway should know, as the gateway's resync document.
+/// The sandboxes a worker's gateway should know, as the gateway's resync
+/// document. A `creating` sandbox with a policy is a claimed warm-pool
+/// sandbox: its gateway keeps the template's policy until the claim's push.
 pub async fn worker_sandboxes(pool: &PgPool, worker: &str) -> Result<Vec<SandboxRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('creating', 'failed', 'destroyed') ORDER BY id",
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id",
     )
     .bind(worker)
     .fetch_all(pool)

@@ -410,3 +410,48 @@ async fn an_e2b_create_claims_from_the_pool_and_the_controller_composes_it() {
     }
     assert_eq!(claimed["policy"]["default"], json!("deny"), "{claimed}");
 }
+
+/// A claim whose saved name the dispatcher cannot resolve fails like a
+/// create (after its attempts), and the pooled sandbox, already on its
+/// gateway with the template's policy, is taken off it.
+#[tokio::test]
+async fn a_claim_that_fails_leaves_the_sandbox_failed_and_off_its_gateway() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, deployment(Some(PROFILES), None)).await;
+    setup(&api, template(), gw.bound().admin, "100.64.10.0/24").await;
+    // The dispatcher's deployment no longer configures `sensor`.
+    let without = r#"{"audit": {"default": true, "allow": [{"domain": "audit.example.test"}]}}"#;
+    let _d = dispatcher(&url, deployment(Some(without), None), limits(2, 60_000, 50)).await;
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    let refilling = refill(&pool).await;
+    set_size(&api, 1).await;
+    ready(&api, 1).await;
+    drop(refilling);
+    let (s, v) = claim(
+        &api,
+        &[("X-Space-Egress-Profiles", "+sensor")],
+        json!({"template": "base"}),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    let id = v["sandbox"].as_str().expect("id").to_owned();
+    on_gateway(&gw, &id).await;
+    let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(op["state"], json!("failed"), "{op}");
+    assert_eq!(document(&api, &id).await["state"], json!("failed"));
+    let sid = egress_policy::SandboxId::new(&id);
+    for _ in 0..200 {
+        if gw.registry().get(&sid).is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        gw.registry().get(&sid).is_none(),
+        "the failed claim is taken off its gateway"
+    );
+}
