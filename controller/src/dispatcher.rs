@@ -248,10 +248,13 @@ impl Dispatcher {
         let Ok(workers) = store::workers(&self.pool).await else {
             return;
         };
-        for w in workers {
+        for mut w in workers {
             if let Some(tx) = tenders.workers.get(&w.id) {
-                let _ = tx.send(w);
-                continue;
+                match tx.send(w) {
+                    Ok(()) => continue,
+                    // Its task ended (it cannot, short of a panic): start another.
+                    Err(tokio::sync::watch::error::SendError(back)) => w = back,
+                }
             }
             let (tx, rx) = tokio::sync::watch::channel(w.clone());
             let (this, permits) = (self.clone(), tenders.permits.clone());
