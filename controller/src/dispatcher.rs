@@ -245,41 +245,45 @@ impl Dispatcher {
     /// as stored now; a task busy with a slow gateway takes the latest
     /// when it is done.
     async fn wake_tenders(self: &Arc<Self>, tenders: &mut Tenders) {
+        let read_at = Instant::now();
         let Ok(workers) = store::workers(&self.pool).await else {
             return;
         };
-        for mut w in workers {
-            if let Some(tx) = tenders.workers.get(&w.id) {
-                match tx.send(w) {
+        for w in workers {
+            let mut seen = (read_at, w);
+            if let Some(tx) = tenders.workers.get(&seen.1.id) {
+                match tx.send(seen) {
                     Ok(()) => continue,
                     // Its task ended (it cannot, short of a panic): start another.
-                    Err(tokio::sync::watch::error::SendError(back)) => w = back,
+                    Err(tokio::sync::watch::error::SendError(back)) => seen = back,
                 }
             }
-            let (tx, rx) = tokio::sync::watch::channel(w.clone());
+            let id = seen.1.id.clone();
+            let (tx, rx) = tokio::sync::watch::channel(seen);
             let (this, permits) = (self.clone(), tenders.permits.clone());
             tenders
                 .tasks
                 .spawn(async move { this.tender(rx, permits).await });
-            tenders.workers.insert(w.id, tx);
+            tenders.workers.insert(id, tx);
         }
     }
 
     /// One worker's task: on each wake-up, compares its gateway with the
     /// store when [`Limits::resync_interval`] has passed, then resyncs it or
-    /// pushes its changes until none are left, in change order.
-    async fn tender(
-        &self,
-        mut rx: tokio::sync::watch::Receiver<WorkerRow>,
-        permits: Arc<tokio::sync::Semaphore>,
-    ) {
+    /// pushes its changes until none are left, in change order. A row read
+    /// before this task's last resync ended is stale (its epoch and flag
+    /// predate the resync): it is pushed from, not compared or resynced.
+    async fn tender(&self, mut rx: Seen, permits: Arc<tokio::sync::Semaphore>) {
         let mut compared = Instant::now() - self.limits.resync_interval;
+        let mut synced: Option<Instant> = None;
         while rx.changed().await.is_ok() {
-            let mut w = rx.borrow_and_update().clone();
+            let (read_at, mut w) = rx.borrow_and_update().clone();
             let Ok(_permit) = permits.acquire().await else {
                 return;
             };
-            if compared.elapsed() >= self.limits.resync_interval {
+            let stale = synced.is_some_and(|s| read_at < s);
+            w.needs_resync &= !stale;
+            if !stale && compared.elapsed() >= self.limits.resync_interval {
                 w.needs_resync |= self.compare_gateway(&w).await;
                 compared = Instant::now();
             }
@@ -287,6 +291,7 @@ impl Dispatcher {
                 let moved = if w.needs_resync {
                     let done = self.resync(&w).await;
                     w.needs_resync = !done;
+                    synced = done.then(Instant::now).or(synced);
                     done
                 } else {
                     self.push_changes(&w).await
@@ -450,11 +455,14 @@ impl Dispatcher {
     }
 }
 
+/// A worker's row as the leader last read it, and when it read it.
+type Seen = tokio::sync::watch::Receiver<(Instant, WorkerRow)>;
+
 /// The leader's per-worker tasks ([`Dispatcher::tender`]): how to wake
 /// each, and the bound on how many work at once. Dropped (the tasks
 /// aborted) when leadership ends.
 struct Tenders {
-    workers: std::collections::HashMap<String, tokio::sync::watch::Sender<WorkerRow>>,
+    workers: std::collections::HashMap<String, tokio::sync::watch::Sender<(Instant, WorkerRow)>>,
     tasks: tokio::task::JoinSet<()>,
     permits: Arc<tokio::sync::Semaphore>,
 }

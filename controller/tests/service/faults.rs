@@ -383,7 +383,7 @@ async fn a_stalled_gateway_does_not_hold_up_pushes_to_the_others() {
     register_worker(&api, "w2", slow.addr, "100.64.2.0/24").await;
     let stuck: Vec<String> = [create_on(&api, "w2").await, create_on(&api, "w2").await].into();
     let d = dispatcher(&url, deployment(None, None), limits(5, 600_000, 100)).await;
-    for _ in 0..200 {
+    for _ in 0..2400 {
         if slow.held.load(Ordering::SeqCst) > 0 {
             break;
         }
@@ -598,9 +598,10 @@ fn leads(p: &Process) -> bool {
     std::fs::read_to_string(&p.1).is_ok_and(|t| t.contains("leading"))
 }
 
-/// The index of the one process that leads (≤ 10 s).
+/// The index of the one process that leads (≤ 60 s: a bound that only
+/// turns "never" into a failure on a loaded machine).
 async fn leader(ps: &[Process]) -> usize {
-    for _ in 0..200 {
+    for _ in 0..1200 {
         let leading: Vec<usize> = (0..ps.len()).filter(|&i| leads(&ps[i])).collect();
         if let [one] = leading[..] {
             return one;
@@ -637,7 +638,7 @@ async fn a_dispatcher_sigkilled_mid_push_with_two_others_running_has_exactly_onc
         .map(|n| spawn_dispatcher(&url, dir.path(), n))
         .collect();
     let first = leader(&ps).await;
-    for _ in 0..400 {
+    for _ in 0..2400 {
         if link.held.load(Ordering::SeqCst) > 0 {
             break;
         }
