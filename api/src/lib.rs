@@ -17,6 +17,7 @@
 
 pub mod body;
 pub mod explain;
+pub mod gateway;
 pub mod reply;
 pub mod serve;
 
