@@ -19,7 +19,7 @@ const WAIT: Duration = Duration::from_secs(30);
 
 /// A headless Chromium and one page of it.
 pub struct Browser {
-    child: Child,
+    _process: Process,
     ws: TcpStream,
     next_id: u64,
     _profile: tempfile::TempDir,
@@ -65,6 +65,8 @@ impl Browser {
             .spawn()
             .expect("chromium starts");
         let stderr = child.stderr.take().expect("stderr");
+        // Ended by PID from here on, a panic of the start included.
+        let process = Process(child);
         let port = tokio::task::spawn_blocking(move || devtools_port(stderr))
             .await
             .expect("the stderr reader");
@@ -75,7 +77,7 @@ impl Browser {
             .await
             .expect("the WebSocket upgrade within 30 s");
         let mut b = Self {
-            child,
+            _process: process,
             ws,
             next_id: 0,
             _profile: profile,
@@ -174,10 +176,13 @@ impl Browser {
     }
 }
 
-impl Drop for Browser {
+/// The browser's process, killed and reaped when dropped.
+struct Process(Child);
+
+impl Drop for Process {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
