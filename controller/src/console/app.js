@@ -14,6 +14,8 @@ let generation = 0;
 // Proposals approved from this tab (proposal id -> approval id), so a
 // refresh of the list keeps saying so.
 const approved = new Map();
+// Sandboxes whose shadow was promoted from this tab.
+const promoted = new Set();
 
 // === the API ===
 
@@ -302,13 +304,17 @@ function proposalTable(id, list) {
 }
 
 function shadowSection(id, s) {
-  if (s.status === 404) return el("p", { class: "note" }, "No shadow policy.");
+  if (s.status === 404) {
+    return el("p", { class: "note" },
+      (promoted.has(id) ? "Promoted: the candidate is the policy now. " : "") + "No shadow policy.");
+  }
   if (s.status === 409) return el("p", { class: "note" }, (s.body && s.body.error) || "Not on a gateway.");
   if (s.status !== 200) return failure(s);
   const out = el("span", { role: "status" });
   const promote = el("button", { type: "button", id: "promote", onclick: async () => {
     promote.disabled = true;
     const r = await api("POST", "/v1/sandboxes/" + encodeURIComponent(id) + "/shadow/promote");
+    if (r.status === 200) promoted.add(id);
     out.replaceChildren(r.status === 200 ? "Promoted: the candidate is the policy now." : failure(r));
     if (r.status !== 200) promote.disabled = false;
   } }, "Promote");

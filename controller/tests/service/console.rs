@@ -217,7 +217,6 @@ async fn an_operator_finds_a_sandbox_reads_provenance_sees_a_denial_and_approves
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     assert!(answer.contains("intercept"), "{answer}");
-    shot(&mut b, "sandbox-explain", "h-shadow").await;
     b.navigate(&format!("{base}#sandboxes")).await;
     b.until("document.getElementById('counts')").await;
     b.navigate(&format!("{base}#sandbox/{id}")).await;
@@ -227,9 +226,60 @@ async fn an_operator_finds_a_sandbox_reads_provenance_sees_a_denial_and_approves
         approved.as_str().expect("row").contains("approval"),
         "{approved}"
     );
+    promote_a_shadow(&mut b, &w, &id).await;
 
     another_tenant_sees_nothing(&mut b, &w, &base, &id).await;
     admin_pages(&mut b, &base, &id).await;
+}
+
+/// A shadow put through the API shows on the open page with its report;
+/// Promote makes it the policy.
+async fn promote_a_shadow(b: &mut Browser, w: &Setup, id: &str) {
+    let candidate = json!({"policy": {"default": "deny", "tls_interception": "on",
+        "allow": [{"domain": "docs.example.test"}, {"domain": "extra.example.test"}]}});
+    let path = format!("/v1/sandboxes/{id}/shadow");
+    let (s, v) = call(
+        w.api.addr,
+        "PUT",
+        &path,
+        Some(FEDERATED),
+        &[],
+        Some(candidate),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    b.until("document.getElementById('promote')").await;
+    shot(b, "sandbox-shadow-explain", "h-shadow").await;
+    b.eval("document.getElementById('promote').click(); 1")
+        .await;
+    b.until("document.getElementById('shadow').innerText.includes('Promoted')")
+        .await;
+    let (_, doc) = call(
+        w.api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert!(
+        doc["policy"].to_string().contains("extra.example.test"),
+        "{doc}"
+    );
+    assert_eq!(
+        call(
+            w.api.addr,
+            "GET",
+            &format!("{path}/report"),
+            Some(FEDERATED),
+            &[],
+            None
+        )
+        .await
+        .0,
+        404
+    );
 }
 
 /// Tenant `t2`'s token: no sandbox in the list, none to open, nothing to approve.
