@@ -26,6 +26,16 @@ use crate::store::{self, shadow as shadows};
 /// Page sizes: the default and the most one page may hold.
 const PAGE: i64 = 50;
 const MAX_PAGE: i64 = 500;
+/// The states a sandbox can be in (`sandboxes.state_known`).
+const STATES: [&str; 7] = [
+    "creating",
+    "running",
+    "stopped",
+    "paused",
+    "suspended",
+    "failed",
+    "destroyed",
+];
 /// The longest a worker's gateway may take to answer a console probe.
 const PROBE: Duration = Duration::from_secs(2);
 
@@ -142,6 +152,12 @@ impl Api {
             }
         };
         let size = limit(q.limit.as_deref(), MAX_PAGE)?;
+        if let Some(state) = q.state.as_deref().filter(|s| !STATES.contains(s)) {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!("state: {state:?} is not one of {}", STATES.join(", ")),
+            ));
+        }
         let mut filter = SandboxFilter {
             tenant,
             state: q.state,

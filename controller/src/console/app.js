@@ -442,21 +442,26 @@ async function queueLine() {
   live.textContent = r.status === 200 ? "Queue: " + r.body.queued + " queued · " + clock() : "";
 }
 
+// A fragment's part, percent-decoded; as it is when it is not valid.
+function decoded(part) {
+  try { return decodeURIComponent(part); } catch (e) { return part; }
+}
+
 function route() {
   for (const t of timers) clearInterval(t);
   timers = [];
   generation += 1;
-  let hash = decodeURIComponent(location.hash.slice(1));
+  let hash = location.hash.slice(1);
   // A test or a link may hand the token in the fragment (never sent to the
   // server): it is kept in the tab and taken out of the address at once.
   if (hash.startsWith("token=")) {
     const [t, then] = hash.slice(6).split("&then=");
-    sessionStorage.setItem(TOKEN_KEY, t);
+    sessionStorage.setItem(TOKEN_KEY, decoded(t));
     hash = then || "sandboxes";
     history.replaceState(null, "", "#" + hash);
   }
   const [path, query] = hash.split("?");
-  const parts = path.split("/");
+  const parts = path.split("/").map(decoded);
   for (const a of document.querySelectorAll("nav a")) {
     if (a.getAttribute("href") === "#" + (parts[0] === "sandbox" ? "sandboxes" : parts[0])) a.setAttribute("aria-current", "page");
     else a.removeAttribute("aria-current");

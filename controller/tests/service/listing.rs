@@ -214,6 +214,7 @@ async fn list_queries_refuse_what_they_do_not_know() {
         ("/v1/sandboxes?limit=0", "limit"),
         ("/v1/sandboxes?limit=501", "limit"),
         ("/v1/sandboxes?colour=red", "colour"),
+        ("/v1/sandboxes?state=sleeping", "state"),
         ("/v1/sandboxes?tenant=%zz", "tenant"),
         ("/v1/operations?limit=x", "limit"),
     ] {
