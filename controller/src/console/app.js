@@ -247,32 +247,43 @@ async function sandbox(id) {
   every(POLL_MS, () => refreshDenials(doc.id, denials, proposals, shadow));
 }
 
+// Refreshed lists are redrawn only when what they show changed, so a
+// control the operator has focused (a scope, Approve, Promote) stays.
+function redraw(container, signature, build) {
+  if (container.dataset.sig === signature) return;
+  container.dataset.sig = signature;
+  container.replaceChildren(build());
+}
+
 async function refreshDenials(id, denials, proposals, shadow) {
   const base = "/v1/sandboxes/" + encodeURIComponent(id);
   const [p, s] = await Promise.all([api("GET", base + "/proposals"), api("GET", base + "/shadow/report")]);
   const list = p.status === 200 ? p.body.proposals || [] : [];
   const report = s.status === 200 ? s.body : null;
-  const rows = [];
-  for (const prop of list) for (const ex of prop.examples || []) rows.push(denialRow(ex, "denied"));
+  const items = [];
+  for (const prop of list) for (const ex of prop.examples || []) items.push([ex, "denied"]);
   for (const d of (report && report.differences) || []) {
     if (d.shadow && d.shadow.verdict === "deny" && d.active.verdict !== "deny") {
-      rows.push(denialRow(Object.assign({ reason: d.shadow.reason, ts: d.last_seen },
-        d.example || {}, { dst: destText(d.destination) }), "would deny (shadow)"));
+      items.push([Object.assign({ reason: d.shadow.reason, ts: d.last_seen },
+        d.example || {}, { dst: destText(d.destination) }), "would deny (shadow)"]);
     }
   }
-  rows.sort((a, b) => (b.dataset.ts || "").localeCompare(a.dataset.ts || ""));
-  denials.replaceChildren(
+  items.sort((a, b) => (b[0].ts || "").localeCompare(a[0].ts || ""));
+  const [shown, updated] = denials.children.length === 2 ? denials.children
+    : [el("div", {}), el("p", { class: "note" })];
+  if (denials.children.length !== 2) denials.replaceChildren(shown, updated);
+  redraw(shown, JSON.stringify([p.status, items]), () =>
     p.status === 200 || p.status === 404 ? table(["Time", "Verdict", "Destination", "Name", "Request", "Reason"],
-      rows.slice(0, 50), "No denials recorded.") : failure(p),
-    el("p", { class: "note" }, "Updated " + clock() + "; refreshes every " + POLL_MS / 1000 + " s."));
-  proposals.replaceChildren(p.status === 200 ? proposalTable(id, list) : failure(p));
-  shadow.replaceChildren(shadowSection(id, s));
+      items.slice(0, 50).map(([ex, verdict]) => denialRow(ex, verdict)), "No denials recorded.") : failure(p));
+  updated.textContent = "Updated " + clock() + "; refreshes every " + POLL_MS / 1000 + " s.";
+  redraw(proposals, JSON.stringify([p.status, list]), () => p.status === 200 ? proposalTable(id, list) : failure(p));
+  redraw(shadow, JSON.stringify([s.status, s.body, promoted.has(id)]), () => shadowSection(id, s));
 }
 
 function denialRow(ex, verdict) {
   const name = ex.sni || ex.host || (ex.attributed || []).join(", ") || "—";
   const req = ex.method ? ex.method + " " + ex.path : "—";
-  return el("tr", { "data-ts": ex.ts || "" },
+  return el("tr", {},
     el("td", { class: "mono" }, ex.ts || "—"), el("td", {}, tag(verdict, "bad")),
     el("td", { class: "mono" }, ex.dst || "—"), el("td", { class: "mono" }, name),
     el("td", { class: "mono" }, req), el("td", {}, ex.reason ? reasonLink(ex.reason) : "—"));

@@ -157,6 +157,23 @@ impl Browser {
             .to_owned()
     }
 
+    /// Presses and releases `Tab` or `Enter`, as a keyboard would.
+    pub async fn key(&mut self, key: &str) {
+        let (code, text) = match key {
+            "Tab" => (9, ""),
+            "Enter" => (13, "\r"),
+            other => panic!("no key {other:?} here"),
+        };
+        for kind in ["keyDown", "keyUp"] {
+            let mut p = json!({"type": kind, "key": key, "code": key,
+                               "windowsVirtualKeyCode": code, "nativeVirtualKeyCode": code});
+            if kind == "keyDown" && !text.is_empty() {
+                p["text"] = json!(text);
+            }
+            self.call("Input.dispatchKeyEvent", p).await;
+        }
+    }
+
     /// Sets the viewport (narrow screens are `width` < 700).
     pub async fn viewport(&mut self, width: u32, height: u32) {
         let p = json!({"width": width, "height": height, "deviceScaleFactor": 1, "mobile": false});

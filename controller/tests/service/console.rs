@@ -202,9 +202,23 @@ async fn an_operator_finds_a_sandbox_reads_provenance_sees_a_denial_and_approves
     shot(&mut b, "sandbox", "").await;
 
     // Approve the proposal; the gateway lets the flow through.
+    // By keyboard: Tab from the top of the page reaches Approve, Enter presses it.
     b.until("document.querySelector('button.approve')").await;
-    b.eval("document.querySelector('button.approve').click(); 1")
+    b.eval("document.activeElement.blur(); window.scrollTo(0, 0); 1")
         .await;
+    let mut reached = false;
+    for _ in 0..80 {
+        b.key("Tab").await;
+        let on = b
+            .eval("document.activeElement.classList.contains('approve')")
+            .await;
+        if on == json!(true) {
+            reached = true;
+            break;
+        }
+    }
+    assert!(reached, "Tab never reached Approve");
+    b.key("Enter").await;
     b.until("document.getElementById('proposals').innerText.includes('Approved (')")
         .await;
     shot(&mut b, "sandbox-denials-proposals", "h-denials").await;
