@@ -8,12 +8,11 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
+use egress_api::body::MAX_BODY;
+pub(crate) use egress_api::reply::{json_reply, Reply};
 use egress_policy::{select, Policy};
-use http::{header, HeaderMap, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http::{header, HeaderMap, Method, Request, StatusCode};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -29,11 +28,6 @@ use crate::{e2b, ids};
 
 mod list;
 mod shadow;
-
-/// Largest request body accepted.
-const MAX_BODY: usize = 1 << 20;
-
-pub(crate) type Reply = Response<Full<Bytes>>;
 
 /// What the API serves from.
 pub struct Api {
@@ -52,27 +46,14 @@ pub async fn serve(listener: TcpListener, api: Arc<Api>) {
     .await;
 }
 
-/// Accepts connections on `listener` forever, answering each request with `handle`.
+/// Accepts connections on `listener` forever, answering each request with
+/// `handle` (the contract crate's accept loop).
 async fn accept<F, Fut>(listener: TcpListener, handle: F)
 where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Reply> + Send + 'static,
 {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let handle = handle.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let reply = handle(req);
-                async move { Ok::<_, std::convert::Infallible>(reply.await) }
-            });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+    egress_api::serve::serve(listener, "controller", handle).await;
 }
 
 /// A request's route name (a bounded metric label) and path segments.
@@ -204,15 +185,10 @@ impl Api {
     }
 }
 
-/// The request body as JSON, within [`MAX_BODY`].
+/// The request body as JSON, within [`MAX_BODY`] (`413` beyond).
 pub(crate) async fn body(req: Request<Incoming>) -> Result<Value, Reply> {
-    let bytes = Limited::new(req.into_body(), MAX_BODY)
-        .collect()
-        .await
-        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))?
-        .to_bytes();
-    serde_json::from_slice(&bytes)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))
+    let text = egress_api::body::text(req.into_body(), MAX_BODY).await?;
+    serde_json::from_str(&text).map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))
 }
 
 /// Parses `v` as `T`; the error names the field.
@@ -231,31 +207,13 @@ fn policy_field(v: &Value, field: &str) -> Result<Policy, Reply> {
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("{field}: {e}")))
 }
 
-pub(crate) fn json_reply(status: StatusCode, v: &Value) -> Reply {
-    let mut body = serde_json::to_vec(v).unwrap_or_default();
-    body.push(b'\n');
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    r
-}
-
+/// `{"error": message}` (the contract crate's error, no field named).
 pub(crate) fn error(status: StatusCode, message: &str) -> Reply {
-    json_reply(status, &json!({ "error": message }))
+    egress_api::reply::error(status, message, None)
 }
 
 fn text(body: String) -> Reply {
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static(
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
-    );
-    r
+    egress_api::reply::openmetrics(body)
 }
 
 pub(crate) fn db(e: sqlx::Error) -> Reply {
