@@ -14,8 +14,9 @@ use std::process::{Child, Command};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// The longest one DevTools command, or the browser's start, may take.
-const WAIT: Duration = Duration::from_secs(30);
+/// The longest one DevTools command, or the browser's start, may take
+/// (generous: a first start on a loaded machine is slow).
+const WAIT: Duration = Duration::from_secs(90);
 
 /// A headless Chromium and one page of it.
 pub struct Browser {
@@ -72,10 +73,10 @@ impl Browser {
             .expect("the stderr reader");
         let page = tokio::time::timeout(WAIT, page_socket(port))
             .await
-            .expect("a page target within 30 s");
+            .unwrap_or_else(|_| panic!("no page target within {WAIT:?}"));
         let ws = tokio::time::timeout(WAIT, upgrade(port, &page))
             .await
-            .expect("the WebSocket upgrade within 30 s");
+            .unwrap_or_else(|_| panic!("no WebSocket upgrade within {WAIT:?}"));
         let mut b = Self {
             _process: process,
             ws,
@@ -110,7 +111,7 @@ impl Browser {
             }
         })
         .await
-        .unwrap_or_else(|_| panic!("{method}: no answer within 30 s"));
+        .unwrap_or_else(|_| panic!("{method}: no answer within {WAIT:?}"));
         answer
     }
 
@@ -204,7 +205,7 @@ impl Drop for Process {
 }
 
 /// Reads Chromium's stderr (on a thread that drains it for the browser's
-/// life) until `DevTools listening on ws://127.0.0.1:PORT/…` (≤ 30 s).
+/// life) until `DevTools listening on ws://127.0.0.1:PORT/…` (≤ 90 s).
 fn devtools_port(stderr: std::process::ChildStderr) -> u16 {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -219,7 +220,7 @@ fn devtools_port(stderr: std::process::ChildStderr) -> u16 {
     match rx.recv_timeout(WAIT) {
         Ok(Ok(port)) => port,
         Ok(Err(e)) => panic!("chromium announced an odd DevTools port: {e}"),
-        Err(_) => panic!("chromium did not announce DevTools within 30 s"),
+        Err(_) => panic!("chromium did not announce DevTools within {WAIT:?}"),
     }
 }
 

@@ -21,8 +21,9 @@ use serde_json::{json, Value};
 use crate::controller::*;
 use crate::topology::*;
 
-/// The longest one DevTools command may take.
-const WAIT: Duration = Duration::from_secs(30);
+/// The longest one DevTools command may take (generous: the first, while
+/// the browser starts on a loaded machine, is slow).
+const WAIT: Duration = Duration::from_secs(90);
 const CONSOLE: &str = "http://127.0.0.1:8080/console/";
 
 /// Headless Chromium in a namespace, its one page driven over the pipe.
@@ -116,7 +117,7 @@ impl Browser {
             let raw = self
                 .from
                 .recv_timeout(WAIT)
-                .unwrap_or_else(|_| panic!("{method}: no answer within 30 s"));
+                .unwrap_or_else(|_| panic!("{method}: no answer within {WAIT:?}"));
             let v: Value = serde_json::from_slice(&raw).expect("DevTools JSON");
             if v["id"] == json!(id) {
                 return v;
