@@ -264,8 +264,10 @@ async function refreshDenials(id, denials, proposals, shadow) {
   for (const prop of list) for (const ex of prop.examples || []) items.push([ex, "denied"]);
   for (const d of (report && report.differences) || []) {
     if (d.shadow && d.shadow.verdict === "deny" && d.active.verdict !== "deny") {
-      items.push([Object.assign({ reason: d.shadow.reason, ts: d.last_seen },
-        d.example || {}, { dst: destText(d.destination) }), "would deny (shadow)"]);
+      // The example is the flow as the active policy judged it: the
+      // reason shown is the shadow's.
+      items.push([Object.assign({ dst: destText(d.destination) }, d.example || {},
+        { reason: d.shadow.reason, ts: d.last_seen }), "would deny (shadow)"]);
     }
   }
   items.sort((a, b) => (b[0].ts || "").localeCompare(a[0].ts || ""));

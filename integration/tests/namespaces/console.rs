@@ -241,6 +241,23 @@ fn an_operator_sees_a_denial_in_the_console_approves_it_and_the_sandbox_gets_thr
     let own = b.eval(&row_of("8.8.8.8"));
     assert!(own.as_str().expect("row").contains("tenant"), "{own}");
 
+    // A shadow that would deny what the profile allows: the flow passes,
+    // and shows on the page as a would-deny with the shadow's reason.
+    let shadow = r#"{"policy": {"default": "deny", "tls_interception": "on",
+        "allow": [{"ip": "8.8.8.8"}], "deny": [{"domain": "api.example.test"}]}}"#;
+    let path = format!("/v1/sandboxes/{id}/shadow");
+    let (s, v) = api(&t, "PUT", &path, TENANT_TOKEN, &[], Some(shadow));
+    assert_eq!(s, 200, "{v}");
+    let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/hello", &["-4"]);
+    assert_eq!(code, 0, "the shadow enforced something: {body}");
+    b.until("document.getElementById('denials').innerText.includes('would deny (shadow)')");
+    let denials = b.text_of("denials");
+    assert!(
+        denials.contains("api.example.test") && denials.contains("tenant_deny"),
+        "{denials}"
+    );
+    assert!(b.eval("document.getElementById('promote') !== null") == json!(true));
+
     // Blocked: the denial shows up on the open page, no reload.
     b.eval("window.notReloaded = true");
     assert_eq!(reach(&t), 403, "before the approval");
