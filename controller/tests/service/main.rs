@@ -6,7 +6,10 @@
 mod support;
 
 mod approvals;
+mod browser;
+mod console;
 mod creates;
 mod gateways;
+mod listing;
 mod network;
 mod shadow;
