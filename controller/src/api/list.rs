@@ -13,8 +13,10 @@
 
 use std::time::Duration;
 
+use egress_api::explain::Explain;
+use egress_api::gateway::EXPLAIN;
 use http::{Method, StatusCode};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::{db, error, json_reply, typed, visible, Api, Reply};
@@ -54,28 +56,6 @@ struct ListQuery {
 #[serde(deny_unknown_fields)]
 struct OperationsQuery {
     limit: Option<String>,
-}
-
-/// `POST /v1/sandboxes/{id}/explain`: the question, without the sandbox
-/// (the path names it); forwarded with these fields only.
-#[derive(Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-struct ExplainBody {
-    dst: String,
-    #[serde(default)]
-    tls: bool,
-    #[serde(default)]
-    ech: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    sni: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    host: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    stream: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    method: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    path: Option<String>,
 }
 
 /// The query string as a JSON object of strings (percent-decoded), so
@@ -228,9 +208,7 @@ impl Api {
         id: &str,
         body: Result<Value, Reply>,
     ) -> Result<Reply, Reply> {
-        let asked: ExplainBody = typed(body?)?;
-        let mut question = json!(asked);
-        question["sandbox"] = json!(id);
+        let question = explain_question(body?, id)?;
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let row = visible(caller, store::sandbox(&mut conn, id).await.map_err(db)?, id)?;
         let not_placed = || {
@@ -245,7 +223,7 @@ impl Api {
             .map_err(db)?
             .ok_or_else(not_placed)?;
         drop(conn);
-        match call(&url, &token, Method::POST, "/v1/explain", Some(&question)).await {
+        match call(&url, &token, Method::POST, EXPLAIN, Some(&question)).await {
             Ok((StatusCode::OK, v)) => Ok(json_reply(StatusCode::OK, &v)),
             Ok((StatusCode::BAD_REQUEST, v)) => Err(json_reply(StatusCode::BAD_REQUEST, &v)),
             Ok((StatusCode::NOT_FOUND, _)) => Err(not_placed()),
@@ -274,6 +252,29 @@ async fn probe(url: &str, token: &str) -> Value {
             json!({"ready": false, "status": null, "detail": format!("no answer within {PROBE:?}")})
         }
     }
+}
+
+/// The explain question of a console request, for sandbox `id` (the path
+/// names it; the body may not): read by the contract crate's reader, so it
+/// is refused here with the words the gateway would use.
+fn explain_question(mut body: Value, id: &str) -> Result<Value, Reply> {
+    let Some(fields) = body.as_object_mut() else {
+        return Err(error(StatusCode::BAD_REQUEST, "body: expected an object"));
+    };
+    if fields.contains_key("sandbox") {
+        let why = "sandbox: the path names the sandbox; the body may not";
+        return Err(error(StatusCode::BAD_REQUEST, why));
+    }
+    fields.insert("sandbox".into(), json!(id));
+    let asked: Explain = typed(body)?;
+    if let Err(u) = asked.question() {
+        return Err(egress_api::reply::error(
+            StatusCode::BAD_REQUEST,
+            &u.message,
+            Some(u.field),
+        ));
+    }
+    Ok(json!(asked))
 }
 
 #[cfg(test)]
