@@ -16,7 +16,9 @@
 #![allow(clippy::result_large_err)]
 
 pub mod body;
+pub mod client;
 pub mod explain;
+pub mod gateway;
 pub mod reply;
 pub mod serve;
 

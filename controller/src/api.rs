@@ -26,6 +26,7 @@ use crate::ops::{self, create_payload};
 use crate::store::{self, NewOperation, NewSandbox, Placement, SandboxRow};
 use crate::{e2b, ids};
 
+mod list;
 mod pool;
 mod shadow;
 
@@ -61,6 +62,11 @@ fn route_of(method: &Method, segments: &[&str]) -> &'static str {
     match (method.as_str(), segments) {
         ("POST", ["v1", "sandboxes"]) => "create",
         ("POST", ["sandboxes"]) => "e2b_create",
+        ("GET", ["v1", "sandboxes"]) => "list_sandboxes",
+        ("GET", ["v1", "workers"]) => "workers",
+        ("GET", ["v1", "operations"]) => "operations",
+        ("POST", ["v1", "sandboxes", _, "explain"]) => "explain",
+        ("GET", ["console", ..]) => "console",
         ("GET", ["v1", "sandboxes", _]) => "get_sandbox",
         ("DELETE", ["v1", "sandboxes", _]) => "destroy",
         ("PUT", ["v1", "sandboxes", _, "network"]) => "network",
@@ -97,6 +103,8 @@ impl Api {
         let reply = match route {
             "healthz" => json_reply(StatusCode::OK, &json!({"ok": true})),
             "metrics" => text(self.metrics.encode()),
+            // Static assets only: every datum the console shows is an API call.
+            "console" => crate::console::asset(&segments),
             _ => match self.caller(req.headers()) {
                 Some(caller) => self.authorized(req, &segments, route, caller).await,
                 None => error(StatusCode::UNAUTHORIZED, "missing or unknown bearer token"),
@@ -151,6 +159,10 @@ impl Api {
                 self.lifecycle(&caller, &id, &action).await
             }
             "operation" => self.operation(&caller, &id).await,
+            "list_sandboxes" => self.list_sandboxes(&caller, req.uri().query()).await,
+            "operations" => self.list_operations(&caller, req.uri().query()).await,
+            "explain" => self.explain(&caller, &id, body(req).await).await,
+            "workers" if caller.admin => self.list_workers().await,
             "shadow_put" => self.put_shadow(&caller, &id, body(req).await).await,
             "shadow_delete" => self.delete_shadow(&caller, &id).await,
             "shadow_report" => self.shadow_report(&caller, &id).await,
@@ -162,12 +174,10 @@ impl Api {
             }
             "template_shadow_delete" if caller.admin => self.delete_template_shadow(&id).await,
             "template_shadow_report" if caller.admin => self.template_shadow_report(&id).await,
-            "template_pool_put" if caller.admin => self.put_pool(&id, body(req).await).await,
-            "template_pool" if caller.admin => self.get_pool(&id).await,
+            "template_pool_put" | "template_pool" => self.pools(route, &id, &caller, req).await,
             "template"
-            | "template_pool_put"
-            | "template_pool"
             | "worker"
+            | "workers"
             | "template_shadow_put"
             | "template_shadow_delete"
             | "template_shadow_report" => {

@@ -10,6 +10,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
+pub mod list;
 pub mod pool;
 pub mod shadow;
 
@@ -78,6 +79,7 @@ impl SandboxRow {
     pub fn document(&self) -> Value {
         json!({
             "id": self.id,
+            "tenant": self.tenant,
             "template": self.template,
             "egress_profiles": self.egress_profiles,
             "policy": self.policy,

@@ -18,31 +18,29 @@
 //! With `admin.token_file` set, every route but `/healthz` and `/readyz` needs
 //! `Authorization: Bearer <token>`. Bodies are capped at 1 MiB (`413`).
 
-use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use egress_api::body::{Line, Lines};
 use egress_api::explain::{Explain, Question};
+pub(crate) use egress_api::gateway::{PutSandbox, Resync};
 use egress_api::reply::{openmetrics, text};
-use egress_policy::Policy;
 use egress_policy::SandboxId;
 use http::{header, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 use crate::commit::{Change, Committer, NotApplied};
 use crate::control_http::{body_text, error, json_reply, Reply, MAX_BODY};
-use crate::credentials::{self, Credential};
+use crate::credentials::{self};
 use crate::decide::{decide, explained, explained_request, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
 use crate::registry::Extras;
 use crate::state::Dataplane;
-use crate::upstream_proxy::ProxyChoice;
 
 mod shadow;
 
@@ -99,27 +97,6 @@ pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
         async move { route(req, &ctl).await }
     })
     .await;
-}
-
-/// `PUT /v1/sandboxes/{id}`'s body.
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct PutSandbox {
-    pub(crate) addresses: Vec<IpAddr>,
-    pub(crate) policy: Policy,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) credentials: Vec<Credential>,
-    /// `"direct"` or a proxy of this gateway's `[upstream_proxy.proxies]`;
-    /// absent: the worker's default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) upstream_proxy: Option<ProxyChoice>,
-}
-
-/// `PUT /v1/sandboxes`'s JSON body.
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Resync {
-    pub(crate) sandboxes: Vec<SandboxDoc>,
 }
 
 /// `GET /readyz`: `200 ready epoch=… generation=…` once the pushed state is
@@ -340,7 +317,7 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
     let n = docs.len();
     let prepared = docs
         .into_iter()
-        .map(|d| d.prepare(&ctl.dp.registry))
+        .map(|d| persist::prepare(d, &ctl.dp.registry))
         .collect();
     match ctl.committer.submit(Change::Replace(prepared)).await {
         Ok(()) => {

@@ -143,7 +143,10 @@ fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
     for d in &docs {
         crate::credentials::validate(&d.credentials)?;
     }
-    let prepared: Vec<_> = docs.into_iter().map(|d| d.prepare(&registry)).collect();
+    let prepared: Vec<_> = docs
+        .into_iter()
+        .map(|d| crate::persist::prepare(d, &registry))
+        .collect();
     let stored: Vec<SandboxDoc> = prepared.iter().map(|s| SandboxDoc::from(&**s)).collect();
     registry
         .replace_prepared(prepared)

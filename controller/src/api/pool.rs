@@ -61,6 +61,21 @@ pub(super) fn named(headers: &HeaderMap, template: &str) -> Result<bool, Reply> 
 }
 
 impl Api {
+    /// The pool routes (admin): `PUT` or `GET /v1/templates/{id}/pool`.
+    pub(super) async fn pools(
+        &self,
+        route: &str,
+        id: &str,
+        caller: &Tenant,
+        req: http::Request<hyper::body::Incoming>,
+    ) -> Result<Reply, Reply> {
+        match route {
+            _ if !caller.admin => Err(error(StatusCode::FORBIDDEN, "an admin token is required")),
+            "template_pool_put" => self.put_pool(id, super::body(req).await).await,
+            _ => self.get_pool(id).await,
+        }
+    }
+
     /// `PUT /v1/templates/{id}/pool` (admin): `{"size": N}`, 0 to stop refilling.
     pub(super) async fn put_pool(
         &self,

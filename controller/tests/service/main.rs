@@ -6,9 +6,12 @@
 mod support;
 
 mod approvals;
+mod browser;
+mod console;
 mod creates;
 mod faults;
 mod gateways;
+mod listing;
 mod network;
 mod pools;
 mod shadow;

@@ -231,6 +231,16 @@ async fn concurrent_claims_never_share_a_sandbox_and_an_empty_pool_falls_back_to
         .await
         .expect("store");
     let refilling = refill(&pool).await;
+    let (s, _) = call(
+        w.api.addr,
+        "PUT",
+        "/v1/templates/base/pool",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"size": 5})),
+    )
+    .await;
+    assert_eq!(s, 403, "a pool is set by an admin");
     set_size(&w.api, 5).await;
     ready(&w.api, 5).await;
     drop(refilling);
