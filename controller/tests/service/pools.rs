@@ -452,6 +452,13 @@ async fn a_claim_that_fails_leaves_the_sandbox_failed_and_off_its_gateway() {
     on_gateway(&gw, &id).await;
     let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
     assert_eq!(op["state"], json!("failed"), "{op}");
+    // The sandbox is marked failed just after its operation (another statement).
+    for _ in 0..200 {
+        if document(&api, &id).await["state"] == json!("failed") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(document(&api, &id).await["state"], json!("failed"));
     let sid = egress_policy::SandboxId::new(&id);
     for _ in 0..200 {
