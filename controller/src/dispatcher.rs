@@ -1,12 +1,18 @@
-//! The dispatcher (cluster-controller): of all replicas, the one holding a
-//! PostgreSQL advisory lock leads; the others wait for it. The leader claims
-//! queued operations one at a time (`FOR UPDATE SKIP LOCKED`) and runs each
-//! in the transaction that claimed it, so an operation's effects commit once
-//! or not at all, even if the leader dies mid-way. It also pushes every
-//! change to the worker's gateway, and resyncs a gateway whose epoch changed
-//! (a restart) or whose sandboxes differ from the store (drift).
+//! The dispatcher (cluster-controller). Every running replica works: the
+//! workers are split into shards leased among them ([`crate::shard`]), and
+//! each pushes to the gateways of the workers it holds, in change order,
+//! and executes the queued operations that name those workers. Operations
+//! that name none (most creates, forks) are claimed by whichever replica
+//! comes first (`FOR UPDATE SKIP LOCKED`). Each runs in the transaction
+//! that claimed it, so its effects commit once or not at all, even if the
+//! replica dies mid-way. The holder of a second advisory lock also does
+//! what must be done once: approval expiry, pruning, the queue metrics.
+//! A gateway is resynced when its epoch changed (a restart) or, when the
+//! generation it reports is not the one the store acknowledged, its list
+//! differs from the store (drift).
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,6 +25,7 @@ use crate::config::Deployment;
 use crate::gateway_client::call;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
+use crate::shard::Leases;
 use crate::store::{self, SandboxRow, WorkerRow};
 
 /// Pushes in flight to one gateway at once.
@@ -28,8 +35,20 @@ const PUSH_CONCURRENCY: usize = 32;
 /// is taken out within this (plus the push).
 const EXPIRY_INTERVAL: Duration = Duration::from_millis(500);
 
-/// The advisory lock key leaders hold (any constant shared by the replicas).
+/// How often finished operations and idempotency keys are pruned, and how
+/// many rows of each at most per round.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
+const PRUNE_BATCH: i64 = 1000;
+
+/// The advisory lock key dispatchers of the single-leader kind (before
+/// shards) hold exclusively to lead. Every sharded dispatcher holds it
+/// *shared*: while one works, no older replica can lead, and while an older
+/// one leads, sharded ones wait — through a rolling upgrade the two kinds
+/// never push at once.
 const LEADER_LOCK: i64 = 0x6567_7265_7373;
+
+/// The advisory lock the dispatcher doing what must be done once holds.
+const SINGLETON_LOCK: i64 = 0x6567_7265_7374;
 
 /// The channel `0004_work_notify.sql`'s triggers notify on: an operation
 /// was queued, or a sandbox's policy moved a generation.
@@ -41,7 +60,7 @@ const WORK_CHANNEL: &str = "egress_work";
 const IDLE_WAIT: Duration = Duration::from_millis(250);
 const POLL: Duration = Duration::from_millis(50);
 
-/// Retry and pacing settings.
+/// Retry, pacing, lease and retention settings.
 #[derive(Clone, Debug)]
 pub struct Limits {
     /// Attempts an operation gets.
@@ -52,6 +71,28 @@ pub struct Limits {
     pub backoff: Duration,
     /// How often gateways are compared with the store.
     pub resync_interval: Duration,
+    /// How long a shard lease lasts unless renewed.
+    pub lease_ttl: Duration,
+    /// How long finished operations are kept.
+    pub operation_retention: Duration,
+    /// How long a finished operation's idempotency key is honoured (from
+    /// when it was queued).
+    pub idempotency_retention: Duration,
+}
+
+impl Default for Limits {
+    /// The dispatcher's flags' defaults.
+    fn default() -> Self {
+        Self {
+            attempts: 5,
+            deadline: Duration::from_secs(300),
+            backoff: Duration::from_secs(2),
+            resync_interval: Duration::from_secs(5),
+            lease_ttl: Duration::from_secs(15),
+            operation_retention: Duration::from_secs(7 * 86_400),
+            idempotency_retention: Duration::from_secs(86_400),
+        }
+    }
 }
 
 pub struct Dispatcher {
@@ -77,27 +118,60 @@ async fn wait_for_work(listener: &mut Option<sqlx::postgres::PgListener>) {
     }
 }
 
+/// When the rounds besides operations and pushes last ran.
+struct Rounds {
+    compared: Instant,
+    expired: Instant,
+    pruned: Instant,
+}
+
 impl Dispatcher {
-    /// Waits to lead, then leads until the lock's session is lost; forever.
+    /// Works until the process ends.
     pub async fn run(self) {
+        self.run_until(std::future::pending()).await;
+    }
+
+    /// Works until `stop` completes, then gives its leases up so the other
+    /// replicas take its shards at once.
+    pub async fn run_until(self, stop: impl Future<Output = ()>) {
+        let mut leases = Leases::new(crate::ids::new("d"), self.limits.lease_ttl);
+        tracing::info!(dispatcher = %leases.id, "dispatcher started");
+        tokio::select! {
+            () = self.serve(&mut leases) => {}
+            () = stop => {}
+        }
+        if let Err(e) = leases.release(&self.pool).await {
+            tracing::warn!(error = %e, "releasing the shard leases");
+        }
+        tracing::info!(dispatcher = %leases.id, "dispatcher stopped; leases released");
+    }
+
+    async fn serve(&self, leases: &mut Leases) {
+        let mut told = false;
         loop {
-            match self.acquire().await {
-                Some(lock) => {
-                    tracing::info!("leading: executing operations and pushing to gateways");
-                    self.metrics.leader.set(1);
-                    self.lead(lock).await;
+            match self.session().await {
+                Some(session) => {
+                    self.work(session, leases).await;
                     self.metrics.leader.set(0);
-                    tracing::warn!("lost the leader lock; standing by");
+                    self.metrics.shards.set(0);
+                    tracing::warn!("lost the database session; connecting again");
                 }
-                None => tokio::time::sleep(Duration::from_millis(250)).await,
+                None => {
+                    if !told {
+                        tracing::info!("standing by: a single-leader dispatcher leads");
+                        told = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
             }
         }
     }
 
-    /// A session holding the leader lock, if it is free.
-    async fn acquire(&self) -> Option<PgConnection> {
+    /// A session holding [`LEADER_LOCK`] shared (none while an older
+    /// dispatcher leads with it).
+    async fn session(&self) -> Option<PgConnection> {
         let mut conn = PgConnection::connect(&self.database_url).await.ok()?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
             .bind(LEADER_LOCK)
             .fetch_one(&mut conn)
             .await
@@ -105,38 +179,106 @@ impl Dispatcher {
         got.then_some(conn)
     }
 
-    async fn lead(&self, mut lock: PgConnection) {
+    /// Takes [`SINGLETON_LOCK`] on `session` if it is free.
+    async fn try_lead(&self, session: &mut PgConnection) -> bool {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(SINGLETON_LOCK)
+            .fetch_one(session)
+            .await
+            .unwrap_or(false);
+        if got {
+            tracing::info!("leading: approval expiry, pruning and the queue metrics");
+            self.metrics.leader.set(1);
+        }
+        got
+    }
+
+    async fn work(&self, mut session: PgConnection, leases: &mut Leases) {
         let mut listener = self.listen().await;
-        let mut compared = Instant::now() - self.limits.resync_interval;
-        let mut expired = Instant::now() - EXPIRY_INTERVAL;
+        let long_ago = Instant::now() - self.limits.resync_interval.max(PRUNE_INTERVAL);
+        let mut rounds = Rounds {
+            compared: long_ago,
+            expired: long_ago,
+            pruned: long_ago,
+        };
+        let mut leader = false;
         loop {
-            if sqlx::query("SELECT 1").execute(&mut lock).await.is_err() {
+            if sqlx::query("SELECT 1").execute(&mut session).await.is_err() {
                 return;
             }
-            let mut worked = false;
-            for _ in 0..64 {
-                match self.execute_one().await {
-                    Ok(true) => worked = true,
-                    Ok(false) => break,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "executing an operation");
-                        break;
-                    }
-                }
+            leader = leader || self.try_lead(&mut session).await;
+            self.renew(leases).await;
+            let shards = leases.held().to_vec();
+            let mut worked = self.execute_some(&shards).await;
+            if leader {
+                self.singletons(&mut rounds).await;
             }
-            if compared.elapsed() >= self.limits.resync_interval {
-                self.compare_gateways().await;
-                compared = Instant::now();
+            if rounds.compared.elapsed() >= self.limits.resync_interval {
+                self.compare_gateways(&shards).await;
+                rounds.compared = Instant::now();
             }
-            if expired.elapsed() >= EXPIRY_INTERVAL {
-                self.expire_approvals().await;
-                expired = Instant::now();
-            }
-            worked |= self.push_all().await;
-            self.observe_backlog().await;
+            worked |= self.push_all(leases).await;
             if !worked {
                 wait_for_work(&mut listener).await;
             }
+        }
+    }
+
+    async fn renew(&self, leases: &mut Leases) {
+        if !leases.due() {
+            return;
+        }
+        if let Err(e) = leases.renew(&self.pool).await {
+            tracing::warn!(error = %e, "renewing the shard leases");
+        }
+        self.metrics
+            .shards
+            .set(i64::try_from(leases.held().len()).unwrap_or(0));
+    }
+
+    /// Up to 64 operations; `true` if any ran.
+    async fn execute_some(&self, shards: &[i32]) -> bool {
+        let mut worked = false;
+        for _ in 0..64 {
+            match self.execute_one(shards).await {
+                Ok(true) => worked = true,
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "executing an operation");
+                    break;
+                }
+            }
+        }
+        worked
+    }
+
+    /// What one dispatcher does for all: approval expiry, pruning, the
+    /// queue metrics.
+    async fn singletons(&self, rounds: &mut Rounds) {
+        if rounds.expired.elapsed() >= EXPIRY_INTERVAL {
+            self.expire_approvals().await;
+            rounds.expired = Instant::now();
+        }
+        if rounds.pruned.elapsed() >= PRUNE_INTERVAL {
+            self.prune().await;
+            rounds.pruned = Instant::now();
+        }
+        self.observe_backlog().await;
+    }
+
+    async fn prune(&self) {
+        let l = &self.limits;
+        let pruned = store::prune(
+            &self.pool,
+            l.operation_retention,
+            l.idempotency_retention,
+            PRUNE_BATCH,
+        )
+        .await;
+        match pruned {
+            Ok((0, 0)) => {}
+            Ok((keys, operations)) => tracing::info!(keys, operations, "pruned"),
+            Err(e) => tracing::warn!(error = %e, "pruning"),
         }
     }
 
@@ -158,9 +300,9 @@ impl Dispatcher {
     }
 
     /// Claims and runs one operation; `false` when none is runnable.
-    async fn execute_one(&self) -> Result<bool, sqlx::Error> {
+    async fn execute_one(&self, shards: &[i32]) -> Result<bool, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        let Some(op) = store::claim(&mut tx).await? else {
+        let Some(op) = store::claim(&mut tx, shards).await? else {
             return Ok(false);
         };
         let run = ops::execute(
@@ -231,17 +373,25 @@ impl Dispatcher {
         }
     }
 
-    /// Pushes what each gateway has not acknowledged; `true` if anything moved.
-    async fn push_all(&self) -> bool {
-        let Ok(workers) = store::workers(&self.pool).await else {
+    /// Pushes what the gateways of the held shards have not acknowledged;
+    /// `true` if anything moved. Stops as soon as the leases can no longer
+    /// be trusted (not renewed in time).
+    async fn push_all(&self, leases: &Leases) -> bool {
+        if leases.held().is_empty() {
+            return false;
+        }
+        let Ok(workers) = store::workers_in(&self.pool, leases.held()).await else {
             return false;
         };
         let mut moved = false;
         for w in workers {
+            if leases.held().is_empty() {
+                break;
+            }
             moved |= if w.needs_resync {
                 self.resync(&w).await
             } else {
-                self.push_changes(&w).await
+                self.push_changes(&w, leases).await
             };
         }
         moved
@@ -250,59 +400,76 @@ impl Dispatcher {
     /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
     /// time (the gateway commits concurrent pushes together); stops at the
     /// first failure, to retry on the next round.
-    async fn push_changes(&self, w: &WorkerRow) -> bool {
+    async fn push_changes(&self, w: &WorkerRow, leases: &Leases) -> bool {
         let Ok(changes) = store::unpushed(&self.pool, &w.id, 256).await else {
             return false;
         };
         let mut moved = false;
         for chunk in changes.chunks(PUSH_CONCURRENCY) {
-            let mut pushes = tokio::task::JoinSet::new();
-            for s in chunk {
-                let (url, token) = (w.admin_url.clone(), w.token.clone());
-                let (id, generation) = (s.id.clone(), s.generation);
-                let (method, body) =
-                    if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
-                        (Method::DELETE, None)
-                    } else {
-                        (
-                            Method::PUT,
-                            Some(json!({"addresses": s.addresses, "policy": s.policy})),
-                        )
-                    };
-                pushes.spawn(async move {
-                    let path = format!("/v1/sandboxes/{id}");
-                    let outcome = call(&url, &token, method, &path, body.as_ref()).await;
-                    (id, generation, outcome)
-                });
+            if leases.held().is_empty() {
+                break;
             }
-            let mut failed = None;
-            while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
-                match outcome {
-                    Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
-                        if let Ok(lag) = store::pushed(&self.pool, &id, generation).await {
-                            self.metrics.push_latency_seconds.observe(lag);
-                        }
-                        self.metrics
-                            .pushes
-                            .get_or_create(&OutcomeLabels { outcome: "applied" })
-                            .inc();
-                        moved = true;
-                    }
-                    Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
-                    Err(e) => failed = Some((id, e)),
-                }
-            }
+            let (applied, failed) = self.push_chunk(w, chunk).await;
+            moved |= applied > 0;
+            // Each applied push moved the gateway's generation by one.
+            let _ = store::acknowledge(&self.pool, &w.id, None, applied).await;
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
-                self.metrics
-                    .pushes
-                    .get_or_create(&OutcomeLabels { outcome: "failed" })
-                    .inc();
+                self.count_push("failed");
                 let _ = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
                 return moved;
             }
         }
         moved
+    }
+
+    /// Pushes `chunk` concurrently: how many the gateway applied, and a failure.
+    async fn push_chunk(
+        &self,
+        w: &WorkerRow,
+        chunk: &[SandboxRow],
+    ) -> (i64, Option<(String, String)>) {
+        let mut pushes = tokio::task::JoinSet::new();
+        for s in chunk {
+            let (url, token) = (w.admin_url.clone(), w.token.clone());
+            let (id, generation) = (s.id.clone(), s.generation);
+            let (method, body) =
+                if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
+                    (Method::DELETE, None)
+                } else {
+                    (
+                        Method::PUT,
+                        Some(json!({"addresses": s.addresses, "policy": s.policy})),
+                    )
+                };
+            pushes.spawn(async move {
+                let path = format!("/v1/sandboxes/{id}");
+                let outcome = call(&url, &token, method, &path, body.as_ref()).await;
+                (id, generation, outcome)
+            });
+        }
+        let (mut applied, mut failed) = (0, None);
+        while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
+            match outcome {
+                Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
+                    if let Ok(lag) = store::pushed(&self.pool, &id, generation).await {
+                        self.metrics.push_latency_seconds.observe(lag);
+                    }
+                    self.count_push("applied");
+                    applied += i64::from(status.is_success());
+                }
+                Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
+                Err(e) => failed = Some((id, e)),
+            }
+        }
+        (applied, failed)
+    }
+
+    fn count_push(&self, outcome: &'static str) {
+        self.metrics
+            .pushes
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
     }
 
     /// Replaces everything the gateway knows with the store's view.
@@ -319,17 +486,17 @@ impl Dispatcher {
         }
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
             Ok((status, _)) if status.is_success() => {
-                let epoch = self.epoch(w).await;
-                let _ = store::worker_seen(&self.pool, &w.id, epoch.as_deref(), false, None).await;
+                let ready = self.gateway_state(w).await;
+                let epoch = ready.as_ref().map(|(e, _)| e.as_str());
+                let _ = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+                let generation = ready.as_ref().map(|(_, g)| *g);
+                let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
                 for s in &rows {
                     let _ = store::pushed(&self.pool, &s.id, s.generation).await;
                 }
                 self.mark_forgotten(w).await;
                 tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
-                self.metrics
-                    .pushes
-                    .get_or_create(&OutcomeLabels { outcome: "resync" })
-                    .inc();
+                self.count_push("resync");
                 true
             }
             outcome => {
@@ -338,10 +505,7 @@ impl Dispatcher {
                     Err(e) => e,
                 };
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
-                self.metrics
-                    .pushes
-                    .get_or_create(&OutcomeLabels { outcome: "failed" })
-                    .inc();
+                self.count_push("failed");
                 let _ = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
                 false
             }
@@ -359,44 +523,101 @@ impl Dispatcher {
         .await;
     }
 
-    async fn epoch(&self, w: &WorkerRow) -> Option<String> {
-        let (_, body) = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None)
+    /// The gateway's epoch and generation (`GET /readyz`); `None` while it
+    /// is unreachable or not ready.
+    async fn gateway_state(&self, w: &WorkerRow) -> Option<(String, i64)> {
+        let (status, body) = call(&w.admin_url, &w.token, Method::GET, "/readyz", None)
             .await
             .ok()?;
-        body.get("epoch").and_then(Value::as_str).map(str::to_owned)
+        if !status.is_success() {
+            return None;
+        }
+        parse_ready(body.as_str()?)
     }
 
-    /// Flags for resync every gateway that restarted (a new epoch) or whose
-    /// sandboxes differ from what the store says it acknowledged.
-    async fn compare_gateways(&self) {
-        let Ok(workers) = store::workers(&self.pool).await else {
+    /// Checks the gateways of the held shards (see [`Self::check_gateway`]).
+    async fn compare_gateways(&self, shards: &[i32]) {
+        if shards.is_empty() {
+            return;
+        }
+        let Ok(workers) = store::workers_in(&self.pool, shards).await else {
             return;
         };
         for w in workers.iter().filter(|w| !w.needs_resync) {
-            let Ok((status, body)) =
-                call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
-            else {
-                continue;
-            };
-            if !status.is_success() {
-                continue;
-            }
-            let epoch = body.get("epoch").and_then(Value::as_str);
-            let restarted = epoch.is_some() && epoch != w.epoch.as_deref();
-            // Changes still being pushed are not drift.
-            let settled = store::unpushed(&self.pool, &w.id, 1)
-                .await
-                .is_ok_and(|u| u.is_empty());
-            let drift = match store::worker_sandboxes(&self.pool, &w.id).await {
-                Ok(rows) if settled => differs(&rows, &body),
-                _ => false,
-            };
-            if restarted || drift {
-                tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-                let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
-            }
+            self.check_gateway(w).await;
         }
     }
+
+    /// Flags a gateway for resync when it restarted (a new epoch), or when
+    /// the generation it reports is not the one the store acknowledged and
+    /// its list differs from the store (drift). The list is fetched only
+    /// then; a list found in step has its generation acknowledged.
+    async fn check_gateway(&self, w: &WorkerRow) {
+        let Some((epoch, generation)) = self.gateway_state(w).await else {
+            return;
+        };
+        let restarted = w.epoch.as_deref() != Some(epoch.as_str());
+        if !restarted && w.acked_generation == Some(generation) {
+            self.count_compare("generation");
+            return;
+        }
+        let drift = !restarted && self.list_differs(w).await;
+        if restarted || drift {
+            self.count_compare(if restarted { "restarted" } else { "drift" });
+            tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
+            let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+        }
+    }
+
+    /// Compares the gateway's list with the store: `true` when they differ
+    /// with every change pushed; acknowledges its generation when they agree.
+    async fn list_differs(&self, w: &WorkerRow) -> bool {
+        let Ok((status, body)) =
+            call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
+        else {
+            return false;
+        };
+        // Changes still being pushed are not drift.
+        let settled = store::unpushed(&self.pool, &w.id, 1)
+            .await
+            .is_ok_and(|u| u.is_empty());
+        if !status.is_success() || !settled {
+            return false;
+        }
+        let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
+            return false;
+        };
+        if differs(&rows, &body) {
+            return true;
+        }
+        self.count_compare("listed");
+        let generation = body.get("generation").and_then(Value::as_i64);
+        if generation.is_some() {
+            let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+        }
+        false
+    }
+
+    fn count_compare(&self, outcome: &'static str) {
+        self.metrics
+            .compares
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+}
+
+/// `ready epoch=… generation=…` (the gateway's `GET /readyz`).
+fn parse_ready(text: &str) -> Option<(String, i64)> {
+    let mut epoch = None;
+    let mut generation = None;
+    for word in text.split_whitespace() {
+        if let Some(e) = word.strip_prefix("epoch=") {
+            epoch = Some(e.to_owned());
+        } else if let Some(g) = word.strip_prefix("generation=") {
+            generation = g.parse().ok();
+        }
+    }
+    Some((epoch?, generation?))
 }
 
 /// Whether the gateway's list differs from the store's rows.
@@ -427,4 +648,20 @@ fn differs(rows: &[SandboxRow], gateway: &Value) -> bool {
         .map(|s| (s.id.as_str(), (s.addresses.clone(), s.policy.clone())))
         .collect();
     theirs != ours
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_line() {
+        assert_eq!(
+            parse_ready("ready epoch=0a1b generation=42\n"),
+            Some(("0a1b".to_owned(), 42))
+        );
+        assert_eq!(parse_ready("ready epoch=0a1b\n"), None);
+        assert_eq!(parse_ready("ready epoch=0a1b generation=x\n"), None);
+        assert_eq!(parse_ready("not ready\n"), None);
+    }
 }

@@ -42,6 +42,8 @@ pub struct Metrics {
     pub push_lag_seconds: Gauge<f64, AtomicU64>,
     pub push_latency_seconds: Histogram,
     pub leader: Gauge,
+    pub shards: Gauge,
+    pub compares: Family<OutcomeLabels, Counter>,
 }
 
 impl Metrics {
@@ -57,6 +59,8 @@ impl Metrics {
             push_lag_seconds: Gauge::default(),
             push_latency_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             leader: Gauge::default(),
+            shards: Gauge::default(),
+            compares: Family::default(),
         };
         m.register();
         m
@@ -107,8 +111,18 @@ impl Metrics {
         );
         registry.register(
             "egress_controller_leader",
-            "1 while this dispatcher leads",
+            "1 while this dispatcher does what one does for all (approval expiry, pruning, the queue metrics)",
             self.leader.clone(),
+        );
+        registry.register(
+            "egress_controller_shards",
+            "Worker shards this dispatcher holds a lease on",
+            self.shards.clone(),
+        );
+        registry.register(
+            "egress_controller_gateway_checks",
+            "Gateway checks by outcome: generation (in step by its generation), listed (list compared, in step), drift, restarted",
+            self.compares.clone(),
         );
     }
 

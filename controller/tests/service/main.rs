@@ -7,6 +7,8 @@ mod support;
 
 mod approvals;
 mod creates;
+mod fake_gateway;
 mod gateways;
 mod network;
 mod shadow;
+mod shards;
