@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use egress_policy::Policy;
+use futures::StreamExt;
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -30,6 +31,13 @@ use crate::store::{self, SandboxRow, WorkerRow};
 
 /// Pushes in flight to one gateway at once.
 const PUSH_CONCURRENCY: usize = 32;
+
+/// Gateways pushed to, or checked, at once (each gateway's own pushes stay
+/// in order).
+const GATEWAY_CONCURRENCY: usize = 16;
+
+/// Operations one dispatcher runs at once (each in its own transaction).
+const EXECUTORS: usize = 4;
 
 /// How often approvals past their `until` are looked for: an expired rule
 /// is taken out within this (plus the push).
@@ -150,33 +158,32 @@ impl Dispatcher {
         let mut told = false;
         loop {
             match self.session().await {
-                Some(session) => {
+                Ok(Some(session)) => {
                     self.work(session, leases).await;
                     self.metrics.leader.set(0);
                     self.metrics.shards.set(0);
                     tracing::warn!("lost the database session; connecting again");
                 }
-                None => {
-                    if !told {
-                        tracing::info!("standing by: a single-leader dispatcher leads");
-                        told = true;
-                    }
-                    tokio::time::sleep(Duration::from_millis(250)).await;
+                Ok(None) if !told => {
+                    tracing::info!("standing by: a single-leader dispatcher leads");
+                    told = true;
                 }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "no database session; retrying"),
             }
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
 
     /// A session holding [`LEADER_LOCK`] shared (none while an older
     /// dispatcher leads with it).
-    async fn session(&self) -> Option<PgConnection> {
-        let mut conn = PgConnection::connect(&self.database_url).await.ok()?;
+    async fn session(&self) -> Result<Option<PgConnection>, sqlx::Error> {
+        let mut conn = PgConnection::connect(&self.database_url).await?;
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
             .bind(LEADER_LOCK)
             .fetch_one(&mut conn)
-            .await
-            .ok()?;
-        got.then_some(conn)
+            .await?;
+        Ok(got.then_some(conn))
     }
 
     /// Takes [`SINGLETON_LOCK`] on `session` if it is free.
@@ -236,20 +243,27 @@ impl Dispatcher {
             .set(i64::try_from(leases.held().len()).unwrap_or(0));
     }
 
-    /// Up to 64 operations; `true` if any ran.
+    /// Up to 64 operations, [`EXECUTORS`] at a time; `true` if any ran.
     async fn execute_some(&self, shards: &[i32]) -> bool {
-        let mut worked = false;
-        for _ in 0..64 {
-            match self.execute_one(shards).await {
-                Ok(true) => worked = true,
-                Ok(false) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "executing an operation");
-                    break;
+        let ran = futures::stream::iter(0..EXECUTORS)
+            .map(|_| async {
+                let mut worked = false;
+                for _ in 0..64 / EXECUTORS {
+                    match self.execute_one(shards).await {
+                        Ok(true) => worked = true,
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "executing an operation");
+                            break;
+                        }
+                    }
                 }
-            }
-        }
-        worked
+                worked
+            })
+            .buffer_unordered(EXECUTORS)
+            .collect::<Vec<bool>>()
+            .await;
+        ran.contains(&true)
     }
 
     /// What one dispatcher does for all: approval expiry, pruning, the
@@ -380,21 +394,23 @@ impl Dispatcher {
         if leases.held().is_empty() {
             return false;
         }
-        let Ok(workers) = store::workers_in(&self.pool, leases.held()).await else {
+        let Ok(workers) = store::workers_behind(&self.pool, leases.held()).await else {
             return false;
         };
-        let mut moved = false;
-        for w in workers {
-            if leases.held().is_empty() {
-                break;
-            }
-            moved |= if w.needs_resync {
-                self.resync(&w).await
-            } else {
-                self.push_changes(&w, leases).await
-            };
-        }
-        moved
+        let moved = futures::stream::iter(workers)
+            .map(|w| async move {
+                if leases.held().is_empty() {
+                    false
+                } else if w.needs_resync {
+                    self.resync(&w).await
+                } else {
+                    self.push_changes(&w, leases).await
+                }
+            })
+            .buffer_unordered(GATEWAY_CONCURRENCY)
+            .collect::<Vec<bool>>()
+            .await;
+        moved.contains(&true)
     }
 
     /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
@@ -543,9 +559,9 @@ impl Dispatcher {
         let Ok(workers) = store::workers_in(&self.pool, shards).await else {
             return;
         };
-        for w in workers.iter().filter(|w| !w.needs_resync) {
-            self.check_gateway(w).await;
-        }
+        futures::stream::iter(workers.iter().filter(|w| !w.needs_resync))
+            .for_each_concurrent(GATEWAY_CONCURRENCY, |w| self.check_gateway(w))
+            .await;
     }
 
     /// Flags a gateway for resync when it restarted (a new epoch), or when

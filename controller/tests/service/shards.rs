@@ -484,3 +484,56 @@ async fn bad_retention_and_lease_flags_stop_the_dispatcher_naming_the_flag() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// Through a rolling upgrade: while a dispatcher of the single-leader kind
+/// leads (it holds the old leader lock exclusively), a sharded one neither
+/// takes shards nor runs anything; once the old one is gone it works.
+#[tokio::test]
+async fn a_sharded_dispatcher_waits_while_a_single_leader_dispatcher_leads() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.50.0/24",
+    )
+    .await;
+    let mut old_leader = sqlx::PgConnection::connect(&url).await.expect("db");
+    // The key single-leader dispatchers lead with.
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(0x6567_7265_7373_i64)
+        .fetch_one(&mut old_leader)
+        .await
+        .expect("lock");
+    assert!(got);
+    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"template": "base"})),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    let op = v["operation"].as_str().expect("op").to_owned();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let (state, alive): (String, i64) = sqlx::query_as(
+        "SELECT (SELECT state FROM operations WHERE id = $1), (SELECT count(*) FROM dispatchers)",
+    )
+    .bind(&op)
+    .fetch_one(&mut conn)
+    .await
+    .expect("state");
+    assert_eq!((state.as_str(), alive), ("queued", 0));
+    drop(old_leader);
+    assert_eq!(
+        settled(&api, FEDERATED, &op).await["state"],
+        json!("succeeded")
+    );
+}
