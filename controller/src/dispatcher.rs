@@ -319,8 +319,12 @@ impl Dispatcher {
         let Some(op) = store::claim(&mut tx, shards).await? else {
             return Ok(false);
         };
+        // The effects under a savepoint: a failed attempt undoes them and is
+        // recorded while the operation is still locked, so no other
+        // executor runs the same attempt again.
+        let mut effects = tx.begin().await?;
         let run = ops::execute(
-            &mut tx,
+            &mut effects,
             &self.deployment,
             &self.metrics,
             &op.kind,
@@ -328,37 +332,32 @@ impl Dispatcher {
             &op.payload,
         )
         .await;
-        match run {
-            Ok(()) => {
-                store::succeed(&mut tx, &op.id).await?;
-                tx.commit().await?;
-                self.count("succeeded");
-            }
-            Err(failure) => {
-                tx.rollback().await?;
-                let limits = (
-                    self.limits.attempts,
-                    self.limits.deadline,
-                    self.limits.backoff,
-                );
-                let state = store::attempt_failed(
-                    &self.pool,
-                    &op.id,
-                    &failure.message,
-                    failure.retryable,
-                    limits,
-                )
+        let Err(failure) = run else {
+            effects.commit().await?;
+            store::succeed(&mut tx, &op.id).await?;
+            tx.commit().await?;
+            self.count("succeeded");
+            return Ok(true);
+        };
+        effects.rollback().await?;
+        let limits = (
+            self.limits.attempts,
+            self.limits.deadline,
+            self.limits.backoff,
+        );
+        let state =
+            store::attempt_failed(&mut tx, &op.id, &failure.message, failure.retryable, limits)
                 .await?;
-                tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
-                if state == "failed" {
-                    let mut conn = self.pool.acquire().await?;
-                    store::set_state(&mut conn, &op.sandbox, "failed").await?;
-                    self.count("failed");
-                } else {
-                    self.count("retried");
-                }
-            }
+        if state == "failed" {
+            store::set_state(&mut tx, &op.sandbox, "failed").await?;
         }
+        tx.commit().await?;
+        tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
+        self.count(if state == "failed" {
+            "failed"
+        } else {
+            "retried"
+        });
         Ok(true)
     }
 

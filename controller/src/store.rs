@@ -502,7 +502,7 @@ pub async fn succeed(conn: &mut PgConnection, id: &str) -> Result<(), sqlx::Erro
 /// once `attempts` are used or the retry would pass `deadline` after the
 /// operation was queued. Returns the new state.
 pub async fn attempt_failed(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     id: &str,
     error: &str,
     retryable: bool,
@@ -522,7 +522,7 @@ pub async fn attempt_failed(
     .bind(attempts)
     .bind(backoff.as_secs_f64())
     .bind(deadline.as_secs_f64())
-    .fetch_one(pool)
+    .fetch_one(&mut *conn)
     .await
 }
 
