@@ -15,7 +15,6 @@
 pub mod decide;
 pub mod reconcile;
 pub mod relay;
-mod reply;
 pub mod resource;
 pub mod webhook;
 pub mod worker;

@@ -16,7 +16,6 @@
 //! worker that cannot be reached, or does not answer within the timeout, is
 //! `502 {"error": "worker unreachable: …"}`.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -24,12 +23,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-use crate::reply::{error, too_large, Reply};
+use egress_api::reply::{error, too_large, Reply};
 
 /// Largest request body relayed.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -115,34 +113,11 @@ pub fn load_tokens(path: impl AsRef<Path>) -> Result<Vec<String>, TokensError> {
 /// Serves the relay (plain HTTP/1.1 and HTTP/2) on `listener` until the
 /// task is dropped.
 pub async fn serve(listener: TcpListener, config: Arc<RelayConfig>) {
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "relay accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+    egress_api::serve::serve(listener, "relay", move |req| {
         let config = config.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let config = config.clone();
-                async move { Ok::<_, Infallible>(handle(req, &config).await) }
-            });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(10));
-            if let Err(e) = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(%peer, error = %e, "relay connection ended");
-            }
-        });
-    }
+        async move { handle(req, &config).await }
+    })
+    .await;
 }
 
 /// A relayed route: the worker path (without the query) and the runtime id.
@@ -171,7 +146,11 @@ async fn relay(
     config: &RelayConfig,
 ) -> (Reply, &'static str, Option<String>) {
     if !authorized(&req, &config.tokens) {
-        let mut r = error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+        let mut r = error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token",
+            None,
+        );
         r.headers_mut()
             .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return (r, "-", None);
@@ -196,27 +175,14 @@ async fn relay(
     let method = req.method().clone();
     let collected = tokio::time::timeout(
         BODY_TIMEOUT,
-        Limited::new(req.into_body(), MAX_BODY).collect(),
-    )
-    .await;
-    let body = match collected {
-        Ok(Ok(b)) => b.to_bytes(),
-        Ok(Err(e))
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return (too_large(MAX_BODY), route, id)
-        }
-        Ok(Err(e)) => {
-            let r = error(StatusCode::BAD_REQUEST, &format!("reading the body: {e}"));
-            return (r, route, id);
-        }
+        egress_api::body::bytes(req.into_body(), MAX_BODY),
+    );
+    let body = match collected.await {
+        Ok(Ok(b)) => b,
+        Ok(Err(r)) => return (r, route, id),
         Err(_) => {
-            let r = error(
-                StatusCode::REQUEST_TIMEOUT,
-                "the body did not arrive in time",
-            );
-            return (r, route, id);
+            let why = "the body did not arrive in time";
+            return (error(StatusCode::REQUEST_TIMEOUT, why, None), route, id);
         }
     };
     let reply = match forward(config, method, &path_and_query, body).await {
@@ -263,7 +229,7 @@ fn target(method: &Method, path: &str) -> Result<Target, (Box<Reply>, &'static s
         if !valid_id(id) {
             let shown: String = id.chars().take(MAX_ID + 1).collect();
             let msg = format!("runtime id {shown:?}: expected 1 to {MAX_ID} of A-Z a-z 0-9 . _ -");
-            return Err((Box::new(error(StatusCode::BAD_REQUEST, &msg)), route));
+            return Err((Box::new(error(StatusCode::BAD_REQUEST, &msg, None)), route));
         }
         return Ok(Target {
             route,
@@ -272,7 +238,7 @@ fn target(method: &Method, path: &str) -> Result<Target, (Box<Reply>, &'static s
         });
     }
     let msg = format!("no route {method} {path}");
-    Err((Box::new(error(StatusCode::NOT_FOUND, &msg)), "-"))
+    Err((Box::new(error(StatusCode::NOT_FOUND, &msg, None)), "-"))
 }
 
 /// `405` with `Allow` unless `method` is one of `methods`.
@@ -285,6 +251,7 @@ fn allowed(method: &Method, methods: &[Method]) -> Result<(), Box<Reply>> {
     let mut r = error(
         StatusCode::METHOD_NOT_ALLOWED,
         &format!("{method} is not allowed here: use {list}"),
+        None,
     );
     if let Ok(v) = HeaderValue::from_str(&list) {
         r.headers_mut().insert(header::ALLOW, v);
@@ -369,5 +336,6 @@ fn unreachable_worker(reason: &str) -> Reply {
     error(
         StatusCode::BAD_GATEWAY,
         &format!("worker unreachable: {reason}"),
+        None,
     )
 }

@@ -27,7 +27,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
-use crate::reply::{error, json_reply, too_large, Reply};
+use egress_api::reply::{error, json_reply, too_large, Reply};
 
 /// The API group of the `Machine` resource.
 pub const GROUP: &str = "kairon.zyvor.dev";
@@ -242,10 +242,14 @@ async fn handle(req: Request<Incoming>) -> Reply {
 
 async fn route(req: Request<Incoming>) -> Reply {
     if !matches!(req.uri().path(), "/validate" | "/") {
-        return error(StatusCode::NOT_FOUND, "no such route: use POST /validate");
+        return error(
+            StatusCode::NOT_FOUND,
+            "no such route: use POST /validate",
+            None,
+        );
     }
     if req.method() != Method::POST {
-        let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
+        let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "use POST", None);
         r.headers_mut()
             .insert(header::ALLOW, header::HeaderValue::from_static("POST"));
         return r;
@@ -271,11 +275,18 @@ async fn route(req: Request<Incoming>) -> Reply {
         {
             return too_large(MAX_BODY)
         }
-        Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, &format!("reading the body: {e}")),
+        Ok(Err(e)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("reading the body: {e}"),
+                None,
+            )
+        }
         Err(_) => {
             return error(
                 StatusCode::REQUEST_TIMEOUT,
                 "the body did not arrive in time",
+                None,
             )
         }
     };
@@ -286,6 +297,6 @@ async fn route(req: Request<Incoming>) -> Reply {
             tracing::info!(uid, allowed, "admission review");
             json_reply(StatusCode::OK, &v)
         }
-        Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
+        Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string(), None),
     }
 }

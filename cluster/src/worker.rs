@@ -5,10 +5,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
+use egress_api::client::{Call, Target};
 use egress_policy::machine::MachineEgress;
-use http::{header, Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
+use http::{Method, StatusCode};
 
 use crate::decide::WorkerPolicy;
 
@@ -37,12 +36,7 @@ pub struct Worker {
 }
 
 /// One exchange's answer.
-#[derive(Debug)]
-pub struct Answer {
-    pub status: StatusCode,
-    pub content_type: Option<header::HeaderValue>,
-    pub body: Bytes,
-}
+pub use egress_api::client::Answer;
 
 /// Largest reply read from the worker.
 pub const MAX_REPLY: usize = 8 << 20;
@@ -58,49 +52,21 @@ pub async fn exchange(
     body: Option<Bytes>,
     timeout: Duration,
 ) -> Result<Answer, WorkerError> {
-    let call = async {
-        let stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| WorkerError::Unreachable(format!("connect {addr}: {e}")))?;
-        let _ = stream.set_nodelay(true);
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| WorkerError::Unreachable(format!("handshake: {e}")))?;
-        let conn = tokio::spawn(conn);
-        let mut req = Request::builder()
-            .method(method)
-            .uri(path_and_query)
-            .header(header::HOST, addr.to_string());
-        if let Some(t) = token {
-            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
-        }
-        if body.is_some() {
-            req = req.header(header::CONTENT_TYPE, "application/json");
-        }
-        let req = req
-            .body(Full::new(body.unwrap_or_default()))
-            .map_err(|e| WorkerError::Unreachable(format!("building the request: {e}")))?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| WorkerError::Unreachable(format!("exchange: {e}")))?;
-        let status = resp.status();
-        let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-        let body = http_body_util::Limited::new(resp.into_body(), MAX_REPLY)
-            .collect()
-            .await
-            .map_err(|e| WorkerError::Unreachable(format!("reading the reply: {e}")))?
-            .to_bytes();
-        conn.abort();
-        Ok(Answer {
-            status,
-            content_type,
-            body,
-        })
+    let authority = addr.to_string();
+    let to = Target {
+        authority: &authority,
+        token,
+        timeout,
+        max_reply: MAX_REPLY,
     };
-    tokio::time::timeout(timeout, call)
+    let call = Call {
+        method,
+        path: path_and_query,
+        body: body.map(|b| ("application/json", b)),
+    };
+    egress_api::client::exchange(to, call)
         .await
-        .map_err(|_| WorkerError::Unreachable(format!("no answer within {timeout:?}")))?
+        .map_err(|e| WorkerError::Unreachable(e.to_string()))
 }
 
 impl Worker {

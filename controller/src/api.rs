@@ -8,12 +8,11 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
+use egress_api::body::MAX_BODY;
+pub(crate) use egress_api::reply::{json_reply, Reply};
 use egress_policy::{select, Policy};
-use http::{header, HeaderMap, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http::{header, HeaderMap, Method, Request, StatusCode};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -27,12 +26,8 @@ use crate::ops::{self, create_payload};
 use crate::store::{self, NewOperation, NewSandbox, Placement, SandboxRow};
 use crate::{e2b, ids};
 
+mod list;
 mod shadow;
-
-/// Largest request body accepted.
-const MAX_BODY: usize = 1 << 20;
-
-pub(crate) type Reply = Response<Full<Bytes>>;
 
 /// What the API serves from.
 pub struct Api {
@@ -51,27 +46,14 @@ pub async fn serve(listener: TcpListener, api: Arc<Api>) {
     .await;
 }
 
-/// Accepts connections on `listener` forever, answering each request with `handle`.
+/// Accepts connections on `listener` forever, answering each request with
+/// `handle` (the contract crate's accept loop).
 async fn accept<F, Fut>(listener: TcpListener, handle: F)
 where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Reply> + Send + 'static,
 {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let handle = handle.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let reply = handle(req);
-                async move { Ok::<_, std::convert::Infallible>(reply.await) }
-            });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+    egress_api::serve::serve(listener, "controller", handle).await;
 }
 
 /// A request's route name (a bounded metric label) and path segments.
@@ -79,6 +61,11 @@ fn route_of(method: &Method, segments: &[&str]) -> &'static str {
     match (method.as_str(), segments) {
         ("POST", ["v1", "sandboxes"]) => "create",
         ("POST", ["sandboxes"]) => "e2b_create",
+        ("GET", ["v1", "sandboxes"]) => "list_sandboxes",
+        ("GET", ["v1", "workers"]) => "workers",
+        ("GET", ["v1", "operations"]) => "operations",
+        ("POST", ["v1", "sandboxes", _, "explain"]) => "explain",
+        ("GET", ["console", ..]) => "console",
         ("GET", ["v1", "sandboxes", _]) => "get_sandbox",
         ("DELETE", ["v1", "sandboxes", _]) => "destroy",
         ("PUT", ["v1", "sandboxes", _, "network"]) => "network",
@@ -113,6 +100,8 @@ impl Api {
         let reply = match route {
             "healthz" => json_reply(StatusCode::OK, &json!({"ok": true})),
             "metrics" => text(self.metrics.encode()),
+            // Static assets only: every datum the console shows is an API call.
+            "console" => crate::console::asset(&segments),
             _ => match self.caller(req.headers()) {
                 Some(caller) => self.authorized(req, &segments, route, caller).await,
                 None => error(StatusCode::UNAUTHORIZED, "missing or unknown bearer token"),
@@ -167,6 +156,10 @@ impl Api {
                 self.lifecycle(&caller, &id, &action).await
             }
             "operation" => self.operation(&caller, &id).await,
+            "list_sandboxes" => self.list_sandboxes(&caller, req.uri().query()).await,
+            "operations" => self.list_operations(&caller, req.uri().query()).await,
+            "explain" => self.explain(&caller, &id, body(req).await).await,
+            "workers" if caller.admin => self.list_workers().await,
             "shadow_put" => self.put_shadow(&caller, &id, body(req).await).await,
             "shadow_delete" => self.delete_shadow(&caller, &id).await,
             "shadow_report" => self.shadow_report(&caller, &id).await,
@@ -180,6 +173,7 @@ impl Api {
             "template_shadow_report" if caller.admin => self.template_shadow_report(&id).await,
             "template"
             | "worker"
+            | "workers"
             | "template_shadow_put"
             | "template_shadow_delete"
             | "template_shadow_report" => {
@@ -191,15 +185,10 @@ impl Api {
     }
 }
 
-/// The request body as JSON, within [`MAX_BODY`].
+/// The request body as JSON, within [`MAX_BODY`] (`413` beyond).
 pub(crate) async fn body(req: Request<Incoming>) -> Result<Value, Reply> {
-    let bytes = Limited::new(req.into_body(), MAX_BODY)
-        .collect()
-        .await
-        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))?
-        .to_bytes();
-    serde_json::from_slice(&bytes)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))
+    let text = egress_api::body::text(req.into_body(), MAX_BODY).await?;
+    serde_json::from_str(&text).map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))
 }
 
 /// Parses `v` as `T`; the error names the field.
@@ -218,31 +207,13 @@ fn policy_field(v: &Value, field: &str) -> Result<Policy, Reply> {
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("{field}: {e}")))
 }
 
-pub(crate) fn json_reply(status: StatusCode, v: &Value) -> Reply {
-    let mut body = serde_json::to_vec(v).unwrap_or_default();
-    body.push(b'\n');
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    r
-}
-
+/// `{"error": message}` (the contract crate's error, no field named).
 pub(crate) fn error(status: StatusCode, message: &str) -> Reply {
-    json_reply(status, &json!({ "error": message }))
+    egress_api::reply::error(status, message, None)
 }
 
 fn text(body: String) -> Reply {
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static(
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
-    );
-    r
+    egress_api::reply::openmetrics(body)
 }
 
 pub(crate) fn db(e: sqlx::Error) -> Reply {

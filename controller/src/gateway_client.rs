@@ -4,9 +4,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
+use egress_api::client::{Call, Target};
+use http::{Method, StatusCode};
 use serde_json::Value;
 
 /// Longest a gateway may take to answer one request.
@@ -28,9 +27,7 @@ pub async fn call(
         content_type: "application/json",
         body,
     };
-    tokio::time::timeout(TIMEOUT, exchange(admin_url, token, req))
-        .await
-        .map_err(|_| format!("{admin_url}: no answer within {TIMEOUT:?}"))?
+    exchange(admin_url, token, req, TIMEOUT).await
 }
 
 /// A full resync as NDJSON (one sandbox document per line), streamed by the
@@ -48,10 +45,11 @@ pub async fn resync(
         content_type: "application/x-ndjson",
         body: ndjson,
     };
-    tokio::time::timeout(wait, exchange(admin_url, token, req))
-        .await
-        .map_err(|_| format!("{admin_url}: no answer to the resync within {wait:?}"))?
+    exchange(admin_url, token, req, wait).await
 }
+
+/// The longest answer read from a gateway (a full list of its sandboxes).
+const MAX_REPLY: usize = 256 << 20;
 
 struct Outgoing<'a> {
     method: Method,
@@ -60,52 +58,40 @@ struct Outgoing<'a> {
     body: String,
 }
 
+/// One exchange through the contract crate's client; the JSON answer
+/// (text that is not JSON as a string, nothing as `Null`).
 async fn exchange(
     admin_url: &str,
     token: &str,
     out: Outgoing<'_>,
+    timeout: Duration,
 ) -> Result<(StatusCode, Value), String> {
     let uri: http::Uri = admin_url
         .parse()
         .map_err(|e| format!("admin_url {admin_url:?}: {e}"))?;
     let authority = uri
         .authority()
-        .ok_or_else(|| format!("admin_url {admin_url:?}: no host"))?
-        .clone();
-    let tcp = tokio::net::TcpStream::connect(authority.as_str())
+        .ok_or_else(|| format!("admin_url {admin_url:?}: no host"))?;
+    let to = Target {
+        authority: authority.as_str(),
+        token: Some(token),
+        timeout,
+        max_reply: MAX_REPLY,
+    };
+    let call = Call {
+        method: out.method,
+        path: out.path,
+        body: Some((out.content_type, Bytes::from(out.body))),
+    };
+    let answer = egress_api::client::exchange(to, call)
         .await
         .map_err(|e| format!("{admin_url}: {e}"))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .map_err(|e| format!("{admin_url}: {e}"))?;
-    tokio::spawn(conn);
-    let mut req = Request::builder()
-        .method(out.method)
-        .uri(out.path)
-        .header(http::header::HOST, authority.as_str())
-        .header(http::header::CONTENT_TYPE, out.content_type);
-    if !token.is_empty() {
-        req = req.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
-    }
-    let req = req
-        .body(Full::new(Bytes::from(out.body)))
-        .map_err(|e| e.to_string())?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("{admin_url}: {e}"))?;
-    let status = resp.status();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("{admin_url}: {e}"))?
-        .to_bytes();
+    let bytes = answer.body;
     let json = if bytes.is_empty() {
         Value::Null
     } else {
         serde_json::from_slice(&bytes)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
     };
-    Ok((status, json))
+    Ok((answer.status, json))
 }

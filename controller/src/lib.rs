@@ -9,6 +9,7 @@
 //! - [`compose`]: a sandbox's effective policy and where each rule came from;
 //!   the rules themselves live in `egress-policy`.
 //! - [`shadow_report`]: a template rollout's shadow reports merged.
+//! - [`console`]: the operator console's static assets (docs/console.md).
 //! - [`store`]: the schema (versioned migrations) and every statement.
 
 pub mod api;
@@ -16,6 +17,7 @@ pub mod approvals;
 mod approve;
 pub mod compose;
 pub mod config;
+pub mod console;
 pub mod dispatcher;
 pub mod e2b;
 pub mod gateway_client;

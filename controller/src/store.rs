@@ -11,6 +11,7 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
 pub mod alloc;
+pub mod list;
 pub mod shadow;
 
 /// The schema, embedded at build time from `controller/migrations/`.
@@ -78,6 +79,7 @@ impl SandboxRow {
     pub fn document(&self) -> Value {
         json!({
             "id": self.id,
+            "tenant": self.tenant,
             "template": self.template,
             "egress_profiles": self.egress_profiles,
             "policy": self.policy,

@@ -18,30 +18,29 @@
 //! With `admin.token_file` set, every route but `/healthz` and `/readyz` needs
 //! `Authorization: Bearer <token>`. Bodies are capped at 1 MiB (`413`).
 
-use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use egress_api::body::{Line, Lines};
+use egress_api::explain::{Explain, Question};
+pub(crate) use egress_api::gateway::{PutSandbox, Resync};
+use egress_api::reply::{openmetrics, text};
 use egress_policy::SandboxId;
-use egress_policy::{Hostname, Policy};
-use http::{header, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http::{header, Method, Request, StatusCode};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 use crate::commit::{Change, Committer, NotApplied};
 use crate::control_http::{body_text, error, json_reply, Reply, MAX_BODY};
-use crate::credentials::{self, Credential};
+use crate::credentials::{self};
 use crate::decide::{decide, explained, explained_request, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
 use crate::registry::Extras;
 use crate::state::Dataplane;
-use crate::upstream_proxy::ProxyChoice;
 
 mod shadow;
 
@@ -93,75 +92,11 @@ fn epoch() -> String {
 
 /// Serves the admin API on `listener` until the task is dropped.
 pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
-    loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // EMFILE and friends: back off briefly rather than spin.
-                tracing::warn!(error = %e, "admin accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+    egress_api::serve::serve(listener, "admin", move |req| {
         let ctl = ctl.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let ctl = ctl.clone();
-                async move { Ok::<_, std::convert::Infallible>(route(req, &ctl).await) }
-            });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
-}
-
-/// `PUT /v1/sandboxes/{id}`'s body.
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct PutSandbox {
-    pub(crate) addresses: Vec<IpAddr>,
-    pub(crate) policy: Policy,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) credentials: Vec<Credential>,
-    /// `"direct"` or a proxy of this gateway's `[upstream_proxy.proxies]`;
-    /// absent: the worker's default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) upstream_proxy: Option<ProxyChoice>,
-}
-
-/// `PUT /v1/sandboxes`'s JSON body.
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Resync {
-    pub(crate) sandboxes: Vec<SandboxDoc>,
-}
-
-/// `POST /v1/explain`'s body.
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Explain {
-    pub(crate) sandbox: String,
-    pub(crate) dst: SocketAddr,
-    #[serde(default)]
-    pub(crate) tls: bool,
-    /// The ClientHello carries `encrypted_client_hello` (`sni` is then its outer name).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub(crate) ech: bool,
-    #[serde(default)]
-    pub(crate) sni: Option<String>,
-    #[serde(default)]
-    pub(crate) host: Option<String>,
-    /// The protocol of a stream that is neither TLS nor HTTP (no `tls`, no
-    /// `host`), as the peek names it: `ssh`. Absent: unreadable.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) stream: Option<egress_policy::StreamProtocol>,
-    /// A request on the flow, judged by the per-request rules: its method…
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) method: Option<String>,
-    /// …and its target (`/path?query`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) path: Option<String>,
+        async move { route(req, &ctl).await }
+    })
+    .await;
 }
 
 /// `GET /readyz`: `200 ready epoch=… generation=…` once the pushed state is
@@ -173,7 +108,7 @@ fn readyz(ctl: &Control) -> Reply {
             ctl.epoch,
             ctl.generation()
         );
-        text_owned(StatusCode::OK, state)
+        text(StatusCode::OK, state)
     } else {
         text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
     }
@@ -287,14 +222,7 @@ fn authorize(req: &Request<Incoming>, ctl: &Control) -> Option<Reply> {
 }
 
 fn metrics(ctl: &Control) -> Reply {
-    let mut r = Response::new(Full::new(Bytes::from(ctl.dp.metrics.encode())));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static(
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
-    );
-    r
+    openmetrics(ctl.dp.metrics.encode())
 }
 
 fn list(ctl: &Control) -> Reply {
@@ -318,11 +246,7 @@ fn get(ctl: &Control, id: &str) -> Reply {
 
 /// Reads and parses a capped JSON body; errors name the field.
 async fn body<T: for<'de> Deserialize<'de>>(req: Request<Incoming>) -> Result<T, Reply> {
-    let text = body_text(req).await?;
-    egress_policy::from_json(&text).map_err(|e| {
-        let field = (!e.path.is_empty()).then_some(e.path.trim_start_matches('.'));
-        error(StatusCode::BAD_REQUEST, &e.message, field)
-    })
+    egress_api::body::json(&body_text(req).await?)
 }
 
 fn valid_id(id: &str) -> Result<(), String> {
@@ -393,7 +317,7 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
     let n = docs.len();
     let prepared = docs
         .into_iter()
-        .map(|d| d.prepare(&ctl.dp.registry))
+        .map(|d| persist::prepare(d, &ctl.dp.registry))
         .collect();
     match ctl.committer.submit(Change::Replace(prepared)).await {
         Ok(()) => {
@@ -463,31 +387,9 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
         );
     };
     // Read as the dataplane reads it: a name the peek refuses is refused here.
-    let sni = match e.sni.as_deref().map(crate::authority::server_name) {
-        None => None,
-        Some(Ok(sni)) => sni,
-        Some(Err(err)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid sni: {err} (the gateway resets such a ClientHello: malformed_client_hello)"),
-                Some("sni"),
-            )
-        }
-    };
-    let host = match e.host.as_deref().map(Hostname::parse) {
-        None => None,
-        Some(Ok(h)) => Some(h),
-        Some(Err(err)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid host: {err}"),
-                Some("host"),
-            )
-        }
-    };
-    let request = match explained_request_of(&e) {
-        Ok(r) => r,
-        Err((why, field)) => return error(StatusCode::BAD_REQUEST, &why, Some(field)),
+    let Question { sni, host, request } = match e.question() {
+        Ok(q) => q,
+        Err(u) => return error(StatusCode::BAD_REQUEST, &u.message, Some(u.field)),
     };
     let claims =
         Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref()).with_stream(e.stream);
@@ -500,7 +402,7 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
     );
     let names = decided.lookup.names();
     let mut v = explained(&decided.verdict, &sandbox.policy, &names);
-    if let Some((method, path)) = request {
+    if let Some((method, path)) = &request {
         if !decided.verdict.is_deny() {
             // On a terminated flow the request's name is its Host, which must be the SNI.
             let name = host.as_ref().or(sni.as_ref());
@@ -508,20 +410,6 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
         }
     }
     json_reply(StatusCode::OK, &v)
-}
-
-/// The request an explain question asks about: `method` and `path`
-/// together, or neither; else why not and the field to blame.
-fn explained_request_of(e: &Explain) -> Result<Option<(&str, &str)>, (String, &'static str)> {
-    match (e.method.as_deref(), e.path.as_deref()) {
-        (None, None) => Ok(None),
-        (Some(m), Some(p)) if http::Method::from_bytes(m.as_bytes()).is_ok() => Ok(Some((m, p))),
-        (Some(m), Some(_)) => Err((format!("invalid method {m:?}"), "method")),
-        (Some(_), None) | (None, Some(_)) => Err((
-            "a request needs both method and path".into(),
-            if e.method.is_some() { "path" } else { "method" },
-        )),
-    }
 }
 
 fn attribution(ctl: &Control, id: &str) -> Reply {
@@ -571,12 +459,6 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn text_owned(status: StatusCode, body: String) -> Reply {
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    *r.status_mut() = status;
-    r
-}
-
 /// Sandboxes a resync may carry at most.
 const MAX_RESYNC: usize = 1_000_000;
 
@@ -593,75 +475,37 @@ fn is_ndjson<B>(req: &Request<B>) -> bool {
 /// Reads an NDJSON resync body line by line; errors name the line.
 async fn stream_docs(req: Request<Incoming>) -> Result<Vec<SandboxDoc>, Reply> {
     let mut body = req.into_body();
-    let mut pending: Vec<u8> = Vec::new();
+    let mut lines = Lines::new(MAX_BODY);
     let mut docs = Vec::new();
-    let mut line_no = 0usize;
-    loop {
-        let frame = match body.frame().await {
-            None => break,
-            Some(Ok(f)) => f,
-            Some(Err(e)) => {
-                return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    &format!("reading the body: {e}"),
-                    None,
-                ))
-            }
-        };
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            let why = format!("reading the body: {e}");
+            error(StatusCode::BAD_REQUEST, &why, None)
+        })?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        pending.extend_from_slice(&data);
-        while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = pending.drain(..=nl).collect();
-            line_no += 1;
-            ndjson_line(&line[..line.len() - 1], line_no, &mut docs).map_err(|r| *r)?;
-        }
-        if pending.len() > MAX_BODY {
-            return Err(error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &format!("line {} is longer than {MAX_BODY} bytes", line_no + 1),
-                None,
-            ));
+        for line in lines.feed(&data)? {
+            ndjson_line(line, &mut docs).map_err(|r| *r)?;
         }
     }
-    if !pending.is_empty() {
-        ndjson_line(&pending, line_no + 1, &mut docs).map_err(|r| *r)?;
+    if let Some(line) = lines.finish()? {
+        ndjson_line(line, &mut docs).map_err(|r| *r)?;
     }
     Ok(docs)
 }
 
-fn ndjson_line(line: &[u8], line_no: usize, docs: &mut Vec<SandboxDoc>) -> Result<(), Box<Reply>> {
-    let bad =
-        |status, message: String, field: Option<&str>| Box::new(error(status, &message, field));
-    let text = std::str::from_utf8(line).map_err(|_| {
-        bad(
-            StatusCode::BAD_REQUEST,
-            format!("line {line_no} is not UTF-8"),
-            None,
-        )
-    })?;
-    if text.trim().is_empty() {
-        return Ok(());
-    }
+/// One line of an NDJSON resync: a sandbox document.
+fn ndjson_line((line_no, text): Line, docs: &mut Vec<SandboxDoc>) -> Result<(), Box<Reply>> {
     if docs.len() >= MAX_RESYNC {
         let why = format!("more than {MAX_RESYNC} sandboxes");
-        return Err(bad(StatusCode::PAYLOAD_TOO_LARGE, why, None));
+        return Err(Box::new(error(StatusCode::PAYLOAD_TOO_LARGE, &why, None)));
     }
-    let doc: SandboxDoc = egress_policy::from_json(text).map_err(|e| {
+    let doc: SandboxDoc = egress_policy::from_json(&text).map_err(|e| {
         let why = format!("line {line_no}: {}", e.message);
-        bad(
-            StatusCode::BAD_REQUEST,
-            why,
-            Some(e.path.trim_start_matches('.')),
-        )
+        let field = e.path.trim_start_matches('.');
+        Box::new(error(StatusCode::BAD_REQUEST, &why, Some(field)))
     })?;
     docs.push(doc);
     Ok(())
-}
-
-fn text(status: StatusCode, body: &'static str) -> Reply {
-    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
-    *r.status_mut() = status;
-    r
 }

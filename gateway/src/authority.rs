@@ -106,19 +106,8 @@ pub fn judge<'a>(
     }
 }
 
-/// Reads a server name the way the peek does (RFC 6066 `host_name`): a
-/// hostname (`Some`), or an IP literal (`None`, no name); anything else is
-/// an error — the gateway resets a ClientHello that carries it.
-pub fn server_name(s: &str) -> Result<Option<Hostname>, egress_policy::NameError> {
-    // Only digits, hex letters, dots and colons can spell an address.
-    let could_be_ip = s
-        .bytes()
-        .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
-    if could_be_ip && s.parse::<IpAddr>().is_ok() {
-        return Ok(None);
-    }
-    Hostname::parse(s).map(Some)
-}
+/// Reads a server name the way the peek does (see [`egress_policy::server_name`]).
+pub use egress_policy::server_name;
 
 /// Judges the authority of a request target as written on the request line
 /// (`/path`, `*`, `http://host/path`, or `host:port`).

@@ -90,6 +90,7 @@ impl Fault {
     pub(crate) const NON_HTTP: Self = Self::client("non_http");
     pub(crate) const UPSTREAM_HTTP: Self = Self::upstream("http");
     pub(crate) const CLIENT_HTTP: Self = Self::client("http");
+    pub(crate) const CLIENT_RESET: Self = Self::client("reset");
 
     /// A failed TCP connect to the origin.
     pub(crate) fn connect(e: &io::Error) -> Self {

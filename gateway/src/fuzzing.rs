@@ -16,12 +16,14 @@ use std::net::IpAddr;
 use std::sync::{Arc, OnceLock};
 
 use dns_attrib::{AttributionCache, CacheConfig, ManualClock};
+use egress_api::body::Lines;
+use egress_api::explain::Explain;
 use egress_policy::machine::MachineEgress;
-use egress_policy::{CompiledPolicy, Hostname, PlatformDenies, Policy, SandboxId};
+use egress_policy::{CompiledPolicy, PlatformDenies, Policy, SandboxId};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::admin::{Explain, PutSandbox, Resync};
+use crate::admin::{PutSandbox, Resync};
 use crate::decide::{decide, explained, Claims};
 use crate::doh::DohNames;
 use crate::persist::SandboxDoc;
@@ -141,7 +143,10 @@ fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
     for d in &docs {
         crate::credentials::validate(&d.credentials)?;
     }
-    let prepared: Vec<_> = docs.into_iter().map(|d| d.prepare(&registry)).collect();
+    let prepared: Vec<_> = docs
+        .into_iter()
+        .map(|d| crate::persist::prepare(d, &registry))
+        .collect();
     let stored: Vec<SandboxDoc> = prepared.iter().map(|s| SandboxDoc::from(&**s)).collect();
     registry
         .replace_prepared(prepared)
@@ -149,20 +154,20 @@ fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
     Ok(stored)
 }
 
-/// admin's `stream_docs` + `ndjson_line`: split at `\n` (wherever the body's
-/// frames were cut), blank lines skipped, a last line without `\n` read too.
+/// admin's `stream_docs` + `ndjson_line`: the same line reader (split at
+/// `\n` wherever the body's frames were cut, blank lines skipped, a last
+/// line without `\n` read too), the bytes fed in two frames.
 fn resync_ndjson(bytes: &[u8]) -> Result<String, String> {
+    let mut lines = Lines::new(MAX_BODY);
+    let refused = |r: egress_api::Reply| format!("{}", r.status());
+    let cut = bytes.len() / 2;
+    let mut read = lines.feed(&bytes[..cut]).map_err(refused)?;
+    read.extend(lines.feed(&bytes[cut..]).map_err(refused)?);
+    read.extend(lines.finish().map_err(refused)?);
     let mut docs: Vec<SandboxDoc> = Vec::new();
-    for (i, line) in bytes.split(|b| *b == b'\n').enumerate() {
-        if line.len() > MAX_BODY {
-            return Err(format!("line {} is longer than {MAX_BODY} bytes", i + 1));
-        }
-        let text = std::str::from_utf8(line).map_err(|_| format!("line {} is not UTF-8", i + 1))?;
-        if text.trim().is_empty() {
-            continue;
-        }
+    for (no, text) in read {
         let doc: SandboxDoc =
-            egress_policy::from_json(text).map_err(|e| format!("line {}: {e}", i + 1))?;
+            egress_policy::from_json(&text).map_err(|e| format!("line {no}: {e}"))?;
         docs.push(doc);
     }
     let mut out = String::new();
@@ -176,16 +181,10 @@ fn resync_ndjson(bytes: &[u8]) -> Result<String, String> {
 /// admin's `explain`, judged against a fixed policy with no attribution.
 fn explain(text: &str) -> Result<String, String> {
     let e: Explain = egress_policy::from_json(text).map_err(|e| e.to_string())?;
-    let sni = match e.sni.as_deref().map(crate::authority::server_name) {
-        None => None,
-        Some(Ok(sni)) => sni,
-        Some(Err(err)) => return Err(format!("invalid sni: {err}")),
-    };
-    let host = match e.host.as_deref().map(Hostname::parse) {
-        None => None,
-        Some(Ok(h)) => Some(h),
-        Some(Err(err)) => return Err(format!("invalid host: {err}")),
-    };
+    let q = e
+        .question()
+        .map_err(|u| format!("{}: {}", u.field, u.message))?;
+    let (sni, host) = (&q.sni, &q.host);
     let policy = explain_policy();
     let cache = AttributionCache::new(CacheConfig::default(), ManualClock::new());
     let id = SandboxId::new(&e.sandbox);
@@ -205,19 +204,7 @@ fn explain(text: &str) -> Result<String, String> {
         }
     }
     // The normal form: what explain judged, each claim as the dataplane reads it.
-    let normal = Explain {
-        sandbox: e.sandbox,
-        dst: e.dst,
-        tls: e.tls,
-        // Only a ClientHello carries the extension.
-        ech: e.tls && e.ech,
-        sni: sni.map(|s| s.to_string()),
-        // Only a stream that is neither TLS nor HTTP is named.
-        stream: e.stream.filter(|_| !e.tls && host.is_none()),
-        host: host.map(|h| h.to_string()),
-        method: e.method,
-        path: e.path,
-    };
+    let normal = e.normal(&q);
     to_json(&normal)
 }
 

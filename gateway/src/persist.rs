@@ -4,17 +4,15 @@
 //! enforces the last pushed policies with no window of open or closed traffic.
 
 use std::io::Write;
-use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use egress_policy::Policy;
 use egress_policy::SandboxId;
 use serde::{Deserialize, Serialize};
 
-use crate::credentials::Credential;
 use crate::registry::{Extras, Registry, Sandbox};
-use crate::upstream_proxy::ProxyChoice;
+
+pub use egress_api::gateway::SandboxDoc;
 
 /// The file name under `state_dir`.
 pub const SNAPSHOT_FILE: &str = "snapshot.json";
@@ -30,27 +28,6 @@ pub struct SnapshotDoc {
     pub sandboxes: Vec<SandboxDoc>,
 }
 
-/// One sandbox as pushed and persisted.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SandboxDoc {
-    pub id: String,
-    pub addresses: Vec<IpAddr>,
-    pub policy: Policy,
-    /// Host-bound credentials: references to where the gateway reads each
-    /// value, never a value.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub credentials: Vec<Credential>,
-    /// Its own way out: `"direct"` or a configured proxy's name; absent:
-    /// the worker's default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub upstream_proxy: Option<ProxyChoice>,
-    /// A candidate policy judged beside `policy` (`PUT …/shadow`); kept by
-    /// a push that does not name one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shadow: Option<Box<crate::shadow::ShadowDoc>>,
-}
-
 impl From<&Sandbox> for SandboxDoc {
     fn from(s: &Sandbox) -> Self {
         Self {
@@ -64,21 +41,19 @@ impl From<&Sandbox> for SandboxDoc {
     }
 }
 
-impl SandboxDoc {
-    /// Compiles the document for the registry (the id is taken as it is:
-    /// callers check it where it comes from outside).
-    pub fn prepare(self, registry: &Registry) -> Arc<Sandbox> {
-        registry.prepare_with(
-            SandboxId::new(&self.id),
-            self.addresses,
-            self.policy,
-            Extras {
-                credentials: self.credentials,
-                upstream_proxy: self.upstream_proxy,
-                shadow: self.shadow.map(|b| *b),
-            },
-        )
-    }
+/// Compiles a pushed or persisted document for the registry (the id is
+/// taken as it is: callers check it where it comes from outside).
+pub fn prepare(doc: SandboxDoc, registry: &Registry) -> Arc<Sandbox> {
+    registry.prepare_with(
+        SandboxId::new(&doc.id),
+        doc.addresses,
+        doc.policy,
+        Extras {
+            credentials: doc.credentials,
+            upstream_proxy: doc.upstream_proxy,
+            shadow: doc.shadow.map(|b| *b),
+        },
+    )
 }
 
 /// Why the snapshot could not be read or written.
@@ -169,7 +144,7 @@ pub fn apply(
     let prepared = doc
         .sandboxes
         .into_iter()
-        .map(|d| d.prepare(registry))
+        .map(|d| prepare(d, registry))
         .collect();
     registry
         .replace_prepared(prepared)

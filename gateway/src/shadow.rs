@@ -21,8 +21,8 @@ mod report;
 
 use std::sync::Arc;
 
-use egress_policy::{CompiledPolicy, Hostname, Policy, Protocol, Verdict};
-use serde::{Deserialize, Serialize, Serializer};
+use egress_policy::{CompiledPolicy, Hostname, Protocol, Verdict};
+use serde::{Serialize, Serializer};
 use serde_json::{json, Value};
 
 use prometheus_client::metrics::counter::Counter;
@@ -43,13 +43,7 @@ pub struct Shadow {
     pub(crate) report: Report,
 }
 
-/// A shadow as pushed and persisted: the candidate and since when.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ShadowDoc {
-    pub policy: Policy,
-    pub since: String,
-}
+pub use egress_api::gateway::ShadowDoc;
 
 /// What judging under a shadow reads besides the policy (the dataplane's,
 /// passed apart so this module needs no more of it).

@@ -34,14 +34,12 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// The registration value that bypasses every proxy, the worker-wide one included.
-pub const DIRECT: &str = "direct";
+pub use egress_api::gateway::proxy::{ProxyChoice, ProxyName, DIRECT};
+
 /// Largest response head read from a proxy (a `200` is a few dozen bytes).
 const MAX_HEAD: usize = 8 * 1024;
 /// Largest password file read.
 const MAX_PASSWORD: u64 = 4 * 1024;
-/// Longest proxy name.
-const MAX_NAME: usize = 64;
 
 // === configuration ===
 
@@ -100,65 +98,6 @@ impl UpstreamProxyConfig {
                 format!("{d:?} names no proxy in [upstream_proxy.proxies]"),
             )),
             _ => None,
-        }
-    }
-}
-
-/// A proxy's name: 1–64 letters, digits, `-`, `_`, `.`; never `direct`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ProxyName(Arc<str>);
-
-impl ProxyName {
-    pub fn parse(s: &str) -> Result<Self, String> {
-        let ok = (1..=MAX_NAME).contains(&s.len())
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        if !ok {
-            return Err(format!(
-                "invalid proxy name {s:?}: 1 to {MAX_NAME} letters, digits, '-', '_', '.'"
-            ));
-        }
-        if s == DIRECT {
-            return Err(format!("{DIRECT:?} is reserved: it means no proxy"));
-        }
-        Ok(Self(s.into()))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for ProxyName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-/// A sandbox's own way out (its registration's `upstream_proxy`): `"direct"`
-/// or a configured proxy's name. Absent: the worker's default.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub enum ProxyChoice {
-    Direct,
-    Via(ProxyName),
-}
-
-impl TryFrom<String> for ProxyChoice {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
-        if s == DIRECT {
-            return Ok(Self::Direct);
-        }
-        ProxyName::parse(&s).map(Self::Via)
-    }
-}
-
-impl From<ProxyChoice> for String {
-    fn from(c: ProxyChoice) -> Self {
-        match c {
-            ProxyChoice::Direct => DIRECT.to_owned(),
-            ProxyChoice::Via(name) => name.0.to_string(),
         }
     }
 }

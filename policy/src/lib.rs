@@ -41,7 +41,7 @@ pub use matcher::{
     PlatformDenies, Protocol, RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced,
     Verdict,
 };
-pub use name::{Hostname, NameError, WildcardDomain};
+pub use name::{server_name, Hostname, NameError, WildcardDomain};
 pub use platform::{default_denies, DEFAULT_PLATFORM_DENY_CIDRS};
 pub use policy::{DefaultAction, Policy, TlsInterception};
 pub use profiles::{Profile, ProfileName, Profiles, ProfilesError, PROFILES_ENV};

@@ -55,6 +55,21 @@ pub struct WildcardDomain {
 
 // === impl Hostname ===
 
+/// Reads a TLS server name the way the gateway's peek does (RFC 6066
+/// `host_name`): a hostname (`Some`), or an IP literal (`None`, no name);
+/// anything else is an error — the gateway resets a ClientHello that
+/// carries it.
+pub fn server_name(s: &str) -> Result<Option<Hostname>, NameError> {
+    // Only digits, hex letters, dots and colons can spell an address.
+    let could_be_ip = s
+        .bytes()
+        .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
+    if could_be_ip && s.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(None);
+    }
+    Hostname::parse(s).map(Some)
+}
+
 impl Hostname {
     /// Parses and normalises `s`.
     pub fn parse(s: &str) -> Result<Self, NameError> {

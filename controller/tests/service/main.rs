@@ -6,9 +6,12 @@
 mod support;
 
 mod approvals;
+mod browser;
+mod console;
 mod creates;
 mod fake_gateway;
 mod gateways;
+mod listing;
 mod network;
 mod shadow;
 mod shards;

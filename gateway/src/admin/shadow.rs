@@ -3,9 +3,8 @@
 //! changed, and promote it. Changes go through the committer like pushes,
 //! so they are journalled, ordered with the pushes, and survive a restart.
 
-use egress_policy::{Policy, SandboxId};
+use egress_policy::SandboxId;
 use http::StatusCode;
-use serde::Deserialize;
 use serde_json::json;
 
 use super::{applied, refused, rejected, sandbox_json, Control};
@@ -14,12 +13,7 @@ use crate::control_http::{error, json_reply, Reply};
 use crate::persist::SandboxDoc;
 use crate::shadow::ShadowDoc;
 
-/// `PUT /v1/sandboxes/{id}/shadow`'s body.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct PutShadow {
-    pub(crate) policy: Policy,
-}
+pub(crate) use egress_api::gateway::PutShadow;
 
 fn no_sandbox(id: &str) -> Reply {
     error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None)

@@ -15,6 +15,7 @@ use serde_json::json;
 use super::output::{CliError, Output};
 use crate::decide::{explained, explained_request, judge, Claims};
 use crate::doh::DohNames;
+use egress_api::explain::{Explain, Question};
 
 #[derive(Debug, Subcommand)]
 pub(super) enum PolicyCommand {
@@ -236,28 +237,37 @@ fn hostname(flag: &'static str, name: &str) -> Result<Hostname, CliError> {
     })
 }
 
+/// The explain question the flags ask, read as the admin's `POST
+/// /v1/explain` reads its body (the contract crate's reader): the same
+/// refusals, named by flag.
+fn question(args: &ExplainArgs) -> Result<Question, CliError> {
+    let asked = Explain {
+        sandbox: String::new(),
+        dst: args.dst,
+        tls: args.tls,
+        ech: args.ech,
+        sni: args.sni.clone(),
+        host: args.host.clone(),
+        stream: args.stream,
+        method: args.method.clone(),
+        path: args.path.clone(),
+    };
+    asked.question().map_err(|u| CliError::Arg {
+        flag: match u.field {
+            "sni" => "--sni",
+            "host" => "--host",
+            "path" => "--path",
+            _ => "--method",
+        },
+        message: u.message,
+    })
+}
+
 fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     let policy = read_policy(&args.policy)?;
     // Read as the dataplane reads it: an IP literal is no SNI; a name the
     // peek refuses is refused here.
-    let sni = args
-        .sni
-        .as_deref()
-        .map(|s| {
-            crate::authority::server_name(s).map_err(|e| CliError::Arg {
-                flag: "--sni",
-                message: format!(
-                    "{s:?}: {e} (the gateway resets such a ClientHello: malformed_client_hello)"
-                ),
-            })
-        })
-        .transpose()?
-        .flatten();
-    let host = args
-        .host
-        .as_deref()
-        .map(|h| hostname("--host", h))
-        .transpose()?;
+    let Question { sni, host, request } = question(args)?;
     let attributed = args
         .attributed
         .iter()
@@ -278,13 +288,7 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     );
     let mut json = explained(&verdict, &compiled, &attributed);
     json["sni"] = json!(sni);
-    if let (Some(method), Some(path)) = (&args.method, &args.path) {
-        if http::Method::from_bytes(method.as_bytes()).is_err() {
-            return Err(CliError::Arg {
-                flag: "--method",
-                message: format!("{method:?} is not an HTTP method"),
-            });
-        }
+    if let Some((method, path)) = &request {
         if !verdict.is_deny() {
             let name = host.as_ref().or(sni.as_ref());
             json["request"] =

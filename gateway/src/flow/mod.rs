@@ -24,6 +24,7 @@ pub(crate) use record::Record;
 pub(crate) use refusal::Refusal;
 
 use crate::decide::{decide, Claims, Decided};
+use crate::intercept::{http_flow, Framing};
 use crate::state::Dataplane;
 use crate::upstream::Upstreams;
 
@@ -63,16 +64,15 @@ pub(crate) async fn handle(
             deny(&mut stream, &claims, &decided.verdict, &accepted).await;
         }
         Verdict::Intercept(_, why) => {
-            let sni = Some(claims.sni.cloned());
+            let framing = Framing::Tls(claims.sni.cloned());
             let doh = why == Intercepted::ReservedResolver;
             let target = accepted.target();
-            let out = crate::intercept::http_flow(&dp, &up, target, sni, stream, peeked, doh).await;
+            let out = http_flow(&dp, &up, target, framing, stream, peeked, doh).await;
             rec.served(out);
         }
         Verdict::Allow(_) if claims.protocol == Protocol::Http => {
             let target = accepted.target();
-            let out =
-                crate::intercept::http_flow(&dp, &up, target, None, stream, peeked, false).await;
+            let out = http_flow(&dp, &up, target, Framing::Plain, stream, peeked, false).await;
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {

@@ -98,7 +98,10 @@ impl<'a> Record<'a> {
         if out.host.is_some() {
             self.line.host = out.host;
         }
-        self.line.error = out.error;
+        self.line.error = out.error.map(|ended| {
+            self.dp.metrics.fault(ended.fault);
+            ended.detail
+        });
     }
 
     pub(crate) fn spliced(&mut self, moved: Result<Spliced, String>) {

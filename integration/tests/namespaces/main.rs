@@ -6,6 +6,7 @@
 
 mod budgets;
 mod chromium;
+mod console;
 mod controller;
 mod demo;
 mod dns_policy;

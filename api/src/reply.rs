@@ -1,0 +1,91 @@
+//! What every route answers, and the helpers that build it.
+
+use bytes::Bytes;
+use http::{header, Response, StatusCode};
+use http_body_util::Full;
+use serde_json::{json, Value};
+
+/// A complete reply: the routes of this project never stream an answer.
+pub type Reply = Response<Full<Bytes>>;
+
+/// `v` as the body, one line, `application/json`.
+pub fn json_reply(status: StatusCode, v: &Value) -> Reply {
+    let mut body = serde_json::to_vec(v).unwrap_or_default();
+    body.push(b'\n');
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// `{"error": message}`, with `"field"` when one field is to blame.
+pub fn error(status: StatusCode, message: &str, field: Option<&str>) -> Reply {
+    let mut v = json!({ "error": message });
+    if let Some(f) = field {
+        v["field"] = json!(f);
+    }
+    json_reply(status, &v)
+}
+
+/// A plain-text reply.
+pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Reply {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r
+}
+
+/// The Prometheus scrape, in the OpenMetrics text format.
+pub fn openmetrics(body: String) -> Reply {
+    let mut r = text(StatusCode::OK, body);
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+    );
+    r
+}
+
+/// `413` for a body over `max` bytes.
+pub fn too_large(max: usize) -> Reply {
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("body larger than {max} bytes"),
+        None,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn body_of(r: Reply) -> String {
+        let bytes = r.into_body().collect().await.expect("full body").to_bytes();
+        String::from_utf8(bytes.to_vec()).expect("UTF-8")
+    }
+
+    #[tokio::test]
+    async fn errors_name_the_field_only_when_one_is_to_blame() {
+        let r = error(StatusCode::BAD_REQUEST, "bad", Some("policy.allow[1]"));
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            r.headers()[header::CONTENT_TYPE],
+            "application/json",
+            "JSON errors say so"
+        );
+        assert_eq!(
+            body_of(r).await,
+            "{\"error\":\"bad\",\"field\":\"policy.allow[1]\"}\n"
+        );
+        let r = too_large(10);
+        assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(
+            body_of(r).await,
+            "{\"error\":\"body larger than 10 bytes\"}\n"
+        );
+    }
+}

@@ -1,0 +1,86 @@
+//! The accept loop every listener of this project runs.
+
+use std::future::Future;
+use std::time::Duration;
+
+use http::Request;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+
+use crate::reply::Reply;
+
+/// How long a client has to send a request head (HTTP/1.1) before its
+/// connection is closed: an idle or trickling client holds no task forever.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the loop waits after accepting failed (out of descriptors,
+/// say) before it tries again, rather than spinning.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Serves HTTP/1.1 and HTTP/2 on `listener` until the task is dropped,
+/// answering each request with `handle`. `name` says which listener in the
+/// logs.
+pub async fn serve<F, Fut>(listener: TcpListener, name: &'static str, handle: F)
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(listener = name, error = %e, "accept failed");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let reply = handle(req);
+                async move { Ok::<_, std::convert::Infallible>(reply.await) }
+            });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT);
+            let served = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+            if let Err(e) = served {
+                tracing::debug!(listener = name, %peer, error = %e, "connection ended");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reply::text;
+    use http::StatusCode;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn answers_each_request_with_the_handler() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let server = tokio::spawn(serve(
+            listener,
+            "test",
+            |req: Request<Incoming>| async move { text(StatusCode::OK, req.uri().path().to_owned()) },
+        ));
+        let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        c.write_all(b"GET /a/b HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut got = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_string(&mut got));
+        read.await.expect("in time").expect("read");
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        assert!(got.ends_with("/a/b"), "{got}");
+        server.abort();
+    }
+}

@@ -1,0 +1,251 @@
+//! The forward stage: a request let through goes to the original
+//! destination (never a name from SNI or Host), over the flow's upstream
+//! connection or a bridged upgrade.
+
+use egress_policy::Hostname;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+
+use super::Conn;
+use crate::fault::Fault;
+use crate::pool::{Body, PoolKey, Sender};
+use crate::reply::text;
+use crate::upstream::ForwardError;
+use crate::upstream_proxy::Route;
+
+impl Conn {
+    /// The forward stage: upgrades are bridged; any other request is sent
+    /// on, hop-by-hop headers stripped both ways. A failure is counted and
+    /// answered with whose fault it was.
+    pub(super) async fn pass(
+        &self,
+        mut req: Request<Incoming>,
+        verify_as: Option<&Hostname>,
+        authority: &str,
+    ) -> Response<Body> {
+        if is_upgrade(&req) {
+            return self.upgrade(req, verify_as, authority).await;
+        }
+        strip_hop_by_hop(req.headers_mut());
+        match self.forward(req, verify_as, authority).await {
+            Ok(mut resp) => {
+                strip_hop_by_hop(resp.headers_mut());
+                resp.map(BodyExt::boxed)
+            }
+            Err(e) => {
+                self.dp.metrics.fault(e.fault());
+                e.response("")
+            }
+        }
+    }
+
+    /// Sends the request on the flow's upstream
+    /// connection to the original destination, in the form its protocol
+    /// wants (absolute URI on HTTP/2, origin form and `Host` on HTTP/1.1).
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        verify_as: Option<&Hostname>,
+        authority: &str,
+    ) -> Result<Response<Incoming>, ForwardError> {
+        let mut guard = self.upstream.lock().await;
+        self.hold_upstream(&mut guard, verify_as).await?;
+        let (parts, body) = req.into_parts();
+        let mut out = Request::from_parts(parts, body.boxed());
+        match guard.as_mut().map(|(_, s)| s) {
+            Some(Sender::H2(s)) => {
+                let mut s = s.clone();
+                drop(guard);
+                *out.uri_mut() = absolute(out.uri(), authority);
+                out.headers_mut().remove(header::HOST);
+                s.send_request(out)
+                    .await
+                    .map_err(|e| ForwardError::Http(e.to_string()))
+            }
+            Some(Sender::H1(s)) => {
+                *out.uri_mut() = origin_form(out.uri());
+                set_host(out.headers_mut(), authority);
+                *out.version_mut() = http::Version::HTTP_11;
+                // HTTP/1.1 carries one request at a time: the next request
+                // waits for this one's headers, then uses a fresh connection
+                // if this one is still busy with a body.
+                let fut = s.send_request(out);
+                drop(guard);
+                fut.await.map_err(|e| ForwardError::Http(e.to_string()))
+            }
+            None => Err(ForwardError::Http("no upstream connection".into())),
+        }
+    }
+
+    /// Makes `held` a usable connection to the destination, verified as
+    /// `verify_as`: the one held if it still is, else one from the pool or
+    /// a fresh one (the one held goes back to the pool).
+    async fn hold_upstream(
+        &self,
+        held: &mut Option<(PoolKey, Sender)>,
+        verify_as: Option<&Hostname>,
+    ) -> Result<(), ForwardError> {
+        // Plain connections verify nothing: no name in their key.
+        let name = verify_as.filter(|_| self.tls);
+        let reusable = held
+            .as_ref()
+            .is_some_and(|(k, s)| k.is(self.dst, self.tls, name) && s.usable());
+        if reusable {
+            return Ok(());
+        }
+        if let Some((old_key, old)) = held.take() {
+            self.up.pool.put(old_key, old);
+        }
+        let key = PoolKey {
+            sandbox: self.sandbox.id.clone(),
+            dst: self.dst,
+            tls: self.tls,
+            name: name.cloned(),
+            via: self.route().proxy().cloned(),
+        };
+        let sender = match self.up.pool.take(&key) {
+            Some(s) => s,
+            None => {
+                let fresh = self.connect(verify_as, true).await?;
+                // An HTTP/2 connection multiplexes: pooled at once, the
+                // sandbox's other client connections to the same
+                // destination and name take it, instead of each idle
+                // client connection pinning an upstream connection of
+                // its own. The key holds the sandbox: never another's.
+                if let Sender::H2(h2) = &fresh {
+                    self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
+                }
+                fresh
+            }
+        };
+        *held = Some((key, sender));
+        Ok(())
+    }
+
+    /// Bridges an HTTP/1.1 upgrade (WebSocket) over a fresh HTTP/1.1 connection.
+    async fn upgrade(
+        &self,
+        mut req: Request<Incoming>,
+        verify_as: Option<&Hostname>,
+        authority: &str,
+    ) -> Response<Body> {
+        let client_side = hyper::upgrade::on(&mut req);
+        let mut sender = match self.connect(verify_as, false).await {
+            Ok(Sender::H1(s)) => s,
+            Ok(Sender::H2(_)) => {
+                self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
+                return text(
+                    StatusCode::BAD_GATEWAY,
+                    "cannot reach the origin for the upgrade\n",
+                );
+            }
+            Err(e) => {
+                self.dp.metrics.fault(e.fault());
+                return e.response("cannot reach the origin for the upgrade: ");
+            }
+        };
+        let (parts, body) = req.into_parts();
+        let mut out = Request::from_parts(parts, body.boxed());
+        *out.uri_mut() = origin_form(out.uri());
+        set_host(out.headers_mut(), authority);
+        let mut resp = match sender.send_request(out).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
+                return text(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("upstream HTTP failed: {e}\n"),
+                );
+            }
+        };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            let origin_side = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                if let (Ok(c), Ok(o)) = (client_side.await, origin_side.await) {
+                    let (mut c, mut o) = (TokioIo::new(c), TokioIo::new(o));
+                    let _ = tokio::io::copy_bidirectional(&mut c, &mut o).await;
+                }
+            });
+        }
+        resp.map(BodyExt::boxed)
+    }
+
+    /// The way out for this sandbox: direct or through the operator's proxy.
+    fn route(&self) -> Route {
+        self.dp.proxies.route(self.sandbox.upstream_proxy.as_ref())
+    }
+
+    /// Opens a connection to the original destination (see [`Upstreams::connect`]).
+    async fn connect(
+        &self,
+        verify_as: Option<&Hostname>,
+        allow_h2: bool,
+    ) -> Result<Sender, ForwardError> {
+        let config = self.dp.config();
+        let route = self.route();
+        self.up
+            .connect(
+                (self.dst, &route),
+                self.tls,
+                verify_as,
+                allow_h2,
+                &config.timeouts,
+                &self.dp.metrics,
+            )
+            .await
+    }
+}
+
+fn is_upgrade(req: &Request<Incoming>) -> bool {
+    req.version() == http::Version::HTTP_11 && req.headers().contains_key(header::UPGRADE)
+}
+
+/// Connection-specific headers never cross a proxy (RFC 9110 §7.6.1).
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in [
+        header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(n);
+    }
+}
+
+/// The origin sees exactly the authority the gateway judged: every `Host`
+/// the client sent is replaced by it (they agreed, or the request was refused).
+fn set_host(headers: &mut HeaderMap, authority: &str) {
+    headers.remove(header::HOST);
+    if let Ok(v) = HeaderValue::from_str(authority) {
+        headers.insert(header::HOST, v);
+    }
+}
+
+fn origin_form(uri: &Uri) -> Uri {
+    uri.path_and_query()
+        .map_or_else(|| Uri::from_static("/"), |pq| Uri::from(pq.clone()))
+}
+
+fn absolute(uri: &Uri, authority: &str) -> Uri {
+    let pq = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    format!("https://{authority}{pq}")
+        .parse()
+        .unwrap_or_else(|_| origin_form(uri))
+}

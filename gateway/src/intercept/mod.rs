@@ -1,0 +1,381 @@
+//! Intercept: terminate TLS with a minted leaf, serve HTTP/1.1 and HTTP/2,
+//! apply policy per request, and forward each request over a verified TLS
+//! connection to the original destination with the client's server name.
+//!
+//! Bodies stream both ways; WebSocket upgrades are bridged; the gateway never
+//! dials a name from SNI or Host — only the original destination address.
+//!
+//! A request passes the stages of `request.rs` (authority → judge → rules →
+//! credentials → budget) and, let through, the forward stage of
+//! `forward.rs`. Each request fills a [`RequestRecord`] of its own; the
+//! connection folds them into its [`Tally`], which becomes the flow's
+//! [`Served`] when the connection ends.
+
+mod forward;
+mod request;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use egress_policy::Hostname;
+use http::Request;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+use crate::config::Config;
+use crate::fault::{Fault, Side};
+use crate::io::{quiet_for, Counted, Counts, Rewind};
+use crate::pool::{PoolKey, Sender};
+use crate::registry::Sandbox;
+use crate::state::Dataplane;
+use crate::upstream::{server_tls, Upstreams};
+
+use request::RequestRecord;
+
+/// How a flow's HTTP reached the gateway.
+pub(crate) enum Framing {
+    /// In TLS, terminated here with a minted leaf; the ClientHello's server
+    /// name, if it had one.
+    Tls(Option<Hostname>),
+    /// In plain HTTP, forwarded in plain.
+    Plain,
+}
+
+/// What the HTTP path (intercepted TLS or plain HTTP) reports of a flow.
+#[derive(Debug, Default)]
+pub(crate) struct Served {
+    pub(crate) requests: u64,
+    pub(crate) bytes_up: u64,
+    pub(crate) bytes_down: u64,
+    /// The last request's host.
+    pub(crate) host: Option<String>,
+    /// Requests refused with 403 (the flow itself was let through).
+    pub(crate) denied_requests: u64,
+    /// The first refused request: `<code> <rule>: <method> <path>`.
+    pub(crate) request_denied: Option<String>,
+    /// The first request an audited rule would have refused, likewise.
+    pub(crate) would_deny: Option<String>,
+    /// Why the flow ended badly, if it did.
+    pub(crate) error: Option<Ended>,
+}
+
+/// Why a served flow ended badly: whose fault it was (counted once, where
+/// the flow's record is written) and what happened, for the flow log
+/// (`tls_handshake: …`, `idle_timeout`, `non_http: …`, …).
+#[derive(Debug)]
+pub(crate) struct Ended {
+    pub(crate) fault: Fault,
+    pub(crate) detail: String,
+}
+
+/// What a connection's requests have told the flow log so far: each
+/// request's [`RequestRecord`] folded in as it ends.
+#[derive(Debug, Default)]
+struct Tally {
+    requests: u64,
+    /// The last request's host (kept only with a flow log).
+    host: Option<String>,
+    /// Why the last refused request was refused (`400`).
+    refused: Option<String>,
+    /// Requests refused by policy, a credential or a budget.
+    denied: u64,
+    /// The first of them, and the first an audit rule would have refused.
+    request_denied: Option<String>,
+    would_deny: Option<String>,
+}
+
+/// One client connection served request by request.
+struct Conn {
+    dp: Arc<Dataplane>,
+    up: Arc<Upstreams>,
+    sandbox: Arc<Sandbox>,
+    dst: SocketAddr,
+    sni: Option<Hostname>,
+    /// TLS was terminated (else: plain HTTP, forwarded in plain).
+    tls: bool,
+    /// Its requests' records, folded.
+    tally: Mutex<Tally>,
+    /// The upstream connection this client connection uses, and what it was verified as.
+    upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
+    /// DNS over HTTPS to a reserved resolver, from this sandbox address:
+    /// every request is answered by the gateway's DNS proxy, none forwarded.
+    doh_from: Option<IpAddr>,
+    /// The flow's byte counts, and what of them budgets were charged for.
+    budget: BudgetCharge,
+}
+
+/// What a terminated flow has charged to its sandbox's byte budgets: the
+/// bytes it moved up to each request are charged to that request's entry.
+struct BudgetCharge {
+    activity: Arc<Counts>,
+    charged: AtomicU64,
+    /// The last request's entry (`u32::MAX`: none), charged the rest at the end.
+    rule: std::sync::atomic::AtomicU32,
+}
+
+/// Serves a flow request by request, in TLS terminated here or in plain
+/// HTTP, each request judged on its own authority, so a later request on a
+/// keep-alive connection cannot ride on the first one's verdict. The
+/// peeked bytes are replayed first.
+pub(crate) async fn http_flow(
+    dp: &Arc<Dataplane>,
+    up: &Arc<Upstreams>,
+    (sandbox, dst): (Arc<Sandbox>, SocketAddr),
+    framing: Framing,
+    stream: TcpStream,
+    peeked: Vec<u8>,
+    doh: bool,
+) -> Served {
+    // A DoH query is admitted as DNS from the sandbox's own address.
+    let doh_from = match (doh, stream.peer_addr()) {
+        (false, _) => None,
+        (true, Ok(peer)) => Some(peer.ip()),
+        (true, Err(e)) => return failed(Fault::CLIENT_RESET, format!("peer_address: {e}")),
+    };
+    let counts = Arc::new(Counts::default());
+    let peeked_len = peeked.len() as u64;
+    let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
+    let mut out = match framing {
+        Framing::Tls(sni) => {
+            let target = (sandbox, dst, doh_from);
+            intercept(dp, up, target, sni, client, counts.clone()).await
+        }
+        Framing::Plain => {
+            let target = (sandbox, dst, None);
+            let conn = Conn::new(
+                (dp.clone(), up.clone()),
+                target,
+                Framing::Plain,
+                counts.clone(),
+            );
+            serve(conn, client, &counts).await
+        }
+    };
+    out.bytes_up = peeked_len + counts.read.load(Ordering::Relaxed);
+    out.bytes_down = counts.written.load(Ordering::Relaxed);
+    out
+}
+
+/// Terminates `client` with a minted leaf and serves it.
+async fn intercept<S>(
+    dp: &Arc<Dataplane>,
+    up: &Arc<Upstreams>,
+    target: (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
+    sni: Option<Hostname>,
+    client: S,
+    activity: Arc<Counts>,
+) -> Served
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    // With an SNI the leaf is minted for it and the shared config (and its
+    // session cache) serves; without one the leaf is for the destination
+    // address, which only this flow knows.
+    let config = match sni {
+        Some(_) => up.server_tls.clone(),
+        None => server_tls(&up.minter, Some(target.1.ip())),
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let started = Instant::now();
+    let handshake = dp.config().timeouts.tls_handshake;
+    let accepted = tokio::time::timeout(handshake, acceptor.accept(client)).await;
+    dp.metrics
+        .handshake_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let tls = match accepted {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => return failed(Fault::CLIENT_TLS, format!("tls_handshake: {e}")),
+        Err(_) => return failed(Fault::CLIENT_TLS, "tls_handshake: timed out".into()),
+    };
+    let conn = Conn::new(
+        (dp.clone(), up.clone()),
+        target,
+        Framing::Tls(sni),
+        activity.clone(),
+    );
+    serve(conn, tls, &activity).await
+}
+
+/// Runs the HTTP server over `io` until the client is done, idle, or gone.
+async fn serve<I>(conn: Arc<Conn>, io: I, activity: &Counts) -> Served
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service_conn = conn.clone();
+    // Boxed: hyper keeps a slot for the service's future for the whole
+    // connection, sized for it; the request's future (~9 kB, the upstream
+    // connect inline) then exists only while a request is in flight, and an
+    // idle connection holds a pointer (benches/RESULTS.md, Scale).
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let conn = service_conn.clone();
+        Box::pin(async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) })
+            as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
+    });
+    let config = conn.dp.config();
+    let builder = http_server(&config);
+    let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    let served = tokio::select! {
+        r = serving => r,
+        () = quiet_for(activity, config.timeouts.idle) => {
+            return conn.served(Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())));
+        }
+    };
+    if let Some((key, sender)) = conn.upstream.lock().await.take() {
+        conn.up.pool.put(key, sender);
+    }
+    let error = served.err().map(|e| connection_error(&*e));
+    let refused = conn.tally().refused.clone();
+    conn.served(
+        error.or_else(|| refused.map(|r| ended(Fault::BAD_REQUEST, format!("bad_request: {r}")))),
+    )
+}
+
+/// The HTTP/1.1 and HTTP/2 server of a client connection. Bounded request
+/// heads: a larger one is answered 431 and never forwarded.
+fn http_server(config: &Config) -> hyper_util::server::conn::auto::Builder<TokioExecutor> {
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let max_head = config.limits.max_request_head;
+    builder
+        .http1()
+        .max_buf_size(max_head)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(config.timeouts.request_head);
+    builder
+        .http2()
+        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
+    builder
+}
+
+/// The error a client connection ended in: whose fault, and what it was.
+fn connection_error(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Ended {
+    if e.downcast_ref::<hyper::Error>()
+        .is_some_and(hyper::Error::is_timeout)
+    {
+        return ended(Fault::HEAD_TIMEOUT, "head_timeout".to_owned());
+    }
+    let text = e.to_string();
+    // hyper answers bytes that are not HTTP with 400 and closes: the
+    // protocol the spec's exemptions exist for.
+    if text.contains("parse") || text.contains("invalid") || text.contains("malformed") {
+        ended(Fault::NON_HTTP, format!("non_http: {text}"))
+    } else {
+        ended(client_fault(e), text)
+    }
+}
+
+/// A client connection that ended in an error: a reset if an I/O error
+/// underneath says so, otherwise an HTTP-level failure of the client.
+fn client_fault(e: &(dyn std::error::Error + 'static)) -> Fault {
+    let mut source = Some(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(f) = Fault::io(Side::Client, io) {
+                return f;
+            }
+        }
+        source = err.source();
+    }
+    Fault::CLIENT_HTTP
+}
+
+fn ended(fault: Fault, detail: String) -> Ended {
+    Ended { fault, detail }
+}
+
+fn failed(fault: Fault, detail: String) -> Served {
+    Served {
+        error: Some(ended(fault, detail)),
+        ..Served::default()
+    }
+}
+
+// === impl Tally ===
+
+impl Tally {
+    /// Folds in one request's record.
+    fn add(&mut self, r: RequestRecord) {
+        self.requests += 1;
+        if r.host.is_some() {
+            self.host = r.host;
+        }
+        if r.refused.is_some() {
+            self.refused = r.refused;
+        }
+        if r.denied {
+            self.denied += 1;
+        }
+        if self.request_denied.is_none() {
+            self.request_denied = r.denied_shown;
+        }
+        if self.would_deny.is_none() {
+            self.would_deny = r.would_deny;
+        }
+    }
+}
+
+// === impl BudgetCharge ===
+
+impl BudgetCharge {
+    fn moved(&self) -> u64 {
+        self.activity.read.load(Ordering::Relaxed) + self.activity.written.load(Ordering::Relaxed)
+    }
+}
+
+// === impl Conn ===
+
+impl Conn {
+    fn new(
+        (dp, up): (Arc<Dataplane>, Arc<Upstreams>),
+        (sandbox, dst, doh_from): (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
+        framing: Framing,
+        activity: Arc<Counts>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            dp,
+            up,
+            sandbox,
+            dst,
+            tls: matches!(framing, Framing::Tls(_)),
+            sni: match framing {
+                Framing::Tls(sni) => sni,
+                Framing::Plain => None,
+            },
+            tally: Mutex::new(Tally::default()),
+            upstream: tokio::sync::Mutex::new(None),
+            doh_from,
+            budget: BudgetCharge {
+                activity,
+                charged: AtomicU64::new(0),
+                rule: std::sync::atomic::AtomicU32::new(u32::MAX),
+            },
+        })
+    }
+
+    /// The requests' records so far (a request that panicked while folding
+    /// its record in left a whole tally: kept).
+    fn tally(&self) -> std::sync::MutexGuard<'_, Tally> {
+        self.tally
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// What the flow reports when its connection ends (its last bytes
+    /// charged to its budget).
+    fn served(&self, error: Option<Ended>) -> Served {
+        self.charge_rest();
+        let tally = std::mem::take(&mut *self.tally());
+        Served {
+            requests: tally.requests,
+            host: tally.host,
+            denied_requests: tally.denied,
+            request_denied: tally.request_denied,
+            would_deny: tally.would_deny,
+            error,
+            ..Served::default()
+        }
+    }
+}

@@ -1,0 +1,575 @@
+//! The per-request stages: authority → judge → rules → credentials →
+//! budget; a request let through goes on to the forward stage
+//! (`forward.rs`). What the flow log keeps of each stage goes into the
+//! request's own [`RequestRecord`], never into a slot the connection's other
+//! requests share.
+
+use std::sync::atomic::Ordering;
+
+use dns_attrib::Lookup;
+use egress_policy::{Denied, Hostname, Protocol, RequestCode, RequestDenial, RuleRef, Verdict};
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use super::Conn;
+use crate::authority::{self, Authority, AuthorityError, Target};
+use crate::credentials;
+use crate::decide::{decide, request_names, Claims};
+use crate::metrics::CodeLabels;
+use crate::pool::Body;
+use crate::reply::{text, Denial};
+use crate::shadow::Judged;
+
+/// What one request leaves in its flow's log, filled in by its stages.
+#[derive(Debug, Default)]
+pub(super) struct RequestRecord {
+    /// The authority it was judged on (kept only with a flow log).
+    pub(super) host: Option<String>,
+    /// Why it was answered `400`, if it was.
+    pub(super) refused: Option<String>,
+    /// Refused by policy, a credential or a budget.
+    pub(super) denied: bool,
+    /// That refusal as the flow log shows it (only with a flow log).
+    pub(super) denied_shown: Option<String>,
+    /// What an audited rule would have refused, as the flow log shows it.
+    pub(super) would_deny: Option<String>,
+}
+
+/// A request's record in the making: folded into its connection's tally
+/// when the request ends, answered or abandoned by its client.
+struct Recording<'c> {
+    conn: &'c Conn,
+    record: RequestRecord,
+}
+
+impl Drop for Recording<'_> {
+    fn drop(&mut self) {
+        let record = std::mem::take(&mut self.record);
+        self.conn.tally().add(record);
+    }
+}
+
+/// Why a request's authority is refused.
+enum Refused {
+    BadRequest(String),
+    Misdirected,
+}
+
+/// The flow policy's answer to a request.
+enum Judgement {
+    /// Let through, with what the shadow compares against.
+    Allowed(Judged),
+    Denied(Denial),
+    /// An authority the flow's TLS server name did not name (`421`).
+    Misdirected,
+}
+
+/// The per-request stage that refused a request: the policy's rules, or a
+/// host-bound credential (which a shadow policy shares, so never a
+/// difference between the two).
+enum Stage {
+    Rules(Denial),
+    Credentials(Denial),
+}
+
+impl Stage {
+    fn into_denial(self) -> Denial {
+        match self {
+            Self::Rules(d) | Self::Credentials(d) => d,
+        }
+    }
+}
+
+/// A refused request's answer, for the shadow's comparison.
+fn deny_of(d: &Denial) -> Judged {
+    Judged {
+        verdict: "deny",
+        reason: d.code,
+    }
+}
+
+/// What the rules and credentials stages read of a request.
+struct Asked<'a> {
+    /// Its name (an IP-literal authority names none).
+    host: Option<&'a Hostname>,
+    /// The attribution the flow policy judged it on.
+    lookup: &'a Lookup,
+    method: &'a str,
+    /// The request target (path and query).
+    target: &'a str,
+}
+
+impl Conn {
+    /// One request, through the stages; its record is kept however it ends.
+    pub(super) async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+        let mut recording = Recording {
+            conn: self,
+            record: RequestRecord::default(),
+        };
+        self.answer(req, &mut recording.record).await
+    }
+
+    /// One request: its authority, its verdict, the per-request stages,
+    /// then upgrade or forward.
+    async fn answer(&self, mut req: Request<Incoming>, rec: &mut RequestRecord) -> Response<Body> {
+        if let Some(src) = self.doh_from {
+            return match &self.dp.resolver {
+                Some(proxy) => crate::doh::answer(proxy, src, self.dst, req).await,
+                None => text(StatusCode::SERVICE_UNAVAILABLE, "no DNS proxy\n"),
+            };
+        }
+        let authority = match self.authority(&req, rec) {
+            Ok(a) => a,
+            Err(Refused::BadRequest(why)) => return refuse(&req, why, rec),
+            Err(Refused::Misdirected) => return misdirected(),
+        };
+        let host = authority.name();
+        let (lookup, judged) = self.judge(host, rec);
+        let allowed = match judged {
+            Judgement::Allowed(allowed) => allowed,
+            Judgement::Misdirected => return misdirected(),
+            Judgement::Denied(denial) => {
+                self.shadow_request(&req, host, &lookup, deny_of(&denial));
+                return refused_after_body(req, denial).await;
+            }
+        };
+        if let Err(denial) = self.checked(&mut req, (host, &lookup, allowed), rec) {
+            return refused_after_body(req, denial).await;
+        }
+        // The name the origin's certificate must carry (none: its address).
+        let verify_as = self.sni.as_ref().or(host);
+        self.pass(req, verify_as, &authority.value()).await
+    }
+
+    /// The stages after the flow policy let a request through: its rules
+    /// and credentials (compared with the shadow's answer), then its budget.
+    fn checked(
+        &self,
+        req: &mut Request<Incoming>,
+        (host, lookup, allowed): (Option<&Hostname>, &Lookup, Judged),
+        rec: &mut RequestRecord,
+    ) -> Result<(), Denial> {
+        let checked = self.per_request(req, host, lookup, rec);
+        if self.sandbox.shadow.is_some() {
+            let active = match &checked {
+                Err(Stage::Rules(d)) => deny_of(d),
+                // A credential's refusal is not the policy's: the candidate
+                // shares the credentials, and would refuse it too.
+                Ok(()) | Err(Stage::Credentials(_)) => allowed,
+            };
+            self.shadow_request(req, host, lookup, active);
+        }
+        checked.map_err(Stage::into_denial)?;
+        self.within_budget(host, lookup, rec)
+    }
+
+    /// The authority stage: the one authority every claim of the request
+    /// agrees on, or why it is refused (`400`; `421` for an address under a
+    /// TLS server name).
+    fn authority(
+        &self,
+        req: &Request<Incoming>,
+        rec: &mut RequestRecord,
+    ) -> Result<Authority, Refused> {
+        let claims = authority::judge(
+            req.uri().authority().map(http::uri::Authority::as_str),
+            req.headers()
+                .get_all(header::HOST)
+                .iter()
+                .map(HeaderValue::as_bytes),
+        );
+        let authority = match claims {
+            Ok(Some(a)) => a,
+            // Plain HTTP/1.0 without Host: judged on the address and attribution alone.
+            Ok(None) if !self.tls && req.version() == http::Version::HTTP_10 => {
+                Authority::of_ip(self.dst.ip())
+            }
+            Ok(None) => return Err(Refused::BadRequest(AuthorityError::Missing.to_string())),
+            Err(e) => return Err(Refused::BadRequest(e.to_string())),
+        };
+        // An address where the TLS server name named a host is another claim.
+        if self.sni.is_some() && authority.name().is_none() {
+            return Err(Refused::Misdirected);
+        }
+        if self.dp.flow_log.enabled() {
+            rec.host = Some(match &authority.target {
+                Target::Name(n) => n.to_string(),
+                Target::Ip(ip) => ip.to_string(),
+            });
+        }
+        Ok(authority)
+    }
+
+    /// Judges this request under the sandbox's shadow policy, if it has
+    /// one, on the evidence the active policy judged it on.
+    fn shadow_request(
+        &self,
+        req: &Request<Incoming>,
+        host: Option<&Hostname>,
+        lookup: &Lookup,
+        active: crate::shadow::Judged,
+    ) {
+        let Some(shadow) = &self.sandbox.shadow else {
+            return;
+        };
+        let attributed = lookup.names();
+        let target = req
+            .uri()
+            .path_and_query()
+            .map_or_else(|| req.uri().path(), |pq| pq.as_str());
+        let request = crate::shadow::Request {
+            claims: self.claims(host),
+            tls: self.tls,
+            attributed: &attributed,
+            gap: lookup.gap(),
+            method: req.method().as_str(),
+            target,
+        };
+        let judge = crate::shadow::Judge {
+            doh: &self.dp.doh_names,
+            diffs: &self.dp.shadow_diffs,
+        };
+        crate::shadow::request(&judge, shadow, &request, active);
+    }
+
+    /// The claims of a request on this flow (`host`: its name, if any).
+    fn claims<'a>(&'a self, host: Option<&'a Hostname>) -> Claims<'a> {
+        Claims {
+            dst: self.dst,
+            protocol: if self.tls {
+                Protocol::Tls
+            } else {
+                Protocol::Http
+            },
+            sni: self.sni.as_ref(),
+            host,
+            // The flow is terminated: what a request is for is its own name.
+            ech: false,
+        }
+    }
+
+    /// The judge stage: decides this request under the flow policy (an
+    /// IP-literal authority names no domain: `host` is `None`), giving the
+    /// attribution it was judged on and the policy's answer.
+    fn judge(&self, host: Option<&Hostname>, rec: &mut RequestRecord) -> (Lookup, Judgement) {
+        let claims = self.claims(host);
+        let decided = decide(
+            &self.dp.cache,
+            &self.sandbox.id,
+            &self.sandbox.policy,
+            &claims,
+            &self.dp.doh_names,
+        );
+        let verdict = decided.verdict;
+        let answer = match verdict {
+            Verdict::Deny(Denied::Misdirected) => Judgement::Misdirected,
+            Verdict::Deny(_) => {
+                let seen = crate::proposed::Seen {
+                    dst: self.dst,
+                    sni: self.sni.as_ref(),
+                    host,
+                    attributed: &decided.lookup.names(),
+                    reason: verdict.code(),
+                };
+                self.dp.proposed.record(&self.sandbox.id, seen, None);
+                self.note_denied(rec, verdict.code(), || {
+                    let host = host.map_or_else(|| "-".to_owned(), ToString::to_string);
+                    format!("{} (the request's host {host})", verdict.code())
+                });
+                Judgement::Denied(Denial {
+                    status: StatusCode::FORBIDDEN,
+                    code: verdict.code(),
+                    rule: verdict.deny_rule(),
+                    detail: verdict.describe(&self.sandbox.policy),
+                })
+            }
+            Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => {
+                Judgement::Allowed(crate::shadow::allowed(&verdict))
+            }
+        };
+        (decided.lookup, answer)
+    }
+
+    /// The per-request rules and the credentials, for a request its flow's
+    /// policy lets through: refused (saying by which stage), or let through
+    /// with the credentials of its host in place of their placeholders.
+    fn per_request(
+        &self,
+        req: &mut Request<Incoming>,
+        host: Option<&Hostname>,
+        lookup: &Lookup,
+        rec: &mut RequestRecord,
+    ) -> Result<(), Stage> {
+        if !self.sandbox.policy.has_request_rules() {
+            return Ok(());
+        }
+        let target = req
+            .uri()
+            .path_and_query()
+            .map_or_else(|| req.uri().path(), |pq| pq.as_str())
+            .to_owned();
+        let method = req.method().clone();
+        let asked = Asked {
+            host,
+            lookup,
+            method: method.as_str(),
+            target: &target,
+        };
+        self.request_rules(&asked, rec).map_err(Stage::Rules)?;
+        self.inject_credentials(req, &asked, rec)
+            .map_err(Stage::Credentials)
+    }
+
+    /// The rules stage: the sandbox's per-request rules on the request's
+    /// method and target. What an audited rule would have refused is
+    /// counted (and kept for the flow log); a refusal is proposed, counted
+    /// and answered `403`.
+    fn request_rules(&self, asked: &Asked<'_>, rec: &mut RequestRecord) -> Result<(), Denial> {
+        let Asked {
+            host,
+            lookup,
+            method,
+            target,
+        } = *asked;
+        let policy = &self.sandbox.policy;
+        // The request's name counts alone where the origin's certificate
+        // verifies it; plain HTTP's Host is a claim, so every name the
+        // address may be is judged too.
+        let attributed = lookup.names();
+        let names = request_names(self.tls, host, &attributed);
+        let judged = policy.judge_request(&names, method, target);
+        let show = |d: &RequestDenial| {
+            let path = target.split('?').next().unwrap_or("");
+            let path: String = path.chars().take(256).collect();
+            format!("{} {}: {method} {path}", d.code.as_str(), d.rule.label())
+        };
+        if let Some(w) = &judged.would_deny {
+            self.dp
+                .metrics
+                .requests_would_deny
+                .get_or_create(&CodeLabels {
+                    code: w.code.as_str(),
+                })
+                .inc();
+            rec.would_deny.get_or_insert_with(|| show(w));
+        }
+        let Some(d) = &judged.deny else {
+            return Ok(());
+        };
+        self.propose_request(d, (host, &attributed[..]), method, target);
+        self.note_denied(rec, d.code.as_str(), || show(d));
+        Err(Denial {
+            status: StatusCode::FORBIDDEN,
+            code: d.code.as_str(),
+            rule: Some(d.rule.index()),
+            detail: policy.describe_request(d),
+        })
+    }
+
+    /// The credentials stage: the values of the host's credentials in place
+    /// of their placeholders (counted), or the request refused for one.
+    fn inject_credentials(
+        &self,
+        req: &mut Request<Incoming>,
+        asked: &Asked<'_>,
+        rec: &mut RequestRecord,
+    ) -> Result<(), Denial> {
+        if self.sandbox.credentials.is_empty() {
+            return Ok(());
+        }
+        let verified = asked.host.filter(|_| self.tls);
+        let applied = credentials::apply(
+            &self.sandbox.credentials,
+            &self.dp.secrets,
+            verified,
+            asked.target,
+            req.headers_mut(),
+        )
+        .map_err(|refused| self.credential_refused(refused, asked.method, rec))?;
+        self.dp
+            .metrics
+            .credentials_injected
+            .inc_by(applied.injected as u64);
+        Ok(())
+    }
+
+    /// A request refused for a credential, counted: `403`, or `503` when
+    /// its value cannot be read.
+    fn credential_refused(
+        &self,
+        refused: credentials::Refused,
+        method: &str,
+        rec: &mut RequestRecord,
+    ) -> Denial {
+        let code = refused.why.code();
+        let name = &self.sandbox.credentials[refused.index].name;
+        let rule = u32::try_from(refused.index).unwrap_or(u32::MAX);
+        self.note_denied(rec, code, || {
+            format!("{code} credentials[{rule}] {name:?}: {method}")
+        });
+        let detail = match refused.why {
+            credentials::Refusal::HostMismatch => {
+                format!("the placeholder of credential {name:?} is only for its hosts")
+            }
+            credentials::Refusal::Required => {
+                format!("requests to these hosts must carry credential {name:?}'s placeholder")
+            }
+            credentials::Refusal::Unavailable => {
+                format!("the value of credential {name:?} cannot be read by the gateway")
+            }
+        };
+        let status = match refused.why {
+            credentials::Refusal::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::FORBIDDEN,
+        };
+        Denial {
+            status,
+            code,
+            rule: Some(rule),
+            detail,
+        }
+    }
+
+    /// Hands a refused request to the sandbox's proposals, with the
+    /// destination of the allow entry whose level refused it.
+    fn propose_request(
+        &self,
+        d: &RequestDenial,
+        (host, attributed): (Option<&Hostname>, &[Hostname]),
+        method: &str,
+        target: &str,
+    ) {
+        let (RequestCode::HttpNotAllowed, RuleRef::Allow(i)) = (d.code, d.rule) else {
+            return;
+        };
+        let Ok(path) = egress_policy::http::normalize(target) else {
+            return;
+        };
+        let level = usize::try_from(i)
+            .ok()
+            .and_then(|i| self.sandbox.policy.policy().allow.get(i))
+            .map(|r| r.dest.clone());
+        let seen = crate::proposed::Seen {
+            dst: self.dst,
+            sni: self.sni.as_ref(),
+            host,
+            attributed,
+            reason: d.code.as_str(),
+        };
+        let request = egress_policy::proposals::DeniedRequest {
+            method: method.to_owned(),
+            path,
+            level,
+        };
+        self.dp
+            .proposed
+            .record(&self.sandbox.id, seen, Some(request));
+    }
+
+    /// The budget stage, after the policy let the request through: its
+    /// entry's request budget, and the bytes the flow moved so far charged
+    /// to it; over either, `429` (`budget_exceeded`). Budgets never allow.
+    fn within_budget(
+        &self,
+        host: Option<&Hostname>,
+        lookup: &Lookup,
+        rec: &mut RequestRecord,
+    ) -> Result<(), Denial> {
+        let budgets = &self.sandbox.policy.policy().budgets;
+        if budgets.is_empty() {
+            return Ok(());
+        }
+        let attributed = lookup.names();
+        let names = request_names(self.tls, host, &attributed);
+        let Some((rule, budget)) = budgets.find(names.iter().copied()) else {
+            return Ok(());
+        };
+        self.budget.rule.store(rule, Ordering::Relaxed);
+        let moved = self.budget.moved();
+        let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
+        let now = self.dp.cache.now();
+        let key = (&self.sandbox.id, rule);
+        let Err(over) = self.dp.budgets.request(key, budget, delta, now) else {
+            return Ok(());
+        };
+        self.dp.metrics.budget_exceeded(over);
+        let detail = format!(
+            "budgets[{rule}] ({}): {}",
+            budget.destination,
+            crate::budget::describe(over, budget)
+        );
+        self.note_denied(rec, "budget_exceeded", || {
+            format!("budget_exceeded {detail}")
+        });
+        Err(Denial {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            code: "budget_exceeded",
+            rule: Some(rule),
+            detail,
+        })
+    }
+
+    /// Charges the bytes moved after the last request to its entry.
+    pub(super) fn charge_rest(&self) {
+        let rule = self.budget.rule.load(Ordering::Relaxed);
+        let budgets = &self.sandbox.policy.policy().budgets;
+        let Some(budget) = budgets.iter().nth(rule as usize) else {
+            return;
+        };
+        let moved = self.budget.moved();
+        let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
+        let now = self.dp.cache.now();
+        self.dp
+            .budgets
+            .charge((&self.sandbox.id, rule), budget, delta, now);
+    }
+
+    /// Counts a refused request, and keeps it for the flow log.
+    fn note_denied(
+        &self,
+        rec: &mut RequestRecord,
+        code: &'static str,
+        show: impl FnOnce() -> String,
+    ) {
+        self.dp
+            .metrics
+            .requests_denied
+            .get_or_create(&CodeLabels { code })
+            .inc();
+        rec.denied = true;
+        if self.dp.flow_log.enabled() {
+            rec.denied_shown.get_or_insert_with(show);
+        }
+    }
+}
+
+/// Answers `400` without forwarding anything; an HTTP/1 connection is
+/// closed after it, since the client and the gateway no longer agree on
+/// what the bytes mean.
+fn refuse(req: &Request<Incoming>, why: String, rec: &mut RequestRecord) -> Response<Body> {
+    let mut resp = text(StatusCode::BAD_REQUEST, &format!("{why}\n"));
+    if req.version() < http::Version::HTTP_2 {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    rec.refused = Some(why);
+    resp
+}
+
+/// Answers a refused request once its body is read (up to 64 KiB, for at
+/// most a second), so an HTTP/2 client gets the answer rather than a reset
+/// stream; a larger or slower body is not waited for.
+async fn refused_after_body(req: Request<Incoming>, denial: Denial) -> Response<Body> {
+    let body = http_body_util::Limited::new(req.into_body(), 64 * 1024);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), body.collect()).await;
+    denial.response()
+}
+
+fn misdirected() -> Response<Body> {
+    text(
+        StatusCode::MISDIRECTED_REQUEST,
+        "Host does not match the TLS server name\n",
+    )
+}
