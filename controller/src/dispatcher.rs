@@ -224,6 +224,8 @@ impl Dispatcher {
                 self.compare_gateways(&shards).await;
                 rounds.compared = Instant::now();
             }
+            // Again before pushing, should the work above have been long.
+            self.renew(leases).await;
             worked |= self.push_all(leases).await;
             if !worked {
                 wait_for_work(&mut listener).await;
