@@ -1,17 +1,27 @@
-//! The dispatcher (cluster-controller): of all replicas, the one holding a
-//! PostgreSQL advisory lock leads; the others wait for it. The leader claims
-//! queued operations one at a time (`FOR UPDATE SKIP LOCKED`) and runs each
-//! in the transaction that claimed it, so an operation's effects commit once
-//! or not at all, even if the leader dies mid-way. It also pushes every
-//! change to the worker's gateway, and resyncs a gateway whose epoch changed
-//! (a restart) or whose sandboxes differ from the store (drift): each worker
-//! in a task of its own, so a slow gateway delays only its own sandboxes.
+//! The dispatcher (cluster-controller). Every running replica works: the
+//! workers are split into shards leased among them ([`crate::shard`]), and
+//! each pushes to the gateways of the workers it holds, in change order,
+//! and executes the queued operations that name those workers. Operations
+//! that name none (most creates, forks) are claimed by whichever replica
+//! comes first (`FOR UPDATE SKIP LOCKED`). Each runs in the transaction
+//! that claimed it, so its effects commit once or not at all, even if the
+//! replica dies mid-way. The holder of a second advisory lock also does
+//! what must be done once: approval expiry, pruning, the queue metrics.
+//! Each held worker's gateway is tended by a task of its own, so a slow or
+//! unreachable gateway delays only its own sandboxes. A gateway is resynced
+//! when its epoch changed (a restart) or, when the generation it reports
+//! is not the one the store acknowledged, its list differs from the store
+//! (drift).
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio::task::AbortHandle;
+
 use egress_policy::Policy;
+use futures::StreamExt;
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -20,12 +30,13 @@ use crate::config::Deployment;
 use crate::gateway_client::call;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
+use crate::shard::Leases;
 use crate::store::{self, SandboxRow, WorkerRow};
 
 /// Pushes in flight to one gateway at once.
 const PUSH_CONCURRENCY: usize = 32;
 
-/// Workers whose gateways are pushed to (or compared, or resynced) at once.
+/// Workers whose gateways are pushed to (or checked, or resynced) at once.
 /// Each worker has a task of its own, so a slow or unreachable gateway
 /// holds up only its own pushes (and one of these).
 const WORKERS_AT_ONCE: usize = 64;
@@ -33,12 +44,27 @@ const WORKERS_AT_ONCE: usize = 64;
 /// Push rounds a worker's task runs on one wake-up (256 changes each).
 const PUSH_ROUNDS: usize = 16;
 
+/// Operations one dispatcher runs at once (each in its own transaction).
+const EXECUTORS: usize = 4;
+
 /// How often approvals past their `until` are looked for: an expired rule
 /// is taken out within this (plus the push).
 const EXPIRY_INTERVAL: Duration = Duration::from_millis(500);
 
-/// The advisory lock key leaders hold (any constant shared by the replicas).
+/// How often finished operations and idempotency keys are pruned, and how
+/// many rows of each at most per round.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
+const PRUNE_BATCH: i64 = 1000;
+
+/// The advisory lock key dispatchers of the single-leader kind (before
+/// shards) hold exclusively to lead. Every sharded dispatcher holds it
+/// *shared*: while one works, no older replica can lead, and while an older
+/// one leads, sharded ones wait — through a rolling upgrade the two kinds
+/// never push at once.
 const LEADER_LOCK: i64 = 0x6567_7265_7373;
+
+/// The advisory lock the dispatcher doing what must be done once holds.
+const SINGLETON_LOCK: i64 = 0x6567_7265_7374;
 
 /// The channel `0004_work_notify.sql`'s triggers notify on: an operation
 /// was queued, or a sandbox's policy moved a generation.
@@ -50,7 +76,7 @@ const WORK_CHANNEL: &str = "egress_work";
 const IDLE_WAIT: Duration = Duration::from_millis(250);
 const POLL: Duration = Duration::from_millis(50);
 
-/// Retry and pacing settings.
+/// Retry, pacing, lease and retention settings.
 #[derive(Clone, Debug)]
 pub struct Limits {
     /// Attempts an operation gets.
@@ -61,6 +87,28 @@ pub struct Limits {
     pub backoff: Duration,
     /// How often gateways are compared with the store.
     pub resync_interval: Duration,
+    /// How long a shard lease lasts unless renewed.
+    pub lease_ttl: Duration,
+    /// How long finished operations are kept.
+    pub operation_retention: Duration,
+    /// How long a finished operation's idempotency key is honoured (from
+    /// when it was queued).
+    pub idempotency_retention: Duration,
+}
+
+impl Default for Limits {
+    /// The dispatcher's flags' defaults.
+    fn default() -> Self {
+        Self {
+            attempts: 5,
+            deadline: Duration::from_secs(300),
+            backoff: Duration::from_secs(2),
+            resync_interval: Duration::from_secs(5),
+            lease_ttl: Duration::from_secs(15),
+            operation_retention: Duration::from_secs(7 * 86_400),
+            idempotency_retention: Duration::from_secs(86_400),
+        }
+    }
 }
 
 pub struct Dispatcher {
@@ -86,67 +134,173 @@ async fn wait_for_work(listener: &mut Option<sqlx::postgres::PgListener>) {
     }
 }
 
+/// When the rounds besides operations and pushes last ran.
+struct Rounds {
+    expired: Instant,
+    pruned: Instant,
+}
+
 impl Dispatcher {
-    /// Waits to lead, then leads until the lock's session is lost; forever.
+    /// Works until the process ends.
     pub async fn run(self) {
-        let this = Arc::new(self);
-        this.run_shared().await;
+        self.run_until(std::future::pending()).await;
     }
 
-    async fn run_shared(self: &Arc<Self>) {
+    /// Works until `stop` completes, then gives its leases up so the other
+    /// replicas take its shards at once.
+    pub async fn run_until(self, stop: impl Future<Output = ()>) {
+        let mut leases = Leases::new(crate::ids::new("d"), self.limits.lease_ttl);
+        tracing::info!(dispatcher = %leases.id, "dispatcher started");
+        let this = Arc::new(self);
+        tokio::select! {
+            () = this.serve(&mut leases) => {}
+            () = stop => {}
+        }
+        if let Err(e) = leases.release(&this.pool).await {
+            tracing::warn!(error = %e, "releasing the shard leases");
+        }
+        drop(this);
+        tracing::info!(dispatcher = %leases.id, "dispatcher stopped; leases released");
+    }
+
+    async fn serve(self: &Arc<Self>, leases: &mut Leases) {
+        let mut told = false;
         loop {
-            match self.acquire().await {
-                Some(lock) => {
-                    tracing::info!("leading: executing operations and pushing to gateways");
-                    self.metrics.leader.set(1);
-                    self.lead(lock).await;
+            match self.session().await {
+                Ok(Some(session)) => {
+                    self.work(session, leases).await;
                     self.metrics.leader.set(0);
-                    tracing::warn!("lost the leader lock; standing by");
+                    self.metrics.shards.set(0);
+                    tracing::warn!("lost the database session; connecting again");
                 }
-                None => tokio::time::sleep(Duration::from_millis(250)).await,
+                Ok(None) if !told => {
+                    tracing::info!("standing by: a single-leader dispatcher leads");
+                    told = true;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "no database session; retrying"),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// A session holding [`LEADER_LOCK`] shared (none while an older
+    /// dispatcher leads with it).
+    async fn session(&self) -> Result<Option<PgConnection>, sqlx::Error> {
+        let mut conn = PgConnection::connect(&self.database_url).await?;
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
+            .bind(LEADER_LOCK)
+            .fetch_one(&mut conn)
+            .await?;
+        Ok(got.then_some(conn))
+    }
+
+    /// Takes [`SINGLETON_LOCK`] on `session` if it is free.
+    async fn try_lead(&self, session: &mut PgConnection) -> bool {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(SINGLETON_LOCK)
+            .fetch_one(session)
+            .await
+            .unwrap_or(false);
+        if got {
+            tracing::info!("leading: approval expiry, pruning and the queue metrics");
+            self.metrics.leader.set(1);
+        }
+        got
+    }
+
+    /// Works while `session` lives; the workers' tasks end with it.
+    async fn work(self: &Arc<Self>, mut session: PgConnection, leases: &mut Leases) {
+        let mut listener = self.listen().await;
+        let mut tenders = Tenders::default();
+        let long_ago = Instant::now() - EXPIRY_INTERVAL.max(PRUNE_INTERVAL);
+        let mut rounds = Rounds {
+            expired: long_ago,
+            pruned: long_ago,
+        };
+        let mut leader = false;
+        loop {
+            if sqlx::query("SELECT 1").execute(&mut session).await.is_err() {
+                return;
+            }
+            leader = leader || self.try_lead(&mut session).await;
+            self.renew(leases).await;
+            let shards = leases.held().to_vec();
+            let worked = self.execute_some(&shards).await;
+            if leader {
+                self.singletons(&mut rounds).await;
+            }
+            // Again before waking the pushers, should the work above have been long.
+            self.renew(leases).await;
+            self.wake_tenders(&mut tenders, leases).await;
+            if !worked {
+                wait_for_work(&mut listener).await;
             }
         }
     }
 
-    /// A session holding the leader lock, if it is free.
-    async fn acquire(&self) -> Option<PgConnection> {
-        let mut conn = PgConnection::connect(&self.database_url).await.ok()?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(LEADER_LOCK)
-            .fetch_one(&mut conn)
-            .await
-            .ok()?;
-        got.then_some(conn)
+    async fn renew(&self, leases: &mut Leases) {
+        if !leases.due() {
+            return;
+        }
+        if let Err(e) = leases.renew(&self.pool).await {
+            tracing::warn!(error = %e, "renewing the shard leases");
+        }
+        self.metrics
+            .shards
+            .set(i64::try_from(leases.held().len()).unwrap_or(0));
     }
 
-    async fn lead(self: &Arc<Self>, mut lock: PgConnection) {
-        let mut listener = self.listen().await;
-        let mut tenders = Tenders::default();
-        let mut expired = Instant::now() - EXPIRY_INTERVAL;
-        loop {
-            if sqlx::query("SELECT 1").execute(&mut lock).await.is_err() {
-                return;
-            }
-            let mut worked = false;
-            for _ in 0..64 {
-                match self.execute_one().await {
-                    Ok(true) => worked = true,
-                    Ok(false) => break,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "executing an operation");
-                        break;
+    /// Up to 64 operations, [`EXECUTORS`] at a time; `true` if any ran.
+    async fn execute_some(&self, shards: &[i32]) -> bool {
+        let ran = futures::stream::iter(0..EXECUTORS)
+            .map(|_| async {
+                let mut worked = false;
+                for _ in 0..64 / EXECUTORS {
+                    match self.execute_one(shards).await {
+                        Ok(true) => worked = true,
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "executing an operation");
+                            break;
+                        }
                     }
                 }
-            }
-            if expired.elapsed() >= EXPIRY_INTERVAL {
-                self.expire_approvals().await;
-                expired = Instant::now();
-            }
-            self.wake_tenders(&mut tenders).await;
-            self.observe_backlog().await;
-            if !worked {
-                wait_for_work(&mut listener).await;
-            }
+                worked
+            })
+            .buffer_unordered(EXECUTORS)
+            .collect::<Vec<bool>>()
+            .await;
+        ran.contains(&true)
+    }
+
+    /// What one dispatcher does for all: approval expiry, pruning, the
+    /// queue metrics.
+    async fn singletons(&self, rounds: &mut Rounds) {
+        if rounds.expired.elapsed() >= EXPIRY_INTERVAL {
+            self.expire_approvals().await;
+            rounds.expired = Instant::now();
+        }
+        if rounds.pruned.elapsed() >= PRUNE_INTERVAL {
+            self.prune().await;
+            rounds.pruned = Instant::now();
+        }
+        self.observe_backlog().await;
+    }
+
+    async fn prune(&self) {
+        let l = &self.limits;
+        let pruned = store::prune(
+            &self.pool,
+            l.operation_retention,
+            l.idempotency_retention,
+            PRUNE_BATCH,
+        )
+        .await;
+        match pruned {
+            Ok((0, 0)) => {}
+            Ok((keys, operations)) => tracing::info!(keys, operations, "pruned"),
+            Err(e) => tracing::warn!(error = %e, "pruning"),
         }
     }
 
@@ -168,13 +322,17 @@ impl Dispatcher {
     }
 
     /// Claims and runs one operation; `false` when none is runnable.
-    async fn execute_one(&self) -> Result<bool, sqlx::Error> {
+    async fn execute_one(&self, shards: &[i32]) -> Result<bool, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        let Some(op) = store::claim(&mut tx).await? else {
+        let Some(op) = store::claim(&mut tx, shards).await? else {
             return Ok(false);
         };
+        // The effects under a savepoint: a failed attempt undoes them and is
+        // recorded while the operation is still locked, so no other
+        // executor runs the same attempt again.
+        let mut effects = tx.begin().await?;
         let run = ops::execute(
-            &mut tx,
+            &mut effects,
             &self.deployment,
             &self.metrics,
             &op.kind,
@@ -182,37 +340,32 @@ impl Dispatcher {
             &op.payload,
         )
         .await;
-        match run {
-            Ok(()) => {
-                store::succeed(&mut tx, &op.id).await?;
-                tx.commit().await?;
-                self.count("succeeded");
-            }
-            Err(failure) => {
-                tx.rollback().await?;
-                let limits = (
-                    self.limits.attempts,
-                    self.limits.deadline,
-                    self.limits.backoff,
-                );
-                let state = store::attempt_failed(
-                    &self.pool,
-                    &op.id,
-                    &failure.message,
-                    failure.retryable,
-                    limits,
-                )
+        let Err(failure) = run else {
+            effects.commit().await?;
+            store::succeed(&mut tx, &op.id).await?;
+            tx.commit().await?;
+            self.count("succeeded");
+            return Ok(true);
+        };
+        effects.rollback().await?;
+        let limits = (
+            self.limits.attempts,
+            self.limits.deadline,
+            self.limits.backoff,
+        );
+        let state =
+            store::attempt_failed(&mut tx, &op.id, &failure.message, failure.retryable, limits)
                 .await?;
-                tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
-                if state == "failed" {
-                    let mut conn = self.pool.acquire().await?;
-                    store::set_state(&mut conn, &op.sandbox, "failed").await?;
-                    self.count("failed");
-                } else {
-                    self.count("retried");
-                }
-            }
+        if state == "failed" {
+            store::set_state(&mut tx, &op.sandbox, "failed").await?;
         }
+        tx.commit().await?;
+        tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
+        self.count(if state == "failed" {
+            "failed"
+        } else {
+            "retried"
+        });
         Ok(true)
     }
 
@@ -241,17 +394,32 @@ impl Dispatcher {
         }
     }
 
-    /// Wakes each worker's task (started on first sight) with the worker
-    /// as stored now; a task busy with a slow gateway takes the latest
-    /// when it is done.
-    async fn wake_tenders(self: &Arc<Self>, tenders: &mut Tenders) {
+    /// Wakes the task of each worker of the held shards (started on first
+    /// sight) with the worker as stored now and how long the leases are
+    /// trusted; a task busy with a slow gateway takes the latest when it is
+    /// done. The tasks of workers no longer held are stopped at once.
+    async fn wake_tenders(self: &Arc<Self>, tenders: &mut Tenders, leases: &Leases) {
         let read_at = Instant::now();
-        let Ok(workers) = store::workers(&self.pool).await else {
-            return;
+        let held = leases.held();
+        let workers = match (held.is_empty(), leases.trusted_until()) {
+            (false, Some(until)) => match store::workers_in(&self.pool, held).await {
+                Ok(w) => w.into_iter().map(|w| (w, until)).collect(),
+                Err(_) => return,
+            },
+            _ => Vec::new(),
         };
-        for w in workers {
-            let mut seen = (read_at, w);
-            if let Some(tx) = tenders.workers.get(&seen.1.id) {
+        let ids: std::collections::HashSet<String> =
+            workers.iter().map(|(w, _)| w.id.clone()).collect();
+        tenders.workers.retain(|id, (_, task)| {
+            let keep = ids.contains(id);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (w, until) in workers {
+            let mut seen = (read_at, w, until);
+            if let Some((tx, _)) = tenders.workers.get(&seen.1.id) {
                 match tx.send(seen) {
                     Ok(()) => continue,
                     // Its task ended (it cannot, short of a panic): start another.
@@ -261,40 +429,44 @@ impl Dispatcher {
             let id = seen.1.id.clone();
             let (tx, rx) = tokio::sync::watch::channel(seen);
             let (this, permits) = (self.clone(), tenders.permits.clone());
-            tenders
+            let task = tenders
                 .tasks
                 .spawn(async move { this.tender(rx, permits).await });
-            tenders.workers.insert(id, tx);
+            tenders.workers.insert(id, (tx, task));
         }
     }
 
-    /// One worker's task: on each wake-up, compares its gateway with the
-    /// store when [`Limits::resync_interval`] has passed, then resyncs it or
-    /// pushes its changes until none are left, in change order. A row read
-    /// before this task's last resync ended is stale (its epoch and flag
-    /// predate the resync): it is pushed from, not compared or resynced.
+    /// One worker's task: on each wake-up, checks its gateway when
+    /// [`Limits::resync_interval`] has passed, then resyncs it or pushes its
+    /// changes until none are left, in change order, while the leases are
+    /// trusted. A row read before this task's last resync ended is stale
+    /// (its epoch and flag predate the resync): it is pushed from, not
+    /// checked or resynced.
     async fn tender(&self, mut rx: Seen, permits: Arc<tokio::sync::Semaphore>) {
         let mut compared = Instant::now() - self.limits.resync_interval;
         let mut synced: Option<Instant> = None;
         while rx.changed().await.is_ok() {
-            let (read_at, mut w) = rx.borrow_and_update().clone();
+            let (read_at, mut w, until) = rx.borrow_and_update().clone();
             let Ok(_permit) = permits.acquire().await else {
                 return;
             };
             let stale = synced.is_some_and(|s| read_at < s);
             w.needs_resync &= !stale;
-            if !stale && compared.elapsed() >= self.limits.resync_interval {
-                w.needs_resync |= self.compare_gateway(&w).await;
+            if !stale && !w.needs_resync && compared.elapsed() >= self.limits.resync_interval {
+                w.needs_resync = self.check_gateway(&w).await;
                 compared = Instant::now();
             }
             for _ in 0..PUSH_ROUNDS {
+                if Instant::now() >= until {
+                    break;
+                }
                 let moved = if w.needs_resync {
                     let done = self.resync(&w).await;
                     w.needs_resync = !done;
                     synced = done.then(Instant::now).or(synced);
                     done
                 } else {
-                    self.push_changes(&w).await
+                    self.push_changes(&w, until).await
                 };
                 if !moved {
                     break;
@@ -306,59 +478,76 @@ impl Dispatcher {
     /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
     /// time (the gateway commits concurrent pushes together); stops at the
     /// first failure, to retry on the next round.
-    async fn push_changes(&self, w: &WorkerRow) -> bool {
+    async fn push_changes(&self, w: &WorkerRow, until: Instant) -> bool {
         let Ok(changes) = store::unpushed(&self.pool, &w.id, 256).await else {
             return false;
         };
         let mut moved = false;
         for chunk in changes.chunks(PUSH_CONCURRENCY) {
-            let mut pushes = tokio::task::JoinSet::new();
-            for s in chunk {
-                let (url, token) = (w.admin_url.clone(), w.token.clone());
-                let (id, generation) = (s.id.clone(), s.generation);
-                let (method, body) =
-                    if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
-                        (Method::DELETE, None)
-                    } else {
-                        (
-                            Method::PUT,
-                            Some(json!({"addresses": s.addresses, "policy": s.policy})),
-                        )
-                    };
-                pushes.spawn(async move {
-                    let path = format!("/v1/sandboxes/{id}");
-                    let outcome = call(&url, &token, method, &path, body.as_ref()).await;
-                    (id, generation, outcome)
-                });
+            if Instant::now() >= until {
+                break;
             }
-            let mut failed = None;
-            while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
-                match outcome {
-                    Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
-                        if let Ok(lag) = store::pushed(&self.pool, &id, generation).await {
-                            self.metrics.push_latency_seconds.observe(lag);
-                        }
-                        self.metrics
-                            .pushes
-                            .get_or_create(&OutcomeLabels { outcome: "applied" })
-                            .inc();
-                        moved = true;
-                    }
-                    Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
-                    Err(e) => failed = Some((id, e)),
-                }
-            }
+            let (applied, failed) = self.push_chunk(w, chunk).await;
+            moved |= applied > 0;
+            // Each applied push moved the gateway's generation by one.
+            let _ = store::acknowledge(&self.pool, &w.id, None, applied).await;
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
-                self.metrics
-                    .pushes
-                    .get_or_create(&OutcomeLabels { outcome: "failed" })
-                    .inc();
+                self.count_push("failed");
                 let _ = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
                 return moved;
             }
         }
         moved
+    }
+
+    /// Pushes `chunk` concurrently: how many the gateway applied, and a failure.
+    async fn push_chunk(
+        &self,
+        w: &WorkerRow,
+        chunk: &[SandboxRow],
+    ) -> (i64, Option<(String, String)>) {
+        let mut pushes = tokio::task::JoinSet::new();
+        for s in chunk {
+            let (url, token) = (w.admin_url.clone(), w.token.clone());
+            let (id, generation) = (s.id.clone(), s.generation);
+            let (method, body) =
+                if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
+                    (Method::DELETE, None)
+                } else {
+                    (
+                        Method::PUT,
+                        Some(json!({"addresses": s.addresses, "policy": s.policy})),
+                    )
+                };
+            pushes.spawn(async move {
+                let path = format!("/v1/sandboxes/{id}");
+                let outcome = call(&url, &token, method, &path, body.as_ref()).await;
+                (id, generation, outcome)
+            });
+        }
+        let (mut applied, mut failed) = (0, None);
+        while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
+            match outcome {
+                Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
+                    if let Ok(lag) = store::pushed(&self.pool, &id, generation).await {
+                        self.metrics.push_latency_seconds.observe(lag);
+                    }
+                    self.count_push("applied");
+                    applied += i64::from(status.is_success());
+                }
+                Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
+                Err(e) => failed = Some((id, e)),
+            }
+        }
+        (applied, failed)
+    }
+
+    fn count_push(&self, outcome: &'static str) {
+        self.metrics
+            .pushes
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
     }
 
     /// Replaces everything the gateway knows with the store's view.
@@ -375,17 +564,17 @@ impl Dispatcher {
         }
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
             Ok((status, _)) if status.is_success() => {
-                let epoch = self.epoch(w).await;
-                let _ = store::worker_seen(&self.pool, &w.id, epoch.as_deref(), false, None).await;
+                let ready = self.gateway_state(w).await;
+                let epoch = ready.as_ref().map(|(e, _)| e.as_str());
+                let _ = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+                let generation = ready.as_ref().map(|(_, g)| *g);
+                let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
                 for s in &rows {
                     let _ = store::pushed(&self.pool, &s.id, s.generation).await;
                 }
                 self.mark_forgotten(w).await;
                 tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
-                self.metrics
-                    .pushes
-                    .get_or_create(&OutcomeLabels { outcome: "resync" })
-                    .inc();
+                self.count_push("resync");
                 true
             }
             outcome => {
@@ -394,10 +583,7 @@ impl Dispatcher {
                     Err(e) => e,
                 };
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
-                self.metrics
-                    .pushes
-                    .get_or_create(&OutcomeLabels { outcome: "failed" })
-                    .inc();
+                self.count_push("failed");
                 let _ = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
                 false
             }
@@ -415,54 +601,88 @@ impl Dispatcher {
         .await;
     }
 
-    async fn epoch(&self, w: &WorkerRow) -> Option<String> {
-        let (_, body) = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None)
+    /// The gateway's epoch and generation (`GET /readyz`); `None` while it
+    /// is unreachable or not ready.
+    async fn gateway_state(&self, w: &WorkerRow) -> Option<(String, i64)> {
+        let (status, body) = call(&w.admin_url, &w.token, Method::GET, "/readyz", None)
             .await
             .ok()?;
-        body.get("epoch").and_then(Value::as_str).map(str::to_owned)
+        if !status.is_success() {
+            return None;
+        }
+        parse_ready(body.as_str()?)
     }
 
-    /// Whether a worker's gateway restarted (a new epoch) or holds other
-    /// sandboxes than the store says it acknowledged; if so it is flagged
-    /// for resync.
-    async fn compare_gateway(&self, w: &WorkerRow) -> bool {
-        if w.needs_resync {
-            return false;
-        }
-        let Ok((status, body)) =
-            call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
-        else {
+    /// Flags a gateway for resync when it restarted (a new epoch), or when
+    /// the generation it reports is not the one the store acknowledged and
+    /// its list differs from the store (drift). The list is fetched only
+    /// then; a list found in step has its generation acknowledged.
+    async fn check_gateway(&self, w: &WorkerRow) -> bool {
+        let Some((epoch, generation)) = self.gateway_state(w).await else {
             return false;
         };
-        if !status.is_success() {
+        let restarted = w.epoch.as_deref() != Some(epoch.as_str());
+        if !restarted && w.acked_generation == Some(generation) {
+            self.count_compare("generation");
             return false;
         }
-        let epoch = body.get("epoch").and_then(Value::as_str);
-        let restarted = epoch.is_some() && epoch != w.epoch.as_deref();
-        // Changes still being pushed are not drift.
-        let settled = store::unpushed(&self.pool, &w.id, 1)
-            .await
-            .is_ok_and(|u| u.is_empty());
-        let drift = match store::worker_sandboxes(&self.pool, &w.id).await {
-            Ok(rows) if settled => differs(&rows, &body),
-            _ => false,
-        };
+        let drift = !restarted && self.list_differs(w).await;
         if restarted || drift {
+            self.count_compare(if restarted { "restarted" } else { "drift" });
             tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
             let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
         }
         restarted || drift
     }
+
+    /// Compares the gateway's list with the store: `true` when they differ
+    /// with every change pushed; acknowledges its generation when they agree.
+    async fn list_differs(&self, w: &WorkerRow) -> bool {
+        let Ok((status, body)) =
+            call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
+        else {
+            return false;
+        };
+        // Changes still being pushed are not drift.
+        let settled = store::unpushed(&self.pool, &w.id, 1)
+            .await
+            .is_ok_and(|u| u.is_empty());
+        if !status.is_success() || !settled {
+            return false;
+        }
+        let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
+            return false;
+        };
+        if differs(&rows, &body) {
+            return true;
+        }
+        self.count_compare("listed");
+        let generation = body.get("generation").and_then(Value::as_i64);
+        if generation.is_some() {
+            let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+        }
+        false
+    }
+
+    fn count_compare(&self, outcome: &'static str) {
+        self.metrics
+            .compares
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
 }
 
-/// A worker's row as the leader last read it, and when it read it.
-type Seen = tokio::sync::watch::Receiver<(Instant, WorkerRow)>;
+/// `ready epoch=… generation=…` (the gateway's `GET /readyz`).
+/// A worker's row as last read: when it was read, the row, and until when
+/// the leases it was read under are trusted.
+type Wake = (Instant, WorkerRow, Instant);
+type Seen = tokio::sync::watch::Receiver<Wake>;
 
-/// The leader's per-worker tasks ([`Dispatcher::tender`]): how to wake
-/// each, and the bound on how many work at once. Dropped (the tasks
-/// aborted) when leadership ends.
+/// The per-worker tasks ([`Dispatcher::tender`]): how to wake each (and
+/// stop it), and the bound on how many work at once. Dropped (the tasks
+/// aborted) when the session ends.
 struct Tenders {
-    workers: std::collections::HashMap<String, tokio::sync::watch::Sender<(Instant, WorkerRow)>>,
+    workers: std::collections::HashMap<String, (tokio::sync::watch::Sender<Wake>, AbortHandle)>,
     tasks: tokio::task::JoinSet<()>,
     permits: Arc<tokio::sync::Semaphore>,
 }
@@ -475,6 +695,19 @@ impl Default for Tenders {
             permits: Arc::new(tokio::sync::Semaphore::new(WORKERS_AT_ONCE)),
         }
     }
+}
+
+fn parse_ready(text: &str) -> Option<(String, i64)> {
+    let mut epoch = None;
+    let mut generation = None;
+    for word in text.split_whitespace() {
+        if let Some(e) = word.strip_prefix("epoch=") {
+            epoch = Some(e.to_owned());
+        } else if let Some(g) = word.strip_prefix("generation=") {
+            generation = g.parse().ok();
+        }
+    }
+    Some((epoch?, generation?))
 }
 
 /// Whether the gateway's list differs from the store's rows.
@@ -505,4 +738,20 @@ fn differs(rows: &[SandboxRow], gateway: &Value) -> bool {
         .map(|s| (s.id.as_str(), (s.addresses.clone(), s.policy.clone())))
         .collect();
     theirs != ours
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_line() {
+        assert_eq!(
+            parse_ready("ready epoch=0a1b generation=42\n"),
+            Some(("0a1b".to_owned(), 42))
+        );
+        assert_eq!(parse_ready("ready epoch=0a1b\n"), None);
+        assert_eq!(parse_ready("ready epoch=0a1b generation=x\n"), None);
+        assert_eq!(parse_ready("not ready\n"), None);
+    }
 }

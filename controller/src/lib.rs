@@ -3,8 +3,9 @@
 //!
 //! - [`api`]: creates (native, queued; E2B-style, composed in the API),
 //!   network policy replacement, lifecycle, forks, operations, admin routes.
-//! - [`dispatcher`]: one leader among replicas (advisory lock) executes
-//!   queued operations and pushes every change to the worker's gateway.
+//! - [`dispatcher`]: every replica executes queued operations and pushes
+//!   each change to the worker's gateway, the workers split among them by
+//!   [`shard`] leases.
 //! - [`compose`]: a sandbox's effective policy and where each rule came from;
 //!   the rules themselves live in `egress-policy`.
 //! - [`shadow_report`]: a template rollout's shadow reports merged.
@@ -26,4 +27,5 @@ pub mod metrics;
 pub mod ops;
 pub mod pool;
 pub mod shadow_report;
+pub mod shard;
 pub mod store;

@@ -44,7 +44,8 @@ enum Role {
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
     },
-    /// Executes queued operations and pushes to gateways; one replica leads.
+    /// Executes queued operations and pushes to gateways; the workers are
+    /// split among the running replicas.
     Dispatcher {
         #[command(flatten)]
         common: Common,
@@ -60,13 +61,52 @@ enum Role {
         /// How often each gateway is compared with the store.
         #[arg(long, default_value = "5s", value_parser = duration)]
         resync_interval: Duration,
+        /// How long a worker shard's lease lasts unless renewed (renewed
+        /// every third of it; a dead replica's shards move after it).
+        #[arg(long, default_value = "15s", value_parser = duration)]
+        lease_ttl: Duration,
+        /// How long finished operations are kept (then `GET
+        /// /v1/operations/{id}` is 404).
+        #[arg(long, default_value = "7d", value_parser = duration)]
+        operation_retention: Duration,
+        /// How long after it was queued a finished operation's
+        /// `Idempotency-Key` still replays it.
+        #[arg(long, default_value = "24h", value_parser = duration)]
+        idempotency_retention: Duration,
         /// Where /metrics is served.
         #[arg(long, default_value = "127.0.0.1:9090")]
         metrics_listen: SocketAddr,
     },
 }
 
-/// `500ms`, `30s`, `5m`, `1h`.
+/// The dispatcher's limits, checked together; errors name the flag and value.
+fn checked(limits: Limits) -> Result<Limits, String> {
+    let shown = |d: Duration| format!("{}ms", d.as_millis());
+    if limits.lease_ttl < Duration::from_secs(1) {
+        return Err(format!(
+            "--lease-ttl {}: must be at least 1s",
+            shown(limits.lease_ttl)
+        ));
+    }
+    for (flag, d) in [
+        ("--operation-retention", limits.operation_retention),
+        ("--idempotency-retention", limits.idempotency_retention),
+    ] {
+        if d < Duration::from_secs(1) {
+            return Err(format!("{flag} {}: must be at least 1s", shown(d)));
+        }
+    }
+    if limits.idempotency_retention > limits.operation_retention {
+        return Err(format!(
+            "--idempotency-retention {}: longer than --operation-retention {} (a key goes with its operation)",
+            shown(limits.idempotency_retention),
+            shown(limits.operation_retention)
+        ));
+    }
+    Ok(limits)
+}
+
+/// `500ms`, `30s`, `5m`, `1h`, `7d`.
 fn duration(s: &str) -> Result<Duration, String> {
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
@@ -78,9 +118,10 @@ fn duration(s: &str) -> Result<Duration, String> {
         "s" => Duration::from_secs(n),
         "m" => Duration::from_secs(n * 60),
         "h" => Duration::from_secs(n * 3600),
+        "d" => Duration::from_secs(n * 86_400),
         _ => {
             return Err(format!(
-                "invalid duration {s:?}: the unit must be ms, s, m or h"
+                "invalid duration {s:?}: the unit must be ms, s, m, h or d"
             ))
         }
     })
@@ -120,16 +161,6 @@ fn main() -> ExitCode {
     runtime.block_on(run(cli.role, deployment, tenants))
 }
 
-/// The dispatcher's `/metrics` and `/healthz`, served in the background.
-async fn serve_metrics(listen: SocketAddr, metrics: Arc<Metrics>) -> Result<(), ExitCode> {
-    let listener = match tokio::net::TcpListener::bind(listen).await {
-        Ok(l) => l,
-        Err(e) => return Err(fail(format_args!("--metrics-listen {listen}: {e}"))),
-    };
-    tokio::spawn(egress_controller::api::serve_metrics(listener, metrics));
-    Ok(())
-}
-
 async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> ExitCode {
     let metrics = Arc::new(Metrics::new());
     match role {
@@ -157,33 +188,73 @@ async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> 
             deadline,
             retry_backoff,
             resync_interval,
+            lease_ttl,
+            operation_retention,
+            idempotency_retention,
             metrics_listen,
         } => {
-            let pool = match store::connect(&common.database_url).await {
-                Ok(p) => p,
-                Err(e) => return fail(e),
-            };
-            if let Err(e) = serve_metrics(metrics_listen, metrics.clone()).await {
-                return e;
-            }
-            tracing::info!("dispatcher standing by for the leader lock");
-            let limits = Limits {
+            let limits = checked(Limits {
                 attempts,
                 deadline,
                 backoff: retry_backoff,
                 resync_interval,
+                lease_ttl,
+                operation_retention,
+                idempotency_retention,
+            });
+            let limits = match limits {
+                Ok(l) => l,
+                Err(e) => return fail(e),
             };
-            // Warm pools refill beside the leader (one round at a time).
-            tokio::spawn(egress_controller::pool::refill_forever(pool.clone()));
-            let d = Dispatcher {
-                pool,
-                database_url: common.database_url,
-                deployment,
-                metrics,
-                limits,
-            };
-            d.run().await;
+            return dispatch(common, limits, metrics_listen, deployment, metrics).await;
         }
     }
     ExitCode::SUCCESS
+}
+
+async fn dispatch(
+    common: Common,
+    limits: Limits,
+    metrics_listen: SocketAddr,
+    deployment: Arc<Deployment>,
+    metrics: Arc<Metrics>,
+) -> ExitCode {
+    let pool = match store::connect(&common.database_url).await {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let listener = match tokio::net::TcpListener::bind(metrics_listen).await {
+        Ok(l) => l,
+        Err(e) => return fail(format_args!("--metrics-listen {metrics_listen}: {e}")),
+    };
+    tokio::spawn(egress_controller::api::serve_metrics(
+        listener,
+        metrics.clone(),
+    ));
+    // Warm pools refill beside the dispatchers (one round at a time).
+    tokio::spawn(egress_controller::pool::refill_forever(pool.clone()));
+    let d = Dispatcher {
+        pool,
+        database_url: common.database_url,
+        deployment,
+        metrics,
+        limits,
+    };
+    d.run_until(stopped()).await;
+    ExitCode::SUCCESS
+}
+
+/// SIGTERM or SIGINT (a signal handler that cannot be installed: never).
+async fn stopped() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
 }

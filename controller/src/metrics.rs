@@ -43,6 +43,8 @@ pub struct Metrics {
     pub push_latency_seconds: Histogram,
     pub leader: Gauge,
     pub pool_claims: Family<OutcomeLabels, Counter>,
+    pub shards: Gauge,
+    pub compares: Family<OutcomeLabels, Counter>,
 }
 
 impl Metrics {
@@ -59,8 +61,11 @@ impl Metrics {
             push_latency_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             leader: Gauge::default(),
             pool_claims: Family::default(),
+            shards: Gauge::default(),
+            compares: Family::default(),
         };
         m.register();
+        m.register_dispatcher();
         m
     }
 
@@ -107,15 +112,30 @@ impl Metrics {
             "From a sandbox change to its gateway acknowledging it",
             self.push_latency_seconds.clone(),
         );
+    }
+
+    /// The dispatchers' own: leadership, shards, gateway checks, warm pools.
+    fn register_dispatcher(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "egress_controller_leader",
-            "1 while this dispatcher leads",
+            "1 while this dispatcher does what one does for all (approval expiry, pruning, the queue metrics)",
             self.leader.clone(),
         );
         registry.register(
             "egress_controller_pool_claims",
             "Warm-pool claims, by outcome (claimed; empty: fell back to a create; replayed: an idempotency key)",
             self.pool_claims.clone(),
+        );
+        registry.register(
+            "egress_controller_shards",
+            "Worker shards this dispatcher holds a lease on",
+            self.shards.clone(),
+        );
+        registry.register(
+            "egress_controller_gateway_checks",
+            "Gateway checks by outcome: generation (in step by its generation), listed (list compared, in step), drift, restarted",
+            self.compares.clone(),
         );
     }
 

@@ -3,9 +3,6 @@
 //! create or a fork composes the effective policy, picks the worker and the
 //! address, and saves them; the push to the gateway follows.
 
-use std::net::IpAddr;
-use std::str::FromStr;
-
 use egress_policy::Policy;
 use serde_json::{json, Value};
 use sqlx::PgConnection;
@@ -185,13 +182,16 @@ async fn place(
     eff: &Effective,
     inherited_provenance: Value,
 ) -> Result<(), Failure> {
-    let (worker, pool, used) = store::lock_worker(conn, worker).await?.ok_or_else(|| {
-        Failure::retry(match worker {
-            Some(w) => format!("worker {w:?} is not registered"),
-            None => "no worker is registered".to_owned(),
-        })
-    })?;
-    let address = free_address(&pool, &used)
+    let (worker, pool) = store::alloc::pick_worker(conn, worker)
+        .await?
+        .ok_or_else(|| {
+            Failure::retry(match worker {
+                Some(w) => format!("worker {w:?} is not registered"),
+                None => "no worker is registered".to_owned(),
+            })
+        })?;
+    let address = store::alloc::allocate(conn, &worker, &pool)
+        .await?
         .ok_or_else(|| Failure::retry(format!("worker {worker}: no free address in {pool}")))?;
     let addresses = [address.to_string()];
     save_placed(
@@ -243,41 +243,4 @@ async fn save_placed(
     )
     .await?;
     Ok(())
-}
-
-/// The lowest address of `pool` no live sandbox holds (network and
-/// broadcast addresses excluded where the pool has them).
-pub fn free_address(pool: &str, used: &[String]) -> Option<IpAddr> {
-    let net = ipnet::IpNet::from_str(pool).ok()?;
-    let used: Vec<IpAddr> = used.iter().filter_map(|a| a.parse().ok()).collect();
-    net.hosts().find(|a| !used.contains(a))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn addresses_come_from_the_pool_lowest_first() {
-        assert_eq!(
-            free_address("100.64.10.0/30", &[]),
-            Some("100.64.10.1".parse().expect("ip"))
-        );
-        assert_eq!(
-            free_address("100.64.10.0/30", &["100.64.10.1".into()]),
-            Some("100.64.10.2".parse().expect("ip"))
-        );
-        assert_eq!(
-            free_address(
-                "100.64.10.0/30",
-                &["100.64.10.1".into(), "100.64.10.2".into()]
-            ),
-            None
-        );
-        assert_eq!(
-            free_address("100.64.1.2/32", &[]),
-            Some("100.64.1.2".parse().expect("ip"))
-        );
-        assert_eq!(free_address("not a cidr", &[]), None);
-    }
 }

@@ -10,6 +10,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
+pub mod alloc;
 pub mod list;
 pub mod pool;
 pub mod shadow;
@@ -223,6 +224,9 @@ pub struct WorkerRow {
     pub pool: String,
     pub epoch: Option<String>,
     pub needs_resync: bool,
+    /// The gateway generation the store last acknowledged (see
+    /// `0005_shards_alloc.sql`); `None`: unknown.
+    pub acked_generation: Option<i64>,
 }
 
 pub async fn put_worker(
@@ -246,22 +250,68 @@ pub async fn put_worker(
 
 pub async fn workers(pool: &PgPool) -> Result<Vec<WorkerRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT id, admin_url, token, pool, epoch, needs_resync FROM workers ORDER BY id",
+        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers ORDER BY id",
     )
     .fetch_all(pool)
     .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(WorkerRow {
-                id: r.try_get("id")?,
-                admin_url: r.try_get("admin_url")?,
-                token: r.try_get("token")?,
-                pool: r.try_get("pool")?,
-                epoch: r.try_get("epoch")?,
-                needs_resync: r.try_get("needs_resync")?,
-            })
+    rows.iter().map(WorkerRow::from_row).collect()
+}
+
+/// The workers of `shards` with something to push: a resync, or changes
+/// their gateway has not acknowledged.
+pub async fn workers_behind(pool: &PgPool, shards: &[i32]) -> Result<Vec<WorkerRow>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers w WHERE egress_worker_shard(id) = ANY($1) AND (needs_resync OR EXISTS (SELECT 1 FROM sandboxes s WHERE s.worker = w.id AND s.generation > s.pushed_generation)) ORDER BY id",
+    )
+    .bind(shards)
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(WorkerRow::from_row).collect()
+}
+
+/// The workers of `shards` (those a dispatcher holds).
+pub async fn workers_in(pool: &PgPool, shards: &[i32]) -> Result<Vec<WorkerRow>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers WHERE egress_worker_shard(id) = ANY($1) ORDER BY id",
+    )
+    .bind(shards)
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(WorkerRow::from_row).collect()
+}
+
+impl WorkerRow {
+    fn from_row(r: &PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            id: r.try_get("id")?,
+            admin_url: r.try_get("admin_url")?,
+            token: r.try_get("token")?,
+            pool: r.try_get("pool")?,
+            epoch: r.try_get("epoch")?,
+            needs_resync: r.try_get("needs_resync")?,
+            acked_generation: r.try_get("acked_generation")?,
         })
-        .collect()
+    }
+}
+
+/// The gateway generation the store acknowledges for a worker: `Some` sets
+/// it (after a resync or a list found in step), `None` adds `applied`
+/// pushes to it.
+pub async fn acknowledge(
+    pool: &PgPool,
+    id: &str,
+    generation: Option<i64>,
+    applied: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE workers SET acked_generation = COALESCE($2, acked_generation + $3) WHERE id = $1",
+    )
+    .bind(id)
+    .bind(generation)
+    .bind(applied)
+    .execute(pool)
+    .await?;
+    Ok(())
 }
 
 /// Records what a worker's gateway said: its epoch, whether it needs a
@@ -281,30 +331,6 @@ pub async fn worker_seen(
         .execute(pool)
         .await?;
     Ok(())
-}
-
-/// The worker a sandbox goes to (the named one, or the least loaded), locked
-/// so concurrent placements allocate addresses one at a time, with the
-/// addresses its live sandboxes hold.
-pub async fn lock_worker(
-    conn: &mut PgConnection,
-    named: Option<&str>,
-) -> Result<Option<(String, String, Vec<String>)>, sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT w.id, w.pool FROM workers w WHERE ($1::text IS NULL OR w.id = $1) ORDER BY (SELECT count(*) FROM sandboxes s WHERE s.worker = w.id AND s.state <> 'destroyed'), w.id LIMIT 1 FOR UPDATE OF w",
-    )
-    .bind(named)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some(row) = row else { return Ok(None) };
-    let (id, pool): (String, String) = (row.try_get("id")?, row.try_get("pool")?);
-    let used: Vec<String> = sqlx::query_scalar(
-        "SELECT a FROM sandboxes, unnest(addresses) AS a WHERE worker = $1 AND state NOT IN ('destroyed', 'failed')",
-    )
-    .bind(&id)
-    .fetch_all(&mut *conn)
-    .await?;
-    Ok(Some((id, pool, used)))
 }
 
 /// The sandboxes a worker's gateway should know, as the gateway's resync
@@ -453,11 +479,17 @@ pub async fn by_key(
 }
 
 /// Claims the oldest runnable operation for this transaction: locked, and
-/// skipped by every other executor, until the transaction ends.
-pub async fn claim(conn: &mut PgConnection) -> Result<Option<OperationRow>, sqlx::Error> {
+/// skipped by every other executor, until the transaction ends. One that
+/// names a worker is claimed only by the holder of the worker's shard (one
+/// of `shards`), so a worker's operations run in order on one dispatcher.
+pub async fn claim(
+    conn: &mut PgConnection,
+    shards: &[i32],
+) -> Result<Option<OperationRow>, sqlx::Error> {
     let row = sqlx::query(
-        "SELECT id, tenant, kind, sandbox, payload, state, attempts, last_error FROM operations WHERE state = 'queued' AND not_before <= now() ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+        "SELECT id, tenant, kind, sandbox, payload, state, attempts, last_error FROM operations WHERE state = 'queued' AND not_before <= now() AND (payload->>'worker' IS NULL OR egress_worker_shard(payload->>'worker') = ANY($1)) ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED",
     )
+    .bind(shards)
     .fetch_optional(&mut *conn)
     .await?;
     row.as_ref().map(OperationRow::from_row).transpose()
@@ -476,7 +508,7 @@ pub async fn succeed(conn: &mut PgConnection, id: &str) -> Result<(), sqlx::Erro
 /// once `attempts` are used or the retry would pass `deadline` after the
 /// operation was queued. Returns the new state.
 pub async fn attempt_failed(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     id: &str,
     error: &str,
     retryable: bool,
@@ -496,7 +528,7 @@ pub async fn attempt_failed(
     .bind(attempts)
     .bind(backoff.as_secs_f64())
     .bind(deadline.as_secs_f64())
-    .fetch_one(pool)
+    .fetch_one(&mut *conn)
     .await
 }
 
@@ -515,4 +547,34 @@ pub async fn backlog(pool: &PgPool) -> Result<(i64, f64, f64), sqlx::Error> {
         row.try_get("oldest")?,
         row.try_get("lag")?,
     ))
+}
+
+/// Bounded growth: forgets the idempotency keys of finished operations
+/// queued more than `keys` ago (a replay then creates anew), and deletes
+/// finished operations that finished more than `operations` ago (their
+/// `GET /v1/operations/{id}` is then 404). At most `batch` rows of each per
+/// call; returns (keys forgotten, operations deleted).
+pub async fn prune(
+    pool: &PgPool,
+    operations: Duration,
+    keys: Duration,
+    batch: i64,
+) -> Result<(u64, u64), sqlx::Error> {
+    let forgotten = sqlx::query(
+        "UPDATE operations SET idempotency_key = NULL, fingerprint = NULL WHERE id IN (SELECT id FROM operations WHERE idempotency_key IS NOT NULL AND created_at < now() - make_interval(secs => $1) AND state IN ('succeeded', 'failed') LIMIT $2)",
+    )
+    .bind(keys.as_secs_f64())
+    .bind(batch)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    let deleted = sqlx::query(
+        "DELETE FROM operations WHERE id IN (SELECT id FROM operations WHERE finished_at IS NOT NULL AND finished_at < now() - make_interval(secs => $1) AND state IN ('succeeded', 'failed') LIMIT $2)",
+    )
+    .bind(operations.as_secs_f64())
+    .bind(batch)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok((forgotten, deleted))
 }

@@ -178,6 +178,7 @@ async fn start_controller(url: &str) -> Result<(SocketAddr, Arc<Metrics>), Strin
         deadline: Duration::from_secs(300),
         backoff: Duration::from_millis(200),
         resync_interval: Duration::from_secs(5),
+        ..Limits::default()
     };
     let dispatcher_metrics = Arc::new(Metrics::new());
     tokio::spawn(

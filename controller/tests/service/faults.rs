@@ -581,6 +581,8 @@ fn spawn_dispatcher(url: &str, dir: &std::path::Path, name: &str) -> Process {
             "100ms",
             "--resync-interval",
             "200ms",
+            "--lease-ttl",
+            "3s",
             "--metrics-listen",
         ])
         .arg(metrics.to_string())
@@ -594,27 +596,37 @@ fn spawn_dispatcher(url: &str, dir: &std::path::Path, name: &str) -> Process {
     Process(child, log)
 }
 
-fn leads(p: &Process) -> bool {
-    std::fs::read_to_string(&p.1).is_ok_and(|t| t.contains("leading"))
-}
-
-/// The index of the one process that leads (≤ 60 s: a bound that only
-/// turns "never" into a failure on a loaded machine).
-async fn leader(ps: &[Process]) -> usize {
+/// The index of the process whose dispatcher holds worker `w1`'s shard
+/// now (≤ 60 s: a bound that only turns "never" into a failure on a
+/// loaded machine). A dispatcher logs its id when it starts.
+async fn pusher(url: &str, ps: &[Process]) -> usize {
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
     for _ in 0..1200 {
-        let leading: Vec<usize> = (0..ps.len()).filter(|&i| leads(&ps[i])).collect();
-        if let [one] = leading[..] {
-            return one;
+        let holder: Option<String> = sqlx::query_scalar(
+            "SELECT holder FROM dispatcher_shards WHERE shard = egress_worker_shard('w1') AND expires > now()",
+        )
+        .fetch_optional(&mut conn)
+        .await
+        .expect("the shard's holder")
+        .flatten();
+        // The id is random per process: its text alone picks the log.
+        let logged = |p: &Process| {
+            let log = std::fs::read_to_string(&p.1).unwrap_or_default();
+            holder.as_deref().is_some_and(|id| log.contains(id))
+        };
+        if let Some(i) = (0..ps.len()).find(|&i| logged(&ps[i])) {
+            return i;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("no single leader among the dispatchers");
+    panic!("no dispatcher holds w1's shard");
 }
 
 /// Ordered, not timed: three dispatcher processes; the gateway's front
-/// holds every push, so the leader is SIGKILLed with its pushes in flight.
-/// Another takes over, the front forwards again, and every sandbox is on
-/// the gateway, each placed by one operation run exactly once.
+/// holds every push, so the dispatcher holding the worker's shard is
+/// SIGKILLed with its pushes in flight. Another takes the shard over once
+/// the lease (3 s) expires, the front forwards again, and every sandbox is
+/// on the gateway, each placed by one operation run exactly once.
 #[tokio::test]
 async fn a_dispatcher_sigkilled_mid_push_with_two_others_running_has_exactly_once_effects() {
     let url = crate::db!();
@@ -637,7 +649,6 @@ async fn a_dispatcher_sigkilled_mid_push_with_two_others_running_has_exactly_onc
         .iter()
         .map(|n| spawn_dispatcher(&url, dir.path(), n))
         .collect();
-    let first = leader(&ps).await;
     for _ in 0..2400 {
         if link.held.load(Ordering::SeqCst) > 0 {
             break;
@@ -648,19 +659,23 @@ async fn a_dispatcher_sigkilled_mid_push_with_two_others_running_has_exactly_onc
         link.held.load(Ordering::SeqCst) > 0,
         "the leader never pushed"
     );
+    let first = pusher(&url, &ps).await;
     let killed = Instant::now();
     drop(ps.remove(first)); // SIGKILL, pushes in flight
-    let second = leader(&ps).await;
+    let second = pusher(&url, &ps).await;
     link.mode.store(FORWARD, Ordering::SeqCst);
     for id in &ids {
         on_gateway(&gw, id).await;
     }
     let recovered = killed.elapsed();
     assert_placed_once(&url, ids.len() as i64).await;
-    let standby = &ps[1 - second];
-    assert!(!leads(standby), "the third dispatcher still stands by");
+    assert_eq!(
+        pusher(&url, &ps).await,
+        second,
+        "one dispatcher holds the shard"
+    );
     println!(
-        "FIGURES dispatcher SIGKILL: 3 dispatchers, 30 creates; the leader killed with {} pushes held; \
+        "FIGURES dispatcher SIGKILL: 3 dispatchers, 30 creates; the shard's holder killed with {} pushes held; \
          all on the gateway {recovered:.1?} after the kill",
         link.held.load(Ordering::SeqCst)
     );

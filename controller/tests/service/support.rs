@@ -121,6 +121,8 @@ pub fn limits(attempts: i32, deadline_ms: u64, backoff_ms: u64) -> Limits {
         deadline: Duration::from_millis(deadline_ms),
         backoff: Duration::from_millis(backoff_ms),
         resync_interval: Duration::from_millis(200),
+        lease_ttl: Duration::from_secs(10),
+        ..Limits::default()
     }
 }
 

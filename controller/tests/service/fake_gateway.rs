@@ -1,0 +1,141 @@
+//! A recording stand-in for a worker gateway's admin API on loopback: it
+//! keeps the pushed sandboxes, moves its generation by one per applied
+//! push as the real one does, answers `/readyz` and the list, and records
+//! every request, so tests can count what the dispatchers sent.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+
+/// What a dispatcher sent.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Put(String, Value),
+    Delete(String),
+    Resync(usize),
+    List,
+}
+
+#[derive(Debug, Default)]
+pub struct State {
+    pub epoch: String,
+    pub generation: i64,
+    pub sandboxes: BTreeMap<String, Value>,
+    pub events: Vec<Event>,
+}
+
+pub struct FakeGateway {
+    pub addr: SocketAddr,
+    pub state: Arc<Mutex<State>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeGateway {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FakeGateway {
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let state = Arc::new(Mutex::new(State {
+            epoch: egress_controller::ids::new("e"),
+            ..State::default()
+        }));
+        let shared = state.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let state = shared.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let state = state.clone();
+                        async move { Ok::<_, std::convert::Infallible>(answer(req, &state).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self { addr, state, task }
+    }
+
+    pub fn events(&self) -> Vec<Event> {
+        self.state.lock().expect("state").events.clone()
+    }
+}
+
+async fn answer(
+    req: Request<hyper::body::Incoming>,
+    state: &Mutex<State>,
+) -> Response<Full<Bytes>> {
+    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let mut s = state.lock().expect("state");
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (status, out) = match (method.as_str(), segments.as_slice()) {
+        ("GET", ["readyz"]) => (
+            200,
+            format!("ready epoch={} generation={}\n", s.epoch, s.generation),
+        ),
+        ("GET", ["v1", "sandboxes"]) => {
+            s.events.push(Event::List);
+            let list: Vec<Value> = s
+                .sandboxes
+                .iter()
+                .map(|(id, doc)| json!({"id": id, "addresses": doc["addresses"], "policy": doc["policy"]}))
+                .collect();
+            let doc = json!({"epoch": s.epoch, "generation": s.generation, "sandboxes": list});
+            (200, doc.to_string())
+        }
+        ("PUT", ["v1", "sandboxes"]) => {
+            let text = String::from_utf8_lossy(&body);
+            let docs: Vec<Value> = text
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect();
+            s.events.push(Event::Resync(docs.len()));
+            s.sandboxes = docs
+                .into_iter()
+                .filter_map(|d| Some((d["id"].as_str()?.to_owned(), d)))
+                .collect();
+            s.generation += 1;
+            (200, "{}".to_owned())
+        }
+        ("PUT", ["v1", "sandboxes", id]) => {
+            let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            s.events.push(Event::Put((*id).to_owned(), doc.clone()));
+            s.sandboxes.insert((*id).to_owned(), doc);
+            s.generation += 1;
+            (200, "{}".to_owned())
+        }
+        ("DELETE", ["v1", "sandboxes", id]) => {
+            s.events.push(Event::Delete((*id).to_owned()));
+            if s.sandboxes.remove(*id).is_some() {
+                s.generation += 1;
+                (200, "{}".to_owned())
+            } else {
+                (404, "{}".to_owned())
+            }
+        }
+        _ => (404, "{}".to_owned()),
+    };
+    let mut r = Response::new(Full::new(Bytes::from(out)));
+    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
+    r
+}

@@ -1,0 +1,539 @@
+//! Dispatchers at fleet scale (docs/controller.md, "The dispatcher"): the
+//! workers split among dispatchers by shard leases, addresses allocated
+//! without a scan, drift found by generation, and pruning.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sqlx::Connection;
+
+use crate::db;
+use crate::fake_gateway::{Event, FakeGateway};
+use crate::support::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_egress-controller");
+
+async fn put(api: &ApiProcess, path: &str, body: Value) {
+    let (s, v) = call(api.addr, "PUT", path, Some(ADMIN), &[], Some(body)).await;
+    assert_eq!(s, 200, "{path}: {v}");
+}
+
+async fn register(api: &ApiProcess, id: &str, gw: &FakeGateway, pool: &str) {
+    let body = json!({"admin_url": format!("http://{}", gw.addr), "token": "", "pool": pool});
+    put(api, &format!("/v1/workers/{id}"), body).await;
+}
+
+/// Polls `sql` (one bigint) until `want` holds (≤ 20 s).
+async fn db_until(url: &str, sql: &str, want: impl Fn(i64) -> bool) -> i64 {
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
+    let mut last = 0;
+    for _ in 0..400 {
+        last = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(&mut conn)
+            .await
+            .expect("query");
+        if want(last) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never held: {sql} (last {last})");
+}
+
+/// The holder of the shard of worker `id` (a live lease).
+async fn holder(url: &str, id: &str) -> Option<String> {
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
+    sqlx::query_scalar(
+        "SELECT holder FROM dispatcher_shards WHERE shard = egress_worker_shard($1) AND expires > now()",
+    )
+    .bind(id)
+    .fetch_one(&mut conn)
+    .await
+    .expect("holder")
+}
+
+/// A metric's value in a dispatcher's text exposition (0 when absent).
+fn metric(d: &DispatcherTask, line_prefix: &str) -> f64 {
+    d.metrics
+        .encode()
+        .lines()
+        .find_map(|l| l.strip_prefix(line_prefix))
+        .map_or(0.0, |v| v.trim().parse().unwrap_or(0.0))
+}
+
+/// Worker ids (`w0`, `w1`, …) whose shards `a` and `b` hold: two each.
+async fn workers_of(url: &str, a: &str, b: &str) -> Vec<(String, String)> {
+    let mut picked = Vec::new();
+    let mut per = BTreeMap::<String, usize>::new();
+    for i in 0..200 {
+        let id = format!("w{i}");
+        if let Some(h) = holder(url, &id).await.filter(|h| h == a || h == b) {
+            let n = per.entry(h.clone()).or_default();
+            if *n < 2 {
+                *n += 1;
+                picked.push((id, h));
+            }
+        }
+        if picked.len() == 4 {
+            return picked;
+        }
+    }
+    panic!("no two workers for each of {a} and {b}: {picked:?}");
+}
+
+/// The version `vN` a pushed policy allows (`vN.example.test`).
+fn version(doc: &Value) -> u32 {
+    let text = doc["policy"].to_string();
+    let at = text.find(".example.test").expect("a versioned policy");
+    let start = text[..at].rfind('v').expect("v");
+    text[start + 1..at].parse().expect("a version")
+}
+
+/// Two dispatchers split the workers: each executes the creates that name
+/// the workers of its shards and pushes to them, and every change of every
+/// sandbox reaches its gateway once, in order (versions strictly rising, no
+/// repeats), with no resync beyond the first.
+#[tokio::test]
+async fn two_dispatchers_split_the_workers_and_push_each_change_once_in_order() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let da = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let db = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let live = "SELECT count(DISTINCT holder) * 100 + count(*) FROM dispatcher_shards WHERE expires > now()";
+    db_until(&url, live, |v| v == 264).await;
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let holders: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT holder FROM dispatcher_shards WHERE expires > now() ORDER BY holder",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .expect("holders");
+    let workers = workers_of(&url, &holders[0], &holders[1]).await;
+    let mut gateways = Vec::new();
+    for (i, (id, _)) in workers.iter().enumerate() {
+        let gw = FakeGateway::start().await;
+        register(&api, id, &gw, &format!("100.64.{i}.0/24")).await;
+        gateways.push(gw);
+    }
+    let mut sandboxes: Vec<(usize, String)> = Vec::new();
+    for (i, (id, _)) in workers.iter().enumerate() {
+        for _ in 0..5 {
+            let body = json!({"template": "base", "worker": id,
+                "policy": {"default": "deny", "allow": [{"domain": "v0.example.test"}]}});
+            let (s, v) = call(
+                api.addr,
+                "POST",
+                "/v1/sandboxes",
+                Some(FEDERATED),
+                &[],
+                Some(body),
+            )
+            .await;
+            assert_eq!(s, 202, "{v}");
+            let op = v["operation"].as_str().expect("op").to_owned();
+            assert_eq!(
+                settled(&api, FEDERATED, &op).await["state"],
+                json!("succeeded")
+            );
+            sandboxes.push((i, v["sandbox"].as_str().expect("id").to_owned()));
+        }
+    }
+    for n in 1..=3 {
+        for (_, id) in &sandboxes {
+            let policy =
+                json!({"default": "deny", "allow": [{"domain": format!("v{n}.example.test")}]});
+            let (s, v) = call(
+                api.addr,
+                "PUT",
+                &format!("/v1/sandboxes/{id}/network"),
+                Some(FEDERATED),
+                &[],
+                Some(json!({"policy": policy})),
+            )
+            .await;
+            assert_eq!(s, 200, "{v}");
+        }
+    }
+    db_until(
+        &url,
+        "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation",
+        |n| n == 0,
+    )
+    .await;
+    for (i, gw) in gateways.iter().enumerate() {
+        let events = gw.events();
+        let resyncs = events
+            .iter()
+            .filter(|e| matches!(e, Event::Resync(_)))
+            .count();
+        assert_eq!(resyncs, 1, "worker {i}: {events:?}");
+        let mut seen: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for e in &events {
+            if let Event::Put(id, doc) = e {
+                seen.entry(id.clone()).or_default().push(version(doc));
+            }
+        }
+        let mine: BTreeSet<&String> = sandboxes
+            .iter()
+            .filter(|(w, _)| *w == i)
+            .map(|(_, s)| s)
+            .collect();
+        assert_eq!(seen.keys().collect::<BTreeSet<_>>(), mine, "worker {i}");
+        for (id, versions) in &seen {
+            assert!(
+                versions.windows(2).all(|w| w[0] < w[1]),
+                "{id}: {versions:?}"
+            );
+            assert_eq!(versions.last(), Some(&3), "{id}: {versions:?}");
+        }
+    }
+    // Each ran the creates of its own workers: ten each.
+    let ok = r#"egress_controller_operations_total{outcome="succeeded"} "#;
+    assert_eq!((metric(&da, ok), metric(&db, ok)), (10.0, 10.0));
+    let once: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM operations WHERE state = 'succeeded' AND attempts = 1",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("count");
+    assert_eq!(once, 20);
+}
+
+async fn e2b_create(api: std::net::SocketAddr) -> (u16, Value) {
+    call(
+        api,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"templateID": "base"})),
+    )
+    .await
+}
+
+async fn address(api: &ApiProcess, id: &str) -> String {
+    let (s, v) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    v["addresses"][0].as_str().expect("an address").to_owned()
+}
+
+/// 30 concurrent creates on a pool of 30 hosts get 30 distinct addresses;
+/// a 31st finds none; five destroyed, five concurrent creates get exactly
+/// the five released addresses.
+#[tokio::test]
+async fn allocation_never_hands_an_address_twice_and_reuses_freed_ones() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let gw = FakeGateway::start().await;
+    register(&api, "w1", &gw, "100.64.20.0/27").await;
+    let created = futures_all((0..30).map(|_| e2b_create(api.addr))).await;
+    let mut ids = Vec::new();
+    for (s, v) in created {
+        assert_eq!(s, 201, "{v}");
+        ids.push(v["sandboxID"].as_str().expect("id").to_owned());
+    }
+    let mut held = BTreeSet::new();
+    for id in &ids {
+        assert!(
+            held.insert(address(&api, id).await),
+            "an address handed out twice"
+        );
+    }
+    let pool: ipnet::IpNet = "100.64.20.0/27".parse().expect("pool");
+    let hosts: BTreeSet<String> = pool.hosts().map(|a| a.to_string()).collect();
+    assert_eq!(held, hosts, "every host of the pool, once");
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 503, "a full pool: {v}");
+    let mut freed = BTreeSet::new();
+    for id in &ids[..5] {
+        freed.insert(address(&api, id).await);
+        let (s, v) = call(
+            api.addr,
+            "DELETE",
+            &format!("/v1/sandboxes/{id}"),
+            Some(FEDERATED),
+            &[],
+            None,
+        )
+        .await;
+        assert_eq!(s, 200, "{v}");
+    }
+    let again = futures_all((0..5).map(|_| e2b_create(api.addr))).await;
+    let mut reused = BTreeSet::new();
+    for (s, v) in again {
+        assert_eq!(s, 201, "{v}");
+        reused.insert(address(&api, v["sandboxID"].as_str().expect("id")).await);
+    }
+    assert_eq!(reused, freed, "the released addresses, each once");
+}
+
+/// Runs the futures concurrently on this task's runtime.
+async fn futures_all<F: std::future::Future<Output = T> + Send + 'static, T: Send + 'static>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<T> {
+    let tasks: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("task"));
+    }
+    out
+}
+
+/// With the gateway in step, its generation is all that is compared: no
+/// list is fetched. A generation moved behind the store's back has the
+/// list fetched (in step: acknowledged, no resync); a sandbox the store
+/// does not know is drift: one resync, and it is gone.
+#[tokio::test]
+async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let gw = FakeGateway::start().await;
+    register(&api, "w1", &gw, "100.64.30.0/24").await;
+    let d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    for _ in 0..3 {
+        let (s, v) = e2b_create(api.addr).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    db_until(
+        &url,
+        "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation",
+        |n| n == 0,
+    )
+    .await;
+    let in_step = r#"egress_controller_gateway_checks_total{outcome="generation"} "#;
+    let listed = r#"egress_controller_gateway_checks_total{outcome="listed"} "#;
+    let checks = metric(&d, in_step);
+    metric_until(&d, in_step, |v| v >= checks + 5.0).await;
+    let lists = |gw: &FakeGateway| gw.events().iter().filter(|e| **e == Event::List).count();
+    let resyncs = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .filter(|e| matches!(e, Event::Resync(_)))
+            .count()
+    };
+    assert_eq!(
+        (lists(&gw), resyncs(&gw), metric(&d, listed)),
+        (0, 1, 0.0),
+        "{:?}",
+        gw.events()
+    );
+    // The generation moves, the list does not.
+    gw.state.lock().expect("state").generation += 1;
+    metric_until(&d, listed, |v| v >= 1.0).await;
+    let checks = metric(&d, in_step);
+    metric_until(&d, in_step, |v| v >= checks + 3.0).await;
+    assert_eq!((lists(&gw), resyncs(&gw)), (1, 1), "{:?}", gw.events());
+    // A sandbox the store does not know.
+    {
+        let mut s = gw.state.lock().expect("state");
+        s.sandboxes.insert(
+            "sb-stray".into(),
+            json!({"addresses": ["100.64.30.200"], "policy": {"default": "allow"}}),
+        );
+        s.generation += 1;
+    }
+    for _ in 0..400 {
+        if resyncs(&gw) == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(resyncs(&gw), 2, "{:?}", gw.events());
+    let s = gw.state.lock().expect("state");
+    assert!(!s.sandboxes.contains_key("sb-stray"));
+    assert_eq!(s.sandboxes.len(), 3);
+}
+
+async fn metric_until(d: &DispatcherTask, prefix: &str, want: impl Fn(f64) -> bool) {
+    for _ in 0..400 {
+        if want(metric(d, prefix)) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{prefix} never held: {}", metric(d, prefix));
+}
+
+/// Finished operations are deleted after `--operation-retention`, their
+/// idempotency keys forgotten after `--idempotency-retention`: a replay of
+/// the key then queues a new create.
+#[tokio::test]
+async fn finished_operations_and_idempotency_keys_are_pruned_after_their_retention() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.40.0/24",
+    )
+    .await;
+    let mut l = limits(5, 60_000, 100);
+    l.operation_retention = Duration::from_secs(2);
+    l.idempotency_retention = Duration::from_secs(1);
+    let _d = dispatcher(&url, deployment(None, None), l).await;
+    let create = || async {
+        let (s, v) = call(
+            api.addr,
+            "POST",
+            "/v1/sandboxes",
+            Some(FEDERATED),
+            &[("Idempotency-Key", "key-1")],
+            Some(json!({"template": "base"})),
+        )
+        .await;
+        assert_eq!(s, 202, "{v}");
+        v["operation"].as_str().expect("op").to_owned()
+    };
+    let first = create().await;
+    assert_eq!(
+        settled(&api, FEDERATED, &first).await["state"],
+        json!("succeeded")
+    );
+    assert_eq!(create().await, first, "replayed while kept");
+    let path = format!("/v1/operations/{first}");
+    let mut gone = false;
+    for _ in 0..400 {
+        if call(api.addr, "GET", &path, Some(FEDERATED), &[], None)
+            .await
+            .0
+            == 404
+        {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "{first} was never pruned");
+    let second = create().await;
+    assert_ne!(second, first, "the key was forgotten: a new create");
+    assert_eq!(
+        settled(&api, FEDERATED, &second).await["state"],
+        json!("succeeded")
+    );
+}
+
+/// The retention and lease flags are checked at start, naming the flag.
+#[tokio::test]
+async fn bad_retention_and_lease_flags_stop_the_dispatcher_naming_the_flag() {
+    let dir = tempfile::tempdir().expect("dir");
+    let tenants = dir.path().join("tenants.json");
+    std::fs::write(
+        &tenants,
+        format!(r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "admin": true}}}}}}"#),
+    )
+    .expect("write");
+    for (args, needle) in [
+        (
+            &[
+                "--idempotency-retention",
+                "2d",
+                "--operation-retention",
+                "1d",
+            ][..],
+            "--idempotency-retention 172800000ms: longer than --operation-retention",
+        ),
+        (
+            &["--operation-retention", "0s"][..],
+            "--operation-retention 0ms",
+        ),
+        (&["--lease-ttl", "500ms"][..], "--lease-ttl 500ms"),
+        (&["--operation-retention", "1w"][..], "1w"),
+    ] {
+        let out = Command::new(BIN)
+            .args(["dispatcher", "--tenants"])
+            .arg(&tenants)
+            .args(args)
+            .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+            .env_remove("SPACE_EGRESS_PROFILES")
+            .env_remove("SPACE_TLS_INTERCEPTION_EXEMPTIONS")
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+/// Through a rolling upgrade: while a dispatcher of the single-leader kind
+/// leads (it holds the old leader lock exclusively), a sharded one neither
+/// takes shards nor runs anything; once the old one is gone it works.
+#[tokio::test]
+async fn a_sharded_dispatcher_waits_while_a_single_leader_dispatcher_leads() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, deployment(None, None)).await;
+    setup(
+        &api,
+        json!({"default": "allow"}),
+        gw.bound().admin,
+        "100.64.50.0/24",
+    )
+    .await;
+    let mut old_leader = sqlx::PgConnection::connect(&url).await.expect("db");
+    // The key single-leader dispatchers lead with.
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(0x6567_7265_7373_i64)
+        .fetch_one(&mut old_leader)
+        .await
+        .expect("lock");
+    assert!(got);
+    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"template": "base"})),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    let op = v["operation"].as_str().expect("op").to_owned();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let (state, alive): (String, i64) = sqlx::query_as(
+        "SELECT (SELECT state FROM operations WHERE id = $1), (SELECT count(*) FROM dispatchers)",
+    )
+    .bind(&op)
+    .fetch_one(&mut conn)
+    .await
+    .expect("state");
+    assert_eq!((state.as_str(), alive), ("queued", 0));
+    drop(old_leader);
+    assert_eq!(
+        settled(&api, FEDERATED, &op).await["state"],
+        json!("succeeded")
+    );
+}
