@@ -23,8 +23,10 @@ use tokio::task::AbortHandle;
 use egress_policy::Policy;
 use futures::StreamExt;
 use http::{Method, StatusCode};
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::{Connection, PgConnection, PgPool};
+
+use egress_api::gateway::{PutSandbox, SandboxDoc};
 
 use crate::config::Deployment;
 use crate::gateway_client::call;
@@ -508,25 +510,24 @@ impl Dispatcher {
         chunk: &[SandboxRow],
     ) -> (i64, Option<(String, String)>) {
         let mut pushes = tokio::task::JoinSet::new();
+        let (mut applied, mut failed) = (0, None);
         for s in chunk {
             let (url, token) = (w.admin_url.clone(), w.token.clone());
             let (id, generation) = (s.id.clone(), s.generation);
-            let (method, body) =
-                if s.state == "destroyed" || s.state == "failed" || s.policy.is_none() {
-                    (Method::DELETE, None)
-                } else {
-                    (
-                        Method::PUT,
-                        Some(json!({"addresses": s.addresses, "policy": s.policy})),
-                    )
-                };
+            let (method, body) = match put_body(s) {
+                Ok(Some(body)) => (Method::PUT, Some(body)),
+                Ok(None) => (Method::DELETE, None),
+                Err(e) => {
+                    failed = Some((id, e));
+                    continue;
+                }
+            };
             pushes.spawn(async move {
-                let path = format!("/v1/sandboxes/{id}");
+                let path = egress_api::gateway::sandbox(&id);
                 let outcome = call(&url, &token, method, &path, body.as_ref()).await;
                 (id, generation, outcome)
             });
         }
-        let (mut applied, mut failed) = (0, None);
         while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
             match outcome {
                 Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
@@ -558,8 +559,13 @@ impl Dispatcher {
         // NDJSON, streamed by the gateway: no size bound on a resync.
         let mut ndjson = String::new();
         for s in &rows {
-            let line = json!({"id": s.id, "addresses": s.addresses, "policy": s.policy});
-            ndjson.push_str(&line.to_string());
+            match resync_line(s) {
+                Ok(line) => ndjson.push_str(&line),
+                Err(error) => {
+                    tracing::warn!(worker = %w.id, sandbox = %s.id, %error, "resync refused here");
+                    return false;
+                }
+            }
             ndjson.push('\n');
         }
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
@@ -695,6 +701,52 @@ impl Default for Tenders {
             permits: Arc::new(tokio::sync::Semaphore::new(WORKERS_AT_ONCE)),
         }
     }
+}
+
+/// What a sandbox row is on its gateway: `PUT /v1/sandboxes/{id}`'s body
+/// (the contract's [`PutSandbox`]), or `None` for one the gateway must
+/// forget. A row the contract cannot carry (an address that does not
+/// parse) is an error, never sent.
+fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
+    let Some(policy) = s
+        .policy
+        .clone()
+        .filter(|_| s.state != "destroyed" && s.state != "failed")
+    else {
+        return Ok(None);
+    };
+    let doc = PutSandbox {
+        addresses: addresses(s)?,
+        policy,
+        credentials: Vec::new(),
+        upstream_proxy: None,
+    };
+    serde_json::to_value(doc)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+/// A sandbox row as one line of a streamed resync (the contract's [`SandboxDoc`]).
+fn resync_line(s: &SandboxRow) -> Result<String, String> {
+    let doc = SandboxDoc {
+        id: s.id.clone(),
+        addresses: addresses(s)?,
+        policy: (s.policy.clone()).ok_or_else(|| format!("sandbox {}: no policy yet", s.id))?,
+        credentials: Vec::new(),
+        upstream_proxy: None,
+        shadow: None,
+    };
+    serde_json::to_string(&doc).map_err(|e| e.to_string())
+}
+
+fn addresses(s: &SandboxRow) -> Result<Vec<std::net::IpAddr>, String> {
+    s.addresses
+        .iter()
+        .map(|a| {
+            a.parse()
+                .map_err(|_| format!("sandbox {}: address {a:?} is not an IP address", s.id))
+        })
+        .collect()
 }
 
 fn parse_ready(text: &str) -> Option<(String, i64)> {
