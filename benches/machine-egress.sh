@@ -3,7 +3,8 @@
 # or 500 VMs are registered, and how fast a policy applies at 500.
 #
 #   sudo benches/machine-egress.sh      # ROUNDS=3 SECONDS_PER=3 COUNTS="1 100 500"
-#   PROFILE=debug ...                   # use debug binaries (a shared machine)
+#   PROFILE=debug LOAD_PROFILE=release  # a debug gateway (it only applies
+#                                       # rules), a release load generator
 #
 # Three namespaces, all on 100.64.0.0/10 and 203.0.113.0/24 and nothing
 # else: a VM stand-in (100.64.4.2), the gateway (forwarding only the VM's
@@ -24,10 +25,12 @@ secs=${SECONDS_PER:-3}
 counts=${COUNTS:-1 100 500}
 profile=${PROFILE:-release}
 target=${CARGO_TARGET_DIR:-$root/target}
-if [ "$profile" = release ]; then flag=--release; else flag=; fi
-cargo build $flag --quiet -p egress-gateway -p egress-benches --bins --manifest-path "$root/Cargo.toml"
+load_profile=${LOAD_PROFILE:-$profile} # the load generator's own profile
+flag() { if [ "$1" = release ]; then echo --release; fi; }
+cargo build $(flag "$profile") --quiet -p egress-gateway --bins --manifest-path "$root/Cargo.toml"
+cargo build $(flag "$load_profile") --quiet -p egress-benches --bin egress-l4load --manifest-path "$root/Cargo.toml"
 gw=$target/$profile/egress-gateway
-load=$target/$profile/egress-l4load
+load=$target/$load_profile/egress-l4load
 tag=$$
 vmns=meb-vm-$tag gwns=meb-gw-$tag orns=meb-or-$tag
 state=$(mktemp -d /tmp/egress-machine-bench.XXXXXX)
