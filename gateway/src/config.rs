@@ -58,6 +58,21 @@ pub fn is_iface_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
+/// A cgroup path as nft can quote it: components of letters, digits and
+/// `-_.@:`, none of them `.` or `..`, separated by `/`.
+pub fn is_cgroup_path(s: &str) -> bool {
+    let s = s.trim_matches('/');
+    !s.is_empty()
+        && s.split('/').all(|c| {
+            !c.is_empty()
+                && c != "."
+                && c != ".."
+                && c.len() <= 255
+                && c.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.@:".contains(&b))
+        })
+}
+
 /// An interface name, or a prefix of one ending in `*` (a fence pattern).
 pub fn is_iface_pattern(p: &str) -> bool {
     is_iface_name(p.strip_suffix('*').unwrap_or(p))
@@ -105,6 +120,23 @@ pub struct MachineEgressConfig {
     /// How often the kernel's counters are read for new observations.
     #[serde(deserialize_with = "duration")]
     pub observe_interval: Duration,
+    /// How VMs are told apart: by source address on the forward hook (a
+    /// network namespace per QEMU process), or by the QEMU process's cgroup
+    /// on the output hook (QEMU in the host namespace).
+    #[serde(rename = "match")]
+    pub matching: MachineMatch,
+    /// Where the cgroup v2 hierarchy is mounted, relative to
+    /// `/sys/fs/cgroup`: `""` on a unified host, `"unified"` on a hybrid one.
+    pub cgroup_prefix: String,
+}
+
+/// `machine_egress.match`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MachineMatch {
+    #[default]
+    Address,
+    Cgroup,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
@@ -297,6 +329,8 @@ impl Default for MachineEgressConfig {
             nft: vec!["nft".into()],
             observed_capacity: 4_096,
             observe_interval: Duration::from_secs(5),
+            matching: MachineMatch::Address,
+            cgroup_prefix: String::new(),
         }
     }
 }
@@ -313,6 +347,14 @@ impl MachineEgressConfig {
         if self.observe_interval < Duration::from_millis(100) {
             let why = format!("{:?} is shorter than 100ms", self.observe_interval);
             return Some(("machine_egress.observe_interval", why));
+        }
+        let prefix = self.cgroup_prefix.trim_matches('/');
+        if !prefix.is_empty() && !crate::config::is_cgroup_path(prefix) {
+            let why = format!(
+                "{:?}: expected a relative path of plain names",
+                self.cgroup_prefix
+            );
+            return Some(("machine_egress.cgroup_prefix", why));
         }
         None
     }

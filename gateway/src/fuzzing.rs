@@ -232,10 +232,10 @@ fn explain_policy() -> &'static CompiledPolicy {
 /// `machine::api`'s `PUT /v1/vms/{id}` reader plus `Machines::put_vm`'s
 /// address checks, before it touches the kernel: `(addresses, own policy)`.
 fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), String> {
-    let (addresses, egress) = crate::machine::api::registration_doc(text).map_err(|e| e.message)?;
+    let r = crate::machine::api::registration_doc(text).map_err(|e| e.message)?;
     let addresses =
-        crate::machine::check_addresses("fuzz", addresses).map_err(|e| e.to_string())?;
-    Ok((addresses, egress))
+        crate::machine::check_addresses("fuzz", r.addresses).map_err(|e| e.to_string())?;
+    Ok((addresses, r.egress))
 }
 
 #[cfg(test)]

@@ -575,6 +575,11 @@ struct VmLabels {
     outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SpoofLabels {
+    vm: String,
+}
+
 /// What machine egress reports at each scrape (`machine::Machines`
 /// answers it; declared here so metrics need not know machine egress).
 pub(crate) trait MachineFigures: Send + Sync + std::fmt::Debug {
@@ -588,6 +593,8 @@ pub(crate) struct MachineCounts {
     pub(crate) by_mode: Vec<(&'static str, u64)>,
     /// (VM, audit, packets refused or would-be-refused).
     pub(crate) packets: Vec<(String, bool, u64)>,
+    /// (VM, packets dropped on its link for a source not its own).
+    pub(crate) spoofed: Vec<(String, u64)>,
     pub(crate) evictions: u64,
 }
 
@@ -622,6 +629,15 @@ impl Collector for MachineSources {
         for (vm, audit, n) in f.packets {
             let outcome = if audit { "would_refuse" } else { "refused" };
             ConstCounter::new(n).encode(family.encode_family(&VmLabels { vm, outcome })?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "machine_spoofed_packets",
+            "Packets dropped on a VM's link because their source is not an address of that VM, by VM; read from the kernel's counters.",
+            None,
+            counter.metric_type(),
+        )?;
+        for (vm, n) in f.spoofed {
+            ConstCounter::new(n).encode(family.encode_family(&SpoofLabels { vm })?)?;
         }
         let c = ConstCounter::new(f.evictions);
         c.encode(encoder.encode_descriptor(

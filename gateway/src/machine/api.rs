@@ -15,7 +15,7 @@
 //! — the same errors as `egress-gateway machine-egress check`; an unknown VM
 //! is `404`; an address a sandbox or another VM holds is `409`.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use egress_policy::machine::{self, MachineEgress, Observed, Problem};
@@ -23,7 +23,7 @@ use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 
-use super::{EgressView, MachineError, Machines, Vm};
+use super::{EgressView, MachineError, Machines, Registration, Vm};
 use crate::control_http::{body_text, error, json_reply, Reply};
 use crate::state::Dataplane;
 
@@ -74,12 +74,12 @@ async fn put_vm(req: Request<Incoming>, m: &Arc<Machines>, id: &str) -> Reply {
         Ok(t) => t,
         Err(r) => return r,
     };
-    let (addresses, egress) = match registration(&doc) {
+    let r = match registration(&doc) {
         Ok(x) => x,
         Err(r) => return *r,
     };
     let (m, id) = (m.clone(), id.to_owned());
-    blocking(move || m.put_vm(&id, addresses, egress).map(|vm| vm_json(&vm))).await
+    blocking(move || m.put_vm(&id, r).map(|vm| vm_json(&vm))).await
 }
 
 /// `GET /v1/vms/{id}`.
@@ -188,6 +188,8 @@ fn failed(e: &MachineError) -> Reply {
         MachineError::DuplicateAddress { .. } | MachineError::NoAddress => {
             (StatusCode::BAD_REQUEST, Some("addresses"))
         }
+        MachineError::Invalid { field, .. } => (StatusCode::BAD_REQUEST, Some(*field)),
+        MachineError::Taken { field, .. } => (StatusCode::CONFLICT, Some(*field)),
         MachineError::Kernel(_) | MachineError::Persist { .. } => {
             (StatusCode::INTERNAL_SERVER_ERROR, None)
         }
@@ -217,27 +219,52 @@ pub(crate) struct RegistrationError {
     pub(crate) problems: Option<Vec<Problem>>,
 }
 
-/// Reads `PUT /v1/vms/{id}`'s body: `{"addresses": [..], "egress": <policy>?}`.
-pub(crate) fn registration_doc(
-    text: &str,
-) -> Result<(Vec<IpAddr>, Option<MachineEgress>), RegistrationError> {
-    let bad = |message: String, field: Option<&str>| RegistrationError {
-        message,
-        field: field.map(str::to_owned),
-        problems: None,
-    };
+/// Reads `PUT /v1/vms/{id}`'s body: `{"addresses": [..], "egress":
+/// <policy>?, "link": "<ifname>"?, "cgroup": "<path>"?}`. `addresses` may
+/// be left out only with `cgroup`.
+pub(crate) fn registration_doc(text: &str) -> Result<Registration, RegistrationError> {
     let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("body: {e}"), None))?;
     let Some(obj) = doc.as_object() else {
         return Err(bad("body must be a JSON object".into(), None));
     };
-    if let Some(k) = obj
-        .keys()
-        .find(|k| !["addresses", "egress"].contains(&k.as_str()))
-    {
-        let why = format!("unknown field {k:?}, expected \"addresses\" or \"egress\"");
+    const FIELDS: [&str; 4] = ["addresses", "egress", "link", "cgroup"];
+    if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        let why = format!("unknown field {k:?}, expected one of {FIELDS:?}");
         return Err(bad(why, Some(k)));
     }
-    let Some(list) = obj.get("addresses").and_then(Value::as_array) else {
+    let link = optional_string(obj, "link")?;
+    let cgroup = optional_string(obj, "cgroup")?;
+    let addresses = match obj.get("addresses") {
+        None if cgroup.is_some() => Vec::new(),
+        list => addresses(list)?,
+    };
+    let egress = match obj.get("egress") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(MachineEgress::from_value(v).map_err(|p| RegistrationError {
+            message: "invalid machine egress policy".into(),
+            field: Some("egress".into()),
+            problems: Some(p),
+        })?),
+    };
+    Ok(Registration {
+        addresses,
+        egress,
+        link,
+        cgroup,
+    })
+}
+
+fn bad(message: String, field: Option<&str>) -> RegistrationError {
+    RegistrationError {
+        message,
+        field: field.map(str::to_owned),
+        problems: None,
+    }
+}
+
+/// `addresses`: a list of IP addresses.
+fn addresses(list: Option<&Value>) -> Result<Vec<IpAddr>, RegistrationError> {
+    let Some(list) = list.and_then(Value::as_array) else {
         let why = "addresses: expected a list of IP addresses".to_owned();
         return Err(bad(why, Some("addresses")));
     };
@@ -254,20 +281,24 @@ pub(crate) fn registration_doc(
             }
         }
     }
-    let egress = match obj.get("egress") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(MachineEgress::from_value(v).map_err(|p| RegistrationError {
-            message: "invalid machine egress policy".into(),
-            field: Some("egress".into()),
-            problems: Some(p),
-        })?),
-    };
-    Ok((addresses, egress))
+    Ok(addresses)
+}
+
+/// A string field that may be absent or null.
+fn optional_string(
+    obj: &serde_json::Map<String, Value>,
+    name: &str,
+) -> Result<Option<String>, RegistrationError> {
+    match obj.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(bad(format!("{name}: {v} is not a string"), Some(name))),
+    }
 }
 
 /// The body as the route answers it: `400` naming the field, or the
 /// checker's errors for an invalid policy.
-fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), Box<Reply>> {
+fn registration(text: &str) -> Result<Registration, Box<Reply>> {
     registration_doc(text).map_err(|e| {
         Box::new(match e.problems {
             Some(p) => invalid(&p),
@@ -334,16 +365,23 @@ fn observed_json(m: &Machines, dp: &Dataplane, id: &str) -> Result<Value, Machin
 fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value, MachineError> {
     let vm = m.vm(id)?;
     let (entries, _) = m.observed(id)?;
+    // The rules are IPv4 only: an IPv6 destination is listed as uncovered.
     let observed: Vec<Observed> = entries
         .iter()
-        .map(|((addr, proto, port), seen)| Observed {
-            addr: *addr,
-            proto: *proto,
-            port: *port,
-            names: names(dp, *addr),
-            count: seen.count,
+        .filter_map(|((addr, proto, port), seen)| match addr {
+            IpAddr::V4(v4) => Some(Observed {
+                addr: *v4,
+                proto: *proto,
+                port: *port,
+                names: names(dp, *addr),
+                count: seen.count,
+            }),
+            IpAddr::V6(_) => None,
         })
         .collect();
+    let ipv6 = entries.iter().filter(|((a, _, _), _)| a.is_ipv6()).map(
+        |((addr, proto, port), _)| json!({ "address": addr, "proto": proto.as_str(), "port": port }),
+    );
     let s = machine::suggest(&vm.effective, &observed);
     let added: Vec<Value> = s
         .added
@@ -361,6 +399,7 @@ fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value,
         .uncovered
         .iter()
         .map(|o| json!({ "address": o.addr, "proto": o.proto.as_str(), "port": o.port }))
+        .chain(ipv6)
         .collect();
     let policy = s.policy.to_value();
     if apply {
@@ -378,10 +417,10 @@ fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value,
 
 /// Names the gateway's DNS attribution holds for `addr`, over every sandbox
 /// on this worker: a hint for the operator (notes), never a decision.
-fn names(dp: &Dataplane, addr: Ipv4Addr) -> Vec<String> {
+fn names(dp: &Dataplane, addr: IpAddr) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for sandbox in dp.registry.ids() {
-        let found = dp.cache.names_for(&sandbox, IpAddr::V4(addr));
+        let found = dp.cache.names_for(&sandbox, addr);
         for n in found.names().iter() {
             let n = n.to_string();
             if !names.contains(&n) {
@@ -399,6 +438,8 @@ fn vm_json(vm: &Vm) -> Value {
     json!({
         "id": vm.id,
         "addresses": vm.addresses,
+        "link": vm.link,
+        "cgroup": vm.cgroup,
         "egress": vm.egress.as_ref().map(MachineEgress::to_value),
         "effective": vm.effective.to_value(),
         "follows_default": vm.egress.is_none(),

@@ -1,14 +1,17 @@
 //! Machine egress: the L4 policy of user-mode VMs, whose traffic their QEMU
 //! process re-originates. The gateway does not proxy it: each VM's policy is
-//! compiled into its own nftables table ([`nft`]) and the kernel enforces it,
-//! TCP and UDP alike. The gateway keeps the VMs, the node default and what
-//! the kernel refused ([`observed`]), serves the VM-manager routes
-//! ([`api`]) and persists its state (`machines.json` in `state_dir`), so a
-//! restart re-installs every table before the gateway reports ready.
+//! compiled into nftables ([`nft`]) and the kernel enforces it,
+//! TCP and UDP alike: one table for the node, a chain and sets per VM,
+//! reached by a verdict-map lookup ([`nft::rules`]). The gateway keeps the
+//! VMs, the node default and what the kernel refused ([`observed`]), serves
+//! the VM-manager routes ([`api`]) and persists its state (`machines.json`
+//! in `state_dir`), so a restart re-installs the table before the gateway
+//! reports ready.
 //!
-//! Every change is one transaction: the tables it touches are replaced in
-//! one `nft -f`, then the state is made durable; if that fails the previous
-//! tables are put back and the change is refused. Changes are serialised.
+//! Every change is one transaction: the VMs it touches get their rules
+//! replaced in one `nft -f`, then the state is made durable; if that fails
+//! the previous rules are put back and the change is refused. Changes are
+//! serialised.
 
 pub(crate) mod api;
 pub mod nft;
@@ -26,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::MachineEgressConfig;
 use crate::registry::{Registry, RegistryError};
+use nft::rules::{self, Layout, Match, VmRules};
 use nft::{Nft, NftError};
 
 /// The file name under `state_dir`.
@@ -47,6 +51,16 @@ pub enum MachineError {
     DuplicateAddress { vm: String, address: IpAddr },
     #[error("a VM needs at least one address")]
     NoAddress,
+    #[error("{field}: {message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+    #[error("{field}: {message}")]
+    Taken {
+        field: &'static str,
+        message: String,
+    },
     #[error("installing the rules failed (nothing changed): {0}")]
     Kernel(#[from] NftError),
     #[error("{path}: {message} (the rules were put back; nothing changed)")]
@@ -59,11 +73,40 @@ pub enum MachineError {
 pub struct Vm {
     pub id: String,
     pub addresses: Vec<IpAddr>,
+    /// The host side of the VM's link (address match): packets arriving on
+    /// it from any other source are dropped as spoofed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<String>,
+    /// The QEMU process's cgroup, relative to the cgroup v2 root (cgroup
+    /// match).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
     /// Its own policy; `None`: it follows the node default.
     pub egress: Option<MachineEgress>,
     /// The policy installed: its own, or the node default as it was when
     /// the VM started (or was last brought in line with `apply_running`).
     pub effective: MachineEgress,
+}
+
+/// What `PUT /v1/vms/{id}` registers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Registration {
+    pub addresses: Vec<IpAddr>,
+    pub egress: Option<MachineEgress>,
+    pub link: Option<String>,
+    pub cgroup: Option<String>,
+}
+
+impl Vm {
+    fn rules(&self) -> VmRules<'_> {
+        VmRules {
+            id: &self.id,
+            addresses: &self.addresses,
+            link: self.link.as_deref(),
+            cgroup: self.cgroup.as_deref(),
+            policy: &self.effective,
+        }
+    }
 }
 
 /// The persisted state.
@@ -80,7 +123,7 @@ struct State {
 #[derive(Debug)]
 pub struct Machines {
     nft: Nft,
-    capacity: usize,
+    layout: Layout,
     state_dir: PathBuf,
     registry: Arc<Registry>,
     state: Mutex<State>,
@@ -89,6 +132,8 @@ pub struct Machines {
     /// read, and the total since the VM was registered (a replaced table
     /// starts its counter again; the total carries on).
     refused: Mutex<BTreeMap<String, Refused>>,
+    /// Spoofed packets dropped on a VM's link, by VM id, likewise.
+    spoofed: Mutex<BTreeMap<String, Refused>>,
     /// Observations evicted by the bound, over every VM ever registered.
     evictions: AtomicU64,
 }
@@ -144,6 +189,70 @@ pub(crate) fn check_addresses(
     Ok(addresses)
 }
 
+/// A VM's cgroup path: relative to the cgroup v2 root, plain names, at
+/// most [`rules::MAX_CGROUP_LEVEL`] deep.
+fn check_cgroup(path: &str) -> Result<(), MachineError> {
+    let level = rules::cgroup_level(path);
+    if !crate::config::is_cgroup_path(path) || path.starts_with('/') {
+        let message = format!("{path:?}: expected a path relative to the cgroup v2 root, of names made of letters, digits and -_.@:");
+        return Err(MachineError::Invalid {
+            field: "cgroup",
+            message,
+        });
+    }
+    if level > rules::MAX_CGROUP_LEVEL {
+        let message = format!(
+            "{path:?} is {level} levels deep, more than {}",
+            rules::MAX_CGROUP_LEVEL
+        );
+        return Err(MachineError::Invalid {
+            field: "cgroup",
+            message,
+        });
+    }
+    Ok(())
+}
+
+/// A link or cgroup another VM already has: `409`.
+fn taken(state: &State, id: &str, r: &Registration) -> Result<(), MachineError> {
+    for vm in state.vms.values().filter(|vm| vm.id != id) {
+        if r.link.is_some() && vm.link == r.link {
+            let message = format!("link {:?} already belongs to VM {}", vm.link, vm.id);
+            return Err(MachineError::Taken {
+                field: "link",
+                message,
+            });
+        }
+        if r.cgroup.is_some() && vm.cgroup == r.cgroup {
+            let message = format!("cgroup {:?} already belongs to VM {}", vm.cgroup, vm.id);
+            return Err(MachineError::Taken {
+                field: "cgroup",
+                message,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Reads `machines.json`; `None` when there is none yet.
+fn load(path: &Path) -> Result<Option<State>, MachineError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            serde_json::from_str::<State>(&text)
+                .map(Some)
+                .map_err(|e| MachineError::Persist {
+                    path: path.to_owned(),
+                    message: format!("corrupt machine egress state: {e}; fix or remove it"),
+                })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(MachineError::Persist {
+            path: path.to_owned(),
+            message: e.to_string(),
+        }),
+    }
+}
+
 /// Checks a VM id: the same alphabet as sandbox ids, at most 64 characters.
 pub fn valid_id(id: &str) -> Result<(), MachineError> {
     // The sandbox id's alphabet, shorter: an id becomes an nft table name.
@@ -155,35 +264,23 @@ pub fn valid_id(id: &str) -> Result<(), MachineError> {
 }
 
 impl Machines {
-    /// Loads `machines.json` and installs every VM's table — before the
-    /// gateway serves anything. Tables of VMs the state does not know are
-    /// removed (the state is the record; a VM deleted while its table could
-    /// not be removed is cleaned up here).
+    /// Loads `machines.json` and installs the node table with every VM in
+    /// it — before the gateway serves anything. Whatever the table held is
+    /// replaced (the state is the record), and tables of the earlier
+    /// one-table-per-VM layout are removed.
     pub fn start(
         config: &MachineEgressConfig,
         state_dir: &Path,
         registry: Arc<Registry>,
     ) -> Result<Arc<Self>, MachineError> {
-        let path = state_dir.join(STATE_FILE);
-        let loaded =
-            match std::fs::read_to_string(&path) {
-                Ok(text) => Some(serde_json::from_str::<State>(&text).map_err(|e| {
-                    MachineError::Persist {
-                        path: path.clone(),
-                        message: format!("corrupt machine egress state: {e}; fix or remove it"),
-                    }
-                })?),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                Err(e) => {
-                    return Err(MachineError::Persist {
-                        path,
-                        message: e.to_string(),
-                    })
-                }
-            };
+        let loaded = load(&state_dir.join(STATE_FILE))?;
         let machines = Self {
             nft: Nft::new(config.nft.clone()),
-            capacity: config.observed_capacity,
+            layout: Layout {
+                matching: config.matching,
+                capacity: config.observed_capacity,
+                cgroup_prefix: config.cgroup_prefix.clone(),
+            },
             state_dir: state_dir.to_owned(),
             registry,
             state: Mutex::new(State {
@@ -193,39 +290,30 @@ impl Machines {
             }),
             observed: Mutex::new(HashMap::new()),
             refused: Mutex::new(BTreeMap::new()),
+            spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
         };
-        if let Some(state) = loaded {
-            for vm in state.vms.values() {
-                machines.registry.claim_for_vm(&vm.id, &vm.addresses)?;
-            }
-            let text: String = state.vms.values().map(|vm| machines.ruleset(vm)).collect();
-            if !text.is_empty() {
-                machines.nft.apply(&text)?;
-            }
-            // Tables of VMs this state does not have.
-            let known: Vec<String> = state.vms.keys().map(|id| nft::table_name(id)).collect();
-            for table in machines.nft.tables()? {
-                if !known.contains(&table) {
-                    tracing::warn!(%table, "removing the table of a VM the gateway no longer has");
-                    let text = format!("table inet {table}\ndelete table inet {table}\n");
-                    machines.nft.apply(&text)?;
-                }
-            }
-            if !state.vms.is_empty() {
-                tracing::info!(vms = state.vms.len(), "re-installed machine egress tables");
-            }
-            *lock(&machines.state) = state;
+        let state = loaded.unwrap_or_else(|| lock(&machines.state).clone());
+        for vm in state.vms.values() {
+            machines.registry.claim_for_vm(&vm.id, &vm.addresses)?;
         }
+        let vms: Vec<VmRules<'_>> = state.vms.values().map(Vm::rules).collect();
+        machines.nft.apply(&rules::table(&machines.layout, &vms))?;
+        for table in machines.nft.legacy_tables()? {
+            tracing::warn!(%table, "removing a per-VM table of the earlier layout");
+            machines
+                .nft
+                .apply(&format!("table inet {table}\ndelete table inet {table}\n"))?;
+        }
+        if !state.vms.is_empty() {
+            tracing::info!(vms = state.vms.len(), "re-installed machine egress rules");
+        }
+        *lock(&machines.state) = state;
         Ok(Arc::new(machines))
     }
 
-    fn ruleset(&self, vm: &Vm) -> String {
-        nft::ruleset(&vm.id, &vm.addresses, &vm.effective, self.capacity)
-    }
-
     /// Applies `next` in place of the current state for the VMs in `touched`
-    /// (their tables replaced, or removed when `next` no longer has them):
+    /// (their rules replaced, or removed when `next` no longer has them):
     /// one nft transaction, then durable; otherwise rolled back.
     fn commit(
         &self,
@@ -233,13 +321,12 @@ impl Machines {
         next: State,
         touched: &[String],
     ) -> Result<(), MachineError> {
-        self.keep_observed(state, touched);
-        let forward = self.tables(&next, touched);
+        let forward = self.transition(state, &next, touched);
         if !forward.is_empty() {
             self.nft.apply(&forward)?;
         }
         if let Err(message) = save(&self.state_dir, &next) {
-            let back = self.tables(state, touched);
+            let back = self.transition(&next, state, touched);
             if let Err(e) = self.nft.apply(&back) {
                 tracing::error!(error = %e, "could not put the previous machine egress rules back");
             }
@@ -248,90 +335,98 @@ impl Machines {
                 message,
             });
         }
-        self.restart_refused(touched);
         *state = next;
         Ok(())
     }
 
-    /// The nft text that makes the tables of `touched` what `s` says: each
-    /// VM's table replaced, or removed when `s` does not have it.
-    fn tables(&self, s: &State, touched: &[String]) -> String {
-        touched
+    /// The nft text that takes the VMs of `touched` from what `from` says
+    /// to what `to` says; nothing of any other VM is in it.
+    fn transition(&self, from: &State, to: &State, touched: &[String]) -> String {
+        let mut text: String = touched
             .iter()
-            .map(|id| match s.vms.get(id) {
-                Some(vm) => self.ruleset(vm),
-                None => {
-                    let t = nft::table_name(id);
-                    format!("table inet {t}\ndelete table inet {t}\n")
-                }
+            .map(|id| {
+                let old = from.vms.get(id).map(Vm::rules);
+                let new = to.vms.get(id).map(Vm::rules);
+                rules::change(&self.layout, old.as_ref(), new.as_ref())
             })
-            .collect()
+            .collect();
+        if !text.is_empty() && self.layout.matching == Match::Cgroup {
+            let vms: Vec<VmRules<'_>> = to.vms.values().map(Vm::rules).collect();
+            text.push_str(&rules::output_dispatch(&self.layout, &vms));
+        }
+        text
     }
 
-    /// Replacing a table empties its observed set and restarts its
-    /// counter: keep what they held for the VMs of `touched` that `state`
-    /// has (the set is read only when the counter moved since the last
-    /// read, as the observer does). A failed read is logged, not fatal.
-    fn keep_observed(&self, state: &State, touched: &[String]) {
-        let existing: Vec<&String> = touched
-            .iter()
-            .filter(|id| state.vms.contains_key(*id))
-            .collect();
-        if existing.is_empty() {
-            return;
-        }
-        let counters = match self.nft.refused_counters() {
-            Ok(counters) => counters,
-            Err(e) => {
-                tracing::warn!(error = %e, "reading refused counters before a change failed");
-                return;
-            }
+    /// Checks a registration against the match mode and the other VMs:
+    /// the addresses in canonical form, a free link, a free cgroup.
+    fn check_registration(
+        &self,
+        state: &State,
+        id: &str,
+        mut r: Registration,
+    ) -> Result<Registration, MachineError> {
+        let invalid = |field, message: &str| MachineError::Invalid {
+            field,
+            message: message.to_owned(),
         };
-        for id in existing {
-            let Some(&n) = counters.get(&nft::table_name(id)) else {
-                continue;
-            };
-            let moved = lock(&self.refused)
-                .entry(id.clone())
-                .or_default()
-                .account(n);
-            if moved {
-                if let Err(e) = self.read_observed(id) {
-                    tracing::warn!(vm = %id, error = %e, "reading observed destinations before a change failed");
+        match self.layout.matching {
+            Match::Address => {
+                r.addresses = check_addresses(id, r.addresses)?;
+                if r.cgroup.is_some() {
+                    return Err(invalid(
+                        "cgroup",
+                        "only with machine_egress.match = \"cgroup\"",
+                    ));
                 }
             }
-        }
-    }
-
-    /// The new tables of `touched` count from zero.
-    fn restart_refused(&self, touched: &[String]) {
-        let mut refused = lock(&self.refused);
-        for id in touched {
-            if let Some(r) = refused.get_mut(id) {
-                r.kernel = 0;
+            Match::Cgroup => {
+                if !r.addresses.is_empty() {
+                    r.addresses = check_addresses(id, r.addresses)?;
+                }
+                if r.link.is_some() {
+                    return Err(invalid(
+                        "link",
+                        "only with machine_egress.match = \"address\"",
+                    ));
+                }
+                let Some(path) = &r.cgroup else {
+                    return Err(invalid(
+                        "cgroup",
+                        "required with machine_egress.match = \"cgroup\"",
+                    ));
+                };
+                check_cgroup(path)?;
             }
         }
+        if let Some(link) = &r.link {
+            if !crate::config::is_iface_name(link) {
+                return Err(invalid(
+                    "link",
+                    &format!("{link:?} is not an interface name"),
+                ));
+            }
+        }
+        taken(state, id, &r)?;
+        Ok(r)
     }
 
     /// Registers (or re-registers) a VM by the addresses its QEMU process's
-    /// traffic has. Without `egress` it follows the node default.
-    pub fn put_vm(
-        &self,
-        id: &str,
-        addresses: Vec<IpAddr>,
-        egress: Option<MachineEgress>,
-    ) -> Result<Vm, MachineError> {
+    /// traffic has (or its cgroup). Without `egress` it follows the node
+    /// default.
+    pub fn put_vm(&self, id: &str, registration: Registration) -> Result<Vm, MachineError> {
         valid_id(id)?;
-        let addresses = check_addresses(id, addresses)?;
         let mut state = lock(&self.state);
+        let r = self.check_registration(&state, id, registration)?;
         let before = state.vms.get(id).map(|vm| vm.addresses.clone());
-        self.registry.claim_for_vm(id, &addresses)?;
+        self.registry.claim_for_vm(id, &r.addresses)?;
         let mut next = state.clone();
-        let effective = egress.clone().unwrap_or_else(|| next.default.clone());
+        let effective = r.egress.clone().unwrap_or_else(|| next.default.clone());
         let vm = Vm {
             id: id.to_owned(),
-            addresses,
-            egress,
+            addresses: r.addresses,
+            link: r.link,
+            cgroup: r.cgroup,
+            egress: r.egress,
             effective,
         };
         next.vms.insert(id.to_owned(), vm.clone());
@@ -359,6 +454,7 @@ impl Machines {
         self.registry.release_vm(id);
         lock(&self.observed).remove(id);
         lock(&self.refused).remove(id);
+        lock(&self.spoofed).remove(id);
         Ok(())
     }
 
@@ -456,7 +552,7 @@ impl Machines {
             let mut stores = lock(&self.observed);
             let store = stores
                 .entry(id.to_owned())
-                .or_insert_with(|| observed::Store::new(self.capacity));
+                .or_insert_with(|| observed::Store::new(self.layout.capacity));
             let before = store.evictions();
             let forget = store.merge(now, &kernel);
             self.evictions
@@ -466,14 +562,15 @@ impl Machines {
         self.nft.forget(id, &forget)
     }
 
-    /// One round of the observer: reads every VM's `refused` counter, and
-    /// the observed set of each VM whose counter moved.
+    /// One round of the observer: reads the node table's counters (one
+    /// `nft` call for every VM), and the observed sets of each VM whose
+    /// `refused` counter moved.
     pub fn observe(&self) {
         let vms = self.vms();
         if vms.is_empty() {
             return;
         }
-        let counters = match self.nft.refused_counters() {
+        let counters = match self.nft.counters() {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "reading the machine egress counters failed");
@@ -481,7 +578,14 @@ impl Machines {
             }
         };
         for vm in vms {
-            let Some(&now) = counters.get(&nft::table_name(&vm.id)) else {
+            let k = rules::key(&vm.id);
+            if let Some(&n) = counters.get(&format!("spoofed_{k}")) {
+                lock(&self.spoofed)
+                    .entry(vm.id.clone())
+                    .or_default()
+                    .account(n);
+            }
+            let Some(&now) = counters.get(&format!("refused_{k}")) else {
                 continue;
             };
             let moved = lock(&self.refused)
@@ -516,9 +620,11 @@ impl crate::metrics::MachineFigures for Machines {
     fn figures(&self) -> crate::metrics::MachineCounts {
         let state = lock(&self.state);
         let refused = lock(&self.refused);
+        let spoofed = lock(&self.spoofed);
         let mut by_mode: Vec<(&'static str, u64)> =
             Mode::ALL.iter().map(|m| (m.as_str(), 0)).collect();
         let mut packets = Vec::new();
+        let mut spoofed_packets = Vec::new();
         for vm in state.vms.values() {
             if let Some(slot) = by_mode
                 .iter_mut()
@@ -529,10 +635,15 @@ impl crate::metrics::MachineFigures for Machines {
             let n = refused.get(&vm.id).map_or(0, |r| r.total);
             let audit = vm.effective.mode == Mode::Audit;
             packets.push((vm.id.clone(), audit, n));
+            if vm.link.is_some() {
+                let n = spoofed.get(&vm.id).map_or(0, |r| r.total);
+                spoofed_packets.push((vm.id.clone(), n));
+            }
         }
         crate::metrics::MachineCounts {
             by_mode,
             packets,
+            spoofed: spoofed_packets,
             evictions: self.evictions.load(Ordering::Relaxed),
         }
     }

@@ -11,6 +11,8 @@
 //! destinations keep being recorded.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
+#[cfg(test)]
 use std::net::Ipv4Addr;
 use std::time::{Duration, SystemTime};
 
@@ -19,7 +21,7 @@ use egress_policy::machine::Proto;
 use super::nft::KernelObserved;
 
 /// One destination.
-pub type Key = (Ipv4Addr, Proto, u16);
+pub type Key = (IpAddr, Proto, u16);
 
 /// One observed destination.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,7 +142,7 @@ mod tests {
 
     fn k(last_octet: u8, port: u16, packets: u64, idle: u64) -> KernelObserved {
         KernelObserved {
-            addr: Ipv4Addr::new(198, 51, 100, last_octet),
+            addr: IpAddr::V4(Ipv4Addr::new(198, 51, 100, last_octet)),
             proto: Proto::Tcp,
             port,
             packets,
@@ -178,9 +180,12 @@ mod tests {
         assert_eq!(s.evictions(), 4);
         // The four idle longest (octets 0..4) went, from here and the kernel.
         for i in 0..4u8 {
-            assert!(forget.contains(&(Ipv4Addr::new(198, 51, 100, i), Proto::Tcp, 80)));
+            assert!(forget.contains(&(IpAddr::V4(Ipv4Addr::new(198, 51, 100, i)), Proto::Tcp, 80)));
         }
-        assert!(s.entries().iter().all(|(key, _)| key.0.octets()[3] >= 4));
+        assert!(s
+            .entries()
+            .iter()
+            .all(|(key, _)| matches!(key.0, IpAddr::V4(a) if a.octets()[3] >= 4)));
         // The kernel set was over 7/8 full: more were trimmed from it, not from here.
         assert!(forget.len() > 4);
     }

@@ -51,6 +51,12 @@ fn dns_ok(t: &Topology, tcp: bool) -> bool {
     String::from_utf8_lossy(&out.stdout).contains(API_IP)
 }
 
+/// The node's machine egress table as nft lists it.
+fn node_table(t: &Topology) -> String {
+    let out = t.exec(&t.gw, "nft", &["list", "table", "inet", "egress_machine"]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn json(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
@@ -174,11 +180,11 @@ fn each_mode_governs_tcp_and_udp_in_the_kernel() {
         std::thread::sleep(Duration::from_millis(250));
     }
 
-    // Removing the VM removes its table.
+    // Removing the VM removes its chain, sets and counters.
+    assert!(node_table(&t).contains("chain vm_vm1 {"));
     let (status, body) = t.admin("DELETE", "/v1/vms/vm1", None);
     assert_eq!(status, 200, "{body}");
-    let tables = t.exec(&t.gw, "nft", &["list", "tables"]);
-    assert!(!String::from_utf8_lossy(&tables.stdout).contains("egress_vm_vm1"));
+    assert!(!node_table(&t).contains("_vm1"), "{}", node_table(&t));
 }
 
 #[test]
@@ -376,13 +382,12 @@ fn defaults_apply_running_and_restart() {
             "delete",
             "table",
             "inet",
-            "egress_vm_vm1",
+            "egress_machine",
         ],
     );
     assert!(tcp_ok(&t, OTHER_IP), "no table: the test topology forwards");
     t.start_gateway();
-    let tables = t.exec(&t.gw, "nft", &["list", "tables"]);
-    assert!(String::from_utf8_lossy(&tables.stdout).contains("egress_vm_vm1"));
+    assert!(node_table(&t).contains("chain vm_vm1 {"));
     assert!(tcp_ok(&t, API_IP), "the restored policy allows the API");
     assert!(!tcp_ok(&t, OTHER_IP), "and nothing else");
     let (_, body) = t.admin("GET", "/v1/network/egress/defaults", None);
@@ -392,4 +397,235 @@ fn defaults_apply_running_and_restart() {
     );
     let (_, body) = t.admin("GET", "/v1/vms/vm2", None);
     assert_eq!(json(&body)["follows_default"], true, "{body}");
+}
+
+/// A metric's value at the observer's next rounds: waits (bounded) until
+/// it reaches `at_least`, and returns it.
+fn metric_reaching(t: &Topology, series: &str, at_least: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, text) = t.admin("GET", "/metrics", None);
+        let n = text
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        if n >= at_least {
+            return n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{series} stayed at {n}, below {at_least}:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// An HTTP GET from the VM stand-in sent from `source`.
+fn tcp_from(t: &Topology, source: &str, ip: &str) -> bool {
+    let out = t.exec(
+        vm(t),
+        "curl",
+        &[
+            "-s",
+            "-o",
+            "/dev/null",
+            "--interface",
+            source,
+            "--connect-timeout",
+            "1",
+            "--max-time",
+            "3",
+            "-w",
+            "%{http_code}",
+            &format!("http://{ip}/"),
+        ],
+    );
+    String::from_utf8_lossy(&out.stdout).trim() == "200"
+}
+
+/// A second address on the VM link — one no VM claims, then another VM's
+/// — is dropped and counted in every mode, `open` included, while the
+/// VM's own address is judged by its policy.
+#[test]
+fn spoofed_sources_on_a_vm_link_are_dropped_in_every_mode() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    const SPOOF: &str = "100.64.4.6";
+    const OTHER_VM: &str = "100.64.9.9";
+    for extra in [SPOOF, OTHER_VM] {
+        topology::run(
+            "ip",
+            &[
+                "-n",
+                vm(&t),
+                "addr",
+                "add",
+                &format!("{extra}/32"),
+                "dev",
+                "eth0",
+            ],
+        );
+        // Replies can find their way back: without the check, these
+        // sources would get through.
+        topology::run("ip", &["-n", &t.gw, "route", "add", extra, "dev", "vm1"]);
+    }
+    assert!(
+        tcp_from(&t, SPOOF, API_IP),
+        "no VM registered: the topology forwards"
+    );
+    register(&t, "vm2", OTHER_VM, Some(r#"{"mode": "open"}"#));
+    assert!(
+        tcp_from(&t, OTHER_VM, API_IP),
+        "vm2's address, vm1 not registered"
+    );
+    let doc =
+        format!(r#"{{"addresses": ["{VM_IP}"], "link": "vm1", "egress": {{"mode": "open"}}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/vms/vm1", Some(&doc));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json(&body)["link"], "vm1", "{body}");
+    for (mode, own) in [
+        (r#"{"mode": "open"}"#, true),
+        (r#"{"mode": "audit"}"#, true),
+        (ALLOW_DNS_AND_API, true),
+        (r#"{"mode": "loopback"}"#, false),
+    ] {
+        put_egress(&t, "vm1", mode);
+        assert_eq!(tcp_from(&t, VM_IP, API_IP), own, "own address under {mode}");
+        assert!(
+            !tcp_from(&t, SPOOF, API_IP),
+            "unclaimed source under {mode}"
+        );
+        assert!(
+            !tcp_from(&t, OTHER_VM, API_IP),
+            "vm2's address on vm1's link under {mode}"
+        );
+    }
+    // Every mode dropped and counted: at least one SYN per attempt.
+    metric_reaching(&t, "egress_machine_spoofed_packets_total{vm=\"vm1\"} ", 8);
+
+    // The link belongs to one VM.
+    let doc = r#"{"addresses": ["100.64.9.10"], "link": "vm1"}"#;
+    let (status, body) = t.admin("PUT", "/v1/vms/vm3", Some(doc));
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("already belongs to VM vm1"), "{body}");
+}
+
+/// The cgroup v2 hierarchy as nft sees it under /sys/fs/cgroup: `""` when
+/// unified, `"unified"` on a hybrid host; `None` without one.
+fn cgroup_prefix() -> Option<&'static str> {
+    ["", "unified"].into_iter().find(|p| {
+        std::path::Path::new("/sys/fs/cgroup")
+            .join(p)
+            .join("cgroup.controllers")
+            .exists()
+    })
+}
+
+/// A cgroup of its own, removed on drop (after its processes exited).
+struct Cgroup {
+    dir: std::path::PathBuf,
+    parent: std::path::PathBuf,
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+        let _ = std::fs::remove_dir(&self.parent);
+    }
+}
+
+/// A stand-in QEMU process: curl run in the gateway's namespace (the
+/// "host" of this test) from inside `cgroup`; true when the origin answered.
+fn curl_in(t: &Topology, cgroup: Option<&Cgroup>, ip: &str) -> bool {
+    let join = cgroup.map_or(String::new(), |c| {
+        format!("echo $$ > {}/cgroup.procs && ", c.dir.display())
+    });
+    let script = format!(
+        "{join}exec curl -s -o /dev/null --connect-timeout 1 --max-time 3 -w '%{{http_code}}' http://{ip}/"
+    );
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", t.gw))
+        .args(["sh", "-c", &script])
+        .output()
+        .expect("nsenter");
+    String::from_utf8_lossy(&out.stdout).trim() == "200"
+}
+
+/// QEMU in the host namespace: the VM is registered by its process's
+/// cgroup and the rules judge what that process sends, on the output hook.
+#[test]
+fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
+    if !topology::available() {
+        return;
+    }
+    let Some(prefix) = cgroup_prefix() else {
+        egress_testkit::skip("the cgroup variant", "no cgroup v2 hierarchy here");
+        return;
+    };
+    let mut t = Topology::with_vm();
+    // nft resolves cgroup paths under /sys/fs/cgroup, which `ip netns exec`
+    // hides from the gateway: its nft runs in this test's mount namespace.
+    let section = format!(
+        "[machine_egress]\nmatch = \"cgroup\"\ncgroup_prefix = \"{prefix}\"\nnft = [\"nsenter\", \"--mount=/proc/{}/ns/mnt\", \"--net=/run/netns/{}\", \"nft\"]\n",
+        std::process::id(),
+        t.gw
+    );
+    t.set_extra_config(&section);
+    assert!(t.stop_gateway().success());
+    t.start_gateway();
+    let parent = std::path::Path::new("/sys/fs/cgroup")
+        .join(prefix)
+        .join(format!("egress-test-{}-{}", std::process::id(), t.gw));
+    let cg = Cgroup {
+        dir: parent.join("vm-q.scope"),
+        parent: parent.clone(),
+    };
+    std::fs::create_dir_all(&cg.dir).expect("cgroup");
+    let rel = format!(
+        "{}/vm-q.scope",
+        parent.file_name().and_then(|n| n.to_str()).expect("name")
+    );
+    let doc = format!(r#"{{"cgroup": "{rel}", "egress": {ALLOW_DNS_AND_API}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/vms/q", Some(&doc));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json(&body)["cgroup"], rel, "{body}");
+    assert!(
+        node_table(&t).contains("socket cgroupv2 level 2 vmap @cg2"),
+        "{}",
+        node_table(&t)
+    );
+
+    assert!(curl_in(&t, Some(&cg), API_IP), "allowlist: the API");
+    assert!(!curl_in(&t, Some(&cg), OTHER_IP), "allowlist: nothing else");
+    assert!(
+        curl_in(&t, None, OTHER_IP),
+        "a process outside the VM's cgroup is not judged"
+    );
+    put_egress(&t, "q", r#"{"mode": "loopback"}"#);
+    assert!(!curl_in(&t, Some(&cg), API_IP), "loopback: nothing leaves");
+    put_egress(&t, "q", r#"{"mode": "audit"}"#);
+    assert!(curl_in(&t, Some(&cg), OTHER_IP), "audit: everything leaves");
+    put_egress(&t, "q", r#"{"mode": "open"}"#);
+    assert!(
+        curl_in(&t, Some(&cg), OTHER_IP) && curl_in(&t, Some(&cg), API_IP),
+        "open"
+    );
+
+    let (_, body) = t.admin("GET", "/v1/vms/q/network/egress/observed", None);
+    let entries = json(&body)["observed"].as_array().expect("list").clone();
+    assert!(
+        entries
+            .iter()
+            .any(|e| e["address"] == OTHER_IP && e["port"] == 80),
+        "refused under the allowlist, recorded: {body}"
+    );
+    // An address registration or a link has no meaning here.
+    let (status, body) = t.admin("PUT", "/v1/vms/r", Some(r#"{"addresses": ["100.64.9.9"]}"#));
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("cgroup"), "{body}");
+    let (status, _) = t.admin("DELETE", "/v1/vms/q", None);
+    assert_eq!(status, 200);
+    assert!(!node_table(&t).contains("vm_q"), "{}", node_table(&t));
 }

@@ -1,15 +1,8 @@
 use super::*;
+use egress_policy::machine::MachineEgress;
 
 fn policy(text: &str) -> MachineEgress {
     MachineEgress::from_json(text).expect("valid policy")
-}
-
-/// Where `rule` starts in `chain`; panics when it is missing, so an ordering
-/// check cannot pass because one side is absent (`None` orders first).
-fn at(chain: &str, rule: &str) -> usize {
-    chain
-        .find(rule)
-        .unwrap_or_else(|| panic!("no `{rule}` in {chain}"))
 }
 
 fn addrs() -> Vec<IpAddr> {
@@ -19,17 +12,46 @@ fn addrs() -> Vec<IpAddr> {
     ]
 }
 
-#[test]
-fn table_names_never_collide() {
-    assert_eq!(table_name("vm1"), "egress_vm_vm1");
-    assert_eq!(table_name("a-b"), "egress_vm_a_2db");
-    assert_eq!(table_name("a_b"), "egress_vm_a_5fb");
-    assert_eq!(table_name("a.b"), "egress_vm_a_2eb");
-    assert_ne!(table_name("a-b"), table_name("a_b"));
+use rules::{Layout, Match, VmRules};
+
+fn layout(matching: Match) -> Layout {
+    Layout {
+        matching,
+        capacity: 4096,
+        cgroup_prefix: String::new(),
+    }
+}
+
+fn vm<'a>(id: &'a str, addresses: &'a [IpAddr], policy: &'a MachineEgress) -> VmRules<'a> {
+    VmRules {
+        id,
+        addresses,
+        link: Some("vm1"),
+        cgroup: None,
+        policy,
+    }
+}
+
+/// The rules of chain `chain` in a transaction text.
+fn chain_rules(text: &str, chain: &str) -> Vec<String> {
+    let prefix = format!("add rule inet egress_machine {chain} ");
+    text.lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .map(str::to_owned)
+        .collect()
 }
 
 #[test]
-fn an_allowlist_compiles_into_interval_and_concatenated_sets() {
+fn keys_never_collide() {
+    assert_eq!(rules::key("vm1"), "vm1");
+    assert_eq!(rules::key("a-b"), "a_2db");
+    assert_eq!(rules::key("a_b"), "a_5fb");
+    assert_eq!(rules::key("a.b"), "a_2eb");
+    assert_ne!(rules::key("a-b"), rules::key("a_b"));
+}
+
+#[test]
+fn an_allowlist_compiles_into_the_vms_own_sets_and_chain() {
     let p = policy(
         r#"{"mode": "allowlist", "rules": [
             {"cidr": "10.0.0.0/8", "proto": "tcp", "port": 5151},
@@ -37,66 +59,116 @@ fn an_allowlist_compiles_into_interval_and_concatenated_sets() {
             {"cidr": "0.0.0.0/0", "proto": "udp", "port": 53},
             {"cidr": "198.51.100.7"}]}"#,
     );
-    let r = ruleset("vm1", &addrs(), &p, 4096);
-    assert!(r.starts_with("# egress-gateway"));
-    // Declared, deleted and declared again: one transaction replaces it whole.
-    assert!(r.contains(
-        "table inet egress_vm_vm1\ndelete table inet egress_vm_vm1\ntable inet egress_vm_vm1 {"
-    ));
-    assert!(r.contains("set src4 { type ipv4_addr; elements = { 100.64.3.2 }; }"));
-    assert!(r.contains("set src6 { type ipv6_addr; elements = { 2001:db8::2 }; }"));
-    assert!(
-        r.contains("set any { type ipv4_addr; flags interval; elements = { 198.51.100.7/32 }; }")
-    );
-    assert!(r.contains("elements = { 91.189.88.0/21 . tcp }"));
+    let a = addrs();
+    let r = rules::table(&layout(Match::Address), &[vm("vm1", &a, &p)]);
+    assert!(r.contains("table inet egress_machine\ndelete table inet egress_machine\n"));
+    assert!(r.contains("add element inet egress_machine src4_vm1 { 100.64.3.2 }"));
+    assert!(r.contains("add element inet egress_machine src6_vm1 { 2001:db8::2 }"));
+    assert!(r.contains("add element inet egress_machine any_vm1 { 198.51.100.7/32 }"));
+    assert!(r.contains("91.189.88.0/21 . tcp"));
     assert!(r.contains("10.0.0.0/8 . tcp . 5151"));
     assert!(r.contains("0.0.0.0/0 . udp . 53"));
     assert!(r.contains("size 4096"));
-    let egress4 = &r[r.find("chain egress4").expect("chain")..];
-    assert!(egress4.contains("ip daddr @any accept"));
-    // Open flows keep their verdict: the conntrack fast path comes first.
-    let forward = &r[r.find("chain forward").expect("chain")..];
-    assert!(
-        at(forward, "ct state established,related accept") < at(forward, "ip saddr @src4"),
-        "{forward}"
-    );
+    // Dispatch: one lookup by source, one by link.
+    assert!(r.contains("add element inet egress_machine from4 { 100.64.3.2 : jump vm_vm1 }"));
+    assert!(r.contains("add element inet egress_machine from6 { 2001:db8::2 : jump vm_vm1 }"));
+    assert!(r.contains("add element inet egress_machine links { \"vm1\" : jump link_vm1 }"));
+    let chain = chain_rules(&r, "vm_vm1");
+    let pos = |rule: &str| {
+        chain
+            .iter()
+            .position(|c| c.contains(rule))
+            .unwrap_or_else(|| panic!("no `{rule}` in {chain:?}"))
+    };
+    // Open flows keep their verdict: conntrack first; then IPv6 goes apart.
+    assert_eq!(pos("ct state established,related accept"), 0);
+    assert!(pos("goto v6_vm1") < pos("@any_vm1 accept"));
     // Recording comes before the drop, in its own rule.
-    assert!(at(egress4, "update @observed") < at(egress4, "counter name refused drop"));
-    // IPv6 from the VM: rules are IPv4 only, so nothing passes.
-    let egress6 = &r[r.find("chain egress6").expect("chain")..];
-    assert!(egress6.contains("counter name refused drop"));
+    assert!(pos("update @obs_vm1") < pos("counter name refused_vm1 drop"));
+    // IPv6 from the VM: rules are IPv4 only, so nothing passes; it is recorded.
+    let v6 = chain_rules(&r, "v6_vm1");
+    assert!(v6[0].contains("update @obs6_vm1"), "{v6:?}");
+    assert_eq!(v6[1], "counter name refused_vm1 drop");
+    // Anti-spoofing: only the VM's own sources pass its link.
+    assert_eq!(
+        chain_rules(&r, "link_vm1"),
+        [
+            "ip saddr @src4_vm1 return",
+            "ip6 saddr @src6_vm1 return",
+            "counter name spoofed_vm1 drop"
+        ]
+    );
 }
 
 #[test]
 fn each_mode_has_its_verdict() {
+    let a = addrs();
     let chain = |mode: &str| {
-        let r = ruleset(
-            "vm",
-            &addrs(),
-            &policy(&format!(r#"{{"mode": "{mode}"}}"#)),
-            64,
-        );
-        let start = r.find("chain egress4").expect("chain");
-        let end = r.find("chain egress6").expect("next chain");
-        r[start..end].to_owned()
+        let p = policy(&format!(r#"{{"mode": "{mode}"}}"#));
+        let text = rules::change(&layout(Match::Address), None, Some(&vm("vm", &a, &p)));
+        (chain_rules(&text, "vm_vm"), chain_rules(&text, "v6_vm"))
     };
-    let loopback = chain("loopback");
-    assert!(loopback.contains("update @observed") && loopback.contains("refused drop"));
-    assert!(!loopback.contains("accept"));
-    let r = ruleset("vm", &addrs(), &policy(r#"{"mode": "loopback"}"#), 64);
-    let forward =
-        &r[r.find("chain forward").expect("chain")..r.find("chain egress4").expect("chain")];
-    // The only conntrack rules left are the return direction's, after the
-    // VM's own packets were sent to be judged.
+    let (loopback, loopback6) = chain("loopback");
     assert!(
-        at(forward, "ip saddr @src4 jump egress4") < at(forward, "established"),
-        "loopback cuts open flows too: {forward}"
+        !loopback.iter().any(|r| r.contains("accept")),
+        "loopback cuts open flows too: {loopback:?}"
     );
-    let open = chain("open");
-    assert!(open.contains("accept") && !open.contains("drop") && !open.contains("@observed"));
-    let audit = chain("audit");
-    assert!(audit.contains("update @observed") && audit.contains("counter name refused accept"));
-    assert!(!audit.contains("drop"));
+    assert!(loopback.iter().any(|r| r.contains("update @obs_vm")));
+    assert!(loopback6.iter().any(|r| r.contains("refused_vm drop")));
+    let (open, open6) = chain("open");
+    assert!(!open
+        .iter()
+        .any(|r| r.contains("drop") || r.contains("@obs")));
+    assert_eq!(open6, ["accept"]);
+    let (audit, audit6) = chain("audit");
+    assert!(audit.iter().any(|r| r == "counter name refused_vm accept"));
+    assert!(!audit.iter().chain(&audit6).any(|r| r.contains("drop")));
+    assert!(audit6.iter().any(|r| r.contains("update @obs6_vm")));
+}
+
+/// A change to one VM names only that VM's objects and dispatch elements.
+#[test]
+fn a_change_touches_only_its_vm() {
+    let (a, b) = (addrs(), vec!["100.64.9.2".parse().expect("ip")]);
+    let (p, q) = (
+        policy(r#"{"mode": "open"}"#),
+        policy(r#"{"rules": [{"cidr": "10.0.0.0/8"}]}"#),
+    );
+    let (one, two) = (vm("one", &a, &p), vm("two", &b, &q));
+    let l = layout(Match::Address);
+    let text = rules::change(&l, Some(&one), Some(&vm("one", &a, &q)));
+    assert!(!text.contains("two"), "{text}");
+    assert!(
+        !text.contains("delete set") && !text.contains("flush set inet egress_machine obs_one"),
+        "the record carries on: {text}"
+    );
+    let gone = rules::change(&l, Some(&two), None);
+    assert!(!gone.contains("one"), "{gone}");
+    assert!(gone.contains("delete element inet egress_machine from4 { 100.64.9.2 }"));
+    assert!(gone.contains("delete chain inet egress_machine vm_two"));
+}
+
+#[test]
+fn the_cgroup_variant_dispatches_on_output_by_level() {
+    let p = policy(r#"{"mode": "loopback"}"#);
+    let mut l = layout(Match::Cgroup);
+    l.cgroup_prefix = "unified".into();
+    let mut v = vm("q", &[], &p);
+    v.link = None;
+    v.cgroup = Some("machine.slice/vm-q.scope");
+    let r = rules::table(&l, &[v]);
+    assert!(r.contains("chain output {\n        type filter hook output priority filter - 10;"));
+    assert!(r.contains(
+        "add element inet egress_machine cg2 { \"unified/machine.slice/vm-q.scope\" : jump vm_q }"
+    ));
+    assert!(r.contains("add rule inet egress_machine output socket cgroupv2 level 2 vmap @cg2"));
+    assert!(
+        !r.contains("level 1 vmap"),
+        "only levels in use are looked up"
+    );
+    assert!(
+        !r.contains("from4 {") || !r.contains(": jump vm_q }\nadd element inet egress_machine to4")
+    );
 }
 
 #[test]
@@ -117,7 +189,7 @@ fn set_elements_are_read_from_nft_json() {
         .filter_map(element)
         .collect();
     assert_eq!(got.len(), 3);
-    assert_eq!(got[0].addr, Ipv4Addr::new(198, 51, 100, 4));
+    assert_eq!(got[0].addr, IpAddr::from([198, 51, 100, 4]));
     assert_eq!(
         (got[0].proto, got[0].port, got[0].packets),
         (Proto::Tcp, 80, 7)
@@ -127,7 +199,8 @@ fn set_elements_are_read_from_nft_json() {
     assert_eq!(got[2].proto, Proto::Tcp);
 }
 
-/// The kernel accepts what we write: `nft -c` checks every mode's table.
+/// The kernel accepts what we write: `nft -c` checks the node table with a
+/// VM in every mode, and changes to it (a policy swap, a removal).
 #[test]
 fn nft_accepts_every_mode() {
     if std::process::Command::new("nft")
@@ -147,29 +220,57 @@ fn nft_accepts_every_mode() {
         })
         .collect();
     let big = format!(r#"{{"mode": "allowlist", "rules": [{}]}}"#, rules.join(","));
-    for text in [
+    let policies: Vec<MachineEgress> = [
         r#"{"mode": "loopback"}"#,
         r#"{"mode": "open"}"#,
         r#"{"mode": "audit", "rules": [{"cidr": "0.0.0.0/0", "proto": "udp", "port": 53}]}"#,
         r#"{"rules": [{"cidr": "10.0.0.0/8"}, {"cidr": "10.1.0.0/16", "proto": "udp"}, {"cidr": "10.1.2.0/24", "proto": "tcp", "port": 22}]}"#,
         &big,
-    ] {
-        let r = ruleset("check-vm", &addrs(), &policy(text), 4096);
-        let out = std::process::Command::new("nft")
-            .args(["-c", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .and_then(|mut child| {
-                child.stdin.take().expect("stdin").write_all(r.as_bytes())?;
-                child.wait_with_output()
-            })
-            .expect("nft runs");
-        assert!(
-            out.status.success(),
-            "{text}: {}\n{r}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    ]
+    .iter()
+    .map(|t| policy(t))
+    .collect();
+    let ids = ["m0", "m1", "m2", "m3", "m4"];
+    let addresses: Vec<Vec<IpAddr>> = (0..5)
+        .map(|i| vec![format!("100.64.{i}.2").parse().expect("ip")])
+        .collect();
+    let vms: Vec<VmRules<'_>> = (0..5)
+        .map(|i| {
+            let mut v = vm(ids[i], &addresses[i], &policies[i]);
+            v.link = None;
+            v
+        })
+        .collect();
+    let l = layout(Match::Address);
+    let mut text = rules::table(&l, &vms);
+    text.push_str(&rules::change(
+        &l,
+        Some(&vms[4]),
+        Some(&vm("m4", &addresses[4], &policies[0])),
+    ));
+    text.push_str(&rules::change(&l, Some(&vms[1]), None));
+    check(&text);
+}
+
+fn check(text: &str) {
+    let out = std::process::Command::new("nft")
+        .args(["-c", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(text.as_bytes())?;
+            child.wait_with_output()
+        })
+        .expect("nft runs");
+    assert!(
+        out.status.success(),
+        "{}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

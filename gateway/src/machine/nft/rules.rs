@@ -1,0 +1,378 @@
+//! The node's machine egress table, `inet egress_machine`, as nft text.
+//!
+//! One table holds every VM. Its base chains dispatch a packet to its VM's
+//! chain with one verdict-map lookup (by source address on the forward
+//! hook, by the socket's cgroup on the output hook), so what a packet costs
+//! does not depend on how many VMs there are. Each VM owns a chain, its
+//! rule sets, an observed set and two counters, all named after the VM's
+//! key ([`key`]); a change to one VM is one transaction that touches only
+//! those objects and the dispatch elements of that VM:
+//!
+//! - `vm_<k>`: conntrack first (not under `loopback`), IPv6 to `v6_<k>`,
+//!   then the rule sets `any_<k>`, `proto_<k>`, `port_<k>`, then the record
+//!   (`obs_<k>`) and the verdict, counted in `refused_<k>`;
+//! - `v6_<k>`: IPv6 has no rules: recorded in `obs6_<k>`, then refused
+//!   (or, in `audit` and `open`, passed);
+//! - `link_<k>`: anti-spoofing on the VM's link: a source that is not one
+//!   of the VM's addresses (`src4_<k>`, `src6_<k>`) is counted in
+//!   `spoofed_<k>` and dropped, whatever the mode.
+//!
+//! A policy change flushes the VM's chains and rule sets and fills them
+//! again inside one transaction, so the VM never runs without a policy or
+//! with half of one; its observed set and counters carry on.
+
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use egress_policy::machine::{KernelSets, MachineEgress, Mode};
+
+/// The node's table.
+pub const TABLE: &str = "egress_machine";
+
+/// Deepest cgroup a VM may be registered with (one dispatch map a level).
+pub const MAX_CGROUP_LEVEL: usize = 8;
+
+/// How long an observed element lives in the kernel without packets.
+pub const OBSERVED_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// How the node's VMs are told apart (`machine_egress.match`): by source
+/// address on the forward hook, or by cgroup on the output hook.
+pub use crate::config::MachineMatch as Match;
+
+/// The node-wide settings the text depends on.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub matching: Match,
+    /// Observed-set size per VM.
+    pub capacity: usize,
+    /// Where the cgroup v2 hierarchy is mounted, relative to
+    /// `/sys/fs/cgroup` (nft resolves paths there): `""` on a unified
+    /// host, `"unified"` on a hybrid one.
+    pub cgroup_prefix: String,
+}
+
+/// One VM as the rules see it.
+#[derive(Clone, Copy, Debug)]
+pub struct VmRules<'a> {
+    pub id: &'a str,
+    pub addresses: &'a [IpAddr],
+    pub link: Option<&'a str>,
+    /// The QEMU process's cgroup, relative to the cgroup v2 root.
+    pub cgroup: Option<&'a str>,
+    pub policy: &'a MachineEgress,
+}
+
+/// A VM id as the suffix of its objects' names. Ids are
+/// `[A-Za-z0-9._-]`; everything but letters and digits is escaped as `_xx`
+/// (hex), so two ids never share a name.
+pub fn key(vm: &str) -> String {
+    let mut name = String::new();
+    for b in vm.bytes() {
+        if b.is_ascii_alphanumeric() {
+            name.push(char::from(b));
+        } else {
+            let _ = write!(name, "_{b:02x}");
+        }
+    }
+    name
+}
+
+/// The cgroup's level: how many components its path has.
+pub fn cgroup_level(path: &str) -> usize {
+    path.split('/').filter(|c| !c.is_empty()).count()
+}
+
+/// The whole table with every VM in it; applying it replaces whatever
+/// was there (used at start).
+pub fn table(layout: &Layout, vms: &[VmRules<'_>]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# egress-gateway: machine egress of the node");
+    let _ = writeln!(out, "table inet {TABLE}\ndelete table inet {TABLE}");
+    base(&mut out, layout);
+    for vm in vms {
+        out.push_str(&change(layout, None, Some(vm)));
+    }
+    if layout.matching == Match::Cgroup {
+        out.push_str(&output_dispatch(layout, vms));
+    }
+    out
+}
+
+/// The base: dispatch maps and chains, no VM.
+fn base(out: &mut String, layout: &Layout) {
+    let _ = writeln!(out, "table inet {TABLE} {{");
+    let _ = writeln!(out, "    map links {{ type ifname : verdict; }}");
+    let _ = writeln!(out, "    map from4 {{ type ipv4_addr : verdict; }}");
+    let _ = writeln!(out, "    map from6 {{ type ipv6_addr : verdict; }}");
+    let _ = writeln!(out, "    set to4 {{ type ipv4_addr; }}");
+    let _ = writeln!(out, "    set to6 {{ type ipv6_addr; }}");
+    // Spoofed sources first: an established flow of another VM's address
+    // must not carry them through.
+    let _ = writeln!(
+        out,
+        "    chain forward {{\n        type filter hook forward priority filter - 10; policy accept;\n        iifname vmap @links\n        ip saddr vmap @from4\n        ip6 saddr vmap @from6"
+    );
+    for (ip, set) in [("ip", "to4"), ("ip6", "to6")] {
+        let _ = writeln!(
+            out,
+            "        {ip} daddr @{set} ct state established,related accept\n        {ip} daddr @{set} drop"
+        );
+    }
+    let _ = writeln!(out, "    }}");
+    if layout.matching == Match::Cgroup {
+        for level in 1..=MAX_CGROUP_LEVEL {
+            let _ = writeln!(out, "    map cg{level} {{ type cgroupsv2 : verdict; }}");
+        }
+        let _ = writeln!(
+            out,
+            "    chain output {{\n        type filter hook output priority filter - 10; policy accept;\n    }}"
+        );
+    }
+    let _ = writeln!(out, "}}");
+}
+
+/// The output chain's rules: one cgroup lookup for each level some VM is
+/// registered at (replaces the chain's rules; part of every cgroup-mode
+/// transaction).
+pub fn output_dispatch(layout: &Layout, vms: &[VmRules<'_>]) -> String {
+    if layout.matching != Match::Cgroup {
+        return String::new();
+    }
+    let mut levels: Vec<usize> = vms
+        .iter()
+        .filter_map(|v| v.cgroup)
+        .map(cgroup_level)
+        .filter(|l| (1..=MAX_CGROUP_LEVEL).contains(l))
+        .collect();
+    levels.sort_unstable();
+    levels.dedup();
+    let mut out = format!("flush chain inet {TABLE} output\n");
+    for l in levels {
+        let _ = writeln!(
+            out,
+            "add rule inet {TABLE} output socket cgroupv2 level {l} vmap @cg{l}"
+        );
+    }
+    out
+}
+
+/// The transaction text that turns VM `old` into `new` (`None`: absent),
+/// touching only that VM's objects and its dispatch elements.
+pub fn change(layout: &Layout, old: Option<&VmRules<'_>>, new: Option<&VmRules<'_>>) -> String {
+    let mut out = String::new();
+    if let Some(old) = old {
+        dispatch(&mut out, layout, old, "delete");
+    }
+    match new {
+        Some(new) => {
+            declare(&mut out, layout, new.id);
+            fill(&mut out, new);
+            dispatch(&mut out, layout, new, "add");
+        }
+        None => {
+            if let Some(old) = old {
+                remove(&mut out, old.id);
+            }
+        }
+    }
+    out
+}
+
+/// The VM's dispatch elements: its addresses (as sources to judge and
+/// destinations to guard), its link and its cgroup.
+fn dispatch(out: &mut String, layout: &Layout, vm: &VmRules<'_>, verb: &str) {
+    let k = key(vm.id);
+    let with_verdict = verb == "add";
+    let jump = |target: &str| {
+        if with_verdict {
+            format!(" : jump {target}")
+        } else {
+            String::new()
+        }
+    };
+    if layout.matching == Match::Address {
+        for a in vm.addresses {
+            let (from, to) = if a.is_ipv4() {
+                ("from4", "to4")
+            } else {
+                ("from6", "to6")
+            };
+            let j = jump(&format!("vm_{k}"));
+            let _ = writeln!(out, "{verb} element inet {TABLE} {from} {{ {a}{j} }}");
+            let _ = writeln!(out, "{verb} element inet {TABLE} {to} {{ {a} }}");
+        }
+        if let Some(link) = vm.link {
+            let j = jump(&format!("link_{k}"));
+            let _ = writeln!(out, "{verb} element inet {TABLE} links {{ \"{link}\"{j} }}");
+        }
+    }
+    if let (Match::Cgroup, Some(path)) = (layout.matching, vm.cgroup) {
+        let level = cgroup_level(path);
+        let full = cgroup_path(layout, path);
+        let j = jump(&format!("vm_{k}"));
+        let _ = writeln!(
+            out,
+            "{verb} element inet {TABLE} cg{level} {{ \"{full}\"{j} }}"
+        );
+    }
+}
+
+/// The path nft resolves under `/sys/fs/cgroup`.
+fn cgroup_path(layout: &Layout, path: &str) -> String {
+    let path = path.trim_matches('/');
+    match layout.cgroup_prefix.trim_matches('/') {
+        "" => path.to_owned(),
+        prefix => format!("{prefix}/{path}"),
+    }
+}
+
+/// The VM's objects, created if missing (`add` leaves existing ones, with
+/// their elements and counts, alone).
+fn declare(out: &mut String, layout: &Layout, vm: &str) {
+    let k = key(vm);
+    let t = format!("inet {TABLE}");
+    for c in ["vm", "v6", "link"] {
+        let _ = writeln!(out, "add chain {t} {c}_{k}");
+    }
+    for c in ["refused", "spoofed"] {
+        let _ = writeln!(out, "add counter {t} {c}_{k}");
+    }
+    let interval = "flags interval; ";
+    for (name, ty, flags) in [
+        ("src4", "ipv4_addr", ""),
+        ("src6", "ipv6_addr", ""),
+        ("any", "ipv4_addr", interval),
+        ("proto", "ipv4_addr . inet_proto", interval),
+        ("port", "ipv4_addr . inet_proto . inet_service", interval),
+    ] {
+        let _ = writeln!(out, "add set {t} {name}_{k} {{ type {ty}; {flags}}}");
+    }
+    let (cap, timeout) = (layout.capacity, OBSERVED_TIMEOUT.as_secs());
+    for (name, addr) in [("obs", "ipv4_addr"), ("obs6", "ipv6_addr")] {
+        let _ = writeln!(
+            out,
+            "add set {t} {name}_{k} {{ type {addr} . inet_proto . inet_service; size {cap}; flags dynamic, timeout; timeout {timeout}s; counter; }}"
+        );
+    }
+}
+
+/// Empties the VM's chains and rule sets and fills them from its policy.
+fn fill(out: &mut String, vm: &VmRules<'_>) {
+    let k = key(vm.id);
+    let t = format!("inet {TABLE}");
+    for c in ["vm", "v6", "link"] {
+        let _ = writeln!(out, "flush chain {t} {c}_{k}");
+    }
+    for s in ["src4", "src6", "any", "proto", "port"] {
+        let _ = writeln!(out, "flush set {t} {s}_{k}");
+    }
+    let (v4, v6): (Vec<&IpAddr>, Vec<&IpAddr>) = vm.addresses.iter().partition(|a| a.is_ipv4());
+    elements(out, &k, "src4", v4.iter().map(ToString::to_string));
+    elements(out, &k, "src6", v6.iter().map(ToString::to_string));
+    let sets: KernelSets = vm.policy.kernel_sets();
+    elements(out, &k, "any", sets.any.iter().map(ToString::to_string));
+    let proto = sets.proto.iter().map(|(n, p)| format!("{n} . {p}"));
+    elements(out, &k, "proto", proto);
+    let port = sets
+        .port
+        .iter()
+        .map(|(n, p, port)| format!("{n} . {p} . {port}"));
+    elements(out, &k, "port", port);
+    for rule in vm_chain(&k, vm.policy.mode) {
+        let _ = writeln!(out, "add rule {t} vm_{k} {rule}");
+    }
+    for rule in v6_chain(&k, vm.policy.mode) {
+        let _ = writeln!(out, "add rule {t} v6_{k} {rule}");
+    }
+    for rule in [
+        format!("ip saddr @src4_{k} return"),
+        format!("ip6 saddr @src6_{k} return"),
+        format!("counter name spoofed_{k} drop"),
+    ] {
+        let _ = writeln!(out, "add rule {t} link_{k} {rule}");
+    }
+}
+
+fn elements(out: &mut String, k: &str, set: &str, items: impl Iterator<Item = String>) {
+    let items: Vec<String> = items.collect();
+    // Large sets go in slices, to keep each line short.
+    for chunk in items.chunks(256) {
+        let _ = writeln!(
+            out,
+            "add element inet {TABLE} {set}_{k} {{ {} }}",
+            chunk.join(", ")
+        );
+    }
+}
+
+/// The VM's own chain, for the packets it sends: an open flow keeps the
+/// verdict it was accepted under (except under `loopback`, which cuts open
+/// flows too), IPv6 goes to `v6_<k>`, IPv4 is judged by the mode.
+fn vm_chain(k: &str, mode: Mode) -> Vec<String> {
+    let mut rules = Vec::new();
+    if mode != Mode::Loopback {
+        rules.push("ct state established,related accept".to_owned());
+    }
+    rules.push(format!("meta nfproto ipv6 goto v6_{k}"));
+    let judged = [
+        format!("ip daddr @any_{k} accept"),
+        format!("ip daddr . meta l4proto @proto_{k} accept"),
+        format!("ip daddr . meta l4proto . th dport @port_{k} accept"),
+    ];
+    let record = format!(
+        "meta l4proto {{ tcp, udp }} update @obs_{k} {{ ip daddr . meta l4proto . th dport }}"
+    );
+    match mode {
+        Mode::Open => rules.push("accept".to_owned()),
+        Mode::Loopback => {
+            rules.push(record);
+            rules.push(format!("counter name refused_{k} drop"));
+        }
+        Mode::Allowlist => {
+            rules.extend(judged);
+            rules.push(record);
+            rules.push(format!("counter name refused_{k} drop"));
+        }
+        // Everything passes; what an allowlist would drop is recorded.
+        Mode::Audit => {
+            rules.extend(judged);
+            rules.push(record);
+            rules.push(format!("counter name refused_{k} accept"));
+        }
+    }
+    rules
+}
+
+/// IPv6 from the VM: the policy's rules are IPv4 only, so it is refused
+/// under `loopback` and `allowlist` (and would be under `audit`), recorded
+/// either way; `open` passes it.
+fn v6_chain(k: &str, mode: Mode) -> Vec<String> {
+    let record = format!(
+        "meta l4proto {{ tcp, udp }} update @obs6_{k} {{ ip6 daddr . meta l4proto . th dport }}"
+    );
+    match mode {
+        Mode::Open => vec!["accept".to_owned()],
+        Mode::Audit => vec![record, format!("counter name refused_{k} accept")],
+        Mode::Loopback | Mode::Allowlist => vec![record, format!("counter name refused_{k} drop")],
+    }
+}
+
+/// Removes the VM's objects (its dispatch elements went first).
+fn remove(out: &mut String, vm: &str) {
+    let k = key(vm);
+    let t = format!("inet {TABLE}");
+    // A chain must be empty to go, and unreferenced: vm_ jumps to v6_.
+    for c in ["vm", "v6", "link"] {
+        let _ = writeln!(out, "flush chain {t} {c}_{k}");
+    }
+    for c in ["vm", "v6", "link"] {
+        let _ = writeln!(out, "delete chain {t} {c}_{k}");
+    }
+    for s in ["src4", "src6", "any", "proto", "port", "obs", "obs6"] {
+        let _ = writeln!(out, "delete set {t} {s}_{k}");
+    }
+    for c in ["refused", "spoofed"] {
+        let _ = writeln!(out, "delete counter {t} {c}_{k}");
+    }
+}
