@@ -128,6 +128,24 @@ pub struct MachineEgressConfig {
     /// Where the cgroup v2 hierarchy is mounted, relative to
     /// `/sys/fs/cgroup`: `""` on a unified host, `"unified"` on a hybrid one.
     pub cgroup_prefix: String,
+    /// How refused packets reach the observed record: as events on an
+    /// NFLOG group (exact), or sampled from the kernel's observed sets.
+    pub observe: MachineObserve,
+    /// The NFLOG group the rules log to (events): this gateway binds it in
+    /// its own network namespace, which must be the rules' one.
+    pub log_group: u16,
+    /// Refused packets each VM may log per second (and in a burst); the
+    /// rest are counted as lost, not logged.
+    pub log_rate: u32,
+}
+
+/// `machine_egress.observe`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MachineObserve {
+    #[default]
+    Events,
+    Sampled,
 }
 
 /// `machine_egress.match`.
@@ -331,6 +349,9 @@ impl Default for MachineEgressConfig {
             observe_interval: Duration::from_secs(5),
             matching: MachineMatch::Address,
             cgroup_prefix: String::new(),
+            observe: MachineObserve::Events,
+            log_group: 7711,
+            log_rate: 1_000,
         }
     }
 }
@@ -343,6 +364,10 @@ impl MachineEgressConfig {
         if !(16..=65_536).contains(&self.observed_capacity) {
             let why = format!("{} is outside 16..=65536", self.observed_capacity);
             return Some(("machine_egress.observed_capacity", why));
+        }
+        if !(1..=100_000).contains(&self.log_rate) {
+            let why = format!("{} is outside 1..=100000", self.log_rate);
+            return Some(("machine_egress.log_rate", why));
         }
         if self.observe_interval < Duration::from_millis(100) {
             let why = format!("{:?} is shorter than 100ms", self.observe_interval);

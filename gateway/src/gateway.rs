@@ -247,14 +247,23 @@ impl Gateway {
             offer,
             committer: committer.clone(),
         };
-        let every = gateway.dp.config().machine_egress.observe_interval;
-        gateway.tasks.spawn(machines.clone().observer(every));
+        gateway.spawn_machine_tasks(&machines);
         gateway.serve(
             listeners,
             &dns,
             Control::new(gateway.dp.clone(), token, committer, machines),
         )?;
         Ok(gateway)
+    }
+
+    /// Machine egress's observer rounds and, with events, the log reader.
+    fn spawn_machine_tasks(&mut self, machines: &Arc<crate::machine::Machines>) {
+        let every = self.dp.config().machine_egress.observe_interval;
+        self.tasks.spawn(machines.clone().observer(every));
+        if let Some(fd) = machines.take_log() {
+            self.tasks
+                .spawn(crate::machine::events::read(fd, machines.clone()));
+        }
     }
 
     /// Spawns every listener's task (with `limits.thread_per_core`, starts

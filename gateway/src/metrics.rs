@@ -580,6 +580,11 @@ struct SpoofLabels {
     vm: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CauseLabels {
+    cause: &'static str,
+}
+
 /// What machine egress reports at each scrape (`machine::Machines`
 /// answers it; declared here so metrics need not know machine egress).
 pub(crate) trait MachineFigures: Send + Sync + std::fmt::Debug {
@@ -596,6 +601,8 @@ pub(crate) struct MachineCounts {
     /// (VM, packets dropped on its link for a source not its own).
     pub(crate) spoofed: Vec<(String, u64)>,
     pub(crate) evictions: u64,
+    /// Events that never reached the record, by cause.
+    pub(crate) lost: Vec<(&'static str, u64)>,
 }
 
 /// Machine egress, read at scrape time. The `vm` label is bounded by the
@@ -646,6 +653,15 @@ impl Collector for MachineSources {
             None,
             c.metric_type(),
         )?)?;
+        let mut family = encoder.encode_descriptor(
+            "machine_observe_lost",
+            "Refused packets that never reached the observed record as events (machine_egress.observe = \"events\"): over a VM's log rate, dropped by a full socket buffer (overrun), or unreadable.",
+            None,
+            counter.metric_type(),
+        )?;
+        for (cause, n) in f.lost {
+            ConstCounter::new(n).encode(family.encode_family(&CauseLabels { cause })?)?;
+        }
         Ok(())
     }
 }

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use egress_gateway::config::{Admin, Config, Listen, Log, MachineEgressConfig};
+use egress_gateway::config::{Admin, Config, Listen, Log, MachineEgressConfig, MachineObserve};
 use egress_gateway::flowlog::FlowLog;
 use egress_gateway::{Gateway, SoOriginalDst};
 use http_body_util::{BodyExt, Full};
@@ -121,6 +121,9 @@ impl Worker {
                     .map(str::to_owned)
                     .to_vec(),
                 observe_interval: Duration::from_millis(200),
+                // The rules are in another namespace than this process: an
+                // NFLOG group read here would never see their events.
+                observe: MachineObserve::Sampled,
                 ..MachineEgressConfig::default()
             },
             ..Config::default()

@@ -190,7 +190,7 @@ fn failed(e: &MachineError) -> Reply {
         }
         MachineError::Invalid { field, .. } => (StatusCode::BAD_REQUEST, Some(*field)),
         MachineError::Taken { field, .. } => (StatusCode::CONFLICT, Some(*field)),
-        MachineError::Kernel(_) | MachineError::Persist { .. } => {
+        MachineError::Kernel(_) | MachineError::Persist { .. } | MachineError::Log { .. } => {
             (StatusCode::INTERNAL_SERVER_ERROR, None)
         }
     };
@@ -338,8 +338,9 @@ fn flag(query: &str, name: &str) -> Result<bool, Box<Reply>> {
 /// the names DNS attribution holds for each.
 fn observed_json(m: &Machines, dp: &Dataplane, id: &str) -> Result<Value, MachineError> {
     let vm = m.vm(id)?;
-    let (entries, evictions) = m.observed(id)?;
-    let list: Vec<Value> = entries
+    let view = m.observed(id)?;
+    let list: Vec<Value> = view
+        .entries
         .iter()
         .map(|((addr, proto, port), seen)| {
             json!({
@@ -357,14 +358,15 @@ fn observed_json(m: &Machines, dp: &Dataplane, id: &str) -> Result<Value, Machin
         "vm": id,
         "mode": vm.effective.mode.as_str(),
         "recorded": if vm.effective.mode == machine::Mode::Audit { "would_refuse" } else { "refused" },
-        "evictions": evictions,
+        "evictions": view.evictions,
+        "lost": view.lost,
         "observed": list,
     }))
 }
 
 fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value, MachineError> {
     let vm = m.vm(id)?;
-    let (entries, _) = m.observed(id)?;
+    let entries = m.observed(id)?.entries;
     // The rules are IPv4 only: an IPv6 destination is listed as uncovered.
     let observed: Vec<Observed> = entries
         .iter()

@@ -14,6 +14,8 @@
 //! serialised.
 
 pub(crate) mod api;
+pub(crate) mod events;
+pub mod nflog;
 pub mod nft;
 pub mod observed;
 
@@ -27,7 +29,7 @@ use std::time::SystemTime;
 use egress_policy::machine::{MachineEgress, Mode};
 use serde::{Deserialize, Serialize};
 
-use crate::config::MachineEgressConfig;
+use crate::config::{MachineEgressConfig, MachineObserve};
 use crate::registry::{Registry, RegistryError};
 use nft::rules::{self, Layout, Match, VmRules};
 use nft::{Nft, NftError};
@@ -65,6 +67,8 @@ pub enum MachineError {
     Kernel(#[from] NftError),
     #[error("{path}: {message} (the rules were put back; nothing changed)")]
     Persist { path: PathBuf, message: String },
+    #[error("machine_egress.log_group {group}: {message}")]
+    Log { group: u16, message: String },
 }
 
 /// One VM as the gateway keeps it.
@@ -136,6 +140,33 @@ pub struct Machines {
     spoofed: Mutex<BTreeMap<String, Refused>>,
     /// Observations evicted by the bound, over every VM ever registered.
     evictions: AtomicU64,
+    /// The NFLOG socket (events), until the reader task takes it.
+    log: Mutex<Option<rustix::fd::OwnedFd>>,
+    /// Refused packets over a VM's log rate (`lost_<k>`), by VM id.
+    unlogged: Mutex<BTreeMap<String, Refused>>,
+    /// Events lost, every VM: over the rate, to a full socket buffer (gaps
+    /// in the sequence), unreadable.
+    lost: LostEvents,
+}
+
+/// Events that did not reach the record, by cause.
+#[derive(Debug, Default)]
+struct LostEvents {
+    rate: AtomicU64,
+    overrun: AtomicU64,
+    unreadable: AtomicU64,
+    /// The sequence number the next event should carry.
+    next_seq: Mutex<Option<u32>>,
+}
+
+/// What `GET …/observed` reports of a VM.
+#[derive(Debug, Default)]
+pub struct ObservedView {
+    /// Most recently seen first.
+    pub entries: Vec<(observed::Key, observed::Seen)>,
+    pub evictions: u64,
+    /// Refused packets the log rate kept out of the record (events).
+    pub lost: u64,
 }
 
 /// One VM's refused-packet count.
@@ -148,12 +179,19 @@ struct Refused {
 impl Refused {
     /// Takes in a read of the kernel counter; true when it moved.
     fn account(&mut self, now: u64) -> bool {
-        // Lower than last read: the table was replaced, all of it is new.
-        let new = now.checked_sub(self.kernel).unwrap_or(now);
-        self.total = self.total.saturating_add(new);
+        self.add(now);
         let moved = now != self.kernel;
         self.kernel = now;
         moved
+    }
+
+    /// Adds what is new in a read of the kernel counter to the total, and
+    /// returns it.
+    fn add(&mut self, now: u64) -> u64 {
+        // Lower than last read: the table was replaced, all of it is new.
+        let new = now.checked_sub(self.kernel).unwrap_or(now);
+        self.total = self.total.saturating_add(new);
+        new
     }
 }
 
@@ -274,12 +312,14 @@ impl Machines {
         registry: Arc<Registry>,
     ) -> Result<Arc<Self>, MachineError> {
         let loaded = load(&state_dir.join(STATE_FILE))?;
+        let (events, log) = bind_log(config)?;
         let machines = Self {
             nft: Nft::new(config.nft.clone()),
             layout: Layout {
                 matching: config.matching,
                 capacity: config.observed_capacity,
                 cgroup_prefix: config.cgroup_prefix.clone(),
+                events,
             },
             state_dir: state_dir.to_owned(),
             registry,
@@ -292,6 +332,9 @@ impl Machines {
             refused: Mutex::new(BTreeMap::new()),
             spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
+            log: Mutex::new(log),
+            unlogged: Mutex::new(BTreeMap::new()),
+            lost: LostEvents::default(),
         };
         let state = loaded.unwrap_or_else(|| lock(&machines.state).clone());
         for vm in state.vms.values() {
@@ -307,6 +350,9 @@ impl Machines {
         }
         if !state.vms.is_empty() {
             tracing::info!(vms = state.vms.len(), "re-installed machine egress rules");
+        }
+        for id in state.vms.keys() {
+            machines.ensure_store(id);
         }
         *lock(&machines.state) = state;
         Ok(Arc::new(machines))
@@ -430,12 +476,18 @@ impl Machines {
             effective,
         };
         next.vms.insert(id.to_owned(), vm.clone());
+        // The record exists before the rules do: their first event has a
+        // place to go.
+        self.ensure_store(id);
         if let Err(e) = self.commit(&mut state, next, &[id.to_owned()]) {
             match before {
                 Some(addresses) => {
                     let _ = self.registry.claim_for_vm(id, &addresses);
                 }
-                None => self.registry.release_vm(id),
+                None => {
+                    self.registry.release_vm(id);
+                    lock(&self.observed).remove(id);
+                }
             }
             return Err(e);
         }
@@ -455,7 +507,15 @@ impl Machines {
         lock(&self.observed).remove(id);
         lock(&self.refused).remove(id);
         lock(&self.spoofed).remove(id);
+        lock(&self.unlogged).remove(id);
         Ok(())
+    }
+
+    /// The VM's observed record, created empty if it has none.
+    fn ensure_store(&self, id: &str) {
+        lock(&self.observed)
+            .entry(id.to_owned())
+            .or_insert_with(|| observed::Store::new(self.layout.capacity));
     }
 
     pub fn vm(&self, id: &str) -> Result<Vm, MachineError> {
@@ -530,19 +590,77 @@ impl Machines {
         Ok(touched)
     }
 
-    /// Reads the VM's observed set from the kernel now, and returns the
-    /// record, most recently seen first, with the store's evictions.
-    pub fn observed(
-        &self,
-        id: &str,
-    ) -> Result<(Vec<(observed::Key, observed::Seen)>, u64), MachineError> {
+    /// The VM's record, most recently seen first, with the store's
+    /// evictions and the events its log rate kept out. Sampled, the VM's
+    /// observed sets are read from the kernel first.
+    pub fn observed(&self, id: &str) -> Result<ObservedView, MachineError> {
         self.vm(id)?;
-        self.read_observed(id)?;
+        if self.layout.events.is_none() {
+            self.read_observed(id)?;
+        }
+        let lost = lock(&self.unlogged).get(id).map_or(0, |r| r.total);
         let stores = lock(&self.observed);
         Ok(stores
             .get(id)
-            .map(|s| (s.entries(), s.evictions()))
+            .map(|s| ObservedView {
+                entries: s.entries(),
+                evictions: s.evictions(),
+                lost,
+            })
             .unwrap_or_default())
+    }
+
+    /// Takes in one datagram of the log group: each event goes to its VM's
+    /// record (one of a VM no longer registered is dropped); a gap in the
+    /// sequence numbers and an unreadable message are counted as lost.
+    pub(crate) fn take_events(&self, datagram: &[u8]) {
+        let now = SystemTime::now();
+        let mut stores = lock(&self.observed);
+        for m in nflog::messages(datagram) {
+            let e = match m {
+                Ok(nflog::Message::Packet(e)) => e,
+                Ok(nflog::Message::Ack(code)) if code != 0 => {
+                    tracing::warn!(code, "the kernel reported an error on the NFLOG socket");
+                    continue;
+                }
+                Ok(_) => continue,
+                Err(why) => {
+                    tracing::debug!(%why, "an unreadable NFLOG message");
+                    self.lost.unreadable.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            if let Some(seq) = e.seq {
+                self.sequence(seq);
+            }
+            let before = stores.get(&e.vm).map(observed::Store::evictions);
+            if let (Some(store), Some(before)) = (stores.get_mut(&e.vm), before) {
+                store.record((e.addr, e.proto, e.port), e.time.unwrap_or(now));
+                self.evictions
+                    .fetch_add(store.evictions() - before, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Checks an event's sequence number against the one expected: what
+    /// lies between was dropped by the kernel (a full socket buffer).
+    fn sequence(&self, seq: u32) {
+        let mut next = lock(&self.lost.next_seq);
+        if let Some(expected) = *next {
+            let gap = seq.wrapping_sub(expected);
+            // A gap past half the range is a reordering, not a loss.
+            if gap != 0 && gap < 1 << 31 {
+                self.lost
+                    .overrun
+                    .fetch_add(u64::from(gap), Ordering::Relaxed);
+            }
+        }
+        *next = Some(seq.wrapping_add(1));
+    }
+
+    /// The NFLOG socket, for the reader task (once; `None` when sampled).
+    pub(crate) fn take_log(&self) -> Option<rustix::fd::OwnedFd> {
+        lock(&self.log).take()
     }
 
     fn read_observed(&self, id: &str) -> Result<(), NftError> {
@@ -585,6 +703,13 @@ impl Machines {
                     .or_default()
                     .account(n);
             }
+            if let Some(&n) = counters.get(&format!("lost_{k}")) {
+                let mut unlogged = lock(&self.unlogged);
+                let r = unlogged.entry(vm.id.clone()).or_default();
+                let new = r.add(n);
+                r.kernel = n;
+                self.lost.rate.fetch_add(new, Ordering::Relaxed);
+            }
             let Some(&now) = counters.get(&format!("refused_{k}")) else {
                 continue;
             };
@@ -592,7 +717,7 @@ impl Machines {
                 .entry(vm.id.clone())
                 .or_default()
                 .account(now);
-            if moved {
+            if moved && self.layout.events.is_none() {
                 if let Err(e) = self.read_observed(&vm.id) {
                     tracing::warn!(vm = %vm.id, error = %e, "reading observed destinations failed");
                 }
@@ -645,8 +770,31 @@ impl crate::metrics::MachineFigures for Machines {
             packets,
             spoofed: spoofed_packets,
             evictions: self.evictions.load(Ordering::Relaxed),
+            lost: vec![
+                ("rate", self.lost.rate.load(Ordering::Relaxed)),
+                ("overrun", self.lost.overrun.load(Ordering::Relaxed)),
+                ("unreadable", self.lost.unreadable.load(Ordering::Relaxed)),
+            ],
         }
     }
+}
+
+/// With `observe = "events"`, the log group bound to a socket of this
+/// gateway, before any rule logs to it: no event is ever sent to a group
+/// nobody reads.
+fn bind_log(
+    config: &MachineEgressConfig,
+) -> Result<(Option<rules::Events>, Option<rustix::fd::OwnedFd>), MachineError> {
+    if config.observe != MachineObserve::Events {
+        return Ok((None, None));
+    }
+    let group = config.log_group;
+    let fd = events::bind(group).map_err(|message| MachineError::Log { group, message })?;
+    let events = rules::Events {
+        group,
+        rate: config.log_rate,
+    };
+    Ok((Some(events), Some(fd)))
 }
 
 /// Writes the state (write, fsync, rename, like the snapshot).

@@ -1,7 +1,9 @@
 //! What a VM tried to reach and was refused (or, in audit, would have been):
-//! the kernel's `observed` set read into a bounded store with counts and
-//! first/last seen.
+//! a bounded store with counts and first/last seen, fed either by the log
+//! group's events one packet at a time ([`Store::record`], exact), or by
+//! reads of the kernel's `observed` set ([`Store::merge`], sampled).
 //!
+//! Sampled:
 //! The kernel set is a buffer the size of the store; this store is the
 //! record. Each read merges the kernel's per-element packet counters (a
 //! counter lower than last read means the element was re-created: the whole
@@ -122,6 +124,30 @@ impl Store {
         forget
     }
 
+    /// Records one logged packet seen at `at` (events): the count is one
+    /// more, and the times widen to take `at` in. Past `capacity`, the
+    /// least recently seen sixteenth goes at once (so a flood of new
+    /// destinations sorts the store once per sixteenth, not per packet),
+    /// counted as evictions.
+    pub fn record(&mut self, key: Key, at: SystemTime) {
+        let seen = self.entries.entry(key).or_insert(Seen {
+            count: 0,
+            first: at,
+            last: at,
+            kernel_packets: 0,
+        });
+        seen.count = seen.count.saturating_add(1);
+        seen.first = seen.first.min(at);
+        seen.last = seen.last.max(at);
+        if self.entries.len() > self.capacity {
+            let excess = self.entries.len() - self.capacity + self.capacity / 16;
+            for (key, _) in self.oldest(excess) {
+                self.entries.remove(&key);
+                self.evictions += 1;
+            }
+        }
+    }
+
     fn oldest(&self, n: usize) -> Vec<(Key, Seen)> {
         let mut all = self.entries();
         let keep = all.len().saturating_sub(n);
@@ -167,6 +193,32 @@ mod tests {
         // Gone from the kernel: the record stays.
         s.merge(t0 + Duration::from_secs(15), &[]);
         assert_eq!(s.entries()[0].1.count, 7);
+    }
+
+    #[test]
+    fn events_count_exactly_and_keep_their_times() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let key = (IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1)), Proto::Tcp, 80);
+        let mut s = Store::new(16);
+        // Out of order (two datagrams can be read in either order).
+        for ms in [300u64, 100, 900, 500] {
+            s.record(key, t0 + Duration::from_millis(ms));
+        }
+        let (_, seen) = s.entries()[0];
+        assert_eq!(seen.count, 4);
+        assert_eq!(seen.first, t0 + Duration::from_millis(100));
+        assert_eq!(seen.last, t0 + Duration::from_millis(900));
+        // A flood of new destinations: bounded, the oldest go, counted.
+        for i in 0..40u16 {
+            let k = (IpAddr::V4(Ipv4Addr::new(203, 0, 113, 1)), Proto::Udp, i);
+            s.record(k, t0 + Duration::from_secs(10 + u64::from(i)));
+        }
+        assert!(s.len() <= 16);
+        assert_eq!(s.evictions(), 41 - s.len() as u64);
+        assert!(
+            s.entries().iter().any(|(k, _)| k.2 == 39),
+            "the newest is kept"
+        );
     }
 
     #[test]

@@ -629,3 +629,110 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
     assert_eq!(status, 200);
     assert!(!node_table(&t).contains("vm_q"), "{}", node_table(&t));
 }
+
+/// One TCP connect from the VM that gives up after 0.3 s, before TCP's
+/// first retransmission (1 s): exactly one SYN. True when it connected.
+fn one_syn(t: &Topology, ip: &str) -> bool {
+    let out = t.exec(
+        vm(t),
+        "curl",
+        &[
+            "-s",
+            "-o",
+            "/dev/null",
+            "--connect-timeout",
+            "0.3",
+            "--max-time",
+            "3",
+            "-w",
+            "%{http_code}",
+            &format!("http://{ip}/"),
+        ],
+    );
+    String::from_utf8_lossy(&out.stdout).trim() == "200"
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs()
+}
+
+/// The observed entry for `addr` tcp/80, if any.
+fn entry(t: &Topology, id: &str, addr: &str) -> (Value, Option<Value>) {
+    let (status, body) = t.admin(
+        "GET",
+        &format!("/v1/vms/{id}/network/egress/observed"),
+        None,
+    );
+    assert_eq!(status, 200, "{body}");
+    let doc = json(&body);
+    let found = doc["observed"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .find(|e| e["address"] == addr && e["proto"] == "tcp" && e["port"] == 80)
+        .cloned();
+    (doc, found)
+}
+
+/// Exact observation: every refused packet reaches the record as an event
+/// on the log group, so N refused connects (one SYN each) count N, and
+/// first and last seen are the first and the last packet's times — four
+/// seconds and more apart here, which no read of a set at the end could
+/// tell. Under audit, N connects that pass count N would-refuse.
+#[test]
+fn refused_packets_are_counted_exactly_with_their_times() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
+    const N: u64 = 7;
+    let start = unix_now();
+    assert!(!one_syn(&t, OTHER_IP), "refused");
+    std::thread::sleep(Duration::from_millis(2_200));
+    for _ in 0..N - 2 {
+        assert!(!one_syn(&t, OTHER_IP), "refused");
+    }
+    std::thread::sleep(Duration::from_millis(2_200));
+    assert!(!one_syn(&t, OTHER_IP), "refused");
+    let end = unix_now();
+    // The kernel sends events within 10 ms; allow the reader a moment.
+    std::thread::sleep(Duration::from_millis(300));
+    let (doc, found) = entry(&t, "vm1", OTHER_IP);
+    let e = found.unwrap_or_else(|| panic!("no entry: {doc}"));
+    assert_eq!(e["count"], N, "{doc}");
+    let (first, last) = (
+        e["first_seen"].as_u64().expect("first"),
+        e["last_seen"].as_u64().expect("last"),
+    );
+    assert!(start <= first && last <= end, "{start}..{end}: {doc}");
+    assert!(last - first >= 4, "the first and the last packet: {doc}");
+    assert_eq!(doc["lost"], 0, "{doc}");
+
+    // Audit: every connect passes, and its first packet is recorded.
+    put_egress(
+        &t,
+        "vm1",
+        r#"{"mode": "audit", "rules": [{"cidr": "203.0.113.53", "proto": "udp", "port": 53}]}"#,
+    );
+    for _ in 0..N {
+        assert!(one_syn(&t, API_IP), "audit passes");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (doc, found) = entry(&t, "vm1", API_IP);
+    assert_eq!(doc["recorded"], "would_refuse", "{doc}");
+    let e = found.unwrap_or_else(|| panic!("no entry: {doc}"));
+    assert_eq!(
+        e["count"], N,
+        "one per connect, the rest established: {doc}"
+    );
+    // Nothing was lost on the way, for any cause.
+    let (_, text) = t.admin("GET", "/metrics", None);
+    for cause in ["rate", "overrun", "unreadable"] {
+        let series = format!("egress_machine_observe_lost_total{{cause=\"{cause}\"}} 0");
+        assert!(text.contains(&series), "{series}:\n{text}");
+    }
+}

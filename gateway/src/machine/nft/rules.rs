@@ -10,9 +10,12 @@
 //!
 //! - `vm_<k>`: conntrack first (not under `loopback`), IPv6 to `v6_<k>`,
 //!   then the rule sets `any_<k>`, `proto_<k>`, `port_<k>`, then the record
-//!   (`obs_<k>`) and the verdict, counted in `refused_<k>`;
-//! - `v6_<k>`: IPv6 has no rules: recorded in `obs6_<k>`, then refused
-//!   (or, in `audit` and `open`, passed);
+//!   and the verdict, counted in `refused_<k>`. The record is a log rule
+//!   (NFLOG group, rate-limited, the excess counted in `lost_<k>`) with
+//!   `machine_egress.observe = "events"`, or an update of the observed set
+//!   `obs_<k>` when sampled;
+//! - `v6_<k>`: IPv6 has no rules: recorded (`obs6_<k>` when sampled), then
+//!   refused (or, in `audit` and `open`, passed);
 //! - `link_<k>`: anti-spoofing on the VM's link: a source that is not one
 //!   of the VM's addresses (`src4_<k>`, `src6_<k>`) is counted in
 //!   `spoofed_<k>` and dropped, whatever the mode.
@@ -26,6 +29,8 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use egress_policy::machine::{KernelSets, MachineEgress, Mode};
+
+use crate::machine::nflog::{Outcome, COPY_RANGE, PREFIX};
 
 /// The node's table.
 pub const TABLE: &str = "egress_machine";
@@ -50,6 +55,19 @@ pub struct Layout {
     /// `/sys/fs/cgroup` (nft resolves paths there): `""` on a unified
     /// host, `"unified"` on a hybrid one.
     pub cgroup_prefix: String,
+    /// Refused packets as events on an NFLOG group (`None`: recorded in
+    /// the observed sets and sampled).
+    pub events: Option<Events>,
+}
+
+/// `machine_egress.observe = "events"`: the group the rules log to and
+/// the rate each VM may log at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Events {
+    pub group: u16,
+    /// Logged packets per second per VM (and the burst); beyond it they are
+    /// counted in `lost_<k>` instead.
+    pub rate: u32,
 }
 
 /// One VM as the rules see it.
@@ -167,12 +185,12 @@ pub fn change(layout: &Layout, old: Option<&VmRules<'_>>, new: Option<&VmRules<'
     match new {
         Some(new) => {
             declare(&mut out, layout, new.id);
-            fill(&mut out, new);
+            fill(&mut out, layout, new);
             dispatch(&mut out, layout, new, "add");
         }
         None => {
             if let Some(old) = old {
-                remove(&mut out, old.id);
+                remove(&mut out, layout, old.id);
             }
         }
     }
@@ -235,7 +253,7 @@ fn declare(out: &mut String, layout: &Layout, vm: &str) {
     for c in ["vm", "v6", "link"] {
         let _ = writeln!(out, "add chain {t} {c}_{k}");
     }
-    for c in ["refused", "spoofed"] {
+    for c in counters(layout) {
         let _ = writeln!(out, "add counter {t} {c}_{k}");
     }
     let interval = "flags interval; ";
@@ -249,7 +267,7 @@ fn declare(out: &mut String, layout: &Layout, vm: &str) {
         let _ = writeln!(out, "add set {t} {name}_{k} {{ type {ty}; {flags}}}");
     }
     let (cap, timeout) = (layout.capacity, OBSERVED_TIMEOUT.as_secs());
-    for (name, addr) in [("obs", "ipv4_addr"), ("obs6", "ipv6_addr")] {
+    for (name, addr) in observed_sets(layout) {
         let _ = writeln!(
             out,
             "add set {t} {name}_{k} {{ type {addr} . inet_proto . inet_service; size {cap}; flags dynamic, timeout; timeout {timeout}s; counter; }}"
@@ -257,8 +275,25 @@ fn declare(out: &mut String, layout: &Layout, vm: &str) {
     }
 }
 
+/// The VM's named counters: with events, `lost_<k>` counts what the rate
+/// kept out of the log.
+fn counters(layout: &Layout) -> &'static [&'static str] {
+    match layout.events {
+        Some(_) => &["refused", "spoofed", "lost"],
+        None => &["refused", "spoofed"],
+    }
+}
+
+/// The VM's observed sets: only when sampled.
+fn observed_sets(layout: &Layout) -> &'static [(&'static str, &'static str)] {
+    match layout.events {
+        Some(_) => &[],
+        None => &[("obs", "ipv4_addr"), ("obs6", "ipv6_addr")],
+    }
+}
+
 /// Empties the VM's chains and rule sets and fills them from its policy.
-fn fill(out: &mut String, vm: &VmRules<'_>) {
+fn fill(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
     let k = key(vm.id);
     let t = format!("inet {TABLE}");
     for c in ["vm", "v6", "link"] {
@@ -279,10 +314,10 @@ fn fill(out: &mut String, vm: &VmRules<'_>) {
         .iter()
         .map(|(n, p, port)| format!("{n} . {p} . {port}"));
     elements(out, &k, "port", port);
-    for rule in vm_chain(&k, vm.policy.mode) {
+    for rule in vm_chain(layout, vm.id, vm.policy.mode) {
         let _ = writeln!(out, "add rule {t} vm_{k} {rule}");
     }
-    for rule in v6_chain(&k, vm.policy.mode) {
+    for rule in v6_chain(layout, vm.id, vm.policy.mode) {
         let _ = writeln!(out, "add rule {t} v6_{k} {rule}");
     }
     for rule in [
@@ -309,7 +344,8 @@ fn elements(out: &mut String, k: &str, set: &str, items: impl Iterator<Item = St
 /// The VM's own chain, for the packets it sends: an open flow keeps the
 /// verdict it was accepted under (except under `loopback`, which cuts open
 /// flows too), IPv6 goes to `v6_<k>`, IPv4 is judged by the mode.
-fn vm_chain(k: &str, mode: Mode) -> Vec<String> {
+fn vm_chain(layout: &Layout, vm: &str, mode: Mode) -> Vec<String> {
+    let k = key(vm);
     let mut rules = Vec::new();
     if mode != Mode::Loopback {
         rules.push("ct state established,related accept".to_owned());
@@ -320,25 +356,13 @@ fn vm_chain(k: &str, mode: Mode) -> Vec<String> {
         format!("ip daddr . meta l4proto @proto_{k} accept"),
         format!("ip daddr . meta l4proto . th dport @port_{k} accept"),
     ];
-    let record = format!(
-        "meta l4proto {{ tcp, udp }} update @obs_{k} {{ ip daddr . meta l4proto . th dport }}"
-    );
     match mode {
         Mode::Open => rules.push("accept".to_owned()),
-        Mode::Loopback => {
-            rules.push(record);
-            rules.push(format!("counter name refused_{k} drop"));
-        }
-        Mode::Allowlist => {
+        Mode::Loopback => rules.extend(refuse(layout, vm, false, mode)),
+        Mode::Allowlist | Mode::Audit => {
             rules.extend(judged);
-            rules.push(record);
-            rules.push(format!("counter name refused_{k} drop"));
-        }
-        // Everything passes; what an allowlist would drop is recorded.
-        Mode::Audit => {
-            rules.extend(judged);
-            rules.push(record);
-            rules.push(format!("counter name refused_{k} accept"));
+            // In audit everything passes; what an allowlist would drop is recorded.
+            rules.extend(refuse(layout, vm, false, mode));
         }
     }
     rules
@@ -347,19 +371,51 @@ fn vm_chain(k: &str, mode: Mode) -> Vec<String> {
 /// IPv6 from the VM: the policy's rules are IPv4 only, so it is refused
 /// under `loopback` and `allowlist` (and would be under `audit`), recorded
 /// either way; `open` passes it.
-fn v6_chain(k: &str, mode: Mode) -> Vec<String> {
-    let record = format!(
-        "meta l4proto {{ tcp, udp }} update @obs6_{k} {{ ip6 daddr . meta l4proto . th dport }}"
-    );
+fn v6_chain(layout: &Layout, vm: &str, mode: Mode) -> Vec<String> {
     match mode {
         Mode::Open => vec!["accept".to_owned()],
-        Mode::Audit => vec![record, format!("counter name refused_{k} accept")],
-        Mode::Loopback | Mode::Allowlist => vec![record, format!("counter name refused_{k} drop")],
+        _ => refuse(layout, vm, true, mode),
     }
 }
 
+/// The end of a VM's chain: what reaches it is refused (dropped, or in
+/// audit passed). Sampled: the destination updates the observed set, and
+/// the verdict is counted. With events: counted, then every TCP and UDP
+/// packet is logged to the group with a prefix naming the outcome and the
+/// VM, at most `rate` a second; what is over the rate is counted in
+/// `lost_<k>` and not logged. The verdict is a rule of its own, so neither a
+/// full set nor a failed log lets a packet through.
+fn refuse(layout: &Layout, vm: &str, v6: bool, mode: Mode) -> Vec<String> {
+    let k = key(vm);
+    let verdict = if mode == Mode::Audit {
+        "accept"
+    } else {
+        "drop"
+    };
+    let l4 = "meta l4proto { tcp, udp }";
+    let Some(events) = layout.events else {
+        let (set, ip) = if v6 { ("obs6", "ip6") } else { ("obs", "ip") };
+        return vec![
+            format!("{l4} update @{set}_{k} {{ {ip} daddr . meta l4proto . th dport }}"),
+            format!("counter name refused_{k} {verdict}"),
+        ];
+    };
+    let letter = match mode {
+        Mode::Audit => Outcome::WouldRefuse,
+        _ => Outcome::Refused,
+    }
+    .letter();
+    let (rate, group) = (events.rate, events.group);
+    vec![
+        format!("counter name refused_{k}"),
+        format!("{l4} limit rate over {rate}/second burst {rate} packets counter name lost_{k} {verdict}"),
+        format!("{l4} log prefix \"{PREFIX} {letter} {vm}\" group {group} snaplen {COPY_RANGE} {verdict}"),
+        verdict.to_owned(),
+    ]
+}
+
 /// Removes the VM's objects (its dispatch elements went first).
-fn remove(out: &mut String, vm: &str) {
+fn remove(out: &mut String, layout: &Layout, vm: &str) {
     let k = key(vm);
     let t = format!("inet {TABLE}");
     // A chain must be empty to go, and unreferenced: vm_ jumps to v6_.
@@ -369,10 +425,14 @@ fn remove(out: &mut String, vm: &str) {
     for c in ["vm", "v6", "link"] {
         let _ = writeln!(out, "delete chain {t} {c}_{k}");
     }
-    for s in ["src4", "src6", "any", "proto", "port", "obs", "obs6"] {
+    let observed = observed_sets(layout).iter().map(|(s, _)| *s);
+    for s in ["src4", "src6", "any", "proto", "port"]
+        .into_iter()
+        .chain(observed)
+    {
         let _ = writeln!(out, "delete set {t} {s}_{k}");
     }
-    for c in ["refused", "spoofed"] {
+    for c in counters(layout) {
         let _ = writeln!(out, "delete counter {t} {c}_{k}");
     }
 }

@@ -19,6 +19,7 @@ fn layout(matching: Match) -> Layout {
         matching,
         capacity: 4096,
         cgroup_prefix: String::new(),
+        events: None,
     }
 }
 
@@ -272,5 +273,58 @@ fn check(text: &str) {
         out.status.success(),
         "{}\n{text}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn with_events_refused_packets_are_counted_rate_limited_and_logged() {
+    let mut l = layout(Match::Address);
+    l.events = Some(rules::Events {
+        group: 7711,
+        rate: 500,
+    });
+    let a = addrs();
+    let p = policy(r#"{"mode": "allowlist", "rules": [{"cidr": "198.51.100.7"}]}"#);
+    let r = rules::table(&l, &[vm("vm-1", &a, &p)]);
+    let k = rules::key("vm-1");
+    let chain = chain_rules(&r, &format!("vm_{k}"));
+    let tail: Vec<&str> = chain
+        .iter()
+        .rev()
+        .take(4)
+        .rev()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        tail,
+        [
+            format!("counter name refused_{k}").as_str(),
+            &format!("meta l4proto {{ tcp, udp }} limit rate over 500/second burst 500 packets counter name lost_{k} drop"),
+            "meta l4proto { tcp, udp } log prefix \"egm r vm-1\" group 7711 snaplen 96 drop",
+            "drop",
+        ]
+    );
+    // IPv6 likewise; no observed sets, a `lost` counter.
+    let v6 = chain_rules(&r, &format!("v6_{k}"));
+    assert_eq!(v6.len(), 4, "{v6:?}");
+    assert!(!r.contains("obs_") && !r.contains("obs6_"), "{r}");
+    assert!(r.contains(&format!("add counter inet egress_machine lost_{k}")));
+    // Audit: would refuse, passed.
+    let audit = policy(r#"{"mode": "audit"}"#);
+    let r = rules::table(&l, &[vm("vm-1", &a, &audit)]);
+    let chain = chain_rules(&r, &format!("vm_{k}"));
+    assert!(
+        chain
+            .iter()
+            .any(|c| c.ends_with("log prefix \"egm w vm-1\" group 7711 snaplen 96 accept")),
+        "{chain:?}"
+    );
+    assert_eq!(chain.last().map(String::as_str), Some("accept"));
+    // Removing the VM deletes its `lost` counter and no observed set.
+    let gone = rules::change(&l, Some(&vm("vm-1", &a, &audit)), None);
+    assert!(gone.contains(&format!("delete counter inet egress_machine lost_{k}")));
+    assert!(
+        !gone.contains("delete set inet egress_machine obs"),
+        "{gone}"
     );
 }
