@@ -260,9 +260,9 @@ impl Gateway {
     fn spawn_machine_tasks(&mut self, machines: &Arc<crate::machine::Machines>) {
         let every = self.dp.config().machine_egress.observe_interval;
         self.tasks.spawn(machines.clone().observer(every));
-        if let Some(fd) = machines.take_log() {
+        if machines.observes_events() {
             self.tasks
-                .spawn(crate::machine::events::read(fd, machines.clone()));
+                .spawn(crate::machine::events::read(machines.clone()));
         }
     }
 

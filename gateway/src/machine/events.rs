@@ -1,10 +1,12 @@
 //! The NFLOG socket of machine egress (`machine_egress.observe =
-//! "events"`): bound to the log group at start, then read by a task that
-//! hands each datagram to [`super::Machines::take_events`].
+//! "events"`): bound to the log group before the first VM gets rules, then
+//! read by a task that hands each datagram to
+//! [`super::Machines::take_events`].
 //!
 //! One group per network namespace can have one reader, so binding fails
-//! (`EBUSY`) when another process holds it; the gateway then refuses to
-//! start rather than run with a log nobody reads. The socket's receive
+//! (`EBUSY`) when another process holds it; the VM's registration (or, with
+//! VMs in the state, the gateway's start) is then refused rather than run
+//! with a log nobody reads. The socket's receive
 //! buffer is 4 MiB; when it overflows the kernel drops messages, and the
 //! gaps in the group's sequence numbers count them.
 
@@ -81,8 +83,10 @@ fn acknowledged(fd: &OwnedFd, group: u16) -> Result<(), String> {
     Err(format!("no answer to binding NFLOG group {group}"))
 }
 
-/// Reads the group until the task is dropped (the socket closes with it).
-pub(crate) async fn read(fd: OwnedFd, machines: Arc<Machines>) {
+/// Waits for the group to be bound (with the first VM), then reads it
+/// until the task is dropped (the socket closes with it).
+pub(crate) async fn read(machines: Arc<Machines>) {
+    let fd = machines.bound_log().await;
     // `AsyncFd::new` is deprecated for types whose descriptor can be closed
     // behind the reactor's back; here the AsyncFd owns the OwnedFd, which
     // closes only when the AsyncFd drops (`register`, its replacement, is

@@ -140,8 +140,13 @@ pub struct Machines {
     spoofed: Mutex<BTreeMap<String, Refused>>,
     /// Observations evicted by the bound, over every VM ever registered.
     evictions: AtomicU64,
-    /// The NFLOG socket (events), until the reader task takes it.
+    /// The NFLOG socket (events), bound with the first VM, until the
+    /// reader task takes it.
     log: Mutex<Option<rustix::fd::OwnedFd>>,
+    /// The group is bound (the socket may already be with the reader).
+    log_bound: std::sync::atomic::AtomicBool,
+    /// Wakes the reader when the socket is there.
+    log_ready: tokio::sync::Notify,
     /// Refused packets over a VM's log rate (`lost_<k>`), by VM id.
     unlogged: Mutex<BTreeMap<String, Refused>>,
     /// Events lost, every VM: over the rate, to a full socket buffer (gaps
@@ -312,7 +317,10 @@ impl Machines {
         registry: Arc<Registry>,
     ) -> Result<Arc<Self>, MachineError> {
         let loaded = load(&state_dir.join(STATE_FILE))?;
-        let (events, log) = bind_log(config)?;
+        let events = (config.observe == MachineObserve::Events).then_some(rules::Events {
+            group: config.log_group,
+            rate: config.log_rate,
+        });
         let machines = Self {
             nft: Nft::new(config.nft.clone()),
             layout: Layout {
@@ -332,13 +340,18 @@ impl Machines {
             refused: Mutex::new(BTreeMap::new()),
             spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
-            log: Mutex::new(log),
+            log: Mutex::new(None),
+            log_bound: std::sync::atomic::AtomicBool::new(false),
+            log_ready: tokio::sync::Notify::new(),
             unlogged: Mutex::new(BTreeMap::new()),
             lost: LostEvents::default(),
         };
         let state = loaded.unwrap_or_else(|| lock(&machines.state).clone());
         for vm in state.vms.values() {
             machines.registry.claim_for_vm(&vm.id, &vm.addresses)?;
+        }
+        if !state.vms.is_empty() {
+            machines.ensure_log()?;
         }
         let vms: Vec<VmRules<'_>> = state.vms.values().map(Vm::rules).collect();
         machines.nft.apply(&rules::table(&machines.layout, &vms))?;
@@ -463,6 +476,7 @@ impl Machines {
         valid_id(id)?;
         let mut state = lock(&self.state);
         let r = self.check_registration(&state, id, registration)?;
+        self.ensure_log()?;
         let before = state.vms.get(id).map(|vm| vm.addresses.clone());
         self.registry.claim_for_vm(id, &r.addresses)?;
         let mut next = state.clone();
@@ -658,9 +672,41 @@ impl Machines {
         *next = Some(seq.wrapping_add(1));
     }
 
-    /// The NFLOG socket, for the reader task (once; `None` when sampled).
-    pub(crate) fn take_log(&self) -> Option<rustix::fd::OwnedFd> {
-        lock(&self.log).take()
+    /// With events, binds the log group the first time a VM is about to
+    /// get rules, before any rule logs to it: no event is ever sent to a
+    /// group nobody reads, and a gateway without VMs holds no group (so
+    /// several can run in one namespace, as the in-process tests do). A
+    /// bind that fails refuses the change.
+    fn ensure_log(&self) -> Result<(), MachineError> {
+        let Some(events) = self.layout.events else {
+            return Ok(());
+        };
+        let mut log = lock(&self.log);
+        if self.log_bound.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let group = events.group;
+        let fd = events::bind(group).map_err(|message| MachineError::Log { group, message })?;
+        *log = Some(fd);
+        self.log_bound.store(true, Ordering::Release);
+        self.log_ready.notify_one();
+        Ok(())
+    }
+
+    /// Observing by events (the reader task is needed).
+    pub(crate) fn observes_events(&self) -> bool {
+        self.layout.events.is_some()
+    }
+
+    /// The NFLOG socket for the reader task, once it is bound.
+    pub(crate) async fn bound_log(&self) -> rustix::fd::OwnedFd {
+        loop {
+            if let Some(fd) = lock(&self.log).take() {
+                return fd;
+            }
+            // A permit is stored when nobody waits yet: no wake-up is lost.
+            self.log_ready.notified().await;
+        }
     }
 
     fn read_observed(&self, id: &str) -> Result<(), NftError> {
@@ -777,24 +823,6 @@ impl crate::metrics::MachineFigures for Machines {
             ],
         }
     }
-}
-
-/// With `observe = "events"`, the log group bound to a socket of this
-/// gateway, before any rule logs to it: no event is ever sent to a group
-/// nobody reads.
-fn bind_log(
-    config: &MachineEgressConfig,
-) -> Result<(Option<rules::Events>, Option<rustix::fd::OwnedFd>), MachineError> {
-    if config.observe != MachineObserve::Events {
-        return Ok((None, None));
-    }
-    let group = config.log_group;
-    let fd = events::bind(group).map_err(|message| MachineError::Log { group, message })?;
-    let events = rules::Events {
-        group,
-        rate: config.log_rate,
-    };
-    Ok((Some(events), Some(fd)))
 }
 
 /// Writes the state (write, fsync, rename, like the snapshot).
