@@ -317,18 +317,9 @@ impl Machines {
         registry: Arc<Registry>,
     ) -> Result<Arc<Self>, MachineError> {
         let loaded = load(&state_dir.join(STATE_FILE))?;
-        let events = (config.observe == MachineObserve::Events).then_some(rules::Events {
-            group: config.log_group,
-            rate: config.log_rate,
-        });
         let machines = Self {
             nft: Nft::new(config.nft.clone()),
-            layout: Layout {
-                matching: config.matching,
-                capacity: config.observed_capacity,
-                cgroup_prefix: config.cgroup_prefix.clone(),
-                events,
-            },
+            layout: layout(config),
             state_dir: state_dir.to_owned(),
             registry,
             state: Mutex::new(State {
@@ -353,6 +344,11 @@ impl Machines {
         if !state.vms.is_empty() {
             machines.ensure_log()?;
         }
+        // The records exist before the rules do: their first events have a
+        // place to go.
+        for id in state.vms.keys() {
+            machines.ensure_store(id);
+        }
         let vms: Vec<VmRules<'_>> = state.vms.values().map(Vm::rules).collect();
         machines.nft.apply(&rules::table(&machines.layout, &vms))?;
         for table in machines.nft.legacy_tables()? {
@@ -363,9 +359,6 @@ impl Machines {
         }
         if !state.vms.is_empty() {
             tracing::info!(vms = state.vms.len(), "re-installed machine egress rules");
-        }
-        for id in state.vms.keys() {
-            machines.ensure_store(id);
         }
         *lock(&machines.state) = state;
         Ok(Arc::new(machines))
@@ -822,6 +815,20 @@ impl crate::metrics::MachineFigures for Machines {
                 ("unreadable", self.lost.unreadable.load(Ordering::Relaxed)),
             ],
         }
+    }
+}
+
+/// The node-wide settings of the rules, from the configuration.
+fn layout(config: &MachineEgressConfig) -> Layout {
+    let events = (config.observe == MachineObserve::Events).then_some(rules::Events {
+        group: config.log_group,
+        rate: config.log_rate,
+    });
+    Layout {
+        matching: config.matching,
+        capacity: config.observed_capacity,
+        cgroup_prefix: config.cgroup_prefix.clone(),
+        events,
     }
 }
 
