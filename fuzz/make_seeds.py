@@ -416,9 +416,39 @@ def machine_seeds():
         write("machine_policy", name, text)
 
 
+# === nflog_messages ===
+
+def nflog_seeds():
+    """Datagrams of the NFLOG group as the kernel sends them (host byte
+    order for netlink headers, little-endian here)."""
+    def nla(kind, value):
+        b = struct.pack("<HH", 4 + len(value), kind) + value
+        return b + b"\0" * (-len(b) % 4)
+
+    def packet(attrs):
+        body = b"".join(attrs)
+        return struct.pack("<IHHII", 20 + len(body), 4 << 8, 0, 0, 0) + bytes([2, 0, 0, 7]) + body
+
+    tcp4 = bytes([0x45, 0, 0, 60, 0, 1, 0x40, 0, 64, 6, 0, 0, 100, 64, 0, 2, 203, 0, 113, 11,
+                  0xc0, 0x01, 0, 80, 0, 0, 0, 1])
+    udp6 = (bytes([0x60, 0, 0, 0, 0, 16, 0, 64]) + bytes(15) + b"\x02"
+            + bytes([0x20, 0x01, 0x0d, 0xb8]) + bytes(11) + b"\x53"
+            + bytes([17, 0, 0, 0, 0, 0, 0, 0]) + bytes([0x30, 0x39, 0, 53, 0, 8, 0, 0]))
+    ts = struct.pack(">QQ", 1_700_000_000, 250_000)
+    refused = packet([nla(10, b"egm r vm-1.a\0"), nla(3, ts), nla(12 | 0x4000, struct.pack(">I", 41)),
+                      nla(9, tcp4)])
+    audit6 = packet([nla(10, b"egm w q\0"), nla(9, udp6)])
+    ack = struct.pack("<IHHIIi", 36, 2, 0, 1, 0, -16) + bytes(16)
+    write("nflog_messages", "refused-ipv4.bin", refused)
+    write("nflog_messages", "would-refuse-ipv6.bin", audit6)
+    write("nflog_messages", "batch-with-ack.bin", refused + ack + audit6)
+    write("nflog_messages", "cut.bin", refused[:30])
+
+
 def main():
     for target in ["peek_segments", "dns_answer", "policy_documents", "destinations",
-                   "admin_bodies", "http_head", "machine_policy", "svcb_rewrite"]:
+                   "admin_bodies", "http_head", "machine_policy", "svcb_rewrite",
+                   "nflog_messages"]:
         shutil.rmtree(os.path.join(CORPUS, target), ignore_errors=True)
     peek_seeds()
     dns_seeds()
@@ -428,6 +458,7 @@ def main():
     http_head_seeds()
     machine_seeds()
     svcb_seeds()
+    nflog_seeds()
     for target in sorted(os.listdir(CORPUS)):
         print(target, len(os.listdir(os.path.join(CORPUS, target))), file=sys.stderr)
 
