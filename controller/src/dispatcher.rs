@@ -229,12 +229,13 @@ impl Dispatcher {
             self.renew(leases).await;
             let shards = leases.held().to_vec();
             let worked = self.execute_some(&shards).await;
+            // Again before waking the pushers, should the work above have
+            // been long; the pushers first, the rounds for all after.
+            self.renew(leases).await;
+            self.wake_tenders(&mut tenders, leases).await;
             if leader {
                 self.singletons(&mut rounds).await;
             }
-            // Again before waking the pushers, should the work above have been long.
-            self.renew(leases).await;
-            self.wake_tenders(&mut tenders, leases).await;
             if !worked {
                 wait_for_work(&mut listener).await;
             }
