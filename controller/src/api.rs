@@ -23,6 +23,7 @@ use crate::compose::effective;
 use crate::config::{Deployment, Tenant, Tenants};
 use crate::metrics::{Metrics, RequestLabels};
 use crate::ops::{self, create_payload};
+use crate::state::SandboxState;
 use crate::store::{self, NewOperation, NewSandbox, Placement, SandboxRow};
 use crate::{e2b, ids};
 
@@ -588,10 +589,7 @@ impl Api {
         base: Option<Policy>,
     ) -> Result<SandboxRow, Reply> {
         let row = visible_for_update(tx, caller, id).await?;
-        if !matches!(
-            row.state.as_str(),
-            "running" | "stopped" | "paused" | "suspended"
-        ) {
+        if !row.state.is_live() {
             return Err(error(
                 StatusCode::CONFLICT,
                 &format!("sandbox {id} is {}", row.state),
@@ -614,7 +612,7 @@ impl Api {
             policy: &policy,
             inherits_template: eff.inherits_template,
             provenance,
-            state: &row.state,
+            state: row.state,
             worker: None,
             addresses: &row.addresses,
         };
@@ -643,7 +641,7 @@ impl Api {
     async fn lifecycle(&self, caller: &Tenant, id: &str, action: &str) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
         let row = visible_for_update(&mut tx, caller, id).await?;
-        let next = transition(&row.state, action).ok_or_else(|| {
+        let next = row.state.after(action).ok_or_else(|| {
             error(
                 StatusCode::CONFLICT,
                 &format!("cannot {action} a sandbox that is {}", row.state),
@@ -663,7 +661,7 @@ impl Api {
     async fn fork(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let source = visible(caller, store::sandbox(&mut conn, id).await.map_err(db)?, id)?;
-        if source.policy.is_none() || source.state == "destroyed" {
+        if source.policy.is_none() || source.state == SandboxState::Destroyed {
             return Err(error(
                 StatusCode::CONFLICT,
                 &format!("sandbox {id} is {}", source.state),
@@ -691,25 +689,6 @@ impl Api {
         };
         self.enqueue(caller, &new, &op).await
     }
-}
-
-/// The state an action leads to from `state`, if it is allowed.
-fn transition(state: &str, action: &str) -> Option<&'static str> {
-    Some(match (action, state) {
-        ("stop", "running" | "paused") => "stopped",
-        ("start", "stopped") => "running",
-        ("pause", "running") => "paused",
-        ("resume", "paused") => "running",
-        ("suspend", "running" | "paused") => "suspended",
-        ("restore", "suspended") => "running",
-        ("rollback", "running") => "running",
-        ("rollback", "stopped") => "stopped",
-        ("rollback", "paused") => "paused",
-        ("destroy", "running" | "stopped" | "paused" | "suspended" | "failed" | "creating") => {
-            "destroyed"
-        }
-        _ => return None,
-    })
 }
 
 // === admin ===

@@ -33,6 +33,7 @@ use crate::gateway_client::call;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
 use crate::shard::Leases;
+use crate::state::SandboxState;
 use crate::store::{self, SandboxRow, WorkerRow};
 
 /// Pushes in flight to one gateway at once.
@@ -360,7 +361,7 @@ impl Dispatcher {
             store::attempt_failed(&mut tx, &op.id, &failure.message, failure.retryable, limits)
                 .await?;
         if state == "failed" {
-            store::set_state(&mut tx, &op.sandbox, "failed").await?;
+            store::set_state(&mut tx, &op.sandbox, SandboxState::Failed).await?;
         }
         tx.commit().await?;
         tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
@@ -709,11 +710,7 @@ impl Default for Tenders {
 /// forget. A row the contract cannot carry (an address that does not
 /// parse) is an error, never sent.
 fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
-    let Some(policy) = s
-        .policy
-        .clone()
-        .filter(|_| s.state != "destroyed" && s.state != "failed")
-    else {
+    let Some(policy) = s.policy.clone().filter(|_| !s.state.is_ended()) else {
         return Ok(None);
     };
     let doc = PutSandbox {

@@ -10,6 +10,8 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
+use crate::state::SandboxState;
+
 pub mod alloc;
 pub mod list;
 pub mod pool;
@@ -52,7 +54,7 @@ pub struct SandboxRow {
     pub policy: Option<Policy>,
     pub inherits_template: bool,
     pub provenance: Value,
-    pub state: String,
+    pub state: SandboxState,
     pub worker: Option<String>,
     pub addresses: Vec<String>,
     pub generation: i64,
@@ -69,7 +71,7 @@ impl SandboxRow {
             policy: policy.and_then(|Json(v)| Policy::from_json(&v.to_string()).ok()),
             inherits_template: r.try_get("inherits_template")?,
             provenance: r.try_get::<Json<Value>, _>("provenance")?.0,
-            state: r.try_get("state")?,
+            state: state(r)?,
             worker: r.try_get("worker")?,
             addresses: r.try_get("addresses")?,
             generation: r.try_get("generation")?,
@@ -91,6 +93,16 @@ impl SandboxRow {
             "addresses": self.addresses,
         })
     }
+}
+
+/// The `state` column, checked: a value the code does not know is a
+/// decode error, never a guess.
+fn state(r: &PgRow) -> Result<SandboxState, sqlx::Error> {
+    let text: String = r.try_get("state")?;
+    text.parse().map_err(|e: String| sqlx::Error::ColumnDecode {
+        index: "state".into(),
+        source: e.into(),
+    })
 }
 
 pub async fn sandbox(conn: &mut PgConnection, id: &str) -> Result<Option<SandboxRow>, sqlx::Error> {
@@ -149,7 +161,7 @@ pub struct Placement<'a> {
     pub policy: &'a Policy,
     pub inherits_template: bool,
     pub provenance: Value,
-    pub state: &'a str,
+    pub state: SandboxState,
     pub worker: Option<&'a str>,
     pub addresses: &'a [String],
 }
@@ -166,7 +178,7 @@ pub async fn save_effective(
     .bind(Json(serde_json::to_value(p.policy).unwrap_or_default()))
     .bind(p.inherits_template)
     .bind(Json(&p.provenance))
-    .bind(p.state)
+    .bind(p.state.as_str())
     .bind(p.worker)
     .bind(p.addresses)
     .execute(&mut *conn)
@@ -177,12 +189,16 @@ pub async fn save_effective(
 /// A lifecycle state change; `destroyed` and `failed` also bump the
 /// generation so the gateway is told to forget the sandbox (a failed claim
 /// of a warm-pool sandbox is on its gateway already).
-pub async fn set_state(conn: &mut PgConnection, id: &str, state: &str) -> Result<(), sqlx::Error> {
+pub async fn set_state(
+    conn: &mut PgConnection,
+    id: &str,
+    state: SandboxState,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE sandboxes SET state = $2, generation = generation + CASE WHEN $2 IN ('destroyed', 'failed') THEN 1 ELSE 0 END, changed_at = CASE WHEN $2 IN ('destroyed', 'failed') THEN now() ELSE changed_at END WHERE id = $1",
     )
     .bind(id)
-    .bind(state)
+    .bind(state.as_str())
     .execute(&mut *conn)
     .await?;
     Ok(())

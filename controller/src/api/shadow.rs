@@ -65,10 +65,7 @@ fn no_shadow(id: &str) -> Reply {
 
 /// Where a sandbox's shadow lives: its worker's gateway, if it is on one.
 async fn target(conn: &mut PgConnection, row: &SandboxRow) -> Result<Target, Reply> {
-    let live = matches!(
-        row.state.as_str(),
-        "running" | "stopped" | "paused" | "suspended"
-    ) && row.policy.is_some();
+    let live = row.state.is_live() && row.policy.is_some();
     let not_placed = || {
         error(
             StatusCode::CONFLICT,
