@@ -540,7 +540,7 @@ impl Dispatcher {
                     applied += i64::from(status.is_success());
                 }
                 Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
-                Err(e) => failed = Some((id, e)),
+                Err(e) => failed = Some((id, e.to_string())),
             }
         }
         (applied, failed)
@@ -588,7 +588,7 @@ impl Dispatcher {
             outcome => {
                 let error = match outcome {
                     Ok((status, body)) => format!("{status}: {body}"),
-                    Err(e) => e,
+                    Err(e) => e.to_string(),
                 };
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
                 self.count_push("failed");

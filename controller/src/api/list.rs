@@ -244,7 +244,7 @@ async fn probe(url: &str, token: &str) -> Value {
             let detail = body.as_str().unwrap_or_default().trim().to_owned();
             json!({"ready": s == StatusCode::OK, "status": s.as_u16(), "detail": detail})
         }
-        Ok(Err(e)) => json!({"ready": false, "status": null, "detail": e}),
+        Ok(Err(e)) => json!({"ready": false, "status": null, "detail": e.to_string()}),
         Err(_) => {
             json!({"ready": false, "status": null, "detail": format!("no answer within {PROBE:?}")})
         }
