@@ -494,11 +494,13 @@ impl Dispatcher {
             let (applied, failed) = self.push_chunk(w, chunk).await;
             moved |= applied > 0;
             // Each applied push moved the gateway's generation by one.
-            let _ = store::acknowledge(&self.pool, &w.id, None, applied).await;
+            let acked = store::acknowledge(&self.pool, &w.id, None, applied).await;
+            logged(acked, "acknowledging the pushes", &w.id);
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
                 self.count_push("failed");
-                let _ = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
+                let seen = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
+                logged(seen, "recording the push failure", &w.id);
                 return moved;
             }
         }
@@ -533,8 +535,9 @@ impl Dispatcher {
         while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
             match outcome {
                 Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
-                    if let Ok(lag) = store::pushed(&self.pool, &id, generation).await {
-                        self.metrics.push_latency_seconds.observe(lag);
+                    match store::pushed(&self.pool, &id, generation).await {
+                        Ok(lag) => self.metrics.push_latency_seconds.observe(lag),
+                        Err(e) => logged::<()>(Err(e), "marking a sandbox pushed", &id),
                     }
                     self.count_push("applied");
                     applied += i64::from(status.is_success());
@@ -574,11 +577,14 @@ impl Dispatcher {
             Ok((status, _)) if status.is_success() => {
                 let ready = self.gateway_state(w).await;
                 let epoch = ready.as_ref().map(|(e, _)| e.as_str());
-                let _ = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+                let seen = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+                logged(seen, "recording the resync", &w.id);
                 let generation = ready.as_ref().map(|(_, g)| *g);
-                let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+                let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+                logged(acked, "acknowledging the resync", &w.id);
                 for s in &rows {
-                    let _ = store::pushed(&self.pool, &s.id, s.generation).await;
+                    let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
+                    logged(pushed, "marking a resynced sandbox pushed", &s.id);
                 }
                 self.mark_forgotten(w).await;
                 tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
@@ -592,7 +598,8 @@ impl Dispatcher {
                 };
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
                 self.count_push("failed");
-                let _ = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
+                let seen = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
+                logged(seen, "recording the resync failure", &w.id);
                 false
             }
         }
@@ -601,12 +608,8 @@ impl Dispatcher {
     /// After a resync, destroyed and failed sandboxes are acknowledged too:
     /// the gateway no longer has them.
     async fn mark_forgotten(&self, w: &WorkerRow) {
-        let _ = sqlx::query(
-            "UPDATE sandboxes SET pushed_generation = generation WHERE worker = $1 AND state IN ('destroyed', 'failed')",
-        )
-        .bind(&w.id)
-        .execute(&self.pool)
-        .await;
+        let marked = store::mark_forgotten(&self.pool, &w.id).await;
+        logged(marked, "marking the forgotten sandboxes pushed", &w.id);
     }
 
     /// The gateway's epoch and generation (`GET /readyz`); `None` while it
@@ -638,7 +641,8 @@ impl Dispatcher {
         if restarted || drift {
             self.count_compare(if restarted { "restarted" } else { "drift" });
             tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-            let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+            let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+            logged(seen, "flagging the gateway for resync", &w.id);
         }
         restarted || drift
     }
@@ -667,7 +671,8 @@ impl Dispatcher {
         self.count_compare("listed");
         let generation = body.get("generation").and_then(Value::as_i64);
         if generation.is_some() {
-            let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+            let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+            logged(acked, "acknowledging the listed generation", &w.id);
         }
         false
     }
@@ -702,6 +707,15 @@ impl Default for Tenders {
             tasks: tokio::task::JoinSet::new(),
             permits: Arc::new(tokio::sync::Semaphore::new(WORKERS_AT_ONCE)),
         }
+    }
+}
+
+/// A store write whose failure the next round repairs (a push or resync
+/// is retried until acknowledged): logged with what failed and for which
+/// worker or sandbox, never dropped silently.
+fn logged<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) {
+    if let Err(error) = result {
+        tracing::warn!(%subject, %error, "{what} failed; the next round retries");
     }
 }
 

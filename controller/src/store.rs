@@ -390,6 +390,27 @@ pub async fn pushed(pool: &PgPool, id: &str, generation: i64) -> Result<f64, sql
     Ok(lag.unwrap_or(0.0))
 }
 
+/// After a resync, `worker`'s destroyed and failed sandboxes count as
+/// pushed: the gateway no longer has them.
+pub async fn mark_forgotten(pool: &PgPool, worker: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE sandboxes SET pushed_generation = generation WHERE worker = $1 AND state IN ('destroyed', 'failed')",
+    )
+    .bind(worker)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Whether `time` (RFC 3339) is later than the database's now; an error
+/// when it does not parse as a time.
+pub async fn is_future(pool: &PgPool, time: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT $1::timestamptz > now()")
+        .bind(time)
+        .fetch_one(pool)
+        .await
+}
+
 // === operations ===
 
 /// A queued operation.
