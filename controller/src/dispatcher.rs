@@ -191,18 +191,13 @@ impl Dispatcher {
     /// dispatcher leads with it).
     async fn session(&self) -> Result<Option<PgConnection>, sqlx::Error> {
         let mut conn = PgConnection::connect(&self.database_url).await?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
-            .bind(LEADER_LOCK)
-            .fetch_one(&mut conn)
-            .await?;
+        let got = store::locks::try_shared(&mut conn, LEADER_LOCK).await?;
         Ok(got.then_some(conn))
     }
 
     /// Takes [`SINGLETON_LOCK`] on `session` if it is free.
     async fn try_lead(&self, session: &mut PgConnection) -> bool {
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(SINGLETON_LOCK)
-            .fetch_one(session)
+        let got = store::locks::try_exclusive(session, SINGLETON_LOCK)
             .await
             .unwrap_or(false);
         if got {
@@ -223,7 +218,7 @@ impl Dispatcher {
         };
         let mut leader = false;
         loop {
-            if sqlx::query("SELECT 1").execute(&mut session).await.is_err() {
+            if !store::locks::alive(&mut session).await {
                 return;
             }
             leader = leader || self.try_lead(&mut session).await;

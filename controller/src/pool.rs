@@ -41,10 +41,7 @@ pub async fn refill_forever(pool: PgPool) {
 /// round holds the lock.
 pub async fn refill(pool: &PgPool) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-        .bind(REFILL_LOCK)
-        .fetch_one(&mut *tx)
-        .await?;
+    let locked = store::locks::try_for_transaction(&mut tx, REFILL_LOCK).await?;
     if !locked {
         return Ok(0);
     }

@@ -14,6 +14,7 @@ use crate::state::SandboxState;
 
 pub mod alloc;
 pub mod list;
+pub mod locks;
 pub mod pool;
 pub mod shadow;
 
