@@ -23,7 +23,7 @@ use crate::compose::effective;
 use crate::config::{Deployment, Tenant, Tenants};
 use crate::metrics::{Metrics, RequestLabels};
 use crate::ops::{self, create_payload};
-use crate::state::SandboxState;
+use crate::state::{OperationKind, SandboxState};
 use crate::store::{self, NewOperation, NewSandbox, Placement, SandboxRow};
 use crate::{e2b, ids};
 
@@ -352,7 +352,7 @@ impl Api {
         let op = NewOperation {
             id: &operation,
             tenant: &caller.tenant,
-            kind: "create",
+            kind: OperationKind::Create,
             sandbox: &sandbox,
             payload: &payload,
             idempotency_key: key,
@@ -681,7 +681,7 @@ impl Api {
         let op = NewOperation {
             id: &operation,
             tenant: &source.tenant,
-            kind: "fork",
+            kind: OperationKind::Fork,
             sandbox: &sandbox,
             payload: &payload,
             idempotency_key: None,

@@ -33,7 +33,7 @@ use crate::gateway_client::call;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
 use crate::shard::Leases;
-use crate::state::SandboxState;
+use crate::state::{OperationState, SandboxState};
 use crate::store::{self, SandboxRow, WorkerRow};
 
 /// Pushes in flight to one gateway at once.
@@ -355,12 +355,12 @@ impl Dispatcher {
         let state =
             store::attempt_failed(&mut tx, &op.id, &failure.message, failure.retryable, limits)
                 .await?;
-        if state == "failed" {
+        if state == OperationState::Failed {
             store::set_state(&mut tx, &op.sandbox, SandboxState::Failed).await?;
         }
         tx.commit().await?;
         tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
-        self.count(if state == "failed" {
+        self.count(if state == OperationState::Failed {
             "failed"
         } else {
             "retried"

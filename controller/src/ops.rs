@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 use crate::compose::{effective, Effective};
 use crate::config::Deployment;
 use crate::metrics::Metrics;
-use crate::state::SandboxState;
+use crate::state::{OperationKind, SandboxState};
 use crate::store::{self, Placement};
 
 /// Why an operation did not complete.
@@ -62,11 +62,11 @@ pub async fn execute(
     sandbox: &str,
     payload: &Value,
 ) -> Result<(), Failure> {
-    match kind {
-        "create" => create(conn, deployment, metrics, sandbox, payload).await,
-        "fork" => fork(conn, deployment, sandbox, payload).await,
-        "claim" => claim(conn, deployment, metrics, sandbox, payload).await,
-        other => Err(Failure::fatal(format!("unknown operation kind {other:?}"))),
+    // A kind this build does not know fails the operation, never the queue.
+    match kind.parse().map_err(Failure::fatal)? {
+        OperationKind::Create => create(conn, deployment, metrics, sandbox, payload).await,
+        OperationKind::Fork => fork(conn, deployment, sandbox, payload).await,
+        OperationKind::Claim => claim(conn, deployment, metrics, sandbox, payload).await,
     }
 }
 

@@ -12,6 +12,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::ops::create_payload;
+use crate::state::OperationKind;
 use crate::store::{self, pool as pools, NewOperation};
 
 /// How often the pools are looked at.
@@ -55,7 +56,7 @@ pub async fn refill(pool: &PgPool) -> Result<usize, sqlx::Error> {
             let op = NewOperation {
                 id: &operation,
                 tenant: "",
-                kind: "create",
+                kind: OperationKind::Create,
                 sandbox: &sandbox,
                 payload: &payload,
                 idempotency_key: None,

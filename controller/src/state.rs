@@ -1,6 +1,7 @@
-//! A sandbox's lifecycle state: the database keeps the text
-//! (`sandboxes.state`), read through [`SandboxState::from_str`] at the
-//! boundary, so an unknown value is an error, never a guess.
+//! A sandbox's lifecycle state and an operation's kind and state: the
+//! database keeps the text (`sandboxes.state`, `operations.kind`,
+//! `operations.state`), read through `FromStr` at the boundary, so an
+//! unknown value is an error, never a guess.
 
 use std::fmt;
 use std::str::FromStr;
@@ -95,6 +96,76 @@ impl serde::Serialize for SandboxState {
     }
 }
 
+/// What a queued operation does (`operations.kind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperationKind {
+    Create,
+    Fork,
+    Claim,
+}
+
+impl OperationKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Fork => "fork",
+            Self::Claim => "claim",
+        }
+    }
+}
+
+impl FromStr for OperationKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        [Self::Create, Self::Fork, Self::Claim]
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| format!("unknown operation kind {s:?}"))
+    }
+}
+
+/// Where a queued operation is (`operations.state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperationState {
+    Queued,
+    Succeeded,
+    Failed,
+}
+
+impl OperationState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for OperationState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for OperationState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        [Self::Queued, Self::Succeeded, Self::Failed]
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| format!("operation state {s:?} is not one of queued, succeeded, failed"))
+    }
+}
+
+impl serde::Serialize for OperationState {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
 /// The states' names, comma-separated.
 pub fn names() -> String {
     let all: Vec<&str> = SandboxState::ALL.iter().map(|s| s.as_str()).collect();
@@ -112,6 +183,25 @@ mod tests {
         }
         assert!("Running".parse::<SandboxState>().is_err());
         assert!("".parse::<SandboxState>().is_err());
+        for k in [
+            OperationKind::Create,
+            OperationKind::Fork,
+            OperationKind::Claim,
+        ] {
+            assert_eq!(k.as_str().parse::<OperationKind>(), Ok(k));
+        }
+        assert_eq!(
+            "delete".parse::<OperationKind>(),
+            Err("unknown operation kind \"delete\"".to_owned())
+        );
+        for s in [
+            OperationState::Queued,
+            OperationState::Succeeded,
+            OperationState::Failed,
+        ] {
+            assert_eq!(s.as_str().parse::<OperationState>(), Ok(s));
+        }
+        assert!("done".parse::<OperationState>().is_err());
     }
 
     #[test]

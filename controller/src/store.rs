@@ -10,7 +10,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
-use crate::state::SandboxState;
+use crate::state::{OperationKind, OperationState, SandboxState};
 
 pub mod alloc;
 pub mod list;
@@ -99,9 +99,17 @@ impl SandboxRow {
 /// The `state` column, checked: a value the code does not know is a
 /// decode error, never a guess.
 fn state(r: &PgRow) -> Result<SandboxState, sqlx::Error> {
-    let text: String = r.try_get("state")?;
+    checked(r.try_get("state")?, "state")
+}
+
+/// `text` of `column` as its enum; a value the code does not know is a
+/// decode error.
+fn checked<T: std::str::FromStr<Err = String>>(
+    text: String,
+    column: &str,
+) -> Result<T, sqlx::Error> {
     text.parse().map_err(|e: String| sqlx::Error::ColumnDecode {
-        index: "state".into(),
+        index: column.into(),
         source: e.into(),
     })
 }
@@ -422,7 +430,7 @@ pub struct OperationRow {
     pub kind: String,
     pub sandbox: String,
     pub payload: Value,
-    pub state: String,
+    pub state: OperationState,
     pub attempts: i32,
     pub last_error: Option<String>,
 }
@@ -435,7 +443,7 @@ impl OperationRow {
             kind: r.try_get("kind")?,
             sandbox: r.try_get("sandbox")?,
             payload: r.try_get::<Json<Value>, _>("payload")?.0,
-            state: r.try_get("state")?,
+            state: checked(r.try_get("state")?, "state")?,
             attempts: r.try_get("attempts")?,
             last_error: r.try_get("last_error")?,
         })
@@ -457,7 +465,7 @@ impl OperationRow {
 pub struct NewOperation<'a> {
     pub id: &'a str,
     pub tenant: &'a str,
-    pub kind: &'a str,
+    pub kind: OperationKind,
     pub sandbox: &'a str,
     pub payload: &'a Value,
     pub idempotency_key: Option<&'a str>,
@@ -473,7 +481,7 @@ pub async fn insert_operation(
     )
     .bind(op.id)
     .bind(op.tenant)
-    .bind(op.kind)
+    .bind(op.kind.as_str())
     .bind(op.sandbox)
     .bind(Json(op.payload))
     .bind(op.idempotency_key)
@@ -551,9 +559,9 @@ pub async fn attempt_failed(
     error: &str,
     retryable: bool,
     limits: (i32, Duration, Duration),
-) -> Result<String, sqlx::Error> {
+) -> Result<OperationState, sqlx::Error> {
     let (attempts, deadline, backoff) = limits;
-    sqlx::query_scalar(
+    let state: String = sqlx::query_scalar(
         "UPDATE operations SET attempts = attempts + 1, last_error = $2, \
          state = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN 'failed' ELSE 'queued' END, \
          not_before = now() + make_interval(secs => $5), \
@@ -567,7 +575,8 @@ pub async fn attempt_failed(
     .bind(backoff.as_secs_f64())
     .bind(deadline.as_secs_f64())
     .fetch_one(&mut *conn)
-    .await
+    .await?;
+    checked(state, "state")
 }
 
 /// Queue depth, the age of the oldest queued operation (s), and the age of
