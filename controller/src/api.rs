@@ -304,6 +304,19 @@ impl Api {
         }
     }
 
+    /// What every create (native or E2B) reads first: whether it names
+    /// the warm pool of `template`, and the admitted profile selection.
+    fn admit_create(
+        &self,
+        caller: &Tenant,
+        headers: &HeaderMap,
+        template: &str,
+    ) -> Result<(bool, Vec<String>), Reply> {
+        let pooled = pool::named(headers, template)?;
+        let names = self.admit(caller, headers)?;
+        Ok((pooled, names))
+    }
+
     /// `POST /v1/sandboxes`: queued; the dispatcher composes and places it.
     async fn create(
         &self,
@@ -318,8 +331,7 @@ impl Api {
             .as_ref()
             .map(|p| policy_field(p, "policy"))
             .transpose()?;
-        let pooled = pool::named(headers, &req.template)?;
-        let names = self.admit(caller, headers)?;
+        let (pooled, names) = self.admit_create(caller, headers, &req.template)?;
         let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
         let fingerprint = create_fingerprint(&req, &names, pooled);
         let payload = create_payload(policy.as_ref(), req.worker.as_deref());
@@ -390,16 +402,7 @@ impl Api {
                     };
                 }
             }
-            if store::template_policy(&mut tx, new.template)
-                .await
-                .map_err(db)?
-                .is_none()
-            {
-                return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    &format!("template: {:?} is not registered", new.template),
-                ));
-            }
+            registered(&mut tx, new.template, "template").await?;
             store::insert_sandbox(&mut tx, new).await.map_err(db)?;
             match store::insert_operation(&mut tx, op).await {
                 Ok(()) => {}
@@ -431,8 +434,7 @@ impl Api {
             .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
         let policy =
             e2b::translate(&create).map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
-        let pooled = pool::named(headers, &create.template_id)?;
-        let names = self.admit(caller, headers)?;
+        let (pooled, names) = self.admit_create(caller, headers, &create.template_id)?;
         if pooled {
             if let Some(reply) = self
                 .e2b_claim(caller, headers, &raw, &names, &policy)
@@ -443,16 +445,7 @@ impl Api {
         }
         let sandbox = ids::new("sb");
         let mut tx = self.pool.begin().await.map_err(db)?;
-        if store::template_policy(&mut tx, &create.template_id)
-            .await
-            .map_err(db)?
-            .is_none()
-        {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                &format!("templateID: {:?} is not registered", create.template_id),
-            ));
-        }
+        registered(&mut tx, &create.template_id, "templateID").await?;
         let new = NewSandbox {
             id: &sandbox,
             tenant: &caller.tenant,
@@ -478,6 +471,21 @@ impl Api {
             &json!({"sandboxID": sandbox, "templateID": create.template_id}),
         ))
     }
+}
+
+/// `400` naming `field` unless `template` is registered.
+async fn registered(tx: &mut sqlx::PgConnection, template: &str, field: &str) -> Result<(), Reply> {
+    if store::template_policy(tx, template)
+        .await
+        .map_err(db)?
+        .is_none()
+    {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("{field}: {template:?} is not registered"),
+        ));
+    }
+    Ok(())
 }
 
 /// A native create's idempotency fingerprint: the body, a nonempty
