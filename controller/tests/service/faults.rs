@@ -223,7 +223,7 @@ async fn postgresql_restarted_mid_queue_loses_no_operation_and_runs_none_twice()
     let outage = stopped.elapsed();
     let restarted = Instant::now();
     let mut during = Value::Null;
-    for _ in 0..200 {
+    for _ in 0..600 {
         let (s, _, v) = keyed_create(&api, "during", "w1").await;
         if s == 202 {
             during = v;
@@ -521,7 +521,7 @@ async fn a_gateway_cut_off_for_30_s_gets_every_change_in_order_once_it_heals() {
     );
     let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
     let mut unpushed: i64 = -1;
-    for _ in 0..200 {
+    for _ in 0..600 {
         unpushed = sqlx::query_scalar(
             "SELECT count(*) FROM sandboxes WHERE pushed_generation <> generation",
         )

@@ -159,7 +159,7 @@ async fn a_gateway_that_is_down_never_blocks_the_api_and_its_lag_shows() {
 }
 
 async fn wait_for(log: &std::path::Path, needle: &str) {
-    for _ in 0..200 {
+    for _ in 0..600 {
         if std::fs::read_to_string(log).is_ok_and(|t| t.contains(needle)) {
             return;
         }

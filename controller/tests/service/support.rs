@@ -242,9 +242,9 @@ pub async fn setup(api: &ApiProcess, template_policy: Value, gw: SocketAddr, poo
     assert_eq!(s, 200, "{b}");
 }
 
-/// Polls `GET /v1/operations/{id}` until it is no longer queued (≤ 10 s).
+/// Polls `GET /v1/operations/{id}` until it is no longer queued (≤ 30 s).
 pub async fn settled(api: &ApiProcess, token: &str, op: &str) -> Value {
-    for _ in 0..200 {
+    for _ in 0..600 {
         let (_, v) = call(
             api.addr,
             "GET",
@@ -262,10 +262,10 @@ pub async fn settled(api: &ApiProcess, token: &str, op: &str) -> Value {
     panic!("operation {op} did not finish");
 }
 
-/// Polls until the gateway holds sandbox `id` (≤ 10 s); its document there.
+/// Polls until the gateway holds sandbox `id` (≤ 30 s); its document there.
 pub async fn on_gateway(gw: &Gateway, id: &str) -> Value {
     let sid = egress_policy::SandboxId::new(id);
-    for _ in 0..200 {
+    for _ in 0..600 {
         if let Some(s) = gw.registry().get(&sid) {
             return json!({"addresses": s.addresses, "policy": s.policy.policy()});
         }
