@@ -23,6 +23,7 @@ use crate::compose::effective;
 use crate::config::{Deployment, Tenant, Tenants};
 use crate::metrics::{Metrics, RequestLabels};
 use crate::ops::{self, create_payload};
+use crate::state::{OperationKind, SandboxState};
 use crate::store::{self, NewOperation, NewSandbox, Placement, SandboxRow};
 use crate::{e2b, ids};
 
@@ -303,6 +304,19 @@ impl Api {
         }
     }
 
+    /// What every create (native or E2B) reads first: whether it names
+    /// the warm pool of `template`, and the admitted profile selection.
+    fn admit_create(
+        &self,
+        caller: &Tenant,
+        headers: &HeaderMap,
+        template: &str,
+    ) -> Result<(bool, Vec<String>), Reply> {
+        let pooled = pool::named(headers, template)?;
+        let names = self.admit(caller, headers)?;
+        Ok((pooled, names))
+    }
+
     /// `POST /v1/sandboxes`: queued; the dispatcher composes and places it.
     async fn create(
         &self,
@@ -317,8 +331,7 @@ impl Api {
             .as_ref()
             .map(|p| policy_field(p, "policy"))
             .transpose()?;
-        let pooled = pool::named(headers, &req.template)?;
-        let names = self.admit(caller, headers)?;
+        let (pooled, names) = self.admit_create(caller, headers, &req.template)?;
         let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
         let fingerprint = create_fingerprint(&req, &names, pooled);
         let payload = create_payload(policy.as_ref(), req.worker.as_deref());
@@ -351,7 +364,7 @@ impl Api {
         let op = NewOperation {
             id: &operation,
             tenant: &caller.tenant,
-            kind: "create",
+            kind: OperationKind::Create,
             sandbox: &sandbox,
             payload: &payload,
             idempotency_key: key,
@@ -389,16 +402,7 @@ impl Api {
                     };
                 }
             }
-            if store::template_policy(&mut tx, new.template)
-                .await
-                .map_err(db)?
-                .is_none()
-            {
-                return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    &format!("template: {:?} is not registered", new.template),
-                ));
-            }
+            registered(&mut tx, new.template, "template").await?;
             store::insert_sandbox(&mut tx, new).await.map_err(db)?;
             match store::insert_operation(&mut tx, op).await {
                 Ok(()) => {}
@@ -430,8 +434,7 @@ impl Api {
             .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
         let policy =
             e2b::translate(&create).map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
-        let pooled = pool::named(headers, &create.template_id)?;
-        let names = self.admit(caller, headers)?;
+        let (pooled, names) = self.admit_create(caller, headers, &create.template_id)?;
         if pooled {
             if let Some(reply) = self
                 .e2b_claim(caller, headers, &raw, &names, &policy)
@@ -442,16 +445,7 @@ impl Api {
         }
         let sandbox = ids::new("sb");
         let mut tx = self.pool.begin().await.map_err(db)?;
-        if store::template_policy(&mut tx, &create.template_id)
-            .await
-            .map_err(db)?
-            .is_none()
-        {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                &format!("templateID: {:?} is not registered", create.template_id),
-            ));
-        }
+        registered(&mut tx, &create.template_id, "templateID").await?;
         let new = NewSandbox {
             id: &sandbox,
             tenant: &caller.tenant,
@@ -477,6 +471,21 @@ impl Api {
             &json!({"sandboxID": sandbox, "templateID": create.template_id}),
         ))
     }
+}
+
+/// `400` naming `field` unless `template` is registered.
+async fn registered(tx: &mut sqlx::PgConnection, template: &str, field: &str) -> Result<(), Reply> {
+    if store::template_policy(tx, template)
+        .await
+        .map_err(db)?
+        .is_none()
+    {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("{field}: {template:?} is not registered"),
+        ));
+    }
+    Ok(())
 }
 
 /// A native create's idempotency fingerprint: the body, a nonempty
@@ -588,10 +597,7 @@ impl Api {
         base: Option<Policy>,
     ) -> Result<SandboxRow, Reply> {
         let row = visible_for_update(tx, caller, id).await?;
-        if !matches!(
-            row.state.as_str(),
-            "running" | "stopped" | "paused" | "suspended"
-        ) {
+        if !row.state.is_live() {
             return Err(error(
                 StatusCode::CONFLICT,
                 &format!("sandbox {id} is {}", row.state),
@@ -614,7 +620,7 @@ impl Api {
             policy: &policy,
             inherits_template: eff.inherits_template,
             provenance,
-            state: &row.state,
+            state: row.state,
             worker: None,
             addresses: &row.addresses,
         };
@@ -643,7 +649,7 @@ impl Api {
     async fn lifecycle(&self, caller: &Tenant, id: &str, action: &str) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
         let row = visible_for_update(&mut tx, caller, id).await?;
-        let next = transition(&row.state, action).ok_or_else(|| {
+        let next = row.state.after(action).ok_or_else(|| {
             error(
                 StatusCode::CONFLICT,
                 &format!("cannot {action} a sandbox that is {}", row.state),
@@ -663,7 +669,7 @@ impl Api {
     async fn fork(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let source = visible(caller, store::sandbox(&mut conn, id).await.map_err(db)?, id)?;
-        if source.policy.is_none() || source.state == "destroyed" {
+        if source.policy.is_none() || source.state == SandboxState::Destroyed {
             return Err(error(
                 StatusCode::CONFLICT,
                 &format!("sandbox {id} is {}", source.state),
@@ -683,7 +689,7 @@ impl Api {
         let op = NewOperation {
             id: &operation,
             tenant: &source.tenant,
-            kind: "fork",
+            kind: OperationKind::Fork,
             sandbox: &sandbox,
             payload: &payload,
             idempotency_key: None,
@@ -691,25 +697,6 @@ impl Api {
         };
         self.enqueue(caller, &new, &op).await
     }
-}
-
-/// The state an action leads to from `state`, if it is allowed.
-fn transition(state: &str, action: &str) -> Option<&'static str> {
-    Some(match (action, state) {
-        ("stop", "running" | "paused") => "stopped",
-        ("start", "stopped") => "running",
-        ("pause", "running") => "paused",
-        ("resume", "paused") => "running",
-        ("suspend", "running" | "paused") => "suspended",
-        ("restore", "suspended") => "running",
-        ("rollback", "running") => "running",
-        ("rollback", "stopped") => "stopped",
-        ("rollback", "paused") => "paused",
-        ("destroy", "running" | "stopped" | "paused" | "suspended" | "failed" | "creating") => {
-            "destroyed"
-        }
-        _ => return None,
-    })
 }
 
 // === admin ===

@@ -203,7 +203,7 @@ pub async fn refresh(conn: &mut PgConnection, id: &str) -> Result<bool, sqlx::Er
         policy: &policy,
         inherits_template: row.inherits_template,
         provenance: Value::Array(provenance),
-        state: &row.state,
+        state: row.state,
         worker: None,
         addresses: &row.addresses,
     };

@@ -115,10 +115,7 @@ impl Api {
 
     /// `400` unless `until` is an RFC 3339 time in the future.
     async fn check_until(&self, until: &str) -> Result<(), Reply> {
-        let future: Result<bool, _> = sqlx::query_scalar("SELECT $1::timestamptz > now()")
-            .bind(until)
-            .fetch_one(&self.pool)
-            .await;
+        let future = store::is_future(&self.pool, until).await;
         match future {
             Ok(true) => Ok(()),
             Ok(false) => Err(error(

@@ -33,6 +33,7 @@ use crate::gateway_client::call;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
 use crate::shard::Leases;
+use crate::state::{OperationState, SandboxState};
 use crate::store::{self, SandboxRow, WorkerRow};
 
 /// Pushes in flight to one gateway at once.
@@ -190,18 +191,13 @@ impl Dispatcher {
     /// dispatcher leads with it).
     async fn session(&self) -> Result<Option<PgConnection>, sqlx::Error> {
         let mut conn = PgConnection::connect(&self.database_url).await?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
-            .bind(LEADER_LOCK)
-            .fetch_one(&mut conn)
-            .await?;
+        let got = store::locks::try_shared(&mut conn, LEADER_LOCK).await?;
         Ok(got.then_some(conn))
     }
 
     /// Takes [`SINGLETON_LOCK`] on `session` if it is free.
     async fn try_lead(&self, session: &mut PgConnection) -> bool {
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(SINGLETON_LOCK)
-            .fetch_one(session)
+        let got = store::locks::try_exclusive(session, SINGLETON_LOCK)
             .await
             .unwrap_or(false);
         if got {
@@ -222,19 +218,20 @@ impl Dispatcher {
         };
         let mut leader = false;
         loop {
-            if sqlx::query("SELECT 1").execute(&mut session).await.is_err() {
+            if !store::locks::alive(&mut session).await {
                 return;
             }
             leader = leader || self.try_lead(&mut session).await;
             self.renew(leases).await;
             let shards = leases.held().to_vec();
             let worked = self.execute_some(&shards).await;
+            // Again before waking the pushers, should the work above have
+            // been long; the pushers first, the rounds for all after.
+            self.renew(leases).await;
+            self.wake_tenders(&mut tenders, leases).await;
             if leader {
                 self.singletons(&mut rounds).await;
             }
-            // Again before waking the pushers, should the work above have been long.
-            self.renew(leases).await;
-            self.wake_tenders(&mut tenders, leases).await;
             if !worked {
                 wait_for_work(&mut listener).await;
             }
@@ -358,12 +355,12 @@ impl Dispatcher {
         let state =
             store::attempt_failed(&mut tx, &op.id, &failure.message, failure.retryable, limits)
                 .await?;
-        if state == "failed" {
-            store::set_state(&mut tx, &op.sandbox, "failed").await?;
+        if state == OperationState::Failed {
+            store::set_state(&mut tx, &op.sandbox, SandboxState::Failed).await?;
         }
         tx.commit().await?;
         tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
-        self.count(if state == "failed" {
+        self.count(if state == OperationState::Failed {
             "failed"
         } else {
             "retried"
@@ -492,11 +489,13 @@ impl Dispatcher {
             let (applied, failed) = self.push_chunk(w, chunk).await;
             moved |= applied > 0;
             // Each applied push moved the gateway's generation by one.
-            let _ = store::acknowledge(&self.pool, &w.id, None, applied).await;
+            let acked = store::acknowledge(&self.pool, &w.id, None, applied).await;
+            logged(acked, "acknowledging the pushes", &w.id);
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
                 self.count_push("failed");
-                let _ = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
+                let seen = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
+                logged(seen, "recording the push failure", &w.id);
                 return moved;
             }
         }
@@ -531,14 +530,15 @@ impl Dispatcher {
         while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
             match outcome {
                 Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
-                    if let Ok(lag) = store::pushed(&self.pool, &id, generation).await {
-                        self.metrics.push_latency_seconds.observe(lag);
+                    match store::pushed(&self.pool, &id, generation).await {
+                        Ok(lag) => self.metrics.push_latency_seconds.observe(lag),
+                        Err(e) => logged::<()>(Err(e), "marking a sandbox pushed", &id),
                     }
                     self.count_push("applied");
                     applied += i64::from(status.is_success());
                 }
                 Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
-                Err(e) => failed = Some((id, e)),
+                Err(e) => failed = Some((id, e.to_string())),
             }
         }
         (applied, failed)
@@ -572,11 +572,14 @@ impl Dispatcher {
             Ok((status, _)) if status.is_success() => {
                 let ready = self.gateway_state(w).await;
                 let epoch = ready.as_ref().map(|(e, _)| e.as_str());
-                let _ = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+                let seen = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+                logged(seen, "recording the resync", &w.id);
                 let generation = ready.as_ref().map(|(_, g)| *g);
-                let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+                let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+                logged(acked, "acknowledging the resync", &w.id);
                 for s in &rows {
-                    let _ = store::pushed(&self.pool, &s.id, s.generation).await;
+                    let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
+                    logged(pushed, "marking a resynced sandbox pushed", &s.id);
                 }
                 self.mark_forgotten(w).await;
                 tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
@@ -586,11 +589,12 @@ impl Dispatcher {
             outcome => {
                 let error = match outcome {
                     Ok((status, body)) => format!("{status}: {body}"),
-                    Err(e) => e,
+                    Err(e) => e.to_string(),
                 };
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
                 self.count_push("failed");
-                let _ = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
+                let seen = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
+                logged(seen, "recording the resync failure", &w.id);
                 false
             }
         }
@@ -599,12 +603,8 @@ impl Dispatcher {
     /// After a resync, destroyed and failed sandboxes are acknowledged too:
     /// the gateway no longer has them.
     async fn mark_forgotten(&self, w: &WorkerRow) {
-        let _ = sqlx::query(
-            "UPDATE sandboxes SET pushed_generation = generation WHERE worker = $1 AND state IN ('destroyed', 'failed')",
-        )
-        .bind(&w.id)
-        .execute(&self.pool)
-        .await;
+        let marked = store::mark_forgotten(&self.pool, &w.id).await;
+        logged(marked, "marking the forgotten sandboxes pushed", &w.id);
     }
 
     /// The gateway's epoch and generation (`GET /readyz`); `None` while it
@@ -636,7 +636,8 @@ impl Dispatcher {
         if restarted || drift {
             self.count_compare(if restarted { "restarted" } else { "drift" });
             tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-            let _ = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+            let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+            logged(seen, "flagging the gateway for resync", &w.id);
         }
         restarted || drift
     }
@@ -665,7 +666,8 @@ impl Dispatcher {
         self.count_compare("listed");
         let generation = body.get("generation").and_then(Value::as_i64);
         if generation.is_some() {
-            let _ = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+            let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+            logged(acked, "acknowledging the listed generation", &w.id);
         }
         false
     }
@@ -703,16 +705,21 @@ impl Default for Tenders {
     }
 }
 
+/// A store write whose failure the next round repairs (a push or resync
+/// is retried until acknowledged): logged with what failed and for which
+/// worker or sandbox, never dropped silently.
+fn logged<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) {
+    if let Err(error) = result {
+        tracing::warn!(%subject, %error, "{what} failed; the next round retries");
+    }
+}
+
 /// What a sandbox row is on its gateway: `PUT /v1/sandboxes/{id}`'s body
 /// (the contract's [`PutSandbox`]), or `None` for one the gateway must
 /// forget. A row the contract cannot carry (an address that does not
 /// parse) is an error, never sent.
 fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
-    let Some(policy) = s
-        .policy
-        .clone()
-        .filter(|_| s.state != "destroyed" && s.state != "failed")
-    else {
+    let Some(policy) = s.policy.clone().filter(|_| !s.state.is_ended()) else {
         return Ok(None);
     };
     let doc = PutSandbox {

@@ -4,9 +4,23 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use egress_api::client::{Call, Target};
+use egress_api::client::{Call, CallError, Target};
 use http::{Method, StatusCode};
 use serde_json::Value;
+
+/// Why a gateway gave no answer: its `admin_url` is unusable, or the call
+/// failed (the contract crate's [`CallError`]). The text names the URL.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("admin_url {url:?}: {reason}")]
+    AdminUrl { url: String, reason: String },
+    #[error("{url}: {source}")]
+    Call {
+        url: String,
+        #[source]
+        source: CallError,
+    },
+}
 
 /// Longest a gateway may take to answer one request.
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -19,7 +33,7 @@ pub async fn call(
     method: Method,
     path: &str,
     body: Option<&Value>,
-) -> Result<(StatusCode, Value), String> {
+) -> Result<(StatusCode, Value), GatewayError> {
     let body = body.map(|b| b.to_string()).unwrap_or_default();
     let req = Outgoing {
         method,
@@ -37,7 +51,7 @@ pub async fn resync(
     admin_url: &str,
     token: &str,
     ndjson: String,
-) -> Result<(StatusCode, Value), String> {
+) -> Result<(StatusCode, Value), GatewayError> {
     let wait = TIMEOUT + Duration::from_secs(ndjson.len() as u64 >> 20);
     let req = Outgoing {
         method: Method::PUT,
@@ -65,13 +79,15 @@ async fn exchange(
     token: &str,
     out: Outgoing<'_>,
     timeout: Duration,
-) -> Result<(StatusCode, Value), String> {
-    let uri: http::Uri = admin_url
-        .parse()
-        .map_err(|e| format!("admin_url {admin_url:?}: {e}"))?;
+) -> Result<(StatusCode, Value), GatewayError> {
+    let bad_url = |reason: String| GatewayError::AdminUrl {
+        url: admin_url.to_owned(),
+        reason,
+    };
+    let uri: http::Uri = admin_url.parse().map_err(|e| bad_url(format!("{e}")))?;
     let authority = uri
         .authority()
-        .ok_or_else(|| format!("admin_url {admin_url:?}: no host"))?;
+        .ok_or_else(|| bad_url("no host".to_owned()))?;
     let to = Target {
         authority: authority.as_str(),
         token: Some(token),
@@ -85,7 +101,10 @@ async fn exchange(
     };
     let answer = egress_api::client::exchange(to, call)
         .await
-        .map_err(|e| format!("{admin_url}: {e}"))?;
+        .map_err(|source| GatewayError::Call {
+            url: admin_url.to_owned(),
+            source,
+        })?;
     let bytes = answer.body;
     let json = if bytes.is_empty() {
         Value::Null

@@ -28,4 +28,5 @@ pub mod ops;
 pub mod pool;
 pub mod shadow_report;
 pub mod shard;
+pub mod state;
 pub mod store;

@@ -10,6 +10,7 @@ use sqlx::PgConnection;
 use crate::compose::{effective, Effective};
 use crate::config::Deployment;
 use crate::metrics::Metrics;
+use crate::state::{OperationKind, SandboxState};
 use crate::store::{self, Placement};
 
 /// Why an operation did not complete.
@@ -61,11 +62,11 @@ pub async fn execute(
     sandbox: &str,
     payload: &Value,
 ) -> Result<(), Failure> {
-    match kind {
-        "create" => create(conn, deployment, metrics, sandbox, payload).await,
-        "fork" => fork(conn, deployment, sandbox, payload).await,
-        "claim" => claim(conn, deployment, metrics, sandbox, payload).await,
-        other => Err(Failure::fatal(format!("unknown operation kind {other:?}"))),
+    // A kind this build does not know fails the operation, never the queue.
+    match kind.parse().map_err(Failure::fatal)? {
+        OperationKind::Create => create(conn, deployment, metrics, sandbox, payload).await,
+        OperationKind::Fork => fork(conn, deployment, sandbox, payload).await,
+        OperationKind::Claim => claim(conn, deployment, metrics, sandbox, payload).await,
     }
 }
 
@@ -98,7 +99,7 @@ async fn claim(
     let row = store::sandbox_for_update(conn, sandbox)
         .await?
         .ok_or_else(|| Failure::fatal(format!("sandbox {sandbox} is gone")))?;
-    if row.state != "creating" {
+    if row.state != SandboxState::Creating {
         return Err(Failure::fatal(format!(
             "sandbox {sandbox} is {}",
             row.state
@@ -236,7 +237,7 @@ async fn save_placed(
             policy: &policy,
             inherits_template: eff.inherits_template,
             provenance: Value::Array(provenance),
-            state: "running",
+            state: SandboxState::Running,
             worker: Some(placed.0),
             addresses: placed.1,
         },

@@ -12,6 +12,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::ops::create_payload;
+use crate::state::OperationKind;
 use crate::store::{self, pool as pools, NewOperation};
 
 /// How often the pools are looked at.
@@ -41,10 +42,7 @@ pub async fn refill_forever(pool: PgPool) {
 /// round holds the lock.
 pub async fn refill(pool: &PgPool) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-        .bind(REFILL_LOCK)
-        .fetch_one(&mut *tx)
-        .await?;
+    let locked = store::locks::try_for_transaction(&mut tx, REFILL_LOCK).await?;
     if !locked {
         return Ok(0);
     }
@@ -58,7 +56,7 @@ pub async fn refill(pool: &PgPool) -> Result<usize, sqlx::Error> {
             let op = NewOperation {
                 id: &operation,
                 tenant: "",
-                kind: "create",
+                kind: OperationKind::Create,
                 sandbox: &sandbox,
                 payload: &payload,
                 idempotency_key: None,

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 
+use crate::store::leases;
+
 /// Shards (rows of `dispatcher_shards`; `egress_worker_shard` hashes into them).
 pub const SHARDS: i64 = 64;
 
@@ -66,43 +68,20 @@ impl Leases {
         let started = Instant::now();
         let ttl = self.ttl.as_secs_f64();
         let mut tx = pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO dispatchers (id, expires) VALUES ($1, now() + make_interval(secs => $2)) ON CONFLICT (id) DO UPDATE SET expires = EXCLUDED.expires",
-        )
-        .bind(&self.id)
-        .bind(ttl)
-        .execute(&mut *tx)
-        .await?;
-        let alive: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM dispatchers WHERE expires > now()")
-                .fetch_one(&mut *tx)
-                .await?;
+        leases::heartbeat(&mut tx, &self.id, ttl).await?;
+        let alive = leases::alive(&mut tx).await?;
         let share = (SHARDS + alive.max(1) - 1) / alive.max(1);
-        let mut held: Vec<i32> = sqlx::query_scalar(
-            "UPDATE dispatcher_shards SET expires = now() + make_interval(secs => $2) WHERE holder = $1 AND expires > now() RETURNING shard",
-        )
-        .bind(&self.id)
-        .bind(ttl)
-        .fetch_all(&mut *tx)
-        .await?;
+        let mut held = leases::extend(&mut tx, &self.id, ttl).await?;
         held.sort_unstable();
         let count = i64::try_from(held.len()).unwrap_or(SHARDS);
         if count > share {
             let extra = held.split_off(usize::try_from(share).unwrap_or(0));
-            sqlx::query(
-                "UPDATE dispatcher_shards SET holder = NULL, expires = '-infinity' WHERE holder = $1 AND shard = ANY($2)",
-            )
-            .bind(&self.id)
-            .bind(&extra)
-            .execute(&mut *tx)
-            .await?;
+            leases::release(&mut tx, &self.id, &extra).await?;
         } else if count < share {
-            held.extend(claim(&mut tx, &self.id, ttl, share - count).await?);
+            held.extend(leases::claim(&mut tx, &self.id, ttl, share - count).await?);
             held.sort_unstable();
         }
-        sqlx::query("DELETE FROM dispatchers WHERE expires < now() - interval '1 hour'")
-            .execute(&mut *tx)
-            .await?;
+        leases::prune(&mut tx).await?;
         tx.commit().await?;
         if held != self.held {
             tracing::info!(dispatcher = %self.id, shards = held.len(), alive, "shards rebalanced");
@@ -117,33 +96,6 @@ impl Leases {
     pub async fn release(&mut self, pool: &PgPool) -> Result<(), sqlx::Error> {
         self.held.clear();
         self.renewed = None;
-        sqlx::query(
-            "UPDATE dispatcher_shards SET holder = NULL, expires = '-infinity' WHERE holder = $1",
-        )
-        .bind(&self.id)
-        .execute(pool)
-        .await?;
-        sqlx::query("DELETE FROM dispatchers WHERE id = $1")
-            .bind(&self.id)
-            .execute(pool)
-            .await?;
-        Ok(())
+        leases::leave(pool, &self.id).await
     }
-}
-
-/// Claims up to `n` shards nobody holds (released, or their lease expired).
-async fn claim(
-    tx: &mut sqlx::PgConnection,
-    id: &str,
-    ttl: f64,
-    n: i64,
-) -> Result<Vec<i32>, sqlx::Error> {
-    sqlx::query_scalar(
-        "UPDATE dispatcher_shards SET holder = $1, expires = now() + make_interval(secs => $2), handovers = handovers + 1 WHERE shard IN (SELECT shard FROM dispatcher_shards WHERE holder IS NULL OR expires <= now() ORDER BY shard LIMIT $3 FOR UPDATE SKIP LOCKED) RETURNING shard",
-    )
-    .bind(id)
-    .bind(ttl)
-    .bind(n)
-    .fetch_all(&mut *tx)
-    .await
 }

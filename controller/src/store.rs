@@ -10,8 +10,12 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
 
+use crate::state::{OperationKind, OperationState, SandboxState};
+
 pub mod alloc;
+pub mod leases;
 pub mod list;
+pub mod locks;
 pub mod pool;
 pub mod shadow;
 
@@ -52,7 +56,7 @@ pub struct SandboxRow {
     pub policy: Option<Policy>,
     pub inherits_template: bool,
     pub provenance: Value,
-    pub state: String,
+    pub state: SandboxState,
     pub worker: Option<String>,
     pub addresses: Vec<String>,
     pub generation: i64,
@@ -69,7 +73,7 @@ impl SandboxRow {
             policy: policy.and_then(|Json(v)| Policy::from_json(&v.to_string()).ok()),
             inherits_template: r.try_get("inherits_template")?,
             provenance: r.try_get::<Json<Value>, _>("provenance")?.0,
-            state: r.try_get("state")?,
+            state: state(r)?,
             worker: r.try_get("worker")?,
             addresses: r.try_get("addresses")?,
             generation: r.try_get("generation")?,
@@ -91,6 +95,24 @@ impl SandboxRow {
             "addresses": self.addresses,
         })
     }
+}
+
+/// The `state` column, checked: a value the code does not know is a
+/// decode error, never a guess.
+fn state(r: &PgRow) -> Result<SandboxState, sqlx::Error> {
+    checked(r.try_get("state")?, "state")
+}
+
+/// `text` of `column` as its enum; a value the code does not know is a
+/// decode error.
+fn checked<T: std::str::FromStr<Err = String>>(
+    text: String,
+    column: &str,
+) -> Result<T, sqlx::Error> {
+    text.parse().map_err(|e: String| sqlx::Error::ColumnDecode {
+        index: column.into(),
+        source: e.into(),
+    })
 }
 
 pub async fn sandbox(conn: &mut PgConnection, id: &str) -> Result<Option<SandboxRow>, sqlx::Error> {
@@ -149,7 +171,7 @@ pub struct Placement<'a> {
     pub policy: &'a Policy,
     pub inherits_template: bool,
     pub provenance: Value,
-    pub state: &'a str,
+    pub state: SandboxState,
     pub worker: Option<&'a str>,
     pub addresses: &'a [String],
 }
@@ -166,7 +188,7 @@ pub async fn save_effective(
     .bind(Json(serde_json::to_value(p.policy).unwrap_or_default()))
     .bind(p.inherits_template)
     .bind(Json(&p.provenance))
-    .bind(p.state)
+    .bind(p.state.as_str())
     .bind(p.worker)
     .bind(p.addresses)
     .execute(&mut *conn)
@@ -177,12 +199,16 @@ pub async fn save_effective(
 /// A lifecycle state change; `destroyed` and `failed` also bump the
 /// generation so the gateway is told to forget the sandbox (a failed claim
 /// of a warm-pool sandbox is on its gateway already).
-pub async fn set_state(conn: &mut PgConnection, id: &str, state: &str) -> Result<(), sqlx::Error> {
+pub async fn set_state(
+    conn: &mut PgConnection,
+    id: &str,
+    state: SandboxState,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE sandboxes SET state = $2, generation = generation + CASE WHEN $2 IN ('destroyed', 'failed') THEN 1 ELSE 0 END, changed_at = CASE WHEN $2 IN ('destroyed', 'failed') THEN now() ELSE changed_at END WHERE id = $1",
     )
     .bind(id)
-    .bind(state)
+    .bind(state.as_str())
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -374,6 +400,27 @@ pub async fn pushed(pool: &PgPool, id: &str, generation: i64) -> Result<f64, sql
     Ok(lag.unwrap_or(0.0))
 }
 
+/// After a resync, `worker`'s destroyed and failed sandboxes count as
+/// pushed: the gateway no longer has them.
+pub async fn mark_forgotten(pool: &PgPool, worker: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE sandboxes SET pushed_generation = generation WHERE worker = $1 AND state IN ('destroyed', 'failed')",
+    )
+    .bind(worker)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Whether `time` (RFC 3339) is later than the database's now; an error
+/// when it does not parse as a time.
+pub async fn is_future(pool: &PgPool, time: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT $1::timestamptz > now()")
+        .bind(time)
+        .fetch_one(pool)
+        .await
+}
+
 // === operations ===
 
 /// A queued operation.
@@ -384,7 +431,7 @@ pub struct OperationRow {
     pub kind: String,
     pub sandbox: String,
     pub payload: Value,
-    pub state: String,
+    pub state: OperationState,
     pub attempts: i32,
     pub last_error: Option<String>,
 }
@@ -397,7 +444,7 @@ impl OperationRow {
             kind: r.try_get("kind")?,
             sandbox: r.try_get("sandbox")?,
             payload: r.try_get::<Json<Value>, _>("payload")?.0,
-            state: r.try_get("state")?,
+            state: checked(r.try_get("state")?, "state")?,
             attempts: r.try_get("attempts")?,
             last_error: r.try_get("last_error")?,
         })
@@ -419,7 +466,7 @@ impl OperationRow {
 pub struct NewOperation<'a> {
     pub id: &'a str,
     pub tenant: &'a str,
-    pub kind: &'a str,
+    pub kind: OperationKind,
     pub sandbox: &'a str,
     pub payload: &'a Value,
     pub idempotency_key: Option<&'a str>,
@@ -435,7 +482,7 @@ pub async fn insert_operation(
     )
     .bind(op.id)
     .bind(op.tenant)
-    .bind(op.kind)
+    .bind(op.kind.as_str())
     .bind(op.sandbox)
     .bind(Json(op.payload))
     .bind(op.idempotency_key)
@@ -513,9 +560,9 @@ pub async fn attempt_failed(
     error: &str,
     retryable: bool,
     limits: (i32, Duration, Duration),
-) -> Result<String, sqlx::Error> {
+) -> Result<OperationState, sqlx::Error> {
     let (attempts, deadline, backoff) = limits;
-    sqlx::query_scalar(
+    let state: String = sqlx::query_scalar(
         "UPDATE operations SET attempts = attempts + 1, last_error = $2, \
          state = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN 'failed' ELSE 'queued' END, \
          not_before = now() + make_interval(secs => $5), \
@@ -529,7 +576,8 @@ pub async fn attempt_failed(
     .bind(backoff.as_secs_f64())
     .bind(deadline.as_secs_f64())
     .fetch_one(&mut *conn)
-    .await
+    .await?;
+    checked(state, "state")
 }
 
 /// Queue depth, the age of the oldest queued operation (s), and the age of

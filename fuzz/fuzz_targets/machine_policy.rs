@@ -14,12 +14,12 @@
 //! - within the kernel sets no entry is made redundant by another (so the
 //!   interval sets nft is given never overlap), and no network carries more
 //!   than `MAX_ENTRIES_PER_NETWORK` distinct entries, inherited ones included;
-//! - `passes` follows the mode; the nftables table is written for it.
+//! - `passes` follows the mode; the node's nftables table is written for it.
 #![no_main]
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use egress_gateway::machine::nft;
+use egress_gateway::machine::nft::rules::{self, Layout, Match, VmRules};
 use egress_policy::machine::{
     check, Entry, KernelSets, MachineEgress, Mode, Proto, MAX_ENTRIES_PER_NETWORK,
 };
@@ -132,7 +132,19 @@ fuzz_target!(|input: &[u8]| {
     }
 
     let addresses = [IpAddr::V4(Ipv4Addr::new(100, 64, 0, 2))];
-    let table = nft::ruleset("fuzz-vm", &addresses, &policy, 1024);
+    let layout = Layout {
+        matching: Match::Address,
+        capacity: 1024,
+        cgroup_prefix: String::new(),
+    };
+    let vm = VmRules {
+        id: "fuzz-vm",
+        addresses: &addresses,
+        link: None,
+        cgroup: None,
+        policy: &policy,
+    };
+    let table = rules::table(&layout, &[vm]);
     for (n, e) in &entries {
         assert!(
             table.contains(&n.to_string()),

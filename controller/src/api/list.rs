@@ -22,22 +22,13 @@ use serde_json::{json, Map, Value};
 use super::{db, error, json_reply, typed, visible, Api, Reply};
 use crate::config::Tenant;
 use crate::gateway_client::call;
+use crate::state::{self, SandboxState};
 use crate::store::list::{self, SandboxFilter};
 use crate::store::{self, shadow as shadows};
 
 /// Page sizes: the default and the most one page may hold.
 const PAGE: i64 = 50;
 const MAX_PAGE: i64 = 500;
-/// The states a sandbox can be in (`sandboxes.state_known`).
-const STATES: [&str; 7] = [
-    "creating",
-    "running",
-    "stopped",
-    "paused",
-    "suspended",
-    "failed",
-    "destroyed",
-];
 /// The longest a worker's gateway may take to answer a console probe.
 const PROBE: Duration = Duration::from_secs(2);
 
@@ -132,15 +123,21 @@ impl Api {
             }
         };
         let size = limit(q.limit.as_deref(), MAX_PAGE)?;
-        if let Some(state) = q.state.as_deref().filter(|s| !STATES.contains(s)) {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                &format!("state: {state:?} is not one of {}", STATES.join(", ")),
-            ));
-        }
+        let state = q
+            .state
+            .as_deref()
+            .map(|s| {
+                s.parse::<SandboxState>().map_err(|_| {
+                    error(
+                        StatusCode::BAD_REQUEST,
+                        &format!("state: {s:?} is not one of {}", state::names()),
+                    )
+                })
+            })
+            .transpose()?;
         let mut filter = SandboxFilter {
             tenant,
-            state: q.state,
+            state,
             worker: q.worker,
             profile: q.profile,
             after: q.after,
@@ -247,7 +244,7 @@ async fn probe(url: &str, token: &str) -> Value {
             let detail = body.as_str().unwrap_or_default().trim().to_owned();
             json!({"ready": s == StatusCode::OK, "status": s.as_u16(), "detail": detail})
         }
-        Ok(Err(e)) => json!({"ready": false, "status": null, "detail": e}),
+        Ok(Err(e)) => json!({"ready": false, "status": null, "detail": e.to_string()}),
         Err(_) => {
             json!({"ready": false, "status": null, "detail": format!("no answer within {PROBE:?}")})
         }

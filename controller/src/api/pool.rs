@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use super::{db, error, json_reply, typed, Api, Reply};
 use crate::config::Tenant;
 use crate::metrics::OutcomeLabels;
+use crate::state::OperationKind;
 use crate::store::pool::{self as pools, Claim};
 use crate::store::{self, NewOperation};
 
@@ -135,7 +136,7 @@ impl Api {
             let op = NewOperation {
                 id: &operation,
                 tenant: &caller.tenant,
-                kind: "claim",
+                kind: OperationKind::Claim,
                 sandbox: &sandbox,
                 payload: req.payload,
                 idempotency_key: req.key,

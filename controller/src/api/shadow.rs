@@ -20,7 +20,7 @@ use sqlx::PgConnection;
 use super::{db, error, json_reply, policy_field, typed, visible, visible_for_update, Api, Reply};
 use crate::compose::effective;
 use crate::config::Tenant;
-use crate::gateway_client::call;
+use crate::gateway_client::{call, GatewayError};
 use crate::shadow_report::aggregate;
 use crate::store::shadow::{self as shadows, Target};
 use crate::store::{self, SandboxRow};
@@ -37,12 +37,12 @@ async fn gateway(
     method: Method,
     suffix: &str,
     body: Option<&Value>,
-) -> Result<(StatusCode, Value), String> {
+) -> Result<(StatusCode, Value), GatewayError> {
     let path = format!("/v1/sandboxes/{}/shadow{suffix}", t.sandbox);
     call(&t.admin_url, &t.token, method, &path, body).await
 }
 
-fn unreachable(e: &str) -> Reply {
+fn unreachable(e: &impl std::fmt::Display) -> Reply {
     error(
         StatusCode::BAD_GATEWAY,
         &format!("the worker's gateway: {e}"),
@@ -65,10 +65,7 @@ fn no_shadow(id: &str) -> Reply {
 
 /// Where a sandbox's shadow lives: its worker's gateway, if it is on one.
 async fn target(conn: &mut PgConnection, row: &SandboxRow) -> Result<Target, Reply> {
-    let live = matches!(
-        row.state.as_str(),
-        "running" | "stopped" | "paused" | "suspended"
-    ) && row.policy.is_some();
+    let live = row.state.is_live() && row.policy.is_some();
     let not_placed = || {
         error(
             StatusCode::CONFLICT,
@@ -100,7 +97,7 @@ async fn drop_on_gateway(t: &Target) -> Result<bool, String> {
         Ok((s, _)) if s.is_success() => Ok(true),
         Ok((StatusCode::NOT_FOUND, _)) => Ok(false),
         Ok((s, body)) => Err(format!("answered {s}: {body}")),
-        Err(e) => Err(e),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -236,7 +233,7 @@ impl Api {
         match gateway(&t, Method::PUT, "", Some(&json!({"policy": eff.policy}))).await {
             Ok((s, _)) if s.is_success() => Ok(()),
             Ok((s, body)) => Err(format!("the worker's gateway answered {s}: {body}")),
-            Err(e) => Err(e),
+            Err(e) => Err(e.to_string()),
         }
     }
 
@@ -295,7 +292,7 @@ impl Api {
                 Ok((s, body)) => {
                     missing.push(json!({"sandbox": t.sandbox, "error": format!("{s}: {body}")}))
                 }
-                Err(e) => missing.push(json!({"sandbox": t.sandbox, "error": e})),
+                Err(e) => missing.push(json!({"sandbox": t.sandbox, "error": e.to_string()})),
             }
         }
         let mut v = aggregate(id, &reports);

@@ -8,12 +8,14 @@ use serde_json::{json, Value};
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
+use crate::state::SandboxState;
+
 /// Which sandboxes a page holds: every filter optional, `after` the last
 /// id of the page before (keyset: pages stay correct while rows come and go).
 #[derive(Clone, Debug, Default)]
 pub struct SandboxFilter {
     pub tenant: Option<String>,
-    pub state: Option<String>,
+    pub state: Option<SandboxState>,
     pub worker: Option<String>,
     pub profile: Option<String>,
     pub after: Option<String>,
@@ -32,7 +34,7 @@ pub async fn sandboxes(pool: &PgPool, f: &SandboxFilter) -> Result<Vec<Value>, s
     );
     let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(&f.tenant)
-        .bind(&f.state)
+        .bind(f.state.map(SandboxState::as_str))
         .bind(&f.worker)
         .bind(&f.profile)
         .bind(&f.after)
@@ -64,7 +66,7 @@ pub async fn sandbox_counts(pool: &PgPool, f: &SandboxFilter) -> Result<Value, s
     );
     let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(&f.tenant)
-        .bind(&f.state)
+        .bind(f.state.map(SandboxState::as_str))
         .bind(&f.worker)
         .bind(&f.profile)
         .fetch_all(pool)

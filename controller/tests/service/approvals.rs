@@ -106,9 +106,9 @@ async fn verdict(w: &Setup, id: &str) -> String {
     v["verdict"].as_str().expect("verdict").to_owned()
 }
 
-/// Waits (≤ 10 s) until the gateway's verdict for `id` is `want`.
+/// Waits (≤ 30 s) until the gateway's verdict for `id` is `want`.
 async fn until_verdict(w: &Setup, id: &str, want: &str) {
-    for _ in 0..200 {
+    for _ in 0..600 {
         if verdict(w, id).await == want {
             return;
         }

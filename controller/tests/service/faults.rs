@@ -3,7 +3,6 @@
 //! off while creates continue. Each test prints its figures.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -224,7 +223,7 @@ async fn postgresql_restarted_mid_queue_loses_no_operation_and_runs_none_twice()
     let outage = stopped.elapsed();
     let restarted = Instant::now();
     let mut during = Value::Null;
-    for _ in 0..200 {
+    for _ in 0..600 {
         let (s, _, v) = keyed_create(&api, "during", "w1").await;
         if s == 202 {
             during = v;
@@ -522,7 +521,7 @@ async fn a_gateway_cut_off_for_30_s_gets_every_change_in_order_once_it_heals() {
     );
     let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
     let mut unpushed: i64 = -1;
-    for _ in 0..200 {
+    for _ in 0..600 {
         unpushed = sqlx::query_scalar(
             "SELECT count(*) FROM sandboxes WHERE pushed_generation <> generation",
         )
@@ -546,60 +545,10 @@ async fn a_gateway_cut_off_for_30_s_gets_every_change_in_order_once_it_heals() {
 
 // === dispatcher processes ===
 
-const BIN: &str = env!("CARGO_BIN_EXE_egress-controller");
-
-/// A dispatcher process, SIGKILLed when dropped; its stderr goes to `log`.
-struct Process(std::process::Child, PathBuf);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_dispatcher(url: &str, dir: &std::path::Path, name: &str) -> Process {
-    let tenants = dir.join("tenants.json");
-    std::fs::write(
-        &tenants,
-        format!(
-            r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}}}}}}"#
-        ),
-    )
-    .expect("write");
-    let log = dir.join(format!("{name}.log"));
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port");
-    let child = Command::new(BIN)
-        .args(["dispatcher", "--tenants"])
-        .arg(&tenants)
-        .args([
-            "--attempts",
-            "5",
-            "--retry-backoff",
-            "100ms",
-            "--resync-interval",
-            "200ms",
-            "--lease-ttl",
-            "3s",
-            "--metrics-listen",
-        ])
-        .arg(metrics.to_string())
-        .env("DATABASE_URL", url)
-        .env_remove("SPACE_EGRESS_PROFILES")
-        .env_remove("SPACE_TLS_INTERCEPTION_EXEMPTIONS")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("log"))
-        .spawn()
-        .expect("spawn dispatcher");
-    Process(child, log)
-}
-
 /// The index of the process whose dispatcher holds worker `w1`'s shard
 /// now (≤ 60 s: a bound that only turns "never" into a failure on a
 /// loaded machine). A dispatcher logs its id when it starts.
-async fn pusher(url: &str, ps: &[Process]) -> usize {
+async fn pusher(url: &str, ps: &[DispatcherProcess]) -> usize {
     let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
     for _ in 0..1200 {
         let holder: Option<String> = sqlx::query_scalar(
@@ -610,8 +559,8 @@ async fn pusher(url: &str, ps: &[Process]) -> usize {
         .expect("the shard's holder")
         .flatten();
         // The id is random per process: its text alone picks the log.
-        let logged = |p: &Process| {
-            let log = std::fs::read_to_string(&p.1).unwrap_or_default();
+        let logged = |p: &DispatcherProcess| {
+            let log = std::fs::read_to_string(&p.log).unwrap_or_default();
             holder.as_deref().is_some_and(|id| log.contains(id))
         };
         if let Some(i) = (0..ps.len()).find(|&i| logged(&ps[i])) {
@@ -645,9 +594,17 @@ async fn a_dispatcher_sigkilled_mid_push_with_two_others_running_has_exactly_onc
     for _ in 0..30 {
         ids.push(create_on(&api, "w1").await);
     }
-    let mut ps: Vec<Process> = ["a", "b", "c"]
+    let mut ps: Vec<DispatcherProcess> = ["a", "b", "c"]
         .iter()
-        .map(|n| spawn_dispatcher(&url, dir.path(), n))
+        .map(|n| {
+            spawn_dispatcher(
+                &url,
+                dir.path(),
+                n,
+                free_addr(),
+                &["--resync-interval", "200ms"],
+            )
+        })
         .collect();
     for _ in 0..2400 {
         if link.held.load(Ordering::SeqCst) > 0 {

@@ -2,7 +2,7 @@
 //! takeover between dispatcher processes, and configuration checks at start.
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,8 +12,6 @@ use sqlx::Connection;
 
 use crate::db;
 use crate::support::*;
-
-const BIN: &str = env!("CARGO_BIN_EXE_egress-controller");
 
 async fn create(api: &ApiProcess) -> (String, String) {
     let (s, v) = call(
@@ -30,15 +28,6 @@ async fn create(api: &ApiProcess) -> (String, String) {
         v["sandbox"].as_str().expect("id").to_owned(),
         v["operation"].as_str().expect("op").to_owned(),
     )
-}
-
-/// A loopback port nobody listens on right now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
 }
 
 #[tokio::test]
@@ -169,59 +158,8 @@ async fn a_gateway_that_is_down_never_blocks_the_api_and_its_lag_shows() {
     .await;
 }
 
-/// A dispatcher process, killed (by its PID) when dropped: a failing test
-/// leaves none behind.
-struct DispatcherProcess(std::process::Child);
-
-impl Drop for DispatcherProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A dispatcher process; its stderr goes to `log`, its metrics to `metrics`.
-fn spawn_dispatcher(
-    url: &str,
-    tenants: &std::path::Path,
-    log: &std::path::Path,
-    metrics: SocketAddr,
-) -> DispatcherProcess {
-    let mut cmd = Command::new(BIN);
-    cmd.args(["dispatcher", "--tenants"])
-        .arg(tenants)
-        .args([
-            "--attempts",
-            "5",
-            "--retry-backoff",
-            "100ms",
-            "--lease-ttl",
-            "3s",
-            "--metrics-listen",
-        ])
-        .arg(metrics.to_string())
-        .env("DATABASE_URL", url)
-        .env_remove("SPACE_EGRESS_PROFILES")
-        .env_remove("SPACE_TLS_INTERCEPTION_EXEMPTIONS")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).expect("log"));
-    DispatcherProcess(cmd.spawn().expect("spawn dispatcher"))
-}
-
-fn tenants_file(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("tenants.json");
-    std::fs::write(
-        &path,
-        format!(
-            r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}}}}}}"#
-        ),
-    )
-    .expect("write");
-    path
-}
-
 async fn wait_for(log: &std::path::Path, needle: &str) {
-    for _ in 0..200 {
+    for _ in 0..600 {
         if std::fs::read_to_string(log).is_ok_and(|t| t.contains(needle)) {
             return;
         }
@@ -232,10 +170,6 @@ async fn wait_for(log: &std::path::Path, needle: &str) {
         log.display(),
         std::fs::read_to_string(log).unwrap_or_default()
     );
-}
-
-fn free_addr() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
 /// Operations the dispatcher serving metrics on `addr` has run to success.
@@ -266,12 +200,10 @@ async fn a_dead_dispatchers_shards_are_taken_over_and_no_operation_runs_twice() 
         "100.64.0.0/16",
     )
     .await;
-    let tenants = tenants_file(dir.path());
-    let (log_a, log_b) = (dir.path().join("a.log"), dir.path().join("b.log"));
-    let a = spawn_dispatcher(&url, &tenants, &log_a, free_addr());
-    wait_for(&log_a, "shards rebalanced").await;
+    let a = spawn_dispatcher(&url, dir.path(), "a", free_addr(), &[]);
+    wait_for(&a.log, "shards rebalanced").await;
     let metrics_b = free_addr();
-    let b = spawn_dispatcher(&url, &tenants, &log_b, metrics_b);
+    let b = spawn_dispatcher(&url, dir.path(), "b", metrics_b, &[]);
     holders_until(&url, "two dispatchers share the shards", |h| h.len() == 2).await;
     let mut ops = Vec::new();
     let mut sandboxes = Vec::new();
@@ -401,9 +333,8 @@ async fn invalid_configuration_stops_both_roles_and_a_standby_before_it_leads() 
         assert!(err.contains(var) && err.contains(needle), "{role}: {err}");
     }
     // A leader holds the lock; a standby with bad configuration still refuses to start.
-    let log = dir.path().join("leader.log");
-    let leader = spawn_dispatcher(&url, &tenants, &log, free_addr());
-    wait_for(&log, "leading").await;
+    let leader = spawn_dispatcher(&url, dir.path(), "leader", free_addr(), &[]);
+    wait_for(&leader.log, "leading").await;
     let standby = Command::new(BIN)
         .args(["dispatcher", "--tenants"])
         .arg(&tenants)

@@ -248,7 +248,7 @@ async fn lifecycle_operations_keep_the_saved_effective_policy() {
     .await;
     assert_eq!(s, 200);
     let sid = egress_policy::SandboxId::new(&id);
-    for _ in 0..200 {
+    for _ in 0..600 {
         if gw.registry().get(&sid).is_none() {
             return;
         }

@@ -206,7 +206,7 @@ async fn a_claim_takes_a_pooled_sandbox_composes_its_selection_like_a_create_and
     );
 
     // The gateway enforces the composed policy on the claimed sandbox.
-    for _ in 0..200 {
+    for _ in 0..600 {
         if on_gateway(&w.gw, &id).await["policy"] == claimed["policy"] {
             break;
         }
@@ -453,7 +453,7 @@ async fn a_claim_that_fails_leaves_the_sandbox_failed_and_off_its_gateway() {
     let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
     assert_eq!(op["state"], json!("failed"), "{op}");
     // The sandbox is marked failed just after its operation (another statement).
-    for _ in 0..200 {
+    for _ in 0..600 {
         if document(&api, &id).await["state"] == json!("failed") {
             break;
         }
@@ -461,7 +461,7 @@ async fn a_claim_that_fails_leaves_the_sandbox_failed_and_off_its_gateway() {
     }
     assert_eq!(document(&api, &id).await["state"], json!("failed"));
     let sid = egress_policy::SandboxId::new(&id);
-    for _ in 0..200 {
+    for _ in 0..600 {
         if gw.registry().get(&sid).is_none() {
             break;
         }

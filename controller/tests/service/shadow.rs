@@ -38,7 +38,7 @@ fn shadow_on(gw: &Gateway, id: &str) -> Option<Value> {
 
 /// Polls until the gateway's active policy of `id` is `policy` and it has no shadow.
 async fn active_without_shadow(gw: &Gateway, id: &str, policy: &Value) {
-    for _ in 0..200 {
+    for _ in 0..600 {
         let got = on_gateway(gw, id).await;
         if &got["policy"] == policy && shadow_on(gw, id).is_none() {
             return;

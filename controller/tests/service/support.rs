@@ -242,9 +242,9 @@ pub async fn setup(api: &ApiProcess, template_policy: Value, gw: SocketAddr, poo
     assert_eq!(s, 200, "{b}");
 }
 
-/// Polls `GET /v1/operations/{id}` until it is no longer queued (≤ 10 s).
+/// Polls `GET /v1/operations/{id}` until it is no longer queued (≤ 30 s).
 pub async fn settled(api: &ApiProcess, token: &str, op: &str) -> Value {
-    for _ in 0..200 {
+    for _ in 0..600 {
         let (_, v) = call(
             api.addr,
             "GET",
@@ -262,10 +262,10 @@ pub async fn settled(api: &ApiProcess, token: &str, op: &str) -> Value {
     panic!("operation {op} did not finish");
 }
 
-/// Polls until the gateway holds sandbox `id` (≤ 10 s); its document there.
+/// Polls until the gateway holds sandbox `id` (≤ 30 s); its document there.
 pub async fn on_gateway(gw: &Gateway, id: &str) -> Value {
     let sid = egress_policy::SandboxId::new(id);
-    for _ in 0..200 {
+    for _ in 0..600 {
         if let Some(s) = gw.registry().get(&sid) {
             return json!({"addresses": s.addresses, "policy": s.policy.policy()});
         }
@@ -295,4 +295,84 @@ pub async fn world(url: &str, d: Arc<Deployment>, template_policy: Value) -> Wor
         _dispatcher: dispatcher,
         _dir: dir,
     }
+}
+
+// === dispatcher processes ===
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_egress-controller");
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// A free port on loopback, as an address.
+pub fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+/// A dispatcher process and its log (its stderr); SIGKILLed when dropped.
+pub struct DispatcherProcess {
+    child: std::process::Child,
+    pub log: std::path::PathBuf,
+}
+
+impl Drop for DispatcherProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The tokens file of an admin token (`ADMIN`), in `dir`.
+pub fn tenants_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("tenants.json");
+    std::fs::write(
+        &path,
+        format!(
+            r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}}}}}}"#
+        ),
+    )
+    .expect("write");
+    path
+}
+
+/// `egress-controller dispatcher` on `url` with quick retries and leases of
+/// 3 s (plus `extra` flags), its metrics on `metrics`, logging to
+/// `dir/<name>.log`.
+pub fn spawn_dispatcher(
+    url: &str,
+    dir: &std::path::Path,
+    name: &str,
+    metrics: SocketAddr,
+    extra: &[&str],
+) -> DispatcherProcess {
+    let tenants = tenants_file(dir);
+    let log = dir.join(format!("{name}.log"));
+    let child = std::process::Command::new(BIN)
+        .args(["dispatcher", "--tenants"])
+        .arg(&tenants)
+        .args([
+            "--attempts",
+            "5",
+            "--retry-backoff",
+            "100ms",
+            "--lease-ttl",
+            "3s",
+        ])
+        .args(extra)
+        .arg("--metrics-listen")
+        .arg(metrics.to_string())
+        .env("DATABASE_URL", url)
+        .env_remove("SPACE_EGRESS_PROFILES")
+        .env_remove("SPACE_TLS_INTERCEPTION_EXEMPTIONS")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn dispatcher");
+    DispatcherProcess { child, log }
 }
