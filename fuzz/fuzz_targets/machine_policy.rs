@@ -136,6 +136,7 @@ fuzz_target!(|input: &[u8]| {
         matching: Match::Address,
         capacity: 1024,
         cgroup_prefix: String::new(),
+        events: None,
     };
     let vm = VmRules {
         id: "fuzz-vm",
