@@ -188,14 +188,7 @@ async fn postgresql_restarted_mid_queue_loses_no_operation_and_runs_none_twice()
     let url = cluster.url();
     let dir = tempfile::tempdir().expect("dir");
     let gw = gateway(dir.path(), "127.0.0.1:0").await;
-    let api = api(&url, deployment(None, None)).await;
-    setup(
-        &api,
-        json!({"default": "allow"}),
-        gw.bound().admin,
-        "100.64.0.0/16",
-    )
-    .await;
+    let api = allow_all_api(&url, gw.bound().admin, "100.64.0.0/16").await;
     let n = 120;
     let mut ops = Vec::new();
     for i in 0..n {
@@ -371,14 +364,7 @@ async fn a_stalled_gateway_does_not_hold_up_pushes_to_the_others() {
     let gw1 = gateway(&d1, "127.0.0.1:0").await;
     let gw2 = gateway(&d2, "127.0.0.1:0").await;
     let slow = front(gw2.bound().admin, STALL).await;
-    let api = api(&url, deployment(None, None)).await;
-    setup(
-        &api,
-        json!({"default": "allow"}),
-        gw1.bound().admin,
-        "100.64.1.0/24",
-    )
-    .await;
+    let api = allow_all_api(&url, gw1.bound().admin, "100.64.1.0/24").await;
     register_worker(&api, "w2", slow.addr, "100.64.2.0/24").await;
     let stuck: Vec<String> = [create_on(&api, "w2").await, create_on(&api, "w2").await].into();
     let d = dispatcher(&url, deployment(None, None), limits(5, 600_000, 100)).await;
@@ -455,14 +441,7 @@ async fn a_gateway_cut_off_for_30_s_gets_every_change_in_order_once_it_heals() {
     let dir = tempfile::tempdir().expect("dir");
     let gw = gateway(dir.path(), "127.0.0.1:0").await;
     let link = front(gw.bound().admin, FORWARD).await;
-    let api = api(&url, deployment(None, None)).await;
-    setup(
-        &api,
-        json!({"default": "allow"}),
-        link.addr,
-        "100.64.0.0/16",
-    )
-    .await;
+    let api = allow_all_api(&url, link.addr, "100.64.0.0/16").await;
     let d = dispatcher(&url, deployment(None, None), limits(5, 600_000, 100)).await;
     let (kept, gone) = (create_on(&api, "w1").await, create_on(&api, "w1").await);
     on_gateway(&gw, &kept).await;
@@ -582,14 +561,7 @@ async fn a_dispatcher_sigkilled_mid_push_with_two_others_running_has_exactly_onc
     let dir = tempfile::tempdir().expect("dir");
     let gw = gateway(dir.path(), "127.0.0.1:0").await;
     let link = front(gw.bound().admin, STALL).await;
-    let api = api(&url, deployment(None, None)).await;
-    setup(
-        &api,
-        json!({"default": "allow"}),
-        link.addr,
-        "100.64.0.0/16",
-    )
-    .await;
+    let api = allow_all_api(&url, link.addr, "100.64.0.0/16").await;
     let mut ids = Vec::new();
     for _ in 0..30 {
         ids.push(create_on(&api, "w1").await);

@@ -192,14 +192,7 @@ async fn a_dead_dispatchers_shards_are_taken_over_and_no_operation_runs_twice() 
     let url = db!();
     let dir = tempfile::tempdir().expect("dir");
     let gw = gateway(dir.path(), "127.0.0.1:0").await;
-    let api = api(&url, deployment(None, None)).await;
-    setup(
-        &api,
-        json!({"default": "allow"}),
-        gw.bound().admin,
-        "100.64.0.0/16",
-    )
-    .await;
+    let api = allow_all_api(&url, gw.bound().admin, "100.64.0.0/16").await;
     let a = spawn_dispatcher(&url, dir.path(), "a", free_addr(), &[]);
     wait_for(&a.log, "shards rebalanced").await;
     let metrics_b = free_addr();

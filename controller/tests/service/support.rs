@@ -218,6 +218,14 @@ pub async fn call(
     (status, json)
 }
 
+/// An API on `url` whose template `base` allows everything, with the
+/// worker `w1` at `admin` and its address pool `pool`.
+pub async fn allow_all_api(url: &str, admin: SocketAddr, pool: &str) -> ApiProcess {
+    let api = api(url, deployment(None, None)).await;
+    setup(&api, json!({"default": "allow"}), admin, pool).await;
+    api
+}
+
 /// Registers the template `base` and the worker `w1` (the gateway at `gw`).
 pub async fn setup(api: &ApiProcess, template_policy: Value, gw: SocketAddr, pool: &str) {
     let (s, b) = call(
