@@ -55,10 +55,14 @@ pub struct Claim<'a> {
 /// for, if any) for the claim's tenant: `creating` until the queued claim
 /// composes its policy. Concurrent claims skip each other's locked rows
 /// (`FOR UPDATE SKIP LOCKED`), so no two get the same sandbox. `None`: the
-/// pool is empty.
+/// pool is empty. The pooled policy is taken away at once (its gateway is
+/// told to forget the sandbox): until the claim's own policy is pushed the
+/// sandbox is unknown there, so denied, never judged by a policy its new
+/// tenant did not ask for.
 pub async fn claim(conn: &mut PgConnection, c: &Claim<'_>) -> Result<Option<String>, sqlx::Error> {
     sqlx::query_scalar(
-        "UPDATE sandboxes SET tenant = $2, egress_profiles = $3, inherits_template = $4, warm_pool = NULL, state = 'creating' \
+        "UPDATE sandboxes SET tenant = $2, egress_profiles = $3, inherits_template = $4, warm_pool = NULL, state = 'creating', \
+         policy = NULL, generation = generation + 1 \
          WHERE id = (SELECT id FROM sandboxes WHERE warm_pool = $1 AND state = 'running' AND pushed_generation >= generation \
          AND ($5::text IS NULL OR worker = $5) ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING id",
     )
