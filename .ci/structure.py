@@ -102,7 +102,10 @@ def main():
     ap.add_argument("--max-fn-lines", type=int, default=60)
     ap.add_argument("srcs", nargs="*")
     args = ap.parse_args()
-    srcs = args.srcs or sorted(d + "/src" for d in os.listdir(".") if os.path.isdir(d + "/src"))
+    # Every crate of the root workspace: top-level folders, and the fuzz
+    # targets' harness (a member that lives under fuzz/).
+    tops = [d for d in os.listdir(".") if os.path.isdir(d + "/src")] + ["fuzz/harness"]
+    srcs = args.srcs or sorted(d + "/src" for d in tops if os.path.isdir(d + "/src"))
     bad = False
     for src in srcs:
         for c in cycles(module_graph(src)):

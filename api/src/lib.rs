@@ -5,6 +5,7 @@
 //!   that are not UTF-8 or not the document) and the NDJSON line reader;
 //! - [`serve`]: the accept loop every listener runs (backoff when accepting
 //!   fails, a deadline on request heads);
+//! - [`file`]: the atomic write of the state files the gateway keeps;
 //! - [`explain`]: the gateway admin API's explain question, read once for
 //!   the admin route, the `policy explain` command and the fuzz targets.
 //!
@@ -18,6 +19,7 @@
 pub mod body;
 pub mod client;
 pub mod explain;
+pub mod file;
 pub mod gateway;
 pub mod reply;
 pub mod serve;

@@ -1,5 +1,5 @@
 //! The admin API's request bodies, read as the admin reads them
-//! (`egress_gateway::fuzzing::admin_body`).
+//! (`egress_fuzz_harness::admin_body`).
 //!
 //! Input: `[route][body…]`; the route byte picks (mod 6) PUT sandbox,
 //! resync (JSON), resync (NDJSON), explain, machine egress policy, VM
@@ -10,7 +10,7 @@
 //! and is its own normal form.
 #![no_main]
 
-use egress_gateway::fuzzing::{admin_body, Route};
+use egress_fuzz_harness::{admin_body, Route};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: &[u8]| {

@@ -19,7 +19,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use egress_gateway::machine::nft::rules::{self, Layout, Match, VmRules};
+use egress_machine::nft::rules::{self, Layout, Match, VmRules};
 use egress_policy::machine::{
     check, Entry, KernelSets, MachineEgress, Mode, Proto, MAX_ENTRIES_PER_NETWORK,
 };

@@ -1,4 +1,4 @@
-//! `egress_gateway::machine::nflog::messages` — the reader of the NFLOG
+//! `egress_machine::nflog::messages` — the reader of the NFLOG
 //! group's datagrams, bytes from the kernel — on arbitrary bytes.
 //!
 //! Properties:
@@ -9,7 +9,7 @@
 //!   back the same, and a TCP or UDP destination.
 #![no_main]
 
-use egress_gateway::machine::{nflog, valid_id};
+use egress_machine::{nflog, valid_id};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: &[u8]| {

@@ -12,7 +12,7 @@
 //! | `GET /v1/sandboxes/{id}/proposals` | allow entries the sandbox's denials propose ([`crate::proposed`]) |
 //! | `PUT`/`GET`/`DELETE /v1/sandboxes/{id}/shadow` | a candidate policy judged beside the active one ([`crate::shadow`]) |
 //! | `GET /v1/sandboxes/{id}/shadow/report`, `POST …/shadow/promote` | what it would change; make it the policy |
-//! | `/v1/vms/…`, `/v1/network/egress/defaults` | machine egress ([`crate::machine::api`]) |
+//! | `/v1/vms/…`, `/v1/network/egress/defaults` | machine egress ([`egress_machine::api`]) |
 //! | `GET /healthz`, `/readyz`, `/metrics` | |
 //!
 //! With `admin.token_file` set, every route but `/healthz` and `/readyz` needs
@@ -55,7 +55,7 @@ pub(crate) struct Control {
     /// gateway restarted and resyncs it.
     epoch: String,
     /// Machine egress: the VM routes.
-    machines: Arc<crate::machine::Machines>,
+    machines: Arc<egress_machine::Machines>,
 }
 
 impl Control {
@@ -63,7 +63,7 @@ impl Control {
         dp: Arc<Dataplane>,
         token: Option<String>,
         committer: Committer,
-        machines: Arc<crate::machine::Machines>,
+        machines: Arc<egress_machine::Machines>,
     ) -> Arc<Self> {
         Arc::new(Self {
             dp,
@@ -131,7 +131,7 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     let method = req.method().clone();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     if let ["v1", "vms", ..] | ["v1", "network", ..] = segments.as_slice() {
-        return crate::machine::api::route(req, &ctl.machines, &ctl.dp).await;
+        return egress_machine::api::route(req, &ctl.machines).await;
     }
     if let ["v1", "sandboxes", _, "shadow", ..] = segments.as_slice() {
         return shadow_route(req, ctl, &segments).await;
@@ -299,7 +299,7 @@ fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
 /// Replaces every sandbox (the controller's resync), atomically; written as
 /// a new snapshot.
 async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
-    if let Err((msg, field)) = resync_ids(&docs) {
+    if let Err((msg, field)) = egress_api::gateway::resync_ids(&docs) {
         return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
     }
     for (i, d) in docs.iter().enumerate() {
@@ -328,19 +328,6 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
         }
         Err(why) => refused(ctl, why, "sandboxes"),
     }
-}
-
-/// A resync's ids: each valid, none twice; else the message and the field.
-pub(crate) fn resync_ids(docs: &[SandboxDoc]) -> Result<(), (String, String)> {
-    let mut seen = std::collections::HashSet::new();
-    for (i, s) in docs.iter().enumerate() {
-        let field = format!("sandboxes[{i}].id");
-        valid_id(&s.id).map_err(|msg| (msg, field.clone()))?;
-        if !seen.insert(s.id.as_str()) {
-            return Err((format!("sandbox {:?} appears twice", s.id), field));
-        }
-    }
-    Ok(())
 }
 
 async fn delete(ctl: &Control, id: &str) -> Reply {

@@ -9,6 +9,9 @@ use egress_policy::{Destination, Hostname, OpaqueStreams};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::upstream_proxy::UpstreamProxyConfig;
+pub use egress_machine::config::{
+    is_cgroup_path, is_iface_name, MachineEgressConfig, MachineMatch, MachineObserve,
+};
 
 /// The whole configuration.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -49,30 +52,6 @@ impl RedirectConfig {
     }
 }
 
-/// An interface name as the kernel takes it and nft can quote: 1 to 15
-/// letters, digits, `-`, `_` or `.`.
-pub fn is_iface_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 15
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-}
-
-/// A cgroup path as nft can quote it: components of letters, digits and
-/// `-_.@:`, none of them `.` or `..`, separated by `/`.
-pub fn is_cgroup_path(s: &str) -> bool {
-    let s = s.trim_matches('/');
-    !s.is_empty()
-        && s.split('/').all(|c| {
-            !c.is_empty()
-                && c != "."
-                && c != ".."
-                && c.len() <= 255
-                && c.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.@:".contains(&b))
-        })
-}
-
 /// An interface name, or a prefix of one ending in `*` (a fence pattern).
 pub fn is_iface_pattern(p: &str) -> bool {
     is_iface_name(p.strip_suffix('*').unwrap_or(p))
@@ -106,57 +85,6 @@ pub enum KernelSplice {
     Pipe,
 }
 
-/// Machine egress: the L4 policy of user-mode VMs, enforced in nftables
-/// (`docs/machine-egress.md`).
-#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct MachineEgressConfig {
-    /// The nftables command and any leading arguments, e.g.
-    /// `["ip", "netns", "exec", "qemu", "nft"]` to govern another namespace.
-    pub nft: Vec<String>,
-    /// Refused (or, in audit, would-be-refused) destinations kept per VM;
-    /// the oldest are evicted beyond it.
-    pub observed_capacity: usize,
-    /// How often the kernel's counters are read for new observations.
-    #[serde(deserialize_with = "duration")]
-    pub observe_interval: Duration,
-    /// How VMs are told apart: by source address on the forward hook (a
-    /// network namespace per QEMU process), or by the QEMU process's cgroup
-    /// on the output hook (QEMU in the host namespace).
-    #[serde(rename = "match")]
-    pub matching: MachineMatch,
-    /// Where the cgroup v2 hierarchy is mounted, relative to
-    /// `/sys/fs/cgroup`: `""` on a unified host, `"unified"` on a hybrid one.
-    pub cgroup_prefix: String,
-    /// How refused packets reach the observed record: as events on an
-    /// NFLOG group (exact), or sampled from the kernel's observed sets.
-    pub observe: MachineObserve,
-    /// The NFLOG group the rules log to (events): this gateway binds it in
-    /// its own network namespace, which must be the rules' one.
-    pub log_group: u16,
-    /// Refused packets each VM may log per second (and in a burst); the
-    /// rest are counted as lost, not logged.
-    pub log_rate: u32,
-}
-
-/// `machine_egress.observe`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MachineObserve {
-    #[default]
-    Events,
-    Sampled,
-}
-
-/// `machine_egress.match`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MachineMatch {
-    #[default]
-    Address,
-    Cgroup,
-}
-
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Admin {
@@ -185,11 +113,11 @@ pub struct Listen {
 pub struct Dns {
     /// Upstream resolvers, tried in order. Empty: every query answers SERVFAIL.
     pub upstreams: Vec<SocketAddr>,
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub min_ttl: Duration,
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub max_ttl: Duration,
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub upstream_timeout: Duration,
     /// Sandboxes with an attribution cache at once; past that, a sandbox's
     /// DNS attributes nothing (its name allows fail closed, with a warning).
@@ -222,7 +150,7 @@ pub struct Tls {
     pub extra_upstream_roots: Vec<PathBuf>,
     /// How long one leaf key signs minted leaves (default `24h`, from `1m`
     /// to `30d`): the first mint after that makes a new key.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub leaf_key_lifetime: Duration,
 }
 
@@ -243,23 +171,23 @@ pub struct PolicyConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {
     /// Longest wait for the first bytes that classify a flow.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub peek: Duration,
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub connect: Duration,
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub tls_handshake: Duration,
     /// A spliced or intercepted flow with no bytes either way for this long is closed.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub idle: Duration,
     /// An HTTP/1 request head (after termination, or on plain HTTP) must
     /// arrive whole within this, counted from the moment the connection
     /// waits for it: a client that trickles a head, or keeps a keep-alive
     /// connection idle, is closed.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub request_head: Duration,
     /// On SIGTERM/SIGINT, how long open flows may take to finish.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub drain: Duration,
 }
 
@@ -338,50 +266,6 @@ impl Default for Config {
             redirect: RedirectConfig::default(),
             upstream_proxy: UpstreamProxyConfig::default(),
         }
-    }
-}
-
-impl Default for MachineEgressConfig {
-    fn default() -> Self {
-        Self {
-            nft: vec!["nft".into()],
-            observed_capacity: 4_096,
-            observe_interval: Duration::from_secs(5),
-            matching: MachineMatch::Address,
-            cgroup_prefix: String::new(),
-            observe: MachineObserve::Events,
-            log_group: 7711,
-            log_rate: 1_000,
-        }
-    }
-}
-
-impl MachineEgressConfig {
-    fn first_invalid(&self) -> Option<(&'static str, String)> {
-        if self.nft.first().is_none_or(|c| c.is_empty()) {
-            return Some(("machine_egress.nft", "name the nft command".into()));
-        }
-        if !(16..=65_536).contains(&self.observed_capacity) {
-            let why = format!("{} is outside 16..=65536", self.observed_capacity);
-            return Some(("machine_egress.observed_capacity", why));
-        }
-        if !(1..=100_000).contains(&self.log_rate) {
-            let why = format!("{} is outside 1..=100000", self.log_rate);
-            return Some(("machine_egress.log_rate", why));
-        }
-        if self.observe_interval < Duration::from_millis(100) {
-            let why = format!("{:?} is shorter than 100ms", self.observe_interval);
-            return Some(("machine_egress.observe_interval", why));
-        }
-        let prefix = self.cgroup_prefix.trim_matches('/');
-        if !prefix.is_empty() && !crate::config::is_cgroup_path(prefix) {
-            let why = format!(
-                "{:?}: expected a relative path of plain names",
-                self.cgroup_prefix
-            );
-            return Some(("machine_egress.cgroup_prefix", why));
-        }
-        None
     }
 }
 
@@ -647,16 +531,6 @@ fn is_reserved_resolver(ip: IpAddr) -> bool {
     egress_policy::RESERVED_RESOLVERS.contains(&ip)
 }
 
-/// `"500ms"`, `"30s"`, `"5m"`, `"24h"`, `"7d"`.
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    parse_duration(&s).ok_or_else(|| {
-        serde::de::Error::custom(format!(
-            "invalid duration {s:?}: expected a whole number with ms, s, m, h or d, e.g. \"30s\""
-        ))
-    })
-}
-
 fn hostnames<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Hostname>, D::Error> {
     Vec::<String>::deserialize(d)?
         .iter()
@@ -665,21 +539,6 @@ fn hostnames<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Hostname>, D::Error>
                 .map_err(|e| serde::de::Error::custom(format!("invalid hostname {s:?}: {e}")))
         })
         .collect()
-}
-
-pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
-    let split = s.find(|c: char| !c.is_ascii_digit())?;
-    let (n, unit) = s.split_at(split);
-    let n: u64 = n.parse().ok()?;
-    let secs = |k: u64| n.checked_mul(k).map(Duration::from_secs);
-    match unit {
-        "ms" => Some(Duration::from_millis(n)),
-        "s" => secs(1),
-        "m" => secs(60),
-        "h" => secs(3600),
-        "d" => secs(86_400),
-        _ => None,
-    }
 }
 
 // === reload ===
@@ -948,15 +807,6 @@ mod tests {
             let e = parse(text).expect_err(text);
             assert!(e.starts_with("gw.toml: "), "{e}");
             assert!(e.contains(needle), "{text}: {e} lacks {needle:?}");
-        }
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_duration("7d"), Some(Duration::from_secs(7 * 86_400)));
-        for bad in ["", "s", "5", "5 s", "-5s", "5x", "99999999999999999999d"] {
-            assert_eq!(parse_duration(bad), None, "{bad:?}");
         }
     }
 

@@ -63,7 +63,7 @@ pub enum StartError {
     #[error("{0}")]
     Snapshot(#[from] crate::persist::PersistError),
     #[error("machine egress: {0}")]
-    Machines(#[from] crate::machine::MachineError),
+    Machines(#[from] egress_machine::MachineError),
     #[error("state_dir: {path} is locked by another running gateway; one state directory serves one gateway")]
     StateDirInUse { path: String },
     #[error("state_dir: {path}: {source}")]
@@ -217,16 +217,20 @@ impl Gateway {
         let committer = recover(&config, &registry, &cache, attributed)?;
         let offer = offer(&config, &listeners);
         // Every VM's table, before a single flow is served.
-        let machines = crate::machine::Machines::start(
+        let neighbours = crate::neighbours::Neighbours {
+            registry: registry.clone(),
+            cache: cache.clone(),
+        };
+        let machines = egress_machine::Machines::start(
             &config.machine_egress,
             &config.state_dir,
-            registry.clone(),
+            Arc::new(neighbours),
         )?;
         let mut metrics =
             crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter.clone());
         let ca = CaReloader::new(minter, &config, metrics.ca_reloads.clone());
         metrics.declare("deny", crate::flow::Refusal::CODES);
-        metrics.machines(machines.clone());
+        metrics.machines(egress_machine::metrics::collector(machines.clone()));
         metrics.flow_log(flow_log.dropped());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
         let kernel = crate::ksplice::load(config.splice.kernel);
@@ -257,12 +261,12 @@ impl Gateway {
     }
 
     /// Machine egress's observer rounds and, with events, the log reader.
-    fn spawn_machine_tasks(&mut self, machines: &Arc<crate::machine::Machines>) {
+    fn spawn_machine_tasks(&mut self, machines: &Arc<egress_machine::Machines>) {
         let every = self.dp.config().machine_egress.observe_interval;
         self.tasks.spawn(machines.clone().observer(every));
         if machines.observes_events() {
             self.tasks
-                .spawn(crate::machine::events::read(machines.clone()));
+                .spawn(egress_machine::events::read(machines.clone()));
         }
     }
 

@@ -16,16 +16,14 @@ pub mod doh;
 mod fault;
 mod flow;
 pub mod flowlog;
-#[doc(hidden)]
-pub mod fuzzing;
 mod gateway;
 pub mod handover;
 mod intercept;
 mod io;
 pub mod journal;
 mod ksplice;
-pub mod machine;
 mod metrics;
+mod neighbours;
 pub mod peek;
 pub mod persist;
 mod pool;

@@ -412,10 +412,10 @@ impl Metrics {
             .register_collector(Box::new(FlowLogSources { dropped }));
     }
 
-    /// Adds the machine egress figures, read at scrape time.
-    pub(crate) fn machines(&mut self, machines: Arc<dyn MachineFigures>) {
-        self.registry
-            .register_collector(Box::new(MachineSources { machines }));
+    /// Adds the machine egress figures, read at scrape time
+    /// ([`egress_machine::metrics::collector`]).
+    pub(crate) fn machines(&mut self, collector: Box<dyn Collector>) {
+        self.registry.register_collector(collector);
     }
 
     /// The text exposition format.
@@ -559,109 +559,6 @@ impl Collector for Sources {
             None,
             g.metric_type(),
         )?)?;
-        Ok(())
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ModeLabels {
-    mode: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct VmLabels {
-    vm: String,
-    /// `refused` (dropped) or `would_refuse` (audit: recorded, passed).
-    outcome: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct SpoofLabels {
-    vm: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct CauseLabels {
-    cause: &'static str,
-}
-
-/// What machine egress reports at each scrape (`machine::Machines`
-/// answers it; declared here so metrics need not know machine egress).
-pub(crate) trait MachineFigures: Send + Sync + std::fmt::Debug {
-    fn figures(&self) -> MachineCounts;
-}
-
-/// Machine egress's figures at one moment.
-#[derive(Debug, Default)]
-pub(crate) struct MachineCounts {
-    /// VMs by the mode of the policy in force: (mode, VMs), every mode.
-    pub(crate) by_mode: Vec<(&'static str, u64)>,
-    /// (VM, audit, packets refused or would-be-refused).
-    pub(crate) packets: Vec<(String, bool, u64)>,
-    /// (VM, packets dropped on its link for a source not its own).
-    pub(crate) spoofed: Vec<(String, u64)>,
-    pub(crate) evictions: u64,
-    /// Events that never reached the record, by cause.
-    pub(crate) lost: Vec<(&'static str, u64)>,
-}
-
-/// Machine egress, read at scrape time. The `vm` label is bounded by the
-/// VMs on this worker; a removed VM's series goes with it.
-#[derive(Debug)]
-struct MachineSources {
-    machines: Arc<dyn MachineFigures>,
-}
-
-impl Collector for MachineSources {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let f = self.machines.figures();
-        let gauge = ConstGauge::new(0i64);
-        let mut family = encoder.encode_descriptor(
-            "machine_vms",
-            "VMs under machine egress, by the mode of the policy in force.",
-            None,
-            gauge.metric_type(),
-        )?;
-        for (mode, n) in f.by_mode {
-            ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX))
-                .encode(family.encode_family(&ModeLabels { mode })?)?;
-        }
-        let counter = ConstCounter::new(0u64);
-        let mut family = encoder.encode_descriptor(
-            "machine_refused_packets",
-            "Packets from a VM its policy refused (dropped), or in audit mode would have refused (passed), by VM; read from the kernel's counters.",
-            None,
-            counter.metric_type(),
-        )?;
-        for (vm, audit, n) in f.packets {
-            let outcome = if audit { "would_refuse" } else { "refused" };
-            ConstCounter::new(n).encode(family.encode_family(&VmLabels { vm, outcome })?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "machine_spoofed_packets",
-            "Packets dropped on a VM's link because their source is not an address of that VM, by VM; read from the kernel's counters.",
-            None,
-            counter.metric_type(),
-        )?;
-        for (vm, n) in f.spoofed {
-            ConstCounter::new(n).encode(family.encode_family(&SpoofLabels { vm })?)?;
-        }
-        let c = ConstCounter::new(f.evictions);
-        c.encode(encoder.encode_descriptor(
-            "machine_observed_evictions",
-            "Observed destinations evicted by the per-VM bound (machine_egress.observed_capacity).",
-            None,
-            c.metric_type(),
-        )?)?;
-        let mut family = encoder.encode_descriptor(
-            "machine_observe_lost",
-            "Refused packets that never reached the observed record as events (machine_egress.observe = \"events\"): over a VM's log rate, dropped by a full socket buffer (overrun), or unreadable.",
-            None,
-            counter.metric_type(),
-        )?;
-        for (cause, n) in f.lost {
-            ConstCounter::new(n).encode(family.encode_family(&CauseLabels { cause })?)?;
-        }
         Ok(())
     }
 }

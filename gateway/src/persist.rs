@@ -3,7 +3,6 @@
 //! changes since. Loaded at start before any flow is served, so a restart
 //! enforces the last pushed policies with no window of open or closed traffic.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -119,20 +118,7 @@ pub fn save(state_dir: &Path, registry: &Registry, seq: u64) -> Result<u64, Pers
     Ok(bytes.len() as u64)
 }
 
-/// Replaces `dir/name` with `bytes` so that a crash leaves the old file or
-/// the new one, never a mix: a temporary file, fsync, rename, fsync the
-/// directory.
-pub(crate) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{name}.tmp"));
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, dir.join(name))?;
-    std::fs::File::open(dir)?.sync_all()
-}
+pub(crate) use egress_api::file::write_atomically;
 
 /// Applies a loaded snapshot to the registry.
 pub fn apply(

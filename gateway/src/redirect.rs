@@ -156,7 +156,7 @@ pub fn remove_fence() -> Result<(), RedirectError> {
 }
 
 fn run(script: &str) -> Result<(), RedirectError> {
-    crate::machine::nft::Nft::new(vec!["nft".into()])
+    egress_machine::nft::Nft::new(vec!["nft".into()])
         .apply(script)
         .map_err(|e| RedirectError::Nft(e.0))
 }

@@ -116,7 +116,7 @@ fn gateway_routes() -> Routes {
     let admin = read("gateway/src/admin.rs");
     let mut routes = slice_arms(&admin);
     routes.extend(literal_gets(function(&admin, "route")));
-    routes.extend(slice_arms(&read("gateway/src/machine/api.rs")));
+    routes.extend(slice_arms(&read("machine/src/api.rs")));
     routes
 }
 

@@ -12,6 +12,7 @@ pub mod budget;
 mod compose;
 mod dest;
 pub mod dns;
+pub mod duration;
 mod exemptions;
 pub mod http;
 mod json;

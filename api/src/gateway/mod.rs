@@ -53,6 +53,20 @@ pub struct PutSandbox {
     pub upstream_proxy: Option<ProxyChoice>,
 }
 
+/// A resync's ids: each a valid sandbox id, none twice; else the message
+/// and the field (`sandboxes[i].id`).
+pub fn resync_ids(docs: &[SandboxDoc]) -> Result<(), (String, String)> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, s) in docs.iter().enumerate() {
+        let field = format!("sandboxes[{i}].id");
+        egress_policy::SandboxId::parse(&s.id).map_err(|e| (e.to_string(), field.clone()))?;
+        if !seen.insert(s.id.as_str()) {
+            return Err((format!("sandbox {:?} appears twice", s.id), field));
+        }
+    }
+    Ok(())
+}
+
 /// `PUT /v1/sandboxes`'s JSON body.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]

@@ -23,13 +23,13 @@ use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 
-use super::{EgressView, MachineError, Machines, Registration, Vm};
-use crate::control_http::{body_text, error, json_reply, Reply};
-use crate::state::Dataplane;
+use crate::{EgressView, MachineError, Machines, Registration, Vm};
+use egress_api::body::MAX_BODY;
+use egress_api::reply::{error, json_reply, Reply};
 
 /// Serves one machine egress request: the match names the route, each
 /// handler below serves one.
-pub(crate) async fn route(req: Request<Incoming>, m: &Arc<Machines>, dp: &Arc<Dataplane>) -> Reply {
+pub async fn route(req: Request<Incoming>, m: &Arc<Machines>) -> Reply {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let query = req.uri().query().unwrap_or("").to_owned();
@@ -43,10 +43,10 @@ pub(crate) async fn route(req: Request<Incoming>, m: &Arc<Machines>, dp: &Arc<Da
         (&Method::PUT, ["v1", "vms", id, "network", "egress"]) => put_egress(req, m, id).await,
         (&Method::DELETE, ["v1", "vms", id, "network", "egress"]) => clear_egress(m, id).await,
         (&Method::GET, ["v1", "vms", id, "network", "egress", "observed"]) => {
-            get_observed(m, dp, id).await
+            get_observed(m, id).await
         }
         (&Method::POST, ["v1", "vms", id, "network", "egress", "suggest"]) => {
-            post_suggest(&query, m, dp, id).await
+            post_suggest(&query, m, id).await
         }
         (&Method::GET, ["v1", "network", "egress", "defaults"]) => get_defaults(m),
         (&Method::PUT, ["v1", "network", "egress", "defaults"]) => {
@@ -70,7 +70,7 @@ fn list_vms(m: &Machines) -> Reply {
 
 /// `PUT /v1/vms/{id}`: register (or re-register) a VM.
 async fn put_vm(req: Request<Incoming>, m: &Arc<Machines>, id: &str) -> Reply {
-    let doc = match body_text(req).await {
+    let doc = match egress_api::body::text(req.into_body(), MAX_BODY).await {
         Ok(t) => t,
         Err(r) => return r,
     };
@@ -126,19 +126,19 @@ async fn clear_egress(m: &Arc<Machines>, id: &str) -> Reply {
 }
 
 /// `GET /v1/vms/{id}/network/egress/observed`.
-async fn get_observed(m: &Arc<Machines>, dp: &Arc<Dataplane>, id: &str) -> Reply {
-    let (m, dp, id) = (m.clone(), dp.clone(), id.to_owned());
-    blocking(move || observed_json(&m, &dp, &id)).await
+async fn get_observed(m: &Arc<Machines>, id: &str) -> Reply {
+    let (m, id) = (m.clone(), id.to_owned());
+    blocking(move || observed_json(&m, &id)).await
 }
 
 /// `POST /v1/vms/{id}/network/egress/suggest[?apply=true]`.
-async fn post_suggest(query: &str, m: &Arc<Machines>, dp: &Arc<Dataplane>, id: &str) -> Reply {
+async fn post_suggest(query: &str, m: &Arc<Machines>, id: &str) -> Reply {
     let apply = match flag(query, "apply") {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let (m, dp, id) = (m.clone(), dp.clone(), id.to_owned());
-    blocking(move || suggest(&m, &dp, &id, apply)).await
+    let (m, id) = (m.clone(), id.to_owned());
+    blocking(move || suggest(&m, &id, apply)).await
 }
 
 /// `GET /v1/network/egress/defaults`.
@@ -206,23 +206,23 @@ fn invalid(problems: &[Problem]) -> Reply {
 }
 
 async fn policy_body(req: Request<Incoming>) -> Result<MachineEgress, Reply> {
-    let text = body_text(req).await?;
+    let text = egress_api::body::text(req.into_body(), MAX_BODY).await?;
     MachineEgress::from_json(&text).map_err(|p| invalid(&p))
 }
 
 /// Why a `PUT /v1/vms/{id}` body was refused: the message, the field it
 /// names, and the policy's problems when it was the policy.
 #[derive(Debug)]
-pub(crate) struct RegistrationError {
-    pub(crate) message: String,
-    pub(crate) field: Option<String>,
-    pub(crate) problems: Option<Vec<Problem>>,
+pub struct RegistrationError {
+    pub message: String,
+    pub field: Option<String>,
+    pub problems: Option<Vec<Problem>>,
 }
 
 /// Reads `PUT /v1/vms/{id}`'s body: `{"addresses": [..], "egress":
 /// <policy>?, "link": "<ifname>"?, "cgroup": "<path>"?}`. `addresses` may
 /// be left out only with `cgroup`.
-pub(crate) fn registration_doc(text: &str) -> Result<Registration, RegistrationError> {
+pub fn registration_doc(text: &str) -> Result<Registration, RegistrationError> {
     let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("body: {e}"), None))?;
     let Some(obj) = doc.as_object() else {
         return Err(bad("body must be a JSON object".into(), None));
@@ -336,7 +336,7 @@ fn flag(query: &str, name: &str) -> Result<bool, Box<Reply>> {
 
 /// The VM's refused (or, in audit, would-be-refused) destinations, with
 /// the names DNS attribution holds for each.
-fn observed_json(m: &Machines, dp: &Dataplane, id: &str) -> Result<Value, MachineError> {
+fn observed_json(m: &Machines, id: &str) -> Result<Value, MachineError> {
     let vm = m.vm(id)?;
     let view = m.observed(id)?;
     let list: Vec<Value> = view
@@ -348,9 +348,9 @@ fn observed_json(m: &Machines, dp: &Dataplane, id: &str) -> Result<Value, Machin
                 "proto": proto.as_str(),
                 "port": port,
                 "count": seen.count,
-                "first_seen": super::observed::unix(seen.first),
-                "last_seen": super::observed::unix(seen.last),
-                "names": names(dp, *addr),
+                "first_seen": crate::observed::unix(seen.first),
+                "last_seen": crate::observed::unix(seen.last),
+                "names": m.names_for(*addr),
             })
         })
         .collect();
@@ -364,7 +364,7 @@ fn observed_json(m: &Machines, dp: &Dataplane, id: &str) -> Result<Value, Machin
     }))
 }
 
-fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value, MachineError> {
+fn suggest(m: &Machines, id: &str, apply: bool) -> Result<Value, MachineError> {
     let vm = m.vm(id)?;
     let entries = m.observed(id)?.entries;
     // The rules are IPv4 only: an IPv6 destination is listed as uncovered.
@@ -375,7 +375,7 @@ fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value,
                 addr: *v4,
                 proto: *proto,
                 port: *port,
-                names: names(dp, *addr),
+                names: m.names_for(*addr),
                 count: seen.count,
             }),
             IpAddr::V6(_) => None,
@@ -415,25 +415,6 @@ fn suggest(m: &Machines, dp: &Dataplane, id: &str, apply: bool) -> Result<Value,
         "uncovered": uncovered,
         "applied": apply,
     }))
-}
-
-/// Names the gateway's DNS attribution holds for `addr`, over every sandbox
-/// on this worker: a hint for the operator (notes), never a decision.
-fn names(dp: &Dataplane, addr: IpAddr) -> Vec<String> {
-    let mut names: Vec<String> = Vec::new();
-    for sandbox in dp.registry.ids() {
-        let found = dp.cache.names_for(&sandbox, addr);
-        for n in found.names().iter() {
-            let n = n.to_string();
-            if !names.contains(&n) {
-                names.push(n);
-            }
-        }
-        if names.len() >= 8 {
-            break;
-        }
-    }
-    names
 }
 
 fn vm_json(vm: &Vm) -> Value {

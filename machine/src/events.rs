@@ -85,7 +85,7 @@ fn acknowledged(fd: &OwnedFd, group: u16) -> Result<(), String> {
 
 /// Waits for the group to be bound (with the first VM), then reads it
 /// until the task is dropped (the socket closes with it).
-pub(crate) async fn read(machines: Arc<Machines>) {
+pub async fn read(machines: Arc<Machines>) {
     let fd = machines.bound_log().await;
     // `AsyncFd::new` is deprecated for types whose descriptor can be closed
     // behind the reactor's back; here the AsyncFd owns the OwnedFd, which

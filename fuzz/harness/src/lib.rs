@@ -1,16 +1,14 @@
-//! Not an API: entry points for `fuzz/` (the `admin_bodies` target).
+//! The harness the fuzz targets share: the admin listener's request bodies
+//! read as its routes read them (the `admin_bodies` target).
 //!
-//! The admin listener's request bodies are untrusted bytes (STYLE 15), but
-//! the structs it reads them into are private to [`crate::admin`] and
-//! [`crate::machine::api`], and reading a body there needs a hyper request.
-//! [`admin_body`] reads raw bytes the way those routes do: the same UTF-8
-//! check, the same [`egress_policy::from_json`], the same checks that answer
-//! `400`/`409` before anything is stored, the same compilation into a
-//! registry (in memory, nothing persisted, no nftables).
-//!
-//! The request structs are admin's own, and VM registrations are read by
-//! `machine::api`'s reader and checked by `machine::check_addresses`: what
-//! is fuzzed here is what the routes run.
+//! The bodies are untrusted bytes. [`admin_body`] reads raw bytes the way
+//! the routes do, with the pieces they use: the contract crate's documents
+//! and readers ([`egress_api`]: the same UTF-8 check and cap, the same
+//! [`egress_policy::from_json`], the same resync and credential checks, the
+//! same NDJSON line reader, the explain question), the gateway's registry
+//! and decision (compiled in memory, nothing persisted), and machine
+//! egress's VM registration reader and address checks ([`egress_machine`],
+//! no nftables). What is fuzzed is what the routes run.
 
 use std::net::IpAddr;
 use std::sync::{Arc, OnceLock};
@@ -23,14 +21,12 @@ use egress_policy::{CompiledPolicy, PlatformDenies, Policy, SandboxId};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::admin::{PutSandbox, Resync};
-use crate::decide::{decide, explained, Claims};
-use crate::doh::DohNames;
-use crate::persist::SandboxDoc;
-use crate::registry::Registry;
+use egress_api::gateway::{PutSandbox, Resync, SandboxDoc};
+use egress_gateway::decide::{decide, explained, explained_request, Claims};
+use egress_gateway::doh::DohNames;
+use egress_gateway::registry::{Extras, Registry};
 
-/// Longest request body the admin reads (admin's `MAX_BODY`).
-const MAX_BODY: usize = 1 << 20;
+use egress_api::body::MAX_BODY;
 
 /// The admin bodies [`admin_body`] reads; a fuzzer's byte picks one with
 /// [`Route::from_byte`].
@@ -114,9 +110,9 @@ fn registry() -> Registry {
 
 fn put_sandbox(text: &str) -> Result<String, String> {
     let doc: PutSandbox = egress_policy::from_json(text).map_err(|e| e.to_string())?;
-    crate::credentials::validate(&doc.credentials)?;
+    egress_api::gateway::credentials::validate(&doc.credentials)?;
     let registry = registry();
-    let extras = crate::registry::Extras {
+    let extras = Extras {
         credentials: doc.credentials,
         upstream_proxy: doc.upstream_proxy,
         shadow: None,
@@ -138,14 +134,14 @@ fn put_sandbox(text: &str) -> Result<String, String> {
 /// admin's `resync`: every id valid and once, then one atomic replace;
 /// the sandboxes as stored.
 fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
-    crate::admin::resync_ids(&docs).map_err(|(msg, field)| format!("{field}: {msg}"))?;
+    egress_api::gateway::resync_ids(&docs).map_err(|(msg, field)| format!("{field}: {msg}"))?;
     let registry = registry();
     for d in &docs {
-        crate::credentials::validate(&d.credentials)?;
+        egress_api::gateway::credentials::validate(&d.credentials)?;
     }
     let prepared: Vec<_> = docs
         .into_iter()
-        .map(|d| crate::persist::prepare(d, &registry))
+        .map(|d| egress_gateway::persist::prepare(d, &registry))
         .collect();
     let stored: Vec<SandboxDoc> = prepared.iter().map(|s| SandboxDoc::from(&**s)).collect();
     registry
@@ -198,7 +194,7 @@ fn explain(text: &str) -> Result<String, String> {
     }
     if let (Some(method), Some(path)) = (&e.method, &e.path) {
         let name = host.as_ref().or(sni.as_ref());
-        let request = crate::decide::explained_request(policy, e.tls, name, &names, method, path);
+        let request = explained_request(policy, e.tls, name, &names, method, path);
         if !request["verdict"].is_string() {
             return Err(format!("a request explanation without verdict: {request}"));
         }
@@ -229,12 +225,12 @@ fn explain_policy() -> &'static CompiledPolicy {
     })
 }
 
-/// `machine::api`'s `PUT /v1/vms/{id}` reader plus `Machines::put_vm`'s
+/// Machine egress's `PUT /v1/vms/{id}` reader plus `Machines::put_vm`'s
 /// address checks, before it touches the kernel: `(addresses, own policy)`.
 fn registration(text: &str) -> Result<(Vec<IpAddr>, Option<MachineEgress>), String> {
-    let r = crate::machine::api::registration_doc(text).map_err(|e| e.message)?;
+    let r = egress_machine::api::registration_doc(text).map_err(|e| e.message)?;
     let addresses =
-        crate::machine::check_addresses("fuzz", r.addresses).map_err(|e| e.to_string())?;
+        egress_machine::check_addresses("fuzz", r.addresses).map_err(|e| e.to_string())?;
     Ok((addresses, r.egress))
 }
 

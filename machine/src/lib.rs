@@ -13,8 +13,10 @@
 //! the previous rules are put back and the change is refused. Changes are
 //! serialised.
 
-pub(crate) mod api;
-pub(crate) mod events;
+pub mod api;
+pub mod config;
+pub mod events;
+pub mod metrics;
 pub mod nflog;
 pub mod nft;
 pub mod observed;
@@ -26,11 +28,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::SystemTime;
 
-use egress_policy::machine::{MachineEgress, Mode};
+use egress_policy::machine::MachineEgress;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{MachineEgressConfig, MachineObserve};
-use crate::registry::{Registry, RegistryError};
 use nft::rules::{self, Layout, Match, VmRules};
 use nft::{Nft, NftError};
 
@@ -48,7 +49,7 @@ pub enum MachineError {
     #[error("no VM {0:?}")]
     Missing(String),
     #[error("{0}")]
-    Conflict(#[from] RegistryError),
+    Conflict(String),
     #[error("VM {vm} lists address {address} twice")]
     DuplicateAddress { vm: String, address: IpAddr },
     #[error("a VM needs at least one address")]
@@ -101,6 +102,20 @@ pub struct Registration {
     pub cgroup: Option<String>,
 }
 
+/// What machine egress needs from the rest of the node: the addresses its
+/// sandboxes hold (a VM may not take one, nor a sandbox a VM's), and the
+/// names the sandboxes' DNS answers gave an address (what an observation
+/// is shown with). The gateway's registry and attribution cache answer it.
+pub trait Neighbours: Send + Sync + std::fmt::Debug {
+    /// Claims `addresses` for VM `vm` in place of its earlier claim;
+    /// refused, with why, when a sandbox or another VM holds one.
+    fn claim_for_vm(&self, vm: &str, addresses: &[IpAddr]) -> Result<(), String>;
+    /// Gives up every address VM `vm` claimed.
+    fn release_vm(&self, vm: &str);
+    /// The names any sandbox on the node resolved to `addr`, sorted, once each.
+    fn names_for(&self, addr: IpAddr) -> Vec<String>;
+}
+
 impl Vm {
     fn rules(&self) -> VmRules<'_> {
         VmRules {
@@ -129,7 +144,7 @@ pub struct Machines {
     nft: Nft,
     layout: Layout,
     state_dir: PathBuf,
-    registry: Arc<Registry>,
+    neighbours: Arc<dyn Neighbours>,
     state: Mutex<State>,
     observed: Mutex<HashMap<String, observed::Store>>,
     /// Refused packets by VM id: the kernel's `refused` counter at the last
@@ -208,16 +223,13 @@ pub struct EgressView {
     pub own: bool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A VM's addresses in canonical form (an IPv4-mapped IPv6 address is its
 /// IPv4 address, as for sandboxes): at least one, none twice.
-pub(crate) fn check_addresses(
-    id: &str,
-    addresses: Vec<IpAddr>,
-) -> Result<Vec<IpAddr>, MachineError> {
+pub fn check_addresses(id: &str, addresses: Vec<IpAddr>) -> Result<Vec<IpAddr>, MachineError> {
     if addresses.is_empty() {
         return Err(MachineError::NoAddress);
     }
@@ -314,14 +326,14 @@ impl Machines {
     pub fn start(
         config: &MachineEgressConfig,
         state_dir: &Path,
-        registry: Arc<Registry>,
+        neighbours: Arc<dyn Neighbours>,
     ) -> Result<Arc<Self>, MachineError> {
         let loaded = load(&state_dir.join(STATE_FILE))?;
         let machines = Self {
             nft: Nft::new(config.nft.clone()),
             layout: layout(config),
             state_dir: state_dir.to_owned(),
-            registry,
+            neighbours,
             state: Mutex::new(State {
                 version: 1,
                 default: MachineEgress::loopback(),
@@ -339,7 +351,10 @@ impl Machines {
         };
         let state = loaded.unwrap_or_else(|| lock(&machines.state).clone());
         for vm in state.vms.values() {
-            machines.registry.claim_for_vm(&vm.id, &vm.addresses)?;
+            machines
+                .neighbours
+                .claim_for_vm(&vm.id, &vm.addresses)
+                .map_err(MachineError::Conflict)?;
         }
         if !state.vms.is_empty() {
             machines.ensure_log()?;
@@ -471,7 +486,9 @@ impl Machines {
         let r = self.check_registration(&state, id, registration)?;
         self.ensure_log()?;
         let before = state.vms.get(id).map(|vm| vm.addresses.clone());
-        self.registry.claim_for_vm(id, &r.addresses)?;
+        self.neighbours
+            .claim_for_vm(id, &r.addresses)
+            .map_err(MachineError::Conflict)?;
         let mut next = state.clone();
         let effective = r.egress.clone().unwrap_or_else(|| next.default.clone());
         let vm = Vm {
@@ -489,16 +506,25 @@ impl Machines {
         if let Err(e) = self.commit(&mut state, next, &[id.to_owned()]) {
             match before {
                 Some(addresses) => {
-                    let _ = self.registry.claim_for_vm(id, &addresses);
+                    // Its earlier addresses were its own a moment ago.
+                    if let Err(why) = self.neighbours.claim_for_vm(id, &addresses) {
+                        tracing::warn!(vm = id, %why, "machine egress: restoring a VM's address claim");
+                    }
                 }
                 None => {
-                    self.registry.release_vm(id);
+                    self.neighbours.release_vm(id);
                     lock(&self.observed).remove(id);
                 }
             }
             return Err(e);
         }
         Ok(vm)
+    }
+
+    /// The names the node's sandboxes resolved to `addr` (a hint shown
+    /// with an observation, never a decision).
+    pub fn names_for(&self, addr: IpAddr) -> Vec<String> {
+        self.neighbours.names_for(addr)
     }
 
     /// Removes a VM and its table.
@@ -510,7 +536,7 @@ impl Machines {
         let mut next = state.clone();
         next.vms.remove(id);
         self.commit(&mut state, next, &[id.to_owned()])?;
-        self.registry.release_vm(id);
+        self.neighbours.release_vm(id);
         lock(&self.observed).remove(id);
         lock(&self.refused).remove(id);
         lock(&self.spoofed).remove(id);
@@ -687,7 +713,7 @@ impl Machines {
     }
 
     /// Observing by events (the reader task is needed).
-    pub(crate) fn observes_events(&self) -> bool {
+    pub fn observes_events(&self) -> bool {
         self.layout.events.is_some()
     }
 
@@ -765,55 +791,13 @@ impl Machines {
     }
 
     /// Runs [`Machines::observe`] every `every` until the task is dropped.
-    pub(crate) async fn observer(self: Arc<Self>, every: std::time::Duration) {
+    pub async fn observer(self: Arc<Self>, every: std::time::Duration) {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
             let me = self.clone();
             let _ = tokio::task::spawn_blocking(move || me.observe()).await;
-        }
-    }
-}
-
-// === impl MachineFigures ===
-
-impl crate::metrics::MachineFigures for Machines {
-    /// VMs by mode, refused packets by VM (and whether they were dropped
-    /// or, in audit, only recorded), evictions.
-    fn figures(&self) -> crate::metrics::MachineCounts {
-        let state = lock(&self.state);
-        let refused = lock(&self.refused);
-        let spoofed = lock(&self.spoofed);
-        let mut by_mode: Vec<(&'static str, u64)> =
-            Mode::ALL.iter().map(|m| (m.as_str(), 0)).collect();
-        let mut packets = Vec::new();
-        let mut spoofed_packets = Vec::new();
-        for vm in state.vms.values() {
-            if let Some(slot) = by_mode
-                .iter_mut()
-                .find(|(m, _)| *m == vm.effective.mode.as_str())
-            {
-                slot.1 += 1;
-            }
-            let n = refused.get(&vm.id).map_or(0, |r| r.total);
-            let audit = vm.effective.mode == Mode::Audit;
-            packets.push((vm.id.clone(), audit, n));
-            if vm.link.is_some() {
-                let n = spoofed.get(&vm.id).map_or(0, |r| r.total);
-                spoofed_packets.push((vm.id.clone(), n));
-            }
-        }
-        crate::metrics::MachineCounts {
-            by_mode,
-            packets,
-            spoofed: spoofed_packets,
-            evictions: self.evictions.load(Ordering::Relaxed),
-            lost: vec![
-                ("rate", self.lost.rate.load(Ordering::Relaxed)),
-                ("overrun", self.lost.overrun.load(Ordering::Relaxed)),
-                ("unreadable", self.lost.unreadable.load(Ordering::Relaxed)),
-            ],
         }
     }
 }
@@ -835,7 +819,7 @@ fn layout(config: &MachineEgressConfig) -> Layout {
 /// Writes the state (write, fsync, rename, like the snapshot).
 fn save(dir: &Path, state: &State) -> Result<(), String> {
     let bytes = serde_json::to_vec_pretty(state).map_err(|e| e.to_string())?;
-    crate::persist::write_atomically(dir, STATE_FILE, &bytes).map_err(|e| e.to_string())
+    egress_api::file::write_atomically(dir, STATE_FILE, &bytes).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

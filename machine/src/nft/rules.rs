@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use egress_policy::machine::{KernelSets, MachineEgress, Mode};
 
-use crate::machine::nflog::{Outcome, COPY_RANGE, PREFIX};
+use crate::nflog::{Outcome, COPY_RANGE, PREFIX};
 
 /// The node's table.
 pub const TABLE: &str = "egress_machine";

@@ -1,0 +1,35 @@
+//! The state files the gateway and machine egress keep are written one way:
+//! to a temporary file beside the target, synced, renamed over it, and the
+//! directory synced, so a crash leaves the old file or the new one, never
+//! half of either.
+
+use std::io::Write;
+use std::path::Path;
+
+/// Writes `bytes` to `dir/name` atomically (creating `dir` if needed).
+pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{name}.tmp"));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, dir.join(name))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_the_file_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("egress-api-file-{}", std::process::id()));
+        write_atomically(&dir, "state.json", b"one").expect("first write");
+        write_atomically(&dir, "state.json", b"two").expect("second write");
+        assert_eq!(std::fs::read(dir.join("state.json")).expect("read"), b"two");
+        assert!(!dir.join(".state.json.tmp").exists());
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+}
