@@ -11,7 +11,9 @@
 //! unreachable gateway delays only its own sandboxes. A gateway is resynced
 //! when its epoch changed (a restart) or, when the generation it reports
 //! is not the one the store acknowledged, its list differs from the store
-//! (drift).
+//! (drift); `plan` decides which, from the inputs the check gathers, with
+//! no I/O. A failed push keeps a typed, bounded error
+//! ([`crate::gateway_client::PushError`]).
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -29,12 +31,16 @@ use sqlx::{Connection, PgConnection, PgPool};
 use egress_api::gateway::{PutSandbox, SandboxDoc};
 
 use crate::config::Deployment;
-use crate::gateway_client::call;
+use crate::gateway_client::{call, PushError};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
 use crate::shard::Leases;
 use crate::state::{OperationState, SandboxState};
 use crate::store::{self, SandboxRow, WorkerRow};
+
+mod plan;
+
+use plan::{plan, Action, Cause, Known, Listed};
 
 /// Pushes in flight to one gateway at once.
 const PUSH_CONCURRENCY: usize = 32;
@@ -494,6 +500,7 @@ impl Dispatcher {
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
                 self.count_push("failed");
+                let error = error.to_string();
                 let seen = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
                 logged(seen, "recording the push failure", &w.id);
                 return moved;
@@ -507,7 +514,7 @@ impl Dispatcher {
         &self,
         w: &WorkerRow,
         chunk: &[SandboxRow],
-    ) -> (i64, Option<(String, String)>) {
+    ) -> (i64, Option<(String, PushError)>) {
         let mut pushes = tokio::task::JoinSet::new();
         let (mut applied, mut failed) = (0, None);
         for s in chunk {
@@ -517,7 +524,7 @@ impl Dispatcher {
                 Ok(Some(body)) => (Method::PUT, Some(body)),
                 Ok(None) => (Method::DELETE, None),
                 Err(e) => {
-                    failed = Some((id, e));
+                    failed = Some((id, PushError::Unsendable(e)));
                     continue;
                 }
             };
@@ -537,8 +544,8 @@ impl Dispatcher {
                     self.count_push("applied");
                     applied += i64::from(status.is_success());
                 }
-                Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
-                Err(e) => failed = Some((id, e.to_string())),
+                Ok((status, body)) => failed = Some((id, PushError::refused(status, &body))),
+                Err(e) => failed = Some((id, e.into())),
             }
         }
         (applied, failed)
@@ -588,9 +595,10 @@ impl Dispatcher {
             }
             outcome => {
                 let error = match outcome {
-                    Ok((status, body)) => format!("{status}: {body}"),
-                    Err(e) => e.to_string(),
-                };
+                    Ok((status, body)) => PushError::refused(status, &body),
+                    Err(e) => PushError::from(e),
+                }
+                .to_string();
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
                 self.count_push("failed");
                 let seen = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
@@ -619,57 +627,64 @@ impl Dispatcher {
         parse_ready(body.as_str()?)
     }
 
-    /// Flags a gateway for resync when it restarted (a new epoch), or when
-    /// the generation it reports is not the one the store acknowledged and
-    /// its list differs from the store (drift). The list is fetched only
-    /// then; a list found in step has its generation acknowledged.
+    /// Checks a gateway: its `/readyz`, and its list when the generation it
+    /// reports is not the one acknowledged; [`plan`] decides. `true` when it
+    /// is flagged for resync (it restarted, or its list drifted); a list
+    /// found in step has its generation acknowledged.
     async fn check_gateway(&self, w: &WorkerRow) -> bool {
-        let Some((epoch, generation)) = self.gateway_state(w).await else {
-            return false;
+        let state = self.gateway_state(w).await;
+        let reported = state.as_ref().map(|(e, g)| (e.as_str(), *g));
+        let known = Known {
+            epoch: w.epoch.as_deref(),
+            acknowledged: w.acked_generation,
         };
-        let restarted = w.epoch.as_deref() != Some(epoch.as_str());
-        if !restarted && w.acked_generation == Some(generation) {
-            self.count_compare("generation");
-            return false;
+        let mut action = plan(known, reported, Listed::NotFetched);
+        if action == Action::Compare {
+            action = plan(known, reported, self.compare_list(w).await);
         }
-        let drift = !restarted && self.list_differs(w).await;
-        if restarted || drift {
-            self.count_compare(if restarted { "restarted" } else { "drift" });
-            tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-            let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
-            logged(seen, "flagging the gateway for resync", &w.id);
+        if let Some(outcome) = action.label() {
+            self.count_compare(outcome);
         }
-        restarted || drift
+        match action {
+            Action::Wait | Action::PushChanges | Action::Compare => false,
+            Action::Acknowledge(generation) => {
+                if generation.is_some() {
+                    let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+                    logged(acked, "acknowledging the listed generation", &w.id);
+                }
+                false
+            }
+            Action::Resync(cause) => {
+                let (restarted, drift) = (cause == Cause::Restarted, cause == Cause::Drift);
+                tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
+                let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+                logged(seen, "flagging the gateway for resync", &w.id);
+                true
+            }
+        }
     }
 
-    /// Compares the gateway's list with the store: `true` when they differ
-    /// with every change pushed; acknowledges its generation when they agree.
-    async fn list_differs(&self, w: &WorkerRow) -> bool {
+    /// Compares the gateway's list with the store's rows.
+    async fn compare_list(&self, w: &WorkerRow) -> Listed {
         let Ok((status, body)) =
             call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
         else {
-            return false;
+            return Listed::Inconclusive;
         };
         // Changes still being pushed are not drift.
         let settled = store::unpushed(&self.pool, &w.id, 1)
             .await
             .is_ok_and(|u| u.is_empty());
         if !status.is_success() || !settled {
-            return false;
+            return Listed::Inconclusive;
         }
         let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
-            return false;
+            return Listed::Inconclusive;
         };
         if differs(&rows, &body) {
-            return true;
+            return Listed::Differs;
         }
-        self.count_compare("listed");
-        let generation = body.get("generation").and_then(Value::as_i64);
-        if generation.is_some() {
-            let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
-            logged(acked, "acknowledging the listed generation", &w.id);
-        }
-        false
+        Listed::Matches(body.get("generation").and_then(Value::as_i64))
     }
 
     fn count_compare(&self, outcome: &'static str) {
