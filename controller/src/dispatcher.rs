@@ -138,7 +138,10 @@ async fn wait_for_work(listener: &mut Option<sqlx::postgres::PgListener>) {
         Ok(Ok(_)) => while l.next_buffered().is_some() {},
         // The listener's connection failed (it reconnects on the next
         // call): wait as a poll would, never spin.
-        Ok(Err(_)) => tokio::time::sleep(POLL).await,
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "the work listener failed; it reconnects");
+            tokio::time::sleep(POLL).await
+        }
         Err(_) => {}
     }
 }
@@ -392,7 +395,12 @@ impl Dispatcher {
     }
 
     async fn observe_backlog(&self) {
-        if let Ok((depth, oldest, lag)) = store::backlog(&self.pool).await {
+        let backlog = read(
+            store::backlog(&self.pool).await,
+            "reading the queue",
+            "backlog",
+        );
+        if let Some((depth, oldest, lag)) = backlog {
             self.metrics.queue_depth.set(depth);
             self.metrics.queue_oldest_seconds.set(oldest);
             self.metrics.push_lag_seconds.set(lag);
@@ -407,10 +415,13 @@ impl Dispatcher {
         let read_at = Instant::now();
         let held = leases.held();
         let workers = match (held.is_empty(), leases.trusted_until()) {
-            (false, Some(until)) => match store::workers_in(&self.pool, held).await {
-                Ok(w) => w.into_iter().map(|w| (w, until)).collect(),
-                Err(_) => return,
-            },
+            (false, Some(until)) => {
+                let rows = store::workers_in(&self.pool, held).await;
+                let Some(rows) = read(rows, "reading the held workers", "shards") else {
+                    return;
+                };
+                rows.into_iter().map(|w| (w, until)).collect()
+            }
             _ => Vec::new(),
         };
         let ids: std::collections::HashSet<String> =
@@ -484,7 +495,8 @@ impl Dispatcher {
     /// time (the gateway commits concurrent pushes together); stops at the
     /// first failure, to retry on the next round.
     async fn push_changes(&self, w: &WorkerRow, until: Instant) -> bool {
-        let Ok(changes) = store::unpushed(&self.pool, &w.id, 256).await else {
+        let changes = store::unpushed(&self.pool, &w.id, 256).await;
+        let Some(changes) = read(changes, "reading the changes to push", &w.id) else {
             return false;
         };
         let mut moved = false;
@@ -560,7 +572,8 @@ impl Dispatcher {
 
     /// Replaces everything the gateway knows with the store's view.
     async fn resync(&self, w: &WorkerRow) -> bool {
-        let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
+        let rows = store::worker_sandboxes(&self.pool, &w.id).await;
+        let Some(rows) = read(rows, "reading the sandboxes to resync", &w.id) else {
             return false;
         };
         // NDJSON, streamed by the gateway: no size bound on a resync.
@@ -618,8 +631,9 @@ impl Dispatcher {
     /// The gateway's epoch and generation (`GET /readyz`); `None` while it
     /// is unreachable or not ready.
     async fn gateway_state(&self, w: &WorkerRow) -> Option<(String, i64)> {
-        let (status, body) = call(&w.admin_url, &w.token, Method::GET, "/readyz", None)
-            .await
+        let answer = call(&w.admin_url, &w.token, Method::GET, "/readyz", None).await;
+        let (status, body) = answer
+            .inspect_err(|error| tracing::debug!(worker = %w.id, %error, "gateway not reachable"))
             .ok()?;
         if !status.is_success() {
             return None;
@@ -666,19 +680,23 @@ impl Dispatcher {
 
     /// Compares the gateway's list with the store's rows.
     async fn compare_list(&self, w: &WorkerRow) -> Listed {
-        let Ok((status, body)) =
-            call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
-        else {
-            return Listed::Inconclusive;
+        let answer = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await;
+        let (status, body) = match answer {
+            Ok(answer) => answer,
+            Err(error) => {
+                tracing::debug!(worker = %w.id, %error, "gateway list not fetched");
+                return Listed::Inconclusive;
+            }
         };
         // Changes still being pushed are not drift.
-        let settled = store::unpushed(&self.pool, &w.id, 1)
-            .await
-            .is_ok_and(|u| u.is_empty());
+        let unpushed = store::unpushed(&self.pool, &w.id, 1).await;
+        let settled =
+            read(unpushed, "reading the unpushed changes", &w.id).is_some_and(|u| u.is_empty());
         if !status.is_success() || !settled {
             return Listed::Inconclusive;
         }
-        let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
+        let rows = store::worker_sandboxes(&self.pool, &w.id).await;
+        let Some(rows) = read(rows, "reading the sandboxes to compare", &w.id) else {
             return Listed::Inconclusive;
         };
         if differs(&rows, &body) {
@@ -726,6 +744,18 @@ impl Default for Tenders {
 fn logged<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) {
     if let Err(error) = result {
         tracing::warn!(%subject, %error, "{what} failed; the next round retries");
+    }
+}
+
+/// A store read whose failure skips what needed it this round (the next
+/// round reads again): logged with what failed, never dropped silently.
+fn read<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) -> Option<T> {
+    match result {
+        Ok(value) => Some(value),
+        Err(error) => {
+            tracing::warn!(%subject, %error, "{what} failed; the next round retries");
+            None
+        }
     }
 }
 
