@@ -9,12 +9,10 @@
 //! policy is composed (native: queued, by the dispatcher; E2B: here, so
 //! the reply names a sandbox that has its policy).
 
-use egress_policy::select;
+use egress_policy::{select, Policy};
 use http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::{json, Value};
-
-use egress_policy::Policy;
 
 use super::{db, error, json_reply, policy_field, pool, typed, Api, Reply};
 use crate::config::Tenant;
@@ -34,20 +32,20 @@ struct CreateBody {
 }
 
 /// A create after translation: what a native and an E2B body both become.
-pub(super) struct CreateRequest {
-    pub template: String,
+struct CreateRequest {
+    template: String,
     /// The tenant policy; `None` inherits the template's.
-    pub policy: Option<Policy>,
-    pub worker: Option<String>,
+    policy: Option<Policy>,
+    worker: Option<String>,
     /// What the idempotency fingerprint covers of the body (the selection
     /// and the pool are added): the native body's fields, `{"e2b": body}`.
-    pub print: Value,
-    pub dialect: Dialect,
+    print: Value,
+    dialect: Dialect,
 }
 
 /// Which API a create came through: what its answers look like.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Dialect {
+enum Dialect {
     /// `POST /v1/sandboxes`: queued; `202 {"sandbox", "operation"}`.
     Native,
     /// `POST /sandboxes`: composed in the request; `201 {"sandboxID",
