@@ -12,97 +12,16 @@
 //! the dispatcher pushes it like any other.
 
 use egress_policy::{Policy, Rule};
-use serde::Serialize;
 use serde_json::{json, Value};
-use sqlx::postgres::PgRow;
-use sqlx::types::Json;
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{PgConnection, PgPool};
 
+pub use crate::state::Scope;
+pub use crate::store::approvals::{in_force, Approval, NewApproval};
 use crate::store::{self, Placement};
-
-/// What an approval reaches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Scope {
-    Sandbox,
-    Template,
-    Tenant,
-}
-
-/// One approval row.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Approval {
-    pub id: String,
-    pub tenant: String,
-    pub scope: Scope,
-    pub target: String,
-    pub rule: Rule,
-    pub principal: String,
-    pub approved_at: String,
-    pub until: Option<String>,
-    pub revoked_at: Option<String>,
-    pub removed_at: Option<String>,
-    pub evidence: Value,
-}
-
-/// The columns, times as RFC 3339 text.
-const COLUMNS: &str = "id, tenant, scope, target, rule, principal, \
-    to_json(approved_at) #>> '{}' AS approved_at, to_json(until) #>> '{}' AS until, \
-    to_json(revoked_at) #>> '{}' AS revoked_at, to_json(removed_at) #>> '{}' AS removed_at, evidence";
-
-/// In force: neither revoked nor removed, and not past `until`.
-const IN_FORCE: &str =
-    "removed_at IS NULL AND revoked_at IS NULL AND (until IS NULL OR until > now())";
-
-/// A query built only from this module's constants and fixed fragments,
-/// never from input (every value is bound).
-fn safe(sql: String) -> sqlx::AssertSqlSafe<String> {
-    sqlx::AssertSqlSafe(sql)
-}
-
-// === impl Scope ===
-
-impl Scope {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Sandbox => "sandbox",
-            Self::Template => "template",
-            Self::Tenant => "tenant",
-        }
-    }
-
-    fn parse(s: &str) -> Option<Self> {
-        match s {
-            "sandbox" => Some(Self::Sandbox),
-            "template" => Some(Self::Template),
-            "tenant" => Some(Self::Tenant),
-            _ => None,
-        }
-    }
-}
 
 // === impl Approval ===
 
 impl Approval {
-    fn from_row(r: &PgRow) -> Result<Self, sqlx::Error> {
-        let bad = |what: &str| sqlx::Error::Decode(format!("approval {what}").into());
-        let scope: String = r.try_get("scope")?;
-        let rule: Json<Value> = r.try_get("rule")?;
-        Ok(Self {
-            id: r.try_get("id")?,
-            tenant: r.try_get("tenant")?,
-            scope: Scope::parse(&scope).ok_or_else(|| bad("scope"))?,
-            target: r.try_get("target")?,
-            rule: serde_json::from_value(rule.0).map_err(|_| bad("rule"))?,
-            principal: r.try_get("principal")?,
-            approved_at: r.try_get("approved_at")?,
-            until: r.try_get("until")?,
-            revoked_at: r.try_get("revoked_at")?,
-            removed_at: r.try_get("removed_at")?,
-            evidence: r.try_get::<Json<Value>, _>("evidence")?.0,
-        })
-    }
-
     /// The API's document.
     pub fn document(&self) -> Value {
         json!({
@@ -161,27 +80,6 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
     before != (policy.allow.clone(), provenance.clone())
 }
 
-/// The approvals in force for sandbox `id` of `tenant` made from `template`.
-pub async fn in_force(
-    conn: &mut PgConnection,
-    tenant: &str,
-    template: &str,
-    id: &str,
-) -> Result<Vec<Approval>, sqlx::Error> {
-    let sql = format!(
-        "SELECT {COLUMNS} FROM approvals WHERE tenant = $1 AND {IN_FORCE} AND \
-         ((scope = 'sandbox' AND target = $3) OR (scope = 'template' AND target = $2) OR scope = 'tenant') \
-         ORDER BY approved_at, id"
-    );
-    let rows = sqlx::query(safe(sql))
-        .bind(tenant)
-        .bind(template)
-        .bind(id)
-        .fetch_all(conn)
-        .await?;
-    rows.iter().map(Approval::from_row).collect()
-}
-
 /// Lays the approvals in force over sandbox `id`'s saved policy and saves
 /// it (a new generation, pushed by the dispatcher) when that changed it.
 pub async fn refresh(conn: &mut PgConnection, id: &str) -> Result<bool, sqlx::Error> {
@@ -229,63 +127,13 @@ pub async fn laid_over(
     Ok((policy, Value::Array(provenance)))
 }
 
-/// The live sandboxes an approval of `tenant` for `scope` and `target` reaches.
-pub async fn reached(
-    conn: &mut PgConnection,
-    tenant: &str,
-    scope: Scope,
-    target: &str,
-) -> Result<Vec<String>, sqlx::Error> {
-    let which = match scope {
-        Scope::Sandbox => "id = $2",
-        Scope::Template => "template = $2",
-        Scope::Tenant => "$2 = $1",
-    };
-    let sql = format!(
-        "SELECT id FROM sandboxes WHERE tenant = $1 AND {which} AND policy IS NOT NULL \
-         AND state NOT IN ('creating', 'failed', 'destroyed') ORDER BY id"
-    );
-    sqlx::query_scalar(safe(sql))
-        .bind(tenant)
-        .bind(target)
-        .fetch_all(conn)
-        .await
-}
-
-/// A new approval, as the API records it.
-pub struct NewApproval<'a> {
-    pub id: &'a str,
-    pub tenant: &'a str,
-    pub scope: Scope,
-    pub target: &'a str,
-    pub rule: &'a Rule,
-    pub principal: &'a str,
-    pub until: Option<&'a str>,
-    pub evidence: &'a Value,
-}
-
 /// Records an approval and lays it over every sandbox it reaches; the row.
 pub async fn approve(
     conn: &mut PgConnection,
     a: &NewApproval<'_>,
 ) -> Result<Approval, sqlx::Error> {
-    let sql = format!(
-        "INSERT INTO approvals (id, tenant, scope, target, rule, principal, until, evidence) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7::timestamptz, $8) RETURNING {COLUMNS}"
-    );
-    let row = sqlx::query(safe(sql))
-        .bind(a.id)
-        .bind(a.tenant)
-        .bind(a.scope.as_str())
-        .bind(a.target)
-        .bind(Json(a.rule))
-        .bind(a.principal)
-        .bind(a.until)
-        .bind(Json(a.evidence))
-        .fetch_one(&mut *conn)
-        .await?;
-    let approval = Approval::from_row(&row)?;
-    for id in reached(conn, a.tenant, a.scope, a.target).await? {
+    let approval = store::approvals::insert(conn, a).await?;
+    for id in store::approvals::reached(conn, a.tenant, a.scope, a.target).await? {
         refresh(conn, &id).await?;
     }
     Ok(approval)
@@ -293,12 +141,7 @@ pub async fn approve(
 
 /// The approvals of `tenant` (every tenant's for `None`), newest first.
 pub async fn list(pool: &PgPool, tenant: Option<&str>) -> Result<Vec<Approval>, sqlx::Error> {
-    let sql = format!(
-        "SELECT {COLUMNS} FROM approvals WHERE $1::text IS NULL OR tenant = $1 \
-         ORDER BY approved_at DESC, id"
-    );
-    let rows = sqlx::query(safe(sql)).bind(tenant).fetch_all(pool).await?;
-    rows.iter().map(Approval::from_row).collect()
+    store::approvals::list(pool, tenant).await
 }
 
 /// Revokes approval `id` of `tenant` (any tenant's for `None`) and takes its
@@ -308,20 +151,9 @@ pub async fn revoke(
     id: &str,
     tenant: Option<&str>,
 ) -> Result<Option<Approval>, sqlx::Error> {
-    let sql = format!(
-        "UPDATE approvals SET revoked_at = COALESCE(revoked_at, now()), \
-         removed_at = COALESCE(removed_at, now()) \
-         WHERE id = $1 AND ($2::text IS NULL OR tenant = $2) RETURNING {COLUMNS}"
-    );
-    let Some(row) = sqlx::query(safe(sql))
-        .bind(id)
-        .bind(tenant)
-        .fetch_optional(&mut *conn)
-        .await?
-    else {
+    let Some(approval) = store::approvals::revoke(conn, id, tenant).await? else {
         return Ok(None);
     };
-    let approval = Approval::from_row(&row)?;
     take_out(conn, &approval).await?;
     Ok(Some(approval))
 }
@@ -330,21 +162,17 @@ pub async fn revoke(
 /// (the dispatcher calls it periodically); how many expired.
 pub async fn expire(pool: &PgPool) -> Result<usize, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let sql = format!(
-        "UPDATE approvals SET removed_at = now() WHERE id IN (SELECT id FROM approvals \
-         WHERE removed_at IS NULL AND until <= now() FOR UPDATE SKIP LOCKED) RETURNING {COLUMNS}"
-    );
-    let rows = sqlx::query(safe(sql)).fetch_all(&mut *tx).await?;
-    for row in &rows {
-        take_out(&mut tx, &Approval::from_row(row)?).await?;
+    let expired = store::approvals::expire(&mut tx).await?;
+    for a in &expired {
+        take_out(&mut tx, a).await?;
     }
     tx.commit().await?;
-    Ok(rows.len())
+    Ok(expired.len())
 }
 
 /// Refreshes every sandbox `a` reached, now that it is no longer in force.
 async fn take_out(conn: &mut PgConnection, a: &Approval) -> Result<(), sqlx::Error> {
-    for id in reached(conn, &a.tenant, a.scope, &a.target).await? {
+    for id in store::approvals::reached(conn, &a.tenant, a.scope, &a.target).await? {
         refresh(conn, &id).await?;
     }
     Ok(())

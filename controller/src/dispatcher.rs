@@ -11,7 +11,9 @@
 //! unreachable gateway delays only its own sandboxes. A gateway is resynced
 //! when its epoch changed (a restart) or, when the generation it reports
 //! is not the one the store acknowledged, its list differs from the store
-//! (drift).
+//! (drift); `plan` decides which, from the inputs the check gathers, with
+//! no I/O. A failed push keeps a typed, bounded error
+//! ([`crate::gateway_client::PushError`]).
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -29,12 +31,16 @@ use sqlx::{Connection, PgConnection, PgPool};
 use egress_api::gateway::{PutSandbox, SandboxDoc};
 
 use crate::config::Deployment;
-use crate::gateway_client::call;
+use crate::gateway_client::{call, PushError};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
 use crate::shard::Leases;
 use crate::state::{OperationState, SandboxState};
 use crate::store::{self, SandboxRow, WorkerRow};
+
+mod plan;
+
+use plan::{plan, Action, Cause, Known, Listed};
 
 /// Pushes in flight to one gateway at once.
 const PUSH_CONCURRENCY: usize = 32;
@@ -132,7 +138,10 @@ async fn wait_for_work(listener: &mut Option<sqlx::postgres::PgListener>) {
         Ok(Ok(_)) => while l.next_buffered().is_some() {},
         // The listener's connection failed (it reconnects on the next
         // call): wait as a poll would, never spin.
-        Ok(Err(_)) => tokio::time::sleep(POLL).await,
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "the work listener failed; it reconnects");
+            tokio::time::sleep(POLL).await
+        }
         Err(_) => {}
     }
 }
@@ -386,7 +395,12 @@ impl Dispatcher {
     }
 
     async fn observe_backlog(&self) {
-        if let Ok((depth, oldest, lag)) = store::backlog(&self.pool).await {
+        let backlog = read(
+            store::backlog(&self.pool).await,
+            "reading the queue",
+            "backlog",
+        );
+        if let Some((depth, oldest, lag)) = backlog {
             self.metrics.queue_depth.set(depth);
             self.metrics.queue_oldest_seconds.set(oldest);
             self.metrics.push_lag_seconds.set(lag);
@@ -401,10 +415,13 @@ impl Dispatcher {
         let read_at = Instant::now();
         let held = leases.held();
         let workers = match (held.is_empty(), leases.trusted_until()) {
-            (false, Some(until)) => match store::workers_in(&self.pool, held).await {
-                Ok(w) => w.into_iter().map(|w| (w, until)).collect(),
-                Err(_) => return,
-            },
+            (false, Some(until)) => {
+                let rows = store::workers_in(&self.pool, held).await;
+                let Some(rows) = read(rows, "reading the held workers", "shards") else {
+                    return;
+                };
+                rows.into_iter().map(|w| (w, until)).collect()
+            }
             _ => Vec::new(),
         };
         let ids: std::collections::HashSet<String> =
@@ -478,7 +495,8 @@ impl Dispatcher {
     /// time (the gateway commits concurrent pushes together); stops at the
     /// first failure, to retry on the next round.
     async fn push_changes(&self, w: &WorkerRow, until: Instant) -> bool {
-        let Ok(changes) = store::unpushed(&self.pool, &w.id, 256).await else {
+        let changes = store::unpushed(&self.pool, &w.id, 256).await;
+        let Some(changes) = read(changes, "reading the changes to push", &w.id) else {
             return false;
         };
         let mut moved = false;
@@ -494,6 +512,7 @@ impl Dispatcher {
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
                 self.count_push("failed");
+                let error = error.to_string();
                 let seen = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
                 logged(seen, "recording the push failure", &w.id);
                 return moved;
@@ -507,7 +526,7 @@ impl Dispatcher {
         &self,
         w: &WorkerRow,
         chunk: &[SandboxRow],
-    ) -> (i64, Option<(String, String)>) {
+    ) -> (i64, Option<(String, PushError)>) {
         let mut pushes = tokio::task::JoinSet::new();
         let (mut applied, mut failed) = (0, None);
         for s in chunk {
@@ -517,7 +536,7 @@ impl Dispatcher {
                 Ok(Some(body)) => (Method::PUT, Some(body)),
                 Ok(None) => (Method::DELETE, None),
                 Err(e) => {
-                    failed = Some((id, e));
+                    failed = Some((id, PushError::Unsendable(e)));
                     continue;
                 }
             };
@@ -537,8 +556,8 @@ impl Dispatcher {
                     self.count_push("applied");
                     applied += i64::from(status.is_success());
                 }
-                Ok((status, body)) => failed = Some((id, format!("{status}: {body}"))),
-                Err(e) => failed = Some((id, e.to_string())),
+                Ok((status, body)) => failed = Some((id, PushError::refused(status, &body))),
+                Err(e) => failed = Some((id, e.into())),
             }
         }
         (applied, failed)
@@ -553,7 +572,8 @@ impl Dispatcher {
 
     /// Replaces everything the gateway knows with the store's view.
     async fn resync(&self, w: &WorkerRow) -> bool {
-        let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
+        let rows = store::worker_sandboxes(&self.pool, &w.id).await;
+        let Some(rows) = read(rows, "reading the sandboxes to resync", &w.id) else {
             return false;
         };
         // NDJSON, streamed by the gateway: no size bound on a resync.
@@ -588,9 +608,10 @@ impl Dispatcher {
             }
             outcome => {
                 let error = match outcome {
-                    Ok((status, body)) => format!("{status}: {body}"),
-                    Err(e) => e.to_string(),
-                };
+                    Ok((status, body)) => PushError::refused(status, &body),
+                    Err(e) => PushError::from(e),
+                }
+                .to_string();
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
                 self.count_push("failed");
                 let seen = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
@@ -610,8 +631,9 @@ impl Dispatcher {
     /// The gateway's epoch and generation (`GET /readyz`); `None` while it
     /// is unreachable or not ready.
     async fn gateway_state(&self, w: &WorkerRow) -> Option<(String, i64)> {
-        let (status, body) = call(&w.admin_url, &w.token, Method::GET, "/readyz", None)
-            .await
+        let answer = call(&w.admin_url, &w.token, Method::GET, "/readyz", None).await;
+        let (status, body) = answer
+            .inspect_err(|error| tracing::debug!(worker = %w.id, %error, "gateway not reachable"))
             .ok()?;
         if !status.is_success() {
             return None;
@@ -619,57 +641,68 @@ impl Dispatcher {
         parse_ready(body.as_str()?)
     }
 
-    /// Flags a gateway for resync when it restarted (a new epoch), or when
-    /// the generation it reports is not the one the store acknowledged and
-    /// its list differs from the store (drift). The list is fetched only
-    /// then; a list found in step has its generation acknowledged.
+    /// Checks a gateway: its `/readyz`, and its list when the generation it
+    /// reports is not the one acknowledged; [`plan`] decides. `true` when it
+    /// is flagged for resync (it restarted, or its list drifted); a list
+    /// found in step has its generation acknowledged.
     async fn check_gateway(&self, w: &WorkerRow) -> bool {
-        let Some((epoch, generation)) = self.gateway_state(w).await else {
-            return false;
+        let state = self.gateway_state(w).await;
+        let reported = state.as_ref().map(|(e, g)| (e.as_str(), *g));
+        let known = Known {
+            epoch: w.epoch.as_deref(),
+            acknowledged: w.acked_generation,
         };
-        let restarted = w.epoch.as_deref() != Some(epoch.as_str());
-        if !restarted && w.acked_generation == Some(generation) {
-            self.count_compare("generation");
-            return false;
+        let mut action = plan(known, reported, Listed::NotFetched);
+        if action == Action::Compare {
+            action = plan(known, reported, self.compare_list(w).await);
         }
-        let drift = !restarted && self.list_differs(w).await;
-        if restarted || drift {
-            self.count_compare(if restarted { "restarted" } else { "drift" });
-            tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-            let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
-            logged(seen, "flagging the gateway for resync", &w.id);
+        if let Some(outcome) = action.label() {
+            self.count_compare(outcome);
         }
-        restarted || drift
+        match action {
+            Action::Wait | Action::PushChanges | Action::Compare => false,
+            Action::Acknowledge(generation) => {
+                if generation.is_some() {
+                    let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+                    logged(acked, "acknowledging the listed generation", &w.id);
+                }
+                false
+            }
+            Action::Resync(cause) => {
+                let (restarted, drift) = (cause == Cause::Restarted, cause == Cause::Drift);
+                tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
+                let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+                logged(seen, "flagging the gateway for resync", &w.id);
+                true
+            }
+        }
     }
 
-    /// Compares the gateway's list with the store: `true` when they differ
-    /// with every change pushed; acknowledges its generation when they agree.
-    async fn list_differs(&self, w: &WorkerRow) -> bool {
-        let Ok((status, body)) =
-            call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await
-        else {
-            return false;
+    /// Compares the gateway's list with the store's rows.
+    async fn compare_list(&self, w: &WorkerRow) -> Listed {
+        let answer = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await;
+        let (status, body) = match answer {
+            Ok(answer) => answer,
+            Err(error) => {
+                tracing::debug!(worker = %w.id, %error, "gateway list not fetched");
+                return Listed::Inconclusive;
+            }
         };
         // Changes still being pushed are not drift.
-        let settled = store::unpushed(&self.pool, &w.id, 1)
-            .await
-            .is_ok_and(|u| u.is_empty());
+        let unpushed = store::unpushed(&self.pool, &w.id, 1).await;
+        let settled =
+            read(unpushed, "reading the unpushed changes", &w.id).is_some_and(|u| u.is_empty());
         if !status.is_success() || !settled {
-            return false;
+            return Listed::Inconclusive;
         }
-        let Ok(rows) = store::worker_sandboxes(&self.pool, &w.id).await else {
-            return false;
+        let rows = store::worker_sandboxes(&self.pool, &w.id).await;
+        let Some(rows) = read(rows, "reading the sandboxes to compare", &w.id) else {
+            return Listed::Inconclusive;
         };
         if differs(&rows, &body) {
-            return true;
+            return Listed::Differs;
         }
-        self.count_compare("listed");
-        let generation = body.get("generation").and_then(Value::as_i64);
-        if generation.is_some() {
-            let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
-            logged(acked, "acknowledging the listed generation", &w.id);
-        }
-        false
+        Listed::Matches(body.get("generation").and_then(Value::as_i64))
     }
 
     fn count_compare(&self, outcome: &'static str) {
@@ -711,6 +744,18 @@ impl Default for Tenders {
 fn logged<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) {
     if let Err(error) = result {
         tracing::warn!(%subject, %error, "{what} failed; the next round retries");
+    }
+}
+
+/// A store read whose failure skips what needed it this round (the next
+/// round reads again): logged with what failed, never dropped silently.
+fn read<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) -> Option<T> {
+    match result {
+        Ok(value) => Some(value),
+        Err(error) => {
+            tracing::warn!(%subject, %error, "{what} failed; the next round retries");
+            None
+        }
     }
 }
 

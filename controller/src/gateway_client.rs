@@ -22,6 +22,48 @@ pub enum GatewayError {
     },
 }
 
+/// Why a push or a resync did not apply. Its text is what the dispatcher
+/// logs and keeps (`workers.last_error`), so it is bounded: a gateway's
+/// answer is cut to [`MAX_ERROR_BODY`] bytes.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    /// The gateway answered with a status that is not success.
+    #[error("{status}: {body}")]
+    Refused { status: StatusCode, body: String },
+    /// No answer (or no usable `admin_url`).
+    #[error(transparent)]
+    Unanswered(#[from] GatewayError),
+    /// The store's row cannot be carried by the contract; never sent.
+    #[error("{0}")]
+    Unsendable(String),
+}
+
+impl PushError {
+    /// A refusal, its body (JSON text) cut to [`MAX_ERROR_BODY`] bytes.
+    pub fn refused(status: StatusCode, body: &Value) -> Self {
+        Self::Refused {
+            status,
+            body: bounded(&body.to_string(), MAX_ERROR_BODY),
+        }
+    }
+}
+
+/// The most of a gateway's answer an error keeps.
+pub const MAX_ERROR_BODY: usize = 512;
+
+/// `text` cut to at most `max` bytes at a character boundary, and `…`
+/// appended when it was cut.
+pub fn bounded(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
 /// Longest a gateway may take to answer one request.
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -113,4 +155,37 @@ async fn exchange(
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
     };
     Ok((answer.status, json))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_keeps_at_most_the_bound_of_the_body() {
+        let cases: [(&str, usize, &str); 5] = [
+            ("short", 8, "short"),
+            ("exactly8", 8, "exactly8"),
+            ("ninechars", 8, "ninechar…"),
+            // "é" is two bytes: the cut falls back to the boundary before it.
+            ("abcdefgé", 8, "abcdefg…"),
+            ("", 0, ""),
+        ];
+        for (text, max, expected) in cases {
+            assert_eq!(bounded(text, max), expected, "{text:?} within {max}");
+        }
+        let huge = Value::String("x".repeat(1 << 20));
+        let e = PushError::refused(StatusCode::BAD_REQUEST, &huge);
+        let text = e.to_string();
+        assert!(
+            text.starts_with("400 Bad Request: \"xxx"),
+            "{}",
+            &text[..40]
+        );
+        assert!(text.ends_with('…'));
+        let prefix = "400 Bad Request: ".len();
+        assert_eq!(text.len(), prefix + MAX_ERROR_BODY + '…'.len_utf8());
+        let small = PushError::refused(StatusCode::CONFLICT, &serde_json::json!({"error": "no"}));
+        assert_eq!(small.to_string(), r#"409 Conflict: {"error":"no"}"#);
+    }
 }

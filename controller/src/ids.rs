@@ -5,8 +5,11 @@ use ring::rand::{SecureRandom, SystemRandom};
 /// `prefix` and 16 random bytes in hex (`sb-3f…`).
 pub fn new(prefix: &str) -> String {
     let mut bytes = [0u8; 16];
-    // The system RNG does not fail on Linux; zeros would still be a valid id.
-    let _ = SystemRandom::new().fill(&mut bytes);
+    // The system RNG does not fail on Linux; zeros would still be a valid
+    // id (a repeat is refused by the store's unique keys), but say so.
+    if let Err(error) = SystemRandom::new().fill(&mut bytes) {
+        tracing::error!(%error, "the system random number generator failed");
+    }
     let mut out = String::with_capacity(prefix.len() + 33);
     out.push_str(prefix);
     out.push('-');

@@ -15,7 +15,6 @@
 
 pub mod api;
 pub mod approvals;
-mod approve;
 pub mod compose;
 pub mod config;
 pub mod console;

@@ -1,6 +1,6 @@
 //! A sandbox's lifecycle state and an operation's kind and state: the
 //! database keeps the text (`sandboxes.state`, `operations.kind`,
-//! `operations.state`), read through `FromStr` at the boundary, so an
+//! `operations.state`, `approvals.scope`), read through `FromStr` at the boundary, so an
 //! unknown value is an error, never a guess.
 
 use std::fmt;
@@ -166,6 +166,37 @@ impl serde::Serialize for OperationState {
     }
 }
 
+/// What an approval reaches (`approvals.scope`): the sandbox, its
+/// template within the tenant, or the whole tenant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    Sandbox,
+    Template,
+    Tenant,
+}
+
+impl Scope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sandbox => "sandbox",
+            Self::Template => "template",
+            Self::Tenant => "tenant",
+        }
+    }
+}
+
+impl FromStr for Scope {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        [Self::Sandbox, Self::Template, Self::Tenant]
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| format!("approval scope {s:?} is not one of sandbox, template, tenant"))
+    }
+}
+
 /// The states' names, comma-separated.
 pub fn names() -> String {
     let all: Vec<&str> = SandboxState::ALL.iter().map(|s| s.as_str()).collect();
@@ -202,6 +233,11 @@ mod tests {
             assert_eq!(s.as_str().parse::<OperationState>(), Ok(s));
         }
         assert!("done".parse::<OperationState>().is_err());
+        for s in [Scope::Sandbox, Scope::Template, Scope::Tenant] {
+            assert_eq!(s.as_str().parse::<Scope>(), Ok(s));
+            assert_eq!(serde_json::to_value(s).ok(), Some(s.as_str().into()));
+        }
+        assert!("world".parse::<Scope>().is_err());
     }
 
     #[test]

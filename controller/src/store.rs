@@ -13,6 +13,7 @@ use sqlx::{PgConnection, Row};
 use crate::state::{OperationKind, OperationState, SandboxState};
 
 pub mod alloc;
+pub mod approvals;
 pub mod leases;
 pub mod list;
 pub mod locks;

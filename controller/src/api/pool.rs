@@ -4,7 +4,8 @@
 //! header is admitted exactly as for a create (by the caller, before the
 //! claim), the claim is queued as an operation that composes the policy
 //! and pushes it (`ops`), and idempotency keys replay it as they replay a
-//! create. An empty pool answers `None`: the caller creates as usual.
+//! create. An empty pool answers `None`: the caller creates as usual
+//! (`super::create` runs both paths).
 
 use http::{HeaderMap, StatusCode};
 use serde::Deserialize;
@@ -184,67 +185,5 @@ async fn replayed(
             StatusCode::CONFLICT,
             "Idempotency-Key was used for a different request",
         )),
-    }
-}
-
-impl Api {
-    /// An E2B create that names the pool: the translated policy is queued
-    /// with the claim and composed by the dispatcher (E2B creates without a
-    /// pool are composed here). `201` with the operation to wait for;
-    /// `None` when the pool is empty.
-    pub(super) async fn e2b_claim(
-        &self,
-        caller: &Tenant,
-        headers: &HeaderMap,
-        raw: &Value,
-        names: &[String],
-        policy: &egress_policy::Policy,
-    ) -> Result<Option<Reply>, Reply> {
-        let template = raw
-            .get("templateID")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
-        let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
-        let mut print = json!({"e2b": raw, "warm_pool": true});
-        if !names.is_empty() {
-            print["egress_profiles"] = json!(names);
-        }
-        let fingerprint = crate::ids::fingerprint(print.to_string().as_bytes());
-        let payload = crate::ops::create_payload(Some(policy), None);
-        let req = ClaimRequest {
-            claim: Claim {
-                template,
-                tenant: &caller.tenant,
-                egress_profiles: names,
-                inherits_template: false,
-                worker: None,
-            },
-            payload: &payload,
-            key,
-            fingerprint: &fingerprint,
-        };
-        Ok(self.claim(caller, &req).await?.map(|(sandbox, operation)| {
-            json_reply(
-                StatusCode::CREATED,
-                &json!({"sandboxID": sandbox, "templateID": template, "operation": operation}),
-            )
-        }))
-    }
-}
-
-impl Api {
-    /// A native create that names the pool: `202 {"sandbox", "operation"}`
-    /// like a create; `None` when the pool is empty.
-    pub(super) async fn native_claim(
-        &self,
-        caller: &Tenant,
-        req: &ClaimRequest<'_>,
-    ) -> Result<Option<Reply>, Reply> {
-        Ok(self.claim(caller, req).await?.map(|(sandbox, operation)| {
-            json_reply(
-                StatusCode::ACCEPTED,
-                &json!({"sandbox": sandbox, "operation": operation}),
-            )
-        }))
     }
 }

@@ -28,6 +28,8 @@ pub struct State {
     pub generation: i64,
     pub sandboxes: BTreeMap<String, Value>,
     pub events: Vec<Event>,
+    /// When set, every push and resync is refused with this status and body.
+    pub refuse: Option<(u16, String)>,
 }
 
 pub struct FakeGateway {
@@ -88,7 +90,9 @@ async fn answer(
         .unwrap_or_default();
     let mut s = state.lock().expect("state");
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let refused = s.refuse.clone().filter(|_| method == hyper::Method::PUT);
     let (status, out) = match (method.as_str(), segments.as_slice()) {
+        _ if refused.is_some() => refused.unwrap_or_default(),
         ("GET", ["readyz"]) => (
             200,
             format!("ready epoch={} generation={}\n", s.epoch, s.generation),

@@ -301,6 +301,44 @@ async fn futures_all<F: std::future::Future<Output = T> + Send + 'static, T: Sen
     out
 }
 
+/// A gateway that refuses pushes with a huge answer: the error the store
+/// keeps for the worker (and the dispatcher logs) holds at most 512 bytes
+/// of it, cut with `…`.
+#[tokio::test]
+async fn a_refused_push_keeps_a_bounded_part_of_the_gateways_answer() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let gw = FakeGateway::start().await;
+    let huge = json!({"error": "x".repeat(100_000)}).to_string();
+    gw.state.lock().expect("state").refuse = Some((400, huge));
+    register(&api, "w1", &gw, "100.64.31.0/24").await;
+    let d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 201, "{v}");
+    let sql = "SELECT COALESCE(length(last_error), 0)::bigint FROM workers WHERE id = 'w1'";
+    let chars = db_until(&url, sql, |n| n > 0).await;
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let error: String = sqlx::query_scalar("SELECT last_error FROM workers WHERE id = 'w1'")
+        .fetch_one(&mut conn)
+        .await
+        .expect("last_error");
+    let prefix = "400 Bad Request: {\"error\":\"xxx";
+    assert!(error.starts_with(prefix), "{error}");
+    assert!(error.ends_with("xxx…"), "{error}");
+    assert_eq!(
+        error.len(),
+        "400 Bad Request: ".len() + 512 + '…'.len_utf8()
+    );
+    assert_eq!(chars, i64::try_from(error.chars().count()).expect("count"));
+    drop(d);
+}
+
 /// With the gateway in step, its generation is all that is compared: no
 /// list is fetched. A generation moved behind the store's back has the
 /// list fetched (in step: acknowledged, no resync); a sandbox the store

@@ -3,14 +3,13 @@
 //! every sandbox its scope reaches, pushed like any policy change); listing
 //! and revoking approvals. Everything is scoped by the caller's tenant: a
 //! sandbox or approval of another tenant is `404`.
-#![allow(clippy::result_large_err)]
 
 use egress_policy::Rule;
 use http::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::api::{db, error, json_reply, typed, visible, Api, Reply};
+use super::{db, error, json_reply, typed, visible, Api, Reply};
 use crate::approvals::{self, NewApproval, Scope};
 use crate::config::Tenant;
 use crate::{gateway_client, ids, store};
@@ -27,7 +26,7 @@ struct ApproveBody {
 
 impl Api {
     /// `GET /v1/sandboxes/{id}/proposals`: the worker's answer, as it is.
-    pub(crate) async fn proposals(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
+    pub(super) async fn proposals(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
         let doc = self.fetch_proposals(caller, id).await?;
         Ok(json_reply(StatusCode::OK, &doc))
     }
@@ -66,7 +65,7 @@ impl Api {
     }
 
     /// `POST /v1/sandboxes/{id}/proposals/{pid}/approve`.
-    pub(crate) async fn approve(
+    pub(super) async fn approve(
         &self,
         caller: &Tenant,
         (id, pid): (&str, &str),
@@ -130,7 +129,7 @@ impl Api {
     }
 
     /// `GET /v1/approvals`: the caller's tenant's (an admin's: every tenant's).
-    pub(crate) async fn approvals(&self, caller: &Tenant) -> Result<Reply, Reply> {
+    pub(super) async fn approvals(&self, caller: &Tenant) -> Result<Reply, Reply> {
         let tenant = (!caller.admin).then_some(caller.tenant.as_str());
         let list = approvals::list(&self.pool, tenant).await.map_err(db)?;
         let docs: Vec<Value> = list.iter().map(approvals::Approval::document).collect();
@@ -138,7 +137,7 @@ impl Api {
     }
 
     /// `DELETE /v1/approvals/{id}`: revoked, and its rule taken out.
-    pub(crate) async fn revoke(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
+    pub(super) async fn revoke(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
         let tenant = (!caller.admin).then_some(caller.tenant.as_str());
         let mut tx = self.pool.begin().await.map_err(db)?;
         let revoked = approvals::revoke(&mut tx, id, tenant).await.map_err(db)?;

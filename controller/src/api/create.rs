@@ -1,0 +1,381 @@
+//! Sandbox creates: `POST /v1/sandboxes` (native) and `POST /sandboxes`
+//! (E2B). Each body is first translated into one [`CreateRequest`]; from
+//! there one path runs for both ([`Api::create_sandbox`]): the warm-pool
+//! header and the profile selection are admitted, the idempotency
+//! fingerprint is taken, a claim from the template's warm pool is tried
+//! ([`super::pool`]), and otherwise a new sandbox is inserted. The
+//! [`Dialect`] decides only what differs on the wire: the template's field
+//! name in errors, the reply's shape and status, and where a new sandbox's
+//! policy is composed (native: queued, by the dispatcher; E2B: here, so
+//! the reply names a sandbox that has its policy).
+
+use egress_policy::{select, Policy};
+use http::{HeaderMap, StatusCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{db, error, json_reply, policy_field, pool, typed, Api, Reply};
+use crate::config::Tenant;
+use crate::ops::{self, create_payload};
+use crate::state::OperationKind;
+use crate::store::{self, NewOperation, NewSandbox};
+use crate::{e2b, ids};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    template: String,
+    #[serde(default)]
+    policy: Option<Value>,
+    #[serde(default)]
+    worker: Option<String>,
+}
+
+/// A create after translation: what a native and an E2B body both become.
+struct CreateRequest {
+    template: String,
+    /// The tenant policy; `None` inherits the template's.
+    policy: Option<Policy>,
+    worker: Option<String>,
+    /// What the idempotency fingerprint covers of the body (the selection
+    /// and the pool are added): the native body's fields, `{"e2b": body}`.
+    print: Value,
+    dialect: Dialect,
+}
+
+/// Which API a create came through: what its answers look like.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dialect {
+    /// `POST /v1/sandboxes`: queued; `202 {"sandbox", "operation"}`.
+    Native,
+    /// `POST /sandboxes`: composed in the request; `201 {"sandboxID",
+    /// "templateID"}` (and `"operation"` for a warm-pool claim).
+    E2b,
+}
+
+impl Dialect {
+    /// The body field naming the template, as errors name it.
+    fn template_field(self) -> &'static str {
+        match self {
+            Self::Native => "template",
+            Self::E2b => "templateID",
+        }
+    }
+
+    /// The answer to a create that produced `sandbox` (and queued `operation`).
+    fn created(self, template: &str, sandbox: &str, operation: Option<&str>) -> Reply {
+        match self {
+            Self::Native => json_reply(
+                StatusCode::ACCEPTED,
+                &json!({"sandbox": sandbox, "operation": operation}),
+            ),
+            Self::E2b => {
+                let mut doc = json!({"sandboxID": sandbox, "templateID": template});
+                if let Some(op) = operation {
+                    doc["operation"] = json!(op);
+                }
+                json_reply(StatusCode::CREATED, &doc)
+            }
+        }
+    }
+}
+
+impl Api {
+    /// Admits the profile selection of a create (`X-Space-Egress-Profiles`).
+    fn admit(&self, caller: &Tenant, headers: &HeaderMap) -> Result<Vec<String>, Reply> {
+        let mut values = headers.get_all(egress_policy::PROFILES_HEADER).iter();
+        let first = values.next();
+        let header = match (first, values.next()) {
+            (None, _) => None,
+            (Some(v), None) => Some(
+                v.to_str()
+                    .map_err(|_| selection_error("malformed", "not ASCII"))?,
+            ),
+            (Some(_), Some(_)) => {
+                return Err(selection_error("malformed", "the header appears twice"))
+            }
+        };
+        match select(&self.deployment.profiles, header, caller.federated) {
+            Ok(s) => {
+                self.metrics.admitted(&s.admissions);
+                Ok(s.profiles.iter().map(ToString::to_string).collect())
+            }
+            Err(e) => {
+                self.metrics.admitted(&e.admissions);
+                Err(selection_error(e.kind.as_str(), &e.to_string()))
+            }
+        }
+    }
+
+    /// What every create (native or E2B) reads first: whether it names
+    /// the warm pool of `template`, and the admitted profile selection.
+    fn admit_create(
+        &self,
+        caller: &Tenant,
+        headers: &HeaderMap,
+        template: &str,
+    ) -> Result<(bool, Vec<String>), Reply> {
+        let pooled = pool::named(headers, template)?;
+        let names = self.admit(caller, headers)?;
+        Ok((pooled, names))
+    }
+
+    /// `POST /v1/sandboxes`: the body as a [`CreateRequest`].
+    pub(super) async fn create(
+        &self,
+        caller: &Tenant,
+        headers: &HeaderMap,
+        body: Result<Value, Reply>,
+    ) -> Result<Reply, Reply> {
+        let req: CreateBody = typed(body?)?;
+        let policy = req
+            .policy
+            .as_ref()
+            .map(|p| policy_field(p, "policy"))
+            .transpose()?;
+        let print = json!({"template": req.template, "policy": req.policy, "worker": req.worker});
+        let create = CreateRequest {
+            template: req.template,
+            policy,
+            worker: req.worker,
+            print,
+            dialect: Dialect::Native,
+        };
+        self.create_sandbox(caller, headers, &create).await
+    }
+
+    /// `POST /sandboxes`: an E2B body, translated exactly (`400` with the
+    /// reason when no exact translation exists) into a [`CreateRequest`].
+    pub(super) async fn e2b_create(
+        &self,
+        caller: &Tenant,
+        headers: &HeaderMap,
+        body: Result<Value, Reply>,
+    ) -> Result<Reply, Reply> {
+        let raw = body?;
+        let parsed = e2b::parse(raw.to_string().as_bytes())
+            .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
+        let policy =
+            e2b::translate(&parsed).map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
+        let create = CreateRequest {
+            template: parsed.template_id,
+            policy: Some(policy),
+            worker: None,
+            print: json!({ "e2b": raw }),
+            dialect: Dialect::E2b,
+        };
+        self.create_sandbox(caller, headers, &create).await
+    }
+
+    /// Every create after translation: admission, the fingerprint, a
+    /// warm-pool claim when the create names the pool (and it is not
+    /// empty), else a new sandbox.
+    async fn create_sandbox(
+        &self,
+        caller: &Tenant,
+        headers: &HeaderMap,
+        req: &CreateRequest,
+    ) -> Result<Reply, Reply> {
+        let (pooled, names) = self.admit_create(caller, headers, &req.template)?;
+        let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+        let fingerprint = create_fingerprint(&req.print, &names, pooled);
+        let payload = create_payload(req.policy.as_ref(), req.worker.as_deref());
+        if pooled {
+            let claim = pool::ClaimRequest {
+                claim: store::pool::Claim {
+                    template: &req.template,
+                    tenant: &caller.tenant,
+                    egress_profiles: &names,
+                    inherits_template: req.policy.is_none(),
+                    worker: req.worker.as_deref(),
+                },
+                payload: &payload,
+                key,
+                fingerprint: &fingerprint,
+            };
+            if let Some((sandbox, operation)) = self.claim(caller, &claim).await? {
+                return Ok(req
+                    .dialect
+                    .created(&req.template, &sandbox, Some(&operation)));
+            }
+        }
+        let new = NewSandbox {
+            id: &ids::new("sb"),
+            tenant: &caller.tenant,
+            template: &req.template,
+            egress_profiles: &names,
+            inherits_template: req.policy.is_none(),
+        };
+        match req.dialect {
+            Dialect::Native => {
+                let op = NewOperation {
+                    id: &ids::new("op"),
+                    tenant: &caller.tenant,
+                    kind: OperationKind::Create,
+                    sandbox: new.id,
+                    payload: &payload,
+                    idempotency_key: key,
+                    fingerprint: Some(&fingerprint),
+                };
+                self.enqueue(caller, &new, &op).await
+            }
+            Dialect::E2b => self.compose_now(&new, &payload).await,
+        }
+    }
+
+    /// Inserts a sandbox and its operation, or replays the operation an
+    /// idempotency key already names (same fingerprint) or refuses (409).
+    pub(super) async fn enqueue(
+        &self,
+        caller: &Tenant,
+        new: &NewSandbox<'_>,
+        op: &NewOperation<'_>,
+    ) -> Result<Reply, Reply> {
+        for _ in 0..2 {
+            let mut tx = self.pool.begin().await.map_err(db)?;
+            if let Some(key) = op.idempotency_key {
+                if let Some((operation, sandbox, print)) =
+                    store::by_key(&mut tx, &caller.tenant, key)
+                        .await
+                        .map_err(db)?
+                {
+                    return if print.as_deref() == op.fingerprint {
+                        Ok(Dialect::Native.created(new.template, &sandbox, Some(&operation)))
+                    } else {
+                        Err(error(
+                            StatusCode::CONFLICT,
+                            "Idempotency-Key was used for a different request",
+                        ))
+                    };
+                }
+            }
+            registered(&mut tx, new.template, Dialect::Native.template_field()).await?;
+            store::insert_sandbox(&mut tx, new).await.map_err(db)?;
+            match store::insert_operation(&mut tx, op).await {
+                Ok(()) => {}
+                // A concurrent create with the same key won: replay it.
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => continue,
+                Err(e) => return Err(db(e)),
+            }
+            tx.commit().await.map_err(db)?;
+            return Ok(Dialect::Native.created(new.template, new.id, Some(op.id)));
+        }
+        Err(error(
+            StatusCode::CONFLICT,
+            "Idempotency-Key is being used concurrently; retry",
+        ))
+    }
+
+    /// Inserts a sandbox and composes its policy in the same transaction
+    /// (the queued create's code, run now): `201` once it has its policy;
+    /// `503` when a retry may succeed, `400` when none will.
+    async fn compose_now(&self, new: &NewSandbox<'_>, payload: &Value) -> Result<Reply, Reply> {
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        registered(&mut tx, new.template, Dialect::E2b.template_field()).await?;
+        store::insert_sandbox(&mut tx, new).await.map_err(db)?;
+        if let Err(f) = ops::create(&mut tx, &self.deployment, &self.metrics, new.id, payload).await
+        {
+            let status = if f.retryable {
+                StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            return Err(error(status, &f.message));
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(Dialect::E2b.created(new.template, new.id, None))
+    }
+}
+
+/// `400` naming `field` unless `template` is registered.
+async fn registered(tx: &mut sqlx::PgConnection, template: &str, field: &str) -> Result<(), Reply> {
+    if store::template_policy(tx, template)
+        .await
+        .map_err(db)?
+        .is_none()
+    {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("{field}: {template:?} is not registered"),
+        ));
+    }
+    Ok(())
+}
+
+/// A create's idempotency fingerprint: the body's `print`, a nonempty
+/// selection (an empty one keeps the fingerprint a create without profiles
+/// had) and whether it names the warm pool.
+fn create_fingerprint(print: &Value, names: &[String], pooled: bool) -> String {
+    let mut print = print.clone();
+    if !names.is_empty() {
+        print["egress_profiles"] = json!(names);
+    }
+    if pooled {
+        print["warm_pool"] = json!(true);
+    }
+    ids::fingerprint(print.to_string().as_bytes())
+}
+
+fn selection_error(reason: &str, message: &str) -> Reply {
+    json_reply(
+        StatusCode::BAD_REQUEST,
+        &json!({"error": message, "reason": reason}),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn answer(reply: Reply) -> (StatusCode, Value) {
+        let status = reply.status();
+        let bytes = reply.into_body().collect().await.expect("body").to_bytes();
+        (status, serde_json::from_slice(&bytes).expect("json"))
+    }
+
+    #[tokio::test]
+    async fn each_dialect_answers_in_its_own_shape() {
+        let cases = [
+            (
+                Dialect::Native,
+                Some("op-1"),
+                StatusCode::ACCEPTED,
+                json!({"sandbox": "sb-1", "operation": "op-1"}),
+            ),
+            (
+                Dialect::E2b,
+                None,
+                StatusCode::CREATED,
+                json!({"sandboxID": "sb-1", "templateID": "base"}),
+            ),
+            (
+                Dialect::E2b,
+                Some("op-1"),
+                StatusCode::CREATED,
+                json!({"sandboxID": "sb-1", "templateID": "base", "operation": "op-1"}),
+            ),
+        ];
+        for (dialect, operation, status, doc) in cases {
+            let got = answer(dialect.created("base", "sb-1", operation)).await;
+            assert_eq!(got, (status, doc), "{dialect:?} {operation:?}");
+        }
+        assert_eq!(Dialect::Native.template_field(), "template");
+        assert_eq!(Dialect::E2b.template_field(), "templateID");
+    }
+
+    #[test]
+    fn the_fingerprint_covers_the_selection_and_the_pool_only_when_named() {
+        let print = json!({"template": "base", "policy": null, "worker": null});
+        let plain = ids::fingerprint(print.to_string().as_bytes());
+        assert_eq!(create_fingerprint(&print, &[], false), plain);
+        let names = ["sensor".to_owned()];
+        let with_names = create_fingerprint(&print, &names, false);
+        let pooled = create_fingerprint(&print, &[], true);
+        assert_ne!(with_names, plain);
+        assert_ne!(pooled, plain);
+        assert_ne!(pooled, with_names);
+        let e2b = json!({"e2b": {"templateID": "base"}});
+        assert_ne!(create_fingerprint(&e2b, &[], true), pooled);
+    }
+}
