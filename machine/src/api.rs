@@ -64,7 +64,7 @@ pub async fn route(req: Request<Incoming>, m: &Arc<Machines>) -> Reply {
 
 /// `GET /v1/vms`.
 fn list_vms(m: &Machines) -> Reply {
-    let vms: Vec<Value> = m.vms().iter().map(vm_json).collect();
+    let vms: Vec<Value> = m.vms().iter().map(|vm| vm_json(vm)).collect();
     json_reply(StatusCode::OK, &json!({ "vms": vms }))
 }
 

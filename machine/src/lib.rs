@@ -4,8 +4,8 @@
 //! TCP and UDP alike: one table for the node, a chain and sets per VM,
 //! reached by a verdict-map lookup ([`nft::rules`]). The gateway keeps the
 //! VMs, the node default and what the kernel refused ([`observed`]), serves
-//! the VM-manager routes ([`api`]) and persists its state (`machines.json`
-//! in `state_dir`), so a restart re-installs the table before the gateway
+//! the VM-manager routes ([`api`]) and persists its state (one file per VM
+//! under `state_dir/machines/`, [`store`]), so a restart re-installs the table before the gateway
 //! reports ready.
 //!
 //! Every change is one transaction: the VMs it touches get their rules
@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod nflog;
 pub mod nft;
 pub mod observed;
+mod store;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -35,8 +36,7 @@ use crate::config::{MachineEgressConfig, MachineObserve};
 use nft::rules::{self, Layout, Match, VmRules};
 use nft::{Nft, NftError};
 
-/// The file name under `state_dir`.
-pub const STATE_FILE: &str = "machines.json";
+pub use store::{DIR as STATE_DIR, LEGACY_FILE};
 
 /// Longest VM id.
 const MAX_ID: usize = 64;
@@ -128,14 +128,27 @@ impl Vm {
     }
 }
 
-/// The persisted state.
+/// The state: the node default and the VMs. Persisted one file per VM
+/// ([`store`]); this whole document is the earlier layout's file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct State {
     version: u32,
     /// The node default; without one, `loopback` (nothing leaves).
     default: MachineEgress,
-    vms: BTreeMap<String, Vm>,
+    /// Shared: a change clones the map, not the VMs it leaves alone.
+    vms: BTreeMap<String, Arc<Vm>>,
+}
+
+impl State {
+    /// No VM, and the node default `loopback`.
+    fn empty() -> Self {
+        Self {
+            version: 1,
+            default: MachineEgress::loopback(),
+            vms: BTreeMap::new(),
+        }
+    }
 }
 
 /// Machine egress on this worker.
@@ -143,7 +156,7 @@ struct State {
 pub struct Machines {
     nft: Nft,
     layout: Layout,
-    state_dir: PathBuf,
+    store: store::Store,
     neighbours: Arc<dyn Neighbours>,
     state: Mutex<State>,
     observed: Mutex<HashMap<String, observed::Store>>,
@@ -289,25 +302,6 @@ fn taken(state: &State, id: &str, r: &Registration) -> Result<(), MachineError> 
     Ok(())
 }
 
-/// Reads `machines.json`; `None` when there is none yet.
-fn load(path: &Path) -> Result<Option<State>, MachineError> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => {
-            serde_json::from_str::<State>(&text)
-                .map(Some)
-                .map_err(|e| MachineError::Persist {
-                    path: path.to_owned(),
-                    message: format!("corrupt machine egress state: {e}; fix or remove it"),
-                })
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(MachineError::Persist {
-            path: path.to_owned(),
-            message: e.to_string(),
-        }),
-    }
-}
-
 /// Checks a VM id: the same alphabet as sandbox ids, at most 64 characters.
 pub fn valid_id(id: &str) -> Result<(), MachineError> {
     // The sandbox id's alphabet, shorter: an id becomes an nft table name.
@@ -319,7 +313,7 @@ pub fn valid_id(id: &str) -> Result<(), MachineError> {
 }
 
 impl Machines {
-    /// Loads `machines.json` and installs the node table with every VM in
+    /// Loads the state ([`store`]) and installs the node table with every VM in
     /// it — before the gateway serves anything. Whatever the table held is
     /// replaced (the state is the record), and tables of the earlier
     /// one-table-per-VM layout are removed.
@@ -328,17 +322,14 @@ impl Machines {
         state_dir: &Path,
         neighbours: Arc<dyn Neighbours>,
     ) -> Result<Arc<Self>, MachineError> {
-        let loaded = load(&state_dir.join(STATE_FILE))?;
+        let store = store::Store::new(state_dir);
+        let loaded = store.load(state_dir)?;
         let machines = Self {
             nft: Nft::new(config.nft.clone()),
             layout: layout(config),
-            state_dir: state_dir.to_owned(),
+            store,
             neighbours,
-            state: Mutex::new(State {
-                version: 1,
-                default: MachineEgress::loopback(),
-                vms: BTreeMap::new(),
-            }),
+            state: Mutex::new(State::empty()),
             observed: Mutex::new(HashMap::new()),
             refused: Mutex::new(BTreeMap::new()),
             spoofed: Mutex::new(BTreeMap::new()),
@@ -364,7 +355,7 @@ impl Machines {
         for id in state.vms.keys() {
             machines.ensure_store(id);
         }
-        let vms: Vec<VmRules<'_>> = state.vms.values().map(Vm::rules).collect();
+        let vms: Vec<VmRules<'_>> = state.vms.values().map(|vm| vm.rules()).collect();
         machines.nft.apply(&rules::table(&machines.layout, &vms))?;
         for table in machines.nft.legacy_tables()? {
             tracing::warn!(%table, "removing a per-VM table of the earlier layout");
@@ -392,15 +383,12 @@ impl Machines {
         if !forward.is_empty() {
             self.nft.apply(&forward)?;
         }
-        if let Err(message) = save(&self.state_dir, &next) {
+        if let Err(e) = self.store.save(state, &next, touched) {
             let back = self.transition(&next, state, touched);
             if let Err(e) = self.nft.apply(&back) {
                 tracing::error!(error = %e, "could not put the previous machine egress rules back");
             }
-            return Err(MachineError::Persist {
-                path: self.state_dir.join(STATE_FILE),
-                message,
-            });
+            return Err(e);
         }
         *state = next;
         Ok(())
@@ -412,13 +400,13 @@ impl Machines {
         let mut text: String = touched
             .iter()
             .map(|id| {
-                let old = from.vms.get(id).map(Vm::rules);
-                let new = to.vms.get(id).map(Vm::rules);
+                let old = from.vms.get(id).map(|vm| vm.rules());
+                let new = to.vms.get(id).map(|vm| vm.rules());
                 rules::change(&self.layout, old.as_ref(), new.as_ref())
             })
             .collect();
         if !text.is_empty() && self.layout.matching == Match::Cgroup {
-            let vms: Vec<VmRules<'_>> = to.vms.values().map(Vm::rules).collect();
+            let vms: Vec<VmRules<'_>> = to.vms.values().map(|vm| vm.rules()).collect();
             text.push_str(&rules::output_dispatch(&self.layout, &vms));
         }
         text
@@ -499,7 +487,7 @@ impl Machines {
             egress: r.egress,
             effective,
         };
-        next.vms.insert(id.to_owned(), vm.clone());
+        next.vms.insert(id.to_owned(), Arc::new(vm.clone()));
         // The record exists before the rules do: their first event has a
         // place to go.
         self.ensure_store(id);
@@ -555,11 +543,11 @@ impl Machines {
         lock(&self.state)
             .vms
             .get(id)
-            .cloned()
+            .map(|vm| Vm::clone(vm))
             .ok_or_else(|| MachineError::Missing(id.to_owned()))
     }
 
-    pub fn vms(&self) -> Vec<Vm> {
+    pub fn vms(&self) -> Vec<Arc<Vm>> {
         lock(&self.state).vms.values().cloned().collect()
     }
 
@@ -584,6 +572,7 @@ impl Machines {
         let vm = next
             .vms
             .get_mut(id)
+            .map(Arc::make_mut)
             .ok_or_else(|| MachineError::Missing(id.to_owned()))?;
         vm.effective = policy.clone().unwrap_or(default);
         vm.egress = policy;
@@ -614,6 +603,7 @@ impl Machines {
         if apply_running {
             for vm in next.vms.values_mut() {
                 if vm.egress.is_none() && vm.effective != policy {
+                    let vm = Arc::make_mut(vm);
                     vm.effective = policy.clone();
                     touched.push(vm.id.clone());
                 }
@@ -814,12 +804,6 @@ fn layout(config: &MachineEgressConfig) -> Layout {
         cgroup_prefix: config.cgroup_prefix.clone(),
         events,
     }
-}
-
-/// Writes the state (write, fsync, rename, like the snapshot).
-fn save(dir: &Path, state: &State) -> Result<(), String> {
-    let bytes = serde_json::to_vec_pretty(state).map_err(|e| e.to_string())?;
-    egress_api::file::write_atomically(dir, STATE_FILE, &bytes).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

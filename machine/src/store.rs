@@ -1,0 +1,221 @@
+//! Machine egress's durable state: `state_dir/machines/`, one file per VM
+//! (`vm-<id>.json`, the VM as [`Vm`]) and one for the node default
+//! (`default.json`). Each is written atomically (write, fsync, rename), and
+//! a change writes only the files of what it changed, so applying one VM's
+//! policy costs the same with 1 VM or 500.
+//!
+//! A change that touches several VMs (the node default with
+//! `apply_running`) writes their files one after another: the kernel took
+//! them in one transaction before, and if a write fails the files written
+//! are put back as they were and the rules with them. A crash between two
+//! writes leaves each file whole; the start installs what the files say.
+//!
+//! The earlier layout, one `machines.json` holding everything, is read once
+//! and moved: written whole into `machines.new/`, renamed to `machines/`
+//! (one step), then removed.
+
+use std::path::{Path, PathBuf};
+
+use egress_policy::machine::MachineEgress;
+use serde::{Deserialize, Serialize};
+
+use crate::{valid_id, MachineError, State, Vm};
+
+/// The folder under `state_dir`.
+pub const DIR: &str = "machines";
+/// The earlier layout's file under `state_dir`, moved at the first start.
+pub const LEGACY_FILE: &str = "machines.json";
+const DEFAULT_FILE: &str = "default.json";
+const NEW_DIR: &str = "machines.new";
+
+/// `default.json`.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DefaultDoc {
+    version: u32,
+    default: MachineEgress,
+}
+
+/// Where the state lives: `state_dir/machines/`.
+#[derive(Debug)]
+pub(crate) struct Store {
+    dir: PathBuf,
+}
+
+fn corrupt(path: &Path, message: impl std::fmt::Display) -> MachineError {
+    MachineError::Persist {
+        path: path.to_owned(),
+        message: format!("corrupt machine egress state: {message}; fix or remove it"),
+    }
+}
+
+fn io(path: &Path, e: std::io::Error) -> MachineError {
+    MachineError::Persist {
+        path: path.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+fn vm_file(id: &str) -> String {
+    format!("vm-{id}.json")
+}
+
+impl Store {
+    pub(crate) fn new(state_dir: &Path) -> Self {
+        Self {
+            dir: state_dir.join(DIR),
+        }
+    }
+
+    /// Reads the state; `None` when there is none yet. The earlier layout
+    /// is moved to this one first.
+    pub(crate) fn load(&self, state_dir: &Path) -> Result<Option<State>, MachineError> {
+        let legacy = state_dir.join(LEGACY_FILE);
+        if !self.dir.exists() {
+            let Some(state) = read_legacy(&legacy)? else {
+                return Ok(None);
+            };
+            self.migrate(state_dir, &state)?;
+        }
+        if legacy.exists() {
+            std::fs::remove_file(&legacy).map_err(|e| io(&legacy, e))?;
+        }
+        self.read_dir().map(Some)
+    }
+
+    fn read_dir(&self) -> Result<State, MachineError> {
+        let mut state = State::empty();
+        let entries = std::fs::read_dir(&self.dir).map_err(|e| io(&self.dir, e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| io(&self.dir, e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = entry.path();
+            if name == DEFAULT_FILE {
+                let doc: DefaultDoc = read_json(&path)?;
+                state.default = doc.default;
+            } else if let Some(id) = name
+                .strip_prefix("vm-")
+                .and_then(|n| n.strip_suffix(".json"))
+            {
+                let vm: Vm = read_json(&path)?;
+                if vm.id != id || valid_id(id).is_err() {
+                    return Err(corrupt(&path, format!("holds VM {:?}", vm.id)));
+                }
+                state.vms.insert(vm.id.clone(), std::sync::Arc::new(vm));
+            } else if !name.starts_with('.') {
+                tracing::warn!(path = %path.display(), "machine egress: ignoring a file that is not a VM's");
+            }
+        }
+        Ok(state)
+    }
+
+    /// Writes the earlier layout's state whole as a new folder, then puts
+    /// the folder in place in one rename.
+    fn migrate(&self, state_dir: &Path, state: &State) -> Result<(), MachineError> {
+        let new = state_dir.join(NEW_DIR);
+        if new.exists() {
+            std::fs::remove_dir_all(&new).map_err(|e| io(&new, e))?;
+        }
+        write_default(&new, &state.default)?;
+        for vm in state.vms.values() {
+            write_vm(&new, vm)?;
+        }
+        std::fs::rename(&new, &self.dir).map_err(|e| io(&self.dir, e))?;
+        sync_dir(state_dir)?;
+        tracing::info!(
+            vms = state.vms.len(),
+            "machine egress: moved machines.json to one file per VM"
+        );
+        Ok(())
+    }
+
+    /// Makes `to` durable for the VMs of `touched` and the node default,
+    /// from `from`; on failure, what was written is put back as `from` has
+    /// it, and the error names the file that failed.
+    pub(crate) fn save(
+        &self,
+        from: &State,
+        to: &State,
+        touched: &[String],
+    ) -> Result<(), MachineError> {
+        let result = self.write_changes(from, to, touched);
+        if result.is_err() {
+            if let Err(e) = self.write_changes(to, from, touched) {
+                tracing::error!(error = %e, "machine egress: could not put the previous state files back");
+            }
+        }
+        result
+    }
+
+    fn write_changes(
+        &self,
+        from: &State,
+        to: &State,
+        touched: &[String],
+    ) -> Result<(), MachineError> {
+        for id in touched {
+            match to.vms.get(id) {
+                Some(vm) => write_vm(&self.dir, vm)?,
+                None => self.remove_vm(id)?,
+            }
+        }
+        if from.default != to.default || !self.dir.join(DEFAULT_FILE).exists() {
+            write_default(&self.dir, &to.default)?;
+        }
+        Ok(())
+    }
+
+    fn remove_vm(&self, id: &str) -> Result<(), MachineError> {
+        let path = self.dir.join(vm_file(id));
+        match std::fs::remove_file(&path) {
+            Ok(()) => sync_dir(&self.dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io(&path, e)),
+        }
+    }
+}
+
+fn read_legacy(path: &Path) -> Result<Option<State>, MachineError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str::<State>(&text)
+            .map(Some)
+            .map_err(|e| corrupt(path, e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(path, e)),
+    }
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, MachineError> {
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| corrupt(path, e))
+}
+
+fn write_vm(dir: &Path, vm: &Vm) -> Result<(), MachineError> {
+    write_json(dir, &vm_file(&vm.id), vm)
+}
+
+fn write_default(dir: &Path, default: &MachineEgress) -> Result<(), MachineError> {
+    let doc = DefaultDoc {
+        version: 1,
+        default: default.clone(),
+    };
+    write_json(dir, DEFAULT_FILE, &doc)
+}
+
+fn write_json<T: Serialize>(dir: &Path, name: &str, value: &T) -> Result<(), MachineError> {
+    let path = dir.join(name);
+    let bytes = serde_json::to_vec_pretty(value).map_err(|e| MachineError::Persist {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    egress_api::file::write_atomically(dir, name, &bytes).map_err(|e| io(&path, e))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), MachineError> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(dir, e))
+}
+
+#[cfg(test)]
+mod tests;

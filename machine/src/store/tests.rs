@@ -1,0 +1,103 @@
+use std::os::unix::fs::MetadataExt;
+
+use super::*;
+
+fn vm(id: &str, port: u16) -> Vm {
+    let policy = MachineEgress::from_json(&format!(
+        r#"{{"mode": "allowlist", "rules": [{{"cidr": "10.0.0.0/8", "proto": "tcp", "port": {port}}}]}}"#
+    ))
+    .expect("policy");
+    Vm {
+        id: id.into(),
+        addresses: vec![format!("100.64.0.{port}").parse().expect("ip")],
+        link: None,
+        cgroup: None,
+        egress: Some(policy.clone()),
+        effective: policy,
+    }
+}
+
+fn two_vms() -> State {
+    let mut s = State::empty();
+    s.vms.insert("a".into(), vm("a", 1).into());
+    s.vms.insert("b".into(), vm("b", 2).into());
+    s
+}
+
+fn inode(path: &Path) -> u64 {
+    std::fs::metadata(path).expect("metadata").ino()
+}
+
+#[test]
+fn a_change_writes_only_the_files_of_what_it_changed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::new(dir.path());
+    let empty = State::empty();
+    let first = two_vms();
+    store
+        .save(&empty, &first, &["a".into(), "b".into()])
+        .expect("save");
+    assert_eq!(store.load(dir.path()).expect("load"), Some(first.clone()));
+    let b = dir.path().join(DIR).join("vm-b.json");
+    let (b_before, default_before) = (inode(&b), inode(&dir.path().join(DIR).join(DEFAULT_FILE)));
+
+    // One VM's policy: its file is replaced, the other's and the default's are not.
+    let mut next = first.clone();
+    next.vms.insert("a".into(), vm("a", 9).into());
+    store.save(&first, &next, &["a".into()]).expect("save");
+    assert_eq!(inode(&b), b_before, "another VM's file was rewritten");
+    assert_eq!(
+        inode(&dir.path().join(DIR).join(DEFAULT_FILE)),
+        default_before
+    );
+    assert_eq!(store.load(dir.path()).expect("load"), Some(next.clone()));
+
+    // A removed VM's file goes; a new default is written.
+    let mut last = next.clone();
+    last.vms.remove("a");
+    last.default = MachineEgress::from_json(r#"{"mode": "open"}"#).expect("open");
+    store.save(&next, &last, &["a".into()]).expect("save");
+    assert!(!dir.path().join(DIR).join("vm-a.json").exists());
+    assert_eq!(store.load(dir.path()).expect("load"), Some(last));
+}
+
+#[test]
+fn the_earlier_single_file_is_moved_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = two_vms();
+    let legacy = dir.path().join(LEGACY_FILE);
+    std::fs::write(&legacy, serde_json::to_vec(&state).expect("json")).expect("write");
+    let store = Store::new(dir.path());
+    assert_eq!(store.load(dir.path()).expect("load"), Some(state.clone()));
+    assert!(!legacy.exists(), "machines.json stays after the move");
+    assert!(dir.path().join(DIR).join("vm-a.json").exists());
+    assert!(!dir.path().join(NEW_DIR).exists());
+    // And read as the new layout from then on.
+    assert_eq!(store.load(dir.path()).expect("load"), Some(state));
+}
+
+#[test]
+fn nothing_yet_is_none_and_a_file_with_another_vm_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::new(dir.path());
+    assert_eq!(store.load(dir.path()).expect("load"), None);
+    store
+        .save(&State::empty(), &two_vms(), &["a".into(), "b".into()])
+        .expect("save");
+    // A file renamed by hand: its name and the VM it holds disagree.
+    let folder = dir.path().join(DIR);
+    std::fs::rename(folder.join("vm-a.json"), folder.join("vm-c.json")).expect("rename");
+    let err = store.load(dir.path()).expect_err("refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("vm-c.json") && text.contains("\"a\""),
+        "{text}"
+    );
+    // A torn file is refused and named too.
+    std::fs::write(folder.join("vm-c.json"), b"{\"id\": ").expect("write");
+    let text = store.load(dir.path()).expect_err("refused").to_string();
+    assert!(
+        text.contains("vm-c.json") && text.contains("corrupt"),
+        "{text}"
+    );
+}
