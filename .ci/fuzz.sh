@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke-runs every fuzz target (STYLE 15; rustls' CI runs each for 10 s):
+# Smoke-runs every fuzz target (docs/contributing.md; rustls' CI runs each for 10 s):
 # builds them with `cargo +nightly fuzz build`, replays fuzz/regressions/<t>/
 # (inputs that once crashed: each must pass now), then fuzzes each target for
 # ${FUZZ_SECONDS:-30} seconds starting from its committed seeds,

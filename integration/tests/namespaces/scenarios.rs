@@ -1,4 +1,4 @@
-//! Every behaviour of DESIGN.md and the TLS specs, seen from inside a sandbox.
+//! Every behaviour docs/policy.md and docs/evidence.md describe, seen from inside a sandbox.
 
 use std::time::Duration;
 

@@ -1,12 +1,12 @@
 //! The compiled matcher: one per pushed policy, queried once per flow (and
 //! once per request on a terminated flow).
 //!
-//! Order of decision (DESIGN.md): platform denies, tenant denies, allows or
+//! Order of decision (docs/policy.md): platform denies, tenant denies, allows or
 //! the default, then — for allowed TLS with interception on — exemption
 //! (splice) or termination (intercept). Denies always win; an exemption never
 //! grants access.
 //!
-//! Names reach a flow only as evidence (DESIGN.md "How a name reaches a flow"):
+//! Names reach a flow only as evidence (docs/evidence.md):
 //! names attributed by DNS to the destination IP are facts; SNI and `Host`
 //! are the client's claims, which count on their own only on a terminated
 //! flow, where the gateway verifies the origin's certificate for the name.
