@@ -15,6 +15,7 @@
 
 pub mod api;
 pub mod config;
+pub mod counters;
 pub mod events;
 pub mod metrics;
 pub mod nflog;
@@ -736,14 +737,14 @@ impl Machines {
     }
 
     /// One round of the observer: reads the node table's counters (one
-    /// `nft` call for every VM), and the observed sets of each VM whose
+    /// read for every VM), and, sampled, the observed sets of each VM whose
     /// `refused` counter moved.
     pub fn observe(&self) {
         let vms = self.vms();
         if vms.is_empty() {
             return;
         }
-        let counters = match self.nft.counters() {
+        let counters = match self.counters() {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "reading the machine egress counters failed");
@@ -777,6 +778,17 @@ impl Machines {
                     tracing::warn!(vm = %vm.id, error = %e, "reading observed destinations failed");
                 }
             }
+        }
+    }
+
+    /// The node table's counters: with events (the rules in this
+    /// namespace), dumped over netlink ([`counters`]); sampled, through the
+    /// configured `nft` command, which may govern another namespace.
+    fn counters(&self) -> Result<BTreeMap<String, u64>, String> {
+        if self.layout.events.is_some() {
+            counters::read(rules::TABLE)
+        } else {
+            self.nft.counters().map_err(|e| e.to_string())
         }
     }
 

@@ -123,7 +123,7 @@ pub fn bind_group(group: u16, seq: u32, qthresh: u32, timeout: u32) -> Vec<u8> {
     msg
 }
 
-fn attr(out: &mut Vec<u8>, kind: u16, value: &[u8]) {
+pub(crate) fn attr(out: &mut Vec<u8>, kind: u16, value: &[u8]) {
     let len = 4 + value.len();
     out.extend(u16::try_from(len).unwrap_or(u16::MAX).to_ne_bytes());
     out.extend(kind.to_ne_bytes());
@@ -131,7 +131,7 @@ fn attr(out: &mut Vec<u8>, kind: u16, value: &[u8]) {
     out.resize(align(out.len()), 0);
 }
 
-fn align(n: usize) -> usize {
+pub(crate) fn align(n: usize) -> usize {
     n.saturating_add(3) & !3
 }
 
@@ -299,11 +299,11 @@ fn ipv6(ip: &[u8]) -> Result<(IpAddr, u8, &[u8]), Malformed> {
     Ok((IpAddr::V6(Ipv6Addr::from(dst)), next, rest))
 }
 
-fn read_u16_ne(b: &[u8], at: usize) -> Option<u16> {
+pub(crate) fn read_u16_ne(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
 }
 
-fn read_u32_ne(b: &[u8], at: usize) -> Option<u32> {
+pub(crate) fn read_u32_ne(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 
@@ -315,7 +315,7 @@ fn read_u32_be(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_be_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 
-fn read_u64_be(b: &[u8], at: usize) -> Option<u64> {
+pub(crate) fn read_u64_be(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_be_bytes(b.get(at..at + 8)?.try_into().ok()?))
 }
 

@@ -1,0 +1,85 @@
+use super::*;
+
+/// One netlink message: header, nfgenmsg, attributes.
+fn message(kind: u16, attrs: &[u8]) -> Vec<u8> {
+    let len = NLMSG_HDRLEN + NFGEN_LEN + attrs.len();
+    let mut m = Vec::new();
+    m.extend((len as u32).to_ne_bytes());
+    m.extend(kind.to_ne_bytes());
+    m.extend(2u16.to_ne_bytes()); // NLM_F_MULTI
+    m.extend(1u32.to_ne_bytes());
+    m.extend(0u32.to_ne_bytes());
+    m.extend([NFPROTO_INET, 0, 0, 0]);
+    m.extend(attrs);
+    m
+}
+
+fn counter_object(name: &str, packets: u64, kind: u32) -> Vec<u8> {
+    let mut data = Vec::new();
+    attr(&mut data, 1, &999u64.to_be_bytes()); // bytes
+    attr(&mut data, COUNTER_PACKETS, &packets.to_be_bytes());
+    let mut attrs = Vec::new();
+    attr(&mut attrs, OBJ_TABLE, b"egress_machine\0");
+    attr(&mut attrs, OBJ_NAME, format!("{name}\0").as_bytes());
+    attr(&mut attrs, OBJ_TYPE, &kind.to_be_bytes());
+    attr(&mut attrs, OBJ_DATA | 0x8000, &data); // NLA_F_NESTED
+    message(SUBSYS_NFTABLES | MSG_NEWOBJ, &attrs)
+}
+
+#[test]
+fn the_request_names_the_table_and_the_counter_type() {
+    let r = request("egress_machine", 7);
+    assert_eq!(read_u32_ne(&r, 0), Some(r.len() as u32));
+    assert_eq!(read_u16_ne(&r, 4), Some(SUBSYS_NFTABLES | MSG_GETOBJ));
+    assert_eq!(read_u16_ne(&r, 6), Some(NLM_F_REQUEST | NLM_F_DUMP));
+    assert_eq!(r[NLMSG_HDRLEN], NFPROTO_INET);
+    let attrs = attributes(&r[NLMSG_HDRLEN + NFGEN_LEN..]).expect("attributes");
+    assert_eq!(
+        attrs,
+        [
+            (OBJ_TABLE, &b"egress_machine\0"[..]),
+            (OBJ_TYPE, &OBJECT_COUNTER.to_be_bytes()[..])
+        ]
+    );
+}
+
+#[test]
+fn a_dump_reads_as_its_counters_then_its_end() {
+    let mut datagram = counter_object("refused_ab12", 42, OBJECT_COUNTER);
+    datagram.extend(counter_object("quota_x", 1, 2)); // another type: skipped
+    datagram.extend(counter_object("spoofed_ab12", 0, OBJECT_COUNTER));
+    let mut done = message(NLMSG_DONE, &[]);
+    done.truncate(NLMSG_HDRLEN + 4);
+    done[..4].copy_from_slice(&((NLMSG_HDRLEN + 4) as u32).to_ne_bytes());
+    datagram.extend(done);
+    assert_eq!(
+        messages(&datagram),
+        [
+            Ok(Part::Counter("refused_ab12".into(), 42)),
+            Ok(Part::Other),
+            Ok(Part::Counter("spoofed_ab12".into(), 0)),
+            Ok(Part::Done),
+        ]
+    );
+}
+
+#[test]
+fn errors_and_broken_messages_are_said_not_guessed() {
+    let mut err = message(NLMSG_ERROR, &[]);
+    err[NLMSG_HDRLEN..NLMSG_HDRLEN + 4].copy_from_slice(&(-2i32).to_ne_bytes());
+    assert_eq!(messages(&err), [Ok(Part::Error(-2))]);
+    // A counter whose data lost its packets is refused, not read as 0.
+    let mut attrs = Vec::new();
+    attr(&mut attrs, OBJ_NAME, b"refused_x\0");
+    attr(&mut attrs, OBJ_TYPE, &OBJECT_COUNTER.to_be_bytes());
+    attr(&mut attrs, OBJ_DATA, &[]);
+    let m = message(SUBSYS_NFTABLES | MSG_NEWOBJ, &attrs);
+    assert!(messages(&m)[0].is_err());
+    // Every prefix of a good message: never a counter, never a panic.
+    let good = counter_object("refused_ab12", 42, OBJECT_COUNTER);
+    for cut in 0..good.len() {
+        for p in messages(&good[..cut]) {
+            assert!(!matches!(p, Ok(Part::Counter(..))), "cut at {cut}");
+        }
+    }
+}
