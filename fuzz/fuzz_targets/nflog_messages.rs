@@ -1,15 +1,18 @@
 //! `egress_machine::nflog::messages` — the reader of the NFLOG
-//! group's datagrams, bytes from the kernel — on arbitrary bytes.
+//! group's datagrams, bytes from the kernel — and
+//! `egress_machine::counters::messages` — the reader of the counter dump —
+//! on arbitrary bytes.
 //!
 //! Properties:
 //!
-//! - it never panics, and it yields at most one result per 16 bytes (a
+//! - neither panics, and each yields at most one result per 16 bytes (a
 //!   netlink header each), so a datagram cannot make it loop;
-//! - every packet it accepts names a valid VM id, with a prefix that reads
-//!   back the same, and a TCP or UDP destination.
+//! - every packet accepted names a valid VM id, with a prefix that reads
+//!   back the same, and a TCP or UDP destination;
+//! - the counter reader reads the same bytes the same way twice.
 #![no_main]
 
-use egress_machine::{nflog, valid_id};
+use egress_machine::{counters, nflog, valid_id};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: &[u8]| {
@@ -25,4 +28,7 @@ fuzz_target!(|input: &[u8]| {
             );
         }
     }
+    let dump = counters::messages(input);
+    assert!(dump.len() <= input.len() / 16 + 1, "{} parts", dump.len());
+    assert_eq!(dump, counters::messages(input), "not deterministic");
 });

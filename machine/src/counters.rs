@@ -188,7 +188,7 @@ pub fn read(table: &str) -> Result<BTreeMap<String, u64>, String> {
             return Err("the counter dump ended without its end".into());
         }
         for p in messages(&buf[..n.min(buf.len())]) {
-            match p.map_err(|e| e.to_string())? {
+            match p.map_err(|e| format!("unreadable counter dump from the kernel: {}", e.0))? {
                 Part::Counter(name, packets) => {
                     out.insert(name, packets);
                 }
