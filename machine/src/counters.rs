@@ -14,18 +14,15 @@
 //! does the I/O: one socket, one request, the answer read to its end
 //! (bounded in messages and by a 2 s timeout on each read).
 
+use rustix::net::{self, RecvFlags, SendFlags};
 use std::collections::BTreeMap;
-use std::time::Duration;
 
-use rustix::net::{self, netlink, sockopt, AddressFamily, RecvFlags, SendFlags, SocketType};
+use crate::netlink::{
+    self, attr, attributes, read_u64_be, Malformed, NFGEN_LEN, NLMSG_ERROR, NLMSG_HDRLEN,
+    NLM_F_REQUEST,
+};
 
-use crate::nflog::{align, attr, read_u16_ne, read_u32_ne, read_u64_be, Malformed};
-
-const NLMSG_HDRLEN: usize = 16;
-const NFGEN_LEN: usize = 4;
-const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 1;
 const NLM_F_DUMP: u16 = 0x300;
 const SUBSYS_NFTABLES: u16 = 10 << 8;
 const MSG_NEWOBJ: u16 = 18;
@@ -37,7 +34,6 @@ const OBJ_TYPE: u16 = 3;
 const OBJ_DATA: u16 = 4;
 const OBJECT_COUNTER: u32 = 1;
 const COUNTER_PACKETS: u16 = 2;
-const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// Largest datagram read at once.
 const DATAGRAM: usize = 64 * 1024;
@@ -67,49 +63,27 @@ pub fn request(table: &str, seq: u32) -> Vec<u8> {
     name.push(0);
     attr(&mut attrs, OBJ_TABLE, &name);
     attr(&mut attrs, OBJ_TYPE, &OBJECT_COUNTER.to_be_bytes());
-    let len = NLMSG_HDRLEN + NFGEN_LEN + attrs.len();
-    let mut msg = Vec::with_capacity(len);
-    // A table name is at most 256 bytes: the length fits.
-    msg.extend(u32::try_from(len).unwrap_or(u32::MAX).to_ne_bytes());
-    msg.extend((SUBSYS_NFTABLES | MSG_GETOBJ).to_ne_bytes());
-    msg.extend((NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    msg.extend(seq.to_ne_bytes());
-    msg.extend(0u32.to_ne_bytes());
-    msg.extend([NFPROTO_INET, 0, 0, 0]);
-    msg.extend(attrs);
-    msg
+    let kind = SUBSYS_NFTABLES | MSG_GETOBJ;
+    netlink::request(
+        kind,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+        [NFPROTO_INET, 0, 0, 0],
+        &attrs,
+    )
 }
 
-/// Splits one datagram of the answer into its messages and reads each; a
-/// message whose length does not fit ends it.
+/// Splits one datagram of the answer into its messages and reads each
+/// ([`netlink::split`]).
 pub fn messages(datagram: &[u8]) -> Vec<Result<Part, Malformed>> {
-    let mut out = Vec::new();
-    let mut rest = datagram;
-    while !rest.is_empty() {
-        let Some(len) = read_u32_ne(rest, 0).map(|l| l as usize) else {
-            out.push(Err(Malformed("a netlink header cut short")));
-            break;
-        };
-        if len < NLMSG_HDRLEN || len > rest.len() {
-            out.push(Err(Malformed("a netlink length that does not fit")));
-            break;
-        }
-        out.push(part(&rest[..len]));
-        rest = rest.get(align(len)..).unwrap_or(&[]);
-    }
-    out
+    netlink::split(datagram, part)
 }
 
-fn part(msg: &[u8]) -> Result<Part, Malformed> {
-    let kind = read_u16_ne(msg, 4).ok_or(Malformed("no message type"))?;
+fn part(kind: u16, msg: &[u8]) -> Result<Part, Malformed> {
     let body = &msg[NLMSG_HDRLEN..];
     match kind {
         NLMSG_DONE => Ok(Part::Done),
-        NLMSG_ERROR => {
-            let code = body.get(..4).and_then(|c| c.try_into().ok());
-            let code = code.ok_or(Malformed("an error message cut short"))?;
-            Ok(Part::Error(i32::from_ne_bytes(code)))
-        }
+        NLMSG_ERROR => netlink::error_code(body).map(Part::Error),
         k if k == SUBSYS_NFTABLES | MSG_NEWOBJ => counter(body.get(NFGEN_LEN..).unwrap_or(&[])),
         _ => Ok(Part::Other),
     }
@@ -149,34 +123,10 @@ fn read_u32_be_opt(b: &[u8]) -> Option<u32> {
     Some(u32::from_be_bytes(b.get(..4)?.try_into().ok()?))
 }
 
-/// The attributes of a run of bytes: (type without flags, value).
-fn attributes(mut rest: &[u8]) -> Result<Vec<(u16, &[u8])>, Malformed> {
-    let mut out = Vec::new();
-    while rest.len() >= 4 {
-        let len = read_u16_ne(rest, 0).ok_or(Malformed("an attribute cut short"))? as usize;
-        let kind = read_u16_ne(rest, 2).ok_or(Malformed("an attribute cut short"))?;
-        if len < 4 || len > rest.len() {
-            return Err(Malformed("an attribute length that does not fit"));
-        }
-        out.push((kind & NLA_TYPE_MASK, &rest[4..len]));
-        rest = rest.get(align(len)..).unwrap_or(&[]);
-    }
-    Ok(out)
-}
-
 /// Reads every counter of `table` (family `inet`) in this network
 /// namespace: name → packets. An absent table is an error, as for `nft`.
 pub fn read(table: &str) -> Result<BTreeMap<String, u64>, String> {
-    let fd = net::socket(
-        AddressFamily::NETLINK,
-        SocketType::RAW,
-        Some(netlink::NETFILTER),
-    )
-    .map_err(|e| format!("a netfilter netlink socket: {e}"))?;
-    net::bind(&fd, &netlink::SocketAddrNetlink::new(0, 0))
-        .map_err(|e| format!("binding the netlink socket: {e}"))?;
-    sockopt::set_socket_timeout(&fd, sockopt::Timeout::Recv, Some(Duration::from_secs(2)))
-        .map_err(|e| format!("a receive timeout: {e}"))?;
+    let fd = netlink::socket()?;
     net::send(&fd, &request(table, 1), SendFlags::empty())
         .map_err(|e| format!("sending the counter dump request: {e}"))?;
     let mut out = BTreeMap::new();

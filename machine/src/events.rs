@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rustix::fd::OwnedFd;
-use rustix::net::{self, netlink, sockopt, AddressFamily, RecvFlags, SendFlags, SocketType};
+use rustix::net::{self, sockopt, RecvFlags, SendFlags};
 use tokio::io::unix::AsyncFd;
 
 use super::nflog::{self, Message};
@@ -34,20 +34,11 @@ const FLUSH: u32 = 1;
 /// Opens a netlink socket and binds `group` to it, waiting (at most 2 s)
 /// for the kernel's answer.
 pub(crate) fn bind(group: u16) -> Result<OwnedFd, String> {
-    let fd = net::socket(
-        AddressFamily::NETLINK,
-        SocketType::RAW,
-        Some(netlink::NETFILTER),
-    )
-    .map_err(|e| format!("a netfilter netlink socket: {e}"))?;
-    net::bind(&fd, &netlink::SocketAddrNetlink::new(0, 0))
-        .map_err(|e| format!("binding the netlink socket: {e}"))?;
+    let fd = crate::netlink::socket()?;
     // Not fatal: without the force (no CAP_NET_ADMIN) the default stays.
     if sockopt::set_socket_recv_buffer_size_force(&fd, 4 << 20).is_err() {
         let _ = sockopt::set_socket_recv_buffer_size(&fd, 4 << 20);
     }
-    sockopt::set_socket_timeout(&fd, sockopt::Timeout::Recv, Some(Duration::from_secs(2)))
-        .map_err(|e| format!("a receive timeout: {e}"))?;
     net::send(
         &fd,
         &nflog::bind_group(group, 1, QTHRESH, FLUSH),

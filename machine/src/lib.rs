@@ -18,6 +18,7 @@ pub mod config;
 pub mod counters;
 pub mod events;
 pub mod metrics;
+mod netlink;
 pub mod nflog;
 pub mod nft;
 pub mod observed;

@@ -1,7 +1,7 @@
 //! The NFLOG messages of machine egress, as bytes: what the gateway sends
 //! to bind its log group, and what it reads back for each refused (or, in
 //! audit, would-be-refused) packet. Pure: no socket here ([`super::events`]
-//! has it).
+//! has it); the framing is [`crate::netlink`]'s.
 //!
 //! The rules log with a prefix that names the verdict and the VM
 //! (`egm r <id>` refused, `egm w <id>` would refuse), and the kernel copies
@@ -15,6 +15,11 @@ use std::time::{Duration, SystemTime};
 
 use egress_policy::machine::Proto;
 
+use crate::netlink::{
+    self, attr, read_u16_be, read_u32_be, read_u64_be, NFGEN_LEN, NLMSG_ERROR, NLMSG_HDRLEN,
+    NLM_F_REQUEST,
+};
+
 /// Bytes of each packet the kernel copies: an IPv6 header (40), a few
 /// extension headers and the ports fit.
 pub const COPY_RANGE: u32 = 96;
@@ -22,10 +27,6 @@ pub const COPY_RANGE: u32 = 96;
 /// What the log prefix starts with.
 pub const PREFIX: &str = "egm";
 
-const NLMSG_HDRLEN: usize = 16;
-const NFGEN_LEN: usize = 4;
-const NLMSG_ERROR: u16 = 2;
-const NLM_F_REQUEST: u16 = 1;
 const NLM_F_ACK: u16 = 4;
 /// `NFNL_SUBSYS_ULOG << 8`: nfnetlink_log.
 const SUBSYS_ULOG: u16 = 4 << 8;
@@ -47,8 +48,6 @@ const ATTR_TIMESTAMP: u16 = 3;
 const ATTR_PAYLOAD: u16 = 9;
 const ATTR_PREFIX: u16 = 10;
 const ATTR_SEQ: u16 = 12;
-/// `NLA_F_NESTED | NLA_F_NET_BYTEORDER`.
-const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// Refused, or (audit) only recorded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,9 +91,7 @@ pub enum Message {
 }
 
 /// Why a message was refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unreadable nflog message: {0}")]
-pub struct Malformed(pub &'static str);
+pub use crate::netlink::Malformed;
 
 /// The configuration message that binds `group` to this socket: copy the
 /// first [`COPY_RANGE`] bytes of each packet, send within `timeout`
@@ -108,64 +105,23 @@ pub fn bind_group(group: u16, seq: u32, qthresh: u32, timeout: u32) -> Vec<u8> {
     attr(&mut attrs, CFG_QTHRESH, &qthresh.to_be_bytes());
     attr(&mut attrs, CFG_TIMEOUT, &timeout.to_be_bytes());
     attr(&mut attrs, CFG_FLAGS, &FLAG_SEQ.to_be_bytes());
-    let len = NLMSG_HDRLEN + NFGEN_LEN + attrs.len();
-    let mut msg = Vec::with_capacity(len);
-    // A configuration message is a few dozen bytes: the length fits.
-    msg.extend(u32::try_from(len).unwrap_or(u32::MAX).to_ne_bytes());
-    msg.extend((SUBSYS_ULOG | MSG_CONFIG).to_ne_bytes());
-    msg.extend((NLM_F_REQUEST | NLM_F_ACK).to_ne_bytes());
-    msg.extend(seq.to_ne_bytes());
-    msg.extend(0u32.to_ne_bytes());
     // nfgenmsg: AF_UNSPEC, NFNETLINK_V0, the group in network order.
-    msg.extend([0, 0]);
-    msg.extend(group.to_be_bytes());
-    msg.extend(attrs);
-    msg
+    let [g0, g1] = group.to_be_bytes();
+    let kind = SUBSYS_ULOG | MSG_CONFIG;
+    netlink::request(kind, NLM_F_REQUEST | NLM_F_ACK, seq, [0, 0, g0, g1], &attrs)
 }
 
-pub(crate) fn attr(out: &mut Vec<u8>, kind: u16, value: &[u8]) {
-    let len = 4 + value.len();
-    out.extend(u16::try_from(len).unwrap_or(u16::MAX).to_ne_bytes());
-    out.extend(kind.to_ne_bytes());
-    out.extend(value);
-    out.resize(align(out.len()), 0);
-}
-
-pub(crate) fn align(n: usize) -> usize {
-    n.saturating_add(3) & !3
-}
-
-/// Splits one datagram into its netlink messages and reads each. A message
-/// whose declared length does not fit ends the datagram (nothing after it
-/// can be found).
+/// Splits one datagram into its netlink messages and reads each
+/// ([`netlink::split`]).
 pub fn messages(datagram: &[u8]) -> Vec<Result<Message, Malformed>> {
-    let mut out = Vec::new();
-    let mut rest = datagram;
-    while !rest.is_empty() {
-        let Some(len) = read_u32_ne(rest, 0).map(|l| l as usize) else {
-            out.push(Err(Malformed("a netlink header cut short")));
-            break;
-        };
-        if len < NLMSG_HDRLEN || len > rest.len() {
-            out.push(Err(Malformed("a netlink length that does not fit")));
-            break;
-        }
-        out.push(message(&rest[..len]));
-        rest = rest.get(align(len)..).unwrap_or(&[]);
-    }
-    out
+    netlink::split(datagram, message)
 }
 
 /// One netlink message, its length already checked.
-fn message(msg: &[u8]) -> Result<Message, Malformed> {
-    let kind = read_u16_ne(msg, 4).ok_or(Malformed("no message type"))?;
+fn message(kind: u16, msg: &[u8]) -> Result<Message, Malformed> {
     let body = &msg[NLMSG_HDRLEN..];
     match kind {
-        NLMSG_ERROR => {
-            let code = body.get(..4).and_then(|c| c.try_into().ok());
-            let code = code.ok_or(Malformed("an error message cut short"))?;
-            Ok(Message::Ack(i32::from_ne_bytes(code)))
-        }
+        NLMSG_ERROR => netlink::error_code(body).map(Message::Ack),
         k if k == SUBSYS_ULOG | MSG_PACKET => packet(body).map(Message::Packet),
         _ => Ok(Message::Other),
     }
@@ -173,15 +129,9 @@ fn message(msg: &[u8]) -> Result<Message, Malformed> {
 
 /// A packet message: nfgenmsg, then attributes.
 fn packet(body: &[u8]) -> Result<Event, Malformed> {
-    let mut attrs = body.get(NFGEN_LEN..).ok_or(Malformed("no nfgenmsg"))?;
+    let attrs = body.get(NFGEN_LEN..).ok_or(Malformed("no nfgenmsg"))?;
     let (mut prefix, mut payload, mut seq, mut time) = (None, None, None, None);
-    while attrs.len() >= 4 {
-        let len = usize::from(read_u16_ne(attrs, 0).unwrap_or(0));
-        let kind = read_u16_ne(attrs, 2).unwrap_or(0) & NLA_TYPE_MASK;
-        if len < 4 || len > attrs.len() {
-            return Err(Malformed("an attribute length that does not fit"));
-        }
-        let value = &attrs[4..len];
+    for (kind, value) in netlink::attributes(attrs)? {
         match kind {
             ATTR_PREFIX => prefix = Some(value),
             ATTR_PAYLOAD => payload = Some(value),
@@ -189,7 +139,6 @@ fn packet(body: &[u8]) -> Result<Event, Malformed> {
             ATTR_TIMESTAMP => time = Some(timestamp(value)?),
             _ => {}
         }
-        attrs = attrs.get(align(len)..).unwrap_or(&[]);
     }
     let (vm, outcome) = parse_prefix(prefix.ok_or(Malformed("no prefix"))?)?;
     let (addr, proto, port) = destination(payload.ok_or(Malformed("no payload"))?)?;
@@ -297,26 +246,6 @@ fn ipv6(ip: &[u8]) -> Result<(IpAddr, u8, &[u8]), Malformed> {
         rest = rest.get(len..).ok_or(Malformed("an extension cut short"))?;
     }
     Ok((IpAddr::V6(Ipv6Addr::from(dst)), next, rest))
-}
-
-pub(crate) fn read_u16_ne(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-pub(crate) fn read_u32_ne(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-fn read_u16_be(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_be_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn read_u32_be(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_be_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-pub(crate) fn read_u64_be(b: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_be_bytes(b.get(at..at + 8)?.try_into().ok()?))
 }
 
 #[cfg(test)]

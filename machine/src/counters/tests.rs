@@ -1,4 +1,5 @@
 use super::*;
+use crate::netlink::{read_u16_ne, read_u32_ne};
 
 /// One netlink message: header, nfgenmsg, attributes.
 fn message(kind: u16, attrs: &[u8]) -> Vec<u8> {
