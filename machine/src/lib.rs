@@ -114,7 +114,8 @@ pub trait Neighbours: Send + Sync + std::fmt::Debug {
     fn claim_for_vm(&self, vm: &str, addresses: &[IpAddr]) -> Result<(), String>;
     /// Gives up every address VM `vm` claimed.
     fn release_vm(&self, vm: &str);
-    /// The names any sandbox on the node resolved to `addr`, sorted, once each.
+    /// Names any sandbox on the node resolved to `addr`, each once, a few
+    /// at most (a hint shown with an observation).
     fn names_for(&self, addr: IpAddr) -> Vec<String>;
 }
 

@@ -239,15 +239,8 @@ async fn address(api: &ApiProcess, id: &str) -> String {
 #[tokio::test]
 async fn allocation_never_hands_an_address_twice_and_reuses_freed_ones() {
     let url = db!();
-    let api = api(&url, deployment(None, None)).await;
-    put(
-        &api,
-        "/v1/templates/base",
-        json!({"policy": {"default": "allow"}}),
-    )
-    .await;
     let gw = FakeGateway::start().await;
-    register(&api, "w1", &gw, "100.64.20.0/27").await;
+    let api = allow_all_api(&url, gw.addr, "100.64.20.0/27").await;
     let created = futures_all((0..30).map(|_| e2b_create(api.addr))).await;
     let mut ids = Vec::new();
     for (s, v) in created {
@@ -307,17 +300,10 @@ async fn futures_all<F: std::future::Future<Output = T> + Send + 'static, T: Sen
 #[tokio::test]
 async fn a_refused_push_keeps_a_bounded_part_of_the_gateways_answer() {
     let url = db!();
-    let api = api(&url, deployment(None, None)).await;
-    put(
-        &api,
-        "/v1/templates/base",
-        json!({"policy": {"default": "allow"}}),
-    )
-    .await;
     let gw = FakeGateway::start().await;
     let huge = json!({"error": "x".repeat(100_000)}).to_string();
     gw.state.lock().expect("state").refuse = Some((400, huge));
-    register(&api, "w1", &gw, "100.64.31.0/24").await;
+    let api = allow_all_api(&url, gw.addr, "100.64.31.0/24").await;
     let d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
     let (s, v) = e2b_create(api.addr).await;
     assert_eq!(s, 201, "{v}");
