@@ -443,6 +443,32 @@ fn tcp_from(t: &Topology, source: &str, ip: &str) -> bool {
     String::from_utf8_lossy(&out.stdout).trim() == "200"
 }
 
+/// Whether the gateway namespace's own end of the VM link (a port nothing
+/// listens on) answers a connect sent from `source`: `Some(true)` when it
+/// is refused (the SYN arrived and was reset), `Some(false)` when it times
+/// out (dropped), `None` for anything else.
+fn host_answers(t: &Topology, source: &str) -> Option<bool> {
+    let out = t.exec(
+        vm(t),
+        "curl",
+        &[
+            "-s",
+            "--interface",
+            source,
+            "--connect-timeout",
+            "1",
+            "--max-time",
+            "3",
+            "http://100.64.4.1:9/",
+        ],
+    );
+    match out.status.code() {
+        Some(7) => Some(true),
+        Some(28) => Some(false),
+        _ => None,
+    }
+}
+
 /// A second address on the VM link — one no VM claims, then another VM's
 /// — is dropped and counted in every mode, `open` included, while the
 /// VM's own address is judged by its policy.
@@ -501,9 +527,21 @@ fn spoofed_sources_on_a_vm_link_are_dropped_in_every_mode() {
             !tcp_from(&t, OTHER_VM, API_IP),
             "vm2's address on vm1's link under {mode}"
         );
+        // To the host itself: the own address reaches it (a closed port
+        // answers with a reset), a spoofed one is dropped before it does.
+        assert_eq!(
+            host_answers(&t, VM_IP),
+            Some(true),
+            "own address under {mode}"
+        );
+        assert_eq!(
+            host_answers(&t, SPOOF),
+            Some(false),
+            "unclaimed source to the host under {mode}"
+        );
     }
     // Every mode dropped and counted: at least one SYN per attempt.
-    metric_reaching(&t, "egress_machine_spoofed_packets_total{vm=\"vm1\"} ", 8);
+    metric_reaching(&t, "egress_machine_spoofed_packets_total{vm=\"vm1\"} ", 12);
 
     // The link belongs to one VM.
     let doc = r#"{"addresses": ["100.64.9.10"], "link": "vm1"}"#;

@@ -16,9 +16,11 @@
 //!   `obs_<k>` when sampled;
 //! - `v6_<k>`: IPv6 has no rules: recorded (`obs6_<k>` when sampled), then
 //!   refused (or, in `audit` and `open`, passed);
-//! - `link_<k>`: anti-spoofing on the VM's link: a source that is not one
-//!   of the VM's addresses (`src4_<k>`, `src6_<k>`) is counted in
-//!   `spoofed_<k>` and dropped, whatever the mode.
+//! - `link_<k>`: anti-spoofing on the VM's link, dispatched from the
+//!   prerouting hook (before conntrack, for traffic through the node and to
+//!   the host alike): a source that is not one of the VM's addresses
+//!   (`src4_<k>`, `src6_<k>`) is counted in `spoofed_<k>` and dropped,
+//!   whatever the mode.
 //!
 //! A policy change flushes the VM's chains and rule sets and fills them
 //! again inside one transaction, so the VM never runs without a policy or
@@ -125,11 +127,17 @@ fn base(out: &mut String, layout: &Layout) {
     let _ = writeln!(out, "    map from6 {{ type ipv6_addr : verdict; }}");
     let _ = writeln!(out, "    set to4 {{ type ipv4_addr; }}");
     let _ = writeln!(out, "    set to6 {{ type ipv6_addr; }}");
-    // Spoofed sources first: an established flow of another VM's address
-    // must not carry them through.
+    // Spoofed sources first, before conntrack and on every path (through
+    // the node or to the host itself): an established flow of another VM's
+    // address must not carry them through, and nothing the host serves
+    // may take them for another VM.
     let _ = writeln!(
         out,
-        "    chain forward {{\n        type filter hook forward priority filter - 10; policy accept;\n        iifname vmap @links\n        ip saddr vmap @from4\n        ip6 saddr vmap @from6"
+        "    chain prerouting {{\n        type filter hook prerouting priority raw - 10; policy accept;\n        iifname vmap @links\n    }}"
+    );
+    let _ = writeln!(
+        out,
+        "    chain forward {{\n        type filter hook forward priority filter - 10; policy accept;\n        ip saddr vmap @from4\n        ip6 saddr vmap @from6"
     );
     for (ip, set) in [("ip", "to4"), ("ip6", "to6")] {
         let _ = writeln!(
@@ -320,13 +328,24 @@ fn fill(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
     for rule in v6_chain(layout, vm.id, vm.policy.mode) {
         let _ = writeln!(out, "add rule {t} v6_{k} {rule}");
     }
-    for rule in [
-        format!("ip saddr @src4_{k} return"),
-        format!("ip6 saddr @src6_{k} return"),
-        format!("counter name spoofed_{k} drop"),
-    ] {
+    for rule in link_chain(&k) {
         let _ = writeln!(out, "add rule {t} link_{k} {rule}");
     }
+}
+
+/// Anti-spoofing on the VM's link: its own sources pass; so do the two
+/// kinds of packet a host sends before it has an address, which never
+/// leave the link (a DHCP request from `0.0.0.0`, and neighbour discovery
+/// from `::` or a link-local address: the kernel forwards neither source);
+/// everything else is counted and dropped.
+fn link_chain(k: &str) -> [String; 5] {
+    [
+        format!("ip saddr @src4_{k} return"),
+        format!("ip6 saddr @src6_{k} return"),
+        "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return".to_owned(),
+        "ip6 saddr { ::, fe80::/10 } meta l4proto ipv6-icmp return".to_owned(),
+        format!("counter name spoofed_{k} drop"),
+    ]
 }
 
 fn elements(out: &mut String, k: &str, set: &str, items: impl Iterator<Item = String>) {

@@ -96,9 +96,22 @@ fn an_allowlist_compiles_into_the_vms_own_sets_and_chain() {
         [
             "ip saddr @src4_vm1 return",
             "ip6 saddr @src6_vm1 return",
+            "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return",
+            "ip6 saddr { ::, fe80::/10 } meta l4proto ipv6-icmp return",
             "counter name spoofed_vm1 drop"
         ]
     );
+    // The link is checked before conntrack, on every path: through the
+    // node and to the host itself.
+    let pre = r
+        .split("chain prerouting {")
+        .nth(1)
+        .and_then(|c| c.split('}').next())
+        .expect("a prerouting chain");
+    assert!(pre.contains("hook prerouting priority raw - 10"), "{pre}");
+    assert!(pre.contains("iifname vmap @links"), "{pre}");
+    let forward = r.split("chain forward {").nth(1).expect("a forward chain");
+    assert!(!forward.contains("@links"), "{forward}");
 }
 
 #[test]
