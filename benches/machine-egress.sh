@@ -419,7 +419,8 @@ failed = {v: sum(by[v][r][2] for r in rounds_seen) for v in ["none"] + counts}
 print(f"- Failed connects (no close within a second), summed over the rounds: "
       + ", ".join(f"{'no table' if v == 'none' else v} {f}" for v, f in failed.items()) + ".")
 print(f"- Setup: {len(counts) + 1} paths, {vms(str(sum(int(n) for n in counts)))} registered "
-      f"({jobs} requests at a time), {float(setup_s):.0f} s. Load average (1, 5, 15 min) "
+      f"({jobs} request{'' if jobs == '1' else 's'} at a time), {float(setup_s):.0f} s. "
+      f"Load average (1, 5, 15 min) "
       f"before: {load_before}; after the rounds: {load_after}.")
 
 applies = sorted(float(x) * 1000 for x in open(applies_f))
