@@ -1,67 +1,152 @@
 #!/usr/bin/env bash
 # Machine egress at node scale: what the kernel path costs a VM when 1, 100
-# or 500 VMs are registered, and how fast a policy applies at 500.
+# or 500 VMs are registered, against no table at all, and how fast a policy
+# applies at 500.
 #
-#   sudo benches/machine-egress.sh      # ROUNDS=3 SECONDS_PER=3 COUNTS="1 100 500"
+#   sudo benches/machine-egress.sh   # ROUNDS=12 SECONDS_PER=2 COUNTS="1 100 500" JOBS=4
+#   sudo BUILD=0 GW_BIN=.../egress-gateway LOAD_BIN=.../egress-l4load benches/machine-egress.sh
+#                                    # binaries already built: no cargo build
 #   PROFILE=debug LOAD_PROFILE=release  # a debug gateway (it only applies
 #                                       # rules), a release load generator
 #
-# Three namespaces, all on 100.64.0.0/10 and 203.0.113.0/24 and nothing
-# else: a VM stand-in (100.64.4.2), the gateway (forwarding only the VM's
-# veth) and an origin (203.0.113.80) running `egress-l4load serve`. Every
-# VM, the measured one and the others (100.65.x.y, no traffic), has a
-# 256-rule allowlist; the measured VM's last two rules allow the origin
-# and it is registered with its link (anti-spoofing on). Each round
-# measures, interleaved, no table at all (the gateway stopped and its table
-# deleted: the bare forwarding path) and each VM count, going up in odd
-# rounds and down in even ones: TCP connects/s (8 at a time) and bulk MiB/s
-# on one connection. Then, at the largest count, 20 policy applies of 256
-# rules (each a different policy), p50/p99 ms, and the ruleset's size.
-# Prints a Markdown section on stdout. Everything is removed on exit.
+# Every variant has a path of its own, built once and kept for the whole
+# run: three namespaces, all on 100.64.0.0/10 and 203.0.113.0/24 and
+# nothing else: a VM stand-in (100.64.4.2), a gateway namespace forwarding
+# only the VM's veth, and an origin (203.0.113.80) running `egress-l4load
+# serve`. The `none` path runs no gateway: its forwarding has no machine
+# egress table at all. Each count in COUNTS has a path running its own
+# egress-gateway with that many VMs, registered once at setup (the others
+# JOBS requests at a time, progress on stderr): the measured VM, registered
+# with its link (anti-spoofing on), and count-1 others (100.65.x.y, no
+# traffic). Every VM has a 256-rule allowlist; the measured VM's last two
+# rules allow the origin. Before the rounds, each count's path is checked:
+# its table holds that many VM chains, and a connection to a port outside
+# the allowlist is refused and counted.
+#
+# Then ROUNDS short rounds. Each measures every variant once, in an order
+# that changes per round (the list rotated every second round, reversed in
+# even rounds): TCP connects/s (8 at a time, the server closes first), then
+# bulk MiB/s on one connection, SECONDS_PER seconds each. Every ratio is
+# taken within a round: each count against that round's `none`, and each
+# count against that round's smallest count; the report gives the median,
+# the interquartile range and the range of the per-round ratios, and says
+# which interquartile ranges are wider than 3 points. After the rounds, on
+# the largest count's gateway: 20 policy applies of 256 rules (each a
+# different policy), p50/p99 ms; the ruleset's size as text and the slab
+# the kernel frees when the table is deleted; each gateway's RSS.
+#
+# Prints a Markdown section on stdout and progress on stderr. Every process
+# it starts is stopped by PID and every namespace and the temp dir removed
+# on exit, on failure and on Ctrl-C too.
 set -euo pipefail
+shopt -s inherit_errexit
 root=$(cd "$(dirname "$0")/.." && pwd)
-rounds=${ROUNDS:-3}
-secs=${SECONDS_PER:-3}
+rounds=${ROUNDS:-12}
+secs=${SECONDS_PER:-2}
 counts=${COUNTS:-1 100 500}
+jobs=${JOBS:-4}
+build=${BUILD:-1}
 profile=${PROFILE:-release}
-target=${CARGO_TARGET_DIR:-$root/target}
 load_profile=${LOAD_PROFILE:-$profile} # the load generator's own profile
+target=${CARGO_TARGET_DIR:-$root/target}
+
+die() {
+    echo "machine-egress.sh: $*" >&2
+    exit 1
+}
+posint() { # $1: name, $2: value
+    [[ $2 =~ ^[1-9][0-9]{0,5}$ ]] || die "$1 must be a positive integer, got '$2'"
+}
+posint ROUNDS "$rounds"
+posint SECONDS_PER "$secs"
+posint JOBS "$jobs"
+read -r -a counts_arr <<< "$counts"
+[ "${#counts_arr[@]}" -gt 0 ] || die "COUNTS is empty"
+for n in "${counts_arr[@]}"; do
+    posint "COUNTS entry" "$n"
+    [ "$n" -le 60000 ] || die "COUNTS entry must be at most 60000 (the others' addresses), got '$n'"
+done
+read -r -a counts_arr <<< "$(printf '%s\n' "${counts_arr[@]}" | sort -n | uniq | tr '\n' ' ')"
+largest=${counts_arr[${#counts_arr[@]} - 1]}
+variants=(none "${counts_arr[@]}")
+[ "$(id -u)" = 0 ] || die "needs root (network namespaces, nftables)"
+
 flag() { if [ "$1" = release ]; then echo --release; fi; }
-cargo build $(flag "$profile") --quiet -p egress-gateway --bins --manifest-path "$root/Cargo.toml"
-cargo build $(flag "$load_profile") --quiet -p egress-benches --bin egress-l4load --manifest-path "$root/Cargo.toml"
-gw=$target/$profile/egress-gateway
-load=$target/$load_profile/egress-l4load
+case $build in
+    0) ;;
+    1)
+        read -r -a gw_flags <<< "$(flag "$profile")"
+        read -r -a load_flags <<< "$(flag "$load_profile")"
+        cargo build "${gw_flags[@]}" --quiet -p egress-gateway --bins --manifest-path "$root/Cargo.toml"
+        cargo build "${load_flags[@]}" --quiet -p egress-benches --bin egress-l4load --manifest-path "$root/Cargo.toml"
+        ;;
+    *) die "BUILD must be 0 or 1, got '$build'" ;;
+esac
+gw=${GW_BIN:-$target/$profile/egress-gateway}
+load=${LOAD_BIN:-$target/$load_profile/egress-l4load}
+[ -x "$gw" ] || die "GW_BIN: no executable at '$gw'"
+[ -x "$load" ] || die "LOAD_BIN: no executable at '$load'"
+
 tag=$$
-vmns=meb-vm-$tag gwns=meb-gw-$tag orns=meb-or-$tag
 state=$(mktemp -d /tmp/egress-machine-bench.XXXXXX)
-pids=()
+pids=()    # every background process this script starts
+made_ns=() # every namespace this script made
+declare -A gwpid=()
+alive() { # $1: pid; a zombie is not alive
+    local s
+    s=$(ps -o stat= -p "$1" 2> /dev/null) || return 1
+    [[ $s != Z* ]]
+}
+stop_pid() { # $1: pid; TERM, at most 10 s, then KILL
+    local _
+    kill "$1" 2> /dev/null || true
+    for _ in $(seq 100); do
+        alive "$1" || break
+        sleep 0.1
+    done
+    kill -KILL "$1" 2> /dev/null || true
+    wait "$1" 2> /dev/null || true
+}
 cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    for ns in $vmns $gwns $orns; do ip netns del "$ns" 2>/dev/null || true; done
+    set +e
+    trap '' INT TERM # a second Ctrl-C does not cut the cleanup short
+    local p ns
+    for p in "${pids[@]}"; do kill "$p" 2> /dev/null; done
+    for p in "${pids[@]}"; do stop_pid "$p"; done
+    for ns in "${made_ns[@]}"; do ip netns del "$ns"; done
     rm -rf "$state"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
-for ns in $vmns $gwns $orns; do
-    ip netns add "$ns"
-    ip -n "$ns" link set lo up
-    ip netns exec "$ns" sysctl -qw net.ipv6.conf.all.disable_ipv6=1
-done
-ip -n "$gwns" link add vm1 type veth peer name eth0 netns "$vmns"
-ip -n "$gwns" link add or1 type veth peer name eth0 netns "$orns"
-ip -n "$gwns" addr add 100.64.4.1/30 dev vm1
-ip -n "$gwns" addr add 100.64.5.1/30 dev or1
-ip -n "$vmns" addr add 100.64.4.2/30 dev eth0
-ip -n "$orns" addr add 100.64.5.2/30 dev eth0
-ip -n "$orns" addr add 203.0.113.80/32 dev lo
-for l in "$gwns vm1" "$gwns or1" "$vmns eth0" "$orns eth0"; do set -- $l; ip -n "$1" link set "$2" up; done
-ip -n "$vmns" route add default via 100.64.4.1
-ip -n "$gwns" route add 203.0.113.0/24 via 100.64.5.2
-ip -n "$orns" route add 100.64.0.0/10 via 100.64.5.1
-ip netns exec "$gwns" sysctl -qw net.ipv4.ip_forward=1
-# Only the VM's traffic and replies to it are forwarded.
-ip netns exec "$gwns" nft -f - <<'NFT'
+ns_of() { echo "meb-$tag-$1-$2"; } # $1: variant, $2: vm, gw or or
+make_path() { # $1: variant. The VM, the gateway namespace, the origin and its server.
+    local vmns gwns orns ns l _
+    vmns=$(ns_of "$1" vm) gwns=$(ns_of "$1" gw) orns=$(ns_of "$1" or)
+    for ns in $vmns $gwns $orns; do
+        ip netns add "$ns"
+        made_ns+=("$ns")
+        ip -n "$ns" link set lo up
+        ip netns exec "$ns" sysctl -qw net.ipv6.conf.all.disable_ipv6=1
+    done
+    ip -n "$gwns" link add vm1 type veth peer name eth0 netns "$vmns"
+    ip -n "$gwns" link add or1 type veth peer name eth0 netns "$orns"
+    ip -n "$gwns" addr add 100.64.4.1/30 dev vm1
+    ip -n "$gwns" addr add 100.64.5.1/30 dev or1
+    ip -n "$vmns" addr add 100.64.4.2/30 dev eth0
+    ip -n "$orns" addr add 100.64.5.2/30 dev eth0
+    ip -n "$orns" addr add 203.0.113.80/32 dev lo
+    for l in "$gwns vm1" "$gwns or1" "$vmns eth0" "$orns eth0"; do
+        read -r ns ifname <<< "$l"
+        ip -n "$ns" link set "$ifname" up
+    done
+    ip -n "$vmns" route add default via 100.64.4.1
+    ip -n "$gwns" route add 203.0.113.0/24 via 100.64.5.2
+    ip -n "$orns" route add 100.64.0.0/10 via 100.64.5.1
+    ip netns exec "$gwns" sysctl -qw net.ipv4.ip_forward=1
+    # Only the VM's traffic and replies to it are forwarded.
+    ip netns exec "$gwns" nft -f - <<'NFT'
 table inet bench_forward {
     chain forward {
         type filter hook forward priority 0; policy drop;
@@ -70,11 +155,32 @@ table inet bench_forward {
     }
 }
 NFT
+    mkdir -p "$state/$1"
+    ip netns exec "$orns" "$load" serve --listen 203.0.113.80:9000 --close-at 203.0.113.80:9001 > "$state/$1/serve.out" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 100); do
+        grep -q ready "$state/$1/serve.out" && return 0
+        alive "${pids[-1]}" || break
+        sleep 0.1
+    done
+    cat "$state/$1/serve.out" >&2
+    die "the origin server of the $1 path did not become ready"
+}
 
-ip netns exec "$orns" "$load" serve --listen 203.0.113.80:9000 --close-at 203.0.113.80:9001 > "$state/serve.out" &
-pids+=($!)
-cat > "$state/gateway.toml" <<TOML
-state_dir = "$state/gw"
+gateways_alive() { # a gateway that exited (a crash, a Ctrl-C) ends the run
+    local n
+    for n in "${!gwpid[@]}"; do
+        alive "${gwpid[$n]}" || die "the gateway of the $n-VM path exited: $(tail -c 2000 "$state/$n/gateway.err")"
+    done
+}
+admin_to() { # $1: reply file, $2: count, $3: method, $4: path, [$5: body]
+    ip netns exec "$(ns_of "$2" gw)" curl -s --max-time 30 -o "$1" -w '%{http_code} %{time_total}' \
+        -X "$3" -H 'content-type: application/json' ${5:+--data-binary "$5"} "http://127.0.0.1:15000$4"
+}
+admin() { admin_to "$state/$1/reply" "$@"; } # $1: count, then as admin_to
+start_gateway() { # $1: count
+    cat > "$state/$1/gateway.toml" <<TOML
+state_dir = "$state/$1/gw"
 [listen]
 transparent = "127.0.0.1:0"
 dns = "127.0.0.1:0"
@@ -83,23 +189,20 @@ admin = "127.0.0.1:15000"
 [log]
 flow_log = "off"
 TOML
-gwpid=
-start_gateway() {
-    RUST_LOG=warn ip netns exec "$gwns" "$gw" run --config "$state/gateway.toml" 2>> "$state/gateway.err" &
-    gwpid=$!
+    RUST_LOG=warn ip netns exec "$(ns_of "$1" gw)" "$gw" run --config "$state/$1/gateway.toml" 2>> "$state/$1/gateway.err" &
+    gwpid[$1]=$!
+    pids+=($!)
+}
+wait_ready() { # $1: count
+    local _
     for _ in $(seq 600); do
-        [ "$(admin GET /readyz | cut -d' ' -f1)" = 200 ] && return 0
+        [ "$(admin "$1" GET /readyz | cut -d' ' -f1)" = 200 ] && return 0
+        alive "${gwpid[$1]}" || break
         sleep 0.1
     done
-    cat "$state/gateway.err" >&2; exit 1
+    cat "$state/$1/gateway.err" >&2
+    die "the gateway of the $1-VM path did not become ready"
 }
-stop_gateway() {
-    kill "$gwpid"; wait "$gwpid" 2>/dev/null || true
-}
-admin() { ip netns exec "$gwns" curl -s -o "$state/reply" -w '%{http_code} %{time_total}' -X "$1" -H 'content-type: application/json' ${3:+--data-binary "$3"} "http://127.0.0.1:15000$2"; }
-trap 'stop_gateway 2>/dev/null; cleanup' EXIT
-for _ in $(seq 100); do grep -q ready "$state/serve.out" && break; sleep 0.1; done
-start_gateway
 
 # 256 rules: 254 that do not match the origin, then the two that do.
 rules() { # $1: port offset, so each policy differs
@@ -107,94 +210,229 @@ rules() { # $1: port offset, so each policy differs
     for i in $(seq 0 253); do out+="{\"cidr\": \"10.$((i % 256)).0.0/16\", \"proto\": \"tcp\", \"port\": $((1000 + i + $1))},"; done
     printf '{"mode": "allowlist", "rules": [%s{"cidr": "203.0.113.0/24", "proto": "tcp", "port": 9000}, {"cidr": "203.0.113.0/24", "proto": "tcp", "port": 9001}]}' "$out"
 }
-policy=$(rules 0)
-code=$(admin PUT /v1/vms/bench "{\"addresses\": [\"100.64.4.2\"], \"link\": \"vm1\", \"egress\": $policy}" | cut -d' ' -f1)
-[ "$code" = 200 ] || { cat "$state/reply" >&2; exit 1; }
-others=0 # VMs registered besides the measured one
-set_count() { # $1: VMs in all
-    local want=$(( $1 - 1 )) i
-    while [ "$others" -lt "$want" ]; do
-        i=$others
-        code=$(admin PUT "/v1/vms/o$i" "{\"addresses\": [\"100.65.$((i / 250)).$((i % 250 + 1))\"], \"egress\": $(rules $((i % 7 + 1)))}" | cut -d' ' -f1)
-        [ "$code" = 200 ] || { cat "$state/reply" >&2; exit 1; }
-        others=$((others + 1))
+policies=()
+for i in $(seq 0 7); do policies[i]=$(rules "$i"); done
+
+register() { # $1: reply file, $2: count, $3: VM id, $4: body
+    local out
+    out=$(admin_to "$1" "$2" PUT "/v1/vms/$3" "$4") || true
+    [ "${out%% *}" = 200 ] && return 0
+    echo "registering $3 on the $2-VM path: HTTP ${out%% *}: $(head -c 500 "$1" 2> /dev/null)" >&2
+    return 1
+}
+register_worker() { # $1: worker number; registers the "count index" lines of its work file
+    local n i
+    while read -r n i; do
+        register "$state/reply.w$1" "$n" "o$i" \
+            "{\"addresses\": [\"100.65.$((i / 250)).$((i % 250 + 1))\"], \"egress\": ${policies[i % 7 + 1]}}" || exit 1
+        echo >> "$state/done.w$1"
+    done < "$state/work.$1"
+}
+register_others() { # the count-1 others of every path, JOBS requests at a time
+    local n i w p total done_n running=0 _ wpids=()
+    for ((i = 0; i < largest - 1; i++)); do
+        for n in "${counts_arr[@]}"; do
+            if [ "$i" -lt $((n - 1)) ]; then echo "$n $i"; fi
+        done
+    done > "$state/work"
+    total=$(wc -l < "$state/work")
+    for ((w = 0; w < jobs; w++)); do
+        awk -v j="$jobs" -v w="$w" 'NR % j == w' "$state/work" > "$state/work.$w"
+        : > "$state/done.w$w"
+        [ -s "$state/work.$w" ] || continue
+        register_worker "$w" &
+        wpids+=($!)
+        pids+=($!)
     done
-    while [ "$others" -gt "$want" ]; do
-        others=$((others - 1))
-        admin DELETE "/v1/vms/o$others" > /dev/null
+    for _ in $(seq 1800); do # an hour at most
+        done_n=$(cat "$state"/done.w* | wc -l)
+        echo "registered $done_n/$total others" >&2
+        gateways_alive
+        running=0
+        for p in "${wpids[@]}"; do if alive "$p"; then running=1; fi; done
+        [ "$running" = 1 ] || break
+        sleep 2
+    done
+    [ "$running" = 0 ] || die "registering the others took over an hour"
+    for p in "${wpids[@]}"; do
+        wait "$p" || die "registering the others failed (see above)"
     done
 }
+check_judged() { # $1: count. A port outside the allowlist is refused and counted.
+    local gwns packets
+    gwns=$(ns_of "$1" gw)
+    if ip netns exec "$(ns_of "$1" vm)" timeout --foreground 2 bash -c 'exec 3<> /dev/tcp/203.0.113.80/9002' 2> /dev/null; then
+        die "the $1-VM path let a connection to 203.0.113.80:9002 through (not in the allowlist)"
+    fi
+    packets=$(ip netns exec "$gwns" nft list counter inet egress_machine refused_bench |
+        sed -nE 's/.*packets ([0-9]+).*/\1/p')
+    [ "${packets:-0}" -gt 0 ] || die "the $1-VM path did not count the refused connection in refused_bench"
+    local chains
+    chains=$(ip netns exec "$gwns" nft list table inet egress_machine | grep -cE '^[[:space:]]*chain vm_' || true)
+    [ "$chains" = "$1" ] || die "the $1-VM path has $chains VM chains, not $1"
+}
 
-measure() { # $1: label; prints "label connects/s MiB/s"
-    local c b
-    ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 --seconds "$secs" --concurrency 8 > "$state/connect.json"
-    echo "$1 $(cat "$state/connect.json")" >&2
-    c=$(sed -E 's/.*"per_s":([0-9.]+).*/\1/' "$state/connect.json")
-    b=$(ip netns exec "$vmns" "$load" bulk --target 203.0.113.80:9000 --seconds "$secs" | sed -E 's/.*"mib_per_s":([0-9.]+).*/\1/')
-    echo "$1 $c $b"
+setup_start=$SECONDS
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+for v in "${variants[@]}"; do make_path "$v"; done
+for n in "${counts_arr[@]}"; do start_gateway "$n"; done
+for n in "${counts_arr[@]}"; do wait_ready "$n"; done
+for n in "${counts_arr[@]}"; do
+    register "$state/$n/reply" "$n" bench \
+        "{\"addresses\": [\"100.64.4.2\"], \"link\": \"vm1\", \"egress\": ${policies[0]}}" || die "registration failed"
+done
+echo "paths ready, registering the others" >&2
+register_others
+for n in "${counts_arr[@]}"; do check_judged "$n"; done
+setup_s=$((SECONDS - setup_start))
+echo "setup done in ${setup_s} s" >&2
+
+num() { # $1: field, $2: JSON from egress-l4load; the number or a failure
+    local x
+    x=$(sed -nE "s/.*\"$1\":([0-9.eE+-]+).*/\1/p" <<< "$2")
+    [[ $x =~ ^[0-9] ]] || die "no $1 in egress-l4load's output: $2"
+    echo "$x"
+}
+measure() { # $1: round, $2: variant; appends "round variant connects/s MiB/s failed-connects"
+    local vmns out c f b
+    vmns=$(ns_of "$2" vm)
+    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 --seconds "$secs" --concurrency 8)
+    echo "$2 connect $out" >&2
+    c=$(num per_s "$out")
+    f=$(num failed "$out")
+    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" bulk --target 203.0.113.80:9000 --seconds "$secs")
+    echo "$2 bulk $out" >&2
+    b=$(num mib_per_s "$out")
+    echo "$1 $2 $c $b $f" >> "$results"
 }
 results=$state/results
 : > "$results"
-up=$counts
-down=$(echo $counts | tr ' ' '\n' | sort -rn | tr '\n' ' ')
-for r in $(seq "$rounds"); do
-    # No table: the bare forwarding path of the same namespaces.
-    stop_gateway
-    ip netns exec "$gwns" nft delete table inet egress_machine
-    measure none >> "$results"
-    start_gateway
-    if [ $((r % 2)) = 1 ]; then order=$up; else order=$down; fi
-    for n in $order; do
-        set_count "$n"
-        measure "$n" >> "$results"
+nv=${#variants[@]}
+for ((r = 1; r <= rounds; r++)); do
+    gateways_alive
+    k=$(((r - 1) / 2 % nv))
+    order=("${variants[@]:k}" "${variants[@]:0:k}")
+    if ((r % 2 == 0)); then
+        rev=()
+        for ((i = nv - 1; i >= 0; i--)); do rev+=("${order[i]}"); done
+        order=("${rev[@]}")
+    fi
+    for v in "${order[@]}"; do
+        measure "$r" "$v"
     done
-    echo "round $r done" >&2
+    echo "round $r/$rounds done (order: ${order[*]})" >&2
 done
-largest=$(echo $counts | tr ' ' '\n' | sort -n | tail -1)
-set_count "$largest"
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+
 applies=$state/applies
 : > "$applies"
 for i in $(seq 20); do
-    out=$(admin PUT /v1/vms/bench/network/egress "$(rules "$i")")
-    [ "${out%% *}" = 200 ] || { cat "$state/reply" >&2; exit 1; }
+    out=$(admin "$largest" PUT /v1/vms/bench/network/egress "$(rules "$i")") || true
+    [ "${out%% *}" = 200 ] || {
+        cat "$state/$largest/reply" >&2
+        die "policy apply $i at $largest VMs: HTTP ${out%% *}"
+    }
     echo "${out#* }" >> "$applies"
 done
+rss=""
+for n in "${counts_arr[@]}"; do
+    rss+="$n:$(awk '/^VmRSS:/ {print $2}' "/proc/${gwpid[$n]}/status") "
+done
+gwns=$(ns_of "$largest" gw)
 ruleset_bytes=$(ip netns exec "$gwns" nft list table inet egress_machine | wc -c)
 slab_with=$(awk '/^Slab:/ {print $2}' /proc/meminfo)
-stop_gateway
-ip netns exec "$gwns" nft delete table inet egress_machine
+stop_pid "${gwpid[$largest]}"
+ip netns exec "$gwns" nft delete table inet egress_machine 2> /dev/null || true
 sleep 1
 slab_without=$(awk '/^Slab:/ {print $2}' /proc/meminfo)
-echo "$largest $ruleset_bytes $slab_with $slab_without" > "$state/memory"
-start_gateway
+echo "$ruleset_bytes $slab_with $slab_without" > "$state/memory"
+echo "--- raw: round variant connects/s MiB/s failed-connects" >&2
+cat "$results" >&2
 
-python3 - "$results" "$applies" "$rounds" "$secs" "$state/memory" "$counts" <<'PY'
+python3 - "$results" "$applies" "$state/memory" "$secs" "${counts_arr[*]}" "$setup_s" "$jobs" \
+    "$load_before" "$load_after" "$rss" <<'PY'
 import sys, statistics as st
-rows = [l.split() for l in open(sys.argv[1])]
-applies = sorted(float(x) * 1000 for x in open(sys.argv[2]))
-rounds, secs = sys.argv[3], sys.argv[4]
-largest, text_bytes, slab_with, slab_without = open(sys.argv[5]).read().split()
-counts = sys.argv[6].split()
-by = {}
-for label, c, b in rows:
-    by.setdefault(label, []).append((float(c), float(b)))
+(results, applies_f, memory_f, secs, counts, setup_s, jobs,
+ load_before, load_after, rss) = sys.argv[1:]
+counts = counts.split()
+smallest, largest = counts[0], counts[-1]
+by = {}  # variant -> {round: (connects/s, MiB/s, failed)}
+for line in open(results):
+    r, label, c, b, f = line.split()
+    by.setdefault(label, {})[r] = (float(c), float(b), int(f))
+rounds_seen = sorted(by["none"], key=int)
 med = st.median
-none = by["none"]
-print(f"### Machine egress at node scale ({rounds} interleaved rounds, {secs} s each)\n")
-print("Ratios are per round against that round's no-table run (median, then the rounds' range).\n")
-print("| VMs registered | TCP connects/s (8 at a time) | ratio to no table | bulk MiB/s | ratio to no table |")
+vms = lambda n: f"{n} VM" if n == "1" else f"{n} VMs"
+
+def quartiles(xs):
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = st.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+def ratios(num, den, i):
+    return [by[num][r][i] / by[den][r][i] for r in rounds_seen]
+
+def show(xs):
+    q1, q3 = quartiles(xs)
+    return f"{med(xs):.3f}× (IQR {q1:.3f}–{q3:.3f}, range {min(xs):.3f}–{max(xs):.3f})"
+
+def width(xs):
+    q1, q3 = quartiles(xs)
+    return (q3 - q1) * 100
+
+print(f"### Machine egress at node scale ({len(rounds_seen)} interleaved round"
+      f"{'' if len(rounds_seen) == 1 else 's'}, {secs} s per figure)\n")
+print("Every variant is a path of its own, measured in turn within each round; ratios are per round "
+      "(median of the rounds' ratios, their interquartile range, their range).\n")
+print("| VMs registered | TCP connects/s (8 at a time) | ratio to no table | bulk MiB/s (one connection) | ratio to no table |")
 print("|---|---|---|---|---|")
+none = [by["none"][r] for r in rounds_seen]
 print(f"| no table | {med(x[0] for x in none):.0f} | 1 | {med(x[1] for x in none):.0f} | 1 |")
+widths = {"connects": [], "bulk": []}
 for n in counts:
-    rs = by[n]
-    cr = [a[0] / z[0] for z, a in zip(none, rs)]
-    br = [a[1] / z[1] for z, a in zip(none, rs)]
-    print(f"| {n} | {med(x[0] for x in rs):.0f} | {med(cr):.3f}× ({min(cr):.3f}–{max(cr):.3f}) | {med(x[1] for x in rs):.0f} | {med(br):.3f}× ({min(br):.3f}–{max(br):.3f}) |")
-first, last = counts[0], counts[-1]
-cr = [b[0] / a[0] for a, b in zip(by[first], by[last])]
-br = [b[1] / a[1] for a, b in zip(by[first], by[last])]
-print(f"\n{last} VMs against {first}, per round: connects {med(cr):.3f}× ({min(cr):.3f}–{max(cr):.3f}), bulk {med(br):.3f}× ({min(br):.3f}–{max(br):.3f}).")
+    rs = [by[n][r] for r in rounds_seen]
+    cr, br = ratios(n, "none", 0), ratios(n, "none", 1)
+    widths["connects"].append((width(cr), f"{n} against no table"))
+    widths["bulk"].append((width(br), f"{n} against no table"))
+    print(f"| {n} | {med(x[0] for x in rs):.0f} | {show(cr)} | {med(x[1] for x in rs):.0f} | {show(br)} |")
+if len(counts) > 1:
+    print(f"\nAgainst the smallest count ({vms(smallest)}), per round:\n")
+    print(f"| VMs registered | connects/s ratio to {smallest} | bulk ratio to {smallest} |")
+    print("|---|---|---|")
+    for n in counts[1:]:
+        cr, br = ratios(n, smallest, 0), ratios(n, smallest, 1)
+        widths["connects"].append((width(cr), f"{n} against {smallest}"))
+        widths["bulk"].append((width(br), f"{n} against {smallest}"))
+        print(f"| {n} | {show(cr)} | {show(br)} |")
+print()
+for what, ws in widths.items():
+    if len(rounds_seen) < 2:
+        print(f"- Spread, {what}: one round only, so there is no spread to report.")
+        continue
+    w, which = max(ws)
+    over = [x for x in ws if x[0] > 3]
+    text = (f"{len(over)} of {len(ws)} ratio IQRs are wider than 3 points, so these rounds do not "
+            f"resolve a 3% difference there" if over else f"every ratio IQR is within 3 points")
+    print(f"- Spread, {what}: the widest IQR is {w:.1f} points ({which}); {text}.")
+failed = {v: sum(by[v][r][2] for r in rounds_seen) for v in ["none"] + counts}
+print(f"- Failed connects (no close within a second), summed over the rounds: "
+      + ", ".join(f"{'no table' if v == 'none' else v} {f}" for v, f in failed.items()) + ".")
+print(f"- Setup: {len(counts) + 1} paths, {vms(str(sum(int(n) for n in counts)))} registered "
+      f"({jobs} request{'' if jobs == '1' else 's'} at a time), {float(setup_s):.0f} s. "
+      f"Load average (1, 5, 15 min) "
+      f"before: {load_before}; after the rounds: {load_after}.")
+
+applies = sorted(float(x) * 1000 for x in open(applies_f))
 p = lambda q: applies[min(len(applies) - 1, int(q * len(applies)))]
-print(f"\nPolicy apply at {largest} VMs, 256 rules, through `PUT /v1/vms/{{id}}/network/egress` (validate, one `nft -f` transaction, fsync'd state), {len(applies)} applies: p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms.")
-print(f"\nRuleset at {largest} VMs: `nft list table` is {int(text_bytes) / 1e6:.1f} MB of text; the kernel's slab shrank by {(int(slab_with) - int(slab_without)) / 1024:.0f} MiB when the table was deleted (the whole machine's slab, so noisy).")
+print(f"\nPolicy apply at {vms(largest)}, 256 rules, through `PUT /v1/vms/{{id}}/network/egress` "
+      f"(validate, one `nft -f` transaction, fsync'd state), {len(applies)} applies: "
+      f"p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms"
+      + (" (the slowest of them)." if len(applies) < 100 else "."))
+text_bytes, slab_with, slab_without = open(memory_f).read().split()
+print(f"\nRuleset at {vms(largest)}: `nft list table` is {int(text_bytes) / 1e6:.1f} MB of text; the "
+      f"kernel's slab shrank by {(int(slab_with) - int(slab_without)) / 1024:.0f} MiB when the table "
+      f"was deleted (the whole machine's slab, so noisy). Gateway RSS by VM count: "
+      + ", ".join(f"{vms(n)} {int(k) / 1024:.0f} MiB"
+                 for n, k in (x.split(":") for x in rss.split())) + ".")
 PY
