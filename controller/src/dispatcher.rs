@@ -688,15 +688,14 @@ impl Dispatcher {
                 return Listed::Inconclusive;
             }
         };
-        // Changes still being pushed are not drift.
-        let unpushed = store::unpushed(&self.pool, &w.id, 1).await;
-        let settled =
-            read(unpushed, "reading the unpushed changes", &w.id).is_some_and(|u| u.is_empty());
-        if !status.is_success() || !settled {
+        if !status.is_success() {
             return Listed::Inconclusive;
         }
-        let rows = store::worker_sandboxes(&self.pool, &w.id).await;
-        let Some(rows) = read(rows, "reading the sandboxes to compare", &w.id) else {
+        // Read after the list: a row settled then was pushed (by this task)
+        // before the list was fetched. Changes still being pushed are not
+        // drift.
+        let rows = store::settled_sandboxes(&self.pool, &w.id).await;
+        let Some(Some(rows)) = read(rows, "reading the sandboxes to compare", &w.id) else {
             return Listed::Inconclusive;
         };
         if differs(&rows, &body) {

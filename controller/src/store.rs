@@ -373,6 +373,40 @@ pub async fn worker_sandboxes(pool: &PgPool, worker: &str) -> Result<Vec<Sandbox
     rows.iter().map(SandboxRow::from_row).collect()
 }
 
+/// The worker's live sandboxes, as [`worker_sandboxes`], if none of its
+/// changes is still unacknowledged; `None` otherwise. Both are read in one
+/// snapshot, so a sandbox placed between the two reads cannot pass for a
+/// settled one (a list compared against it would look drifted).
+pub async fn settled_sandboxes(
+    pool: &PgPool,
+    worker: &str,
+) -> Result<Option<Vec<SandboxRow>>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let pending: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM sandboxes WHERE worker = $1 AND generation > pushed_generation)",
+    )
+    .bind(worker)
+    .fetch_one(&mut *tx)
+    .await?;
+    if pending {
+        return Ok(None);
+    }
+    let rows = sqlx::query(
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id",
+    )
+    .bind(worker)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    rows.iter()
+        .map(SandboxRow::from_row)
+        .collect::<Result<_, _>>()
+        .map(Some)
+}
+
 /// Changes a worker's gateway has not acknowledged yet, oldest first.
 pub async fn unpushed(
     pool: &PgPool,

@@ -4,14 +4,16 @@
 //! the push target. Sends `--count` native creates (`--concurrency` at a
 //! time), then reports creates/s (API acknowledgement to every operation
 //! succeeded) and push latency (API acknowledgement to the gateway holding
-//! the sandbox) as JSON. Bounded in count and time.
+//! the sandbox) as JSON, with the five slowest creates and their place in
+//! the sending order. `--warmup` creates go first and are not counted.
+//! Bounded in count and time.
 //!
 //! `DATABASE_URL=… cargo run --release -p egress-benches --bin egress-ctlload -- --count 1000`
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use clap::Parser;
@@ -38,6 +40,11 @@ struct Args {
     /// latency without a backlog.
     #[arg(long, default_value_t = 0)]
     interval_ms: u64,
+    /// Creates sent and enforced before the measured ones, not counted:
+    /// the figures are of a controller in its steady state, its database
+    /// connections open, its push task and its gateway connection up.
+    #[arg(long, default_value_t = 20)]
+    warmup: usize,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 120)]
     limit_s: u64,
@@ -103,14 +110,17 @@ async fn main() -> Result<(), String> {
     let (addr, dispatcher_metrics) = start_controller(&url).await?;
     seed(addr, &gw).await?;
 
-    let started = Instant::now();
     let limit = Duration::from_secs(args.limit_s);
     let watch = Watch::start(&gw);
-    let acked = create_all(addr, &args).await?;
+    let warm = create_all(addr, &args, args.warmup).await?;
+    watch.until_enforced(&warm, Instant::now(), limit).await?;
+    let started = Instant::now();
+    let acked = create_all(addr, &args, args.count).await?;
     let api_done = started.elapsed();
     watch.until_enforced(&acked, started, limit).await?;
-    let latencies = watch.stop(&acked).await;
     let total = started.elapsed();
+    let claimed = claimed_after(&url, &acked).await?;
+    let latencies = watch.stop(&acked, &claimed).await;
     report(&args, api_done, total, latencies, &dispatcher_metrics);
     Ok(())
 }
@@ -216,12 +226,13 @@ async fn seed(addr: SocketAddr, gw: &Gateway) -> Result<(), String> {
     Ok(())
 }
 
-/// Sends `--count` creates, `--concurrency` at a time, `--interval-ms`
-/// apart: when the API acknowledged each sandbox.
-async fn create_all(addr: SocketAddr, args: &Args) -> Result<HashMap<String, Instant>, String> {
+/// Sends `count` creates, `--concurrency` at a time, `--interval-ms`
+/// apart: when the API acknowledged each sandbox, and its place in the
+/// sending order.
+async fn create_all(addr: SocketAddr, args: &Args, count: usize) -> Result<Acked, String> {
     let gate = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
-    let mut tasks = Vec::with_capacity(args.count);
-    for _ in 0..args.count {
+    let mut tasks = Vec::with_capacity(count);
+    for _ in 0..count {
         if args.interval_ms > 0 {
             tokio::time::sleep(Duration::from_millis(args.interval_ms)).await;
         }
@@ -242,15 +253,56 @@ async fn create_all(addr: SocketAddr, args: &Args) -> Result<HashMap<String, Ins
             Ok((
                 v["sandbox"].as_str().unwrap_or_default().to_owned(),
                 Instant::now(),
+                SystemTime::now(),
             ))
         }));
     }
-    let mut acked: HashMap<String, Instant> = HashMap::new();
-    for t in tasks {
-        let (id, at) = t.await.map_err(|e| e.to_string())??;
-        acked.insert(id, at);
+    let mut acked = HashMap::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (id, at, wall) = t.await.map_err(|e| e.to_string())??;
+        acked.insert(id, (i, at, wall));
     }
     Ok(acked)
+}
+
+/// Each acknowledged create: its place in the sending order, and when the
+/// API answered (monotonic, and by the wall clock the database shares).
+type Acked = HashMap<String, (usize, Instant, SystemTime)>;
+
+/// One create's push latency, its place in the sending order, and how much
+/// of the latency passed before the dispatcher claimed its operation.
+struct Latency {
+    ms: f64,
+    create: usize,
+    claimed_ms: f64,
+}
+
+/// When the dispatcher claimed each acknowledged create's operation, as
+/// milliseconds after the API's answer: the operation's `finished_at`,
+/// which is the start of the transaction that ran it.
+async fn claimed_after(url: &str, acked: &Acked) -> Result<HashMap<String, f64>, String> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ids: Vec<String> = acked.keys().cloned().collect();
+    let rows: Vec<(String, f64)> = sqlx::query_as(
+        "SELECT sandbox, extract(epoch FROM finished_at)::float8 FROM operations WHERE sandbox = ANY($1) AND finished_at IS NOT NULL",
+    )
+    .bind(&ids)
+    .fetch_all(&mut conn)
+    .await
+    .map_err(|e| e.to_string())?;
+    let mut out = HashMap::new();
+    for (id, finished) in rows {
+        if let Some((_, _, wall)) = acked.get(&id) {
+            let acked_s = wall
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            out.insert(id, (finished - acked_s) * 1000.0);
+        }
+    }
+    Ok(out)
 }
 
 /// When each sandbox first appears on the gateway, watched from the start.
@@ -295,7 +347,7 @@ impl Watch {
     /// `limit` after `started`.
     async fn until_enforced(
         &self,
-        acked: &HashMap<String, Instant>,
+        acked: &Acked,
         started: Instant,
         limit: Duration,
     ) -> Result<(), String> {
@@ -320,8 +372,8 @@ impl Watch {
     }
 
     /// Stops watching: the push latency of each acknowledged sandbox seen,
-    /// in milliseconds.
-    async fn stop(self, acked: &HashMap<String, Instant>) -> Vec<f64> {
+    /// in milliseconds, with the create's place in the sending order.
+    async fn stop(self, acked: &Acked, claimed: &HashMap<String, f64>) -> Vec<Latency> {
         self.watching
             .store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = self.watcher.await;
@@ -330,9 +382,13 @@ impl Watch {
             .seen
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for (id, at) in acked {
+        for (id, (i, at, _)) in acked {
             if let Some(t) = seen.get(id) {
-                latencies.push(t.saturating_duration_since(*at).as_secs_f64() * 1000.0);
+                latencies.push(Latency {
+                    ms: t.saturating_duration_since(*at).as_secs_f64() * 1000.0,
+                    create: *i,
+                    claimed_ms: claimed.get(id).copied().unwrap_or(f64::NAN),
+                });
             }
         }
         latencies
@@ -345,22 +401,41 @@ fn report(
     args: &Args,
     api_done: Duration,
     total: Duration,
-    mut latencies: Vec<f64>,
+    mut latencies: Vec<Latency>,
     dispatcher_metrics: &Metrics,
 ) {
     if std::env::var_os("CTLLOAD_METRICS").is_some() {
         eprintln!("{}", dispatcher_metrics.encode());
     }
-    latencies.sort_by(f64::total_cmp);
+    latencies.sort_by(|a, b| a.ms.total_cmp(&b.ms));
+    // The slowest five with their place in the sending order (whether the
+    // tail is the first creates or spread) and when they were claimed
+    // (whether they waited in the queue or after it).
+    let slowest: Vec<Value> = latencies
+        .iter()
+        .rev()
+        .take(5)
+        .map(|l| json!({"create": l.create, "ms": l.ms, "claimed_ms": l.claimed_ms}))
+        .collect();
+    let mut claimed: Vec<f64> = latencies.iter().map(|l| l.claimed_ms).collect();
+    claimed.sort_by(f64::total_cmp);
+    let mut after: Vec<f64> = latencies.iter().map(|l| l.ms - l.claimed_ms).collect();
+    after.sort_by(f64::total_cmp);
+    let latencies: Vec<f64> = latencies.into_iter().map(|l| l.ms).collect();
+    let spread = |v: &[f64]| json!({"p50": percentile(v, 0.5), "p90": percentile(v, 0.9), "p99": percentile(v, 0.99)});
     println!(
         "{}",
         json!({
             "creates": args.count,
+            "warmup": args.warmup,
             "concurrency": args.concurrency,
             "interval_ms": args.interval_ms,
             "api_creates_per_s": args.count as f64 / api_done.as_secs_f64(),
             "enforced_per_s": args.count as f64 / total.as_secs_f64(),
-            "push_latency_ms": {"p50": percentile(&latencies, 0.5), "p90": percentile(&latencies, 0.9), "p99": percentile(&latencies, 0.99)},
+            "push_latency_ms": spread(&latencies),
+            "acked_to_claimed_ms": spread(&claimed),
+            "claimed_to_enforced_ms": spread(&after),
+            "slowest": slowest,
         })
     );
 }

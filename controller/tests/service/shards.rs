@@ -562,3 +562,43 @@ async fn a_sharded_dispatcher_waits_while_a_single_leader_dispatcher_leads() {
         json!("succeeded")
     );
 }
+
+/// The drift check compares a gateway's list only with sandboxes that are
+/// all pushed, read in one snapshot: while any change of the worker is
+/// unacknowledged it gets nothing to compare (a sandbox placed while the
+/// list was fetched is not drift), and once they are all acknowledged it
+/// gets every live one.
+#[tokio::test]
+async fn the_drift_check_compares_only_a_settled_worker() {
+    let url = db!();
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    for sql in [
+        "INSERT INTO templates (id, policy) VALUES ('t', '{\"default\": \"deny\"}')",
+        "INSERT INTO workers (id, admin_url, token, pool) VALUES ('w1', 'http://127.0.0.1:9', '', '100.64.0.0/24')",
+        "INSERT INTO sandboxes (id, tenant, template, egress_profiles, policy, inherits_template, state, worker, addresses, generation, pushed_generation) \
+         VALUES ('s1', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'running', 'w1', '{100.64.0.2}', 1, 1), \
+                ('s2', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'running', 'w1', '{100.64.0.3}', 1, 0)",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut conn)
+            .await
+            .expect(sql);
+    }
+    let settled = egress_controller::store::settled_sandboxes(&pool, "w1")
+        .await
+        .expect("read");
+    assert!(settled.is_none(), "s2 is not pushed yet: {settled:?}");
+    sqlx::query("UPDATE sandboxes SET pushed_generation = generation WHERE id = 's2'")
+        .execute(&mut conn)
+        .await
+        .expect("ack");
+    let settled = egress_controller::store::settled_sandboxes(&pool, "w1")
+        .await
+        .expect("read")
+        .expect("every change acknowledged");
+    let ids: Vec<&str> = settled.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids, ["s1", "s2"]);
+}
