@@ -420,9 +420,10 @@ fn metric_reaching(t: &Topology, series: &str, at_least: u64) -> u64 {
     }
 }
 
-/// An HTTP GET from the VM stand-in sent from `source`.
-fn tcp_from(t: &Topology, source: &str, ip: &str) -> bool {
-    let out = t.exec(
+/// curl in the VM stand-in, sent from `source` to `url` (1 s to connect,
+/// 3 s in all), writing only the status code.
+fn curl_from(t: &Topology, source: &str, url: &str) -> std::process::Output {
+    t.exec(
         vm(t),
         "curl",
         &[
@@ -437,9 +438,14 @@ fn tcp_from(t: &Topology, source: &str, ip: &str) -> bool {
             "3",
             "-w",
             "%{http_code}",
-            &format!("http://{ip}/"),
+            url,
         ],
-    );
+    )
+}
+
+/// An HTTP GET from the VM stand-in sent from `source`.
+fn tcp_from(t: &Topology, source: &str, ip: &str) -> bool {
+    let out = curl_from(t, source, &format!("http://{ip}/"));
     String::from_utf8_lossy(&out.stdout).trim() == "200"
 }
 
@@ -448,20 +454,7 @@ fn tcp_from(t: &Topology, source: &str, ip: &str) -> bool {
 /// is refused (the SYN arrived and was reset), `Some(false)` when it times
 /// out (dropped), `None` for anything else.
 fn host_answers(t: &Topology, source: &str) -> Option<bool> {
-    let out = t.exec(
-        vm(t),
-        "curl",
-        &[
-            "-s",
-            "--interface",
-            source,
-            "--connect-timeout",
-            "1",
-            "--max-time",
-            "3",
-            "http://100.64.4.1:9/",
-        ],
-    );
+    let out = curl_from(t, source, "http://100.64.4.1:9/");
     match out.status.code() {
         Some(7) => Some(true),
         Some(28) => Some(false),
