@@ -588,24 +588,11 @@ impl Dispatcher {
             }
             ndjson.push('\n');
         }
+        // The epoch before and after: the same one means the same process
+        // took the resync (one that restarted meanwhile has another).
+        let before = self.gateway_state(w).await;
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
-            Ok((status, _)) if status.is_success() => {
-                let ready = self.gateway_state(w).await;
-                let epoch = ready.as_ref().map(|(e, _)| e.as_str());
-                let seen = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
-                logged(seen, "recording the resync", &w.id);
-                let generation = ready.as_ref().map(|(_, g)| *g);
-                let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
-                logged(acked, "acknowledging the resync", &w.id);
-                for s in &rows {
-                    let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
-                    logged(pushed, "marking a resynced sandbox pushed", &s.id);
-                }
-                self.mark_forgotten(w).await;
-                tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
-                self.count_push("resync");
-                true
-            }
+            Ok((status, _)) if status.is_success() => self.resynced(w, &rows, before).await,
             outcome => {
                 let error = match outcome {
                     Ok((status, body)) => PushError::refused(status, &body),
@@ -619,6 +606,40 @@ impl Dispatcher {
                 false
             }
         }
+    }
+
+    /// Records a resync the gateway answered: its epoch and generation, and
+    /// every resynced sandbox pushed. If the epoch it reports now is not the
+    /// one it reported before the resync (`before`), the answer may have
+    /// come from a process that has since stopped: nothing is recorded but
+    /// the flag, and the next round resyncs again.
+    async fn resynced(
+        &self,
+        w: &WorkerRow,
+        rows: &[SandboxRow],
+        before: Option<(String, i64)>,
+    ) -> bool {
+        let ready = self.gateway_state(w).await;
+        let epoch = ready.as_ref().map(|(e, _)| e.as_str());
+        if epoch.is_none() || epoch != before.as_ref().map(|(e, _)| e.as_str()) {
+            tracing::warn!(worker = %w.id, "the gateway restarted around its resync; resyncing again");
+            let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+            logged(seen, "flagging the gateway for resync", &w.id);
+            return false;
+        }
+        let seen = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+        logged(seen, "recording the resync", &w.id);
+        let generation = ready.as_ref().map(|(_, g)| *g);
+        let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+        logged(acked, "acknowledging the resync", &w.id);
+        for s in rows {
+            let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
+            logged(pushed, "marking a resynced sandbox pushed", &s.id);
+        }
+        self.mark_forgotten(w).await;
+        tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
+        self.count_push("resync");
+        true
     }
 
     /// After a resync, destroyed and failed sandboxes are acknowledged too:
