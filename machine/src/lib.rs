@@ -170,6 +170,9 @@ pub struct Machines {
     /// Spoofed packets dropped on a VM's link, by VM id, likewise.
     spoofed: Mutex<BTreeMap<String, Refused>>,
     /// Observations evicted by the bound, over every VM ever registered.
+    /// Times the observer found the node table gone or incomplete and
+    /// installed it again.
+    restored: AtomicU64,
     evictions: AtomicU64,
     /// The NFLOG socket (events), bound with the first VM, until the
     /// reader task takes it.
@@ -337,6 +340,7 @@ impl Machines {
             refused: Mutex::new(BTreeMap::new()),
             spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
+            restored: AtomicU64::new(0),
             log: Mutex::new(None),
             log_bound: std::sync::atomic::AtomicBool::new(false),
             log_ready: tokio::sync::Notify::new(),
@@ -747,10 +751,11 @@ impl Machines {
             return;
         }
         let counters = match self.counters() {
-            Ok(c) => c,
+            Ok(c) if self.complete(&c, vms.iter().map(|vm| vm.id.as_str())) => c,
+            Ok(_) => return self.restore_if_gone(),
             Err(e) => {
                 tracing::warn!(error = %e, "reading the machine egress counters failed");
-                return;
+                return self.restore_if_gone();
             }
         };
         for vm in vms {
@@ -779,6 +784,42 @@ impl Machines {
                 if let Err(e) = self.read_observed(&vm.id) {
                     tracing::warn!(vm = %vm.id, error = %e, "reading observed destinations failed");
                 }
+            }
+        }
+    }
+
+    /// Whether `counters` holds the `refused` counter of every VM in `ids`:
+    /// each VM's objects are in the table.
+    fn complete<'a>(
+        &self,
+        counters: &BTreeMap<String, u64>,
+        mut ids: impl Iterator<Item = &'a str>,
+    ) -> bool {
+        ids.all(|id| counters.contains_key(&format!("refused_{}", rules::key(id))))
+    }
+
+    /// Installs the whole table again, every VM in it, if it is gone or a
+    /// VM's objects are (another tool flushed the ruleset, say): until then
+    /// the VMs' packets pass unjudged, so the observer's round bounds how
+    /// long that lasts. Checked again under the state lock first, so a
+    /// change in flight is not taken for a loss.
+    fn restore_if_gone(&self) {
+        let state = lock(&self.state);
+        let ids = state.vms.keys().map(String::as_str);
+        if self.counters().is_ok_and(|c| self.complete(&c, ids)) {
+            return;
+        }
+        let vms: Vec<VmRules<'_>> = state.vms.values().map(|vm| vm.rules()).collect();
+        match self.nft.apply(&rules::table(&self.layout, &vms)) {
+            Ok(()) => {
+                self.restored.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    vms = vms.len(),
+                    "the machine egress table was gone or incomplete; installed it again"
+                );
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the machine egress table is gone and could not be installed again");
             }
         }
     }

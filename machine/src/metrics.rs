@@ -1,7 +1,8 @@
 //! Machine egress's metrics, read at scrape time from the VMs' records:
 //! `egress_machine_vms{mode}`, `egress_machine_refused_packets_total{vm,outcome}`,
 //! `egress_machine_spoofed_packets_total{vm}`,
-//! `egress_machine_observed_evictions_total`, `egress_machine_observe_lost_total{cause}`
+//! `egress_machine_observed_evictions_total`, `egress_machine_observe_lost_total{cause}`,
+//! `egress_machine_table_restored_total`
 //! (the gateway's registry adds the `egress_` prefix).
 
 use std::sync::atomic::Ordering;
@@ -52,6 +53,8 @@ struct MachineCounts {
     /// (VM, packets dropped on its link for a source not its own).
     spoofed: Vec<(String, u64)>,
     evictions: u64,
+    /// Times the table was found gone or incomplete and installed again.
+    restored: u64,
     /// Events that never reached the record, by cause.
     lost: Vec<(&'static str, u64)>,
 }
@@ -104,6 +107,13 @@ impl Collector for MachineSources {
             None,
             c.metric_type(),
         )?)?;
+        let c = ConstCounter::new(f.restored);
+        c.encode(encoder.encode_descriptor(
+            "machine_table_restored",
+            "Times the observer found the machine egress table gone or missing a VM's objects (another tool flushed the ruleset, say) and installed it again.",
+            None,
+            c.metric_type(),
+        )?)?;
         let mut family = encoder.encode_descriptor(
             "machine_observe_lost",
             "Refused packets that never reached the observed record as events (machine_egress.observe = \"events\"): over a VM's log rate, dropped by a full socket buffer (overrun), or unreadable.",
@@ -148,6 +158,7 @@ impl Machines {
             packets,
             spoofed: spoofed_packets,
             evictions: self.evictions.load(Ordering::Relaxed),
+            restored: self.restored.load(Ordering::Relaxed),
             lost: vec![
                 ("rate", self.lost.rate.load(Ordering::Relaxed)),
                 ("overrun", self.lost.overrun.load(Ordering::Relaxed)),

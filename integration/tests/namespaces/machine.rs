@@ -767,3 +767,39 @@ fn refused_packets_are_counted_exactly_with_their_times() {
         assert!(text.contains(&series), "{series}:\n{text}");
     }
 }
+
+/// Another tool removing the node table (`nft flush ruleset`, a firewall
+/// reload) leaves the VMs unjudged for at most an observer round: the
+/// table comes back with every VM in it, the refused destination is refused
+/// again, and the restore is counted.
+#[test]
+fn a_node_table_removed_by_another_tool_is_installed_again() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
+    assert!(tcp_ok(&t, API_IP), "allowed");
+    assert!(!tcp_ok(&t, OTHER_IP), "refused");
+    topology::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &t.gw,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            "egress_machine",
+        ],
+    );
+    metric_reaching(&t, "egress_machine_table_restored_total ", 1);
+    assert!(
+        node_table(&t).contains("chain vm_vm1"),
+        "{}",
+        node_table(&t)
+    );
+    assert!(!tcp_ok(&t, OTHER_IP), "refused again");
+    assert!(tcp_ok(&t, API_IP), "allowed again");
+}
