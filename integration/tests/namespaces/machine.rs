@@ -57,6 +57,24 @@ fn node_table(t: &Topology) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Deletes the node table behind the gateway's back (as another tool or a
+/// reboot of the namespace's rules would).
+fn delete_node_table(t: &Topology) {
+    topology::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &t.gw,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            "egress_machine",
+        ],
+    );
+}
+
 fn json(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
@@ -372,19 +390,7 @@ fn defaults_apply_running_and_restart() {
     // Restart: the gateway's tables are gone (as after a reboot of the
     // namespace's rules); it re-installs them before it reports ready.
     assert!(t.stop_gateway().success());
-    topology::run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            &t.gw,
-            "nft",
-            "delete",
-            "table",
-            "inet",
-            "egress_machine",
-        ],
-    );
+    delete_node_table(&t);
     assert!(tcp_ok(&t, OTHER_IP), "no table: the test topology forwards");
     t.start_gateway();
     assert!(node_table(&t).contains("chain vm_vm1 {"));
@@ -781,19 +787,7 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
     register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
     assert!(tcp_ok(&t, API_IP), "allowed");
     assert!(!tcp_ok(&t, OTHER_IP), "refused");
-    topology::run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            &t.gw,
-            "nft",
-            "delete",
-            "table",
-            "inet",
-            "egress_machine",
-        ],
-    );
+    delete_node_table(&t);
     metric_reaching(&t, "egress_machine_table_restored_total ", 1);
     assert!(
         node_table(&t).contains("chain vm_vm1"),
