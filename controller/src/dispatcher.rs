@@ -610,9 +610,10 @@ impl Dispatcher {
 
     /// Records a resync the gateway answered: its epoch and generation, and
     /// every resynced sandbox pushed. If the epoch it reports now is not the
-    /// one it reported before the resync (`before`), the answer may have
-    /// come from a process that has since stopped: nothing is recorded but
-    /// the flag, and the next round resyncs again.
+    /// one it reported before the resync (`before`; one missing and the
+    /// other not counts), the answer may have come from a process that has
+    /// since stopped: nothing is recorded but the flag, and the next round
+    /// resyncs again.
     async fn resynced(
         &self,
         w: &WorkerRow,
@@ -621,7 +622,9 @@ impl Dispatcher {
     ) -> bool {
         let ready = self.gateway_state(w).await;
         let epoch = ready.as_ref().map(|(e, _)| e.as_str());
-        if epoch.is_none() || epoch != before.as_ref().map(|(e, _)| e.as_str()) {
+        // Neither reading with an epoch (a gateway that reports none) is
+        // no evidence of a restart: recorded as it was.
+        if epoch != before.as_ref().map(|(e, _)| e.as_str()) {
             tracing::warn!(worker = %w.id, "the gateway restarted around its resync; resyncing again");
             let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
             logged(seen, "flagging the gateway for resync", &w.id);
