@@ -170,10 +170,10 @@ pub struct Machines {
     /// Spoofed packets dropped on a VM's link, by VM id, likewise.
     spoofed: Mutex<BTreeMap<String, Refused>>,
     /// Observations evicted by the bound, over every VM ever registered.
+    evictions: AtomicU64,
     /// Times the observer found the node table gone or incomplete and
     /// installed it again.
     restored: AtomicU64,
-    evictions: AtomicU64,
     /// The NFLOG socket (events), bound with the first VM, until the
     /// reader task takes it.
     log: Mutex<Option<rustix::fd::OwnedFd>>,
@@ -751,7 +751,7 @@ impl Machines {
             return;
         }
         let counters = match self.counters() {
-            Ok(c) if self.complete(&c, vms.iter().map(|vm| vm.id.as_str())) => c,
+            Ok(c) if complete(&c, vms.iter().map(|vm| vm.id.as_str())) => c,
             Ok(_) => return self.restore_if_gone(),
             Err(e) => {
                 tracing::warn!(error = %e, "reading the machine egress counters failed");
@@ -788,16 +788,6 @@ impl Machines {
         }
     }
 
-    /// Whether `counters` holds the `refused` counter of every VM in `ids`:
-    /// each VM's objects are in the table.
-    fn complete<'a>(
-        &self,
-        counters: &BTreeMap<String, u64>,
-        mut ids: impl Iterator<Item = &'a str>,
-    ) -> bool {
-        ids.all(|id| counters.contains_key(&format!("refused_{}", rules::key(id))))
-    }
-
     /// Installs the whole table again, every VM in it, if it is gone or a
     /// VM's objects are (another tool flushed the ruleset, say): until then
     /// the VMs' packets pass unjudged, so the observer's round bounds how
@@ -806,7 +796,7 @@ impl Machines {
     fn restore_if_gone(&self) {
         let state = lock(&self.state);
         let ids = state.vms.keys().map(String::as_str);
-        if self.counters().is_ok_and(|c| self.complete(&c, ids)) {
+        if self.counters().is_ok_and(|c| complete(&c, ids)) {
             return;
         }
         let vms: Vec<VmRules<'_>> = state.vms.values().map(|vm| vm.rules()).collect();
@@ -845,6 +835,12 @@ impl Machines {
             let _ = tokio::task::spawn_blocking(move || me.observe()).await;
         }
     }
+}
+
+/// Whether `counters` holds the `refused` counter of every VM in `ids`:
+/// each VM's objects are in the table.
+fn complete<'a>(counters: &BTreeMap<String, u64>, mut ids: impl Iterator<Item = &'a str>) -> bool {
+    ids.all(|id| counters.contains_key(&format!("refused_{}", rules::key(id))))
 }
 
 /// The node-wide settings of the rules, from the configuration.
