@@ -547,7 +547,29 @@ async fn pusher(url: &str, ps: &[DispatcherProcess]) -> usize {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("no dispatcher holds w1's shard");
+    let holders: Vec<(Option<String>, i64, i64)> = sqlx::query_as(
+        "SELECT holder, count(*), count(*) FILTER (WHERE expires > now()) FROM dispatcher_shards GROUP BY holder ORDER BY holder",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap_or_default();
+    let alive: Vec<(String, bool)> =
+        sqlx::query_as("SELECT id, expires > now() FROM dispatchers ORDER BY id")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap_or_default();
+    let tails: Vec<String> = ps
+        .iter()
+        .map(|p| {
+            let log = std::fs::read_to_string(&p.log).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            lines[lines.len().saturating_sub(15)..].join("\n")
+        })
+        .collect();
+    panic!(
+        "no dispatcher holds w1's shard; shards by holder (all, unexpired): {holders:?}; dispatchers (id, alive): {alive:?}; the logs' tails:\n{}",
+        tails.join("\n----\n")
+    );
 }
 
 /// Ordered, not timed: three dispatcher processes; the gateway's front

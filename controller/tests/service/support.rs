@@ -339,13 +339,13 @@ impl Drop for DispatcherProcess {
 /// The tokens file of an admin token (`ADMIN`), in `dir`.
 pub fn tenants_file(dir: &std::path::Path) -> std::path::PathBuf {
     let path = dir.join("tenants.json");
-    std::fs::write(
-        &path,
-        format!(
-            r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}}}}}}"#
-        ),
-    )
-    .expect("write");
+    // Written whole and renamed into place: a process started a moment ago
+    // may be reading it (truncated in place, it read an empty file and
+    // refused to start).
+    let body = format!(
+        r#"{{"tokens": {{"{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}}}}}}"#
+    );
+    egress_api::file::write_atomically(dir, "tenants.json", body.as_bytes()).expect("write");
     path
 }
 
