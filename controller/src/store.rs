@@ -360,16 +360,17 @@ pub async fn worker_seen(
     Ok(())
 }
 
+/// A worker's live sandboxes with a policy, by id: what its gateway should hold.
+const WORKER_SANDBOXES: &str = "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id";
+
 /// The sandboxes a worker's gateway should know, as the gateway's resync
 /// document. A `creating` sandbox with a policy is a claimed warm-pool
 /// sandbox: its gateway keeps the template's policy until the claim's push.
 pub async fn worker_sandboxes(pool: &PgPool, worker: &str) -> Result<Vec<SandboxRow>, sqlx::Error> {
-    let rows = sqlx::query(
-        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id",
-    )
-    .bind(worker)
-    .fetch_all(pool)
-    .await?;
+    let rows = sqlx::query(WORKER_SANDBOXES)
+        .bind(worker)
+        .fetch_all(pool)
+        .await?;
     rows.iter().map(SandboxRow::from_row).collect()
 }
 
@@ -394,12 +395,10 @@ pub async fn settled_sandboxes(
     if pending {
         return Ok(None);
     }
-    let rows = sqlx::query(
-        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id",
-    )
-    .bind(worker)
-    .fetch_all(&mut *tx)
-    .await?;
+    let rows = sqlx::query(WORKER_SANDBOXES)
+        .bind(worker)
+        .fetch_all(&mut *tx)
+        .await?;
     tx.commit().await?;
     rows.iter()
         .map(SandboxRow::from_row)
