@@ -98,6 +98,73 @@ const ALLOW_DNS_AND_API: &str = r#"{"mode": "allowlist", "rules": [
     {"cidr": "203.0.113.53", "proto": "udp", "port": 53, "note": "fake resolver"},
     {"cidr": "203.0.113.10/32", "proto": "tcp", "port": 80}]}"#;
 
+/// A connection the VM holds open across a policy change: `true` when the
+/// origin's echo came back after the change, `false` when the flow was cut.
+/// The VM opens it to `ip`:22 (a banner, then one echo), the policy becomes
+/// `policy`, then the VM sends a line and waits 2 s for it to come back.
+fn open_flow_survives(t: &Topology, ip: &str, policy: &str) -> bool {
+    use std::io::{BufRead, BufReader, Write};
+    let script = format!(
+        "import socket, sys\n\
+         s = socket.create_connection(('{ip}', 22), timeout=3)\n\
+         assert s.recv(64).startswith(b'SSH-')\n\
+         print('open', flush=True)\n\
+         sys.stdin.readline()\n\
+         s.settimeout(2)\n\
+         s.sendall(b'ping')\n\
+         try:\n    print('echoed' if s.recv(64) == b'ping' else 'other', flush=True)\n\
+         except OSError:\n    print('cut', flush=True)\n"
+    );
+    let mut child = std::process::Command::new("ip")
+        .args(["netns", "exec", vm(t), "python3", "-c", &script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 in the VM");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("first line");
+    assert_eq!(line.trim(), "open", "the flow did not open");
+    put_egress(t, "vm1", policy);
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(b"go\n").expect("go");
+    line.clear();
+    out.read_line(&mut line).expect("second line");
+    assert!(child.wait().expect("python3").success());
+    match line.trim() {
+        "echoed" => true,
+        "cut" => false,
+        other => panic!("the flow answered {other:?}"),
+    }
+}
+
+/// An open flow keeps the verdict it was accepted under when the VM's
+/// allowlist changes, and is cut when the VM goes to `loopback`.
+#[test]
+fn open_flows_outlive_a_narrower_allowlist_but_not_loopback() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    let ssh = format!(
+        r#"{{"mode": "allowlist", "rules": [{{"cidr": "{API_IP}", "proto": "tcp", "port": 22}}]}}"#
+    );
+    register(&t, "vm1", VM_IP, Some(&ssh));
+    assert!(
+        open_flow_survives(&t, API_IP, ALLOW_DNS_AND_API),
+        "an open flow outlives an allowlist without it"
+    );
+    put_egress(&t, "vm1", &ssh);
+    assert!(
+        !open_flow_survives(&t, API_IP, r#"{"mode": "loopback"}"#),
+        "loopback cuts the open flow"
+    );
+    // Out of loopback again, the VM's open flows pass on their conntrack
+    // entry once more (its address left the cut set).
+    put_egress(&t, "vm1", &ssh);
+    assert!(open_flow_survives(&t, API_IP, r#"{"mode": "open"}"#));
+}
+
 #[test]
 fn each_mode_governs_tcp_and_udp_in_the_kernel() {
     if !topology::available() {
@@ -124,6 +191,14 @@ fn each_mode_governs_tcp_and_udp_in_the_kernel() {
         dns_ok(&t, false) && dns_ok(&t, true) && tcp_ok(&t, OTHER_IP),
         "open: everything"
     );
+
+    // A rule without a protocol (the `any` set) allows every protocol to
+    // its address, and nothing else.
+    let any = format!(r#"{{"mode": "allowlist", "rules": [{{"cidr": "{DNS}"}}]}}"#);
+    put_egress(&t, "vm1", &any);
+    assert!(dns_ok(&t, false) && dns_ok(&t, true), "any protocol to DNS");
+    assert!(!tcp_ok(&t, API_IP), "nothing else");
+    put_egress(&t, "vm1", r#"{"mode": "open"}"#);
 
     // The observed record kept what loopback and the allowlist refused.
     let (status, body) = t.admin("GET", "/v1/vms/vm1/network/egress/observed", None);

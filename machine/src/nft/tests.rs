@@ -65,7 +65,7 @@ fn an_allowlist_compiles_into_the_vms_own_sets_and_chain() {
     assert!(r.contains("table inet egress_machine\ndelete table inet egress_machine\n"));
     assert!(r.contains("add element inet egress_machine src4_vm1 { 100.64.3.2 }"));
     assert!(r.contains("add element inet egress_machine src6_vm1 { 2001:db8::2 }"));
-    assert!(r.contains("add element inet egress_machine any_vm1 { 198.51.100.7/32 }"));
+    assert!(r.contains("add element inet egress_machine any_vm1 { 198.51.100.7/32 . ipv4 }"));
     assert!(r.contains("91.189.88.0/21 . tcp"));
     assert!(r.contains("10.0.0.0/8 . tcp . 5151"));
     assert!(r.contains("0.0.0.0/0 . udp . 53"));
@@ -97,7 +97,8 @@ fn an_allowlist_compiles_into_the_vms_own_sets_and_chain() {
             "ip saddr @src4_vm1 return",
             "ip6 saddr @src6_vm1 return",
             "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return",
-            "ip6 saddr { ::, fe80::/10 } meta l4proto ipv6-icmp return",
+            "ip6 saddr :: meta l4proto ipv6-icmp return",
+            "ip6 saddr fe80::/10 meta l4proto ipv6-icmp return",
             "counter name spoofed_vm1 drop"
         ]
     );
@@ -138,6 +139,78 @@ fn each_mode_has_its_verdict() {
     assert!(audit.iter().any(|r| r == "counter name refused_vm accept"));
     assert!(!audit.iter().chain(&audit6).any(|r| r.contains("drop")));
     assert!(audit6.iter().any(|r| r.contains("update @obs6_vm")));
+}
+
+/// An open flow passes the forward hook on its conntrack entry and one
+/// lookup, both ways, unless its VM is under `loopback`: those VMs'
+/// addresses are in cut4/cut6, so their packets reach their own chain,
+/// which has no such rule.
+#[test]
+fn open_flows_pass_on_one_lookup_except_from_a_vm_under_loopback() {
+    let a = addrs();
+    let (lo, open) = (
+        policy(r#"{"mode": "loopback"}"#),
+        policy(r#"{"mode": "open"}"#),
+    );
+    let l = layout(Match::Address);
+    let table = rules::table(&l, &[vm("vm", &a, &open)]);
+    let forward = table.split("chain forward {").nth(1).expect("forward");
+    let rules: Vec<&str> = forward.lines().skip(2).map(str::trim).collect();
+    assert_eq!(
+        rules[..3],
+        [
+            "ct state established,related ip saddr != @cut4 accept",
+            "ct state established,related ip6 saddr != @cut6 accept",
+            "ip saddr vmap @from4",
+        ]
+    );
+    assert!(
+        !table.contains("element inet egress_machine cut"),
+        "{table}"
+    );
+    let cut = rules::change(&l, Some(&vm("vm", &a, &open)), Some(&vm("vm", &a, &lo)));
+    assert!(
+        cut.contains("add element inet egress_machine cut4 { 100.64.3.2 }"),
+        "{cut}"
+    );
+    assert!(
+        cut.contains("add element inet egress_machine cut6 { 2001:db8::2 }"),
+        "{cut}"
+    );
+    let back = rules::change(&l, Some(&vm("vm", &a, &lo)), Some(&vm("vm", &a, &open)));
+    assert!(
+        back.contains("delete element inet egress_machine cut4 { 100.64.3.2 }"),
+        "{back}"
+    );
+    assert!(
+        !back.contains("add element inet egress_machine cut"),
+        "{back}"
+    );
+}
+
+/// A rule set the policy leaves empty gets no rule: it could match
+/// nothing, and its lookup would cost every new flow.
+#[test]
+fn an_empty_rule_set_has_no_rule() {
+    let a = addrs();
+    let p = policy(r#"{"rules": [{"cidr": "10.0.0.0/8", "proto": "tcp", "port": 22}]}"#);
+    let text = rules::change(&layout(Match::Address), None, Some(&vm("vm", &a, &p)));
+    let chain = chain_rules(&text, "vm_vm");
+    assert!(
+        chain.iter().any(|r| r.contains("@port_vm accept")),
+        "{chain:?}"
+    );
+    assert!(
+        !chain
+            .iter()
+            .any(|r| r.contains("@any_vm") || r.contains("@proto_vm")),
+        "{chain:?}"
+    );
+    // The sets are there all the same, for the next policy to fill.
+    assert!(
+        text.contains("add set inet egress_machine any_vm "),
+        "{text}"
+    );
 }
 
 /// A change to one VM names only that VM's objects and dispatch elements.
@@ -263,6 +336,15 @@ fn nft_accepts_every_mode() {
         Some(&vm("m4", &addresses[4], &policies[0])),
     ));
     text.push_str(&rules::change(&l, Some(&vms[1]), None));
+    // Out of loopback: its cut element goes.
+    text.push_str(&rules::change(
+        &l,
+        Some(&vms[0]),
+        Some(&VmRules {
+            link: None,
+            ..vm("m0", &addresses[0], &policies[1])
+        }),
+    ));
     check(&text);
 }
 
@@ -340,4 +422,45 @@ fn with_events_refused_packets_are_counted_rate_limited_and_logged() {
         !gone.contains("delete set inet egress_machine obs"),
         "{gone}"
     );
+}
+
+/// nft 1.0.x fetches the elements of every interval set that is not a
+/// concatenation, named or anonymous, before each change to the table: one
+/// dump per such set of every VM made a change's cost grow with the VMs.
+/// So the table has none.
+#[test]
+fn every_interval_set_is_a_concatenation() {
+    let p = policy(
+        r#"{"mode": "allowlist", "rules": [
+            {"cidr": "10.0.0.0/8", "proto": "tcp", "port": 5151},
+            {"cidr": "91.189.88.0/21", "proto": "tcp"},
+            {"cidr": "198.51.100.0/24"}]}"#,
+    );
+    let a = addrs();
+    for matching in [Match::Address, Match::Cgroup] {
+        for events in [None, Some(rules::Events { group: 7, rate: 10 })] {
+            let l = Layout {
+                events,
+                ..layout(matching)
+            };
+            let v = VmRules {
+                cgroup: Some("machines/vm1"),
+                ..vm("vm1", &a, &p)
+            };
+            let text = rules::table(&l, &[v]);
+            for line in text.lines() {
+                if line.contains("flags interval") {
+                    let ty = line.split("type ").nth(1).and_then(|t| t.split(';').next());
+                    assert!(ty.is_some_and(|t| t.contains(" . ")), "{line}");
+                }
+                if line.starts_with("add rule") {
+                    // An anonymous set holding a prefix or a range is an interval set.
+                    for set in line.split('{').skip(1) {
+                        let set = set.split('}').next().unwrap_or_default();
+                        assert!(!set.contains('/') && !set.contains('-'), "{line}");
+                    }
+                }
+            }
+        }
+    }
 }
