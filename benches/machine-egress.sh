@@ -30,7 +30,11 @@
 # taken within a round: each count against that round's `none`, and each
 # count against that round's smallest count; the report gives the median,
 # the interquartile range and the range of the per-round ratios, and says
-# which interquartile ranges are wider than 3 points. After the rounds, on
+# which interquartile ranges are wider than 3 points. Each run also reads
+# the machine's busy CPU (/proc/stat) around it: CPU per 1k connects and per
+# GiB, and their cost ratios. Then PERF_ROUNDS (3) interleaved connect runs
+# per variant under `perf record -a` give netfilter's share of the busy CPU,
+# which idle gaps do not move (PERF_ROUNDS=0 skips it). After the rounds, on
 # the largest count's gateway: 20 policy applies of 256 rules (each a
 # different policy), p50/p99 ms; the ruleset's size as text and the slab
 # the kernel frees when the table is deleted; each gateway's RSS.
@@ -293,17 +297,26 @@ num() { # $1: field, $2: JSON from egress-l4load; the number or a failure
     [[ $x =~ ^[0-9] ]] || die "no $1 in egress-l4load's output: $2"
     echo "$x"
 }
-measure() { # $1: round, $2: variant; appends "round variant connects/s MiB/s failed-connects"
-    local vmns out c f b
+busy() { # CPU time the whole machine spent busy so far (user, nice, system, irq, softirq), in ticks
+    awk '/^cpu / {print $2 + $3 + $4 + $7 + $8}' /proc/stat
+}
+measure() { # $1: round, $2: variant; appends "round variant connects/s MiB/s failed-connects connects bytes busy-ticks-connect busy-ticks-bulk"
+    local vmns out c f b n bytes t0 tc tb
     vmns=$(ns_of "$2" vm)
+    t0=$(busy)
     out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 --seconds "$secs" --concurrency 8)
+    tc=$(($(busy) - t0))
     echo "$2 connect $out" >&2
     c=$(num per_s "$out")
     f=$(num failed "$out")
+    n=$(num connects "$out")
+    t0=$(busy)
     out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" bulk --target 203.0.113.80:9000 --seconds "$secs")
+    tb=$(($(busy) - t0))
     echo "$2 bulk $out" >&2
     b=$(num mib_per_s "$out")
-    echo "$1 $2 $c $b $f" >> "$results"
+    bytes=$(num bytes "$out")
+    echo "$1 $2 $c $b $f $n $bytes $tc $tb" >> "$results"
 }
 results=$state/results
 : > "$results"
@@ -323,6 +336,48 @@ for ((r = 1; r <= rounds; r++)); do
     echo "round $r/$rounds done (order: ${order[*]})" >&2
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+
+# Where the CPU goes: `perf record -a` during a connect run of each variant
+# (PERF_ROUNDS times, interleaved), and the share of the machine's busy
+# samples that netfilter's rule evaluation took (nft_* and its set
+# back-ends, nf_hook_slow; conntrack is not counted: every variant has it).
+# A share of samples does not move with idle gaps, so it resolves what the
+# rates above cannot. PERF_ROUNDS=0 (or no perf) skips it.
+perf_rounds=${PERF_ROUNDS:-3}
+[[ $perf_rounds =~ ^[0-9]{1,3}$ ]] || die "PERF_ROUNDS must be a number, got '$perf_rounds'"
+command -v perf > /dev/null || perf_rounds=0
+shares=$state/shares
+: > "$shares"
+nft_share() { # $1: round, $2: variant; appends "round variant share-of-busy-%"
+    local vmns lp data report
+    vmns=$(ns_of "$2" vm)
+    data=$state/perf.data
+    timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 \
+        --seconds $((secs + 1)) --concurrency 8 > /dev/null &
+    lp=$!
+    pids+=("$lp")
+    sleep 0.5
+    perf record -q -a -o "$data" -- sleep "$secs" > /dev/null 2>&1 || die "perf record failed"
+    wait "$lp" || die "the connect run under perf failed"
+    report=$(perf report -i "$data" --no-children --sort symbol --stdio 2> /dev/null)
+    awk -v r="$1" -v v="$2" '
+        $1 ~ /%$/ { p = $1; sub(/%/, "", p); seen++
+                    if ($3 ~ /^(nft_|__nft_|nf_tables_|nf_hook_slow|pipapo_)/) n += p
+                    if ($3 ~ /(safe_halt|cpuidle|default_idle|intel_idle|poll_idle|acpi_idle|mwait)/) i += p }
+        END { if (!seen || i >= 100) { print "no busy samples" > "/dev/stderr"; exit 1 }
+              printf "%s %s %.3f\n", r, v, 100 * n / (100 - i) }' <<< "$report" >> "$shares" || {
+        echo "perf saw no busy CPU in the $2 connect run" >&2
+        return 1
+    }
+    rm -f "$data"
+}
+for ((r = 1; r <= perf_rounds; r++)); do
+    for v in "${variants[@]}"; do
+        # perf now and then writes a file its report finds no samples in: once more, then fail
+        nft_share "$r" "$v" 2> /dev/null || nft_share "$r" "$v"
+    done
+    echo "perf round $r/$perf_rounds done" >&2
+done
 
 applies=$state/applies
 : > "$applies"
@@ -346,20 +401,27 @@ ip netns exec "$gwns" nft delete table inet egress_machine 2> /dev/null || true
 sleep 1
 slab_without=$(awk '/^Slab:/ {print $2}' /proc/meminfo)
 echo "$ruleset_bytes $slab_with $slab_without" > "$state/memory"
-echo "--- raw: round variant connects/s MiB/s failed-connects" >&2
+echo "--- raw: round variant connects/s MiB/s failed-connects connects bytes busy-ticks-connect busy-ticks-bulk" >&2
 cat "$results" >&2
 
 python3 - "$results" "$applies" "$state/memory" "$secs" "${counts_arr[*]}" "$setup_s" "$jobs" \
-    "$load_before" "$load_after" "$rss" <<'PY'
+    "$load_before" "$load_after" "$rss" "$(getconf CLK_TCK)" "$shares" <<'PY'
 import sys, statistics as st
 (results, applies_f, memory_f, secs, counts, setup_s, jobs,
- load_before, load_after, rss) = sys.argv[1:]
+ load_before, load_after, rss, ticks, shares_f) = sys.argv[1:]
 counts = counts.split()
 smallest, largest = counts[0], counts[-1]
 by = {}  # variant -> {round: (connects/s, MiB/s, failed)}
+tick_ms = 1000 / int(ticks)
 for line in open(results):
-    r, label, c, b, f = line.split()
-    by.setdefault(label, {})[r] = (float(c), float(b), int(f))
+    r, label, c, b, f, n, nbytes, tc, tb = line.split()
+    # The machine's busy CPU per 1k connects (ms) and per GiB (s): what a
+    # connection costs everything on the path, the load generator and the
+    # origin included; idle gaps (a descheduled VM, a neighbour's burst)
+    # move the rates above but not this.
+    cpu_c = int(tc) * tick_ms / (int(n) / 1000) if int(n) else float("nan")
+    cpu_b = int(tb) * tick_ms / 1000 / (int(nbytes) / 2**30) if int(nbytes) else float("nan")
+    by.setdefault(label, {})[r] = (float(c), float(b), int(f), cpu_c, cpu_b)
 rounds_seen = sorted(by["none"], key=int)
 med = st.median
 vms = lambda n: f"{n} VM" if n == "1" else f"{n} VMs"
@@ -389,22 +451,37 @@ print("| VMs registered | TCP connects/s (8 at a time) | ratio to no table | bul
 print("|---|---|---|---|---|")
 none = [by["none"][r] for r in rounds_seen]
 print(f"| no table | {med(x[0] for x in none):.0f} | 1 | {med(x[1] for x in none):.0f} | 1 |")
-widths = {"connects": [], "bulk": []}
+widths = {"connects": [], "bulk": [], "CPU per connect": [], "CPU per GiB": []}
 for n in counts:
     rs = [by[n][r] for r in rounds_seen]
     cr, br = ratios(n, "none", 0), ratios(n, "none", 1)
     widths["connects"].append((width(cr), f"{n} against no table"))
     widths["bulk"].append((width(br), f"{n} against no table"))
     print(f"| {n} | {med(x[0] for x in rs):.0f} | {show(cr)} | {med(x[1] for x in rs):.0f} | {show(br)} |")
+print("\nWhat the machine spent (busy CPU, every process and the kernel: the load generator and the "
+      "origin too) per 1k connects and per GiB of bulk, and the cost ratio to no table per round "
+      "(above 1: the table costs more):\n")
+print("| VMs registered | CPU ms per 1k connects | cost ratio to no table | CPU s per GiB | cost ratio to no table |")
+print("|---|---|---|---|---|")
+print(f"| no table | {med(x[3] for x in none):.1f} | 1 | {med(x[4] for x in none):.2f} | 1 |")
+for n in counts:
+    rs = [by[n][r] for r in rounds_seen]
+    cc, cb = ratios(n, "none", 3), ratios(n, "none", 4)
+    widths["CPU per connect"].append((width(cc), f"{n} against no table"))
+    widths["CPU per GiB"].append((width(cb), f"{n} against no table"))
+    print(f"| {n} | {med(x[3] for x in rs):.1f} | {show(cc)} | {med(x[4] for x in rs):.2f} | {show(cb)} |")
 if len(counts) > 1:
     print(f"\nAgainst the smallest count ({vms(smallest)}), per round:\n")
-    print(f"| VMs registered | connects/s ratio to {smallest} | bulk ratio to {smallest} |")
-    print("|---|---|---|")
+    print(f"| VMs registered | connects/s ratio to {smallest} | bulk ratio to {smallest} | CPU per connect, cost ratio to {smallest} | CPU per GiB, cost ratio to {smallest} |")
+    print("|---|---|---|---|---|")
     for n in counts[1:]:
         cr, br = ratios(n, smallest, 0), ratios(n, smallest, 1)
+        cc, cb = ratios(n, smallest, 3), ratios(n, smallest, 4)
         widths["connects"].append((width(cr), f"{n} against {smallest}"))
         widths["bulk"].append((width(br), f"{n} against {smallest}"))
-        print(f"| {n} | {show(cr)} | {show(br)} |")
+        widths["CPU per connect"].append((width(cc), f"{n} against {smallest}"))
+        widths["CPU per GiB"].append((width(cb), f"{n} against {smallest}"))
+        print(f"| {n} | {show(cr)} | {show(br)} | {show(cc)} | {show(cb)} |")
 print()
 for what, ws in widths.items():
     if len(rounds_seen) < 2:
@@ -422,6 +499,21 @@ print(f"- Setup: {len(counts) + 1} paths, {vms(str(sum(int(n) for n in counts)))
       f"({jobs} request{'' if jobs == '1' else 's'} at a time), {float(setup_s):.0f} s. "
       f"Load average (1, 5, 15 min) "
       f"before: {load_before}; after the rounds: {load_after}.")
+
+shares = {}
+for line in open(shares_f):
+    r, v, x = line.split()
+    shares.setdefault(v, []).append(float(x))
+if shares:
+    n_perf = len(shares["none"])
+    print(f"\nNetfilter's rule evaluation (nft_*, its set back-ends, nf_hook_slow; not conntrack, which "
+          f"every variant has) as a share of the machine's busy CPU during a connect run, from "
+          f"`perf record -a` ({n_perf} interleaved run{'' if n_perf == 1 else 's'} per variant; "
+          f"median, range): "
+          + "; ".join(f"{'no table' if v == 'none' else vms(v)} {med(xs):.2f}% ({min(xs):.2f}–{max(xs):.2f})"
+                      for v, xs in shares.items())
+          + ". The difference to no table is what the machine egress table costs a connection, "
+            "of all the CPU the connection costs (load generator, origin and kernel included).")
 
 applies = sorted(float(x) * 1000 for x in open(applies_f))
 p = lambda q: applies[min(len(applies) - 1, int(q * len(applies)))]
