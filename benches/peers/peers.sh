@@ -3,7 +3,7 @@
 # each listens and which certificate issuer the client must see through it.
 #
 #   peers.sh start COLUMN       mitmproxy | squid-bump | squid-splice | gateway | gateway-ro |
-#                               gateway-log | gateway-kernel | gateway-2 | gateway-pc | gateway-shadow |
+#                               gateway-log | gateway-kernel | gateway-2 | gateway-pc | gateway-pc1 | gateway-shadow |
 #                               gateway-base | gateway-pipe (direct: nothing to start)
 #   peers.sh stop COLUMN
 #   peers.sh ports COLUMN       "direct" or "TLS_PORT HTTP_PORT" (arguments of topo.sh mode)
@@ -20,7 +20,7 @@
 # gateway-pipe (splice.kernel = pipe: splice(2) through a pipe), gateway-2
 # (two worker threads on one work-stealing runtime) and gateway-pc (two
 # worker threads, one runtime and one set of SO_REUSEPORT listeners each:
-# limits.thread_per_core); gateway-base is the plain column run from another
+# limits.thread_per_core; gateway-pc1 the same with one thread); gateway-base is the plain column run from another
 # binary, GW_BASE_BIN (an A/B of two builds in one interleaved session).  MITM_EXTRA_ARGS is appended to mitmdump's
 # command line; SQUID_ACCESS_LOG=1 turns Squid's access log on (off, like
 # mitmdump -q and the gateway's flow log, by default).
@@ -119,6 +119,7 @@ gw_port() {
         gateway-base) echo $((GATEWAY_PORT + 6)) ;;
         gateway-pipe) echo $((GATEWAY_PORT + 7)) ;;
         gateway-shadow) echo $((GATEWAY_PORT + 8)) ;;
+        gateway-pc1) echo $((GATEWAY_PORT + 9)) ;;
     esac
 }
 
@@ -149,6 +150,9 @@ start_gateway() {
         # One thread or two: shared by a work-stealing runtime, or one per core.
         gateway-2) workers=2 ;;
         gateway-pc) workers=2 per_core=true ;;
+        # One thread with a runtime of its own (limits.thread_per_core), against
+        # the plain column's one worker of the work-stealing runtime.
+        gateway-pc1) workers=1 per_core=true ;;
         # The same policy, with a shadow beside it: every flow and request
         # judged again under a candidate whose origin name is read-only.
         gateway-shadow) shadow=$state/shadow.json ;;
@@ -179,7 +183,7 @@ ports() {
         mitmproxy) echo "$MITM_PORT $MITM_PORT" ;;
         squid-bump) echo "$SQUID_BUMP_PORT $SQUID_BUMP_HTTP_PORT" ;;
         squid-splice) echo "$SQUID_SPLICE_PORT $SQUID_SPLICE_HTTP_PORT" ;;
-        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe|gateway-shadow) echo "$(gw_port "$1") $(gw_port "$1")" ;;
+        gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-pc1|gateway-base|gateway-pipe|gateway-shadow) echo "$(gw_port "$1") $(gw_port "$1")" ;;
         *) eb_die "unknown column $1" ;;
     esac
 }
@@ -192,7 +196,7 @@ issuer() {
             # Never spliced: its requests are judged.
             openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                 | awk -F' = ' '/commonName/ {print $2; exit}' ;;
-        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe|gateway-shadow)
+        gateway|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-pc1|gateway-base|gateway-pipe|gateway-shadow)
             if [ "$MODE" = splice ]; then echo "$ORIGIN_CA_CN"; else
                 openssl x509 -in "$EB_RUN/$1/ca/ca.crt" -noout -subject -nameopt multiline \
                     | awk -F' = ' '/commonName/ {print $2; exit}'
@@ -206,7 +210,7 @@ case ${1:-}:${2:-} in
     start:mitmproxy) start_mitmproxy ;;
     start:squid-bump) start_squid bump ;;
     start:squid-splice) start_squid splice ;;
-    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel|start:gateway-2|start:gateway-pc|start:gateway-base|start:gateway-pipe|start:gateway-shadow) start_gateway "$2" ;;
+    start:gateway|start:gateway-ro|start:gateway-log|start:gateway-kernel|start:gateway-2|start:gateway-pc|start:gateway-pc1|start:gateway-base|start:gateway-pipe|start:gateway-shadow) start_gateway "$2" ;;
     stop:mitmproxy|stop:squid-bump|stop:squid-splice|stop:gateway*) eb_stop "peer-$2" ;;
     ports:?*) ports "$2" ;;
     issuer:?*) issuer "$2" ;;

@@ -53,7 +53,7 @@ SUMMARY_TO=${SUMMARY_TO:-$EB_ROOT/benches/results/peers-$MODE-$STAMP.md}
 export MODE
 case $MODE in intercept|splice) ;; *) eb_die "MODE is intercept or splice" ;; esac
 for p in $PEERS; do
-    case $p in direct|mitmproxy|squid-bump|squid-splice|gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-base|gateway-pipe|gateway-shadow) ;; *) eb_die "unknown column $p" ;; esac
+    case $p in direct|mitmproxy|squid-bump|squid-splice|gateway|gateway-ro|gateway-log|gateway-kernel|gateway-2|gateway-pc|gateway-pc1|gateway-base|gateway-pipe|gateway-shadow) ;; *) eb_die "unknown column $p" ;; esac
 done
 for t in $TESTS; do
     case $t in ka|newres|newfull|bulk|h2|latka|latnew) ;; *) eb_die "unknown test $t" ;; esac
