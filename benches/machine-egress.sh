@@ -447,29 +447,29 @@ print(f"### Machine egress at node scale ({len(rounds_seen)} interleaved round"
       f"{'' if len(rounds_seen) == 1 else 's'}, {secs} s per figure)\n")
 print("Every variant is a path of its own, measured in turn within each round; ratios are per round "
       "(median of the rounds' ratios, their interquartile range, their range).\n")
-print("| VMs registered | TCP connects/s (8 at a time) | ratio to no table | bulk MiB/s (one connection) | ratio to no table |")
-print("|---|---|---|---|---|")
 none = [by["none"][r] for r in rounds_seen]
-print(f"| no table | {med(x[0] for x in none):.0f} | 1 | {med(x[1] for x in none):.0f} | 1 |")
 widths = {"connects": [], "bulk": [], "CPU per connect": [], "CPU per GiB": []}
-for n in counts:
-    rs = [by[n][r] for r in rounds_seen]
-    cr, br = ratios(n, "none", 0), ratios(n, "none", 1)
-    widths["connects"].append((width(cr), f"{n} against no table"))
-    widths["bulk"].append((width(br), f"{n} against no table"))
-    print(f"| {n} | {med(x[0] for x in rs):.0f} | {show(cr)} | {med(x[1] for x in rs):.0f} | {show(br)} |")
+
+def against_none(columns):
+    """One table against no table: columns are (heading, index, format, width key) x 2."""
+    (h1, i1, f1, w1), (h2, i2, f2, w2) = columns
+    print(f"| VMs registered | {h1} | ratio to no table | {h2} | ratio to no table |")
+    print("|---|---|---|---|---|")
+    print(f"| no table | {med(x[i1] for x in none):{f1}} | 1 | {med(x[i2] for x in none):{f2}} | 1 |")
+    for n in counts:
+        rs = [by[n][r] for r in rounds_seen]
+        r1, r2 = ratios(n, "none", i1), ratios(n, "none", i2)
+        widths[w1].append((width(r1), f"{n} against no table"))
+        widths[w2].append((width(r2), f"{n} against no table"))
+        print(f"| {n} | {med(x[i1] for x in rs):{f1}} | {show(r1)} | {med(x[i2] for x in rs):{f2}} | {show(r2)} |")
+
+against_none([("TCP connects/s (8 at a time)", 0, ".0f", "connects"),
+              ("bulk MiB/s (one connection)", 1, ".0f", "bulk")])
 print("\nWhat the machine spent (busy CPU, every process and the kernel: the load generator and the "
-      "origin too) per 1k connects and per GiB of bulk, and the cost ratio to no table per round "
+      "origin too) per 1k connects and per GiB of bulk; the ratios are of cost, per round "
       "(above 1: the table costs more):\n")
-print("| VMs registered | CPU ms per 1k connects | cost ratio to no table | CPU s per GiB | cost ratio to no table |")
-print("|---|---|---|---|---|")
-print(f"| no table | {med(x[3] for x in none):.1f} | 1 | {med(x[4] for x in none):.2f} | 1 |")
-for n in counts:
-    rs = [by[n][r] for r in rounds_seen]
-    cc, cb = ratios(n, "none", 3), ratios(n, "none", 4)
-    widths["CPU per connect"].append((width(cc), f"{n} against no table"))
-    widths["CPU per GiB"].append((width(cb), f"{n} against no table"))
-    print(f"| {n} | {med(x[3] for x in rs):.1f} | {show(cc)} | {med(x[4] for x in rs):.2f} | {show(cb)} |")
+against_none([("CPU ms per 1k connects", 3, ".1f", "CPU per connect"),
+              ("CPU s per GiB", 4, ".2f", "CPU per GiB")])
 if len(counts) > 1:
     print(f"\nAgainst the smallest count ({vms(smallest)}), per round:\n")
     print(f"| VMs registered | connects/s ratio to {smallest} | bulk ratio to {smallest} | CPU per connect, cost ratio to {smallest} | CPU per GiB, cost ratio to {smallest} |")
