@@ -25,7 +25,7 @@
 #
 # Then ROUNDS short rounds. Each measures every variant once, in an order
 # that changes per round (the list rotated every second round, reversed in
-# even rounds): TCP connects/s (8 at a time, the server closes first), then
+# even rounds): TCP connects/s (CONCURRENCY, 8, at a time, the server closes first), then
 # bulk MiB/s on one connection, SECONDS_PER seconds each. Every ratio is
 # taken within a round: each count against that round's `none`, and each
 # count against that round's smallest count; the report gives the median,
@@ -49,6 +49,7 @@ rounds=${ROUNDS:-12}
 secs=${SECONDS_PER:-2}
 counts=${COUNTS:-1 100 500}
 jobs=${JOBS:-4}
+conc=${CONCURRENCY:-8}
 build=${BUILD:-1}
 profile=${PROFILE:-release}
 load_profile=${LOAD_PROFILE:-$profile} # the load generator's own profile
@@ -64,6 +65,7 @@ posint() { # $1: name, $2: value
 posint ROUNDS "$rounds"
 posint SECONDS_PER "$secs"
 posint JOBS "$jobs"
+posint CONCURRENCY "$conc"
 read -r -a counts_arr <<< "$counts"
 [ "${#counts_arr[@]}" -gt 0 ] || die "COUNTS is empty"
 for n in "${counts_arr[@]}"; do
@@ -304,7 +306,7 @@ measure() { # $1: round, $2: variant; appends "round variant connects/s MiB/s fa
     local vmns out c f b n bytes t0 tc tb
     vmns=$(ns_of "$2" vm)
     t0=$(busy)
-    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 --seconds "$secs" --concurrency 8)
+    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 --seconds "$secs" --concurrency "$conc")
     tc=$(($(busy) - t0))
     echo "$2 connect $out" >&2
     c=$(num per_s "$out")
@@ -353,7 +355,7 @@ nft_share() { # $1: round, $2: variant; appends "round variant share-of-busy-%"
     vmns=$(ns_of "$2" vm)
     data=$state/perf.data
     timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 \
-        --seconds $((secs + 1)) --concurrency 8 > /dev/null &
+        --seconds $((secs + 1)) --concurrency "$conc" > /dev/null &
     lp=$!
     pids+=("$lp")
     sleep 0.5
@@ -405,10 +407,10 @@ echo "--- raw: round variant connects/s MiB/s failed-connects connects bytes bus
 cat "$results" >&2
 
 python3 - "$results" "$applies" "$state/memory" "$secs" "${counts_arr[*]}" "$setup_s" "$jobs" \
-    "$load_before" "$load_after" "$rss" "$(getconf CLK_TCK)" "$shares" <<'PY'
+    "$load_before" "$load_after" "$rss" "$(getconf CLK_TCK)" "$shares" "$conc" <<'PY'
 import sys, statistics as st
 (results, applies_f, memory_f, secs, counts, setup_s, jobs,
- load_before, load_after, rss, ticks, shares_f) = sys.argv[1:]
+ load_before, load_after, rss, ticks, shares_f, conc) = sys.argv[1:]
 counts = counts.split()
 smallest, largest = counts[0], counts[-1]
 by = {}  # variant -> {round: (connects/s, MiB/s, failed)}
@@ -463,7 +465,7 @@ def against_none(columns):
         widths[w2].append((width(r2), f"{n} against no table"))
         print(f"| {n} | {med(x[i1] for x in rs):{f1}} | {show(r1)} | {med(x[i2] for x in rs):{f2}} | {show(r2)} |")
 
-against_none([("TCP connects/s (8 at a time)", 0, ".0f", "connects"),
+against_none([(f"TCP connects/s ({conc} at a time)", 0, ".0f", "connects"),
               ("bulk MiB/s (one connection)", 1, ".0f", "bulk")])
 print("\nWhat the machine spent (busy CPU, every process and the kernel: the load generator and the "
       "origin too) per 1k connects and per GiB of bulk; the ratios are of cost, per round "
