@@ -158,11 +158,11 @@ fn base(out: &mut String, layout: &Layout) {
         out,
         "        ip saddr vmap @from4\n        ip6 saddr vmap @from6"
     );
+    // What is left for a VM's address is a new flow to it (an open one
+    // passed above: its source is not a VM under loopback, which the
+    // dispatch would have taken): dropped.
     for (ip, set) in [("ip", "to4"), ("ip6", "to6")] {
-        let _ = writeln!(
-            out,
-            "        {ip} daddr @{set} ct state established,related accept\n        {ip} daddr @{set} drop"
-        );
+        let _ = writeln!(out, "        {ip} daddr @{set} drop");
     }
     let _ = writeln!(out, "    }}");
     if layout.matching == Match::Cgroup {

@@ -158,11 +158,15 @@ fn open_flows_pass_on_one_lookup_except_from_a_vm_under_loopback() {
     let forward = table.split("chain forward {").nth(1).expect("forward");
     let rules: Vec<&str> = forward.lines().skip(2).map(str::trim).collect();
     assert_eq!(
-        rules[..3],
+        rules[..7],
         [
             "ct state established,related ip saddr != @cut4 accept",
             "ct state established,related ip6 saddr != @cut6 accept",
             "ip saddr vmap @from4",
+            "ip6 saddr vmap @from6",
+            "ip daddr @to4 drop",
+            "ip6 daddr @to6 drop",
+            "}",
         ]
     );
     let cut = rules::change(&l, Some(&vm("vm", &a, &open)), Some(&vm("vm", &a, &lo)));
