@@ -572,13 +572,14 @@ impl Dispatcher {
 
     /// Replaces everything the gateway knows with the store's view.
     async fn resync(&self, w: &WorkerRow) -> bool {
-        let rows = store::worker_sandboxes(&self.pool, &w.id).await;
-        let Some(rows) = read(rows, "reading the sandboxes to resync", &w.id) else {
+        let view = store::resync_view(&self.pool, &w.id).await;
+        let Some(view) = read(view, "reading the sandboxes to resync", &w.id) else {
             return false;
         };
+        let rows = &view.live;
         // NDJSON, streamed by the gateway: no size bound on a resync.
         let mut ndjson = String::new();
-        for s in &rows {
+        for s in rows {
             match resync_line(s) {
                 Ok(line) => ndjson.push_str(&line),
                 Err(error) => {
@@ -592,7 +593,7 @@ impl Dispatcher {
         // took the resync (one that restarted meanwhile has another).
         let before = self.gateway_state(w).await;
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
-            Ok((status, _)) if status.is_success() => self.resynced(w, &rows, before).await,
+            Ok((status, _)) if status.is_success() => self.resynced(w, &view, before).await,
             outcome => {
                 let error = match outcome {
                     Ok((status, body)) => PushError::refused(status, &body),
@@ -617,7 +618,7 @@ impl Dispatcher {
     async fn resynced(
         &self,
         w: &WorkerRow,
-        rows: &[SandboxRow],
+        view: &store::ResyncView,
         before: Option<(String, i64)>,
     ) -> bool {
         let ready = self.gateway_state(w).await;
@@ -635,21 +636,15 @@ impl Dispatcher {
         let generation = ready.as_ref().map(|(_, g)| *g);
         let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
         logged(acked, "acknowledging the resync", &w.id);
-        for s in rows {
+        for s in &view.live {
             let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
             logged(pushed, "marking a resynced sandbox pushed", &s.id);
         }
-        self.mark_forgotten(w).await;
-        tracing::info!(worker = %w.id, sandboxes = rows.len(), "resynced the gateway");
+        let marked = store::mark_forgotten(&self.pool, &view.forgotten).await;
+        logged(marked, "marking the forgotten sandboxes pushed", &w.id);
+        tracing::info!(worker = %w.id, sandboxes = view.live.len(), "resynced the gateway");
         self.count_push("resync");
         true
-    }
-
-    /// After a resync, destroyed and failed sandboxes are acknowledged too:
-    /// the gateway no longer has them.
-    async fn mark_forgotten(&self, w: &WorkerRow) {
-        let marked = store::mark_forgotten(&self.pool, &w.id).await;
-        logged(marked, "marking the forgotten sandboxes pushed", &w.id);
     }
 
     /// The gateway's epoch and generation (`GET /readyz`); `None` while it

@@ -363,18 +363,7 @@ pub async fn worker_seen(
 /// A worker's live sandboxes with a policy, by id: what its gateway should hold.
 const WORKER_SANDBOXES: &str = "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id";
 
-/// The sandboxes a worker's gateway should know, as the gateway's resync
-/// document. A `creating` sandbox with a policy is a claimed warm-pool
-/// sandbox: its gateway keeps the template's policy until the claim's push.
-pub async fn worker_sandboxes(pool: &PgPool, worker: &str) -> Result<Vec<SandboxRow>, sqlx::Error> {
-    let rows = sqlx::query(WORKER_SANDBOXES)
-        .bind(worker)
-        .fetch_all(pool)
-        .await?;
-    rows.iter().map(SandboxRow::from_row).collect()
-}
-
-/// The worker's live sandboxes, as [`worker_sandboxes`], if none of its
+/// The worker's live sandboxes, as a [`ResyncView`] has them, if none of its
 /// changes is still unacknowledged; `None` otherwise. Both are read in one
 /// snapshot, so a sandbox placed between the two reads cannot pass for a
 /// settled one (a list compared against it would look drifted).
@@ -434,13 +423,53 @@ pub async fn pushed(pool: &PgPool, id: &str, generation: i64) -> Result<f64, sql
     Ok(lag.unwrap_or(0.0))
 }
 
-/// After a resync, `worker`'s destroyed and failed sandboxes count as
-/// pushed: the gateway no longer has them.
-pub async fn mark_forgotten(pool: &PgPool, worker: &str) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE sandboxes SET pushed_generation = generation WHERE worker = $1 AND state IN ('destroyed', 'failed')",
+/// What a resync of a worker's gateway sends and what it settles, read in
+/// one snapshot: the live sandboxes, as the gateway's resync document (a
+/// `creating` sandbox with a policy is a claimed warm-pool sandbox: its
+/// gateway keeps the template's policy until the claim's push), and the
+/// destroyed or failed ones not yet acknowledged, each with the generation read.
+#[derive(Debug)]
+pub struct ResyncView {
+    pub live: Vec<SandboxRow>,
+    pub forgotten: Vec<(String, i64)>,
+}
+
+/// The [`ResyncView`] of `worker`'s sandboxes now.
+pub async fn resync_view(pool: &PgPool, worker: &str) -> Result<ResyncView, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let rows = sqlx::query(WORKER_SANDBOXES)
+        .bind(worker)
+        .fetch_all(&mut *tx)
+        .await?;
+    let forgotten: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT id, generation FROM sandboxes WHERE worker = $1 AND state IN ('destroyed', 'failed') AND generation > pushed_generation ORDER BY id",
     )
     .bind(worker)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let live = rows
+        .iter()
+        .map(SandboxRow::from_row)
+        .collect::<Result<_, _>>()?;
+    Ok(ResyncView { live, forgotten })
+}
+
+/// After a resync, the destroyed and failed sandboxes of its
+/// [`ResyncView`] count as pushed at the generation read then: the gateway
+/// no longer has them. One destroyed after that read has a later
+/// generation and stays to be pushed (the resync may have sent it live).
+pub async fn mark_forgotten(pool: &PgPool, forgotten: &[(String, i64)]) -> Result<(), sqlx::Error> {
+    let (ids, generations): (Vec<&str>, Vec<i64>) =
+        forgotten.iter().map(|(id, g)| (id.as_str(), *g)).unzip();
+    sqlx::query(
+        "UPDATE sandboxes SET pushed_generation = GREATEST(pushed_generation, f.generation) FROM unnest($1::text[], $2::bigint[]) AS f(id, generation) WHERE sandboxes.id = f.id",
+    )
+    .bind(ids)
+    .bind(generations)
     .execute(pool)
     .await?;
     Ok(())

@@ -602,3 +602,51 @@ async fn the_drift_check_compares_only_a_settled_worker() {
     let ids: Vec<&str> = settled.iter().map(|s| s.id.as_str()).collect();
     assert_eq!(ids, ["s1", "s2"]);
 }
+
+/// A resync settles only the destroyed sandboxes it read: one destroyed
+/// after its snapshot (the resync may have sent it live) keeps its change
+/// to push, so the gateway is told to forget it. Settling every destroyed
+/// sandbox of the worker after the resync left such a one on the gateway
+/// for good: its generation matched and no drift check looked again.
+#[tokio::test]
+async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
+    let url = db!();
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let exec = |sql: &'static str| sqlx::query(sqlx::AssertSqlSafe(sql));
+    for sql in [
+        "INSERT INTO templates (id, policy) VALUES ('t', '{\"default\": \"deny\"}')",
+        "INSERT INTO workers (id, admin_url, token, pool) VALUES ('w1', 'http://127.0.0.1:9', '', '100.64.0.0/24')",
+        "INSERT INTO sandboxes (id, tenant, template, egress_profiles, policy, inherits_template, state, worker, addresses, generation, pushed_generation) \
+         VALUES ('s1', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'running', 'w1', '{100.64.0.2}', 4, 4), \
+                ('s2', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'destroyed', 'w1', '{}', 3, 2)",
+    ] {
+        exec(sql).execute(&mut conn).await.expect(sql);
+    }
+    let view = egress_controller::store::resync_view(&pool, "w1")
+        .await
+        .expect("read");
+    let live: Vec<&str> = view.live.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(live, ["s1"]);
+    assert_eq!(view.forgotten, [("s2".to_owned(), 3)]);
+    // s1 is destroyed while the resync is on its way.
+    let sql = "UPDATE sandboxes SET state = 'destroyed', generation = 5 WHERE id = 's1'";
+    exec(sql).execute(&mut conn).await.expect(sql);
+    egress_controller::store::mark_forgotten(&pool, &view.forgotten)
+        .await
+        .expect("mark");
+    let unpushed = egress_controller::store::unpushed(&pool, "w1", 10)
+        .await
+        .expect("unpushed");
+    let ids: Vec<(&str, i64)> = unpushed
+        .iter()
+        .map(|s| (s.id.as_str(), s.generation))
+        .collect();
+    assert_eq!(
+        ids,
+        [("s1", 5)],
+        "s2 settled, s1's destruction still to push"
+    );
+}
