@@ -32,9 +32,15 @@
 # the interquartile range and the range of the per-round ratios, and says
 # which interquartile ranges are wider than 3 points. Each run also reads
 # the machine's busy CPU (/proc/stat) around it: CPU per 1k connects and per
-# GiB, and their cost ratios. Then PERF_ROUNDS (3) interleaved connect runs
+# GiB, and their cost ratios. PIN=<cpu> runs every origin server and every
+# load run on that one CPU (taskset): the connect and bulk paths, kernel
+# forwarding included (a veth delivers in its sender's context), then share
+# one core and keep it busy, so a rate is CPU-bound and idle gaps and the
+# other core's noise do not move it; unset, they run where the scheduler
+# puts them. Then PERF_ROUNDS (3) interleaved connect runs
 # per variant under `perf record -a` give netfilter's share of the busy CPU,
-# which idle gaps do not move (PERF_ROUNDS=0 skips it). After the rounds, on
+# which idle gaps do not move (PERF_ROUNDS=0 skips it; PERF_KEEP=<dir> keeps
+# each run's report there, perf-<variant>-<round>.txt). After the rounds, on
 # the largest count's gateway: 20 policy applies of 256 rules (each a
 # different policy), p50/p99 ms; the ruleset's size as text and the slab
 # the kernel frees when the table is deleted; each gateway's RSS.
@@ -50,6 +56,7 @@ secs=${SECONDS_PER:-2}
 counts=${COUNTS:-1 100 500}
 jobs=${JOBS:-4}
 conc=${CONCURRENCY:-8}
+pin=${PIN:-}
 build=${BUILD:-1}
 profile=${PROFILE:-release}
 load_profile=${LOAD_PROFILE:-$profile} # the load generator's own profile
@@ -66,6 +73,10 @@ posint ROUNDS "$rounds"
 posint SECONDS_PER "$secs"
 posint JOBS "$jobs"
 posint CONCURRENCY "$conc"
+[ -z "$pin" ] || [[ $pin =~ ^[0-9]{1,3}$ && $pin -lt $(nproc) ]] || die "PIN must be a CPU number below $(nproc), got '$pin'"
+# The load's command prefix: taskset onto PIN's CPU, or nothing.
+pinned=()
+[ -z "$pin" ] || pinned=(taskset -c "$pin")
 read -r -a counts_arr <<< "$counts"
 [ "${#counts_arr[@]}" -gt 0 ] || die "COUNTS is empty"
 for n in "${counts_arr[@]}"; do
@@ -162,7 +173,7 @@ table inet bench_forward {
 }
 NFT
     mkdir -p "$state/$1"
-    ip netns exec "$orns" "$load" serve --listen 203.0.113.80:9000 --close-at 203.0.113.80:9001 > "$state/$1/serve.out" 2>&1 &
+    ip netns exec "$orns" "${pinned[@]}" "$load" serve --listen 203.0.113.80:9000 --close-at 203.0.113.80:9001 > "$state/$1/serve.out" 2>&1 &
     pids+=($!)
     for _ in $(seq 100); do
         grep -q ready "$state/$1/serve.out" && return 0
@@ -306,14 +317,14 @@ measure() { # $1: round, $2: variant; appends "round variant connects/s MiB/s fa
     local vmns out c f b n bytes t0 tc tb
     vmns=$(ns_of "$2" vm)
     t0=$(busy)
-    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 --seconds "$secs" --concurrency "$conc")
+    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "${pinned[@]}" "$load" connect --target 203.0.113.80:9001 --seconds "$secs" --concurrency "$conc")
     tc=$(($(busy) - t0))
     echo "$2 connect $out" >&2
     c=$(num per_s "$out")
     f=$(num failed "$out")
     n=$(num connects "$out")
     t0=$(busy)
-    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" bulk --target 203.0.113.80:9000 --seconds "$secs")
+    out=$(timeout --foreground $((secs + 30)) ip netns exec "$vmns" "${pinned[@]}" "$load" bulk --target 203.0.113.80:9000 --seconds "$secs")
     tb=$(($(busy) - t0))
     echo "$2 bulk $out" >&2
     b=$(num mib_per_s "$out")
@@ -354,7 +365,7 @@ nft_share() { # $1: round, $2: variant; appends "round variant share-of-busy-%"
     local vmns lp data report
     vmns=$(ns_of "$2" vm)
     data=$state/perf.data
-    timeout --foreground $((secs + 30)) ip netns exec "$vmns" "$load" connect --target 203.0.113.80:9001 \
+    timeout --foreground $((secs + 30)) ip netns exec "$vmns" "${pinned[@]}" "$load" connect --target 203.0.113.80:9001 \
         --seconds $((secs + 1)) --concurrency "$conc" > /dev/null &
     lp=$!
     pids+=("$lp")
@@ -362,6 +373,7 @@ nft_share() { # $1: round, $2: variant; appends "round variant share-of-busy-%"
     perf record -q -a -o "$data" -- sleep "$secs" > /dev/null 2>&1 || die "perf record failed"
     wait "$lp" || die "the connect run under perf failed"
     report=$(perf report -i "$data" --no-children --sort symbol --stdio 2> /dev/null)
+    [ -z "${PERF_KEEP:-}" ] || echo "$report" > "$PERF_KEEP/perf-$2-$1.txt"
     awk -v r="$1" -v v="$2" '
         $1 ~ /%$/ { p = $1; sub(/%/, "", p); seen++
                     if ($3 ~ /^(nft_|__nft_|nf_tables_|nf_hook_slow|pipapo_)/) n += p
@@ -407,10 +419,10 @@ echo "--- raw: round variant connects/s MiB/s failed-connects connects bytes bus
 cat "$results" >&2
 
 python3 - "$results" "$applies" "$state/memory" "$secs" "${counts_arr[*]}" "$setup_s" "$jobs" \
-    "$load_before" "$load_after" "$rss" "$(getconf CLK_TCK)" "$shares" "$conc" <<'PY'
+    "$load_before" "$load_after" "$rss" "$(getconf CLK_TCK)" "$shares" "$conc" "${pin:-}" <<'PY'
 import sys, statistics as st
 (results, applies_f, memory_f, secs, counts, setup_s, jobs,
- load_before, load_after, rss, ticks, shares_f, conc) = sys.argv[1:]
+ load_before, load_after, rss, ticks, shares_f, conc, pin) = sys.argv[1:]
 counts = counts.split()
 smallest, largest = counts[0], counts[-1]
 by = {}  # variant -> {round: (connects/s, MiB/s, failed)}
@@ -448,7 +460,8 @@ def width(xs):
 print(f"### Machine egress at node scale ({len(rounds_seen)} interleaved round"
       f"{'' if len(rounds_seen) == 1 else 's'}, {secs} s per figure)\n")
 print("Every variant is a path of its own, measured in turn within each round; ratios are per round "
-      "(median of the rounds' ratios, their interquartile range, their range).\n")
+      "(median of the rounds' ratios, their interquartile range, their range)."
+      + (f" Origins and load runs pinned to CPU {pin}.\n" if pin else "\n"))
 none = [by["none"][r] for r in rounds_seen]
 widths = {"connects": [], "bulk": [], "CPU per connect": [], "CPU per GiB": []}
 

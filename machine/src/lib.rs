@@ -412,8 +412,9 @@ impl Machines {
                 rules::change(&self.layout, old.as_ref(), new.as_ref())
             })
             .collect();
-        if !text.is_empty() && self.layout.matching == Match::Cgroup {
+        if !text.is_empty() {
             let vms: Vec<VmRules<'_>> = to.vms.values().map(|vm| vm.rules()).collect();
+            text.push_str(&rules::forward_rules(&vms));
             text.push_str(&rules::output_dispatch(&self.layout, &vms));
         }
         text

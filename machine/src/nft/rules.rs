@@ -10,8 +10,11 @@
 //!
 //! - the forward hook passes an open flow (either way) on its conntrack
 //!   entry before any dispatch, unless it comes from a VM under `loopback`
-//!   (those VMs' addresses are in `cut4`/`cut6`): one lookup a packet;
-//! - `vm_<k>`: conntrack first (not under `loopback`), IPv6 to `v6_<k>`,
+//!   (those VMs' addresses are in `cut4`/`cut6`): no lookup a packet while
+//!   no VM of its family is under `loopback`, one while some is
+//!   ([`forward_rules`], rewritten with every change);
+//! - `vm_<k>`: conntrack first (on the output hook, and not under
+//!   `loopback`), IPv6 to `v6_<k>`,
 //!   then the rule sets `any_<k>`, `proto_<k>`, `port_<k>` (a set the
 //!   policy leaves empty has no rule), then the record
 //!   and the verdict, counted in `refused_<k>`. The record is a log rule
@@ -117,6 +120,7 @@ pub fn table(layout: &Layout, vms: &[VmRules<'_>]) -> String {
     for vm in vms {
         out.push_str(&change(layout, None, Some(vm)));
     }
+    out.push_str(&forward_rules(vms));
     if layout.matching == Match::Cgroup {
         out.push_str(&output_dispatch(layout, vms));
     }
@@ -141,30 +145,11 @@ fn base(out: &mut String, layout: &Layout) {
         out,
         "    chain prerouting {{\n        type filter hook prerouting priority raw - 10; policy accept;\n        iifname vmap @links\n    }}"
     );
+    // Its rules are written by `forward_rules`, for the VMs there are.
     let _ = writeln!(
         out,
-        "    chain forward {{\n        type filter hook forward priority filter - 10; policy accept;"
+        "    chain forward {{\n        type filter hook forward priority filter - 10; policy accept;\n    }}"
     );
-    // An open flow keeps the verdict it was accepted under, both ways,
-    // with one lookup, unless it comes from a VM under `loopback`, which
-    // cuts open flows too (those VMs' addresses are in cut4/cut6).
-    for (ip, set) in [("ip", "cut4"), ("ip6", "cut6")] {
-        let _ = writeln!(
-            out,
-            "        ct state established,related {ip} saddr != @{set} accept"
-        );
-    }
-    let _ = writeln!(
-        out,
-        "        ip saddr vmap @from4\n        ip6 saddr vmap @from6"
-    );
-    // What is left for a VM's address is a new flow to it (an open one
-    // passed above: its source is not a VM under loopback, which the
-    // dispatch would have taken): dropped.
-    for (ip, set) in [("ip", "to4"), ("ip6", "to6")] {
-        let _ = writeln!(out, "        {ip} daddr @{set} drop");
-    }
-    let _ = writeln!(out, "    }}");
     if layout.matching == Match::Cgroup {
         for level in 1..=MAX_CGROUP_LEVEL {
             let _ = writeln!(out, "    map cg{level} {{ type cgroupsv2 : verdict; }}");
@@ -175,6 +160,47 @@ fn base(out: &mut String, layout: &Layout) {
         );
     }
     let _ = writeln!(out, "}}");
+}
+
+/// The forward chain's rules for the VMs `vms` (replaces the chain's
+/// rules; part of every transaction). An open flow keeps the verdict it
+/// was accepted under, both ways, on its conntrack entry alone, unless it
+/// comes from a VM under `loopback`, which cuts open flows too: while some
+/// VM of a family is under `loopback` (its addresses in `cut4`/`cut6`),
+/// that family's open flows take one lookup in the cut set first, and
+/// while none is, no lookup at all. What is left for a VM's address is a
+/// new flow to it (an open one passed: its source is not a VM under
+/// loopback, which the dispatch would have taken): dropped.
+pub fn forward_rules(vms: &[VmRules<'_>]) -> String {
+    let cut = |v4: bool| {
+        vms.iter().any(|vm| {
+            vm.policy.mode == Mode::Loopback && vm.addresses.iter().any(|a| a.is_ipv4() == v4)
+        })
+    };
+    let mut rules = match (cut(true), cut(false)) {
+        (false, false) => vec!["ct state established,related accept".to_owned()],
+        (cut4, cut6) => [(cut4, "ip", "cut4", "ipv4"), (cut6, "ip6", "cut6", "ipv6")]
+            .into_iter()
+            .map(|(cut, ip, set, family)| match cut {
+                true => format!("ct state established,related {ip} saddr != @{set} accept"),
+                false => format!("ct state established,related meta nfproto {family} accept"),
+            })
+            .collect(),
+    };
+    rules.extend(
+        [
+            "ip saddr vmap @from4",
+            "ip6 saddr vmap @from6",
+            "ip daddr @to4 drop",
+            "ip6 daddr @to6 drop",
+        ]
+        .map(str::to_owned),
+    );
+    let mut out = format!("flush chain inet {TABLE} forward\n");
+    for rule in rules {
+        let _ = writeln!(out, "add rule inet {TABLE} forward {rule}");
+    }
+    out
 }
 
 /// The output chain's rules: one cgroup lookup for each level some VM is
@@ -396,15 +422,19 @@ fn elements(out: &mut String, k: &str, set: &str, items: impl Iterator<Item = St
     }
 }
 
-/// The VM's own chain, for the packets it sends: an open flow keeps the
-/// verdict it was accepted under (except under `loopback`, which cuts open
-/// flows too), IPv6 goes to `v6_<k>`, IPv4 is judged by the mode. A rule
+/// The VM's own chain, for the packets it sends: on the output hook an
+/// open flow keeps the verdict it was accepted under (except under
+/// `loopback`, which cuts open flows too; on the forward hook the open
+/// flows that keep theirs passed before the dispatch), IPv6 goes to
+/// `v6_<k>`, IPv4 is judged by the mode. A rule
 /// set that is empty has no rule (it could match nothing, and each lookup
 /// costs a new flow).
 fn vm_chain(layout: &Layout, vm: &str, mode: Mode, sets: &KernelSets) -> Vec<String> {
     let k = key(vm);
     let mut rules = Vec::new();
-    if mode != Mode::Loopback {
+    // On the forward hook an open flow never gets here: it passed before
+    // the dispatch, or it is from a VM under `loopback` (which cuts it).
+    if mode != Mode::Loopback && layout.matching == Match::Cgroup {
         rules.push("ct state established,related accept".to_owned());
     }
     rules.push(format!("meta nfproto ipv6 goto v6_{k}"));

@@ -82,8 +82,10 @@ fn an_allowlist_compiles_into_the_vms_own_sets_and_chain() {
             .position(|c| c.contains(rule))
             .unwrap_or_else(|| panic!("no `{rule}` in {chain:?}"))
     };
-    // Open flows keep their verdict: conntrack first; then IPv6 goes apart.
-    assert_eq!(pos("ct state established,related accept"), 0);
+    // Open flows passed the forward hook before the dispatch (see
+    // open_flows_pass_on_conntrack_alone_unless_a_vm_is_under_loopback):
+    // IPv6 goes apart first, then the sets.
+    assert_eq!(pos("goto v6_vm1"), 0);
     assert!(pos("goto v6_vm1") < pos("@any_vm1 accept"));
     // Recording comes before the drop, in its own rule.
     assert!(pos("update @obs_vm1") < pos("counter name refused_vm1 drop"));
@@ -142,33 +144,58 @@ fn each_mode_has_its_verdict() {
     assert!(audit6.iter().any(|r| r.contains("update @obs6_vm")));
 }
 
-/// An open flow passes the forward hook on its conntrack entry and one
-/// lookup, both ways, unless its VM is under `loopback`: those VMs'
-/// addresses are in cut4/cut6, so their packets reach their own chain,
-/// which has no such rule.
+/// An open flow passes the forward hook on its conntrack entry alone while
+/// no VM of its family is under `loopback`, and on one more lookup while
+/// some is: those VMs' addresses are in cut4/cut6, so their packets reach
+/// their own chain, which has no such rule. The rules are rewritten with
+/// every change, from all the VMs; the cut elements move with the VM.
 #[test]
-fn open_flows_pass_on_one_lookup_except_from_a_vm_under_loopback() {
-    let a = addrs();
+fn open_flows_pass_on_conntrack_alone_unless_a_vm_is_under_loopback() {
+    let (a, v4): (Vec<IpAddr>, Vec<IpAddr>) = (addrs(), vec!["100.64.9.2".parse().expect("ip")]);
     let (lo, open) = (
         policy(r#"{"mode": "loopback"}"#),
         policy(r#"{"mode": "open"}"#),
     );
     let l = layout(Match::Address);
-    let table = rules::table(&l, &[vm("vm", &a, &open)]);
-    let forward = table.split("chain forward {").nth(1).expect("forward");
-    let rules: Vec<&str> = forward.lines().skip(2).map(str::trim).collect();
-    assert_eq!(
-        rules[..7],
-        [
+    let dispatch = [
+        "ip saddr vmap @from4",
+        "ip6 saddr vmap @from6",
+        "ip daddr @to4 drop",
+        "ip6 daddr @to6 drop",
+    ];
+    let forward = |vms: &[VmRules<'_>], first: &[&str]| {
+        let text = rules::forward_rules(vms);
+        let mut want = vec!["flush chain inet egress_machine forward".to_owned()];
+        want.extend(
+            first
+                .iter()
+                .chain(&dispatch)
+                .map(|r| format!("add rule inet egress_machine forward {r}")),
+        );
+        assert_eq!(text.lines().collect::<Vec<_>>(), want, "{text}");
+    };
+    forward(
+        &[vm("vm", &a, &open), vm("v4", &v4, &open)],
+        &["ct state established,related accept"],
+    );
+    forward(
+        &[vm("vm", &a, &lo), vm("v4", &v4, &open)],
+        &[
             "ct state established,related ip saddr != @cut4 accept",
             "ct state established,related ip6 saddr != @cut6 accept",
-            "ip saddr vmap @from4",
-            "ip6 saddr vmap @from6",
-            "ip daddr @to4 drop",
-            "ip6 daddr @to6 drop",
-            "}",
-        ]
+        ],
     );
+    forward(
+        &[vm("vm", &a, &open), vm("v4", &v4, &lo)],
+        &[
+            "ct state established,related ip saddr != @cut4 accept",
+            "ct state established,related meta nfproto ipv6 accept",
+        ],
+    );
+    // The whole table: the chain is declared empty, then filled.
+    let table = rules::table(&l, &[vm("vm", &a, &open)]);
+    assert!(table.contains("hook forward priority filter - 10; policy accept;\n    }"));
+    assert!(table.contains(&rules::forward_rules(&[vm("vm", &a, &open)])));
     let cut = rules::change(&l, Some(&vm("vm", &a, &open)), Some(&vm("vm", &a, &lo)));
     let back = rules::change(&l, Some(&vm("vm", &a, &lo)), Some(&vm("vm", &a, &open)));
     for (text, line, present) in [
@@ -191,6 +218,20 @@ fn open_flows_pass_on_one_lookup_except_from_a_vm_under_loopback() {
         (&back, "add element inet egress_machine cut", false),
     ] {
         assert_eq!(text.contains(line), present, "`{line}` in:\n{text}");
+    }
+    // On the forward hook a VM's chain never sees an open flow; on the
+    // output hook it does, and keeps it (except under loopback).
+    let ct = "ct state established,related accept";
+    for (matching, kept) in [(Match::Address, false), (Match::Cgroup, true)] {
+        let mut v = vm("vm", &a, &open);
+        v.cgroup = Some("vms/vm");
+        let text = rules::change(&layout(matching), None, Some(&v));
+        let chain = chain_rules(&text, "vm_vm");
+        assert_eq!(
+            chain.first().map(String::as_str) == Some(ct),
+            kept,
+            "{chain:?}"
+        );
     }
 }
 
@@ -351,6 +392,9 @@ fn nft_accepts_every_mode() {
             ..vm("m0", &addresses[0], &policies[1])
         }),
     ));
+    // The forward chain rewritten without a VM under loopback, then with.
+    text.push_str(&rules::forward_rules(&vms[1..]));
+    text.push_str(&rules::forward_rules(&vms));
     check(&text);
 }
 
