@@ -182,7 +182,13 @@ where
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let started = Instant::now();
     let handshake = dp.config().timeouts.tls_handshake;
-    let accepted = tokio::time::timeout(handshake, acceptor.accept(client)).await;
+    // The TLS stream (rustls' connection inline, about 1.3 kB) is boxed as
+    // it is made: moved by value, it kept a slot in each future it passed
+    // through (this one's result, `serve`'s argument, hyper's connection),
+    // all of them in the flow's task for the connection's life
+    // (benches/RESULTS.md, "Idle intercepted connections").
+    let accept = async { acceptor.accept(client).await.map(Box::new) };
+    let accepted = tokio::time::timeout(handshake, accept).await;
     dp.metrics
         .handshake_seconds
         .observe(started.elapsed().as_secs_f64());
