@@ -40,7 +40,10 @@ pub(crate) async fn splice_to(
     meter: Option<Meter>,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
-    let mut origin = match connect_out(route, dst, timeouts.connect, &dp.metrics).await {
+    // Boxed: the connect's future (about 1.8 kB) is the largest state of
+    // this one, and of the flow's task, which lives as long as the flow.
+    let connect = Box::pin(connect_out(route, dst, timeouts.connect, &dp.metrics));
+    let mut origin = match connect.await {
         Ok(o) => o,
         Err(e) => {
             reset(&client);
