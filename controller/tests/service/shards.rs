@@ -563,6 +563,34 @@ async fn a_sharded_dispatcher_waits_while_a_single_leader_dispatcher_leads() {
     );
 }
 
+/// The store on `url` with the template `t`, the worker `w1`, and on it
+/// `sandboxes` (id, state, addresses, generation, pushed generation), all of
+/// tenant `a` on `t`'s policy; and a connection of its own.
+async fn seeded(
+    url: &str,
+    sandboxes: &[(&str, &str, &str, i64, i64)],
+) -> (sqlx::PgPool, sqlx::PgConnection) {
+    let pool = egress_controller::store::connect(url).await.expect("store");
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
+    let mut sqls = vec![
+        "INSERT INTO templates (id, policy) VALUES ('t', '{\"default\": \"deny\"}')".to_owned(),
+        "INSERT INTO workers (id, admin_url, token, pool) VALUES ('w1', 'http://127.0.0.1:9', '', '100.64.0.0/24')".to_owned(),
+    ];
+    sqls.extend(sandboxes.iter().map(|(id, state, addresses, generation, pushed)| {
+        format!(
+            "INSERT INTO sandboxes (id, tenant, template, egress_profiles, policy, inherits_template, state, worker, addresses, generation, pushed_generation) \
+             VALUES ('{id}', 'a', 't', '{{}}', '{{\"default\": \"deny\"}}', true, '{state}', 'w1', '{addresses}', {generation}, {pushed})"
+        )
+    }));
+    for sql in sqls {
+        sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+            .execute(&mut conn)
+            .await
+            .expect(&sql);
+    }
+    (pool, conn)
+}
+
 /// The drift check compares a gateway's list only with sandboxes that are
 /// all pushed, read in one snapshot: while any change of the worker is
 /// unacknowledged it gets nothing to compare (a sandbox placed while the
@@ -571,22 +599,14 @@ async fn a_sharded_dispatcher_waits_while_a_single_leader_dispatcher_leads() {
 #[tokio::test]
 async fn the_drift_check_compares_only_a_settled_worker() {
     let url = db!();
-    let pool = egress_controller::store::connect(&url)
-        .await
-        .expect("store");
-    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
-    for sql in [
-        "INSERT INTO templates (id, policy) VALUES ('t', '{\"default\": \"deny\"}')",
-        "INSERT INTO workers (id, admin_url, token, pool) VALUES ('w1', 'http://127.0.0.1:9', '', '100.64.0.0/24')",
-        "INSERT INTO sandboxes (id, tenant, template, egress_profiles, policy, inherits_template, state, worker, addresses, generation, pushed_generation) \
-         VALUES ('s1', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'running', 'w1', '{100.64.0.2}', 1, 1), \
-                ('s2', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'running', 'w1', '{100.64.0.3}', 1, 0)",
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&mut conn)
-            .await
-            .expect(sql);
-    }
+    let (pool, mut conn) = seeded(
+        &url,
+        &[
+            ("s1", "running", "{100.64.0.2}", 1, 1),
+            ("s2", "running", "{100.64.0.3}", 1, 0),
+        ],
+    )
+    .await;
     let settled = egress_controller::store::settled_sandboxes(&pool, "w1")
         .await
         .expect("read");
@@ -611,20 +631,14 @@ async fn the_drift_check_compares_only_a_settled_worker() {
 #[tokio::test]
 async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
     let url = db!();
-    let pool = egress_controller::store::connect(&url)
-        .await
-        .expect("store");
-    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
-    let exec = |sql: &'static str| sqlx::query(sqlx::AssertSqlSafe(sql));
-    for sql in [
-        "INSERT INTO templates (id, policy) VALUES ('t', '{\"default\": \"deny\"}')",
-        "INSERT INTO workers (id, admin_url, token, pool) VALUES ('w1', 'http://127.0.0.1:9', '', '100.64.0.0/24')",
-        "INSERT INTO sandboxes (id, tenant, template, egress_profiles, policy, inherits_template, state, worker, addresses, generation, pushed_generation) \
-         VALUES ('s1', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'running', 'w1', '{100.64.0.2}', 4, 4), \
-                ('s2', 'a', 't', '{}', '{\"default\": \"deny\"}', true, 'destroyed', 'w1', '{}', 3, 2)",
-    ] {
-        exec(sql).execute(&mut conn).await.expect(sql);
-    }
+    let (pool, mut conn) = seeded(
+        &url,
+        &[
+            ("s1", "running", "{100.64.0.2}", 4, 4),
+            ("s2", "destroyed", "{}", 3, 2),
+        ],
+    )
+    .await;
     let view = egress_controller::store::resync_view(&pool, "w1")
         .await
         .expect("read");
@@ -633,7 +647,7 @@ async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
     assert_eq!(view.forgotten, [("s2".to_owned(), 3)]);
     // s1 is destroyed while the resync is on its way.
     let sql = "UPDATE sandboxes SET state = 'destroyed', generation = 5 WHERE id = 's1'";
-    exec(sql).execute(&mut conn).await.expect(sql);
+    sqlx::query(sql).execute(&mut conn).await.expect(sql);
     egress_controller::store::mark_forgotten(&pool, &view.forgotten)
         .await
         .expect("mark");
