@@ -222,7 +222,10 @@ where
             as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
     });
     let config = conn.dp.config();
-    let builder = http_server(&config);
+    // Boxed (240 bytes inline): it is borrowed for the connection's life,
+    // and inline it made the flow's task one allocator size class larger
+    // for every flow (benches/RESULTS.md, "Idle intercepted connections").
+    let builder = Box::new(http_server(&config));
     let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     let served = tokio::select! {
         r = serving => r,
