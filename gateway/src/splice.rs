@@ -26,7 +26,8 @@ use rustix::pipe::{PipeFlags, SpliceFlags};
 
 /// Connects to `dst` the way `route` says (direct, or through the
 /// operator's proxy), sends the `peeked` bytes first, then joins the two
-/// sockets as they are. The error names the step that failed (the client is
+/// sockets as they are; the peeked bytes are freed once sent, not held for
+/// the flow's life. The error names the step that failed (the client is
 /// reset); the byte counts include the peeked bytes. With a byte budget
 /// (`meter`) the flow takes the gateway's copy, which charges every chunk
 /// before writing it: neither the sockmap nor `splice(2)` could be cut at
@@ -35,7 +36,7 @@ pub(crate) async fn splice_to(
     dp: &Dataplane,
     client: TcpStream,
     (dst, route): (std::net::SocketAddr, &Route),
-    peeked: &[u8],
+    peeked: Vec<u8>,
     config: &Config,
     meter: Option<Meter>,
 ) -> Result<Spliced, String> {
@@ -51,12 +52,14 @@ pub(crate) async fn splice_to(
             return Err(e.log());
         }
     };
-    if let Err(e) = origin.write_all(peeked).await {
+    if let Err(e) = origin.write_all(&peeked).await {
         reset(&client);
         dp.metrics
             .fault(Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP));
         return Err(format!("upstream_write: {e}"));
     }
+    let peeked_len = peeked.len() as u64;
+    drop(peeked);
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
     let (client, origin) = match kernel {
         Some(kernel) => match crate::ksplice::splice(kernel, client, origin, timeouts.idle).await {
@@ -88,7 +91,7 @@ pub(crate) async fn splice_to(
     };
     let mut moved = splice(client, origin, timeouts.idle, pipes, meter.as_ref()).await;
     dp.metrics.spliced(path);
-    moved.up += peeked.len() as u64;
+    moved.up += peeked_len;
     Ok(moved)
 }
 

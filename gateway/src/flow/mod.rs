@@ -119,7 +119,7 @@ async fn splice(
     let config = dp.config();
     let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
     let to = (accepted.dst, &route);
-    Ok(crate::splice::splice_to(dp, stream, to, &peeked, &config, meter).await)
+    Ok(crate::splice::splice_to(dp, stream, to, peeked, &config, meter).await)
 }
 
 /// A denied flow: `403` with the reason where the protocol allows an answer
