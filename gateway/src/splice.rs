@@ -41,25 +41,8 @@ pub(crate) async fn splice_to(
     meter: Option<Meter>,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
-    // Boxed: the connect's future (about 1.8 kB) is the largest state of
-    // this one, and of the flow's task, which lives as long as the flow.
-    let connect = Box::pin(connect_out(route, dst, timeouts.connect, &dp.metrics));
-    let mut origin = match connect.await {
-        Ok(o) => o,
-        Err(e) => {
-            reset(&client);
-            dp.metrics.fault(e.fault());
-            return Err(e.log());
-        }
-    };
-    if let Err(e) = origin.write_all(&peeked).await {
-        reset(&client);
-        dp.metrics
-            .fault(Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP));
-        return Err(format!("upstream_write: {e}"));
-    }
     let peeked_len = peeked.len() as u64;
-    drop(peeked);
+    let origin = open_origin(dp, &client, (dst, route), peeked, timeouts.connect).await?;
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
     let (client, origin) = match kernel {
         Some(kernel) => match crate::ksplice::splice(kernel, client, origin, timeouts.idle).await {
@@ -93,6 +76,35 @@ pub(crate) async fn splice_to(
     dp.metrics.spliced(path);
     moved.up += peeked_len;
     Ok(moved)
+}
+
+/// The origin's socket, with `peeked` sent on it first (then freed), or
+/// the step that failed (the client is reset).
+async fn open_origin(
+    dp: &Dataplane,
+    client: &TcpStream,
+    (dst, route): (std::net::SocketAddr, &Route),
+    peeked: Vec<u8>,
+    connect_timeout: Duration,
+) -> Result<TcpStream, String> {
+    // Boxed: the connect's future (about 1.8 kB) would be the largest state
+    // of the flow's task, which lives as long as the flow.
+    let connect = Box::pin(connect_out(route, dst, connect_timeout, &dp.metrics));
+    let mut origin = match connect.await {
+        Ok(o) => o,
+        Err(e) => {
+            reset(client);
+            dp.metrics.fault(e.fault());
+            return Err(e.log());
+        }
+    };
+    if let Err(e) = origin.write_all(&peeked).await {
+        reset(client);
+        dp.metrics
+            .fault(Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP));
+        return Err(format!("upstream_write: {e}"));
+    }
+    Ok(origin)
 }
 
 /// One pipe per direction for `splice(2)`, made before the flow starts so a
