@@ -77,10 +77,14 @@ pub(crate) async fn handle(
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
             let names = (&decided.lookup, claims.sni);
-            match splice(&dp, (stream, peeked), &accepted, names).await {
-                Ok(moved) => rec.spliced(moved),
-                Err(detail) => return rec.budget_refused(detail),
-            }
+            let meter = match budget::admit(&dp, &accepted.sandbox, names, peeked.len()) {
+                Ok(meter) => meter,
+                Err(detail) => {
+                    crate::io::reset(&stream);
+                    return rec.budget_refused(detail);
+                }
+            };
+            rec.spliced(splice(&dp, (stream, peeked), &accepted, meter).await);
         }
     }
     rec.finish();
@@ -98,28 +102,20 @@ fn propose(dp: &Dataplane, accepted: &Accepted, claims: &Claims<'_>, decided: &D
     dp.proposed.record(&accepted.sandbox.id, seen, None);
 }
 
-/// An allowed flow the gateway does not read: the budget stage, then the
-/// splice (under the budget's meter). What the splice moved, or the
-/// budget's refusal (the client was reset). The flow's record stays with
-/// the caller: moved in by value, it kept a slot of its own in this future
-/// (and the task) for the flow's life.
+/// An allowed flow the gateway does not read, admitted by the budget
+/// stage: the splice, under the budget's meter. The flow's record stays
+/// with the caller: moved in by value, it kept a slot of its own in this
+/// future (and the task) for the flow's life.
 async fn splice(
     dp: &Dataplane,
     (stream, peeked): (TcpStream, Vec<u8>),
     accepted: &Accepted,
-    names: (&dns_attrib::Lookup, Option<&egress_policy::Hostname>),
-) -> Result<Result<crate::spliced::Spliced, String>, String> {
-    let meter = match budget::admit(dp, &accepted.sandbox, names, peeked.len()) {
-        Ok(meter) => meter,
-        Err(detail) => {
-            crate::io::reset(&stream);
-            return Err(detail);
-        }
-    };
+    meter: Option<crate::budget::Meter>,
+) -> Result<crate::spliced::Spliced, String> {
     let config = dp.config();
     let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
     let to = (accepted.dst, &route);
-    Ok(crate::splice::splice_to(dp, stream, to, peeked, &config, meter).await)
+    crate::splice::splice_to(dp, stream, to, peeked, &config, meter).await
 }
 
 /// A denied flow: `403` with the reason where the protocol allows an answer
