@@ -6,9 +6,13 @@
 #   MODE=splice (default): the column splices (a CIDR exemption); each flow
 #     is a client socket and an upstream socket, bytes copied when they move.
 #   MODE=intercept: the column terminates TLS; each client connection sends
-#     one keep-alive request (GET /ok), so the gateway holds both TLS sides:
-#     the client's and its own upstream connection to the origin (which stays
-#     bound to the client connection while it is open).
+#     one keep-alive request (GET /ok), then stays idle. The gateway's
+#     upstream connections are pooled per sandbox: the origin speaks HTTP/2,
+#     so one upstream connection carries every client's request; with
+#     ORIGIN_H2=0 it speaks HTTP/1.1 only, and each upstream connection goes
+#     back to the pool when its response ends (the pool keeps at most 128 per
+#     sandbox and destination; the rest close), so an idle client
+#     connection pins none either way.
 # Root; benches/peers/setup.sh once.  Prints one JSON line.
 #
 #   benches/idle-rss.sh                  # splice, CONNS=9000

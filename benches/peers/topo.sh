@@ -8,7 +8,8 @@
 #   route 203.0.113.0/24    route 203.0.113.0/24 via .6         route 100.64.17.0/29 via .5
 #     via .2
 #
-#   topo.sh up              namespaces, guards, test PKI, origin nginx (mode off)
+#   topo.sh up              namespaces, guards, test PKI, origin nginx (mode off);
+#                           ORIGIN_H2=0: the origin's :443 speaks HTTP/1.1 only
 #   topo.sh down            stop every process in the three namespaces (by pid), delete them
 #   topo.sh mode direct     kernel forwarding, client → origin tcp 80/443 only
 #   topo.sh mode PORT [HTTP_PORT]
@@ -94,7 +95,8 @@ make_names() {
 }
 
 start_origin() {
-    local d=$EB_RUN/nginx
+    local d=$EB_RUN/nginx h2=" http2"
+    [ "${ORIGIN_H2:-1}" = 0 ] && h2=""
     mkdir -p "$d"
     cat > "$d/nginx.conf" <<EOF
 worker_processes ${EB_ORIGIN_WORKERS:-auto};
@@ -122,7 +124,7 @@ http {
     ssl_session_cache shared:eb:16m;
     ssl_session_tickets on;
     server {
-        listen $ORIGIN_IP:443 ssl http2 reuseport backlog=4096;
+        listen $ORIGIN_IP:443 ssl$h2 reuseport backlog=4096;
         listen $ORIGIN_IP:80 reuseport backlog=4096;
         server_name $ORIGIN_HOST;
         ssl_certificate $ORIGIN_CRT;

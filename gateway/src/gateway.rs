@@ -232,6 +232,7 @@ impl Gateway {
         metrics.declare("deny", crate::flow::Refusal::CODES);
         metrics.machines(egress_machine::metrics::collector(machines.clone()));
         metrics.flow_log(flow_log.dropped());
+        metrics.upstream_pool(up.pool.gauge());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
         let kernel = crate::ksplice::load(config.splice.kernel);
         let mut dp = Dataplane::new(config, registry, cache, flow_log, metrics, orig_dst);

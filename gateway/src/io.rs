@@ -146,18 +146,30 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
 
 /// Completes once no byte has moved either way for `idle`.
 pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
+    quiet_for_then(activity, idle, || {}).await;
+}
+
+/// [`quiet_for`], calling `on_lull` once each time the connection has been
+/// quiet for a whole tick (1 s, or `idle` if shorter), so between one and
+/// two ticks after its last byte, and again after the next burst.
+pub(crate) async fn quiet_for_then(activity: &Counts, idle: Duration, mut on_lull: impl FnMut()) {
     let total = || activity.read.load(Ordering::Relaxed) + activity.written.load(Ordering::Relaxed);
     let tick = idle.min(Duration::from_secs(1));
     let mut last = total();
     let mut quiet_since = Instant::now();
+    let mut lulled = false;
     loop {
         tokio::time::sleep(tick).await;
         let now = total();
         if now != last {
             last = now;
             quiet_since = Instant::now();
+            lulled = false;
         } else if quiet_since.elapsed() >= idle {
             return;
+        } else if !lulled {
+            lulled = true;
+            on_lull();
         }
     }
 }

@@ -412,6 +412,15 @@ impl Metrics {
             .register_collector(Box::new(FlowLogSources { dropped }));
     }
 
+    /// Adds the gauge of idle upstream connections the pool holds.
+    pub(crate) fn upstream_pool(&mut self, pooled: Gauge) {
+        self.registry.register(
+            "upstream_pooled_connections",
+            "Upstream connections held in the pool for the next request of the same sandbox, destination and verified name (HTTP/1.1 ones between requests, HTTP/2 ones shared)",
+            pooled,
+        );
+    }
+
     /// Adds the machine egress figures, read at scrape time
     /// ([`egress_machine::metrics::collector`]).
     pub(crate) fn machines(&mut self, collector: Box<dyn Collector>) {

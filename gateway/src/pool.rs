@@ -1,10 +1,14 @@
 //! Upstream connections, shared across one sandbox's client connections.
 //!
-//! An HTTP/1.1 connection enters the pool when its client connection is
-//! done with it. An HTTP/2 connection enters it as it is made: it
-//! multiplexes, so the sandbox's other client connections to the same
-//! destination and name take a clone rather than each pinning one of its
-//! own (an idle intercepted connection then holds no upstream connection).
+//! A client connection keeps the upstream connection it uses while it is
+//! busy, and gives it back to the pool after a second without a byte
+//! either way (`intercept::serve`) or when it ends; its next request takes
+//! one from the pool again. So an idle client connection pins no upstream
+//! connection, and a sandbox holding thousands of idle keep-alive
+//! connections costs the origins a bounded pool, not a connection each,
+//! while a busy one pays nothing per request. An HTTP/2 connection enters
+//! the pool as it is made: it multiplexes, so the sandbox's other client
+//! connections to the same destination and name take a clone.
 //!
 //! A connection is pooled under its sandbox, the original destination *and*
 //! the name its certificate was verified for: a request is only ever sent
@@ -23,6 +27,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use egress_policy::{Hostname, SandboxId};
 use http_body_util::combinators::BoxBody;
+use prometheus_client::metrics::gauge::Gauge;
 
 use crate::upstream_proxy::ProxyName;
 
@@ -56,7 +61,10 @@ impl PoolKey {
     }
 }
 
-const MAX_PER_KEY: usize = 32;
+/// Idle connections to one destination and name (the client connections
+/// that are between requests at the same time, beyond it, open their next
+/// upstream connection afresh).
+const MAX_PER_KEY: usize = 128;
 /// Idle connections one sandbox may keep, over all its origins.
 const MAX_PER_SANDBOX: usize = 256;
 const MAX_TOTAL: usize = 4_096;
@@ -65,6 +73,8 @@ const MAX_IDLE: Duration = Duration::from_secs(30);
 #[derive(Default)]
 pub(crate) struct UpstreamPool {
     idle: Mutex<Idle>,
+    /// Entries held, for `/metrics` (`egress_upstream_pooled_connections`).
+    pooled: Gauge,
 }
 
 #[derive(Default)]
@@ -74,6 +84,8 @@ struct Idle {
     total: usize,
     /// Entries per sandbox, likewise.
     per_sandbox: HashMap<SandboxId, usize>,
+    /// When every key's expired and closed entries were last dropped.
+    swept: Option<Instant>,
 }
 
 impl Sender {
@@ -82,6 +94,16 @@ impl Sender {
         match self {
             Self::H1(s) => s.is_ready(),
             Self::H2(s) => !s.is_closed() && s.is_ready(),
+        }
+    }
+
+    /// Whether it can never carry a request again. An HTTP/1.1 connection
+    /// whose response was just read may not be ready yet (its task has not
+    /// run since), but it is not closed.
+    fn closed(&self) -> bool {
+        match self {
+            Self::H1(s) => s.is_closed(),
+            Self::H2(s) => s.is_closed(),
         }
     }
 
@@ -94,7 +116,9 @@ impl Sender {
 }
 
 impl UpstreamPool {
-    /// An idle connection for `key`, if one is still usable.
+    /// An idle connection for `key`, if one is still usable: the newest
+    /// ready one. Expired entries (the oldest) and closed ones met on the
+    /// way are dropped; one not ready yet stays for a later request.
     pub(crate) fn take(&self, key: &PoolKey) -> Option<Sender> {
         let mut idle = self
             .idle
@@ -103,26 +127,42 @@ impl UpstreamPool {
         let idle = &mut *idle;
         let list = idle.by_key.get_mut(key)?;
         let before = list.len();
-        list.retain(|(at, s)| at.elapsed() < MAX_IDLE && s.usable());
-        // HTTP/2 multiplexes: hand out a clone and keep the connection pooled.
-        let found = match list.last() {
-            Some((_, s)) if s.share().is_some() => s.share(),
-            Some(_) => list.pop().map(|(_, s)| s),
-            None => None,
-        };
-        let gone = before - list.len();
+        // Entries are pushed in time order: the expired ones are a prefix.
+        let now = Instant::now();
+        let expired = list.partition_point(|(at, _)| now.duration_since(*at) >= MAX_IDLE);
+        list.drain(..expired);
+        let mut found = None;
+        let mut i = list.len();
+        while i > 0 {
+            i -= 1;
+            if list[i].1.closed() {
+                list.remove(i);
+            } else if list[i].1.usable() {
+                // HTTP/2 multiplexes: hand out a clone and keep it pooled.
+                found = match list[i].1.share() {
+                    Some(shared) => Some(shared),
+                    None => Some(list.remove(i).1),
+                };
+                break;
+            }
+        }
+        // Dropped or handed out: no longer idle here.
+        let taken = before - list.len();
         let empty = list.is_empty();
-        idle.total -= gone;
-        idle.forget(&key.sandbox, gone);
+        idle.total -= taken;
+        idle.forget(&key.sandbox, taken);
         if empty {
             idle.by_key.remove(key);
         }
+        self.pooled.set(gauge(idle.total));
         found
     }
 
-    /// Returns a connection that finished its requests.
+    /// Returns a connection its client connection is done with (or has
+    /// been quiet on for a second). An HTTP/1.1 one may still be finishing a
+    /// response: it is kept, and handed out once ready.
     pub(crate) fn put(&self, key: PoolKey, sender: Sender) {
-        if !sender.usable() {
+        if sender.closed() {
             return;
         }
         let mut idle = self
@@ -130,26 +170,61 @@ impl UpstreamPool {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let idle = &mut *idle;
+        let now = Instant::now();
+        // Keys nobody asks for again are only cleaned here.
+        if idle
+            .swept
+            .is_none_or(|at| now.duration_since(at) >= MAX_IDLE)
+        {
+            idle.sweep(now);
+        }
         let sandbox_full = idle
             .per_sandbox
             .get(&key.sandbox)
             .is_some_and(|n| *n >= MAX_PER_SANDBOX);
-        if idle.total >= MAX_TOTAL || sandbox_full {
-            return;
+        if idle.total < MAX_TOTAL && !sandbox_full {
+            let sandbox = key.sandbox.clone();
+            let list = idle.by_key.entry(key).or_default();
+            let shared = matches!(sender, Sender::H2(_));
+            // One shared HTTP/2 connection per key is enough.
+            if list.len() < MAX_PER_KEY && (!shared || list.is_empty()) {
+                list.push((now, sender));
+                idle.total += 1;
+                *idle.per_sandbox.entry(sandbox).or_insert(0) += 1;
+            }
         }
-        let sandbox = key.sandbox.clone();
-        let list = idle.by_key.entry(key).or_default();
-        let shared = matches!(sender, Sender::H2(_));
-        if list.len() >= MAX_PER_KEY || (shared && !list.is_empty()) {
-            return;
-        }
-        list.push((Instant::now(), sender));
-        idle.total += 1;
-        *idle.per_sandbox.entry(sandbox).or_insert(0) += 1;
+        self.pooled.set(gauge(idle.total));
+    }
+
+    /// The gauge of entries held, to register with the metrics.
+    pub(crate) fn gauge(&self) -> Gauge {
+        self.pooled.clone()
     }
 }
 
+fn gauge(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 impl Idle {
+    /// Drops every key's expired and closed entries.
+    fn sweep(&mut self, now: Instant) {
+        self.swept = Some(now);
+        let mut gone: Vec<(SandboxId, usize)> = Vec::new();
+        self.by_key.retain(|key, list| {
+            let before = list.len();
+            list.retain(|(at, s)| now.duration_since(*at) < MAX_IDLE && !s.closed());
+            if list.len() < before {
+                gone.push((key.sandbox.clone(), before - list.len()));
+            }
+            !list.is_empty()
+        });
+        for (sandbox, n) in gone {
+            self.total -= n;
+            self.forget(&sandbox, n);
+        }
+    }
+
     fn forget(&mut self, sandbox: &SandboxId, n: usize) {
         if n == 0 {
             return;
@@ -234,5 +309,76 @@ mod tests {
             "b is not starved by a"
         );
         assert_eq!(idle.total, MAX_PER_SANDBOX + 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_still_finishing_is_kept_but_not_handed_out() {
+        use http_body_util::BodyExt;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let pool = UpstreamPool::default();
+        let (Sender::H1(mut s), mut peer) = sender().await else {
+            unreachable!("sender() is HTTP/1.1")
+        };
+        // A request in flight: the connection is busy, not closed.
+        let req = http::Request::get("/")
+            .body(http_body_util::Empty::new().map_err(|e| match e {}).boxed())
+            .expect("request");
+        let answer = tokio::spawn(s.send_request(req));
+        let mut buf = [0u8; 1024];
+        let n = peer.read(&mut buf).await.expect("the request");
+        assert!(buf[..n].starts_with(b"GET / HTTP/1.1"));
+        pool.put(key("a"), Sender::H1(s));
+        assert!(pool.take(&key("a")).is_none(), "busy: not handed out");
+        peer.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .expect("the response");
+        let resp = answer.await.expect("task").expect("response");
+        assert_eq!(resp.status(), 200);
+        // Kept while busy: once its response is in, the same connection is ready.
+        let mut found = None;
+        for _ in 0..100 {
+            found = pool.take(&key("a"));
+            if found.is_some() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            found.is_some_and(|s| s.usable()),
+            "ready once the response is read"
+        );
+        // Closed while pooled: dropped, not handed out.
+        let (s, peer) = sender().await;
+        pool.put(key("a"), s);
+        drop(peer);
+        let closed = || {
+            let idle = pool.idle.lock().expect("lock");
+            idle.by_key[&key("a")].iter().all(|(_, s)| s.closed())
+        };
+        for _ in 0..200 {
+            if closed() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(closed(), "hyper saw the close");
+        assert!(pool.take(&key("a")).is_none(), "never handed out");
+        assert_eq!(pool.idle.lock().expect("lock").total, 0);
+    }
+
+    #[tokio::test]
+    async fn a_sweep_drops_every_keys_expired_entries_and_their_counts() {
+        let pool = UpstreamPool::default();
+        let mut peers = Vec::new();
+        for sandbox in ["a", "b"] {
+            let (s, peer) = sender().await;
+            peers.push(peer);
+            pool.put(key(sandbox), s);
+        }
+        assert_eq!(pool.pooled.get(), 2);
+        let mut idle = pool.idle.lock().expect("lock");
+        idle.sweep(Instant::now() + MAX_IDLE);
+        assert_eq!(idle.total, 0);
+        assert!(idle.by_key.is_empty() && idle.per_sandbox.is_empty());
     }
 }

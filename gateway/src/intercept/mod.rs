@@ -28,7 +28,7 @@ use tokio::net::TcpStream;
 
 use crate::config::Config;
 use crate::fault::{Fault, Side};
-use crate::io::{quiet_for, Counted, Counts, Rewind};
+use crate::io::{quiet_for_then, Counted, Counts, Rewind};
 use crate::pool::{PoolKey, Sender};
 use crate::registry::Sandbox;
 use crate::state::Dataplane;
@@ -227,9 +227,13 @@ where
     // for every flow (benches/RESULTS.md, "Idle intercepted connections").
     let builder = Box::new(http_server(&config));
     let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    // A client connection quiet for a second gives its upstream connection
+    // back to the pool, so an idle one pins none (a busy one is kept there
+    // until its response is done, then handed out again).
+    let lull = || conn.release_upstream();
     let served = tokio::select! {
         r = serving => r,
-        () = quiet_for(activity, config.timeouts.idle) => {
+        () = quiet_for_then(activity, config.timeouts.idle, lull) => {
             return conn.served(Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())));
         }
     };
@@ -370,6 +374,17 @@ impl Conn {
         self.tally
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Gives the upstream connection this client connection holds back to
+    /// the pool. Skipped while a request is choosing one (it holds the lock):
+    /// the next lull tries again.
+    fn release_upstream(&self) {
+        if let Ok(mut held) = self.upstream.try_lock() {
+            if let Some((key, sender)) = held.take() {
+                self.up.pool.put(key, sender);
+            }
+        }
     }
 
     /// What the flow reports when its connection ends (its last bytes

@@ -10,6 +10,7 @@ mod explain;
 mod faults;
 mod harness;
 mod per_core;
+mod pooling;
 mod proposals;
 mod shadow;
 mod streams;

@@ -1,0 +1,127 @@
+//! Upstream HTTP/1.1 connections are pooled per sandbox, destination and
+//! verified name, and a client connection keeps one only while it is busy:
+//! after a second without a byte it gives it back, so an idle client
+//! connection pins none.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+
+use crate::harness::*;
+
+const H1: &[&[u8]] = &[b"http/1.1"];
+const CONNECTS: &str = "egress_upstream_connect_seconds_count";
+const POOLED: &str = "egress_upstream_pooled_connections";
+
+/// Waits (at most 10 s) until the pool holds `n` connections: a client
+/// connection gives its upstream connection back one to two seconds after
+/// its last byte.
+async fn pooled(e: &Env, n: u64) {
+    for _ in 0..100 {
+        if value(e, POOLED).await == n {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the pool holds {}, not {n}", value(e, POOLED).await);
+}
+
+/// An HTTP/1.1 client connection from sandbox A to the HTTP/1.1-only origin.
+async fn client(e: &Env) -> SendRequest<Full<Bytes>> {
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("http");
+    tokio::spawn(conn);
+    sender
+}
+
+/// One GET on `sender`, read to its end: status and body.
+async fn get(sender: &mut SendRequest<Full<Bytes>>, path: &str) -> (u16, String) {
+    sender.ready().await.expect("ready");
+    let req = hyper::Request::builder()
+        .uri(path)
+        .header("host", "h1.example.test")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = sender.send_request(req).await.expect("response");
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn an_idle_client_connection_pins_no_upstream_connection() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "h1.example.test"}, {"ip": "8.8.8.8"}], "tls_interception": "on"}"#),
+    );
+    e.resolve(SANDBOX_A, "h1.example.test.").await;
+
+    let mut first = client(&e).await;
+    let (status, body) = get(&mut first, "/one").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("origin=h1 GET /one"), "{body}");
+    let opened = value(&e, CONNECTS).await;
+    assert_eq!(opened, 1, "one upstream connection so far");
+
+    // The first client connection stays open and idle: its upstream
+    // connection goes back to the pool, and a second client connection of
+    // the same sandbox takes it.
+    pooled(&e, 1).await;
+    let mut second = client(&e).await;
+    let (status, body) = get(&mut second, "/two").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("origin=h1 GET /two"), "{body}");
+    assert_eq!(
+        value(&e, CONNECTS).await,
+        opened,
+        "the second client connection reused the pooled upstream connection"
+    );
+
+    // Both now idle; the first asks again and takes it back.
+    pooled(&e, 1).await;
+    let (status, body) = get(&mut first, "/three").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("origin=h1 GET /three"), "{body}");
+    assert_eq!(value(&e, CONNECTS).await, opened);
+
+    // A response abandoned before its end: its connection must not carry
+    // another request (the rest of the body would be read as the answer).
+    pooled(&e, 1).await;
+    let mut third = client(&e).await;
+    third.ready().await.expect("ready");
+    let req = hyper::Request::builder()
+        .uri("/bytes/8388608")
+        .header("host", "h1.example.test")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = third.send_request(req).await.expect("response head");
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let frame = body.frame().await.expect("a first frame").expect("data");
+    assert!(frame.is_data());
+    assert_eq!(
+        value(&e, CONNECTS).await,
+        opened,
+        "the third took the pooled one"
+    );
+    drop((body, third));
+    for path in ["/four", "/five"] {
+        let (status, text) = get(&mut second, path).await;
+        assert_eq!(status, 200, "{text}");
+        assert!(text.contains(&format!("origin=h1 GET {path} ")), "{text}");
+    }
+    assert_eq!(
+        value(&e, CONNECTS).await,
+        opened + 1,
+        "the abandoned response's connection was not reused; one new connection, then pooled"
+    );
+}
