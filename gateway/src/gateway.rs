@@ -226,13 +226,8 @@ impl Gateway {
             &config.state_dir,
             Arc::new(neighbours),
         )?;
-        let mut metrics =
-            crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter.clone());
+        let metrics = metrics((&dns, &cache, &minter), &machines, &flow_log, &up);
         let ca = CaReloader::new(minter, &config, metrics.ca_reloads.clone());
-        metrics.declare("deny", crate::flow::Refusal::CODES);
-        metrics.machines(egress_machine::metrics::collector(machines.clone()));
-        metrics.flow_log(flow_log.dropped());
-        metrics.upstream_pool(up.pool.gauge());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
         let kernel = crate::ksplice::load(config.splice.kernel);
         let mut dp = Dataplane::new(config, registry, cache, flow_log, metrics, orig_dst);
@@ -488,6 +483,22 @@ fn offer(config: &Config, listeners: &Listeners) -> Option<crate::handover::Offe
 }
 
 /// The attribution cache (on `clock`) and the DNS proxy that fills it.
+/// The metrics, with every source read at scrape time registered.
+fn metrics(
+    (dns, cache, minter): (&Arc<DnsProxy>, &Arc<AttributionCache>, &Arc<LeafMinter>),
+    machines: &Arc<egress_machine::Machines>,
+    flow_log: &FlowLog,
+    up: &Upstreams,
+) -> crate::metrics::Metrics {
+    let mut metrics =
+        crate::metrics::Metrics::new(dns.metrics().clone(), cache.clone(), minter.clone());
+    metrics.declare("deny", crate::flow::Refusal::CODES);
+    metrics.machines(egress_machine::metrics::collector(machines.clone()));
+    metrics.flow_log(flow_log.dropped());
+    metrics.upstream_pool(up.pool.gauge());
+    metrics
+}
+
 fn attribution(
     config: &Config,
     registry: &Arc<Registry>,
