@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use egress_certs::CertificateAuthority;
 use egress_gateway::CaReload;
-use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::net::TcpStream;
@@ -47,22 +46,6 @@ fn install(from: &Path, to: &Path) {
     }
 }
 
-/// GETs `path` on an open HTTP/1.1 connection; the status and the body.
-async fn get(
-    sender: &mut hyper::client::conn::http1::SendRequest<Full<bytes::Bytes>>,
-    path: &str,
-) -> (u16, String) {
-    let req = hyper::Request::builder()
-        .uri(path)
-        .header("host", "api.example.test")
-        .body(Full::default())
-        .expect("request");
-    let resp = sender.send_request(req).await.expect("response");
-    let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.expect("body").to_bytes();
-    (status, String::from_utf8_lossy(&body).into_owned())
-}
-
 #[tokio::test]
 async fn a_replaced_ca_serves_new_handshakes_while_open_connections_carry_on() {
     let tmp = tempfile::tempdir().expect("temp dir");
@@ -89,7 +72,7 @@ async fn a_replaced_ca_serves_new_handshakes_while_open_connections_carry_on() {
         .await
         .expect("http/1.1");
     tokio::spawn(conn);
-    let (status, body) = get(&mut sender, "/before").await;
+    let (status, body) = get_on(&mut sender, "api.example.test", "/before").await;
     assert_eq!(status, 200, "{body}");
 
     install(&tmp.path().join("b"), &live);
@@ -103,7 +86,7 @@ async fn a_replaced_ca_serves_new_handshakes_while_open_connections_carry_on() {
     );
 
     // (1) The open connection still carries a request and its response.
-    let (status, body) = get(&mut sender, "/after").await;
+    let (status, body) = get_on(&mut sender, "api.example.test", "/after").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.starts_with("origin=api GET /after"), "{body}");
 

@@ -707,6 +707,25 @@ async fn status_and_body(
     Ok((status, body.to_vec()))
 }
 
+/// GETs `path` from `host` on an open HTTP/1.1 connection, once it is
+/// ready for another request; the status and the body.
+pub async fn get_on(
+    sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    host: &str,
+    path: &str,
+) -> (u16, String) {
+    sender.ready().await.expect("ready");
+    let req = hyper::Request::builder()
+        .uri(path)
+        .header("host", host)
+        .body(Full::default())
+        .expect("request");
+    let resp = sender.send_request(req).await.expect("response");
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
 /// Whether the gateway closed `s` without a byte (reset or close).
 pub async fn closed_without_data(s: &mut TcpStream) -> bool {
     let mut buf = [0u8; 16];

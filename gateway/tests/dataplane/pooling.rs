@@ -41,20 +41,6 @@ async fn client(e: &Env) -> SendRequest<Full<Bytes>> {
     sender
 }
 
-/// One GET on `sender`, read to its end: status and body.
-async fn get(sender: &mut SendRequest<Full<Bytes>>, path: &str) -> (u16, String) {
-    sender.ready().await.expect("ready");
-    let req = hyper::Request::builder()
-        .uri(path)
-        .header("host", "h1.example.test")
-        .body(Full::new(Bytes::new()))
-        .expect("request");
-    let resp = sender.send_request(req).await.expect("response");
-    let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.expect("body").to_bytes();
-    (status, String::from_utf8_lossy(&body).into_owned())
-}
-
 #[tokio::test]
 async fn an_idle_client_connection_pins_no_upstream_connection() {
     let e = env(Options::default()).await;
@@ -66,7 +52,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
     e.resolve(SANDBOX_A, "h1.example.test.").await;
 
     let mut first = client(&e).await;
-    let (status, body) = get(&mut first, "/one").await;
+    let (status, body) = get_on(&mut first, "h1.example.test", "/one").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("origin=h1 GET /one"), "{body}");
     let opened = value(&e, CONNECTS).await;
@@ -77,7 +63,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
     // the same sandbox takes it.
     pooled(&e, 1).await;
     let mut second = client(&e).await;
-    let (status, body) = get(&mut second, "/two").await;
+    let (status, body) = get_on(&mut second, "h1.example.test", "/two").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("origin=h1 GET /two"), "{body}");
     assert_eq!(
@@ -88,7 +74,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
 
     // Both now idle; the first asks again and takes it back.
     pooled(&e, 1).await;
-    let (status, body) = get(&mut first, "/three").await;
+    let (status, body) = get_on(&mut first, "h1.example.test", "/three").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("origin=h1 GET /three"), "{body}");
     assert_eq!(value(&e, CONNECTS).await, opened);
@@ -115,7 +101,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
     );
     drop((body, third));
     for path in ["/four", "/five"] {
-        let (status, text) = get(&mut second, path).await;
+        let (status, text) = get_on(&mut second, "h1.example.test", path).await;
         assert_eq!(status, 200, "{text}");
         assert!(text.contains(&format!("origin=h1 GET {path} ")), "{text}");
     }
