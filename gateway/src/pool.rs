@@ -1,14 +1,16 @@
 //! Upstream connections, shared across one sandbox's client connections.
 //!
-//! A client connection keeps the upstream connection it uses while it is
-//! busy, and gives it back to the pool after a second without a byte
-//! either way (`intercept::serve`) or when it ends; its next request takes
-//! one from the pool again. So an idle client connection pins no upstream
+//! Requests go out in the client's protocol: HTTP/2 is offered to the
+//! origin only for an HTTP/2 client connection (`PoolKey::h2`). An HTTP/2
+//! upstream connection enters the pool as it is made: it multiplexes, so
+//! the sandbox's other HTTP/2 client connections to the same destination
+//! and name take a clone. An HTTP/1.1 client connection keeps the upstream
+//! connection it uses while it is busy (nothing per request), and gives it
+//! back to the pool after a second without a byte either way
+//! (`intercept::serve`) or when it ends; its next request takes one from
+//! the pool again. So an idle client connection pins no upstream
 //! connection, and a sandbox holding thousands of idle keep-alive
-//! connections costs the origins a bounded pool, not a connection each,
-//! while a busy one pays nothing per request. An HTTP/2 connection enters
-//! the pool as it is made: it multiplexes, so the sandbox's other client
-//! connections to the same destination and name take a clone.
+//! connections costs the origins a bounded pool, not a connection each.
 //!
 //! A connection is pooled under its sandbox, the original destination *and*
 //! the name its certificate was verified for: a request is only ever sent
@@ -51,13 +53,17 @@ pub(crate) struct PoolKey {
     /// The operator's proxy it was tunnelled through (`None`: direct): a
     /// sandbox re-registered with another way out never takes the old one's.
     pub(crate) via: Option<ProxyName>,
+    /// HTTP/2 was offered to the origin: the client connection speaks it.
+    /// An HTTP/1.1 client's requests go out on HTTP/1.1 connections of
+    /// their own, request for request, with no translation to HTTP/2.
+    pub(crate) h2: bool,
 }
 
 impl PoolKey {
-    /// Whether this key is the one for `(dst, tls, name)` (of the same
+    /// Whether this key is the one for `(dst, tls, name, h2)` (of the same
     /// sandbox), without building it.
-    pub(crate) fn is(&self, dst: SocketAddr, tls: bool, name: Option<&Hostname>) -> bool {
-        self.dst == dst && self.tls == tls && self.name.as_ref() == name
+    pub(crate) fn is(&self, dst: SocketAddr, tls: bool, name: Option<&Hostname>, h2: bool) -> bool {
+        self.dst == dst && self.tls == tls && self.name.as_ref() == name && self.h2 == h2
     }
 }
 
@@ -268,6 +274,7 @@ mod tests {
             tls: true,
             name: Some(Hostname::parse("api.example.test").expect("name")),
             via: None,
+            h2: true,
         }
     }
 

@@ -113,9 +113,9 @@ pub(crate) const PROXY_HEADER: &str = "x-egress-upstream-proxy";
 /// The intercept path's state.
 pub(crate) struct Upstreams {
     pub(crate) minter: Arc<LeafMinter>,
-    /// Verifies origins; offers h2 and HTTP/1.1.
+    /// Verifies origins; offers h2 and HTTP/1.1 (for HTTP/2 clients).
     tls: Arc<rustls::ClientConfig>,
-    /// The same, HTTP/1.1 only (upgrades).
+    /// The same, HTTP/1.1 only (HTTP/1.1 clients, upgrades).
     tls_h1: Arc<rustls::ClientConfig>,
     /// The terminating side for clients that send an SNI: one config, so
     /// its session cache lets those clients resume.

@@ -51,8 +51,9 @@ impl Conn {
         verify_as: Option<&Hostname>,
         authority: &str,
     ) -> Result<Response<Incoming>, ForwardError> {
+        let h2 = req.version() == http::Version::HTTP_2;
         let mut guard = self.upstream.lock().await;
-        self.hold_upstream(&mut guard, verify_as).await?;
+        self.hold_upstream(&mut guard, verify_as, h2).await?;
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, body.boxed());
         match guard.as_mut().map(|(_, s)| s) {
@@ -82,17 +83,19 @@ impl Conn {
 
     /// Makes `held` a usable connection to the destination, verified as
     /// `verify_as`: the one held if it still is, else one from the pool or
-    /// a fresh one (the one held goes back to the pool).
+    /// a fresh one (the one held goes back to the pool). HTTP/2 is offered
+    /// to the origin only for an HTTP/2 client (`h2`).
     async fn hold_upstream(
         &self,
         held: &mut Option<(PoolKey, Sender)>,
         verify_as: Option<&Hostname>,
+        h2: bool,
     ) -> Result<(), ForwardError> {
         // Plain connections verify nothing: no name in their key.
         let name = verify_as.filter(|_| self.tls);
         let reusable = held
             .as_ref()
-            .is_some_and(|(k, s)| k.is(self.dst, self.tls, name) && s.usable());
+            .is_some_and(|(k, s)| k.is(self.dst, self.tls, name, h2) && s.usable());
         if reusable {
             return Ok(());
         }
@@ -105,11 +108,12 @@ impl Conn {
             tls: self.tls,
             name: name.cloned(),
             via: self.route().proxy().cloned(),
+            h2,
         };
         let sender = match self.up.pool.take(&key) {
             Some(s) => s,
             None => {
-                let fresh = self.connect(verify_as, true).await?;
+                let fresh = self.connect(verify_as, h2).await?;
                 // An HTTP/2 connection multiplexes: pooled at once, the
                 // sandbox's other client connections to the same
                 // destination and name take it, instead of each idle

@@ -1,7 +1,8 @@
 //! Upstream HTTP/1.1 connections are pooled per sandbox, destination and
 //! verified name, and a client connection keeps one only while it is busy:
 //! after a second without a byte it gives it back, so an idle client
-//! connection pins none.
+//! connection pins none. And each request reaches the origin in the client's
+//! own protocol.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -110,4 +111,35 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
         opened + 1,
         "the abandoned response's connection was not reused; one new connection, then pooled"
     );
+}
+
+#[tokio::test]
+async fn requests_reach_the_origin_in_the_clients_protocol() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}], "tls_interception": "on"}"#),
+    );
+    e.resolve(SANDBOX_A, "api.example.test.").await;
+    // The origin offers h2 and HTTP/1.1; each client gets its own protocol.
+    for (alpn, h2, version) in [
+        (&[&b"http/1.1"[..]][..], false, "HTTP/1.1"),
+        (&[&b"h2"[..]][..], true, "HTTP/2.0"),
+        (&[&b"http/1.1"[..]][..], false, "HTTP/1.1"),
+    ] {
+        let (tls, minted) = e
+            .tls(SANDBOX_A, e.origins.api, "api.example.test", alpn)
+            .await
+            .expect("handshake");
+        assert!(minted, "intercepted");
+        let (status, body) = http_get(tls, h2, "api.example.test", "/p")
+            .await
+            .expect("request");
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body.contains(&format!("version={version}")),
+            "{version}: {body}"
+        );
+    }
 }
