@@ -482,7 +482,6 @@ fn offer(config: &Config, listeners: &Listeners) -> Option<crate::handover::Offe
     }
 }
 
-/// The attribution cache (on `clock`) and the DNS proxy that fills it.
 /// The metrics, with every source read at scrape time registered.
 fn metrics(
     (dns, cache, minter): (&Arc<DnsProxy>, &Arc<AttributionCache>, &Arc<LeafMinter>),
@@ -499,6 +498,7 @@ fn metrics(
     metrics
 }
 
+/// The attribution cache (on `clock`) and the DNS proxy that fills it.
 fn attribution(
     config: &Config,
     registry: &Arc<Registry>,

@@ -412,11 +412,11 @@ impl Metrics {
             .register_collector(Box::new(FlowLogSources { dropped }));
     }
 
-    /// Adds the gauge of idle upstream connections the pool holds.
+    /// Adds the gauge of upstream connections the pool holds.
     pub(crate) fn upstream_pool(&mut self, pooled: Gauge) {
         self.registry.register(
             "upstream_pooled_connections",
-            "Upstream connections held in the pool for the next request of the same sandbox, destination and verified name (HTTP/1.1 ones between requests, HTTP/2 ones shared)",
+            "Upstream connections held in the pool for the next request of the same sandbox, destination, verified name and client protocol (HTTP/1.1 ones given back by quiet client connections, HTTP/2 ones shared)",
             pooled,
         );
     }

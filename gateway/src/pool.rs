@@ -67,9 +67,9 @@ impl PoolKey {
     }
 }
 
-/// Idle connections to one destination and name (the client connections
-/// that are between requests at the same time, beyond it, open their next
-/// upstream connection afresh).
+/// Idle connections under one key (beyond it, client connections that
+/// fall quiet at the same time close theirs, and open their next upstream
+/// connection afresh).
 const MAX_PER_KEY: usize = 128;
 /// Idle connections one sandbox may keep, over all its origins.
 const MAX_PER_SANDBOX: usize = 256;
