@@ -6,13 +6,13 @@
 #   MODE=splice (default): the column splices (a CIDR exemption); each flow
 #     is a client socket and an upstream socket, bytes copied when they move.
 #   MODE=intercept: the column terminates TLS; each client connection sends
-#     one keep-alive request (GET /ok), then stays idle. The gateway's
-#     upstream connections are pooled per sandbox: the origin speaks HTTP/2,
-#     so one upstream connection carries every client's request; with
-#     ORIGIN_H2=0 it speaks HTTP/1.1 only, and each upstream connection goes
-#     back to the pool when its response ends (the pool keeps at most 128 per
-#     sandbox and destination; the rest close), so an idle client
-#     connection pins none either way.
+#     one keep-alive request (GET /ok), then stays idle. The clients speak
+#     HTTP/1.1, so the gateway sends their requests on HTTP/1.1 upstream
+#     connections, whether or not the origin offers h2 (ORIGIN_H2=0: it does
+#     not). A client connection keeps its upstream connection while busy and
+#     gives it back to the gateway's pool after a second without a byte (the
+#     pool keeps at most 128 per sandbox and destination; the rest close), so
+#     an idle client connection pins none.
 # Root; benches/peers/setup.sh once.  Prints one JSON line.
 #
 #   benches/idle-rss.sh                  # splice, CONNS=9000
