@@ -135,8 +135,8 @@ impl UpstreamPool {
         let before = list.len();
         // Entries are pushed in time order: the expired ones are a prefix.
         let now = Instant::now();
-        let expired = list.partition_point(|(at, _)| now.duration_since(*at) >= MAX_IDLE);
-        list.drain(..expired);
+        let stale = list.partition_point(|(at, _)| expired(*at, now));
+        list.drain(..stale);
         let mut found = None;
         let mut i = list.len();
         while i > 0 {
@@ -178,10 +178,7 @@ impl UpstreamPool {
         let idle = &mut *idle;
         let now = Instant::now();
         // Keys nobody asks for again are only cleaned here.
-        if idle
-            .swept
-            .is_none_or(|at| now.duration_since(at) >= MAX_IDLE)
-        {
+        if idle.swept.is_none_or(|at| expired(at, now)) {
             idle.sweep(now);
         }
         let sandbox_full = idle
@@ -208,6 +205,11 @@ impl UpstreamPool {
     }
 }
 
+/// Whether an entry put (or a sweep made) at `at` is `MAX_IDLE` old at `now`.
+fn expired(at: Instant, now: Instant) -> bool {
+    now.duration_since(at) >= MAX_IDLE
+}
+
 fn gauge(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -219,7 +221,7 @@ impl Idle {
         let mut gone: Vec<(SandboxId, usize)> = Vec::new();
         self.by_key.retain(|key, list| {
             let before = list.len();
-            list.retain(|(at, s)| now.duration_since(*at) < MAX_IDLE && !s.closed());
+            list.retain(|(at, s)| !expired(*at, now) && !s.closed());
             if list.len() < before {
                 gone.push((key.sandbox.clone(), before - list.len()));
             }

@@ -8,7 +8,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-
 use serde_json::json;
 
 use crate::harness::*;
@@ -31,8 +30,8 @@ async fn pooled(e: &Env, n: u64) {
 }
 
 /// The gateway with sandbox A allowed to `name` (resolved), intercepted.
-async fn intercepting(opts: Options, name: &str) -> Env {
-    let e = env(opts).await;
+async fn intercepting(name: &str) -> Env {
+    let e = env(Options::default()).await;
     let doc = json!({"allow": [{"domain": name}, {"ip": "8.8.8.8"}], "tls_interception": "on"});
     e.sandbox("a", SANDBOX_A, policy(&doc.to_string()));
     e.resolve(SANDBOX_A, &format!("{name}.")).await;
@@ -55,7 +54,7 @@ async fn client(e: &Env) -> SendRequest<Full<Bytes>> {
 
 #[tokio::test]
 async fn an_idle_client_connection_pins_no_upstream_connection() {
-    let e = intercepting(Options::default(), "h1.example.test").await;
+    let e = intercepting("h1.example.test").await;
 
     let mut first = client(&e).await;
     let (status, body) = get_on(&mut first, "h1.example.test", "/one").await;
@@ -120,7 +119,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
 
 #[tokio::test]
 async fn requests_reach_the_origin_in_the_clients_protocol() {
-    let e = intercepting(Options::default(), "api.example.test").await;
+    let e = intercepting("api.example.test").await;
     // The origin offers h2 and HTTP/1.1; each client gets its own protocol.
     for (alpn, h2, version) in [
         (&[&b"http/1.1"[..]][..], false, "HTTP/1.1"),
