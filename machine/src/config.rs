@@ -61,6 +61,22 @@ pub struct MachineEgressConfig {
     /// Refused packets each VM may log per second (and in a burst); the
     /// rest are counted as lost, not logged.
     pub log_rate: u32,
+    /// Where a VM link's sources are checked: on the link's own ingress
+    /// hook, or on the node's prerouting hook (every packet, one lookup by
+    /// interface name). `auto` takes the ingress hook when the kernel binds
+    /// an ingress chain by the device's name (Linux 6.16 and later: a link
+    /// created, or created again, later is checked from its first packet).
+    pub link_check: MachineLinkCheck,
+}
+
+/// `machine_egress.link_check`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MachineLinkCheck {
+    #[default]
+    Auto,
+    Ingress,
+    Prerouting,
 }
 
 /// `machine_egress.observe`.
@@ -92,6 +108,7 @@ impl Default for MachineEgressConfig {
             observe: MachineObserve::Events,
             log_group: 7711,
             log_rate: 1_000,
+            link_check: MachineLinkCheck::Auto,
         }
     }
 }

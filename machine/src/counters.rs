@@ -1,5 +1,6 @@
-//! The node table's named counters, read from the kernel over nfnetlink
-//! (`NFT_MSG_GETOBJ`, a dump of the table's counter objects) instead of
+//! The named counters of the tables `egress_machine` (the node table,
+//! `inet`, and the links' table, `netdev`), read from the kernel over
+//! nfnetlink (`NFT_MSG_GETOBJ`, a dump of the tables' counter objects) instead of
 //! `nft -j list counters`: `nft` loads its cache of the whole table first,
 //! every VM's sets and their elements, which at 500 VMs of 256 rules cost
 //! 1.2–1.4 s of CPU per read, every observer round. The dump is the
@@ -27,7 +28,9 @@ const NLM_F_DUMP: u16 = 0x300;
 const SUBSYS_NFTABLES: u16 = 10 << 8;
 const MSG_NEWOBJ: u16 = 18;
 const MSG_GETOBJ: u16 = 19;
+const NFPROTO_UNSPEC: u8 = 0;
 const NFPROTO_INET: u8 = 1;
+const NFPROTO_NETDEV: u8 = 5;
 const OBJ_TABLE: u16 = 1;
 const OBJ_NAME: u16 = 2;
 const OBJ_TYPE: u16 = 3;
@@ -56,7 +59,8 @@ pub enum Part {
     Other,
 }
 
-/// The dump request for the counters of `table` (family `inet`).
+/// The dump request for the counters of the tables named `table`, of
+/// every family (the answer's other families are skipped: [`messages`]).
 pub fn request(table: &str, seq: u32) -> Vec<u8> {
     let mut attrs = Vec::new();
     let mut name = table.as_bytes().to_vec();
@@ -68,7 +72,7 @@ pub fn request(table: &str, seq: u32) -> Vec<u8> {
         kind,
         NLM_F_REQUEST | NLM_F_DUMP,
         seq,
-        [NFPROTO_INET, 0, 0, 0],
+        [NFPROTO_UNSPEC, 0, 0, 0],
         &attrs,
     )
 }
@@ -84,7 +88,12 @@ fn part(kind: u16, msg: &[u8]) -> Result<Part, Malformed> {
     match kind {
         NLMSG_DONE => Ok(Part::Done),
         NLMSG_ERROR => netlink::error_code(body).map(Part::Error),
-        k if k == SUBSYS_NFTABLES | MSG_NEWOBJ => counter(body.get(NFGEN_LEN..).unwrap_or(&[])),
+        // Only the families the gateway writes: a table of that name in
+        // another family is not ours.
+        k if k == SUBSYS_NFTABLES | MSG_NEWOBJ => match body.first() {
+            Some(&(NFPROTO_INET | NFPROTO_NETDEV)) => counter(body.get(NFGEN_LEN..).unwrap_or(&[])),
+            _ => Ok(Part::Other),
+        },
         _ => Ok(Part::Other),
     }
 }
@@ -123,8 +132,9 @@ fn read_u32_be_opt(b: &[u8]) -> Option<u32> {
     Some(u32::from_be_bytes(b.get(..4)?.try_into().ok()?))
 }
 
-/// Reads every counter of `table` (family `inet`) in this network
-/// namespace: name → packets. An absent table is an error, as for `nft`.
+/// Reads every counter of the tables named `table` (families `inet` and
+/// `netdev`) in this network namespace: name → packets. An absent table
+/// reads as no counters.
 pub fn read(table: &str) -> Result<BTreeMap<String, u64>, String> {
     let fd = netlink::socket()?;
     net::send(&fd, &request(table, 1), SendFlags::empty())

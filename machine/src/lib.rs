@@ -34,8 +34,8 @@ use std::time::SystemTime;
 use egress_policy::machine::MachineEgress;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{MachineEgressConfig, MachineObserve};
-use nft::rules::{self, Layout, Match, VmRules};
+use crate::config::{MachineEgressConfig, MachineLinkCheck, MachineObserve};
+use nft::rules::{self, Layout, LinkCheck, Match, VmRules};
 use nft::{Nft, NftError};
 
 pub use store::{DIR as STATE_DIR, LEGACY_FILE};
@@ -330,9 +330,11 @@ impl Machines {
     ) -> Result<Arc<Self>, MachineError> {
         let store = store::Store::new(state_dir);
         let loaded = store.load(state_dir)?;
+        let nft = Nft::new(config.nft.clone());
+        let link_check = link_check(&nft, config)?;
         let machines = Self {
-            nft: Nft::new(config.nft.clone()),
-            layout: layout(config),
+            nft,
+            layout: layout(config, link_check),
             store,
             neighbours,
             state: Mutex::new(State::empty()),
@@ -822,7 +824,9 @@ impl Machines {
         if self.layout.events.is_some() {
             counters::read(rules::TABLE)
         } else {
-            self.nft.counters().map_err(|e| e.to_string())
+            self.nft
+                .counters(self.layout.families())
+                .map_err(|e| e.to_string())
         }
     }
 
@@ -838,14 +842,49 @@ impl Machines {
     }
 }
 
-/// Whether `counters` holds the `refused` counter of every VM in `ids`:
-/// each VM's objects are in the table.
+/// Whether `counters` holds the `refused` and `spoofed` counters of every
+/// VM in `ids`: each VM's objects are in the tables (the node table, and
+/// `netdev egress_machine` with the ingress check).
 fn complete<'a>(counters: &BTreeMap<String, u64>, mut ids: impl Iterator<Item = &'a str>) -> bool {
-    ids.all(|id| counters.contains_key(&format!("refused_{}", rules::key(id))))
+    ids.all(|id| {
+        let k = rules::key(id);
+        counters.contains_key(&format!("refused_{k}"))
+            && counters.contains_key(&format!("spoofed_{k}"))
+    })
+}
+
+/// `machine_egress.link_check` resolved: `auto` is the ingress hook when
+/// the kernel binds an ingress chain by name ([`Nft::binds_ingress_by_name`]),
+/// the prerouting hook otherwise; `ingress` on a kernel that does not is
+/// an error, since a link made again would lose its check.
+fn link_check(nft: &Nft, config: &MachineEgressConfig) -> Result<LinkCheck, MachineError> {
+    let wanted = config.link_check;
+    if wanted == MachineLinkCheck::Prerouting {
+        return Ok(LinkCheck::Prerouting);
+    }
+    let probe = nft.binds_ingress_by_name();
+    let check = match (&probe, wanted) {
+        (Ok(()), _) => LinkCheck::Ingress,
+        (Err(e), MachineLinkCheck::Ingress) => {
+            return Err(MachineError::Invalid {
+                field: "machine_egress.link_check",
+                message: format!(
+                    "\"ingress\" needs a kernel that binds an ingress chain to a link by its name (Linux 6.16 or later); here: {e}"
+                ),
+            })
+        }
+        (Err(_), _) => LinkCheck::Prerouting,
+    };
+    tracing::info!(
+        check = ?check,
+        probe = probe.err().map(|e| e.to_string()),
+        "machine egress: where VM links' sources are checked"
+    );
+    Ok(check)
 }
 
 /// The node-wide settings of the rules, from the configuration.
-fn layout(config: &MachineEgressConfig) -> Layout {
+fn layout(config: &MachineEgressConfig, link_check: LinkCheck) -> Layout {
     let events = (config.observe == MachineObserve::Events).then_some(rules::Events {
         group: config.log_group,
         rate: config.log_rate,
@@ -855,6 +894,7 @@ fn layout(config: &MachineEgressConfig) -> Layout {
         capacity: config.observed_capacity,
         cgroup_prefix: config.cgroup_prefix.clone(),
         events,
+        link_check,
     }
 }
 

@@ -62,19 +62,48 @@ impl Nft {
             .collect())
     }
 
-    /// The named counters of the node table: name (`refused_<key>`,
-    /// `spoofed_<key>`) → packets.
-    pub fn counters(&self) -> Result<BTreeMap<String, u64>, NftError> {
-        let out = self.run(&["-j", "list", "counters", "table", "inet", TABLE], None)?;
-        let doc: serde_json::Value = serde_json::from_str(&out)
-            .map_err(|e| NftError(format!("unreadable `nft -j list counters`: {e}")))?;
-        Ok(items(&doc, "counter")
-            .filter(|c| c.get("table").and_then(|t| t.as_str()) == Some(TABLE))
-            .filter_map(|c| {
-                let name = c.get("name")?.as_str()?;
-                Some((name.to_owned(), c.get("packets")?.as_u64()?))
-            })
-            .collect())
+    /// The named counters of the tables `egress_machine` of `families`
+    /// (the node table, `inet`, and the links' table, `netdev`): name
+    /// (`refused_<key>`, `spoofed_<key>`) → packets.
+    pub fn counters(&self, families: &[&str]) -> Result<BTreeMap<String, u64>, NftError> {
+        let mut all = BTreeMap::new();
+        for family in families {
+            let out = self.run(&["-j", "list", "counters", "table", family, TABLE], None)?;
+            let doc: serde_json::Value = serde_json::from_str(&out)
+                .map_err(|e| NftError(format!("unreadable `nft -j list counters`: {e}")))?;
+            all.extend(
+                items(&doc, "counter")
+                    .filter(|c| c.get("table").and_then(|t| t.as_str()) == Some(TABLE))
+                    .filter_map(|c| {
+                        let name = c.get("name")?.as_str()?;
+                        Some((name.to_owned(), c.get("packets")?.as_u64()?))
+                    }),
+            );
+        }
+        Ok(all)
+    }
+
+    /// Whether the kernel binds an ingress chain to a device by its name:
+    /// one transaction makes a chain on a device that does not exist and
+    /// takes it away again (nothing is left either way). Kernels before
+    /// Linux 6.16 refuse it (the device must exist, and a chain bound to one
+    /// is not bound again to a device made later under the same name).
+    pub fn binds_ingress_by_name(&self) -> Result<(), NftError> {
+        // A name no device has: 15 characters, the kernel's longest.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let device = format!(
+            "egp{:06x}{:06x}",
+            std::process::id() & 0xff_ffff,
+            nanos & 0xff_ffff
+        );
+        let probe = "egress_machine_probe";
+        self.apply(&format!(
+            "table netdev {probe}\ndelete table netdev {probe}\n\
+             table netdev {probe} {{\n    chain c {{\n        type filter hook ingress device \"{device}\" priority 0; policy accept;\n    }}\n}}\n\
+             delete table netdev {probe}\n"
+        ))
     }
 
     /// The elements of a VM's observed sets (IPv4 and IPv6).

@@ -543,23 +543,19 @@ fn host_answers(t: &Topology, source: &str) -> Option<bool> {
     }
 }
 
-/// A second address on the VM link — one no VM claims, then another VM's
-/// — is dropped and counted in every mode, `open` included, while the
-/// VM's own address is judged by its policy.
-#[test]
-fn spoofed_sources_on_a_vm_link_are_dropped_in_every_mode() {
-    if !topology::available() {
-        return;
-    }
-    let t = Topology::with_vm();
-    const SPOOF: &str = "100.64.4.6";
-    const OTHER_VM: &str = "100.64.9.9";
+const SPOOF: &str = "100.64.4.6";
+const OTHER_VM: &str = "100.64.9.9";
+
+/// Gives the VM stand-in's `eth0` the addresses [`SPOOF`] (one no VM
+/// claims) and [`OTHER_VM`], and the gateway namespace a route back to each
+/// through `vm1`: without the check, packets from them would get through.
+fn spoofing_sources(t: &Topology) {
     for extra in [SPOOF, OTHER_VM] {
         topology::run(
             "ip",
             &[
                 "-n",
-                vm(&t),
+                vm(t),
                 "addr",
                 "add",
                 &format!("{extra}/32"),
@@ -567,17 +563,58 @@ fn spoofed_sources_on_a_vm_link_are_dropped_in_every_mode() {
                 "eth0",
             ],
         );
-        // Replies can find their way back: without the check, these
-        // sources would get through.
         topology::run("ip", &["-n", &t.gw, "route", "add", extra, "dev", "vm1"]);
     }
+}
+
+/// The links' table (`netdev egress_machine`) as nft lists it; empty when
+/// there is none.
+fn links_table(t: &Topology) -> String {
+    let out = t.exec(&t.gw, "nft", &["list", "table", "netdev", "egress_machine"]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A second address on the VM link — one no VM claims, then another VM's
+/// — is dropped and counted in every mode, `open` included, while the
+/// VM's own address is judged by its policy: with the check the kernel
+/// allows by default (the link's own ingress hook on Linux 6.16 and later,
+/// the prerouting hook before).
+#[test]
+fn spoofed_sources_on_a_vm_link_are_dropped_in_every_mode() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    spoofing_is_dropped_in_every_mode(&t);
+}
+
+/// The same on the prerouting hook (`machine_egress.link_check =
+/// "prerouting"`, what `auto` picks on a kernel before 6.16): one lookup by
+/// interface name in the node table, no links' table.
+#[test]
+fn spoofed_sources_are_dropped_on_the_prerouting_hook_too() {
+    if !topology::available() {
+        return;
+    }
+    let mut t = Topology::with_vm();
+    t.stop_gateway();
+    t.set_extra_config("[machine_egress]\nlink_check = \"prerouting\"\n");
+    t.start_gateway();
+    spoofing_is_dropped_in_every_mode(&t);
+    let table = node_table(&t);
+    assert!(table.contains("iifname vmap @links"), "{table}");
+    assert!(links_table(&t).is_empty(), "{}", links_table(&t));
+}
+
+fn spoofing_is_dropped_in_every_mode(t: &Topology) {
+    spoofing_sources(t);
     assert!(
-        tcp_from(&t, SPOOF, API_IP),
+        tcp_from(t, SPOOF, API_IP),
         "no VM registered: the topology forwards"
     );
-    register(&t, "vm2", OTHER_VM, Some(r#"{"mode": "open"}"#));
+    register(t, "vm2", OTHER_VM, Some(r#"{"mode": "open"}"#));
     assert!(
-        tcp_from(&t, OTHER_VM, API_IP),
+        tcp_from(t, OTHER_VM, API_IP),
         "vm2's address, vm1 not registered"
     );
     let doc =
@@ -591,37 +628,101 @@ fn spoofed_sources_on_a_vm_link_are_dropped_in_every_mode() {
         (ALLOW_DNS_AND_API, true),
         (r#"{"mode": "loopback"}"#, false),
     ] {
-        put_egress(&t, "vm1", mode);
-        assert_eq!(tcp_from(&t, VM_IP, API_IP), own, "own address under {mode}");
+        put_egress(t, "vm1", mode);
+        assert_eq!(tcp_from(t, VM_IP, API_IP), own, "own address under {mode}");
+        assert!(!tcp_from(t, SPOOF, API_IP), "unclaimed source under {mode}");
         assert!(
-            !tcp_from(&t, SPOOF, API_IP),
-            "unclaimed source under {mode}"
-        );
-        assert!(
-            !tcp_from(&t, OTHER_VM, API_IP),
+            !tcp_from(t, OTHER_VM, API_IP),
             "vm2's address on vm1's link under {mode}"
         );
         // To the host itself: the own address reaches it (a closed port
         // answers with a reset), a spoofed one is dropped before it does.
         assert_eq!(
-            host_answers(&t, VM_IP),
+            host_answers(t, VM_IP),
             Some(true),
             "own address under {mode}"
         );
         assert_eq!(
-            host_answers(&t, SPOOF),
+            host_answers(t, SPOOF),
             Some(false),
             "unclaimed source to the host under {mode}"
         );
     }
     // Every mode dropped and counted: at least one SYN per attempt.
-    metric_reaching(&t, "egress_machine_spoofed_packets_total{vm=\"vm1\"} ", 12);
+    metric_reaching(t, "egress_machine_spoofed_packets_total{vm=\"vm1\"} ", 12);
 
     // The link belongs to one VM.
     let doc = r#"{"addresses": ["100.64.9.10"], "link": "vm1"}"#;
     let (status, body) = t.admin("PUT", "/v1/vms/vm3", Some(doc));
     assert_eq!(status, 409, "{body}");
     assert!(body.contains("already belongs to VM vm1"), "{body}");
+}
+
+/// On the ingress hook, a VM's link that is deleted and made again under
+/// its name (a QEMU restart re-creates its tap) is checked from its first
+/// packet: the kernel binds the chain by name. Moving the VM to another
+/// link moves the check; unregistering it takes the chain away.
+#[test]
+fn a_link_made_again_is_checked_again() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    let doc =
+        format!(r#"{{"addresses": ["{VM_IP}"], "link": "vm1", "egress": {{"mode": "open"}}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/vms/vm1", Some(&doc));
+    assert_eq!(status, 200, "{body}");
+    if !links_table(&t).contains("hook ingress device \"vm1\"") {
+        egress_testkit::skip(
+            "a_link_made_again_is_checked_again",
+            "this kernel does not bind ingress chains by name (before 6.16): the prerouting check is in use",
+        );
+        return;
+    }
+    // The link goes, and comes back under the same name.
+    topology::run("ip", &["-n", &t.gw, "link", "del", "vm1"]);
+    for cmd in [
+        vec![
+            "-n",
+            &t.gw,
+            "link",
+            "add",
+            "vm1",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            vm(&t),
+        ],
+        vec!["-n", &t.gw, "addr", "add", "100.64.4.1/30", "dev", "vm1"],
+        vec!["-n", &t.gw, "link", "set", "vm1", "up"],
+        vec!["-n", vm(&t), "addr", "add", "100.64.4.2/30", "dev", "eth0"],
+        vec!["-n", vm(&t), "link", "set", "eth0", "up"],
+        vec!["-n", vm(&t), "route", "add", "default", "via", "100.64.4.1"],
+    ] {
+        topology::run("ip", &cmd);
+    }
+    spoofing_sources(&t);
+    assert!(tcp_from(&t, VM_IP, API_IP), "own address on the new link");
+    assert!(
+        !tcp_from(&t, SPOOF, API_IP),
+        "unclaimed source on the new link"
+    );
+    metric_reaching(&t, "egress_machine_spoofed_packets_total{vm=\"vm1\"} ", 1);
+    // Another link: the check moves with the VM, and vm1 is free.
+    let doc =
+        format!(r#"{{"addresses": ["{VM_IP}"], "link": "vm9", "egress": {{"mode": "open"}}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/vms/vm1", Some(&doc));
+    assert_eq!(status, 200, "{body}");
+    let links = links_table(&t);
+    assert!(links.contains("device \"vm9\""), "{links}");
+    assert!(!links.contains("device \"vm1\""), "{links}");
+    assert!(tcp_from(&t, SPOOF, API_IP), "vm1 carries no check now");
+    let (status, body) = t.admin("DELETE", "/v1/vms/vm1", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(!links_table(&t).contains("link_vm1"), "{}", links_table(&t));
 }
 
 /// The cgroup v2 hierarchy as nft sees it under /sys/fs/cgroup: `""` when
@@ -871,4 +972,26 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
     );
     assert!(!tcp_ok(&t, OTHER_IP), "refused again");
     assert!(tcp_ok(&t, API_IP), "allowed again");
+    // The links' table alone (the ingress check): installed again too.
+    if !links_table(&t).is_empty() {
+        topology::run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &t.gw,
+                "nft",
+                "delete",
+                "table",
+                "netdev",
+                "egress_machine",
+            ],
+        );
+        metric_reaching(&t, "egress_machine_table_restored_total ", 2);
+        assert!(
+            links_table(&t).contains("spoofed_vm1"),
+            "{}",
+            links_table(&t)
+        );
+    }
 }

@@ -3,6 +3,10 @@ use crate::netlink::{read_u16_ne, read_u32_ne};
 
 /// One netlink message: header, nfgenmsg, attributes.
 fn message(kind: u16, attrs: &[u8]) -> Vec<u8> {
+    message_of(NFPROTO_INET, kind, attrs)
+}
+
+fn message_of(family: u8, kind: u16, attrs: &[u8]) -> Vec<u8> {
     let len = NLMSG_HDRLEN + NFGEN_LEN + attrs.len();
     let mut m = Vec::new();
     m.extend((len as u32).to_ne_bytes());
@@ -10,12 +14,16 @@ fn message(kind: u16, attrs: &[u8]) -> Vec<u8> {
     m.extend(2u16.to_ne_bytes()); // NLM_F_MULTI
     m.extend(1u32.to_ne_bytes());
     m.extend(0u32.to_ne_bytes());
-    m.extend([NFPROTO_INET, 0, 0, 0]);
+    m.extend([family, 0, 0, 0]);
     m.extend(attrs);
     m
 }
 
 fn counter_object(name: &str, packets: u64, kind: u32) -> Vec<u8> {
+    counter_object_of(NFPROTO_INET, name, packets, kind)
+}
+
+fn counter_object_of(family: u8, name: &str, packets: u64, kind: u32) -> Vec<u8> {
     let mut data = Vec::new();
     attr(&mut data, 1, &999u64.to_be_bytes()); // bytes
     attr(&mut data, COUNTER_PACKETS, &packets.to_be_bytes());
@@ -24,7 +32,7 @@ fn counter_object(name: &str, packets: u64, kind: u32) -> Vec<u8> {
     attr(&mut attrs, OBJ_NAME, format!("{name}\0").as_bytes());
     attr(&mut attrs, OBJ_TYPE, &kind.to_be_bytes());
     attr(&mut attrs, OBJ_DATA | 0x8000, &data); // NLA_F_NESTED
-    message(SUBSYS_NFTABLES | MSG_NEWOBJ, &attrs)
+    message_of(family, SUBSYS_NFTABLES | MSG_NEWOBJ, &attrs)
 }
 
 #[test]
@@ -33,7 +41,7 @@ fn the_request_names_the_table_and_the_counter_type() {
     assert_eq!(read_u32_ne(&r, 0), Some(r.len() as u32));
     assert_eq!(read_u16_ne(&r, 4), Some(SUBSYS_NFTABLES | MSG_GETOBJ));
     assert_eq!(read_u16_ne(&r, 6), Some(NLM_F_REQUEST | NLM_F_DUMP));
-    assert_eq!(r[NLMSG_HDRLEN], NFPROTO_INET);
+    assert_eq!(r[NLMSG_HDRLEN], NFPROTO_UNSPEC, "every family's tables");
     let attrs = attributes(&r[NLMSG_HDRLEN + NFGEN_LEN..]).expect("attributes");
     assert_eq!(
         attrs,
@@ -48,7 +56,14 @@ fn the_request_names_the_table_and_the_counter_type() {
 fn a_dump_reads_as_its_counters_then_its_end() {
     let mut datagram = counter_object("refused_ab12", 42, OBJECT_COUNTER);
     datagram.extend(counter_object("quota_x", 1, 2)); // another type: skipped
-    datagram.extend(counter_object("spoofed_ab12", 0, OBJECT_COUNTER));
+    datagram.extend(counter_object_of(
+        NFPROTO_NETDEV,
+        "spoofed_ab12",
+        0,
+        OBJECT_COUNTER,
+    ));
+    // A table of the same name in a family the gateway does not write.
+    datagram.extend(counter_object_of(2, "refused_ab12", 7, OBJECT_COUNTER));
     let mut done = message(NLMSG_DONE, &[]);
     done.truncate(NLMSG_HDRLEN + 4);
     done[..4].copy_from_slice(&((NLMSG_HDRLEN + 4) as u32).to_ne_bytes());
@@ -59,6 +74,7 @@ fn a_dump_reads_as_its_counters_then_its_end() {
             Ok(Part::Counter("refused_ab12".into(), 42)),
             Ok(Part::Other),
             Ok(Part::Counter("spoofed_ab12".into(), 0)),
+            Ok(Part::Other),
             Ok(Part::Done),
         ]
     );

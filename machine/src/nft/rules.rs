@@ -23,11 +23,15 @@
 //!   `obs_<k>` when sampled;
 //! - `v6_<k>`: IPv6 has no rules: recorded (`obs6_<k>` when sampled), then
 //!   refused (or, in `audit` and `open`, passed);
-//! - `link_<k>`: anti-spoofing on the VM's link, dispatched from the
-//!   prerouting hook (before conntrack, for traffic through the node and to
-//!   the host alike): a source that is not one of the VM's addresses
-//!   (`src4_<k>`, `src6_<k>`) is counted in `spoofed_<k>` and dropped,
-//!   whatever the mode.
+//! - `link_<k>`: anti-spoofing on the VM's link, before conntrack, for
+//!   traffic through the node and to the host alike: a source that is not
+//!   one of the VM's addresses (`src4_<k>`, `src6_<k>`) is counted in
+//!   `spoofed_<k>` and dropped, whatever the mode. Where it runs is the
+//!   layout's [`LinkCheck`]: a base chain on the link's own ingress hook, in
+//!   the table `netdev egress_machine` with the VM's `src4`/`src6` sets and
+//!   `spoofed` counter (only the link's packets pay for it), or a chain of
+//!   the node table dispatched from its prerouting hook by interface name
+//!   (one lookup for every packet the node receives).
 //!
 //! A policy change flushes the VM's chains and rule sets and fills them
 //! again inside one transaction, so the VM never runs without a policy or
@@ -67,6 +71,38 @@ pub struct Layout {
     /// Refused packets as events on an NFLOG group (`None`: recorded in
     /// the observed sets and sampled).
     pub events: Option<Events>,
+    /// Where a VM link's sources are checked.
+    pub link_check: LinkCheck,
+}
+
+/// Where a VM link's sources are checked (`machine_egress.link_check`,
+/// `auto` resolved at start).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkCheck {
+    /// A base chain on the link's ingress hook, in `netdev egress_machine`;
+    /// the kernel binds it by the link's name, so a link made again later
+    /// is checked again.
+    Ingress,
+    /// The node table's prerouting hook, `iifname vmap @links`.
+    Prerouting,
+}
+
+impl Layout {
+    /// The table that holds the VMs' anti-spoofing objects.
+    fn link_table(&self) -> String {
+        match self.link_check {
+            LinkCheck::Ingress => format!("netdev {TABLE}"),
+            LinkCheck::Prerouting => format!("inet {TABLE}"),
+        }
+    }
+
+    /// The table families whose counters the observer reads.
+    pub fn families(&self) -> &'static [&'static str] {
+        match self.link_check {
+            LinkCheck::Ingress => &["inet", "netdev"],
+            LinkCheck::Prerouting => &["inet"],
+        }
+    }
 }
 
 /// `machine_egress.observe = "events"`: the group the rules log to and
@@ -115,7 +151,11 @@ pub fn cgroup_level(path: &str) -> usize {
 pub fn table(layout: &Layout, vms: &[VmRules<'_>]) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# egress-gateway: machine egress of the node");
-    let _ = writeln!(out, "table inet {TABLE}\ndelete table inet {TABLE}");
+    // Both families go, whichever check is in use: a start with the other
+    // check leaves nothing of the earlier one.
+    for family in ["inet", "netdev"] {
+        let _ = writeln!(out, "table {family} {TABLE}\ndelete table {family} {TABLE}");
+    }
     base(&mut out, layout);
     for vm in vms {
         out.push_str(&change(layout, None, Some(vm)));
@@ -129,8 +169,10 @@ pub fn table(layout: &Layout, vms: &[VmRules<'_>]) -> String {
 
 /// The base: dispatch maps and chains, no VM.
 fn base(out: &mut String, layout: &Layout) {
+    if layout.link_check == LinkCheck::Ingress {
+        let _ = writeln!(out, "table netdev {TABLE} {{\n}}");
+    }
     let _ = writeln!(out, "table inet {TABLE} {{");
-    let _ = writeln!(out, "    map links {{ type ifname : verdict; }}");
     let _ = writeln!(out, "    map from4 {{ type ipv4_addr : verdict; }}");
     let _ = writeln!(out, "    map from6 {{ type ipv6_addr : verdict; }}");
     let _ = writeln!(out, "    set to4 {{ type ipv4_addr; }}");
@@ -140,11 +182,15 @@ fn base(out: &mut String, layout: &Layout) {
     // Spoofed sources first, before conntrack and on every path (through
     // the node or to the host itself): an established flow of another VM's
     // address must not carry them through, and nothing the host serves
-    // may take them for another VM.
-    let _ = writeln!(
-        out,
-        "    chain prerouting {{\n        type filter hook prerouting priority raw - 10; policy accept;\n        iifname vmap @links\n    }}"
-    );
+    // may take them for another VM. On the ingress hook each link has a
+    // chain of its own (`declare`).
+    if layout.link_check == LinkCheck::Prerouting {
+        let _ = writeln!(out, "    map links {{ type ifname : verdict; }}");
+        let _ = writeln!(
+            out,
+            "    chain prerouting {{\n        type filter hook prerouting priority raw - 10; policy accept;\n        iifname vmap @links\n    }}"
+        );
+    }
     // Its rules are written by `forward_rules`, for the VMs there are.
     let _ = writeln!(
         out,
@@ -237,17 +283,36 @@ pub fn change(layout: &Layout, old: Option<&VmRules<'_>>, new: Option<&VmRules<'
     }
     match new {
         Some(new) => {
-            declare(&mut out, layout, new.id);
+            if let Some(old) = old {
+                unlink(&mut out, layout, old, new.link);
+            }
+            declare(&mut out, layout, new);
             fill(&mut out, layout, new);
             dispatch(&mut out, layout, new, "add");
         }
         None => {
             if let Some(old) = old {
-                remove(&mut out, layout, old.id);
+                remove(&mut out, layout, old);
             }
         }
     }
     out
+}
+
+/// Whether the VM has a `link_<k>` chain: on the prerouting hook every VM
+/// has one (dispatched only from its link), on the ingress hook a VM with
+/// a link has one, bound to it.
+fn has_link_chain(layout: &Layout, vm: &VmRules<'_>) -> bool {
+    layout.link_check == LinkCheck::Prerouting || vm.link.is_some()
+}
+
+/// On the ingress hook, the chain of a link the VM no longer has goes (its
+/// new one, if any, is declared afresh, bound to the new link).
+fn unlink(out: &mut String, layout: &Layout, old: &VmRules<'_>, link: Option<&str>) {
+    if layout.link_check == LinkCheck::Ingress && old.link.is_some() && old.link != link {
+        let (lt, k) = (layout.link_table(), key(old.id));
+        let _ = writeln!(out, "flush chain {lt} link_{k}\ndelete chain {lt} link_{k}");
+    }
 }
 
 /// The VM's dispatch elements: its addresses (as sources to judge and
@@ -277,7 +342,7 @@ fn dispatch(out: &mut String, layout: &Layout, vm: &VmRules<'_>, verb: &str) {
                 let _ = writeln!(out, "{verb} element inet {TABLE} {cut} {{ {a} }}");
             }
         }
-        if let Some(link) = vm.link {
+        if let (Some(link), LinkCheck::Prerouting) = (vm.link, layout.link_check) {
             let j = jump(&format!("link_{k}"));
             let _ = writeln!(out, "{verb} element inet {TABLE} links {{ \"{link}\"{j} }}");
         }
@@ -304,19 +369,33 @@ fn cgroup_path(layout: &Layout, path: &str) -> String {
 
 /// The VM's objects, created if missing (`add` leaves existing ones, with
 /// their elements and counts, alone).
-fn declare(out: &mut String, layout: &Layout, vm: &str) {
-    let k = key(vm);
-    let t = format!("inet {TABLE}");
-    for c in ["vm", "v6", "link"] {
+fn declare(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
+    let k = key(vm.id);
+    let (t, lt) = (format!("inet {TABLE}"), layout.link_table());
+    for c in ["vm", "v6"] {
         let _ = writeln!(out, "add chain {t} {c}_{k}");
+    }
+    match (layout.link_check, vm.link) {
+        (LinkCheck::Prerouting, _) => {
+            let _ = writeln!(out, "add chain {t} link_{k}");
+        }
+        (LinkCheck::Ingress, Some(link)) => {
+            let _ = writeln!(
+                out,
+                "add chain {lt} link_{k} {{ type filter hook ingress device \"{link}\" priority -500; policy accept; }}"
+            );
+        }
+        (LinkCheck::Ingress, None) => {}
     }
     for c in counters(layout) {
         let _ = writeln!(out, "add counter {t} {c}_{k}");
     }
+    let _ = writeln!(out, "add counter {lt} spoofed_{k}");
+    for (name, ty) in [("src4", "ipv4_addr"), ("src6", "ipv6_addr")] {
+        let _ = writeln!(out, "add set {lt} {name}_{k} {{ type {ty}; }}");
+    }
     let interval = "flags interval; ";
     for (name, ty, flags) in [
-        ("src4", "ipv4_addr", ""),
-        ("src6", "ipv6_addr", ""),
         // The address alone, joined to the family (always IPv4 in the VM's
         // chain): nft 1.0.x fetches the elements of every interval set that
         // is not a concatenation in the table before each change, which
@@ -336,12 +415,13 @@ fn declare(out: &mut String, layout: &Layout, vm: &str) {
     }
 }
 
-/// The VM's named counters: with events, `lost_<k>` counts what the rate
-/// kept out of the log.
+/// The VM's named counters in the node table (`spoofed_<k>` is with its
+/// link's objects): with events, `lost_<k>` counts what the rate kept out
+/// of the log.
 fn counters(layout: &Layout) -> &'static [&'static str] {
     match layout.events {
-        Some(_) => &["refused", "spoofed", "lost"],
-        None => &["refused", "spoofed"],
+        Some(_) => &["refused", "lost"],
+        None => &["refused"],
     }
 }
 
@@ -356,38 +436,43 @@ fn observed_sets(layout: &Layout) -> &'static [(&'static str, &'static str)] {
 /// Empties the VM's chains and rule sets and fills them from its policy.
 fn fill(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
     let k = key(vm.id);
-    let t = format!("inet {TABLE}");
-    for c in ["vm", "v6", "link"] {
+    let (t, lt) = (format!("inet {TABLE}"), layout.link_table());
+    for c in ["vm", "v6"] {
         let _ = writeln!(out, "flush chain {t} {c}_{k}");
     }
-    for s in ["src4", "src6", "any", "proto", "port"] {
+    let link = has_link_chain(layout, vm);
+    if link {
+        let _ = writeln!(out, "flush chain {lt} link_{k}");
+    }
+    for s in ["src4", "src6"] {
+        let _ = writeln!(out, "flush set {lt} {s}_{k}");
+    }
+    for s in ["any", "proto", "port"] {
         let _ = writeln!(out, "flush set {t} {s}_{k}");
     }
     let (v4, v6): (Vec<&IpAddr>, Vec<&IpAddr>) = vm.addresses.iter().partition(|a| a.is_ipv4());
-    elements(out, &k, "src4", v4.iter().map(ToString::to_string));
-    elements(out, &k, "src6", v6.iter().map(ToString::to_string));
+    elements(out, &lt, &k, "src4", v4.iter().map(ToString::to_string));
+    elements(out, &lt, &k, "src6", v6.iter().map(ToString::to_string));
     let sets: KernelSets = vm.policy.kernel_sets();
-    elements(
-        out,
-        &k,
-        "any",
-        sets.any.iter().map(|n| format!("{n} . ipv4")),
-    );
+    let any = sets.any.iter().map(|n| format!("{n} . ipv4"));
+    elements(out, &t, &k, "any", any);
     let proto = sets.proto.iter().map(|(n, p)| format!("{n} . {p}"));
-    elements(out, &k, "proto", proto);
+    elements(out, &t, &k, "proto", proto);
     let port = sets
         .port
         .iter()
         .map(|(n, p, port)| format!("{n} . {p} . {port}"));
-    elements(out, &k, "port", port);
+    elements(out, &t, &k, "port", port);
     for rule in vm_chain(layout, vm.id, vm.policy.mode, &sets) {
         let _ = writeln!(out, "add rule {t} vm_{k} {rule}");
     }
     for rule in v6_chain(layout, vm.id, vm.policy.mode) {
         let _ = writeln!(out, "add rule {t} v6_{k} {rule}");
     }
-    for rule in link_chain(&k) {
-        let _ = writeln!(out, "add rule {t} link_{k} {rule}");
+    if link {
+        for rule in link_chain(layout, &k) {
+            let _ = writeln!(out, "add rule {lt} link_{k} {rule}");
+        }
     }
 }
 
@@ -399,24 +484,40 @@ fn fill(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
 ///
 /// No anonymous interval set (`{ ::, fe80::/10 }`): nft would fetch its
 /// elements, and every other VM's, before each change (see `declare`).
-fn link_chain(k: &str) -> [String; 6] {
-    [
+///
+/// On the ingress hook the chain sees every frame of the link, not only
+/// IPv4 and IPv6: ARP passes (as it does on the prerouting hook, which
+/// never sees it), and any other protocol is counted and dropped with the
+/// spoofed sources.
+fn link_chain(layout: &Layout, k: &str) -> Vec<String> {
+    let mut rules = vec![
         format!("ip saddr @src4_{k} return"),
         format!("ip6 saddr @src6_{k} return"),
         "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return".to_owned(),
         "ip6 saddr :: meta l4proto ipv6-icmp return".to_owned(),
         "ip6 saddr fe80::/10 meta l4proto ipv6-icmp return".to_owned(),
-        format!("counter name spoofed_{k} drop"),
-    ]
+    ];
+    if layout.link_check == LinkCheck::Ingress {
+        rules.push("meta protocol arp return".to_owned());
+    }
+    rules.push(format!("counter name spoofed_{k} drop"));
+    rules
 }
 
-fn elements(out: &mut String, k: &str, set: &str, items: impl Iterator<Item = String>) {
+/// Adds `items` to the VM's set `set` in `table` (`inet egress_machine`).
+fn elements(
+    out: &mut String,
+    table: &str,
+    k: &str,
+    set: &str,
+    items: impl Iterator<Item = String>,
+) {
     let items: Vec<String> = items.collect();
     // Large sets go in slices, to keep each line short.
     for chunk in items.chunks(256) {
         let _ = writeln!(
             out,
-            "add element inet {TABLE} {set}_{k} {{ {} }}",
+            "add element {table} {set}_{k} {{ {} }}",
             chunk.join(", ")
         );
     }
@@ -513,24 +614,29 @@ fn refuse(layout: &Layout, vm: &str, v6: bool, mode: Mode) -> Vec<String> {
 }
 
 /// Removes the VM's objects (its dispatch elements went first).
-fn remove(out: &mut String, layout: &Layout, vm: &str) {
-    let k = key(vm);
-    let t = format!("inet {TABLE}");
+fn remove(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
+    let k = key(vm.id);
+    let (t, lt) = (format!("inet {TABLE}"), layout.link_table());
     // A chain must be empty to go, and unreferenced: vm_ jumps to v6_.
-    for c in ["vm", "v6", "link"] {
-        let _ = writeln!(out, "flush chain {t} {c}_{k}");
+    let mut chains = vec![(&t, "vm"), (&t, "v6")];
+    if has_link_chain(layout, vm) {
+        chains.push((&lt, "link"));
     }
-    for c in ["vm", "v6", "link"] {
-        let _ = writeln!(out, "delete chain {t} {c}_{k}");
+    for (table, c) in &chains {
+        let _ = writeln!(out, "flush chain {table} {c}_{k}");
+    }
+    for (table, c) in &chains {
+        let _ = writeln!(out, "delete chain {table} {c}_{k}");
     }
     let observed = observed_sets(layout).iter().map(|(s, _)| *s);
-    for s in ["src4", "src6", "any", "proto", "port"]
-        .into_iter()
-        .chain(observed)
-    {
+    for s in ["any", "proto", "port"].into_iter().chain(observed) {
         let _ = writeln!(out, "delete set {t} {s}_{k}");
+    }
+    for s in ["src4", "src6"] {
+        let _ = writeln!(out, "delete set {lt} {s}_{k}");
     }
     for c in counters(layout) {
         let _ = writeln!(out, "delete counter {t} {c}_{k}");
     }
+    let _ = writeln!(out, "delete counter {lt} spoofed_{k}");
 }

@@ -12,7 +12,7 @@ fn addrs() -> Vec<IpAddr> {
     ]
 }
 
-use rules::{Layout, Match, VmRules};
+use rules::{Layout, LinkCheck, Match, VmRules};
 
 fn layout(matching: Match) -> Layout {
     Layout {
@@ -20,6 +20,14 @@ fn layout(matching: Match) -> Layout {
         capacity: 4096,
         cgroup_prefix: String::new(),
         events: None,
+        link_check: LinkCheck::Prerouting,
+    }
+}
+
+fn ingress() -> Layout {
+    Layout {
+        link_check: LinkCheck::Ingress,
+        ..layout(Match::Address)
     }
 }
 
@@ -35,7 +43,12 @@ fn vm<'a>(id: &'a str, addresses: &'a [IpAddr], policy: &'a MachineEgress) -> Vm
 
 /// The rules of chain `chain` in a transaction text.
 fn chain_rules(text: &str, chain: &str) -> Vec<String> {
-    let prefix = format!("add rule inet egress_machine {chain} ");
+    rules_in(text, "inet", chain)
+}
+
+/// The rules of chain `chain` of the table of `family`.
+fn rules_in(text: &str, family: &str, chain: &str) -> Vec<String> {
+    let prefix = format!("add rule {family} egress_machine {chain} ");
     text.lines()
         .filter_map(|l| l.strip_prefix(&prefix))
         .map(str::to_owned)
@@ -261,6 +274,76 @@ fn an_empty_rule_set_has_no_rule() {
 }
 
 /// A change to one VM names only that VM's objects and dispatch elements.
+/// With the ingress check, each link has a base chain of its own in
+/// `netdev egress_machine`, bound to it by name, with the VM's sources and
+/// its `spoofed` counter; the node table has no prerouting hook at all.
+#[test]
+fn on_the_ingress_hook_each_link_has_a_chain_of_its_own() {
+    let p = policy(ALLOWLIST);
+    let a = addrs();
+    let l = ingress();
+    let r = rules::table(&l, &[vm("vm1", &a, &p)]);
+    for family in ["inet", "netdev"] {
+        let fresh =
+            format!("table {family} egress_machine\ndelete table {family} egress_machine\n");
+        assert!(r.contains(&fresh), "{r}");
+    }
+    assert!(!r.contains("prerouting") && !r.contains("links"), "{r}");
+    assert!(r.contains(
+        "add chain netdev egress_machine link_vm1 { type filter hook ingress device \"vm1\" priority -500; policy accept; }"
+    ));
+    assert!(r.contains("add element netdev egress_machine src4_vm1 { 100.64.3.2 }"));
+    assert!(r.contains("add element netdev egress_machine src6_vm1 { 2001:db8::2 }"));
+    assert!(r.contains("add counter netdev egress_machine spoofed_vm1"));
+    assert!(!r.contains("add counter inet egress_machine spoofed_vm1"));
+    assert_eq!(
+        rules_in(&r, "netdev", "link_vm1"),
+        [
+            "ip saddr @src4_vm1 return",
+            "ip6 saddr @src6_vm1 return",
+            "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return",
+            "ip6 saddr :: meta l4proto ipv6-icmp return",
+            "ip6 saddr fe80::/10 meta l4proto ipv6-icmp return",
+            "meta protocol arp return",
+            "counter name spoofed_vm1 drop"
+        ]
+    );
+    // The same link again: the chain stays (the kernel keeps its binding).
+    let same = rules::change(&l, Some(&vm("vm1", &a, &p)), Some(&vm("vm1", &a, &p)));
+    assert!(!same.contains("delete chain"), "{same}");
+    // Another link: the old chain goes before the new one is made.
+    let moved = VmRules {
+        link: Some("tap7"),
+        ..vm("vm1", &a, &p)
+    };
+    let text = rules::change(&l, Some(&vm("vm1", &a, &p)), Some(&moved));
+    let gone = text
+        .find("delete chain netdev egress_machine link_vm1")
+        .expect("the old link's chain goes");
+    let made = text.find("device \"tap7\"").expect("the new link's chain");
+    assert!(gone < made, "{text}");
+    // No link: no chain, but the counter (the observer checks it is there).
+    let unlinked = VmRules {
+        link: None,
+        ..vm("vm1", &a, &p)
+    };
+    let text = rules::change(&l, Some(&moved), Some(&unlinked));
+    assert!(text.contains("delete chain netdev egress_machine link_vm1"));
+    assert!(!text.contains("hook ingress"), "{text}");
+    assert!(text.contains("add counter netdev egress_machine spoofed_vm1"));
+    // Removed: every object in both tables.
+    let removed = rules::change(&l, Some(&moved), None);
+    for object in [
+        "delete chain netdev egress_machine link_vm1",
+        "delete set netdev egress_machine src4_vm1",
+        "delete counter netdev egress_machine spoofed_vm1",
+        "delete chain inet egress_machine vm_vm1",
+        "delete counter inet egress_machine refused_vm1",
+    ] {
+        assert!(removed.contains(object), "no `{object}` in {removed}");
+    }
+}
+
 #[test]
 fn a_change_touches_only_its_vm() {
     let (a, b) = (addrs(), vec!["100.64.9.2".parse().expect("ip")]);
@@ -396,6 +479,31 @@ fn nft_accepts_every_mode() {
     text.push_str(&rules::forward_rules(&vms[1..]));
     text.push_str(&rules::forward_rules(&vms));
     check(&text);
+    // The ingress check, on a link every namespace has: made, kept, moved
+    // away and removed.
+    let l = ingress();
+    let linked = |i: usize, link| VmRules {
+        link,
+        ..vm(ids[i], &addresses[i], &policies[i])
+    };
+    let mut text = rules::table(&l, &[linked(0, Some("lo")), linked(1, None)]);
+    text.push_str(&rules::change(
+        &l,
+        Some(&linked(0, Some("lo"))),
+        Some(&linked(0, Some("lo"))),
+    ));
+    text.push_str(&rules::change(
+        &l,
+        Some(&linked(0, Some("lo"))),
+        Some(&linked(0, None)),
+    ));
+    text.push_str(&rules::change(
+        &l,
+        Some(&linked(1, None)),
+        Some(&linked(1, Some("lo"))),
+    ));
+    text.push_str(&rules::change(&l, Some(&linked(1, Some("lo"))), None));
+    check(&text);
 }
 
 fn check(text: &str) {
@@ -482,10 +590,16 @@ fn with_events_refused_packets_are_counted_rate_limited_and_logged() {
 fn every_interval_set_is_a_concatenation() {
     let p = policy(ALLOWLIST);
     let a = addrs();
-    for matching in [Match::Address, Match::Cgroup] {
+    let layouts = [
+        (Match::Address, LinkCheck::Prerouting),
+        (Match::Address, LinkCheck::Ingress),
+        (Match::Cgroup, LinkCheck::Prerouting),
+    ];
+    for (matching, link_check) in layouts {
         for events in [None, Some(rules::Events { group: 7, rate: 10 })] {
             let l = Layout {
                 events,
+                link_check,
                 ..layout(matching)
             };
             let v = VmRules {
