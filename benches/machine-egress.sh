@@ -408,10 +408,16 @@ for n in "${counts_arr[@]}"; do
     rss+="$n:$(awk '/^VmRSS:/ {print $2}' "/proc/${gwpid[$n]}/status") "
 done
 gwns=$(ns_of "$largest" gw)
-ruleset_bytes=$(ip netns exec "$gwns" nft list table inet egress_machine | wc -c)
+# The node table, and the links' table when the gateway checks links on
+# their ingress hook (machine_egress.link_check).
+ruleset_bytes=$({
+    ip netns exec "$gwns" nft list table inet egress_machine
+    ip netns exec "$gwns" nft list table netdev egress_machine 2> /dev/null || true
+} | wc -c)
 slab_with=$(awk '/^Slab:/ {print $2}' /proc/meminfo)
 stop_pid "${gwpid[$largest]}"
 ip netns exec "$gwns" nft delete table inet egress_machine 2> /dev/null || true
+ip netns exec "$gwns" nft delete table netdev egress_machine 2> /dev/null || true
 sleep 1
 slab_without=$(awk '/^Slab:/ {print $2}' /proc/meminfo)
 echo "$ruleset_bytes $slab_with $slab_without" > "$state/memory"

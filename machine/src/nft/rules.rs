@@ -1,6 +1,7 @@
-//! The node's machine egress table, `inet egress_machine`, as nft text.
+//! The node's machine egress table, `inet egress_machine`, as nft text,
+//! and with the ingress link check the links' table, `netdev egress_machine`.
 //!
-//! One table holds every VM. Its base chains dispatch a packet to its VM's
+//! One table holds every VM's policy. Its base chains dispatch a packet to its VM's
 //! chain with one verdict-map lookup (by source address on the forward
 //! hook, by the socket's cgroup on the output hook), so what a packet costs
 //! does not depend on how many VMs there are. Each VM owns a chain, its
