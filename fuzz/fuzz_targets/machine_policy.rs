@@ -137,6 +137,7 @@ fuzz_target!(|input: &[u8]| {
         capacity: 1024,
         cgroup_prefix: String::new(),
         events: None,
+        link_check: rules::LinkCheck::Ingress,
     };
     let vm = VmRules {
         id: "fuzz-vm",

@@ -57,9 +57,10 @@ fn node_table(t: &Topology) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Deletes the node table behind the gateway's back (as another tool or a
-/// reboot of the namespace's rules would).
-fn delete_node_table(t: &Topology) {
+/// Deletes the gateway's table of `family` (`inet`: the node table,
+/// `netdev`: the links') behind its back (as another tool or a reboot of
+/// the namespace's rules would).
+fn delete_table(t: &Topology, family: &str) {
     topology::run(
         "ip",
         &[
@@ -69,7 +70,7 @@ fn delete_node_table(t: &Topology) {
             "nft",
             "delete",
             "table",
-            "inet",
+            family,
             "egress_machine",
         ],
     );
@@ -465,7 +466,7 @@ fn defaults_apply_running_and_restart() {
     // Restart: the gateway's tables are gone (as after a reboot of the
     // namespace's rules); it re-installs them before it reports ready.
     assert!(t.stop_gateway().success());
-    delete_node_table(&t);
+    delete_table(&t, "inet");
     assert!(tcp_ok(&t, OTHER_IP), "no table: the test topology forwards");
     t.start_gateway();
     assert!(node_table(&t).contains("chain vm_vm1 {"));
@@ -963,7 +964,7 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
     register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
     assert!(tcp_ok(&t, API_IP), "allowed");
     assert!(!tcp_ok(&t, OTHER_IP), "refused");
-    delete_node_table(&t);
+    delete_table(&t, "inet");
     metric_reaching(&t, "egress_machine_table_restored_total ", 1);
     assert!(
         node_table(&t).contains("chain vm_vm1"),
@@ -974,19 +975,7 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
     assert!(tcp_ok(&t, API_IP), "allowed again");
     // The links' table alone (the ingress check): installed again too.
     if !links_table(&t).is_empty() {
-        topology::run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &t.gw,
-                "nft",
-                "delete",
-                "table",
-                "netdev",
-                "egress_machine",
-            ],
-        );
+        delete_table(&t, "netdev");
         metric_reaching(&t, "egress_machine_table_restored_total ", 2);
         assert!(
             links_table(&t).contains("spoofed_vm1"),
