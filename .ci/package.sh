@@ -168,7 +168,7 @@ say "netns $NS: $(ip -n "$NS" -brief link | tr -s ' ' | paste -sd ';')"
 [ "$(ip -n "$NS" -brief link | wc -l)" = 1 ] || die "the namespace has more than its loopback"
 
 # As the unit runs it (its Environment=), minus systemd.
-ip netns exec "$NS" env RUST_LOG=info MIMALLOC_ALLOW_THP=0 \
+ip netns exec "$NS" env RUST_LOG=info MIMALLOC_ALLOW_THP=0 MIMALLOC_PURGE_DELAY=0 \
   /usr/bin/egress-gateway run --config /etc/egress-gateway/gateway.toml \
   >"$WORK/gateway.out" 2>"$WORK/gateway.err" &
 GW_PID=$!

@@ -547,6 +547,12 @@ const READ_ENV: &[(&str, &str, &str, &str)] = &[
         "mimalloc::MiMalloc",
     ),
     (
+        "egress-gateway",
+        "MIMALLOC_PURGE_DELAY",
+        "gateway/src/main.rs",
+        "mimalloc::MiMalloc",
+    ),
+    (
         "egress-controller",
         "RUST_LOG",
         "controller/src/main.rs",
