@@ -4,7 +4,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -144,6 +144,112 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
     }
 }
 
+/// What [`Coalesce`] holds before it writes through: a TLS record's worth.
+const COALESCE_MAX: usize = 16 * 1024;
+
+/// Lets an HTTP/2 connection's frames pile up before they are written.
+///
+/// The `h2` codec writes a DATA frame of 256 bytes or more on its own (its
+/// payload chained, not copied), then flushes before it takes the next
+/// frame: a `writev`, a TLS record and, on loopback or a veth, the
+/// receiver's side of the delivery, per small response. This buffer takes
+/// the writes instead (up to [`COALESCE_MAX`]; larger ones go straight
+/// through), and the first flush after a write returns `Pending` and wakes
+/// its own task at once: the task goes to the back of its worker's run
+/// queue, behind the streams' tasks about to queue frames for it, and its
+/// next flush writes all of them as one.
+#[derive(Debug)]
+pub(crate) struct Coalesce<S> {
+    inner: S,
+    buf: Vec<u8>,
+    /// Bytes of `buf` already written through.
+    sent: usize,
+    /// The flush has waited its turn.
+    yielded: bool,
+}
+
+impl<S> Coalesce<S> {
+    pub(crate) fn new(inner: S) -> Self {
+        Self {
+            inner,
+            buf: Vec::new(),
+            sent: 0,
+            yielded: false,
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Coalesce<S> {
+    /// Writes what is buffered through to the inner stream, and frees it.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.sent < self.buf.len() {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.buf[self.sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.sent += n;
+        }
+        // Freed, not kept: an idle connection holds no buffer.
+        self.buf = Vec::new();
+        self.sent = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Coalesce<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Coalesce<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let len: usize = bufs.iter().map(|b| b.len()).sum();
+        if self.buf.len() + len > COALESCE_MAX {
+            ready!(self.poll_drain(cx))?;
+            if len >= COALESCE_MAX {
+                return Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+            }
+        }
+        for b in bufs {
+            self.buf.extend_from_slice(b);
+        }
+        Poll::Ready(Ok(len))
+    }
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.buf.is_empty() && !self.yielded {
+            self.yielded = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        ready!(self.poll_drain(cx))?;
+        self.yielded = false;
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_drain(cx))?;
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// Completes once no byte has moved either way for `idle`.
 pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
     quiet_for_then(activity, idle, || {}).await;
@@ -206,5 +312,94 @@ mod tests {
         let mut got = [0u8; 20];
         b.read_exact(&mut got).await.expect("read");
         assert_eq!(&got, b"one record, the next");
+    }
+
+    /// Records the size of every write that reaches the inner stream.
+    struct Recorder<S> {
+        inner: S,
+        writes: Vec<usize>,
+    }
+
+    impl<S: AsyncWrite + Unpin> AsyncWrite for Recorder<S> {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, buf))?;
+            self.writes.push(n);
+            Poll::Ready(Ok(n))
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_flush(cx)
+        }
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    async fn pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let a = tokio::net::TcpStream::connect(l.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (b, _) = l.accept().await.expect("accept");
+        (a, b)
+    }
+
+    #[tokio::test]
+    async fn coalesced_writes_leave_together_after_one_turn_of_the_run_queue() {
+        let (a, mut b) = pair().await;
+        let mut s = Coalesce::new(Recorder {
+            inner: a,
+            writes: Vec::new(),
+        });
+        for chunk in [&[1u8; 1024][..], &[2u8; 1024][..], &[3u8; 1024][..]] {
+            let n = s
+                .write_vectored(&[io::IoSlice::new(chunk)])
+                .await
+                .expect("write");
+            assert_eq!(n, 1024);
+        }
+        assert!(s.inner.writes.is_empty(), "nothing written before a flush");
+        let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut s).poll_flush(cx))).await;
+        assert!(first.is_pending(), "the first flush waits one turn");
+        assert!(s.inner.writes.is_empty());
+        s.flush().await.expect("flush");
+        assert_eq!(
+            s.inner.writes,
+            vec![3 * 1024],
+            "three writes, one write through"
+        );
+        assert_eq!(s.buf.capacity(), 0, "the buffer is freed once written");
+        let mut got = vec![0u8; 3 * 1024];
+        b.read_exact(&mut got).await.expect("read");
+        assert!(got[..1024].iter().all(|&x| x == 1));
+        assert!(got[2048..].iter().all(|&x| x == 3));
+        s.flush().await.expect("flush");
+        assert_eq!(s.inner.writes.len(), 1, "an empty flush writes nothing");
+    }
+
+    #[tokio::test]
+    async fn a_write_too_large_to_buffer_goes_through_after_what_was_buffered() {
+        let (a, mut b) = pair().await;
+        let mut s = Coalesce::new(Recorder {
+            inner: a,
+            writes: Vec::new(),
+        });
+        s.write_all(b"head").await.expect("write");
+        let big = vec![7u8; COALESCE_MAX + 1];
+        s.write_all(&big).await.expect("write");
+        assert_eq!(s.inner.writes.first(), Some(&4), "the buffered bytes first");
+        assert_eq!(s.inner.writes.iter().sum::<usize>(), 4 + big.len());
+        s.write_all(b"tail").await.expect("write");
+        s.shutdown().await.expect("shutdown drains");
+        let mut got = Vec::new();
+        b.read_to_end(&mut got).await.expect("read");
+        assert_eq!(got.len(), 8 + big.len());
+        assert_eq!(&got[..4], b"head");
+        assert_eq!(&got[got.len() - 4..], b"tail");
     }
 }

@@ -203,10 +203,12 @@ impl Upstreams {
             })?
             .map_err(failed)?;
         if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-            let (sender, conn) =
-                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
-                    .await
-                    .map_err(|e| ForwardError::Http(e.to_string()))?;
+            let (sender, conn) = hyper::client::conn::http2::handshake(
+                TokioExecutor::new(),
+                TokioIo::new(crate::io::Coalesce::new(tls)),
+            )
+            .await
+            .map_err(|e| ForwardError::Http(e.to_string()))?;
             tokio::spawn(conn);
             Ok(Sender::H2(sender))
         } else {

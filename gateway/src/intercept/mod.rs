@@ -203,7 +203,12 @@ where
         Framing::Tls(sni),
         activity.clone(),
     );
-    serve(conn, tls, &activity).await
+    // HTTP/2 multiplexes: its responses' frames are written together.
+    if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+        serve(conn, crate::io::Coalesce::new(tls), &activity).await
+    } else {
+        serve(conn, tls, &activity).await
+    }
 }
 
 /// Runs the HTTP server over `io` until the client is done, idle, or gone.
