@@ -10,7 +10,7 @@
 #     HTTP/1.1, so the gateway sends their requests on HTTP/1.1 upstream
 #     connections, whether or not the origin offers h2 (ORIGIN_H2=0: it does
 #     not). A client connection keeps its upstream connection while busy and
-#     gives it back to the gateway's pool after a second without a byte (the
+#     gives it back to the gateway's pool after a quarter second without a byte (the
 #     pool keeps at most 128 per sandbox and destination; the rest close), so
 #     an idle client connection pins none.
 # Root; benches/peers/setup.sh once.  Prints one JSON line.

@@ -5,9 +5,10 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
 
 /// Reads `prefix` first, then the inner stream; writes go straight through.
 #[derive(Debug)]
@@ -252,20 +253,29 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Coalesce<S> {
 
 /// Completes once no byte has moved either way for `idle`.
 pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
-    quiet_for_then(activity, idle, || {}).await;
+    quiet_for_then(activity, idle, Duration::MAX, || {}).await;
 }
 
 /// [`quiet_for`], calling `on_lull` once each time the connection has been
-/// quiet for a whole tick (1 s, or `idle` if shorter), so between one and
-/// two ticks after its last byte, and again after the next burst.
-pub(crate) async fn quiet_for_then(activity: &Counts, idle: Duration, mut on_lull: impl FnMut()) {
+/// quiet for a whole short tick (`lull`, at most the tick), so between one
+/// and two of them after its last byte, and again after the next burst.
+/// The connection is looked at every short tick while bytes move, and every
+/// tick (1 s, or `idle` if shorter) once it is quiet: an idle connection
+/// wakes once a second.
+pub(crate) async fn quiet_for_then(
+    activity: &Counts,
+    idle: Duration,
+    lull: Duration,
+    mut on_lull: impl FnMut(),
+) {
     let total = || activity.read.load(Ordering::Relaxed) + activity.written.load(Ordering::Relaxed);
     let tick = idle.min(Duration::from_secs(1));
+    let short = lull.min(tick);
     let mut last = total();
     let mut quiet_since = Instant::now();
     let mut lulled = false;
     loop {
-        tokio::time::sleep(tick).await;
+        tokio::time::sleep(if lulled { tick } else { short }).await;
         let now = total();
         if now != last {
             last = now;
@@ -401,5 +411,36 @@ mod tests {
         assert_eq!(got.len(), 8 + big.len());
         assert_eq!(&got[..4], b"head");
         assert_eq!(&got[got.len() - 4..], b"tail");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lull_is_seen_within_two_short_ticks_of_the_last_byte() {
+        let counts = Counts::default();
+        let start = Instant::now();
+        let lulls = std::sync::Mutex::new(Vec::new());
+        let busy = async {
+            // A byte every 100 ms for 600 ms, then nothing.
+            for _ in 0..6 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                counts.written.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        let idle = Duration::from_secs(10);
+        let watch = quiet_for_then(&counts, idle, Duration::from_millis(250), || {
+            lulls.lock().expect("lock").push(start.elapsed());
+        });
+        tokio::join!(busy, watch);
+        let ended = start.elapsed();
+        let lulls = lulls.into_inner().expect("lock");
+        assert_eq!(lulls.len(), 1, "one lull for one burst: {lulls:?}");
+        let lull = lulls[0];
+        assert!(
+            lull >= Duration::from_millis(850) && lull <= Duration::from_millis(1_100),
+            "the lull came {lull:?} after the start, the last byte at 600 ms"
+        );
+        assert!(
+            ended >= Duration::from_millis(10_600) && ended <= Duration::from_millis(12_000),
+            "the idle timeout ended it at {ended:?}"
+        );
     }
 }

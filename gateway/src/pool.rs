@@ -6,7 +6,7 @@
 //! the sandbox's other HTTP/2 client connections to the same destination
 //! and name take a clone. An HTTP/1.1 client connection keeps the upstream
 //! connection it uses while it is busy (nothing per request), and gives it
-//! back to the pool after a second without a byte either way
+//! back to the pool after a quarter second without a byte either way
 //! (`intercept::serve`) or when it ends; its next request takes one from
 //! the pool again. So an idle client connection pins no upstream
 //! connection, and a sandbox holding thousands of idle keep-alive

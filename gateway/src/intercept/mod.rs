@@ -17,7 +17,7 @@ mod request;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use egress_policy::Hostname;
 use http::Request;
@@ -211,6 +211,13 @@ where
     }
 }
 
+/// How long a client connection moves no byte before it gives its upstream
+/// connection back to the pool: short, so a burst of client connections that
+/// each make a request and fall quiet hands a few upstream connections on
+/// instead of opening one each (benches/RESULTS.md, "Idle intercepted
+/// connections").
+const RELEASE_AFTER: Duration = Duration::from_millis(250);
+
 /// Runs the HTTP server over `io` until the client is done, idle, or gone.
 async fn serve<I>(conn: Arc<Conn>, io: I, activity: &Counts) -> Served
 where
@@ -232,13 +239,13 @@ where
     // for every flow (benches/RESULTS.md, "Idle intercepted connections").
     let builder = Box::new(http_server(&config));
     let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    // A client connection quiet for a second gives its upstream connection
-    // back to the pool, so an idle one pins none (a busy one is kept there
-    // until its response is done, then handed out again).
+    // A client connection quiet for a quarter of a second gives its upstream
+    // connection back to the pool, so an idle one pins none (a busy one is
+    // kept there until its response is done, then handed out again).
     let lull = || conn.release_upstream();
     let served = tokio::select! {
         r = serving => r,
-        () = quiet_for_then(activity, config.timeouts.idle, lull) => {
+        () = quiet_for_then(activity, config.timeouts.idle, RELEASE_AFTER, lull) => {
             return conn.served(Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())));
         }
     };

@@ -1,6 +1,6 @@
 //! Upstream HTTP/1.1 connections are pooled per sandbox, destination and
 //! verified name, and a client connection keeps one only while it is busy:
-//! after a second without a byte it gives it back, so an idle client
+//! after a quarter second without a byte it gives it back, so an idle client
 //! connection pins none. And each request reaches the origin in the client's
 //! own protocol.
 
@@ -17,7 +17,7 @@ const CONNECTS: &str = "egress_upstream_connect_seconds_count";
 const POOLED: &str = "egress_upstream_pooled_connections";
 
 /// Waits (at most 10 s) until the pool holds `n` connections: a client
-/// connection gives its upstream connection back one to two seconds after
+/// connection gives its upstream connection back a quarter to half a second after
 /// its last byte.
 async fn pooled(e: &Env, n: u64) {
     for _ in 0..100 {
