@@ -302,13 +302,7 @@ mod tests {
 
     #[tokio::test]
     async fn vectored_writes_pass_through_rewind_and_counted_and_are_counted() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let a = tokio::net::TcpStream::connect(l.local_addr().expect("addr"))
-            .await
-            .expect("connect");
-        let (mut b, _) = l.accept().await.expect("accept");
+        let (a, mut b) = pair().await;
         let counts = Arc::new(Counts::default());
         let mut s = Rewind::new(b"peeked".to_vec(), Counted::new(a, counts.clone()));
         assert!(s.is_write_vectored());
