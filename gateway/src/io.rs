@@ -1,5 +1,6 @@
 //! Stream adapters: replaying peeked bytes, and counting bytes.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -155,17 +156,21 @@ const COALESCE_MAX: usize = 16 * 1024;
 /// frame: a `writev`, a TLS record and, on loopback or a veth, the
 /// receiver's side of the delivery, per small response. This buffer takes
 /// the writes instead (up to [`COALESCE_MAX`]; larger ones go straight
-/// through), and the first flush after a write returns `Pending` and wakes
-/// its own task at once: the task goes to the back of its worker's run
-/// queue, behind the streams' tasks about to queue frames for it, and its
-/// next flush writes all of them as one.
-#[derive(Debug)]
+/// through), and a flush after a write waits for the scheduler's turn: until
+/// its worker has run the tasks that were ready and polled for I/O once
+/// ([`tokio::task::yield_now`]'s deferred wake). By then the streams' tasks
+/// have queued their frames, and responses that arrived from the origin in
+/// the meantime have been read and queued too; the flush writes them all
+/// as one. With nothing else to do the wait is one `epoll_wait` that does
+/// not sleep.
 pub(crate) struct Coalesce<S> {
     inner: S,
     buf: Vec<u8>,
     /// Bytes of `buf` already written through.
     sent: usize,
-    /// The flush has waited its turn.
+    /// The flush waiting for the scheduler's turn, if one is.
+    turn: Option<Arc<Turn>>,
+    /// The flush has had its turn (and is writing through).
     yielded: bool,
 }
 
@@ -175,8 +180,59 @@ impl<S> Coalesce<S> {
             inner,
             buf: Vec::new(),
             sent: 0,
+            turn: None,
             yielded: false,
         }
+    }
+}
+
+/// A flush's wait for the scheduler's turn: woken by the scheduler (not by
+/// the next poll of the connection, which a stream's task queuing a frame
+/// causes sooner), it wakes the connection's task.
+#[derive(Default)]
+struct Turn {
+    come: std::sync::atomic::AtomicBool,
+    task: std::sync::Mutex<Option<std::task::Waker>>,
+}
+
+impl std::task::Wake for Turn {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.come.store(true, Ordering::Release);
+        let task = self
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            task.wake();
+        }
+    }
+}
+
+impl Turn {
+    /// Asks the scheduler for a turn (outside a runtime it comes at once).
+    fn ask() -> Arc<Self> {
+        let turn = Arc::new(Self::default());
+        let waker = std::task::Waker::from(turn.clone());
+        let mut yielding = std::pin::pin!(tokio::task::yield_now());
+        // The first poll hands the waker to the scheduler and is pending.
+        let _ = yielding.as_mut().poll(&mut Context::from_waker(&waker));
+        turn
+    }
+
+    /// Whether the turn has come; if not, `cx` is woken when it does.
+    fn come(&self, cx: &Context<'_>) -> bool {
+        if self.come.load(Ordering::Acquire) {
+            return true;
+        }
+        *self
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cx.waker().clone());
+        self.come.load(Ordering::Acquire)
     }
 }
 
@@ -193,6 +249,7 @@ impl<S: AsyncWrite + Unpin> Coalesce<S> {
         // Freed, not kept: an idle connection holds no buffer.
         self.buf = Vec::new();
         self.sent = 0;
+        self.turn = None;
         Poll::Ready(Ok(()))
     }
 }
@@ -237,9 +294,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Coalesce<S> {
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if !self.buf.is_empty() && !self.yielded {
+            let turn = self.turn.get_or_insert_with(Turn::ask);
+            if !turn.come(cx) {
+                return Poll::Pending;
+            }
+            self.turn = None;
             self.yielded = true;
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
         }
         ready!(self.poll_drain(cx))?;
         self.yielded = false;
@@ -354,7 +414,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn coalesced_writes_leave_together_after_one_turn_of_the_run_queue() {
+    async fn coalesced_writes_leave_together_after_the_schedulers_turn() {
         let (a, mut b) = pair().await;
         let mut s = Coalesce::new(Recorder {
             inner: a,
@@ -368,8 +428,16 @@ mod tests {
             assert_eq!(n, 1024);
         }
         assert!(s.inner.writes.is_empty(), "nothing written before a flush");
-        let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut s).poll_flush(cx))).await;
-        assert!(first.is_pending(), "the first flush waits one turn");
+        let early = std::future::poll_fn(|cx| {
+            let first = Pin::new(&mut s).poll_flush(cx);
+            // Polled again before the scheduler has had its turn (as a
+            // stream's task queuing a frame makes the connection's task).
+            let again = Pin::new(&mut s).poll_flush(cx);
+            Poll::Ready((first, again))
+        })
+        .await;
+        assert!(early.0.is_pending(), "the first flush waits for the turn");
+        assert!(early.1.is_pending(), "and so does a second poll before it");
         assert!(s.inner.writes.is_empty());
         s.flush().await.expect("flush");
         assert_eq!(
