@@ -17,6 +17,7 @@ mod fault;
 mod flow;
 pub mod flowlog;
 mod gateway;
+mod h2client;
 pub mod handover;
 mod intercept;
 mod io;

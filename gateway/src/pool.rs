@@ -33,12 +33,15 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use crate::upstream_proxy::ProxyName;
 
-pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+/// What bodies fail with, whichever side they come from.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pub(crate) type Body = BoxBody<Bytes, BoxError>;
 
 /// A connection to an origin.
 pub(crate) enum Sender {
     H1(hyper::client::conn::http1::SendRequest<Body>),
-    H2(hyper::client::conn::http2::SendRequest<Body>),
+    H2(crate::h2client::H2Sender),
 }
 
 /// Where a connection goes and what it was verified as: over TLS, the name
@@ -99,7 +102,7 @@ impl Sender {
     pub(crate) fn usable(&self) -> bool {
         match self {
             Self::H1(s) => s.is_ready(),
-            Self::H2(s) => !s.is_closed() && s.is_ready(),
+            Self::H2(s) => !s.is_closed(),
         }
     }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use egress_certs::{LeafMinter, LeafResolver};
 use egress_policy::Hostname;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::net::TcpStream;
@@ -203,13 +203,9 @@ impl Upstreams {
             })?
             .map_err(failed)?;
         if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-            let (sender, conn) = hyper::client::conn::http2::handshake(
-                TokioExecutor::new(),
-                TokioIo::new(crate::io::Coalesce::new(tls)),
-            )
-            .await
-            .map_err(|e| ForwardError::Http(e.to_string()))?;
-            tokio::spawn(conn);
+            let sender = crate::h2client::handshake(crate::io::Coalesce::new(tls))
+                .await
+                .map_err(|e| ForwardError::Http(e.to_string()))?;
             Ok(Sender::H2(sender))
         } else {
             http1(tls).await

@@ -33,7 +33,7 @@ impl Conn {
         match self.forward(req, verify_as, authority).await {
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
-                resp.map(BodyExt::boxed)
+                resp
             }
             Err(e) => {
                 self.dp.metrics.fault(e.fault());
@@ -50,19 +50,19 @@ impl Conn {
         req: Request<Incoming>,
         verify_as: Option<&Hostname>,
         authority: &str,
-    ) -> Result<Response<Incoming>, ForwardError> {
+    ) -> Result<Response<Body>, ForwardError> {
         let h2 = req.version() == http::Version::HTTP_2;
         let mut guard = self.upstream.lock().await;
         self.hold_upstream(&mut guard, verify_as, h2).await?;
         let (parts, body) = req.into_parts();
-        let mut out = Request::from_parts(parts, body.boxed());
+        let mut out = Request::from_parts(parts, boxed(body));
         match guard.as_mut().map(|(_, s)| s) {
             Some(Sender::H2(s)) => {
-                let mut s = s.clone();
+                let s = s.clone();
                 drop(guard);
                 *out.uri_mut() = absolute(out.uri(), authority);
                 out.headers_mut().remove(header::HOST);
-                s.send_request(out)
+                s.send(out)
                     .await
                     .map_err(|e| ForwardError::Http(e.to_string()))
             }
@@ -75,7 +75,9 @@ impl Conn {
                 // if this one is still busy with a body.
                 let fut = s.send_request(out);
                 drop(guard);
-                fut.await.map_err(|e| ForwardError::Http(e.to_string()))
+                fut.await
+                    .map(|resp| resp.map(boxed))
+                    .map_err(|e| ForwardError::Http(e.to_string()))
             }
             None => Err(ForwardError::Http("no upstream connection".into())),
         }
@@ -152,7 +154,7 @@ impl Conn {
             }
         };
         let (parts, body) = req.into_parts();
-        let mut out = Request::from_parts(parts, body.boxed());
+        let mut out = Request::from_parts(parts, boxed(body));
         *out.uri_mut() = origin_form(out.uri());
         set_host(out.headers_mut(), authority);
         let mut resp = match sender.send_request(out).await {
@@ -174,7 +176,7 @@ impl Conn {
                 }
             });
         }
-        resp.map(BodyExt::boxed)
+        resp.map(boxed)
     }
 
     /// The way out for this sandbox: direct or through the operator's proxy.
@@ -201,6 +203,11 @@ impl Conn {
             )
             .await
     }
+}
+
+/// A body hyper read, as the gateway passes bodies on.
+fn boxed(body: Incoming) -> Body {
+    body.map_err(Into::into).boxed()
 }
 
 fn is_upgrade(req: &Request<Incoming>) -> bool {

@@ -1,0 +1,206 @@
+//! The origin side of an HTTP/2 client's requests: the `h2` crate's client,
+//! driven from the request's own task.
+//!
+//! hyper's HTTP/2 client spawns a task for every request (to await the
+//! response and hand it back over a channel), sized like its connection's
+//! task, which holds the whole connection inline: per request an allocation
+//! and two copies of that size, and two more wake-ups (benches/RESULTS.md,
+//! "HTTP/2: the origin's side without a task per request"). Here the request
+//! is sent, and its response awaited, by the task that serves the client's
+//! stream; only the connection has a task of its own, and a request body is
+//! piped by a task only while it is still coming.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::{Body as _, Frame};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::pool::{Body, BoxError};
+
+/// The windows and buffers hyper's HTTP/2 client used: a stream may have
+/// 2 MiB in flight, the connection 5 MiB; a stream queues at most 1 MiB to
+/// send.
+const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
+const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
+const SEND_BUFFER: usize = 1024 * 1024;
+
+/// A handle on an HTTP/2 connection to an origin; clones share it.
+#[derive(Clone)]
+pub(crate) struct H2Sender {
+    send: h2::client::SendRequest<Bytes>,
+    /// Set when the connection's task has ended.
+    closed: Arc<AtomicBool>,
+    /// Dropped with the last handle: tells the connection's task to end once
+    /// its streams are done (`h2` does not wake a connection for that).
+    _alive: Arc<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// Makes an HTTP/2 connection over `io` (the TLS stream, ALPN `h2`) and
+/// spawns its task.
+pub(crate) async fn handshake<I>(io: I) -> Result<H2Sender, h2::Error>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (send, conn) = h2::client::Builder::new()
+        .enable_push(false)
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_send_buffer_size(SEND_BUFFER)
+        .handshake(io)
+        .await?;
+    let closed = Arc::new(AtomicBool::new(false));
+    let (alive, dropped) = tokio::sync::oneshot::channel::<()>();
+    let ended = closed.clone();
+    tokio::spawn(async move {
+        let mut conn = std::pin::pin!(conn);
+        tokio::select! {
+            _ = conn.as_mut() => {}
+            _ = dropped => {
+                // No handle left: polled again, the connection ends when
+                // its last stream does.
+                let _ = conn.await;
+            }
+        }
+        ended.store(true, Ordering::Release);
+    });
+    Ok(H2Sender {
+        send,
+        closed,
+        _alive: Arc::new(alive),
+    })
+}
+
+impl H2Sender {
+    /// Whether the connection can never carry a request again.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Sends `req` (an absolute URI, no connection-specific header) and
+    /// awaits the response's head; the body follows as it comes. A request
+    /// body still coming is piped by a task of its own.
+    pub(crate) async fn send(&self, req: Request<Body>) -> Result<Response<Body>, h2::Error> {
+        let mut send = self.send.clone().ready().await?;
+        let (parts, body) = req.into_parts();
+        let end = body.is_end_stream();
+        let (response, stream) = send.send_request(Request::from_parts(parts, ()), end)?;
+        if !end {
+            tokio::spawn(pipe(body, stream));
+        }
+        let (parts, recv) = response.await?.into_parts();
+        let body = Received {
+            recv,
+            data_done: false,
+        };
+        Ok(Response::from_parts(parts, body.boxed()))
+    }
+}
+
+/// A response body as the origin sends it; each chunk taken gives its
+/// bytes back to the stream's window.
+struct Received {
+    recv: h2::RecvStream,
+    data_done: bool,
+}
+
+impl hyper::body::Body for Received {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if !self.data_done {
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                None => self.data_done = true,
+            }
+        }
+        match ready!(self.recv.poll_trailers(cx)) {
+            Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e.into()))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+}
+
+/// Sends a request body to the origin as the client sends it, within the
+/// stream's window. A client body that fails resets the stream; an origin
+/// that resets it, or a connection that fails, stops the pipe.
+async fn pipe(mut body: Body, mut stream: h2::SendStream<Bytes>) {
+    if let Err(Fail::Client) = pipe_body(&mut body, &mut stream).await {
+        stream.send_reset(h2::Reason::CANCEL);
+    }
+}
+
+/// Why a request body stopped short.
+enum Fail {
+    /// The client's body failed: the origin is told with a reset.
+    Client,
+    /// The origin's stream or connection did: nothing more to tell it.
+    Origin,
+}
+
+impl From<h2::Error> for Fail {
+    fn from(_: h2::Error) -> Self {
+        Self::Origin
+    }
+}
+
+async fn pipe_body(body: &mut Body, stream: &mut h2::SendStream<Bytes>) -> Result<(), Fail> {
+    loop {
+        let frame = tokio::select! {
+            frame = body.frame() => frame,
+            _ = std::future::poll_fn(|cx| stream.poll_reset(cx)) => return Err(Fail::Origin),
+        };
+        let frame = match frame {
+            None => return Ok(stream.send_data(Bytes::new(), true)?),
+            Some(Err(_)) => return Err(Fail::Client),
+            Some(Ok(frame)) => frame,
+        };
+        match frame.into_data() {
+            Ok(data) => {
+                send_data(stream, data).await?;
+                if body.is_end_stream() {
+                    return Ok(stream.send_data(Bytes::new(), true)?);
+                }
+            }
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    return Ok(stream.send_trailers(trailers)?);
+                }
+            }
+        }
+    }
+}
+
+/// Sends one chunk, in pieces as the stream's window allows.
+async fn send_data(stream: &mut h2::SendStream<Bytes>, mut data: Bytes) -> Result<(), Fail> {
+    while !data.is_empty() {
+        stream.reserve_capacity(data.len());
+        let granted = match std::future::poll_fn(|cx| stream.poll_capacity(cx)).await {
+            Some(granted) => granted?,
+            None => return Err(Fail::Origin),
+        };
+        if granted > 0 {
+            let piece = data.split_to(granted.min(data.len()));
+            stream.send_data(piece, false)?;
+        }
+    }
+    Ok(())
+}
