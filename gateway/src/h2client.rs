@@ -5,10 +5,13 @@
 //! response and hand it back over a channel), sized like its connection's
 //! task, which holds the whole connection inline: per request an allocation
 //! and two copies of that size, and two more wake-ups (benches/RESULTS.md,
-//! "HTTP/2: the origin's side without a task per request"). Here the request
-//! is sent, and its response awaited, by the task that serves the client's
-//! stream; only the connection has a task of its own, and a request body is
-//! piped by a task only while it is still coming.
+//! "HTTP/2: flushes at the scheduler's turn, and the origin's side without a
+//! task per request"). Here the request is sent, and its response awaited,
+//! by the task that serves the client's stream; only the connection has a
+//! task of its own, and a request body is piped by a task only while it is
+//! still coming. A connection the origin has said GOAWAY on takes no new
+//! request (the pool asks, without waiting, before it hands one out): the
+//! next goes out on a new connection.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -77,16 +80,34 @@ where
 }
 
 impl H2Sender {
-    /// Whether the connection can never carry a request again.
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
+    /// Whether a new request can go out on it: not once the origin has
+    /// said GOAWAY (its streams in flight may still be finishing) or the
+    /// connection has ended. Asks without waiting: a connection at its
+    /// limit of concurrent streams is still usable (its request waits).
+    pub(crate) fn usable(&self) -> bool {
+        if self.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut probe = self.send.clone();
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        if let Poll::Ready(Err(_)) = probe.poll_ready(&mut cx) {
+            self.closed.store(true, Ordering::Release);
+            return false;
+        }
+        true
     }
 
     /// Sends `req` (an absolute URI, no connection-specific header) and
     /// awaits the response's head; the body follows as it comes. A request
     /// body still coming is piped by a task of its own.
     pub(crate) async fn send(&self, req: Request<Body>) -> Result<Response<Body>, h2::Error> {
-        let mut send = self.send.clone().ready().await?;
+        let mut send = match self.send.clone().ready().await {
+            Ok(send) => send,
+            Err(e) => {
+                self.closed.store(true, Ordering::Release);
+                return Err(e);
+            }
+        };
         let (parts, body) = req.into_parts();
         let end = body.is_end_stream();
         let (response, stream) = send.send_request(Request::from_parts(parts, ()), end)?;

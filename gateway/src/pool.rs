@@ -102,7 +102,7 @@ impl Sender {
     pub(crate) fn usable(&self) -> bool {
         match self {
             Self::H1(s) => s.is_ready(),
-            Self::H2(s) => !s.is_closed(),
+            Self::H2(s) => s.usable(),
         }
     }
 
@@ -112,7 +112,7 @@ impl Sender {
     fn closed(&self) -> bool {
         match self {
             Self::H1(s) => s.is_closed(),
-            Self::H2(s) => s.is_closed(),
+            Self::H2(s) => !s.usable(),
         }
     }
 

@@ -35,6 +35,7 @@ pub const WRONG_CERT_IP: &str = "127.0.0.12";
 pub const TURN_IP: &str = "127.0.0.13";
 pub const PLAIN_IP: &str = "127.0.0.14";
 pub const H1_ONLY_IP: &str = "127.0.0.15";
+pub const GOAWAY_IP: &str = "127.0.0.16";
 
 // === the test CA for origins ===
 
@@ -193,6 +194,49 @@ async fn respond(
     hyper::Response::new(Full::new(Bytes::from(text)))
 }
 
+/// An HTTP/2-only origin (the `h2` crate's server) that says GOAWAY when it
+/// is asked for `/fast`, and finishes the streams in flight: `/slow` is
+/// answered after a second, everything else at once. The answer is
+/// `conn=<n>`, its connections numbered from 1.
+pub async fn goaway_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketAddr {
+    let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    tokio::spawn(async move {
+        let mut conns = 0u32;
+        while let Ok((tcp, _)) = listener.accept().await {
+            conns += 1;
+            let (n, acceptor) = (conns, acceptor.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut conn) = h2::server::handshake(tls).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    let slow = req.uri().path() == "/slow";
+                    if req.uri().path() == "/fast" {
+                        conn.graceful_shutdown();
+                    }
+                    tokio::spawn(async move {
+                        if slow {
+                            tokio::time::sleep(Duration::from_millis(1_000)).await;
+                        }
+                        if let Ok(mut body) = respond.send_response(http::Response::new(()), false)
+                        {
+                            let _ = body.send_data(Bytes::from(format!("conn={n}")), true);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    addr
+}
+
 /// A TLS service speaking a line protocol, not HTTP: `PING` → `PONG`.
 pub async fn turn_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketAddr {
     let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
@@ -324,6 +368,7 @@ pub struct Origins {
     pub turn: SocketAddr,
     pub plain: SocketAddr,
     pub h1_only: SocketAddr,
+    pub goaway: SocketAddr,
 }
 
 pub struct Env {
@@ -404,6 +449,7 @@ pub async fn env(opts: Options) -> Env {
             "h1",
         )
         .await,
+        goaway: goaway_origin(GOAWAY_IP, ca.server(&["goaway.example.test"], &[b"h2"])).await,
     };
     let ip = |s: &str| s.parse::<Ipv4Addr>().expect("ip");
     let zone: HashMap<String, (Ipv4Addr, u32)> = [
@@ -415,6 +461,7 @@ pub async fn env(opts: Options) -> Env {
         ("turn.example.test", (ip(TURN_IP), 300)),
         ("plain.example.test", (ip(PLAIN_IP), 300)),
         ("h1.example.test", (ip(H1_ONLY_IP), 300)),
+        ("goaway.example.test", (ip(GOAWAY_IP), 300)),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))

@@ -187,3 +187,48 @@ async fn large_bodies_cross_an_http2_origin_connection_both_ways() {
     assert_eq!(echoed.len(), up, "the whole request body");
     assert!(echoed.bytes().all(|b| b == b'y'));
 }
+
+#[tokio::test]
+async fn after_an_origins_goaway_new_requests_take_a_new_connection() {
+    let e = intercepting("goaway.example.test").await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.goaway, "goaway.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (s, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .expect("http/2");
+    tokio::spawn(conn);
+    let get = |path: &'static str| {
+        let mut s = s.clone();
+        async move {
+            let req = hyper::Request::get(format!("https://goaway.example.test{path}"))
+                .body(Full::new(Bytes::new()))
+                .expect("request");
+            let resp = s.send_request(req).await.expect("response");
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    // A request still in flight keeps the first origin connection open...
+    let slow = tokio::spawn(get("/slow"));
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // ...after the origin has said GOAWAY on it.
+    assert_eq!(get("/fast").await, (200, "conn=1".to_owned()));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(
+        get("/next").await,
+        (200, "conn=2".to_owned()),
+        "a request after the GOAWAY goes out on a new connection, not a 502"
+    );
+    assert_eq!(
+        slow.await.expect("slow"),
+        (200, "conn=1".to_owned()),
+        "the stream in flight finishes on the old one"
+    );
+}
