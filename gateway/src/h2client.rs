@@ -21,10 +21,8 @@ use std::task::{ready, Context, Poll};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use hyper::body::{Body as _, Frame};
+use hyper::body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite};
-
-use crate::pool::{Body, BoxError};
 
 /// The windows and buffers hyper's HTTP/2 client used: a stream may have
 /// 2 MiB in flight, the connection 5 MiB; a stream queues at most 1 MiB to
@@ -100,7 +98,11 @@ impl H2Sender {
     /// Sends `req` (an absolute URI, no connection-specific header) and
     /// awaits the response's head; the body follows as it comes. A request
     /// body still coming is piped by a task of its own.
-    pub(crate) async fn send(&self, req: Request<Body>) -> Result<Response<Body>, h2::Error> {
+    pub(crate) async fn send<B>(&self, req: Request<B>) -> Result<Response<Received>, h2::Error>
+    where
+        B: Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Send,
+    {
         let mut send = match self.send.clone().ready().await {
             Ok(send) => send,
             Err(e) => {
@@ -119,39 +121,39 @@ impl H2Sender {
             recv,
             data_done: false,
         };
-        Ok(Response::from_parts(parts, body.boxed()))
+        Ok(Response::from_parts(parts, body))
     }
 }
 
 /// A response body as the origin sends it; each chunk taken gives its
 /// bytes back to the stream's window.
-struct Received {
+pub(crate) struct Received {
     recv: h2::RecvStream,
     data_done: bool,
 }
 
-impl hyper::body::Body for Received {
+impl Body for Received {
     type Data = Bytes;
-    type Error = BoxError;
+    type Error = h2::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
         if !self.data_done {
             match ready!(self.recv.poll_data(cx)) {
                 Some(Ok(data)) => {
                     let _ = self.recv.flow_control().release_capacity(data.len());
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
                 None => self.data_done = true,
             }
         }
         match ready!(self.recv.poll_trailers(cx)) {
             Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
             Ok(None) => Poll::Ready(None),
-            Err(e) => Poll::Ready(Some(Err(e.into()))),
+            Err(e) => Poll::Ready(Some(Err(e))),
         }
     }
 
@@ -163,7 +165,7 @@ impl hyper::body::Body for Received {
 /// Sends a request body to the origin as the client sends it, within the
 /// stream's window. A client body that fails resets the stream; an origin
 /// that resets it, or a connection that fails, stops the pipe.
-async fn pipe(mut body: Body, mut stream: h2::SendStream<Bytes>) {
+async fn pipe<B: Body<Data = Bytes> + Unpin>(mut body: B, mut stream: h2::SendStream<Bytes>) {
     if let Err(Fail::Client) = pipe_body(&mut body, &mut stream).await {
         stream.send_reset(h2::Reason::CANCEL);
     }
@@ -183,7 +185,10 @@ impl From<h2::Error> for Fail {
     }
 }
 
-async fn pipe_body(body: &mut Body, stream: &mut h2::SendStream<Bytes>) -> Result<(), Fail> {
+async fn pipe_body<B: Body<Data = Bytes> + Unpin>(
+    body: &mut B,
+    stream: &mut h2::SendStream<Bytes>,
+) -> Result<(), Fail> {
     loop {
         let frame = tokio::select! {
             frame = body.frame() => frame,

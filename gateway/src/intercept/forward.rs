@@ -64,6 +64,7 @@ impl Conn {
                 out.headers_mut().remove(header::HOST);
                 s.send(out)
                     .await
+                    .map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
                     .map_err(|e| ForwardError::Http(e.to_string()))
             }
             Some(Sender::H1(s)) => {
