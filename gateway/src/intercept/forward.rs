@@ -26,6 +26,15 @@ impl Conn {
         verify_as: Option<&Hostname>,
         authority: &str,
     ) -> Response<Body> {
+        // A tunnel inside a terminated flow would carry bytes no per-request
+        // rule reads (over HTTP/2 the client's DATA frames would go on as
+        // its body): never forwarded.
+        if req.method() == http::Method::CONNECT {
+            return text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "CONNECT is not forwarded from an intercepted or plain HTTP flow\n",
+            );
+        }
         if is_upgrade(&req) {
             return self.upgrade(req, verify_as, authority).await;
         }

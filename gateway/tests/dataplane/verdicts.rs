@@ -857,3 +857,46 @@ async fn intercepted_clients_that_send_an_sni_resume_their_tls_sessions() {
         ]
     );
 }
+
+#[tokio::test]
+async fn connect_inside_an_intercepted_connection_is_refused() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    // Over HTTP/2 a CONNECT's stream stays open, and its DATA frames would
+    // otherwise go on to the origin as a body: a tunnel no per-request rule
+    // reads.
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H2)
+        .await
+        .expect("handshake");
+    let (mut s, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .expect("http/2");
+    tokio::spawn(conn);
+    let req = hyper::Request::connect("api.example.test:443")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = s.send_request(req).await.expect("response");
+    assert_eq!(resp.status(), 405, "HTTP/2 CONNECT");
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("http/1.1");
+    tokio::spawn(conn);
+    let req = hyper::Request::connect("api.example.test:443")
+        .header("host", "api.example.test:443")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = s.send_request(req).await.expect("response");
+    assert_eq!(resp.status(), 405, "HTTP/1.1 CONNECT");
+}
