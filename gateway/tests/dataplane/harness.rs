@@ -754,6 +754,18 @@ async fn status_and_body(
     Ok((status, body.to_vec()))
 }
 
+/// An HTTP/2 client connection over `io`, driven by a task of its own.
+pub async fn h2_client<S>(io: S) -> hyper::client::conn::http2::SendRequest<Full<Bytes>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (s, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(io))
+        .await
+        .expect("http/2");
+    tokio::spawn(conn);
+    s
+}
+
 /// GETs `path` from `host` on an open HTTP/1.1 connection, once it is
 /// ready for another request; the status and the body.
 pub async fn get_on(

@@ -150,13 +150,7 @@ async fn large_bodies_cross_an_http2_origin_connection_both_ways() {
         .await
         .expect("handshake");
     assert!(minted, "intercepted");
-    let (mut s, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(tls),
-    )
-    .await
-    .expect("http/2");
-    tokio::spawn(conn);
+    let mut s = h2_client(tls).await;
     // More than the origin connection's windows (2 MiB a stream, 5 MiB the
     // connection): it arrives whole only if the gateway gives the windows
     // back as it passes the bytes on.
@@ -196,13 +190,7 @@ async fn after_an_origins_goaway_new_requests_take_a_new_connection() {
         .await
         .expect("handshake");
     assert!(minted, "intercepted");
-    let (s, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(tls),
-    )
-    .await
-    .expect("http/2");
-    tokio::spawn(conn);
+    let s = h2_client(tls).await;
     let get = |path: &'static str| {
         let mut s = s.clone();
         async move {

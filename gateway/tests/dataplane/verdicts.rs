@@ -873,13 +873,7 @@ async fn connect_inside_an_intercepted_connection_is_refused() {
         .tls(SANDBOX_A, e.origins.api, "api.example.test", H2)
         .await
         .expect("handshake");
-    let (mut s, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(tls),
-    )
-    .await
-    .expect("http/2");
-    tokio::spawn(conn);
+    let mut s = h2_client(tls).await;
     let req = hyper::Request::connect("api.example.test:443")
         .body(Full::new(Bytes::new()))
         .expect("request");
