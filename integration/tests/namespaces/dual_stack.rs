@@ -5,7 +5,7 @@
 
 use serde_json::json;
 
-use crate::topology::{available, Topology, SB1_IP};
+use crate::topology::{available, Topology, SB1_IP, SB1_IP6};
 
 const POLICY: &str = r#"{"default": "deny", "tls_interception": "on",
     "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}, {"wildcard_domain": "*.relay.example.test"},
@@ -72,21 +72,13 @@ fn every_verdict_path_over_ipv6() {
             "{url}: {body}"
         );
     }
-    let out = t.exec(
-        &t.gw,
-        "ip",
-        &["-6", "-o", "addr", "show", "dev", "sb1", "scope", "link"],
-    );
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let ll = text
-        .split_whitespace()
-        .skip_while(|w| *w != "inet6")
-        .nth(1)
-        .and_then(|a| a.split('/').next())
-        .unwrap_or_else(|| panic!("a link-local address on sb1: {text}"))
-        .to_owned();
+    // The gateway's link-local address, asked from sb1's registered address
+    // (the kernel would pick sb1's own link-local source once its duplicate
+    // address detection ends, and that source is no sandbox's).
+    let ll = link_local(&t, &t.gw, "sb1");
     let url = format!("http://[{ll}%eth0]:8080/");
-    let (code, body) = t.curl(&t.sb1, "gateway", &url, &["-w", "%{http_code}", "-g"]);
+    let pinned = ["-w", "%{http_code}", "-g", "--interface", SB1_IP6];
+    let (code, body) = t.curl(&t.sb1, "gateway", &url, &pinned);
     assert_eq!(code, 0, "{url}: {body}");
     assert!(
         body.contains("403") && body.contains("platform deny"),
@@ -130,4 +122,20 @@ fn every_verdict_path_over_ipv6() {
             .is_some_and(|s| s.starts_with("100.64.1.2:"))
     };
     assert!(t.flows_when(|f| f.iter().any(from_v4)).iter().any(from_v4));
+}
+
+/// The link-local address of `dev` in namespace `ns`.
+fn link_local(t: &Topology, ns: &str, dev: &str) -> String {
+    let out = t.exec(
+        ns,
+        "ip",
+        &["-6", "-o", "addr", "show", "dev", dev, "scope", "link"],
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.split_whitespace()
+        .skip_while(|w| *w != "inet6")
+        .nth(1)
+        .and_then(|a| a.split('/').next())
+        .unwrap_or_else(|| panic!("a link-local address on {dev}: {text}"))
+        .to_owned()
 }
