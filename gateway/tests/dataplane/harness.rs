@@ -166,6 +166,16 @@ async fn respond(
             .body(Full::new(Bytes::new()))
             .expect("response");
     }
+    if path == "/hop" {
+        // Connection-specific fields, one of them named in `connection`.
+        return hyper::Response::builder()
+            .header("connection", "x-hop")
+            .header("keep-alive", "timeout=5")
+            .header("x-hop", "1")
+            .header("x-end", "1")
+            .body(Full::new(Bytes::from_static(b"hop")))
+            .expect("response");
+    }
     if let Some(n) = path
         .strip_prefix("/bytes/")
         .and_then(|n| n.parse::<usize>().ok())

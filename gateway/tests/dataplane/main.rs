@@ -9,6 +9,7 @@ mod ech;
 mod explain;
 mod faults;
 mod harness;
+mod http2;
 mod per_core;
 mod pooling;
 mod proposals;

@@ -1,0 +1,94 @@
+//! The client side of HTTP/2: streams the client resets, and the heads the
+//! gateway sends on its streams.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde_json::json;
+
+use crate::harness::*;
+
+/// Intercepts the GOAWAY origin's name and the HTTP/1.1-only origin's.
+async fn intercepting() -> Env {
+    let e = env(Options::default()).await;
+    let doc = json!({"allow": [{"domain": "goaway.example.test"}, {"domain": "h1.example.test"},
+                               {"ip": "8.8.8.8"}], "tls_interception": "on"});
+    e.sandbox("a", SANDBOX_A, policy(&doc.to_string()));
+    e.resolve(SANDBOX_A, "goaway.example.test.").await;
+    e.resolve(SANDBOX_A, "h1.example.test.").await;
+    e
+}
+
+/// A GET on an HTTP/2 client connection: the response's head and body.
+async fn get(
+    s: &hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    uri: &str,
+) -> (http::response::Parts, String) {
+    let req = hyper::Request::get(uri)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = s.clone().send_request(req).await.expect("response");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    (parts, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn a_stream_the_client_resets_ends_alone() {
+    let e = intercepting().await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.goaway, "goaway.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let s = h2_client(tls).await;
+    // The origin answers /slow after a second; the client gives up on it
+    // first (hyper resets a stream whose response it drops).
+    let slow = {
+        let s = s.clone();
+        tokio::spawn(async move { get(&s, "https://goaway.example.test/slow").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    slow.abort();
+    assert!(slow.await.is_err_and(|e| e.is_cancelled()));
+    // The connection, and the origin connection under it, serve on.
+    let (head, body) = get(&s, "https://goaway.example.test/next").await;
+    assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=1"));
+}
+
+#[tokio::test]
+async fn the_gateways_own_answers_carry_a_date_and_their_length() {
+    let e = intercepting().await;
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    let s = h2_client(tls).await;
+    // An authority the TLS server name did not name: 421, from the gateway.
+    let (head, body) = get(&s, "https://goaway.example.test/").await;
+    assert_eq!(head.status.as_u16(), 421, "{body}");
+    assert!(head.headers.contains_key("date"), "{head:?}");
+    let length = head.headers.get("content-length").expect("a length");
+    assert_eq!(length.to_str().expect("text"), body.len().to_string());
+}
+
+#[tokio::test]
+async fn connection_specific_fields_never_reach_an_http2_client() {
+    let e = intercepting().await;
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    let s = h2_client(tls).await;
+    // The HTTP/1.1 origin names a field in `connection` and sends `keep-alive`.
+    let (head, body) = get(&s, "https://h1.example.test/hop").await;
+    assert_eq!(head.status.as_u16(), 200, "{body}");
+    for name in ["connection", "keep-alive", "x-hop"] {
+        assert!(!head.headers.contains_key(name), "{name}: {head:?}");
+    }
+    assert_eq!(
+        head.headers.get("x-end").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+}
