@@ -66,6 +66,9 @@ pub(crate) struct Metrics {
     pub(crate) peek_seconds: Histogram,
     pub(crate) handshake_seconds: Histogram,
     pub(crate) upstream_connect_seconds: Histogram,
+    /// Requests sent again on another HTTP/2 connection after the origin
+    /// refused them unprocessed (a GOAWAY below them, `REFUSED_STREAM`).
+    pub(crate) upstream_retries: Counter,
     pub(crate) pushes: Family<OutcomeLabels, Counter>,
     faults: Family<FaultLabels, Counter>,
     pub(crate) over_limit: Counter,
@@ -175,6 +178,7 @@ impl Metrics {
             peek_seconds: latency(),
             handshake_seconds: latency(),
             upstream_connect_seconds: latency(),
+            upstream_retries: Counter::default(),
             pushes: Family::default(),
             faults: Family::default(),
             over_limit: Counter::default(),
@@ -231,6 +235,11 @@ impl Metrics {
             "upstream_connect_seconds",
             "Seconds of the TCP connect to the original destination",
             self.upstream_connect_seconds.clone(),
+        );
+        r.register(
+            "upstream_retries",
+            "Requests sent again on another HTTP/2 connection: the origin refused them unprocessed (GOAWAY, REFUSED_STREAM); only bodyless GET, HEAD and OPTIONS",
+            self.upstream_retries.clone(),
         );
     }
 

@@ -71,10 +71,16 @@ impl Conn {
                 drop(guard);
                 *out.uri_mut() = absolute(out.uri(), authority);
                 out.headers_mut().remove(header::HOST);
-                s.send(out)
-                    .await
-                    .map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
-                    .map_err(|e| ForwardError::Http(e.to_string()))
+                let again = replayable(&out);
+                match s.send(out).await {
+                    Err(e) if again.is_some() && unprocessed(&e) => {
+                        self.dp.metrics.upstream_retries.inc();
+                        self.send_again(again, verify_as).await
+                    }
+                    sent => sent
+                        .map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
+                        .map_err(|e| ForwardError::Http(e.to_string())),
+                }
             }
             Some(Sender::H1(s)) => {
                 *out.uri_mut() = origin_form(out.uri());
@@ -91,6 +97,30 @@ impl Conn {
             }
             None => Err(ForwardError::Http("no upstream connection".into())),
         }
+    }
+
+    /// Sends `again` (a copy of a request the origin refused unprocessed,
+    /// see [`replayable`]) once more, on another HTTP/2 connection: the one
+    /// that refused it takes no new stream any more, so the pool hands out
+    /// or opens another.
+    async fn send_again(
+        &self,
+        again: Option<Request<Body>>,
+        verify_as: Option<&Hostname>,
+    ) -> Result<Response<Body>, ForwardError> {
+        let refused = || ForwardError::Http("the origin refused the request twice".into());
+        let again = again.ok_or_else(refused)?;
+        let mut guard = self.upstream.lock().await;
+        self.hold_upstream(&mut guard, verify_as, true).await?;
+        let Some((_, Sender::H2(s))) = guard.as_ref() else {
+            return Err(refused());
+        };
+        let s = s.clone();
+        drop(guard);
+        s.send(again)
+            .await
+            .map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
+            .map_err(|e| ForwardError::Http(e.to_string()))
     }
 
     /// Makes `held` a usable connection to the destination, verified as
@@ -218,6 +248,32 @@ impl Conn {
 /// A body hyper read, as the gateway passes bodies on.
 fn boxed(body: Incoming) -> Body {
     body.map_err(Into::into).boxed()
+}
+
+/// A copy of a request to send again if the origin refuses it unprocessed:
+/// only a bodyless `GET`, `HEAD` or `OPTIONS`, which RFC 9110 (§9.2.2) lets
+/// a client repeat; anything else is answered 502 as before.
+fn replayable(req: &Request<Body>) -> Option<Request<Body>> {
+    let safe = matches!(
+        *req.method(),
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    );
+    if !safe || !hyper::body::Body::is_end_stream(req.body()) {
+        return None;
+    }
+    let mut copy = Request::new(http_body_util::Empty::new().map_err(|n| match n {}).boxed());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    Some(copy)
+}
+
+/// Whether an HTTP/2 origin ended the stream without processing it: a
+/// GOAWAY whose last stream is below it (h2 reports the GOAWAY), or a
+/// `REFUSED_STREAM` reset (RFC 9113 §8.7).
+fn unprocessed(e: &h2::Error) -> bool {
+    e.is_remote() && (e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM))
 }
 
 fn is_upgrade(req: &Request<Incoming>) -> bool {

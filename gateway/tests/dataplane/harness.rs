@@ -207,7 +207,9 @@ async fn respond(
 /// An HTTP/2-only origin (the `h2` crate's server) that says GOAWAY when it
 /// is asked for `/fast`, and finishes the streams in flight: `/slow` is
 /// answered after a second, everything else at once. The answer is
-/// `conn=<n>`, its connections numbered from 1.
+/// `conn=<n>`, its connections numbered from 1. On its first connection,
+/// `/hold` is never answered: 300 ms later the origin says GOAWAY with it as
+/// the last stream, refusing the streams opened since, and closes.
 pub async fn goaway_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketAddr {
     let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
         .await
@@ -227,6 +229,14 @@ pub async fn goaway_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> Socke
                     return;
                 };
                 while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    if req.uri().path() == "/hold" && n == 1 {
+                        // Streams the client opens meanwhile stay unread:
+                        // the GOAWAY names this one as the last processed,
+                        // and the connection closes.
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                        continue;
+                    }
                     let slow = req.uri().path() == "/slow";
                     if req.uri().path() == "/fast" {
                         conn.graceful_shutdown();

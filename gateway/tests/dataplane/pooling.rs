@@ -220,3 +220,46 @@ async fn after_an_origins_goaway_new_requests_take_a_new_connection() {
         "the stream in flight finishes on the old one"
     );
 }
+
+#[tokio::test]
+async fn requests_an_origin_refused_unprocessed_are_sent_again() {
+    let e = intercepting("goaway.example.test").await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.goaway, "goaway.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let s = h2_client(tls).await;
+    let send = |method: http::Method, path: &'static str| {
+        let mut s = s.clone();
+        async move {
+            let req = hyper::Request::builder()
+                .method(method)
+                .uri(format!("https://goaway.example.test{path}"))
+                .body(Full::new(Bytes::new()))
+                .expect("request");
+            let resp = s.send_request(req).await.expect("response");
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    // While the origin holds /hold, a GET and a DELETE go out on the same
+    // origin connection; its GOAWAY then refuses both, unprocessed.
+    let hold = tokio::spawn(send(http::Method::GET, "/hold"));
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let get = tokio::spawn(send(http::Method::GET, "/next"));
+    let delete = tokio::spawn(send(http::Method::DELETE, "/gone"));
+    assert_eq!(
+        get.await.expect("get"),
+        (200, "conn=2".to_owned()),
+        "a bodyless GET is sent again on a new connection, not answered 502"
+    );
+    let (status, body) = delete.await.expect("delete");
+    assert_eq!(status, 502, "a DELETE is not sent again: {body}");
+    // The stream the GOAWAY names as processed is not sent again: the
+    // origin had it when the connection closed.
+    let (status, body) = hold.await.expect("hold");
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(value(&e, "egress_upstream_retries_total").await, 1);
+}
