@@ -786,6 +786,39 @@ where
     s
 }
 
+/// An HTTP/2 client connection from sandbox A to `dst`, its TLS
+/// terminated by the gateway for `name`.
+pub async fn intercepted_h2(
+    e: &Env,
+    dst: SocketAddr,
+    name: &str,
+) -> hyper::client::conn::http2::SendRequest<Full<Bytes>> {
+    let (tls, minted) = e
+        .tls(SANDBOX_A, dst, name, &[b"h2"])
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    h2_client(tls).await
+}
+
+/// One bodyless request on an HTTP/2 client connection: the response's
+/// head and body.
+pub async fn h2_send(
+    s: &hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    method: http::Method,
+    uri: &str,
+) -> (http::response::Parts, String) {
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = s.clone().send_request(req).await.expect("response");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    (parts, String::from_utf8_lossy(&body).into_owned())
+}
+
 /// GETs `path` from `host` on an open HTTP/1.1 connection, once it is
 /// ready for another request; the status and the body.
 pub async fn get_on(

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use serde_json::json;
 
 use crate::harness::*;
@@ -25,24 +25,13 @@ async fn get(
     s: &hyper::client::conn::http2::SendRequest<Full<Bytes>>,
     uri: &str,
 ) -> (http::response::Parts, String) {
-    let req = hyper::Request::get(uri)
-        .body(Full::new(Bytes::new()))
-        .expect("request");
-    let resp = s.clone().send_request(req).await.expect("response");
-    let (parts, body) = resp.into_parts();
-    let body = body.collect().await.expect("body").to_bytes();
-    (parts, String::from_utf8_lossy(&body).into_owned())
+    h2_send(s, http::Method::GET, uri).await
 }
 
 #[tokio::test]
 async fn a_stream_the_client_resets_ends_alone() {
     let e = intercepting().await;
-    let (tls, minted) = e
-        .tls(SANDBOX_A, e.origins.goaway, "goaway.example.test", &[b"h2"])
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    let s = h2_client(tls).await;
+    let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
     // The origin answers /slow after a second; the client gives up on it
     // first (hyper resets a stream whose response it drops).
     let slow = {
@@ -60,11 +49,7 @@ async fn a_stream_the_client_resets_ends_alone() {
 #[tokio::test]
 async fn the_gateways_own_answers_carry_a_date_and_their_length() {
     let e = intercepting().await;
-    let (tls, _) = e
-        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", &[b"h2"])
-        .await
-        .expect("handshake");
-    let s = h2_client(tls).await;
+    let s = intercepted_h2(&e, e.origins.h1_only, "h1.example.test").await;
     // An authority the TLS server name did not name: 421, from the gateway.
     let (head, body) = get(&s, "https://goaway.example.test/").await;
     assert_eq!(head.status.as_u16(), 421, "{body}");
@@ -76,11 +61,7 @@ async fn the_gateways_own_answers_carry_a_date_and_their_length() {
 #[tokio::test]
 async fn connection_specific_fields_never_reach_an_http2_client() {
     let e = intercepting().await;
-    let (tls, _) = e
-        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", &[b"h2"])
-        .await
-        .expect("handshake");
-    let s = h2_client(tls).await;
+    let s = intercepted_h2(&e, e.origins.h1_only, "h1.example.test").await;
     // The HTTP/1.1 origin names a field in `connection` and sends `keep-alive`.
     let (head, body) = get(&s, "https://h1.example.test/hop").await;
     assert_eq!(head.status.as_u16(), 200, "{body}");

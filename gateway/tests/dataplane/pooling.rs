@@ -145,12 +145,7 @@ async fn requests_reach_the_origin_in_the_clients_protocol() {
 #[tokio::test]
 async fn large_bodies_cross_an_http2_origin_connection_both_ways() {
     let e = intercepting("api.example.test").await;
-    let (tls, minted) = e
-        .tls(SANDBOX_A, e.origins.api, "api.example.test", &[b"h2"])
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    let mut s = h2_client(tls).await;
+    let mut s = intercepted_h2(&e, e.origins.api, "api.example.test").await;
     // More than the origin connection's windows (2 MiB a stream, 5 MiB the
     // connection): it arrives whole only if the gateway gives the windows
     // back as it passes the bytes on.
@@ -185,24 +180,8 @@ async fn large_bodies_cross_an_http2_origin_connection_both_ways() {
 #[tokio::test]
 async fn after_an_origins_goaway_new_requests_take_a_new_connection() {
     let e = intercepting("goaway.example.test").await;
-    let (tls, minted) = e
-        .tls(SANDBOX_A, e.origins.goaway, "goaway.example.test", &[b"h2"])
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    let s = h2_client(tls).await;
-    let get = |path: &'static str| {
-        let mut s = s.clone();
-        async move {
-            let req = hyper::Request::get(format!("https://goaway.example.test{path}"))
-                .body(Full::new(Bytes::new()))
-                .expect("request");
-            let resp = s.send_request(req).await.expect("response");
-            let status = resp.status().as_u16();
-            let body = resp.into_body().collect().await.expect("body").to_bytes();
-            (status, String::from_utf8_lossy(&body).into_owned())
-        }
-    };
+    let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
+    let get = |path: &'static str| send(&s, http::Method::GET, path);
     // A request still in flight keeps the first origin connection open...
     let slow = tokio::spawn(get("/slow"));
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
@@ -224,32 +203,13 @@ async fn after_an_origins_goaway_new_requests_take_a_new_connection() {
 #[tokio::test]
 async fn requests_an_origin_refused_unprocessed_are_sent_again() {
     let e = intercepting("goaway.example.test").await;
-    let (tls, minted) = e
-        .tls(SANDBOX_A, e.origins.goaway, "goaway.example.test", &[b"h2"])
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    let s = h2_client(tls).await;
-    let send = |method: http::Method, path: &'static str| {
-        let mut s = s.clone();
-        async move {
-            let req = hyper::Request::builder()
-                .method(method)
-                .uri(format!("https://goaway.example.test{path}"))
-                .body(Full::new(Bytes::new()))
-                .expect("request");
-            let resp = s.send_request(req).await.expect("response");
-            let status = resp.status().as_u16();
-            let body = resp.into_body().collect().await.expect("body").to_bytes();
-            (status, String::from_utf8_lossy(&body).into_owned())
-        }
-    };
+    let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
     // While the origin holds /hold, a GET and a DELETE go out on the same
     // origin connection; its GOAWAY then refuses both, unprocessed.
-    let hold = tokio::spawn(send(http::Method::GET, "/hold"));
+    let hold = tokio::spawn(send(&s, http::Method::GET, "/hold"));
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    let get = tokio::spawn(send(http::Method::GET, "/next"));
-    let delete = tokio::spawn(send(http::Method::DELETE, "/gone"));
+    let get = tokio::spawn(send(&s, http::Method::GET, "/next"));
+    let delete = tokio::spawn(send(&s, http::Method::DELETE, "/gone"));
     assert_eq!(
         get.await.expect("get"),
         (200, "conn=2".to_owned()),
@@ -262,4 +222,18 @@ async fn requests_an_origin_refused_unprocessed_are_sent_again() {
     let (status, body) = hold.await.expect("hold");
     assert_eq!(status, 502, "{body}");
     assert_eq!(value(&e, "egress_upstream_retries_total").await, 1);
+}
+
+/// A bodyless request to the GOAWAY origin on `s`, run on its own task: the
+/// status and the body.
+fn send(
+    s: &hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    method: http::Method,
+    path: &str,
+) -> impl std::future::Future<Output = (u16, String)> + Send + 'static {
+    let (s, uri) = (s.clone(), format!("https://goaway.example.test{path}"));
+    async move {
+        let (head, body) = h2_send(&s, method, &uri).await;
+        (head.status.as_u16(), body)
+    }
 }
