@@ -357,6 +357,7 @@ impl Gateway {
             }
         };
         self.dp.ready.store(false, Ordering::Release);
+        self.dp.draining.store(true, Ordering::Release);
         self.workers.phase.send_replace(Phase::Draining);
         self.tasks.shutdown().await;
         if let Some(successor) = successor {

@@ -313,21 +313,32 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Coalesce<S> {
 
 /// Completes once no byte has moved either way for `idle`.
 pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
-    quiet_for_then(activity, idle, Duration::MAX, || {}).await;
+    quiet_for_then(activity, idle, Duration::MAX, || {}, || false).await;
+}
+
+/// Why [`quiet_for_then`] returned.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Quiet {
+    /// No byte moved for the whole idle time.
+    Idle,
+    /// `stop` said so at a tick.
+    Stop,
 }
 
 /// [`quiet_for`], calling `on_lull` once each time the connection has been
 /// quiet for a whole short tick (`lull`, at most the tick), so between one
-/// and two of them after its last byte, and again after the next burst.
-/// The connection is looked at every short tick while bytes move, and every
-/// tick (1 s, or `idle` if shorter) once it is quiet: an idle connection
-/// wakes once a second.
+/// and two of them after its last byte, and again after the next burst; and
+/// returning at the first tick at which `stop` is true. The connection is
+/// looked at every short tick while bytes move, and every tick (1 s, or
+/// `idle` if shorter) once it is quiet: an idle connection wakes once a
+/// second.
 pub(crate) async fn quiet_for_then(
     activity: &Counts,
     idle: Duration,
     lull: Duration,
     mut on_lull: impl FnMut(),
-) {
+    stop: impl Fn() -> bool,
+) -> Quiet {
     let total = || activity.read.load(Ordering::Relaxed) + activity.written.load(Ordering::Relaxed);
     let tick = idle.min(Duration::from_secs(1));
     let short = lull.min(tick);
@@ -336,13 +347,16 @@ pub(crate) async fn quiet_for_then(
     let mut lulled = false;
     loop {
         tokio::time::sleep(if lulled { tick } else { short }).await;
+        if stop() {
+            return Quiet::Stop;
+        }
         let now = total();
         if now != last {
             last = now;
             quiet_since = Instant::now();
             lulled = false;
         } else if quiet_since.elapsed() >= idle {
-            return;
+            return Quiet::Idle;
         } else if !lulled {
             lulled = true;
             on_lull();
@@ -488,10 +502,10 @@ mod tests {
             }
         };
         let idle = Duration::from_secs(10);
-        let watch = quiet_for_then(&counts, idle, Duration::from_millis(250), || {
-            lulls.lock().expect("lock").push(start.elapsed());
-        });
-        tokio::join!(busy, watch);
+        let on_lull = || lulls.lock().expect("lock").push(start.elapsed());
+        let watch = quiet_for_then(&counts, idle, Duration::from_millis(250), on_lull, || false);
+        let ((), why) = tokio::join!(busy, watch);
+        assert_eq!(why, Quiet::Idle);
         let ended = start.elapsed();
         let lulls = lulls.into_inner().expect("lock");
         assert_eq!(lulls.len(), 1, "one lull for one burst: {lulls:?}");
@@ -504,5 +518,19 @@ mod tests {
             ended >= Duration::from_millis(10_600) && ended <= Duration::from_millis(12_000),
             "the idle timeout ended it at {ended:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_is_seen_at_the_next_tick() {
+        let counts = Counts::default();
+        let start = Instant::now();
+        let stop_at = start + Duration::from_millis(2_600);
+        let stop = || Instant::now() >= stop_at;
+        let idle = Duration::from_secs(10);
+        // Quiet from the start: a short tick (250 ms), then ticks of a
+        // second, so the stop is seen at 3.25 s.
+        let why = quiet_for_then(&counts, idle, Duration::from_millis(250), || {}, stop).await;
+        assert_eq!(why, Quiet::Stop);
+        assert_eq!(start.elapsed(), Duration::from_millis(3_250));
     }
 }

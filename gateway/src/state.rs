@@ -29,6 +29,10 @@ pub struct Dataplane {
     pub(crate) orig_dst: Arc<dyn OriginalDst>,
     /// Serving (readiness): false before start and while draining.
     pub(crate) ready: AtomicBool,
+    /// The drain has started: intercepted connections close at their next
+    /// request boundary (HTTP/1.1 after the response in progress, HTTP/2
+    /// with a GOAWAY), so their clients come back to a gateway that serves.
+    pub(crate) draining: AtomicBool,
     /// The values of the sandboxes' host-bound credentials.
     pub(crate) secrets: crate::credentials::Secrets,
     /// The in-kernel splice, where it could be loaded (`splice.kernel`).
@@ -77,6 +81,7 @@ impl Dataplane {
             metrics,
             orig_dst,
             ready: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             secrets: crate::credentials::Secrets::default(),
             kernel: None,
             doh_names,

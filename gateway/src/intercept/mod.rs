@@ -28,7 +28,7 @@ use tokio::net::TcpStream;
 
 use crate::config::Config;
 use crate::fault::{Fault, Side};
-use crate::io::{quiet_for_then, Counted, Counts, Rewind};
+use crate::io::{quiet_for_then, Counted, Counts, Quiet, Rewind};
 use crate::pool::{PoolKey, Sender};
 use crate::registry::Sandbox;
 use crate::state::Dataplane;
@@ -239,14 +239,29 @@ where
     // for every flow (benches/RESULTS.md, "Idle intercepted connections").
     let builder = Box::new(http_server(&config));
     let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    // A client connection quiet for a quarter of a second gives its upstream
-    // connection back to the pool, so an idle one pins none (a busy one is
-    // kept there until its response is done, then handed out again).
-    let lull = || conn.release_upstream();
-    let served = tokio::select! {
-        r = serving => r,
-        () = quiet_for_then(activity, config.timeouts.idle, RELEASE_AFTER, lull) => {
-            return conn.served(Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())));
+    let mut serving = std::pin::pin!(serving);
+    // Once the drain starts the connection ends at its next request
+    // boundary (hyper's graceful shutdown: HTTP/1.1 after the response in
+    // progress, HTTP/2 with a GOAWAY), so its client comes back to a gateway
+    // that serves, and judges its requests on the policy pushed there.
+    let mut stopping = false;
+    let served = loop {
+        // A client connection quiet for a quarter of a second gives its
+        // upstream connection back to the pool, so an idle one pins none (a
+        // busy one is kept there until its response is done, then handed
+        // out again).
+        let lull = || conn.release_upstream();
+        let asked = !stopping;
+        let stop = || asked && conn.dp.draining.load(Ordering::Acquire);
+        tokio::select! {
+            r = serving.as_mut() => break r,
+            why = quiet_for_then(activity, config.timeouts.idle, RELEASE_AFTER, lull, stop) => {
+                if why == Quiet::Idle {
+                    return conn.served(Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())));
+                }
+                stopping = true;
+                serving.as_mut().graceful_shutdown();
+            }
         }
     };
     if let Some((key, sender)) = conn.upstream.lock().await.take() {

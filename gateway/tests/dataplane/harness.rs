@@ -786,6 +786,23 @@ where
     s
 }
 
+/// The gateway with sandbox A allowed to `names` (each resolved through
+/// the gateway, so attributed), intercepted.
+pub async fn intercepting(names: &[&str]) -> Env {
+    let e = env(Options::default()).await;
+    let mut allow: Vec<serde_json::Value> = names
+        .iter()
+        .map(|n| serde_json::json!({"domain": n}))
+        .collect();
+    allow.push(serde_json::json!({"ip": "8.8.8.8"}));
+    let doc = serde_json::json!({"allow": allow, "tls_interception": "on"});
+    e.sandbox("a", SANDBOX_A, policy(&doc.to_string()));
+    for name in names {
+        e.resolve(SANDBOX_A, &format!("{name}.")).await;
+    }
+    e
+}
+
 /// An HTTP/2 client connection from sandbox A to `dst`, its TLS
 /// terminated by the gateway for `name`.
 pub async fn intercepted_h2(

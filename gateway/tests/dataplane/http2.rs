@@ -5,20 +5,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use serde_json::json;
 
 use crate::harness::*;
 
-/// Intercepts the GOAWAY origin's name and the HTTP/1.1-only origin's.
-async fn intercepting() -> Env {
-    let e = env(Options::default()).await;
-    let doc = json!({"allow": [{"domain": "goaway.example.test"}, {"domain": "h1.example.test"},
-                               {"ip": "8.8.8.8"}], "tls_interception": "on"});
-    e.sandbox("a", SANDBOX_A, policy(&doc.to_string()));
-    e.resolve(SANDBOX_A, "goaway.example.test.").await;
-    e.resolve(SANDBOX_A, "h1.example.test.").await;
-    e
-}
+/// The GOAWAY origin's name and the HTTP/1.1-only origin's, intercepted.
+const NAMES: &[&str] = &["goaway.example.test", "h1.example.test"];
 
 /// A GET on an HTTP/2 client connection: the response's head and body.
 async fn get(
@@ -30,7 +21,7 @@ async fn get(
 
 #[tokio::test]
 async fn a_stream_the_client_resets_ends_alone() {
-    let e = intercepting().await;
+    let e = intercepting(NAMES).await;
     let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
     // The origin answers /slow after a second; the client gives up on it
     // first (hyper resets a stream whose response it drops).
@@ -48,7 +39,7 @@ async fn a_stream_the_client_resets_ends_alone() {
 
 #[tokio::test]
 async fn the_gateways_own_answers_carry_a_date_and_their_length() {
-    let e = intercepting().await;
+    let e = intercepting(NAMES).await;
     let s = intercepted_h2(&e, e.origins.h1_only, "h1.example.test").await;
     // An authority the TLS server name did not name: 421, from the gateway.
     let (head, body) = get(&s, "https://goaway.example.test/").await;
@@ -60,7 +51,7 @@ async fn the_gateways_own_answers_carry_a_date_and_their_length() {
 
 #[tokio::test]
 async fn connection_specific_fields_never_reach_an_http2_client() {
-    let e = intercepting().await;
+    let e = intercepting(NAMES).await;
     let s = intercepted_h2(&e, e.origins.h1_only, "h1.example.test").await;
     // The HTTP/1.1 origin names a field in `connection` and sends `keep-alive`.
     let (head, body) = get(&s, "https://h1.example.test/hop").await;

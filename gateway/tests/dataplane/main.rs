@@ -5,6 +5,7 @@
 mod budgets;
 mod ca_rotation;
 mod doh;
+mod drain;
 mod ech;
 mod explain;
 mod faults;

@@ -8,7 +8,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use serde_json::json;
 
 use crate::harness::*;
 
@@ -29,15 +28,6 @@ async fn pooled(e: &Env, n: u64) {
     panic!("the pool holds {}, not {n}", value(e, POOLED).await);
 }
 
-/// The gateway with sandbox A allowed to `name` (resolved), intercepted.
-async fn intercepting(name: &str) -> Env {
-    let e = env(Options::default()).await;
-    let doc = json!({"allow": [{"domain": name}, {"ip": "8.8.8.8"}], "tls_interception": "on"});
-    e.sandbox("a", SANDBOX_A, policy(&doc.to_string()));
-    e.resolve(SANDBOX_A, &format!("{name}.")).await;
-    e
-}
-
 /// An HTTP/1.1 client connection from sandbox A to the HTTP/1.1-only origin.
 async fn client(e: &Env) -> SendRequest<Full<Bytes>> {
     let (tls, minted) = e
@@ -54,7 +44,7 @@ async fn client(e: &Env) -> SendRequest<Full<Bytes>> {
 
 #[tokio::test]
 async fn an_idle_client_connection_pins_no_upstream_connection() {
-    let e = intercepting("h1.example.test").await;
+    let e = intercepting(&["h1.example.test"]).await;
 
     let mut first = client(&e).await;
     let (status, body) = get_on(&mut first, "h1.example.test", "/one").await;
@@ -119,7 +109,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
 
 #[tokio::test]
 async fn requests_reach_the_origin_in_the_clients_protocol() {
-    let e = intercepting("api.example.test").await;
+    let e = intercepting(&["api.example.test"]).await;
     // The origin offers h2 and HTTP/1.1; each client gets its own protocol.
     for (alpn, h2, version) in [
         (&[&b"http/1.1"[..]][..], false, "HTTP/1.1"),
@@ -144,7 +134,7 @@ async fn requests_reach_the_origin_in_the_clients_protocol() {
 
 #[tokio::test]
 async fn large_bodies_cross_an_http2_origin_connection_both_ways() {
-    let e = intercepting("api.example.test").await;
+    let e = intercepting(&["api.example.test"]).await;
     let mut s = intercepted_h2(&e, e.origins.api, "api.example.test").await;
     // More than the origin connection's windows (2 MiB a stream, 5 MiB the
     // connection): it arrives whole only if the gateway gives the windows
@@ -179,7 +169,7 @@ async fn large_bodies_cross_an_http2_origin_connection_both_ways() {
 
 #[tokio::test]
 async fn after_an_origins_goaway_new_requests_take_a_new_connection() {
-    let e = intercepting("goaway.example.test").await;
+    let e = intercepting(&["goaway.example.test"]).await;
     let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
     let get = |path: &'static str| send(&s, http::Method::GET, path);
     // A request still in flight keeps the first origin connection open...
@@ -202,7 +192,7 @@ async fn after_an_origins_goaway_new_requests_take_a_new_connection() {
 
 #[tokio::test]
 async fn requests_an_origin_refused_unprocessed_are_sent_again() {
-    let e = intercepting("goaway.example.test").await;
+    let e = intercepting(&["goaway.example.test"]).await;
     let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
     // While the origin holds /hold, a GET and a DELETE go out on the same
     // origin connection; its GOAWAY then refuses both, unprocessed.
