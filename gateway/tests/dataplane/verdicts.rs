@@ -869,11 +869,7 @@ async fn connect_inside_an_intercepted_connection_is_refused() {
     // Over HTTP/2 a CONNECT's stream stays open, and its DATA frames would
     // otherwise go on to the origin as a body: a tunnel no per-request rule
     // reads.
-    let (tls, _) = e
-        .tls(SANDBOX_A, e.origins.api, "api.example.test", H2)
-        .await
-        .expect("handshake");
-    let mut s = h2_client(tls).await;
+    let mut s = intercepted_h2(&e, e.origins.api, "api.example.test").await;
     let req = hyper::Request::connect("api.example.test:443")
         .body(Full::new(Bytes::new()))
         .expect("request");
