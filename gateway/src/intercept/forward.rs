@@ -108,7 +108,12 @@ impl Conn {
         again: Option<Request<Body>>,
         verify_as: Option<&Hostname>,
     ) -> Result<Response<Body>, ForwardError> {
-        let refused = || ForwardError::Http("the origin refused the request twice".into());
+        let refused = || {
+            ForwardError::Http(
+                "the origin refused the request unprocessed, and no HTTP/2 connection took it again"
+                    .into(),
+            )
+        };
         let again = again.ok_or_else(refused)?;
         let mut guard = self.upstream.lock().await;
         self.hold_upstream(&mut guard, verify_as, true).await?;
