@@ -72,12 +72,12 @@ impl Conn {
                 *out.uri_mut() = absolute(out.uri(), authority);
                 out.headers_mut().remove(header::HOST);
                 let again = replayable(&out);
-                match s.send(out).await {
-                    Err(e) if again.is_some() && unprocessed(&e) => {
+                match (s.send(out).await, again) {
+                    (Err(e), Some(again)) if unprocessed(&e) => {
                         self.dp.metrics.upstream_retries.inc();
                         self.send_again(again, verify_as).await
                     }
-                    sent => sent
+                    (sent, _) => sent
                         .map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
                         .map_err(|e| ForwardError::Http(e.to_string())),
                 }
@@ -105,20 +105,16 @@ impl Conn {
     /// or opens another.
     async fn send_again(
         &self,
-        again: Option<Request<Body>>,
+        again: Request<Body>,
         verify_as: Option<&Hostname>,
     ) -> Result<Response<Body>, ForwardError> {
-        let refused = || {
-            ForwardError::Http(
-                "the origin refused the request unprocessed, and no HTTP/2 connection took it again"
-                    .into(),
-            )
-        };
-        let again = again.ok_or_else(refused)?;
         let mut guard = self.upstream.lock().await;
         self.hold_upstream(&mut guard, verify_as, true).await?;
         let Some((_, Sender::H2(s))) = guard.as_ref() else {
-            return Err(refused());
+            return Err(ForwardError::Http(
+                "the origin refused the request unprocessed, and no HTTP/2 connection took it again"
+                    .into(),
+            ));
         };
         let s = s.clone();
         drop(guard);
