@@ -201,9 +201,11 @@ async fn pipe_body<B: Body<Data = Bytes> + Unpin>(
         };
         match frame.into_data() {
             Ok(data) => {
-                send_data(stream, data).await?;
-                if body.is_end_stream() {
-                    return Ok(stream.send_data(Bytes::new(), true)?);
+                // The last chunk ends the stream itself: no empty DATA frame after it.
+                let end = body.is_end_stream();
+                send_data(stream, data, end).await?;
+                if end {
+                    return Ok(());
                 }
             }
             Err(frame) => {
@@ -215,8 +217,19 @@ async fn pipe_body<B: Body<Data = Bytes> + Unpin>(
     }
 }
 
-/// Sends one chunk, in pieces as the stream's window allows.
-async fn send_data(stream: &mut h2::SendStream<Bytes>, mut data: Bytes) -> Result<(), Fail> {
+/// Sends one chunk, in pieces as the stream's window allows; with `end`,
+/// its last piece ends the stream.
+async fn send_data(
+    stream: &mut h2::SendStream<Bytes>,
+    mut data: Bytes,
+    end: bool,
+) -> Result<(), Fail> {
+    if data.is_empty() {
+        if end {
+            stream.send_data(data, true)?;
+        }
+        return Ok(());
+    }
     while !data.is_empty() {
         stream.reserve_capacity(data.len());
         let granted = match std::future::poll_fn(|cx| stream.poll_capacity(cx)).await {
@@ -225,7 +238,7 @@ async fn send_data(stream: &mut h2::SendStream<Bytes>, mut data: Bytes) -> Resul
         };
         if granted > 0 {
             let piece = data.split_to(granted.min(data.len()));
-            stream.send_data(piece, false)?;
+            stream.send_data(piece, end && data.is_empty())?;
         }
     }
     Ok(())
