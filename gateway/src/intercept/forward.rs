@@ -77,9 +77,7 @@ impl Conn {
                         self.dp.metrics.upstream_retries.inc();
                         self.send_again(again, verify_as).await
                     }
-                    (sent, _) => sent
-                        .map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
-                        .map_err(|e| ForwardError::Http(e.to_string())),
+                    (sent, _) => from_h2(sent),
                 }
             }
             Some(Sender::H1(s)) => {
@@ -118,10 +116,7 @@ impl Conn {
         };
         let s = s.clone();
         drop(guard);
-        s.send(again)
-            .await
-            .map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
-            .map_err(|e| ForwardError::Http(e.to_string()))
+        from_h2(s.send(again).await)
     }
 
     /// Makes `held` a usable connection to the destination, verified as
@@ -249,6 +244,14 @@ impl Conn {
 /// A body hyper read, as the gateway passes bodies on.
 fn boxed(body: Incoming) -> Body {
     body.map_err(Into::into).boxed()
+}
+
+/// An HTTP/2 origin's answer as the gateway passes answers on.
+fn from_h2(
+    sent: Result<Response<crate::h2client::Received>, h2::Error>,
+) -> Result<Response<Body>, ForwardError> {
+    sent.map(|resp| resp.map(|body| body.map_err(Into::into).boxed()))
+        .map_err(|e| ForwardError::Http(e.to_string()))
 }
 
 /// A copy of a request to send again if the origin refuses it unprocessed:
