@@ -27,6 +27,18 @@ impl<S> Rewind<S> {
             inner,
         }
     }
+
+    /// Puts `bytes` back, to be read before what is left of the prefix.
+    pub(crate) fn unread(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        let mut prefix = Vec::with_capacity(bytes.len() + self.prefix.len() - self.pos);
+        prefix.extend_from_slice(bytes);
+        prefix.extend_from_slice(&self.prefix[self.pos..]);
+        self.prefix = prefix;
+        self.pos = 0;
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
@@ -323,15 +335,14 @@ pub(crate) enum Quiet {
     Idle,
     /// `stop` said so at a tick.
     Stop,
+    /// Quiet for a whole short tick ([`Watch`] only).
+    Lull,
 }
 
 /// [`quiet_for`], calling `on_lull` once each time the connection has been
 /// quiet for a whole short tick (`lull`, at most the tick), so between one
 /// and two of them after its last byte, and again after the next burst; and
-/// returning at the first tick at which `stop` is true. The connection is
-/// looked at every short tick while bytes move, and every tick (1 s, or
-/// `idle` if shorter) once it is quiet: an idle connection wakes once a
-/// second.
+/// returning at the first tick at which `stop` is true. See [`Watch`].
 pub(crate) async fn quiet_for_then(
     activity: &Counts,
     idle: Duration,
@@ -339,27 +350,71 @@ pub(crate) async fn quiet_for_then(
     mut on_lull: impl FnMut(),
     stop: impl Fn() -> bool,
 ) -> Quiet {
-    let total = || activity.read.load(Ordering::Relaxed) + activity.written.load(Ordering::Relaxed);
-    let tick = idle.min(Duration::from_secs(1));
-    let short = lull.min(tick);
-    let mut last = total();
-    let mut quiet_since = Instant::now();
-    let mut lulled = false;
+    let mut watch = Watch::new(activity, idle, lull);
     loop {
-        tokio::time::sleep(if lulled { tick } else { short }).await;
-        if stop() {
-            return Quiet::Stop;
+        match watch.next(&stop).await {
+            Quiet::Lull => on_lull(),
+            why => return why,
         }
-        let now = total();
-        if now != last {
-            last = now;
-            quiet_since = Instant::now();
-            lulled = false;
-        } else if quiet_since.elapsed() >= idle {
-            return Quiet::Idle;
-        } else if !lulled {
-            lulled = true;
-            on_lull();
+    }
+}
+
+/// A connection's quiet, watched tick by tick: a lull once it has been
+/// quiet for a whole short tick (`lull`, at most the tick), so between one
+/// and two of them after its last byte, and again after the next burst; the
+/// idle time passed with no byte moved; or `stop` true at a tick. The
+/// connection is looked at every short tick while bytes move, and every
+/// tick (1 s, or `idle` if shorter) once it is quiet: an idle connection
+/// wakes once a second. What it has seen outlives each [`Watch::next`], so
+/// the caller may stop waiting on it and come back.
+pub(crate) struct Watch<'a> {
+    activity: &'a Counts,
+    idle: Duration,
+    tick: Duration,
+    short: Duration,
+    last: u64,
+    quiet_since: Instant,
+    lulled: bool,
+}
+
+impl<'a> Watch<'a> {
+    pub(crate) fn new(activity: &'a Counts, idle: Duration, lull: Duration) -> Self {
+        let tick = idle.min(Duration::from_secs(1));
+        let mut watch = Self {
+            activity,
+            idle,
+            tick,
+            short: lull.min(tick),
+            last: 0,
+            quiet_since: Instant::now(),
+            lulled: false,
+        };
+        watch.last = watch.total();
+        watch
+    }
+
+    fn total(&self) -> u64 {
+        self.activity.read.load(Ordering::Relaxed) + self.activity.written.load(Ordering::Relaxed)
+    }
+
+    /// The next lull, the idle time passed, or a stop.
+    pub(crate) async fn next(&mut self, stop: impl Fn() -> bool) -> Quiet {
+        loop {
+            tokio::time::sleep(if self.lulled { self.tick } else { self.short }).await;
+            if stop() {
+                return Quiet::Stop;
+            }
+            let now = self.total();
+            if now != self.last {
+                self.last = now;
+                self.quiet_since = Instant::now();
+                self.lulled = false;
+            } else if self.quiet_since.elapsed() >= self.idle {
+                return Quiet::Idle;
+            } else if !self.lulled {
+                self.lulled = true;
+                return Quiet::Lull;
+            }
         }
     }
 }

@@ -63,6 +63,8 @@ pub(crate) struct Metrics {
     pub(crate) flows: Family<FlowLabels, Counter>,
     pub(crate) bytes: Family<DirectionLabels, Counter>,
     pub(crate) active: Gauge,
+    /// Intercepted HTTP/1.1 connections parked between requests.
+    pub(crate) parked: Gauge,
     pub(crate) peek_seconds: Histogram,
     pub(crate) handshake_seconds: Histogram,
     pub(crate) upstream_connect_seconds: Histogram,
@@ -175,6 +177,7 @@ impl Metrics {
             flows: Family::default(),
             bytes: Family::default(),
             active: Gauge::default(),
+            parked: Gauge::default(),
             peek_seconds: latency(),
             handshake_seconds: latency(),
             upstream_connect_seconds: latency(),
@@ -220,6 +223,11 @@ impl Metrics {
             "active_connections",
             "Flows being handled now (compare with limits.max_connections)",
             self.active.clone(),
+        );
+        r.register(
+            "parked_connections",
+            "Intercepted HTTP/1.1 connections resting between requests, their parser and buffers set aside until the client's next bytes",
+            self.parked.clone(),
         );
         r.register(
             "peek_seconds",

@@ -13,6 +13,7 @@
 
 mod forward;
 mod request;
+mod serve;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,21 +21,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use egress_policy::Hostname;
-use http::Request;
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
-use crate::config::Config;
 use crate::fault::{Fault, Side};
-use crate::io::{quiet_for_then, Counted, Counts, Quiet, Rewind};
+use crate::io::{Counted, Counts, Rewind};
 use crate::pool::{PoolKey, Sender};
 use crate::registry::Sandbox;
 use crate::state::Dataplane;
 use crate::upstream::{server_tls, Upstreams};
 
 use request::RequestRecord;
+use serve::{serve, Rest};
 
 /// How a flow's HTTP reached the gateway.
 pub(crate) enum Framing {
@@ -106,6 +104,8 @@ struct Conn {
     doh_from: Option<IpAddr>,
     /// The flow's byte counts, and what of them budgets were charged for.
     budget: BudgetCharge,
+    /// Whether HTTP/1.1 rests on it (`serve.rs`).
+    rest: Rest,
 }
 
 /// What a terminated flow has charged to its sandbox's byte budgets: the
@@ -218,78 +218,6 @@ where
 /// connections").
 const RELEASE_AFTER: Duration = Duration::from_millis(250);
 
-/// Runs the HTTP server over `io` until the client is done, idle, or gone.
-async fn serve<I>(conn: Arc<Conn>, io: I, activity: &Counts) -> Served
-where
-    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let service_conn = conn.clone();
-    // Boxed: hyper keeps a slot for the service's future for the whole
-    // connection, sized for it; the request's future (~9 kB, the upstream
-    // connect inline) then exists only while a request is in flight, and an
-    // idle connection holds a pointer (benches/RESULTS.md, Scale).
-    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let conn = service_conn.clone();
-        Box::pin(async move { Ok::<_, std::convert::Infallible>(conn.handle(req).await) })
-            as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
-    });
-    let config = conn.dp.config();
-    // Boxed (240 bytes inline): it is borrowed for the connection's life,
-    // and inline it made the flow's task one allocator size class larger
-    // for every flow (benches/RESULTS.md, "Idle intercepted connections").
-    let builder = Box::new(http_server(&config));
-    let serving = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    let mut serving = std::pin::pin!(serving);
-    // Once the drain starts the connection ends at its next request
-    // boundary (hyper's graceful shutdown: HTTP/1.1 after the response in
-    // progress, HTTP/2 with a GOAWAY), so its client comes back to a gateway
-    // that serves, and judges its requests on the policy pushed there.
-    let mut stopping = false;
-    let served = loop {
-        // A client connection quiet for a quarter of a second gives its
-        // upstream connection back to the pool, so an idle one pins none (a
-        // busy one is kept there until its response is done, then handed
-        // out again).
-        let lull = || conn.release_upstream();
-        let asked = !stopping;
-        let stop = || asked && conn.dp.draining.load(Ordering::Acquire);
-        tokio::select! {
-            r = serving.as_mut() => break r,
-            why = quiet_for_then(activity, config.timeouts.idle, RELEASE_AFTER, lull, stop) => {
-                if why == Quiet::Idle {
-                    return conn.served(Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())));
-                }
-                stopping = true;
-                serving.as_mut().graceful_shutdown();
-            }
-        }
-    };
-    if let Some((key, sender)) = conn.upstream.lock().await.take() {
-        conn.up.pool.put(key, sender);
-    }
-    let error = served.err().map(|e| connection_error(&*e));
-    let refused = conn.tally().refused.clone();
-    conn.served(
-        error.or_else(|| refused.map(|r| ended(Fault::BAD_REQUEST, format!("bad_request: {r}")))),
-    )
-}
-
-/// The HTTP/1.1 and HTTP/2 server of a client connection. Bounded request
-/// heads: a larger one is answered 431 and never forwarded.
-fn http_server(config: &Config) -> hyper_util::server::conn::auto::Builder<TokioExecutor> {
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    let max_head = config.limits.max_request_head;
-    builder
-        .http1()
-        .max_buf_size(max_head)
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(config.timeouts.request_head);
-    builder
-        .http2()
-        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    builder
-}
-
 /// The error a client connection ended in: whose fault, and what it was.
 fn connection_error(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Ended {
     if e.downcast_ref::<hyper::Error>()
@@ -392,6 +320,7 @@ impl Conn {
                 charged: AtomicU64::new(0),
                 rule: std::sync::atomic::AtomicU32::new(u32::MAX),
             },
+            rest: Rest::default(),
         })
     }
 
@@ -401,6 +330,12 @@ impl Conn {
         self.tally
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the gateway drains: connections end at their next request
+    /// boundary.
+    fn draining(&self) -> bool {
+        self.dp.draining.load(Ordering::Acquire)
     }
 
     /// Gives the upstream connection this client connection holds back to

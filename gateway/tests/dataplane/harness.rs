@@ -36,6 +36,8 @@ pub const TURN_IP: &str = "127.0.0.13";
 pub const PLAIN_IP: &str = "127.0.0.14";
 pub const H1_ONLY_IP: &str = "127.0.0.15";
 pub const GOAWAY_IP: &str = "127.0.0.16";
+/// For an origin a test starts itself (`pause.example.test`).
+pub const PAUSE_IP: &str = "127.0.0.18";
 
 // === the test CA for origins ===
 
@@ -482,6 +484,7 @@ pub async fn env(opts: Options) -> Env {
         ("plain.example.test", (ip(PLAIN_IP), 300)),
         ("h1.example.test", (ip(H1_ONLY_IP), 300)),
         ("goaway.example.test", (ip(GOAWAY_IP), 300)),
+        ("pause.example.test", (ip(PAUSE_IP), 300)),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))

@@ -11,6 +11,7 @@ mod explain;
 mod faults;
 mod harness;
 mod http2;
+mod parking;
 mod per_core;
 mod pooling;
 mod proposals;

@@ -1,0 +1,460 @@
+//! A client connection's HTTP server. Its first bytes say which version it
+//! speaks: the HTTP/2 preface, or anything else for HTTP/1.1 (as hyper-util's
+//! automatic server reads them). HTTP/2 is served to the end. HTTP/1.1 is
+//! served with its parser and buffers set aside whenever the connection rests
+//! between requests ("parked"), so an idle keep-alive connection holds its
+//! TLS stream and socket and nothing of hyper's (benches/RESULTS.md, "Idle
+//! intercepted connections: the HTTP/1.1 parser set aside").
+//!
+//! A connection rests only when nothing of HTTP is in flight on it: every
+//! response it was sent has ended and been flushed, its last request had no
+//! body (so the parser is not in one), and no byte has come in since that
+//! response ended (so no part of a next head is buffered). Bytes hyper did
+//! hold (a partial head pipelined behind the last request) are read again
+//! by the next parser, and the connection does not rest again before its
+//! next request. While parked, the limits hyper would keep still hold: the
+//! idle timeout, the drain, and `timeouts.request_head`, which hyper counts
+//! from the moment it waits for a head.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::Instant;
+
+use super::{client_fault, connection_error, ended, Conn, Served, RELEASE_AFTER};
+use crate::fault::Fault;
+use crate::io::{Counts, Quiet, Rewind, Watch};
+use crate::pool::{Body, BoxError};
+
+/// The first bytes of every HTTP/2 connection (RFC 9113, 3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Longest wait for a parked connection's TLS close when a drain ends it.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
+
+/// Runs the HTTP server over `io` until the client is done, idle, or gone.
+pub(super) async fn serve<I>(conn: Arc<Conn>, io: I, activity: &Counts) -> Served
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let idle = conn.dp.config().timeouts.idle;
+    let mut watch = Watch::new(activity, idle, RELEASE_AFTER);
+    let mut io = Rewind::new(Vec::new(), io);
+    let h2 = loop {
+        tokio::select! {
+            biased;
+            h2 = sniff(&mut io) => break h2,
+            why = watch.next(|| conn.draining()) => match why {
+                Quiet::Idle => return idle_timeout(&conn),
+                Quiet::Stop => return finish(&conn, None).await,
+                Quiet::Lull => {}
+            },
+        }
+    };
+    match h2 {
+        Ok(true) => serve_h2(conn, io, watch).await,
+        Ok(false) => serve_h1(conn, io, watch).await,
+        Err(e) => conn.served(Some(ended(client_fault(&e), e.to_string()))),
+    }
+}
+
+/// Reads until the bytes are the HTTP/2 preface (true), differ from it, or
+/// end (false); what was read is put back.
+async fn sniff<I: AsyncRead + Unpin>(io: &mut Rewind<I>) -> io::Result<bool> {
+    let mut read = [0u8; H2_PREFACE.len()];
+    let mut len = 0;
+    let h2 = loop {
+        let n = io.read(&mut read[len..]).await?;
+        let differs = read[len..len + n] != H2_PREFACE[len..len + n];
+        len += n;
+        if n == 0 || differs {
+            break false;
+        }
+        if len == H2_PREFACE.len() {
+            break true;
+        }
+    };
+    io.unread(&read[..len]);
+    Ok(h2)
+}
+
+/// A request's answer, as the services below make it.
+type Answer<B> = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
+
+/// HTTP/2, served to the end; a drain says GOAWAY and lets the streams in
+/// flight finish.
+async fn serve_h2<I>(conn: Arc<Conn>, io: Rewind<I>, mut watch: Watch<'_>) -> Served
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let config = conn.dp.config();
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder.max_header_list_size(u32::try_from(config.limits.max_request_head).unwrap_or(u32::MAX));
+    let serving = builder.serve_connection(TokioIo::new(io), h2_service(&conn));
+    drop(builder);
+    let mut serving = std::pin::pin!(serving);
+    let mut stopping = false;
+    let served = loop {
+        let asked = !stopping;
+        tokio::select! {
+            biased;
+            r = serving.as_mut() => break r,
+            why = watch.next(|| asked && conn.draining()) => match why {
+                Quiet::Idle => return idle_timeout(&conn),
+                Quiet::Stop => {
+                    stopping = true;
+                    serving.as_mut().graceful_shutdown();
+                }
+                Quiet::Lull => conn.release_upstream(),
+            },
+        }
+    };
+    finish(&conn, served.err().map(|e| connection_error(&e))).await
+}
+
+/// The service of an HTTP/2 connection: each request through the stages.
+fn h2_service(
+    conn: &Arc<Conn>,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = Answer<Body>,
+> {
+    let conn = conn.clone();
+    // Boxed: hyper keeps a slot for the service's future for the whole
+    // connection, sized for it; the request's future (~9 kB, the upstream
+    // connect inline) then exists only while a request is in flight, and an
+    // idle connection holds a pointer (benches/RESULTS.md, Scale).
+    hyper::service::service_fn(move |req: Request<Incoming>| {
+        let conn = conn.clone();
+        Box::pin(async move { Ok(conn.handle(req).await) }) as Answer<Body>
+    })
+}
+
+/// HTTP/1.1, parked whenever it rests (the module's comment says when);
+/// a drain closes it at its next request boundary.
+async fn serve_h1<I>(conn: Arc<Conn>, mut io: Rewind<I>, mut watch: Watch<'_>) -> Served
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut stopping = false;
+    loop {
+        let rest_io = RestIo {
+            io,
+            conn: conn.clone(),
+        };
+        let mut serving = h1_server(&conn)
+            .serve_connection(TokioIo::new(rest_io), h1_service(&conn))
+            .with_upgrades();
+        let parts = loop {
+            let asked = !stopping;
+            tokio::select! {
+                biased;
+                r = &mut serving => {
+                    return finish(&conn, r.err().map(|e| connection_error(&e))).await;
+                }
+                why = watch.next(|| asked && conn.draining()) => match why {
+                    Quiet::Idle => return idle_timeout(&conn),
+                    Quiet::Stop => {
+                        stopping = true;
+                        Pin::new(&mut serving).graceful_shutdown();
+                    }
+                    Quiet::Lull => {
+                        conn.release_upstream();
+                        if !stopping && conn.rest.at_rest(&conn.budget.activity) {
+                            break serving.into_parts();
+                        }
+                    }
+                },
+            }
+        };
+        // `None`: upgraded, so the connection's future had ended above.
+        let Some(hyper::server::conn::http1::Parts {
+            io: rest_io,
+            read_buf,
+            service,
+            ..
+        }) = parts
+        else {
+            return finish(&conn, None).await;
+        };
+        drop(service);
+        io = rest_io.into_inner().io;
+        if !read_buf.is_empty() {
+            // Part of a next head, read behind the last request: the next
+            // parser reads it again, and the connection does not rest
+            // before that request.
+            io.unread(&read_buf);
+            conn.rest.unsettled.store(true, Ordering::Relaxed);
+            continue;
+        }
+        drop(read_buf);
+        if let Some(served) = park(&conn, &mut io, &mut watch).await {
+            return served;
+        }
+    }
+}
+
+/// The HTTP/1.1 parser of a client connection: bounded request heads (a
+/// larger one is answered 431 and never forwarded), each within
+/// `timeouts.request_head` of the moment it is waited for.
+fn h1_server(conn: &Conn) -> hyper::server::conn::http1::Builder {
+    let config = conn.dp.config();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .max_buf_size(config.limits.max_request_head)
+        .timer(TokioTimer::new())
+        .header_read_timeout(config.timeouts.request_head);
+    builder
+}
+
+/// The service of an HTTP/1.1 connection: [`h2_service`]'s, each exchange
+/// counted open until its response has ended.
+fn h1_service(
+    conn: &Arc<Conn>,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<Tracked>,
+    Error = Infallible,
+    Future = Answer<Tracked>,
+> {
+    let conn = conn.clone();
+    hyper::service::service_fn(move |req: Request<Incoming>| {
+        let open = Open::new(conn.clone(), !hyper::body::Body::is_end_stream(req.body()));
+        Box::pin(async move {
+            let resp = open.0.handle(req).await;
+            Ok(resp.map(|body| Tracked { body, _open: open }))
+        }) as Answer<Tracked>
+    })
+}
+
+/// Waits, parked, for the client's next bytes: `None` once they came (put
+/// back for the next parser), or how the connection ended while parked.
+async fn park<I>(conn: &Conn, io: &mut Rewind<I>, watch: &mut Watch<'_>) -> Option<Served>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    // hyper counts the head timeout from the end of the last response, at
+    // least a short tick before the lull that parked the connection.
+    let request_head = conn.dp.config().timeouts.request_head;
+    let head_by = Instant::now() + request_head.saturating_sub(RELEASE_AFTER);
+    let parked = &conn.dp.metrics.parked;
+    parked.inc();
+    let mut first = [0u8; 64];
+    let woke = loop {
+        tokio::select! {
+            biased;
+            read = io.read(&mut first) => break Ok(read),
+            why = watch.next(|| conn.draining()) => match why {
+                Quiet::Idle => break Err(idle_timeout(conn)),
+                Quiet::Stop => {
+                    let _ = tokio::time::timeout(CLOSE_WAIT, io.shutdown()).await;
+                    break Err(finish(conn, None).await);
+                }
+                Quiet::Lull => {}
+            },
+            () = tokio::time::sleep_until(head_by) => {
+                let timeout = ended(Fault::HEAD_TIMEOUT, "head_timeout".to_owned());
+                break Err(finish(conn, Some(timeout)).await);
+            }
+        }
+    };
+    parked.dec();
+    match woke {
+        Ok(Ok(0)) => Some(finish(conn, None).await),
+        Ok(Ok(n)) => {
+            io.unread(&first[..n]);
+            None
+        }
+        Ok(Err(e)) => Some(finish(conn, Some(ended(client_fault(&e), e.to_string()))).await),
+        Err(served) => Some(served),
+    }
+}
+
+/// A connection's end: its upstream connection back to the pool, and its
+/// flow's report, with `error` or else the last refused request's reason.
+async fn finish(conn: &Conn, error: Option<super::Ended>) -> Served {
+    if let Some((key, sender)) = conn.upstream.lock().await.take() {
+        conn.up.pool.put(key, sender);
+    }
+    let refused = conn.tally().refused.clone();
+    conn.served(
+        error.or_else(|| refused.map(|r| ended(Fault::BAD_REQUEST, format!("bad_request: {r}")))),
+    )
+}
+
+/// A connection that moved no byte for `timeouts.idle`.
+fn idle_timeout(conn: &Conn) -> Served {
+    conn.served(Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())))
+}
+
+/// What says whether an HTTP/1.1 connection rests: nothing of HTTP in
+/// flight on it (the module's comment).
+#[derive(Debug, Default)]
+pub(super) struct Rest {
+    /// Exchanges whose responses have not ended (hyper serves one at a time).
+    open: AtomicU32,
+    /// The last request had a body, or bytes were read that made no request
+    /// yet: not at rest before the next request.
+    unsettled: AtomicBool,
+    /// A write went in since the last flush that completed.
+    unflushed: AtomicBool,
+    /// The client's bytes read when the last response ended.
+    read_mark: AtomicU64,
+}
+
+impl Rest {
+    fn at_rest(&self, activity: &Counts) -> bool {
+        self.open.load(Ordering::Relaxed) == 0
+            && !self.unsettled.load(Ordering::Relaxed)
+            && !self.unflushed.load(Ordering::Relaxed)
+            && activity.read.load(Ordering::Relaxed) == self.read_mark.load(Ordering::Relaxed)
+    }
+}
+
+/// An HTTP/1.1 exchange, open from its request's head until its response
+/// has ended (or either was dropped).
+struct Open(Arc<Conn>);
+
+impl Open {
+    fn new(conn: Arc<Conn>, has_body: bool) -> Self {
+        conn.rest.open.fetch_add(1, Ordering::Relaxed);
+        conn.rest.unsettled.store(has_body, Ordering::Relaxed);
+        Self(conn)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        let rest = &self.0.rest;
+        rest.open.fetch_sub(1, Ordering::Relaxed);
+        let read = self.0.budget.activity.read.load(Ordering::Relaxed);
+        rest.read_mark.store(read, Ordering::Relaxed);
+    }
+}
+
+/// A response body that keeps its exchange open until hyper drops it (at
+/// its end, or with the connection).
+pub(super) struct Tracked {
+    body: Body,
+    _open: Open,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The client stream under an HTTP/1.1 parser, noting whether every write
+/// has been flushed (hyper flushes after each message it writes).
+struct RestIo<I> {
+    io: Rewind<I>,
+    conn: Arc<Conn>,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for RestIo<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for RestIo<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.conn.rest.unflushed.store(true, Ordering::Relaxed);
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.conn.rest.unflushed.store(true, Ordering::Relaxed);
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let flushed = Pin::new(&mut self.io).poll_flush(cx);
+        if matches!(flushed, Poll::Ready(Ok(()))) {
+            self.conn.rest.unflushed.store(false, Ordering::Relaxed);
+        }
+        flushed
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `sniff` says of `chunks` written one by one, and the bytes read
+    /// after it: all of them, none lost.
+    async fn sniffed(chunks: &[&'static [u8]]) -> (bool, Vec<u8>) {
+        let (ours, mut theirs) = tokio::io::duplex(1024);
+        let chunks = chunks.to_vec();
+        let writer = tokio::spawn(async move {
+            for c in chunks {
+                theirs.write_all(c).await.expect("write");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        let mut io = Rewind::new(Vec::new(), ours);
+        let h2 = sniff(&mut io).await.expect("sniff");
+        writer.await.expect("writer");
+        let mut all = Vec::new();
+        io.read_to_end(&mut all).await.expect("read");
+        (h2, all)
+    }
+
+    #[tokio::test]
+    async fn the_http2_preface_is_told_from_http1_and_every_byte_is_read_again() {
+        let (h2, bytes) = sniffed(&[b"PRI * HTTP/2.0\r\n", b"\r\nSM\r\n\r\n", b"frames"]).await;
+        assert!(h2, "the preface, in two reads");
+        assert_eq!(bytes, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\nframes");
+        let (h2, bytes) = sniffed(&[b"PRI * HTTP/1.1\r\n\r\n"]).await;
+        assert!(!h2, "differs from the preface");
+        assert_eq!(bytes, b"PRI * HTTP/1.1\r\n\r\n");
+        let (h2, bytes) = sniffed(&[b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"]).await;
+        assert!(!h2);
+        assert_eq!(bytes, b"GET / HTTP/1.1\r\nHost: a\r\n\r\n");
+        let (h2, bytes) = sniffed(&[b"PRI"]).await;
+        assert!(!h2, "ends inside the preface");
+        assert_eq!(bytes, b"PRI");
+    }
+}
