@@ -12,7 +12,9 @@
 #     not). A client connection keeps its upstream connection while busy and
 #     gives it back to the gateway's pool after a quarter second without a byte (the
 #     pool keeps at most 128 per sandbox and destination; the rest close), so
-#     an idle client connection pins none.
+#     an idle client connection pins none; after a second without a byte the
+#     client connection is parked (its HTTP/1.1 parser and buffers dropped
+#     until its next bytes). RSS is read 3 s after the last connection opened.
 # Root; benches/peers/setup.sh once.  Prints one JSON line.
 #
 #   benches/idle-rss.sh                  # splice, CONNS=9000

@@ -337,6 +337,9 @@ pub(crate) enum Quiet {
     Stop,
     /// Quiet for a whole short tick ([`Watch`] only).
     Lull,
+    /// Still quiet at the (long) tick after the lull, so for over a second
+    /// ([`Watch`] only).
+    Rest,
 }
 
 /// [`quiet_for`], calling `on_lull` once each time the connection has been
@@ -354,6 +357,7 @@ pub(crate) async fn quiet_for_then(
     loop {
         match watch.next(&stop).await {
             Quiet::Lull => on_lull(),
+            Quiet::Rest => {}
             why => return why,
         }
     }
@@ -361,8 +365,9 @@ pub(crate) async fn quiet_for_then(
 
 /// A connection's quiet, watched tick by tick: a lull once it has been
 /// quiet for a whole short tick (`lull`, at most the tick), so between one
-/// and two of them after its last byte, and again after the next burst; the
-/// idle time passed with no byte moved; or `stop` true at a tick. The
+/// and two of them after its last byte, and again after the next burst; a
+/// rest when it is still quiet at the tick after the lull; the idle time
+/// passed with no byte moved; or `stop` true at a tick. The
 /// connection is looked at every short tick while bytes move, and every
 /// tick (1 s, or `idle` if shorter) once it is quiet: an idle connection
 /// wakes once a second. What it has seen outlives each [`Watch::next`], so
@@ -375,6 +380,7 @@ pub(crate) struct Watch<'a> {
     last: u64,
     quiet_since: Instant,
     lulled: bool,
+    rested: bool,
 }
 
 impl<'a> Watch<'a> {
@@ -388,6 +394,7 @@ impl<'a> Watch<'a> {
             last: 0,
             quiet_since: Instant::now(),
             lulled: false,
+            rested: false,
         };
         watch.last = watch.total();
         watch
@@ -397,7 +404,13 @@ impl<'a> Watch<'a> {
         self.activity.read.load(Ordering::Relaxed) + self.activity.written.load(Ordering::Relaxed)
     }
 
-    /// The next lull, the idle time passed, or a stop.
+    /// When a byte was last seen to move, at a tick's granularity: the last
+    /// byte moved at or before it.
+    pub(crate) fn quiet_since(&self) -> Instant {
+        self.quiet_since
+    }
+
+    /// The next lull or rest, the idle time passed, or a stop.
     pub(crate) async fn next(&mut self, stop: impl Fn() -> bool) -> Quiet {
         loop {
             tokio::time::sleep(if self.lulled { self.tick } else { self.short }).await;
@@ -409,11 +422,15 @@ impl<'a> Watch<'a> {
                 self.last = now;
                 self.quiet_since = Instant::now();
                 self.lulled = false;
+                self.rested = false;
             } else if self.quiet_since.elapsed() >= self.idle {
                 return Quiet::Idle;
             } else if !self.lulled {
                 self.lulled = true;
                 return Quiet::Lull;
+            } else if !self.rested {
+                self.rested = true;
+                return Quiet::Rest;
             }
         }
     }
@@ -573,6 +590,35 @@ mod tests {
             ended >= Duration::from_millis(10_600) && ended <= Duration::from_millis(12_000),
             "the idle timeout ended it at {ended:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_rest_follows_a_lull_at_the_next_tick_and_again_after_a_burst() {
+        let counts = Counts::default();
+        let start = Instant::now();
+        let mut watch = Watch::new(&counts, Duration::from_secs(10), Duration::from_millis(250));
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            seen.push((watch.next(|| false).await, start.elapsed()));
+        }
+        counts.read.fetch_add(1, Ordering::Relaxed);
+        for _ in 0..2 {
+            seen.push((watch.next(|| false).await, start.elapsed()));
+        }
+        let ms = Duration::from_millis;
+        assert_eq!(
+            seen,
+            [
+                (Quiet::Lull, ms(250)),
+                (Quiet::Rest, ms(1_250)),
+                // The byte is seen at the next tick, 2.25 s (a quiet
+                // connection is looked at once a second): a lull a short
+                // tick later.
+                (Quiet::Lull, ms(2_500)),
+                (Quiet::Rest, ms(3_500)),
+            ]
+        );
+        assert_eq!(watch.quiet_since(), start + ms(2_250));
     }
 
     #[tokio::test(start_paused = true)]

@@ -6,7 +6,10 @@
 //! TLS stream and socket and nothing of hyper's (benches/RESULTS.md, "Idle
 //! intercepted connections: the HTTP/1.1 parser set aside").
 //!
-//! A connection rests only when nothing of HTTP is in flight on it: every
+//! A connection rests when it has moved no byte for over a second (the
+//! idle timer's tick after the lull that gave its upstream connection back,
+//! so a client that pauses for less between requests keeps its parser and
+//! pays nothing for parking) and nothing of HTTP is in flight on it: every
 //! response it was sent has ended and been flushed, its last request had no
 //! body (so the parser is not in one), and no byte has come in since that
 //! response ended (so no part of a next head is buffered). Bytes hyper did
@@ -30,7 +33,6 @@ use http::{Request, Response};
 use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::time::Instant;
 
 use super::{client_fault, connection_error, ended, Conn, Served, RELEASE_AFTER};
 use crate::fault::Fault;
@@ -58,7 +60,7 @@ where
             why = watch.next(|| conn.draining()) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
                 Quiet::Stop => return finish(&conn, None).await,
-                Quiet::Lull => {}
+                Quiet::Lull | Quiet::Rest => {}
             },
         }
     };
@@ -117,6 +119,7 @@ where
                     serving.as_mut().graceful_shutdown();
                 }
                 Quiet::Lull => conn.release_upstream(),
+                Quiet::Rest => {}
             },
         }
     };
@@ -171,8 +174,8 @@ where
                         stopping = true;
                         Pin::new(&mut serving).graceful_shutdown();
                     }
-                    Quiet::Lull => {
-                        conn.release_upstream();
+                    Quiet::Lull => conn.release_upstream(),
+                    Quiet::Rest => {
                         if !stopping && conn.rest.at_rest(&conn.budget.activity) {
                             break serving.into_parts();
                         }
@@ -246,10 +249,9 @@ async fn park<I>(conn: &Conn, io: &mut Rewind<I>, watch: &mut Watch<'_>) -> Opti
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    // hyper counts the head timeout from the end of the last response, at
-    // least a short tick before the lull that parked the connection.
-    let request_head = conn.dp.config().timeouts.request_head;
-    let head_by = Instant::now() + request_head.saturating_sub(RELEASE_AFTER);
+    // hyper counts the head timeout from the end of the last response: the
+    // last byte that moved, at or before the watch saw it.
+    let head_by = watch.quiet_since() + conn.dp.config().timeouts.request_head;
     let parked = &conn.dp.metrics.parked;
     parked.inc();
     let mut first = [0u8; 64];
@@ -263,7 +265,7 @@ where
                     let _ = tokio::time::timeout(CLOSE_WAIT, io.shutdown()).await;
                     break Err(finish(conn, None).await);
                 }
-                Quiet::Lull => {}
+                Quiet::Lull | Quiet::Rest => {}
             },
             () = tokio::time::sleep_until(head_by) => {
                 let timeout = ended(Fault::HEAD_TIMEOUT, "head_timeout".to_owned());

@@ -16,9 +16,9 @@ use crate::harness::*;
 const H1: &[&[u8]] = &[b"http/1.1"];
 const PARKED: &str = "egress_parked_connections";
 
-/// Waits (at most 3 s) for the parked gauge to read `n`.
+/// Waits (at most 4 s) for the parked gauge to read `n`.
 async fn parked_becomes(e: &Env, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(4);
     loop {
         let now = value(e, PARKED).await;
         if now == n {
@@ -66,7 +66,7 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
     let resp = h1.send_request(post).await.expect("response");
     assert_eq!(resp.status(), 200);
     drop(resp);
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
     assert_eq!(value(&e, PARKED).await, 0, "not parked after a body");
     let (status, body) = get_on(&mut h1, "h1.example.test", "/three").await;
     assert_eq!((status, body.contains("GET /three")), (200, true), "{body}");
@@ -81,7 +81,7 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
 }
 
 /// An HTTPS origin for `pause.example.test` that answers `GET /pause` with
-/// the first half of its body, then the rest 900 ms later; `POST /early`
+/// the first half of its body, then the rest 2.5 s later; `POST /early`
 /// with `early` at once, reading no body; and anything else with `ok` at
 /// once (HTTP/1.1, keep-alive, hand-written, heads only: a body's bytes are
 /// read as the next head).
@@ -125,7 +125,7 @@ async fn answer_pausing<S: AsyncWrite + Unpin>(s: &mut S, head: &str) -> std::io
     s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst")
         .await?;
     s.flush().await?;
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
     s.write_all(b"secnd").await?;
     s.flush().await
 }
@@ -184,8 +184,9 @@ async fn a_response_that_pauses_is_not_cut_by_a_park() {
     .expect("write");
     assert_eq!(read_response(&mut tls).await, (200, "ok".to_owned()));
     let watch = async {
-        // Halfway through the pause, nothing is parked.
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        // Late in the pause, past the second that parks a resting
+        // connection, nothing is parked.
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
         value(&e, PARKED).await
     };
     let (got, parked_in_pause) = tokio::join!(read_response(&mut tls), watch);
@@ -216,7 +217,7 @@ async fn a_request_body_still_coming_after_its_response_is_never_read_as_a_reque
     tls.write_all(head.as_bytes()).await.expect("write");
     assert_eq!(read_response(&mut tls).await, (200, "early".to_owned()));
     // Past a lull, then the rest of the body, which reads like a request.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
     assert_eq!(value(&e, PARKED).await, 0, "in a body: not parked");
     tls.write_all(tail).await.expect("write");
     let mut more = [0u8; 64];
@@ -243,7 +244,7 @@ async fn bytes_read_behind_a_request_are_read_again_by_the_next_parser() {
     let (status, body) = read_response(&mut tls).await;
     assert_eq!((status, body.contains("GET /a")), (200, true), "{body}");
     // Past a lull, when a connection with nothing in flight would be parked.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
     assert_eq!(value(&e, PARKED).await, 0, "a head has begun: not parked");
     tls.write_all(b"st: h1.example.test\r\n\r\n")
         .await
@@ -256,7 +257,7 @@ async fn bytes_read_behind_a_request_are_read_again_by_the_next_parser() {
     tls.write_all(b"GET /c HTTP/1.1\r\nHo")
         .await
         .expect("write");
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
     tls.write_all(b"st: h1.example.test\r\n\r\n")
         .await
         .expect("write");
@@ -267,7 +268,7 @@ async fn bytes_read_behind_a_request_are_read_again_by_the_next_parser() {
 #[tokio::test]
 async fn a_parked_connection_is_closed_at_the_head_timeout_and_by_a_drain() {
     let e = env(Options {
-        request_head: "1s",
+        request_head: "3s",
         idle: "30s",
         ..Options::default()
     })
@@ -283,7 +284,7 @@ async fn a_parked_connection_is_closed_at_the_head_timeout_and_by_a_drain() {
     let mut h1 = h1_client(&e).await;
     assert_eq!(get_on(&mut h1, "h1.example.test", "/one").await.0, 200);
     parked_becomes(&e, 1).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(6);
     while !h1.is_closed() {
         assert!(
             Instant::now() < deadline,
