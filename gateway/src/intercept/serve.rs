@@ -184,30 +184,34 @@ where
             }
         };
         // `None`: upgraded, so the connection's future had ended above.
-        let Some(hyper::server::conn::http1::Parts {
-            io: rest_io,
-            read_buf,
-            service,
-            ..
-        }) = parts
-        else {
+        let Some(parts) = parts else {
             return finish(&conn, None).await;
         };
-        drop(service);
-        io = rest_io.into_inner().io;
-        if !read_buf.is_empty() {
-            // Part of a next head, read behind the last request: the next
-            // parser reads it again, and the connection does not rest
-            // before that request.
-            io.unread(&read_buf);
-            conn.rest.unsettled.store(true, Ordering::Relaxed);
-            continue;
-        }
-        drop(read_buf);
-        if let Some(served) = park(&conn, &mut io, &mut watch).await {
-            return served;
+        let rests;
+        (io, rests) = unparse(&conn, parts);
+        if rests {
+            if let Some(served) = park(&conn, &mut io, &mut watch).await {
+                return served;
+            }
         }
     }
+}
+
+/// The client stream of a parser taken apart, and whether the connection
+/// rests: it does unless the parser held bytes it had read, part of a next
+/// head behind the last request. Those are put back for the next parser,
+/// and the connection does not rest before that request.
+fn unparse<I, S>(
+    conn: &Conn,
+    parts: hyper::server::conn::http1::Parts<TokioIo<RestIo<I>>, S>,
+) -> (Rewind<I>, bool) {
+    let mut io = parts.io.into_inner().io;
+    if parts.read_buf.is_empty() {
+        return (io, true);
+    }
+    io.unread(&parts.read_buf);
+    conn.rest.unsettled.store(true, Ordering::Relaxed);
+    (io, false)
 }
 
 /// The HTTP/1.1 parser of a client connection: bounded request heads (a
