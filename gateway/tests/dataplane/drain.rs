@@ -5,7 +5,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper_util::rt::TokioIo;
 
 use crate::harness::*;
 
@@ -13,20 +12,7 @@ use crate::harness::*;
 async fn a_drain_ends_intercepted_connections_at_their_next_request_boundary() {
     let e = intercepting(&["goaway.example.test", "h1.example.test"]).await;
     // An HTTP/1.1 keep-alive connection, idle after one request.
-    let (tls, minted) = e
-        .tls(
-            SANDBOX_A,
-            e.origins.h1_only,
-            "h1.example.test",
-            &[b"http/1.1"],
-        )
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    let (mut h1, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .expect("http/1.1");
-    tokio::spawn(conn);
+    let mut h1 = h1_client(&e).await;
     assert_eq!(get_on(&mut h1, "h1.example.test", "/one").await.0, 200);
     // An HTTP/2 connection with a stream in flight (answered after a second).
     let h2 = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;

@@ -858,6 +858,26 @@ pub async fn get_on(
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
+/// An HTTP/1.1 client connection from sandbox A to the HTTP/1.1-only
+/// origin, its TLS terminated by the gateway.
+pub async fn h1_client(e: &Env) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let (tls, minted) = e
+        .tls(
+            SANDBOX_A,
+            e.origins.h1_only,
+            "h1.example.test",
+            &[b"http/1.1"],
+        )
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("http/1.1");
+    tokio::spawn(conn);
+    sender
+}
+
 /// Whether the gateway closed `s` without a byte (reset or close).
 pub async fn closed_without_data(s: &mut TcpStream) -> bool {
     let mut buf = [0u8; 16];

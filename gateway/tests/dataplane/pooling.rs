@@ -6,12 +6,9 @@
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
 
 use crate::harness::*;
 
-const H1: &[&[u8]] = &[b"http/1.1"];
 const CONNECTS: &str = "egress_upstream_connect_seconds_count";
 const POOLED: &str = "egress_upstream_pooled_connections";
 
@@ -28,25 +25,11 @@ async fn pooled(e: &Env, n: u64) {
     panic!("the pool holds {}, not {n}", value(e, POOLED).await);
 }
 
-/// An HTTP/1.1 client connection from sandbox A to the HTTP/1.1-only origin.
-async fn client(e: &Env) -> SendRequest<Full<Bytes>> {
-    let (tls, minted) = e
-        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", H1)
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .expect("http");
-    tokio::spawn(conn);
-    sender
-}
-
 #[tokio::test]
 async fn an_idle_client_connection_pins_no_upstream_connection() {
     let e = intercepting(&["h1.example.test"]).await;
 
-    let mut first = client(&e).await;
+    let mut first = h1_client(&e).await;
     let (status, body) = get_on(&mut first, "h1.example.test", "/one").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("origin=h1 GET /one"), "{body}");
@@ -57,7 +40,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
     // connection goes back to the pool, and a second client connection of
     // the same sandbox takes it.
     pooled(&e, 1).await;
-    let mut second = client(&e).await;
+    let mut second = h1_client(&e).await;
     let (status, body) = get_on(&mut second, "h1.example.test", "/two").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("origin=h1 GET /two"), "{body}");
@@ -77,7 +60,7 @@ async fn an_idle_client_connection_pins_no_upstream_connection() {
     // A response abandoned before its end: its connection must not carry
     // another request (the rest of the body would be read as the answer).
     pooled(&e, 1).await;
-    let mut third = client(&e).await;
+    let mut third = h1_client(&e).await;
     third.ready().await.expect("ready");
     let req = hyper::Request::builder()
         .uri("/bytes/8388608")
