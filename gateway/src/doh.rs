@@ -21,7 +21,6 @@ use egress_policy::{EncryptedDns, Hostname, RESERVED_RESOLVERS};
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
 
 use crate::pool::Body;
 use crate::reply::text;
@@ -108,12 +107,15 @@ impl DohNames {
 
 /// Answers one request on a DoH flow to the reserved resolver `dst`, from
 /// sandbox address `src`, through `proxy`. Never forwards anything.
-pub(crate) async fn answer(
+pub(crate) async fn answer<B>(
     proxy: &DnsProxy,
     src: IpAddr,
     dst: SocketAddr,
-    req: Request<Incoming>,
-) -> Response<Body> {
+    req: Request<B>,
+) -> Response<Body>
+where
+    B: hyper::body::Body<Data = Bytes, Error = hyper::Error>,
+{
     let (parts, body) = req.into_parts();
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let content_type = parts
@@ -137,7 +139,9 @@ pub(crate) async fn answer(
 }
 
 /// The body, at most one DNS message (and a byte, to tell it was more).
-async fn read_body(body: Incoming) -> Result<Bytes, DohError> {
+async fn read_body<B: hyper::body::Body<Data = Bytes, Error = hyper::Error>>(
+    body: B,
+) -> Result<Bytes, DohError> {
     let limited = Limited::new(body, doh::MAX_MESSAGE + 1);
     match tokio::time::timeout(BODY_TIMEOUT, limited.collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),

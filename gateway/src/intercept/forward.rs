@@ -6,9 +6,9 @@ use egress_policy::Hostname;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
+use super::serve::ClientBody;
 use super::Conn;
 use crate::fault::Fault;
 use crate::pool::{Body, PoolKey, Sender};
@@ -22,7 +22,7 @@ impl Conn {
     /// answered with whose fault it was.
     pub(super) async fn pass(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<ClientBody>,
         verify_as: Option<&Hostname>,
         authority: &str,
     ) -> Response<Body> {
@@ -56,7 +56,7 @@ impl Conn {
     /// wants (absolute URI on HTTP/2, origin form and `Host` on HTTP/1.1).
     async fn forward(
         &self,
-        req: Request<Incoming>,
+        req: Request<ClientBody>,
         verify_as: Option<&Hostname>,
         authority: &str,
     ) -> Result<Response<Body>, ForwardError> {
@@ -170,7 +170,7 @@ impl Conn {
     /// Bridges an HTTP/1.1 upgrade (WebSocket) over a fresh HTTP/1.1 connection.
     async fn upgrade(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<ClientBody>,
         verify_as: Option<&Hostname>,
         authority: &str,
     ) -> Response<Body> {
@@ -242,7 +242,10 @@ impl Conn {
 }
 
 /// A body hyper read, as the gateway passes bodies on.
-fn boxed(body: Incoming) -> Body {
+fn boxed<B>(body: B) -> Body
+where
+    B: hyper::body::Body<Data = bytes::Bytes, Error = hyper::Error> + Send + Sync + 'static,
+{
     body.map_err(Into::into).boxed()
 }
 
@@ -280,7 +283,7 @@ fn unprocessed(e: &h2::Error) -> bool {
     e.is_remote() && (e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM))
 }
 
-fn is_upgrade(req: &Request<Incoming>) -> bool {
+fn is_upgrade(req: &Request<ClientBody>) -> bool {
     req.version() == http::Version::HTTP_11 && req.headers().contains_key(header::UPGRADE)
 }
 

@@ -11,8 +11,8 @@ use egress_policy::{Denied, Hostname, Protocol, RequestCode, RequestDenial, Rule
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
+use super::serve::ClientBody;
 use super::Conn;
 use crate::authority::{self, Authority, AuthorityError, Target};
 use crate::credentials;
@@ -103,7 +103,7 @@ struct Asked<'a> {
 
 impl Conn {
     /// One request, through the stages; its record is kept however it ends.
-    pub(super) async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+    pub(super) async fn handle(&self, req: Request<ClientBody>) -> Response<Body> {
         let mut recording = Recording {
             conn: self,
             record: RequestRecord::default(),
@@ -113,7 +113,11 @@ impl Conn {
 
     /// One request: its authority, its verdict, the per-request stages,
     /// then upgrade or forward.
-    async fn answer(&self, mut req: Request<Incoming>, rec: &mut RequestRecord) -> Response<Body> {
+    async fn answer(
+        &self,
+        mut req: Request<ClientBody>,
+        rec: &mut RequestRecord,
+    ) -> Response<Body> {
         if let Some(src) = self.doh_from {
             return match &self.dp.resolver {
                 Some(proxy) => crate::doh::answer(proxy, src, self.dst, req).await,
@@ -147,7 +151,7 @@ impl Conn {
     /// and credentials (compared with the shadow's answer), then its budget.
     fn checked(
         &self,
-        req: &mut Request<Incoming>,
+        req: &mut Request<ClientBody>,
         (host, lookup, allowed): (Option<&Hostname>, &Lookup, Judged),
         rec: &mut RequestRecord,
     ) -> Result<(), Denial> {
@@ -170,7 +174,7 @@ impl Conn {
     /// TLS server name).
     fn authority(
         &self,
-        req: &Request<Incoming>,
+        req: &Request<ClientBody>,
         rec: &mut RequestRecord,
     ) -> Result<Authority, Refused> {
         let claims = authority::judge(
@@ -206,7 +210,7 @@ impl Conn {
     /// one, on the evidence the active policy judged it on.
     fn shadow_request(
         &self,
-        req: &Request<Incoming>,
+        req: &Request<ClientBody>,
         host: Option<&Hostname>,
         lookup: &Lookup,
         active: crate::shadow::Judged,
@@ -297,7 +301,7 @@ impl Conn {
     /// with the credentials of its host in place of their placeholders.
     fn per_request(
         &self,
-        req: &mut Request<Incoming>,
+        req: &mut Request<ClientBody>,
         host: Option<&Hostname>,
         lookup: &Lookup,
         rec: &mut RequestRecord,
@@ -372,7 +376,7 @@ impl Conn {
     /// of their placeholders (counted), or the request refused for one.
     fn inject_credentials(
         &self,
-        req: &mut Request<Incoming>,
+        req: &mut Request<ClientBody>,
         asked: &Asked<'_>,
         rec: &mut RequestRecord,
     ) -> Result<(), Denial> {
@@ -548,7 +552,7 @@ impl Conn {
 /// Answers `400` without forwarding anything; an HTTP/1 connection is
 /// closed after it, since the client and the gateway no longer agree on
 /// what the bytes mean.
-fn refuse(req: &Request<Incoming>, why: String, rec: &mut RequestRecord) -> Response<Body> {
+fn refuse(req: &Request<ClientBody>, why: String, rec: &mut RequestRecord) -> Response<Body> {
     let mut resp = text(StatusCode::BAD_REQUEST, &format!("{why}\n"));
     if req.version() < http::Version::HTTP_2 {
         resp.headers_mut()
@@ -561,7 +565,7 @@ fn refuse(req: &Request<Incoming>, why: String, rec: &mut RequestRecord) -> Resp
 /// Answers a refused request once its body is read (up to 64 KiB, for at
 /// most a second), so an HTTP/2 client gets the answer rather than a reset
 /// stream; a larger or slower body is not waited for.
-async fn refused_after_body(req: Request<Incoming>, denial: Denial) -> Response<Body> {
+async fn refused_after_body(req: Request<ClientBody>, denial: Denial) -> Response<Body> {
     let body = http_body_util::Limited::new(req.into_body(), 64 * 1024);
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), body.collect()).await;
     denial.response()

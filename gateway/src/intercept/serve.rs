@@ -10,8 +10,10 @@
 //! idle timer's tick after the lull that gave its upstream connection back,
 //! so a client that pauses for less between requests keeps its parser and
 //! pays nothing for parking) and nothing of HTTP is in flight on it: every
-//! response it was sent has ended and been flushed, its last request had no
-//! body (so the parser is not in one), and no byte has come in since that
+//! response it was sent has ended and been flushed, its last request's body
+//! (if it had one) was read to its end (so the parser is not in it; a body
+//! left unread keeps the connection unparked until its next request), and
+//! no byte has come in since that
 //! response ended (so no part of a next head is buffered). Bytes hyper did
 //! hold (a partial head pipelined behind the last request) are read again
 //! by the next parser, and the connection does not rest again before its
@@ -142,6 +144,7 @@ fn h2_service(
     // idle connection holds a pointer (benches/RESULTS.md, Scale).
     hyper::service::service_fn(move |req: Request<Incoming>| {
         let conn = conn.clone();
+        let req = req.map(|inner| ClientBody { inner, end: None });
         Box::pin(async move { Ok(conn.handle(req).await) }) as Answer<Body>
     })
 }
@@ -210,7 +213,7 @@ fn unparse<I, S>(
         return (io, true);
     }
     io.unread(&parts.read_buf);
-    conn.rest.unsettled.store(true, Ordering::Relaxed);
+    conn.rest.settle.fetch_or(UNSETTLED, Ordering::Relaxed);
     (io, false)
 }
 
@@ -239,7 +242,13 @@ fn h1_service(
 > {
     let conn = conn.clone();
     hyper::service::service_fn(move |req: Request<Incoming>| {
-        let open = Open::new(conn.clone(), !hyper::body::Body::is_end_stream(req.body()));
+        let has_body = !hyper::body::Body::is_end_stream(req.body());
+        let (open, exchange) = Open::new(conn.clone(), has_body);
+        let end = has_body.then(|| BodyEnd {
+            conn: conn.clone(),
+            exchange,
+        });
+        let req = req.map(|inner| ClientBody { inner, end });
         Box::pin(async move {
             let resp = open.0.handle(req).await;
             Ok(resp.map(|body| Tracked { body, _open: open }))
@@ -312,9 +321,12 @@ fn idle_timeout(conn: &Conn) -> Served {
 pub(super) struct Rest {
     /// Exchanges whose responses have not ended (hyper serves one at a time).
     open: AtomicU32,
-    /// The last request had a body, or bytes were read that made no request
-    /// yet: not at rest before the next request.
-    unsettled: AtomicBool,
+    /// The number of the last exchange, shifted left by one, and
+    /// [`UNSETTLED`] while its request's body has not been read to its end
+    /// or bytes were read that made no request yet: not at rest before that
+    /// body's end or the next request. One word, so that a body ending late
+    /// (piped on after its response) never settles a later exchange.
+    settle: AtomicU64,
     /// A write went in since the last flush that completed.
     unflushed: AtomicBool,
     /// The client's bytes read when the last response ended.
@@ -324,21 +336,29 @@ pub(super) struct Rest {
 impl Rest {
     fn at_rest(&self, activity: &Counts) -> bool {
         self.open.load(Ordering::Relaxed) == 0
-            && !self.unsettled.load(Ordering::Relaxed)
+            && self.settle.load(Ordering::Relaxed) & UNSETTLED == 0
             && !self.unflushed.load(Ordering::Relaxed)
             && activity.read.load(Ordering::Relaxed) == self.read_mark.load(Ordering::Relaxed)
     }
 }
+
+/// The bit of [`Rest::settle`] that says the parser may be inside a request.
+const UNSETTLED: u64 = 1;
 
 /// An HTTP/1.1 exchange, open from its request's head until its response
 /// has ended (or either was dropped).
 struct Open(Arc<Conn>);
 
 impl Open {
-    fn new(conn: Arc<Conn>, has_body: bool) -> Self {
-        conn.rest.open.fetch_add(1, Ordering::Relaxed);
-        conn.rest.unsettled.store(has_body, Ordering::Relaxed);
-        Self(conn)
+    /// The exchange opened, and its number. hyper reads one request at a
+    /// time on a connection, so the number counts heads in order.
+    fn new(conn: Arc<Conn>, has_body: bool) -> (Self, u64) {
+        let rest = &conn.rest;
+        rest.open.fetch_add(1, Ordering::Relaxed);
+        let exchange = (rest.settle.load(Ordering::Relaxed) >> 1) + 1;
+        rest.settle
+            .store(exchange << 1 | u64::from(has_body), Ordering::Relaxed);
+        (Self(conn), exchange)
     }
 }
 
@@ -373,6 +393,65 @@ impl hyper::body::Body for Tracked {
     }
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+/// A request body as the stages read it. On HTTP/1.1 it settles its
+/// exchange once hyper has given all of it: the parser is then past the
+/// body, at the next head. A body left unread keeps the connection from
+/// resting until the next request (hyper drains or closes it).
+pub(super) struct ClientBody {
+    inner: Incoming,
+    end: Option<BodyEnd>,
+}
+
+/// Whose exchange a request body settles when it ends.
+struct BodyEnd {
+    conn: Arc<Conn>,
+    exchange: u64,
+}
+
+impl ClientBody {
+    fn settled(&mut self) {
+        if let Some(end) = self.end.take() {
+            let open = end.exchange << 1 | UNSETTLED;
+            // Only its own exchange: a later head has moved the number on.
+            let _ = end.conn.rest.settle.compare_exchange(
+                open,
+                open & !UNSETTLED,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+}
+
+impl hyper::body::Body for ClientBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        // The end, or the last frame of a body of known length: hyper's
+        // decoder has read every byte of it.
+        let ended = match &polled {
+            Poll::Ready(None) => true,
+            Poll::Ready(Some(Ok(_))) => self.inner.is_end_stream(),
+            _ => false,
+        };
+        if ended && self.end.is_some() {
+            self.settled();
+        }
+        polled
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -41,8 +41,8 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
     assert_eq!((status, body.contains("GET /two")), (200, true), "{body}");
     parked_becomes(&e, 1).await;
 
-    // After a request with a body the connection is not parked (its
-    // parser may still be in the body) until its next request.
+    // After a request whose body was read to its end (the parser is past
+    // it) the connection is parked too.
     h1.ready().await.expect("ready");
     let post = hyper::Request::post("/up")
         .header("host", "h1.example.test")
@@ -51,8 +51,7 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
     let resp = h1.send_request(post).await.expect("response");
     assert_eq!(resp.status(), 200);
     drop(resp);
-    tokio::time::sleep(Duration::from_millis(2_200)).await;
-    assert_eq!(value(&e, PARKED).await, 0, "not parked after a body");
+    parked_becomes(&e, 1).await;
     let (status, body) = get_on(&mut h1, "h1.example.test", "/three").await;
     assert_eq!((status, body.contains("GET /three")), (200, true), "{body}");
     parked_becomes(&e, 1).await;
@@ -212,6 +211,30 @@ async fn a_request_body_still_coming_after_its_response_is_never_read_as_a_reque
         "nothing answers the body's bytes: {:?}",
         after.map(|r| r.map(|n| String::from_utf8_lossy(&more[..n]).into_owned()))
     );
+}
+
+#[tokio::test]
+async fn a_connection_rests_after_a_chunked_body_read_to_its_last_chunk() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", H1)
+        .await
+        .expect("handshake");
+    tls.write_all(
+        b"POST /chunked HTTP/1.1\r\nHost: h1.example.test\r\ntransfer-encoding: chunked\r\n\r\n\
+          2\r\nab\r\n2\r\ncd\r\n0\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    let (status, body) = read_response(&mut tls).await;
+    assert_eq!(status, 200, "{body}");
+    // The parser read the last chunk: the connection rests, and is parked.
+    parked_becomes(&e, 1).await;
+    tls.write_all(b"GET /after HTTP/1.1\r\nHost: h1.example.test\r\n\r\n")
+        .await
+        .expect("write");
+    let (status, body) = read_response(&mut tls).await;
+    assert_eq!((status, body.contains("GET /after")), (200, true), "{body}");
 }
 
 #[tokio::test]
