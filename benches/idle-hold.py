@@ -2,7 +2,8 @@
 """Opens N TLS connections (full handshake, verified) to HOST:443 at IP and holds
 them idle: the client side of benches/idle-rss.sh. With --request PATH each
 connection first sends one HTTP/1.1 keep-alive request and reads the whole
-response (so an intercepting gateway holds its upstream connection too).
+response (so an intercepting gateway holds its upstream connection too);
+with --body N too, that request is a POST with an N-byte body.
 Prints `held N` when all are open, then sleeps HOLD seconds. Standard
 library only."""
 import argparse
@@ -19,6 +20,7 @@ ap.add_argument("--cafile", required=True)
 ap.add_argument("--n", type=int, default=10000)
 ap.add_argument("--hold", type=float, default=15)
 ap.add_argument("--request", metavar="PATH", help="send one GET PATH per connection")
+ap.add_argument("--body", type=int, metavar="N", help="make that request a POST of N bytes")
 ap.add_argument("--open-deadline", type=float, default=300, help="seconds to open all")
 a = ap.parse_args()
 
@@ -32,6 +34,11 @@ ctx.set_alpn_protocols(["http/1.1"])
 request = None
 if a.request:
     request = f"GET {a.request} HTTP/1.1\r\nHost: {a.host}\r\nUser-Agent: idle-hold\r\n\r\n".encode()
+    if a.body is not None:
+        request = (
+            f"POST {a.request} HTTP/1.1\r\nHost: {a.host}\r\nUser-Agent: idle-hold\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {a.body}\r\n\r\n"
+        ).encode() + b"x" * a.body
 
 
 def read_response(s):

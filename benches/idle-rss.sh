@@ -15,6 +15,8 @@
 #     an idle client connection pins none; after a second without a byte the
 #     client connection is parked (its HTTP/1.1 parser and buffers dropped
 #     until its next bytes). RSS is read 3 s after the last connection opened.
+#     POST=N makes that request `POST /post` with an N-byte body (the
+#     origin answers it without a file; topo.sh).
 # Root; benches/peers/setup.sh once.  Prints one JSON line.
 #
 #   benches/idle-rss.sh                  # splice, CONNS=9000
@@ -47,7 +49,8 @@ eb_need_root
 mode=${MODE:-splice}
 case $mode in
     splice) path_arg=() ;;
-    intercept) path_arg=(--request /ok) ;;
+    intercept) path_arg=(--request /ok)
+        [ -z "${POST:-}" ] || path_arg=(--request /post --body "$POST") ;;
     *) eb_die "MODE is splice or intercept" ;;
 esac
 hard=$(ulimit -Hn)

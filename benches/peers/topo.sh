@@ -131,6 +131,7 @@ http {
         ssl_certificate_key $ORIGIN_KEY;
         root $EB_WWW;
         location / { }
+        location = /post { return 200 "ok\n"; }
     }
 }
 EOF
