@@ -16,7 +16,8 @@
 #     client connection is parked (its HTTP/1.1 parser and buffers dropped
 #     until its next bytes). RSS is read 3 s after the last connection opened.
 #     POST=N makes that request `POST /post` with an N-byte body (the
-#     origin answers it without a file; topo.sh).
+#     origin answers it without a file; topo.sh). CLIENT_H2=1: the clients
+#     speak HTTP/2 (one GET each); such connections are not parked.
 # Root; benches/peers/setup.sh once.  Prints one JSON line.
 #
 #   benches/idle-rss.sh                  # splice, CONNS=9000
@@ -50,7 +51,8 @@ mode=${MODE:-splice}
 case $mode in
     splice) path_arg=() ;;
     intercept) path_arg=(--request /ok)
-        [ -z "${POST:-}" ] || path_arg=(--request /post --body "$POST") ;;
+        [ -z "${POST:-}" ] || path_arg=(--request /post --body "$POST")
+        [ "${CLIENT_H2:-0}" = 0 ] || path_arg+=(--h2) ;;
     *) eb_die "MODE is splice or intercept" ;;
 esac
 hard=$(ulimit -Hn)
