@@ -13,11 +13,10 @@
 //! response it was sent has ended and been flushed, its last request's body
 //! (if it had one) was read to its end (so the parser is not in it; a body
 //! left unread keeps the connection unparked until its next request), and
-//! no byte has come in since that
-//! response ended (so no part of a next head is buffered). Bytes hyper did
-//! hold (a partial head pipelined behind the last request) are read again
-//! by the next parser, and the connection does not rest again before its
-//! next request. While parked, the limits hyper would keep still hold: the
+//! no byte has come in since that response ended (so no part of a next head
+//! is buffered). Bytes hyper did hold (a partial head pipelined behind the
+//! last request) are read again by the next parser, and the connection
+//! does not rest again before its next request. While parked, the limits hyper would keep still hold: the
 //! idle timeout, the drain, and `timeouts.request_head`, which hyper counts
 //! from the moment it waits for a head.
 
@@ -442,7 +441,7 @@ impl hyper::body::Body for ClientBody {
             Poll::Ready(Some(Ok(_))) => self.inner.is_end_stream(),
             _ => false,
         };
-        if ended && self.end.is_some() {
+        if ended {
             self.settled();
         }
         polled

@@ -231,7 +231,8 @@ async fn bulk_both_ways_at_once_arrives_whole_and_counted() {
     // direction's cap: once one side has closed, the other is sealed and may
     // fall up to all of its bytes behind, and past the cap a reader that
     // slow is reset (`splice_backlog`), which on a loaded machine the test's
-    // own reader can be (24 MiB each way once failed that way in CI).
+    // own reader can be. (At 24 MiB each way the test once failed in CI with
+    // a reset; that cause is the likely one, not a proven one.)
     let size = usize::try_from(HALF_CLOSED_CAP).expect("cap") - (2 << 20);
     let (up, down) = (pattern(size), pattern(size + 7));
     let side = |s: TcpStream, send: Vec<u8>, want: usize| {
