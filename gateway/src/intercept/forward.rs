@@ -287,38 +287,53 @@ fn is_upgrade(req: &Request<ClientBody>) -> bool {
     req.version() == http::Version::HTTP_11 && req.headers().contains_key(header::UPGRADE)
 }
 
-/// Connection-specific headers never cross a proxy (RFC 9110 §7.6.1).
+/// Connection-specific headers never cross a proxy (RFC 9110 §7.6.1): the
+/// fixed ones, and every header a `Connection` value names. One look at each
+/// name the message carries; only the names found are removed (a message
+/// usually carries none, or only `Connection`).
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for n in named {
-        headers.remove(n);
+    let doomed: Vec<HeaderName> = {
+        let listed: Vec<&str> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .collect();
+        headers
+            .keys()
+            .filter(|name| {
+                is_hop_by_hop(name) || listed.iter().any(|t| t.eq_ignore_ascii_case(name.as_str()))
+            })
+            .cloned()
+            .collect()
+    };
+    for name in doomed {
+        headers.remove(name);
     }
-    for n in [
-        header::CONNECTION,
-        HeaderName::from_static("keep-alive"),
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ] {
-        headers.remove(n);
-    }
+}
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
 }
 
 /// The origin sees exactly the authority the gateway judged: every `Host`
 /// the client sent is replaced by it (they agreed, or the request was refused).
 fn set_host(headers: &mut HeaderMap, authority: &str) {
-    headers.remove(header::HOST);
-    if let Ok(v) = HeaderValue::from_str(authority) {
-        headers.insert(header::HOST, v);
+    match HeaderValue::from_str(authority) {
+        // `insert` replaces every value the name had.
+        Ok(v) => drop(headers.insert(header::HOST, v)),
+        Err(_) => drop(headers.remove(header::HOST)),
     }
 }
 
@@ -327,9 +342,118 @@ fn origin_form(uri: &Uri) -> Uri {
         .map_or_else(|| Uri::from_static("/"), |pq| Uri::from(pq.clone()))
 }
 
+/// The request's URI as the origin gets it over HTTP/2: `https`, the judged
+/// authority and the client's path. Usually the client's URI is that already
+/// (the same authority, byte for byte), and is kept as it is.
 fn absolute(uri: &Uri, authority: &str) -> Uri {
+    let same = uri.scheme() == Some(&http::uri::Scheme::HTTPS)
+        && uri.authority().is_some_and(|a| a.as_str() == authority)
+        && uri.path_and_query().is_some();
+    if same {
+        return uri.clone();
+    }
     let pq = uri.path_and_query().map_or("/", |pq| pq.as_str());
     format!("https://{authority}{pq}")
         .parse()
         .unwrap_or_else(|_| origin_form(uri))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut m = HeaderMap::new();
+        for (n, v) in pairs {
+            m.append(
+                HeaderName::from_bytes(n.as_bytes()).expect("a header name"),
+                HeaderValue::from_str(v).expect("a header value"),
+            );
+        }
+        m
+    }
+
+    fn names(m: &HeaderMap) -> Vec<&str> {
+        let mut v: Vec<&str> = m.keys().map(HeaderName::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn the_fixed_hop_by_hop_headers_go_and_the_rest_stay() {
+        let mut m = map(&[
+            ("connection", "keep-alive"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "Basic eA=="),
+            ("proxy-authenticate", "Basic"),
+            ("te", "trailers"),
+            ("trailer", "x-sum"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "h2c"),
+            ("content-type", "text/plain"),
+            ("set-cookie", "a=1"),
+            ("set-cookie", "b=2"),
+        ]);
+        strip_hop_by_hop(&mut m);
+        assert_eq!(names(&m), ["content-type", "set-cookie"]);
+        assert_eq!(m.get_all("set-cookie").iter().count(), 2);
+    }
+
+    #[test]
+    fn headers_a_connection_value_names_go_in_any_case_and_every_value() {
+        let mut m = map(&[
+            ("connection", "X-Secret , close"),
+            ("connection", "x-other"),
+            ("x-secret", "1"),
+            ("x-secret", "2"),
+            ("x-other", "3"),
+            ("x-kept", "4"),
+        ]);
+        strip_hop_by_hop(&mut m);
+        assert_eq!(names(&m), ["x-kept"]);
+    }
+
+    #[test]
+    fn a_message_without_hop_by_hop_headers_is_left_as_it_was() {
+        let mut m = map(&[("host", "a.test"), ("accept", "*/*"), ("x-connection", "1")]);
+        let before = m.clone();
+        strip_hop_by_hop(&mut m);
+        assert_eq!(m, before);
+    }
+
+    #[test]
+    fn the_origin_gets_the_judged_authority_over_http2() {
+        let judged = "origin.test:8443";
+        for (client, expect) in [
+            (
+                "https://origin.test:8443/a?b=c",
+                "https://origin.test:8443/a?b=c",
+            ),
+            (
+                "https://Origin.Test:8443/a?b=c",
+                "https://origin.test:8443/a?b=c",
+            ),
+            ("http://origin.test:8443/a", "https://origin.test:8443/a"),
+            ("https://origin.test/a", "https://origin.test:8443/a"),
+            ("https://origin.test:8443", "https://origin.test:8443/"),
+            ("/a?b", "https://origin.test:8443/a?b"),
+        ] {
+            let uri: Uri = client.parse().expect("a URI");
+            assert_eq!(absolute(&uri, judged).to_string(), expect, "{client}");
+        }
+    }
+
+    #[test]
+    fn every_host_is_replaced_by_the_judged_authority() {
+        let mut m = map(&[("host", "a.test"), ("host", "b.test"), ("accept", "*/*")]);
+        set_host(&mut m, "a.test:8443");
+        let hosts: Vec<_> = m.get_all(header::HOST).iter().collect();
+        assert_eq!(hosts, ["a.test:8443"]);
+        set_host(&mut m, "bad\u{7f}");
+        assert!(
+            m.get(header::HOST).is_none(),
+            "no Host rather than the old one"
+        );
+        assert_eq!(names(&m), ["accept"]);
+    }
 }
