@@ -221,6 +221,9 @@ impl Conn {
     }
 
     /// Opens a connection to the original destination (see [`Upstreams::connect`]).
+    /// Its future (a TCP connect, a TLS handshake, an HTTP handshake: 5 kB)
+    /// is boxed, so that every request's future, which may connect but
+    /// mostly does not, is that much smaller to build and move.
     async fn connect(
         &self,
         verify_as: Option<&Hostname>,
@@ -228,16 +231,15 @@ impl Conn {
     ) -> Result<Sender, ForwardError> {
         let config = self.dp.config();
         let route = self.route();
-        self.up
-            .connect(
-                (self.dst, &route),
-                self.tls,
-                verify_as,
-                allow_h2,
-                &config.timeouts,
-                &self.dp.metrics,
-            )
-            .await
+        Box::pin(self.up.connect(
+            (self.dst, &route),
+            self.tls,
+            verify_as,
+            allow_h2,
+            &config.timeouts,
+            &self.dp.metrics,
+        ))
+        .await
     }
 }
 
