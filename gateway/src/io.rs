@@ -436,6 +436,49 @@ impl<'a> Watch<'a> {
     }
 }
 
+/// hyper's timer for the HTTP/1.1 head timeout, without tokio's timer
+/// wheel: a deadline is read whenever hyper polls it, which it does each
+/// time the connection's task runs while a head is awaited. The task of a
+/// connection hyper serves also runs its [`Watch`], which wakes it at least
+/// once a second, so a head timeout is seen at most a tick late. A deadline
+/// costs a clock read per poll, where a tokio sleep registered a timer on
+/// every request and removed it when the head came.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TickTimer;
+
+/// A [`TickTimer`] deadline. It never registers a waker: see [`TickTimer`].
+struct Deadline(std::time::Instant);
+
+impl Future for Deadline {
+    type Output = ();
+    fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
+        if std::time::Instant::now() >= self.0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl hyper::rt::Sleep for Deadline {}
+
+impl hyper::rt::Timer for TickTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(Deadline(std::time::Instant::now() + duration))
+    }
+
+    fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(Deadline(deadline))
+    }
+
+    fn reset(&self, sleep: &mut Pin<Box<dyn hyper::rt::Sleep>>, deadline: std::time::Instant) {
+        match sleep.as_mut().downcast_mut_pin::<Deadline>() {
+            Some(mut d) => d.0 = deadline,
+            None => *sleep = self.sleep_until(deadline),
+        }
+    }
+}
+
 /// Closes with RST: the answer for denied flows that have no protocol to speak.
 pub(crate) fn reset(stream: &tokio::net::TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
@@ -445,6 +488,25 @@ pub(crate) fn reset(stream: &tokio::net::TcpStream) {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn a_tick_timer_deadline_is_ready_once_passed_and_moves_when_reset() {
+        use hyper::rt::Timer;
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let now = std::time::Instant::now();
+        let mut sleep = TickTimer.sleep_until(now + Duration::from_secs(60));
+        assert!(sleep.as_mut().poll(&mut cx).is_pending());
+        TickTimer.reset(&mut sleep, now);
+        assert!(sleep.as_mut().poll(&mut cx).is_ready());
+        TickTimer.reset(&mut sleep, now + Duration::from_secs(60));
+        assert!(sleep.as_mut().poll(&mut cx).is_pending());
+        assert!(TickTimer
+            .sleep(Duration::ZERO)
+            .as_mut()
+            .poll(&mut cx)
+            .is_ready());
+    }
 
     #[tokio::test]
     async fn vectored_writes_pass_through_rewind_and_counted_and_are_counted() {

@@ -32,7 +32,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::{client_fault, connection_error, ended, Conn, Served, RELEASE_AFTER};
@@ -218,13 +218,15 @@ fn unparse<I, S>(
 
 /// The HTTP/1.1 parser of a client connection: bounded request heads (a
 /// larger one is answered 431 and never forwarded), each within
-/// `timeouts.request_head` of the moment it is waited for.
+/// `timeouts.request_head` of the moment it is waited for (seen at the
+/// watch's next tick, [`crate::io::TickTimer`]: [`serve_h1`] polls hyper's
+/// connection and the watch in one task).
 fn h1_server(conn: &Conn) -> hyper::server::conn::http1::Builder {
     let config = conn.dp.config();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .max_buf_size(config.limits.max_request_head)
-        .timer(TokioTimer::new())
+        .timer(crate::io::TickTimer)
         .header_read_timeout(config.timeouts.request_head);
     builder
 }
