@@ -106,22 +106,32 @@ fn validate(s: &str) -> Result<(), NameError> {
     if s.len() > MAX_NAME_LEN {
         return Err(NameError::TooLong);
     }
-    if let Some(c) = s
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '.'))
+    // ASCII from here on: one byte is one character, and every index is a
+    // character boundary. One pass over the bytes, no allocation unless
+    // the name is refused (this runs on every request's Host).
+    let bytes = s.as_bytes();
+    if let Some(&b) = bytes
+        .iter()
+        .find(|&&b| !(b.is_ascii_alphanumeric() || b == b'-' || b == b'.'))
     {
-        return Err(NameError::BadChar(c));
+        return Err(NameError::BadChar(char::from(b)));
     }
-    for label in s.split('.') {
+    let mut start = 0;
+    for end in (0..bytes.len())
+        .filter(|&i| bytes[i] == b'.')
+        .chain([bytes.len()])
+    {
+        let label = &bytes[start..end];
         if label.is_empty() {
             return Err(NameError::EmptyLabel);
         }
         if label.len() > MAX_LABEL_LEN {
-            return Err(NameError::LabelTooLong(label.to_owned()));
+            return Err(NameError::LabelTooLong(s[start..end].to_owned()));
         }
-        if label.starts_with('-') || label.ends_with('-') {
-            return Err(NameError::HyphenAtEdge(label.to_owned()));
+        if label[0] == b'-' || label[label.len() - 1] == b'-' {
+            return Err(NameError::HyphenAtEdge(s[start..end].to_owned()));
         }
+        start = end + 1;
     }
     // An all-numeric last label makes the name read as an IPv4 literal
     // (`10.0.0.1`, `1.2.3`); no top-level domain is numeric (RFC 3696 §2).
