@@ -92,10 +92,7 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-eb_ns_exists "$NS_GW" && "$topo" down
-"$topo" up
+eb_topology_fresh
 if [ "$n" -gt 25000 ]; then
     for ns in "$NS_CL" "$NS_GW"; do
         ip netns exec "$ns" sysctl -qw net.ipv4.ip_local_port_range="1024 65535"

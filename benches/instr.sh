@@ -66,11 +66,7 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-eb_ns_exists "$NS_GW" && "$EB_DIR/topo.sh" down
-STARTED=1
-"$EB_DIR/topo.sh" up
+eb_topology_fresh
 
 # The column's binary is a wrapper that runs `run` under callgrind (and the
 # CA commands as they are).

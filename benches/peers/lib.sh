@@ -109,6 +109,18 @@ eb_stop() {
 
 eb_pid_of() { cat "$EB_RUN/$1.pid" 2>/dev/null || true; }
 
+# After the caller's EXIT trap (which tears down what was started): INT and
+# TERM end the run through it, and the topology comes up fresh (one left up
+# by KEEP_UP=1 or a killed run is replaced). STARTED=1 from here on, so the
+# EXIT trap also takes down a topology that came up halfway.
+eb_topology_fresh() {
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    eb_ns_exists "$NS_GW" && "$EB_DIR/topo.sh" down
+    STARTED=1
+    "$EB_DIR/topo.sh" up
+}
+
 # Wait until something listens on TCP PORT in NS (TRIES × 0.1 s, default 20 s).
 eb_wait_listen() {
     local ns=$1 port=$2 tries=${3:-200}

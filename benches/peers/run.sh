@@ -89,13 +89,7 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# A topology left up (KEEP_UP=1, or a run that was killed) is replaced.
-eb_ns_exists "$NS_GW" && "$EB_DIR/topo.sh" down
-STARTED=1
-"$EB_DIR/topo.sh" up
+eb_topology_fresh
 for p in $PEERS; do
     eb_log "starting $p"
     "$EB_DIR/peers.sh" start "$p"
