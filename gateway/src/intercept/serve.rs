@@ -212,7 +212,7 @@ fn unparse<I, S>(
         return (io, true);
     }
     io.unread(&parts.read_buf);
-    conn.rest.settle.fetch_or(UNSETTLED, Ordering::Relaxed);
+    conn.rest.settle.unsettle();
     (io, false)
 }
 
@@ -322,12 +322,8 @@ fn idle_timeout(conn: &Conn) -> Served {
 pub(super) struct Rest {
     /// Exchanges whose responses have not ended (hyper serves one at a time).
     open: AtomicU32,
-    /// The number of the last exchange, shifted left by one, and
-    /// [`UNSETTLED`] while its request's body has not been read to its end
-    /// or bytes were read that made no request yet: not at rest before that
-    /// body's end or the next request. One word, so that a body ending late
-    /// (piped on after its response) never settles a later exchange.
-    settle: AtomicU64,
+    /// Whether the parser may be inside a request: see [`Settle`].
+    settle: Settle,
     /// A write went in since the last flush that completed.
     unflushed: AtomicBool,
     /// The client's bytes read when the last response ended.
@@ -337,14 +333,52 @@ pub(super) struct Rest {
 impl Rest {
     fn at_rest(&self, activity: &Counts) -> bool {
         self.open.load(Ordering::Relaxed) == 0
-            && self.settle.load(Ordering::Relaxed) & UNSETTLED == 0
+            && self.settle.settled()
             && !self.unflushed.load(Ordering::Relaxed)
             && activity.read.load(Ordering::Relaxed) == self.read_mark.load(Ordering::Relaxed)
     }
 }
 
-/// The bit of [`Rest::settle`] that says the parser may be inside a request.
+/// The number of the last exchange, shifted left by one, and [`UNSETTLED`]
+/// while its request's body has not been read to its end or bytes were read
+/// that made no request yet: not at rest before that body's end or the next
+/// request. One word, so that a body ending late (piped on after its
+/// response) never settles a later exchange.
+#[derive(Debug, Default)]
+struct Settle(AtomicU64);
+
+/// The bit of [`Settle`] that says the parser may be inside a request.
 const UNSETTLED: u64 = 1;
+
+impl Settle {
+    /// A head came: the next exchange's number, unsettled if it has a body.
+    fn open(&self, has_body: bool) -> u64 {
+        let exchange = (self.0.load(Ordering::Relaxed) >> 1) + 1;
+        self.0
+            .store(exchange << 1 | u64::from(has_body), Ordering::Relaxed);
+        exchange
+    }
+
+    /// `exchange`'s body ended: settled, unless a later head came since.
+    fn settle(&self, exchange: u64) {
+        let open = exchange << 1 | UNSETTLED;
+        let _ = self.0.compare_exchange(
+            open,
+            open & !UNSETTLED,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Bytes were read that made no request yet.
+    fn unsettle(&self) {
+        self.0.fetch_or(UNSETTLED, Ordering::Relaxed);
+    }
+
+    fn settled(&self) -> bool {
+        self.0.load(Ordering::Relaxed) & UNSETTLED == 0
+    }
+}
 
 /// An HTTP/1.1 exchange, open from its request's head until its response
 /// has ended (or either was dropped).
@@ -356,9 +390,7 @@ impl Open {
     fn new(conn: Arc<Conn>, has_body: bool) -> (Self, u64) {
         let rest = &conn.rest;
         rest.open.fetch_add(1, Ordering::Relaxed);
-        let exchange = (rest.settle.load(Ordering::Relaxed) >> 1) + 1;
-        rest.settle
-            .store(exchange << 1 | u64::from(has_body), Ordering::Relaxed);
+        let exchange = rest.settle.open(has_body);
         (Self(conn), exchange)
     }
 }
@@ -415,14 +447,7 @@ struct BodyEnd {
 impl ClientBody {
     fn settled(&mut self) {
         if let Some(end) = self.end.take() {
-            let open = end.exchange << 1 | UNSETTLED;
-            // Only its own exchange: a later head has moved the number on.
-            let _ = end.conn.rest.settle.compare_exchange(
-                open,
-                open & !UNSETTLED,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
+            end.conn.rest.settle.settle(end.exchange);
         }
     }
 }
@@ -508,6 +533,36 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for RestIo<I> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_body_settles_only_its_own_exchange() {
+        let s = Settle::default();
+        assert!(s.settled(), "a new connection is settled");
+        let first = s.open(true);
+        assert!(!s.settled(), "a body is coming");
+        let second = s.open(true);
+        assert_eq!(second, first + 1);
+        s.settle(first);
+        assert!(
+            !s.settled(),
+            "a late body leaves a later exchange unsettled"
+        );
+        s.settle(second);
+        assert!(s.settled());
+        s.settle(second);
+        assert!(s.settled(), "settling twice changes nothing");
+        let third = s.open(false);
+        assert!(
+            s.settled(),
+            "a request without a body is settled at its head"
+        );
+        s.unsettle();
+        assert!(!s.settled(), "bytes of a next head");
+        s.settle(second);
+        assert!(!s.settled(), "an older body does not settle them");
+        assert_eq!(s.open(false), third + 1);
+        assert!(s.settled(), "the next head settles them");
+    }
 
     /// What `sniff` says of `chunks` written one by one, and the bytes read
     /// after it: all of them, none lost.
