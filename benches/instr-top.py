@@ -2,11 +2,14 @@
 """Instructions per request from a callgrind output file (benches/instr.sh).
 
     instr-top.py FILE REQUESTS [TOP] [--inclusive PATTERN]
+    instr-top.py FILE REQUESTS [TOP] --diff BASE_FILE BASE_REQUESTS
 
 First line: `total <instructions per request>`. Then the TOP functions by
 their own instructions per request; with --inclusive, the functions whose
 name contains PATTERN by their instructions including their callees' (what
-they cost all told; a recursive function's own calls are not added twice).
+they cost all told; a recursive function's own calls are not added twice);
+with --diff, the functions whose own instructions per request moved most
+from BASE_FILE's (an A/B's "where did it change"), FILE minus BASE.
 Reads callgrind's compressed format itself: callgrind_annotate 3.19 puts
 every cost of a file dumped with `callgrind_control -d` under `clone`.
 """
@@ -57,6 +60,11 @@ def parse(path):
 def main():
     args = sys.argv[1:]
     pattern = None
+    base = None
+    if "--diff" in args:
+        i = args.index("--diff")
+        base = (args[i + 1], int(args[i + 2]))
+        del args[i : i + 3]
     if "--inclusive" in args:
         i = args.index("--inclusive")
         pattern = args[i + 1]
@@ -66,6 +74,14 @@ def main():
     own, calls = parse(path)
     total = sum(own.values())
     print(f"total {total / requests:.0f}")
+    if base is not None:
+        base_own, _ = parse(base[0])
+        print(f"base {sum(base_own.values()) / base[1]:.0f}")
+        names = set(own) | set(base_own)
+        moved = [(own[f] / requests - base_own[f] / base[1], f) for f in names]
+        for d, f in sorted(moved, key=lambda m: -abs(m[0]))[:top]:
+            print(f"{d:+10.1f}  {f}")
+        return
     if pattern is None:
         for f, v in own.most_common(top):
             print(f"{v / requests:10.1f} {100 * v / total:6.2f}%  {f}")

@@ -24,7 +24,8 @@
 #   TESTS        "ka h2" (default) and bulk: ka = h2load --h1 -c4 GET /1k;
 #                h2 = h2load -c8 -m32 GET /1k; bulk = h2load --h1 -c2 GET /1m
 #   N=20000      requests counted per test (bulk: BULK_N=200); N/10 more warm up first
-#   TOP=25       functions listed by their own instructions, per run
+#   TOP=25       functions listed by their own instructions, per run (and per test,
+#                with two builds, the functions whose instructions moved most: <test>.diff)
 #   KEEP_UP=1    leave the topology up afterwards
 #   OUT          raw results (default /tmp/egress-peers/results/instr-<UTC time>)
 #   SUMMARY_TO   copy of the summary (default benches/results/instr-<UTC time>.md); "none"
@@ -139,11 +140,16 @@ for t in $TESTS; do
         per[${b%%=*}]=$(measure "${b%%=*}" "${b#*=}" "$t")
         row+=" | ${per[${b%%=*}]}"
     done
-    [ -n "${GW_BASE_BIN:-}" ] && row+=" | $(awk -v a="${per[gateway]}" -v b="${per[gateway-base]}" 'BEGIN {printf "%.4f", a / b}')"
+    if [ -n "${GW_BASE_BIN:-}" ]; then
+        row+=" | $(awk -v a="${per[gateway]}" -v b="${per[gateway-base]}" 'BEGIN {printf "%.4f", a / b}')"
+        n=$N; [ "$t" = bulk ] && n=$BULK_N
+        python3 "$EB_ROOT/benches/instr-top.py" "$OUT/$t-gateway.callgrind" "$n" "$TOP" \
+            --diff "$OUT/$t-gateway-base.callgrind" "$n" > "$OUT/$t.diff"
+    fi
     echo "$row |" >> "$OUT/summary.md"
     unset per
 done
 echo >> "$OUT/summary.md"
-echo "Each run's functions by their own instructions: $OUT/<test>-<column>.top" >> "$OUT/summary.md"
+echo "Each run's functions by their own instructions: $OUT/<test>-<column>.top; with two builds, where they differ: $OUT/<test>.diff" >> "$OUT/summary.md"
 cat "$OUT/summary.md"
 [ "$SUMMARY_TO" = none ] || cp "$OUT/summary.md" "$SUMMARY_TO"
