@@ -16,9 +16,11 @@
 //! no byte has come in since that response ended (so no part of a next head
 //! is buffered). Bytes hyper did hold (a partial head pipelined behind the
 //! last request) are read again by the next parser, and the connection
-//! does not rest again before its next request. While parked, the limits hyper would keep still hold: the
-//! idle timeout, the drain, and `timeouts.request_head`, which hyper counts
-//! from the moment it waits for a head.
+//! does not rest again before its next request. While parked, the limits
+//! hyper would keep still hold: the idle timeout, the drain, and
+//! `timeouts.request_head`, which hyper counts from the moment it waits for
+//! a head (unparked, hyper's deadline is read at the watch's ticks:
+//! [`crate::io::TickTimer`]).
 
 use std::convert::Infallible;
 use std::future::Future;
