@@ -289,44 +289,57 @@ fn is_upgrade(req: &Request<ClientBody>) -> bool {
     req.version() == http::Version::HTTP_11 && req.headers().contains_key(header::UPGRADE)
 }
 
+/// The fixed connection-specific headers (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
 /// Connection-specific headers never cross a proxy (RFC 9110 §7.6.1): the
 /// fixed ones, and every header a `Connection` value names. One look at each
-/// name the message carries; only the names found are removed (a message
-/// usually carries none, or only `Connection`).
+/// name the message carries and one at each `Connection` token; only the
+/// names found are removed (a message usually carries none, or only
+/// `Connection`), and nothing is allocated unless a token names a header
+/// outside the fixed set that the message carries.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let doomed: Vec<HeaderName> = {
-        let listed: Vec<&str> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .collect();
-        headers
-            .keys()
-            .filter(|name| {
-                is_hop_by_hop(name) || listed.iter().any(|t| t.eq_ignore_ascii_case(name.as_str()))
-            })
-            .cloned()
-            .collect()
-    };
-    for name in doomed {
+    let mut named: Vec<HeaderName> = Vec::new();
+    for value in headers.get_all(header::CONNECTION) {
+        let Ok(value) = value.to_str() else { continue };
+        for token in value.split(',').map(str::trim) {
+            if HOP_BY_HOP
+                .iter()
+                .any(|h| h.as_str().eq_ignore_ascii_case(token))
+            {
+                continue;
+            }
+            // A token that is no header name names no header.
+            match HeaderName::from_bytes(token.as_bytes()) {
+                Ok(name) if headers.contains_key(&name) => named.push(name),
+                _ => {}
+            }
+        }
+    }
+    let mut fixed = 0u8;
+    for name in headers.keys() {
+        // A standard name compares as a tag, not as bytes.
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            fixed |= 1 << i;
+        }
+    }
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if fixed & (1 << i) != 0 {
+            headers.remove(name);
+        }
+    }
+    for name in named {
         headers.remove(name);
     }
-}
-
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-    )
 }
 
 /// The origin sees exactly the authority the gateway judged: every `Host`
