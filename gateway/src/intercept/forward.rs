@@ -345,6 +345,13 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// The origin sees exactly the authority the gateway judged: every `Host`
 /// the client sent is replaced by it (they agreed, or the request was refused).
 fn set_host(headers: &mut HeaderMap, authority: &str) {
+    // Usually the client sent one Host, the authority byte for byte: kept.
+    let mut hosts = headers.get_all(header::HOST).iter();
+    if let (Some(only), None) = (hosts.next(), hosts.next()) {
+        if only.as_bytes() == authority.as_bytes() {
+            return;
+        }
+    }
     match HeaderValue::from_str(authority) {
         // `insert` replaces every value the name had.
         Ok(v) => drop(headers.insert(header::HOST, v)),
@@ -464,6 +471,21 @@ mod tests {
         set_host(&mut m, "a.test:8443");
         let hosts: Vec<_> = m.get_all(header::HOST).iter().collect();
         assert_eq!(hosts, ["a.test:8443"]);
+        let mut twice = map(&[("host", "a.test"), ("host", "b.test")]);
+        set_host(&mut twice, "a.test");
+        let hosts: Vec<_> = twice.get_all(header::HOST).iter().collect();
+        assert_eq!(
+            hosts,
+            ["a.test"],
+            "the first of two Hosts agreeing is not enough"
+        );
+        let mut once = map(&[("host", "a.test")]);
+        set_host(&mut once, "a.test");
+        let hosts: Vec<_> = once.get_all(header::HOST).iter().collect();
+        assert_eq!(hosts, ["a.test"]);
+        set_host(&mut once, "A.test");
+        let hosts: Vec<_> = once.get_all(header::HOST).iter().collect();
+        assert_eq!(hosts, ["A.test"], "replaced unless equal byte for byte");
         set_host(&mut m, "bad\u{7f}");
         assert!(
             m.get(header::HOST).is_none(),
