@@ -36,6 +36,8 @@ pub mod shadow;
 mod splice;
 mod spliced;
 mod state;
+#[cfg(test)]
+mod test_util;
 mod upstream;
 pub mod upstream_proxy;
 

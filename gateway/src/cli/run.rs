@@ -12,6 +12,8 @@ use crate::config::Config;
 use crate::flowlog::FlowLog;
 use crate::{Gateway, SoOriginalDst};
 
+// The doc comments are `--help` text, where `[listen]` names the TOML table.
+#[allow(rustdoc::broken_intra_doc_links)]
 #[derive(Debug, Args)]
 pub(super) struct RunArgs {
     /// TOML configuration; every key has a default, so this is optional.

@@ -1,4 +1,5 @@
 use super::*;
+use crate::test_util::header_map as headers;
 
 const VALUE: &str = "ghp_real-value-0123456789";
 
@@ -31,17 +32,6 @@ fn github(path: &str, require: bool) -> Vec<Credential> {
              "inject": {{"header": "authorization", "format": "Bearer {{value}}"}},
              "source": {{"file": "{path}"}}, "require": {require}}}]"#
     ))
-}
-
-fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-    let mut m = HeaderMap::new();
-    for (k, v) in pairs {
-        m.append(
-            HeaderName::from_bytes(k.as_bytes()).expect("name"),
-            HeaderValue::from_str(v).expect("value"),
-        );
-    }
-    m
 }
 
 #[test]

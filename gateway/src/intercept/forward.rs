@@ -220,7 +220,8 @@ impl Conn {
         self.dp.proxies.route(self.sandbox.upstream_proxy.as_ref())
     }
 
-    /// Opens a connection to the original destination (see [`Upstreams::connect`]).
+    /// Opens a connection to the original destination (see
+    /// [`Upstreams::connect`](crate::upstream::Upstreams::connect)).
     /// Its future (a TCP connect, a TLS handshake, an HTTP handshake: 5 kB)
     /// is boxed, so that every request's future, which may connect but
     /// mostly does not, is that much smaller to build and move.
@@ -383,17 +384,7 @@ fn absolute(uri: &Uri, authority: &str) -> Uri {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn map(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut m = HeaderMap::new();
-        for (n, v) in pairs {
-            m.append(
-                HeaderName::from_bytes(n.as_bytes()).expect("a header name"),
-                HeaderValue::from_str(v).expect("a header value"),
-            );
-        }
-        m
-    }
+    use crate::test_util::header_map as map;
 
     fn names(m: &HeaderMap) -> Vec<&str> {
         let mut v: Vec<&str> = m.keys().map(HeaderName::as_str).collect();
