@@ -40,7 +40,10 @@ async fn a_drain_ends_intercepted_connections_at_their_next_request_boundary() {
     );
     // Both clients were told: the HTTP/1.1 connection is closed, the
     // HTTP/2 one takes no new request.
-    assert!(h1.is_closed(), "the idle HTTP/1.1 connection was closed");
+    assert!(
+        h1_closed_within(&h1, Duration::from_secs(2)).await,
+        "the idle HTTP/1.1 connection was closed"
+    );
     let req = hyper::Request::get("https://goaway.example.test/next")
         .body(Full::new(Bytes::new()))
         .expect("request");

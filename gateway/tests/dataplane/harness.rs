@@ -878,6 +878,23 @@ pub async fn h1_client(e: &Env) -> hyper::client::conn::http1::SendRequest<Full<
     sender
 }
 
+/// Whether an [`h1_client`]'s connection is seen closed within `within`:
+/// its task notices the gateway's close when it next runs, which on a
+/// loaded machine may be a moment after the close.
+pub async fn h1_closed_within(
+    h1: &hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    within: Duration,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while !h1.is_closed() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
+
 /// Whether the gateway closed `s` without a byte (reset or close).
 pub async fn closed_without_data(s: &mut TcpStream) -> bool {
     let mut buf = [0u8; 16];
