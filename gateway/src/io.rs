@@ -323,6 +323,127 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Coalesce<S> {
     }
 }
 
+/// Reads through `inner` only after a wake-up since it last said "pending".
+///
+/// hyper polls its connection's reads every time the connection's task
+/// runs, whatever woke it (a request to send, a body taken, a response
+/// handed over): through TLS down to the socket, each such poll learns again,
+/// at a few hundred instructions, that nothing came (benches/RESULTS.md,
+/// "Reads tried again only after a wake-up"). The latch hands `inner` a waker of
+/// its own. Once `inner` has said "pending", a read is answered "pending" at
+/// once until that waker fires, and the task's waker is kept so that the
+/// wake-up still reaches it. Whatever `inner` registered that waker for
+/// (readiness to read, or to write within a read) counts as a wake-up: at
+/// worst a read is tried once too often, never once too few.
+///
+/// Only for a stream that nothing reads except through the latch.
+pub(crate) struct ReadLatch<S> {
+    inner: S,
+    latch: Arc<Latch>,
+    /// `latch` as a waker, made once.
+    waker: std::task::Waker,
+    /// `inner`'s last read said "pending".
+    parked: bool,
+}
+
+/// The waker a [`ReadLatch`] gives its stream: marks the wake-up and passes
+/// it on to the task that read last.
+#[derive(Default)]
+struct Latch {
+    woken: std::sync::atomic::AtomicBool,
+    task: std::sync::Mutex<Option<std::task::Waker>>,
+}
+
+impl std::task::Wake for Latch {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        let task = self
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            task.wake();
+        }
+    }
+}
+
+impl Latch {
+    /// Keeps `cx`'s waker as the one to wake (a clone only when it changed).
+    fn keep(&self, cx: &Context<'_>) {
+        let mut task = self
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !task.as_ref().is_some_and(|t| t.will_wake(cx.waker())) {
+            *task = Some(cx.waker().clone());
+        }
+    }
+}
+
+impl<S> ReadLatch<S> {
+    pub(crate) fn new(inner: S) -> Self {
+        let latch = Arc::new(Latch::default());
+        Self {
+            inner,
+            waker: std::task::Waker::from(latch.clone()),
+            latch,
+            parked: false,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for ReadLatch<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        // Kept before the wake-up is looked at: one that comes in between
+        // wakes this task again.
+        this.latch.keep(cx);
+        // Cleared before `inner` is polled: a wake-up during the poll is seen.
+        let woken = this.latch.woken.swap(false, Ordering::AcqRel);
+        if this.parked && !woken {
+            return Poll::Pending;
+        }
+        let polled =
+            Pin::new(&mut this.inner).poll_read(&mut Context::from_waker(&this.waker), buf);
+        this.parked = polled.is_pending();
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for ReadLatch<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// Completes once no byte has moved either way for `idle`.
 pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
     quiet_for_then(activity, idle, Duration::MAX, || {}, || false).await;
@@ -559,6 +680,85 @@ mod tests {
             .expect("connect");
         let (b, _) = l.accept().await.expect("accept");
         (a, b)
+    }
+
+    /// A stream that counts the reads it is asked for.
+    struct Polls<S> {
+        inner: S,
+        reads: usize,
+    }
+
+    impl<S: AsyncRead + Unpin> AsyncRead for Polls<S> {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            self.reads += 1;
+            Pin::new(&mut self.inner).poll_read(cx, buf)
+        }
+    }
+
+    /// A waker that counts its wake-ups.
+    #[derive(Default)]
+    struct Wakes(AtomicU64);
+
+    impl std::task::Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_latched_read_goes_through_only_after_a_wake_up() {
+        let (a, mut b) = pair().await;
+        let mut s = ReadLatch::new(Polls { inner: a, reads: 0 });
+        let wakes = Arc::new(Wakes::default());
+        let waker = std::task::Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut space = [0u8; 16];
+        let mut read = |s: &mut ReadLatch<Polls<tokio::net::TcpStream>>| {
+            let mut buf = ReadBuf::new(&mut space);
+            match Pin::new(s).poll_read(&mut cx, &mut buf) {
+                Poll::Ready(r) => Some(r.map(|()| buf.filled().to_vec())),
+                Poll::Pending => None,
+            }
+        };
+        assert!(read(&mut s).is_none(), "nothing sent yet");
+        assert_eq!(s.inner.reads, 1);
+        assert!(read(&mut s).is_none());
+        assert!(read(&mut s).is_none());
+        assert_eq!(
+            s.inner.reads, 1,
+            "no wake-up: the stream is not asked again"
+        );
+        b.write_all(b"hello").await.expect("write");
+        let woken = async {
+            while wakes.0.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), woken)
+            .await
+            .expect("the bytes' arrival wakes the task that read last");
+        let got = read(&mut s)
+            .expect("ready after the wake-up")
+            .expect("read");
+        assert_eq!(got, b"hello");
+        assert_eq!(s.inner.reads, 2);
+        // A read that returned data leaves it unlatched: the next is tried.
+        assert!(read(&mut s).is_none());
+        assert_eq!(s.inner.reads, 3);
+        drop(b);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while wakes.0.load(Ordering::SeqCst) < 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the peer's close wakes it too");
+        let end = read(&mut s).expect("ready at the end").expect("read");
+        assert!(end.is_empty(), "end of stream");
     }
 
     #[tokio::test]

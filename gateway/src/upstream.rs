@@ -203,7 +203,9 @@ impl Upstreams {
             })?
             .map_err(failed)?;
         if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-            let sender = crate::h2client::handshake(crate::io::Coalesce::new(tls))
+            // The `h2` crate is the only reader of `tls`: see `http1`.
+            let io = crate::io::Coalesce::new(crate::io::ReadLatch::new(tls));
+            let sender = crate::h2client::handshake(io)
                 .await
                 .map_err(|e| ForwardError::Http(e.to_string()))?;
             Ok(Sender::H2(sender))
@@ -217,6 +219,9 @@ async fn http1<I>(io: I) -> Result<Sender, ForwardError>
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    // hyper is the only reader of `io`: the latch spares it the reads that
+    // would find nothing.
+    let io = crate::io::ReadLatch::new(io);
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
         .await
         .map_err(|e| ForwardError::Http(e.to_string()))?;

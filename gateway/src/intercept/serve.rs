@@ -39,7 +39,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::{client_fault, connection_error, ended, Conn, Served, RELEASE_AFTER};
 use crate::fault::Fault;
-use crate::io::{Counts, Quiet, Rewind, Watch};
+use crate::io::{Counts, Quiet, ReadLatch, Rewind, Watch};
 use crate::pool::{Body, BoxError};
 
 /// The first bytes of every HTTP/2 connection (RFC 9113, 3.4).
@@ -55,7 +55,10 @@ where
 {
     let idle = conn.dp.config().timeouts.idle;
     let mut watch = Watch::new(activity, idle, RELEASE_AFTER);
-    let mut io = Rewind::new(Vec::new(), io);
+    // Every read of the client's stream goes through the latch (the sniff,
+    // hyper's, the parked wait): it spares them the reads that would find
+    // nothing.
+    let mut io = Rewind::new(Vec::new(), ReadLatch::new(io));
     let h2 = loop {
         tokio::select! {
             biased;
