@@ -62,33 +62,43 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    // Forwarded, so TLS records queued together leave in one `writev`
-    // (the default would write the first buffer only).
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
+/// Writes go straight through to the stream's `inner`, vectored writes
+/// included, so TLS records queued together leave in one `writev` (the
+/// default would write the first buffer only).
+macro_rules! write_through {
+    ($t:ident) => {
+        impl<S: AsyncWrite + Unpin> AsyncWrite for $t<S> {
+            fn poll_write(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<io::Result<usize>> {
+                Pin::new(&mut self.inner).poll_write(cx, buf)
+            }
+            fn poll_write_vectored(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                bufs: &[io::IoSlice<'_>],
+            ) -> Poll<io::Result<usize>> {
+                Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+            }
+            fn is_write_vectored(&self) -> bool {
+                self.inner.is_write_vectored()
+            }
+            fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.inner).poll_flush(cx)
+            }
+            fn poll_shutdown(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.inner).poll_shutdown(cx)
+            }
+        }
+    };
 }
+
+write_through!(Rewind);
 
 /// Bytes read from and written to a stream.
 #[derive(Debug, Default)]
@@ -181,7 +191,7 @@ pub(crate) struct Coalesce<S> {
     /// Bytes of `buf` already written through.
     sent: usize,
     /// The flush waiting for the scheduler's turn, if one is.
-    turn: Option<Arc<Turn>>,
+    turn: Option<Arc<Flag>>,
     /// The flush has had its turn (and is writing through).
     yielded: bool,
 }
@@ -198,21 +208,21 @@ impl<S> Coalesce<S> {
     }
 }
 
-/// A flush's wait for the scheduler's turn: woken by the scheduler (not by
-/// the next poll of the connection, which a stream's task queuing a frame
-/// causes sooner), it wakes the connection's task.
+/// A waker that raises a flag and passes the wake-up on to the task kept
+/// last: a flush's wait for the scheduler's turn ([`Coalesce`]) and a
+/// stream's readiness to be read again ([`ReadLatch`]) wake through it.
 #[derive(Default)]
-struct Turn {
-    come: std::sync::atomic::AtomicBool,
+struct Flag {
+    raised: std::sync::atomic::AtomicBool,
     task: std::sync::Mutex<Option<std::task::Waker>>,
 }
 
-impl std::task::Wake for Turn {
+impl std::task::Wake for Flag {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
     }
     fn wake_by_ref(self: &Arc<Self>) {
-        self.come.store(true, Ordering::Release);
+        self.raised.store(true, Ordering::Release);
         let task = self
             .task
             .lock()
@@ -224,9 +234,23 @@ impl std::task::Wake for Turn {
     }
 }
 
-impl Turn {
-    /// Asks the scheduler for a turn (outside a runtime it comes at once).
-    fn ask() -> Arc<Self> {
+impl Flag {
+    /// Keeps `cx`'s waker as the one to wake (a clone only when it changed).
+    fn keep(&self, cx: &Context<'_>) {
+        let mut task = self
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !task.as_ref().is_some_and(|t| t.will_wake(cx.waker())) {
+            *task = Some(cx.waker().clone());
+        }
+    }
+
+    /// Asks the scheduler for a turn, the flag raised when it comes: woken
+    /// by the scheduler, not by the next poll of the connection, which a
+    /// stream's task queuing a frame causes sooner (outside a runtime the
+    /// turn comes at once).
+    fn ask_turn() -> Arc<Self> {
         let turn = Arc::new(Self::default());
         let waker = std::task::Waker::from(turn.clone());
         let mut yielding = std::pin::pin!(tokio::task::yield_now());
@@ -235,16 +259,13 @@ impl Turn {
         turn
     }
 
-    /// Whether the turn has come; if not, `cx` is woken when it does.
-    fn come(&self, cx: &Context<'_>) -> bool {
-        if self.come.load(Ordering::Acquire) {
+    /// Whether the flag is raised; if not, `cx` is woken when it is.
+    fn raised_or_keep(&self, cx: &Context<'_>) -> bool {
+        if self.raised.load(Ordering::Acquire) {
             return true;
         }
-        *self
-            .task
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cx.waker().clone());
-        self.come.load(Ordering::Acquire)
+        self.keep(cx);
+        self.raised.load(Ordering::Acquire)
     }
 }
 
@@ -306,8 +327,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Coalesce<S> {
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if !self.buf.is_empty() && !self.yielded {
-            let turn = self.turn.get_or_insert_with(Turn::ask);
-            if !turn.come(cx) {
+            let turn = self.turn.get_or_insert_with(Flag::ask_turn);
+            if !turn.raised_or_keep(cx) {
                 return Poll::Pending;
             }
             self.turn = None;
@@ -339,54 +360,16 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Coalesce<S> {
 /// Only for a stream that nothing reads except through the latch.
 pub(crate) struct ReadLatch<S> {
     inner: S,
-    latch: Arc<Latch>,
+    latch: Arc<Flag>,
     /// `latch` as a waker, made once.
     waker: std::task::Waker,
     /// `inner`'s last read said "pending".
     parked: bool,
 }
 
-/// The waker a [`ReadLatch`] gives its stream: marks the wake-up and passes
-/// it on to the task that read last.
-#[derive(Default)]
-struct Latch {
-    woken: std::sync::atomic::AtomicBool,
-    task: std::sync::Mutex<Option<std::task::Waker>>,
-}
-
-impl std::task::Wake for Latch {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::Release);
-        let task = self
-            .task
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(task) = task {
-            task.wake();
-        }
-    }
-}
-
-impl Latch {
-    /// Keeps `cx`'s waker as the one to wake (a clone only when it changed).
-    fn keep(&self, cx: &Context<'_>) {
-        let mut task = self
-            .task
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !task.as_ref().is_some_and(|t| t.will_wake(cx.waker())) {
-            *task = Some(cx.waker().clone());
-        }
-    }
-}
-
 impl<S> ReadLatch<S> {
     pub(crate) fn new(inner: S) -> Self {
-        let latch = Arc::new(Latch::default());
+        let latch = Arc::new(Flag::default());
         Self {
             inner,
             waker: std::task::Waker::from(latch.clone()),
@@ -407,7 +390,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for ReadLatch<S> {
         // wakes this task again.
         this.latch.keep(cx);
         // Cleared before `inner` is polled: a wake-up during the poll is seen.
-        let woken = this.latch.woken.swap(false, Ordering::AcqRel);
+        let woken = this.latch.raised.swap(false, Ordering::AcqRel);
         if this.parked && !woken {
             return Poll::Pending;
         }
@@ -418,31 +401,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for ReadLatch<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for ReadLatch<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
+write_through!(ReadLatch);
 
 /// Completes once no byte has moved either way for `idle`.
 pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
