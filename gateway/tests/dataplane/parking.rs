@@ -292,14 +292,10 @@ async fn a_parked_connection_is_closed_at_the_head_timeout_and_by_a_drain() {
     let mut h1 = h1_client(&e).await;
     assert_eq!(get_on(&mut h1, "h1.example.test", "/one").await.0, 200);
     parked_becomes(&e, 1).await;
-    let deadline = Instant::now() + Duration::from_secs(8);
-    while !h1.is_closed() {
-        assert!(
-            Instant::now() < deadline,
-            "still open past the head timeout"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    assert!(
+        h1_closed_within(&h1, Duration::from_secs(8)).await,
+        "still open past the head timeout"
+    );
     let lines = e.flow_lines(1).await;
     assert_eq!(lines[0]["error"], "head_timeout", "{lines:?}");
 
