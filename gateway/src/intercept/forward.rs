@@ -310,17 +310,22 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 /// outside the fixed set that the message carries.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let mut named: Vec<HeaderName> = Vec::new();
+    // Read as bytes: a value with a byte outside ASCII still names the
+    // headers its other tokens spell.
     for value in headers.get_all(header::CONNECTION) {
-        let Ok(value) = value.to_str() else { continue };
-        for token in value.split(',').map(str::trim) {
+        for token in value
+            .as_bytes()
+            .split(|&b| b == b',')
+            .map(<[u8]>::trim_ascii)
+        {
             if HOP_BY_HOP
                 .iter()
-                .any(|h| h.as_str().eq_ignore_ascii_case(token))
+                .any(|h| h.as_str().as_bytes().eq_ignore_ascii_case(token))
             {
                 continue;
             }
             // A token that is no header name names no header.
-            match HeaderName::from_bytes(token.as_bytes()) {
+            match HeaderName::from_bytes(token) {
                 Ok(name) if headers.contains_key(&name) => named.push(name),
                 _ => {}
             }
@@ -422,6 +427,17 @@ mod tests {
             ("x-other", "3"),
             ("x-kept", "4"),
         ]);
+        strip_hop_by_hop(&mut m);
+        assert_eq!(names(&m), ["x-kept"]);
+    }
+
+    #[test]
+    fn a_connection_value_with_a_byte_outside_ascii_still_names_its_headers() {
+        let mut m = map(&[("x-secret", "1"), ("x-kept", "2")]);
+        m.append(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"x-secret, \xff").expect("obs-text is a valid value"),
+        );
         strip_hop_by_hop(&mut m);
         assert_eq!(names(&m), ["x-kept"]);
     }
