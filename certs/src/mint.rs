@@ -20,7 +20,7 @@ use rcgen::{
     SerialNumber, PKCS_ECDSA_P256_SHA256,
 };
 use ring::rand::{SecureRandom, SystemRandom};
-use rustls::crypto::ring::sign::any_ecdsa_type;
+use rustls::crypto::aws_lc_rs::sign::any_ecdsa_type;
 use rustls::sign::{CertifiedKey, SigningKey};
 use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use time::{Duration, OffsetDateTime};

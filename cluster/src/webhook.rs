@@ -171,7 +171,7 @@ pub fn tls_config(
         std::fs::read(key_path).map_err(|e| file_err(key_path, format!("cannot read: {e}")))?;
     let key = PrivateKeyDer::from_pem_slice(&key_text)
         .map_err(|e| file_err(key_path, format!("no usable PEM private key: {e}")))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let config_err = |source| TlsError::Config {
         cert: cert_path.display().to_string(),
         key: key_path.display().to_string(),

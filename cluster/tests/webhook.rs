@@ -366,7 +366,7 @@ async fn https(
 ) -> (u16, String) {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.clone()).expect("trust the CA");
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .expect("versions")

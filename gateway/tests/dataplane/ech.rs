@@ -106,7 +106,7 @@ fn grease_client(e: &Env) -> Arc<rustls::ClientConfig> {
         roots.add(c.expect("pem")).expect("origin CA");
     }
     let grease = EchGreaseConfig::new(&GREASE, HpkePublicKey(vec![0x42; 32]));
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut c = rustls::ClientConfig::builder_with_provider(provider)
         .with_ech(EchMode::Grease(grease))
         .expect("GREASE ECH")
