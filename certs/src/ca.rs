@@ -261,7 +261,7 @@ pub(crate) fn read_private(path: &Path) -> Result<String, CertError> {
 }
 
 fn fingerprint(der: &CertificateDer<'_>) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, der);
     let hex: Vec<String> = digest.as_ref().iter().map(|b| format!("{b:02X}")).collect();
     hex.join(":")
 }

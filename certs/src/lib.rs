@@ -11,7 +11,8 @@
 //!   single-flight means a thousand concurrent handshakes for a new name mint once.
 //! - [`LeafResolver`]: the rustls `ResolvesServerCert` that serves them.
 //!
-//! Only this crate names rcgen and ring.
+//! Only this crate names rcgen. Its cryptography is aws-lc-rs, the workspace's
+//! one crypto library (rustls' provider too).
 
 mod ca;
 mod chain;

@@ -14,12 +14,12 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use egress_policy::Hostname;
 use rcgen::{
     CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair, KeyUsagePurpose, SanType,
     SerialNumber, PKCS_ECDSA_P256_SHA256,
 };
-use ring::rand::{SecureRandom, SystemRandom};
 use rustls::crypto::aws_lc_rs::sign::any_ecdsa_type;
 use rustls::sign::{CertifiedKey, SigningKey};
 use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};

@@ -12,11 +12,11 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateSigningRequestParams, DnType, IsCa, KeyPair,
     KeyUsagePurpose, SerialNumber, PKCS_ECDSA_P256_SHA256, PKCS_ECDSA_P384_SHA384,
 };
-use ring::rand::{SecureRandom, SystemRandom};
 use time::{Duration, OffsetDateTime};
 
 use crate::ca::{read_private, write_new};

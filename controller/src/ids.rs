@@ -1,6 +1,6 @@
 //! Identifiers the controller makes: random, URL-safe, and valid sandbox ids.
 
-use ring::rand::{SecureRandom, SystemRandom};
+use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 
 /// `prefix` and 16 random bytes in hex (`sb-3f…`).
 pub fn new(prefix: &str) -> String {
@@ -21,7 +21,7 @@ pub fn new(prefix: &str) -> String {
 
 /// The SHA-256 of `bytes`, in hex: an idempotency fingerprint.
 pub fn fingerprint(bytes: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, bytes)
+    aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, bytes)
         .as_ref()
         .iter()
         .map(|b| format!("{b:02x}"))

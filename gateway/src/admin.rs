@@ -84,9 +84,9 @@ impl Control {
 
 /// A random identifier for this process's lifetime.
 fn epoch() -> String {
-    use ring::rand::SecureRandom;
+    use aws_lc_rs::rand::SecureRandom;
     let mut bytes = [0u8; 8];
-    let _ = ring::rand::SystemRandom::new().fill(&mut bytes);
+    let _ = aws_lc_rs::rand::SystemRandom::new().fill(&mut bytes);
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
