@@ -36,10 +36,14 @@ async fn relay_for(w: &Worker) -> SocketAddr {
     relay_to(w.admin, Some(&w.token), Duration::from_secs(10)).await
 }
 
-/// A port on 127.0.0.1 nothing listens on.
-async fn closed_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    l.local_addr().expect("addr")
+/// A port on 127.0.0.1 nothing listens on, held (bound, never listening)
+/// for as long as the returned socket lives. A port merely freed could be
+/// handed to the next bind, the relay's own listener among them, and the
+/// "unreachable" worker would answer (it did once in CI).
+fn closed_port() -> (SocketAddr, tokio::net::TcpSocket) {
+    let s = tokio::net::TcpSocket::new_v4().expect("socket");
+    s.bind(SocketAddr::from(([127, 0, 0, 1], 0))).expect("bind");
+    (s.local_addr().expect("addr"), s)
 }
 
 const AUTH: [(&str, &str); 1] = [("authorization", "Bearer console-token-0123456789")];
@@ -115,7 +119,8 @@ const POLICY: &str = r#"{"mode": "allowlist", "rules": [
 #[tokio::test]
 async fn callers_need_a_listed_token() {
     // Refused before anything is forwarded: no worker needed.
-    let relay = relay_to(closed_port().await, None, Duration::from_secs(1)).await;
+    let (worker, _held) = closed_port();
+    let relay = relay_to(worker, None, Duration::from_secs(1)).await;
     let no_auth: [(&str, &str); 0] = [];
     let wrong = [("authorization", "Bearer console-token-0123456780")];
     let prefix = [("authorization", "Bearer console-token-012345678")];
@@ -168,7 +173,8 @@ async fn callers_need_a_listed_token() {
 
 #[tokio::test]
 async fn unknown_routes_bad_ids_and_methods() {
-    let relay = relay_to(closed_port().await, None, Duration::from_secs(1)).await;
+    let (worker, _held) = closed_port();
+    let relay = relay_to(worker, None, Duration::from_secs(1)).await;
     for path in [
         "/",
         "/vm-egress",
@@ -220,7 +226,8 @@ async fn unknown_routes_bad_ids_and_methods() {
 
 #[tokio::test]
 async fn an_unreachable_worker_is_502_with_a_reason() {
-    let relay = relay_to(closed_port().await, None, Duration::from_secs(2)).await;
+    let (worker, _held) = closed_port();
+    let relay = relay_to(worker, None, Duration::from_secs(2)).await;
     let (status, body) = call(relay, "PUT", "/vm-egress/vm1", Some(POLICY)).await;
     assert_eq!(status, 502, "{body}");
     let error = body["error"].as_str().expect("error");
