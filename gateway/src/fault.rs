@@ -56,6 +56,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::client("http"),
     Fault::gateway("idle_timeout"),
     Fault::gateway("splice_backlog"),
+    Fault::gateway("splice_broken"),
     Fault::gateway("proxy_unavailable"),
 ];
 
@@ -84,6 +85,10 @@ impl Fault {
     pub(crate) const IDLE_TIMEOUT: Self = Self::gateway("idle_timeout");
     /// A kernel-spliced flow, half-closed, whose reader fell too far behind.
     pub(crate) const SPLICE_BACKLOG: Self = Self::gateway("splice_backlog");
+    /// A kernel-spliced flow the kernel stopped moving: it refused a write
+    /// to a socket whose peer had not reset it, or never wrote bytes it had
+    /// redirected, or the maps could not be read. Bytes may be lost.
+    pub(crate) const SPLICE_BROKEN: Self = Self::gateway("splice_broken");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
     pub(crate) const HEAD_TIMEOUT: Self = Self::client("head_timeout");
     pub(crate) const BAD_REQUEST: Self = Self::client("bad_request");

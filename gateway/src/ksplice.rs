@@ -177,6 +177,12 @@ pub(crate) async fn splice(
         };
         let mut ways = [Way::default(), Way::default()];
         let fault = watch(&joined, [&client, &origin], idle, &mut ways).await;
+        if fault.is_some_and(|f| f != Fault::IDLE_TIMEOUT) {
+            // Broken, not finished: neither side may take the end of the
+            // stream for a complete one (a FIN would say so).
+            crate::io::reset(&client);
+            crate::io::reset(&origin);
+        }
         tracing::debug!(
             up_taken = ways[0].tally.taken,
             up_passed = ways[0].tally.passed,
@@ -246,9 +252,8 @@ struct Wants {
 }
 
 /// Watches a joined flow, keeping each direction's state in `ways`;
-/// `Some(fault)` if a reset or the idle timeout ended it, `None` when both
-/// directions closed (or an error that names no side, as on the user-space
-/// path).
+/// `Some(fault)` if a reset, the idle timeout or the kernel's failure
+/// ([`Fault::SPLICE_BROKEN`]) ended it, `None` when both directions closed.
 async fn watch(
     joined: &Joined<'_>,
     socks: [&TcpStream; 2],
@@ -276,15 +281,15 @@ async fn watch(
         }
         let info = match (tcp_info(socks[0]), tcp_info(socks[1])) {
             (Ok(c), Ok(o)) => [c, o],
-            (Err(e), _) => return Fault::io(Side::Client, &e),
-            (_, Err(e)) => return Fault::io(Side::Upstream, &e),
+            (Err(e), _) => return io_fault(Side::Client, &e),
+            (_, Err(e)) => return io_fault(Side::Upstream, &e),
         };
         // A reset ends the flow, whichever direction was busy.
         for (side, who) in [Side::Client, Side::Upstream].into_iter().enumerate() {
             if info[side].state == TCP_CLOSE {
                 if let Err(e) = peek(socks[side]) {
                     if e.kind() != io::ErrorKind::WouldBlock {
-                        return Fault::io(who, &e);
+                        return io_fault(who, &e);
                     }
                 }
             }
@@ -313,7 +318,7 @@ async fn watch(
             return Some(Fault::IDLE_TIMEOUT);
         } else if waiting && info.iter().all(|i| i.notsent == 0) && heard.elapsed() >= STALLED {
             tracing::debug!("kernel splice: redirected bytes were never written; ending the flow");
-            return None;
+            return Some(Fault::SPLICE_BROKEN);
         }
         let taken = [ways[0].tally.taken, ways[1].tally.taken];
         let hot = (0..2).any(|s| taken[s].saturating_sub(last_taken[s]) >= WINDOW / 8);
@@ -363,11 +368,12 @@ fn step(
     let way = &mut ways[src];
     // Read while the source is in the program, and after it left: a
     // segment the program was handling as it left is counted a moment later.
-    way.tally = joined.map.tally(cookie).map_err(|_| None)?;
+    let broken = |_| Some(Fault::SPLICE_BROKEN);
+    way.tally = joined.map.tally(cookie).map_err(broken)?;
     let mut written = info[dst].written;
     // Buffered bytes first: they come before anything still queued.
     if !way.buf.is_empty() {
-        written += flush(socks[dst], way).map_err(|e| Fault::io(sides[dst], &e))?;
+        written += flush(socks[dst], way).map_err(|e| write_fault(socks[dst], sides[dst], &e))?;
     }
     // What the kernel redirected and has not written yet.
     let redirected_written = written.saturating_sub(way.base + way.consumed());
@@ -391,10 +397,10 @@ fn step(
                 buf.truncate(n);
                 way.read += n as u64;
                 way.buf = buf;
-                flush(socks[dst], way).map_err(|e| Fault::io(sides[dst], &e))?;
+                flush(socks[dst], way).map_err(|e| write_fault(socks[dst], sides[dst], &e))?;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) => return Err(Fault::io(sides[src], &e)),
+            Err(e) => return Err(io_fault(sides[src], &e)),
         }
     }
     // The limit follows the destination: at most WINDOW redirected and
@@ -405,7 +411,7 @@ fn step(
         consumed: way.consumed(),
     };
     if gate != way.gate {
-        joined.map.set_gate(cookie, gate).map_err(|_| None)?;
+        joined.map.set_gate(cookie, gate).map_err(broken)?;
         way.gate = gate;
     }
     let open = matches!(
@@ -418,7 +424,7 @@ fn step(
             Ok(0) => way.eof = true,
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(Fault::io(sides[src], &e)),
+            Err(e) => return Err(io_fault(sides[src], &e)),
         }
     }
     let done = way.eof && !way.closed && way.buf.is_empty();
@@ -427,7 +433,7 @@ fn step(
     if done {
         if !drained {
             soon = true;
-        } else if !seal(joined, &mut ways[dst], dst).map_err(|_| None)? {
+        } else if !seal(joined, &mut ways[dst], dst).map_err(broken)? {
             // Bytes passed to the destination must be read first.
             soon = true;
         } else {
@@ -462,6 +468,26 @@ fn seal(joined: &Joined<'_>, way: &mut Way, side: usize) -> io::Result<bool> {
     }
     way.tally = joined.map.tally(joined.cookies[side])?;
     Ok(way.tally.passed == way.read)
+}
+
+/// The fault an I/O error on `side` ends the flow with: a reset names the
+/// side, any other error is the path's own.
+fn io_fault(side: Side, e: &io::Error) -> Option<Fault> {
+    Fault::io(side, e).or(Some(Fault::SPLICE_BROKEN))
+}
+
+/// The fault a refused write to `dst` ends the flow with. A peer's reset
+/// closes the socket (`TCP_CLOSE`); a socket still open that refuses a write
+/// was failed by the kernel's redirect (it reports its own send errors on
+/// the destination, and stops redirecting to it), not by the peer.
+fn write_fault(dst: &TcpStream, side: Side, e: &io::Error) -> Option<Fault> {
+    let closed = tcp_info(dst).map_or(true, |i| i.state == TCP_CLOSE);
+    tracing::debug!(error = %e, peer_closed = closed, "kernel splice: a write to the destination failed");
+    if closed {
+        io_fault(side, e)
+    } else {
+        Some(Fault::SPLICE_BROKEN)
+    }
 }
 
 /// Writes what `way` holds to `dst`, as much as it takes now; the bytes written.

@@ -144,16 +144,18 @@ pub(crate) async fn splice(
     let both = async {
         match &pipes {
             Some(p) => {
-                tokio::join!(
+                until_broken(
                     pipe_pump(&cr, &ow, &p.up, &counts.read, up_sides),
-                    pipe_pump(&or, &cw, &p.down, &counts.written, down_sides)
+                    pipe_pump(&or, &cw, &p.down, &counts.written, down_sides),
                 )
+                .await
             }
             None => {
-                tokio::join!(
+                until_broken(
                     pump(&mut cr, &mut ow, (&counts.read, meter), up_sides),
-                    pump(&mut or, &mut cw, (&counts.written, meter), down_sides)
+                    pump(&mut or, &mut cw, (&counts.written, meter), down_sides),
                 )
+                .await
             }
         }
     };
@@ -163,14 +165,18 @@ pub(crate) async fn splice(
             None => std::future::pending().await,
         }
     };
-    let (idle_timeout, fault) = tokio::select! {
-        (up, down) = both => (false, up.or(down)),
-        () = quiet_for(&counts, idle) => (true, Some(Fault::IDLE_TIMEOUT)),
-        () = cut => (false, None),
+    let (idle_timeout, fault, broke) = tokio::select! {
+        ended = both => match ended {
+            Ok(()) => (false, None, false),
+            Err(fault) => (false, fault, true),
+        },
+        () = quiet_for(&counts, idle) => (true, Some(Fault::IDLE_TIMEOUT), false),
+        () = cut => (false, None, false),
     };
     let budget_cut = meter.filter(|m| m.crossed()).map(Meter::describe);
-    if budget_cut.is_some() {
-        // Cut, not closed: neither side may take the end for a complete transfer.
+    if budget_cut.is_some() || broke {
+        // Cut or broken, not closed: neither side may take the end for a
+        // complete transfer.
         reset(cr.as_ref());
         reset(or.as_ref());
         // Dropping a write half shuts it down: a FIN ahead of the RST, which
@@ -187,7 +193,30 @@ pub(crate) async fn splice(
     }
 }
 
-/// One direction: read, write, count; on EOF or error, half-close the other side.
+/// How a direction ended: `Ok` at the source's EOF (passed on as a
+/// half-close), `Err` at an error, with the fault it names if any (the flow
+/// is broken: it is reset, not half-closed).
+type Ended = Result<(), Option<Fault>>;
+
+/// Both directions until both reached EOF, or the first error: a direction
+/// that broke ends the flow at once, so the other side is not left waiting
+/// for bytes that cannot come.
+async fn until_broken(
+    a: impl std::future::Future<Output = Ended>,
+    b: impl std::future::Future<Output = Ended>,
+) -> Ended {
+    tokio::pin!(a, b);
+    let (mut a_done, mut b_done) = (false, false);
+    while !(a_done && b_done) {
+        tokio::select! {
+            ended = &mut a, if !a_done => { ended?; a_done = true; }
+            ended = &mut b, if !b_done => { ended?; b_done = true; }
+        }
+    }
+    Ok(())
+}
+
+/// One direction: read, write, count; at EOF, half-close the other side.
 ///
 /// The buffer exists only while bytes flow: between bursts the pump waits
 /// for readability without one, so idle spliced flows hold no copy buffers
@@ -203,30 +232,25 @@ async fn pump(
     w: &mut OwnedWriteHalf,
     (moved, meter): (&AtomicU64, Option<&Meter>),
     sides: (Side, Side),
-) -> Option<Fault> {
+) -> Ended {
     const BUF: usize = 64 * 1024;
-    let mut fault = None;
     'flow: loop {
         if let Err(e) = r.readable().await {
-            fault = Fault::io(sides.0, &e);
-            break;
+            return Err(Fault::io(sides.0, &e));
         }
         let mut buf: Vec<u8> = Vec::with_capacity(BUF);
         loop {
             buf.clear();
             match r.read_buf(&mut buf).await {
                 Ok(0) => break 'flow,
-                Err(e) => {
-                    fault = Fault::io(sides.0, &e);
-                    break 'flow;
-                }
+                Err(e) => return Err(Fault::io(sides.0, &e)),
                 Ok(n) => {
                     if meter.is_some_and(|m| !m.spend(n)) {
-                        return None;
+                        // Cut: `splice` ends the flow at the meter's signal.
+                        return std::future::pending().await;
                     }
                     if let Err(e) = w.write_all(&buf[..n]).await {
-                        fault = Fault::io(sides.1, &e);
-                        break 'flow;
+                        return Err(Fault::io(sides.1, &e));
                     }
                     moved.fetch_add(n as u64, Ordering::Relaxed);
                     if n < BUF {
@@ -238,7 +262,7 @@ async fn pump(
     }
     // Half-close: the other side learns that no more bytes come this way.
     let _ = w.shutdown().await;
-    fault
+    Ok(())
 }
 
 /// Most bytes one `splice(2)` moves into the pipe: its default capacity,
@@ -246,7 +270,7 @@ async fn pump(
 const PIPE_CHUNK: usize = 64 * 1024;
 
 /// One direction by `splice(2)`: socket → pipe, then pipe → socket until
-/// the pipe is empty; on EOF or error, half-close the other side. A fill
+/// the pipe is empty; at EOF, half-close the other side. A fill
 /// shorter than [`PIPE_CHUNK`] drained the socket, so its readiness is
 /// cleared then (as tokio's own reads do), saving a call that would only
 /// say "would block". TCP's back-pressure holds: nothing more is taken from
@@ -258,22 +282,22 @@ async fn pipe_pump(
     (pipe_r, pipe_w): &(OwnedFd, OwnedFd),
     moved: &AtomicU64,
     sides: (Side, Side),
-) -> Option<Fault> {
+) -> Ended {
     let flags = SpliceFlags::MOVE | SpliceFlags::NONBLOCK;
     let (src, dst): (&TcpStream, &TcpStream) = (r.as_ref(), w.as_ref());
-    let fault = loop {
+    loop {
         let filled = match fill_pipe(src, pipe_w, flags).await {
-            Ok(0) => break None,
+            Ok(0) => break,
             Ok(n) => n,
-            Err(e) => break Fault::io(sides.0, &e),
+            Err(e) => return Err(Fault::io(sides.0, &e)),
         };
         if let Err(e) = drain_pipe(dst, pipe_r, filled, flags, moved).await {
-            break Fault::io(sides.1, &e);
+            return Err(Fault::io(sides.1, &e));
         }
-    };
+    }
     // Half-close: the other side learns that no more bytes come this way.
     let _ = socket2::SockRef::from(dst).shutdown(std::net::Shutdown::Write);
-    fault
+    Ok(())
 }
 
 /// Socket → pipe: one `splice(2)` of up to [`PIPE_CHUNK`] once `src` is
@@ -413,6 +437,18 @@ pub(crate) mod tests {
         let s = task.await.expect("task");
         assert_eq!(s.fault, client_reset());
         assert!(!s.idle_timeout);
+        sees_a_reset(&mut origin).await;
+    }
+
+    /// The far end of a broken flow learns it from a reset: a FIN would let
+    /// it take what it got for the whole stream.
+    pub(crate) async fn sees_a_reset(s: &mut TcpStream) {
+        let mut rest = Vec::new();
+        let got = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest))
+            .await
+            .expect("the flow ends");
+        let e = got.expect_err("a reset, not the end of the stream");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
     }
 
     /// The client sends 12 bytes and its FIN; the origin reads exactly

