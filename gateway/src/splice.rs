@@ -139,26 +139,13 @@ pub(crate) async fn splice(
     let (mut cr, mut cw) = client.into_split();
     let (mut or, mut ow) = origin.into_split();
     let counts = Counts::default();
-    let up_sides = (Side::Client, Side::Upstream);
-    let down_sides = (Side::Upstream, Side::Client);
-    let both = async {
-        match &pipes {
-            Some(p) => {
-                until_broken(
-                    pipe_pump(&cr, &ow, &p.up, &counts.read, up_sides),
-                    pipe_pump(&or, &cw, &p.down, &counts.written, down_sides),
-                )
-                .await
-            }
-            None => {
-                until_broken(
-                    pump(&mut cr, &mut ow, (&counts.read, meter), up_sides),
-                    pump(&mut or, &mut cw, (&counts.written, meter), down_sides),
-                )
-                .await
-            }
-        }
-    };
+    let both = both_ways(
+        (&mut cr, &mut cw),
+        (&mut or, &mut ow),
+        &pipes,
+        &counts,
+        meter,
+    );
     let cut = async {
         match meter {
             Some(m) => m.cut().await,
@@ -190,6 +177,35 @@ pub(crate) async fn splice(
         idle_timeout,
         fault,
         budget_cut,
+    }
+}
+
+/// Both directions of the copy (see [`until_broken`]): through `pipes`, or
+/// the gateway's buffer charged to `meter`.
+async fn both_ways(
+    (cr, cw): (&mut OwnedReadHalf, &mut OwnedWriteHalf),
+    (or, ow): (&mut OwnedReadHalf, &mut OwnedWriteHalf),
+    pipes: &Option<Pipes>,
+    counts: &Counts,
+    meter: Option<&Meter>,
+) -> Ended {
+    let up_sides = (Side::Client, Side::Upstream);
+    let down_sides = (Side::Upstream, Side::Client);
+    match pipes {
+        Some(p) => {
+            until_broken(
+                pipe_pump(cr, ow, &p.up, &counts.read, up_sides),
+                pipe_pump(or, cw, &p.down, &counts.written, down_sides),
+            )
+            .await
+        }
+        None => {
+            until_broken(
+                pump(cr, ow, (&counts.read, meter), up_sides),
+                pump(or, cw, (&counts.written, meter), down_sides),
+            )
+            .await
+        }
     }
 }
 
