@@ -4,6 +4,7 @@
 
 mod budgets;
 mod ca_rotation;
+mod cut_origin;
 mod doh;
 mod drain;
 mod ech;
