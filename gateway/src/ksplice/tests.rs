@@ -286,3 +286,52 @@ async fn bulk_both_ways_at_once_arrives_whole_or_is_reset() {
         (up.len() as u64, down.len() as u64, None)
     );
 }
+
+#[tokio::test]
+async fn a_destination_the_kernel_cannot_write_to_breaks_the_flow_with_resets() {
+    let Some(k) = kernel() else { return };
+    let (mut client, gw_client) = pair().await;
+    let (gw_origin, mut origin) = pair().await;
+    // A second descriptor of the gateway's socket to the origin, to shut its
+    // sending side from outside the flow: the kernel's writes to it then
+    // fail with EPIPE, as when its sockmap worker fails a flow on its own.
+    let std_origin = gw_origin.into_std().expect("std");
+    let outside = std_origin.try_clone().expect("dup");
+    let gw_origin = TcpStream::from_std(std_origin).expect("tokio");
+    let task = tokio::spawn(async move {
+        splice(k, gw_client, gw_origin, Duration::from_secs(10))
+            .await
+            .map_err(|(_, _, e)| e)
+            .expect("joined")
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    client.write_all(b"hello").await.expect("write");
+    let mut hello = [0u8; 5];
+    origin
+        .read_exact(&mut hello)
+        .await
+        .expect("the first bytes");
+    outside
+        .shutdown(std::net::Shutdown::Write)
+        .expect("shutdown");
+    // The client goes on writing what can no longer arrive.
+    let (mut cr, mut cw) = client.into_split();
+    let writer = tokio::spawn(async move {
+        let up = pattern(8 << 20);
+        let _ = cw.write_all(&up).await;
+    });
+    let s = tokio::time::timeout(Duration::from_secs(8), task)
+        .await
+        .expect("the flow ends")
+        .expect("task");
+    assert_eq!(s.fault, Some(Fault::SPLICE_BROKEN), "{s:?}");
+    drop(outside);
+    // The client learns it from a reset, not from the end of a stream.
+    let mut rest = Vec::new();
+    let got = tokio::time::timeout(Duration::from_secs(5), cr.read_to_end(&mut rest))
+        .await
+        .expect("the client's side ends");
+    let e = got.expect_err("a reset, not the end of the stream");
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+    writer.await.expect("writer");
+}
