@@ -458,7 +458,7 @@ pub(crate) mod tests {
 
     /// The far end of a broken flow learns it from a reset: a FIN would let
     /// it take what it got for the whole stream.
-    pub(crate) async fn sees_a_reset(s: &mut TcpStream) {
+    pub(crate) async fn sees_a_reset<S: tokio::io::AsyncRead + Unpin>(s: &mut S) {
         let mut rest = Vec::new();
         let got = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest))
             .await

@@ -4,14 +4,13 @@
 //! close_notify after a body delimited by the close) would hand the client
 //! part of a file as the whole of it.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 use crate::harness::*;
 
@@ -31,45 +30,33 @@ const CUTS: &[&str] = &[
 /// An HTTPS origin (HTTP/1.1) at `PAUSE_IP` that answers each connection's
 /// first request with a body cut as its path says.
 async fn cutting_origin(e: &Env) -> SocketAddr {
-    let listener = TcpListener::bind((PAUSE_IP.parse::<IpAddr>().expect("ip"), 0))
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let acceptor = tokio_rustls::TlsAcceptor::from(e.origin_ca.server(&[NAME], &[b"http/1.1"]));
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                let Ok(mut tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") {
-                    match tls.read(&mut byte).await {
-                        Ok(1) => head.push(byte[0]),
-                        _ => return,
-                    }
-                }
-                let head = String::from_utf8_lossy(&head).into_owned();
-                let answer: &[u8] = if head.contains("/length-then-eof ") {
-                    b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst"
-                } else {
-                    b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nfirst"
-                };
-                let _ = tls.write_all(answer).await;
-                let _ = tls.flush().await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let (tcp, _) = tls.into_inner();
-                if head.contains("-then-reset ") {
-                    let _ = socket2::SockRef::from(&tcp).set_linger(Some(Duration::ZERO));
-                }
-                // Dropped without close_notify: a FIN, or with linger 0 a reset.
-                drop(tcp);
-            });
+    let config = e.origin_ca.server(&[NAME], &[b"http/1.1"]);
+    tls_origin(PAUSE_IP, config, |mut tls| async move {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match tls.read(&mut byte).await {
+                Ok(1) => head.push(byte[0]),
+                _ => return,
+            }
         }
-    });
-    addr
+        let head = String::from_utf8_lossy(&head).into_owned();
+        let answer: &[u8] = if head.contains("/length-then-eof ") {
+            b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst"
+        } else {
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nfirst"
+        };
+        let _ = tls.write_all(answer).await;
+        let _ = tls.flush().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (tcp, _) = tls.into_inner();
+        if head.contains("-then-reset ") {
+            let _ = socket2::SockRef::from(&tcp).set_linger(Some(Duration::ZERO));
+        }
+        // Dropped without close_notify: a FIN, or with linger 0 a reset.
+        drop(tcp);
+    })
+    .await
 }
 
 /// What the client made of the cut body: `Err` if it saw the cut, `Ok`

@@ -259,29 +259,42 @@ pub async fn goaway_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> Socke
     addr
 }
 
-/// A TLS service speaking a line protocol, not HTTP: `PING` → `PONG`.
-pub async fn turn_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketAddr {
+/// An origin a test writes itself: a TLS listener on `ip` (any port) that
+/// hands each accepted, handshaken connection to `serve`, in a task of its own.
+pub async fn tls_origin<F, Fut>(ip: &str, config: Arc<rustls::ServerConfig>, serve: F) -> SocketAddr
+where
+    F: Fn(tokio_rustls::server::TlsStream<TcpStream>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let serve = Arc::new(serve);
     tokio::spawn(async move {
         while let Ok((tcp, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
+            let (acceptor, serve) = (acceptor.clone(), serve.clone());
             tokio::spawn(async move {
-                let Ok(mut tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let mut buf = [0u8; 5];
-                if tls.read_exact(&mut buf).await.is_ok() && &buf == b"PING\n" {
-                    let _ = tls.write_all(b"PONG\n").await;
-                    let _ = tls.shutdown().await;
+                if let Ok(tls) = acceptor.accept(tcp).await {
+                    serve(tls).await;
                 }
             });
         }
     });
     addr
+}
+
+/// A TLS service speaking a line protocol, not HTTP: `PING` → `PONG`.
+pub async fn turn_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketAddr {
+    tls_origin(ip, config, |mut tls| async move {
+        let mut buf = [0u8; 5];
+        if tls.read_exact(&mut buf).await.is_ok() && &buf == b"PING\n" {
+            let _ = tls.write_all(b"PONG\n").await;
+            let _ = tls.shutdown().await;
+        }
+    })
+    .await
 }
 
 // === DNS upstream ===

@@ -2,13 +2,12 @@
 //! its parser and buffers are set aside until the client's next bytes. No
 //! exchange is cut, no byte is lost, and the limits hold while it rests.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 use crate::harness::*;
 
@@ -70,29 +69,15 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
 /// once (HTTP/1.1, keep-alive, hand-written, heads only: a body's bytes are
 /// read as the next head).
 async fn pause_origin(e: &Env) -> SocketAddr {
-    let listener = TcpListener::bind((PAUSE_IP.parse::<IpAddr>().expect("ip"), 0))
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let acceptor = tokio_rustls::TlsAcceptor::from(
-        e.origin_ca.server(&["pause.example.test"], &[b"http/1.1"]),
-    );
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                let Ok(mut tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                while let Some(head) = read_head(&mut tls).await {
-                    if answer_pausing(&mut tls, &head).await.is_err() {
-                        return;
-                    }
-                }
-            });
+    let config = e.origin_ca.server(&["pause.example.test"], &[b"http/1.1"]);
+    tls_origin(PAUSE_IP, config, |mut tls| async move {
+        while let Some(head) = read_head(&mut tls).await {
+            if answer_pausing(&mut tls, &head).await.is_err() {
+                return;
+            }
         }
-    });
-    addr
+    })
+    .await
 }
 
 async fn answer_pausing<S: AsyncWrite + Unpin>(s: &mut S, head: &str) -> std::io::Result<()> {
