@@ -79,14 +79,11 @@ async fn a_corrupt_snapshot_fails_loudly() {
         r#"{"version": 7, "sandboxes": []}"#,
     ] {
         std::fs::write(dir.path().join("snapshot.json"), bad).expect("write");
-        let err = Gateway::start(
-            config(dir.path(), ""),
-            std::sync::Arc::new(FixedDst("127.0.0.1:1".parse().expect("addr"))),
-            egress_gateway::flowlog::FlowLog::open("off").expect("off"),
-        )
-        .await
-        .err()
-        .expect("refuses to start");
+        let dst = std::sync::Arc::new(FixedDst("127.0.0.1:1".parse().expect("addr")));
+        let err = start_again(&config(dir.path(), ""), dst)
+            .await
+            .err()
+            .expect("refuses to start");
         let text = err.to_string();
         assert!(
             text.contains("snapshot.json") && text.contains("corrupt snapshot"),

@@ -65,13 +65,39 @@ pub fn config(state_dir: &Path, extra: &str) -> Config {
 }
 
 pub async fn start(config: Config, dst: SocketAddr) -> Gateway {
-    Gateway::start(
-        config,
-        Arc::new(FixedDst(dst)),
-        FlowLog::open("off").expect("off"),
-    )
-    .await
-    .expect("starts")
+    start_again(&config, Arc::new(FixedDst(dst)))
+        .await
+        .expect("starts")
+}
+
+/// `Gateway::start`, tried again for up to 2 s while the state directory
+/// reads as locked. These tests start and stop gateways on one directory in
+/// a process where other tests' gateways spawn children (`nft`), and a child
+/// holds a copy of every descriptor of the process from its fork to its exec,
+/// a lock just released included (seen with `strace -f`: a `clone3` with
+/// `CLONE_VFORK` between the lock's `flock` and its `close`). A lock that is
+/// never released still fails, 2 s later.
+pub async fn start_again(
+    config: &Config,
+    dst: Arc<dyn OriginalDst>,
+) -> Result<Gateway, egress_gateway::StartError> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let started = Gateway::start(
+            config.clone(),
+            dst.clone(),
+            FlowLog::open("off").expect("off"),
+        )
+        .await;
+        match started {
+            Err(egress_gateway::StartError::StateDirInUse { .. })
+                if std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => return other,
+        }
+    }
 }
 
 /// One HTTP/1.1 request; the status and the body.
