@@ -176,11 +176,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_closed_port_is_a_connect_error() {
-        // Bound and never listening, and held: a port merely freed could be
-        // taken by another test's listener in between.
-        let held = tokio::net::TcpSocket::new_v4().expect("socket");
-        held.bind(([127, 0, 0, 1], 0).into()).expect("bind");
-        let addr = held.local_addr().expect("address").to_string();
+        let (addr, _held) = egress_testkit::closed_port();
+        let addr = addr.to_string();
         let call = Call {
             method: Method::GET,
             path: "/",

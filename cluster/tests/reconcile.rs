@@ -315,11 +315,7 @@ async fn each_reconciliation_rule_against_a_real_worker() {
     assert_eq!(worker_policy(&w, "vm-web").await["policy"]["mode"], "open");
 
     // An unreachable worker is an error (the controller requeues with backoff).
-    // Bound and never listening, and held for the test: a port merely freed
-    // could be taken by another test's listener in between.
-    let held = tokio::net::TcpSocket::new_v4().expect("socket");
-    held.bind(([127, 0, 0, 1], 0).into()).expect("bind");
-    let gone = held.local_addr().expect("addr");
+    let (gone, _held) = egress_testkit::closed_port();
     let down = Context::new(
         api.client(),
         WorkerApi {

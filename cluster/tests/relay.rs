@@ -36,16 +36,6 @@ async fn relay_for(w: &Worker) -> SocketAddr {
     relay_to(w.admin, Some(&w.token), Duration::from_secs(10)).await
 }
 
-/// A port on 127.0.0.1 nothing listens on, held (bound, never listening)
-/// for as long as the returned socket lives. A port merely freed could be
-/// handed to the next bind, the relay's own listener among them, and the
-/// "unreachable" worker would answer (it did once in CI).
-fn closed_port() -> (SocketAddr, tokio::net::TcpSocket) {
-    let s = tokio::net::TcpSocket::new_v4().expect("socket");
-    s.bind(SocketAddr::from(([127, 0, 0, 1], 0))).expect("bind");
-    (s.local_addr().expect("addr"), s)
-}
-
 const AUTH: [(&str, &str); 1] = [("authorization", "Bearer console-token-0123456789")];
 
 /// A request to the relay with [`TOKEN`]; the status and the JSON body.
@@ -119,7 +109,7 @@ const POLICY: &str = r#"{"mode": "allowlist", "rules": [
 #[tokio::test]
 async fn callers_need_a_listed_token() {
     // Refused before anything is forwarded: no worker needed.
-    let (worker, _held) = closed_port();
+    let (worker, _held) = egress_testkit::closed_port();
     let relay = relay_to(worker, None, Duration::from_secs(1)).await;
     let no_auth: [(&str, &str); 0] = [];
     let wrong = [("authorization", "Bearer console-token-0123456780")];
@@ -173,7 +163,7 @@ async fn callers_need_a_listed_token() {
 
 #[tokio::test]
 async fn unknown_routes_bad_ids_and_methods() {
-    let (worker, _held) = closed_port();
+    let (worker, _held) = egress_testkit::closed_port();
     let relay = relay_to(worker, None, Duration::from_secs(1)).await;
     for path in [
         "/",
@@ -226,7 +216,7 @@ async fn unknown_routes_bad_ids_and_methods() {
 
 #[tokio::test]
 async fn an_unreachable_worker_is_502_with_a_reason() {
-    let (worker, _held) = closed_port();
+    let (worker, _held) = egress_testkit::closed_port();
     let relay = relay_to(worker, None, Duration::from_secs(2)).await;
     let (status, body) = call(relay, "PUT", "/vm-egress/vm1", Some(POLICY)).await;
     assert_eq!(status, 502, "{body}");

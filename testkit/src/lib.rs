@@ -53,6 +53,29 @@ pub fn skip(what: &str, why: impl Display) {
     eprintln!("SKIPPED: {what}: {why}");
 }
 
+/// A TCP port on 127.0.0.1 that refuses connections, held (bound, never
+/// listening) for as long as the returned socket lives. A port merely freed
+/// (a listener bound and dropped) can be handed to the next bind in between,
+/// another test's listener or the code under test's own, and the
+/// "unreachable" address answers (it did once in CI).
+///
+/// # Panics
+///
+/// If the socket cannot be made or bound.
+#[must_use]
+pub fn closed_port() -> (std::net::SocketAddr, socket2::Socket) {
+    let s =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    s.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .expect("bind");
+    let addr = s
+        .local_addr()
+        .expect("address")
+        .as_socket()
+        .expect("an IP address");
+    (addr, s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
