@@ -20,9 +20,11 @@
 //!   fill the source's receive buffer and then wait in the kernel's retry
 //!   queue, which nothing bounds (126 MiB measured for a half-closed flow
 //!   whose reader stopped). That is why this path is off by default.
-//! - **Half-close.** A FIN is not redirected. When a source has sent its
-//!   FIN and all it sent is written to the destination, the destination is
-//!   shut down for writing.
+//! - **Half-close.** A FIN is not redirected (the program drops a FIN that
+//!   comes alone: handed on, it would break the kernel's worker; see
+//!   `egress_sockmap::program`). When a source has sent its FIN and all it
+//!   sent is written to the destination, the destination is shut down for
+//!   writing.
 //! - **Counts and idle.** Read from the sockets (`TCP_INFO`): the bytes
 //!   written to each side (`bytes_sent - bytes_retrans + notsent_bytes`) are
 //!   the flow's counts, exact; no change in what either side received for

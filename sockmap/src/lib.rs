@@ -2,7 +2,7 @@
 //! `ksplice` module decides when to use them.
 //!
 //! [`Sockmap`]: four maps and an `sk_skb` stream-verdict program, assembled
-//! in [`program`] (forty instructions; no BPF toolchain is needed to build
+//! in [`program`] (43 instructions; no BPF toolchain is needed to build
 //! it) and loaded with bpf(2).
 //!
 //! - `peers` (sockhash): a socket's cookie → the socket its received bytes
@@ -15,7 +15,8 @@
 //!   may redirect (`limit`, in `taken` bytes) and how many passed bytes the
 //!   gateway has copied on (`consumed`).
 //!
-//! The program redirects a segment only while nothing passed is waiting
+//! The program drops a segment of no bytes (a FIN alone; see [`program`]).
+//! It redirects a segment only while nothing passed is waiting
 //! (`passed == consumed`) and `taken < limit`; otherwise it passes it. That
 //! is the back-pressure an `sk_skb` redirect lacks on its own (the kernel
 //! queues redirected bytes before a slow receiver without bound): passed
@@ -79,6 +80,7 @@ const BPF_FUNC_MAP_LOOKUP_ELEM: i32 = 1;
 const BPF_FUNC_GET_SOCKET_COOKIE: i32 = 46;
 const BPF_FUNC_SK_REDIRECT_HASH: i32 = 72;
 const BPF_PSEUDO_MAP_FD: u8 = 1;
+const SK_DROP: i32 = 0;
 const SK_PASS: i32 = 1;
 
 /// `union bpf_attr`, as bytes: each command's fields are at fixed offsets.
@@ -136,6 +138,8 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
 /// ```c
 /// SEC("sk_skb/stream_verdict")
 /// int verdict(struct __sk_buff *skb) {
+///     if (skb->len == 0)
+///         return SK_DROP;
 ///     __u64 cookie = bpf_get_socket_cookie(skb);
 ///     struct tally *t = bpf_map_lookup_elem(&tally, &cookie);
 ///     if (!t)
@@ -150,56 +154,70 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
 /// }
 /// ```
 ///
+/// A segment of no bytes is a FIN that came alone. TCP has taken the FIN
+/// already (the socket's state and a read's end of stream say so), and
+/// handed on, the segment would break the kernel's sockmap worker
+/// (`sk_psock_backlog`), which takes the zero bytes it moved for a failed
+/// write. It reports `EPIPE` on the socket whose queue held the segment
+/// (the peer, for a redirect; the socket itself, for a segment passed while
+/// redirected ones wait before it) and stops serving that socket for good:
+/// segments redirected or passed to it later are dropped. So the program
+/// drops the segment instead.
+///
 /// The counters need no atomics: a socket's segments go through the program
 /// one at a time (under the socket's lock), and only the program writes
 /// `tally`. A joined socket without a peer would have its bytes dropped
 /// (`SK_DROP`): the gateway puts both peers in place before either joins.
-pub fn program(peers: RawFd, tally: RawFd, gate: RawFd) -> [u64; 40] {
-    const PASS: i16 = 34;
-    const PASS_UNCOUNTED: i16 = 38;
+pub fn program(peers: RawFd, tally: RawFd, gate: RawFd) -> [u64; 43] {
+    const PASS: i16 = 37;
+    const PASS_UNCOUNTED: i16 = 41;
+    const EXIT: i16 = 42;
     // A jump's offset counts from the instruction after it.
     let to = |target: i16, at: i16| target - at - 1;
     [
-        insn(0xbf, 6, 1, 0, 0),                          // 0: r6 = r1 (skb)
-        insn(0x85, 0, 0, 0, BPF_FUNC_GET_SOCKET_COOKIE), // 1: r0 = cookie(skb)
-        insn(0x7b, 10, 0, -8, 0),                        // 2: *(u64 *)(r10 - 8) = r0
-        insn(0x18, 1, BPF_PSEUDO_MAP_FD, 0, tally),      // 3: r1 = &tally
-        insn(0, 0, 0, 0, 0),                             // 4
-        insn(0xbf, 2, 10, 0, 0),                         // 5: r2 = r10
-        insn(0x07, 2, 0, 0, -8),                         // 6: r2 += -8: &cookie
-        insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM),   // 7: r0 = lookup(tally)
-        insn(0x15, 0, 0, to(PASS_UNCOUNTED, 8), 0),      // 8: if r0 == 0 goto pass, uncounted
-        insn(0xbf, 7, 0, 0, 0),                          // 9: r7 = t
-        insn(0x18, 1, BPF_PSEUDO_MAP_FD, 0, gate),       // 10: r1 = &gate
-        insn(0, 0, 0, 0, 0),                             // 11
-        insn(0xbf, 2, 10, 0, 0),                         // 12: r2 = r10
-        insn(0x07, 2, 0, 0, -8),                         // 13: r2 += -8
-        insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM),   // 14: r0 = lookup(gate)
-        insn(0x15, 0, 0, to(PASS, 15), 0),               // 15: if r0 == 0 goto pass
-        insn(0xbf, 8, 0, 0, 0),                          // 16: r8 = g
-        insn(0x61, 2, 6, 0, 0),                          // 17: r2 = skb->len
-        insn(0x79, 3, 7, 8, 0),                          // 18: r3 = t->passed
-        insn(0x79, 4, 8, 8, 0),                          // 19: r4 = g->consumed
-        insn(0x5d, 3, 4, to(PASS, 20), 0),               // 20: if r3 != r4 goto pass
-        insn(0x79, 3, 7, 0, 0),                          // 21: r3 = t->taken
-        insn(0x79, 4, 8, 0, 0),                          // 22: r4 = g->limit
-        insn(0x3d, 3, 4, to(PASS, 23), 0),               // 23: if r3 >= r4 goto pass
-        insn(0x0f, 3, 2, 0, 0),                          // 24: r3 += len
-        insn(0x7b, 7, 3, 0, 0),                          // 25: t->taken = r3
-        insn(0xbf, 1, 6, 0, 0),                          // 26: r1 = skb
-        insn(0x18, 2, BPF_PSEUDO_MAP_FD, 0, peers),      // 27: r2 = &peers
-        insn(0, 0, 0, 0, 0),                             // 28
-        insn(0xbf, 3, 10, 0, 0),                         // 29: r3 = r10
-        insn(0x07, 3, 0, 0, -8),                         // 30: r3 += -8: &cookie
-        insn(0xb7, 4, 0, 0, 0),                          // 31: r4 = 0: to the peer's send side
-        insn(0x85, 0, 0, 0, BPF_FUNC_SK_REDIRECT_HASH), // 32: r0 = redirect(skb, &peers, &cookie, 0)
-        insn(0x95, 0, 0, 0, 0),                         // 33: return r0
-        insn(0x61, 2, 6, 0, 0),                         // 34 (pass): r2 = skb->len
-        insn(0x79, 3, 7, 8, 0),                         // 35: r3 = t->passed
-        insn(0x0f, 3, 2, 0, 0),                         // 36: r3 += len
-        insn(0x7b, 7, 3, 8, 0),                         // 37: t->passed = r3
-        insn(0xb7, 0, 0, 0, SK_PASS),                   // 38 (pass, uncounted): r0 = SK_PASS
-        insn(0x95, 0, 0, 0, 0),                         // 39: return r0
+        insn(0xb7, 0, 0, 0, SK_DROP),                    // 0: r0 = SK_DROP
+        insn(0x61, 2, 1, 0, 0),                          // 1: r2 = skb->len
+        insn(0x15, 2, 0, to(EXIT, 2), 0),                // 2: if r2 == 0 goto exit: a FIN alone
+        insn(0xbf, 6, 1, 0, 0),                          // 3: r6 = r1 (skb)
+        insn(0x85, 0, 0, 0, BPF_FUNC_GET_SOCKET_COOKIE), // 4: r0 = cookie(skb)
+        insn(0x7b, 10, 0, -8, 0),                        // 5: *(u64 *)(r10 - 8) = r0
+        insn(0x18, 1, BPF_PSEUDO_MAP_FD, 0, tally),      // 6: r1 = &tally
+        insn(0, 0, 0, 0, 0),                             // 7
+        insn(0xbf, 2, 10, 0, 0),                         // 8: r2 = r10
+        insn(0x07, 2, 0, 0, -8),                         // 9: r2 += -8: &cookie
+        insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM),   // 10: r0 = lookup(tally)
+        insn(0x15, 0, 0, to(PASS_UNCOUNTED, 11), 0),     // 11: if r0 == 0 goto pass, uncounted
+        insn(0xbf, 7, 0, 0, 0),                          // 12: r7 = t
+        insn(0x18, 1, BPF_PSEUDO_MAP_FD, 0, gate),       // 13: r1 = &gate
+        insn(0, 0, 0, 0, 0),                             // 14
+        insn(0xbf, 2, 10, 0, 0),                         // 15: r2 = r10
+        insn(0x07, 2, 0, 0, -8),                         // 16: r2 += -8
+        insn(0x85, 0, 0, 0, BPF_FUNC_MAP_LOOKUP_ELEM),   // 17: r0 = lookup(gate)
+        insn(0x15, 0, 0, to(PASS, 18), 0),               // 18: if r0 == 0 goto pass
+        insn(0xbf, 8, 0, 0, 0),                          // 19: r8 = g
+        insn(0x61, 2, 6, 0, 0),                          // 20: r2 = skb->len
+        insn(0x79, 3, 7, 8, 0),                          // 21: r3 = t->passed
+        insn(0x79, 4, 8, 8, 0),                          // 22: r4 = g->consumed
+        insn(0x5d, 3, 4, to(PASS, 23), 0),               // 23: if r3 != r4 goto pass
+        insn(0x79, 3, 7, 0, 0),                          // 24: r3 = t->taken
+        insn(0x79, 4, 8, 0, 0),                          // 25: r4 = g->limit
+        insn(0x3d, 3, 4, to(PASS, 26), 0),               // 26: if r3 >= r4 goto pass
+        insn(0x0f, 3, 2, 0, 0),                          // 27: r3 += len
+        insn(0x7b, 7, 3, 0, 0),                          // 28: t->taken = r3
+        insn(0xbf, 1, 6, 0, 0),                          // 29: r1 = skb
+        insn(0x18, 2, BPF_PSEUDO_MAP_FD, 0, peers),      // 30: r2 = &peers
+        insn(0, 0, 0, 0, 0),                             // 31
+        insn(0xbf, 3, 10, 0, 0),                         // 32: r3 = r10
+        insn(0x07, 3, 0, 0, -8),                         // 33: r3 += -8: &cookie
+        insn(0xb7, 4, 0, 0, 0),                          // 34: r4 = 0: to the peer's send side
+        insn(0x85, 0, 0, 0, BPF_FUNC_SK_REDIRECT_HASH), // 35: r0 = redirect(skb, &peers, &cookie, 0)
+        insn(0x95, 0, 0, 0, 0),                         // 36: return r0
+        insn(0x61, 2, 6, 0, 0),                         // 37 (pass): r2 = skb->len
+        insn(0x79, 3, 7, 8, 0),                         // 38: r3 = t->passed
+        insn(0x0f, 3, 2, 0, 0),                         // 39: r3 += len
+        insn(0x7b, 7, 3, 8, 0),                         // 40: t->passed = r3
+        insn(0xb7, 0, 0, 0, SK_PASS),                   // 41 (pass, uncounted): r0 = SK_PASS
+        insn(0x95, 0, 0, 0, 0),                         // 42 (exit): return r0
     ]
 }
 
@@ -514,14 +532,16 @@ mod tests {
         // `r2 = map` is the two-slot load with the map's descriptor in the
         // first immediate and the pseudo-source register 1.
         let p = program(7, 8, 9);
-        assert_eq!(p[27], 0x0000_0007_0000_1218);
-        assert_eq!(p[28], 0);
-        assert_eq!(p[3], 0x0000_0008_0000_1118);
+        assert_eq!(p[30], 0x0000_0007_0000_1218);
+        assert_eq!(p[31], 0);
+        assert_eq!(p[6], 0x0000_0008_0000_1118);
         // `*(u64 *)(r10 - 8) = r0`: offset -8 as sixteen bits.
-        assert_eq!(p[2], 0x0000_0000_fff8_0a7b);
-        // `if r0 == 0 goto 38` at 8: 29 instructions on.
-        assert_eq!(p[8], 0x0000_0000_001d_0015);
-        assert_eq!(p[39], 0x95);
+        assert_eq!(p[5], 0x0000_0000_fff8_0a7b);
+        // `if r2 == 0 goto 42` at 2: 39 instructions on.
+        assert_eq!(p[2], 0x0000_0000_0027_0215);
+        // `if r0 == 0 goto 41` at 11: 29 instructions on.
+        assert_eq!(p[11], 0x0000_0000_001d_0015);
+        assert_eq!(p[42], 0x95);
     }
 
     fn pair() -> (std::net::TcpStream, std::net::TcpStream) {
@@ -622,6 +642,35 @@ mod tests {
         );
         let written = tcp_info(&gw_origin).expect("info").written;
         assert_eq!(written, 10, "TCP_INFO counts what the kernel wrote");
+        // A FIN alone, where a segment would be redirected: dropped, not
+        // handed to the peer's queue, where the kernel's worker would fail
+        // on its zero length and break the peer with EPIPE.
+        m.set_gate(
+            c,
+            Gate {
+                limit: 1_000,
+                consumed: 10,
+            },
+        )
+        .expect("gate");
+        client
+            .shutdown(std::net::Shutdown::Write)
+            .expect("half-close");
+        let mut b = [0u8; 1];
+        assert_eq!((&gw_client).read(&mut b).expect("EOF"), 0);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(
+            gw_origin.take_error().expect("SO_ERROR").map(|e| e.kind()),
+            None,
+            "the peer was broken by the FIN"
+        );
+        assert_eq!(
+            m.tally(c).expect("tally"),
+            Tally {
+                taken: 10,
+                passed: 10
+            }
+        );
         m.leave(c);
         m.leave(o);
     }

@@ -230,7 +230,7 @@ async fn idle_flows_are_closed_but_one_busy_direction_keeps_it_open() {
 }
 
 #[tokio::test]
-async fn bulk_both_ways_at_once_arrives_whole_or_is_reset() {
+async fn bulk_both_ways_at_once_arrives_whole() {
     let Some(k) = kernel() else { return };
     let (task, client, origin) = flow(k, Duration::from_secs(10)).await;
     // Both sides write 14 MiB before reading anything back: a copy that
@@ -258,25 +258,9 @@ async fn bulk_both_ways_at_once_arrives_whole_or_is_reset() {
     let (got_up, wrote_down) = at_origin.await.expect("origin");
     let (got_down, wrote_up) = at_client.await.expect("client");
     let s = task.await.expect("task");
-    if s.fault == Some(Fault::SPLICE_BROKEN) {
-        // Under load the kernel now and then fails such a flow: a write to
-        // one socket is refused while its peer is still open (5 runs in
-        // 94 of the library's tests on 2026-12-04; docs/architecture.md). What the gateway
-        // owes then: the fault, and a reset to both sides, so that neither
-        // takes what it got for the whole stream.
-        eprintln!("the kernel broke the flow: {s:?}");
-        for (read, want) in [(&got_up, &up), (&got_down, &down)] {
-            if let Ok(got) = read {
-                assert!(
-                    got == want,
-                    "a clean end after {}",
-                    first_difference(got, want)
-                );
-            }
-        }
-        assert!(got_up.is_err() || got_down.is_err(), "nobody saw the reset");
-        return;
-    }
+    // Until the program dropped a FIN that comes alone, the kernel broke
+    // such a flow now and then (5 runs in 94 of the library's tests):
+    // docs/architecture.md.
     let (got_up, got_down) = (got_up.expect("upload"), got_down.expect("download"));
     wrote_up.expect("the client's writing");
     wrote_down.expect("the origin's writing");
@@ -329,4 +313,68 @@ async fn a_destination_the_kernel_cannot_write_to_breaks_the_flow_with_resets() 
     // The client learns it from a reset, not from the end of a stream.
     sees_a_reset(&mut cr).await;
     writer.await.expect("writer");
+}
+
+/// The origin's FIN comes alone while its socket's kernel queue holds the
+/// upload's redirected bytes and the program passes the download: handed
+/// on, the FIN broke the flow (the kernel's worker failed on it with
+/// `EPIPE`, and dropped the upload from there on).
+#[tokio::test]
+async fn a_fin_passed_behind_redirected_bytes_ends_the_flow_whole() {
+    let Some(k) = kernel() else { return };
+    let (client, gw_client) = pair().await;
+    let (gw_origin, mut origin) = pair().await;
+    // A small send buffer toward the origin, so that bytes redirected to it
+    // while it reads nothing wait in the kernel's queue before its socket.
+    socket2::SockRef::from(&gw_origin)
+        .set_send_buffer_size(64 << 10)
+        .expect("sndbuf");
+    let task = spliced(k, gw_client, gw_origin, Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (mut cr, mut cw) = client.into_split();
+    let up = pattern(4 << 20);
+    let writer = {
+        let up = up.clone();
+        tokio::spawn(async move {
+            cw.write_all(&up).await.expect("write");
+            cw
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Past the window while the client reads nothing: the program passes
+    // the last of it to the origin's socket, behind the bytes waiting there.
+    let down = pattern((WINDOW as usize) + (48 << 10));
+    origin.write_all(&down).await.expect("write down");
+    for _ in 0..200 {
+        if tcp_info(&origin).expect("info").notsent == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The FIN alone, passed too.
+    origin.shutdown().await.expect("half-close");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (mut or, _ow) = origin.into_split();
+    let reader = tokio::spawn(async move {
+        let mut got = Vec::new();
+        or.read_to_end(&mut got).await.map(|_| got)
+    });
+    let mut back = Vec::new();
+    let down_read = tokio::time::timeout(Duration::from_secs(8), cr.read_to_end(&mut back)).await;
+    let mut cw = writer.await.expect("writer");
+    let _ = cw.shutdown().await;
+    let got = tokio::time::timeout(Duration::from_secs(8), reader).await;
+    let s = task.await.expect("task");
+    down_read.expect("the download ends").expect("download");
+    assert!(back == down, "download: {}", first_difference(&back, &down));
+    let got = got
+        .expect("the upload ends")
+        .expect("reader")
+        .expect("upload");
+    assert!(got == up, "upload: {}", first_difference(&got, &up));
+    assert_eq!(
+        (s.up, s.down, s.fault),
+        (up.len() as u64, down.len() as u64, None)
+    );
 }
