@@ -159,8 +159,8 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
 /// handed on, the segment would break the kernel's sockmap worker
 /// (`sk_psock_backlog`), which takes the zero bytes it moved for a failed
 /// write. It reports `EPIPE` on the socket whose queue held the segment
-/// (the peer, for a redirect; the socket itself, for a segment passed while
-/// redirected ones wait before it) and stops serving that socket for good:
+/// (the peer, for a redirect; by the kernel's code the socket itself too,
+/// for a segment passed while redirected ones wait before it) and stops serving that socket for good:
 /// segments redirected or passed to it later are dropped. So the program
 /// drops the segment instead.
 ///

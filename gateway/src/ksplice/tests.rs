@@ -315,20 +315,22 @@ async fn a_destination_the_kernel_cannot_write_to_breaks_the_flow_with_resets() 
     writer.await.expect("writer");
 }
 
-/// The origin's FIN comes alone while its socket's kernel queue holds the
-/// upload's redirected bytes and the program passes the download: handed
-/// on, the FIN broke the flow (the kernel's worker failed on it with
-/// `EPIPE`, and dropped the upload from there on).
+/// The origin's FIN comes alone while the program passes the upload to the
+/// client's socket (the origin reads nothing yet, and the upload is past the
+/// window). Redirected to that socket, the FIN broke it: the kernel's worker
+/// failed on the segment's zero length with `EPIPE`, and dropped what the
+/// program passed there from then on.
 #[tokio::test]
-async fn a_fin_passed_behind_redirected_bytes_ends_the_flow_whole() {
+async fn a_fin_alone_while_bytes_are_passed_ends_the_flow_whole() {
     let Some(k) = kernel() else { return };
     let (client, gw_client) = pair().await;
     let (gw_origin, mut origin) = pair().await;
-    // A small send buffer toward the origin, so that bytes redirected to it
-    // while it reads nothing wait in the kernel's queue before its socket.
+    // A small send buffer toward the origin, so that the upload reaches the
+    // window, and the program passes it, after a few MiB.
     socket2::SockRef::from(&gw_origin)
         .set_send_buffer_size(64 << 10)
         .expect("sndbuf");
+    let c = cookie(&gw_client).expect("cookie");
     let task = spliced(k, gw_client, gw_origin, Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(20)).await;
     let (mut cr, mut cw) = client.into_split();
@@ -340,11 +342,21 @@ async fn a_fin_passed_behind_redirected_bytes_ends_the_flow_whole() {
             cw
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    // Past the window while the client reads nothing: the program passes
-    // the last of it to the origin's socket, behind the bytes waiting there.
-    let down = pattern((WINDOW as usize) + (48 << 10));
-    origin.write_all(&down).await.expect("write down");
+    let passing = async {
+        while k.map.tally(c).expect("tally").passed == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(8), passing)
+        .await
+        .expect("the program passes the upload");
+    // An answer the client does not read yet, all of it sent, then the FIN
+    // in a segment of its own.
+    let down = pattern(1 << 20);
+    tokio::time::timeout(Duration::from_secs(8), origin.write_all(&down))
+        .await
+        .expect("the download is taken")
+        .expect("write down");
     for _ in 0..200 {
         if tcp_info(&origin).expect("info").notsent == 0 {
             break;
@@ -352,7 +364,6 @@ async fn a_fin_passed_behind_redirected_bytes_ends_the_flow_whole() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    // The FIN alone, passed too.
     origin.shutdown().await.expect("half-close");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let (mut or, _ow) = origin.into_split();
@@ -362,10 +373,16 @@ async fn a_fin_passed_behind_redirected_bytes_ends_the_flow_whole() {
     });
     let mut back = Vec::new();
     let down_read = tokio::time::timeout(Duration::from_secs(8), cr.read_to_end(&mut back)).await;
-    let mut cw = writer.await.expect("writer");
+    let mut cw = tokio::time::timeout(Duration::from_secs(8), writer)
+        .await
+        .expect("the upload is taken")
+        .expect("writer");
     let _ = cw.shutdown().await;
     let got = tokio::time::timeout(Duration::from_secs(8), reader).await;
-    let s = task.await.expect("task");
+    let s = tokio::time::timeout(Duration::from_secs(8), task)
+        .await
+        .expect("the flow ends")
+        .expect("task");
     down_read.expect("the download ends").expect("download");
     assert!(back == down, "download: {}", first_difference(&back, &down));
     let got = got
