@@ -160,9 +160,9 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
 /// (`sk_psock_backlog`), which takes the zero bytes it moved for a failed
 /// write. It reports `EPIPE` on the socket whose queue held the segment
 /// (the peer, for a redirect; by the kernel's code the socket itself too,
-/// for a segment passed while redirected ones wait before it) and stops serving that socket for good:
-/// segments redirected or passed to it later are dropped. So the program
-/// drops the segment instead.
+/// for a segment passed while redirected ones wait before it) and stops
+/// serving that socket for good: segments redirected or passed to it later
+/// are dropped. So the program drops the segment instead.
 ///
 /// The counters need no atomics: a socket's segments go through the program
 /// one at a time (under the socket's lock), and only the program writes
