@@ -77,9 +77,10 @@ const HALF_CLOSED_CAP: u64 = 16 * 1024 * 1024;
 /// it moves, every millisecond. At 1 GB/s, 10 MB past the cap at most.
 const SEALED_TICK: Duration = Duration::from_millis(10);
 
-/// Waiting that long for redirected bytes with nothing written, nothing
-/// received and nothing waiting in a send queue (a slow reader leaves bytes
-/// there), the kernel will write no more (they were dropped): the flow ends.
+/// Redirected bytes unwritten for that long, with nothing written, nothing
+/// received, and both sockets' send queues empty and acknowledged (see
+/// [`idle_queues`]): the kernel will write no more (they were dropped, or
+/// it failed the destination), and the flow ends.
 const STALLED: Duration = Duration::from_secs(2);
 
 /// The loaded program and its maps.
@@ -251,6 +252,8 @@ struct Wants {
     writable: bool,
     /// To look again soon: the kernel still writes what it redirected.
     soon: bool,
+    /// Bytes redirected and not yet written to the destination.
+    behind: bool,
 }
 
 /// Watches a joined flow, keeping each direction's state in `ways`;
@@ -313,12 +316,13 @@ async fn watch(
             info[1].written,
         ];
         let waiting = wants.iter().any(|w| w.soon);
+        let behind = wants.iter().any(|w| w.behind);
         if moved != last_moved {
             last_moved = moved;
             heard = Instant::now();
         } else if heard.elapsed() >= idle {
             return Some(Fault::IDLE_TIMEOUT);
-        } else if waiting && info.iter().all(|i| i.notsent == 0) && heard.elapsed() >= STALLED {
+        } else if behind && info.iter().all(idle_queues) && heard.elapsed() >= STALLED {
             tracing::debug!("kernel splice: redirected bytes were never written; ending the flow");
             return Some(Fault::SPLICE_BROKEN);
         }
@@ -443,7 +447,11 @@ fn step(
             ways[src].closed = true;
         }
     }
-    Ok(Wants { writable, soon })
+    Ok(Wants {
+        writable,
+        soon,
+        behind: backlog > 0,
+    })
 }
 
 /// Whether the socket on `side` may be sent its FIN. Once a socket has
@@ -490,6 +498,13 @@ fn write_fault(dst: &TcpStream, side: Side, e: &io::Error) -> Option<Fault> {
     } else {
         Some(Fault::SPLICE_BROKEN)
     }
+}
+
+/// Nothing waits in the socket's send queue (a slow reader leaves bytes
+/// there) and nothing sent is unacknowledged (a slow network leaves it in
+/// flight).
+fn idle_queues(i: &TcpInfo) -> bool {
+    i.notsent == 0 && i.unacked == 0
 }
 
 /// Writes what `way` holds to `dst`, as much as it takes now; the bytes written.

@@ -420,6 +420,8 @@ pub struct TcpInfo {
     pub written: u64,
     /// Of those, not sent yet.
     pub notsent: u32,
+    /// Segments sent and not yet acknowledged.
+    pub unacked: u32,
 }
 
 pub const TCP_ESTABLISHED: u8 = 1;
@@ -428,7 +430,7 @@ pub const TCP_FIN_WAIT2: u8 = 5;
 pub const TCP_CLOSE: u8 = 7;
 
 /// `struct tcp_info` as of Linux 4.19 and its offsets (linux/tcp.h):
-/// `tcpi_bytes_received` 128, `tcpi_notsent_bytes` 144,
+/// `tcpi_unacked` 24, `tcpi_bytes_received` 128, `tcpi_notsent_bytes` 144,
 /// `tcpi_bytes_sent` 200, `tcpi_bytes_retrans` 208.
 const INFO_LEN: usize = 232;
 
@@ -459,7 +461,8 @@ pub fn tcp_info(socket: impl AsFd) -> io::Result<TcpInfo> {
         w.copy_from_slice(&b[at..at + 8]);
         u64::from_ne_bytes(w)
     };
-    let notsent = u32::from_ne_bytes([b[144], b[145], b[146], b[147]]);
+    let u32_at = |at: usize| u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let notsent = u32_at(144);
     Ok(TcpInfo {
         state: b[0],
         received: u64_at(128),
@@ -467,6 +470,7 @@ pub fn tcp_info(socket: impl AsFd) -> io::Result<TcpInfo> {
             .saturating_sub(u64_at(208))
             .saturating_add(u64::from(notsent)),
         notsent,
+        unacked: u32_at(24),
     })
 }
 
@@ -542,6 +546,17 @@ mod tests {
         // `if r0 == 0 goto 41` at 11: 29 instructions on.
         assert_eq!(p[11], 0x0000_0000_001d_0015);
         assert_eq!(p[42], 0x95);
+    }
+
+    #[test]
+    fn tcp_info_offsets_are_the_kernel_headers() {
+        use std::mem::offset_of;
+        assert_eq!(offset_of!(libc::tcp_info, tcpi_unacked), 24);
+        assert_eq!(offset_of!(libc::tcp_info, tcpi_bytes_received), 128);
+        assert_eq!(offset_of!(libc::tcp_info, tcpi_notsent_bytes), 144);
+        assert_eq!(offset_of!(libc::tcp_info, tcpi_bytes_sent), 200);
+        assert_eq!(offset_of!(libc::tcp_info, tcpi_bytes_retrans), 208);
+        assert!(std::mem::size_of::<libc::tcp_info>() >= INFO_LEN);
     }
 
     fn pair() -> (std::net::TcpStream, std::net::TcpStream) {

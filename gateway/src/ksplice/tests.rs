@@ -395,3 +395,31 @@ async fn a_fin_alone_while_bytes_are_passed_ends_the_flow_whole() {
         (up.len() as u64, down.len() as u64, None)
     );
 }
+
+/// Bytes the kernel redirected to a socket it then failed are never
+/// written, and nothing else moves: the flow must end on the kernel's
+/// failure, not wait for the idle timeout.
+#[tokio::test]
+async fn redirected_bytes_the_kernel_never_writes_end_the_flow() {
+    let Some(k) = kernel() else { return };
+    let (_client, gw_client) = pair().await;
+    let (gw_origin, mut origin) = pair().await;
+    // The gateway's socket to the client, shut for sending from outside the
+    // flow: the kernel's redirect of the origin's bytes to it fails.
+    let std_client = gw_client.into_std().expect("std");
+    let outside = std_client.try_clone().expect("dup");
+    let gw_client = TcpStream::from_std(std_client).expect("tokio");
+    let task = spliced(k, gw_client, gw_origin, Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    outside
+        .shutdown(std::net::Shutdown::Write)
+        .expect("shutdown");
+    origin.write_all(b"lost").await.expect("write");
+    let s = tokio::time::timeout(STALLED * 4, task)
+        .await
+        .expect("the flow ends before the idle timeout")
+        .expect("task");
+    assert_eq!(s.fault, Some(Fault::SPLICE_BROKEN), "{s:?}");
+    drop(outside);
+    sees_a_reset(&mut origin).await;
+}
