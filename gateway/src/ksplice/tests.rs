@@ -423,3 +423,66 @@ async fn redirected_bytes_the_kernel_never_writes_end_the_flow() {
     drop(outside);
     sees_a_reset(&mut origin).await;
 }
+
+/// Once the client has half-closed, the origin's direction is sealed (see
+/// [`seal`]) and the kernel takes whatever the origin sends: a client that
+/// stops reading must not let it queue without bound. Past
+/// [`HALF_CLOSED_CAP`] the flow is reset. (Two threads: the origin's writes,
+/// which the kernel takes at once, would otherwise keep the flow's task
+/// from looking.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_flow_whose_reader_stops_is_reset_past_the_cap() {
+    let Some(k) = kernel() else { return };
+    let (task, client, mut origin) = flow(k, Duration::from_secs(10)).await;
+    // The client's read half is kept and never read.
+    let (_cr, mut cw) = client.into_split();
+    cw.write_all(b"request").await.expect("write");
+    cw.shutdown().await.expect("half-close");
+    let mut request = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), origin.read_to_end(&mut request))
+        .await
+        .expect("the request and its end")
+        .expect("read");
+    assert_eq!(request, b"request");
+    // The origin streams up to eight times the cap, at most 1 MiB a
+    // millisecond (so that a busy machine delaying the flow's task by a
+    // tenth of a second does not let it through), or until a write waits a
+    // second.
+    let total = 8 * HALF_CLOSED_CAP as usize;
+    let chunk = vec![7u8; 1 << 20];
+    let mut sent = 0;
+    let ended = loop {
+        if sent >= total {
+            break None;
+        }
+        match tokio::time::timeout(Duration::from_secs(1), origin.write(&chunk)).await {
+            Ok(Ok(n)) => sent += n,
+            Ok(Err(e)) => break Some(e),
+            Err(_) => break None,
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    let s = tokio::time::timeout(Duration::from_secs(8), task)
+        .await
+        .expect("the flow ends")
+        .expect("task");
+    assert_eq!(
+        s.fault,
+        Some(Fault::SPLICE_BACKLOG),
+        "{s:?}; the origin sent {sent}"
+    );
+    eprintln!("the origin sent {sent} bytes");
+    assert!(sent < total, "the kernel took all {sent} bytes");
+    // The origin learns it from a reset.
+    let e = match ended {
+        Some(e) => e,
+        None => origin.write_all(&chunk).await.expect_err("a reset"),
+    };
+    assert!(
+        matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+        ),
+        "{e}"
+    );
+}
