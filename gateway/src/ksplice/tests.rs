@@ -53,6 +53,15 @@ fn spliced(
     })
 }
 
+/// The socket, and a second descriptor of it, to shut its sending side from
+/// outside the flow: the kernel's writes to it then fail with EPIPE, as when
+/// its sockmap worker fails a flow on its own.
+fn with_outside(s: TcpStream) -> (TcpStream, std::net::TcpStream) {
+    let s = s.into_std().expect("std");
+    let outside = s.try_clone().expect("dup");
+    (TcpStream::from_std(s).expect("tokio"), outside)
+}
+
 /// Where `got` first differs from `want`, for the failure message.
 fn first_difference(got: &[u8], want: &[u8]) -> String {
     let at = got.iter().zip(want).position(|(a, b)| a != b);
@@ -281,12 +290,8 @@ async fn a_destination_the_kernel_cannot_write_to_breaks_the_flow_with_resets() 
     let Some(k) = kernel() else { return };
     let (mut client, gw_client) = pair().await;
     let (gw_origin, mut origin) = pair().await;
-    // A second descriptor of the gateway's socket to the origin, to shut its
-    // sending side from outside the flow: the kernel's writes to it then
-    // fail with EPIPE, as when its sockmap worker fails a flow on its own.
-    let std_origin = gw_origin.into_std().expect("std");
-    let outside = std_origin.try_clone().expect("dup");
-    let gw_origin = TcpStream::from_std(std_origin).expect("tokio");
+    // The gateway's socket to the origin is shut for sending from outside.
+    let (gw_origin, outside) = with_outside(gw_origin);
     let task = spliced(k, gw_client, gw_origin, Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(20)).await;
     client.write_all(b"hello").await.expect("write");
@@ -404,11 +409,9 @@ async fn redirected_bytes_the_kernel_never_writes_end_the_flow() {
     let Some(k) = kernel() else { return };
     let (_client, gw_client) = pair().await;
     let (gw_origin, mut origin) = pair().await;
-    // The gateway's socket to the client, shut for sending from outside the
-    // flow: the kernel's redirect of the origin's bytes to it fails.
-    let std_client = gw_client.into_std().expect("std");
-    let outside = std_client.try_clone().expect("dup");
-    let gw_client = TcpStream::from_std(std_client).expect("tokio");
+    // The gateway's socket to the client is shut for sending from outside:
+    // the kernel's redirect of the origin's bytes to it fails.
+    let (gw_client, outside) = with_outside(gw_client);
     let task = spliced(k, gw_client, gw_origin, Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(20)).await;
     outside
