@@ -19,7 +19,10 @@
 //!   destination stay under [`WINDOW`] (plus one segment); passed bytes
 //!   fill the source's receive buffer and then wait in the kernel's retry
 //!   queue, which nothing bounds (126 MiB measured for a half-closed flow
-//!   whose reader stopped). That is why this path is off by default.
+//!   whose reader stopped, before the program dropped a FIN that comes
+//!   alone; not measured since). A direction sealed by the other side's FIN
+//!   has no back-pressure at all: [`HALF_CLOSED_CAP`] resets it. That is
+//!   why this path is off by default.
 //! - **Half-close.** A FIN is not redirected (the program drops a FIN that
 //!   comes alone: handed on, it would break the kernel's worker; see
 //!   `egress_sockmap::program`). When a source has sent its FIN and all it

@@ -362,12 +362,14 @@ async fn a_fin_alone_while_bytes_are_passed_ends_the_flow_whole() {
         .await
         .expect("the download is taken")
         .expect("write down");
-    for _ in 0..200 {
-        if tcp_info(&origin).expect("info").notsent == 0 {
-            break;
+    let sent = async {
+        while tcp_info(&origin).expect("info").notsent > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    };
+    tokio::time::timeout(Duration::from_secs(8), sent)
+        .await
+        .expect("every byte of the answer sent, so that the FIN goes alone");
     tokio::time::sleep(Duration::from_millis(50)).await;
     origin.shutdown().await.expect("half-close");
     tokio::time::sleep(Duration::from_millis(50)).await;
