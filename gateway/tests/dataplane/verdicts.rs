@@ -719,6 +719,34 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Quiet for T {
     }
 }
 
+/// An HTTP/1.1 connection to the api origin through the gateway with no
+/// SNI (rustls sends none for an IP address; the leaf carries the IP), and
+/// a GET with `host` on it: the status and the body.
+async fn without_sni(e: &Env) -> impl AsyncFnMut(&str) -> (u16, String) {
+    let tcp = e.connect(SANDBOX_A, e.origins.api).await;
+    let ip = e.origins.api.ip();
+    let tls = tokio_rustls::TlsConnector::from(e.client_tls(H1))
+        .connect(rustls::pki_types::ServerName::IpAddress(ip.into()), tcp)
+        .await
+        .expect("handshake with an IP SAN leaf");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("http");
+    tokio::spawn(conn);
+    async move |host: &str| {
+        sender.ready().await.expect("ready");
+        let req = hyper::Request::builder()
+            .uri("/")
+            .header("host", host)
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let resp = sender.send_request(req).await.expect("answer");
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
 #[tokio::test]
 async fn without_sni_each_host_is_verified_on_its_own_connection() {
     let e = env(Options::default()).await;
@@ -727,43 +755,40 @@ async fn without_sni_each_host_is_verified_on_its_own_connection() {
         SANDBOX_A,
         policy(r#"{"default": "allow", "tls_interception": "on"}"#),
     );
-    // No SNI: rustls sends none for an IP address; the leaf carries the IP.
-    let tcp = e.connect(SANDBOX_A, e.origins.api).await;
-    let ip = e.origins.api.ip();
-    let tls = tokio_rustls::TlsConnector::from(e.client_tls(H1))
-        .connect(rustls::pki_types::ServerName::IpAddress(ip.into()), tcp)
-        .await
-        .expect("handshake with an IP SAN leaf");
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
-            .await
-            .expect("http");
-    tokio::spawn(conn);
-    let get = |host: &str| {
-        hyper::Request::builder()
-            .uri("/")
-            .header("host", host)
-            .body(http_body_util::Full::new(bytes::Bytes::new()))
-            .expect("request")
-    };
-    let first = sender
-        .send_request(get("api.example.test"))
-        .await
-        .expect("first");
+    let mut get = without_sni(&e).await;
+    let (status, body) = get("api.example.test").await;
     assert_eq!(
-        first.status(),
-        200,
-        "the origin's certificate covers api.example.test"
+        status, 200,
+        "the origin's certificate covers api.example.test: {body}"
     );
-    let _ = http_body_util::BodyExt::collect(first.into_body()).await;
-    sender.ready().await.expect("ready");
     // Same client connection, another Host: the upstream connection verified
     // for api.example.test must not carry it.
-    let second = sender
-        .send_request(get("other.example.test"))
-        .await
-        .expect("second");
-    assert_eq!(second.status(), 502);
+    let (status, _) = get("other.example.test").await;
+    assert_eq!(status, 502);
+}
+
+#[tokio::test]
+async fn without_sni_a_host_passes_only_on_its_own_attribution() {
+    // The api origin's address serves a certificate for api.example.test
+    // and alias.example.test; only the first is allowed, and resolved.
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(
+            r#"{"allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}],
+                "tls_interception": "on"}"#,
+        ),
+    );
+    e.resolve(SANDBOX_A, "api.example.test.").await;
+    let mut get = without_sni(&e).await;
+    let (status, body) = get("api.example.test").await;
+    assert_eq!(status, 200, "the allowed, attributed name: {body}");
+    // Another name the address serves: not allowed, never resolved. Without
+    // an SNI the Host is the claim, judged as an SNI would be.
+    let (status, body) = get("alias.example.test").await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("sni_mismatch"), "{body}");
 }
 
 #[tokio::test]

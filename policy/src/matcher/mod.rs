@@ -427,7 +427,10 @@ impl CompiledPolicy {
         let names = &allow.names;
         let attributed_allowed = names.lookup_any(flow.attributed);
         let claim = match flow.protocol {
-            Protocol::Tls => flow.sni,
+            // Without an SNI a terminated request's Host is the claim: it
+            // must be attributed too, or any name the address serves a
+            // certificate for would pass on another name's attribution.
+            Protocol::Tls => flow.sni.or(flow.host),
             Protocol::Http => flow.host,
             Protocol::Opaque(_) | Protocol::Dns => None,
         };

@@ -418,6 +418,45 @@ fn terminated_flows_accept_a_verified_server_name() {
 }
 
 #[test]
+fn without_sni_a_terminated_requests_host_is_the_claim() {
+    // A shared address attributed to an allowed name: a client that sends
+    // no SNI may not name another host on it and pass on that attribution.
+    let p = r#"{"allow": [{"domain": "api.test"}], "tls_interception": "on"}"#;
+    let dst = "203.0.113.7:443";
+    table(&[
+        // The flow itself (no Host yet) passes on the attribution.
+        (p, tls(dst).dns(&["api.test"]), "intercept", "not_exempt"),
+        // Its requests: the allowed, attributed name passes …
+        (
+            p,
+            tls(dst).host("api.test").dns(&["api.test"]),
+            "intercept",
+            "not_exempt",
+        ),
+        // … a name neither allowed nor attributed does not, …
+        (
+            p,
+            tls(dst).host("other.test").dns(&["api.test"]),
+            "deny",
+            "sni_mismatch",
+        ),
+        // … and one attributed beside it is judged as the same SNI would be.
+        (
+            p,
+            tls(dst).host("other.test").dns(&["api.test", "other.test"]),
+            "intercept",
+            "not_exempt",
+        ),
+        (
+            p,
+            tls(dst).sni("other.test").dns(&["api.test", "other.test"]),
+            "intercept",
+            "not_exempt",
+        ),
+    ]);
+}
+
+#[test]
 fn exemptions_choose_splice_only_with_attribution() {
     let p = r#"{"default": "allow", "tls_interception": "on",
                 "tls_interception_exemptions": [{"wildcard_domain": "*.relay.test"}, {"domain": "turn.test"}, {"cidr": "198.51.100.0/24"}]}"#;

@@ -104,7 +104,7 @@ pub enum AttributionGap {
     Expired,
     /// It did, but the entry was evicted from the bounded cache.
     Evicted,
-    /// Names are attributed, but the SNI (or plain-HTTP `Host`) is not one of them.
+    /// Names are attributed, but the SNI (or, without one, the `Host`) is not one of them.
     SniMismatch,
 }
 
