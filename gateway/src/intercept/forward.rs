@@ -35,7 +35,10 @@ impl Conn {
                 "CONNECT is not forwarded from an intercepted or plain HTTP flow\n",
             );
         }
-        if is_upgrade(&req) {
+        // Only a WebSocket is bridged. Any other upgrade (`h2c` above all,
+        // whose bridge would carry HTTP/2 requests no stage judges) goes on
+        // as a plain request: `Upgrade` is hop-by-hop, and stripped.
+        if is_websocket(&req) {
             return self.upgrade(req, verify_as, authority).await;
         }
         strip_hop_by_hop(req.headers_mut());
@@ -167,7 +170,9 @@ impl Conn {
         Ok(())
     }
 
-    /// Bridges an HTTP/1.1 upgrade (WebSocket) over a fresh HTTP/1.1 connection.
+    /// Bridges a WebSocket upgrade over a fresh HTTP/1.1 connection: the
+    /// request goes with its hop-by-hop headers stripped but the upgrade's
+    /// own, and only a `101` that switches to `websocket` is bridged.
     async fn upgrade(
         &self,
         mut req: Request<ClientBody>,
@@ -192,7 +197,11 @@ impl Conn {
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, boxed(body));
         *out.uri_mut() = origin_form(out.uri());
-        set_host(out.headers_mut(), authority);
+        let headers = out.headers_mut();
+        strip_hop_by_hop(headers);
+        set_host(headers, authority);
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         let mut resp = match sender.send_request(out).await {
             Ok(r) => r,
             Err(e) => {
@@ -204,6 +213,13 @@ impl Conn {
             }
         };
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            if !upgrades_to_websocket(resp.headers()) {
+                self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
+                return text(
+                    StatusCode::BAD_GATEWAY,
+                    "the origin switched to a protocol other than websocket\n",
+                );
+            }
             let origin_side = hyper::upgrade::on(&mut resp);
             tokio::spawn(async move {
                 if let (Ok(c), Ok(o)) = (client_side.await, origin_side.await) {
@@ -286,8 +302,22 @@ fn unprocessed(e: &h2::Error) -> bool {
     e.is_remote() && (e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM))
 }
 
-fn is_upgrade(req: &Request<ClientBody>) -> bool {
-    req.version() == http::Version::HTTP_11 && req.headers().contains_key(header::UPGRADE)
+/// A WebSocket opening handshake (RFC 6455 §4.1): an HTTP/1.1 `GET` whose
+/// one `Upgrade` value is `websocket`, and nothing else beside it that the
+/// origin could pick instead.
+fn is_websocket(req: &Request<ClientBody>) -> bool {
+    req.version() == http::Version::HTTP_11
+        && req.method() == http::Method::GET
+        && upgrades_to_websocket(req.headers())
+}
+
+/// The message's `Upgrade` is one value, `websocket` (in any case).
+fn upgrades_to_websocket(headers: &HeaderMap) -> bool {
+    let mut values = headers.get_all(header::UPGRADE).iter();
+    match (values.next(), values.next()) {
+        (Some(v), None) => v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"websocket"),
+        _ => false,
+    }
 }
 
 /// The fixed connection-specific headers (RFC 9110 §7.6.1).

@@ -148,7 +148,14 @@ async fn respond(
     label: &str,
 ) -> hyper::Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
-    if req.headers().contains_key(hyper::header::UPGRADE) {
+    if let Some(asked) = req.headers().get(hyper::header::UPGRADE).cloned() {
+        // Switches to what was asked (`/other-protocol`: to `h2c` whatever
+        // was asked), then echoes.
+        let to = if path == "/other-protocol" {
+            hyper::header::HeaderValue::from_static("h2c")
+        } else {
+            asked
+        };
         let on = hyper::upgrade::on(&mut req);
         tokio::spawn(async move {
             if let Ok(up) = on.await {
@@ -164,7 +171,7 @@ async fn respond(
         return hyper::Response::builder()
             .status(101)
             .header("connection", "upgrade")
-            .header("upgrade", "echo")
+            .header("upgrade", to)
             .body(Full::new(Bytes::new()))
             .expect("response");
     }

@@ -484,26 +484,71 @@ async fn websocket_upgrade_is_bridged_through_interception() {
         .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
         .await
         .expect("handshake");
-    tls.write_all_ignored(b"GET /ws HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n").await;
-    let mut head = vec![0u8; 0];
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        tokio::io::AsyncReadExt::read_exact(&mut tls, &mut byte)
-            .await
-            .expect("head");
-        head.push(byte[0]);
-    }
-    assert!(
-        head.starts_with(b"HTTP/1.1 101"),
-        "{}",
-        String::from_utf8_lossy(&head)
-    );
+    tls.write_all_ignored(b"GET /ws HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: WebSocket\r\n\r\n").await;
+    let head = read_head(&mut tls).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     tls.write_all_ignored(b"ping over the bridge").await;
     let mut echo = [0u8; 20];
     tokio::io::AsyncReadExt::read_exact(&mut tls, &mut echo)
         .await
         .expect("echo");
     assert_eq!(&echo, b"ping over the bridge");
+}
+
+/// Reads a response head, byte by byte (nothing past it is taken).
+async fn read_head<S: tokio::io::AsyncRead + Unpin>(io: &mut S) -> String {
+    let mut head = vec![0u8; 0];
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        tokio::io::AsyncReadExt::read_exact(io, &mut byte)
+            .await
+            .expect("head");
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+#[tokio::test]
+async fn only_a_websocket_is_bridged_any_other_upgrade_is_a_plain_request() {
+    // A bridge carries bytes no stage judges: an `h2c` one would carry
+    // HTTP/2 requests for any authority, method and path to the origin.
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let asks = [
+        "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA",
+        "Connection: upgrade\r\nUpgrade: websocket, h2c",
+        "Connection: upgrade\r\nUpgrade: websocket\r\nUpgrade: h2c",
+    ];
+    for ask in asks {
+        let req = format!("GET /up HTTP/1.1\r\nHost: api.example.test\r\n{ask}\r\n\r\n");
+        tls.write_all_ignored(req.as_bytes()).await;
+        let head = read_head(&mut tls).await;
+        // The origin switches whenever it is asked to: it was not.
+        assert!(head.starts_with("HTTP/1.1 200"), "{ask}: {head}");
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("a length");
+        let mut body = vec![0u8; len];
+        tokio::io::AsyncReadExt::read_exact(&mut tls, &mut body)
+            .await
+            .expect("body");
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.starts_with("origin=api GET /up "), "{body}");
+    }
+    // A WebSocket request the origin answers by switching to something else.
+    tls.write_all_ignored(b"GET /other-protocol HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n").await;
+    let head = read_head(&mut tls).await;
+    assert!(head.starts_with("HTTP/1.1 502"), "{head}");
 }
 
 #[tokio::test]
