@@ -162,8 +162,8 @@ impl Body for Received {
     }
 }
 
-/// Sends a request body to the origin as the client sends it, within the
-/// stream's window. A client body that fails resets the stream; an origin
+/// Sends a request body to the origin as the client sends it (its data; not
+/// its trailers), within the stream's window. A client body that fails resets the stream; an origin
 /// that resets it, or a connection that fails, stops the pipe.
 async fn pipe<B: Body<Data = Bytes> + Unpin>(mut body: B, mut stream: h2::SendStream<Bytes>) {
     if let Err(Fail::Client) = pipe_body(&mut body, &mut stream).await {
@@ -209,8 +209,11 @@ async fn pipe_body<B: Body<Data = Bytes> + Unpin>(
                 }
             }
             Err(frame) => {
-                if let Ok(trailers) = frame.into_trailers() {
-                    return Ok(stream.send_trailers(trailers)?);
+                // A request's trailers are dropped, as over HTTP/1.1 (where
+                // `Trailer` is hop-by-hop): no stage reads them, so none
+                // carries a placeholder or a field past the checks.
+                if frame.is_trailers() {
+                    return Ok(stream.send_data(Bytes::new(), true)?);
                 }
             }
         }
@@ -242,4 +245,70 @@ async fn send_data(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// A body that yields its frames, one per poll.
+    struct Frames(VecDeque<Frame<Bytes>>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(self.0.pop_front().map(Ok))
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.0.is_empty()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_body_goes_on_without_its_trailers() {
+        let (ours, theirs) = tokio::io::duplex(64 * 1024);
+        let origin = tokio::spawn(async move {
+            let mut conn = h2::server::handshake(theirs).await.expect("handshake");
+            let (req, mut respond) = conn.accept().await.expect("a stream").expect("ok");
+            let answered = tokio::spawn(async move {
+                let mut body = req.into_body();
+                let mut data = Vec::new();
+                while let Some(chunk) = body.data().await {
+                    let chunk = chunk.expect("data");
+                    let _ = body.flow_control().release_capacity(chunk.len());
+                    data.extend_from_slice(&chunk);
+                }
+                let trailers = body.trailers().await.expect("the end");
+                let resp = http::Response::new(());
+                respond.send_response(resp, true).expect("respond");
+                (data, trailers)
+            });
+            while conn.accept().await.is_some() {}
+            answered.await.expect("stream")
+        });
+        let sender = handshake(ours).await.expect("client");
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-placeholder", "{{secret}}".parse().expect("value"));
+        let body = Frames(VecDeque::from([
+            Frame::data(Bytes::from_static(b"hello")),
+            Frame::trailers(trailers),
+        ]));
+        let req = Request::post("https://origin.test/up")
+            .body(body)
+            .expect("request");
+        let resp = sender.send(req).await.expect("answer");
+        assert_eq!(resp.status(), 200);
+        // The client's connection ends with its last handle and stream.
+        drop((resp, sender));
+        let (data, trailers) = origin.await.expect("origin");
+        assert_eq!(data, b"hello");
+        assert_eq!(trailers, None, "the trailers stay behind");
+    }
 }
