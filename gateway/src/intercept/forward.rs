@@ -410,9 +410,18 @@ fn absolute(uri: &Uri, authority: &str) -> Uri {
     if same {
         return uri.clone();
     }
-    let pq = uri.path_and_query().map_or("/", |pq| pq.as_str());
-    format!("https://{authority}{pq}")
-        .parse()
+    // Built from its parts, never by parsing a concatenation: a path that
+    // does not start with `/` (`OPTIONS *`) would otherwise be read as part
+    // of the authority.
+    let pq = uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    Uri::builder()
+        .scheme(http::uri::Scheme::HTTPS)
+        .authority(authority)
+        .path_and_query(pq)
+        .build()
         .unwrap_or_else(|_| origin_form(uri))
 }
 
@@ -500,6 +509,20 @@ mod tests {
             let uri: Uri = client.parse().expect("a URI");
             assert_eq!(absolute(&uri, judged).to_string(), expect, "{client}");
         }
+        // `OPTIONS *` over HTTP/2: the asterisk stays the path.
+        let star = Uri::builder()
+            .scheme("http")
+            .authority("Origin.Test:8443")
+            .path_and_query("*")
+            .build()
+            .expect("an asterisk URI");
+        let out = absolute(&star, judged);
+        assert_eq!(
+            out.authority().map(http::uri::Authority::as_str),
+            Some(judged),
+            "{out}"
+        );
+        assert_eq!(out.path_and_query().map(|pq| pq.as_str()), Some("*"));
     }
 
     #[test]
