@@ -1,16 +1,17 @@
 //! What an answer attributes: the A/AAAA records on the CNAME chain that
 //! starts at the question name, and every name on that chain.
 //!
-//! Only the answer section counts, and only records owned by a name on the
-//! chain: an upstream (or an attacker who can shape an answer) cannot
-//! attribute a name that was not asked for by putting it in the answer,
-//! the authority or the additional section.
+//! Only the answer section counts, only records of class IN, and only records
+//! owned by a name on the chain: an upstream (or an attacker who can shape an
+//! answer) cannot attribute a name that was not asked for by putting it in
+//! the answer, the authority or the additional section, nor an address by
+//! giving it another class.
 
 use std::net::IpAddr;
 
 use egress_policy::Hostname;
 use hickory_proto::op::Message;
-use hickory_proto::rr::{Name, RData};
+use hickory_proto::rr::{DNSClass, Name, RData, Record};
 
 /// Longest CNAME chain followed; real chains are a handful of links.
 const MAX_CHAIN: usize = 16;
@@ -33,7 +34,7 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
     // Follow CNAMEs from the question name, in whatever order the records come.
     while chain.len() <= MAX_CHAIN {
         let Some(current) = chain.last() else { break };
-        let next = answer.answers.iter().find_map(|r| match &r.data {
+        let next = internet(answer).find_map(|r| match &r.data {
             RData::CNAME(target) if same_name(&r.name, current) => Some((target.0.clone(), r.ttl)),
             _ => None,
         });
@@ -45,7 +46,7 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
         chain.push(target);
     }
     let mut addrs = Vec::new();
-    for r in &answer.answers {
+    for r in internet(answer) {
         let addr = match &r.data {
             RData::A(a) => IpAddr::V4(a.0),
             RData::AAAA(a) => IpAddr::V6(a.0),
@@ -97,6 +98,14 @@ pub(crate) fn hostname(name: &Name) -> Option<Hostname> {
         s.extend(label.iter().map(|b| char::from(b.to_ascii_lowercase())));
     }
     Hostname::parse(&s).ok()
+}
+
+/// The answer section's records of class IN.
+fn internet(answer: &Message) -> impl Iterator<Item = &Record> {
+    answer
+        .answers
+        .iter()
+        .filter(|r| r.dns_class == DNSClass::IN)
 }
 
 /// Case-insensitive, ignoring the trailing root dot.

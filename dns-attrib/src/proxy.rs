@@ -4,11 +4,13 @@
 //! [`QueryAdmission`]); refuse when it is unknown or its policy does not permit
 //! the resolver; refuse a query over the sandbox's budgets ([`crate::budget`]);
 //! answer locally what the policy's `dns` section keeps from
-//! leaving ([`crate::gate`]); forward the query unchanged to the upstreams in order
-//! (timeout, next upstream, TCP when the UDP answer is truncated); commit
-//! what the answer attributes *before* returning it, byte for byte — but
-//! for the `ech` parameter of SVCB/HTTPS records, which is cut out
-//! ([`crate::svcb`]).
+//! leaving ([`crate::gate`]); forward the query to the upstreams in order
+//! (timeout, next upstream, TCP when the UDP answer is truncated) under an
+//! ID of the gateway's own, random per query: the sandbox chose its query's
+//! ID, and an answer that only had to match it could be planted by anyone
+//! the sandbox told; commit what the answer attributes *before* returning
+//! it, byte for byte but for the sandbox's ID put back and the `ech`
+//! parameter of SVCB/HTTPS records, which is cut out ([`crate::svcb`]).
 //!
 //! Every wait has a timeout, in-flight queries are bounded per sandbox and in
 //! total, malformed input ends in FORMERR or silence — never a panic — and a
@@ -22,6 +24,7 @@ use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::DNSClass;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::{Semaphore, SemaphorePermit};
@@ -481,7 +484,9 @@ impl DnsProxy {
             }
         };
         let question = query.queries.first()?;
-        if answer.metadata.response_code == ResponseCode::NoError {
+        if answer.metadata.response_code == ResponseCode::NoError
+            && question.query_class == DNSClass::IN
+        {
             if let Some(a) = attribution(&question.name, &answer) {
                 // Committed before the sandbox sees the answer, so the
                 // connection that follows can never race it.
@@ -506,23 +511,33 @@ impl DnsProxy {
         query: &Message,
         question: &Query,
     ) -> Option<(Vec<u8>, Message)> {
+        let id = random_id()?;
+        let raw = &with_id(raw, id)?;
+        let (mut bytes, mut msg) = self.ask_upstreams(raw, id, question).await?;
+        // The sandbox's own ID, put back.
+        bytes[..2].copy_from_slice(&query.metadata.id.to_be_bytes());
+        msg.metadata.id = query.metadata.id;
+        Some((bytes, msg))
+    }
+
+    /// Asks each upstream in turn with `raw`, whose ID is `id`.
+    async fn ask_upstreams(
+        &self,
+        raw: &[u8],
+        id: u16,
+        question: &Query,
+    ) -> Option<(Vec<u8>, Message)> {
         for (upstream, pool) in self.config.upstreams.iter().zip(&self.sockets) {
             let attempt = async {
                 let (bytes, msg) = pool
-                    .exchange(
-                        *upstream,
-                        raw,
-                        query,
-                        question,
-                        self.config.upstream_timeout,
-                    )
+                    .exchange(*upstream, raw, id, question, self.config.upstream_timeout)
                     .await?;
                 if msg.metadata.truncation {
                     self.metrics.tcp_fallbacks.inc();
                     return tcp_exchange(
                         *upstream,
                         raw,
-                        query,
+                        id,
                         question,
                         self.config.upstream_timeout,
                     )
@@ -641,7 +656,7 @@ impl SocketPool {
         &self,
         upstream: SocketAddr,
         raw: &[u8],
-        query: &Message,
+        id: u16,
         question: &Query,
         limit: Duration,
     ) -> Result<(Vec<u8>, Message), UpstreamError> {
@@ -671,7 +686,7 @@ impl SocketPool {
             tokio::time::timeout_at(deadline, pooled.socket.recv_buf(&mut pooled.buf))
                 .await
                 .map_err(|_| UpstreamError::Timeout)??;
-            if let Some(msg) = matching(&pooled.buf, query, question) {
+            if let Some(msg) = matching(&pooled.buf, id, question) {
                 // Copied out at its own size.
                 let bytes = pooled.buf.as_slice().to_vec();
                 self.put_back(pooled);
@@ -696,7 +711,7 @@ impl SocketPool {
 async fn tcp_exchange(
     upstream: SocketAddr,
     raw: &[u8],
-    query: &Message,
+    id: u16,
     question: &Query,
     limit: Duration,
 ) -> Result<(Vec<u8>, Message), UpstreamError> {
@@ -708,7 +723,7 @@ async fn tcp_exchange(
         stream.read_exact(&mut len).await?;
         let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
         stream.read_exact(&mut buf).await?;
-        let msg = matching(&buf, query, question).ok_or(UpstreamError::Mismatch)?;
+        let msg = matching(&buf, id, question).ok_or(UpstreamError::Mismatch)?;
         Ok((buf, msg))
     };
     timeout(limit, exchange)
@@ -725,8 +740,25 @@ fn tcp_frame(msg: &[u8]) -> Option<Vec<u8>> {
     Some(framed)
 }
 
-/// Parses `bytes` when it is the response to `query`: same id, a response, same question.
-fn matching(bytes: &[u8], query: &Message, question: &Query) -> Option<Message> {
+/// A query ID no one outside the gateway knows before the answer comes:
+/// `None` (the query is dropped, and the sandbox asks again) if the system's
+/// random source fails.
+fn random_id() -> Option<u16> {
+    let mut id = [0u8; 2];
+    aws_lc_rs::rand::fill(&mut id).ok()?;
+    Some(u16::from_be_bytes(id))
+}
+
+/// `raw` with its ID replaced by `id`.
+fn with_id(raw: &[u8], id: u16) -> Option<Vec<u8>> {
+    let mut out = raw.get(..2).map(|_| raw.to_vec())?;
+    out[..2].copy_from_slice(&id.to_be_bytes());
+    Some(out)
+}
+
+/// Parses `bytes` when it is the response to the query sent as `id`: that
+/// ID, a response, the same question.
+fn matching(bytes: &[u8], id: u16, question: &Query) -> Option<Message> {
     let msg = Message::from_vec(bytes).ok()?;
     let same_question = match msg.queries.as_slice() {
         [q] => {
@@ -736,9 +768,7 @@ fn matching(bytes: &[u8], query: &Message, question: &Query) -> Option<Message> 
         }
         _ => false,
     };
-    (msg.metadata.id == query.metadata.id
-        && msg.metadata.message_type == MessageType::Response
-        && same_question)
+    (msg.metadata.id == id && msg.metadata.message_type == MessageType::Response && same_question)
         .then_some(msg)
 }
 

@@ -1143,6 +1143,71 @@ async fn upstream_sockets_are_reused_a_bounded_number_of_times_and_late_duplicat
     );
 }
 
+/// Answers every query with one A record (203.0.113.7), and first, ahead of
+/// it, plants an answer an off-path spoofer would send: the question, the
+/// ID the sandbox chose (0x4242, the test queries'), and 198.51.100.66.
+/// Records the IDs the queries arrived with.
+async fn planting() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
+    let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let addr = s.local_addr().expect("addr");
+    let ids = Arc::new(Mutex::new(Vec::new()));
+    let seen = ids.clone();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        let answer = |q: &Message, id: u16, ip: Ipv4Addr| {
+            let mut r = Message::response(id, OpCode::Query);
+            r.add_queries(q.queries.clone());
+            r.add_answer(Record::from_rdata(
+                q.queries[0].name.clone(),
+                300,
+                RData::A(A::from(ip)),
+            ));
+            r.to_vec().expect("encode")
+        };
+        while let Ok((n, src)) = s.recv_from(&mut buf).await {
+            let q = Message::from_vec(&buf[..n]).expect("a query");
+            let id = q.metadata.id;
+            seen.lock().expect("lock").push(id);
+            let planted = answer(&q, 0x4242, Ipv4Addr::new(198, 51, 100, 66));
+            let _ = s.send_to(&planted, src).await;
+            let real = answer(&q, id, Ipv4Addr::new(203, 0, 113, 7));
+            let _ = s.send_to(&real, src).await;
+        }
+    });
+    (addr, ids)
+}
+
+#[tokio::test]
+async fn an_answer_carrying_the_sandboxs_own_query_id_is_not_taken() {
+    // The sandbox chose its query's ID and can tell anyone: the upstream
+    // sees an ID of the gateway's own, and only that ID's answer counts.
+    // (A random ID equal to the sandbox's, 1 in 65,536 a query, would take
+    // the planted answer: the test's chance of failing so is 6 in 100,000.)
+    let (up, ids) = planting().await;
+    let h = harness(move |pc, _| pc.upstreams = vec![up], false).await;
+    for i in 0..4 {
+        let qname = format!("n{i}.planted.test.");
+        let (_, m) = udp(&h, SANDBOX_A, &query(&qname, RecordType::A, None)).await;
+        assert_eq!(m.metadata.id, 0x4242, "the sandbox gets its own ID back");
+        assert_eq!(
+            m.answers
+                .iter()
+                .map(|r| r.data.to_string())
+                .collect::<Vec<_>>(),
+            ["203.0.113.7"],
+            "query {i}"
+        );
+    }
+    let ids = ids.lock().expect("lock").clone();
+    assert_eq!(ids.len(), 4);
+    assert!(
+        ids.iter().all(|&id| id != 0x4242),
+        "the sandbox's ID went upstream: {ids:?}"
+    );
+    assert!(names(&h, "a", "198.51.100.66").is_empty());
+    assert_eq!(names(&h, "a", "203.0.113.7").len(), 4);
+}
+
 /// The process's resident memory, in KiB (Linux).
 fn rss_kib() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");

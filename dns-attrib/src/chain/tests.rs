@@ -2,7 +2,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use hickory_proto::op::{Message, MessageType, OpCode};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME, TXT};
-use hickory_proto::rr::{RData, Record};
+use hickory_proto::rr::{DNSClass, RData, Record};
 
 use super::*;
 
@@ -148,4 +148,21 @@ fn names_whose_labels_need_escaping_or_read_as_addresses_are_skipped() {
     let m = answer(vec![a("Xn--Bcher-Kva.Example.", 30, "203.0.113.8")]);
     let got = attribution(&n("XN--bcher-kva.example."), &m).expect("attributes");
     assert_eq!(names(&got), ["xn--bcher-kva.example"]);
+}
+
+#[test]
+fn only_records_of_class_in_attribute() {
+    let mut chaos = a("api.test.", 300, "198.51.100.66");
+    chaos.dns_class = DNSClass::CH;
+    let mut hop = cname("api.test.", 300, "evil.test.");
+    hop.dns_class = DNSClass::HS;
+    let m = answer(vec![
+        chaos,
+        hop,
+        a("evil.test.", 300, "198.51.100.67"),
+        a("api.test.", 300, "203.0.113.7"),
+    ]);
+    let got = attribution(&n("api.test."), &m).expect("attributes");
+    assert_eq!(names(&got), ["api.test"]);
+    assert_eq!(got.addrs, ["203.0.113.7".parse::<IpAddr>().expect("ip")]);
 }
