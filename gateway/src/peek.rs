@@ -139,17 +139,20 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
         return client_hello(buf)
             .map(|c| c.map_or(Step::NeedMore, |c| Step::Done(Classified::Tls(c))));
     }
-    let could_be_http = METHODS
-        .iter()
-        .any(|m| buf.starts_with(m) || m.starts_with(&buf[..buf.len().min(m.len())]));
-    if !could_be_http {
-        return Ok(match stream::identify(buf) {
-            Stream::NeedMore => Step::NeedMore,
-            Stream::Done(kind) => Step::Done(Classified::Opaque(kind)),
-        });
+    if sslv2_hello(buf) {
+        // TLS the peek cannot read a name from, which a server may still
+        // take (OpenSSL does): not a stream to splice unread.
+        return Err(PeekError::Malformed("an SSLv2-compatible ClientHello"));
     }
-    if !METHODS.iter().any(|m| buf.starts_with(m)) {
-        return Ok(Step::NeedMore);
+    match request_line(buf) {
+        Line::Not => {
+            return Ok(match stream::identify(buf) {
+                Stream::NeedMore => Step::NeedMore,
+                Stream::Done(kind) => Step::Done(Classified::Opaque(kind)),
+            })
+        }
+        Line::Maybe => return Ok(Step::NeedMore),
+        Line::Request => {}
     }
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut req = httparse::Request::new(&mut headers);
@@ -179,6 +182,77 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
         // the request-by-request server refuses what it cannot read.
         Err(_) => Ok(Step::Done(Classified::Http { host: None })),
     }
+}
+
+/// What the first line of a stream that is not TLS shows so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Line {
+    /// An HTTP request line: read as HTTP, request by request.
+    Request,
+    /// A prefix of one: read on.
+    Maybe,
+    /// Not a request line: an opaque stream.
+    Not,
+}
+
+/// Whether `buf` starts an HTTP request line the way an HTTP server reads
+/// one (httparse, hyper, nginx): after any empty lines, a known method and a
+/// space, or any method token, a target and `HTTP/` (`PRI * HTTP/2.0`, the
+/// HTTP/2 preface, among them). Anything an origin could take for a request
+/// is HTTP here, and its `Host` judged: read as opaque, it would pass on the
+/// address's attribution whatever host it names.
+fn request_line(buf: &[u8]) -> Line {
+    let mut line = buf;
+    loop {
+        line = match line {
+            [b'\r', b'\n', rest @ ..] | [b'\n', rest @ ..] => rest,
+            [] | [b'\r'] => return Line::Maybe,
+            _ => break,
+        };
+    }
+    let known = METHODS.iter().find_map(|m| {
+        let n = line.len().min(m.len());
+        (line[..n] == m[..n]).then_some(n == m.len())
+    });
+    match known {
+        Some(true) => return Line::Request,
+        Some(false) => return Line::Maybe,
+        None => {}
+    }
+    request_line_shape(line)
+}
+
+/// `token SP target SP HTTP/`, or a prefix of it.
+fn request_line_shape(line: &[u8]) -> Line {
+    const VERSION: &[u8] = b"HTTP/";
+    // 0: the method, 1: the target, 2: the version's start.
+    let (mut part, mut len) = (0, 0usize);
+    for &b in line {
+        match (part, b) {
+            (0, b' ') | (1, b' ') if len > 0 => (part, len) = (part + 1, 0),
+            (0, _) if is_tchar(b) => len += 1,
+            (1, 0x21..=0x7e | 0x80..=0xff) => len += 1,
+            (2, _) if VERSION.get(len) == Some(&b) => {
+                len += 1;
+                if len == VERSION.len() {
+                    return Line::Request;
+                }
+            }
+            _ => return Line::Not,
+        }
+    }
+    Line::Maybe
+}
+
+/// A character of an HTTP token (RFC 9110 §5.6.2).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// An SSLv2-compatible ClientHello (RFC 5246 Appendix E.2): a two-byte
+/// length with the high bit set, message type 1 and a version 3.x.
+fn sslv2_hello(buf: &[u8]) -> bool {
+    matches!(buf, [len, _, 1, 3, ..] if len & 0x80 != 0)
 }
 
 /// Reassembles the ClientHello from handshake records; `None` while incomplete.
@@ -343,9 +417,9 @@ fn finish_at_eof(buf: &[u8]) -> Result<Classified, PeekError> {
     match buf.first() {
         None => Err(PeekError::Closed),
         Some(&HANDSHAKE) => Err(PeekError::Closed),
-        Some(_) if METHODS.iter().any(|m| buf.starts_with(m)) => {
-            Ok(Classified::Http { host: None })
-        }
+        // A request line: HTTP. A prefix of one, cut short by the close,
+        // is no request to any origin: unreadable, as other cut lines are.
+        Some(_) if request_line(buf) == Line::Request => Ok(Classified::Http { host: None }),
         // Cut short before it could be named: unreadable.
         Some(_) => Ok(Classified::Opaque(None)),
     }
@@ -354,10 +428,9 @@ fn finish_at_eof(buf: &[u8]) -> Result<Classified, PeekError> {
 fn finish_at_limit(buf: &[u8]) -> Result<Classified, PeekError> {
     match buf.first() {
         Some(&HANDSHAKE) => Err(PeekError::TooLarge),
-        // A request head longer than the limit: no Host evidence.
-        Some(_) if METHODS.iter().any(|m| buf.starts_with(m)) => {
-            Ok(Classified::Http { host: None })
-        }
+        // A request head, or a request line, longer than the limit: HTTP
+        // without Host evidence (an origin would read on).
+        Some(_) if request_line(buf) != Line::Not => Ok(Classified::Http { host: None }),
         // A stream line longer than the limit (never, with `limits.peek_bytes`
         // at 512 or more): unreadable.
         _ => Ok(Classified::Opaque(None)),

@@ -476,6 +476,87 @@ async fn request_heads_with_two_readings_are_malformed() {
     }
 }
 
+/// What an origin's HTTP parser would take for a request is HTTP, and its
+/// `Host` judged: read as opaque it would pass on the address's attribution,
+/// whatever host it names.
+#[tokio::test]
+async fn anything_an_origin_reads_as_a_request_is_http() {
+    for (what, head, host) in [
+        (
+            "empty lines first",
+            &b"\r\nGET /x HTTP/1.1\r\nHost: evil.test\r\n\r\n"[..],
+            Some("evil.test"),
+        ),
+        (
+            "bare LFs first",
+            b"\n\n\r\nGET /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            Some("evil.test"),
+        ),
+        (
+            "a method not in the list",
+            b"PROPFIND /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            Some("evil.test"),
+        ),
+        (
+            "an extension method",
+            b"x-Purge! /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            Some("evil.test"),
+        ),
+        (
+            "the HTTP/2 preface",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            None,
+        ),
+    ] {
+        for step in [1, 4, 100] {
+            let (c, read) = run(head.to_vec(), step).await.expect(what);
+            assert_eq!(
+                c,
+                Classified::Http {
+                    host: host.map(name)
+                },
+                "{what}, {step} bytes a read"
+            );
+            assert!(head.starts_with(&read), "{what}: what was read is replayed");
+        }
+    }
+    // Lines that are not request lines stay opaque, as soon as they show it.
+    for (what, bytes) in [
+        ("a greeting", &b"HELLO there\r\n"[..]),
+        ("no version", b"FETCH /x\r\n"),
+        ("another version", b"GET2 /x HTTPS/1.1\r\n"),
+        ("a space first", b" GET /x HTTP/1.1\r\n"),
+        ("a control byte in the target", b"FETCH /\x01 HTTP/1.1\r\n"),
+    ] {
+        let (c, _) = run(bytes.to_vec(), 1).await.expect(what);
+        assert_eq!(c, Classified::Opaque(None), "{what}");
+    }
+    // A request line the client closed after is HTTP; a prefix of one is no
+    // request to any origin, and unreadable.
+    let (c, _) = run(b"\r\nPROPFIND /x HTTP/1".to_vec(), 3)
+        .await
+        .expect("classified");
+    assert_eq!(c, Classified::Http { host: None });
+    let (c, _) = run(b"\r\nPROPFIND /x HT".to_vec(), 3)
+        .await
+        .expect("classified");
+    assert_eq!(c, Classified::Opaque(None));
+    // A request line longer than the peek's limit is HTTP: an origin reads on.
+    let mut long = b"PROPFIND /".to_vec();
+    long.extend(std::iter::repeat_n(b'a', 2_000));
+    let mut io = std::io::Cursor::new(long);
+    let (c, _) = peek(&mut io, 1_024, Duration::from_secs(1))
+        .await
+        .expect("classified");
+    assert_eq!(c, Classified::Http { host: None });
+    // A TLS 1.x hello in SSLv2 form carries no name the peek can read.
+    let v2 = vec![0x80, 0x2e, 0x01, 0x03, 0x01, 0, 0x15, 0, 0, 0, 0x10];
+    assert_eq!(
+        run(v2, 64).await,
+        Err(PeekError::Malformed("an SSLv2-compatible ClientHello"))
+    );
+}
+
 #[tokio::test]
 async fn opaque_bytes_and_silence() {
     let (c, read) = run(b"SSH-2.0-OpenSSH_9.6\r\n".to_vec(), 100)

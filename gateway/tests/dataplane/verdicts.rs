@@ -894,6 +894,35 @@ async fn every_plain_http_request_on_a_keep_alive_connection_is_judged() {
 }
 
 #[tokio::test]
+async fn a_request_an_origin_would_read_is_judged_however_it_starts() {
+    // Empty lines first, or a method the peek does not list: HTTP to the
+    // origin, so HTTP to the gateway, and its Host judged.
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "plain.example.test"}, {"ip": "8.8.8.8"}], "deny": [{"domain": "evil.example.test"}]}"#),
+    );
+    e.resolve(SANDBOX_A, "plain.example.test.").await;
+    for start in ["\r\nGET", "\nPROPFIND", "GETS"] {
+        let mut tcp = e.connect(SANDBOX_A, e.origins.plain).await;
+        let req =
+            format!("{start} /k HTTP/1.1\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n");
+        tcp.write_all_ignored(req.as_bytes()).await;
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end_ignored(&mut out))
+            .await
+            .expect("an answer");
+        let out = String::from_utf8_lossy(&out);
+        assert!(out.starts_with("HTTP/1.1 403"), "{start:?}: {out}");
+        assert!(
+            out.contains("tenant deny: domain evil.example.test"),
+            "{out}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn intercepted_clients_that_send_an_sni_resume_their_tls_sessions() {
     let e = env(Options::default()).await;
     e.sandbox(
