@@ -106,6 +106,16 @@ pub enum PathError {
     DotSegment,
 }
 
+/// Whether `method` is one `read_only` covers. Methods are compared without
+/// regard to case, here and in `methods` lists: HTTP says they are
+/// case-sensitive, but servers that upper-case them (Django, Werkzeug) act
+/// on `delete` as on `DELETE`.
+fn read_only(method: &str) -> bool {
+    READ_ONLY_METHODS
+        .iter()
+        .any(|m| m.eq_ignore_ascii_case(method))
+}
+
 // === impl HttpMatch ===
 
 impl HttpMatch {
@@ -118,9 +128,9 @@ impl HttpMatch {
     /// are covered.
     pub fn covers(&self, method: &str, path: &[&str]) -> bool {
         match self {
-            Self::ReadOnly => READ_ONLY_METHODS.contains(&method),
+            Self::ReadOnly => read_only(method),
             Self::Requests { methods, paths } => {
-                (methods.is_empty() || methods.iter().any(|m| m == method))
+                (methods.is_empty() || methods.iter().any(|m| m.eq_ignore_ascii_case(method)))
                     && (paths.is_empty() || paths.iter().any(|p| p.covers(path)))
             }
         }
@@ -137,9 +147,9 @@ impl HttpMatch {
     /// Whether `method` alone is covered (the path is not needed or not known).
     pub fn covers_method(&self, method: &str) -> bool {
         match self {
-            Self::ReadOnly => READ_ONLY_METHODS.contains(&method),
+            Self::ReadOnly => read_only(method),
             Self::Requests { methods, .. } => {
-                methods.is_empty() || methods.iter().any(|m| m == method)
+                methods.is_empty() || methods.iter().any(|m| m.eq_ignore_ascii_case(method))
             }
         }
     }

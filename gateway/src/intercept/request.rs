@@ -97,8 +97,28 @@ struct Asked<'a> {
     /// The attribution the flow policy judged it on.
     lookup: &'a Lookup,
     method: &'a str,
+    /// The methods its method-override headers name: frameworks that honour
+    /// them (Rails, Symfony, Google's APIs) act on one, so each is judged too.
+    overrides: &'a [String],
     /// The request target (path and query).
     target: &'a str,
+}
+
+/// The headers some frameworks take a request's method from instead of its
+/// request line.
+const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// The methods `headers` name in their method-override headers.
+fn method_overrides(headers: &http::HeaderMap) -> Vec<String> {
+    METHOD_OVERRIDES
+        .iter()
+        .flat_map(|name| headers.get_all(*name))
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).trim().to_owned())
+        .collect()
 }
 
 impl Conn {
@@ -315,10 +335,12 @@ impl Conn {
             .map_or_else(|| req.uri().path(), |pq| pq.as_str())
             .to_owned();
         let method = req.method().clone();
+        let overrides = method_overrides(req.headers());
         let asked = Asked {
             host,
             lookup,
             method: method.as_str(),
+            overrides: &overrides,
             target: &target,
         };
         self.request_rules(&asked, rec).map_err(Stage::Rules)?;
@@ -335,6 +357,7 @@ impl Conn {
             host,
             lookup,
             method,
+            overrides,
             target,
         } = *asked;
         let policy = &self.sandbox.policy;
@@ -343,7 +366,19 @@ impl Conn {
         // address may be is judged too.
         let attributed = lookup.names();
         let names = request_names(self.tls, host, &attributed);
-        let judged = policy.judge_request(&names, method, target);
+        let mut judged = policy.judge_request(&names, method, target);
+        // Every method the request may be taken for is judged; a refusal of
+        // any one refuses it, and names that method.
+        let mut method = method;
+        for other in overrides {
+            if judged.deny.is_some() {
+                break;
+            }
+            let o = policy.judge_request(&names, other, target);
+            if o.deny.is_some() {
+                (judged, method) = (o, other.as_str());
+            }
+        }
         let show = |d: &RequestDenial| {
             let path = target.split('?').next().unwrap_or("");
             let path: String = path.chars().take(256).collect();

@@ -299,3 +299,40 @@ async fn a_client_hello_whose_server_name_reads_two_ways_is_reset_not_spliced() 
         );
     }
 }
+
+#[tokio::test]
+async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
+    // A lower-case method (servers that upper-case it act on DELETE), and a
+    // POST whose override header names DELETE (frameworks that honour it).
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(
+            r#"{"allow": [{"domain": "plain.example.test"}, {"ip": "8.8.8.8"}],
+                "deny": [{"domain": "plain.example.test", "http": {"methods": ["DELETE"]}}]}"#,
+        ),
+    );
+    e.resolve(SANDBOX_A, "plain.example.test.").await;
+    for head in [
+        "delete /x HTTP/1.1\r\n",
+        "POST /x HTTP/1.1\r\nX-HTTP-Method-Override: DELETE\r\n",
+        "POST /x HTTP/1.1\r\nx-http-method: delete\r\n",
+        "POST /x HTTP/1.1\r\nX-Method-Override: PATCH\r\nX-Method-Override:  DELETE \r\n",
+    ] {
+        let s = e.connect(SANDBOX_A, e.origins.plain).await;
+        let req = format!(
+            "{head}Host: plain.example.test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        let answer = raw(s, req.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 403"), "{head:?}: {answer}");
+        assert!(answer.contains("http_deny"), "{answer}");
+    }
+    let s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let answer = raw(
+        s,
+        b"POST /x HTTP/1.1\r\nHost: plain.example.test\r\nX-HTTP-Method-Override: PUT\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
