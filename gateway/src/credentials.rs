@@ -257,10 +257,18 @@ fn plan<'a>(
     for (index, c) in mine {
         let refused = |why| Refused { why, index };
         let present = match &c.inject {
-            Inject::Header { header, .. } => headers
-                .get_all(header)
-                .iter()
-                .any(|v| contains(v.as_bytes(), c.placeholder.as_bytes())),
+            Inject::Header { header, .. } => {
+                let mut values = headers.get_all(header).iter();
+                let with = |v: &HeaderValue| contains(v.as_bytes(), c.placeholder.as_bytes());
+                if c.require {
+                    // Required: the header carries the credential and nothing
+                    // else, or a second value (a key of the sandbox's own)
+                    // could be the one the origin reads.
+                    values.next().is_some_and(with) && values.all(with)
+                } else {
+                    values.any(with)
+                }
+            }
             Inject::ReplaceHeaders => carries(c, headers),
         };
         let absent =

@@ -115,6 +115,27 @@ fn require_refuses_a_key_of_the_sandboxs_own() {
             index: 0
         })
     );
+    // Its own key beside the placeholder: the origin may read either.
+    for both in [
+        [
+            ("authorization", "Bearer my-own-key"),
+            ("authorization", "Bearer EGRESS_PH_GITHUB"),
+        ],
+        [
+            ("authorization", "Bearer EGRESS_PH_GITHUB"),
+            ("authorization", "Bearer my-own-key"),
+        ],
+    ] {
+        let mut hs = headers(&both);
+        assert_eq!(
+            apply(&list, &secrets, Some(&h("api.github.test")), "/", &mut hs),
+            Err(Refused {
+                why: Refusal::Required,
+                index: 0
+            }),
+            "{both:?}"
+        );
+    }
     let optional = github(&value_file(&dir), false);
     let mut hs = headers(&[("authorization", "Bearer my-own-key")]);
     assert_eq!(
