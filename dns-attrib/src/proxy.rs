@@ -272,8 +272,15 @@ impl DnsProxy {
     /// Serves DNS over TCP on `listener`, standing in for `resolver`, until the task is dropped.
     pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener, resolver: SocketAddr) {
         let connections = Arc::new(Semaphore::new(self.config.max_tcp_connections));
+        let per_source = Arc::new(Mutex::new(HashMap::new()));
         loop {
             let Ok((stream, src)) = listener.accept().await else {
+                continue;
+            };
+            // One source may not hold every connection the listener has.
+            let Some(mine) = SourceSlot::take(&per_source, src.ip()) else {
+                self.metrics.overloaded.inc();
+                drop(stream);
                 continue;
             };
             let Ok(permit) = connections.clone().try_acquire_owned() else {
@@ -284,7 +291,7 @@ impl DnsProxy {
             let this = self.clone();
             tokio::spawn(async move {
                 this.serve_tcp_connection(stream, src, resolver).await;
-                drop(permit);
+                drop((permit, mine));
             });
         }
     }
@@ -326,6 +333,24 @@ impl DnsProxy {
                 return;
             }
         }
+    }
+
+    /// [`answer`](Self::answer) within the proxy's bound on queries in
+    /// flight, which the UDP and TCP listeners take before they call it
+    /// (for a transport that has none of its own: DNS over HTTPS). Past the
+    /// bound, SERVFAIL.
+    pub async fn answer_bounded(
+        &self,
+        raw: &[u8],
+        src: IpAddr,
+        resolver: SocketAddr,
+        transport: Transport,
+    ) -> Option<Vec<u8>> {
+        let Ok(_permit) = self.in_flight.try_acquire() else {
+            self.metrics.overloaded.inc();
+            return error_reply(raw, ResponseCode::ServFail);
+        };
+        self.answer(raw, src, resolver, transport).await
     }
 
     /// Answers one query from `src`; `None` means send nothing.
@@ -578,6 +603,44 @@ impl std::fmt::Debug for DnsProxy {
         f.debug_struct("DnsProxy")
             .field("config", &self.config)
             .finish_non_exhaustive()
+    }
+}
+
+/// DNS-over-TCP connections one source address may hold at once.
+const MAX_TCP_PER_SOURCE: usize = 16;
+
+/// One of a source's DNS-over-TCP connections, released on drop.
+struct SourceSlot {
+    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    src: IpAddr,
+}
+
+impl SourceSlot {
+    fn take(held: &Arc<Mutex<HashMap<IpAddr, usize>>>, src: IpAddr) -> Option<Self> {
+        let src = src.to_canonical();
+        let mut map = held.lock().ok()?;
+        let n = map.entry(src).or_insert(0);
+        if *n >= MAX_TCP_PER_SOURCE {
+            return None;
+        }
+        *n += 1;
+        Some(Self {
+            held: held.clone(),
+            src,
+        })
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        if let Ok(mut map) = self.held.lock() {
+            if let Some(n) = map.get_mut(&self.src) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&self.src);
+                }
+            }
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dns_attrib::{
     Admit, AttributionCache, BudgetLimits, CacheConfig, DnsProxy, ManualClock, ProxyConfig,
-    QueryAdmission,
+    QueryAdmission, Transport,
 };
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
@@ -890,7 +890,20 @@ async fn in_flight_queries_are_bounded_per_sandbox_and_in_total() {
         let (_, m) = udp(&h, src, &q("n5.flood.test.")).await;
         assert_eq!(m.metadata.response_code, ResponseCode::ServFail, "{src}");
     }
-    assert_eq!(h.proxy.metrics().overloaded.get(), 3);
+    // The bound holds for a transport without a listener of its own (DoH).
+    let raw = q("n8.flood.test.").to_vec().expect("encode");
+    let resolver: SocketAddr = RESOLVER.parse().expect("addr");
+    let src: IpAddr = SANDBOX_C.parse().expect("ip");
+    let answer = tokio::time::timeout(
+        Duration::from_millis(500),
+        h.proxy.answer_bounded(&raw, src, resolver, Transport::Tcp),
+    )
+    .await
+    .expect("at once, not after the upstream's timeout")
+    .expect("an answer");
+    let m = Message::from_vec(&answer).expect("parses");
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    assert_eq!(h.proxy.metrics().overloaded.get(), 4);
     assert!(
         started.elapsed() < Duration::from_millis(1_000),
         "nothing above waited on the upstream: {:?}",
@@ -912,7 +925,7 @@ async fn in_flight_queries_are_bounded_per_sandbox_and_in_total() {
             .expect("answered");
         assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
     }
-    assert_eq!(h.proxy.metrics().overloaded.get(), 3, "room again");
+    assert_eq!(h.proxy.metrics().overloaded.get(), 4, "room again");
     assert_eq!(h.proxy.metrics().upstream_failures.get(), 5);
 }
 
@@ -993,6 +1006,54 @@ async fn dns_over_tcp_attributes_too() {
     let m = tcp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
     assert_eq!(m.answers.len(), 1);
     assert_eq!(names(&h, "b", "203.0.113.7"), ["api.test"]);
+}
+
+#[tokio::test]
+async fn one_source_cannot_hold_every_tcp_connection() {
+    let h = harness(|_, _| {}, false).await;
+    let open = |src: &'static str| async move {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind((src.parse::<IpAddr>().expect("src"), 0).into())
+            .expect("bind client");
+        sock.connect(h.tcp).await.expect("connect")
+    };
+    // Sixteen idle connections from A are held ...
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        held.push(open(SANDBOX_A).await);
+    }
+    // ... and A's seventeenth is closed at once, unread.
+    let mut more = open(SANDBOX_A).await;
+    let mut byte = [0u8; 1];
+    let closed = tokio::time::timeout(Duration::from_secs(5), more.read(&mut byte))
+        .await
+        .expect("closed, not left waiting");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+    // B is served, and so is A once one of its connections is gone.
+    let m = tcp(&h, SANDBOX_B, &query("api.test.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    drop(held.pop());
+    let mut m = None;
+    for _ in 0..50 {
+        // The slot is given back when the proxy sees the close.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind((SANDBOX_A.parse::<IpAddr>().expect("src"), 0).into())
+            .expect("bind client");
+        let mut s = sock.connect(h.tcp).await.expect("connect");
+        let bytes = query("api.test.", RecordType::A, None)
+            .to_vec()
+            .expect("encode");
+        let mut framed = (bytes.len() as u16).to_be_bytes().to_vec();
+        framed.extend_from_slice(&bytes);
+        let _ = s.write_all(&framed).await;
+        let mut len = [0u8; 2];
+        if s.read_exact(&mut len).await.is_ok() {
+            m = Some(len);
+            break;
+        }
+    }
+    assert!(m.is_some(), "A is served again");
 }
 
 #[tokio::test]

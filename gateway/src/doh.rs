@@ -132,7 +132,10 @@ where
     };
     // The query is a flow to the resolver's DNS port, admitted as one.
     let resolver = SocketAddr::new(dst.ip().to_canonical(), 53);
-    match proxy.answer(&query, src, resolver, Transport::Tcp).await {
+    match proxy
+        .answer_bounded(&query, src, resolver, Transport::Tcp)
+        .await
+    {
         Some(answer) => dns_message(answer),
         None => refused(&DohError::Bad("not a DNS query")),
     }
