@@ -35,7 +35,13 @@ pub(super) fn identify(
         .map_err(|e| Refusal::NoOriginalDst(e.to_string()))?;
     // A connection that reached the listener without the redirect reports
     // the listener itself as its destination: dialling it would loop.
-    if stream.local_addr().is_ok_and(|local| local == dst) {
+    // Compared in canonical form: on a `[::]` listener an IPv4 peer's
+    // addresses are IPv4-mapped.
+    let canonical = |a: SocketAddr| (a.ip().to_canonical(), a.port());
+    if stream
+        .local_addr()
+        .is_ok_and(|local| canonical(local) == canonical(dst))
+    {
         return Err(Refusal::NotRedirected(dst));
     }
     let sandbox = dp

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
 use egress_gateway::Gateway;
 
 use crate::support::*;
@@ -294,6 +296,49 @@ async fn a_connection_that_was_not_redirected_is_refused() {
     let m = metrics(&text);
     let key = r#"egress_flows_total{verdict="deny",reason="not_redirected"}"#;
     assert_eq!(m.get(key), Some(&1.0), "{m:?}");
+}
+
+#[tokio::test]
+async fn a_connection_that_was_not_redirected_is_refused_on_a_dual_stack_listener() {
+    // On `[::]`, an IPv4 connection's local address is IPv4-mapped, and
+    // SO_ORIGINAL_DST reports plain IPv4: the same address all the same.
+    let dir = tempfile::tempdir().expect("dir");
+    let listener = std::net::TcpListener::bind("[::]:0").expect("probe a port");
+    let port = listener.local_addr().expect("addr").port();
+    drop(listener);
+    let mut cfg = config(dir.path(), "");
+    cfg.listen.transparent = (std::net::Ipv6Addr::UNSPECIFIED, port).into();
+    let gw = start(cfg, ([127, 0, 0, 1], port).into()).await;
+    let doc = format!(r#"{{"addresses": ["{SANDBOX}"], "policy": {{"default": "allow"}}}}"#);
+    let put = http(
+        gw.bound().admin,
+        "PUT",
+        "/v1/sandboxes/sb",
+        None,
+        Some(&doc),
+    )
+    .await;
+    assert_eq!(put.0, 200);
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind((SANDBOX.parse::<std::net::IpAddr>().expect("ip"), 0).into())
+        .expect("bind");
+    let mut s = sock
+        .connect(([127, 0, 0, 1], port).into())
+        .await
+        .expect("connect");
+    let _ = s.write_all(b"loop?").await;
+    let mut buf = [0u8; 5];
+    let echoed = tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut buf)).await;
+    assert!(!matches!(echoed, Ok(Ok(_))), "refused, not looped");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, text) = http(gw.bound().admin, "GET", "/metrics", None, None).await;
+    let m = metrics(&text);
+    let key = r#"egress_flows_total{verdict="deny",reason="not_redirected"}"#;
+    let flows: Vec<_> = m
+        .iter()
+        .filter(|(k, v)| k.starts_with("egress_flows_total") && **v > 0.0)
+        .collect();
+    assert_eq!(m.get(key), Some(&1.0), "{flows:?}");
 }
 
 #[tokio::test]
