@@ -197,8 +197,8 @@ enum Line {
 
 /// Whether `buf` starts an HTTP request line the way an HTTP server reads
 /// one (httparse, hyper, nginx): after any empty lines, a known method and a
-/// space, or any method token, a target and `HTTP/` (`PRI * HTTP/2.0`, the
-/// HTTP/2 preface, among them). Anything an origin could take for a request
+/// space, or another method, a target and `HTTP/` (`PRI * HTTP/2.0`, the
+/// HTTP/2 preface, among them; see [`request_line_shape`]). Anything an origin could take for a request
 /// is HTTP here, and its `Host` judged: read as opaque, it would pass on the
 /// address's attribution whatever host it names.
 fn request_line(buf: &[u8]) -> Line {
@@ -210,9 +210,13 @@ fn request_line(buf: &[u8]) -> Line {
             _ => break,
         };
     }
+    // In any case: servers that upper-case a method (Django, Werkzeug) act
+    // on `delete` as on `DELETE`.
     let known = METHODS.iter().find_map(|m| {
         let n = line.len().min(m.len());
-        (line[..n] == m[..n]).then_some(n == m.len())
+        line[..n]
+            .eq_ignore_ascii_case(&m[..n])
+            .then_some(n == m.len())
     });
     match known {
         Some(true) => return Line::Request,
@@ -222,31 +226,67 @@ fn request_line(buf: &[u8]) -> Line {
     request_line_shape(line)
 }
 
-/// `token SP target SP HTTP/`, or a prefix of it.
+/// `METHOD SP target SP HTTP/`, or a prefix of it, where the method is
+/// what nginx takes for one (upper-case letters, `_`, `-`; digits too) and
+/// the target is in origin form (`/…`), asterisk form (`*`) or absolute form
+/// (`http://…`, `https://…`). Narrower than any token and any target, so
+/// that a stream of words (`hello there`) is told from a request at its
+/// first bytes, not left waiting for the end of a line. Left out: a method
+/// outside the list in lower case, which servers as permissive as Go's
+/// would still serve; `opaque_streams = "deny"` refuses what stays opaque.
 fn request_line_shape(line: &[u8]) -> Line {
     const VERSION: &[u8] = b"HTTP/";
-    // 0: the method, 1: the target, 2: the version's start.
-    let (mut part, mut len) = (0, 0usize);
-    for &b in line {
-        match (part, b) {
-            (0, b' ') | (1, b' ') if len > 0 => (part, len) = (part + 1, 0),
-            (0, _) if is_tchar(b) => len += 1,
-            (1, 0x21..=0x7e | 0x80..=0xff) => len += 1,
-            (2, _) if VERSION.get(len) == Some(&b) => {
-                len += 1;
-                if len == VERSION.len() {
-                    return Line::Request;
-                }
-            }
-            _ => return Line::Not,
-        }
+    let method_len = line
+        .iter()
+        .position(|&b| !(b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_' || b == b'-'))
+        .unwrap_or(line.len());
+    match line.get(method_len) {
+        None => return Line::Maybe,
+        Some(b' ') if method_len > 0 => {}
+        Some(_) => return Line::Not,
     }
-    Line::Maybe
+    let rest = &line[method_len + 1..];
+    let target_len = rest
+        .iter()
+        .position(|&b| !matches!(b, 0x21..=0x7e | 0x80..=0xff))
+        .unwrap_or(rest.len());
+    match target_start(&rest[..target_len]) {
+        Line::Request => {}
+        other => return other,
+    }
+    match &rest[target_len..] {
+        [] => Line::Maybe,
+        [b' ', version @ ..] => {
+            let n = version.len().min(VERSION.len());
+            match (version[..n] == VERSION[..n], n == VERSION.len()) {
+                (true, true) => Line::Request,
+                (true, false) => Line::Maybe,
+                (false, _) => Line::Not,
+            }
+        }
+        _ => Line::Not,
+    }
 }
 
-/// A character of an HTTP token (RFC 9110 §5.6.2).
-fn is_tchar(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+/// Whether a request target starts as one in origin, asterisk or absolute
+/// form (`Request`), could still (`Maybe`), or cannot (`Not`).
+fn target_start(target: &[u8]) -> Line {
+    match target.first() {
+        None => return Line::Maybe,
+        Some(b'/' | b'*') => return Line::Request,
+        Some(_) => {}
+    }
+    let mut verdict = Line::Not;
+    for scheme in [&b"http://"[..], b"https://"] {
+        let n = target.len().min(scheme.len());
+        if target[..n].eq_ignore_ascii_case(&scheme[..n]) {
+            if n == scheme.len() {
+                return Line::Request;
+            }
+            verdict = Line::Maybe;
+        }
+    }
+    verdict
 }
 
 /// An SSLv2-compatible ClientHello (RFC 5246 Appendix E.2): a two-byte

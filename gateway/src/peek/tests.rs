@@ -493,13 +493,23 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
             Some("evil.test"),
         ),
         (
+            "a listed method in lower case",
+            b"delete /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            Some("evil.test"),
+        ),
+        (
             "a method not in the list",
             b"PROPFIND /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
             Some("evil.test"),
         ),
         (
-            "an extension method",
-            b"x-Purge! /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            "another method, in absolute form",
+            b"PURGE Http://evil.test/x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            Some("evil.test"),
+        ),
+        (
+            "another method, in asterisk form",
+            b"MKCOL-2 * HTTP/1.1\r\nHost: evil.test\r\n\r\n",
             Some("evil.test"),
         ),
         (
@@ -523,6 +533,10 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
     // Lines that are not request lines stay opaque, as soon as they show it.
     for (what, bytes) in [
         ("a greeting", &b"HELLO there\r\n"[..]),
+        // Words, unended: told at their first bytes, not left waiting.
+        ("words", b"hello echo"),
+        ("a word", b"before"),
+        ("an upper-case word and a word", b"HELLO echo"),
         ("no version", b"FETCH /x\r\n"),
         ("another version", b"GET2 /x HTTPS/1.1\r\n"),
         ("a space first", b" GET /x HTTP/1.1\r\n"),
@@ -530,6 +544,12 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
     ] {
         let (c, _) = run(bytes.to_vec(), 1).await.expect(what);
         assert_eq!(c, Classified::Opaque(None), "{what}");
+        // Decided by the bytes alone, before the stream ends.
+        assert_eq!(
+            classify_bytes(bytes),
+            Ok(Some(Classified::Opaque(None))),
+            "{what}"
+        );
     }
     // A request line the client closed after is HTTP; a prefix of one is no
     // request to any origin, and unreadable.

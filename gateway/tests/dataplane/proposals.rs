@@ -70,7 +70,7 @@ async fn denied_names_requests_and_addresses_are_proposed_with_evidence() {
         .await
         .expect("terminated");
     assert!(minted);
-    let (status, _) = http_post(tls, "api.example.test", "/v1/./x?q=1", b"{}".to_vec())
+    let (status, _) = http_post(tls, "api.example.test", "/v1/%78?q=1", b"{}".to_vec())
         .await
         .expect("answer");
     assert_eq!(status, 403);
