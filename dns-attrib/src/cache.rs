@@ -357,6 +357,15 @@ impl AttributionCache {
         }
     }
 
+    /// Forgets every sandbox `keep` says no to (a resync replaced the
+    /// gateway's sandboxes): a sandbox created later under a removed one's
+    /// ID starts with no evidence.
+    pub fn retain_sandboxes(&self, keep: impl Fn(&SandboxId) -> bool) {
+        if let Ok(mut map) = self.sandboxes.write() {
+            map.retain(|id, _| keep(id));
+        }
+    }
+
     /// Addresses cached over all sandboxes (a metric).
     pub fn entry_count(&self) -> u64 {
         self.all().iter().map(|c| c.lock().len() as u64).sum()

@@ -324,6 +324,9 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
             applied(ctl);
             let registry = &ctl.dp.registry;
             ctl.dp.proposed.retain(|id| registry.get(id).is_some());
+            ctl.dp
+                .cache
+                .retain_sandboxes(|id| registry.get(id).is_some());
             json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
         }
         Err(why) => refused(ctl, why, "sandboxes"),
