@@ -14,7 +14,8 @@
 //!
 //! Properties:
 //!
-//! - `attribution` equals a model written here: follow the first CNAME owned
+//! - `attribution` equals a model written here, over the answer's records of
+//!   class IN only: follow the first CNAME owned
 //!   by the current name (ASCII case ignored) from the question, at most 16
 //!   links, stopping at a loop; the addresses are the A/AAAA records owned
 //!   by a chain name, in answer order, once each; the names are the chain
@@ -40,7 +41,7 @@ use dns_attrib::{attribution, Attribution, AttributionCache, CacheConfig, Manual
 use egress_policy::{Hostname, SandboxId};
 use hickory_proto::op::{Message, MessageType, OpCode, Query};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME, TXT};
-use hickory_proto::rr::{Name, RData, Record, RecordType};
+use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use libfuzzer_sys::fuzz_target;
 
 const MAX_CHAIN: usize = 16;
@@ -116,13 +117,18 @@ fn owner_name(o: &Owner) -> Option<Name> {
     }
 }
 
+/// The answer's records of class IN: no other class attributes.
+fn internet(answer: &Message) -> impl Iterator<Item = &Record> {
+    answer.answers.iter().filter(|r| r.dns_class == DNSClass::IN)
+}
+
 /// The model of `attribution` (see the module docs).
 fn model(question: &Name, answer: &Message) -> Option<Attribution> {
     let mut chain: Vec<Key> = vec![key(question)];
     let mut ttl = u32::MAX;
     for _ in 0..MAX_CHAIN {
         let current = chain.last()?;
-        let Some((target, t)) = answer.answers.iter().find_map(|r| match &r.data {
+        let Some((target, t)) = internet(answer).find_map(|r| match &r.data {
             RData::CNAME(c) if key(&r.name) == *current => Some((key(&c.0), r.ttl)),
             _ => None,
         }) else {
@@ -135,7 +141,7 @@ fn model(question: &Name, answer: &Message) -> Option<Attribution> {
         chain.push(target);
     }
     let mut addrs = Vec::new();
-    for r in &answer.answers {
+    for r in internet(answer) {
         let addr = match &r.data {
             RData::A(a) => IpAddr::V4(a.0),
             RData::AAAA(a) => IpAddr::V6(a.0),

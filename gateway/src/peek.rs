@@ -139,10 +139,12 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
         return client_hello(buf)
             .map(|c| c.map_or(Step::NeedMore, |c| Step::Done(Classified::Tls(c))));
     }
-    if sslv2_hello(buf) {
+    match sslv2_hello(buf) {
         // TLS the peek cannot read a name from, which a server may still
         // take (OpenSSL does): not a stream to splice unread.
-        return Err(PeekError::Malformed("an SSLv2-compatible ClientHello"));
+        Some(true) => return Err(PeekError::Malformed("an SSLv2-compatible ClientHello")),
+        None => return Ok(Step::NeedMore),
+        Some(false) => {}
     }
     match request_line(buf) {
         Line::Not => {
@@ -289,10 +291,16 @@ fn target_start(target: &[u8]) -> Line {
     verdict
 }
 
-/// An SSLv2-compatible ClientHello (RFC 5246 Appendix E.2): a two-byte
-/// length with the high bit set, message type 1 and a version 3.x.
-fn sslv2_hello(buf: &[u8]) -> bool {
-    matches!(buf, [len, _, 1, 3, ..] if len & 0x80 != 0)
+/// Whether `buf` is an SSLv2-compatible ClientHello (RFC 5246 Appendix
+/// E.2): a two-byte length with the high bit set, message type 1 and a
+/// version 3.x; `None` while a prefix of one.
+fn sslv2_hello(buf: &[u8]) -> Option<bool> {
+    match buf {
+        [len, ..] if len & 0x80 == 0 => Some(false),
+        [_, _, 1, 3, ..] => Some(true),
+        [_] | [_, _] | [_, _, 1] => None,
+        _ => Some(false),
+    }
 }
 
 /// Reassembles the ClientHello from handshake records; `None` while incomplete.
