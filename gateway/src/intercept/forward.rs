@@ -35,6 +35,14 @@ impl Conn {
                 "CONNECT is not forwarded from an intercepted or plain HTTP flow\n",
             );
         }
+        // An origin that answers TRACE echoes the request it received, the
+        // credentials the gateway put in among it: never forwarded.
+        if req.method() == http::Method::TRACE {
+            return text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "TRACE is not forwarded: the origin would echo the request, credentials included\n",
+            );
+        }
         // Only a WebSocket is bridged. Any other upgrade (`h2c` above all,
         // whose bridge would carry HTTP/2 requests no stage judges) goes on
         // as a plain request: `Upgrade` is hop-by-hop, and stripped.

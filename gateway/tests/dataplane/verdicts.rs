@@ -989,3 +989,33 @@ async fn connect_inside_an_intercepted_connection_is_refused() {
     let resp = s.send_request(req).await.expect("response");
     assert_eq!(resp.status(), 405, "HTTP/1.1 CONNECT");
 }
+
+#[tokio::test]
+async fn trace_is_never_forwarded() {
+    // An origin answering TRACE echoes the request it got, with whatever
+    // credentials the gateway put in.
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("http/1.1");
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method("TRACE")
+        .uri("/")
+        .header("host", "api.example.test")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = s.send_request(req).await.expect("response");
+    assert_eq!(resp.status(), 405);
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    assert!(body.starts_with(b"TRACE is not forwarded"), "{body:?}");
+}
