@@ -472,29 +472,6 @@ async fn fragmented_and_one_byte_client_hellos_and_silent_clients() {
     );
 }
 
-#[tokio::test]
-async fn websocket_upgrade_is_bridged_through_interception() {
-    let e = env(Options::default()).await;
-    e.sandbox(
-        "a",
-        SANDBOX_A,
-        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
-    );
-    let (mut tls, _) = e
-        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
-        .await
-        .expect("handshake");
-    tls.write_all_ignored(b"GET /ws HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: WebSocket\r\n\r\n").await;
-    let head = read_head(&mut tls).await;
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    tls.write_all_ignored(b"ping over the bridge").await;
-    let mut echo = [0u8; 20];
-    tokio::io::AsyncReadExt::read_exact(&mut tls, &mut echo)
-        .await
-        .expect("echo");
-    assert_eq!(&echo, b"ping over the bridge");
-}
-
 /// Reads a response head, byte by byte (nothing past it is taken).
 async fn read_head<S: tokio::io::AsyncRead + Unpin>(io: &mut S) -> String {
     let mut head = vec![0u8; 0];
@@ -509,7 +486,7 @@ async fn read_head<S: tokio::io::AsyncRead + Unpin>(io: &mut S) -> String {
 }
 
 #[tokio::test]
-async fn only_a_websocket_is_bridged_any_other_upgrade_is_a_plain_request() {
+async fn only_a_websocket_is_bridged_through_interception() {
     // A bridge carries bytes no stage judges: an `h2c` one would carry
     // HTTP/2 requests for any authority, method and path to the origin.
     let e = env(Options::default()).await;
@@ -549,6 +526,20 @@ async fn only_a_websocket_is_bridged_any_other_upgrade_is_a_plain_request() {
     tls.write_all_ignored(b"GET /other-protocol HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n").await;
     let head = read_head(&mut tls).await;
     assert!(head.starts_with("HTTP/1.1 502"), "{head}");
+    // The WebSocket itself, bridged.
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    tls.write_all_ignored(b"GET /ws HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: WebSocket\r\n\r\n").await;
+    let head = read_head(&mut tls).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    tls.write_all_ignored(b"ping over the bridge").await;
+    let mut echo = [0u8; 20];
+    tokio::io::AsyncReadExt::read_exact(&mut tls, &mut echo)
+        .await
+        .expect("echo");
+    assert_eq!(&echo, b"ping over the bridge");
 }
 
 #[tokio::test]
@@ -836,8 +827,9 @@ async fn without_sni_a_host_passes_only_on_its_own_attribution() {
     assert!(body.contains("sni_mismatch"), "{body}");
 }
 
-#[tokio::test]
-async fn every_plain_http_request_on_a_keep_alive_connection_is_judged() {
+/// Sandbox A may reach plain.example.test, which it resolved, and not
+/// evil.example.test.
+async fn plain_allowed_evil_denied() -> Env {
     let e = env(Options::default()).await;
     e.sandbox(
         "a",
@@ -845,6 +837,12 @@ async fn every_plain_http_request_on_a_keep_alive_connection_is_judged() {
         policy(r#"{"allow": [{"domain": "plain.example.test"}, {"ip": "8.8.8.8"}], "deny": [{"domain": "evil.example.test"}]}"#),
     );
     e.resolve(SANDBOX_A, "plain.example.test.").await;
+    e
+}
+
+#[tokio::test]
+async fn every_plain_http_request_on_a_keep_alive_connection_is_judged() {
+    let e = plain_allowed_evil_denied().await;
     let tcp = e.connect(SANDBOX_A, e.origins.plain).await;
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
@@ -897,13 +895,7 @@ async fn every_plain_http_request_on_a_keep_alive_connection_is_judged() {
 async fn a_request_an_origin_would_read_is_judged_however_it_starts() {
     // Empty lines first, or a method the peek does not list: HTTP to the
     // origin, so HTTP to the gateway, and its Host judged.
-    let e = env(Options::default()).await;
-    e.sandbox(
-        "a",
-        SANDBOX_A,
-        policy(r#"{"allow": [{"domain": "plain.example.test"}, {"ip": "8.8.8.8"}], "deny": [{"domain": "evil.example.test"}]}"#),
-    );
-    e.resolve(SANDBOX_A, "plain.example.test.").await;
+    let e = plain_allowed_evil_denied().await;
     for start in ["\r\nGET", "\nPROPFIND", "GETS"] {
         let mut tcp = e.connect(SANDBOX_A, e.origins.plain).await;
         let req =
@@ -958,7 +950,7 @@ async fn intercepted_clients_that_send_an_sni_resume_their_tls_sessions() {
 }
 
 #[tokio::test]
-async fn connect_inside_an_intercepted_connection_is_refused() {
+async fn connect_and_trace_inside_an_intercepted_connection_are_refused() {
     let e = env(Options::default()).await;
     e.sandbox(
         "a",
@@ -974,6 +966,11 @@ async fn connect_inside_an_intercepted_connection_is_refused() {
         .expect("request");
     let resp = s.send_request(req).await.expect("response");
     assert_eq!(resp.status(), 405, "HTTP/2 CONNECT");
+    // An origin answering TRACE echoes the request it got, with whatever
+    // credentials the gateway put in.
+    let (head, body) = h2_send(&s, http::Method::TRACE, "https://api.example.test/").await;
+    assert_eq!(head.status, 405, "HTTP/2 TRACE");
+    assert!(body.starts_with("TRACE is not forwarded"), "{body}");
     let (tls, _) = e
         .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
         .await
@@ -988,26 +985,8 @@ async fn connect_inside_an_intercepted_connection_is_refused() {
         .expect("request");
     let resp = s.send_request(req).await.expect("response");
     assert_eq!(resp.status(), 405, "HTTP/1.1 CONNECT");
-}
-
-#[tokio::test]
-async fn trace_is_never_forwarded() {
-    // An origin answering TRACE echoes the request it got, with whatever
-    // credentials the gateway put in.
-    let e = env(Options::default()).await;
-    e.sandbox(
-        "a",
-        SANDBOX_A,
-        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
-    );
-    let (tls, _) = e
-        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
-        .await
-        .expect("handshake");
-    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .expect("http/1.1");
-    tokio::spawn(conn);
+    let _ = resp.into_body().collect().await;
+    s.ready().await.expect("ready");
     let req = hyper::Request::builder()
         .method("TRACE")
         .uri("/")
@@ -1015,7 +994,5 @@ async fn trace_is_never_forwarded() {
         .body(Full::new(Bytes::new()))
         .expect("request");
     let resp = s.send_request(req).await.expect("response");
-    assert_eq!(resp.status(), 405);
-    let body = resp.into_body().collect().await.expect("body").to_bytes();
-    assert!(body.starts_with(b"TRACE is not forwarded"), "{body:?}");
+    assert_eq!(resp.status(), 405, "HTTP/1.1 TRACE");
 }
