@@ -112,7 +112,7 @@ pub struct DnsProxy {
     /// Shared with every [`DnsProxy::sibling`]: one table per gateway.
     budgets: Arc<Budgets>,
     /// Shared with every [`DnsProxy::sibling`], so the bound holds over all of them.
-    per_sandbox: Arc<Mutex<HashMap<SandboxId, usize>>>,
+    per_sandbox: Holds<SandboxId>,
     /// One per upstream, in the order of `config.upstreams`.
     sockets: Vec<SocketPool>,
 }
@@ -272,13 +272,14 @@ impl DnsProxy {
     /// Serves DNS over TCP on `listener`, standing in for `resolver`, until the task is dropped.
     pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener, resolver: SocketAddr) {
         let connections = Arc::new(Semaphore::new(self.config.max_tcp_connections));
-        let per_source = Arc::new(Mutex::new(HashMap::new()));
+        let per_source: Holds<IpAddr> = Arc::default();
         loop {
             let Ok((stream, src)) = listener.accept().await else {
                 continue;
             };
             // One source may not hold every connection the listener has.
-            let Some(mine) = SourceSlot::take(&per_source, src.ip()) else {
+            let Some(mine) = Held::take(&per_source, src.ip().to_canonical(), MAX_TCP_PER_SOURCE)
+            else {
                 self.metrics.overloaded.inc();
                 drop(stream);
                 continue;
@@ -372,7 +373,8 @@ impl DnsProxy {
             Ok(sandbox) => sandbox,
             Err(reply) => return reply,
         };
-        let Some(_slot) = SandboxSlot::take(self, &sandbox) else {
+        let cap = self.config.max_in_flight_per_sandbox;
+        let Some(_slot) = Held::take(&self.per_sandbox, sandbox.clone(), cap) else {
             self.metrics.overloaded.inc();
             return reply(&query, ResponseCode::ServFail);
         };
@@ -609,69 +611,39 @@ impl std::fmt::Debug for DnsProxy {
 /// DNS-over-TCP connections one source address may hold at once.
 const MAX_TCP_PER_SOURCE: usize = 16;
 
-/// One of a source's DNS-over-TCP connections, released on drop.
-struct SourceSlot {
-    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    src: IpAddr,
+/// Counts held per key (a sandbox's queries in flight, a source's DNS-over-TCP
+/// connections).
+type Holds<K> = Arc<Mutex<HashMap<K, usize>>>;
+
+/// One of a key's holds, given back on drop.
+struct Held<K: Eq + std::hash::Hash> {
+    holds: Holds<K>,
+    key: K,
 }
 
-impl SourceSlot {
-    fn take(held: &Arc<Mutex<HashMap<IpAddr, usize>>>, src: IpAddr) -> Option<Self> {
-        let src = src.to_canonical();
-        let mut map = held.lock().ok()?;
-        let n = map.entry(src).or_insert(0);
-        if *n >= MAX_TCP_PER_SOURCE {
+impl<K: Eq + std::hash::Hash + Clone> Held<K> {
+    /// A hold on `key`, unless it has `cap` already.
+    fn take(holds: &Holds<K>, key: K, cap: usize) -> Option<Self> {
+        let mut map = holds.lock().ok()?;
+        let n = map.entry(key.clone()).or_insert(0);
+        if *n >= cap {
             return None;
         }
         *n += 1;
         Some(Self {
-            held: held.clone(),
-            src,
+            holds: holds.clone(),
+            key,
         })
     }
 }
 
-impl Drop for SourceSlot {
+impl<K: Eq + std::hash::Hash> Drop for Held<K> {
     fn drop(&mut self) {
-        if let Ok(mut map) = self.held.lock() {
-            if let Some(n) = map.get_mut(&self.src) {
+        if let Ok(mut map) = self.holds.lock() {
+            if let Some(n) = map.get_mut(&self.key) {
                 *n -= 1;
                 if *n == 0 {
-                    map.remove(&self.src);
-                }
-            }
-        }
-    }
-}
-
-/// One of a sandbox's in-flight slots, released on drop.
-struct SandboxSlot<'a> {
-    proxy: &'a DnsProxy,
-    sandbox: SandboxId,
-}
-
-impl<'a> SandboxSlot<'a> {
-    fn take(proxy: &'a DnsProxy, sandbox: &SandboxId) -> Option<Self> {
-        let mut map = proxy.per_sandbox.lock().ok()?;
-        let n = map.entry(sandbox.clone()).or_insert(0);
-        if *n >= proxy.config.max_in_flight_per_sandbox {
-            return None;
-        }
-        *n += 1;
-        Some(Self {
-            proxy,
-            sandbox: sandbox.clone(),
-        })
-    }
-}
-
-impl Drop for SandboxSlot<'_> {
-    fn drop(&mut self) {
-        if let Ok(mut map) = self.proxy.per_sandbox.lock() {
-            if let Some(n) = map.get_mut(&self.sandbox) {
-                *n -= 1;
-                if *n == 0 {
-                    map.remove(&self.sandbox);
+                    map.remove(&self.key);
                 }
             }
         }
