@@ -305,17 +305,29 @@ impl CompiledPolicy {
     /// any of `names` needs the requests of a flow to them: what a shadow
     /// cannot judge on a flow whose bytes the gateway does not see.
     pub fn needs_requests_of<'n>(&self, names: impl Iterator<Item = &'n Hostname> + Clone) -> bool {
-        self.requests
-            .as_deref()
-            .is_some_and(|r| r.needs_requests(&self.policy.deny, names, true).is_some())
+        self.requests.as_deref().is_some_and(|r| {
+            r.needs_requests(&self.policy.deny, names, true, false)
+                .is_some()
+        })
     }
 
     /// The rule that needs the requests of a flow with this evidence
-    /// (enforced ones only, or any with `audit`).
-    fn needs_requests(&self, flow: &Flow<'_>, audit: bool) -> Option<RuleRef> {
+    /// (enforced ones only, or any with `audit`); `named`: the flow is a
+    /// stream an entry's `streams` names.
+    fn needs_requests(&self, flow: &Flow<'_>, audit: bool, named: bool) -> Option<RuleRef> {
         let r = self.requests.as_deref()?;
         let names = flow.attributed.iter().chain(flow.sni).chain(flow.host);
-        r.needs_requests(&self.policy.deny, names, audit)
+        r.needs_requests(&self.policy.deny, names, audit, named)
+    }
+
+    /// Whether an allow entry whose `streams` names the flow's protocol
+    /// covers the flow (by address, or by an attributed name).
+    fn stream_named(&self, flow: &Flow<'_>, addrs: &Addrs) -> bool {
+        let (Some(streams), Protocol::Opaque(Some(kind))) = (&self.streams, flow.protocol) else {
+            return false;
+        };
+        self.allowed(flow, addrs, false, streams.named(kind), false)
+            .is_ok()
     }
 
     pub fn policy(&self) -> &Policy {
@@ -348,7 +360,8 @@ impl CompiledPolicy {
         // spliced or opaque bytes: rules that need them cannot hold there.
         let seen = flow.protocol == Protocol::Http || terminating;
         if !seen {
-            if let Some(r) = self.needs_requests(flow, false) {
+            let named = self.stream_named(flow, &addrs);
+            if let Some(r) = self.needs_requests(flow, false, named) {
                 return Verdict::Deny(Denied::Unseen(r));
             }
         }
@@ -474,7 +487,7 @@ impl CompiledPolicy {
     fn exemption(&self, flow: &Flow<'_>, addrs: &Addrs, allowed: Allowed) -> Verdict {
         let verdict = self.exempt_or_not(flow, addrs, allowed);
         if let Verdict::Splice(allowed, _) = verdict {
-            if let Some(r) = self.needs_requests(flow, true) {
+            if let Some(r) = self.needs_requests(flow, true, false) {
                 return Verdict::Intercept(allowed, Intercepted::RequestRules(r));
             }
         }

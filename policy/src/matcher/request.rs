@@ -6,7 +6,8 @@
 //!   request's name decides (the exact name, else the nearest wildcard): if
 //!   one entry there is unqualified the request passes; otherwise it must be
 //!   covered by one of that level's qualified entries. A name no allow entry
-//!   names keeps the flow's verdict (address rule or default).
+//!   names keeps the flow's verdict (address rule or default). An entry with
+//!   `streams` is about opaque streams and no level's entry.
 //! - An audited entry never blocks: a request is judged once with the
 //!   enforced entries (audited ones then act as if unqualified) and, if it
 //!   passes, again with every entry enforced; a deny of the second judgement
@@ -14,7 +15,8 @@
 //! - A flow whose requests cannot be seen (spliced with interception off, or
 //!   bytes that are not HTTP) to a name with enforced request rules or
 //!   credentials is denied; with interception on, one an exemption would
-//!   splice is terminated instead.
+//!   splice is terminated instead. A stream whose protocol an entry's
+//!   `streams` names is held back only by a qualified deny.
 
 use std::collections::HashMap;
 
@@ -91,6 +93,13 @@ struct Levels {
 
 impl Levels {
     fn insert(&mut self, r: &Rule, rule: RuleIdx) {
+        if r.streams.is_some() {
+            // An entry with `streams` speaks for opaque streams only: beside
+            // a qualified entry for the same name it must not open the
+            // name's requests (the error for `streams` beside `http` tells
+            // the tenant to write exactly that pair).
+            return;
+        }
         let level = match &r.dest {
             Destination::Domain(h) => self.exact.entry(h.clone()).or_default(),
             Destination::WildcardDomain(w) => self.wildcard.entry(w.suffix().clone()).or_default(),
@@ -250,11 +259,15 @@ impl RequestRules {
     /// A rule with requests the gateway must see for one of `names`, for a
     /// flow it cannot see the requests of: enforced ones only (`audit`
     /// false) or any (true, to decide whether to terminate rather than splice).
+    /// For a stream an entry's `streams` names (`named`), only a qualified
+    /// deny counts: the tenant let that protocol through, and the allow
+    /// qualifiers and credentials of the name are about its HTTP requests.
     pub(crate) fn needs_requests<'n>(
         &self,
         deny: &[Rule],
         names: impl Iterator<Item = &'n Hostname> + Clone,
         audit: bool,
+        named: bool,
     ) -> Option<RuleRef> {
         let counts = |r: Option<&Rule>| r.is_some_and(|r| audit || r.mode == Mode::Enforce);
         for name in names.clone() {
@@ -262,9 +275,15 @@ impl RequestRules {
             if let Some(i) = denies.find(|&i| counts(rule(deny, i))) {
                 return Some(RuleRef::Deny(i));
             }
+            if named {
+                continue;
+            }
             if let Some(level) = self.allow_restriction(name, audit) {
                 return level.rules.first().map(|&i| RuleRef::Allow(i));
             }
+        }
+        if named {
+            return None;
         }
         self.credentials
             .lookup_any(names)

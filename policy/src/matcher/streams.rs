@@ -20,6 +20,9 @@ const KINDS: usize = 1 + StreamProtocol::ALL.len();
 pub(super) struct StreamSets {
     /// By [`slot`]: index 0 unreadable, then each protocol.
     sets: [RuleSet; KINDS],
+    /// By [`StreamProtocol::index`]: the entries whose `streams` name the
+    /// protocol, which an allow qualifier of the same name does not hold back.
+    named: [RuleSet; StreamProtocol::ALL.len()],
     /// Whether `default: allow` lets streams through: only when the
     /// gateway allows unreadable streams.
     pub(super) default: bool,
@@ -39,8 +42,17 @@ impl StreamSets {
             // whose requests cannot be seen.
             RuleSet::rules(allow, |r| !r.enforced_http() && lets_through(r, kind, mode))
         });
+        let named = std::array::from_fn(|i| {
+            let kind = StreamProtocol::ALL.get(i).copied();
+            RuleSet::rules(allow, |r| {
+                r.streams
+                    .as_ref()
+                    .is_some_and(|s| kind.is_some_and(|p| s.contains(p)))
+            })
+        });
         Some(Self {
             sets,
+            named,
             default: mode == OpaqueStreams::Allow,
         })
     }
@@ -49,6 +61,12 @@ impl StreamSets {
     pub(super) fn get(&self, kind: Option<StreamProtocol>) -> &RuleSet {
         // `slot` is below KINDS by construction: 0, or 1 + an index into ALL.
         &self.sets[slot(kind)]
+    }
+
+    /// The entries whose `streams` name `kind`.
+    pub(super) fn named(&self, kind: StreamProtocol) -> &RuleSet {
+        // `index` is below ALL.len() by construction.
+        &self.named[kind.index()]
     }
 }
 

@@ -1283,6 +1283,60 @@ fn flows_whose_requests_cannot_be_seen_are_denied_or_terminated() {
     );
 }
 
+/// A `streams` entry beside a qualified entry for the same name (what the
+/// error for `streams` beside `http` asks for) lets its streams through and
+/// leaves the name's requests to the qualifier; a qualified deny still holds
+/// the stream back, and a credential for the name does not.
+#[test]
+fn a_streams_entry_opens_its_streams_and_not_the_names_requests() {
+    let pair = r#"{"domain": "github.test", "http": "read_only"}, {"domain": "github.test", "streams": ["ssh"]}"#;
+    let p = compile(&format!(
+        r#"{{"allow": [{pair}], "tls_interception": "on",
+            "tls_interception_exemptions": [{{"domain": "github.test"}}]}}"#
+    ));
+    assert_eq!(
+        request(&p, "github.test", "POST", "/"),
+        denied("http_not_allowed allow[0]")
+    );
+    assert_eq!(request(&p, "github.test", "GET", "/"), pass());
+    let to_github = |f: F| f.dns(&["github.test"]);
+    assert_eq!(
+        decide(&p, &to_github(ssh("198.51.100.7:22"))),
+        Verdict::Allow(Allowed::AttributedName(1))
+    );
+    // Bytes no entry names are still requests the qualifier cannot see.
+    assert_eq!(
+        decide(&p, &to_github(opaque("198.51.100.7:22"))),
+        Verdict::Deny(Denied::Unseen(RuleRef::Allow(0)))
+    );
+    assert_eq!(
+        decide(&p, &to_github(tls("198.51.100.7:443").sni("github.test"))),
+        Verdict::Intercept(
+            Allowed::AttributedName(0),
+            Intercepted::RequestRules(RuleRef::Allow(0))
+        )
+    );
+    let deny = compile(&format!(
+        r#"{{"allow": [{pair}], "deny": [{{"domain": "github.test", "http": {{"methods": ["POST"]}}}}],
+            "tls_interception": "on"}}"#
+    ));
+    assert_eq!(
+        decide(&deny, &to_github(ssh("198.51.100.7:22"))),
+        Verdict::Deny(Denied::Unseen(RuleRef::Deny(0)))
+    );
+    let hosts = [Destination::Domain(h("github.test"))];
+    let with_credential = CompiledPolicy::with_credentials(
+        Policy::from_json(r#"{"allow": [{"domain": "github.test", "streams": ["ssh"]}]}"#)
+            .expect("valid"),
+        Arc::new(PlatformDenies::builtin()),
+        [("github", hosts.iter().collect())],
+    );
+    assert_eq!(
+        decide(&with_credential, &to_github(ssh("198.51.100.7:22"))),
+        Verdict::Allow(Allowed::AttributedName(0))
+    );
+}
+
 #[test]
 fn credential_hosts_are_never_spliced() {
     let policy = Policy::from_json(
