@@ -57,6 +57,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::gateway("idle_timeout"),
     Fault::gateway("splice_backlog"),
     Fault::gateway("splice_broken"),
+    Fault::gateway("sandbox_removed"),
     Fault::gateway("proxy_unavailable"),
 ];
 
@@ -89,6 +90,9 @@ impl Fault {
     /// to a socket whose peer had not reset it, or never wrote bytes it had
     /// redirected, or the maps could not be read. Bytes may be lost.
     pub(crate) const SPLICE_BROKEN: Self = Self::gateway("splice_broken");
+    /// The flow's sandbox was deleted, or its source address taken from
+    /// it, while the flow ran: cut (reset both ways).
+    pub(crate) const SANDBOX_REMOVED: Self = Self::gateway("sandbox_removed");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
     pub(crate) const HEAD_TIMEOUT: Self = Self::client("head_timeout");
     pub(crate) const BAD_REQUEST: Self = Self::client("bad_request");

@@ -403,11 +403,6 @@ impl<S: AsyncRead + Unpin> AsyncRead for ReadLatch<S> {
 
 write_through!(ReadLatch);
 
-/// Completes once no byte has moved either way for `idle`.
-pub(crate) async fn quiet_for(activity: &Counts, idle: Duration) {
-    quiet_for_then(activity, idle, Duration::MAX, || {}, || false).await;
-}
-
 /// Why [`quiet_for_then`] returned.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Quiet {
@@ -422,7 +417,8 @@ pub(crate) enum Quiet {
     Rest,
 }
 
-/// [`quiet_for`], calling `on_lull` once each time the connection has been
+/// Returns once no byte has moved either way for `idle` ([`Quiet::Idle`]),
+/// calling `on_lull` once each time the connection has been
 /// quiet for a whole short tick (`lull`, at most the tick), so between one
 /// and two of them after its last byte, and again after the next burst; and
 /// returning at the first tick at which `stop` is true. See [`Watch`].

@@ -173,7 +173,7 @@ pub(crate) async fn splice(
     kernel: &KernelSplice,
     client: TcpStream,
     origin: TcpStream,
-    idle: Duration,
+    ends: (Duration, &(dyn Fn() -> bool + Sync)),
 ) -> Result<Spliced, (TcpStream, TcpStream, io::Error)> {
     let (fault, ways) = {
         let joined = kernel.join(&client, &origin);
@@ -182,7 +182,7 @@ pub(crate) async fn splice(
             Err(e) => return Err((client, origin, e)),
         };
         let mut ways = [Way::default(), Way::default()];
-        let fault = watch(&joined, [&client, &origin], idle, &mut ways).await;
+        let fault = watch(&joined, [&client, &origin], ends, &mut ways).await;
         if fault.is_some_and(|f| f != Fault::IDLE_TIMEOUT) {
             // Broken, not finished: neither side may take the end of the
             // stream for a complete one (a FIN would say so).
@@ -260,12 +260,13 @@ struct Wants {
 }
 
 /// Watches a joined flow, keeping each direction's state in `ways`;
-/// `Some(fault)` if a reset, the idle timeout or the kernel's failure
-/// ([`Fault::SPLICE_BROKEN`]) ended it, `None` when both directions closed.
+/// `Some(fault)` if a reset, the idle timeout, the kernel's failure
+/// ([`Fault::SPLICE_BROKEN`]) or `removed` ([`Fault::SANDBOX_REMOVED`],
+/// looked at each tick) ended it, `None` when both directions closed.
 async fn watch(
     joined: &Joined<'_>,
     socks: [&TcpStream; 2],
-    idle: Duration,
+    (idle, removed): (Duration, &(dyn Fn() -> bool + Sync)),
     ways: &mut [Way; 2],
 ) -> Option<Fault> {
     for (side, way) in ways.iter_mut().enumerate() {
@@ -320,6 +321,9 @@ async fn watch(
         ];
         let waiting = wants.iter().any(|w| w.soon);
         let behind = wants.iter().any(|w| w.behind);
+        if removed() {
+            return Some(Fault::SANDBOX_REMOVED);
+        }
         if moved != last_moved {
             last_moved = moved;
             heard = Instant::now();

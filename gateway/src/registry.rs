@@ -87,6 +87,18 @@ impl Registry {
         self.snapshot.load().by_addr.get(&src).cloned()
     }
 
+    /// Whether `src` still belongs to sandbox `id`: a flow accepted for it
+    /// runs while it does (a deleted sandbox, or an address taken from it,
+    /// ends its open flows).
+    pub fn holds(&self, src: IpAddr, id: &SandboxId) -> bool {
+        let src = src.to_canonical();
+        self.snapshot
+            .load()
+            .by_addr
+            .get(&src)
+            .is_some_and(|s| s.id == *id)
+    }
+
     pub fn get(&self, id: &SandboxId) -> Option<Arc<Sandbox>> {
         self.snapshot.load().by_id.get(id).cloned()
     }

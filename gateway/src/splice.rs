@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 use crate::budget::Meter;
 use crate::config::Config;
 use crate::fault::{Fault, Side};
-use crate::io::{quiet_for, reset, Counts};
+use crate::io::{quiet_for_then, reset, Counts, Quiet};
 use crate::metrics::SplicePath;
 use crate::spliced::Spliced;
 use crate::state::Dataplane;
@@ -31,30 +31,33 @@ use rustix::pipe::{PipeFlags, SpliceFlags};
 /// reset); the byte counts include the peeked bytes. With a byte budget
 /// (`meter`) the flow takes the gateway's copy, which charges every chunk
 /// before writing it: neither the sockmap nor `splice(2)` could be cut at
-/// the budget.
+/// the budget. Once `removed` says so (its sandbox is gone), at a tick of
+/// the idle watch, the flow is cut ([`Fault::SANDBOX_REMOVED`]).
 pub(crate) async fn splice_to(
     dp: &Dataplane,
     client: TcpStream,
     (dst, route): (std::net::SocketAddr, &Route),
     peeked: Vec<u8>,
-    config: &Config,
-    meter: Option<Meter>,
+    (config, meter): (&Config, Option<Meter>),
+    removed: impl Fn() -> bool + Sync,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
     let peeked_len = peeked.len() as u64;
     let origin = open_origin(dp, &client, (dst, route), peeked, timeouts.connect).await?;
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
     let (client, origin) = match kernel {
-        Some(kernel) => match crate::ksplice::splice(kernel, client, origin, timeouts.idle).await {
-            Ok(moved) => {
-                dp.metrics.spliced(SplicePath::Kernel);
-                return Ok(moved);
+        Some(kernel) => {
+            match crate::ksplice::splice(kernel, client, origin, (timeouts.idle, &removed)).await {
+                Ok(moved) => {
+                    dp.metrics.spliced(SplicePath::Kernel);
+                    return Ok(moved);
+                }
+                Err((client, origin, e)) => {
+                    tracing::debug!(error = %e, "flow not joined to the kernel splice; copied");
+                    (client, origin)
+                }
             }
-            Err((client, origin, e)) => {
-                tracing::debug!(error = %e, "flow not joined to the kernel splice; copied");
-                (client, origin)
-            }
-        },
+        }
         None => (client, origin),
     };
     let pipes = match config.splice.kernel {
@@ -72,7 +75,8 @@ pub(crate) async fn splice_to(
     } else {
         SplicePath::User
     };
-    let mut moved = splice(client, origin, timeouts.idle, pipes, meter.as_ref()).await;
+    let ends = (timeouts.idle, removed);
+    let mut moved = splice(client, origin, ends, pipes, meter.as_ref()).await;
     dp.metrics.spliced(path);
     moved.up += peeked_len;
     Ok(moved)
@@ -128,11 +132,12 @@ impl Pipes {
 /// quietly; with `pipes`, each direction moves socket → pipe → socket by
 /// `splice(2)`, inside the kernel, else through a buffer of the gateway's.
 /// A `meter` is charged for every chunk the copy moves (give it no pipes):
-/// the first that does not fit resets both sides instead of moving.
+/// the first that does not fit resets both sides instead of moving. Once
+/// `removed` says so, at a tick of the idle watch, both sides are reset.
 pub(crate) async fn splice(
     client: TcpStream,
     origin: TcpStream,
-    idle: Duration,
+    (idle, removed): (Duration, impl Fn() -> bool),
     pipes: Option<Pipes>,
     meter: Option<&Meter>,
 ) -> Spliced {
@@ -157,7 +162,10 @@ pub(crate) async fn splice(
             Ok(()) => (false, None, false),
             Err(fault) => (false, fault, true),
         },
-        () = quiet_for(&counts, idle) => (true, Some(Fault::IDLE_TIMEOUT), false),
+        why = quiet_for_then(&counts, idle, Duration::MAX, || {}, removed) => match why {
+            Quiet::Stop => (false, Some(Fault::SANDBOX_REMOVED), true),
+            _ => (true, Some(Fault::IDLE_TIMEOUT), false),
+        },
         () = cut => (false, None, false),
     };
     let budget_cut = meter.filter(|m| m.crossed()).map(Meter::describe);
@@ -404,7 +412,7 @@ pub(crate) mod tests {
         let task = tokio::spawn(splice(
             gw_client,
             gw_origin,
-            Duration::from_secs(5),
+            (Duration::from_secs(5), || false),
             pipes,
             None,
         ));
@@ -440,7 +448,7 @@ pub(crate) mod tests {
         let task = tokio::spawn(splice(
             gw_client,
             gw_origin,
-            Duration::from_secs(5),
+            (Duration::from_secs(5), || false),
             pipes,
             None,
         ));
@@ -495,7 +503,13 @@ pub(crate) mod tests {
     async fn idle_flows_are_closed(pipes: Option<Pipes>) {
         let (mut client, gw_client) = pair().await;
         let (gw_origin, mut origin) = pair().await;
-        let task = tokio::spawn(splice(gw_client, gw_origin, TRICKLE_IDLE, pipes, None));
+        let task = tokio::spawn(splice(
+            gw_client,
+            gw_origin,
+            (TRICKLE_IDLE, || false),
+            pipes,
+            None,
+        ));
         trickles_then_closes_as_idle(task, &mut client, &mut origin).await;
     }
 
@@ -548,7 +562,7 @@ pub(crate) mod tests {
         let task = tokio::spawn(splice(
             gw_client,
             gw_origin,
-            Duration::from_secs(10),
+            (Duration::from_secs(10), || false),
             Some(pipes),
             None,
         ));

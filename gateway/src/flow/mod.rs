@@ -84,7 +84,8 @@ pub(crate) async fn handle(
                     return rec.budget_refused(detail);
                 }
             };
-            rec.spliced(splice(&dp, (stream, peeked), &accepted, meter).await);
+            let flow = (stream, peeked, peer.ip());
+            rec.spliced(splice(&dp, flow, &accepted, meter).await);
         }
     }
     rec.finish();
@@ -106,16 +107,18 @@ fn propose(dp: &Dataplane, accepted: &Accepted, claims: &Claims<'_>, decided: &D
 /// stage: the splice, under the budget's meter. The flow's record stays
 /// with the caller: moved in by value, it kept a slot of its own in this
 /// future (and the task) for the flow's life.
+/// The flow runs while its source address belongs to its sandbox.
 async fn splice(
     dp: &Dataplane,
-    (stream, peeked): (TcpStream, Vec<u8>),
+    (stream, peeked, src): (TcpStream, Vec<u8>, std::net::IpAddr),
     accepted: &Accepted,
     meter: Option<crate::budget::Meter>,
 ) -> Result<crate::spliced::Spliced, String> {
     let config = dp.config();
     let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
     let to = (accepted.dst, &route);
-    crate::splice::splice_to(dp, stream, to, peeked, &config, meter).await
+    let removed = || !dp.registry.holds(src, &accepted.sandbox.id);
+    crate::splice::splice_to(dp, stream, to, peeked, (&config, meter), removed).await
 }
 
 /// A denied flow: `403` with the reason where the protocol allows an answer

@@ -90,7 +90,11 @@ struct Tally {
 struct Conn {
     dp: Arc<Dataplane>,
     up: Arc<Upstreams>,
+    /// The sandbox the flow was accepted for. Each request is judged under
+    /// the registration its source address has then ([`Conn::sandbox_now`]).
     sandbox: Arc<Sandbox>,
+    /// The client's address.
+    src: IpAddr,
     dst: SocketAddr,
     sni: Option<Hostname>,
     /// TLS was terminated (else: plain HTTP, forwarded in plain).
@@ -130,22 +134,22 @@ pub(crate) async fn http_flow(
     peeked: Vec<u8>,
     doh: bool,
 ) -> Served {
-    // A DoH query is admitted as DNS from the sandbox's own address.
-    let doh_from = match (doh, stream.peer_addr()) {
-        (false, _) => None,
-        (true, Ok(peer)) => Some(peer.ip()),
-        (true, Err(e)) => return failed(Fault::CLIENT_RESET, format!("peer_address: {e}")),
+    let src = match stream.peer_addr() {
+        Ok(peer) => peer.ip(),
+        Err(e) => return failed(Fault::CLIENT_RESET, format!("peer_address: {e}")),
     };
+    // A DoH query is admitted as DNS from the sandbox's own address.
+    let doh_from = doh.then_some(src);
     let counts = Arc::new(Counts::default());
     let peeked_len = peeked.len() as u64;
     let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
     let mut out = match framing {
         Framing::Tls(sni) => {
-            let target = (sandbox, dst, doh_from);
+            let target = (sandbox, (src, dst), doh_from);
             intercept(dp, up, target, sni, client, counts.clone()).await
         }
         Framing::Plain => {
-            let target = (sandbox, dst, None);
+            let target = (sandbox, (src, dst), None);
             let conn = Conn::new(
                 (dp.clone(), up.clone()),
                 target,
@@ -164,7 +168,7 @@ pub(crate) async fn http_flow(
 async fn intercept<S>(
     dp: &Arc<Dataplane>,
     up: &Arc<Upstreams>,
-    target: (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
+    target: (Arc<Sandbox>, (IpAddr, SocketAddr), Option<IpAddr>),
     sni: Option<Hostname>,
     client: S,
     activity: Arc<Counts>,
@@ -177,7 +181,7 @@ where
     // address, which only this flow knows.
     let config = match sni {
         Some(_) => up.server_tls.clone(),
-        None => server_tls(&up.minter, Some(target.1.ip())),
+        None => server_tls(&up.minter, Some(target.1 .1.ip())),
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let started = Instant::now();
@@ -298,7 +302,7 @@ impl BudgetCharge {
 impl Conn {
     fn new(
         (dp, up): (Arc<Dataplane>, Arc<Upstreams>),
-        (sandbox, dst, doh_from): (Arc<Sandbox>, SocketAddr, Option<IpAddr>),
+        (sandbox, (src, dst), doh_from): (Arc<Sandbox>, (IpAddr, SocketAddr), Option<IpAddr>),
         framing: Framing,
         activity: Arc<Counts>,
     ) -> Arc<Self> {
@@ -306,6 +310,7 @@ impl Conn {
             dp,
             up,
             sandbox,
+            src,
             dst,
             tls: matches!(framing, Framing::Tls(_)),
             sni: match framing {
@@ -336,6 +341,24 @@ impl Conn {
     /// boundary.
     fn draining(&self) -> bool {
         self.dp.draining.load(Ordering::Acquire)
+    }
+
+    /// Whether the connection ends at its next request boundary: the
+    /// gateway drains, or its sandbox is gone ([`Conn::sandbox_now`]).
+    fn stopping(&self) -> bool {
+        self.draining() || self.sandbox_now().is_none()
+    }
+
+    /// The registration a request on this connection is judged under: the
+    /// one its source address belongs to now, so a push applies from the
+    /// next request on. `None` once the flow's sandbox is deleted or the
+    /// address is no longer its own: the request is refused, and the
+    /// connection ends.
+    fn sandbox_now(&self) -> Option<Arc<Sandbox>> {
+        self.dp
+            .registry
+            .lookup(self.src)
+            .filter(|now| now.id == self.sandbox.id)
     }
 
     /// Gives the upstream connection this client connection holds back to

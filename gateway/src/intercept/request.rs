@@ -19,6 +19,7 @@ use crate::credentials;
 use crate::decide::{decide, request_names, Claims};
 use crate::metrics::CodeLabels;
 use crate::pool::Body;
+use crate::registry::Sandbox;
 use crate::reply::{text, Denial};
 use crate::shadow::Judged;
 
@@ -92,6 +93,8 @@ fn deny_of(d: &Denial) -> Judged {
 
 /// What the rules and credentials stages read of a request.
 struct Asked<'a> {
+    /// The registration it is judged under.
+    sandbox: &'a Sandbox,
     /// Its name (an IP-literal authority names none).
     host: Option<&'a Hostname>,
     /// The attribution the flow policy judged it on.
@@ -144,22 +147,28 @@ impl Conn {
                 None => text(StatusCode::SERVICE_UNAVAILABLE, "no DNS proxy\n"),
             };
         }
+        // Judged under the sandbox's registration as it is now: a push
+        // applies from the next request on an open connection.
+        let Some(sandbox) = self.sandbox_now() else {
+            return refused_after_body(req, self.unregistered(rec)).await;
+        };
+        let sb = &*sandbox;
         let authority = match self.authority(&req, rec) {
             Ok(a) => a,
             Err(Refused::BadRequest(why)) => return refuse(&req, why, rec),
             Err(Refused::Misdirected) => return misdirected(),
         };
         let host = authority.name();
-        let (lookup, judged) = self.judge(host, rec);
+        let (lookup, judged) = self.judge(sb, host, rec);
         let allowed = match judged {
             Judgement::Allowed(allowed) => allowed,
             Judgement::Misdirected => return misdirected(),
             Judgement::Denied(denial) => {
-                self.shadow_request(&req, host, &lookup, deny_of(&denial));
+                self.shadow_request(sb, &req, host, &lookup, deny_of(&denial));
                 return refused_after_body(req, denial).await;
             }
         };
-        if let Err(denial) = self.checked(&mut req, (host, &lookup, allowed), rec) {
+        if let Err(denial) = self.checked(sb, &mut req, (host, &lookup, allowed), rec) {
             return refused_after_body(req, denial).await;
         }
         // The name the origin's certificate must carry (none: its address).
@@ -171,22 +180,23 @@ impl Conn {
     /// and credentials (compared with the shadow's answer), then its budget.
     fn checked(
         &self,
+        sb: &Sandbox,
         req: &mut Request<ClientBody>,
         (host, lookup, allowed): (Option<&Hostname>, &Lookup, Judged),
         rec: &mut RequestRecord,
     ) -> Result<(), Denial> {
-        let checked = self.per_request(req, host, lookup, rec);
-        if self.sandbox.shadow.is_some() {
+        let checked = self.per_request(sb, req, host, lookup, rec);
+        if sb.shadow.is_some() {
             let active = match &checked {
                 Err(Stage::Rules(d)) => deny_of(d),
                 // A credential's refusal is not the policy's: the candidate
                 // shares the credentials, and would refuse it too.
                 Ok(()) | Err(Stage::Credentials(_)) => allowed,
             };
-            self.shadow_request(req, host, lookup, active);
+            self.shadow_request(sb, req, host, lookup, active);
         }
         checked.map_err(Stage::into_denial)?;
-        self.within_budget(host, lookup, rec)
+        self.within_budget(sb, host, lookup, rec)
     }
 
     /// The authority stage: the one authority every claim of the request
@@ -230,12 +240,13 @@ impl Conn {
     /// one, on the evidence the active policy judged it on.
     fn shadow_request(
         &self,
+        sb: &Sandbox,
         req: &Request<ClientBody>,
         host: Option<&Hostname>,
         lookup: &Lookup,
         active: crate::shadow::Judged,
     ) {
-        let Some(shadow) = &self.sandbox.shadow else {
+        let Some(shadow) = &sb.shadow else {
             return;
         };
         let attributed = lookup.names();
@@ -277,12 +288,17 @@ impl Conn {
     /// The judge stage: decides this request under the flow policy (an
     /// IP-literal authority names no domain: `host` is `None`), giving the
     /// attribution it was judged on and the policy's answer.
-    fn judge(&self, host: Option<&Hostname>, rec: &mut RequestRecord) -> (Lookup, Judgement) {
+    fn judge(
+        &self,
+        sb: &Sandbox,
+        host: Option<&Hostname>,
+        rec: &mut RequestRecord,
+    ) -> (Lookup, Judgement) {
         let claims = self.claims(host);
         let decided = decide(
             &self.dp.cache,
-            &self.sandbox.id,
-            &self.sandbox.policy,
+            &sb.id,
+            &sb.policy,
             &claims,
             &self.dp.doh_names,
         );
@@ -297,7 +313,7 @@ impl Conn {
                     attributed: &decided.lookup.names(),
                     reason: verdict.code(),
                 };
-                self.dp.proposed.record(&self.sandbox.id, seen, None);
+                self.dp.proposed.record(&sb.id, seen, None);
                 self.note_denied(rec, verdict.code(), || {
                     let host = host.map_or_else(|| "-".to_owned(), ToString::to_string);
                     format!("{} (the request's host {host})", verdict.code())
@@ -306,7 +322,7 @@ impl Conn {
                     status: StatusCode::FORBIDDEN,
                     code: verdict.code(),
                     rule: verdict.deny_rule(),
-                    detail: verdict.describe(&self.sandbox.policy),
+                    detail: verdict.describe(&sb.policy),
                 })
             }
             Verdict::Allow(_) | Verdict::Splice(..) | Verdict::Intercept(..) => {
@@ -321,12 +337,13 @@ impl Conn {
     /// with the credentials of its host in place of their placeholders.
     fn per_request(
         &self,
+        sb: &Sandbox,
         req: &mut Request<ClientBody>,
         host: Option<&Hostname>,
         lookup: &Lookup,
         rec: &mut RequestRecord,
     ) -> Result<(), Stage> {
-        if !self.sandbox.policy.has_request_rules() {
+        if !sb.policy.has_request_rules() {
             return Ok(());
         }
         let target = req
@@ -337,6 +354,7 @@ impl Conn {
         let method = req.method().clone();
         let overrides = method_overrides(req.headers());
         let asked = Asked {
+            sandbox: sb,
             host,
             lookup,
             method: method.as_str(),
@@ -354,13 +372,14 @@ impl Conn {
     /// and answered `403`.
     fn request_rules(&self, asked: &Asked<'_>, rec: &mut RequestRecord) -> Result<(), Denial> {
         let Asked {
+            sandbox,
             host,
             lookup,
             method,
             overrides,
             target,
         } = *asked;
-        let policy = &self.sandbox.policy;
+        let policy = &sandbox.policy;
         // The request's name counts alone where the origin's certificate
         // verifies it; plain HTTP's Host is a claim, so every name the
         // address may be is judged too.
@@ -397,7 +416,7 @@ impl Conn {
         let Some(d) = &judged.deny else {
             return Ok(());
         };
-        self.propose_request(d, (host, &attributed[..]), method, target);
+        self.propose_request(sandbox, d, (host, &attributed[..]), (method, target));
         self.note_denied(rec, d.code.as_str(), || show(d));
         Err(Denial {
             status: StatusCode::FORBIDDEN,
@@ -415,18 +434,19 @@ impl Conn {
         asked: &Asked<'_>,
         rec: &mut RequestRecord,
     ) -> Result<(), Denial> {
-        if self.sandbox.credentials.is_empty() {
+        let credentials = &asked.sandbox.credentials;
+        if credentials.is_empty() {
             return Ok(());
         }
         let verified = asked.host.filter(|_| self.tls);
         let applied = credentials::apply(
-            &self.sandbox.credentials,
+            credentials,
             &self.dp.secrets,
             verified,
             asked.target,
             req.headers_mut(),
         )
-        .map_err(|refused| self.credential_refused(refused, asked.method, rec))?;
+        .map_err(|refused| self.credential_refused(credentials, refused, asked.method, rec))?;
         self.dp
             .metrics
             .credentials_injected
@@ -438,12 +458,13 @@ impl Conn {
     /// its value cannot be read.
     fn credential_refused(
         &self,
+        credentials: &[credentials::Credential],
         refused: credentials::Refused,
         method: &str,
         rec: &mut RequestRecord,
     ) -> Denial {
         let code = refused.why.code();
-        let name = &self.sandbox.credentials[refused.index].name;
+        let name = &credentials[refused.index].name;
         let rule = u32::try_from(refused.index).unwrap_or(u32::MAX);
         self.note_denied(rec, code, || {
             format!("{code} credentials[{rule}] {name:?}: {method}")
@@ -475,10 +496,10 @@ impl Conn {
     /// destination of the allow entry whose level refused it.
     fn propose_request(
         &self,
+        sb: &Sandbox,
         d: &RequestDenial,
         (host, attributed): (Option<&Hostname>, &[Hostname]),
-        method: &str,
-        target: &str,
+        (method, target): (&str, &str),
     ) {
         let (RequestCode::HttpNotAllowed, RuleRef::Allow(i)) = (d.code, d.rule) else {
             return;
@@ -488,7 +509,7 @@ impl Conn {
         };
         let level = usize::try_from(i)
             .ok()
-            .and_then(|i| self.sandbox.policy.policy().allow.get(i))
+            .and_then(|i| sb.policy.policy().allow.get(i))
             .map(|r| r.dest.clone());
         let seen = crate::proposed::Seen {
             dst: self.dst,
@@ -502,9 +523,7 @@ impl Conn {
             path,
             level,
         };
-        self.dp
-            .proposed
-            .record(&self.sandbox.id, seen, Some(request));
+        self.dp.proposed.record(&sb.id, seen, Some(request));
     }
 
     /// The budget stage, after the policy let the request through: its
@@ -512,11 +531,12 @@ impl Conn {
     /// to it; over either, `429` (`budget_exceeded`). Budgets never allow.
     fn within_budget(
         &self,
+        sb: &Sandbox,
         host: Option<&Hostname>,
         lookup: &Lookup,
         rec: &mut RequestRecord,
     ) -> Result<(), Denial> {
-        let budgets = &self.sandbox.policy.policy().budgets;
+        let budgets = &sb.policy.policy().budgets;
         if budgets.is_empty() {
             return Ok(());
         }
@@ -529,7 +549,7 @@ impl Conn {
         let moved = self.budget.moved();
         let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
         let now = self.dp.cache.now();
-        let key = (&self.sandbox.id, rule);
+        let key = (&sb.id, rule);
         let Err(over) = self.dp.budgets.request(key, budget, delta, now) else {
             return Ok(());
         };
@@ -550,10 +570,13 @@ impl Conn {
         })
     }
 
-    /// Charges the bytes moved after the last request to its entry.
+    /// Charges the bytes moved after the last request to its entry (of the
+    /// registration the last request was judged under, as far as it is
+    /// still there).
     pub(super) fn charge_rest(&self) {
         let rule = self.budget.rule.load(Ordering::Relaxed);
-        let budgets = &self.sandbox.policy.policy().budgets;
+        let sandbox = self.sandbox_now().unwrap_or_else(|| self.sandbox.clone());
+        let budgets = &sandbox.policy.policy().budgets;
         let Some(budget) = budgets.iter().nth(rule as usize) else {
             return;
         };
@@ -562,7 +585,29 @@ impl Conn {
         let now = self.dp.cache.now();
         self.dp
             .budgets
-            .charge((&self.sandbox.id, rule), budget, delta, now);
+            .charge((&sandbox.id, rule), budget, delta, now);
+    }
+
+    /// A request whose flow's sandbox is gone (deleted, or its address taken
+    /// away since the flow began): refused, counted, and the connection ends
+    /// at this request's boundary ([`Conn::stopping`]).
+    fn unregistered(&self, rec: &mut RequestRecord) -> Denial {
+        let code = "unknown_sandbox";
+        self.note_denied(rec, code, || {
+            format!(
+                "{code}: sandbox {} is no longer registered for {}",
+                self.sandbox.id, self.src
+            )
+        });
+        Denial {
+            status: StatusCode::FORBIDDEN,
+            code,
+            rule: None,
+            detail: format!(
+                "sandbox {} is no longer registered for address {}",
+                self.sandbox.id, self.src
+            ),
+        }
     }
 
     /// Counts a refused request, and keeps it for the flow log.

@@ -63,7 +63,7 @@ where
         tokio::select! {
             biased;
             h2 = sniff(&mut io) => break h2,
-            why = watch.next(|| conn.draining()) => match why {
+            why = watch.next(|| conn.stopping()) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
                 Quiet::Stop => return finish(&conn, None).await,
                 Quiet::Lull | Quiet::Rest => {}
@@ -118,7 +118,7 @@ where
         tokio::select! {
             biased;
             r = serving.as_mut() => break r,
-            why = watch.next(|| asked && conn.draining()) => match why {
+            why = watch.next(|| asked && conn.stopping()) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
                 Quiet::Stop => {
                     stopping = true;
@@ -175,7 +175,7 @@ where
                 r = &mut serving => {
                     return finish(&conn, r.err().map(|e| connection_error(&e))).await;
                 }
-                why = watch.next(|| asked && conn.draining()) => match why {
+                why = watch.next(|| asked && conn.stopping()) => match why {
                     Quiet::Idle => return idle_timeout(&conn),
                     Quiet::Stop => {
                         stopping = true;
@@ -278,7 +278,7 @@ where
         tokio::select! {
             biased;
             read = io.read(&mut first) => break Ok(read),
-            why = watch.next(|| conn.draining()) => match why {
+            why = watch.next(|| conn.stopping()) => match why {
                 Quiet::Idle => break Err(idle_timeout(conn)),
                 Quiet::Stop => {
                     let _ = tokio::time::timeout(CLOSE_WAIT, io.shutdown()).await;

@@ -46,7 +46,7 @@ fn spliced(
     idle: Duration,
 ) -> tokio::task::JoinHandle<Spliced> {
     tokio::spawn(async move {
-        splice(k, gw_client, gw_origin, idle)
+        splice(k, gw_client, gw_origin, (idle, &|| false))
             .await
             .map_err(|(_, _, e)| e)
             .expect("joined")
@@ -490,4 +490,34 @@ async fn a_half_closed_flow_whose_reader_stops_is_reset_past_the_cap() {
         ),
         "{e}"
     );
+}
+
+#[tokio::test]
+async fn a_flow_whose_sandbox_is_removed_is_cut() {
+    static REMOVED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Some(k) = kernel() else { return };
+    let (mut client, gw_client) = pair().await;
+    let (gw_origin, mut origin) = pair().await;
+    let removed = || REMOVED.load(std::sync::atomic::Ordering::Relaxed);
+    let task = tokio::spawn(async move {
+        splice(k, gw_client, gw_origin, (Duration::from_secs(10), &removed))
+            .await
+            .map_err(|(_, _, e)| e)
+            .expect("joined")
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    client.write_all(b"hello").await.expect("write");
+    let mut got = [0u8; 5];
+    origin
+        .read_exact(&mut got)
+        .await
+        .expect("passed while registered");
+    REMOVED.store(true, std::sync::atomic::Ordering::Relaxed);
+    let s = tokio::time::timeout(Duration::from_secs(3), task)
+        .await
+        .expect("cut within a tick")
+        .expect("task");
+    assert_eq!(s.fault, Some(Fault::SANDBOX_REMOVED));
+    sees_a_reset(&mut origin).await;
+    sees_a_reset(&mut client).await;
 }

@@ -12,6 +12,7 @@ mod explain;
 mod faults;
 mod harness;
 mod http2;
+mod live_policy;
 mod parking;
 mod per_core;
 mod pooling;

@@ -23,7 +23,7 @@ const SSLV2_HELLO: &[u8] = &[
 const SSH_BANNER: &[u8] = b"SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13.5\r\n";
 
 /// A TCP origin echoing what it reads.
-async fn echo_origin(ip: &str) -> SocketAddr {
+pub async fn echo_origin(ip: &str) -> SocketAddr {
     let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
         .await
         .expect("bind");

@@ -1,0 +1,149 @@
+//! A push reaches open connections: each request on an intercepted
+//! keep-alive connection is judged under its sandbox's registration as it
+//! is when the request comes, and a sandbox deleted ends its connections.
+
+use std::time::Duration;
+
+use egress_policy::SandboxId;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::*;
+
+/// The policy of [`intercepting`], with `extra` added to it.
+fn allowing(extra: &str) -> egress_policy::Policy {
+    policy(&format!(
+        r#"{{"allow": [{{"domain": "goaway.example.test"}}, {{"domain": "h1.example.test"}},
+                      {{"ip": "8.8.8.8"}}]{extra}, "tls_interception": "on"}}"#
+    ))
+}
+
+#[tokio::test]
+async fn a_push_applies_to_the_next_request_on_an_open_connection() {
+    let e = intercepting(&["goaway.example.test", "h1.example.test"]).await;
+    let mut h1 = h1_client(&e).await;
+    let h2 = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
+    let h2_get = |path: &'static str| {
+        let h2 = h2.clone();
+        async move {
+            let uri = format!("https://goaway.example.test{path}");
+            let (head, body) = h2_send(&h2, http::Method::GET, &uri).await;
+            (head.status.as_u16(), body)
+        }
+    };
+    assert_eq!(get_on(&mut h1, "h1.example.test", "/one").await.0, 200);
+    assert_eq!(h2_get("/one").await.0, 200);
+
+    // A deny of both names, pushed while both connections are open.
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        allowing(
+            r#", "deny": [{"domain": "h1.example.test"}, {"domain": "goaway.example.test", "http": {"paths": ["/secret"]}}]"#,
+        ),
+    );
+    let (status, body) = get_on(&mut h1, "h1.example.test", "/two").await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("tenant_deny"), "{body}");
+    let (status, body) = h2_get("/secret").await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("http_deny"), "{body}");
+    assert_eq!(h2_get("/public").await.0, 200, "the rest still passes");
+
+    // Opened again: the same connection passes again.
+    e.sandbox("a", SANDBOX_A, allowing(""));
+    assert_eq!(get_on(&mut h1, "h1.example.test", "/three").await.0, 200);
+
+    // Deleted: the next request is refused, and both connections end.
+    assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+    let (status, body) = get_on(&mut h1, "h1.example.test", "/four").await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("unknown_sandbox"), "{body}");
+    assert!(
+        h1_closed_within(&h1, Duration::from_secs(3)).await,
+        "the HTTP/1.1 connection was closed"
+    );
+    let after = h2
+        .clone()
+        .send_request(
+            hyper::Request::get("https://goaway.example.test/five")
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+    assert!(
+        after.as_ref().map_or(true, |r| r.status() == 403),
+        "refused or closed: {:?}",
+        after.map(|r| r.status())
+    );
+    let lines = e.flow_lines(2).await;
+    assert!(
+        lines.iter().any(|l| l["request_denied"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("tenant_deny"))),
+        "{lines:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_idle_connection_ends_when_its_sandbox_is_deleted() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let mut h1 = h1_client(&e).await;
+    assert_eq!(get_on(&mut h1, "h1.example.test", "/").await.0, 200);
+    // Another sandbox on another address changes nothing for it.
+    e.sandbox("b", SANDBOX_B, allowing(""));
+    assert!(e.gateway.registry().remove(&SandboxId::new("b")));
+    assert!(
+        !h1_closed_within(&h1, Duration::from_millis(1500)).await,
+        "still open while its sandbox is"
+    );
+    assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+    assert!(
+        h1_closed_within(&h1, Duration::from_secs(3)).await,
+        "closed within a tick of the delete"
+    );
+}
+
+/// An origin address no other test uses.
+const SPLICED_IP: &str = "127.0.0.19";
+
+#[tokio::test]
+async fn a_spliced_stream_runs_through_a_push_and_is_cut_when_its_sandbox_is_deleted() {
+    let e = env(Options::default()).await;
+    let allow = |extra: &str| {
+        policy(&format!(
+            r#"{{"allow": [{{"ip": "{SPLICED_IP}"}}{extra}]}}"#
+        ))
+    };
+    e.sandbox("a", SANDBOX_A, allow(""));
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    let echo = |s: &'static [u8]| (s, vec![0u8; s.len()]);
+    let (hello, mut back) = echo(b"hello");
+    s.write_all(hello).await.expect("write");
+    tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut back))
+        .await
+        .expect("echo in time")
+        .expect("echo");
+    assert_eq!(back, hello);
+
+    // A push to its sandbox does not end it: it carries no request to judge.
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        allow(r#", {"domain": "other.example.test"}"#),
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (again, mut back) = echo(b"again");
+    s.write_all(again).await.expect("write");
+    tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut back))
+        .await
+        .expect("echo in time")
+        .expect("echo");
+    assert_eq!(back, again);
+
+    assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+    assert!(closed_without_data(&mut s).await, "cut within a tick");
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
+    assert_eq!(line["bytes_up"], 10, "{line}");
+}
