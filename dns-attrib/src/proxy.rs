@@ -539,11 +539,13 @@ impl DnsProxy {
         question: &Query,
     ) -> Option<(Vec<u8>, Message)> {
         let id = random_id()?;
-        let raw = &with_id(raw, id)?;
-        let (mut bytes, mut msg) = self.ask_upstreams(raw, id, question).await?;
-        // The sandbox's own ID, put back.
+        let sent = &upstream_query(raw, id)?;
+        let (mut bytes, mut msg) = self.ask_upstreams(sent, id, question).await?;
+        // The sandbox's own ID and question, put back.
         bytes[..2].copy_from_slice(&query.metadata.id.to_be_bytes());
         msg.metadata.id = query.metadata.id;
+        own_question(&mut bytes, raw);
+        msg.queries.clone_from(&query.queries);
         Some((bytes, msg))
     }
 
@@ -784,11 +786,53 @@ fn random_id() -> Option<u16> {
     Some(u16::from_be_bytes(id))
 }
 
-/// `raw` with its ID replaced by `id`.
-fn with_id(raw: &[u8], id: u16) -> Option<Vec<u8>> {
-    let mut out = raw.get(..2).map(|_| raw.to_vec())?;
+/// The query as it goes upstream: `raw` with its ID replaced by `id` and
+/// its question's name in lower case. The letters' case is the sandbox's to
+/// choose, and a name asked again in other letters spends no name budget,
+/// so it would carry a bit a letter to whoever answers for the name.
+/// `None` if the question's name cannot be walked (`parse_query` took it,
+/// so that does not happen).
+fn upstream_query(raw: &[u8], id: u16) -> Option<Vec<u8>> {
+    let end = question_name_end(raw)?;
+    let mut out = raw.to_vec();
     out[..2].copy_from_slice(&id.to_be_bytes());
+    // Length octets are at most 63, below every letter: only letters change.
+    out[HEADER_LEN..end].make_ascii_lowercase();
     Some(out)
+}
+
+/// Puts the sandbox's question name (`raw`'s, in its own letters' case)
+/// back into `answer`, where the answer carries the same name in the same
+/// place; a stub checking its letters' case (0x20) then finds its own.
+fn own_question(answer: &mut [u8], raw: &[u8]) {
+    let Some(end) = question_name_end(raw) else {
+        return;
+    };
+    let (Some(theirs), Some(ours)) = (answer.get_mut(HEADER_LEN..end), raw.get(HEADER_LEN..end))
+    else {
+        return;
+    };
+    if theirs.eq_ignore_ascii_case(ours) {
+        theirs.copy_from_slice(ours);
+    }
+}
+
+/// The length of a DNS message header: the question follows it.
+const HEADER_LEN: usize = 12;
+
+/// Where the first question's name ends in the message `m` (one past its
+/// root label); `None` for a compression pointer or a label type other than
+/// a plain label.
+fn question_name_end(m: &[u8]) -> Option<usize> {
+    let mut at = HEADER_LEN;
+    loop {
+        let len = usize::from(*m.get(at)?);
+        match len {
+            0 => return Some(at + 1),
+            1..=63 => at += 1 + len,
+            _ => return None,
+        }
+    }
 }
 
 /// Parses `bytes` when it is the response to the query sent as `id`: that

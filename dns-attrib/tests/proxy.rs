@@ -1269,6 +1269,72 @@ async fn an_answer_carrying_the_sandboxs_own_query_id_is_not_taken() {
     assert_eq!(names(&h, "a", "203.0.113.7").len(), 4);
 }
 
+/// Answers every query with one A record (203.0.113.7), recording each
+/// question's name as it arrived, in its letters' own case.
+async fn recording_names() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let addr = s.local_addr().expect("addr");
+    let names = Arc::new(Mutex::new(Vec::new()));
+    let seen = names.clone();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        while let Ok((n, src)) = s.recv_from(&mut buf).await {
+            let q = Message::from_vec(&buf[..n]).expect("a query");
+            let name = q.queries[0].name.clone();
+            seen.lock().expect("lock").push(name.to_string());
+            let mut r = Message::response(q.metadata.id, OpCode::Query);
+            r.add_queries(q.queries.clone());
+            r.add_answer(Record::from_rdata(
+                name,
+                300,
+                RData::A(A::from(Ipv4Addr::new(203, 0, 113, 7))),
+            ));
+            let _ = s.send_to(&r.to_vec().expect("encode"), src).await;
+        }
+    });
+    (addr, names)
+}
+
+#[tokio::test]
+async fn the_upstream_sees_a_name_in_lower_case_and_the_sandbox_gets_its_own_back() {
+    // A name asked again in other letters spends no name budget: its case
+    // would carry a bit a letter to the name's authority.
+    let (up, seen) = recording_names().await;
+    let h = harness(move |pc, _| pc.upstreams = vec![up], false).await;
+    for asked in [
+        "case.example.test.",
+        "CaSe.ExAmPlE.TeSt.",
+        "CASE.example.TEST.",
+    ] {
+        let (raw, m) = udp(&h, SANDBOX_A, &query(asked, RecordType::A, None)).await;
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{asked}");
+        // A stub that checks its letters' case (0x20) finds its own, in
+        // the bytes as sent.
+        assert_eq!(m.queries[0].name.to_string(), asked);
+        let wire: Vec<u8> = asked
+            .split('.')
+            .filter(|l| !l.is_empty())
+            .flat_map(|l| std::iter::once(l.len() as u8).chain(l.bytes()))
+            .chain([0])
+            .collect();
+        assert_eq!(&raw[12..12 + wire.len()], &wire[..], "{asked}");
+        assert_eq!(
+            m.answers
+                .iter()
+                .map(|r| r.data.to_string())
+                .collect::<Vec<_>>(),
+            ["203.0.113.7"],
+            "{asked}"
+        );
+    }
+    assert_eq!(
+        seen.lock().expect("lock").clone(),
+        ["case.example.test."; 3],
+        "the upstream saw one spelling"
+    );
+    assert_eq!(names(&h, "a", "203.0.113.7"), ["case.example.test"]);
+}
+
 /// The process's resident memory, in KiB (Linux).
 fn rss_kib() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
