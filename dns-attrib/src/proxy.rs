@@ -64,6 +64,10 @@ pub enum Admit {
 /// Implemented by the gateway: sandbox identity and policy for DNS flows.
 pub trait QueryAdmission: Send + Sync + 'static {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit;
+    /// Whether `src` still belongs to `sandbox`, when its answer comes: a
+    /// sandbox deleted (or the address taken from it) while its query was
+    /// out records nothing.
+    fn holds(&self, src: IpAddr, sandbox: &SandboxId) -> bool;
 }
 
 /// The policy a sandbox's queries are judged by: the gateway's sandbox
@@ -382,6 +386,13 @@ impl DnsProxy {
             self.metrics.servfail.inc();
             return reply(&query, ResponseCode::ServFail);
         };
+        // Deleted while its query was out: nothing is recorded under an id
+        // that may come back as another sandbox, and the address, which
+        // may be another's now, is refused.
+        if !self.admission.holds(src, &sandbox) {
+            self.metrics.refused.inc();
+            return reply(&query, ResponseCode::Refused);
+        }
         self.deliver(&query, &sandbox, bytes, answer, transport)
     }
 

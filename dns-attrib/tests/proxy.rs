@@ -310,6 +310,8 @@ const POLICY_C: &str = r#"{"default": "deny",
 struct Sandboxes {
     open: Arc<CompiledPolicy>,
     c: Arc<CompiledPolicy>,
+    /// Deleted since: admitted no more, and holding no address.
+    deleted: Mutex<Vec<SandboxId>>,
 }
 
 impl Sandboxes {
@@ -323,6 +325,7 @@ impl Sandboxes {
         Self {
             open: compile(r#"{"default": "allow"}"#),
             c: compile(POLICY_C),
+            deleted: Mutex::new(Vec::new()),
         }
     }
 }
@@ -330,18 +333,29 @@ impl Sandboxes {
 impl QueryAdmission for Sandboxes {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit {
         assert_eq!(resolver, RESOLVER.parse::<SocketAddr>().expect("addr"));
-        match src.to_string().as_str() {
+        let admit = match src.to_string().as_str() {
             SANDBOX_A => Admit::Allowed(SandboxId::new("a"), self.open.clone()),
             SANDBOX_B => Admit::Allowed(SandboxId::new("b"), self.open.clone()),
             SANDBOX_C => Admit::Allowed(SandboxId::new("c"), self.c.clone()),
             NO_DNS => Admit::Refused(SandboxId::new("nodns")),
             _ => Admit::Unknown,
+        };
+        match admit {
+            Admit::Allowed(id, _) if self.deleted.lock().expect("lock").contains(&id) => {
+                Admit::Unknown
+            }
+            admit => admit,
         }
+    }
+
+    fn holds(&self, src: IpAddr, sandbox: &SandboxId) -> bool {
+        matches!(self.admit(src, RESOLVER.parse().expect("addr")), Admit::Allowed(id, _) if id == *sandbox)
     }
 }
 
 struct Harness {
     proxy: Arc<DnsProxy>,
+    sandboxes: Arc<Sandboxes>,
     clock: Arc<ManualClock>,
     udp: SocketAddr,
     tcp: SocketAddr,
@@ -371,7 +385,8 @@ async fn harness(
     let clock = ManualClock::new();
     let cache = Arc::new(AttributionCache::new(cc, clock.clone()));
     let upstream_addrs = pc.upstreams.clone();
-    let proxy = DnsProxy::new(pc, cache, Arc::new(Sandboxes::new()));
+    let sandboxes = Arc::new(Sandboxes::new());
+    let proxy = DnsProxy::new(pc, cache, sandboxes.clone());
     let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
     let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let (udp_addr, tcp_addr) = (
@@ -383,6 +398,7 @@ async fn harness(
     tokio::spawn(proxy.clone().serve_tcp(tcp, resolver));
     Harness {
         proxy,
+        sandboxes,
         clock,
         udp: udp_addr,
         tcp: tcp_addr,
@@ -1333,6 +1349,74 @@ async fn the_upstream_sees_a_name_in_lower_case_and_the_sandbox_gets_its_own_bac
         "the upstream saw one spelling"
     );
     assert_eq!(names(&h, "a", "203.0.113.7"), ["case.example.test"]);
+}
+
+/// Answers every query with one A record (203.0.113.8), `after` it came.
+async fn answering_after(after: Duration) -> SocketAddr {
+    let s = Arc::new(UdpSocket::bind("127.0.0.1:0").await.expect("bind"));
+    let addr = s.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        while let Ok((n, src)) = s.recv_from(&mut buf).await {
+            let q = Message::from_vec(&buf[..n]).expect("a query");
+            let s = s.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                let mut r = Message::response(q.metadata.id, OpCode::Query);
+                r.add_queries(q.queries.clone());
+                r.add_answer(Record::from_rdata(
+                    q.queries[0].name.clone(),
+                    300,
+                    RData::A(A::from(Ipv4Addr::new(203, 0, 113, 8))),
+                ));
+                let _ = s.send_to(&r.to_vec().expect("encode"), src).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_sandbox_deleted_while_its_query_is_out_records_nothing() {
+    let up = answering_after(Duration::from_millis(300)).await;
+    let h = harness(
+        move |pc, _| {
+            pc.upstreams = vec![up];
+            pc.upstream_timeout = Duration::from_secs(2);
+        },
+        false,
+    )
+    .await;
+    let (_, m) = udp(
+        &h,
+        SANDBOX_B,
+        &query("kept.slow.test.", RecordType::A, None),
+    )
+    .await;
+    assert_eq!(m.answers.len(), 1, "answered while B is registered");
+    assert_eq!(names(&h, "b", "203.0.113.8"), ["kept.slow.test"]);
+
+    let asking = udp_send(
+        &h,
+        SANDBOX_A,
+        &query("late.slow.test.", RecordType::A, None),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    h.sandboxes
+        .deleted
+        .lock()
+        .expect("lock")
+        .push(SandboxId::new("a"));
+    let m = udp_answer(&asking, Duration::from_secs(2))
+        .await
+        .expect("an answer");
+    assert_eq!(m.metadata.response_code, ResponseCode::Refused);
+    assert!(m.answers.is_empty());
+    assert!(
+        names(&h, "a", "203.0.113.8").is_empty(),
+        "nothing recorded under the deleted id"
+    );
 }
 
 /// The process's resident memory, in KiB (Linux).

@@ -389,6 +389,10 @@ impl QueryAdmission for Registry {
             Admit::Allowed(sandbox.id.clone(), sandbox)
         }
     }
+
+    fn holds(&self, src: IpAddr, sandbox: &SandboxId) -> bool {
+        Self::holds(self, src, sandbox)
+    }
 }
 
 #[cfg(test)]
