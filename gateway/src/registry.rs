@@ -411,6 +411,27 @@ mod tests {
         Policy::from_json(text).expect(text)
     }
 
+    /// What a flow or a DNS answer asks when it ends: whether its address
+    /// still belongs to its sandbox.
+    #[test]
+    fn an_address_is_held_by_its_sandbox_until_deleted_or_taken() {
+        let r = reg();
+        let (a, b) = (SandboxId::new("a"), SandboxId::new("b"));
+        r.put(a.clone(), vec![ip("100.64.1.2")], Policy::default())
+            .expect("put");
+        let held = |id: &SandboxId| QueryAdmission::holds(&r, ip("::ffff:100.64.1.2"), id);
+        assert!(held(&a));
+        assert!(!held(&b));
+        r.put(a.clone(), vec![ip("100.64.1.3")], Policy::default())
+            .expect("moved");
+        assert!(!held(&a), "the address taken from it");
+        r.put(b.clone(), vec![ip("100.64.1.2")], Policy::default())
+            .expect("put");
+        assert!(held(&b));
+        assert!(r.remove(&b));
+        assert!(!held(&b), "deleted");
+    }
+
     #[test]
     fn lookup_put_replace_remove() {
         let r = reg();
