@@ -84,8 +84,7 @@ pub(crate) async fn handle(
                     return rec.budget_refused(detail);
                 }
             };
-            let flow = (stream, peeked, peer.ip());
-            rec.spliced(splice(&dp, flow, &accepted, meter).await);
+            rec.spliced(splice(&dp, (stream, peeked, peer.ip()), &accepted, meter).await);
         }
     }
     rec.finish();
