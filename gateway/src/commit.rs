@@ -85,6 +85,7 @@ impl Committer {
             state_dir,
             journal,
             generation: generation.clone(),
+            doubt: None,
         };
         let spawned = std::thread::Builder::new()
             .name("egress-commit".into())
@@ -118,6 +119,8 @@ struct Worker {
     state_dir: PathBuf,
     journal: Journal,
     generation: Arc<AtomicU64>,
+    /// Set when a resync's snapshot may be on disk though its write failed.
+    doubt: Option<String>,
 }
 
 impl Worker {
@@ -126,6 +129,9 @@ impl Worker {
         loop {
             let Some(first) = carry.take().or_else(|| rx.blocking_recv()) else {
                 return;
+            };
+            let Some(first) = self.unless_in_doubt(first) else {
+                continue;
             };
             match first.change {
                 Change::Replace(_) => {
@@ -152,6 +158,28 @@ impl Worker {
             }
             self.commit(batch);
             self.compact_if_due();
+        }
+    }
+
+    /// Why no change may be committed, if none may: what is on disk is not
+    /// known, so a change acknowledged now might not be what a restart
+    /// enforces. A restart recovers what was acknowledged.
+    fn in_doubt(&self) -> Option<String> {
+        let why = self.doubt.as_deref().or(self.journal.in_doubt())?;
+        Some(format!(
+            "not applied: the state directory is in doubt ({why}); restart the gateway"
+        ))
+    }
+
+    /// `job`, unless the state is in doubt: then it is refused (a seal
+    /// still seals).
+    fn unless_in_doubt(&self, job: JobBox) -> Option<JobBox> {
+        match self.in_doubt() {
+            Some(why) if !matches!(job.change, Change::Seal) => {
+                let _ = job.reply.send(Err(NotApplied::Failed(why)));
+                None
+            }
+            _ => Some(job),
         }
     }
 
@@ -250,21 +278,43 @@ impl Worker {
         };
         let before = self.registry.checkpoint();
         let sandboxes = sandboxes.iter().map(|s| self.kept_shadow(s)).collect();
+        let seq = self.generation.load(Ordering::Acquire) + 1;
         let outcome = match self.registry.replace_prepared(sandboxes) {
             Err(e) => Err(NotApplied::Refused(e)),
-            Ok(()) => match self.snapshot(self.generation.load(Ordering::Acquire) + 1) {
-                Ok(()) => {
+            Ok(()) => match persist::save(&self.state_dir, &self.registry, seq) {
+                Ok(bytes) => {
+                    // The snapshot is the state now: the journal's records
+                    // are at or below `seq`, skipped on replay whether or
+                    // not it is emptied.
                     self.generation.fetch_add(1, Ordering::Release);
+                    if let Err(e) = self.journal.reset(bytes) {
+                        tracing::warn!(error = %e, "the journal was not emptied after a resync (the snapshot covers its records)");
+                    }
                     Ok(())
                 }
                 Err(e) => {
                     self.registry.restore(before);
                     tracing::error!(error = %e, "snapshot write failed; resync rolled back");
+                    if !self.snapshot_before(seq) {
+                        self.doubt = Some(format!(
+                            "a resync's snapshot may be in place though writing it failed: {e}"
+                        ));
+                    }
                     Err(NotApplied::Failed(format!("not applied: {e}")))
                 }
             },
         };
         let _ = job.reply.send(outcome);
+    }
+
+    /// Whether the snapshot on disk (if any) is one from before `seq`: a
+    /// failed write left the last one in place.
+    fn snapshot_before(&self, seq: u64) -> bool {
+        match persist::load(&self.state_dir) {
+            Ok(None) => true,
+            Ok(Some(doc)) => doc.seq < seq,
+            Err(_) => false,
+        }
     }
 
     /// Writes the whole state as the snapshot covering `seq`, and empties the journal.
@@ -285,3 +335,6 @@ impl Worker {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

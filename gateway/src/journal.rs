@@ -62,6 +62,8 @@ pub struct Journal {
     /// The snapshot's size when it was written: compaction is due once the
     /// journal outgrows it (and [`MIN_COMPACT_BYTES`]).
     snapshot_bytes: u64,
+    /// Set when a failed append could not be cut back ([`Journal::append`]).
+    doubt: Option<String>,
 }
 
 pub fn path(state_dir: &Path) -> PathBuf {
@@ -100,11 +102,16 @@ impl Journal {
             path,
             bytes: good as u64,
             snapshot_bytes,
+            doubt: None,
         };
         Ok((journal, records))
     }
 
-    /// Appends `records` and makes them durable with one fsync.
+    /// Appends `records` and makes them durable with one fsync. If that
+    /// fails, the journal is cut back to what it held: nothing of a batch
+    /// that was refused stays behind, to be replayed at the next start or to
+    /// break the next append. If the cut fails too, the journal is in doubt
+    /// ([`Journal::in_doubt`]).
     pub fn append(&mut self, records: &[Record]) -> Result<(), PersistError> {
         let mut buf = Vec::new();
         for r in records {
@@ -113,10 +120,30 @@ impl Journal {
             buf.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
             buf.extend_from_slice(&json);
         }
-        self.file.write_all(&buf).map_err(|e| self.io(e))?;
-        self.file.sync_data().map_err(|e| self.io(e))?;
+        let written = self
+            .file
+            .write_all(&buf)
+            .and_then(|()| self.file.sync_data());
+        if let Err(e) = written {
+            let cut = self
+                .file
+                .set_len(self.bytes)
+                .and_then(|()| self.file.sync_all());
+            if let Err(cut) = cut {
+                self.doubt = Some(format!(
+                    "an append failed ({e}) and could not be cut back ({cut})"
+                ));
+            }
+            return Err(self.io(e));
+        }
         self.bytes += buf.len() as u64;
         Ok(())
+    }
+
+    /// Why the file may hold bytes of a batch that was refused, if it may:
+    /// no change may be committed after them.
+    pub fn in_doubt(&self) -> Option<&str> {
+        self.doubt.as_deref()
     }
 
     /// Whether the journal has outgrown the snapshot.
@@ -128,14 +155,22 @@ impl Journal {
     /// written: the snapshot now holds everything.
     pub fn reset(&mut self, snapshot_bytes: u64) -> Result<(), PersistError> {
         self.file.set_len(0).map_err(|e| self.io(e))?;
-        self.file.sync_all().map_err(|e| self.io(e))?;
+        // Cut, whether or not the sync below holds: a later append's cut
+        // back must not lengthen the file again.
         self.bytes = 0;
         self.snapshot_bytes = snapshot_bytes;
-        Ok(())
+        self.file.sync_all().map_err(|e| self.io(e))
     }
 
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Puts `file` in place of the journal's handle (a test's way to make
+    /// its writes fail, and to let them succeed again).
+    #[cfg(test)]
+    pub(crate) fn use_file(&mut self, file: File) {
+        self.file = file;
     }
 
     fn io(&self, source: std::io::Error) -> PersistError {
@@ -146,13 +181,21 @@ impl Journal {
     }
 }
 
-/// The records in `bytes`, and where the good part ends: a record cut short
-/// or failing its checksum at the end is a torn tail (left out); one with
-/// more bytes after it is corruption.
+/// The records in `bytes`, and where the good part ends. A record cut
+/// short, or failing its checksum at the very end, is a torn tail (left
+/// out): a crash during an append that was never acknowledged. One failing
+/// its checksum with more bytes after it is corruption, and so is any bad
+/// record (its length above what a writer writes, or past the end) with a
+/// whole record somewhere after it: cutting there would drop records that
+/// were acknowledged.
 fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), PersistError> {
     let mut records = Vec::new();
     let mut off = 0;
     while off < bytes.len() {
+        let corrupt = |why: String| PersistError::Corrupt {
+            path: path.to_owned(),
+            message: format!("record at offset {off}: {why}"),
+        };
         let Some(header) = bytes.get(off..off + 8) else {
             return Ok((records, off));
         };
@@ -160,11 +203,12 @@ fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), Persi
         let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
         let end = off + 8 + len;
         let Some(payload) = bytes.get(off + 8..end).filter(|_| len <= MAX_RECORD) else {
+            if let Some(later) = whole_record_after(bytes, off) {
+                return Err(corrupt(format!(
+                    "a length of {len} bytes, and a whole record at offset {later} after it"
+                )));
+            }
             return Ok((records, off));
-        };
-        let corrupt = |why: String| PersistError::Corrupt {
-            path: path.to_owned(),
-            message: format!("record at offset {off}: {why}"),
         };
         if crc32fast::hash(payload) != crc {
             if end == bytes.len() {
@@ -182,6 +226,21 @@ fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), Persi
         off = end;
     }
     Ok((records, off))
+}
+
+/// The offset of the first whole record (a length a writer writes, a JSON
+/// object as its payload, its checksum right) that starts after `off`.
+fn whole_record_after(bytes: &[u8], off: usize) -> Option<usize> {
+    (off + 1..bytes.len().saturating_sub(8)).find(|&at| {
+        let header = &bytes[at..at + 8];
+        let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+        (2..=MAX_RECORD).contains(&len)
+            && bytes
+                .get(at + 8..at + 8 + len)
+                .is_some_and(|p| p.first() == Some(&b'{') && p.last() == Some(&b'}'))
+            && crc32fast::hash(&bytes[at + 8..at + 8 + len]) == crc
+    })
 }
 
 /// Loads the snapshot and replays the journal on top: the registry as last

@@ -158,3 +158,32 @@ fn credentials_are_kept_as_references_and_recovered() {
     // Their hosts are never spliced: the compiled policy knows them.
     assert!(s.policy.has_request_rules());
 }
+
+/// A damaged length is not a torn tail when a whole record follows it:
+/// cutting there would drop acknowledged records (a length above what a
+/// writer writes, or one pointing past the end).
+#[test]
+fn a_damaged_length_with_a_record_after_it_stops_startup() {
+    let dir = tempfile::tempdir().expect("dir");
+    write(
+        dir.path(),
+        &[put(1, "a", "100.64.0.1"), put(2, "b", "100.64.0.2")],
+    );
+    let full = std::fs::read(path(dir.path())).expect("read");
+    for byte in [3, 2] {
+        let mut damaged = full.clone();
+        damaged[byte] ^= 0x08;
+        std::fs::write(path(dir.path()), &damaged).expect("write");
+        let e = recover(&registry(), dir.path()).expect_err("acknowledged records follow");
+        let text = e.to_string();
+        assert!(
+            text.contains("offset 0") && text.contains("a whole record at offset"),
+            "{text}"
+        );
+        assert_eq!(
+            std::fs::read(path(dir.path())).expect("read"),
+            damaged,
+            "nothing cut"
+        );
+    }
+}

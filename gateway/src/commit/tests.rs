@@ -1,0 +1,137 @@
+//! The commit thread's answers when the disk fails under it: a change is
+//! acknowledged only if a restart enforces it, and no acknowledged change
+//! is lost to one that failed.
+
+use std::path::Path;
+
+use egress_policy::{PlatformDenies, Policy};
+
+use super::*;
+
+fn registry() -> Arc<Registry> {
+    Arc::new(Registry::new(Arc::new(PlatformDenies::builtin())))
+}
+
+fn sandbox(r: &Registry, id: &str, addr: &str) -> Arc<Sandbox> {
+    r.prepare(
+        SandboxId::new(id),
+        vec![addr.parse().expect("ip")],
+        Policy::default(),
+    )
+}
+
+/// The worker over what `dir` holds, as a start recovers it.
+fn worker(dir: &Path) -> Worker {
+    let registry = registry();
+    let (journal, seq, _) = journal::recover(&registry, dir).expect("recover");
+    Worker {
+        registry,
+        state_dir: dir.to_owned(),
+        journal,
+        generation: Arc::new(AtomicU64::new(seq)),
+        doubt: None,
+    }
+}
+
+fn job(change: Change) -> (JobBox, oneshot::Receiver<Outcome>) {
+    let (reply, answer) = oneshot::channel();
+    (Box::new(Job { change, reply }), answer)
+}
+
+/// Commits one change on its own: whether it was acknowledged.
+fn commit(w: &mut Worker, change: Change) -> bool {
+    let (job, mut answer) = job(change);
+    match job.change {
+        Change::Replace(_) => w.replace(*job),
+        _ => w.commit(vec![job]),
+    }
+    answer.try_recv().expect("answered").is_ok()
+}
+
+/// The sandboxes a restart finds, and the last sequence number.
+fn restarted(dir: &Path) -> (Vec<SandboxId>, u64) {
+    let r = registry();
+    let (_, seq, _) = journal::recover(&r, dir).expect("recover");
+    (r.ids(), seq)
+}
+
+fn ids(names: &[&str]) -> Vec<SandboxId> {
+    names.iter().map(|n| SandboxId::new(n)).collect()
+}
+
+/// A handle on the journal that reads but cannot write or cut.
+fn read_only(dir: &Path) -> std::fs::File {
+    std::fs::File::open(journal::path(dir)).expect("open")
+}
+
+fn writable(dir: &Path) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .append(true)
+        .open(journal::path(dir))
+        .expect("open")
+}
+
+#[test]
+fn a_resync_is_durable_once_its_snapshot_is_even_if_the_journal_is_not_emptied() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    let a = sandbox(&w.registry, "a", "100.64.0.1");
+    assert!(commit(&mut w, Change::Put(a)));
+    // The snapshot (seq 2) is written; emptying the journal fails.
+    w.journal.use_file(read_only(dir.path()));
+    let b = sandbox(&w.registry, "b", "100.64.0.2");
+    assert!(
+        commit(&mut w, Change::Replace(vec![b])),
+        "acknowledged: a restart enforces it"
+    );
+    assert_eq!(w.registry.ids(), ids(&["b"]));
+    w.journal.use_file(writable(dir.path()));
+    let c = sandbox(&w.registry, "c", "100.64.0.3");
+    assert!(commit(&mut w, Change::Put(c)));
+    // Before, the resync answered 500 and rolled back, the push took seq 2,
+    // and a restart skipped it under the snapshot's seq 2: c was lost.
+    assert_eq!(restarted(dir.path()), (ids(&["b", "c"]), 3));
+}
+
+#[test]
+fn a_failed_append_that_cannot_be_cut_back_stops_commits_until_a_restart() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    let a = sandbox(&w.registry, "a", "100.64.0.1");
+    assert!(commit(&mut w, Change::Put(a)));
+    w.journal.use_file(read_only(dir.path()));
+    let b = sandbox(&w.registry, "b", "100.64.0.2");
+    assert!(!commit(&mut w, Change::Put(b)), "not durable: refused");
+    assert_eq!(w.registry.ids(), ids(&["a"]), "rolled back");
+    // The disk takes writes again, but what the failed append left is not
+    // known: nothing more is acknowledged before a restart.
+    w.journal.use_file(writable(dir.path()));
+    let c = sandbox(&w.registry, "c", "100.64.0.3");
+    let (job, mut answer) = job(Change::Put(c));
+    assert!(w.unless_in_doubt(job).is_none(), "refused");
+    let refused = answer.try_recv().expect("answered");
+    assert!(
+        matches!(&refused, Err(NotApplied::Failed(why)) if why.contains("in doubt")),
+        "{refused:?}"
+    );
+    assert_eq!(restarted(dir.path()), (ids(&["a"]), 1));
+}
+
+#[test]
+fn a_resync_whose_snapshot_was_never_written_leaves_commits_open() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    let a = sandbox(&w.registry, "a", "100.64.0.1");
+    assert!(commit(&mut w, Change::Put(a)));
+    // The temporary file cannot be made: the old state stays in place.
+    let tmp = dir.path().join(format!(".{}.tmp", persist::SNAPSHOT_FILE));
+    std::fs::create_dir(&tmp).expect("a directory in its way");
+    let b = sandbox(&w.registry, "b", "100.64.0.2");
+    assert!(!commit(&mut w, Change::Replace(vec![b])));
+    assert!(w.in_doubt().is_none(), "the old snapshot is known to stand");
+    std::fs::remove_dir(&tmp).expect("out of the way");
+    let c = sandbox(&w.registry, "c", "100.64.0.3");
+    assert!(commit(&mut w, Change::Put(c)));
+    assert_eq!(restarted(dir.path()), (ids(&["a", "c"]), 2));
+}
