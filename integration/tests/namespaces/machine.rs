@@ -166,6 +166,45 @@ fn open_flows_outlive_a_narrower_allowlist_but_not_loopback() {
     assert!(open_flow_survives(&t, API_IP, r#"{"mode": "open"}"#));
 }
 
+/// A new flow to another VM's address is dropped whatever the sending
+/// VM's policy lets out: the guard comes before the VM's own chain, whose
+/// verdict would end the forward chain. The origin's address stands in for
+/// a second VM's (registered as `vm2`, it is in `to4`).
+#[test]
+fn a_new_flow_to_another_vm_is_dropped_under_every_mode() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    register(&t, "vm1", VM_IP, Some(r#"{"mode": "open"}"#));
+    assert!(tcp_ok(&t, API_IP), "open reaches the address");
+    // Not under loopback, which would cut its own replies as well.
+    register(&t, "vm2", API_IP, Some(r#"{"mode": "open"}"#));
+    for policy in [
+        r#"{"mode": "open"}"#.to_owned(),
+        r#"{"mode": "audit"}"#.to_owned(),
+        format!(
+            r#"{{"mode": "allowlist", "rules": [{{"cidr": "{API_IP}/32", "proto": "tcp", "port": 80}}]}}"#
+        ),
+    ] {
+        put_egress(&t, "vm1", &policy);
+        assert!(!tcp_ok(&t, API_IP), "a new flow to vm2 under {policy}");
+    }
+    put_egress(&t, "vm1", r#"{"mode": "open"}"#);
+    assert!(
+        tcp_ok(&t, OTHER_IP),
+        "open still reaches every other address"
+    );
+    // Its address no VM's again, the flow passes.
+    let (status, body) = t.admin("DELETE", "/v1/vms/vm2", None);
+    assert_eq!(status, 200, "{body}");
+    put_egress(&t, "vm1", r#"{"mode": "open"}"#);
+    assert!(
+        tcp_ok(&t, API_IP),
+        "open reaches the address once vm2 is gone"
+    );
+}
+
 #[test]
 fn each_mode_governs_tcp_and_udp_in_the_kernel() {
     if !topology::available() {

@@ -217,7 +217,8 @@ fn base(out: &mut String, layout: &Layout) {
 /// that family's open flows take one lookup in the cut set first, and
 /// while none is, no lookup at all. What is left for a VM's address is a
 /// new flow to it (an open one passed: its source is not a VM under
-/// loopback, which the dispatch would have taken): dropped.
+/// loopback, which the dispatch would have taken): dropped, before the
+/// dispatch, whatever the sending VM's policy lets out.
 pub fn forward_rules(vms: &[VmRules<'_>]) -> String {
     let cut = |v4: bool| {
         vms.iter().any(|vm| {
@@ -234,12 +235,15 @@ pub fn forward_rules(vms: &[VmRules<'_>]) -> String {
             })
             .collect(),
     };
+    // The guard comes before the dispatch: a VM's own chain ends in its
+    // verdict, so after it a VM whose policy lets the address out (`open`,
+    // `audit`, an allowlist covering it) would open flows to another VM.
     rules.extend(
         [
-            "ip saddr vmap @from4",
-            "ip6 saddr vmap @from6",
             "ip daddr @to4 drop",
             "ip6 daddr @to6 drop",
+            "ip saddr vmap @from4",
+            "ip6 saddr vmap @from6",
         ]
         .map(str::to_owned),
     );

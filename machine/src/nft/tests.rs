@@ -171,10 +171,10 @@ fn open_flows_pass_on_conntrack_alone_unless_a_vm_is_under_loopback() {
     );
     let l = layout(Match::Address);
     let dispatch = [
-        "ip saddr vmap @from4",
-        "ip6 saddr vmap @from6",
         "ip daddr @to4 drop",
         "ip6 daddr @to6 drop",
+        "ip saddr vmap @from4",
+        "ip6 saddr vmap @from6",
     ];
     let forward = |vms: &[VmRules<'_>], first: &[&str]| {
         let text = rules::forward_rules(vms);
