@@ -485,6 +485,13 @@ impl Config {
         if let Some(invalid) = self.tls.first_invalid() {
             return Some(invalid);
         }
+        let admin = self.listen.admin;
+        if !admin.ip().is_loopback() && self.admin.token_file.is_none() {
+            let why = format!(
+                "unset while listen.admin {admin} is not a loopback address: anyone who reaches it could push policies; set a token file, or listen on 127.0.0.1"
+            );
+            return Some(("admin.token_file", why));
+        }
         for (key, d) in [
             ("dns.upstream_timeout", self.dns.upstream_timeout),
             ("timeouts.peek", self.timeouts.peek),
@@ -735,6 +742,10 @@ mod tests {
         let cases = [
             ("[dns]\nupstream = []", "unknown field `upstream`"),
             ("[listen]\nadmin = \"localhost\"", "admin"),
+            (
+                "[listen]\nadmin = \"0.0.0.0:15000\"",
+                "admin.token_file: unset while listen.admin 0.0.0.0:15000 is not a loopback address",
+            ),
             (
                 "[dns]\nmin_ttl = \"30 seconds\"",
                 "invalid duration \"30 seconds\"",
