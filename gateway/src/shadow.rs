@@ -232,7 +232,15 @@ pub(crate) fn request(j: &Judge<'_>, shadow: &Shadow, req: &Request<'_>, active:
     };
     if candidate != active {
         let example = || {
-            let path = req.target.split('?').next().unwrap_or("");
+            // Kept per difference: cut, as the flow log cuts it.
+            let path: String = req
+                .target
+                .split('?')
+                .next()
+                .unwrap_or("")
+                .chars()
+                .take(256)
+                .collect();
             json!({
                 "dst": req.claims.dst, "sni": req.claims.sni, "host": req.claims.host,
                 "attributed": req.attributed, "method": req.method, "path": path,

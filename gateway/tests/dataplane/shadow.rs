@@ -75,7 +75,9 @@ async fn flow_and_request_differences_reach_the_log_the_metric_and_the_report() 
         .await
         .expect("tls");
     assert!(minted);
-    let (status, _) = http_post(tls, "api.example.test", "/write", b"x".to_vec())
+    // A long path: the report keeps its first 256 characters.
+    let long = format!("/write/{}", "x".repeat(4000));
+    let (status, _) = http_post(tls, "api.example.test", &long, b"x".to_vec())
         .await
         .expect("post");
     assert_eq!(status, 200, "the active policy lets it through");
@@ -105,7 +107,11 @@ async fn flow_and_request_differences_reach_the_log_the_metric_and_the_report() 
     assert_eq!(request["active"]["verdict"], "allow", "{request}");
     assert_eq!(request["shadow"]["reason"], "http_not_allowed", "{request}");
     assert_eq!(request["example"]["method"], "POST");
-    assert_eq!(request["example"]["path"], "/write");
+    assert_eq!(
+        request["example"]["path"],
+        long[..256],
+        "cut to 256 characters"
+    );
 
     let metrics = scrape(&e).await;
     assert!(
