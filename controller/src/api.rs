@@ -219,8 +219,40 @@ pub(crate) fn typed<T: for<'de> Deserialize<'de>>(v: Value) -> Result<T, Reply> 
 
 /// A policy document in a body; the error names the field.
 fn policy_field(v: &Value, field: &str) -> Result<Policy, Reply> {
-    Policy::from_json(&v.to_string())
-        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("{field}: {e}")))
+    let policy = Policy::from_json(&v.to_string())
+        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("{field}: {e}")))?;
+    let bytes = serde_json::to_vec(&policy).map_or(usize::MAX, |b| b.len());
+    if bytes > MAX_POLICY {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("{field}: {bytes} bytes in normal form, more than the {MAX_POLICY} a policy may have (a gateway takes a sandbox's document of at most {MAX_BODY} bytes)"),
+        ));
+    }
+    Ok(policy)
+}
+
+/// The largest policy the API takes, in normal form: a gateway takes a
+/// sandbox's document (addresses and the effective policy) of at most
+/// [`MAX_BODY`] bytes, and composition adds to the policy.
+const MAX_POLICY: usize = MAX_BODY - 16 * 1024;
+
+/// Refuses an effective `policy` whose push to a gateway, with `addresses`,
+/// would be larger than a gateway takes.
+pub(crate) fn pushable(policy: &Policy, addresses: &[String]) -> Result<(), Reply> {
+    let doc = egress_api::gateway::PutSandbox {
+        addresses: addresses.iter().filter_map(|a| a.parse().ok()).collect(),
+        policy: policy.clone(),
+        credentials: Vec::new(),
+        upstream_proxy: None,
+    };
+    let bytes = serde_json::to_vec(&doc).map_or(usize::MAX, |b| b.len());
+    if bytes > MAX_BODY {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("policy: the effective policy (profiles, exemptions and approvals added) makes a {bytes}-byte document for the gateway, which takes at most {MAX_BODY}"),
+        ));
+    }
+    Ok(())
 }
 
 /// `{"error": message}` (the contract crate's error, no field named).

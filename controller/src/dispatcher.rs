@@ -28,6 +28,7 @@ use http::{Method, StatusCode};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection, PgPool};
 
+use egress_api::body::MAX_BODY;
 use egress_api::gateway::{PutSandbox, SandboxDoc};
 
 use crate::config::Deployment;
@@ -581,7 +582,8 @@ impl Dispatcher {
         let mut ndjson = String::new();
         for s in rows {
             match resync_line(s) {
-                Ok(line) => ndjson.push_str(&line),
+                Ok(Some(line)) => ndjson.push_str(&line),
+                Ok(None) => continue,
                 Err(error) => {
                     tracing::warn!(worker = %w.id, sandbox = %s.id, %error, "resync refused here");
                     return false;
@@ -791,13 +793,33 @@ fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
         credentials: Vec::new(),
         upstream_proxy: None,
     };
+    let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
+    if !fits(s, bytes.len()) {
+        // Forgotten, not left under the policy the gateway last took: its
+        // traffic is denied, and the pushes queued behind it go on.
+        return Ok(None);
+    }
     serde_json::to_value(doc)
         .map(Some)
         .map_err(|e| e.to_string())
 }
 
-/// A sandbox row as one line of a streamed resync (the contract's [`SandboxDoc`]).
-fn resync_line(s: &SandboxRow) -> Result<String, String> {
+/// Whether a sandbox's document of `bytes` is one a gateway takes (a push
+/// or a resync line, at most [`MAX_BODY`]); one larger is logged here.
+/// The API refuses such a policy when it is written; composition (an
+/// approval, a profile) can still grow one past it.
+fn fits(s: &SandboxRow, bytes: usize) -> bool {
+    let fits = bytes <= MAX_BODY;
+    if !fits {
+        tracing::warn!(sandbox = %s.id, bytes, max = MAX_BODY, "the sandbox's effective policy is larger than a gateway takes: the gateway forgets the sandbox, and its traffic is denied");
+    }
+    fits
+}
+
+/// A sandbox row as one line of a streamed resync (the contract's
+/// [`SandboxDoc`]); `None` for one too large for a gateway, left out (the
+/// gateway does not know it: its traffic is denied).
+fn resync_line(s: &SandboxRow) -> Result<Option<String>, String> {
     let doc = SandboxDoc {
         id: s.id.clone(),
         addresses: addresses(s)?,
@@ -806,7 +828,8 @@ fn resync_line(s: &SandboxRow) -> Result<String, String> {
         upstream_proxy: None,
         shadow: None,
     };
-    serde_json::to_string(&doc).map_err(|e| e.to_string())
+    let line = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
+    Ok(fits(s, line.len()).then_some(line))
 }
 
 fn addresses(s: &SandboxRow) -> Result<Vec<std::net::IpAddr>, String> {
@@ -865,6 +888,44 @@ fn differs(rows: &[SandboxRow], gateway: &Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A policy of at least `bytes` in normal form: allows of numbered names.
+    pub(crate) fn policy_of(bytes: usize) -> Policy {
+        let entries: Vec<String> = (0..bytes / 30 + 1)
+            .map(|i| format!(r#"{{"domain": "n{i}.example.test"}}"#))
+            .collect();
+        Policy::from_json(&format!(r#"{{"allow": [{}]}}"#, entries.join(","))).expect("policy")
+    }
+
+    fn row(policy: Policy) -> SandboxRow {
+        SandboxRow {
+            id: "sb-1".into(),
+            tenant: "t".into(),
+            template: "base".into(),
+            egress_profiles: Vec::new(),
+            policy: Some(policy),
+            inherits_template: false,
+            provenance: Value::Null,
+            state: SandboxState::Running,
+            worker: Some("w1".into()),
+            addresses: vec!["100.64.1.2".into()],
+            generation: 1,
+        }
+    }
+
+    /// A sandbox whose document a gateway would refuse (`413`) is neither
+    /// left under the policy the gateway last took nor in the way of the
+    /// pushes behind it: the gateway is told to forget it, and a resync
+    /// leaves it out.
+    #[test]
+    fn a_sandbox_too_large_for_a_gateway_is_forgotten_there() {
+        let small = row(policy_of(100));
+        assert!(put_body(&small).expect("sendable").is_some(), "a PUT");
+        assert!(resync_line(&small).expect("sendable").is_some());
+        let large = row(policy_of(MAX_BODY));
+        assert_eq!(put_body(&large).expect("sendable"), None, "a DELETE");
+        assert_eq!(resync_line(&large).expect("sendable"), None, "left out");
+    }
 
     #[test]
     fn readiness_line() {

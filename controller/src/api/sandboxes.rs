@@ -109,6 +109,7 @@ impl Api {
         let eff = effective(&self.deployment, &base, &row.egress_profiles, inherit)
             .map_err(|m| self.unresolved(&m))?;
         let (policy, provenance) = laid_over(tx, &row, &eff).await.map_err(db)?;
+        crate::api::pushable(&policy, &row.addresses)?;
         let placement = Placement {
             policy: &policy,
             inherits_template: eff.inherits_template,

@@ -307,3 +307,54 @@ async fn a_fork_carries_the_names_and_the_policy_and_composes_deployment_exempti
         "the source is untouched"
     );
 }
+
+/// A policy larger than a gateway takes is refused when it is written; it
+/// was saved before, the gateway refused its push (`413`), kept the old
+/// policy, and the pushes queued behind it waited.
+#[tokio::test]
+async fn a_policy_too_large_for_a_gateway_is_refused_and_the_old_one_stays() {
+    let url = db!();
+    let w = world(
+        &url,
+        deployment(Some(PROFILES), Some(EXEMPTIONS)),
+        json!({"default": "allow"}),
+    )
+    .await;
+    let (gw, api) = (&w.gw, &w.api);
+    let id = running(api, gw).await;
+    // Just under the API's body cap (1 MiB), over what a gateway takes
+    // once the addresses (and the profile) are added.
+    let entries: Vec<Value> = (0..31_900)
+        .map(|i| json!({"domain": format!("n{i}.example.test")}))
+        .collect();
+    let body = json!({"policy": {"default": "deny", "allow": entries}});
+    let size = body.to_string().len();
+    assert!(size < 1 << 20 && size > (1 << 20) - 16 * 1024, "{size}");
+    let (s, v) = call(
+        api.addr,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(FEDERATED),
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("bytes in normal form")),
+        "{v}"
+    );
+    // Nothing changed: the saved policy and the gateway's are the old one.
+    let saved = doc(api, &id).await;
+    assert!(
+        saved["policy"]["allow"]
+            .to_string()
+            .contains("tenant.example.test"),
+        "{saved}"
+    );
+    assert!(on_gateway(gw, &id).await["policy"]["allow"]
+        .to_string()
+        .contains("tenant.example.test"));
+}
