@@ -86,6 +86,16 @@ impl Tenants {
                 "tokens.{shown}…: a token must be at least 16 characters"
             ));
         }
+        // The warm pool's sandboxes belong to the tenant "": a token of that
+        // tenant would see and act on every one of them.
+        if let Some(token) = t
+            .tokens
+            .iter()
+            .find_map(|(k, v)| v.tenant.trim().is_empty().then_some(k))
+        {
+            let shown: String = token.chars().take(4).collect();
+            return Err(format!("tokens.{shown}….tenant: a tenant must be named"));
+        }
         Ok(t)
     }
 
@@ -130,5 +140,11 @@ mod tests {
         let e = Tenants::parse(r#"{"tokens": {"0123456789abcdef": {"tenant": "t", "x": 1}}}"#)
             .expect_err("unknown field");
         assert!(e.contains("x"), "{e}");
+        let e = Tenants::parse(r#"{"tokens": {"0123456789abcdef": {"tenant": ""}}}"#)
+            .expect_err("unnamed");
+        assert!(
+            e.contains("tokens.0123….tenant: a tenant must be named"),
+            "{e}"
+        );
     }
 }
