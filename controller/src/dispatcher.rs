@@ -36,7 +36,7 @@ use crate::gateway_client::{call, PushError};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ops;
 use crate::shard::Leases;
-use crate::state::{OperationState, SandboxState};
+use crate::state::OperationState;
 use crate::store::{self, SandboxRow, WorkerRow};
 
 mod plan;
@@ -366,7 +366,8 @@ impl Dispatcher {
             store::attempt_failed(&mut tx, &op.id, &failure.message, failure.retryable, limits)
                 .await?;
         if state == OperationState::Failed {
-            store::set_state(&mut tx, &op.sandbox, SandboxState::Failed).await?;
+            // A sandbox destroyed meanwhile stays destroyed.
+            store::fail_creating(&mut tx, &op.sandbox).await?;
         }
         tx.commit().await?;
         tracing::info!(operation = %op.id, %state, error = %failure.message, "operation attempt failed");
@@ -888,6 +889,7 @@ fn differs(rows: &[SandboxRow], gateway: &Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::SandboxState;
 
     /// A policy of at least `bytes` in normal form: allows of numbered names.
     pub(crate) fn policy_of(bytes: usize) -> Policy {

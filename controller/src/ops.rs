@@ -81,6 +81,7 @@ pub async fn create(
     let row = store::sandbox_for_update(conn, sandbox)
         .await?
         .ok_or_else(|| Failure::fatal(format!("sandbox {sandbox} is gone")))?;
+    still_creating(&row)?;
     let eff = compose_create(conn, deployment, metrics, &row, payload).await?;
     let worker = payload.get("worker").and_then(Value::as_str);
     place(conn, sandbox, worker, &eff, Value::Array(vec![])).await
@@ -99,12 +100,7 @@ async fn claim(
     let row = store::sandbox_for_update(conn, sandbox)
         .await?
         .ok_or_else(|| Failure::fatal(format!("sandbox {sandbox} is gone")))?;
-    if row.state != SandboxState::Creating {
-        return Err(Failure::fatal(format!(
-            "sandbox {sandbox} is {}",
-            row.state
-        )));
-    }
+    still_creating(&row)?;
     let worker = row
         .worker
         .clone()
@@ -171,8 +167,24 @@ async fn fork(
     // deployment's exemptions are composed again.
     let eff = effective(deployment, &base, &[], source.inherits_template)
         .map_err(|m| Failure::fatal(m.to_string()))?;
-    store::sandbox_for_update(conn, sandbox).await?;
+    let row = store::sandbox_for_update(conn, sandbox)
+        .await?
+        .ok_or_else(|| Failure::fatal(format!("sandbox {sandbox} is gone")))?;
+    still_creating(&row)?;
     place(conn, sandbox, None, &eff, source.provenance).await
+}
+
+/// A create or fork runs only on a sandbox still being created: one
+/// destroyed while its operation was queued stays destroyed (placed, it
+/// came back running, on an address, its policy pushed).
+fn still_creating(row: &store::SandboxRow) -> Result<(), Failure> {
+    if row.state == SandboxState::Creating {
+        return Ok(());
+    }
+    Err(Failure::fatal(format!(
+        "sandbox {} is {}: not created",
+        row.id, row.state
+    )))
 }
 
 /// Picks the worker and a free address, and saves the sandbox as running.

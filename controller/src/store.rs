@@ -215,6 +215,18 @@ pub async fn set_state(
     Ok(())
 }
 
+/// Marks a sandbox still being created failed (its create, fork or claim
+/// failed for good); one in any other state is left as it is.
+pub async fn fail_creating(conn: &mut PgConnection, id: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE sandboxes SET state = 'failed', generation = generation + 1, changed_at = now() WHERE id = $1 AND state = 'creating'",
+    )
+    .bind(id)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 // === templates and workers ===
 
 pub async fn put_template(pool: &PgPool, id: &str, policy: &Policy) -> Result<(), sqlx::Error> {

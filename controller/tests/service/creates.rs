@@ -540,3 +540,49 @@ async fn next(l: &mut sqlx::postgres::PgListener) -> sqlx::postgres::PgNotificat
         .expect("a notification within 5 s")
         .expect("recv")
 }
+
+/// A sandbox destroyed while its create waits in the queue stays destroyed:
+/// the create fails saying so, and no gateway hears of the sandbox. It was
+/// placed before, on an address, marked running and pushed.
+#[tokio::test]
+async fn a_create_queued_for_a_sandbox_destroyed_meanwhile_does_nothing() {
+    let url = db!();
+    let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway(dir.path(), "127.0.0.1:0").await;
+    let api = api(&url, d.clone()).await;
+    setup(&api, template(), gw.bound().admin, "100.64.10.0/24").await;
+    // No dispatcher yet: the create waits.
+    let (s, v) = create(&api, FEDERATED, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 202, "{v}");
+    let id = v["sandbox"].as_str().expect("id").to_owned();
+    let (s, gone) = call(
+        api.addr,
+        "DELETE",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{gone}");
+    let _dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
+    let op = settled(&api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(op["state"], json!("failed"), "{op}");
+    assert!(op.to_string().contains("destroyed: not created"), "{op}");
+    let (_, doc) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(doc["state"], json!("destroyed"), "{doc}");
+    assert_eq!(doc["addresses"], json!([]), "{doc}");
+    assert!(gw
+        .registry()
+        .get(&egress_policy::SandboxId::new(&id))
+        .is_none());
+}
