@@ -97,7 +97,12 @@ pub async fn in_force(
     rows.iter().map(Approval::from_row).collect()
 }
 
-/// The live sandboxes an approval of `tenant` for `scope` and `target` reaches.
+/// The sandboxes an approval of `tenant` for `scope` and `target` reaches:
+/// every one not failed or destroyed, those still being created included.
+/// A create that read the approvals in force holds its sandbox's row until
+/// it commits, and [`crate::approvals::refresh`] waits for that row: so a
+/// revoke or an expiry that runs meanwhile takes the approval out of the
+/// policy the create saves, instead of missing a sandbox with no policy yet.
 pub async fn reached(
     conn: &mut PgConnection,
     tenant: &str,
@@ -110,8 +115,8 @@ pub async fn reached(
         Scope::Tenant => "$2 = $1",
     };
     let sql = format!(
-        "SELECT id FROM sandboxes WHERE tenant = $1 AND {which} AND policy IS NOT NULL \
-         AND state NOT IN ('creating', 'failed', 'destroyed') ORDER BY id"
+        "SELECT id FROM sandboxes WHERE tenant = $1 AND {which} \
+         AND state NOT IN ('failed', 'destroyed') ORDER BY id"
     );
     sqlx::query_scalar(safe(sql))
         .bind(tenant)

@@ -284,3 +284,87 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     assert!(list["approvals"][0]["removed_at"].is_string(), "{list}");
     assert!(list["approvals"][0]["revoked_at"].is_null(), "{list}");
 }
+
+/// A revoke that runs while a create is saving a sandbox's policy (the
+/// create read the approval in force, and has not committed) takes the
+/// approval out of what the create saves. It skipped the sandbox before,
+/// still `creating` with no policy, and the revoked rule stayed.
+#[tokio::test]
+async fn an_approval_revoked_during_a_create_is_not_in_what_it_saves() {
+    let url = db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = gateway_with(dir.path(), "127.0.0.1:0", Arc::new(ToOrigin)).await;
+    let d = deployment(None, None);
+    let api = api(&url, d.clone()).await;
+    let template = json!({"default": "deny", "tls_interception": "on"});
+    setup(&api, template, gw.bound().admin, "127.0.0.0/29").await;
+    let running = dispatcher(&url, d.clone(), limits(5, 60_000, 100)).await;
+    let w = Setup {
+        gw,
+        api,
+        url: url.clone(),
+        _dispatcher: running,
+        _dir: dir,
+    };
+    let (a, addr) = sandbox(&w, FEDERATED).await;
+    denied_request(&w, &addr).await;
+    let (s, approval) = approve(&w, FEDERATED, &a, json!({"scope": "template"})).await;
+    assert_eq!(s, 201, "{approval}");
+    // The dispatcher stops: the next create waits in the queue.
+    let Setup {
+        api, _dispatcher, ..
+    } = w;
+    drop(_dispatcher);
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"template": "base"})),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    let b = v["sandbox"].as_str().expect("id").to_owned();
+
+    // The create runs in a transaction of this test's, up to its commit.
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let mut tx = conn.begin().await.expect("begin");
+    let payload: Value = sqlx::query_scalar::<_, sqlx::types::Json<Value>>(
+        "SELECT payload FROM operations WHERE sandbox = $1",
+    )
+    .bind(&b)
+    .fetch_one(&mut *tx)
+    .await
+    .expect("the queued create")
+    .0;
+    let metrics = egress_controller::metrics::Metrics::new();
+    egress_controller::ops::create(&mut tx, &d, &metrics, &b, &payload)
+        .await
+        .expect("created");
+    let revoke = format!("/v1/approvals/{}", approval["id"].as_str().expect("id"));
+    let addr = api.addr;
+    let revoking =
+        tokio::spawn(
+            async move { call(addr, "DELETE", &revoke, Some(FEDERATED), &[], None).await },
+        );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tx.commit().await.expect("commit");
+    let (s, revoked) = revoking.await.expect("revoke");
+    assert_eq!(s, 200, "{revoked}");
+    let (_, doc) = call(
+        api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{b}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(doc["state"], json!("running"), "{doc}");
+    assert!(
+        !doc["provenance"].to_string().contains("approval"),
+        "the revoked approval stayed: {doc}"
+    );
+    assert_eq!(doc["policy"]["allow"], json!([]), "{doc}");
+}
