@@ -878,6 +878,24 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
     let (status, body) = t.admin("PUT", "/v1/vms/r", Some(r#"{"addresses": ["100.64.9.9"]}"#));
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("cgroup"), "{body}");
+    // A VM in a cgroup nested in q's is judged by its own policy, not q's
+    // (q is open; the inner VM under loopback).
+    let inner = Cgroup {
+        dir: cg.dir.join("inner"),
+        parent: cg.dir.join("inner"),
+    };
+    std::fs::create_dir_all(&inner.dir).expect("inner cgroup");
+    let doc = format!(r#"{{"cgroup": "{rel}/inner", "egress": {{"mode": "loopback"}}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/vms/r", Some(&doc));
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        !curl_in(&t, Some(&inner), API_IP),
+        "the inner VM's loopback"
+    );
+    assert!(curl_in(&t, Some(&cg), API_IP), "q is still open");
+    let (status, _) = t.admin("DELETE", "/v1/vms/r", None);
+    assert_eq!(status, 200);
+    drop(inner);
     let (status, _) = t.admin("DELETE", "/v1/vms/q", None);
     assert_eq!(status, 200);
     assert!(!node_table(&t).contains("vm_q"), "{}", node_table(&t));

@@ -255,8 +255,10 @@ pub fn forward_rules(vms: &[VmRules<'_>]) -> String {
 }
 
 /// The output chain's rules: one cgroup lookup for each level some VM is
-/// registered at (replaces the chain's rules; part of every cgroup-mode
-/// transaction).
+/// registered at, the deepest first (replaces the chain's rules; part of
+/// every cgroup-mode transaction). A process in a VM's cgroup nested in
+/// another VM's is that inner VM's: looked up shallowest first, the outer
+/// VM's verdict would end the chain.
 pub fn output_dispatch(layout: &Layout, vms: &[VmRules<'_>]) -> String {
     if layout.matching != Match::Cgroup {
         return String::new();
@@ -267,7 +269,7 @@ pub fn output_dispatch(layout: &Layout, vms: &[VmRules<'_>]) -> String {
         .map(cgroup_level)
         .filter(|l| (1..=MAX_CGROUP_LEVEL).contains(l))
         .collect();
-    levels.sort_unstable();
+    levels.sort_unstable_by(|a, b| b.cmp(a));
     levels.dedup();
     let mut out = format!("flush chain inet {TABLE} output\n");
     for l in levels {
