@@ -485,13 +485,6 @@ impl Config {
         if let Some(invalid) = self.tls.first_invalid() {
             return Some(invalid);
         }
-        let admin = self.listen.admin;
-        if !admin.ip().is_loopback() && self.admin.token_file.is_none() {
-            let why = format!(
-                "unset while listen.admin {admin} is not a loopback address: anyone who reaches it could push policies; set a token file, or listen on 127.0.0.1"
-            );
-            return Some(("admin.token_file", why));
-        }
         for (key, d) in [
             ("dns.upstream_timeout", self.dns.upstream_timeout),
             ("timeouts.peek", self.timeouts.peek),
@@ -520,6 +513,20 @@ impl Config {
             .or_else(|| self.machine_egress.first_invalid())
             .or_else(|| self.redirect.first_invalid())
             .or_else(|| self.upstream_proxy.first_invalid())
+            .or_else(|| self.admin_invalid())
+    }
+
+    /// An admin listener off loopback without a token: anyone who reaches
+    /// it could push policies.
+    fn admin_invalid(&self) -> Option<(&'static str, String)> {
+        let admin = self.listen.admin;
+        if admin.ip().is_loopback() || self.admin.token_file.is_some() {
+            return None;
+        }
+        let why = format!(
+            "unset while listen.admin {admin} is not a loopback address: anyone who reaches it could push policies; set a token file, or listen on 127.0.0.1"
+        );
+        Some(("admin.token_file", why))
     }
 
     /// The CA files: configured, or `None` for one created in `state_dir`.
