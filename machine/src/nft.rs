@@ -25,7 +25,15 @@ pub struct NftError(pub String);
 #[derive(Clone, Debug)]
 pub struct Nft {
     argv: Vec<String>,
+    /// How long one run may take before it is killed (and fails).
+    timeout: Duration,
 }
+
+/// How long one nft run may take: a whole node table of 500 VMs loads in
+/// well under a second; one that hangs (an `nsenter` target stuck, say)
+/// would otherwise hold the state lock, and with it every VM call and the
+/// observer, for good.
+const NFT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One element of a VM's `observed` set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +49,16 @@ pub struct KernelObserved {
 
 impl Nft {
     pub fn new(argv: Vec<String>) -> Self {
-        Self { argv }
+        Self {
+            argv,
+            timeout: NFT_TIMEOUT,
+        }
+    }
+
+    /// With another limit on how long one run may take.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// Applies a ruleset in one transaction (`nft -f -`).
@@ -165,20 +182,74 @@ impl Nft {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| NftError(format!("cannot run {program}: {e}")))?;
-        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(text.as_bytes())
-                .map_err(|e| NftError(e.to_string()))?;
+        // The ruleset is written and the output read while it runs (a full
+        // pipe would stall either side), each in a thread of its own, and
+        // it is waited for however the run ends.
+        let writer = match (stdin, child.stdin.take()) {
+            (Some(text), Some(mut pipe)) => {
+                let text = text.to_owned();
+                Some(std::thread::spawn(move || pipe.write_all(text.as_bytes())))
+            }
+            _ => None,
+        };
+        let stdout = drain(child.stdout.take());
+        let stderr = drain(child.stderr.take());
+        // Past the limit the threads are left to end when the pipes close
+        // (a process the command started may still hold them).
+        let status = wait_within(&mut child, self.timeout).map_err(|e| NftError(e.to_string()))?;
+        let written = writer.map_or(Ok(()), |w| {
+            w.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the writer panicked")))
+        });
+        let (stdout, stderr) = (joined(stdout), joined(stderr));
+        if status.success() && written.is_ok() {
+            return Ok(stdout);
         }
-        let out = child
-            .wait_with_output()
-            .map_err(|e| NftError(e.to_string()))?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        } else {
-            Err(NftError(
-                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            ))
+        let why = match written {
+            Err(e) if stderr.trim().is_empty() => format!("writing the ruleset: {e}"),
+            _ => stderr.trim().to_owned(),
+        };
+        Err(NftError(why))
+    }
+}
+
+/// Reads `pipe` to its end in a thread of its own.
+fn drain<R: std::io::Read + Send + 'static>(
+    pipe: Option<R>,
+) -> Option<std::thread::JoinHandle<String>> {
+    let mut pipe = pipe?;
+    Some(std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+        text
+    }))
+}
+
+fn joined(reader: Option<std::thread::JoinHandle<String>>) -> String {
+    reader.and_then(|r| r.join().ok()).unwrap_or_default()
+}
+
+/// Waits for `child` until `timeout`, then kills it (and waits for that).
+fn wait_within(
+    child: &mut std::process::Child,
+    timeout: Duration,
+) -> std::io::Result<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
         }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("did not finish within {timeout:?}: killed"),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
     }
 }
 

@@ -623,3 +623,29 @@ fn every_interval_set_is_a_concatenation() {
         }
     }
 }
+
+/// An nft run that hangs is killed at its limit and fails, instead of
+/// holding the state lock (every VM call, the observer) for good; one that
+/// fails says what it printed; a large ruleset is written while the
+/// command reads it.
+#[test]
+fn an_nft_run_is_bounded_in_time_and_reports_what_it_said() {
+    let sh = |script: &str| Nft::new(vec!["sh".into(), "-c".into(), script.into(), "nft".into()]);
+    let hung = sh("exec sleep 30").with_timeout(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let e = hung.apply("flush ruleset\n").expect_err("killed");
+    assert!(e.0.contains("did not finish within 300ms"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let e = sh("echo 'Error: no such table' >&2; exit 1")
+        .apply("x")
+        .expect_err("fails");
+    assert_eq!(e.0, "Error: no such table");
+    // 4 MiB through the pipe, echoed back in full.
+    let big = "add element inet t s { 1.2.3.4 }\n".repeat(128 * 1024);
+    let out = sh("cat").run(&["-f", "-"], Some(&big)).expect("ran");
+    assert_eq!(out.len(), big.len());
+}
