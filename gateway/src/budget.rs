@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use dns_attrib::{AttributionCache, Millis};
-use egress_policy::{Budget, SandboxId};
+use egress_policy::{Budget, BudgetDestination, SandboxId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 
@@ -67,8 +67,10 @@ pub(crate) struct BudgetTable {
     full: Counter,
 }
 
-/// A sandbox and the index of its `budgets` entry.
-type Key = (SandboxId, u32);
+/// A sandbox and its `budgets` entry's destination: an entry keeps its state
+/// when a push adds, removes or reorders other entries (keyed by its index,
+/// it would pass its spent state to another destination and start full).
+type Key = (SandboxId, BudgetDestination);
 
 #[derive(Debug)]
 struct State {
@@ -129,9 +131,11 @@ impl Meter {
     /// Charges `n` bytes about to move; `false`: they do not fit, and the
     /// flow is to be cut ([`Meter::cut`] wakes).
     pub(crate) fn spend(&self, n: usize) -> bool {
-        let key = (&self.sandbox, self.rule);
         let now = self.clock.now();
-        let ok = self.table.bytes(key, &self.budget, n as u64, now).is_ok();
+        let ok = self
+            .table
+            .bytes(&self.sandbox, &self.budget, n as u64, now)
+            .is_ok();
         if !ok && !self.crossed.swap(true, Ordering::Relaxed) {
             self.cut.notify_one();
         }
@@ -202,12 +206,12 @@ impl BudgetTable {
     /// token and, with a byte limit, a byte left.
     pub(crate) fn request(
         &self,
-        (sandbox, rule): (&SandboxId, u32),
+        sandbox: &SandboxId,
         budget: &Budget,
         bytes: u64,
         now: Millis,
     ) -> Result<(), Over> {
-        self.with((sandbox, rule), now, |s| {
+        self.with((sandbox, &budget.destination), now, |s| {
             if let Some(l) = byte_limit(budget) {
                 s.bytes.drain(l, bytes, now);
                 if !s.bytes.has(l, 1, now) {
@@ -226,12 +230,12 @@ impl BudgetTable {
     /// and the `peeked` bytes already read charged.
     pub(crate) fn connect(
         &self,
-        (sandbox, rule): (&SandboxId, u32),
+        sandbox: &SandboxId,
         budget: &Budget,
         peeked: u64,
         now: Millis,
     ) -> Result<(), Over> {
-        self.with((sandbox, rule), now, |s| {
+        self.with((sandbox, &budget.destination), now, |s| {
             if let Some(l) = byte_limit(budget) {
                 if !s.bytes.has(l, MIN_TO_START.max(peeked), now) {
                     return Err(Over::Bytes);
@@ -253,7 +257,7 @@ impl BudgetTable {
     /// the budget is then drained (the flow is cut before they move).
     pub(crate) fn bytes(
         &self,
-        (sandbox, rule): (&SandboxId, u32),
+        sandbox: &SandboxId,
         budget: &Budget,
         n: u64,
         now: Millis,
@@ -261,7 +265,7 @@ impl BudgetTable {
         let Some(l) = byte_limit(budget) else {
             return Ok(());
         };
-        self.with((sandbox, rule), now, |s| {
+        self.with((sandbox, &budget.destination), now, |s| {
             if s.bytes.take(l, n, now) {
                 Ok(())
             } else {
@@ -272,15 +276,9 @@ impl BudgetTable {
     }
 
     /// Bytes a flow moved after its last request was judged: charged, never refused.
-    pub(crate) fn charge(
-        &self,
-        (sandbox, rule): (&SandboxId, u32),
-        budget: &Budget,
-        n: u64,
-        now: Millis,
-    ) {
+    pub(crate) fn charge(&self, sandbox: &SandboxId, budget: &Budget, n: u64, now: Millis) {
         if let Some(l) = byte_limit(budget) {
-            let _ = self.with((sandbox, rule), now, |s| {
+            let _ = self.with((sandbox, &budget.destination), now, |s| {
                 s.bytes.drain(l, n, now);
                 Ok(())
             });
@@ -295,11 +293,11 @@ impl BudgetTable {
 
     fn with(
         &self,
-        (sandbox, rule): (&SandboxId, u32),
+        (sandbox, destination): (&SandboxId, &BudgetDestination),
         now: Millis,
         f: impl FnOnce(&mut State) -> Result<(), Over>,
     ) -> Result<(), Over> {
-        let key = (sandbox.clone(), rule);
+        let key = (sandbox.clone(), destination.clone());
         // SHARDS is a power of two; the low bits of SipHash are uniform.
         let shard = (self.keys.hash_one(&key) as usize) & (SHARDS - 1);
         let mut map = lock(&self.shards[shard]);

@@ -1,7 +1,11 @@
 use super::*;
 
 fn budget(rpm: Option<u32>, bph: Option<u64>) -> Budget {
-    let mut entry = serde_json::json!({"destination": "*"});
+    budget_for("*", rpm, bph)
+}
+
+fn budget_for(destination: &str, rpm: Option<u32>, bph: Option<u64>) -> Budget {
+    let mut entry = serde_json::json!({"destination": destination});
     if let Some(r) = rpm {
         entry["requests_per_minute"] = r.into();
     }
@@ -25,37 +29,67 @@ fn a_minute_of_requests_is_the_burst_and_refills_continuously() {
     let b = budget(Some(3), None);
     let a = id("sb-a");
     for _ in 0..3 {
-        assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Ok(()));
+        assert_eq!(t.request(&a, &b, 0, Millis(0)), Ok(()));
     }
-    assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Err(Over::Requests));
+    assert_eq!(t.request(&a, &b, 0, Millis(0)), Err(Over::Requests));
     // One request every 20 s at 3 a minute.
-    assert_eq!(
-        t.request((&a, 0), &b, 0, Millis(19_999)),
-        Err(Over::Requests)
-    );
-    assert_eq!(t.request((&a, 0), &b, 0, Millis(20_000)), Ok(()));
-    assert_eq!(
-        t.request((&a, 0), &b, 0, Millis(20_000)),
-        Err(Over::Requests)
-    );
+    assert_eq!(t.request(&a, &b, 0, Millis(19_999)), Err(Over::Requests));
+    assert_eq!(t.request(&a, &b, 0, Millis(20_000)), Ok(()));
+    assert_eq!(t.request(&a, &b, 0, Millis(20_000)), Err(Over::Requests));
     // Never more than the burst, however long the pause.
     let later = Millis(10 * HOUR_MS);
     for _ in 0..3 {
-        assert_eq!(t.request((&a, 0), &b, 0, later), Ok(()));
+        assert_eq!(t.request(&a, &b, 0, later), Ok(()));
     }
-    assert_eq!(t.request((&a, 0), &b, 0, later), Err(Over::Requests));
+    assert_eq!(t.request(&a, &b, 0, later), Err(Over::Requests));
 }
 
 #[test]
 fn sandboxes_and_entries_have_buckets_of_their_own() {
     let t = table(64);
     let b = budget(Some(1), None);
+    let api = budget_for("api.example.test", Some(1), None);
     let (a, other) = (id("sb-a"), id("sb-b"));
-    assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Ok(()));
-    assert_eq!(t.request((&a, 0), &b, 0, Millis(0)), Err(Over::Requests));
-    assert_eq!(t.request((&other, 0), &b, 0, Millis(0)), Ok(()));
-    assert_eq!(t.request((&a, 1), &b, 0, Millis(0)), Ok(()));
+    assert_eq!(t.request(&a, &b, 0, Millis(0)), Ok(()));
+    assert_eq!(t.request(&a, &b, 0, Millis(0)), Err(Over::Requests));
+    assert_eq!(t.request(&other, &b, 0, Millis(0)), Ok(()));
+    assert_eq!(t.request(&a, &api, 0, Millis(0)), Ok(()));
     assert_eq!(t.len(), 3);
+}
+
+/// An entry's state is its destination's, wherever the entry stands: a
+/// push that puts another entry in front of it (so its index moves) keeps
+/// its spent state, and the new entry starts full. Keyed by index, the
+/// spent state went to the new entry and the old one started full.
+#[test]
+fn an_entry_keeps_its_state_when_a_push_moves_it() {
+    let t = table(64);
+    let a = id("sb-a");
+    let api = budget_for("api.example.test", Some(1), None);
+    let list = |entries: Vec<&Budget>| -> egress_policy::Budgets {
+        serde_json::from_value(serde_json::to_value(entries).expect("json")).expect("budgets")
+    };
+    let name = |n: &str| egress_policy::Hostname::parse(n).expect("name");
+    let (api_name, other_name) = (name("api.example.test"), name("other.example.test"));
+    let first = list(vec![&api]);
+    let (rule, entry) = first.find([&api_name]).expect("covered");
+    assert_eq!(rule, 0);
+    assert_eq!(t.request(&a, entry, 0, Millis(0)), Ok(()));
+    let other = budget_for("other.example.test", Some(1), None);
+    let pushed = list(vec![&other, &api]);
+    let (rule, entry) = pushed.find([&api_name]).expect("covered");
+    assert_eq!(rule, 1);
+    assert_eq!(
+        t.request(&a, entry, 0, Millis(0)),
+        Err(Over::Requests),
+        "still spent"
+    );
+    let (_, new) = pushed.find([&other_name]).expect("covered");
+    assert_eq!(
+        t.request(&a, new, 0, Millis(0)),
+        Ok(()),
+        "the new entry starts full"
+    );
 }
 
 #[test]
@@ -63,7 +97,7 @@ fn a_crossing_flow_is_cut_and_drains_the_budget() {
     let t = table(64);
     let b = budget(None, Some(100 * 1024));
     let a = id("sb-a");
-    let key = (&a, 0);
+    let key = &a;
     assert_eq!(t.connect(key, &b, 500, Millis(0)), Ok(()));
     let mut moved = 500;
     while t.bytes(key, &b, 16 * 1024, Millis(0)).is_ok() {
@@ -87,11 +121,11 @@ fn requests_charge_the_bytes_their_flow_moved_and_stop_when_none_are_left() {
     let t = table(64);
     let b = budget(Some(1000), Some(4096));
     let a = id("sb-a");
-    assert_eq!(t.request((&a, 0), &b, 1000, Millis(0)), Ok(()));
-    t.charge((&a, 0), &b, 3000, Millis(0));
-    assert_eq!(t.request((&a, 0), &b, 96, Millis(0)), Err(Over::Bytes));
+    assert_eq!(t.request(&a, &b, 1000, Millis(0)), Ok(()));
+    t.charge(&a, &b, 3000, Millis(0));
+    assert_eq!(t.request(&a, &b, 96, Millis(0)), Err(Over::Bytes));
     // 4 KiB an hour is a byte every ~879 ms.
-    assert_eq!(t.request((&a, 0), &b, 0, Millis(879)), Ok(()));
+    assert_eq!(t.request(&a, &b, 0, Millis(879)), Ok(()));
 }
 
 #[test]
@@ -103,7 +137,7 @@ fn a_full_table_forgets_only_refilled_states_else_refuses() {
     // of a half-spent state, and is refused.
     let refused: Vec<&SandboxId> = sandboxes
         .iter()
-        .filter(|s| t.request((s, 0), &b, 0, Millis(0)) == Err(Over::NoState))
+        .filter(|s| t.request(s, &b, 0, Millis(0)) == Err(Over::NoState))
         .collect();
     assert!(!refused.is_empty(), "four times more sandboxes than room");
     assert!(t.len() <= SHARDS);
@@ -112,9 +146,9 @@ fn a_full_table_forgets_only_refilled_states_else_refuses() {
     // Half a minute later the held states have refilled: one is forgotten
     // for a newcomer, who starts full, and then holds a spent state.
     let now = Millis(30_000);
-    assert_eq!(t.request((refused[0], 0), &b, 0, now), Ok(()));
-    assert_eq!(t.request((refused[0], 0), &b, 0, now), Ok(()));
-    assert_eq!(t.request((refused[0], 0), &b, 0, now), Err(Over::Requests));
+    assert_eq!(t.request(refused[0], &b, 0, now), Ok(()));
+    assert_eq!(t.request(refused[0], &b, 0, now), Ok(()));
+    assert_eq!(t.request(refused[0], &b, 0, now), Err(Over::Requests));
     assert_eq!(t.len() as i64, t.gauge.get());
 }
 
@@ -128,7 +162,7 @@ fn a_forgotten_state_grants_nothing_it_had_not_refilled() {
     let mut granted = vec![0u64; sandboxes.len()];
     for ms in (0..60_000u64).step_by(1_000) {
         for (i, s) in sandboxes.iter().enumerate() {
-            if t.request((s, 0), &b, 0, Millis(ms)) == Ok(()) {
+            if t.request(s, &b, 0, Millis(ms)) == Ok(()) {
                 granted[i] += 1;
             }
         }
@@ -143,13 +177,10 @@ fn a_lowered_limit_caps_what_was_left() {
     let t = table(64);
     let a = id("sb-a");
     assert_eq!(
-        t.request((&a, 0), &budget(Some(100), None), 0, Millis(0)),
+        t.request(&a, &budget(Some(100), None), 0, Millis(0)),
         Ok(())
     );
     let lower = budget(Some(1), None);
-    assert_eq!(t.request((&a, 0), &lower, 0, Millis(0)), Ok(()));
-    assert_eq!(
-        t.request((&a, 0), &lower, 0, Millis(0)),
-        Err(Over::Requests)
-    );
+    assert_eq!(t.request(&a, &lower, 0, Millis(0)), Ok(()));
+    assert_eq!(t.request(&a, &lower, 0, Millis(0)), Err(Over::Requests));
 }

@@ -30,10 +30,9 @@ pub(super) fn admit(
     let Some((rule, budget)) = budgets.find(names) else {
         return Ok(None);
     };
-    let key = (&sandbox.id, rule);
     if let Err(over) = dp
         .budgets
-        .connect(key, budget, peeked as u64, dp.cache.now())
+        .connect(&sandbox.id, budget, peeked as u64, dp.cache.now())
     {
         dp.metrics.budget_exceeded(over);
         let why = describe(over, budget);

@@ -549,8 +549,7 @@ impl Conn {
         let moved = self.budget.moved();
         let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
         let now = self.dp.cache.now();
-        let key = (&sb.id, rule);
-        let Err(over) = self.dp.budgets.request(key, budget, delta, now) else {
+        let Err(over) = self.dp.budgets.request(&sb.id, budget, delta, now) else {
             return Ok(());
         };
         self.dp.metrics.budget_exceeded(over);
@@ -583,9 +582,7 @@ impl Conn {
         let moved = self.budget.moved();
         let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
         let now = self.dp.cache.now();
-        self.dp
-            .budgets
-            .charge((&sandbox.id, rule), budget, delta, now);
+        self.dp.budgets.charge(&sandbox.id, budget, delta, now);
     }
 
     /// A request whose flow's sandbox is gone (deleted, or its address taken

@@ -103,6 +103,22 @@ async fn a_loop_over_its_request_budget_gets_429_and_the_other_sandbox_does_not(
             .is_some_and(|d| d.starts_with("budget_exceeded budgets[1]")),
         "{a_line}"
     );
+    // A push that takes the entry in front away moves `*.example.test` to
+    // index 0: its spent state goes with it, not to whatever entry holds
+    // its old index now.
+    let moved = r#"{"default": "deny", "tls_interception": "on",
+        "allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}, {"ip": "1.1.1.1"}],
+        "budgets": [{"destination": "*.example.test", "requests_per_minute": 3}]}"#;
+    e.sandbox("sb-a", SANDBOX_A, policy(moved));
+    let (mut a, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let still = get(&mut a, "api.example.test", "/loop").await;
+    assert!(
+        still.starts_with("HTTP/1.1 429") && still.contains("budget_exceeded; rule=0"),
+        "still spent: {still}"
+    );
 }
 
 #[tokio::test]
