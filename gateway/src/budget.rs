@@ -37,6 +37,7 @@ use dns_attrib::{AttributionCache, Millis};
 use egress_policy::{Budget, BudgetDestination, SandboxId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
+use serde::{Deserialize, Serialize};
 
 /// Independent maps (and locks) the states are spread over.
 pub(crate) const SHARDS: usize = 16;
@@ -107,6 +108,29 @@ pub(crate) struct Meter {
     budget: Budget,
     crossed: AtomicBool,
     cut: tokio::sync::Notify,
+}
+
+/// A state that is not full, as a gateway hands it to its successor (a
+/// takeover): the buckets' time as an age, since the two processes' clocks
+/// differ. Read back through `SandboxId::parse` and the limits' bounds: a
+/// line that does not pass is dropped.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Spent {
+    pub(crate) sandbox: String,
+    pub(crate) destination: BudgetDestination,
+    pub(crate) requests: Option<SpentBucket>,
+    pub(crate) bytes: Option<SpentBucket>,
+}
+
+/// One bucket of a [`Spent`] state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SpentBucket {
+    pub(crate) units: u64,
+    /// Milliseconds since its units were counted.
+    pub(crate) age_ms: u64,
+    /// The limit it was spent under: tokens per period, and the period.
+    pub(crate) rate: u64,
+    pub(crate) period: u64,
 }
 
 // === impl Meter ===
@@ -285,6 +309,59 @@ impl BudgetTable {
         }
     }
 
+    /// Every state not refilled at `now`, for a successor (a full one is
+    /// what the successor starts from anyway).
+    pub(crate) fn spent(&self, now: Millis) -> Vec<Spent> {
+        let mut out = Vec::new();
+        for shard in &*self.shards {
+            for ((sandbox, destination), s) in lock(shard).iter() {
+                if s.requests.is_full(now) && s.bytes.is_full(now) {
+                    continue;
+                }
+                out.push(Spent {
+                    sandbox: sandbox.as_str().to_owned(),
+                    destination: destination.clone(),
+                    requests: s.requests.spent(now),
+                    bytes: s.bytes.spent(now),
+                });
+            }
+        }
+        out
+    }
+
+    /// Takes over a predecessor's `lines` for the sandboxes `known` says
+    /// this gateway has; how many were taken. A line that does not read
+    /// back is dropped, and so is one for which the table has no room
+    /// (its state starts full, as after a cold start).
+    pub(crate) fn take_over(
+        &self,
+        lines: Vec<Spent>,
+        now: Millis,
+        known: impl Fn(&SandboxId) -> bool,
+    ) -> usize {
+        let mut taken = 0;
+        for line in lines {
+            let Ok(sandbox) = SandboxId::parse(&line.sandbox) else {
+                continue;
+            };
+            let (Some(requests), Some(bytes)) = (
+                Bucket::taken(line.requests, MINUTE_MS, now),
+                Bucket::taken(line.bytes, HOUR_MS, now),
+            ) else {
+                continue;
+            };
+            if !known(&sandbox) {
+                continue;
+            }
+            let held = self.with((&sandbox, &line.destination), now, |s| {
+                *s = State { requests, bytes };
+                Ok(())
+            });
+            taken += usize::from(held.is_ok());
+        }
+        taken
+    }
+
     /// States held now.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
@@ -393,6 +470,43 @@ impl Bucket {
     fn drain(&mut self, l: Limit, tokens: u64, now: Millis) {
         self.refill(l, now);
         self.units = self.units.saturating_sub(tokens.saturating_mul(l.period));
+    }
+
+    /// The bucket for a successor, if it was ever spent: refilled to `now`
+    /// first, so the successor's clock (which starts anew, and may read
+    /// less than the age) loses none of the refill.
+    fn spent(&self, now: Millis) -> Option<SpentBucket> {
+        let l = self.limit?;
+        let mut b = *self;
+        b.refill(l, now);
+        Some(SpentBucket {
+            units: b.units,
+            age_ms: now.0.saturating_sub(b.at.0),
+            rate: l.rate,
+            period: l.period,
+        })
+    }
+
+    /// A predecessor's bucket (`None`: full) of a limit with `period`;
+    /// `None` when it does not read back (another period, a rate out of
+    /// bounds, more units than a period holds).
+    fn taken(line: Option<SpentBucket>, period: u64, now: Millis) -> Option<Self> {
+        let Some(b) = line else {
+            return Some(Self {
+                units: u64::MAX,
+                at: now,
+                limit: None,
+            });
+        };
+        let capacity = b.rate.checked_mul(b.period)?;
+        (b.period == period && b.rate > 0 && b.units <= capacity).then_some(Self {
+            units: b.units,
+            at: Millis(now.0.saturating_sub(b.age_ms)),
+            limit: Some(Limit {
+                rate: b.rate,
+                period: b.period,
+            }),
+        })
     }
 
     /// Whether nothing is spent at `now`: never used, or refilled to its

@@ -211,7 +211,7 @@ impl Gateway {
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let token = token(&config)?;
-        let (listeners, attributed) = Listeners::open(&config, taken)?;
+        let (listeners, attributed, budgets) = Listeners::open(&config, taken)?;
         let registry = Arc::new(Registry::new(Arc::new(platform(&config, &listeners.bound))));
         let (cache, dns) = attribution(&config, &registry, clock);
         let committer = recover(&config, &registry, &cache, attributed)?;
@@ -234,6 +234,7 @@ impl Gateway {
         dp.kernel = kernel;
         dp.resolver = Some(dns.clone());
         let dp = Arc::new(dp);
+        take_over_budgets(&dp, budgets);
         dp.reload_secrets();
         let mut gateway = Self {
             dp,
@@ -391,21 +392,30 @@ impl Gateway {
 impl Gateway {
     /// Seals the pushed state, lets go of the state directory and sends the
     /// successor the sockets and the attribution.
-    async fn hand_over(&mut self, successor: std::os::unix::net::UnixStream) {
+    async fn hand_over(&mut self, successor: (std::os::unix::net::UnixStream, bool)) {
         // Every acknowledged push is in the journal; none is acknowledged after.
         self.committer.seal().await;
         let attribution = crate::handover::export(&self.dp.cache, &self.dp.registry.ids());
+        // Flows still draining here spend this gateway's states after they
+        // are sent: what they move is not charged again by the successor.
+        let budgets = match successor.1 {
+            true => self.dp.budgets.spent(self.dp.cache.now()),
+            false => Vec::new(),
+        };
         drop(self.lock.take());
         let Some(offer) = self.offer.take() else {
             return;
         };
-        let n = attribution.len();
+        let (n, b) = (attribution.len(), budgets.len());
+        let stream = successor.0;
         let sent =
-            tokio::task::spawn_blocking(move || offer.hand_over(successor, &attribution)).await;
+            tokio::task::spawn_blocking(move || offer.hand_over(stream, (&attribution, &budgets)))
+                .await;
         match sent {
             Ok(Ok(())) => tracing::info!(
                 attributed = n,
-                "handed the listeners, the pushed state and the attribution to a successor; draining"
+                budgets = b,
+                "handed the listeners, the pushed state, the attribution and the budget states to a successor; draining"
             ),
             Ok(Err(e)) => tracing::error!(error = %e, "the handover failed after this gateway stopped serving: start a gateway on this state_dir"),
             Err(e) => tracing::error!(error = %e, "the handover failed after this gateway stopped serving: start a gateway on this state_dir"),
@@ -433,6 +443,25 @@ fn recover(
         journal,
         seq,
     ))
+}
+
+/// The listeners, and what a predecessor handed over with them.
+type Opened = (
+    Listeners,
+    Vec<crate::handover::Attributed>,
+    Vec<crate::budget::Spent>,
+);
+
+/// Takes over a predecessor's budget states for the sandboxes the recovered
+/// state has: a sandbox keeps what it spent across the takeover.
+fn take_over_budgets(dp: &Dataplane, lines: Vec<crate::budget::Spent>) {
+    if lines.is_empty() {
+        return;
+    }
+    let total = lines.len();
+    let known = |id: &egress_policy::SandboxId| dp.registry.get(id).is_some();
+    let taken = dp.budgets.take_over(lines, dp.cache.now(), known);
+    tracing::info!(taken, of = total, "budget states taken over");
 }
 
 /// Restores a predecessor's attribution for the sandboxes the recovered
@@ -599,13 +628,10 @@ impl Listeners {
     }
 
     /// Bound afresh, or a predecessor's (with its attribution).
-    fn open(
-        config: &Config,
-        taken: Option<crate::handover::Taken>,
-    ) -> Result<(Self, Vec<crate::handover::Attributed>), StartError> {
+    fn open(config: &Config, taken: Option<crate::handover::Taken>) -> Result<Opened, StartError> {
         match taken {
-            None => Ok((Self::bind(config)?, Vec::new())),
-            Some(t) => Ok((Self::adopt(config, t.sockets)?, t.attribution)),
+            None => Ok((Self::bind(config)?, Vec::new(), Vec::new())),
+            Some(t) => Ok((Self::adopt(config, t.sockets)?, t.attribution, t.budgets)),
         }
     }
 

@@ -35,6 +35,8 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use egress_policy::SandboxId;
+
+use crate::budget::Spent;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
@@ -78,6 +80,10 @@ struct Request {
     listen: Listen,
     /// Sets of transparent and DNS listeners (`limits.thread_per_core`).
     copies: usize,
+    /// The successor takes budget states too (absent from one that does
+    /// not: it is sent none, and would not read them).
+    #[serde(default)]
+    budgets: bool,
 }
 
 /// The running gateway's answer: the sockets (in the order of the
@@ -91,6 +97,9 @@ struct Header {
     sockets: Vec<Kind>,
     #[serde(default)]
     attributed: usize,
+    /// Budget state lines after the attribution lines.
+    #[serde(default)]
+    budgets: usize,
 }
 
 /// One attributed address of one sandbox: its live names, each with the
@@ -108,6 +117,7 @@ pub struct Attributed {
 pub struct Taken {
     pub(crate) sockets: Vec<(Kind, OwnedFd)>,
     pub(crate) attribution: Vec<Attributed>,
+    pub(crate) budgets: Vec<Spent>,
 }
 
 /// Why a takeover failed. Before the running gateway accepted, it goes on
@@ -140,6 +150,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         version: VERSION,
         listen: config.listen.clone(),
         copies: copies(config),
+        budgets: true,
     };
     let mut line =
         serde_json::to_vec(&request).map_err(|e| HandoverError::Protocol(e.to_string()))?;
@@ -159,10 +170,13 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         return Err(HandoverError::Protocol(why));
     }
     let sockets = header.sockets.into_iter().zip(fds).collect();
-    let attribution = receive_attribution(rest.chain(stream), header.attributed)?;
+    let mut lines = BufReader::new(rest.chain(stream)).lines();
+    let attribution = receive_lines(&mut lines, header.attributed, "attribution")?;
+    let budgets = receive_lines(&mut lines, header.budgets, "budget")?;
     Ok(Taken {
         sockets,
         attribution,
+        budgets,
     })
 }
 
@@ -208,17 +222,21 @@ fn receive_header(stream: &UnixStream) -> Result<Received, HandoverError> {
     }
 }
 
-fn receive_attribution(from: impl Read, expected: usize) -> Result<Vec<Attributed>, HandoverError> {
+/// The next `expected` lines of `what`, each one JSON document.
+fn receive_lines<T: serde::de::DeserializeOwned>(
+    lines: &mut impl Iterator<Item = io::Result<String>>,
+    expected: usize,
+    what: &str,
+) -> Result<Vec<T>, HandoverError> {
     let mut out = Vec::with_capacity(expected.min(1 << 20));
-    for line in BufReader::new(from).lines() {
-        let line = line?;
-        let entry = serde_json::from_str(&line)
-            .map_err(|e| HandoverError::Protocol(format!("bad attribution line: {e}")))?;
+    for line in lines.take(expected) {
+        let entry = serde_json::from_str(&line?)
+            .map_err(|e| HandoverError::Protocol(format!("bad {what} line: {e}")))?;
         out.push(entry);
     }
     if out.len() != expected {
         let why = format!(
-            "{} attribution lines of {expected}: the stream was cut",
+            "{} {what} lines of {expected}: the stream was cut",
             out.len()
         );
         return Err(HandoverError::Protocol(why));
@@ -263,13 +281,15 @@ impl Offer {
                 version: VERSION,
                 listen: config.listen.clone(),
                 copies: copies(config),
+                budgets: true,
             },
         })
     }
 
     /// Waits for a successor whose listeners are these; refuses any other
-    /// (it is told why) and keeps waiting.
-    pub(crate) async fn successor(&self) -> UnixStream {
+    /// (it is told why) and keeps waiting. Returns its stream, and whether it
+    /// takes budget states.
+    pub(crate) async fn successor(&self) -> (UnixStream, bool) {
         loop {
             let Ok((stream, _)) = self.listener.accept().await else {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -283,7 +303,7 @@ impl Offer {
                 continue;
             };
             match self.refusal(&request) {
-                None => return stream,
+                None => return (stream, request.budgets),
                 Some(why) => {
                     tracing::warn!(%why, "refused a takeover; serving on");
                     let _ = send_header(
@@ -322,22 +342,28 @@ impl Offer {
         None
     }
 
-    /// Sends the sockets and then the attribution to `successor`; blocking.
+    /// Sends the sockets, then the attribution and the budget states, to
+    /// `successor`; blocking.
     pub(crate) fn hand_over(
         self,
         mut successor: UnixStream,
-        attribution: &[Attributed],
+        (attribution, budgets): (&[Attributed], &[Spent]),
     ) -> io::Result<()> {
         let header = Header {
             version: VERSION,
             refused: None,
             sockets: self.sockets.iter().map(|(k, _)| *k).collect(),
             attributed: attribution.len(),
+            budgets: budgets.len(),
         };
         let fds: Vec<_> = self.sockets.iter().map(|(_, fd)| fd.as_fd()).collect();
         send_header(&mut successor, &header, &fds)?;
         let mut out = io::BufWriter::new(successor);
         for entry in attribution {
+            serde_json::to_writer(&mut out, entry)?;
+            out.write_all(b"\n")?;
+        }
+        for entry in budgets {
             serde_json::to_writer(&mut out, entry)?;
             out.write_all(b"\n")?;
         }
@@ -447,26 +473,36 @@ mod tests {
         assert_eq!((got.refused.as_deref(), fds.len()), (Some("no"), 0));
     }
 
+    /// The attribution lines, then the budget lines: each group read to
+    /// its count, a stream cut short or a line that does not parse an error.
     #[test]
-    fn a_cut_attribution_stream_is_an_error() {
+    fn a_cut_attribution_or_budget_stream_is_an_error() {
         let line = serde_json::to_string(&Attributed {
             sandbox: "sb1".into(),
             ip: "203.0.113.10".parse().expect("ip"),
             names: vec![("api.example.test".into(), 2_500)],
         })
         .expect("json");
-        let two = format!("{line}\n{line}\n");
-        assert_eq!(
-            receive_attribution(two.as_bytes(), 2).expect("two").len(),
-            2
-        );
-        assert!(matches!(
-            receive_attribution(format!("{line}\n").as_bytes(), 2),
-            Err(HandoverError::Protocol(_))
-        ));
-        assert!(matches!(
-            receive_attribution(&b"{not json\n"[..], 1),
-            Err(HandoverError::Protocol(_))
-        ));
+        let spent = r#"{"sandbox":"sb1","destination":"*","requests":{"units":0,"age_ms":5,"rate":3,"period":60000},"bytes":null}"#;
+        let read = |text: String, (a, b): (usize, usize)| {
+            let mut lines = BufReader::new(text.as_bytes()).lines();
+            let first: Vec<Attributed> = receive_lines(&mut lines, a, "attribution")?;
+            let then: Vec<Spent> = receive_lines(&mut lines, b, "budget")?;
+            Ok::<_, HandoverError>((first.len(), then))
+        };
+        let (n, budgets) = read(format!("{line}\n{line}\n{spent}\n"), (2, 1)).expect("all");
+        assert_eq!((n, budgets[0].sandbox.as_str()), (2, "sb1"));
+        assert_eq!(budgets[0].requests.map(|b| b.rate), Some(3));
+        for (text, counts) in [
+            (format!("{line}\n"), (2, 0)),
+            (format!("{line}\n{line}\n"), (2, 1)),
+            ("{not json\n".to_owned(), (1, 0)),
+            (format!("{line}\n{line}\n"), (1, 1)),
+        ] {
+            assert!(
+                matches!(read(text, counts), Err(HandoverError::Protocol(_))),
+                "{counts:?}"
+            );
+        }
     }
 }

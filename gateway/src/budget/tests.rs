@@ -184,3 +184,53 @@ fn a_lowered_limit_caps_what_was_left() {
     assert_eq!(t.request(&a, &lower, 0, Millis(0)), Ok(()));
     assert_eq!(t.request(&a, &lower, 0, Millis(0)), Err(Over::Requests));
 }
+
+/// A takeover: the states a sandbox spent go to the successor's table,
+/// their age carried (the clocks differ), for the sandboxes it has; a full
+/// state is not sent, and a line that does not read back is dropped.
+#[test]
+fn spent_states_are_taken_over_by_a_successor() {
+    let old = table(64);
+    let b = budget(Some(3), Some(64 * 1024));
+    let (a, gone, fresh) = (id("sb-a"), id("sb-gone"), id("sb-fresh"));
+    for _ in 0..3 {
+        assert_eq!(old.request(&a, &b, 0, Millis(1_000)), Ok(()));
+        assert_eq!(old.request(&gone, &b, 0, Millis(1_000)), Ok(()));
+    }
+    // A state refilled by the handover is full: nothing to send.
+    assert_eq!(old.request(&fresh, &b, 0, Millis(0)), Ok(()));
+    // 20 s later: one of sb-a's three tokens is back.
+    let spent = old.spent(Millis(21_000));
+    let mut sent: Vec<&str> = spent.iter().map(|s| s.sandbox.as_str()).collect();
+    sent.sort_unstable();
+    assert_eq!(sent, ["sb-a", "sb-gone"]);
+    let spent: Vec<Spent> = spent
+        .into_iter()
+        .filter(|s| s.sandbox == "sb-a")
+        .chain(
+            old.spent(Millis(21_000))
+                .into_iter()
+                .filter(|s| s.sandbox == "sb-gone"),
+        )
+        .collect();
+    // The successor's clock starts anew.
+    let new = table(64);
+    let mut lines = spent.clone();
+    lines.push(Spent {
+        requests: Some(SpentBucket {
+            units: u64::MAX,
+            age_ms: 0,
+            rate: 3,
+            period: MINUTE_MS,
+        }),
+        ..spent[0].clone()
+    });
+    let taken = new.take_over(lines, Millis(500), |s| *s != gone);
+    assert_eq!(
+        taken, 1,
+        "sb-a's; sb-gone is not this gateway's, the bad line is dropped"
+    );
+    // One token, as on the predecessor: not a fresh three.
+    assert_eq!(new.request(&a, &b, 0, Millis(500)), Ok(()));
+    assert_eq!(new.request(&a, &b, 0, Millis(500)), Err(Over::Requests));
+}

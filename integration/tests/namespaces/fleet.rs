@@ -203,6 +203,13 @@ fn a_gateway_replaced_under_load_loses_no_flow_and_keeps_its_state() {
         r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}],
             "tls_interception_exemptions": [{"domain": "api.example.test"}]}"#,
     );
+    // sb2 has a budget of one request a minute to other.example.test.
+    t.push(
+        "sb2",
+        SB2_IP,
+        r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}, {"domain": "other.example.test"}],
+            "budgets": [{"destination": "other.example.test", "requests_per_minute": 1}]}"#,
+    );
     // The only DNS answer of the test: every flow below connects by address.
     assert!(t
         .dig(&t.sb1, "api.example.test", false)
@@ -271,7 +278,27 @@ fn a_gateway_replaced_under_load_loses_no_flow_and_keeps_its_state() {
     while t.reached() < HELD + 300 {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+    // sb2 spends its budget on the first gateway...
+    let other = |t: &Topology| {
+        t.curl(
+            &t.sb2,
+            "both",
+            "https://other.example.test/",
+            &["-4", "--max-time", "3"],
+        )
+        .1
+    };
+    let once = other(&t);
+    assert!(!once.contains("budget_exceeded"), "{once}");
+    let spent = other(&t);
+    assert!(spent.contains("budget_exceeded"), "{spent}");
     t.take_over_gateway(&t.path("gateway-b.toml"), "gateway-b.log");
+    // ...and the successor took the spent state over (a fresh budget before).
+    let after = other(&t);
+    assert!(
+        after.contains("budget_exceeded"),
+        "after the takeover: {after}"
+    );
     let (status, sandboxes) = t.admin("GET", "/v1/sandboxes", None);
     assert_eq!(status, 200);
     assert!(
