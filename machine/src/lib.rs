@@ -287,6 +287,28 @@ fn check_cgroup(path: &str) -> Result<(), MachineError> {
     Ok(())
 }
 
+/// A VM read back from the state directory, checked as its registration
+/// was: its link and cgroup are written into nft's script text, and a
+/// repeated address would fail the whole table at start.
+pub(crate) fn check_stored(vm: &Vm) -> Result<(), MachineError> {
+    if let Some(link) = vm
+        .link
+        .as_deref()
+        .filter(|l| !crate::config::is_iface_name(l))
+    {
+        return Err(MachineError::Invalid {
+            field: "link",
+            message: format!("{link:?} is not an interface name"),
+        });
+    }
+    if let Some(cgroup) = &vm.cgroup {
+        check_cgroup(cgroup)?;
+    } else {
+        check_addresses(&vm.id, vm.addresses.clone())?;
+    }
+    Ok(())
+}
+
 /// A link or cgroup another VM already has: `409`.
 fn taken(state: &State, id: &str, r: &Registration) -> Result<(), MachineError> {
     for vm in state.vms.values().filter(|vm| vm.id != id) {

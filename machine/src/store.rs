@@ -101,6 +101,9 @@ impl Store {
                 if vm.id != id || valid_id(id).is_err() {
                     return Err(corrupt(&path, format!("holds VM {:?}", vm.id)));
                 }
+                // What a registration is checked for, checked again: these
+                // fields are written into nft's script text.
+                crate::check_stored(&vm).map_err(|e| corrupt(&path, e.to_string()))?;
                 state.vms.insert(vm.id.clone(), std::sync::Arc::new(vm));
             } else if !name.starts_with('.') {
                 tracing::warn!(path = %path.display(), "machine egress: ignoring a file that is not a VM's");

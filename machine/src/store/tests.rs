@@ -101,3 +101,41 @@ fn nothing_yet_is_none_and_a_file_with_another_vm_is_refused() {
         "{text}"
     );
 }
+
+/// A VM file is checked as its registration was: a link that is no
+/// interface name (a quote in it would be nft script text), a cgroup path
+/// that is not one, a repeated address: each refused, the file named.
+#[test]
+fn a_vm_file_is_checked_as_its_registration_was() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::new(dir.path());
+    store
+        .save(&State::empty(), &two_vms(), &["a".into(), "b".into()])
+        .expect("save");
+    assert!(store.load(dir.path()).is_ok());
+    let file = dir.path().join(DIR).join("vm-a.json");
+    let good: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&file).expect("read")).expect("json");
+    for (field, value, says) in [
+        (
+            "link",
+            serde_json::json!("tap0\" }; flush ruleset; #"),
+            "link",
+        ),
+        ("cgroup", serde_json::json!("../escape"), "cgroup"),
+        (
+            "addresses",
+            serde_json::json!(["100.64.0.1", "100.64.0.1"]),
+            "twice",
+        ),
+    ] {
+        let mut bad = good.clone();
+        bad[field] = value;
+        std::fs::write(&file, serde_json::to_vec(&bad).expect("json")).expect("write");
+        let text = store.load(dir.path()).expect_err(field).to_string();
+        assert!(
+            text.contains("vm-a.json") && text.contains(says),
+            "{field}: {text}"
+        );
+    }
+}
