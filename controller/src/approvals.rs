@@ -128,20 +128,36 @@ pub async fn laid_over(
 }
 
 /// Records an approval and lays it over every sandbox it reaches; the row.
+/// Records approval `a` and lays its rule over every sandbox it reaches;
+/// the approval, and whether it is new. One in force for the same scope,
+/// target, rule and `until` is returned as it is: approving again adds no row.
 pub async fn approve(
     conn: &mut PgConnection,
     a: &NewApproval<'_>,
-) -> Result<Approval, sqlx::Error> {
+) -> Result<(Approval, bool), sqlx::Error> {
+    if let Some(same) = store::approvals::same_in_force(conn, a).await? {
+        return Ok((same, false));
+    }
     let approval = store::approvals::insert(conn, a).await?;
     for id in store::approvals::reached(conn, a.tenant, a.scope, a.target).await? {
         refresh(conn, &id).await?;
     }
-    Ok(approval)
+    Ok((approval, true))
 }
 
-/// The approvals of `tenant` (every tenant's for `None`), newest first.
-pub async fn list(pool: &PgPool, tenant: Option<&str>) -> Result<Vec<Approval>, sqlx::Error> {
-    store::approvals::list(pool, tenant).await
+/// The approvals a listing shows at most, newest first.
+pub const MAX_LISTED: i64 = 1_000;
+
+/// The newest approvals of `tenant` (every tenant's for `None`), newest
+/// first, and whether there are more than [`MAX_LISTED`].
+pub async fn list(
+    pool: &PgPool,
+    tenant: Option<&str>,
+) -> Result<(Vec<Approval>, bool), sqlx::Error> {
+    let mut list = store::approvals::list(pool, tenant, MAX_LISTED + 1).await?;
+    let more = list.len() as i64 > MAX_LISTED;
+    list.truncate(MAX_LISTED as usize);
+    Ok((list, more))
 }
 
 /// Revokes approval `id` of `tenant` (any tenant's for `None`) and takes its

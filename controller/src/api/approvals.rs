@@ -107,9 +107,14 @@ impl Api {
             until: req.until.as_deref(),
             evidence: &proposal,
         };
-        let approval = approvals::approve(&mut tx, &new).await.map_err(db)?;
+        let (approval, created) = approvals::approve(&mut tx, &new).await.map_err(db)?;
         tx.commit().await.map_err(db)?;
-        Ok(json_reply(StatusCode::CREATED, &approval.document()))
+        let status = if created {
+            StatusCode::CREATED
+        } else {
+            StatusCode::OK
+        };
+        Ok(json_reply(status, &approval.document()))
     }
 
     /// `400` unless `until` is an RFC 3339 time in the future.
@@ -131,9 +136,12 @@ impl Api {
     /// `GET /v1/approvals`: the caller's tenant's (an admin's: every tenant's).
     pub(super) async fn approvals(&self, caller: &Tenant) -> Result<Reply, Reply> {
         let tenant = (!caller.admin).then_some(caller.tenant.as_str());
-        let list = approvals::list(&self.pool, tenant).await.map_err(db)?;
+        let (list, truncated) = approvals::list(&self.pool, tenant).await.map_err(db)?;
         let docs: Vec<Value> = list.iter().map(approvals::Approval::document).collect();
-        Ok(json_reply(StatusCode::OK, &json!({ "approvals": docs })))
+        Ok(json_reply(
+            StatusCode::OK,
+            &json!({ "approvals": docs, "truncated": truncated }),
+        ))
     }
 
     /// `DELETE /v1/approvals/{id}`: revoked, and its rule taken out.

@@ -125,6 +125,28 @@ pub async fn reached(
         .await
 }
 
+/// The approval in force of `a`'s tenant for the same scope, target, rule
+/// and `until`, if there is one: approving it again adds nothing.
+pub async fn same_in_force(
+    conn: &mut PgConnection,
+    a: &NewApproval<'_>,
+) -> Result<Option<Approval>, sqlx::Error> {
+    let sql = format!(
+        "SELECT {COLUMNS} FROM approvals WHERE tenant = $1 AND scope = $2 AND target = $3 \
+         AND rule = $4 AND until IS NOT DISTINCT FROM $5::timestamptz AND {IN_FORCE} \
+         ORDER BY approved_at, id LIMIT 1"
+    );
+    let row = sqlx::query(safe(sql))
+        .bind(a.tenant)
+        .bind(a.scope.as_str())
+        .bind(a.target)
+        .bind(Json(a.rule))
+        .bind(a.until)
+        .fetch_optional(conn)
+        .await?;
+    row.as_ref().map(Approval::from_row).transpose()
+}
+
 /// Records an approval; the row.
 pub async fn insert(conn: &mut PgConnection, a: &NewApproval<'_>) -> Result<Approval, sqlx::Error> {
     let sql = format!(
@@ -145,13 +167,22 @@ pub async fn insert(conn: &mut PgConnection, a: &NewApproval<'_>) -> Result<Appr
     Approval::from_row(&row)
 }
 
-/// The approvals of `tenant` (every tenant's for `None`), newest first.
-pub async fn list(pool: &PgPool, tenant: Option<&str>) -> Result<Vec<Approval>, sqlx::Error> {
+/// The newest `limit` approvals of `tenant` (every tenant's for `None`),
+/// newest first.
+pub async fn list(
+    pool: &PgPool,
+    tenant: Option<&str>,
+    limit: i64,
+) -> Result<Vec<Approval>, sqlx::Error> {
     let sql = format!(
         "SELECT {COLUMNS} FROM approvals WHERE $1::text IS NULL OR tenant = $1 \
-         ORDER BY approved_at DESC, id"
+         ORDER BY approved_at DESC, id LIMIT $2"
     );
-    let rows = sqlx::query(safe(sql)).bind(tenant).fetch_all(pool).await?;
+    let rows = sqlx::query(safe(sql))
+        .bind(tenant)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?;
     rows.iter().map(Approval::from_row).collect()
 }
 

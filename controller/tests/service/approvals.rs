@@ -166,6 +166,10 @@ async fn an_approved_proposal_reaches_the_gateway_shows_in_provenance_and_is_rev
         .clone();
     assert_eq!(added["approval"], json!(aid));
     assert_eq!(added["destination"], json!({"domain": "api.example.test"}));
+    // Approved again while in force: the same approval, no second row.
+    let (s, again) = approve(&w, FEDERATED, &id, json!({"scope": "sandbox"})).await;
+    assert_eq!(s, 200, "{again}");
+    assert_eq!(again["id"], json!(aid));
 
     let (_, mine) = call(
         w.api.addr,
@@ -177,6 +181,7 @@ async fn an_approved_proposal_reaches_the_gateway_shows_in_provenance_and_is_rev
     )
     .await;
     assert_eq!(mine["approvals"].as_array().expect("list").len(), 1);
+    assert_eq!(mine["truncated"], json!(false));
     let (_, theirs) = call(w.api.addr, "GET", "/v1/approvals", Some(PLAIN), &[], None).await;
     assert_eq!(theirs["approvals"], json!([]));
     let revoke = format!("/v1/approvals/{aid}");
