@@ -4,7 +4,7 @@
 //! | route | what |
 //! | --- | --- |
 //! | `GET /v1/vms` | every VM |
-//! | `PUT /v1/vms/{id}` | `{"addresses": [..], "egress": <policy, optional>}`: register; without `egress` it follows the node default |
+//! | `PUT /v1/vms/{id}` | `{"addresses": [..], "egress": <policy, optional>}`: register; without `egress` a new VM follows the node default, a known one keeps its own |
 //! | `GET`/`DELETE /v1/vms/{id}` | read; remove the VM and its table |
 //! | `GET`/`PUT`/`DELETE /v1/vms/{id}/network/egress` | the VM's policy; `DELETE` clears its own (it follows the node default) |
 //! | `GET /v1/vms/{id}/network/egress/observed` | refused (audit: would-be-refused) destinations |

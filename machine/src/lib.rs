@@ -498,8 +498,9 @@ impl Machines {
     }
 
     /// Registers (or re-registers) a VM by the addresses its QEMU process's
-    /// traffic has (or its cgroup). Without `egress` it follows the node
-    /// default.
+    /// traffic has (or its cgroup). Without `egress` a new VM follows the
+    /// node default, and one registered before keeps its own policy (if it
+    /// has one).
     pub fn put_vm(&self, id: &str, registration: Registration) -> Result<Vm, MachineError> {
         valid_id(id)?;
         let mut state = lock(&self.state);
@@ -510,13 +511,19 @@ impl Machines {
             .claim_for_vm(id, &r.addresses)
             .map_err(MachineError::Conflict)?;
         let mut next = state.clone();
-        let effective = r.egress.clone().unwrap_or_else(|| next.default.clone());
+        // Re-registered without `egress` (new addresses, say), a VM keeps
+        // the policy it has of its own; `DELETE …/network/egress` is the
+        // way back to the node default, which may be `open`.
+        let egress = r
+            .egress
+            .or_else(|| state.vms.get(id).and_then(|vm| vm.egress.clone()));
+        let effective = egress.clone().unwrap_or_else(|| next.default.clone());
         let vm = Vm {
             id: id.to_owned(),
             addresses: r.addresses,
             link: r.link,
             cgroup: r.cgroup,
-            egress: r.egress,
+            egress,
             effective,
         };
         next.vms.insert(id.to_owned(), Arc::new(vm.clone()));

@@ -203,6 +203,14 @@ fn a_new_flow_to_another_vm_is_dropped_under_every_mode() {
         tcp_ok(&t, API_IP),
         "open reaches the address once vm2 is gone"
     );
+    // Re-registered without `egress` (as a VM manager does with new
+    // addresses), a VM keeps its own policy; it followed the node default.
+    put_egress(&t, "vm1", r#"{"mode": "loopback"}"#);
+    register(&t, "vm1", VM_IP, None);
+    let (_, body) = t.admin("GET", "/v1/vms/vm1", None);
+    assert_eq!(json(&body)["follows_default"], false, "{body}");
+    assert_eq!(json(&body)["effective"]["mode"], "loopback", "{body}");
+    assert!(!tcp_ok(&t, OTHER_IP), "still under loopback");
 }
 
 #[test]
