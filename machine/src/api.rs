@@ -405,7 +405,7 @@ fn suggest(m: &Machines, id: &str, apply: bool) -> Result<Value, MachineError> {
         .collect();
     let policy = s.policy.to_value();
     if apply {
-        m.set_egress(id, Some(s.policy))?;
+        m.set_egress_from(id, Some(s.policy), Some(&vm.effective))?;
     }
     Ok(json!({
         "vm": id,

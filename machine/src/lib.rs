@@ -605,7 +605,30 @@ impl Machines {
         id: &str,
         policy: Option<MachineEgress>,
     ) -> Result<EgressView, MachineError> {
+        self.set_egress_from(id, policy, None)
+    }
+
+    /// [`Machines::set_egress`], only while the VM's installed policy is
+    /// still `from` (a suggestion made from it): a policy set meanwhile is
+    /// `409 … changed`, never overwritten by one built from the older.
+    pub fn set_egress_from(
+        &self,
+        id: &str,
+        policy: Option<MachineEgress>,
+        from: Option<&MachineEgress>,
+    ) -> Result<EgressView, MachineError> {
         let mut state = lock(&self.state);
+        if let Some(from) = from {
+            let now = state.vms.get(id).map(|vm| &vm.effective);
+            if now.is_some_and(|now| now != from) {
+                return Err(MachineError::Taken {
+                    field: "egress",
+                    message: format!(
+                        "VM {id}'s policy changed since the suggestion was made: ask again"
+                    ),
+                });
+            }
+        }
         let mut next = state.clone();
         let default = next.default.clone();
         let vm = next
@@ -930,6 +953,71 @@ fn layout(config: &MachineEgressConfig, link_check: LinkCheck) -> Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No sandbox on the node.
+    #[derive(Debug)]
+    struct NoNeighbours;
+
+    impl Neighbours for NoNeighbours {
+        fn claim_for_vm(&self, _: &str, _: &[IpAddr]) -> Result<(), String> {
+            Ok(())
+        }
+        fn release_vm(&self, _: &str) {}
+        fn names_for(&self, _: IpAddr) -> Vec<String> {
+            Vec::new()
+        }
+    }
+
+    /// Machine egress over a stand-in for nft that takes every transaction
+    /// and lists no table (this test reads the state, not the kernel; the
+    /// namespace suite runs the real nft).
+    fn machines(dir: &Path) -> Arc<Machines> {
+        let script = r#"case "$*" in *-f*) cat > /dev/null ;; *) echo '{"nftables": []}' ;; esac"#;
+        let config = MachineEgressConfig {
+            nft: vec!["sh".into(), "-c".into(), script.into(), "nft".into()],
+            observe: crate::config::MachineObserve::Sampled,
+            link_check: crate::config::MachineLinkCheck::Prerouting,
+            ..MachineEgressConfig::default()
+        };
+        Machines::start(&config, dir, Arc::new(NoNeighbours)).expect("start")
+    }
+
+    /// A suggestion applied after the VM's policy changed is refused, not
+    /// written over the newer policy with one built from the older.
+    #[test]
+    fn a_suggestion_from_an_older_policy_does_not_overwrite_a_newer_one() {
+        let dir = tempfile::tempdir().expect("dir");
+        let m = machines(dir.path());
+        let audit = MachineEgress::from_json(r#"{"mode": "audit"}"#).expect("policy");
+        let registration = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            egress: Some(audit),
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration).expect("registered");
+        let seen = m.vm("vm1").expect("vm").effective;
+        let loopback = MachineEgress::from_json(r#"{"mode": "loopback"}"#).expect("policy");
+        m.set_egress("vm1", Some(loopback.clone())).expect("set");
+        let suggested =
+            MachineEgress::from_json(r#"{"mode": "allowlist", "rules": []}"#).expect("policy");
+        let late = m.set_egress_from("vm1", Some(suggested.clone()), Some(&seen));
+        assert!(
+            matches!(
+                late,
+                Err(MachineError::Taken {
+                    field: "egress",
+                    ..
+                })
+            ),
+            "{late:?}"
+        );
+        assert_eq!(m.vm("vm1").expect("vm").effective, loopback);
+        // From the policy it has now, it applies.
+        let now = m.vm("vm1").expect("vm").effective;
+        m.set_egress_from("vm1", Some(suggested.clone()), Some(&now))
+            .expect("applied");
+        assert_eq!(m.vm("vm1").expect("vm").effective, suggested);
+    }
 
     #[test]
     fn refused_counts_survive_a_replaced_table() {
