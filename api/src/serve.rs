@@ -18,14 +18,32 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// say) before it tries again, rather than spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// Connections one listener serves at once. Past it a new connection is
+/// closed at once: its descriptors are the process's, which on a gateway
+/// the data path needs.
+pub const MAX_CONNECTIONS: usize = 512;
+
 /// Serves HTTP/1.1 and HTTP/2 on `listener` until the task is dropped,
-/// answering each request with `handle`. `name` says which listener in the
-/// logs.
+/// answering each request with `handle`, at most [`MAX_CONNECTIONS`] at
+/// once. `name` says which listener in the logs.
 pub async fn serve<F, Fut>(listener: TcpListener, name: &'static str, handle: F)
 where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Reply> + Send + 'static,
 {
+    serve_at_most(listener, (name, MAX_CONNECTIONS), handle).await;
+}
+
+/// [`serve`], with at most `max` connections at once.
+pub async fn serve_at_most<F, Fut>(
+    listener: TcpListener,
+    (name, max): (&'static str, usize),
+    handle: F,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(max));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -35,8 +53,14 @@ where
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(listener = name, %peer, max, "connection refused: the listener serves as many as it may");
+            drop(stream);
+            continue;
+        };
         let handle = handle.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let service = hyper::service::service_fn(move |req| {
                 let reply = handle(req);
                 async move { Ok::<_, std::convert::Infallible>(reply.await) }
@@ -81,6 +105,47 @@ mod tests {
         read.await.expect("in time").expect("read");
         assert!(got.starts_with("HTTP/1.1 200"), "{got}");
         assert!(got.ends_with("/a/b"), "{got}");
+        server.abort();
+    }
+
+    /// Past its limit a listener closes a new connection at once, and takes
+    /// one again when a held one ends.
+    #[tokio::test]
+    async fn connections_past_the_limit_are_closed() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let server = tokio::spawn(serve_at_most(
+            listener,
+            ("test", 2),
+            |_: Request<Incoming>| async move { text(StatusCode::OK, "ok".to_owned()) },
+        ));
+        let held = [
+            tokio::net::TcpStream::connect(addr).await.expect("connect"),
+            tokio::net::TcpStream::connect(addr).await.expect("connect"),
+        ];
+        let get = |mut c: tokio::net::TcpStream| async move {
+            let _ = c
+                .write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .await;
+            let mut got = String::new();
+            let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_string(&mut got));
+            let _ = read.await.expect("in time");
+            got
+        };
+        let third = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        assert_eq!(get(third).await, "", "closed without an answer");
+        drop(held);
+        // The held connections' tasks end when they see the close.
+        let mut answered = String::new();
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            answered = get(c).await;
+            if !answered.is_empty() {
+                break;
+            }
+        }
+        assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
         server.abort();
     }
 }
