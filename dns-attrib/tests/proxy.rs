@@ -1169,6 +1169,18 @@ async fn a_flood_of_unique_names_stays_within_the_bound() {
     );
 }
 
+/// The answer to `q` under `id`: its question, and one A record, `ip`.
+fn a_answer(q: &Message, id: u16, ip: Ipv4Addr) -> Vec<u8> {
+    let mut r = Message::response(id, OpCode::Query);
+    r.add_queries(q.queries.clone());
+    r.add_answer(Record::from_rdata(
+        q.queries[0].name.clone(),
+        300,
+        RData::A(A::from(ip)),
+    ));
+    r.to_vec().expect("encode")
+}
+
 /// Answers every query twice with one A record (203.0.113.7) and records the
 /// source port each query came from.
 async fn echoing_twice() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
@@ -1181,14 +1193,7 @@ async fn echoing_twice() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
         while let Ok((n, src)) = s.recv_from(&mut buf).await {
             seen.lock().expect("lock").push(src.port());
             let q = Message::from_vec(&buf[..n]).expect("a query");
-            let mut r = Message::response(q.metadata.id, OpCode::Query);
-            r.add_queries(q.queries.clone());
-            r.add_answer(Record::from_rdata(
-                q.queries[0].name.clone(),
-                300,
-                RData::A(A::new(203, 0, 113, 7)),
-            ));
-            let bytes = r.to_vec().expect("encode");
+            let bytes = a_answer(&q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 7));
             let _ = s.send_to(&bytes, src).await;
             let _ = s.send_to(&bytes, src).await;
         }
@@ -1231,23 +1236,13 @@ async fn planting() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
     let seen = ids.clone();
     tokio::spawn(async move {
         let mut buf = vec![0u8; 4096];
-        let answer = |q: &Message, id: u16, ip: Ipv4Addr| {
-            let mut r = Message::response(id, OpCode::Query);
-            r.add_queries(q.queries.clone());
-            r.add_answer(Record::from_rdata(
-                q.queries[0].name.clone(),
-                300,
-                RData::A(A::from(ip)),
-            ));
-            r.to_vec().expect("encode")
-        };
         while let Ok((n, src)) = s.recv_from(&mut buf).await {
             let q = Message::from_vec(&buf[..n]).expect("a query");
             let id = q.metadata.id;
             seen.lock().expect("lock").push(id);
-            let planted = answer(&q, 0x4242, Ipv4Addr::new(198, 51, 100, 66));
+            let planted = a_answer(&q, 0x4242, Ipv4Addr::new(198, 51, 100, 66));
             let _ = s.send_to(&planted, src).await;
-            let real = answer(&q, id, Ipv4Addr::new(203, 0, 113, 7));
+            let real = a_answer(&q, id, Ipv4Addr::new(203, 0, 113, 7));
             let _ = s.send_to(&real, src).await;
         }
     });
@@ -1296,16 +1291,11 @@ async fn recording_names() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
         let mut buf = vec![0u8; 4096];
         while let Ok((n, src)) = s.recv_from(&mut buf).await {
             let q = Message::from_vec(&buf[..n]).expect("a query");
-            let name = q.queries[0].name.clone();
-            seen.lock().expect("lock").push(name.to_string());
-            let mut r = Message::response(q.metadata.id, OpCode::Query);
-            r.add_queries(q.queries.clone());
-            r.add_answer(Record::from_rdata(
-                name,
-                300,
-                RData::A(A::from(Ipv4Addr::new(203, 0, 113, 7))),
-            ));
-            let _ = s.send_to(&r.to_vec().expect("encode"), src).await;
+            seen.lock()
+                .expect("lock")
+                .push(q.queries[0].name.to_string());
+            let bytes = a_answer(&q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 7));
+            let _ = s.send_to(&bytes, src).await;
         }
     });
     (addr, names)
@@ -1362,14 +1352,8 @@ async fn answering_after(after: Duration) -> SocketAddr {
             let s = s.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(after).await;
-                let mut r = Message::response(q.metadata.id, OpCode::Query);
-                r.add_queries(q.queries.clone());
-                r.add_answer(Record::from_rdata(
-                    q.queries[0].name.clone(),
-                    300,
-                    RData::A(A::from(Ipv4Addr::new(203, 0, 113, 8))),
-                ));
-                let _ = s.send_to(&r.to_vec().expect("encode"), src).await;
+                let bytes = a_answer(&q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 8));
+                let _ = s.send_to(&bytes, src).await;
             });
         }
     });

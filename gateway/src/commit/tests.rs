@@ -48,6 +48,12 @@ fn commit(w: &mut Worker, change: Change) -> bool {
     answer.try_recv().expect("answered").is_ok()
 }
 
+/// Commits a put of sandbox `id` on `addr`: whether it was acknowledged.
+fn put(w: &mut Worker, id: &str, addr: &str) -> bool {
+    let s = sandbox(&w.registry, id, addr);
+    commit(w, Change::Put(s))
+}
+
 /// The sandboxes a restart finds, and the last sequence number.
 fn restarted(dir: &Path) -> (Vec<SandboxId>, u64) {
     let r = registry();
@@ -76,8 +82,7 @@ fn writable(dir: &Path) -> std::fs::File {
 fn a_resync_is_durable_once_its_snapshot_is_even_if_the_journal_is_not_emptied() {
     let dir = tempfile::tempdir().expect("dir");
     let mut w = worker(dir.path());
-    let a = sandbox(&w.registry, "a", "100.64.0.1");
-    assert!(commit(&mut w, Change::Put(a)));
+    assert!(put(&mut w, "a", "100.64.0.1"));
     // The snapshot (seq 2) is written; emptying the journal fails.
     w.journal.use_file(read_only(dir.path()));
     let b = sandbox(&w.registry, "b", "100.64.0.2");
@@ -87,8 +92,7 @@ fn a_resync_is_durable_once_its_snapshot_is_even_if_the_journal_is_not_emptied()
     );
     assert_eq!(w.registry.ids(), ids(&["b"]));
     w.journal.use_file(writable(dir.path()));
-    let c = sandbox(&w.registry, "c", "100.64.0.3");
-    assert!(commit(&mut w, Change::Put(c)));
+    assert!(put(&mut w, "c", "100.64.0.3"));
     // Before, the resync answered 500 and rolled back, the push took seq 2,
     // and a restart skipped it under the snapshot's seq 2: c was lost.
     assert_eq!(restarted(dir.path()), (ids(&["b", "c"]), 3));
@@ -98,11 +102,9 @@ fn a_resync_is_durable_once_its_snapshot_is_even_if_the_journal_is_not_emptied()
 fn a_failed_append_that_cannot_be_cut_back_stops_commits_until_a_restart() {
     let dir = tempfile::tempdir().expect("dir");
     let mut w = worker(dir.path());
-    let a = sandbox(&w.registry, "a", "100.64.0.1");
-    assert!(commit(&mut w, Change::Put(a)));
+    assert!(put(&mut w, "a", "100.64.0.1"));
     w.journal.use_file(read_only(dir.path()));
-    let b = sandbox(&w.registry, "b", "100.64.0.2");
-    assert!(!commit(&mut w, Change::Put(b)), "not durable: refused");
+    assert!(!put(&mut w, "b", "100.64.0.2"), "not durable: refused");
     assert_eq!(w.registry.ids(), ids(&["a"]), "rolled back");
     // The disk takes writes again, but what the failed append left is not
     // known: nothing more is acknowledged before a restart.
@@ -122,8 +124,7 @@ fn a_failed_append_that_cannot_be_cut_back_stops_commits_until_a_restart() {
 fn a_resync_whose_snapshot_was_never_written_leaves_commits_open() {
     let dir = tempfile::tempdir().expect("dir");
     let mut w = worker(dir.path());
-    let a = sandbox(&w.registry, "a", "100.64.0.1");
-    assert!(commit(&mut w, Change::Put(a)));
+    assert!(put(&mut w, "a", "100.64.0.1"));
     // The temporary file cannot be made: the old state stays in place.
     let tmp = dir.path().join(format!(".{}.tmp", persist::SNAPSHOT_FILE));
     std::fs::create_dir(&tmp).expect("a directory in its way");
@@ -131,7 +132,6 @@ fn a_resync_whose_snapshot_was_never_written_leaves_commits_open() {
     assert!(!commit(&mut w, Change::Replace(vec![b])));
     assert!(w.in_doubt().is_none(), "the old snapshot is known to stand");
     std::fs::remove_dir(&tmp).expect("out of the way");
-    let c = sandbox(&w.registry, "c", "100.64.0.3");
-    assert!(commit(&mut w, Change::Put(c)));
+    assert!(put(&mut w, "c", "100.64.0.3"));
     assert_eq!(restarted(dir.path()), (ids(&["a", "c"]), 2));
 }
