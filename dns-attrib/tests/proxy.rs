@@ -1181,23 +1181,37 @@ fn a_answer(q: &Message, id: u16, ip: Ipv4Addr) -> Vec<u8> {
     r.to_vec().expect("encode")
 }
 
-/// Answers every query twice with one A record (203.0.113.7) and records the
-/// source port each query came from.
-async fn echoing_twice() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
+/// A fake upstream on loopback: each query, as `answer` reads it with the
+/// source it came from, is answered with the datagrams `answer` gives, in
+/// order. `answer` keeps what the test wants to see of the queries.
+async fn fake_upstream(
+    answer: impl Fn(&Message, SocketAddr) -> Vec<Vec<u8>> + Send + 'static,
+) -> SocketAddr {
     let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
     let addr = s.local_addr().expect("addr");
-    let ports = Arc::new(Mutex::new(Vec::new()));
-    let seen = ports.clone();
     tokio::spawn(async move {
         let mut buf = vec![0u8; 4096];
         while let Ok((n, src)) = s.recv_from(&mut buf).await {
-            seen.lock().expect("lock").push(src.port());
             let q = Message::from_vec(&buf[..n]).expect("a query");
-            let bytes = a_answer(&q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 7));
-            let _ = s.send_to(&bytes, src).await;
-            let _ = s.send_to(&bytes, src).await;
+            for datagram in answer(&q, src) {
+                let _ = s.send_to(&datagram, src).await;
+            }
         }
     });
+    addr
+}
+
+/// Answers every query twice with one A record (203.0.113.7) and records the
+/// source port each query came from.
+async fn echoing_twice() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
+    let ports = Arc::new(Mutex::new(Vec::new()));
+    let seen = ports.clone();
+    let addr = fake_upstream(move |q, src| {
+        seen.lock().expect("lock").push(src.port());
+        let bytes = a_answer(q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 7));
+        vec![bytes.clone(), bytes]
+    })
+    .await;
     (addr, ports)
 }
 
@@ -1230,22 +1244,17 @@ async fn upstream_sockets_are_reused_a_bounded_number_of_times_and_late_duplicat
 /// ID the sandbox chose (0x4242, the test queries'), and 198.51.100.66.
 /// Records the IDs the queries arrived with.
 async fn planting() -> (SocketAddr, Arc<Mutex<Vec<u16>>>) {
-    let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
-    let addr = s.local_addr().expect("addr");
     let ids = Arc::new(Mutex::new(Vec::new()));
     let seen = ids.clone();
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 4096];
-        while let Ok((n, src)) = s.recv_from(&mut buf).await {
-            let q = Message::from_vec(&buf[..n]).expect("a query");
-            let id = q.metadata.id;
-            seen.lock().expect("lock").push(id);
-            let planted = a_answer(&q, 0x4242, Ipv4Addr::new(198, 51, 100, 66));
-            let _ = s.send_to(&planted, src).await;
-            let real = a_answer(&q, id, Ipv4Addr::new(203, 0, 113, 7));
-            let _ = s.send_to(&real, src).await;
-        }
-    });
+    let addr = fake_upstream(move |q, _| {
+        let id = q.metadata.id;
+        seen.lock().expect("lock").push(id);
+        vec![
+            a_answer(q, 0x4242, Ipv4Addr::new(198, 51, 100, 66)),
+            a_answer(q, id, Ipv4Addr::new(203, 0, 113, 7)),
+        ]
+    })
+    .await;
     (addr, ids)
 }
 
@@ -1283,21 +1292,15 @@ async fn an_answer_carrying_the_sandboxs_own_query_id_is_not_taken() {
 /// Answers every query with one A record (203.0.113.7), recording each
 /// question's name as it arrived, in its letters' own case.
 async fn recording_names() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
-    let s = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
-    let addr = s.local_addr().expect("addr");
     let names = Arc::new(Mutex::new(Vec::new()));
     let seen = names.clone();
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 4096];
-        while let Ok((n, src)) = s.recv_from(&mut buf).await {
-            let q = Message::from_vec(&buf[..n]).expect("a query");
-            seen.lock()
-                .expect("lock")
-                .push(q.queries[0].name.to_string());
-            let bytes = a_answer(&q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 7));
-            let _ = s.send_to(&bytes, src).await;
-        }
-    });
+    let addr = fake_upstream(move |q, _| {
+        seen.lock()
+            .expect("lock")
+            .push(q.queries[0].name.to_string());
+        vec![a_answer(q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 7))]
+    })
+    .await;
     (addr, names)
 }
 
