@@ -72,6 +72,8 @@ pub enum StartError {
     Worker { worker: usize, source: io::Error },
     #[error("takeover: {0}")]
     Takeover(String),
+    #[error("{what} listens on every address, and the host's own addresses (denied to sandboxes as the listeners' are) cannot be read: {why}")]
+    HostAddresses { what: &'static str, why: String },
     #[error("cannot listen on {what} {addr}: {source}")]
     Bind {
         what: &'static str,
@@ -212,7 +214,10 @@ impl Gateway {
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let token = token(&config)?;
         let (listeners, attributed, budgets) = Listeners::open(&config, taken)?;
-        let registry = Arc::new(Registry::new(Arc::new(platform(&config, &listeners.bound))));
+        let registry = Arc::new(Registry::new(Arc::new(platform(
+            &config,
+            &listeners.bound,
+        )?)));
         let (cache, dns) = attribution(&config, &registry, clock);
         let committer = recover(&config, &registry, &cache, attributed)?;
         let offer = offer(&config, &listeners);
@@ -589,14 +594,37 @@ fn minter(config: &Config) -> Result<Arc<LeafMinter>, StartError> {
 
 /// The configured platform denies plus the gateway's own addresses, which
 /// are never a destination.
-fn platform(config: &Config, bound: &Bound) -> PlatformDenies {
+/// The platform denies: the configured list, and the gateway's own
+/// addresses. A listener on a wildcard address listens on every address of
+/// the host, so every one of them is added (the host's public address is in
+/// no private range): no sandbox reaches a service of the host through it.
+fn platform(config: &Config, bound: &Bound) -> Result<PlatformDenies, StartError> {
     let mut list = config.policy.platform_deny.clone();
-    for addr in [bound.transparent, bound.dns, bound.dns_alt, bound.admin] {
+    let listeners = [
+        ("listen.transparent", bound.transparent),
+        ("listen.dns", bound.dns),
+        ("listen.dns_alt", bound.dns_alt),
+        ("listen.admin", bound.admin),
+    ];
+    let mut own: Vec<IpAddr> = Vec::new();
+    for (what, addr) in listeners {
         if !addr.ip().is_unspecified() {
-            list.push(Destination::Ip(addr.ip()));
+            own.push(addr.ip());
+        } else if !own.iter().any(IpAddr::is_unspecified) {
+            let host = egress_machine::host::read()
+                .map_err(|why| StartError::HostAddresses { what, why })?;
+            own.extend(host);
+            // Read once, whichever wildcard listener asked.
+            own.push(addr.ip());
         }
     }
-    PlatformDenies::new(list).with_opaque_streams(config.policy.opaque_streams)
+    for ip in own.into_iter().filter(|ip| !ip.is_unspecified()) {
+        let d = Destination::Ip(ip.to_canonical());
+        if !list.contains(&d) {
+            list.push(d);
+        }
+    }
+    Ok(PlatformDenies::new(list).with_opaque_streams(config.policy.opaque_streams))
 }
 
 impl Listeners {
@@ -943,5 +971,68 @@ async fn accept(
             crate::flow::handle(dp, up, stream, peer).await;
             drop(permit);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The verdict for an opaque stream to `dst` under `platform` and a
+    /// policy that allows everything.
+    fn verdict(platform: PlatformDenies, dst: &str) -> egress_policy::Verdict {
+        let policy = egress_policy::Policy::from_json(r#"{"default": "allow"}"#).expect("policy");
+        let compiled = egress_policy::CompiledPolicy::new(policy, Arc::new(platform));
+        let claims = crate::decide::Claims {
+            dst: dst.parse().expect("addr"),
+            protocol: egress_policy::Protocol::Opaque(None),
+            sni: None,
+            host: None,
+            ech: false,
+        };
+        let none = crate::doh::DohNames::empty();
+        crate::decide::judge(
+            &compiled,
+            &claims,
+            &[],
+            egress_policy::AttributionGap::NoDnsSeen,
+            &none,
+        )
+    }
+
+    /// A wildcard listener listens on every address of the host: each is a
+    /// platform deny, so a sandbox reaches none of the host's services
+    /// through an address no private range covers. The list is emptied here
+    /// to show it: before, a wildcard listener added no address at all.
+    #[test]
+    fn a_wildcard_listener_denies_every_address_of_the_host() {
+        let config = Config::parse(
+            "[policy]\nplatform_deny = []\n",
+            std::path::Path::new("t.toml"),
+        )
+        .expect("config");
+        let at = |s: &str| s.parse::<SocketAddr>().expect("addr");
+        let wildcard = Bound {
+            transparent: at("0.0.0.0:15001"),
+            dns: at("127.0.0.1:15053"),
+            dns_alt: at("127.0.0.1:15054"),
+            admin: at("127.0.0.1:15000"),
+        };
+        let host = egress_machine::host::read().expect("the host's addresses");
+        assert!(!host.is_empty());
+        for ip in host {
+            let dst = SocketAddr::new(ip, 22).to_string();
+            let v = verdict(platform(&config, &wildcard).expect("platform"), &dst);
+            assert_eq!(v.code(), "platform_deny", "{dst}");
+        }
+        // Listeners on one address add that address only.
+        let one = Bound {
+            transparent: at("127.0.0.1:15001"),
+            ..wildcard
+        };
+        let v = verdict(platform(&config, &one).expect("platform"), "127.0.0.1:22");
+        assert_eq!(v.code(), "platform_deny");
+        let v = verdict(platform(&config, &one).expect("platform"), "127.0.0.2:22");
+        assert_ne!(v.code(), "platform_deny");
     }
 }

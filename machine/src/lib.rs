@@ -17,6 +17,7 @@ pub mod api;
 pub mod config;
 pub mod counters;
 pub mod events;
+pub mod host;
 pub mod metrics;
 mod netlink;
 pub mod nflog;
