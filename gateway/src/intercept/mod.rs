@@ -103,9 +103,9 @@ struct Conn {
     tally: Mutex<Tally>,
     /// The upstream connection this client connection uses, and what it was verified as.
     upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
-    /// DNS over HTTPS to a reserved resolver, from this sandbox address:
-    /// every request is answered by the gateway's DNS proxy, none forwarded.
-    doh_from: Option<IpAddr>,
+    /// DNS over HTTPS to a reserved resolver: every request is answered by
+    /// the gateway's DNS proxy as a query from `src`, none forwarded.
+    doh: bool,
     /// The flow's byte counts, and what of them budgets were charged for.
     budget: BudgetCharge,
     /// Whether HTTP/1.1 rests on it (`serve.rs`).
@@ -138,18 +138,16 @@ pub(crate) async fn http_flow(
         Ok(peer) => peer.ip(),
         Err(e) => return failed(Fault::CLIENT_RESET, format!("peer_address: {e}")),
     };
-    // A DoH query is admitted as DNS from the sandbox's own address.
-    let doh_from = doh.then_some(src);
     let counts = Arc::new(Counts::default());
     let peeked_len = peeked.len() as u64;
     let client = Rewind::new(peeked, Counted::new(stream, counts.clone()));
     let mut out = match framing {
         Framing::Tls(sni) => {
-            let target = (sandbox, (src, dst), doh_from);
+            let target = (sandbox, (src, dst), doh);
             intercept(dp, up, target, sni, client, counts.clone()).await
         }
         Framing::Plain => {
-            let target = (sandbox, (src, dst), None);
+            let target = (sandbox, (src, dst), false);
             let conn = Conn::new(
                 (dp.clone(), up.clone()),
                 target,
@@ -168,7 +166,7 @@ pub(crate) async fn http_flow(
 async fn intercept<S>(
     dp: &Arc<Dataplane>,
     up: &Arc<Upstreams>,
-    target: (Arc<Sandbox>, (IpAddr, SocketAddr), Option<IpAddr>),
+    target: (Arc<Sandbox>, (IpAddr, SocketAddr), bool),
     sni: Option<Hostname>,
     client: S,
     activity: Arc<Counts>,
@@ -302,7 +300,7 @@ impl BudgetCharge {
 impl Conn {
     fn new(
         (dp, up): (Arc<Dataplane>, Arc<Upstreams>),
-        (sandbox, (src, dst), doh_from): (Arc<Sandbox>, (IpAddr, SocketAddr), Option<IpAddr>),
+        (sandbox, (src, dst), doh): (Arc<Sandbox>, (IpAddr, SocketAddr), bool),
         framing: Framing,
         activity: Arc<Counts>,
     ) -> Arc<Self> {
@@ -319,7 +317,7 @@ impl Conn {
             },
             tally: Mutex::new(Tally::default()),
             upstream: tokio::sync::Mutex::new(None),
-            doh_from,
+            doh,
             budget: BudgetCharge {
                 activity,
                 charged: AtomicU64::new(0),
@@ -346,7 +344,7 @@ impl Conn {
     /// Whether the connection ends at its next request boundary: the
     /// gateway drains, or its sandbox is gone ([`Conn::sandbox_now`]).
     fn stopping(&self) -> bool {
-        self.draining() || self.sandbox_now().is_none()
+        self.draining() || !self.dp.registry.holds(self.src, &self.sandbox.id)
     }
 
     /// The registration a request on this connection is judged under: the

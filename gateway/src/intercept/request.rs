@@ -141,9 +141,10 @@ impl Conn {
         mut req: Request<ClientBody>,
         rec: &mut RequestRecord,
     ) -> Response<Body> {
-        if let Some(src) = self.doh_from {
+        if self.doh {
+            // Admitted as DNS from the sandbox's own address.
             return match &self.dp.resolver {
-                Some(proxy) => crate::doh::answer(proxy, src, self.dst, req).await,
+                Some(proxy) => crate::doh::answer(proxy, self.src, self.dst, req).await,
                 None => text(StatusCode::SERVICE_UNAVAILABLE, "no DNS proxy\n"),
             };
         }
