@@ -34,7 +34,10 @@ where
     serve_at_most(listener, (name, MAX_CONNECTIONS), handle).await;
 }
 
-/// [`serve`], with at most `max` connections at once.
+/// [`serve`], with at most `max` connections at once. The connections are
+/// the loop's own: when its future is dropped (the task aborted, as a
+/// gateway's drain or handover does), every connection it serves ends with
+/// it, instead of serving on unseen.
 pub async fn serve_at_most<F, Fut>(
     listener: TcpListener,
     (name, max): (&'static str, usize),
@@ -44,8 +47,14 @@ pub async fn serve_at_most<F, Fut>(
     Fut: Future<Output = Reply> + Send + 'static,
 {
     let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(max));
+    let mut connections = tokio::task::JoinSet::new();
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            // Ended connections are reaped as they end.
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let (stream, peer) = match accepted {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(listener = name, error = %e, "accept failed");
@@ -59,7 +68,7 @@ pub async fn serve_at_most<F, Fut>(
             continue;
         };
         let handle = handle.clone();
-        tokio::spawn(async move {
+        connections.spawn(async move {
             let _slot = slot;
             let service = hyper::service::service_fn(move |req| {
                 let reply = handle(req);
@@ -147,5 +156,32 @@ mod tests {
         }
         assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
         server.abort();
+    }
+
+    /// A listener's loop taken down (a drain) takes its connections with it:
+    /// a keep-alive connection that was served is closed, not served on.
+    #[tokio::test]
+    async fn connections_end_with_their_listener() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let server = tokio::spawn(serve(listener, "test", |_: Request<Incoming>| async move {
+            text(StatusCode::OK, "ok".to_owned())
+        }));
+        let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("in time")
+            .expect("read");
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "served");
+        server.abort();
+        let _ = server.await;
+        let after = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+            .await
+            .expect("closed in time");
+        assert!(matches!(after, Ok(0) | Err(_)), "closed: {after:?}");
     }
 }
