@@ -606,19 +606,17 @@ fn platform(config: &Config, bound: &Bound) -> Result<PlatformDenies, StartError
         ("listen.dns_alt", bound.dns_alt),
         ("listen.admin", bound.admin),
     ];
-    let mut own: Vec<IpAddr> = Vec::new();
-    for (what, addr) in listeners {
-        if !addr.ip().is_unspecified() {
-            own.push(addr.ip());
-        } else if !own.iter().any(IpAddr::is_unspecified) {
-            let host = egress_machine::host::read()
-                .map_err(|why| StartError::HostAddresses { what, why })?;
-            own.extend(host);
-            // Read once, whichever wildcard listener asked.
-            own.push(addr.ip());
-        }
+    let mut own: Vec<IpAddr> = listeners
+        .iter()
+        .map(|(_, addr)| addr.ip())
+        .filter(|ip| !ip.is_unspecified())
+        .collect();
+    if let Some((what, _)) = listeners.iter().find(|(_, a)| a.ip().is_unspecified()) {
+        let host =
+            egress_machine::host::read().map_err(|why| StartError::HostAddresses { what, why })?;
+        own.extend(host);
     }
-    for ip in own.into_iter().filter(|ip| !ip.is_unspecified()) {
+    for ip in own {
         let d = Destination::Ip(ip.to_canonical());
         if !list.contains(&d) {
             list.push(d);
