@@ -52,6 +52,10 @@ pub struct MachineEgressConfig {
     /// Where the cgroup v2 hierarchy is mounted, relative to
     /// `/sys/fs/cgroup`: `""` on a unified host, `"unified"` on a hybrid one.
     pub cgroup_prefix: String,
+    /// Where this gateway reads the cgroup tree nft resolves paths in (its
+    /// `/sys/fs/cgroup`): to leave out a VM whose cgroup is not there and
+    /// to see a cgroup made again under its path. Absolute.
+    pub cgroup_root: std::path::PathBuf,
     /// How refused packets reach the observed record: as events on an
     /// NFLOG group (exact), or sampled from the kernel's observed sets.
     pub observe: MachineObserve,
@@ -105,6 +109,7 @@ impl Default for MachineEgressConfig {
             observe_interval: Duration::from_secs(5),
             matching: MachineMatch::Address,
             cgroup_prefix: String::new(),
+            cgroup_root: "/sys/fs/cgroup".into(),
             observe: MachineObserve::Events,
             log_group: 7711,
             log_rate: 1_000,
@@ -130,6 +135,10 @@ impl MachineEgressConfig {
         if self.observe_interval < Duration::from_millis(100) {
             let why = format!("{:?} is shorter than 100ms", self.observe_interval);
             return Some(("machine_egress.observe_interval", why));
+        }
+        if !self.cgroup_root.is_absolute() {
+            let why = format!("{:?}: expected an absolute path", self.cgroup_root);
+            return Some(("machine_egress.cgroup_root", why));
         }
         let prefix = self.cgroup_prefix.trim_matches('/');
         if !prefix.is_empty() && !is_cgroup_path(prefix) {

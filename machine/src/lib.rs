@@ -14,6 +14,7 @@
 //! serialised.
 
 pub mod api;
+pub mod cgroups;
 pub mod config;
 pub mod counters;
 pub mod events;
@@ -175,6 +176,13 @@ pub struct Machines {
     /// Times the observer found the node table gone or incomplete and
     /// installed it again.
     restored: AtomicU64,
+    /// The cgroup tree nft resolves paths in (`match = "cgroup"`).
+    tree: cgroups::Tree,
+    /// The inode each VM's cgroup element was loaded with.
+    bound: Mutex<cgroups::Bound>,
+    /// Times the observer found a VM's cgroup made again, gone or back, and
+    /// bound the dispatch again.
+    rebound: AtomicU64,
     /// The NFLOG socket (events), bound with the first VM, until the
     /// reader task takes it.
     log: Mutex<Option<rustix::fd::OwnedFd>>,
@@ -366,6 +374,9 @@ impl Machines {
             spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
             restored: AtomicU64::new(0),
+            tree: cgroups::Tree::new(config.cgroup_root.clone(), &config.cgroup_prefix),
+            bound: Mutex::new(cgroups::Bound::new()),
+            rebound: AtomicU64::new(0),
             log: Mutex::new(None),
             log_bound: std::sync::atomic::AtomicBool::new(false),
             log_ready: tokio::sync::Notify::new(),
@@ -387,8 +398,9 @@ impl Machines {
         for id in state.vms.keys() {
             machines.ensure_store(id);
         }
-        let vms: Vec<VmRules<'_>> = state.vms.values().map(|vm| vm.rules()).collect();
+        let (vms, bound) = machines.bind(&state);
         machines.nft.apply(&rules::table(&machines.layout, &vms))?;
+        *lock(&machines.bound) = bound;
         for table in machines.nft.legacy_tables()? {
             tracing::warn!(%table, "removing a per-VM table of the earlier layout");
             machines
@@ -411,14 +423,18 @@ impl Machines {
         next: State,
         touched: &[String],
     ) -> Result<(), MachineError> {
-        let forward = self.transition(state, &next, touched);
+        let (forward, bound) = self.transition(state, &next, touched);
         if !forward.is_empty() {
             self.nft.apply(&forward)?;
+            *lock(&self.bound) = bound;
         }
         if let Err(e) = self.store.save(state, &next, touched) {
-            let back = self.transition(&next, state, touched);
-            if let Err(e) = self.nft.apply(&back) {
-                tracing::error!(error = %e, "could not put the previous machine egress rules back");
+            let (back, bound) = self.transition(&next, state, touched);
+            match self.nft.apply(&back) {
+                Ok(()) => *lock(&self.bound) = bound,
+                Err(e) => {
+                    tracing::error!(error = %e, "could not put the previous machine egress rules back")
+                }
             }
             return Err(e);
         }
@@ -427,9 +443,10 @@ impl Machines {
     }
 
     /// The nft text that takes the VMs of `touched` from what `from` says
-    /// to what `to` says; nothing of any other VM is in it.
-    fn transition(&self, from: &State, to: &State, touched: &[String]) -> String {
-        let mut text: String = touched
+    /// to what `to` says; nothing of any other VM is in it but the dispatch
+    /// rebuilt whole, with the inodes it binds the VMs' cgroups at.
+    fn transition(&self, from: &State, to: &State, touched: &[String]) -> (String, cgroups::Bound) {
+        let changes: String = touched
             .iter()
             .map(|id| {
                 let old = from.vms.get(id).map(|vm| vm.rules());
@@ -437,12 +454,55 @@ impl Machines {
                 rules::change(&self.layout, old.as_ref(), new.as_ref())
             })
             .collect();
-        if !text.is_empty() {
-            let vms: Vec<VmRules<'_>> = to.vms.values().map(|vm| vm.rules()).collect();
-            text.push_str(&rules::forward_rules(&vms));
-            text.push_str(&rules::output_dispatch(&self.layout, &vms));
+        if changes.is_empty() {
+            return (changes, cgroups::Bound::new());
         }
-        text
+        let mut text = rules::unbind_cgroups(&self.layout) + &changes;
+        let (vms, bound) = self.bind(to);
+        text.push_str(&rules::forward_rules(&vms));
+        text.push_str(&rules::output_dispatch(&self.layout, &vms));
+        (text, bound)
+    }
+
+    /// The VMs of `state` as the rules load them now: a cgroup the tree
+    /// does not have is left out of the dispatch ([`cgroups`]).
+    fn bind<'a>(&self, state: &'a State) -> (Vec<VmRules<'a>>, cgroups::Bound) {
+        let vms = state.vms.values().map(|vm| vm.rules()).collect();
+        match self.layout.matching {
+            Match::Cgroup => self.tree.bind(vms),
+            Match::Address => (vms, cgroups::Bound::new()),
+        }
+    }
+
+    /// Binds the cgroup dispatch again when a VM's cgroup is not the one
+    /// its element was loaded with: made again under its path (a restarted
+    /// QEMU's scope, whose packets matched nothing until now), gone, or
+    /// back. One transaction rebuilds the maps; checked under the state
+    /// lock, so no change is in flight.
+    pub fn rebind(&self) {
+        if self.layout.matching != Match::Cgroup {
+            return;
+        }
+        let state = lock(&self.state);
+        let (vms, bound) = self.bind(&state);
+        if *lock(&self.bound) == bound {
+            return;
+        }
+        let text =
+            rules::unbind_cgroups(&self.layout) + &rules::output_dispatch(&self.layout, &vms);
+        match self.nft.apply(&text) {
+            Ok(()) => {
+                *lock(&self.bound) = bound;
+                self.rebound.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    vms = vms.len(),
+                    "a VM's cgroup was made again, went or came back; bound the cgroup dispatch again"
+                );
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "binding the cgroup dispatch again failed");
+            }
+        }
     }
 
     /// Checks a registration against the match mode and the other VMs:
@@ -484,6 +544,13 @@ impl Machines {
                     ));
                 };
                 check_cgroup(path)?;
+                if self.tree.inode(path).is_none() {
+                    let root = self.tree.root().display();
+                    return Err(invalid(
+                        "cgroup",
+                        &format!("{path:?} is not in the cgroup tree at {root}: create it first"),
+                    ));
+                }
             }
         }
         if let Some(link) = &r.link {
@@ -855,9 +922,10 @@ impl Machines {
         if self.counters().is_ok_and(|c| complete(&c, ids)) {
             return;
         }
-        let vms: Vec<VmRules<'_>> = state.vms.values().map(|vm| vm.rules()).collect();
+        let (vms, bound) = self.bind(&state);
         match self.nft.apply(&rules::table(&self.layout, &vms)) {
             Ok(()) => {
+                *lock(&self.bound) = bound;
                 self.restored.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
                     vms = vms.len(),
@@ -883,17 +951,33 @@ impl Machines {
         }
     }
 
-    /// Runs [`Machines::observe`] every `every` until the task is dropped.
+    /// Runs [`Machines::observe`] every `every`, and [`Machines::rebind`]
+    /// every [`REBIND_EVERY`] at most, until the task is dropped.
     pub async fn observer(self: Arc<Self>, every: std::time::Duration) {
-        let mut tick = tokio::time::interval(every);
+        let mut tick = tokio::time::interval(every.min(REBIND_EVERY));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next = tokio::time::Instant::now();
         loop {
             tick.tick().await;
+            let observe = tokio::time::Instant::now() >= next;
+            if observe {
+                next = tokio::time::Instant::now() + every;
+            }
             let me = self.clone();
-            let _ = tokio::task::spawn_blocking(move || me.observe()).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                me.rebind();
+                if observe {
+                    me.observe();
+                }
+            })
+            .await;
         }
     }
 }
+
+/// How often the observer looks for a VM's cgroup made again (a stat of
+/// each VM's cgroup): a restarted QEMU's packets match no VM until then.
+pub const REBIND_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Whether `counters` holds the `refused` and `spoofed` counters of every
 /// VM in `ids`: each VM's objects are in the tables (the node table, and

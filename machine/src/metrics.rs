@@ -2,7 +2,7 @@
 //! `egress_machine_vms{mode}`, `egress_machine_refused_packets_total{vm,outcome}`,
 //! `egress_machine_spoofed_packets_total{vm}`,
 //! `egress_machine_observed_evictions_total`, `egress_machine_observe_lost_total{cause}`,
-//! `egress_machine_table_restored_total`
+//! `egress_machine_table_restored_total`, `egress_machine_cgroups_rebound_total`
 //! (the gateway's registry adds the `egress_` prefix).
 
 use std::sync::atomic::Ordering;
@@ -55,6 +55,8 @@ struct MachineCounts {
     evictions: u64,
     /// Times the table was found gone or incomplete and installed again.
     restored: u64,
+    /// Times a VM's cgroup was found made again, gone or back.
+    rebound: u64,
     /// Events that never reached the record, by cause.
     lost: Vec<(&'static str, u64)>,
 }
@@ -114,6 +116,13 @@ impl Collector for MachineSources {
             None,
             c.metric_type(),
         )?)?;
+        let c = ConstCounter::new(f.rebound);
+        c.encode(encoder.encode_descriptor(
+            "machine_cgroups_rebound",
+            "Times the observer found a VM's cgroup made again under its path (a restarted QEMU's scope), gone or back, and bound the cgroup dispatch again (match = \"cgroup\").",
+            None,
+            c.metric_type(),
+        )?)?;
         let mut family = encoder.encode_descriptor(
             "machine_observe_lost",
             "Refused packets that never reached the observed record as events (machine_egress.observe = \"events\"): over a VM's log rate, dropped by a full socket buffer (overrun), or unreadable.",
@@ -159,6 +168,7 @@ impl Machines {
             spoofed: spoofed_packets,
             evictions: self.evictions.load(Ordering::Relaxed),
             restored: self.restored.load(Ordering::Relaxed),
+            rebound: self.rebound.load(Ordering::Relaxed),
             lost: vec![
                 ("rate", self.lost.rate.load(Ordering::Relaxed)),
                 ("overrun", self.lost.overrun.load(Ordering::Relaxed)),

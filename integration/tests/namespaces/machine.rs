@@ -827,11 +827,12 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
     };
     let mut t = Topology::with_vm();
     // nft resolves cgroup paths under /sys/fs/cgroup, which `ip netns exec`
-    // hides from the gateway: its nft runs in this test's mount namespace.
+    // hides from the gateway: its nft runs in this test's mount namespace,
+    // and the gateway reads the tree there too.
     let section = format!(
-        "[machine_egress]\nmatch = \"cgroup\"\ncgroup_prefix = \"{prefix}\"\nnft = [\"nsenter\", \"--mount=/proc/{}/ns/mnt\", \"--net=/run/netns/{}\", \"nft\"]\n",
-        std::process::id(),
-        t.gw
+        "[machine_egress]\nmatch = \"cgroup\"\ncgroup_prefix = \"{prefix}\"\ncgroup_root = \"/proc/{pid}/root/sys/fs/cgroup\"\nnft = [\"nsenter\", \"--mount=/proc/{pid}/ns/mnt\", \"--net=/run/netns/{}\", \"nft\"]\n",
+        t.gw,
+        pid = std::process::id(),
     );
     t.set_extra_config(&section);
     assert!(t.stop_gateway().success());
@@ -886,6 +887,10 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
     let (status, body) = t.admin("PUT", "/v1/vms/r", Some(r#"{"addresses": ["100.64.9.9"]}"#));
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("cgroup"), "{body}");
+    let doc = r#"{"cgroup": "egress-test-none/vm-s.scope"}"#;
+    let (status, body) = t.admin("PUT", "/v1/vms/s", Some(doc));
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not in the cgroup tree"), "{body}");
     // A VM in a cgroup nested in q's is judged by its own policy, not q's
     // (q is open; the inner VM under loopback).
     let inner = Cgroup {
@@ -904,9 +909,46 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
     let (status, _) = t.admin("DELETE", "/v1/vms/r", None);
     assert_eq!(status, 200);
     drop(inner);
-    let (status, _) = t.admin("DELETE", "/v1/vms/q", None);
-    assert_eq!(status, 200);
+    a_scope_made_again_is_judged(&mut t, &cg);
+    let (status, body) = t.admin("DELETE", "/v1/vms/q", None);
+    assert_eq!(status, 200, "{body}");
     assert!(!node_table(&t).contains("vm_q"), "{}", node_table(&t));
+}
+
+/// A restarted QEMU's scope, made again under VM q's path, is another
+/// cgroup (nft loaded the old one's inode): the gateway binds it again
+/// within a few seconds, and starts with the scope gone.
+fn a_scope_made_again_is_judged(t: &mut Topology, cg: &Cgroup) {
+    put_egress(t, "q", r#"{"mode": "loopback"}"#);
+    assert!(!curl_in(t, Some(cg), API_IP), "loopback");
+    std::fs::remove_dir(&cg.dir).expect("the scope goes");
+    std::fs::create_dir(&cg.dir).expect("the scope is made again");
+    assert!(
+        refused_within(t, cg, API_IP),
+        "the scope made again passed unjudged"
+    );
+    assert!(t.stop_gateway().success());
+    std::fs::remove_dir(&cg.dir).expect("the scope goes");
+    t.start_gateway();
+    let (status, body) = t.admin("GET", "/v1/vms/q", None);
+    assert_eq!(status, 200, "q is kept while its scope is gone: {body}");
+    std::fs::create_dir(&cg.dir).expect("the scope is made again");
+    assert!(
+        refused_within(t, cg, API_IP),
+        "the scope made again after a start passed unjudged"
+    );
+}
+
+/// Whether a connection from `cg` to `ip` is refused within about five
+/// seconds (the observer binds a cgroup made again within one).
+fn refused_within(t: &Topology, cg: &Cgroup, ip: &str) -> bool {
+    (0..10).any(|_| {
+        let refused = !curl_in(t, Some(cg), ip);
+        if !refused {
+            std::thread::sleep(std::time::Duration::from_millis(400));
+        }
+        refused
+    })
 }
 
 /// One TCP connect from the VM that gives up after 0.3 s, before TCP's

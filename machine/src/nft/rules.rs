@@ -254,14 +254,43 @@ pub fn forward_rules(vms: &[VmRules<'_>]) -> String {
     out
 }
 
-/// The output chain's rules: one cgroup lookup for each level some VM is
-/// registered at, the deepest first (replaces the chain's rules; part of
-/// every cgroup-mode transaction). A process in a VM's cgroup nested in
-/// another VM's is that inner VM's: looked up shallowest first, the outer
-/// VM's verdict would end the chain.
+/// Empties the `cgN` maps: the start of every cgroup-mode transaction
+/// after the table's first, before any VM chain an element jumps to goes.
+/// [`output_dispatch`] fills them again at its end.
+pub fn unbind_cgroups(layout: &Layout) -> String {
+    let mut out = String::new();
+    if layout.matching == Match::Cgroup {
+        for level in 1..=MAX_CGROUP_LEVEL {
+            let _ = writeln!(out, "flush map inet {TABLE} cg{level}");
+        }
+    }
+    out
+}
+
+/// The cgroup dispatch, whole: the `cgN` maps' elements, one for each VM
+/// with a cgroup, and the output chain's rules, one cgroup lookup for each
+/// level some VM is at, the deepest first (fills the maps [`unbind_cgroups`]
+/// emptied and replaces the chain's rules; part of every cgroup-mode
+/// transaction). nft resolves each path to the cgroup's inode as it loads
+/// the text, so a cgroup made again under its path since the last
+/// transaction is bound again here ([`crate::cgroups`]); `vms` holds only
+/// cgroups the tree has, since nft refuses a path it cannot resolve. A
+/// process in a VM's cgroup nested in another VM's is that inner VM's:
+/// looked up shallowest first, the outer VM's verdict would end the chain.
 pub fn output_dispatch(layout: &Layout, vms: &[VmRules<'_>]) -> String {
     if layout.matching != Match::Cgroup {
         return String::new();
+    }
+    let mut out = String::new();
+    for vm in vms {
+        let Some(path) = vm.cgroup else { continue };
+        let (level, full, k) = (cgroup_level(path), cgroup_path(layout, path), key(vm.id));
+        if (1..=MAX_CGROUP_LEVEL).contains(&level) {
+            let _ = writeln!(
+                out,
+                "add element inet {TABLE} cg{level} {{ \"{full}\" : jump vm_{k} }}"
+            );
+        }
     }
     let mut levels: Vec<usize> = vms
         .iter()
@@ -271,7 +300,7 @@ pub fn output_dispatch(layout: &Layout, vms: &[VmRules<'_>]) -> String {
         .collect();
     levels.sort_unstable_by(|a, b| b.cmp(a));
     levels.dedup();
-    let mut out = format!("flush chain inet {TABLE} output\n");
+    let _ = writeln!(out, "flush chain inet {TABLE} output");
     for l in levels {
         let _ = writeln!(
             out,
@@ -353,15 +382,6 @@ fn dispatch(out: &mut String, layout: &Layout, vm: &VmRules<'_>, verb: &str) {
             let j = jump(&format!("link_{k}"));
             let _ = writeln!(out, "{verb} element inet {TABLE} links {{ \"{link}\"{j} }}");
         }
-    }
-    if let (Match::Cgroup, Some(path)) = (layout.matching, vm.cgroup) {
-        let level = cgroup_level(path);
-        let full = cgroup_path(layout, path);
-        let j = jump(&format!("vm_{k}"));
-        let _ = writeln!(
-            out,
-            "{verb} element inet {TABLE} cg{level} {{ \"{full}\"{j} }}"
-        );
     }
 }
 

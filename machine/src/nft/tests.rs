@@ -386,6 +386,19 @@ fn the_cgroup_variant_dispatches_on_output_by_level() {
     assert!(
         !r.contains("from4 {") || !r.contains(": jump vm_q }\nadd element inet egress_machine to4")
     );
+    // A VM's own change names no cgroup element: a cgroup made again since
+    // it was loaded is another inode, which a `delete element` by path
+    // would not find. The dispatch is rebuilt whole instead, from the
+    // cgroups given (those the tree has).
+    let gone = rules::change(&l, Some(&v), None);
+    assert!(!gone.contains(" cg2 "), "{gone}");
+    let d = rules::unbind_cgroups(&l);
+    assert!(d.contains("flush map inet egress_machine cg2\n"), "{d}");
+    assert!(!d.contains("add element"), "{d}");
+    let d = rules::output_dispatch(&l, &[]);
+    assert!(!d.contains("add element"), "{d}");
+    assert!(!d.contains("socket cgroupv2"), "{d}");
+    assert_eq!(rules::unbind_cgroups(&layout(Match::Address)), "");
 }
 
 #[test]
