@@ -71,6 +71,7 @@ struct MachineSources {
 impl Collector for MachineSources {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let f = self.machines.figures();
+        totals(&mut encoder, &f)?;
         let gauge = ConstGauge::new(0i64);
         let mut family = encoder.encode_descriptor(
             "machine_vms",
@@ -102,27 +103,6 @@ impl Collector for MachineSources {
         for (vm, n) in f.spoofed {
             ConstCounter::new(n).encode(family.encode_family(&SpoofLabels { vm })?)?;
         }
-        let c = ConstCounter::new(f.evictions);
-        c.encode(encoder.encode_descriptor(
-            "machine_observed_evictions",
-            "Observed destinations evicted by the per-VM bound (machine_egress.observed_capacity).",
-            None,
-            c.metric_type(),
-        )?)?;
-        let c = ConstCounter::new(f.restored);
-        c.encode(encoder.encode_descriptor(
-            "machine_table_restored",
-            "Times the observer found the machine egress table gone or missing a VM's objects (another tool flushed the ruleset, say) and installed it again.",
-            None,
-            c.metric_type(),
-        )?)?;
-        let c = ConstCounter::new(f.rebound);
-        c.encode(encoder.encode_descriptor(
-            "machine_cgroups_rebound",
-            "Times the observer found a VM's cgroup made again under its path (a restarted QEMU's scope), gone or back, and bound the cgroup dispatch again (match = \"cgroup\").",
-            None,
-            c.metric_type(),
-        )?)?;
         let mut family = encoder.encode_descriptor(
             "machine_observe_lost",
             "Refused packets that never reached the observed record as events (machine_egress.observe = \"events\"): over a VM's log rate, dropped by a full socket buffer (overrun), or unreadable.",
@@ -134,6 +114,31 @@ impl Collector for MachineSources {
         }
         Ok(())
     }
+}
+
+/// The node-wide counters, one series each.
+fn totals(encoder: &mut DescriptorEncoder<'_>, f: &MachineCounts) -> Result<(), std::fmt::Error> {
+    for (name, help, n) in [
+        (
+            "machine_observed_evictions",
+            "Observed destinations evicted by the per-VM bound (machine_egress.observed_capacity).",
+            f.evictions,
+        ),
+        (
+            "machine_table_restored",
+            "Times the observer found the machine egress table gone or missing a VM's objects (another tool flushed the ruleset, say) and installed it again.",
+            f.restored,
+        ),
+        (
+            "machine_cgroups_rebound",
+            "Times the observer found a VM's cgroup made again under its path (a restarted QEMU's scope), gone or back, and bound the cgroup dispatch again (match = \"cgroup\").",
+            f.rebound,
+        ),
+    ] {
+        let c = ConstCounter::new(n);
+        c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+    }
+    Ok(())
 }
 
 impl Machines {
