@@ -32,6 +32,8 @@ pub struct Config {
     /// connections (`crate::upstream_proxy`).
     pub upstream_proxy: UpstreamProxyConfig,
     pub redirect: RedirectConfig,
+    /// Where host-bound credentials' values may be read.
+    pub credentials: CredentialSources,
 }
 
 /// The redirect rules' worker-wide side (`egress-gateway redirect --fence`).
@@ -83,6 +85,49 @@ pub enum KernelSplice {
     /// space, and TCP's back-pressure is intact (the gateway still wakes for
     /// each burst).
     Pipe,
+}
+
+/// Where host-bound credentials' values may come from
+/// (`crate::credentials`): whoever can push a sandbox names the source,
+/// and the gateway reads it with its own rights, so only these are read.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CredentialSources {
+    /// Directories a `file` source must lie under once its links are
+    /// resolved (absolute). Empty: no file source.
+    pub files_under: Vec<PathBuf>,
+    /// What an `env` source's name must start with. Empty: any name.
+    pub env_prefix: String,
+}
+
+impl Default for CredentialSources {
+    fn default() -> Self {
+        Self {
+            files_under: [
+                "/run/secrets",
+                "/run/credentials",
+                "/etc/egress-gateway/credentials",
+            ]
+            .map(PathBuf::from)
+            .to_vec(),
+            env_prefix: "EGRESS_CREDENTIAL_".into(),
+        }
+    }
+}
+
+impl CredentialSources {
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
+        if let Some(dir) = self.files_under.iter().find(|d| !d.is_absolute()) {
+            let why = format!("{dir:?}: expected an absolute path");
+            return Some(("credentials.files_under", why));
+        }
+        let name_char = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        if !self.env_prefix.chars().all(name_char) {
+            let why = format!("{:?}: expected letters, digits and '_'", self.env_prefix);
+            return Some(("credentials.env_prefix", why));
+        }
+        None
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
@@ -265,6 +310,7 @@ impl Default for Config {
             splice: Splice::default(),
             redirect: RedirectConfig::default(),
             upstream_proxy: UpstreamProxyConfig::default(),
+            credentials: CredentialSources::default(),
         }
     }
 }
@@ -513,6 +559,7 @@ impl Config {
             .or_else(|| self.machine_egress.first_invalid())
             .or_else(|| self.redirect.first_invalid())
             .or_else(|| self.upstream_proxy.first_invalid())
+            .or_else(|| self.credentials.first_invalid())
             .or_else(|| self.admin_invalid())
     }
 

@@ -29,10 +29,13 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
+use std::path::PathBuf;
+
 use arc_swap::ArcSwap;
 use egress_policy::Hostname;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
+pub use crate::config::CredentialSources;
 pub use egress_api::gateway::credentials::{
     validate, Credential, HostPattern, Inject, Source, MAX_CREDENTIALS,
 };
@@ -51,11 +54,17 @@ impl fmt::Debug for Secret {
 }
 
 /// The values the gateway holds, by source. Read when a sandbox is pushed
-/// or restored, and again on SIGHUP.
-#[derive(Default)]
+/// or restored, and again on SIGHUP, from the sources `credentials` allows.
 pub struct Secrets {
     values: ArcSwap<HashMap<Source, Secret>>,
     write: std::sync::Mutex<()>,
+    allowed: CredentialSources,
+}
+
+impl Default for Secrets {
+    fn default() -> Self {
+        Self::new(CredentialSources::default())
+    }
 }
 
 impl fmt::Debug for Secrets {
@@ -67,12 +76,20 @@ impl fmt::Debug for Secrets {
 }
 
 impl Secrets {
+    pub fn new(allowed: CredentialSources) -> Self {
+        Self {
+            values: ArcSwap::default(),
+            write: std::sync::Mutex::new(()),
+            allowed,
+        }
+    }
+
     /// Reads the values of `list` (a push): the first that cannot be read
     /// is the error, naming the credential and its source, and nothing is kept.
     pub fn load(&self, list: &[Credential]) -> Result<(), String> {
         let mut read = Vec::with_capacity(list.len());
         for (i, c) in list.iter().enumerate() {
-            let value = read_source(&c.source)
+            let value = read_source(&c.source, &self.allowed)
                 .map_err(|e| format!("credentials[{i}].source: {} ({}): {e}", c.source, c.name))?;
             read.push((c.source.clone(), value));
         }
@@ -97,7 +114,7 @@ impl Secrets {
             if next.contains_key(s) {
                 continue;
             }
-            match read_source(s) {
+            match read_source(s, &self.allowed) {
                 Ok(v) => {
                     next.insert(s.clone(), v);
                 }
@@ -120,19 +137,31 @@ impl Secrets {
 }
 
 /// Reads one value: a file's contents without its final line break, or an
-/// environment variable of this process. It must fit in a header.
-fn read_source(source: &Source) -> Result<Secret, String> {
+/// environment variable of this process. It must fit in a header, and come
+/// from a source `allowed` names: a pushed source is read with the
+/// gateway's rights, so `/etc/shadow` or `HOME` would otherwise be sent to
+/// whichever host the pusher chose.
+fn read_source(source: &Source, allowed: &CredentialSources) -> Result<Secret, String> {
     let mut bytes = match source {
         Source::File(path) => {
-            let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+            let real = allowed_file(path, &allowed.files_under)?;
+            let meta = std::fs::metadata(&real).map_err(|e| e.to_string())?;
             if meta.len() > MAX_VALUE as u64 {
                 return Err(format!("larger than {MAX_VALUE} bytes"));
             }
-            std::fs::read(path).map_err(|e| e.to_string())?
+            std::fs::read(&real).map_err(|e| e.to_string())?
         }
-        Source::Env(name) => std::env::var_os(name)
-            .ok_or_else(|| "not set in the gateway's environment".to_owned())?
-            .into_encoded_bytes(),
+        Source::Env(name) => {
+            if !name.starts_with(&allowed.env_prefix) {
+                return Err(format!(
+                    "not read: the name does not start with credentials.env_prefix {:?}",
+                    allowed.env_prefix
+                ));
+            }
+            std::env::var_os(name)
+                .ok_or_else(|| "not set in the gateway's environment".to_owned())?
+                .into_encoded_bytes()
+        }
     };
     if bytes.ends_with(b"\n") {
         bytes.pop();
@@ -153,6 +182,23 @@ fn read_source(source: &Source) -> Result<Secret, String> {
         return Err("holds a byte a header value cannot carry (control or non-ASCII)".into());
     }
     Ok(Secret(bytes.into()))
+}
+
+/// `path` with its links resolved, when that lies under one of `dirs` (each
+/// resolved too; one that does not exist holds nothing).
+fn allowed_file(path: &std::path::Path, dirs: &[PathBuf]) -> Result<PathBuf, String> {
+    let real = std::fs::canonicalize(path).map_err(|e| e.to_string())?;
+    let under = dirs
+        .iter()
+        .filter_map(|d| std::fs::canonicalize(d).ok())
+        .any(|d| real.starts_with(d));
+    if !under {
+        return Err(format!(
+            "not read: {} is not under credentials.files_under {dirs:?}",
+            real.display()
+        ));
+    }
+    Ok(real)
 }
 
 /// Why a request was refused for a credential.

@@ -72,6 +72,7 @@ impl Dataplane {
             metrics.budgets.states_full.clone(),
         ));
         let shadow_diffs = metrics.shadow_diffs();
+        let secrets = crate::credentials::Secrets::new(config.credentials.clone());
         Self {
             budgets,
             config: arc_swap::ArcSwap::from_pointee(config),
@@ -82,7 +83,7 @@ impl Dataplane {
             orig_dst,
             ready: AtomicBool::new(false),
             draining: AtomicBool::new(false),
-            secrets: crate::credentials::Secrets::default(),
+            secrets,
             kernel: None,
             doh_names,
             resolver: None,

@@ -14,8 +14,16 @@ fn h(s: &str) -> Hostname {
 }
 
 /// A file holding the value, and secrets loaded from it.
+/// Secrets that read files under the temporary directory, any variable.
+fn under_tmp() -> Secrets {
+    Secrets::new(CredentialSources {
+        files_under: vec![std::env::temp_dir()],
+        env_prefix: String::new(),
+    })
+}
+
 fn loaded(list: &[Credential]) -> Secrets {
-    let s = Secrets::default();
+    let s = under_tmp();
     s.load(list).expect("readable");
     s
 }
@@ -180,7 +188,7 @@ fn replace_mode_replaces_in_every_header_and_unreadable_values_refuse() {
         })
     );
     // And a push that names an unreadable source is refused, naming it.
-    let e = Secrets::default().load(&list).expect_err("unreadable");
+    let e = under_tmp().load(&list).expect_err("unreadable");
     assert!(
         e.starts_with("credentials[0].source: file") && e.contains(&path),
         "{e}"
@@ -249,4 +257,61 @@ fn documents_are_checked_field_by_field() {
         .expect_err("bad")
         .to_string();
     assert!(e.contains("bad_host"), "{e}");
+}
+
+/// A source is read with the gateway's rights, so only where the operator
+/// said: a file under `credentials.files_under` once its links are
+/// resolved, a variable named with `credentials.env_prefix`.
+#[test]
+fn only_the_allowed_sources_are_read() {
+    let allowed = tempfile::tempdir().expect("tmp");
+    let outside = tempfile::tempdir().expect("tmp");
+    let secrets = Secrets::new(CredentialSources {
+        files_under: vec![allowed.path().join("missing"), allowed.path().to_owned()],
+        env_prefix: "EGRESS_CREDENTIAL_".into(),
+    });
+    let inside = value_file(&allowed);
+    secrets
+        .load(&github(&inside, false))
+        .expect("under files_under");
+
+    let elsewhere = value_file(&outside);
+    let link = allowed.path().join("link");
+    std::os::unix::fs::symlink(&elsewhere, &link).expect("link");
+    let dotted = format!("{}/../{}/github", allowed.path().display(), {
+        outside.path().file_name().expect("name").to_string_lossy()
+    });
+    for path in [elsewhere, link.display().to_string(), dotted] {
+        let e = secrets.load(&github(&path, false)).expect_err(&path);
+        assert!(
+            e.contains("is not under credentials.files_under") && !e.contains(VALUE),
+            "{e}"
+        );
+    }
+
+    std::env::set_var("EGRESS_TEST_HOME_LIKE", VALUE);
+    std::env::set_var("EGRESS_CREDENTIAL_TEST_OK", VALUE);
+    let env = |name: &str| {
+        creds(&format!(
+            r#"[{{"name": "a", "placeholder": "PH_ENV_0001", "hosts": ["a.test"],
+                "inject": {{"replace": "headers"}}, "source": {{"env": "{name}"}}}}]"#
+        ))
+    };
+    let e = secrets
+        .load(&env("EGRESS_TEST_HOME_LIKE"))
+        .expect_err("prefix");
+    assert!(e.contains("credentials.env_prefix"), "{e}");
+    secrets
+        .load(&env("EGRESS_CREDENTIAL_TEST_OK"))
+        .expect("the prefix");
+    let none = Secrets::new(CredentialSources {
+        files_under: Vec::new(),
+        env_prefix: String::new(),
+    });
+    assert!(
+        none.load(&github(&inside, false)).is_err(),
+        "no directory: no file"
+    );
+    none.load(&env("EGRESS_TEST_HOME_LIKE"))
+        .expect("an empty prefix allows any name");
 }

@@ -320,6 +320,12 @@ fn credentials_reach_only_their_hosts_and_never_show() {
         body.contains("missing-token") && body.contains("credentials[0].source"),
         "{body}"
     );
+    // And one outside `credentials.files_under`: the gateway reads with its
+    // own rights, so whoever pushes may not name any file it can read.
+    let outside = doc.replace(&secret.display().to_string(), "/etc/hostname");
+    let (status, body) = t.admin("PUT", "/v1/sandboxes", Some(&outside));
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("credentials.files_under"), "{body}");
     let bearer = format!("Bearer {value}");
     for h2 in [false, true] {
         // The placeholder becomes the value on its way to its host; the

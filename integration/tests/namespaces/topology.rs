@@ -470,6 +470,8 @@ impl Topology {
             drain = "10s"
             [log]
             flow_log = "{flows}"
+            [credentials]
+            files_under = ["{dir}"]
             [limits]
             {limits}
             [policy]
@@ -480,6 +482,7 @@ impl Topology {
             dns = egress_integration::DNS_IP,
             roots = self.path("inet-ca/ca.crt").display(),
             flows = self.path("flows.jsonl").display(),
+            dir = self.path("").display(),
         );
         std::fs::write(self.path("gateway.toml"), cfg).expect("config");
     }

@@ -198,8 +198,9 @@ impl Stage {
     fn start_gateway(&self, bins: &Bins) -> Result<(), String> {
         let config = self.dir.join("gateway.toml");
         let text = format!(
-            "state_dir = \"{state}\"\n[dns]\nupstreams = [\"{dns}:53\"]\n[tls]\nextra_upstream_roots = [\"{roots}\"]\n[log]\nflow_log = \"{flows}\"\n",
+            "state_dir = \"{state}\"\n[dns]\nupstreams = [\"{dns}:53\"]\n[tls]\nextra_upstream_roots = [\"{roots}\"]\n[log]\nflow_log = \"{flows}\"\n[credentials]\nfiles_under = [\"{secrets}\"]\n",
             state = self.dir.join("gateway-state").display(),
+            secrets = self.secrets_dir().display(),
             dns = egress_integration::DNS_IP,
             roots = self.dir.join("internet-ca/ca.crt").display(),
             flows = self.flow_log().display(),
@@ -283,8 +284,17 @@ impl Stage {
     }
 
     /// Writes `contents` to a file of this run (a credential's source).
-    pub(crate) fn write(&self, name: &str, contents: &str) -> Result<PathBuf, String> {
-        let path = self.dir.join(name);
+    /// Where credential values are kept: the one directory the gateway may
+    /// read them from (`credentials.files_under`).
+    fn secrets_dir(&self) -> PathBuf {
+        self.dir.join("secrets")
+    }
+
+    /// Writes a credential value into [`Stage::secrets_dir`].
+    pub(crate) fn write_secret(&self, name: &str, contents: &str) -> Result<PathBuf, String> {
+        let dir = self.secrets_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let path = dir.join(name);
         std::fs::File::create(&path)
             .and_then(|mut f| f.write_all(contents.as_bytes()))
             .map_err(|e| format!("{}: {e}", path.display()))?;

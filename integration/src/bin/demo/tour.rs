@@ -40,7 +40,7 @@ pub(crate) fn run(stage: &Stage) -> Result<(), String> {
 }
 
 fn push(stage: &Stage) -> Result<(), String> {
-    let secret = stage.write("api-token", TOKEN)?;
+    let secret = stage.write_secret("api-token", TOKEN)?;
     let doc = json!({
         "addresses": [SANDBOX_IP],
         "policy": policy(),
