@@ -14,6 +14,15 @@ use crate::reply::Reply;
 /// connection is closed: an idle or trickling client holds no task forever.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a connection may go without a request in flight before it is
+/// closed (an HTTP/2 connection holds no request head to time out, and an
+/// idle one would keep its slot of [`MAX_CONNECTIONS`] for good).
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long a connection closed for idleness has to finish: it has no
+/// request in flight, so this is only its goodbye.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
 /// How long the loop waits after accepting failed (out of descriptors,
 /// say) before it tries again, rather than spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
@@ -31,16 +40,73 @@ where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Reply> + Send + 'static,
 {
-    serve_at_most(listener, (name, MAX_CONNECTIONS), handle).await;
+    serve_at_most(listener, (name, MAX_CONNECTIONS, IDLE_TIMEOUT), handle).await;
 }
 
-/// [`serve`], with at most `max` connections at once. The connections are
-/// the loop's own: when its future is dropped (the task aborted, as a
-/// gateway's drain or handover does), every connection it serves ends with
-/// it, instead of serving on unseen.
+/// A connection's requests in flight, and when the last one ended.
+struct Activity {
+    since: std::time::Instant,
+    busy: std::sync::atomic::AtomicUsize,
+    /// Milliseconds after `since`.
+    last: std::sync::atomic::AtomicU64,
+}
+
+/// A request in flight; its end is the connection's last activity.
+struct Busy(std::sync::Arc<Activity>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let ms = u64::try_from(self.0.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.0.last.store(ms, std::sync::atomic::Ordering::Relaxed);
+        self.0
+            .busy
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Activity {
+    fn new() -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self {
+            since: std::time::Instant::now(),
+            busy: Default::default(),
+            last: Default::default(),
+        })
+    }
+
+    fn begin(self: &std::sync::Arc<Self>) -> Busy {
+        self.busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Busy(self.clone())
+    }
+
+    /// How long no request has been in flight (`None`: one is).
+    fn idle_for(&self) -> Option<Duration> {
+        if self.busy.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let last = Duration::from_millis(self.last.load(std::sync::atomic::Ordering::Relaxed));
+        Some(self.since.elapsed().saturating_sub(last))
+    }
+
+    /// Ends once no request has been in flight for `limit`.
+    async fn idle(&self, limit: Duration) {
+        loop {
+            match self.idle_for() {
+                Some(d) if d >= limit => return,
+                Some(d) => tokio::time::sleep(limit - d).await,
+                None => tokio::time::sleep(limit).await,
+            }
+        }
+    }
+}
+
+/// [`serve`], with at most `max` connections at once, each closed after
+/// `idle` without a request in flight. The connections are the loop's
+/// own: when its future is dropped (the task aborted, as a gateway's drain
+/// or handover does), every connection it serves ends with it, instead of
+/// serving on unseen.
 pub async fn serve_at_most<F, Fut>(
     listener: TcpListener,
-    (name, max): (&'static str, usize),
+    (name, max, idle): (&'static str, usize, Duration),
     handle: F,
 ) where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
@@ -70,22 +136,49 @@ pub async fn serve_at_most<F, Fut>(
         let handle = handle.clone();
         connections.spawn(async move {
             let _slot = slot;
-            let service = hyper::service::service_fn(move |req| {
-                let reply = handle(req);
-                async move { Ok::<_, std::convert::Infallible>(reply.await) }
-            });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEAD_TIMEOUT);
-            let served = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-            if let Err(e) = served {
-                tracing::debug!(listener = name, %peer, error = %e, "connection ended");
-            }
+            serve_one(stream, (name, peer, idle), handle).await;
         });
+    }
+}
+
+/// Serves one connection until it ends, or until no request has been in
+/// flight on it for `idle`.
+async fn serve_one<F, Fut>(
+    stream: tokio::net::TcpStream,
+    (name, peer, idle): (&'static str, std::net::SocketAddr, Duration),
+    handle: F,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    let activity = Activity::new();
+    let requests = activity.clone();
+    let service = hyper::service::service_fn(move |req| {
+        let busy = requests.begin();
+        let reply = handle(req);
+        async move {
+            let reply = reply.await;
+            drop(busy);
+            Ok::<_, std::convert::Infallible>(reply)
+        }
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT);
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    let served = tokio::select! {
+        served = conn.as_mut() => served,
+        () = activity.idle(idle) => {
+            tracing::debug!(listener = name, %peer, "closing an idle connection");
+            conn.as_mut().graceful_shutdown();
+            tokio::time::timeout(CLOSE_GRACE, conn).await.unwrap_or(Ok(()))
+        }
+    };
+    if let Err(e) = served {
+        tracing::debug!(listener = name, %peer, error = %e, "connection ended");
     }
 }
 
@@ -125,7 +218,7 @@ mod tests {
         let addr = listener.local_addr().expect("address");
         let server = tokio::spawn(serve_at_most(
             listener,
-            ("test", 2),
+            ("test", 2, IDLE_TIMEOUT),
             |_: Request<Incoming>| async move { text(StatusCode::OK, "ok".to_owned()) },
         ));
         let held = [
@@ -155,6 +248,47 @@ mod tests {
             }
         }
         assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+        server.abort();
+    }
+
+    /// An HTTP/2 connection with no request in flight is closed after the
+    /// idle limit (it has no request head to time out), and one whose
+    /// request takes longer than the limit is answered.
+    #[tokio::test]
+    async fn idle_connections_are_closed_and_busy_ones_are_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let limit = Duration::from_millis(300);
+        let server = tokio::spawn(serve_at_most(
+            listener,
+            ("test", 4, limit),
+            |_: Request<Incoming>| async move {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                text(StatusCode::OK, "slow".to_owned())
+            },
+        ));
+        let mut h2 = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        // The preface and an empty SETTINGS frame, then nothing.
+        h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .expect("preface");
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), h2.read_to_end(&mut got));
+        assert!(read.await.is_ok(), "the idle HTTP/2 connection stayed open");
+        // A GOAWAY frame (type 7) said goodbye.
+        assert!(
+            got.windows(4).any(|w| w[3] == 7 && w[..3] == [0, 0, 8]),
+            "{got:?}"
+        );
+
+        let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut got = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_string(&mut got));
+        read.await.expect("in time").expect("read");
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
         server.abort();
     }
 
