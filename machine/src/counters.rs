@@ -13,7 +13,9 @@
 //!
 //! [`request`] and [`messages`] are pure (and tested on bytes); [`read`]
 //! does the I/O: one socket, one request, the answer read to its end
-//! (bounded in messages and by a 2 s timeout on each read).
+//! (bounded in messages and by a 2 s timeout on each read). [`rules`]
+//! counts a chain's rules the same way (`NFT_MSG_GETRULE`, filtered by table
+//! and chain): a table flushed by another tool keeps its counters.
 
 use rustix::net::{self, RecvFlags, SendFlags};
 use std::collections::BTreeMap;
@@ -26,8 +28,12 @@ use crate::netlink::{
 const NLMSG_DONE: u16 = 3;
 const NLM_F_DUMP: u16 = 0x300;
 const SUBSYS_NFTABLES: u16 = 10 << 8;
+const MSG_NEWRULE: u16 = 6;
+const MSG_GETRULE: u16 = 7;
 const MSG_NEWOBJ: u16 = 18;
 const MSG_GETOBJ: u16 = 19;
+const RULE_TABLE: u16 = 1;
+const RULE_CHAIN: u16 = 2;
 const NFPROTO_UNSPEC: u8 = 0;
 const NFPROTO_INET: u8 = 1;
 const NFPROTO_NETDEV: u8 = 5;
@@ -51,6 +57,8 @@ const MAX_DATAGRAMS: usize = 10_000;
 pub enum Part {
     /// A counter: its name and packets.
     Counter(String, u64),
+    /// A rule (of the chain a [`rule_request`] names).
+    Rule,
     /// The end of the dump.
     Done,
     /// The kernel's error (a negative errno; `0` is an acknowledgement).
@@ -77,6 +85,24 @@ pub fn request(table: &str, seq: u32) -> Vec<u8> {
     )
 }
 
+/// The dump request for the rules of chain `chain` of the `inet` table
+/// `table`: the kernel filters them by both names.
+pub fn rule_request(table: &str, chain: &str, seq: u32) -> Vec<u8> {
+    let mut attrs = Vec::new();
+    for (kind, name) in [(RULE_TABLE, table), (RULE_CHAIN, chain)] {
+        let mut name = name.as_bytes().to_vec();
+        name.push(0);
+        attr(&mut attrs, kind, &name);
+    }
+    netlink::request(
+        SUBSYS_NFTABLES | MSG_GETRULE,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+        [NFPROTO_INET, 0, 0, 0],
+        &attrs,
+    )
+}
+
 /// Splits one datagram of the answer into its messages and reads each
 /// ([`netlink::split`]).
 pub fn messages(datagram: &[u8]) -> Vec<Result<Part, Malformed>> {
@@ -92,6 +118,10 @@ fn part(kind: u16, msg: &[u8]) -> Result<Part, Malformed> {
         // another family is not ours.
         k if k == SUBSYS_NFTABLES | MSG_NEWOBJ => match body.first() {
             Some(&(NFPROTO_INET | NFPROTO_NETDEV)) => counter(body.get(NFGEN_LEN..).unwrap_or(&[])),
+            _ => Ok(Part::Other),
+        },
+        k if k == SUBSYS_NFTABLES | MSG_NEWRULE => match body.first() {
+            Some(&NFPROTO_INET) => Ok(Part::Rule),
             _ => Ok(Part::Other),
         },
         _ => Ok(Part::Other),
@@ -136,39 +166,69 @@ fn read_u32_be_opt(b: &[u8]) -> Option<u32> {
 /// `netdev`) in this network namespace: name → packets. An absent table
 /// reads as no counters.
 pub fn read(table: &str) -> Result<BTreeMap<String, u64>, String> {
-    let fd = netlink::socket()?;
-    net::send(&fd, &request(table, 1), SendFlags::empty())
-        .map_err(|e| format!("sending the counter dump request: {e}"))?;
     let mut out = BTreeMap::new();
+    dump(
+        &format!("the counter dump of {table}"),
+        &request(table, 1),
+        |part| {
+            if let Part::Counter(name, packets) = part {
+                out.insert(name, packets);
+            }
+            if out.len() > MAX_OBJECTS {
+                return Err(format!("more than {MAX_OBJECTS} counters in {table}"));
+            }
+            Ok(())
+        },
+    )?;
+    Ok(out)
+}
+
+/// Counts the rules of chain `chain` of the `inet` table `table` in this
+/// network namespace (a table flushed by another tool keeps its counters
+/// and chains, but not its rules). An absent chain is an error.
+pub fn rules(table: &str, chain: &str) -> Result<usize, String> {
+    let mut n = 0usize;
+    let what = format!("the rule dump of {table} {chain}");
+    dump(&what, &rule_request(table, chain, 1), |part| {
+        n += usize::from(part == Part::Rule);
+        match n > MAX_OBJECTS {
+            true => Err(format!("more than {MAX_OBJECTS} rules in {chain}")),
+            false => Ok(()),
+        }
+    })?;
+    Ok(n)
+}
+
+/// Sends `request` on a socket of its own and hands every part of the
+/// answer but its end and acknowledgements to `take`, until the end.
+fn dump(
+    what: &str,
+    request: &[u8],
+    mut take: impl FnMut(Part) -> Result<(), String>,
+) -> Result<(), String> {
+    let fd = netlink::socket()?;
+    net::send(&fd, request, SendFlags::empty())
+        .map_err(|e| format!("sending the request for {what}: {e}"))?;
     let mut buf = vec![0u8; DATAGRAM];
     for _ in 0..MAX_DATAGRAMS {
         let (n, _) = net::recv(&fd, &mut buf[..], RecvFlags::empty())
-            .map_err(|e| format!("reading the counter dump: {e}"))?;
+            .map_err(|e| format!("reading {what}: {e}"))?;
         if n == 0 {
-            return Err("the counter dump ended without its end".into());
+            return Err(format!("{what} ended without its end"));
         }
         for p in messages(&buf[..n.min(buf.len())]) {
-            match p.map_err(|e| format!("unreadable counter dump from the kernel: {}", e.0))? {
-                Part::Counter(name, packets) => {
-                    out.insert(name, packets);
-                }
-                Part::Done => return Ok(out),
+            match p.map_err(|e| format!("unreadable answer to {what}: {}", e.0))? {
+                Part::Done => return Ok(()),
                 Part::Error(0) | Part::Other => {}
                 Part::Error(e) => {
                     let why = std::io::Error::from_raw_os_error(-e);
-                    return Err(format!(
-                        "the kernel refused the counter dump of {table}: {why}"
-                    ));
+                    return Err(format!("the kernel refused {what}: {why}"));
                 }
+                part => take(part)?,
             }
         }
-        if out.len() > MAX_OBJECTS {
-            return Err(format!("more than {MAX_OBJECTS} counters in {table}"));
-        }
     }
-    Err(format!(
-        "the counter dump of {table} took more than {MAX_DATAGRAMS} datagrams"
-    ))
+    Err(format!("{what} took more than {MAX_DATAGRAMS} datagrams"))
 }
 
 #[cfg(test)]

@@ -874,7 +874,9 @@ impl Machines {
             return;
         }
         let counters = match self.counters() {
-            Ok(c) if complete(&c, vms.iter().map(|vm| vm.id.as_str())) => c,
+            Ok(c) if complete(&c, vms.iter().map(|vm| vm.id.as_str())) && self.rules_in_place() => {
+                c
+            }
             Ok(_) => return self.restore_if_gone(),
             Err(e) => {
                 tracing::warn!(error = %e, "reading the machine egress counters failed");
@@ -919,7 +921,7 @@ impl Machines {
     fn restore_if_gone(&self) {
         let state = lock(&self.state);
         let ids = state.vms.keys().map(String::as_str);
-        if self.counters().is_ok_and(|c| complete(&c, ids)) {
+        if self.counters().is_ok_and(|c| complete(&c, ids)) && self.rules_in_place() {
             return;
         }
         let (vms, bound) = self.bind(&state);
@@ -934,6 +936,25 @@ impl Machines {
             }
             Err(e) => {
                 tracing::error!(error = %e, "the machine egress table is gone and could not be installed again");
+            }
+        }
+    }
+
+    /// Whether the node table's forward chain has its rules. A table
+    /// flushed by another tool (`nft flush table`) keeps its chains, sets
+    /// and counters, so the counters do not show it, while every VM's
+    /// packets pass unjudged. Read over netlink with events (the rules in
+    /// this namespace); sampled, `nft` would load every VM's sets to list
+    /// one chain, so this says yes.
+    fn rules_in_place(&self) -> bool {
+        if self.layout.events.is_none() {
+            return true;
+        }
+        match counters::rules(rules::TABLE, "forward") {
+            Ok(n) => n > 0,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the machine egress forward chain failed");
+                true
             }
         }
     }

@@ -1080,10 +1080,27 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
     );
     assert!(!tcp_ok(&t, OTHER_IP), "refused again");
     assert!(tcp_ok(&t, API_IP), "allowed again");
+    // A table flushed, not deleted, keeps its counters and chains but not
+    // its rules: installed again too.
+    topology::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &t.gw,
+            "nft",
+            "flush",
+            "table",
+            "inet",
+            "egress_machine",
+        ],
+    );
+    metric_reaching(&t, "egress_machine_table_restored_total ", 2);
+    assert!(!tcp_ok(&t, OTHER_IP), "refused again after the flush");
     // The links' table alone (the ingress check): installed again too.
     if !links_table(&t).is_empty() {
         delete_table(&t, "netdev");
-        metric_reaching(&t, "egress_machine_table_restored_total ", 2);
+        metric_reaching(&t, "egress_machine_table_restored_total ", 3);
         assert!(
             links_table(&t).contains("spoofed_vm1"),
             "{}",

@@ -100,3 +100,34 @@ fn errors_and_broken_messages_are_said_not_guessed() {
         }
     }
 }
+
+#[test]
+fn a_rule_dump_names_its_table_and_chain_and_counts_inet_rules() {
+    let r = rule_request("egress_machine", "forward", 3);
+    assert_eq!(read_u16_ne(&r, 4), Some(SUBSYS_NFTABLES | MSG_GETRULE));
+    assert_eq!(read_u16_ne(&r, 6), Some(NLM_F_REQUEST | NLM_F_DUMP));
+    assert_eq!(r[NLMSG_HDRLEN], NFPROTO_INET);
+    let attrs = attributes(&r[NLMSG_HDRLEN + NFGEN_LEN..]).expect("attributes");
+    assert_eq!(
+        attrs,
+        [
+            (RULE_TABLE, &b"egress_machine\0"[..]),
+            (RULE_CHAIN, &b"forward\0"[..])
+        ]
+    );
+    let mut datagram = message(SUBSYS_NFTABLES | MSG_NEWRULE, &[]);
+    datagram.extend(message_of(
+        NFPROTO_NETDEV,
+        SUBSYS_NFTABLES | MSG_NEWRULE,
+        &[],
+    ));
+    let parts: Vec<_> = messages(&datagram)
+        .into_iter()
+        .map(|p| p.expect("read"))
+        .collect();
+    assert_eq!(
+        parts,
+        [Part::Rule, Part::Other],
+        "another family's rule is not ours"
+    );
+}
