@@ -51,6 +51,19 @@ pub struct Tenant {
     /// approval; absent: `tenant:<tenant>`.
     #[serde(default)]
     pub principal: Option<String>,
+    /// Sandboxes the tenant may hold at once (not destroyed or failed),
+    /// counted over all its tokens; a create, fork or warm-pool claim past
+    /// it is `429`. One tenant would otherwise take every worker's
+    /// addresses.
+    #[serde(default = "default_max_sandboxes")]
+    pub max_sandboxes: u32,
+}
+
+/// A tenant's `max_sandboxes` when its token does not say.
+pub const DEFAULT_MAX_SANDBOXES: u32 = 1_000;
+
+fn default_max_sandboxes() -> u32 {
+    DEFAULT_MAX_SANDBOXES
 }
 
 impl Tenant {
@@ -62,7 +75,7 @@ impl Tenant {
     }
 }
 
-/// The tokens file: `{"tokens": {"<token>": {"tenant", "federated", "admin", "principal"}}}`.
+/// The tokens file: `{"tokens": {"<token>": {"tenant", "federated", "admin", "principal", "max_sandboxes"}}}`.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tenants {

@@ -149,6 +149,22 @@ pub struct NewSandbox<'a> {
     pub inherits_template: bool,
 }
 
+/// The sandboxes `tenant` holds (neither destroyed nor failed), counted
+/// under a lock on the tenant held to the end of the transaction: two
+/// creates at once cannot both pass at its limit.
+pub async fn held_by_tenant(conn: &mut PgConnection, tenant: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock(7311, hashtext($1))")
+        .bind(tenant)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query_scalar(
+        "SELECT count(*) FROM sandboxes WHERE tenant = $1 AND state NOT IN ('destroyed', 'failed')",
+    )
+    .bind(tenant)
+    .fetch_one(&mut *conn)
+    .await
+}
+
 pub async fn insert_sandbox(
     conn: &mut PgConnection,
     s: &NewSandbox<'_>,

@@ -169,7 +169,7 @@ async fn start_controller(url: &str) -> Result<(SocketAddr, Arc<Metrics>), Strin
         None,
     )?);
     let tenants = Arc::new(Tenants::parse(&format!(
-        r#"{{"tokens": {{"{TOKEN}": {{"tenant": "load", "federated": true, "admin": true}}}}}}"#
+        r#"{{"tokens": {{"{TOKEN}": {{"tenant": "load", "federated": true, "admin": true, "max_sandboxes": 1000000}}}}}}"#
     ))?);
     let pool = store::connect(url).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

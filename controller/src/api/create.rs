@@ -219,7 +219,7 @@ impl Api {
                 };
                 self.enqueue(caller, &new, &op).await
             }
-            Dialect::E2b => self.compose_now(&new, &payload).await,
+            Dialect::E2b => self.compose_now(caller, &new, &payload).await,
         }
     }
 
@@ -250,6 +250,7 @@ impl Api {
                 }
             }
             registered(&mut tx, new.template, Dialect::Native.template_field()).await?;
+            within_quota(&mut tx, caller).await?;
             store::insert_sandbox(&mut tx, new).await.map_err(db)?;
             match store::insert_operation(&mut tx, op).await {
                 Ok(()) => {}
@@ -269,9 +270,15 @@ impl Api {
     /// Inserts a sandbox and composes its policy in the same transaction
     /// (the queued create's code, run now): `201` once it has its policy;
     /// `503` when a retry may succeed, `400` when none will.
-    async fn compose_now(&self, new: &NewSandbox<'_>, payload: &Value) -> Result<Reply, Reply> {
+    async fn compose_now(
+        &self,
+        caller: &Tenant,
+        new: &NewSandbox<'_>,
+        payload: &Value,
+    ) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
         registered(&mut tx, new.template, Dialect::E2b.template_field()).await?;
+        within_quota(&mut tx, caller).await?;
         store::insert_sandbox(&mut tx, new).await.map_err(db)?;
         if let Err(f) = ops::create(&mut tx, &self.deployment, &self.metrics, new.id, payload).await
         {
@@ -285,6 +292,27 @@ impl Api {
         tx.commit().await.map_err(db)?;
         Ok(Dialect::E2b.created(new.template, new.id, None))
     }
+}
+
+/// `429` when the caller's tenant already holds its `max_sandboxes`
+/// (counted under a lock on the tenant, to the transaction's end).
+pub(super) async fn within_quota(
+    tx: &mut sqlx::PgConnection,
+    caller: &Tenant,
+) -> Result<(), Reply> {
+    let held = store::held_by_tenant(tx, &caller.tenant)
+        .await
+        .map_err(db)?;
+    if held >= i64::from(caller.max_sandboxes) {
+        return Err(error(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!(
+                "tenant {:?} holds {held} sandboxes, its max_sandboxes ({}): destroy one first",
+                caller.tenant, caller.max_sandboxes
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `400` naming `field` unless `template` is registered.

@@ -129,6 +129,7 @@ impl Api {
                     return Ok(Some(replay));
                 }
             }
+            super::create::within_quota(&mut tx, caller).await?;
             let Some(sandbox) = pools::claim(&mut tx, &req.claim).await.map_err(db)? else {
                 self.count_claim("empty");
                 return Ok(None);

@@ -586,3 +586,59 @@ async fn a_create_queued_for_a_sandbox_destroyed_meanwhile_does_nothing() {
         .get(&egress_policy::SandboxId::new(&id))
         .is_none());
 }
+
+/// A tenant holds at most its `max_sandboxes` at once: a create (native or
+/// E2B) or a fork past it is `429`, a destroyed sandbox frees its place,
+/// and creates racing at the limit do not both pass. One tenant could take
+/// every worker's addresses before.
+#[tokio::test]
+async fn a_tenant_holds_at_most_its_max_sandboxes() {
+    let url = db!();
+    let w = world(
+        &url,
+        deployment(Some(PROFILES), Some(EXEMPTIONS)),
+        template(),
+    )
+    .await;
+    let api = &w.api;
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let (s, v) = create(api, QUOTA, &[], json!({"template": "base"})).await;
+        assert_eq!(s, 202, "{v}");
+        let op = settled(api, QUOTA, v["operation"].as_str().expect("op")).await;
+        assert_eq!(op["state"], json!("succeeded"), "{op}");
+        ids.push(v["sandbox"].as_str().expect("id").to_owned());
+    }
+    let (s, v) = create(api, QUOTA, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 429, "{v}");
+    assert!(v.to_string().contains("max_sandboxes (2)"), "{v}");
+    let e2b = json!({"templateID": "base"});
+    let (s, v) = call(api.addr, "POST", "/sandboxes", Some(QUOTA), &[], Some(e2b)).await;
+    assert_eq!(s, 429, "{v}");
+    let fork = format!("/v1/sandboxes/{}/fork", ids[0]);
+    let (s, v) = call(api.addr, "POST", &fork, Some(QUOTA), &[], None).await;
+    assert_eq!(s, 429, "{v}");
+    // Another tenant is not held back by t3's.
+    let (s, v) = create(api, FEDERATED, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 202, "{v}");
+    let gone = format!("/v1/sandboxes/{}", ids[0]);
+    let (s, v) = call(api.addr, "DELETE", &gone, Some(QUOTA), &[], None).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = create(api, QUOTA, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 202, "a destroyed sandbox frees its place: {v}");
+
+    let racing = (0..8).map(|_| {
+        let addr = api.addr;
+        tokio::spawn(async move {
+            let body = Some(json!({"template": "base"}));
+            call(addr, "POST", "/v1/sandboxes", Some(QUOTA_RACE), &[], body).await
+        })
+    });
+    let mut created = 0;
+    for r in futures::future::join_all(racing).await {
+        let (s, v) = r.expect("task");
+        assert!(s == 202 || s == 429, "{s} {v}");
+        created += usize::from(s == 202);
+    }
+    assert_eq!(created, 3, "creates racing at the limit");
+}

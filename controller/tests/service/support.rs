@@ -23,6 +23,10 @@ use sqlx::{Connection, Executor};
 pub const ADMIN: &str = "admin-token-0123456789";
 pub const FEDERATED: &str = "fed-token-0123456789ab";
 pub const PLAIN: &str = "plain-token-0123456789";
+/// Tenant `t3`, which may hold two sandboxes at once.
+pub const QUOTA: &str = "quota-token-0123456789";
+/// Tenant `t4`, which may hold three.
+pub const QUOTA_RACE: &str = "quota-race-token-0123456789";
 
 pub const PROFILES: &str = r#"{
     "audit": {"default": true, "allow": [{"domain": "audit.example.test"}]},
@@ -37,7 +41,9 @@ pub fn tenants() -> Arc<Tenants> {
             r#"{{"tokens": {{
                 "{ADMIN}": {{"tenant": "ops", "federated": true, "admin": true}},
                 "{FEDERATED}": {{"tenant": "t1", "federated": true}},
-                "{PLAIN}": {{"tenant": "t2", "federated": false}}
+                "{PLAIN}": {{"tenant": "t2", "federated": false}},
+                "{QUOTA}": {{"tenant": "t3", "max_sandboxes": 2}},
+                "{QUOTA_RACE}": {{"tenant": "t4", "max_sandboxes": 3}}
             }}}}"#
         ))
         .expect("tenants"),
