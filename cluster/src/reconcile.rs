@@ -51,9 +51,17 @@ pub struct Context {
     pub worker: Worker,
     /// How often a converged Machine is checked again.
     pub resync: Duration,
-    /// Consecutive failures per Machine, for the backoff.
+    /// Consecutive failures per Machine, for the backoff. A Machine
+    /// deleted while failing is not reconciled again to clear its entry:
+    /// past [`PRUNE_ABOVE`] entries, those the controller's cache no longer
+    /// holds are dropped.
     failures: Mutex<HashMap<String, u32>>,
+    /// The controller's cache of the node's Machines (set by [`run`]).
+    live: std::sync::OnceLock<kube::runtime::reflector::Store<Machine>>,
 }
+
+/// Failure entries kept before those of deleted Machines are looked for.
+const PRUNE_ABOVE: usize = 64;
 
 impl Context {
     pub fn new(client: Client, worker: Worker, resync: Duration) -> Arc<Self> {
@@ -62,7 +70,19 @@ impl Context {
             worker,
             resync,
             failures: Mutex::new(HashMap::new()),
+            live: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Whether the Machine `key` (`namespace/name`) is still in the
+    /// controller's cache (without one yet: yes).
+    fn is_live(&self, key: &str) -> bool {
+        let Some(store) = self.live.get() else {
+            return true;
+        };
+        let (namespace, name) = key.split_once('/').unwrap_or(("", key));
+        let object = kube::runtime::reflector::ObjectRef::<Machine>::new(name).within(namespace);
+        store.get(&object).is_some()
     }
 
     fn failures(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
@@ -160,6 +180,9 @@ pub fn backoff(failures: u32) -> Duration {
 fn error_policy(m: Arc<Machine>, err: &ReconcileError, ctx: Arc<Context>) -> Action {
     let n = {
         let mut failures = ctx.failures();
+        if failures.len() >= PRUNE_ABOVE {
+            prune(&mut failures, |k| ctx.is_live(k));
+        }
         let n = failures.entry(key(&m)).or_insert(0);
         *n = n.saturating_add(1);
         *n
@@ -169,11 +192,18 @@ fn error_policy(m: Arc<Machine>, err: &ReconcileError, ctx: Arc<Context>) -> Act
     Action::requeue(wait)
 }
 
+/// Drops the failure entries of Machines `live` says are gone.
+fn prune(failures: &mut HashMap<String, u32>, live: impl Fn(&str) -> bool) {
+    failures.retain(|k, _| live(k));
+}
+
 /// Runs the controller for the Machines on `node` until the stream ends.
 pub async fn run(ctx: Arc<Context>, node: &str) {
     let api: Api<Machine> = Api::all(ctx.client.clone());
     let selector = format!("{NODE_LABEL}={node}");
-    Controller::new(api, watcher::Config::default().labels(&selector))
+    let controller = Controller::new(api, watcher::Config::default().labels(&selector));
+    let _ = ctx.live.set(controller.store());
+    controller
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
@@ -186,8 +216,17 @@ pub async fn run(ctx: Arc<Context>, node: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::backoff;
+    use super::{backoff, prune};
+    use std::collections::HashMap;
     use std::time::Duration;
+
+    #[test]
+    fn failures_of_deleted_machines_are_dropped() {
+        let mut failures: HashMap<String, u32> =
+            [("ns/gone", 3), ("ns/kept", 1)].map(|(k, n)| (k.to_owned(), n)).into();
+        prune(&mut failures, |k| k == "ns/kept");
+        assert_eq!(failures.keys().collect::<Vec<_>>(), ["ns/kept"]);
+    }
 
     #[test]
     fn backoff_doubles_to_five_minutes() {
