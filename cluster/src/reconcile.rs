@@ -222,8 +222,9 @@ mod tests {
 
     #[test]
     fn failures_of_deleted_machines_are_dropped() {
-        let mut failures: HashMap<String, u32> =
-            [("ns/gone", 3), ("ns/kept", 1)].map(|(k, n)| (k.to_owned(), n)).into();
+        let mut failures: HashMap<String, u32> = [("ns/gone", 3), ("ns/kept", 1)]
+            .map(|(k, n)| (k.to_owned(), n))
+            .into();
         prune(&mut failures, |k| k == "ns/kept");
         assert_eq!(failures.keys().collect::<Vec<_>>(), ["ns/kept"]);
     }

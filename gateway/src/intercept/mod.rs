@@ -347,6 +347,18 @@ impl Conn {
         self.draining() || !self.dp.registry.holds(self.src, &self.sandbox.id)
     }
 
+    /// Why a connection stopped at a boundary ([`Conn::stopping`]): its
+    /// sandbox gone (the flow's error, as a spliced flow's), or `None` for
+    /// a drain.
+    fn stop_cause(&self) -> Option<Ended> {
+        (!self.dp.registry.holds(self.src, &self.sandbox.id)).then(|| {
+            ended(
+                crate::fault::Fault::SANDBOX_REMOVED,
+                "gateway_sandbox_removed".into(),
+            )
+        })
+    }
+
     /// The registration a request on this connection is judged under: the
     /// one its source address belongs to now, so a push applies from the
     /// next request on. `None` once the flow's sandbox is deleted or the

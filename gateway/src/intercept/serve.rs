@@ -65,7 +65,7 @@ where
             h2 = sniff(&mut io) => break h2,
             why = watch.next(|| conn.stopping()) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
-                Quiet::Stop => return finish(&conn, None).await,
+                Quiet::Stop => return finish(&conn, conn.stop_cause()).await,
                 Quiet::Lull | Quiet::Rest => {}
             },
         }
@@ -129,7 +129,9 @@ where
             },
         }
     };
-    finish(&conn, served.err().map(|e| connection_error(&e))).await
+    let error = served.err().map(|e| connection_error(&e));
+    let error = error.or_else(|| stopping.then(|| conn.stop_cause()).flatten());
+    finish(&conn, error).await
 }
 
 /// The service of an HTTP/2 connection: each request through the stages.
@@ -282,7 +284,7 @@ where
                 Quiet::Idle => break Err(idle_timeout(conn)),
                 Quiet::Stop => {
                     let _ = tokio::time::timeout(CLOSE_WAIT, io.shutdown()).await;
-                    break Err(finish(conn, None).await);
+                    break Err(finish(conn, conn.stop_cause()).await);
                 }
                 Quiet::Lull | Quiet::Rest => {}
             },

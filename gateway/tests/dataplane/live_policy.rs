@@ -101,6 +101,10 @@ async fn an_idle_connection_ends_when_its_sandbox_is_deleted() {
         h1_closed_within(&h1, Duration::from_secs(3)).await,
         "closed within a tick of the delete"
     );
+    // Its flow says why, as a spliced stream's does.
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
+    assert_eq!(line["requests"], 1, "{line}");
 }
 
 /// An origin address no other test uses.
