@@ -142,9 +142,12 @@ impl Conn {
     ) -> Result<(), ForwardError> {
         // Plain connections verify nothing: no name in their key.
         let name = verify_as.filter(|_| self.tls);
-        let reusable = held
-            .as_ref()
-            .is_some_and(|(k, s)| k.is(self.dst, self.tls, name, h2) && s.usable());
+        // The way out as the registration says now: a push that names
+        // another applies from the next request.
+        let route = self.route();
+        let reusable = held.as_ref().is_some_and(|(k, s)| {
+            k.is(self.dst, self.tls, name, h2) && k.via.as_ref() == route.proxy() && s.usable()
+        });
         if reusable {
             return Ok(());
         }
@@ -156,13 +159,13 @@ impl Conn {
             dst: self.dst,
             tls: self.tls,
             name: name.cloned(),
-            via: self.route().proxy().cloned(),
+            via: route.proxy().cloned(),
             h2,
         };
         let sender = match self.up.pool.take(&key) {
             Some(s) => s,
             None => {
-                let fresh = self.connect(verify_as, h2).await?;
+                let fresh = self.connect(&route, verify_as, h2).await?;
                 // An HTTP/2 connection multiplexes: pooled at once, the
                 // sandbox's other client connections to the same
                 // destination and name take it, instead of each idle
@@ -188,7 +191,7 @@ impl Conn {
         authority: &str,
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut req);
-        let mut sender = match self.connect(verify_as, false).await {
+        let mut sender = match self.connect(&self.route(), verify_as, false).await {
             Ok(Sender::H1(s)) => s,
             Ok(Sender::H2(_)) => {
                 self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
@@ -239,9 +242,12 @@ impl Conn {
         resp.map(boxed)
     }
 
-    /// The way out for this sandbox: direct or through the operator's proxy.
+    /// The way out for this sandbox, as its registration says now: direct
+    /// or through the operator's proxy.
     fn route(&self) -> Route {
-        self.dp.proxies.route(self.sandbox.upstream_proxy.as_ref())
+        let now = self.sandbox_now();
+        let sandbox = now.as_deref().unwrap_or(&self.sandbox);
+        self.dp.proxies.route(sandbox.upstream_proxy.as_ref())
     }
 
     /// Opens a connection to the original destination (see
@@ -251,13 +257,13 @@ impl Conn {
     /// mostly does not, is that much smaller to build and move.
     async fn connect(
         &self,
+        route: &Route,
         verify_as: Option<&Hostname>,
         allow_h2: bool,
     ) -> Result<Sender, ForwardError> {
         let config = self.dp.config();
-        let route = self.route();
         Box::pin(self.up.connect(
-            (self.dst, &route),
+            (self.dst, route),
             self.tls,
             verify_as,
             allow_h2,

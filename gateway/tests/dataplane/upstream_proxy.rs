@@ -376,3 +376,54 @@ async fn a_proxy_that_refuses_closes_or_stays_silent_is_a_502_that_says_so() {
     );
     assert!(peers.lock().expect("lock").is_empty(), "never direct");
 }
+
+/// A registration that names another way out applies from the next request
+/// on an open connection: the upstream connection it held (opened direct)
+/// is not used for it. It went on direct before.
+#[tokio::test]
+async fn a_changed_way_out_applies_to_the_next_request_on_an_open_connection() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (corp, seen) = proxy(Mode::Relay).await;
+    let e = env(Options {
+        extra: section(dir.path(), None, &[("corp", corp)]),
+        ..Options::default()
+    })
+    .await;
+    assert_eq!(register(&e, "").await.0, 200);
+    let (tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("the gateway terminates TLS");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .expect("h1");
+    tokio::spawn(conn);
+    let send = async |sender: &mut hyper::client::conn::http1::SendRequest<_>| {
+        let req = hyper::Request::builder()
+            .uri("/hello")
+            .header("host", "api.example.test")
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .expect("request");
+        let resp = sender.send_request(req).await.expect("answer");
+        let status = resp.status().as_u16();
+        let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+        status
+    };
+    assert_eq!(send(&mut sender).await, 200);
+    assert!(seen.heads().is_empty(), "direct: {:?}", seen.heads());
+
+    let (status, body) = register(&e, r#", "upstream_proxy": "corp""#).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(send(&mut sender).await, 200);
+    let heads = seen.heads();
+    assert_eq!(
+        heads.len(),
+        1,
+        "the next request went through corp: {heads:?}"
+    );
+    assert!(
+        heads[0].starts_with(&format!("CONNECT {} HTTP/1.1\r\n", e.origins.api)),
+        "{heads:?}"
+    );
+}
