@@ -25,6 +25,8 @@
 //! A policy push that changes an entry's limit keeps the entry's state,
 //! capped at the new capacity. About 120 bytes a state: 8 MiB at 65,536.
 
+pub(crate) mod saved;
+
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::BuildHasher;

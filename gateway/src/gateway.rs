@@ -210,6 +210,7 @@ impl Gateway {
     ) -> Result<Self, StartError> {
         // Before anything in the state directory is read or written.
         let lock = lock(&config, taken.is_some())?;
+        let cold = taken.is_none();
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let token = token(&config)?;
@@ -240,6 +241,9 @@ impl Gateway {
         dp.resolver = Some(dns.clone());
         let dp = Arc::new(dp);
         take_over_budgets(&dp, budgets);
+        if cold {
+            take_saved_budgets(&dp);
+        }
         dp.reload_secrets();
         let mut gateway = Self {
             dp,
@@ -366,6 +370,7 @@ impl Gateway {
         self.dp.draining.store(true, Ordering::Release);
         self.workers.phase.send_replace(Phase::Draining);
         self.tasks.shutdown().await;
+        let handed = successor.is_some();
         if let Some(successor) = successor {
             self.hand_over(successor).await;
         }
@@ -379,6 +384,9 @@ impl Gateway {
                 Ok(_) => 0,
                 Err(_) => max - self.slots.available_permits(),
             };
+        if !handed {
+            save_budgets(&self.dp);
+        }
         self.workers.phase.send_replace(Phase::Exit);
         let threads = std::mem::take(&mut self.workers.threads);
         let _ = tokio::task::spawn_blocking(move || {
@@ -467,6 +475,36 @@ fn take_over_budgets(dp: &Dataplane, lines: Vec<crate::budget::Spent>) {
     let known = |id: &egress_policy::SandboxId| dp.registry.get(id).is_some();
     let taken = dp.budgets.take_over(lines, dp.cache.now(), known);
     tracing::info!(taken, of = total, "budget states taken over");
+}
+
+/// Takes over the budget states the last gateway on this state directory
+/// wrote when it stopped ([`crate::budget::saved`]); a file that does not
+/// read back leaves every state full, as before, and says so.
+fn take_saved_budgets(dp: &Dataplane) {
+    let dir = &dp.config().state_dir;
+    match crate::budget::saved::take(dir, std::time::SystemTime::now()) {
+        Ok(lines) => take_over_budgets(dp, lines),
+        Err(e) => {
+            tracing::error!(error = %e, "the budget states of the last stop could not be read: they start full")
+        }
+    }
+}
+
+/// Writes the budget states that are not full for the next gateway on this
+/// state directory (a stop without a successor, after the drain).
+fn save_budgets(dp: &Dataplane) {
+    let spent = dp.budgets.spent(dp.cache.now());
+    if spent.is_empty() {
+        return;
+    }
+    let n = spent.len();
+    let dir = &dp.config().state_dir;
+    match crate::budget::saved::save(dir, spent, std::time::SystemTime::now()) {
+        Ok(()) => tracing::info!(states = n, "budget states written for the next start"),
+        Err(e) => {
+            tracing::error!(error = %e, "the budget states could not be written: the next start begins them full")
+        }
+    }
 }
 
 /// Restores a predecessor's attribution for the sandboxes the recovered

@@ -72,6 +72,54 @@ async fn a_restart_enforces_the_last_push_before_any_new_one() {
     assert_eq!(flow(&gw, SANDBOX, b"denied").await, None);
 }
 
+/// What a sandbox spent of its budgets is still spent after a stop and a
+/// start on the same state directory; it started full again before.
+#[tokio::test]
+async fn budget_states_survive_a_restart() {
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    let gw = start(config(dir.path(), ""), origin).await;
+    let doc = format!(
+        r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}],
+            "budgets": [{{"destination": "*", "bytes_per_hour": 1024}}]}}}}"#
+    );
+    let put = http(
+        gw.bound().admin,
+        "PUT",
+        "/v1/sandboxes/sb",
+        None,
+        Some(&doc),
+    )
+    .await;
+    assert_eq!(put.0, 200, "{put:?}");
+    assert!(
+        flow(&gw, SANDBOX, b"small").await.is_some(),
+        "within the budget"
+    );
+    assert_eq!(
+        flow(&gw, SANDBOX, &[b'x'; 4096]).await,
+        None,
+        "cut at the budget"
+    );
+    assert_eq!(
+        flow(&gw, SANDBOX, b"spent").await,
+        None,
+        "refused once spent"
+    );
+    gw.run_until(async {}).await;
+    let saved = dir.path().join("budgets.json");
+    assert!(saved.exists(), "written at the stop");
+
+    let gw = start(config(dir.path(), ""), origin).await;
+    assert_eq!(
+        flow(&gw, SANDBOX, b"after").await,
+        None,
+        "still spent after the restart"
+    );
+    assert!(!saved.exists(), "taken once");
+    gw.run_until(async {}).await;
+}
+
 #[tokio::test]
 async fn a_corrupt_snapshot_fails_loudly() {
     let dir = tempfile::tempdir().expect("dir");

@@ -1,0 +1,117 @@
+//! Budget states across a cold restart: a gateway that stops without a
+//! successor writes the states that are not full to `budgets.json` in its
+//! state directory, after its flows drained, and the next gateway on that
+//! directory takes them over at start, as a successor takes a handed-over
+//! set, then removes the file. The buckets' time is kept as an age, and
+//! the time the gateway was down is added to it (by the wall clock: a clock
+//! set back adds nothing), so a state refills as it would have. A gateway
+//! that crashed wrote nothing: its sandboxes start full.
+
+use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::Spent;
+
+/// The file in the state directory.
+pub(crate) const FILE: &str = "budgets.json";
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Saved {
+    /// When it was written: Unix milliseconds.
+    written_at_ms: u64,
+    budgets: Vec<Spent>,
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Writes `budgets` (atomically) for the next start on `dir`.
+pub(crate) fn save(dir: &Path, budgets: Vec<Spent>, now: SystemTime) -> std::io::Result<()> {
+    let saved = Saved {
+        written_at_ms: unix_ms(now),
+        budgets,
+    };
+    let bytes = serde_json::to_vec(&saved).map_err(std::io::Error::other)?;
+    egress_api::file::write_atomically(dir, FILE, &bytes)
+}
+
+/// The states the last gateway on `dir` wrote, aged by the time since,
+/// and the file removed (read once). None written: none. A file that does
+/// not read back is an error (and removed too): its states start full.
+pub(crate) fn take(dir: &Path, now: SystemTime) -> Result<Vec<Spent>, String> {
+    let path = dir.join(FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    if let Err(e) = std::fs::remove_file(&path) {
+        return Err(format!(
+            "{}: {e} (not taken: it would be taken again)",
+            path.display()
+        ));
+    }
+    let saved: Saved =
+        serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let down = unix_ms(now).saturating_sub(saved.written_at_ms);
+    let mut budgets = saved.budgets;
+    for spent in &mut budgets {
+        for bucket in [&mut spent.requests, &mut spent.bytes]
+            .into_iter()
+            .flatten()
+        {
+            bucket.age_ms = bucket.age_ms.saturating_add(down);
+        }
+    }
+    Ok(budgets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::SpentBucket;
+    use std::time::Duration;
+
+    fn spent(age_ms: u64) -> Spent {
+        Spent {
+            sandbox: "sb1".into(),
+            destination: serde_json::from_str(r#""*.example.test""#).expect("destination"),
+            requests: Some(SpentBucket {
+                units: 7,
+                age_ms,
+                rate: 3,
+                period: 60_000,
+            }),
+            bytes: None,
+        }
+    }
+
+    #[test]
+    fn states_come_back_aged_by_the_time_down_once() {
+        let dir = tempfile::tempdir().expect("dir");
+        let at = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        assert_eq!(take(dir.path(), at), Ok(Vec::new()), "none written");
+        save(dir.path(), vec![spent(500)], at).expect("save");
+        let later = at + Duration::from_secs(20);
+        let back = take(dir.path(), later).expect("take");
+        assert_eq!(back, [spent(20_500)]);
+        assert_eq!(take(dir.path(), later), Ok(Vec::new()), "taken once");
+
+        // A clock set back adds nothing.
+        save(dir.path(), vec![spent(500)], later).expect("save");
+        assert_eq!(take(dir.path(), at).expect("take"), [spent(500)]);
+
+        std::fs::write(dir.path().join(FILE), b"{not json").expect("write");
+        let e = take(dir.path(), at).expect_err("corrupt");
+        assert!(e.contains(FILE), "{e}");
+        assert!(
+            !dir.path().join(FILE).exists(),
+            "a corrupt file is not read again"
+        );
+    }
+}
