@@ -223,15 +223,7 @@ impl Gateway {
         let committer = recover(&config, &registry, &cache, attributed)?;
         let offer = offer(&config, &listeners);
         // Every VM's table, before a single flow is served.
-        let neighbours = crate::neighbours::Neighbours {
-            registry: registry.clone(),
-            cache: cache.clone(),
-        };
-        let machines = egress_machine::Machines::start(
-            &config.machine_egress,
-            &config.state_dir,
-            Arc::new(neighbours),
-        )?;
+        let machines = machines(&config, &registry, &cache)?;
         let metrics = metrics((&dns, &cache, &minter), &machines, &flow_log, &up);
         let ca = CaReloader::new(minter, &config, metrics.ca_reloads.clone());
         let slots = Arc::new(Semaphore::new(config.limits.max_connections));
@@ -240,10 +232,7 @@ impl Gateway {
         dp.kernel = kernel;
         dp.resolver = Some(dns.clone());
         let dp = Arc::new(dp);
-        take_over_budgets(&dp, budgets);
-        if cold {
-            take_saved_budgets(&dp);
-        }
+        take_budgets(&dp, budgets, cold);
         dp.reload_secrets();
         let mut gateway = Self {
             dp,
@@ -475,6 +464,32 @@ fn take_over_budgets(dp: &Dataplane, lines: Vec<crate::budget::Spent>) {
     let known = |id: &egress_policy::SandboxId| dp.registry.get(id).is_some();
     let taken = dp.budgets.take_over(lines, dp.cache.now(), known);
     tracing::info!(taken, of = total, "budget states taken over");
+}
+
+/// Machine egress, started with every VM's table in place.
+fn machines(
+    config: &Config,
+    registry: &Arc<Registry>,
+    cache: &Arc<AttributionCache>,
+) -> Result<Arc<egress_machine::Machines>, StartError> {
+    let neighbours = crate::neighbours::Neighbours {
+        registry: registry.clone(),
+        cache: cache.clone(),
+    };
+    Ok(egress_machine::Machines::start(
+        &config.machine_egress,
+        &config.state_dir,
+        Arc::new(neighbours),
+    )?)
+}
+
+/// The budget states a predecessor handed over, and on a cold start those
+/// the last gateway on the state directory wrote when it stopped.
+fn take_budgets(dp: &Dataplane, handed: Vec<crate::budget::Spent>, cold: bool) {
+    take_over_budgets(dp, handed);
+    if cold {
+        take_saved_budgets(dp);
+    }
 }
 
 /// Takes over the budget states the last gateway on this state directory
