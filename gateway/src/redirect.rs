@@ -1,7 +1,8 @@
 //! `egress-gateway redirect`: the nftables rules that send sandbox
 //! interfaces' traffic to the gateway — TCP to the transparent listener, DNS
-//! to 8.8.8.8 and 1.1.1.1 to their DNS listeners — and drop every other UDP
-//! from them (QUIC falls back to TCP).
+//! to 8.8.8.8 and 1.1.1.1 to their DNS listeners — drop every other UDP
+//! from them (QUIC falls back to TCP), and forward nothing of theirs (ICMP
+//! and every other protocol stay on the worker).
 //!
 //! Two tables work together so that a sandbox never has a moment of egress
 //! outside the gateway:
@@ -89,6 +90,13 @@ table inet {table} {{
         iifname "{iface}" ip daddr 8.8.8.8 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns}
         iifname "{iface}" ip daddr 1.1.1.1 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_alt}
         iifname "{iface}" meta l4proto tcp redirect to :{transparent}
+    }}
+    # What the redirect sends on is delivered to the gateway; anything else
+    # (ICMP, other IP protocols, TCP conntrack calls invalid, which NAT
+    # leaves alone) must not be routed past it, forwarding on or not.
+    chain no_forward {{
+        type filter hook forward priority filter - 20; policy accept;
+        iifname "{iface}" counter drop
     }}
 }}
 # Through the fence (if one is installed), in the same transaction.
@@ -182,6 +190,7 @@ mod tests {
             r.contains("ip daddr 1.1.1.1 meta l4proto { tcp, udp } th dport 53 redirect to :15054")
         );
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto udp counter drop"#));
+        assert!(r.contains("type filter hook forward priority filter - 20; policy accept;\n        iifname \"tap-sb1\" counter drop"), "{r}");
         // DNS redirects come before the catch-all TCP redirect.
         assert!(
             r.find("dport 53 redirect").expect("dns")
