@@ -63,9 +63,15 @@ enum Command {
     },
 }
 
+/// A token file's token (surrounding white space dropped); an empty one
+/// is refused: no Authorization header would be sent, and every call
+/// would fail as unauthorized for as long as the process ran.
 fn read_token(path: &std::path::Path) -> Result<String, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(text.trim().to_owned())
+    match text.trim() {
+        "" => Err(format!("{}: the token file is empty", path.display())),
+        token => Ok(token.to_owned()),
+    }
 }
 
 #[tokio::main]
@@ -141,5 +147,23 @@ async fn run(command: Command) -> Result<(), String> {
             relay::serve(listener, config).await;
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_token;
+
+    #[test]
+    fn an_empty_token_file_is_refused() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("token");
+        for empty in ["", " \n", "\n\n"] {
+            std::fs::write(&path, empty).expect("write");
+            let e = read_token(&path).expect_err(empty);
+            assert!(e.contains("the token file is empty"), "{e}");
+        }
+        std::fs::write(&path, "worker-token-0123456789\n").expect("write");
+        assert_eq!(read_token(&path).expect("token"), "worker-token-0123456789");
     }
 }

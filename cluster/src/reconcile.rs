@@ -43,7 +43,12 @@ pub enum ReconcileError {
     Worker(#[from] WorkerError),
     #[error("patching the annotation: {0}")]
     Kube(#[from] kube::Error),
+    #[error("the reconcile took longer than {0:?}")]
+    Timeout(Duration),
 }
+
+/// Longest one reconcile may take (its worker calls and its patch).
+const RECONCILE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The reconciler's shared state.
 pub struct Context {
@@ -161,7 +166,12 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
 }
 
 async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
-    let done = reconcile_one(&m, &ctx).await?;
+    // The worker's calls have their own timeout; the Kubernetes client's
+    // patch has none, and a hung one would hold this Machine (its later
+    // changes included) for good.
+    let done = tokio::time::timeout(RECONCILE_TIMEOUT, reconcile_one(&m, &ctx))
+        .await
+        .map_err(|_| ReconcileError::Timeout(RECONCILE_TIMEOUT))??;
     ctx.failures().remove(&key(&m));
     Ok(match done {
         Done::NotRunning | Done::Invalid(_) => Action::await_change(),
@@ -207,8 +217,13 @@ pub async fn run(ctx: Arc<Context>, node: &str) {
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "controller event");
+            // A failed watch or list (the API server unreachable, a Machine
+            // that does not deserialize) stops all reconciling on the node:
+            // said at warn, where the deployment's log level shows it.
+            // A failed reconcile is said by `error_policy` already.
+            match r {
+                Err(kube::runtime::controller::Error::ReconcilerFailed(..)) | Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "watching the node's Machines failed"),
             }
         })
         .await;
