@@ -14,6 +14,10 @@ use crate::reply::Reply;
 /// connection is closed: an idle or trickling client holds no task forever.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// HTTP/2 streams one connection may have open at once (hyper's default is
+/// 200): what one client can ask at once stays small.
+pub const MAX_STREAMS: u32 = 64;
+
 /// How long a connection may go without a request in flight before it is
 /// closed (an HTTP/2 connection holds no request head to time out, and an
 /// idle one would keep its slot of [`MAX_CONNECTIONS`] for good).
@@ -141,13 +145,15 @@ pub async fn serve_at_most<F, Fut>(
     }
 }
 
-/// Serves one connection until it ends, or until no request has been in
-/// flight on it for `idle`.
-async fn serve_one<F, Fut>(
-    stream: tokio::net::TcpStream,
+/// Serves one connection (a TCP stream, or TLS over one) until it ends, or
+/// until no request has been in flight on it for `idle`. HTTP/1.1 request
+/// heads must arrive within [`HEAD_TIMEOUT`].
+pub async fn serve_one<I, F, Fut>(
+    stream: I,
     (name, peer, idle): (&'static str, std::net::SocketAddr, Duration),
     handle: F,
 ) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Reply> + Send + 'static,
 {
@@ -167,6 +173,7 @@ async fn serve_one<F, Fut>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT);
+    builder.http2().max_concurrent_streams(MAX_STREAMS);
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
     let served = tokio::select! {

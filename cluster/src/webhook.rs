@@ -9,7 +9,6 @@
 //! `egress-gateway machine-egress check` run, so the webhook and the worker
 //! never disagree about a policy.
 
-use std::convert::Infallible;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +17,6 @@ use egress_policy::machine::MachineEgress;
 use http::{header, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::core::response::StatusSummary;
 use kube::core::DynamicObject;
@@ -39,6 +37,13 @@ pub const REVIEW_API_VERSION: &str = "admission.k8s.io/v1";
 pub const MAX_BODY: usize = 1 << 20;
 /// A TLS handshake (and the request head after it) must complete within this.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once; past it a new one is closed. The API server
+/// keeps a few; anyone else in the cluster could otherwise open thousands.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Reviews whose bodies are read and decided at once (each up to
+/// [`MAX_BODY`]): what the parsing may hold is bounded, whatever the number
+/// of connections and HTTP/2 streams.
+pub const MAX_REVIEWS: usize = 16;
 
 /// The body is not an `AdmissionReview` the webhook can answer.
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +114,17 @@ fn decide(req: &AdmissionRequest<DynamicObject>) -> Result<AdmissionResponse, Re
     let Some(egress) = egress.filter(|v| !v.is_null()) else {
         return Ok(allowed);
     };
+    // An update that leaves the policy as stored, or one of a Machine being
+    // deleted (a finalizer removed), is not the policy's to refuse: a
+    // policy stored before a stricter check would otherwise block every
+    // later update, the deletion's included. The worker still refuses it.
+    if req.operation == Operation::Update {
+        let old = req.old_object.as_ref();
+        let unchanged = old.and_then(|o| o.data.pointer("/spec/network/egress")) == Some(egress);
+        if unchanged || object.metadata.deletion_timestamp.is_some() {
+            return Ok(allowed);
+        }
+    }
     match MachineEgress::from_value(egress) {
         Ok(_) => Ok(allowed),
         Err(problems) => {
@@ -193,6 +209,8 @@ pub fn tls_config(
 /// `400 {"error": ..}`; other paths `404`, other methods `405`.
 pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let reviews = Arc::new(tokio::sync::Semaphore::new(MAX_REVIEWS));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -203,8 +221,13 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
                 continue;
             }
         };
-        let acceptor = acceptor.clone();
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, max = MAX_CONNECTIONS, "webhook connection refused: as many served as may be");
+            continue;
+        };
+        let (acceptor, reviews) = (acceptor.clone(), reviews.clone());
         tokio::spawn(async move {
+            let _slot = slot;
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
@@ -216,25 +239,20 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
                     return;
                 }
             };
-            let service =
-                hyper::service::service_fn(
-                    |req| async move { Ok::<_, Infallible>(handle(req).await) },
-                );
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HANDSHAKE_TIMEOUT);
-            if let Err(e) = builder.serve_connection(TokioIo::new(tls), service).await {
-                tracing::debug!(%peer, error = %e, "webhook connection ended");
-            }
+            let handle = move |req| handle(req, reviews.clone());
+            let limits = ("webhook", peer, egress_api::serve::IDLE_TIMEOUT);
+            egress_api::serve::serve_one(tls, limits, handle).await;
         });
     }
 }
 
-async fn handle(req: Request<Incoming>) -> Reply {
+async fn handle(req: Request<Incoming>, reviews: Arc<tokio::sync::Semaphore>) -> Reply {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
+    // Closed only when the process ends.
+    let Ok(_review) = reviews.acquire_owned().await else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down", None);
+    };
     let reply = route(req).await;
     tracing::info!(%method, %path, status = reply.status().as_u16(), "webhook");
     reply

@@ -248,8 +248,18 @@ fn every_problem_is_reported() {
 #[test]
 fn updates_are_checked_deletes_and_other_kinds_are_not() {
     let bad = json!({ "mode": "open", "rules": [{ "cidr": "10.0.0.0/8" }] });
+    let mut doc = machine_review("UPDATE", Some(bad.clone()));
+    doc["request"]["oldObject"]["spec"]["network"]["egress"] = json!({ "mode": "loopback" });
+    let r = respond(&doc);
+    assert_eq!(r["allowed"], false, "a policy changed to a bad one: {r}");
+    // An update that leaves a stored bad policy as it is (one stored before
+    // the check was stricter), or of a Machine being deleted (a finalizer
+    // removed), is not refused: it would block the deletion for good.
     let r = respond(&machine_review("UPDATE", Some(bad.clone())));
-    assert_eq!(r["allowed"], false, "{r}");
+    assert_eq!(r["allowed"], true, "the policy unchanged: {r}");
+    doc["request"]["object"]["metadata"]["deletionTimestamp"] = json!("2025-06-02T10:00:00Z");
+    let r = respond(&doc);
+    assert_eq!(r["allowed"], true, "a Machine being deleted: {r}");
     // DELETE: nothing is stored, nothing to check (the old object is bad).
     let r = respond(&machine_review("DELETE", Some(bad.clone())));
     assert_eq!(r["allowed"], true, "{r}");
