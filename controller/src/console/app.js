@@ -206,10 +206,11 @@ function policySection(doc) {
   for (const list of ["allow", "deny", "tls_interception_exemptions"]) {
     for (const rule of p[list] || []) {
       const o = provenanceOf(list, rule, prov, doc.inherits_template);
-      const extra = rule.http ? " http=" + JSON.stringify(rule.http) : "";
+      // The whole rule: its qualifiers (http, mode, streams) say what it
+      // lets through; shown without them it would read narrower or wider.
       rows.push(el("tr", { "data-list": list },
         el("td", {}, list === "tls_interception_exemptions" ? "exempt from interception" : list),
-        el("td", { class: "mono" }, destText(destinationOf(rule)) + extra),
+        el("td", { class: "mono" }, destText(rule)),
         el("td", { class: "provenance" }, tag(o.source)), el("td", {}, o.detail)));
     }
   }
@@ -307,7 +308,7 @@ function proposalTable(id, list) {
         if (r.status !== 201) button.disabled = false;
       } }, "Approve");
     return el("tr", {},
-      el("td", { class: "mono" }, destText(destinationOf(prop.rule))),
+      el("td", { class: "mono" }, destText(prop.rule)),
       el("td", {}, String(prop.count)),
       el("td", {}, (prop.reasons || []).map((c) => [reasonLink(c), " "])),
       el("td", { class: "mono" }, prop.last_seen || "—"),

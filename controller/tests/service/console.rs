@@ -42,7 +42,8 @@ async fn setup_world(url: String) -> Setup {
     let d = deployment(Some(PROFILES), Some(EXEMPTIONS));
     let api = api(&url, d.clone()).await;
     let template = json!({"default": "deny", "tls_interception": "on",
-                          "allow": [{"domain": "docs.example.test"}]});
+                          "allow": [{"domain": "docs.example.test"},
+                                    {"domain": "git.example.test", "streams": ["ssh"]}]});
     setup(&api, template, gw.bound().admin, "127.0.0.0/29").await;
     let dispatcher = dispatcher(&url, d, limits(5, 60_000, 100)).await;
     Setup {
@@ -172,6 +173,12 @@ async fn an_operator_finds_a_sandbox_reads_provenance_sees_a_denial_and_approves
     );
     let docs = b.eval(&row_of("docs.example.test")).await;
     assert!(docs.as_str().expect("row").contains("tenant"), "{docs}");
+    // A rule's qualifiers are shown with it: what it lets through.
+    let git = b.eval(&row_of("git.example.test")).await;
+    assert!(
+        git.as_str().expect("row").contains(r#"streams=["ssh"]"#),
+        "{git}"
+    );
     let relay = b.eval(&row_of("relay.example.test")).await;
     assert!(
         relay
