@@ -416,7 +416,6 @@ async function operations() {
       el("dl", { class: "facts" },
         el("dt", {}, "Queue depth"), el("dd", { id: "queue-depth" }, String(o.queued)),
         el("dt", {}, "Oldest queued"), el("dd", {}, o.oldest_queued_s.toFixed(1) + " s"),
-        el("dt", {}, "Running"), el("dd", {}, String(o.running)),
         el("dt", {}, "Failed"), el("dd", {}, String(o.failed)), lag),
       el("h2", {}, "Failures and retries"),
       table(["Operation", "Kind", "Sandbox", "State", "Attempts", "Error", "Created"], rows, "No failures."),

@@ -131,7 +131,8 @@ fn worker_status(r: &PgRow) -> Result<WorkerStatus, sqlx::Error> {
 }
 
 /// The queue as `tenant` (all tenants: `None`) sees it: operations by
-/// state (queued, running, failed), the age of the oldest queued one, and
+/// state (queued, failed; one being run is still queued, its row locked),
+/// the age of the oldest queued one, and
 /// the most recent failures and retries with their errors.
 pub async fn operations(
     pool: &PgPool,
@@ -140,7 +141,6 @@ pub async fn operations(
 ) -> Result<Value, sqlx::Error> {
     let counts = sqlx::query(
         "SELECT (SELECT count(*) FROM operations WHERE state = 'queued' AND ($1::text IS NULL OR tenant = $1)) AS queued, \
-         (SELECT count(*) FROM operations WHERE state = 'running' AND ($1::text IS NULL OR tenant = $1)) AS running, \
          (SELECT count(*) FROM operations WHERE state = 'failed' AND ($1::text IS NULL OR tenant = $1)) AS failed, \
          (SELECT COALESCE(max(extract(epoch FROM now() - created_at)), 0)::float8 FROM operations \
             WHERE state = 'queued' AND ($1::text IS NULL OR tenant = $1)) AS oldest_queued_s",
@@ -160,7 +160,6 @@ pub async fn operations(
     let failures = rows.iter().map(failure).collect::<Result<Vec<_>, _>>()?;
     Ok(json!({
         "queued": counts.try_get::<i64, _>("queued")?,
-        "running": counts.try_get::<i64, _>("running")?,
         "failed": counts.try_get::<i64, _>("failed")?,
         "oldest_queued_s": counts.try_get::<f64, _>("oldest_queued_s")?,
         "failures": failures,
