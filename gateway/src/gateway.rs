@@ -247,12 +247,33 @@ impl Gateway {
             committer: committer.clone(),
         };
         gateway.spawn_machine_tasks(&machines);
+        gateway.spawn_fence_keeper();
         gateway.serve(
             listeners,
             &dns,
             Control::new(gateway.dp.clone(), token, committer, machines),
         )?;
         Ok(gateway)
+    }
+
+    /// With `redirect.fence` set, the fence kept in place every
+    /// [`crate::redirect::FENCE_CHECK_EVERY`], installed at once if missing.
+    fn spawn_fence_keeper(&mut self) {
+        if self.dp.config().redirect.fence.is_empty() {
+            return;
+        }
+        let dp = self.dp.clone();
+        self.tasks.spawn(async move {
+            let mut tick = tokio::time::interval(crate::redirect::FENCE_CHECK_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut first = true;
+            loop {
+                tick.tick().await;
+                let dp = dp.clone();
+                let _ = tokio::task::spawn_blocking(move || keep_fence(&dp, first)).await;
+                first = false;
+            }
+        });
     }
 
     /// Machine egress's observer rounds and, with events, the log reader.
@@ -464,6 +485,23 @@ fn take_over_budgets(dp: &Dataplane, lines: Vec<crate::budget::Spent>) {
     let known = |id: &egress_policy::SandboxId| dp.registry.get(id).is_some();
     let taken = dp.budgets.take_over(lines, dp.cache.now(), known);
     tracing::info!(taken, of = total, "budget states taken over");
+}
+
+/// One look at the fence; installed if missing: at start, said once;
+/// later (something removed it), counted and said loudly.
+fn keep_fence(dp: &Dataplane, first: bool) {
+    let patterns = &dp.config().redirect.fence;
+    let installed = || {
+        if first {
+            tracing::info!(?patterns, "installed the fence of sandbox interfaces");
+            return;
+        }
+        dp.metrics.fence_restored.inc();
+        tracing::error!(?patterns, "the fence of sandbox interfaces was gone or emptied; installed it again: attach the sandbox interfaces again (egress-gateway redirect --apply, or restart their egress-gateway-redirect@ units)");
+    };
+    if let Err(e) = crate::redirect::keep_fence(patterns, installed) {
+        tracing::error!(error = %e, "the fence of sandbox interfaces is missing and could not be installed");
+    }
 }
 
 /// Machine egress, started with every VM's table in place.

@@ -90,6 +90,8 @@ pub(crate) struct Metrics {
     /// Tunnels asked of the operator's upstream proxies, by proxy and result.
     proxy_connects: Family<ProxyLabels, Counter>,
     pub(crate) budgets: BudgetMetrics,
+    /// Times the fence (`redirect.fence`) was found missing and installed.
+    pub(crate) fence_restored: Counter,
 }
 
 /// The policy budgets' instruments.
@@ -193,6 +195,7 @@ impl Metrics {
             ca_reloads: Family::default(),
             proxy_connects: Family::default(),
             budgets: BudgetMetrics::default(),
+            fence_restored: Counter::default(),
         };
         // Registration order is the scrape's family order.
         m.register_flows();
@@ -203,6 +206,11 @@ impl Metrics {
             .register_collector(Box::new(Sources { dns, cache, minter }));
         m.register_ca_reloads();
         m.register_budgets();
+        m.registry.register(
+            "redirect_fence_restored",
+            "Times the gateway found the fence of redirect.fence missing or emptied (a ruleset flushed by another tool, say) and installed it again; attached sandboxes stay fenced until attached again",
+            m.fence_restored.clone(),
+        );
         m
     }
 

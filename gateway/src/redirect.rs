@@ -163,6 +163,30 @@ pub fn remove_fence() -> Result<(), RedirectError> {
     ))
 }
 
+/// How often a running gateway looks at the fence ([`keep_fence`]).
+pub const FENCE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether the fence is in place: its chain holds a rule for each pattern
+/// (read over netlink, a few rules). Gone (another tool flushed the
+/// ruleset or deleted the table) or emptied (`nft flush table`), every
+/// interface it fenced is open until it is installed again.
+pub fn fence_in_place(patterns: &[String]) -> bool {
+    egress_machine::counters::rules(FENCE_TABLE, "fence").is_ok_and(|n| n >= patterns.len())
+}
+
+/// Keeps the fence of `redirect.fence` in place while the gateway runs:
+/// missing, it is installed again (`installed` is told), which fences
+/// every sandbox interface until it is attached again (its table may have
+/// gone with the ruleset too). Returns why it could not be installed.
+pub fn keep_fence(patterns: &[String], installed: impl FnOnce()) -> Result<(), RedirectError> {
+    if patterns.is_empty() || fence_in_place(patterns) {
+        return Ok(());
+    }
+    apply_fence(patterns)?;
+    installed();
+    Ok(())
+}
+
 fn run(script: &str) -> Result<(), RedirectError> {
     egress_machine::nft::Nft::new(vec!["nft".into()])
         .apply(script)

@@ -151,6 +151,53 @@ fn a_sandbox_interface_is_fenced_until_attached_and_again_once_detached() {
     );
 }
 
+/// With `redirect.fence` in its configuration, the gateway keeps the fence
+/// in place: installed at its start, and installed again (counted) within
+/// a few seconds after another tool deletes or empties it. Until this, a
+/// ruleset flushed under a running gateway left every sandbox interface
+/// unfenced for good.
+#[test]
+fn the_gateway_keeps_the_fence_in_place() {
+    if !available() {
+        return;
+    }
+    let mut t = Topology::new();
+    t.set_extra_config("[redirect]\nfence = [\"sbx*\"]\n");
+    assert!(t.stop_gateway().success());
+    t.start_gateway();
+    let fenced = |t: &Topology| {
+        let out = t.exec(
+            &t.gw,
+            "nft",
+            &["list", "chain", "inet", "egress_gw_fence", "fence"],
+        );
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"sbx*\"")
+    };
+    let within = |t: &Topology, what: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+        while !fenced(t) {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    };
+    within(&t, "the gateway did not install the fence at its start");
+    for how in ["delete", "flush"] {
+        let out = t.exec(&t.gw, "nft", &[how, "table", "inet", "egress_gw_fence"]);
+        assert!(out.status.success(), "{out:?}");
+        assert!(!fenced(&t), "{how}: the fence is still there");
+        within(
+            &t,
+            &format!("the fence did not come back after nft {how} table"),
+        );
+    }
+    let (_, metrics) = t.admin("GET", "/metrics", None);
+    let restored = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("egress_redirect_fence_restored_total "))
+        .unwrap_or_else(|| panic!("no fence metric:\n{metrics}"));
+    assert_eq!(restored.trim(), "2", "the start's install is not counted");
+}
+
 /// `egress-probe many` from sb1 to api.example.test by address (no DNS).
 /// The name is exempt from interception, so each flow is spliced on its
 /// SNI, which the gateway trusts only while it holds sb1's attribution of
