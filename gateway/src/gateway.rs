@@ -905,6 +905,17 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
         source,
     };
     std::fs::create_dir_all(dir).map_err(failed)?;
+    // The pushed policies, the sandboxes' addresses and the CA's key are
+    // the gateway's alone: a directory made by someone else (a Kubernetes
+    // hostPath is 0755) is closed to others first.
+    // One this process may not change (another user's) is said, not fatal.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir).map_err(failed)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+            tracing::warn!(dir = %dir.display(), mode = format!("{:o}", mode & 0o777), error = %e, "the state directory is open to other users and could not be closed");
+        }
+    }
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)

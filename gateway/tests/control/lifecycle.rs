@@ -120,6 +120,25 @@ async fn budget_states_survive_a_restart() {
     gw.run_until(async {}).await;
 }
 
+/// A state directory others may read (a Kubernetes hostPath is made
+/// 0755) is closed to them at start: it holds the pushed policies, the
+/// sandboxes' addresses and the CA's key.
+#[tokio::test]
+async fn the_state_directory_is_the_gateways_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("dir");
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).expect("state");
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).expect("0755");
+    let gw = start(config(&state, ""), echo().await).await;
+    let mode = std::fs::metadata(&state)
+        .expect("state")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "{mode:o}");
+    gw.run_until(async {}).await;
+}
+
 #[tokio::test]
 async fn a_corrupt_snapshot_fails_loudly() {
     let dir = tempfile::tempdir().expect("dir");
