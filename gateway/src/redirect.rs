@@ -79,6 +79,15 @@ pub fn ruleset(iface: &str, ports: Ports) -> Result<String, RedirectError> {
 table inet {table}
 delete table inet {table}
 table inet {table} {{
+    # First, a source the interface is not the way back to is someone
+    # else's: a sandbox on its own interface cannot send as another (the
+    # gateway knows a sandbox by its address). IPv6 neighbour and router
+    # discovery speak from :: and link-local addresses.
+    chain spoof_guard {{
+        type filter hook prerouting priority mangle - 5; policy accept;
+        iifname "{iface}" meta nfproto ipv4 fib saddr . iif oif missing counter drop
+        iifname "{iface}" meta nfproto ipv6 ip6 saddr != {{ ::, fe80::/10 }} fib saddr . iif oif missing counter drop
+    }}
     # Before NAT: only DNS to the reserved resolvers may leave as UDP.
     chain udp_guard {{
         type filter hook prerouting priority mangle; policy accept;
@@ -214,6 +223,9 @@ mod tests {
             r.contains("ip daddr 1.1.1.1 meta l4proto { tcp, udp } th dport 53 redirect to :15054")
         );
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto udp counter drop"#));
+        assert!(r.contains(
+            r#"iifname "tap-sb1" meta nfproto ipv4 fib saddr . iif oif missing counter drop"#
+        ));
         assert!(r.contains("type filter hook forward priority filter - 20; policy accept;\n        iifname \"tap-sb1\" counter drop"), "{r}");
         // DNS redirects come before the catch-all TCP redirect.
         assert!(

@@ -203,3 +203,57 @@ fn resolve_policy_answers_denied_names_itself() {
     assert_eq!(seen("plain.example.test"), 1, "{counts}");
     assert_eq!(seen("api.example.test"), 1, "{counts}");
 }
+
+/// What the gateway knows of sandbox `id`'s names for `ip` (explain's
+/// `attributed`).
+fn attributed(t: &Topology, id: &str, ip: &str) -> serde_json::Value {
+    let doc = format!(r#"{{"sandbox": "{id}", "dst": "{ip}:443"}}"#);
+    let (status, body) = t.admin("POST", "/v1/explain", Some(&doc));
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    v["attributed"].clone()
+}
+
+/// On its own interface, a sandbox can send only from the addresses routed
+/// to that interface: a query from sb1 under sb2's address is dropped
+/// before the gateway. It was answered (to sb2) and attributed to sb2
+/// before: sb1 could spend sb2's DNS budget and give it names.
+#[test]
+fn a_sandbox_cannot_send_as_another() {
+    let t = topology!();
+    let allow =
+        r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}]}"#;
+    t.push("sb1", SB1_IP, allow);
+    t.push("sb2", SB2_IP, allow);
+    let out = t.exec(
+        &t.sb1,
+        "ip",
+        &["addr", "add", &format!("{SB2_IP}/32"), "dev", "eth0"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let _ = t.exec(
+        &t.sb1,
+        "dig",
+        &[
+            "+time=2",
+            "+tries=1",
+            "-b",
+            SB2_IP,
+            "@8.8.8.8",
+            "api.example.test",
+        ],
+    );
+    assert_eq!(
+        attributed(&t, "sb2", "203.0.113.10"),
+        serde_json::json!([]),
+        "sb1's query under sb2's address reached the gateway"
+    );
+    // Its own address still works.
+    assert!(t
+        .dig(&t.sb1, "api.example.test", false)
+        .contains("203.0.113.10"));
+    assert_eq!(
+        attributed(&t, "sb1", "203.0.113.10"),
+        serde_json::json!(["api.example.test"])
+    );
+}
