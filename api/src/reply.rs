@@ -8,15 +8,26 @@ use serde_json::{json, Value};
 /// A complete reply: the routes of this project never stream an answer.
 pub type Reply = Response<Full<Bytes>>;
 
-/// `v` as the body, one line, `application/json`.
+/// `v` as the body, one line, `application/json`, never stored by a cache
+/// (the answers are a tenant's policies and sandboxes) nor read as another
+/// type.
 pub fn json_reply(status: StatusCode, v: &Value) -> Reply {
     let mut body = serde_json::to_vec(v).unwrap_or_default();
     body.push(b'\n');
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = status;
-    r.headers_mut().insert(
+    let headers = r.headers_mut();
+    headers.insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
     );
     r
 }
@@ -77,6 +88,8 @@ mod tests {
             "application/json",
             "JSON errors say so"
         );
+        assert_eq!(r.headers()[header::CACHE_CONTROL], "no-store");
+        assert_eq!(r.headers()[header::X_CONTENT_TYPE_OPTIONS], "nosniff");
         assert_eq!(
             body_of(r).await,
             "{\"error\":\"bad\",\"field\":\"policy.allow[1]\"}\n"
