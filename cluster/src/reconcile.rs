@@ -118,6 +118,13 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
     let Some(vm) = m.running() else {
         return Ok(Done::NotRunning);
     };
+    // The id goes into the worker's URL path: one that is not a VM id
+    // (`../defaults`, say) names no VM, and nothing is written for it.
+    if !crate::relay::valid_id(vm) {
+        let why = format!("status.runtimeID {vm:?} is not a VM id");
+        tracing::warn!(machine = %key(m), %why, "not reconciled");
+        return Ok(Done::Invalid(why));
+    }
     let spec = match m.egress() {
         None => None,
         Some(Ok(p)) => Some(p),

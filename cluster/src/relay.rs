@@ -260,7 +260,7 @@ fn allowed(method: &Method, methods: &[Method]) -> Result<(), Box<Reply>> {
 }
 
 /// 1–64 of `[A-Za-z0-9._-]`, and not `.` or `..` (a path step, not an id).
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     (1..=MAX_ID).contains(&id.len())
         && id
             .bytes()

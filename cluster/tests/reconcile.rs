@@ -383,3 +383,23 @@ async fn the_controller_reconciles_only_its_nodes_machines() {
         .collect();
     assert_eq!(patched, ["a"]);
 }
+
+/// A Machine whose `status.runtimeID` is not a VM id (it goes into the
+/// worker's URL path: `..` would step out of `/v1/vms/`) is not reconciled:
+/// nothing is read or written on the worker, nothing patched.
+#[tokio::test]
+async fn a_runtime_id_that_is_not_a_vm_id_is_not_reconciled() {
+    let Some(w) = Worker::start().await else {
+        return;
+    };
+    let api = StandIn::default();
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60));
+    for id in ["..", "../network/egress/defaults", ""] {
+        api.put(machine("web", "node-a", id, Some(ALLOW_API), false));
+        let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+            .await
+            .expect("reconciles");
+        assert!(matches!(done, Done::Invalid(_)), "{id:?}: {done:?}");
+    }
+    assert!(api.patches.lock().expect("lock").is_empty());
+}
