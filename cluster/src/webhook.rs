@@ -165,12 +165,84 @@ pub enum TlsError {
 
 /// The webhook's TLS configuration from a PEM certificate chain (leaf first)
 /// and a PEM private key; ALPN offers `h2` and `http/1.1`. Errors name the
-/// file.
+/// file. The files are read again at a handshake after either changed (a
+/// renewal by cert-manager, say): one that does not make a key then keeps
+/// the one in service, said in the log.
 pub fn tls_config(
     cert_pem_path: impl AsRef<Path>,
     key_pem_path: impl AsRef<Path>,
 ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     let (cert_path, key_path) = (cert_pem_path.as_ref(), key_pem_path.as_ref());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let key = certified_key(cert_path, key_path, &provider)?;
+    let resolver = Reloading {
+        paths: (cert_path.to_owned(), key_path.to_owned()),
+        provider: provider.clone(),
+        current: std::sync::Mutex::new((stamps(cert_path, key_path), Arc::new(key))),
+    };
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Config {
+            cert: cert_path.display().to_string(),
+            key: key_path.display().to_string(),
+            source,
+        })?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(resolver));
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The two files' modification times (`None`: unreadable).
+type Stamps = (Option<std::time::SystemTime>, Option<std::time::SystemTime>);
+
+fn stamps(cert: &Path, key: &Path) -> Stamps {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    (modified(cert), modified(key))
+}
+
+/// The certificate in service, read again when its files change.
+#[derive(Debug)]
+struct Reloading {
+    paths: (std::path::PathBuf, std::path::PathBuf),
+    provider: Arc<rustls::crypto::CryptoProvider>,
+    current: std::sync::Mutex<(Stamps, Arc<rustls::sign::CertifiedKey>)>,
+}
+
+impl rustls::server::ResolvesServerCert for Reloading {
+    fn resolve(
+        &self,
+        _: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        let (cert, key) = (&self.paths.0, &self.paths.1);
+        let now = stamps(cert, key);
+        let mut current = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.0 != now {
+            // Looked at once per change, whatever it holds.
+            current.0 = now;
+            match certified_key(cert, key, &self.provider) {
+                Ok(fresh) => {
+                    tracing::info!(cert = %cert.display(), "webhook certificate read again");
+                    current.1 = Arc::new(fresh);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the webhook's certificate files changed but do not make a key: the one in service is kept");
+                }
+            }
+        }
+        Some(current.1.clone())
+    }
+}
+
+/// The chain and key in the two PEM files, checked to belong together.
+fn certified_key(
+    cert_path: &Path,
+    key_path: &Path,
+    provider: &rustls::crypto::CryptoProvider,
+) -> Result<rustls::sign::CertifiedKey, TlsError> {
     let file_err = |path: &Path, message: String| TlsError::File {
         path: path.display().to_string(),
         message,
@@ -187,20 +259,11 @@ pub fn tls_config(
         std::fs::read(key_path).map_err(|e| file_err(key_path, format!("cannot read: {e}")))?;
     let key = PrivateKeyDer::from_pem_slice(&key_text)
         .map_err(|e| file_err(key_path, format!("no usable PEM private key: {e}")))?;
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let config_err = |source| TlsError::Config {
+    rustls::sign::CertifiedKey::from_der(chain, key, provider).map_err(|source| TlsError::Config {
         cert: cert_path.display().to_string(),
         key: key_path.display().to_string(),
         source,
-    };
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(config_err)?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)
-        .map_err(config_err)?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
+    })
 }
 
 /// Serves the webhook over TLS on `listener` until the task is dropped:

@@ -494,6 +494,49 @@ async fn the_tls_server_answers_reviews_over_http1_and_http2() {
     }
 }
 
+/// A renewed certificate (cert-manager rewrites the files) is served from
+/// the next handshake on, without a restart; files that do not make a key
+/// keep the one in service. The first certificate was served until a
+/// restart before, and expired under a running webhook.
+#[tokio::test]
+async fn a_renewed_certificate_is_served_without_a_restart() {
+    let first = certs();
+    let addr = start_webhook(&first).await;
+    let review = machine_review("CREATE", None).to_string().into_bytes();
+    assert_eq!(
+        https(addr, &first.ca, false, "POST", "/validate", review.clone())
+            .await
+            .0,
+        200
+    );
+    // A garbled write first: still served with the first certificate.
+    let (cert, key) = (
+        first.dir.path().join("tls.crt"),
+        first.dir.path().join("tls.key"),
+    );
+    std::fs::write(&cert, "not a certificate").expect("garble");
+    assert_eq!(
+        https(addr, &first.ca, false, "POST", "/validate", review.clone())
+            .await
+            .0,
+        200
+    );
+    // Then the renewal: another CA's certificate and its key.
+    let renewed = certs();
+    std::fs::copy(renewed.dir.path().join("tls.crt"), &cert).expect("cert");
+    std::fs::copy(renewed.dir.path().join("tls.key"), &key).expect("key");
+    let later = std::time::SystemTime::now() + Duration::from_secs(5);
+    for path in [&cert, &key] {
+        let f = std::fs::File::options()
+            .write(true)
+            .open(path)
+            .expect("open");
+        f.set_modified(later).expect("mtime");
+    }
+    let (status, _) = https(addr, &renewed.ca, true, "POST", "/validate", review).await;
+    assert_eq!(status, 200, "the renewed certificate is served");
+}
+
 #[tokio::test]
 async fn the_tls_server_caps_bodies_and_survives_garbage() {
     let certs = certs();
