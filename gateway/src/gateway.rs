@@ -499,7 +499,11 @@ fn keep_fence(dp: &Dataplane, first: bool) {
         dp.metrics.fence_restored.inc();
         tracing::error!(?patterns, "the fence of sandbox interfaces was gone or emptied; installed it again: attach the sandbox interfaces again (egress-gateway redirect --apply, or restart their egress-gateway-redirect@ units)");
     };
-    if let Err(e) = crate::redirect::keep_fence(patterns, installed) {
+    let detached = |iface: &str| {
+        dp.metrics.fence_restored.inc();
+        tracing::error!(%iface, "a sandbox interface let through the fence had lost its redirect (its table gone or emptied); fenced it again: attach it again (egress-gateway redirect --apply, or restart its egress-gateway-redirect@ unit)");
+    };
+    if let Err(e) = crate::redirect::keep_fence(patterns, installed, detached) {
         tracing::error!(error = %e, "the fence of sandbox interfaces is missing and could not be installed");
     }
 }

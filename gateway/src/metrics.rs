@@ -208,7 +208,7 @@ impl Metrics {
         m.register_budgets();
         m.registry.register(
             "redirect_fence_restored",
-            "Times the gateway found the fence of redirect.fence missing or emptied (a ruleset flushed by another tool, say) and installed it again; attached sandboxes stay fenced until attached again",
+            "Times the gateway found the fence of redirect.fence missing or emptied (a ruleset flushed by another tool, say) and installed it again, or an interface it let through without its redirect and fenced it again; those sandboxes stay fenced until attached again",
             m.fence_restored.clone(),
         );
         m

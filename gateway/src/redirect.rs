@@ -186,20 +186,51 @@ pub fn fence_in_place(patterns: &[String]) -> bool {
 /// Keeps the fence of `redirect.fence` in place while the gateway runs:
 /// missing, it is installed again (`installed` is told), which fences
 /// every sandbox interface until it is attached again (its table may have
-/// gone with the ruleset too). Returns why it could not be installed.
-pub fn keep_fence(patterns: &[String], installed: impl FnOnce()) -> Result<(), RedirectError> {
-    if patterns.is_empty() || fence_in_place(patterns) {
+/// gone with the ruleset too). In place, every interface it lets through
+/// must still have its redirect: one whose table is gone or emptied (its
+/// traffic would go on unredirected, past the fence) is fenced again
+/// (`detached` is told its name). Returns why it could not be done.
+pub fn keep_fence(
+    patterns: &[String],
+    installed: impl FnOnce(),
+    detached: impl Fn(&str),
+) -> Result<(), RedirectError> {
+    if patterns.is_empty() {
         return Ok(());
     }
-    apply_fence(patterns)?;
-    installed();
+    if !fence_in_place(patterns) {
+        apply_fence(patterns)?;
+        installed();
+        return Ok(());
+    }
+    let attached = nft()
+        .set_names(FENCE_TABLE, "attached")
+        .map_err(|e| RedirectError::Nft(e.0))?;
+    for iface in attached {
+        let redirected = table_name(&iface)
+            .ok()
+            .and_then(|t| egress_machine::counters::rules(&t, "to_gateway").ok())
+            .is_some_and(|n| n >= REDIRECTS);
+        if !redirected {
+            run(&format!(
+                "delete element inet {FENCE_TABLE} attached {{ \"{}\" }}\n",
+                iface.replace(['"', '\\'], "")
+            ))?;
+            detached(&iface);
+        }
+    }
     Ok(())
 }
 
-fn run(script: &str) -> Result<(), RedirectError> {
+/// The rules of an attached interface's `to_gateway` chain ([`ruleset`]).
+const REDIRECTS: usize = 3;
+
+fn nft() -> egress_machine::nft::Nft {
     egress_machine::nft::Nft::new(vec!["nft".into()])
-        .apply(script)
-        .map_err(|e| RedirectError::Nft(e.0))
+}
+
+fn run(script: &str) -> Result<(), RedirectError> {
+    nft().apply(script).map_err(|e| RedirectError::Nft(e.0))
 }
 #[cfg(test)]
 mod tests {

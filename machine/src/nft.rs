@@ -79,6 +79,19 @@ impl Nft {
             .collect())
     }
 
+    /// The elements of the `inet` set `table`.`set` of names (`ifname`
+    /// and the like): an absent table or set is an error.
+    pub fn set_names(&self, table: &str, set: &str) -> Result<Vec<String>, NftError> {
+        let out = self.run(&["-j", "list", "set", "inet", table, set], None)?;
+        let doc: serde_json::Value = serde_json::from_str(&out)
+            .map_err(|e| NftError(format!("unreadable `nft -j list set`: {e}")))?;
+        Ok(items(&doc, "set")
+            .filter_map(|s| s.get("elem")?.as_array())
+            .flatten()
+            .filter_map(|e| e.as_str().map(str::to_owned))
+            .collect())
+    }
+
     /// The named counters of the tables `egress_machine` of `families`
     /// (the node table, `inet`, and the links' table, `netdev`): name
     /// (`refused_<key>`, `spoofed_<key>`) → packets.

@@ -190,12 +190,40 @@ fn the_gateway_keeps_the_fence_in_place() {
             &format!("the fence did not come back after nft {how} table"),
         );
     }
+    // An attached interface whose table is emptied (or deleted) would pass
+    // the fence unredirected: the gateway fences it again.
+    let _sb3 = t.add_sandbox("sb3", "sbx3", 5);
+    t.gateway_cli(&["redirect", "--sandbox-iface", "sbx3", "--apply"]);
+    let attached = |t: &Topology| {
+        let out = t.exec(
+            &t.gw,
+            "nft",
+            &["list", "set", "inet", "egress_gw_fence", "attached"],
+        );
+        String::from_utf8_lossy(&out.stdout).contains("\"sbx3\"")
+    };
+    assert!(attached(&t), "attached");
+    std::thread::sleep(std::time::Duration::from_secs(6));
+    assert!(
+        attached(&t),
+        "an interface with its redirect stays attached"
+    );
+    let out = t.exec(&t.gw, "nft", &["flush", "table", "inet", "egress_gw_sbx3"]);
+    assert!(out.status.success(), "{out:?}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while attached(&t) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sbx3 stayed through the fence without its redirect"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
     let (_, metrics) = t.admin("GET", "/metrics", None);
     let restored = metrics
         .lines()
         .find_map(|l| l.strip_prefix("egress_redirect_fence_restored_total "))
         .unwrap_or_else(|| panic!("no fence metric:\n{metrics}"));
-    assert_eq!(restored.trim(), "2", "the start's install is not counted");
+    assert_eq!(restored.trim(), "3", "the start's install is not counted");
 }
 
 /// `egress-probe many` from sb1 to api.example.test by address (no DNS).
