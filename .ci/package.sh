@@ -118,6 +118,10 @@ for f in /etc/egress-controller/controller.env /etc/egress-controller/tenants.js
   [ "$(stat -c '%a %U:%G' "$f")" = "640 root:root" ] || die "$f: $(stat -c '%a %U:%G' "$f"), expected 640 root:root"
 done
 [ "$(stat -c %a /var/lib/egress-gateway)" = 700 ] || die "/var/lib/egress-gateway is not mode 0700"
+[ "$(stat -c '%a %U' /etc/egress-gateway/admin.token)" = "600 root" ] ||
+  die "/etc/egress-gateway/admin.token: $(stat -c '%a %U' /etc/egress-gateway/admin.token 2>&1), expected 600 root"
+[ "$(wc -c </etc/egress-gateway/admin.token)" = 64 ] || die "the admin token is not 32 bytes in hex"
+ADMIN_AUTH="Authorization: Bearer $(cat /etc/egress-gateway/admin.token)"
 [ -d /var/log/egress-gateway ] || die "the postinst did not make /var/log/egress-gateway"
 [ -L /etc/systemd/system/multi-user.target.wants/egress-gateway.service ] ||
   die "egress-gateway.service was not enabled on install"
@@ -184,7 +188,10 @@ done
 say "/readyz (pid $GW_PID): $ready"
 health=$(ip netns exec "$NS" curl -fsS --max-time 2 http://127.0.0.1:15000/healthz)
 say "/healthz: $health"
-metrics=$(ip netns exec "$NS" curl -fsS --max-time 2 http://127.0.0.1:15000/metrics)
+# The packaged configuration requires the postinst's token on every other route.
+unauthorized=$(ip netns exec "$NS" curl -s -o /dev/null -w '%{http_code}' --max-time 2 http://127.0.0.1:15000/metrics)
+[ "$unauthorized" = 401 ] || die "/metrics without the admin token answered $unauthorized, expected 401"
+metrics=$(ip netns exec "$NS" curl -fsS --max-time 2 -H "$ADMIN_AUTH" http://127.0.0.1:15000/metrics)
 grep -q '^egress_active_connections ' <<<"$metrics" || die "/metrics has no egress_active_connections"
 say "/metrics: $(grep -c '^# TYPE egress_' <<<"$metrics") metric families"
 # One flow straight to the transparent listener: it was not redirected, so it
