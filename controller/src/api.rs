@@ -218,6 +218,24 @@ pub(crate) fn typed<T: for<'de> Deserialize<'de>>(v: Value) -> Result<T, Reply> 
 }
 
 /// A policy document in a body; the error names the field.
+/// `502` for a worker's gateway that gave no answer: an admin reads why
+/// (its admin URL included); a tenant reads only that it did not answer,
+/// and the log keeps the rest (the URL is the one the controller reaches
+/// with the worker's token).
+fn unanswered(caller: &Tenant, why: &dyn std::fmt::Display) -> Reply {
+    if caller.admin {
+        return error(
+            StatusCode::BAD_GATEWAY,
+            &format!("the worker's gateway: {why}"),
+        );
+    }
+    tracing::warn!(tenant = %caller.tenant, error = %why, "a worker's gateway did not answer");
+    error(
+        StatusCode::BAD_GATEWAY,
+        "the worker's gateway did not answer; retry",
+    )
+}
+
 fn policy_field(v: &Value, field: &str) -> Result<Policy, Reply> {
     let policy = Policy::from_json(&v.to_string())
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("{field}: {e}")))?;

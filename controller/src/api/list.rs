@@ -228,10 +228,7 @@ impl Api {
                 StatusCode::BAD_GATEWAY,
                 &format!("worker {worker} answered {s}: {v}"),
             )),
-            Err(e) => Err(error(
-                StatusCode::BAD_GATEWAY,
-                &format!("worker {worker}: {e}"),
-            )),
+            Err(e) => Err(super::unanswered(caller, &format!("worker {worker}: {e}"))),
         }
     }
 }

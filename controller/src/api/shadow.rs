@@ -42,13 +42,6 @@ async fn gateway(
     call(&t.admin_url, &t.token, method, &path, body).await
 }
 
-fn unreachable(e: &impl std::fmt::Display) -> Reply {
-    error(
-        StatusCode::BAD_GATEWAY,
-        &format!("the worker's gateway: {e}"),
-    )
-}
-
 fn refused(status: StatusCode, body: &Value) -> Reply {
     json_reply(
         StatusCode::BAD_GATEWAY,
@@ -129,7 +122,7 @@ impl Api {
                 ))
             }
             Ok((s, body)) => return Err(refused(s, &body)),
-            Err(e) => return Err(unreachable(&e)),
+            Err(e) => return Err(super::unanswered(caller, &e)),
         };
         shadows::put(&mut tx, id, &candidate, None)
             .await
@@ -152,7 +145,7 @@ impl Api {
             Ok((s, body)) if s.is_success() => Ok(json_reply(StatusCode::OK, &body)),
             Ok((StatusCode::NOT_FOUND, _)) => Err(no_shadow(id)),
             Ok((s, body)) => Err(refused(s, &body)),
-            Err(e) => Err(unreachable(&e)),
+            Err(e) => Err(super::unanswered(caller, &e)),
         }
     }
 
@@ -163,7 +156,9 @@ impl Api {
         let stored = shadows::delete(&mut tx, id).await.map_err(db)?;
         // A sandbox no gateway holds has no shadow there either.
         let on_gateway = match target(&mut tx, &row).await {
-            Ok(t) => drop_on_gateway(&t).await.map_err(|e| unreachable(&e))?,
+            Ok(t) => drop_on_gateway(&t)
+                .await
+                .map_err(|e| super::unanswered(caller, &e))?,
             Err(_) => false,
         };
         if !stored && !on_gateway {
@@ -203,9 +198,15 @@ impl Api {
         tx.commit().await.map_err(db)?;
         if let Err(e) = drop_on_gateway(&t).await {
             tracing::warn!(sandbox = %id, error = %e, "promoted; the worker's shadow was not dropped");
+            // The worker's admin URL is an admin's to read.
+            let why = if caller.admin {
+                format!(" ({e})")
+            } else {
+                String::new()
+            };
             return Err(json_reply(
                 StatusCode::BAD_GATEWAY,
-                &json!({"error": format!("promoted, but the worker's gateway did not drop the shadow ({e}): DELETE …/shadow to drop it"), "promoted": true}),
+                &json!({"error": format!("promoted, but the worker's gateway did not drop the shadow{why}: DELETE …/shadow to drop it"), "promoted": true}),
             ));
         }
         let mut doc = promoted.document();

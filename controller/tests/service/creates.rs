@@ -642,3 +642,45 @@ async fn a_tenant_holds_at_most_its_max_sandboxes() {
     }
     assert_eq!(created, 3, "creates racing at the limit");
 }
+
+/// A worker's gateway that does not answer is a 502 whose text names its
+/// admin URL only to an admin: a tenant reads that it did not answer (the
+/// URL is the one the controller reaches with the worker's token).
+#[tokio::test]
+async fn a_tenant_is_not_shown_a_workers_admin_url() {
+    let url = db!();
+    let api = api(&url, deployment(Some(PROFILES), Some(EXEMPTIONS))).await;
+    let down = free_addr();
+    setup(
+        &api,
+        json!({"default": "allow", "tls_interception": "on"}),
+        down,
+        "100.64.10.0/24",
+    )
+    .await;
+    // An E2B create is placed by the API itself: no dispatcher, no push.
+    let body = json!({"templateID": "base"});
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandboxID"].as_str().expect("id");
+    let explain = format!("/v1/sandboxes/{id}/explain");
+    let question = || Some(json!({"dst": "203.0.113.7:443"}));
+    let (s, v) = call(api.addr, "POST", &explain, Some(FEDERATED), &[], question()).await;
+    assert_eq!(s, 502, "{v}");
+    assert!(!v.to_string().contains(&down.to_string()), "{v}");
+    assert!(v.to_string().contains("did not answer"), "{v}");
+    let (s, v) = call(api.addr, "POST", &explain, Some(ADMIN), &[], question()).await;
+    assert_eq!(s, 502, "{v}");
+    assert!(
+        v.to_string().contains(&down.to_string()),
+        "an admin reads where: {v}"
+    );
+}
