@@ -23,7 +23,7 @@ impl Conn {
     pub(super) async fn pass(
         &self,
         mut req: Request<ClientBody>,
-        verify_as: Option<&Hostname>,
+        (verify_as, route): (Option<&Hostname>, &Route),
         authority: &str,
     ) -> Response<Body> {
         // A tunnel inside a terminated flow would carry bytes no per-request
@@ -47,10 +47,10 @@ impl Conn {
         // whose bridge would carry HTTP/2 requests no stage judges) goes on
         // as a plain request: `Upgrade` is hop-by-hop, and stripped.
         if is_websocket(&req) {
-            return self.upgrade(req, verify_as, authority).await;
+            return self.upgrade(req, (verify_as, route), authority).await;
         }
         strip_hop_by_hop(req.headers_mut());
-        match self.forward(req, verify_as, authority).await {
+        match self.forward(req, (verify_as, route), authority).await {
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
                 resp
@@ -68,12 +68,13 @@ impl Conn {
     async fn forward(
         &self,
         req: Request<ClientBody>,
-        verify_as: Option<&Hostname>,
+        (verify_as, route): (Option<&Hostname>, &Route),
         authority: &str,
     ) -> Result<Response<Body>, ForwardError> {
         let h2 = req.version() == http::Version::HTTP_2;
         let mut guard = self.upstream.lock().await;
-        self.hold_upstream(&mut guard, verify_as, h2).await?;
+        self.hold_upstream(&mut guard, (verify_as, route), h2)
+            .await?;
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, boxed(body));
         match guard.as_mut().map(|(_, s)| s) {
@@ -86,7 +87,7 @@ impl Conn {
                 match (s.send(out).await, again) {
                     (Err(e), Some(again)) if unprocessed(&e) => {
                         self.dp.metrics.upstream_retries.inc();
-                        self.send_again(again, verify_as).await
+                        self.send_again(again, (verify_as, route)).await
                     }
                     (sent, _) => from_h2(sent),
                 }
@@ -115,10 +116,10 @@ impl Conn {
     async fn send_again(
         &self,
         again: Request<Body>,
-        verify_as: Option<&Hostname>,
+        to: (Option<&Hostname>, &Route),
     ) -> Result<Response<Body>, ForwardError> {
         let mut guard = self.upstream.lock().await;
-        self.hold_upstream(&mut guard, verify_as, true).await?;
+        self.hold_upstream(&mut guard, to, true).await?;
         let Some((_, Sender::H2(s))) = guard.as_ref() else {
             return Err(ForwardError::Http(
                 "the origin refused the request unprocessed, and no HTTP/2 connection took it again"
@@ -137,14 +138,13 @@ impl Conn {
     async fn hold_upstream(
         &self,
         held: &mut Option<(PoolKey, Sender)>,
-        verify_as: Option<&Hostname>,
+        (verify_as, route): (Option<&Hostname>, &Route),
         h2: bool,
     ) -> Result<(), ForwardError> {
         // Plain connections verify nothing: no name in their key.
         let name = verify_as.filter(|_| self.tls);
-        // The way out as the registration says now: a push that names
-        // another applies from the next request.
-        let route = self.route();
+        // `route` is the way out the registration names now: a push that
+        // names another applies from the next request.
         let reusable = held.as_ref().is_some_and(|(k, s)| {
             k.is(self.dst, self.tls, name, h2) && k.via.as_ref() == route.proxy() && s.usable()
         });
@@ -165,7 +165,7 @@ impl Conn {
         let sender = match self.up.pool.take(&key) {
             Some(s) => s,
             None => {
-                let fresh = self.connect(&route, verify_as, h2).await?;
+                let fresh = self.connect(route, verify_as, h2).await?;
                 // An HTTP/2 connection multiplexes: pooled at once, the
                 // sandbox's other client connections to the same
                 // destination and name take it, instead of each idle
@@ -187,11 +187,11 @@ impl Conn {
     async fn upgrade(
         &self,
         mut req: Request<ClientBody>,
-        verify_as: Option<&Hostname>,
+        (verify_as, route): (Option<&Hostname>, &Route),
         authority: &str,
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut req);
-        let mut sender = match self.connect(&self.route(), verify_as, false).await {
+        let mut sender = match self.connect(route, verify_as, false).await {
             Ok(Sender::H1(s)) => s,
             Ok(Sender::H2(_)) => {
                 self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
@@ -240,14 +240,6 @@ impl Conn {
             });
         }
         resp.map(boxed)
-    }
-
-    /// The way out for this sandbox, as its registration says now: direct
-    /// or through the operator's proxy.
-    fn route(&self) -> Route {
-        let now = self.sandbox_now();
-        let sandbox = now.as_deref().unwrap_or(&self.sandbox);
-        self.dp.proxies.route(sandbox.upstream_proxy.as_ref())
     }
 
     /// Opens a connection to the original destination (see

@@ -172,9 +172,12 @@ impl Conn {
         if let Err(denial) = self.checked(sb, &mut req, (host, &lookup, allowed), rec) {
             return refused_after_body(req, denial).await;
         }
-        // The name the origin's certificate must carry (none: its address).
+        // The name the origin's certificate must carry (none: its address),
+        // and the way out the registration names now (direct or a proxy).
         let verify_as = self.sni.as_ref().or(host);
-        self.pass(req, verify_as, &authority.value()).await
+        let route = self.dp.proxies.route(sb.upstream_proxy.as_ref());
+        self.pass(req, (verify_as, &route), &authority.value())
+            .await
     }
 
     /// The stages after the flow policy let a request through: its rules
