@@ -31,7 +31,12 @@ async function api(method, path, body) {
   catch (e) { return { status: 0, body: { error: "the API cannot be reached: " + e.message } }; }
   let data = null;
   try { data = await resp.json(); } catch (e) { data = { error: "not JSON (" + resp.status + ")" }; }
-  if (resp.status === 401) { sessionStorage.removeItem(TOKEN_KEY); }
+  // A token the API no longer takes: back to the login, and every poll of
+  // the page stops (route clears them) instead of going on without one.
+  if (resp.status === 401 && token() !== null) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    setTimeout(route, 0);
+  }
   return { status: resp.status, body: data };
 }
 
@@ -467,9 +472,11 @@ function route() {
   let hash = location.hash.slice(1);
   // A test or a link may hand the token in the fragment (never sent to the
   // server): it is kept in the tab and taken out of the address at once.
+  // Only a tab with no token takes it: a link must not switch a logged-in
+  // tab to another tenant's view unseen (log out first).
   if (hash.startsWith("token=")) {
     const [t, then] = hash.slice(6).split("&then=");
-    sessionStorage.setItem(TOKEN_KEY, decoded(t));
+    if (!token()) sessionStorage.setItem(TOKEN_KEY, decoded(t));
     hash = then || "sandboxes";
     history.replaceState(null, "", "#" + hash);
   }

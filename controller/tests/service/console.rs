@@ -305,6 +305,17 @@ async fn promote_a_shadow(b: &mut Browser, w: &Setup, id: &str) {
 
 /// Tenant `t2`'s token: no sandbox in the list, none to open, nothing to approve.
 async fn another_tenant_sees_nothing(b: &mut Browser, w: &Setup, base: &str, id: &str) {
+    // A link with another token does not switch a logged-in tab unseen
+    // (the page has had a second to render whoever it is for).
+    b.navigate(&format!("{base}#token={PLAIN}&then=sandboxes"))
+        .await;
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let counts = b.until("document.getElementById('counts').innerText").await;
+    assert!(
+        !counts.as_str().expect("text").starts_with("0 sandboxes"),
+        "a link switched the tab to another tenant: {counts}"
+    );
+    b.eval("sessionStorage.clear(); 1").await;
     b.navigate(&format!("{base}#token={PLAIN}&then=sandboxes"))
         .await;
     b.until("document.getElementById('counts')").await;
@@ -347,6 +358,7 @@ async fn another_tenant_sees_nothing(b: &mut Browser, w: &Setup, base: &str, id:
 /// The admin's pages: every tenant's sandboxes, workers, operations, a
 /// reason code; narrow screens do not scroll sideways.
 async fn admin_pages(b: &mut Browser, base: &str, id: &str) {
+    b.eval("sessionStorage.clear(); 1").await;
     b.navigate(&format!("{base}#token={ADMIN}&then=workers"))
         .await;
     b.until("document.querySelector('main table')").await;

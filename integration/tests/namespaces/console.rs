@@ -285,6 +285,7 @@ fn an_operator_sees_a_denial_in_the_console_approves_it_and_the_sandbox_gets_thr
         .as_str()
         .expect("a proposal")
         .to_owned();
+    let _ = b.eval("sessionStorage.clear(); 1");
     b.navigate(&format!("{CONSOLE}#token={OTHER_TOKEN}&then=sandboxes"));
     b.until("document.getElementById('counts')");
     assert!(b.text_of("counts").starts_with("0 sandboxes"));
