@@ -163,17 +163,30 @@ async fn register(e: &Env, extra: &str) -> (u16, String) {
     (status, body.unwrap_or_default())
 }
 
-/// An intercepted GET from sandbox A: status, `x-egress-upstream-proxy`, body.
-async fn get(e: &Env) -> (u16, Option<String>, String) {
+/// An intercepted HTTP/1.1 connection from sandbox A to api.example.test.
+async fn connection(
+    e: &Env,
+) -> hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>> {
     let (tls, _) = e
         .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
         .await
         .expect("the gateway terminates TLS");
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
-            .await
-            .expect("h1");
+    let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+        .await
+        .expect("h1");
     tokio::spawn(conn);
+    sender
+}
+
+/// An intercepted GET from sandbox A: status, `x-egress-upstream-proxy`, body.
+async fn get(e: &Env) -> (u16, Option<String>, String) {
+    get_on(&mut connection(e).await).await
+}
+
+/// `GET /hello` on an open connection: status, `x-egress-upstream-proxy`, body.
+async fn get_on(
+    sender: &mut hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+) -> (u16, Option<String>, String) {
     let req = hyper::Request::builder()
         .uri("/hello")
         .header("host", "api.example.test")
@@ -390,32 +403,13 @@ async fn a_changed_way_out_applies_to_the_next_request_on_an_open_connection() {
     })
     .await;
     assert_eq!(register(&e, "").await.0, 200);
-    let (tls, _) = e
-        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
-        .await
-        .expect("the gateway terminates TLS");
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
-            .await
-            .expect("h1");
-    tokio::spawn(conn);
-    let send = async |sender: &mut hyper::client::conn::http1::SendRequest<_>| {
-        let req = hyper::Request::builder()
-            .uri("/hello")
-            .header("host", "api.example.test")
-            .body(http_body_util::Empty::<bytes::Bytes>::new())
-            .expect("request");
-        let resp = sender.send_request(req).await.expect("answer");
-        let status = resp.status().as_u16();
-        let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
-        status
-    };
-    assert_eq!(send(&mut sender).await, 200);
+    let mut sender = connection(&e).await;
+    assert_eq!(get_on(&mut sender).await.0, 200);
     assert!(seen.heads().is_empty(), "direct: {:?}", seen.heads());
 
     let (status, body) = register(&e, r#", "upstream_proxy": "corp""#).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(send(&mut sender).await, 200);
+    assert_eq!(get_on(&mut sender).await.0, 200);
     let heads = seen.heads();
     assert_eq!(
         heads.len(),

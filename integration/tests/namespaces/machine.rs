@@ -61,19 +61,23 @@ fn node_table(t: &Topology) -> String {
 /// `netdev`: the links') behind its back (as another tool or a reboot of
 /// the namespace's rules would).
 fn delete_table(t: &Topology, family: &str) {
-    topology::run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            &t.gw,
-            "nft",
-            "delete",
-            "table",
-            family,
-            "egress_machine",
-        ],
-    );
+    behind_its_back(t, "delete", family);
+}
+
+/// `nft <verb> table <family> egress_machine` in the gateway's namespace.
+fn behind_its_back(t: &Topology, verb: &str, family: &str) {
+    let gw = t.gw.as_str();
+    let args = [
+        "netns",
+        "exec",
+        gw,
+        "nft",
+        verb,
+        "table",
+        family,
+        "egress_machine",
+    ];
+    topology::run("ip", &args);
 }
 
 fn json(body: &str) -> Value {
@@ -1082,19 +1086,7 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
     assert!(tcp_ok(&t, API_IP), "allowed again");
     // A table flushed, not deleted, keeps its counters and chains but not
     // its rules: installed again too.
-    topology::run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            &t.gw,
-            "nft",
-            "flush",
-            "table",
-            "inet",
-            "egress_machine",
-        ],
-    );
+    behind_its_back(&t, "flush", "inet");
     metric_reaching(&t, "egress_machine_table_restored_total ", 2);
     assert!(!tcp_ok(&t, OTHER_IP), "refused again after the flush");
     // The links' table alone (the ingress check): installed again too.
