@@ -38,6 +38,10 @@ enum Command {
         /// How often a converged Machine is checked again, in seconds.
         #[arg(long, default_value_t = 60)]
         resync_secs: u64,
+        /// Who reports the Events this reconciler publishes (their
+        /// reportingInstance): the pod's name.
+        #[arg(long, env = "POD_NAME")]
+        instance: Option<String>,
     },
     /// Serve the admission webhook (AdmissionReview v1) over TLS.
     Webhook {
@@ -103,6 +107,7 @@ async fn run(command: Command) -> Result<(), String> {
             worker,
             worker_token_file,
             resync_secs,
+            instance,
         } => {
             let token = worker_token_file.as_deref().map(read_token).transpose()?;
             let client = kube::Client::try_default()
@@ -113,7 +118,8 @@ async fn run(command: Command) -> Result<(), String> {
                 token,
                 timeout: Duration::from_secs(10),
             };
-            let ctx = reconcile::Context::new(client, worker, Duration::from_secs(resync_secs));
+            let resync = Duration::from_secs(resync_secs);
+            let ctx = reconcile::Context::new(client, worker, resync, instance);
             reconcile::run(ctx, &node).await;
             Ok(())
         }

@@ -9,14 +9,16 @@
 //! through the relay) is caught.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::StreamExt;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::decide::{self, decide};
 use crate::resource::{Machine, MANAGED_ANNOTATION, NODE_LABEL};
@@ -30,11 +32,19 @@ use crate::worker::{Worker, WorkerError};
 /// - [`run`]: `Controller::new(Api::all, watcher)` lists Machines in every
 ///   namespace and watches them (label selector, no `get`);
 /// - [`reconcile_one`]: `Api::patch` with a merge patch of the
-///   `MANAGED_ANNOTATION` annotation (the object, not `machines/status`).
+///   `MANAGED_ANNOTATION` annotation (the object, not `machines/status`);
+/// - [`refuse`]: a `Warning` Event about a Machine that is not reconciled
+///   (kube-rs' `Recorder`: `create`, and `patch` when the same Event
+///   recurs within minutes).
 ///
-/// No events are recorded and nothing else is read.
-pub const KUBE_ACCESS: &[(&str, &str, &[&str])] =
-    &[("kairon.zyvor.dev", "machines", &["list", "watch", "patch"])];
+/// Nothing else is read.
+pub const KUBE_ACCESS: &[(&str, &str, &[&str])] = &[
+    ("kairon.zyvor.dev", "machines", &["list", "watch", "patch"]),
+    ("events.k8s.io", "events", &["create", "patch"]),
+];
+
+/// The Events' reporting controller.
+pub const REPORTER: &str = "egress-cluster-reconciler";
 
 /// Why one reconcile failed (the Machine is requeued with backoff).
 #[derive(Debug, thiserror::Error)]
@@ -63,19 +73,34 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     /// The controller's cache of the node's Machines (set by [`run`]).
     live: std::sync::OnceLock<kube::runtime::reflector::Store<Machine>>,
+    /// Publishes the Events of [`refuse`].
+    events: Recorder,
 }
 
 /// Failure entries kept before those of deleted Machines are looked for.
 const PRUNE_ABOVE: usize = 64;
 
 impl Context {
-    pub fn new(client: Client, worker: Worker, resync: Duration) -> Arc<Self> {
+    /// `instance` names this reconciler in its Events (the pod's name).
+    pub fn new(
+        client: Client,
+        worker: Worker,
+        resync: Duration,
+        instance: Option<String>,
+    ) -> Arc<Self> {
         Arc::new(Self {
-            client,
             worker,
             resync,
             failures: Mutex::new(HashMap::new()),
             live: std::sync::OnceLock::new(),
+            events: Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: REPORTER.into(),
+                    instance,
+                },
+            ),
+            client,
         })
     }
 
@@ -100,12 +125,22 @@ impl Context {
 pub enum Done {
     /// Not running (no runtime id, or not `Running`): nothing to do.
     NotRunning,
+    /// Not reconciled, and said in a `Warning` Event on the Machine:
     /// `spec.network.egress` is invalid (the webhook should have refused
-    /// it): nothing written.
-    Invalid(String),
+    /// it), `status.runtimeID` is not a VM id, or the worker's VM of that id
+    /// is not this Machine's. Nothing written.
+    Invalid(Refused),
     /// The worker has no such VM (yet).
     NoVm,
     Applied(decide::Action),
+}
+
+/// Why a Machine is not reconciled: the Event's reason and note.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refused {
+    /// `InvalidEgress`, `InvalidRuntimeID` or `RuntimeIDNotThisMachine`.
+    pub reason: &'static str,
+    pub note: String,
 }
 
 fn key(m: &Machine) -> String {
@@ -122,8 +157,7 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
     // (`../defaults`, say) names no VM, and nothing is written for it.
     if !crate::relay::valid_id(vm) {
         let why = format!("status.runtimeID {vm:?} is not a VM id");
-        tracing::warn!(machine = %key(m), %why, "not reconciled");
-        return Ok(Done::Invalid(why));
+        return Ok(refuse(m, ctx, "InvalidRuntimeID", why).await);
     }
     let spec = match m.egress() {
         None => None,
@@ -134,10 +168,16 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
                 .map(|p| p.message.clone())
                 .collect::<Vec<_>>()
                 .join("; ");
-            tracing::warn!(machine = %key(m), %why, "spec.network.egress is invalid; not written");
-            return Ok(Done::Invalid(why));
+            let why = format!("spec.network.egress is invalid: {why}");
+            return Ok(refuse(m, ctx, "InvalidEgress", why).await);
         }
     };
+    let Some(held) = ctx.worker.addresses(vm).await? else {
+        return Ok(Done::NoVm);
+    };
+    if let Some(why) = not_this_machines(m, vm, &held) {
+        return Ok(refuse(m, ctx, "RuntimeIDNotThisMachine", why).await);
+    }
     let Some(current) = ctx.worker.policy(vm).await? else {
         return Ok(Done::NoVm);
     };
@@ -170,6 +210,53 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
         tracing::info!(machine = %key(m), %vm, action = ?d.action, "reconciled");
     }
     Ok(Done::Applied(d.action))
+}
+
+/// Why the worker's VM `vm` (holding `held`) is not `m`'s, if it is not:
+/// an address it holds that `status.addresses` does not list. A Machine
+/// names its VM by `status.runtimeID` alone, so without this a Machine
+/// whose status named another Machine's VM would write its policy to that
+/// VM. (A VM matched by cgroup holds no address: nothing to compare.)
+fn not_this_machines(m: &Machine, vm: &str, held: &[IpAddr]) -> Option<String> {
+    let listed: Vec<IpAddr> = m
+        .status
+        .as_ref()
+        .map(|s| s.addresses.iter().filter_map(|a| a.parse().ok()).collect())
+        .unwrap_or_default();
+    let foreign: Vec<&IpAddr> = held.iter().filter(|a| !listed.contains(a)).collect();
+    (!foreign.is_empty()).then(|| {
+        format!(
+            "the worker's VM {vm:?} holds {foreign:?}, which status.addresses ({listed:?}) does not list: it is not this Machine's VM"
+        )
+    })
+}
+
+/// Says why `m` is not reconciled: in the log, and in a `Warning` Event on
+/// the Machine (`kubectl describe machine` shows it). An Event that cannot
+/// be published is logged; the answer is the same.
+async fn refuse(m: &Machine, ctx: &Context, reason: &'static str, note: String) -> Done {
+    tracing::warn!(machine = %key(m), reason, why = %note, "not reconciled");
+    let event = Event {
+        type_: EventType::Warning,
+        reason: reason.into(),
+        // The API server refuses a note over 1 kB.
+        note: Some(truncated(&note, 1_000)),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.events.publish(&event, &m.object_ref(&())).await {
+        tracing::warn!(machine = %key(m), error = %e, "the Event could not be published");
+    }
+    Done::Invalid(Refused { reason, note })
+}
+
+/// `s` cut to at most `max` bytes, on a character boundary.
+fn truncated(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
 }
 
 async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {

@@ -1,7 +1,7 @@
 //! The worker's VM routes (the gateway's admin API), as the reconciler uses
 //! them. One HTTP/1.1 connection per call, every call bounded in time.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -122,6 +122,24 @@ impl Worker {
         let policy = MachineEgress::from_value(&doc["policy"])
             .map_err(|p| unreadable(format!("policy: {p:?}")))?;
         Ok(Some(WorkerPolicy { own, policy }))
+    }
+
+    /// The source addresses the worker holds for the VM; `None` when the
+    /// worker has no such VM. A VM matched by cgroup may hold none.
+    pub async fn addresses(&self, vm: &str) -> Result<Option<Vec<IpAddr>>, WorkerError> {
+        let path = format!("/v1/vms/{vm}");
+        let a = self.call(Method::GET, &path, None).await?;
+        if a.status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        let what = format!("GET {path}");
+        let doc = Self::ok(what.clone(), a)?;
+        serde_json::from_value(doc["addresses"].clone())
+            .map(Some)
+            .map_err(|e| WorkerError::Unreadable {
+                what,
+                message: format!("addresses: {e}"),
+            })
     }
 
     /// Sets the VM's own policy.

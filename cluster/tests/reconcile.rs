@@ -27,12 +27,14 @@ use support::{http, Worker};
 const ALLOW_API: &str =
     r#"{"mode": "allowlist", "rules": [{"cidr": "10.0.0.0/8", "proto": "tcp", "port": 5151}]}"#;
 
-/// Machines by (namespace, name), as the API server would hold them, and
-/// every merge patch received.
+/// Machines by (namespace, name), as the API server would hold them, every
+/// merge patch received, and the Events created (a recurring one's patch
+/// updates its `series`).
 #[derive(Clone, Default)]
 struct StandIn {
     machines: Arc<Mutex<BTreeMap<(String, String), Value>>>,
     patches: Arc<Mutex<Vec<(String, Value)>>>,
+    events: Arc<Mutex<Vec<Value>>>,
 }
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -151,6 +153,22 @@ impl StandIn {
                     .push((name.to_string(), patch));
                 full(200, m)
             }
+            ("POST", ["apis", "events.k8s.io", "v1", "namespaces", _, "events"]) => {
+                let event: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                self.events.lock().expect("lock").push(event.clone());
+                full(201, &event)
+            }
+            ("PATCH", ["apis", "events.k8s.io", "v1", "namespaces", _, "events", name]) => {
+                let patch: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let mut events = self.events.lock().expect("lock");
+                match events.iter_mut().find(|e| e["metadata"]["name"] == *name) {
+                    Some(e) => {
+                        e["series"] = patch["series"].clone();
+                        full(200, e)
+                    }
+                    None => full(404, &json!({"kind": "Status", "code": 404})),
+                }
+            }
             _ => full(
                 404,
                 &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": format!("stand-in: no {method} {path}")}),
@@ -221,7 +239,7 @@ async fn each_reconciliation_rule_against_a_real_worker() {
     };
     w.register_vm("vm-web", "100.64.50.2").await;
     let api = StandIn::default();
-    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60));
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60), None);
 
     // Running, field set, VM on the node default: written, and managed.
     api.put(machine("web", "node-a", "vm-web", Some(ALLOW_API), false));
@@ -308,11 +326,25 @@ async fn each_reconciliation_rule_against_a_real_worker() {
         Some(r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#),
         false,
     );
-    assert!(matches!(
-        reconcile_one(&typed(&bad), &ctx).await.expect("ok"),
-        Done::Invalid(_)
-    ));
+    let done = reconcile_one(&typed(&bad), &ctx).await.expect("ok");
+    assert!(
+        matches!(&done, Done::Invalid(r) if r.reason == "InvalidEgress"),
+        "{done:?}"
+    );
     assert_eq!(worker_policy(&w, "vm-web").await["policy"]["mode"], "open");
+    // ... and said on the Machine, where `kubectl describe` shows it.
+    let events = api.events.lock().expect("lock").clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["type"], "Warning");
+    assert_eq!(events[0]["reason"], "InvalidEgress");
+    assert_eq!(events[0]["regarding"]["name"], "bad");
+    assert_eq!(events[0]["regarding"]["kind"], "Machine");
+    assert_eq!(events[0]["reportingController"], reconcile::REPORTER);
+    let note = events[0]["note"].as_str().expect("a note");
+    assert!(
+        note.starts_with("spec.network.egress is invalid: "),
+        "{note}"
+    );
 
     // An unreachable worker is an error (the controller requeues with backoff).
     let (gone, _held) = egress_testkit::closed_port();
@@ -324,6 +356,7 @@ async fn each_reconciliation_rule_against_a_real_worker() {
             timeout: Duration::from_secs(2),
         },
         Duration::from_secs(60),
+        None,
     );
     let err = reconcile_one(&typed(&api.get("prod", "web")), &down)
         .await
@@ -351,7 +384,7 @@ async fn the_controller_reconciles_only_its_nodes_machines() {
     ));
     api.put(machine("a", "node-a", "vm-a", Some(ALLOW_API), false));
     api.put(machine("b", "node-b", "vm-b", Some(ALLOW_API), false));
-    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60));
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60), None);
     let controller = tokio::spawn(async move { reconcile::run(ctx, "node-a").await });
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -393,13 +426,74 @@ async fn a_runtime_id_that_is_not_a_vm_id_is_not_reconciled() {
         return;
     };
     let api = StandIn::default();
-    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60));
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60), None);
     for id in ["..", "../network/egress/defaults", ""] {
         api.put(machine("web", "node-a", id, Some(ALLOW_API), false));
         let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
             .await
             .expect("reconciles");
-        assert!(matches!(done, Done::Invalid(_)), "{id:?}: {done:?}");
+        assert!(
+            matches!(&done, Done::Invalid(r) if r.reason == "InvalidRuntimeID"),
+            "{id:?}: {done:?}"
+        );
     }
     assert!(api.patches.lock().expect("lock").is_empty());
+}
+
+/// A Machine whose `status.runtimeID` names a VM holding an address its
+/// `status.addresses` does not list (another Machine's VM) is not
+/// reconciled: that VM's policy stays as it is, and a Warning Event says
+/// why. Its own VM, named again, is reconciled.
+#[tokio::test]
+async fn a_runtime_id_naming_another_machines_vm_is_not_reconciled() {
+    let Some(w) = Worker::start().await else {
+        return;
+    };
+    w.register_vm("vm-web", "100.64.50.2").await;
+    w.register_vm("vm-db", "100.64.50.3").await;
+    let api = StandIn::default();
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60), None);
+    // `web` lists 100.64.50.2 and names vm-db.
+    api.put(machine(
+        "web",
+        "node-a",
+        "vm-db",
+        Some(r#"{"mode": "open"}"#),
+        false,
+    ));
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    assert!(
+        matches!(&done, Done::Invalid(r) if r.reason == "RuntimeIDNotThisMachine"),
+        "{done:?}"
+    );
+    assert_eq!(worker_policy(&w, "vm-db").await["source"], "default");
+    assert!(api.patches.lock().expect("lock").is_empty());
+    let events = api.events.lock().expect("lock").clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["reason"], "RuntimeIDNotThisMachine");
+    let note = events[0]["note"].as_str().expect("a note");
+    assert!(note.contains("100.64.50.3"), "{note}");
+
+    // The same refusal again: the Event recurs as a series, not a new one.
+    reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    let events = api.events.lock().expect("lock").clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["series"]["count"], 2);
+
+    api.put(machine(
+        "web",
+        "node-a",
+        "vm-web",
+        Some(r#"{"mode": "open"}"#),
+        false,
+    ));
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    assert!(matches!(done, Done::Applied(Did::Write(_))), "{done:?}");
+    assert_eq!(worker_policy(&w, "vm-web").await["source"], "vm");
 }
