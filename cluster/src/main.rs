@@ -51,6 +51,10 @@ enum Command {
         cert: PathBuf,
         #[arg(long)]
         key: PathBuf,
+        /// The node reconciler's user as the API server names it: its
+        /// requests may change only the egress-managed annotation.
+        #[arg(long, default_value = webhook::RECONCILER_USER)]
+        reconciler_user: String,
     },
     /// Serve the console relay onto a worker's VM routes.
     Relay {
@@ -123,13 +127,18 @@ async fn run(command: Command) -> Result<(), String> {
             reconcile::run(ctx, &node).await;
             Ok(())
         }
-        Command::Webhook { listen, cert, key } => {
+        Command::Webhook {
+            listen,
+            cert,
+            key,
+            reconciler_user,
+        } => {
             let tls = webhook::tls_config(&cert, &key).map_err(|e| e.to_string())?;
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .map_err(|e| format!("--listen {listen}: {e}"))?;
             tracing::info!(%listen, "admission webhook serving");
-            webhook::serve(listener, tls).await;
+            webhook::serve(listener, tls, reconciler_user).await;
             Ok(())
         }
         Command::Relay {

@@ -25,6 +25,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
+use crate::resource::MANAGED_ANNOTATION;
 use egress_api::reply::{error, json_reply, too_large, Reply};
 
 /// The API group of the `Machine` resource.
@@ -45,6 +46,10 @@ pub const MAX_CONNECTIONS: usize = 256;
 /// of connections and HTTP/2 streams.
 pub const MAX_REVIEWS: usize = 16;
 
+/// The reconciler's user as the API server names it in `userInfo`: the
+/// service account of `deploy/kubernetes/reconciler.yaml`.
+pub const RECONCILER_USER: &str = "system:serviceaccount:kairon-system:egress-cluster-reconciler";
+
 /// The body is not an `AdmissionReview` the webhook can answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ReviewError {
@@ -64,9 +69,15 @@ pub enum ReviewError {
 /// (`spec.network.egress.rules[i]: …` or `spec.network.egress: …`). Other
 /// operations and other kinds are allowed.
 ///
+/// A request by `reconciler` (the node reconciler's user) is allowed only
+/// when it is an update that changes nothing but the annotation
+/// [`MANAGED_ANNOTATION`]: RBAC cannot narrow its `patch` to one field,
+/// and a reconciler's token taken on one node could otherwise rewrite
+/// every Machine's policy in the cluster.
+///
 /// Malformed input (not JSON, not a v1 `AdmissionReview`, no `request`, no
 /// `uid`) is an error, never a panic.
-pub fn review(body: &[u8]) -> Result<Value, ReviewError> {
+pub fn review(body: &[u8], reconciler: &str) -> Result<Value, ReviewError> {
     let doc: Value = serde_json::from_slice(body).map_err(ReviewError::Json)?;
     let not = |m: String| ReviewError::NotReview(m);
     let Some(top) = doc.as_object() else {
@@ -93,12 +104,15 @@ pub fn review(body: &[u8]) -> Result<Value, ReviewError> {
     if req.uid.is_empty() {
         return Err(not("request.uid is empty".into()));
     }
-    let response = decide(&req)?;
+    let response = decide(&req, reconciler)?;
     serde_json::to_value(response.into_review()).map_err(|e| not(e.to_string()))
 }
 
 /// The verdict on one request.
-fn decide(req: &AdmissionRequest<DynamicObject>) -> Result<AdmissionResponse, ReviewError> {
+fn decide(
+    req: &AdmissionRequest<DynamicObject>,
+    reconciler: &str,
+) -> Result<AdmissionResponse, ReviewError> {
     let allowed = AdmissionResponse::from(req);
     let machine = req.kind.group == GROUP && req.kind.kind == KIND;
     if !machine || !matches!(req.operation, Operation::Create | Operation::Update) {
@@ -110,6 +124,17 @@ fn decide(req: &AdmissionRequest<DynamicObject>) -> Result<AdmissionResponse, Re
             req.operation
         )));
     };
+    if req.user_info.username.as_deref() == Some(reconciler) {
+        return Ok(match beyond_the_annotation(req.old_object.as_ref(), object) {
+            None => allowed,
+            Some(what) => refused(
+                allowed,
+                403,
+                "Forbidden",
+                format!("{reconciler} may change only the annotation {MANAGED_ANNOTATION}; this request changes {what}"),
+            ),
+        });
+    }
     let egress = object.data.pointer("/spec/network/egress");
     let Some(egress) = egress.filter(|v| !v.is_null()) else {
         return Ok(allowed);
@@ -135,13 +160,53 @@ fn decide(req: &AdmissionRequest<DynamicObject>) -> Result<AdmissionResponse, Re
                     None => format!("spec.network.egress: {}", p.message),
                 })
                 .collect();
-            let mut denied = allowed.deny(message.join("; "));
-            denied.result.status = Some(StatusSummary::Failure);
-            denied.result.code = 400;
-            denied.result.reason = "BadRequest".into();
-            Ok(denied)
+            Ok(refused(allowed, 400, "BadRequest", message.join("; ")))
         }
     }
+}
+
+/// `allowed` turned into a denial.
+fn refused(
+    allowed: AdmissionResponse,
+    code: u16,
+    reason: &str,
+    message: String,
+) -> AdmissionResponse {
+    let mut denied = allowed.deny(message);
+    denied.result.status = Some(StatusSummary::Failure);
+    denied.result.code = code;
+    denied.result.reason = reason.into();
+    denied
+}
+
+/// What an update from `old` to `new` changes besides the annotation
+/// [`MANAGED_ANNOTATION`] (and what the API server itself keeps:
+/// `resourceVersion`, `managedFields`, `generation`), if anything. A
+/// create (no `old`) is a change of everything.
+fn beyond_the_annotation(old: Option<&DynamicObject>, new: &DynamicObject) -> Option<String> {
+    let Some(old) = old else {
+        return Some("everything: it creates the Machine".into());
+    };
+    if old.data != new.data {
+        return Some("the Machine's fields (spec, status)".into());
+    }
+    let (o, n) = (&old.metadata, &new.metadata);
+    let others = |m: &kube::core::ObjectMeta| {
+        let mut a = m.annotations.clone().unwrap_or_default();
+        a.remove(MANAGED_ANNOTATION);
+        a
+    };
+    let differs = [
+        ("labels", o.labels != n.labels),
+        ("other annotations", others(o) != others(n)),
+        ("finalizers", o.finalizers != n.finalizers),
+        ("ownerReferences", o.owner_references != n.owner_references),
+        ("name", o.name != n.name || o.namespace != n.namespace),
+    ];
+    differs
+        .iter()
+        .find(|(_, d)| *d)
+        .map(|(what, _)| format!("metadata.{what}"))
 }
 
 /// A JSON value for an error message, `absent` when missing.
@@ -270,7 +335,10 @@ fn certified_key(
 /// `POST /validate` (and `POST /`) answer `200` with the response review;
 /// a body over 1 MiB is `413`; a body that is not an `AdmissionReview` is
 /// `400 {"error": ..}`; other paths `404`, other methods `405`.
-pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
+///
+/// `reconciler` is the node reconciler's user (see [`review`]).
+pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, reconciler: String) {
+    let reconciler: Arc<str> = reconciler.into();
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let reviews = Arc::new(tokio::sync::Semaphore::new(MAX_REVIEWS));
@@ -289,6 +357,7 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
             continue;
         };
         let (acceptor, reviews) = (acceptor.clone(), reviews.clone());
+        let reconciler = reconciler.clone();
         tokio::spawn(async move {
             let _slot = slot;
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
@@ -302,26 +371,30 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
                     return;
                 }
             };
-            let handle = move |req| handle(req, reviews.clone());
+            let handle = move |req| handle(req, reviews.clone(), reconciler.clone());
             let limits = ("webhook", peer, egress_api::serve::IDLE_TIMEOUT);
             egress_api::serve::serve_one(tls, limits, handle).await;
         });
     }
 }
 
-async fn handle(req: Request<Incoming>, reviews: Arc<tokio::sync::Semaphore>) -> Reply {
+async fn handle(
+    req: Request<Incoming>,
+    reviews: Arc<tokio::sync::Semaphore>,
+    reconciler: Arc<str>,
+) -> Reply {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     // Closed only when the process ends.
     let Ok(_review) = reviews.acquire_owned().await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down", None);
     };
-    let reply = route(req).await;
+    let reply = route(req, &reconciler).await;
     tracing::info!(%method, %path, status = reply.status().as_u16(), "webhook");
     reply
 }
 
-async fn route(req: Request<Incoming>) -> Reply {
+async fn route(req: Request<Incoming>, reconciler: &str) -> Reply {
     if !matches!(req.uri().path(), "/validate" | "/") {
         return error(
             StatusCode::NOT_FOUND,
@@ -371,7 +444,7 @@ async fn route(req: Request<Incoming>) -> Reply {
             )
         }
     };
-    match review(&body) {
+    match review(&body, reconciler) {
         Ok(v) => {
             let allowed = v.pointer("/response/allowed").and_then(Value::as_bool);
             let uid = v.pointer("/response/uid").and_then(Value::as_str);

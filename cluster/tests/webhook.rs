@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use egress_cluster::webhook::{self, review, ReviewError};
+use egress_cluster::resource::MANAGED_ANNOTATION;
+use egress_cluster::webhook::{self, review, ReviewError, RECONCILER_USER};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, KeyUsagePurpose};
@@ -73,7 +74,7 @@ fn machine_review(operation: &str, egress: Option<Value>) -> Value {
 
 /// The response of `review`, after the checks every response passes.
 fn respond(doc: &Value) -> Value {
-    let out = review(doc.to_string().as_bytes()).expect("a review");
+    let out = review(doc.to_string().as_bytes(), RECONCILER_USER).expect("a review");
     assert_eq!(out["apiVersion"], "admission.k8s.io/v1", "{out}");
     assert_eq!(out["kind"], "AdmissionReview", "{out}");
     assert_eq!(out["response"]["uid"], UID, "{out}");
@@ -245,6 +246,50 @@ fn every_problem_is_reported() {
     assert!(message(&r).starts_with("spec.network.egress: policy must be a JSON object"));
 }
 
+/// The reconciler's user may change the egress-managed annotation and
+/// nothing else: not the policy (valid or not), the labels, another
+/// annotation, nor create a Machine. Anyone else's valid change passes.
+#[test]
+fn the_reconciler_may_change_only_its_annotation() {
+    let by_reconciler = |mut doc: Value| {
+        doc["request"]["userInfo"] = json!({
+            "username": RECONCILER_USER,
+            "groups": ["system:serviceaccounts", "system:authenticated"],
+        });
+        respond(&doc)
+    };
+    let open = json!({ "mode": "open" });
+    let mut marked = machine_review("UPDATE", Some(open.clone()));
+    marked["request"]["object"]["metadata"]["annotations"] = json!({ MANAGED_ANNOTATION: "true" });
+    let r = by_reconciler(marked.clone());
+    assert_eq!(r["allowed"], true, "the annotation alone: {r}");
+
+    let mut widened = marked.clone();
+    widened["request"]["oldObject"]["spec"]["network"]["egress"] = json!({ "mode": "loopback" });
+    let r = by_reconciler(widened.clone());
+    assert_eq!(r["allowed"], false, "the policy changed: {r}");
+    assert_eq!(r["status"]["code"], 403, "{r}");
+    let said = r["status"]["message"].as_str().expect("a message");
+    assert!(
+        said.contains(RECONCILER_USER) && said.contains("spec"),
+        "{said}"
+    );
+    // The same change by anyone else is the policy check's alone.
+    assert_eq!(respond(&widened)["allowed"], true);
+
+    let mut relabelled = marked.clone();
+    relabelled["request"]["object"]["metadata"]["labels"]["kairon.zyvor.dev/node"] =
+        json!("node-b");
+    let r = by_reconciler(relabelled);
+    assert_eq!(r["allowed"], false, "a label: {r}");
+    let mut annotated = marked;
+    annotated["request"]["object"]["metadata"]["annotations"]["other"] = json!("x");
+    let r = by_reconciler(annotated);
+    assert_eq!(r["allowed"], false, "another annotation: {r}");
+    let r = by_reconciler(machine_review("CREATE", Some(open)));
+    assert_eq!(r["allowed"], false, "a create: {r}");
+}
+
 #[test]
 fn updates_are_checked_deletes_and_other_kinds_are_not() {
     let bad = json!({ "mode": "open", "rules": [{ "cidr": "10.0.0.0/8" }] });
@@ -278,19 +323,23 @@ fn updates_are_checked_deletes_and_other_kinds_are_not() {
 
 #[test]
 fn malformed_reviews_are_errors() {
-    let not_json = review(b"{\"apiVersion\": ");
+    let not_json = review(b"{\"apiVersion\": ", RECONCILER_USER);
     assert!(
         matches!(not_json, Err(ReviewError::Json(_))),
         "{not_json:?}"
     );
     for bad in [&b""[..], b"\xff\xfe", b"[]", b"null", b"42", b"{}"] {
-        assert!(review(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        assert!(
+            review(bad, RECONCILER_USER).is_err(),
+            "{:?}",
+            String::from_utf8_lossy(bad)
+        );
     }
     let good = machine_review("CREATE", None);
     let mutate = |f: &dyn Fn(&mut Value)| {
         let mut doc = good.clone();
         f(&mut doc);
-        review(doc.to_string().as_bytes())
+        review(doc.to_string().as_bytes(), RECONCILER_USER)
     };
     type Mutation<'a> = (&'a str, &'a dyn Fn(&mut Value));
     let cases: [Mutation<'_>; 8] = [
@@ -319,7 +368,7 @@ fn malformed_reviews_are_errors() {
     }
     // And nothing panics on deep or odd input.
     let deep = "[".repeat(100_000);
-    assert!(review(deep.as_bytes()).is_err());
+    assert!(review(deep.as_bytes(), RECONCILER_USER).is_err());
     assert!(mutate(&|d| d["request"]["object"]["spec"] = json!("x")).is_ok());
 }
 
@@ -360,7 +409,7 @@ async fn start_webhook(certs: &Certs) -> SocketAddr {
     .expect("tls config");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(webhook::serve(listener, tls));
+    tokio::spawn(webhook::serve(listener, tls, RECONCILER_USER.into()));
     addr
 }
 

@@ -1234,6 +1234,14 @@ fn the_reconciler_may_do_exactly_what_it_calls() {
     if find(&docs, "ServiceAccount", &sa).is_none() {
         problems.push(format!("no ServiceAccount {sa}"));
     }
+    // The webhook lets this user change the egress-managed annotation only.
+    let user = format!("system:serviceaccount:{ns}:{sa}");
+    if user != egress_cluster::webhook::RECONCILER_USER {
+        problems.push(format!(
+            "the reconciler runs as {user}, the webhook's --reconciler-user default is {}",
+            egress_cluster::webhook::RECONCILER_USER
+        ));
+    }
     let granted = grants(&docs, &sa, ns, &mut problems);
     for extra in granted.difference(&used) {
         problems.push(format!("granted but not called (KUBE_ACCESS): {extra:?}"));
