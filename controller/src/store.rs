@@ -303,13 +303,15 @@ pub async fn put_worker(
     Ok(())
 }
 
-pub async fn workers(pool: &PgPool) -> Result<Vec<WorkerRow>, sqlx::Error> {
-    let rows = sqlx::query(
-        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers ORDER BY id",
+/// One worker, by id.
+pub async fn worker(pool: &PgPool, id: &str) -> Result<Option<WorkerRow>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers WHERE id = $1",
     )
-    .fetch_all(pool)
+    .bind(id)
+    .fetch_optional(pool)
     .await?;
-    rows.iter().map(WorkerRow::from_row).collect()
+    row.as_ref().map(WorkerRow::from_row).transpose()
 }
 
 /// The workers of `shards` with something to push: a resync, or changes

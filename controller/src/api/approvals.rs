@@ -43,10 +43,9 @@ impl Api {
             )
         };
         let worker = row.worker.ok_or_else(no_proposals)?;
-        let workers = store::workers(&self.pool).await.map_err(db)?;
-        let w = workers
-            .iter()
-            .find(|w| w.id == worker)
+        let w = store::worker(&self.pool, &worker)
+            .await
+            .map_err(db)?
             .ok_or_else(no_proposals)?;
         let path = format!("/v1/sandboxes/{id}/proposals");
         let answer = gateway_client::call(&w.admin_url, &w.token, Method::GET, &path, None).await;
