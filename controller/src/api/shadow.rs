@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 use sqlx::PgConnection;
 
 use super::{db, error, json_reply, policy_field, typed, visible, visible_for_update, Api, Reply};
+use crate::approvals::laid_over;
 use crate::compose::effective;
 use crate::config::Tenant;
 use crate::gateway_client::{call, GatewayError};
@@ -112,7 +113,11 @@ impl Api {
         let t = target(&mut tx, &row).await?;
         let eff = effective(&self.deployment, &candidate, &row.egress_profiles, false)
             .map_err(|m| self.unresolved(&m))?;
-        let put = json!({ "policy": eff.policy });
+        // The approvals in force, laid over as a promotion would lay them:
+        // without them, each destination an approval opens would show in
+        // the report as a change the promotion does not make.
+        let (laid, _) = laid_over(&mut tx, &row, &eff).await.map_err(db)?;
+        let put = json!({ "policy": laid });
         let since = match gateway(&t, Method::PUT, "", Some(&put)).await {
             Ok((s, body)) if s.is_success() => body["since"].clone(),
             Ok((StatusCode::NOT_FOUND, _)) => {
@@ -124,13 +129,13 @@ impl Api {
             Ok((s, body)) => return Err(refused(s, &body)),
             Err(e) => return Err(super::unanswered(caller, &e)),
         };
-        shadows::put(&mut tx, id, &candidate, None)
+        shadows::put(&mut tx, id, (&candidate, None), row.policy.as_ref())
             .await
             .map_err(db)?;
         tx.commit().await.map_err(db)?;
         Ok(json_reply(
             StatusCode::OK,
-            &json!({"sandbox": id, "policy": candidate, "effective": eff.policy,
+            &json!({"sandbox": id, "policy": candidate, "effective": laid,
                     "provenance": eff.provenance, "worker": row.worker, "since": since}),
         ))
     }
@@ -174,9 +179,15 @@ impl Api {
     /// `POST /v1/sandboxes/{id}/shadow/promote`: the stored candidate
     /// replaces the tenant policy exactly as `PUT …/network` would
     /// (composition, provenance, generation, push), the stored candidate
-    /// goes, and then the worker's shadow is dropped (a push keeps a
-    /// shadow, so it must be dropped explicitly; dropped before the push
-    /// lands, the sandbox briefly runs its old policy with no shadow).
+    /// goes, and the worker's shadow is dropped (a push keeps a shadow, so
+    /// it must be dropped explicitly). The drop happens under the row lock,
+    /// before the commit, so a shadow put meanwhile is not the one dropped;
+    /// until the push lands the sandbox runs its old policy with no shadow.
+    /// A drop that fails promotes nothing.
+    ///
+    /// `409` when the sandbox's saved policy is no longer the one the
+    /// shadow was put over (a replacement or an approval since): its report
+    /// never judged that change, and the promotion would undo it.
     pub(super) async fn promote_shadow(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
         let mut tx = self.pool.begin().await.map_err(db)?;
         let row = visible_for_update(&mut tx, caller, id).await?;
@@ -190,25 +201,29 @@ impl Api {
                 &format!("the shadow of sandbox {id} is template {template:?}'s rollout: put the template's policy, or put a shadow of the sandbox's own"),
             ));
         }
+        let now = row
+            .policy
+            .as_ref()
+            .and_then(|p| serde_json::to_value(p).ok());
+        if stored.base.is_none() || stored.base != now {
+            return Err(error(
+                StatusCode::CONFLICT,
+                &format!("the policy of sandbox {id} changed after its shadow was put (a replacement or an approval): put the shadow again, and read its report, before promoting it"),
+            ));
+        }
         let t = target(&mut tx, &row).await?;
         let promoted = self
             .replace_in(&mut tx, caller, id, Some(stored.policy))
             .await?;
         shadows::delete(&mut tx, id).await.map_err(db)?;
-        tx.commit().await.map_err(db)?;
         if let Err(e) = drop_on_gateway(&t).await {
-            tracing::warn!(sandbox = %id, error = %e, "promoted; the worker's shadow was not dropped");
-            // The worker's admin URL is an admin's to read.
-            let why = if caller.admin {
-                format!(" ({e})")
-            } else {
-                String::new()
-            };
-            return Err(json_reply(
-                StatusCode::BAD_GATEWAY,
-                &json!({"error": format!("promoted, but the worker's gateway did not drop the shadow{why}: DELETE …/shadow to drop it"), "promoted": true}),
+            tracing::warn!(sandbox = %id, error = %e, "not promoted: the worker's shadow was not dropped");
+            return Err(super::unanswered(
+                caller,
+                &format!("not promoted: the worker's gateway did not drop the shadow: {e}"),
             ));
         }
+        tx.commit().await.map_err(db)?;
         let mut doc = promoted.document();
         doc["shadow"] = Value::Null;
         Ok(json_reply(StatusCode::OK, &doc))
@@ -231,7 +246,10 @@ impl Api {
             .map_err(|_| format!("sandbox {} is not on a worker's gateway", row.id))?;
         let eff = effective(&self.deployment, candidate, &row.egress_profiles, true)
             .map_err(|m| m.to_string())?;
-        match gateway(&t, Method::PUT, "", Some(&json!({"policy": eff.policy}))).await {
+        let (laid, _) = laid_over(conn, row, &eff)
+            .await
+            .map_err(|e| e.to_string())?;
+        match gateway(&t, Method::PUT, "", Some(&json!({"policy": laid}))).await {
             Ok((s, _)) if s.is_success() => Ok(()),
             Ok((s, body)) => Err(format!("the worker's gateway answered {s}: {body}")),
             Err(e) => Err(e.to_string()),
@@ -262,9 +280,14 @@ impl Api {
         for row in shadows::inheriting(&mut tx, id).await.map_err(db)? {
             match self.put_inherited(&mut tx, &row, &candidate).await {
                 Ok(()) => {
-                    shadows::put(&mut tx, &row.id, &candidate, Some(id))
-                        .await
-                        .map_err(db)?;
+                    shadows::put(
+                        &mut tx,
+                        &row.id,
+                        (&candidate, Some(id)),
+                        row.policy.as_ref(),
+                    )
+                    .await
+                    .map_err(db)?;
                     put.push(row.id);
                 }
                 Err(e) => failed.push(json!({"sandbox": row.id, "error": e})),

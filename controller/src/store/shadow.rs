@@ -17,11 +17,14 @@ pub struct Target {
     pub token: String,
 }
 
-/// A sandbox's stored candidate, and the template rollout that put it.
+/// A sandbox's stored candidate, the template rollout that put it, and the
+/// sandbox's saved effective policy when it was put (`None`: put before
+/// that was kept).
 #[derive(Clone, Debug)]
 pub struct Stored {
     pub policy: Policy,
     pub template: Option<String>,
+    pub base: Option<Value>,
 }
 
 /// The admin URL and token of a worker's gateway.
@@ -37,19 +40,22 @@ pub async fn gateway(
         .transpose()
 }
 
-/// Keeps `policy` as the sandbox's candidate (replacing any).
+/// Keeps `policy` as the sandbox's candidate (replacing any), put by the
+/// rollout of `template` if any, while the sandbox's saved effective policy
+/// is `base`.
 pub async fn put(
     conn: &mut PgConnection,
     sandbox: &str,
-    policy: &Policy,
-    template: Option<&str>,
+    (policy, template): (&Policy, Option<&str>),
+    base: Option<&Policy>,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO sandbox_shadows (sandbox, policy, template) VALUES ($1, $2, $3) ON CONFLICT (sandbox) DO UPDATE SET policy = EXCLUDED.policy, template = EXCLUDED.template, created_at = now()",
+        "INSERT INTO sandbox_shadows (sandbox, policy, template, base) VALUES ($1, $2, $3, $4) ON CONFLICT (sandbox) DO UPDATE SET policy = EXCLUDED.policy, template = EXCLUDED.template, base = EXCLUDED.base, created_at = now()",
     )
     .bind(sandbox)
     .bind(Json(serde_json::to_value(policy).unwrap_or_default()))
     .bind(template)
+    .bind(base.and_then(|b| serde_json::to_value(b).ok()).map(Json))
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -57,17 +63,22 @@ pub async fn put(
 
 /// A sandbox's stored candidate, if it has one.
 pub async fn get(conn: &mut PgConnection, sandbox: &str) -> Result<Option<Stored>, sqlx::Error> {
-    let row = sqlx::query("SELECT policy, template FROM sandbox_shadows WHERE sandbox = $1")
+    let row = sqlx::query("SELECT policy, template, base FROM sandbox_shadows WHERE sandbox = $1")
         .bind(sandbox)
         .fetch_optional(&mut *conn)
         .await?;
     let Some(r) = row else { return Ok(None) };
     let Json(v): Json<Value> = r.try_get("policy")?;
     let template: Option<String> = r.try_get("template")?;
+    let base = r
+        .try_get::<Option<Json<Value>>, _>("base")?
+        .map(|Json(b)| b);
     // Stored only after it parsed: a row that no longer parses is no candidate.
-    Ok(Policy::from_json(&v.to_string())
-        .ok()
-        .map(|policy| Stored { policy, template }))
+    Ok(Policy::from_json(&v.to_string()).ok().map(|policy| Stored {
+        policy,
+        template,
+        base,
+    }))
 }
 
 /// Forgets a sandbox's candidate; whether there was one.

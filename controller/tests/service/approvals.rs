@@ -373,3 +373,85 @@ async fn an_approval_revoked_during_a_create_is_not_in_what_it_saves() {
     );
     assert_eq!(doc["policy"]["allow"], json!([]), "{doc}");
 }
+
+/// A shadow is judged as its promotion would run: with the approvals in
+/// force laid over. A promotion is refused (409) once the sandbox's policy
+/// changed after the shadow was put (here a replacement adding a deny): the
+/// report never judged that change, and promoting would undo it.
+#[tokio::test]
+async fn a_shadow_carries_the_approvals_and_a_later_change_blocks_its_promotion() {
+    let w = setup_world(db!()).await;
+    let (id, addr) = sandbox(&w, FEDERATED).await;
+    denied_request(&w, &addr).await;
+    let (s, a) = approve(&w, FEDERATED, &id, json!({"scope": "sandbox"})).await;
+    assert_eq!(s, 201, "{a}");
+    until_verdict(&w, &id, "intercept").await;
+
+    let shadow = format!("/v1/sandboxes/{id}/shadow");
+    let candidate = json!({"default": "deny", "tls_interception": "on",
+        "allow": [{"domain": "docs.example.test"}]});
+    let put = |c: Value| {
+        call(
+            w.api.addr,
+            "PUT",
+            &shadow,
+            Some(FEDERATED),
+            &[],
+            Some(json!({"policy": c})),
+        )
+    };
+    let (s, doc) = put(candidate.clone()).await;
+    assert_eq!(s, 200, "{doc}");
+    let allow = doc["effective"]["allow"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        allow.contains(&json!({"domain": "api.example.test"})),
+        "the approval is in the shadow: {doc}"
+    );
+
+    let denied = json!({"default": "deny", "tls_interception": "on",
+        "deny": [{"domain": "exfil.example.test"}]});
+    let network = format!("/v1/sandboxes/{id}/network");
+    let (s, v) = call(
+        w.api.addr,
+        "PUT",
+        &network,
+        Some(FEDERATED),
+        &[],
+        Some(json!({"policy": denied})),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let promote = format!("{shadow}/promote");
+    let (s, v) = call(w.api.addr, "POST", &promote, Some(FEDERATED), &[], None).await;
+    assert_eq!(s, 409, "promoted over a later change: {v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("put the shadow again")),
+        "{v}"
+    );
+    let (_, sb) = call(
+        w.api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(
+        sb["policy"]["deny"],
+        json!([{"domain": "exfil.example.test"}]),
+        "{sb}"
+    );
+
+    // Put again over the policy as it is now: promoted.
+    let (s, doc) = put(candidate).await;
+    assert_eq!(s, 200, "{doc}");
+    let (s, v) = call(w.api.addr, "POST", &promote, Some(FEDERATED), &[], None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["policy"]["allow"], doc["effective"]["allow"], "{v}");
+}
