@@ -30,6 +30,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
 const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
 const SEND_BUFFER: usize = 1024 * 1024;
+/// Largest response head (its header list, decoded) an origin may send on
+/// a stream; a larger one fails the stream (`502` to the client). Without
+/// it, `h2`'s default of 16 MiB applies: an origin could make each of a
+/// connection's streams hold 16 MiB of headers from a few kilobytes of
+/// HPACK (hyper's client, which this replaced, said 16 KiB).
+pub(crate) const MAX_RESPONSE_HEAD: u32 = 64 * 1024;
 
 /// A handle on an HTTP/2 connection to an origin; clones share it.
 #[derive(Clone)]
@@ -53,6 +59,7 @@ where
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_send_buffer_size(SEND_BUFFER)
+        .max_header_list_size(MAX_RESPONSE_HEAD)
         .handshake(io)
         .await?;
     let closed = Arc::new(AtomicBool::new(false));

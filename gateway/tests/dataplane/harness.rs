@@ -219,6 +219,7 @@ async fn respond(
 /// `conn=<n>`, its connections numbered from 1. On its first connection,
 /// `/hold` is never answered: 300 ms later the origin says GOAWAY with it as
 /// the last stream, refusing the streams opened since, and closes.
+/// `/bighead` is answered with a 96 KiB response head.
 pub async fn goaway_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketAddr {
     let listener = TcpListener::bind((ip.parse::<IpAddr>().expect("ip"), 0))
         .await
@@ -244,6 +245,17 @@ pub async fn goaway_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> Socke
                         // and the connection closes.
                         tokio::time::sleep(Duration::from_millis(300)).await;
                         conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                        continue;
+                    }
+                    if req.uri().path() == "/bighead" {
+                        // 96 KiB of response head, a few hundred bytes of
+                        // HPACK once the field is in the dynamic table.
+                        let mut head = http::Response::builder();
+                        for i in 0..24 {
+                            head = head.header(format!("x-big-{i}"), "v".repeat(4_000));
+                        }
+                        let head = head.body(()).expect("head");
+                        let _ = respond.send_response(head, true);
                         continue;
                     }
                     let slow = req.uri().path() == "/slow";

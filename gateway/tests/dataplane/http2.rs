@@ -64,3 +64,17 @@ async fn connection_specific_fields_never_reach_an_http2_client() {
         Some(&b"1"[..])
     );
 }
+
+#[tokio::test]
+async fn an_origins_oversized_response_head_fails_its_stream_alone() {
+    let e = intercepting(NAMES).await;
+    let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
+    // 96 KiB of response head from the origin, past the gateway's 64 KiB:
+    // the stream fails with a 502 from the gateway, nothing of it forwarded.
+    let (head, body) = get(&s, "https://goaway.example.test/bighead").await;
+    assert_eq!(head.status.as_u16(), 502, "{head:?} {body}");
+    assert!(!head.headers.contains_key("x-big-0"), "{head:?}");
+    // The client's connection serves on.
+    let (head, body) = get(&s, "https://goaway.example.test/next").await;
+    assert_eq!(head.status.as_u16(), 200, "{body}");
+}
