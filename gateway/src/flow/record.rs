@@ -102,6 +102,9 @@ impl<'a> Record<'a> {
             self.dp.metrics.fault(ended.fault);
             ended.detail
         });
+        if out.budget_cut.is_some() {
+            self.line.error = out.budget_cut;
+        }
     }
 
     pub(crate) fn spliced(&mut self, moved: Result<Spliced, String>) {

@@ -6,7 +6,6 @@ use egress_policy::Hostname;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
-use hyper_util::rt::TokioIo;
 
 use super::serve::ClientBody;
 use super::Conn;
@@ -231,13 +230,9 @@ impl Conn {
                     "the origin switched to a protocol other than websocket\n",
                 );
             }
-            let origin_side = hyper::upgrade::on(&mut resp);
-            tokio::spawn(async move {
-                if let (Ok(c), Ok(o)) = (client_side.await, origin_side.await) {
-                    let (mut c, mut o) = (TokioIo::new(c), TokioIo::new(o));
-                    let _ = tokio::io::copy_bidirectional(&mut c, &mut o).await;
-                }
-            });
+            // Bridged in the flow's task, once hyper hands the client's
+            // connection over after this 101 (`bridge.rs`).
+            self.set_bridge(client_side, hyper::upgrade::on(&mut resp));
         }
         resp.map(boxed)
     }

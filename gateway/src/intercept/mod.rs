@@ -11,6 +11,7 @@
 //! connection folds them into its [`Tally`], which becomes the flow's
 //! [`Served`] when the connection ends.
 
+mod bridge;
 mod forward;
 mod request;
 mod serve;
@@ -59,6 +60,10 @@ pub(crate) struct Served {
     pub(crate) would_deny: Option<String>,
     /// Why the flow ended badly, if it did.
     pub(crate) error: Option<Ended>,
+    /// A bridged WebSocket cut past its byte budget: why (`budget_exceeded:
+    /// budgets[i] …`), as a spliced flow's cut says it. No fault: a budget
+    /// is counted as `egress_budget_exceeded_total`.
+    pub(crate) budget_cut: Option<String>,
 }
 
 /// Why a served flow ended badly: whose fault it was (counted once, where
@@ -110,6 +115,9 @@ struct Conn {
     budget: BudgetCharge,
     /// Whether HTTP/1.1 rests on it (`serve.rs`).
     rest: Rest,
+    /// A WebSocket the forward stage switched to, bridged in the flow's
+    /// task once hyper has handed the connection over ([`bridge`]).
+    bridge: Mutex<Option<bridge::Bridge>>,
 }
 
 /// What a terminated flow has charged to its sandbox's byte budgets: the
@@ -324,6 +332,7 @@ impl Conn {
                 rule: std::sync::atomic::AtomicU32::new(u32::MAX),
             },
             rest: Rest::default(),
+            bridge: Mutex::new(None),
         })
     }
 
@@ -345,6 +354,11 @@ impl Conn {
     /// gateway drains, or its sandbox is gone ([`Conn::sandbox_now`]).
     fn stopping(&self) -> bool {
         self.draining() || !self.dp.registry.holds(self.src, &self.sandbox.id)
+    }
+
+    /// Whether the flow's sandbox is gone (deleted, or its address taken).
+    fn removed(&self) -> bool {
+        !self.dp.registry.holds(self.src, &self.sandbox.id)
     }
 
     /// Why a connection stopped at a boundary ([`Conn::stopping`]): its

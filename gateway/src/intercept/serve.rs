@@ -175,6 +175,9 @@ where
             tokio::select! {
                 biased;
                 r = &mut serving => {
+                    if let (Ok(()), Some(bridge)) = (&r, conn.take_bridge()) {
+                        return super::bridge::bridged(&conn, bridge, &mut watch).await;
+                    }
                     return finish(&conn, r.err().map(|e| connection_error(&e))).await;
                 }
                 why = watch.next(|| asked && conn.stopping()) => match why {
@@ -308,7 +311,7 @@ where
 
 /// A connection's end: its upstream connection back to the pool, and its
 /// flow's report, with `error` or else the last refused request's reason.
-async fn finish(conn: &Conn, error: Option<super::Ended>) -> Served {
+pub(super) async fn finish(conn: &Conn, error: Option<super::Ended>) -> Served {
     if let Some((key, sender)) = conn.upstream.lock().await.take() {
         conn.up.pool.put(key, sender);
     }

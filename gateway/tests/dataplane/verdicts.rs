@@ -542,6 +542,84 @@ async fn only_a_websocket_is_bridged_through_interception() {
     assert_eq!(&echo, b"ping over the bridge");
 }
 
+/// Opens a WebSocket from `src` to the API origin through interception,
+/// past its 101.
+async fn websocket(e: &Env, src: &str) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let (mut tls, _) = e
+        .tls(src, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    tls.write_all_ignored(b"GET /ws HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n").await;
+    let head = read_head(&mut tls).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    tls
+}
+
+/// Echoes chunks of 16 KiB over `tls` until it ends or `within` passes:
+/// the bytes echoed, and whether it ended.
+async fn echo_until_cut<S>(tls: &mut S, within: Duration) -> (u64, bool)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let chunk = vec![b'w'; 16 * 1024];
+    let mut back = vec![0u8; 16 * 1024];
+    let (mut echoed, until) = (0u64, tokio::time::Instant::now() + within);
+    while tokio::time::Instant::now() < until {
+        let round = async {
+            tls.write_all(&chunk).await?;
+            tls.read_exact(&mut back).await
+        };
+        match tokio::time::timeout_at(until, round).await {
+            Ok(Ok(_)) => echoed += chunk.len() as u64,
+            Ok(Err(_)) => return (echoed, true),
+            Err(_) => break,
+        }
+    }
+    (echoed, false)
+}
+
+/// A bridged WebSocket belongs to its flow: its bytes are charged to the
+/// byte budget of the request that opened it, chunk by chunk (cut past it,
+/// `budget_exceeded`), it ends when its sandbox is deleted
+/// (`gateway_sandbox_removed`), and its flow's line counts its bytes.
+#[tokio::test]
+async fn a_bridged_websocket_is_charged_and_cut_as_its_flow() {
+    const BUDGET: u64 = 256 * 1024;
+    let e = env(Options::default()).await;
+    let budgeted = format!(
+        r#"{{"default": "allow", "tls_interception": "on",
+        "budgets": [{{"destination": "api.example.test", "bytes_per_hour": {BUDGET}}}]}}"#
+    );
+    e.sandbox("a", SANDBOX_A, policy(&budgeted));
+    e.sandbox(
+        "b",
+        SANDBOX_B,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let mut ws = websocket(&e, SANDBOX_A).await;
+    let (echoed, cut) = echo_until_cut(&mut ws, Duration::from_secs(5)).await;
+    assert!(cut, "not cut after {echoed} bytes echoed");
+    // Each byte crosses the budget twice (there and back).
+    assert!(2 * echoed <= BUDGET, "at most the budget: {echoed} echoed");
+    let line = e.flow_lines(1).await.pop().expect("a line");
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(error.starts_with("budget_exceeded: budgets[0]"), "{line}");
+    assert!(line["bytes_up"].as_u64().unwrap_or(0) > echoed, "{line}");
+
+    let mut ws = websocket(&e, SANDBOX_B).await;
+    let (echoed, cut) = echo_until_cut(&mut ws, Duration::from_millis(300)).await;
+    assert!(!cut && echoed > 0, "the bridge works: {echoed}");
+    assert!(e
+        .gateway
+        .registry()
+        .remove(&egress_policy::SandboxId::new("b")));
+    let (_, cut) = echo_until_cut(&mut ws, Duration::from_secs(5)).await;
+    assert!(cut, "the bridge outlived its sandbox");
+    let line = e.flow_lines(2).await.pop().expect("a line");
+    assert_eq!(line["error"], json!("gateway_sandbox_removed"), "{line}");
+}
+
 #[tokio::test]
 async fn the_flow_log_has_a_line_per_flow_with_its_facts() {
     let e = env(Options::default()).await;
