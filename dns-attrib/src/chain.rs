@@ -1,11 +1,16 @@
-//! What an answer attributes: the A/AAAA records on the CNAME chain that
-//! starts at the question name, and every name on that chain.
+//! What an answer attributes: the A/AAAA records of the name the CNAME
+//! chain that starts at the question name ends at, to every name on that
+//! chain.
 //!
-//! Only the answer section counts, only records of class IN, and only records
-//! owned by a name on the chain: an upstream (or an attacker who can shape an
-//! answer) cannot attribute a name that was not asked for by putting it in
-//! the answer, the authority or the additional section, nor an address by
-//! giving it another class.
+//! Only the answer section counts, only records of class IN, and only
+//! address records owned by the chain's last name: an upstream (or an
+//! attacker who can shape an answer) cannot attribute a name that was not
+//! asked for by putting it in the answer, the authority or the additional
+//! section, nor an address by giving it another class, nor an address of
+//! its own to a name its CNAME points at (`q.attacker.test A 6.6.6.6` beside
+//! `q.attacker.test CNAME allowed.test`: a name with a CNAME has no other
+//! data, and its A records are not `allowed.test`'s). At most
+//! [`MAX_ADDRS`] addresses are taken from one answer.
 
 use std::net::IpAddr;
 
@@ -15,6 +20,11 @@ use hickory_proto::rr::{DNSClass, Name, RData, Record};
 
 /// Longest CNAME chain followed; real chains are a handful of links.
 const MAX_CHAIN: usize = 16;
+
+/// Addresses taken from one answer, in the answer's order; the rest are not
+/// attributed. Real answers carry a handful; a 64 KiB one could carry
+/// thousands, each to be merged into the sandbox's cache.
+pub const MAX_ADDRS: usize = 64;
 
 /// The names an answer binds to addresses, and the smallest TTL involved.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,6 +55,12 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
         ttl = ttl.min(t);
         chain.push(target);
     }
+    // The chain ends at a name with no CNAME of its own (one that ended in
+    // a loop or at the limit has one, and so has no addresses).
+    let last = chain.last()?;
+    if internet(answer).any(|r| matches!(r.data, RData::CNAME(_)) && same_name(&r.name, last)) {
+        return None;
+    }
     let mut addrs = Vec::new();
     for r in internet(answer) {
         let addr = match &r.data {
@@ -52,10 +68,11 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
             RData::AAAA(a) => IpAddr::V6(a.0),
             _ => continue,
         };
-        if chain.iter().any(|n| same_name(n, &r.name)) {
+        if same_name(last, &r.name) && !addrs.contains(&addr) {
             ttl = ttl.min(r.ttl);
-            if !addrs.contains(&addr) {
-                addrs.push(addr);
+            addrs.push(addr);
+            if addrs.len() == MAX_ADDRS {
+                break;
             }
         }
     }

@@ -166,3 +166,39 @@ fn only_records_of_class_in_attribute() {
     assert_eq!(names(&got), ["api.test"]);
     assert_eq!(got.addrs, ["203.0.113.7".parse::<IpAddr>().expect("ip")]);
 }
+
+#[test]
+fn only_the_chains_last_name_gives_addresses() {
+    // The attacker's own zone puts an address beside its CNAME to an
+    // allowed name: that address is not the allowed name's.
+    let m = answer(vec![
+        a("q.attacker.test.", 300, "203.0.113.66"),
+        cname("q.attacker.test.", 300, "allowed.test."),
+        a("allowed.test.", 300, "198.51.100.9"),
+    ]);
+    let got = attribution(&n("q.attacker.test."), &m).expect("attributes");
+    assert_eq!(names(&got), ["q.attacker.test", "allowed.test"]);
+    assert_eq!(got.addrs, ["198.51.100.9".parse::<IpAddr>().expect("ip")]);
+    // An address owned by the middle of a chain is no one's either.
+    let m = answer(vec![
+        cname("a.test.", 300, "b.test."),
+        a("b.test.", 300, "203.0.113.66"),
+        cname("b.test.", 300, "c.test."),
+        a("c.test.", 300, "198.51.100.9"),
+    ]);
+    let got = attribution(&n("a.test."), &m).expect("attributes");
+    assert_eq!(got.addrs, ["198.51.100.9".parse::<IpAddr>().expect("ip")]);
+}
+
+#[test]
+fn at_most_max_addrs_addresses_are_taken_from_one_answer() {
+    let records: Vec<Record> = (0..1_000u32)
+        .map(|i| {
+            let ip = std::net::Ipv4Addr::from(0xc633_6400 + i); // 198.51.100.0 onwards
+            a("many.test.", 300, &ip.to_string())
+        })
+        .collect();
+    let got = attribution(&n("many.test."), &answer(records)).expect("attributes");
+    assert_eq!(got.addrs.len(), super::MAX_ADDRS);
+    assert_eq!(got.addrs[0], "198.51.100.0".parse::<IpAddr>().expect("ip"));
+}
