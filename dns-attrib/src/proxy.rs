@@ -550,11 +550,14 @@ impl DnsProxy {
         question: &Query,
     ) -> Option<(Vec<u8>, Message)> {
         let id = random_id()?;
-        let sent = &upstream_query(raw, id)?;
+        let sent = &upstream_query(raw, query, id)?;
         let (mut bytes, mut msg) = self.ask_upstreams(sent, id, question).await?;
-        // The sandbox's own ID and question, put back.
+        // The sandbox's own ID, recursion bit and question, put back.
         bytes[..2].copy_from_slice(&query.metadata.id.to_be_bytes());
         msg.metadata.id = query.metadata.id;
+        let rd = query.metadata.recursion_desired;
+        bytes[2] = (bytes[2] & !RD) | if rd { RD } else { 0 };
+        msg.metadata.recursion_desired = rd;
         own_question(&mut bytes, raw);
         msg.queries.clone_from(&query.queries);
         Some((bytes, msg))
@@ -797,18 +800,53 @@ fn random_id() -> Option<u16> {
     Some(u16::from_be_bytes(id))
 }
 
-/// The query as it goes upstream: `raw` with its ID replaced by `id` and
-/// its question's name in lower case. The letters' case is the sandbox's to
-/// choose, and a name asked again in other letters spends no name budget,
-/// so it would carry a bit a letter to whoever answers for the name.
-/// `None` if the question's name cannot be walked (`parse_query` took it,
-/// so that does not happen).
-fn upstream_query(raw: &[u8], id: u16) -> Option<Vec<u8>> {
+/// The recursion-desired bit, in the header's third byte.
+const RD: u8 = 0x01;
+
+/// The query as it goes upstream, built anew from `raw` (parsed as `query`)
+/// rather than passed on: the ID `id`; recursion desired (a query without
+/// it would ask the upstream's cache what other sandboxes resolved); the
+/// sandbox's AD and CD bits; its one question, the name in lower case; and,
+/// if it sent EDNS, an OPT with its payload size and DO bit and no option.
+/// What the sandbox put anywhere else does not leave: records in the other
+/// sections, EDNS options (a client subnet would carry 24 bits a query to
+/// the name's authority), the letters' case (a name asked again in other
+/// letters spends no name budget, so its case would carry a bit a letter).
+/// `None` if the question cannot be walked (`parse_query` took it, so that
+/// does not happen).
+fn upstream_query(raw: &[u8], query: &Message, id: u16) -> Option<Vec<u8>> {
     let end = question_name_end(raw)?;
-    let mut out = raw.to_vec();
-    out[..2].copy_from_slice(&id.to_be_bytes());
+    // The name, its type and its class.
+    let question = raw.get(HEADER_LEN..end + 4)?;
+    let mut out = Vec::with_capacity(HEADER_LEN + question.len() + 11);
+    out.extend_from_slice(&id.to_be_bytes());
+    let ad = if query.metadata.authentic_data {
+        0x20
+    } else {
+        0
+    };
+    let cd = if query.metadata.checking_disabled {
+        0x10
+    } else {
+        0
+    };
+    // A query (QR 0, opcode 0) with recursion desired.
+    out.extend_from_slice(&[RD, ad | cd]);
+    let additional = u16::from(query.edns.is_some());
+    out.extend_from_slice(&[0, 1, 0, 0, 0, 0]);
+    out.extend_from_slice(&additional.to_be_bytes());
+    out.extend_from_slice(question);
     // Length octets are at most 63, below every letter: only letters change.
     out[HEADER_LEN..end].make_ascii_lowercase();
+    if let Some(edns) = &query.edns {
+        let payload = edns.max_payload().max(512);
+        let dnssec_ok = if edns.flags().dnssec_ok { 0x80 } else { 0 };
+        // Owner: the root; type OPT (41); class: the payload size; TTL:
+        // extended code 0, version 0, the DO bit; no data.
+        out.extend_from_slice(&[0, 0, 41]);
+        out.extend_from_slice(&payload.to_be_bytes());
+        out.extend_from_slice(&[0, 0, dnssec_ok, 0, 0, 0]);
+    }
     Some(out)
 }
 

@@ -13,6 +13,7 @@ use dns_attrib::{
 };
 use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, SandboxId};
 use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, Query, ResponseCode};
+use hickory_proto::rr::rdata::opt::{ClientSubnet, EdnsOption};
 use hickory_proto::rr::rdata::svcb::{
     Alpn, EchConfigList, IpHint, SvcParamKey, SvcParamValue, Unknown, SVCB,
 };
@@ -1342,6 +1343,62 @@ async fn the_upstream_sees_a_name_in_lower_case_and_the_sandbox_gets_its_own_bac
         "the upstream saw one spelling"
     );
     assert_eq!(names(&h, "a", "203.0.113.7"), ["case.example.test"]);
+}
+
+/// Answers every query with one A record (203.0.113.7), keeping each query
+/// as it arrived.
+async fn recording_queries() -> (SocketAddr, Arc<Mutex<Vec<Message>>>) {
+    let queries = Arc::new(Mutex::new(Vec::new()));
+    let seen = queries.clone();
+    let addr = fake_upstream(move |q, _| {
+        seen.lock().expect("lock").push(q.clone());
+        vec![a_answer(q, q.metadata.id, Ipv4Addr::new(203, 0, 113, 7))]
+    })
+    .await;
+    (addr, queries)
+}
+
+#[tokio::test]
+async fn the_upstream_gets_a_query_built_anew_with_nothing_else_of_the_sandboxs() {
+    // A client subnet option re-sent with other values on a name already
+    // asked would carry 24 bits a query to the name's authority; a query
+    // without recursion would read which names other sandboxes resolved.
+    let (up, seen) = recording_queries().await;
+    let h = harness(move |pc, _| pc.upstreams = vec![up], false).await;
+    let mut q = query("ecs.example.test.", RecordType::A, Some(1232));
+    q.metadata.recursion_desired = false;
+    q.metadata.checking_disabled = true;
+    let mut edns = q.edns.clone().expect("edns");
+    edns.flags_mut().dnssec_ok = true;
+    edns.options_mut()
+        .insert(EdnsOption::Subnet(ClientSubnet::new(
+            IpAddr::V4(Ipv4Addr::new(198, 51, 100, 0)),
+            24,
+            0,
+        )));
+    q.set_edns(edns);
+    q.add_additional(a(
+        "planted.example.test.",
+        300,
+        Ipv4Addr::new(198, 51, 100, 66),
+    ));
+    let (raw, m) = udp(&h, SANDBOX_A, &q).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert!(!m.metadata.recursion_desired, "the sandbox's own bit back");
+    assert_eq!(raw[2] & 0x01, 0);
+    let sent = seen.lock().expect("lock").pop().expect("a query upstream");
+    assert!(
+        sent.metadata.recursion_desired,
+        "recursion desired upstream"
+    );
+    assert!(sent.metadata.checking_disabled, "CD kept");
+    assert_eq!(sent.queries.len(), 1);
+    assert!(sent.additionals.is_empty(), "{:?}", sent.additionals);
+    let edns = sent.edns.expect("EDNS kept");
+    assert_eq!(edns.max_payload(), 1232);
+    assert!(edns.flags().dnssec_ok, "DO kept");
+    let options: &[_] = edns.options().as_ref();
+    assert!(options.is_empty(), "no option: {edns:?}");
 }
 
 /// Answers every query with one A record (203.0.113.8), `after` it came.
