@@ -24,7 +24,7 @@ const MAX_CHAIN: usize = 16;
 /// Addresses taken from one answer, in the answer's order; the rest are not
 /// attributed. Real answers carry a handful; a 64 KiB one could carry
 /// thousands, each to be merged into the sandbox's cache.
-pub const MAX_ADDRS: usize = 64;
+pub(crate) const MAX_ADDRS: usize = 64;
 
 /// The names an answer binds to addresses, and the smallest TTL involved.
 #[derive(Clone, Debug, PartialEq, Eq)]
