@@ -47,6 +47,12 @@ pub struct CacheConfig {
     pub per_sandbox_ips: u64,
     /// Names remembered per address (default 32): the soonest to expire go first.
     pub names_per_ip: usize,
+    /// What a sandbox's names may weigh over all its addresses (default
+    /// 8 MiB): each name its length plus [`NAME_OVERHEAD`]. Past it, the
+    /// least recently used addresses are evicted, as past `per_sandbox_ips`.
+    /// Without it, 32 names of 253 bytes on each of 65,536 addresses would
+    /// be half a gigabyte for one sandbox.
+    pub name_bytes_per_sandbox: usize,
     /// Sandboxes with a cache at once (default 4,096); past that, new
     /// sandboxes get no attribution (they fail closed) and a warning is logged.
     pub max_sandboxes: usize,
@@ -67,6 +73,11 @@ struct SandboxCache {
     /// Addresses kept at most. The [`LruCache`] itself is unbounded: a bound
     /// of 0 must store nothing, and an eviction for size is counted here.
     capacity: usize,
+    /// What the names held weigh ([`IpNames::weight`]); changed only under
+    /// the `lru` lock.
+    weight: std::sync::atomic::AtomicUsize,
+    /// The bound on `weight`.
+    max_weight: usize,
     /// Addresses evicted for size, so a miss can say `evicted`.
     evicted: Ghosts,
     /// Origin of [`Slot::written`] (real time: reclaim is about memory).
@@ -82,6 +93,10 @@ struct Slot {
     /// Seconds since [`SandboxCache::origin`] at the last write.
     written: u64,
 }
+
+/// What one name held in the cache is counted as weighing beyond its
+/// length: its `String` and its expiry.
+pub(crate) const NAME_OVERHEAD: usize = 32;
 
 /// The names attributed to one address, with their expiries.
 #[derive(Debug)]
@@ -109,6 +124,7 @@ impl Default for CacheConfig {
             max_ttl: Duration::from_secs(24 * 3600),
             per_sandbox_ips: 65_536,
             names_per_ip: 32,
+            name_bytes_per_sandbox: 8 << 20,
             max_sandboxes: 4_096,
         }
     }
@@ -146,6 +162,14 @@ impl IpNames {
             .iter()
             .zip(self.expires.iter().copied())
             .filter(move |(_, e)| *e > now)
+    }
+
+    /// What these names weigh: their lengths, and [`NAME_OVERHEAD`] each.
+    fn weight(&self) -> usize {
+        self.names
+            .iter()
+            .map(|n| n.as_str().len() + NAME_OVERHEAD)
+            .sum()
     }
 
     /// The names `a` attributes, expiring at `expiry`.
@@ -277,8 +301,10 @@ impl AttributionCache {
             // Written again, an address is used again: `get_mut` relinks it first.
             match lru.get_mut(ip) {
                 Some(slot) => {
+                    let before = slot.names.weight();
                     slot.merge(now, a_names, expiry, cap, &mut dropped);
                     slot.written = written;
+                    cache.reweigh(before, slot.names.weight());
                 }
                 None => {
                     let names = Arc::new(IpNames::new(now, a_names, expiry, cap));
@@ -287,6 +313,7 @@ impl AttributionCache {
             }
         }
         cache.reclaim(&mut lru, written, &mut dropped);
+        cache.lighten(&mut lru, &mut dropped);
         drop(lru);
         drop(dropped);
         true
@@ -395,6 +422,7 @@ impl AttributionCache {
                 .collect();
             for ip in stale {
                 if let Some(old) = lru.pop(&ip) {
+                    c.reweigh(old.names.weight(), 0);
                     dropped.push(old.names);
                 }
             }
@@ -454,6 +482,8 @@ impl SandboxCache {
             // the bound up front: most sandboxes resolve a handful of names.
             lru: Mutex::new(LruCache::unbounded()),
             capacity,
+            weight: std::sync::atomic::AtomicUsize::new(0),
+            max_weight: config.name_bytes_per_sandbox,
             evicted: Ghosts::new(slots.clamp(1_024, 1 << 24)),
             origin: Instant::now(),
             reclaim_after: (config.max_ttl + Duration::from_secs(60)).as_secs(),
@@ -487,16 +517,46 @@ impl SandboxCache {
         dropped: &mut Vec<Arc<IpNames>>,
     ) {
         while lru.len() >= self.capacity {
-            let Some((ip, old)) = lru.pop_lru() else {
+            if !self.evict_lru(lru, dropped) {
                 break;
-            };
-            self.evictions.fetch_add(1, Ordering::Relaxed);
-            self.evicted.insert(&ip);
-            dropped.push(old.names);
+            }
         }
         if self.capacity > 0 {
+            self.reweigh(0, slot.names.weight());
             lru.put(ip, slot);
         }
+    }
+
+    /// Evicts the least recently used address (counted, and remembered as
+    /// evicted); whether there was one.
+    fn evict_lru(&self, lru: &mut LruCache<IpAddr, Slot>, dropped: &mut Vec<Arc<IpNames>>) -> bool {
+        let Some((ip, old)) = lru.pop_lru() else {
+            return false;
+        };
+        self.evictions.fetch_add(1, Ordering::Relaxed);
+        self.evicted.insert(&ip);
+        self.reweigh(old.names.weight(), 0);
+        dropped.push(old.names);
+        true
+    }
+
+    /// Evicts the least recently used addresses while the names weigh more
+    /// than `max_weight`.
+    fn lighten(&self, lru: &mut LruCache<IpAddr, Slot>, dropped: &mut Vec<Arc<IpNames>>) {
+        while self.weight.load(Ordering::Relaxed) > self.max_weight {
+            if !self.evict_lru(lru, dropped) {
+                break;
+            }
+        }
+    }
+
+    /// Accounts an entry that weighed `before` and weighs `after` now.
+    fn reweigh(&self, before: usize, after: usize) {
+        let w = self.weight.load(Ordering::Relaxed);
+        self.weight.store(
+            w.saturating_add(after).saturating_sub(before),
+            Ordering::Relaxed,
+        );
     }
 
     /// Memory reclaim: the least recently used, if not written for long.
@@ -512,6 +572,7 @@ impl SandboxCache {
             .is_some_and(|(_, slot)| self.reclaimable(slot, written))
         {
             if let Some((_, old)) = lru.pop_lru() {
+                self.reweigh(old.names.weight(), 0);
                 dropped.push(old.names);
             }
         }

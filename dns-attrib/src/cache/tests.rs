@@ -321,3 +321,41 @@ fn a_restored_attribution_keeps_exactly_what_it_had_left() {
     clock2.advance(Duration::from_secs(24 * 3600));
     assert!(live(&new, &sb, "203.0.113.9").is_empty());
 }
+
+#[test]
+fn long_names_are_bounded_by_their_weight_per_sandbox() {
+    // 17 names of 200+ bytes an answer, TTL 0 (floored, then expired but
+    // held until the address is written again): without a bound by weight,
+    // only the 65,536 addresses would bound them.
+    let config = CacheConfig {
+        name_bytes_per_sandbox: 256 * 1024,
+        ..CacheConfig::default()
+    };
+    let (clock, cache) = setup(config);
+    let (quiet, noisy) = (SandboxId::new("quiet"), SandboxId::new("noisy"));
+    cache.record(&quiet, &attr(&["api.test"], &["203.0.113.7"], 86_400));
+    let label = "x".repeat(60);
+    for i in 0..2_000u32 {
+        let names: Vec<String> = (0..17)
+            .map(|j| format!("{label}.{label}.{label}.n{i}-{j}.test"))
+            .collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let addr = std::net::Ipv4Addr::from(0xc633_6400 + (i % 256)).to_string(); // 198.51.100.x
+        let addr6 = format!("2001:db8::{i:x}");
+        cache.record(&noisy, &attr(&names, &[&addr, &addr6], 0));
+        clock.advance(Duration::from_secs(1));
+    }
+    let held: usize = cache
+        .entries(&noisy)
+        .iter()
+        .flat_map(|(_, names)| names)
+        .map(|(n, _)| n.as_str().len() + super::NAME_OVERHEAD)
+        .sum();
+    assert!(held <= 256 * 1024, "live names weigh {held} bytes");
+    assert!(cache.evictions() > 0, "evicted for weight");
+    // Another sandbox's entry is untouched.
+    assert_eq!(live(&cache, &quiet, "203.0.113.7"), ["api.test"]);
+    // Every address still held is within the bound too, expired names included.
+    let all = cache.existing(&noisy).expect("a cache");
+    assert!(all.weight.load(Ordering::Relaxed) <= 256 * 1024);
+}
