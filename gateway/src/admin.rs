@@ -430,7 +430,12 @@ fn proposals(ctl: &Control, id: &str) -> Reply {
     let Some(sandbox) = ctl.dp.registry.get(&sid) else {
         return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
     };
-    let list = ctl.dp.proposed.list(&sid, sandbox.policy.platform());
+    let mut list = ctl.dp.proposed.list(&sid, sandbox.policy.platform());
+    // An entry the policy already has fixes nothing (a flow denied for an
+    // attribution gap, with its name already allowed): approving it would
+    // add nothing, and the flow would stay denied.
+    let allow = &sandbox.policy.policy().allow;
+    list.retain(|p| !allow.contains(&p.rule));
     json_reply(StatusCode::OK, &crate::proposed::document(id, &list))
 }
 

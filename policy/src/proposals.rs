@@ -23,6 +23,11 @@
 //!   `wildcard_domain` whose level holds the qualified entries, so adding it
 //!   does not narrow that level's other names) with its method and normal
 //!   path: `{"domain": .., "http": {"methods": ["POST"], "paths": ["/v1/x"]}}`.
+//!   A path that as a pattern would cover more than itself (`/`, or one with
+//!   a `*`) proposes nothing: the sandbox chooses its paths.
+//! - A flow without a name whose address's attribution `expired` or was
+//!   `evicted` proposes nothing: resolving the name again is the fix, and an
+//!   address entry would open the address to every name.
 //! - At least [`WILDCARD_SIBLINGS`] distinct names under one registrable
 //!   domain (Public Suffix List, the `psl` crate) are listed as one
 //!   `*.<registrable domain>`: never a wildcard over a public suffix
@@ -212,20 +217,26 @@ fn key_of(d: &Denial) -> Option<Key> {
         }
         (Some(_), None) if d.reason == "http_not_allowed" => None,
         (_, Some(name)) => Some(Key::Name(name.clone())),
+        // The address was attributed, but no longer is: resolving it again
+        // is the fix, not an address entry that opens it to every name.
+        (_, None) if matches!(d.reason, "expired" | "evicted") => None,
         (_, None) => Some(Key::Addr(canonical_ip(d.dst.ip()))),
     }
 }
 
-/// `dest` qualified by one method and path, as the schema writes it; a path
-/// no pattern can name (a `*` inside a segment) falls back to the method.
+/// `dest` qualified by one method and path, as the schema writes it; `None`
+/// for a path that, as a pattern, would cover more than itself: `/` (every
+/// path lies under it) or one with a `*` (a segment of `*` matches any
+/// segment; a `*` inside one is no pattern at all). The sandbox chooses its
+/// paths, so it would choose what is proposed.
 fn qualified(dest: Destination, method: &str, path: &str) -> Option<Rule> {
+    if path.trim_matches('/').is_empty() || path.contains('*') {
+        return None;
+    }
     let key = dest.kind().as_str();
     let value = dest.value();
     let with_path = serde_json::json!({key: value, "http": {"methods": [method], "paths": [path]}});
-    let method_only = serde_json::json!({key: value, "http": {"methods": [method]}});
-    serde_json::from_value(with_path)
-        .or_else(|_| serde_json::from_value(method_only))
-        .ok()
+    serde_json::from_value(with_path).ok()
 }
 
 /// Names, with [`WILDCARD_SIBLINGS`] or more under one registrable domain

@@ -130,6 +130,26 @@ async fn denied_names_requests_and_addresses_are_proposed_with_evidence() {
 }
 
 #[tokio::test]
+async fn an_entry_the_policy_already_has_is_not_proposed() {
+    // The name is allowed; the flow is denied because the sandbox never
+    // resolved it through the gateway. Approving `{"domain": ..}` again
+    // would add nothing, and the flow would stay denied.
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "b",
+        SANDBOX_B,
+        policy(r#"{"allow": [{"domain": "relay.example.test"}]}"#),
+    );
+    let denied = e
+        .tls(SANDBOX_B, e.origins.relay, "relay.example.test", H1)
+        .await;
+    assert!(denied.is_err(), "no_dns_seen: reset");
+    let (status, doc) = admin_get(&e, "/v1/sandboxes/b/proposals").await;
+    assert_eq!(status, 200, "{doc}");
+    assert_eq!(doc["proposals"], json!([]), "{doc:#}");
+}
+
+#[tokio::test]
 async fn proposals_go_with_their_sandbox() {
     let e = env(Options::default()).await;
     e.sandbox("a", SANDBOX_A, policy(r#"{"allow": []}"#));

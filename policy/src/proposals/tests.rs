@@ -120,7 +120,7 @@ fn platform_denies_and_reasons_an_allow_does_not_fix_are_never_proposed() {
         .filter(|r| **r != "http_not_allowed")
     {
         assert!(
-            p.record(flow("198.51.100.7:443", None, reason, 0)),
+            p.record(flow("198.51.100.7:443", Some("a.x.test"), reason, 0)),
             "{reason}"
         );
     }
@@ -253,13 +253,18 @@ fn a_refused_request_proposes_its_method_and_path_at_the_deciding_level() {
     p.record(request("api.x.test", "POST", "/v1/x", None));
     let level = Destination::WildcardDomain(WildcardDomain::parse("*.y.test").expect("w"));
     p.record(request("a.y.test", "DELETE", "/r/1", Some(level)));
-    // A path no pattern can name keeps the method.
-    p.record(request("api.x.test", "PUT", "/a*b", None));
+    // A path that as a pattern covers more than itself proposes nothing:
+    // `/` (every path), a `*` segment (any segment), a `*` inside one.
+    for path in ["/", "", "/*", "/v1/*/x", "/a*b"] {
+        assert!(
+            !p.record(request("api.x.test", "PUT", path, None)),
+            "{path:?}"
+        );
+    }
     assert_eq!(
         rules(&p),
         [
             r#"{"domain":"api.x.test","http":{"methods":["POST"],"paths":["/v1/x"]}}"#,
-            r#"{"domain":"api.x.test","http":{"methods":["PUT"]}}"#,
             r#"{"wildcard_domain":"*.y.test","http":{"methods":["DELETE"],"paths":["/r/1"]}}"#,
         ]
     );
@@ -272,7 +277,7 @@ fn a_refused_request_proposes_its_method_and_path_at_the_deciding_level() {
     assert_eq!(key_of(&d), Some(Key::Name(name("other.x.test"))));
     // Requests are never merged into wildcards.
     for h in ["a.z.test", "b.z.test", "c.z.test"] {
-        p.record(request(h, "POST", "/", None));
+        assert!(p.record(request(h, "POST", "/up", None)));
     }
     assert!(!rules(&p).iter().any(|r| r.contains("*.z.test")));
 }
@@ -309,4 +314,18 @@ fn entries_are_bounded_least_recently_seen_first_out() {
         !names.contains("h1.n1.test"),
         "the least recently seen went"
     );
+}
+
+#[test]
+fn an_expired_or_evicted_address_without_a_name_proposes_nothing() {
+    let mut p = Proposals::default();
+    for reason in ["expired", "evicted"] {
+        assert!(
+            !p.record(flow("198.51.100.7:22", None, reason, 0)),
+            "{reason}"
+        );
+    }
+    // Never resolved through the gateway: the address is what there is.
+    assert!(p.record(flow("198.51.100.7:22", None, "no_dns_seen", 0)));
+    assert_eq!(rules(&p), [r#"{"ip":"198.51.100.7"}"#]);
 }
