@@ -113,19 +113,25 @@ impl Api {
         Ok(json_reply(status, &approval.document()))
     }
 
-    /// `400` unless `until` is an RFC 3339 time in the future.
+    /// `400` unless `until` is an RFC 3339 time (a date, a time and an
+    /// offset: not PostgreSQL's other readings, `infinity` or a time in the
+    /// server's zone) in the future, by the database's clock, which
+    /// expires approvals.
     async fn check_until(&self, until: &str) -> Result<(), Reply> {
-        let future = store::is_future(&self.pool, until).await;
-        match future {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(error(
-                StatusCode::BAD_REQUEST,
-                &format!("until: {until:?} is past"),
-            )),
-            Err(_) => Err(error(
+        use time::format_description::well_known::Rfc3339;
+        if time::OffsetDateTime::parse(until, &Rfc3339).is_err() {
+            return Err(error(
                 StatusCode::BAD_REQUEST,
                 &format!("until: {until:?} is not an RFC 3339 time"),
-            )),
+            ));
+        }
+        if store::is_future(&self.pool, until).await.map_err(db)? {
+            Ok(())
+        } else {
+            Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!("until: {until:?} is past"),
+            ))
         }
     }
 

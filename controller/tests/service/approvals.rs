@@ -255,14 +255,28 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     )
     .await;
     assert_eq!(s, 400, "a time in the past");
-    let (s, _) = approve(
-        &w,
-        FEDERATED,
-        &id,
-        json!({"scope": "sandbox", "until": "soon"}),
-    )
-    .await;
-    assert_eq!(s, 400);
+    // Not RFC 3339, though PostgreSQL reads each: `infinity` would never
+    // expire, the others would be read in the server's zone.
+    for until in [
+        "soon",
+        "infinity",
+        "tomorrow",
+        "2999-01-01",
+        "2999-01-01 10:00:00",
+    ] {
+        let (s, v) = approve(
+            &w,
+            FEDERATED,
+            &id,
+            json!({"scope": "sandbox", "until": until}),
+        )
+        .await;
+        assert_eq!(s, 400, "{until}: {v}");
+        assert!(
+            v["error"].as_str().is_some_and(|e| e.contains("RFC 3339")),
+            "{v}"
+        );
+    }
     let soon: String = sqlx::query_scalar("SELECT to_json(now() + interval '2 seconds') #>> '{}'")
         .fetch_one(&mut conn)
         .await
