@@ -69,6 +69,13 @@ where
     egress_api::serve::serve(listener, "controller", handle).await;
 }
 
+/// The actions of `POST /v1/sandboxes/{id}/{action}`; any other is `404`
+/// (`POST …/shadow` for `PUT …/shadow`, say, was a lifecycle action before,
+/// and answered a misleading `409`). Destroy is `DELETE /v1/sandboxes/{id}`.
+const LIFECYCLE: &[&str] = &[
+    "stop", "start", "pause", "resume", "suspend", "restore", "rollback",
+];
+
 /// A request's route name (a bounded metric label) and path segments.
 fn route_of(method: &Method, segments: &[&str]) -> &'static str {
     match (method.as_str(), segments) {
@@ -97,7 +104,7 @@ fn route_of(method: &Method, segments: &[&str]) -> &'static str {
         ("POST", ["v1", "sandboxes", _, "proposals", _, "approve"]) => "approve",
         ("GET", ["v1", "approvals"]) => "approvals",
         ("DELETE", ["v1", "approvals", _]) => "revoke",
-        ("POST", ["v1", "sandboxes", _, _]) => "lifecycle",
+        ("POST", ["v1", "sandboxes", _, action]) if LIFECYCLE.contains(action) => "lifecycle",
         ("GET", ["v1", "operations", _]) => "operation",
         ("PUT", ["v1", "templates", _]) => "template",
         ("PUT", ["v1", "workers", _]) => "worker",

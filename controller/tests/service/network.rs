@@ -236,6 +236,13 @@ async fn lifecycle_operations_keep_the_saved_effective_policy() {
     )
     .await;
     assert_eq!(s, 409, "restore needs a suspended sandbox");
+    // Not an action (a mistyped one, PUT's route by POST, destroy's by
+    // POST): no such route, not a 409 about the sandbox's state.
+    for action in ["stopp", "shadow", "destroy"] {
+        let path = format!("/v1/sandboxes/{id}/{action}");
+        let (s, v) = call(api.addr, "POST", &path, Some(FEDERATED), &[], None).await;
+        assert_eq!(s, 404, "{action}: {v}");
+    }
     // Destroy: the gateway forgets it.
     let (s, _) = call(
         api.addr,
