@@ -29,8 +29,8 @@
 //!   `evicted` proposes nothing: resolving the name again is the fix, and an
 //!   address entry would open the address to every name.
 //! - At least [`WILDCARD_SIBLINGS`] distinct names under one registrable
-//!   domain (Public Suffix List, the `psl` crate) are listed as one
-//!   `*.<registrable domain>`: never a wildcard over a public suffix
+//!   domain (Public Suffix List, the `psl` crate) are also listed as one
+//!   `*.<registrable domain>`, beside the names: never a wildcard over a public suffix
 //!   (`*.co.uk`, `*.github.io`), since a registrable domain is one label
 //!   more than its suffix.
 //! - At least [`AGGREGATE_ADDRESSES`] addresses in one `/24` (IPv4) or `/48`
@@ -257,6 +257,14 @@ fn wildcards(names: BTreeMap<&Hostname, &Seen>) -> Vec<Proposal> {
             Some(w) if members.len() >= WILDCARD_SIBLINGS => {
                 let merged = Seen::merged(members.iter().map(|(_, s)| *s));
                 out.push(merged.proposal(Destination::WildcardDomain(w).into()));
+                // The names stay proposals of their own too: an operator
+                // who wants only the one they were looking at can still
+                // approve it, whatever else the sandbox dialled since.
+                out.extend(
+                    members
+                        .into_iter()
+                        .map(|(n, s)| s.proposal(Destination::Domain(n.clone()).into())),
+                );
             }
             _ => out.extend(
                 members

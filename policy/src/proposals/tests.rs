@@ -150,9 +150,13 @@ fn siblings_become_a_wildcard_only_at_the_threshold() {
     ));
     assert_eq!(rules(&p).len(), 3);
     p.record(flow("198.51.100.8:443", Some("c.x.test"), "no_dns_seen", 4));
+    // The wildcard, and each name still: the operator chooses.
     assert_eq!(
         rules(&p),
         [
+            r#"{"domain":"a.cdn.x.test"}"#,
+            r#"{"domain":"b.x.test"}"#,
+            r#"{"domain":"c.x.test"}"#,
             r#"{"domain":"x.test"}"#,
             r#"{"wildcard_domain":"*.x.test"}"#
         ]
