@@ -12,7 +12,9 @@
 //! connection, and a sandbox holding thousands of idle keep-alive
 //! connections costs the origins a bounded pool, not a connection each.
 //!
-//! A connection is pooled under its sandbox, the original destination *and*
+//! A connection is pooled under its sandbox (the registration: a sandbox
+//! deleted and registered again under its id is another), the original
+//! destination *and*
 //! the name its certificate was verified for: a request is only ever sent
 //! over a connection verified for the name it needs, and never over one
 //! another sandbox opened (two tenants on one origin connection would share
@@ -50,6 +52,10 @@ pub(crate) enum Sender {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct PoolKey {
     pub(crate) sandbox: SandboxId,
+    /// The registration of `sandbox` ([`crate::registry::Sandbox::serial`]):
+    /// a sandbox deleted and registered again under its id never takes
+    /// the connections the first one pooled.
+    pub(crate) serial: u64,
     pub(crate) dst: SocketAddr,
     pub(crate) tls: bool,
     pub(crate) name: Option<Hostname>,
@@ -275,6 +281,7 @@ mod tests {
     fn key(sandbox: &str) -> PoolKey {
         PoolKey {
             sandbox: SandboxId::new(sandbox),
+            serial: 1,
             dst: "198.51.100.7:443".parse().expect("addr"),
             tls: true,
             name: Some(Hostname::parse("api.example.test").expect("name")),

@@ -31,7 +31,15 @@ pub struct Sandbox {
     pub upstream_proxy: Option<ProxyChoice>,
     /// A candidate policy judged beside `policy`, never enforced ([`crate::shadow`]).
     pub shadow: Option<Arc<Shadow>>,
+    /// Which registration of `id` this is: kept by every push that
+    /// replaces it, new once it was deleted (or left out of a resync) and
+    /// registered again. What a registration holds past its requests (its
+    /// pooled upstream connections) is never another's of the same id.
+    pub serial: u64,
 }
+
+/// The next [`Sandbox::serial`].
+static SERIALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// What a registration carries besides its addresses and policy.
 #[derive(Debug, Default)]
@@ -168,6 +176,7 @@ impl Registry {
         let claims = self.lock();
         unclaimed(&claims, &sandbox)?;
         let mut next = (*self.snapshot.load_full()).clone();
+        let sandbox = next.carry(sandbox);
         next.insert(sandbox)?;
         self.snapshot.store(Arc::new(next));
         Ok(())
@@ -176,11 +185,12 @@ impl Registry {
     /// Replaces every sandbox with prepared ones (the controller's resync,
     /// a snapshot's restore).
     pub fn replace_prepared(&self, sandboxes: Vec<Arc<Sandbox>>) -> Result<(), RegistryError> {
+        let claims = self.lock();
+        let current = self.snapshot.load_full();
         let mut next = Generation::default();
         for s in sandboxes {
-            next.insert(s)?;
+            next.insert(current.carry(s))?;
         }
-        let claims = self.lock();
         for s in next.by_id.values() {
             unclaimed(&claims, s)?;
         }
@@ -256,6 +266,7 @@ impl Registry {
             credentials,
             upstream_proxy,
             shadow,
+            serial: SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -289,6 +300,7 @@ impl Sandbox {
             credentials: self.credentials.clone(),
             upstream_proxy: self.upstream_proxy.clone(),
             shadow,
+            serial: self.serial,
         }
     }
 
@@ -320,6 +332,19 @@ fn unclaimed(claims: &VmClaims, sandbox: &Sandbox) -> Result<(), RegistryError> 
 impl Generation {
     /// Adds or replaces `sandbox`; refuses an address another sandbox holds
     /// or one it lists twice.
+    /// `sandbox` as it replaces this generation's sandbox of its id, if
+    /// any: with that one's serial (a push is the same registration).
+    fn carry(&self, sandbox: Arc<Sandbox>) -> Arc<Sandbox> {
+        match self.by_id.get(&sandbox.id) {
+            Some(old) if old.serial != sandbox.serial => {
+                let mut same = sandbox.with_shadow(sandbox.shadow.clone());
+                same.serial = old.serial;
+                Arc::new(same)
+            }
+            _ => sandbox,
+        }
+    }
+
     fn insert(&mut self, sandbox: Arc<Sandbox>) -> Result<(), RegistryError> {
         let mut seen = HashSet::with_capacity(sandbox.addresses.len());
         for &a in &sandbox.addresses {
@@ -430,6 +455,33 @@ mod tests {
         assert!(held(&b));
         assert!(r.remove(&b));
         assert!(!held(&b), "deleted");
+    }
+
+    /// A push is the same registration; a delete ends it, and the id
+    /// registered again is another (its pooled connections are not the
+    /// first one's).
+    #[test]
+    fn a_registration_keeps_its_serial_until_deleted() {
+        let r = reg();
+        let a = SandboxId::new("a");
+        let serial = || r.get(&a).expect("registered").serial;
+        r.put(a.clone(), vec![ip("100.64.1.2")], Policy::default())
+            .expect("put");
+        let first = serial();
+        r.put(
+            a.clone(),
+            vec![ip("100.64.1.3")],
+            policy(r#"{"default": "allow"}"#),
+        )
+        .expect("pushed");
+        assert_eq!(serial(), first, "a push");
+        let again = r.prepare(a.clone(), vec![ip("100.64.1.3")], Policy::default());
+        r.replace_prepared(vec![again]).expect("resync");
+        assert_eq!(serial(), first, "a resync that keeps it");
+        assert!(r.remove(&a));
+        r.put(a.clone(), vec![ip("100.64.1.3")], Policy::default())
+            .expect("put again");
+        assert_ne!(serial(), first, "registered again after a delete");
     }
 
     #[test]

@@ -155,6 +155,7 @@ impl Conn {
         }
         let key = PoolKey {
             sandbox: self.sandbox.id.clone(),
+            serial: self.sandbox.serial,
             dst: self.dst,
             tls: self.tls,
             name: name.cloned(),

@@ -825,17 +825,22 @@ where
 /// the gateway, so attributed), intercepted.
 pub async fn intercepting(names: &[&str]) -> Env {
     let e = env(Options::default()).await;
+    e.sandbox("a", SANDBOX_A, intercepting_policy(names));
+    for name in names {
+        e.resolve(SANDBOX_A, &format!("{name}.")).await;
+    }
+    e
+}
+
+/// [`intercepting`]'s policy: `names` allowed, and the resolver.
+pub fn intercepting_policy(names: &[&str]) -> Policy {
     let mut allow: Vec<serde_json::Value> = names
         .iter()
         .map(|n| serde_json::json!({"domain": n}))
         .collect();
     allow.push(serde_json::json!({"ip": "8.8.8.8"}));
     let doc = serde_json::json!({"allow": allow, "tls_interception": "on"});
-    e.sandbox("a", SANDBOX_A, policy(&doc.to_string()));
-    for name in names {
-        e.resolve(SANDBOX_A, &format!("{name}.")).await;
-    }
-    e
+    policy(&doc.to_string())
 }
 
 /// An HTTP/2 client connection from sandbox A to `dst`, its TLS

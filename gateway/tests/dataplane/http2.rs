@@ -78,3 +78,26 @@ async fn an_origins_oversized_response_head_fails_its_stream_alone() {
     let (head, body) = get(&s, "https://goaway.example.test/next").await;
     assert_eq!(head.status.as_u16(), 200, "{body}");
 }
+
+#[tokio::test]
+async fn a_sandbox_registered_again_never_takes_the_first_ones_upstream_connection() {
+    let e = intercepting(NAMES).await;
+    let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
+    let (head, body) = get(&s, "https://goaway.example.test/first").await;
+    assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=1"));
+    drop(s);
+    // Deleted, and its id registered again (by another tenant, say): the
+    // HTTP/2 connection the first one pooled is not the second one's.
+    assert!(e
+        .gateway
+        .registry()
+        .remove(&egress_policy::SandboxId::new("a")));
+    assert!(e.gateway.registry().is_empty());
+    e.sandbox("a", SANDBOX_A, intercepting_policy(NAMES));
+    for name in NAMES {
+        e.resolve(SANDBOX_A, &format!("{name}.")).await;
+    }
+    let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
+    let (head, body) = get(&s, "https://goaway.example.test/second").await;
+    assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=2"));
+}
