@@ -245,7 +245,8 @@ impl Worker {
     }
 
     /// A pushed sandbox that names no shadow keeps the one it has (its
-    /// report too), compiled again if its credentials changed.
+    /// report too), compiled again if its credentials changed (its report
+    /// then starts again).
     fn kept_shadow(&self, s: &Arc<Sandbox>) -> Arc<Sandbox> {
         if s.shadow.is_some() {
             return s.clone();
