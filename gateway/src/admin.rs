@@ -431,11 +431,14 @@ fn proposals(ctl: &Control, id: &str) -> Reply {
         return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
     };
     let mut list = ctl.dp.proposed.list(&sid, sandbox.policy.platform());
-    // An entry the policy already has fixes nothing (a flow denied for an
-    // attribution gap, with its name already allowed): approving it would
-    // add nothing, and the flow would stay denied.
+    // A flow denied only for an attribution gap, its name already allowed:
+    // the entry fixes nothing (the sandbox must resolve the name through
+    // the gateway), and approving it would add nothing. (An entry denied
+    // for want of an allow, and approved since, stays listed: approving it
+    // again answers the approval in force.)
     let allow = &sandbox.policy.policy().allow;
-    list.retain(|p| !allow.contains(&p.rule));
+    let gap = |r: &&str| matches!(*r, "no_dns_seen" | "expired" | "evicted");
+    list.retain(|p| !(p.reasons.iter().all(gap) && allow.contains(&p.rule)));
     json_reply(StatusCode::OK, &crate::proposed::document(id, &list))
 }
 
