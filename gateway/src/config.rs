@@ -629,6 +629,8 @@ struct RestartOnly<'a> {
     machine_egress: &'a MachineEgressConfig,
     splice: &'a Splice,
     upstream_proxy: &'a UpstreamProxyConfig,
+    redirect: &'a RedirectConfig,
+    credentials: &'a CredentialSources,
 }
 
 #[derive(Debug, PartialEq, Serialize)]
@@ -669,6 +671,8 @@ impl Config {
             machine_egress: &self.machine_egress,
             splice: &self.splice,
             upstream_proxy: &self.upstream_proxy,
+            redirect: &self.redirect,
+            credentials: &self.credentials,
         }
     }
 
@@ -891,18 +895,26 @@ mod tests {
             upstreams = ["127.0.0.1:5353"]
             [log]
             flow_log = "off"
+            [credentials]
+            files_under = ["/run/credentials"]
+            [redirect]
+            fence = ["tap*"]
             "#,
             Path::new("next.toml"),
         )
         .expect("valid");
         let (running, restart) = now.reloaded(&next);
+        // The credential sources and the fence are read at start: a reload
+        // that changes them says so (it said nothing before).
         assert_eq!(
             restart,
             [
+                "credentials.files_under",
                 "dns.upstreams",
                 "limits.max_connections",
                 "listen.admin",
-                "log.flow_log"
+                "log.flow_log",
+                "redirect.fence"
             ]
         );
         assert_eq!(running.live(), next.live(), "the live part is applied");
