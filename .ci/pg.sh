@@ -13,7 +13,7 @@ port=${PGPORT_TEST:-54329}
 case ${1:-start} in
 start)
     dir=$(mktemp -d /tmp/egress-pg.XXXXXX)
-    chown postgres "$dir"
+    if [ "$(id -u)" = 0 ]; then chown postgres "$dir"; fi
     runas() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$*"; else sh -c "$*"; fi; }
     runas "'$bindir/initdb' -D '$dir/data' -U postgres --auth=trust -E UTF8 >'$dir/initdb.log' 2>&1"
     runas "'$bindir/pg_ctl' -D '$dir/data' -l '$dir/server.log' -w -t 60 -o \"-c listen_addresses=127.0.0.1 -p $port -k '$dir' -c max_connections=400 -c fsync=off\" start >/dev/null"
