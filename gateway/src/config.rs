@@ -385,8 +385,15 @@ impl Limits {
             );
             return Some(("limits.max_budget_states", why));
         }
-        if self.max_connections == 0 {
-            return Some(("limits.max_connections", "must be at least 1".into()));
+        // Past a million the semaphore's permits (and the drain, which
+        // takes them all at once) stop meaning what they say.
+        if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
+            let why = format!("{} is outside 1..={MAX_CONNECTIONS}", self.max_connections);
+            return Some(("limits.max_connections", why));
+        }
+        if self.leaf_cache == 0 {
+            let why = "0 would keep no leaf: every handshake would mint one".into();
+            return Some(("limits.leaf_cache", why));
         }
         if self.worker_threads > 1_024 {
             let why = format!("{} is more than 1024", self.worker_threads);
@@ -395,6 +402,9 @@ impl Limits {
         None
     }
 }
+
+/// The most flows `limits.max_connections` may allow at once.
+const MAX_CONNECTIONS: usize = 1 << 20;
 
 /// Shorter leaf key lifetimes would mint most leaves twice for nothing: a
 /// key that signs for less than a minute protects nothing a minute would not.
@@ -852,6 +862,15 @@ mod tests {
                 "[limits]\nworker_threads = 5000",
                 "limits.worker_threads: 5000 is more than 1024",
             ),
+            (
+                "[limits]\nmax_connections = 18446744073709551615",
+                "limits.max_connections: 18446744073709551615 is outside 1..=1048576",
+            ),
+            (
+                "[limits]\nmax_connections = 0",
+                "limits.max_connections: 0 is outside 1..=1048576",
+            ),
+            ("[limits]\nleaf_cache = 0", "limits.leaf_cache: 0 would keep no leaf"),
             (
                 "[policy]\nplatform_deny = [{cidr = \"10.0.0.1/8\"}]",
                 "10.0.0.0/8",
