@@ -35,8 +35,9 @@ enum Command {
         /// A file holding the worker's bearer token.
         #[arg(long)]
         worker_token_file: Option<PathBuf>,
-        /// How often a converged Machine is checked again, in seconds.
-        #[arg(long, default_value_t = 60)]
+        /// How often a converged Machine is checked again, in seconds (at
+        /// least 1: 0 would reconcile every Machine again at once, forever).
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
         resync_secs: u64,
         /// Who reports the Events this reconciler publishes (their
         /// reportingInstance): the pod's name.

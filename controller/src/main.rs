@@ -82,6 +82,20 @@ enum Role {
 /// The dispatcher's limits, checked together; errors name the flag and value.
 fn checked(limits: Limits) -> Result<Limits, String> {
     let shown = |d: Duration| format!("{}ms", d.as_millis());
+    if limits.attempts < 1 {
+        return Err(format!(
+            "--attempts {}: must be at least 1",
+            limits.attempts
+        ));
+    }
+    for (flag, d) in [
+        ("--deadline", limits.deadline),
+        ("--resync-interval", limits.resync_interval),
+    ] {
+        if d < Duration::from_millis(100) {
+            return Err(format!("{flag} {}: must be at least 100ms", shown(d)));
+        }
+    }
     if limits.lease_ttl < Duration::from_secs(1) {
         return Err(format!(
             "--lease-ttl {}: must be at least 1s",
@@ -113,18 +127,21 @@ fn duration(s: &str) -> Result<Duration, String> {
     let n: u64 = n
         .parse()
         .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m"))?;
-    Ok(match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        "d" => Duration::from_secs(n * 86_400),
+    let scale = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
         _ => {
             return Err(format!(
                 "invalid duration {s:?}: the unit must be ms, s, m, h or d"
             ))
         }
-    })
+    };
+    n.checked_mul(scale)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("invalid duration {s:?}: too long"))
 }
 
 fn fail(e: impl std::fmt::Display) -> ExitCode {

@@ -501,6 +501,14 @@ async fn bad_retention_and_lease_flags_stop_the_dispatcher_naming_the_flag() {
         ),
         (&["--lease-ttl", "500ms"][..], "--lease-ttl 500ms"),
         (&["--operation-retention", "1w"][..], "1w"),
+        // Each of these started before.
+        (&["--attempts", "0"][..], "--attempts 0: must be at least 1"),
+        (&["--deadline", "0s"][..], "--deadline 0ms"),
+        (&["--resync-interval", "0ms"][..], "--resync-interval 0ms"),
+        (
+            &["--deadline", "999999999999999999d"][..],
+            "\"999999999999999999d\": too long",
+        ),
     ] {
         let out = Command::new(BIN)
             .args(["dispatcher", "--tenants"])
