@@ -839,6 +839,9 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
         pid = std::process::id(),
     );
     t.set_extra_config(&section);
+    // `nsenter` into this test's mount namespace needs these; the packaged
+    // unit's gateway runs `nft` in its own namespaces and does not.
+    t.extra_caps = vec!["sys_admin", "sys_chroot", "sys_ptrace"];
     assert!(t.stop_gateway().success());
     t.start_gateway();
     let parent = std::path::Path::new("/sys/fs/cgroup")

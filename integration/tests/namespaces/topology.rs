@@ -63,6 +63,9 @@ pub struct Topology {
     pub dir: tempfile::TempDir,
     /// Environment variables the next `start_gateway` gives the gateway.
     pub gateway_env: Vec<(String, String)>,
+    /// Capabilities the gateway gets beyond the unit's bounding set
+    /// ([`service_caps`]), for what a test itself arranges (`sys_admin`).
+    pub extra_caps: Vec<&'static str>,
     /// Sandbox namespaces added by [`Topology::add_sandbox`].
     pub extra: Vec<String>,
     gateway: Option<Child>,
@@ -99,6 +102,34 @@ pub fn run(program: &str, args: &[&str]) {
         args.join(" "),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `setpriv` with the bounding set of `egress-gateway.service`'s
+/// `CapabilityBoundingSet=`, for a gateway to run with the capabilities
+/// the packaged unit gives it and no others (root keeps exactly those
+/// across the exec): every namespace test is a check of that set. `extra`
+/// are added (without `CAP_`, lower case).
+pub fn service_caps(extra: &[&str]) -> Vec<String> {
+    let unit =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/systemd/egress-gateway.service");
+    let text = std::fs::read_to_string(&unit).expect("the gateway's unit");
+    let caps: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("CapabilityBoundingSet="))
+        .flat_map(str::split_whitespace)
+        .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_ascii_lowercase()))
+        .chain(extra.iter().map(|c| format!("+{c}")))
+        .collect();
+    assert!(
+        !caps.is_empty(),
+        "{}: no CapabilityBoundingSet=",
+        unit.display()
+    );
+    vec![
+        "setpriv".into(),
+        format!("--bounding-set=-all,{}", caps.join(",")),
+        "--".into(),
+    ]
 }
 
 pub fn bin(name: &str) -> PathBuf {
@@ -138,6 +169,7 @@ impl Topology {
             vm: with_vm.then(|| format!("egw-vm-{tag}")),
             dir,
             gateway_env: Vec::new(),
+            extra_caps: Vec::new(),
             extra: Vec::new(),
             gateway: None,
             predecessor: None,
@@ -491,6 +523,7 @@ impl Topology {
     pub fn start_gateway(&mut self) {
         let child = Command::new("ip")
             .args(["netns", "exec", &self.gw])
+            .args(service_caps(&self.extra_caps))
             .arg(bin("egress-gateway"))
             .args(["run", "--config"])
             .arg(self.path("gateway.toml"))
@@ -521,6 +554,7 @@ impl Topology {
     pub fn take_over_gateway(&mut self, config: &Path, log: &str) {
         let child = Command::new("ip")
             .args(["netns", "exec", &self.gw])
+            .args(service_caps(&self.extra_caps))
             .arg(bin("egress-gateway"))
             .args(["run", "--take-over", "--config"])
             .arg(config)
