@@ -101,33 +101,40 @@ async fn main() -> ExitCode {
     }
 }
 
+/// `egress-cluster reconcile`.
+async fn run_reconciler(command: Command) -> Result<(), String> {
+    let Command::Reconcile {
+        node,
+        worker,
+        worker_token_file,
+        resync_secs,
+        instance,
+    } = command
+    else {
+        return Err("not the reconciler's command".into());
+    };
+    let token = worker_token_file.as_deref().map(read_token).transpose()?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| format!("Kubernetes client: {e}"))?;
+    let worker = worker::Worker {
+        admin: worker,
+        token,
+        timeout: Duration::from_secs(10),
+    };
+    let resync = Duration::from_secs(resync_secs);
+    let ctx = reconcile::Context::new(client, worker, resync, instance);
+    reconcile::run(ctx, &node).await;
+    Ok(())
+}
+
 async fn run(command: Command) -> Result<(), String> {
     match command {
         Command::Crd => {
             print!("{}", resource::crd_yaml().map_err(|e| e.to_string())?);
             Ok(())
         }
-        Command::Reconcile {
-            node,
-            worker,
-            worker_token_file,
-            resync_secs,
-            instance,
-        } => {
-            let token = worker_token_file.as_deref().map(read_token).transpose()?;
-            let client = kube::Client::try_default()
-                .await
-                .map_err(|e| format!("Kubernetes client: {e}"))?;
-            let worker = worker::Worker {
-                admin: worker,
-                token,
-                timeout: Duration::from_secs(10),
-            };
-            let resync = Duration::from_secs(resync_secs);
-            let ctx = reconcile::Context::new(client, worker, resync, instance);
-            reconcile::run(ctx, &node).await;
-            Ok(())
-        }
+        reconcile @ Command::Reconcile { .. } => run_reconciler(reconcile).await,
         Command::Webhook {
             listen,
             cert,

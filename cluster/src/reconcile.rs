@@ -20,6 +20,8 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 
+use egress_policy::machine::MachineEgress;
+
 use crate::decide::{self, decide};
 use crate::resource::{Machine, MANAGED_ANNOTATION, NODE_LABEL};
 use crate::worker::{Worker, WorkerError};
@@ -159,18 +161,9 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
         let why = format!("status.runtimeID {vm:?} is not a VM id");
         return Ok(refuse(m, ctx, "InvalidRuntimeID", why).await);
     }
-    let spec = match m.egress() {
-        None => None,
-        Some(Ok(p)) => Some(p),
-        Some(Err(problems)) => {
-            let why = problems
-                .iter()
-                .map(|p| p.message.clone())
-                .collect::<Vec<_>>()
-                .join("; ");
-            let why = format!("spec.network.egress is invalid: {why}");
-            return Ok(refuse(m, ctx, "InvalidEgress", why).await);
-        }
+    let spec = match spec_of(m) {
+        Ok(spec) => spec,
+        Err(why) => return Ok(refuse(m, ctx, "InvalidEgress", why).await),
     };
     let Some(held) = ctx.worker.addresses(vm).await? else {
         return Ok(Done::NoVm);
@@ -210,6 +203,22 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
         tracing::info!(machine = %key(m), %vm, action = ?d.action, "reconciled");
     }
     Ok(Done::Applied(d.action))
+}
+
+/// `spec.network.egress` validated (`None`: the field is absent), or why
+/// it is invalid.
+fn spec_of(m: &Machine) -> Result<Option<MachineEgress>, String> {
+    match m.egress() {
+        None => Ok(None),
+        Some(Ok(p)) => Ok(Some(p)),
+        Some(Err(problems)) => {
+            let why: Vec<String> = problems.iter().map(|p| p.message.clone()).collect();
+            Err(format!(
+                "spec.network.egress is invalid: {}",
+                why.join("; ")
+            ))
+        }
+    }
 }
 
 /// Why the worker's VM `vm` (holding `held`) is not `m`'s, if it is not:
