@@ -104,7 +104,10 @@ impl H2Sender {
 
     /// Sends `req` (an absolute URI, no connection-specific header) and
     /// awaits the response's head; the body follows as it comes. A request
-    /// body still coming is piped by a task of its own.
+    /// body still coming is piped by a task of its own, which ends with the
+    /// exchange: it is aborted when the response (or, before its head, this
+    /// future) is dropped, so a client gone while the origin keeps its
+    /// window shut leaves no task waiting on it.
     pub(crate) async fn send<B>(&self, req: Request<B>) -> Result<Response<Received>, h2::Error>
     where
         B: Body<Data = Bytes> + Send + Unpin + 'static,
@@ -120,13 +123,12 @@ impl H2Sender {
         let (parts, body) = req.into_parts();
         let end = body.is_end_stream();
         let (response, stream) = send.send_request(Request::from_parts(parts, ()), end)?;
-        if !end {
-            tokio::spawn(pipe(body, stream));
-        }
+        let pipe = Piping((!end).then(|| tokio::spawn(pipe(body, stream)).abort_handle()));
         let (parts, recv) = response.await?.into_parts();
         let body = Received {
             recv,
             data_done: false,
+            _pipe: pipe,
         };
         Ok(Response::from_parts(parts, body))
     }
@@ -137,6 +139,20 @@ impl H2Sender {
 pub(crate) struct Received {
     recv: h2::RecvStream,
     data_done: bool,
+    /// The request body's pipe, aborted with the response.
+    _pipe: Piping,
+}
+
+/// The task piping a request body (if any), aborted when dropped: its
+/// `SendStream` goes with it, and `h2` resets a stream no handle holds.
+struct Piping(Option<tokio::task::AbortHandle>);
+
+impl Drop for Piping {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
 }
 
 impl Body for Received {

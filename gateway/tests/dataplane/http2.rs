@@ -1,6 +1,7 @@
 //! The client side of HTTP/2: streams the client resets, and the heads the
 //! gateway sends on its streams.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -100,4 +101,65 @@ async fn a_sandbox_registered_again_never_takes_the_first_ones_upstream_connecti
     let s = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
     let (head, body) = get(&s, "https://goaway.example.test/second").await;
     assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=2"));
+}
+
+/// An HTTP/2 origin at `PAUSE_IP` that opens no window: a request body can
+/// never be sent. Reports how its first request's body ended.
+async fn shut_window_origin(e: &Env) -> (SocketAddr, tokio::sync::oneshot::Receiver<String>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let tx = std::sync::Arc::new(std::sync::Mutex::new(Some(tx)));
+    let config = e.origin_ca.server(&["pause.example.test"], &[b"h2"]);
+    let addr = tls_origin(PAUSE_IP, config, move |tls| {
+        let tx = tx.clone();
+        async move {
+            let Ok(mut conn) = h2::server::Builder::new()
+                .initial_window_size(0)
+                .handshake::<_, Bytes>(tls)
+                .await
+            else {
+                return;
+            };
+            let Some(Ok((req, _respond))) = conn.accept().await else {
+                return;
+            };
+            tokio::spawn(async move { while conn.accept().await.is_some() {} });
+            // Whatever came before the window shut is read, and never
+            // given back: nothing more can come.
+            let mut body = req.into_body();
+            let ended = loop {
+                match body.data().await {
+                    Some(Ok(_)) => {}
+                    other => break format!("{:?}", other.map(|r| r.map(|b| b.len()))),
+                }
+            };
+            if let Some(tx) = tx.lock().expect("lock").take() {
+                let _ = tx.send(ended);
+            }
+        }
+    })
+    .await;
+    (addr, rx)
+}
+
+#[tokio::test]
+async fn a_request_body_the_origin_never_takes_ends_with_its_client_stream() {
+    // The origin keeps its window shut; the client gives up on its upload.
+    // The gateway's side of the stream must go too (reset), not wait on
+    // the window for good with the body's buffers and the connection.
+    let e = intercepting(&["pause.example.test"]).await;
+    let (origin, ended) = shut_window_origin(&e).await;
+    let s = intercepted_h2(&e, origin, "pause.example.test").await;
+    let upload = tokio::spawn(async move {
+        let req = hyper::Request::post("https://pause.example.test/upload")
+            .body(Full::new(Bytes::from(vec![b'u'; 256 * 1024])))
+            .expect("request");
+        let _ = s.clone().send_request(req).await;
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    upload.abort();
+    let ended = tokio::time::timeout(Duration::from_secs(5), ended)
+        .await
+        .expect("the origin's stream is reset once the client's is")
+        .expect("a report");
+    assert!(ended.contains("Err"), "{ended}");
 }
