@@ -41,6 +41,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once; past it a new one is closed. The API server
 /// keeps a few; anyone else in the cluster could otherwise open thousands.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Longest a review waits for one of the [`MAX_REVIEWS`] slots.
+pub const REVIEW_WAIT: Duration = Duration::from_secs(2);
 /// Reviews whose bodies are read and decided at once (each up to
 /// [`MAX_BODY`]): what the parsing may hold is bounded, whatever the number
 /// of connections and HTTP/2 streams.
@@ -385,9 +387,17 @@ async fn handle(
 ) -> Reply {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
-    // Closed only when the process ends.
-    let Ok(_review) = reviews.acquire_owned().await else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down", None);
+    // A review waits at most REVIEW_WAIT for one of the slots: past it the
+    // answer is 503 at once. Streams that hold slots with bodies that do
+    // not come (up to HANDSHAKE_TIMEOUT each) then cannot queue the API
+    // server's reviews behind thousands of others for good.
+    let slot = tokio::time::timeout(REVIEW_WAIT, reviews.acquire_owned()).await;
+    let Ok(Ok(_review)) = slot else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "every review slot is taken; retry",
+            None,
+        );
     };
     let reply = route(req, &reconciler).await;
     tracing::info!(%method, %path, status = reply.status().as_u16(), "webhook");

@@ -652,3 +652,52 @@ fn tls_config_errors_name_the_file() {
     let e = webhook::tls_config(dir.join("tls.crt"), &other).expect_err("mismatched key");
     assert!(e.to_string().contains(&other.display().to_string()), "{e}");
 }
+
+/// A TLS connection to the webhook that sent a review's head, declaring a
+/// body it never sends.
+async fn stalled(
+    addr: SocketAddr,
+    ca: &CertificateDer<'static>,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.clone()).expect("trust the CA");
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = ServerName::try_from("localhost").expect("name");
+    let mut tls = connector.connect(name, tcp).await.expect("TLS handshake");
+    tls.write_all(b"POST /validate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")
+        .await
+        .expect("head");
+    tls.flush().await.expect("flush");
+    tls
+}
+
+#[tokio::test]
+async fn reviews_past_the_slots_are_answered_503_at_once_not_queued() {
+    // Sixteen reviews whose bodies never come hold every slot for the body
+    // timeout (10 s). Another review is answered 503 within the wait
+    // (2 s); it waited for a slot, however long, before.
+    let certs = certs();
+    let addr = start_webhook(&certs).await;
+    let mut held = Vec::new();
+    for _ in 0..webhook::MAX_REVIEWS {
+        held.push(stalled(addr, &certs.ca).await);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let review = machine_review("CREATE", None).to_string().into_bytes();
+    let answered = tokio::time::timeout(
+        Duration::from_secs(5),
+        https(addr, &certs.ca, true, "POST", "/validate", review),
+    )
+    .await;
+    let (status, body) = answered.expect("answered within 5 s");
+    assert_eq!(status, 503, "{body}");
+    drop(held);
+}
