@@ -11,14 +11,24 @@ use crate::reply::{error, too_large, Reply};
 /// body caps each line instead).
 pub const MAX_BODY: usize = 1 << 20;
 
-/// Reads a body of at most `max` bytes: `413` beyond, `400` when reading
-/// it fails.
+/// How long a body of at most [`MAX_BODY`] may take to arrive. A
+/// connection is busy while its request is handled, so the listeners' idle
+/// timeout does not end a body that stalls.
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads a body of at most `max` bytes within [`BODY_TIMEOUT`]: `413`
+/// beyond, `408` past the time, `400` when reading it fails.
 pub async fn bytes<B>(body: B, max: usize) -> Result<Bytes, Reply>
 where
     B: hyper::body::Body,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    match Limited::new(body, max).collect().await {
+    let Ok(collected) = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, max).collect()).await
+    else {
+        let why = format!("the body did not arrive within {}s", BODY_TIMEOUT.as_secs());
+        return Err(error(StatusCode::REQUEST_TIMEOUT, &why, None));
+    };
+    match collected {
         Ok(b) => Ok(b.to_bytes()),
         Err(e)
             if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -140,6 +150,34 @@ mod tests {
         );
         let bad = text(Full::new(bytes::Bytes::from_static(b"\xff")), 2).await;
         assert_eq!(bad.err().map(|r| r.status()), Some(StatusCode::BAD_REQUEST));
+    }
+
+    /// A body whose frames never come.
+    struct Stalled;
+
+    impl hyper::body::Body for Stalled {
+        type Data = bytes::Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>>
+        {
+            std::task::Poll::Pending
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stalls_is_408_after_the_body_timeout() {
+        let stalled = tokio::spawn(bytes(Stalled, MAX_BODY));
+        tokio::time::sleep(BODY_TIMEOUT - std::time::Duration::from_secs(1)).await;
+        assert!(!stalled.is_finished(), "still waiting within the time");
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let got = stalled.await.expect("joined");
+        assert_eq!(
+            got.err().map(|r| r.status()),
+            Some(StatusCode::REQUEST_TIMEOUT)
+        );
     }
 
     #[test]
