@@ -89,12 +89,11 @@ pub fn judge<'a>(
     }
     let host = match host {
         None => None,
-        Some(bytes) => Some(parse(std::str::from_utf8(bytes).map_err(|_| {
-            AuthorityError::Invalid {
-                raw: String::from_utf8_lossy(bytes).into_owned(),
-                why: "not ASCII".into(),
-            }
-        })?)?),
+        Some(bytes) => {
+            Some(parse(std::str::from_utf8(bytes).map_err(|_| {
+                invalid(&String::from_utf8_lossy(bytes), "not ASCII")
+            })?)?)
+        }
     };
     let target = target.map(parse).transpose()?;
     match (target, host) {
@@ -115,18 +114,24 @@ pub fn of_request_target(target: &str) -> Result<Option<String>, AuthorityError>
     if target.starts_with('/') || target == "*" {
         return Ok(None);
     }
-    let uri: http::Uri = target.parse().map_err(|e| AuthorityError::Invalid {
-        raw: target.to_owned(),
-        why: format!("{e}"),
-    })?;
+    let uri: http::Uri = target
+        .parse()
+        .map_err(|e| invalid(target, &format!("{e}")))?;
     Ok(uri.authority().map(|a| a.as_str().to_owned()))
 }
 
-fn parse(raw: &str) -> Result<Authority, AuthorityError> {
-    let invalid = |why: &str| AuthorityError::Invalid {
-        raw: raw.to_owned(),
+/// What an invalid authority is shown as: `raw` cut to its first 256
+/// characters (it is the sandbox's, up to a whole request head, and goes
+/// into the flow log).
+fn invalid(raw: &str, why: &str) -> AuthorityError {
+    AuthorityError::Invalid {
+        raw: raw.chars().take(256).collect(),
         why: why.to_owned(),
-    };
+    }
+}
+
+fn parse(raw: &str) -> Result<Authority, AuthorityError> {
+    let invalid = |why: &str| invalid(raw, why);
     if raw.contains('@') {
         return Err(invalid("user info in an authority"));
     }

@@ -243,7 +243,8 @@ pub(crate) fn request(j: &Judge<'_>, shadow: &Shadow, req: &Request<'_>, active:
                 .collect();
             json!({
                 "dst": req.claims.dst, "sni": req.claims.sni, "host": req.claims.host,
-                "attributed": req.attributed, "method": req.method, "path": path,
+                "attributed": req.attributed,
+                "method": req.method.chars().take(32).collect::<String>(), "path": path,
                 "verdict": active.verdict, "reason": active.reason,
             })
         };

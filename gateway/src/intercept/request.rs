@@ -23,6 +23,10 @@ use crate::registry::Sandbox;
 use crate::reply::{text, Denial};
 use crate::shadow::Judged;
 
+/// Characters of a request's method shown in the flow log (the policy's
+/// longest method; the sandbox's may be a whole request head long).
+const MAX_SHOWN_METHOD: usize = 32;
+
 /// What one request leaves in its flow's log, filled in by its stages.
 #[derive(Debug, Default)]
 pub(super) struct RequestRecord {
@@ -405,6 +409,7 @@ impl Conn {
         let show = |d: &RequestDenial| {
             let path = target.split('?').next().unwrap_or("");
             let path: String = path.chars().take(256).collect();
+            let method: String = method.chars().take(MAX_SHOWN_METHOD).collect();
             format!("{} {}: {method} {path}", d.code.as_str(), d.rule.label())
         };
         if let Some(w) = &judged.would_deny {
@@ -471,6 +476,7 @@ impl Conn {
         let name = &credentials[refused.index].name;
         let rule = u32::try_from(refused.index).unwrap_or(u32::MAX);
         self.note_denied(rec, code, || {
+            let method: String = method.chars().take(MAX_SHOWN_METHOD).collect();
             format!("{code} credentials[{rule}] {name:?}: {method}")
         });
         let detail = match refused.why {

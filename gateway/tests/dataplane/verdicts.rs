@@ -621,6 +621,38 @@ async fn a_bridged_websocket_is_charged_and_cut_as_its_flow() {
 }
 
 #[tokio::test]
+async fn a_refused_requests_method_is_cut_in_the_flow_log() {
+    // The method is the sandbox's, as long as a request head: the flow log
+    // (a queue of lines, bounded by count) shows its first 32 characters.
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "api.example.test", "http": "read_only"}], "tls_interception": "on"}"#),
+    );
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    let method = "M".repeat(8_000);
+    let req =
+        format!("{method} /x HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
+    tls.write_all_ignored(req.as_bytes()).await;
+    let head = read_head(&mut tls).await;
+    assert!(head.starts_with("HTTP/1.1 403"), "{head}");
+    let line = e.flow_lines(1).await.pop().expect("a line");
+    let shown = line["request_denied"]
+        .as_str()
+        .expect("the refused request");
+    assert!(shown.contains(&"M".repeat(32)), "{shown}");
+    assert!(
+        !shown.contains(&"M".repeat(33)),
+        "{} characters",
+        shown.len()
+    );
+}
+
+#[tokio::test]
 async fn the_flow_log_has_a_line_per_flow_with_its_facts() {
     let e = env(Options::default()).await;
     e.sandbox("a", SANDBOX_A, policy(r#"{"allow": [{"domain": "api.example.test"}, {"ip": "8.8.8.8"}], "tls_interception": "on"}"#));
