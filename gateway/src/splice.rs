@@ -102,13 +102,20 @@ async fn open_origin(
             return Err(e.log());
         }
     };
-    if let Err(e) = origin.write_all(&peeked).await {
-        reset(client);
-        dp.metrics
-            .fault(Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP));
-        return Err(format!("upstream_write: {e}"));
-    }
-    Ok(origin)
+    // Before the idle watch starts: an origin that opens no window would
+    // hold the flow here.
+    let written = tokio::time::timeout(connect_timeout, origin.write_all(&peeked)).await;
+    let failed = match written {
+        Ok(Ok(())) => return Ok(origin),
+        Ok(Err(e)) => (
+            Fault::io(Side::Upstream, &e).unwrap_or(Fault::UPSTREAM_HTTP),
+            format!("upstream_write: {e}"),
+        ),
+        Err(_) => (Fault::IDLE_TIMEOUT, "upstream_write: timed out".to_owned()),
+    };
+    reset(client);
+    dp.metrics.fault(failed.0);
+    Err(failed.1)
 }
 
 /// One pipe per direction for `splice(2)`, made before the flow starts so a
