@@ -68,13 +68,16 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
             RData::AAAA(a) => IpAddr::V6(a.0),
             _ => continue,
         };
-        if same_name(last, &r.name) && !addrs.contains(&addr) {
-            ttl = ttl.min(r.ttl);
-            addrs.push(addr);
-            if addrs.len() == MAX_ADDRS {
-                break;
-            }
+        if !same_name(last, &r.name) {
+            continue;
         }
+        if !addrs.contains(&addr) {
+            if addrs.len() == MAX_ADDRS {
+                continue; // not taken: its TTL is not used either
+            }
+            addrs.push(addr);
+        }
+        ttl = ttl.min(r.ttl);
     }
     if addrs.is_empty() {
         return None;

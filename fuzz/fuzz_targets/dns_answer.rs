@@ -18,12 +18,14 @@
 //!   class IN only: follow the first CNAME owned
 //!   by the current name (ASCII case ignored) from the question, at most 16
 //!   links, stopping at a loop; the addresses are the A/AAAA records owned
-//!   by a chain name, in answer order, once each; the names are the chain
+//!   by the chain's last name, in answer order, once each, at most 64 (a
+//!   record of an address past those is not used), and none when that name
+//!   owns a CNAME itself (a loop, or the limit); the names are the chain
 //!   names whose every label is letters, digits and inner hyphens (a valid
 //!   hostname), once each; the TTL is the smallest of the links and address
 //!   records used; `None` without an address or a name. In particular only
 //!   names on the question's CNAME chain are attributed, and every address
-//!   is owned by a chain name.
+//!   is owned by the chain's last name.
 //! - the cache (per_sandbox_ips 64, names_per_ip 4, max_sandboxes 4) refuses
 //!   a fifth sandbox and only that; after `sync()` it holds at most 64
 //!   addresses per sandbox; a lookup returns at most 4 names, each recorded
@@ -45,6 +47,8 @@ use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use libfuzzer_sys::fuzz_target;
 
 const MAX_CHAIN: usize = 16;
+/// Addresses taken from one answer (`dns_attrib`'s own bound).
+const MAX_ADDRS: usize = 64;
 const PER_SANDBOX_IPS: u64 = 64;
 const NAMES_PER_IP: usize = 4;
 const MAX_SANDBOXES: usize = 4;
@@ -140,19 +144,26 @@ fn model(question: &Name, answer: &Message) -> Option<Attribution> {
         ttl = ttl.min(t);
         chain.push(target);
     }
+    let last = chain.last()?.clone();
+    let cname_of_last =
+        internet(answer).any(|r| matches!(r.data, RData::CNAME(_)) && key(&r.name) == last);
     let mut addrs = Vec::new();
-    for r in internet(answer) {
+    for r in internet(answer).filter(|_| !cname_of_last) {
         let addr = match &r.data {
             RData::A(a) => IpAddr::V4(a.0),
             RData::AAAA(a) => IpAddr::V6(a.0),
             _ => continue,
         };
-        if chain.contains(&key(&r.name)) {
-            ttl = ttl.min(r.ttl);
-            if !addrs.contains(&addr) {
-                addrs.push(addr);
-            }
+        if key(&r.name) != last {
+            continue;
         }
+        if !addrs.contains(&addr) {
+            if addrs.len() == MAX_ADDRS {
+                continue;
+            }
+            addrs.push(addr);
+        }
+        ttl = ttl.min(r.ttl);
     }
     let mut names: Vec<Hostname> = Vec::new();
     for k in &chain {
