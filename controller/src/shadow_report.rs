@@ -8,6 +8,11 @@
 //! too). Gateways write times as RFC 3339 in UTC (`Z`) with a varying
 //! number of fraction digits, so times are compared on a key that pads the
 //! fraction rather than as strings.
+//!
+//! A [`Rollup`] takes the reports one at a time, so the controller holds
+//! one gateway's report and the merged entries, never every report at
+//! once; at most [`MAX_MERGED`] entries are kept (a new destination and
+//! verdict pair past that is counted in `left_out`).
 
 use std::collections::BTreeMap;
 
@@ -50,20 +55,39 @@ fn merge(into: &mut Merged, d: &Value) {
     }
 }
 
-/// Merges `reports` (sandbox id, the gateway's report document) for `template`.
-pub fn aggregate(template: &str, reports: &[(String, Value)]) -> Value {
-    let mut entries: BTreeMap<(String, String, String), Merged> = BTreeMap::new();
-    let (mut flows, mut requests) = (0u64, 0u64);
-    for (_, r) in reports {
-        flows += r["flows"].as_u64().unwrap_or(0);
-        requests += r["requests"].as_u64().unwrap_or(0);
+/// Merged entries kept at most, over a rollout's sandboxes (each gateway's
+/// report holds at most 1,000).
+pub const MAX_MERGED: usize = 10_000;
+
+/// A rollout's reports merged as they come ([`Rollup::add`]).
+#[derive(Default)]
+pub struct Rollup {
+    entries: BTreeMap<(String, String, String), Merged>,
+    flows: u64,
+    requests: u64,
+    sandboxes: Vec<String>,
+    /// Differences whose destination and verdict pair came past
+    /// [`MAX_MERGED`]: not kept.
+    left_out: u64,
+}
+
+impl Rollup {
+    /// Merges one sandbox's report (the gateway's document).
+    pub fn add(&mut self, sandbox: String, r: &Value) {
+        self.flows += r["flows"].as_u64().unwrap_or(0);
+        self.requests += r["requests"].as_u64().unwrap_or(0);
+        self.sandboxes.push(sandbox);
         for d in r["differences"].as_array().into_iter().flatten() {
             let key = (
                 d["destination"].to_string(),
                 d["active"].to_string(),
                 d["shadow"].to_string(),
             );
-            let e = entries.entry(key).or_insert_with(|| Merged {
+            if !self.entries.contains_key(&key) && self.entries.len() >= MAX_MERGED {
+                self.left_out += 1;
+                continue;
+            }
+            let e = self.entries.entry(key).or_insert_with(|| Merged {
                 destination: d["destination"].clone(),
                 active: d["active"].clone(),
                 shadow: d["shadow"].clone(),
@@ -76,6 +100,37 @@ pub fn aggregate(template: &str, reports: &[(String, Value)]) -> Value {
             merge(e, d);
         }
     }
+
+    /// The merged report of `template`.
+    pub fn finish(self, template: &str) -> Value {
+        let left_out = self.left_out;
+        let mut v = report(
+            template,
+            self.entries,
+            (self.flows, self.requests),
+            &self.sandboxes,
+        );
+        v["left_out"] = json!(left_out);
+        v
+    }
+}
+
+/// Merges `reports` (sandbox id, the gateway's report document) for `template`.
+pub fn aggregate(template: &str, reports: &[(String, Value)]) -> Value {
+    let mut rollup = Rollup::default();
+    for (id, r) in reports {
+        rollup.add(id.clone(), r);
+    }
+    rollup.finish(template)
+}
+
+/// The document of merged `entries`.
+fn report(
+    template: &str,
+    entries: BTreeMap<(String, String, String), Merged>,
+    (flows, requests): (u64, u64),
+    sandboxes: &[String],
+) -> Value {
     let mut merged: Vec<Merged> = entries.into_values().collect();
     merged.sort_by_key(|m| std::cmp::Reverse(time_key(&m.last_seen)));
     let differences: Vec<Value> = merged
@@ -88,7 +143,6 @@ pub fn aggregate(template: &str, reports: &[(String, Value)]) -> Value {
             })
         })
         .collect();
-    let sandboxes: Vec<&str> = reports.iter().map(|(id, _)| id.as_str()).collect();
     json!({
         "template": template,
         "sandboxes": sandboxes,
@@ -131,6 +185,32 @@ mod tests {
         assert_eq!(d[0]["example"]["n"], 3, "the earliest sighting's example");
         assert_eq!(d[0]["sandboxes"], 2);
         assert_eq!(d[1]["count"], 1);
+    }
+
+    #[test]
+    fn at_most_max_merged_entries_are_kept_and_the_rest_counted() {
+        let many = |from: usize, n: usize| {
+            let d: Vec<Value> = (from..from + n)
+                .map(|i| {
+                    diff(
+                        &format!("n{i}.test"),
+                        1,
+                        "2026-01-01T00:00:01Z",
+                        "2026-01-01T00:00:01Z",
+                        1,
+                    )
+                })
+                .collect();
+            json!({"flows": n, "requests": 0, "differences": d})
+        };
+        let mut rollup = Rollup::default();
+        rollup.add("sb-a".into(), &many(0, MAX_MERGED - 1));
+        // One more new pair fits; an entry already kept still merges.
+        rollup.add("sb-b".into(), &many(MAX_MERGED - 2, 5));
+        let v = rollup.finish("base");
+        assert_eq!(v["differences"].as_array().map(Vec::len), Some(MAX_MERGED));
+        assert_eq!(v["left_out"], 3);
+        assert_eq!(v["flows"], MAX_MERGED as u64 + 4);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::approvals::laid_over;
 use crate::compose::effective;
 use crate::config::Tenant;
 use crate::gateway_client::{call, GatewayError};
-use crate::shadow_report::aggregate;
+use crate::shadow_report::Rollup;
 use crate::store::shadow::{self as shadows, Target};
 use crate::store::{self, SandboxRow};
 
@@ -309,17 +309,18 @@ impl Api {
         }
         let targets = shadows::rollout(&mut conn, id).await.map_err(db)?;
         drop(conn);
-        let (mut reports, mut missing) = (Vec::new(), Vec::new());
+        // Merged as each comes: one gateway's report held at a time.
+        let (mut rollup, mut missing) = (Rollup::default(), Vec::new());
         for t in targets {
             match gateway(&t, Method::GET, "/report", None).await {
-                Ok((s, body)) if s.is_success() => reports.push((t.sandbox, body)),
+                Ok((s, body)) if s.is_success() => rollup.add(t.sandbox, &body),
                 Ok((s, body)) => {
                     missing.push(json!({"sandbox": t.sandbox, "error": format!("{s}: {body}")}))
                 }
                 Err(e) => missing.push(json!({"sandbox": t.sandbox, "error": e.to_string()})),
             }
         }
-        let mut v = aggregate(id, &reports);
+        let mut v = rollup.finish(id);
         v["missing"] = Value::Array(missing);
         Ok(json_reply(StatusCode::OK, &v))
     }
