@@ -7,7 +7,8 @@
 //!   fails, a deadline on request heads);
 //! - [`file`]: the atomic write of the state files the gateway keeps;
 //! - [`explain`]: the gateway admin API's explain question, read once for
-//!   the admin route, the `policy explain` command and the fuzz targets.
+//!   the admin route, the `policy explain` command and the fuzz targets;
+//! - [`text`]: text from elsewhere cut to a bound for a message.
 //!
 //! It depends on the pure policy crate only; the gateway, the controller
 //! and the cluster components depend on it, never the other way round.
@@ -23,5 +24,6 @@ pub mod file;
 pub mod gateway;
 pub mod reply;
 pub mod serve;
+pub mod text;
 
 pub use reply::Reply;

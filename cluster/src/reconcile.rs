@@ -249,7 +249,7 @@ async fn refuse(m: &Machine, ctx: &Context, reason: &'static str, note: String) 
         type_: EventType::Warning,
         reason: reason.into(),
         // The API server refuses a note over 1 kB.
-        note: Some(truncated(&note, 1_000)),
+        note: Some(egress_api::text::bounded(&note, 1_000)),
         action: "Reconcile".into(),
         secondary: None,
     };
@@ -257,15 +257,6 @@ async fn refuse(m: &Machine, ctx: &Context, reason: &'static str, note: String) 
         tracing::warn!(machine = %key(m), error = %e, "the Event could not be published");
     }
     Done::Invalid(Refused { reason, note })
-}
-
-/// `s` cut to at most `max` bytes, on a character boundary.
-fn truncated(s: &str, max: usize) -> String {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
 }
 
 async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use egress_api::client::{Call, CallError, Target};
+use egress_api::text::bounded;
 use http::{Method, StatusCode};
 use serde_json::Value;
 
@@ -50,19 +51,6 @@ impl PushError {
 
 /// The most of a gateway's answer an error keeps.
 pub const MAX_ERROR_BODY: usize = 512;
-
-/// `text` cut to at most `max` bytes at a character boundary, and `…`
-/// appended when it was cut.
-pub fn bounded(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
-}
 
 /// Longest a gateway may take to answer one request.
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -163,17 +151,6 @@ mod tests {
 
     #[test]
     fn a_refusal_keeps_at_most_the_bound_of_the_body() {
-        let cases: [(&str, usize, &str); 5] = [
-            ("short", 8, "short"),
-            ("exactly8", 8, "exactly8"),
-            ("ninechars", 8, "ninechar…"),
-            // "é" is two bytes: the cut falls back to the boundary before it.
-            ("abcdefgé", 8, "abcdefg…"),
-            ("", 0, ""),
-        ];
-        for (text, max, expected) in cases {
-            assert_eq!(bounded(text, max), expected, "{text:?} within {max}");
-        }
         let huge = Value::String("x".repeat(1 << 20));
         let e = PushError::refused(StatusCode::BAD_REQUEST, &huge);
         let text = e.to_string();
