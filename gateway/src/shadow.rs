@@ -244,7 +244,7 @@ pub(crate) fn request(j: &Judge<'_>, shadow: &Shadow, req: &Request<'_>, active:
             json!({
                 "dst": req.claims.dst, "sni": req.claims.sni, "host": req.claims.host,
                 "attributed": req.attributed,
-                "method": req.method.chars().take(32).collect::<String>(), "path": path,
+                "method": req.method.chars().take(egress_policy::http::MAX_METHOD_LEN).collect::<String>(), "path": path,
                 "verdict": active.verdict, "reason": active.reason,
             })
         };

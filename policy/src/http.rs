@@ -22,8 +22,9 @@ use serde::{Deserialize, Serialize};
 /// Methods the `read_only` preset allows.
 pub const READ_ONLY_METHODS: [&str; 3] = ["GET", "HEAD", "OPTIONS"];
 
-/// Longest method name a rule may list.
-const MAX_METHOD_LEN: usize = 32;
+/// Longest method name a rule may list (and the most of a request's
+/// method the gateway shows).
+pub const MAX_METHOD_LEN: usize = 32;
 /// Most methods or paths in one qualifier.
 const MAX_ITEMS: usize = 256;
 /// Longest path pattern.

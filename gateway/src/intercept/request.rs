@@ -7,6 +7,7 @@
 use std::sync::atomic::Ordering;
 
 use dns_attrib::Lookup;
+use egress_policy::http::MAX_METHOD_LEN;
 use egress_policy::{Denied, Hostname, Protocol, RequestCode, RequestDenial, RuleRef, Verdict};
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
@@ -22,10 +23,6 @@ use crate::pool::Body;
 use crate::registry::Sandbox;
 use crate::reply::{text, Denial};
 use crate::shadow::Judged;
-
-/// Characters of a request's method shown in the flow log (the policy's
-/// longest method; the sandbox's may be a whole request head long).
-const MAX_SHOWN_METHOD: usize = 32;
 
 /// What one request leaves in its flow's log, filled in by its stages.
 #[derive(Debug, Default)]
@@ -409,7 +406,7 @@ impl Conn {
         let show = |d: &RequestDenial| {
             let path = target.split('?').next().unwrap_or("");
             let path: String = path.chars().take(256).collect();
-            let method: String = method.chars().take(MAX_SHOWN_METHOD).collect();
+            let method: String = method.chars().take(MAX_METHOD_LEN).collect();
             format!("{} {}: {method} {path}", d.code.as_str(), d.rule.label())
         };
         if let Some(w) = &judged.would_deny {
@@ -476,7 +473,7 @@ impl Conn {
         let name = &credentials[refused.index].name;
         let rule = u32::try_from(refused.index).unwrap_or(u32::MAX);
         self.note_denied(rec, code, || {
-            let method: String = method.chars().take(MAX_SHOWN_METHOD).collect();
+            let method: String = method.chars().take(MAX_METHOD_LEN).collect();
             format!("{code} credentials[{rule}] {name:?}: {method}")
         });
         let detail = match refused.why {
