@@ -101,15 +101,22 @@ impl Worker {
         })
     }
 
-    /// The VM's policy on the worker; `None` when the worker has no such VM.
-    pub async fn policy(&self, vm: &str) -> Result<Option<WorkerPolicy>, WorkerError> {
-        let path = format!("/v1/vms/{vm}/network/egress");
-        let a = self.call(Method::GET, &path, None).await?;
+    /// `GET path`'s document, with what it was for errors (`GET path`);
+    /// `None` when the worker has no such VM (`404`).
+    async fn get(&self, path: &str) -> Result<Option<(String, serde_json::Value)>, WorkerError> {
+        let a = self.call(Method::GET, path, None).await?;
         if a.status == StatusCode::NOT_FOUND {
             return Ok(None);
         }
         let what = format!("GET {path}");
-        let doc = Self::ok(what.clone(), a)?;
+        Self::ok(what.clone(), a).map(|doc| Some((what, doc)))
+    }
+
+    /// The VM's policy on the worker; `None` when the worker has no such VM.
+    pub async fn policy(&self, vm: &str) -> Result<Option<WorkerPolicy>, WorkerError> {
+        let Some((what, doc)) = self.get(&format!("/v1/vms/{vm}/network/egress")).await? else {
+            return Ok(None);
+        };
         let unreadable = |message: String| WorkerError::Unreadable {
             what: what.clone(),
             message,
@@ -127,13 +134,9 @@ impl Worker {
     /// The source addresses the worker holds for the VM; `None` when the
     /// worker has no such VM. A VM matched by cgroup may hold none.
     pub async fn addresses(&self, vm: &str) -> Result<Option<Vec<IpAddr>>, WorkerError> {
-        let path = format!("/v1/vms/{vm}");
-        let a = self.call(Method::GET, &path, None).await?;
-        if a.status == StatusCode::NOT_FOUND {
+        let Some((what, doc)) = self.get(&format!("/v1/vms/{vm}")).await? else {
             return Ok(None);
-        }
-        let what = format!("GET {path}");
-        let doc = Self::ok(what.clone(), a)?;
+        };
         serde_json::from_value(doc["addresses"].clone())
             .map(Some)
             .map_err(|e| WorkerError::Unreadable {
