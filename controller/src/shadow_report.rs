@@ -115,15 +115,6 @@ impl Rollup {
     }
 }
 
-/// Merges `reports` (sandbox id, the gateway's report document) for `template`.
-pub fn aggregate(template: &str, reports: &[(String, Value)]) -> Value {
-    let mut rollup = Rollup::default();
-    for (id, r) in reports {
-        rollup.add(id.clone(), r);
-    }
-    rollup.finish(template)
-}
-
 /// The document of merged `entries`.
 fn report(
     template: &str,
@@ -155,6 +146,15 @@ fn report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `reports` (sandbox id, the gateway's report document) merged for `template`.
+    fn aggregate(template: &str, reports: &[(String, Value)]) -> Value {
+        let mut rollup = Rollup::default();
+        for (id, r) in reports {
+            rollup.add(id.clone(), r);
+        }
+        rollup.finish(template)
+    }
 
     fn diff(dest: &str, count: u64, first: &str, last: &str, n: u64) -> Value {
         json!({"destination": dest, "active": {"verdict": "deny", "reason": "no_allow_match"},
