@@ -353,7 +353,7 @@ impl Conn {
     /// Whether the connection ends at its next request boundary: the
     /// gateway drains, or its sandbox is gone ([`Conn::sandbox_now`]).
     fn stopping(&self) -> bool {
-        self.draining() || !self.dp.registry.holds(self.src, &self.sandbox.id)
+        self.draining() || self.removed()
     }
 
     /// Whether the flow's sandbox is gone (deleted, or its address taken).
@@ -365,7 +365,7 @@ impl Conn {
     /// sandbox gone (the flow's error, as a spliced flow's), or `None` for
     /// a drain.
     fn stop_cause(&self) -> Option<Ended> {
-        (!self.dp.registry.holds(self.src, &self.sandbox.id)).then(|| {
+        self.removed().then(|| {
             ended(
                 crate::fault::Fault::SANDBOX_REMOVED,
                 "gateway_sandbox_removed".into(),
