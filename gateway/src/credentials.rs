@@ -210,6 +210,8 @@ pub enum Refusal {
     Required,
     /// The value could not be read: nothing to put in the placeholder's place.
     Unavailable,
+    /// With the values in, the head would pass `limits.max_request_head`.
+    TooLarge,
 }
 
 impl Refusal {
@@ -217,6 +219,7 @@ impl Refusal {
         "credential_host_mismatch",
         "credential_required",
         "credential_unavailable",
+        "credential_head_too_large",
     ];
 
     pub fn code(self) -> &'static str {
@@ -224,6 +227,7 @@ impl Refusal {
             Self::HostMismatch => "credential_host_mismatch",
             Self::Required => "credential_required",
             Self::Unavailable => "credential_unavailable",
+            Self::TooLarge => "credential_head_too_large",
         }
     }
 }
@@ -245,20 +249,29 @@ pub struct Applied {
 ///
 /// `host` is the request's name when the gateway verifies it in the
 /// origin's certificate (intercepted TLS), `None` otherwise (plain HTTP, or
-/// an address); `target` is the request target as sent. Nothing is changed
-/// when the request is refused.
+/// an address); `target` is the request target as sent. A head that would
+/// be larger than `max_head` with the values in is refused: a placeholder
+/// repeated in a head within the limit could otherwise grow it by the
+/// value's length each time. Nothing is changed when the request is refused.
 pub fn apply(
     list: &[Credential],
     secrets: &Secrets,
     host: Option<&Hostname>,
     target: &str,
     headers: &mut HeaderMap,
+    max_head: usize,
 ) -> Result<Applied, Refused> {
     let mine = host_credentials(list, host, target, headers)?;
     // Judge every credential of the host before changing anything.
     let plan = plan(mine, secrets, headers)?;
+    if let Some(index) = too_large(&plan, headers, max_head) {
+        return Err(Refused {
+            why: Refusal::TooLarge,
+            index,
+        });
+    }
     let mut applied = Applied::default();
-    for (c, secret, absent) in plan {
+    for (c, secret, absent, _) in plan {
         inject(headers, c, &secret, absent);
         applied.injected += 1;
     }
@@ -298,7 +311,7 @@ fn plan<'a>(
     mine: Vec<(usize, &'a Credential)>,
     secrets: &Secrets,
     headers: &HeaderMap,
-) -> Result<Vec<(&'a Credential, Secret, bool)>, Refused> {
+) -> Result<Vec<Planned<'a>>, Refused> {
     let mut plan = Vec::with_capacity(mine.len());
     for (index, c) in mine {
         let refused = |why| Refused { why, index };
@@ -328,9 +341,34 @@ fn plan<'a>(
         let secret = secrets
             .get(&c.source)
             .ok_or_else(|| refused(Refusal::Unavailable))?;
-        plan.push((c, secret, absent));
+        plan.push((c, secret, absent, index));
     }
     Ok(plan)
+}
+
+/// One credential to put in: its value, whether its header is added whole,
+/// and its index in the sandbox's list.
+type Planned<'a> = (&'a Credential, Secret, bool, usize);
+
+/// The first planned credential with which the head, each header counted as
+/// `name: value` and its line end, would pass `max_head` bytes.
+fn too_large(plan: &[Planned<'_>], headers: &HeaderMap, max_head: usize) -> Option<usize> {
+    let line = |name: &HeaderName, len: usize| name.as_str().len() + len + 4;
+    let mut size: usize = headers.iter().map(|(n, v)| line(n, v.len())).sum();
+    for (c, secret, absent, index) in plan {
+        let grown = match &c.inject {
+            Inject::Header { header, format } if *absent => {
+                line(header, format.len() + secret.0.len())
+            }
+            Inject::Header { header, .. } => replaced(headers.get_all(header).iter(), c, secret),
+            Inject::ReplaceHeaders => replaced(headers.values(), c, secret),
+        };
+        size = size.saturating_add(grown);
+        if size > max_head {
+            return Some(*index);
+        }
+    }
+    None
 }
 
 /// Puts one credential's value in: its header, from its format, when the
@@ -392,6 +430,33 @@ fn sensitive(bytes: &[u8]) -> Option<HeaderValue> {
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// What replacing `c`'s placeholder with `secret` in `values` adds.
+fn replaced<'h>(
+    values: impl Iterator<Item = &'h HeaderValue>,
+    c: &Credential,
+    secret: &Secret,
+) -> usize {
+    let found: usize = values
+        .map(|v| occurrences(v.as_bytes(), c.placeholder.as_bytes()))
+        .sum();
+    found.saturating_mul(secret.0.len().saturating_sub(c.placeholder.len()))
+}
+
+/// How many times `needle` occurs in `hay`, without overlap, as
+/// [`replace_bytes`] replaces it.
+fn occurrences(hay: &[u8], needle: &[u8]) -> usize {
+    let (mut i, mut n) = (0, 0);
+    while !needle.is_empty() && i + needle.len() <= hay.len() {
+        if hay[i..].starts_with(needle) {
+            n += 1;
+            i += needle.len();
+        } else {
+            i += 1;
+        }
+    }
+    n
 }
 
 fn replace_bytes(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {

@@ -2,6 +2,19 @@ use super::*;
 use crate::test_util::header_map as headers;
 
 const VALUE: &str = "ghp_real-value-0123456789";
+/// The default `limits.max_request_head`.
+const HEAD: usize = 64 * 1024;
+
+/// [`super::apply`] within the default head limit.
+fn apply(
+    list: &[Credential],
+    secrets: &Secrets,
+    host: Option<&Hostname>,
+    target: &str,
+    headers: &mut HeaderMap,
+) -> Result<Applied, Refused> {
+    super::apply(list, secrets, host, target, headers, HEAD)
+}
 
 fn creds(json: &str) -> Vec<Credential> {
     let list: Vec<Credential> = serde_json::from_str(json).expect(json);
@@ -193,6 +206,59 @@ fn replace_mode_replaces_in_every_header_and_unreadable_values_refuse() {
         e.starts_with("credentials[0].source: file") && e.contains(&path),
         "{e}"
     );
+}
+
+/// A placeholder repeated in a head within the limit would grow it by the
+/// value's length each time: past the limit, the request is refused whole.
+#[test]
+fn a_head_the_values_would_grow_past_the_limit_is_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let big = dir.path().join("big");
+    std::fs::write(&big, "v".repeat(8 * 1024)).expect("write");
+    let list = creds(&format!(
+        r#"[{{"name": "big", "placeholder": "EGRESS_PH_BIG", "hosts": ["api.test"],
+             "inject": {{"replace": "headers"}}, "source": {{"file": "{}"}}}}]"#,
+        big.display()
+    ));
+    let secrets = loaded(&list);
+    // 2,000 placeholders: 26 KiB as sent, 16 MiB with the values in.
+    let sent = "EGRESS_PH_BIG ".repeat(2000);
+    let mut hs = headers(&[("x-many", sent.as_str())]);
+    assert_eq!(
+        apply(&list, &secrets, Some(&h("api.test")), "/", &mut hs),
+        Err(Refused {
+            why: Refusal::TooLarge,
+            index: 0
+        }),
+        "grown to {} bytes",
+        hs["x-many"].len()
+    );
+    assert_eq!(hs["x-many"], sent.as_str(), "nothing changed");
+    // Seven of them fit: 56 KiB and the rest of the head.
+    let seven = "EGRESS_PH_BIG ".repeat(7);
+    let mut hs = headers(&[("x-many", seven.as_str())]);
+    apply(&list, &secrets, Some(&h("api.test")), "/", &mut hs).expect("within the limit");
+    assert_eq!(hs["x-many"].len(), 7 * (8 * 1024 + 1));
+    // A header added whole counts too.
+    let added = github(&big.display().to_string(), false);
+    let secrets = loaded(&added);
+    let filler = "f".repeat(HEAD - 8 * 1024);
+    let mut hs = headers(&[("x-filler", filler.as_str())]);
+    assert_eq!(
+        super::apply(
+            &added,
+            &secrets,
+            Some(&h("api.github.test")),
+            "/",
+            &mut hs,
+            HEAD
+        ),
+        Err(Refused {
+            why: Refusal::TooLarge,
+            index: 0
+        })
+    );
+    assert!(!hs.contains_key("authorization"));
 }
 
 #[test]

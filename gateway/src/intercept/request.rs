@@ -451,6 +451,7 @@ impl Conn {
             verified,
             asked.target,
             req.headers_mut(),
+            self.dp.config().limits.max_request_head,
         )
         .map_err(|refused| self.credential_refused(credentials, refused, asked.method, rec))?;
         self.dp
@@ -486,9 +487,13 @@ impl Conn {
             credentials::Refusal::Unavailable => {
                 format!("the value of credential {name:?} cannot be read by the gateway")
             }
+            credentials::Refusal::TooLarge => {
+                format!("with credential {name:?}'s value in, the request head would pass limits.max_request_head")
+            }
         };
         let status = match refused.why {
             credentials::Refusal::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            credentials::Refusal::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             _ => StatusCode::FORBIDDEN,
         };
         Denial {
