@@ -94,6 +94,10 @@ pub struct ProxyConfig {
     /// Each sandbox's DNS budgets, unless its policy overrides them
     /// (default 500 queries per second, 1,000 new names per minute).
     pub budget: BudgetLimits,
+    /// The most a policy's `dns.budget` may give its sandbox (default
+    /// [`egress_policy::dns::MAX_RATE`] each): the policy is the tenant's,
+    /// the ceiling the operator's.
+    pub budget_ceiling: BudgetLimits,
     /// Sandboxes with budgets at once (default 16,384); the least recently
     /// active make room ([`crate::budget`]).
     pub budget_sandboxes: usize,
@@ -162,6 +166,10 @@ impl Default for ProxyConfig {
             tcp_idle_timeout: Duration::from_secs(10),
             max_tcp_connections: 256,
             budget: BudgetLimits::default(),
+            budget_ceiling: BudgetLimits {
+                qps: egress_policy::dns::MAX_RATE,
+                new_names_per_minute: egress_policy::dns::MAX_RATE,
+            },
             budget_sandboxes: 16_384,
         }
     }
@@ -429,15 +437,17 @@ impl DnsProxy {
         Ok(sandbox)
     }
 
-    /// The operator's budgets, with the policy's overrides.
+    /// The operator's budgets, with the policy's overrides up to the
+    /// operator's ceilings.
     fn limits(&self, policy: &CompiledPolicy) -> BudgetLimits {
         let mut limits = self.config.budget;
+        let ceiling = self.config.budget_ceiling;
         if let Some(b) = policy.policy().dns.as_ref().and_then(|d| d.budget.as_ref()) {
             if let Some(qps) = b.qps {
-                limits.qps = qps.get();
+                limits.qps = qps.get().min(ceiling.qps);
             }
             if let Some(n) = b.new_names_per_minute {
-                limits.new_names_per_minute = n.get();
+                limits.new_names_per_minute = n.get().min(ceiling.new_names_per_minute);
             }
         }
         limits

@@ -745,6 +745,47 @@ async fn queries_per_second_are_bounded_and_policies_override_the_defaults() {
     );
 }
 
+/// A policy's budget is the tenant's: it may raise the operator's default,
+/// up to the operator's ceiling and no further.
+#[tokio::test]
+async fn a_policy_raises_its_budget_only_up_to_the_operators_ceiling() {
+    let h = harness(
+        |pc, _| {
+            pc.budget = BudgetLimits {
+                qps: 1_000,
+                new_names_per_minute: 2,
+            };
+            pc.budget_ceiling = BudgetLimits {
+                qps: 1_000,
+                new_names_per_minute: 3,
+            };
+        },
+        false,
+    )
+    .await;
+    // C's policy asks for 4 new names a minute: it gets 3.
+    let mut codes = Vec::new();
+    for i in 0..5 {
+        let q = query(&format!("x{i}.shop.test."), RecordType::A, None);
+        codes.push(udp(&h, SANDBOX_C, &q).await.1.metadata.response_code);
+    }
+    let answered = codes
+        .iter()
+        .filter(|c| **c == ResponseCode::NoError)
+        .count();
+    assert_eq!(answered, 3, "{codes:?}");
+    // A, without a budget of its own, has the operator's 2.
+    let mut codes = Vec::new();
+    for i in 0..5 {
+        codes.push(txt(&h, SANDBOX_A, &format!("y{i}.api.test.")).await);
+    }
+    let answered = codes
+        .iter()
+        .filter(|c| **c == ResponseCode::NoError)
+        .count();
+    assert_eq!(answered, 2, "{codes:?}");
+}
+
 #[tokio::test]
 async fn cname_chain_attributes_every_name_and_ignores_unasked_records() {
     let h = harness(|_, _| {}, false).await;

@@ -176,6 +176,13 @@ pub struct Dns {
     /// Each sandbox's new distinct names per minute (a burst of one
     /// minute's worth): what a name-encoding channel spends.
     pub budget_new_names_per_minute: u32,
+    /// The most queries per second a policy's `dns.budget` may give its
+    /// sandbox: the policy is pushed for a tenant, the ceiling is the
+    /// operator's. Below `budget_qps`, `budget_qps` is the ceiling (so a
+    /// configuration from before the ceilings keeps its meaning).
+    pub budget_max_qps: u32,
+    /// The most new names per minute a policy's `dns.budget` may give.
+    pub budget_max_new_names_per_minute: u32,
     /// DoH servers refused as `encrypted_dns` unless a policy allows them by
     /// name, besides the built-in list (`egress_gateway::doh::BUILTIN_DOH_NAMES`).
     #[serde(deserialize_with = "hostnames")]
@@ -336,8 +343,45 @@ impl Default for Dns {
             max_sandboxes: 16_384,
             budget_qps: 500,
             budget_new_names_per_minute: 1_000,
+            budget_max_qps: 5_000,
+            budget_max_new_names_per_minute: 10_000,
             doh_names: Vec::new(),
         }
+    }
+}
+
+impl Dns {
+    /// The first DNS budget key out of range.
+    fn invalid_budget(&self) -> Option<(&'static str, String)> {
+        let max = egress_policy::dns::MAX_RATE;
+        let keys = [
+            ("dns.budget_qps", self.budget_qps),
+            ("dns.budget_max_qps", self.budget_max_qps),
+            (
+                "dns.budget_new_names_per_minute",
+                self.budget_new_names_per_minute,
+            ),
+            (
+                "dns.budget_max_new_names_per_minute",
+                self.budget_max_new_names_per_minute,
+            ),
+        ];
+        for (key, n) in keys {
+            if !(1..=max).contains(&n) {
+                return Some((key, format!("{n} is outside 1..={max}")));
+            }
+        }
+        None
+    }
+
+    /// The most a policy's `dns.budget` gives: each ceiling, or the
+    /// default when that is higher.
+    pub fn budget_ceiling(&self) -> (u32, u32) {
+        (
+            self.budget_max_qps.max(self.budget_qps),
+            self.budget_max_new_names_per_minute
+                .max(self.budget_new_names_per_minute),
+        )
     }
 }
 
@@ -526,17 +570,8 @@ impl Config {
                 "0 would attribute no sandbox's DNS: at least 1".into(),
             ));
         }
-        for (key, n) in [
-            ("dns.budget_qps", self.dns.budget_qps),
-            (
-                "dns.budget_new_names_per_minute",
-                self.dns.budget_new_names_per_minute,
-            ),
-        ] {
-            if !(1..=egress_policy::dns::MAX_RATE).contains(&n) {
-                let why = format!("{n} is outside 1..={}", egress_policy::dns::MAX_RATE);
-                return Some((key, why));
-            }
+        if let Some(invalid) = self.dns.invalid_budget() {
+            return Some(invalid);
         }
         if let Some(invalid) = self.tls.first_invalid() {
             return Some(invalid);
@@ -831,6 +866,10 @@ mod tests {
             (
                 "[dns]\nbudget_new_names_per_minute = 2000000",
                 "dns.budget_new_names_per_minute: 2000000 is outside",
+            ),
+            (
+                "[dns]\nbudget_max_new_names_per_minute = 0",
+                "dns.budget_max_new_names_per_minute: 0 is outside 1..=1000000",
             ),
             (
                 "[dns]\nupstreams = [\"8.8.8.8:53\"]",

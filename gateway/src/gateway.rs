@@ -651,6 +651,10 @@ fn attribution(
                 qps: config.dns.budget_qps,
                 new_names_per_minute: config.dns.budget_new_names_per_minute,
             },
+            budget_ceiling: BudgetLimits {
+                qps: config.dns.budget_ceiling().0,
+                new_names_per_minute: config.dns.budget_ceiling().1,
+            },
             budget_sandboxes: config.dns.max_sandboxes,
             ..ProxyConfig::default()
         },
