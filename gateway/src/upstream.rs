@@ -24,6 +24,15 @@ use crate::upstream_proxy::{ProxyError, ProxyFailure, Route};
 
 /// Sessions the shared terminating config remembers for resumption.
 const RESUMABLE_SESSIONS: usize = 10_000;
+/// TLS 1.3 tickets one registration keeps for resuming its connections to
+/// origins: 8 origins' worth (rustls keeps 8 per server).
+const REGISTRATION_TICKETS: usize = 64;
+/// Registrations with upstream TLS sessions at once; the least recently
+/// used make room.
+const REGISTRATIONS_WITH_SESSIONS: u64 = 16_384;
+/// A registration that opened no upstream TLS connection for this long
+/// forgets its sessions.
+const SESSIONS_IDLE: Duration = Duration::from_secs(30 * 60);
 
 /// A `tls.extra_upstream_roots` file that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -110,13 +119,25 @@ impl ForwardError {
 /// The header of a `502` the operator's upstream proxy caused.
 pub(crate) const PROXY_HEADER: &str = "x-egress-upstream-proxy";
 
-/// The intercept path's state.
-pub(crate) struct Upstreams {
-    pub(crate) minter: Arc<LeafMinter>,
-    /// Verifies origins; offers h2 and HTTP/1.1 (for HTTP/2 clients).
+/// The TLS client configs that verify origins, with one session store.
+#[derive(Clone)]
+struct ClientTls {
+    /// Offers h2 and HTTP/1.1 (for HTTP/2 clients).
     tls: Arc<rustls::ClientConfig>,
     /// The same, HTTP/1.1 only (HTTP/1.1 clients, upgrades).
     tls_h1: Arc<rustls::ClientConfig>,
+}
+
+/// The intercept path's state.
+pub(crate) struct Upstreams {
+    pub(crate) minter: Arc<LeafMinter>,
+    /// The configs each registration's are made from; they resume nothing.
+    base: ClientTls,
+    /// Each registration's configs ([`crate::registry::Sandbox::serial`]),
+    /// with a session store of its own: a session one sandbox's connection
+    /// got is resumed only by that sandbox's, so an origin cannot link two
+    /// tenants' connections through one ticket.
+    by_registration: moka::sync::Cache<u64, ClientTls>,
     /// The terminating side for clients that send an SNI: one config, so
     /// its session cache lets those clients resume.
     pub(crate) server_tls: Arc<rustls::ServerConfig>,
@@ -132,14 +153,40 @@ impl Upstreams {
                 .with_root_certificates(roots.clone())
                 .with_no_client_auth();
             c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+            // Each registration's copy gets a store of its own.
+            c.resumption = rustls::client::Resumption::disabled();
             Arc::new(c)
         };
         Ok(Self {
             server_tls: server_tls(&minter, None),
             minter,
-            tls: build(&[b"h2", b"http/1.1"]),
-            tls_h1: build(&[b"http/1.1"]),
+            base: ClientTls {
+                tls: build(&[b"h2", b"http/1.1"]),
+                tls_h1: build(&[b"http/1.1"]),
+            },
+            by_registration: moka::sync::Cache::builder()
+                .max_capacity(REGISTRATIONS_WITH_SESSIONS)
+                .time_to_idle(SESSIONS_IDLE)
+                .build(),
             pool: UpstreamPool::default(),
+        })
+    }
+
+    /// Registration `serial`'s configs, made on its first TLS connection.
+    fn client_tls(&self, serial: u64) -> ClientTls {
+        self.by_registration.get_with(serial, || {
+            let store = Arc::new(rustls::client::ClientSessionMemoryCache::new(
+                REGISTRATION_TICKETS,
+            ));
+            let own = |base: &rustls::ClientConfig| {
+                let mut c = base.clone();
+                c.resumption = rustls::client::Resumption::store(store.clone());
+                Arc::new(c)
+            };
+            ClientTls {
+                tls: own(&self.base.tls),
+                tls_h1: own(&self.base.tls_h1),
+            }
         })
     }
 
@@ -150,19 +197,19 @@ impl Upstreams {
     pub(crate) fn for_worker(&self) -> Self {
         Self {
             minter: self.minter.clone(),
-            tls: self.tls.clone(),
-            tls_h1: self.tls_h1.clone(),
+            base: self.base.clone(),
+            by_registration: self.by_registration.clone(),
             server_tls: self.server_tls.clone(),
             pool: UpstreamPool::default(),
         }
     }
 
-    /// Opens an HTTP connection to `dst`: TLS verified for `verify_as` (or,
-    /// without a name, for the address) when `tls`, else plain. `allow_h2`:
-    /// offer HTTP/2 (not for upgrades).
+    /// Opens an HTTP connection to `dst` for registration `serial`: TLS
+    /// verified for `verify_as` (or, without a name, for the address) when
+    /// `tls`, else plain. `allow_h2`: offer HTTP/2 (not for upgrades).
     pub(crate) async fn connect(
         &self,
-        (dst, route): (SocketAddr, &Route),
+        (dst, route, serial): (SocketAddr, &Route, u64),
         tls: bool,
         verify_as: Option<&Hostname>,
         allow_h2: bool,
@@ -175,7 +222,8 @@ impl Upstreams {
         if !tls {
             return http1(tcp).await;
         }
-        let config = if allow_h2 { &self.tls } else { &self.tls_h1 };
+        let own = self.client_tls(serial);
+        let config = if allow_h2 { &own.tls } else { &own.tls_h1 };
         let (name, server_name) = match verify_as {
             Some(n) => (
                 n.to_string(),

@@ -251,7 +251,7 @@ impl Conn {
     ) -> Result<Sender, ForwardError> {
         let config = self.dp.config();
         Box::pin(self.up.connect(
-            (self.dst, route),
+            (self.dst, route, self.sandbox.serial),
             self.tls,
             verify_as,
             allow_h2,

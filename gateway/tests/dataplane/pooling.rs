@@ -210,3 +210,60 @@ fn send(
         (head.status.as_u16(), body)
     }
 }
+
+/// An HTTPS origin (HTTP/1.1) at `PAUSE_IP` that notes how each connection's
+/// handshake went, and answers one request with `connection: close`.
+async fn resuming_origin(
+    e: &Env,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::Mutex<Vec<rustls::HandshakeKind>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let kinds = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = kinds.clone();
+    let config = e.origin_ca.server(&["pause.example.test"], &[b"http/1.1"]);
+    let addr = tls_origin(PAUSE_IP, config, move |mut tls| {
+        let seen = seen.clone();
+        async move {
+            let kind = tls.get_ref().1.handshake_kind().expect("handshaken");
+            seen.lock().expect("lock").push(kind);
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                match tls.read(&mut byte).await {
+                    Ok(1) => head.push(byte[0]),
+                    _ => return,
+                }
+            }
+            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
+            let _ = tls.write_all(answer).await;
+            let _ = tls.shutdown().await;
+        }
+    })
+    .await;
+    (addr, kinds)
+}
+
+/// A session the gateway got on one sandbox's connection to an origin is
+/// resumed by that sandbox's next connection, never by another sandbox's:
+/// one ticket would let the origin link the two tenants.
+#[tokio::test]
+async fn upstream_tls_sessions_are_resumed_only_by_their_own_sandbox() {
+    const NAME: &str = "pause.example.test";
+    let e = intercepting(&[NAME]).await;
+    e.sandbox("b", SANDBOX_B, intercepting_policy(&[NAME]));
+    e.resolve(SANDBOX_B, &format!("{NAME}.")).await;
+    let (origin, kinds) = resuming_origin(&e).await;
+    for src in [SANDBOX_A, SANDBOX_A, SANDBOX_B] {
+        let (tls, minted) = e
+            .tls(src, origin, NAME, &[b"http/1.1"])
+            .await
+            .expect("handshake");
+        assert!(minted, "intercepted");
+        let (status, body) = http_get(tls, false, NAME, "/").await.expect("request");
+        assert_eq!((status, body.as_str()), (200, "ok"), "{src}");
+    }
+    use rustls::HandshakeKind::{Full, Resumed};
+    assert_eq!(*kinds.lock().expect("lock"), [Full, Resumed, Full]);
+}
