@@ -308,6 +308,7 @@ impl Metrics {
         for code in egress_policy::RequestCode::CODES
             .iter()
             .chain(crate::credentials::Refusal::CODES)
+            .chain(&["budget_exceeded", "unknown_sandbox"])
         {
             let _ = self.requests_denied.get_or_create(&CodeLabels { code });
         }
