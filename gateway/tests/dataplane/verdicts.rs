@@ -935,6 +935,26 @@ async fn without_sni_a_host_passes_only_on_its_own_attribution() {
     let (status, body) = get("alias.example.test").await;
     assert_eq!(status, 403, "{body}");
     assert!(body.contains("sni_mismatch"), "{body}");
+    // Resolved too, it is attributed to the address beside the allowed
+    // name, but is not allowed itself: naming it is denied, in a Host or
+    // an SNI (the origin, a CDN say, would route by it).
+    e.resolve(SANDBOX_A, "alias.example.test.").await;
+    let (status, body) = get("alias.example.test").await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("no_allow_match"), "{body}");
+    let sni = e
+        .tls(SANDBOX_A, e.origins.api, "alias.example.test", H1)
+        .await;
+    assert!(sni.is_err(), "the flow naming it is refused");
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("the allowed name still passes");
+    assert!(minted);
+    let (status, _) = http_get(tls, false, "api.example.test", "/")
+        .await
+        .expect("answer");
+    assert_eq!(status, 200);
 }
 
 /// Sandbox A may reach plain.example.test, which it resolved, and not

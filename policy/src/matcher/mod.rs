@@ -448,14 +448,17 @@ impl CompiledPolicy {
             Protocol::Opaque(_) | Protocol::Dns => None,
         };
         let claim_attributed = claim.is_none_or(|c| flow.attributed.contains(c));
-        let by_attribution = match (flow.protocol, claim) {
-            // Plain HTTP: the Host itself must be allowed and attributed.
-            (Protocol::Http, Some(host)) if claim_attributed => names.lookup(host),
-            (Protocol::Http, Some(_)) => None,
-            // Spliced, opaque, or TLS before termination: an attributed name
-            // is allowed, and the SNI is one of the attributed names.
-            _ if claim_attributed => attributed_allowed.map(|(_, r)| r),
-            _ => None,
+        let by_attribution = match claim {
+            // The name the client gives (the SNI, else the Host) must itself
+            // be allowed, and attributed to the address. Another allowed
+            // name on the same address is no evidence for it: on a shared
+            // CDN address, any name the sandbox resolved there would pass
+            // on the allowed one's attribution, and the CDN route by it.
+            Some(c) if claim_attributed => names.lookup(c),
+            Some(_) => None,
+            // No name given (opaque, or TLS without an SNI before its
+            // requests): an attributed name is allowed.
+            None => attributed_allowed.map(|(_, r)| r),
         };
         if let Some(r) = by_attribution {
             return Ok(Allowed::AttributedName(r));

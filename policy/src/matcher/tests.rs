@@ -314,11 +314,13 @@ fn domain_allows_need_dns_attribution_on_spliced_and_opaque_flows() {
             "deny",
             "sni_mismatch",
         ),
+        // An SNI attributed beside an allowed name, but not allowed itself:
+        // on a shared CDN address the CDN would route by it.
         (
             p,
             tls(dst).sni("alias.test").dns(&["api.test", "alias.test"]),
-            "splice",
-            "interception_off",
+            "deny",
+            "no_allow_match",
         ),
         (p, tls(dst).dns(&["other.test"]), "deny", "no_allow_match"),
         (
@@ -440,18 +442,19 @@ fn without_sni_a_terminated_requests_host_is_the_claim() {
             "deny",
             "sni_mismatch",
         ),
-        // … and one attributed beside it is judged as the same SNI would be.
+        // … and one attributed beside it, but not allowed itself, is
+        // judged as the same SNI would be: denied.
         (
             p,
             tls(dst).host("other.test").dns(&["api.test", "other.test"]),
-            "intercept",
-            "not_exempt",
+            "deny",
+            "no_allow_match",
         ),
         (
             p,
             tls(dst).sni("other.test").dns(&["api.test", "other.test"]),
-            "intercept",
-            "not_exempt",
+            "deny",
+            "no_allow_match",
         ),
     ]);
 }
