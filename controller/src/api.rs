@@ -208,10 +208,12 @@ impl Api {
     }
 }
 
-/// The request body as JSON, within [`MAX_BODY`] (`413` beyond).
+/// The request body as JSON, within [`MAX_BODY`] (`413` beyond); a key
+/// twice in one object is `400` (the value would keep only the last).
 pub(crate) async fn body(req: Request<Incoming>) -> Result<Value, Reply> {
     let text = egress_api::body::text(req.into_body(), MAX_BODY).await?;
-    serde_json::from_str(&text).map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))
+    egress_policy::json_value(&text)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("body: {e}")))
 }
 
 /// Parses `v` as `T`; the error names the field.

@@ -223,7 +223,8 @@ pub struct RegistrationError {
 /// <policy>?, "link": "<ifname>"?, "cgroup": "<path>"?}`. `addresses` may
 /// be left out only with `cgroup`.
 pub fn registration_doc(text: &str) -> Result<Registration, RegistrationError> {
-    let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("body: {e}"), None))?;
+    let doc: Value =
+        egress_policy::json_value(text).map_err(|e| bad(format!("body: {e}"), None))?;
     let Some(obj) = doc.as_object() else {
         return Err(bad("body must be a JSON object".into(), None));
     };
@@ -435,4 +436,20 @@ fn egress_json(id: &str, view: &EgressView) -> Value {
         "source": if view.own { "vm" } else { "default" },
         "policy": view.policy.to_value(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_registration_with_a_key_twice_is_refused() {
+        let ok = super::registration_doc(r#"{"addresses": ["100.64.0.2"]}"#);
+        assert!(ok.is_ok(), "{ok:?}");
+        for text in [
+            r#"{"addresses": ["100.64.0.2"], "egress": {"mode": "open"}, "egress": null}"#,
+            r#"{"addresses": ["100.64.0.2"], "addresses": ["100.64.0.3"]}"#,
+        ] {
+            let e = super::registration_doc(text).expect_err(text);
+            assert!(e.message.contains("duplicate key"), "{text}: {}", e.message);
+        }
+    }
 }

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 
 /// A JSON error with the path of the offending value (`sensor.allow[1]`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -56,6 +56,83 @@ pub fn parse<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, JsonError> {
         syntax: true,
     })?;
     Ok(value)
+}
+
+/// Reads `text` as a JSON value whose objects each have distinct keys.
+///
+/// `serde_json::Value` keeps the last of two equal keys: a document read
+/// into one and only then into its type (as a route that looks at a field
+/// first does) would lose the first silently, and `{"default": "deny",
+/// "default": "allow"}` would be read as one of its two readings.
+pub fn value(text: &str) -> Result<serde_json::Value, JsonError> {
+    parse::<Unique>(text).map(|u| u.0)
+}
+
+/// A JSON value read by [`value`].
+struct Unique(serde_json::Value);
+
+impl<'de> Deserialize<'de> for Unique {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(UniqueVisitor)
+    }
+}
+
+struct UniqueVisitor;
+
+impl<'de> Visitor<'de> for UniqueVisitor {
+    type Value = Unique;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Unique, E> {
+        Ok(Unique(b.into()))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Unique, E> {
+        Ok(Unique(n.into()))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Unique, E> {
+        Ok(Unique(n.into()))
+    }
+
+    fn visit_f64<E>(self, n: f64) -> Result<Unique, E> {
+        Ok(Unique(n.into()))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Unique, E> {
+        Ok(Unique(s.into()))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Unique, E> {
+        Ok(Unique(s.into()))
+    }
+
+    fn visit_unit<E>(self) -> Result<Unique, E> {
+        Ok(Unique(serde_json::Value::Null))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Unique, A::Error> {
+        let mut out = Vec::new();
+        while let Some(Unique(v)) = seq.next_element()? {
+            out.push(v);
+        }
+        Ok(Unique(out.into()))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Unique, A::Error> {
+        let mut out = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if out.contains_key(&key) {
+                return Err(A::Error::custom(format!("duplicate key `{key}`")));
+            }
+            let Unique(v) = map.next_value()?;
+            out.insert(key, v);
+        }
+        Ok(Unique(out.into()))
+    }
 }
 
 /// Implements `Deserialize` for a struct whose derive is `#[serde(remote = "Self")]`,
@@ -114,5 +191,29 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for Entries<V> {
         }
 
         d.deserialize_map(EntriesVisitor(PhantomData))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_value_refuses_a_key_twice_at_any_depth_and_names_where() {
+        let v = super::value(r#"{"a": [1, -2, 3.5, "x", null, true], "b": {"c": {}}}"#);
+        assert_eq!(
+            v.expect("distinct keys"),
+            serde_json::json!({"a": [1, -2, 3.5, "x", null, true], "b": {"c": {}}})
+        );
+        for (text, path) in [
+            (r#"{"default": "deny", "default": "allow"}"#, ""),
+            (
+                r#"{"policy": {"deny": [], "deny": [{"ip": "1.2.3.4"}]}}"#,
+                "policy",
+            ),
+            (r#"{"a": [{"k": 1, "k": 2}]}"#, "a[0]"),
+        ] {
+            let e = super::value(text).expect_err(text);
+            assert!(e.message.contains("duplicate key"), "{text}: {e}");
+            assert_eq!(e.path, path, "{text}: {e}");
+        }
     }
 }

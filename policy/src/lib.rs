@@ -36,7 +36,7 @@ pub use dest::{
 };
 pub use dns::{DnsBudget, DnsPolicy, QueryType, QueryTypes, Rate, Resolve};
 pub use exemptions::{DeploymentExemptions, ExemptionsError, EXEMPTIONS_ENV};
-pub use json::{parse as from_json, JsonError};
+pub use json::{parse as from_json, value as json_value, JsonError};
 pub use matcher::{
     Allowed, AttributionGap, CompiledPolicy, Denied, EncryptedDns, Flow, Intercepted, NameVerdict,
     PlatformDenies, Protocol, RequestCode, RequestDenial, RequestJudgement, RuleRef, Spliced,

@@ -178,6 +178,33 @@ async fn a_missing_saved_name_is_503_and_the_old_policy_stays() {
     );
 }
 
+/// A key twice in one object is refused: the API must not keep one of the
+/// document's two readings (`serde_json::Value` would keep the last).
+#[tokio::test]
+async fn a_document_with_a_key_twice_is_refused() {
+    let url = db!();
+    let w = world(
+        &url,
+        deployment(Some(PROFILES), Some(EXEMPTIONS)),
+        json!({"default": "allow"}),
+    )
+    .await;
+    let (gw, api) = (&w.gw, &w.api);
+    let id = running(api, gw).await;
+    let before = doc(api, &id).await;
+    let path = format!("/v1/sandboxes/{id}/network");
+    for body in [
+        r#"{"policy": {"default": "deny", "default": "allow"}}"#,
+        r#"{"policy": {"deny": [{"domain": "x.test"}], "deny": []}}"#,
+        r#"{"policy": {"default": "deny"}, "policy": {"default": "allow"}}"#,
+    ] {
+        let (s, v) = call_text(api.addr, ("PUT", &path), Some(FEDERATED), &[], body.into()).await;
+        assert_eq!(s, 400, "{body}: {v}");
+        assert!(v.to_string().contains("duplicate key"), "{body}: {v}");
+    }
+    assert_eq!(doc(api, &id).await, before, "nothing changed");
+}
+
 async fn api_without_sensor(url: &str) -> ApiProcess {
     api(
         url,

@@ -197,6 +197,18 @@ pub async fn call(
     headers: &[(&str, &str)],
     body: Option<Value>,
 ) -> (u16, Value) {
+    let text = body.map(|b| b.to_string()).unwrap_or_default();
+    call_text(addr, (method, path), token, headers, text).await
+}
+
+/// [`call`] with a body as written (a document `json!` cannot build).
+pub async fn call_text(
+    addr: SocketAddr,
+    (method, path): (&str, &str),
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    bytes: String,
+) -> (u16, Value) {
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
         .await
@@ -212,7 +224,6 @@ pub async fn call(
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let bytes = body.map(|b| b.to_string()).unwrap_or_default();
     let resp = sender
         .send_request(req.body(Full::new(Bytes::from(bytes))).expect("request"))
         .await
