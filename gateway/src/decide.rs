@@ -94,7 +94,8 @@ pub fn judge(
 ) -> Verdict {
     let encrypted_dns = match claims.protocol {
         Protocol::Tls => doh.kind(claims.dst, claims.sni.or(claims.host), attributed),
-        Protocol::Http | Protocol::Opaque(_) | Protocol::Dns => None,
+        Protocol::Http | Protocol::Opaque(_) => DohNames::by_port(claims.dst),
+        Protocol::Dns => None,
     };
     policy.decide(&Flow {
         dst: claims.dst,

@@ -17,7 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dns_attrib::doh::{self, DohError};
 use dns_attrib::{DnsProxy, Transport};
-use egress_policy::{EncryptedDns, Hostname, RESERVED_RESOLVERS};
+use egress_policy::{embedded_ipv4, EncryptedDns, Hostname, RESERVED_RESOLVERS};
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
@@ -27,6 +27,8 @@ use crate::reply::text;
 
 /// The port of DNS over TLS (RFC 7858).
 pub(crate) const DOT_PORT: u16 = 853;
+/// Plain DNS's port: over TCP, a stream the DNS proxy never got.
+pub(crate) const DNS_PORT: u16 = 53;
 
 /// The port a DoH server listens on at the reserved resolvers.
 const DOH_PORT: u16 = 443;
@@ -79,26 +81,39 @@ impl DohNames {
         Self(builtin.chain(extra.iter().cloned()).collect())
     }
 
+    /// What a stream to `dst` is by its port alone: DNS over TLS (853), or
+    /// DNS over TCP (53) that reached the transparent listener rather than
+    /// the DNS proxy (another resolver, or a reserved one by another
+    /// address form).
+    pub fn by_port(dst: SocketAddr) -> Option<EncryptedDns> {
+        match dst.port() {
+            DOT_PORT => Some(EncryptedDns::Dot),
+            DNS_PORT => Some(EncryptedDns::TcpDns),
+            _ => None,
+        }
+    }
+
     /// No names at all: for judging what can never be encrypted DNS.
     pub fn empty() -> Self {
         Self(HashSet::new())
     }
 
-    /// What kind of encrypted DNS a TLS flow to `dst` is, judged on its
-    /// address, its port, its server name and the names attributed to its
-    /// address.
+    /// What kind of DNS the gateway would not see a TLS flow to `dst` is,
+    /// judged on its address (a reserved resolver in any form that embeds
+    /// it: IPv4-mapped or NAT64, as policy reads addresses), its port, its
+    /// server name and the names attributed to its address.
     pub fn kind(
         &self,
         dst: SocketAddr,
         sni: Option<&Hostname>,
         attributed: &[Hostname],
     ) -> Option<EncryptedDns> {
-        let ip = dst.ip().to_canonical();
+        let ip = embedded_ipv4(dst.ip()).map_or(dst.ip(), IpAddr::V4);
         if dst.port() == DOH_PORT && RESERVED_RESOLVERS.contains(&ip) {
             return Some(EncryptedDns::ReservedDoh);
         }
-        if dst.port() == DOT_PORT {
-            return Some(EncryptedDns::Dot);
+        if let Some(kind) = Self::by_port(dst) {
+            return Some(kind);
         }
         let known = |n: &Hostname| self.0.contains(n);
         (sni.is_some_and(known) || attributed.iter().any(known)).then_some(EncryptedDns::KnownDoh)
@@ -222,6 +237,51 @@ mod tests {
             None
         );
         assert_eq!(kind("8.8.4.4:443", Some("api.example.test"), &[]), None);
+        // A reserved resolver by its NAT64 address, as policy reads it.
+        assert_eq!(kind("[64:ff9b::808:808]:443", None, &[]), Some(ReservedDoh));
+        // Port 53 over TCP, past the DNS proxy: any address, any form.
+        assert_eq!(kind("[64:ff9b::808:808]:53", None, &[]), Some(TcpDns));
+        assert_eq!(kind("203.0.113.9:53", None, &[]), Some(TcpDns));
+        assert_eq!(DohNames::by_port(addr("203.0.113.9:53")), Some(TcpDns));
+        assert_eq!(DohNames::by_port(addr("203.0.113.9:22")), None);
+    }
+
+    /// DNS over TCP that reached the transparent listener (a reserved
+    /// resolver by its NAT64 address, or another resolver) is refused
+    /// unless an allow names it: an address allow, the resolver's own
+    /// included, or the default is not enough.
+    #[test]
+    fn a_stream_to_port_53_passes_only_on_an_allow_by_name() {
+        use egress_policy::{AttributionGap, CompiledPolicy, PlatformDenies, Policy, Protocol};
+        let judged = |doc: &str, dst: &str, attributed: &[&str]| {
+            let policy = CompiledPolicy::new(
+                Policy::from_json(doc).expect(doc),
+                std::sync::Arc::new(PlatformDenies::builtin()),
+            );
+            let claims = crate::decide::Claims::asked(addr(dst), false, false, None, None);
+            assert_eq!(claims.protocol, Protocol::Opaque(None));
+            let attributed: Vec<Hostname> = attributed.iter().map(|n| name(n)).collect();
+            let gap = AttributionGap::NoDnsSeen;
+            let v = crate::decide::judge(&policy, &claims, &attributed, gap, &DohNames::empty());
+            v.code().to_owned()
+        };
+        let resolver = r#"{"default": "deny", "allow": [{"ip": "8.8.8.8"}]}"#;
+        assert_eq!(
+            judged(resolver, "[64:ff9b::808:808]:53", &[]),
+            "encrypted_dns"
+        );
+        assert_eq!(
+            judged(resolver, "[64:ff9b::808:808]:80", &[]),
+            "allow_address"
+        );
+        let open = r#"{"default": "allow"}"#;
+        assert_eq!(judged(open, "203.0.113.9:53", &[]), "encrypted_dns");
+        assert_eq!(judged(open, "203.0.113.9:5353", &[]), "allow_default");
+        let named = r#"{"default": "deny", "allow": [{"domain": "ns.corp.test"}]}"#;
+        assert_eq!(
+            judged(named, "203.0.113.9:53", &["ns.corp.test"]),
+            "allow_attributed_name"
+        );
     }
 
     #[test]

@@ -73,6 +73,9 @@ pub enum EncryptedDns {
     ReservedDoh,
     /// DNS over TLS (port 853), to any address.
     Dot,
+    /// A stream to port 53 that reached the transparent listener: DNS over
+    /// TCP the DNS proxy never got (any protocol the peek reads there).
+    TcpDns,
     /// To a well-known DoH server, by its SNI or an attributed name.
     KnownDoh,
 }
@@ -92,7 +95,7 @@ pub struct Flow<'a> {
     pub attributed: &'a [Hostname],
     /// Why `attributed` is empty, when it is.
     pub attribution_gap: AttributionGap,
-    /// The flow is encrypted DNS, and which (only ever set for TLS).
+    /// The flow is DNS the gateway would not see, and which.
     pub encrypted_dns: Option<EncryptedDns>,
     /// The ClientHello carries an `encrypted_client_hello` extension (real
     /// or GREASE: they look alike), so the name it is really for may be
@@ -618,9 +621,9 @@ fn encrypted_dns(
             Some(Verdict::Intercept(allowed, Intercepted::ReservedResolver))
         }
         EncryptedDns::ReservedDoh => Some(Verdict::Deny(Denied::EncryptedDns)),
-        EncryptedDns::Dot | EncryptedDns::KnownDoh if !by_name => {
+        EncryptedDns::Dot | EncryptedDns::KnownDoh | EncryptedDns::TcpDns if !by_name => {
             Some(Verdict::Deny(Denied::EncryptedDns))
         }
-        EncryptedDns::Dot | EncryptedDns::KnownDoh => None,
+        EncryptedDns::Dot | EncryptedDns::KnownDoh | EncryptedDns::TcpDns => None,
     }
 }
