@@ -245,23 +245,34 @@ pub struct Applied {
     pub injected: usize,
 }
 
+/// The names a request is for, as far as the gateway knows them.
+#[derive(Clone, Copy, Debug)]
+pub enum Names<'a> {
+    /// Its name, verified in the origin's certificate (intercepted TLS).
+    Verified(&'a Hostname),
+    /// Not verified (plain HTTP, or an address): every name it may be for,
+    /// its claimed `Host` and the names attributed to its address.
+    Unverified(&'a [&'a Hostname]),
+}
+
 /// Applies a sandbox's credentials to one request's headers.
 ///
-/// `host` is the request's name when the gateway verifies it in the
-/// origin's certificate (intercepted TLS), `None` otherwise (plain HTTP, or
-/// an address); `target` is the request target as sent. A head that would
+/// A value goes in only where the name is verified; where it is not, a
+/// placeholder is a mismatch, and a request that may be for a credential's
+/// hosts is refused if the credential is required (the sandbox would use a
+/// key of its own there, in clear). `target` is the request target as sent. A head that would
 /// be larger than `max_head` with the values in is refused: a placeholder
 /// repeated in a head within the limit could otherwise grow it by the
 /// value's length each time. Nothing is changed when the request is refused.
 pub fn apply(
     list: &[Credential],
     secrets: &Secrets,
-    host: Option<&Hostname>,
+    names: Names<'_>,
     target: &str,
     headers: &mut HeaderMap,
     max_head: usize,
 ) -> Result<Applied, Refused> {
-    let mine = host_credentials(list, host, target, headers)?;
+    let mine = host_credentials(list, names, target, headers)?;
     // Judge every credential of the host before changing anything.
     let plan = plan(mine, secrets, headers)?;
     if let Some(index) = too_large(&plan, headers, max_head) {
@@ -278,28 +289,44 @@ pub fn apply(
     Ok(applied)
 }
 
-/// The credentials for `host`, with their index in `list`; a placeholder
-/// of any other credential, in the target or a header, refuses the request
-/// ([`Refusal::HostMismatch`]).
+/// The credentials for a verified name, with their index in `list`; a
+/// placeholder of any other credential, in the target or a header, refuses
+/// the request ([`Refusal::HostMismatch`]), and then a required credential
+/// an unverified request may be for ([`Refusal::Required`]).
 fn host_credentials<'a>(
     list: &'a [Credential],
-    host: Option<&Hostname>,
+    names: Names<'_>,
     target: &str,
     headers: &HeaderMap,
 ) -> Result<Vec<(usize, &'a Credential)>, Refused> {
     let mut mine = Vec::new();
+    let mut required = None;
     for (index, c) in list.iter().enumerate() {
-        let for_host = host.is_some_and(|h| c.hosts.iter().any(|p| p.matches(h)));
-        if for_host {
-            mine.push((index, c));
-        } else if target.contains(c.placeholder.as_str()) || carries(c, headers) {
+        let covers = |n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
+        match names {
+            Names::Verified(h) if covers(h) => {
+                mine.push((index, c));
+                continue;
+            }
+            Names::Unverified(may_be) if c.require && may_be.iter().any(|n| covers(n)) => {
+                required = required.or(Some(index));
+            }
+            _ => {}
+        }
+        if target.contains(c.placeholder.as_str()) || carries(c, headers) {
             return Err(Refused {
                 why: Refusal::HostMismatch,
                 index,
             });
         }
     }
-    Ok(mine)
+    match required {
+        Some(index) => Err(Refused {
+            why: Refusal::Required,
+            index,
+        }),
+        None => Ok(mine),
+    }
 }
 
 /// What goes in, before anything changes: each credential of the host

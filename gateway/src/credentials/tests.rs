@@ -5,7 +5,8 @@ const VALUE: &str = "ghp_real-value-0123456789";
 /// The default `limits.max_request_head`.
 const HEAD: usize = 64 * 1024;
 
-/// [`super::apply`] within the default head limit.
+/// [`super::apply`] within the default head limit, for a verified name
+/// (`None`: an unverified request that names nothing).
 fn apply(
     list: &[Credential],
     secrets: &Secrets,
@@ -13,7 +14,8 @@ fn apply(
     target: &str,
     headers: &mut HeaderMap,
 ) -> Result<Applied, Refused> {
-    super::apply(list, secrets, host, target, headers, HEAD)
+    let names = host.map_or(Names::Unverified(&[]), Names::Verified);
+    super::apply(list, secrets, names, target, headers, HEAD)
 }
 
 fn creds(json: &str) -> Vec<Credential> {
@@ -208,6 +210,47 @@ fn replace_mode_replaces_in_every_header_and_unreadable_values_refuse() {
     );
 }
 
+/// Where the name is not verified (plain HTTP, an address), a request that
+/// may be for a required credential's hosts is refused: no value would go
+/// in, so the sandbox would use a key of its own there, in clear.
+#[test]
+fn require_holds_where_the_name_is_not_verified() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let list = github(&value_file(&dir), true);
+    let secrets = loaded(&list);
+    let api = h("api.github.test");
+    let other = h("example.test");
+    let required = Err(Refused {
+        why: Refusal::Required,
+        index: 0,
+    });
+    for may_be in [vec![&api], vec![&other, &api]] {
+        let mut hs = headers(&[("authorization", "Bearer my-own-key")]);
+        let names = Names::Unverified(&may_be);
+        assert_eq!(
+            super::apply(&list, &secrets, names, "/", &mut hs, HEAD),
+            required,
+            "{may_be:?}"
+        );
+    }
+    // A request that cannot be for its hosts is not its business.
+    let mut hs = headers(&[("authorization", "Bearer my-own-key")]);
+    let names = Names::Unverified(&[&other]);
+    assert_eq!(
+        super::apply(&list, &secrets, names, "/", &mut hs, HEAD),
+        Ok(Applied::default())
+    );
+    // Not required: the request passes as sent, nothing put in.
+    let optional = github(&value_file(&dir), false);
+    let mut hs = headers(&[("authorization", "Bearer my-own-key")]);
+    let names = Names::Unverified(&[&api]);
+    assert_eq!(
+        super::apply(&optional, &secrets, names, "/", &mut hs, HEAD),
+        Ok(Applied::default())
+    );
+    assert_eq!(hs["authorization"], "Bearer my-own-key");
+}
+
 /// A placeholder repeated in a head within the limit would grow it by the
 /// value's length each time: past the limit, the request is refused whole.
 #[test]
@@ -245,14 +288,7 @@ fn a_head_the_values_would_grow_past_the_limit_is_refused() {
     let filler = "f".repeat(HEAD - 8 * 1024);
     let mut hs = headers(&[("x-filler", filler.as_str())]);
     assert_eq!(
-        super::apply(
-            &added,
-            &secrets,
-            Some(&h("api.github.test")),
-            "/",
-            &mut hs,
-            HEAD
-        ),
+        apply(&added, &secrets, Some(&h("api.github.test")), "/", &mut hs),
         Err(Refused {
             why: Refusal::TooLarge,
             index: 0

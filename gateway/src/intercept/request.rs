@@ -444,11 +444,16 @@ impl Conn {
         if credentials.is_empty() {
             return Ok(());
         }
-        let verified = asked.host.filter(|_| self.tls);
+        let attributed = asked.lookup.names();
+        let may_be = request_names(self.tls, asked.host, &attributed);
+        let names = match asked.host.filter(|_| self.tls) {
+            Some(verified) => credentials::Names::Verified(verified),
+            None => credentials::Names::Unverified(&may_be),
+        };
         let applied = credentials::apply(
             credentials,
             &self.dp.secrets,
-            verified,
+            names,
             asked.target,
             req.headers_mut(),
             self.dp.config().limits.max_request_head,
