@@ -35,8 +35,18 @@ impl Conn {
             );
         }
         // An origin that answers TRACE echoes the request it received, the
-        // credentials the gateway put in among it: never forwarded.
-        if req.method() == http::Method::TRACE {
+        // credentials the gateway put in among it: never forwarded, in any
+        // case, nor named by a method override.
+        let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+        let method = req.method().as_str();
+        let trace = std::iter::once(method.to_owned())
+            .chain(super::request::method_overrides(
+                method,
+                req.headers(),
+                target,
+            ))
+            .any(|m| m.eq_ignore_ascii_case("TRACE"));
+        if trace {
             return text(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "TRACE is not forwarded: the origin would echo the request, credentials included\n",

@@ -117,12 +117,39 @@ const METHOD_OVERRIDES: [&str; 3] = [
 ];
 
 /// The methods `headers` name in their method-override headers.
-fn method_overrides(headers: &http::HeaderMap) -> Vec<String> {
-    METHOD_OVERRIDES
+/// Most methods a request's overrides may name besides its own; a request
+/// naming more is refused (`400`) rather than judged once for each.
+pub(super) const MAX_OVERRIDES: usize = 16;
+
+/// The methods a request may be taken for besides its own `method`: its
+/// override headers' values, and its query's `_method` parameters
+/// (Laravel, Symfony and Express's method-override read them), decoded and
+/// trimmed, each once (case ignored). At most [`MAX_OVERRIDES`] + 1 are
+/// collected: one more than the cap says the request names too many.
+pub(super) fn method_overrides(
+    method: &str,
+    headers: &http::HeaderMap,
+    target: &str,
+) -> Vec<String> {
+    let from_headers = METHOD_OVERRIDES
         .iter()
         .flat_map(|name| headers.get_all(*name))
-        .map(|v| String::from_utf8_lossy(v.as_bytes()).trim().to_owned())
-        .collect()
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).trim().to_owned());
+    let query = target.split_once('?').map_or("", |(_, q)| q);
+    let from_query = form_urlencoded::parse(query.as_bytes())
+        .filter(|(k, _)| k == "_method")
+        .map(|(_, v)| v.trim().to_owned());
+    let mut out: Vec<String> = Vec::new();
+    for m in from_headers.chain(from_query) {
+        let seen = m.eq_ignore_ascii_case(method) || out.iter().any(|o| o.eq_ignore_ascii_case(&m));
+        if !seen {
+            out.push(m);
+            if out.len() > MAX_OVERRIDES {
+                break;
+            }
+        }
+    }
+    out
 }
 
 impl Conn {
@@ -357,7 +384,18 @@ impl Conn {
             .map_or_else(|| req.uri().path(), |pq| pq.as_str())
             .to_owned();
         let method = req.method().clone();
-        let overrides = method_overrides(req.headers());
+        let overrides = method_overrides(method.as_str(), req.headers(), &target);
+        if overrides.len() > MAX_OVERRIDES {
+            self.note_denied(rec, "bad_request", || {
+                format!("bad_request: more than {MAX_OVERRIDES} method overrides")
+            });
+            return Err(Stage::Rules(Denial {
+                status: StatusCode::BAD_REQUEST,
+                code: "bad_request",
+                rule: None,
+                detail: format!("more than {MAX_OVERRIDES} methods named by method overrides"),
+            }));
+        }
         let asked = Asked {
             sandbox: sb,
             host,

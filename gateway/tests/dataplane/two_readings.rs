@@ -319,6 +319,9 @@ async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
         "POST /x HTTP/1.1\r\nX-HTTP-Method-Override: DELETE\r\n",
         "POST /x HTTP/1.1\r\nx-http-method: delete\r\n",
         "POST /x HTTP/1.1\r\nX-Method-Override: PATCH\r\nX-Method-Override:  DELETE \r\n",
+        // The query's `_method` (Laravel, Symfony, Express's method-override).
+        "POST /x?_method=DELETE HTTP/1.1\r\n",
+        "POST /x?a=1&_method=%64elete+ HTTP/1.1\r\n",
     ] {
         let s = e.connect(SANDBOX_A, e.origins.plain).await;
         let req = format!(
@@ -335,4 +338,15 @@ async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
     )
     .await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // More methods named than the gateway judges one by one: refused whole.
+    let many: String = (0..17)
+        .map(|i| format!("X-HTTP-Method: M{i}\r\n"))
+        .collect();
+    let s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let req = format!(
+        "POST /x HTTP/1.1\r\n{many}Host: plain.example.test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    let answer = raw(s, req.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("more than 16"), "{answer}");
 }

@@ -1125,4 +1125,31 @@ async fn connect_and_trace_inside_an_intercepted_connection_are_refused() {
         .expect("request");
     let resp = s.send_request(req).await.expect("response");
     assert_eq!(resp.status(), 405, "HTTP/1.1 TRACE");
+    let _ = resp.into_body().collect().await;
+    // In lower case, or named by a method override: refused all the same.
+    for (method, header) in [
+        ("trace", None),
+        ("POST", Some("TRACE")),
+        ("GET", Some("trace")),
+    ] {
+        s.ready().await.expect("ready");
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri("/")
+            .header("host", "api.example.test");
+        if let Some(h) = header {
+            req = req.header("x-http-method-override", h);
+        }
+        let req = req.body(Full::new(Bytes::new())).expect("request");
+        let resp = s.send_request(req).await.expect("response");
+        assert_eq!(resp.status(), 405, "{method} {header:?}");
+        let _ = resp.into_body().collect().await;
+    }
+    s.ready().await.expect("ready");
+    let req = hyper::Request::post("/?_method=TRACE")
+        .header("host", "api.example.test")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = s.send_request(req).await.expect("response");
+    assert_eq!(resp.status(), 405, "_method=TRACE");
 }
