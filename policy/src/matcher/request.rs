@@ -89,6 +89,10 @@ struct Levels {
     exact: HashMap<Hostname, Level>,
     /// Keyed by the suffix after `*.`.
     wildcard: HashMap<Hostname, Level>,
+    /// Path literals in lower case, looked up with the path in lower case
+    /// (denies: an origin that routes without regard to case, as Express,
+    /// ASP.NET and IIS do, takes `/ADMIN` for `/admin`, so a deny must too).
+    fold_case: bool,
 }
 
 impl Levels {
@@ -113,7 +117,13 @@ impl Levels {
             level.no_path.push(rule);
         }
         for p in paths {
-            level.paths.insert(p.segments(), rule);
+            if self.fold_case {
+                let lower: Vec<Option<String>> =
+                    p.segments().map(|s| s.map(str::to_lowercase)).collect();
+                level.paths.insert(lower.iter().map(Option::as_deref), rule);
+            } else {
+                level.paths.insert(p.segments(), rule);
+            }
         }
     }
 
@@ -200,8 +210,9 @@ pub(crate) struct RequestRules {
 }
 
 /// The request's normal path as segments; `None`: it reads two ways (or,
-/// when no rule needs a path, it was never read).
-struct Path<'a>(Option<&'a [&'a str]>);
+/// when no rule needs a path, it was never read). The second: the same in
+/// lower case, for denies.
+struct Path<'a>(Option<&'a [&'a str]>, Option<&'a [&'a str]>);
 
 impl RequestRules {
     /// `None` when the policy has no qualified entry and no credentials:
@@ -212,6 +223,7 @@ impl RequestRules {
         credentials: impl IntoIterator<Item = (RuleIdx, &'a Destination)>,
     ) -> Option<Self> {
         let mut rules = Self::default();
+        rules.deny.fold_case = true;
         if allow.iter().any(|r| r.http.is_some()) {
             for (i, r) in allow.iter().enumerate() {
                 rules.allow.insert(r, idx(i));
@@ -306,7 +318,19 @@ impl RequestRules {
             Some(Ok(n)) => Some(segments_of(n).collect()),
             _ => None,
         };
-        let path = Path(segments.as_deref());
+        // Lower case for denies, only when a letter changes.
+        let folded: Option<Vec<std::borrow::Cow<'_, str>>> = segments.as_ref().map(|segs| {
+            segs.iter()
+                .map(
+                    |s| match s.chars().any(|c| c.is_uppercase() || !c.is_ascii()) {
+                        true => std::borrow::Cow::Owned(s.to_lowercase()),
+                        false => std::borrow::Cow::Borrowed(*s),
+                    },
+                )
+                .collect()
+        });
+        let folded: Option<Vec<&str>> = folded.as_ref().map(|f| f.iter().map(|s| &**s).collect());
+        let path = Path(segments.as_deref(), folded.as_deref());
         let deny_now = self.refusal(allow, deny, names, method, &path, false);
         let would_deny = match deny_now {
             Some(_) => None,
@@ -349,7 +373,7 @@ impl RequestRules {
         let mut denied: Option<RequestDenial> = None;
         for name in names {
             for level in self.deny.all(name) {
-                let (candidates, code) = match path.0 {
+                let (candidates, code) = match path.1 {
                     Some(segs) => {
                         level.covering(segs, covering);
                         (&covering[..], RequestCode::HttpDeny)

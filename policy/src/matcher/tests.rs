@@ -1063,8 +1063,11 @@ fn qualified_deny_cannot_be_dodged_by_the_path() {
         "/gists",
         "/gists/",
         "/gists/1",
-        "//gists",
         "/%67ists",
+        // Upper case: origins that route without regard to case take it
+        // for /gists, so the deny does too.
+        "/GISTS",
+        "/Gists/1",
         "/gists?x=1",
     ] {
         assert_eq!(
@@ -1086,6 +1089,9 @@ fn qualified_deny_cannot_be_dodged_by_the_path() {
         "/a\\..\\gists",
         "/%252e%252e/gists",
         "/a%zz",
+        // An authority to origins that read the target as a URI reference.
+        "//gists",
+        "//x/gists",
     ] {
         assert_eq!(
             request(&p, "github.test", "POST", target),
@@ -1093,6 +1099,23 @@ fn qualified_deny_cannot_be_dodged_by_the_path() {
             "{target}"
         );
     }
+    // A pattern written in capitals denies every case of its path too.
+    let capitals = compile(
+        r#"{"allow": [{"domain": "github.test"}],
+            "deny": [{"domain": "github.test", "http": {"paths": ["/Admin/*/Keys"]}}],
+            "tls_interception": "on"}"#,
+    );
+    for target in ["/Admin/1/Keys", "/admin/x/keys", "/ADMIN/Y/KEYS/z"] {
+        assert_eq!(
+            request(&capitals, "github.test", "GET", target),
+            denied("http_deny deny[0]"),
+            "{target}"
+        );
+    }
+    assert_eq!(
+        request(&capitals, "github.test", "GET", "/admin/keys"),
+        pass()
+    );
     assert_eq!(request(&p, "github.test", "GET", "/gists"), pass());
     assert_eq!(request(&p, "github.test", "POST", "/gistsx"), pass());
     assert_eq!(request(&p, "github.test", "POST", "/repos"), pass());
