@@ -1,13 +1,12 @@
 //! The budget stage of a spliced or opaque flow: after the policy let it
 //! through and before the origin is dialled. The first `budgets` entry that
-//! covers one of the flow's names (attributed, SNI; `*` any flow) is
+//! covers one of the names attributed to its address (`*`: any flow) is
 //! charged a request for the connection and the bytes already peeked; over
 //! it, or with less than a KiB of its byte budget left, the flow is refused
 //! (`budget_exceeded`). With a byte limit, the flow runs under a
 //! [`Meter`] that cuts it where it crosses the limit. Budgets never allow.
 
 use dns_attrib::Lookup;
-use egress_policy::Hostname;
 
 use crate::budget::{describe, Meter};
 use crate::registry::Sandbox;
@@ -18,16 +17,18 @@ use crate::state::Dataplane;
 pub(super) fn admit(
     dp: &Dataplane,
     sandbox: &Sandbox,
-    (lookup, sni): (&Lookup, Option<&Hostname>),
+    lookup: &Lookup,
     peeked: usize,
 ) -> Result<Option<Meter>, String> {
     let budgets = &sandbox.policy.policy().budgets;
     if budgets.is_empty() {
         return Ok(None);
     }
+    // Evidence only: the SNI of a spliced flow is a claim (one that is
+    // attributed is among the attributed names), and a claim must not
+    // choose a more generous entry than the evidence gets.
     let attributed = lookup.names();
-    let names = attributed.iter().chain(sni);
-    let Some((rule, budget)) = budgets.find(names) else {
+    let Some((rule, budget)) = budgets.find(attributed.iter()) else {
         return Ok(None);
     };
     if let Err(over) = dp

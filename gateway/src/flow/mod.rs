@@ -76,8 +76,7 @@ pub(crate) async fn handle(
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
-            let names = (&decided.lookup, claims.sni);
-            let meter = match budget::admit(&dp, &accepted.sandbox, names, peeked.len()) {
+            let meter = match budget::admit(&dp, &accepted.sandbox, &decided.lookup, peeked.len()) {
                 Ok(meter) => meter,
                 Err(detail) => {
                     crate::io::reset(&stream);

@@ -595,8 +595,15 @@ impl Conn {
         if budgets.is_empty() {
             return Ok(());
         }
+        // Evidence only: a terminated request's verified name, else the
+        // names attributed to the address (a plain-HTTP `Host` that is
+        // attributed is among them; one that is not is a claim, and must
+        // not choose a more generous entry than the evidence gets).
         let attributed = lookup.names();
-        let names = request_names(self.tls, host, &attributed);
+        let names: Vec<&Hostname> = match host.filter(|_| self.tls) {
+            Some(verified) => vec![verified],
+            None => attributed.iter().collect(),
+        };
         let Some((rule, budget)) = budgets.find(names.iter().copied()) else {
             return Ok(());
         };

@@ -188,3 +188,25 @@ async fn a_spliced_bulk_transfer_is_cut_at_its_byte_budget_and_the_next_flow_ref
         "{text}"
     );
 }
+
+/// The entry is chosen on evidence: a `Host` claimed over plain HTTP (or an
+/// SNI on a spliced flow) that is not attributed to the address does not
+/// pick a more generous entry than the attribution gets.
+#[tokio::test]
+async fn a_claimed_name_does_not_choose_the_budget() {
+    let e = env(Options::default()).await;
+    let p = r#"{"default": "allow",
+        "budgets": [{"destination": "generous.example.test", "requests_per_minute": 100000},
+                    {"destination": "*", "requests_per_minute": 2}]}"#;
+    e.sandbox("sb-a", SANDBOX_A, policy(p));
+    let mut s = e.connect(SANDBOX_A, e.origins.plain).await;
+    for i in 0..2 {
+        let r = get(&mut s, "generous.example.test", "/").await;
+        assert!(r.starts_with("HTTP/1.1 200"), "request {i}: {r}");
+    }
+    let over = get(&mut s, "generous.example.test", "/").await;
+    assert!(
+        over.starts_with("HTTP/1.1 429") && over.contains("budget_exceeded; rule=1"),
+        "the claim is no evidence: {over}"
+    );
+}
