@@ -87,6 +87,11 @@ const EXT_SERVER_NAME: u16 = 0x0000;
 const EXT_EARLY_DATA: u16 = 0x002a;
 /// The `encrypted_client_hello` extension (draft-ietf-tls-esni §5).
 const EXT_ENCRYPTED_CLIENT_HELLO: u16 = 0xfe0d;
+/// Its earlier draft code points (drafts 8 to 12), and ESNI's
+/// `encrypted_server_name`: a server that still takes one reads a name the
+/// clear SNI does not show, as for the final one.
+const EXT_ENCRYPTED_NAME_DRAFTS: std::ops::RangeInclusive<u16> = 0xfe08..=0xfe0c;
+const EXT_ENCRYPTED_SERVER_NAME: u16 = 0xffce;
 /// Extensions a ClientHello may carry (browsers send about 20).
 const MAX_EXTENSIONS: usize = 64;
 
@@ -337,7 +342,9 @@ fn client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError> {
                 return parse_client_hello(&msg[..total]).map(Some)
             }
             Some(total) if first => {
-                handshake.reserve_exact(total);
+                // The length is the client's word, up to 16 MiB: room for
+                // no more than the bytes already read.
+                handshake.reserve_exact(total.min(buf.len()));
                 handshake.extend_from_slice(payload);
             }
             None if first => handshake.extend_from_slice(payload),
@@ -409,7 +416,8 @@ fn parse_client_hello(msg: &[u8]) -> Result<ClientHello, PeekError> {
         match kind {
             EXT_SERVER_NAME => out.sni = server_name(data)?,
             EXT_EARLY_DATA => out.early_data = true,
-            EXT_ENCRYPTED_CLIENT_HELLO => out.ech = true,
+            EXT_ENCRYPTED_CLIENT_HELLO | EXT_ENCRYPTED_SERVER_NAME => out.ech = true,
+            k if EXT_ENCRYPTED_NAME_DRAFTS.contains(&k) => out.ech = true,
             _ => {}
         }
     }

@@ -141,6 +141,15 @@ async fn an_encrypted_client_hello_extension_is_seen_in_every_form() {
         .await
         .expect("classified");
     assert_eq!(c, tls(Some("public.example.test")), "no extension, no ECH");
+    // The drafts' code points and ESNI's hide a name as well.
+    for code in [0xfe08u16, 0xfe0a, 0xfe0c, 0xffce] {
+        let hs = hello_with(&[sni(), (code, ech_outer(1, 32, 100))]);
+        let (c, _) = run(records(&hs, 16_384), 4_096).await.expect("classified");
+        assert!(
+            matches!(c, Classified::Tls(ClientHello { ech: true, .. })),
+            "{code:#x}: {c:?}"
+        );
+    }
     // Twice is malformed like any other repeated extension.
     let twice = hello_with(&[(0xfe0d, ech_outer(1, 32, 100)), sni(), (0xfe0d, vec![1])]);
     assert_eq!(
