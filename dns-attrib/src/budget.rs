@@ -138,6 +138,7 @@ impl Budgets {
     }
 
     /// Spends a new-name token of `sandbox` when `name` is new to it.
+    #[cfg(test)]
     pub(crate) fn name(
         &self,
         sandbox: &SandboxId,
@@ -145,7 +146,20 @@ impl Budgets {
         limits: BudgetLimits,
         now: Millis,
     ) -> Result<(), Crossing> {
-        let fp = self.fingerprint(name);
+        self.question(sandbox, (name, 0), limits, now)
+    }
+
+    /// Spends a new-name token of `sandbox` when the question, its `name`
+    /// and `variant` (what else of the question could carry data: see
+    /// [`crate::proxy`]; 0 for an ordinary one), is new to it.
+    pub(crate) fn question(
+        &self,
+        sandbox: &SandboxId,
+        (name, variant): (&Name, u64),
+        limits: BudgetLimits,
+        now: Millis,
+    ) -> Result<(), Crossing> {
+        let fp = self.fingerprint(name, variant);
         let per_ms = u64::from(limits.new_names_per_minute) * (UNITS / 60_000);
         let capacity = u64::from(limits.new_names_per_minute) * UNITS;
         self.with(sandbox, limits, now, |b| {
@@ -179,9 +193,11 @@ impl Budgets {
         f(table.get_or_insert_mut_ref(sandbox, || SandboxBudget::full(limits, now)))
     }
 
-    /// A fingerprint of `name`, ASCII case ignored, never 0 (0 is an empty slot).
-    fn fingerprint(&self, name: &Name) -> u32 {
+    /// A fingerprint of `name` and `variant`, ASCII case ignored, never 0
+    /// (0 is an empty slot).
+    fn fingerprint(&self, name: &Name, variant: u64) -> u32 {
         let mut h = self.keys.build_hasher();
+        h.write_u64(variant);
         for label in name.iter() {
             h.write_u8(u8::try_from(label.len()).unwrap_or(u8::MAX));
             for b in label {

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
-use hickory_proto::rr::DNSClass;
+use hickory_proto::rr::{DNSClass, RecordType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::{Semaphore, SemaphorePermit};
@@ -431,8 +431,9 @@ impl DnsProxy {
             return Err(local);
         }
         let over = |c| self.over_budget(query, &sandbox, c);
+        let asked = (&question.name, question_variant(query, question));
         self.budgets
-            .name(&sandbox, &question.name, limits, now)
+            .question(&sandbox, asked, limits, now)
             .map_err(over)?;
         Ok(sandbox)
     }
@@ -813,17 +814,53 @@ fn random_id() -> Option<u16> {
 /// The recursion-desired bit, in the header's third byte.
 const RD: u8 = 0x01;
 
+/// What of a question besides its name reaches the name's authority and
+/// could carry data there, as one number for the new-name budget: 0 for an
+/// ordinary question (class IN; type A, AAAA or HTTPS; no AD, CD or DO
+/// bit), else its type, class and bits. A name asked again with another of
+/// them then spends a name as a new name does, so a sandbox cannot move 16
+/// bits a query in the type of one name asked over and over. Which of A,
+/// AAAA and HTTPS a query asks stays free: under 2 bits a query, within
+/// the query budget.
+fn question_variant(query: &Message, q: &Query) -> u64 {
+    let ordinary = matches!(
+        q.query_type,
+        RecordType::A | RecordType::AAAA | RecordType::HTTPS
+    );
+    let ty = if ordinary {
+        0
+    } else {
+        u64::from(u16::from(q.query_type))
+    };
+    let class = if q.query_class == DNSClass::IN {
+        0
+    } else {
+        u64::from(u16::from(q.query_class))
+    };
+    let dnssec_ok = query.edns.as_ref().is_some_and(|e| e.flags().dnssec_ok);
+    let bits = u64::from(query.metadata.authentic_data)
+        | u64::from(query.metadata.checking_disabled) << 1
+        | u64::from(dnssec_ok) << 2;
+    ty | class << 16 | bits << 32
+}
+
 /// The query as it goes upstream, built anew from `raw` (parsed as `query`)
 /// rather than passed on: the ID `id`; recursion desired (a query without
 /// it would ask the upstream's cache what other sandboxes resolved); the
 /// sandbox's AD and CD bits; its one question, the name in lower case; and,
-/// if it sent EDNS, an OPT with its payload size and DO bit and no option.
+/// if it sent EDNS, an OPT with the gateway's payload size
+/// ([`UPSTREAM_PAYLOAD`]: the sandbox's own would carry 16 bits a query),
+/// its DO bit and no option.
 /// What the sandbox put anywhere else does not leave: records in the other
 /// sections, EDNS options (a client subnet would carry 24 bits a query to
 /// the name's authority), the letters' case (a name asked again in other
 /// letters spends no name budget, so its case would carry a bit a letter).
 /// `None` if the question cannot be walked (`parse_query` took it, so that
 /// does not happen).
+/// The UDP payload size every upstream query offers (DNS Flag Day 2020's):
+/// a larger answer comes back truncated and is asked again over TCP.
+const UPSTREAM_PAYLOAD: u16 = 1232;
+
 fn upstream_query(raw: &[u8], query: &Message, id: u16) -> Option<Vec<u8>> {
     let end = question_name_end(raw)?;
     // The name, its type and its class.
@@ -849,7 +886,7 @@ fn upstream_query(raw: &[u8], query: &Message, id: u16) -> Option<Vec<u8>> {
     // Length octets are at most 63, below every letter: only letters change.
     out[HEADER_LEN..end].make_ascii_lowercase();
     if let Some(edns) = &query.edns {
-        let payload = edns.max_payload().max(512);
+        let payload = UPSTREAM_PAYLOAD;
         let dnssec_ok = if edns.flags().dnssec_ok { 0x80 } else { 0 };
         // Owner: the root; type OPT (41); class: the payload size; TTL:
         // extended code 0, version 0, the DO bit; no data.

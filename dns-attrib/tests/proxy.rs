@@ -745,6 +745,63 @@ async fn queries_per_second_are_bounded_and_policies_override_the_defaults() {
     );
 }
 
+/// A name asked over and over in other query types (or classes, or DNSSEC
+/// bits) would carry 16 bits a query past the new-name budget: each other
+/// question spends a name. A, AAAA and HTTPS of one name spend one.
+#[tokio::test]
+async fn a_name_asked_in_other_types_spends_the_name_budget() {
+    let h = harness(
+        |pc, _| {
+            pc.budget = BudgetLimits {
+                qps: 1_000,
+                new_names_per_minute: 4,
+            }
+        },
+        false,
+    )
+    .await;
+    let code = |m: (Vec<u8>, Message)| m.1.metadata.response_code;
+    for rtype in [
+        RecordType::A,
+        RecordType::AAAA,
+        RecordType::HTTPS,
+        RecordType::A,
+    ] {
+        let q = query("api.test.", rtype, None);
+        assert_eq!(
+            code(udp(&h, SANDBOX_A, &q).await),
+            ResponseCode::NoError,
+            "{rtype}"
+        );
+    }
+    let mut codes = Vec::new();
+    for rtype in [
+        RecordType::TXT,
+        RecordType::MX,
+        RecordType::SRV,
+        RecordType::NULL,
+        RecordType::CAA,
+    ] {
+        codes.push(code(
+            udp(&h, SANDBOX_A, &query("api.test.", rtype, None)).await,
+        ));
+    }
+    assert_eq!(
+        codes,
+        [
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::Refused,
+            ResponseCode::Refused
+        ],
+        "one name, then three other questions, then nothing"
+    );
+    // Asked again, a question already seen costs nothing.
+    let q = query("api.test.", RecordType::MX, None);
+    assert_eq!(code(udp(&h, SANDBOX_A, &q).await), ResponseCode::NoError);
+}
+
 /// A policy's budget is the tenant's: it may raise the operator's default,
 /// up to the operator's ceiling and no further.
 #[tokio::test]
@@ -1406,7 +1463,8 @@ async fn the_upstream_gets_a_query_built_anew_with_nothing_else_of_the_sandboxs(
     // without recursion would read which names other sandboxes resolved.
     let (up, seen) = recording_queries().await;
     let h = harness(move |pc, _| pc.upstreams = vec![up], false).await;
-    let mut q = query("ecs.example.test.", RecordType::A, Some(1232));
+    // A payload size of its own choosing would carry 16 bits a query too.
+    let mut q = query("ecs.example.test.", RecordType::A, Some(4000));
     q.metadata.recursion_desired = false;
     q.metadata.checking_disabled = true;
     let mut edns = q.edns.clone().expect("edns");
@@ -1436,7 +1494,11 @@ async fn the_upstream_gets_a_query_built_anew_with_nothing_else_of_the_sandboxs(
     assert_eq!(sent.queries.len(), 1);
     assert!(sent.additionals.is_empty(), "{:?}", sent.additionals);
     let edns = sent.edns.expect("EDNS kept");
-    assert_eq!(edns.max_payload(), 1232);
+    assert_eq!(
+        edns.max_payload(),
+        1232,
+        "the gateway's size, not the sandbox's"
+    );
     assert!(edns.flags().dnssec_ok, "DO kept");
     let options: &[_] = edns.options().as_ref();
     assert!(options.is_empty(), "no option: {edns:?}");
