@@ -148,9 +148,12 @@ fn read_only_paths_and_audit_are_judged_per_request() {
         // A qualified deny on an allowed host, and paths that try to dodge it.
         for (path, code) in [
             ("/gists", "http_deny"),
-            ("//gists", "http_deny"),
             ("/%67ists", "http_deny"),
             ("/gist%73/1", "http_deny"),
+            // Another case: origins that route without regard to it.
+            ("/GISTS", "http_deny"),
+            // An authority to origins that read the target as a URI reference.
+            ("//gists", "ambiguous_path"),
             // Dot segments read two ways (resolved by some origins, routed
             // as they are by others): refused whenever a rule needs the path.
             ("/x/%2e%2e/gists", "ambiguous_path"),
