@@ -36,7 +36,7 @@ use tokio::net::TcpListener;
 use crate::commit::{Change, Committer, NotApplied};
 use crate::control_http::{body_text, error, json_reply, Reply, MAX_BODY};
 use crate::credentials::{self};
-use crate::decide::{decide, explained, explained_request, Claims};
+use crate::decide::{decide_question, explained, explained_request, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
 use crate::registry::Extras;
@@ -383,7 +383,7 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
     };
     let claims =
         Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref()).with_stream(e.stream);
-    let decided = decide(
+    let decided = decide_question(
         &ctl.dp.cache,
         &sandbox.id,
         &sandbox.policy,

@@ -83,6 +83,43 @@ pub fn decide(
     Decided { verdict, lookup }
 }
 
+/// An explain question's verdict, judged as the dataplane judges it: a TLS
+/// flow on its ClientHello alone, with no `Host` (a deny, or a splice, is
+/// then the whole answer: a spliced flow's requests are never seen), and
+/// only a flow that will be terminated again with its request's `Host`.
+pub fn judge_question(
+    policy: &CompiledPolicy,
+    claims: &Claims<'_>,
+    attributed: &[Hostname],
+    gap: AttributionGap,
+    doh: &DohNames,
+) -> Verdict {
+    if claims.protocol == Protocol::Tls && claims.host.is_some() {
+        let hello = Claims {
+            host: None,
+            ..*claims
+        };
+        let flow = judge(policy, &hello, attributed, gap, doh);
+        if !matches!(flow, Verdict::Intercept(..)) {
+            return flow;
+        }
+    }
+    judge(policy, claims, attributed, gap, doh)
+}
+
+/// [`decide`] for an explain question ([`judge_question`]).
+pub fn decide_question(
+    cache: &AttributionCache,
+    id: &SandboxId,
+    policy: &CompiledPolicy,
+    claims: &Claims<'_>,
+    doh: &DohNames,
+) -> Decided {
+    let lookup = cache.names_for(id, claims.dst.ip());
+    let verdict = judge_question(policy, claims, &lookup.names(), lookup.gap(), doh);
+    Decided { verdict, lookup }
+}
+
 /// Judges `claims` on the attribution given (`gap`: why `attributed` is
 /// empty); `doh` tells encrypted DNS from other TLS.
 pub fn judge(
@@ -170,4 +207,59 @@ pub fn explained_request(
         v["would_deny"] = show(w);
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use egress_policy::{AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy};
+
+    use super::{judge, judge_question, Claims};
+    use crate::doh::DohNames;
+
+    /// Explain judges a TLS question with a `Host` as the dataplane does:
+    /// the flow on its ClientHello first, the `Host` only on a flow that
+    /// will be terminated.
+    #[test]
+    fn a_tls_questions_host_counts_only_once_the_flow_is_terminated() {
+        let host = Hostname::parse("api.test").expect("name");
+        let claims = Claims::asked(
+            "203.0.113.7:443".parse().expect("dst"),
+            true,
+            false,
+            None,
+            Some(&host),
+        );
+        let codes = |doc: &str| {
+            let policy = CompiledPolicy::new(
+                Policy::from_json(doc).expect(doc),
+                Arc::new(PlatformDenies::builtin()),
+            );
+            let gap = AttributionGap::NoDnsSeen;
+            let doh = DohNames::empty();
+            let asked = judge_question(&policy, &claims, &[], gap, &doh);
+            let whole = judge(&policy, &claims, &[], gap, &doh);
+            (asked.code().to_owned(), whole.code().to_owned())
+        };
+        // Allowed by name, no DNS seen: a hello without an SNI is refused
+        // before any request could name the host.
+        let (asked, whole) =
+            codes(r#"{"allow": [{"domain": "api.test"}], "tls_interception": "on"}"#);
+        assert_eq!(
+            (asked.as_str(), whole.as_str()),
+            ("no_dns_seen", "needs_verification")
+        );
+        // Interception off: the flow is spliced, its Host never read.
+        let (asked, whole) = codes(r#"{"default": "allow", "deny": [{"domain": "api.test"}]}"#);
+        assert_eq!(
+            (asked.as_str(), whole.as_str()),
+            ("interception_off", "tenant_deny")
+        );
+        // Terminated: each request is judged with its Host.
+        let (asked, _) = codes(
+            r#"{"default": "allow", "deny": [{"domain": "api.test"}], "tls_interception": "on"}"#,
+        );
+        assert_eq!(asked, "tenant_deny");
+    }
 }

@@ -13,7 +13,7 @@ use egress_policy::{
 use serde_json::json;
 
 use super::output::{CliError, Output};
-use crate::decide::{explained, explained_request, judge, Claims};
+use crate::decide::{explained, explained_request, judge_question, Claims};
 use crate::doh::DohNames;
 use egress_api::explain::{Explain, Question};
 
@@ -279,7 +279,7 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
         .with_stream(args.stream);
     // The built-in DoH names: the CLI reads no gateway configuration.
     let doh = DohNames::new(&[]);
-    let verdict = judge(
+    let verdict = judge_question(
         &compiled,
         &claims,
         &attributed,
