@@ -301,6 +301,9 @@ fn host_credentials<'a>(
 ) -> Result<Vec<(usize, &'a Credential)>, Refused> {
     let mut mine = Vec::new();
     let mut required = None;
+    // The target as an origin that decodes it reads it: a placeholder
+    // written in escapes (`EGRESS%5FPH`) is the placeholder there.
+    let decoded = percent_encoding::percent_decode_str(target).decode_utf8_lossy();
     for (index, c) in list.iter().enumerate() {
         let covers = |n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
         match names {
@@ -313,7 +316,9 @@ fn host_credentials<'a>(
             }
             _ => {}
         }
-        if target.contains(c.placeholder.as_str()) || carries(c, headers) {
+        // Raw or escaped: the decoding holds the raw text unchanged.
+        let in_target = decoded.contains(c.placeholder.as_str());
+        if in_target || carries(c, headers) {
             return Err(Refused {
                 why: Refusal::HostMismatch,
                 index,

@@ -92,6 +92,9 @@ fn the_value_replaces_the_placeholder_only_for_its_hosts() {
             vec![("authorization", "Bearer EGRESS_PH_GITHUB")],
         ),
         (Some("evil.test"), "/?k=EGRESS_PH_GITHUB", vec![]),
+        // Written in escapes, as an origin that decodes the target reads it.
+        (Some("evil.test"), "/?k=EGRESS%5FPH%5fGITHUB", vec![]),
+        (Some("evil.test"), "/%45GRESS_PH_GITHUB/x", vec![]),
         (
             Some("evil.test"),
             "/",
