@@ -217,6 +217,46 @@ fn request_line(buf: &[u8]) -> Line {
             _ => break,
         };
     }
+    let strict = strict_line(line);
+    if strict == Line::Request {
+        return strict;
+    }
+    match lenient_line(line) {
+        // Not a line with odd blanks: as strictly read.
+        Line::Not => strict,
+        lenient => lenient,
+    }
+}
+
+/// A line that servers splitting on any whitespace (Python's `http.server`,
+/// Twisted) take for a request: blanks before the method, tabs, runs of
+/// blanks. HTTP here too, so hyper refuses it (`400`) rather than its bytes
+/// passing on as an opaque stream with a `Host` nobody judged. `Not` for a
+/// line without odd blanks.
+fn lenient_line(line: &[u8]) -> Line {
+    let end = line
+        .iter()
+        .position(|&b| b == b'\r' || b == b'\n')
+        .unwrap_or(line.len());
+    let blank = |b: &u8| *b == b' ' || *b == b'\t';
+    let first = &line[..end];
+    let odd = first.first().is_some_and(blank)
+        || first.contains(&b'\t')
+        || first.windows(2).any(|w| w == b"  ");
+    if !odd {
+        return Line::Not;
+    }
+    let mut collapsed = Vec::with_capacity(end);
+    for &b in first.iter().skip_while(|b| blank(b)) {
+        if !(blank(&b) && collapsed.last() == Some(&b' ')) {
+            collapsed.push(if blank(&b) { b' ' } else { b });
+        }
+    }
+    strict_line(&collapsed)
+}
+
+/// [`request_line`] on a line without the empty lines before it.
+fn strict_line(line: &[u8]) -> Line {
     // In any case: servers that upper-case a method (Django, Werkzeug) act
     // on `delete` as on `DELETE`.
     let known = METHODS.iter().find_map(|m| {
@@ -241,6 +281,7 @@ fn request_line(buf: &[u8]) -> Line {
 /// first bytes, not left waiting for the end of a line. Left out: a method
 /// outside the list in lower case, which servers as permissive as Go's
 /// would still serve; `opaque_streams = "deny"` refuses what stays opaque.
+/// (Odd blanks are [`lenient_line`]'s.)
 fn request_line_shape(line: &[u8]) -> Line {
     const VERSION: &[u8] = b"HTTP/";
     let method_len = line

@@ -548,7 +548,6 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
         ("an upper-case word and a word", b"HELLO echo"),
         ("no version", b"FETCH /x\r\n"),
         ("another version", b"GET2 /x HTTPS/1.1\r\n"),
-        ("a space first", b" GET /x HTTP/1.1\r\n"),
         ("a control byte in the target", b"FETCH /\x01 HTTP/1.1\r\n"),
     ] {
         let (c, _) = run(bytes.to_vec(), 1).await.expect(what);
@@ -559,6 +558,29 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
             Ok(Some(Classified::Opaque(None))),
             "{what}"
         );
+    }
+    // Blanks before the method, tabs, runs of blanks: a server that splits
+    // on any whitespace takes each for a request, so it is HTTP (which
+    // hyper then refuses, 400), never opaque bytes with an unjudged Host.
+    for (what, bytes) in [
+        (
+            "a space first",
+            &b" GET /x HTTP/1.1\r\nHost: evil.test\r\n\r\n"[..],
+        ),
+        ("tabs", b"GET\t/x\tHTTP/1.1\r\nHost: evil.test\r\n\r\n"),
+        (
+            "two spaces",
+            b"FETCH  /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+        ),
+    ] {
+        for step in [1, 4, 100] {
+            let (c, _) = run(bytes.to_vec(), step).await.expect(what);
+            assert_eq!(
+                c,
+                Classified::Http { host: None },
+                "{what}, {step} bytes a read"
+            );
+        }
     }
     // A request line the client closed after is HTTP; a prefix of one is no
     // request to any origin, and unreadable.
