@@ -314,16 +314,17 @@ fn overlaps_platform(net: IpNet, platform: &PlatformDenies) -> bool {
     })
 }
 
-/// `p-` and the FNV-1a hash of the rule's JSON, in hex: stable across
-/// restarts and gateways, so the controller can name a proposal it listed.
+/// `p-` and the first 128 bits of the SHA-256 of the rule's JSON, in hex:
+/// stable across restarts and gateways, so the controller can name a
+/// proposal it listed. The sandbox chooses what is proposed (its paths, its
+/// addresses): with a short or weak hash it could make two rules share an
+/// id, and an operator approving the one shown would approve the other.
 fn id_of(rule: &Rule) -> String {
+    use sha2::Digest;
     let text = serde_json::to_string(rule).unwrap_or_default();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in text.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("p-{h:016x}")
+    let digest = sha2::Sha256::digest(text.as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("p-{hex}")
 }
 
 // === impl Seen ===
