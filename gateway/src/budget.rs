@@ -106,8 +106,12 @@ pub(crate) struct Meter {
     /// The clock the attribution cache runs on (tests move it).
     clock: Arc<AttributionCache>,
     sandbox: SandboxId,
-    rule: u32,
-    budget: Budget,
+    /// The entries charged, by index (one, or two: [`Budgets::charged`]).
+    ///
+    /// [`Budgets::charged`]: egress_policy::budget::Budgets::charged
+    entries: Vec<(u32, Budget)>,
+    /// Which of `entries` the flow crossed.
+    over: std::sync::atomic::AtomicUsize,
     crossed: AtomicBool,
     cut: tokio::sync::Notify,
 }
@@ -140,15 +144,15 @@ pub(crate) struct SpentBucket {
 impl Meter {
     pub(crate) fn new(
         (table, clock): (Arc<BudgetTable>, Arc<AttributionCache>),
-        (sandbox, rule): (SandboxId, u32),
-        budget: Budget,
+        sandbox: SandboxId,
+        entries: Vec<(u32, Budget)>,
     ) -> Self {
         Self {
             table,
             clock,
             sandbox,
-            rule,
-            budget,
+            entries,
+            over: std::sync::atomic::AtomicUsize::new(0),
             crossed: AtomicBool::new(false),
             cut: tokio::sync::Notify::new(),
         }
@@ -158,14 +162,17 @@ impl Meter {
     /// flow is to be cut ([`Meter::cut`] wakes).
     pub(crate) fn spend(&self, n: usize) -> bool {
         let now = self.clock.now();
-        let ok = self
-            .table
-            .bytes(&self.sandbox, &self.budget, n as u64, now)
-            .is_ok();
-        if !ok && !self.crossed.swap(true, Ordering::Relaxed) {
+        let over = self.entries.iter().position(|(_, budget)| {
+            self.table
+                .bytes(&self.sandbox, budget, n as u64, now)
+                .is_err()
+        });
+        let Some(i) = over else { return true };
+        if !self.crossed.swap(true, Ordering::Relaxed) {
+            self.over.store(i, Ordering::Relaxed);
             self.cut.notify_one();
         }
-        ok
+        false
     }
 
     /// Whether the flow crossed its budget.
@@ -180,11 +187,14 @@ impl Meter {
 
     /// The entry's index and the readable reason, for the flow log.
     pub(crate) fn describe(&self) -> String {
+        let i = self.over.load(Ordering::Relaxed);
+        let Some((rule, budget)) = self.entries.get(i).or(self.entries.first()) else {
+            return String::new();
+        };
         format!(
-            "budgets[{}] ({}): {}",
-            self.rule,
-            self.budget.destination,
-            describe(Over::Bytes, &self.budget)
+            "budgets[{rule}] ({}): {}",
+            budget.destination,
+            describe(Over::Bytes, budget)
         )
     }
 }

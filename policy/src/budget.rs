@@ -116,6 +116,24 @@ impl Budgets {
             .map(|(i, b)| (u32::try_from(i).unwrap_or(u32::MAX), b))
     }
 
+    /// The entries a flow is charged to: the first covering any of its
+    /// names, its `evidence` (names attributed to its address, or verified)
+    /// or its `claims` (an SNI or a `Host` nothing verified); and, when that
+    /// one was chosen by a claim, also the first covering its evidence. A
+    /// claim can so make a flow's budget stricter, never looser: naming a
+    /// generous entry's host does not take the flow out of the entry its
+    /// address's names fall under.
+    pub fn charged(&self, evidence: &[&Hostname], claims: &[&Hostname]) -> Vec<(u32, &Budget)> {
+        let any: Vec<&Hostname> = evidence.iter().chain(claims).copied().collect();
+        let first = self.find(any.iter().copied());
+        let by_evidence = self.find(evidence.iter().copied());
+        let mut out: Vec<(u32, &Budget)> = first.into_iter().collect();
+        if let Some(e) = by_evidence.filter(|e| first.is_none_or(|f| f.0 != e.0)) {
+            out.push(e);
+        }
+        out
+    }
+
     /// Whether any entry limits bytes (such flows are never handed to the
     /// in-kernel splice, which cannot count them).
     pub fn limits_bytes(&self) -> bool {

@@ -1,12 +1,14 @@
 //! The budget stage of a spliced or opaque flow: after the policy let it
-//! through and before the origin is dialled. The first `budgets` entry that
-//! covers one of the names attributed to its address (`*`: any flow) is
+//! through and before the origin is dialled. The `budgets` entries that
+//! cover its names (`Budgets::charged`: `*` any flow) are each
 //! charged a request for the connection and the bytes already peeked; over
 //! it, or with less than a KiB of its byte budget left, the flow is refused
 //! (`budget_exceeded`). With a byte limit, the flow runs under a
 //! [`Meter`] that cuts it where it crosses the limit. Budgets never allow.
 
 use dns_attrib::Lookup;
+use egress_policy::budget::Budget;
+use egress_policy::Hostname;
 
 use crate::budget::{describe, Meter};
 use crate::registry::Sandbox;
@@ -17,30 +19,37 @@ use crate::state::Dataplane;
 pub(super) fn admit(
     dp: &Dataplane,
     sandbox: &Sandbox,
-    lookup: &Lookup,
+    (lookup, sni): (&Lookup, Option<&Hostname>),
     peeked: usize,
 ) -> Result<Option<Meter>, String> {
     let budgets = &sandbox.policy.policy().budgets;
     if budgets.is_empty() {
         return Ok(None);
     }
-    // Evidence only: the SNI of a spliced flow is a claim (one that is
-    // attributed is among the attributed names), and a claim must not
-    // choose a more generous entry than the evidence gets.
+    // The SNI is a claim: it may add an entry, never take the flow out of
+    // the one its attributed names fall under (`Budgets::charged`).
     let attributed = lookup.names();
-    let Some((rule, budget)) = budgets.find(attributed.iter()) else {
-        return Ok(None);
-    };
-    if let Err(over) = dp
-        .budgets
-        .connect(&sandbox.id, budget, peeked as u64, dp.cache.now())
-    {
-        dp.metrics.budget_exceeded(over);
-        let why = describe(over, budget);
-        return Err(format!("budgets[{rule}] ({}): {why}", budget.destination));
+    let evidence: Vec<&Hostname> = attributed.iter().collect();
+    let claims: Vec<&Hostname> = sni
+        .filter(|s| !attributed.contains(s))
+        .into_iter()
+        .collect();
+    let entries = budgets.charged(&evidence, &claims);
+    let now = dp.cache.now();
+    for (rule, budget) in &entries {
+        if let Err(over) = dp.budgets.connect(&sandbox.id, budget, peeked as u64, now) {
+            dp.metrics.budget_exceeded(over);
+            let why = describe(over, budget);
+            return Err(format!("budgets[{rule}] ({}): {why}", budget.destination));
+        }
     }
-    Ok(budget.bytes_per_hour.map(|_| {
+    let metered: Vec<(u32, Budget)> = entries
+        .into_iter()
+        .filter(|(_, b)| b.bytes_per_hour.is_some())
+        .map(|(rule, b)| (rule, b.clone()))
+        .collect();
+    Ok((!metered.is_empty()).then(|| {
         let table = (dp.budgets.clone(), dp.cache.clone());
-        Meter::new(table, (sandbox.id.clone(), rule), budget.clone())
+        Meter::new(table, sandbox.id.clone(), metered)
     }))
 }

@@ -76,7 +76,8 @@ pub(crate) async fn handle(
             rec.served(out);
         }
         Verdict::Allow(_) | Verdict::Splice(..) => {
-            let meter = match budget::admit(&dp, &accepted.sandbox, &decided.lookup, peeked.len()) {
+            let names = (&decided.lookup, claims.sni);
+            let meter = match budget::admit(&dp, &accepted.sandbox, names, peeked.len()) {
                 Ok(meter) => meter,
                 Err(detail) => {
                     crate::io::reset(&stream);

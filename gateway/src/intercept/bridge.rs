@@ -73,19 +73,22 @@ impl Conn {
             .take()
     }
 
-    /// A meter on the last request's budget entry, if that entry limits
-    /// bytes: from here on it charges the bridge's bytes, chunk by chunk.
+    /// A meter on the last request's budget entries that limit bytes, if
+    /// any: from here on it charges the bridge's bytes, chunk by chunk.
     fn bridge_meter(&self) -> Option<Meter> {
-        let rule = self.budget.rule.load(Ordering::Relaxed);
         let sandbox = self.sandbox_now()?;
-        let budget = sandbox.policy.policy().budgets.iter().nth(rule as usize)?;
-        budget.bytes_per_hour?;
+        let metered: Vec<_> = self
+            .budget
+            .entries(&sandbox.policy.policy().budgets)
+            .into_iter()
+            .filter(|(_, b)| b.bytes_per_hour.is_some())
+            .map(|(rule, b)| (rule, b.clone()))
+            .collect();
+        if metered.is_empty() {
+            return None;
+        }
         let table = (self.dp.budgets.clone(), self.dp.cache.clone());
-        Some(Meter::new(
-            table,
-            (sandbox.id.clone(), rule),
-            budget.clone(),
-        ))
+        Some(Meter::new(table, sandbox.id.clone(), metered))
     }
 }
 

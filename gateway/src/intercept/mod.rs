@@ -127,6 +127,23 @@ struct BudgetCharge {
     charged: AtomicU64,
     /// The last request's entry (`u32::MAX`: none), charged the rest at the end.
     rule: std::sync::atomic::AtomicU32,
+    /// Its second entry, its evidence's, when a claim chose the first
+    /// (`u32::MAX`: none): charged alike.
+    also: std::sync::atomic::AtomicU32,
+}
+
+impl BudgetCharge {
+    /// The last request's entries in `budgets`, by index.
+    fn entries<'b>(
+        &self,
+        budgets: &'b egress_policy::budget::Budgets,
+    ) -> Vec<(u32, &'b egress_policy::budget::Budget)> {
+        [&self.rule, &self.also]
+            .iter()
+            .map(|r| r.load(std::sync::atomic::Ordering::Relaxed))
+            .filter_map(|i| Some((i, budgets.iter().nth(usize::try_from(i).ok()?)?)))
+            .collect()
+    }
 }
 
 /// Serves a flow request by request, in TLS terminated here or in plain
@@ -330,6 +347,7 @@ impl Conn {
                 activity,
                 charged: AtomicU64::new(0),
                 rule: std::sync::atomic::AtomicU32::new(u32::MAX),
+                also: std::sync::atomic::AtomicU32::new(u32::MAX),
             },
             rest: Rest::default(),
             bridge: Mutex::new(None),

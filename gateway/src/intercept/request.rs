@@ -595,23 +595,35 @@ impl Conn {
         if budgets.is_empty() {
             return Ok(());
         }
-        // Evidence only: a terminated request's verified name, else the
-        // names attributed to the address (a plain-HTTP `Host` that is
-        // attributed is among them; one that is not is a claim, and must
-        // not choose a more generous entry than the evidence gets).
+        // The evidence: a terminated request's verified name, else the
+        // names attributed to the address; a plain-HTTP `Host` that is not
+        // attributed is a claim, which may add an entry, never take the
+        // request out of its evidence's (`Budgets::charged`).
         let attributed = lookup.names();
-        let names: Vec<&Hostname> = match host.filter(|_| self.tls) {
-            Some(verified) => vec![verified],
+        let verified = host.filter(|_| self.tls);
+        let evidence: Vec<&Hostname> = match verified {
+            Some(v) => vec![v],
             None => attributed.iter().collect(),
         };
-        let Some((rule, budget)) = budgets.find(names.iter().copied()) else {
+        let claims: Vec<&Hostname> = host
+            .filter(|h| verified.is_none() && !attributed.contains(h))
+            .into_iter()
+            .collect();
+        let entries = budgets.charged(&evidence, &claims);
+        let Some(&(first, _)) = entries.first() else {
             return Ok(());
         };
-        self.budget.rule.store(rule, Ordering::Relaxed);
+        self.budget.rule.store(first, Ordering::Relaxed);
+        let also = entries.get(1).map_or(u32::MAX, |e| e.0);
+        self.budget.also.store(also, Ordering::Relaxed);
         let moved = self.budget.moved();
         let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
         let now = self.dp.cache.now();
-        let Err(over) = self.dp.budgets.request(&sb.id, budget, delta, now) else {
+        let over = entries.iter().find_map(|&(rule, budget)| {
+            let over = self.dp.budgets.request(&sb.id, budget, delta, now).err()?;
+            Some((rule, budget, over))
+        });
+        let Some((rule, budget, over)) = over else {
             return Ok(());
         };
         self.dp.metrics.budget_exceeded(over);
@@ -635,16 +647,17 @@ impl Conn {
     /// registration the last request was judged under, as far as it is
     /// still there).
     pub(super) fn charge_rest(&self) {
-        let rule = self.budget.rule.load(Ordering::Relaxed);
         let sandbox = self.sandbox_now().unwrap_or_else(|| self.sandbox.clone());
-        let budgets = &sandbox.policy.policy().budgets;
-        let Some(budget) = budgets.iter().nth(rule as usize) else {
+        let entries = self.budget.entries(&sandbox.policy.policy().budgets);
+        if entries.is_empty() {
             return;
-        };
+        }
         let moved = self.budget.moved();
         let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
         let now = self.dp.cache.now();
-        self.dp.budgets.charge(&sandbox.id, budget, delta, now);
+        for (_, budget) in entries {
+            self.dp.budgets.charge(&sandbox.id, budget, delta, now);
+        }
     }
 
     /// A request whose flow's sandbox is gone (deleted, or its address taken

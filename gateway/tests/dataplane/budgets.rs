@@ -189,11 +189,12 @@ async fn a_spliced_bulk_transfer_is_cut_at_its_byte_budget_and_the_next_flow_ref
     );
 }
 
-/// The entry is chosen on evidence: a `Host` claimed over plain HTTP (or an
-/// SNI on a spliced flow) that is not attributed to the address does not
-/// pick a more generous entry than the attribution gets.
+/// A `Host` claimed over plain HTTP (or an SNI on a spliced flow) that is
+/// not attributed to the address may add an entry, never take the flow out
+/// of the one its evidence falls under: it makes the budget stricter, never
+/// looser.
 #[tokio::test]
-async fn a_claimed_name_does_not_choose_the_budget() {
+async fn a_claimed_name_makes_the_budget_stricter_never_looser() {
     let e = env(Options::default()).await;
     let p = r#"{"default": "allow",
         "budgets": [{"destination": "generous.example.test", "requests_per_minute": 100000},
@@ -208,5 +209,19 @@ async fn a_claimed_name_does_not_choose_the_budget() {
     assert!(
         over.starts_with("HTTP/1.1 429") && over.contains("budget_exceeded; rule=1"),
         "the claim is no evidence: {over}"
+    );
+    // An entry only a claim covers still applies to what claims it.
+    let p = r#"{"default": "allow",
+        "budgets": [{"destination": "*.relay.example.test", "requests_per_minute": 2}]}"#;
+    e.sandbox("sb-b", SANDBOX_B, policy(p));
+    let mut s = e.connect(SANDBOX_B, e.origins.plain).await;
+    for i in 0..2 {
+        let r = get(&mut s, "x.relay.example.test", "/").await;
+        assert!(r.starts_with("HTTP/1.1 200"), "request {i}: {r}");
+    }
+    let over = get(&mut s, "x.relay.example.test", "/").await;
+    assert!(
+        over.starts_with("HTTP/1.1 429") && over.contains("budget_exceeded; rule=0"),
+        "{over}"
     );
 }

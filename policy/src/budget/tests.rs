@@ -148,8 +148,35 @@ fn the_first_matching_entry_applies_as_domain_rules_match() {
         rule(&[name("other.test"), name("api.example.test")]),
         Some(0)
     );
+    // Charged: the first entry any name covers, and the evidence's too when
+    // a claim chose the first.
+    let charged = |evidence: &[Hostname], claims: &[Hostname]| {
+        let e: Vec<&Hostname> = evidence.iter().collect();
+        let c: Vec<&Hostname> = claims.iter().collect();
+        b.charged(&e, &c)
+            .iter()
+            .map(|(i, _)| *i)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(charged(&[name("api.example.test")], &[]), [0]);
+    assert_eq!(
+        charged(&[name("other.test")], &[name("api.example.test")]),
+        [0, 2]
+    );
+    assert_eq!(charged(&[], &[name("x.example.test")]), [1, 2]);
+    assert_eq!(
+        charged(&[name("x.example.test")], &[name("x.example.test")]),
+        [1]
+    );
     let only_names =
         policy(r#"{"budgets": [{"destination": "*.example.test", "bytes_per_hour": 2048}]}"#);
+    let e: Vec<&Hostname> = Vec::new();
+    let claim = name("x.example.test");
+    assert_eq!(
+        only_names.budgets.charged(&e, &[&claim]).len(),
+        1,
+        "a claim alone may add one"
+    );
     assert_eq!(only_names.budgets.find(&[]), None);
     assert!(only_names.budgets.limits_bytes());
     assert!(!p.budgets.limits_bytes());
