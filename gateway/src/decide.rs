@@ -173,6 +173,91 @@ pub fn request_names<'a>(
     names
 }
 
+/// The headers some frameworks take a request's method from instead of its
+/// request line.
+const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// Most methods a request's overrides may name besides its own; a request
+/// naming more is refused (`400`) rather than judged once for each.
+pub const MAX_OVERRIDES: usize = 16;
+
+/// Every method a request's overrides name, as sent: its override headers'
+/// values and its query's `_method` parameters (Laravel, Symfony and
+/// Express's method-override read them), decoded and trimmed. A query key
+/// is read as PHP reads it (leading blanks dropped, `.` and blanks made
+/// `_`), so `.method` and ` _method` count too.
+pub fn override_values<'a>(
+    headers: &'a http::HeaderMap,
+    target: &'a str,
+) -> impl Iterator<Item = std::borrow::Cow<'a, str>> + 'a {
+    let from_headers = METHOD_OVERRIDES
+        .iter()
+        .flat_map(|name| headers.get_all(*name))
+        .map(|v| String::from_utf8_lossy(v.as_bytes()));
+    let query = target.split_once('?').map_or("", |(_, q)| q);
+    let from_query = form_urlencoded::parse(query.as_bytes())
+        .filter(|(k, _)| php_key(k) == "_method")
+        .map(|(_, v)| v);
+    from_headers.chain(from_query).map(|v| match v {
+        std::borrow::Cow::Borrowed(b) => std::borrow::Cow::Borrowed(b.trim()),
+        std::borrow::Cow::Owned(o) => std::borrow::Cow::Owned(o.trim().to_owned()),
+    })
+}
+
+/// A query key as PHP's `$_GET` has it: leading blanks dropped, `.` and
+/// blanks made `_`.
+fn php_key(key: &str) -> String {
+    key.trim_start_matches(' ')
+        .chars()
+        .map(|c| if c == '.' || c == ' ' { '_' } else { c })
+        .collect()
+}
+
+/// The methods a request may be taken for besides its own `method`
+/// ([`override_values`]), each once (case ignored). At most
+/// [`MAX_OVERRIDES`] + 1 are collected: one more than the cap says the
+/// request names too many.
+pub fn method_overrides(method: &str, headers: &http::HeaderMap, target: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for m in override_values(headers, target) {
+        let seen = m.eq_ignore_ascii_case(method) || out.iter().any(|o| o.eq_ignore_ascii_case(&m));
+        if !seen {
+            out.push(m.into_owned());
+            if out.len() > MAX_OVERRIDES {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Judges a request under `policy` for its `method` and each method its
+/// `overrides` name: a refusal of any one refuses it. The judgement, and
+/// the method it names (the refused one, else the request's own).
+pub fn judge_methods<'m>(
+    policy: &CompiledPolicy,
+    names: &[&Hostname],
+    (method, overrides): (&'m str, &'m [String]),
+    target: &str,
+) -> (egress_policy::RequestJudgement, &'m str) {
+    let mut judged = policy.judge_request(names, method, target);
+    let mut named = method;
+    for other in overrides {
+        if judged.deny.is_some() {
+            break;
+        }
+        let o = policy.judge_request(names, other, target);
+        if o.deny.is_some() {
+            (judged, named) = (o, other.as_str());
+        }
+    }
+    (judged, named)
+}
+
 /// The explain answer for one request on a flow that is let through:
 /// `allow` or `deny` with the code, the rule's index and text, and what an
 /// audited rule would have refused.
@@ -185,7 +270,9 @@ pub fn explained_request(
     target: &str,
 ) -> Value {
     let names = request_names(tls, host, attributed);
-    let judged = policy.judge_request(&names, method, target);
+    // An explain question has no headers: the path's `_method` is all.
+    let overrides = method_overrides(method, &http::HeaderMap::new(), target);
+    let (judged, refused) = judge_methods(policy, &names, (method, &overrides), target);
     let show = |d: &egress_policy::RequestDenial| {
         json!({
             "reason": d.code.as_str(),
@@ -203,6 +290,10 @@ pub fn explained_request(
     };
     v["method"] = json!(method);
     v["path"] = json!(target);
+    if refused != method {
+        // The method an override named, which the refusal is for.
+        v["override"] = json!(refused);
+    }
     if let Some(w) = &judged.would_deny {
         v["would_deny"] = show(w);
     }
@@ -215,7 +306,7 @@ mod tests {
 
     use egress_policy::{AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy};
 
-    use super::{judge, judge_question, Claims};
+    use super::{explained_request, judge, judge_question, method_overrides, Claims};
     use crate::doh::DohNames;
 
     /// Explain judges a TLS question with a `Host` as the dataplane does:
@@ -261,5 +352,46 @@ mod tests {
             r#"{"default": "allow", "deny": [{"domain": "api.test"}], "tls_interception": "on"}"#,
         );
         assert_eq!(asked, "tenant_deny");
+    }
+
+    /// Explain judges the methods a request's `_method` names, as the
+    /// dataplane does; and the override values are read as the frameworks
+    /// read them.
+    #[test]
+    fn explain_judges_a_paths_method_override() {
+        let policy = CompiledPolicy::new(
+            Policy::from_json(
+                r#"{"allow": [{"domain": "api.test"}], "tls_interception": "on",
+                    "deny": [{"domain": "api.test", "http": {"methods": ["DELETE"]}}]}"#,
+            )
+            .expect("policy"),
+            Arc::new(PlatformDenies::builtin()),
+        );
+        let host = Hostname::parse("api.test").expect("name");
+        let asked = |path: &str| {
+            let v = explained_request(&policy, true, Some(&host), &[], "POST", path);
+            (
+                v["verdict"].as_str().unwrap_or("").to_owned(),
+                v["override"].clone(),
+            )
+        };
+        assert_eq!(asked("/x"), ("allow".to_owned(), serde_json::Value::Null));
+        assert_eq!(
+            asked("/x?_method=DELETE"),
+            ("deny".to_owned(), serde_json::json!("DELETE"))
+        );
+        let headers = http::HeaderMap::new();
+        for (target, found) in [
+            ("/x?.method=delete", vec!["delete"]),
+            ("/x?+_method=PUT&_method=put&x=1", vec!["PUT"]),
+            ("/x?_method=POST", vec![]),
+            ("/x?method=DELETE&_methods=DELETE", vec![]),
+        ] {
+            assert_eq!(
+                method_overrides("POST", &headers, target),
+                found,
+                "{target}"
+            );
+        }
     }
 }

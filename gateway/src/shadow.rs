@@ -208,6 +208,8 @@ pub(crate) struct Request<'a> {
     pub(crate) attributed: &'a [Hostname],
     pub(crate) gap: egress_policy::AttributionGap,
     pub(crate) method: &'a str,
+    /// The methods its overrides name ([`crate::decide::method_overrides`]).
+    pub(crate) overrides: &'a [String],
     pub(crate) target: &'a str,
 }
 
@@ -222,7 +224,11 @@ pub(crate) fn request(j: &Judge<'_>, shadow: &Shadow, req: &Request<'_>, active:
         Judged::of(&verdict)
     } else {
         let names = request_names(req.tls, req.claims.host, req.attributed);
-        match policy.judge_request(&names, req.method, req.target).deny {
+        let methods = (req.method, req.overrides);
+        match crate::decide::judge_methods(policy, &names, methods, req.target)
+            .0
+            .deny
+        {
             Some(d) => Judged {
                 verdict: "deny",
                 reason: d.code.as_str(),

@@ -38,14 +38,9 @@ impl Conn {
         // credentials the gateway put in among it: never forwarded, in any
         // case, nor named by a method override.
         let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
-        let method = req.method().as_str();
-        let trace = std::iter::once(method.to_owned())
-            .chain(super::request::method_overrides(
-                method,
-                req.headers(),
-                target,
-            ))
-            .any(|m| m.eq_ignore_ascii_case("TRACE"));
+        let trace = req.method().as_str().eq_ignore_ascii_case("TRACE")
+            || crate::decide::override_values(req.headers(), target)
+                .any(|m| m.eq_ignore_ascii_case("TRACE"));
         if trace {
             return text(
                 StatusCode::METHOD_NOT_ALLOWED,

@@ -17,7 +17,9 @@ use super::serve::ClientBody;
 use super::Conn;
 use crate::authority::{self, Authority, AuthorityError, Target};
 use crate::credentials;
-use crate::decide::{decide, request_names, Claims};
+use crate::decide::{
+    decide, judge_methods, method_overrides, request_names, Claims, MAX_OVERRIDES,
+};
 use crate::metrics::CodeLabels;
 use crate::pool::Body;
 use crate::registry::Sandbox;
@@ -108,50 +110,6 @@ struct Asked<'a> {
     target: &'a str,
 }
 
-/// The headers some frameworks take a request's method from instead of its
-/// request line.
-const METHOD_OVERRIDES: [&str; 3] = [
-    "x-http-method-override",
-    "x-http-method",
-    "x-method-override",
-];
-
-/// The methods `headers` name in their method-override headers.
-/// Most methods a request's overrides may name besides its own; a request
-/// naming more is refused (`400`) rather than judged once for each.
-pub(super) const MAX_OVERRIDES: usize = 16;
-
-/// The methods a request may be taken for besides its own `method`: its
-/// override headers' values, and its query's `_method` parameters
-/// (Laravel, Symfony and Express's method-override read them), decoded and
-/// trimmed, each once (case ignored). At most [`MAX_OVERRIDES`] + 1 are
-/// collected: one more than the cap says the request names too many.
-pub(super) fn method_overrides(
-    method: &str,
-    headers: &http::HeaderMap,
-    target: &str,
-) -> Vec<String> {
-    let from_headers = METHOD_OVERRIDES
-        .iter()
-        .flat_map(|name| headers.get_all(*name))
-        .map(|v| String::from_utf8_lossy(v.as_bytes()).trim().to_owned());
-    let query = target.split_once('?').map_or("", |(_, q)| q);
-    let from_query = form_urlencoded::parse(query.as_bytes())
-        .filter(|(k, _)| k == "_method")
-        .map(|(_, v)| v.trim().to_owned());
-    let mut out: Vec<String> = Vec::new();
-    for m in from_headers.chain(from_query) {
-        let seen = m.eq_ignore_ascii_case(method) || out.iter().any(|o| o.eq_ignore_ascii_case(&m));
-        if !seen {
-            out.push(m);
-            if out.len() > MAX_OVERRIDES {
-                break;
-            }
-        }
-    }
-    out
-}
-
 impl Conn {
     /// One request, through the stages; its record is kept however it ends.
     pub(super) async fn handle(&self, req: Request<ClientBody>) -> Response<Body> {
@@ -187,6 +145,11 @@ impl Conn {
             Err(Refused::BadRequest(why)) => return refuse(&req, why, rec),
             Err(Refused::Misdirected) => return misdirected(),
         };
+        let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+        if method_overrides(req.method().as_str(), req.headers(), target).len() > MAX_OVERRIDES {
+            let why = format!("more than {MAX_OVERRIDES} methods named by method overrides");
+            return refuse(&req, why, rec);
+        }
         let host = authority.name();
         let (lookup, judged) = self.judge(sb, host, rec);
         let allowed = match judged {
@@ -286,12 +249,15 @@ impl Conn {
             .uri()
             .path_and_query()
             .map_or_else(|| req.uri().path(), |pq| pq.as_str());
+        let method = req.method().as_str();
+        let overrides = method_overrides(method, req.headers(), target);
         let request = crate::shadow::Request {
             claims: self.claims(host),
             tls: self.tls,
             attributed: &attributed,
             gap: lookup.gap(),
-            method: req.method().as_str(),
+            method,
+            overrides: &overrides,
             target,
         };
         let judge = crate::shadow::Judge {
@@ -385,17 +351,6 @@ impl Conn {
             .to_owned();
         let method = req.method().clone();
         let overrides = method_overrides(method.as_str(), req.headers(), &target);
-        if overrides.len() > MAX_OVERRIDES {
-            self.note_denied(rec, "bad_request", || {
-                format!("bad_request: more than {MAX_OVERRIDES} method overrides")
-            });
-            return Err(Stage::Rules(Denial {
-                status: StatusCode::BAD_REQUEST,
-                code: "bad_request",
-                rule: None,
-                detail: format!("more than {MAX_OVERRIDES} methods named by method overrides"),
-            }));
-        }
         let asked = Asked {
             sandbox: sb,
             host,
@@ -428,19 +383,9 @@ impl Conn {
         // address may be is judged too.
         let attributed = lookup.names();
         let names = request_names(self.tls, host, &attributed);
-        let mut judged = policy.judge_request(&names, method, target);
         // Every method the request may be taken for is judged; a refusal of
         // any one refuses it, and names that method.
-        let mut method = method;
-        for other in overrides {
-            if judged.deny.is_some() {
-                break;
-            }
-            let o = policy.judge_request(&names, other, target);
-            if o.deny.is_some() {
-                (judged, method) = (o, other.as_str());
-            }
-        }
+        let (judged, method) = judge_methods(policy, &names, (method, overrides), target);
         let show = |d: &RequestDenial| {
             let path = target.split('?').next().unwrap_or("");
             let path: String = path.chars().take(256).collect();

@@ -322,6 +322,9 @@ async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
         // The query's `_method` (Laravel, Symfony, Express's method-override).
         "POST /x?_method=DELETE HTTP/1.1\r\n",
         "POST /x?a=1&_method=%64elete+ HTTP/1.1\r\n",
+        // Keys as PHP's $_GET reads them: `.` and blanks are `_`.
+        "POST /x?.method=DELETE HTTP/1.1\r\n",
+        "POST /x?+_method=DELETE HTTP/1.1\r\n",
     ] {
         let s = e.connect(SANDBOX_A, e.origins.plain).await;
         let req = format!(
