@@ -238,20 +238,25 @@ fn lenient_line(line: &[u8]) -> Line {
         .iter()
         .position(|&b| b == b'\r' || b == b'\n')
         .unwrap_or(line.len());
-    let blank = |b: &u8| *b == b' ' || *b == b'\t';
+    // What Python's `str.split()` splits on (its `http.server` reads the
+    // line as Latin-1), which covers `bytes.split()`'s (Twisted).
+    let blank = |b: &u8| matches!(*b, b' ' | b'\t' | 0x0b | 0x0c | 0x1c..=0x1f | 0x85 | 0xa0);
     let first = &line[..end];
     let odd = first.first().is_some_and(blank)
-        || first.contains(&b'\t')
+        || first.iter().any(|b| blank(b) && *b != b' ')
         || first.windows(2).any(|w| w == b"  ");
     if !odd {
         return Line::Not;
     }
-    let mut collapsed = Vec::with_capacity(end);
+    let mut collapsed = Vec::with_capacity(line.len());
     for &b in first.iter().skip_while(|b| blank(b)) {
         if !(blank(&b) && collapsed.last() == Some(&b' ')) {
             collapsed.push(if blank(&b) { b' ' } else { b });
         }
     }
+    // A finished line is judged with its end, so it is a request or not,
+    // never a prefix still waiting.
+    collapsed.extend_from_slice(&line[end..]);
     strict_line(&collapsed)
 }
 

@@ -572,6 +572,14 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
             "two spaces",
             b"FETCH  /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
         ),
+        (
+            "a vertical tab",
+            b"GET\x0b/x\x0bHTTP/1.1\r\nHost: evil.test\r\n\r\n",
+        ),
+        (
+            "a form feed, a no-break space",
+            b"GET\x0c/x\xa0HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+        ),
     ] {
         for step in [1, 4, 100] {
             let (c, _) = run(bytes.to_vec(), step).await.expect(what);
@@ -581,6 +589,15 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
                 "{what}, {step} bytes a read"
             );
         }
+    }
+    // A finished line that is no request, odd blanks or not, is opaque at
+    // once, not left waiting for the peek's timeout.
+    for bytes in [&b" GET\r\n"[..], b"\tPING\r\n", b"FETCH\t/x\r\n"] {
+        assert_eq!(
+            classify_bytes(bytes),
+            Ok(Some(Classified::Opaque(None))),
+            "{bytes:?}"
+        );
     }
     // A request line the client closed after is HTTP; a prefix of one is no
     // request to any origin, and unreadable.
