@@ -303,7 +303,7 @@ fn host_credentials<'a>(
     let mut required = None;
     // The target as an origin that decodes it reads it: a placeholder
     // written in escapes (`EGRESS%5FPH`) is the placeholder there.
-    let decoded = percent_encoding::percent_decode_str(target).decode_utf8_lossy();
+    let target = decoded(target.as_bytes());
     for (index, c) in list.iter().enumerate() {
         let covers = |n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
         match names {
@@ -317,8 +317,8 @@ fn host_credentials<'a>(
             _ => {}
         }
         // Raw or escaped: the decoding holds the raw text unchanged.
-        let in_target = decoded.contains(c.placeholder.as_str());
-        if in_target || carries(c, headers) {
+        let in_target = contains(&target, c.placeholder.as_bytes());
+        if in_target || carries_in_any_form(c, headers) {
             return Err(Refused {
                 why: Refusal::HostMismatch,
                 index,
@@ -428,6 +428,33 @@ fn carries(c: &Credential, headers: &HeaderMap) -> bool {
     headers
         .values()
         .any(|v| contains(v.as_bytes(), c.placeholder.as_bytes()))
+}
+
+/// Whether any header value carries `c`'s placeholder, raw or in escapes
+/// (a cookie's value, say, which frameworks decode).
+fn carries_in_any_form(c: &Credential, headers: &HeaderMap) -> bool {
+    let needle = c.placeholder.as_bytes();
+    headers
+        .values()
+        .any(|v| contains(v.as_bytes(), needle) || contains(&decoded(v.as_bytes()), needle))
+}
+
+/// `text` percent-decoded until it no longer changes, at most three times
+/// (an escape of an escape, `%2545`, is the placeholder's `E` to an origin
+/// that decodes twice).
+fn decoded(text: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    let mut out = std::borrow::Cow::Borrowed(text);
+    for _ in 0..3 {
+        if !out.contains(&b'%') {
+            break;
+        }
+        let next: Vec<u8> = percent_encoding::percent_decode(&out).collect();
+        if next[..] == out[..] {
+            break;
+        }
+        out = std::borrow::Cow::Owned(next);
+    }
+    out
 }
 
 /// Replaces the placeholder with the value in `only`'s values, or in every header's.

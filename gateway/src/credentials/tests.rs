@@ -95,6 +95,12 @@ fn the_value_replaces_the_placeholder_only_for_its_hosts() {
         // Written in escapes, as an origin that decodes the target reads it.
         (Some("evil.test"), "/?k=EGRESS%5FPH%5fGITHUB", vec![]),
         (Some("evil.test"), "/%45GRESS_PH_GITHUB/x", vec![]),
+        (Some("evil.test"), "/?k=%2545GRESS_PH_GITHUB", vec![]),
+        (
+            Some("evil.test"),
+            "/",
+            vec![("cookie", "t=EGRESS%5FPH_GITHUB")],
+        ),
         (
             Some("evil.test"),
             "/",
