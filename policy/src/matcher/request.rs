@@ -204,6 +204,8 @@ pub(crate) struct RequestRules {
     credentials: NameSet,
     /// Whether any qualified entry names paths (else the path is never read).
     any_paths: bool,
+    /// Whether any qualified deny names paths (else no path is lower-cased).
+    deny_paths: bool,
     /// Whether any qualified entry is audited (else a passing request is
     /// not judged a second time).
     any_audit: bool,
@@ -247,6 +249,10 @@ impl RequestRules {
             rules.any_paths |= http.needs_path();
             rules.any_audit |= mode == Mode::Audit;
         }
+        rules.deny_paths = deny
+            .iter()
+            .filter_map(|r| r.http.as_ref())
+            .any(HttpMatch::needs_path);
         let empty = rules.allow.exact.is_empty()
             && rules.allow.wildcard.is_empty()
             && rules.deny.exact.is_empty()
@@ -318,19 +324,17 @@ impl RequestRules {
             Some(Ok(n)) => Some(segments_of(n).collect()),
             _ => None,
         };
-        // Lower case for denies, only when a letter changes.
-        let folded: Option<Vec<std::borrow::Cow<'_, str>>> = segments.as_ref().map(|segs| {
-            segs.iter()
-                .map(
-                    |s| match s.chars().any(|c| c.is_uppercase() || !c.is_ascii()) {
-                        true => std::borrow::Cow::Owned(s.to_lowercase()),
-                        false => std::borrow::Cow::Borrowed(*s),
-                    },
-                )
-                .collect()
-        });
-        let folded: Option<Vec<&str>> = folded.as_ref().map(|f| f.iter().map(|s| &**s).collect());
-        let path = Path(segments.as_deref(), folded.as_deref());
+        // Lower case for denies that name paths, only when a letter changes.
+        let fold = |s: &str| s.chars().any(|c| c.is_uppercase() || !c.is_ascii());
+        let owned: Option<Vec<String>> = segments
+            .as_ref()
+            .filter(|segs| self.deny_paths && segs.iter().any(|s| fold(s)))
+            .map(|segs| segs.iter().map(|s| s.to_lowercase()).collect());
+        let refs: Option<Vec<&str>> = owned
+            .as_ref()
+            .map(|o| o.iter().map(String::as_str).collect());
+        let folded = refs.as_deref().or(segments.as_deref());
+        let path = Path(segments.as_deref(), folded);
         let deny_now = self.refusal(allow, deny, names, method, &path, false);
         let would_deny = match deny_now {
             Some(_) => None,
