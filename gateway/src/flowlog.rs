@@ -2,7 +2,7 @@
 
 use std::io::{BufWriter, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -22,7 +22,11 @@ pub struct FlowRecord {
     pub dst: Option<SocketAddr>,
     pub sni: Option<String>,
     pub host: Option<String>,
+    /// At most [`MAX_NAMES`] of the names attributed to the address.
     pub attributed: Vec<String>,
+    /// How many more names were attributed than `attributed` lists.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attributed_left_out: Option<usize>,
     /// What the first bytes were: `tls`, `http`, a stream protocol the
     /// gateway names (`ssh`), or `opaque`; absent when the flow ended
     /// before it was classified.
@@ -61,6 +65,14 @@ pub struct FlowRecord {
 
 /// Lines queued for the writer before new ones are dropped (and counted).
 const QUEUE: usize = 65_536;
+/// Bytes of text queued for the writer before new lines are dropped (and
+/// counted): the sandbox chooses much of a line (its names, its paths).
+const QUEUE_BYTES: usize = 32 << 20;
+/// Names of `attributed` a line lists.
+pub const MAX_NAMES: usize = 8;
+/// Characters of `detail`, `error`, `request_denied` and `would_deny` a
+/// line keeps (a rule's text can be long: 256 paths of 1 KiB).
+pub const MAX_TEXT: usize = 1024;
 
 /// Where flow lines go. A flow's task only queues its record; a thread of
 /// the log's own formats the lines and writes them through a buffer,
@@ -71,7 +83,9 @@ pub struct FlowLog {
 }
 
 struct Writer {
-    tx: Mutex<Option<SyncSender<(OffsetDateTime, FlowRecord)>>>,
+    tx: Mutex<Option<SyncSender<Queued>>>,
+    /// The text of the lines queued now ([`FlowRecord::weight`]).
+    queued: Arc<AtomicUsize>,
     thread: Mutex<Option<JoinHandle<()>>>,
     dropped: Arc<AtomicU64>,
 }
@@ -109,13 +123,19 @@ impl FlowLog {
 
     /// Queues one flow's line; never blocks. A full queue drops the line
     /// and counts it ([`FlowLog::dropped`]).
-    pub fn write(&self, record: FlowRecord) {
+    pub fn write(&self, mut record: FlowRecord) {
         let Some(sink) = &self.sink else { return };
+        record.bound();
+        let weight = record.weight();
+        let room = sink.queued.fetch_add(weight, Ordering::Relaxed) + weight <= QUEUE_BYTES;
         let tx = sink.tx.lock().unwrap_or_else(PoisonError::into_inner);
-        let queued = tx
-            .as_ref()
-            .is_some_and(|tx| tx.try_send((OffsetDateTime::now_utc(), record)).is_ok());
+        let queued = room
+            && tx.as_ref().is_some_and(|tx| {
+                tx.try_send((OffsetDateTime::now_utc(), record, weight))
+                    .is_ok()
+            });
         if !queued {
+            sink.queued.fetch_sub(weight, Ordering::Relaxed);
             sink.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -150,12 +170,15 @@ impl FlowLog {
 
 impl Writer {
     fn start(w: Box<dyn Write + Send>) -> std::io::Result<Self> {
-        let (tx, rx) = sync_channel::<(OffsetDateTime, FlowRecord)>(QUEUE);
+        let (tx, rx) = sync_channel::<Queued>(QUEUE);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let taken = queued.clone();
         let thread = std::thread::Builder::new()
             .name("flow-log".into())
-            .spawn(move || write_lines(&rx, w))?;
+            .spawn(move || write_lines(&rx, w, &taken))?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
+            queued,
             thread: Mutex::new(Some(thread)),
             dropped: Arc::default(),
         })
@@ -164,13 +187,14 @@ impl Writer {
 
 /// The writer thread: until every sender is gone, a line per record,
 /// flushed each time the queue is empty.
-fn write_lines(rx: &Receiver<(OffsetDateTime, FlowRecord)>, w: Box<dyn Write + Send>) {
+fn write_lines(rx: &Receiver<Queued>, w: Box<dyn Write + Send>, queued: &AtomicUsize) {
     let mut out = BufWriter::with_capacity(64 * 1024, w);
     let mut line = Vec::with_capacity(1024);
     let mut failed = false;
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
-        while let Some((at, mut record)) = next.take() {
+        while let Some((at, mut record, weight)) = next.take() {
+            queued.fetch_sub(weight, Ordering::Relaxed);
             record.ts = at.format(&Rfc3339).unwrap_or_default();
             line.clear();
             if serde_json::to_writer(&mut line, &record).is_ok() {
@@ -188,6 +212,53 @@ fn write_lines(rx: &Receiver<(OffsetDateTime, FlowRecord)>, w: Box<dyn Write + S
         }
     }
     let _ = out.flush();
+}
+
+/// A line queued: when its flow ended, the record, its weight.
+type Queued = (OffsetDateTime, FlowRecord, usize);
+
+impl FlowRecord {
+    /// Cuts what a sandbox can make long: the names to [`MAX_NAMES`] (the
+    /// rest counted), the texts to [`MAX_TEXT`] characters.
+    fn bound(&mut self) {
+        if self.attributed.len() > MAX_NAMES {
+            self.attributed_left_out = Some(self.attributed.len() - MAX_NAMES);
+            self.attributed.truncate(MAX_NAMES);
+        }
+        cut(&mut self.detail);
+        for text in [
+            &mut self.error,
+            &mut self.request_denied,
+            &mut self.would_deny,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            cut(text);
+        }
+    }
+
+    /// About the bytes its line takes, queued or written.
+    fn weight(&self) -> usize {
+        let texts = [&self.error, &self.request_denied, &self.would_deny];
+        256 + self.detail.len()
+            + self.attributed.iter().map(|n| n.len() + 3).sum::<usize>()
+            + self.sni.as_ref().map_or(0, String::len)
+            + self.host.as_ref().map_or(0, String::len)
+            + texts
+                .iter()
+                .filter_map(|t| t.as_ref())
+                .map(String::len)
+                .sum::<usize>()
+    }
+}
+
+/// `text` cut to [`MAX_TEXT`] characters, `…` marking the cut.
+fn cut(text: &mut String) {
+    if let Some((at, _)) = text.char_indices().nth(MAX_TEXT) {
+        text.truncate(at);
+        text.push('…');
+    }
 }
 
 /// Warns when writing starts failing, not on every line.
@@ -308,6 +379,46 @@ mod tests {
             w.lines().len() as u64 + dropped,
             total,
             "every line written or counted"
+        );
+    }
+
+    /// What a sandbox makes long is cut, and the queue holds at most
+    /// [`QUEUE_BYTES`] of text, however few lines that is.
+    #[test]
+    fn a_line_is_bounded_and_so_is_the_queue_in_bytes() {
+        let w = Held::default();
+        let log = FlowLog::to_writer(Box::new(w.clone()));
+        let long = |n: u64| FlowRecord {
+            attributed: (0..40)
+                .map(|i| format!("n{i}.{}.test", "x".repeat(200)))
+                .collect(),
+            detail: "allow[0] ".to_owned() + &"/p".repeat(5_000),
+            error: Some("e".repeat(10_000)),
+            ..record(n)
+        };
+        let total = 20_000u64;
+        for n in 0..total {
+            log.write(long(n));
+        }
+        let dropped = log.dropped().load(Ordering::Relaxed);
+        w.open();
+        log.close();
+        let lines = w.lines();
+        // 20,000 lines of about 4 KiB once cut: more than 32 MiB, and fewer
+        // lines than the queue's 65,536.
+        assert!(dropped > 0, "the byte bound dropped some");
+        assert_eq!(lines.len() as u64 + dropped, total);
+        let line = &lines[0];
+        assert_eq!(line["attributed"].as_array().map(Vec::len), Some(MAX_NAMES));
+        assert_eq!(line["attributed_left_out"], 32);
+        assert_eq!(
+            line["detail"].as_str().map(|d| d.chars().count()),
+            Some(MAX_TEXT + 1)
+        );
+        assert!(line["detail"].as_str().is_some_and(|d| d.ends_with('…')));
+        assert_eq!(
+            line["error"].as_str().map(|d| d.chars().count()),
+            Some(MAX_TEXT + 1)
         );
     }
 }
