@@ -34,11 +34,21 @@ pub(crate) struct Seen<'a> {
     pub(crate) reason: &'static str,
 }
 
+/// Attributed names an example keeps (proposals and shadow reports).
+pub(crate) const EXAMPLE_NAMES: usize = 4;
+
 // === impl Proposed ===
 
 impl Proposed {
-    /// Records a denied flow or request of sandbox `id`, now.
-    pub(crate) fn record(&self, id: &SandboxId, seen: Seen<'_>, request: Option<DeniedRequest>) {
+    /// Records a denied flow or request of sandbox `id`, now, if `live`
+    /// (asked under the lock [`Proposed::forget`] takes, so a flow judged
+    /// before its sandbox was deleted does not bring its proposals back).
+    pub(crate) fn record(
+        &self,
+        (id, live): (&SandboxId, impl FnOnce() -> bool),
+        seen: Seen<'_>,
+        request: Option<DeniedRequest>,
+    ) {
         if !PROPOSED_REASONS.contains(&seen.reason) {
             return;
         }
@@ -47,11 +57,21 @@ impl Proposed {
             dst: seen.dst,
             sni: seen.sni.cloned(),
             host: seen.host.cloned(),
-            attributed: seen.attributed.to_vec(),
+            // Kept per example, and the sandbox chooses how many names
+            // its address has: the first few (the first is what is proposed).
+            attributed: seen
+                .attributed
+                .iter()
+                .take(EXAMPLE_NAMES)
+                .cloned()
+                .collect(),
             reason: seen.reason,
             request,
         };
-        self.lock().entry(id.clone()).or_default().record(denial);
+        let mut by_sandbox = self.lock();
+        if live() {
+            by_sandbox.entry(id.clone()).or_default().record(denial);
+        }
     }
 
     /// The proposals of sandbox `id`, most recently seen first.
@@ -117,4 +137,49 @@ fn example_json(d: &Denial) -> Value {
 
 fn rfc3339(t: SystemTime) -> String {
     OffsetDateTime::from(t).format(&Rfc3339).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An example keeps the first few names of its address, however many
+    /// the sandbox had attributed there; the first is what is proposed.
+    #[test]
+    fn an_example_keeps_a_few_names() {
+        let names: Vec<Hostname> = (0..40)
+            .map(|i| Hostname::parse(&format!("n{i}.test")).expect("name"))
+            .collect();
+        let proposed = Proposed::default();
+        let id = SandboxId::new("a");
+        let seen = Seen {
+            dst: "203.0.113.7:443".parse().expect("dst"),
+            sni: None,
+            host: None,
+            attributed: &names,
+            reason: "no_allow_match",
+        };
+        proposed.record((&id, || true), seen, None);
+        // A sandbox gone since its flow was judged proposes nothing.
+        let gone = SandboxId::new("gone");
+        let seen = Seen {
+            dst: "203.0.113.7:443".parse().expect("dst"),
+            sni: None,
+            host: None,
+            attributed: &names,
+            reason: "no_allow_match",
+        };
+        proposed.record((&gone, || false), seen, None);
+        assert!(proposed.list(&gone, &PlatformDenies::builtin()).is_empty());
+        let list = proposed.list(&id, &PlatformDenies::builtin());
+        let doc = document("a", &list);
+        let p = &doc["proposals"][0];
+        assert_eq!(p["rule"], json!({"domain": "n0.test"}), "{doc}");
+        let example = &p["examples"][0];
+        assert_eq!(
+            example["attributed"].as_array().map(Vec::len),
+            Some(EXAMPLE_NAMES),
+            "{doc}"
+        );
+    }
 }

@@ -111,6 +111,15 @@ impl Registry {
         self.snapshot.load().by_id.get(id).cloned()
     }
 
+    /// Whether `sandbox`'s registration is still the one its id names.
+    pub fn is_current(&self, sandbox: &Sandbox) -> bool {
+        self.snapshot
+            .load()
+            .by_id
+            .get(&sandbox.id)
+            .is_some_and(|now| now.serial == sandbox.serial)
+    }
+
     pub fn ids(&self) -> Vec<SandboxId> {
         self.snapshot.load().by_id.keys().cloned().collect()
     }

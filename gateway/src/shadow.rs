@@ -31,6 +31,7 @@ use prometheus_client::metrics::family::Family;
 use crate::decide::{judge, request_names, Claims, Decided};
 use crate::doh::DohNames;
 use crate::metrics::ShadowLabels;
+use crate::proposed::EXAMPLE_NAMES;
 
 pub(crate) use report::Report;
 
@@ -185,7 +186,8 @@ pub(crate) fn flow(
         let example = || {
             json!({
                 "src": src, "dst": claims.dst, "sni": claims.sni, "host": claims.host,
-                "attributed": &*names, "protocol": claims.protocol.as_str(),
+                "attributed": &names[..names.len().min(EXAMPLE_NAMES)],
+                "protocol": claims.protocol.as_str(),
                 "verdict": active.verdict, "reason": active.reason,
             })
         };
@@ -249,7 +251,7 @@ pub(crate) fn request(j: &Judge<'_>, shadow: &Shadow, req: &Request<'_>, active:
                 .collect();
             json!({
                 "dst": req.claims.dst, "sni": req.claims.sni, "host": req.claims.host,
-                "attributed": req.attributed,
+                "attributed": &req.attributed[..req.attributed.len().min(EXAMPLE_NAMES)],
                 "method": req.method.chars().take(egress_policy::http::MAX_METHOD_LEN).collect::<String>(), "path": path,
                 "verdict": active.verdict, "reason": active.reason,
             })

@@ -99,7 +99,9 @@ fn propose(dp: &Dataplane, accepted: &Accepted, claims: &Claims<'_>, decided: &D
         attributed: &decided.lookup.names(),
         reason: decided.verdict.code(),
     };
-    dp.proposed.record(&accepted.sandbox.id, seen, None);
+    let sb = &accepted.sandbox;
+    dp.proposed
+        .record((&sb.id, || dp.registry.is_current(sb)), seen, None);
 }
 
 /// An allowed flow the gateway does not read, admitted by the budget

@@ -311,7 +311,8 @@ impl Conn {
                     attributed: &decided.lookup.names(),
                     reason: verdict.code(),
                 };
-                self.dp.proposed.record(&sb.id, seen, None);
+                let live = || self.dp.registry.is_current(sb);
+                self.dp.proposed.record((&sb.id, live), seen, None);
                 self.note_denied(rec, verdict.code(), || {
                     let host = host.map_or_else(|| "-".to_owned(), ToString::to_string);
                     format!("{} (the request's host {host})", verdict.code())
@@ -523,7 +524,8 @@ impl Conn {
             path,
             level,
         };
-        self.dp.proposed.record(&sb.id, seen, Some(request));
+        let live = || self.dp.registry.is_current(sb);
+        self.dp.proposed.record((&sb.id, live), seen, Some(request));
     }
 
     /// The budget stage, after the policy let the request through: its
