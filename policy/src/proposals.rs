@@ -34,8 +34,9 @@
 //!   (`*.co.uk`, `*.github.io`), since a registrable domain is one label
 //!   more than its suffix.
 //! - At least [`AGGREGATE_ADDRESSES`] addresses in one `/24` (IPv4) or `/48`
-//!   (IPv6) are listed as that network, unless it overlaps a platform deny;
-//!   fewer stay single `ip` entries.
+//!   (IPv6) are also listed as that network, beside the addresses, unless
+//!   it overlaps a platform deny. An address that embeds an IPv4 one
+//!   (mapped, NAT64) is proposed as that one.
 //!
 //! Bounds: [`MAX_SEEN`] entries per sandbox (the least recently seen is
 //! evicted), [`MAX_EXAMPLES`] examples per entry (the most recent).
@@ -220,7 +221,12 @@ fn key_of(d: &Denial) -> Option<Key> {
         // The address was attributed, but no longer is: resolving it again
         // is the fix, not an address entry that opens it to every name.
         (_, None) if matches!(d.reason, "expired" | "evicted") => None,
-        (_, None) => Some(Key::Addr(canonical_ip(d.dst.ip()))),
+        // An address that embeds an IPv4 one (mapped, NAT64) is proposed
+        // as that address, as policy reads it: grouped with its own kind,
+        // never into a `/48` of the NAT64 prefix, which is every address.
+        (_, None) => Some(Key::Addr(
+            crate::dest::embedded_ipv4(d.dst.ip()).map_or(canonical_ip(d.dst.ip()), IpAddr::V4),
+        )),
     }
 }
 
@@ -277,7 +283,8 @@ fn wildcards(names: BTreeMap<&Hostname, &Seen>) -> Vec<Proposal> {
 }
 
 /// Addresses, with [`AGGREGATE_ADDRESSES`] or more in one `/24` or `/48`
-/// (that no platform deny overlaps) merged into it.
+/// (that no platform deny overlaps) merged into it; each stays a proposal
+/// of its own too, so the operator can approve only the one they looked at.
 fn networks(addrs: BTreeMap<IpAddr, &Seen>, platform: &PlatformDenies) -> Vec<Proposal> {
     let mut groups: BTreeMap<IpNet, Vec<(IpAddr, &Seen)>> = BTreeMap::new();
     for (ip, seen) in addrs {
@@ -288,13 +295,12 @@ fn networks(addrs: BTreeMap<IpAddr, &Seen>, platform: &PlatformDenies) -> Vec<Pr
         if members.len() >= AGGREGATE_ADDRESSES && !overlaps_platform(net, platform) {
             let merged = Seen::merged(members.iter().map(|(_, s)| *s));
             out.push(merged.proposal(Destination::Cidr(net).into()));
-        } else {
-            out.extend(
-                members
-                    .into_iter()
-                    .map(|(ip, s)| s.proposal(Destination::Ip(ip).into())),
-            );
         }
+        out.extend(
+            members
+                .into_iter()
+                .map(|(ip, s)| s.proposal(Destination::Ip(ip).into())),
+        );
     }
     out
 }

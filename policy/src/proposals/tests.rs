@@ -219,12 +219,34 @@ fn addresses_aggregate_to_their_network_only_at_the_threshold() {
         [
             r#"{"cidr":"198.51.100.0/24"}"#,
             r#"{"cidr":"2001:db8:1::/48"}"#,
+            r#"{"ip":"198.51.100.200"}"#,
+            r#"{"ip":"198.51.100.7"}"#,
+            r#"{"ip":"198.51.100.8"}"#,
+            r#"{"ip":"2001:db8:1:2::1"}"#,
+            r#"{"ip":"2001:db8:1:3::1"}"#,
+            r#"{"ip":"2001:db8:1:ff::9"}"#,
             r#"{"ip":"203.0.113.1"}"#,
         ]
     );
-    // A mapped address is its IPv4 address.
+    // A mapped or NAT64 address is its IPv4 address.
     p.record(flow("[::ffff:203.0.113.1]:443", None, "no_allow_match", 4));
-    assert_eq!(rules(&p).len(), 3);
+    assert_eq!(rules(&p).len(), 9);
+    for (i, a) in ["[64:ff9b::cb00:7102]:443", "[64:ff9b::cb00:7103]:443"]
+        .iter()
+        .enumerate()
+    {
+        p.record(flow(a, None, "no_allow_match", 5 + i as u64));
+    }
+    let now = rules(&p);
+    assert!(
+        now.contains(&r#"{"cidr":"203.0.113.0/24"}"#.to_owned()),
+        "{now:?}"
+    );
+    assert!(
+        now.contains(&r#"{"ip":"203.0.113.2"}"#.to_owned()),
+        "{now:?}"
+    );
+    assert!(!now.iter().any(|r| r.contains("64:ff9b")), "{now:?}");
 }
 
 #[test]
