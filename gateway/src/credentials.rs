@@ -301,9 +301,14 @@ fn host_credentials<'a>(
 ) -> Result<Vec<(usize, &'a Credential)>, Refused> {
     let mut mine = Vec::new();
     let mut required = None;
-    // The target as an origin that decodes it reads it: a placeholder
-    // written in escapes (`EGRESS%5FPH`) is the placeholder there.
-    let target = decoded(target.as_bytes());
+    // The target and the header values as an origin that decodes them
+    // reads them: a placeholder written in escapes (`EGRESS%5FPH`) is the
+    // placeholder there. Each stage of decoding, read once for every
+    // credential.
+    let mut forms = decodings(target.as_bytes());
+    for v in headers.values() {
+        forms.extend(decodings(v.as_bytes()).into_iter().skip(1));
+    }
     for (index, c) in list.iter().enumerate() {
         let covers = |n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
         match names {
@@ -316,9 +321,9 @@ fn host_credentials<'a>(
             }
             _ => {}
         }
-        // Raw or escaped: the decoding holds the raw text unchanged.
-        let in_target = contains(&target, c.placeholder.as_bytes());
-        if in_target || carries_in_any_form(c, headers) {
+        let needle = c.placeholder.as_bytes();
+        let escaped = forms.iter().any(|f| contains(f, needle));
+        if escaped || carries(c, headers) {
             return Err(Refused {
                 why: Refusal::HostMismatch,
                 index,
@@ -430,29 +435,20 @@ fn carries(c: &Credential, headers: &HeaderMap) -> bool {
         .any(|v| contains(v.as_bytes(), c.placeholder.as_bytes()))
 }
 
-/// Whether any header value carries `c`'s placeholder, raw or in escapes
-/// (a cookie's value, say, which frameworks decode).
-fn carries_in_any_form(c: &Credential, headers: &HeaderMap) -> bool {
-    let needle = c.placeholder.as_bytes();
-    headers
-        .values()
-        .any(|v| contains(v.as_bytes(), needle) || contains(&decoded(v.as_bytes()), needle))
-}
-
-/// `text` percent-decoded until it no longer changes, at most three times
-/// (an escape of an escape, `%2545`, is the placeholder's `E` to an origin
-/// that decodes twice).
-fn decoded(text: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    let mut out = std::borrow::Cow::Borrowed(text);
+/// `text` as sent, then each of its percent-decodings that changes it, at
+/// most three (an escape of an escape, `%2545`, is an `E` to an origin
+/// that decodes twice): every reading an origin may act on.
+fn decodings(text: &[u8]) -> Vec<std::borrow::Cow<'_, [u8]>> {
+    let mut out = vec![std::borrow::Cow::Borrowed(text)];
     for _ in 0..3 {
-        if !out.contains(&b'%') {
+        let Some(last) = out.last().filter(|l| l.contains(&b'%')) else {
+            break;
+        };
+        let next: Vec<u8> = percent_encoding::percent_decode(last).collect();
+        if next[..] == last[..] {
             break;
         }
-        let next: Vec<u8> = percent_encoding::percent_decode(&out).collect();
-        if next[..] == out[..] {
-            break;
-        }
-        out = std::borrow::Cow::Owned(next);
+        out.push(std::borrow::Cow::Owned(next));
     }
     out
 }

@@ -96,6 +96,10 @@ fn the_value_replaces_the_placeholder_only_for_its_hosts() {
         (Some("evil.test"), "/?k=EGRESS%5FPH%5fGITHUB", vec![]),
         (Some("evil.test"), "/%45GRESS_PH_GITHUB/x", vec![]),
         (Some("evil.test"), "/?k=%2545GRESS_PH_GITHUB", vec![]),
+        // Raw, but decoding would change it: the raw reading counts too.
+        (Some("evil.test"), "/?k=%4EGRESS_PH_GITHUB", vec![]),
+        // The placeholder at the first decoding only.
+        (Some("evil.test"), "/?k=%254%45GRESS_PH_GITHUB", vec![]),
         (
             Some("evil.test"),
             "/",
