@@ -80,6 +80,9 @@ struct Recorded {
     host: Option<String>,
     #[serde(default)]
     attributed: Vec<String>,
+    /// Names the line left out of `attributed` (it lists 8).
+    #[serde(default)]
+    attributed_left_out: Option<usize>,
     verdict: String,
     #[serde(default)]
     reason: Option<String>,

@@ -99,7 +99,14 @@ pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded]) -> Value {
     let mut entries: HashMap<(String, Judged, Judged), Entry> = HashMap::new();
     let mut order = Vec::new();
     let mut unchanged = 0u64;
+    let mut partial = 0u64;
     for (i, r) in flows.iter().enumerate() {
+        // A line that lists only some of its names cannot be judged as the
+        // gateway judged it: counted, not guessed.
+        if r.attributed_left_out.is_some() {
+            partial += 1;
+            continue;
+        }
         let active = Judged {
             verdict: r.verdict.clone(),
             reason: r.reason.clone().unwrap_or_default(),
@@ -141,6 +148,7 @@ pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded]) -> Value {
     json!({
         "flows": flows.len(),
         "unchanged": unchanged,
+        "partial": partial,
         "differences": differences,
     })
 }
