@@ -188,8 +188,8 @@ pub const MAX_OVERRIDES: usize = 16;
 /// Every method a request's overrides name, as sent: its override headers'
 /// values and its query's `_method` parameters (Laravel, Symfony and
 /// Express's method-override read them), decoded and trimmed. A query key
-/// is read as PHP reads it (leading blanks dropped, `.` and blanks made
-/// `_`), so `.method` and ` _method` count too.
+/// is read as PHP reads it ([`is_method_key`]), so `.method`, ` _method`
+/// and `_method%00x` count too.
 pub fn override_values<'a>(
     headers: &'a http::HeaderMap,
     target: &'a str,
@@ -200,7 +200,7 @@ pub fn override_values<'a>(
         .map(|v| String::from_utf8_lossy(v.as_bytes()));
     let query = target.split_once('?').map_or("", |(_, q)| q);
     let from_query = form_urlencoded::parse(query.as_bytes())
-        .filter(|(k, _)| php_key(k) == "_method")
+        .filter(|(k, _)| is_method_key(k))
         .map(|(_, v)| v);
     from_headers.chain(from_query).map(|v| match v {
         std::borrow::Cow::Borrowed(b) => std::borrow::Cow::Borrowed(b.trim()),
@@ -208,13 +208,16 @@ pub fn override_values<'a>(
     })
 }
 
-/// A query key as PHP's `$_GET` has it: leading blanks dropped, `.` and
-/// blanks made `_`.
-fn php_key(key: &str) -> String {
-    key.trim_start_matches(' ')
-        .chars()
-        .map(|c| if c == '.' || c == ' ' { '_' } else { c })
-        .collect()
+/// Whether a query key is `_method` as PHP's `$_GET` reads it: up to its
+/// first NUL, leading blanks dropped, `.` and blanks taken for `_`.
+fn is_method_key(key: &str) -> bool {
+    let key = key.split('\0').next().unwrap_or("");
+    let key = key.trim_start_matches(' ');
+    key.len() == "_method".len()
+        && key
+            .bytes()
+            .zip("_method".bytes())
+            .all(|(k, m)| k == m || (m == b'_' && matches!(k, b'.' | b' ')))
 }
 
 /// The methods a request may be taken for besides its own `method`
@@ -386,6 +389,8 @@ mod tests {
             ("/x?+_method=PUT&_method=put&x=1", vec!["PUT"]),
             ("/x?_method=POST", vec![]),
             ("/x?method=DELETE&_methods=DELETE", vec![]),
+            // PHP reads a key up to its NUL.
+            ("/x?_method%00x=DELETE", vec!["DELETE"]),
         ] {
             assert_eq!(
                 method_overrides("POST", &headers, target),

@@ -36,12 +36,18 @@ pub(super) fn admit(
         .collect();
     let entries = budgets.charged(&evidence, &claims);
     let now = dp.cache.now();
+    // Each entry is charged, refused or not: one that is spent must not
+    // keep the peeked bytes from the other.
+    let mut refused = None;
     for (rule, budget) in &entries {
         if let Err(over) = dp.budgets.connect(&sandbox.id, budget, peeked as u64, now) {
-            dp.metrics.budget_exceeded(over);
-            let why = describe(over, budget);
-            return Err(format!("budgets[{rule}] ({}): {why}", budget.destination));
+            refused = refused.or(Some((rule, budget, over)));
         }
+    }
+    if let Some((rule, budget, over)) = refused {
+        dp.metrics.budget_exceeded(over);
+        let why = describe(over, budget);
+        return Err(format!("budgets[{rule}] ({}): {why}", budget.destination));
     }
     let metered: Vec<(u32, Budget)> = entries
         .into_iter()

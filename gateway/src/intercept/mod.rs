@@ -125,22 +125,32 @@ struct Conn {
 struct BudgetCharge {
     activity: Arc<Counts>,
     charged: AtomicU64,
-    /// The last request's entry (`u32::MAX`: none), charged the rest at the end.
-    rule: std::sync::atomic::AtomicU32,
-    /// Its second entry, its evidence's, when a claim chose the first
-    /// (`u32::MAX`: none): charged alike.
-    also: std::sync::atomic::AtomicU32,
+    /// The last request's entries, charged the rest at the end: its first
+    /// in the high half, its evidence's (when a claim chose the first) in
+    /// the low one, `u32::MAX` for none. One word, so that two HTTP/2
+    /// streams storing theirs at once never leave a mix of the two.
+    entries: AtomicU64,
 }
 
 impl BudgetCharge {
-    /// The last request's entries in `budgets`, by index.
+    /// Keeps the last request's entries (`u32::MAX`: none).
+    fn store(&self, first: u32, also: u32) {
+        let packed = (u64::from(first) << 32) | u64::from(also);
+        self.entries
+            .store(packed, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The last request's entries in `budgets`, by index, each once.
     fn entries<'b>(
         &self,
         budgets: &'b egress_policy::budget::Budgets,
     ) -> Vec<(u32, &'b egress_policy::budget::Budget)> {
-        [&self.rule, &self.also]
-            .iter()
-            .map(|r| r.load(std::sync::atomic::Ordering::Relaxed))
+        let packed = self.entries.load(std::sync::atomic::Ordering::Relaxed);
+        let (first, also) = ((packed >> 32) as u32, packed as u32);
+        let also = Some(also).filter(|a| *a != first);
+        [Some(first), also]
+            .into_iter()
+            .flatten()
             .filter_map(|i| Some((i, budgets.iter().nth(usize::try_from(i).ok()?)?)))
             .collect()
     }
@@ -346,8 +356,7 @@ impl Conn {
             budget: BudgetCharge {
                 activity,
                 charged: AtomicU64::new(0),
-                rule: std::sync::atomic::AtomicU32::new(u32::MAX),
-                also: std::sync::atomic::AtomicU32::new(u32::MAX),
+                entries: AtomicU64::new(u64::MAX),
             },
             rest: Rest::default(),
             bridge: Mutex::new(None),

@@ -145,8 +145,15 @@ impl Conn {
             Err(Refused::BadRequest(why)) => return refuse(&req, why, rec),
             Err(Refused::Misdirected) => return misdirected(),
         };
-        let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
-        if method_overrides(req.method().as_str(), req.headers(), target).len() > MAX_OVERRIDES {
+        // The methods overrides name, read once, where something judges
+        // them: the per-request rules, or a shadow's.
+        let overrides = if sb.policy.has_request_rules() || sb.shadow.is_some() {
+            let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+            method_overrides(req.method().as_str(), req.headers(), target)
+        } else {
+            Vec::new()
+        };
+        if overrides.len() > MAX_OVERRIDES {
             let why = format!("more than {MAX_OVERRIDES} methods named by method overrides");
             return refuse(&req, why, rec);
         }
@@ -156,11 +163,13 @@ impl Conn {
             Judgement::Allowed(allowed) => allowed,
             Judgement::Misdirected => return misdirected(),
             Judgement::Denied(denial) => {
-                self.shadow_request(sb, &req, host, &lookup, deny_of(&denial));
+                let active = deny_of(&denial);
+                self.shadow_request(sb, (&req, &overrides), host, &lookup, active);
                 return refused_after_body(req, denial).await;
             }
         };
-        if let Err(denial) = self.checked(sb, &mut req, (host, &lookup, allowed), rec) {
+        let asked = (&mut req, &overrides[..]);
+        if let Err(denial) = self.checked(sb, asked, (host, &lookup, allowed), rec) {
             return refused_after_body(req, denial).await;
         }
         // The name the origin's certificate must carry (none: its address),
@@ -176,11 +185,11 @@ impl Conn {
     fn checked(
         &self,
         sb: &Sandbox,
-        req: &mut Request<ClientBody>,
+        (req, overrides): (&mut Request<ClientBody>, &[String]),
         (host, lookup, allowed): (Option<&Hostname>, &Lookup, Judged),
         rec: &mut RequestRecord,
     ) -> Result<(), Denial> {
-        let checked = self.per_request(sb, req, host, lookup, rec);
+        let checked = self.per_request(sb, (req, overrides), host, lookup, rec);
         if sb.shadow.is_some() {
             let active = match &checked {
                 Err(Stage::Rules(d)) => deny_of(d),
@@ -188,7 +197,7 @@ impl Conn {
                 // shares the credentials, and would refuse it too.
                 Ok(()) | Err(Stage::Credentials(_)) => allowed,
             };
-            self.shadow_request(sb, req, host, lookup, active);
+            self.shadow_request(sb, (req, overrides), host, lookup, active);
         }
         checked.map_err(Stage::into_denial)?;
         self.within_budget(sb, host, lookup, rec)
@@ -236,7 +245,7 @@ impl Conn {
     fn shadow_request(
         &self,
         sb: &Sandbox,
-        req: &Request<ClientBody>,
+        (req, overrides): (&Request<ClientBody>, &[String]),
         host: Option<&Hostname>,
         lookup: &Lookup,
         active: crate::shadow::Judged,
@@ -249,15 +258,13 @@ impl Conn {
             .uri()
             .path_and_query()
             .map_or_else(|| req.uri().path(), |pq| pq.as_str());
-        let method = req.method().as_str();
-        let overrides = method_overrides(method, req.headers(), target);
         let request = crate::shadow::Request {
             claims: self.claims(host),
             tls: self.tls,
             attributed: &attributed,
             gap: lookup.gap(),
-            method,
-            overrides: &overrides,
+            method: req.method().as_str(),
+            overrides,
             target,
         };
         let judge = crate::shadow::Judge {
@@ -337,7 +344,7 @@ impl Conn {
     fn per_request(
         &self,
         sb: &Sandbox,
-        req: &mut Request<ClientBody>,
+        (req, overrides): (&mut Request<ClientBody>, &[String]),
         host: Option<&Hostname>,
         lookup: &Lookup,
         rec: &mut RequestRecord,
@@ -351,13 +358,12 @@ impl Conn {
             .map_or_else(|| req.uri().path(), |pq| pq.as_str())
             .to_owned();
         let method = req.method().clone();
-        let overrides = method_overrides(method.as_str(), req.headers(), &target);
         let asked = Asked {
             sandbox: sb,
             host,
             lookup,
             method: method.as_str(),
-            overrides: &overrides,
+            overrides,
             target: &target,
         };
         self.request_rules(&asked, rec).map_err(Stage::Rules)?;
@@ -528,9 +534,10 @@ impl Conn {
         self.dp.proposed.record((&sb.id, live), seen, Some(request));
     }
 
-    /// The budget stage, after the policy let the request through: its
-    /// entry's request budget, and the bytes the flow moved so far charged
-    /// to it; over either, `429` (`budget_exceeded`). Budgets never allow.
+    /// The budget stage, after the policy let the request through: the
+    /// request budget of each entry it is charged to (one, or two:
+    /// `Budgets::charged`), and the bytes the flow moved so far charged to
+    /// each; over any, `429` (`budget_exceeded`). Budgets never allow.
     fn within_budget(
         &self,
         sb: &Sandbox,
@@ -560,16 +567,19 @@ impl Conn {
         let Some(&(first, _)) = entries.first() else {
             return Ok(());
         };
-        self.budget.rule.store(first, Ordering::Relaxed);
-        let also = entries.get(1).map_or(u32::MAX, |e| e.0);
-        self.budget.also.store(also, Ordering::Relaxed);
+        self.budget
+            .store(first, entries.get(1).map_or(u32::MAX, |e| e.0));
         let moved = self.budget.moved();
         let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
         let now = self.dp.cache.now();
-        let over = entries.iter().find_map(|&(rule, budget)| {
-            let over = self.dp.budgets.request(&sb.id, budget, delta, now).err()?;
-            Some((rule, budget, over))
-        });
+        // Every entry is charged the bytes, refused or not: a claim's entry
+        // that is spent must not keep them from the evidence's.
+        let mut over = None;
+        for &(rule, budget) in &entries {
+            if let Err(o) = self.dp.budgets.request(&sb.id, budget, delta, now) {
+                over = over.or(Some((rule, budget, o)));
+            }
+        }
         let Some((rule, budget, over)) = over else {
             return Ok(());
         };

@@ -225,3 +225,28 @@ async fn a_claimed_name_makes_the_budget_stricter_never_looser() {
         "{over}"
     );
 }
+
+/// A request refused by the entry its claim chose still charges the bytes
+/// moved before it to its evidence's entry: they are not lost with the
+/// refusal.
+#[tokio::test]
+async fn bytes_refused_on_a_claims_entry_still_reach_the_evidences() {
+    let e = env(Options::default()).await;
+    let p = r#"{"default": "allow",
+        "budgets": [{"destination": "pypi.example.test", "requests_per_minute": 1},
+                    {"destination": "*", "bytes_per_hour": 204800}]}"#;
+    e.sandbox("sb-a", SANDBOX_A, policy(p));
+    let mut s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let first = get(&mut s, "pypi.example.test", "/").await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    let big = get(&mut s, "x.example.test", "/bytes/250000").await;
+    assert!(big.starts_with("HTTP/1.1 200"), "{}", &big[..64]);
+    // The claim's entry is spent: 429, and the 250 kB go to `*` all the same.
+    let spent = get(&mut s, "pypi.example.test", "/").await;
+    assert!(spent.contains("budget_exceeded; rule=0"), "{spent}");
+    let after = get(&mut s, "x.example.test", "/").await;
+    assert!(
+        after.starts_with("HTTP/1.1 429") && after.contains("budget_exceeded; rule=1"),
+        "the bytes were charged to `*`: {after}"
+    );
+}
