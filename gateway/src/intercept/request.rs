@@ -534,6 +534,29 @@ impl Conn {
         self.dp.proposed.record((&sb.id, live), seen, Some(request));
     }
 
+    /// The entries of `budgets` a request to `host` is charged to. The
+    /// evidence: a terminated request's verified name, else the names
+    /// attributed to the address; a plain-HTTP `Host` that is not
+    /// attributed is a claim, which may add an entry, never take the
+    /// request out of its evidence's (`Budgets::charged`).
+    fn budget_entries<'b>(
+        &self,
+        budgets: &'b egress_policy::budget::Budgets,
+        host: Option<&Hostname>,
+        attributed: &[Hostname],
+    ) -> Vec<(u32, &'b egress_policy::budget::Budget)> {
+        let verified = host.filter(|_| self.tls);
+        let evidence: Vec<&Hostname> = match verified {
+            Some(v) => vec![v],
+            None => attributed.iter().collect(),
+        };
+        let claims: Vec<&Hostname> = host
+            .filter(|h| verified.is_none() && !attributed.contains(h))
+            .into_iter()
+            .collect();
+        budgets.charged(&evidence, &claims)
+    }
+
     /// The budget stage, after the policy let the request through: the
     /// request budget of each entry it is charged to (one, or two:
     /// `Budgets::charged`), and the bytes the flow moved so far charged to
@@ -549,21 +572,8 @@ impl Conn {
         if budgets.is_empty() {
             return Ok(());
         }
-        // The evidence: a terminated request's verified name, else the
-        // names attributed to the address; a plain-HTTP `Host` that is not
-        // attributed is a claim, which may add an entry, never take the
-        // request out of its evidence's (`Budgets::charged`).
         let attributed = lookup.names();
-        let verified = host.filter(|_| self.tls);
-        let evidence: Vec<&Hostname> = match verified {
-            Some(v) => vec![v],
-            None => attributed.iter().collect(),
-        };
-        let claims: Vec<&Hostname> = host
-            .filter(|h| verified.is_none() && !attributed.contains(h))
-            .into_iter()
-            .collect();
-        let entries = budgets.charged(&evidence, &claims);
+        let entries = self.budget_entries(budgets, host, &attributed);
         let Some(&(first, _)) = entries.first() else {
             return Ok(());
         };
