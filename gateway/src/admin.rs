@@ -36,7 +36,7 @@ use tokio::net::TcpListener;
 use crate::commit::{Change, Committer, NotApplied};
 use crate::control_http::{body_text, error, json_reply, Reply, MAX_BODY};
 use crate::credentials::{self};
-use crate::decide::{decide_question, explained, explained_request, Claims};
+use crate::decide::{explained, explained_request, judge_question, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
 use crate::registry::Extras;
@@ -383,17 +383,13 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
     };
     let claims =
         Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref()).with_stream(e.stream);
-    let decided = decide_question(
-        &ctl.dp.cache,
-        &sandbox.id,
-        &sandbox.policy,
-        &claims,
-        &ctl.dp.doh_names,
-    );
-    let names = decided.lookup.names();
-    let mut v = explained(&decided.verdict, &sandbox.policy, &names);
+    let lookup = ctl.dp.cache.names_for(&sandbox.id, claims.dst.ip());
+    let names = lookup.names();
+    let doh = &ctl.dp.doh_names;
+    let verdict = judge_question(&sandbox.policy, &claims, &names, lookup.gap(), doh);
+    let mut v = explained(&verdict, &sandbox.policy, &names);
     if let Some((method, path)) = &request {
-        if !decided.verdict.is_deny() {
+        if !verdict.is_deny() {
             // On a terminated flow the request's name is its Host, which must be the SNI.
             let name = host.as_ref().or(sni.as_ref());
             v["request"] = explained_request(&sandbox.policy, e.tls, name, &names, method, path);

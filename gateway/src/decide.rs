@@ -107,19 +107,6 @@ pub fn judge_question(
     judge(policy, claims, attributed, gap, doh)
 }
 
-/// [`decide`] for an explain question ([`judge_question`]).
-pub fn decide_question(
-    cache: &AttributionCache,
-    id: &SandboxId,
-    policy: &CompiledPolicy,
-    claims: &Claims<'_>,
-    doh: &DohNames,
-) -> Decided {
-    let lookup = cache.names_for(id, claims.dst.ip());
-    let verdict = judge_question(policy, claims, &lookup.names(), lookup.gap(), doh);
-    Decided { verdict, lookup }
-}
-
 /// Judges `claims` on the attribution given (`gap`: why `attributed` is
 /// empty); `doh` tells encrypted DNS from other TLS.
 pub fn judge(

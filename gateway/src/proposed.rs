@@ -152,24 +152,17 @@ mod tests {
             .collect();
         let proposed = Proposed::default();
         let id = SandboxId::new("a");
-        let seen = Seen {
+        let seen = || Seen {
             dst: "203.0.113.7:443".parse().expect("dst"),
             sni: None,
             host: None,
             attributed: &names,
             reason: "no_allow_match",
         };
-        proposed.record((&id, || true), seen, None);
+        proposed.record((&id, || true), seen(), None);
         // A sandbox gone since its flow was judged proposes nothing.
         let gone = SandboxId::new("gone");
-        let seen = Seen {
-            dst: "203.0.113.7:443".parse().expect("dst"),
-            sni: None,
-            host: None,
-            attributed: &names,
-            reason: "no_allow_match",
-        };
-        proposed.record((&gone, || false), seen, None);
+        proposed.record((&gone, || false), seen(), None);
         assert!(proposed.list(&gone, &PlatformDenies::builtin()).is_empty());
         let list = proposed.list(&id, &PlatformDenies::builtin());
         let doc = document("a", &list);
