@@ -176,12 +176,20 @@ pub(crate) async fn splice(
     ends: (Duration, &(dyn Fn() -> bool + Sync)),
 ) -> Result<Spliced, (TcpStream, TcpStream, io::Error)> {
     let (fault, ways) = {
+        // Each destination's count before the join: what the gateway wrote
+        // itself. Read after, it would take in what the join pushed at once
+        // (bytes queued before it), which the program counts too.
+        let written = |s: &TcpStream| tcp_info(s).map(|i| i.written).unwrap_or(0);
+        let bases = [written(&origin), written(&client)];
         let joined = kernel.join(&client, &origin);
         let joined = match joined {
             Ok(j) => j,
             Err(e) => return Err((client, origin, e)),
         };
-        let mut ways = [Way::default(), Way::default()];
+        let mut ways = bases.map(|base| Way {
+            base,
+            ..Way::default()
+        });
         let fault = watch(&joined, [&client, &origin], ends, &mut ways).await;
         if fault.is_some_and(|f| f != Fault::IDLE_TIMEOUT) {
             // Broken, not finished: neither side may take the end of the
@@ -269,15 +277,15 @@ async fn watch(
     (idle, removed): (Duration, &(dyn Fn() -> bool + Sync)),
     ways: &mut [Way; 2],
 ) -> Option<Fault> {
-    for (side, way) in ways.iter_mut().enumerate() {
-        // The destination's count so far: bytes the gateway wrote itself.
-        way.base = tcp_info(socks[1 - side]).map(|i| i.written).unwrap_or(0);
+    for way in ways.iter_mut() {
         way.gate = Gate {
             limit: WINDOW,
             consumed: 0,
         };
     }
-    let slow = (idle / 8).clamp(Duration::from_millis(10), Duration::from_secs(10));
+    // At most a second: a deleted sandbox's flow ends within one, as on
+    // every splice path.
+    let slow = (idle / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut last_moved = [0u64; 4];
     let mut last_taken = [0u64; 2];
     let mut heard = Instant::now();
