@@ -332,8 +332,11 @@ async fn pipe_pump(
 }
 
 /// Socket → pipe: one `splice(2)` of up to [`PIPE_CHUNK`] once `src` is
-/// readable; the bytes moved, 0 at EOF. A short fill clears the socket's
-/// readiness (it reports "would block" to `try_io`) but still counts.
+/// readable; the bytes moved, 0 at EOF. Only the kernel's "would block"
+/// clears the socket's readiness: a short fill is no sign the socket is
+/// drained (a pipe holds 16 buffers, not 64 KiB: small segments fill it
+/// before the bytes run out), and readiness is edge-triggered, so bytes
+/// left behind would wait for the next ones to arrive.
 async fn fill_pipe(
     src: &TcpStream,
     pipe_w: &OwnedFd,
@@ -341,18 +344,13 @@ async fn fill_pipe(
 ) -> std::io::Result<usize> {
     loop {
         src.readable().await?;
-        let mut short = 0;
         let got = src.try_io(Interest::READABLE, || {
-            let n = rustix::pipe::splice(src, None, pipe_w, None, PIPE_CHUNK, flags)?;
-            if n > 0 && n < PIPE_CHUNK {
-                short = n;
-                return Err(std::io::ErrorKind::WouldBlock.into());
-            }
-            Ok(n)
+            Ok(rustix::pipe::splice(
+                src, None, pipe_w, None, PIPE_CHUNK, flags,
+            )?)
         });
         match got {
             Ok(n) => return Ok(n),
-            Err(_) if short > 0 => return Ok(short),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),
         }
