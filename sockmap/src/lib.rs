@@ -295,11 +295,19 @@ impl Sockmap {
 
     /// The socket's received bytes go through the program (to its peer),
     /// counted from zero, redirected up to `limit`. The kernel refuses a
-    /// socket that is not ESTABLISHED.
+    /// socket that is not ESTABLISHED (a FIN can race the join); whatever
+    /// the join had put in the maps is then taken out again, so a failed
+    /// join holds no slot.
     pub fn join(&self, cookie: u64, socket: BorrowedFd<'_>, limit: u64) -> io::Result<()> {
         put(&self.tally, cookie, [0, 0])?;
-        self.set_gate(cookie, Gate { limit, consumed: 0 })?;
-        update(&self.joined, cookie, socket)
+        let joined = self
+            .set_gate(cookie, Gate { limit, consumed: 0 })
+            .and_then(|()| update(&self.joined, cookie, socket));
+        if joined.is_err() {
+            delete(&self.tally, cookie);
+            delete(&self.gate, cookie);
+        }
+        joined
     }
 
     /// The socket leaves `joined`: what it receives from here stays in its
