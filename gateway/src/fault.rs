@@ -58,6 +58,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::gateway("splice_backlog"),
     Fault::gateway("splice_broken"),
     Fault::gateway("sandbox_removed"),
+    Fault::gateway("drain_deadline"),
     Fault::gateway("proxy_unavailable"),
 ];
 
@@ -93,6 +94,8 @@ impl Fault {
     /// The flow's sandbox was deleted, or its source address taken from
     /// it, while the flow ran: cut (reset both ways).
     pub(crate) const SANDBOX_REMOVED: Self = Self::gateway("sandbox_removed");
+    /// Still open when the drain's time ran out: reset, not closed.
+    pub(crate) const DRAIN_DEADLINE: Self = Self::gateway("drain_deadline");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
     pub(crate) const HEAD_TIMEOUT: Self = Self::client("head_timeout");
     pub(crate) const BAD_REQUEST: Self = Self::client("bad_request");

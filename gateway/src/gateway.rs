@@ -162,6 +162,10 @@ enum Phase {
     Exit,
 }
 
+/// How long flows still open when the drain's time runs out have to reset
+/// and write their lines: past a tick of their watch (at most a second).
+const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
 const RESOLVER_PRIMARY: SocketAddr =
     SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(8, 8, 8, 8)), 53);
 const RESOLVER_ALT: SocketAddr =
@@ -392,7 +396,7 @@ impl Gateway {
         let left =
             match tokio::time::timeout(config.timeouts.drain, self.slots.acquire_many(all)).await {
                 Ok(_) => 0,
-                Err(_) => max - self.slots.available_permits(),
+                Err(_) => self.drain_over(max, all).await,
             };
         if !handed {
             save_budgets(&self.dp);
@@ -415,6 +419,17 @@ impl Gateway {
 impl Gateway {
     /// Seals the pushed state, lets go of the state directory and sends the
     /// successor the sockets and the attribution.
+    /// The drain's time ran out with flows open: spliced ones are told to
+    /// reset (they look at least every second) and write their lines, for
+    /// at most [`DRAIN_GRACE`]. The flows still open after it.
+    async fn drain_over(&self, max: usize, all: u32) -> usize {
+        self.dp.drain_over.store(true, Ordering::Release);
+        match tokio::time::timeout(DRAIN_GRACE, self.slots.acquire_many(all)).await {
+            Ok(_) => 0,
+            Err(_) => max - self.slots.available_permits(),
+        }
+    }
+
     async fn hand_over(&mut self, successor: (std::os::unix::net::UnixStream, bool)) {
         // Every acknowledged push is in the journal; none is acknowledged after.
         self.committer.seal().await;

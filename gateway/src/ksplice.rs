@@ -173,7 +173,7 @@ pub(crate) async fn splice(
     kernel: &KernelSplice,
     client: TcpStream,
     origin: TcpStream,
-    ends: (Duration, &(dyn Fn() -> bool + Sync)),
+    ends: (Duration, &(dyn Fn() -> Option<Fault> + Sync)),
 ) -> Result<Spliced, (TcpStream, TcpStream, io::Error)> {
     let (fault, ways) = {
         // Each destination's count before the join: what the gateway wrote
@@ -269,12 +269,12 @@ struct Wants {
 
 /// Watches a joined flow, keeping each direction's state in `ways`;
 /// `Some(fault)` if a reset, the idle timeout, the kernel's failure
-/// ([`Fault::SPLICE_BROKEN`]) or `removed` ([`Fault::SANDBOX_REMOVED`],
+/// ([`Fault::SPLICE_BROKEN`]) or `stop` (the fault it names,
 /// looked at each tick) ended it, `None` when both directions closed.
 async fn watch(
     joined: &Joined<'_>,
     socks: [&TcpStream; 2],
-    (idle, removed): (Duration, &(dyn Fn() -> bool + Sync)),
+    (idle, stop): (Duration, &(dyn Fn() -> Option<Fault> + Sync)),
     ways: &mut [Way; 2],
 ) -> Option<Fault> {
     for way in ways.iter_mut() {
@@ -329,8 +329,8 @@ async fn watch(
         ];
         let waiting = wants.iter().any(|w| w.soon);
         let behind = wants.iter().any(|w| w.behind);
-        if removed() {
-            return Some(Fault::SANDBOX_REMOVED);
+        if let Some(fault) = stop() {
+            return Some(fault);
         }
         if moved != last_moved {
             last_moved = moved;

@@ -31,15 +31,16 @@ use rustix::pipe::{PipeFlags, SpliceFlags};
 /// reset); the byte counts include the peeked bytes. With a byte budget
 /// (`meter`) the flow takes the gateway's copy, which charges every chunk
 /// before writing it: neither the sockmap nor `splice(2)` could be cut at
-/// the budget. Once `removed` says so (its sandbox is gone), at a tick of
-/// the idle watch, the flow is cut ([`Fault::SANDBOX_REMOVED`]).
+/// the budget. Once `stop` names a fault (its sandbox is gone, or the
+/// drain's time ran out), at a tick of the idle watch, the flow is cut
+/// with it.
 pub(crate) async fn splice_to(
     dp: &Dataplane,
     client: TcpStream,
     (dst, route): (std::net::SocketAddr, &Route),
     peeked: Vec<u8>,
     (config, meter): (&Config, Option<Meter>),
-    removed: impl Fn() -> bool + Sync,
+    stop: impl Fn() -> Option<Fault> + Sync,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
     let peeked_len = peeked.len() as u64;
@@ -47,7 +48,7 @@ pub(crate) async fn splice_to(
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
     let (client, origin) = match kernel {
         Some(kernel) => {
-            match crate::ksplice::splice(kernel, client, origin, (timeouts.idle, &removed)).await {
+            match crate::ksplice::splice(kernel, client, origin, (timeouts.idle, &stop)).await {
                 Ok(moved) => {
                     dp.metrics.spliced(SplicePath::Kernel);
                     return Ok(moved);
@@ -75,7 +76,7 @@ pub(crate) async fn splice_to(
     } else {
         SplicePath::User
     };
-    let ends = (timeouts.idle, removed);
+    let ends = (timeouts.idle, stop);
     let mut moved = splice(client, origin, ends, pipes, meter.as_ref()).await;
     dp.metrics.spliced(path);
     moved.up += peeked_len;
@@ -140,11 +141,11 @@ impl Pipes {
 /// `splice(2)`, inside the kernel, else through a buffer of the gateway's.
 /// A `meter` is charged for every chunk the copy moves (give it no pipes):
 /// the first that does not fit resets both sides instead of moving. Once
-/// `removed` says so, at a tick of the idle watch, both sides are reset.
+/// `stop` names a fault, at a tick of the idle watch, both sides are reset.
 pub(crate) async fn splice(
     client: TcpStream,
     origin: TcpStream,
-    (idle, removed): (Duration, impl Fn() -> bool),
+    (idle, stop): (Duration, impl Fn() -> Option<Fault>),
     pipes: Option<Pipes>,
     meter: Option<&Meter>,
 ) -> Spliced {
@@ -169,8 +170,8 @@ pub(crate) async fn splice(
             Ok(()) => (false, None, false),
             Err(fault) => (false, fault, true),
         },
-        why = quiet_for_then(&counts, idle, Duration::MAX, || {}, removed) => match why {
-            Quiet::Stop => (false, Some(Fault::SANDBOX_REMOVED), true),
+        why = quiet_for_then(&counts, idle, Duration::MAX, || {}, || stop().is_some()) => match why {
+            Quiet::Stop => (false, Some(stop().unwrap_or(Fault::SANDBOX_REMOVED)), true),
             _ => (true, Some(Fault::IDLE_TIMEOUT), false),
         },
         () = cut => (false, None, false),
@@ -417,7 +418,7 @@ pub(crate) mod tests {
         let task = tokio::spawn(splice(
             gw_client,
             gw_origin,
-            (Duration::from_secs(5), || false),
+            (Duration::from_secs(5), || None),
             pipes,
             None,
         ));
@@ -453,7 +454,7 @@ pub(crate) mod tests {
         let task = tokio::spawn(splice(
             gw_client,
             gw_origin,
-            (Duration::from_secs(5), || false),
+            (Duration::from_secs(5), || None),
             pipes,
             None,
         ));
@@ -511,7 +512,7 @@ pub(crate) mod tests {
         let task = tokio::spawn(splice(
             gw_client,
             gw_origin,
-            (TRICKLE_IDLE, || false),
+            (TRICKLE_IDLE, || None),
             pipes,
             None,
         ));
@@ -567,7 +568,7 @@ pub(crate) mod tests {
         let task = tokio::spawn(splice(
             gw_client,
             gw_origin,
-            (Duration::from_secs(10), || false),
+            (Duration::from_secs(10), || None),
             Some(pipes),
             None,
         ));

@@ -33,6 +33,10 @@ pub struct Dataplane {
     /// request boundary (HTTP/1.1 after the response in progress, HTTP/2
     /// with a GOAWAY), so their clients come back to a gateway that serves.
     pub(crate) draining: AtomicBool,
+    /// The drain's time ran out: spliced flows still open are reset (a
+    /// dropped task would close them with a FIN, which a client reading to
+    /// the end of the stream takes for a whole download).
+    pub(crate) drain_over: AtomicBool,
     /// The values of the sandboxes' host-bound credentials.
     pub(crate) secrets: crate::credentials::Secrets,
     /// The in-kernel splice, where it could be loaded (`splice.kernel`).
@@ -83,6 +87,7 @@ impl Dataplane {
             orig_dst,
             ready: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            drain_over: AtomicBool::new(false),
             secrets,
             kernel: None,
             doh_names,

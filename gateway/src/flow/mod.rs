@@ -118,8 +118,16 @@ async fn splice(
     let config = dp.config();
     let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
     let to = (accepted.dst, &route);
-    let removed = || !dp.registry.holds(src, &accepted.sandbox.id);
-    crate::splice::splice_to(dp, stream, to, peeked, (&config, meter), removed).await
+    let stop = || {
+        if dp.drain_over.load(std::sync::atomic::Ordering::Acquire) {
+            Some(crate::fault::Fault::DRAIN_DEADLINE)
+        } else if !dp.registry.holds(src, &accepted.sandbox.id) {
+            Some(crate::fault::Fault::SANDBOX_REMOVED)
+        } else {
+            None
+        }
+    };
+    crate::splice::splice_to(dp, stream, to, peeked, (&config, meter), stop).await
 }
 
 /// A denied flow: `403` with the reason where the protocol allows an answer

@@ -46,7 +46,7 @@ fn spliced(
     idle: Duration,
 ) -> tokio::task::JoinHandle<Spliced> {
     tokio::spawn(async move {
-        splice(k, gw_client, gw_origin, (idle, &|| false))
+        splice(k, gw_client, gw_origin, (idle, &|| None))
             .await
             .map_err(|(_, _, e)| e)
             .expect("joined")
@@ -502,7 +502,11 @@ async fn a_flow_whose_sandbox_is_removed_is_cut() {
     let Some(k) = kernel() else { return };
     let (mut client, gw_client) = pair().await;
     let (gw_origin, mut origin) = pair().await;
-    let removed = || REMOVED.load(std::sync::atomic::Ordering::Relaxed);
+    let removed = || {
+        REMOVED
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .then_some(Fault::SANDBOX_REMOVED)
+    };
     let task = tokio::spawn(async move {
         splice(k, gw_client, gw_origin, (Duration::from_secs(10), &removed))
             .await

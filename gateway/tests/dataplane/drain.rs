@@ -54,3 +54,57 @@ async fn a_drain_ends_intercepted_connections_at_their_next_request_boundary() {
         after.map(|r| r.status())
     );
 }
+
+/// A spliced flow still open when the drain's time runs out is reset, not
+/// closed: a client reading to the end of the stream must not take the cut
+/// for the end of a whole download. Its line is written, `drain_deadline`.
+#[tokio::test]
+async fn a_spliced_flow_open_at_the_drains_end_is_reset_and_logged() {
+    let e = env(Options {
+        drain: "1s",
+        ..Options::default()
+    })
+    .await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(
+            r#"{"default": "allow", "tls_interception": "on",
+                "tls_interception_exemptions": [{"wildcard_domain": "*.relay.example.test"}]}"#,
+        ),
+    );
+    e.resolve(SANDBOX_A, "a.relay.example.test.").await;
+    let (mut tls, minted) = e
+        .tls(
+            SANDBOX_A,
+            e.origins.relay,
+            "a.relay.example.test",
+            &[b"http/1.1"],
+        )
+        .await
+        .expect("handshake");
+    assert!(!minted, "spliced");
+    let Env { gateway, flows, .. } = e;
+    let left = gateway.run_until(async {}).await;
+    assert_eq!(left, 0, "the flow ended within the grace");
+    // The client learns of a cut, not of an end.
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read(&mut tls, &mut buf),
+    )
+    .await
+    .expect("an answer");
+    assert!(
+        read.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "reset, not an end: {read:?}"
+    );
+    let lines = flows.records();
+    assert!(
+        lines.iter().any(|l| l["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("drain_deadline"))),
+        "{lines:?}"
+    );
+}

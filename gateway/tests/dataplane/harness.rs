@@ -442,6 +442,8 @@ pub struct Options {
     pub peek: &'static str,
     pub idle: &'static str,
     pub request_head: &'static str,
+    /// `timeouts.drain`.
+    pub drain: &'static str,
     pub max_connections: usize,
     /// With more than 0: `limits.thread_per_core` with this many worker threads.
     pub workers: usize,
@@ -463,6 +465,7 @@ impl Default for Options {
             peek: "2s",
             idle: "10s",
             request_head: "30s",
+            drain: "30s",
             max_connections: 10_000,
             workers: 0,
             splice: "off",
@@ -550,6 +553,7 @@ pub async fn env(opts: Options) -> Env {
         tls_handshake = "2s"
         idle = "{idle}"
         request_head = "{request_head}"
+        drain = "{drain}"
         [limits]
         max_connections = {max_connections}
         {per_core}
@@ -565,6 +569,7 @@ pub async fn env(opts: Options) -> Env {
         peek = opts.peek,
         idle = opts.idle,
         request_head = opts.request_head,
+        drain = opts.drain,
         max_connections = opts.max_connections,
         splice = opts.splice,
         opaque_streams = opts.opaque_streams,
