@@ -417,8 +417,6 @@ impl Gateway {
 }
 
 impl Gateway {
-    /// Seals the pushed state, lets go of the state directory and sends the
-    /// successor the sockets and the attribution.
     /// The drain's time ran out with flows open: spliced ones are told to
     /// reset (they look at least every second) and write their lines, for
     /// at most [`DRAIN_GRACE`]. The flows still open after it.
@@ -430,6 +428,8 @@ impl Gateway {
         }
     }
 
+    /// Seals the pushed state, lets go of the state directory and sends the
+    /// successor the sockets and the attribution.
     async fn hand_over(&mut self, successor: (std::os::unix::net::UnixStream, bool)) {
         // Every acknowledged push is in the journal; none is acknowledged after.
         self.committer.seal().await;
