@@ -396,7 +396,11 @@ impl Gateway {
         let left =
             match tokio::time::timeout(config.timeouts.drain, self.slots.acquire_many(all)).await {
                 Ok(_) => 0,
-                Err(_) => self.drain_over(max, all).await,
+                Err(_) => {
+                    let open = max - self.slots.available_permits();
+                    self.drain_over(all).await;
+                    open
+                }
             };
         if !handed {
             save_budgets(&self.dp);
@@ -418,14 +422,11 @@ impl Gateway {
 
 impl Gateway {
     /// The drain's time ran out with flows open: spliced ones are told to
-    /// reset (they look at least every second) and write their lines, for
-    /// at most [`DRAIN_GRACE`]. The flows still open after it.
-    async fn drain_over(&self, max: usize, all: u32) -> usize {
+    /// reset (they look at least every second) and write their lines; they
+    /// have [`DRAIN_GRACE`] to end.
+    async fn drain_over(&self, all: u32) {
         self.dp.drain_over.store(true, Ordering::Release);
-        match tokio::time::timeout(DRAIN_GRACE, self.slots.acquire_many(all)).await {
-            Ok(_) => 0,
-            Err(_) => max - self.slots.available_permits(),
-        }
+        let _ = tokio::time::timeout(DRAIN_GRACE, self.slots.acquire_many(all)).await;
     }
 
     /// Seals the pushed state, lets go of the state directory and sends the

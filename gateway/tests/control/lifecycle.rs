@@ -223,7 +223,8 @@ async fn drains_open_flows_up_to_the_deadline(layout: &str) {
         .expect("task");
     assert_eq!(left, 0);
 
-    // With a flow that never ends, the deadline wins and says so.
+    // With a flow that never ends, the deadline wins and says so; the
+    // flow is reset, not closed.
     let gw = start(
         config(dir.path(), &format!("drain = \"300ms\"\n{layout}")),
         origin,
@@ -233,6 +234,13 @@ async fn drains_open_flows_up_to_the_deadline(layout: &str) {
     stuck.write_all(b"ping").await.expect("write");
     stuck.read_exact(&mut buf).await.expect("echo");
     assert_eq!(gw.run_until(async {}).await, 1);
+    let after = stuck.read(&mut buf).await;
+    assert!(
+        after
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "{after:?}"
+    );
 }
 
 #[tokio::test]
