@@ -292,6 +292,7 @@ fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
         NotApplied::Refused(e) => error(StatusCode::CONFLICT, &e.to_string(), Some(field)),
         NotApplied::Missing => error(StatusCode::NOT_FOUND, "no such sandbox", None),
         NotApplied::Failed(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
+        NotApplied::Conflict(e) => error(StatusCode::CONFLICT, &e, None),
     };
     rejected(ctl, reply)
 }

@@ -47,6 +47,8 @@ pub(crate) enum NotApplied {
     Missing,
     /// Not durable: not applied.
     Failed(String),
+    /// A promotion of a shadow a push has changed the policy under.
+    Conflict(String),
 }
 
 /// What became of a change.
@@ -196,10 +198,7 @@ impl Worker {
                     Some(s) => self.put(Arc::new(s), &mut records),
                     None => Err(NotApplied::Missing),
                 },
-                Change::Promote(id) => match self.registry.get(id).and_then(|s| s.promoted()) {
-                    Some(s) => self.put(Arc::new(s), &mut records),
-                    None => Err(NotApplied::Missing),
-                },
+                Change::Promote(id) => self.promote(id, &mut records),
                 Change::Delete(id) if self.registry.remove(id) => {
                     records.push(journal::Change::Delete(id.to_string()));
                     Ok(())
@@ -257,12 +256,40 @@ impl Worker {
         let Some(shadow) = &old.shadow else {
             return s.clone();
         };
-        let shadow = if old.credentials == s.credentials {
+        let same_credentials = old.credentials == s.credentials;
+        let shadow = if old.policy.policy() != s.policy.policy() {
+            let candidate = match same_credentials {
+                true => shadow.policy.clone(),
+                false => Arc::new(
+                    self.registry
+                        .compile_policy(shadow.policy.policy().clone(), &s.credentials),
+                ),
+            };
+            Arc::new(shadow.over_changed_policy(candidate))
+        } else if same_credentials {
             shadow.clone()
         } else {
             Arc::new(self.registry.compile_shadow(shadow.doc(), &s.credentials))
         };
         Arc::new(s.with_shadow(Some(shadow)))
+    }
+
+    /// Sandbox `id` with its shadow's candidate as its policy; refused
+    /// when a push changed the policy after the shadow was put (its report
+    /// never judged that change, and the promotion would undo it).
+    fn promote(&self, id: &SandboxId, records: &mut Vec<journal::Change>) -> Outcome {
+        let Some(s) = self.registry.get(id) else {
+            return Err(NotApplied::Missing);
+        };
+        if let Some(changed) = s.shadow.as_ref().and_then(|sh| sh.policy_changed.as_ref()) {
+            return Err(NotApplied::Conflict(format!(
+                "the policy of sandbox {id} changed at {changed}, after its shadow was put: put the shadow again, and read its report, before promoting it"
+            )));
+        }
+        match s.promoted() {
+            Some(s) => self.put(Arc::new(s), records),
+            None => Err(NotApplied::Missing),
+        }
     }
 
     /// Sandbox `id` with the shadow `doc` (or none); `None` without the sandbox.

@@ -280,7 +280,11 @@ impl Registry {
     }
 
     /// Compiles `policy` for a sandbox with `credentials`.
-    fn compile_policy(&self, policy: Policy, credentials: &[Credential]) -> CompiledPolicy {
+    pub(crate) fn compile_policy(
+        &self,
+        policy: Policy,
+        credentials: &[Credential],
+    ) -> CompiledPolicy {
         let hosts = credentials.iter().map(|c| {
             let list = c.hosts.iter().map(|h| h.destination()).collect();
             (c.name.as_str(), list)
@@ -293,6 +297,7 @@ impl Registry {
         Shadow::new(
             Arc::new(self.compile_policy(doc.policy, credentials)),
             doc.since,
+            doc.policy_changed,
         )
     }
 }

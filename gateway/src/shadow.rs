@@ -41,6 +41,9 @@ pub struct Shadow {
     pub policy: Arc<CompiledPolicy>,
     /// RFC 3339, when the candidate was put.
     pub since: String,
+    /// RFC 3339, when a push last changed the active policy under it: the
+    /// report counts from then, and the candidate is not promoted.
+    pub policy_changed: Option<String>,
     pub(crate) report: Report,
 }
 
@@ -71,29 +74,50 @@ pub enum Outcome {
 // === impl Shadow ===
 
 impl Shadow {
-    pub(crate) fn new(policy: Arc<CompiledPolicy>, since: String) -> Self {
+    pub(crate) fn new(
+        policy: Arc<CompiledPolicy>,
+        since: String,
+        policy_changed: Option<String>,
+    ) -> Self {
         Self {
             policy,
             since,
+            policy_changed,
             report: Report::default(),
         }
+    }
+
+    /// The same candidate over a policy a push has just changed: a new
+    /// report, and no promotion until it is put again.
+    pub(crate) fn over_changed_policy(&self, policy: Arc<CompiledPolicy>) -> Self {
+        Self::new(policy, self.since.clone(), Some(now()))
     }
 
     pub fn doc(&self) -> ShadowDoc {
         ShadowDoc {
             policy: self.policy.policy().clone(),
             since: self.since.clone(),
+            policy_changed: self.policy_changed.clone(),
         }
     }
 
     /// The `GET …/shadow` document.
     pub(crate) fn json(&self, sandbox: &str) -> Value {
-        json!({ "sandbox": sandbox, "policy": self.policy.policy(), "since": self.since })
+        let mut doc =
+            json!({ "sandbox": sandbox, "policy": self.policy.policy(), "since": self.since });
+        if let Some(changed) = &self.policy_changed {
+            doc["policy_changed"] = json!(changed);
+        }
+        doc
     }
 
     /// The `GET …/shadow/report` document.
     pub(crate) fn report_json(&self, sandbox: &str) -> Value {
-        self.report.json(sandbox, &self.since)
+        let mut doc = self.report.json(sandbox, &self.since);
+        if let Some(changed) = &self.policy_changed {
+            doc["policy_changed"] = json!(changed);
+        }
+        doc
     }
 }
 

@@ -101,6 +101,11 @@ pub struct SandboxDoc {
 pub struct ShadowDoc {
     pub policy: Policy,
     pub since: String,
+    /// RFC 3339: when a push last changed the sandbox's policy under the
+    /// shadow. Its report counts from then, and it is not promoted (put it
+    /// again over the new policy first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_changed: Option<String>,
 }
 
 /// `PUT /v1/sandboxes/{id}/shadow`'s body.

@@ -34,6 +34,7 @@ pub(crate) async fn put(ctl: &Control, id: &str, doc: PutShadow) -> Reply {
     let shadow = ShadowDoc {
         policy: doc.policy,
         since: crate::shadow::now(),
+        policy_changed: None,
     };
     match ctl
         .committer

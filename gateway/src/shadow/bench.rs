@@ -29,7 +29,7 @@ impl FlowBench {
         Self {
             doh: DohNames::new(&[]),
             diffs: Family::default(),
-            shadow: candidate.map(|p| Shadow::new(p, super::now())),
+            shadow: candidate.map(|p| Shadow::new(p, super::now(), None)),
         }
     }
 

@@ -161,3 +161,42 @@ async fn kept_by_pushes_and_restarts_promoted_and_deleted() {
     );
     gw.run_until(async {}).await;
 }
+
+#[tokio::test]
+async fn a_shadow_whose_policy_changed_is_held_across_a_restart() {
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    let gw = start(config(dir.path(), ""), origin).await;
+    let push = |policy: &str| format!(r#"{{"addresses": ["{SANDBOX}"], "policy": {policy}}}"#);
+    let shadow = format!(r#"{{"policy": {CANDIDATE}}}"#);
+    for (method, path, body) in [
+        ("PUT", "/v1/sandboxes/sb", push(ACTIVE)),
+        ("PUT", "/v1/sandboxes/sb/shadow", shadow),
+        (
+            "PUT",
+            "/v1/sandboxes/sb",
+            push(r#"{"allow": [{"ip": "127.0.0.3"}]}"#),
+        ),
+    ] {
+        let (status, v) = call(&gw, method, path, Some(&body)).await;
+        assert_eq!(status, 200, "{method} {path}: {v}");
+    }
+    let (_, before) = call(&gw, "GET", "/v1/sandboxes/sb/shadow", None).await;
+    assert!(before["policy_changed"].is_string(), "{before}");
+    gw.run_until(async {}).await;
+
+    let gw = start(config(dir.path(), ""), origin).await;
+    let (status, after) = call(&gw, "GET", "/v1/sandboxes/sb/shadow", None).await;
+    assert_eq!(
+        (status, &after),
+        (200, &before),
+        "restored from the journal"
+    );
+    let (status, v) = call(&gw, "POST", "/v1/sandboxes/sb/shadow/promote", None).await;
+    assert_eq!(status, 409, "{v}");
+    assert_eq!(
+        call(&gw, "GET", "/v1/sandboxes/sb", None).await.1["policy"]["allow"][0]["ip"],
+        "127.0.0.3"
+    );
+    gw.run_until(async {}).await;
+}

@@ -174,3 +174,57 @@ async fn the_flow_after_a_promotion_is_decided_by_the_candidate() {
         lines[1]
     );
 }
+
+#[tokio::test]
+async fn a_push_that_changes_the_policy_restarts_the_report_and_holds_the_promotion() {
+    let e = setup().await;
+    let tcp = e.connect(SANDBOX_A, e.origins.plain).await;
+    let (status, _) = http_get(tcp, false, "plain.example.test", "/x")
+        .await
+        .expect("get");
+    assert_eq!(status, 200);
+    let (_, report) = admin(&e, "GET", "/v1/sandboxes/a/shadow/report", None).await;
+    assert_eq!(report["flows"], 1, "{report}");
+    let push = |policy: &str| {
+        Some(format!(
+            r#"{{"addresses": ["{SANDBOX_A}"], "policy": {policy}}}"#
+        ))
+    };
+
+    // The same policy again: the report goes on.
+    let (status, v) = admin(&e, "PUT", "/v1/sandboxes/a", push(ACTIVE)).await;
+    assert_eq!(status, 200, "{v}");
+    let (_, report) = admin(&e, "GET", "/v1/sandboxes/a/shadow/report", None).await;
+    assert_eq!(report["flows"], 1, "{report}");
+    assert!(report.get("policy_changed").is_none(), "{report}");
+
+    // Another policy: the report counts from the change, and the
+    // candidate, written over the old one, is not promoted.
+    let changed = ACTIVE.replace(r#"{"domain": "plain.example.test"}, "#, "");
+    let (status, v) = admin(&e, "PUT", "/v1/sandboxes/a", push(&changed)).await;
+    assert_eq!(status, 200, "{v}");
+    let (_, report) = admin(&e, "GET", "/v1/sandboxes/a/shadow/report", None).await;
+    assert_eq!(report["flows"], 0, "{report}");
+    assert!(report["policy_changed"].is_string(), "{report}");
+    let (_, shadow) = admin(&e, "GET", "/v1/sandboxes/a/shadow", None).await;
+    assert_eq!(
+        shadow["policy_changed"], report["policy_changed"],
+        "{shadow}"
+    );
+    let (status, v) = admin(&e, "POST", "/v1/sandboxes/a/shadow/promote", None).await;
+    assert_eq!(status, 409, "{v}");
+    let (_, now) = admin(&e, "GET", "/v1/sandboxes/a", None).await;
+    assert_eq!(
+        now["policy"]["allow"].as_array().map(Vec::len),
+        Some(3),
+        "the pushed policy stays: {now}"
+    );
+
+    // Put again over the new policy, it is promoted.
+    let shadow = format!(r#"{{"policy": {CANDIDATE}}}"#);
+    let (status, v) = admin(&e, "PUT", "/v1/sandboxes/a/shadow", Some(shadow)).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v.get("policy_changed").is_none(), "{v}");
+    let (status, v) = admin(&e, "POST", "/v1/sandboxes/a/shadow/promote", None).await;
+    assert_eq!(status, 200, "{v}");
+}
