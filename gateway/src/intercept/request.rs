@@ -227,8 +227,11 @@ impl Conn {
             Ok(None) => return Err(Refused::BadRequest(AuthorityError::Missing.to_string())),
             Err(e) => return Err(Refused::BadRequest(e.to_string())),
         };
-        // An address where the TLS server name named a host is another claim.
-        if self.sni.is_some() && authority.name().is_none() {
+        // Under a TLS server name, the request's authority is that name:
+        // another (or an address) is another claim, and the origin was
+        // verified for the server name only. Whatever the policy says now
+        // (a push may have turned interception off since the hello).
+        if self.sni.is_some() && authority.name() != self.sni.as_ref() {
             return Err(Refused::Misdirected);
         }
         if self.dp.flow_log.enabled() {

@@ -364,6 +364,34 @@ async fn host_sni_mismatch_is_421_and_a_wrong_origin_certificate_is_502() {
     );
 }
 
+/// The `Host` of a request on a terminated flow must be its server name
+/// even when a push has since turned interception off: the origin was
+/// verified for the server name, and another name's credentials would go
+/// to it.
+#[tokio::test]
+async fn host_sni_mismatch_stays_421_after_interception_is_turned_off() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on"}"#),
+    );
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted);
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "off"}"#),
+    );
+    let (status, _) = http_get(tls, false, "alias.example.test", "/")
+        .await
+        .expect("answer");
+    assert_eq!(status, 421);
+}
+
 #[tokio::test]
 async fn a_non_http_tls_protocol_fails_intercepted_and_works_exempted() {
     let e = env(Options::default()).await;
