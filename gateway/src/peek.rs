@@ -79,6 +79,9 @@ const METHODS: &[&[u8]] = &[
 ];
 /// TLS handshake record content type.
 const HANDSHAKE: u8 = 0x16;
+/// The other TLS record types: change_cipher_spec, alert,
+/// application_data, heartbeat.
+const OTHER_RECORDS: [u8; 4] = [0x14, 0x15, 0x17, 0x18];
 /// Largest TLS plaintext record (RFC 8446 §5.1).
 const MAX_RECORD: usize = 16_384;
 /// The `server_name` extension (RFC 6066 §3).
@@ -143,6 +146,17 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
     if first == HANDSHAKE {
         return client_hello(buf)
             .map(|c| c.map_or(Step::NeedMore, |c| Step::Done(Classified::Tls(c))));
+    }
+    if OTHER_RECORDS.contains(&first) {
+        // A TLS record of another type first (an alert, a change of cipher
+        // spec, data, a heartbeat): a server may drop it and read a hello
+        // after it (Go's crypto/tls drops a warning alert before the
+        // handshake), so it is TLS the peek has not read a name from.
+        match buf.get(1) {
+            None => return Ok(Step::NeedMore),
+            Some(3) => return Err(PeekError::Malformed("a TLS record before the ClientHello")),
+            Some(_) => {}
+        }
     }
     match sslv2_hello(buf) {
         // TLS the peek cannot read a name from, which a server may still

@@ -225,6 +225,27 @@ async fn hello_without_sni_and_malformed_hellos() {
     ));
 }
 
+/// A warning alert (or any other record) before the hello: a server may
+/// drop it and take the hello after it, so the stream is no opaque one.
+#[tokio::test]
+async fn a_record_before_the_hello_is_malformed() {
+    for kind in [0x14u8, 0x15, 0x17, 0x18] {
+        let mut stream = vec![kind, 3, 1, 0, 2, 1, 0x5a];
+        stream.extend(records(&hello(Some("other.test"), &[], 0, false), 16_384));
+        let got = run(stream, 100).await;
+        assert!(
+            matches!(got, Err(PeekError::Malformed(_))),
+            "{kind:#x}: {got:?}"
+        );
+    }
+    assert_eq!(classify_bytes(&[0x15]), Ok(None), "one byte: read on");
+    let opaque = classify_bytes(&[0x15, 0x20, 0x20, 0x20]);
+    assert!(
+        matches!(opaque, Ok(Some(Classified::Opaque(_))) | Ok(None)),
+        "{opaque:?}"
+    );
+}
+
 /// Every way a server name can be read two ways, as `(what, hello)`.
 fn two_reading_hellos() -> Vec<(&'static str, Vec<u8>)> {
     let sni = |entries: &[(u8, &[u8])]| (0x0000u16, sni_data(entries));
