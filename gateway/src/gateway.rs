@@ -707,12 +707,13 @@ fn minter(config: &Config) -> Result<Arc<LeafMinter>, StartError> {
     Ok(Arc::new(LeafMinter::new(Arc::new(ca), mint)?))
 }
 
-/// The configured platform denies plus the gateway's own addresses, which
-/// are never a destination.
-/// The platform denies: the configured list, and the gateway's own
-/// addresses. A listener on a wildcard address listens on every address of
-/// the host, so every one of them is added (the host's public address is in
-/// no private range): no sandbox reaches a service of the host through it.
+/// The platform denies: the configured list, the gateway's own addresses,
+/// and its upstream proxies' addresses. A listener on a wildcard address
+/// listens on every address of the host, so every one of them is added (the
+/// host's public address is in no private range): no sandbox reaches a
+/// service of the host through it. A proxy may trust the worker by its
+/// address: a sandbox that reached it directly would use the worker's
+/// standing there, past every policy.
 fn platform(config: &Config, bound: &Bound) -> Result<PlatformDenies, StartError> {
     let mut list = config.policy.platform_deny.clone();
     let listeners = [
@@ -731,6 +732,13 @@ fn platform(config: &Config, bound: &Bound) -> Result<PlatformDenies, StartError
             egress_machine::host::read().map_err(|why| StartError::HostAddresses { what, why })?;
         own.extend(host);
     }
+    own.extend(
+        config
+            .upstream_proxy
+            .proxies
+            .values()
+            .map(|p| p.address.ip()),
+    );
     for ip in own {
         let d = Destination::Ip(ip.to_canonical());
         if !list.contains(&d) {
@@ -1157,6 +1165,33 @@ mod tests {
         let v = verdict(platform(&config, &one).expect("platform"), "127.0.0.1:22");
         assert_eq!(v.code(), "platform_deny");
         let v = verdict(platform(&config, &one).expect("platform"), "127.0.0.2:22");
+        assert_ne!(v.code(), "platform_deny");
+    }
+
+    /// An upstream proxy may trust the worker by its address: no sandbox
+    /// reaches it directly.
+    #[test]
+    fn the_upstream_proxies_are_no_destination() {
+        let config = Config::parse(
+            "[policy]\nplatform_deny = []\n[upstream_proxy.proxies.corp]\naddress = \"203.0.113.8:3128\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .expect("config");
+        let at = |s: &str| s.parse::<SocketAddr>().expect("addr");
+        let bound = Bound {
+            transparent: at("127.0.0.1:15001"),
+            dns: at("127.0.0.1:15053"),
+            dns_alt: at("127.0.0.1:15054"),
+            admin: at("127.0.0.1:15000"),
+        };
+        for dst in ["203.0.113.8:3128", "203.0.113.8:443"] {
+            let v = verdict(platform(&config, &bound).expect("platform"), dst);
+            assert_eq!(v.code(), "platform_deny", "{dst}");
+        }
+        let v = verdict(
+            platform(&config, &bound).expect("platform"),
+            "203.0.113.9:3128",
+        );
         assert_ne!(v.code(), "platform_deny");
     }
 }
