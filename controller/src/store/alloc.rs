@@ -6,6 +6,12 @@
 //! every address a live sandbox holds and releases it when the sandbox is
 //! destroyed or fails, so the primary key of `address_allocations` refuses
 //! a second holder whichever replica placed it.
+//!
+//! A released address is handed out again only once the worker's gateway
+//! has forgotten its last holder (the forget pushed: `pushed_generation`
+//! caught up): until then the gateway would judge the new sandbox's
+//! traffic under the old one's policy, and file it under the old one's
+//! proposals. Without it the new sandbox is unknown there, and denied.
 
 use std::net::IpAddr;
 use std::str::FromStr;
@@ -61,7 +67,7 @@ pub async fn allocate(
     let next = cursor(conn, worker, pool).await?;
     for _ in 0..FREE_TRIES {
         let released: Option<String> = sqlx::query_scalar(
-            "DELETE FROM address_free WHERE worker = $1 AND address = (SELECT address FROM address_free WHERE worker = $1 ORDER BY address LIMIT 1) RETURNING host(address)",
+            "DELETE FROM address_free WHERE worker = $1 AND address = (SELECT f.address FROM address_free f WHERE f.worker = $1 AND NOT EXISTS (SELECT 1 FROM sandboxes s WHERE s.worker = $1 AND s.generation > s.pushed_generation AND s.state IN ('destroyed', 'failed') AND f.address = ANY (s.addresses::inet[])) ORDER BY f.address LIMIT 1) RETURNING host(address)",
         )
         .bind(worker)
         .fetch_optional(&mut *conn)
@@ -102,8 +108,9 @@ async fn cursor(conn: &mut PgConnection, worker: &str, pool: &str) -> Result<i64
 }
 
 /// The pool's hosts from offset `next` on, skipping those a live sandbox
-/// holds (placed before this table existed, or by an older replica): each
-/// is passed once, as the cursor moves past it.
+/// holds (placed before this table existed, or by an older replica) and
+/// those an ended one held whose forget its gateway has not taken yet:
+/// each is passed once, as the cursor moves past it.
 async fn walk(
     conn: &mut PgConnection,
     worker: &str,
@@ -116,7 +123,7 @@ async fn walk(
         };
         next += 1;
         let held: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM address_allocations WHERE worker = $1 AND address = $2::inet)",
+            "SELECT EXISTS (SELECT 1 FROM address_allocations WHERE worker = $1 AND address = $2::inet) OR EXISTS (SELECT 1 FROM sandboxes s WHERE s.worker = $1 AND s.generation > s.pushed_generation AND s.state IN ('destroyed', 'failed') AND $2::inet = ANY (s.addresses::inet[]))",
         )
         .bind(worker)
         .bind(candidate.to_string())

@@ -30,6 +30,8 @@ pub struct State {
     pub events: Vec<Event>,
     /// When set, every push and resync is refused with this status and body.
     pub refuse: Option<(u16, String)>,
+    /// When set, every delete is answered `500`, nothing forgotten.
+    pub refuse_deletes: bool,
 }
 
 pub struct FakeGateway {
@@ -127,6 +129,10 @@ async fn answer(
             s.sandboxes.insert((*id).to_owned(), doc);
             s.generation += 1;
             (200, "{}".to_owned())
+        }
+        ("DELETE", ["v1", "sandboxes", id]) if s.refuse_deletes => {
+            s.events.push(Event::Delete((*id).to_owned()));
+            (500, "{}".to_owned())
         }
         ("DELETE", ["v1", "sandboxes", id]) => {
             s.events.push(Event::Delete((*id).to_owned()));

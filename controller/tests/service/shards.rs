@@ -241,6 +241,7 @@ async fn allocation_never_hands_an_address_twice_and_reuses_freed_ones() {
     let url = db!();
     let gw = FakeGateway::start().await;
     let api = allow_all_api(&url, gw.addr, "100.64.20.0/27").await;
+    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
     let created = futures_all((0..30).map(|_| e2b_create(api.addr))).await;
     let mut ids = Vec::new();
     for (s, v) in created {
@@ -273,6 +274,8 @@ async fn allocation_never_hands_an_address_twice_and_reuses_freed_ones() {
         .await;
         assert_eq!(s, 200, "{v}");
     }
+    // Handed out again once the gateway has forgotten them.
+    db_until(&url, UNFORGOTTEN, |n| n == 0).await;
     let again = futures_all((0..5).map(|_| e2b_create(api.addr))).await;
     let mut reused = BTreeSet::new();
     for (s, v) in again {
@@ -280,6 +283,56 @@ async fn allocation_never_hands_an_address_twice_and_reuses_freed_ones() {
         reused.insert(address(&api, v["sandboxID"].as_str().expect("id")).await);
     }
     assert_eq!(reused, freed, "the released addresses, each once");
+}
+
+/// Ended sandboxes whose forget no gateway has taken yet.
+const UNFORGOTTEN: &str = "SELECT count(*) FROM sandboxes WHERE state IN ('destroyed', 'failed') AND generation > pushed_generation";
+
+/// A destroyed sandbox's address is not handed out while its gateway has
+/// not forgotten it: the gateway would judge the new sandbox's traffic
+/// under the old one's policy. Once the forget lands, it is.
+#[tokio::test]
+async fn an_address_waits_for_its_gateway_to_forget_its_last_holder() {
+    let url = db!();
+    let gw = FakeGateway::start().await;
+    let api = allow_all_api(&url, gw.addr, "100.64.21.0/30").await;
+    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 201, "{v}");
+    let first = v["sandboxID"].as_str().expect("id").to_owned();
+    let held = address(&api, &first).await;
+    gw.state.lock().expect("state").refuse_deletes = true;
+    let (s, v) = call(
+        api.addr,
+        "DELETE",
+        &format!("/v1/sandboxes/{first}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    db_until(
+        &url,
+        "SELECT count(*) FROM sandboxes WHERE state = 'destroyed'",
+        |n| n == 1,
+    )
+    .await;
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 201, "{v}");
+    let second = address(&api, v["sandboxID"].as_str().expect("id")).await;
+    assert_ne!(second, held, "the other host of the pool");
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 503, "the gateway still holds {held}: {v}");
+
+    gw.state.lock().expect("state").refuse_deletes = false;
+    db_until(&url, UNFORGOTTEN, |n| n == 0).await;
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        address(&api, v["sandboxID"].as_str().expect("id")).await,
+        held
+    );
 }
 
 /// Runs the futures concurrently on this task's runtime.
