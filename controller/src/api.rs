@@ -266,20 +266,10 @@ const MAX_POLICY: usize = MAX_BODY - 16 * 1024;
 /// Refuses an effective `policy` whose push to a gateway, with `addresses`,
 /// would be larger than a gateway takes.
 pub(crate) fn pushable(policy: &Policy, addresses: &[String]) -> Result<(), Reply> {
-    let doc = egress_api::gateway::PutSandbox {
-        addresses: addresses.iter().filter_map(|a| a.parse().ok()).collect(),
-        policy: policy.clone(),
-        credentials: Vec::new(),
-        upstream_proxy: None,
-    };
-    let bytes = serde_json::to_vec(&doc).map_or(usize::MAX, |b| b.len());
-    if bytes > MAX_BODY {
-        return Err(error(
-            StatusCode::BAD_REQUEST,
-            &format!("policy: the effective policy (profiles, exemptions and approvals added) makes a {bytes}-byte document for the gateway, which takes at most {MAX_BODY}"),
-        ));
+    match crate::compose::oversized(policy, addresses) {
+        Some(why) => Err(error(StatusCode::BAD_REQUEST, &why)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// `{"error": message}` (the contract crate's error, no field named).

@@ -7,6 +7,23 @@ use serde::Serialize;
 
 use crate::config::Deployment;
 
+/// Why an effective `policy`, pushed with `addresses`, is larger than a
+/// gateway takes (`None`: it is not). Checked before such a policy is saved,
+/// so that what the API acknowledges is what the gateway enforces.
+pub fn oversized(policy: &Policy, addresses: &[String]) -> Option<String> {
+    use egress_api::body::MAX_BODY;
+    let doc = egress_api::gateway::PutSandbox {
+        addresses: addresses.iter().filter_map(|a| a.parse().ok()).collect(),
+        policy: policy.clone(),
+        credentials: Vec::new(),
+        upstream_proxy: None,
+    };
+    let bytes = serde_json::to_vec(&doc).map_or(usize::MAX, |b| b.len());
+    (bytes > MAX_BODY).then(|| {
+        format!("policy: the effective policy (profiles, exemptions and approvals added) makes a {bytes}-byte document for the gateway, which takes at most {MAX_BODY}")
+    })
+}
+
 /// One rule composition added, and who added it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Added {

@@ -242,6 +242,11 @@ async fn save_placed(
         let active = crate::approvals::in_force(conn, &row.tenant, &row.template, sandbox).await?;
         crate::approvals::overlay(&mut policy, &mut provenance, &active);
     }
+    // What a gateway cannot take is refused here, not acknowledged and then
+    // dropped by the dispatcher (the sandbox would run with nothing).
+    if let Some(why) = crate::compose::oversized(&policy, placed.1) {
+        return Err(Failure::fatal(why));
+    }
     store::save_effective(
         conn,
         sandbox,

@@ -462,6 +462,38 @@ async fn an_e2b_create_is_translated_and_composed_by_the_api() {
     assert_eq!(s, 400);
 }
 
+/// An E2B create whose translation (its entries in normal form) makes a
+/// document larger than a gateway takes is refused `400`, naming the size:
+/// acknowledged, it would run with nothing pushed.
+#[tokio::test]
+async fn an_e2b_create_too_large_for_a_gateway_is_refused() {
+    let url = db!();
+    let gw = crate::fake_gateway::FakeGateway::start().await;
+    let api = allow_all_api(&url, gw.addr, "100.64.22.0/24").await;
+    // 62,000 addresses: under a MiB as E2B writes them, over one in normal form.
+    let allow: Vec<String> = (0..62_000u32)
+        .map(|i| std::net::Ipv4Addr::from(0x6440_0000 + i).to_string())
+        .collect();
+    let body = json!({"templateID": "base", "network": {"allowOut": allow, "denyOut": ["0.0.0.0/0", "::/0"]}});
+    assert!(body.to_string().len() < egress_api::body::MAX_BODY);
+    let (s, v) = call(
+        api.addr,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("-byte document for the gateway")),
+        "{v}"
+    );
+}
+
 /// A rolling upgrade: the schema has a migration a newer build applied; a
 /// replica of this (older) build restarting against it still starts, and
 /// still serves its API.
