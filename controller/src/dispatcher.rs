@@ -585,9 +585,12 @@ impl Dispatcher {
             match resync_line(s) {
                 Ok(Some(line)) => ndjson.push_str(&line),
                 Ok(None) => continue,
+                // Left out (its traffic denied), not in the way of every
+                // other sandbox of the worker: a resync refused here for
+                // one row would leave the gateway on its old state for all.
                 Err(error) => {
-                    tracing::warn!(worker = %w.id, sandbox = %s.id, %error, "resync refused here");
-                    return false;
+                    tracing::warn!(worker = %w.id, sandbox = %s.id, %error, "left out of the resync: the gateway forgets the sandbox, and its traffic is denied");
+                    continue;
                 }
             }
             ndjson.push('\n');
@@ -818,13 +821,18 @@ fn fits(s: &SandboxRow, bytes: usize) -> bool {
 }
 
 /// A sandbox row as one line of a streamed resync (the contract's
-/// [`SandboxDoc`]); `None` for one too large for a gateway, left out (the
-/// gateway does not know it: its traffic is denied).
+/// [`SandboxDoc`]); `None` for one too large for a gateway or without a
+/// policy (one stored that no longer reads), left out as [`put_body`]
+/// forgets it (the gateway does not know it: its traffic is denied).
 fn resync_line(s: &SandboxRow) -> Result<Option<String>, String> {
+    let Some(policy) = s.policy.clone() else {
+        tracing::warn!(sandbox = %s.id, "the sandbox has no policy that reads: left out of the resync, its traffic is denied");
+        return Ok(None);
+    };
     let doc = SandboxDoc {
         id: s.id.clone(),
         addresses: addresses(s)?,
-        policy: (s.policy.clone()).ok_or_else(|| format!("sandbox {}: no policy yet", s.id))?,
+        policy,
         credentials: Vec::new(),
         upstream_proxy: None,
         shadow: None,
@@ -927,6 +935,17 @@ mod tests {
         let large = row(policy_of(MAX_BODY));
         assert_eq!(put_body(&large).expect("sendable"), None, "a DELETE");
         assert_eq!(resync_line(&large).expect("sendable"), None, "left out");
+    }
+
+    /// A row whose stored policy no longer reads (`None`) is forgotten by a
+    /// push and left out of a resync, as one too large is: never a resync
+    /// refused for the whole worker, whose other changes would then never go.
+    #[test]
+    fn a_sandbox_without_a_policy_that_reads_is_left_out_of_a_resync() {
+        let mut unreadable = row(policy_of(100));
+        unreadable.policy = None;
+        assert_eq!(put_body(&unreadable), Ok(None), "a DELETE");
+        assert_eq!(resync_line(&unreadable), Ok(None), "left out");
     }
 
     #[test]
