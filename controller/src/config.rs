@@ -116,6 +116,16 @@ impl Tenants {
     pub fn get(&self, token: &str) -> Option<&Tenant> {
         self.tokens.get(token)
     }
+
+    /// The `max_sandboxes` of `tenant`: the least any of its tokens gives;
+    /// `None` when no token names it.
+    pub fn max_sandboxes(&self, tenant: &str) -> Option<u32> {
+        self.tokens
+            .values()
+            .filter(|t| t.tenant == tenant)
+            .map(|t| t.max_sandboxes)
+            .min()
+    }
 }
 
 #[cfg(test)]

@@ -183,6 +183,14 @@ impl Api {
             idempotency_key: None,
             fingerprint: None,
         };
-        self.enqueue(caller, &new, &op).await
+        // The copy is the source's tenant's: counted against its quota, not
+        // the caller's (an admin forking another tenant's sandbox).
+        let owner = Tenant {
+            tenant: source.tenant.clone(),
+            max_sandboxes: (self.tenants.max_sandboxes(&source.tenant))
+                .unwrap_or(caller.max_sandboxes),
+            ..caller.clone()
+        };
+        self.enqueue(&owner, &new, &op).await
     }
 }

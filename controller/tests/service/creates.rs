@@ -650,6 +650,13 @@ async fn a_tenant_holds_at_most_its_max_sandboxes() {
     let fork = format!("/v1/sandboxes/{}/fork", ids[0]);
     let (s, v) = call(api.addr, "POST", &fork, Some(QUOTA), &[], None).await;
     assert_eq!(s, 429, "{v}");
+    // An admin's fork is the sandbox owner's: counted against t3's.
+    let (s, v) = call(api.addr, "POST", &fork, Some(ADMIN), &[], None).await;
+    assert_eq!(s, 429, "{v}");
+    assert!(
+        v["error"].as_str().is_some_and(|e| e.contains("\"t3\"")),
+        "{v}"
+    );
     // Another tenant is not held back by t3's.
     let (s, v) = create(api, FEDERATED, &[], json!({"template": "base"})).await;
     assert_eq!(s, 202, "{v}");
