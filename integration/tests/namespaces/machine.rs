@@ -881,6 +881,7 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
         curl_in(&t, Some(&cg), OTHER_IP) && curl_in(&t, Some(&cg), API_IP),
         "open"
     );
+    a_reply_on_a_flow_from_outside_is_judged(&t, &cg);
 
     let (_, body) = t.admin("GET", "/v1/vms/q/network/egress/observed", None);
     let entries = json(&body)["observed"].as_array().expect("list").clone();
@@ -920,6 +921,66 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
     let (status, body) = t.admin("DELETE", "/v1/vms/q", None);
     assert_eq!(status, 200, "{body}");
     assert!(!node_table(&t).contains("vm_q"), "{}", node_table(&t));
+}
+
+/// A flow opened from outside to a socket of VM q's process (a datagram
+/// to a port it bound, as slirp does for the guest's UDP) is established
+/// in the reply direction: what q sends back on it is judged by q's policy
+/// like a flow q opened, not passed on conntrack. Under `open` the echo
+/// comes back; under an allowlist that does not cover the sender, it does
+/// not (the kernel's drop on the output hook is `EPERM` to the sender,
+/// which the server shrugs off). Leaves q `open`.
+fn a_reply_on_a_flow_from_outside_is_judged(t: &Topology, cg: &Cgroup) {
+    use std::io::{BufRead, BufReader};
+    let server = "import socket\n\
+         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         s.bind(('100.64.3.1', 0))\n\
+         print(s.getsockname()[1], flush=True)\n\
+         s.settimeout(30)\n\
+         while True:\n\
+         \x20   data, peer = s.recvfrom(64)\n\
+         \x20   try:\n\
+         \x20       s.sendto(data, peer)\n\
+         \x20   except PermissionError:\n\
+         \x20       pass\n";
+    let join = format!(
+        "echo $$ > {}/cgroup.procs && exec python3 -c \"$1\"",
+        cg.dir.display()
+    );
+    let mut child = std::process::Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", t.gw))
+        .args(["sh", "-c", &join, "sh", server])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the echo server in q's cgroup");
+    let mut port = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut port)
+        .expect("its port");
+    let port = port.trim().to_owned();
+    // One datagram from OTHER_IP on the fake internet; true when it came back.
+    let echoed = || {
+        let probe = "import socket, sys\n\
+             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+             s.bind((sys.argv[1], 0))\n\
+             s.settimeout(1.5)\n\
+             s.sendto(b'ping', ('100.64.3.1', int(sys.argv[2])))\n\
+             try:\n    print('echoed' if s.recv(64) == b'ping' else 'other')\n\
+             except OSError:\n    print('none')\n";
+        let out = t.exec(&t.inet, "python3", &["-c", probe, OTHER_IP, &port]);
+        String::from_utf8_lossy(&out.stdout).trim() == "echoed"
+    };
+    let open = echoed();
+    put_egress(t, "q", ALLOW_DNS_AND_API);
+    let allowlist = echoed();
+    put_egress(t, "q", r#"{"mode": "open"}"#);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(open, "open: the echo of a flow from outside comes back");
+    assert!(
+        !allowlist,
+        "allowlist: q answered an address its rules do not cover on a flow opened from outside"
+    );
 }
 
 /// A restarted QEMU's scope, made again under VM q's path, is another

@@ -15,7 +15,7 @@
 //!   no VM of its family is under `loopback`, one while some is
 //!   ([`forward_rules`], rewritten with every change);
 //! - `vm_<k>`: conntrack first (on the output hook, and not under
-//!   `loopback`), IPv6 to `v6_<k>`,
+//!   `loopback`: the flows the VM opened), IPv6 to `v6_<k>`,
 //!   then the rule sets `any_<k>`, `proto_<k>`, `port_<k>` (a set the
 //!   policy leaves empty has no rule), then the record
 //!   and the verdict, counted in `refused_<k>`. The record is a log rule
@@ -550,10 +550,10 @@ fn elements(
     }
 }
 
-/// The VM's own chain, for the packets it sends: on the output hook an
-/// open flow keeps the verdict it was accepted under (except under
-/// `loopback`, which cuts open flows too; on the forward hook the open
-/// flows that keep theirs passed before the dispatch), IPv6 goes to
+/// The VM's own chain, for the packets it sends: on the output hook a
+/// flow the VM opened keeps the verdict it was accepted under (except
+/// under `loopback`, which cuts open flows too; on the forward hook the
+/// open flows that keep theirs passed before the dispatch), IPv6 goes to
 /// `v6_<k>`, IPv4 is judged by the mode. A rule
 /// set that is empty has no rule (it could match nothing, and each lookup
 /// costs a new flow).
@@ -562,8 +562,15 @@ fn vm_chain(layout: &Layout, vm: &str, mode: Mode, sets: &KernelSets) -> Vec<Str
     let mut rules = Vec::new();
     // On the forward hook an open flow never gets here: it passed before
     // the dispatch, or it is from a VM under `loopback` (which cuts it).
+    // On the output hook only a flow the VM opened passes on conntrack: a
+    // flow opened from outside to a QEMU socket (a port forward, a datagram
+    // to the port slirp bound for the guest) is established in the reply
+    // direction, and what the VM sends on it is judged as a new flow there
+    // would be. Otherwise any host that reached the socket would have a
+    // two-way channel with the VM that no rule judged; on the forward hook
+    // such flows never open (`to4`/`to6`).
     if mode != Mode::Loopback && layout.matching == Match::Cgroup {
-        rules.push("ct state established,related accept".to_owned());
+        rules.push("ct state established,related ct direction original accept".to_owned());
     }
     rules.push(format!("meta nfproto ipv6 goto v6_{k}"));
     let judged = [
