@@ -396,7 +396,7 @@ impl Machines {
         // The records exist before the rules do: their first events have a
         // place to go.
         for id in state.vms.keys() {
-            machines.ensure_store(id);
+            machines.ensure_records(id);
         }
         let (vms, bound) = machines.bind(&state);
         machines.nft.apply(&rules::table(&machines.layout, &vms))?;
@@ -595,9 +595,9 @@ impl Machines {
             effective,
         };
         next.vms.insert(id.to_owned(), Arc::new(vm.clone()));
-        // The record exists before the rules do: their first event has a
+        // The records exist before the rules do: their first event has a
         // place to go.
-        self.ensure_store(id);
+        self.ensure_records(id);
         if let Err(e) = self.commit(&mut state, next, &[id.to_owned()]) {
             match before {
                 Some(addresses) => {
@@ -608,7 +608,7 @@ impl Machines {
                 }
                 None => {
                     self.neighbours.release_vm(id);
-                    lock(&self.observed).remove(id);
+                    self.forget_records(id);
                 }
             }
             return Err(e);
@@ -632,18 +632,29 @@ impl Machines {
         next.vms.remove(id);
         self.commit(&mut state, next, &[id.to_owned()])?;
         self.neighbours.release_vm(id);
-        lock(&self.observed).remove(id);
-        lock(&self.refused).remove(id);
-        lock(&self.spoofed).remove(id);
-        lock(&self.unlogged).remove(id);
+        self.forget_records(id);
         Ok(())
     }
 
-    /// The VM's observed record, created empty if it has none.
-    fn ensure_store(&self, id: &str) {
+    /// The VM's observed record and counts, created empty where it has
+    /// none, under the state lock as the VM is registered. Only here: the
+    /// observer and the event reader update the records there are, so a
+    /// round that read a VM just removed does not bring its records back.
+    fn ensure_records(&self, id: &str) {
         lock(&self.observed)
             .entry(id.to_owned())
             .or_insert_with(|| observed::Store::new(self.layout.capacity));
+        for counts in [&self.refused, &self.spoofed, &self.unlogged] {
+            lock(counts).entry(id.to_owned()).or_default();
+        }
+    }
+
+    /// Removes the VM's observed record and counts (it is gone).
+    fn forget_records(&self, id: &str) {
+        lock(&self.observed).remove(id);
+        for counts in [&self.refused, &self.spoofed, &self.unlogged] {
+            lock(counts).remove(id);
+        }
     }
 
     pub fn vm(&self, id: &str) -> Result<Vm, MachineError> {
@@ -853,9 +864,10 @@ impl Machines {
         let now = SystemTime::now();
         let forget = {
             let mut stores = lock(&self.observed);
-            let store = stores
-                .entry(id.to_owned())
-                .or_insert_with(|| observed::Store::new(self.layout.capacity));
+            // A VM removed since it was read has no record to bring back.
+            let Some(store) = stores.get_mut(id) else {
+                return Ok(());
+            };
             let before = store.evictions();
             let forget = store.merge(now, &kernel);
             self.evictions
@@ -883,28 +895,33 @@ impl Machines {
                 return self.restore_if_gone();
             }
         };
+        self.account(&vms, &counters);
+    }
+
+    /// Takes in one read of the counters for the VMs `vms` (read before
+    /// it). Only the records of VMs still registered are updated: one
+    /// removed since has none ([`Machines::ensure_records`]).
+    fn account(&self, vms: &[Arc<Vm>], counters: &BTreeMap<String, u64>) {
         for vm in vms {
             let k = rules::key(&vm.id);
             if let Some(&n) = counters.get(&format!("spoofed_{k}")) {
-                lock(&self.spoofed)
-                    .entry(vm.id.clone())
-                    .or_default()
-                    .account(n);
+                if let Some(r) = lock(&self.spoofed).get_mut(&vm.id) {
+                    r.account(n);
+                }
             }
             if let Some(&n) = counters.get(&format!("lost_{k}")) {
-                let mut unlogged = lock(&self.unlogged);
-                let r = unlogged.entry(vm.id.clone()).or_default();
-                let new = r.add(n);
-                r.kernel = n;
-                self.lost.rate.fetch_add(new, Ordering::Relaxed);
+                if let Some(r) = lock(&self.unlogged).get_mut(&vm.id) {
+                    let new = r.add(n);
+                    r.kernel = n;
+                    self.lost.rate.fetch_add(new, Ordering::Relaxed);
+                }
             }
             let Some(&now) = counters.get(&format!("refused_{k}")) else {
                 continue;
             };
             let moved = lock(&self.refused)
-                .entry(vm.id.clone())
-                .or_default()
-                .account(now);
+                .get_mut(&vm.id)
+                .is_some_and(|r| r.account(now));
             if moved && self.layout.events.is_none() {
                 if let Err(e) = self.read_observed(&vm.id) {
                     tracing::warn!(vm = %vm.id, error = %e, "reading observed destinations failed");
@@ -1123,6 +1140,43 @@ mod tests {
         m.set_egress_from("vm1", Some(suggested.clone()), Some(&now))
             .expect("applied");
         assert_eq!(m.vm("vm1").expect("vm").effective, suggested);
+    }
+
+    /// A VM removed between the observer's read of the VMs and its update
+    /// of their counts leaves no record behind (they would stay for good,
+    /// and a VM registered again under the id would start from the old
+    /// counts); a VM still registered is counted.
+    #[test]
+    fn a_vm_removed_during_an_observer_round_leaves_no_records() {
+        let dir = tempfile::tempdir().expect("dir");
+        let m = machines(dir.path());
+        for (id, ip) in [("gone", "100.64.4.2"), ("kept", "100.64.4.6")] {
+            let registration = Registration {
+                addresses: vec![ip.parse().expect("ip")],
+                ..Registration::default()
+            };
+            m.put_vm(id, registration).expect("registered");
+        }
+        let read = m.vms();
+        m.delete_vm("gone").expect("removed");
+        let counters: BTreeMap<String, u64> = ["refused", "spoofed", "lost"]
+            .into_iter()
+            .flat_map(|c| [format!("{c}_gone"), format!("{c}_kept")])
+            .map(|name| (name, 7))
+            .collect();
+        m.account(&read, &counters);
+        m.read_observed("gone").expect("read");
+        for (what, counts) in [
+            ("refused", &m.refused),
+            ("spoofed", &m.spoofed),
+            ("unlogged", &m.unlogged),
+        ] {
+            let counts = lock(counts);
+            assert!(!counts.contains_key("gone"), "{what}: {counts:?}");
+            assert_eq!(counts.get("kept").map(|r| r.total), Some(7), "{what}");
+        }
+        assert!(!lock(&m.observed).contains_key("gone"));
+        assert!(lock(&m.observed).contains_key("kept"));
     }
 
     #[test]
