@@ -11,7 +11,6 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -19,6 +18,7 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::charge::entries_of;
 use super::serve::finish;
 use super::{client_fault, ended, Conn, Ended, Served};
 use crate::budget::Meter;
@@ -77,9 +77,8 @@ impl Conn {
     /// any: from here on it charges the bridge's bytes, chunk by chunk.
     fn bridge_meter(&self) -> Option<Meter> {
         let sandbox = self.sandbox_now()?;
-        let metered: Vec<_> = self
-            .budget
-            .entries(&sandbox.policy.policy().budgets)
+        let last = self.budget.last()?;
+        let metered: Vec<_> = entries_of(&last, &sandbox.policy.policy().budgets)
             .into_iter()
             .filter(|(_, b)| b.bytes_per_hour.is_some())
             .map(|(rule, b)| (rule, b.clone()))
@@ -95,6 +94,9 @@ impl Conn {
 /// Runs `bridge` in the flow's task until it ends, its flow falls idle, or
 /// its sandbox is gone.
 pub(super) async fn bridged(conn: &Arc<Conn>, mut bridge: Bridge, watch: &mut Watch<'_>) -> Served {
+    // What moved up to the `101` is the upgrade request's, charged before
+    // the bridge moves a byte.
+    conn.charge_rest();
     let (error, cut) = loop {
         tokio::select! {
             biased;
@@ -108,8 +110,7 @@ pub(super) async fn bridged(conn: &Arc<Conn>, mut bridge: Bridge, watch: &mut Wa
     };
     // The bridge's bytes were charged by its meter, if its entry limits
     // bytes, and are nobody's to charge otherwise: not charged again.
-    let moved = conn.budget.moved();
-    conn.budget.charged.store(moved, Ordering::Relaxed);
+    conn.budget.settle();
     let mut served = finish(conn, error).await;
     served.budget_cut = cut;
     served

@@ -12,12 +12,13 @@
 //! [`Served`] when the connection ends.
 
 mod bridge;
+mod charge;
 mod forward;
 mod request;
 mod serve;
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,6 +33,7 @@ use crate::registry::Sandbox;
 use crate::state::Dataplane;
 use crate::upstream::{server_tls, Upstreams};
 
+use charge::BudgetCharge;
 use request::RequestRecord;
 use serve::{serve, Rest};
 
@@ -111,49 +113,14 @@ struct Conn {
     /// DNS over HTTPS to a reserved resolver: every request is answered by
     /// the gateway's DNS proxy as a query from `src`, none forwarded.
     doh: bool,
-    /// The flow's byte counts, and what of them budgets were charged for.
+    /// The flow's byte counts, and what of them budgets were charged for
+    /// (`charge.rs`).
     budget: BudgetCharge,
     /// Whether HTTP/1.1 rests on it (`serve.rs`).
     rest: Rest,
     /// A WebSocket the forward stage switched to, bridged in the flow's
     /// task once hyper has handed the connection over ([`bridge`]).
     bridge: Mutex<Option<bridge::Bridge>>,
-}
-
-/// What a terminated flow has charged to its sandbox's byte budgets: the
-/// bytes it moved up to each request are charged to that request's entry.
-struct BudgetCharge {
-    activity: Arc<Counts>,
-    charged: AtomicU64,
-    /// The last request's entries, charged the rest at the end: its first
-    /// in the high half, its evidence's (when a claim chose the first) in
-    /// the low one, `u32::MAX` for none. One word, so that two HTTP/2
-    /// streams storing theirs at once never leave a mix of the two.
-    entries: AtomicU64,
-}
-
-impl BudgetCharge {
-    /// Keeps the last request's entries (`u32::MAX`: none).
-    fn store(&self, first: u32, also: u32) {
-        let packed = (u64::from(first) << 32) | u64::from(also);
-        self.entries
-            .store(packed, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The last request's entries in `budgets`, by index, each once.
-    fn entries<'b>(
-        &self,
-        budgets: &'b egress_policy::budget::Budgets,
-    ) -> Vec<(u32, &'b egress_policy::budget::Budget)> {
-        let packed = self.entries.load(std::sync::atomic::Ordering::Relaxed);
-        let (first, also) = ((packed >> 32) as u32, packed as u32);
-        let also = Some(also).filter(|a| *a != first);
-        [Some(first), also]
-            .into_iter()
-            .flatten()
-            .filter_map(|i| Some((i, budgets.iter().nth(usize::try_from(i).ok()?)?)))
-            .collect()
-    }
 }
 
 /// Serves a flow request by request, in TLS terminated here or in plain
@@ -322,14 +289,6 @@ impl Tally {
     }
 }
 
-// === impl BudgetCharge ===
-
-impl BudgetCharge {
-    fn moved(&self) -> u64 {
-        self.activity.read.load(Ordering::Relaxed) + self.activity.written.load(Ordering::Relaxed)
-    }
-}
-
 // === impl Conn ===
 
 impl Conn {
@@ -353,11 +312,7 @@ impl Conn {
             tally: Mutex::new(Tally::default()),
             upstream: tokio::sync::Mutex::new(None),
             doh,
-            budget: BudgetCharge {
-                activity,
-                charged: AtomicU64::new(0),
-                entries: AtomicU64::new(u64::MAX),
-            },
+            budget: BudgetCharge::new(activity),
             rest: Rest::default(),
             bridge: Mutex::new(None),
         })

@@ -4,7 +4,7 @@
 //! request's own [`RequestRecord`], never into a slot the connection's other
 //! requests share.
 
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use dns_attrib::Lookup;
 use egress_policy::http::MAX_METHOD_LEN;
@@ -13,6 +13,7 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 
+use super::charge::{entries_of, StreamCharge};
 use super::serve::ClientBody;
 use super::Conn;
 use crate::authority::{self, Authority, AuthorityError, Target};
@@ -169,26 +170,49 @@ impl Conn {
             }
         };
         let asked = (&mut req, &overrides[..]);
-        if let Err(denial) = self.checked(sb, asked, (host, &lookup, allowed), rec) {
-            return refused_after_body(req, denial).await;
-        }
-        // The name the origin's certificate must carry (none: its address),
-        // and the way out the registration names now (direct or a proxy).
+        let charge = match self.checked(sb, asked, (host, &lookup, allowed), rec) {
+            Ok(charge) => charge,
+            Err(denial) => return refused_after_body(req, denial).await,
+        };
+        self.forwarded(sb, req, host, &authority, charge).await
+    }
+
+    /// A request let through, forwarded: to the name the origin's
+    /// certificate must carry (none: its address), the way out the
+    /// registration names now (direct or a proxy); with a meter, both its
+    /// bodies charged through it.
+    async fn forwarded(
+        &self,
+        sb: &Sandbox,
+        mut req: Request<ClientBody>,
+        host: Option<&Hostname>,
+        authority: &Authority,
+        charge: Option<Arc<StreamCharge>>,
+    ) -> Response<Body> {
         let verify_as = self.sni.as_ref().or(host);
         let route = self.dp.proxies.route(sb.upstream_proxy.as_ref());
-        self.pass(req, (verify_as, &route), &authority.value())
-            .await
+        if let Some(charge) = &charge {
+            req.body_mut().charge_to(charge.clone());
+        }
+        let resp = self
+            .pass(req, (verify_as, &route), &authority.value())
+            .await;
+        match charge {
+            Some(charge) => resp.map(|body| charge.response(body)),
+            None => resp,
+        }
     }
 
     /// The stages after the flow policy let a request through: its rules
-    /// and credentials (compared with the shadow's answer), then its budget.
+    /// and credentials (compared with the shadow's answer), then its budget
+    /// (with an HTTP/2 request's meter, if its policy has budgets).
     fn checked(
         &self,
         sb: &Sandbox,
         (req, overrides): (&mut Request<ClientBody>, &[String]),
         (host, lookup, allowed): (Option<&Hostname>, &Lookup, Judged),
         rec: &mut RequestRecord,
-    ) -> Result<(), Denial> {
+    ) -> Result<Option<Arc<StreamCharge>>, Denial> {
         let checked = self.per_request(sb, (req, overrides), host, lookup, rec);
         if sb.shadow.is_some() {
             let active = match &checked {
@@ -200,7 +224,8 @@ impl Conn {
             self.shadow_request(sb, (req, overrides), host, lookup, active);
         }
         checked.map_err(Stage::into_denial)?;
-        self.within_budget(sb, host, lookup, rec)
+        let h2 = req.version() == http::Version::HTTP_2;
+        self.within_budget(sb, (host, lookup), h2, rec)
     }
 
     /// The authority stage: the one authority every claim of the request
@@ -561,40 +586,48 @@ impl Conn {
     }
 
     /// The budget stage, after the policy let the request through: the
-    /// request budget of each entry it is charged to (one, or two:
-    /// `Budgets::charged`), and the bytes the flow moved so far charged to
-    /// each; over any, `429` (`budget_exceeded`). Budgets never allow.
+    /// bytes moved since the last request was judged charged to that
+    /// request's entries (to this one's, if it is the first: `charge.rs`),
+    /// then the request budget of each entry this one is charged to (one,
+    /// or two: `Budgets::charged`); over any, `429` (`budget_exceeded`).
+    /// Budgets never allow. An HTTP/2 request (`h2`) gets the meter its
+    /// bodies are charged through.
     fn within_budget(
         &self,
         sb: &Sandbox,
-        host: Option<&Hostname>,
-        lookup: &Lookup,
+        (host, lookup): (Option<&Hostname>, &Lookup),
+        h2: bool,
         rec: &mut RequestRecord,
-    ) -> Result<(), Denial> {
+    ) -> Result<Option<Arc<StreamCharge>>, Denial> {
         let budgets = &sb.policy.policy().budgets;
         if budgets.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let attributed = lookup.names();
         let entries = self.budget_entries(budgets, host, &attributed);
-        let Some(&(first, _)) = entries.first() else {
-            return Ok(());
-        };
-        self.budget
-            .store(first, entries.get(1).map_or(u32::MAX, |e| e.0));
-        let moved = self.budget.moved();
-        let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
         let now = self.dp.cache.now();
-        // Every entry is charged the bytes, refused or not: a claim's entry
+        let destinations = entries.iter().map(|(_, b)| b.destination.clone());
+        let (last, delta) = self.budget.hand_over(destinations.collect());
+        // Every entry is charged its bytes, refused or not: a claim's entry
         // that is spent must not keep them from the evidence's.
+        let own = match last {
+            Some(last) => {
+                for (_, budget) in entries_of(&last, budgets) {
+                    self.dp.budgets.charge(&sb.id, budget, delta, now);
+                }
+                0
+            }
+            None => delta,
+        };
         let mut over = None;
         for &(rule, budget) in &entries {
-            if let Err(o) = self.dp.budgets.request(&sb.id, budget, delta, now) {
+            if let Err(o) = self.dp.budgets.request(&sb.id, budget, own, now) {
                 over = over.or(Some((rule, budget, o)));
             }
         }
         let Some((rule, budget, over)) = over else {
-            return Ok(());
+            let table = (self.dp.budgets.clone(), self.dp.cache.clone());
+            return Ok(h2.then(|| self.budget.stream(table, sb.id.clone(), &entries)));
         };
         self.dp.metrics.budget_exceeded(over);
         let detail = format!(
@@ -613,19 +646,20 @@ impl Conn {
         })
     }
 
-    /// Charges the bytes moved after the last request to its entry (of the
-    /// registration the last request was judged under, as far as it is
-    /// still there).
+    /// Charges the bytes moved after the last request to its entries (of
+    /// the registration the connection has now, as far as they are still
+    /// in it).
     pub(super) fn charge_rest(&self) {
         let sandbox = self.sandbox_now().unwrap_or_else(|| self.sandbox.clone());
-        let entries = self.budget.entries(&sandbox.policy.policy().budgets);
-        if entries.is_empty() {
+        let budgets = &sandbox.policy.policy().budgets;
+        if budgets.is_empty() {
             return;
         }
-        let moved = self.budget.moved();
-        let delta = moved.saturating_sub(self.budget.charged.swap(moved, Ordering::Relaxed));
+        let (Some(last), delta) = self.budget.rest() else {
+            return;
+        };
         let now = self.dp.cache.now();
-        for (_, budget) in entries {
+        for (_, budget) in entries_of(&last, budgets) {
             self.dp.budgets.charge(&sandbox.id, budget, delta, now);
         }
     }

@@ -37,6 +37,7 @@ use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
+use super::charge::StreamCharge;
 use super::{client_fault, connection_error, ended, Conn, Served, RELEASE_AFTER};
 use crate::fault::Fault;
 use crate::io::{Counts, Quiet, ReadLatch, Rewind, Watch};
@@ -150,7 +151,11 @@ fn h2_service(
     // idle connection holds a pointer (benches/RESULTS.md, Scale).
     hyper::service::service_fn(move |req: Request<Incoming>| {
         let conn = conn.clone();
-        let req = req.map(|inner| ClientBody { inner, end: None });
+        let req = req.map(|inner| ClientBody {
+            inner,
+            end: None,
+            charge: None,
+        });
         Box::pin(async move { Ok(conn.handle(req).await) }) as Answer<Body>
     })
 }
@@ -259,7 +264,11 @@ fn h1_service(
             conn: conn.clone(),
             exchange,
         });
-        let req = req.map(|inner| ClientBody { inner, end });
+        let req = req.map(|inner| ClientBody {
+            inner,
+            end,
+            charge: None,
+        });
         Box::pin(async move {
             let resp = open.0.handle(req).await;
             Ok(resp.map(|body| Tracked { body, _open: open }))
@@ -442,10 +451,12 @@ impl hyper::body::Body for Tracked {
 /// A request body as the stages read it. On HTTP/1.1 it settles its
 /// exchange once hyper has given all of it: the parser is then past the
 /// body, at the next head. A body left unread keeps the connection from
-/// resting until the next request (hyper drains or closes it).
+/// resting until the next request (hyper drains or closes it). On HTTP/2
+/// under budgets, its data is charged to its stream as it is taken.
 pub(super) struct ClientBody {
     inner: Incoming,
     end: Option<BodyEnd>,
+    charge: Option<Arc<StreamCharge>>,
 }
 
 /// Whose exchange a request body settles when it ends.
@@ -455,6 +466,11 @@ struct BodyEnd {
 }
 
 impl ClientBody {
+    /// From here on, its data is charged to `charge`.
+    pub(super) fn charge_to(&mut self, charge: Arc<StreamCharge>) {
+        self.charge = Some(charge);
+    }
+
     fn settled(&mut self) {
         if let Some(end) = self.end.take() {
             end.conn.rest.settle.settle(end.exchange);
@@ -471,6 +487,9 @@ impl hyper::body::Body for ClientBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let (Some(charge), Poll::Ready(Some(Ok(frame)))) = (&self.charge, &polled) {
+            charge.charge(frame.data_ref().map_or(0, Bytes::len));
+        }
         // The end, or the last frame of a body of known length: hyper's
         // decoder has read every byte of it.
         let ended = match &polled {

@@ -4,6 +4,9 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::harness::*;
@@ -92,7 +95,7 @@ async fn a_loop_over_its_request_budget_gets_429_and_the_other_sandbox_does_not(
         "{text}"
     );
     assert!(text.contains("egress_budget_states 2"), "{text}");
-    let lines = e.flow_lines(2).await;
+    let lines = e.flow_lines(1).await;
     let a_line = lines
         .iter()
         .find(|l| l["src"].as_str().is_some_and(|s| s.starts_with(SANDBOX_A)))
@@ -249,4 +252,167 @@ async fn bytes_refused_on_a_claims_entry_still_reach_the_evidences() {
         after.starts_with("HTTP/1.1 429") && after.contains("budget_exceeded; rule=1"),
         "the bytes were charged to `*`: {after}"
     );
+}
+
+/// The budgets of [`a_response_is_charged_to_its_own_requests_entry`] and
+/// the tests after it: a byte budget on the relay, a request budget with no
+/// byte limit on the api.
+const RELAY_BYTES_API_REQUESTS: &str = r#"{"default": "allow",
+    "budgets": [{"destination": "relay.example.test", "bytes_per_hour": 204800},
+                {"destination": "api.example.test", "requests_per_minute": 600}]}"#;
+
+/// A response is charged to the entries of the request it answers, not to
+/// those of the next request on the connection: a download from the
+/// byte-limited relay followed by a request to the api (whose entry limits
+/// no bytes) still spends the relay's bytes.
+#[tokio::test]
+async fn a_response_is_charged_to_its_own_requests_entry() {
+    let e = env(Options::default()).await;
+    e.sandbox("sb-a", SANDBOX_A, policy(RELAY_BYTES_API_REQUESTS));
+    let mut s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let big = get(&mut s, "relay.example.test", "/bytes/250000").await;
+    assert!(big.starts_with("HTTP/1.1 200"), "{}", &big[..64]);
+    let api = get(&mut s, "api.example.test", "/").await;
+    assert!(api.starts_with("HTTP/1.1 200"), "{api}");
+    let relay = get(&mut s, "relay.example.test", "/").await;
+    assert!(
+        relay.starts_with("HTTP/1.1 429") && relay.contains("budget_exceeded; rule=0"),
+        "the download was charged to the relay: {relay}"
+    );
+    let api = get(&mut s, "api.example.test", "/").await;
+    assert!(
+        api.starts_with("HTTP/1.1 200"),
+        "the api's entry is not: {api}"
+    );
+}
+
+/// HTTP/2 streams on one connection are each charged their own bodies: a
+/// request to the api opened while a download from the relay is in flight
+/// does not take the download's bytes, and a stream that crosses its byte
+/// budget runs to its end (terminated flows are bounded request by
+/// request), the next request to the relay refused.
+#[tokio::test]
+async fn http2_streams_are_each_charged_their_own_bytes() {
+    let e = env(Options::default()).await;
+    e.sandbox("sb-a", SANDBOX_A, policy(RELAY_BYTES_API_REQUESTS));
+    // A stream window of 64 KiB: the download moves only as it is read,
+    // most of it after the api's request was judged.
+    let tcp = e.connect(SANDBOX_A, e.origins.plain).await;
+    let (s, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .adaptive_window(false)
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(4 << 20)
+        .handshake(TokioIo::new(tcp))
+        .await
+        .expect("http/2");
+    tokio::spawn(conn);
+    let get = |uri: &str| {
+        hyper::Request::builder()
+            .uri(uri)
+            .body(Full::new(Bytes::new()))
+            .expect("request")
+    };
+    // The download's head, its body not read yet.
+    let download = s
+        .clone()
+        .send_request(get("http://relay.example.test/bytes/600000"))
+        .await
+        .expect("the download's head");
+    assert_eq!(download.status(), 200);
+    let (head, body) = h2_send(&s, http::Method::GET, "http://api.example.test/").await;
+    assert_eq!(head.status, 200, "{body}");
+    let body = download
+        .into_body()
+        .collect()
+        .await
+        .expect("the whole download")
+        .to_bytes();
+    assert_eq!(body.len(), 600_000, "not cut");
+    let (head, body) = h2_send(&s, http::Method::GET, "http://api.example.test/").await;
+    assert_eq!(head.status, 200, "the api's entry limits no bytes: {body}");
+    let (head, body) = h2_send(&s, http::Method::GET, "http://relay.example.test/").await;
+    assert_eq!(head.status, 429, "the download was the relay's: {body}");
+    assert_eq!(
+        head.headers["x-egress-denied"], "budget_exceeded; rule=0",
+        "{body}"
+    );
+}
+
+/// Two byte budgets, and the same two the other way round.
+const RELAY_THEN_API: &str = r#"{"default": "allow",
+    "budgets": [{"destination": "relay.example.test", "bytes_per_hour": 204800},
+                {"destination": "api.example.test", "bytes_per_hour": 204800}]}"#;
+const API_THEN_RELAY: &str = r#"{"default": "allow",
+    "budgets": [{"destination": "api.example.test", "bytes_per_hour": 204800},
+                {"destination": "relay.example.test", "bytes_per_hour": 204800}]}"#;
+
+/// An entry's bytes follow its destination: a push that reorders the list
+/// between a download and the next request charges the download to the
+/// relay's entry, wherever it now stands.
+#[tokio::test]
+async fn a_reorder_between_two_requests_does_not_move_the_bytes() {
+    let e = env(Options::default()).await;
+    let (first, reordered) = (RELAY_THEN_API, API_THEN_RELAY);
+    e.sandbox("sb-a", SANDBOX_A, policy(first));
+    let mut s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let big = get(&mut s, "relay.example.test", "/bytes/250000").await;
+    assert!(big.starts_with("HTTP/1.1 200"), "{}", &big[..64]);
+    e.sandbox("sb-a", SANDBOX_A, policy(reordered));
+    let api = get(&mut s, "api.example.test", "/").await;
+    assert!(
+        api.starts_with("HTTP/1.1 200"),
+        "the api was not charged: {api}"
+    );
+    let relay = get(&mut s, "relay.example.test", "/").await;
+    assert!(
+        relay.starts_with("HTTP/1.1 429") && relay.contains("budget_exceeded; rule=1"),
+        "{relay}"
+    );
+}
+
+/// Likewise when the connection ends after the push: what it moved since
+/// its last request goes to that request's destination.
+#[tokio::test]
+async fn a_reorder_before_the_connection_ends_does_not_move_the_bytes() {
+    let e = env(Options::default()).await;
+    let (first, reordered) = (RELAY_THEN_API, API_THEN_RELAY);
+    e.sandbox("sb-b", SANDBOX_B, policy(first));
+    let mut s = e.connect(SANDBOX_B, e.origins.plain).await;
+    let big = get(&mut s, "relay.example.test", "/bytes/250000").await;
+    assert!(big.starts_with("HTTP/1.1 200"), "{}", &big[..64]);
+    e.sandbox("sb-b", SANDBOX_B, policy(reordered));
+    drop(s);
+    e.flow_lines(1).await;
+    let mut s = e.connect(SANDBOX_B, e.origins.plain).await;
+    let api = get(&mut s, "api.example.test", "/").await;
+    assert!(
+        api.starts_with("HTTP/1.1 200"),
+        "the api was not charged: {api}"
+    );
+    let relay = get(&mut s, "relay.example.test", "/").await;
+    assert!(
+        relay.starts_with("HTTP/1.1 429") && relay.contains("budget_exceeded; rule=1"),
+        "{relay}"
+    );
+}
+
+/// An HTTP/2 stream's body is charged once: by its stream, not again with
+/// the connection's bytes when the next request is judged.
+#[tokio::test]
+async fn an_http2_body_is_charged_once() {
+    let e = env(Options::default()).await;
+    e.sandbox("sb-a", SANDBOX_A, policy(RELAY_BYTES_API_REQUESTS));
+    let s = h2_client(e.connect(SANDBOX_A, e.origins.plain).await).await;
+    let relay = |path: &str| format!("http://relay.example.test{path}");
+    let (head, body) = h2_send(&s, http::Method::GET, &relay("/bytes/120000")).await;
+    assert_eq!((head.status.as_u16(), body.len()), (200, 120_000));
+    // 120 kB of 200 kB spent, not 240.
+    let (head, body) = h2_send(&s, http::Method::GET, &relay("/bytes/60000")).await;
+    assert_eq!(head.status, 200, "{body}");
+    let (head, body) = h2_send(&s, http::Method::GET, &relay("/")).await;
+    assert_eq!(head.status, 200, "{body}");
+    let (head, body) = h2_send(&s, http::Method::GET, &relay("/bytes/60000")).await;
+    assert_eq!(head.status, 200, "{body}");
+    let (head, body) = h2_send(&s, http::Method::GET, &relay("/")).await;
+    assert_eq!(head.status, 429, "240 kB of 200 kB: {body}");
 }
