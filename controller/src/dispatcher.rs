@@ -422,7 +422,16 @@ impl Dispatcher {
                 let Some(rows) = read(rows, "reading the held workers", "shards") else {
                     return;
                 };
-                rows.into_iter().map(|w| (w, until)).collect()
+                let holder = Some(leases.id.clone());
+                rows.into_iter()
+                    .map(|w| {
+                        let w = store::WorkerRow {
+                            holder: holder.clone(),
+                            ..w
+                        };
+                        (w, until)
+                    })
+                    .collect()
             }
             _ => Vec::new(),
         };
@@ -509,13 +518,20 @@ impl Dispatcher {
             let (applied, failed) = self.push_chunk(w, chunk).await;
             moved |= applied > 0;
             // Each applied push moved the gateway's generation by one.
-            let acked = store::acknowledge(&self.pool, &w.id, None, applied).await;
+            let acked =
+                store::acknowledge(&self.pool, &w.id, None, applied, w.holder.as_deref()).await;
             logged(acked, "acknowledging the pushes", &w.id);
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
                 self.count_push("failed");
                 let error = error.to_string();
-                let seen = store::worker_seen(&self.pool, &w.id, None, false, Some(&error)).await;
+                let seen = store::worker_seen(
+                    &self.pool,
+                    &w.id,
+                    (None, false, Some(&error)),
+                    w.holder.as_deref(),
+                )
+                .await;
                 logged(seen, "recording the push failure", &w.id);
                 return moved;
             }
@@ -608,7 +624,13 @@ impl Dispatcher {
                 .to_string();
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
                 self.count_push("failed");
-                let seen = store::worker_seen(&self.pool, &w.id, None, true, Some(&error)).await;
+                let seen = store::worker_seen(
+                    &self.pool,
+                    &w.id,
+                    (None, true, Some(&error)),
+                    w.holder.as_deref(),
+                )
+                .await;
                 logged(seen, "recording the resync failure", &w.id);
                 false
             }
@@ -633,14 +655,17 @@ impl Dispatcher {
         // no evidence of a restart: recorded as it was.
         if epoch != before.as_ref().map(|(e, _)| e.as_str()) {
             tracing::warn!(worker = %w.id, "the gateway restarted around its resync; resyncing again");
-            let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+            let seen =
+                store::worker_seen(&self.pool, &w.id, (None, true, None), w.holder.as_deref())
+                    .await;
             logged(seen, "flagging the gateway for resync", &w.id);
             return false;
         }
-        let seen = store::worker_seen(&self.pool, &w.id, epoch, false, None).await;
+        let seen =
+            store::worker_seen(&self.pool, &w.id, (epoch, false, None), w.holder.as_deref()).await;
         logged(seen, "recording the resync", &w.id);
         let generation = ready.as_ref().map(|(_, g)| *g);
-        let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+        let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.holder.as_deref()).await;
         logged(acked, "acknowledging the resync", &w.id);
         for s in &view.live {
             let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
@@ -688,7 +713,9 @@ impl Dispatcher {
             Action::Wait | Action::PushChanges | Action::Compare => false,
             Action::Acknowledge(generation) => {
                 if generation.is_some() {
-                    let acked = store::acknowledge(&self.pool, &w.id, generation, 0).await;
+                    let acked =
+                        store::acknowledge(&self.pool, &w.id, generation, 0, w.holder.as_deref())
+                            .await;
                     logged(acked, "acknowledging the listed generation", &w.id);
                 }
                 false
@@ -696,7 +723,9 @@ impl Dispatcher {
             Action::Resync(cause) => {
                 let (restarted, drift) = (cause == Cause::Restarted, cause == Cause::Drift);
                 tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-                let seen = store::worker_seen(&self.pool, &w.id, None, true, None).await;
+                let seen =
+                    store::worker_seen(&self.pool, &w.id, (None, true, None), w.holder.as_deref())
+                        .await;
                 logged(seen, "flagging the gateway for resync", &w.id);
                 true
             }

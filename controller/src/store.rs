@@ -282,6 +282,10 @@ pub struct WorkerRow {
     /// The gateway generation the store last acknowledged (see
     /// `0005_shards_alloc.sql`); `None`: unknown.
     pub acked_generation: Option<i64>,
+    /// The dispatcher that read the row under its lease of the worker's
+    /// shard (not stored): what it records of the worker's gateway is kept
+    /// only while that lease holds ([`acknowledge`], [`worker_seen`]).
+    pub holder: Option<String>,
 }
 
 pub async fn put_worker(
@@ -347,6 +351,7 @@ impl WorkerRow {
             epoch: r.try_get("epoch")?,
             needs_resync: r.try_get("needs_resync")?,
             acked_generation: r.try_get("acked_generation")?,
+            holder: None,
         })
     }
 }
@@ -359,31 +364,40 @@ pub async fn acknowledge(
     id: &str,
     generation: Option<i64>,
     applied: i64,
+    holder: Option<&str>,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE workers SET acked_generation = COALESCE($2, acked_generation + $3) WHERE id = $1",
-    )
-    .bind(id)
-    .bind(generation)
-    .bind(applied)
-    .execute(pool)
-    .await?;
+    let sql = format!("UPDATE workers SET acked_generation = COALESCE($2, acked_generation + $3) WHERE id = $1 AND {HOLDS}");
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(id)
+        .bind(generation)
+        .bind(applied)
+        .bind(holder)
+        .execute(pool)
+        .await?;
     Ok(())
 }
+
+/// The condition on a worker's row (`$1`) that the dispatcher `$4` (none:
+/// any) still holds the lease of its shard. A dispatcher whose lease lapsed
+/// during a slow call records nothing of what it saw: another may hold the
+/// shard and have pushed since, and an acknowledgement of the late call's
+/// generation would hide from it that the gateway moved.
+const HOLDS: &str = "($4::text IS NULL OR EXISTS (SELECT 1 FROM dispatcher_shards d WHERE d.shard = egress_worker_shard($1) AND d.holder = $4 AND d.expires > now()))";
 
 /// Records what a worker's gateway said: its epoch, whether it needs a
 /// resync, and the last push error.
 pub async fn worker_seen(
     pool: &PgPool,
     id: &str,
-    epoch: Option<&str>,
-    needs_resync: bool,
-    error: Option<&str>,
+    (epoch, needs_resync, error): (Option<&str>, bool, Option<&str>),
+    holder: Option<&str>,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = $3, last_error = $4, updated_at = now() WHERE id = $1")
+    let sql = format!("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = $3, last_error = $5, updated_at = now() WHERE id = $1 AND {HOLDS}");
+    sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
         .bind(epoch)
         .bind(needs_resync)
+        .bind(holder)
         .bind(error)
         .execute(pool)
         .await?;

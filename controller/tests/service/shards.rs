@@ -335,6 +335,58 @@ async fn an_address_waits_for_its_gateway_to_forget_its_last_holder() {
     );
 }
 
+/// A dispatcher whose lease of a worker's shard lapsed during a slow call
+/// records nothing of what that call saw: another may hold the shard and
+/// have pushed since, and an acknowledgement of the late call's generation
+/// would hide from it that the gateway moved.
+#[tokio::test]
+async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
+    use egress_controller::store;
+    let url = db!();
+    let gw = FakeGateway::start().await;
+    let _api = allow_all_api(&url, gw.addr, "100.64.23.0/24").await;
+    let pool = sqlx::PgPool::connect(&url).await.expect("pool");
+    let seen = || async {
+        sqlx::query_as::<_, (Option<i64>, Option<String>)>(
+            "SELECT acked_generation, epoch FROM workers WHERE id = 'w1'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("worker")
+    };
+    let record = |generation: i64| {
+        let pool = pool.clone();
+        async move {
+            let (g, e) = (Some(generation), format!("e-{generation}"));
+            store::acknowledge(&pool, "w1", g, 0, Some("d-late"))
+                .await
+                .expect("ack");
+            store::worker_seen(&pool, "w1", (Some(&e), false, None), Some("d-late"))
+                .await
+                .expect("seen");
+        }
+    };
+    let lease = |expires: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let sql = format!("UPDATE dispatcher_shards SET holder = 'd-late', expires = {expires} WHERE shard = egress_worker_shard('w1')");
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(&pool)
+                .await
+                .expect("lease");
+        }
+    };
+    let before = seen().await;
+    record(41).await;
+    assert_eq!(seen().await, before, "a shard nobody holds");
+    lease("now() + interval '1 minute'").await;
+    record(42).await;
+    assert_eq!(seen().await, (Some(42), Some("e-42".to_owned())), "held");
+    lease("now() - interval '1 second'").await;
+    record(43).await;
+    assert_eq!(seen().await, (Some(42), Some("e-42".to_owned())), "lapsed");
+}
+
 /// Runs the futures concurrently on this task's runtime.
 async fn futures_all<F: std::future::Future<Output = T> + Send + 'static, T: Send + 'static>(
     futures: impl Iterator<Item = F>,
