@@ -766,7 +766,6 @@ impl Dispatcher {
     }
 }
 
-/// `ready epoch=… generation=…` (the gateway's `GET /readyz`).
 /// A worker's row as last read: when it was read, the row, and until when
 /// the leases it was read under are trusted.
 type Wake = (Instant, WorkerRow, Instant);
@@ -880,6 +879,7 @@ fn addresses(s: &SandboxRow) -> Result<Vec<std::net::IpAddr>, String> {
         .collect()
 }
 
+/// `ready epoch=… generation=…` (the gateway's `GET /readyz`).
 fn parse_ready(text: &str) -> Option<(String, i64)> {
     let mut epoch = None;
     let mut generation = None;
