@@ -147,16 +147,8 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
         return client_hello(buf)
             .map(|c| c.map_or(Step::NeedMore, |c| Step::Done(Classified::Tls(c))));
     }
-    if OTHER_RECORDS.contains(&first) {
-        // A TLS record of another type first (an alert, a change of cipher
-        // spec, data, a heartbeat): a server may drop it and read a hello
-        // after it (Go's crypto/tls drops a warning alert before the
-        // handshake), so it is TLS the peek has not read a name from.
-        match buf.get(1) {
-            None => return Ok(Step::NeedMore),
-            Some(3) => return Err(PeekError::Malformed("a TLS record before the ClientHello")),
-            Some(_) => {}
-        }
+    if let Some(step) = other_record(buf) {
+        return step;
     }
     match sslv2_hello(buf) {
         // TLS the peek cannot read a name from, which a server may still
@@ -202,6 +194,23 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
         // no name evidence, policy decides on the address and attribution;
         // the request-by-request server refuses what it cannot read.
         Err(_) => Ok(Step::Done(Classified::Http { host: None })),
+    }
+}
+
+/// A TLS record of another type first (an alert, a change of cipher spec,
+/// data, a heartbeat): a server may drop it and read a hello after it (Go's
+/// crypto/tls drops a warning alert before the handshake), so it is TLS the
+/// peek has not read a name from. `None`: not such a record.
+fn other_record(buf: &[u8]) -> Option<Result<Step, PeekError>> {
+    if !OTHER_RECORDS.contains(buf.first()?) {
+        return None;
+    }
+    match buf.get(1) {
+        None => Some(Ok(Step::NeedMore)),
+        Some(3) => Some(Err(PeekError::Malformed(
+            "a TLS record before the ClientHello",
+        ))),
+        Some(_) => None,
     }
 }
 
