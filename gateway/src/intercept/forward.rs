@@ -2,6 +2,8 @@
 //! destination (never a name from SNI or Host), over the flow's upstream
 //! connection or a bridged upgrade.
 
+use std::sync::Arc;
+
 use egress_policy::Hostname;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
@@ -77,6 +79,10 @@ impl Conn {
     ) -> Result<Response<Body>, ForwardError> {
         let h2 = req.version() == http::Version::HTTP_2;
         let mut guard = self.upstream.lock().await;
+        let slot = match (h2, self.h1_slots.get()) {
+            (true, Some(slots)) => Some(self.h1_slot(slots.clone()).await?),
+            _ => None,
+        };
         self.hold_upstream(&mut guard, (verify_as, route), h2)
             .await?;
         let (parts, body) = req.into_parts();
@@ -104,13 +110,43 @@ impl Conn {
                 // waits for this one's headers, then uses a fresh connection
                 // if this one is still busy with a body.
                 let fut = s.send_request(out);
+                // Known before the next request takes the connection lock.
+                let slot = slot.or_else(|| h2.then(|| self.first_h1_slot()).flatten());
                 drop(guard);
                 fut.await
-                    .map(|resp| resp.map(boxed))
+                    .map(|resp| resp.map(|body| holding(boxed(body), slot)))
                     .map_err(|e| ForwardError::Http(e.to_string()))
             }
             None => Err(ForwardError::Http("no upstream connection".into())),
         }
+    }
+
+    /// A place among the origin connections an HTTP/2 client's requests
+    /// may hold at once when its origin speaks HTTP/1.1 (one connection a
+    /// request in flight: without a bound, its concurrent streams, up to
+    /// hyper's 200, would open as many origin connections each). Waits for
+    /// one to end, up to `timeouts.connect`.
+    async fn h1_slot(
+        &self,
+        slots: Arc<tokio::sync::Semaphore>,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, ForwardError> {
+        let wait = self.dp.config().timeouts.connect;
+        match tokio::time::timeout(wait, slots.acquire_owned()).await {
+            Ok(Ok(slot)) => Ok(slot),
+            _ => Err(ForwardError::Http(format!(
+                "the origin speaks HTTP/1.1, and this connection's {H1_SLOTS} requests in flight to it held every origin connection it may use for {wait:?}"
+            ))),
+        }
+    }
+
+    /// The first HTTP/2 request found to reach an HTTP/1.1 origin: from
+    /// now on the client's requests share [`H1_SLOTS`] origin connections,
+    /// this one holding the first.
+    fn first_h1_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let slots = self
+            .h1_slots
+            .get_or_init(|| Arc::new(tokio::sync::Semaphore::new(H1_SLOTS)));
+        slots.clone().try_acquire_owned().ok()
     }
 
     /// Sends `again` (a copy of a request the origin refused unprocessed,
@@ -264,6 +300,24 @@ impl Conn {
             &self.dp.metrics,
         ))
         .await
+    }
+}
+
+/// Origin connections an HTTP/2 client connection's requests may hold at
+/// once when its origin speaks HTTP/1.1.
+const H1_SLOTS: usize = 8;
+
+/// `body`, holding `slot` (if any) until it is dropped: the origin
+/// connection it comes on is in use until then.
+fn holding(body: Body, slot: Option<tokio::sync::OwnedSemaphorePermit>) -> Body {
+    match slot {
+        Some(slot) => body
+            .map_frame(move |frame| {
+                let _held = &slot;
+                frame
+            })
+            .boxed(),
+        None => body,
     }
 }
 

@@ -110,6 +110,10 @@ struct Conn {
     tally: Mutex<Tally>,
     /// The upstream connection this client connection uses, and what it was verified as.
     upstream: tokio::sync::Mutex<Option<(PoolKey, Sender)>>,
+    /// For an HTTP/2 client whose origin answers in HTTP/1.1 (set when
+    /// that is first seen): the origin connections its requests in flight
+    /// may use at once, one request each (`forward.rs`).
+    h1_slots: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
     /// DNS over HTTPS to a reserved resolver: every request is answered by
     /// the gateway's DNS proxy as a query from `src`, none forwarded.
     doh: bool,
@@ -311,6 +315,7 @@ impl Conn {
             },
             tally: Mutex::new(Tally::default()),
             upstream: tokio::sync::Mutex::new(None),
+            h1_slots: std::sync::OnceLock::new(),
             doh,
             budget: BudgetCharge::new(activity),
             rest: Rest::default(),

@@ -175,6 +175,10 @@ async fn respond(
             .body(Full::new(Bytes::new()))
             .expect("response");
     }
+    if path == "/wait" {
+        // Answered after a moment: requests sent together overlap.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     if path == "/hop" {
         // Connection-specific fields, one of them named in `connection`.
         return hyper::Response::builder()

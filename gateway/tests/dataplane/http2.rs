@@ -163,3 +163,30 @@ async fn a_request_body_the_origin_never_takes_ends_with_its_client_stream() {
         .expect("a report");
     assert!(ended.contains("Err"), "{ended}");
 }
+
+/// An HTTP/2 client's concurrent streams to an origin that speaks
+/// HTTP/1.1 take one origin connection each, but no more than 8 at once:
+/// the others wait for one (each would have opened its own, up to 200 a
+/// client connection).
+#[tokio::test]
+async fn streams_to_an_http11_origin_share_a_bounded_set_of_connections() {
+    let e = intercepting(NAMES).await;
+    let s = intercepted_h2(&e, e.origins.h1_only, "h1.example.test").await;
+    let streams: Vec<_> = (0..24)
+        .map(|_| {
+            let s = s.clone();
+            tokio::spawn(async move { get(&s, "https://h1.example.test/wait").await })
+        })
+        .collect();
+    for stream in streams {
+        let (head, body) = stream.await.expect("stream");
+        assert_eq!(head.status.as_u16(), 200, "{body}");
+    }
+    let metrics = scrape(&e).await;
+    let connects: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("egress_upstream_connect_seconds_count "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no connect count: {metrics}"));
+    assert!((1..=8).contains(&connects), "{connects} origin connections");
+}
