@@ -957,23 +957,21 @@ impl Machines {
         }
     }
 
-    /// Whether the node table's forward chain has its rules. A table
-    /// flushed by another tool (`nft flush table`) keeps its chains, sets
-    /// and counters, so the counters do not show it, while every VM's
-    /// packets pass unjudged. Read over netlink with events (the rules in
-    /// this namespace); sampled, `nft` would load every VM's sets to list
-    /// one chain, so this says yes.
+    /// Whether the node table's chains that judge the VMs' packets have
+    /// their rules ([`enforcing_chains`]). A table flushed by another tool
+    /// (`nft flush table`) keeps its chains, sets and counters, so the
+    /// counters do not show it, while every VM's packets pass unjudged.
+    /// Read over netlink with events (the rules in this namespace);
+    /// sampled, `nft` would load every VM's sets to list one chain, so this
+    /// says yes.
     fn rules_in_place(&self) -> bool {
         if self.layout.events.is_none() {
             return true;
         }
-        match counters::rules(rules::TABLE, "forward") {
-            Ok(n) => n > 0,
-            Err(e) => {
-                tracing::warn!(error = %e, "reading the machine egress forward chain failed");
-                true
-            }
-        }
+        let bound = !lock(&self.bound).is_empty();
+        enforcing_chains(&self.layout, bound)
+            .iter()
+            .all(|chain| in_place(chain, counters::rules(rules::TABLE, chain)))
     }
 
     /// The node table's counters: with events (the rules in this
@@ -1026,6 +1024,37 @@ fn complete<'a>(counters: &BTreeMap<String, u64>, mut ids: impl Iterator<Item = 
         counters.contains_key(&format!("refused_{k}"))
             && counters.contains_key(&format!("spoofed_{k}"))
     })
+}
+
+/// The node table's base chains that judge the VMs' packets, each of
+/// which has rules while it does: with the address match the forward
+/// chain, and the prerouting chain that sends a link's packets to their
+/// anti-spoofing check; with the cgroup match the output chain, whose
+/// rules are one lookup for each level a bound cgroup is at (none while
+/// no VM's cgroup is in the tree, `cgroups_bound` false).
+fn enforcing_chains(layout: &Layout, cgroups_bound: bool) -> Vec<&'static str> {
+    match layout.matching {
+        Match::Address if layout.link_check == LinkCheck::Prerouting => {
+            vec!["forward", "prerouting"]
+        }
+        Match::Address => vec!["forward"],
+        Match::Cgroup if cgroups_bound => vec!["output"],
+        Match::Cgroup => Vec::new(),
+    }
+}
+
+/// Whether a chain whose rule dump gave `read` is in place: it has rules
+/// (a deleted chain's dump is empty). A dump that fails says nothing is in
+/// place either: the whole table is installed again, which replaces
+/// whatever is there, rather than leave the VMs unjudged unseen.
+fn in_place(chain: &str, read: Result<usize, String>) -> bool {
+    match read {
+        Ok(n) => n > 0,
+        Err(e) => {
+            tracing::warn!(chain, error = %e, "reading a machine egress chain failed");
+            false
+        }
+    }
 }
 
 /// `machine_egress.link_check` resolved: `auto` is the ingress hook when
@@ -1177,6 +1206,40 @@ mod tests {
         }
         assert!(!lock(&m.observed).contains_key("gone"));
         assert!(lock(&m.observed).contains_key("kept"));
+    }
+
+    /// The observer looks at the chains that enforce for the match in use
+    /// (the output chain with cgroups, not the forward chain that holds no
+    /// VM there), and a chain it cannot read is not in place, so the table
+    /// is installed again.
+    #[test]
+    fn the_chains_that_enforce_are_the_ones_checked_and_unreadable_is_missing() {
+        let layout = |matching, link_check| Layout {
+            matching,
+            capacity: 16,
+            cgroup_prefix: String::new(),
+            events: None,
+            link_check,
+        };
+        for (matching, check, bound, want) in [
+            (Match::Address, LinkCheck::Ingress, false, &["forward"][..]),
+            (
+                Match::Address,
+                LinkCheck::Prerouting,
+                false,
+                &["forward", "prerouting"],
+            ),
+            (Match::Cgroup, LinkCheck::Ingress, true, &["output"]),
+            (Match::Cgroup, LinkCheck::Prerouting, true, &["output"]),
+            (Match::Cgroup, LinkCheck::Ingress, false, &[]),
+        ] {
+            let got = enforcing_chains(&layout(matching, check), bound);
+            assert_eq!(got, want, "{matching:?} {check:?} bound={bound}");
+        }
+        assert!(in_place("forward", Ok(5)));
+        assert!(!in_place("forward", Ok(0)), "flushed");
+        let failed = Err("the kernel refused the rule dump of egress_machine forward: No such file or directory (os error 2)".to_owned());
+        assert!(!in_place("forward", failed), "unreadable");
     }
 
     #[test]

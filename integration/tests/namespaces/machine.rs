@@ -80,6 +80,13 @@ fn behind_its_back(t: &Topology, verb: &str, family: &str) {
     topology::run("ip", &args);
 }
 
+/// `nft <args>` in the gateway's namespace, behind its back.
+fn nft_behind_its_back(t: &Topology, args: &[&str]) {
+    let mut all = vec!["netns", "exec", t.gw.as_str(), "nft"];
+    all.extend_from_slice(args);
+    topology::run("ip", &all);
+}
+
 fn json(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
@@ -917,6 +924,7 @@ fn the_cgroup_variant_governs_a_process_in_the_host_namespace() {
     let (status, _) = t.admin("DELETE", "/v1/vms/r", None);
     assert_eq!(status, 200);
     drop(inner);
+    an_emptied_output_chain_is_installed_again(&t, &cg);
     a_scope_made_again_is_judged(&mut t, &cg);
     let (status, body) = t.admin("DELETE", "/v1/vms/q", None);
     assert_eq!(status, 200, "{body}");
@@ -981,6 +989,17 @@ fn a_reply_on_a_flow_from_outside_is_judged(t: &Topology, cg: &Cgroup) {
         !allowlist,
         "allowlist: q answered an address its rules do not cover on a flow opened from outside"
     );
+}
+
+/// The output chain emptied by another tool (`nft flush chain`): with the
+/// cgroup match it is the chain that judges, so the observer installs the
+/// table again, as it does for the forward chain with the address match.
+/// Leaves q under loopback.
+fn an_emptied_output_chain_is_installed_again(t: &Topology, cg: &Cgroup) {
+    put_egress(t, "q", r#"{"mode": "loopback"}"#);
+    nft_behind_its_back(t, &["flush", "chain", "inet", "egress_machine", "output"]);
+    metric_reaching(t, "egress_machine_table_restored_total ", 1);
+    assert!(!curl_in(t, Some(cg), API_IP), "loopback again");
 }
 
 /// A restarted QEMU's scope, made again under VM q's path, is another
@@ -1153,10 +1172,17 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
     behind_its_back(&t, "flush", "inet");
     metric_reaching(&t, "egress_machine_table_restored_total ", 2);
     assert!(!tcp_ok(&t, OTHER_IP), "refused again after the flush");
+    // The forward chain deleted: the kernel's dump of its rules is empty.
+    nft_behind_its_back(
+        &t,
+        &["delete", "chain", "inet", "egress_machine", "forward"],
+    );
+    metric_reaching(&t, "egress_machine_table_restored_total ", 3);
+    assert!(!tcp_ok(&t, OTHER_IP), "refused again after the chain went");
     // The links' table alone (the ingress check): installed again too.
     if !links_table(&t).is_empty() {
         delete_table(&t, "netdev");
-        metric_reaching(&t, "egress_machine_table_restored_total ", 3);
+        metric_reaching(&t, "egress_machine_table_restored_total ", 4);
         assert!(
             links_table(&t).contains("spoofed_vm1"),
             "{}",
