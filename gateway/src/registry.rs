@@ -95,16 +95,13 @@ impl Registry {
         self.snapshot.load().by_addr.get(&src).cloned()
     }
 
-    /// Whether `src` still belongs to sandbox `id`: a flow accepted for it
-    /// runs while it does (a deleted sandbox, or an address taken from it,
-    /// ends its open flows).
-    pub fn holds(&self, src: IpAddr, id: &SandboxId) -> bool {
-        let src = src.to_canonical();
-        self.snapshot
-            .load()
-            .by_addr
-            .get(&src)
-            .is_some_and(|s| s.id == *id)
+    /// Whether `src` still belongs to `sandbox`'s registration: a flow
+    /// accepted for it runs while it does (a deleted sandbox, an address
+    /// taken from it, or the id deleted and registered again, ends its
+    /// open flows; a push that replaces it keeps its serial).
+    pub fn holds(&self, src: IpAddr, sandbox: &Sandbox) -> bool {
+        self.lookup(src)
+            .is_some_and(|s| s.id == sandbox.id && s.serial == sandbox.serial)
     }
 
     pub fn get(&self, id: &SandboxId) -> Option<Arc<Sandbox>> {
@@ -430,7 +427,7 @@ impl QueryAdmission for Registry {
     }
 
     fn holds(&self, src: IpAddr, sandbox: &SandboxId) -> bool {
-        Self::holds(self, src, sandbox)
+        self.lookup(src).is_some_and(|s| s.id == *sandbox)
     }
 }
 

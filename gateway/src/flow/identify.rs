@@ -50,3 +50,25 @@ pub(super) fn identify(
         .ok_or(Refusal::UnknownSandbox(dst, peer.ip()))?;
     Ok(Accepted { sandbox, dst })
 }
+
+/// The flow's registration as it is after the peek, which may take up to
+/// `timeouts.peek`: the flow is decided under the policy it has now (a push
+/// acknowledged meanwhile applies to it), and refused as an unknown sandbox
+/// if the address no longer belongs to that registration.
+pub(super) fn still(
+    dp: &Dataplane,
+    accepted: &Accepted,
+    peer: SocketAddr,
+) -> Result<Accepted, Refusal> {
+    match dp.registry.lookup(peer.ip()) {
+        Some(sandbox)
+            if sandbox.id == accepted.sandbox.id && sandbox.serial == accepted.sandbox.serial =>
+        {
+            Ok(Accepted {
+                sandbox,
+                dst: accepted.dst,
+            })
+        }
+        _ => Err(Refusal::UnknownSandbox(accepted.dst, peer.ip())),
+    }
+}

@@ -45,7 +45,10 @@ pub(crate) async fn handle(
     };
     rec.accepted(&accepted);
     let config = dp.config();
-    let (classified, peeked) = match classify::classify(&dp, &config, &mut stream).await {
+    let peeked = classify::classify(&dp, &config, &mut stream)
+        .await
+        .and_then(|(c, bytes)| Ok((c, bytes, identify::still(&dp, &accepted, peer)?)));
+    let (classified, peeked, accepted) = match peeked {
         Ok(c) => c,
         Err(refusal) => return rec.refused(&mut stream, refusal).await,
     };
@@ -121,7 +124,7 @@ async fn splice(
     let stop = || {
         if dp.drain_over.load(std::sync::atomic::Ordering::Acquire) {
             Some(crate::fault::Fault::DRAIN_DEADLINE)
-        } else if !dp.registry.holds(src, &accepted.sandbox.id) {
+        } else if !dp.registry.holds(src, &accepted.sandbox) {
             Some(crate::fault::Fault::SANDBOX_REMOVED)
         } else {
             None

@@ -345,7 +345,7 @@ impl Conn {
 
     /// Whether the flow's sandbox is gone (deleted, or its address taken).
     fn removed(&self) -> bool {
-        !self.dp.registry.holds(self.src, &self.sandbox.id)
+        !self.dp.registry.holds(self.src, &self.sandbox)
     }
 
     /// Why a connection stopped at a boundary ([`Conn::stopping`]): its
@@ -369,7 +369,7 @@ impl Conn {
         self.dp
             .registry
             .lookup(self.src)
-            .filter(|now| now.id == self.sandbox.id)
+            .filter(|now| now.id == self.sandbox.id && now.serial == self.sandbox.serial)
     }
 
     /// Gives the upstream connection this client connection holds back to

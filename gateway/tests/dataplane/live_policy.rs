@@ -151,3 +151,44 @@ async fn a_spliced_stream_runs_through_a_push_and_is_cut_when_its_sandbox_is_del
     assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
     assert_eq!(line["bytes_up"], 10, "{line}");
 }
+
+/// A flow is decided under the registration as it is after its peek: a
+/// deny pushed while the client had sent nothing yet applies to it (a
+/// spliced stream is never judged again).
+#[tokio::test]
+async fn a_push_during_the_peek_decides_the_flow() {
+    let e = env(Options::default()).await;
+    e.sandbox("a", SANDBOX_A, policy(r#"{"default": "allow"}"#));
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    // Accepted, peeking: the push lands before its first byte.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let deny = format!(r#"{{"default": "allow", "deny": [{{"ip": "{SPLICED_IP}"}}]}}"#);
+    e.sandbox("a", SANDBOX_A, policy(&deny));
+    s.write_all(b"\x00\x01opaque").await.expect("write");
+    assert!(closed_without_data(&mut s).await, "refused, never spliced");
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["reason"], "tenant_deny", "{line}");
+}
+
+/// A sandbox deleted and registered again under the same id is another
+/// registration: the spliced flows of the first end, as for a delete.
+#[tokio::test]
+async fn a_spliced_stream_ends_when_its_sandbox_is_registered_again() {
+    let e = env(Options::default()).await;
+    let allow = policy(&format!(r#"{{"allow": [{{"ip": "{SPLICED_IP}"}}]}}"#));
+    e.sandbox("a", SANDBOX_A, allow.clone());
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    let mut back = [0u8; 5];
+    s.write_all(b"hello").await.expect("write");
+    tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut back))
+        .await
+        .expect("echo in time")
+        .expect("echo");
+    assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+    e.sandbox("a", SANDBOX_A, allow);
+    assert!(closed_without_data(&mut s).await, "cut within a tick");
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
+}
