@@ -44,11 +44,7 @@ pub(crate) async fn handle(
         Err(refusal) => return rec.refused(&mut stream, refusal).await,
     };
     rec.accepted(&accepted);
-    let config = dp.config();
-    let peeked = classify::classify(&dp, &config, &mut stream)
-        .await
-        .and_then(|(c, bytes)| Ok((c, bytes, identify::still(&dp, &accepted, peer)?)));
-    let (classified, peeked, accepted) = match peeked {
+    let (classified, peeked, accepted) = match peek(&dp, &mut stream, &accepted, peer).await {
         Ok(c) => c,
         Err(refusal) => return rec.refused(&mut stream, refusal).await,
     };
@@ -91,6 +87,19 @@ pub(crate) async fn handle(
         }
     }
     rec.finish();
+}
+
+/// The flow's first bytes, classified, and its registration as it is once
+/// they are read ([`identify::still`]).
+async fn peek(
+    dp: &Dataplane,
+    stream: &mut TcpStream,
+    accepted: &Accepted,
+    peer: std::net::SocketAddr,
+) -> Result<(crate::peek::Classified, Vec<u8>, Accepted), Refusal> {
+    let config = dp.config();
+    let (classified, bytes) = classify::classify(dp, &config, stream).await?;
+    Ok((classified, bytes, identify::still(dp, accepted, peer)?))
 }
 
 /// Hands a denied flow to the sandbox's proposals.
