@@ -205,7 +205,7 @@ pub fn keep_fence(
     }
     let attached = nft()
         .set_names(FENCE_TABLE, "attached")
-        .map_err(|e| RedirectError::Nft(e.0))?;
+        .map_err(|e| RedirectError::Nft(e.message))?;
     for iface in attached {
         let redirected = table_name(&iface)
             .ok()
@@ -230,7 +230,9 @@ fn nft() -> egress_machine::nft::Nft {
 }
 
 fn run(script: &str) -> Result<(), RedirectError> {
-    nft().apply(script).map_err(|e| RedirectError::Nft(e.0))
+    nft()
+        .apply(script)
+        .map_err(|e| RedirectError::Nft(e.message))
 }
 #[cfg(test)]
 mod tests {

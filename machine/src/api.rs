@@ -190,9 +190,11 @@ fn failed(e: &MachineError) -> Reply {
         }
         MachineError::Invalid { field, .. } => (StatusCode::BAD_REQUEST, Some(*field)),
         MachineError::Taken { field, .. } => (StatusCode::CONFLICT, Some(*field)),
-        MachineError::Kernel(_) | MachineError::Persist { .. } | MachineError::Log { .. } => {
-            (StatusCode::INTERNAL_SERVER_ERROR, None)
-        }
+        MachineError::Kernel(_)
+        | MachineError::KernelUnsure(_)
+        | MachineError::Persist { .. }
+        | MachineError::PersistUnsure { .. }
+        | MachineError::Log { .. } => (StatusCode::INTERNAL_SERVER_ERROR, None),
     };
     error(status, &e.to_string(), field)
 }

@@ -70,8 +70,21 @@ pub enum MachineError {
     },
     #[error("installing the rules failed (nothing changed): {0}")]
     Kernel(#[from] NftError),
+    /// The transaction may have been committed (nft was killed at its time
+    /// limit); the table is installed again from the state.
+    #[error("installing the rules did not finish and may have taken effect: {0} (the next observer round installs the whole table again from the state, which does not have this change)")]
+    KernelUnsure(NftError),
     #[error("{path}: {message} (the rules were put back; nothing changed)")]
     Persist { path: PathBuf, message: String },
+    /// The state could not be written, and the rules it had could not be
+    /// put back either: the kernel may enforce the change the state does
+    /// not have until the table is installed again.
+    #[error("{path}: {message} (the rules may not have been put back: {rollback}; the next observer round installs the whole table again from the state, which does not have this change)")]
+    PersistUnsure {
+        path: PathBuf,
+        message: String,
+        rollback: NftError,
+    },
     #[error("machine_egress.log_group {group}: {message}")]
     Log { group: u16, message: String },
 }
@@ -173,9 +186,14 @@ pub struct Machines {
     spoofed: Mutex<BTreeMap<String, Refused>>,
     /// Observations evicted by the bound, over every VM ever registered.
     evictions: AtomicU64,
-    /// Times the observer found the node table gone or incomplete and
-    /// installed it again.
+    /// Times the observer found the node table gone, incomplete or dirty
+    /// and installed it again.
     restored: AtomicU64,
+    /// The kernel may hold other rules than the state says: a change was
+    /// applied and could not be put back, or an nft run was killed while
+    /// it may have committed. The next change, or the observer's next
+    /// round, installs the whole table from the state.
+    dirty: std::sync::atomic::AtomicBool,
     /// The cgroup tree nft resolves paths in (`match = "cgroup"`).
     tree: cgroups::Tree,
     /// The inode each VM's cgroup element was loaded with.
@@ -374,6 +392,7 @@ impl Machines {
             spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
             restored: AtomicU64::new(0),
+            dirty: std::sync::atomic::AtomicBool::new(false),
             tree: cgroups::Tree::new(config.cgroup_root.clone(), &config.cgroup_prefix),
             bound: Mutex::new(cgroups::Bound::new()),
             rebound: AtomicU64::new(0),
@@ -416,29 +435,98 @@ impl Machines {
 
     /// Applies `next` in place of the current state for the VMs in `touched`
     /// (their rules replaced, or removed when `next` no longer has them):
-    /// one nft transaction, then durable; otherwise rolled back.
+    /// one nft transaction, then durable; otherwise rolled back. While the
+    /// kernel may not hold what `state` says ([`Machines::dirty`]), the
+    /// transaction is the whole table of `next` instead.
     fn commit(
         &self,
         state: &mut State,
         next: State,
         touched: &[String],
     ) -> Result<(), MachineError> {
-        let (forward, bound) = self.transition(state, &next, touched);
+        let whole = self.dirty.load(Ordering::Acquire);
+        let (forward, bound) = match whole {
+            true => self.whole(&next),
+            false => self.transition(state, &next, touched),
+        };
         if !forward.is_empty() {
-            self.nft.apply(&forward)?;
+            self.apply(&forward).map_err(|e| match e.unsure {
+                true => MachineError::KernelUnsure(e),
+                false => MachineError::Kernel(e),
+            })?;
             *lock(&self.bound) = bound;
+            if whole {
+                self.dirty.store(false, Ordering::Release);
+            }
         }
         if let Err(e) = self.store.save(state, &next, touched) {
-            let (back, bound) = self.transition(&next, state, touched);
-            match self.nft.apply(&back) {
-                Ok(()) => *lock(&self.bound) = bound,
-                Err(e) => {
-                    tracing::error!(error = %e, "could not put the previous machine egress rules back")
-                }
-            }
-            return Err(e);
+            return Err(self.put_back(state, &next, touched, e));
         }
         *state = next;
+        Ok(())
+    }
+
+    /// After the state could not be written (`failed`): the rules of
+    /// `state` put back, by the opposite transaction or, if nft refused
+    /// that, the whole table. If neither took, the table is marked dirty
+    /// and the error says the rules may not be back.
+    fn put_back(
+        &self,
+        state: &State,
+        next: &State,
+        touched: &[String],
+        failed: MachineError,
+    ) -> MachineError {
+        let (back, bound) = self.transition(next, state, touched);
+        let rollback = match self.apply(&back) {
+            Ok(()) => {
+                *lock(&self.bound) = bound;
+                return failed;
+            }
+            Err(e) => e,
+        };
+        tracing::error!(error = %rollback, "could not put the previous machine egress rules back");
+        self.dirty.store(true, Ordering::Release);
+        // A refused transaction changed nothing, so the whole table is
+        // worth one try now; one killed at its limit would likely hang again
+        // with the state lock held: the observer tries instead.
+        if !rollback.unsure && self.reinstall(state).is_ok() {
+            return failed;
+        }
+        match failed {
+            MachineError::Persist { path, message } => MachineError::PersistUnsure {
+                path,
+                message,
+                rollback,
+            },
+            other => other,
+        }
+    }
+
+    /// Applies a transaction; one that may have been committed although it
+    /// failed marks the table dirty.
+    fn apply(&self, text: &str) -> Result<(), NftError> {
+        self.nft.apply(text).inspect_err(|e| {
+            if e.unsure {
+                self.dirty.store(true, Ordering::Release);
+            }
+        })
+    }
+
+    /// The whole table of `state`, replacing whatever the kernel holds,
+    /// with the inodes it binds the VMs' cgroups at.
+    fn whole(&self, state: &State) -> (String, cgroups::Bound) {
+        let (vms, bound) = self.bind(state);
+        (rules::table(&self.layout, &vms), bound)
+    }
+
+    /// Installs the whole table of `state` (under the state lock), which
+    /// makes the table clean.
+    fn reinstall(&self, state: &State) -> Result<(), NftError> {
+        let (text, bound) = self.whole(state);
+        self.apply(&text)?;
+        *lock(&self.bound) = bound;
+        self.dirty.store(false, Ordering::Release);
         Ok(())
     }
 
@@ -881,6 +969,9 @@ impl Machines {
     /// read for every VM), and, sampled, the observed sets of each VM whose
     /// `refused` counter moved.
     pub fn observe(&self) {
+        if self.dirty.load(Ordering::Acquire) {
+            return self.restore_if_gone();
+        }
         let vms = self.vms();
         if vms.is_empty() {
             return;
@@ -931,28 +1022,32 @@ impl Machines {
     }
 
     /// Installs the whole table again, every VM in it, if it is gone or a
-    /// VM's objects are (another tool flushed the ruleset, say): until then
-    /// the VMs' packets pass unjudged, so the observer's round bounds how
-    /// long that lasts. Checked again under the state lock first, so a
-    /// change in flight is not taken for a loss.
+    /// VM's objects are (another tool flushed the ruleset, say), or it is
+    /// dirty (a change that failed half-way): until then the VMs' packets
+    /// pass unjudged, or judged by rules the state does not have, so the
+    /// observer's round bounds how long that lasts. Checked again under the
+    /// state lock first, so a change in flight is not taken for a loss.
     fn restore_if_gone(&self) {
         let state = lock(&self.state);
+        let dirty = self.dirty.load(Ordering::Acquire);
         let ids = state.vms.keys().map(String::as_str);
-        if self.counters().is_ok_and(|c| complete(&c, ids)) && self.rules_in_place() {
+        if !dirty && self.counters().is_ok_and(|c| complete(&c, ids)) && self.rules_in_place() {
             return;
         }
-        let (vms, bound) = self.bind(&state);
-        match self.nft.apply(&rules::table(&self.layout, &vms)) {
+        match self.reinstall(&state) {
             Ok(()) => {
-                *lock(&self.bound) = bound;
                 self.restored.fetch_add(1, Ordering::Relaxed);
+                let why = match dirty {
+                    true => "a change that failed half-way may have left other rules",
+                    false => "the table was gone or incomplete",
+                };
                 tracing::error!(
-                    vms = vms.len(),
-                    "the machine egress table was gone or incomplete; installed it again"
+                    vms = state.vms.len(),
+                    "machine egress: {why}; installed the whole table again"
                 );
             }
             Err(e) => {
-                tracing::error!(error = %e, "the machine egress table is gone and could not be installed again");
+                tracing::error!(error = %e, "the machine egress table could not be installed again");
             }
         }
     }
@@ -1125,6 +1220,11 @@ mod tests {
     /// namespace suite runs the real nft).
     fn machines(dir: &Path) -> Arc<Machines> {
         let script = r#"case "$*" in *-f*) cat > /dev/null ;; *) echo '{"nftables": []}' ;; esac"#;
+        machines_over(dir, script)
+    }
+
+    /// Machine egress over the nft stand-in `script` (run by `sh -c`).
+    fn machines_over(dir: &Path, script: &str) -> Arc<Machines> {
         let config = MachineEgressConfig {
             nft: vec!["sh".into(), "-c".into(), script.into(), "nft".into()],
             observe: crate::config::MachineObserve::Sampled,
@@ -1240,6 +1340,78 @@ mod tests {
         assert!(!in_place("forward", Ok(0)), "flushed");
         let failed = Err("the kernel refused the rule dump of egress_machine forward: No such file or directory (os error 2)".to_owned());
         assert!(!in_place("forward", failed), "unreadable");
+    }
+
+    /// A stand-in for nft that keeps each transaction it takes (`last`,
+    /// and all of them in `all`), refuses the runs whose numbers `fail`
+    /// lists, and lists vm1's counters (so the table looks whole).
+    fn recording_nft(dir: &Path) -> String {
+        let d = dir.display();
+        format!(
+            r#"case "$*" in
+              *-f*) n=$(( $(cat {d}/runs 2>/dev/null || echo 0) + 1 )); echo $n > {d}/runs
+                    if grep -qx "$n" {d}/fail 2>/dev/null; then cat > /dev/null; echo 'Error: refused' >&2; exit 1; fi
+                    cat > {d}/last; cat {d}/last >> {d}/all ;;
+              *counters*) echo '{{"nftables": [{{"counter": {{"table": "egress_machine", "name": "refused_vm1", "packets": 0}}}}, {{"counter": {{"table": "egress_machine", "name": "spoofed_vm1", "packets": 0}}}}]}}' ;;
+              *) echo '{{"nftables": []}}' ;;
+            esac"#
+        )
+    }
+
+    /// A change whose state cannot be written and whose rules cannot be
+    /// put back leaves the kernel with rules the state does not have: the
+    /// error says so, and the next observer round installs the whole
+    /// table from the state (once). When only the opposite transaction is
+    /// refused, the whole table puts the rules back at once.
+    #[test]
+    fn rules_that_could_not_be_put_back_are_installed_again_from_the_state() {
+        let (dir, nft) = (
+            tempfile::tempdir().expect("dir"),
+            tempfile::tempdir().expect("dir"),
+        );
+        let m = machines_over(dir.path(), &recording_nft(nft.path()));
+        let audit = MachineEgress::from_json(r#"{"mode": "audit"}"#).expect("policy");
+        let registration = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            egress: Some(audit.clone()),
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration).expect("registered");
+        // vm1's file cannot be replaced: a directory that is not empty.
+        let file = dir.path().join(STATE_DIR).join("vm-vm1.json");
+        std::fs::remove_file(&file).expect("file");
+        std::fs::create_dir_all(file.join("x")).expect("in the way");
+        let read = |name: &str| std::fs::read_to_string(nft.path().join(name)).unwrap_or_default();
+        let runs = || read("runs").trim().parse::<u32>().expect("runs");
+        let open = MachineEgress::from_json(r#"{"mode": "open"}"#).expect("policy");
+        // The change, then its opposite and the whole table are refused.
+        let n = runs();
+        std::fs::write(nft.path().join("fail"), format!("{}\n{}\n", n + 2, n + 3)).expect("fail");
+        let e = m
+            .set_egress("vm1", Some(open.clone()))
+            .expect_err("not written");
+        assert!(e.to_string().contains("may not have been put back"), "{e}");
+        assert!(matches!(e, MachineError::PersistUnsure { .. }), "{e}");
+        assert_eq!(m.vm("vm1").expect("vm").effective, audit);
+        let whole = "table inet egress_machine\ndelete table inet egress_machine\n";
+        m.observe();
+        assert_eq!(runs(), n + 4, "the observer installed the table");
+        assert!(read("last").contains(whole), "{}", read("last"));
+        assert!(
+            read("last").contains("counter name refused_vm1 accept"),
+            "audit again"
+        );
+        m.observe();
+        assert_eq!(runs(), n + 4, "clean again: nothing more to install");
+        // Only the opposite transaction refused: the whole table puts the
+        // rules back before the answer, which says so.
+        std::fs::write(nft.path().join("fail"), format!("{}\n", n + 6)).expect("fail");
+        let e = m.set_egress("vm1", Some(open)).expect_err("not written");
+        assert!(matches!(e, MachineError::Persist { .. }), "{e}");
+        assert_eq!(runs(), n + 7);
+        assert!(read("last").contains(whole), "{}", read("last"));
+        m.observe();
+        assert_eq!(runs(), n + 7, "already clean");
     }
 
     #[test]

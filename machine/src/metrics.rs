@@ -126,7 +126,7 @@ fn totals(encoder: &mut DescriptorEncoder<'_>, f: &MachineCounts) -> Result<(), 
         ),
         (
             "machine_table_restored",
-            "Times the observer found the machine egress table gone or missing a VM's objects (another tool flushed the ruleset, say) and installed it again.",
+            "Times the observer found the machine egress table gone or missing a VM's objects (another tool flushed the ruleset, say), or dirty after a change that failed half-way, and installed it again.",
             f.restored,
         ),
         (

@@ -18,8 +18,23 @@ use rules::{OBSERVED_TIMEOUT, TABLE};
 
 /// Why nft failed.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("nft: {0}")]
-pub struct NftError(pub String);
+#[error("nft: {message}")]
+pub struct NftError {
+    pub message: String,
+    /// The run was stopped before nft said how it ended (killed at its
+    /// time limit): a transaction it was sending may have been committed.
+    pub unsure: bool,
+}
+
+impl NftError {
+    /// nft (or the command) said it failed: nothing was committed.
+    fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            unsure: false,
+        }
+    }
+}
 
 /// The nftables command (`machine_egress.nft`).
 #[derive(Clone, Debug)]
@@ -71,7 +86,7 @@ impl Nft {
     pub fn legacy_tables(&self) -> Result<Vec<String>, NftError> {
         let out = self.run(&["-j", "list", "tables", "inet"], None)?;
         let doc: serde_json::Value = serde_json::from_str(&out)
-            .map_err(|e| NftError(format!("unreadable `nft -j list tables`: {e}")))?;
+            .map_err(|e| NftError::new(format!("unreadable `nft -j list tables`: {e}")))?;
         Ok(items(&doc, "table")
             .filter_map(|t| t.get("name")?.as_str())
             .filter(|n| n.starts_with("egress_vm_"))
@@ -84,7 +99,7 @@ impl Nft {
     pub fn set_names(&self, table: &str, set: &str) -> Result<Vec<String>, NftError> {
         let out = self.run(&["-j", "list", "set", "inet", table, set], None)?;
         let doc: serde_json::Value = serde_json::from_str(&out)
-            .map_err(|e| NftError(format!("unreadable `nft -j list set`: {e}")))?;
+            .map_err(|e| NftError::new(format!("unreadable `nft -j list set`: {e}")))?;
         Ok(items(&doc, "set")
             .filter_map(|s| s.get("elem")?.as_array())
             .flatten()
@@ -100,7 +115,7 @@ impl Nft {
         for family in families {
             let out = self.run(&["-j", "list", "counters", "table", family, TABLE], None)?;
             let doc: serde_json::Value = serde_json::from_str(&out)
-                .map_err(|e| NftError(format!("unreadable `nft -j list counters`: {e}")))?;
+                .map_err(|e| NftError::new(format!("unreadable `nft -j list counters`: {e}")))?;
             all.extend(
                 items(&doc, "counter")
                     .filter(|c| c.get("table").and_then(|t| t.as_str()) == Some(TABLE))
@@ -143,7 +158,7 @@ impl Nft {
         for set in [format!("obs_{k}"), format!("obs6_{k}")] {
             let out = self.run(&["-j", "list", "set", "inet", TABLE, &set], None)?;
             let doc: serde_json::Value = serde_json::from_str(&out)
-                .map_err(|e| NftError(format!("unreadable `nft -j list set`: {e}")))?;
+                .map_err(|e| NftError::new(format!("unreadable `nft -j list set`: {e}")))?;
             all.extend(
                 items(&doc, "set")
                     .filter_map(|s| s.get("elem")?.as_array())
@@ -182,7 +197,7 @@ impl Nft {
         let (program, lead) = self
             .argv
             .split_first()
-            .ok_or_else(|| NftError("machine_egress.nft is empty".into()))?;
+            .ok_or_else(|| NftError::new("machine_egress.nft is empty"))?;
         let mut child = Command::new(program)
             .args(lead)
             .args(args)
@@ -194,7 +209,7 @@ impl Nft {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|e| NftError(format!("cannot run {program}: {e}")))?;
+            .map_err(|e| NftError::new(format!("cannot run {program}: {e}")))?;
         // The ruleset is written and the output read while it runs (a full
         // pipe would stall either side), each in a thread of its own, and
         // it is waited for however the run ends.
@@ -209,7 +224,10 @@ impl Nft {
         let stderr = drain(child.stderr.take());
         // Past the limit the threads are left to end when the pipes close
         // (a process the command started may still hold them).
-        let status = wait_within(&mut child, self.timeout).map_err(|e| NftError(e.to_string()))?;
+        let status = wait_within(&mut child, self.timeout).map_err(|e| NftError {
+            message: e.to_string(),
+            unsure: true,
+        })?;
         let written = writer.map_or(Ok(()), |w| {
             w.join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("the writer panicked")))
@@ -222,7 +240,7 @@ impl Nft {
             Err(e) if stderr.trim().is_empty() => format!("writing the ruleset: {e}"),
             _ => stderr.trim().to_owned(),
         };
-        Err(NftError(why))
+        Err(NftError::new(why))
     }
 }
 
