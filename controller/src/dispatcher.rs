@@ -200,7 +200,10 @@ impl Dispatcher {
     /// A session holding [`LEADER_LOCK`] shared (none while an older
     /// dispatcher leads with it).
     async fn session(&self) -> Result<Option<PgConnection>, sqlx::Error> {
-        let mut conn = PgConnection::connect(&self.database_url).await?;
+        let connect = PgConnection::connect(&self.database_url);
+        let mut conn = tokio::time::timeout(store::CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)??;
         let got = store::locks::try_shared(&mut conn, LEADER_LOCK).await?;
         Ok(got.then_some(conn))
     }

@@ -8,7 +8,7 @@ use egress_policy::Policy;
 use serde_json::{json, Value};
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
-use sqlx::{PgConnection, Row};
+use sqlx::{Connection, PgConnection, Row};
 
 use crate::state::{OperationKind, OperationState, SandboxState};
 
@@ -32,20 +32,44 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
     ..sqlx::migrate!("./migrations")
 };
 
-/// Connects (bounded waits) and brings the schema up to date.
+/// Connects (bounded waits) and brings the schema up to date. The pool's
+/// connections end a statement after [`STATEMENT_TIMEOUT`] and a wait for a
+/// lock after [`LOCK_TIMEOUT`] (an error: `503` on the API, a retry in the
+/// dispatcher); the migrations run on a connection of their own without
+/// them, since a replica waits there for another's migration to finish.
 pub async fn connect(url: &str) -> Result<PgPool, String> {
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(url)
+    let cannot = |e: sqlx::Error| format!("DATABASE_URL: cannot connect: {e}");
+    let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(cannot)?;
+    let mut migrating = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
         .await
-        .map_err(|e| format!("DATABASE_URL: cannot connect: {e}"))?;
+        .map_err(|_| format!("DATABASE_URL: cannot connect within {CONNECT_TIMEOUT:?}"))?
+        .map_err(cannot)?;
     MIGRATOR
-        .run(&pool)
+        .run(&mut migrating)
         .await
         .map_err(|e| format!("database migration failed: {e}"))?;
-    Ok(pool)
+    drop(migrating);
+    let bounded = options.options([
+        (
+            "statement_timeout",
+            format!("{}ms", STATEMENT_TIMEOUT.as_millis()),
+        ),
+        ("lock_timeout", format!("{}ms", LOCK_TIMEOUT.as_millis())),
+    ]);
+    PgPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(CONNECT_TIMEOUT)
+        .connect_with(bounded)
+        .await
+        .map_err(cannot)
 }
+
+/// The longest wait for a connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest statement on a pool connection.
+pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest wait for a row or advisory lock on a pool connection.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A sandbox as stored.
 #[derive(Clone, Debug)]

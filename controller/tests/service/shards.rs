@@ -777,3 +777,33 @@ async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
         "s2 settled, s1's destruction still to push"
     );
 }
+
+/// The pool's connections bound their statements and their lock waits: a
+/// request stuck behind a lock or a slow statement ends in an error (503)
+/// instead of holding its caller.
+#[tokio::test]
+async fn pool_connections_bound_statements_and_lock_waits() {
+    let url = db!();
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    let settings: (String, String) = sqlx::query_as(
+        "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("settings");
+    assert_eq!(settings, ("30s".to_owned(), "10s".to_owned()));
+    let mut other = sqlx::PgConnection::connect(&url).await.expect("db");
+    let mut tx = other.begin().await.expect("tx");
+    sqlx::query("SELECT pg_advisory_xact_lock(7)")
+        .execute(&mut *tx)
+        .await
+        .expect("lock");
+    let waited = std::time::Instant::now();
+    let blocked = sqlx::query("SELECT pg_advisory_xact_lock(7)")
+        .execute(&pool)
+        .await;
+    assert!(blocked.is_err_and(|e| e.to_string().contains("lock timeout")));
+    assert!(waited.elapsed() < Duration::from_secs(20));
+}
