@@ -72,8 +72,8 @@ pub enum StartError {
     Worker { worker: usize, source: io::Error },
     #[error("takeover: {0}")]
     Takeover(String),
-    #[error("{what} listens on every address, and the host's own addresses (denied to sandboxes as the listeners' are) cannot be read: {why}")]
-    HostAddresses { what: &'static str, why: String },
+    #[error("the host's own addresses (denied to sandboxes, as the listeners' are) cannot be read: {why}")]
+    HostAddresses { why: String },
     #[error("cannot listen on {what} {addr}: {source}")]
     Bind {
         what: &'static str,
@@ -252,6 +252,7 @@ impl Gateway {
         };
         gateway.spawn_machine_tasks(&machines);
         gateway.spawn_fence_keeper();
+        gateway.spawn_host_reader();
         gateway.serve(
             listeners,
             &dns,
@@ -276,6 +277,25 @@ impl Gateway {
                 let dp = dp.clone();
                 let _ = tokio::task::spawn_blocking(move || keep_fence(&dp, first)).await;
                 first = false;
+            }
+        });
+    }
+
+    /// The host's addresses read again every [`HOST_READ_EVERY`]: one it
+    /// gains (a renumbering, a new IPv6 temporary address) is denied to
+    /// sandboxes from then on. A reading that fails keeps the last.
+    fn spawn_host_reader(&mut self) {
+        let dp = self.dp.clone();
+        self.tasks.spawn(async move {
+            let mut tick = tokio::time::interval(HOST_READ_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match tokio::task::spawn_blocking(egress_machine::host::read).await {
+                    Ok(Ok(host)) => dp.registry.platform().set_host(host),
+                    Ok(Err(error)) => tracing::warn!(%error, "the host's addresses were not read again; the last reading stands"),
+                    Err(_) => {}
+                }
             }
         });
     }
@@ -707,46 +727,31 @@ fn minter(config: &Config) -> Result<Arc<LeafMinter>, StartError> {
     Ok(Arc::new(LeafMinter::new(Arc::new(ca), mint)?))
 }
 
-/// The platform denies: the configured list, the gateway's own addresses,
-/// and its upstream proxies' addresses. A listener on a wildcard address
-/// listens on every address of the host, so every one of them is added (the
-/// host's public address is in no private range): no sandbox reaches a
-/// service of the host through it. A proxy may trust the worker by its
-/// address: a sandbox that reached it directly would use the worker's
-/// standing there, past every policy.
+/// The platform denies: the configured list, the gateway's listen
+/// addresses, its upstream proxies' addresses, and every address of the
+/// host (read now, and again every [`HOST_READ_EVERY`]): the gateway dials
+/// from the host, so a sandbox reaching one of them would reach the host's
+/// own services (the host's public address is in no private range). A
+/// proxy may trust the worker by its address: a sandbox that reached it
+/// directly would use the worker's standing there, past every policy.
 fn platform(config: &Config, bound: &Bound) -> Result<PlatformDenies, StartError> {
     let mut list = config.policy.platform_deny.clone();
-    let listeners = [
-        ("listen.transparent", bound.transparent),
-        ("listen.dns", bound.dns),
-        ("listen.dns_alt", bound.dns_alt),
-        ("listen.admin", bound.admin),
-    ];
-    let mut own: Vec<IpAddr> = listeners
-        .iter()
-        .map(|(_, addr)| addr.ip())
-        .filter(|ip| !ip.is_unspecified())
-        .collect();
-    if let Some((what, _)) = listeners.iter().find(|(_, a)| a.ip().is_unspecified()) {
-        let host =
-            egress_machine::host::read().map_err(|why| StartError::HostAddresses { what, why })?;
-        own.extend(host);
-    }
-    own.extend(
-        config
-            .upstream_proxy
-            .proxies
-            .values()
-            .map(|p| p.address.ip()),
-    );
-    for ip in own {
-        let d = Destination::Ip(ip.to_canonical());
-        if !list.contains(&d) {
+    let listeners = [bound.transparent, bound.dns, bound.dns_alt, bound.admin];
+    let proxies = config.upstream_proxy.proxies.values().map(|p| p.address);
+    for addr in listeners.into_iter().chain(proxies) {
+        let d = Destination::Ip(addr.ip().to_canonical());
+        if !addr.ip().is_unspecified() && !list.contains(&d) {
             list.push(d);
         }
     }
-    Ok(PlatformDenies::new(list).with_opaque_streams(config.policy.opaque_streams))
+    let host = egress_machine::host::read().map_err(|why| StartError::HostAddresses { why })?;
+    let denies = PlatformDenies::new(list).with_opaque_streams(config.policy.opaque_streams);
+    denies.set_host(host);
+    Ok(denies)
 }
+
+/// How often the host's addresses are read again.
+pub(crate) const HOST_READ_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Listeners {
     /// Binds every listener: with `limits.thread_per_core`, one set of
@@ -1112,9 +1117,9 @@ mod tests {
 
     /// The verdict for an opaque stream to `dst` under `platform` and a
     /// policy that allows everything.
-    fn verdict(platform: PlatformDenies, dst: &str) -> egress_policy::Verdict {
+    fn verdict(platform: impl Into<Arc<PlatformDenies>>, dst: &str) -> egress_policy::Verdict {
         let policy = egress_policy::Policy::from_json(r#"{"default": "allow"}"#).expect("policy");
-        let compiled = egress_policy::CompiledPolicy::new(policy, Arc::new(platform));
+        let compiled = egress_policy::CompiledPolicy::new(policy, platform.into());
         let claims = crate::decide::Claims {
             dst: dst.parse().expect("addr"),
             protocol: egress_policy::Protocol::Opaque(None),
@@ -1132,40 +1137,60 @@ mod tests {
         )
     }
 
-    /// A wildcard listener listens on every address of the host: each is a
-    /// platform deny, so a sandbox reaches none of the host's services
-    /// through an address no private range covers. The list is emptied here
-    /// to show it: before, a wildcard listener added no address at all.
+    /// Every address of the host is a platform deny, whatever the listeners
+    /// are bound to (the gateway dials from the host), and so is one the
+    /// host gains later, in every form that names it. The list is emptied
+    /// here to show it: before, listeners on one address added that
+    /// address only, and the host's addresses were read once.
     #[test]
-    fn a_wildcard_listener_denies_every_address_of_the_host() {
+    fn every_address_of_the_host_is_denied_now_and_later() {
         let config = Config::parse(
             "[policy]\nplatform_deny = []\n",
             std::path::Path::new("t.toml"),
         )
         .expect("config");
         let at = |s: &str| s.parse::<SocketAddr>().expect("addr");
-        let wildcard = Bound {
-            transparent: at("0.0.0.0:15001"),
+        let one = Bound {
+            transparent: at("127.0.0.1:15001"),
             dns: at("127.0.0.1:15053"),
             dns_alt: at("127.0.0.1:15054"),
             admin: at("127.0.0.1:15000"),
         };
         let host = egress_machine::host::read().expect("the host's addresses");
         assert!(!host.is_empty());
+        let denies = Arc::new(platform(&config, &one).expect("platform"));
         for ip in host {
             let dst = SocketAddr::new(ip, 22).to_string();
-            let v = verdict(platform(&config, &wildcard).expect("platform"), &dst);
-            assert_eq!(v.code(), "platform_deny", "{dst}");
+            assert_eq!(
+                verdict(denies.clone(), &dst).code(),
+                "platform_deny",
+                "{dst}"
+            );
         }
-        // Listeners on one address add that address only.
-        let one = Bound {
-            transparent: at("127.0.0.1:15001"),
-            ..wildcard
-        };
-        let v = verdict(platform(&config, &one).expect("platform"), "127.0.0.1:22");
-        assert_eq!(v.code(), "platform_deny");
-        let v = verdict(platform(&config, &one).expect("platform"), "127.0.0.2:22");
+        let v = verdict(denies.clone(), "127.0.0.2:22");
         assert_ne!(v.code(), "platform_deny");
+        // An address gained later, read again.
+        for dst in [
+            "203.0.113.77:22",
+            "[::ffff:203.0.113.77]:22",
+            "[64:ff9b::cb00:714d]:22",
+        ] {
+            assert_ne!(
+                verdict(denies.clone(), dst).code(),
+                "platform_deny",
+                "{dst}"
+            );
+        }
+        denies.set_host(["203.0.113.77".parse().expect("ip")]);
+        for dst in [
+            "203.0.113.77:22",
+            "[::ffff:203.0.113.77]:22",
+            "[64:ff9b::cb00:714d]:22",
+        ] {
+            let v = verdict(denies.clone(), dst);
+            assert_eq!(v.code(), "platform_deny", "{dst}");
+            assert_eq!(v.deny_rule(), None, "no entry of the list: {dst}");
+        }
     }
 
     /// An upstream proxy may trust the worker by its address: no sandbox

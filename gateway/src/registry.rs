@@ -89,6 +89,11 @@ impl Registry {
         }
     }
 
+    /// The platform denies every policy is compiled with.
+    pub fn platform(&self) -> &PlatformDenies {
+        &self.platform
+    }
+
     /// The sandbox a source address belongs to.
     pub fn lookup(&self, src: IpAddr) -> Option<Arc<Sandbox>> {
         let src = src.to_canonical();

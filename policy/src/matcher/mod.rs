@@ -108,11 +108,20 @@ pub struct Flow<'a> {
 #[derive(Debug)]
 pub struct PlatformDenies {
     list: Vec<Destination>,
+    /// The host's own addresses as the gateway last read them from the
+    /// kernel ([`PlatformDenies::set_host`]), sorted: an address the host
+    /// gains while the gateway runs (a renumbering, a new IPv6 temporary
+    /// address) is denied from the next reading on.
+    host: arc_swap::ArcSwap<Vec<IpAddr>>,
     rules: RuleSet,
     /// The gateway's `policy.opaque_streams`: a setting of the operator's,
     /// compiled into every sandbox's policy like the list.
     opaque_streams: OpaqueStreams,
 }
+
+/// The index of a platform deny of one of the host's own addresses: they
+/// are read from the kernel while the gateway runs, not listed.
+pub(crate) const HOST_ADDRESS: RuleIdx = RuleIdx::MAX;
 
 /// A policy compiled for lookups that never scan rules.
 #[derive(Debug)]
@@ -215,9 +224,32 @@ impl PlatformDenies {
         let rules = RuleSet::new(&list);
         Self {
             list,
+            host: arc_swap::ArcSwap::default(),
             rules,
             opaque_streams: OpaqueStreams::default(),
         }
+    }
+
+    /// The host's own addresses now: each is denied as a destination, in
+    /// every form that names it (an IPv4-mapped or NAT64 one too).
+    pub fn set_host(&self, addrs: impl IntoIterator<Item = IpAddr>) {
+        let mut addrs: Vec<IpAddr> = addrs.into_iter().map(canonical_ip).collect();
+        addrs.sort_unstable();
+        addrs.dedup();
+        self.host.store(Arc::new(addrs));
+    }
+
+    /// The host's own addresses as last set.
+    pub fn host(&self) -> Vec<IpAddr> {
+        self.host.load().to_vec()
+    }
+
+    fn is_host(&self, addrs: &Addrs) -> bool {
+        let host = self.host.load();
+        [Some(addrs.ip), addrs.embedded]
+            .into_iter()
+            .flatten()
+            .any(|ip| host.binary_search(&ip).is_ok())
     }
 
     /// With the gateway's setting for streams it cannot read.
@@ -347,6 +379,9 @@ impl CompiledPolicy {
         let addrs = Addrs::of(flow.dst);
         if let Some(r) = self.platform.rules.lookup_addr(&addrs) {
             return Verdict::Deny(Denied::Platform(r));
+        }
+        if self.platform.is_host(&addrs) {
+            return Verdict::Deny(Denied::Platform(HOST_ADDRESS));
         }
         if let Some(r) = self.platform.rules.lookup_evidence(flow) {
             return Verdict::Deny(Denied::Platform(r));
@@ -553,6 +588,7 @@ impl CompiledPolicy {
     pub(crate) fn rule(&self, list: RuleList, idx: RuleIdx) -> Option<String> {
         let i = usize::try_from(idx).ok()?;
         let text = match list {
+            RuleList::Platform if idx == HOST_ADDRESS => "the gateway host's own address".into(),
             RuleList::Platform => self.platform.list.get(i)?.to_string(),
             RuleList::Deny => self.policy.deny.get(i)?.to_string(),
             RuleList::Allow => self.policy.allow.get(i)?.to_string(),
