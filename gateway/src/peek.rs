@@ -205,9 +205,11 @@ fn other_record(buf: &[u8]) -> Option<Result<Step, PeekError>> {
     if !OTHER_RECORDS.contains(buf.first()?) {
         return None;
     }
+    // Go takes any version below 0x1000 on a first record, OpenSSL any
+    // with major 3: whatever a server may read as a record is one.
     match buf.get(1) {
         None => Some(Ok(Step::NeedMore)),
-        Some(3) => Some(Err(PeekError::Malformed(
+        Some(major) if *major < 0x10 => Some(Err(PeekError::Malformed(
             "a TLS record before the ClientHello",
         ))),
         Some(_) => None,
