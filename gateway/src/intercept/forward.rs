@@ -8,6 +8,7 @@ use egress_policy::Hostname;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::serve::ClientBody;
 use super::Conn;
@@ -78,11 +79,7 @@ impl Conn {
         authority: &str,
     ) -> Result<Response<Body>, ForwardError> {
         let h2 = req.version() == http::Version::HTTP_2;
-        let mut guard = self.upstream.lock().await;
-        let slot = match (h2, self.h1_slots.get()) {
-            (true, Some(slots)) => Some(self.h1_slot(slots.clone()).await?),
-            _ => None,
-        };
+        let (mut guard, slot) = self.locked_upstream(h2).await?;
         self.hold_upstream(&mut guard, (verify_as, route), h2)
             .await?;
         let (parts, body) = req.into_parts();
@@ -121,6 +118,27 @@ impl Conn {
         }
     }
 
+    /// The lock on the flow's upstream connection, and for an HTTP/2
+    /// request whose origin is known to speak HTTP/1.1, a slot
+    /// ([`Conn::h1_slot`]), taken before the lock: a stream waiting for one
+    /// holds up no other. Found to speak it while the request waited for the
+    /// lock: the lock is let go, a slot taken, and the lock taken again.
+    async fn locked_upstream(
+        &self,
+        h2: bool,
+    ) -> Result<(UpstreamGuard<'_>, Option<OwnedSemaphorePermit>), ForwardError> {
+        let mut slot = None;
+        loop {
+            if let (true, None, Some(slots)) = (h2, &slot, self.h1_slots.get()) {
+                slot = Some(self.h1_slot(slots.clone()).await?);
+            }
+            let guard = self.upstream.lock().await;
+            if !h2 || slot.is_some() || self.h1_slots.get().is_none() {
+                return Ok((guard, slot));
+            }
+        }
+    }
+
     /// A place among the origin connections an HTTP/2 client's requests
     /// may hold at once when its origin speaks HTTP/1.1 (one connection a
     /// request in flight: without a bound, its concurrent streams, up to
@@ -129,7 +147,7 @@ impl Conn {
     async fn h1_slot(
         &self,
         slots: Arc<tokio::sync::Semaphore>,
-    ) -> Result<tokio::sync::OwnedSemaphorePermit, ForwardError> {
+    ) -> Result<OwnedSemaphorePermit, ForwardError> {
         let wait = self.dp.config().timeouts.connect;
         match tokio::time::timeout(wait, slots.acquire_owned()).await {
             Ok(Ok(slot)) => Ok(slot),
@@ -142,7 +160,7 @@ impl Conn {
     /// The first HTTP/2 request found to reach an HTTP/1.1 origin: from
     /// now on the client's requests share [`H1_SLOTS`] origin connections,
     /// this one holding the first.
-    fn first_h1_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    fn first_h1_slot(&self) -> Option<OwnedSemaphorePermit> {
         let slots = self
             .h1_slots
             .get_or_init(|| Arc::new(tokio::sync::Semaphore::new(H1_SLOTS)));
@@ -303,13 +321,16 @@ impl Conn {
     }
 }
 
+/// The lock on a client connection's upstream connection.
+type UpstreamGuard<'a> = tokio::sync::MutexGuard<'a, Option<(PoolKey, Sender)>>;
+
 /// Origin connections an HTTP/2 client connection's requests may hold at
 /// once when its origin speaks HTTP/1.1.
 const H1_SLOTS: usize = 8;
 
 /// `body`, holding `slot` (if any) until it is dropped: the origin
 /// connection it comes on is in use until then.
-fn holding(body: Body, slot: Option<tokio::sync::OwnedSemaphorePermit>) -> Body {
+fn holding(body: Body, slot: Option<OwnedSemaphorePermit>) -> Body {
     match slot {
         Some(slot) => body
             .map_frame(move |frame| {
