@@ -184,11 +184,12 @@ impl Api {
             fingerprint: None,
         };
         // The copy is the source's tenant's: counted against its quota, not
-        // the caller's (an admin forking another tenant's sandbox).
+        // the caller's (an admin forking another tenant's sandbox); a tenant
+        // no token names any more has the default.
         let owner = Tenant {
             tenant: source.tenant.clone(),
             max_sandboxes: (self.tenants.max_sandboxes(&source.tenant))
-                .unwrap_or(caller.max_sandboxes),
+                .unwrap_or(crate::config::DEFAULT_MAX_SANDBOXES),
             ..caller.clone()
         };
         self.enqueue(&owner, &new, &op).await
