@@ -43,6 +43,11 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_CONNECTIONS: usize = 256;
 /// Longest a review waits for one of the [`MAX_REVIEWS`] slots.
 pub const REVIEW_WAIT: Duration = Duration::from_secs(2);
+/// Longest a review's body may take once it holds a slot: the API server
+/// sends it with the head, so anyone holding slots with bodies that do not
+/// come frees each within this, well inside another review's
+/// [`REVIEW_WAIT`] (the slots are handed out in order).
+pub const BODY_WAIT: Duration = Duration::from_secs(1);
 /// Reviews whose bodies are read and decided at once (each up to
 /// [`MAX_BODY`]): what the parsing may hold is bounded, whatever the number
 /// of connections and HTTP/2 streams.
@@ -389,8 +394,8 @@ async fn handle(
     let path = req.uri().path().to_owned();
     // A review waits at most REVIEW_WAIT for one of the slots: past it the
     // answer is 503 at once. Streams that hold slots with bodies that do
-    // not come (up to HANDSHAKE_TIMEOUT each) then cannot queue the API
-    // server's reviews behind thousands of others for good.
+    // not come hold each for BODY_WAIT at most, so a review queued behind
+    // them gets one within its wait.
     let slot = tokio::time::timeout(REVIEW_WAIT, reviews.acquire_owned()).await;
     let Ok(Ok(_review)) = slot else {
         return error(
@@ -426,11 +431,8 @@ async fn route(req: Request<Incoming>, reconciler: &str) -> Reply {
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
         return too_large(MAX_BODY);
     }
-    let collected = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        Limited::new(req.into_body(), MAX_BODY).collect(),
-    )
-    .await;
+    let collected =
+        tokio::time::timeout(BODY_WAIT, Limited::new(req.into_body(), MAX_BODY).collect()).await;
     let body = match collected {
         Ok(Ok(b)) => b.to_bytes(),
         Ok(Err(e))
