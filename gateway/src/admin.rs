@@ -457,6 +457,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// Sandboxes a resync may carry at most.
 const MAX_RESYNC: usize = 1_000_000;
 
+/// Longest an NDJSON resync's body may go without a byte.
+const RESYNC_QUIET: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A resync sent as NDJSON (`application/x-ndjson`): one sandbox document
 /// per line, streamed, so its size is not bound by the body cap (each line
 /// is).
@@ -472,7 +475,17 @@ async fn stream_docs(req: Request<Incoming>) -> Result<Vec<SandboxDoc>, Reply> {
     let mut body = req.into_body();
     let mut lines = Lines::new(MAX_BODY);
     let mut docs = Vec::new();
-    while let Some(frame) = body.frame().await {
+    // No total bound (a worker's resync may be large), but the stream may
+    // not go quiet: a sender that stops ends it, and what was read goes.
+    loop {
+        let next = tokio::time::timeout(RESYNC_QUIET, body.frame()).await;
+        let Ok(next) = next else {
+            let why = format!("the body went quiet for {RESYNC_QUIET:?}");
+            return Err(error(StatusCode::REQUEST_TIMEOUT, &why, None));
+        };
+        let Some(frame) = next else {
+            break;
+        };
         let frame = frame.map_err(|e| {
             let why = format!("reading the body: {e}");
             error(StatusCode::BAD_REQUEST, &why, None)
