@@ -20,8 +20,11 @@ pub const MAX_STREAMS: u32 = 64;
 
 /// How long a connection may go without a request in flight before it is
 /// closed (an HTTP/2 connection holds no request head to time out, and an
-/// idle one would keep its slot of [`MAX_CONNECTIONS`] for good).
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// idle one would keep its slot of [`MAX_CONNECTIONS`] for good). Until its
+/// first request, a connection has [`HEAD_TIMEOUT`] at most: one that says
+/// nothing (or only the HTTP/2 preface) holds a slot no longer than one that
+/// trickles a head. The project's own clients open a connection per call.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a connection closed for idleness has to finish: it has no
 /// request in flight, so this is only its goodbye.
@@ -50,6 +53,8 @@ where
 /// A connection's requests in flight, and when the last one ended.
 struct Activity {
     since: std::time::Instant,
+    /// Whether a request has begun on it.
+    asked: std::sync::atomic::AtomicBool,
     busy: std::sync::atomic::AtomicUsize,
     /// Milliseconds after `since`.
     last: std::sync::atomic::AtomicU64,
@@ -72,12 +77,14 @@ impl Activity {
     fn new() -> std::sync::Arc<Self> {
         std::sync::Arc::new(Self {
             since: std::time::Instant::now(),
+            asked: Default::default(),
             busy: Default::default(),
             last: Default::default(),
         })
     }
 
     fn begin(self: &std::sync::Arc<Self>) -> Busy {
+        self.asked.store(true, std::sync::atomic::Ordering::Relaxed);
         self.busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Busy(self.clone())
     }
@@ -91,9 +98,14 @@ impl Activity {
         Some(self.since.elapsed().saturating_sub(last))
     }
 
-    /// Ends once no request has been in flight for `limit`.
+    /// Ends once no request has been in flight for `limit` ([`HEAD_TIMEOUT`]
+    /// at most before the first request).
     async fn idle(&self, limit: Duration) {
         loop {
+            let limit = match self.asked.load(std::sync::atomic::Ordering::Relaxed) {
+                true => limit,
+                false => limit.min(HEAD_TIMEOUT),
+            };
             match self.idle_for() {
                 Some(d) if d >= limit => return,
                 Some(d) => tokio::time::sleep(limit - d).await,
@@ -296,6 +308,40 @@ mod tests {
         let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_string(&mut got));
         read.await.expect("in time").expect("read");
         assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        server.abort();
+    }
+
+    /// A connection that has asked nothing (only the HTTP/2 preface) holds
+    /// its slot for the head timeout at most, not the idle limit: without a
+    /// token, anyone who reaches the listener could otherwise hold every
+    /// slot for the idle limit.
+    #[tokio::test]
+    async fn a_connection_that_asks_nothing_ends_within_the_head_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let server = tokio::spawn(serve_at_most(
+            listener,
+            ("test", 4, Duration::from_secs(600)),
+            |_: Request<Incoming>| async move { text(StatusCode::OK, "ok".to_owned()) },
+        ));
+        let mut h2 = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .expect("preface");
+        let started = std::time::Instant::now();
+        // Its GOAWAY (type 7) comes once the head timeout is past.
+        let goaway = async {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !got.windows(4).any(|w: &[u8]| w[3] == 7 && w[..3] == [0, 0, 8]) {
+                let n = h2.read(&mut buf).await.expect("read");
+                assert!(n > 0, "closed without a GOAWAY: {got:?}");
+                got.extend_from_slice(&buf[..n]);
+            }
+        };
+        let within = HEAD_TIMEOUT + Duration::from_secs(3);
+        let said = tokio::time::timeout(within, goaway).await;
+        assert!(said.is_ok(), "no GOAWAY after {:?}", started.elapsed());
         server.abort();
     }
 
