@@ -204,6 +204,7 @@ impl Dispatcher {
         let mut conn = tokio::time::timeout(store::CONNECT_TIMEOUT, connect)
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)??;
+        store::bounded(&mut conn).await?;
         let got = store::locks::try_shared(&mut conn, LEADER_LOCK).await?;
         Ok(got.then_some(conn))
     }
@@ -425,14 +426,19 @@ impl Dispatcher {
                 let Some(rows) = read(rows, "reading the held workers", "shards") else {
                     return;
                 };
-                let holder = Some(leases.id.clone());
+                // Read under this dispatcher's lease: a row whose shard
+                // another holds now (taken over since the renewal) records
+                // nothing.
+                let mine = |l: &store::Lease| l.holder == leases.id;
                 rows.into_iter()
                     .map(|w| {
-                        let w = store::WorkerRow {
-                            holder: holder.clone(),
-                            ..w
-                        };
-                        (w, until)
+                        let lease = w.lease.clone().filter(mine).or_else(|| {
+                            Some(store::Lease {
+                                holder: leases.id.clone(),
+                                term: -1,
+                            })
+                        });
+                        (store::WorkerRow { lease, ..w }, until)
                     })
                     .collect()
             }
@@ -522,7 +528,7 @@ impl Dispatcher {
             moved |= applied > 0;
             // Each applied push moved the gateway's generation by one.
             let acked =
-                store::acknowledge(&self.pool, &w.id, None, applied, w.holder.as_deref()).await;
+                store::acknowledge(&self.pool, &w.id, None, applied, w.lease.as_ref()).await;
             logged(acked, "acknowledging the pushes", &w.id);
             if let Some((id, error)) = failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
@@ -532,7 +538,7 @@ impl Dispatcher {
                     &self.pool,
                     &w.id,
                     (None, false, Some(&error)),
-                    w.holder.as_deref(),
+                    w.lease.as_ref(),
                 )
                 .await;
                 logged(seen, "recording the push failure", &w.id);
@@ -631,7 +637,7 @@ impl Dispatcher {
                     &self.pool,
                     &w.id,
                     (None, true, Some(&error)),
-                    w.holder.as_deref(),
+                    w.lease.as_ref(),
                 )
                 .await;
                 logged(seen, "recording the resync failure", &w.id);
@@ -659,16 +665,15 @@ impl Dispatcher {
         if epoch != before.as_ref().map(|(e, _)| e.as_str()) {
             tracing::warn!(worker = %w.id, "the gateway restarted around its resync; resyncing again");
             let seen =
-                store::worker_seen(&self.pool, &w.id, (None, true, None), w.holder.as_deref())
-                    .await;
+                store::worker_seen(&self.pool, &w.id, (None, true, None), w.lease.as_ref()).await;
             logged(seen, "flagging the gateway for resync", &w.id);
             return false;
         }
         let seen =
-            store::worker_seen(&self.pool, &w.id, (epoch, false, None), w.holder.as_deref()).await;
+            store::worker_seen(&self.pool, &w.id, (epoch, false, None), w.lease.as_ref()).await;
         logged(seen, "recording the resync", &w.id);
         let generation = ready.as_ref().map(|(_, g)| *g);
-        let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.holder.as_deref()).await;
+        let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.lease.as_ref()).await;
         logged(acked, "acknowledging the resync", &w.id);
         for s in &view.live {
             let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
@@ -717,7 +722,7 @@ impl Dispatcher {
             Action::Acknowledge(generation) => {
                 if generation.is_some() {
                     let acked =
-                        store::acknowledge(&self.pool, &w.id, generation, 0, w.holder.as_deref())
+                        store::acknowledge(&self.pool, &w.id, generation, 0, w.lease.as_ref())
                             .await;
                     logged(acked, "acknowledging the listed generation", &w.id);
                 }
@@ -727,7 +732,7 @@ impl Dispatcher {
                 let (restarted, drift) = (cause == Cause::Restarted, cause == Cause::Drift);
                 tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
                 let seen =
-                    store::worker_seen(&self.pool, &w.id, (None, true, None), w.holder.as_deref())
+                    store::worker_seen(&self.pool, &w.id, (None, true, None), w.lease.as_ref())
                         .await;
                 logged(seen, "flagging the gateway for resync", &w.id);
                 true

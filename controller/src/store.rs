@@ -49,19 +49,29 @@ pub async fn connect(url: &str) -> Result<PgPool, String> {
         .await
         .map_err(|e| format!("database migration failed: {e}"))?;
     drop(migrating);
-    let bounded = options.options([
-        (
-            "statement_timeout",
-            format!("{}ms", STATEMENT_TIMEOUT.as_millis()),
-        ),
-        ("lock_timeout", format!("{}ms", LOCK_TIMEOUT.as_millis())),
-    ]);
+    // Set on each new connection (`SET`, which PgBouncer in session mode
+    // passes on, where it refuses such startup options).
     PgPoolOptions::new()
         .max_connections(16)
         .acquire_timeout(CONNECT_TIMEOUT)
-        .connect_with(bounded)
+        .after_connect(|conn, _| Box::pin(async move { bounded(conn).await }))
+        .connect_with(options)
         .await
         .map_err(cannot)
+}
+
+/// Bounds a session's statements ([`STATEMENT_TIMEOUT`]) and lock waits
+/// ([`LOCK_TIMEOUT`]).
+pub async fn bounded(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let sql = format!(
+        "SET statement_timeout = '{}ms'; SET lock_timeout = '{}ms'",
+        STATEMENT_TIMEOUT.as_millis(),
+        LOCK_TIMEOUT.as_millis()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 /// The longest wait for a connection.
@@ -306,10 +316,11 @@ pub struct WorkerRow {
     /// The gateway generation the store last acknowledged (see
     /// `0005_shards_alloc.sql`); `None`: unknown.
     pub acked_generation: Option<i64>,
-    /// The dispatcher that read the row under its lease of the worker's
-    /// shard (not stored): what it records of the worker's gateway is kept
-    /// only while that lease holds ([`acknowledge`], [`worker_seen`]).
-    pub holder: Option<String>,
+    /// The lease of the worker's shard the row was read under (by
+    /// [`workers_in`]; not stored): what the dispatcher records of the
+    /// worker's gateway is kept only while that lease holds
+    /// ([`acknowledge`], [`worker_seen`]).
+    pub lease: Option<Lease>,
 }
 
 pub async fn put_worker(
@@ -354,15 +365,30 @@ pub async fn workers_behind(pool: &PgPool, shards: &[i32]) -> Result<Vec<WorkerR
     rows.iter().map(WorkerRow::from_row).collect()
 }
 
-/// The workers of `shards` (those a dispatcher holds).
+/// The workers of `shards` (those a dispatcher holds), each with the
+/// lease of its shard as it is now.
 pub async fn workers_in(pool: &PgPool, shards: &[i32]) -> Result<Vec<WorkerRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers WHERE egress_worker_shard(id) = ANY($1) ORDER BY id",
+        "SELECT w.id, w.admin_url, w.token, w.pool, w.epoch, w.needs_resync, w.acked_generation, d.holder, d.handovers FROM workers w JOIN dispatcher_shards d ON d.shard = egress_worker_shard(w.id) WHERE egress_worker_shard(w.id) = ANY($1) ORDER BY w.id",
     )
     .bind(shards)
     .fetch_all(pool)
     .await?;
-    rows.iter().map(WorkerRow::from_row).collect()
+    rows.iter()
+        .map(|r| {
+            let lease = match r.try_get::<Option<String>, _>("holder")? {
+                Some(holder) => Some(Lease {
+                    holder,
+                    term: r.try_get("handovers")?,
+                }),
+                None => None,
+            };
+            Ok(WorkerRow {
+                lease,
+                ..WorkerRow::from_row(r)?
+            })
+        })
+        .collect()
 }
 
 impl WorkerRow {
@@ -375,7 +401,7 @@ impl WorkerRow {
             epoch: r.try_get("epoch")?,
             needs_resync: r.try_get("needs_resync")?,
             acked_generation: r.try_get("acked_generation")?,
-            holder: None,
+            lease: None,
         })
     }
 }
@@ -388,25 +414,36 @@ pub async fn acknowledge(
     id: &str,
     generation: Option<i64>,
     applied: i64,
-    holder: Option<&str>,
+    lease: Option<&Lease>,
 ) -> Result<(), sqlx::Error> {
     let sql = format!("UPDATE workers SET acked_generation = COALESCE($2, acked_generation + $3) WHERE id = $1 AND {HOLDS}");
     sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
         .bind(generation)
         .bind(applied)
-        .bind(holder)
+        .bind(lease.map(|l| l.holder.as_str()))
+        .bind(lease.map(|l| l.term))
         .execute(pool)
         .await?;
     Ok(())
 }
 
-/// The condition on a worker's row (`$1`) that the dispatcher `$4` (none:
-/// any) still holds the lease of its shard. A dispatcher whose lease lapsed
-/// during a slow call records nothing of what it saw: another may hold the
-/// shard and have pushed since, and an acknowledgement of the late call's
-/// generation would hide from it that the gateway moved.
-const HOLDS: &str = "($4::text IS NULL OR EXISTS (SELECT 1 FROM dispatcher_shards d WHERE d.shard = egress_worker_shard($1) AND d.holder = $4 AND d.expires > now()))";
+/// The lease of a worker's shard a dispatcher read the worker under: its
+/// own id, and the shard's term then (`handovers`: one more each time the
+/// shard changes hands, so a lease lost and taken back is another term).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub holder: String,
+    pub term: i64,
+}
+
+/// The condition on a worker's row (`$1`) that the dispatcher `$4` still
+/// holds the lease of its shard in the term `$5` (`$4` none: any). A
+/// dispatcher whose lease lapsed during a slow call records nothing of what
+/// it saw, even once it holds the shard again: another may have held it and
+/// pushed since, and an acknowledgement of the late call's generation would
+/// hide from it that the gateway moved.
+const HOLDS: &str = "($4::text IS NULL OR EXISTS (SELECT 1 FROM dispatcher_shards d WHERE d.shard = egress_worker_shard($1) AND d.holder = $4 AND d.handovers = $5 AND d.expires > now()))";
 
 /// Records what a worker's gateway said: its epoch, whether it needs a
 /// resync, and the last push error.
@@ -414,14 +451,15 @@ pub async fn worker_seen(
     pool: &PgPool,
     id: &str,
     (epoch, needs_resync, error): (Option<&str>, bool, Option<&str>),
-    holder: Option<&str>,
+    lease: Option<&Lease>,
 ) -> Result<(), sqlx::Error> {
-    let sql = format!("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = $3, last_error = $5, updated_at = now() WHERE id = $1 AND {HOLDS}");
+    let sql = format!("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = $3, last_error = $6, updated_at = now() WHERE id = $1 AND {HOLDS}");
     sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
         .bind(epoch)
         .bind(needs_resync)
-        .bind(holder)
+        .bind(lease.map(|l| l.holder.as_str()))
+        .bind(lease.map(|l| l.term))
         .bind(error)
         .execute(pool)
         .await?;

@@ -354,14 +354,26 @@ async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
         .await
         .expect("worker")
     };
-    let record = |generation: i64| {
+    let term = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT handovers FROM dispatcher_shards WHERE shard = egress_worker_shard('w1')",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("term")
+    };
+    let record = |generation: i64, term: i64| {
         let pool = pool.clone();
         async move {
             let (g, e) = (Some(generation), format!("e-{generation}"));
-            store::acknowledge(&pool, "w1", g, 0, Some("d-late"))
+            let lease = store::Lease {
+                holder: "d-late".into(),
+                term,
+            };
+            store::acknowledge(&pool, "w1", g, 0, Some(&lease))
                 .await
                 .expect("ack");
-            store::worker_seen(&pool, "w1", (Some(&e), false, None), Some("d-late"))
+            store::worker_seen(&pool, "w1", (Some(&e), false, None), Some(&lease))
                 .await
                 .expect("seen");
         }
@@ -369,7 +381,7 @@ async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
     let lease = |expires: &'static str| {
         let pool = pool.clone();
         async move {
-            let sql = format!("UPDATE dispatcher_shards SET holder = 'd-late', expires = {expires} WHERE shard = egress_worker_shard('w1')");
+            let sql = format!("UPDATE dispatcher_shards SET holder = 'd-late', expires = {expires}, handovers = handovers + 1 WHERE shard = egress_worker_shard('w1')");
             sqlx::query(sqlx::AssertSqlSafe(sql))
                 .execute(&pool)
                 .await
@@ -377,14 +389,29 @@ async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
         }
     };
     let before = seen().await;
-    record(41).await;
+    record(41, term().await).await;
     assert_eq!(seen().await, before, "a shard nobody holds");
     lease("now() + interval '1 minute'").await;
-    record(42).await;
+    let first = term().await;
+    record(42, first).await;
     assert_eq!(seen().await, (Some(42), Some("e-42".to_owned())), "held");
     lease("now() - interval '1 second'").await;
-    record(43).await;
+    record(43, first).await;
     assert_eq!(seen().await, (Some(42), Some("e-42".to_owned())), "lapsed");
+    // Taken again (another term): what was read under the first records nothing.
+    lease("now() + interval '1 minute'").await;
+    record(44, first).await;
+    assert_eq!(
+        seen().await,
+        (Some(42), Some("e-42".to_owned())),
+        "an old term"
+    );
+    record(45, term().await).await;
+    assert_eq!(
+        seen().await,
+        (Some(45), Some("e-45".to_owned())),
+        "this term"
+    );
 }
 
 /// Runs the futures concurrently on this task's runtime.
