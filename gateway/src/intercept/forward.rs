@@ -56,7 +56,14 @@ impl Conn {
         if is_websocket(&req) {
             return self.upgrade(req, (verify_as, route), authority).await;
         }
+        let trailers = asks_for_trailers(req.headers());
         strip_hop_by_hop(req.headers_mut());
+        if trailers {
+            // The one `TE` HTTP/2 allows (RFC 9113 §8.2.2), which gRPC
+            // servers require: passed on as asked.
+            let value = HeaderValue::from_static("trailers");
+            req.headers_mut().insert(header::TE, value);
+        }
         match self.forward(req, (verify_as, route), authority).await {
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
@@ -293,6 +300,9 @@ impl Conn {
             // Bridged in the flow's task, once hyper hands the client's
             // connection over after this 101 (`bridge.rs`).
             self.set_bridge(client_side, hyper::upgrade::on(&mut resp));
+        } else {
+            // Refused: an answer like any other, hop-by-hop headers stripped.
+            strip_hop_by_hop(resp.headers_mut());
         }
         resp.map(boxed)
     }
@@ -413,6 +423,14 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];
+
+/// Whether the request's `TE` is exactly `trailers`, once.
+fn asks_for_trailers(headers: &HeaderMap) -> bool {
+    let mut te = headers.get_all(header::TE).iter();
+    te.next()
+        .is_some_and(|v| v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"trailers"))
+        && te.next().is_none()
+}
 
 /// Connection-specific headers never cross a proxy (RFC 9110 §7.6.1): the
 /// fixed ones, and every header a `Connection` value names. One look at each

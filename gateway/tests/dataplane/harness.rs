@@ -148,6 +148,18 @@ async fn respond(
     label: &str,
 ) -> hyper::Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
+    if path == "/no-upgrade" {
+        // An upgrade refused, with connection-specific fields.
+        return hyper::Response::builder()
+            .status(407)
+            .header("proxy-authenticate", "Basic realm=\"x\"")
+            .header("connection", "x-hop")
+            .header("keep-alive", "timeout=5")
+            .header("x-hop", "1")
+            .header("x-end", "1")
+            .body(Full::new(Bytes::from_static(b"no")))
+            .expect("response");
+    }
     if let Some(asked) = req.headers().get(hyper::header::UPGRADE).cloned() {
         // Switches to what was asked (`/other-protocol`: to `h2c` whatever
         // was asked), then echoes.
@@ -174,6 +186,12 @@ async fn respond(
             .header("upgrade", to)
             .body(Full::new(Bytes::new()))
             .expect("response");
+    }
+    if path == "/te" {
+        // The `TE` the request arrived with.
+        let te = req.headers().get("te").map(|v| v.as_bytes().to_vec());
+        let te = String::from_utf8_lossy(&te.unwrap_or_default()).into_owned();
+        return hyper::Response::new(Full::new(Bytes::from(format!("te={te}"))));
     }
     if path == "/wait" {
         // Answered after a moment: requests sent together overlap.

@@ -190,3 +190,24 @@ async fn streams_to_an_http11_origin_share_a_bounded_set_of_connections() {
         .unwrap_or_else(|| panic!("no connect count: {metrics}"));
     assert!((1..=8).contains(&connects), "{connects} origin connections");
 }
+
+/// `TE: trailers`, the one `TE` HTTP/2 allows and gRPC servers require,
+/// reaches the origin; any other `TE` does not.
+#[tokio::test]
+async fn te_trailers_reaches_the_origin() {
+    let e = intercepting(&["api.example.test"]).await;
+    let s = intercepted_h2(&e, e.origins.api, "api.example.test").await;
+    for (te, arrives) in [(Some("trailers"), "te=trailers"), (None, "te=")] {
+        let mut req = hyper::Request::get("https://api.example.test/te");
+        if let Some(te) = te {
+            req = req.header("te", te);
+        }
+        let req = req.body(Full::new(Bytes::new())).expect("request");
+        let resp = s.clone().send_request(req).await.expect("response");
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_eq!(String::from_utf8_lossy(&body), arrives, "{te:?}");
+    }
+}

@@ -550,6 +550,24 @@ async fn only_a_websocket_is_bridged_through_interception() {
         let body = String::from_utf8_lossy(&body);
         assert!(body.starts_with("origin=api GET /up "), "{body}");
     }
+    // A WebSocket request the origin refuses: its answer passes, without
+    // its connection-specific fields.
+    tls.write_all_ignored(b"GET /no-upgrade HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n").await;
+    let head = read_head(&mut tls).await.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 407"), "{head}");
+    assert!(head.contains("x-end: 1"), "{head}");
+    for name in [
+        "proxy-authenticate",
+        "x-hop",
+        "keep-alive",
+        "connection: x-hop",
+    ] {
+        assert!(!head.contains(name), "{name}: {head}");
+    }
+    let mut body = [0u8; 2];
+    tokio::io::AsyncReadExt::read_exact(&mut tls, &mut body)
+        .await
+        .expect("body");
     // A WebSocket request the origin answers by switching to something else.
     tls.write_all_ignored(b"GET /other-protocol HTTP/1.1\r\nHost: api.example.test\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n").await;
     let head = read_head(&mut tls).await;
