@@ -14,7 +14,7 @@
 //! next goes out on a new connection.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
@@ -43,6 +43,11 @@ pub(crate) struct H2Sender {
     send: h2::client::SendRequest<Bytes>,
     /// Set when the connection's task has ended.
     closed: Arc<AtomicBool>,
+    /// The requests sent on it whose exchange has not ended (their response
+    /// body not yet done with): at the origin's limit of concurrent
+    /// streams, the next request goes on another connection instead of
+    /// waiting in `h2`'s queue for one of these to end.
+    in_flight: Arc<AtomicUsize>,
     /// Dropped with the last handle: tells the connection's task to end once
     /// its streams are done (`h2` does not wake a connection for that).
     _alive: Arc<tokio::sync::oneshot::Sender<()>>,
@@ -80,16 +85,28 @@ where
     Ok(H2Sender {
         send,
         closed,
+        in_flight: Arc::default(),
         _alive: Arc::new(alive),
     })
 }
 
 impl H2Sender {
-    /// Whether a new request can go out on it: not once the origin has
-    /// said GOAWAY (its streams in flight may still be finishing) or the
-    /// connection has ended. Asks without waiting: a connection at its
-    /// limit of concurrent streams is still usable (its request waits).
+    /// Whether a new request can go out on it now: it is open
+    /// ([`H2Sender::open`]) and below the origin's limit of concurrent
+    /// streams.
     pub(crate) fn usable(&self) -> bool {
+        self.open() && self.in_flight.load(Ordering::Acquire) < self.send.current_max_send_streams()
+    }
+
+    /// Whether it is the same connection as `other`.
+    pub(crate) fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.closed, &other.closed)
+    }
+
+    /// Whether it can take requests at all: not once the origin has said
+    /// GOAWAY (its streams in flight may still be finishing) or the
+    /// connection has ended. Asks without waiting.
+    pub(crate) fn open(&self) -> bool {
         if self.closed.load(Ordering::Acquire) {
             return false;
         }
@@ -122,6 +139,7 @@ impl H2Sender {
         };
         let (parts, body) = req.into_parts();
         let end = body.is_end_stream();
+        let flight = InFlight::new(&self.in_flight);
         let (response, stream) = send.send_request(Request::from_parts(parts, ()), end)?;
         let pipe = Piping((!end).then(|| tokio::spawn(pipe(body, stream)).abort_handle()));
         let (parts, recv) = response.await?.into_parts();
@@ -129,6 +147,7 @@ impl H2Sender {
             recv,
             data_done: false,
             _pipe: pipe,
+            _flight: flight,
         };
         Ok(Response::from_parts(parts, body))
     }
@@ -141,11 +160,29 @@ pub(crate) struct Received {
     data_done: bool,
     /// The request body's pipe, aborted with the response.
     _pipe: Piping,
+    _flight: InFlight,
 }
 
 /// The task piping a request body (if any), aborted when dropped: its
 /// `SendStream` goes with it, and `h2` resets a stream no handle holds.
 struct Piping(Option<tokio::task::AbortHandle>);
+
+/// One request counted in its connection's [`H2Sender::in_flight`] until
+/// dropped (with its response body, or its failure).
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 impl Drop for Piping {
     fn drop(&mut self) {

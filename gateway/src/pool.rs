@@ -114,12 +114,18 @@ impl Sender {
 
     /// Whether it can never carry a request again. An HTTP/1.1 connection
     /// whose response was just read may not be ready yet (its task has not
-    /// run since), but it is not closed.
+    /// run since), nor an HTTP/2 one at its origin's limit of streams, but
+    /// neither is closed.
     fn closed(&self) -> bool {
         match self {
             Self::H1(s) => s.is_closed(),
-            Self::H2(s) => !s.usable(),
+            Self::H2(s) => !s.open(),
         }
+    }
+
+    /// Whether it is the HTTP/2 connection `h2`.
+    fn is(&self, h2: &crate::h2client::H2Sender) -> bool {
+        matches!(self, Self::H2(s) if s.same(h2))
     }
 
     fn share(&self) -> Option<Self> {
@@ -197,9 +203,14 @@ impl UpstreamPool {
         if idle.total < MAX_TOTAL && !sandbox_full {
             let sandbox = key.sandbox.clone();
             let list = idle.by_key.entry(key).or_default();
-            let shared = matches!(sender, Sender::H2(_));
-            // One shared HTTP/2 connection per key is enough.
-            if list.len() < MAX_PER_KEY && (!shared || list.is_empty()) {
+            // An HTTP/2 connection is shared: pooled once, and another only
+            // beside it (one at its origin's limit of streams is not
+            // handed out, and a request then opens another).
+            let pooled = match &sender {
+                Sender::H2(h2) => list.iter().any(|(_, s)| s.is(h2)),
+                Sender::H1(_) => false,
+            };
+            if list.len() < MAX_PER_KEY && !pooled {
                 list.push((now, sender));
                 idle.total += 1;
                 *idle.per_sandbox.entry(sandbox).or_insert(0) += 1;

@@ -211,3 +211,68 @@ async fn te_trailers_reaches_the_origin() {
         assert_eq!(String::from_utf8_lossy(&body), arrives, "{te:?}");
     }
 }
+
+/// An HTTP/2 origin that takes one stream at a time, on `GOAWAY_IP` (where
+/// `goaway.example.test` is attributed) at another port: `/hold` is answered
+/// once `release` is notified, anything else at once with its connection's
+/// number.
+async fn one_stream_origin(e: &Env, release: std::sync::Arc<tokio::sync::Notify>) -> SocketAddr {
+    let config = e.origin_ca.server(&["goaway.example.test"], &[b"h2"]);
+    let conns = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    tls_origin(GOAWAY_IP, config, move |tls| {
+        let (release, n) = (
+            release.clone(),
+            conns.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1,
+        );
+        async move {
+            let Ok(mut conn) = h2::server::Builder::new()
+                .max_concurrent_streams(1)
+                .handshake::<_, Bytes>(tls)
+                .await
+            else {
+                return;
+            };
+            while let Some(Ok((req, mut respond))) = conn.accept().await {
+                let release = release.clone();
+                tokio::spawn(async move {
+                    if req.uri().path() == "/hold" {
+                        release.notified().await;
+                    }
+                    if let Ok(mut body) = respond.send_response(http::Response::new(()), false) {
+                        let _ = body.send_data(Bytes::from(format!("conn={n}")), true);
+                    }
+                });
+            }
+        }
+    })
+    .await
+}
+
+/// An origin connection at its limit of concurrent streams takes no more:
+/// the next request goes on another connection instead of waiting, with
+/// no bound, for one of those streams to end.
+#[tokio::test]
+async fn a_request_past_the_origins_stream_limit_opens_another_connection() {
+    let e = intercepting(NAMES).await;
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let origin = one_stream_origin(&e, release.clone()).await;
+    let s = intercepted_h2(&e, origin, "goaway.example.test").await;
+    // The first exchange settles the origin's SETTINGS (one stream).
+    let (head, body) = get(&s, "https://goaway.example.test/first").await;
+    assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=1"));
+    let held = {
+        let s = s.clone();
+        tokio::spawn(async move { get(&s, "https://goaway.example.test/hold").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let next = tokio::time::timeout(
+        Duration::from_secs(5),
+        get(&s, "https://goaway.example.test/next"),
+    )
+    .await
+    .expect("answered while the first connection's one stream is held");
+    assert_eq!((next.0.status.as_u16(), next.1.as_str()), (200, "conn=2"));
+    release.notify_one();
+    let (head, body) = held.await.expect("held");
+    assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=1"));
+}
