@@ -82,6 +82,31 @@ pub struct Tenants {
     tokens: HashMap<String, Tenant>,
 }
 
+/// A token as errors show it: its first four characters.
+fn shown(token: &str) -> String {
+    format!("{}…", token.chars().take(4).collect::<String>())
+}
+
+/// `path` with the token in it (`tokens.<token>.<field>`) shortened.
+fn redacted(path: &str) -> String {
+    let Some(rest) = path.strip_prefix("tokens.") else {
+        return path.to_owned();
+    };
+    let plain = |f: &str| !f.is_empty() && f.bytes().all(|b| b.is_ascii_lowercase() || b == b'_');
+    match rest.rsplit_once('.') {
+        Some((token, field)) if plain(field) => format!("tokens.{}.{field}", shown(token)),
+        _ => format!("tokens.{}", shown(rest)),
+    }
+}
+
+/// A parser's message with a key it quotes (a token written twice) shortened.
+fn redacted_message(message: &str) -> String {
+    match message.strip_prefix("duplicate key `") {
+        Some(rest) => format!("duplicate key `{}`", shown(rest.trim_end_matches('`'))),
+        None => message.to_owned(),
+    }
+}
+
 impl Tenants {
     pub fn load(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
@@ -89,10 +114,16 @@ impl Tenants {
         Self::parse(&text).map_err(|e| format!("--tenants {}: {e}", path.display()))
     }
 
+    /// Reads the tokens file: a token written twice, or anything after the
+    /// document, is refused; no error shows more of a token than its first
+    /// four characters (the errors reach the logs).
     pub fn parse(text: &str) -> Result<Self, String> {
-        let de = &mut serde_json::Deserializer::from_str(text);
-        let t: Self = serde_path_to_error::deserialize(de)
-            .map_err(|e| format!("{}: {}", e.path(), e.inner()))?;
+        let value = egress_policy::json_value(text)
+            .map_err(|e| format!("{}: {}", redacted(&e.path), redacted_message(&e.message)))?;
+        let t: Self = serde_path_to_error::deserialize(value).map_err(|e| {
+            let message = redacted_message(&e.inner().to_string());
+            format!("{}: {message}", redacted(&e.path().to_string()))
+        })?;
         if let Some(short) = t.tokens.keys().find(|k| k.len() < 16) {
             let shown: String = short.chars().take(4).collect();
             return Err(format!(
@@ -163,6 +194,29 @@ mod tests {
         let e = Tenants::parse(r#"{"tokens": {"0123456789abcdef": {"tenant": "t", "x": 1}}}"#)
             .expect_err("unknown field");
         assert!(e.contains("x"), "{e}");
+        // Errors never show a token whole: a misspelt field, a token
+        // twice, anything after the document.
+        let secret = "s3cr3t-t0ken-0123456789";
+        for (text, says) in [
+            (
+                format!(r#"{{"tokens": {{"{secret}": {{"tenant": "t", "admn": true}}}}}}"#),
+                "tokens.s3cr….admn: unknown field `admn`",
+            ),
+            (
+                format!(
+                    r#"{{"tokens": {{"{secret}": {{"tenant": "a"}}, "{secret}": {{"tenant": "b", "admin": true}}}}}}"#
+                ),
+                "duplicate key `s3cr…`",
+            ),
+            (
+                format!(r#"{{"tokens": {{"{secret}": {{"tenant": "t"}}}}}} {{"x": 1}}"#),
+                "trailing characters",
+            ),
+        ] {
+            let e = Tenants::parse(&text).expect_err(says);
+            assert!(e.contains(says), "{e}");
+            assert!(!e.contains(secret), "{e}");
+        }
         let e = Tenants::parse(r#"{"tokens": {"0123456789abcdef": {"tenant": ""}}}"#)
             .expect_err("unnamed");
         assert!(
