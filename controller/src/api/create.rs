@@ -177,7 +177,7 @@ impl Api {
         req: &CreateRequest,
     ) -> Result<Reply, Reply> {
         let (pooled, names) = self.admit_create(caller, headers, &req.template)?;
-        let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+        let key = idempotency_key(headers)?;
         let fingerprint = create_fingerprint(&req.print, &names, pooled);
         let payload = create_payload(req.policy.as_ref(), req.worker.as_deref());
         if pooled {
@@ -344,6 +344,36 @@ fn create_fingerprint(print: &Value, names: &[String], pooled: bool) -> String {
     ids::fingerprint(print.to_string().as_bytes())
 }
 
+/// Longest `Idempotency-Key` taken.
+const MAX_KEY: usize = 255;
+
+/// The create's `Idempotency-Key`, if any: `400` for one that is not
+/// printable ASCII, longer than [`MAX_KEY`], or sent twice. Read as no key, a
+/// retry of it would create another sandbox; a proxy reading the other of
+/// two could see another key than this one.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<&str>, Reply> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return match headers.contains_key("idempotency-key") {
+            true => Err(selection_error("repeated", "Idempotency-Key appears twice")),
+            false => Ok(None),
+        };
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .filter(|k| {
+            !k.is_empty()
+                && k.len() <= MAX_KEY
+                && k.bytes().all(|b| b == b' ' || b.is_ascii_graphic())
+        })
+        .ok_or_else(|| {
+            let why = format!("Idempotency-Key must be 1 to {MAX_KEY} printable ASCII characters");
+            selection_error("malformed", &why)
+        })?;
+    Ok(Some(key))
+}
+
 fn selection_error(reason: &str, message: &str) -> Reply {
     json_reply(
         StatusCode::BAD_REQUEST,
@@ -390,6 +420,38 @@ mod tests {
         }
         assert_eq!(Dialect::Native.template_field(), "template");
         assert_eq!(Dialect::E2b.template_field(), "templateID");
+    }
+
+    /// An `Idempotency-Key` is taken whole or refused: never read as none.
+    #[tokio::test]
+    async fn an_idempotency_key_that_does_not_read_one_way_is_refused() {
+        let headers = |values: &[&[u8]]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(
+                    "idempotency-key",
+                    http::HeaderValue::from_bytes(v).expect("value"),
+                );
+            }
+            h
+        };
+        assert_eq!(idempotency_key(&headers(&[])).ok(), Some(None));
+        let one = headers(&[b"k-1"]);
+        assert_eq!(idempotency_key(&one).ok(), Some(Some("k-1")));
+        let long = vec![b'k'; MAX_KEY + 1];
+        for (values, reason) in [
+            (vec![&b"k-1"[..], b"k-2"], "repeated"),
+            (vec!["kl\u{e9}".as_bytes()], "malformed"),
+            (vec![&b"a\tkey"[..]], "malformed"),
+            (vec![&long[..]], "malformed"),
+        ] {
+            let refused = idempotency_key(&headers(&values)).expect_err("refused");
+            let (status, doc) = answer(refused).await;
+            assert_eq!(
+                (status, doc["reason"].clone()),
+                (StatusCode::BAD_REQUEST, json!(reason))
+            );
+        }
     }
 
     #[test]
