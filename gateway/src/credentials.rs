@@ -185,18 +185,35 @@ fn read_source(source: &Source, allowed: &CredentialSources) -> Result<Secret, S
 }
 
 /// `path` with its links resolved, when that lies under one of `dirs` (each
-/// resolved too; one that does not exist holds nothing).
+/// resolved too; one that does not exist holds nothing). A path not under
+/// one as written (or with a `..` in it) is refused before anything on the
+/// host is looked at, and no refusal says where a path leads: a token
+/// holder could otherwise map which files exist on the host, and where
+/// its links point.
 fn allowed_file(path: &std::path::Path, dirs: &[PathBuf]) -> Result<PathBuf, String> {
-    let real = std::fs::canonicalize(path).map_err(|e| e.to_string())?;
-    let under = dirs
+    let refused = || {
+        format!(
+            "not read: {} is not under credentials.files_under {dirs:?} (once its links are resolved)",
+            path.display()
+        )
+    };
+    let resolved: Vec<PathBuf> = dirs
         .iter()
         .filter_map(|d| std::fs::canonicalize(d).ok())
-        .any(|d| real.starts_with(d));
-    if !under {
-        return Err(format!(
-            "not read: {} is not under credentials.files_under {dirs:?}",
-            real.display()
-        ));
+        .collect();
+    let dotted = path.components().any(|c| {
+        matches!(
+            c,
+            std::path::Component::ParentDir | std::path::Component::CurDir
+        )
+    });
+    let written_under = dirs.iter().chain(&resolved).any(|d| path.starts_with(d));
+    if dotted || !written_under {
+        return Err(refused());
+    }
+    let real = std::fs::canonicalize(path).map_err(|e| e.to_string())?;
+    if !resolved.iter().any(|d| real.starts_with(d)) {
+        return Err(refused());
     }
     Ok(real)
 }

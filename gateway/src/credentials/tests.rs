@@ -396,12 +396,19 @@ fn only_the_allowed_sources_are_read() {
     let dotted = format!("{}/../{}/github", allowed.path().display(), {
         outside.path().file_name().expect("name").to_string_lossy()
     });
-    for path in [elsewhere, link.display().to_string(), dotted] {
+    // A path outside, even one that does not exist, says the same: no
+    // refusal tells whether a file exists or where a link leads.
+    let missing = outside.path().join("missing").display().to_string();
+    let real_outside = std::fs::canonicalize(outside.path()).expect("real");
+    for path in [elsewhere, link.display().to_string(), dotted, missing] {
         let e = secrets.load(&github(&path, false)).expect_err(&path);
         assert!(
             e.contains("is not under credentials.files_under") && !e.contains(VALUE),
             "{e}"
         );
+        if !path.starts_with(&*outside.path().to_string_lossy()) {
+            assert!(!e.contains(&*real_outside.to_string_lossy()), "{e}");
+        }
     }
 
     std::env::set_var("EGRESS_TEST_HOME_LIKE", VALUE);
