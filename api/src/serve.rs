@@ -50,6 +50,47 @@ where
     serve_at_most(listener, (name, MAX_CONNECTIONS, IDLE_TIMEOUT), handle).await;
 }
 
+/// How long a graceful stop ([`serve_until`]) lets the requests in flight
+/// finish.
+pub const STOP_GRACE: Duration = Duration::from_secs(20);
+
+/// [`serve`] until `stop` completes; then no connection is taken, each one
+/// served is closed once its requests in flight are answered (HTTP/2 with
+/// a `GOAWAY`), and those still open after [`STOP_GRACE`] are dropped. A
+/// rolling update then loses no answer: a create committed in the store is
+/// answered rather than reset.
+pub async fn serve_until<F, Fut>(
+    listener: TcpListener,
+    name: &'static str,
+    handle: F,
+    stop: impl Future<Output = ()>,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    let (stopping, told) = tokio::sync::watch::channel(false);
+    let limits = (name, MAX_CONNECTIONS, IDLE_TIMEOUT);
+    let mut connections = tokio::task::JoinSet::new();
+    tokio::select! {
+        () = accept_into(listener, limits, handle, (&mut connections, Some(told))) => {}
+        () = stop => {}
+    }
+    tracing::info!(
+        listener = name,
+        open = connections.len(),
+        "stopping: answering the requests in flight"
+    );
+    let _ = stopping.send(true);
+    let drained = async { while connections.join_next().await.is_some() {} };
+    if tokio::time::timeout(STOP_GRACE, drained).await.is_err() {
+        tracing::warn!(
+            listener = name,
+            open = connections.len(),
+            "stopped with connections still open"
+        );
+    }
+}
+
 /// A connection's requests in flight, and when the last one ended.
 struct Activity {
     since: std::time::Instant,
@@ -122,14 +163,28 @@ impl Activity {
 /// serving on unseen.
 pub async fn serve_at_most<F, Fut>(
     listener: TcpListener,
-    (name, max, idle): (&'static str, usize, Duration),
+    limits: (&'static str, usize, Duration),
     handle: F,
 ) where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Reply> + Send + 'static,
 {
-    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(max));
     let mut connections = tokio::task::JoinSet::new();
+    accept_into(listener, limits, handle, (&mut connections, None)).await;
+}
+
+/// The accept loop of [`serve_at_most`], its connections in `connections`,
+/// each told to stop by `stop` (if any).
+async fn accept_into<F, Fut>(
+    listener: TcpListener,
+    (name, max, idle): (&'static str, usize, Duration),
+    handle: F,
+    (connections, stop): (&mut tokio::task::JoinSet<()>, Option<Stop>),
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(max));
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -149,21 +204,39 @@ pub async fn serve_at_most<F, Fut>(
             drop(stream);
             continue;
         };
-        let handle = handle.clone();
+        let (handle, stop) = (handle.clone(), stop.clone());
         connections.spawn(async move {
             let _slot = slot;
-            serve_one(stream, (name, peer, idle), handle).await;
+            serve_one_until(stream, (name, peer, idle), handle, stop).await;
         });
     }
 }
+
+/// Set when the listener stops ([`serve_until`]).
+type Stop = tokio::sync::watch::Receiver<bool>;
 
 /// Serves one connection (a TCP stream, or TLS over one) until it ends, or
 /// until no request has been in flight on it for `idle`. HTTP/1.1 request
 /// heads must arrive within [`HEAD_TIMEOUT`].
 pub async fn serve_one<I, F, Fut>(
     stream: I,
+    limits: (&'static str, std::net::SocketAddr, Duration),
+    handle: F,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    serve_one_until(stream, limits, handle, None).await;
+}
+
+/// [`serve_one`], closed gracefully (its requests in flight answered) once
+/// `stop` says so.
+async fn serve_one_until<I, F, Fut>(
+    stream: I,
     (name, peer, idle): (&'static str, std::net::SocketAddr, Duration),
     handle: F,
+    stop: Option<Stop>,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
@@ -188,12 +261,22 @@ pub async fn serve_one<I, F, Fut>(
     builder.http2().max_concurrent_streams(MAX_STREAMS);
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
+    let stopped = async {
+        match stop {
+            Some(mut stop) => drop(stop.wait_for(|s| *s).await),
+            None => std::future::pending().await,
+        }
+    };
     let served = tokio::select! {
         served = conn.as_mut() => served,
         () = activity.idle(idle) => {
             tracing::debug!(listener = name, %peer, "closing an idle connection");
             conn.as_mut().graceful_shutdown();
             tokio::time::timeout(CLOSE_GRACE, conn).await.unwrap_or(Ok(()))
+        }
+        () = stopped => {
+            conn.as_mut().graceful_shutdown();
+            tokio::time::timeout(STOP_GRACE, conn).await.unwrap_or(Ok(()))
         }
     };
     if let Err(e) = served {
@@ -333,7 +416,10 @@ mod tests {
         let goaway = async {
             let mut got = Vec::new();
             let mut buf = [0u8; 1024];
-            while !got.windows(4).any(|w: &[u8]| w[3] == 7 && w[..3] == [0, 0, 8]) {
+            while !got
+                .windows(4)
+                .any(|w: &[u8]| w[3] == 7 && w[..3] == [0, 0, 8])
+            {
                 let n = h2.read(&mut buf).await.expect("read");
                 assert!(n > 0, "closed without a GOAWAY: {got:?}");
                 got.extend_from_slice(&buf[..n]);
@@ -343,6 +429,40 @@ mod tests {
         let said = tokio::time::timeout(within, goaway).await;
         assert!(said.is_ok(), "no GOAWAY after {:?}", started.elapsed());
         server.abort();
+    }
+
+    /// A graceful stop answers the request in flight, then ends: the
+    /// listener takes no connection after it.
+    #[tokio::test]
+    async fn a_stop_answers_the_requests_in_flight() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+        let told = stop.clone();
+        let server = tokio::spawn(serve_until(
+            listener,
+            "test",
+            |_: Request<Incoming>| async move {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                text(StatusCode::OK, "finished".to_owned())
+            },
+            async move { told.notified().await },
+        ));
+        let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.notify_one();
+        let mut got = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_string(&mut got));
+        read.await.expect("in time").expect("read");
+        assert!(got.starts_with("HTTP/1.1 200") && got.ends_with("finished"), "{got}");
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the loop ended")
+            .expect("join");
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "closed");
     }
 
     /// A listener's loop taken down (a drain) takes its connections with it:

@@ -52,11 +52,22 @@ pub struct Api {
 
 /// Serves on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, api: Arc<Api>) {
-    accept(listener, move |req| {
+    serve_until(listener, api, std::future::pending()).await;
+}
+
+/// [`serve`] until `stop` completes, then the requests in flight are
+/// answered (up to the contract crate's `STOP_GRACE`) and the listener
+/// closes: a rolling update resets no create in the middle.
+pub async fn serve_until(
+    listener: TcpListener,
+    api: Arc<Api>,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let handle = move |req| {
         let api = api.clone();
         async move { api.handle(req).await }
-    })
-    .await;
+    };
+    egress_api::serve::serve_until(listener, "controller", handle, stop).await;
 }
 
 /// Accepts connections on `listener` forever, answering each request with

@@ -197,7 +197,8 @@ async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> 
                 tenants,
                 metrics,
             });
-            egress_controller::api::serve(listener, api).await;
+            egress_controller::api::serve_until(listener, api, stopped()).await;
+            tracing::info!("API stopped");
         }
         Role::Dispatcher {
             common,
