@@ -13,6 +13,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::serve::ClientBody;
 use super::Conn;
 use crate::fault::Fault;
+use crate::h2client::H2Sender;
 use crate::pool::{Body, PoolKey, Sender};
 use crate::reply::text;
 use crate::upstream::ForwardError;
@@ -101,7 +102,7 @@ impl Conn {
                 match (s.send(out).await, again) {
                     (Err(e), Some(again)) if unprocessed(&e) => {
                         self.dp.metrics.upstream_retries.inc();
-                        self.send_again(again, (verify_as, route)).await
+                        self.send_again(again, (verify_as, route), &s).await
                     }
                     (sent, _) => from_h2(sent),
                 }
@@ -175,23 +176,39 @@ impl Conn {
     }
 
     /// Sends `again` (a copy of a request the origin refused unprocessed,
-    /// see [`replayable`]) once more, on another HTTP/2 connection: the one
-    /// that refused it takes no new stream any more, so the pool hands out
-    /// or opens another.
+    /// see [`replayable`]) once more, on another HTTP/2 connection than
+    /// `refused`, the one that refused it: after a GOAWAY it takes no new
+    /// stream, so the pool hands out or opens another; after a stream reset
+    /// with `REFUSED_STREAM` it still would, so another is opened.
     async fn send_again(
         &self,
         again: Request<Body>,
-        to: (Option<&Hostname>, &Route),
+        (verify_as, route): (Option<&Hostname>, &Route),
+        refused: &H2Sender,
     ) -> Result<Response<Body>, ForwardError> {
-        let mut guard = self.upstream.lock().await;
-        self.hold_upstream(&mut guard, to, true).await?;
-        let Some((_, Sender::H2(s))) = guard.as_ref() else {
-            return Err(ForwardError::Http(
+        let none = || {
+            ForwardError::Http(
                 "the origin refused the request unprocessed, and no HTTP/2 connection took it again"
                     .into(),
-            ));
+            )
         };
-        let s = s.clone();
+        let mut guard = self.upstream.lock().await;
+        self.hold_upstream(&mut guard, (verify_as, route), true)
+            .await?;
+        let s = match guard.as_mut() {
+            Some((_, Sender::H2(s))) if !s.same(refused) => s.clone(),
+            Some((key, held @ Sender::H2(_))) => {
+                match self.connect(route, verify_as, true).await? {
+                    Sender::H2(fresh) => {
+                        self.up.pool.put(key.clone(), Sender::H2(fresh.clone()));
+                        *held = Sender::H2(fresh.clone());
+                        fresh
+                    }
+                    Sender::H1(_) => return Err(none()),
+                }
+            }
+            _ => return Err(none()),
+        };
         drop(guard);
         from_h2(s.send(again).await)
     }

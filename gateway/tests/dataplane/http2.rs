@@ -276,3 +276,39 @@ async fn a_request_past_the_origins_stream_limit_opens_another_connection() {
     let (head, body) = held.await.expect("held");
     assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=1"));
 }
+
+/// An HTTP/2 origin on `GOAWAY_IP` (another port) that resets every stream
+/// of its first connection with `REFUSED_STREAM` and answers on the others
+/// with its connection's number.
+async fn refusing_origin(e: &Env) -> SocketAddr {
+    let config = e.origin_ca.server(&["goaway.example.test"], &[b"h2"]);
+    let conns = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    tls_origin(GOAWAY_IP, config, move |tls| {
+        let n = conns.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        async move {
+            let Ok(mut conn) = h2::server::handshake(tls).await else {
+                return;
+            };
+            while let Some(Ok((_, mut respond))) = conn.accept().await {
+                if n == 1 {
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                } else if let Ok(mut body) = respond.send_response(http::Response::new(()), false) {
+                    let _ = body.send_data(Bytes::from(format!("conn={n}")), true);
+                }
+            }
+        }
+    })
+    .await
+}
+
+/// A request the origin refused with `REFUSED_STREAM` (unprocessed) is sent
+/// again on another connection: the refusing one, still open, would refuse
+/// it again.
+#[tokio::test]
+async fn a_refused_stream_is_sent_again_on_another_connection() {
+    let e = intercepting(NAMES).await;
+    let origin = refusing_origin(&e).await;
+    let s = intercepted_h2(&e, origin, "goaway.example.test").await;
+    let (head, body) = get(&s, "https://goaway.example.test/x").await;
+    assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=2"));
+}
