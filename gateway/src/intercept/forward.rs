@@ -114,16 +114,48 @@ impl Conn {
                 // HTTP/1.1 carries one request at a time: the next request
                 // waits for this one's headers, then uses a fresh connection
                 // if this one is still busy with a body.
-                let fut = s.send_request(out);
+                let again = replayable(&out);
+                let fut = s.try_send_request(out);
                 // Known before the next request takes the connection lock.
                 let slot = slot.or_else(|| h2.then(|| self.first_h1_slot()).flatten());
                 drop(guard);
-                fut.await
-                    .map(|resp| resp.map(|body| holding(boxed(body), slot)))
-                    .map_err(|e| ForwardError::Http(e.to_string()))
+                let resp = match fut.await {
+                    Ok(resp) => Ok(resp.map(boxed)),
+                    // A pooled connection the origin closed as it was taken
+                    // again: what it did not send, or a request that may be
+                    // repeated, goes once more on another.
+                    Err(mut e) => match e.take_message().or(again) {
+                        Some(req) => self.h1_again(req, (verify_as, route), h2).await,
+                        None => Err(ForwardError::Http(e.into_error().to_string())),
+                    },
+                };
+                resp.map(|resp| resp.map(|body| holding(body, slot)))
             }
             None => Err(ForwardError::Http("no upstream connection".into())),
         }
+    }
+
+    /// Sends `req` once more over HTTP/1.1, on the connection the flow holds
+    /// if it can take it, else one from the pool or a fresh one (the one
+    /// that failed it is closed, or still busy).
+    async fn h1_again(
+        &self,
+        req: Request<Body>,
+        to: (Option<&Hostname>, &Route),
+        h2: bool,
+    ) -> Result<Response<Body>, ForwardError> {
+        self.dp.metrics.upstream_retries.inc();
+        let mut guard = self.upstream.lock().await;
+        self.hold_upstream(&mut guard, to, h2).await?;
+        let Some((_, Sender::H1(s))) = guard.as_mut() else {
+            let why = "the origin closed the connection, and no HTTP/1.1 connection took the request again";
+            return Err(ForwardError::Http(why.into()));
+        };
+        let fut = s.send_request(req);
+        drop(guard);
+        fut.await
+            .map(|resp| resp.map(boxed))
+            .map_err(|e| ForwardError::Http(e.to_string()))
     }
 
     /// The lock on the flow's upstream connection, and for an HTTP/2

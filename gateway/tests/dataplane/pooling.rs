@@ -267,3 +267,65 @@ async fn upstream_tls_sessions_are_resumed_only_by_their_own_sandbox() {
     use rustls::HandshakeKind::{Full, Resumed};
     assert_eq!(*kinds.lock().expect("lock"), [Full, Resumed, Full]);
 }
+
+/// An HTTP/1.1 origin on `H1_ONLY_IP` (another port) that answers the
+/// first request of each connection (`conn=<n>`) and closes the connection
+/// when the second comes, without an answer: a keep-alive connection the
+/// origin closes just as it is used again.
+async fn closing_origin(e: &Env) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = e.origin_ca.server(&["h1.example.test"], &[b"http/1.1"]);
+    let conns = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    tls_origin(H1_ONLY_IP, config, move |mut tls| {
+        let n = conns.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        async move {
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            for answered in [false, true] {
+                head.clear();
+                while !head.ends_with(b"\r\n\r\n") {
+                    if tls.read(&mut byte).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                if answered {
+                    return;
+                }
+                let body = format!("conn={n}");
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = tls.write_all(answer.as_bytes()).await;
+            }
+        }
+    })
+    .await
+}
+
+/// A bodyless GET on an HTTP/1.1 connection the origin closes as it is
+/// used again is sent once more on another: the client gets its answer,
+/// not a 502.
+#[tokio::test]
+async fn a_get_on_a_connection_the_origin_closes_is_sent_again() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let origin = closing_origin(&e).await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, origin, "h1.example.test", &[b"http/1.1"])
+        .await
+        .expect("handshake");
+    assert!(minted);
+    let (mut h1, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+        .await
+        .expect("http/1.1");
+    tokio::spawn(conn);
+    assert_eq!(
+        get_on(&mut h1, "h1.example.test", "/one").await,
+        (200, "conn=1".into())
+    );
+    assert_eq!(
+        get_on(&mut h1, "h1.example.test", "/two").await,
+        (200, "conn=2".into())
+    );
+}
