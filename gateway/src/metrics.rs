@@ -254,7 +254,7 @@ impl Metrics {
         );
         r.register(
             "upstream_retries",
-            "Requests sent again on another HTTP/2 connection: the origin refused them unprocessed (GOAWAY, REFUSED_STREAM); only bodyless GET, HEAD and OPTIONS",
+            "Requests sent again on another connection: refused unprocessed by an HTTP/2 origin (GOAWAY, REFUSED_STREAM; bodyless GET, HEAD and OPTIONS only), or not sent, or a bodyless GET, HEAD or OPTIONS failed, on an HTTP/1.1 connection the origin closed",
             self.upstream_retries.clone(),
         );
     }
