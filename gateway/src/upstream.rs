@@ -84,6 +84,10 @@ pub(crate) enum ForwardError {
     },
     #[error("upstream HTTP failed: {0}")]
     Http(String),
+    /// The failure of a connect another request of the client connection
+    /// made while this one waited for it.
+    #[error("{message}")]
+    Failed { fault: Fault, message: String },
 }
 
 impl ForwardError {
@@ -93,6 +97,7 @@ impl ForwardError {
             Self::Connect(_, e) => e.fault(),
             Self::Tls { fault, .. } => *fault,
             Self::Http(_) => Fault::UPSTREAM_HTTP,
+            Self::Failed { fault, .. } => *fault,
         }
     }
 

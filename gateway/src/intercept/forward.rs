@@ -87,8 +87,9 @@ impl Conn {
         authority: &str,
     ) -> Result<Response<Body>, ForwardError> {
         let h2 = req.version() == http::Version::HTTP_2;
+        let asked = std::time::Instant::now();
         let (mut guard, slot) = self.locked_upstream(h2).await?;
-        self.hold_upstream(&mut guard, (verify_as, route), h2)
+        self.hold_upstream(&mut guard, (verify_as, route), (h2, asked))
             .await?;
         let (parts, body) = req.into_parts();
         let mut out = Request::from_parts(parts, boxed(body));
@@ -146,7 +147,8 @@ impl Conn {
     ) -> Result<Response<Body>, ForwardError> {
         self.dp.metrics.upstream_retries.inc();
         let mut guard = self.upstream.lock().await;
-        self.hold_upstream(&mut guard, to, h2).await?;
+        let asked = std::time::Instant::now();
+        self.hold_upstream(&mut guard, to, (h2, asked)).await?;
         let Some((_, Sender::H1(s))) = guard.as_mut() else {
             let why = "the origin closed the connection, and no HTTP/1.1 connection took the request again";
             return Err(ForwardError::Http(why.into()));
@@ -225,7 +227,8 @@ impl Conn {
             )
         };
         let mut guard = self.upstream.lock().await;
-        self.hold_upstream(&mut guard, (verify_as, route), true)
+        let asked = std::time::Instant::now();
+        self.hold_upstream(&mut guard, (verify_as, route), (true, asked))
             .await?;
         let s = match guard.as_mut() {
             Some((_, Sender::H2(s))) if !s.same(refused) => s.clone(),
@@ -248,12 +251,16 @@ impl Conn {
     /// Makes `held` a usable connection to the destination, verified as
     /// `verify_as`: the one held if it still is, else one from the pool or
     /// a fresh one (the one held goes back to the pool). HTTP/2 is offered
-    /// to the origin only for an HTTP/2 client (`h2`).
+    /// to the origin only for an HTTP/2 client (`h2`). A connect that
+    /// failed after the request began waiting (`asked`) for the lock is its
+    /// answer too: the streams that waited behind one connect to an origin
+    /// that does not answer each get its error, instead of each trying in
+    /// turn, one connect timeout after another.
     async fn hold_upstream(
         &self,
         held: &mut Option<(PoolKey, Sender)>,
         (verify_as, route): (Option<&Hostname>, &Route),
-        h2: bool,
+        (h2, asked): (bool, std::time::Instant),
     ) -> Result<(), ForwardError> {
         // Plain connections verify nothing: no name in their key.
         let name = verify_as.filter(|_| self.tls);
@@ -280,7 +287,13 @@ impl Conn {
         let sender = match self.up.pool.take(&key) {
             Some(s) => s,
             None => {
-                let fresh = self.connect(route, verify_as, h2).await?;
+                if let Some(failed) = self.failed_since(asked) {
+                    return Err(failed);
+                }
+                let fresh = self
+                    .connect(route, verify_as, h2)
+                    .await
+                    .inspect_err(|e| self.note_failure(e))?;
                 // An HTTP/2 connection multiplexes: pooled at once, the
                 // sandbox's other client connections to the same
                 // destination and name take it, instead of each idle
@@ -294,6 +307,28 @@ impl Conn {
         };
         *held = Some((key, sender));
         Ok(())
+    }
+
+    /// Remembers a connect that failed ([`Conn::hold_upstream`]).
+    fn note_failure(&self, e: &ForwardError) {
+        let failed = (std::time::Instant::now(), e.fault(), e.to_string());
+        *self
+            .connect_failed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(failed);
+    }
+
+    /// The connect that failed after `asked`, if one did.
+    fn failed_since(&self, asked: std::time::Instant) -> Option<ForwardError> {
+        let failed = self
+            .connect_failed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (at, fault, message) = failed.as_ref()?;
+        (*at >= asked).then(|| ForwardError::Failed {
+            fault: *fault,
+            message: message.clone(),
+        })
     }
 
     /// Bridges a WebSocket upgrade over a fresh HTTP/1.1 connection: the

@@ -114,6 +114,9 @@ struct Conn {
     /// that is first seen): the origin connections its requests in flight
     /// may use at once, one request each (`forward.rs`).
     h1_slots: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
+    /// The last connect to the origin that failed: when, whose fault, and
+    /// what it said (`forward.rs`, `hold_upstream`).
+    connect_failed: Mutex<Option<(std::time::Instant, crate::fault::Fault, String)>>,
     /// DNS over HTTPS to a reserved resolver: every request is answered by
     /// the gateway's DNS proxy as a query from `src`, none forwarded.
     doh: bool,
@@ -316,6 +319,7 @@ impl Conn {
             tally: Mutex::new(Tally::default()),
             upstream: tokio::sync::Mutex::new(None),
             h1_slots: std::sync::OnceLock::new(),
+            connect_failed: Mutex::new(None),
             doh,
             budget: BudgetCharge::new(activity),
             rest: Rest::default(),

@@ -312,3 +312,36 @@ async fn a_refused_stream_is_sent_again_on_another_connection() {
     let (head, body) = get(&s, "https://goaway.example.test/x").await;
     assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=2"));
 }
+
+/// Streams that waited behind one connect to an origin that never finishes
+/// its handshake get that connect's failure: one connect timeout for all of
+/// them, not one each in turn (the origin sees one connection, not four).
+#[tokio::test]
+async fn streams_waiting_on_a_failed_connect_share_its_failure() {
+    let e = intercepting(NAMES).await;
+    let listener = tokio::net::TcpListener::bind((GOAWAY_IP, 0))
+        .await
+        .expect("bind");
+    let origin = listener.local_addr().expect("addr");
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((tcp, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(tcp);
+        }
+    });
+    let s = intercepted_h2(&e, origin, "goaway.example.test").await;
+    let streams: Vec<_> = (0..4)
+        .map(|_| {
+            let s = s.clone();
+            tokio::spawn(async move { get(&s, "https://goaway.example.test/x").await })
+        })
+        .collect();
+    for stream in streams {
+        let (head, body) = stream.await.expect("stream");
+        assert_eq!(head.status.as_u16(), 502, "{body}");
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
