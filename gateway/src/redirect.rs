@@ -107,6 +107,15 @@ table inet {table} {{
         type filter hook forward priority filter - 20; policy accept;
         iifname "{iface}" counter drop
     }}
+    # Delivered to the host itself, only what the redirect delivers and
+    # ICMP: a tunnel packet (IPIP, GRE, IPv6-in-IPv4, ...) to one of the
+    # host's addresses would be unwrapped by a tunnel device the host has
+    # (Calico's tunl0, say), and its inner packet routed on from there,
+    # past every rule of this interface.
+    chain no_tunnels {{
+        type filter hook input priority filter - 20; policy accept;
+        iifname "{iface}" meta l4proto != {{ tcp, udp, icmp, ipv6-icmp }} counter drop
+    }}
 }}
 # Through the fence (if one is installed), in the same transaction.
 {FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {{ "{iface}" }}
@@ -260,6 +269,7 @@ mod tests {
             r#"iifname "tap-sb1" meta nfproto ipv4 fib saddr . iif oif missing counter drop"#
         ));
         assert!(r.contains("type filter hook forward priority filter - 20; policy accept;\n        iifname \"tap-sb1\" counter drop"), "{r}");
+        assert!(r.contains("type filter hook input priority filter - 20; policy accept;\n        iifname \"tap-sb1\" meta l4proto != { tcp, udp, icmp, ipv6-icmp } counter drop"), "{r}");
         // DNS redirects come before the catch-all TCP redirect.
         assert!(
             r.find("dport 53 redirect").expect("dns")
