@@ -100,7 +100,7 @@ impl QueryAdmission for Everyone {
         Admit::Allowed(SandboxId::new("bench"), self.0.clone())
     }
 
-    fn holds(&self, _src: IpAddr, _sandbox: &SandboxId) -> bool {
+    fn holds(&self, _src: IpAddr, _sandbox: &SandboxId, _registration: u64) -> bool {
         true
     }
 }

@@ -64,16 +64,22 @@ pub enum Admit {
 /// Implemented by the gateway: sandbox identity and policy for DNS flows.
 pub trait QueryAdmission: Send + Sync + 'static {
     fn admit(&self, src: IpAddr, resolver: SocketAddr) -> Admit;
-    /// Whether `src` still belongs to `sandbox`, when its answer comes: a
-    /// sandbox deleted (or the address taken from it) while its query was
-    /// out records nothing.
-    fn holds(&self, src: IpAddr, sandbox: &SandboxId) -> bool;
+    /// Whether `src` still belongs to `sandbox`'s registration
+    /// `registration` ([`QueryRules::registration`]) when its answer comes:
+    /// a sandbox deleted (or the address taken from it, or the id deleted
+    /// and registered again) while its query was out records nothing.
+    fn holds(&self, src: IpAddr, sandbox: &SandboxId, registration: u64) -> bool;
 }
 
 /// The policy a sandbox's queries are judged by: the gateway's sandbox
 /// record, handed over as it is (no copy per query).
 pub trait QueryRules: Send + Sync + 'static {
     fn policy(&self) -> &CompiledPolicy;
+    /// Which registration of its id this is (kept by the pushes that
+    /// replace it, new once the id is deleted and registered again).
+    fn registration(&self) -> u64 {
+        0
+    }
 }
 
 /// Proxy settings.
@@ -286,9 +292,23 @@ impl DnsProxy {
         let connections = Arc::new(Semaphore::new(self.config.max_tcp_connections));
         let per_source: Holds<IpAddr> = Arc::default();
         loop {
-            let Ok((stream, src)) = listener.accept().await else {
-                continue;
+            let (stream, src) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of descriptors, say: the pending connection stays
+                    // queued, so back off rather than spin.
+                    tracing::debug!(error = %e, "dns tcp accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
             };
+            // A source no sandbox's policy lets ask this resolver holds no
+            // connection: it would only ever be refused.
+            if !matches!(self.admission.admit(src.ip(), resolver), Admit::Allowed(..)) {
+                self.metrics.refused.inc();
+                drop(stream);
+                continue;
+            }
             // One source may not hold every connection the listener has.
             let Some(mine) = Held::take(&per_source, src.ip().to_canonical(), MAX_TCP_PER_SOURCE)
             else {
@@ -326,14 +346,17 @@ impl DnsProxy {
                 Ok(Ok(_)) => {}
                 _ => return,
             }
-            let Ok(_permit) = self.in_flight.try_acquire() else {
+            // The proxy's place is held while the query is answered, not
+            // while a slow reader takes the answer.
+            let Ok(permit) = self.in_flight.try_acquire() else {
                 self.metrics.overloaded.inc();
                 return;
             };
-            let Some(resp) = self
+            let answered = self
                 .answer(&query, src.ip(), resolver, Transport::Tcp)
-                .await
-            else {
+                .await;
+            drop(permit);
+            let Some(resp) = answered else {
                 return;
             };
             let Some(framed) = tcp_frame(&resp) else {
@@ -381,12 +404,11 @@ impl DnsProxy {
         };
         // `parse_query` admits exactly one question.
         let question = query.queries.first()?;
-        let sandbox = match self.judge(&query, question, src, resolver) {
-            Ok(sandbox) => sandbox,
+        let (sandbox, registration) = match self.judge(&query, question, src, resolver) {
+            Ok(judged) => judged,
             Err(reply) => return reply,
         };
-        let cap = self.config.max_in_flight_per_sandbox;
-        let Some(_slot) = Held::take(&self.per_sandbox, sandbox.clone(), cap) else {
+        let Some(_slot) = Held::take(&self.per_sandbox, sandbox.clone(), self.fair_share()) else {
             self.metrics.overloaded.inc();
             return reply(&query, ResponseCode::ServFail);
         };
@@ -397,11 +419,32 @@ impl DnsProxy {
         // Deleted while its query was out: nothing is recorded under an id
         // that may come back as another sandbox, and the address, which
         // may be another's now, is refused.
-        if !self.admission.holds(src, &sandbox) {
+        if !self.admission.holds(src, &sandbox, registration) {
             self.metrics.refused.inc();
             return reply(&query, ResponseCode::Refused);
         }
-        self.deliver(&query, &sandbox, bytes, answer, transport)
+        let delivered = self.deliver(&query, &sandbox, bytes, answer, transport);
+        // Deleted between the check and the record: the cache the record
+        // may have made again for its id goes (an id that comes back
+        // starts with no evidence).
+        if !self.admission.holds(src, &sandbox, registration) {
+            self.cache.remove_sandbox(&sandbox);
+            self.metrics.refused.inc();
+            return reply(&query, ResponseCode::Refused);
+        }
+        delivered
+    }
+
+    /// Queries one sandbox may have being resolved at once: the configured
+    /// bound, or under contention the sandbox's fair share of the proxy's
+    /// (never below [`MIN_SHARE`]): a few sandboxes at their bound could
+    /// otherwise take every place and leave the others' queries none. A
+    /// sandbox over its share keeps what it holds and takes no more until
+    /// it is under it.
+    fn fair_share(&self) -> usize {
+        let active = self.per_sandbox.lock().map_or(1, |m| m.len() + 1);
+        let share = (self.config.max_in_flight / active).max(MIN_SHARE);
+        self.config.max_in_flight_per_sandbox.min(share)
     }
 
     /// Admission, the sandbox's budgets and its policy's `dns` section: the
@@ -414,7 +457,7 @@ impl DnsProxy {
         question: &Query,
         src: IpAddr,
         resolver: SocketAddr,
-    ) -> Result<SandboxId, Option<Vec<u8>>> {
+    ) -> Result<(SandboxId, u64), Option<Vec<u8>>> {
         let (sandbox, rules) = match self.admission.admit(src, resolver) {
             Admit::Allowed(id, rules) => (id, rules),
             Admit::Refused(_) | Admit::Unknown => {
@@ -435,7 +478,7 @@ impl DnsProxy {
         self.budgets
             .question(&sandbox, asked, limits, now)
             .map_err(over)?;
-        Ok(sandbox)
+        Ok((sandbox, rules.registration()))
     }
 
     /// The operator's budgets, with the policy's overrides up to the
@@ -637,6 +680,13 @@ impl std::fmt::Debug for DnsProxy {
 
 /// DNS-over-TCP connections one source address may hold at once.
 const MAX_TCP_PER_SOURCE: usize = 16;
+
+/// The least of the proxy's places a sandbox may hold under contention
+/// (its fair share, [`DnsProxy::fair_share`], never goes below it).
+const MIN_SHARE: usize = 4;
+
+/// How long the TCP accept loop waits after accepting failed.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Counts held per key (a sandbox's queries in flight, a source's DNS-over-TCP
 /// connections).

@@ -349,7 +349,7 @@ impl QueryAdmission for Sandboxes {
         }
     }
 
-    fn holds(&self, src: IpAddr, sandbox: &SandboxId) -> bool {
+    fn holds(&self, src: IpAddr, sandbox: &SandboxId, _registration: u64) -> bool {
         matches!(self.admit(src, RESOLVER.parse().expect("addr")), Admit::Allowed(id, _) if id == *sandbox)
     }
 }
@@ -1044,6 +1044,56 @@ async fn in_flight_queries_are_bounded_per_sandbox_and_in_total() {
     assert_eq!(h.proxy.metrics().upstream_failures.get(), 5);
 }
 
+/// A TCP connection from a source no sandbox's policy lets ask the
+/// resolver is closed at once: it would only ever be refused, and it would
+/// hold one of the listener's connections.
+#[tokio::test]
+async fn an_unknown_source_holds_no_tcp_connection() {
+    let h = harness(|_, _| {}, false).await;
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind(("127.0.0.9".parse::<IpAddr>().expect("src"), 0).into())
+        .expect("bind client");
+    let mut s = sock.connect(h.tcp).await.expect("connect");
+    let mut byte = [0u8; 1];
+    let closed = tokio::time::timeout(Duration::from_secs(5), s.read(&mut byte))
+        .await
+        .expect("closed, not left waiting");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+}
+
+/// Under contention a sandbox holds no more than its fair share of the
+/// proxy's places, so one sandbox (or a few) at their own bound cannot take
+/// every place and leave another's queries none.
+#[tokio::test(start_paused = true)]
+async fn one_sandbox_cannot_take_every_place_in_flight() {
+    let (silent_addr, _sock) = silent().await;
+    let h = harness(
+        move |pc, _| {
+            pc.upstreams = vec![silent_addr];
+            pc.upstream_timeout = Duration::from_millis(1_500);
+            pc.max_in_flight = 12;
+            pc.max_in_flight_per_sandbox = 12;
+        },
+        false,
+    )
+    .await;
+    let q = |n: String| query(&n, RecordType::A, None);
+    let mut waiting = Vec::new();
+    for i in 0..12 {
+        waiting.push(udp_send(&h, SANDBOX_A, &q(format!("a{i}.flood.test."))).await);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // B's query is taken in (it waits on the upstream), not refused at once.
+    let b = udp_send(&h, SANDBOX_B, &q("b1.flood.test.".into())).await;
+    assert!(
+        udp_answer(&b, Duration::from_millis(500)).await.is_none(),
+        "B's query was refused at once: A held every place"
+    );
+    let a_refused = h.proxy.metrics().overloaded.get();
+    assert_eq!(a_refused, 6, "A held its share, half the places");
+    drop(waiting);
+}
+
 #[tokio::test]
 async fn concurrent_queries_are_answered_concurrently() {
     let h = harness(|_, _| {}, false).await;
@@ -1216,7 +1266,10 @@ async fn malformed_input_gets_formerr_or_silence_and_the_proxy_lives_on() {
         s.send_to(&bytes, h.udp).await.expect("send");
     }
     // A TCP client that sends a length and then garbage is closed, not a crash.
-    let mut s = TcpStream::connect(h.tcp).await.expect("connect");
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.bind((SANDBOX_A.parse::<IpAddr>().expect("src"), 0).into())
+        .expect("bind client");
+    let mut s = sock.connect(h.tcp).await.expect("connect");
     s.write_all(&[0x00, 0x05, 1, 2, 3, 4, 5])
         .await
         .expect("write");

@@ -399,6 +399,10 @@ impl QueryRules for Sandbox {
     fn policy(&self) -> &CompiledPolicy {
         &self.policy
     }
+
+    fn registration(&self) -> u64 {
+        self.serial
+    }
 }
 
 impl QueryAdmission for Registry {
@@ -431,8 +435,9 @@ impl QueryAdmission for Registry {
         }
     }
 
-    fn holds(&self, src: IpAddr, sandbox: &SandboxId) -> bool {
-        self.lookup(src).is_some_and(|s| s.id == *sandbox)
+    fn holds(&self, src: IpAddr, sandbox: &SandboxId, registration: u64) -> bool {
+        self.lookup(src)
+            .is_some_and(|s| s.id == *sandbox && s.serial == registration)
     }
 }
 
@@ -460,17 +465,26 @@ mod tests {
         let (a, b) = (SandboxId::new("a"), SandboxId::new("b"));
         r.put(a.clone(), vec![ip("100.64.1.2")], Policy::default())
             .expect("put");
-        let held = |id: &SandboxId| QueryAdmission::holds(&r, ip("::ffff:100.64.1.2"), id);
-        assert!(held(&a));
-        assert!(!held(&b));
+        let serial = |id: &SandboxId| r.get(id).map_or(0, |s| s.serial);
+        let held = |id: &SandboxId, serial: u64| {
+            QueryAdmission::holds(&r, ip("::ffff:100.64.1.2"), id, serial)
+        };
+        let first = serial(&a);
+        assert!(held(&a, first));
+        assert!(!held(&b, first));
         r.put(a.clone(), vec![ip("100.64.1.3")], Policy::default())
             .expect("moved");
-        assert!(!held(&a), "the address taken from it");
+        assert!(!held(&a, first), "the address taken from it");
         r.put(b.clone(), vec![ip("100.64.1.2")], Policy::default())
             .expect("put");
-        assert!(held(&b));
+        let b_first = serial(&b);
+        assert!(held(&b, b_first));
         assert!(r.remove(&b));
-        assert!(!held(&b), "deleted");
+        assert!(!held(&b, b_first), "deleted");
+        r.put(b.clone(), vec![ip("100.64.1.2")], Policy::default())
+            .expect("registered again");
+        assert!(!held(&b, b_first), "another registration of the id");
+        assert!(held(&b, serial(&b)));
     }
 
     /// A push is the same registration; a delete ends it, and the id
