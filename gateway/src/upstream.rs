@@ -85,9 +85,14 @@ pub(crate) enum ForwardError {
     #[error("upstream HTTP failed: {0}")]
     Http(String),
     /// The failure of a connect another request of the client connection
-    /// made while this one waited for it.
+    /// made while this one waited for it, with the proxy's header if the
+    /// operator's proxy caused it.
     #[error("{message}")]
-    Failed { fault: Fault, message: String },
+    Failed {
+        fault: Fault,
+        message: String,
+        proxy: Option<http::HeaderValue>,
+    },
 }
 
 impl ForwardError {
@@ -108,16 +113,26 @@ impl ForwardError {
     pub(crate) fn response(&self, context: &str) -> http::Response<Body> {
         let mut resp =
             crate::reply::text(http::StatusCode::BAD_GATEWAY, &format!("{context}{self}\n"));
-        if let Self::Connect(_, ConnectError::Proxy(e)) = self {
-            let mut v = format!("{}; {}", e.proxy, e.failure.result());
-            if let ProxyFailure::Refused { status, .. } = &e.failure {
-                v.push_str(&format!("; status={status}"));
-            }
-            if let Ok(v) = http::HeaderValue::from_str(&v) {
-                resp.headers_mut().insert(PROXY_HEADER, v);
-            }
+        if let Some(v) = self.proxy_header() {
+            resp.headers_mut().insert(PROXY_HEADER, v);
         }
         resp
+    }
+
+    /// `x-egress-upstream-proxy`'s value, when the operator's proxy caused
+    /// the failure.
+    pub(crate) fn proxy_header(&self) -> Option<http::HeaderValue> {
+        match self {
+            Self::Connect(_, ConnectError::Proxy(e)) => {
+                let mut v = format!("{}; {}", e.proxy, e.failure.result());
+                if let ProxyFailure::Refused { status, .. } = &e.failure {
+                    v.push_str(&format!("; status={status}"));
+                }
+                http::HeaderValue::from_str(&v).ok()
+            }
+            Self::Failed { proxy, .. } => proxy.clone(),
+            _ => None,
+        }
     }
 }
 
@@ -386,4 +401,43 @@ fn roots(config: &Config) -> Result<rustls::RootCertStore, RootsError> {
         }
     }
     Ok(roots)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upstream_proxy::{ProxyError, ProxyFailure, ProxyName};
+
+    /// A request that waited behind a connect the operator's proxy refused
+    /// gets the same `502` as the one that connected: its fault, its text
+    /// and `x-egress-upstream-proxy`.
+    #[test]
+    fn a_shared_failure_says_what_the_proxy_said() {
+        let dst: SocketAddr = "203.0.113.7:443".parse().expect("addr");
+        let refused = ForwardError::Connect(
+            dst,
+            ConnectError::Proxy(ProxyError {
+                proxy: ProxyName::parse("corp").expect("name"),
+                failure: ProxyFailure::Refused {
+                    dst,
+                    status: 407,
+                    reason: "Proxy Authentication Required".into(),
+                },
+            }),
+        );
+        let shared = ForwardError::Failed {
+            fault: refused.fault(),
+            message: refused.to_string(),
+            proxy: refused.proxy_header(),
+        };
+        let (first, again) = (refused.response(""), shared.response(""));
+        let header = |r: &http::Response<Body>| r.headers().get(PROXY_HEADER).cloned();
+        assert_eq!(
+            header(&first).as_ref().map(|v| v.as_bytes()),
+            Some(&b"corp; refused; status=407"[..])
+        );
+        assert_eq!(header(&again), header(&first));
+        assert_eq!(shared.fault(), refused.fault());
+        assert_eq!(shared.to_string(), refused.to_string());
+    }
 }

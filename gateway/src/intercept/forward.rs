@@ -2,6 +2,7 @@
 //! destination (never a name from SNI or Host), over the flow's upstream
 //! connection or a bridged upgrade.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use egress_policy::Hostname;
@@ -266,12 +267,17 @@ impl Conn {
         let name = verify_as.filter(|_| self.tls);
         // `route` is the way out the registration names now: a push that
         // names another applies from the next request.
-        let reusable = held.as_ref().is_some_and(|(k, s)| {
-            k.is(self.dst, self.tls, name, h2) && k.via.as_ref() == route.proxy() && s.usable()
-        });
-        if reusable {
+        let same =
+            |k: &PoolKey| k.is(self.dst, self.tls, name, h2) && k.via.as_ref() == route.proxy();
+        if held.as_ref().is_some_and(|(k, s)| same(k) && s.usable()) {
             return Ok(());
         }
+        // An HTTP/2 connection at its origin's limit of streams, to queue
+        // on once this client connection has opened as many as it may.
+        let full = match held.as_ref() {
+            Some((k, Sender::H2(s))) if same(k) && s.open() => Some((k.clone(), s.clone())),
+            _ => None,
+        };
         if let Some((old_key, old)) = held.take() {
             self.up.pool.put(old_key, old);
         }
@@ -284,9 +290,15 @@ impl Conn {
             via: route.proxy().cloned(),
             h2,
         };
-        let sender = match self.up.pool.take(&key) {
-            Some(s) => s,
-            None => {
+        let sender = match (self.up.pool.take(&key), full) {
+            (Some(s), _) => s,
+            (None, Some((full_key, full)))
+                if self.h2_opened.load(Ordering::Relaxed) >= H2_CONNS =>
+            {
+                *held = Some((full_key, Sender::H2(full)));
+                return Ok(());
+            }
+            (None, _) => {
                 if let Some(failed) = self.failed_since(asked) {
                     return Err(failed);
                 }
@@ -301,6 +313,7 @@ impl Conn {
                 // its own. The key holds the sandbox: never another's.
                 if let Sender::H2(h2) = &fresh {
                     self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
+                    self.h2_opened.fetch_add(1, Ordering::Relaxed);
                 }
                 fresh
             }
@@ -311,7 +324,12 @@ impl Conn {
 
     /// Remembers a connect that failed ([`Conn::hold_upstream`]).
     fn note_failure(&self, e: &ForwardError) {
-        let failed = (std::time::Instant::now(), e.fault(), e.to_string());
+        let failed = Failure {
+            at: std::time::Instant::now(),
+            fault: e.fault(),
+            message: e.to_string(),
+            proxy: e.proxy_header(),
+        };
         *self
             .connect_failed
             .lock()
@@ -324,10 +342,11 @@ impl Conn {
             .connect_failed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (at, fault, message) = failed.as_ref()?;
-        (*at >= asked).then(|| ForwardError::Failed {
-            fault: *fault,
-            message: message.clone(),
+        let failed = failed.as_ref()?;
+        (failed.at >= asked).then(|| ForwardError::Failed {
+            fault: failed.fault,
+            message: failed.message.clone(),
+            proxy: failed.proxy.clone(),
         })
     }
 
@@ -415,8 +434,22 @@ impl Conn {
     }
 }
 
+/// A connect to the origin that failed ([`Conn::hold_upstream`]).
+pub(super) struct Failure {
+    at: std::time::Instant,
+    fault: Fault,
+    message: String,
+    proxy: Option<HeaderValue>,
+}
+
 /// The lock on a client connection's upstream connection.
 type UpstreamGuard<'a> = tokio::sync::MutexGuard<'a, Option<(PoolKey, Sender)>>;
+
+/// HTTP/2 origin connections one client connection may open beside one at
+/// its origin's limit of concurrent streams; past them a request waits for
+/// a stream on one of them (an origin that allows one stream would
+/// otherwise get a connection per stream, up to 200 a client connection).
+const H2_CONNS: usize = 4;
 
 /// Origin connections an HTTP/2 client connection's requests may hold at
 /// once when its origin speaks HTTP/1.1.
@@ -452,15 +485,24 @@ fn from_h2(
         .map_err(|e| ForwardError::Http(e.to_string()))
 }
 
-/// A copy of a request to send again if the origin refuses it unprocessed:
-/// only a bodyless `GET`, `HEAD` or `OPTIONS`, which RFC 9110 (§9.2.2) lets
-/// a client repeat; anything else is answered 502 as before.
+/// A copy of a request to send again if the origin refuses it unprocessed
+/// (or an HTTP/1.1 connection fails it): only a bodyless `GET`, `HEAD` or
+/// `OPTIONS`, which RFC 9110 (§9.2.2) lets a client repeat, and none whose
+/// method overrides (headers, `_method`) name another method, which an
+/// origin may have acted on; anything else is answered 502 as before.
 fn replayable(req: &Request<Body>) -> Option<Request<Body>> {
+    let is_safe = |m: &str| {
+        ["GET", "HEAD", "OPTIONS"]
+            .iter()
+            .any(|s| s.eq_ignore_ascii_case(m))
+    };
+    let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+    let overridden = crate::decide::override_values(req.headers(), target).any(|m| !is_safe(&m));
     let safe = matches!(
         *req.method(),
         http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
     );
-    if !safe || !hyper::body::Body::is_end_stream(req.body()) {
+    if !safe || overridden || !hyper::body::Body::is_end_stream(req.body()) {
         return None;
     }
     let mut copy = Request::new(http_body_util::Empty::new().map_err(|n| match n {}).boxed());

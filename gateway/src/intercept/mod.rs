@@ -116,7 +116,9 @@ struct Conn {
     h1_slots: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
     /// The last connect to the origin that failed: when, whose fault, and
     /// what it said (`forward.rs`, `hold_upstream`).
-    connect_failed: Mutex<Option<(std::time::Instant, crate::fault::Fault, String)>>,
+    connect_failed: Mutex<Option<forward::Failure>>,
+    /// The HTTP/2 origin connections it has opened (`forward.rs`, `H2_CONNS`).
+    h2_opened: std::sync::atomic::AtomicUsize,
     /// DNS over HTTPS to a reserved resolver: every request is answered by
     /// the gateway's DNS proxy as a query from `src`, none forwarded.
     doh: bool,
@@ -320,6 +322,7 @@ impl Conn {
             upstream: tokio::sync::Mutex::new(None),
             h1_slots: std::sync::OnceLock::new(),
             connect_failed: Mutex::new(None),
+            h2_opened: std::sync::atomic::AtomicUsize::new(0),
             doh,
             budget: BudgetCharge::new(activity),
             rest: Rest::default(),

@@ -216,10 +216,14 @@ async fn te_trailers_reaches_the_origin() {
 /// `goaway.example.test` is attributed) at another port: `/hold` is answered
 /// once `release` is notified, anything else at once with its connection's
 /// number.
-async fn one_stream_origin(e: &Env, release: std::sync::Arc<tokio::sync::Notify>) -> SocketAddr {
+async fn one_stream_origin(
+    e: &Env,
+    release: tokio::sync::watch::Receiver<bool>,
+) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU32>) {
     let config = e.origin_ca.server(&["goaway.example.test"], &[b"h2"]);
     let conns = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-    tls_origin(GOAWAY_IP, config, move |tls| {
+    let counted = conns.clone();
+    let addr = tls_origin(GOAWAY_IP, config, move |tls| {
         let (release, n) = (
             release.clone(),
             conns.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1,
@@ -233,10 +237,10 @@ async fn one_stream_origin(e: &Env, release: std::sync::Arc<tokio::sync::Notify>
                 return;
             };
             while let Some(Ok((req, mut respond))) = conn.accept().await {
-                let release = release.clone();
+                let mut release = release.clone();
                 tokio::spawn(async move {
                     if req.uri().path() == "/hold" {
-                        release.notified().await;
+                        let _ = release.wait_for(|r| *r).await;
                     }
                     if let Ok(mut body) = respond.send_response(http::Response::new(()), false) {
                         let _ = body.send_data(Bytes::from(format!("conn={n}")), true);
@@ -245,7 +249,8 @@ async fn one_stream_origin(e: &Env, release: std::sync::Arc<tokio::sync::Notify>
             }
         }
     })
-    .await
+    .await;
+    (addr, counted)
 }
 
 /// An origin connection at its limit of concurrent streams takes no more:
@@ -254,8 +259,8 @@ async fn one_stream_origin(e: &Env, release: std::sync::Arc<tokio::sync::Notify>
 #[tokio::test]
 async fn a_request_past_the_origins_stream_limit_opens_another_connection() {
     let e = intercepting(NAMES).await;
-    let release = std::sync::Arc::new(tokio::sync::Notify::new());
-    let origin = one_stream_origin(&e, release.clone()).await;
+    let (release, held_until) = tokio::sync::watch::channel(false);
+    let (origin, _) = one_stream_origin(&e, held_until).await;
     let s = intercepted_h2(&e, origin, "goaway.example.test").await;
     // The first exchange settles the origin's SETTINGS (one stream).
     let (head, body) = get(&s, "https://goaway.example.test/first").await;
@@ -272,9 +277,49 @@ async fn a_request_past_the_origins_stream_limit_opens_another_connection() {
     .await
     .expect("answered while the first connection's one stream is held");
     assert_eq!((next.0.status.as_u16(), next.1.as_str()), (200, "conn=2"));
-    release.notify_one();
+    let _ = release.send(true);
     let (head, body) = held.await.expect("held");
     assert_eq!((head.status.as_u16(), body.as_str()), (200, "conn=1"));
+}
+
+/// Past four connections opened beside full ones, a client connection's
+/// requests wait for a stream on them: an origin that allows one stream
+/// does not get a connection per stream (up to 200 a client connection).
+#[tokio::test]
+async fn a_client_connection_opens_at_most_four_origin_connections_beside_full_ones() {
+    let e = intercepting(NAMES).await;
+    let (release, held_until) = tokio::sync::watch::channel(false);
+    let (origin, conns) = one_stream_origin(&e, held_until).await;
+    let s = intercepted_h2(&e, origin, "goaway.example.test").await;
+    let (head, _) = get(&s, "https://goaway.example.test/first").await;
+    assert_eq!(head.status.as_u16(), 200);
+    // One after another, each once the one before is in flight: each finds
+    // every connection so far at its limit.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let s = s.clone();
+        held.push(tokio::spawn(async move {
+            get(&s, "https://goaway.example.test/hold").await
+        }));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let opened = conns.load(std::sync::atomic::Ordering::SeqCst);
+    assert!((2..=4).contains(&opened), "{opened} origin connections");
+    let _ = release.send(true);
+    for h in held {
+        // Answered, none left waiting. A stream queued on a connection may
+        // still be refused by this origin as one ends (its own count of
+        // streams lags), and is then answered 502.
+        let (head, body) = tokio::time::timeout(Duration::from_secs(10), h)
+            .await
+            .expect("answered once released")
+            .expect("stream");
+        let status = head.status.as_u16();
+        assert!(
+            status == 200 || (status == 502 && body.contains("refused stream")),
+            "{status} {body}"
+        );
+    }
 }
 
 /// An HTTP/2 origin on `GOAWAY_IP` (another port) that resets every stream

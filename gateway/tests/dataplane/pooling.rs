@@ -328,4 +328,8 @@ async fn a_get_on_a_connection_the_origin_closes_is_sent_again() {
         get_on(&mut h1, "h1.example.test", "/two").await,
         (200, "conn=2".into())
     );
+    // A GET whose `_method` names another method is no request to repeat:
+    // the origin may have acted on it.
+    let (status, body) = get_on(&mut h1, "h1.example.test", "/three?_method=POST").await;
+    assert_eq!(status, 502, "{body}");
 }
