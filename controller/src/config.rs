@@ -87,16 +87,27 @@ fn shown(token: &str) -> String {
     format!("{}…", token.chars().take(4).collect::<String>())
 }
 
-/// `path` with the token in it (`tokens.<token>.<field>`) shortened.
-fn redacted(path: &str) -> String {
+/// `path` with the token in it (`tokens.<token>.<field>`) shortened;
+/// `message` says which field a path ends in when it is no field an entry
+/// has (an unknown one).
+fn redacted(path: &str, message: &str) -> String {
     let Some(rest) = path.strip_prefix("tokens.") else {
         return path.to_owned();
     };
-    let plain = |f: &str| !f.is_empty() && f.bytes().all(|b| b.is_ascii_lowercase() || b == b'_');
+    // A token may hold a dot: only a field the entries have (or an
+    // unknown one the parser names in its message) is split off.
+    const FIELDS: [&str; 5] = ["tenant", "federated", "admin", "principal", "max_sandboxes"];
     match rest.rsplit_once('.') {
-        Some((token, field)) if plain(field) => format!("tokens.{}.{field}", shown(token)),
+        Some((token, field)) if FIELDS.contains(&field) || unknown(message) == Some(field) => {
+            format!("tokens.{}.{field}", shown(token))
+        }
         _ => format!("tokens.{}", shown(rest)),
     }
+}
+
+/// The field an "unknown field" message names.
+fn unknown(message: &str) -> Option<&str> {
+    message.strip_prefix("unknown field `")?.split('`').next()
 }
 
 /// A parser's message with a key it quotes (a token written twice) shortened.
@@ -118,11 +129,14 @@ impl Tenants {
     /// document, is refused; no error shows more of a token than its first
     /// four characters (the errors reach the logs).
     pub fn parse(text: &str) -> Result<Self, String> {
-        let value = egress_policy::json_value(text)
-            .map_err(|e| format!("{}: {}", redacted(&e.path), redacted_message(&e.message)))?;
+        let value = egress_policy::json_value(text).map_err(|e| {
+            let path = redacted(&e.path, &e.message);
+            format!("{path}: {}", redacted_message(&e.message))
+        })?;
         let t: Self = serde_path_to_error::deserialize(value).map_err(|e| {
-            let message = redacted_message(&e.inner().to_string());
-            format!("{}: {message}", redacted(&e.path().to_string()))
+            let message = e.inner().to_string();
+            let path = redacted(&e.path().to_string(), &message);
+            format!("{path}: {}", redacted_message(&message))
         })?;
         if let Some(short) = t.tokens.keys().find(|k| k.len() < 16) {
             let shown: String = short.chars().take(4).collect();
@@ -212,10 +226,14 @@ mod tests {
                 format!(r#"{{"tokens": {{"{secret}": {{"tenant": "t"}}}}}} {{"x": 1}}"#),
                 "trailing characters",
             ),
+            (
+                r#"{"tokens": {"acme.liveprodkeyabc": "x"}}"#.to_owned(),
+                "tokens.acme…: invalid type",
+            ),
         ] {
             let e = Tenants::parse(&text).expect_err(says);
             assert!(e.contains(says), "{e}");
-            assert!(!e.contains(secret), "{e}");
+            assert!(!e.contains(secret) && !e.contains("liveprod"), "{e}");
         }
         let e = Tenants::parse(r#"{"tokens": {"0123456789abcdef": {"tenant": ""}}}"#)
             .expect_err("unnamed");

@@ -200,7 +200,8 @@ impl Dispatcher {
     /// A session holding [`LEADER_LOCK`] shared (none while an older
     /// dispatcher leads with it).
     async fn session(&self) -> Result<Option<PgConnection>, sqlx::Error> {
-        let connect = PgConnection::connect(&self.database_url);
+        let options = store::connect_options(&self.database_url)?;
+        let connect = PgConnection::connect_with(&options);
         let mut conn = tokio::time::timeout(store::CONNECT_TIMEOUT, connect)
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)??;

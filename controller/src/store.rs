@@ -39,7 +39,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
 /// them, since a replica waits there for another's migration to finish.
 pub async fn connect(url: &str) -> Result<PgPool, String> {
     let cannot = |e: sqlx::Error| format!("DATABASE_URL: cannot connect: {e}");
-    let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(cannot)?;
+    let options = connect_options(url).map_err(cannot)?;
     let mut migrating = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
         .await
         .map_err(|_| format!("DATABASE_URL: cannot connect within {CONNECT_TIMEOUT:?}"))?
@@ -58,6 +58,14 @@ pub async fn connect(url: &str) -> Result<PgPool, String> {
         .connect_with(options)
         .await
         .map_err(cannot)
+}
+
+/// The connection settings of `url`, without the `extra_float_digits`
+/// startup parameter sqlx sends by default: PgBouncer refuses it (unless
+/// told to ignore it), and no value here is read as text.
+pub fn connect_options(url: &str) -> Result<sqlx::postgres::PgConnectOptions, sqlx::Error> {
+    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    Ok(options.extra_float_digits(None))
 }
 
 /// Bounds a session's statements ([`STATEMENT_TIMEOUT`]) and lock waits
