@@ -30,7 +30,8 @@ pub struct State {
     pub events: Vec<Event>,
     /// When set, every push and resync is refused with this status and body.
     pub refuse: Option<(u16, String)>,
-    /// When set, every delete is answered `500`, nothing forgotten.
+    /// When set, every delete and resync is answered `500`: nothing is
+    /// forgotten.
     pub refuse_deletes: bool,
 }
 
@@ -108,6 +109,10 @@ async fn answer(
                 .collect();
             let doc = json!({"epoch": s.epoch, "generation": s.generation, "sandboxes": list});
             (200, doc.to_string())
+        }
+        ("PUT", ["v1", "sandboxes"]) if s.refuse_deletes => {
+            s.events.push(Event::Resync(0));
+            (500, "{}".to_owned())
         }
         ("PUT", ["v1", "sandboxes"]) => {
             let text = String::from_utf8_lossy(&body);
