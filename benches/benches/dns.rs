@@ -103,6 +103,10 @@ impl QueryAdmission for Everyone {
     fn holds(&self, _src: IpAddr, _sandbox: &SandboxId, _registration: u64) -> bool {
         true
     }
+
+    fn registered(&self, _sandbox: &SandboxId, _registration: u64) -> bool {
+        true
+    }
 }
 
 /// Sends `n` queries, `window` outstanding at a time, and waits for every answer.

@@ -69,6 +69,9 @@ pub trait QueryAdmission: Send + Sync + 'static {
     /// a sandbox deleted (or the address taken from it, or the id deleted
     /// and registered again) while its query was out records nothing.
     fn holds(&self, src: IpAddr, sandbox: &SandboxId, registration: u64) -> bool;
+    /// Whether `sandbox`'s registration `registration` is still registered
+    /// (whatever its addresses now).
+    fn registered(&self, sandbox: &SandboxId, registration: u64) -> bool;
 }
 
 /// The policy a sandbox's queries are judged by: the gateway's sandbox
@@ -426,9 +429,12 @@ impl DnsProxy {
         let delivered = self.deliver(&query, &sandbox, bytes, answer, transport);
         // Deleted between the check and the record: the cache the record
         // may have made again for its id goes (an id that comes back
-        // starts with no evidence).
+        // starts with no evidence). Only the address moved: its evidence
+        // stands, the answer is refused.
         if !self.admission.holds(src, &sandbox, registration) {
-            self.cache.remove_sandbox(&sandbox);
+            if !self.admission.registered(&sandbox, registration) {
+                self.cache.remove_sandbox(&sandbox);
+            }
             self.metrics.refused.inc();
             return reply(&query, ResponseCode::Refused);
         }

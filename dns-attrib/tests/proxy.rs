@@ -352,6 +352,10 @@ impl QueryAdmission for Sandboxes {
     fn holds(&self, src: IpAddr, sandbox: &SandboxId, _registration: u64) -> bool {
         matches!(self.admit(src, RESOLVER.parse().expect("addr")), Admit::Allowed(id, _) if id == *sandbox)
     }
+
+    fn registered(&self, sandbox: &SandboxId, _registration: u64) -> bool {
+        !self.deleted.lock().expect("lock").contains(sandbox)
+    }
 }
 
 struct Harness {

@@ -439,6 +439,10 @@ impl QueryAdmission for Registry {
         self.lookup(src)
             .is_some_and(|s| s.id == *sandbox && s.serial == registration)
     }
+
+    fn registered(&self, sandbox: &SandboxId, registration: u64) -> bool {
+        self.get(sandbox).is_some_and(|s| s.serial == registration)
+    }
 }
 
 #[cfg(test)]
