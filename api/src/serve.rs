@@ -457,12 +457,18 @@ mod tests {
         let mut got = String::new();
         let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_string(&mut got));
         read.await.expect("in time").expect("read");
-        assert!(got.starts_with("HTTP/1.1 200") && got.ends_with("finished"), "{got}");
+        assert!(
+            got.starts_with("HTTP/1.1 200") && got.ends_with("finished"),
+            "{got}"
+        );
         tokio::time::timeout(Duration::from_secs(10), server)
             .await
             .expect("the loop ended")
             .expect("join");
-        assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "closed");
+        assert!(
+            tokio::net::TcpStream::connect(addr).await.is_err(),
+            "closed"
+        );
     }
 
     /// A listener's loop taken down (a drain) takes its connections with it:
