@@ -298,28 +298,35 @@ impl Conn {
                 *held = Some((full_key, Sender::H2(full)));
                 return Ok(());
             }
-            (None, _) => {
-                if let Some(failed) = self.failed_since(asked) {
-                    return Err(failed);
-                }
-                let fresh = self
-                    .connect(route, verify_as, h2)
-                    .await
-                    .inspect_err(|e| self.note_failure(e))?;
-                // An HTTP/2 connection multiplexes: pooled at once, the
-                // sandbox's other client connections to the same
-                // destination and name take it, instead of each idle
-                // client connection pinning an upstream connection of
-                // its own. The key holds the sandbox: never another's.
-                if let Sender::H2(h2) = &fresh {
-                    self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
-                    self.h2_opened.fetch_add(1, Ordering::Relaxed);
-                }
-                fresh
-            }
+            (None, _) => self.fresh(&key, (verify_as, route), asked).await?,
         };
         *held = Some((key, sender));
         Ok(())
+    }
+
+    /// A new connection for `key` ([`Conn::hold_upstream`]), unless a connect
+    /// failed after `asked`. An HTTP/2 one multiplexes: pooled at once, the
+    /// sandbox's other client connections to the same destination and name
+    /// take it, instead of each idle client connection pinning an upstream
+    /// connection of its own. The key holds the sandbox: never another's.
+    async fn fresh(
+        &self,
+        key: &PoolKey,
+        (verify_as, route): (Option<&Hostname>, &Route),
+        asked: std::time::Instant,
+    ) -> Result<Sender, ForwardError> {
+        if let Some(failed) = self.failed_since(asked) {
+            return Err(failed);
+        }
+        let fresh = self
+            .connect(route, verify_as, key.h2)
+            .await
+            .inspect_err(|e| self.note_failure(e))?;
+        if let Sender::H2(h2) = &fresh {
+            self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
+            self.h2_opened.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(fresh)
     }
 
     /// Remembers a connect that failed ([`Conn::hold_upstream`]).
