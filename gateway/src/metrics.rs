@@ -68,8 +68,9 @@ pub(crate) struct Metrics {
     pub(crate) peek_seconds: Histogram,
     pub(crate) handshake_seconds: Histogram,
     pub(crate) upstream_connect_seconds: Histogram,
-    /// Requests sent again on another HTTP/2 connection after the origin
-    /// refused them unprocessed (a GOAWAY below them, `REFUSED_STREAM`).
+    /// Requests sent again on another connection: refused unprocessed by an
+    /// HTTP/2 origin (a GOAWAY below them, `REFUSED_STREAM`), or not sent, or
+    /// a bodyless GET, HEAD or OPTIONS failed, on an HTTP/1.1 one.
     pub(crate) upstream_retries: Counter,
     pub(crate) pushes: Family<OutcomeLabels, Counter>,
     faults: Family<FaultLabels, Counter>,
