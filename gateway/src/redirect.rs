@@ -111,10 +111,11 @@ table inet {table} {{
     # ICMP: a tunnel packet (IPIP, GRE, IPv6-in-IPv4, ...) to one of the
     # host's addresses would be unwrapped by a tunnel device the host has
     # (Calico's tunl0, say), and its inner packet routed on from there,
-    # past every rule of this interface.
+    # past every rule of this interface. (58 is ICMPv6: by number, since a
+    # name nft must look up in /etc/protocols, which an image may lack.)
     chain no_tunnels {{
         type filter hook input priority filter - 20; policy accept;
-        iifname "{iface}" meta l4proto != {{ tcp, udp, icmp, ipv6-icmp }} counter drop
+        iifname "{iface}" meta l4proto != {{ tcp, udp, icmp, 58 }} counter drop
     }}
 }}
 # Through the fence (if one is installed), in the same transaction.
@@ -269,7 +270,7 @@ mod tests {
             r#"iifname "tap-sb1" meta nfproto ipv4 fib saddr . iif oif missing counter drop"#
         ));
         assert!(r.contains("type filter hook forward priority filter - 20; policy accept;\n        iifname \"tap-sb1\" counter drop"), "{r}");
-        assert!(r.contains("type filter hook input priority filter - 20; policy accept;\n        iifname \"tap-sb1\" meta l4proto != { tcp, udp, icmp, ipv6-icmp } counter drop"), "{r}");
+        assert!(r.contains("type filter hook input priority filter - 20; policy accept;\n        iifname \"tap-sb1\" meta l4proto != { tcp, udp, icmp, 58 } counter drop"), "{r}");
         // DNS redirects come before the catch-all TCP redirect.
         assert!(
             r.find("dport 53 redirect").expect("dns")

@@ -515,14 +515,15 @@ fn fill(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
 /// On the ingress hook the chain sees every frame of the link, not only
 /// IPv4 and IPv6: ARP passes (as it does on the prerouting hook, which
 /// never sees it), and any other protocol is counted and dropped with the
-/// spoofed sources.
+/// spoofed sources. ICMPv6 is protocol 58, by number: a name nft must look
+/// up in /etc/protocols, which a container image may not have.
 fn link_chain(layout: &Layout, k: &str) -> Vec<String> {
     let mut rules = vec![
         format!("ip saddr @src4_{k} return"),
         format!("ip6 saddr @src6_{k} return"),
         "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return".to_owned(),
-        "ip6 saddr :: meta l4proto ipv6-icmp return".to_owned(),
-        "ip6 saddr fe80::/10 meta l4proto ipv6-icmp return".to_owned(),
+        "ip6 saddr :: meta l4proto 58 return".to_owned(),
+        "ip6 saddr fe80::/10 meta l4proto 58 return".to_owned(),
     ];
     if layout.link_check == LinkCheck::Ingress {
         rules.push("meta protocol arp return".to_owned());

@@ -113,8 +113,8 @@ fn an_allowlist_compiles_into_the_vms_own_sets_and_chain() {
             "ip saddr @src4_vm1 return",
             "ip6 saddr @src6_vm1 return",
             "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return",
-            "ip6 saddr :: meta l4proto ipv6-icmp return",
-            "ip6 saddr fe80::/10 meta l4proto ipv6-icmp return",
+            "ip6 saddr :: meta l4proto 58 return",
+            "ip6 saddr fe80::/10 meta l4proto 58 return",
             "counter name spoofed_vm1 drop"
         ]
     );
@@ -329,8 +329,8 @@ fn on_the_ingress_hook_each_link_has_a_chain_of_its_own() {
             "ip saddr @src4_vm1 return",
             "ip6 saddr @src6_vm1 return",
             "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return",
-            "ip6 saddr :: meta l4proto ipv6-icmp return",
-            "ip6 saddr fe80::/10 meta l4proto ipv6-icmp return",
+            "ip6 saddr :: meta l4proto 58 return",
+            "ip6 saddr fe80::/10 meta l4proto 58 return",
             "meta protocol arp return",
             "counter name spoofed_vm1 drop"
         ]
