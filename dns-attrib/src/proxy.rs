@@ -313,7 +313,8 @@ impl DnsProxy {
                 continue;
             }
             // One source may not hold every connection the listener has.
-            let Some(mine) = Held::take(&per_source, src.ip().to_canonical(), MAX_TCP_PER_SOURCE)
+            let Some(mine) =
+                Held::take(&per_source, src.ip().to_canonical(), |_| MAX_TCP_PER_SOURCE)
             else {
                 self.metrics.overloaded.inc();
                 drop(stream);
@@ -411,7 +412,8 @@ impl DnsProxy {
             Ok(judged) => judged,
             Err(reply) => return reply,
         };
-        let Some(_slot) = Held::take(&self.per_sandbox, sandbox.clone(), self.fair_share()) else {
+        let Some(_slot) = Held::take(&self.per_sandbox, sandbox.clone(), |n| self.fair_share(n))
+        else {
             self.metrics.overloaded.inc();
             return reply(&query, ResponseCode::ServFail);
         };
@@ -446,10 +448,9 @@ impl DnsProxy {
     /// (never below [`MIN_SHARE`]): a few sandboxes at their bound could
     /// otherwise take every place and leave the others' queries none. A
     /// sandbox over its share keeps what it holds and takes no more until
-    /// it is under it.
-    fn fair_share(&self) -> usize {
-        let active = self.per_sandbox.lock().map_or(1, |m| m.len() + 1);
-        let share = (self.config.max_in_flight / active).max(MIN_SHARE);
+    /// it is under it. `holding`: the sandboxes with queries in flight.
+    fn fair_share(&self, holding: usize) -> usize {
+        let share = (self.config.max_in_flight / (holding + 1)).max(MIN_SHARE);
         self.config.max_in_flight_per_sandbox.min(share)
     }
 
@@ -705,9 +706,11 @@ struct Held<K: Eq + std::hash::Hash> {
 }
 
 impl<K: Eq + std::hash::Hash + Clone> Held<K> {
-    /// A hold on `key`, unless it has `cap` already.
-    fn take(holds: &Holds<K>, key: K, cap: usize) -> Option<Self> {
+    /// A hold on `key`, unless it has its cap already: `cap` of the number
+    /// of keys held, read under the same lock.
+    fn take(holds: &Holds<K>, key: K, cap: impl FnOnce(usize) -> usize) -> Option<Self> {
         let mut map = holds.lock().ok()?;
+        let cap = cap(map.len());
         let n = map.entry(key.clone()).or_insert(0);
         if *n >= cap {
             return None;
