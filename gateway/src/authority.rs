@@ -122,11 +122,24 @@ pub fn of_request_target(target: &str) -> Result<Option<String>, AuthorityError>
 
 /// What an invalid authority is shown as: `raw` cut to its first 256
 /// characters (it is the sandbox's, up to a whole request head, and goes
-/// into the flow log).
+/// into the flow log), without what may carry a secret: user info before
+/// an `@`, a query, a fragment.
 fn invalid(raw: &str, why: &str) -> AuthorityError {
     AuthorityError::Invalid {
-        raw: raw.chars().take(256).collect(),
+        raw: shown(raw).chars().take(256).collect(),
         why: why.to_owned(),
+    }
+}
+
+/// `raw` with its user info (up to the authority's last `@`) written `…@`
+/// and anything from a `?` or `#` on cut.
+fn shown(raw: &str) -> String {
+    let raw = raw.split(['?', '#']).next().unwrap_or_default();
+    let start = raw.find("://").map_or(0, |at| at + 3);
+    let end = raw[start..].find('/').map_or(raw.len(), |at| start + at);
+    match raw[start..end].rfind('@') {
+        Some(at) => format!("{}…{}", &raw[..start], &raw[start + at..]),
+        None => raw.to_owned(),
     }
 }
 
@@ -179,6 +192,30 @@ mod tests {
 
     fn name(s: &str) -> Target {
         Target::Name(Hostname::parse(s).expect("name"))
+    }
+
+    #[test]
+    fn an_invalid_authority_is_shown_without_its_secrets() {
+        fn shown<T: std::fmt::Debug>(r: Result<T, AuthorityError>) -> String {
+            r.expect_err("refused").to_string()
+        }
+        let e = shown(one(None, &["user:s3cret@api.test"]));
+        assert!(!e.contains("s3cret") && e.contains("…@api.test"), "{e}");
+        let e = shown(of_request_target(
+            "http://u:s3cret@api\"test/p?token=s3cret",
+        ));
+        assert!(
+            !e.contains("s3cret") && e.contains(r#"http://…@api\"test/p"#),
+            "{e}"
+        );
+        let e = shown(one(Some("a b?token=s3cret"), &[]));
+        assert!(!e.contains("s3cret"), "{e}");
+        assert_eq!(shown_raw("http://h/p@x?q"), "http://h/p@x");
+        assert_eq!(shown_raw("a@b@c:1"), "…@c:1");
+    }
+
+    fn shown_raw(raw: &str) -> String {
+        super::shown(raw)
     }
 
     #[test]

@@ -279,7 +279,24 @@ pub struct Limits {
 pub struct Log {
     /// `stdout`, `off`, or a file path: one JSON line per flow.
     pub flow_log: String,
+    /// A file flow log's size past which lines are dropped (and counted in
+    /// `egress_flow_log_dropped_lines_total`) until it is rotated: a
+    /// sandbox opening connections in a loop cannot fill the disk the
+    /// gateway's state shares.
+    pub flow_log_max_bytes: u64,
 }
+
+impl Default for Log {
+    fn default() -> Self {
+        Self {
+            flow_log: "stdout".into(),
+            flow_log_max_bytes: 4 << 30,
+        }
+    }
+}
+
+/// The smallest cap `log.flow_log_max_bytes` may set.
+const MIN_FLOW_LOG_BYTES: u64 = 1 << 20;
 
 /// Why the configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -447,6 +464,15 @@ impl Limits {
     }
 }
 
+/// The longest any duration of the configuration may be (a week): longer
+/// than any wait or answer lifetime an operator means, and far below what
+/// would overflow a clock reading.
+pub const MAX_DURATION: Duration = Duration::from_secs(7 * 86_400);
+
+/// The most sandboxes `dns.max_sandboxes` may name: its budget tables are
+/// allocated for that many at start.
+const MAX_DNS_SANDBOXES: usize = 1 << 20;
+
 /// The most flows `limits.max_connections` may allow at once.
 const MAX_CONNECTIONS: usize = 1 << 20;
 
@@ -515,14 +541,6 @@ impl Default for Limits {
     }
 }
 
-impl Default for Log {
-    fn default() -> Self {
-        Self {
-            flow_log: "stdout".into(),
-        }
-    }
-}
-
 // === loading ===
 
 impl Config {
@@ -570,6 +588,13 @@ impl Config {
                 "0 would attribute no sandbox's DNS: at least 1".into(),
             ));
         }
+        if self.dns.max_sandboxes > MAX_DNS_SANDBOXES {
+            let why = format!(
+                "{} is more than {MAX_DNS_SANDBOXES} (its tables are sized at start)",
+                self.dns.max_sandboxes
+            );
+            return Some(("dns.max_sandboxes", why));
+        }
         if let Some(invalid) = self.dns.invalid_budget() {
             return Some(invalid);
         }
@@ -587,6 +612,16 @@ impl Config {
             if d.is_zero() {
                 return Some((key, "must be longer than zero".into()));
             }
+        }
+        if let Some(invalid) = self.longest_waits() {
+            return Some(invalid);
+        }
+        if self.log.flow_log_max_bytes < MIN_FLOW_LOG_BYTES {
+            let why = format!(
+                "{} is below {MIN_FLOW_LOG_BYTES} bytes",
+                self.log.flow_log_max_bytes
+            );
+            return Some(("log.flow_log_max_bytes", why));
         }
         if let Some(up) = self
             .dns
@@ -606,6 +641,25 @@ impl Config {
             .or_else(|| self.upstream_proxy.first_invalid())
             .or_else(|| self.credentials.first_invalid())
             .or_else(|| self.admin_invalid())
+    }
+
+    /// A duration past [`MAX_DURATION`]: added to a clock reading, a value
+    /// near `u64::MAX` seconds would panic where it is used, not here.
+    fn longest_waits(&self) -> Option<(&'static str, String)> {
+        [
+            ("dns.min_ttl", self.dns.min_ttl),
+            ("dns.max_ttl", self.dns.max_ttl),
+            ("dns.upstream_timeout", self.dns.upstream_timeout),
+            ("timeouts.peek", self.timeouts.peek),
+            ("timeouts.connect", self.timeouts.connect),
+            ("timeouts.tls_handshake", self.timeouts.tls_handshake),
+            ("timeouts.idle", self.timeouts.idle),
+            ("timeouts.request_head", self.timeouts.request_head),
+            ("timeouts.drain", self.timeouts.drain),
+        ]
+        .into_iter()
+        .find(|(_, d)| *d > MAX_DURATION)
+        .map(|(key, d)| (key, format!("{d:?} is longer than 7d")))
     }
 
     /// An admin listener off loopback without a token: anyone who reaches
@@ -633,7 +687,10 @@ impl Config {
     }
 }
 
+/// A reserved resolver however it is written (`::ffff:8.8.8.8` and
+/// `64:ff9b::808:808` reach it too).
 fn is_reserved_resolver(ip: IpAddr) -> bool {
+    let ip = egress_policy::embedded_ipv4(ip).map_or(ip.to_canonical(), IpAddr::V4);
     egress_policy::RESERVED_RESOLVERS.contains(&ip)
 }
 
@@ -893,6 +950,34 @@ mod tests {
                 "timeouts.peek: must be longer than zero",
             ),
             ("[limits]\npeek_bytes = 10", "limits.peek_bytes"),
+            (
+                "[log]\nflow_log_max_bytes = 1000",
+                "log.flow_log_max_bytes: 1000 is below 1048576 bytes",
+            ),
+            (
+                "[dns]\nmax_ttl = \"18446744073709551615s\"",
+                "dns.max_ttl: 18446744073709551615s is longer than 7d",
+            ),
+            (
+                "[timeouts]\nrequest_head = \"5124095576030431h\"",
+                "timeouts.request_head:",
+            ),
+            (
+                "[timeouts]\ndrain = \"8d\"",
+                "timeouts.drain: 691200s is longer than 7d",
+            ),
+            (
+                "[dns]\nmax_sandboxes = 100000000",
+                "dns.max_sandboxes: 100000000 is more than 1048576",
+            ),
+            (
+                "[dns]\nupstreams = [\"[::ffff:8.8.8.8]:53\"]",
+                "dns.upstreams: [::ffff:8.8.8.8]:53 is a reserved resolver",
+            ),
+            (
+                "[dns]\nupstreams = [\"[64:ff9b::101:101]:53\"]",
+                "dns.upstreams: [64:ff9b::101:101]:53 is a reserved resolver",
+            ),
             (
                 "[limits]\nmax_request_head = 4096",
                 "limits.max_request_head: 4096 is outside 8192..=1048576 bytes",

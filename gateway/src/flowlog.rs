@@ -3,9 +3,10 @@
 use std::io::{BufWriter, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
@@ -86,32 +87,50 @@ struct Writer {
     tx: Mutex<Option<SyncSender<Queued>>>,
     /// The text of the lines queued now ([`FlowRecord::weight`]).
     queued: Arc<AtomicUsize>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The lines queued, or written to the buffer but not yet flushed.
+    pending: Arc<AtomicUsize>,
+    thread: Mutex<Option<(JoinHandle<()>, Receiver<()>)>>,
     dropped: Arc<AtomicU64>,
 }
 
+/// How long [`FlowLog::close`] waits for the writer to write out what is
+/// queued (a stalled pipe or a hung mount must not hold the exit).
+const CLOSE_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 5 });
+/// How often the writer looks at the file's size against its cap.
+const SIZE_CHECK: Duration = Duration::from_secs(1);
+
 impl FlowLog {
-    /// `stdout`, `off`, or a file path (appended to).
-    pub fn open(target: &str) -> std::io::Result<Self> {
-        let sink: Option<Box<dyn Write + Send>> = match target {
-            "off" => None,
-            "stdout" => Some(Box::new(std::io::stdout())),
-            path => Some(Box::new(
-                std::fs::OpenOptions::new()
+    /// `stdout`, `off`, or a file path (appended to). A file is written up
+    /// to `max_bytes`; past that, lines are dropped (and counted) until it
+    /// is rotated.
+    pub fn open(target: &str, max_bytes: u64) -> std::io::Result<Self> {
+        let (sink, cap): (Box<dyn Write + Send>, _) = match target {
+            "off" => return Ok(Self::off()),
+            "stdout" => (Box::new(std::io::stdout()), None),
+            path => {
+                let file = std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
-                    .open(path)?,
-            )),
+                    .open(path)?;
+                let cap = SizeCap {
+                    file: file.try_clone()?,
+                    max_bytes,
+                };
+                (Box::new(file), Some(cap))
+            }
         };
-        sink.map(Writer::start)
-            .transpose()
-            .map(|sink| Self { sink })
+        Writer::start(sink, cap).map(|sink| Self { sink: Some(sink) })
+    }
+
+    /// A log that writes nothing (`off`).
+    pub fn off() -> Self {
+        Self { sink: None }
     }
 
     /// A log that hands lines to `w` (tests).
     pub fn to_writer(w: Box<dyn Write + Send>) -> Self {
         Self {
-            sink: Writer::start(w).ok(),
+            sink: Writer::start(w, None).ok(),
         }
     }
 
@@ -128,6 +147,7 @@ impl FlowLog {
         record.bound();
         let weight = record.weight();
         let room = sink.queued.fetch_add(weight, Ordering::Relaxed) + weight <= QUEUE_BYTES;
+        sink.pending.fetch_add(1, Ordering::Relaxed);
         let tx = sink.tx.lock().unwrap_or_else(PoisonError::into_inner);
         let queued = room
             && tx.as_ref().is_some_and(|tx| {
@@ -136,11 +156,13 @@ impl FlowLog {
             });
         if !queued {
             sink.queued.fetch_sub(weight, Ordering::Relaxed);
+            sink.pending.fetch_sub(1, Ordering::Relaxed);
             sink.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// Lines dropped because the writer fell behind (or had stopped).
+    /// Lines dropped: because the writer fell behind (or had stopped), a
+    /// write failed, or the file was at its cap.
     pub fn dropped(&self) -> Arc<AtomicU64> {
         self.sink
             .as_ref()
@@ -148,7 +170,8 @@ impl FlowLog {
     }
 
     /// Writes out every queued line and stops the writer (at shutdown,
-    /// after the flows have drained); later lines are dropped.
+    /// after the flows have drained); later lines are dropped. Waits at most
+    /// [`CLOSE_WAIT`]: what is still queued then is counted as dropped.
     pub fn close(&self) {
         let Some(sink) = &self.sink else { return };
         drop(
@@ -157,61 +180,167 @@ impl FlowLog {
                 .unwrap_or_else(PoisonError::into_inner)
                 .take(),
         );
-        if let Some(thread) = sink
+        let writer = sink
             .thread
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
+            .take();
+        let Some((thread, done)) = writer else { return };
+        if done.recv_timeout(CLOSE_WAIT) != Err(RecvTimeoutError::Timeout) {
             let _ = thread.join();
+            return;
         }
+        let left = sink.pending.load(Ordering::Relaxed);
+        sink.dropped.fetch_add(left as u64, Ordering::Relaxed);
+        tracing::warn!(
+            lines = left,
+            "the flow log's writer did not finish within {CLOSE_WAIT:?}; the lines not yet written are lost"
+        );
     }
 }
 
 impl Writer {
-    fn start(w: Box<dyn Write + Send>) -> std::io::Result<Self> {
+    fn start(w: Box<dyn Write + Send>, cap: Option<SizeCap>) -> std::io::Result<Self> {
         let (tx, rx) = sync_channel::<Queued>(QUEUE);
+        let (done_tx, done) = sync_channel::<()>(1);
         let queued = Arc::new(AtomicUsize::new(0));
-        let taken = queued.clone();
+        let pending = Arc::new(AtomicUsize::new(0));
+        let dropped = Arc::<AtomicU64>::default();
+        let mut out = Lines {
+            out: BufWriter::with_capacity(64 * 1024, w),
+            line: Vec::with_capacity(1024),
+            failed: false,
+            unflushed: 0,
+            // Looked at before the first line.
+            cap: cap.map(|c| (c, Instant::now().checked_sub(SIZE_CHECK), false)),
+            queued: queued.clone(),
+            pending: pending.clone(),
+            dropped: dropped.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("flow-log".into())
-            .spawn(move || write_lines(&rx, w, &taken))?;
+            .spawn(move || {
+                out.write_all(&rx);
+                let _ = done_tx.send(());
+            })?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             queued,
-            thread: Mutex::new(Some(thread)),
-            dropped: Arc::default(),
+            pending,
+            thread: Mutex::new(Some((thread, done))),
+            dropped,
         })
     }
 }
 
-/// The writer thread: until every sender is gone, a line per record,
-/// flushed each time the queue is empty.
-fn write_lines(rx: &Receiver<Queued>, w: Box<dyn Write + Send>, queued: &AtomicUsize) {
-    let mut out = BufWriter::with_capacity(64 * 1024, w);
-    let mut line = Vec::with_capacity(1024);
-    let mut failed = false;
-    while let Ok(first) = rx.recv() {
-        let mut next = Some(first);
-        while let Some((at, mut record, weight)) = next.take() {
-            queued.fetch_sub(weight, Ordering::Relaxed);
-            record.ts = at.format(&Rfc3339).unwrap_or_default();
-            line.clear();
-            if serde_json::to_writer(&mut line, &record).is_ok() {
-                line.push(b'\n');
-                if let Err(e) = out.write_all(&line) {
-                    warn_once(&mut failed, &e);
-                }
+/// The file's size, looked at every [`SIZE_CHECK`] against its cap.
+struct SizeCap {
+    file: std::fs::File,
+    max_bytes: u64,
+}
+
+/// The writer thread's state.
+struct Lines {
+    out: BufWriter<Box<dyn Write + Send>>,
+    line: Vec<u8>,
+    /// Writing is failing (warned once per run of failures).
+    failed: bool,
+    /// Lines in the buffer since the last flush that succeeded.
+    unflushed: usize,
+    /// The cap, when it was last looked at, and whether the file is over it.
+    cap: Option<(SizeCap, Option<Instant>, bool)>,
+    queued: Arc<AtomicUsize>,
+    pending: Arc<AtomicUsize>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl Lines {
+    /// Until every sender is gone, a line per record, flushed each time the
+    /// queue is empty. A line not written (a failed write, the file at its
+    /// cap, the last flush failing) is counted as dropped.
+    fn write_all(&mut self, rx: &Receiver<Queued>) {
+        while let Ok(first) = rx.recv() {
+            let mut next = Some(first);
+            while let Some((at, record, weight)) = next.take() {
+                self.queued.fetch_sub(weight, Ordering::Relaxed);
+                self.write(at, record);
+                next = rx.try_recv().ok();
             }
-            next = rx.try_recv().ok();
+            self.flush();
         }
-        if let Err(e) = out.flush() {
-            warn_once(&mut failed, &e);
-        } else {
-            failed = false;
+        if self.unflushed > 0 && self.out.flush().is_err() {
+            tracing::warn!(
+                lines = self.unflushed,
+                "the flow log's last lines could not be written"
+            );
+            self.drop_lines(self.unflushed);
         }
     }
-    let _ = out.flush();
+
+    fn write(&mut self, at: OffsetDateTime, mut record: FlowRecord) {
+        if self.over_cap() {
+            self.drop_lines(1);
+            return;
+        }
+        record.ts = at.format(&Rfc3339).unwrap_or_default();
+        self.line.clear();
+        if serde_json::to_writer(&mut self.line, &record).is_err() {
+            self.drop_lines(1);
+            return;
+        }
+        self.line.push(b'\n');
+        match self.out.write_all(&self.line) {
+            Ok(()) => self.unflushed += 1,
+            Err(e) => {
+                warn_once(&mut self.failed, &e);
+                self.drop_lines(1);
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        match self.out.flush() {
+            Ok(()) => {
+                self.failed = false;
+                self.pending.fetch_sub(self.unflushed, Ordering::Relaxed);
+                self.unflushed = 0;
+            }
+            // The buffer keeps what it could not write, for the next try.
+            Err(e) => warn_once(&mut self.failed, &e),
+        }
+    }
+
+    fn drop_lines(&self, n: usize) {
+        self.pending.fetch_sub(n, Ordering::Relaxed);
+        self.dropped.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Whether the file is at its cap, as of the last look (at most
+    /// [`SIZE_CHECK`] ago); warns when that changes.
+    fn over_cap(&mut self) -> bool {
+        let Some((cap, looked, over)) = &mut self.cap else {
+            return false;
+        };
+        if looked.is_some_and(|at| at.elapsed() < SIZE_CHECK) {
+            return *over;
+        }
+        *looked = Some(Instant::now());
+        let size = cap.file.metadata().map_or(0, |m| m.len());
+        let now_over = size >= cap.max_bytes;
+        if now_over != *over {
+            if now_over {
+                tracing::warn!(
+                    size,
+                    max_bytes = cap.max_bytes,
+                    "the flow log reached log.flow_log_max_bytes: lines are dropped (and counted) until it is rotated"
+                );
+            } else {
+                tracing::info!(size, "the flow log is below its cap again");
+            }
+        }
+        *over = now_over;
+        now_over
+    }
 }
 
 /// A line queued: when its flow ended, the record, its weight.
@@ -420,5 +549,67 @@ mod tests {
             line["error"].as_str().map(|d| d.chars().count()),
             Some(MAX_TEXT + 1)
         );
+    }
+
+    /// A writer whose every write fails (a full disk, a closed pipe).
+    struct Failing;
+
+    impl Write for Failing {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(std::io::Error::from_raw_os_error(28)) // ENOSPC
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Err(std::io::Error::from_raw_os_error(28))
+        }
+    }
+
+    #[test]
+    fn lines_that_could_not_be_written_are_counted() {
+        let log = FlowLog::to_writer(Box::new(Failing));
+        for n in 0..10 {
+            log.write(record(n));
+        }
+        log.close();
+        assert_eq!(log.dropped().load(Ordering::Relaxed), 10);
+    }
+
+    #[test]
+    fn a_stalled_writer_holds_the_close_for_a_bounded_time() {
+        let w = Held::default();
+        let log = FlowLog::to_writer(Box::new(w.clone()));
+        for n in 0..3 {
+            log.write(record(n));
+        }
+        log.close();
+        // The writer is stuck in its write: the three lines are counted.
+        assert_eq!(log.dropped().load(Ordering::Relaxed), 3);
+        w.open();
+    }
+
+    #[test]
+    fn a_file_at_its_cap_takes_no_more_lines_until_it_is_rotated() {
+        let dir = tempfile::tempdir().expect("temp");
+        let path = dir.path().join("flows.jsonl");
+        std::fs::write(&path, vec![b'x'; 100]).expect("fill");
+        let path_str = path.to_str().expect("utf-8");
+        let log = FlowLog::open(path_str, 100).expect("open");
+        for n in 0..5 {
+            log.write(record(n));
+        }
+        log.close();
+        assert_eq!(log.dropped().load(Ordering::Relaxed), 5);
+        assert_eq!(std::fs::metadata(&path).expect("stat").len(), 100);
+        // Rotated (copytruncate): lines are written again.
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_len(0))
+            .expect("truncate");
+        let log = FlowLog::open(path_str, 100).expect("open");
+        log.write(record(7));
+        log.close();
+        assert_eq!(log.dropped().load(Ordering::Relaxed), 0);
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert!(text.contains("\"bytes_up\":7"), "{text}");
     }
 }

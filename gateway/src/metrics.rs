@@ -610,7 +610,7 @@ impl Collector for FlowLogSources {
         let c = ConstCounter::new(self.dropped.load(std::sync::atomic::Ordering::Relaxed));
         c.encode(encoder.encode_descriptor(
             "flow_log_dropped_lines",
-            "Flow-log lines dropped because the log's writer had 65,536 lines queued (a disk slower than the flows); the flows themselves are unaffected.",
+            "Flow-log lines not written: the writer had 65,536 lines (or 32 MiB) queued, a write failed, the file was over log.flow_log_max_bytes, or the writer did not finish within 5 s at shutdown; the flows themselves are unaffected.",
             None,
             c.metric_type(),
         )?)

@@ -136,6 +136,10 @@ impl MachineEgressConfig {
             let why = format!("{:?} is shorter than 100ms", self.observe_interval);
             return Some(("machine_egress.observe_interval", why));
         }
+        if self.observe_interval > Duration::from_secs(3_600) {
+            let why = format!("{:?} is longer than 1h", self.observe_interval);
+            return Some(("machine_egress.observe_interval", why));
+        }
         if !self.cgroup_root.is_absolute() {
             let why = format!("{:?}: expected an absolute path", self.cgroup_root);
             return Some(("machine_egress.cgroup_root", why));

@@ -152,13 +152,9 @@ async fn start_gateway(state_dir: &std::path::Path) -> Result<Gateway, String> {
     );
     let config =
         Config::parse(&toml, std::path::Path::new("load.toml")).map_err(|e| e.to_string())?;
-    Gateway::start(
-        config,
-        Arc::new(SoOriginalDst),
-        FlowLog::open("off").map_err(|e| e.to_string())?,
-    )
-    .await
-    .map_err(|e| e.to_string())
+    Gateway::start(config, Arc::new(SoOriginalDst), FlowLog::off())
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// The controller's API and a dispatcher on the database at `url`: the

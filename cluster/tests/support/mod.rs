@@ -111,6 +111,7 @@ impl Worker {
             },
             log: Log {
                 flow_log: "off".into(),
+                ..Log::default()
             },
             admin: Admin {
                 token_file: Some(token_file),
@@ -128,13 +129,9 @@ impl Worker {
             },
             ..Config::default()
         };
-        let gateway = Gateway::start(
-            config,
-            Arc::new(SoOriginalDst),
-            FlowLog::open("off").expect("flow log off"),
-        )
-        .await
-        .expect("the worker starts");
+        let gateway = Gateway::start(config, Arc::new(SoOriginalDst), FlowLog::off())
+            .await
+            .expect("the worker starts");
         Some(Self {
             admin: gateway.bound().admin,
             token: WORKER_TOKEN.to_owned(),

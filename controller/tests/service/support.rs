@@ -183,7 +183,7 @@ pub async fn gateway_with(
         state.display()
     );
     let config = Config::parse(&toml, std::path::Path::new("test.toml")).expect("config");
-    Gateway::start(config, orig_dst, FlowLog::open("off").expect("log"))
+    Gateway::start(config, orig_dst, FlowLog::off())
         .await
         .expect("gateway starts")
 }

@@ -45,7 +45,7 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
             Ok(s) => s,
             Err(e) => return fail(format_args!("cannot install signal handlers: {e}")),
         };
-        let flow_log = match FlowLog::open(&config.log.flow_log) {
+        let flow_log = match FlowLog::open(&config.log.flow_log, config.log.flow_log_max_bytes) {
             Ok(l) => l,
             Err(e) => {
                 return fail(format_args!("log.flow_log: {}: {e}", config.log.flow_log));

@@ -429,7 +429,7 @@ async fn a_second_gateway_on_the_same_state_dir_is_refused_while_the_first_runs(
     let err = Gateway::start(
         again,
         std::sync::Arc::new(egress_gateway::SoOriginalDst),
-        egress_gateway::flowlog::FlowLog::open("off").expect("off"),
+        egress_gateway::flowlog::FlowLog::off(),
     )
     .await
     .err()

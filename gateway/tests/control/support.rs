@@ -83,12 +83,7 @@ pub async fn start_again(
 ) -> Result<Gateway, egress_gateway::StartError> {
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
     loop {
-        let started = Gateway::start(
-            config.clone(),
-            dst.clone(),
-            FlowLog::open("off").expect("off"),
-        )
-        .await;
+        let started = Gateway::start(config.clone(), dst.clone(), FlowLog::off()).await;
         match started {
             Err(egress_gateway::StartError::StateDirInUse { .. })
                 if std::time::Instant::now() < deadline =>
