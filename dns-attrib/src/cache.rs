@@ -486,7 +486,10 @@ impl SandboxCache {
             max_weight: config.name_bytes_per_sandbox,
             evicted: Ghosts::new(slots.clamp(1_024, 1 << 24)),
             origin: Instant::now(),
-            reclaim_after: (config.max_ttl + Duration::from_secs(60)).as_secs(),
+            reclaim_after: config
+                .max_ttl
+                .saturating_add(Duration::from_secs(60))
+                .as_secs(),
             evictions,
         }
     }

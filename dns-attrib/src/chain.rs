@@ -36,6 +36,16 @@ pub struct Attribution {
     pub ttl: u32,
 }
 
+/// A record's TTL as RFC 2181 section 8 reads it: one with the top bit set
+/// is zero (so the floor, `dns.min_ttl`, applies), not 68 years.
+fn ttl_of(wire: u32) -> u32 {
+    if wire >= 1 << 31 {
+        0
+    } else {
+        wire
+    }
+}
+
 /// Extracts what `answer` attributes for `question`, or `None` when it binds no address.
 pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
     // Compared case-insensitively; lower-cased only when made hostnames.
@@ -45,7 +55,9 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
     while chain.len() <= MAX_CHAIN {
         let Some(current) = chain.last() else { break };
         let next = internet(answer).find_map(|r| match &r.data {
-            RData::CNAME(target) if same_name(&r.name, current) => Some((target.0.clone(), r.ttl)),
+            RData::CNAME(target) if same_name(&r.name, current) => {
+                Some((target.0.clone(), ttl_of(r.ttl)))
+            }
             _ => None,
         });
         let Some((target, t)) = next else { break };
@@ -77,7 +89,7 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
             }
             addrs.push(addr);
         }
-        ttl = ttl.min(r.ttl);
+        ttl = ttl.min(ttl_of(r.ttl));
     }
     if addrs.is_empty() {
         return None;

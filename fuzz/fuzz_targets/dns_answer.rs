@@ -133,7 +133,7 @@ fn model(question: &Name, answer: &Message) -> Option<Attribution> {
     for _ in 0..MAX_CHAIN {
         let current = chain.last()?;
         let Some((target, t)) = internet(answer).find_map(|r| match &r.data {
-            RData::CNAME(c) if key(&r.name) == *current => Some((key(&c.0), r.ttl)),
+            RData::CNAME(c) if key(&r.name) == *current => Some((key(&c.0), rfc2181(r.ttl))),
             _ => None,
         }) else {
             break;
@@ -163,7 +163,7 @@ fn model(question: &Name, answer: &Message) -> Option<Attribution> {
             }
             addrs.push(addr);
         }
-        ttl = ttl.min(r.ttl);
+        ttl = ttl.min(rfc2181(r.ttl));
     }
     let mut names: Vec<Hostname> = Vec::new();
     for k in &chain {
@@ -394,3 +394,12 @@ fuzz_target!(|input: &[u8]| {
         let _ = built(&mut world, rest);
     }
 });
+
+/// RFC 2181 section 8: a TTL with the top bit set is zero.
+fn rfc2181(ttl: u32) -> u32 {
+    if ttl & 0x8000_0000 != 0 {
+        0
+    } else {
+        ttl
+    }
+}

@@ -202,3 +202,20 @@ fn at_most_max_addrs_addresses_are_taken_from_one_answer() {
     assert_eq!(got.addrs.len(), super::MAX_ADDRS);
     assert_eq!(got.addrs[0], "198.51.100.0".parse::<IpAddr>().expect("ip"));
 }
+
+#[test]
+fn a_ttl_with_the_top_bit_set_is_zero() {
+    let m = answer(vec![
+        cname("www.test.", 0x8000_0001, "edge.test."),
+        a("edge.test.", 300, "203.0.113.7"),
+    ]);
+    let got = attribution(&n("www.test."), &m).expect("attributed");
+    assert_eq!(got.ttl, 0, "RFC 2181: the top bit set reads as zero");
+    let m = answer(vec![a("api.test.", u32::MAX, "203.0.113.7")]);
+    assert_eq!(attribution(&n("api.test."), &m).expect("attributed").ttl, 0);
+    let m = answer(vec![a("api.test.", 0x7fff_ffff, "203.0.113.7")]);
+    assert_eq!(
+        attribution(&n("api.test."), &m).expect("attributed").ttl,
+        0x7fff_ffff
+    );
+}
