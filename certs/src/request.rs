@@ -107,9 +107,11 @@ pub fn sign_intermediate(
     ];
     params.use_authority_key_identifier_extension = true;
     params.not_before = now - Duration::hours(1);
-    let asked = now + validity;
-    let clamped = asked > root.not_after();
-    params.not_after = asked.min(root.not_after());
+    // Past the year 9999 `+` would panic: such an ask is cut like any other
+    // that outlives the root.
+    let asked = now.checked_add(validity);
+    let clamped = asked.is_none_or(|asked| asked > root.not_after());
+    params.not_after = asked.map_or(root.not_after(), |asked| asked.min(root.not_after()));
     params.serial_number = Some(serial().map_err(refuse)?);
     let not_after = params.not_after;
     let cert = CertificateSigningRequestParams {

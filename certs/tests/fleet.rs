@@ -212,6 +212,11 @@ fn sign_refuses_a_tampered_or_odd_request_and_a_leaf_only_signer() {
     let long = sign_intermediate(&root, &csr, &pem, Duration::days(365 * 50), now).expect("signed");
     assert!(long.clamped);
     assert_eq!(long.not_after, root.not_after());
+    // So far that the date cannot be written (`ca sign --days 4000000`).
+    let past_9999 =
+        sign_intermediate(&root, &csr, &pem, Duration::days(4_000_000), now).expect("signed");
+    assert!(past_9999.clamped);
+    assert_eq!(past_9999.not_after, root.not_after());
 }
 
 #[test]

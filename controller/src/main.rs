@@ -80,6 +80,9 @@ enum Role {
 }
 
 /// The dispatcher's limits, checked together; errors name the flag and value.
+/// The longest any duration flag may be.
+const MAX_FLAG_DURATION: Duration = Duration::from_secs(365 * 86_400);
+
 fn checked(limits: Limits) -> Result<Limits, String> {
     let shown = |d: Duration| format!("{}ms", d.as_millis());
     if limits.attempts < 1 {
@@ -108,6 +111,19 @@ fn checked(limits: Limits) -> Result<Limits, String> {
     ] {
         if d < Duration::from_secs(1) {
             return Err(format!("{flag} {}: must be at least 1s", shown(d)));
+        }
+    }
+    // Past a year a value means nothing an operator wants, and far past
+    // it the clock arithmetic it feeds (and PostgreSQL's intervals) fails.
+    for (flag, d) in [
+        ("--deadline", limits.deadline),
+        ("--resync-interval", limits.resync_interval),
+        ("--lease-ttl", limits.lease_ttl),
+        ("--operation-retention", limits.operation_retention),
+        ("--idempotency-retention", limits.idempotency_retention),
+    ] {
+        if d > MAX_FLAG_DURATION {
+            return Err(format!("{flag} {}: longer than 365d", shown(d)));
         }
     }
     if limits.idempotency_retention > limits.operation_retention {

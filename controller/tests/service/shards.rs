@@ -641,6 +641,14 @@ async fn bad_retention_and_lease_flags_stop_the_dispatcher_naming_the_flag() {
             &["--deadline", "999999999999999999d"][..],
             "\"999999999999999999d\": too long",
         ),
+        (
+            &["--resync-interval", "200000000000000d"][..],
+            "--resync-interval 17280000000000000000000ms: longer than 365d",
+        ),
+        (
+            &["--lease-ttl", "400d"][..],
+            "--lease-ttl 34560000000ms: longer than 365d",
+        ),
     ] {
         let out = Command::new(BIN)
             .args(["dispatcher", "--tenants"])
