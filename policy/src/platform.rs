@@ -5,7 +5,8 @@
 use crate::dest::Destination;
 
 /// Loopback, link-local and cloud metadata, private and shared ranges,
-/// "this network", multicast and reserved space.
+/// "this network", multicast and reserved space, and the IPv6 forms of
+/// IPv4 tunnels.
 pub const DEFAULT_PLATFORM_DENY_CIDRS: &[&str] = &[
     "127.0.0.0/8",
     "::1/128",
@@ -23,6 +24,12 @@ pub const DEFAULT_PLATFORM_DENY_CIDRS: &[&str] = &[
     "224.0.0.0/4",
     "ff00::/8",
     "240.0.0.0/4",
+    // IPv6 forms that carry an IPv4 address to a tunnel the host may have
+    // (6to4, Teredo, IPv4-compatible): whatever IPv4 address they embed,
+    // the platform denies would not see it.
+    "2002::/16",
+    "2001::/32",
+    "::/96",
 ];
 
 /// The built-in list as destinations.

@@ -183,6 +183,27 @@ fn platform_denies_beat_everything() {
             "platform_deny",
         ),
         (ALLOW_ALL, opaque("[fe80::1]:443"), "deny", "platform_deny"),
+        // 6to4 of 10.0.0.1, Teredo, IPv4-compatible 10.0.0.1: a tunnel on
+        // the host would carry each to an IPv4 address nobody checked.
+        (
+            ALLOW_ALL,
+            opaque("[2002:a00:1::1]:22"),
+            "deny",
+            "platform_deny",
+        ),
+        (
+            ALLOW_ALL,
+            opaque("[2001:0:4136:e378::1]:22"),
+            "deny",
+            "platform_deny",
+        ),
+        (ALLOW_ALL, opaque("[::a00:1]:22"), "deny", "platform_deny"),
+        (
+            ALLOW_ALL,
+            opaque("[2001:db8::7]:443"),
+            "allow",
+            "allow_default",
+        ),
         (explicit, tls("10.1.2.3:443"), "deny", "platform_deny"),
         (
             explicit,
