@@ -161,11 +161,11 @@ pub fn request_names<'a>(
 }
 
 /// The headers some frameworks take a request's method from instead of its
-/// request line.
-const METHOD_OVERRIDES: [&str; 3] = [
-    "x-http-method-override",
-    "x-http-method",
-    "x-method-override",
+/// request line. Names, not strings: a lookup by a string parses it first.
+static METHOD_OVERRIDES: [http::HeaderName; 3] = [
+    http::HeaderName::from_static("x-http-method-override"),
+    http::HeaderName::from_static("x-http-method"),
+    http::HeaderName::from_static("x-method-override"),
 ];
 
 /// Most methods a request's overrides may name besides its own; a request
@@ -183,7 +183,7 @@ pub fn override_values<'a>(
 ) -> impl Iterator<Item = std::borrow::Cow<'a, str>> + 'a {
     let from_headers = METHOD_OVERRIDES
         .iter()
-        .flat_map(|name| headers.get_all(*name))
+        .flat_map(|name| headers.get_all(name))
         .map(|v| String::from_utf8_lossy(v.as_bytes()));
     let query = target.split_once('?').map_or("", |(_, q)| q);
     let from_query = form_urlencoded::parse(query.as_bytes())

@@ -43,10 +43,12 @@ impl Conn {
         // credentials the gateway put in among it: never forwarded, in any
         // case, nor named by a method override.
         let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
-        let trace = req.method().as_str().eq_ignore_ascii_case("TRACE")
-            || crate::decide::override_values(req.headers(), target)
-                .any(|m| m.eq_ignore_ascii_case("TRACE"));
-        if trace {
+        let (mut trace, mut not_safe) = (false, false);
+        for m in crate::decide::override_values(req.headers(), target) {
+            trace |= m.eq_ignore_ascii_case("TRACE");
+            not_safe |= !is_safe(&m);
+        }
+        if trace || req.method().as_str().eq_ignore_ascii_case("TRACE") {
             return text(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "TRACE is not forwarded: the origin would echo the request, credentials included\n",
@@ -66,7 +68,11 @@ impl Conn {
             let value = HeaderValue::from_static("trailers");
             req.headers_mut().insert(header::TE, value);
         }
-        match self.forward(req, (verify_as, route), authority).await {
+        let replay = !not_safe;
+        match self
+            .forward(req, (verify_as, route), authority, replay)
+            .await
+        {
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
                 resp
@@ -86,6 +92,7 @@ impl Conn {
         req: Request<ClientBody>,
         (verify_as, route): (Option<&Hostname>, &Route),
         authority: &str,
+        replay: bool,
     ) -> Result<Response<Body>, ForwardError> {
         let h2 = req.version() == http::Version::HTTP_2;
         let asked = std::time::Instant::now();
@@ -100,7 +107,7 @@ impl Conn {
                 drop(guard);
                 *out.uri_mut() = absolute(out.uri(), authority);
                 out.headers_mut().remove(header::HOST);
-                let again = replayable(&out);
+                let again = replay.then(|| replayable(&out)).flatten();
                 match (s.send(out).await, again) {
                     (Err(e), Some(again)) if unprocessed(&e) => {
                         self.dp.metrics.upstream_retries.inc();
@@ -116,7 +123,7 @@ impl Conn {
                 // HTTP/1.1 carries one request at a time: the next request
                 // waits for this one's headers, then uses a fresh connection
                 // if this one is still busy with a body.
-                let again = replayable(&out);
+                let again = replay.then(|| replayable(&out)).flatten();
                 let fut = s.try_send_request(out);
                 // Known before the next request takes the connection lock.
                 let slot = slot.or_else(|| h2.then(|| self.first_h1_slot()).flatten());
@@ -492,24 +499,26 @@ fn from_h2(
         .map_err(|e| ForwardError::Http(e.to_string()))
 }
 
+/// Whether a method may be repeated as `replayable` requires.
+fn is_safe(m: &str) -> bool {
+    ["GET", "HEAD", "OPTIONS"]
+        .iter()
+        .any(|s| s.eq_ignore_ascii_case(m))
+}
+
 /// A copy of a request to send again if the origin refuses it unprocessed
 /// (or an HTTP/1.1 connection fails it): only a bodyless `GET`, `HEAD` or
 /// `OPTIONS`, which RFC 9110 (§9.2.2) lets a client repeat, and none whose
 /// method overrides (headers, `_method`) name another method, which an
-/// origin may have acted on; anything else is answered 502 as before.
+/// origin may have acted on (the caller asks only for a request whose
+/// overrides, read once in [`Conn::pass`], name none); anything else is
+/// answered 502 as before.
 fn replayable(req: &Request<Body>) -> Option<Request<Body>> {
-    let is_safe = |m: &str| {
-        ["GET", "HEAD", "OPTIONS"]
-            .iter()
-            .any(|s| s.eq_ignore_ascii_case(m))
-    };
-    let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
-    let overridden = crate::decide::override_values(req.headers(), target).any(|m| !is_safe(&m));
     let safe = matches!(
         *req.method(),
         http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
     );
-    if !safe || overridden || !hyper::body::Body::is_end_stream(req.body()) {
+    if !safe || !hyper::body::Body::is_end_stream(req.body()) {
         return None;
     }
     let mut copy = Request::new(http_body_util::Empty::new().map_err(|n| match n {}).boxed());
