@@ -21,6 +21,10 @@
 #
 # EGRESS_RELEASE_DIR: where the release binaries are (default
 # ${CARGO_TARGET_DIR:-target}/release; cargo-deb finds them the same way).
+# BUILD_ONLY=1: make the packages and stop (nothing installed or purged):
+# the way to make them on a machine that runs them.
+# EGRESS_PACKAGE_PURGE=1: purge installed egress-* packages first (their
+# state and CA with them); without it the script refuses to touch them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,8 +36,11 @@ PACKAGES=(egress-gateway egress-controller egress-cluster)
 say() { echo "-- package: $*"; }
 die() { echo "package.sh: $*" >&2; exit 1; }
 
-[ "$(id -u)" = 0 ] || die "must run as root (dpkg -i, ip netns)"
-for tool in dpkg dpkg-deb systemd-analyze ip nft curl setpriv; do
+BUILD_ONLY="${BUILD_ONLY:-0}"
+[ "$BUILD_ONLY" = 1 ] || [ "$(id -u)" = 0 ] || die "must run as root (dpkg -i, ip netns)"
+tools="dpkg dpkg-deb systemd-analyze ip nft curl setpriv"
+[ "$BUILD_ONLY" = 1 ] && tools="dpkg-deb"
+for tool in $tools; do
   command -v "$tool" >/dev/null || die "$tool is not installed"
 done
 for p in "${PACKAGES[@]}"; do
@@ -44,9 +51,36 @@ if ! command -v cargo-deb >/dev/null; then
   cargo install --locked cargo-deb
 fi
 
-# Leftovers of an interrupted run would hide what this run installs: any
+build_debs() {
+  mkdir -p "$OUT"
+  local p
+  for p in "${PACKAGES[@]}"; do
+    rm -f "$OUT/${p}"_*.deb
+    cargo deb --no-build --locked -p "$p" -o "$OUT/" >/dev/null
+  done
+}
+if [ "$BUILD_ONLY" = 1 ]; then
+  build_debs
+  ls "$OUT"/*.deb
+  exit 0
+fi
+
+# Leftovers of an interrupted run would hide what this run installs: an
 # installed egress-gateway, egress-controller or egress-cluster is purged
-# first (this is a CI script; do not run it on a machine that uses them).
+# first, but only when EGRESS_PACKAGE_PURGE=1 says so: a purge removes the
+# gateway's state and CA, which every sandbox of a worker trusts.
+installed() {
+  local p status
+  for p in "${PACKAGES[@]}"; do
+    status=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
+    if [ -n "$status" ] && [ "$status" != not-installed ]; then
+      echo "$p"
+    fi
+  done
+}
+if [ -n "$(installed)" ] && [ "${EGRESS_PACKAGE_PURGE:-0}" != 1 ]; then
+  die "installed here: $(installed | tr '\n' ' ')- this script would purge them (state and CA included); BUILD_ONLY=1 makes the packages alone, EGRESS_PACKAGE_PURGE=1 purges"
+fi
 purge_all() {
   local p
   for p in "${PACKAGES[@]}"; do
@@ -78,11 +112,7 @@ trap 'exit 143' TERM
 
 # === build the packages ===
 
-mkdir -p "$OUT"
-for p in "${PACKAGES[@]}"; do
-  rm -f "$OUT/${p}"_*.deb
-  cargo deb --no-build --locked -p "$p" -o "$OUT/" >/dev/null
-done
+build_debs
 DEBS=()
 for p in "${PACKAGES[@]}"; do
   deb=$(ls "$OUT/${p}"_*.deb)

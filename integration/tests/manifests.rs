@@ -1079,6 +1079,8 @@ fn local_config(config: &toml::Table, dir: &Path) -> (toml::Table, String) {
     let mut log = table(&mut c, "log");
     log.insert("flow_log".into(), toml::Value::String("off".into()));
     c.insert("log".into(), log.into());
+    // The fence keeper would write this machine's nftables.
+    c.remove("redirect");
     (c, token)
 }
 
@@ -1679,7 +1681,7 @@ fn the_redirect_init_container_sends_to_the_gateway_ports() {
             .init_containers
             .iter()
             .flatten()
-            .filter(|c| program(c).1 == "redirect")
+            .filter(|c| program(c).1 == "redirect" && flag(c, "--sandbox-iface").is_some())
         {
             let env = resolved_env(&docs, c);
             let path = flag(c, "--config").expect("--config");
@@ -1735,4 +1737,72 @@ fn the_redirect_init_container_sends_to_the_gateway_ports() {
         }
     }
     assert_eq!(checked, 1, "one redirect init container");
+}
+
+/// The gateway's pod fences its sandbox interface before it attaches the
+/// redirect (an attach into a fence made later would be dropped: the fence
+/// starts with nothing attached), and the running gateway's fence keeper
+/// watches the same interface.
+#[test]
+fn the_sandbox_interface_is_fenced_before_its_redirect() {
+    let docs = docs();
+    let ws = workloads(&docs);
+    let w = ws
+        .iter()
+        .find(|w| w.pod.containers.iter().any(|c| program(c).1 == "run"))
+        .expect("the gateway's workload");
+    let inits: Vec<&Container> = w.pod.init_containers.iter().flatten().collect();
+    let at = |want: &str| {
+        inits
+            .iter()
+            .position(|c| program(c).1 == "redirect" && args(c).iter().any(|a| a == want))
+            .unwrap_or_else(|| panic!("no redirect init container with {want}"))
+    };
+    let (fence, redirect) = (at("--fence"), at("--sandbox-iface"));
+    assert!(fence < redirect, "the fence runs after the redirect");
+    let iface = resolved_env(&docs, inits[redirect])
+        .into_iter()
+        .find(|(k, _)| k == "SANDBOX_IFACE")
+        .map(|(_, v)| v)
+        .expect("SANDBOX_IFACE");
+    let gw = w
+        .pod
+        .containers
+        .iter()
+        .find(|c| program(c).1 == "run")
+        .expect("gateway");
+    let config = gateway_config(&docs, w, gw).expect("gateway.toml");
+    let patterns: Vec<&str> = config
+        .get("redirect")
+        .and_then(|r| r.get("fence"))
+        .and_then(|f| f.as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    let covers = |p: &str| match p.strip_suffix('*') {
+        Some(prefix) => iface.starts_with(prefix),
+        None => p == iface,
+    };
+    assert!(
+        patterns.iter().any(|p| covers(p)),
+        "redirect.fence {patterns:?} does not cover {iface}"
+    );
+    // What the fence container installs, printed.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("gateway.toml");
+    let path = flag(inits[fence], "--config").expect("--config");
+    std::fs::write(
+        &file,
+        mounted(&docs, w, inits[fence], path).expect("mounted"),
+    )
+    .expect("write");
+    let rules = run(
+        "egress-gateway",
+        &["redirect", "--fence", "--config", &file.to_string_lossy()],
+        &[],
+    )
+    .expect("redirect --fence");
+    assert!(
+        rules.contains(&format!("iifname \"{iface}\" iifname != @attached")),
+        "{rules}"
+    );
 }

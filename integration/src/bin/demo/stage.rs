@@ -10,6 +10,7 @@
 //! interrupted.
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -73,8 +74,14 @@ impl Stage {
     pub(crate) fn build(bins: &Bins, teardown: Arc<Teardown>) -> Result<Self, String> {
         let tag = std::process::id();
         let dir = std::env::temp_dir().join(format!("egress-demo-{tag}"));
+        // A folder of this run's own, made now, readable by root alone: one
+        // already there (anyone may create names in /tmp) could be another
+        // user's, who could then swap the gateway's config under root.
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
         teardown.with(|m| m.paths.push(dir.clone()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let stage = Self {
             sandbox: format!("egd-sandbox-{tag}"),
             worker: format!("egd-worker-{tag}"),
