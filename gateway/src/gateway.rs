@@ -140,6 +140,12 @@ struct Served {
 struct Workers {
     phase: watch::Sender<Phase>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// What ended a worker thread's listener early ([`ended`]): the gateway
+    /// stops serving and drains.
+    failed: (
+        tokio::sync::mpsc::UnboundedSender<String>,
+        tokio::sync::mpsc::UnboundedReceiver<String>,
+    ),
 }
 
 impl Default for Workers {
@@ -147,8 +153,20 @@ impl Default for Workers {
         Self {
             phase: watch::Sender::new(Phase::Serving),
             threads: Vec::new(),
+            failed: tokio::sync::mpsc::unbounded_channel(),
         }
     }
+}
+
+/// How [`Gateway::run`] ended.
+#[derive(Debug)]
+pub struct Stopped {
+    /// Flows still open when the drain gave up (0: a clean drain).
+    pub left: usize,
+    /// A task that serves until the drain (a listener, DNS, the admin API,
+    /// a background loop) ended first, and how: the gateway stopped serving
+    /// because of it, and the process should exit with a failure.
+    pub failed: Option<String>,
 }
 
 /// Where the gateway is in its life; worker threads follow it.
@@ -343,7 +361,10 @@ impl Gateway {
                 let up = Arc::new(self.up.for_worker());
                 let (dp, slots) = (self.dp.clone(), self.slots.clone());
                 let accepted = self.dp.metrics.worker(i);
-                let phase = self.workers.phase.subscribe();
+                let phase = (
+                    self.workers.phase.subscribe(),
+                    self.workers.failed.0.clone(),
+                );
                 let thread = std::thread::Builder::new()
                     .name(format!("egress-worker-{i}"))
                     .spawn(move || {
@@ -389,17 +410,21 @@ impl Gateway {
     /// ([`crate::handover`]) ends serving too: it gets the listening
     /// sockets, the pushed state and the attribution, and this gateway
     /// drains what it has open.
-    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> usize {
-        let successor = match &self.offer {
-            Some(offer) => tokio::select! {
-                () = shutdown => None,
-                s = offer.successor() => Some(s),
-            },
-            None => {
-                shutdown.await;
-                None
-            }
-        };
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> usize {
+        self.run(shutdown).await.left
+    }
+
+    /// [`Gateway::run_until`], which also stops (and drains) when a task
+    /// that should serve until then ends first: a panic in a listener would
+    /// otherwise leave it dead while `/readyz` said ready.
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Stopped {
+        let (successor, failed) = self.serving(shutdown).await;
+        if let Some(why) = &failed {
+            tracing::error!(
+                %why,
+                "a task the gateway serves with ended; stopping (drain, then exit with a failure)"
+            );
+        }
         self.dp.ready.store(false, Ordering::Release);
         self.dp.draining.store(true, Ordering::Release);
         self.workers.phase.send_replace(Phase::Draining);
@@ -436,7 +461,55 @@ impl Gateway {
         // Every line of the drained flows on disk before the process exits.
         let dp = self.dp.clone();
         let _ = tokio::task::spawn_blocking(move || dp.flow_log.close()).await;
-        left
+        Stopped { left, failed }
+    }
+
+    /// Serves until `shutdown`, a successor, or the end of a task that
+    /// should have run until then (what it was).
+    async fn serving(
+        &mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> (
+        Option<(std::os::unix::net::UnixStream, bool)>,
+        Option<String>,
+    ) {
+        let workers = &mut self.workers.failed.1;
+        let task = async {
+            tokio::select! {
+                why = ended(&mut self.tasks) => why,
+                Some(why) = workers.recv() => why,
+            }
+        };
+        match &self.offer {
+            Some(offer) => tokio::select! {
+                () = shutdown => (None, None),
+                s = offer.successor() => (Some(s), None),
+                why = task => (None, Some(why)),
+            },
+            None => tokio::select! {
+                () = shutdown => (None, None),
+                why = task => (None, Some(why)),
+            },
+        }
+    }
+}
+
+/// The first of `tasks` to end, described (they serve until the drain, so
+/// any end is a failure); never, while there are none.
+async fn ended(tasks: &mut JoinSet<()>) -> String {
+    match tasks.join_next().await {
+        Some(Ok(())) => "a listener or background task returned".into(),
+        Some(Err(e)) if e.is_panic() => {
+            let panic = e.into_panic();
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|m| (*m).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            format!("a task panicked: {message}")
+        }
+        Some(Err(e)) => format!("a task ended: {e}"),
+        None => std::future::pending().await,
     }
 }
 
@@ -1068,11 +1141,21 @@ async fn worker(
     up: Arc<Upstreams>,
     slots: Arc<Semaphore>,
     accepted: Counter,
-    mut phase: watch::Receiver<Phase>,
+    (mut phase, failed): (
+        watch::Receiver<Phase>,
+        tokio::sync::mpsc::UnboundedSender<String>,
+    ),
 ) {
     let mut tasks = JoinSet::new();
     serve_data(&mut tasks, l, &dns, dp, up, slots, accepted);
-    let _ = phase.wait_for(|p| *p >= Phase::Draining).await;
+    let early = tokio::select! {
+        _ = phase.wait_for(|p| *p >= Phase::Draining) => None,
+        why = ended(&mut tasks) => Some(why),
+    };
+    if let Some(why) = early {
+        let _ = failed.send(why);
+        let _ = phase.wait_for(|p| *p >= Phase::Draining).await;
+    }
     tasks.shutdown().await;
     let _ = phase.wait_for(|p| *p >= Phase::Exit).await;
 }
@@ -1114,6 +1197,36 @@ async fn accept(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    /// A task that serves until the drain and ends first (here a panic)
+    /// stops the gateway: readiness false, a drain, and `failed` naming
+    /// it, for the process to exit with a failure. Before, the gateway
+    /// served on without it.
+    #[tokio::test]
+    async fn a_task_that_ends_early_stops_the_gateway() {
+        let dir = tempfile::tempdir().expect("temp");
+        let text = format!(
+            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n",
+            dir.path().display()
+        );
+        let config = Config::parse(&text, std::path::Path::new("t.toml")).expect("config");
+        let mut gw = Gateway::start(config, Arc::new(SoOriginalDst), FlowLog::off())
+            .await
+            .expect("starts");
+        let dp = gw.dataplane().clone();
+        assert!(dp.ready.load(Ordering::Acquire));
+        gw.tasks.spawn(async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            panic!("the DNS listener broke");
+        });
+        let stopped = tokio::time::timeout(Duration::from_secs(20), gw.run(std::future::pending()))
+            .await
+            .expect("stopped by the task's end, not by a signal");
+        let failed = stopped.failed.expect("a failure");
+        assert!(failed.contains("the DNS listener broke"), "{failed}");
+        assert!(!dp.ready.load(Ordering::Acquire));
+    }
 
     /// The verdict for an opaque stream to `dst` under `platform` and a
     /// policy that allows everything.

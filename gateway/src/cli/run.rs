@@ -70,17 +70,22 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
             gateway.ca_reloader(),
             config_path.map(Path::to_owned),
         ));
-        let left = gateway.run_until(shutdown_signal(term)).await;
+        let stopped = gateway.run(shutdown_signal(term)).await;
         reloader.abort();
         upgrader.abort();
-        match left {
+        match stopped.left {
             0 => tracing::info!("stopped; every flow finished"),
             n => tracing::warn!(
                 open_flows = n,
                 "stopped at the drain deadline with flows still open"
             ),
         }
-        ExitCode::SUCCESS
+        match stopped.failed {
+            // A supervisor (systemd's Restart=on-failure, a kubelet) starts
+            // it again.
+            Some(_) => ExitCode::FAILURE,
+            None => ExitCode::SUCCESS,
+        }
     })
 }
 
