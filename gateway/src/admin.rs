@@ -255,6 +255,9 @@ fn valid_id(id: &str) -> Result<(), String> {
 
 async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     let sid = SandboxId::new(&id);
+    if let Err(e) = egress_api::gateway::sandbox_addresses(&doc.addresses) {
+        return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some("addresses")));
+    }
     if let Err(e) =
         credentials::validate(&doc.credentials).and_then(|()| ctl.dp.secrets.load(&doc.credentials))
     {
@@ -304,6 +307,10 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
         return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
     }
     for (i, d) in docs.iter().enumerate() {
+        if let Err(e) = egress_api::gateway::sandbox_addresses(&d.addresses) {
+            let field = format!("sandboxes[{i}].addresses");
+            return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some(&field)));
+        }
         if let Err(e) =
             credentials::validate(&d.credentials).and_then(|()| ctl.dp.secrets.load(&d.credentials))
         {

@@ -53,6 +53,31 @@ pub struct PutSandbox {
     pub upstream_proxy: Option<ProxyChoice>,
 }
 
+/// A sandbox's addresses: none that cannot name one sandbox's traffic.
+/// The unspecified address and multicast ones are no source; a link-local
+/// one (`fe80::/10`, `169.254.0.0/16`) is the same address on every
+/// interface, so a sandbox on another link could send from it. Mapped
+/// IPv4 forms are read as IPv4.
+pub fn sandbox_addresses(addresses: &[IpAddr]) -> Result<(), String> {
+    for a in addresses {
+        let why = match a.to_canonical() {
+            IpAddr::V4(v4) if v4.is_unspecified() || v4.is_broadcast() => "no source address",
+            IpAddr::V4(v4) if v4.is_multicast() => "a multicast address",
+            IpAddr::V4(v4) if v4.is_link_local() => "link-local: the same address on every link",
+            IpAddr::V6(v6) if v6.is_unspecified() => "no source address",
+            IpAddr::V6(v6) if v6.is_multicast() => "a multicast address",
+            IpAddr::V6(v6) if v6.is_unicast_link_local() => {
+                "link-local: the same address on every link"
+            }
+            _ => continue,
+        };
+        return Err(format!(
+            "{a}: {why}; a sandbox needs an address no other link can send from"
+        ));
+    }
+    Ok(())
+}
+
 /// A resync's ids: each a valid sandbox id, none twice; else the message
 /// and the field (`sandboxes[i].id`).
 pub fn resync_ids(docs: &[SandboxDoc]) -> Result<(), (String, String)> {
@@ -113,4 +138,30 @@ pub struct ShadowDoc {
 #[serde(deny_unknown_fields)]
 pub struct PutShadow {
     pub policy: Policy,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sandbox_addresses;
+
+    #[test]
+    fn an_address_any_link_could_send_from_is_no_sandbox_address() {
+        let check = |a: &str| sandbox_addresses(&[a.parse().expect(a)]);
+        for ok in ["100.64.1.2", "2001:db8::7", "fd00::1", "127.0.0.2"] {
+            assert_eq!(check(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "169.254.1.1",
+            "::",
+            "ff02::1",
+            "fe80::a",
+            "::ffff:169.254.1.1",
+        ] {
+            let e = check(bad).expect_err(bad);
+            assert!(e.starts_with(bad), "{e}");
+        }
+    }
 }

@@ -25,11 +25,17 @@ impl Api {
         body: Result<Value, Reply>,
     ) -> Result<Reply, Reply> {
         let req: WorkerBody = typed(body?)?;
-        if req.pool.parse::<ipnet::IpNet>().is_err() {
+        let Ok(pool) = req.pool.parse::<ipnet::IpNet>() else {
             return Err(error(
                 StatusCode::BAD_REQUEST,
                 &format!("pool: {:?} is not a CIDR", req.pool),
             ));
+        };
+        // Its first and last addresses stand for the range: every address
+        // handed out from it is one the gateway takes.
+        let ends = [pool.network(), pool.broadcast()];
+        if let Err(e) = egress_api::gateway::sandbox_addresses(&ends) {
+            return Err(error(StatusCode::BAD_REQUEST, &format!("pool: {e}")));
         }
         let uri: http::Uri = req.admin_url.parse().map_err(|_| {
             error(

@@ -472,6 +472,25 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
     )
     .await;
     let gw = FakeGateway::start().await;
+    // A pool of addresses no sandbox can hold is refused, naming it.
+    for (pool, needle) in [
+        ("fe80::/64", "pool: fe80::: link-local"),
+        ("169.254.0.0/16", "pool: 169.254.0.0: link-local"),
+        ("0.0.0.0/0", "pool: 0.0.0.0: no source address"),
+    ] {
+        let body = json!({"admin_url": format!("http://{}", gw.addr), "token": "", "pool": pool});
+        let (s, v) = call(
+            api.addr,
+            "PUT",
+            "/v1/workers/w0",
+            Some(ADMIN),
+            &[],
+            Some(body),
+        )
+        .await;
+        assert_eq!(s, 400, "{pool}: {v}");
+        assert!(v.to_string().contains(needle), "{pool}: {v}");
+    }
     register(&api, "w1", &gw, "100.64.30.0/24").await;
     let d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
     for _ in 0..3 {
