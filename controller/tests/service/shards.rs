@@ -861,3 +861,59 @@ async fn pool_connections_bound_statements_and_lock_waits() {
     assert!(blocked.is_err_and(|e| e.to_string().contains("lock timeout")));
     assert!(waited.elapsed() < Duration::from_secs(20));
 }
+
+/// The store speaks TLS to PostgreSQL: `sslmode=verify-full` with the
+/// server's CA connects over TLS (the server's own view says so), and
+/// `sslmode=prefer`, the default, uses TLS where the server offers it.
+/// Before, the build had no TLS: `require` and `verify-full` refused to
+/// start and `prefer` sent everything, the workers' tokens included, in
+/// the clear. Needs the cluster of `.ci/pg.sh` (TLS on, `EGRESS_PG_CA`).
+#[tokio::test]
+async fn the_store_talks_to_postgresql_over_verified_tls() {
+    let url = db!();
+    let ca = std::env::var("EGRESS_PG_CA").expect("EGRESS_PG_CA (.ci/pg.sh start)");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    for extra in [
+        format!("sslmode=verify-full&sslrootcert={ca}"),
+        String::new(),
+    ] {
+        let asked = if extra.is_empty() {
+            url.clone()
+        } else {
+            format!("{url}{sep}{extra}")
+        };
+        let pool = egress_controller::store::connect(&asked)
+            .await
+            .unwrap_or_else(|e| panic!("{asked}: {e}"));
+        let tls: bool =
+            sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+                .fetch_one(&pool)
+                .await
+                .expect("pg_stat_ssl");
+        assert!(tls, "{asked}: not over TLS");
+    }
+    // A CA that did not sign the server's certificate: refused.
+    let dir = tempfile::tempdir().expect("temp");
+    let other = dir.path().join("other.crt");
+    let made = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+        ])
+        .args(["-nodes", "-days", "2", "-subj", "/CN=127.0.0.1", "-keyout"])
+        .arg(dir.path().join("other.key"))
+        .arg("-out")
+        .arg(&other)
+        .output()
+        .expect("openssl");
+    assert!(made.status.success(), "{made:?}");
+    let asked = format!(
+        "{url}{sep}sslmode=verify-full&sslrootcert={}",
+        other.display()
+    );
+    assert!(egress_controller::store::connect(&asked).await.is_err());
+}
