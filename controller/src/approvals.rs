@@ -174,16 +174,40 @@ pub async fn revoke(
     Ok(Some(approval))
 }
 
+/// Most approvals one sweep expires (the next sweep, half a second later,
+/// goes on).
+const EXPIRE_PER_SWEEP: usize = 256;
+
 /// Removes the approvals past their `until` from every sandbox they reach
-/// (the dispatcher calls it periodically); how many expired.
-pub async fn expire(pool: &PgPool) -> Result<usize, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    let expired = store::approvals::expire(&mut tx).await?;
-    for a in &expired {
-        take_out(&mut tx, a).await?;
+/// (the dispatcher calls it periodically), each in a transaction of its
+/// own: one that fails (a sandbox row locked past `lock_timeout`, a rule
+/// that no longer reads) is logged and left for the next sweep, and the
+/// others expire. How many expired, and how many failed.
+pub async fn expire(pool: &PgPool) -> Result<(usize, usize), sqlx::Error> {
+    let mut failed: Vec<String> = Vec::new();
+    let mut expired = 0;
+    while expired + failed.len() < EXPIRE_PER_SWEEP {
+        let mut tx = pool.begin().await?;
+        let Some((id, approval)) = store::approvals::expire_one(&mut tx, &failed).await? else {
+            break;
+        };
+        let taken = match approval {
+            Ok(a) => take_out(&mut tx, &a).await,
+            Err(e) => Err(e),
+        };
+        match taken {
+            Ok(()) => {
+                tx.commit().await?;
+                expired += 1;
+            }
+            Err(error) => {
+                drop(tx);
+                tracing::warn!(approval = %id, %error, "an approval past its until could not be taken out; tried again next sweep");
+                failed.push(id);
+            }
+        }
     }
-    tx.commit().await?;
-    Ok(expired.len())
+    Ok((expired, failed.len()))
 }
 
 /// Refreshes every sandbox `a` reached, now that it is no longer in force.

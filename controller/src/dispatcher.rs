@@ -388,8 +388,8 @@ impl Dispatcher {
     /// reached; the new generations are pushed like any change.
     async fn expire_approvals(&self) {
         match crate::approvals::expire(&self.pool).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(expired = n, "approvals expired"),
+            Ok((0, _)) => {}
+            Ok((n, _)) => tracing::info!(expired = n, "approvals expired"),
             Err(e) => tracing::warn!(error = %e, "expiring approvals"),
         }
     }

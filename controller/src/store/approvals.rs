@@ -206,13 +206,25 @@ pub async fn revoke(
     row.as_ref().map(Approval::from_row).transpose()
 }
 
-/// Marks removed the approvals past their `until` that no other
-/// transaction holds (`SKIP LOCKED`); the rows.
-pub async fn expire(conn: &mut PgConnection) -> Result<Vec<Approval>, sqlx::Error> {
+/// Marks removed one approval past its `until` that no other transaction
+/// holds (`SKIP LOCKED`) and is not in `skip`: its id, and the approval
+/// (its row's reading, which can fail on its own).
+pub async fn expire_one(
+    conn: &mut PgConnection,
+    skip: &[String],
+) -> Result<Option<(String, Result<Approval, sqlx::Error>)>, sqlx::Error> {
     let sql = format!(
-        "UPDATE approvals SET removed_at = now() WHERE id IN (SELECT id FROM approvals \
-         WHERE removed_at IS NULL AND until <= now() FOR UPDATE SKIP LOCKED) RETURNING {COLUMNS}"
+        "UPDATE approvals SET removed_at = now() WHERE id = (SELECT id FROM approvals \
+         WHERE removed_at IS NULL AND until <= now() AND id <> ALL($1) \
+         ORDER BY until LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING {COLUMNS}"
     );
-    let rows = sqlx::query(safe(sql)).fetch_all(conn).await?;
-    rows.iter().map(Approval::from_row).collect()
+    let Some(row) = sqlx::query(safe(sql))
+        .bind(skip)
+        .fetch_optional(conn)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let id: String = row.try_get("id")?;
+    Ok(Some((id, Approval::from_row(&row))))
 }

@@ -289,8 +289,35 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     )
     .await;
     assert_eq!(s, 201, "{a}");
+    // Another approval past its until that cannot be taken out (its rule
+    // no longer reads): it must not hold the first one in force.
+    let later: String = sqlx::query_scalar("SELECT to_json(now() + interval '1 hour') #>> '{}'")
+        .fetch_one(&mut conn)
+        .await
+        .expect("time");
+    let (s, broken) = approve(
+        &w,
+        FEDERATED,
+        &id,
+        json!({"scope": "sandbox", "until": later}),
+    )
+    .await;
+    assert_eq!(s, 201, "{broken}");
+    sqlx::query(
+        "UPDATE approvals SET until = now() - interval '1 second', rule = '\"garbage\"'::jsonb WHERE id = $1",
+    )
+    .bind(broken["id"].as_str().expect("id"))
+    .execute(&mut conn)
+    .await
+    .expect("break it");
     until_verdict(&w, &id, "intercept").await;
     until_verdict(&w, &id, "deny").await;
+    // (A row that does not read is a 503 for the listing; gone now.)
+    sqlx::query("DELETE FROM approvals WHERE id = $1")
+        .bind(broken["id"].as_str().expect("id"))
+        .execute(&mut conn)
+        .await
+        .expect("delete");
     let (_, list) = call(
         w.api.addr,
         "GET",
