@@ -47,8 +47,8 @@ mod shadow;
 /// The control API's state: the dataplane it changes, and what only it uses.
 pub(crate) struct Control {
     dp: Arc<Dataplane>,
-    /// `admin.token_file`'s token, required on every route but `/healthz` and `/readyz`.
-    token: Option<String>,
+    /// The bearer tokens the routes need.
+    tokens: Tokens,
     /// Makes pushes durable and applies them in order (group commit).
     committer: Committer,
     /// New at every start: a controller that sees it change knows the
@@ -61,13 +61,13 @@ pub(crate) struct Control {
 impl Control {
     pub(crate) fn new(
         dp: Arc<Dataplane>,
-        token: Option<String>,
+        tokens: Tokens,
         committer: Committer,
         machines: Arc<egress_machine::Machines>,
     ) -> Arc<Self> {
         Arc::new(Self {
             dp,
-            token,
+            tokens,
             committer,
             epoch: epoch(),
             machines,
@@ -80,6 +80,15 @@ impl Control {
     fn generation(&self) -> u64 {
         self.committer.generation.load(Ordering::Acquire)
     }
+}
+
+/// The admin listener's bearer tokens.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tokens {
+    /// `admin.token_file`'s: every route but `/healthz` and `/readyz`.
+    pub(crate) admin: Option<String>,
+    /// `admin.metrics_token_file`'s: `GET /metrics` only.
+    pub(crate) metrics: Option<String>,
 }
 
 /// A random identifier for this process's lifetime.
@@ -198,15 +207,18 @@ async fn shadow_route(req: Request<Incoming>, ctl: &Control, segments: &[&str]) 
     }
 }
 
-/// With a token configured: `401` unless the request presents it.
+/// With a token configured: `401` unless the request presents it (or, for
+/// `GET /metrics`, the metrics token).
 fn authorize(req: &Request<Incoming>, ctl: &Control) -> Option<Reply> {
-    let token = ctl.token.as_ref()?;
+    let token = ctl.tokens.admin.as_ref()?;
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.as_bytes())) {
+    let is = |t: &String| presented.is_some_and(|p| constant_time_eq(p.as_bytes(), t.as_bytes()));
+    let scrape = req.method() == Method::GET && req.uri().path() == "/metrics";
+    if is(token) || (scrape && ctl.tokens.metrics.as_ref().is_some_and(is)) {
         return None;
     }
     let mut r = error(

@@ -136,6 +136,9 @@ pub struct Admin {
     /// A file holding the bearer token every admin route but `/healthz`
     /// requires. Unset: no token (bind the admin listener to loopback).
     pub token_file: Option<PathBuf>,
+    /// A file holding a second token that reads `GET /metrics` and nothing
+    /// else: what a scraper is given, which then cannot push policies.
+    pub metrics_token_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]

@@ -58,8 +58,12 @@ pub enum StartError {
     Roots(#[from] RootsError),
     #[error("log.flow_log: {path}: {source}")]
     FlowLog { path: String, source: io::Error },
-    #[error("admin.token_file: {path}: {message}")]
-    Token { path: String, message: String },
+    #[error("{key}: {path}: {message}")]
+    Token {
+        key: &'static str,
+        path: String,
+        message: String,
+    },
     #[error("{0}")]
     Snapshot(#[from] crate::persist::PersistError),
     #[error("machine egress: {0}")]
@@ -235,7 +239,7 @@ impl Gateway {
         let cold = taken.is_none();
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
-        let token = token(&config)?;
+        let tokens = tokens(&config)?;
         let (listeners, attributed, budgets) = Listeners::open(&config, taken)?;
         let registry = Arc::new(Registry::new(Arc::new(platform(
             &config,
@@ -274,7 +278,7 @@ impl Gateway {
         gateway.serve(
             listeners,
             &dns,
-            Control::new(gateway.dp.clone(), token, committer, machines),
+            Control::new(gateway.dp.clone(), tokens, committer, machines),
         )?;
         Ok(gateway)
     }
@@ -779,9 +783,7 @@ fn attribution(
 pub fn preflight(config: &Config) -> Result<(), StartError> {
     let minter = minter(config)?;
     Upstreams::new(config, minter)?;
-    if let Some(path) = &config.admin.token_file {
-        read_token(path)?;
-    }
+    tokens(config)?;
     Ok(())
 }
 
@@ -1049,14 +1051,16 @@ fn lock(config: &Config, taking_over: bool) -> Result<std::fs::File, StartError>
     }
 }
 
-/// `admin.token_file`'s token, if one is configured.
-fn token(config: &Config) -> Result<Option<String>, StartError> {
-    config
-        .admin
-        .token_file
-        .as_deref()
-        .map(read_token)
-        .transpose()
+/// `admin.token_file`'s token and `admin.metrics_token_file`'s, each if
+/// configured.
+fn tokens(config: &Config) -> Result<crate::admin::Tokens, StartError> {
+    let read = |key, path: &Option<std::path::PathBuf>| {
+        path.as_deref().map(|p| read_token(key, p)).transpose()
+    };
+    Ok(crate::admin::Tokens {
+        admin: read("admin.token_file", &config.admin.token_file)?,
+        metrics: read("admin.metrics_token_file", &config.admin.metrics_token_file)?,
+    })
 }
 
 /// The lock a predecessor releases as it hands over: taken within the
@@ -1074,15 +1078,17 @@ fn lock_released(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
     }
 }
 
-fn read_token(path: &std::path::Path) -> Result<String, StartError> {
+fn read_token(key: &'static str, path: &std::path::Path) -> Result<String, StartError> {
     let shown = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| StartError::Token {
+        key,
         path: shown.clone(),
         message: e.to_string(),
     })?;
     let token = text.trim().to_owned();
     if token.len() < 16 {
         return Err(StartError::Token {
+            key,
             path: shown,
             message: "the token must be at least 16 characters".into(),
         });

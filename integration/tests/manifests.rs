@@ -755,6 +755,7 @@ const GATEWAY_FILES: &[(&str, &str)] = &[
     ("tls", "ca_cert"),
     ("tls", "ca_key"),
     ("admin", "token_file"),
+    ("admin", "metrics_token_file"),
 ];
 
 #[test]
@@ -989,7 +990,14 @@ fn probes_target_the_listener_and_paths_the_binaries_serve() {
         }
     }
     let gateway = start_gateway(&gateway.expect("a gateway container"));
-    ask.extend(pod_monitor_asks(&docs, &gateway.token));
+    // The PodMonitor presents the metrics token: what it reads is served
+    // with it (and only /metrics, the gateway's own tests check).
+    let scrape_token = if gateway_admin(&docs, &workloads(&docs)).2.is_some() {
+        METRICS_TOKEN
+    } else {
+        gateway.token.as_str()
+    };
+    ask.extend(pod_monitor_asks(&docs, scrape_token));
     assert!(ask.len() >= 3, "{ask:?}");
     for (at, path, headers) in &ask {
         match get(gateway.admin, path, headers) {
@@ -1072,6 +1080,9 @@ fn local_config(config: &toml::Table, dir: &Path) -> (toml::Table, String) {
     if admin.contains_key("token_file") {
         admin.insert("token_file".into(), path(dir.join("token")));
     }
+    if admin.contains_key("metrics_token_file") {
+        admin.insert("metrics_token_file".into(), path(dir.join("metrics-token")));
+    }
     c.insert("admin".into(), admin.into());
     let mut dns = table(&mut c, "dns");
     dns.insert("upstreams".into(), toml::Value::Array(Vec::new()));
@@ -1083,6 +1094,9 @@ fn local_config(config: &toml::Table, dir: &Path) -> (toml::Table, String) {
     c.remove("redirect");
     (c, token)
 }
+
+/// The token the test gives the gateway as `admin.metrics_token_file`.
+const METRICS_TOKEN: &str = "manifests-test-metrics-0123456789";
 
 fn start_gateway(config: &toml::Table) -> Running {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -1096,6 +1110,7 @@ fn start_gateway(config: &toml::Table) -> Running {
     let (local, token) = local_config(config, dir.path());
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, &token).expect("token");
+    std::fs::write(dir.path().join("metrics-token"), METRICS_TOKEN).expect("metrics token");
     let file = dir.path().join("gateway.toml");
     std::fs::write(&file, toml::to_string(&local).expect("toml")).expect("write");
     let mut child = Command::new(bin("egress-gateway"))
@@ -1473,24 +1488,30 @@ fn check_pod_monitors(
     }
 }
 
-/// The gateway's admin token file, as a mount source, and its admin address.
+/// A mount source: its kind, name and key.
+type Source = (&'static str, String, String);
+
+/// The gateway's admin token file, as a mount source, its admin address,
+/// and its metrics token file as a mount source.
 fn gateway_admin(
     docs: &[Doc],
     ws: &[Workload<'_>],
-) -> (Option<(&'static str, String, String)>, SocketAddr) {
+) -> (Option<Source>, SocketAddr, Option<Source>) {
     for w in ws {
         for c in &w.pod.containers {
             let Ok(config) = gateway_config(docs, w, c) else {
                 continue;
             };
-            let token_file = config
-                .get("admin")
-                .and_then(|a| a.get("token_file"))
-                .and_then(|t| t.as_str());
-            let source = token_file.and_then(|f| mount_source(&w.pod, c, f));
+            let source = |key: &str| {
+                config
+                    .get("admin")
+                    .and_then(|a| a.get(key))
+                    .and_then(|t| t.as_str())
+                    .and_then(|f| mount_source(&w.pod, c, f))
+            };
             let admin =
                 toml_addr(&config, "listen", "admin").unwrap_or(([127, 0, 0, 1], 15000).into());
-            return (source, admin);
+            return (source("token_file"), admin, source("metrics_token_file"));
         }
     }
     panic!("no gateway container");
@@ -1498,7 +1519,7 @@ fn gateway_admin(
 
 /// The reconciler talks to the gateway's admin port with the gateway's token.
 fn check_reconciler(docs: &[Doc], ws: &[Workload<'_>], out: &mut Vec<String>) {
-    let (token, admin) = gateway_admin(docs, ws);
+    let (token, admin, _) = gateway_admin(docs, ws);
     for w in ws {
         for c in w
             .pod
@@ -1560,7 +1581,9 @@ fn the_objects_name_each_other() {
     check_services(&docs, &ws, &mut problems);
     check_webhook(&docs, &ws, &mut problems);
     check_issuers(&docs, &mut problems);
-    check_pod_monitors(&docs, &ws, gateway_admin(&docs, &ws).0, &mut problems);
+    // The PodMonitor presents the metrics token where the gateway has one.
+    let (admin_token, _, metrics_token) = gateway_admin(&docs, &ws);
+    check_pod_monitors(&docs, &ws, metrics_token.or(admin_token), &mut problems);
     check_reconciler(&docs, &ws, &mut problems);
     check_env_refs(&docs, &ws, &mut problems);
     assert_none(&problems);

@@ -115,6 +115,7 @@ impl Worker {
             },
             admin: Admin {
                 token_file: Some(token_file),
+                ..Admin::default()
             },
             // The VM tables go into the throwaway namespace.
             machine_egress: MachineEgressConfig {
