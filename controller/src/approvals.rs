@@ -38,12 +38,28 @@ impl Approval {
         })
     }
 
-    /// The provenance entry of the rule it added.
-    fn provenance(&self) -> Value {
+    /// The rule as a sandbox's policy carries it: with the approval's
+    /// `until`, so the gateway takes it out of force on time by itself
+    /// (the controller's own sweep needs it running and the worker
+    /// reachable).
+    fn pushed_rule(&self) -> Rule {
+        let rfc3339 = time::format_description::well_known::Rfc3339;
+        let until = self
+            .until
+            .as_deref()
+            .and_then(|u| time::OffsetDateTime::parse(u, &rfc3339).ok());
+        Rule {
+            until,
+            ..self.rule.clone()
+        }
+    }
+
+    /// The provenance entry of the rule it added (`rule`: as pushed).
+    fn provenance(&self, rule: &Rule) -> Value {
         json!({
             "list": "allow",
             "destination": self.rule.dest,
-            "rule": self.rule,
+            "rule": rule,
             "source": "approval",
             "approval": self.id,
             "scope": self.scope,
@@ -72,9 +88,11 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
     }
     *provenance = kept;
     for a in active {
-        if !policy.allow.contains(&a.rule) {
-            policy.allow.push(a.rule.clone());
-            provenance.push(a.provenance());
+        let rule = a.pushed_rule();
+        // The tenant's own entry for the same destination covers it.
+        if !policy.allow.contains(&a.rule) && !policy.allow.contains(&rule) {
+            provenance.push(a.provenance(&rule));
+            policy.allow.push(rule);
         }
     }
     before != (policy.allow.clone(), provenance.clone())
@@ -236,6 +254,32 @@ mod tests {
             removed_at: None,
             evidence: Value::Null,
         }
+    }
+
+    /// An approval's rule goes out with its `until`, for the gateway to
+    /// close it on time by itself; taken out as it went in.
+    #[test]
+    fn an_approved_rule_carries_its_until() {
+        let mut policy = Policy::from_json(r#"{"allow": []}"#).expect("policy");
+        let mut prov = Vec::new();
+        let mut a = approval("ap-1", r#"{"domain": "new.test"}"#);
+        a.until = Some("2999-01-01T10:00:00.123456+00:00".into());
+        assert!(overlay(&mut policy, &mut prov, std::slice::from_ref(&a)));
+        let pushed = serde_json::to_value(&policy.allow[0]).expect("ser");
+        assert_eq!(
+            pushed,
+            json!({"domain": "new.test", "until": "2999-01-01T10:00:00.123456Z"})
+        );
+        assert_eq!(prov[0]["rule"], pushed);
+        assert!(!overlay(&mut policy, &mut prov, &[a]), "idempotent");
+        assert!(overlay(&mut policy, &mut prov, &[]));
+        assert!(policy.allow.is_empty());
+        // The tenant's own entry for it: nothing added.
+        let mut policy =
+            Policy::from_json(r#"{"allow": [{"domain": "new.test"}]}"#).expect("policy");
+        let mut a = approval("ap-2", r#"{"domain": "new.test"}"#);
+        a.until = Some("2999-01-01T10:00:00+00:00".into());
+        assert!(!overlay(&mut policy, &mut Vec::new(), &[a]));
     }
 
     #[test]

@@ -275,6 +275,7 @@ impl Gateway {
         gateway.spawn_machine_tasks(&machines);
         gateway.spawn_fence_keeper();
         gateway.spawn_host_reader();
+        gateway.spawn_lapse_watch();
         gateway.serve(
             listeners,
             &dns,
@@ -317,6 +318,30 @@ impl Gateway {
                     Ok(Ok(host)) => dp.registry.platform().set_host(host),
                     Ok(Err(error)) => tracing::warn!(%error, "the host's addresses were not read again; the last reading stands"),
                     Err(_) => {}
+                }
+            }
+        });
+    }
+
+    /// Every second, the sandboxes with an allow entry past its `until`
+    /// compiled again without it ([`Registry::recompile_lapsed`]): an
+    /// approval closes on time even when the push that takes it out does
+    /// not come (a controller down, a worker cut off).
+    fn spawn_lapse_watch(&mut self) {
+        let dp = self.dp.clone();
+        self.tasks.spawn(async move {
+            let mut tick = tokio::time::interval(LAPSE_CHECK_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let n = dp
+                    .registry
+                    .recompile_lapsed(time::OffsetDateTime::now_utc());
+                if n > 0 {
+                    tracing::info!(
+                        sandboxes = n,
+                        "allow entries past their until taken out of force"
+                    );
                 }
             }
         });
@@ -827,6 +852,9 @@ fn platform(config: &Config, bound: &Bound) -> Result<PlatformDenies, StartError
 
 /// How often the host's addresses are read again.
 pub(crate) const HOST_READ_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How often the registry looks for allow entries past their `until`.
+const LAPSE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Listeners {
     /// Binds every listener: with `limits.thread_per_core`, one set of

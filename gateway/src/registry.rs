@@ -248,6 +248,46 @@ impl Registry {
         self.lock().retain(|_, owner| owner != vm);
     }
 
+    /// Compiles again every sandbox whose policy has an allow entry that
+    /// lapsed by `now` ([`CompiledPolicy::next_expiry`]): the same
+    /// registration (serial, addresses, shadow), its policy without the
+    /// entry. One a push replaced meanwhile is left alone (the push
+    /// compiled it anew). How many were compiled again.
+    pub fn recompile_lapsed(&self, now: time::OffsetDateTime) -> usize {
+        let lapsed = |s: &Sandbox| s.policy.next_expiry().is_some_and(|at| at <= now);
+        let due: Vec<Arc<Sandbox>> = self
+            .snapshot
+            .load()
+            .by_id
+            .values()
+            .filter(|s| lapsed(s))
+            .cloned()
+            .collect();
+        if due.is_empty() {
+            return 0;
+        }
+        // Compiled outside the writers' lock, like a push.
+        let fresh: Vec<Sandbox> = due
+            .iter()
+            .map(|s| Sandbox {
+                policy: Arc::new(self.compile_policy(s.policy.policy().clone(), &s.credentials)),
+                ..s.with_shadow(s.shadow.clone())
+            })
+            .collect();
+        let _claims = self.lock();
+        let mut next = (*self.snapshot.load_full()).clone();
+        let mut done = 0;
+        for (old, new) in due.iter().zip(fresh) {
+            let unchanged = next.by_id.get(&old.id).is_some_and(|s| Arc::ptr_eq(s, old));
+            // The same addresses as the one it replaces: it cannot clash.
+            if unchanged && next.insert(Arc::new(new)).is_ok() {
+                done += 1;
+            }
+        }
+        self.snapshot.store(Arc::new(next));
+        done
+    }
+
     pub fn remove(&self, id: &SandboxId) -> bool {
         let _guard = self.lock();
         let mut next = (*self.snapshot.load_full()).clone();
@@ -459,6 +499,54 @@ mod tests {
 
     fn policy(text: &str) -> Policy {
         Policy::from_json(text).expect(text)
+    }
+
+    /// An allow entry past its `until` is compiled out by
+    /// `recompile_lapsed`, with no push: the same registration (serial,
+    /// addresses), the entry out of force, the others in it.
+    #[test]
+    fn an_allow_entry_lapses_without_a_push() {
+        let r = reg();
+        let id = SandboxId::new("a");
+        let rfc3339 = time::format_description::well_known::Rfc3339;
+        let soon = (time::OffsetDateTime::now_utc() + time::Duration::milliseconds(600))
+            .format(&rfc3339)
+            .expect("format");
+        let text = format!(
+            r#"{{"default": "deny", "allow": [{{"ip": "203.0.113.7", "until": "{soon}"}}, {{"ip": "203.0.113.8"}}]}}"#
+        );
+        r.put(id.clone(), vec![ip("100.64.1.2")], policy(&text))
+            .expect("put");
+        let verdict = |dst: &str| {
+            let s = r.lookup(ip("100.64.1.2")).expect("registered");
+            let claims = crate::decide::Claims {
+                dst: SocketAddr::new(ip(dst), 22),
+                protocol: Protocol::Opaque(None),
+                sni: None,
+                host: None,
+                ech: false,
+            };
+            let doh = crate::doh::DohNames::empty();
+            let gap = AttributionGap::NoDnsSeen;
+            crate::decide::judge(&s.policy, &claims, &[], gap, &doh).code()
+        };
+        let serial = r.get(&id).expect("a").serial;
+        assert_eq!(verdict("203.0.113.7"), "allow_address");
+        assert_eq!(r.recompile_lapsed(time::OffsetDateTime::now_utc()), 0);
+        std::thread::sleep(std::time::Duration::from_millis(700));
+        assert_eq!(r.recompile_lapsed(time::OffsetDateTime::now_utc()), 1);
+        assert_eq!(verdict("203.0.113.7"), "no_allow_match");
+        assert_eq!(verdict("203.0.113.8"), "allow_address");
+        assert_eq!(
+            r.get(&id).expect("a").serial,
+            serial,
+            "the same registration"
+        );
+        assert_eq!(
+            r.recompile_lapsed(time::OffsetDateTime::now_utc()),
+            0,
+            "once"
+        );
     }
 
     /// What a flow or a DNS answer asks when it ends: whether its address

@@ -9,13 +9,16 @@
 //! ```
 //!
 //! An entry without `http` and `streams` is exactly the destination it
-//! names, as before.
+//! names, as before. An allow entry may carry `until` (RFC 3339): from
+//! then on it is out of force, as if it were not there (an approval's
+//! rule, so the gateway closes it on time even when no push comes).
 
 use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::ser::{SerializeMap, Serializer};
 use serde::{Deserialize, Serialize};
+use time::format_description::well_known::Rfc3339;
 
 use crate::dest::{Destination, DestinationError, Kind, ALL_KINDS};
 use crate::http::{HttpMatch, Mode};
@@ -33,12 +36,20 @@ pub struct Rule {
     /// through; `None`: as the gateway's `opaque_streams` says. Never on a
     /// deny entry, never beside `http`.
     pub streams: Option<Streams>,
+    /// When an allow entry goes out of force; `None`: never. Never on a
+    /// deny entry (a deny that lapsed would open what it closed).
+    pub until: Option<time::OffsetDateTime>,
 }
 
 impl Rule {
     /// Whether the entry has a qualifier that is enforced.
     pub fn enforced_http(&self) -> bool {
         self.http.is_some() && self.mode == Mode::Enforce
+    }
+
+    /// Whether the entry is in force at `now` (before its `until`).
+    pub fn in_force(&self, now: time::OffsetDateTime) -> bool {
+        self.until.is_none_or(|until| now < until)
     }
 }
 
@@ -49,6 +60,7 @@ impl From<Destination> for Rule {
             http: None,
             mode: Mode::Enforce,
             streams: None,
+            until: None,
         }
     }
 }
@@ -71,6 +83,9 @@ impl fmt::Display for Rule {
         if let Some(streams) = &self.streams {
             write!(f, " streams {streams}")?;
         }
+        if let Some(until) = self.until.and_then(|u| u.format(&Rfc3339).ok()) {
+            write!(f, " until {until}")?;
+        }
         Ok(())
     }
 }
@@ -80,7 +95,8 @@ impl Serialize for Rule {
         let len = 1
             + usize::from(self.http.is_some())
             + usize::from(self.mode == Mode::Audit)
-            + usize::from(self.streams.is_some());
+            + usize::from(self.streams.is_some())
+            + usize::from(self.until.is_some());
         let mut map = s.serialize_map(Some(len))?;
         map.serialize_entry(self.dest.kind().as_str(), &self.dest.value())?;
         if let Some(http) = &self.http {
@@ -91,6 +107,10 @@ impl Serialize for Rule {
         }
         if let Some(streams) = &self.streams {
             map.serialize_entry("streams", streams)?;
+        }
+        if let Some(until) = self.until {
+            let text = until.format(&Rfc3339).map_err(serde::ser::Error::custom)?;
+            map.serialize_entry("until", &text)?;
         }
         map.end()
     }
@@ -124,8 +144,13 @@ impl<'de> Visitor<'de> for RuleVisitor {
         let mut http: Option<HttpMatch> = None;
         let mut mode: Option<Mode> = None;
         let mut streams: Option<Streams> = None;
+        let mut until: Option<time::OffsetDateTime> = None;
         while let Some(key) = map.next_key::<String>()? {
             match key.as_str() {
+                "until" if until.is_some() => {
+                    return Err(de::Error::custom(DestinationError::DuplicateKey { key }))
+                }
+                "until" => until = Some(read_until(&map.next_value::<String>()?)?),
                 "streams" if streams.is_some() => {
                     return Err(de::Error::custom(DestinationError::DuplicateKey { key }))
                 }
@@ -162,6 +187,7 @@ impl<'de> Visitor<'de> for RuleVisitor {
             http,
             mode: mode.unwrap_or_default(),
             streams,
+            until,
         };
         rule.check(mode.is_some()).map_err(de::Error::custom)?;
         Ok(rule)
@@ -194,6 +220,15 @@ impl Rule {
     }
 }
 
+/// An entry's `until`: RFC 3339 with its offset (`2026-12-05T10:00:00Z`).
+fn read_until<E: de::Error>(text: &str) -> Result<time::OffsetDateTime, E> {
+    time::OffsetDateTime::parse(text, &Rfc3339).map_err(|e| {
+        E::custom(format_args!(
+            "until {text:?}: expected an RFC 3339 time with its offset ({e})"
+        ))
+    })
+}
+
 /// Reads a `deny` list: entries as in `allow`, without `streams` (a deny
 /// refuses a destination whole; what passes through an allow is the allow's
 /// to say). serde_path_to_error names the entry's index.
@@ -206,6 +241,13 @@ pub(crate) fn deny_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Rule>, D:
                 return Err(de::Error::custom(format_args!(
                     "streams applies to allow entries only, not to deny {}: a deny refuses \
                      every stream to its destination",
+                    rule.dest
+                )));
+            }
+            if rule.until.is_some() {
+                return Err(de::Error::custom(format_args!(
+                    "until applies to allow entries only, not to deny {}: a deny that \
+                     lapsed would open what it closed",
                     rule.dest
                 )));
             }

@@ -30,7 +30,7 @@ struct Setup {
     gw: egress_gateway::Gateway,
     api: ApiProcess,
     url: String,
-    _dispatcher: DispatcherTask,
+    dispatcher: Option<DispatcherTask>,
     _dir: tempfile::TempDir,
 }
 
@@ -48,7 +48,7 @@ async fn setup_world(url: String) -> Setup {
         gw,
         api,
         url,
-        _dispatcher: dispatcher,
+        dispatcher: Some(dispatcher),
         _dir: dir,
     }
 }
@@ -349,7 +349,7 @@ async fn an_approval_revoked_during_a_create_is_not_in_what_it_saves() {
         gw,
         api,
         url: url.clone(),
-        _dispatcher: running,
+        dispatcher: Some(running),
         _dir: dir,
     };
     let (a, addr) = sandbox(&w, FEDERATED).await;
@@ -358,9 +358,9 @@ async fn an_approval_revoked_during_a_create_is_not_in_what_it_saves() {
     assert_eq!(s, 201, "{approval}");
     // The dispatcher stops: the next create waits in the queue.
     let Setup {
-        api, _dispatcher, ..
+        api, dispatcher, ..
     } = w;
-    drop(_dispatcher);
+    drop(dispatcher);
     let (s, v) = call(
         api.addr,
         "POST",
@@ -495,4 +495,31 @@ async fn a_shadow_carries_the_approvals_and_a_later_change_blocks_its_promotion(
     let (s, v) = call(w.api.addr, "POST", &promote, Some(FEDERATED), &[], None).await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["policy"]["allow"], doc["effective"]["allow"], "{v}");
+}
+
+/// The gateway closes an approval at its `until` by itself: with no
+/// dispatcher left to push the rule out (a controller down, a worker cut
+/// off), the sandbox is denied again on time. Before, the gateway held the
+/// rule until a push came.
+#[tokio::test]
+async fn an_approval_closes_on_time_with_no_dispatcher_running() {
+    let mut w = setup_world(db!()).await;
+    let (id, addr) = sandbox(&w, FEDERATED).await;
+    denied_request(&w, &addr).await;
+    let mut conn = sqlx::PgConnection::connect(&w.url).await.expect("db");
+    let soon: String = sqlx::query_scalar("SELECT to_json(now() + interval '3 seconds') #>> '{}'")
+        .fetch_one(&mut conn)
+        .await
+        .expect("time");
+    let (s, a) = approve(
+        &w,
+        FEDERATED,
+        &id,
+        json!({"scope": "sandbox", "until": soon}),
+    )
+    .await;
+    assert_eq!(s, 201, "{a}");
+    until_verdict(&w, &id, "intercept").await;
+    drop(w.dispatcher.take());
+    until_verdict(&w, &id, "deny").await;
 }

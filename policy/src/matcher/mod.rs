@@ -26,6 +26,7 @@ use crate::name::Hostname;
 use crate::policy::{DefaultAction, Policy, TlsInterception};
 use crate::rule::Rule;
 use crate::stream::{OpaqueStreams, StreamProtocol};
+use time::OffsetDateTime;
 
 use self::ipset::{IpSet, RuleIdx};
 use self::names::NameSet;
@@ -142,6 +143,9 @@ pub struct CompiledPolicy {
     requests: Option<Box<RequestRules>>,
     /// The names of the sandbox's credentials, by index.
     credentials: Vec<String>,
+    /// When the next allow entry in force lapses (its `until`): the policy
+    /// is to be compiled again then.
+    next_expiry: Option<OffsetDateTime>,
 }
 
 /// The address and name lookups of one destination list.
@@ -158,12 +162,13 @@ impl RuleSet {
         Self::of(list.iter().enumerate())
     }
 
-    /// The entries of `list` that `keep` keeps, by their index in `list`.
-    fn rules(list: &[Rule], keep: impl Fn(&Rule) -> bool) -> Self {
+    /// The entries of `list` in force at `now` that `keep` keeps, by their
+    /// index in `list`.
+    fn rules(list: &[Rule], now: OffsetDateTime, keep: impl Fn(&Rule) -> bool) -> Self {
         Self::of(
             list.iter()
                 .enumerate()
-                .filter(|(_, r)| keep(r))
+                .filter(|(_, r)| r.in_force(now) && keep(r))
                 .map(|(i, r)| (i, &r.dest)),
         )
     }
@@ -295,16 +300,26 @@ impl CompiledPolicy {
             let i = RuleIdx::try_from(i).unwrap_or(RuleIdx::MAX);
             hosts.extend(list.into_iter().map(|d| (i, d)));
         }
-        let requests = RequestRules::new(&policy.allow, &policy.deny, hosts).map(Box::new);
+        // An entry past its `until` is compiled as if it were not there;
+        // the registry compiles the policy again when the next one lapses.
+        let now = OffsetDateTime::now_utc();
+        let requests = RequestRules::new(&policy.allow, &policy.deny, hosts, now).map(Box::new);
         let allow_unseen = policy
             .allow
             .iter()
             .any(Rule::enforced_http)
-            .then(|| RuleSet::rules(&policy.allow, |r| !r.enforced_http()));
-        let streams = StreamSets::new(&policy.allow, platform.opaque_streams).map(Box::new);
+            .then(|| RuleSet::rules(&policy.allow, now, |r| !r.enforced_http()));
+        let streams = StreamSets::new(&policy.allow, platform.opaque_streams, now).map(Box::new);
+        let next_expiry = policy
+            .allow
+            .iter()
+            .filter_map(|r| r.until)
+            .filter(|u| *u > now)
+            .min();
         Self {
-            deny: RuleSet::rules(&policy.deny, |r| r.http.is_none()),
-            allow: RuleSet::rules(&policy.allow, |_| true),
+            deny: RuleSet::rules(&policy.deny, now, |r| r.http.is_none()),
+            allow: RuleSet::rules(&policy.allow, now, |_| true),
+            next_expiry,
             allow_unseen,
             streams,
             exempt: RuleSet::new(&policy.tls_interception_exemptions),
@@ -313,6 +328,12 @@ impl CompiledPolicy {
             platform,
             policy,
         }
+    }
+
+    /// When the next allow entry in force lapses: compile the policy again
+    /// then ([`Rule::until`]).
+    pub fn next_expiry(&self) -> Option<OffsetDateTime> {
+        self.next_expiry
     }
 
     /// Whether any entry is qualified or the sandbox has credentials: only

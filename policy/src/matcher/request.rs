@@ -223,11 +223,13 @@ impl RequestRules {
         allow: &[Rule],
         deny: &[Rule],
         credentials: impl IntoIterator<Item = (RuleIdx, &'a Destination)>,
+        now: time::OffsetDateTime,
     ) -> Option<Self> {
         let mut rules = Self::default();
         rules.deny.fold_case = true;
         if allow.iter().any(|r| r.http.is_some()) {
-            for (i, r) in allow.iter().enumerate() {
+            // An entry past its `until` is not there.
+            for (i, r) in allow.iter().enumerate().filter(|(_, r)| r.in_force(now)) {
                 rules.allow.insert(r, idx(i));
             }
         }

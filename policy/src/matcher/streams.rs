@@ -30,7 +30,11 @@ pub(super) struct StreamSets {
 
 impl StreamSets {
     /// `None` when every allow lets every stream through (as without the sets).
-    pub(super) fn new(allow: &[Rule], mode: OpaqueStreams) -> Option<Self> {
+    pub(super) fn new(
+        allow: &[Rule],
+        mode: OpaqueStreams,
+        now: time::OffsetDateTime,
+    ) -> Option<Self> {
         if mode == OpaqueStreams::Allow && allow.iter().all(|r| r.streams.is_none()) {
             return None;
         }
@@ -40,11 +44,13 @@ impl StreamSets {
                 .and_then(|p| StreamProtocol::ALL.get(p).copied());
             // Entries with enforced per-request rules never pass a flow
             // whose requests cannot be seen.
-            RuleSet::rules(allow, |r| !r.enforced_http() && lets_through(r, kind, mode))
+            RuleSet::rules(allow, now, |r| {
+                !r.enforced_http() && lets_through(r, kind, mode)
+            })
         });
         let named = std::array::from_fn(|i| {
             let kind = StreamProtocol::ALL.get(i).copied();
-            RuleSet::rules(allow, |r| {
+            RuleSet::rules(allow, now, |r| {
                 r.streams
                     .as_ref()
                     .is_some_and(|s| kind.is_some_and(|p| s.contains(p)))

@@ -1452,3 +1452,39 @@ proptest! {
         prop_assert_eq!(judged.deny.is_none(), naive, "{:?} {}", texts, target);
     }
 }
+
+/// An allow entry past its `until` is compiled as if it were not there,
+/// one before it as any other; the policy says when to compile it again.
+/// A deny never lapses: `until` on one is refused.
+#[test]
+fn an_allow_entry_past_its_until_is_out_of_force() {
+    let policy = r#"{"default": "deny", "allow": [
+        {"domain": "old.test", "until": "2000-01-01T00:00:00Z"},
+        {"domain": "new.test", "until": "2999-01-01T00:00:00+02:00"},
+        {"domain": "api.test", "http": {"methods": ["GET"]}, "until": "2000-01-01T00:00:00Z"},
+        {"domain": "kept.test"}]}"#;
+    let flow = |sni| tls("203.0.113.7:443").sni(sni).dns(&[sni]);
+    table(&[
+        (policy, flow("old.test"), "deny", "no_allow_match"),
+        (policy, flow("new.test"), "splice", "interception_off"),
+        (policy, flow("kept.test"), "splice", "interception_off"),
+        (policy, flow("api.test"), "deny", "no_allow_match"),
+    ]);
+    let p = compile(policy);
+    let rfc3339 = time::format_description::well_known::Rfc3339;
+    let expected = time::OffsetDateTime::parse("2999-01-01T00:00:00+02:00", &rfc3339);
+    assert_eq!(p.next_expiry(), expected.ok());
+    // The normal form keeps `until` (UTC offsets as written).
+    let back = serde_json::to_string(&p.policy().allow[1]).expect("ser");
+    assert_eq!(
+        back,
+        r#"{"domain":"new.test","until":"2999-01-01T00:00:00+02:00"}"#
+    );
+    for bad in [
+        r#"{"deny": [{"domain": "x.test", "until": "2999-01-01T00:00:00Z"}]}"#,
+        r#"{"allow": [{"domain": "x.test", "until": "tomorrow"}]}"#,
+        r#"{"allow": [{"domain": "x.test", "until": "2999-01-01 00:00:00"}]}"#,
+    ] {
+        assert!(crate::Policy::from_json(bad).is_err(), "{bad}");
+    }
+}
