@@ -396,6 +396,84 @@ def http_head_seeds():
         write("http_head", f"start-{i}.bin", b)
 
 
+# === request_rules, credentials (arbitrary-structured, like http_head) ===
+# `arbitrary` 1.x: a bool is one byte (low bit), a u8 one byte, a u16/u32/u64
+# little-endian, an enum tag a u32 scaled onto the variants, an Option a
+# bool then the value, a Vec each element after a `true` byte and a `false`
+# byte after the last (the input's last field takes the rest, unprefixed).
+
+def tag(index, count):
+    """The smallest u32 tag `arbitrary` reads as variant `index` of `count`."""
+    return struct.pack("<I", -(-(index << 32) // count))
+
+
+def seq(items):
+    return b"".join(b"\x01" + i for i in items) + b"\x00"
+
+
+def rule(deny, dest, http=None, audit=False):
+    """An `Entry`: http is None, "read_only" or (method mask, [[segment]])."""
+    b = bytes([deny, dest])
+    if http is None:
+        b += b"\x00"
+    elif http == "read_only":
+        b += b"\x01" + tag(0, 2)
+    else:
+        mask, paths = http
+        b += b"\x01" + tag(1, 2) + bytes([mask]) + seq([seq([bytes([s]) for s in p]) for p in paths])
+    return b + bytes([audit])
+
+
+def request_rules_seeds():
+    # Pools of request_rules.rs: DESTS api.test, x.test, *.x.test, *.test;
+    # NAMES api.test, x.test, a.x.test, b.a.x.test, other.test; METHODS GET,
+    # POST, DELETE, get, Delete, PUT, HEAD; pattern segments a, b, admin,
+    # ADMIN, *; request segments a, b, admin, ADMIN, Admin, c~d, *, ., "", a.b.
+    def request(names, method, segments, query, encode, upper):
+        second = b"\x00" if names[1] is None else bytes([1, names[1]])
+        return (bytes([names[0]]) + second + bytes([method]) + seq([bytes([s]) for s in segments])
+                + bytes([query]) + struct.pack("<QQ", encode, upper))
+    deny_admin = rule(1, 0, (0b110, [[2]]))
+    seeds = {
+        "deny-admin-any-case.bin": seq([deny_admin, rule(0, 0, (0b001, [[0, 1]]))])
+        + request((0, 2), 4, [3, 0], 1, 0x5555, 0xF0F0),
+        "wildcard-read-only-audit.bin": seq([rule(1, 2, "read_only", True), rule(0, 3), deny_admin])
+        + request((2, None), 0, [0, 6, 1], 0, 0, 0),
+        "dot-segment.bin": seq([rule(1, 1, (0, [[4, 2]])), rule(1, 1, (0b100, []))])
+        + request((1, 4), 2, [0, 7, 2], 0, 2**64 - 1, 0),
+    }
+    for name, data in seeds.items():
+        write("request_rules", name, data)
+    for i, b in enumerate([b"", b"\x01" * 48, bytes(range(64))]):
+        write("request_rules", f"start-{i}.bin", b)
+
+
+def credentials_seeds():
+    # Pools of credentials.rs: NAMES api.x.test, b.x.test, other.test,
+    # x.test; HEADERS authorization, x-api-key, cookie, x-note, Accept; TEXT
+    # "Bearer ", "key=", " ", ",", "%", "%25", "5F", "/", "?k="; placeholders
+    # alpha, bravo, charlie.
+    def text(i):
+        return tag(0, 3) + bytes([i])
+
+    def placeholder(which, escape=0, twice=False, lower=False):
+        return tag(2, 3) + bytes([which]) + struct.pack("<I", escape) + bytes([twice, lower])
+
+    def header(pool, pieces):
+        return tag(0, 2) + bytes([pool]) + seq(pieces)
+    seeds = {
+        "alpha-in-authorization.bin": tag(0, 2) + b"\x00" + seq([text(7)])
+        + seq([header(0, [text(0), placeholder(0)])]) + struct.pack("<H", 4096),
+        "bravo-in-cookie-too-large.bin": tag(0, 2) + b"\x01" + seq([text(7)])
+        + seq([header(2, [text(1), placeholder(1)]), header(3, [placeholder(1)])]) + struct.pack("<H", 40),
+        "escaped-charlie-unverified.bin": tag(1, 2) + b"\x0f" + seq([text(7), text(8), placeholder(2, 0x55, True)])
+        + seq([header(1, [placeholder(2, 0x3, False, True)])]) + struct.pack("<H", 65535),
+    }
+    for name, data in seeds.items():
+        write("credentials", name, data)
+    for i, b in enumerate([b"", b"\x01" * 48, bytes(range(64))]):
+        write("credentials", f"start-{i}.bin", b)
+
 # === machine_policy ===
 
 def machine_seeds():
@@ -448,7 +526,7 @@ def nflog_seeds():
 def main():
     for target in ["peek_segments", "dns_answer", "policy_documents", "destinations",
                    "admin_bodies", "http_head", "machine_policy", "svcb_rewrite",
-                   "nflog_messages"]:
+                   "nflog_messages", "request_rules", "credentials"]:
         shutil.rmtree(os.path.join(CORPUS, target), ignore_errors=True)
     peek_seeds()
     dns_seeds()
@@ -459,6 +537,8 @@ def main():
     machine_seeds()
     svcb_seeds()
     nflog_seeds()
+    request_rules_seeds()
+    credentials_seeds()
     for target in sorted(os.listdir(CORPUS)):
         print(target, len(os.listdir(os.path.join(CORPUS, target))), file=sys.stderr)
 
