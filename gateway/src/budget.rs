@@ -501,7 +501,10 @@ impl Bucket {
 
     /// A predecessor's bucket (`None`: full) of a limit with `period`;
     /// `None` when it does not read back (another period, a rate out of
-    /// bounds, more units than a period holds).
+    /// bounds, more units than a period holds). Its age is refilled here:
+    /// this process's clock starts anew, and an age longer than its
+    /// reading so far (a restart after hours down) would otherwise lose
+    /// the difference.
     fn taken(line: Option<SpentBucket>, period: u64, now: Millis) -> Option<Self> {
         let Some(b) = line else {
             return Some(Self {
@@ -511,9 +514,13 @@ impl Bucket {
             });
         };
         let capacity = b.rate.checked_mul(b.period)?;
+        let refilled = b
+            .units
+            .saturating_add(b.age_ms.saturating_mul(b.rate))
+            .min(capacity);
         (b.period == period && b.rate > 0 && b.units <= capacity).then_some(Self {
-            units: b.units,
-            at: Millis(now.0.saturating_sub(b.age_ms)),
+            units: refilled,
+            at: now,
             limit: Some(Limit {
                 rate: b.rate,
                 period: b.period,

@@ -234,3 +234,30 @@ fn spent_states_are_taken_over_by_a_successor() {
     assert_eq!(new.request(&a, &b, 0, Millis(500)), Ok(()));
     assert_eq!(new.request(&a, &b, 0, Millis(500)), Err(Over::Requests));
 }
+
+/// A state saved before a stop and read after hours down is refilled for
+/// all of them, although this process's clock reads less than that: a
+/// budget spent before a cold restart is whole again after two hours down.
+#[test]
+fn a_state_taken_after_hours_down_is_refilled_for_all_of_them() {
+    let new = table(64);
+    let b = budget(Some(3), Some(64 * 1024));
+    let a = id("sb-a");
+    let spent = |units| SpentBucket {
+        units,
+        age_ms: 2 * 3_600_000,
+        rate: 3,
+        period: MINUTE_MS,
+    };
+    let line = Spent {
+        sandbox: "sb-a".into(),
+        destination: b.destination.clone(),
+        requests: Some(spent(0)),
+        bytes: None,
+    };
+    assert_eq!(new.take_over(vec![line], Millis(300), |_| true), 1);
+    for _ in 0..3 {
+        assert_eq!(new.request(&a, &b, 0, Millis(300)), Ok(()));
+    }
+    assert_eq!(new.request(&a, &b, 0, Millis(300)), Err(Over::Requests));
+}
