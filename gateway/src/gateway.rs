@@ -237,6 +237,7 @@ impl Gateway {
         // Before anything in the state directory is read or written.
         let lock = lock(&config, taken.is_some())?;
         let cold = taken.is_none();
+        let received = taken.as_ref().map(|t| t.received);
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let tokens = tokens(&config)?;
@@ -246,7 +247,10 @@ impl Gateway {
             &listeners.bound,
         )?)));
         let (cache, dns) = attribution(&config, &registry, clock);
-        let committer = recover(&config, &registry, &cache, attributed)?;
+        // What the start took since the predecessor's lines came is taken
+        // off their lifetimes: a handover extends no evidence.
+        let since = received.map_or(std::time::Duration::ZERO, |r| r.elapsed());
+        let committer = recover(&config, &registry, &cache, (attributed, since))?;
         let offer = offer(&config, &listeners);
         // Every VM's table, before a single flow is served.
         let machines = machines(&config, &registry, &cache)?;
@@ -591,13 +595,13 @@ fn recover(
     config: &Config,
     registry: &Arc<Registry>,
     cache: &AttributionCache,
-    attributed: Vec<crate::handover::Attributed>,
+    (attributed, since): (Vec<crate::handover::Attributed>, std::time::Duration),
 ) -> Result<crate::commit::Committer, StartError> {
     let (journal, seq, n) = crate::journal::recover(registry, &config.state_dir)?;
     if seq > 0 {
         tracing::info!(sandboxes = n, generation = seq, dir = %config.state_dir.display(), "recovered pushed state");
     }
-    restore_attribution(cache, registry, attributed);
+    restore_attribution(cache, registry, attributed, since);
     Ok(crate::commit::Committer::start(
         registry.clone(),
         config.state_dir.clone(),
@@ -703,11 +707,13 @@ fn save_budgets(dp: &Dataplane) {
 }
 
 /// Restores a predecessor's attribution for the sandboxes the recovered
-/// state has (a line for any other sandbox is dropped).
+/// state has (a line for any other sandbox is dropped), each lifetime less
+/// `since` (the time since the lines came; one that ran out is dropped).
 fn restore_attribution(
     cache: &AttributionCache,
     registry: &Registry,
     lines: Vec<crate::handover::Attributed>,
+    since: std::time::Duration,
 ) {
     if lines.is_empty() {
         return;
@@ -725,7 +731,8 @@ fn restore_attribution(
             .iter()
             .filter_map(|(n, ms)| {
                 let name = egress_policy::Hostname::parse(n).ok()?;
-                Some((name, std::time::Duration::from_millis(*ms)))
+                let left = std::time::Duration::from_millis(*ms).checked_sub(since)?;
+                (!left.is_zero()).then_some((name, left))
             })
             .collect();
         if cache.restore(&id, line.ip, &names) {

@@ -118,6 +118,9 @@ pub struct Taken {
     pub(crate) sockets: Vec<(Kind, OwnedFd)>,
     pub(crate) attribution: Vec<Attributed>,
     pub(crate) budgets: Vec<Spent>,
+    /// When the lines were read: the lifetimes they carry are counted
+    /// from then, not from when the successor gets to restoring them.
+    pub(crate) received: std::time::Instant,
 }
 
 /// Why a takeover failed. Before the running gateway accepted, it goes on
@@ -177,6 +180,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         sockets,
         attribution,
         budgets,
+        received: std::time::Instant::now(),
     })
 }
 
