@@ -67,6 +67,14 @@ pub(crate) fn check(
                 cert.validity().not_after
             ));
         }
+        // Every leaf minted under it would fail every handshake until then.
+        if cert.validity().not_before.to_datetime() > now {
+            return Err(format!(
+                "{}: not valid before {} (the clock of the machine that signed it, or this one's, is off)",
+                name(),
+                cert.validity().not_before
+            ));
+        }
         if let Some(next) = parsed.get(i + 1) {
             issued_by(cert, next).map_err(|why| format!("{}: {why}", name()))?;
         }

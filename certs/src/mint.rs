@@ -262,7 +262,8 @@ impl LeafMinter {
         };
         let mut params = leaf_params(name).map_err(|e| err(e.to_string()))?;
         params.not_before = now - self.config.backdate;
-        params.not_after = now + self.config.validity;
+        // Never past the CA's own end: a client would refuse the chain.
+        params.not_after = (now + self.config.validity).min(generation.ca.not_after());
         let mut serial = [0u8; 16];
         self.rng
             .fill(&mut serial)

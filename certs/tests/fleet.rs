@@ -155,6 +155,13 @@ fn a_chain_that_does_not_hold_together_is_refused() {
     std::fs::write(&paths.cert, intermediate_pem).expect("write");
     let ca = CertificateAuthority::load(&paths).expect("intermediate alone");
     assert_eq!(ca.chain().len(), 1);
+    // Not yet valid here (signed on a machine whose clock runs a day
+    // ahead): every leaf under it would fail, so it does not load.
+    let shown =
+        CertificateAuthority::load_at(&paths, OffsetDateTime::now_utc() - Duration::days(1))
+            .expect_err("not yet valid")
+            .to_string();
+    assert!(shown.contains("not valid before"), "{shown}");
 }
 
 #[test]
@@ -279,4 +286,26 @@ fn a_replaced_ca_mints_the_next_leaves_and_drops_the_old_ones() {
         a.cert_der(),
         "a leaf handed out is untouched"
     );
+}
+
+/// A leaf is never valid past its CA: under an intermediate with a day
+/// left, a leaf of the default seven days ends with the intermediate.
+#[test]
+fn a_leaf_ends_no_later_than_its_ca() {
+    let tmp = tempfile::tempdir().expect("temp");
+    let root = CertificateAuthority::create_root(&tmp.path().join("root")).expect("root");
+    let worker = tmp.path().join("worker");
+    let csr = request(&worker, "worker-1").expect("request");
+    let pem = std::fs::read_to_string(&csr).expect("csr");
+    let now = OffsetDateTime::now_utc();
+    let signed = sign_intermediate(&root, &csr, &pem, Duration::days(1), now).expect("signed");
+    let paths = CaPaths::in_dir(&worker);
+    std::fs::write(&paths.cert, &signed.chain_pem).expect("write chain");
+    let ca = Arc::new(CertificateAuthority::load(&paths).expect("loads"));
+    let minter = LeafMinter::new(ca.clone(), MintConfig::default()).expect("minter");
+    let name = LeafName::Dns(Hostname::parse("api.example.test").expect("name"));
+    let leaf = minter.leaf(&name).expect("leaf");
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.cert[0].as_ref()).expect("x509");
+    let leaf_end = cert.validity().not_after.timestamp();
+    assert_eq!(leaf_end, ca.not_after().unix_timestamp());
 }
