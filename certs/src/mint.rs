@@ -72,13 +72,27 @@ struct Generation {
     signer: Arc<dyn SigningKey>,
     /// When the key stops signing: the first mint at or after this makes a new one.
     retires: OffsetDateTime,
+    /// The same, on the monotonic clock: a wall clock stepped back does
+    /// not keep a key signing past its lifetime.
+    retires_mono: std::time::Instant,
 }
 
-/// A cached leaf and the generation it was minted under.
+/// A cached leaf, the generation it was minted under, and its validity.
 #[derive(Clone)]
 struct Cached {
     generation: u64,
     leaf: Arc<CertifiedKey>,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+}
+
+impl Cached {
+    /// Whether it may be served at `now` under `generation`: minted under
+    /// it, and valid at `now` (a wall clock stepped back past its start, or
+    /// on past its end, mints it again).
+    fn serves(&self, generation: &Generation, now: OffsetDateTime) -> bool {
+        self.generation == generation.id && self.not_before <= now && now < self.not_after
+    }
 }
 
 // === impl LeafName ===
@@ -118,7 +132,7 @@ impl LeafMinter {
         config: MintConfig,
         now: OffsetDateTime,
     ) -> Result<Self, CertError> {
-        let first = Generation::new(1, ca, now + config.key_lifetime)?;
+        let first = Generation::new(1, ca, (now, config.key_lifetime))?;
         // A cached leaf is replaced well before it expires: at half its
         // validity, and never kept past its key's lifetime.
         let half: Duration = config.validity / 2_i32;
@@ -154,13 +168,14 @@ impl LeafMinter {
         let generation = self.generation_at(now).map_err(Arc::new)?;
         let mint = || self.mint(name, &generation, now);
         let cached = self.cache.try_get_with_by_ref(name, mint)?;
-        if cached.generation == generation.id {
+        if cached.serves(&generation, now) {
             return Ok(cached.leaf);
         }
-        // Minted under an earlier CA or key: replace it (single-flight again).
+        // Minted under an earlier CA or key, or not valid now: replace it
+        // (single-flight again).
         self.cache.invalidate(name);
         let cached = self.cache.try_get_with_by_ref(name, mint)?;
-        if cached.generation == generation.id {
+        if cached.serves(&generation, now) {
             return Ok(cached.leaf);
         }
         // Another stale entry raced in (a mint begun before the switch): serve
@@ -183,7 +198,7 @@ impl LeafMinter {
     ) -> Result<(), CertError> {
         let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
         let id = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
-        *current = Arc::new(Generation::new(id, ca, now + self.config.key_lifetime)?);
+        *current = Arc::new(Generation::new(id, ca, (now, self.config.key_lifetime))?);
         drop(current);
         self.cache.invalidate_all();
         Ok(())
@@ -226,7 +241,7 @@ impl LeafMinter {
     /// key) when the key's lifetime is over.
     fn generation_at(&self, now: OffsetDateTime) -> Result<Arc<Generation>, CertError> {
         let current = self.current();
-        if now < current.retires {
+        if now < current.retires && std::time::Instant::now() < current.retires_mono {
             return Ok(current);
         }
         let mut slot = self.current.write().unwrap_or_else(PoisonError::into_inner);
@@ -238,7 +253,7 @@ impl LeafMinter {
         let next = Arc::new(Generation::new(
             id,
             current.ca.clone(),
-            now + self.config.key_lifetime,
+            (now, self.config.key_lifetime),
         )?);
         *slot = next.clone();
         drop(slot);
@@ -264,6 +279,7 @@ impl LeafMinter {
         params.not_before = now - self.config.backdate;
         // Never past the CA's own end: a client would refuse the chain.
         params.not_after = (now + self.config.validity).min(generation.ca.not_after());
+        let (not_before, not_after) = (params.not_before, params.not_after);
         let mut serial = [0u8; 16];
         self.rng
             .fill(&mut serial)
@@ -281,6 +297,8 @@ impl LeafMinter {
         Ok(Cached {
             generation: generation.id,
             leaf: Arc::new(CertifiedKey::new(chain, generation.signer.clone())),
+            not_before,
+            not_after,
         })
     }
 }
@@ -315,10 +333,11 @@ fn leaf_params(name: &LeafName) -> Result<CertificateParams, rcgen::Error> {
 // === impl Generation ===
 
 impl Generation {
+    /// Made at `now`, signing for `lifetime` (on both clocks).
     fn new(
         id: u64,
         ca: Arc<CertificateAuthority>,
-        retires: OffsetDateTime,
+        (now, lifetime): (OffsetDateTime, Duration),
     ) -> Result<Self, CertError> {
         let err = |message: String| CertError::Mint {
             name: "the leaf key".into(),
@@ -327,12 +346,18 @@ impl Generation {
         let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(|e| err(e.to_string()))?;
         let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
         let signer = any_ecdsa_type(&der).map_err(|e| err(e.to_string()))?;
+        let retires = now + lifetime;
+        let retires_mono = std::time::Duration::try_from(lifetime)
+            .ok()
+            .and_then(|d| std::time::Instant::now().checked_add(d))
+            .unwrap_or_else(std::time::Instant::now);
         Ok(Self {
             id,
             ca,
             key,
             signer,
             retires,
+            retires_mono,
         })
     }
 }

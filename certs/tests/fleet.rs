@@ -309,3 +309,40 @@ fn a_leaf_ends_no_later_than_its_ca() {
     let leaf_end = cert.validity().not_after.timestamp();
     assert_eq!(leaf_end, ca.not_after().unix_timestamp());
 }
+
+/// A wall clock stepped back past a cached leaf's start (NTP after a fast
+/// clock) mints it again, valid at the new time, instead of serving one
+/// that is not valid yet; stepped forward past its end, too.
+#[test]
+fn a_clock_step_mints_the_leaf_again() {
+    let tmp = tempfile::tempdir().expect("temp");
+    let ca = Arc::new(CertificateAuthority::create(&tmp.path().join("ca")).expect("CA"));
+    let minter = LeafMinter::new(ca, MintConfig::default()).expect("minter");
+    let name = LeafName::Dns(Hostname::parse("api.example.test").expect("name"));
+    let now = OffsetDateTime::now_utc();
+    let starts = |leaf: &rustls::sign::CertifiedKey| {
+        let (_, cert) = x509_parser::parse_x509_certificate(leaf.cert[0].as_ref()).expect("x509");
+        (
+            cert.validity().not_before.timestamp(),
+            cert.validity().not_after.timestamp(),
+        )
+    };
+    let first = minter.leaf_at(&name, now).expect("leaf");
+    assert_eq!(minter.minted(), 1);
+    assert!(Arc::ptr_eq(
+        &first,
+        &minter.leaf_at(&name, now).expect("cached")
+    ));
+    let back = now - Duration::days(2);
+    let again = minter.leaf_at(&name, back).expect("leaf");
+    assert_eq!(
+        minter.minted(),
+        2,
+        "minted again, not served from the cache"
+    );
+    assert!(starts(&again).0 <= back.unix_timestamp());
+    let ahead = now + Duration::days(8);
+    let later = minter.leaf_at(&name, ahead).expect("leaf");
+    assert_eq!(minter.minted(), 3);
+    assert!(starts(&later).1 > ahead.unix_timestamp());
+}
