@@ -451,8 +451,12 @@ impl AttributionCache {
             return Some(c.clone());
         }
         if map.len() >= self.config.max_sandboxes {
-            self.refused_sandboxes.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%sandbox, max = self.config.max_sandboxes, "attribution cache full of sandboxes; not recording");
+            let refused = self.refused_sandboxes.fetch_add(1, Ordering::Relaxed);
+            // Once every 1,024 refusals, not once per answer: a sandbox's
+            // DNS must not flood the log (and journald's rate limit).
+            if refused.is_multiple_of(1_024) {
+                tracing::warn!(%sandbox, max = self.config.max_sandboxes, refused = refused + 1, "attribution cache full of sandboxes; not recording (logged once every 1,024 refusals; egress_attribution_sandboxes_refused_total counts each)");
+            }
             return None;
         }
         let c = Arc::new(SandboxCache::new(&self.config, self.evictions.clone()));

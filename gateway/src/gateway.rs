@@ -1222,7 +1222,11 @@ async fn accept(
         // On a dual-stack listener IPv4 peers arrive as `::ffff:a.b.c.d`.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let Ok(permit) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, "connection limit reached; closing");
+            // Once every 1,024 (the first included), not once a connection:
+            // a sandbox opening connections in a loop must not flood the log.
+            if dp.metrics.over_limit.get().is_multiple_of(1_024) {
+                tracing::warn!(%peer, "connection limit reached; closing (logged once every 1,024; egress_connections_over_limit_total counts each)");
+            }
             dp.metrics.over_limit.inc();
             crate::io::reset(&stream);
             continue;

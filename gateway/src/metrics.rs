@@ -541,7 +541,7 @@ impl Collector for Sources {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         self.dns_events(&mut encoder)?;
         let d = &self.dns;
-        let counters: [(&str, &str, u64); 5] = [
+        let counters: [(&str, &str, u64); 6] = [
             (
                 "dns_queries",
                 "DNS messages received, over UDP and TCP.",
@@ -556,6 +556,11 @@ impl Collector for Sources {
                 "attribution_evictions",
                 "Attributed addresses evicted by the per-sandbox size bound.",
                 self.cache.evictions(),
+            ),
+            (
+                "attribution_sandboxes_refused",
+                "DNS answers not recorded because dns.max_sandboxes sandboxes already had an attribution cache (the sandbox's name allows fail closed).",
+                self.cache.refused_sandboxes(),
             ),
             (
                 "certificates_minted",
