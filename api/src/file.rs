@@ -10,8 +10,17 @@ use std::path::Path;
 pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(".{name}.tmp"));
+    // A new file, never one already there (a crash's leftover is removed
+    // first; a link planted in its place is refused, not followed).
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
     {
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
     }
@@ -30,6 +39,16 @@ mod tests {
         write_atomically(&dir, "state.json", b"two").expect("second write");
         assert_eq!(std::fs::read(dir.join("state.json")).expect("read"), b"two");
         assert!(!dir.join(".state.json.tmp").exists());
+        // A link planted as the temporary file is not written through.
+        let elsewhere = dir.join("elsewhere");
+        std::fs::write(&elsewhere, b"mine").expect("write");
+        std::os::unix::fs::symlink(&elsewhere, dir.join(".state.json.tmp")).expect("link");
+        write_atomically(&dir, "state.json", b"three").expect("third write");
+        assert_eq!(std::fs::read(&elsewhere).expect("read"), b"mine");
+        assert_eq!(
+            std::fs::read(dir.join("state.json")).expect("read"),
+            b"three"
+        );
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 }

@@ -58,6 +58,8 @@ pub enum StartError {
     Roots(#[from] RootsError),
     #[error("log.flow_log: {path}: {source}")]
     FlowLog { path: String, source: io::Error },
+    #[error("state_dir: {path} belongs to uid {owner}, not to this process's uid {me}: its owner could change the policies and the CA under it (chown it, or choose another)")]
+    StateDirOwner { path: String, owner: u32, me: u32 },
     #[error("{key}: {path}: {message}")]
     Token {
         key: &'static str,
@@ -1056,8 +1058,19 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
     // the gateway's alone: a directory made by someone else (a Kubernetes
     // hostPath is 0755) is closed to others first.
     // One this process may not change (another user's) is said, not fatal.
-    use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(dir).map_err(failed)?.permissions().mode();
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(dir).map_err(failed)?;
+    // Another user's directory: they could replace the policies, the
+    // journal or the CA under this process (and plant links it follows).
+    let me = std::fs::metadata("/proc/self").map_err(failed)?.uid();
+    if meta.uid() != me {
+        return Err(StartError::StateDirOwner {
+            path: dir.display().to_string(),
+            owner: meta.uid(),
+            me,
+        });
+    }
+    let mode = meta.permissions().mode();
     if mode & 0o077 != 0 {
         if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
             tracing::warn!(dir = %dir.display(), mode = format!("{:o}", mode & 0o777), error = %e, "the state directory is open to other users and could not be closed");
@@ -1243,6 +1256,22 @@ async fn accept(
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// A state directory another user owns is refused, naming both uids
+    /// (they could replace the policies or the CA under the gateway).
+    #[test]
+    fn a_state_dir_of_another_user_is_refused() {
+        let dir = tempfile::tempdir().expect("temp");
+        let theirs = dir.path().join("state");
+        std::fs::create_dir(&theirs).expect("mkdir");
+        if std::os::unix::fs::chown(&theirs, Some(65_534), None).is_err() {
+            return egress_testkit::skip("a state_dir of another user", "chown needs root");
+        }
+        let err = lock_state_dir(&theirs).expect_err("another user's");
+        assert!(err.to_string().contains("belongs to uid 65534"), "{err}");
+        let mine = dir.path().join("mine");
+        assert!(lock_state_dir(&mine).is_ok());
+    }
 
     /// A task that serves until the drain and ends first (here a panic)
     /// stops the gateway: readiness false, a drain, and `failed` naming
