@@ -144,8 +144,11 @@ impl Registry {
         self.snapshot.load_full()
     }
 
-    /// Puts back a state taken with [`Registry::checkpoint`].
+    /// Puts back a state taken with [`Registry::checkpoint`], under the
+    /// writers' lock: a writer that read the state being undone (the
+    /// lapse watch) cannot store it back after.
     pub fn restore(&self, snapshot: Arc<Generation>) {
+        let _claims = self.lock();
         self.snapshot.store(snapshot);
     }
 
@@ -254,7 +257,10 @@ impl Registry {
     /// entry. One a push replaced meanwhile is left alone (the push
     /// compiled it anew). How many were compiled again.
     pub fn recompile_lapsed(&self, now: time::OffsetDateTime) -> usize {
-        let lapsed = |s: &Sandbox| s.policy.next_expiry().is_some_and(|at| at <= now);
+        let due_at = |p: &CompiledPolicy| p.next_expiry().is_some_and(|at| at <= now);
+        let lapsed = |s: &Sandbox| {
+            due_at(&s.policy) || s.shadow.as_ref().is_some_and(|sh| due_at(&sh.policy))
+        };
         let due: Vec<Arc<Sandbox>> = self
             .snapshot
             .load()
@@ -269,9 +275,18 @@ impl Registry {
         // Compiled outside the writers' lock, like a push.
         let fresh: Vec<Sandbox> = due
             .iter()
-            .map(|s| Sandbox {
-                policy: Arc::new(self.compile_policy(s.policy.policy().clone(), &s.credentials)),
-                ..s.with_shadow(s.shadow.clone())
+            .map(|s| {
+                let compiled = |p: &CompiledPolicy| {
+                    Arc::new(self.compile_policy(p.policy().clone(), &s.credentials))
+                };
+                let shadow = s
+                    .shadow
+                    .as_ref()
+                    .map(|sh| Arc::new(sh.recompiled(compiled(&sh.policy))));
+                Sandbox {
+                    policy: compiled(&s.policy),
+                    ..s.with_shadow(shadow)
+                }
             })
             .collect();
         let _claims = self.lock();
@@ -515,10 +530,22 @@ mod tests {
         let text = format!(
             r#"{{"default": "deny", "allow": [{{"ip": "203.0.113.7", "until": "{soon}"}}, {{"ip": "203.0.113.8"}}]}}"#
         );
-        r.put(id.clone(), vec![ip("100.64.1.2")], policy(&text))
-            .expect("put");
-        let verdict = |dst: &str| {
+        let extras = Extras {
+            shadow: Some(ShadowDoc {
+                policy: policy(&text),
+                since: "2026-12-05T00:00:00Z".into(),
+                policy_changed: None,
+            }),
+            ..Extras::default()
+        };
+        let prepared = r.prepare_with(id.clone(), vec![ip("100.64.1.2")], policy(&text), extras);
+        r.put_prepared(prepared).expect("put");
+        let judged = |shadow: bool, dst: &str| {
             let s = r.lookup(ip("100.64.1.2")).expect("registered");
+            let p = match (shadow, &s.shadow) {
+                (true, Some(sh)) => sh.policy.clone(),
+                _ => s.policy.clone(),
+            };
             let claims = crate::decide::Claims {
                 dst: SocketAddr::new(ip(dst), 22),
                 protocol: Protocol::Opaque(None),
@@ -528,8 +555,9 @@ mod tests {
             };
             let doh = crate::doh::DohNames::empty();
             let gap = AttributionGap::NoDnsSeen;
-            crate::decide::judge(&s.policy, &claims, &[], gap, &doh).code()
+            crate::decide::judge(&p, &claims, &[], gap, &doh).code()
         };
+        let verdict = |dst: &str| judged(false, dst);
         let serial = r.get(&id).expect("a").serial;
         assert_eq!(verdict("203.0.113.7"), "allow_address");
         assert_eq!(r.recompile_lapsed(time::OffsetDateTime::now_utc()), 0);
@@ -537,6 +565,11 @@ mod tests {
         assert_eq!(r.recompile_lapsed(time::OffsetDateTime::now_utc()), 1);
         assert_eq!(verdict("203.0.113.7"), "no_allow_match");
         assert_eq!(verdict("203.0.113.8"), "allow_address");
+        assert_eq!(
+            judged(true, "203.0.113.7"),
+            "no_allow_match",
+            "the shadow's too"
+        );
         assert_eq!(
             r.get(&id).expect("a").serial,
             serial,

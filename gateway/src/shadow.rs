@@ -44,7 +44,9 @@ pub struct Shadow {
     /// RFC 3339, when a push last changed the active policy under it: the
     /// report counts from then, and the candidate is not promoted.
     pub policy_changed: Option<String>,
-    pub(crate) report: Report,
+    /// Shared with a copy compiled again when an entry lapsed
+    /// ([`Shadow::recompiled`]): the report goes on.
+    pub(crate) report: Arc<Report>,
 }
 
 pub use egress_api::gateway::ShadowDoc;
@@ -83,7 +85,18 @@ impl Shadow {
             policy,
             since,
             policy_changed,
-            report: Report::default(),
+            report: Arc::default(),
+        }
+    }
+
+    /// The same shadow over `policy` (its own candidate compiled again),
+    /// its report carried on.
+    pub(crate) fn recompiled(&self, policy: Arc<CompiledPolicy>) -> Self {
+        Self {
+            policy,
+            since: self.since.clone(),
+            policy_changed: self.policy_changed.clone(),
+            report: self.report.clone(),
         }
     }
 

@@ -66,8 +66,10 @@ impl From<Destination> for Rule {
 }
 
 impl PartialEq<Destination> for Rule {
+    /// Exactly the destination: no qualifier, no streams, and no `until`
+    /// (an entry that lapses is not the permanent grant a profile adds).
     fn eq(&self, other: &Destination) -> bool {
-        self.http.is_none() && self.streams.is_none() && self.dest == *other
+        self.http.is_none() && self.streams.is_none() && self.until.is_none() && self.dest == *other
     }
 }
 

@@ -196,3 +196,21 @@ fn the_dns_section_is_the_bases_and_profile_allows_become_resolvable() {
     let plain = compose(&policy(r#"{"default": "deny"}"#), [chosen[0].1], None);
     assert_eq!(plain.policy.dns, None);
 }
+
+/// An entry that lapses is not the permanent grant a profile adds: the
+/// profile's entry is added beside it.
+#[test]
+fn a_timed_entry_does_not_stand_for_a_profiles_grant() {
+    let mut list = vec![crate::Policy::from_json(
+        r#"{"allow": [{"domain": "pypi.test", "until": "2999-01-01T00:00:00Z"}]}"#,
+    )
+    .expect("policy")
+    .allow
+    .remove(0)];
+    let d = Destination::parse(crate::Kind::Domain, "pypi.test").expect("domain");
+    super::push_new_rule(&mut list, &d);
+    assert_eq!(list.len(), 2);
+    assert_eq!(list[1].until, None);
+    super::push_new_rule(&mut list, &d);
+    assert_eq!(list.len(), 2, "once");
+}
