@@ -117,6 +117,7 @@ fn checked(limits: Limits) -> Result<Limits, String> {
     // it the clock arithmetic it feeds (and PostgreSQL's intervals) fails.
     for (flag, d) in [
         ("--deadline", limits.deadline),
+        ("--retry-backoff", limits.backoff),
         ("--resync-interval", limits.resync_interval),
         ("--lease-ttl", limits.lease_ttl),
         ("--operation-retention", limits.operation_retention),

@@ -38,7 +38,7 @@ pub struct Attribution {
 
 /// A record's TTL as RFC 2181 section 8 reads it: one with the top bit set
 /// is zero (so the floor, `dns.min_ttl`, applies), not 68 years.
-fn ttl_of(wire: u32) -> u32 {
+pub(crate) fn ttl_of(wire: u32) -> u32 {
     if wire >= 1 << 31 {
         0
     } else {

@@ -127,7 +127,7 @@ pub fn max_age(answer: &[u8]) -> Option<u32> {
         .answers
         .iter()
         .chain(&message.authorities)
-        .map(|r| r.ttl)
+        .map(|r| crate::chain::ttl_of(r.ttl))
         .min()
 }
 

@@ -131,16 +131,15 @@ fn invalid(raw: &str, why: &str) -> AuthorityError {
     }
 }
 
-/// `raw` with its user info (up to the authority's last `@`) written `…@`
-/// and anything from a `?` or `#` on cut.
+/// `raw` with everything between its scheme and its last `@` written `…`
+/// (user info, however it is spelled), then cut at a `?` or `#`.
 fn shown(raw: &str) -> String {
-    let raw = raw.split(['?', '#']).next().unwrap_or_default();
     let start = raw.find("://").map_or(0, |at| at + 3);
-    let end = raw[start..].find('/').map_or(raw.len(), |at| start + at);
-    match raw[start..end].rfind('@') {
+    let raw = match raw[start..].rfind('@') {
         Some(at) => format!("{}…{}", &raw[..start], &raw[start + at..]),
         None => raw.to_owned(),
-    }
+    };
+    raw.split(['?', '#']).next().unwrap_or_default().to_owned()
 }
 
 fn parse(raw: &str) -> Result<Authority, AuthorityError> {
@@ -210,8 +209,11 @@ mod tests {
         );
         let e = shown(one(Some("a b?token=s3cret"), &[]));
         assert!(!e.contains("s3cret"), "{e}");
-        assert_eq!(shown_raw("http://h/p@x?q"), "http://h/p@x");
+        assert_eq!(shown_raw("http://h/p@x?q"), "http://…@x");
         assert_eq!(shown_raw("a@b@c:1"), "…@c:1");
+        assert_eq!(shown_raw("user:pa/ss@api.test"), "…@api.test");
+        assert_eq!(shown_raw("u:s3?cret@api.test"), "…@api.test");
+        assert_eq!(shown_raw("api.test/p?token=x"), "api.test/p");
     }
 
     fn shown_raw(raw: &str) -> String {

@@ -87,7 +87,10 @@ pub async fn read(machines: Arc<Machines>) {
         Ok(fd) => fd,
         Err(e) => {
             tracing::error!(error = %e, "the NFLOG socket cannot be polled; machine egress events stop");
-            return;
+            // Serving goes on without events (the observer's rounds still
+            // read the counters): the gateway supervises this task, and an
+            // end would stop it.
+            return std::future::pending().await;
         }
     };
     let mut buf = vec![0u8; DATAGRAM];
@@ -96,7 +99,7 @@ pub async fn read(machines: Arc<Machines>) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "polling the NFLOG socket failed; machine egress events stop");
-                return;
+                return std::future::pending().await;
             }
         };
         let got = ready.try_io(|s| {

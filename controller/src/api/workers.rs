@@ -31,11 +31,8 @@ impl Api {
                 &format!("pool: {:?} is not a CIDR", req.pool),
             ));
         };
-        // Its first and last addresses stand for the range: every address
-        // handed out from it is one the gateway takes.
-        let ends = [pool.network(), pool.broadcast()];
-        if let Err(e) = egress_api::gateway::sandbox_addresses(&ends) {
-            return Err(error(StatusCode::BAD_REQUEST, &format!("pool: {e}")));
+        if let Some(why) = unusable_pool(&pool) {
+            return Err(error(StatusCode::BAD_REQUEST, &format!("pool: {why}")));
         }
         let uri: http::Uri = req.admin_url.parse().map_err(|_| {
             error(
@@ -57,4 +54,31 @@ impl Api {
             &json!({"id": id, "admin_url": req.admin_url, "pool": req.pool}),
         ))
     }
+}
+
+/// Why no sandbox address may come from `pool`: it overlaps a range the
+/// gateway refuses ([`egress_api::gateway::sandbox_addresses`]).
+fn unusable_pool(pool: &ipnet::IpNet) -> Option<String> {
+    const REFUSED: [&str; 7] = [
+        "0.0.0.0/32",
+        "255.255.255.255/32",
+        "224.0.0.0/4",
+        "169.254.0.0/16",
+        "::/128",
+        "ff00::/8",
+        "fe80::/10",
+    ];
+    let overlaps =
+        |a: &ipnet::IpNet, b: &ipnet::IpNet| a.contains(&b.network()) || b.contains(&a.network());
+    REFUSED
+        .iter()
+        .filter_map(|r| r.parse::<ipnet::IpNet>().ok())
+        .find(|r| overlaps(pool, r))
+        .map(|r| {
+            let sample = [r.network()];
+            let why = egress_api::gateway::sandbox_addresses(&sample)
+                .err()
+                .unwrap_or_default();
+            format!("{pool} overlaps {r} ({why})")
+        })
 }

@@ -474,9 +474,19 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
     let gw = FakeGateway::start().await;
     // A pool of addresses no sandbox can hold is refused, naming it.
     for (pool, needle) in [
-        ("fe80::/64", "pool: fe80::: link-local"),
-        ("169.254.0.0/16", "pool: 169.254.0.0: link-local"),
-        ("0.0.0.0/0", "pool: 0.0.0.0: no source address"),
+        (
+            "fe80::/64",
+            "pool: fe80::/64 overlaps fe80::/10 (fe80::: link-local",
+        ),
+        (
+            "169.254.0.0/16",
+            "overlaps 169.254.0.0/16 (169.254.0.0: link-local",
+        ),
+        ("169.0.0.0/8", "pool: 169.0.0.0/8 overlaps 169.254.0.0/16"),
+        (
+            "0.0.0.0/0",
+            "pool: 0.0.0.0/0 overlaps 0.0.0.0/32 (0.0.0.0: no source address",
+        ),
     ] {
         let body = json!({"admin_url": format!("http://{}", gw.addr), "token": "", "pool": pool});
         let (s, v) = call(
