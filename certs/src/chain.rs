@@ -26,6 +26,25 @@ pub(crate) struct Chain {
     pub(crate) subject: String,
 }
 
+/// Why `cert` cannot be a CA in service at `now`: not a CA, expired, or not
+/// valid yet (every leaf minted under it would fail every handshake).
+fn in_service(cert: &X509Certificate<'_>, now: OffsetDateTime) -> Result<(), String> {
+    if !cert.is_ca() {
+        return Err("not a CA certificate (basicConstraints CA is not set)".into());
+    }
+    let validity = cert.validity();
+    if validity.not_after.to_datetime() < now {
+        return Err(format!("expired at {}", validity.not_after));
+    }
+    if validity.not_before.to_datetime() > now {
+        return Err(format!(
+            "not valid before {} (the clock of the machine that signed it, or this one's, is off)",
+            validity.not_before
+        ));
+    }
+    Ok(())
+}
+
 /// Checks `certs` (in file order) against `key` at `now`. The error is one
 /// sentence naming the certificate by position and subject.
 pub(crate) fn check(
@@ -54,27 +73,7 @@ pub(crate) fn check(
     let n = parsed.len();
     for (i, cert) in parsed.iter().enumerate() {
         let name = || format!("certificate {} of {n} ({})", i + 1, cert.subject());
-        if !cert.is_ca() {
-            return Err(format!(
-                "{}: not a CA certificate (basicConstraints CA is not set)",
-                name()
-            ));
-        }
-        if cert.validity().not_after.to_datetime() < now {
-            return Err(format!(
-                "{}: expired at {}",
-                name(),
-                cert.validity().not_after
-            ));
-        }
-        // Every leaf minted under it would fail every handshake until then.
-        if cert.validity().not_before.to_datetime() > now {
-            return Err(format!(
-                "{}: not valid before {} (the clock of the machine that signed it, or this one's, is off)",
-                name(),
-                cert.validity().not_before
-            ));
-        }
+        in_service(cert, now).map_err(|why| format!("{}: {why}", name()))?;
         if let Some(next) = parsed.get(i + 1) {
             issued_by(cert, next).map_err(|why| format!("{}: {why}", name()))?;
         }

@@ -48,25 +48,7 @@ pub(crate) fn ttl_of(wire: u32) -> u32 {
 
 /// Extracts what `answer` attributes for `question`, or `None` when it binds no address.
 pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
-    // Compared case-insensitively; lower-cased only when made hostnames.
-    let mut chain: Vec<Name> = vec![question.clone()];
-    let mut ttl = u32::MAX;
-    // Follow CNAMEs from the question name, in whatever order the records come.
-    while chain.len() <= MAX_CHAIN {
-        let Some(current) = chain.last() else { break };
-        let next = internet(answer).find_map(|r| match &r.data {
-            RData::CNAME(target) if same_name(&r.name, current) => {
-                Some((target.0.clone(), ttl_of(r.ttl)))
-            }
-            _ => None,
-        });
-        let Some((target, t)) = next else { break };
-        if chain.iter().any(|n| same_name(n, &target)) {
-            break; // a loop: the chain ends where it started repeating
-        }
-        ttl = ttl.min(t);
-        chain.push(target);
-    }
+    let (chain, mut ttl) = follow(question, answer);
     // The chain ends at a name with no CNAME of its own (one that ended in
     // a loop or at the limit has one, and so has no addresses).
     let last = chain.last()?;
@@ -147,3 +129,26 @@ fn same_name(a: &Name, b: &Name) -> bool {
 
 #[cfg(test)]
 mod tests;
+
+/// The CNAME chain from `question` in `answer` (compared without regard to
+/// case, in whatever order the records come), and its smallest TTL.
+fn follow(question: &Name, answer: &Message) -> (Vec<Name>, u32) {
+    let mut chain: Vec<Name> = vec![question.clone()];
+    let mut ttl = u32::MAX;
+    while chain.len() <= MAX_CHAIN {
+        let Some(current) = chain.last() else { break };
+        let next = internet(answer).find_map(|r| match &r.data {
+            RData::CNAME(target) if same_name(&r.name, current) => {
+                Some((target.0.clone(), ttl_of(r.ttl)))
+            }
+            _ => None,
+        });
+        let Some((target, t)) = next else { break };
+        if chain.iter().any(|n| same_name(n, &target)) {
+            break; // a loop: the chain ends where it started repeating
+        }
+        ttl = ttl.min(t);
+        chain.push(target);
+    }
+    (chain, ttl)
+}

@@ -591,13 +591,6 @@ impl Config {
                 "0 would attribute no sandbox's DNS: at least 1".into(),
             ));
         }
-        if self.dns.max_sandboxes > MAX_DNS_SANDBOXES {
-            let why = format!(
-                "{} is more than {MAX_DNS_SANDBOXES} (its tables are sized at start)",
-                self.dns.max_sandboxes
-            );
-            return Some(("dns.max_sandboxes", why));
-        }
         if let Some(invalid) = self.dns.invalid_budget() {
             return Some(invalid);
         }
@@ -616,15 +609,8 @@ impl Config {
                 return Some((key, "must be longer than zero".into()));
             }
         }
-        if let Some(invalid) = self.longest_waits() {
+        if let Some(invalid) = self.longest_waits().or_else(|| self.sizes()) {
             return Some(invalid);
-        }
-        if self.log.flow_log_max_bytes < MIN_FLOW_LOG_BYTES {
-            let why = format!(
-                "{} is below {MIN_FLOW_LOG_BYTES} bytes",
-                self.log.flow_log_max_bytes
-            );
-            return Some(("log.flow_log_max_bytes", why));
         }
         if let Some(up) = self
             .dns
@@ -644,6 +630,26 @@ impl Config {
             .or_else(|| self.upstream_proxy.first_invalid())
             .or_else(|| self.credentials.first_invalid())
             .or_else(|| self.admin_invalid())
+    }
+
+    /// A size out of its bounds: the DNS tables sized at start, the flow
+    /// log's cap.
+    fn sizes(&self) -> Option<(&'static str, String)> {
+        if self.dns.max_sandboxes > MAX_DNS_SANDBOXES {
+            let why = format!(
+                "{} is more than {MAX_DNS_SANDBOXES} (its tables are sized at start)",
+                self.dns.max_sandboxes
+            );
+            return Some(("dns.max_sandboxes", why));
+        }
+        if self.log.flow_log_max_bytes < MIN_FLOW_LOG_BYTES {
+            let why = format!(
+                "{} is below {MIN_FLOW_LOG_BYTES} bytes",
+                self.log.flow_log_max_bytes
+            );
+            return Some(("log.flow_log_max_bytes", why));
+        }
+        None
     }
 
     /// A duration past [`MAX_DURATION`]: added to a clock reading, a value

@@ -537,11 +537,11 @@ impl Sources {
     }
 }
 
-impl Collector for Sources {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        self.dns_events(&mut encoder)?;
+impl Sources {
+    /// The counters read at a scrape: name, help, value.
+    fn counters(&self) -> [(&'static str, &'static str, u64); 6] {
         let d = &self.dns;
-        let counters: [(&str, &str, u64); 6] = [
+        [
             (
                 "dns_queries",
                 "DNS messages received, over UDP and TCP.",
@@ -572,8 +572,14 @@ impl Collector for Sources {
                 "Leaf keys made since start, the first included: one more each time tls.leaf_key_lifetime runs out or a new CA is put in service.",
                 self.minter.generations(),
             ),
-        ];
-        for (name, help, n) in counters {
+        ]
+    }
+}
+
+impl Collector for Sources {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        self.dns_events(&mut encoder)?;
+        for (name, help, n) in self.counters() {
             let c = ConstCounter::new(n);
             c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
         }

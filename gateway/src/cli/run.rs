@@ -73,20 +73,24 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         let stopped = gateway.run(shutdown_signal(term)).await;
         reloader.abort();
         upgrader.abort();
-        match stopped.left {
-            0 => tracing::info!("stopped; every flow finished"),
-            n => tracing::warn!(
-                open_flows = n,
-                "stopped at the drain deadline with flows still open"
-            ),
-        }
-        match stopped.failed {
-            // A supervisor (systemd's Restart=on-failure, a kubelet) starts
-            // it again.
-            Some(_) => ExitCode::FAILURE,
-            None => ExitCode::SUCCESS,
-        }
+        exit_code(&stopped)
     })
+}
+
+/// Logs how the gateway stopped; a failure exits so, for a supervisor
+/// (systemd's `Restart=on-failure`, a kubelet) to start it again.
+fn exit_code(stopped: &crate::gateway::Stopped) -> ExitCode {
+    match stopped.left {
+        0 => tracing::info!("stopped; every flow finished"),
+        n => tracing::warn!(
+            open_flows = n,
+            "stopped at the drain deadline with flows still open"
+        ),
+    }
+    match stopped.failed {
+        Some(_) => ExitCode::FAILURE,
+        None => ExitCode::SUCCESS,
+    }
 }
 
 /// SIGHUP (reload), SIGTERM (drain) and SIGUSR2 (a successor takes over).
