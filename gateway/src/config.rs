@@ -597,15 +597,11 @@ impl Config {
         if let Some(invalid) = self.tls.first_invalid() {
             return Some(invalid);
         }
-        for (key, d) in [
-            ("dns.upstream_timeout", self.dns.upstream_timeout),
-            ("timeouts.peek", self.timeouts.peek),
-            ("timeouts.connect", self.timeouts.connect),
-            ("timeouts.tls_handshake", self.timeouts.tls_handshake),
-            ("timeouts.idle", self.timeouts.idle),
-            ("timeouts.request_head", self.timeouts.request_head),
-        ] {
-            if d.is_zero() {
+        // Zero would wait for nothing; a TTL floor, the TTL ceiling and the
+        // drain may be zero.
+        let may_be_zero = ["dns.min_ttl", "dns.max_ttl", "timeouts.drain"];
+        for (key, d) in self.durations() {
+            if d.is_zero() && !may_be_zero.contains(&key) {
                 return Some((key, "must be longer than zero".into()));
             }
         }
@@ -652,9 +648,8 @@ impl Config {
         None
     }
 
-    /// A duration past [`MAX_DURATION`]: added to a clock reading, a value
-    /// near `u64::MAX` seconds would panic where it is used, not here.
-    fn longest_waits(&self) -> Option<(&'static str, String)> {
+    /// Every duration of the configuration but the TLS ones, by key.
+    fn durations(&self) -> [(&'static str, Duration); 9] {
         [
             ("dns.min_ttl", self.dns.min_ttl),
             ("dns.max_ttl", self.dns.max_ttl),
@@ -666,9 +661,15 @@ impl Config {
             ("timeouts.request_head", self.timeouts.request_head),
             ("timeouts.drain", self.timeouts.drain),
         ]
-        .into_iter()
-        .find(|(_, d)| *d > MAX_DURATION)
-        .map(|(key, d)| (key, format!("{d:?} is longer than 7d")))
+    }
+
+    /// A duration past [`MAX_DURATION`]: added to a clock reading, a value
+    /// near `u64::MAX` seconds would panic where it is used, not here.
+    fn longest_waits(&self) -> Option<(&'static str, String)> {
+        self.durations()
+            .into_iter()
+            .find(|(_, d)| *d > MAX_DURATION)
+            .map(|(key, d)| (key, format!("{d:?} is longer than 7d")))
     }
 
     /// An admin listener off loopback without a token: anyone who reaches

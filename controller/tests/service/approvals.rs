@@ -240,20 +240,7 @@ async fn template_and_tenant_approvals_reach_later_sandboxes_of_the_tenant_only(
 #[tokio::test]
 async fn an_approval_expires_and_the_gateway_denies_again() {
     let w = setup_world(db!()).await;
-    let (id, addr) = sandbox(&w, FEDERATED).await;
-    denied_request(&w, &addr).await;
-    let mut conn = sqlx::PgConnection::connect(&w.url).await.expect("db");
-    let past: String = sqlx::query_scalar("SELECT to_json(now() - interval '1 second') #>> '{}'")
-        .fetch_one(&mut conn)
-        .await
-        .expect("time");
-    let (s, _) = approve(
-        &w,
-        FEDERATED,
-        &id,
-        json!({"scope": "sandbox", "until": past}),
-    )
-    .await;
+    let (id, mut conn, (s, _)) = denied_then_approved(&w, "- interval '1 second'").await;
     assert_eq!(s, 400, "a time in the past");
     // Not RFC 3339, though PostgreSQL reads each: `infinity` would never
     // expire, the others would be read in the server's zone.
@@ -277,10 +264,7 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
             "{v}"
         );
     }
-    let soon: String = sqlx::query_scalar("SELECT to_json(now() + interval '2 seconds') #>> '{}'")
-        .fetch_one(&mut conn)
-        .await
-        .expect("time");
+    let soon = db_time(&mut conn, "+ interval '2 seconds'").await;
     let (s, a) = approve(
         &w,
         FEDERATED,
@@ -291,10 +275,7 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     assert_eq!(s, 201, "{a}");
     // Another approval past its until that cannot be taken out (its rule
     // no longer reads): it must not hold the first one in force.
-    let later: String = sqlx::query_scalar("SELECT to_json(now() + interval '1 hour') #>> '{}'")
-        .fetch_one(&mut conn)
-        .await
-        .expect("time");
+    let later = db_time(&mut conn, "+ interval '1 hour'").await;
     let (s, broken) = approve(
         &w,
         FEDERATED,
@@ -497,6 +478,32 @@ async fn a_shadow_carries_the_approvals_and_a_later_change_blocks_its_promotion(
     assert_eq!(v["policy"]["allow"], doc["effective"]["allow"], "{v}");
 }
 
+/// A sandbox of FEDERATED's, denied once (a proposal), then that proposal
+/// approved for the sandbox until the database's clock `offset` from now:
+/// the sandbox, a database connection, the approval's answer.
+async fn denied_then_approved(
+    w: &Setup,
+    offset: &str,
+) -> (String, sqlx::PgConnection, (u16, Value)) {
+    let (id, addr) = sandbox(w, FEDERATED).await;
+    denied_request(w, &addr).await;
+    let mut conn = sqlx::PgConnection::connect(&w.url).await.expect("db");
+    let until = db_time(&mut conn, offset).await;
+    let body = json!({"scope": "sandbox", "until": until});
+    let answer = approve(w, FEDERATED, &id, body).await;
+    (id, conn, answer)
+}
+
+/// The database's clock, `offset` from now (`+ interval '2 seconds'`),
+/// as RFC 3339.
+async fn db_time(conn: &mut sqlx::PgConnection, offset: &str) -> String {
+    let sql = format!("SELECT to_json(now() {offset}) #>> '{{}}'");
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_one(conn)
+        .await
+        .expect("time")
+}
+
 /// The gateway closes an approval at its `until` by itself: with no
 /// dispatcher left to push the rule out (a controller down, a worker cut
 /// off), the sandbox is denied again on time. Before, the gateway held the
@@ -504,20 +511,7 @@ async fn a_shadow_carries_the_approvals_and_a_later_change_blocks_its_promotion(
 #[tokio::test]
 async fn an_approval_closes_on_time_with_no_dispatcher_running() {
     let mut w = setup_world(db!()).await;
-    let (id, addr) = sandbox(&w, FEDERATED).await;
-    denied_request(&w, &addr).await;
-    let mut conn = sqlx::PgConnection::connect(&w.url).await.expect("db");
-    let soon: String = sqlx::query_scalar("SELECT to_json(now() + interval '3 seconds') #>> '{}'")
-        .fetch_one(&mut conn)
-        .await
-        .expect("time");
-    let (s, a) = approve(
-        &w,
-        FEDERATED,
-        &id,
-        json!({"scope": "sandbox", "until": soon}),
-    )
-    .await;
+    let (id, _, (s, a)) = denied_then_approved(&w, "+ interval '3 seconds'").await;
     assert_eq!(s, 201, "{a}");
     until_verdict(&w, &id, "intercept").await;
     drop(w.dispatcher.take());
