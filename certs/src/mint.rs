@@ -89,9 +89,14 @@ struct Cached {
 impl Cached {
     /// Whether it may be served at `now` under `generation`: minted under
     /// it, and valid at `now` (a wall clock stepped back past its start, or
-    /// on past its end, mints it again).
+    /// on past its end, mints it again) — or ending with its CA, past which
+    /// no leaf minted now would be valid either (a CA that expired while in
+    /// service would otherwise cost a mint per handshake).
     fn serves(&self, generation: &Generation, now: OffsetDateTime) -> bool {
-        self.generation == generation.id && self.not_before <= now && now < self.not_after
+        let ends_with_ca = self.not_after >= generation.ca.not_after();
+        self.generation == generation.id
+            && self.not_before <= now
+            && (now < self.not_after || ends_with_ca)
     }
 }
 

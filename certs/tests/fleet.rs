@@ -346,3 +346,29 @@ fn a_clock_step_mints_the_leaf_again() {
     assert_eq!(minter.minted(), 3);
     assert!(starts(&later).1 > ahead.unix_timestamp());
 }
+
+/// Under a CA that expired while in service, a leaf (which ends with it)
+/// is minted once and served from the cache, not minted at every
+/// handshake: no leaf minted then would be valid either.
+#[test]
+fn a_leaf_under_an_expired_ca_is_not_minted_at_every_handshake() {
+    let tmp = tempfile::tempdir().expect("temp");
+    let root = CertificateAuthority::create_root(&tmp.path().join("root")).expect("root");
+    let worker = tmp.path().join("worker");
+    let csr = request(&worker, "worker-1").expect("request");
+    let pem = std::fs::read_to_string(&csr).expect("csr");
+    let now = OffsetDateTime::now_utc();
+    let signed = sign_intermediate(&root, &csr, &pem, Duration::days(1), now).expect("signed");
+    let paths = CaPaths::in_dir(&worker);
+    std::fs::write(&paths.cert, &signed.chain_pem).expect("write chain");
+    let ca = Arc::new(CertificateAuthority::load(&paths).expect("loads"));
+    let minter = LeafMinter::new(ca, MintConfig::default()).expect("minter");
+    let name = LeafName::Dns(Hostname::parse("api.example.test").expect("name"));
+    let later = now + Duration::hours(30);
+    minter.leaf_at(&name, later).expect("leaf");
+    let minted = minter.minted();
+    for _ in 0..3 {
+        minter.leaf_at(&name, later).expect("leaf");
+    }
+    assert_eq!(minter.minted(), minted, "served from the cache");
+}
