@@ -288,20 +288,28 @@ fn a_replaced_ca_mints_the_next_leaves_and_drops_the_old_ones() {
     );
 }
 
-/// A leaf is never valid past its CA: under an intermediate with a day
-/// left, a leaf of the default seven days ends with the intermediate.
-#[test]
-fn a_leaf_ends_no_later_than_its_ca() {
-    let tmp = tempfile::tempdir().expect("temp");
-    let root = CertificateAuthority::create_root(&tmp.path().join("root")).expect("root");
-    let worker = tmp.path().join("worker");
+/// A worker intermediate in `dir` signed now for one day, loaded; and now.
+fn a_day_left(dir: &Path) -> (Arc<CertificateAuthority>, OffsetDateTime) {
+    let root = CertificateAuthority::create_root(&dir.join("root")).expect("root");
+    let worker = dir.join("worker");
     let csr = request(&worker, "worker-1").expect("request");
     let pem = std::fs::read_to_string(&csr).expect("csr");
     let now = OffsetDateTime::now_utc();
     let signed = sign_intermediate(&root, &csr, &pem, Duration::days(1), now).expect("signed");
     let paths = CaPaths::in_dir(&worker);
     std::fs::write(&paths.cert, &signed.chain_pem).expect("write chain");
-    let ca = Arc::new(CertificateAuthority::load(&paths).expect("loads"));
+    (
+        Arc::new(CertificateAuthority::load(&paths).expect("loads")),
+        now,
+    )
+}
+
+/// A leaf is never valid past its CA: under an intermediate with a day
+/// left, a leaf of the default seven days ends with the intermediate.
+#[test]
+fn a_leaf_ends_no_later_than_its_ca() {
+    let tmp = tempfile::tempdir().expect("temp");
+    let (ca, _) = a_day_left(tmp.path());
     let minter = LeafMinter::new(ca.clone(), MintConfig::default()).expect("minter");
     let name = LeafName::Dns(Hostname::parse("api.example.test").expect("name"));
     let leaf = minter.leaf(&name).expect("leaf");
@@ -353,15 +361,7 @@ fn a_clock_step_mints_the_leaf_again() {
 #[test]
 fn a_leaf_under_an_expired_ca_is_not_minted_at_every_handshake() {
     let tmp = tempfile::tempdir().expect("temp");
-    let root = CertificateAuthority::create_root(&tmp.path().join("root")).expect("root");
-    let worker = tmp.path().join("worker");
-    let csr = request(&worker, "worker-1").expect("request");
-    let pem = std::fs::read_to_string(&csr).expect("csr");
-    let now = OffsetDateTime::now_utc();
-    let signed = sign_intermediate(&root, &csr, &pem, Duration::days(1), now).expect("signed");
-    let paths = CaPaths::in_dir(&worker);
-    std::fs::write(&paths.cert, &signed.chain_pem).expect("write chain");
-    let ca = Arc::new(CertificateAuthority::load(&paths).expect("loads"));
+    let (ca, now) = a_day_left(tmp.path());
     let minter = LeafMinter::new(ca, MintConfig::default()).expect("minter");
     let name = LeafName::Dns(Hostname::parse("api.example.test").expect("name"));
     let later = now + Duration::hours(30);
