@@ -297,6 +297,8 @@ impl AttributionCache {
         let mut dropped = Vec::new();
         let mut lru = cache.lock();
         for ip in addrs {
+            // An address is kept as flows carry it: an IPv4-mapped one as IPv4.
+            let ip = &ip.to_canonical();
             cache.evicted.remove(ip);
             // Written again, an address is used again: `get_mut` relinks it first.
             match lru.get_mut(ip) {
@@ -321,6 +323,7 @@ impl AttributionCache {
 
     /// The live names `sandbox` resolved to `ip`, or why there are none.
     pub fn names_for(&self, sandbox: &SandboxId, ip: IpAddr) -> Lookup {
+        let ip = ip.to_canonical();
         let Some(cache) = self.existing(sandbox) else {
             return Lookup::Missing(AttributionGap::NoDnsSeen);
         };

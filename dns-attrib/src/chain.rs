@@ -59,7 +59,9 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
     for r in internet(answer) {
         let addr = match &r.data {
             RData::A(a) => IpAddr::V4(a.0),
-            RData::AAAA(a) => IpAddr::V6(a.0),
+            // `::ffff:a.b.c.d` is where a dual-stack socket connects over
+            // IPv4: it binds the IPv4 address, as an A record would.
+            RData::AAAA(a) => IpAddr::V6(a.0).to_canonical(),
             _ => continue,
         };
         if !same_name(last, &r.name) {

@@ -359,3 +359,18 @@ fn long_names_are_bounded_by_their_weight_per_sandbox() {
     let all = cache.existing(&noisy).expect("a cache");
     assert!(all.weight.load(Ordering::Relaxed) <= 256 * 1024);
 }
+
+#[test]
+fn an_ipv4_mapped_address_is_its_ipv4_address() {
+    let (_clock, cache) = setup(CacheConfig::default());
+    let sb = SandboxId::new("a");
+    cache.record(&sb, &attr(&["mapped.test"], &["::ffff:203.0.113.7"], 60));
+    assert_eq!(live(&cache, &sb, "203.0.113.7"), ["mapped.test"]);
+    cache.record(&sb, &attr(&["plain.test"], &["198.51.100.9"], 60));
+    assert_eq!(live(&cache, &sb, "::ffff:198.51.100.9"), ["plain.test"]);
+    let listed: Vec<IpAddr> = cache.entries(&sb).into_iter().map(|(ip, _)| ip).collect();
+    assert!(
+        listed.contains(&ip("203.0.113.7")) && !listed.iter().any(|a| a.is_ipv6()),
+        "{listed:?}"
+    );
+}

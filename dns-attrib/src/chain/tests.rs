@@ -219,3 +219,20 @@ fn a_ttl_with_the_top_bit_set_is_zero() {
         0x7fff_ffff
     );
 }
+
+#[test]
+fn an_ipv4_mapped_aaaa_binds_the_ipv4_address() {
+    // A dual-stack socket connecting to `::ffff:a.b.c.d` leaves over IPv4:
+    // the flow carries `a.b.c.d`, and so does the evidence (once, with the A).
+    let m = answer(vec![
+        aaaa("api.test.", 300, "::ffff:203.0.113.7"),
+        a("api.test.", 300, "203.0.113.7"),
+        aaaa("api.test.", 300, "64:ff9b::cb00:7107"),
+    ]);
+    let at = attribution(&n("api.test."), &m).expect("attribution");
+    let want: Vec<IpAddr> = vec![
+        "203.0.113.7".parse().unwrap(),
+        "64:ff9b::cb00:7107".parse().unwrap(),
+    ];
+    assert_eq!(at.addrs, want, "NAT64 stays as written: flows carry it so");
+}
