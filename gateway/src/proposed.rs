@@ -3,7 +3,9 @@
 //! [`egress_policy::proposals`] merges them into proposed allow entries.
 //!
 //! Kept in memory only, per sandbox, bounded by
-//! [`egress_policy::proposals::MAX_SEEN`] entries; a sandbox's proposals go
+//! [`egress_policy::proposals::MAX_SEEN`] entries and over all sandboxes by
+//! [`MAX_SEEN_PER_GATEWAY`] (the sandbox holding most gives up its least
+//! recently seen entry); a sandbox's proposals go
 //! with it (delete, resync) and a restart forgets them all. A denial whose
 //! reason proposes nothing returns before the lock, so only the denials
 //! worth keeping pay for it.
@@ -13,7 +15,9 @@ use std::net::SocketAddr;
 use std::sync::{Mutex, PoisonError};
 use std::time::SystemTime;
 
-use egress_policy::proposals::{Denial, DeniedRequest, Proposal, Proposals, PROPOSED_REASONS};
+use egress_policy::proposals::{
+    Denial, DeniedRequest, Proposal, Proposals, MAX_SEEN_PER_GATEWAY, PROPOSED_REASONS,
+};
 use egress_policy::{Hostname, PlatformDenies, SandboxId};
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -22,7 +26,14 @@ use time::OffsetDateTime;
 /// Every sandbox's proposals.
 #[derive(Debug, Default)]
 pub(crate) struct Proposed {
-    by_sandbox: Mutex<HashMap<SandboxId, Proposals>>,
+    by_sandbox: Mutex<BySandbox>,
+}
+
+/// The sandboxes' proposals and the entries they hold together.
+#[derive(Debug, Default)]
+struct BySandbox {
+    map: HashMap<SandboxId, Proposals>,
+    entries: usize,
 }
 
 /// What a denial says, borrowed from the stage that denied it.
@@ -70,13 +81,14 @@ impl Proposed {
         };
         let mut by_sandbox = self.lock();
         if live() {
-            by_sandbox.entry(id.clone()).or_default().record(denial);
+            by_sandbox.record(id, denial, MAX_SEEN_PER_GATEWAY);
         }
     }
 
     /// The proposals of sandbox `id`, most recently seen first.
     pub(crate) fn list(&self, id: &SandboxId, platform: &PlatformDenies) -> Vec<Proposal> {
         self.lock()
+            .map
             .get(id)
             .map(|p| p.list(platform))
             .unwrap_or_default()
@@ -84,18 +96,46 @@ impl Proposed {
 
     /// Forgets sandbox `id`'s proposals.
     pub(crate) fn forget(&self, id: &SandboxId) {
-        self.lock().remove(id);
+        let mut by_sandbox = self.lock();
+        if let Some(p) = by_sandbox.map.remove(id) {
+            by_sandbox.entries -= p.len();
+        }
     }
 
     /// Keeps only the sandboxes `live` names (after a resync).
     pub(crate) fn retain(&self, live: impl Fn(&SandboxId) -> bool) {
-        self.lock().retain(|id, _| live(id));
+        let mut by_sandbox = self.lock();
+        by_sandbox.map.retain(|id, _| live(id));
+        by_sandbox.entries = by_sandbox.map.values().map(Proposals::len).sum();
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Proposals>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BySandbox> {
         self.by_sandbox
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+// === impl BySandbox ===
+
+impl BySandbox {
+    /// Records `denial` for `id`; past `cap` entries over all sandboxes,
+    /// the sandbox holding most (a scanner first) gives up its oldest.
+    fn record(&mut self, id: &SandboxId, denial: Denial, cap: usize) {
+        let proposals = self.map.entry(id.clone()).or_default();
+        let before = proposals.len();
+        proposals.record(denial);
+        self.entries = self.entries + proposals.len() - before;
+        if proposals.is_empty() {
+            self.map.remove(id);
+        }
+        while self.entries > cap {
+            let Some(most) = self.map.values_mut().max_by_key(|p| p.len()) else {
+                break;
+            };
+            most.evict();
+            self.entries -= 1;
+        }
     }
 }
 
@@ -174,5 +214,48 @@ mod tests {
             Some(EXAMPLE_NAMES),
             "{doc}"
         );
+    }
+
+    /// Past the gateway's bound, the sandbox holding most gives entries up
+    /// (a scanner, not the quiet sandbox beside it), and the count follows
+    /// a sandbox's removal.
+    #[test]
+    fn the_gateways_bound_takes_from_the_sandbox_holding_most() {
+        let denial = |i: u32| Denial {
+            at: SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(u64::from(i)),
+            dst: SocketAddr::from(([203, 0, 113, (i % 200) as u8], 443)),
+            sni: Some(Hostname::parse(&format!("n{i}.test")).expect("name")),
+            host: None,
+            attributed: Vec::new(),
+            reason: "no_allow_match",
+            request: None,
+        };
+        let (scanner, quiet) = (SandboxId::new("scanner"), SandboxId::new("quiet"));
+        let mut all = BySandbox::default();
+        all.record(&quiet, denial(0), 10);
+        all.record(&quiet, denial(1), 10);
+        for i in 2..40 {
+            all.record(&scanner, denial(i), 10);
+            assert!(all.entries <= 10, "{} entries", all.entries);
+        }
+        assert_eq!(all.map[&quiet].len(), 2, "the quiet sandbox keeps its own");
+        assert_eq!(all.map[&scanner].len(), 8);
+        let kept = all.map[&scanner].list(&PlatformDenies::builtin());
+        let doc = document("scanner", &kept);
+        assert_eq!(
+            doc["proposals"][0]["rule"],
+            json!({"domain": "n39.test"}),
+            "{doc}"
+        );
+        assert!(
+            kept.iter().all(|p| p.last_seen >= denial(32).at),
+            "the newest are kept"
+        );
+        let proposed = Proposed::default();
+        *proposed.lock() = all;
+        proposed.forget(&scanner);
+        assert_eq!(proposed.lock().entries, 2);
+        proposed.retain(|_| false);
+        assert_eq!(proposed.lock().entries, 0);
     }
 }

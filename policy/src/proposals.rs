@@ -39,7 +39,8 @@
 //!   (mapped, NAT64) is proposed as that one.
 //!
 //! Bounds: [`MAX_SEEN`] entries per sandbox (the least recently seen is
-//! evicted), [`MAX_EXAMPLES`] examples per entry (the most recent).
+//! evicted), [`MAX_EXAMPLES`] examples per entry (the most recent). The
+//! gateway bounds the sum over its sandboxes too ([`MAX_SEEN_PER_GATEWAY`]).
 
 #[cfg(test)]
 mod tests;
@@ -56,6 +57,11 @@ use crate::{Destination, Hostname, PlatformDenies, Rule, WildcardDomain};
 /// Entries kept per sandbox: a sandbox scanning addresses or names cannot
 /// grow the gateway's memory past this.
 pub const MAX_SEEN: usize = 256;
+/// Entries kept over every sandbox of one gateway (64 sandboxes' worth): past
+/// it, the sandbox holding most gives up its least recently seen entry, so
+/// many sandboxes scanning together cannot grow it either, and the one
+/// scanning most pays first.
+pub const MAX_SEEN_PER_GATEWAY: usize = 64 * MAX_SEEN;
 /// Examples kept per proposal.
 pub const MAX_EXAMPLES: usize = 3;
 /// Distinct names under one registrable domain before they are proposed as
@@ -186,7 +192,9 @@ impl Proposals {
     }
 
     /// Drops the least recently seen entry.
-    fn evict(&mut self) {
+    /// Drops the least recently seen entry, if any (the gateway's bound
+    /// over every sandbox takes from the one holding most).
+    pub fn evict(&mut self) {
         let oldest = self
             .seen
             .iter()
