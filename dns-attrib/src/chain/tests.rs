@@ -231,8 +231,8 @@ fn an_ipv4_mapped_aaaa_binds_the_ipv4_address() {
     ]);
     let at = attribution(&n("api.test."), &m).expect("attribution");
     let want: Vec<IpAddr> = vec![
-        "203.0.113.7".parse().unwrap(),
-        "64:ff9b::cb00:7107".parse().unwrap(),
+        "203.0.113.7".parse().expect("ip"),
+        "64:ff9b::cb00:7107".parse().expect("ip"),
     ];
     assert_eq!(at.addrs, want, "NAT64 stays as written: flows carry it so");
 }
