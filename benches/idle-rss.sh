@@ -34,8 +34,9 @@
 # Descriptors: the gateway holds two per connection (client and upstream) in
 # both modes, so N is bounded by the gateway's hard RLIMIT_NOFILE (this
 # workplace: 20,000, and without CAP_SYS_RESOURCE it cannot be raised): at
-# most (limit - 256) / 2 connections.  Past 20,000, gateway-column.sh's
-# limits.max_connections (20,000) binds too.  Past ~25,000 the namespaces'
+# most (limit - 256) / 2 connections.  Past 10,000 the one client address
+# holds its share of gateway-column.sh's limits.max_connections (20,000: half
+# for a lone source, docs/operations.md).  Past ~25,000 the namespaces'
 # ephemeral port range (one client address, one origin address) is widened
 # to 1024-65535 on both hops, which covers 60,000 per hop.  At 50,000 the
 # origin matters too: nginx's workers are under the same descriptor limit,

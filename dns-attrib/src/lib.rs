@@ -20,6 +20,7 @@ mod clock;
 pub mod doh;
 mod gate;
 mod ghosts;
+pub mod held;
 mod metrics;
 mod proxy;
 mod svcb;

@@ -36,6 +36,7 @@ use crate::budget::{BudgetLimits, Budgets, Crossing};
 use crate::cache::AttributionCache;
 use crate::chain::attribution;
 use crate::gate::{gate, Gate};
+use crate::held::{fair_share, Held, Holds};
 use crate::metrics::DnsMetrics;
 use crate::svcb::strip_ech;
 
@@ -290,10 +291,13 @@ impl DnsProxy {
         drop(permit);
     }
 
-    /// Serves DNS over TCP on `listener`, standing in for `resolver`, until the task is dropped.
+    /// Serves DNS over TCP on `listener`, standing in for `resolver`, until
+    /// the task is dropped: its connections go with it (a drain or a
+    /// handover answers nothing more into a cache being exported).
     pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener, resolver: SocketAddr) {
         let connections = Arc::new(Semaphore::new(self.config.max_tcp_connections));
         let per_source: Holds<IpAddr> = Arc::default();
+        let mut served = tokio::task::JoinSet::new();
         loop {
             let (stream, src) = match listener.accept().await {
                 Ok(accepted) => accepted,
@@ -305,6 +309,7 @@ impl DnsProxy {
                     continue;
                 }
             };
+            while served.try_join_next().is_some() {}
             // A source no sandbox's policy lets ask this resolver holds no
             // connection: it would only ever be refused.
             if !matches!(self.admission.admit(src.ip(), resolver), Admit::Allowed(..)) {
@@ -312,10 +317,11 @@ impl DnsProxy {
                 drop(stream);
                 continue;
             }
-            // One source may not hold every connection the listener has.
-            let Some(mine) =
-                Held::take(&per_source, src.ip().to_canonical(), |_| MAX_TCP_PER_SOURCE)
-            else {
+            // One source may not hold every connection the listener has, nor
+            // a few sources together: each its share, at most 16.
+            let total = self.config.max_tcp_connections;
+            let share = |holding| fair_share(total, holding, 2).min(MAX_TCP_PER_SOURCE);
+            let Some(mine) = Held::take(&per_source, src.ip().to_canonical(), share) else {
                 self.metrics.overloaded.inc();
                 drop(stream);
                 continue;
@@ -326,7 +332,7 @@ impl DnsProxy {
                 continue;
             };
             let this = self.clone();
-            tokio::spawn(async move {
+            served.spawn(async move {
                 this.serve_tcp_connection(stream, src, resolver).await;
                 drop((permit, mine));
             });
@@ -450,7 +456,7 @@ impl DnsProxy {
     /// sandbox over its share keeps what it holds and takes no more until
     /// it is under it. `holding`: the sandboxes with queries in flight.
     fn fair_share(&self, holding: usize) -> usize {
-        let share = (self.config.max_in_flight / (holding + 1)).max(MIN_SHARE);
+        let share = fair_share(self.config.max_in_flight, holding, MIN_SHARE);
         self.config.max_in_flight_per_sandbox.min(share)
     }
 
@@ -685,7 +691,8 @@ impl std::fmt::Debug for DnsProxy {
     }
 }
 
-/// DNS-over-TCP connections one source address may hold at once.
+/// DNS-over-TCP connections one source address may hold at once (fewer,
+/// its fair share of `max_tcp_connections`, when many sources hold some).
 const MAX_TCP_PER_SOURCE: usize = 16;
 
 /// The least of the proxy's places a sandbox may hold under contention
@@ -694,47 +701,6 @@ const MIN_SHARE: usize = 4;
 
 /// How long the TCP accept loop waits after accepting failed.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-
-/// Counts held per key (a sandbox's queries in flight, a source's DNS-over-TCP
-/// connections).
-type Holds<K> = Arc<Mutex<HashMap<K, usize>>>;
-
-/// One of a key's holds, given back on drop.
-struct Held<K: Eq + std::hash::Hash> {
-    holds: Holds<K>,
-    key: K,
-}
-
-impl<K: Eq + std::hash::Hash + Clone> Held<K> {
-    /// A hold on `key`, unless it has its cap already: `cap` of the number
-    /// of keys held, read under the same lock.
-    fn take(holds: &Holds<K>, key: K, cap: impl FnOnce(usize) -> usize) -> Option<Self> {
-        let mut map = holds.lock().ok()?;
-        let cap = cap(map.len());
-        let n = map.entry(key.clone()).or_insert(0);
-        if *n >= cap {
-            return None;
-        }
-        *n += 1;
-        Some(Self {
-            holds: holds.clone(),
-            key,
-        })
-    }
-}
-
-impl<K: Eq + std::hash::Hash> Drop for Held<K> {
-    fn drop(&mut self) {
-        if let Ok(mut map) = self.holds.lock() {
-            if let Some(n) = map.get_mut(&self.key) {
-                *n -= 1;
-                if *n == 0 {
-                    map.remove(&self.key);
-                }
-            }
-        }
-    }
-}
 
 // === impl PooledSocket ===
 

@@ -15,7 +15,7 @@ use egress_certs::{CertificateAuthority, LeafMinter, MintConfig};
 use egress_policy::{Destination, PlatformDenies};
 use prometheus_client::metrics::counter::Counter;
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::admin::Control;
@@ -23,6 +23,7 @@ use crate::ca_reload::CaReloader;
 use crate::config::Config;
 use crate::flowlog::FlowLog;
 use crate::registry::Registry;
+use crate::slots::{NoSlot, Slots};
 use crate::state::{Dataplane, OriginalDst};
 use crate::upstream::{RootsError, Upstreams};
 
@@ -101,8 +102,8 @@ pub struct Bound {
 pub struct Gateway {
     dp: Arc<Dataplane>,
     up: Arc<Upstreams>,
-    /// One permit per flow being handled; draining takes them all.
-    slots: Arc<Semaphore>,
+    /// One per flow being handled, shared out by source; draining takes them all.
+    slots: Arc<Slots>,
     bound: Bound,
     tasks: JoinSet<()>,
     /// With `limits.thread_per_core`, the worker threads; none without.
@@ -258,7 +259,7 @@ impl Gateway {
         let machines = machines(&config, &registry, &cache)?;
         let metrics = metrics((&dns, &cache, &minter), &machines, &flow_log, &up);
         let ca = CaReloader::new(minter, &config, metrics.ca_reloads.clone());
-        let slots = Arc::new(Semaphore::new(config.limits.max_connections));
+        let slots = Slots::new(config.limits.max_connections);
         let kernel = crate::ksplice::load(config.splice.kernel);
         let mut dp = Dataplane::new(config, registry, cache, flow_log, metrics, orig_dst);
         dp.kernel = kernel;
@@ -471,17 +472,13 @@ impl Gateway {
         // Without a successor the listening sockets close here.
         self.offer = None;
         let config = self.dp.config();
-        let max = config.limits.max_connections;
-        let all = u32::try_from(max).unwrap_or(u32::MAX);
-        let left =
-            match tokio::time::timeout(config.timeouts.drain, self.slots.acquire_many(all)).await {
-                Ok(_) => 0,
-                Err(_) => {
-                    let open = max - self.slots.available_permits();
-                    self.drain_over(all).await;
-                    open
-                }
-            };
+        let left = if self.slots.all_back(config.timeouts.drain).await {
+            0
+        } else {
+            let open = self.slots.open();
+            self.drain_over().await;
+            open
+        };
         if !handed {
             save_budgets(&self.dp);
         }
@@ -552,9 +549,9 @@ impl Gateway {
     /// The drain's time ran out with flows open: spliced ones are told to
     /// reset (they look at least every second) and write their lines; they
     /// have [`DRAIN_GRACE`] to end.
-    async fn drain_over(&self, all: u32) {
+    async fn drain_over(&self) {
         self.dp.drain_over.store(true, Ordering::Release);
-        let _ = tokio::time::timeout(DRAIN_GRACE, self.slots.acquire_many(all)).await;
+        self.slots.all_back(DRAIN_GRACE).await;
     }
 
     /// Seals the pushed state, lets go of the state directory and sends the
@@ -1175,7 +1172,7 @@ fn serve_data(
     dns: &Arc<DnsProxy>,
     dp: Arc<Dataplane>,
     up: Arc<Upstreams>,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     accepted: Counter,
 ) {
     tasks.spawn(dns.clone().serve_udp(l.dns.0, RESOLVER_PRIMARY));
@@ -1193,7 +1190,7 @@ async fn worker(
     dns: Arc<DnsProxy>,
     dp: Arc<Dataplane>,
     up: Arc<Upstreams>,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     accepted: Counter,
     (mut phase, failed): (
         watch::Receiver<Phase>,
@@ -1218,7 +1215,7 @@ async fn accept(
     listener: TcpListener,
     dp: Arc<Dataplane>,
     up: Arc<Upstreams>,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     accepted: Counter,
 ) {
     loop {
@@ -1234,15 +1231,13 @@ async fn accept(
         accepted.inc();
         // On a dual-stack listener IPv4 peers arrive as `::ffff:a.b.c.d`.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            // Once every 1,024 (the first included), not once a connection:
-            // a sandbox opening connections in a loop must not flood the log.
-            if dp.metrics.over_limit.get().is_multiple_of(1_024) {
-                tracing::warn!(%peer, "connection limit reached; closing (logged once every 1,024; egress_connections_over_limit_total counts each)");
+        let permit = match slots.take(peer.ip()) {
+            Ok(slot) => slot,
+            Err(no) => {
+                refused(&dp, no, peer);
+                crate::io::reset(&stream);
+                continue;
             }
-            dp.metrics.over_limit.inc();
-            crate::io::reset(&stream);
-            continue;
         };
         let (dp, up) = (dp.clone(), up.clone());
         tokio::spawn(async move {
@@ -1250,6 +1245,20 @@ async fn accept(
             drop(permit);
         });
     }
+}
+
+/// Counts a connection that got no slot, and warns once every 1,024 of
+/// each kind (the first included), not once a connection: a sandbox opening
+/// connections in a loop must not flood the log.
+fn refused(dp: &Dataplane, no: NoSlot, peer: SocketAddr) {
+    let (counter, what) = match no {
+        NoSlot::Share => (&dp.metrics.over_share, "source holds its share of connections (limits.max_connections); closing (logged once every 1,024; egress_connections_over_share_total counts each)"),
+        NoSlot::Limit => (&dp.metrics.over_limit, "connection limit reached; closing (logged once every 1,024; egress_connections_over_limit_total counts each)"),
+    };
+    if counter.get().is_multiple_of(1_024) {
+        tracing::warn!(%peer, "{what}");
+    }
+    counter.inc();
 }
 
 #[cfg(test)]

@@ -33,6 +33,7 @@ pub mod redirect;
 pub mod registry;
 mod reply;
 pub mod shadow;
+mod slots;
 mod splice;
 mod spliced;
 mod state;

@@ -75,6 +75,8 @@ pub(crate) struct Metrics {
     pub(crate) pushes: Family<OutcomeLabels, Counter>,
     faults: Family<FaultLabels, Counter>,
     pub(crate) over_limit: Counter,
+    /// Connections reset at accept because their source held its share.
+    pub(crate) over_share: Counter,
     /// Requests refused on a flow that was let through, by code.
     pub(crate) requests_denied: Family<CodeLabels, Counter>,
     /// Requests an audited rule would have refused, by code.
@@ -188,6 +190,7 @@ impl Metrics {
             pushes: Family::default(),
             faults: Family::default(),
             over_limit: Counter::default(),
+            over_share: Counter::default(),
             requests_denied: Family::default(),
             requests_would_deny: Family::default(),
             credentials_injected: Counter::default(),
@@ -260,7 +263,8 @@ impl Metrics {
         );
     }
 
-    /// `policy_pushes`, `connections_over_limit` and `flow_errors{side,kind}`
+    /// `policy_pushes`, `connections_over_limit`, `connections_over_share` and
+    /// `flow_errors{side,kind}`
     /// (every fault at zero from the start).
     fn register_operations(&mut self) {
         let r = &mut self.registry;
@@ -273,6 +277,11 @@ impl Metrics {
             "connections_over_limit",
             "Connections reset at accept because limits.max_connections flows were being handled",
             self.over_limit.clone(),
+        );
+        r.register(
+            "connections_over_share",
+            "Connections reset at accept because their source address held its share of limits.max_connections (max_connections / (sources holding + 1), at least 64)",
+            self.over_share.clone(),
         );
         r.register(
             "flow_errors",

@@ -106,6 +106,44 @@ async fn closed_within<S: tokio::io::AsyncRead + Unpin>(
     tokio::time::timeout(within, read).await.is_ok()
 }
 
+/// One sandbox holding connections it never uses takes its share of the
+/// slots, not all of them: its next one is reset and counted, and another
+/// sandbox's request still goes through.
+#[tokio::test]
+async fn a_sandbox_holds_its_share_of_the_slots_and_another_still_connects() {
+    use std::time::Duration;
+    let e = env(Options {
+        max_connections: 128,
+        ..Options::default()
+    })
+    .await;
+    let open = policy(r#"{"default": "allow", "tls_interception": "on"}"#);
+    e.sandbox("a", SANDBOX_A, open.clone());
+    e.sandbox("b", SANDBOX_B, open);
+    // Half of 128 while it is the only source holding slots.
+    let mut silent = Vec::new();
+    for _ in 0..64 {
+        silent.push(e.connect(SANDBOX_A, e.origins.api).await);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut over = e.connect(SANDBOX_A, e.origins.api).await;
+    assert!(
+        closed_within(&mut over, Duration::from_millis(500)).await,
+        "past its share: reset at accept"
+    );
+    assert_eq!(value(&e, "egress_connections_over_share_total").await, 1);
+    assert_eq!(value(&e, "egress_connections_over_limit_total").await, 0);
+    let (tls, _) = e
+        .tls(SANDBOX_B, e.origins.api, "api.example.test", H1)
+        .await
+        .expect("the other sandbox finds a slot");
+    let (status, _) = http_get(tls, false, "api.example.test", "/")
+        .await
+        .expect("request");
+    assert_eq!(status, 200);
+    drop(silent);
+}
+
 #[tokio::test]
 async fn slow_clients_are_closed_at_the_timeouts_and_the_limit_resets_new_ones() {
     use std::time::{Duration, Instant};
