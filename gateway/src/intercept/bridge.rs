@@ -11,6 +11,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -101,9 +102,10 @@ pub(super) async fn bridged(conn: &Arc<Conn>, mut bridge: Bridge, watch: &mut Wa
         tokio::select! {
             biased;
             ended = &mut bridge => break ended,
-            why = watch.next(|| conn.removed()) => match why {
+            // A bridge has no boundary: it ends as a spliced flow does.
+            why = watch.next(|| conn.removed() || conn.dp.drain_over.load(Ordering::Acquire)) => match why {
                 Quiet::Idle => break (Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())), None),
-                Quiet::Stop => break (conn.stop_cause(), None),
+                Quiet::Stop => break (conn.end_cause(), None),
                 Quiet::Lull | Quiet::Rest => {}
             },
         }

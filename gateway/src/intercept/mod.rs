@@ -37,6 +37,10 @@ use charge::BudgetCharge;
 use request::RequestRecord;
 use serve::{serve, Rest};
 
+/// How long requests in flight on a connection whose sandbox is gone may
+/// still take before the connection ends under them.
+pub(crate) const REMOVED_GRACE: Duration = Duration::from_secs(5);
+
 /// How a flow's HTTP reached the gateway.
 pub(crate) enum Framing {
     /// In TLS, terminated here with a minted leaf; the ClientHello's server
@@ -353,6 +357,25 @@ impl Conn {
     /// Whether the flow's sandbox is gone (deleted, or its address taken).
     fn removed(&self) -> bool {
         !self.dp.registry.holds(self.src, &self.sandbox)
+    }
+
+    /// Whether a connection told to stop at its boundary `since` then must
+    /// end now, requests in flight or not: the drain's deadline passed, or
+    /// its sandbox has been gone for [`REMOVED_GRACE`] (a stream that never
+    /// ends would otherwise carry on under the policy and credentials of a
+    /// registration that is no more).
+    fn must_end(&self, since: Instant) -> bool {
+        self.dp.drain_over.load(Ordering::Acquire)
+            || (self.removed() && since.elapsed() >= REMOVED_GRACE)
+    }
+
+    /// Why a connection ended before its boundary ([`Conn::must_end`]).
+    fn end_cause(&self) -> Option<Ended> {
+        if self.dp.drain_over.load(Ordering::Acquire) {
+            Some(ended(Fault::DRAIN_DEADLINE, "drain_deadline".into()))
+        } else {
+            self.stop_cause()
+        }
     }
 
     /// Why a connection stopped at a boundary ([`Conn::stopping`]): its

@@ -29,7 +29,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -113,16 +113,17 @@ where
     let serving = builder.serve_connection(TokioIo::new(io), h2_service(&conn));
     drop(builder);
     let mut serving = std::pin::pin!(serving);
-    let mut stopping = false;
+    let mut stopping = None;
     let served = loop {
-        let asked = !stopping;
+        let since = stopping;
         tokio::select! {
             biased;
             r = serving.as_mut() => break r,
-            why = watch.next(|| asked && conn.stopping()) => match why {
+            why = watch.next(|| since.map_or_else(|| conn.stopping(), |at| conn.must_end(at))) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
+                Quiet::Stop if stopping.is_some() => return conn.served(conn.end_cause()),
                 Quiet::Stop => {
-                    stopping = true;
+                    stopping = Some(Instant::now());
                     serving.as_mut().graceful_shutdown();
                 }
                 Quiet::Lull => conn.release_upstream(),
@@ -131,7 +132,7 @@ where
         }
     };
     let error = served.err().map(|e| connection_error(&e));
-    let error = error.or_else(|| stopping.then(|| conn.stop_cause()).flatten());
+    let error = error.or_else(|| stopping.and_then(|_| conn.stop_cause()));
     finish(&conn, error).await
 }
 
@@ -166,7 +167,7 @@ async fn serve_h1<I>(conn: Arc<Conn>, mut io: Rewind<I>, mut watch: Watch<'_>) -
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let mut stopping = false;
+    let mut stopping = None;
     loop {
         let rest_io = RestIo {
             io,
@@ -176,7 +177,7 @@ where
             .serve_connection(TokioIo::new(rest_io), h1_service(&conn))
             .with_upgrades();
         let parts = loop {
-            let asked = !stopping;
+            let since = stopping;
             tokio::select! {
                 biased;
                 r = &mut serving => {
@@ -185,15 +186,16 @@ where
                     }
                     return finish(&conn, r.err().map(|e| connection_error(&e))).await;
                 }
-                why = watch.next(|| asked && conn.stopping()) => match why {
+                why = watch.next(|| since.map_or_else(|| conn.stopping(), |at| conn.must_end(at))) => match why {
                     Quiet::Idle => return idle_timeout(&conn),
+                    Quiet::Stop if stopping.is_some() => return conn.served(conn.end_cause()),
                     Quiet::Stop => {
-                        stopping = true;
+                        stopping = Some(Instant::now());
                         Pin::new(&mut serving).graceful_shutdown();
                     }
                     Quiet::Lull => conn.release_upstream(),
                     Quiet::Rest => {
-                        if !stopping && conn.rest.at_rest(&conn.budget.activity) {
+                        if stopping.is_none() && conn.rest.at_rest(&conn.budget.activity) {
                             break serving.into_parts();
                         }
                     }

@@ -108,3 +108,55 @@ async fn a_spliced_flow_open_at_the_drains_end_is_reset_and_logged() {
         "{lines:?}"
     );
 }
+
+/// An intercepted request still in flight when the drain's time runs out
+/// (an upload that never ends) does not outlast it: the connection ends,
+/// and its line is written, `drain_deadline`.
+#[tokio::test]
+async fn an_intercepted_request_open_at_the_drains_end_is_cut_and_logged() {
+    use tokio::io::AsyncWriteExt;
+    let e = env(Options {
+        drain: "1s",
+        ..Options::default()
+    })
+    .await;
+    e.sandbox("a", SANDBOX_A, intercepting_policy(&["h1.example.test"]));
+    e.resolve(SANDBOX_A, "h1.example.test.").await;
+    let (mut tls, minted) = e
+        .tls(
+            SANDBOX_A,
+            e.origins.h1_only,
+            "h1.example.test",
+            &[b"http/1.1"],
+        )
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    tls.write_all(
+        b"POST /up HTTP/1.1\r\nHost: h1.example.test\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await
+    .expect("head");
+    // A chunk every 200 ms for at most 15 s, until the gateway ends it.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..75 {
+            if tls.write_all(b"1\r\nx\r\n").await.is_err() || tls.flush().await.is_err() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        false
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let Env { gateway, flows, .. } = e;
+    let left = gateway.run_until(async {}).await;
+    assert_eq!(left, 1, "open at the deadline");
+    assert!(trickle.await.expect("trickle"), "the upload was cut");
+    let lines = flows.records();
+    assert!(
+        lines.iter().any(|l| l["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("drain_deadline"))),
+        "{lines:?}"
+    );
+}

@@ -107,6 +107,52 @@ async fn an_idle_connection_ends_when_its_sandbox_is_deleted() {
     assert_eq!(line["requests"], 1, "{line}");
 }
 
+/// A request that never ends (an upload trickling for ever) does not keep
+/// its connection past its sandbox's delete: after the grace given to
+/// requests in flight (5 s), the connection ends under it.
+#[tokio::test]
+async fn a_request_in_flight_ends_a_few_seconds_after_its_sandbox_is_deleted() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let (mut tls, minted) = e
+        .tls(
+            SANDBOX_A,
+            e.origins.h1_only,
+            "h1.example.test",
+            &[b"http/1.1"],
+        )
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    tls.write_all(
+        b"POST /up HTTP/1.1\r\nHost: h1.example.test\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await
+    .expect("head");
+    let mut deleted = tokio::time::Instant::now();
+    let mut removed = false;
+    // A chunk every 200 ms for at most 15 s, until the gateway ends it.
+    let mut cut = None;
+    for _ in 0..75 {
+        if tls.write_all(b"1\r\nx\r\n").await.is_err() || tls.flush().await.is_err() {
+            cut = Some(deleted.elapsed());
+            break;
+        }
+        if !removed {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+            (deleted, removed) = (tokio::time::Instant::now(), true);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let cut = cut.expect("the upload was cut");
+    assert!(
+        cut >= Duration::from_secs(5),
+        "not before the grace: {cut:?}"
+    );
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
+}
+
 /// An origin address no other test uses.
 const SPLICED_IP: &str = "127.0.0.19";
 
