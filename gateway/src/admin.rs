@@ -33,7 +33,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::commit::{Change, Committer, NotApplied};
+use crate::commit::{Change, Committer, NotApplied, Outcome};
 use crate::control_http::{body_text, error, json_reply, Reply, MAX_BODY};
 use crate::credentials::{self};
 use crate::decide::{explained, explained_request, judge_question, Claims};
@@ -339,14 +339,16 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
         .into_iter()
         .map(|d| persist::prepare(d, &ctl.dp.registry))
         .collect();
-    match ctl.committer.submit(Change::Replace(prepared)).await {
+    let forget = |dp: &Dataplane, outcome: &Outcome| {
+        if outcome.is_ok() {
+            let registry = &dp.registry;
+            dp.proposed.retain(|id| registry.get(id).is_some());
+            dp.cache.retain_sandboxes(|id| registry.get(id).is_some());
+        }
+    };
+    match submit_then(ctl, Change::Replace(prepared), forget).await {
         Ok(()) => {
             applied(ctl);
-            let registry = &ctl.dp.registry;
-            ctl.dp.proposed.retain(|id| registry.get(id).is_some());
-            ctl.dp
-                .cache
-                .retain_sandboxes(|id| registry.get(id).is_some());
             json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
         }
         Err(why) => refused(ctl, why, "sandboxes"),
@@ -355,11 +357,17 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
 
 async fn delete(ctl: &Control, id: &str) -> Reply {
     let sid = SandboxId::new(id);
-    match ctl.committer.submit(Change::Delete(sid.clone())).await {
+    let gone = sid.clone();
+    // Missing too: a delete applied before its first caller went away.
+    let forget = move |dp: &Dataplane, outcome: &Outcome| {
+        if matches!(outcome, Ok(()) | Err(NotApplied::Missing)) {
+            dp.cache.remove_sandbox(&gone);
+            dp.proposed.forget(&gone);
+        }
+    };
+    match submit_then(ctl, Change::Delete(sid), forget).await {
         Ok(()) => {
             applied(ctl);
-            ctl.dp.cache.remove_sandbox(&sid);
-            ctl.dp.proposed.forget(&sid);
             json_reply(StatusCode::OK, &json!({ "deleted": id }))
         }
         Err(NotApplied::Missing) => {
@@ -367,6 +375,26 @@ async fn delete(ctl: &Control, id: &str) -> Reply {
         }
         Err(why) => refused(ctl, why, "id"),
     }
+}
+
+/// Submits `change` and then calls `forget` with its outcome, in a task of
+/// their own: the request's future is dropped if its client goes away while
+/// the change commits (the commit thread applies it all the same), and what
+/// a removed sandbox leaves (evidence, proposals) must go with it even then,
+/// or a sandbox registered again under its id would find it.
+async fn submit_then(
+    ctl: &Control,
+    change: Change,
+    forget: impl FnOnce(&Dataplane, &Outcome) + Send + 'static,
+) -> Outcome {
+    let (committer, dp) = (ctl.committer.clone(), ctl.dp.clone());
+    let task = tokio::spawn(async move {
+        let outcome = committer.submit(change).await;
+        forget(&dp, &outcome);
+        outcome
+    });
+    task.await
+        .unwrap_or_else(|e| Err(NotApplied::Failed(format!("the commit's task failed: {e}"))))
 }
 
 fn applied(ctl: &Control) {
