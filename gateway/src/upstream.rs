@@ -357,8 +357,9 @@ async fn connect_tcp(
 
 /// The terminating TLS config. `fallback_ip`: mint for this address when the
 /// client sends no SNI — such a config is per flow, so it neither keeps
-/// sessions nor issues tickets. The shared one (no fallback) keeps up to
-/// [`RESUMABLE_SESSIONS`], so a client that reconnects skips the full
+/// sessions nor issues tickets. The shared one (no fallback) issues
+/// stateless tickets (or, without a ticket key, keeps up to
+/// [`RESUMABLE_SESSIONS`]), so a client that reconnects skips the full
 /// handshake; a resumed session decides nothing — each request is still
 /// judged on the flow's SNI and Host.
 pub(crate) fn server_tls(
@@ -375,7 +376,21 @@ pub(crate) fn server_tls(
         config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
         config.send_tls13_tickets = 0;
     } else {
-        config.session_storage = rustls::server::ServerSessionMemoryCache::new(RESUMABLE_SESSIONS);
+        // Stateless tickets (sealed with a key rotated every 6 h, good for
+        // 12 h): the gateway keeps nothing per session, so one sandbox
+        // making thousands of handshakes pushes no other's sessions out of a
+        // shared cache. TLS 1.2 clients without tickets do not resume.
+        match rustls::crypto::aws_lc_rs::Ticketer::new() {
+            Ok(ticketer) => {
+                config.ticketer = ticketer;
+                config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no session ticket key; sessions are remembered in memory instead");
+                config.session_storage =
+                    rustls::server::ServerSessionMemoryCache::new(RESUMABLE_SESSIONS);
+            }
+        }
     }
     Arc::new(config)
 }
@@ -439,5 +454,28 @@ mod tests {
         assert_eq!(header(&again), header(&first));
         assert_eq!(shared.fault(), refused.fault());
         assert_eq!(shared.to_string(), refused.to_string());
+    }
+}
+
+#[cfg(test)]
+mod session_tests {
+    use super::*;
+    use egress_certs::{CertificateAuthority, MintConfig};
+
+    /// The shared terminating config keeps no state per session (a sandbox
+    /// making handshakes evicts nobody's), and issues tickets instead; the
+    /// per-flow one (no SNI) does neither.
+    #[test]
+    fn the_shared_config_resumes_by_stateless_tickets() {
+        let dir = tempfile::tempdir().expect("temp");
+        let ca = CertificateAuthority::load_or_create(&dir.path().join("ca")).expect("ca");
+        let minter =
+            Arc::new(LeafMinter::new(Arc::new(ca), MintConfig::default()).expect("minter"));
+        let shared = server_tls(&minter, None);
+        assert!(shared.ticketer.enabled(), "tickets");
+        assert!(!shared.session_storage.can_cache(), "no session cache");
+        let per_flow = server_tls(&minter, Some("203.0.113.7".parse().expect("ip")));
+        assert!(!per_flow.ticketer.enabled());
+        assert_eq!(per_flow.send_tls13_tickets, 0);
     }
 }
