@@ -25,7 +25,7 @@
 //! - The value never appears in logs, metrics, errors or explain output:
 //!   [`Secret`] has no `Debug` or `Display` that shows it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -57,7 +57,9 @@ impl fmt::Debug for Secret {
 /// or restored, and again on SIGHUP, from the sources `credentials` allows.
 pub struct Secrets {
     values: ArcSwap<HashMap<Source, Secret>>,
-    write: std::sync::Mutex<()>,
+    /// Taken to write `values`; holds the sources a push loaded since the
+    /// last reload began (its sandbox may not be registered yet).
+    write: std::sync::Mutex<HashSet<Source>>,
     allowed: CredentialSources,
 }
 
@@ -79,7 +81,7 @@ impl Secrets {
     pub fn new(allowed: CredentialSources) -> Self {
         Self {
             values: ArcSwap::default(),
-            write: std::sync::Mutex::new(()),
+            write: std::sync::Mutex::new(HashSet::new()),
             allowed,
         }
     }
@@ -96,8 +98,9 @@ impl Secrets {
         if read.is_empty() {
             return Ok(());
         }
-        let _w = self.lock();
+        let mut fresh = self.lock();
         let mut next = (**self.values.load()).clone();
+        fresh.extend(read.iter().map(|(s, _)| s.clone()));
         next.extend(read);
         self.values.store(Arc::new(next));
         Ok(())
@@ -105,13 +108,16 @@ impl Secrets {
 
     /// Reads every source again (SIGHUP): one that cannot be read is
     /// dropped, and requests that need it are refused until it can be.
-    /// Returns the sources that failed, with why.
+    /// Returns the sources that failed, with why. A value a push loaded
+    /// since the last reload is kept though `sources` (the registry as it
+    /// was read before) does not name it: that push may be committing.
     pub fn reload<'a>(&self, sources: impl IntoIterator<Item = &'a Source>) -> Vec<String> {
-        let _w = self.lock();
+        let mut fresh = self.lock();
         let mut next = HashMap::new();
+        let mut named = HashSet::new();
         let mut failed = Vec::new();
         for s in sources {
-            if next.contains_key(s) {
+            if !named.insert(s) {
                 continue;
             }
             match read_source(s, &self.allowed) {
@@ -119,6 +125,12 @@ impl Secrets {
                     next.insert(s.clone(), v);
                 }
                 Err(e) => failed.push(format!("{s}: {e}")),
+            }
+        }
+        let now = self.values.load();
+        for s in fresh.drain() {
+            if let (false, Some(v)) = (named.contains(&s), now.get(&s)) {
+                next.insert(s, v.clone());
             }
         }
         self.values.store(Arc::new(next));
@@ -129,7 +141,7 @@ impl Secrets {
         self.values.load().get(source).cloned()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<Source>> {
         self.write
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -437,3 +437,24 @@ fn only_the_allowed_sources_are_read() {
     none.load(&env("EGRESS_TEST_HOME_LIKE"))
         .expect("an empty prefix allows any name");
 }
+
+/// A SIGHUP that read the registry before a push's sandbox was in it keeps
+/// the value that push loaded (the push may be committing); the reload
+/// after drops it if no sandbox names it by then.
+#[test]
+fn a_reload_keeps_what_a_push_in_flight_loaded() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let list = github(&value_file(&dir), false);
+    let secrets = under_tmp();
+    secrets.load(&list).expect("load");
+    assert!(secrets.reload(std::iter::empty()).is_empty());
+    assert!(
+        secrets.get(&list[0].source).is_some(),
+        "kept through the reload"
+    );
+    assert!(secrets.reload(std::iter::empty()).is_empty());
+    assert!(
+        secrets.get(&list[0].source).is_none(),
+        "named by nobody at the next"
+    );
+}
