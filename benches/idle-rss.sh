@@ -59,12 +59,12 @@ esac
 hard=$(ulimit -Hn)
 [ "$hard" = unlimited ] && hard=1048576
 fit=$(((hard - 256) / 2))
-gw_max=20000 # limits.max_connections in gateway-column.sh
+gw_max=10000 # half of limits.max_connections in gateway-column.sh (20,000): one client address's share
 [ "$fit" -gt "$gw_max" ] && fit=$gw_max
 if [ -n "${CONNS:-}" ]; then
     n=$CONNS
     [ "$n" -le "$fit" ] || eb_die "$n connections need $((2 * n + 256)) descriptors in the gateway" \
-        "(hard limit $hard) and max_connections >= $n (gateway-column.sh: $gw_max): at most $fit here"
+        "(hard limit $hard) and one source's share of max_connections >= $n (gateway-column.sh: $gw_max): at most $fit here"
 elif [ "$mode" = splice ]; then
     n=9000
 else

@@ -4,8 +4,10 @@
 //! leave the other sandboxes' connections reset at accept.
 //!
 //! A source holds at most its fair share, `max_connections / (n + 1)` for the
-//! `n` sources holding slots, never below [`MIN_SOURCE_SHARE`]: alone it may
-//! take half, and the next source always finds room.
+//! `n` sources holding slots, and takes a slot only while it holds fewer
+//! than are free (never below [`MIN_SOURCE_SHARE`] either way): alone it
+//! may take half, and however many sources filled their shares one after
+//! another (a share once taken is kept), the next still finds room.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -50,7 +52,10 @@ impl Slots {
     /// A slot for a connection from `source`.
     pub(crate) fn take(&self, source: IpAddr) -> Result<Slot, NoSlot> {
         let max = self.max;
-        let share = |holding| fair_share(max, holding, MIN_SOURCE_SHARE);
+        // Read before the holds' lock: a flow ending meanwhile only leaves
+        // more room than counted.
+        let free = self.all.available_permits().max(MIN_SOURCE_SHARE);
+        let share = |holding| fair_share(max, holding, MIN_SOURCE_SHARE).min(free);
         let held =
             Held::take(&self.per_source, source.to_canonical(), share).ok_or(NoSlot::Share)?;
         let permit = self
@@ -117,5 +122,27 @@ mod tests {
         assert_eq!(slots.open(), 128);
         assert!(slots.take(a).is_ok());
         drop(others);
+    }
+
+    /// Sources that fill their shares one after another (each keeping what
+    /// it took as more come) never take every slot: each takes at most as
+    /// many as are still free, so the next always finds room.
+    #[test]
+    fn sources_filling_their_shares_in_turn_leave_room() {
+        let slots = Slots::new(1024);
+        let mut held = Vec::new();
+        let mut took = Vec::new();
+        for i in 0..4u8 {
+            let source = IpAddr::from([100, 64, 9, i]);
+            let mine: Vec<Slot> = std::iter::from_fn(|| slots.take(source).ok()).collect();
+            took.push(mine.len());
+            held.push(mine);
+        }
+        assert_eq!(took, [512, 256, 128, 64]);
+        assert_eq!(slots.open(), 960);
+        assert!(
+            slots.take(IpAddr::from([100, 64, 9, 9])).is_ok(),
+            "room for the next"
+        );
     }
 }
