@@ -53,13 +53,17 @@ impl fmt::Debug for Secret {
     }
 }
 
+/// How long a value a push loaded outlives reloads whose registry does not
+/// name it yet: far longer than a push takes to commit.
+const FRESH_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The values the gateway holds, by source. Read when a sandbox is pushed
 /// or restored, and again on SIGHUP, from the sources `credentials` allows.
 pub struct Secrets {
     values: ArcSwap<HashMap<Source, Secret>>,
-    /// Taken to write `values`; holds the sources a push loaded since the
-    /// last reload began (its sandbox may not be registered yet).
-    write: std::sync::Mutex<HashSet<Source>>,
+    /// Taken to write `values`; holds the sources pushes loaded in the last
+    /// [`FRESH_FOR`], and when (their sandboxes may not be registered yet).
+    write: std::sync::Mutex<HashMap<Source, std::time::Instant>>,
     allowed: CredentialSources,
 }
 
@@ -81,7 +85,7 @@ impl Secrets {
     pub fn new(allowed: CredentialSources) -> Self {
         Self {
             values: ArcSwap::default(),
-            write: std::sync::Mutex::new(HashSet::new()),
+            write: std::sync::Mutex::new(HashMap::new()),
             allowed,
         }
     }
@@ -100,7 +104,8 @@ impl Secrets {
         }
         let mut fresh = self.lock();
         let mut next = (**self.values.load()).clone();
-        fresh.extend(read.iter().map(|(s, _)| s.clone()));
+        let now = std::time::Instant::now();
+        fresh.extend(read.iter().map(|(s, _)| (s.clone(), now)));
         next.extend(read);
         self.values.store(Arc::new(next));
         Ok(())
@@ -108,8 +113,8 @@ impl Secrets {
 
     /// Reads every source again (SIGHUP): one that cannot be read is
     /// dropped, and requests that need it are refused until it can be.
-    /// Returns the sources that failed, with why. A value a push loaded
-    /// since the last reload is kept though `sources` (the registry as it
+    /// Returns the sources that failed, with why. A value a push loaded in
+    /// the last [`FRESH_FOR`] is kept though `sources` (the registry as it
     /// was read before) does not name it: that push may be committing.
     pub fn reload<'a>(&self, sources: impl IntoIterator<Item = &'a Source>) -> Vec<String> {
         let mut fresh = self.lock();
@@ -127,10 +132,11 @@ impl Secrets {
                 Err(e) => failed.push(format!("{s}: {e}")),
             }
         }
-        let now = self.values.load();
-        for s in fresh.drain() {
-            if let (false, Some(v)) = (named.contains(&s), now.get(&s)) {
-                next.insert(s, v.clone());
+        let held = self.values.load();
+        fresh.retain(|_, at| at.elapsed() < FRESH_FOR);
+        for s in fresh.keys() {
+            if let (false, Some(v)) = (named.contains(s), held.get(s)) {
+                next.insert(s.clone(), v.clone());
             }
         }
         self.values.store(Arc::new(next));
@@ -141,7 +147,7 @@ impl Secrets {
         self.values.load().get(source).cloned()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<Source>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Source, std::time::Instant>> {
         self.write
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -438,23 +438,28 @@ fn only_the_allowed_sources_are_read() {
         .expect("an empty prefix allows any name");
 }
 
-/// A SIGHUP that read the registry before a push's sandbox was in it keeps
-/// the value that push loaded (the push may be committing); the reload
-/// after drops it if no sandbox names it by then.
+/// A SIGHUP (or two) that read the registry before a push's sandbox was in
+/// it keeps the value that push loaded (the push may be committing); a
+/// reload that names the source reads it again, and one that finds it
+/// unreadable drops it.
 #[test]
 fn a_reload_keeps_what_a_push_in_flight_loaded() {
     let dir = tempfile::tempdir().expect("tmp");
-    let list = github(&value_file(&dir), false);
+    let path = value_file(&dir);
+    let list = github(&path, false);
     let secrets = under_tmp();
     secrets.load(&list).expect("load");
-    assert!(secrets.reload(std::iter::empty()).is_empty());
-    assert!(
-        secrets.get(&list[0].source).is_some(),
-        "kept through the reload"
-    );
-    assert!(secrets.reload(std::iter::empty()).is_empty());
+    for _ in 0..2 {
+        assert!(secrets.reload(std::iter::empty()).is_empty());
+        assert!(
+            secrets.get(&list[0].source).is_some(),
+            "kept through the reload"
+        );
+    }
+    std::fs::remove_file(&path).expect("rm");
+    assert_eq!(secrets.reload(list.iter().map(|c| &c.source)).len(), 1);
     assert!(
         secrets.get(&list[0].source).is_none(),
-        "named by nobody at the next"
+        "named, unreadable: dropped"
     );
 }
