@@ -153,6 +153,12 @@ struct Workers {
         tokio::sync::mpsc::UnboundedSender<String>,
         tokio::sync::mpsc::UnboundedReceiver<String>,
     ),
+    /// One message from each worker once its listeners (DNS among them)
+    /// have stopped: a handover exports the attribution only after.
+    stopped: (
+        tokio::sync::mpsc::UnboundedSender<()>,
+        tokio::sync::mpsc::UnboundedReceiver<()>,
+    ),
 }
 
 impl Default for Workers {
@@ -161,9 +167,34 @@ impl Default for Workers {
             phase: watch::Sender::new(Phase::Serving),
             threads: Vec::new(),
             failed: tokio::sync::mpsc::unbounded_channel(),
+            stopped: tokio::sync::mpsc::unbounded_channel(),
         }
     }
 }
+
+impl Workers {
+    /// Waits (at most [`WORKERS_STOP_WAIT`]) until every worker thread's
+    /// listeners have stopped, so no DNS answer is recorded into a cache
+    /// being exported; a worker stuck past it is logged.
+    async fn listeners_stopped(&mut self) {
+        let all = self.threads.len();
+        let wait = async {
+            for _ in 0..all {
+                if self.stopped.1.recv().await.is_none() {
+                    return;
+                }
+            }
+        };
+        if tokio::time::timeout(WORKERS_STOP_WAIT, wait).await.is_err() {
+            tracing::warn!(
+                "a worker thread's listeners did not stop within {WORKERS_STOP_WAIT:?}; going on"
+            );
+        }
+    }
+}
+
+/// How long the drain waits for the worker threads' listeners to stop.
+const WORKERS_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How [`Gateway::run`] ended.
 #[derive(Debug)]
@@ -400,6 +431,7 @@ impl Gateway {
                 let phase = (
                     self.workers.phase.subscribe(),
                     self.workers.failed.0.clone(),
+                    self.workers.stopped.0.clone(),
                 );
                 let thread = std::thread::Builder::new()
                     .name(format!("egress-worker-{i}"))
@@ -465,6 +497,7 @@ impl Gateway {
         self.dp.draining.store(true, Ordering::Release);
         self.workers.phase.send_replace(Phase::Draining);
         self.tasks.shutdown().await;
+        self.workers.listeners_stopped().await;
         let handed = successor.is_some();
         if let Some(successor) = successor {
             self.hand_over(successor).await;
@@ -1192,9 +1225,10 @@ async fn worker(
     up: Arc<Upstreams>,
     slots: Arc<Slots>,
     accepted: Counter,
-    (mut phase, failed): (
+    (mut phase, failed, stopped): (
         watch::Receiver<Phase>,
         tokio::sync::mpsc::UnboundedSender<String>,
+        tokio::sync::mpsc::UnboundedSender<()>,
     ),
 ) {
     let mut tasks = JoinSet::new();
@@ -1208,6 +1242,7 @@ async fn worker(
         let _ = phase.wait_for(|p| *p >= Phase::Draining).await;
     }
     tasks.shutdown().await;
+    let _ = stopped.send(());
     let _ = phase.wait_for(|p| *p >= Phase::Exit).await;
 }
 
