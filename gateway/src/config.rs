@@ -36,18 +36,47 @@ pub struct Config {
     pub credentials: CredentialSources,
 }
 
-/// The redirect rules' worker-wide side (`egress-gateway redirect --fence`).
-#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+/// The redirect rules (`egress-gateway redirect`): the worker-wide fence,
+/// and what each sandbox interface's table bounds.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedirectConfig {
     /// Interface names or prefixes ending in `*` (`["tap*"]`) that are
     /// sandbox interfaces: the fence drops everything arriving on them
     /// until they are attached (`redirect --sandbox-iface IFACE --apply`).
     pub fence: Vec<String>,
+    /// Connections (TCP, and DNS over UDP) the host's connection tracking
+    /// keeps for one sandbox interface at once; past it, the interface's
+    /// new connections are dropped before NAT. The table is the host's:
+    /// without a bound, one sandbox's SYN or query flood fills it for every
+    /// sandbox and for the gateway's own connections.
+    pub max_tracked_connections: u32,
+}
+
+/// `redirect.max_tracked_connections` by default: more than one sandbox's
+/// share of the default `limits.max_connections` with its DNS, a sixteenth
+/// of a 262,144-entry table.
+pub const DEFAULT_MAX_TRACKED: u32 = 16_384;
+
+/// The most `redirect.max_tracked_connections` may name.
+const MAX_TRACKED: u32 = 4_194_304;
+
+impl Default for RedirectConfig {
+    fn default() -> Self {
+        Self {
+            fence: Vec::new(),
+            max_tracked_connections: DEFAULT_MAX_TRACKED,
+        }
+    }
 }
 
 impl RedirectConfig {
     fn first_invalid(&self) -> Option<(&'static str, String)> {
+        let n = self.max_tracked_connections;
+        if !(1..=MAX_TRACKED).contains(&n) {
+            let why = format!("{n}: expected 1 to {MAX_TRACKED}");
+            return Some(("redirect.max_tracked_connections", why));
+        }
         let bad = self.fence.iter().find(|p| !is_iface_pattern(p))?;
         let why = format!("{bad:?}: expected an interface name, or a prefix ending in '*'");
         Some(("redirect.fence", why))
@@ -946,6 +975,14 @@ mod tests {
             (
                 "[redirect]\nfence = [\"tap*\", \"t*p\"]",
                 "redirect.fence: \"t*p\": expected an interface name",
+            ),
+            (
+                "[redirect]\nmax_tracked_connections = 0",
+                "redirect.max_tracked_connections: 0: expected 1 to 4194304",
+            ),
+            (
+                "[redirect]\nmax_tracked_connections = 5000000",
+                "redirect.max_tracked_connections: 5000000",
             ),
             (
                 "[tls]\nleaf_key_lifetime = \"30s\"",

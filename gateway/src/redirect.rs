@@ -67,7 +67,9 @@ pub fn check_pattern(p: &str) -> Result<(), RedirectError> {
 
 /// The interface's table, and the interface added to the fence's set, in
 /// one transaction; idempotent to apply: it replaces the table whole.
-pub fn ruleset(iface: &str, ports: Ports) -> Result<String, RedirectError> {
+/// `max_tracked` bounds the connections the host tracks for the interface
+/// at once (`redirect.max_tracked_connections`).
+pub fn ruleset(iface: &str, ports: Ports, max_tracked: u32) -> Result<String, RedirectError> {
     let table = table_name(iface)?;
     let Ports {
         transparent,
@@ -93,6 +95,14 @@ table inet {table} {{
         type filter hook prerouting priority mangle; policy accept;
         iifname "{iface}" meta nfproto ipv4 udp dport 53 ip daddr {{ 8.8.8.8, 1.1.1.1 }} accept
         iifname "{iface}" meta l4proto udp counter drop
+    }}
+    # Then, what passed: at most {max_tracked} connections tracked for the
+    # interface at once (ended ones do not count). The host's table is
+    # every sandbox's and the gateway's: one sandbox's flood fills its own
+    # share of it, not the whole.
+    chain tracked {{
+        type filter hook prerouting priority mangle + 1; policy accept;
+        iifname "{iface}" ct state new ct count over {max_tracked} counter drop
     }}
     chain to_gateway {{
         type nat hook prerouting priority dstnat; policy accept;
@@ -160,8 +170,8 @@ flush chain inet {FENCE_TABLE} fence\n{rules}"
 }
 
 /// Applies the interface's ruleset with `nft -f -` (the same runner as machine egress).
-pub fn apply(iface: &str, ports: Ports) -> Result<(), RedirectError> {
-    run(&ruleset(iface, ports)?)
+pub fn apply(iface: &str, ports: Ports, max_tracked: u32) -> Result<(), RedirectError> {
+    run(&ruleset(iface, ports, max_tracked)?)
 }
 
 /// Detaches the interface: fenced again (if it matches the fence), its table gone.
@@ -256,7 +266,7 @@ mod tests {
 
     #[test]
     fn ruleset_names_the_interface_and_ports() {
-        let r = ruleset("tap-sb1", PORTS).expect("valid");
+        let r = ruleset("tap-sb1", PORTS, 16_384).expect("valid");
         assert!(r.contains("table inet egress_gw_tap_sb1 {"));
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto tcp redirect to :15001"#));
         assert!(
@@ -266,6 +276,10 @@ mod tests {
             r.contains("ip daddr 1.1.1.1 meta l4proto { tcp, udp } th dport 53 redirect to :15054")
         );
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto udp counter drop"#));
+        assert!(
+            r.contains(r#"iifname "tap-sb1" ct state new ct count over 16384 counter drop"#),
+            "{r}"
+        );
         assert!(r.contains(
             r#"iifname "tap-sb1" meta nfproto ipv4 fib saddr . iif oif missing counter drop"#
         ));
@@ -288,7 +302,7 @@ mod tests {
             "eth0\n",
         ] {
             assert!(
-                matches!(ruleset(bad, PORTS), Err(RedirectError::Iface(_))),
+                matches!(ruleset(bad, PORTS, 16_384), Err(RedirectError::Iface(_))),
                 "{bad:?}"
             );
         }
@@ -296,7 +310,7 @@ mod tests {
 
     #[test]
     fn attaching_and_detaching_go_through_the_fence_in_one_transaction() {
-        let r = ruleset("tap-sb1", PORTS).expect("valid");
+        let r = ruleset("tap-sb1", PORTS, 16_384).expect("valid");
         // The table first, then the interface let through the fence.
         let table = r.find("table inet egress_gw_tap_sb1 {").expect("table");
         let element = r

@@ -48,12 +48,13 @@ pub(super) fn run(args: &RedirectArgs) -> ExitCode {
         dns: config.listen.dns.port(),
         dns_alt: config.listen.dns_alt.port(),
     };
+    let tracked = config.redirect.max_tracked_connections;
     let result = match &args.sandbox_iface {
         _ if args.fence => fence(args, &config),
         None => return fail("--sandbox-iface or --fence is required"),
         Some(iface) if args.remove => redirect::remove(iface),
-        Some(iface) if args.apply => redirect::apply(iface, ports),
-        Some(iface) => redirect::ruleset(iface, ports).map(|r| print!("{r}")),
+        Some(iface) if args.apply => redirect::apply(iface, ports, tracked),
+        Some(iface) => redirect::ruleset(iface, ports, tracked).map(|r| print!("{r}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,12 +2,12 @@
 //! carrying `encrypted_client_hello` to a name an exemption covers is never
 //! spliced, and with `policy.opaque_streams = "deny"` an unreadable stream
 //! to an allowed address is refused while SSH to an entry that names it
-//! passes.
+//! passes; and a sandbox interface tracks at most its bound of connections.
 
 use egress_gateway::peek::fixture::{ech_outer, hello_with, records, sni_data};
 use serde_json::json;
 
-use crate::topology::{available, Topology, SB1_IP};
+use crate::topology::{available, Topology, SB1_IP, SB2_IP};
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -101,5 +101,71 @@ fn unreadable_streams_are_refused_and_named_ssh_passes() {
         (&opaque["verdict"], &opaque["reason"]),
         (&json!("deny"), &json!("unreadable_stream")),
         "{flows:?}"
+    );
+}
+
+/// A sandbox holding connections fills its interface's share of the host's
+/// connection tracking, not the table: past `redirect.max_tracked_connections`
+/// its new connections are dropped before NAT (a SYN that never gets an
+/// answer), the other sandbox still connects, and once it lets its
+/// connections go, it connects again.
+#[test]
+fn a_sandbox_interface_tracks_at_most_its_bound_of_connections() {
+    if !available() {
+        return;
+    }
+    let t = Topology::new();
+    let open = r#"{"default": "allow", "tls_interception": "on"}"#;
+    t.push("sb1", SB1_IP, open);
+    t.push("sb2", SB2_IP, open);
+    let config = t.path("tracked.toml");
+    std::fs::write(&config, "[redirect]\nmax_tracked_connections = 4\n").expect("config");
+    let gateway = crate::topology::bin("egress-gateway");
+    let config = config.to_str().expect("utf-8");
+    let args = [
+        "redirect",
+        "--sandbox-iface",
+        "sb1",
+        "--config",
+        config,
+        "--apply",
+    ];
+    let out = t.exec(&t.gw, gateway.to_str().expect("utf-8"), &args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Four held, a fifth refused; all let go, and a sixth connects.
+    let script = r#"
+import socket, time
+def dial():
+    s = socket.socket(); s.settimeout(2.0)
+    try:
+        s.connect(("203.0.113.20", 443)); return s
+    except OSError:
+        return None
+held = [dial() for _ in range(4)]
+print("held", sum(s is not None for s in held))
+print("fifth", dial() is not None)
+for s in held:
+    if s: s.close()
+time.sleep(1.0)
+print("after", dial() is not None)
+"#;
+    let out = t.exec(&t.sb1, "python3", &["-c", script]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        said,
+        "held 4\nfifth False\nafter True\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let other = "import socket; socket.create_connection(('203.0.113.20', 443), 2); print('ok')";
+    let out = t.exec(&t.sb2, "python3", &["-c", other]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "ok\n",
+        "sb2 is not bounded by sb1's table"
     );
 }
