@@ -76,35 +76,13 @@ pub fn ruleset(iface: &str, ports: Ports, max_tracked: u32) -> Result<String, Re
         dns,
         dns_alt,
     } = ports;
+    let guards = guards(iface, max_tracked);
     Ok(format!(
         r#"# egress-gateway: redirect sandbox interface {iface}
 table inet {table}
 delete table inet {table}
 table inet {table} {{
-    # First, a source the interface is not the way back to is someone
-    # else's: a sandbox on its own interface cannot send as another (the
-    # gateway knows a sandbox by its address). IPv6 neighbour and router
-    # discovery speak from :: and link-local addresses.
-    chain spoof_guard {{
-        type filter hook prerouting priority mangle - 5; policy accept;
-        iifname "{iface}" meta nfproto ipv4 fib saddr . iif oif missing counter drop
-        iifname "{iface}" meta nfproto ipv6 ip6 saddr != {{ ::, fe80::/10 }} fib saddr . iif oif missing counter drop
-    }}
-    # Before NAT: only DNS to the reserved resolvers may leave as UDP.
-    chain udp_guard {{
-        type filter hook prerouting priority mangle; policy accept;
-        iifname "{iface}" meta nfproto ipv4 udp dport 53 ip daddr {{ 8.8.8.8, 1.1.1.1 }} accept
-        iifname "{iface}" meta l4proto udp counter drop
-    }}
-    # Then, what passed: at most {max_tracked} connections tracked for the
-    # interface at once (ended ones do not count). The host's table is
-    # every sandbox's and the gateway's: one sandbox's flood fills its own
-    # share of it, not the whole.
-    chain tracked {{
-        type filter hook prerouting priority mangle + 1; policy accept;
-        iifname "{iface}" ct state new ct count over {max_tracked} counter drop
-    }}
-    chain to_gateway {{
+{guards}    chain to_gateway {{
         type nat hook prerouting priority dstnat; policy accept;
         iifname "{iface}" ip daddr 8.8.8.8 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns}
         iifname "{iface}" ip daddr 1.1.1.1 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_alt}
@@ -132,6 +110,37 @@ table inet {table} {{
 {FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {{ "{iface}" }}
 "#
     ))
+}
+
+/// The interface's chains before NAT: spoofed sources, UDP other than DNS
+/// to the reserved resolvers, and connections past `max_tracked` dropped.
+fn guards(iface: &str, max_tracked: u32) -> String {
+    format!(
+        r#"    # First, a source the interface is not the way back to is someone
+    # else's: a sandbox on its own interface cannot send as another (the
+    # gateway knows a sandbox by its address). IPv6 neighbour and router
+    # discovery speak from :: and link-local addresses.
+    chain spoof_guard {{
+        type filter hook prerouting priority mangle - 5; policy accept;
+        iifname "{iface}" meta nfproto ipv4 fib saddr . iif oif missing counter drop
+        iifname "{iface}" meta nfproto ipv6 ip6 saddr != {{ ::, fe80::/10 }} fib saddr . iif oif missing counter drop
+    }}
+    # Before NAT: only DNS to the reserved resolvers may leave as UDP.
+    chain udp_guard {{
+        type filter hook prerouting priority mangle; policy accept;
+        iifname "{iface}" meta nfproto ipv4 udp dport 53 ip daddr {{ 8.8.8.8, 1.1.1.1 }} accept
+        iifname "{iface}" meta l4proto udp counter drop
+    }}
+    # Then, what passed: at most {max_tracked} connections tracked for the
+    # interface at once (ended ones do not count). The host's table is
+    # every sandbox's and the gateway's: one sandbox's flood fills its own
+    # share of it, not the whole.
+    chain tracked {{
+        type filter hook prerouting priority mangle + 1; policy accept;
+        iifname "{iface}" ct state new ct count over {max_tracked} counter drop
+    }}
+"#
+    )
 }
 
 /// Detaching: the interface leaves the fence's set and its table goes, in
