@@ -60,11 +60,7 @@ async fn a_drain_ends_intercepted_connections_at_their_next_request_boundary() {
 /// for the end of a whole download. Its line is written, `drain_deadline`.
 #[tokio::test]
 async fn a_spliced_flow_open_at_the_drains_end_is_reset_and_logged() {
-    let e = env(Options {
-        drain: "1s",
-        ..Options::default()
-    })
-    .await;
+    let e = draining_in_a_second().await;
     e.sandbox(
         "a",
         SANDBOX_A,
@@ -100,13 +96,7 @@ async fn a_spliced_flow_open_at_the_drains_end_is_reset_and_logged() {
             .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
         "reset, not an end: {read:?}"
     );
-    let lines = flows.records();
-    assert!(
-        lines.iter().any(|l| l["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("drain_deadline"))),
-        "{lines:?}"
-    );
+    assert_drain_deadline_logged(&flows.records());
 }
 
 /// An intercepted request still in flight when the drain's time runs out
@@ -115,28 +105,10 @@ async fn a_spliced_flow_open_at_the_drains_end_is_reset_and_logged() {
 #[tokio::test]
 async fn an_intercepted_request_open_at_the_drains_end_is_cut_and_logged() {
     use tokio::io::AsyncWriteExt;
-    let e = env(Options {
-        drain: "1s",
-        ..Options::default()
-    })
-    .await;
+    let e = draining_in_a_second().await;
     e.sandbox("a", SANDBOX_A, intercepting_policy(&["h1.example.test"]));
     e.resolve(SANDBOX_A, "h1.example.test.").await;
-    let (mut tls, minted) = e
-        .tls(
-            SANDBOX_A,
-            e.origins.h1_only,
-            "h1.example.test",
-            &[b"http/1.1"],
-        )
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    tls.write_all(
-        b"POST /up HTTP/1.1\r\nHost: h1.example.test\r\ntransfer-encoding: chunked\r\n\r\n",
-    )
-    .await
-    .expect("head");
+    let mut tls = h1_upload(&e).await;
     // A chunk every 200 ms for at most 15 s, until the gateway ends it.
     let trickle = tokio::spawn(async move {
         for _ in 0..75 {
@@ -152,7 +124,20 @@ async fn an_intercepted_request_open_at_the_drains_end_is_cut_and_logged() {
     let left = gateway.run_until(async {}).await;
     assert_eq!(left, 1, "open at the deadline");
     assert!(trickle.await.expect("trickle"), "the upload was cut");
-    let lines = flows.records();
+    assert_drain_deadline_logged(&flows.records());
+}
+
+/// A gateway whose drain lasts a second (`timeouts.drain`).
+async fn draining_in_a_second() -> Env {
+    env(Options {
+        drain: "1s",
+        ..Options::default()
+    })
+    .await
+}
+
+/// Some flow's line says it was cut at the drain's deadline.
+fn assert_drain_deadline_logged(lines: &[serde_json::Value]) {
     assert!(
         lines.iter().any(|l| l["error"]
             .as_str()

@@ -922,9 +922,9 @@ pub async fn get_on(
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-/// An HTTP/1.1 client connection from sandbox A to the HTTP/1.1-only
-/// origin, its TLS terminated by the gateway.
-pub async fn h1_client(e: &Env) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+/// Sandbox A's TLS to the HTTP/1.1-only origin as `h1.example.test`, its
+/// TLS terminated by the gateway.
+pub async fn h1_tls(e: &Env) -> tokio_rustls::client::TlsStream<TcpStream> {
     let (tls, minted) = e
         .tls(
             SANDBOX_A,
@@ -935,6 +935,25 @@ pub async fn h1_client(e: &Env) -> hyper::client::conn::http1::SendRequest<Full<
         .await
         .expect("handshake");
     assert!(minted, "intercepted");
+    tls
+}
+
+/// [`h1_tls`] with a chunked upload begun (the head sent, no chunk yet):
+/// a request in flight for as long as the test sends chunks.
+pub async fn h1_upload(e: &Env) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let mut tls = h1_tls(e).await;
+    tls.write_all(
+        b"POST /up HTTP/1.1\r\nHost: h1.example.test\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await
+    .expect("head");
+    tls
+}
+
+/// An HTTP/1.1 client connection from sandbox A to the HTTP/1.1-only
+/// origin, its TLS terminated by the gateway.
+pub async fn h1_client(e: &Env) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let tls = h1_tls(e).await;
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
         .expect("http/1.1");

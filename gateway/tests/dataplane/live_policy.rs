@@ -113,21 +113,7 @@ async fn an_idle_connection_ends_when_its_sandbox_is_deleted() {
 #[tokio::test]
 async fn a_request_in_flight_ends_a_few_seconds_after_its_sandbox_is_deleted() {
     let e = intercepting(&["h1.example.test"]).await;
-    let (mut tls, minted) = e
-        .tls(
-            SANDBOX_A,
-            e.origins.h1_only,
-            "h1.example.test",
-            &[b"http/1.1"],
-        )
-        .await
-        .expect("handshake");
-    assert!(minted, "intercepted");
-    tls.write_all(
-        b"POST /up HTTP/1.1\r\nHost: h1.example.test\r\ntransfer-encoding: chunked\r\n\r\n",
-    )
-    .await
-    .expect("head");
+    let mut tls = h1_upload(&e).await;
     let mut deleted = tokio::time::Instant::now();
     let mut removed = false;
     // A chunk every 200 ms for at most 15 s, until the gateway ends it.
