@@ -280,7 +280,7 @@ impl Metrics {
         );
         r.register(
             "connections_over_share",
-            "Connections reset at accept because their source address held its share of limits.max_connections (max_connections / (sources holding + 1), at least 64)",
+            "Connections reset at accept because their source address held its share of limits.max_connections (max_connections / (sources holding + 1), at least 64; in the last eighth of the slots, 8)",
             self.over_share.clone(),
         );
         r.register(

@@ -4,10 +4,11 @@
 //! leave the other sandboxes' connections reset at accept.
 //!
 //! A source holds at most its fair share, `max_connections / (n + 1)` for the
-//! `n` sources holding slots, and takes a slot only while it holds fewer
-//! than are free (never below [`MIN_SOURCE_SHARE`] either way): alone it
-//! may take half, and however many sources filled their shares one after
-//! another (a share once taken is kept), the next still finds room.
+//! `n` sources holding slots (never below [`MIN_SOURCE_SHARE`]): alone it
+//! may take half. A share once taken is kept as more sources come, so the
+//! last eighth of the slots is a reserve: only a source holding fewer than
+//! [`NEWCOMER`] takes from it. However many sources filled their shares one
+//! after another, a sandbox's first connections still find room.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -17,6 +18,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The fewest slots a source may hold however many hold some.
 pub(crate) const MIN_SOURCE_SHARE: usize = 64;
+
+/// A source holding fewer slots than this takes from the reserve too.
+pub(crate) const NEWCOMER: usize = 8;
 
 /// Every slot of the gateway, and who holds them.
 pub(crate) struct Slots {
@@ -54,8 +58,15 @@ impl Slots {
         let max = self.max;
         // Read before the holds' lock: a flow ending meanwhile only leaves
         // more room than counted.
-        let free = self.all.available_permits().max(MIN_SOURCE_SHARE);
-        let share = |holding| fair_share(max, holding, MIN_SOURCE_SHARE).min(free);
+        let reserved = self.all.available_permits() <= max / 8;
+        let share = |holding| {
+            let share = fair_share(max, holding, MIN_SOURCE_SHARE);
+            if reserved {
+                share.min(NEWCOMER)
+            } else {
+                share
+            }
+        };
         let held =
             Held::take(&self.per_source, source.to_canonical(), share).ok_or(NoSlot::Share)?;
         let permit = self
@@ -125,23 +136,24 @@ mod tests {
     }
 
     /// Sources that fill their shares one after another (each keeping what
-    /// it took as more come) never take every slot: each takes at most as
-    /// many as are still free, so the next always finds room.
+    /// it took as more come) never take every slot: the last eighth is left
+    /// to sources holding fewer than eight, so a new one still connects.
     #[test]
     fn sources_filling_their_shares_in_turn_leave_room() {
         let slots = Slots::new(1024);
         let mut held = Vec::new();
         let mut took = Vec::new();
-        for i in 0..4u8 {
+        for i in 0..5u8 {
             let source = IpAddr::from([100, 64, 9, i]);
             let mine: Vec<Slot> = std::iter::from_fn(|| slots.take(source).ok()).collect();
             took.push(mine.len());
             held.push(mine);
         }
-        assert_eq!(took, [512, 256, 128, 64]);
-        assert_eq!(slots.open(), 960);
+        // The third stops where the reserve begins; later ones take eight.
+        assert_eq!(took, [512, 341, 43, 8, 8]);
+        assert_eq!(slots.open(), 912);
         assert!(
-            slots.take(IpAddr::from([100, 64, 9, 9])).is_ok(),
+            slots.take(IpAddr::from([100, 64, 10, 1])).is_ok(),
             "room for the next"
         );
     }
