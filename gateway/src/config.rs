@@ -45,11 +45,12 @@ pub struct RedirectConfig {
     /// sandbox interfaces: the fence drops everything arriving on them
     /// until they are attached (`redirect --sandbox-iface IFACE --apply`).
     pub fence: Vec<String>,
-    /// Connections (TCP, and DNS over UDP) the host's connection tracking
-    /// keeps for one sandbox interface at once; past it, the interface's
-    /// new connections are dropped before NAT. The table is the host's:
-    /// without a bound, one sandbox's SYN or query flood fills it for every
-    /// sandbox and for the gateway's own connections.
+    /// Open connections (TCP, DNS over UDP, ICMP) the host's connection
+    /// tracking keeps for one source address on a sandbox interface at
+    /// once; past it, that source's new connections are dropped before
+    /// NAT. The table is the host's: without a bound, one sandbox's SYN or
+    /// query flood fills it for every sandbox and for the gateway's own
+    /// connections. Read by `redirect --apply` (re-attach to change it).
     pub max_tracked_connections: u32,
 }
 
@@ -770,8 +771,15 @@ struct RestartOnly<'a> {
     machine_egress: &'a MachineEgressConfig,
     splice: &'a Splice,
     upstream_proxy: &'a UpstreamProxyConfig,
-    redirect: &'a RedirectConfig,
+    /// The fence only: the redirect's bound is read when an interface is
+    /// attached, not by the running gateway.
+    redirect: FenceOnly<'a>,
     credentials: &'a CredentialSources,
+}
+
+#[derive(Debug, PartialEq, Serialize)]
+struct FenceOnly<'a> {
+    fence: &'a [String],
 }
 
 #[derive(Debug, PartialEq, Serialize)]
@@ -812,7 +820,9 @@ impl Config {
             machine_egress: &self.machine_egress,
             splice: &self.splice,
             upstream_proxy: &self.upstream_proxy,
-            redirect: &self.redirect,
+            redirect: FenceOnly {
+                fence: &self.redirect.fence,
+            },
             credentials: &self.credentials,
         }
     }
@@ -1089,13 +1099,16 @@ mod tests {
             files_under = ["/run/credentials"]
             [redirect]
             fence = ["tap*"]
+            max_tracked_connections = 99
             "#,
             Path::new("next.toml"),
         )
         .expect("valid");
         let (running, restart) = now.reloaded(&next);
         // The credential sources and the fence are read at start: a reload
-        // that changes them says so (it said nothing before).
+        // that changes them says so (it said nothing before). The redirect's
+        // bound is read at attach: a restart would not apply it, so it is
+        // not listed.
         assert_eq!(
             restart,
             [

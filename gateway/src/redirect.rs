@@ -67,8 +67,8 @@ pub fn check_pattern(p: &str) -> Result<(), RedirectError> {
 
 /// The interface's table, and the interface added to the fence's set, in
 /// one transaction; idempotent to apply: it replaces the table whole.
-/// `max_tracked` bounds the connections the host tracks for the interface
-/// at once (`redirect.max_tracked_connections`).
+/// `max_tracked` bounds the open connections the host tracks for each
+/// source address on the interface at once (`redirect.max_tracked_connections`).
 pub fn ruleset(iface: &str, ports: Ports, max_tracked: u32) -> Result<String, RedirectError> {
     let table = table_name(iface)?;
     let Ports {
@@ -131,13 +131,21 @@ fn guards(iface: &str, max_tracked: u32) -> String {
         iifname "{iface}" meta nfproto ipv4 udp dport 53 ip daddr {{ 8.8.8.8, 1.1.1.1 }} accept
         iifname "{iface}" meta l4proto udp counter drop
     }}
-    # Then, what passed: at most {max_tracked} connections tracked for the
-    # interface at once (ended ones do not count). The host's table is
-    # every sandbox's and the gateway's: one sandbox's flood fills its own
-    # share of it, not the whole.
+    # Then, what passed: at most {max_tracked} open connections tracked for
+    # each source address at once (closed ones do not count), so on a
+    # bridge too each sandbox has its own. The host's table is every
+    # sandbox's and the gateway's: one sandbox's flood fills its own share
+    # of it, not the whole.
+    set tracked4 {{
+        type ipv4_addr; size 65535; flags dynamic;
+    }}
+    set tracked6 {{
+        type ipv6_addr; size 65535; flags dynamic;
+    }}
     chain tracked {{
         type filter hook prerouting priority mangle + 1; policy accept;
-        iifname "{iface}" ct state new ct count over {max_tracked} counter drop
+        iifname "{iface}" ct state new add @tracked4 {{ ip saddr ct count over {max_tracked} }} counter drop
+        iifname "{iface}" ct state new add @tracked6 {{ ip6 saddr ct count over {max_tracked} }} counter drop
     }}
 "#
     )
@@ -285,10 +293,10 @@ mod tests {
             r.contains("ip daddr 1.1.1.1 meta l4proto { tcp, udp } th dport 53 redirect to :15054")
         );
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto udp counter drop"#));
-        assert!(
-            r.contains(r#"iifname "tap-sb1" ct state new ct count over 16384 counter drop"#),
-            "{r}"
-        );
+        for family in ["4 { ip", "6 { ip6"] {
+            let rule = format!("iifname \"tap-sb1\" ct state new add @tracked{family} saddr ct count over 16384 }} counter drop");
+            assert!(r.contains(&rule), "{rule}\n{r}");
+        }
         assert!(r.contains(
             r#"iifname "tap-sb1" meta nfproto ipv4 fib saddr . iif oif missing counter drop"#
         ));

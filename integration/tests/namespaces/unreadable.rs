@@ -104,10 +104,11 @@ fn unreadable_streams_are_refused_and_named_ssh_passes() {
     );
 }
 
-/// A sandbox holding connections fills its interface's share of the host's
+/// A sandbox holding connections fills its own share of the host's
 /// connection tracking, not the table: past `redirect.max_tracked_connections`
-/// its new connections are dropped before NAT (a SYN that never gets an
-/// answer), the other sandbox still connects, and once it lets its
+/// open ones from a source address, that address's new connections are
+/// dropped before NAT (a SYN that never gets an answer), while its other
+/// address (IPv6) and the other sandbox still connect; once it lets its
 /// connections go, it connects again.
 #[test]
 fn a_sandbox_interface_tracks_at_most_its_bound_of_connections() {
@@ -137,16 +138,20 @@ fn a_sandbox_interface_tracks_at_most_its_bound_of_connections() {
         String::from_utf8_lossy(&out.stderr)
     );
     // Four held, a fifth refused; all let go, and a sixth connects.
+    // All within the gateway's peek timeout (2 s), which would close the
+    // held ones: four held, its IPv6 address (another source) connects, a
+    // fifth from the IPv4 one does not; all let go, and a sixth connects.
     let script = r#"
 import socket, time
-def dial():
-    s = socket.socket(); s.settimeout(2.0)
+def dial(family=socket.AF_INET, to=("203.0.113.20", 443)):
+    s = socket.socket(family); s.settimeout(1.0)
     try:
-        s.connect(("203.0.113.20", 443)); return s
+        s.connect(to); return s
     except OSError:
         return None
 held = [dial() for _ in range(4)]
 print("held", sum(s is not None for s in held))
+print("own address", dial(socket.AF_INET6, ("2001:db8:f::20", 443)) is not None)
 print("fifth", dial() is not None)
 for s in held:
     if s: s.close()
@@ -157,7 +162,7 @@ print("after", dial() is not None)
     let said = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         said,
-        "held 4\nfifth False\nafter True\n",
+        "held 4\nown address True\nfifth False\nafter True\n",
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
