@@ -113,17 +113,19 @@ impl Secrets {
 
     /// Reads every source again (SIGHUP): one that cannot be read is
     /// dropped, and requests that need it are refused until it can be.
-    /// Returns the sources that failed, with why. A value a push loaded in
-    /// the last [`FRESH_FOR`] is kept though `sources` (the registry as it
-    /// was read before) does not name it: that push may be committing.
+    /// Returns the sources that failed, with why. A source a push loaded in
+    /// the last [`FRESH_FOR`] is read again too though `sources` (the
+    /// registry as it was read before) does not name it: that push may be
+    /// committing, and a value rotated or revoked meanwhile must not stay.
     pub fn reload<'a>(&self, sources: impl IntoIterator<Item = &'a Source>) -> Vec<String> {
         let mut fresh = self.lock();
+        fresh.retain(|_, at| at.elapsed() < FRESH_FOR);
         let mut next = HashMap::new();
-        let mut named = HashSet::new();
+        let mut seen: HashSet<Source> = HashSet::new();
         let mut failed = Vec::new();
-        for s in sources {
-            if !named.insert(s) {
-                continue;
+        let mut read = |s: &Source| {
+            if !seen.insert(s.clone()) {
+                return;
             }
             match read_source(s, &self.allowed) {
                 Ok(v) => {
@@ -131,14 +133,9 @@ impl Secrets {
                 }
                 Err(e) => failed.push(format!("{s}: {e}")),
             }
-        }
-        let held = self.values.load();
-        fresh.retain(|_, at| at.elapsed() < FRESH_FOR);
-        for s in fresh.keys() {
-            if let (false, Some(v)) = (named.contains(s), held.get(s)) {
-                next.insert(s.clone(), v.clone());
-            }
-        }
+        };
+        sources.into_iter().for_each(&mut read);
+        fresh.keys().for_each(&mut read);
         self.values.store(Arc::new(next));
         failed
     }

@@ -439,9 +439,8 @@ fn only_the_allowed_sources_are_read() {
 }
 
 /// A SIGHUP (or two) that read the registry before a push's sandbox was in
-/// it keeps the value that push loaded (the push may be committing); a
-/// reload that names the source reads it again, and one that finds it
-/// unreadable drops it.
+/// it keeps the value that push loaded (the push may be committing), read
+/// again: rotated meanwhile, the new value; gone, dropped and reported.
 #[test]
 fn a_reload_keeps_what_a_push_in_flight_loaded() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -449,17 +448,16 @@ fn a_reload_keeps_what_a_push_in_flight_loaded() {
     let list = github(&path, false);
     let secrets = under_tmp();
     secrets.load(&list).expect("load");
+    let value = || secrets.get(&list[0].source).map(|v| v.0.to_vec());
+    let first = value();
     for _ in 0..2 {
         assert!(secrets.reload(std::iter::empty()).is_empty());
-        assert!(
-            secrets.get(&list[0].source).is_some(),
-            "kept through the reload"
-        );
+        assert_eq!(value(), first, "kept through the reload");
     }
+    std::fs::write(&path, "rotated-value-0001").expect("rotate");
+    assert!(secrets.reload(std::iter::empty()).is_empty());
+    assert_ne!(value(), first, "read again, not kept as it was");
     std::fs::remove_file(&path).expect("rm");
-    assert_eq!(secrets.reload(list.iter().map(|c| &c.source)).len(), 1);
-    assert!(
-        secrets.get(&list[0].source).is_none(),
-        "named, unreadable: dropped"
-    );
+    assert_eq!(secrets.reload(std::iter::empty()).len(), 1, "reported");
+    assert!(value().is_none(), "unreadable: dropped");
 }
