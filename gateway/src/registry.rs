@@ -148,8 +148,24 @@ impl Registry {
     /// writers' lock: a writer that read the state being undone (the
     /// lapse watch) cannot store it back after.
     pub fn restore(&self, snapshot: Arc<Generation>) {
-        let _claims = self.lock();
-        self.snapshot.store(snapshot);
+        let claims = self.lock();
+        self.publish(&claims, snapshot);
+    }
+
+    /// Stores `next` (under the writers' lock, `claims` its guard) and
+    /// tells the platform denies which addresses are sandboxes' and VMs'
+    /// now: no sandbox may reach another through the gateway.
+    fn publish(&self, claims: &VmClaims, next: Arc<Generation>) {
+        self.register_addresses(claims, next.clone());
+        self.snapshot.store(next);
+    }
+
+    fn register_addresses(&self, claims: &VmClaims, generation: Arc<Generation>) {
+        let mut vms: Vec<IpAddr> = claims.keys().copied().collect();
+        vms.sort_unstable();
+        self.platform.set_registered(move |ip| {
+            generation.by_addr.contains_key(&ip) || vms.binary_search(&ip).is_ok()
+        });
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VmClaims> {
@@ -192,7 +208,7 @@ impl Registry {
         let mut next = (*self.snapshot.load_full()).clone();
         let sandbox = next.carry(sandbox);
         next.insert(sandbox)?;
-        self.snapshot.store(Arc::new(next));
+        self.publish(&claims, Arc::new(next));
         Ok(())
     }
 
@@ -208,7 +224,7 @@ impl Registry {
         for s in next.by_id.values() {
             unclaimed(&claims, s)?;
         }
-        self.snapshot.store(Arc::new(next));
+        self.publish(&claims, Arc::new(next));
         Ok(())
     }
 
@@ -243,12 +259,15 @@ impl Registry {
         for a in addresses {
             claims.insert(a, vm.to_owned());
         }
+        self.register_addresses(&claims, self.snapshot.load_full());
         Ok(())
     }
 
     /// Releases every address `vm` claimed.
     pub fn release_vm(&self, vm: &str) {
-        self.lock().retain(|_, owner| owner != vm);
+        let mut claims = self.lock();
+        claims.retain(|_, owner| owner != vm);
+        self.register_addresses(&claims, self.snapshot.load_full());
     }
 
     /// Compiles again every sandbox whose policy has an allow entry that
@@ -304,12 +323,12 @@ impl Registry {
     }
 
     pub fn remove(&self, id: &SandboxId) -> bool {
-        let _guard = self.lock();
+        let claims = self.lock();
         let mut next = (*self.snapshot.load_full()).clone();
         if !next.remove(id) {
             return false;
         }
-        self.snapshot.store(Arc::new(next));
+        self.publish(&claims, Arc::new(next));
         true
     }
 
@@ -717,5 +736,59 @@ mod tests {
             matches!(r.admit(ip("100.64.1.3"), g), Admit::Refused(id) if id == SandboxId::new("b"))
         );
         assert!(matches!(r.admit(ip("100.64.1.4"), g), Admit::Unknown));
+    }
+
+    /// A sandbox's or a VM's address is a platform deny for every sandbox,
+    /// whatever its policy allows (the gateway dials from the host: one
+    /// sandbox would reach another past both policies), in every form that
+    /// names it, from its registration until it goes.
+    #[test]
+    fn another_sandboxs_or_a_vms_address_is_a_platform_deny() {
+        let r = Registry::new(Arc::new(PlatformDenies::new(Vec::new())));
+        let open = || policy(r#"{"default": "allow"}"#);
+        r.put(SandboxId::new("a"), vec![ip("2001:db8:1::2")], open())
+            .expect("a");
+        let verdict = |dst: &str| {
+            let s = r.lookup(ip("2001:db8:1::2")).expect("a");
+            let claims = crate::decide::Claims {
+                dst: SocketAddr::new(ip(dst), 22),
+                protocol: Protocol::Opaque(None),
+                sni: None,
+                host: None,
+                ech: false,
+            };
+            let doh = crate::doh::DohNames::empty();
+            let gap = AttributionGap::NoDnsSeen;
+            let v = crate::decide::judge(&s.policy, &claims, &[], gap, &doh);
+            (v.code(), v.describe(&s.policy))
+        };
+        assert_eq!(verdict("2001:db8:2::2").0, "allow_default");
+        r.put(
+            SandboxId::new("b"),
+            vec![ip("2001:db8:2::2"), ip("198.51.100.2")],
+            open(),
+        )
+        .expect("b");
+        for dst in [
+            "2001:db8:2::2",
+            "198.51.100.2",
+            "::ffff:198.51.100.2",
+            "2001:db8:1::2",
+        ] {
+            let (code, why) = verdict(dst);
+            assert_eq!(code, "platform_deny", "{dst}");
+            assert!(why.contains("a sandbox or a VM on this gateway"), "{why}");
+        }
+        r.claim_for_vm("vm1", &[ip("198.51.100.9")]).expect("vm");
+        assert_eq!(verdict("198.51.100.9").0, "platform_deny");
+        assert!(r.remove(&SandboxId::new("b")));
+        r.release_vm("vm1");
+        for dst in ["2001:db8:2::2", "198.51.100.9"] {
+            assert_eq!(
+                verdict(dst).0,
+                "allow_default",
+                "{dst}: gone, no longer denied"
+            );
+        }
     }
 }

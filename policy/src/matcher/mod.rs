@@ -114,6 +114,11 @@ pub struct PlatformDenies {
     /// gains while the gateway runs (a renumbering, a new IPv6 temporary
     /// address) is denied from the next reading on.
     host: arc_swap::ArcSwap<Vec<IpAddr>>,
+    /// Whether an address belongs to a sandbox or a VM on this gateway
+    /// ([`PlatformDenies::set_registered`]): the gateway dials from the
+    /// host, so one sandbox reaching another's address would reach it past
+    /// both their policies.
+    registered: arc_swap::ArcSwap<Registered>,
     rules: RuleSet,
     /// The gateway's `policy.opaque_streams`: a setting of the operator's,
     /// compiled into every sandbox's policy like the list.
@@ -123,6 +128,20 @@ pub struct PlatformDenies {
 /// The index of a platform deny of one of the host's own addresses: they
 /// are read from the kernel while the gateway runs, not listed.
 pub(crate) const HOST_ADDRESS: RuleIdx = RuleIdx::MAX;
+
+/// The index of a platform deny of a sandbox's or a VM's address on this
+/// gateway: registered while it runs, not listed.
+pub(crate) const REGISTERED_ADDRESS: RuleIdx = RuleIdx::MAX - 1;
+
+/// Which addresses belong to sandboxes or VMs on this gateway (its registry
+/// answers; nothing is registered by default).
+pub(crate) struct Registered(Box<dyn Fn(IpAddr) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for Registered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Registered")
+    }
+}
 
 /// A policy compiled for lookups that never scan rules.
 #[derive(Debug)]
@@ -230,6 +249,7 @@ impl PlatformDenies {
         Self {
             list,
             host: arc_swap::ArcSwap::default(),
+            registered: arc_swap::ArcSwap::from_pointee(Registered(Box::new(|_| false))),
             rules,
             opaque_streams: OpaqueStreams::default(),
         }
@@ -242,6 +262,22 @@ impl PlatformDenies {
         addrs.sort_unstable();
         addrs.dedup();
         self.host.store(Arc::new(addrs));
+    }
+
+    /// Which addresses are sandboxes' or VMs' on this gateway now (the
+    /// registry sets it with each change of its addresses): each is denied
+    /// as a destination, in every form that names it. `holds` is asked
+    /// with canonical addresses.
+    pub fn set_registered(&self, holds: impl Fn(IpAddr) -> bool + Send + Sync + 'static) {
+        self.registered.store(Arc::new(Registered(Box::new(holds))));
+    }
+
+    fn is_registered(&self, addrs: &Addrs) -> bool {
+        let registered = self.registered.load();
+        [Some(addrs.ip), addrs.embedded]
+            .into_iter()
+            .flatten()
+            .any(|ip| (registered.0)(ip))
     }
 
     /// The host's own addresses as last set.
@@ -403,6 +439,9 @@ impl CompiledPolicy {
         }
         if self.platform.is_host(&addrs) {
             return Verdict::Deny(Denied::Platform(HOST_ADDRESS));
+        }
+        if self.platform.is_registered(&addrs) {
+            return Verdict::Deny(Denied::Platform(REGISTERED_ADDRESS));
         }
         if let Some(r) = self.platform.rules.lookup_evidence(flow) {
             return Verdict::Deny(Denied::Platform(r));
@@ -610,6 +649,9 @@ impl CompiledPolicy {
         let i = usize::try_from(idx).ok()?;
         let text = match list {
             RuleList::Platform if idx == HOST_ADDRESS => "the gateway host's own address".into(),
+            RuleList::Platform if idx == REGISTERED_ADDRESS => {
+                "the address of a sandbox or a VM on this gateway".into()
+            }
             RuleList::Platform => self.platform.list.get(i)?.to_string(),
             RuleList::Deny => self.policy.deny.get(i)?.to_string(),
             RuleList::Allow => self.policy.allow.get(i)?.to_string(),

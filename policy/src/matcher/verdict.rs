@@ -155,7 +155,7 @@ impl Verdict {
     /// `allow` or the credentials), when an entry did.
     pub fn deny_rule(&self) -> Option<RuleIdx> {
         match self {
-            Self::Deny(Denied::Platform(super::HOST_ADDRESS)) => None,
+            Self::Deny(Denied::Platform(super::HOST_ADDRESS | super::REGISTERED_ADDRESS)) => None,
             Self::Deny(Denied::Platform(r) | Denied::Tenant(r)) => Some(*r),
             Self::Deny(Denied::Unseen(r)) => Some(r.index()),
             Self::Deny(Denied::Stream(a, _)) => a.rule(),
