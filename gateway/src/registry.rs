@@ -535,6 +535,19 @@ mod tests {
         Policy::from_json(text).expect(text)
     }
 
+    /// `policy`'s verdict on an opaque flow to `dst` port 22, with no DNS seen.
+    fn opaque_to(policy: &CompiledPolicy, dst: &str) -> egress_policy::Verdict {
+        let claims = crate::decide::Claims {
+            dst: SocketAddr::new(ip(dst), 22),
+            protocol: Protocol::Opaque(None),
+            sni: None,
+            host: None,
+            ech: false,
+        };
+        let doh = crate::doh::DohNames::empty();
+        crate::decide::judge(policy, &claims, &[], AttributionGap::NoDnsSeen, &doh)
+    }
+
     /// An allow entry past its `until` is compiled out by
     /// `recompile_lapsed`, with no push: the same registration (serial,
     /// addresses), the entry out of force, the others in it.
@@ -565,16 +578,7 @@ mod tests {
                 (true, Some(sh)) => sh.policy.clone(),
                 _ => s.policy.clone(),
             };
-            let claims = crate::decide::Claims {
-                dst: SocketAddr::new(ip(dst), 22),
-                protocol: Protocol::Opaque(None),
-                sni: None,
-                host: None,
-                ech: false,
-            };
-            let doh = crate::doh::DohNames::empty();
-            let gap = AttributionGap::NoDnsSeen;
-            crate::decide::judge(&p, &claims, &[], gap, &doh).code()
+            opaque_to(&p, dst).code()
         };
         let verdict = |dst: &str| judged(false, dst);
         let serial = r.get(&id).expect("a").serial;
@@ -750,16 +754,7 @@ mod tests {
             .expect("a");
         let verdict = |dst: &str| {
             let s = r.lookup(ip("2001:db8:1::2")).expect("a");
-            let claims = crate::decide::Claims {
-                dst: SocketAddr::new(ip(dst), 22),
-                protocol: Protocol::Opaque(None),
-                sni: None,
-                host: None,
-                ech: false,
-            };
-            let doh = crate::doh::DohNames::empty();
-            let gap = AttributionGap::NoDnsSeen;
-            let v = crate::decide::judge(&s.policy, &claims, &[], gap, &doh);
+            let v = opaque_to(&s.policy, dst);
             (v.code(), v.describe(&s.policy))
         };
         assert_eq!(verdict("2001:db8:2::2").0, "allow_default");
