@@ -67,13 +67,14 @@ impl Slots {
                 share
             }
         };
-        let held =
-            Held::take(&self.per_source, source.to_canonical(), share).ok_or(NoSlot::Share)?;
+        // Every slot held is the limit, whoever holds them.
         let permit = self
             .all
             .clone()
             .try_acquire_owned()
             .map_err(|_| NoSlot::Limit)?;
+        let held =
+            Held::take(&self.per_source, source.to_canonical(), share).ok_or(NoSlot::Share)?;
         Ok(Slot {
             _permit: permit,
             _held: held,
