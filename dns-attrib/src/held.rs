@@ -1,7 +1,7 @@
 //! Shares of a bounded resource, counted per key: a sandbox's DNS queries in
 //! flight, a source's DNS-over-TCP connections, a source's connections to
-//! the gateway. A key at its cap takes no more, so one key cannot hold what
-//! the others need.
+//! the gateway, a source's bytes in the flow log's queue. A key at its cap
+//! takes no more, so one key cannot hold what the others need.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex};
 /// Counts held per key.
 pub type Holds<K> = Arc<Mutex<HashMap<K, usize>>>;
 
-/// One of a key's holds, given back on drop.
+/// One of a key's holds (of `units`), given back on drop.
 pub struct Held<K: Eq + std::hash::Hash> {
     holds: Holds<K>,
     key: K,
+    units: usize,
 }
 
 /// The fair share of `total` places when `holding` keys hold some: what is
@@ -22,23 +23,56 @@ pub fn fair_share(total: usize, holding: usize, floor: usize) -> usize {
     (total / (holding + 1)).max(floor)
 }
 
+/// A key's share of `total` when `used` of it is taken and `holding` keys
+/// hold some: its [`fair_share`], and once the last eighth is reached no
+/// more than `newcomer`. A share once taken is kept as more keys come, so
+/// that last eighth is a reserve only keys holding little take from:
+/// however many keys filled their shares one after another, the next one
+/// still finds room.
+pub fn share_with_reserve(
+    total: usize,
+    used: usize,
+    holding: usize,
+    floor: usize,
+    newcomer: usize,
+) -> usize {
+    let share = fair_share(total, holding, floor);
+    if used >= total - total / 8 {
+        share.min(newcomer)
+    } else {
+        share
+    }
+}
+
 impl<K: Eq + std::hash::Hash + Clone> Held<K> {
     /// A hold on `key`, unless it has its cap already: `cap` of the number
     /// of keys held, read under the same lock. A poisoned lock takes none.
     pub fn take(holds: &Holds<K>, key: K, cap: impl FnOnce(usize) -> usize) -> Option<Self> {
+        Self::take_units(holds, key, 1, cap)
+    }
+
+    /// `units` held on `key` at once (bytes, say), unless that would take
+    /// it past its cap.
+    pub fn take_units(
+        holds: &Holds<K>,
+        key: K,
+        units: usize,
+        cap: impl FnOnce(usize) -> usize,
+    ) -> Option<Self> {
         let mut map = holds.lock().ok()?;
         let cap = cap(map.len());
         let n = map.entry(key.clone()).or_insert(0);
-        if *n >= cap {
+        if n.saturating_add(units) > cap {
             if *n == 0 {
                 map.remove(&key);
             }
             return None;
         }
-        *n += 1;
+        *n += units;
         Some(Self {
             holds: holds.clone(),
             key,
+            units,
         })
     }
 }
@@ -47,7 +81,7 @@ impl<K: Eq + std::hash::Hash> Drop for Held<K> {
     fn drop(&mut self) {
         if let Ok(mut map) = self.holds.lock() {
             if let Some(n) = map.get_mut(&self.key) {
-                *n -= 1;
+                *n -= self.units;
                 if *n == 0 {
                     map.remove(&self.key);
                 }
@@ -75,5 +109,21 @@ mod tests {
         drop((first, second));
         assert!(holds.lock().expect("lock").is_empty());
         assert_eq!(fair_share(12, 100, 2), 2, "never below the floor");
+    }
+
+    /// Units are held and given back together; a take that would pass the
+    /// cap takes nothing. Past seven eighths used, only the newcomer's cap.
+    #[test]
+    fn units_are_held_together_and_the_last_eighth_is_kept_for_newcomers() {
+        let holds: Holds<u8> = Arc::default();
+        let big = Held::take_units(&holds, 1, 700, |_| 1000).expect("fits");
+        assert!(Held::take_units(&holds, 1, 301, |_| 1000).is_none());
+        let small = Held::take_units(&holds, 1, 300, |_| 1000).expect("fits exactly");
+        drop(big);
+        assert_eq!(holds.lock().expect("lock").get(&1), Some(&300));
+        drop(small);
+        assert!(holds.lock().expect("lock").is_empty());
+        assert_eq!(share_with_reserve(800, 699, 1, 8, 5), 400);
+        assert_eq!(share_with_reserve(800, 700, 1, 8, 5), 5);
     }
 }

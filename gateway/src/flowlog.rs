@@ -1,13 +1,15 @@
 //! The flow log: one JSON line per flow, the input of the replay tool too.
 
+use std::collections::HashMap;
 use std::io::{BufWriter, Write};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use dns_attrib::held::{share_with_reserve, Held, Holds};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
@@ -69,6 +71,18 @@ const QUEUE: usize = 65_536;
 /// Bytes of text queued for the writer before new lines are dropped (and
 /// counted): the sandbox chooses much of a line (its names, its paths).
 const QUEUE_BYTES: usize = 32 << 20;
+/// The fewest queued bytes a source may hold however many hold some.
+const MIN_QUEUE_SHARE: usize = 1 << 20;
+/// A source holding fewer queued bytes takes from the queue's reserve too.
+const QUEUE_NEWCOMER: usize = 64 << 10;
+/// The fewest bytes of a capped file a source may write however many do.
+const MIN_FILE_SHARE: u64 = 4 << 20;
+/// A source that wrote fewer bytes since the file was rotated takes from
+/// the file's reserve too.
+const FILE_NEWCOMER: u64 = 1 << 20;
+/// Sources counted apart in a capped file; past that, new ones share one
+/// count.
+const MAX_FILE_SOURCES: usize = 65_536;
 /// Names of `attributed` a line lists.
 pub const MAX_NAMES: usize = 8;
 /// Characters of `detail`, `error`, `request_denied` and `would_deny` a
@@ -79,6 +93,12 @@ pub const MAX_TEXT: usize = 1024;
 /// the log's own formats the lines and writes them through a buffer,
 /// flushing whenever the queue runs dry, so a line is on disk within
 /// moments of its flow's end and the flows never wait on the file.
+///
+/// One sandbox ending flows in a loop cannot take the log from the others:
+/// a source address holds at most its share of the queue's bytes, and of
+/// a capped file's bytes since it was last rotated (a fair share, the last
+/// eighth kept for sources that hold little: [`share_with_reserve`]). Its
+/// lines past that are dropped and counted; the others' are still written.
 pub struct FlowLog {
     sink: Option<Writer>,
 }
@@ -87,6 +107,8 @@ struct Writer {
     tx: Mutex<Option<SyncSender<Queued>>>,
     /// The text of the lines queued now ([`FlowRecord::weight`]).
     queued: Arc<AtomicUsize>,
+    /// The same, per source.
+    per_source: Holds<Option<IpAddr>>,
     /// The lines queued, or written to the buffer but not yet flushed.
     pending: Arc<AtomicUsize>,
     thread: Mutex<Option<(JoinHandle<()>, Receiver<()>)>>,
@@ -112,10 +134,7 @@ impl FlowLog {
                     .create(true)
                     .append(true)
                     .open(path)?;
-                let cap = SizeCap {
-                    file: file.try_clone()?,
-                    max_bytes,
-                };
+                let cap = SizeCap::new(file.try_clone()?, max_bytes);
                 (Box::new(file), Some(cap))
             }
         };
@@ -146,14 +165,27 @@ impl FlowLog {
         let Some(sink) = &self.sink else { return };
         record.bound();
         let weight = record.weight();
-        let room = sink.queued.fetch_add(weight, Ordering::Relaxed) + weight <= QUEUE_BYTES;
+        let used = sink.queued.fetch_add(weight, Ordering::Relaxed);
         sink.pending.fetch_add(1, Ordering::Relaxed);
+        let share = |holding| {
+            share_with_reserve(QUEUE_BYTES, used, holding, MIN_QUEUE_SHARE, QUEUE_NEWCOMER)
+        };
+        let held = (used + weight <= QUEUE_BYTES)
+            .then(|| Held::take_units(&sink.per_source, source(&record), weight, share))
+            .flatten();
         let tx = sink.tx.lock().unwrap_or_else(PoisonError::into_inner);
-        let queued = room
-            && tx.as_ref().is_some_and(|tx| {
-                tx.try_send((OffsetDateTime::now_utc(), record, weight))
-                    .is_ok()
-            });
+        let queued = held.is_some_and(|held| {
+            tx.as_ref().is_some_and(|tx| {
+                let at = OffsetDateTime::now_utc();
+                tx.try_send(Queued {
+                    at,
+                    record,
+                    weight,
+                    _held: held,
+                })
+                .is_ok()
+            })
+        });
         if !queued {
             sink.queued.fetch_sub(weight, Ordering::Relaxed);
             sink.pending.fetch_sub(1, Ordering::Relaxed);
@@ -215,8 +247,7 @@ impl Writer {
             line: Vec::with_capacity(1024),
             failed: false,
             unflushed: 0,
-            // Looked at before the first line.
-            cap: cap.map(|c| (c, Instant::now().checked_sub(SIZE_CHECK), false)),
+            cap,
             queued: queued.clone(),
             pending: pending.clone(),
             dropped: dropped.clone(),
@@ -230,6 +261,7 @@ impl Writer {
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             queued,
+            per_source: Holds::default(),
             pending,
             thread: Mutex::new(Some((thread, done))),
             dropped,
@@ -237,10 +269,90 @@ impl Writer {
     }
 }
 
-/// The file's size, looked at every [`SIZE_CHECK`] against its cap.
+/// A capped file: its size as last looked at (every [`SIZE_CHECK`]), and
+/// what each source wrote to it since it was last rotated.
 struct SizeCap {
     file: std::fs::File,
     max_bytes: u64,
+    /// When the size was last looked at (`None`: never).
+    looked: Option<Instant>,
+    size: u64,
+    written: HashMap<Option<IpAddr>, u64>,
+    /// A source's lines were dropped past its share since the rotation.
+    warned: bool,
+}
+
+impl SizeCap {
+    fn new(file: std::fs::File, max_bytes: u64) -> Self {
+        Self {
+            file,
+            max_bytes,
+            looked: None,
+            size: 0,
+            written: HashMap::new(),
+            warned: false,
+        }
+    }
+
+    /// Whether the file is at its cap, as of the last look.
+    fn full(&mut self) -> bool {
+        self.look();
+        self.size >= self.max_bytes
+    }
+
+    /// Whether a line of `len` bytes from `source` is written: not past the
+    /// source's share of the file.
+    fn admits(&mut self, source: Option<IpAddr>, len: usize) -> bool {
+        let counted = self.written.len() < MAX_FILE_SOURCES || self.written.contains_key(&source);
+        let key = if counted { source } else { None };
+        let total = usize::try_from(self.max_bytes).unwrap_or(usize::MAX);
+        let used = usize::try_from(self.size).unwrap_or(usize::MAX);
+        let floor = usize::try_from(MIN_FILE_SHARE).unwrap_or(usize::MAX);
+        let newcomer = usize::try_from(FILE_NEWCOMER).unwrap_or(usize::MAX);
+        let holding = self.written.len();
+        let share = share_with_reserve(total, used, holding, floor, newcomer) as u64;
+        let mine = self.written.entry(key).or_insert(0);
+        if *mine + len as u64 > share {
+            if !self.warned {
+                self.warned = true;
+                tracing::warn!(
+                    ?source,
+                    share,
+                    "a source reached its share of the flow log's file: its lines are dropped (and counted) until the file is rotated"
+                );
+            }
+            return false;
+        }
+        *mine += len as u64;
+        true
+    }
+
+    /// Looks at the file's size at most every [`SIZE_CHECK`]: a size
+    /// smaller than the last one is a rotation (`copytruncate`), which
+    /// starts every source's count again. Warns when the cap is reached or
+    /// left.
+    fn look(&mut self) {
+        if self.looked.is_some_and(|at| at.elapsed() < SIZE_CHECK) {
+            return;
+        }
+        self.looked = Some(Instant::now());
+        let size = self.file.metadata().map_or(0, |m| m.len());
+        if size < self.size {
+            self.written.clear();
+            self.warned = false;
+        }
+        let (was_over, now_over) = (self.size >= self.max_bytes, size >= self.max_bytes);
+        self.size = size;
+        if now_over && !was_over {
+            tracing::warn!(
+                size,
+                max_bytes = self.max_bytes,
+                "the flow log reached log.flow_log_max_bytes: lines are dropped (and counted) until it is rotated"
+            );
+        } else if was_over && !now_over {
+            tracing::info!(size, "the flow log is below its cap again");
+        }
+    }
 }
 
 /// The writer thread's state.
@@ -251,8 +363,7 @@ struct Lines {
     failed: bool,
     /// Lines in the buffer since the last flush that succeeded.
     unflushed: usize,
-    /// The cap, when it was last looked at, and whether the file is over it.
-    cap: Option<(SizeCap, Option<Instant>, bool)>,
+    cap: Option<SizeCap>,
     queued: Arc<AtomicUsize>,
     pending: Arc<AtomicUsize>,
     dropped: Arc<AtomicU64>,
@@ -261,13 +372,14 @@ struct Lines {
 impl Lines {
     /// Until every sender is gone, a line per record, flushed each time the
     /// queue is empty. A line not written (a failed write, the file at its
-    /// cap, the last flush failing) is counted as dropped.
+    /// cap or the source at its share of it, the last flush failing) is
+    /// counted as dropped.
     fn write_all(&mut self, rx: &Receiver<Queued>) {
         while let Ok(first) = rx.recv() {
             let mut next = Some(first);
-            while let Some((at, record, weight)) = next.take() {
-                self.queued.fetch_sub(weight, Ordering::Relaxed);
-                self.write(at, record);
+            while let Some(queued) = next.take() {
+                self.queued.fetch_sub(queued.weight, Ordering::Relaxed);
+                self.write(queued.at, queued.record);
                 next = rx.try_recv().ok();
             }
             self.flush();
@@ -282,7 +394,7 @@ impl Lines {
     }
 
     fn write(&mut self, at: OffsetDateTime, mut record: FlowRecord) {
-        if self.over_cap() {
+        if self.cap.as_mut().is_some_and(SizeCap::full) {
             self.drop_lines(1);
             return;
         }
@@ -293,6 +405,13 @@ impl Lines {
             return;
         }
         self.line.push(b'\n');
+        let len = self.line.len();
+        if let Some(cap) = &mut self.cap {
+            if !cap.admits(source(&record), len) {
+                self.drop_lines(1);
+                return;
+            }
+        }
         match self.out.write_all(&self.line) {
             Ok(()) => self.unflushed += 1,
             Err(e) => {
@@ -318,37 +437,21 @@ impl Lines {
         self.pending.fetch_sub(n, Ordering::Relaxed);
         self.dropped.fetch_add(n as u64, Ordering::Relaxed);
     }
-
-    /// Whether the file is at its cap, as of the last look (at most
-    /// [`SIZE_CHECK`] ago); warns when that changes.
-    fn over_cap(&mut self) -> bool {
-        let Some((cap, looked, over)) = &mut self.cap else {
-            return false;
-        };
-        if looked.is_some_and(|at| at.elapsed() < SIZE_CHECK) {
-            return *over;
-        }
-        *looked = Some(Instant::now());
-        let size = cap.file.metadata().map_or(0, |m| m.len());
-        let now_over = size >= cap.max_bytes;
-        if now_over != *over {
-            if now_over {
-                tracing::warn!(
-                    size,
-                    max_bytes = cap.max_bytes,
-                    "the flow log reached log.flow_log_max_bytes: lines are dropped (and counted) until it is rotated"
-                );
-            } else {
-                tracing::info!(size, "the flow log is below its cap again");
-            }
-        }
-        *over = now_over;
-        now_over
-    }
 }
 
-/// A line queued: when its flow ended, the record, its weight.
-type Queued = (OffsetDateTime, FlowRecord, usize);
+/// The source a line is counted under: its flow's source address.
+fn source(record: &FlowRecord) -> Option<IpAddr> {
+    record.src.map(|a| a.ip().to_canonical())
+}
+
+/// A line queued: when its flow ended, the record, its weight, and its
+/// source's hold on that weight (given back once written or dropped).
+struct Queued {
+    at: OffsetDateTime,
+    record: FlowRecord,
+    weight: usize,
+    _held: Held<Option<IpAddr>>,
+}
 
 impl FlowRecord {
     /// Cuts what a sandbox can make long: the names to [`MAX_NAMES`] (the
@@ -619,5 +722,77 @@ mod tests {
         assert_eq!(log.dropped().load(Ordering::Relaxed), 0);
         let text = std::fs::read_to_string(&path).expect("read");
         assert!(text.contains("\"bytes_up\":7"), "{text}");
+    }
+
+    /// A line of about 1.3 KiB queued from `src`.
+    fn from(src: &str, n: u64) -> FlowRecord {
+        FlowRecord {
+            src: Some(src.parse().expect("addr")),
+            detail: "p".repeat(1024),
+            ..record(n)
+        }
+    }
+
+    /// A source ending flows in a loop while the writer is stuck holds its
+    /// share of the queue's bytes, not the whole queue: another source's
+    /// lines are still queued, and written once the writer moves.
+    #[test]
+    fn one_source_cannot_fill_the_queue_for_the_others() {
+        let w = Held::default();
+        let log = FlowLog::to_writer(Box::new(w.clone()));
+        // 30,000 lines of 1.3 KiB: more than the queue's 32 MiB.
+        for n in 0..30_000 {
+            log.write(from("100.64.0.2:40000", n));
+        }
+        let flooded = log.dropped().load(Ordering::Relaxed);
+        for n in 0..100 {
+            log.write(from("[2001:db8::3]:40000", n));
+        }
+        let dropped = log.dropped().load(Ordering::Relaxed);
+        w.open();
+        log.close_within(Duration::from_secs(60));
+        assert_eq!(dropped, flooded, "the other source's lines were queued");
+        assert!(flooded > 10_000, "past its share: {flooded} dropped");
+        let other = w
+            .lines()
+            .iter()
+            .filter(|l| l["src"] == "[2001:db8::3]:40000")
+            .count();
+        assert_eq!(other, 100);
+    }
+
+    /// A source that wrote its share of a capped file since it was rotated
+    /// writes no more while others still do; in the file's last eighth only
+    /// sources that wrote little do; a rotation starts every count again.
+    #[test]
+    fn one_source_cannot_fill_the_file_for_the_others() {
+        let dir = tempfile::tempdir().expect("temp");
+        let path = dir.path().join("flows.jsonl");
+        let file = std::fs::File::create(&path).expect("create");
+        let mut cap = SizeCap::new(file.try_clone().expect("clone"), 16 << 20);
+        let (a, b, c): (IpAddr, IpAddr, IpAddr) = (
+            "100.64.0.2".parse().expect("ip"),
+            "100.64.0.3".parse().expect("ip"),
+            "100.64.0.4".parse().expect("ip"),
+        );
+        let lines = std::iter::from_fn(|| cap.admits(Some(a), 1000).then_some(())).count();
+        assert_eq!(lines, (8 << 20) / 1000, "alone, half the file");
+        assert!(cap.admits(Some(b), 1000), "another source still writes");
+        // The file in its last eighth: a source that wrote little still
+        // writes (up to 1 MiB), one that wrote its share does not.
+        file.set_len(15 << 20).expect("grow");
+        cap.looked = None;
+        assert!(!cap.full());
+        assert!(cap.admits(Some(c), 1000), "a newcomer writes");
+        let more = std::iter::from_fn(|| cap.admits(Some(b), 1000).then_some(())).count();
+        assert_eq!(more, (FILE_NEWCOMER as usize - 1000) / 1000);
+        // Rotated (copytruncate): every source writes again.
+        file.set_len(0).expect("truncate");
+        cap.looked = None;
+        assert!(!cap.full());
+        assert!(
+            cap.admits(Some(a), 1000),
+            "counted again after the rotation"
+        );
     }
 }

@@ -13,7 +13,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use dns_attrib::held::{fair_share, Held, Holds};
+use dns_attrib::held::{share_with_reserve, Held, Holds};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The fewest slots a source may hold however many hold some.
@@ -58,15 +58,8 @@ impl Slots {
         let max = self.max;
         // Read before the holds' lock: a flow ending meanwhile only leaves
         // more room than counted.
-        let reserved = self.all.available_permits() <= max / 8;
-        let share = |holding| {
-            let share = fair_share(max, holding, MIN_SOURCE_SHARE);
-            if reserved {
-                share.min(NEWCOMER)
-            } else {
-                share
-            }
-        };
+        let used = max.saturating_sub(self.all.available_permits());
+        let share = |holding| share_with_reserve(max, used, holding, MIN_SOURCE_SHARE, NEWCOMER);
         // Every slot held is the limit, whoever holds them.
         let permit = self
             .all
