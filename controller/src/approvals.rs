@@ -157,6 +157,7 @@ pub async fn approve(
         return Ok((same, false));
     }
     let approval = store::approvals::insert(conn, a).await?;
+    store::lock_tenant(conn, a.tenant).await?;
     for id in store::approvals::reached(conn, a.tenant, a.scope, a.target).await? {
         refresh(conn, &id).await?;
     }
@@ -228,8 +229,11 @@ pub async fn expire(pool: &PgPool) -> Result<(usize, usize), sqlx::Error> {
     Ok((expired, failed.len()))
 }
 
-/// Refreshes every sandbox `a` reached, now that it is no longer in force.
+/// Refreshes every sandbox `a` reached, now that it is no longer in force:
+/// under the tenant's lock, so a create that read `a` in force and has not
+/// committed is waited for, and its sandbox refreshed too.
 async fn take_out(conn: &mut PgConnection, a: &Approval) -> Result<(), sqlx::Error> {
+    store::lock_tenant(conn, &a.tenant).await?;
     for id in store::approvals::reached(conn, &a.tenant, a.scope, &a.target).await? {
         refresh(conn, &id).await?;
     }

@@ -191,14 +191,24 @@ pub struct NewSandbox<'a> {
     pub inherits_template: bool,
 }
 
-/// The sandboxes `tenant` holds (neither destroyed nor failed), counted
-/// under a lock on the tenant held to the end of the transaction: two
-/// creates at once cannot both pass at its limit.
-pub async fn held_by_tenant(conn: &mut PgConnection, tenant: &str) -> Result<i64, sqlx::Error> {
+/// Takes the tenant's lock, held to the end of the transaction. A create
+/// holds it from its count until it commits (its sandbox's row, not yet
+/// committed, invisible to others meanwhile); an approval's change takes it
+/// before looking for the sandboxes it reaches, so it waits for such a
+/// create and then sees its sandbox.
+pub async fn lock_tenant(conn: &mut PgConnection, tenant: &str) -> Result<(), sqlx::Error> {
     sqlx::query("SELECT pg_advisory_xact_lock(7311, hashtext($1))")
         .bind(tenant)
         .execute(&mut *conn)
         .await?;
+    Ok(())
+}
+
+/// The sandboxes `tenant` holds (neither destroyed nor failed), counted
+/// under a lock on the tenant held to the end of the transaction: two
+/// creates at once cannot both pass at its limit.
+pub async fn held_by_tenant(conn: &mut PgConnection, tenant: &str) -> Result<i64, sqlx::Error> {
+    lock_tenant(conn, tenant).await?;
     sqlx::query_scalar(
         "SELECT count(*) FROM sandboxes WHERE tenant = $1 AND state NOT IN ('destroyed', 'failed')",
     )

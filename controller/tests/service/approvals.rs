@@ -318,6 +318,23 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
 /// still `creating` with no policy, and the revoked rule stayed.
 #[tokio::test]
 async fn an_approval_revoked_during_a_create_is_not_in_what_it_saves() {
+    revoked_during_a_create(false).await;
+}
+
+/// The same for a create whose sandbox's row is not committed while the
+/// revoke runs (an E2B create inserts it and composes in one transaction):
+/// the revoke waits for the tenant's lock the create holds, then finds the
+/// sandbox. It found none before, and the revoked rule was saved.
+#[tokio::test]
+async fn an_approval_revoked_during_a_create_in_one_transaction_is_not_saved() {
+    revoked_during_a_create(true).await;
+}
+
+/// A template-scope approval, a create run in a transaction of this
+/// test's up to its commit (`inserted`: its sandbox's row inserted in that
+/// transaction too), the approval revoked meanwhile: the sandbox ends
+/// running without the rule.
+async fn revoked_during_a_create(inserted: bool) {
     let url = db!();
     let dir = tempfile::tempdir().expect("dir");
     let gw = gateway_with(dir.path(), "127.0.0.1:0", Arc::new(ToOrigin)).await;
@@ -352,7 +369,7 @@ async fn an_approval_revoked_during_a_create_is_not_in_what_it_saves() {
     )
     .await;
     assert_eq!(s, 202, "{v}");
-    let b = v["sandbox"].as_str().expect("id").to_owned();
+    let queued = v["sandbox"].as_str().expect("id").to_owned();
 
     // The create runs in a transaction of this test's, up to its commit.
     let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
@@ -360,11 +377,31 @@ async fn an_approval_revoked_during_a_create_is_not_in_what_it_saves() {
     let payload: Value = sqlx::query_scalar::<_, sqlx::types::Json<Value>>(
         "SELECT payload FROM operations WHERE sandbox = $1",
     )
-    .bind(&b)
+    .bind(&queued)
     .fetch_one(&mut *tx)
     .await
     .expect("the queued create")
     .0;
+    let b = if inserted {
+        // As the E2B create does: counted under the tenant's lock, inserted.
+        let b = &egress_controller::ids::new("sb");
+        egress_controller::store::held_by_tenant(&mut tx, "t1")
+            .await
+            .expect("counted");
+        let new = egress_controller::store::NewSandbox {
+            id: b,
+            tenant: "t1",
+            template: "base",
+            egress_profiles: &[],
+            inherits_template: true,
+        };
+        egress_controller::store::insert_sandbox(&mut tx, &new)
+            .await
+            .expect("inserted");
+        b.clone()
+    } else {
+        queued
+    };
     let metrics = egress_controller::metrics::Metrics::new();
     egress_controller::ops::create(&mut tx, &d, &metrics, &b, &payload)
         .await
