@@ -194,6 +194,7 @@ fn failed(e: &MachineError) -> Reply {
         | MachineError::KernelUnsure(_)
         | MachineError::Persist { .. }
         | MachineError::PersistUnsure { .. }
+        | MachineError::Orphaned { .. }
         | MachineError::Log { .. } => (StatusCode::INTERNAL_SERVER_ERROR, None),
     };
     error(status, &e.to_string(), field)

@@ -85,6 +85,10 @@ pub enum MachineError {
         message: String,
         rollback: NftError,
     },
+    /// No state was found, but the kernel's node table holds VMs' rules:
+    /// the start would replace them with an empty table.
+    #[error("machine egress: no state in {dir} (state_dir), but the kernel's table inet egress_machine holds VMs' chains ({chains}): starting would replace their rules with an empty table and forward their traffic unjudged. Restore the state directory, or remove the table (`nft delete table inet egress_machine`) to start with no VMs")]
+    Orphaned { dir: PathBuf, chains: String },
     #[error("machine_egress.log_group {group}: {message}")]
     Log { group: u16, message: String },
 }
@@ -378,8 +382,8 @@ impl Machines {
         neighbours: Arc<dyn Neighbours>,
     ) -> Result<Arc<Self>, MachineError> {
         let store = store::Store::new(state_dir);
-        let loaded = store.load(state_dir)?;
         let nft = Nft::new(config.nft.clone());
+        let loaded = load(&store, &nft, state_dir)?;
         let link_check = link_check(&nft, config)?;
         let machines = Self {
             nft,
@@ -1156,6 +1160,34 @@ fn in_place(chain: &str, read: Result<usize, String>) -> bool {
 /// the kernel binds an ingress chain by name ([`Nft::binds_ingress_by_name`]),
 /// the prerouting hook otherwise; `ingress` on a kernel that does not is
 /// an error, since a link made again would lose its check.
+/// The state on disk, `None` when there is none. With none, a node table
+/// holding VMs' chains is refused rather than replaced: the state directory
+/// was lost or moved while the VMs run, and an empty table would let their
+/// traffic through unjudged.
+fn load(store: &store::Store, nft: &Nft, state_dir: &Path) -> Result<Option<State>, MachineError> {
+    let loaded = store.load(state_dir)?;
+    let chains = match loaded {
+        Some(_) => return Ok(loaded),
+        None => nft.vm_chains()?,
+    };
+    if chains.is_empty() {
+        return Ok(None);
+    }
+    let mut listed = chains
+        .iter()
+        .take(8)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if chains.len() > 8 {
+        listed.push_str(&format!(" and {} more", chains.len() - 8));
+    }
+    Err(MachineError::Orphaned {
+        dir: state_dir.to_owned(),
+        chains: listed,
+    })
+}
+
 fn link_check(nft: &Nft, config: &MachineEgressConfig) -> Result<LinkCheck, MachineError> {
     let wanted = config.link_check;
     if wanted == MachineLinkCheck::Prerouting {
@@ -1232,6 +1264,43 @@ mod tests {
             ..MachineEgressConfig::default()
         };
         Machines::start(&config, dir, Arc::new(NoNeighbours)).expect("start")
+    }
+
+    /// With no state on disk, a node table holding a VM's chains refuses
+    /// the start (which would replace it with an empty table and let the
+    /// VM's traffic through unjudged), naming the state directory; with the
+    /// state, or without such chains, the start goes on.
+    #[test]
+    fn a_table_with_vms_and_no_state_refuses_the_start() {
+        let dir = tempfile::tempdir().expect("dir");
+        let chains = r#"{"nftables": [{"chain": {"family": "inet", "table": "egress_machine", "name": "forward"}}, {"chain": {"family": "inet", "table": "egress_machine", "name": "vm_vm1"}}, {"chain": {"family": "inet", "table": "other", "name": "vm_x"}}]}"#;
+        let script = format!(
+            r#"case "$*" in *-f*) cat > /dev/null ;; *"list chains"*) echo '{chains}' ;; *) echo '{{"nftables": []}}' ;; esac"#
+        );
+        let config = MachineEgressConfig {
+            nft: vec!["sh".into(), "-c".into(), script, "nft".into()],
+            observe: crate::config::MachineObserve::Sampled,
+            link_check: crate::config::MachineLinkCheck::Prerouting,
+            ..MachineEgressConfig::default()
+        };
+        let refused = Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).err();
+        let Some(MachineError::Orphaned { dir: named, chains }) = &refused else {
+            panic!("started: {refused:?}");
+        };
+        assert_eq!((named.as_path(), chains.as_str()), (dir.path(), "vm_vm1"));
+        assert!(refused.is_some_and(|e| e
+            .to_string()
+            .contains("nft delete table inet egress_machine")));
+        // Without VMs' chains the start goes on, and with a state on disk
+        // the table is replaced from it whatever it holds.
+        let m = machines(dir.path());
+        let registration = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration).expect("registered");
+        drop(m);
+        Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).expect("state on disk");
     }
 
     /// A suggestion applied after the VM's policy changed is refused, not

@@ -94,6 +94,21 @@ impl Nft {
             .collect())
     }
 
+    /// The chains of the node table (`inet egress_machine`) beyond its
+    /// base ones: a VM's (`vm_<key>`, `link_<key>`, …). None when there is
+    /// no such table.
+    pub fn vm_chains(&self) -> Result<Vec<String>, NftError> {
+        let out = self.run(&["-j", "list", "chains", "inet"], None)?;
+        let doc: serde_json::Value = serde_json::from_str(&out)
+            .map_err(|e| NftError::new(format!("unreadable `nft -j list chains`: {e}")))?;
+        Ok(items(&doc, "chain")
+            .filter(|c| c.get("table").and_then(|t| t.as_str()) == Some(TABLE))
+            .filter_map(|c| c.get("name")?.as_str())
+            .filter(|n| !["prerouting", "forward", "output"].contains(n))
+            .map(str::to_owned)
+            .collect())
+    }
+
     /// The elements of the `inet` set `table`.`set` of names (`ifname`
     /// and the like): an absent table or set is an error.
     pub fn set_names(&self, table: &str, set: &str) -> Result<Vec<String>, NftError> {

@@ -537,6 +537,19 @@ fn defaults_apply_running_and_restart() {
     );
     let (_, body) = t.admin("GET", "/v1/vms/vm2", None);
     assert_eq!(json(&body)["follows_default"], true, "{body}");
+
+    // The state directory lost while the VMs run: the start is refused,
+    // and the table it would have replaced with an empty one still judges
+    // vm1's traffic. With the state back, the gateway starts.
+    assert!(t.stop_gateway().success());
+    let (state, moved) = (t.path("gw-state/machines"), t.path("machines.moved"));
+    std::fs::rename(&state, &moved).expect("state moved away");
+    let log = t.start_gateway_refused();
+    assert!(log.contains("holds VMs' chains (vm_vm1"), "{log}");
+    assert!(!tcp_ok(&t, OTHER_IP), "the table is still in place");
+    std::fs::rename(&moved, &state).expect("state back");
+    t.start_gateway();
+    assert!(tcp_ok(&t, API_IP) && !tcp_ok(&t, OTHER_IP));
 }
 
 /// A metric's value at the observer's next rounds: waits (bounded) until

@@ -519,9 +519,9 @@ impl Topology {
         std::fs::write(self.path("gateway.toml"), cfg).expect("config");
     }
 
-    /// Starts the gateway in its namespace and waits for `/readyz`.
-    pub fn start_gateway(&mut self) {
-        let child = Command::new("ip")
+    /// The gateway started in its namespace, its log in `gateway.log`.
+    fn spawn_gateway(&self) -> Child {
+        Command::new("ip")
             .args(["netns", "exec", &self.gw])
             .args(service_caps(&self.extra_caps))
             .arg(bin("egress-gateway"))
@@ -531,7 +531,21 @@ impl Topology {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(self.path("gateway.log")).expect("log"))
             .spawn()
-            .expect("gateway");
+            .expect("gateway")
+    }
+
+    /// Starts the gateway, which must refuse to start: its log, once it
+    /// exited with a failure (within 20 s).
+    pub fn start_gateway_refused(&mut self) -> String {
+        let status = wait_exit(self.spawn_gateway(), Duration::from_secs(20));
+        let log = std::fs::read_to_string(self.path("gateway.log")).unwrap_or_default();
+        assert!(!status.success(), "started: {log}");
+        log
+    }
+
+    /// Starts the gateway in its namespace and waits for `/readyz`.
+    pub fn start_gateway(&mut self) {
+        let child = self.spawn_gateway();
         self.gateway = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
