@@ -391,7 +391,14 @@ fn plan<'a>(
                 if c.require {
                     // Required: the header carries the credential and nothing
                     // else, or a second value (a key of the sandbox's own)
-                    // could be the one the origin reads.
+                    // could be the one the origin reads; nor does a header
+                    // that reads as it with `_` for `-` (`X_Api_Key`).
+                    let twin = headers.keys().any(|n| {
+                        n != header && crate::decide::fold_eq(n.as_str(), header.as_str())
+                    });
+                    if twin {
+                        return Err(refused(Refusal::Required));
+                    }
                     values.next().is_some_and(with) && values.all(with)
                 } else {
                     values.any(with)

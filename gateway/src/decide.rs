@@ -168,6 +168,57 @@ static METHOD_OVERRIDES: [http::HeaderName; 3] = [
     http::HeaderName::from_static("x-method-override"),
 ];
 
+/// Names the gateway reads, rewrites or strips, which an origin that takes
+/// `_` for `-` in a header name could read another header as: `Host`, the
+/// framing and connection-specific headers, the method overrides.
+const JUDGED_NAMES: [&str; 13] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "upgrade",
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// Whether two header names read alike to an origin that takes `_` for
+/// `-` (Puma, CGI and FastCGI bridges, which name headers `HTTP_X_Y`).
+pub(crate) fn fold_eq(a: &str, b: &str) -> bool {
+    let fold = |c: u8| {
+        if c == b'_' {
+            b'-'
+        } else {
+            c.to_ascii_lowercase()
+        }
+    };
+    a.len() == b.len() && a.bytes().zip(b.bytes()).all(|(x, y)| fold(x) == fold(y))
+}
+
+/// A header name of the request with `_` in it that such an origin reads
+/// as a name the gateway judges ([`JUDGED_NAMES`]) or as another header
+/// the request carries: `X-HTTP-Method_Override: DELETE` is a `DELETE` to
+/// Rails on Puma, which the gateway would judge as the request's own
+/// method. The name, to refuse the request with; `None` for the usual
+/// request, whose names have no `_`.
+pub fn folded_twin(headers: &http::HeaderMap) -> Option<&str> {
+    let mut folded = headers
+        .keys()
+        .map(http::HeaderName::as_str)
+        .filter(|n| n.contains('_'));
+    folded.find(|n| {
+        JUDGED_NAMES.iter().any(|j| fold_eq(n, j))
+            || headers
+                .keys()
+                .any(|o| o.as_str() != *n && fold_eq(n, o.as_str()))
+    })
+}
+
 /// Most methods a request's overrides may name besides its own; a request
 /// naming more is refused (`400`) rather than judged once for each.
 pub const MAX_OVERRIDES: usize = 16;

@@ -186,6 +186,40 @@ fn require_refuses_a_key_of_the_sandboxs_own() {
     );
 }
 
+/// A required credential's header beside one that reads as it to an
+/// origin taking `_` for `-` (`x_api_key`, a key of the sandbox's own):
+/// refused, whether the sandbox sent the placeholder or no header at all.
+#[test]
+fn require_refuses_a_header_that_reads_as_the_credentials() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = value_file(&dir);
+    let list = creds(&format!(
+        r#"[{{"name": "k", "placeholder": "PH_KEY_0001", "hosts": ["api.test"],
+             "inject": {{"header": "x-api-key", "format": "{{value}}"}},
+             "source": {{"file": "{path}"}}, "require": true}}]"#
+    ));
+    let secrets = loaded(&list);
+    for sent in [
+        vec![("x-api-key", "PH_KEY_0001"), ("x_api_key", "my-own-key")],
+        vec![("X_Api_Key", "my-own-key")],
+    ] {
+        let mut hs = headers(&sent);
+        assert_eq!(
+            apply(&list, &secrets, Some(&h("api.test")), "/", &mut hs),
+            Err(Refused {
+                why: Refusal::Required,
+                index: 0
+            }),
+            "{sent:?}"
+        );
+    }
+    let mut hs = headers(&[("x-api-key", "PH_KEY_0001"), ("x_trace", "1")]);
+    assert_eq!(
+        apply(&list, &secrets, Some(&h("api.test")), "/", &mut hs),
+        Ok(Applied { injected: 1 })
+    );
+}
+
 #[test]
 fn replace_mode_replaces_in_every_header_and_unreadable_values_refuse() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -19,7 +19,7 @@ use super::Conn;
 use crate::authority::{self, Authority, AuthorityError, Target};
 use crate::credentials;
 use crate::decide::{
-    decide, judge_methods, method_overrides, request_names, Claims, MAX_OVERRIDES,
+    decide, folded_twin, judge_methods, method_overrides, request_names, Claims, MAX_OVERRIDES,
 };
 use crate::metrics::CodeLabels;
 use crate::pool::Body;
@@ -146,6 +146,10 @@ impl Conn {
             Err(Refused::BadRequest(why)) => return refuse(&req, why, rec),
             Err(Refused::Misdirected) => return misdirected(),
         };
+        if let Some(name) = folded_twin(req.headers()) {
+            let why = format!("header {name:?} reads as another with '_' taken for '-'");
+            return refuse(&req, why, rec);
+        }
         // The methods overrides name, read once, where something judges
         // them: the per-request rules, or a shadow's.
         let overrides = if sb.policy.has_request_rules() || sb.shadow.is_some() {

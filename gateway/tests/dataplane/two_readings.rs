@@ -352,4 +352,27 @@ async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
     let answer = raw(s, req.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains("more than 16"), "{answer}");
+    // A name with `_` that an origin taking `_` for `-` (Puma, CGI) reads
+    // as an override, a framing header or another header of the request:
+    // refused. One that reads as nothing else passes.
+    for (extra, status) in [
+        ("X-HTTP-Method_Override: DELETE\r\n", "400"),
+        ("x_method_override: DELETE\r\n", "400"),
+        ("Transfer_Encoding: chunked\r\n", "400"),
+        ("X-Trace: 1\r\nX_Trace: 2\r\n", "400"),
+        ("X_Trace: 1\r\n", "200"),
+    ] {
+        let s = e.connect(SANDBOX_A, e.origins.plain).await;
+        let req = format!(
+            "POST /x HTTP/1.1\r\n{extra}Host: plain.example.test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        let answer = raw(s, req.as_bytes()).await;
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{extra:?}: {answer}"
+        );
+        if status == "400" {
+            assert!(answer.contains("with '_' taken for '-'"), "{answer}");
+        }
+    }
 }
