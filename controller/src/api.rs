@@ -176,7 +176,7 @@ impl Api {
                 let id = segments.get(1).copied().unwrap_or_default().to_owned();
                 self.e2b_network(&caller, &id, body(req).await).await
             }
-            "fork" => self.fork(&caller, &id).await,
+            "fork" => self.fork(&caller, &id, &headers).await,
             "proposals" => self.proposals(&caller, &id).await,
             "approve" => {
                 let pid = segments.get(4).copied().unwrap_or_default().to_owned();

@@ -351,7 +351,7 @@ const MAX_KEY: usize = 255;
 /// printable ASCII, longer than [`MAX_KEY`], or sent twice. Read as no key, a
 /// retry of it would create another sandbox; a proxy reading the other of
 /// two could see another key than this one.
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<&str>, Reply> {
+pub(super) fn idempotency_key(headers: &HeaderMap) -> Result<Option<&str>, Reply> {
     let mut values = headers.get_all("idempotency-key").iter();
     let (Some(value), None) = (values.next(), values.next()) else {
         return match headers.contains_key("idempotency-key") {

@@ -154,7 +154,13 @@ impl Api {
 
     /// `POST /v1/sandboxes/{id}/fork`: a queued create of a copy carrying the
     /// names and the effective policy.
-    pub(super) async fn fork(&self, caller: &Tenant, id: &str) -> Result<Reply, Reply> {
+    pub(super) async fn fork(
+        &self,
+        caller: &Tenant,
+        id: &str,
+        headers: &http::HeaderMap,
+    ) -> Result<Reply, Reply> {
+        let key = super::create::idempotency_key(headers)?;
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let source = visible(caller, store::sandbox(&mut conn, id).await.map_err(db)?, id)?;
         if source.policy.is_none() || source.state == SandboxState::Destroyed {
@@ -167,6 +173,8 @@ impl Api {
         let sandbox = ids::new("sb");
         let operation = ids::new("op");
         let payload = json!({"source": id});
+        // The key replays a fork of the same sandbox, and only that.
+        let fingerprint = ids::fingerprint(json!({"fork": id}).to_string().as_bytes());
         let new = NewSandbox {
             id: &sandbox,
             tenant: &source.tenant,
@@ -180,8 +188,8 @@ impl Api {
             kind: OperationKind::Fork,
             sandbox: &sandbox,
             payload: &payload,
-            idempotency_key: None,
-            fingerprint: None,
+            idempotency_key: key,
+            fingerprint: Some(&fingerprint),
         };
         // The copy is the source's tenant's: counted against its quota, not
         // the caller's (an admin forking another tenant's sandbox); a tenant

@@ -340,6 +340,23 @@ async fn a_fork_carries_the_names_and_the_policy_and_composes_deployment_exempti
         source["policy"],
         "the source is untouched"
     );
+    // A fork under an Idempotency-Key is made once: a retry replays it, and
+    // the key for another request is refused.
+    let fork_with = |key: &'static str, of: String| {
+        let addr = api2.addr;
+        async move {
+            let path = format!("/v1/sandboxes/{of}/fork");
+            let key = [("Idempotency-Key", key)];
+            call(addr, "POST", &path, Some(FEDERATED), &key, None).await
+        }
+    };
+    let (s1, first) = fork_with("fork-1", id.clone()).await;
+    let (s2, again) = fork_with("fork-1", id.clone()).await;
+    assert_eq!((s1, s2), (202, 202), "{first} {again}");
+    assert_eq!(first, again, "a retried fork is the first one");
+    let other = v["sandbox"].as_str().expect("id").to_owned();
+    let (s, refused) = fork_with("fork-1", other).await;
+    assert_eq!(s, 409, "{refused}");
 }
 
 /// A policy larger than a gateway takes is refused when it is written; it
