@@ -13,7 +13,8 @@
 # "file" = $1/flows.jsonl; or any value log.flow_log takes), GW_ADMIN_PORT
 # (15000), GW_MAX_HEAD (limits.max_request_head), GW_KERNEL_SPLICE
 # (splice.kernel: off, the default, on, or pipe), GW_PER_CORE (limits.thread_per_core:
-# false, the default, or true).
+# false, the default, or true), GW_AES_GCM (tls.aes_gcm: auto, the default,
+# aws-lc-rs or ring).
 set -euo pipefail
 state=$1
 bin=$2
@@ -31,6 +32,7 @@ admin = "127.0.0.1:${GW_ADMIN_PORT:-15000}"
 upstreams = []
 [tls]
 extra_upstream_roots = ["${EB_UPSTREAM_CA:?}"]
+aes_gcm = "${GW_AES_GCM:-auto}"
 [limits]
 max_connections = 20000
 worker_threads = ${GW_WORKERS:-1}

@@ -1,9 +1,11 @@
 //! AES-256-GCM on one TLS record, the work rustls' crypto provider does per
-//! record each way: ring against aws-lc-rs (the gateway's provider), at the
-//! sizes of a keep-alive response (1 KiB) and of a full record (16 KiB).
-//! Both are called as rustls calls them (`LessSafeKey`, sealed in place,
-//! the tag apart). Which is faster depends on the CPU's vector units: on
-//! one with VAES and AVX-512, aws-lc-rs has a 512-bit path ring lacks.
+//! record each way: ring against aws-lc-rs, the two libraries the gateway
+//! chooses between (`tls.aes_gcm`), at the sizes of a keep-alive response
+//! (1 KiB) and of a full record (16 KiB). Both are called as rustls calls
+//! them (`LessSafeKey`, sealed in place, the tag apart). Which is faster
+//! depends on the CPU's vector units: on one with VAES and AVX-512,
+//! aws-lc-rs has a 512-bit path ring lacks; on one with VAES and AVX2 only,
+//! ring has a 256-bit VAES path and aws-lc-rs falls back to AES-NI and AVX.
 //!
 //! `cargo bench -p egress-benches --bench aead`
 

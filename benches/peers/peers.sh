@@ -21,7 +21,8 @@
 # (two worker threads on one work-stealing runtime) and gateway-pc (two
 # worker threads, one runtime and one set of SO_REUSEPORT listeners each:
 # limits.thread_per_core; gateway-pc1 the same with one thread); gateway-base is the plain column run from another
-# binary, GW_BASE_BIN (an A/B of two builds in one interleaved session).  MITM_EXTRA_ARGS is appended to mitmdump's
+# binary, GW_BASE_BIN (an A/B of two builds in one interleaved session), with tls.aes_gcm GW_BASE_AES_GCM (default:
+# GW_AES_GCM, itself auto by default), so one binary can be its own base with another AEAD library.  MITM_EXTRA_ARGS is appended to mitmdump's
 # command line; SQUID_ACCESS_LOG=1 turns Squid's access log on (off, like
 # mitmdump -q and the gateway's flow log, by default).
 set -euo pipefail
@@ -126,8 +127,9 @@ gw_port() {
 start_gateway() {
     local col=$1 state=$EB_RUN/$1 policy flow_log=${GW_FLOW_LOG:-off} kernel=${GW_KERNEL_SPLICE:-off}
     local workers=${GW_WORKERS:-1} per_core=${GW_PER_CORE:-false} shadow=
-    local bin=$GW_BIN
+    local bin=$GW_BIN aes_gcm=${GW_AES_GCM:-auto}
     [ "$col" = gateway-base ] && bin=${GW_BASE_BIN:?gateway-base runs GW_BASE_BIN, another gateway binary}
+    [ "$col" = gateway-base ] && aes_gcm=${GW_BASE_AES_GCM:-$aes_gcm}
     [ -x "$bin" ] || eb_die "no gateway binary at $bin (cargo build --release -p egress-gateway)"
     eb_stop "peer-$col"
     rm -rf "$state"
@@ -166,7 +168,7 @@ start_gateway() {
     port=$(gw_port "$col")
     admin=$((GW_ADMIN_PORT + port - GATEWAY_PORT))
     EB_LISTEN_PORT=$port EB_UPSTREAM_CA=$ORIGIN_CA_CRT GW_ADMIN_PORT=$admin GW_FLOW_LOG=$flow_log GW_KERNEL_SPLICE=$kernel \
-        GW_WORKERS=$workers GW_PER_CORE=$per_core GW_SHADOW=$shadow \
+        GW_WORKERS=$workers GW_PER_CORE=$per_core GW_SHADOW=$shadow GW_AES_GCM=$aes_gcm \
         eb_spawn "peer-$col" "$NS_GW" "$EB_ROOT/benches/gateway-column.sh" "$state" "$bin"
     for _ in $(seq 200); do
         [ -e "$state/ready" ] && break

@@ -237,6 +237,10 @@ pub struct Tls {
     /// to `30d`): the first mint after that makes a new key.
     #[serde(deserialize_with = "egress_policy::duration::deserialize")]
     pub leaf_key_lifetime: Duration,
+    /// Which library seals and opens TLS 1.3 AES-GCM records: `auto`
+    /// (aws-lc-rs where its AVX-512 path runs, ring elsewhere),
+    /// `aws-lc-rs` or `ring` ([`crate::aes_gcm`]).
+    pub aes_gcm: crate::aes_gcm::AesGcm,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -537,6 +541,7 @@ impl Default for Tls {
             ca_key: None,
             extra_upstream_roots: Vec::new(),
             leaf_key_lifetime: Duration::from_secs(24 * 3600),
+            aes_gcm: crate::aes_gcm::AesGcm::Auto,
         }
     }
 }

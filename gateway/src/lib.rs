@@ -3,6 +3,7 @@
 //! a thin shell over [`Gateway`], so integration tests drive the very code it runs.
 
 mod admin;
+pub mod aes_gcm;
 pub mod authority;
 mod budget;
 mod ca_reload;

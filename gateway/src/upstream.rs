@@ -161,6 +161,8 @@ pub(crate) struct Upstreams {
     /// The terminating side for clients that send an SNI: one config, so
     /// its session cache lets those clients resume.
     pub(crate) server_tls: Arc<rustls::ServerConfig>,
+    /// The TLS library calls, both sides ([`crate::aes_gcm`]).
+    pub(crate) provider: Arc<rustls::crypto::CryptoProvider>,
     /// Idle upstream connections, across client connections.
     pub(crate) pool: UpstreamPool,
 }
@@ -168,8 +170,15 @@ pub(crate) struct Upstreams {
 impl Upstreams {
     pub(crate) fn new(config: &Config, minter: Arc<LeafMinter>) -> Result<Self, RootsError> {
         let roots = Arc::new(roots(config)?);
+        let choice = config.tls.aes_gcm;
+        let provider = crate::aes_gcm::provider(choice);
+        tracing::info!(
+            configured = ?choice,
+            used = ?choice.resolved(),
+            "TLS 1.3 AES-GCM records sealed and opened by this library (tls.aes_gcm)"
+        );
         let build = |alpn: &[&[u8]]| {
-            let mut c = rustls::ClientConfig::builder()
+            let mut c = client_builder(&provider)
                 .with_root_certificates(roots.clone())
                 .with_no_client_auth();
             c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
@@ -177,13 +186,15 @@ impl Upstreams {
             c.resumption = rustls::client::Resumption::disabled();
             Arc::new(c)
         };
+        let base = ClientTls {
+            tls: build(&[b"h2", b"http/1.1"]),
+            tls_h1: build(&[b"http/1.1"]),
+        };
         Ok(Self {
-            server_tls: server_tls(&minter, None),
+            server_tls: server_tls(&provider, &minter, None),
+            provider,
             minter,
-            base: ClientTls {
-                tls: build(&[b"h2", b"http/1.1"]),
-                tls_h1: build(&[b"http/1.1"]),
-            },
+            base,
             by_registration: moka::sync::Cache::builder()
                 .max_capacity(REGISTRATIONS_WITH_SESSIONS)
                 .time_to_idle(SESSIONS_IDLE)
@@ -220,6 +231,7 @@ impl Upstreams {
             base: self.base.clone(),
             by_registration: self.by_registration.clone(),
             server_tls: self.server_tls.clone(),
+            provider: self.provider.clone(),
             pool: UpstreamPool::default(),
         }
     }
@@ -363,10 +375,17 @@ async fn connect_tcp(
 /// handshake; a resumed session decides nothing — each request is still
 /// judged on the flow's SNI and Host.
 pub(crate) fn server_tls(
+    provider: &Arc<rustls::crypto::CryptoProvider>,
     minter: &Arc<LeafMinter>,
     fallback_ip: Option<IpAddr>,
 ) -> Arc<rustls::ServerConfig> {
-    let mut config = rustls::ServerConfig::builder()
+    // aws-lc-rs's provider with one AEAD's calls swapped supports the same
+    // versions as aws-lc-rs's own, which `builder()` takes without a check.
+    #[allow(clippy::unwrap_used)]
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .unwrap();
+    let mut config = builder
         .with_no_client_auth()
         .with_cert_resolver(Arc::new(LeafResolver::new(minter.clone(), fallback_ip)));
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
@@ -393,6 +412,17 @@ pub(crate) fn server_tls(
         }
     }
     Arc::new(config)
+}
+
+/// A client config builder over `provider`, with the default versions.
+fn client_builder(
+    provider: &Arc<rustls::crypto::CryptoProvider>,
+) -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::WantsVerifier> {
+    // As for the server side: the versions of aws-lc-rs's own provider.
+    #[allow(clippy::unwrap_used)]
+    rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .unwrap()
 }
 
 /// Trusted roots for origins: the built-in web roots plus `tls.extra_upstream_roots`.
@@ -471,10 +501,11 @@ mod session_tests {
         let ca = CertificateAuthority::load_or_create(&dir.path().join("ca")).expect("ca");
         let minter =
             Arc::new(LeafMinter::new(Arc::new(ca), MintConfig::default()).expect("minter"));
-        let shared = server_tls(&minter, None);
+        let provider = crate::aes_gcm::provider(crate::aes_gcm::AesGcm::Auto);
+        let shared = server_tls(&provider, &minter, None);
         assert!(shared.ticketer.enabled(), "tickets");
         assert!(!shared.session_storage.can_cache(), "no session cache");
-        let per_flow = server_tls(&minter, Some("203.0.113.7".parse().expect("ip")));
+        let per_flow = server_tls(&provider, &minter, Some("203.0.113.7".parse().expect("ip")));
         assert!(!per_flow.ticketer.enabled());
         assert_eq!(per_flow.send_tls13_tickets, 0);
     }

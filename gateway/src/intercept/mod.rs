@@ -194,7 +194,7 @@ where
     // address, which only this flow knows.
     let config = match sni {
         Some(_) => up.server_tls.clone(),
-        None => server_tls(&up.minter, Some(target.1 .1.ip())),
+        None => server_tls(&up.provider, &up.minter, Some(target.1 .1.ip())),
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let started = Instant::now();
