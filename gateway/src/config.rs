@@ -916,6 +916,7 @@ mod tests {
             ca_key = "/etc/egress/ca.key"
             extra_upstream_roots = ["/etc/egress/origin-ca.pem"]
             leaf_key_lifetime = "6h"
+            aes_gcm = "ring"
             [policy]
             platform_deny = [{cidr = "169.254.0.0/16"}, {domain = "metadata.google.internal"}]
             opaque_streams = "deny"
@@ -948,6 +949,7 @@ mod tests {
         assert_eq!(c.limits.worker_threads, 1);
         assert!(c.ca_paths().is_some());
         assert_eq!(c.tls.leaf_key_lifetime, Duration::from_secs(6 * 3600));
+        assert_eq!(c.tls.aes_gcm, crate::aes_gcm::AesGcm::Ring);
         assert_eq!(c.upstream_proxy.default.as_deref(), Some("corp"));
     }
 
@@ -998,6 +1000,10 @@ mod tests {
             (
                 "[redirect]\nmax_tracked_connections = 5000000",
                 "redirect.max_tracked_connections: 5000000",
+            ),
+            (
+                "[tls]\naes_gcm = \"openssl\"",
+                "unknown variant `openssl`, expected one of `auto`, `aws-lc-rs`, `ring`",
             ),
             (
                 "[tls]\nleaf_key_lifetime = \"30s\"",
