@@ -133,39 +133,80 @@ impl Store {
     }
 
     /// Makes `to` durable for the VMs of `touched` and the node default,
-    /// from `from`; on failure, what was written is put back as `from` has
-    /// it, and the error names the file that failed.
+    /// from `from`. Every file is written beside its target first: one that
+    /// cannot be written (a full disk, a read-only mount) leaves every
+    /// target as it was. Only then are they renamed into place; should a
+    /// rename fail, what was renamed is put back as `from` has it, and the
+    /// error names the file that failed (and says when the putting back
+    /// failed too: the next start reads what is on disk).
     pub(crate) fn save(
         &self,
         from: &State,
         to: &State,
         touched: &[String],
     ) -> Result<(), MachineError> {
-        let result = self.write_changes(from, to, touched);
-        if result.is_err() {
-            if let Err(e) = self.write_changes(to, from, touched) {
+        let staged = self.stage(from, to, touched)?;
+        let Err(failed) = self.put_in_place(staged, to, touched) else {
+            return Ok(());
+        };
+        match self
+            .stage(to, from, touched)
+            .and_then(|back| self.put_in_place(back, from, touched))
+        {
+            Ok(()) => Err(failed),
+            Err(e) => {
                 tracing::error!(error = %e, "machine egress: could not put the previous state files back");
+                Err(match failed {
+                    MachineError::Persist { path, message } => MachineError::Persist {
+                        path,
+                        message: format!("{message}; the files already replaced could not be put back ({e}): the next start reads them"),
+                    },
+                    other => other,
+                })
             }
         }
-        result
     }
 
-    fn write_changes(
+    /// The files of `to` for the VMs of `touched` and the default (when it
+    /// changed or has no file), written beside their targets.
+    fn stage(
         &self,
         from: &State,
         to: &State,
         touched: &[String],
-    ) -> Result<(), MachineError> {
+    ) -> Result<Vec<egress_api::file::Staged>, MachineError> {
+        let mut staged = Vec::new();
         for id in touched {
-            match to.vms.get(id) {
-                Some(vm) => write_vm(&self.dir, vm)?,
-                None => self.remove_vm(id)?,
+            if let Some(vm) = to.vms.get(id) {
+                staged.push(stage_json(&self.dir, &vm_file(id), vm.as_ref())?);
             }
         }
         if from.default != to.default || !self.dir.join(DEFAULT_FILE).exists() {
-            write_default(&self.dir, &to.default)?;
+            let doc = DefaultDoc {
+                version: 1,
+                default: to.default.clone(),
+            };
+            staged.push(stage_json(&self.dir, DEFAULT_FILE, &doc)?);
         }
-        Ok(())
+        Ok(staged)
+    }
+
+    /// Renames the staged files into place, removes the files of the VMs
+    /// of `touched` that `to` no longer has, and syncs the folder.
+    fn put_in_place(
+        &self,
+        staged: Vec<egress_api::file::Staged>,
+        to: &State,
+        touched: &[String],
+    ) -> Result<(), MachineError> {
+        for file in staged {
+            let path = file.target().to_owned();
+            file.put_in_place().map_err(|e| io(&path, e))?;
+        }
+        for id in touched.iter().filter(|id| !to.vms.contains_key(*id)) {
+            self.remove_vm(id)?;
+        }
+        sync_dir(&self.dir)
     }
 
     fn remove_vm(&self, id: &str) -> Result<(), MachineError> {
@@ -206,12 +247,23 @@ fn write_default(dir: &Path, default: &MachineEgress) -> Result<(), MachineError
 }
 
 fn write_json<T: Serialize>(dir: &Path, name: &str, value: &T) -> Result<(), MachineError> {
+    let staged = stage_json(dir, name, value)?;
+    let path = staged.target().to_owned();
+    staged.put_in_place().map_err(|e| io(&path, e))?;
+    sync_dir(dir)
+}
+
+fn stage_json<T: Serialize>(
+    dir: &Path,
+    name: &str,
+    value: &T,
+) -> Result<egress_api::file::Staged, MachineError> {
     let path = dir.join(name);
     let bytes = serde_json::to_vec_pretty(value).map_err(|e| MachineError::Persist {
         path: path.clone(),
         message: e.to_string(),
     })?;
-    egress_api::file::write_atomically(dir, name, &bytes).map_err(|e| io(&path, e))
+    egress_api::file::stage(dir, name, &bytes).map_err(|e| io(&path, e))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), MachineError> {

@@ -61,6 +61,36 @@ fn a_change_writes_only_the_files_of_what_it_changed() {
     assert_eq!(store.load(dir.path()).expect("load"), Some(last));
 }
 
+/// A change of two VMs whose second file cannot be written (its
+/// temporary file's place taken: a full disk would do the same) leaves the
+/// first file as it was, not rewritten and put back, and no temporary file
+/// behind: a putting back that failed too would have left the refused
+/// change on disk for the next start.
+#[test]
+fn a_file_that_cannot_be_written_leaves_every_file_as_it_was() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::new(dir.path());
+    let first = two_vms();
+    store
+        .save(&State::empty(), &first, &["a".into(), "b".into()])
+        .expect("save");
+    let a = dir.path().join(DIR).join("vm-a.json");
+    let a_before = (inode(&a), std::fs::read(&a).expect("read"));
+    std::fs::create_dir_all(dir.path().join(DIR).join(".vm-b.json.tmp").join("x"))
+        .expect("in the way");
+    let mut next = first.clone();
+    next.vms.insert("a".into(), vm("a", 8).into());
+    next.vms.insert("b".into(), vm("b", 9).into());
+    let e = store
+        .save(&first, &next, &["a".into(), "b".into()])
+        .expect_err("not written");
+    assert!(e.to_string().contains("vm-b.json"), "{e}");
+    assert_eq!((inode(&a), std::fs::read(&a).expect("read")), a_before);
+    assert!(!dir.path().join(DIR).join(".vm-a.json.tmp").exists());
+    std::fs::remove_dir_all(dir.path().join(DIR).join(".vm-b.json.tmp")).expect("cleared");
+    assert_eq!(store.load(dir.path()).expect("load"), Some(first));
+}
+
 #[test]
 fn the_earlier_single_file_is_moved_once() {
     let dir = tempfile::tempdir().expect("tempdir");
