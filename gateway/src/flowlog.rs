@@ -164,7 +164,10 @@ impl FlowLog {
     pub fn write(&self, mut record: FlowRecord) {
         let Some(sink) = &self.sink else { return };
         record.bound();
-        let weight = record.weight();
+        // At least the queue's bytes per line: a source's share of the
+        // bytes then bounds its lines too, and short lines cannot take the
+        // queue's places from the others.
+        let weight = record.weight().max(QUEUE_BYTES / QUEUE);
         let used = sink.queued.fetch_add(weight, Ordering::Relaxed);
         sink.pending.fetch_add(1, Ordering::Relaxed);
         let share = |holding| {
@@ -759,6 +762,33 @@ mod tests {
             .filter(|l| l["src"] == "[2001:db8::3]:40000")
             .count();
         assert_eq!(other, 100);
+    }
+
+    /// Two sources ending short flows in a loop (a line of about 300
+    /// bytes, fewer than the queue's bytes per place) take no more of the
+    /// queue's 65,536 places than of its bytes: a third source's lines are
+    /// still queued.
+    #[test]
+    fn short_lines_cannot_take_the_queues_places() {
+        let w = Held::default();
+        let log = FlowLog::to_writer(Box::new(w.clone()));
+        let short = |src: &str, n| FlowRecord {
+            src: Some(src.parse().expect("addr")),
+            ..record(n)
+        };
+        for n in 0..40_000 {
+            log.write(short("100.64.0.2:40000", n));
+            log.write(short("100.64.0.3:40000", n));
+        }
+        let flooded = log.dropped().load(Ordering::Relaxed);
+        for n in 0..100 {
+            log.write(short("[2001:db8::3]:40000", n));
+        }
+        let dropped = log.dropped().load(Ordering::Relaxed);
+        w.open();
+        log.close_within(Duration::from_secs(60));
+        assert_eq!(dropped, flooded, "the third source's lines were queued");
+        assert!(flooded > 20_000, "past their shares: {flooded} dropped");
     }
 
     /// A source that wrote its share of a capped file since it was rotated
