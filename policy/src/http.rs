@@ -298,7 +298,9 @@ impl PathPattern {
         if text.contains('?') || text.contains('#') {
             return Err(bad("a pattern matches the path only: no ? or #"));
         }
-        let normal = normalize(text).map_err(|e| bad(&e.to_string()))?;
+        let normal = normal_form(text, Delimiters::KeptEscaped)
+            .map(Cow::into_owned)
+            .map_err(|e| bad(&e.to_string()))?;
         let trimmed = text
             .strip_suffix('/')
             .filter(|t| !t.is_empty())
@@ -359,10 +361,9 @@ pub fn segments_of(normal: &str) -> impl Iterator<Item = &str> {
 }
 
 /// The normal form of a request target's path (the query is dropped):
-/// escapes decoded (but for `?`, `#` and `;`, which have no raw twin in a
-/// path and stay escaped, upper-cased), so a character and its escape read
-/// alike, as the origin that decodes them reads them; empty segments
-/// dropped. `*` (asterisk-form) stays `*`. A `.` or `..` segment, raw or
+/// escapes decoded, so a character and its escape read alike, as the
+/// origin that decodes them reads them; empty segments dropped. An escaped
+/// `;`, `?` or `#` has none ([`decode_path`]). `*` (asterisk-form) stays `*`. A `.` or `..` segment, raw or
 /// escaped, has no normal form: origins resolve it or route it as it is;
 /// nor has a path that starts with `//`.
 pub fn normalize(target: &str) -> Result<String, PathError> {
@@ -372,6 +373,21 @@ pub fn normalize(target: &str) -> Result<String, PathError> {
 /// [`normalize`], borrowing the target when its path is already normal
 /// (the common case: no escapes, no dot or empty segments).
 pub fn normal_path(target: &str) -> Result<Cow<'_, str>, PathError> {
+    normal_form(target, Delimiters::Refused)
+}
+
+/// How an escaped `;`, `?` or `#` reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Delimiters {
+    /// In a request's path: refused ([`PathError::EncodedDelimiter`]).
+    Refused,
+    /// In a pattern: kept escaped, upper-cased, the normal form requests
+    /// had before they were refused; so a pattern stored then still parses
+    /// (and matches no request: none carrying one has a normal form).
+    KeptEscaped,
+}
+
+fn normal_form(target: &str, delimiters: Delimiters) -> Result<Cow<'_, str>, PathError> {
     let path = target.split(['?', '#']).next().unwrap_or("");
     if path == "*" {
         return Ok(Cow::Borrowed(path));
@@ -386,7 +402,7 @@ pub fn normal_path(target: &str) -> Result<Cow<'_, str>, PathError> {
         return Ok(Cow::Borrowed(path));
     }
     // Decode first, so an encoded dot is a dot when segments are read.
-    let decoded = decode_path(path)?;
+    let decoded = decode_path(path, delimiters)?;
     let normal = join_segments(&decoded)?;
     // Escapes of bytes that are no UTF-8 read no way at all.
     String::from_utf8(normal)
@@ -399,7 +415,7 @@ pub fn normal_path(target: &str) -> Result<Cow<'_, str>, PathError> {
 /// is a delimiter too: a front proxy that decodes the path and escapes it
 /// again without them (nginx leaves `;`) hands the origin `/admin;x` for
 /// `/admin%3Bx`, which Tomcat and Spring route to `/admin`.
-fn decode_path(path: &str) -> Result<Vec<u8>, PathError> {
+fn decode_path(path: &str, delimiters: Delimiters) -> Result<Vec<u8>, PathError> {
     let bytes = path.as_bytes();
     let mut decoded: Vec<u8> = Vec::with_capacity(path.len());
     let mut i = 0;
@@ -412,10 +428,15 @@ fn decode_path(path: &str) -> Result<Vec<u8>, PathError> {
                     return Err(PathError::BadEscape);
                 };
                 let v = hi << 4 | lo;
-                if b"/\\%;?#".contains(&v) || v < 0x20 || v == 0x7f {
+                let kept = delimiters == Delimiters::KeptEscaped && b";?#".contains(&v);
+                if kept {
+                    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+                    decoded.extend_from_slice(&[b'%', HEX[usize::from(hi)], HEX[usize::from(lo)]]);
+                } else if b"/\\%;?#".contains(&v) || v < 0x20 || v == 0x7f {
                     return Err(PathError::EncodedDelimiter);
+                } else {
+                    decoded.push(v);
                 }
-                decoded.push(v);
                 i += 3;
             }
             b'\\' | b';' => return Err(PathError::AmbiguousChar),
@@ -566,6 +587,23 @@ mod tests {
         ] {
             assert_eq!(normalize(raw), Err(err), "{raw}");
         }
+    }
+
+    /// A pattern with an escaped `;`, `?` or `#`, stored when requests had
+    /// such a normal form, still parses, and matches no request: a request
+    /// carrying one has no normal form.
+    #[test]
+    fn a_pattern_with_an_escaped_delimiter_still_parses_and_matches_nothing() {
+        let p = PathPattern::parse("/files/a%3Bb").expect("parses as it did");
+        assert_eq!(p.text, "/files/a%3Bb");
+        assert_eq!(
+            PathPattern::parse("/files/a%3bb").map(|p| p.text),
+            Err(HttpError::NotNormal {
+                value: "/files/a%3bb".into(),
+                normal: "/files/a%3Bb".into()
+            })
+        );
+        assert_eq!(normalize("/files/a%3Bb"), Err(PathError::EncodedDelimiter));
     }
 
     #[test]
