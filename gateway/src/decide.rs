@@ -207,15 +207,19 @@ pub(crate) fn fold_eq(a: &str, b: &str) -> bool {
 /// method. The name, to refuse the request with; `None` for the usual
 /// request, whose names have no `_`.
 pub fn folded_twin(headers: &http::HeaderMap) -> Option<&str> {
-    let mut folded = headers
-        .keys()
-        .map(http::HeaderName::as_str)
-        .filter(|n| n.contains('_'));
-    folded.find(|n| {
-        JUDGED_NAMES.iter().any(|j| fold_eq(n, j))
-            || headers
-                .keys()
-                .any(|o| o.as_str() != *n && fold_eq(n, o.as_str()))
+    let names = || headers.keys().map(http::HeaderName::as_str);
+    if !names().any(|n| n.contains('_')) {
+        return None;
+    }
+    // Each name read once (an HTTP/2 request may carry thousands): the
+    // names as such an origin reads them, and how many read alike.
+    let mut read: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for n in names() {
+        *read.entry(n.replace('_', "-")).or_default() += 1;
+    }
+    names().filter(|n| n.contains('_')).find(|n| {
+        let folded = n.replace('_', "-");
+        read.get(&folded).is_some_and(|&alike| alike > 1) || JUDGED_NAMES.contains(&folded.as_str())
     })
 }
 
