@@ -233,21 +233,8 @@ impl Api {
     ) -> Result<Reply, Reply> {
         for _ in 0..2 {
             let mut tx = self.pool.begin().await.map_err(db)?;
-            if let Some(key) = op.idempotency_key {
-                if let Some((operation, sandbox, print)) =
-                    store::by_key(&mut tx, &caller.tenant, key)
-                        .await
-                        .map_err(db)?
-                {
-                    return if print.as_deref() == op.fingerprint {
-                        Ok(Dialect::Native.created(new.template, &sandbox, Some(&operation)))
-                    } else {
-                        Err(error(
-                            StatusCode::CONFLICT,
-                            "Idempotency-Key was used for a different request",
-                        ))
-                    };
-                }
+            if let Some(replay) = replayed_op(&mut tx, &caller.tenant, op, new.template).await? {
+                return replay;
             }
             registered(&mut tx, new.template, Dialect::Native.template_field()).await?;
             within_quota(&mut tx, caller).await?;
@@ -292,6 +279,32 @@ impl Api {
         tx.commit().await.map_err(db)?;
         Ok(Dialect::E2b.created(new.template, new.id, None))
     }
+}
+
+/// What an idempotency key `op` carries already names: the original
+/// operation (same fingerprint) or `409`; `None` for a key not used yet (or
+/// none).
+pub(super) async fn replayed_op(
+    conn: &mut sqlx::PgConnection,
+    tenant: &str,
+    op: &NewOperation<'_>,
+    template: &str,
+) -> Result<Option<Result<Reply, Reply>>, Reply> {
+    let Some(key) = op.idempotency_key else {
+        return Ok(None);
+    };
+    let Some((operation, sandbox, print)) = store::by_key(conn, tenant, key).await.map_err(db)?
+    else {
+        return Ok(None);
+    };
+    Ok(Some(if print.as_deref() == op.fingerprint {
+        Ok(Dialect::Native.created(template, &sandbox, Some(&operation)))
+    } else {
+        Err(error(
+            StatusCode::CONFLICT,
+            "Idempotency-Key was used for a different request",
+        ))
+    }))
 }
 
 /// `429` when the caller's tenant already holds its `max_sandboxes`

@@ -163,25 +163,11 @@ impl Api {
         let key = super::create::idempotency_key(headers)?;
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let source = visible(caller, store::sandbox(&mut conn, id).await.map_err(db)?, id)?;
-        if source.policy.is_none() || source.state == SandboxState::Destroyed {
-            return Err(error(
-                StatusCode::CONFLICT,
-                &format!("sandbox {id} is {}", source.state),
-            ));
-        }
-        drop(conn);
         let sandbox = ids::new("sb");
         let operation = ids::new("op");
         let payload = json!({"source": id});
         // The key replays a fork of the same sandbox, and only that.
         let fingerprint = ids::fingerprint(json!({"fork": id}).to_string().as_bytes());
-        let new = NewSandbox {
-            id: &sandbox,
-            tenant: &source.tenant,
-            template: &source.template,
-            egress_profiles: &source.egress_profiles,
-            inherits_template: source.inherits_template,
-        };
         let op = NewOperation {
             id: &operation,
             tenant: &source.tenant,
@@ -190,6 +176,25 @@ impl Api {
             payload: &payload,
             idempotency_key: key,
             fingerprint: Some(&fingerprint),
+        };
+        // A retry is answered as the fork was, even once the source is gone.
+        let replay = super::create::replayed_op(&mut conn, &source.tenant, &op, &source.template);
+        if let Some(replayed) = replay.await? {
+            return replayed;
+        }
+        if source.policy.is_none() || source.state == SandboxState::Destroyed {
+            return Err(error(
+                StatusCode::CONFLICT,
+                &format!("sandbox {id} is {}", source.state),
+            ));
+        }
+        drop(conn);
+        let new = NewSandbox {
+            id: &sandbox,
+            tenant: &source.tenant,
+            template: &source.template,
+            egress_profiles: &source.egress_profiles,
+            inherits_template: source.inherits_template,
         };
         // The copy is the source's tenant's: counted against its quota, not
         // the caller's (an admin forking another tenant's sandbox); a tenant

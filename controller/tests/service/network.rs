@@ -357,6 +357,20 @@ async fn a_fork_carries_the_names_and_the_policy_and_composes_deployment_exempti
     let other = v["sandbox"].as_str().expect("id").to_owned();
     let (s, refused) = fork_with("fork-1", other).await;
     assert_eq!(s, 409, "{refused}");
+    // The source destroyed, a retry still gets the fork it made.
+    let gone = format!("/v1/sandboxes/{id}");
+    let (s, v) = call(api2.addr, "DELETE", &gone, Some(FEDERATED), &[], None).await;
+    assert_eq!(s, 200, "{v}");
+    let destroyed = |doc: Value| doc["state"] == json!("destroyed");
+    for _ in 0..100 {
+        if destroyed(doc(&api2, &id).await) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(destroyed(doc(&api2, &id).await));
+    let (s, late) = fork_with("fork-1", id.clone()).await;
+    assert_eq!((s, late), (202, first));
 }
 
 /// A policy larger than a gateway takes is refused when it is written; it
