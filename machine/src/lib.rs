@@ -1156,10 +1156,6 @@ fn in_place(chain: &str, read: Result<usize, String>) -> bool {
     }
 }
 
-/// `machine_egress.link_check` resolved: `auto` is the ingress hook when
-/// the kernel binds an ingress chain by name ([`Nft::binds_ingress_by_name`]),
-/// the prerouting hook otherwise; `ingress` on a kernel that does not is
-/// an error, since a link made again would lose its check.
 /// The state on disk, `None` when there is none. With none, a node table
 /// holding VMs' chains is refused rather than replaced: the state directory
 /// was lost or moved while the VMs run, and an empty table would let their
@@ -1188,6 +1184,10 @@ fn load(store: &store::Store, nft: &Nft, state_dir: &Path) -> Result<Option<Stat
     })
 }
 
+/// `machine_egress.link_check` resolved: `auto` is the ingress hook when
+/// the kernel binds an ingress chain by name ([`Nft::binds_ingress_by_name`]),
+/// the prerouting hook otherwise; `ingress` on a kernel that does not is
+/// an error, since a link made again would lose its check.
 fn link_check(nft: &Nft, config: &MachineEgressConfig) -> Result<LinkCheck, MachineError> {
     let wanted = config.link_check;
     if wanted == MachineLinkCheck::Prerouting {
