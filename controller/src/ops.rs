@@ -195,17 +195,7 @@ async fn place(
     eff: &Effective,
     inherited_provenance: Value,
 ) -> Result<(), Failure> {
-    let (worker, pool) = store::alloc::pick_worker(conn, worker)
-        .await?
-        .ok_or_else(|| {
-            Failure::retry(match worker {
-                Some(w) => format!("worker {w:?} is not registered"),
-                None => "no worker is registered".to_owned(),
-            })
-        })?;
-    let address = store::alloc::allocate(conn, &worker, &pool)
-        .await?
-        .ok_or_else(|| Failure::retry(format!("worker {worker}: no free address in {pool}")))?;
+    let (worker, address) = pick_and_allocate(conn, worker).await?;
     let addresses = [address.to_string()];
     save_placed(
         conn,
@@ -215,6 +205,38 @@ async fn place(
         (&worker, &addresses),
     )
     .await
+}
+
+/// Most workers one unnamed placement tries for a free address.
+const PLACEMENT_TRIES: usize = 8;
+
+/// The worker (the named one, or the least loaded with a free address:
+/// a full pool sends the placement on to the next, at most
+/// [`PLACEMENT_TRIES`]) and the address there.
+async fn pick_and_allocate(
+    conn: &mut PgConnection,
+    named: Option<&str>,
+) -> Result<(String, std::net::IpAddr), Failure> {
+    let mut tried: Vec<String> = Vec::new();
+    let mut full: Vec<String> = Vec::new();
+    while tried.len() < PLACEMENT_TRIES {
+        let Some((worker, pool)) = store::alloc::pick_worker(conn, named, &tried).await? else {
+            break;
+        };
+        if let Some(address) = store::alloc::allocate(conn, &worker, &pool).await? {
+            return Ok((worker, address));
+        }
+        full.push(format!("worker {worker}: no free address in {pool}"));
+        if named.is_some() {
+            break;
+        }
+        tried.push(worker);
+    }
+    Err(Failure::retry(match (named, full.is_empty()) {
+        (_, false) => full.join("; "),
+        (Some(w), true) => format!("worker {w:?} is not registered"),
+        (None, true) => "no worker is registered".to_owned(),
+    }))
 }
 
 /// Saves a placed sandbox as running: its composed policy with the

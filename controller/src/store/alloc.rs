@@ -23,13 +23,15 @@ use sqlx::{PgConnection, Row};
 /// pool the worker no longer has are dropped on the way.
 const FREE_TRIES: usize = 64;
 
-/// The worker a sandbox goes to (the named one, or the least loaded), and
-/// its pool; its row locked until the transaction ends, so placements on
-/// one worker allocate one at a time. Concurrent unnamed placements skip
-/// the workers other placements hold, and so spread.
+/// The worker a sandbox goes to (the named one, or the least loaded but
+/// those in `tried`), and its pool; its row locked until the transaction
+/// ends, so placements on one worker allocate one at a time. Concurrent
+/// unnamed placements skip the workers other placements hold, and so
+/// spread.
 pub async fn pick_worker(
     conn: &mut PgConnection,
     named: Option<&str>,
+    tried: &[String],
 ) -> Result<Option<(String, String)>, sqlx::Error> {
     let row = if let Some(id) = named {
         sqlx::query("SELECT id, pool FROM workers WHERE id = $1 FOR UPDATE")
@@ -39,7 +41,10 @@ pub async fn pick_worker(
     } else {
         let mut row = None;
         for statement in [LEAST_LOADED_FREE, LEAST_LOADED] {
-            row = sqlx::query(statement).fetch_optional(&mut *conn).await?;
+            row = sqlx::query(statement)
+                .bind(tried)
+                .fetch_optional(&mut *conn)
+                .await?;
             if row.is_some() {
                 break;
             }
@@ -50,8 +55,8 @@ pub async fn pick_worker(
         .transpose()
 }
 
-const LEAST_LOADED_FREE: &str = "SELECT w.id, w.pool FROM workers w LEFT JOIN address_cursors c ON c.worker = w.id ORDER BY COALESCE(c.live, 0), w.id LIMIT 1 FOR UPDATE OF w SKIP LOCKED";
-const LEAST_LOADED: &str = "SELECT w.id, w.pool FROM workers w LEFT JOIN address_cursors c ON c.worker = w.id ORDER BY COALESCE(c.live, 0), w.id LIMIT 1 FOR UPDATE OF w";
+const LEAST_LOADED_FREE: &str = "SELECT w.id, w.pool FROM workers w LEFT JOIN address_cursors c ON c.worker = w.id WHERE w.id <> ALL($1) ORDER BY COALESCE(c.live, 0), w.id LIMIT 1 FOR UPDATE OF w SKIP LOCKED";
+const LEAST_LOADED: &str = "SELECT w.id, w.pool FROM workers w LEFT JOIN address_cursors c ON c.worker = w.id WHERE w.id <> ALL($1) ORDER BY COALESCE(c.live, 0), w.id LIMIT 1 FOR UPDATE OF w";
 
 /// A free address of `pool` for a sandbox on `worker` (whose row the caller
 /// locked with [`pick_worker`]); `None` when the pool is used up or is not a

@@ -685,6 +685,44 @@ async fn a_tenant_holds_at_most_its_max_sandboxes() {
 /// A worker's gateway that does not answer is a 502 whose text names its
 /// admin URL only to an admin: a tenant reads that it did not answer (the
 /// URL is the one the controller reaches with the worker's token).
+/// A worker whose pool is used up sends a placement on to the next least
+/// loaded one: creates go on while any worker has room. They failed
+/// before, once the full worker was the least loaded (ties go by id).
+#[tokio::test]
+async fn a_full_worker_sends_placements_to_one_with_room() {
+    let url = db!();
+    let api = api(&url, deployment(Some(PROFILES), Some(EXEMPTIONS))).await;
+    let down = free_addr();
+    let template = json!({"default": "allow", "tls_interception": "on"});
+    // w1 has two addresses, w2 254.
+    setup(&api, template, down, "100.64.10.0/30").await;
+    let worker =
+        json!({"admin_url": format!("http://{down}"), "token": "", "pool": "100.64.11.0/24"});
+    let (s, v) = call(
+        api.addr,
+        "PUT",
+        "/v1/workers/w2",
+        Some(ADMIN),
+        &[],
+        Some(worker),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let mut on = std::collections::BTreeMap::<String, usize>::new();
+    for _ in 0..6 {
+        // An E2B create is placed by the API itself: no dispatcher, no push.
+        let body = Some(json!({"templateID": "base"}));
+        let (s, v) = call(api.addr, "POST", "/sandboxes", Some(FEDERATED), &[], body).await;
+        assert_eq!(s, 201, "{v}");
+        let path = format!("/v1/sandboxes/{}", v["sandboxID"].as_str().expect("id"));
+        let (_, doc) = call(api.addr, "GET", &path, Some(FEDERATED), &[], None).await;
+        *on.entry(doc["worker"].as_str().expect("worker").to_owned())
+            .or_default() += 1;
+    }
+    assert_eq!(on.get("w1"), Some(&2), "{on:?}");
+    assert_eq!(on.get("w2"), Some(&4), "{on:?}");
+}
+
 #[tokio::test]
 async fn a_tenant_is_not_shown_a_workers_admin_url() {
     let url = db!();
