@@ -75,13 +75,22 @@ pub async fn claim(conn: &mut PgConnection, c: &Claim<'_>) -> Result<Option<Stri
     .await
 }
 
+/// How long a pooled sandbox whose create failed keeps its place in the
+/// pool: a pool that cannot be filled (no worker, no free address, a
+/// policy a gateway refuses) is tried again at this pace, not at every
+/// round.
+pub const FAILED_HOLDS_ITS_PLACE_SECS: i64 = 60;
+
 /// Each pool's shortfall: (template, sandboxes to create), for pools with
-/// fewer unclaimed sandboxes (creating or running) than their size.
+/// fewer unclaimed sandboxes (creating or running, or failed in the last
+/// [`FAILED_HOLDS_ITS_PLACE_SECS`]) than their size.
 pub async fn shortfalls(conn: &mut PgConnection) -> Result<Vec<(String, i64)>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT p.template, p.size - (SELECT count(*) FROM sandboxes s WHERE s.warm_pool = p.template AND s.state IN ('creating', 'running')) AS missing \
+        "SELECT p.template, p.size - (SELECT count(*) FROM sandboxes s WHERE s.warm_pool = p.template AND (s.state IN ('creating', 'running') \
+         OR (s.state = 'failed' AND s.changed_at > now() - make_interval(secs => $1)))) AS missing \
          FROM template_pools p ORDER BY p.template",
     )
+    .bind(FAILED_HOLDS_ITS_PLACE_SECS as f64)
     .fetch_all(&mut *conn)
     .await?;
     let mut out = Vec::new();

@@ -470,3 +470,32 @@ async fn a_claim_that_fails_leaves_the_sandbox_failed_and_off_its_gateway() {
         "the failed claim is taken off its gateway"
     );
 }
+
+/// A pool whose creates fail (here: marked failed, as when no worker has a
+/// free address) is not refilled at every round: a failed pooled sandbox
+/// keeps its place for a minute. Every round queued the pool's size again
+/// before, failed rows piling up without end.
+#[tokio::test]
+async fn failed_pooled_creates_are_tried_again_after_a_minute_not_every_round() {
+    let url = db!();
+    let api = api(&url, deployment(Some(PROFILES), None)).await;
+    let down = free_addr();
+    setup(&api, template(), down, "100.64.10.0/24").await;
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    set_size(&api, 2).await;
+    let round = || egress_controller::pool::refill(&pool);
+    assert_eq!(round().await.expect("round"), 2);
+    let fail = "UPDATE sandboxes SET state = 'failed', changed_at = now() WHERE warm_pool = 'base'";
+    sqlx::query(fail).execute(&pool).await.expect("failed");
+    assert_eq!(
+        round().await.expect("round"),
+        0,
+        "the failures hold their places"
+    );
+    let earlier =
+        "UPDATE sandboxes SET changed_at = now() - interval '61 seconds' WHERE warm_pool = 'base'";
+    sqlx::query(earlier).execute(&pool).await.expect("earlier");
+    assert_eq!(round().await.expect("round"), 2, "a minute on, tried again");
+}
