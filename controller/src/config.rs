@@ -157,9 +157,18 @@ impl Tenants {
         Ok(t)
     }
 
-    /// The tenant a bearer token belongs to.
+    /// The tenant a bearer token belongs to. Every token is compared, each
+    /// in constant time (aws-lc's `CRYPTO_memcmp`), so how long the lookup
+    /// takes says nothing of how much of a token was right.
     pub fn get(&self, token: &str) -> Option<&Tenant> {
-        self.tokens.get(token)
+        let same = |t: &String| {
+            aws_lc_rs::constant_time::verify_slices_are_equal(t.as_bytes(), token.as_bytes())
+                .is_ok()
+        };
+        self.tokens.iter().fold(
+            None,
+            |found, (t, tenant)| if same(t) { Some(tenant) } else { found },
+        )
     }
 
     /// The `max_sandboxes` of `tenant`: the least any of its tokens gives;
@@ -203,6 +212,9 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(t.get("0123456789abcdef").map(|t| t.federated), Some(true));
+        for near in ["0123456789abcdeF", "0123456789abcde", "0123456789abcdef0", ""] {
+            assert!(t.get(near).is_none(), "{near:?}");
+        }
         let e = Tenants::parse(r#"{"tokens": {"short": {"tenant": "t"}}}"#).expect_err("short");
         assert!(e.contains("at least 16"), "{e}");
         let e = Tenants::parse(r#"{"tokens": {"0123456789abcdef": {"tenant": "t", "x": 1}}}"#)
