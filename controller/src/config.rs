@@ -212,7 +212,12 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(t.get("0123456789abcdef").map(|t| t.federated), Some(true));
-        for near in ["0123456789abcdeF", "0123456789abcde", "0123456789abcdef0", ""] {
+        for near in [
+            "0123456789abcdeF",
+            "0123456789abcde",
+            "0123456789abcdef0",
+            "",
+        ] {
             assert!(t.get(near).is_none(), "{near:?}");
         }
         let e = Tenants::parse(r#"{"tokens": {"short": {"tenant": "t"}}}"#).expect_err("short");

@@ -186,18 +186,26 @@ fn require_refuses_a_key_of_the_sandboxs_own() {
     );
 }
 
+/// One credential `k` for `api.test`, placeholder `PH_KEY_0001`, its value
+/// in `path`, put in as `inject` says.
+fn api_key(path: &str, inject: &str, require: bool) -> Vec<Credential> {
+    creds(&format!(
+        r#"[{{"name": "k", "placeholder": "PH_KEY_0001", "hosts": ["api.test"],
+             "inject": {inject}, "source": {{"file": "{path}"}}, "require": {require}}}]"#
+    ))
+}
+
 /// A required credential's header beside one that reads as it to an
 /// origin taking `_` for `-` (`x_api_key`, a key of the sandbox's own):
 /// refused, whether the sandbox sent the placeholder or no header at all.
 #[test]
 fn require_refuses_a_header_that_reads_as_the_credentials() {
     let dir = tempfile::tempdir().expect("tmp");
-    let path = value_file(&dir);
-    let list = creds(&format!(
-        r#"[{{"name": "k", "placeholder": "PH_KEY_0001", "hosts": ["api.test"],
-             "inject": {{"header": "x-api-key", "format": "{{value}}"}},
-             "source": {{"file": "{path}"}}, "require": true}}]"#
-    ));
+    let list = api_key(
+        &value_file(&dir),
+        r#"{"header": "x-api-key", "format": "{value}"}"#,
+        true,
+    );
     let secrets = loaded(&list);
     for sent in [
         vec![("x-api-key", "PH_KEY_0001"), ("x_api_key", "my-own-key")],
@@ -224,10 +232,7 @@ fn require_refuses_a_header_that_reads_as_the_credentials() {
 fn replace_mode_replaces_in_every_header_and_unreadable_values_refuse() {
     let dir = tempfile::tempdir().expect("tmp");
     let path = value_file(&dir);
-    let list = creds(&format!(
-        r#"[{{"name": "k", "placeholder": "PH_KEY_0001", "hosts": ["api.test"],
-             "inject": {{"replace": "headers"}}, "source": {{"file": "{path}"}}}}]"#
-    ));
+    let list = api_key(&path, r#"{"replace": "headers"}"#, false);
     let secrets = loaded(&list);
     let mut hs = headers(&[
         ("x-api-key", "PH_KEY_0001"),
