@@ -498,9 +498,13 @@ impl Gateway {
         self.workers.phase.send_replace(Phase::Draining);
         self.tasks.shutdown().await;
         self.workers.listeners_stopped().await;
-        let handed = successor.is_some();
+        let mut failed = failed;
+        let mut handed = false;
         if let Some(successor) = successor {
-            self.hand_over(successor).await;
+            match self.hand_over(successor).await {
+                Ok(()) => handed = true,
+                Err(why) => failed = failed.or(Some(why)),
+            }
         }
         // Without a successor the listening sockets close here.
         self.offer = None;
@@ -534,10 +538,7 @@ impl Gateway {
     async fn serving(
         &mut self,
         shutdown: impl Future<Output = ()>,
-    ) -> (
-        Option<(std::os::unix::net::UnixStream, bool)>,
-        Option<String>,
-    ) {
+    ) -> (Option<crate::handover::Successor>, Option<String>) {
         let workers = &mut self.workers.failed.1;
         let task = async {
             tokio::select! {
@@ -589,34 +590,39 @@ impl Gateway {
 
     /// Seals the pushed state, lets go of the state directory and sends the
     /// successor the sockets and the attribution.
-    async fn hand_over(&mut self, successor: (std::os::unix::net::UnixStream, bool)) {
+    async fn hand_over(&mut self, successor: crate::handover::Successor) -> Result<(), String> {
         // Every acknowledged push is in the journal; none is acknowledged after.
         self.committer.seal().await;
         let attribution = crate::handover::export(&self.dp.cache, &self.dp.registry.ids());
         // Flows still draining here spend this gateway's states after they
         // are sent: what they move is not charged again by the successor.
-        let budgets = match successor.1 {
+        let budgets = match successor.budgets {
             true => self.dp.budgets.spent(self.dp.cache.now()),
             false => Vec::new(),
         };
         drop(self.lock.take());
         let Some(offer) = self.offer.take() else {
-            return;
+            return Ok(());
         };
         let (n, b) = (attribution.len(), budgets.len());
-        let stream = successor.0;
-        let sent =
-            tokio::task::spawn_blocking(move || offer.hand_over(stream, (&attribution, &budgets)))
-                .await;
-        match sent {
-            Ok(Ok(())) => tracing::info!(
-                attributed = n,
-                budgets = b,
-                "handed the listeners, the pushed state, the attribution and the budget states to a successor; draining"
-            ),
-            Ok(Err(e)) => tracing::error!(error = %e, "the handover failed after this gateway stopped serving: start a gateway on this state_dir"),
-            Err(e) => tracing::error!(error = %e, "the handover failed after this gateway stopped serving: start a gateway on this state_dir"),
-        }
+        let sent = tokio::task::spawn_blocking(move || {
+            offer.hand_over(successor, (&attribution, &budgets))
+        })
+        .await;
+        let failed = match sent {
+            Ok(Ok(())) => {
+                tracing::info!(
+                    attributed = n,
+                    budgets = b,
+                    "handed the listeners, the pushed state, the attribution and the budget states to a successor; draining"
+                );
+                return Ok(());
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::error!(error = %failed, "the handover failed after this gateway stopped serving: draining, then exiting with a failure (a supervisor starts a gateway on this state_dir again)");
+        Err(format!("handover: {failed}"))
     }
 }
 

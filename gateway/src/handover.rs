@@ -16,15 +16,19 @@
 //! 2. It releases `state_dir/gateway.lock`.
 //! 3. It sends one line naming the sockets, with the sockets themselves
 //!    (`SCM_RIGHTS`), then one line per attributed address with the names
-//!    and the exact time each has left; then it closes the connection and
-//!    drains its open flows as on SIGTERM.
-//! 4. The successor takes the lock, recovers the snapshot and journal,
+//!    and the exact time each has left, then the budget states.
+//! 4. The successor tells systemd it is the service's main process
+//!    (`MAINPID=`) and answers `taken`; the running gateway waits for that
+//!    before it drains, so the service never loses its main process.
+//! 5. The successor takes the lock, recovers the snapshot and journal,
 //!    restores the attribution (lifetimes unchanged: nothing is extended)
 //!    and serves on the very sockets, starting with what queued meanwhile.
 //!
 //! Every connection is accepted by exactly one of the two; none is refused.
-//! If the successor dies after step 3, nothing serves: connections are
-//! refused (fail closed) until a gateway starts again from the same state.
+//! If the successor dies after step 4, it is the main process: a supervisor
+//! starts a gateway again from the same state (connections wait or are
+//! refused meanwhile, fail closed). If the running gateway never hears
+//! `taken`, it drains and exits with a failure.
 
 use std::io::{self, BufRead, BufReader, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
@@ -84,6 +88,38 @@ struct Request {
     /// not: it is sent none, and would not read them).
     #[serde(default)]
     budgets: bool,
+    /// The successor tells systemd it is the service's main process as soon
+    /// as it holds the sockets, and then says `taken`: the running gateway
+    /// waits for that before it drains and exits, so the service never
+    /// loses its main process in between (absent from one that does not:
+    /// nothing is waited for).
+    #[serde(default)]
+    acknowledges: bool,
+}
+
+/// What the successor says once it holds the sockets and told systemd.
+const TAKEN: &[u8] = b"taken\n";
+
+/// The successor's side: tells systemd this process is now the service's
+/// main process, then says so on the handover stream.
+fn acknowledge(mut stream: &UnixStream) -> io::Result<()> {
+    crate::cli::notify(&format!("MAINPID={}", std::process::id()));
+    stream.write_all(TAKEN)
+}
+
+/// The running gateway's side: waits (at most [`IO_TIMEOUT`]) for the
+/// successor's `taken`.
+fn await_acknowledgement(stream: &UnixStream) -> io::Result<()> {
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    let mut got = [0u8; TAKEN.len()];
+    (&*stream).read_exact(&mut got)?;
+    if got != TAKEN {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the successor did not say it took over",
+        ));
+    }
+    Ok(())
 }
 
 /// The running gateway's answer: the sockets (in the order of the
@@ -154,6 +190,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         listen: config.listen.clone(),
         copies: copies(config),
         budgets: true,
+        acknowledges: true,
     };
     let mut line =
         serde_json::to_vec(&request).map_err(|e| HandoverError::Protocol(e.to_string()))?;
@@ -173,9 +210,11 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         return Err(HandoverError::Protocol(why));
     }
     let sockets = header.sockets.into_iter().zip(fds).collect();
+    let answer = stream.try_clone()?;
     let mut lines = BufReader::new(rest.chain(stream)).lines();
     let attribution = receive_lines(&mut lines, header.attributed, "attribution")?;
     let budgets = receive_lines(&mut lines, header.budgets, "budget")?;
+    acknowledge(&answer)?;
     Ok(Taken {
         sockets,
         attribution,
@@ -259,6 +298,14 @@ pub(crate) fn copies(config: &Config) -> usize {
 
 // === the running gateway's side ===
 
+/// A successor the running gateway accepted: its stream, whether it takes
+/// budget states, whether it says when it took over.
+pub(crate) struct Successor {
+    stream: UnixStream,
+    pub(crate) budgets: bool,
+    acknowledges: bool,
+}
+
 /// The offer a running gateway keeps open: its socket and duplicates of
 /// every listening socket.
 pub(crate) struct Offer {
@@ -286,14 +333,14 @@ impl Offer {
                 listen: config.listen.clone(),
                 copies: copies(config),
                 budgets: true,
+                acknowledges: true,
             },
         })
     }
 
     /// Waits for a successor whose listeners are these; refuses any other
-    /// (it is told why) and keeps waiting. Returns its stream, and whether it
-    /// takes budget states.
-    pub(crate) async fn successor(&self) -> (UnixStream, bool) {
+    /// (it is told why) and keeps waiting.
+    pub(crate) async fn successor(&self) -> Successor {
         loop {
             let Ok((stream, _)) = self.listener.accept().await else {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -307,7 +354,13 @@ impl Offer {
                 continue;
             };
             match self.refusal(&request) {
-                None => return (stream, request.budgets),
+                None => {
+                    return Successor {
+                        stream,
+                        budgets: request.budgets,
+                        acknowledges: request.acknowledges,
+                    }
+                }
                 Some(why) => {
                     tracing::warn!(%why, "refused a takeover; serving on");
                     let _ = send_header(
@@ -347,12 +400,14 @@ impl Offer {
     }
 
     /// Sends the sockets, then the attribution and the budget states, to
-    /// `successor`; blocking.
+    /// `successor`, and waits for it to say it took over when it says it
+    /// will; blocking.
     pub(crate) fn hand_over(
         self,
-        mut successor: UnixStream,
+        successor: Successor,
         (attribution, budgets): (&[Attributed], &[Spent]),
     ) -> io::Result<()> {
+        let (mut successor, acknowledges) = (successor.stream, successor.acknowledges);
         let header = Header {
             version: VERSION,
             refused: None,
@@ -371,7 +426,11 @@ impl Offer {
             serde_json::to_writer(&mut out, entry)?;
             out.write_all(b"\n")?;
         }
-        out.flush()
+        let stream = out.into_inner().map_err(io::IntoInnerError::into_error)?;
+        match acknowledges {
+            true => await_acknowledgement(&stream),
+            false => Ok(()),
+        }
     }
 }
 
@@ -508,5 +567,24 @@ mod tests {
                 "{counts:?}"
             );
         }
+    }
+
+    /// The running gateway waits for the successor's `taken` (which the
+    /// successor says once it told systemd it is the main process), and
+    /// anything else, or nothing, is an error.
+    #[test]
+    fn the_running_gateway_waits_until_the_successor_says_it_took_over() {
+        let (a, b) = UnixStream::pair().expect("pair");
+        let waiting = std::thread::spawn(move || await_acknowledgement(&a));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!waiting.is_finished(), "not before the successor answers");
+        acknowledge(&b).expect("answered");
+        waiting.join().expect("thread").expect("taken");
+        let (a, mut b) = UnixStream::pair().expect("pair");
+        b.write_all(b"later\n").expect("write");
+        assert!(await_acknowledgement(&a).is_err());
+        let (a, b) = UnixStream::pair().expect("pair");
+        drop(b);
+        assert!(await_acknowledgement(&a).is_err(), "the successor gone");
     }
 }

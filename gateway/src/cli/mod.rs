@@ -18,6 +18,8 @@ mod redirect;
 mod run;
 mod upgrade;
 
+pub(crate) use upgrade::notify;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "egress-gateway",

@@ -8,7 +8,8 @@
 //!   started from (after a package upgrade, the new build) with the same
 //!   arguments and `--take-over`. The successor takes the listeners, state
 //!   and attribution through the handover socket, tells systemd it is the
-//!   main process, and this one drains and exits. A successor that fails
+//!   main process (before it serves; this one waits for that), and this
+//!   one drains and exits. A successor that fails
 //!   (refused, bad configuration) exits and this one goes on serving.
 
 use std::ffi::OsString;
@@ -16,7 +17,7 @@ use std::os::unix::net::UnixDatagram;
 
 /// Sends `state` to systemd's notify socket, if there is one; a failure is
 /// logged, never fatal.
-pub(super) fn notify(state: &str) {
+pub(crate) fn notify(state: &str) {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
         return;
     };

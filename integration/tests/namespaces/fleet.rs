@@ -479,14 +479,24 @@ fn sigusr2_starts_a_successor_that_takes_over_and_tells_systemd() {
 
     run("kill", &["-USR2", &first.to_string()]);
     // The successor (started by the gateway itself, the same command with
-    // --take-over) says it is now the service's main process.
+    // --take-over) says it is now the service's main process as soon as it
+    // holds the sockets, before it serves: the first gateway waits for
+    // that before it drains and exits, so systemd never sees the main
+    // process gone. Then it says it serves.
+    let main_pid = |said: &str| -> u32 {
+        said.lines()
+            .find_map(|l| l.strip_prefix("MAINPID="))
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no MAINPID in {said:?}"))
+    };
     let said = notification(&socket);
-    let successor: u32 = said
-        .lines()
-        .find_map(|l| l.strip_prefix("MAINPID="))
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no MAINPID in {said:?}"));
-    assert!(said.contains("READY=1") && successor != first, "{said}");
+    let successor = main_pid(&said);
+    assert!(!said.contains("READY=1") && successor != first, "{said}");
+    let said = notification(&socket);
+    assert!(
+        said.contains("READY=1") && main_pid(&said) == successor,
+        "{said}"
+    );
     let cmdline = std::fs::read(format!("/proc/{successor}/cmdline")).expect("successor");
     assert!(
         String::from_utf8_lossy(&cmdline).contains("--take-over"),
