@@ -192,7 +192,7 @@ fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), Persi
     let mut records = Vec::new();
     let mut off = 0;
     while off < bytes.len() {
-        let corrupt = |why: String| PersistError::Corrupt {
+        let corrupt = |why: String| PersistError::CorruptJournal {
             path: path.to_owned(),
             message: format!("record at offset {off}: {why}"),
         };
@@ -202,7 +202,11 @@ fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), Persi
         let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
         let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
         let end = off + 8 + len;
-        let Some(payload) = bytes.get(off + 8..end).filter(|_| len <= MAX_RECORD) else {
+        // No writer writes a record shorter than `{}`: a length of 0 or 1
+        // is a tail the file was extended by but never written (zeros
+        // after a crash), whose empty payload would pass its checksum.
+        let written = (2..=MAX_RECORD).contains(&len);
+        let Some(payload) = bytes.get(off + 8..end).filter(|_| written) else {
             if let Some(later) = whole_record_after(bytes, off) {
                 return Err(corrupt(format!(
                     "a length of {len} bytes, and a whole record at offset {later} after it"
@@ -265,7 +269,7 @@ pub fn recover(
         match r.change {
             Change::Put(doc) => {
                 let doc = *doc;
-                let id = SandboxId::parse(&doc.id).map_err(|e| PersistError::Corrupt {
+                let id = SandboxId::parse(&doc.id).map_err(|e| PersistError::CorruptJournal {
                     path: journal.path.clone(),
                     message: format!("record {}: {e}", r.seq),
                 })?;
@@ -277,7 +281,7 @@ pub fn recover(
                 let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, extras);
                 registry
                     .put_prepared(sandbox)
-                    .map_err(|e| PersistError::Corrupt {
+                    .map_err(|e| PersistError::CorruptJournal {
                         path: journal.path.clone(),
                         message: format!("record {}: {e}", r.seq),
                     })?;

@@ -65,6 +65,11 @@ pub enum PersistError {
     },
     #[error("{path}: corrupt snapshot: {message}; fix or remove it (the gateway will not start with an empty policy set in its place)")]
     Corrupt { path: PathBuf, message: String },
+    /// A journal record that is not a torn tail. Removing the journal would
+    /// bring back what the snapshot had: sandboxes deleted since, older
+    /// policies.
+    #[error("{path}: corrupt journal: {message}. Do not remove the file: it holds the pushes acknowledged since the snapshot, and without it deleted sandboxes and older policies come back. Copy it aside, cut it at that offset (`truncate -s <offset>`), start, and have the controller resync this gateway")]
+    CorruptJournal { path: PathBuf, message: String },
 }
 
 pub fn path(state_dir: &Path) -> PathBuf {
