@@ -2,9 +2,12 @@
 //! applies changes to the registry in order. Pushes that arrive together
 //! share one fsync (group commit); each still swaps the registry atomically
 //! on its own. A change is acknowledged only once durable; if the write
-//! fails, the batch's changes are undone, so memory never runs ahead of what
-//! a restart would enforce. Compiling a pushed policy — the costly part —
-//! happens before, concurrently, in the request's task.
+//! fails, the batch's changes are undone, so what is acknowledged never
+//! runs ahead of what a restart would enforce. The changes are applied
+//! before the append, though: for the fsync's milliseconds flows are judged
+//! by a change that a failed write then takes back (or a crash loses).
+//! Compiling a pushed policy — the costly part — happens before,
+//! concurrently, in the request's task.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};

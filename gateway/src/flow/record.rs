@@ -104,6 +104,7 @@ impl<'a> Record<'a> {
         });
         if out.budget_cut.is_some() {
             self.line.error = out.budget_cut;
+            self.dp.metrics.budget_exceeded(crate::budget::Over::Bytes);
         }
     }
 

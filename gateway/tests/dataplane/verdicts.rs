@@ -652,6 +652,11 @@ async fn a_bridged_websocket_is_charged_and_cut_as_its_flow() {
     let error = line["error"].as_str().unwrap_or_default();
     assert!(error.starts_with("budget_exceeded: budgets[0]"), "{line}");
     assert!(line["bytes_up"].as_u64().unwrap_or(0) > echoed, "{line}");
+    let text = scrape(&e).await;
+    assert!(
+        text.contains("egress_budget_exceeded_total{kind=\"bytes\"} 1"),
+        "the cut is counted: {text}"
+    );
 
     let mut ws = websocket(&e, SANDBOX_B).await;
     let (echoed, cut) = echo_until_cut(&mut ws, Duration::from_millis(300)).await;
