@@ -50,6 +50,7 @@ impl Conn {
             let mut o = Metered {
                 inner: TokioIo::new(o),
                 meter: meter.as_ref(),
+                prepaid: 0,
             };
             let copied = tokio::io::copy_bidirectional(&mut c, &mut o).await;
             if let Some(m) = meter.as_ref().filter(|m| m.crossed()) {
@@ -118,12 +119,15 @@ pub(super) async fn bridged(conn: &Arc<Conn>, mut bridge: Bridge, watch: &mut Wa
     served
 }
 
-/// The origin's side of a bridge, each chunk charged to `meter` once it
-/// moved: a chunk that does not fit fails the copy (read: it is not passed
-/// on; written: it was the last).
+/// The origin's side of a bridge, each chunk charged to `meter` before it
+/// is passed on: a chunk that does not fit fails the copy (read from the
+/// origin: not handed to the client; to be written to it: not written).
 struct Metered<'a, S> {
     inner: S,
     meter: Option<&'a Meter>,
+    /// Bytes charged for a write not yet taken by the origin's side (a
+    /// write that was pending, or taken in part, is not charged twice).
+    prepaid: usize,
 }
 
 impl<S> Metered<'_, S> {
@@ -160,9 +164,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Metered<'_, S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if buf.len() > self.prepaid {
+            self.charge(buf.len() - self.prepaid)?;
+            self.prepaid = buf.len();
+        }
         let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
         if let Poll::Ready(Ok(n)) = polled {
-            self.charge(n)?;
+            self.prepaid = self.prepaid.saturating_sub(n);
         }
         polled
     }
