@@ -103,7 +103,7 @@ const TAKEN: &[u8] = b"taken\n";
 /// The successor's side: tells systemd this process is now the service's
 /// main process, then says so on the handover stream.
 fn acknowledge(mut stream: &UnixStream) -> io::Result<()> {
-    crate::cli::notify(&format!("MAINPID={}", std::process::id()));
+    crate::systemd::notify(&format!("MAINPID={}", std::process::id()));
     stream.write_all(TAKEN)
 }
 

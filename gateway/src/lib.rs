@@ -38,6 +38,7 @@ mod slots;
 mod splice;
 mod spliced;
 mod state;
+mod systemd;
 #[cfg(test)]
 mod test_util;
 mod upstream;

@@ -18,8 +18,6 @@ mod redirect;
 mod run;
 mod upgrade;
 
-pub(crate) use upgrade::notify;
-
 #[derive(Debug, Parser)]
 #[command(
     name = "egress-gateway",

@@ -222,6 +222,6 @@ async fn shutdown_signal(mut term: tokio::signal::unix::Signal) {
         _ = tokio::signal::ctrl_c() => {}
         () = term => {}
     }
-    super::upgrade::notify("STOPPING=1");
+    crate::systemd::notify("STOPPING=1");
     tracing::info!("shutting down: no new flows; draining open ones");
 }

@@ -1,9 +1,6 @@
 //! Running under systemd, and replacing the running gateway in place.
 //!
-//! - [`notify`]: the `sd_notify` protocol (a datagram to `$NOTIFY_SOCKET`),
-//!   so `Type=notify` units know when the gateway serves (`READY=1`), when
-//!   it stops (`STOPPING=1`), and which process is the service after a
-//!   takeover (`MAINPID=`, which needs `NotifyAccess=all`).
+//! - [`ready`]: tells systemd the gateway serves (`crate::systemd`).
 //! - [`on_sigusr2`]: SIGUSR2 starts the binary at the path this one was
 //!   started from (after a package upgrade, the new build) with the same
 //!   arguments and `--take-over`. The successor takes the listeners, state
@@ -13,40 +10,10 @@
 //!   (refused, bad configuration) exits and this one goes on serving.
 
 use std::ffi::OsString;
-use std::os::unix::net::UnixDatagram;
-
-/// Sends `state` to systemd's notify socket, if there is one; a failure is
-/// logged, never fatal.
-pub(crate) fn notify(state: &str) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
-        return;
-    };
-    if let Err(e) = send(&path, state) {
-        tracing::warn!(error = %e, socket = ?path, "cannot notify systemd");
-    }
-}
-
-fn send(path: &std::ffi::OsStr, state: &str) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let socket = UnixDatagram::unbound()?;
-    let bytes = path.as_bytes();
-    match bytes.strip_prefix(b"@") {
-        // An abstract socket (systemd's own, in some versions).
-        Some(name) => {
-            use std::os::linux::net::SocketAddrExt;
-            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
-            socket.send_to_addr(state.as_bytes(), &addr)?;
-        }
-        None => {
-            socket.send_to(state.as_bytes(), path)?;
-        }
-    }
-    Ok(())
-}
 
 /// The gateway serves: `READY=1`, and this process is the service.
 pub(super) fn ready() {
-    notify(&format!(
+    crate::systemd::notify(&format!(
         "READY=1\nMAINPID={}\nSTATUS=serving",
         std::process::id()
     ));
@@ -113,16 +80,5 @@ mod tests {
         let mut again = argv;
         again.push("--take-over".into());
         assert_eq!(successor_command(&again).1.len(), 4);
-    }
-
-    #[test]
-    fn notify_reaches_a_socket_at_a_path() {
-        let dir = tempfile::tempdir().expect("dir");
-        let path = dir.path().join("notify");
-        let listener = UnixDatagram::bind(&path).expect("bind");
-        send(path.as_os_str(), "READY=1").expect("send");
-        let mut buf = [0u8; 64];
-        let n = listener.recv(&mut buf).expect("recv");
-        assert_eq!(&buf[..n], b"READY=1");
     }
 }
