@@ -394,7 +394,9 @@ fn plan<'a>(
                     // could be the one the origin reads; nor does a header
                     // that reads as it with `_` for `-` (`X_Api_Key`).
                     let twin = headers.keys().any(|n| {
-                        n != header && crate::decide::fold_eq(n.as_str(), header.as_str())
+                        n != header
+                            && crate::decide::folded(n.as_str())
+                                == crate::decide::folded(header.as_str())
                     });
                     if twin {
                         return Err(refused(Refusal::Required));

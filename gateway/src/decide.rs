@@ -187,17 +187,14 @@ const JUDGED_NAMES: [&str; 13] = [
     "x-method-override",
 ];
 
-/// Whether two header names read alike to an origin that takes `_` for
-/// `-` (Puma, CGI and FastCGI bridges, which name headers `HTTP_X_Y`).
-pub(crate) fn fold_eq(a: &str, b: &str) -> bool {
-    let fold = |c: u8| {
-        if c == b'_' {
-            b'-'
-        } else {
-            c.to_ascii_lowercase()
-        }
-    };
-    a.len() == b.len() && a.bytes().zip(b.bytes()).all(|(x, y)| fold(x) == fold(y))
+/// A header name as an origin that takes `_` for `-` reads it (Puma, CGI
+/// and FastCGI bridges, which name headers `HTTP_X_Y`); borrowed when it
+/// has no `_`. Header names are lower-case already.
+pub(crate) fn folded(name: &str) -> std::borrow::Cow<'_, str> {
+    match name.contains('_') {
+        true => std::borrow::Cow::Owned(name.replace('_', "-")),
+        false => std::borrow::Cow::Borrowed(name),
+    }
 }
 
 /// A header name of the request with `_` in it that such an origin reads
@@ -211,16 +208,17 @@ pub fn folded_twin(headers: &http::HeaderMap) -> Option<&str> {
     if !names().any(|n| n.contains('_')) {
         return None;
     }
-    // Each name read once (an HTTP/2 request may carry thousands): the
-    // names as such an origin reads them, and how many read alike.
-    let mut read: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    for n in names() {
-        *read.entry(n.replace('_', "-")).or_default() += 1;
+    // Each name folded once (an HTTP/2 request may carry thousands), and
+    // how many read alike.
+    let read: Vec<(&str, std::borrow::Cow<'_, str>)> = names().map(|n| (n, folded(n))).collect();
+    let mut alike: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (_, f) in &read {
+        *alike.entry(f.as_ref()).or_default() += 1;
     }
-    names().filter(|n| n.contains('_')).find(|n| {
-        let folded = n.replace('_', "-");
-        read.get(&folded).is_some_and(|&alike| alike > 1) || JUDGED_NAMES.contains(&folded.as_str())
-    })
+    let twin = |f: &str| alike.get(f).is_some_and(|&n| n > 1) || JUDGED_NAMES.contains(&f);
+    read.iter()
+        .find(|(n, f)| n.contains('_') && twin(f))
+        .map(|(n, _)| *n)
 }
 
 /// Most methods a request's overrides may name besides its own; a request
