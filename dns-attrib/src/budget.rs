@@ -19,13 +19,14 @@
 //! and asked again counts as new, which a legitimate sandbox's generous
 //! budget absorbs and an exfiltrating one (every name new) cannot dodge.
 //!
-//! State is bounded: at most `max_sandboxes` sandboxes have buckets, in
-//! [`SHARDS`] least-recently-used tables each behind its own mutex, so a
+//! State is bounded: `max_sandboxes` sandboxes (and a margin) have buckets,
+//! in [`SHARDS`] least-recently-used tables each behind its own mutex, so a
 //! flood from one sandbox holds only its shard's lock, for a hash probe and
-//! a little arithmetic, and never another shard's. A sandbox evicted for
-//! room (the least recently active of its shard) starts over with full
-//! buckets when it returns. About 2.2 KiB per sandbox: 36 MiB at the
-//! default 16,384.
+//! a little arithmetic, and never another shard's. Each table has room for
+//! its share and a margin, so none evicts while fewer than `max_sandboxes`
+//! have buckets; past that, a sandbox evicted for room (the least recently
+//! active of its shard) starts over with full buckets when it returns.
+//! About 2.2 KiB per sandbox: 43 MiB at most at the default 16,384.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -107,13 +108,27 @@ impl Over {
     }
 }
 
+/// Room in each shard for `max_sandboxes` spread over [`SHARDS`] by a keyed
+/// hash: the mean, plus six standard deviations of a shard's count and four.
+/// A shard that filled at the mean would evict a sandbox's spent buckets
+/// (handing it full ones) while the table as a whole had room: at 16,384
+/// sandboxes a shard's count varies by about 31 around its 1,024. With the
+/// margin (1,226 there) no shard fills before `max_sandboxes` sandboxes have
+/// buckets but with odds below one in a billion, and the hash's key is the
+/// process's own, so no sandbox can choose its shard.
+fn shard_room(max_sandboxes: usize) -> usize {
+    let mean = max_sandboxes.div_ceil(SHARDS);
+    // The binomial's deviation, sqrt(n·p·(1-p)), is below sqrt(mean).
+    mean + 6 * (mean.isqrt() + 1) + 4
+}
+
 // === impl Budgets ===
 
 impl Budgets {
-    /// Room for `max_sandboxes` sandboxes (at least one per shard).
+    /// Room for `max_sandboxes` sandboxes however they fall into the
+    /// shards: see [`shard_room`].
     pub(crate) fn new(max_sandboxes: usize) -> Self {
-        let per_shard =
-            NonZeroUsize::new(max_sandboxes.div_ceil(SHARDS)).unwrap_or(NonZeroUsize::MIN);
+        let per_shard = NonZeroUsize::new(shard_room(max_sandboxes)).unwrap_or(NonZeroUsize::MIN);
         Self {
             shards: (0..SHARDS)
                 .map(|_| Mutex::new(LruCache::new(per_shard)))

@@ -93,7 +93,7 @@ fn sandboxes_have_budgets_of_their_own() {
 
 #[test]
 fn the_table_is_bounded_and_forgets_the_idle() {
-    let b = Budgets::new(32); // two per shard
+    let b = Budgets::new(32); // two per shard, and the margin
     let now = Millis(0);
     for _ in 0..10 {
         let _ = b.query(&id("busy"), LIMITS, now);
@@ -102,7 +102,11 @@ fn the_table_is_bounded_and_forgets_the_idle() {
     for i in 0..10_000 {
         let _ = b.query(&id(&format!("s{i}")), LIMITS, now);
     }
-    assert!(b.len() <= 32, "{} sandboxes kept", b.len());
+    assert_eq!(
+        b.len(),
+        SHARDS * shard_room(32),
+        "every shard full, no more"
+    );
     // "busy" was evicted while idle: it starts over with a full bucket.
     assert!(b.query(&id("busy"), LIMITS, now).is_ok());
 }
@@ -133,4 +137,25 @@ fn the_seen_table_holds_recent_names_in_fixed_memory() {
         })
         .count();
     assert!(known >= 45, "{known} of the last 50 names remembered");
+}
+
+#[test]
+fn no_spent_budget_is_forgotten_while_the_table_has_room() {
+    // Every sandbox the table is sized for spends its queries; however the
+    // keyed hash spreads them over the shards, each keeps its empty bucket.
+    for max in [16, 64, 1_000, 16_384] {
+        let b = Budgets::new(max);
+        let now = Millis(0);
+        let spend = BudgetLimits {
+            qps: 1,
+            new_names_per_minute: 1,
+        };
+        for i in 0..max {
+            assert!(b.query(&id(&format!("s{i}")), spend, now).is_ok());
+        }
+        let refilled = (0..max)
+            .filter(|i| b.query(&id(&format!("s{i}")), spend, now).is_ok())
+            .count();
+        assert_eq!(refilled, 0, "of {max} sandboxes, spent budgets forgotten");
+    }
 }
