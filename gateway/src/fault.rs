@@ -58,6 +58,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::gateway("splice_backlog"),
     Fault::gateway("splice_broken"),
     Fault::gateway("sandbox_removed"),
+    Fault::gateway("policy_withdrawn"),
     Fault::gateway("drain_deadline"),
     Fault::gateway("proxy_unavailable"),
 ];
@@ -95,6 +96,10 @@ impl Fault {
     /// it, while the flow ran: cut (reset both ways).
     pub(crate) const SANDBOX_REMOVED: Self = Self::gateway("sandbox_removed");
     /// Still open when the drain's time ran out: reset, not closed.
+    /// A spliced or opaque flow its sandbox's policy no longer lets run
+    /// (an entry taken out or past its `until`, a deny or an exemption's
+    /// removal pushed): cut (reset both ways).
+    pub(crate) const POLICY_WITHDRAWN: Self = Self::gateway("policy_withdrawn");
     pub(crate) const DRAIN_DEADLINE: Self = Self::gateway("drain_deadline");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
     pub(crate) const HEAD_TIMEOUT: Self = Self::client("head_timeout");

@@ -12,6 +12,7 @@ mod classify;
 mod identify;
 mod record;
 mod refusal;
+mod still;
 
 use std::sync::Arc;
 
@@ -83,7 +84,9 @@ pub(crate) async fn handle(
                     return rec.budget_refused(detail);
                 }
             };
-            rec.spliced(splice(&dp, (stream, peeked, peer.ip()), &accepted, meter).await);
+            let still = still::StillAllowed::new(&claims, &decided, &accepted.sandbox.policy);
+            let flow = (stream, peeked, peer.ip());
+            rec.spliced(splice(&dp, flow, (&accepted, &still), meter).await);
         }
     }
     rec.finish();
@@ -120,23 +123,27 @@ fn propose(dp: &Dataplane, accepted: &Accepted, claims: &Claims<'_>, decided: &D
 /// stage: the splice, under the budget's meter. The flow's record stays
 /// with the caller: moved in by value, it kept a slot of its own in this
 /// future (and the task) for the flow's life.
-/// The flow runs while its source address belongs to its sandbox.
+/// The flow runs while its source address belongs to its sandbox, and its
+/// sandbox's policy lets it ([`still`]).
 async fn splice(
     dp: &Dataplane,
     (stream, peeked, src): (TcpStream, Vec<u8>, std::net::IpAddr),
-    accepted: &Accepted,
+    (accepted, still): (&Accepted, &still::StillAllowed<'_>),
     meter: Option<crate::budget::Meter>,
 ) -> Result<crate::spliced::Spliced, String> {
+    use crate::fault::Fault;
     let config = dp.config();
     let route = dp.proxies.route(accepted.sandbox.upstream_proxy.as_ref());
     let to = (accepted.dst, &route);
     let stop = || {
         if dp.drain_over.load(std::sync::atomic::Ordering::Acquire) {
-            Some(crate::fault::Fault::DRAIN_DEADLINE)
-        } else if !dp.registry.holds(src, &accepted.sandbox) {
-            Some(crate::fault::Fault::SANDBOX_REMOVED)
-        } else {
-            None
+            return Some(Fault::DRAIN_DEADLINE);
+        }
+        match dp.registry.lookup(src) {
+            Some(now) if now.id == accepted.sandbox.id && now.serial == accepted.sandbox.serial => {
+                (!still.under(&now.policy, &dp.doh_names)).then_some(Fault::POLICY_WITHDRAWN)
+            }
+            _ => Some(Fault::SANDBOX_REMOVED),
         }
     };
     crate::splice::splice_to(dp, stream, to, peeked, (&config, meter), stop).await

@@ -184,9 +184,138 @@ async fn a_spliced_stream_runs_through_a_push_and_is_cut_when_its_sandbox_is_del
     assert_eq!(line["bytes_up"], 10, "{line}");
 }
 
+/// Writes `data` and reads its echo back within 3 s.
+async fn echoed(s: &mut tokio::net::TcpStream, data: &[u8]) {
+    let mut back = vec![0u8; data.len()];
+    s.write_all(data).await.expect("write");
+    tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut back))
+        .await
+        .expect("echo in time")
+        .expect("echo");
+    assert_eq!(back, data);
+}
+
+/// A spliced (here opaque) stream runs while its sandbox's policy lets it:
+/// a push that takes out the entry it runs under cuts it within a tick,
+/// and its line says why.
+#[tokio::test]
+async fn a_spliced_stream_is_cut_when_a_push_takes_its_allow_out() {
+    let e = env(Options::default()).await;
+    let allowed = format!(r#"{{"allow": [{{"ip": "{SPLICED_IP}"}}]}}"#);
+    e.sandbox("a", SANDBOX_A, policy(&allowed));
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    echoed(&mut s, b"hello").await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "other.example.test"}]}"#),
+    );
+    assert!(closed_without_data(&mut s).await, "cut within a tick");
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+    assert_eq!(line["bytes_up"], 5, "{line}");
+    let metrics = scrape(&e).await;
+    assert!(
+        metrics.contains(r#"egress_flow_errors_total{side="gateway",kind="policy_withdrawn"} 1"#),
+        "{metrics}"
+    );
+}
+
+/// An allow entry's `until` ends the spliced streams it let through, with no
+/// push: the registry compiles the policy again, and the stream is judged
+/// under it.
+#[tokio::test]
+async fn a_spliced_stream_ends_at_its_entrys_until() {
+    let e = env(Options::default()).await;
+    let rfc3339 = time::format_description::well_known::Rfc3339;
+    let soon = (time::OffsetDateTime::now_utc() + time::Duration::seconds(2))
+        .format(&rfc3339)
+        .expect("format");
+    let p = format!(
+        r#"{{"allow": [{{"ip": "{SPLICED_IP}", "until": "{soon}"}}, {{"domain": "other.example.test"}}]}}"#
+    );
+    e.sandbox("a", SANDBOX_A, policy(&p));
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    echoed(&mut s, b"before").await;
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(Duration::from_secs(6), s.read(&mut buf)).await;
+    assert!(
+        matches!(read, Ok(Ok(0) | Err(_))),
+        "cut after the until: {read:?}"
+    );
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+}
+
+/// A TLS stream spliced by an exemption is cut when a push takes the
+/// exemption out: it would be terminated now, and the gateway cannot start
+/// reading a stream already spliced. Its client connects again and is.
+#[tokio::test]
+async fn a_spliced_tls_stream_is_cut_when_its_exemption_is_taken_out() {
+    let e = env(Options::default()).await;
+    let exempting = |exemptions: &str| {
+        policy(&format!(
+            r#"{{"default": "allow", "tls_interception": "on", "tls_interception_exemptions": [{exemptions}]}}"#
+        ))
+    };
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        exempting(r#"{"wildcard_domain": "*.relay.example.test"}"#),
+    );
+    e.resolve(SANDBOX_A, "a.relay.example.test.").await;
+    let (mut tls, minted) = e
+        .tls(
+            SANDBOX_A,
+            e.origins.relay,
+            "a.relay.example.test",
+            &[b"http/1.1"],
+        )
+        .await
+        .expect("handshake");
+    assert!(!minted, "spliced");
+    // Another exemption pushed: this one still splices.
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        exempting(r#"{"wildcard_domain": "*.relay.example.test"}, {"domain": "x.example.test"}"#),
+    );
+    let mut buf = [0u8; 64];
+    let idle = tokio::time::timeout(
+        Duration::from_millis(1500),
+        tokio::io::AsyncReadExt::read(&mut tls, &mut buf),
+    )
+    .await;
+    assert!(idle.is_err(), "still open: {idle:?}");
+    e.sandbox("a", SANDBOX_A, exempting(r#"{"domain": "x.example.test"}"#));
+    let read = tokio::time::timeout(
+        Duration::from_secs(3),
+        tokio::io::AsyncReadExt::read(&mut tls, &mut buf),
+    )
+    .await;
+    assert!(
+        matches!(read, Ok(Ok(0) | Err(_))),
+        "cut within a tick: {read:?}"
+    );
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+    let (_, minted) = e
+        .tls(
+            SANDBOX_A,
+            e.origins.relay,
+            "a.relay.example.test",
+            &[b"http/1.1"],
+        )
+        .await
+        .expect("handshake");
+    assert!(minted, "connected again: terminated");
+}
+
 /// A flow is decided under the registration as it is after its peek: a
-/// deny pushed while the client had sent nothing yet applies to it (a
-/// spliced stream is never judged again).
+/// deny pushed while the client had sent nothing yet applies to it (and
+/// one pushed later cuts it: see above).
 #[tokio::test]
 async fn a_push_during_the_peek_decides_the_flow() {
     let e = env(Options::default()).await;

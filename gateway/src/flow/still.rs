@@ -1,0 +1,59 @@
+//! A flow the gateway does not read (spliced TLS, opaque bytes) is judged
+//! once, on its first bytes; it then runs as long as its sandbox's policy
+//! still lets it. A push that takes out the entry that allowed it, an
+//! approval revoked or past its `until` (the registry compiles the policy
+//! again), an exemption taken out (the flow would now be terminated) or a
+//! deny added: at the next tick of the flow's idle watch (within a second)
+//! the flow is judged again, under the policy as it is then, on the names
+//! it was first judged on (their expiry since does not end a flow; the
+//! evidence was whole when it was admitted), and cut unless the verdict is
+//! the one it runs under.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use egress_policy::{CompiledPolicy, Verdict};
+
+use crate::decide::{judge, Claims, Decided};
+use crate::doh::DohNames;
+
+/// What a running flow was judged on, and the policy last found to let it
+/// run (a policy is judged again only when the registration's changes).
+pub(crate) struct StillAllowed<'a> {
+    claims: &'a Claims<'a>,
+    decided: &'a Decided,
+    last: Mutex<Arc<CompiledPolicy>>,
+}
+
+impl<'a> StillAllowed<'a> {
+    /// A flow admitted under `policy` as `decided`.
+    pub(crate) fn new(
+        claims: &'a Claims<'a>,
+        decided: &'a Decided,
+        policy: &Arc<CompiledPolicy>,
+    ) -> Self {
+        Self {
+            claims,
+            decided,
+            last: Mutex::new(policy.clone()),
+        }
+    }
+
+    /// Whether `policy` (the registration's now) gives the flow the verdict
+    /// it runs under: allowed as it is (opaque) or spliced.
+    pub(crate) fn under(&self, policy: &Arc<CompiledPolicy>, doh: &DohNames) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if Arc::ptr_eq(&last, policy) {
+            return true;
+        }
+        let lookup = &self.decided.lookup;
+        let now = judge(policy, self.claims, &lookup.names(), lookup.gap(), doh);
+        let same = matches!(
+            (&self.decided.verdict, &now),
+            (Verdict::Allow(_), Verdict::Allow(_)) | (Verdict::Splice(..), Verdict::Splice(..))
+        );
+        if same {
+            *last = policy.clone();
+        }
+        same
+    }
+}
