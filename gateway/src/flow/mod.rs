@@ -85,8 +85,7 @@ pub(crate) async fn handle(
                 }
             };
             let still = still::StillAllowed::new(&claims, &decided, &accepted.sandbox.policy);
-            let flow = (stream, peeked, peer.ip());
-            rec.spliced(splice(&dp, flow, (&accepted, &still), meter).await);
+            rec.spliced(splice(&dp, (stream, peeked, peer.ip()), (&accepted, &still), meter).await);
         }
     }
     rec.finish();

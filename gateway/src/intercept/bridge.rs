@@ -8,6 +8,11 @@
 //! last request's entry, every chunk is charged as it moves, as a spliced
 //! flow's are: one that does not fit cuts the bridge (`budget_exceeded`).
 //! A drain lets a bridge run to the drain's end, as it lets a spliced flow.
+//! When its sandbox's policy changes (a push, an entry's `until`), the
+//! request that opened it is judged again, at the next tick, on what it was
+//! judged on (its name, the names attributed then, its method overrides and
+//! target): one the new policy refuses ends the bridge
+//! (`gateway_policy_withdrawn`).
 
 use std::io;
 use std::pin::Pin;
@@ -15,12 +20,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use egress_policy::{AttributionGap, CompiledPolicy, Hostname, Verdict};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::charge::entries_of;
 use super::serve::finish;
+use super::serve::ClientBody;
 use super::{client_fault, ended, Conn, Ended, Served};
 use crate::budget::Meter;
 use crate::fault::Fault;
@@ -31,7 +38,82 @@ use crate::io::{Quiet, Watch};
 pub(super) type Bridge =
     Pin<Box<dyn std::future::Future<Output = (Option<Ended>, Option<String>)> + Send>>;
 
+/// What the request that opened a WebSocket was judged on, and the policy
+/// last found to let it through.
+pub(super) struct Opened {
+    host: Option<Hostname>,
+    attributed: Vec<Hostname>,
+    gap: AttributionGap,
+    overrides: Vec<String>,
+    target: String,
+    last: Arc<CompiledPolicy>,
+}
+
 impl Conn {
+    /// Keeps what a WebSocket's opening request, let through under `sb`'s
+    /// policy, was judged on (the bridge it may open is judged again on it).
+    pub(super) fn opening(
+        &self,
+        sb: &crate::registry::Sandbox,
+        req: &hyper::Request<ClientBody>,
+        (host, lookup): (Option<&Hostname>, &dns_attrib::Lookup),
+    ) {
+        if !super::forward::is_websocket(req) {
+            return;
+        }
+        let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+        let opened = Opened {
+            host: host.cloned(),
+            attributed: lookup.names().into_owned(),
+            gap: lookup.gap(),
+            overrides: crate::decide::method_overrides(
+                req.method().as_str(),
+                req.headers(),
+                target,
+            ),
+            target: target.to_owned(),
+            last: sb.policy.clone(),
+        };
+        *self
+            .opened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(opened);
+    }
+
+    /// Whether the sandbox's policy now refuses the request that opened the
+    /// bridge: its flow's verdict, or a per-request rule on its method (and
+    /// those its overrides name) and target. Judged only when the policy is
+    /// not the one last found to let it through.
+    fn withdrawn(&self) -> bool {
+        let Some(now) = self.sandbox_now() else {
+            return false; // gone: `removed` says so
+        };
+        let mut opened = self
+            .opened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(o) = opened.as_mut() else {
+            return false;
+        };
+        if Arc::ptr_eq(&o.last, &now.policy) {
+            return false;
+        }
+        let policy = &now.policy;
+        let claims = self.claims(o.host.as_ref());
+        let flow = crate::decide::judge(policy, &claims, &o.attributed, o.gap, &self.dp.doh_names);
+        let refused = matches!(flow, Verdict::Deny(_))
+            || (policy.has_request_rules() && {
+                let names = crate::decide::request_names(self.tls, o.host.as_ref(), &o.attributed);
+                let method = (hyper::Method::GET.as_str(), &o.overrides[..]);
+                let (judged, _) = crate::decide::judge_methods(policy, &names, method, &o.target);
+                judged.deny.is_some()
+            });
+        if !refused {
+            o.last = now.policy.clone();
+        }
+        refused
+    }
+
     /// Keeps the bridge between `client` and `origin` (the two sides of a
     /// `101` to `websocket`) for the flow's task to run.
     pub(super) fn set_bridge(&self, client: OnUpgrade, origin: OnUpgrade) {
@@ -93,8 +175,8 @@ impl Conn {
     }
 }
 
-/// Runs `bridge` in the flow's task until it ends, its flow falls idle, or
-/// its sandbox is gone.
+/// Runs `bridge` in the flow's task until it ends, its flow falls idle, its
+/// sandbox is gone, or its policy refuses the request that opened it.
 pub(super) async fn bridged(conn: &Arc<Conn>, mut bridge: Bridge, watch: &mut Watch<'_>) -> Served {
     // What moved up to the `101` is the upgrade request's, charged before
     // the bridge moves a byte.
@@ -104,9 +186,12 @@ pub(super) async fn bridged(conn: &Arc<Conn>, mut bridge: Bridge, watch: &mut Wa
             biased;
             ended = &mut bridge => break ended,
             // A bridge has no boundary: it ends as a spliced flow does.
-            why = watch.next(|| conn.removed() || conn.dp.drain_over.load(Ordering::Acquire)) => match why {
+            why = watch.next(|| conn.removed() || conn.dp.drain_over.load(Ordering::Acquire) || conn.withdrawn()) => match why {
                 Quiet::Idle => break (Some(ended(Fault::IDLE_TIMEOUT, "idle_timeout".into())), None),
-                Quiet::Stop => break (conn.end_cause(), None),
+                Quiet::Stop => {
+                    let withdrawn = || ended(Fault::POLICY_WITHDRAWN, "gateway_policy_withdrawn".into());
+                    break (conn.end_cause().or_else(|| Some(withdrawn())), None);
+                }
                 Quiet::Lull | Quiet::Rest => {}
             },
         }

@@ -539,7 +539,7 @@ fn unprocessed(e: &h2::Error) -> bool {
 /// A WebSocket opening handshake (RFC 6455 §4.1): an HTTP/1.1 `GET` whose
 /// one `Upgrade` value is `websocket`, and nothing else beside it that the
 /// origin could pick instead.
-fn is_websocket(req: &Request<ClientBody>) -> bool {
+pub(super) fn is_websocket(req: &Request<ClientBody>) -> bool {
     req.version() == http::Version::HTTP_11
         && req.method() == http::Method::GET
         && upgrades_to_websocket(req.headers())

@@ -134,6 +134,8 @@ struct Conn {
     /// A WebSocket the forward stage switched to, bridged in the flow's
     /// task once hyper has handed the connection over ([`bridge`]).
     bridge: Mutex<Option<bridge::Bridge>>,
+    /// What the last WebSocket opening request was judged on ([`bridge`]).
+    opened: Mutex<Option<bridge::Opened>>,
 }
 
 /// Serves a flow request by request, in TLS terminated here or in plain
@@ -331,6 +333,7 @@ impl Conn {
             budget: BudgetCharge::new(activity),
             rest: Rest::default(),
             bridge: Mutex::new(None),
+            opened: Mutex::new(None),
         })
     }
 

@@ -178,6 +178,7 @@ impl Conn {
             Ok(charge) => charge,
             Err(denial) => return refused_after_body(req, denial).await,
         };
+        self.opening(sb, &req, (host, &lookup));
         self.forwarded(sb, req, host, &authority, charge).await
     }
 
@@ -307,7 +308,7 @@ impl Conn {
     }
 
     /// The claims of a request on this flow (`host`: its name, if any).
-    fn claims<'a>(&'a self, host: Option<&'a Hostname>) -> Claims<'a> {
+    pub(super) fn claims<'a>(&'a self, host: Option<&'a Hostname>) -> Claims<'a> {
         Claims {
             dst: self.dst,
             protocol: if self.tls {

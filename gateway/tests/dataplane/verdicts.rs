@@ -671,6 +671,52 @@ async fn a_bridged_websocket_is_charged_and_cut_as_its_flow() {
     assert_eq!(line["error"], json!("gateway_sandbox_removed"), "{line}");
 }
 
+/// A bridged WebSocket runs while its sandbox's policy lets the request
+/// that opened it through: a push that changes nothing for it leaves it,
+/// one whose per-request rule refuses its path (or, for the second, whose
+/// deny names its host) ends it within a tick (`gateway_policy_withdrawn`).
+#[tokio::test]
+async fn a_bridged_websocket_ends_when_its_policy_refuses_the_request_that_opened_it() {
+    let e = env(Options::default()).await;
+    let open = r#"{"default": "allow", "tls_interception": "on"}"#;
+    e.sandbox("a", SANDBOX_A, policy(open));
+    let mut ws = websocket(&e, SANDBOX_A).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(
+            r#"{"default": "allow", "tls_interception": "on",
+            "deny": [{"domain": "api.example.test", "http": {"paths": ["/other"]}}]}"#,
+        ),
+    );
+    let (echoed, cut) = echo_until_cut(&mut ws, Duration::from_millis(1500)).await;
+    assert!(!cut && echoed > 0, "a rule for another path: still open");
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(
+            r#"{"default": "allow", "tls_interception": "on",
+            "deny": [{"domain": "api.example.test", "http": {"paths": ["/ws"]}}]}"#,
+        ),
+    );
+    let (_, cut) = echo_until_cut(&mut ws, Duration::from_secs(3)).await;
+    assert!(cut, "its path refused: ended");
+    let line = e.flow_lines(1).await.pop().expect("a line");
+    assert_eq!(line["error"], json!("gateway_policy_withdrawn"), "{line}");
+
+    e.sandbox("a", SANDBOX_A, policy(open));
+    let mut ws = websocket(&e, SANDBOX_A).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "tls_interception": "on", "deny": [{"domain": "api.example.test"}]}"#),
+    );
+    let (_, cut) = echo_until_cut(&mut ws, Duration::from_secs(3)).await;
+    assert!(cut, "its host denied: ended");
+    let line = e.flow_lines(2).await.pop().expect("a line");
+    assert_eq!(line["error"], json!("gateway_policy_withdrawn"), "{line}");
+}
+
 #[tokio::test]
 async fn a_refused_requests_method_is_cut_in_the_flow_log() {
     // The method is the sandbox's, as long as a request head: the flow log
