@@ -670,7 +670,14 @@ fn take_over_budgets(dp: &Dataplane, lines: Vec<crate::budget::Spent>) {
 /// One look at the fence; installed if missing: at start, said once;
 /// later (something removed it), counted and said loudly.
 fn keep_fence(dp: &Dataplane, first: bool) {
-    let patterns = &dp.config().redirect.fence;
+    let config = dp.config();
+    let patterns = &config.redirect.fence;
+    let ports = crate::redirect::Ports {
+        transparent: config.listen.transparent.port(),
+        dns: config.listen.dns.port(),
+        dns_alt: config.listen.dns_alt.port(),
+    };
+    let rules = (ports, config.redirect.max_tracked_connections);
     let installed = || {
         if first {
             tracing::info!(?patterns, "installed the fence of sandbox interfaces");
@@ -683,7 +690,7 @@ fn keep_fence(dp: &Dataplane, first: bool) {
         dp.metrics.fence_restored.inc();
         tracing::error!(%iface, "a sandbox interface let through the fence had lost its redirect (its table gone or emptied); fenced it again: attach it again (egress-gateway redirect --apply, or restart its egress-gateway-redirect@ unit)");
     };
-    if let Err(e) = crate::redirect::keep_fence(patterns, installed, detached) {
+    if let Err(e) = crate::redirect::keep_fence(patterns, rules, installed, detached) {
         tracing::error!(error = %e, "the fence of sandbox interfaces is missing and could not be installed");
     }
 }

@@ -12,7 +12,8 @@
 //!   drops everything arriving on an interface that matches a pattern and is
 //!   not in its `attached` set. A sandbox interface that appears is fenced
 //!   from its first packet.
-//! - **One table per attached interface** (`inet egress_gw_<iface>`), made
+//! - **One table per attached interface** (`inet egress_gw_<iface>`, the
+//!   name as it is: `tap-1` and `tap_1` are two tables), made
 //!   when the VM manager (or a udev rule) says the interface is there. The
 //!   same nft transaction that makes the table adds the interface to the
 //!   fence's set, and detaching deletes both in one transaction: at every
@@ -23,6 +24,8 @@
 pub enum RedirectError {
     #[error("--sandbox-iface {0:?}: expected 1 to 15 letters, digits, '-', '_' or '.'")]
     Iface(String),
+    #[error("--sandbox-iface \"fence\": its table would be the fence's own ({FENCE_TABLE}); name the interface otherwise")]
+    FenceName,
     #[error("redirect.fence: {0:?}: expected 1 to 15 letters, digits, '-', '_' or '.', optionally ending in '*'")]
     Pattern(String),
     #[error("redirect.fence is empty: name the sandbox interfaces to fence (e.g. [\"tap*\"])")]
@@ -48,12 +51,26 @@ pub const FENCE_TABLE: &str = "egress_gw_fence";
 const FENCE_DECLARATION: &str =
     "table inet egress_gw_fence {\n    set attached {\n        type ifname\n    }\n}\n";
 
-/// The table holding one interface's rules.
+/// The table holding one interface's rules: the interface's name as it is
+/// (nft takes `-` and `.` in a table's name), so no two interfaces share
+/// one; `fence` is refused, the fence's own.
 pub fn table_name(iface: &str) -> Result<String, RedirectError> {
     if !crate::config::is_iface_name(iface) {
         return Err(RedirectError::Iface(iface.to_owned()));
     }
-    Ok(format!("egress_gw_{}", iface.replace(['-', '.'], "_")))
+    let table = format!("egress_gw_{iface}");
+    match table == FENCE_TABLE {
+        true => Err(RedirectError::FenceName),
+        false => Ok(table),
+    }
+}
+
+/// The table builds before 2026-12-05 made for `iface`: `-` and `.` became
+/// `_`, so `tap-1`, `tap.1` and `tap_1` shared one, each applying deleting
+/// the other's rules while both stayed let through the fence. A running
+/// gateway moves such a table to its name ([`keep_fence`]).
+fn legacy_table_name(iface: &str) -> String {
+    format!("egress_gw_{}", iface.replace(['-', '.'], "_"))
 }
 
 /// Checks a fence pattern: an interface name, or a prefix ending in `*`.
@@ -220,15 +237,65 @@ pub fn fence_in_place(patterns: &[String]) -> bool {
     egress_machine::counters::rules(FENCE_TABLE, "fence").is_ok_and(|n| n >= patterns.len())
 }
 
+/// What the fence keeper does with an attached interface.
+#[derive(Debug, PartialEq, Eq)]
+enum Keep {
+    /// Its own table redirects it.
+    Redirected,
+    /// Its table is the one an older build made (`from`), which no other
+    /// attached interface can have written: made again under its name, the
+    /// old one deleted, in one transaction.
+    Move { from: String },
+    /// Nothing redirects it for sure: fenced again.
+    Fence,
+}
+
+/// The fence keeper's plan for the `attached` interfaces, given which
+/// tables hold the redirects (`redirected`). A table counts for its
+/// interface only where no other attached interface may have written it:
+/// one still on an older build's table (no table of its own) whose old
+/// name is this one's name is another writer, and both are fenced (each
+/// is then attached again, to a table of its own).
+fn keep_plan(attached: &[String], redirected: impl Fn(&str) -> bool) -> Vec<(String, Keep)> {
+    let own = |i: &str| table_name(i).ok().filter(|t| redirected(t));
+    // Interfaces still on an older build's table, by its name.
+    let old: Vec<(&str, String)> = attached
+        .iter()
+        .filter(|i| own(i).is_none())
+        .map(|i| (i.as_str(), legacy_table_name(i)))
+        .filter(|(i, t)| table_name(i).is_ok_and(|n| n != *t))
+        .collect();
+    let others_write = |me: &str, table: &str| {
+        old.iter().any(|(i, t)| *i != me && t == table)
+            || attached
+                .iter()
+                .any(|i| i != me && table_name(i).is_ok_and(|n| n == table))
+    };
+    let plan = |iface: &String| match own(iface) {
+        Some(t) if others_write(iface, &t) => Keep::Fence,
+        Some(_) => Keep::Redirected,
+        None => match old.iter().find(|(i, _)| *i == iface.as_str()) {
+            Some((_, from)) if redirected(from) && !others_write(iface, from) => {
+                Keep::Move { from: from.clone() }
+            }
+            _ => Keep::Fence,
+        },
+    };
+    attached.iter().map(|i| (i.clone(), plan(i))).collect()
+}
+
 /// Keeps the fence of `redirect.fence` in place while the gateway runs:
 /// missing, it is installed again (`installed` is told), which fences
 /// every sandbox interface until it is attached again (its table may have
 /// gone with the ruleset too). In place, every interface it lets through
-/// must still have its redirect: one whose table is gone or emptied (its
-/// traffic would go on unredirected, past the fence) is fenced again
-/// (`detached` is told its name). Returns why it could not be done.
+/// must still have its redirect ([`keep_plan`]): one on an older build's
+/// table is moved to its own (`ports`, `max_tracked`: the rules made
+/// again); one whose table is gone or emptied, or shared (its traffic would
+/// go on unredirected, past the fence), is fenced again (`detached` is told
+/// its name). Returns why it could not be done.
 pub fn keep_fence(
     patterns: &[String],
+    (ports, max_tracked): (Ports, u32),
     installed: impl FnOnce(),
     detached: impl Fn(&str),
 ) -> Result<(), RedirectError> {
@@ -243,17 +310,25 @@ pub fn keep_fence(
     let attached = nft()
         .set_names(FENCE_TABLE, "attached")
         .map_err(|e| RedirectError::Nft(e.message))?;
-    for iface in attached {
-        let redirected = table_name(&iface)
-            .ok()
-            .and_then(|t| egress_machine::counters::rules(&t, "to_gateway").ok())
-            .is_some_and(|n| n >= REDIRECTS);
-        if !redirected {
-            run(&format!(
-                "delete element inet {FENCE_TABLE} attached {{ \"{}\" }}\n",
-                iface.replace(['"', '\\'], "")
-            ))?;
-            detached(&iface);
+    let redirected =
+        |t: &str| egress_machine::counters::rules(t, "to_gateway").is_ok_and(|n| n >= REDIRECTS);
+    for (iface, keep) in keep_plan(&attached, redirected) {
+        match keep {
+            Keep::Redirected => {}
+            Keep::Move { from } => {
+                let script = ruleset(&iface, ports, max_tracked)?;
+                run(&format!(
+                    "{script}table inet {from}\ndelete table inet {from}\n"
+                ))?;
+                tracing::info!(%iface, from, "moved a sandbox interface's redirect from the table an older build named to its own");
+            }
+            Keep::Fence => {
+                run(&format!(
+                    "delete element inet {FENCE_TABLE} attached {{ \"{}\" }}\n",
+                    iface.replace(['"', '\\'], "")
+                ))?;
+                detached(&iface);
+            }
         }
     }
     Ok(())
@@ -284,7 +359,7 @@ mod tests {
     #[test]
     fn ruleset_names_the_interface_and_ports() {
         let r = ruleset("tap-sb1", PORTS, 16_384).expect("valid");
-        assert!(r.contains("table inet egress_gw_tap_sb1 {"));
+        assert!(r.contains("table inet egress_gw_tap-sb1 {"));
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto tcp redirect to :15001"#));
         assert!(
             r.contains("ip daddr 8.8.8.8 meta l4proto { tcp, udp } th dport 53 redirect to :15053")
@@ -329,7 +404,7 @@ mod tests {
     fn attaching_and_detaching_go_through_the_fence_in_one_transaction() {
         let r = ruleset("tap-sb1", PORTS, 16_384).expect("valid");
         // The table first, then the interface let through the fence.
-        let table = r.find("table inet egress_gw_tap_sb1 {").expect("table");
+        let table = r.find("table inet egress_gw_tap-sb1 {").expect("table");
         let element = r
             .find(r#"add element inet egress_gw_fence attached { "tap-sb1" }"#)
             .expect("element");
@@ -340,10 +415,72 @@ mod tests {
             .expect("element deleted");
         assert!(
             gone < d
-                .find("delete table inet egress_gw_tap_sb1")
+                .find("delete table inet egress_gw_tap-sb1")
                 .expect("table")
         );
         assert!(matches!(removal("a b"), Err(RedirectError::Iface(_))));
+    }
+
+    #[test]
+    fn no_two_interfaces_share_a_table_and_none_takes_the_fences() {
+        let names: Vec<String> = ["tap-1", "tap.1", "tap_1", "tap1"]
+            .iter()
+            .map(|i| table_name(i).expect("valid"))
+            .collect();
+        for (i, a) in names.iter().enumerate() {
+            assert!(!names[i + 1..].contains(a), "{a} twice in {names:?}");
+        }
+        assert!(matches!(table_name("fence"), Err(RedirectError::FenceName)));
+        assert!(matches!(
+            ruleset("fence", PORTS, 16),
+            Err(RedirectError::FenceName)
+        ));
+        assert!(table_name("fence0").is_ok());
+    }
+
+    /// The keeper's plan, on tables that hold the redirects (`tables`).
+    fn plan(attached: &[&str], tables: &[&str]) -> Vec<(String, Keep)> {
+        let attached: Vec<String> = attached.iter().map(|a| (*a).to_owned()).collect();
+        keep_plan(&attached, |t| tables.contains(&t))
+    }
+
+    #[test]
+    fn the_keeper_moves_an_older_builds_table_and_fences_what_it_cannot_tell() {
+        use Keep::*;
+        let own = |i: &str, k: Keep| (i.to_owned(), k);
+        // Each on its own table; one without: fenced.
+        assert_eq!(
+            plan(
+                &["tap-1", "tap_1", "tap2"],
+                &["egress_gw_tap-1", "egress_gw_tap_1"]
+            ),
+            vec![
+                own("tap-1", Redirected),
+                own("tap_1", Redirected),
+                own("tap2", Fence)
+            ]
+        );
+        // Attached by an older build (its table under the old name): moved.
+        let from = "egress_gw_tap_1".to_owned();
+        assert_eq!(
+            plan(&["tap-1", "tap.2"], &["egress_gw_tap_1", "egress_gw_tap-2"]),
+            vec![own("tap-1", Move { from }), own("tap.2", Fence)]
+        );
+        // Two that shared the old table: either may have written it, both fenced.
+        assert_eq!(
+            plan(&["tap-1", "tap.1"], &["egress_gw_tap_1"]),
+            vec![own("tap-1", Fence), own("tap.1", Fence)]
+        );
+        // tap_1's own table is tap-1's old one, and tap-1 has none: fenced both.
+        assert_eq!(
+            plan(&["tap-1", "tap_1"], &["egress_gw_tap_1"]),
+            vec![own("tap-1", Fence), own("tap_1", Fence)]
+        );
+        // Once tap-1 has a table of its own, tap_1's is its own again.
+        assert_eq!(
+            plan(&["tap-1", "tap_1"], &["egress_gw_tap_1", "egress_gw_tap-1"]),
+            vec![own("tap-1", Redirected), own("tap_1", Redirected)]
+        );
     }
 
     #[test]

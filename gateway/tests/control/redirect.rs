@@ -61,7 +61,7 @@ fn redirect_rules_apply_and_remove_in_a_namespace() {
     // Applying twice replaces the table rather than doubling it.
     let out = ns.exec(gw, &["redirect", "--sandbox-iface", "sb-veth0", "--apply"]);
     assert!(out.status.success());
-    let listed = ns.exec("nft", &["list", "table", "inet", "egress_gw_sb_veth0"]);
+    let listed = ns.exec("nft", &["list", "table", "inet", "egress_gw_sb-veth0"]);
     let text = String::from_utf8_lossy(&listed.stdout);
     assert_eq!(
         text.matches(r#"iifname "sb-veth0" meta l4proto tcp redirect to :15001"#)
@@ -89,7 +89,7 @@ fn redirect_rules_apply_and_remove_in_a_namespace() {
         String::from_utf8_lossy(&out.stderr)
     );
     let listed = ns.exec("nft", &["list", "ruleset"]);
-    assert!(!String::from_utf8_lossy(&listed.stdout).contains("egress_gw_sb_veth0"));
+    assert!(!String::from_utf8_lossy(&listed.stdout).contains("egress_gw_sb-veth0"));
     // Detaching is idempotent (a VM manager's teardown may run twice): the
     // second removal succeeds and leaves nothing behind either.
     let out = ns.exec(gw, &["redirect", "--sandbox-iface", "sb-veth0", "--remove"]);
@@ -101,7 +101,7 @@ fn redirect_rules_apply_and_remove_in_a_namespace() {
     let listed = ns.exec("nft", &["list", "ruleset"]);
     let text = String::from_utf8_lossy(&listed.stdout);
     assert!(
-        !text.contains("egress_gw_sb_veth0") && !text.contains("\"sb-veth0\""),
+        !text.contains("egress_gw_sb-veth0") && !text.contains("\"sb-veth0\""),
         "{text}"
     );
 }

@@ -224,6 +224,50 @@ fn the_gateway_keeps_the_fence_in_place() {
         .find_map(|l| l.strip_prefix("egress_redirect_fence_restored_total "))
         .unwrap_or_else(|| panic!("no fence metric:\n{metrics}"));
     assert_eq!(restored.trim(), "3", "the start's install is not counted");
+    moves_an_older_builds_table(&mut t);
+}
+
+/// An interface attached by a build that named its table with `-` made
+/// `_` (`egress_gw_sbx_4` for `sbx-4`, a name `sbx_4` shares) is moved to
+/// its own table by the running gateway, still attached, the old one gone.
+fn moves_an_older_builds_table(t: &mut Topology) {
+    let _sb4 = t.add_sandbox("sb4", "sbx-4", 6);
+    let rules = t.gateway_cli(&["redirect", "--sandbox-iface", "sbx-4"]);
+    let old = rules.replace("egress_gw_sbx-4", "egress_gw_sbx_4");
+    let script = std::env::temp_dir().join(format!("egw-old-{}.nft", std::process::id()));
+    std::fs::write(&script, old).expect("write the older build's rules");
+    let out = t.exec(&t.gw, "nft", &["-f", script.to_str().expect("utf-8")]);
+    let _ = std::fs::remove_file(&script);
+    assert!(out.status.success(), "{out:?}");
+    let tables = |t: &Topology| {
+        let out = t.exec(&t.gw, "nft", &["list", "tables"]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !tables(t).contains("egress_gw_sbx-4") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not moved: {}",
+            tables(t)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert!(!tables(t).contains("egress_gw_sbx_4"), "{}", tables(t));
+    let out = t.exec(&t.gw, "nft", &["list", "table", "inet", "egress_gw_sbx-4"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(r#"iifname "sbx-4" meta l4proto tcp redirect to"#),
+        "{text}"
+    );
+    let out = t.exec(
+        &t.gw,
+        "nft",
+        &["list", "set", "inet", "egress_gw_fence", "attached"],
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("\"sbx-4\""),
+        "still attached: {out:?}"
+    );
 }
 
 /// `egress-probe many` from sb1 to api.example.test by address (no DNS).
