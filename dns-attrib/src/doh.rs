@@ -28,6 +28,12 @@ pub const DNS_MESSAGE: &str = "application/dns-message";
 /// The largest DNS message (its TCP length prefix is 16 bits).
 pub const MAX_MESSAGE: usize = 65_535;
 
+/// The largest query taken over HTTPS: what the UDP listener takes. A query
+/// is one question and an OPT (padded, RFC 8467, to a block of 128), and the
+/// proxy sends no more upstream; a bigger body is only memory a sandbox
+/// makes the gateway hold while it reads.
+pub const MAX_QUERY: usize = 4_096;
+
 /// Why a request carries no query; each maps to the status a DoH server
 /// answers with.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -38,7 +44,7 @@ pub enum DohError {
     Method(String),
     #[error("content-type must be {DNS_MESSAGE}")]
     MediaType,
-    #[error("a DNS message is at most {MAX_MESSAGE} bytes")]
+    #[error("a DNS query over HTTPS is at most {MAX_QUERY} bytes")]
     TooLarge,
     #[error("bad request: {0}")]
     Bad(&'static str),
@@ -59,7 +65,7 @@ impl DohError {
 
 /// The DNS query a DoH request carries. `target` is the request's
 /// origin-form target (`/dns-query?dns=…`); `body` is what was read of the
-/// body (the caller caps it at [`MAX_MESSAGE`] + 1 bytes).
+/// body (the caller caps it at [`MAX_QUERY`] + 1 bytes).
 pub fn query(
     method: &str,
     target: &str,
@@ -77,13 +83,16 @@ pub fn query(
             if !content_type.is_some_and(dns_message) {
                 return Err(DohError::MediaType);
             }
-            if body.len() > MAX_MESSAGE {
+            if body.len() > MAX_QUERY {
                 return Err(DohError::TooLarge);
             }
             body.to_vec()
         }
         other => return Err(DohError::Method(other.to_owned())),
     };
+    if message.len() > MAX_QUERY {
+        return Err(DohError::TooLarge);
+    }
     if message.len() < 12 {
         return Err(DohError::Bad("not a DNS message (shorter than its header)"));
     }
@@ -104,8 +113,9 @@ fn get_param(params: &str) -> Result<Vec<u8>, DohError> {
     }
     let value = found.ok_or(DohError::Bad("no dns parameter"))?;
     // base64url without padding (RFC 8484 §4.1): its decoded length is
-    // bounded by the encoded one, so this is checked before decoding.
-    if value.len() > MAX_MESSAGE.div_ceil(3) * 4 {
+    // bounded by the encoded one, so this is checked before decoding (and
+    // the decoded length after).
+    if value.len() > MAX_QUERY.div_ceil(3) * 4 {
         return Err(DohError::TooLarge);
     }
     URL_SAFE_NO_PAD

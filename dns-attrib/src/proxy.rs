@@ -131,6 +131,9 @@ pub struct DnsProxy {
     budgets: Arc<Budgets>,
     /// Shared with every [`DnsProxy::sibling`], so the bound holds over all of them.
     per_sandbox: Holds<SandboxId>,
+    /// DNS-over-HTTPS bodies being read, per source address (shared too):
+    /// at most `max_in_flight_per_sandbox` each ([`DnsProxy::doh_read`]).
+    doh_reads: Holds<IpAddr>,
     /// One per upstream, in the order of `config.upstreams`.
     sockets: Vec<SocketPool>,
 }
@@ -206,6 +209,7 @@ impl DnsProxy {
             admission,
             metrics: Arc::new(DnsMetrics::default()),
             per_sandbox: Arc::new(Mutex::new(HashMap::new())),
+            doh_reads: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -222,8 +226,23 @@ impl DnsProxy {
             in_flight: self.in_flight.clone(),
             budgets: self.budgets.clone(),
             per_sandbox: self.per_sandbox.clone(),
+            doh_reads: self.doh_reads.clone(),
             sockets: self.sockets.iter().map(|_| SocketPool::default()).collect(),
         })
+    }
+
+    /// A place for one DNS-over-HTTPS body from `src` to be read in, while
+    /// it holds fewer than `max_in_flight_per_sandbox`: a query's body is
+    /// read before the query can be judged, so this bounds what one
+    /// sandbox's streams make the gateway hold (each body at most
+    /// [`crate::doh::MAX_QUERY`] bytes). `None`: the caller refuses it.
+    pub fn doh_read(&self, src: IpAddr) -> Option<Held<IpAddr>> {
+        let cap = self.config.max_in_flight_per_sandbox;
+        let held = Held::take(&self.doh_reads, src.to_canonical(), |_| cap);
+        if held.is_none() {
+            self.metrics.overloaded.inc();
+        }
+        held
     }
 
     pub fn metrics(&self) -> &Arc<DnsMetrics> {

@@ -121,12 +121,15 @@ impl DohNames {
 }
 
 /// Answers one request on a DoH flow to the reserved resolver `dst`, from
-/// sandbox address `src`, through `proxy`. Never forwards anything.
+/// sandbox address `src`, through `proxy`. Never forwards anything. Once
+/// the gateway is `draining`, `503`: it has handed its attribution over (or
+/// is about to), so an answer recorded now would be lost to its successor,
+/// whose DNS the client reaches once this one fails.
 pub(crate) async fn answer<B>(
     proxy: &DnsProxy,
-    src: IpAddr,
-    dst: SocketAddr,
+    (src, dst): (IpAddr, SocketAddr),
     req: Request<B>,
+    draining: impl Fn() -> bool,
 ) -> Response<Body>
 where
     B: hyper::body::Body<Data = Bytes, Error = hyper::Error>,
@@ -137,10 +140,22 @@ where
         .headers
         .get(header::CONTENT_TYPE)
         .map(HeaderValue::as_bytes);
+    // A source reads at most its share of bodies at once: each is held
+    // before the query in it can be judged.
+    let Some(reading) = proxy.doh_read(src) else {
+        return text(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many DNS-over-HTTPS requests being read from this address\n",
+        );
+    };
     let body = match read_body(body).await {
         Ok(b) => b,
         Err(e) => return refused(&e),
     };
+    drop(reading);
+    if draining() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+    }
     let query = match doh::query(parts.method.as_str(), target, content_type, &body) {
         Ok(q) => q,
         Err(e) => return refused(&e),
@@ -156,11 +171,11 @@ where
     }
 }
 
-/// The body, at most one DNS message (and a byte, to tell it was more).
+/// The body, at most one DNS query (and a byte, to tell it was more).
 async fn read_body<B: hyper::body::Body<Data = Bytes, Error = hyper::Error>>(
     body: B,
 ) -> Result<Bytes, DohError> {
-    let limited = Limited::new(body, doh::MAX_MESSAGE + 1);
+    let limited = Limited::new(body, doh::MAX_QUERY + 1);
     match tokio::time::timeout(BODY_TIMEOUT, limited.collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
         Ok(Err(_)) => Err(DohError::TooLarge),

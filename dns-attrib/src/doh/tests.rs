@@ -53,7 +53,7 @@ fn what_two_readers_could_take_two_ways_is_refused() {
 #[test]
 fn every_refusal_has_its_status() {
     let q = wire();
-    let long = URL_SAFE_NO_PAD.encode(vec![0u8; MAX_MESSAGE + 1]);
+    let long = URL_SAFE_NO_PAD.encode(vec![0u8; MAX_QUERY + 1]);
     /// method, target, content-type, body, the status expected.
     type Case<'a> = (&'a str, &'a str, Option<&'a [u8]>, &'a [u8], u16);
     let cases: [Case<'_>; 7] = [
@@ -72,7 +72,7 @@ fn every_refusal_has_its_status() {
             "POST",
             "/dns-query",
             Some(b"application/dns-message"),
-            &[0u8; MAX_MESSAGE + 1],
+            &[0u8; MAX_QUERY + 1],
             413,
         ),
         (

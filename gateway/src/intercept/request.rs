@@ -131,7 +131,10 @@ impl Conn {
         if self.doh {
             // Admitted as DNS from the sandbox's own address.
             return match &self.dp.resolver {
-                Some(proxy) => crate::doh::answer(proxy, self.src, self.dst, req).await,
+                Some(proxy) => {
+                    let draining = || self.draining();
+                    crate::doh::answer(proxy, (self.src, self.dst), req, draining).await
+                }
                 None => text(StatusCode::SERVICE_UNAVAILABLE, "no DNS proxy\n"),
             };
         }

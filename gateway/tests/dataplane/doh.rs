@@ -156,3 +156,110 @@ async fn other_encrypted_dns_is_refused_unless_allowed_by_name() {
         );
     }
 }
+
+/// A DoH body is read before its query can be judged: a source holds at
+/// most 64 bodies being read at once (the 65th is refused `429`, and one
+/// more fits once one is done), and a body past 4,096 bytes is refused
+/// `413` as it arrives.
+#[tokio::test]
+async fn doh_bodies_being_read_are_bounded_per_source() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}]}"#),
+    );
+    let (tls, minted) = e
+        .tls(SANDBOX_A, dns_google(), "dns.google", H2)
+        .await
+        .expect("handshake");
+    assert!(minted);
+    let (client, conn) = h2::client::handshake(tls).await.expect("h2");
+    tokio::spawn(conn);
+    let post = || {
+        http::Request::post("https://dns.google/dns-query")
+            .header("content-type", "application/dns-message")
+            .body(())
+            .expect("request")
+    };
+    let mut client = client.ready().await.expect("ready");
+    // 64 bodies begun and never ended.
+    let mut open = Vec::new();
+    for _ in 0..64 {
+        let (resp, mut body) = client.send_request(post(), false).expect("stream");
+        body.send_data(bytes::Bytes::from_static(b"\0\0\x01"), false)
+            .expect("data");
+        open.push((resp, body));
+        client = client.ready().await.expect("ready");
+    }
+    let whole = |client: &mut h2::client::SendRequest<bytes::Bytes>, body: Vec<u8>| {
+        let (resp, mut stream) = client.send_request(post(), false).expect("stream");
+        stream
+            .send_data(bytes::Bytes::from(body), true)
+            .expect("data");
+        async move {
+            let resp = tokio::time::timeout(std::time::Duration::from_secs(5), resp)
+                .await
+                .expect("an answer in time")
+                .expect("response");
+            resp.status().as_u16()
+        }
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let status = whole(&mut client, query("a.relay.example.test.")).await;
+    assert_eq!(status, 429, "the 65th body being read");
+    let (first, mut stream) = open.remove(0);
+    stream
+        .send_data(bytes::Bytes::from_static(b""), true)
+        .expect("end");
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), first).await;
+    let status = whole(&mut client, query("a.relay.example.test.")).await;
+    assert_eq!(status, 200, "a place given back");
+    let status = whole(&mut client, vec![0u8; 5_000]).await;
+    assert_eq!(status, 413, "past 4,096 bytes");
+}
+
+/// A DoH query a draining gateway would answer is refused `503` instead:
+/// the attribution it recorded would be lost to a successor, which has
+/// taken it over by then (the client asks again, of the successor's DNS).
+#[tokio::test]
+async fn a_draining_gateway_answers_no_doh() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}]}"#),
+    );
+    let (tls, _) = e
+        .tls(SANDBOX_A, dns_google(), "dns.google", H2)
+        .await
+        .expect("handshake");
+    let (client, conn) = h2::client::handshake(tls).await.expect("h2");
+    tokio::spawn(conn);
+    let mut client = client.ready().await.expect("ready");
+    let req = http::Request::post("https://dns.google/dns-query")
+        .header("content-type", "application/dns-message")
+        .body(())
+        .expect("request");
+    // A query in flight (its body not yet whole) when the drain starts.
+    let (resp, mut body) = client.send_request(req, false).expect("stream");
+    let q = query("a.relay.example.test.");
+    body.send_data(bytes::Bytes::copy_from_slice(&q[..4]), false)
+        .expect("data");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let Env { gateway, .. } = e;
+    let drained = tokio::spawn(gateway.run_until(async {}));
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    body.send_data(bytes::Bytes::copy_from_slice(&q[4..]), true)
+        .expect("data");
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), resp)
+        .await
+        .expect("an answer in time")
+        .expect("response");
+    assert_eq!(resp.status().as_u16(), 503);
+    let left = tokio::time::timeout(std::time::Duration::from_secs(10), drained)
+        .await
+        .expect("the drain ends")
+        .expect("drain");
+    assert_eq!(left, 0);
+}
