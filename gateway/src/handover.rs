@@ -154,8 +154,9 @@ pub struct Taken {
     pub(crate) sockets: Vec<(Kind, OwnedFd)>,
     pub(crate) attribution: Vec<Attributed>,
     pub(crate) budgets: Vec<Spent>,
-    /// When the lines were read: the lifetimes they carry are counted
-    /// from then, not from when the successor gets to restoring them.
+    /// When the successor asked, before the lines were exported: the
+    /// lifetimes they carry are counted from then, not from when they were
+    /// read or restored.
     pub(crate) received: std::time::Instant,
 }
 
@@ -196,6 +197,10 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         serde_json::to_vec(&request).map_err(|e| HandoverError::Protocol(e.to_string()))?;
     line.push(b'\n');
     stream.write_all(&line)?;
+    // Before the running gateway exports: the lifetimes it sends are
+    // counted from here, so however long the export, the sending and the
+    // reading take, they come out shorter, never longer.
+    let asked = std::time::Instant::now();
     let (header, fds, rest) = receive_header(&stream)?;
     if let Some(why) = header.refused {
         return Err(HandoverError::Refused(why));
@@ -219,7 +224,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         sockets,
         attribution,
         budgets,
-        received: std::time::Instant::now(),
+        received: asked,
     })
 }
 
@@ -567,6 +572,34 @@ mod tests {
                 "{counts:?}"
             );
         }
+    }
+
+    /// The lifetimes a successor takes over are counted from before the
+    /// running gateway exported them, however long the export and the
+    /// sending take (here 400 ms).
+    #[tokio::test]
+    async fn lifetimes_taken_over_are_counted_from_before_the_export() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = Config {
+            state_dir: dir.path().to_owned(),
+            ..Config::default()
+        };
+        let offer = Offer::listen(&config, Vec::new()).expect("listen");
+        let asking = config.clone();
+        let taking = tokio::task::spawn_blocking(move || take_over(&asking));
+        let successor = offer.successor().await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let exported = std::time::Instant::now();
+        tokio::task::spawn_blocking(move || offer.hand_over(successor, (&[], &[])))
+            .await
+            .expect("thread")
+            .expect("handed over");
+        let taken = taking.await.expect("thread").expect("taken");
+        assert!(
+            taken.received <= exported,
+            "counted from {:?} after the export",
+            taken.received - exported
+        );
     }
 
     /// The running gateway waits for the successor's `taken` (which the
