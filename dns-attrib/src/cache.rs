@@ -198,8 +198,10 @@ impl IpNames {
     }
 
     /// Drops the expired names, adds `names` (or extends their expiry), and
-    /// keeps at most `cap`: past that, the soonest to expire are dropped (of
-    /// equal expiries, the later in order). No sort; in place.
+    /// keeps at most `cap`: past that, the soonest to expire of the names
+    /// this answer did not give are dropped (of equal expiries, the later in
+    /// order): a sandbox was just answered `names` for this address and
+    /// connects on them next, however short their TTL. No sort; in place.
     fn merge(&mut self, now: Millis, names: &[Hostname], expiry: Millis, cap: usize) {
         if self.first_expiry <= now {
             let mut kept = 0;
@@ -224,13 +226,18 @@ impl IpNames {
             }
         }
         while self.names.len() > cap {
-            // The soonest to expire; of equal expiries, the last.
-            let mut at = 0;
+            // The soonest to expire, of the names not just given if any
+            // is left; of equal expiries, the last.
+            let older = |i: usize| !names.contains(&self.names[i]);
+            let any_older = (0..self.names.len()).any(older);
+            let mut at = None;
             for (i, e) in self.expires.iter().enumerate() {
-                if *e <= self.expires[at] {
-                    at = i;
+                let candidate = !any_older || older(i);
+                if candidate && at.is_none_or(|a: usize| *e <= self.expires[a]) {
+                    at = Some(i);
                 }
             }
+            let at = at.unwrap_or(0);
             self.names.remove(at);
             self.expires.remove(at);
         }

@@ -202,6 +202,28 @@ fn names_per_ip_and_sandbox_count_are_bounded() {
     );
 }
 
+/// An address full of names with long TTLs keeps a name just answered
+/// for it with a short one: the sandbox connects on it next. The names it
+/// makes room by are the old ones soonest to expire.
+#[test]
+fn a_name_just_answered_is_kept_however_short_its_ttl() {
+    let config = CacheConfig {
+        names_per_ip: 4,
+        ..CacheConfig::default()
+    };
+    let (_clock, cache) = setup(config);
+    let sb = SandboxId::new("a");
+    for i in 0..4u32 {
+        let name = format!("long{i}.test");
+        cache.record(&sb, &attr(&[&name], &["203.0.113.7"], 3_600 + i));
+    }
+    cache.record(&sb, &attr(&["short.test"], &["203.0.113.7"], 60));
+    assert_eq!(
+        live(&cache, &sb, "203.0.113.7"),
+        ["long1.test", "long2.test", "long3.test", "short.test"]
+    );
+}
+
 #[test]
 fn entries_list_live_names_with_remaining_ttl() {
     let (clock, cache) = setup(CacheConfig::default());
