@@ -171,16 +171,20 @@ impl Drop for Joined<'_> {
 /// untouched, for the user-space copy.
 pub(crate) async fn splice(
     kernel: &KernelSplice,
-    client: TcpStream,
-    origin: TcpStream,
+    (client, origin, peeked): (TcpStream, TcpStream, u64),
     ends: (Duration, &(dyn Fn() -> Option<Fault> + Sync)),
 ) -> Result<Spliced, (TcpStream, TcpStream, io::Error)> {
+    // What the gateway wrote to the origin's socket before the flow's
+    // bytes: an operator's proxy's CONNECT head, not the flow's.
+    let mut heads = [0u64; 2];
     let (fault, ways) = {
         // Each destination's count before the join: what the gateway wrote
         // itself. Read after, it would take in what the join pushed at once
         // (bytes queued before it), which the program counts too.
         let written = |s: &TcpStream| tcp_info(s).map(|i| i.written).unwrap_or(0);
-        let bases = [written(&origin), written(&client)];
+        let before = written(&origin);
+        heads[0] = before.saturating_sub(peeked);
+        let bases = [before - heads[0], written(&client)];
         let joined = kernel.join(&client, &origin);
         let joined = match joined {
             Ok(j) => j,
@@ -210,13 +214,13 @@ pub(crate) async fn splice(
     // writes and the program's redirects), nor than TCP_INFO says it has
     // (a FIN may count there; bytes redirected to a socket that was reset
     // are not).
-    let moved = |s: &TcpStream, way: &Way| {
+    let moved = |s: &TcpStream, way: &Way, head: u64| {
         let handed = way.base + way.tally.taken + way.consumed();
-        tcp_info(s).map_or(handed, |i| i.written.min(handed))
+        tcp_info(s).map_or(handed, |i| i.written.saturating_sub(head).min(handed))
     };
     Ok(Spliced {
-        up: moved(&origin, &ways[0]),
-        down: moved(&client, &ways[1]),
+        up: moved(&origin, &ways[0], heads[0]),
+        down: moved(&client, &ways[1], heads[1]),
         idle_timeout: fault == Some(Fault::IDLE_TIMEOUT),
         fault,
         budget_cut: None,

@@ -48,7 +48,8 @@ pub(crate) async fn splice_to(
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
     let (client, origin) = match kernel {
         Some(kernel) => {
-            match crate::ksplice::splice(kernel, client, origin, (timeouts.idle, &stop)).await {
+            let ends = (timeouts.idle, &stop as &(dyn Fn() -> Option<Fault> + Sync));
+            match crate::ksplice::splice(kernel, (client, origin, peeked_len), ends).await {
                 Ok(moved) => {
                     dp.metrics.spliced(SplicePath::Kernel);
                     return Ok(moved);
@@ -114,6 +115,9 @@ async fn open_origin(
         ),
         Err(_) => (Fault::IDLE_TIMEOUT, "upstream_write: timed out".to_owned()),
     };
+    // The origin took part of the first bytes at most: a FIN after them
+    // would read as a whole message.
+    reset(&origin);
     reset(client);
     dp.metrics.fault(failed.0);
     Err(failed.1)
@@ -168,7 +172,9 @@ pub(crate) async fn splice(
     let (idle_timeout, fault, broke) = tokio::select! {
         ended = both => match ended {
             Ok(()) => (false, None, false),
-            Err(fault) => (false, fault, true),
+            // A direction broke on an error that names no fault (a timed-out
+            // retransmission, say): reset as any break, and said so.
+            Err(fault) => (false, Some(fault.unwrap_or(Fault::SPLICE_BROKEN)), true),
         },
         why = quiet_for_then(&counts, idle, Duration::MAX, || {}, || stop().is_some()) => match why {
             Quiet::Stop => (false, Some(stop().unwrap_or(Fault::SANDBOX_REMOVED)), true),

@@ -46,7 +46,7 @@ fn spliced(
     idle: Duration,
 ) -> tokio::task::JoinHandle<Spliced> {
     tokio::spawn(async move {
-        splice(k, gw_client, gw_origin, (idle, &|| None))
+        splice(k, (gw_client, gw_origin, 0), (idle, &|| None))
             .await
             .map_err(|(_, _, e)| e)
             .expect("joined")
@@ -134,6 +134,34 @@ async fn bytes_queued_before_joining_are_not_stranded() {
     let s = task.await.expect("task");
     assert_eq!((s.up, s.down), (5, 12));
     assert_eq!(s.fault, None, "a clean close, not a reset");
+}
+
+/// Through an operator's proxy the gateway wrote its CONNECT head on the
+/// origin's socket before the flow's first bytes: the flow's count is its
+/// first bytes and what the kernel moved, not the head.
+#[tokio::test]
+async fn a_proxys_connect_head_is_not_the_flows_bytes() {
+    let Some(k) = kernel() else { return };
+    let (mut client, gw_client) = pair().await;
+    let (mut gw_origin, mut origin) = pair().await;
+    let head = b"CONNECT 203.0.113.7:443 HTTP/1.1\r\n\r\n";
+    gw_origin.write_all(head).await.expect("head");
+    gw_origin.write_all(b"peek").await.expect("first bytes");
+    let mut got = vec![0u8; head.len() + 4];
+    origin.read_exact(&mut got).await.expect("read");
+    let task = tokio::spawn(async move {
+        splice(k, (gw_client, gw_origin, 4), (Duration::from_secs(5), &|| None))
+            .await
+            .map_err(|(_, _, e)| e)
+            .expect("joined")
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    client.write_all(b"hello").await.expect("write");
+    let mut b = [0u8; 5];
+    origin.read_exact(&mut b).await.expect("read");
+    drop((client, origin));
+    let s = task.await.expect("task");
+    assert_eq!(s.up, 9, "the first bytes and the flow's, not the head");
 }
 
 #[tokio::test]
@@ -508,7 +536,7 @@ async fn a_flow_whose_sandbox_is_removed_is_cut() {
             .then_some(Fault::SANDBOX_REMOVED)
     };
     let task = tokio::spawn(async move {
-        splice(k, gw_client, gw_origin, (Duration::from_secs(10), &removed))
+        splice(k, (gw_client, gw_origin, 0), (Duration::from_secs(10), &removed))
             .await
             .map_err(|(_, _, e)| e)
             .expect("joined")
