@@ -896,10 +896,31 @@ fn platform(config: &Config, bound: &Bound) -> Result<PlatformDenies, StartError
             list.push(d);
         }
     }
+    let open = host_ranges_open(&list);
+    if !open.is_empty() {
+        tracing::warn!(ranges = ?open, "policy.platform_deny does not cover these ranges, which reach the gateway's host (only its own addresses in them are denied): a sandbox allowed there reaches the host's services; add them back unless that is meant");
+    }
     let host = egress_machine::host::read().map_err(|why| StartError::HostAddresses { why })?;
     let denies = PlatformDenies::new(list).with_opaque_streams(config.policy.opaque_streams);
     denies.set_host(host);
     Ok(denies)
+}
+
+/// The ranges that reach the gateway's own host whatever its addresses
+/// (loopback, "this host") that no entry of `list` covers whole.
+fn host_ranges_open(list: &[Destination]) -> Vec<&'static str> {
+    ["127.0.0.0/8", "0.0.0.0/8", "::1/128", "::/128"]
+        .into_iter()
+        .filter(|range| {
+            let Ok(Destination::Cidr(net)) = Destination::parse(egress_policy::Kind::Cidr, range)
+            else {
+                return true;
+            };
+            !list
+                .iter()
+                .any(|d| matches!(d, Destination::Cidr(c) if c.contains(&net)))
+        })
+        .collect()
 }
 
 /// How often the host's addresses are read again.
@@ -1435,6 +1456,20 @@ mod tests {
             assert_eq!(v.code(), "platform_deny", "{dst}");
             assert_eq!(v.deny_rule(), None, "no entry of the list: {dst}");
         }
+    }
+
+    /// A `policy.platform_deny` that leaves out loopback or "this host"
+    /// is told at start: those ranges reach the host whatever its addresses.
+    #[test]
+    fn a_platform_list_without_the_hosts_ranges_is_named() {
+        let parse = |c: &str| Destination::parse(egress_policy::Kind::Cidr, c).expect(c);
+        assert!(host_ranges_open(&egress_policy::default_denies()).is_empty());
+        assert_eq!(
+            host_ranges_open(&[parse("169.254.0.0/16")]),
+            ["127.0.0.0/8", "0.0.0.0/8", "::1/128", "::/128"]
+        );
+        let most = [parse("127.0.0.0/16"), parse("0.0.0.0/8"), parse("::/127")];
+        assert_eq!(host_ranges_open(&most), ["127.0.0.0/8"], "a /16 is not the /8");
     }
 
     /// An upstream proxy may trust the worker by its address: no sandbox
