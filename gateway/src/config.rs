@@ -673,6 +673,13 @@ impl Config {
             );
             return Some(("dns.max_sandboxes", why));
         }
+        let target = self.log.flow_log.as_str();
+        if !matches!(target, "stdout" | "off") && !std::path::Path::new(target).is_absolute() {
+            let why = format!(
+                "{target:?}: expected \"stdout\", \"off\" or an absolute file path (a relative one would be opened against the working directory)"
+            );
+            return Some(("log.flow_log", why));
+        }
         if self.log.flow_log_max_bytes < MIN_FLOW_LOG_BYTES {
             let why = format!(
                 "{} is below {MIN_FLOW_LOG_BYTES} bytes",
@@ -1022,6 +1029,11 @@ mod tests {
                 "[log]\nflow_log_max_bytes = 1000",
                 "log.flow_log_max_bytes: 1000 is below 1048576 bytes",
             ),
+            (
+                "[log]\nflow_log = \"Off\"",
+                "log.flow_log: \"Off\": expected \"stdout\", \"off\" or an absolute file path",
+            ),
+            ("[log]\nflow_log = \"flows.jsonl\"", "log.flow_log: \"flows.jsonl\""),
             (
                 "[dns]\nmax_ttl = \"18446744073709551615s\"",
                 "dns.max_ttl: 18446744073709551615s is longer than 7d",
