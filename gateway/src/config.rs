@@ -135,7 +135,7 @@ impl Default for CredentialSources {
         Self {
             files_under: [
                 "/run/secrets",
-                "/run/credentials",
+                "/run/credentials/egress-gateway.service",
                 "/etc/egress-gateway/credentials",
             ]
             .map(PathBuf::from)
@@ -1162,5 +1162,22 @@ mod tests {
         let (same, restart) = now.reloaded(&now);
         assert!(restart.is_empty());
         assert_eq!(same, now);
+    }
+
+    /// The default file sources hold the gateway unit's own systemd
+    /// credentials, not every unit's: the cluster relay's copy of the admin
+    /// token, another unit's keys, the system's credentials are no source.
+    #[test]
+    fn default_file_sources_are_not_every_units_credentials() {
+        let sources = CredentialSources::default();
+        let readable = |p: &str| sources.files_under.iter().any(|d| Path::new(p).starts_with(d));
+        assert!(readable("/run/credentials/egress-gateway.service/api-key"));
+        for other in [
+            "/run/credentials/egress-cluster-relay.service/worker.token",
+            "/run/credentials/@system/passwd.hashed-password.root",
+            "/run/credentials/egress-gateway.service.d/x",
+        ] {
+            assert!(!readable(other), "{other}");
+        }
     }
 }
