@@ -70,6 +70,9 @@ pub fn json<T: DeserializeOwned>(text: &str) -> Result<T, Reply> {
 #[derive(Debug)]
 pub struct Lines {
     pending: Vec<u8>,
+    /// How much of `pending` is known to hold no `\n`: a line arriving in
+    /// many frames is searched once, not once a frame.
+    scanned: usize,
     line_no: usize,
     max: usize,
 }
@@ -81,22 +84,30 @@ impl Lines {
     pub fn new(max: usize) -> Self {
         Self {
             pending: Vec::new(),
+            scanned: 0,
             line_no: 0,
             max,
         }
     }
 
-    /// Takes in a frame's bytes; gives back the lines it completed.
+    /// Takes in a frame's bytes; gives back the lines it completed. The
+    /// lines are read in place and what they took is dropped once a frame:
+    /// a frame of many short lines costs its length, not its length times
+    /// its lines.
     pub fn feed(&mut self, data: &[u8]) -> Result<Vec<Line>, Reply> {
         self.pending.extend_from_slice(data);
         let mut lines = Vec::new();
-        while let Some(nl) = self.pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.pending.drain(..=nl).collect();
+        let (mut start, mut from) = (0, self.scanned);
+        while let Some(at) = self.pending[from..].iter().position(|b| *b == b'\n') {
+            let nl = from + at;
             self.line_no += 1;
-            if let Some(l) = self.line(&line[..line.len() - 1])? {
+            if let Some(l) = self.line(&self.pending[start..nl])? {
                 lines.push(l);
             }
+            (start, from) = (nl + 1, nl + 1);
         }
+        self.pending.drain(..start);
+        self.scanned = self.pending.len();
         if self.pending.len() > self.max {
             return Err(self.too_long(self.line_no + 1));
         }
@@ -200,6 +211,14 @@ mod tests {
             out.extend(l.finish().expect("fits"));
             assert_eq!(out, whole, "cut at {cut}");
         }
+        // A byte a frame: each line is found once its `\n` comes.
+        let mut l = Lines::new(8);
+        let mut out = Vec::new();
+        for b in body {
+            out.extend(l.feed(std::slice::from_ref(b)).expect("fits"));
+        }
+        out.extend(l.finish().expect("fits"));
+        assert_eq!(out, whole, "a byte a frame");
     }
 
     #[test]
