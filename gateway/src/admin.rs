@@ -208,9 +208,12 @@ async fn shadow_route(req: Request<Incoming>, ctl: &Control, segments: &[&str]) 
 }
 
 /// With a token configured: `401` unless the request presents it (or, for
-/// `GET /metrics`, the metrics token).
+/// `GET /metrics`, the metrics token). Without one (the listener is on
+/// loopback): [`not_from_a_browser`].
 fn authorize(req: &Request<Incoming>, ctl: &Control) -> Option<Reply> {
-    let token = ctl.tokens.admin.as_ref()?;
+    let Some(token) = ctl.tokens.admin.as_ref() else {
+        return not_from_a_browser(req);
+    };
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -231,6 +234,48 @@ fn authorize(req: &Request<Incoming>, ctl: &Control) -> Option<Reply> {
         header::HeaderValue::from_static("Bearer"),
     );
     Some(r)
+}
+
+/// Without a token, anything on the host reaches the admin API, a browser
+/// too: a page's cross-origin request (it carries `Origin`), or its own
+/// name resolved again to 127.0.0.1 (DNS rebinding: its `Host` is the
+/// page's name). `403` for either; the tools that use the API (curl, the
+/// CLI, a controller on the host) send neither.
+fn not_from_a_browser(req: &Request<Incoming>) -> Option<Reply> {
+    if let Some(origin) = req.headers().get(header::ORIGIN) {
+        let why = format!(
+            "a browser's request (Origin {:?}): without admin.token_file the admin API takes none",
+            String::from_utf8_lossy(origin.as_bytes())
+        );
+        return Some(error(StatusCode::FORBIDDEN, &why, None));
+    }
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned())
+        .or_else(|| req.uri().authority().map(|a| a.as_str().to_owned()));
+    match host {
+        Some(h) if !is_loopback_host(&h) => {
+            let why = format!(
+                "Host {h:?}: without admin.token_file the admin API answers requests to a loopback address or localhost only"
+            );
+            Some(error(StatusCode::FORBIDDEN, &why, None))
+        }
+        _ => None,
+    }
+}
+
+/// `localhost`, or a loopback address, with or without a port.
+fn is_loopback_host(host: &str) -> bool {
+    let Ok(authority) = host.parse::<http::uri::Authority>() else {
+        return false;
+    };
+    let name = authority.host();
+    let name = name.trim_start_matches('[').trim_end_matches(']');
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 fn metrics(ctl: &Control) -> Reply {

@@ -1170,7 +1170,12 @@ mod tests {
     #[test]
     fn default_file_sources_are_not_every_units_credentials() {
         let sources = CredentialSources::default();
-        let readable = |p: &str| sources.files_under.iter().any(|d| Path::new(p).starts_with(d));
+        let readable = |p: &str| {
+            sources
+                .files_under
+                .iter()
+                .any(|d| Path::new(p).starts_with(d))
+        };
         assert!(readable("/run/credentials/egress-gateway.service/api-key"));
         for other in [
             "/run/credentials/egress-cluster-relay.service/worker.token",

@@ -1469,7 +1469,11 @@ mod tests {
             ["127.0.0.0/8", "0.0.0.0/8", "::1/128", "::/128"]
         );
         let most = [parse("127.0.0.0/16"), parse("0.0.0.0/8"), parse("::/127")];
-        assert_eq!(host_ranges_open(&most), ["127.0.0.0/8"], "a /16 is not the /8");
+        assert_eq!(
+            host_ranges_open(&most),
+            ["127.0.0.0/8"],
+            "a /16 is not the /8"
+        );
     }
 
     /// An upstream proxy may trust the worker by its address: no sandbox

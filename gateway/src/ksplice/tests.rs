@@ -150,10 +150,14 @@ async fn a_proxys_connect_head_is_not_the_flows_bytes() {
     let mut got = vec![0u8; head.len() + 4];
     origin.read_exact(&mut got).await.expect("read");
     let task = tokio::spawn(async move {
-        splice(k, (gw_client, gw_origin, 4), (Duration::from_secs(5), &|| None))
-            .await
-            .map_err(|(_, _, e)| e)
-            .expect("joined")
+        splice(
+            k,
+            (gw_client, gw_origin, 4),
+            (Duration::from_secs(5), &|| None),
+        )
+        .await
+        .map_err(|(_, _, e)| e)
+        .expect("joined")
     });
     tokio::time::sleep(Duration::from_millis(20)).await;
     client.write_all(b"hello").await.expect("write");
@@ -536,10 +540,14 @@ async fn a_flow_whose_sandbox_is_removed_is_cut() {
             .then_some(Fault::SANDBOX_REMOVED)
     };
     let task = tokio::spawn(async move {
-        splice(k, (gw_client, gw_origin, 0), (Duration::from_secs(10), &removed))
-            .await
-            .map_err(|(_, _, e)| e)
-            .expect("joined")
+        splice(
+            k,
+            (gw_client, gw_origin, 0),
+            (Duration::from_secs(10), &removed),
+        )
+        .await
+        .map_err(|(_, _, e)| e)
+        .expect("joined")
     });
     tokio::time::sleep(Duration::from_millis(20)).await;
     client.write_all(b"hello").await.expect("write");

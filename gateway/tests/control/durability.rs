@@ -69,7 +69,7 @@ async fn try_push(admin: SocketAddr, id: &str, doc: &str) -> Option<u16> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(admin).await.ok()?;
     let req = format!(
-        "PUT /v1/sandboxes/{id} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{doc}",
+        "PUT /v1/sandboxes/{id} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{doc}",
         doc.len()
     );
     s.write_all(req.as_bytes()).await.ok()?;

@@ -104,7 +104,7 @@ pub async fn http(
     body: Option<&str>,
 ) -> (u16, String) {
     let mut s = TcpStream::connect(addr).await.expect("connect admin");
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
     if let Some(t) = token {
         req.push_str(&format!("Authorization: Bearer {t}\r\n"));
     }
@@ -169,7 +169,7 @@ pub async fn http_typed(
 ) -> (u16, String) {
     let mut s = TcpStream::connect(addr).await.expect("connect admin");
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).await.expect("write");

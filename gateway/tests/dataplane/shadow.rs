@@ -23,7 +23,7 @@ async fn admin(e: &Env, method: &str, path: &str, body: Option<String>) -> (u16,
         .expect("admin");
     let body = body.unwrap_or_default();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).await.expect("write");
