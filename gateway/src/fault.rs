@@ -53,6 +53,7 @@ pub(crate) const ALL: &[Fault] = &[
     Fault::client("reset"),
     Fault::client("bad_request"),
     Fault::client("non_http"),
+    Fault::client("hello_retry"),
     Fault::client("http"),
     Fault::gateway("idle_timeout"),
     Fault::gateway("splice_backlog"),
@@ -102,10 +103,17 @@ impl Fault {
     pub(crate) const POLICY_WITHDRAWN: Self = Self::gateway("policy_withdrawn");
     pub(crate) const DRAIN_DEADLINE: Self = Self::gateway("drain_deadline");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
+    /// A spliced TLS flow whose second ClientHello (after a
+    /// HelloRetryRequest) names another server, adds an encrypted
+    /// ClientHello, does not parse or does not come: reset.
+    pub(crate) const HELLO_RETRY: Self = Self::client("hello_retry");
     pub(crate) const HEAD_TIMEOUT: Self = Self::client("head_timeout");
     pub(crate) const BAD_REQUEST: Self = Self::client("bad_request");
     pub(crate) const NON_HTTP: Self = Self::client("non_http");
     pub(crate) const UPSTREAM_HTTP: Self = Self::upstream("http");
+    /// The origin's TLS failed: here, its first handshake message did not
+    /// come or could not be passed on.
+    pub(crate) const UPSTREAM_TLS: Self = Self::upstream("tls_failed");
     pub(crate) const CLIENT_HTTP: Self = Self::client("http");
     pub(crate) const CLIENT_RESET: Self = Self::client("reset");
 

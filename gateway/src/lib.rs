@@ -20,6 +20,7 @@ pub mod flowlog;
 mod gateway;
 mod h2client;
 pub mod handover;
+mod hello_retry;
 mod intercept;
 mod io;
 pub mod journal;

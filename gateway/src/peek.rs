@@ -379,6 +379,30 @@ fn sslv2_hello(buf: &[u8]) -> Option<bool> {
     }
 }
 
+/// The ClientHello a client sends after a HelloRetryRequest, read as the
+/// first is ([`client_hello`]), past the change_cipher_spec record a client
+/// may send first (middlebox compatibility, RFC 8446 §D.4) and the early
+/// data records it sent before the retry request came; `None` while
+/// incomplete.
+pub fn second_client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError> {
+    let mut off = 0;
+    loop {
+        let Some(header) = buf.get(off..off + 5) else {
+            return Ok(None);
+        };
+        match header[0] {
+            // change_cipher_spec, application_data (0-RTT)
+            0x14 | 0x17 => {}
+            _ => return client_hello(&buf[off..]),
+        }
+        let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+        if len == 0 || len > MAX_RECORD + 256 {
+            return Err(PeekError::Malformed("bad record length"));
+        }
+        off += 5 + len;
+    }
+}
+
 /// Reassembles the ClientHello from handshake records; `None` while incomplete.
 ///
 /// The common case — the whole message in the first record — is parsed in

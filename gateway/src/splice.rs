@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 use crate::budget::Meter;
 use crate::config::Config;
 use crate::fault::{Fault, Side};
+use crate::hello_retry::{Judged, Passed, RetryError};
 use crate::io::{quiet_for_then, reset, Counts, Quiet};
 use crate::metrics::SplicePath;
 use crate::spliced::Spliced;
@@ -33,18 +34,38 @@ use rustix::pipe::{PipeFlags, SpliceFlags};
 /// before writing it: neither the sockmap nor `splice(2)` could be cut at
 /// the budget. Once `stop` names a fault (its sandbox is gone, or the
 /// drain's time ran out), at a tick of the idle watch, the flow is cut
-/// with it.
+/// with it. A TLS flow (`hello`: what its ClientHello was judged on) is
+/// read up to the server's first handshake message first, and past a
+/// HelloRetryRequest up to the client's second ClientHello
+/// ([`crate::hello_retry`]).
 pub(crate) async fn splice_to(
     dp: &Dataplane,
-    client: TcpStream,
+    mut client: TcpStream,
     (dst, route): (std::net::SocketAddr, &Route),
-    peeked: Vec<u8>,
+    (peeked, hello): (Vec<u8>, Option<Judged<'_>>),
     (config, meter): (&Config, Option<Meter>),
     stop: impl Fn() -> Option<Fault> + Sync,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
-    let peeked_len = peeked.len() as u64;
-    let origin = open_origin(dp, &client, (dst, route), peeked, timeouts.connect).await?;
+    let mut origin = open_origin(
+        dp,
+        &client,
+        (dst, route),
+        peeked.as_slice(),
+        timeouts.connect,
+    )
+    .await?;
+    let sent = peeked.len() as u64;
+    drop(peeked);
+    let passed = match hello {
+        Some(judged) => hello_watched(dp, config, (&mut client, &mut origin), judged).await?,
+        None => Passed::default(),
+    };
+    let peeked_len = sent + passed.up;
+    if let Some(m) = &meter {
+        // Past the budget, the splice below is cut at its start.
+        let _ = m.spend(usize::try_from(passed.up + passed.down).unwrap_or(usize::MAX));
+    }
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
     let (client, origin) = match kernel {
         Some(kernel) => {
@@ -62,8 +83,20 @@ pub(crate) async fn splice_to(
         }
         None => (client, origin),
     };
+    let (pipes, path) = pipes_for(config, meter.is_some());
+    let ends = (timeouts.idle, stop);
+    let mut moved = splice(client, origin, ends, pipes, meter.as_ref()).await;
+    dp.metrics.spliced(path);
+    moved.up += peeked_len;
+    moved.down += passed.down;
+    Ok(moved)
+}
+
+/// Pipes for `splice(2)` when `splice.kernel = "pipe"` and no meter must
+/// see the bytes (`metered`), and the path the bytes then take.
+fn pipes_for(config: &Config, metered: bool) -> (Option<Pipes>, SplicePath) {
     let pipes = match config.splice.kernel {
-        crate::config::KernelSplice::Pipe if meter.is_none() => match Pipes::new() {
+        crate::config::KernelSplice::Pipe if !metered => match Pipes::new() {
             Ok(p) => Some(p),
             Err(e) => {
                 tracing::debug!(error = %e, "no pipes for splice(2); copied");
@@ -72,16 +105,33 @@ pub(crate) async fn splice_to(
         },
         _ => None,
     };
-    let path = if pipes.is_some() {
-        SplicePath::Pipe
-    } else {
-        SplicePath::User
+    let path = match pipes {
+        Some(_) => SplicePath::Pipe,
+        None => SplicePath::User,
     };
-    let ends = (timeouts.idle, stop);
-    let mut moved = splice(client, origin, ends, pipes, meter.as_ref()).await;
-    dp.metrics.spliced(path);
-    moved.up += peeked_len;
-    Ok(moved)
+    (pipes, path)
+}
+
+/// The start of a TLS flow read ([`crate::hello_retry::watch`]): what was
+/// passed on, or why both sides were reset.
+async fn hello_watched(
+    dp: &Dataplane,
+    config: &Config,
+    (client, origin): (&mut TcpStream, &mut TcpStream),
+    judged: Judged<'_>,
+) -> Result<Passed, String> {
+    let bounds = (config.limits.peek_bytes, config.timeouts.tls_handshake);
+    crate::hello_retry::watch(client, origin, judged, bounds)
+        .await
+        .map_err(|e| {
+            reset(client);
+            reset(origin);
+            dp.metrics.fault(match e {
+                RetryError::Origin(_) => Fault::UPSTREAM_TLS,
+                RetryError::Client(_) => Fault::HELLO_RETRY,
+            });
+            format!("tls_hello: {e}")
+        })
 }
 
 /// The origin's socket, with `peeked` sent on it first (then freed), or
@@ -90,7 +140,7 @@ async fn open_origin(
     dp: &Dataplane,
     client: &TcpStream,
     (dst, route): (std::net::SocketAddr, &Route),
-    peeked: Vec<u8>,
+    peeked: &[u8],
     connect_timeout: Duration,
 ) -> Result<TcpStream, String> {
     // Boxed: the connect's future (about 1.8 kB) would be the largest state
@@ -106,7 +156,7 @@ async fn open_origin(
     };
     // Before the idle watch starts: an origin that opens no window would
     // hold the flow here.
-    let written = tokio::time::timeout(connect_timeout, origin.write_all(&peeked)).await;
+    let written = tokio::time::timeout(connect_timeout, origin.write_all(peeked)).await;
     let failed = match written {
         Ok(Ok(())) => return Ok(origin),
         Ok(Err(e)) => (

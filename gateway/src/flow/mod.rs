@@ -145,7 +145,8 @@ async fn splice(
             _ => Some(Fault::SANDBOX_REMOVED),
         }
     };
-    crate::splice::splice_to(dp, stream, to, peeked, (&config, meter), stop).await
+    let hello = still.hello();
+    crate::splice::splice_to(dp, stream, to, (peeked, hello), (&config, meter), stop).await
 }
 
 /// A denied flow: `403` with the reason where the protocol allows an answer

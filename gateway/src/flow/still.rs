@@ -38,6 +38,16 @@ impl<'a> StillAllowed<'a> {
         }
     }
 
+    /// For a TLS flow, what its ClientHello was judged on.
+    pub(crate) fn hello(&self) -> Option<crate::hello_retry::Judged<'a>> {
+        (self.claims.protocol == egress_policy::Protocol::Tls).then_some(
+            crate::hello_retry::Judged {
+                sni: self.claims.sni,
+                ech: self.claims.ech,
+            },
+        )
+    }
+
     /// Whether `policy` (the registration's now) gives the flow the verdict
     /// it runs under: allowed as it is (opaque) or spliced.
     pub(crate) fn under(&self, policy: &Arc<CompiledPolicy>, doh: &DohNames) -> bool {

@@ -129,14 +129,7 @@ impl Conn {
         rec: &mut RequestRecord,
     ) -> Response<Body> {
         if self.doh {
-            // Admitted as DNS from the sandbox's own address.
-            return match &self.dp.resolver {
-                Some(proxy) => {
-                    let draining = || self.draining();
-                    crate::doh::answer(proxy, (self.src, self.dst), req, draining).await
-                }
-                None => text(StatusCode::SERVICE_UNAVAILABLE, "no DNS proxy\n"),
-            };
+            return self.doh_answer(req).await;
         }
         // Judged under the sandbox's registration as it is now: a push
         // applies from the next request on an open connection.
@@ -183,6 +176,17 @@ impl Conn {
         };
         self.opening(sb, &req, (host, &lookup));
         self.forwarded(sb, req, host, &authority, charge).await
+    }
+
+    /// A DoH request, admitted as DNS from the sandbox's own address.
+    async fn doh_answer(&self, req: Request<ClientBody>) -> Response<Body> {
+        match &self.dp.resolver {
+            Some(proxy) => {
+                let draining = || self.draining();
+                crate::doh::answer(proxy, (self.src, self.dst), req, draining).await
+            }
+            None => text(StatusCode::SERVICE_UNAVAILABLE, "no DNS proxy\n"),
+        }
     }
 
     /// A request let through, forwarded: to the name the origin's

@@ -22,7 +22,7 @@ pub async fn explain(e: &Env, body: Value) -> Value {
         .expect("http");
     tokio::spawn(conn);
     let req = hyper::Request::post("/v1/explain")
-        .header("host", "admin")
+        .header("host", "127.0.0.1")
         .body(Full::new(Bytes::from(body.to_string())))
         .expect("request");
     let resp = sender.send_request(req).await.expect("answer");

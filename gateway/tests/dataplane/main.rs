@@ -11,6 +11,7 @@ mod ech;
 mod explain;
 mod faults;
 mod harness;
+mod hello_retry;
 mod http2;
 mod live_policy;
 mod parking;

@@ -29,7 +29,7 @@ async fn admin(e: &Env, method: &str, path: &str) -> (u16, Value) {
     let req = hyper::Request::builder()
         .method(method)
         .uri(path)
-        .header("host", "admin")
+        .header("host", "127.0.0.1")
         .body(Empty::<Bytes>::new())
         .expect("request");
     let resp = sender.send_request(req).await.expect("answer");

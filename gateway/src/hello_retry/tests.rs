@@ -1,0 +1,57 @@
+use super::*;
+
+/// A HelloRetryRequest record: a ServerHello with the retry random, its
+/// message cut over `records` handshake records.
+fn retry_request(records: usize) -> Vec<u8> {
+    let mut body = vec![0x03, 0x03];
+    body.extend_from_slice(&HRR_RANDOM);
+    body.extend_from_slice(&[0, 0x13, 0x01, 0]);
+    // supported_versions: TLS 1.3; key_share: secp256r1.
+    body.extend_from_slice(&[0, 12, 0, 0x2b, 0, 2, 3, 4, 0, 0x33, 0, 2, 0, 0x17]);
+    let mut message = vec![SERVER_HELLO, 0, 0, body.len() as u8];
+    message.extend_from_slice(&body);
+    let mut out = Vec::new();
+    for part in message.chunks(message.len().div_ceil(records)) {
+        out.extend_from_slice(&[HANDSHAKE, 3, 3, 0, part.len() as u8]);
+        out.extend_from_slice(part);
+    }
+    out
+}
+
+#[test]
+fn the_first_message_tells_a_retry_request_from_a_server_hello() {
+    for records in [1, 2, 3] {
+        let hrr = retry_request(records);
+        for cut in 0..hrr.len() {
+            match first_message(&hrr[..cut]) {
+                First::NeedMore
+                | First::Hello {
+                    retry: true,
+                    whole: None,
+                } => {}
+                other => panic!("cut {cut} of {records}: {other:?}"),
+            }
+        }
+        let whole = Some(hrr.len());
+        assert_eq!(first_message(&hrr), First::Hello { retry: true, whole });
+        // What follows (a change_cipher_spec) is not part of it.
+        let mut more = hrr.clone();
+        more.extend_from_slice(&[0x14, 3, 3, 0, 1, 1]);
+        assert_eq!(first_message(&more), First::Hello { retry: true, whole });
+    }
+    let mut hello = retry_request(1);
+    hello[5 + 4 + 2] ^= 1; // another random: a ServerHello
+    assert!(matches!(
+        first_message(&hello),
+        First::Hello { retry: false, .. }
+    ));
+    assert_eq!(
+        first_message(&[0x15, 3, 3, 0, 2, 2, 40]),
+        First::Other,
+        "an alert"
+    );
+    assert_eq!(first_message(b"HTTP/1.1 400 Bad Request\r\n"), First::Other);
+    let mut cert = retry_request(1);
+    cert[5] = 11; // a handshake message that is no ServerHello
+    assert_eq!(first_message(&cert), First::Other);
+}

@@ -1,0 +1,200 @@
+//! A spliced TLS flow past a HelloRetryRequest: the client's second
+//! ClientHello is read before the flow runs unread, and one that names
+//! another server than the first is refused (a server such as OpenSSL's
+//! takes its name from the second). A real retry (an origin that takes
+//! only secp256r1, which rustls' client does not offer a share of first)
+//! goes through.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::harness::*;
+
+/// An origin that answers any first bytes with a retry request.
+const FAKE_IP: &str = "127.0.0.21";
+/// A real TLS origin that takes only secp256r1.
+const P256_IP: &str = "127.0.0.22";
+
+/// The random of a HelloRetryRequest (RFC 8446 §4.1.3).
+const HRR_RANDOM: [u8; 32] = [
+    0xcf, 0x21, 0xad, 0x74, 0xe5, 0x9a, 0x61, 0x11, 0xbe, 0x1d, 0x8c, 0x02, 0x1e, 0x65, 0xb8, 0x91,
+    0xc2, 0xa2, 0x11, 0x16, 0x7a, 0xbb, 0x8c, 0x5e, 0x07, 0x9e, 0x09, 0xe2, 0xc8, 0xa8, 0x33, 0x9c,
+];
+
+fn retry_request() -> Vec<u8> {
+    let mut body = vec![0x03, 0x03];
+    body.extend_from_slice(&HRR_RANDOM);
+    body.extend_from_slice(&[0, 0x13, 0x01, 0]);
+    body.extend_from_slice(&[0, 12, 0, 0x2b, 0, 2, 3, 4, 0, 0x33, 0, 2, 0, 0x17]);
+    let mut message = vec![2, 0, 0, body.len() as u8];
+    message.extend_from_slice(&body);
+    let mut out = vec![0x16, 3, 3, 0, message.len() as u8];
+    out.extend_from_slice(&message);
+    out
+}
+
+/// A ClientHello naming `sni`, as rustls' client writes it.
+fn client_hello(sni: &str) -> Vec<u8> {
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let name = ServerName::try_from(sni.to_owned()).expect("name");
+    let mut c = rustls::ClientConnection::new(Arc::new(config), name).expect("client");
+    let mut out = Vec::new();
+    c.write_tls(&mut out).expect("hello");
+    out
+}
+
+/// The fake origin: answers the first bytes with a retry request, and
+/// records everything it receives.
+async fn retrying_origin() -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
+    let l = TcpListener::bind((FAKE_IP, 0)).await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let seen = got.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let mut answered = false;
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    seen.lock().expect("lock").extend_from_slice(&buf[..n]);
+                    if !answered {
+                        answered = true;
+                        if s.write_all(&retry_request()).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, got)
+}
+
+async fn spliced_env() -> Env {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "allow", "deny": [{"domain": "blocked.example.test"}]}"#),
+    );
+    e
+}
+
+/// The client's side of a retry: its first hello, the retry request back,
+/// its second hello; whether the flow then stays open.
+async fn retry(e: &Env, origin: SocketAddr, first: &[u8], second: &[u8]) -> bool {
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    s.write_all(first).await.expect("first hello");
+    let want = retry_request();
+    let mut back = vec![0u8; want.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+        .await
+        .expect("the retry request in time")
+        .expect("read");
+    assert_eq!(back, want, "the retry request passed on as it came");
+    // A change_cipher_spec first, as clients in middlebox mode send.
+    let mut again = vec![0x14, 3, 3, 0, 1, 1];
+    again.extend_from_slice(second);
+    s.write_all(&again).await.expect("second hello");
+    let mut b = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_millis(1500), s.read(&mut b)).await;
+    read.is_err() // still open: nothing to read, no end
+}
+
+#[tokio::test]
+async fn a_second_client_hello_naming_another_server_is_refused() {
+    let e = spliced_env().await;
+    let (origin, got) = retrying_origin().await;
+    let first = client_hello("a.relay.example.test");
+    let second = client_hello("blocked.example.test");
+    assert!(!retry(&e, origin, &first, &second).await);
+    assert_eq!(
+        *got.lock().expect("lock"),
+        first,
+        "the origin saw the first hello only"
+    );
+    let line = &e.flow_lines(1).await[0];
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(
+            "the second ClientHello names blocked.example.test, the first a.relay.example.test"
+        ),
+        "{line}"
+    );
+    let text = scrape(&e).await;
+    assert!(
+        text.contains(r#"egress_flow_errors_total{side="client",kind="hello_retry"} 1"#),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_second_client_hello_naming_the_same_server_goes_through() {
+    let e = spliced_env().await;
+    let (origin, got) = retrying_origin().await;
+    let (first, second) = (
+        client_hello("a.relay.example.test"),
+        client_hello("a.relay.example.test"),
+    );
+    assert!(retry(&e, origin, &first, &second).await);
+    let mut want = first;
+    want.extend_from_slice(&[0x14, 3, 3, 0, 1, 1]);
+    want.extend_from_slice(&second);
+    assert_eq!(*got.lock().expect("lock"), want, "both hellos, as sent");
+}
+
+/// A real retry: the origin takes only secp256r1, rustls' client offers a
+/// share of another group first, and the handshake and a request go through
+/// the splice.
+#[tokio::test]
+async fn a_real_hello_retry_is_spliced_whole() {
+    let e = spliced_env().await;
+    let origin = p256_origin(&e).await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, origin, "p256.example.test", &[b"http/1.1"])
+        .await
+        .expect("handshake");
+    assert!(!minted, "spliced");
+    let group = tls
+        .get_ref()
+        .1
+        .negotiated_key_exchange_group()
+        .map(|g| g.name());
+    assert_eq!(group, Some(rustls::NamedGroup::secp256r1), "after a retry");
+    let (status, body) = http_get(tls, false, "p256.example.test", "/x")
+        .await
+        .expect("request");
+    assert_eq!(
+        (status, body.starts_with("origin=p256")),
+        (200, true),
+        "{body}"
+    );
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["verdict"], "splice", "{line}");
+    assert!(line.get("error").is_none_or(|v| v.is_null()), "{line}");
+}
+
+/// An HTTPS origin on [`P256_IP`] whose TLS takes only secp256r1.
+async fn p256_origin(e: &Env) -> SocketAddr {
+    let base = e.origin_ca.server(&["p256.example.test"], &[b"http/1.1"]);
+    let mut provider = rustls::crypto::aws_lc_rs::default_provider();
+    provider.kx_groups = vec![rustls::crypto::aws_lc_rs::kx_group::SECP256R1];
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("versions")
+        .with_no_client_auth()
+        .with_cert_resolver(base.cert_resolver.clone());
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    https_origin(P256_IP, Arc::new(config), "p256").await
+}
