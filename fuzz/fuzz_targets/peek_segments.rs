@@ -11,7 +11,11 @@
 //! - the bytes handed back are a prefix of the flow, never longer than the bound;
 //! - what `classify_bytes` says about the bytes handed back is the verdict,
 //!   unless it needs more (the verdict was reached at the end of the flow or
-//!   at the bound).
+//!   at the bound);
+//! - the second ClientHello's reader (`second_client_hello`, after a
+//!   HelloRetryRequest) gives on every prefix the flow's own answer or asks
+//!   for more, never another answer; and on a flow that starts with the
+//!   hello it reads it as the first hello's reader does.
 //!
 //! Seeds: every captured ClientHello (`gateway/src/peek/captured/`), hand-built
 //! hellos and request heads, each behind a header of `max = 15872`
@@ -23,7 +27,7 @@ use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use egress_gateway::peek::{classify_bytes, peek, Classified, PeekError};
+use egress_gateway::peek::{classify_bytes, peek, second_client_hello, Classified, PeekError};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncRead, ReadBuf};
 
@@ -179,4 +183,27 @@ fuzz_target!(|input: &[u8]| {
         verdict(&whole),
         "the verdict depends on how the bytes were cut: {segmented:?} vs {whole:?}"
     );
+    second_hello(data, &cut_bytes);
 });
+
+/// The second ClientHello's reader on `data` and on prefixes of it (where
+/// the cuts fall): the same answer, or "more", on each.
+fn second_hello(data: &[u8], cut_bytes: &[u8]) {
+    let full = second_client_hello(data);
+    let mut at = 0;
+    for c in cut_bytes.chunks_exact(2) {
+        at = (at + usize::from(u16::from_le_bytes([c[0], c[1]]) & SEGMENT_MASK)).min(data.len());
+        match (second_client_hello(&data[..at]), &full) {
+            (Ok(None), _) => {}
+            (Ok(Some(p)), Ok(Some(f))) => assert_eq!(&p, f, "prefix {at}: another hello"),
+            (Err(_), Err(_)) => {}
+            (p, f) => panic!("prefix {at}: {p:?}, the whole flow: {f:?}"),
+        }
+    }
+    if let (Some(0x16), Ok(Some(hello))) = (data.first(), &full) {
+        match classify_bytes(data) {
+            Ok(Some(Classified::Tls(first))) => assert_eq!(&first, hello, "two readings"),
+            other => panic!("the second hello's reader took {hello:?}, the first's: {other:?}"),
+        }
+    }
+}
