@@ -14,7 +14,7 @@
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
-use dns_attrib::doh::{query, DNS_MESSAGE, MAX_MESSAGE};
+use dns_attrib::doh::{query, DNS_MESSAGE, MAX_QUERY};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: &[u8]| {
@@ -34,7 +34,7 @@ fuzz_target!(|input: &[u8]| {
     assert_eq!(first, query(method, &target, content_type, body), "not deterministic");
     match &first {
         Ok(q) => {
-            assert!(q.len() >= 12 && q.len() <= MAX_MESSAGE, "{} bytes", q.len());
+            assert!(q.len() >= 12 && q.len() <= MAX_QUERY, "{} bytes", q.len());
             let canonical = format!("/dns-query?dns={}", URL_SAFE_NO_PAD.encode(q));
             assert_eq!(query("GET", &canonical, None, b"").as_ref(), Ok(q));
             let posted = query("POST", "/dns-query", Some(DNS_MESSAGE.as_bytes()), q);
