@@ -8,6 +8,10 @@
 //! the client's second ClientHello, which must name the same server (and
 //! carry no encrypted ClientHello the first did not), or the flow is reset.
 //! Every byte read is passed on, in order, before the splice takes over.
+//! What the client sent after its first hello's last record (read with it
+//! by the peek) goes on only after that: it is where the second hello
+//! would start, framed as the server frames it, so no record cut across
+//! the peek can make the gateway and the server read two different hellos.
 
 use std::time::Duration;
 
@@ -58,12 +62,14 @@ pub(crate) struct Passed {
 
 /// Reads the server's first handshake message from `origin` and passes it
 /// on to `client`; after a HelloRetryRequest, reads the client's second
-/// ClientHello (at most `max` bytes) and passes it on only if it names the
-/// server the first was judged for (`judged`). Each wait within `limit`.
+/// ClientHello (at most `max` bytes, starting with `after`: what the client
+/// sent past its first hello's records) and passes it on only if it names
+/// the server the first was judged for (`judged`). Without a retry, `after`
+/// is passed on as it is. Each wait within `limit`.
 pub(crate) async fn watch(
-    client: &mut TcpStream,
-    origin: &mut TcpStream,
+    (client, origin): (&mut TcpStream, &mut TcpStream),
     judged: Judged<'_>,
+    after: Vec<u8>,
     (max, limit): (usize, Duration),
 ) -> Result<Passed, RetryError> {
     let (first, retry) = within(limit, server_first(origin))
@@ -77,9 +83,13 @@ pub(crate) async fn watch(
         down: first.len() as u64,
     };
     if !retry {
+        within(limit, origin.write_all(&after))
+            .await
+            .map_err(|e| RetryError::Origin(format!("passing the client's bytes on: {e}")))?;
+        passed.up = after.len() as u64;
         return Ok(passed);
     }
-    let (bytes, second) = within(limit, client_second(client, max))
+    let (bytes, second) = within(limit, client_second(client, after, max))
         .await
         .map_err(|e| RetryError::Client(e.to_string()))?;
     if second.sni.as_ref() != judged.sni {
@@ -208,9 +218,9 @@ fn first_message(buf: &[u8]) -> First {
 /// hello, read as the first was.
 async fn client_second(
     client: &mut TcpStream,
+    mut buf: Vec<u8>,
     max: usize,
 ) -> std::io::Result<(Vec<u8>, ClientHello)> {
-    let mut buf = Vec::with_capacity(1024);
     loop {
         match second_client_hello(&buf) {
             Ok(Some(hello)) => return Ok((buf, hello)),
@@ -223,7 +233,7 @@ async fn client_second(
             )));
         }
         let mut chunk = [0u8; 4096];
-        let want = chunk.len().min(max - buf.len());
+        let want = chunk.len().min(max.saturating_sub(buf.len()));
         let n = client.read(&mut chunk[..want]).await?;
         if n == 0 {
             return Err(std::io::Error::other(

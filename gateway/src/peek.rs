@@ -145,6 +145,7 @@ fn classify(buf: &[u8]) -> Result<Step, PeekError> {
     };
     if first == HANDSHAKE {
         return client_hello(buf)
+            .map(|h| h.map(|(hello, _)| hello))
             .map(|c| c.map_or(Step::NeedMore, |c| Step::Done(Classified::Tls(c))));
     }
     if let Some(step) = other_record(buf) {
@@ -385,6 +386,11 @@ fn sslv2_hello(buf: &[u8]) -> Option<bool> {
 /// data records it sent before the retry request came; `None` while
 /// incomplete.
 pub fn second_client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError> {
+    Ok(second_client_hello_at(buf)?.map(|(hello, _)| hello))
+}
+
+/// [`second_client_hello`], and where its last record ends in `buf`.
+pub fn second_client_hello_at(buf: &[u8]) -> Result<Option<(ClientHello, usize)>, PeekError> {
     let mut off = 0;
     loop {
         let Some(header) = buf.get(off..off + 5) else {
@@ -393,7 +399,10 @@ pub fn second_client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError>
         match header[0] {
             // change_cipher_spec, application_data (0-RTT)
             0x14 | 0x17 => {}
-            _ => return client_hello(&buf[off..]),
+            _ => {
+                let hello = client_hello(&buf[off..])?;
+                return Ok(hello.map(|(hello, end)| (hello, off + end)));
+            }
         }
         let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
         if len == 0 || len > MAX_RECORD + 256 {
@@ -403,11 +412,19 @@ pub fn second_client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError>
     }
 }
 
-/// Reassembles the ClientHello from handshake records; `None` while incomplete.
+/// Where the records of the ClientHello at the start of `buf` end: the
+/// bytes after it are the client's next records, framed as the server
+/// frames them. `None` when `buf` holds no whole ClientHello.
+pub fn client_hello_end(buf: &[u8]) -> Option<usize> {
+    client_hello(buf).ok().flatten().map(|(_, end)| end)
+}
+
+/// Reassembles the ClientHello from handshake records, and where its last
+/// record ends; `None` while incomplete.
 ///
 /// The common case — the whole message in the first record — is parsed in
 /// place; only a ClientHello spread over records is copied together.
-fn client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError> {
+fn client_hello(buf: &[u8]) -> Result<Option<(ClientHello, usize)>, PeekError> {
     let mut handshake: Vec<u8> = Vec::new();
     let mut off = 0;
     loop {
@@ -434,7 +451,7 @@ fn client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError> {
         let msg: &[u8] = if first { payload } else { &handshake };
         match hello_length(msg)? {
             Some(total) if msg.len() >= total => {
-                return parse_client_hello(&msg[..total]).map(Some)
+                return parse_client_hello(&msg[..total]).map(|hello| Some((hello, off)))
             }
             Some(total) if first => {
                 // The length is the client's word, up to 16 MiB: room for

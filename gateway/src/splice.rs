@@ -47,18 +47,23 @@ pub(crate) async fn splice_to(
     stop: impl Fn() -> Option<Fault> + Sync,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
-    let mut origin = open_origin(
-        dp,
-        &client,
-        (dst, route),
-        peeked.as_slice(),
-        timeouts.connect,
-    )
-    .await?;
-    let sent = peeked.len() as u64;
+    // A TLS flow's first hello goes first; what the client sent after it
+    // waits for the server's answer ([`crate::hello_retry`]).
+    let first = match hello {
+        // Found: the flow was classified TLS on these very bytes.
+        Some(_) => crate::peek::client_hello_end(&peeked).unwrap_or(peeked.len()),
+        None => peeked.len(),
+    };
+    let connect = (dst, route);
+    let mut origin = open_origin(dp, &client, connect, &peeked[..first], timeouts.connect).await?;
+    let sent = first as u64;
+    let after = peeked[first..].to_vec();
     drop(peeked);
     let passed = match hello {
-        Some(judged) => hello_watched(dp, config, (&mut client, &mut origin), judged).await?,
+        Some(judged) => {
+            let sockets = (&mut client, &mut origin);
+            hello_watched(dp, config, sockets, (judged, after)).await?
+        }
         None => Passed::default(),
     };
     let peeked_len = sent + passed.up;
@@ -118,10 +123,10 @@ async fn hello_watched(
     dp: &Dataplane,
     config: &Config,
     (client, origin): (&mut TcpStream, &mut TcpStream),
-    judged: Judged<'_>,
+    (judged, after): (Judged<'_>, Vec<u8>),
 ) -> Result<Passed, String> {
     let bounds = (config.limits.peek_bytes, config.timeouts.tls_handshake);
-    crate::hello_retry::watch(client, origin, judged, bounds)
+    crate::hello_retry::watch((client, origin), judged, after, bounds)
         .await
         .map_err(|e| {
             reset(client);

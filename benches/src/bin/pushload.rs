@@ -79,7 +79,7 @@ impl Conn {
         let req = hyper::Request::builder()
             .method(method)
             .uri(path)
-            .header("host", "admin")
+            .header("host", "127.0.0.1")
             .header("content-type", ctype)
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| e.to_string())?;

@@ -217,7 +217,7 @@ pub async fn call_text(
     let mut req = hyper::Request::builder()
         .method(method)
         .uri(path)
-        .header("host", "api");
+        .header("host", "127.0.0.1");
     if let Some(t) = token {
         req = req.header("authorization", format!("Bearer {t}"));
     }

@@ -139,6 +139,37 @@ async fn a_second_client_hello_naming_another_server_is_refused() {
     );
 }
 
+/// A client that sends its second hello with its first, before the retry
+/// request comes, has it held back and read as the second hello when the
+/// request comes: the origin never gets it.
+#[tokio::test]
+async fn a_second_client_hello_sent_with_the_first_is_read_too() {
+    let e = spliced_env().await;
+    let (origin, got) = retrying_origin().await;
+    let first = client_hello("a.relay.example.test");
+    let mut both = first.clone();
+    both.extend_from_slice(&client_hello("blocked.example.test"));
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    s.write_all(&both).await.expect("both hellos at once");
+    let want = retry_request();
+    let mut back = vec![0u8; want.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+        .await
+        .expect("the retry request in time")
+        .expect("read");
+    let mut b = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(3), s.read(&mut b)).await;
+    assert!(matches!(read, Ok(Ok(0) | Err(_))), "reset: {read:?}");
+    assert_eq!(
+        *got.lock().expect("lock"),
+        first,
+        "the origin saw the first hello only"
+    );
+    let line = &e.flow_lines(1).await[0];
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(error.contains("names blocked.example.test"), "{line}");
+}
+
 #[tokio::test]
 async fn a_second_client_hello_naming_the_same_server_goes_through() {
     let e = spliced_env().await;
