@@ -15,7 +15,9 @@
 //! - the second ClientHello's reader (`second_client_hello`, after a
 //!   HelloRetryRequest) gives on every prefix the flow's own answer or asks
 //!   for more, never another answer; and on a flow that starts with the
-//!   hello it reads it as the first hello's reader does.
+//!   hello it reads it as the first hello's reader does;
+//! - a classified ClientHello's records end (`client_hello_end`) within the
+//!   flow, and those records alone classify as the same hello.
 //!
 //! Seeds: every captured ClientHello (`gateway/src/peek/captured/`), hand-built
 //! hellos and request heads, each behind a header of `max = 15872`
@@ -27,7 +29,9 @@ use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use egress_gateway::peek::{classify_bytes, peek, second_client_hello, Classified, PeekError};
+use egress_gateway::peek::{
+    classify_bytes, client_hello_end, peek, second_client_hello, Classified, PeekError,
+};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncRead, ReadBuf};
 
@@ -199,6 +203,16 @@ fn second_hello(data: &[u8], cut_bytes: &[u8]) {
             (Err(_), Err(_)) => {}
             (p, f) => panic!("prefix {at}: {p:?}, the whole flow: {f:?}"),
         }
+    }
+    // Where the first hello ends: whole records, holding the hello alone.
+    if let Ok(Some(Classified::Tls(first))) = classify_bytes(data) {
+        let end = client_hello_end(data).expect("a hello classified has an end");
+        assert!(end <= data.len());
+        assert_eq!(
+            classify_bytes(&data[..end]).ok().flatten(),
+            Some(Classified::Tls(first)),
+            "the records up to its end hold the same hello"
+        );
     }
     if let (Some(0x16), Ok(Some(hello))) = (data.first(), &full) {
         match classify_bytes(data) {

@@ -19,6 +19,8 @@
 //!   fence's set, and detaching deletes both in one transaction: at every
 //!   instant the interface's traffic is either redirected or dropped.
 
+use std::collections::HashSet;
+
 /// Why rules could not be made or applied.
 #[derive(Debug, thiserror::Error)]
 pub enum RedirectError {
@@ -242,57 +244,73 @@ pub fn fence_in_place(patterns: &[String]) -> bool {
 enum Keep {
     /// Its own table redirects it.
     Redirected,
-    /// Its table is the one an older build made (`from`), which no other
-    /// attached interface can have written: made again under its name, the
-    /// old one deleted, in one transaction.
-    Move { from: String },
-    /// Nothing redirects it for sure: fenced again.
+    /// Its rules are made again in its own table, replaced whole: it is on
+    /// the table an older build named (`-` and `.` made `_`), or its own
+    /// table is one an older build named for another attached interface,
+    /// whose rules it may hold.
+    Rebuild,
+    /// Nothing redirects it (its table gone or emptied): fenced again.
     Fence,
 }
 
 /// The fence keeper's plan for the `attached` interfaces, given which
-/// tables hold the redirects (`redirected`). A table counts for its
-/// interface only where no other attached interface may have written it:
-/// one still on an older build's table (no table of its own) whose old
-/// name is this one's name is another writer, and both are fenced (each
-/// is then attached again, to a table of its own).
-fn keep_plan(attached: &[String], redirected: impl Fn(&str) -> bool) -> Vec<(String, Keep)> {
-    let own = |i: &str| table_name(i).ok().filter(|t| redirected(t));
-    // Interfaces still on an older build's table, by its name.
+/// tables hold the redirects (`redirected`) and which interfaces this
+/// process has made again already (`rebuilt`); and the older build's
+/// tables to delete once it is carried out (none is another's own).
+fn keep_plan(
+    attached: &[String],
+    redirected: impl Fn(&str) -> bool,
+    rebuilt: &HashSet<String>,
+) -> (Vec<(String, Keep)>, Vec<String>) {
+    // The older build's table of each attached interface whose name it
+    // changed.
     let old: Vec<(&str, String)> = attached
         .iter()
-        .filter(|i| own(i).is_none())
         .map(|i| (i.as_str(), legacy_table_name(i)))
-        .filter(|(i, t)| table_name(i).is_ok_and(|n| n != *t))
+        .filter(|(i, t)| table_name(i).is_ok_and(|n| n != *t) && t != FENCE_TABLE)
         .collect();
-    let others_write = |me: &str, table: &str| {
-        old.iter().any(|(i, t)| *i != me && t == table)
-            || attached
-                .iter()
-                .any(|i| i != me && table_name(i).is_ok_and(|n| n == table))
+    let anothers_old = |me: &str, table: &str| old.iter().any(|(i, t)| *i != me && t == table);
+    let plan = |iface: &String| {
+        let Ok(own) = table_name(iface) else {
+            return Keep::Fence;
+        };
+        let on_old = old
+            .iter()
+            .find(|(i, _)| *i == iface.as_str())
+            .is_some_and(|(_, t)| redirected(t));
+        match redirected(&own) {
+            true if !anothers_old(iface, &own) || rebuilt.contains(iface) => Keep::Redirected,
+            true => Keep::Rebuild,
+            false if on_old => Keep::Rebuild,
+            false => Keep::Fence,
+        }
     };
-    let plan = |iface: &String| match own(iface) {
-        Some(t) if others_write(iface, &t) => Keep::Fence,
-        Some(_) => Keep::Redirected,
-        None => match old.iter().find(|(i, _)| *i == iface.as_str()) {
-            Some((_, from)) if redirected(from) && !others_write(iface, from) => {
-                Keep::Move { from: from.clone() }
-            }
-            _ => Keep::Fence,
-        },
-    };
-    attached.iter().map(|i| (i.clone(), plan(i))).collect()
+    let keep = attached.iter().map(|i| (i.clone(), plan(i))).collect();
+    let owned = |t: &str| attached.iter().any(|i| table_name(i).is_ok_and(|n| n == t));
+    let mut gone: Vec<String> = old
+        .iter()
+        .filter(|(_, t)| !owned(t) && redirected(t))
+        .map(|(_, t)| t.clone())
+        .collect();
+    gone.sort();
+    gone.dedup();
+    (keep, gone)
 }
+
+/// The interfaces this process made again ([`Keep::Rebuild`]): their own
+/// tables hold their own rules, whatever an older build named them.
+static REBUILT: std::sync::Mutex<Option<HashSet<String>>> = std::sync::Mutex::new(None);
 
 /// Keeps the fence of `redirect.fence` in place while the gateway runs:
 /// missing, it is installed again (`installed` is told), which fences
 /// every sandbox interface until it is attached again (its table may have
 /// gone with the ruleset too). In place, every interface it lets through
 /// must still have its redirect ([`keep_plan`]): one on an older build's
-/// table is moved to its own (`ports`, `max_tracked`: the rules made
-/// again); one whose table is gone or emptied, or shared (its traffic would
-/// go on unredirected, past the fence), is fenced again (`detached` is told
-/// its name). Returns why it could not be done.
+/// table, or whose own table an older build named for another, has its
+/// rules made again (`ports`, `max_tracked`); one whose table is gone or
+/// emptied (its traffic would go on unredirected, past the fence) is fenced
+/// again (`detached` is told its name). Each interface is seen to even when
+/// another's failed; returns the first failure.
 pub fn keep_fence(
     patterns: &[String],
     (ports, max_tracked): (Ports, u32),
@@ -312,25 +330,50 @@ pub fn keep_fence(
         .map_err(|e| RedirectError::Nft(e.message))?;
     let redirected =
         |t: &str| egress_machine::counters::rules(t, "to_gateway").is_ok_and(|n| n >= REDIRECTS);
-    for (iface, keep) in keep_plan(&attached, redirected) {
-        match keep {
-            Keep::Redirected => {}
-            Keep::Move { from } => {
-                let script = ruleset(&iface, ports, max_tracked)?;
-                run(&format!(
-                    "{script}table inet {from}\ndelete table inet {from}\n"
-                ))?;
-                tracing::info!(%iface, from, "moved a sandbox interface's redirect from the table an older build named to its own");
-            }
-            Keep::Fence => {
-                run(&format!(
-                    "delete element inet {FENCE_TABLE} attached {{ \"{}\" }}\n",
-                    iface.replace(['"', '\\'], "")
-                ))?;
-                detached(&iface);
+    let rebuilt = REBUILT
+        .lock()
+        .map(|r| r.clone().unwrap_or_default())
+        .unwrap_or_default();
+    let (keep, gone) = keep_plan(&attached, redirected, &rebuilt);
+    let mut first_error = None;
+    for (iface, keep) in keep {
+        let done = match keep {
+            Keep::Redirected => Ok(()),
+            Keep::Rebuild => rebuild(&iface, (ports, max_tracked))
+                .or_else(|e| fence_again(&iface, &detached).and(Err(e))),
+            Keep::Fence => fence_again(&iface, &detached),
+        };
+        if let Err(e) = done {
+            first_error.get_or_insert(e);
+        }
+    }
+    if first_error.is_none() {
+        for table in gone {
+            if let Err(e) = run(&format!("table inet {table}\ndelete table inet {table}\n")) {
+                first_error.get_or_insert(e);
             }
         }
     }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// `iface`'s rules made again in its own table, replaced whole.
+fn rebuild(iface: &str, (ports, max_tracked): (Ports, u32)) -> Result<(), RedirectError> {
+    apply(iface, ports, max_tracked)?;
+    if let Ok(mut r) = REBUILT.lock() {
+        r.get_or_insert_with(HashSet::new).insert(iface.to_owned());
+    }
+    tracing::info!(%iface, table = %table_name(iface)?, "made a sandbox interface's redirect again in its own table (an older build named it with '-' and '.' made '_', so two interfaces could share one)");
+    Ok(())
+}
+
+/// `iface` taken out of the fence's set: fenced again.
+fn fence_again(iface: &str, detached: impl Fn(&str)) -> Result<(), RedirectError> {
+    run(&format!(
+        "delete element inet {FENCE_TABLE} attached {{ \"{}\" }}\n",
+        iface.replace(['"', '\\'], "")
+    ))?;
+    detached(iface);
     Ok(())
 }
 
@@ -438,48 +481,77 @@ mod tests {
         assert!(table_name("fence0").is_ok());
     }
 
-    /// The keeper's plan, on tables that hold the redirects (`tables`).
-    fn plan(attached: &[&str], tables: &[&str]) -> Vec<(String, Keep)> {
+    /// The keeper's plan, on tables that hold the redirects (`tables`), this
+    /// process having made again `rebuilt`.
+    fn plan(
+        attached: &[&str],
+        tables: &[&str],
+        rebuilt: &[&str],
+    ) -> (Vec<(String, Keep)>, Vec<String>) {
         let attached: Vec<String> = attached.iter().map(|a| (*a).to_owned()).collect();
-        keep_plan(&attached, |t| tables.contains(&t))
+        let rebuilt = rebuilt.iter().map(|r| (*r).to_owned()).collect();
+        keep_plan(&attached, |t| tables.contains(&t), &rebuilt)
     }
 
     #[test]
-    fn the_keeper_moves_an_older_builds_table_and_fences_what_it_cannot_tell() {
+    fn the_keeper_makes_an_older_builds_tables_again_and_fences_what_lost_its_own() {
         use Keep::*;
         let own = |i: &str, k: Keep| (i.to_owned(), k);
+        let none: Vec<String> = Vec::new();
         // Each on its own table; one without: fenced.
         assert_eq!(
+            plan(&["tap-1", "tap2"], &["egress_gw_tap-1"], &[]),
+            (
+                vec![own("tap-1", Redirected), own("tap2", Fence)],
+                none.clone()
+            )
+        );
+        // Attached by an older build (its table under the old name): made
+        // again in its own, the old one deleted after.
+        assert_eq!(
             plan(
-                &["tap-1", "tap_1", "tap2"],
-                &["egress_gw_tap-1", "egress_gw_tap_1"]
+                &["tap-1", "tap.2"],
+                &["egress_gw_tap_1", "egress_gw_tap-2"],
+                &[]
             ),
-            vec![
-                own("tap-1", Redirected),
-                own("tap_1", Redirected),
-                own("tap2", Fence)
-            ]
+            (
+                vec![own("tap-1", Rebuild), own("tap.2", Fence)],
+                vec!["egress_gw_tap_1".to_owned()]
+            )
         );
-        // Attached by an older build (its table under the old name): moved.
-        let from = "egress_gw_tap_1".to_owned();
+        // Two that shared the old table: each made again in its own.
         assert_eq!(
-            plan(&["tap-1", "tap.2"], &["egress_gw_tap_1", "egress_gw_tap-2"]),
-            vec![own("tap-1", Move { from }), own("tap.2", Fence)]
+            plan(&["tap-1", "tap.1"], &["egress_gw_tap_1"], &[]),
+            (
+                vec![own("tap-1", Rebuild), own("tap.1", Rebuild)],
+                vec!["egress_gw_tap_1".to_owned()]
+            )
         );
-        // Two that shared the old table: either may have written it, both fenced.
+        // tap_1's own table is tap-1's old one: tap-1's rules may be in it,
+        // whether or not tap-1 has a table of its own yet. Both made again
+        // (tap-1 into its own); the old table is tap_1's own, kept.
         assert_eq!(
-            plan(&["tap-1", "tap.1"], &["egress_gw_tap_1"]),
-            vec![own("tap-1", Fence), own("tap.1", Fence)]
+            plan(&["tap-1", "tap_1"], &["egress_gw_tap_1"], &[]),
+            (
+                vec![own("tap-1", Rebuild), own("tap_1", Rebuild)],
+                none.clone()
+            )
         );
-        // tap_1's own table is tap-1's old one, and tap-1 has none: fenced both.
+        let both = ["egress_gw_tap_1", "egress_gw_tap-1"];
         assert_eq!(
-            plan(&["tap-1", "tap_1"], &["egress_gw_tap_1"]),
-            vec![own("tap-1", Fence), own("tap_1", Fence)]
+            plan(&["tap-1", "tap_1"], &both, &[]),
+            (
+                vec![own("tap-1", Redirected), own("tap_1", Rebuild)],
+                none.clone()
+            )
         );
-        // Once tap-1 has a table of its own, tap_1's is its own again.
+        // Once made again by this process, it is its own.
         assert_eq!(
-            plan(&["tap-1", "tap_1"], &["egress_gw_tap_1", "egress_gw_tap-1"]),
-            vec![own("tap-1", Redirected), own("tap_1", Redirected)]
+            plan(&["tap-1", "tap_1"], &both, &["tap_1"]),
+            (
+                vec![own("tap-1", Redirected), own("tap_1", Redirected)],
+                none
+            )
         );
     }
 
