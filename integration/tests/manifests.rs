@@ -605,17 +605,15 @@ fn check_container(w: &Workload<'_>, c: &Container, out: &mut Vec<String>) {
     if image != name {
         return out.push(format!("{at}: runs {name} from the image {image}"));
     }
-    if w.doc.file != "machine-webhook.yaml" {
-        let cmd = c.command.clone().unwrap_or_default();
-        if cmd != [format!("/usr/bin/{name}")] {
-            out.push(format!(
-                "{at}: command {cmd:?}, expected [\"/usr/bin/{name}\"]"
-            ));
-        }
-        let version = run(&name, &["--version"], &[]).unwrap_or_else(|e| e);
-        if version.trim() != format!("{name} {tag}") {
-            out.push(format!("{at}: image tag {tag}, binary {}", version.trim()));
-        }
+    let cmd = c.command.clone().unwrap_or_default();
+    if cmd != [format!("/usr/bin/{name}")] {
+        out.push(format!(
+            "{at}: command {cmd:?}, expected [\"/usr/bin/{name}\"]"
+        ));
+    }
+    let version = run(&name, &["--version"], &[]).unwrap_or_else(|e| e);
+    if version.trim() != format!("{name} {tag}") {
+        out.push(format!("{at}: image tag {tag}, binary {}", version.trim()));
     }
     let help = match help(&name, &sub) {
         Ok(h) => h,
