@@ -157,13 +157,9 @@ async fn other_encrypted_dns_is_refused_unless_allowed_by_name() {
     }
 }
 
-/// A DoH body is read before its query can be judged: a source holds at
-/// most 64 bodies being read at once (the 65th is refused `429`, and one
-/// more fits once one is done), and a body past 4,096 bytes is refused
-/// `413` as it arrives.
-#[tokio::test]
-async fn doh_bodies_being_read_are_bounded_per_source() {
-    let e = env(Options::default()).await;
+/// Sandbox A allowed to 8.8.8.8, and an HTTP/2 connection to its DoH,
+/// terminated by the gateway.
+async fn doh_over_h2(e: &Env) -> h2::client::SendRequest<bytes::Bytes> {
     e.sandbox(
         "a",
         SANDBOX_A,
@@ -173,9 +169,20 @@ async fn doh_bodies_being_read_are_bounded_per_source() {
         .tls(SANDBOX_A, dns_google(), "dns.google", H2)
         .await
         .expect("handshake");
-    assert!(minted);
+    assert!(minted, "terminated");
     let (client, conn) = h2::client::handshake(tls).await.expect("h2");
     tokio::spawn(conn);
+    client
+}
+
+/// A DoH body is read before its query can be judged: a source holds at
+/// most 64 bodies being read at once (the 65th is refused `429`, and one
+/// more fits once one is done), and a body past 4,096 bytes is refused
+/// `413` as it arrives.
+#[tokio::test]
+async fn doh_bodies_being_read_are_bounded_per_source() {
+    let e = env(Options::default()).await;
+    let client = doh_over_h2(&e).await;
     let post = || {
         http::Request::post("https://dns.google/dns-query")
             .header("content-type", "application/dns-message")
@@ -225,17 +232,7 @@ async fn doh_bodies_being_read_are_bounded_per_source() {
 #[tokio::test]
 async fn a_draining_gateway_answers_no_doh() {
     let e = env(Options::default()).await;
-    e.sandbox(
-        "a",
-        SANDBOX_A,
-        policy(r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}]}"#),
-    );
-    let (tls, _) = e
-        .tls(SANDBOX_A, dns_google(), "dns.google", H2)
-        .await
-        .expect("handshake");
-    let (client, conn) = h2::client::handshake(tls).await.expect("h2");
-    tokio::spawn(conn);
+    let client = doh_over_h2(&e).await;
     let mut client = client.ready().await.expect("ready");
     let req = http::Request::post("https://dns.google/dns-query")
         .header("content-type", "application/dns-message")

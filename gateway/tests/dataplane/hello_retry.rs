@@ -91,11 +91,8 @@ async fn spliced_env() -> Env {
     e
 }
 
-/// The client's side of a retry: its first hello, the retry request back,
-/// its second hello; whether the flow then stays open.
-async fn retry(e: &Env, origin: SocketAddr, first: &[u8], second: &[u8]) -> bool {
-    let mut s = e.connect(SANDBOX_A, origin).await;
-    s.write_all(first).await.expect("first hello");
+/// Reads the retry request the origin answered, passed on as it came.
+async fn retry_request_back(s: &mut tokio::net::TcpStream) {
     let want = retry_request();
     let mut back = vec![0u8; want.len()];
     tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
@@ -103,6 +100,14 @@ async fn retry(e: &Env, origin: SocketAddr, first: &[u8], second: &[u8]) -> bool
         .expect("the retry request in time")
         .expect("read");
     assert_eq!(back, want, "the retry request passed on as it came");
+}
+
+/// The client's side of a retry: its first hello, the retry request back,
+/// its second hello; whether the flow then stays open.
+async fn retry(e: &Env, origin: SocketAddr, first: &[u8], second: &[u8]) -> bool {
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    s.write_all(first).await.expect("first hello");
+    retry_request_back(&mut s).await;
     // A change_cipher_spec first, as clients in middlebox mode send.
     let mut again = vec![0x14, 3, 3, 0, 1, 1];
     again.extend_from_slice(second);
@@ -151,12 +156,7 @@ async fn a_second_client_hello_sent_with_the_first_is_read_too() {
     both.extend_from_slice(&client_hello("blocked.example.test"));
     let mut s = e.connect(SANDBOX_A, origin).await;
     s.write_all(&both).await.expect("both hellos at once");
-    let want = retry_request();
-    let mut back = vec![0u8; want.len()];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
-        .await
-        .expect("the retry request in time")
-        .expect("read");
+    retry_request_back(&mut s).await;
     let mut b = [0u8; 1];
     let read = tokio::time::timeout(Duration::from_secs(3), s.read(&mut b)).await;
     assert!(matches!(read, Ok(Ok(0) | Err(_))), "reset: {read:?}");
