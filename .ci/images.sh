@@ -212,7 +212,7 @@ grep -q 'redirect to :15001' <<<"$rules" ||
 ip netns add "$NS"
 ip netns exec "$NS" env -i PATH=/usr/sbin:/usr/bin chroot "$rootfs" \
   /usr/bin/egress-gateway redirect --sandbox-iface tap-sb1 --apply
-table=$(ip netns exec "$NS" nft list table inet egress_gw_tap_sb1)
+table=$(ip netns exec "$NS" nft list table inet egress_gw_tap-sb1)
 grep -q 'redirect to :15001' <<<"$table" ||
   die "the image's redirect --apply installed no table"
 ip netns exec "$NS" env -i PATH=/usr/sbin:/usr/bin chroot "$rootfs" \

@@ -250,13 +250,13 @@ ip netns exec "$NS" setpriv --bounding-set=-all,+net_admin "${REDIRECT_START[@]}
 attached=$(ip netns exec "$NS" nft list set inet egress_gw_fence attached)
 grep -q '"tap-sb1"' <<<"$attached" ||
   { echo "$attached"; die "attaching tap-sb1 did not let it through the fence"; }
-table=$(ip netns exec "$NS" nft list table inet egress_gw_tap_sb1)
+table=$(ip netns exec "$NS" nft list table inet egress_gw_tap-sb1)
 grep -q 'iifname "tap-sb1" meta l4proto tcp redirect to :15001' <<<"$table" ||
   { echo "$table"; die "the redirect table does not send tap-sb1's TCP to :15001"; }
-say "redirect@tap-sb1: ExecStart installed inet egress_gw_tap_sb1 ($(echo "$table" | grep -c redirect) redirects)"
+say "redirect@tap-sb1: ExecStart installed inet egress_gw_tap-sb1 ($(echo "$table" | grep -c redirect) redirects)"
 ip netns exec "$NS" setpriv --bounding-set=-all,+net_admin "${REDIRECT_STOP[@]}"
-if ip netns exec "$NS" nft list table inet egress_gw_tap_sb1 >/dev/null 2>&1; then
-  die "ExecStop left the table inet egress_gw_tap_sb1"
+if ip netns exec "$NS" nft list table inet egress_gw_tap-sb1 >/dev/null 2>&1; then
+  die "ExecStop left the table inet egress_gw_tap-sb1"
 fi
 attached=$(ip netns exec "$NS" nft list set inet egress_gw_fence attached)
 if grep -q '"tap-sb1"' <<<"$attached"; then
