@@ -3,7 +3,8 @@
 //! still lets it. A push that takes out the entry that allowed it, an
 //! approval revoked or past its `until` (the registry compiles the policy
 //! again), an exemption taken out (the flow would now be terminated) or a
-//! deny added: at the next tick of the flow's idle watch (within a second)
+//! deny added, or its destination become one of the addresses denied while
+//! the gateway runs (another sandbox's or a VM's, the host's): at the next tick of the flow's idle watch (within a second)
 //! the flow is judged again, under the policy as it is then, on the names
 //! it was first judged on (their expiry since does not end a flow; the
 //! evidence was whole when it was admitted), and cut unless the verdict is
@@ -17,24 +18,28 @@ use crate::decide::{judge, Claims, Decided};
 use crate::doh::DohNames;
 
 /// What a running flow was judged on, and the policy last found to let it
-/// run (a policy is judged again only when the registration's changes).
+/// run with the platform's count of changes then (a flow is judged again
+/// only when the registration's policy or the platform's addresses change).
 pub(crate) struct StillAllowed<'a> {
     claims: &'a Claims<'a>,
     decided: &'a Decided,
-    last: Mutex<Arc<CompiledPolicy>>,
+    last: Mutex<(Arc<CompiledPolicy>, u64)>,
 }
 
 impl<'a> StillAllowed<'a> {
-    /// A flow admitted under `policy` as `decided`.
+    /// A flow admitted under `policy` as `decided`. Its first tick judges
+    /// it again whatever the count: the platform's addresses may have
+    /// changed between the decision and now.
     pub(crate) fn new(
         claims: &'a Claims<'a>,
         decided: &'a Decided,
         policy: &Arc<CompiledPolicy>,
     ) -> Self {
+        let changes = policy.platform().changes();
         Self {
             claims,
             decided,
-            last: Mutex::new(policy.clone()),
+            last: Mutex::new((policy.clone(), changes.wrapping_sub(1))),
         }
     }
 
@@ -52,7 +57,8 @@ impl<'a> StillAllowed<'a> {
     /// it runs under: allowed as it is (opaque) or spliced.
     pub(crate) fn under(&self, policy: &Arc<CompiledPolicy>, doh: &DohNames) -> bool {
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        if Arc::ptr_eq(&last, policy) {
+        let changes = policy.platform().changes();
+        if Arc::ptr_eq(&last.0, policy) && last.1 == changes {
             return true;
         }
         let lookup = &self.decided.lookup;
@@ -62,7 +68,7 @@ impl<'a> StillAllowed<'a> {
             (Verdict::Allow(_), Verdict::Allow(_)) | (Verdict::Splice(..), Verdict::Splice(..))
         );
         if same {
-            *last = policy.clone();
+            *last = (policy.clone(), changes);
         }
         same
     }

@@ -39,14 +39,14 @@ pub(super) type Bridge =
     Pin<Box<dyn std::future::Future<Output = (Option<Ended>, Option<String>)> + Send>>;
 
 /// What the request that opened a WebSocket was judged on, and the policy
-/// last found to let it through.
+/// last found to let it through with the platform's count of changes then.
 pub(super) struct Opened {
     host: Option<Hostname>,
     attributed: Vec<Hostname>,
     gap: AttributionGap,
     overrides: Vec<String>,
     target: String,
-    last: Arc<CompiledPolicy>,
+    last: (Arc<CompiledPolicy>, u64),
 }
 
 impl Conn {
@@ -72,7 +72,12 @@ impl Conn {
                 target,
             ),
             target: target.to_owned(),
-            last: sb.policy.clone(),
+            // Judged again at the first tick: the platform's addresses may
+            // have changed since the request was judged.
+            last: (
+                sb.policy.clone(),
+                sb.policy.platform().changes().wrapping_sub(1),
+            ),
         };
         *self
             .opened
@@ -82,8 +87,8 @@ impl Conn {
 
     /// Whether the sandbox's policy now refuses the request that opened the
     /// bridge: its flow's verdict, or a per-request rule on its method (and
-    /// those its overrides name) and target. Judged only when the policy is
-    /// not the one last found to let it through.
+    /// those its overrides name) and target. Judged only when the policy or
+    /// the platform's addresses changed since it was last let through.
     fn withdrawn(&self) -> bool {
         let Some(now) = self.sandbox_now() else {
             return false; // gone: `removed` says so
@@ -95,7 +100,8 @@ impl Conn {
         let Some(o) = opened.as_mut() else {
             return false;
         };
-        if Arc::ptr_eq(&o.last, &now.policy) {
+        let changes = now.policy.platform().changes();
+        if Arc::ptr_eq(&o.last.0, &now.policy) && o.last.1 == changes {
             return false;
         }
         let policy = &now.policy;
@@ -109,7 +115,7 @@ impl Conn {
                 judged.deny.is_some()
             });
         if !refused {
-            o.last = now.policy.clone();
+            o.last = (now.policy.clone(), changes);
         }
         refused
     }

@@ -222,6 +222,28 @@ async fn a_spliced_stream_is_cut_when_a_push_takes_its_allow_out() {
     );
 }
 
+/// A spliced stream whose destination becomes another sandbox's address
+/// (a platform deny: no sandbox reaches another through the gateway) is
+/// cut within a tick, though its own sandbox's policy did not change.
+#[tokio::test]
+async fn a_spliced_stream_is_cut_when_its_destination_becomes_a_sandboxs_address() {
+    let e = env(Options::default()).await;
+    let allowed = format!(r#"{{"allow": [{{"ip": "{SPLICED_IP}"}}]}}"#);
+    e.sandbox("a", SANDBOX_A, policy(&allowed));
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    echoed(&mut s, b"hello").await;
+    // Another sandbox registered elsewhere: still open.
+    e.sandbox("c", "127.0.0.29", policy(&allowed));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    echoed(&mut s, b"again").await;
+    e.sandbox("b", SPLICED_IP, policy(&allowed));
+    assert!(closed_without_data(&mut s).await, "cut within a tick");
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+    assert_eq!(line["bytes_up"], 10, "{line}");
+}
+
 /// An allow entry's `until` ends the spliced streams it let through, with no
 /// push: the registry compiles the policy again, and the stream is judged
 /// under it.

@@ -119,6 +119,9 @@ pub struct PlatformDenies {
     /// host, so one sandbox reaching another's address would reach it past
     /// both their policies.
     registered: arc_swap::ArcSwap<Registered>,
+    /// Counts the changes of `host` and `registered`
+    /// ([`PlatformDenies::changes`]).
+    changes: std::sync::atomic::AtomicU64,
     rules: RuleSet,
     /// The gateway's `policy.opaque_streams`: a setting of the operator's,
     /// compiled into every sandbox's policy like the list.
@@ -250,6 +253,7 @@ impl PlatformDenies {
             list,
             host: arc_swap::ArcSwap::default(),
             registered: arc_swap::ArcSwap::from_pointee(Registered(Box::new(|_| false))),
+            changes: std::sync::atomic::AtomicU64::new(0),
             rules,
             opaque_streams: OpaqueStreams::default(),
         }
@@ -261,7 +265,10 @@ impl PlatformDenies {
         let mut addrs: Vec<IpAddr> = addrs.into_iter().map(canonical_ip).collect();
         addrs.sort_unstable();
         addrs.dedup();
-        self.host.store(Arc::new(addrs));
+        if **self.host.load() != addrs {
+            self.host.store(Arc::new(addrs));
+            self.changed();
+        }
     }
 
     /// Which addresses are sandboxes' or VMs' on this gateway now (the
@@ -270,6 +277,20 @@ impl PlatformDenies {
     /// with canonical addresses.
     pub fn set_registered(&self, holds: impl Fn(IpAddr) -> bool + Send + Sync + 'static) {
         self.registered.store(Arc::new(Registered(Box::new(holds))));
+        self.changed();
+    }
+
+    /// How many times the addresses denied while the gateway runs (the
+    /// host's, the sandboxes' and VMs') have been set anew: a flow judged
+    /// once and left running (a splice) is judged again when it moves,
+    /// since its destination may have become one of them.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn changed(&self) {
+        self.changes
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     fn is_registered(&self, addrs: &Addrs) -> bool {

@@ -1488,3 +1488,21 @@ fn an_allow_entry_past_its_until_is_out_of_force() {
         assert!(crate::Policy::from_json(bad).is_err(), "{bad}");
     }
 }
+
+/// The count a running flow compares: it moves with each new set of
+/// registered addresses and each host reading that differs, not with a
+/// reading that finds the same addresses.
+#[test]
+fn the_platforms_count_moves_when_its_addresses_do() {
+    let p = PlatformDenies::new(Vec::new());
+    let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+    let start = p.changes();
+    p.set_host([ip("203.0.113.1"), ip("2001:db8::1")]);
+    assert_eq!(p.changes(), start + 1);
+    p.set_host([ip("2001:db8::1"), ip("203.0.113.1"), ip("203.0.113.1")]);
+    assert_eq!(p.changes(), start + 1, "the same addresses");
+    p.set_host([ip("203.0.113.1")]);
+    assert_eq!(p.changes(), start + 2);
+    p.set_registered(|_| false);
+    assert_eq!(p.changes(), start + 3);
+}
