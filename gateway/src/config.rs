@@ -52,6 +52,11 @@ pub struct RedirectConfig {
     /// query flood fills it for every sandbox and for the gateway's own
     /// connections. Read by `redirect --apply` (re-attach to change it).
     pub max_tracked_connections: u32,
+    /// Source addresses an interface's table counts at once (the size of
+    /// its `tracked4` and `tracked6` sets). A new connection from a source
+    /// the full set cannot take is dropped: each source counts, or none
+    /// passes. Read by `redirect --apply`.
+    pub max_tracked_sources: u32,
 }
 
 /// `redirect.max_tracked_connections` by default: more than one sandbox's
@@ -62,11 +67,18 @@ pub const DEFAULT_MAX_TRACKED: u32 = 16_384;
 /// The most `redirect.max_tracked_connections` may name.
 const MAX_TRACKED: u32 = 4_194_304;
 
+/// `redirect.max_tracked_sources` by default.
+pub const DEFAULT_MAX_TRACKED_SOURCES: u32 = 65_535;
+
+/// The most `redirect.max_tracked_sources` may name.
+const MAX_TRACKED_SOURCES: u32 = 1_048_576;
+
 impl Default for RedirectConfig {
     fn default() -> Self {
         Self {
             fence: Vec::new(),
             max_tracked_connections: DEFAULT_MAX_TRACKED,
+            max_tracked_sources: DEFAULT_MAX_TRACKED_SOURCES,
         }
     }
 }
@@ -77,6 +89,11 @@ impl RedirectConfig {
         if !(1..=MAX_TRACKED).contains(&n) {
             let why = format!("{n}: expected 1 to {MAX_TRACKED}");
             return Some(("redirect.max_tracked_connections", why));
+        }
+        let n = self.max_tracked_sources;
+        if !(1..=MAX_TRACKED_SOURCES).contains(&n) {
+            let why = format!("{n}: expected 1 to {MAX_TRACKED_SOURCES}");
+            return Some(("redirect.max_tracked_sources", why));
         }
         let bad = self.fence.iter().find(|p| !is_iface_pattern(p))?;
         let why = format!("{bad:?}: expected an interface name, or a prefix ending in '*'");
@@ -1007,6 +1024,10 @@ mod tests {
             (
                 "[redirect]\nmax_tracked_connections = 5000000",
                 "redirect.max_tracked_connections: 5000000",
+            ),
+            (
+                "[redirect]\nmax_tracked_sources = 0",
+                "redirect.max_tracked_sources: 0: expected 1 to 1048576",
             ),
             (
                 "[tls]\naes_gcm = \"openssl\"",

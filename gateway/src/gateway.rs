@@ -677,7 +677,7 @@ fn keep_fence(dp: &Dataplane, first: bool) {
         dns: config.listen.dns.port(),
         dns_alt: config.listen.dns_alt.port(),
     };
-    let rules = (ports, config.redirect.max_tracked_connections);
+    let rules = (ports, crate::redirect::Tracking::from(&config.redirect));
     let installed = || {
         if first {
             tracing::info!(?patterns, "installed the fence of sandbox interfaces");

@@ -84,18 +84,38 @@ pub fn check_pattern(p: &str) -> Result<(), RedirectError> {
     }
 }
 
+/// What an interface's table bounds in the host's connection tracking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tracking {
+    /// Open connections tracked for one source address at once
+    /// (`redirect.max_tracked_connections`).
+    pub connections: u32,
+    /// Source addresses counted at once (`redirect.max_tracked_sources`):
+    /// a new connection from one more is dropped.
+    pub sources: u32,
+}
+
+impl From<&crate::config::RedirectConfig> for Tracking {
+    fn from(c: &crate::config::RedirectConfig) -> Self {
+        Self {
+            connections: c.max_tracked_connections,
+            sources: c.max_tracked_sources,
+        }
+    }
+}
+
 /// The interface's table, and the interface added to the fence's set, in
 /// one transaction; idempotent to apply: it replaces the table whole.
-/// `max_tracked` bounds the open connections the host tracks for each
-/// source address on the interface at once (`redirect.max_tracked_connections`).
-pub fn ruleset(iface: &str, ports: Ports, max_tracked: u32) -> Result<String, RedirectError> {
+/// `tracking` bounds the open connections the host tracks for each source
+/// address on the interface at once, and the sources it counts.
+pub fn ruleset(iface: &str, ports: Ports, tracking: Tracking) -> Result<String, RedirectError> {
     let table = table_name(iface)?;
     let Ports {
         transparent,
         dns,
         dns_alt,
     } = ports;
-    let guards = guards(iface, max_tracked);
+    let guards = guards(iface, tracking);
     Ok(format!(
         r#"# egress-gateway: redirect sandbox interface {iface}
 table inet {table}
@@ -132,8 +152,12 @@ table inet {table} {{
 }
 
 /// The interface's chains before NAT: spoofed sources, UDP other than DNS
-/// to the reserved resolvers, and connections past `max_tracked` dropped.
-fn guards(iface: &str, max_tracked: u32) -> String {
+/// to the reserved resolvers, and connections past `tracking` dropped.
+fn guards(iface: &str, tracking: Tracking) -> String {
+    let Tracking {
+        connections: max_tracked,
+        sources,
+    } = tracking;
     format!(
         r#"    # First, a source the interface is not the way back to is someone
     # else's: a sandbox on its own interface cannot send as another (the
@@ -154,17 +178,21 @@ fn guards(iface: &str, max_tracked: u32) -> String {
     # each source address at once (closed ones do not count), so on a
     # bridge too each sandbox has its own. The host's table is every
     # sandbox's and the gateway's: one sandbox's flood fills its own share
-    # of it, not the whole.
+    # of it, not the whole. A source the full set cannot take is not
+    # counted, so its new connections are dropped too: each source
+    # counts, or none passes.
     set tracked4 {{
-        type ipv4_addr; size 65535; flags dynamic;
+        type ipv4_addr; size {sources}; flags dynamic;
     }}
     set tracked6 {{
-        type ipv6_addr; size 65535; flags dynamic;
+        type ipv6_addr; size {sources}; flags dynamic;
     }}
     chain tracked {{
         type filter hook prerouting priority mangle + 1; policy accept;
         iifname "{iface}" ct state new add @tracked4 {{ ip saddr ct count over {max_tracked} }} counter drop
         iifname "{iface}" ct state new add @tracked6 {{ ip6 saddr ct count over {max_tracked} }} counter drop
+        iifname "{iface}" ct state new meta nfproto ipv4 ip saddr != @tracked4 counter drop
+        iifname "{iface}" ct state new meta nfproto ipv6 ip6 saddr != @tracked6 counter drop
     }}
 "#
     )
@@ -206,8 +234,8 @@ flush chain inet {FENCE_TABLE} fence\n{rules}"
 }
 
 /// Applies the interface's ruleset with `nft -f -` (the same runner as machine egress).
-pub fn apply(iface: &str, ports: Ports, max_tracked: u32) -> Result<(), RedirectError> {
-    run(&ruleset(iface, ports, max_tracked)?)
+pub fn apply(iface: &str, ports: Ports, tracking: Tracking) -> Result<(), RedirectError> {
+    run(&ruleset(iface, ports, tracking)?)
 }
 
 /// Detaches the interface: fenced again (if it matches the fence), its table gone.
@@ -307,13 +335,13 @@ static REBUILT: std::sync::Mutex<Option<HashSet<String>>> = std::sync::Mutex::ne
 /// gone with the ruleset too). In place, every interface it lets through
 /// must still have its redirect ([`keep_plan`]): one on an older build's
 /// table, or whose own table an older build named for another, has its
-/// rules made again (`ports`, `max_tracked`); one whose table is gone or
+/// rules made again (`ports`, `tracking`); one whose table is gone or
 /// emptied (its traffic would go on unredirected, past the fence) is fenced
 /// again (`detached` is told its name). Each interface is seen to even when
 /// another's failed; returns the first failure.
 pub fn keep_fence(
     patterns: &[String],
-    (ports, max_tracked): (Ports, u32),
+    (ports, tracking): (Ports, Tracking),
     installed: impl FnOnce(),
     detached: impl Fn(&str),
 ) -> Result<(), RedirectError> {
@@ -339,7 +367,7 @@ pub fn keep_fence(
     for (iface, keep) in keep {
         let done = match keep {
             Keep::Redirected => Ok(()),
-            Keep::Rebuild => rebuild(&iface, (ports, max_tracked))
+            Keep::Rebuild => rebuild(&iface, (ports, tracking))
                 .or_else(|e| fence_again(&iface, &detached).and(Err(e))),
             Keep::Fence => fence_again(&iface, &detached),
         };
@@ -358,8 +386,8 @@ pub fn keep_fence(
 }
 
 /// `iface`'s rules made again in its own table, replaced whole.
-fn rebuild(iface: &str, (ports, max_tracked): (Ports, u32)) -> Result<(), RedirectError> {
-    apply(iface, ports, max_tracked)?;
+fn rebuild(iface: &str, (ports, tracking): (Ports, Tracking)) -> Result<(), RedirectError> {
+    apply(iface, ports, tracking)?;
     if let Ok(mut r) = REBUILT.lock() {
         r.get_or_insert_with(HashSet::new).insert(iface.to_owned());
     }
@@ -399,9 +427,14 @@ mod tests {
         dns_alt: 15054,
     };
 
+    const TRACKING: Tracking = Tracking {
+        connections: 16_384,
+        sources: 1_000,
+    };
+
     #[test]
     fn ruleset_names_the_interface_and_ports() {
-        let r = ruleset("tap-sb1", PORTS, 16_384).expect("valid");
+        let r = ruleset("tap-sb1", PORTS, TRACKING).expect("valid");
         assert!(r.contains("table inet egress_gw_tap-sb1 {"));
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto tcp redirect to :15001"#));
         assert!(
@@ -414,6 +447,18 @@ mod tests {
         for family in ["4 { ip", "6 { ip6"] {
             let rule = format!("iifname \"tap-sb1\" ct state new add @tracked{family} saddr ct count over 16384 }} counter drop");
             assert!(r.contains(&rule), "{rule}\n{r}");
+        }
+        // A source the full set cannot take is dropped, after the counts.
+        for (family, set, addr) in [("ipv4", "tracked4", "ip"), ("ipv6", "tracked6", "ip6")] {
+            let rule = format!("iifname \"tap-sb1\" ct state new meta nfproto {family} {addr} saddr != @{set} counter drop");
+            let at = r.find(&rule).expect(&rule);
+            assert!(at > r.find(&format!("add @{set}")).expect("count"), "{r}");
+            assert!(
+                r.contains(&format!(
+                    "set {set} {{\n        type {family}_addr; size 1000;"
+                )),
+                "{r}"
+            );
         }
         assert!(r.contains(
             r#"iifname "tap-sb1" meta nfproto ipv4 fib saddr . iif oif missing counter drop"#
@@ -437,7 +482,7 @@ mod tests {
             "eth0\n",
         ] {
             assert!(
-                matches!(ruleset(bad, PORTS, 16_384), Err(RedirectError::Iface(_))),
+                matches!(ruleset(bad, PORTS, TRACKING), Err(RedirectError::Iface(_))),
                 "{bad:?}"
             );
         }
@@ -445,7 +490,7 @@ mod tests {
 
     #[test]
     fn attaching_and_detaching_go_through_the_fence_in_one_transaction() {
-        let r = ruleset("tap-sb1", PORTS, 16_384).expect("valid");
+        let r = ruleset("tap-sb1", PORTS, TRACKING).expect("valid");
         // The table first, then the interface let through the fence.
         let table = r.find("table inet egress_gw_tap-sb1 {").expect("table");
         let element = r
@@ -475,7 +520,7 @@ mod tests {
         }
         assert!(matches!(table_name("fence"), Err(RedirectError::FenceName)));
         assert!(matches!(
-            ruleset("fence", PORTS, 16),
+            ruleset("fence", PORTS, TRACKING),
             Err(RedirectError::FenceName)
         ));
         assert!(table_name("fence0").is_ok());

@@ -48,7 +48,7 @@ pub(super) fn run(args: &RedirectArgs) -> ExitCode {
         dns: config.listen.dns.port(),
         dns_alt: config.listen.dns_alt.port(),
     };
-    let tracked = config.redirect.max_tracked_connections;
+    let tracked = redirect::Tracking::from(&config.redirect);
     let result = match &args.sandbox_iface {
         _ if args.fence => fence(args, &config),
         None => return fail("--sandbox-iface or --fence is required"),

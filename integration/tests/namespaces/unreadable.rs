@@ -2,7 +2,8 @@
 //! carrying `encrypted_client_hello` to a name an exemption covers is never
 //! spliced, and with `policy.opaque_streams = "deny"` an unreadable stream
 //! to an allowed address is refused while SSH to an entry that names it
-//! passes; and a sandbox interface tracks at most its bound of connections.
+//! passes; and a sandbox interface tracks at most its bound of connections,
+//! for at most its bound of sources.
 
 use egress_gateway::peek::fixture::{ech_outer, hello_with, records, sni_data};
 use serde_json::json;
@@ -172,5 +173,92 @@ print("after", dial() is not None)
         String::from_utf8_lossy(&out.stdout),
         "ok\n",
         "sb2 is not bounded by sb1's table"
+    );
+}
+
+/// A source the interface's full set of counted sources cannot take is
+/// not let through uncounted: with room for one source of each family,
+/// sb1's IPv6 address connects and a second one on its prefix (routed
+/// back through sb1: no spoof) is dropped, while its IPv4 address and sb2,
+/// on its own interface, still connect.
+#[test]
+fn a_source_past_the_counted_sources_is_dropped() {
+    if !available() {
+        return;
+    }
+    let t = Topology::new();
+    let open = r#"{"default": "allow", "tls_interception": "on"}"#;
+    t.push("sb1", SB1_IP, open);
+    t.push("sb2", SB2_IP, open);
+    let config = t.path("sources.toml");
+    std::fs::write(&config, "[redirect]\nmax_tracked_sources = 1\n").expect("config");
+    let gateway = crate::topology::bin("egress-gateway");
+    let config = config.to_str().expect("utf-8");
+    let args = [
+        "redirect",
+        "--sandbox-iface",
+        "sb1",
+        "--config",
+        config,
+        "--apply",
+    ];
+    let out = t.exec(&t.gw, gateway.to_str().expect("utf-8"), &args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let second = [
+        "-6",
+        "addr",
+        "add",
+        "2001:db8:1::3/64",
+        "dev",
+        "eth0",
+        "nodad",
+    ];
+    assert!(t.exec(&t.sb1, "ip", &second).status.success());
+    // The gateway's side knows the second address's link address (its
+    // neighbour solicitation would go unanswered in this topology).
+    let mac = t.exec(&t.sb1, "cat", &["/sys/class/net/eth0/address"]);
+    let mac = String::from_utf8_lossy(&mac.stdout).trim().to_owned();
+    let neigh = [
+        "-6",
+        "neigh",
+        "replace",
+        "2001:db8:1::3",
+        "lladdr",
+        &mac,
+        "dev",
+        "sb1",
+    ];
+    assert!(t.exec(&t.gw, "ip", &neigh).status.success());
+    let script = r#"
+import socket
+def dial(source, to=("2001:db8:f::20", 443)):
+    s = socket.socket(socket.AF_INET6); s.settimeout(1.0)
+    try:
+        s.bind((source, 0)); s.connect(to); return s
+    except OSError:
+        return None
+first = dial("2001:db8:1::2")
+print("first", first is not None)
+print("second source", dial("2001:db8:1::3") is not None)
+print("first again", dial("2001:db8:1::2") is not None)
+print("ipv4", socket.create_connection(("203.0.113.20", 443), 2) is not None)
+"#;
+    let out = t.exec(&t.sb1, "python3", &["-c", script]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "first True\nsecond source False\nfirst again True\nipv4 True\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let other = "import socket; socket.create_connection(('203.0.113.20', 443), 2); print('ok')";
+    let out = t.exec(&t.sb2, "python3", &["-c", other]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "ok\n",
+        "sb2 is not bounded by sb1's set"
     );
 }
