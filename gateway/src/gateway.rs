@@ -314,6 +314,7 @@ impl Gateway {
         gateway.spawn_fence_keeper();
         gateway.spawn_host_reader();
         gateway.spawn_lapse_watch();
+        gateway.spawn_attribution_sweep();
         gateway.serve(
             listeners,
             &dns,
@@ -381,6 +382,24 @@ impl Gateway {
                         "allow entries past their until taken out of force"
                     );
                 }
+            }
+        });
+    }
+
+    /// Every [`SWEEP_EVERY`], the attribution of addresses no answer has
+    /// written for `dns.max_ttl` and a minute is reclaimed: expired, it
+    /// decides nothing, and a sandbox that stopped resolving would keep it,
+    /// within its bound, until it is deleted.
+    fn spawn_attribution_sweep(&mut self) {
+        let dp = self.dp.clone();
+        self.tasks.spawn(async move {
+            let mut tick = tokio::time::interval(SWEEP_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let dp = dp.clone();
+                let _ = tokio::task::spawn_blocking(move || dp.cache.sync()).await;
             }
         });
     }
@@ -925,6 +944,9 @@ fn host_ranges_open(list: &[Destination]) -> Vec<&'static str> {
 
 /// How often the host's addresses are read again.
 pub(crate) const HOST_READ_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How often expired attribution is reclaimed.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How often the registry looks for allow entries past their `until`.
 const LAPSE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
