@@ -326,6 +326,11 @@ pub struct Limits {
     /// refused `budget_exceeded` (fail closed) unless a refilled state can
     /// be forgotten ([`crate::budget`]).
     pub max_budget_states: usize,
+    /// Sandboxes registered at once: a push or a resync that would register
+    /// more is refused (`409`, naming this), so a controller's runaway
+    /// cannot grow the registry without bound. What the state directory
+    /// holds at start is recovered whatever this says.
+    pub max_sandboxes: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -500,6 +505,10 @@ impl Limits {
             );
             return Some(("limits.max_budget_states", why));
         }
+        if !(1..=MAX_SANDBOXES).contains(&self.max_sandboxes) {
+            let why = format!("{} is outside 1..={MAX_SANDBOXES}", self.max_sandboxes);
+            return Some(("limits.max_sandboxes", why));
+        }
         // Past a million the semaphore's permits (and the drain, which
         // takes them all at once) stop meaning what they say.
         if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
@@ -529,6 +538,9 @@ const MAX_DNS_SANDBOXES: usize = 1 << 20;
 
 /// The most flows `limits.max_connections` may allow at once.
 const MAX_CONNECTIONS: usize = 1 << 20;
+
+/// The most sandboxes `limits.max_sandboxes` may allow.
+const MAX_SANDBOXES: usize = 1 << 22;
 
 /// Shorter leaf key lifetimes would mint most leaves twice for nothing: a
 /// key that signs for less than a minute protects nothing a minute would not.
@@ -592,6 +604,7 @@ impl Default for Limits {
             worker_threads: 0,
             thread_per_core: false,
             max_budget_states: 65_536,
+            max_sandboxes: 65_536,
         }
     }
 }
@@ -815,6 +828,7 @@ struct FenceOnly<'a> {
 struct RestartLimits {
     max_connections: usize,
     max_budget_states: usize,
+    max_sandboxes: usize,
     leaf_cache: u64,
     worker_threads: usize,
     thread_per_core: bool,
@@ -841,6 +855,7 @@ impl Config {
             limits: RestartLimits {
                 max_connections: self.limits.max_connections,
                 max_budget_states: self.limits.max_budget_states,
+                max_sandboxes: self.limits.max_sandboxes,
                 leaf_cache: self.limits.leaf_cache,
                 worker_threads: self.limits.worker_threads,
                 thread_per_core: self.limits.thread_per_core,
@@ -1094,6 +1109,10 @@ mod tests {
             (
                 "[limits]\nmax_connections = 0",
                 "limits.max_connections: 0 is outside 1..=1048576",
+            ),
+            (
+                "[limits]\nmax_sandboxes = 0",
+                "limits.max_sandboxes: 0 is outside 1..=4194304",
             ),
             ("[limits]\nleaf_cache = 0", "limits.leaf_cache: 0 would keep no leaf"),
             (

@@ -658,6 +658,11 @@ fn recover(
     if seq > 0 {
         tracing::info!(sandboxes = n, generation = seq, dir = %config.state_dir.display(), "recovered pushed state");
     }
+    let max = config.limits.max_sandboxes;
+    if registry.len() > max {
+        tracing::warn!(sandboxes = registry.len(), max, "recovered more sandboxes than limits.max_sandboxes: they stay registered, and no new one is until fewer are");
+    }
+    registry.set_max(max);
     restore_attribution(cache, registry, attributed, since);
     Ok(crate::commit::Committer::start(
         registry.clone(),

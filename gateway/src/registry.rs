@@ -58,6 +58,8 @@ pub enum RegistryError {
     DuplicateAddress(String, IpAddr),
     #[error("address {address} belongs to VM {vm}")]
     AddressOfVm { address: IpAddr, vm: String },
+    #[error("the gateway holds its limit of {max} sandboxes (limits.max_sandboxes): {refused} not registered")]
+    Full { max: usize, refused: String },
 }
 
 /// One consistent generation of the registry (not the snapshot file: see `persist`).
@@ -78,6 +80,10 @@ pub struct Registry {
     /// Serialises writers, and holds the addresses VMs claim (machine
     /// egress): an address belongs to one sandbox or one VM, never both.
     write: std::sync::Mutex<VmClaims>,
+    /// The most sandboxes a push or a resync may leave registered
+    /// ([`Registry::set_max`]); none until set, so a recovery takes back
+    /// whatever was acknowledged.
+    max: std::sync::atomic::AtomicUsize,
 }
 
 /// Address → the VM that claims it.
@@ -89,7 +95,26 @@ impl Registry {
             snapshot: ArcSwap::from_pointee(Generation::default()),
             platform,
             write: std::sync::Mutex::new(VmClaims::new()),
+            max: std::sync::atomic::AtomicUsize::new(usize::MAX),
         }
+    }
+
+    /// From now on, a push that would register one sandbox more than `max`,
+    /// or a resync of more, is refused ([`RegistryError::Full`]); those
+    /// already registered stay.
+    pub fn set_max(&self, max: usize) {
+        self.max.store(max, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn full(&self, count: usize, refused: &SandboxId) -> Result<(), RegistryError> {
+        let max = self.max.load(std::sync::atomic::Ordering::Relaxed);
+        if count > max {
+            return Err(RegistryError::Full {
+                max,
+                refused: refused.to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// The platform denies every policy is compiled with.
@@ -210,7 +235,12 @@ impl Registry {
         unclaimed(&claims, &sandbox)?;
         let mut next = (*self.snapshot.load_full()).clone();
         let sandbox = next.carry(sandbox);
+        let id = sandbox.id.clone();
+        let new = !next.by_id.contains_key(&id);
         next.insert(sandbox)?;
+        if new {
+            self.full(next.by_id.len(), &id)?;
+        }
         self.publish(&claims, Arc::new(next));
         Ok(())
     }
@@ -222,7 +252,9 @@ impl Registry {
         let current = self.snapshot.load_full();
         let mut next = Generation::default();
         for s in sandboxes {
+            let id = s.id.clone();
             next.insert(current.carry(s))?;
+            self.full(next.by_id.len(), &id)?;
         }
         for s in next.by_id.values() {
             unclaimed(&claims, s)?;
@@ -643,6 +675,38 @@ mod tests {
     /// A push is the same registration; a delete ends it, and the id
     /// registered again is another (its pooled connections are not the
     /// first one's).
+    /// Past `set_max`, a push of one more sandbox and a resync of more are
+    /// refused, naming the limit; a push replacing one registered is not,
+    /// and once one is deleted another fits.
+    #[test]
+    fn no_more_sandboxes_than_the_limit_are_registered() {
+        let r = reg();
+        let open = || policy(r#"{"default": "allow"}"#);
+        let put = |id: &str, addr: &str| r.put(SandboxId::new(id), vec![ip(addr)], open());
+        r.set_max(2);
+        put("a", "100.64.1.1").expect("a");
+        put("b", "100.64.1.2").expect("b");
+        let refused = put("c", "100.64.1.3").expect_err("c is one too many");
+        assert_eq!(
+            refused.to_string(),
+            "the gateway holds its limit of 2 sandboxes (limits.max_sandboxes): c not registered"
+        );
+        assert!(r.lookup(ip("100.64.1.3")).is_none());
+        put("a", "100.64.1.4").expect("a replaced");
+        assert!(r.remove(&SandboxId::new("b")));
+        put("c", "100.64.1.3").expect("room again");
+        let three = ["x", "y", "z"]
+            .iter()
+            .zip(["100.64.2.1", "100.64.2.2", "100.64.2.3"])
+            .map(|(id, a)| r.prepare(SandboxId::new(id), vec![ip(a)], open()))
+            .collect();
+        assert!(matches!(
+            r.replace_prepared(three),
+            Err(RegistryError::Full { max: 2, .. })
+        ));
+        assert_eq!(r.len(), 2, "a refused resync changes nothing");
+    }
+
     #[test]
     fn a_registration_keeps_its_serial_until_deleted() {
         let r = reg();
