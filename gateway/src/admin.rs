@@ -149,11 +149,11 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
         (&Method::GET, ["metrics"]) => metrics(ctl),
         (&Method::GET, ["v1", "sandboxes"]) => list(ctl),
         (&Method::PUT, ["v1", "sandboxes"]) if is_ndjson(&req) => match stream_docs(req).await {
-            Ok(docs) => resync(ctl, docs).await,
+            Ok((docs, lines)) => resync(ctl, docs, Some(lines)).await,
             Err(r) => rejected(ctl, r),
         },
         (&Method::PUT, ["v1", "sandboxes"]) => match body::<Resync>(req).await {
-            Ok(doc) => resync(ctl, doc.sandboxes).await,
+            Ok(doc) => resync(ctl, doc.sandboxes, None).await,
             Err(r) => rejected(ctl, r),
         },
         (&Method::GET, ["v1", "sandboxes", id]) => get(ctl, id),
@@ -358,25 +358,31 @@ fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
 }
 
 /// Replaces every sandbox (the controller's resync), atomically; written as
-/// a new snapshot.
-async fn resync(ctl: &Control, docs: Vec<SandboxDoc>) -> Reply {
-    if let Err((msg, field)) = egress_api::gateway::resync_ids(&docs) {
-        return rejected(ctl, error(StatusCode::BAD_REQUEST, &msg, Some(&field)));
+/// a new snapshot. `lines`: an NDJSON body's line of each document, which
+/// its errors name.
+async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>) -> Reply {
+    let bad = |i: usize, part: &str, why: &str| {
+        let field = format!("sandboxes[{i}].{part}");
+        let why = match lines.as_ref().and_then(|l| l.get(i)) {
+            Some(line) => format!("line {line}: {why}"),
+            None => why.to_owned(),
+        };
+        rejected(ctl, error(StatusCode::BAD_REQUEST, &why, Some(&field)))
+    };
+    if let Err((i, msg)) = egress_api::gateway::resync_ids(&docs) {
+        return bad(i, "id", &msg);
     }
     for (i, d) in docs.iter().enumerate() {
         if let Err(e) = egress_api::gateway::sandbox_addresses(&d.addresses) {
-            let field = format!("sandboxes[{i}].addresses");
-            return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some(&field)));
+            return bad(i, "addresses", &e);
         }
         if let Err(e) =
             credentials::validate(&d.credentials).and_then(|()| ctl.dp.secrets.load(&d.credentials))
         {
-            let field = format!("sandboxes[{i}].credentials");
-            return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some(&field)));
+            return bad(i, "credentials", &e);
         }
         if let Some(Err(e)) = d.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
-            let field = format!("sandboxes[{i}].upstream_proxy");
-            return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some(&field)));
+            return bad(i, "upstream_proxy", &e);
         }
     }
     let n = docs.len();
@@ -562,11 +568,12 @@ fn is_ndjson<B>(req: &Request<B>) -> bool {
         .is_some_and(|v| v.trim().starts_with("application/x-ndjson"))
 }
 
-/// Reads an NDJSON resync body line by line; errors name the line.
-async fn stream_docs(req: Request<Incoming>) -> Result<Vec<SandboxDoc>, Reply> {
+/// Reads an NDJSON resync body line by line; errors name the line. The
+/// documents, and the line each was on.
+async fn stream_docs(req: Request<Incoming>) -> Result<(Vec<SandboxDoc>, Vec<usize>), Reply> {
     let mut body = req.into_body();
     let mut lines = Lines::new(MAX_BODY);
-    let mut docs = Vec::new();
+    let mut docs = (Vec::new(), Vec::new());
     // No total bound (a worker's resync may be large), but the stream may
     // not go quiet: a sender that stops ends it, and what was read goes.
     loop {
@@ -595,8 +602,11 @@ async fn stream_docs(req: Request<Incoming>) -> Result<Vec<SandboxDoc>, Reply> {
     Ok(docs)
 }
 
-/// One line of an NDJSON resync: a sandbox document.
-fn ndjson_line((line_no, text): Line, docs: &mut Vec<SandboxDoc>) -> Result<(), Box<Reply>> {
+/// One line of an NDJSON resync: a sandbox document, and its line.
+fn ndjson_line(
+    (line_no, text): Line,
+    (docs, lines): &mut (Vec<SandboxDoc>, Vec<usize>),
+) -> Result<(), Box<Reply>> {
     if docs.len() >= MAX_RESYNC {
         let why = format!("more than {MAX_RESYNC} sandboxes");
         return Err(Box::new(error(StatusCode::PAYLOAD_TOO_LARGE, &why, None)));
@@ -607,5 +617,6 @@ fn ndjson_line((line_no, text): Line, docs: &mut Vec<SandboxDoc>) -> Result<(), 
         Box::new(error(StatusCode::BAD_REQUEST, &why, Some(field)))
     })?;
     docs.push(doc);
+    lines.push(line_no);
     Ok(())
 }

@@ -78,15 +78,14 @@ pub fn sandbox_addresses(addresses: &[IpAddr]) -> Result<(), String> {
     Ok(())
 }
 
-/// A resync's ids: each a valid sandbox id, none twice; else the message
-/// and the field (`sandboxes[i].id`).
-pub fn resync_ids(docs: &[SandboxDoc]) -> Result<(), (String, String)> {
+/// A resync's ids: each a valid sandbox id, none twice; else the index of
+/// the first bad one and the message.
+pub fn resync_ids(docs: &[SandboxDoc]) -> Result<(), (usize, String)> {
     let mut seen = std::collections::HashSet::new();
     for (i, s) in docs.iter().enumerate() {
-        let field = format!("sandboxes[{i}].id");
-        egress_policy::SandboxId::parse(&s.id).map_err(|e| (e.to_string(), field.clone()))?;
+        egress_policy::SandboxId::parse(&s.id).map_err(|e| (i, e.to_string()))?;
         if !seen.insert(s.id.as_str()) {
-            return Err((format!("sandbox {:?} appears twice", s.id), field));
+            return Err((i, format!("sandbox {:?} appears twice", s.id)));
         }
     }
     Ok(())

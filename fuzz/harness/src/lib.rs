@@ -134,7 +134,8 @@ fn put_sandbox(text: &str) -> Result<String, String> {
 /// admin's `resync`: every id valid and once, then one atomic replace;
 /// the sandboxes as stored.
 fn resync(docs: Vec<SandboxDoc>) -> Result<Vec<SandboxDoc>, String> {
-    egress_api::gateway::resync_ids(&docs).map_err(|(msg, field)| format!("{field}: {msg}"))?;
+    egress_api::gateway::resync_ids(&docs)
+        .map_err(|(i, msg)| format!("sandboxes[{i}].id: {msg}"))?;
     let registry = registry();
     for d in &docs {
         egress_api::gateway::credentials::validate(&d.credentials)?;

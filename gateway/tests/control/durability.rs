@@ -294,6 +294,39 @@ async fn a_streamed_resync_beyond_the_body_cap_applies_at_once() {
     assert_eq!(status, 400);
     assert!(body.contains("line 2"), "{body}");
     assert_eq!(gw.registry().len(), 1_500);
+    // So does a repeated id or a bad address, found once the lines are read
+    // (blank lines skipped: the third document is on line 5).
+    let sandbox = |id: &str, addr: &str| {
+        format!("{{\"id\": \"{id}\", \"addresses\": [{addr}], \"policy\": {{}}}}\n")
+    };
+    for (third, field, why) in [
+        (
+            sandbox("x", ""),
+            "sandboxes[2].id",
+            "line 5: sandbox \"x\" appears twice",
+        ),
+        (
+            sandbox("z", "\"0.0.0.0\""),
+            "sandboxes[2].addresses",
+            "line 5: 0.0.0.0",
+        ),
+    ] {
+        let ndjson = format!("{}\n{}\n{third}", sandbox("x", ""), sandbox("y", ""));
+        let (status, body) =
+            http_typed(a, "PUT", "/v1/sandboxes", "application/x-ndjson", ndjson).await;
+        assert_eq!(
+            (status, json(&body)["field"].clone()),
+            (400, json!(field)),
+            "{body}"
+        );
+        assert!(
+            json(&body)["error"]
+                .as_str()
+                .is_some_and(|e| e.starts_with(why)),
+            "{body}"
+        );
+    }
+    assert_eq!(gw.registry().len(), 1_500);
     // The generation moved, and the gateway reports it.
     let (_, ready) = http(a, "GET", "/readyz", None, None).await;
     assert!(ready.contains("generation=1"), "{ready}");
