@@ -320,6 +320,9 @@ impl Gateway {
             &dns,
             Control::new(gateway.dp.clone(), tokens, committer, machines),
         )?;
+        if cold {
+            saved_budgets_taken(&gateway.dp);
+        }
         Ok(gateway)
     }
 
@@ -747,14 +750,23 @@ fn take_budgets(dp: &Dataplane, handed: Vec<crate::budget::Spent>, cold: bool) {
 
 /// Takes over the budget states the last gateway on this state directory
 /// wrote when it stopped ([`crate::budget::saved`]); a file that does not
-/// read back leaves every state full, as before, and says so.
+/// read back leaves every state full, as before, and says so. The file is
+/// removed once the gateway serves ([`saved_budgets_taken`]).
 fn take_saved_budgets(dp: &Dataplane) {
     let dir = &dp.config().state_dir;
-    match crate::budget::saved::take(dir, std::time::SystemTime::now()) {
+    match crate::budget::saved::read(dir, std::time::SystemTime::now()) {
         Ok(lines) => take_over_budgets(dp, lines),
         Err(e) => {
             tracing::error!(error = %e, "the budget states of the last stop could not be read: they start full")
         }
+    }
+}
+
+/// The saved budget states, taken at a cold start, removed once the
+/// gateway serves: a start that failed before leaves them for the next.
+fn saved_budgets_taken(dp: &Dataplane) {
+    if let Err(e) = crate::budget::saved::taken(&dp.config().state_dir) {
+        tracing::warn!(error = %e, "the budget states taken at start could not be removed: a later cold start may take them again, aged by then");
     }
 }
 

@@ -2,7 +2,8 @@
 //! successor writes the states that are not full to `budgets.json` in its
 //! state directory, after its flows drained, and the next gateway on that
 //! directory takes them over at start, as a successor takes a handed-over
-//! set, then removes the file. The buckets' time is kept as an age, and
+//! set, then removes the file once it serves (a start that fails before
+//! leaves it for the next). The buckets' time is kept as an age, and
 //! the time the gateway was down is added to it (by the wall clock: a clock
 //! set back adds nothing), so a state refills as it would have. A gateway
 //! that crashed wrote nothing: its sandboxes start full.
@@ -40,22 +41,16 @@ pub(crate) fn save(dir: &Path, budgets: Vec<Spent>, now: SystemTime) -> std::io:
     egress_api::file::write_atomically(dir, FILE, &bytes)
 }
 
-/// The states the last gateway on `dir` wrote, aged by the time since,
-/// and the file removed (read once). None written: none. A file that does
-/// not read back is an error (and removed too): its states start full.
-pub(crate) fn take(dir: &Path, now: SystemTime) -> Result<Vec<Spent>, String> {
+/// The states the last gateway on `dir` wrote, aged by the time since. None
+/// written: none. A file that does not read back is an error: its states
+/// start full. The file stays until [`taken`].
+pub(crate) fn read(dir: &Path, now: SystemTime) -> Result<Vec<Spent>, String> {
     let path = dir.join(FILE);
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    if let Err(e) = std::fs::remove_file(&path) {
-        return Err(format!(
-            "{}: {e} (not taken: it would be taken again)",
-            path.display()
-        ));
-    }
     let saved: Saved =
         serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
     let down = unix_ms(now).saturating_sub(saved.written_at_ms);
@@ -69,6 +64,18 @@ pub(crate) fn take(dir: &Path, now: SystemTime) -> Result<Vec<Spent>, String> {
         }
     }
     Ok(budgets)
+}
+
+/// The file [`read`] at start removed, once the gateway serves: a state
+/// taken is not taken again by a later start (which would find it aged by
+/// then, and the spending since unrecorded). None there: nothing to do.
+pub(crate) fn taken(dir: &Path) -> Result<(), String> {
+    let path = dir.join(FILE);
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
 }
 
 #[cfg(test)]
@@ -95,23 +102,22 @@ mod tests {
     fn states_come_back_aged_by_the_time_down_once() {
         let dir = tempfile::tempdir().expect("dir");
         let at = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        assert_eq!(take(dir.path(), at), Ok(Vec::new()), "none written");
+        assert_eq!(read(dir.path(), at), Ok(Vec::new()), "none written");
         save(dir.path(), vec![spent(500)], at).expect("save");
         let later = at + Duration::from_secs(20);
-        let back = take(dir.path(), later).expect("take");
+        let back = read(dir.path(), later).expect("read");
         assert_eq!(back, [spent(20_500)]);
-        assert_eq!(take(dir.path(), later), Ok(Vec::new()), "taken once");
+        assert_eq!(read(dir.path(), later), Ok(back), "kept until taken");
+        taken(dir.path()).expect("taken");
+        assert_eq!(read(dir.path(), later), Ok(Vec::new()), "taken once");
+        taken(dir.path()).expect("none there");
 
         // A clock set back adds nothing.
         save(dir.path(), vec![spent(500)], later).expect("save");
-        assert_eq!(take(dir.path(), at).expect("take"), [spent(500)]);
+        assert_eq!(read(dir.path(), at).expect("read"), [spent(500)]);
 
         std::fs::write(dir.path().join(FILE), b"{not json").expect("write");
-        let e = take(dir.path(), at).expect_err("corrupt");
+        let e = read(dir.path(), at).expect_err("corrupt");
         assert!(e.contains(FILE), "{e}");
-        assert!(
-            !dir.path().join(FILE).exists(),
-            "a corrupt file is not read again"
-        );
     }
 }
