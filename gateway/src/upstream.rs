@@ -251,6 +251,7 @@ impl Upstreams {
         let tcp = connect_out(route, dst, timeouts.connect, metrics)
             .await
             .map_err(|e| ForwardError::Connect(dst, e))?;
+        bound_unread(&tcp, timeouts.idle);
         if !tls {
             return http1(tcp).await;
         }
@@ -348,6 +349,18 @@ pub(crate) async fn connect_out(
             failure,
         })
     })
+}
+
+/// Past `idle` with bytes the origin has not taken (unacknowledged, or held
+/// back by a window it keeps shut), the kernel ends the connection. The
+/// connection's task outlives the flow it served (it closes the TLS session
+/// after the last request, or waits on a body), and an origin that stops
+/// reading would otherwise hold the task and its socket for good: neither
+/// the flow's slot nor the pool counts them.
+fn bound_unread(tcp: &TcpStream, idle: Duration) {
+    if let Err(error) = socket2::SockRef::from(tcp).set_tcp_user_timeout(Some(idle)) {
+        tracing::debug!(%error, "TCP_USER_TIMEOUT not set on an origin connection");
+    }
 }
 
 /// TCP to the original destination within `timeout`, timed in

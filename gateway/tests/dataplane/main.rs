@@ -19,6 +19,7 @@ mod per_core;
 mod pooling;
 mod proposals;
 mod shadow;
+mod stalled_origin;
 mod streams;
 mod two_readings;
 mod upstream_proxy;
