@@ -162,10 +162,16 @@ where
     };
     // The query is a flow to the resolver's DNS port, admitted as one.
     let resolver = SocketAddr::new(dst.ip().to_canonical(), 53);
-    match proxy
+    let answer = proxy
         .answer_bounded(&query, src, resolver, Transport::Tcp)
-        .await
-    {
+        .await;
+    // A drain begun while the query was out: what the answer recorded may
+    // have missed the attribution handed to a successor, so the client asks
+    // it instead.
+    if draining() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+    }
+    match answer {
         Some(answer) => dns_message(answer),
         None => refused(&DohError::Bad("not a DNS query")),
     }

@@ -260,3 +260,34 @@ async fn a_draining_gateway_answers_no_doh() {
         .expect("drain");
     assert_eq!(left, 0);
 }
+
+/// A query whose upstream answer comes after the drain began is answered
+/// `503` too: what the answer recorded may have missed the attribution a
+/// successor took over, so the client asks the successor.
+#[tokio::test]
+async fn a_doh_answer_that_comes_after_the_drain_began_is_not_given() {
+    let e = env(Options::default()).await;
+    let client = doh_over_h2(&e).await;
+    let mut client = client.ready().await.expect("ready");
+    let req = http::Request::post("https://dns.google/dns-query")
+        .header("content-type", "application/dns-message")
+        .body(())
+        .expect("request");
+    let (resp, mut body) = client.send_request(req, false).expect("stream");
+    let q = query("slow.example.test.");
+    body.send_data(bytes::Bytes::from(q), true).expect("data");
+    // The upstream answers 600 ms after it is asked.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let Env { gateway, .. } = e;
+    let drained = tokio::spawn(gateway.run_until(async {}));
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), resp)
+        .await
+        .expect("an answer in time")
+        .expect("response");
+    assert_eq!(resp.status().as_u16(), 503);
+    let left = tokio::time::timeout(std::time::Duration::from_secs(10), drained)
+        .await
+        .expect("the drain ends")
+        .expect("drain");
+    assert_eq!(left, 0);
+}

@@ -357,6 +357,10 @@ impl RequestHandler for Zone {
             .map(|q| q.name().to_string())
             .unwrap_or_default();
         let key = q.trim_end_matches('.').to_ascii_lowercase();
+        // An upstream slow to answer, for a drain that begins meanwhile.
+        if key.starts_with("slow.") {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+        }
         let records: Vec<Record> = match self.0.get(&key) {
             Some((ip, ttl)) => vec![Record::from_rdata(
                 Name::from_ascii(&q).expect("name"),
@@ -542,6 +546,7 @@ pub async fn env(opts: Options) -> Env {
         ("h1.example.test", (ip(H1_ONLY_IP), 300)),
         ("goaway.example.test", (ip(GOAWAY_IP), 300)),
         ("pause.example.test", (ip(PAUSE_IP), 300)),
+        ("slow.example.test", (ip(API_IP), 300)),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
