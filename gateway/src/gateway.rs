@@ -310,11 +310,7 @@ impl Gateway {
             offer,
             committer: committer.clone(),
         };
-        gateway.spawn_machine_tasks(&machines);
-        gateway.spawn_fence_keeper();
-        gateway.spawn_host_reader();
-        gateway.spawn_lapse_watch();
-        gateway.spawn_attribution_sweep();
+        gateway.spawn_background(&machines);
         gateway.serve(
             listeners,
             &dns,
@@ -324,6 +320,16 @@ impl Gateway {
             saved_budgets_taken(&gateway.dp);
         }
         Ok(gateway)
+    }
+
+    /// The tasks beside the listeners: machine egress's, the fence keeper,
+    /// the host's addresses, the lapse watch, the attribution sweep.
+    fn spawn_background(&mut self, machines: &Arc<egress_machine::Machines>) {
+        self.spawn_machine_tasks(machines);
+        self.spawn_fence_keeper();
+        self.spawn_host_reader();
+        self.spawn_lapse_watch();
+        self.spawn_attribution_sweep();
     }
 
     /// With `redirect.fence` set, the fence kept in place every
@@ -370,23 +376,7 @@ impl Gateway {
     /// approval closes on time even when the push that takes it out does
     /// not come (a controller down, a worker cut off).
     fn spawn_lapse_watch(&mut self) {
-        let dp = self.dp.clone();
-        self.tasks.spawn(async move {
-            let mut tick = tokio::time::interval(LAPSE_CHECK_EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let n = dp
-                    .registry
-                    .recompile_lapsed(time::OffsetDateTime::now_utc());
-                if n > 0 {
-                    tracing::info!(
-                        sandboxes = n,
-                        "allow entries past their until taken out of force"
-                    );
-                }
-            }
-        });
+        self.tasks.spawn(lapse_watch(self.dp.clone()));
     }
 
     /// Every [`SWEEP_EVERY`], the attribution of addresses no answer has
@@ -519,6 +509,9 @@ impl Gateway {
         self.dp.draining.store(true, Ordering::Release);
         self.workers.phase.send_replace(Phase::Draining);
         self.tasks.shutdown().await;
+        // The flows draining are judged by the policy as it is: an approval
+        // closes on time during the drain too.
+        let lapse = tokio::spawn(lapse_watch(self.dp.clone()));
         self.workers.listeners_stopped().await;
         let mut failed = failed;
         let mut handed = false;
@@ -538,6 +531,7 @@ impl Gateway {
             self.drain_over().await;
             open
         };
+        lapse.abort();
         if !handed {
             save_budgets(&self.dp);
         }
@@ -578,6 +572,25 @@ impl Gateway {
                 () = shutdown => (None, None),
                 why = task => (None, Some(why)),
             },
+        }
+    }
+}
+
+/// Every [`LAPSE_CHECK_EVERY`], the sandboxes with an allow entry past its
+/// `until` compiled again without it.
+async fn lapse_watch(dp: Arc<Dataplane>) {
+    let mut tick = tokio::time::interval(LAPSE_CHECK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let n = dp
+            .registry
+            .recompile_lapsed(time::OffsetDateTime::now_utc());
+        if n > 0 {
+            tracing::info!(
+                sandboxes = n,
+                "allow entries past their until taken out of force"
+            );
         }
     }
 }

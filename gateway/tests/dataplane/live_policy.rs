@@ -271,6 +271,40 @@ async fn a_spliced_stream_ends_at_its_entrys_until() {
     assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
 }
 
+/// During a drain too: the lapse watch goes on while the flows drain, so a
+/// spliced stream an entry let through ends at the entry's `until`, not at
+/// the end of the drain (30 s here).
+#[tokio::test]
+async fn a_spliced_stream_draining_ends_at_its_entrys_until() {
+    let e = env(Options::default()).await;
+    let rfc3339 = time::format_description::well_known::Rfc3339;
+    let soon = (time::OffsetDateTime::now_utc() + time::Duration::seconds(2))
+        .format(&rfc3339)
+        .expect("format");
+    let p = format!(
+        r#"{{"allow": [{{"ip": "{SPLICED_IP}", "until": "{soon}"}}, {{"domain": "other.example.test"}}]}}"#
+    );
+    e.sandbox("a", SANDBOX_A, policy(&p));
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    echoed(&mut s, b"before").await;
+    let Env { gateway, flows, .. } = e;
+    let drained = tokio::spawn(gateway.run_until(async {}));
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(Duration::from_secs(6), s.read(&mut buf)).await;
+    assert!(
+        matches!(read, Ok(Ok(0) | Err(_))),
+        "cut at the until while draining: {read:?}"
+    );
+    let left = tokio::time::timeout(Duration::from_secs(10), drained)
+        .await
+        .expect("the drain ends once the stream is cut")
+        .expect("drain");
+    assert_eq!(left, 0);
+    let line = flows.records().pop().expect("a line");
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+}
+
 /// A TLS stream spliced by an exemption is cut when a push takes the
 /// exemption out: it would be terminated now, and the gateway cannot start
 /// reading a stream already spliced. Its client connects again and is.
