@@ -77,6 +77,9 @@ pub(crate) struct Metrics {
     pub(crate) over_limit: Counter,
     /// Connections reset at accept because their source held its share.
     pub(crate) over_share: Counter,
+    /// HTTP/2 requests refused `503` because their source held its share
+    /// of requests in flight.
+    pub(crate) requests_over_share: Counter,
     /// Requests refused on a flow that was let through, by code.
     pub(crate) requests_denied: Family<CodeLabels, Counter>,
     /// Requests an audited rule would have refused, by code.
@@ -191,6 +194,7 @@ impl Metrics {
             faults: Family::default(),
             over_limit: Counter::default(),
             over_share: Counter::default(),
+            requests_over_share: Counter::default(),
             requests_denied: Family::default(),
             requests_would_deny: Family::default(),
             credentials_injected: Counter::default(),
@@ -263,8 +267,8 @@ impl Metrics {
         );
     }
 
-    /// `policy_pushes`, `connections_over_limit`, `connections_over_share` and
-    /// `flow_errors{side,kind}`
+    /// `policy_pushes`, `connections_over_limit`, `connections_over_share`,
+    /// `http2_requests_over_share` and `flow_errors{side,kind}`
     /// (every fault at zero from the start).
     fn register_operations(&mut self) {
         let r = &mut self.registry;
@@ -282,6 +286,11 @@ impl Metrics {
             "connections_over_share",
             "Connections reset at accept because their source address held its share of limits.max_connections (max_connections / (sources holding + 1), at least 64; in the last eighth of the slots, 8)",
             self.over_share.clone(),
+        );
+        r.register(
+            "http2_requests_over_share",
+            "Intercepted HTTP/2 requests answered 503 because their source address held its share of requests in flight (shared like limits.max_connections)",
+            self.requests_over_share.clone(),
         );
         r.register(
             "flow_errors",

@@ -51,6 +51,12 @@ pub struct Dataplane {
     pub(crate) proposed: crate::proposed::Proposed,
     /// Request and byte budgets spent ([`crate::budget`]).
     pub(crate) budgets: Arc<crate::budget::BudgetTable>,
+    /// Intercepted HTTP/2 requests in flight, shared between sources as
+    /// the connection slots are (`limits.max_connections`): each holds its
+    /// head (up to `limits.max_request_head`) until its answer's head comes,
+    /// and a connection's streams would otherwise multiply what one
+    /// connection may hold by hyper's 200.
+    pub(crate) h2_requests: Arc<crate::slots::Slots>,
     /// `shadow_diff_total`: differences of the sandboxes' shadow policies.
     pub(crate) shadow_diffs: prometheus_client::metrics::family::Family<
         crate::metrics::ShadowLabels,
@@ -77,8 +83,10 @@ impl Dataplane {
         ));
         let shadow_diffs = metrics.shadow_diffs();
         let secrets = crate::credentials::Secrets::new(config.credentials.clone());
+        let h2_requests = crate::slots::Slots::new(config.limits.max_connections);
         Self {
             budgets,
+            h2_requests,
             config: arc_swap::ArcSwap::from_pointee(config),
             registry,
             cache,

@@ -157,7 +157,18 @@ fn h2_service(
             end: None,
             charge: None,
         });
-        Box::pin(async move { Ok(conn.handle(req).await) }) as Answer<Body>
+        Box::pin(async move {
+            // Held until the answer's head: the request's head with it.
+            let Ok(_place) = conn.dp.h2_requests.take(conn.src) else {
+                conn.dp.metrics.requests_over_share.inc();
+                let why = "too many requests in flight from this address; retry\n";
+                return Ok(crate::reply::text(
+                    http::StatusCode::SERVICE_UNAVAILABLE,
+                    why,
+                ));
+            };
+            Ok(conn.handle(req).await)
+        }) as Answer<Body>
     })
 }
 

@@ -390,3 +390,49 @@ async fn streams_waiting_on_a_failed_connect_share_its_failure() {
     }
     assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// One source's HTTP/2 requests in flight are its share of
+/// `limits.max_connections` (here 128: alone, 64), as its connections are:
+/// the streams past it are answered `503` at once and counted, and once the
+/// answers come its next request goes through.
+#[tokio::test]
+async fn a_source_holds_at_most_its_share_of_http2_requests_in_flight() {
+    let e = env(Options {
+        max_connections: 128,
+        ..Options::default()
+    })
+    .await;
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        intercepting_policy(&["goaway.example.test"]),
+    );
+    e.resolve(SANDBOX_A, "goaway.example.test.").await;
+    let h2 = intercepted_h2(&e, e.origins.goaway, "goaway.example.test").await;
+    // Each answered a second after it is asked.
+    let slow: Vec<_> = (0..100)
+        .map(|_| {
+            let h2 = h2.clone();
+            tokio::spawn(async move {
+                h2_send(&h2, http::Method::GET, "https://goaway.example.test/slow")
+                    .await
+                    .0
+                    .status
+                    .as_u16()
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for s in slow {
+        statuses.push(s.await.expect("stream"));
+    }
+    let ok = statuses.iter().filter(|&&s| s == 200).count();
+    let refused = statuses.iter().filter(|&&s| s == 503).count();
+    assert_eq!((ok, refused), (64, 36), "{statuses:?}");
+    assert_eq!(
+        value(&e, "egress_http2_requests_over_share_total").await,
+        36
+    );
+    let (after, _) = h2_send(&h2, http::Method::GET, "https://goaway.example.test/").await;
+    assert_eq!(after.status, 200, "room again once answered");
+}
