@@ -346,13 +346,17 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
 }
 
 /// A push that did not apply: `409` for a conflict, `500` when it could not
-/// be made durable (nothing applied).
+/// be made durable (nothing applied), `503` when the commit queue is full.
 fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
     let reply = match why {
         NotApplied::Refused(e) => error(StatusCode::CONFLICT, &e.to_string(), Some(field)),
         NotApplied::Missing => error(StatusCode::NOT_FOUND, "no such sandbox", None),
         NotApplied::Failed(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
         NotApplied::Conflict(e) => error(StatusCode::CONFLICT, &e, None),
+        NotApplied::Busy => {
+            let why = "not applied: the commit thread has too many changes waiting (the state directory's disk may be stalled); try again";
+            error(StatusCode::SERVICE_UNAVAILABLE, why, None)
+        }
     };
     rejected(ctl, reply)
 }

@@ -24,6 +24,12 @@ use crate::shadow::ShadowDoc;
 /// Pushes committed together at most.
 const MAX_BATCH: usize = 1_024;
 
+/// Changes waiting for the commit thread at most: past it, a change is
+/// refused at once ([`NotApplied::Busy`]). A stalled disk (an fsync that
+/// does not return) then holds a bounded queue, not one compiled sandbox
+/// for every retry of every push.
+const MAX_QUEUED: usize = 4 * MAX_BATCH;
+
 /// One change the control API asks for.
 pub(crate) enum Change {
     /// A push; the sandbox's shadow, if it has one, is kept.
@@ -52,6 +58,9 @@ pub(crate) enum NotApplied {
     Failed(String),
     /// A promotion of a shadow a push has changed the policy under.
     Conflict(String),
+    /// The commit thread has [`MAX_QUEUED`] changes waiting: not applied,
+    /// try again.
+    Busy,
 }
 
 /// What became of a change.
@@ -65,7 +74,7 @@ struct Job {
 /// The handle the API submits changes through.
 #[derive(Debug, Clone)]
 pub(crate) struct Committer {
-    jobs: mpsc::UnboundedSender<JobBox>,
+    jobs: mpsc::Sender<JobBox>,
     /// Changes committed since the state was first written: the state's
     /// generation, reported to controllers.
     pub(crate) generation: Arc<AtomicU64>,
@@ -83,7 +92,7 @@ impl Committer {
         journal: Journal,
         seq: u64,
     ) -> Self {
-        let (jobs, rx) = mpsc::unbounded_channel();
+        let (jobs, rx) = mpsc::channel(MAX_QUEUED);
         let generation = Arc::new(AtomicU64::new(seq));
         let worker = Worker {
             registry,
@@ -104,14 +113,26 @@ impl Committer {
     /// Stops the commit thread once everything submitted before is durable;
     /// later submissions fail ("the commit thread has stopped").
     pub(crate) async fn seal(&self) {
-        let _ = self.submit(Change::Seal).await;
+        let (reply, answer) = oneshot::channel();
+        let job = Box::new(Job {
+            change: Change::Seal,
+            reply,
+        });
+        // Waits for a place: the seal is never refused for a full queue.
+        if self.jobs.send(job).await.is_ok() {
+            let _ = answer.await;
+        }
     }
 
     /// Submits a change and waits until it is durable (or refused).
     pub(crate) async fn submit(&self, change: Change) -> Outcome {
         let (reply, answer) = oneshot::channel();
-        if self.jobs.send(Box::new(Job { change, reply })).is_err() {
-            return Err(NotApplied::Failed("the commit thread has stopped".into()));
+        match self.jobs.try_send(Box::new(Job { change, reply })) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => return Err(NotApplied::Busy),
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                return Err(NotApplied::Failed("the commit thread has stopped".into()))
+            }
         }
         answer
             .await
@@ -129,7 +150,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(mut self, mut rx: mpsc::UnboundedReceiver<JobBox>) {
+    fn run(mut self, mut rx: mpsc::Receiver<JobBox>) {
         let mut carry: Option<JobBox> = None;
         loop {
             let Some(first) = carry.take().or_else(|| rx.blocking_recv()) else {

@@ -135,3 +135,49 @@ fn a_resync_whose_snapshot_was_never_written_leaves_commits_open() {
     assert!(put(&mut w, "c", "100.64.0.3"));
     assert_eq!(restarted(dir.path()), (ids(&["a", "c"]), 2));
 }
+
+/// A commit thread that does not take its changes (an fsync that does not
+/// return) holds at most [`MAX_QUEUED`] of them: the next is refused at once,
+/// and the seal still waits for a place rather than being refused.
+#[tokio::test]
+async fn a_stalled_commit_thread_holds_a_bounded_queue() {
+    let (jobs, mut rx) = mpsc::channel(MAX_QUEUED);
+    let committer = Committer {
+        jobs,
+        generation: Arc::default(),
+    };
+    let waiting: Vec<_> = (0..MAX_QUEUED)
+        .map(|i| {
+            let c = committer.clone();
+            tokio::spawn(async move {
+                c.submit(Change::Delete(SandboxId::new(&format!("s{i}"))))
+                    .await
+            })
+        })
+        .collect();
+    while committer.jobs.capacity() > 0 {
+        tokio::task::yield_now().await;
+    }
+    let next = committer
+        .submit(Change::Delete(SandboxId::new("one-more")))
+        .await;
+    assert!(matches!(next, Err(NotApplied::Busy)), "{next:?}");
+    // The seal waits for a place: one taken off, it goes in.
+    let sealing = tokio::spawn({
+        let c = committer.clone();
+        async move { c.seal().await }
+    });
+    tokio::task::yield_now().await;
+    assert!(!sealing.is_finished());
+    let first = rx.recv().await.expect("a job");
+    drop(first);
+    let seal = loop {
+        let job = rx.recv().await.expect("the seal comes");
+        if matches!(job.change, Change::Seal) {
+            break job;
+        }
+    };
+    let _ = seal.reply.send(Ok(()));
+    sealing.await.expect("sealed");
+    drop(waiting);
+}
