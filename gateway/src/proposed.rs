@@ -120,7 +120,9 @@ impl Proposed {
 
 impl BySandbox {
     /// Records `denial` for `id`; past `cap` entries over all sandboxes,
-    /// the sandbox holding most (a scanner first) gives up its oldest.
+    /// `id` gives up its oldest when it holds at least its average share
+    /// (a scanner recording new keys pays at once, with no scan of every
+    /// sandbox under the lock), else the sandbox holding most does.
     fn record(&mut self, id: &SandboxId, denial: Denial, cap: usize) {
         let proposals = self.map.entry(id.clone()).or_default();
         let before = proposals.len();
@@ -130,7 +132,16 @@ impl BySandbox {
             self.map.remove(id);
         }
         while self.entries > cap {
-            let Some(most) = self.map.values_mut().max_by_key(|p| p.len()) else {
+            let (n, entries) = (self.map.len(), self.entries);
+            let own = self
+                .map
+                .get(id)
+                .is_some_and(|p| p.len().saturating_mul(n) >= entries);
+            let most = match own {
+                true => self.map.get_mut(id),
+                false => self.map.values_mut().max_by_key(|p| p.len()),
+            };
+            let Some(most) = most else {
                 break;
             };
             most.evict();
