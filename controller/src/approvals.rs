@@ -89,8 +89,16 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
     *provenance = kept;
     for a in active {
         let rule = a.pushed_rule();
-        // The tenant's own entry for the same destination covers it.
-        if !policy.allow.contains(&a.rule) && !policy.allow.contains(&rule) {
+        // The tenant's own entry for the same destination covers it. For
+        // a template or the tenant, any entry of the sandbox's own for the
+        // destination decides: an open one added beside it would lift what
+        // it restricts (`http`, `streams`), in a sandbox the proposal did
+        // not come from.
+        let own = match a.scope {
+            Scope::Sandbox => policy.allow.contains(&a.rule) || policy.allow.contains(&rule),
+            Scope::Template | Scope::Tenant => policy.allow.iter().any(|r| r.dest == rule.dest),
+        };
+        if !own {
             provenance.push(a.provenance(&rule));
             policy.allow.push(rule);
         }
@@ -307,5 +315,34 @@ mod tests {
         let left: Vec<String> = policy.allow.iter().map(|r| r.dest.value()).collect();
         assert_eq!(left, ["kept.test"]);
         assert_eq!(prov, [json!({"source": "profile:sensor"})]);
+    }
+
+    /// For a template or the tenant, a sandbox's own entry for the
+    /// destination decides, whatever it restricts: an open rule beside a
+    /// `read_only` one would lift it. For the sandbox itself, the approved
+    /// rule joins its entry (what the proposal asked for).
+    #[test]
+    fn a_wider_approval_leaves_a_sandboxs_own_entry_for_the_destination() {
+        let own = r#"{"allow": [{"domain": "api.test", "http": "read_only"}]}"#;
+        for (scope, added) in [
+            (Scope::Tenant, false),
+            (Scope::Template, false),
+            (Scope::Sandbox, true),
+        ] {
+            let mut policy = Policy::from_json(own).expect("policy");
+            let mut a = approval("ap-1", r#"{"domain": "api.test"}"#);
+            a.scope = scope;
+            assert_eq!(
+                overlay(&mut policy, &mut Vec::new(), &[a]),
+                added,
+                "{scope:?}"
+            );
+            assert_eq!(policy.allow.len(), 1 + usize::from(added), "{scope:?}");
+        }
+        // Where it has none, a tenant's approval is added.
+        let mut policy = Policy::from_json(r#"{"allow": []}"#).expect("policy");
+        let mut a = approval("ap-2", r#"{"domain": "api.test"}"#);
+        a.scope = Scope::Tenant;
+        assert!(overlay(&mut policy, &mut Vec::new(), &[a]));
     }
 }

@@ -85,6 +85,7 @@ impl Api {
                 &format!("the worker proposed an invalid rule: {e}"),
             )
         })?;
+        approvable_for(req.scope, &rule).map_err(|why| error(StatusCode::BAD_REQUEST, &why))?;
         let mut tx = self.pool.begin().await.map_err(db)?;
         let row = visible(caller, store::sandbox(&mut tx, id).await.map_err(db)?, id)?;
         let target = match req.scope {
@@ -155,6 +156,49 @@ impl Api {
         match revoked {
             Some(a) => Ok(json_reply(StatusCode::OK, &a.document())),
             None => Err(error(StatusCode::NOT_FOUND, &format!("no approval {id:?}"))),
+        }
+    }
+}
+
+/// Whether `rule` may be approved for `scope`: a rule qualified by `http`
+/// or `streams` for its sandbox only. Laid over another sandbox that
+/// reaches the destination by a wider entry (a wildcard, the default), it
+/// would make a level of its own for the name and change which requests
+/// that sandbox may make; the proposal says nothing about them.
+fn approvable_for(scope: Scope, rule: &egress_policy::Rule) -> Result<(), String> {
+    if scope == Scope::Sandbox || (rule.http.is_none() && rule.streams.is_none()) {
+        return Ok(());
+    }
+    Err(format!(
+        "scope: {:?} for a rule qualified by http or streams: it can be approved for its sandbox only (for a template or the tenant it would change which requests other sandboxes may make to a destination they reach by another entry)",
+        scope.as_str()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_qualified_rule_is_approved_for_its_sandbox_only() {
+        let rule = |json: &str| serde_json::from_str::<egress_policy::Rule>(json).expect(json);
+        let open = rule(r#"{"domain": "api.test"}"#);
+        let post =
+            rule(r#"{"domain": "api.test", "http": {"methods": ["POST"], "paths": ["/v1/x"]}}"#);
+        let ssh = rule(r#"{"ip": "203.0.113.7", "streams": ["ssh"]}"#);
+        for scope in [Scope::Sandbox, Scope::Template, Scope::Tenant] {
+            assert_eq!(approvable_for(scope, &open), Ok(()), "{scope:?}");
+        }
+        assert_eq!(approvable_for(Scope::Sandbox, &post), Ok(()));
+        assert_eq!(approvable_for(Scope::Sandbox, &ssh), Ok(()));
+        for scope in [Scope::Template, Scope::Tenant] {
+            for r in [&post, &ssh] {
+                let why = approvable_for(scope, r).expect_err("refused");
+                assert!(
+                    why.starts_with(&format!("scope: {:?}", scope.as_str())),
+                    "{why}"
+                );
+            }
         }
     }
 }
