@@ -42,16 +42,25 @@ impl Approval {
     /// `until`, so the gateway takes it out of force on time by itself
     /// (the controller's own sweep needs it running and the worker
     /// reachable).
-    fn pushed_rule(&self) -> Rule {
+    /// `None` when its `until` does not read as RFC 3339: pushed without
+    /// it, the rule would never end on the gateway by itself, so it is not
+    /// pushed at all (and said).
+    fn pushed_rule(&self) -> Option<Rule> {
         let rfc3339 = time::format_description::well_known::Rfc3339;
-        let until = self
-            .until
-            .as_deref()
-            .and_then(|u| time::OffsetDateTime::parse(u, &rfc3339).ok());
-        Rule {
+        let until = match self.until.as_deref() {
+            None => None,
+            Some(u) => match time::OffsetDateTime::parse(u, &rfc3339) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    tracing::error!(approval = %self.id, until = u, error = %e, "an approval's until does not read as RFC 3339: its rule is not laid over any sandbox");
+                    return None;
+                }
+            },
+        };
+        Some(Rule {
             until,
             ..self.rule.clone()
-        }
+        })
     }
 
     /// The provenance entry of the rule it added (`rule`: as pushed).
@@ -88,7 +97,9 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
     }
     *provenance = kept;
     for a in active {
-        let rule = a.pushed_rule();
+        let Some(rule) = a.pushed_rule() else {
+            continue;
+        };
         // The tenant's own entry for the same destination covers it. For
         // a template or the tenant, any entry of the sandbox's own for the
         // destination decides: an open one added beside it would lift what
@@ -339,6 +350,12 @@ mod tests {
             );
             assert_eq!(policy.allow.len(), 1 + usize::from(added), "{scope:?}");
         }
+        // An until that does not read: nothing added (it would never end).
+        let mut policy = Policy::from_json(r#"{"allow": []}"#).expect("policy");
+        let mut a = approval("ap-3", r#"{"domain": "api.test"}"#);
+        a.until = Some("2999-01-01 10:00:00".into());
+        assert!(!overlay(&mut policy, &mut Vec::new(), &[a]));
+        assert!(policy.allow.is_empty());
         // Where it has none, a tenant's approval is added.
         let mut policy = Policy::from_json(r#"{"allow": []}"#).expect("policy");
         let mut a = approval("ap-2", r#"{"domain": "api.test"}"#);
