@@ -284,7 +284,22 @@ async function refreshDenials(id, denials, proposals, shadow) {
     p.status === 200 || p.status === 404 ? table(["Time", "Verdict", "Destination", "Name", "Request", "Reason"],
       items.slice(0, 50).map(([ex, verdict]) => denialRow(ex, verdict)), "No denials recorded.") : failure(p));
   updated.textContent = "Updated " + clock() + "; refreshes every " + POLL_MS / 1000 + " s.";
-  redraw(proposals, JSON.stringify([p.status, list]), () => p.status === 200 ? proposalTable(id, list) : failure(p));
+  // Rows keep their place (first seen first), and the table is rebuilt
+  // only when the proposals themselves change, never while a control in it
+  // has the focus: a scope picked or Approve focused stays, and a sandbox
+  // denied again cannot move a row under the pointer. Counts update in place.
+  const ordered = list.slice().sort((a, b) =>
+    (a.first_seen || "").localeCompare(b.first_seen || "") || String(a.id).localeCompare(String(b.id)));
+  if (!proposals.contains(document.activeElement)) {
+    redraw(proposals, JSON.stringify([p.status, ordered.map((x) => [x.id, x.rule, x.reasons])]),
+      () => p.status === 200 ? proposalTable(id, ordered) : failure(p));
+  }
+  for (const prop of ordered) {
+    const row = proposals.querySelector("tr[data-row=\"" + CSS.escape(String(prop.id)) + "\"]");
+    if (!row) continue;
+    row.querySelector(".count").textContent = String(prop.count);
+    row.querySelector(".last").textContent = prop.last_seen || "—";
+  }
   redraw(shadow, JSON.stringify([s.status, s.body, promoted.has(id)]), () => shadowSection(id, s));
 }
 
@@ -308,15 +323,19 @@ function proposalTable(id, list) {
         button.disabled = true;
         const path = "/v1/sandboxes/" + encodeURIComponent(id) + "/proposals/" + encodeURIComponent(prop.id) + "/approve";
         const r = await api("POST", path, { scope: scope.value });
-        if (r.status === 201) approved.set(id + "/" + prop.id, r.body.id);
-        out.replaceChildren(r.status === 201 ? "Approved (" + r.body.id + ")" : failure(r));
-        if (r.status !== 201) button.disabled = false;
+        // 200: the same approval was already in force (approved from another
+        // tab, or before a reload).
+        const ok = r.status === 201 || r.status === 200;
+        if (ok) approved.set(id + "/" + prop.id, r.body.id);
+        out.replaceChildren(r.status === 201 ? "Approved (" + r.body.id + ")"
+          : r.status === 200 ? "Already approved (" + r.body.id + ")" : failure(r));
+        if (!ok) button.disabled = false;
       } }, "Approve");
-    return el("tr", {},
+    return el("tr", { "data-row": prop.id },
       el("td", { class: "mono" }, destText(prop.rule)),
-      el("td", {}, String(prop.count)),
+      el("td", { class: "count" }, String(prop.count)),
       el("td", {}, (prop.reasons || []).map((c) => [reasonLink(c), " "])),
-      el("td", { class: "mono" }, prop.last_seen || "—"),
+      el("td", { class: "mono last" }, prop.last_seen || "—"),
       el("td", {}, scope, " ", button, " ", out));
   });
   return table(["Proposed rule", "Denials", "Reasons", "Last seen", "Approve"], rows, "No proposals.");
@@ -498,6 +517,12 @@ function route() {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  // The skip link moves the focus; followed as a link, its fragment would
+  // be read as a page and leave the one the operator is on.
+  document.querySelector("a.skip").addEventListener("click", (e) => {
+    e.preventDefault();
+    document.getElementById("main").focus();
+  });
   document.getElementById("logout").addEventListener("click", () => {
     sessionStorage.removeItem(TOKEN_KEY);
     location.hash = "#sandboxes";

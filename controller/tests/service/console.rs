@@ -244,6 +244,11 @@ async fn an_operator_finds_a_sandbox_reads_provenance_sees_a_denial_and_approves
         approved.as_str().expect("row").contains("approval"),
         "{approved}"
     );
+    // The skip link moves the focus and stays on the page.
+    let hash = b.eval("location.hash").await;
+    b.eval("document.querySelector('a.skip').click(); 1").await;
+    assert_eq!(b.eval("document.activeElement.id").await, json!("main"));
+    assert_eq!(b.eval("location.hash").await, hash);
     promote_a_shadow(&mut b, &w, &id).await;
 
     another_tenant_sees_nothing(&mut b, &w, &base, &id).await;
