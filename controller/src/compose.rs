@@ -74,11 +74,13 @@ fn provenance(
     resolved: &[(&ProfileName, &egress_policy::Profile)],
 ) -> Vec<Added> {
     let mut out = Vec::new();
-    // Composition adds whole-destination allows only.
+    // Composition adds whole-destination allows only, and only where the
+    // base has no entry that is exactly the destination (one with `http`,
+    // `streams` or an `until` does not cover it: `push_new_rule`).
     let whole = |rules: &[egress_policy::Rule]| -> Vec<Destination> {
         rules
             .iter()
-            .filter(|r| r.http.is_none())
+            .filter(|r| **r == r.dest)
             .map(|r| r.dest.clone())
             .collect()
     };
@@ -157,6 +159,28 @@ mod tests {
             ]
         );
         assert!(!e.inherits_template);
+        // A base entry for the profile's destination that is not exactly it
+        // (streams, an until) does not cover it: composition adds the
+        // profile's, and the provenance names the profile.
+        for own in [
+            r#"{"domain": "sensor.example.test", "streams": ["ssh"]}"#,
+            r#"{"domain": "sensor.example.test", "until": "2999-01-01T00:00:00Z"}"#,
+        ] {
+            let base = policy(&format!(
+                r#"{{"default": "deny", "tls_interception": "on", "allow": [{own}]}}"#
+            ));
+            let e = effective(&d, &base, &["sensor".into()], false).expect("configured");
+            assert_eq!(
+                e.policy.allow.len(),
+                1 + 1 + 2,
+                "{own}: its own, the profile's, the resolvers"
+            );
+            let named = e
+                .provenance
+                .iter()
+                .any(|a| a.list == "allow" && a.source == "profile:sensor");
+            assert!(named, "{own}: the profile's rule has its provenance");
+        }
     }
 
     #[test]

@@ -175,10 +175,10 @@ function sorted(v) {
   return v;
 }
 
-function destinationOf(rule) {
-  const d = Object.assign({}, rule);
-  delete d.http; delete d.mode; delete d.streams;
-  return d;
+// Composition adds an allow that is exactly a destination: a rule with a
+// qualifier, streams or an until is never one it added.
+function wholeDestination(rule) {
+  return !("http" in rule) && !("mode" in rule) && !("streams" in rule) && !("until" in rule);
 }
 
 // Where a rule came from: the provenance entry naming it, else the
@@ -186,7 +186,7 @@ function destinationOf(rule) {
 function provenanceOf(list, rule, provenance, inherits) {
   const entry = provenance.find((e) => (e.list || "allow") === list && (e.rule
     ? same(e.rule, rule)
-    : same(e.destination, list === "tls_interception_exemptions" ? rule : destinationOf(rule))));
+    : (list === "tls_interception_exemptions" || wholeDestination(rule)) && same(e.destination, rule)));
   if (!entry) {
     return inherits ? { source: "template", detail: "the template's policy, inherited" }
       : { source: "tenant", detail: "the sandbox's base policy (its own or its template's)" };
