@@ -102,19 +102,50 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
         };
         // The tenant's own entry for the same destination covers it. For
         // a template or the tenant, any entry of the sandbox's own for the
-        // destination decides: an open one added beside it would lift what
-        // it restricts (`http`, `streams`), in a sandbox the proposal did
-        // not come from.
-        let own = match a.scope {
+        // destination decides, and so does a qualified one (`http`,
+        // `streams`) that can match what the rule matches (a wildcard over
+        // its name, a range over its address): an open rule added beside it
+        // would lift what it restricts, in a sandbox the proposal did not
+        // come from. A qualified rule (approved for a wider scope before
+        // that was refused) is laid over none.
+        let skip = match a.scope {
             Scope::Sandbox => policy.allow.contains(&a.rule) || policy.allow.contains(&rule),
-            Scope::Template | Scope::Tenant => policy.allow.iter().any(|r| r.dest == rule.dest),
+            Scope::Template | Scope::Tenant => {
+                qualified(&rule)
+                    || policy.allow.iter().any(|r| {
+                        r.dest == rule.dest || (qualified(r) && overlaps(&r.dest, &rule.dest))
+                    })
+            }
         };
-        if !own {
+        if !skip {
             provenance.push(a.provenance(&rule));
             policy.allow.push(rule);
         }
     }
     before != (policy.allow.clone(), provenance.clone())
+}
+
+/// Whether an entry limits which requests or streams it lets through.
+fn qualified(rule: &Rule) -> bool {
+    rule.http.is_some() || rule.streams.is_some()
+}
+
+/// Whether one flow can match both an entry for `a` and one for `b` (by
+/// name: the same name, a wildcard over it, nested wildcards; by address:
+/// the same address, a range holding it, nested ranges).
+fn overlaps(a: &egress_policy::Destination, b: &egress_policy::Destination) -> bool {
+    use egress_policy::Destination::{Cidr, Domain, Ip, WildcardDomain};
+    match (a, b) {
+        (Domain(x), Domain(y)) => x == y,
+        (Domain(n), WildcardDomain(w)) | (WildcardDomain(w), Domain(n)) => w.matches(n),
+        (WildcardDomain(x), WildcardDomain(y)) => {
+            x.suffix() == y.suffix() || x.matches(y.suffix()) || y.matches(x.suffix())
+        }
+        (Ip(x), Ip(y)) => x == y,
+        (Ip(ip), Cidr(net)) | (Cidr(net), Ip(ip)) => net.contains(ip),
+        (Cidr(x), Cidr(y)) => x.contains(&y.network()) || y.contains(&x.network()),
+        _ => false,
+    }
 }
 
 /// Lays the approvals in force over sandbox `id`'s saved policy and saves
@@ -350,6 +381,38 @@ mod tests {
             );
             assert_eq!(policy.allow.len(), 1 + usize::from(added), "{scope:?}");
         }
+        // A qualified entry of its own over the name (a read_only wildcard)
+        // decides too: an open rule for the name would lift it. An open
+        // wildcard does not; nor a qualified entry for another name.
+        for (own, added) in [
+            (
+                r#"{"wildcard_domain": "*.test", "http": "read_only"}"#,
+                false,
+            ),
+            (r#"{"cidr": "203.0.113.0/24", "streams": ["ssh"]}"#, true),
+            (r#"{"wildcard_domain": "*.test"}"#, true),
+            (r#"{"domain": "other.test", "http": "read_only"}"#, true),
+        ] {
+            let mut policy = Policy::from_json(&format!(r#"{{"allow": [{own}]}}"#)).expect(own);
+            let mut a = approval("ap-4", r#"{"domain": "api.test"}"#);
+            a.scope = Scope::Tenant;
+            assert_eq!(overlay(&mut policy, &mut Vec::new(), &[a]), added, "{own}");
+        }
+        let mut policy =
+            Policy::from_json(r#"{"allow": [{"cidr": "203.0.113.0/24", "streams": ["ssh"]}]}"#)
+                .expect("policy");
+        let mut a = approval("ap-5", r#"{"ip": "203.0.113.7"}"#);
+        a.scope = Scope::Template;
+        assert!(
+            !overlay(&mut policy, &mut Vec::new(), &[a]),
+            "a range over it"
+        );
+        // A qualified rule approved for the tenant (before that was
+        // refused) is laid over none.
+        let mut policy = Policy::from_json(r#"{"allow": []}"#).expect("policy");
+        let mut a = approval("ap-6", r#"{"domain": "api.test", "http": "read_only"}"#);
+        a.scope = Scope::Tenant;
+        assert!(!overlay(&mut policy, &mut Vec::new(), &[a]));
         // An until that does not read: nothing added (it would never end).
         let mut policy = Policy::from_json(r#"{"allow": []}"#).expect("policy");
         let mut a = approval("ap-3", r#"{"domain": "api.test"}"#);

@@ -349,6 +349,10 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
 /// be made durable (nothing applied), `503` when the commit queue is full.
 fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
     let reply = match why {
+        // The limit is no field's fault.
+        NotApplied::Refused(e @ crate::registry::RegistryError::Full { .. }) => {
+            error(StatusCode::CONFLICT, &e.to_string(), None)
+        }
         NotApplied::Refused(e) => error(StatusCode::CONFLICT, &e.to_string(), Some(field)),
         NotApplied::Missing => error(StatusCode::NOT_FOUND, "no such sandbox", None),
         NotApplied::Failed(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
@@ -390,6 +394,15 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         }
     }
     let n = docs.len();
+    // Refused before a policy is compiled: the registry would refuse it
+    // after compiling every one.
+    if n > ctl.dp.registry.max() {
+        let why = crate::registry::RegistryError::Full {
+            max: ctl.dp.registry.max(),
+            refused: format!("a resync of {n}"),
+        };
+        return refused(ctl, NotApplied::Refused(why), "sandboxes");
+    }
     let prepared = docs
         .into_iter()
         .map(|d| persist::prepare(d, &ctl.dp.registry))

@@ -273,21 +273,24 @@ enum Keep {
     /// Its own table redirects it.
     Redirected,
     /// Its rules are made again in its own table, replaced whole: it is on
-    /// the table an older build named (`-` and `.` made `_`), or its own
-    /// table is one an older build named for another attached interface,
-    /// whose rules it may hold.
+    /// the table an older build named (`-` and `.` made `_`), its own table
+    /// is one an older build named for another attached interface, whose
+    /// rules it may hold, or its own table lacks rules this build writes
+    /// (an older build's `tracked` chain let a source the full set could not
+    /// take through uncounted).
     Rebuild,
     /// Nothing redirects it (its table gone or emptied): fenced again.
     Fence,
 }
 
 /// The fence keeper's plan for the `attached` interfaces, given which
-/// tables hold the redirects (`redirected`) and which interfaces this
-/// process has made again already (`rebuilt`); and the older build's
-/// tables to delete once it is carried out (none is another's own).
+/// tables hold the redirects (`redirected`), which hold every rule this
+/// build writes (`current`) and which interfaces this process has made
+/// again already (`rebuilt`); and the older build's tables to delete once
+/// it is carried out (none is another's own).
 fn keep_plan(
     attached: &[String],
-    redirected: impl Fn(&str) -> bool,
+    (redirected, current): (impl Fn(&str) -> bool, impl Fn(&str) -> bool),
     rebuilt: &HashSet<String>,
 ) -> (Vec<(String, Keep)>, Vec<String>) {
     // The older build's table of each attached interface whose name it
@@ -307,7 +310,8 @@ fn keep_plan(
             .find(|(i, _)| *i == iface.as_str())
             .is_some_and(|(_, t)| redirected(t));
         match redirected(&own) {
-            true if !anothers_old(iface, &own) || rebuilt.contains(iface) => Keep::Redirected,
+            true if rebuilt.contains(iface) => Keep::Redirected,
+            true if !anothers_old(iface, &own) && current(&own) => Keep::Redirected,
             true => Keep::Rebuild,
             false if on_old => Keep::Rebuild,
             false => Keep::Fence,
@@ -362,7 +366,9 @@ pub fn keep_fence(
         .lock()
         .map(|r| r.clone().unwrap_or_default())
         .unwrap_or_default();
-    let (keep, gone) = keep_plan(&attached, redirected, &rebuilt);
+    let current =
+        |t: &str| egress_machine::counters::rules(t, "tracked").is_ok_and(|n| n >= TRACKED);
+    let (keep, gone) = keep_plan(&attached, (redirected, current), &rebuilt);
     let mut first_error = None;
     for (iface, keep) in keep {
         let done = match keep {
@@ -391,7 +397,7 @@ fn rebuild(iface: &str, (ports, tracking): (Ports, Tracking)) -> Result<(), Redi
     if let Ok(mut r) = REBUILT.lock() {
         r.get_or_insert_with(HashSet::new).insert(iface.to_owned());
     }
-    tracing::info!(%iface, table = %table_name(iface)?, "made a sandbox interface's redirect again in its own table (an older build named it with '-' and '.' made '_', so two interfaces could share one)");
+    tracing::info!(%iface, table = %table_name(iface)?, "made a sandbox interface's redirect again in its own table, as this build writes it (an older build named tables with '-' and '.' made '_', so two interfaces could share one, and let a source its full set of counted sources could not take through uncounted)");
     Ok(())
 }
 
@@ -407,6 +413,9 @@ fn fence_again(iface: &str, detached: impl Fn(&str)) -> Result<(), RedirectError
 
 /// The rules of an attached interface's `to_gateway` chain ([`ruleset`]).
 const REDIRECTS: usize = 3;
+
+/// The rules of its `tracked` chain: fewer, and an older build wrote it.
+const TRACKED: usize = 4;
 
 fn nft() -> egress_machine::nft::Nft {
     egress_machine::nft::Nft::new(vec!["nft".into()])
@@ -526,16 +535,30 @@ mod tests {
         assert!(table_name("fence0").is_ok());
     }
 
-    /// The keeper's plan, on tables that hold the redirects (`tables`), this
-    /// process having made again `rebuilt`.
+    /// The keeper's plan, on tables that hold the redirects (`tables`),
+    /// each with every rule of this build, this process having made again
+    /// `rebuilt`.
     fn plan(
         attached: &[&str],
         tables: &[&str],
         rebuilt: &[&str],
     ) -> (Vec<(String, Keep)>, Vec<String>) {
+        plan_with(attached, (tables, tables), rebuilt)
+    }
+
+    /// [`plan`], with the tables holding every rule of this build apart.
+    fn plan_with(
+        attached: &[&str],
+        (tables, current): (&[&str], &[&str]),
+        rebuilt: &[&str],
+    ) -> (Vec<(String, Keep)>, Vec<String>) {
         let attached: Vec<String> = attached.iter().map(|a| (*a).to_owned()).collect();
         let rebuilt = rebuilt.iter().map(|r| (*r).to_owned()).collect();
-        keep_plan(&attached, |t| tables.contains(&t), &rebuilt)
+        let holds = (
+            |t: &str| tables.contains(&t),
+            |t: &str| current.contains(&t),
+        );
+        keep_plan(&attached, holds, &rebuilt)
     }
 
     #[test]
@@ -595,8 +618,20 @@ mod tests {
             plan(&["tap-1", "tap_1"], &both, &["tap_1"]),
             (
                 vec![own("tap-1", Redirected), own("tap_1", Redirected)],
-                none
+                none.clone()
             )
+        );
+        // Its own table, written by an older build (its `tracked` chain
+        // without the drop of a source the full set cannot take): made
+        // again, once.
+        let mine = ["egress_gw_tap-1"];
+        assert_eq!(
+            plan_with(&["tap-1"], (&mine, &[]), &[]),
+            (vec![own("tap-1", Rebuild)], none.clone())
+        );
+        assert_eq!(
+            plan_with(&["tap-1"], (&mine, &[]), &["tap-1"]),
+            (vec![own("tap-1", Redirected)], none)
         );
     }
 

@@ -106,6 +106,11 @@ impl Registry {
         self.max.store(max, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// The most sandboxes a push or a resync may leave registered.
+    pub fn max(&self) -> usize {
+        self.max.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn full(&self, count: usize, refused: &SandboxId) -> Result<(), RegistryError> {
         let max = self.max.load(std::sync::atomic::Ordering::Relaxed);
         if count > max {

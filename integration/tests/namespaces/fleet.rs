@@ -225,6 +225,52 @@ fn the_gateway_keeps_the_fence_in_place() {
         .unwrap_or_else(|| panic!("no fence metric:\n{metrics}"));
     assert_eq!(restored.trim(), "3", "the start's install is not counted");
     moves_an_older_builds_table(&mut t);
+    rewrites_an_older_builds_tracked_chain(&mut t);
+}
+
+/// An interface attached by a build whose `tracked` chain let a source the
+/// full set could not take through uncounted (no `saddr != @tracked` drop)
+/// has its table made again by the running gateway, still attached.
+fn rewrites_an_older_builds_tracked_chain(t: &mut Topology) {
+    let _sb5 = t.add_sandbox("sb5", "sbx5", 7);
+    let rules = t.gateway_cli(&["redirect", "--sandbox-iface", "sbx5"]);
+    let old: String = rules
+        .lines()
+        .filter(|l| !l.contains("saddr != @tracked"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_ne!(old, rules, "the older build's rules lack the drops");
+    let script = std::env::temp_dir().join(format!("egw-old5-{}.nft", std::process::id()));
+    std::fs::write(&script, old).expect("write the older build's rules");
+    let out = t.exec(&t.gw, "nft", &["-f", script.to_str().expect("utf-8")]);
+    let _ = std::fs::remove_file(&script);
+    assert!(out.status.success(), "{out:?}");
+    let chain = |t: &Topology| {
+        let out = t.exec(
+            &t.gw,
+            "nft",
+            &["list", "chain", "inet", "egress_gw_sbx5", "tracked"],
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !chain(t).contains("ip saddr != @tracked4") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not made again: {}",
+            chain(t)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let out = t.exec(
+        &t.gw,
+        "nft",
+        &["list", "set", "inet", "egress_gw_fence", "attached"],
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("\"sbx5\""),
+        "still attached: {out:?}"
+    );
 }
 
 /// An interface attached by a build that named its table with `-` made
