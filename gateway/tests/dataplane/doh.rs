@@ -226,29 +226,23 @@ async fn doh_bodies_being_read_are_bounded_per_source() {
     assert_eq!(status, 413, "past 4,096 bytes");
 }
 
-/// A DoH query a draining gateway would answer is refused `503` instead:
-/// the attribution it recorded would be lost to a successor, which has
-/// taken it over by then (the client asks again, of the successor's DNS).
-#[tokio::test]
-async fn a_draining_gateway_answers_no_doh() {
-    let e = env(Options::default()).await;
-    let client = doh_over_h2(&e).await;
+/// A DoH POST begun over HTTP/2 from sandbox A: its answer, and its body
+/// to send.
+async fn doh_post(e: &Env) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let client = doh_over_h2(e).await;
     let mut client = client.ready().await.expect("ready");
     let req = http::Request::post("https://dns.google/dns-query")
         .header("content-type", "application/dns-message")
         .body(())
         .expect("request");
-    // A query in flight (its body not yet whole) when the drain starts.
-    let (resp, mut body) = client.send_request(req, false).expect("stream");
-    let q = query("a.relay.example.test.");
-    body.send_data(bytes::Bytes::copy_from_slice(&q[..4]), false)
-        .expect("data");
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let Env { gateway, .. } = e;
-    let drained = tokio::spawn(gateway.run_until(async {}));
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    body.send_data(bytes::Bytes::copy_from_slice(&q[4..]), true)
-        .expect("data");
+    client.send_request(req, false).expect("stream")
+}
+
+/// `resp` is `503` within 5 s, and the drain (`drained`) ends with no flow left.
+async fn refused_while_draining(
+    resp: h2::client::ResponseFuture,
+    drained: tokio::task::JoinHandle<usize>,
+) {
     let resp = tokio::time::timeout(std::time::Duration::from_secs(5), resp)
         .await
         .expect("an answer in time")
@@ -261,33 +255,38 @@ async fn a_draining_gateway_answers_no_doh() {
     assert_eq!(left, 0);
 }
 
+/// A DoH query a draining gateway would answer is refused `503` instead:
+/// the attribution it recorded would be lost to a successor, which has
+/// taken it over by then (the client asks again, of the successor's DNS).
+#[tokio::test]
+async fn a_draining_gateway_answers_no_doh() {
+    let e = env(Options::default()).await;
+    // A query in flight (its body not yet whole) when the drain starts.
+    let (resp, mut body) = doh_post(&e).await;
+    let q = query("a.relay.example.test.");
+    body.send_data(bytes::Bytes::copy_from_slice(&q[..4]), false)
+        .expect("data");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let Env { gateway, .. } = e;
+    let drained = tokio::spawn(gateway.run_until(async {}));
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    body.send_data(bytes::Bytes::copy_from_slice(&q[4..]), true)
+        .expect("data");
+    refused_while_draining(resp, drained).await;
+}
+
 /// A query whose upstream answer comes after the drain began is answered
 /// `503` too: what the answer recorded may have missed the attribution a
 /// successor took over, so the client asks the successor.
 #[tokio::test]
 async fn a_doh_answer_that_comes_after_the_drain_began_is_not_given() {
     let e = env(Options::default()).await;
-    let client = doh_over_h2(&e).await;
-    let mut client = client.ready().await.expect("ready");
-    let req = http::Request::post("https://dns.google/dns-query")
-        .header("content-type", "application/dns-message")
-        .body(())
-        .expect("request");
-    let (resp, mut body) = client.send_request(req, false).expect("stream");
+    let (resp, mut body) = doh_post(&e).await;
     let q = query("slow.example.test.");
     body.send_data(bytes::Bytes::from(q), true).expect("data");
     // The upstream answers 600 ms after it is asked.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     let Env { gateway, .. } = e;
     let drained = tokio::spawn(gateway.run_until(async {}));
-    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), resp)
-        .await
-        .expect("an answer in time")
-        .expect("response");
-    assert_eq!(resp.status().as_u16(), 503);
-    let left = tokio::time::timeout(std::time::Duration::from_secs(10), drained)
-        .await
-        .expect("the drain ends")
-        .expect("drain");
-    assert_eq!(left, 0);
+    refused_while_draining(resp, drained).await;
 }

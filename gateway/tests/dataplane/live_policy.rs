@@ -244,11 +244,9 @@ async fn a_spliced_stream_is_cut_when_its_destination_becomes_a_sandboxs_address
     assert_eq!(line["bytes_up"], 10, "{line}");
 }
 
-/// An allow entry's `until` ends the spliced streams it let through, with no
-/// push: the registry compiles the policy again, and the stream is judged
-/// under it.
-#[tokio::test]
-async fn a_spliced_stream_ends_at_its_entrys_until() {
+/// Sandbox A allowed to the echo origin at `SPLICED_IP` by an entry whose
+/// `until` is 2 s ahead, and a stream to it spliced (an echo read back).
+async fn spliced_until_soon() -> (Env, tokio::net::TcpStream) {
     let e = env(Options::default()).await;
     let rfc3339 = time::format_description::well_known::Rfc3339;
     let soon = (time::OffsetDateTime::now_utc() + time::Duration::seconds(2))
@@ -261,6 +259,15 @@ async fn a_spliced_stream_ends_at_its_entrys_until() {
     let origin = crate::streams::echo_origin(SPLICED_IP).await;
     let mut s = e.connect(SANDBOX_A, origin).await;
     echoed(&mut s, b"before").await;
+    (e, s)
+}
+
+/// An allow entry's `until` ends the spliced streams it let through, with no
+/// push: the registry compiles the policy again, and the stream is judged
+/// under it.
+#[tokio::test]
+async fn a_spliced_stream_ends_at_its_entrys_until() {
+    let (e, mut s) = spliced_until_soon().await;
     let mut buf = [0u8; 16];
     let read = tokio::time::timeout(Duration::from_secs(6), s.read(&mut buf)).await;
     assert!(
@@ -276,18 +283,7 @@ async fn a_spliced_stream_ends_at_its_entrys_until() {
 /// the end of the drain (30 s here).
 #[tokio::test]
 async fn a_spliced_stream_draining_ends_at_its_entrys_until() {
-    let e = env(Options::default()).await;
-    let rfc3339 = time::format_description::well_known::Rfc3339;
-    let soon = (time::OffsetDateTime::now_utc() + time::Duration::seconds(2))
-        .format(&rfc3339)
-        .expect("format");
-    let p = format!(
-        r#"{{"allow": [{{"ip": "{SPLICED_IP}", "until": "{soon}"}}, {{"domain": "other.example.test"}}]}}"#
-    );
-    e.sandbox("a", SANDBOX_A, policy(&p));
-    let origin = crate::streams::echo_origin(SPLICED_IP).await;
-    let mut s = e.connect(SANDBOX_A, origin).await;
-    echoed(&mut s, b"before").await;
+    let (e, mut s) = spliced_until_soon().await;
     let Env { gateway, flows, .. } = e;
     let drained = tokio::spawn(gateway.run_until(async {}));
     let mut buf = [0u8; 16];

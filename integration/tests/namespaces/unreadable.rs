@@ -105,23 +105,15 @@ fn unreadable_streams_are_refused_and_named_ssh_passes() {
     );
 }
 
-/// A sandbox holding connections fills its own share of the host's
-/// connection tracking, not the table: past `redirect.max_tracked_connections`
-/// open ones from a source address, that address's new connections are
-/// dropped before NAT (a SYN that never gets an answer), while its other
-/// address (IPv6) and the other sandbox still connect; once it lets its
-/// connections go, it connects again.
-#[test]
-fn a_sandbox_interface_tracks_at_most_its_bound_of_connections() {
-    if !available() {
-        return;
-    }
+/// The topology with sb1 and sb2 open, and sb1's interface attached again
+/// by `egress-gateway redirect --apply` under a configuration of `toml`.
+fn attached_with(toml: &str) -> Topology {
     let t = Topology::new();
     let open = r#"{"default": "allow", "tls_interception": "on"}"#;
     t.push("sb1", SB1_IP, open);
     t.push("sb2", SB2_IP, open);
-    let config = t.path("tracked.toml");
-    std::fs::write(&config, "[redirect]\nmax_tracked_connections = 4\n").expect("config");
+    let config = t.path("redirect.toml");
+    std::fs::write(&config, toml).expect("config");
     let gateway = crate::topology::bin("egress-gateway");
     let config = config.to_str().expect("utf-8");
     let args = [
@@ -138,6 +130,21 @@ fn a_sandbox_interface_tracks_at_most_its_bound_of_connections() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    t
+}
+
+/// A sandbox holding connections fills its own share of the host's
+/// connection tracking, not the table: past `redirect.max_tracked_connections`
+/// open ones from a source address, that address's new connections are
+/// dropped before NAT (a SYN that never gets an answer), while its other
+/// address (IPv6) and the other sandbox still connect; once it lets its
+/// connections go, it connects again.
+#[test]
+fn a_sandbox_interface_tracks_at_most_its_bound_of_connections() {
+    if !available() {
+        return;
+    }
+    let t = attached_with("[redirect]\nmax_tracked_connections = 4\n");
     // Four held, a fifth refused; all let go, and a sixth connects.
     // All within the gateway's peek timeout (2 s), which would close the
     // held ones: four held, its IPv6 address (another source) connects, a
@@ -186,28 +193,7 @@ fn a_source_past_the_counted_sources_is_dropped() {
     if !available() {
         return;
     }
-    let t = Topology::new();
-    let open = r#"{"default": "allow", "tls_interception": "on"}"#;
-    t.push("sb1", SB1_IP, open);
-    t.push("sb2", SB2_IP, open);
-    let config = t.path("sources.toml");
-    std::fs::write(&config, "[redirect]\nmax_tracked_sources = 1\n").expect("config");
-    let gateway = crate::topology::bin("egress-gateway");
-    let config = config.to_str().expect("utf-8");
-    let args = [
-        "redirect",
-        "--sandbox-iface",
-        "sb1",
-        "--config",
-        config,
-        "--apply",
-    ];
-    let out = t.exec(&t.gw, gateway.to_str().expect("utf-8"), &args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let t = attached_with("[redirect]\nmax_tracked_sources = 1\n");
     let second = [
         "-6",
         "addr",
