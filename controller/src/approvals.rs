@@ -102,20 +102,20 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
         };
         // The tenant's own entry for the same destination covers it. For
         // a template or the tenant, any entry of the sandbox's own for the
-        // destination decides, and so does a qualified one (`http`,
-        // `streams`) that can match what the rule matches (a wildcard over
-        // its name, a range over its address): an open rule added beside it
-        // would lift what it restricts, in a sandbox the proposal did not
-        // come from. A qualified rule (approved for a wider scope before
-        // that was refused) is laid over none.
+        // destination decides, and so does one that the rule would lift
+        // ([`lifts`]), in a sandbox the proposal did not come from. A
+        // qualified rule (approved for a wider scope before that was
+        // refused) is laid over none.
         let skip = match a.scope {
             Scope::Sandbox => policy.allow.contains(&a.rule) || policy.allow.contains(&rule),
-            Scope::Template | Scope::Tenant => {
-                qualified(&rule)
-                    || policy.allow.iter().any(|r| {
-                        r.dest == rule.dest || (qualified(r) && overlaps(&r.dest, &rule.dest))
-                    })
+            Scope::Template | Scope::Tenant if qualified(&rule) => {
+                tracing::warn!(approval = %a.id, scope = a.scope.as_str(), "an approval of a rule qualified by http or streams for a template or the tenant is laid over no sandbox (approve it for its sandbox)");
+                true
             }
+            Scope::Template | Scope::Tenant => policy
+                .allow
+                .iter()
+                .any(|r| r.dest == rule.dest || lifts(r, &rule.dest)),
         };
         if !skip {
             provenance.push(a.provenance(&rule));
@@ -128,6 +128,32 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
 /// Whether an entry limits which requests or streams it lets through.
 fn qualified(rule: &Rule) -> bool {
     rule.http.is_some() || rule.streams.is_some()
+}
+
+/// Whether an open entry for `d` would lift what `own` restricts. Its
+/// requests (`http`): where `own`'s level is at or above `d`'s for a name
+/// (the most specific level decides a name's requests), so `own` for the
+/// name or a wildcard over it. Its streams: wherever one flow can match
+/// both (the sets of each kind fall through to wider entries), a name and
+/// an address included, since a name may resolve to the address.
+fn lifts(own: &Rule, d: &egress_policy::Destination) -> bool {
+    let by_requests = own.http.is_some() && covers(&own.dest, d);
+    let by_streams =
+        own.streams.is_some() && (own.dest.is_name() != d.is_name() || overlaps(&own.dest, d));
+    by_requests || by_streams
+}
+
+/// Whether every name `inner` matches, `outer` matches at the same level
+/// or above it: the same name, or a wildcard over it (or over the
+/// wildcard).
+fn covers(outer: &egress_policy::Destination, inner: &egress_policy::Destination) -> bool {
+    use egress_policy::Destination::{Domain, WildcardDomain};
+    match (outer, inner) {
+        (Domain(x), Domain(y)) => x == y,
+        (WildcardDomain(w), Domain(n)) => w.matches(n),
+        (WildcardDomain(x), WildcardDomain(y)) => x.suffix() == y.suffix() || x.matches(y.suffix()),
+        _ => false,
+    }
 }
 
 /// Whether one flow can match both an entry for `a` and one for `b` (by
@@ -389,7 +415,8 @@ mod tests {
                 r#"{"wildcard_domain": "*.test", "http": "read_only"}"#,
                 false,
             ),
-            (r#"{"cidr": "203.0.113.0/24", "streams": ["ssh"]}"#, true),
+            // An address's streams: the name may resolve to it.
+            (r#"{"cidr": "203.0.113.0/24", "streams": ["ssh"]}"#, false),
             (r#"{"wildcard_domain": "*.test"}"#, true),
             (r#"{"domain": "other.test", "http": "read_only"}"#, true),
         ] {
@@ -406,6 +433,27 @@ mod tests {
         assert!(
             !overlay(&mut policy, &mut Vec::new(), &[a]),
             "a range over it"
+        );
+        // A narrower name's read_only entry keeps its own level: a
+        // wildcard over it is laid over (it lifts nothing there).
+        let mut policy =
+            Policy::from_json(r#"{"allow": [{"domain": "api.test", "http": "read_only"}]}"#)
+                .expect("policy");
+        let mut a = approval("ap-7", r#"{"wildcard_domain": "*.test"}"#);
+        a.scope = Scope::Tenant;
+        assert!(
+            overlay(&mut policy, &mut Vec::new(), &[a]),
+            "a wider wildcard"
+        );
+        // A name's streams, and an approval of an address it may resolve to.
+        let mut policy =
+            Policy::from_json(r#"{"allow": [{"domain": "git.test", "streams": ["ssh"]}]}"#)
+                .expect("policy");
+        let mut a = approval("ap-8", r#"{"ip": "203.0.113.7"}"#);
+        a.scope = Scope::Tenant;
+        assert!(
+            !overlay(&mut policy, &mut Vec::new(), &[a]),
+            "a name's streams"
         );
         // A qualified rule approved for the tenant (before that was
         // refused) is laid over none.

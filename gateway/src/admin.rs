@@ -380,6 +380,17 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
     if let Err((i, msg)) = egress_api::gateway::resync_ids(&docs) {
         return bad(i, "id", &msg);
     }
+    // Refused before a credential is read or a policy compiled: the
+    // registry would refuse it after compiling every one.
+    let max = ctl.dp.registry.max();
+    if docs.len() > max {
+        let refused_as = format!("a resync of {}", docs.len());
+        let why = crate::registry::RegistryError::Full {
+            max,
+            refused: refused_as,
+        };
+        return refused(ctl, NotApplied::Refused(why), "sandboxes");
+    }
     for (i, d) in docs.iter().enumerate() {
         if let Err(e) = egress_api::gateway::sandbox_addresses(&d.addresses) {
             return bad(i, "addresses", &e);
@@ -394,15 +405,6 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         }
     }
     let n = docs.len();
-    // Refused before a policy is compiled: the registry would refuse it
-    // after compiling every one.
-    if n > ctl.dp.registry.max() {
-        let why = crate::registry::RegistryError::Full {
-            max: ctl.dp.registry.max(),
-            refused: format!("a resync of {n}"),
-        };
-        return refused(ctl, NotApplied::Refused(why), "sandboxes");
-    }
     let prepared = docs
         .into_iter()
         .map(|d| persist::prepare(d, &ctl.dp.registry))
