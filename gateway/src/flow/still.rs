@@ -5,10 +5,10 @@
 //! again), an exemption taken out (the flow would now be terminated) or a
 //! deny added, or its destination become one of the addresses denied while
 //! the gateway runs (another sandbox's or a VM's, the host's): at the next
-//! tick of the flow's idle watch (within a second) the flow is judged again, under the policy as it is then, on the names
-//! it was first judged on (their expiry since does not end a flow; the
-//! evidence was whole when it was admitted), and cut unless the verdict is
-//! the one it runs under.
+//! tick of the flow's idle watch (within a second) the flow is judged
+//! again, under the policy as it is then, on the names it was first judged
+//! on (their expiry since does not end a flow; the evidence was whole when
+//! it was admitted), and cut unless the verdict is the one it runs under.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
