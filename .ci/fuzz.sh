@@ -99,6 +99,7 @@ for t in "${targets[@]}"; do
   fi
   echo "== $t: replaying ${#inputs[@]} inputs of fuzz/regressions/$t"
   if ! "$bin" -artifact_prefix="$artifacts/" "${inputs[@]}" >"$log" 2>&1; then
+    grep -a -A4 'panicked at' "$log" | head -n 12 || true
     tail -n 40 "$log"
     echo "!! $t: a regression input fails again"
     report_artifacts "$artifacts"
@@ -125,6 +126,8 @@ for t in "${targets[@]}"; do
     -artifact_prefix="$artifacts/" >"$log" 2>&1 || status=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
   if [ "$status" -ne 0 ]; then
+    # The panic's message comes before its backtrace, which the tail cuts.
+    grep -a -A4 'panicked at' "$log" | head -n 12 || true
     tail -n 60 "$log"
     echo "!! $t: libFuzzer exited with $status"
     report_artifacts "$artifacts"

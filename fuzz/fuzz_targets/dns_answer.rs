@@ -18,8 +18,9 @@
 //!   class IN only: follow the first CNAME owned
 //!   by the current name (ASCII case ignored) from the question, at most 16
 //!   links, stopping at a loop; the addresses are the A/AAAA records owned
-//!   by the chain's last name, in answer order, once each, at most 64 (a
-//!   record of an address past those is not used), and none when that name
+//!   by the chain's last name, in answer order, once each (an IPv4-mapped
+//!   AAAA counting as its IPv4 address), at most 64 (a record of an
+//!   address past those is not used), and none when that name
 //!   owns a CNAME itself (a loop, or the limit); the names are the chain
 //!   names whose every label is letters, digits and inner hyphens (a valid
 //!   hostname), once each; the TTL is the smallest of the links and address
@@ -151,7 +152,8 @@ fn model(question: &Name, answer: &Message) -> Option<Attribution> {
     for r in internet(answer).filter(|_| !cname_of_last) {
         let addr = match &r.data {
             RData::A(a) => IpAddr::V4(a.0),
-            RData::AAAA(a) => IpAddr::V6(a.0),
+            // An IPv4-mapped AAAA is the IPv4 address its flows carry.
+            RData::AAAA(a) => IpAddr::V6(a.0).to_canonical(),
             _ => continue,
         };
         if key(&r.name) != last {
