@@ -12,6 +12,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use egress_policy::SandboxId;
 use tokio::sync::{mpsc, oneshot};
@@ -111,17 +112,27 @@ impl Committer {
     }
 
     /// Stops the commit thread once everything submitted before is durable;
-    /// later submissions fail ("the commit thread has stopped").
-    pub(crate) async fn seal(&self) {
+    /// later submissions fail ("the commit thread has stopped"). Waits at
+    /// most `within`: a thread stuck on a stalled disk has not sealed, and
+    /// may still write, so the state directory must not be handed on.
+    pub(crate) async fn seal(&self, within: Duration) -> Result<(), String> {
         let (reply, answer) = oneshot::channel();
         let job = Box::new(Job {
             change: Change::Seal,
             reply,
         });
-        // Waits for a place: the seal is never refused for a full queue.
-        if self.jobs.send(job).await.is_ok() {
-            let _ = answer.await;
-        }
+        let sealed = async {
+            // Waits for a place: the seal is never refused for a full queue.
+            if self.jobs.send(job).await.is_ok() {
+                let _ = answer.await;
+            }
+        };
+        tokio::time::timeout(within, sealed).await.map_err(|_| {
+            format!(
+                "the commit thread did not seal the pushed state within {}s (a stalled disk?)",
+                within.as_secs_f64()
+            )
+        })
     }
 
     /// Submits a change and waits until it is durable (or refused).

@@ -222,6 +222,10 @@ enum Phase {
 /// and write their lines: past a tick of their watch (at most a second).
 const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// Longest wait for the commit thread to seal the pushed state at a
+/// handover: within the 10 s a successor waits for its answer.
+const SEAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(8);
+
 const RESOLVER_PRIMARY: SocketAddr =
     SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(8, 8, 8, 8)), 53);
 const RESOLVER_ALT: SocketAddr =
@@ -626,8 +630,14 @@ impl Gateway {
     /// Seals the pushed state, lets go of the state directory and sends the
     /// successor the sockets and the attribution.
     async fn hand_over(&mut self, successor: crate::handover::Successor) -> Result<(), String> {
-        // Every acknowledged push is in the journal; none is acknowledged after.
-        self.committer.seal().await;
+        // Every acknowledged push is in the journal; none is acknowledged
+        // after. A commit thread that does not seal in time may still write:
+        // the lock is kept and nothing is handed on (the successor's wait
+        // for its answer ends; this gateway drains and exits).
+        if let Err(why) = self.committer.seal(SEAL_TIMEOUT).await {
+            tracing::error!(%why, "the handover failed after this gateway stopped serving: draining, then exiting with a failure (a supervisor starts a gateway on this state_dir again)");
+            return Err(format!("handover: {why}"));
+        }
         let attribution = crate::handover::export(&self.dp.cache, &self.dp.registry.ids());
         // Flows still draining here spend this gateway's states after they
         // are sent: what they move is not charged again by the successor.

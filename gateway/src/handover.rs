@@ -10,7 +10,9 @@
 //!
 //! 1. The running gateway stops accepting flows, DNS queries and admin
 //!    calls, and seals its commit thread: every push acknowledged so far is
-//!    in the journal, and none is acknowledged after. Its listening sockets
+//!    in the journal, and none is acknowledged after (a thread that has
+//!    not sealed within 8 s fails the handover: it may still write, so the
+//!    lock is kept and nothing is sent). Its listening sockets
 //!    stay open (duplicates are kept for this), so connections and queries
 //!    that arrive now wait in the kernel's queues.
 //! 2. It releases `state_dir/gateway.lock`.

@@ -165,7 +165,7 @@ async fn a_stalled_commit_thread_holds_a_bounded_queue() {
     // The seal waits for a place: one taken off, it goes in.
     let sealing = tokio::spawn({
         let c = committer.clone();
-        async move { c.seal().await }
+        async move { c.seal(Duration::from_secs(30)).await }
     });
     tokio::task::yield_now().await;
     assert!(!sealing.is_finished());
@@ -178,6 +178,26 @@ async fn a_stalled_commit_thread_holds_a_bounded_queue() {
         }
     };
     let _ = seal.reply.send(Ok(()));
-    sealing.await.expect("sealed");
+    sealing.await.expect("ran").expect("sealed");
     drop(waiting);
+}
+
+/// A commit thread stuck (on a stalled disk) has not sealed: the seal says
+/// so within its time instead of waiting for good, and a handover is not
+/// made over a thread that may still write.
+#[tokio::test]
+async fn a_seal_the_commit_thread_never_takes_fails_in_time() {
+    let (jobs, _stuck) = mpsc::channel(MAX_QUEUED);
+    let committer = Committer {
+        jobs,
+        generation: Arc::default(),
+    };
+    let sealed = tokio::time::timeout(
+        Duration::from_secs(10),
+        committer.seal(Duration::from_millis(200)),
+    )
+    .await
+    .expect("the seal gives up within its time");
+    let why = sealed.expect_err("not sealed");
+    assert!(why.contains("did not seal"), "{why}");
 }
