@@ -861,10 +861,11 @@ const RD: u8 = 0x01;
 /// What of a question besides its name reaches the name's authority and
 /// could carry data there, as one number for the new-name budget: 0 for an
 /// ordinary question (class IN; type A, AAAA or HTTPS; no AD, CD or DO
-/// bit), else its type, class and bits. A name asked again with another of
-/// them then spends a name as a new name does, so a sandbox cannot move 16
-/// bits a query in the type of one name asked over and over. Which of A,
-/// AAAA and HTTPS a query asks stays free: under 2 bits a query, within
+/// bit; no EDNS), else its type, class and bits. A name asked again with
+/// another of them then spends a name as a new name does, so a sandbox
+/// cannot move 16 bits a query in the type of one name asked over and over
+/// (nor one in whether the upstream query carries an OPT record). Which of
+/// A, AAAA and HTTPS a query asks stays free: under 2 bits a query, within
 /// the query budget.
 fn question_variant(query: &Message, q: &Query) -> u64 {
     let ordinary = matches!(
@@ -884,7 +885,8 @@ fn question_variant(query: &Message, q: &Query) -> u64 {
     let dnssec_ok = query.edns.as_ref().is_some_and(|e| e.flags().dnssec_ok);
     let bits = u64::from(query.metadata.authentic_data)
         | u64::from(query.metadata.checking_disabled) << 1
-        | u64::from(dnssec_ok) << 2;
+        | u64::from(dnssec_ok) << 2
+        | u64::from(query.edns.is_some()) << 3;
     ty | class << 16 | bits << 32
 }
 

@@ -749,9 +749,10 @@ async fn queries_per_second_are_bounded_and_policies_override_the_defaults() {
     );
 }
 
-/// A name asked over and over in other query types (or classes, or DNSSEC
-/// bits) would carry 16 bits a query past the new-name budget: each other
-/// question spends a name. A, AAAA and HTTPS of one name spend one.
+/// A name asked over and over in other query types (or classes, DNSSEC
+/// bits, or with and without EDNS) would carry bits a query past the
+/// new-name budget: each other question spends a name. A, AAAA and HTTPS
+/// of one name spend one.
 #[tokio::test]
 async fn a_name_asked_in_other_types_spends_the_name_budget() {
     let h = harness(
@@ -804,6 +805,41 @@ async fn a_name_asked_in_other_types_spends_the_name_budget() {
     // Asked again, a question already seen costs nothing.
     let q = query("api.test.", RecordType::MX, None);
     assert_eq!(code(udp(&h, SANDBOX_A, &q).await), ResponseCode::NoError);
+    // The upstream query carries an OPT record only when the sandbox's
+    // does: with EDNS, the same question is another one.
+    let mut codes = Vec::new();
+    for edns in [None, Some(1232), Some(4096), None] {
+        let q = query("edns.test.", RecordType::A, edns);
+        codes.push(code(udp(&h, SANDBOX_B, &q).await));
+    }
+    assert_eq!(
+        codes,
+        [
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::NoError
+        ],
+        "without and with EDNS: two names of B's four"
+    );
+    for edns in [None, Some(1232)] {
+        let q = query("edns.other.test.", RecordType::A, edns);
+        codes.push(code(udp(&h, SANDBOX_B, &q).await));
+    }
+    for edns in [Some(512), None] {
+        let q = query("edns.third.test.", RecordType::A, edns);
+        codes.push(code(udp(&h, SANDBOX_B, &q).await));
+    }
+    assert_eq!(
+        codes[4..],
+        [
+            ResponseCode::NoError,
+            ResponseCode::NoError,
+            ResponseCode::Refused,
+            ResponseCode::Refused
+        ],
+        "the third and fourth of B's names, then none"
+    );
 }
 
 /// A policy's budget is the tenant's: it may raise the operator's default,
