@@ -270,12 +270,13 @@ impl Gateway {
         orig_dst: Arc<dyn OriginalDst>,
         flow_log: FlowLog,
         clock: Arc<dyn Clock>,
-        taken: Option<crate::handover::Taken>,
+        mut taken: Option<crate::handover::Taken>,
     ) -> Result<Self, StartError> {
         // Before anything in the state directory is read or written.
         let lock = lock(&config, taken.is_some())?;
         let cold = taken.is_none();
         let received = taken.as_ref().map(|t| t.received);
+        let predecessor = taken.as_mut().and_then(|t| t.predecessor.take());
         let minter = minter(&config)?;
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let tokens = tokens(&config)?;
@@ -289,15 +290,16 @@ impl Gateway {
         // off their lifetimes: a handover extends no evidence.
         let since = received.map_or(std::time::Duration::ZERO, |r| r.elapsed());
         let committer = recover(&config, &registry, &cache, (attributed, since))?;
+        // What the predecessor had, before anything here changes it.
+        let predecessor = predecessor.map(|stream| (stream, registry.checkpoint()));
         let offer = offer(&config, &listeners);
         // Every VM's table, before a single flow is served.
         let machines = machines(&config, &registry, &cache)?;
         let metrics = metrics((&dns, &cache, &minter), &machines, &flow_log, &up);
         let ca = CaReloader::new(minter, &config, metrics.ca_reloads.clone());
         let slots = Slots::new(config.limits.max_connections);
-        let kernel = crate::ksplice::load(config.splice.kernel);
         let mut dp = Dataplane::new(config, registry, cache, flow_log, metrics, orig_dst);
-        dp.kernel = kernel;
+        dp.kernel = crate::ksplice::load(dp.config().splice.kernel);
         dp.resolver = Some(dns.clone());
         let dp = Arc::new(dp);
         take_budgets(&dp, budgets, cold);
@@ -320,10 +322,19 @@ impl Gateway {
             &dns,
             Control::new(gateway.dp.clone(), tokens, committer, machines),
         )?;
-        if cold {
-            saved_budgets_taken(&gateway.dp);
-        }
+        gateway.started(cold, predecessor);
         Ok(gateway)
+    }
+
+    /// Once serving: after a cold start, the saved budget states' file
+    /// removed; after a takeover, the predecessor told of what changes.
+    fn started(&self, cold: bool, predecessor: Option<Told>) {
+        if cold {
+            saved_budgets_taken(&self.dp);
+        }
+        if let Some(told) = predecessor {
+            tell_predecessor(told, self.dp.registry.clone());
+        }
     }
 
     /// The tasks beside the listeners: machine egress's, the fence keeper,
@@ -599,6 +610,45 @@ async fn lapse_watch(dp: Arc<Dataplane>) {
     }
 }
 
+/// The handover connection to a predecessor, and the registry it left.
+type Told = (
+    std::os::unix::net::UnixStream,
+    Arc<crate::registry::Generation>,
+);
+
+/// On a thread of its own, tells the predecessor (`stream`: the handover
+/// connection) which of its sandboxes change here while it drains
+/// ([`crate::handover::changes`]).
+fn tell_predecessor((stream, had): Told, registry: Arc<Registry>) {
+    let spawned = std::thread::Builder::new()
+        .name("egress-tell".into())
+        .spawn(move || crate::handover::changes::tell(stream, &registry, had));
+    if let Err(e) = spawned {
+        // The predecessor hears nothing, and ends its drain.
+        tracing::warn!(error = %e, "cannot start the thread that tells the predecessor of changes");
+    }
+}
+
+/// On a thread of its own while this gateway drains after a handover,
+/// takes out each sandbox the successor says changed; when the successor
+/// stops telling, ends the drain: what changed is not known.
+fn hear_successor(stream: std::os::unix::net::UnixStream, dp: Arc<Dataplane>) {
+    let over = dp.clone();
+    let hear = move || {
+        let why = crate::handover::changes::listen(stream, &dp.registry);
+        if !dp.drain_over.swap(true, Ordering::AcqRel) {
+            tracing::warn!(%why, "the successor no longer tells this gateway which sandboxes change: the flows still draining end");
+        }
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("egress-hear".into())
+        .spawn(hear)
+    {
+        tracing::warn!(error = %e, "cannot hear the successor's changes: the flows still draining end");
+        over.drain_over.store(true, Ordering::Release);
+    }
+}
+
 /// The first of `tasks` to end, described (they serve until the drain, so
 /// any end is a failure); never, while there are none.
 async fn ended(tasks: &mut JoinSet<()>) -> String {
@@ -655,7 +705,10 @@ impl Gateway {
         })
         .await;
         let failed = match sent {
-            Ok(Ok(())) => {
+            Ok(Ok(kept)) => {
+                if let Some(stream) = kept {
+                    hear_successor(stream, self.dp.clone());
+                }
                 tracing::info!(
                     attributed = n,
                     budgets = b,

@@ -26,6 +26,10 @@
 //!    restores the attribution (lifetimes unchanged: nothing is extended)
 //!    and serves on the very sockets, starting with what queued meanwhile.
 //!
+//! 6. While the running gateway drains, the successor tells it over the
+//!    same connection which of its sandboxes change ([`changes`]): their
+//!    flows there end; the connection's end ends the drain.
+//!
 //! Every connection is accepted by exactly one of the two; none is refused.
 //! If the successor dies after step 4, it is the main process: a supervisor
 //! starts a gateway again from the same state (connections wait or are
@@ -66,6 +70,8 @@ const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Longest request or header line.
 const MAX_LINE: usize = 64 * 1024;
+
+pub(crate) mod changes;
 
 /// What a listening socket is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -160,6 +166,9 @@ pub struct Taken {
     /// lifetimes they carry are counted from then, not from when they were
     /// read or restored.
     pub(crate) received: std::time::Instant,
+    /// The handover connection, kept to tell the predecessor which of its
+    /// sandboxes change while it drains ([`changes`]).
+    pub(crate) predecessor: Option<UnixStream>,
 }
 
 /// Why a takeover failed. Before the running gateway accepted, it goes on
@@ -227,6 +236,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         attribution,
         budgets,
         received: asked,
+        predecessor: Some(answer),
     })
 }
 
@@ -408,12 +418,13 @@ impl Offer {
 
     /// Sends the sockets, then the attribution and the budget states, to
     /// `successor`, and waits for it to say it took over when it says it
-    /// will; blocking.
+    /// will; blocking. The connection, when it did: the successor tells
+    /// over it which sandboxes change ([`changes`]).
     pub(crate) fn hand_over(
         self,
         successor: Successor,
         (attribution, budgets): (&[Attributed], &[Spent]),
-    ) -> io::Result<()> {
+    ) -> io::Result<Option<UnixStream>> {
         let (mut successor, acknowledges) = (successor.stream, successor.acknowledges);
         let header = Header {
             version: VERSION,
@@ -435,8 +446,8 @@ impl Offer {
         }
         let stream = out.into_inner().map_err(io::IntoInnerError::into_error)?;
         match acknowledges {
-            true => await_acknowledgement(&stream),
-            false => Ok(()),
+            true => await_acknowledgement(&stream).map(|()| Some(stream)),
+            false => Ok(None),
         }
     }
 }

@@ -460,6 +460,18 @@ fn unclaimed(claims: &VmClaims, sandbox: &Sandbox) -> Result<(), RegistryError> 
 }
 
 impl Generation {
+    /// The ids of `before`'s sandboxes whose registration is not the same
+    /// in this generation: taken out, or replaced (a push, a recompile, a
+    /// shadow).
+    pub fn changed_since(&self, before: &Self) -> Vec<SandboxId> {
+        before
+            .by_id
+            .iter()
+            .filter(|(id, was)| !self.by_id.get(*id).is_some_and(|s| Arc::ptr_eq(s, was)))
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// Adds or replaces `sandbox`; refuses an address another sandbox holds
     /// or one it lists twice.
     /// `sandbox` as it replaces this generation's sandbox of its id, if

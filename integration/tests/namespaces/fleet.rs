@@ -321,8 +321,18 @@ fn moves_an_older_builds_table(t: &mut Topology) {
 /// SNI, which the gateway trusts only while it holds sb1's attribution of
 /// the address to that name.
 fn probe(t: &Topology, count: &str, concurrency: &str, path: &str) -> std::process::Child {
+    probe_from(t, &t.sb1, (count, concurrency), path)
+}
+
+/// [`probe`] from the sandbox namespace `ns`.
+fn probe_from(
+    t: &Topology,
+    ns: &str,
+    (count, concurrency): (&str, &str),
+    path: &str,
+) -> std::process::Child {
     std::process::Command::new("ip")
-        .args(["netns", "exec", &t.sb1])
+        .args(["netns", "exec", ns])
         .arg(env!("CARGO_BIN_EXE_egress-probe"))
         .args([
             "many",
@@ -523,6 +533,70 @@ fn a_gateway_replaced_under_load_loses_no_flow_and_keeps_its_state() {
     assert!(!(code == 0 && body.contains("fake internet")), "{body}");
     println!(
         "replaced under load: {LOAD} requests, none failed; {a} flows on the first gateway (its {HELD} held requests finished after the handover), {b} on the successor, which served by sb1's carried-over attribution"
+    );
+}
+
+/// A sandbox deleted on the successor loses its spliced flows still
+/// draining on the predecessor within a second or two (the successor tells
+/// the predecessor over the handover connection), not at the drain's end;
+/// another sandbox's draining flows finish.
+#[test]
+fn a_sandbox_deleted_on_the_successor_loses_its_flows_draining_on_the_predecessor() {
+    const HELD: u64 = 4;
+    if !available() {
+        return;
+    }
+    let mut t = Topology::new();
+    let exempt = r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}],
+            "tls_interception_exemptions": [{"domain": "api.example.test"}]}"#;
+    t.push("sb1", SB1_IP, exempt);
+    t.push("sb2", SB2_IP, exempt);
+    for ns in [&t.sb1, &t.sb2] {
+        assert!(t
+            .dig(ns, "api.example.test", false)
+            .contains("203.0.113.10"));
+    }
+    let held = |ns: &str| probe_from(&t, ns, (&HELD.to_string(), &HELD.to_string()), "/hold");
+    let (mut of_sb1, of_sb2) = (held(&t.sb1), held(&t.sb2));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while t.reached() < 2 * HELD && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        t.reached(),
+        2 * HELD,
+        "the held requests reached the origin"
+    );
+    t.take_over_gateway(&t.path("gateway.toml"), "gateway-b.log");
+    let (status, body) = t.admin("DELETE", "/v1/sandboxes/sb1", None);
+    assert_eq!(status, 200, "{body}");
+    // The drain lasts 10 s: sb1's flows end well before it.
+    let deleted = std::time::Instant::now();
+    let ended = loop {
+        if let Some(status) = of_sb1.try_wait().expect("probe") {
+            break Some(status);
+        }
+        if deleted.elapsed() > std::time::Duration::from_secs(5) {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let took = deleted.elapsed();
+    assert!(
+        ended.is_some(),
+        "sb1's flows on the predecessor still open 5 s after its delete"
+    );
+    let cut = report(of_sb1);
+    assert_eq!(cut["ok"], serde_json::json!(0), "{cut}");
+    let (_, released) = t.http_in_gw("GET", "http://203.0.113.10/_release", &[], None);
+    assert!(released.contains("released"), "{released}");
+    let kept = report(of_sb2);
+    assert_eq!(kept["ok"], serde_json::json!(HELD), "{kept}");
+    assert!(t
+        .wait_predecessor(std::time::Duration::from_secs(20))
+        .success());
+    println!(
+        "sb1's {HELD} draining flows ended {took:?} after its delete on the successor; sb2's finished"
     );
 }
 

@@ -1,0 +1,101 @@
+//! After a handover, the predecessor drains the flows it had open under the
+//! registrations it had; pushes go to the successor. So that a change there
+//! (a delete, a narrower policy) is not ignored by those flows, the two keep
+//! the handover connection: the successor sends, one JSON line each, the id
+//! of every sandbox the predecessor knew whose registration it changed or
+//! took out, and the predecessor takes that sandbox out of its own registry
+//! (in memory: its commit thread is sealed), which ends its flows there
+//! within a tick; their clients reconnect to the successor. When the
+//! connection ends before the drain does (the successor stopped, or speaks
+//! no such lines), the predecessor cannot know what changed: it ends its
+//! drain, as when `timeouts.drain` runs out.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use egress_policy::SandboxId;
+
+use crate::registry::{Generation, Registry};
+
+/// How often the successor looks for changes to tell.
+const TELL_EVERY: Duration = Duration::from_millis(100);
+
+/// The successor's side, on a thread of its own: every [`TELL_EVERY`], the
+/// ids of the sandboxes changed since the last look among those the
+/// predecessor had. Ends when the predecessor has gone (it closed the
+/// connection, or a write fails or waits past the handover's I/O timeout).
+/// `had`: the registry as the predecessor left it (before anything here
+/// changed it).
+pub(crate) fn tell(stream: UnixStream, registry: &Registry, had: Arc<Generation>) {
+    let mut known = had;
+    let mut out = &stream;
+    loop {
+        std::thread::sleep(TELL_EVERY);
+        if gone(&stream) {
+            return;
+        }
+        let now = registry.checkpoint();
+        if Arc::ptr_eq(&now, &known) {
+            continue;
+        }
+        let changed = now.changed_since(&known);
+        known = now;
+        let mut lines = Vec::new();
+        for id in &changed {
+            if serde_json::to_writer(&mut lines, id.as_str()).is_err() {
+                return;
+            }
+            lines.push(b'\n');
+        }
+        if !lines.is_empty() && out.write_all(&lines).is_err() {
+            return;
+        }
+    }
+}
+
+/// Whether the peer closed the connection (or it failed); without waiting.
+fn gone(stream: &UnixStream) -> bool {
+    use rustix::net::RecvFlags;
+    let mut byte = [0u8; 1];
+    match rustix::net::recv(stream, &mut byte, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+        Ok((_, n)) => n == 0,
+        Err(e) => e != rustix::io::Errno::AGAIN && e != rustix::io::Errno::INTR,
+    }
+}
+
+/// The predecessor's side, on a thread of its own while it drains: takes
+/// out of `registry` each sandbox the successor names. Returns when the
+/// connection ends (or carries a line that is not an id): the caller then
+/// ends the drain.
+pub(crate) fn listen(stream: UnixStream, registry: &Registry) -> String {
+    if let Err(e) = stream.set_read_timeout(None) {
+        return format!("the handover connection: {e}");
+    }
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut line = String::new();
+        let read = (&mut reader)
+            .take(super::MAX_LINE as u64)
+            .read_line(&mut line);
+        match read {
+            Ok(0) => return "the successor closed the handover connection".into(),
+            Err(e) => return format!("the handover connection: {e}"),
+            Ok(_) => {}
+        }
+        let id = line
+            .strip_suffix('\n')
+            .and_then(|l| serde_json::from_str::<String>(l).ok())
+            .and_then(|id| SandboxId::parse(&id).ok());
+        let Some(id) = id else {
+            return "the successor sent a line that names no sandbox".into();
+        };
+        if registry.remove(&id) {
+            tracing::info!(sandbox = %id, "the sandbox changed on the successor: its flows draining here end");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

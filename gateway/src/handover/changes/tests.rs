@@ -1,0 +1,90 @@
+use std::net::IpAddr;
+use std::time::Instant;
+
+use egress_policy::{PlatformDenies, Policy};
+
+use super::*;
+
+fn registry(sandboxes: &[(&str, &str)]) -> Registry {
+    let r = Registry::new(Arc::new(PlatformDenies::builtin()));
+    for (id, addr) in sandboxes {
+        put(
+            &r,
+            id,
+            addr,
+            r#"{"allow": [{"domain": "api.example.test"}]}"#,
+        );
+    }
+    r
+}
+
+fn put(r: &Registry, id: &str, addr: &str, policy: &str) {
+    let ip: IpAddr = addr.parse().expect("ip");
+    let policy = Policy::from_json(policy).expect("policy");
+    r.put(SandboxId::new(id), vec![ip], policy).expect("put");
+}
+
+fn has(r: &Registry, id: &str) -> bool {
+    r.get(&SandboxId::new(id)).is_some()
+}
+
+/// Each of the predecessor's sandboxes changed or taken out on the
+/// successor is taken out of the predecessor's registry (which ends its
+/// draining flows); the others stay; when the successor stops telling, the
+/// predecessor hears the connection end.
+#[test]
+fn the_predecessor_drops_each_sandbox_the_successor_changes() {
+    let had = [
+        ("sb-a", "100.64.0.2"),
+        ("sb-b", "100.64.0.3"),
+        ("sb-c", "100.64.0.4"),
+    ];
+    let (pred, succ) = (Arc::new(registry(&had)), Arc::new(registry(&had)));
+    let (theirs, ours) = UnixStream::pair().expect("pair");
+    let stop = ours.try_clone().expect("clone");
+    let telling = {
+        let (succ, had) = (succ.clone(), succ.checkpoint());
+        std::thread::spawn(move || tell(ours, &succ, had))
+    };
+    let hearing = {
+        let pred = pred.clone();
+        std::thread::spawn(move || listen(theirs, &pred))
+    };
+    succ.remove(&SandboxId::new("sb-a"));
+    put(&succ, "sb-b", "100.64.0.3", r#"{"allow": []}"#);
+    put(&succ, "sb-d", "100.64.0.5", r#"{"allow": []}"#);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (has(&pred, "sb-a") || has(&pred, "sb-b")) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!has(&pred, "sb-a"), "taken out on the successor");
+    assert!(!has(&pred, "sb-b"), "pushed again on the successor");
+    assert!(has(&pred, "sb-c"), "unchanged");
+    assert!(!has(&pred, "sb-d"), "the successor's own");
+    // A change after the first is told too.
+    put(&succ, "sb-c", "100.64.0.4", r#"{"allow": []}"#);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while has(&pred, "sb-c") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!has(&pred, "sb-c"), "the second change");
+    stop.shutdown(std::net::Shutdown::Both).expect("shutdown");
+    telling.join().expect("the successor stops telling");
+    let why = hearing.join().expect("the predecessor hears it");
+    assert!(why.contains("closed"), "{why}");
+}
+
+/// A line that names no sandbox (or one cut short) ends the hearing: the
+/// predecessor cannot know what changed.
+#[test]
+fn a_line_that_names_no_sandbox_ends_the_hearing() {
+    for line in ["\"not an id!\"\n", "{}\n", "\"sb-a\""] {
+        let pred = registry(&[("sb-a", "100.64.0.2")]);
+        let (theirs, mut ours) = UnixStream::pair().expect("pair");
+        ours.write_all(line.as_bytes()).expect("write");
+        drop(ours);
+        let why = listen(theirs, &pred);
+        assert!(has(&pred, "sb-a"), "{line:?}");
+        assert!(why.contains("names no sandbox"), "{line:?}: {why}");
+    }
+}
