@@ -176,12 +176,17 @@ fn overlaps(a: &egress_policy::Destination, b: &egress_policy::Destination) -> b
 
 /// Lays the approvals in force over sandbox `id`'s saved policy and saves
 /// it (a new generation, pushed by the dispatcher) when that changed it.
-pub async fn refresh(conn: &mut PgConnection, id: &str) -> Result<bool, sqlx::Error> {
+/// `Ok(Err(why))`, nothing saved, when the policy would then be larger than
+/// a gateway takes (only an approval adds: taking one out never does).
+pub async fn refresh(
+    conn: &mut PgConnection,
+    id: &str,
+) -> Result<Result<bool, String>, sqlx::Error> {
     let Some(row) = store::sandbox_for_update(conn, id).await? else {
-        return Ok(false);
+        return Ok(Ok(false));
     };
     let Some(mut policy) = row.policy.clone() else {
-        return Ok(false);
+        return Ok(Ok(false));
     };
     let mut provenance = match row.provenance {
         Value::Array(v) => v,
@@ -189,7 +194,10 @@ pub async fn refresh(conn: &mut PgConnection, id: &str) -> Result<bool, sqlx::Er
     };
     let active = in_force(conn, &row.tenant, &row.template, id).await?;
     if !overlay(&mut policy, &mut provenance, &active) {
-        return Ok(false);
+        return Ok(Ok(false));
+    }
+    if let Some(why) = crate::compose::oversized(&policy, &row.addresses) {
+        return Ok(Err(format!("sandbox {id}: {why}")));
     }
     let placement = Placement {
         policy: &policy,
@@ -200,7 +208,7 @@ pub async fn refresh(conn: &mut PgConnection, id: &str) -> Result<bool, sqlx::Er
         addresses: &row.addresses,
     };
     store::save_effective(conn, id, &placement).await?;
-    Ok(true)
+    Ok(Ok(true))
 }
 
 /// `eff` (a replacement just composed for `row`) with the approvals in
@@ -225,19 +233,24 @@ pub async fn laid_over(
 /// Records approval `a` and lays its rule over every sandbox it reaches;
 /// the approval, and whether it is new. One in force for the same scope,
 /// target, rule and `until` is returned as it is: approving again adds no row.
+/// `Ok(Err(why))` when a sandbox it reaches would then have a policy larger
+/// than a gateway takes (which would forget the sandbox, denying all its
+/// traffic): the caller rolls the transaction back.
 pub async fn approve(
     conn: &mut PgConnection,
     a: &NewApproval<'_>,
-) -> Result<(Approval, bool), sqlx::Error> {
+) -> Result<Result<(Approval, bool), String>, sqlx::Error> {
     if let Some(same) = store::approvals::same_in_force(conn, a).await? {
-        return Ok((same, false));
+        return Ok(Ok((same, false)));
     }
     let approval = store::approvals::insert(conn, a).await?;
     store::lock_tenant(conn, a.tenant).await?;
     for id in store::approvals::reached(conn, a.tenant, a.scope, a.target).await? {
-        refresh(conn, &id).await?;
+        if let Err(why) = refresh(conn, &id).await? {
+            return Ok(Err(format!("not approved: {why}")));
+        }
     }
-    Ok((approval, true))
+    Ok(Ok((approval, true)))
 }
 
 /// The approvals a listing shows at most, newest first.
@@ -311,7 +324,10 @@ pub async fn expire(pool: &PgPool) -> Result<(usize, usize), sqlx::Error> {
 async fn take_out(conn: &mut PgConnection, a: &Approval) -> Result<(), sqlx::Error> {
     store::lock_tenant(conn, &a.tenant).await?;
     for id in store::approvals::reached(conn, &a.tenant, a.scope, &a.target).await? {
-        refresh(conn, &id).await?;
+        // Taking a rule out makes no policy larger.
+        if let Err(why) = refresh(conn, &id).await? {
+            tracing::error!(%why, "a sandbox's policy is larger than a gateway takes after an approval was taken out");
+        }
     }
     Ok(())
 }

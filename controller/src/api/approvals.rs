@@ -104,7 +104,10 @@ impl Api {
             until: req.until.as_deref(),
             evidence: &proposal,
         };
-        let (approval, created) = approvals::approve(&mut tx, &new).await.map_err(db)?;
+        let (approval, created) = approvals::approve(&mut tx, &new)
+            .await
+            .map_err(db)?
+            .map_err(|why| error(StatusCode::BAD_REQUEST, &why))?;
         tx.commit().await.map_err(db)?;
         let status = if created {
             StatusCode::CREATED

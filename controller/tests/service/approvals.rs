@@ -198,6 +198,75 @@ async fn an_approved_proposal_reaches_the_gateway_shows_in_provenance_and_is_rev
     assert!(!sb["provenance"].to_string().contains("approval"), "{sb}");
 }
 
+/// An approval that would make a sandbox it reaches larger than a gateway
+/// takes (the dispatcher would then have the gateway forget the sandbox,
+/// denying all its traffic) is refused with `400` naming the sandbox, and
+/// nothing of it stays: no approval, the saved policy as it was.
+#[tokio::test]
+async fn an_approval_that_would_make_a_policy_too_large_for_a_gateway_is_refused() {
+    let w = setup_world(db!()).await;
+    let (id, addr) = sandbox(&w, FEDERATED).await;
+    denied_request(&w, &addr).await;
+    // The saved policy grown (in the database: the API keeps room for
+    // composition) until one more rule of the approval's size does not fit.
+    let full = |n: usize| {
+        let allow: Vec<Value> = (0..n)
+            .map(|i| json!({"domain": format!("p{i:06}.t")}))
+            .collect();
+        let doc = json!({"default": "deny", "tls_interception": "on", "allow": allow});
+        egress_policy::Policy::from_json(&doc.to_string()).expect("policy")
+    };
+    let addresses = vec![addr.clone()];
+    let fits = |n: usize| egress_controller::compose::oversized(&full(n), &addresses).is_none();
+    let (mut lo, mut hi) = (0, 100_000);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let policy = full(lo);
+    let mut conn = sqlx::PgConnection::connect(&w.url).await.expect("connect");
+    sqlx::query("UPDATE sandboxes SET policy = $2 WHERE id = $1")
+        .bind(&id)
+        .bind(sqlx::types::Json(
+            serde_json::to_value(&policy).expect("json"),
+        ))
+        .execute(&mut conn)
+        .await
+        .expect("saved");
+    let (s, refused) = approve(&w, FEDERATED, &id, json!({"scope": "sandbox"})).await;
+    assert_eq!(s, 400, "{refused}");
+    let said = refused["error"].as_str().unwrap_or_default();
+    assert!(
+        said.contains(&format!("sandbox {id}")) && said.contains("takes at most"),
+        "{refused}"
+    );
+    let (_, mine) = call(
+        w.api.addr,
+        "GET",
+        "/v1/approvals",
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(mine["approvals"], json!([]), "{mine}");
+    let saved: sqlx::types::Json<Value> =
+        sqlx::query_scalar("SELECT policy FROM sandboxes WHERE id = $1")
+            .bind(&id)
+            .fetch_one(&mut conn)
+            .await
+            .expect("policy");
+    assert_eq!(
+        saved.0["allow"].as_array().map(Vec::len),
+        Some(lo),
+        "the saved policy changed"
+    );
+}
+
 #[tokio::test]
 async fn template_and_tenant_approvals_reach_later_sandboxes_of_the_tenant_only() {
     let w = setup_world(db!()).await;
