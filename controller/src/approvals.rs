@@ -88,12 +88,7 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
         .into_iter()
         .partition(|e| e.get("source") == Some(&json!("approval")));
     for entry in added {
-        let rule = entry
-            .get("rule")
-            .and_then(|r| serde_json::from_value::<Rule>(r.clone()).ok());
-        if let Some(pos) = rule.and_then(|rule| policy.allow.iter().position(|r| *r == rule)) {
-            policy.allow.remove(pos);
-        }
+        strip_added(policy, &entry);
     }
     *provenance = kept;
     for a in active {
@@ -123,6 +118,37 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
         }
     }
     before != (policy.allow.clone(), provenance.clone())
+}
+
+/// Takes out of `policy` the rule an earlier overlay added, named by its
+/// provenance `entry`. One whose stored rule does not read as a rule (a
+/// build that wrote it otherwise) is found by its destination: every
+/// entry for it goes, the sandbox's own included, since
+/// a rule left in would let through what may have been revoked (a replaced
+/// policy brings the sandbox's own back).
+fn strip_added(policy: &mut Policy, entry: &Value) {
+    let rule = entry
+        .get("rule")
+        .and_then(|r| serde_json::from_value::<Rule>(r.clone()).ok());
+    if let Some(rule) = rule {
+        if let Some(pos) = policy.allow.iter().position(|r| *r == rule) {
+            policy.allow.remove(pos);
+        }
+        return;
+    }
+    let dest = entry
+        .get("destination")
+        .and_then(|d| serde_json::from_value::<egress_policy::Destination>(d.clone()).ok());
+    let approval = entry.get("approval").unwrap_or(&Value::Null);
+    match dest {
+        Some(dest) => {
+            tracing::error!(%approval, destination = %dest.value(), "an approval's rule in a sandbox's provenance does not read: every allow entry for its destination is taken out");
+            policy.allow.retain(|r| r.dest != dest);
+        }
+        None => {
+            tracing::error!(%approval, "an approval's rule and destination in a sandbox's provenance do not read: the rule it added stays until the sandbox's policy is replaced")
+        }
+    }
 }
 
 /// Whether an entry limits which requests or streams it lets through.
@@ -399,6 +425,33 @@ mod tests {
         let left: Vec<String> = policy.allow.iter().map(|r| r.dest.value()).collect();
         assert_eq!(left, ["kept.test"]);
         assert_eq!(prov, [json!({"source": "profile:sensor"})]);
+    }
+
+    /// A provenance entry whose stored rule no longer reads as a rule (a
+    /// build that wrote it otherwise) still takes out what it added: every
+    /// entry for its destination.
+    #[test]
+    fn an_added_rule_whose_stored_form_does_not_read_is_taken_out() {
+        let added = || {
+            let mut policy =
+                Policy::from_json(r#"{"allow": [{"domain": "kept.test"}]}"#).expect("policy");
+            let mut prov = Vec::new();
+            let a = approval("ap-1", r#"{"domain": "new.test", "http": "read_only"}"#);
+            assert!(overlay(&mut policy, &mut prov, &[a]));
+            assert_eq!(policy.allow.len(), 2);
+            (policy, prov)
+        };
+        for stored in [
+            json!("not a rule"),
+            json!({"domain": "new.test", "http": "read_only", "later_field": 1}),
+        ] {
+            let (mut policy, mut prov) = added();
+            prov[0]["rule"] = stored.clone();
+            assert!(overlay(&mut policy, &mut prov, &[]), "{stored}");
+            let left: Vec<String> = policy.allow.iter().map(|r| r.dest.value()).collect();
+            assert_eq!(left, ["kept.test"], "{stored}");
+            assert!(prov.is_empty());
+        }
     }
 
     /// For a template or the tenant, a sandbox's own entry for the
