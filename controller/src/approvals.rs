@@ -87,14 +87,24 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
     let (added, kept): (Vec<Value>, Vec<Value>) = std::mem::take(provenance)
         .into_iter()
         .partition(|e| e.get("source") == Some(&json!("approval")));
-    for entry in added {
-        strip_added(policy, &entry);
-    }
+    // Destinations whose added rule no longer reads: every entry for them
+    // is out, and stays out (the entry is kept) until the policy is
+    // replaced; no approval is laid over them meanwhile.
+    let mut blocked = Vec::new();
     *provenance = kept;
+    for entry in added {
+        if let Some(dest) = strip_added(policy, &entry) {
+            blocked.push(dest);
+            provenance.push(entry);
+        }
+    }
     for a in active {
         let Some(rule) = a.pushed_rule() else {
             continue;
         };
+        if blocked.iter().any(|b| overlaps(b, &rule.dest)) {
+            continue;
+        }
         // The tenant's own entry for the same destination covers it. For
         // a template or the tenant, any entry of the sandbox's own for the
         // destination decides, and so does one that the rule would lift
@@ -122,11 +132,11 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
 
 /// Takes out of `policy` the rule an earlier overlay added, named by its
 /// provenance `entry`. One whose stored rule does not read as a rule (a
-/// build that wrote it otherwise) is found by its destination: every
-/// entry for it goes, the sandbox's own included, since
-/// a rule left in would let through what may have been revoked (a replaced
-/// policy brings the sandbox's own back).
-fn strip_added(policy: &mut Policy, entry: &Value) {
+/// build that wrote it otherwise) is found by its destination, returned:
+/// every entry for it goes, the sandbox's own included, since a rule left
+/// in would let through what may have been revoked (a replaced policy
+/// brings the sandbox's own back).
+fn strip_added(policy: &mut Policy, entry: &Value) -> Option<egress_policy::Destination> {
     let rule = entry
         .get("rule")
         .and_then(|r| serde_json::from_value::<Rule>(r.clone()).ok());
@@ -134,7 +144,7 @@ fn strip_added(policy: &mut Policy, entry: &Value) {
         if let Some(pos) = policy.allow.iter().position(|r| *r == rule) {
             policy.allow.remove(pos);
         }
-        return;
+        return None;
     }
     let dest = entry
         .get("destination")
@@ -142,11 +152,13 @@ fn strip_added(policy: &mut Policy, entry: &Value) {
     let approval = entry.get("approval").unwrap_or(&Value::Null);
     match dest {
         Some(dest) => {
-            tracing::error!(%approval, destination = %dest.value(), "an approval's rule in a sandbox's provenance does not read: every allow entry for its destination is taken out");
+            tracing::error!(%approval, destination = %dest.value(), "an approval's rule in a sandbox's provenance does not read: every allow entry for its destination is out until the sandbox's policy is replaced");
             policy.allow.retain(|r| r.dest != dest);
+            Some(dest)
         }
         None => {
-            tracing::error!(%approval, "an approval's rule and destination in a sandbox's provenance do not read: the rule it added stays until the sandbox's policy is replaced")
+            tracing::error!(%approval, "an approval's rule and destination in a sandbox's provenance do not read: the rule it added stays until the sandbox's policy is replaced");
+            None
         }
     }
 }
@@ -429,29 +441,40 @@ mod tests {
 
     /// A provenance entry whose stored rule no longer reads as a rule (a
     /// build that wrote it otherwise) still takes out what it added: every
-    /// entry for its destination.
+    /// entry for its destination, the sandbox's own included, and keeps
+    /// them out (no wider approval laid over it either) until the policy
+    /// is replaced, which brings the sandbox's own back.
     #[test]
-    fn an_added_rule_whose_stored_form_does_not_read_is_taken_out() {
-        let added = || {
-            let mut policy =
-                Policy::from_json(r#"{"allow": [{"domain": "kept.test"}]}"#).expect("policy");
-            let mut prov = Vec::new();
-            let a = approval("ap-1", r#"{"domain": "new.test", "http": "read_only"}"#);
-            assert!(overlay(&mut policy, &mut prov, &[a]));
-            assert_eq!(policy.allow.len(), 2);
-            (policy, prov)
-        };
-        for stored in [
-            json!("not a rule"),
-            json!({"domain": "new.test", "http": "read_only", "later_field": 1}),
-        ] {
-            let (mut policy, mut prov) = added();
-            prov[0]["rule"] = stored.clone();
-            assert!(overlay(&mut policy, &mut prov, &[]), "{stored}");
-            let left: Vec<String> = policy.allow.iter().map(|r| r.dest.value()).collect();
-            assert_eq!(left, ["kept.test"], "{stored}");
-            assert!(prov.is_empty());
-        }
+    fn an_added_rule_whose_stored_form_does_not_read_keeps_its_destination_out() {
+        let own =
+            r#"{"allow": [{"domain": "kept.test"}, {"domain": "x.test", "http": "read_only"}]}"#;
+        let mut policy = Policy::from_json(own).expect("policy");
+        let mut prov = Vec::new();
+        let mine = approval("ap-1", r#"{"domain": "x.test"}"#);
+        assert!(overlay(&mut policy, &mut prov, &[mine]));
+        assert_eq!(policy.allow.len(), 3);
+        prov[0]["rule"] = json!("not a rule");
+        // Revoked; a template approval of the destination is in force.
+        let mut wider = approval("ap-2", r#"{"domain": "x.test"}"#);
+        wider.scope = Scope::Template;
+        let left = |p: &Policy| -> Vec<String> { p.allow.iter().map(|r| r.dest.value()).collect() };
+        assert!(overlay(
+            &mut policy,
+            &mut prov,
+            std::slice::from_ref(&wider)
+        ));
+        assert_eq!(left(&policy), ["kept.test"]);
+        assert_eq!(prov.len(), 1, "the entry kept");
+        assert!(
+            !overlay(&mut policy, &mut prov, std::slice::from_ref(&wider)),
+            "the same on the next refresh"
+        );
+        assert_eq!(left(&policy), ["kept.test"]);
+        // Replaced: the sandbox's own entry back, and it keeps the wider
+        // approval off.
+        let mut policy = Policy::from_json(own).expect("policy");
+        assert!(!overlay(&mut policy, &mut Vec::new(), &[wider]));
+        assert_eq!(left(&policy), ["kept.test", "x.test"]);
     }
 
     /// For a template or the tenant, a sandbox's own entry for the

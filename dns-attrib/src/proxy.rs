@@ -859,9 +859,10 @@ fn random_id() -> Option<u16> {
 const RD: u8 = 0x01;
 
 /// What of a question besides its name reaches the name's authority and
-/// could carry data there, as one number for the new-name budget: 0 for an
-/// ordinary question (class IN; type A, AAAA or HTTPS; no AD, CD or DO
-/// bit; no EDNS), else its type, class and bits. A name asked again with
+/// could carry data there, as one number for the new-name budget: its type
+/// unless A, AAAA or HTTPS (0 for those three), its class unless IN, its
+/// AD, CD and DO bits and whether it carries EDNS (0 for an ordinary
+/// question). A name asked again with
 /// another of them then spends a name as a new name does, so a sandbox
 /// cannot move 16 bits a query in the type of one name asked over and over
 /// (nor one in whether the upstream query carries an OPT record). Which of

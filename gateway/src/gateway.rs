@@ -223,7 +223,8 @@ enum Phase {
 const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Longest wait for the commit thread to seal the pushed state at a
-/// handover: within the 10 s a successor waits for its answer.
+/// handover; less when the successor, which waits 10 s for its answer from
+/// its request, would give up first ([`crate::handover::Successor::answer_within`]).
 const SEAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(8);
 
 const RESOLVER_PRIMARY: SocketAddr =
@@ -684,7 +685,8 @@ impl Gateway {
         // after. A commit thread that does not seal in time may still write:
         // the lock is kept and nothing is handed on (the successor's wait
         // for its answer ends; this gateway drains and exits).
-        if let Err(why) = self.committer.seal(SEAL_TIMEOUT).await {
+        let within = SEAL_TIMEOUT.min(successor.answer_within());
+        if let Err(why) = self.committer.seal(within).await {
             tracing::error!(%why, "the handover failed after this gateway stopped serving: draining, then exiting with a failure (a supervisor starts a gateway on this state_dir again)");
             return Err(format!("handover: {why}"));
         }

@@ -103,6 +103,11 @@ struct Request {
     /// nothing is waited for).
     #[serde(default)]
     acknowledges: bool,
+    /// The successor tells, over the same connection, which of the running
+    /// gateway's sandboxes change while it drains ([`changes`]); absent
+    /// from one that does not: the drain runs its course as before.
+    #[serde(default)]
+    tells: bool,
 }
 
 /// What the successor says once it holds the sockets and told systemd.
@@ -203,6 +208,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         copies: copies(config),
         budgets: true,
         acknowledges: true,
+        tells: true,
     };
     let mut line =
         serde_json::to_vec(&request).map_err(|e| HandoverError::Protocol(e.to_string()))?;
@@ -321,6 +327,19 @@ pub(crate) struct Successor {
     stream: UnixStream,
     pub(crate) budgets: bool,
     acknowledges: bool,
+    tells: bool,
+    /// When its request was read: it waits [`IO_TIMEOUT`] for the answer.
+    asked: std::time::Instant,
+}
+
+impl Successor {
+    /// How long the running gateway may still take before it answers (a
+    /// second kept for the sending), counted from the successor's request.
+    pub(crate) fn answer_within(&self) -> Duration {
+        IO_TIMEOUT
+            .saturating_sub(self.asked.elapsed())
+            .saturating_sub(Duration::from_secs(1))
+    }
 }
 
 /// The offer a running gateway keeps open: its socket and duplicates of
@@ -351,6 +370,7 @@ impl Offer {
                 copies: copies(config),
                 budgets: true,
                 acknowledges: true,
+                tells: true,
             },
         })
     }
@@ -376,6 +396,8 @@ impl Offer {
                         stream,
                         budgets: request.budgets,
                         acknowledges: request.acknowledges,
+                        tells: request.tells,
+                        asked: std::time::Instant::now(),
                     }
                 }
                 Some(why) => {
@@ -418,14 +440,19 @@ impl Offer {
 
     /// Sends the sockets, then the attribution and the budget states, to
     /// `successor`, and waits for it to say it took over when it says it
-    /// will; blocking. The connection, when it did: the successor tells
-    /// over it which sandboxes change ([`changes`]).
+    /// will; blocking. The connection, when the successor said it took
+    /// over and tells over it which sandboxes change ([`changes`]).
     pub(crate) fn hand_over(
         self,
         successor: Successor,
         (attribution, budgets): (&[Attributed], &[Spent]),
     ) -> io::Result<Option<UnixStream>> {
-        let (mut successor, acknowledges) = (successor.stream, successor.acknowledges);
+        let Successor {
+            stream: mut successor,
+            acknowledges,
+            tells,
+            ..
+        } = successor;
         let header = Header {
             version: VERSION,
             refused: None,
@@ -446,7 +473,7 @@ impl Offer {
         }
         let stream = out.into_inner().map_err(io::IntoInnerError::into_error)?;
         match acknowledges {
-            true => await_acknowledgement(&stream).map(|()| Some(stream)),
+            true => await_acknowledgement(&stream).map(|()| tells.then_some(stream)),
             false => Ok(None),
         }
     }
@@ -603,16 +630,50 @@ mod tests {
         let successor = offer.successor().await;
         tokio::time::sleep(Duration::from_millis(400)).await;
         let exported = std::time::Instant::now();
-        tokio::task::spawn_blocking(move || offer.hand_over(successor, (&[], &[])))
+        let kept = tokio::task::spawn_blocking(move || offer.hand_over(successor, (&[], &[])))
             .await
             .expect("thread")
             .expect("handed over");
+        assert!(kept.is_some(), "kept to hear the successor's changes");
         let taken = taking.await.expect("thread").expect("taken");
         assert!(
             taken.received <= exported,
             "counted from {:?} after the export",
             taken.received - exported
         );
+    }
+
+    /// A successor of an earlier build does not say it tells which
+    /// sandboxes change: the connection is not kept to hear it (its end
+    /// would end the drain at once).
+    #[tokio::test]
+    async fn a_successor_that_does_not_tell_is_not_heard() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = Config {
+            state_dir: dir.path().to_owned(),
+            ..Config::default()
+        };
+        let offer = Offer::listen(&config, Vec::new()).expect("listen");
+        let mut older = serde_json::to_value(&offer.expected).expect("json");
+        older.as_object_mut().expect("object").remove("tells");
+        let path = config.state_dir.join(SOCKET_FILE);
+        let asking = tokio::task::spawn_blocking(move || {
+            let mut stream = UnixStream::connect(path).expect("connect");
+            stream
+                .write_all(format!("{older}\n").as_bytes())
+                .expect("ask");
+            let (header, _, _) = receive_header(&stream).expect("header");
+            assert!(header.refused.is_none());
+            acknowledge(&stream).expect("taken");
+            stream
+        });
+        let successor = offer.successor().await;
+        let kept = tokio::task::spawn_blocking(move || offer.hand_over(successor, (&[], &[])))
+            .await
+            .expect("thread")
+            .expect("handed over");
+        assert!(kept.is_none());
+        drop(asking.await.expect("successor"));
     }
 
     /// The running gateway waits for the successor's `taken` (which the

@@ -38,6 +38,19 @@ pub struct Sandbox {
     pub serial: u64,
 }
 
+impl Sandbox {
+    /// Whether `other` is this registration, enforced the same: the same
+    /// serial, addresses, policy document, credentials and way out (its
+    /// shadow is never enforced; a lapsed entry is compiled out of both).
+    fn enforced_as(&self, other: &Self) -> bool {
+        self.serial == other.serial
+            && self.addresses == other.addresses
+            && self.policy.policy() == other.policy.policy()
+            && self.credentials == other.credentials
+            && self.upstream_proxy == other.upstream_proxy
+    }
+}
+
 /// The next [`Sandbox::serial`].
 static SERIALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -460,14 +473,21 @@ fn unclaimed(claims: &VmClaims, sandbox: &Sandbox) -> Result<(), RegistryError> 
 }
 
 impl Generation {
-    /// The ids of `before`'s sandboxes whose registration is not the same
-    /// in this generation: taken out, or replaced (a push, a recompile, a
-    /// shadow).
+    /// The ids of `before`'s sandboxes whose registration is not enforced
+    /// the same in this generation: taken out (or registered anew), or
+    /// pushed with other addresses, policy, credentials or way out. The
+    /// same document pushed again (a resync after a restart) is the same;
+    /// so is a recompile past a lapsed `until` or a shadow put.
     pub fn changed_since(&self, before: &Self) -> Vec<SandboxId> {
         before
             .by_id
             .iter()
-            .filter(|(id, was)| !self.by_id.get(*id).is_some_and(|s| Arc::ptr_eq(s, was)))
+            .filter(|(id, was)| {
+                !self
+                    .by_id
+                    .get(*id)
+                    .is_some_and(|now| Arc::ptr_eq(now, was) || now.enforced_as(was))
+            })
             .map(|(id, _)| id.clone())
             .collect()
     }
