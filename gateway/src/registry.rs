@@ -680,7 +680,9 @@ mod tests {
     }
 
     /// What a flow or a DNS answer asks when it ends: whether its address
-    /// still belongs to its sandbox.
+    /// still belongs to its sandbox. A push is the same registration; a
+    /// delete ends it, and the id registered again is another (its pooled
+    /// connections are not the first one's).
     #[test]
     fn an_address_is_held_by_its_sandbox_until_deleted_or_taken() {
         let r = reg();
@@ -709,9 +711,36 @@ mod tests {
         assert!(held(&b, serial(&b)));
     }
 
-    /// A push is the same registration; a delete ends it, and the id
-    /// registered again is another (its pooled connections are not the
-    /// first one's).
+    /// What a predecessor is told after a handover: a resync of the same
+    /// documents changes nothing it enforces; one with another policy, or
+    /// without a sandbox, changes those.
+    #[test]
+    fn a_resync_of_the_same_documents_changes_no_registration() {
+        let r = reg();
+        let open = r#"{"allow": [{"domain": "a.test"}]}"#;
+        let docs = |second: &str| {
+            vec![
+                r.prepare(SandboxId::new("one"), vec![ip("100.64.0.2")], policy(open)),
+                r.prepare(
+                    SandboxId::new("two"),
+                    vec![ip("100.64.0.3")],
+                    policy(second),
+                ),
+            ]
+        };
+        r.replace_prepared(docs(open)).expect("resync");
+        let had = r.checkpoint();
+        r.replace_prepared(docs(open)).expect("resync");
+        assert!(r.checkpoint().changed_since(&had).is_empty());
+        r.replace_prepared(docs(r#"{"allow": []}"#))
+            .expect("resync");
+        assert_eq!(r.checkpoint().changed_since(&had), [SandboxId::new("two")]);
+        let had = r.checkpoint();
+        r.replace_prepared(docs(r#"{"allow": []}"#)[..1].to_vec())
+            .expect("resync");
+        assert_eq!(r.checkpoint().changed_since(&had), [SandboxId::new("two")]);
+    }
+
     /// Past `set_max`, a push of one more sandbox and a resync of more are
     /// refused, naming the limit; a push replacing one registered is not,
     /// and once one is deleted another fits.
