@@ -679,6 +679,27 @@ pub async fn insert_operation(
     Ok(())
 }
 
+/// Records `op` as done already (a create the API ran in its request): for
+/// its idempotency key only, never picked up by a dispatcher.
+pub async fn insert_finished_operation(
+    conn: &mut PgConnection,
+    op: &NewOperation<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint, state, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'succeeded', now())",
+    )
+    .bind(op.id)
+    .bind(op.tenant)
+    .bind(op.kind.as_str())
+    .bind(op.sandbox)
+    .bind(Json(op.payload))
+    .bind(op.idempotency_key)
+    .bind(op.fingerprint)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 pub async fn operation(pool: &PgPool, id: &str) -> Result<Option<OperationRow>, sqlx::Error> {
     let row = sqlx::query(
         "SELECT id, tenant, kind, sandbox, payload, state, attempts, last_error FROM operations WHERE id = $1",

@@ -45,7 +45,7 @@ struct CreateRequest {
 
 /// Which API a create came through: what its answers look like.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Dialect {
+pub(super) enum Dialect {
     /// `POST /v1/sandboxes`: queued; `202 {"sandbox", "operation"}`.
     Native,
     /// `POST /sandboxes`: composed in the request; `201 {"sandboxID",
@@ -219,7 +219,10 @@ impl Api {
                 };
                 self.enqueue(caller, &new, &op).await
             }
-            Dialect::E2b => self.compose_now(caller, &new, &payload).await,
+            Dialect::E2b => {
+                let keyed = (key, fingerprint.as_str());
+                self.compose_now(caller, &new, &payload, keyed).await
+            }
         }
     }
 
@@ -233,7 +236,10 @@ impl Api {
     ) -> Result<Reply, Reply> {
         for _ in 0..2 {
             let mut tx = self.pool.begin().await.map_err(db)?;
-            if let Some(replay) = replayed_op(&mut tx, &caller.tenant, op, new.template).await? {
+            let native = Dialect::Native;
+            if let Some(replay) =
+                replayed_op(&mut tx, &caller.tenant, op, (new.template, native)).await?
+            {
                 return replay;
             }
             registered(&mut tx, new.template, Dialect::Native.template_field()).await?;
@@ -256,28 +262,60 @@ impl Api {
 
     /// Inserts a sandbox and composes its policy in the same transaction
     /// (the queued create's code, run now): `201` once it has its policy;
-    /// `503` when a retry may succeed, `400` when none will.
+    /// `503` when a retry may succeed, `400` when none will. With an
+    /// `Idempotency-Key` (`keyed`: it and the request's fingerprint), a
+    /// finished operation records it in the same transaction: a retry gets
+    /// the original sandbox, another request under the key `409`.
     async fn compose_now(
         &self,
         caller: &Tenant,
         new: &NewSandbox<'_>,
         payload: &Value,
+        (key, fingerprint): (Option<&str>, &str),
     ) -> Result<Reply, Reply> {
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        registered(&mut tx, new.template, Dialect::E2b.template_field()).await?;
-        within_quota(&mut tx, caller).await?;
-        store::insert_sandbox(&mut tx, new).await.map_err(db)?;
-        if let Err(f) = ops::create(&mut tx, &self.deployment, &self.metrics, new.id, payload).await
-        {
-            let status = if f.retryable {
-                StatusCode::SERVICE_UNAVAILABLE
-            } else {
-                StatusCode::BAD_REQUEST
-            };
-            return Err(error(status, &f.message));
+        let op = NewOperation {
+            id: &ids::new("op"),
+            tenant: &caller.tenant,
+            kind: OperationKind::Create,
+            sandbox: new.id,
+            payload,
+            idempotency_key: key,
+            fingerprint: Some(fingerprint),
+        };
+        for _ in 0..2 {
+            let mut tx = self.pool.begin().await.map_err(db)?;
+            let e2b = (new.template, Dialect::E2b);
+            if let Some(replay) = replayed_op(&mut tx, &caller.tenant, &op, e2b).await? {
+                return replay;
+            }
+            registered(&mut tx, new.template, Dialect::E2b.template_field()).await?;
+            within_quota(&mut tx, caller).await?;
+            store::insert_sandbox(&mut tx, new).await.map_err(db)?;
+            if let Err(f) =
+                ops::create(&mut tx, &self.deployment, &self.metrics, new.id, payload).await
+            {
+                let status = if f.retryable {
+                    StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    StatusCode::BAD_REQUEST
+                };
+                return Err(error(status, &f.message));
+            }
+            if key.is_some() {
+                match store::insert_finished_operation(&mut tx, &op).await {
+                    Ok(()) => {}
+                    // A concurrent create with the same key won: replay it.
+                    Err(sqlx::Error::Database(e)) if e.is_unique_violation() => continue,
+                    Err(e) => return Err(db(e)),
+                }
+            }
+            tx.commit().await.map_err(db)?;
+            return Ok(Dialect::E2b.created(new.template, new.id, None));
         }
-        tx.commit().await.map_err(db)?;
-        Ok(Dialect::E2b.created(new.template, new.id, None))
+        Err(error(
+            StatusCode::CONFLICT,
+            "Idempotency-Key is being used concurrently; retry",
+        ))
     }
 }
 
@@ -288,7 +326,7 @@ pub(super) async fn replayed_op(
     conn: &mut sqlx::PgConnection,
     tenant: &str,
     op: &NewOperation<'_>,
-    template: &str,
+    (template, dialect): (&str, Dialect),
 ) -> Result<Option<Result<Reply, Reply>>, Reply> {
     let Some(key) = op.idempotency_key else {
         return Ok(None);
@@ -298,7 +336,9 @@ pub(super) async fn replayed_op(
         return Ok(None);
     };
     Ok(Some(if print.as_deref() == op.fingerprint {
-        Ok(Dialect::Native.created(template, &sandbox, Some(&operation)))
+        // An E2B create answered without its operation the first time.
+        let operation = (dialect == Dialect::Native).then_some(operation.as_str());
+        Ok(dialect.created(template, &sandbox, operation))
     } else {
         Err(error(
             StatusCode::CONFLICT,

@@ -178,7 +178,8 @@ impl Api {
             fingerprint: Some(&fingerprint),
         };
         // A retry is answered as the fork was, even once the source is gone.
-        let replay = super::create::replayed_op(&mut conn, &source.tenant, &op, &source.template);
+        let native = (source.template.as_str(), super::create::Dialect::Native);
+        let replay = super::create::replayed_op(&mut conn, &source.tenant, &op, native);
         if let Some(replayed) = replay.await? {
             return replayed;
         }

@@ -462,6 +462,50 @@ async fn an_e2b_create_is_translated_and_composed_by_the_api() {
     assert_eq!(s, 400);
 }
 
+/// An E2B create with an `Idempotency-Key` (composed in the request, not
+/// from a warm pool) retried gets the original sandbox, not a second one;
+/// another body under the key is `409`; keys are per tenant.
+#[tokio::test]
+async fn an_e2b_create_retried_with_its_idempotency_key_gets_the_original_sandbox() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    // A worker that is never reached: an E2B create is placed by the API.
+    setup(&api, template(), free_addr(), "100.64.10.0/24").await;
+    let e2b = |token: &'static str, key: &'static str, body: Value| {
+        let addr = api.addr;
+        async move {
+            let headers = [("Idempotency-Key", key)];
+            call(
+                addr,
+                "POST",
+                "/sandboxes",
+                Some(token),
+                &headers,
+                Some(body),
+            )
+            .await
+        }
+    };
+    let body = json!({"templateID": "base", "network": {"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]}});
+    let (s1, first) = e2b(FEDERATED, "e1", body.clone()).await;
+    let (s2, again) = e2b(FEDERATED, "e1", body.clone()).await;
+    assert_eq!((s1, s2), (201, 201), "{first} {again}");
+    assert_eq!(first, again, "a retry gets the original sandbox");
+    let (s, other) = e2b(FEDERATED, "e1", json!({"templateID": "base"})).await;
+    assert_eq!(s, 409, "{other}");
+    let (s, theirs) = e2b(PLAIN, "e1", body).await;
+    assert_eq!(s, 201, "{theirs}");
+    assert_ne!(theirs["sandboxID"], first["sandboxID"]);
+    let (_, list) = call(api.addr, "GET", "/v1/sandboxes", Some(FEDERATED), &[], None).await;
+    let ids: Vec<&str> = list["sandboxes"]
+        .as_array()
+        .expect("sandboxes")
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
+    assert_eq!(ids, [first["sandboxID"].as_str().expect("id")], "{list}");
+}
+
 /// An E2B create whose translation (its entries in normal form) makes a
 /// document larger than a gateway takes is refused `400`, naming the size:
 /// acknowledged, it would run with nothing pushed.
