@@ -664,19 +664,7 @@ pub async fn insert_operation(
     conn: &mut PgConnection,
     op: &NewOperation<'_>,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-    )
-    .bind(op.id)
-    .bind(op.tenant)
-    .bind(op.kind.as_str())
-    .bind(op.sandbox)
-    .bind(Json(op.payload))
-    .bind(op.idempotency_key)
-    .bind(op.fingerprint)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
+    insert_op(conn, op, "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint) VALUES ($1, $2, $3, $4, $5, $6, $7)").await
 }
 
 /// Records `op` as done already (a create the API ran in its request): for
@@ -685,18 +673,25 @@ pub async fn insert_finished_operation(
     conn: &mut PgConnection,
     op: &NewOperation<'_>,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint, state, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'succeeded', now())",
-    )
-    .bind(op.id)
-    .bind(op.tenant)
-    .bind(op.kind.as_str())
-    .bind(op.sandbox)
-    .bind(Json(op.payload))
-    .bind(op.idempotency_key)
-    .bind(op.fingerprint)
-    .execute(&mut *conn)
-    .await?;
+    insert_op(conn, op, "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint, state, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'succeeded', now())").await
+}
+
+/// `op`'s row by `sql`, whose parameters are its fields in order.
+async fn insert_op(
+    conn: &mut PgConnection,
+    op: &NewOperation<'_>,
+    sql: &'static str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(sql)
+        .bind(op.id)
+        .bind(op.tenant)
+        .bind(op.kind.as_str())
+        .bind(op.sandbox)
+        .bind(Json(op.payload))
+        .bind(op.idempotency_key)
+        .bind(op.fingerprint)
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 

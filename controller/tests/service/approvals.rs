@@ -132,6 +132,13 @@ async fn approve(w: &Setup, token: &str, id: &str, body: Value) -> (u16, Value) 
     call(w.api.addr, "POST", &path, Some(token), &[], Some(body)).await
 }
 
+/// `GET /v1/approvals` as `token`'s tenant.
+async fn approvals_of(w: &Setup, token: &str) -> Value {
+    let (s, v) = call(w.api.addr, "GET", "/v1/approvals", Some(token), &[], None).await;
+    assert_eq!(s, 200, "{v}");
+    v
+}
+
 #[tokio::test]
 async fn an_approved_proposal_reaches_the_gateway_shows_in_provenance_and_is_revoked() {
     let w = setup_world(db!()).await;
@@ -171,18 +178,10 @@ async fn an_approved_proposal_reaches_the_gateway_shows_in_provenance_and_is_rev
     assert_eq!(s, 200, "{again}");
     assert_eq!(again["id"], json!(aid));
 
-    let (_, mine) = call(
-        w.api.addr,
-        "GET",
-        "/v1/approvals",
-        Some(FEDERATED),
-        &[],
-        None,
-    )
-    .await;
+    let mine = approvals_of(&w, FEDERATED).await;
     assert_eq!(mine["approvals"].as_array().expect("list").len(), 1);
     assert_eq!(mine["truncated"], json!(false));
-    let (_, theirs) = call(w.api.addr, "GET", "/v1/approvals", Some(PLAIN), &[], None).await;
+    let theirs = approvals_of(&w, PLAIN).await;
     assert_eq!(theirs["approvals"], json!([]));
     let revoke = format!("/v1/approvals/{aid}");
     assert_eq!(
@@ -244,15 +243,7 @@ async fn an_approval_that_would_make_a_policy_too_large_for_a_gateway_is_refused
         said.contains(&format!("sandbox {id}")) && said.contains("takes at most"),
         "{refused}"
     );
-    let (_, mine) = call(
-        w.api.addr,
-        "GET",
-        "/v1/approvals",
-        Some(FEDERATED),
-        &[],
-        None,
-    )
-    .await;
+    let mine = approvals_of(&w, FEDERATED).await;
     assert_eq!(mine["approvals"], json!([]), "{mine}");
     let saved: sqlx::types::Json<Value> =
         sqlx::query_scalar("SELECT policy FROM sandboxes WHERE id = $1")
