@@ -87,14 +87,16 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
     let (added, kept): (Vec<Value>, Vec<Value>) = std::mem::take(provenance)
         .into_iter()
         .partition(|e| e.get("source") == Some(&json!("approval")));
-    // Destinations whose added rule no longer reads: every entry for them
-    // is out, and stays out (the entry is kept) until the policy is
-    // replaced; no approval is laid over them meanwhile.
+    // Destinations whose added rule did not read: every entry for them is
+    // out, and stays out (the entry is kept, marked `blocked`, whatever
+    // build reads it next) until the policy is replaced; no approval is
+    // laid over them meanwhile.
     let mut blocked = Vec::new();
     *provenance = kept;
-    for entry in added {
+    for mut entry in added {
         if let Some(dest) = strip_added(policy, &entry) {
             blocked.push(dest);
+            entry["blocked"] = json!(true);
             provenance.push(entry);
         }
     }
@@ -132,13 +134,14 @@ pub fn overlay(policy: &mut Policy, provenance: &mut Vec<Value>, active: &[Appro
 
 /// Takes out of `policy` the rule an earlier overlay added, named by its
 /// provenance `entry`. One whose stored rule does not read as a rule (a
-/// build that wrote it otherwise) is found by its destination, returned:
-/// every entry for it goes, the sandbox's own included, since a rule left
-/// in would let through what may have been revoked (a replaced policy
-/// brings the sandbox's own back).
+/// build that wrote it otherwise), or one already `blocked` so, is found by
+/// its destination, returned: every entry for it goes, the sandbox's own
+/// included, since a rule left in would let through what may have been
+/// revoked (a replaced policy brings the sandbox's own back).
 fn strip_added(policy: &mut Policy, entry: &Value) -> Option<egress_policy::Destination> {
     let rule = entry
         .get("rule")
+        .filter(|_| entry.get("blocked") != Some(&json!(true)))
         .and_then(|r| serde_json::from_value::<Rule>(r.clone()).ok());
     if let Some(rule) = rule {
         if let Some(pos) = policy.allow.iter().position(|r| *r == rule) {
@@ -470,6 +473,12 @@ mod tests {
             "the same on the next refresh"
         );
         assert_eq!(left(&policy), ["kept.test"]);
+        assert_eq!(prov[0]["blocked"], json!(true));
+        // Read by a build that reads the rule: still blocked.
+        prov[0]["rule"] = json!({"domain": "x.test"});
+        overlay(&mut policy, &mut prov, std::slice::from_ref(&wider));
+        assert_eq!(left(&policy), ["kept.test"], "a build that reads it");
+        assert_eq!(prov.len(), 1);
         // Replaced: the sandbox's own entry back, and it keeps the wider
         // approval off.
         let mut policy = Policy::from_json(own).expect("policy");

@@ -236,6 +236,10 @@ impl Api {
     ) -> Result<Reply, Reply> {
         for _ in 0..2 {
             let mut tx = self.pool.begin().await.map_err(db)?;
+            // A retry waits for the create it retries, and then replays it.
+            store::lock_tenant(&mut tx, &caller.tenant)
+                .await
+                .map_err(db)?;
             let native = Dialect::Native;
             if let Some(replay) =
                 replayed_op(&mut tx, &caller.tenant, op, (new.template, native)).await?
@@ -284,6 +288,10 @@ impl Api {
         };
         for _ in 0..2 {
             let mut tx = self.pool.begin().await.map_err(db)?;
+            // A retry waits for the create it retries, and then replays it.
+            store::lock_tenant(&mut tx, &caller.tenant)
+                .await
+                .map_err(db)?;
             let e2b = (new.template, Dialect::E2b);
             if let Some(replay) = replayed_op(&mut tx, &caller.tenant, &op, e2b).await? {
                 return replay;

@@ -123,6 +123,10 @@ impl Api {
     ) -> Result<Option<(String, String)>, Reply> {
         for _ in 0..2 {
             let mut tx = self.pool.begin().await.map_err(db)?;
+            // A retry waits for the claim it retries, and then replays it.
+            store::lock_tenant(&mut tx, &caller.tenant)
+                .await
+                .map_err(db)?;
             if let Some(key) = req.key {
                 if let Some(replay) = replayed(&mut tx, caller, key, req.fingerprint).await? {
                     self.count_claim("replayed");
