@@ -97,7 +97,14 @@ pub struct Registry {
     /// ([`Registry::set_max`]); none until set, so a recovery takes back
     /// whatever was acknowledged.
     max: std::sync::atomic::AtomicUsize,
+    /// Addresses a successor registered for its sandboxes while this
+    /// gateway drains ([`Registry::add_foreign`]), sorted: denied as
+    /// destinations as this gateway's own sandboxes' are.
+    foreign: ArcSwap<Vec<IpAddr>>,
 }
+
+/// Most addresses a successor may add to [`Registry::add_foreign`].
+pub const MAX_FOREIGN: usize = 1 << 20;
 
 /// Address → the VM that claims it.
 type VmClaims = std::collections::HashMap<IpAddr, String>;
@@ -109,6 +116,7 @@ impl Registry {
             platform,
             write: std::sync::Mutex::new(VmClaims::new()),
             max: std::sync::atomic::AtomicUsize::new(usize::MAX),
+            foreign: ArcSwap::default(),
         }
     }
 
@@ -210,8 +218,30 @@ impl Registry {
         let sandboxes = generation.addrs.clone();
         let mut vms: Vec<IpAddr> = claims.keys().copied().collect();
         vms.sort_unstable();
-        self.platform
-            .set_registered(move |ip| sandboxes.contains(&ip) || vms.binary_search(&ip).is_ok());
+        let foreign = self.foreign.load_full();
+        self.platform.set_registered(move |ip| {
+            sandboxes.contains(&ip)
+                || vms.binary_search(&ip).is_ok()
+                || foreign.binary_search(&ip).is_ok()
+        });
+    }
+
+    /// Denies `addrs` as destinations from now on, as sandboxes' addresses
+    /// are: a successor registered them while this gateway drains
+    /// ([`crate::handover::changes`]). `false`, nothing added, past
+    /// [`MAX_FOREIGN`].
+    pub fn add_foreign(&self, addrs: &[IpAddr]) -> bool {
+        let claims = self.lock();
+        let mut all = (*self.foreign.load_full()).clone();
+        all.extend(addrs.iter().map(|a| a.to_canonical()));
+        all.sort_unstable();
+        all.dedup();
+        if all.len() > MAX_FOREIGN {
+            return false;
+        }
+        self.foreign.store(Arc::new(all));
+        self.register_addresses(&claims, &self.snapshot.load());
+        true
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VmClaims> {
@@ -473,6 +503,16 @@ fn unclaimed(claims: &VmClaims, sandbox: &Sandbox) -> Result<(), RegistryError> 
 }
 
 impl Generation {
+    /// The addresses this generation's sandboxes hold that `before`'s did
+    /// not.
+    pub fn registered_since(&self, before: &Self) -> Vec<IpAddr> {
+        self.addrs
+            .iter()
+            .filter(|a| !before.addrs.contains(*a))
+            .copied()
+            .collect()
+    }
+
     /// The ids of `before`'s sandboxes whose registration is not enforced
     /// the same in this generation: taken out (or registered anew), or
     /// pushed with other addresses, policy, credentials or way out. The
@@ -920,6 +960,18 @@ mod tests {
                 "{dst}: gone, no longer denied"
             );
         }
+        // Addresses a successor registered while this gateway drains are
+        // denied too, in every form, until the process ends.
+        assert!(r.add_foreign(&[ip("::ffff:198.51.100.7"), ip("2001:db8:3::2")]));
+        for dst in ["198.51.100.7", "::ffff:198.51.100.7", "2001:db8:3::2"] {
+            assert_eq!(verdict(dst).0, "platform_deny", "{dst}: the successor's");
+        }
+        assert_eq!(verdict("198.51.100.8").0, "allow_default");
+        let too_many: Vec<IpAddr> = (0..=MAX_FOREIGN as u32)
+            .map(|i| IpAddr::V4(i.into()))
+            .collect();
+        assert!(!r.add_foreign(&too_many), "past the bound");
+        assert_eq!(verdict("0.0.0.5").0, "allow_default", "nothing added");
         // What the platform denies keep of the registry holds no sandbox
         // (each of whose policies holds the platform): no cycle outlives it.
         let platform = r.platform.clone();

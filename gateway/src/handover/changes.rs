@@ -5,7 +5,10 @@
 //! of every sandbox the predecessor knew whose registration it changed or
 //! took out, and the predecessor takes that sandbox out of its own registry
 //! (in memory: its commit thread is sealed), which ends its flows there
-//! within a tick; their clients reconnect to the successor. When the
+//! within a tick; their clients reconnect to the successor. Addresses its
+//! sandboxes take that they did not hold are sent too: the predecessor
+//! denies them as destinations from then on, as it does its own
+//! sandboxes' (its draining spliced flows to one are cut). When the
 //! connection ends before the drain does (the successor stopped, or speaks
 //! no such lines), the predecessor cannot know what changed: it ends its
 //! drain, as when `timeouts.drain` runs out.
@@ -19,15 +22,24 @@ use egress_policy::SandboxId;
 
 use crate::registry::{Generation, Registry};
 
+/// One line the successor tells: a sandbox of the predecessor's that
+/// changed, or addresses its sandboxes hold now that they did not.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Told {
+    Changed(String),
+    Registered { addresses: Vec<std::net::IpAddr> },
+}
+
 /// How often the successor looks for changes to tell.
 const TELL_EVERY: Duration = Duration::from_millis(100);
 
 /// The successor's side, on a thread of its own: every [`TELL_EVERY`], the
 /// ids of the sandboxes changed since the last look among those the
-/// predecessor had. Ends when the predecessor has gone (it closed the
-/// connection, or a write fails or waits past the handover's I/O timeout).
-/// `had`: the registry as the predecessor left it (before anything here
-/// changed it).
+/// predecessor had, and the addresses registered since. Ends when the
+/// predecessor has gone (it closed the connection, or a write fails or
+/// waits past the handover's I/O timeout). `had`: the registry as the
+/// predecessor left it (before anything here changed it).
 pub(crate) fn tell(stream: UnixStream, registry: &Registry, had: Arc<Generation>) {
     let mut known = had;
     let mut out = &stream;
@@ -41,10 +53,18 @@ pub(crate) fn tell(stream: UnixStream, registry: &Registry, had: Arc<Generation>
             continue;
         }
         let changed = now.changed_since(&known);
+        let registered = now.registered_since(&known);
         known = now;
         let mut lines = Vec::new();
         for id in &changed {
             if serde_json::to_writer(&mut lines, id.as_str()).is_err() {
+                return;
+            }
+            lines.push(b'\n');
+        }
+        if !registered.is_empty() {
+            let line = serde_json::json!({ "addresses": registered });
+            if serde_json::to_writer(&mut lines, &line).is_err() {
                 return;
             }
             lines.push(b'\n');
@@ -66,9 +86,10 @@ fn gone(stream: &UnixStream) -> bool {
 }
 
 /// The predecessor's side, on a thread of its own while it drains: takes
-/// out of `registry` each sandbox the successor names. Returns when the
-/// connection ends (or carries a line that is not an id): the caller then
-/// ends the drain.
+/// out of `registry` each sandbox the successor names, and denies the
+/// addresses it registered. Returns when the connection ends (or carries
+/// a line it does not read, or more addresses than are kept): the caller
+/// then ends the drain.
 pub(crate) fn listen(stream: UnixStream, registry: &Registry) -> String {
     if let Err(e) = stream.set_read_timeout(None) {
         return format!("the handover connection: {e}");
@@ -84,15 +105,24 @@ pub(crate) fn listen(stream: UnixStream, registry: &Registry) -> String {
             Err(e) => return format!("the handover connection: {e}"),
             Ok(_) => {}
         }
-        let id = line
+        let told = line
             .strip_suffix('\n')
-            .and_then(|l| serde_json::from_str::<String>(l).ok())
-            .and_then(|id| SandboxId::parse(&id).ok());
-        let Some(id) = id else {
-            return "the successor sent a line that names no sandbox".into();
-        };
-        if registry.remove(&id) {
-            tracing::info!(sandbox = %id, "the sandbox changed on the successor: its flows draining here end");
+            .and_then(|l| serde_json::from_str::<Told>(l).ok());
+        match told {
+            Some(Told::Changed(id)) => match SandboxId::parse(&id) {
+                Ok(id) => {
+                    if registry.remove(&id) {
+                        tracing::info!(sandbox = %id, "the sandbox changed on the successor: its flows draining here end");
+                    }
+                }
+                Err(_) => return "the successor sent a line that names no sandbox".into(),
+            },
+            Some(Told::Registered { addresses }) => {
+                if !registry.add_foreign(&addresses) {
+                    return "the successor registered more addresses than are kept".into();
+                }
+            }
+            None => return "the successor sent a line that names no sandbox".into(),
         }
     }
 }

@@ -1,12 +1,12 @@
 use std::net::IpAddr;
 use std::time::Instant;
 
-use egress_policy::{PlatformDenies, Policy};
+use egress_policy::{AttributionGap, PlatformDenies, Policy};
 
 use super::*;
 
 fn registry(sandboxes: &[(&str, &str)]) -> Registry {
-    let r = Registry::new(Arc::new(PlatformDenies::builtin()));
+    let r = Registry::new(Arc::new(PlatformDenies::new(Vec::new())));
     for (id, addr) in sandboxes {
         put(
             &r,
@@ -22,6 +22,23 @@ fn put(r: &Registry, id: &str, addr: &str, policy: &str) {
     let ip: IpAddr = addr.parse().expect("ip");
     let policy = Policy::from_json(policy).expect("policy");
     r.put(SandboxId::new(id), vec![ip], policy).expect("put");
+}
+
+/// Whether `dst` is denied to sb-c on `r` as a sandbox's address (the
+/// registries here have no other platform denies).
+fn denied(r: &Registry, dst: &str) -> bool {
+    let dst: IpAddr = dst.parse().expect("ip");
+    let claims = crate::decide::Claims {
+        dst: std::net::SocketAddr::new(dst, 22),
+        protocol: egress_policy::Protocol::Opaque(None),
+        sni: None,
+        host: None,
+        ech: false,
+    };
+    let s = r.get(&SandboxId::new("sb-c")).expect("sb-c");
+    let doh = crate::doh::DohNames::empty();
+    let v = crate::decide::judge(&s.policy, &claims, &[], AttributionGap::NoDnsSeen, &doh);
+    v.code() == "platform_deny"
 }
 
 fn has(r: &Registry, id: &str) -> bool {
@@ -69,6 +86,13 @@ fn the_predecessor_drops_each_sandbox_the_successor_changes() {
     assert!(!has(&pred, "sb-b"), "pushed again on the successor");
     assert!(has(&pred, "sb-c"), "pushed again as it was");
     assert!(!has(&pred, "sb-d"), "the successor's own");
+    // Its address is denied here now, as the predecessor's own sandboxes'.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !denied(&pred, "100.64.0.5") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(denied(&pred, "100.64.0.5"), "sb-d's address");
+    assert!(!denied(&pred, "100.64.0.9"), "no one's");
     // A change after the first is told too.
     put(&succ, "sb-c", "100.64.0.4", r#"{"allow": []}"#);
     let deadline = Instant::now() + Duration::from_secs(10);
