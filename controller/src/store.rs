@@ -710,22 +710,33 @@ pub async fn by_key(
     conn: &mut PgConnection,
     tenant: &str,
     key: &str,
-) -> Result<Option<(String, String, Option<String>)>, sqlx::Error> {
+) -> Result<Option<Keyed>, sqlx::Error> {
     let row = sqlx::query(
-        "SELECT id, sandbox, fingerprint FROM operations WHERE tenant = $1 AND idempotency_key = $2",
+        "SELECT id, sandbox, fingerprint, kind FROM operations WHERE tenant = $1 AND idempotency_key = $2",
     )
     .bind(tenant)
     .bind(key)
     .fetch_optional(&mut *conn)
     .await?;
     row.map(|r| {
-        Ok((
-            r.try_get("id")?,
-            r.try_get("sandbox")?,
-            r.try_get("fingerprint")?,
-        ))
+        Ok(Keyed {
+            operation: r.try_get("id")?,
+            sandbox: r.try_get("sandbox")?,
+            fingerprint: r.try_get("fingerprint")?,
+            kind: r.try_get("kind")?,
+        })
     })
     .transpose()
+}
+
+/// The operation an idempotency key names.
+#[derive(Debug)]
+pub struct Keyed {
+    pub operation: String,
+    pub sandbox: String,
+    pub fingerprint: Option<String>,
+    /// `create`, `fork` or `claim` ([`OperationKind::as_str`]).
+    pub kind: String,
 }
 
 /// Claims the oldest runnable operation for this transaction: locked, and

@@ -196,7 +196,7 @@ impl Api {
             if let Some((sandbox, operation)) = self.claim(caller, &claim).await? {
                 return Ok(req
                     .dialect
-                    .created(&req.template, &sandbox, Some(&operation)));
+                    .created(&req.template, &sandbox, operation.as_deref()));
             }
         }
         let new = NewSandbox {
@@ -339,7 +339,12 @@ pub(super) async fn replayed_op(
     let Some(key) = op.idempotency_key else {
         return Ok(None);
     };
-    let Some((operation, sandbox, print)) = store::by_key(conn, tenant, key).await.map_err(db)?
+    let Some(store::Keyed {
+        operation,
+        sandbox,
+        fingerprint: print,
+        ..
+    }) = store::by_key(conn, tenant, key).await.map_err(db)?
     else {
         return Ok(None);
     };

@@ -115,12 +115,14 @@ impl Api {
 
     /// Claims a ready pooled sandbox and queues the claim: `(sandbox,
     /// operation)`, the original ones for a replayed idempotency key
-    /// (another fingerprint: `409`), `None` when the pool is empty.
+    /// (another fingerprint: `409`; a key an E2B create composed in its
+    /// request recorded, found empty the pool: no operation, as it first
+    /// answered), `None` when the pool is empty.
     pub(super) async fn claim(
         &self,
         caller: &Tenant,
         req: &ClaimRequest<'_>,
-    ) -> Result<Option<(String, String)>, Reply> {
+    ) -> Result<Option<(String, Option<String>)>, Reply> {
         for _ in 0..2 {
             let mut tx = self.pool.begin().await.map_err(db)?;
             // A retry waits for the claim it retries, and then replays it.
@@ -129,7 +131,9 @@ impl Api {
                 .map_err(db)?;
             if let Some(key) = req.key {
                 if let Some(replay) = replayed(&mut tx, caller, key, req.fingerprint).await? {
-                    self.count_claim("replayed");
+                    if replay.1.is_some() {
+                        self.count_claim("replayed");
+                    }
                     return Ok(Some(replay));
                 }
             }
@@ -157,7 +161,7 @@ impl Api {
             }
             tx.commit().await.map_err(db)?;
             self.count_claim("claimed");
-            return Ok(Some((sandbox, operation)));
+            return Ok(Some((sandbox, Some(operation))));
         }
         Err(error(
             StatusCode::CONFLICT,
@@ -174,17 +178,19 @@ impl Api {
 }
 
 /// The `(sandbox, operation)` an idempotency key already names with the
-/// same fingerprint; another fingerprint is `409`.
+/// same fingerprint (no operation for a create, which an E2B create
+/// composed in its request recorded); another fingerprint is `409`.
 async fn replayed(
     tx: &mut sqlx::PgConnection,
     caller: &Tenant,
     key: &str,
     fingerprint: &str,
-) -> Result<Option<(String, String)>, Reply> {
+) -> Result<Option<(String, Option<String>)>, Reply> {
     match store::by_key(tx, &caller.tenant, key).await.map_err(db)? {
         None => Ok(None),
-        Some((operation, sandbox, print)) if print.as_deref() == Some(fingerprint) => {
-            Ok(Some((sandbox, operation)))
+        Some(k) if k.fingerprint.as_deref() == Some(fingerprint) => {
+            let claimed = k.kind == OperationKind::Claim.as_str();
+            Ok(Some((k.sandbox, claimed.then_some(k.operation))))
         }
         Some(_) => Err(error(
             StatusCode::CONFLICT,

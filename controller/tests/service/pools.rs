@@ -419,6 +419,28 @@ async fn an_e2b_create_claims_from_the_pool_and_the_controller_composes_it() {
         assert_eq!(claimed[field], created[field], "{field}");
     }
     assert_eq!(claimed["policy"]["default"], json!("deny"), "{claimed}");
+
+    // With the pool empty, an E2B create with a key is composed in its
+    // request; retried, it gets that answer again (no claim's operation).
+    set_size(&w.api, 0).await;
+    let (body, key) = (json!({"templateID": "base"}), ("Idempotency-Key", "p1"));
+    let headers = [headers[0], key];
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let (s, v) = call(
+            w.api.addr,
+            "POST",
+            "/sandboxes",
+            Some(FEDERATED),
+            &headers,
+            Some(body.clone()),
+        )
+        .await;
+        assert_eq!(s, 201, "{v}");
+        answers.push(v);
+    }
+    assert_eq!(answers[0], answers[1], "a retry gets the first answer");
+    assert_eq!(answers[0].get("operation"), None, "{}", answers[0]);
 }
 
 /// A claim whose saved name the dispatcher cannot resolve fails like a
