@@ -31,6 +31,9 @@ enum Told {
     Registered { addresses: Vec<std::net::IpAddr> },
 }
 
+/// Most addresses on one line: an IPv6 address in full is 41 bytes quoted.
+const ADDRESSES_PER_LINE: usize = 1_000;
+
 /// How often the successor looks for changes to tell.
 const TELL_EVERY: Duration = Duration::from_millis(100);
 
@@ -62,8 +65,9 @@ pub(crate) fn tell(stream: UnixStream, registry: &Registry, had: Arc<Generation>
             }
             lines.push(b'\n');
         }
-        if !registered.is_empty() {
-            let line = serde_json::json!({ "addresses": registered });
+        // Lines well under the predecessor's longest (64 KiB).
+        for chunk in registered.chunks(ADDRESSES_PER_LINE) {
+            let line = serde_json::json!({ "addresses": chunk });
             if serde_json::to_writer(&mut lines, &line).is_err() {
                 return;
             }

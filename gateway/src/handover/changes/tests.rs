@@ -106,6 +106,42 @@ fn the_predecessor_drops_each_sandbox_the_successor_changes() {
     assert!(why.contains("closed"), "{why}");
 }
 
+/// A resync that registers many addresses at once is told in lines the
+/// predecessor reads whole.
+#[test]
+fn many_addresses_registered_at_once_are_told_in_lines_read_whole() {
+    let (pred, succ) = (Arc::new(registry(&[])), Arc::new(registry(&[])));
+    let had = succ.checkpoint();
+    let many: Vec<Arc<crate::registry::Sandbox>> = (0..3_000u32)
+        .map(|i| {
+            let ip = IpAddr::V6(std::net::Ipv6Addr::from(
+                0x2001_0db8_ffff_ffff_ffff_ffff_0000_0000u128 | u128::from(i),
+            ));
+            let policy = Policy::from_json(r#"{"allow": []}"#).expect("policy");
+            succ.prepare(SandboxId::new(&format!("sb-{i}")), vec![ip], policy)
+        })
+        .collect();
+    succ.replace_prepared(many).expect("resync");
+    put(&pred, "sb-c", "100.64.0.4", r#"{"allow": []}"#);
+    let (theirs, ours) = UnixStream::pair().expect("pair");
+    let stop = ours.try_clone().expect("clone");
+    let telling = std::thread::spawn(move || tell(ours, &succ, had));
+    let hearing = {
+        let pred = pred.clone();
+        std::thread::spawn(move || listen(theirs, &pred))
+    };
+    let last = "2001:db8:ffff:ffff:ffff:ffff:0:bb7";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !denied(&pred, last) && !hearing.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(denied(&pred, last), "the 3,000th address");
+    assert!(!hearing.is_finished(), "still hearing");
+    stop.shutdown(std::net::Shutdown::Both).expect("shutdown");
+    telling.join().expect("told");
+    hearing.join().expect("heard");
+}
+
 /// A line that names no sandbox (or one cut short) ends the hearing: the
 /// predecessor cannot know what changed.
 #[test]
