@@ -192,6 +192,7 @@ impl Api {
                 payload: &payload,
                 key,
                 fingerprint: &fingerprint,
+                native: req.dialect == Dialect::Native,
             };
             if let Some((sandbox, operation)) = self.claim(caller, &claim).await? {
                 return Ok(req
@@ -343,14 +344,15 @@ pub(super) async fn replayed_op(
         operation,
         sandbox,
         fingerprint: print,
-        ..
+        kind,
     }) = store::by_key(conn, tenant, key).await.map_err(db)?
     else {
         return Ok(None);
     };
     Ok(Some(if print.as_deref() == op.fingerprint {
-        // An E2B create answered without its operation the first time.
-        let operation = (dialect == Dialect::Native).then_some(operation.as_str());
+        // An E2B create composed in its request answered without one.
+        let shown = dialect == Dialect::Native || kind == OperationKind::Claim.as_str();
+        let operation = shown.then_some(operation.as_str());
         Ok(dialect.created(template, &sandbox, operation))
     } else {
         Err(error(

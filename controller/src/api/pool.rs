@@ -37,6 +37,9 @@ pub(super) struct ClaimRequest<'a> {
     pub payload: &'a Value,
     pub key: Option<&'a str>,
     pub fingerprint: &'a str,
+    /// Through `POST /v1/sandboxes`, whose answers always name their
+    /// operation (an E2B create composed in its request has none).
+    pub native: bool,
 }
 
 /// Whether a create names its template's pool: `X-Space-Warm-Pool` absent
@@ -130,11 +133,14 @@ impl Api {
                 .await
                 .map_err(db)?;
             if let Some(key) = req.key {
-                if let Some(replay) = replayed(&mut tx, caller, key, req.fingerprint).await? {
-                    if replay.1.is_some() {
+                if let Some((sandbox, operation, claimed)) =
+                    replayed(&mut tx, caller, key, req.fingerprint).await?
+                {
+                    if claimed {
                         self.count_claim("replayed");
                     }
-                    return Ok(Some(replay));
+                    let operation = (claimed || req.native).then_some(operation);
+                    return Ok(Some((sandbox, operation)));
                 }
             }
             super::create::within_quota(&mut tx, caller).await?;
@@ -177,20 +183,20 @@ impl Api {
     }
 }
 
-/// The `(sandbox, operation)` an idempotency key already names with the
-/// same fingerprint (no operation for a create, which an E2B create
-/// composed in its request recorded); another fingerprint is `409`.
+/// The `(sandbox, operation, whether it was a claim)` an idempotency key
+/// already names with the same fingerprint (found the pool empty, a create
+/// recorded it); another fingerprint is `409`.
 async fn replayed(
     tx: &mut sqlx::PgConnection,
     caller: &Tenant,
     key: &str,
     fingerprint: &str,
-) -> Result<Option<(String, Option<String>)>, Reply> {
+) -> Result<Option<(String, String, bool)>, Reply> {
     match store::by_key(tx, &caller.tenant, key).await.map_err(db)? {
         None => Ok(None),
         Some(k) if k.fingerprint.as_deref() == Some(fingerprint) => {
             let claimed = k.kind == OperationKind::Claim.as_str();
-            Ok(Some((k.sandbox, claimed.then_some(k.operation))))
+            Ok(Some((k.sandbox, k.operation, claimed)))
         }
         Some(_) => Err(error(
             StatusCode::CONFLICT,

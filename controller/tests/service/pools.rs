@@ -368,9 +368,11 @@ async fn an_e2b_create_claims_from_the_pool_and_the_controller_composes_it() {
     let pool = egress_controller::store::connect(&url)
         .await
         .expect("store");
-    let _refill = refill(&pool).await;
+    let refilling = refill(&pool).await;
     set_size(&w.api, 1).await;
     ready(&w.api, 1).await;
+    // Not refilled after this one is claimed: the pool stays empty.
+    drop(refilling);
     let before = pooled(&pool).await;
 
     let body = json!({"templateID": "base", "network": {"denyOut": ["0.0.0.0/0", "::/0"], "allowOut": ["api.example.test"]}});
@@ -420,27 +422,41 @@ async fn an_e2b_create_claims_from_the_pool_and_the_controller_composes_it() {
     }
     assert_eq!(claimed["policy"]["default"], json!("deny"), "{claimed}");
 
-    // With the pool empty, an E2B create with a key is composed in its
-    // request; retried, it gets that answer again (no claim's operation).
-    set_size(&w.api, 0).await;
-    let (body, key) = (json!({"templateID": "base"}), ("Idempotency-Key", "p1"));
-    let headers = [headers[0], key];
-    let mut answers = Vec::new();
-    for _ in 0..2 {
-        let (s, v) = call(
-            w.api.addr,
-            "POST",
-            "/sandboxes",
-            Some(FEDERATED),
-            &headers,
-            Some(body.clone()),
-        )
-        .await;
-        assert_eq!(s, 201, "{v}");
-        answers.push(v);
+    // With the pool empty, a create with a key is composed in its request
+    // (E2B) or queued (native); retried, it gets its first answer again:
+    // no operation for the E2B one, its queued create's for the native.
+    assert_eq!(pooled(&pool).await, [], "the pool is empty");
+    for (path, body, want) in [
+        ("/sandboxes", json!({"templateID": "base"}), 201),
+        ("/v1/sandboxes", json!({"template": "base"}), 202),
+    ] {
+        let headers = [headers[0], ("Idempotency-Key", path)];
+        let mut answers = Vec::new();
+        for _ in 0..2 {
+            let (s, v) = call(
+                w.api.addr,
+                "POST",
+                path,
+                Some(FEDERATED),
+                &headers,
+                Some(body.clone()),
+            )
+            .await;
+            assert_eq!(s, want, "{v}");
+            answers.push(v);
+        }
+        assert_eq!(
+            answers[0], answers[1],
+            "{path}: a retry gets the first answer"
+        );
+        let operation = answers[0].get("operation");
+        assert_eq!(
+            operation.is_some_and(|o| o.is_string()),
+            want == 202,
+            "{path}: {}",
+            answers[0]
+        );
     }
-    assert_eq!(answers[0], answers[1], "a retry gets the first answer");
-    assert_eq!(answers[0].get("operation"), None, "{}", answers[0]);
 }
 
 /// A claim whose saved name the dispatcher cannot resolve fails like a

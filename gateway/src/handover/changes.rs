@@ -109,24 +109,28 @@ pub(crate) fn listen(stream: UnixStream, registry: &Registry) -> String {
             Err(e) => return format!("the handover connection: {e}"),
             Ok(_) => {}
         }
-        let told = line
-            .strip_suffix('\n')
-            .and_then(|l| serde_json::from_str::<Told>(l).ok());
+        let head: String = line.chars().take(100).collect();
+        let told = match line.strip_suffix('\n') {
+            Some(l) => serde_json::from_str::<Told>(l).map_err(|e| e.to_string()),
+            None => Err("cut short".into()),
+        };
         match told {
-            Some(Told::Changed(id)) => match SandboxId::parse(&id) {
+            Ok(Told::Changed(id)) => match SandboxId::parse(&id) {
                 Ok(id) => {
                     if registry.remove(&id) {
                         tracing::info!(sandbox = %id, "the sandbox changed on the successor: its flows draining here end");
                     }
                 }
-                Err(_) => return "the successor sent a line that names no sandbox".into(),
+                Err(e) => return format!("the successor named no sandbox ({e}): {head:?}"),
             },
-            Some(Told::Registered { addresses }) => {
+            Ok(Told::Registered { addresses }) => {
                 if !registry.add_foreign(&addresses) {
                     return "the successor registered more addresses than are kept".into();
                 }
             }
-            None => return "the successor sent a line that names no sandbox".into(),
+            Err(e) => {
+                return format!("the successor sent a line that does not read ({e}): {head:?}")
+            }
         }
     }
 }

@@ -146,13 +146,18 @@ fn many_addresses_registered_at_once_are_told_in_lines_read_whole() {
 /// predecessor cannot know what changed.
 #[test]
 fn a_line_that_names_no_sandbox_ends_the_hearing() {
-    for line in ["\"not an id!\"\n", "{}\n", "\"sb-a\""] {
+    for (line, said) in [
+        ("\"not an id!\"\n", "named no sandbox"),
+        ("{}\n", "does not read"),
+        ("{\"addresses\": [\"no address\"]}\n", "does not read"),
+        ("\"sb-a\"", "cut short"),
+    ] {
         let pred = registry(&[("sb-a", "100.64.0.2")]);
         let (theirs, mut ours) = UnixStream::pair().expect("pair");
         ours.write_all(line.as_bytes()).expect("write");
         drop(ours);
         let why = listen(theirs, &pred);
         assert!(has(&pred, "sb-a"), "{line:?}");
-        assert!(why.contains("names no sandbox"), "{line:?}: {why}");
+        assert!(why.contains(said), "{line:?}: {why}");
     }
 }
