@@ -44,6 +44,10 @@ pub(crate) enum RetryError {
     /// The client's second ClientHello is not one the first was judged for.
     #[error("after a HelloRetryRequest: {0}")]
     Client(String),
+    /// Passing the bytes on would cross the flow's byte budget: they were
+    /// not passed (`down`: the server's bytes passed on before them).
+    #[error("the flow's byte budget")]
+    Budget { down: u64 },
 }
 
 /// What the first ClientHello was judged on.
@@ -65,16 +69,23 @@ pub(crate) struct Passed {
 /// ClientHello (at most `max` bytes, starting with `after`: what the client
 /// sent past its first hello's records) and passes it on only if it names
 /// the server the first was judged for (`judged`). Without a retry, `after`
-/// is passed on as it is. Each wait within `limit`.
+/// is passed on as it is. Each wait within `limit`. Every write is first
+/// charged to `spend` (a byte budget's meter): one it refuses is not made.
 pub(crate) async fn watch(
     (client, origin): (&mut TcpStream, &mut TcpStream),
     judged: Judged<'_>,
     after: Vec<u8>,
     (max, limit): (usize, Duration),
+    spend: &(dyn Fn(usize) -> bool + Sync),
 ) -> Result<Passed, RetryError> {
+    let charged = |n: usize, down: usize| {
+        let down = down as u64;
+        spend(n).then_some(()).ok_or(RetryError::Budget { down })
+    };
     let (first, retry) = within(limit, server_first(origin))
         .await
         .map_err(|e| RetryError::Origin(e.to_string()))?;
+    charged(first.len(), 0)?;
     within(limit, client.write_all(&first))
         .await
         .map_err(|e| RetryError::Client(format!("passing the server's hello on: {e}")))?;
@@ -83,6 +94,7 @@ pub(crate) async fn watch(
         down: first.len() as u64,
     };
     if !retry {
+        charged(after.len(), first.len())?;
         within(limit, origin.write_all(&after))
             .await
             .map_err(|e| RetryError::Origin(format!("passing the client's bytes on: {e}")))?;
@@ -104,6 +116,7 @@ pub(crate) async fn watch(
             "the second ClientHello carries encrypted_client_hello, the first did not".into(),
         ));
     }
+    charged(bytes.len(), first.len())?;
     within(limit, origin.write_all(&bytes))
         .await
         .map_err(|e| RetryError::Origin(format!("passing the second ClientHello on: {e}")))?;

@@ -62,15 +62,14 @@ pub(crate) async fn splice_to(
     let passed = match hello {
         Some(judged) => {
             let sockets = (&mut client, &mut origin);
-            hello_watched(dp, config, sockets, (judged, after)).await?
+            match hello_watched(dp, config, sockets, (judged, after), meter.as_ref()).await? {
+                Ok(passed) => passed,
+                Err(cut) => return Ok(Spliced { up: sent, ..cut }),
+            }
         }
         None => Passed::default(),
     };
     let peeked_len = sent + passed.up;
-    if let Some(m) = &meter {
-        // Past the budget, the splice below is cut at its start.
-        let _ = m.spend(usize::try_from(passed.up + passed.down).unwrap_or(usize::MAX));
-    }
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
     let (client, origin) = match kernel {
         Some(kernel) => {
@@ -117,26 +116,41 @@ fn pipes_for(config: &Config, metered: bool) -> (Option<Pipes>, SplicePath) {
     (pipes, path)
 }
 
-/// The start of a TLS flow read ([`crate::hello_retry::watch`]): what was
-/// passed on, or why both sides were reset.
+/// The start of a TLS flow read ([`crate::hello_retry::watch`]), every
+/// write charged to `meter` first: what was passed on; `Ok(Err)`, the flow
+/// cut at its byte budget (both sides reset; the counts are of what the
+/// client got); `Err`, why both sides were reset.
 async fn hello_watched(
     dp: &Dataplane,
     config: &Config,
     (client, origin): (&mut TcpStream, &mut TcpStream),
     (judged, after): (Judged<'_>, Vec<u8>),
-) -> Result<Passed, String> {
+    meter: Option<&Meter>,
+) -> Result<Result<Passed, Spliced>, String> {
     let bounds = (config.limits.peek_bytes, config.timeouts.tls_handshake);
-    crate::hello_retry::watch((client, origin), judged, after, bounds)
-        .await
-        .map_err(|e| {
-            reset(client);
-            reset(origin);
-            dp.metrics.fault(match e {
-                RetryError::Origin(_) => Fault::UPSTREAM_TLS,
-                RetryError::Client(_) => Fault::HELLO_RETRY,
-            });
-            format!("tls_hello: {e}")
-        })
+    let spend = |n: usize| meter.is_none_or(|m| m.spend(n));
+    let watched = crate::hello_retry::watch((client, origin), judged, after, bounds, &spend).await;
+    let e = match watched {
+        Ok(passed) => return Ok(Ok(passed)),
+        Err(e) => e,
+    };
+    reset(client);
+    reset(origin);
+    let fault = match e {
+        RetryError::Origin(_) => Fault::UPSTREAM_TLS,
+        RetryError::Client(_) => Fault::HELLO_RETRY,
+        RetryError::Budget { down } => {
+            return Ok(Err(Spliced {
+                up: 0,
+                down,
+                idle_timeout: false,
+                fault: None,
+                budget_cut: meter.map(Meter::describe),
+            }))
+        }
+    };
+    dp.metrics.fault(fault);
+    Err(format!("tls_hello: {e}"))
 }
 
 /// The origin's socket, with `peeked` sent on it first (then freed), or

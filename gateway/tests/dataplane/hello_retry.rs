@@ -50,16 +50,47 @@ fn client_hello(sni: &str) -> Vec<u8> {
     out
 }
 
+/// A retry request whose message carries `pad` bytes of a padding
+/// extension, cut into records of at most 16 KiB.
+fn padded_retry_request(pad: usize) -> Vec<u8> {
+    let mut body = vec![0x03, 0x03];
+    body.extend_from_slice(&HRR_RANDOM);
+    body.extend_from_slice(&[0, 0x13, 0x01, 0]);
+    let extensions = 12 + 4 + pad;
+    body.extend_from_slice(&u16::try_from(extensions).expect("fits").to_be_bytes());
+    body.extend_from_slice(&[0, 0x2b, 0, 2, 3, 4, 0, 0x33, 0, 2, 0, 0x17]);
+    body.extend_from_slice(&[0, 0x15]);
+    body.extend_from_slice(&u16::try_from(pad).expect("fits").to_be_bytes());
+    body.resize(body.len() + pad, 0);
+    let mut message = vec![2];
+    message.extend_from_slice(&u32::try_from(body.len()).expect("fits").to_be_bytes()[1..]);
+    message.extend_from_slice(&body);
+    let mut out = Vec::new();
+    for part in message.chunks(16 * 1024) {
+        out.extend_from_slice(&[0x16, 3, 3]);
+        out.extend_from_slice(&u16::try_from(part.len()).expect("fits").to_be_bytes());
+        out.extend_from_slice(part);
+    }
+    out
+}
+
 /// The fake origin: answers the first bytes with a retry request, and
 /// records everything it receives.
 async fn retrying_origin() -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
+    answering_origin(retry_request()).await
+}
+
+/// A fake origin that answers the first bytes with `answer`, and records
+/// everything it receives.
+async fn answering_origin(answer: Vec<u8>) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
+    let answer = Arc::new(answer);
     let l = TcpListener::bind((FAKE_IP, 0)).await.expect("bind");
     let addr = l.local_addr().expect("addr");
     let got = Arc::new(Mutex::new(Vec::new()));
     let seen = got.clone();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
-            let seen = seen.clone();
+            let (seen, answer) = (seen.clone(), answer.clone());
             tokio::spawn(async move {
                 let mut buf = [0u8; 4096];
                 let mut answered = false;
@@ -70,7 +101,7 @@ async fn retrying_origin() -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
                     seen.lock().expect("lock").extend_from_slice(&buf[..n]);
                     if !answered {
                         answered = true;
-                        if s.write_all(&retry_request()).await.is_err() {
+                        if s.write_all(&answer).await.is_err() {
                             break;
                         }
                     }
@@ -183,6 +214,38 @@ async fn a_second_client_hello_naming_the_same_server_goes_through() {
     want.extend_from_slice(&[0x14, 3, 3, 0, 1, 1]);
     want.extend_from_slice(&second);
     assert_eq!(*got.lock().expect("lock"), want, "both hellos, as sent");
+}
+
+/// The start of a flow under a byte budget is charged before it passes: a
+/// retry request larger than what the budget has left is not passed on,
+/// and the flow is cut at its budget.
+#[tokio::test]
+async fn a_retry_request_past_the_byte_budget_is_not_passed_on() {
+    let e = env(Options::default()).await;
+    let p = r#"{"default": "allow", "budgets": [{"destination": "*", "bytes_per_hour": 8192}]}"#;
+    e.sandbox("a", SANDBOX_A, policy(p));
+    let (origin, _) = answering_origin(padded_retry_request(20 * 1024)).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    s.write_all(&client_hello("a.relay.example.test"))
+        .await
+        .expect("first hello");
+    let (mut got, mut buf) = (0, vec![0u8; 64 * 1024]);
+    let reset = loop {
+        match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
+            Ok(Ok(0)) => break false,
+            Ok(Ok(n)) => got += n,
+            Ok(Err(_)) => break true,
+            Err(_) => panic!("neither cut nor closed after {got} bytes"),
+        }
+    };
+    assert_eq!(
+        (got, reset),
+        (0, true),
+        "nothing of the retry request, reset"
+    );
+    let line = &e.flow_lines(1).await[0];
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(error.starts_with("budget_exceeded: budgets[0]"), "{line}");
 }
 
 /// A real retry: the origin takes only secp256r1, rustls' client offers a
