@@ -146,14 +146,14 @@ fn decide(
     let Some(egress) = egress.filter(|v| !v.is_null()) else {
         return Ok(allowed);
     };
-    // An update that leaves the policy as stored, or one of a Machine being
-    // deleted (a finalizer removed), is not the policy's to refuse: a
-    // policy stored before a stricter check would otherwise block every
-    // later update, the deletion's included. The worker still refuses it.
+    // An update that leaves the policy as stored (a Machine being deleted
+    // has its finalizer removed so) is not the policy's to refuse: a policy
+    // stored before a stricter check would otherwise block every later
+    // update, the deletion's included. The worker still refuses it. One
+    // that changes the policy is checked, on a Machine being deleted too.
     if req.operation == Operation::Update {
         let old = req.old_object.as_ref();
-        let unchanged = old.and_then(|o| o.data.pointer("/spec/network/egress")) == Some(egress);
-        if unchanged || object.metadata.deletion_timestamp.is_some() {
+        if old.and_then(|o| o.data.pointer("/spec/network/egress")) == Some(egress) {
             return Ok(allowed);
         }
     }

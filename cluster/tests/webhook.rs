@@ -298,13 +298,28 @@ fn updates_are_checked_deletes_and_other_kinds_are_not() {
     let r = respond(&doc);
     assert_eq!(r["allowed"], false, "a policy changed to a bad one: {r}");
     // An update that leaves a stored bad policy as it is (one stored before
-    // the check was stricter), or of a Machine being deleted (a finalizer
-    // removed), is not refused: it would block the deletion for good.
+    // the check was stricter) is not refused: it would block the deletion
+    // (a finalizer removed) for good.
     let r = respond(&machine_review("UPDATE", Some(bad.clone())));
     assert_eq!(r["allowed"], true, "the policy unchanged: {r}");
+    let mut deleting = machine_review("UPDATE", Some(bad.clone()));
+    for side in ["object", "oldObject"] {
+        deleting["request"][side]["metadata"]["deletionTimestamp"] = json!("2025-06-02T10:00:00Z");
+    }
+    deleting["request"]["oldObject"]["metadata"]["finalizers"] = json!(["kairon.zyvor.dev/vm"]);
+    let r = respond(&deleting);
+    assert_eq!(
+        r["allowed"], true,
+        "a finalizer removed, the policy unchanged: {r}"
+    );
+    // A Machine being deleted is no way around the check.
     doc["request"]["object"]["metadata"]["deletionTimestamp"] = json!("2025-06-02T10:00:00Z");
+    doc["request"]["oldObject"]["metadata"]["deletionTimestamp"] = json!("2025-06-02T10:00:00Z");
     let r = respond(&doc);
-    assert_eq!(r["allowed"], true, "a Machine being deleted: {r}");
+    assert_eq!(
+        r["allowed"], false,
+        "a bad policy set on a Machine being deleted: {r}"
+    );
     // DELETE: nothing is stored, nothing to check (the old object is bad).
     let r = respond(&machine_review("DELETE", Some(bad.clone())));
     assert_eq!(r["allowed"], true, "{r}");
