@@ -1,7 +1,8 @@
 //! The state files the gateway and machine egress keep are written one way:
 //! to a temporary file beside the target, synced, renamed over it, and the
 //! directory synced, so a crash leaves the old file or the new one, never
-//! half of either.
+//! half of either. Files holding secrets that the binaries read are
+//! checked one way too: [`warn_if_open`].
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -70,9 +71,46 @@ impl Drop for Staged {
     }
 }
 
+/// Warns, naming `what`, the file and its mode, when a file holding a
+/// secret (a bearer token, a password) is open to other users: readable by
+/// others, or writable by anyone but its owner. A group may read it (a
+/// Kubernetes Secret mounted `0440` for the pod's `fsGroup`). The mode, if
+/// it is open; a file whose mode cannot be read is left to its reader.
+pub fn warn_if_open(what: &str, path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o7777;
+    if mode & 0o026 == 0 {
+        return None;
+    }
+    tracing::warn!(
+        file = %path.display(),
+        mode = format!("{mode:04o}"),
+        "{what}: the file is open to other users (readable by others or writable by its group); chmod 600 it"
+    );
+    Some(mode)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_file_open_to_others_is_said() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("egress-api-mode-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("token");
+        std::fs::write(&path, b"0123456789abcdef").expect("write");
+        let mut said = Vec::new();
+        for mode in [0o600, 0o400, 0o640, 0o440, 0o644, 0o604, 0o620, 0o602] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            said.push(warn_if_open("a token", &path));
+        }
+        let open = [Some(0o644), Some(0o604), Some(0o620), Some(0o602)];
+        assert_eq!(said, [[None; 4].as_slice(), &open].concat());
+        assert_eq!(warn_if_open("a token", &dir.join("absent")), None);
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
 
     #[test]
     fn replaces_the_file_and_leaves_no_temporary() {

@@ -76,6 +76,7 @@ enum Command {
 /// is refused: no Authorization header would be sent, and every call
 /// would fail as unauthorized for as long as the process ran.
 fn read_token(path: &std::path::Path) -> Result<String, String> {
+    egress_api::file::warn_if_open("--worker-token-file", path);
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     match text.trim() {
         "" => Err(format!("{}: the token file is empty", path.display())),

@@ -85,6 +85,7 @@ pub enum TokensError {
 /// line, never the token).
 pub fn load_tokens(path: impl AsRef<Path>) -> Result<Vec<String>, TokensError> {
     let path = path.as_ref();
+    egress_api::file::warn_if_open("--tokens-file", path);
     let shown = || path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|source| TokensError::Read {
         path: shown(),

@@ -120,6 +120,7 @@ fn redacted_message(message: &str) -> String {
 
 impl Tenants {
     pub fn load(path: &Path) -> Result<Self, String> {
+        egress_api::file::warn_if_open("--tenants", path);
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("--tenants {}: {e}", path.display()))?;
         Self::parse(&text).map_err(|e| format!("--tenants {}: {e}", path.display()))

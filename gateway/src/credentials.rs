@@ -160,6 +160,7 @@ fn read_source(source: &Source, allowed: &CredentialSources) -> Result<Secret, S
     let mut bytes = match source {
         Source::File(path) => {
             let real = allowed_file(path, &allowed.files_under)?;
+            egress_api::file::warn_if_open("a credential's file", &real);
             let meta = std::fs::metadata(&real).map_err(|e| e.to_string())?;
             if meta.len() > MAX_VALUE as u64 {
                 return Err(format!("larger than {MAX_VALUE} bytes"));

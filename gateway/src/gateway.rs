@@ -1308,6 +1308,7 @@ fn lock_released(dir: &std::path::Path) -> Result<std::fs::File, StartError> {
 }
 
 fn read_token(key: &'static str, path: &std::path::Path) -> Result<String, StartError> {
+    egress_api::file::warn_if_open(key, path);
     let shown = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| StartError::Token {
         key,

@@ -252,6 +252,7 @@ fn basic(user: &str, password: &str) -> Authorization {
 }
 
 fn read_password(path: &std::path::Path) -> std::io::Result<String> {
+    egress_api::file::warn_if_open("an upstream proxy's password_file", path);
     let f = std::fs::File::open(path)?;
     let mut text = String::new();
     std::io::Read::read_to_string(&mut std::io::Read::take(f, MAX_PASSWORD + 1), &mut text)?;

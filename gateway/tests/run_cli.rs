@@ -153,3 +153,37 @@ fn run_with_a_bad_config_names_the_key() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("min_ttl") && err.contains("\"soon\""), "{err}");
 }
+
+#[test]
+fn a_token_file_open_to_other_users_is_warned_about() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token = dir.path().join("admin.token");
+    std::fs::write(&token, "short\n").expect("write");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let path = dir.path().join("gw.toml");
+    let state = dir.path().join("state");
+    let config = format!(
+        "state_dir = {:?}\n[admin]\ntoken_file = {:?}\n",
+        state.display().to_string(),
+        token.display().to_string()
+    );
+    std::fs::write(&path, config).expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .expect("runs");
+    // Too short a token stops the start, after the warning.
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let warned = err
+        .lines()
+        .find(|l| l.contains("the file is open to other users"))
+        .unwrap_or_else(|| panic!("no warning: {err}"));
+    assert!(
+        warned.contains("admin.token_file") && warned.contains("0644"),
+        "{warned}"
+    );
+    assert!(err.contains("at least 16 characters"), "{err}");
+}
