@@ -17,7 +17,8 @@
 # --apply` and machine egress run `nft`, which needs CAP_NET_ADMIN, and
 # Kubernetes hands an added capability to a non-root process only through
 # file capabilities (which allowPrivilegeEscalation: false disables). So the
-# gateway image also carries /usr/sbin/nft and the libraries it loads.
+# gateway image also carries /usr/sbin/nft and the libraries it loads, and
+# /usr/sbin/conntrack (machine egress deletes a removed VM's open flows).
 #
 # Checks: `skopeo inspect` of every archive (labels, user, entrypoint), then
 # each is unpacked with umoci and, in a chroot of its root, its binaries
@@ -40,7 +41,7 @@ say() { echo "-- images: $*"; }
 die() { echo "images.sh: $*" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "must run as root (buildah's store, chroot, ip netns)"
-for tool in buildah skopeo umoci jq ldd strip chroot ip nft; do
+for tool in buildah skopeo umoci jq ldd strip chroot ip nft conntrack; do
   command -v "$tool" >/dev/null || die "$tool is not installed"
 done
 for c in "${COMPONENTS[@]}"; do
@@ -89,7 +90,8 @@ make_root() {
   if [ "$c" = egress-gateway ]; then
     mkdir -p "$root/usr/sbin"
     install -m 0755 "$(command -v nft)" "$root/usr/sbin/nft"
-    elves+=("$(command -v nft)")
+    install -m 0755 "$(command -v conntrack)" "$root/usr/sbin/conntrack"
+    elves+=("$(command -v nft)" "$(command -v conntrack)")
   fi
   for bin in "${elves[@]}"; do
     if ldd "$bin" | grep 'not found'; then die "$bin: a library is missing on this machine"; fi
@@ -187,6 +189,8 @@ in_root() {
 }
 out=$(in_root nft --version)
 say "chroot egress-gateway: nft --version: $out"
+out=$(in_root conntrack --version)
+say "chroot egress-gateway: conntrack --version: $out"
 out=$(in_root SPACE_EGRESS_PROFILES='{"sensor": {"allow": [{"domain": "sensor.example.test"}]}}' \
   SPACE_TLS_INTERCEPTION_EXEMPTIONS='[{"domain": "relay.example.test"}]' \
   /usr/bin/egress-gateway policy check-config)

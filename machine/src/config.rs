@@ -38,6 +38,11 @@ pub struct MachineEgressConfig {
     /// The nftables command and any leading arguments, e.g.
     /// `["ip", "netns", "exec", "qemu", "nft"]` to govern another namespace.
     pub nft: Vec<String>,
+    /// The conntrack command and any leading arguments, which must reach
+    /// the namespace nft governs: the open flows of an address that left
+    /// its VM are deleted with it. Unset: `nft`'s, its last word (`nft`)
+    /// read `conntrack`.
+    pub conntrack: Option<Vec<String>>,
     /// Refused (or, in audit, would-be-refused) destinations kept per VM;
     /// the oldest are evicted beyond it.
     pub observed_capacity: usize,
@@ -105,6 +110,7 @@ impl Default for MachineEgressConfig {
     fn default() -> Self {
         Self {
             nft: vec!["nft".into()],
+            conntrack: None,
             observed_capacity: 4_096,
             observe_interval: Duration::from_secs(5),
             matching: MachineMatch::Address,
@@ -119,10 +125,36 @@ impl Default for MachineEgressConfig {
 }
 
 impl MachineEgressConfig {
+    /// `conntrack`, or when unset `nft` with its last word `conntrack`: it
+    /// must run where nft does, in the rules' namespace.
+    pub fn conntrack_argv(&self) -> Result<Vec<String>, String> {
+        if let Some(argv) = &self.conntrack {
+            return match argv.first().is_none_or(|c| c.is_empty()) {
+                true => Err("name the conntrack command".into()),
+                false => Ok(argv.clone()),
+            };
+        }
+        let mut argv = self.nft.clone();
+        match argv.last_mut() {
+            Some(last) if last == "nft" || last.ends_with("/nft") => {
+                last.truncate(last.len() - "nft".len());
+                last.push_str("conntrack");
+                Ok(argv)
+            }
+            _ => Err(format!(
+                "unset, and machine_egress.nft {:?} does not end in nft: name the conntrack command that runs in the same namespace",
+                self.nft
+            )),
+        }
+    }
+
     /// The first invalid field: its key and why.
     pub fn first_invalid(&self) -> Option<(&'static str, String)> {
         if self.nft.first().is_none_or(|c| c.is_empty()) {
             return Some(("machine_egress.nft", "name the nft command".into()));
+        }
+        if let Err(why) = self.conntrack_argv() {
+            return Some(("machine_egress.conntrack", why));
         }
         if !(16..=65_536).contains(&self.observed_capacity) {
             let why = format!("{} is outside 16..=65536", self.observed_capacity);

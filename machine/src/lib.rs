@@ -16,6 +16,7 @@
 pub mod api;
 pub mod cgroups;
 pub mod config;
+pub mod conntrack;
 pub mod counters;
 pub mod events;
 pub mod host;
@@ -177,6 +178,7 @@ impl State {
 #[derive(Debug)]
 pub struct Machines {
     nft: Nft,
+    conntrack: conntrack::Conntrack,
     layout: Layout,
     store: store::Store,
     neighbours: Arc<dyn Neighbours>,
@@ -371,6 +373,34 @@ pub fn valid_id(id: &str) -> Result<(), MachineError> {
     }
 }
 
+/// The conntrack command of `config` ([`conntrack`]).
+fn conntrack_of(config: &MachineEgressConfig) -> Result<conntrack::Conntrack, MachineError> {
+    let argv = config
+        .conntrack_argv()
+        .map_err(|why| MachineError::Invalid {
+            field: "machine_egress.conntrack",
+            message: why,
+        })?;
+    Ok(conntrack::Conntrack::new(argv))
+}
+
+/// The addresses the VMs in `touched` hold in `before` and not in `after`.
+fn addresses_left(before: &State, after: &State, touched: &[String]) -> Vec<IpAddr> {
+    let held = |state: &State, id: &String| {
+        state
+            .vms
+            .get(id)
+            .map(|vm| vm.addresses.clone())
+            .unwrap_or_default()
+    };
+    let mut left = Vec::new();
+    for id in touched {
+        let kept = held(after, id);
+        left.extend(held(before, id).into_iter().filter(|a| !kept.contains(a)));
+    }
+    left
+}
+
 impl Machines {
     /// Loads the state ([`store`]) and installs the node table with every VM in
     /// it — before the gateway serves anything. Whatever the table held is
@@ -383,10 +413,12 @@ impl Machines {
     ) -> Result<Arc<Self>, MachineError> {
         let store = store::Store::new(state_dir);
         let nft = Nft::new(config.nft.clone());
+        let conntrack = conntrack_of(config)?;
         let loaded = load(&store, &nft, state_dir)?;
         let link_check = link_check(&nft, config)?;
         let machines = Self {
             nft,
+            conntrack,
             layout: layout(config, link_check),
             store,
             neighbours,
@@ -424,17 +456,22 @@ impl Machines {
         let (vms, bound) = machines.bind(&state);
         machines.nft.apply(&rules::table(&machines.layout, &vms))?;
         *lock(&machines.bound) = bound;
-        for table in machines.nft.legacy_tables()? {
-            tracing::warn!(%table, "removing a per-VM table of the earlier layout");
-            machines
-                .nft
-                .apply(&format!("table inet {table}\ndelete table inet {table}\n"))?;
-        }
+        machines.remove_legacy_tables()?;
         if !state.vms.is_empty() {
             tracing::info!(vms = state.vms.len(), "re-installed machine egress rules");
         }
         *lock(&machines.state) = state;
         Ok(Arc::new(machines))
+    }
+
+    /// Removes the tables of the earlier one-table-per-VM layout.
+    fn remove_legacy_tables(&self) -> Result<(), MachineError> {
+        for table in self.nft.legacy_tables()? {
+            tracing::warn!(%table, "removing a per-VM table of the earlier layout");
+            self.nft
+                .apply(&format!("table inet {table}\ndelete table inet {table}\n"))?;
+        }
+        Ok(())
     }
 
     /// Applies `next` in place of the current state for the VMs in `touched`
@@ -466,7 +503,9 @@ impl Machines {
         if let Err(e) = self.store.save(state, &next, touched) {
             return Err(self.put_back(state, &next, touched, e));
         }
+        let left = addresses_left(state, &next, touched);
         *state = next;
+        self.forget_flows(&left);
         Ok(())
     }
 
@@ -712,6 +751,22 @@ impl Machines {
     /// with an observation, never a decision).
     pub fn names_for(&self, addr: IpAddr) -> Vec<String> {
         self.neighbours.names_for(addr)
+    }
+
+    /// Deletes the connection-tracking entries of addresses that left
+    /// their VM ([`conntrack`]); a failure is logged, naming them.
+    fn forget_flows(&self, left: &[IpAddr]) {
+        if left.is_empty() {
+            return;
+        }
+        match self.conntrack.forget(left) {
+            Ok(n) => {
+                tracing::debug!(addresses = ?left, entries = n, "machine egress: forgot the flows of addresses that left their VM")
+            }
+            Err(why) => {
+                tracing::warn!(addresses = ?left, %why, "machine egress: the flows of addresses that left their VM could not be forgotten; a VM given one of them may use them until they time out")
+            }
+        }
     }
 
     /// Removes a VM and its table.
@@ -1255,10 +1310,22 @@ mod tests {
         machines_over(dir, script)
     }
 
+    /// A stand-in for conntrack that appends what it is asked to
+    /// `dir/conntrack.log` and deletes nothing (as conntrack says it).
+    fn conntrack_in(dir: &Path) -> Option<Vec<String>> {
+        let log = dir.join("conntrack.log");
+        let script = format!(
+            r#"echo "$*" >> '{}'; echo 'conntrack v1.4.7 (conntrack-tools): 0 flow entries have been deleted.' >&2; exit 1"#,
+            log.display()
+        );
+        Some(vec!["sh".into(), "-c".into(), script, "conntrack".into()])
+    }
+
     /// Machine egress over the nft stand-in `script` (run by `sh -c`).
     fn machines_over(dir: &Path, script: &str) -> Arc<Machines> {
         let config = MachineEgressConfig {
             nft: vec!["sh".into(), "-c".into(), script.into(), "nft".into()],
+            conntrack: conntrack_in(dir),
             observe: crate::config::MachineObserve::Sampled,
             link_check: crate::config::MachineLinkCheck::Prerouting,
             ..MachineEgressConfig::default()
@@ -1279,6 +1346,7 @@ mod tests {
         );
         let config = MachineEgressConfig {
             nft: vec!["sh".into(), "-c".into(), script, "nft".into()],
+            conntrack: conntrack_in(dir.path()),
             observe: crate::config::MachineObserve::Sampled,
             link_check: crate::config::MachineLinkCheck::Prerouting,
             ..MachineEgressConfig::default()
@@ -1301,6 +1369,76 @@ mod tests {
         m.put_vm("vm1", registration).expect("registered");
         drop(m);
         Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).expect("state on disk");
+    }
+
+    /// The addresses a VM no longer holds (registered again without them,
+    /// or removed) have their open flows forgotten at either end; the
+    /// addresses it keeps, and a change of its policy, forget nothing.
+    #[test]
+    fn addresses_that_leave_a_vm_have_their_flows_forgotten() {
+        let dir = tempfile::tempdir().expect("dir");
+        let m = machines(dir.path());
+        let asked =
+            || std::fs::read_to_string(dir.path().join("conntrack.log")).unwrap_or_default();
+        let at = |ips: &[&str]| Registration {
+            addresses: ips.iter().map(|ip| ip.parse().expect("ip")).collect(),
+            ..Registration::default()
+        };
+        m.put_vm("vm1", at(&["100.64.4.2", "2001:db8::2"]))
+            .expect("registered");
+        m.put_vm("vm2", at(&["100.64.4.6"])).expect("registered");
+        assert_eq!(asked(), "", "new addresses: nothing to forget");
+        m.put_vm("vm1", at(&["100.64.4.2", "100.64.4.3"]))
+            .expect("again");
+        assert_eq!(asked(), "-D -s 2001:db8::2\n-D -d 2001:db8::2\n");
+        let loopback = MachineEgress::from_json(r#"{"mode": "loopback"}"#).expect("policy");
+        m.set_egress("vm1", Some(loopback)).expect("set");
+        m.delete_vm("vm1").expect("removed");
+        let forgot: Vec<String> = asked().lines().skip(2).map(str::to_owned).collect();
+        assert_eq!(
+            forgot,
+            [
+                "-D -s 100.64.4.2",
+                "-D -d 100.64.4.2",
+                "-D -s 100.64.4.3",
+                "-D -d 100.64.4.3"
+            ],
+            "the removed VM's addresses, vm2's kept"
+        );
+    }
+
+    /// The conntrack command is nft's with its last word read `conntrack`
+    /// (so it runs in the rules' namespace), or named; one that cannot be
+    /// told is refused, naming the key.
+    #[test]
+    fn the_conntrack_command_runs_where_nft_does() {
+        let with = |nft: &[&str], conntrack: Option<Vec<String>>| MachineEgressConfig {
+            nft: nft.iter().map(|w| (*w).to_owned()).collect(),
+            conntrack,
+            ..MachineEgressConfig::default()
+        };
+        let argv = |c: MachineEgressConfig| c.conntrack_argv().map(|a| a.join(" "));
+        assert_eq!(argv(MachineEgressConfig::default()), Ok("conntrack".into()));
+        let netns = with(&["ip", "netns", "exec", "vms", "nft"], None);
+        assert_eq!(argv(netns), Ok("ip netns exec vms conntrack".into()));
+        assert_eq!(
+            argv(with(&["/usr/sbin/nft"], None)),
+            Ok("/usr/sbin/conntrack".into())
+        );
+        let wrapped = with(&["/usr/local/bin/nft-in-vms"], None);
+        assert_eq!(
+            wrapped.first_invalid().map(|(k, _)| k),
+            Some("machine_egress.conntrack")
+        );
+        let named = with(
+            &["/usr/local/bin/nft-in-vms"],
+            Some(vec!["ct-in-vms".into()]),
+        );
+        assert_eq!(argv(named), Ok("ct-in-vms".into()));
+        let empty = with(&["nft"], Some(Vec::new()));
+        assert!(empty.first_invalid().is_some_and(
+            |(k, why)| k == "machine_egress.conntrack" && why == "name the conntrack command"
+        ));
     }
 
     /// A suggestion applied after the VM's policy changed is refused, not

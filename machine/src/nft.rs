@@ -209,54 +209,84 @@ impl Nft {
     }
 
     fn run(&self, args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
-        let (program, lead) = self
-            .argv
-            .split_first()
-            .ok_or_else(|| NftError::new("machine_egress.nft is empty"))?;
-        let mut child = Command::new(program)
-            .args(lead)
-            .args(args)
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| NftError::new(format!("cannot run {program}: {e}")))?;
-        // The ruleset is written and the output read while it runs (a full
-        // pipe would stall either side), each in a thread of its own, and
-        // it is waited for however the run ends.
-        let writer = match (stdin, child.stdin.take()) {
-            (Some(text), Some(mut pipe)) => {
-                let text = text.to_owned();
-                Some(std::thread::spawn(move || pipe.write_all(text.as_bytes())))
-            }
-            _ => None,
-        };
-        let stdout = drain(child.stdout.take());
-        let stderr = drain(child.stderr.take());
-        // Past the limit the threads are left to end when the pipes close
-        // (a process the command started may still hold them).
-        let status = wait_within(&mut child, self.timeout).map_err(|e| NftError {
-            message: e.to_string(),
-            unsure: true,
-        })?;
-        let written = writer.map_or(Ok(()), |w| {
-            w.join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("the writer panicked")))
-        });
-        let (stdout, stderr) = (joined(stdout), joined(stderr));
-        if status.success() && written.is_ok() {
-            return Ok(stdout);
+        let ran = run_command(
+            &self.argv,
+            "machine_egress.nft",
+            (args, stdin),
+            self.timeout,
+        )?;
+        if ran.success {
+            return Ok(ran.stdout);
         }
-        let why = match written {
-            Err(e) if stderr.trim().is_empty() => format!("writing the ruleset: {e}"),
-            _ => stderr.trim().to_owned(),
-        };
-        Err(NftError::new(why))
+        Err(NftError::new(ran.stderr.trim()))
     }
+}
+
+/// How a command run by [`run_command`] ended.
+pub(crate) struct Ran {
+    pub(crate) success: bool,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
+}
+
+/// Runs `argv` (the command and its leading arguments, from the key
+/// `key`) with `args`, writing `stdin` to it, within `timeout`. Err: it
+/// could not be run, its input not written, or it was killed at its time
+/// limit (`unsure`: it may have done what it was asked).
+pub(crate) fn run_command(
+    argv: &[String],
+    key: &str,
+    (args, stdin): (&[&str], Option<&str>),
+    timeout: Duration,
+) -> Result<Ran, NftError> {
+    let (program, lead) = argv
+        .split_first()
+        .ok_or_else(|| NftError::new(format!("{key} is empty")))?;
+    let mut child = Command::new(program)
+        .args(lead)
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NftError::new(format!("cannot run {program}: {e}")))?;
+    // The input is written and the output read while it runs (a full
+    // pipe would stall either side), each in a thread of its own, and it
+    // is waited for however the run ends.
+    let writer = match (stdin, child.stdin.take()) {
+        (Some(text), Some(mut pipe)) => {
+            let text = text.to_owned();
+            Some(std::thread::spawn(move || pipe.write_all(text.as_bytes())))
+        }
+        _ => None,
+    };
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
+    // Past the limit the threads are left to end when the pipes close
+    // (a process the command started may still hold them).
+    let status = wait_within(&mut child, timeout).map_err(|e| NftError {
+        message: e.to_string(),
+        unsure: true,
+    })?;
+    let written = writer.map_or(Ok(()), |w| {
+        w.join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("the writer panicked")))
+    });
+    let (stdout, stderr) = (joined(stdout), joined(stderr));
+    if let Err(e) = written {
+        if stderr.trim().is_empty() || status.success() {
+            return Err(NftError::new(format!("writing the ruleset: {e}")));
+        }
+    }
+    Ok(Ran {
+        success: status.success(),
+        stdout,
+        stderr,
+    })
 }
 
 /// Reads `pipe` to its end in a thread of its own.

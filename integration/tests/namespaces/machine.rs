@@ -177,6 +177,68 @@ fn open_flows_outlive_a_narrower_allowlist_but_not_loopback() {
     assert!(open_flow_survives(&t, API_IP, r#"{"mode": "open"}"#));
 }
 
+/// A DNS query over UDP from the VM to the fake resolver sent from source
+/// port `port` (so a second query is the first's flow): whether the answer
+/// came back.
+fn dns_from_port(t: &Topology, port: u16) -> bool {
+    let at = format!("@{DNS}");
+    let from = format!("{VM_IP}#{port}");
+    let args = [
+        "+short",
+        "+time=1",
+        "+tries=1",
+        "-b",
+        &from,
+        &at,
+        "api.example.test",
+    ];
+    let out = t.exec(vm(t), "dig", &args);
+    String::from_utf8_lossy(&out.stdout).contains(API_IP)
+}
+
+/// A VM removed leaves no open flow to the next VM given its address: its
+/// conntrack entries go with it. A UDP flow is the easy one to ride: the
+/// next VM sends from the same port to the same destination, and the
+/// entry would pass it before any dispatch, whatever its own policy says.
+#[test]
+fn a_removed_vms_open_flows_are_not_left_to_the_next_vm_at_its_address() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
+    assert!(dns_from_port(&t, 40053), "vm1 may ask the resolver");
+    let (status, body) = t.admin("DELETE", "/v1/vms/vm1", None);
+    assert_eq!(status, 200, "{body}");
+    register(
+        &t,
+        "vm2",
+        VM_IP,
+        Some(r#"{"mode": "allowlist", "rules": []}"#),
+    );
+    assert!(!dns_from_port(&t, 40054), "vm2 may not, on a new flow");
+    assert!(
+        !dns_from_port(&t, 40053),
+        "vm2 may not on vm1's flow either"
+    );
+    // Registered again without the address, a VM loses its flows from it.
+    put_egress(&t, "vm2", ALLOW_DNS_AND_API);
+    assert!(dns_from_port(&t, 40055), "vm2 may ask now");
+    register(
+        &t,
+        "vm2",
+        "100.64.4.3",
+        Some(r#"{"mode": "allowlist", "rules": []}"#),
+    );
+    register(
+        &t,
+        "vm3",
+        VM_IP,
+        Some(r#"{"mode": "allowlist", "rules": []}"#),
+    );
+    assert!(!dns_from_port(&t, 40055), "vm3 may not on vm2's flow");
+}
+
 /// A new flow to another VM's address is dropped whatever the sending
 /// VM's policy lets out: the guard comes before the VM's own chain, whose
 /// verdict would end the forward chain. The origin's address stands in for
