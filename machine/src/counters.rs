@@ -15,7 +15,8 @@
 //! does the I/O: one socket, one request, the answer read to its end
 //! (bounded in messages and by a 2 s timeout on each read). [`rules`]
 //! counts a chain's rules the same way (`NFT_MSG_GETRULE`, filtered by table
-//! and chain): a table flushed by another tool keeps its counters.
+//! and chain): a table flushed by another tool keeps its counters; and
+//! [`link_rules`] the rules of every chain of the links' table.
 
 use rustix::net::{self, RecvFlags, SendFlags};
 use std::collections::BTreeMap;
@@ -59,6 +60,9 @@ pub enum Part {
     Counter(String, u64),
     /// A rule (of the chain a [`rule_request`] names).
     Rule,
+    /// A rule of the links' table (`netdev`), and its chain's name
+    /// ([`link_rule_request`]).
+    LinkRule(String),
     /// The end of the dump.
     Done,
     /// The kernel's error (a negative errno; `0` is an acknowledgement).
@@ -103,6 +107,22 @@ pub fn rule_request(table: &str, chain: &str, seq: u32) -> Vec<u8> {
     )
 }
 
+/// The dump request for every rule of the `netdev` table `table` (the
+/// links' table): the kernel filters them by the table's name.
+pub fn link_rule_request(table: &str, seq: u32) -> Vec<u8> {
+    let mut attrs = Vec::new();
+    let mut name = table.as_bytes().to_vec();
+    name.push(0);
+    attr(&mut attrs, RULE_TABLE, &name);
+    netlink::request(
+        SUBSYS_NFTABLES | MSG_GETRULE,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+        [NFPROTO_NETDEV, 0, 0, 0],
+        &attrs,
+    )
+}
+
 /// Splits one datagram of the answer into its messages and reads each
 /// ([`netlink::split`]).
 pub fn messages(datagram: &[u8]) -> Vec<Result<Part, Malformed>> {
@@ -122,10 +142,23 @@ fn part(kind: u16, msg: &[u8]) -> Result<Part, Malformed> {
         },
         k if k == SUBSYS_NFTABLES | MSG_NEWRULE => match body.first() {
             Some(&NFPROTO_INET) => Ok(Part::Rule),
+            Some(&NFPROTO_NETDEV) => link_rule(body.get(NFGEN_LEN..).unwrap_or(&[])),
             _ => Ok(Part::Other),
         },
         _ => Ok(Part::Other),
     }
+}
+
+/// A rule of the links' table: the name of its chain.
+fn link_rule(attrs: &[u8]) -> Result<Part, Malformed> {
+    let chain = attributes(attrs)?
+        .into_iter()
+        .find(|(t, _)| *t == RULE_CHAIN)
+        .ok_or(Malformed("a rule without its chain"))?
+        .1;
+    let chain = chain.split(|&b| b == 0).next().unwrap_or(&[]);
+    let chain = std::str::from_utf8(chain).map_err(|_| Malformed("a chain name not UTF-8"))?;
+    Ok(Part::LinkRule(chain.to_owned()))
 }
 
 /// A counter object: its name, and the packets inside its data.
@@ -197,6 +230,26 @@ pub fn rules(table: &str, chain: &str) -> Result<usize, String> {
         }
     })?;
     Ok(n)
+}
+
+/// Counts the rules of each chain of the `netdev` table `table` (the
+/// links' table) in this network namespace: chain → rules; a chain with
+/// none is not named. An absent table is an error.
+pub fn link_rules(table: &str) -> Result<BTreeMap<String, usize>, String> {
+    let mut out = BTreeMap::new();
+    let mut n = 0usize;
+    let what = format!("the rule dump of netdev {table}");
+    dump(&what, &link_rule_request(table, 1), |part| {
+        if let Part::LinkRule(chain) = part {
+            *out.entry(chain).or_insert(0) += 1;
+            n += 1;
+        }
+        match n > MAX_OBJECTS {
+            true => Err(format!("more than {MAX_OBJECTS} rules in netdev {table}")),
+            false => Ok(()),
+        }
+    })?;
+    Ok(out)
 }
 
 /// Sends `request` on a socket of its own and hands every part of the

@@ -1036,7 +1036,11 @@ impl Machines {
             return;
         }
         let counters = match self.counters() {
-            Ok(c) if complete(&c, vms.iter().map(|vm| vm.id.as_str())) && self.rules_in_place() => {
+            Ok(c)
+                if complete(&c, vms.iter().map(|vm| vm.id.as_str()))
+                    && self.rules_in_place()
+                    && self.links_in_place(vms.iter().map(|vm| &**vm)) =>
+            {
                 c
             }
             Ok(_) => return self.restore_if_gone(),
@@ -1090,7 +1094,11 @@ impl Machines {
         let state = lock(&self.state);
         let dirty = self.dirty.load(Ordering::Acquire);
         let ids = state.vms.keys().map(String::as_str);
-        if !dirty && self.counters().is_ok_and(|c| complete(&c, ids)) && self.rules_in_place() {
+        if !dirty
+            && self.counters().is_ok_and(|c| complete(&c, ids))
+            && self.rules_in_place()
+            && self.links_in_place(state.vms.values().map(|vm| &**vm))
+        {
             return;
         }
         match self.reinstall(&state) {
@@ -1126,6 +1134,29 @@ impl Machines {
         enforcing_chains(&self.layout, bound)
             .iter()
             .all(|chain| in_place(chain, counters::rules(rules::TABLE, chain)))
+    }
+
+    /// Whether every VM link's chain in the links' table (`netdev
+    /// egress_machine`, with the ingress check) has its rules: `nft flush
+    /// table netdev egress_machine` keeps the chains and counters but
+    /// empties them, and every link's sources then pass unchecked. Read
+    /// over netlink with events, one dump for every link; sampled, says yes
+    /// (as [`Machines::rules_in_place`]).
+    fn links_in_place<'a>(&self, vms: impl Iterator<Item = &'a Vm>) -> bool {
+        if self.layout.events.is_none() || self.layout.link_check != LinkCheck::Ingress {
+            return true;
+        }
+        let mut linked = vms.filter(|vm| vm.link.is_some()).peekable();
+        if linked.peek().is_none() {
+            return true;
+        }
+        match counters::link_rules(rules::TABLE) {
+            Ok(chains) => linked.all(|vm| {
+                let chain = format!("link_{}", rules::key(&vm.id));
+                chains.get(&chain).is_some_and(|&n| n > 0)
+            }),
+            Err(e) => in_place("the links' table", Err(e)),
+        }
     }
 
     /// The node table's counters: with events (the rules in this

@@ -1230,7 +1230,10 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
         return;
     }
     let t = Topology::with_vm();
-    register(&t, "vm1", VM_IP, Some(ALLOW_DNS_AND_API));
+    let doc =
+        format!(r#"{{"addresses": ["{VM_IP}"], "link": "vm1", "egress": {ALLOW_DNS_AND_API}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/vms/vm1", Some(&doc));
+    assert_eq!(status, 200, "{body}");
     assert!(tcp_ok(&t, API_IP), "allowed");
     assert!(!tcp_ok(&t, OTHER_IP), "refused");
     delete_table(&t, "inet");
@@ -1263,6 +1266,17 @@ fn a_node_table_removed_by_another_tool_is_installed_again() {
             "{}",
             links_table(&t)
         );
+        // Flushed, it keeps its chains and counters but not its rules:
+        // every link's sources would pass unchecked.
+        spoofing_sources(&t);
+        assert!(!tcp_from(&t, SPOOF, API_IP), "a spoofed source dropped");
+        behind_its_back(&t, "flush", "netdev");
+        metric_reaching(&t, "egress_machine_table_restored_total ", 5);
+        assert!(
+            !tcp_from(&t, SPOOF, API_IP),
+            "a spoofed source dropped again after the flush"
+        );
+        assert!(tcp_ok(&t, API_IP), "the VM's own address still allowed");
     }
 }
 

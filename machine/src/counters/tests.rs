@@ -117,7 +117,7 @@ fn a_rule_dump_names_its_table_and_chain_and_counts_inet_rules() {
     );
     let mut datagram = message(SUBSYS_NFTABLES | MSG_NEWRULE, &[]);
     datagram.extend(message_of(
-        NFPROTO_NETDEV,
+        NFPROTO_BRIDGE,
         SUBSYS_NFTABLES | MSG_NEWRULE,
         &[],
     ));
@@ -130,4 +130,45 @@ fn a_rule_dump_names_its_table_and_chain_and_counts_inet_rules() {
         [Part::Rule, Part::Other],
         "another family's rule is not ours"
     );
+}
+
+/// The 'bridge' family, whose tables the gateway never writes.
+const NFPROTO_BRIDGE: u8 = 7;
+
+#[test]
+fn a_link_rule_dump_names_its_table_and_reads_each_rules_chain() {
+    let r = link_rule_request("egress_machine", 4);
+    assert_eq!(read_u16_ne(&r, 4), Some(SUBSYS_NFTABLES | MSG_GETRULE));
+    assert_eq!(r[NLMSG_HDRLEN], NFPROTO_NETDEV);
+    let attrs = attributes(&r[NLMSG_HDRLEN + NFGEN_LEN..]).expect("attributes");
+    assert_eq!(attrs, [(RULE_TABLE, &b"egress_machine\0"[..])]);
+    let mut named = Vec::new();
+    attr(&mut named, RULE_TABLE, b"egress_machine\0");
+    attr(&mut named, RULE_CHAIN, b"link_vm1\0");
+    let rule = message_of(NFPROTO_NETDEV, SUBSYS_NFTABLES | MSG_NEWRULE, &named);
+    let mut datagram = rule.clone();
+    datagram.extend(message(SUBSYS_NFTABLES | MSG_NEWRULE, &named));
+    let parts: Vec<_> = messages(&datagram).into_iter().collect();
+    assert_eq!(
+        parts,
+        [Ok(Part::LinkRule("link_vm1".into())), Ok(Part::Rule)],
+        "a netdev rule and its chain; an inet one"
+    );
+    let mut table_only = Vec::new();
+    attr(&mut table_only, RULE_TABLE, b"egress_machine\0");
+    let unnamed = message_of(NFPROTO_NETDEV, SUBSYS_NFTABLES | MSG_NEWRULE, &table_only);
+    assert_eq!(
+        messages(&unnamed),
+        [Err(Malformed("a rule without its chain"))]
+    );
+    for cut in NLMSG_HDRLEN + NFGEN_LEN..rule.len() {
+        let mut cut_short = rule[..cut].to_vec();
+        cut_short[..4].copy_from_slice(&(cut as u32).to_ne_bytes());
+        for p in messages(&cut_short) {
+            assert!(
+                !matches!(p, Ok(Part::LinkRule(ref c)) if c != "link_vm1"),
+                "cut at {cut}: {p:?}"
+            );
+        }
+    }
 }
