@@ -828,8 +828,12 @@ fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
     let Some(policy) = s.policy.clone().filter(|_| !s.state.is_ended()) else {
         return Ok(None);
     };
+    let addresses = addresses(s)?;
+    if !taken(s, &addresses) {
+        return Ok(None);
+    }
     let doc = PutSandbox {
-        addresses: addresses(s)?,
+        addresses,
         policy,
         credentials: Vec::new(),
         upstream_proxy: None,
@@ -857,6 +861,20 @@ fn fits(s: &SandboxRow, bytes: usize) -> bool {
     fits
 }
 
+/// Whether a gateway takes the sandbox's `addresses` (the contract's
+/// [`egress_api::gateway::sandbox_addresses`]: a link-local one is refused,
+/// as a worker's pool registered before the controller refused such pools
+/// can still hold); one it refuses is logged here. Such a sandbox is
+/// forgotten by a push and left out of a resync, which the gateway would
+/// otherwise refuse whole for every other sandbox of the worker.
+fn taken(s: &SandboxRow, addresses: &[std::net::IpAddr]) -> bool {
+    let Err(why) = egress_api::gateway::sandbox_addresses(addresses) else {
+        return true;
+    };
+    tracing::warn!(sandbox = %s.id, %why, "a gateway refuses the sandbox's address: the gateway forgets the sandbox, and its traffic is denied");
+    false
+}
+
 /// A sandbox row as one line of a streamed resync (the contract's
 /// [`SandboxDoc`]); `None` for one too large for a gateway or without a
 /// policy (one stored that no longer reads), left out as [`put_body`]
@@ -866,9 +884,13 @@ fn resync_line(s: &SandboxRow) -> Result<Option<String>, String> {
         tracing::warn!(sandbox = %s.id, "the sandbox has no policy that reads: left out of the resync, its traffic is denied");
         return Ok(None);
     };
+    let addresses = addresses(s)?;
+    if !taken(s, &addresses) {
+        return Ok(None);
+    }
     let doc = SandboxDoc {
         id: s.id.clone(),
-        addresses: addresses(s)?,
+        addresses,
         policy,
         credentials: Vec::new(),
         upstream_proxy: None,
@@ -984,6 +1006,29 @@ mod tests {
         unreadable.policy = None;
         assert_eq!(put_body(&unreadable), Ok(None), "a DELETE");
         assert_eq!(resync_line(&unreadable), Ok(None), "left out");
+    }
+
+    /// A sandbox at an address a gateway refuses (link-local, from a pool
+    /// registered before such pools were refused) is forgotten by a push
+    /// and left out of a resync: the gateway refuses a resync whole for
+    /// one such line, and the worker's other sandboxes would then never
+    /// get their changes.
+    #[test]
+    fn a_sandbox_at_an_address_a_gateway_refuses_is_left_out_of_a_resync() {
+        for refused in [
+            &["169.254.1.2"][..],
+            &["100.64.1.2", "fe80::2"],
+            &["0.0.0.0"],
+        ] {
+            let mut at = row(policy_of(100));
+            at.addresses = refused.iter().map(|a| (*a).to_owned()).collect();
+            assert_eq!(put_body(&at), Ok(None), "a DELETE for {refused:?}");
+            assert_eq!(resync_line(&at), Ok(None), "left out for {refused:?}");
+        }
+        let mut fine = row(policy_of(100));
+        fine.addresses = vec!["100.64.1.2".into(), "2001:db8::2".into()];
+        assert!(put_body(&fine).expect("sendable").is_some());
+        assert!(resync_line(&fine).expect("sendable").is_some());
     }
 
     #[test]
