@@ -71,23 +71,51 @@ impl Drop for Staged {
     }
 }
 
-/// Warns, naming `what`, the file and its mode, when a file holding a
-/// secret (a bearer token, a password) is open to other users: readable by
-/// others, or writable by anyone but its owner. A group may read it (a
-/// Kubernetes Secret mounted `0440` for the pod's `fsGroup`). The mode, if
-/// it is open; a file whose mode cannot be read is left to its reader.
+/// Warns, naming `what`, the file, its mode and owner, when a file holding
+/// a secret (a bearer token, a password) is open to other users: readable
+/// by others, writable by anyone but its owner, or owned by another user
+/// than root or this process's. A group may read it (a Kubernetes Secret
+/// mounted `0440` for the pod's `fsGroup`). Each file is warned about once
+/// per mode and owner, however often it is read (a credential's file at
+/// every push). The mode, if it is open; a file whose mode cannot be read
+/// is left to its reader.
 pub fn warn_if_open(what: &str, path: &Path) -> Option<u32> {
-    use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o7777;
-    if mode & 0o026 == 0 {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(path).ok()?;
+    let mode = meta.permissions().mode() & 0o7777;
+    let me = std::fs::metadata("/proc/self").map_or(0, |m| m.uid());
+    let owner = meta.uid();
+    if mode & 0o026 == 0 && (owner == 0 || owner == me) {
         return None;
     }
-    tracing::warn!(
-        file = %path.display(),
-        mode = format!("{mode:04o}"),
-        "{what}: the file is open to other users (readable by others or writable by its group); chmod 600 it"
-    );
+    if first_time(path, mode, owner) {
+        tracing::warn!(
+            file = %path.display(),
+            mode = format!("{mode:04o}"),
+            owner,
+            "{what}: the file is open to other users (readable by others, writable by anyone but its owner, or owned by another user than root or this process's); chown root and chmod 600 it"
+        );
+    }
     Some(mode)
+}
+
+/// Whether `path` at `mode` and `owner` was not warned about before; the
+/// record holds at most 4,096 (past it, every one is warned about).
+fn first_time(path: &Path, mode: u32, owner: u32) -> bool {
+    type Warned = std::collections::HashSet<(PathBuf, u32, u32)>;
+    static WARNED: std::sync::Mutex<Option<Warned>> = std::sync::Mutex::new(None);
+    let mut warned = WARNED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let warned = warned.get_or_insert_with(Warned::new);
+    let key = (path.to_owned(), mode, owner);
+    if warned.contains(&key) {
+        return false;
+    }
+    if warned.len() < 4_096 {
+        warned.insert(key);
+    }
+    true
 }
 
 #[cfg(test)]
@@ -109,7 +137,22 @@ mod tests {
         let open = [Some(0o644), Some(0o604), Some(0o620), Some(0o602)];
         assert_eq!(said, [[None; 4].as_slice(), &open].concat());
         assert_eq!(warn_if_open("a token", &dir.join("absent")), None);
+        // Another user's file (as root, the tests can make one).
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        if std::os::unix::fs::chown(&path, Some(65_534), None).is_ok() {
+            assert_eq!(warn_if_open("a token", &path), Some(0o600), "nobody's");
+        }
         std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+
+    /// A file is warned about once per mode and owner.
+    #[test]
+    fn a_file_is_warned_about_once_per_mode_and_owner() {
+        let path = Path::new("/nonexistent/egress-api-once");
+        assert!(first_time(path, 0o644, 0));
+        assert!(!first_time(path, 0o644, 0), "again");
+        assert!(first_time(path, 0o664, 0), "another mode");
+        assert!(first_time(path, 0o644, 1000), "another owner");
     }
 
     #[test]

@@ -69,8 +69,10 @@ pub(crate) struct Passed {
 /// ClientHello (at most `max` bytes, starting with `after`: what the client
 /// sent past its first hello's records) and passes it on only if it names
 /// the server the first was judged for (`judged`). Without a retry, `after`
-/// is passed on as it is. Each wait within `limit`. Every write is first
-/// charged to `spend` (a byte budget's meter): one it refuses is not made.
+/// is passed on as it is. Each wait within `limit`. What each write passes
+/// on that the peek did not read is first charged to `spend` (a byte
+/// budget's meter, which was charged the peeked bytes when the flow was
+/// let through): a write it refuses is not made.
 pub(crate) async fn watch(
     (client, origin): (&mut TcpStream, &mut TcpStream),
     judged: Judged<'_>,
@@ -93,8 +95,10 @@ pub(crate) async fn watch(
         up: 0,
         down: first.len() as u64,
     };
+    // `after` was read by the peek, and charged with it before the flow
+    // was let through: only what is read here is charged here.
+    let paid = after.len();
     if !retry {
-        charged(after.len(), first.len())?;
         within(limit, origin.write_all(&after))
             .await
             .map_err(|e| RetryError::Origin(format!("passing the client's bytes on: {e}")))?;
@@ -116,7 +120,8 @@ pub(crate) async fn watch(
             "the second ClientHello carries encrypted_client_hello, the first did not".into(),
         ));
     }
-    charged(bytes.len(), first.len())?;
+    // `bytes` starts with `after`.
+    charged(bytes.len().saturating_sub(paid), first.len())?;
     within(limit, origin.write_all(&bytes))
         .await
         .map_err(|e| RetryError::Origin(format!("passing the second ClientHello on: {e}")))?;

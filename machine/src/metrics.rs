@@ -2,7 +2,8 @@
 //! `egress_machine_vms{mode}`, `egress_machine_refused_packets_total{vm,outcome}`,
 //! `egress_machine_spoofed_packets_total{vm}`,
 //! `egress_machine_observed_evictions_total`, `egress_machine_observe_lost_total{cause}`,
-//! `egress_machine_table_restored_total`, `egress_machine_cgroups_rebound_total`
+//! `egress_machine_table_restored_total`, `egress_machine_cgroups_rebound_total`,
+//! `egress_machine_conntrack_failures_total`
 //! (the gateway's registry adds the `egress_` prefix).
 
 use std::sync::atomic::Ordering;
@@ -57,6 +58,8 @@ struct MachineCounts {
     restored: u64,
     /// Times a VM's cgroup was found made again, gone or back.
     rebound: u64,
+    /// Changes whose addresses' open flows could not be deleted.
+    conntrack_failed: u64,
     /// Events that never reached the record, by cause.
     lost: Vec<(&'static str, u64)>,
 }
@@ -130,6 +133,11 @@ fn totals(encoder: &mut DescriptorEncoder<'_>, f: &MachineCounts) -> Result<(), 
             f.restored,
         ),
         (
+            "machine_conntrack_failures",
+            "Changes whose addresses (left a VM, or given to one) could not have their open flows deleted by machine_egress.conntrack: a VM at one of them may use another's flows until they time out.",
+            f.conntrack_failed,
+        ),
+        (
             "machine_cgroups_rebound",
             "Times the observer found a VM's cgroup made again under its path (a restarted QEMU's scope), gone or back, and bound the cgroup dispatch again (match = \"cgroup\").",
             f.rebound,
@@ -173,6 +181,7 @@ impl Machines {
             spoofed: spoofed_packets,
             evictions: self.evictions.load(Ordering::Relaxed),
             restored: self.restored.load(Ordering::Relaxed),
+            conntrack_failed: self.conntrack_failed.load(Ordering::Relaxed),
             rebound: self.rebound.load(Ordering::Relaxed),
             lost: vec![
                 ("rate", self.lost.rate.load(Ordering::Relaxed)),

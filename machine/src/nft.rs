@@ -209,12 +209,8 @@ impl Nft {
     }
 
     fn run(&self, args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
-        let ran = run_command(
-            &self.argv,
-            "machine_egress.nft",
-            (args, stdin),
-            self.timeout,
-        )?;
+        let key = "machine_egress.nft";
+        let ran = run_command(&self.argv, key, (args, stdin), true, self.timeout)?;
         if ran.success {
             return Ok(ran.stdout);
         }
@@ -230,13 +226,16 @@ pub(crate) struct Ran {
 }
 
 /// Runs `argv` (the command and its leading arguments, from the key
-/// `key`) with `args`, writing `stdin` to it, within `timeout`. Err: it
-/// could not be run, its input not written, or it was killed at its time
-/// limit (`unsure`: it may have done what it was asked).
+/// `key`) with `args`, writing `stdin` to it, within `timeout`; its output
+/// is kept when `stdout` (else thrown away unread: conntrack prints every
+/// entry it deletes). Err: it could not be run, its input not written, or
+/// it was killed at its time limit (`unsure`: it may have done what it was
+/// asked).
 pub(crate) fn run_command(
     argv: &[String],
     key: &str,
     (args, stdin): (&[&str], Option<&str>),
+    stdout: bool,
     timeout: Duration,
 ) -> Result<Ran, NftError> {
     let (program, lead) = argv
@@ -250,20 +249,18 @@ pub(crate) fn run_command(
         } else {
             Stdio::null()
         })
-        .stdout(Stdio::piped())
+        .stdout(if stdout {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| NftError::new(format!("cannot run {program}: {e}")))?;
     // The input is written and the output read while it runs (a full
     // pipe would stall either side), each in a thread of its own, and it
     // is waited for however the run ends.
-    let writer = match (stdin, child.stdin.take()) {
-        (Some(text), Some(mut pipe)) => {
-            let text = text.to_owned();
-            Some(std::thread::spawn(move || pipe.write_all(text.as_bytes())))
-        }
-        _ => None,
-    };
+    let writer = feed(stdin, child.stdin.take());
     let stdout = drain(child.stdout.take());
     let stderr = drain(child.stderr.take());
     // Past the limit the threads are left to end when the pipes close
@@ -278,15 +275,25 @@ pub(crate) fn run_command(
     });
     let (stdout, stderr) = (joined(stdout), joined(stderr));
     if let Err(e) = written {
-        if stderr.trim().is_empty() || status.success() {
-            return Err(NftError::new(format!("writing the ruleset: {e}")));
-        }
+        return Err(NftError::new(match stderr.trim() {
+            "" => format!("writing the ruleset: {e}"),
+            said => said.to_owned(),
+        }));
     }
     Ok(Ran {
         success: status.success(),
         stdout,
         stderr,
     })
+}
+
+/// Writes `text` to `pipe` in a thread of its own.
+fn feed(
+    text: Option<&str>,
+    pipe: Option<std::process::ChildStdin>,
+) -> Option<std::thread::JoinHandle<std::io::Result<()>>> {
+    let (text, mut pipe) = (text?.to_owned(), pipe?);
+    Some(std::thread::spawn(move || pipe.write_all(text.as_bytes())))
 }
 
 /// Reads `pipe` to its end in a thread of its own.

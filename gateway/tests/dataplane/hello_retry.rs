@@ -248,6 +248,41 @@ async fn a_retry_request_past_the_byte_budget_is_not_passed_on() {
     assert!(error.starts_with("budget_exceeded: budgets[0]"), "{line}");
 }
 
+/// What the client sent after its first hello, read by the peek, is
+/// charged once, with the peek: a flow whose start fits its budget is not
+/// cut for those bytes charged again as they pass.
+#[tokio::test]
+async fn the_bytes_read_with_the_first_hello_are_charged_once() {
+    let e = env(Options::default()).await;
+    let p = r#"{"default": "allow", "budgets": [{"destination": "*", "bytes_per_hour": 3200}]}"#;
+    e.sandbox("a", SANDBOX_A, policy(p));
+    let mut hello = retry_request();
+    hello[5 + 4 + 2] ^= 1; // another random: a ServerHello, no retry
+    let (origin, got) = answering_origin(hello.clone()).await;
+    let first = client_hello("a.relay.example.test");
+    // Early data sent with the hello, read with it (the peek reads 2 KiB
+    // at a time): charged twice, the two would not fit in the budget.
+    let mut sent = first.clone();
+    let early = 1900 - first.len();
+    sent.extend_from_slice(&[0x17, 3, 3]);
+    sent.extend_from_slice(&u16::try_from(early).expect("fits").to_be_bytes());
+    sent.resize(sent.len() + early, 0x2a);
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    s.write_all(&sent).await.expect("hello and early data");
+    let mut back = vec![0u8; hello.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+        .await
+        .expect("the server's hello in time")
+        .expect("the server's hello, not a cut");
+    for _ in 0..100 {
+        if got.lock().expect("lock").len() >= sent.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(*got.lock().expect("lock"), sent, "all of it passed on");
+}
+
 /// A real retry: the origin takes only secp256r1, rustls' client offers a
 /// share of another group first, and the handshake and a request go through
 /// the splice.

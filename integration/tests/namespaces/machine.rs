@@ -197,9 +197,11 @@ fn dns_from_port(t: &Topology, port: u16) -> bool {
 }
 
 /// A VM removed leaves no open flow to the next VM given its address: its
-/// conntrack entries go with it. A UDP flow is the easy one to ride: the
-/// next VM sends from the same port to the same destination, and the
-/// entry would pass it before any dispatch, whatever its own policy says.
+/// conntrack entries go with it, and those its address opened while no
+/// VM held it go when a VM is given it. A UDP flow is the easy one to
+/// ride: the next VM sends from the same port to the same destination, and
+/// the entry would pass it before any dispatch, whatever its own policy
+/// says.
 #[test]
 fn a_removed_vms_open_flows_are_not_left_to_the_next_vm_at_its_address() {
     if !topology::available() {
@@ -237,6 +239,26 @@ fn a_removed_vms_open_flows_are_not_left_to_the_next_vm_at_its_address() {
         Some(r#"{"mode": "allowlist", "rules": []}"#),
     );
     assert!(!dns_from_port(&t, 40055), "vm3 may not on vm2's flow");
+    // An address no VM holds is not judged (the topology forwards it):
+    // the flows it opens then go when a VM is given it.
+    let (status, body) = t.admin("DELETE", "/v1/vms/vm3", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(dns_from_port(&t, 40056), "no VM's: not judged");
+    register(
+        &t,
+        "vm4",
+        VM_IP,
+        Some(r#"{"mode": "allowlist", "rules": []}"#),
+    );
+    assert!(
+        !dns_from_port(&t, 40056),
+        "vm4 may not on the flow its address opened while no VM's"
+    );
+    let (_, text) = t.admin("GET", "/metrics", None);
+    assert!(
+        text.contains("egress_machine_conntrack_failures_total 0"),
+        "{text}"
+    );
 }
 
 /// A new flow to another VM's address is dropped whatever the sending
