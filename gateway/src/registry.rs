@@ -348,6 +348,11 @@ impl Registry {
         Ok(())
     }
 
+    /// Every address a VM claims.
+    pub fn vm_claimed(&self) -> Vec<IpAddr> {
+        self.lock().keys().copied().collect()
+    }
+
     /// Releases every address `vm` claimed.
     pub fn release_vm(&self, vm: &str) {
         let mut claims = self.lock();

@@ -8,7 +8,8 @@
 //! within a tick; their clients reconnect to the successor. Addresses its
 //! sandboxes take that they did not hold are sent too: the predecessor
 //! denies them as destinations from then on, as it does its own
-//! sandboxes' (its draining spliced flows to one are cut). When the
+//! sandboxes' (its draining spliced flows to one are cut), and so are the
+//! addresses VMs claim there (machine egress). When the
 //! connection ends before the drain does (the successor stopped, or speaks
 //! no such lines), the predecessor cannot know what changed: it ends its
 //! drain, as when `timeouts.drain` runs out.
@@ -39,12 +40,16 @@ const TELL_EVERY: Duration = Duration::from_millis(100);
 
 /// The successor's side, on a thread of its own: every [`TELL_EVERY`], the
 /// ids of the sandboxes changed since the last look among those the
-/// predecessor had, and the addresses registered since. Ends when the
+/// predecessor had, and the addresses registered or claimed by a VM
+/// since. Ends when the
 /// predecessor has gone (it closed the connection, or a write fails or
 /// waits past the handover's I/O timeout). `had`: the registry as the
 /// predecessor left it (before anything here changed it).
 pub(crate) fn tell(stream: UnixStream, registry: &Registry, had: Arc<Generation>) {
     let mut known = had;
+    // VMs' addresses are told each once, from the first look: those the
+    // predecessor's VMs held too are denied there already.
+    let mut claimed = std::collections::HashSet::new();
     let mut out = &stream;
     loop {
         std::thread::sleep(TELL_EVERY);
@@ -52,11 +57,16 @@ pub(crate) fn tell(stream: UnixStream, registry: &Registry, had: Arc<Generation>
             return;
         }
         let now = registry.checkpoint();
-        if Arc::ptr_eq(&now, &known) {
+        let mut registered: Vec<std::net::IpAddr> = registry
+            .vm_claimed()
+            .into_iter()
+            .filter(|a| claimed.insert(*a))
+            .collect();
+        if Arc::ptr_eq(&now, &known) && registered.is_empty() {
             continue;
         }
         let changed = now.changed_since(&known);
-        let registered = now.registered_since(&known);
+        registered.extend(now.registered_since(&known));
         known = now;
         let mut lines = Vec::new();
         for id in &changed {

@@ -93,6 +93,14 @@ fn the_predecessor_drops_each_sandbox_the_successor_changes() {
     }
     assert!(denied(&pred, "100.64.0.5"), "sb-d's address");
     assert!(!denied(&pred, "100.64.0.9"), "no one's");
+    // An address a VM claims there is denied here too.
+    succ.claim_for_vm("vm1", &["100.64.0.9".parse().expect("ip")])
+        .expect("claimed");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !denied(&pred, "100.64.0.9") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(denied(&pred, "100.64.0.9"), "vm1's address");
     // A change after the first is told too.
     put(&succ, "sb-c", "100.64.0.4", r#"{"allow": []}"#);
     let deadline = Instant::now() + Duration::from_secs(10);
