@@ -466,12 +466,47 @@ impl Machines {
         let (vms, bound) = machines.bind(&state);
         machines.nft.apply(&rules::table(&machines.layout, &vms))?;
         *lock(&machines.bound) = bound;
+        machines.here_for_events()?;
         machines.remove_legacy_tables()?;
         if !state.vms.is_empty() {
             tracing::info!(vms = state.vms.len(), "re-installed machine egress rules");
         }
         *lock(&machines.state) = state;
         Ok(Arc::new(machines))
+    }
+
+    /// With `observe = "events"`, whether the table nft installed is in
+    /// this process's network namespace, where the NFLOG group is bound and
+    /// the table's rules and counters are read: a counter of a name made
+    /// for the occasion, added through nft, must show in the counter dump
+    /// here (a table left here by an earlier run does not have it). A
+    /// `machine_egress.nft` that enters another namespace would leave every
+    /// event unseen and the observer installing the table again each
+    /// round, so the start stops, naming the key.
+    fn here_for_events(&self) -> Result<(), MachineError> {
+        use std::hash::{BuildHasher, Hasher};
+        if self.layout.events.is_none() {
+            return Ok(());
+        }
+        let mark = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let mark = format!("here_{mark:016x}");
+        self.nft
+            .apply(&format!("add counter inet {} {mark}\n", rules::TABLE))?;
+        let seen = counters::read(rules::TABLE).map(|c| c.contains_key(&mark));
+        self.nft
+            .apply(&format!("delete counter inet {} {mark}\n", rules::TABLE))?;
+        match seen {
+            Ok(true) => Ok(()),
+            seen => Err(MachineError::Invalid {
+                field: "machine_egress.observe",
+                message: format!(
+                    "\"events\" reads the rules' events and counters in this gateway's network namespace, and the table machine_egress.nft installed is not there ({}): set observe = \"sampled\" when nft governs another namespace",
+                    seen.map_or_else(|e| e, |_| "a counter added through nft does not show here".into())
+                ),
+            }),
+        }
     }
 
     /// Removes the tables of the earlier one-table-per-VM layout.

@@ -634,6 +634,23 @@ fn defaults_apply_running_and_restart() {
     std::fs::rename(&moved, &state).expect("state back");
     t.start_gateway();
     assert!(tcp_ok(&t, API_IP) && !tcp_ok(&t, OTHER_IP));
+    // Events are read in the gateway's own namespace: an nft that governs
+    // another (here the VM stand-in's) stops the start, naming the key.
+    assert!(t.stop_gateway().success());
+    let elsewhere = format!(
+        "[machine_egress]\nnft = [\"ip\", \"netns\", \"exec\", \"{}\", \"nft\"]\n",
+        vm(&t)
+    );
+    t.set_extra_config(&elsewhere);
+    // `ip netns exec` enters the namespace and mounts its /sys.
+    t.extra_caps = vec!["sys_admin"];
+    let log = t.start_gateway_refused();
+    assert!(
+        log.contains("machine_egress.observe: \"events\" reads the rules' events"),
+        "{log}"
+    );
+    t.set_extra_config(&format!("{elsewhere}observe = \"sampled\"\n"));
+    t.start_gateway();
 }
 
 /// A metric's value at the observer's next rounds: waits (bounded) until
