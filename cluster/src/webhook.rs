@@ -131,14 +131,15 @@ fn decide(
             req.operation
         )));
     };
-    if req.user_info.username.as_deref() == Some(reconciler) {
+    let user = req.user_info.username.as_deref().unwrap_or_default();
+    if is_reconciler(user, reconciler) {
         return Ok(match beyond_the_annotation(req.old_object.as_ref(), object) {
             None => allowed,
             Some(what) => refused(
                 allowed,
                 403,
                 "Forbidden",
-                format!("{reconciler} may change only the annotation {MANAGED_ANNOTATION}; this request changes {what}"),
+                format!("{user} may change only the annotation {MANAGED_ANNOTATION} (the node reconciler's account); this request changes {what}"),
             ),
         });
     }
@@ -170,6 +171,16 @@ fn decide(
             Ok(refused(allowed, 400, "BadRequest", message.join("; ")))
         }
     }
+}
+
+/// Whether `user` is the reconciler's (`reconciler`), or a service account
+/// of the same name in another namespace: one deployed elsewhere without
+/// `--reconciler-user` is bound all the same, never let through as any
+/// other user.
+fn is_reconciler(user: &str, reconciler: &str) -> bool {
+    const ACCOUNT: &str = "system:serviceaccount:";
+    let name = |u: &str| Some(u.strip_prefix(ACCOUNT)?.split_once(':')?.1.to_owned());
+    user == reconciler || name(reconciler).is_some_and(|n| name(user).as_deref() == Some(&*n))
 }
 
 /// `allowed` turned into a denial.

@@ -288,6 +288,24 @@ fn the_reconciler_may_change_only_its_annotation() {
     assert_eq!(r["allowed"], false, "another annotation: {r}");
     let r = by_reconciler(machine_review("CREATE", Some(open)));
     assert_eq!(r["allowed"], false, "a create: {r}");
+    // The reconciler's account deployed in another namespace (without
+    // --reconciler-user) is bound the same; another account is not.
+    let by = |user: &str, mut doc: Value| {
+        doc["request"]["userInfo"] = json!({ "username": user });
+        respond(&doc)
+    };
+    let elsewhere = "system:serviceaccount:egress:egress-cluster-reconciler";
+    let r = by(elsewhere, widened.clone());
+    assert_eq!(r["status"]["code"], 403, "{r}");
+    let said = r["status"]["message"].as_str().expect("a message");
+    assert!(said.starts_with(elsewhere), "{said}");
+    for other in [
+        "system:serviceaccount:kairon-system:egress-cluster-reconciler-2",
+        "egress-cluster-reconciler",
+        "system:serviceaccount:egress-cluster-reconciler",
+    ] {
+        assert_eq!(by(other, widened.clone())["allowed"], true, "{other}");
+    }
 }
 
 #[test]
