@@ -755,14 +755,20 @@ impl Dispatcher {
             return Listed::Inconclusive;
         }
         // Read after the list: a row settled then was pushed (by this task)
-        // before the list was fetched. Changes still being pushed are not
-        // drift.
-        let rows = store::settled_sandboxes(&self.pool, &w.id).await;
-        let Some(Some(rows)) = read(rows, "reading the sandboxes to compare", &w.id) else {
+        // before the list was fetched. Sandboxes with a change still being
+        // pushed are left out of both sides: the gateway may hold either
+        // side of the change. The rest is compared, so a worker whose
+        // changes never stop is still checked; while any is pending, a
+        // match says nothing of the generation.
+        let settled = store::settled_sandboxes(&self.pool, &w.id).await;
+        let Some(settled) = read(settled, "reading the sandboxes to compare", &w.id) else {
             return Listed::Inconclusive;
         };
-        if differs(&rows, &body) {
+        if differs(&settled.rows, &body, &settled.pending) {
             return Listed::Differs;
+        }
+        if !settled.pending.is_empty() {
+            return Listed::Inconclusive;
         }
         Listed::Matches(body.get("generation").and_then(Value::as_i64))
     }
@@ -924,8 +930,13 @@ fn parse_ready(text: &str) -> Option<(String, i64)> {
     Some((epoch?, generation?))
 }
 
-/// Whether the gateway's list differs from the store's rows.
-fn differs(rows: &[SandboxRow], gateway: &Value) -> bool {
+/// Whether the gateway's list differs from the store's rows, the
+/// sandboxes in `pending` left out of its side (the rows hold none).
+fn differs(
+    rows: &[SandboxRow],
+    gateway: &Value,
+    pending: &std::collections::BTreeSet<String>,
+) -> bool {
     let theirs: BTreeMap<&str, (Vec<String>, Option<Policy>)> = gateway
         .get("sandboxes")
         .and_then(Value::as_array)
@@ -933,6 +944,9 @@ fn differs(rows: &[SandboxRow], gateway: &Value) -> bool {
             list.iter()
                 .filter_map(|s| {
                     let id = s.get("id")?.as_str()?;
+                    if pending.contains(id) {
+                        return None;
+                    }
                     let addresses = s
                         .get("addresses")?
                         .as_array()?

@@ -487,36 +487,49 @@ pub async fn worker_seen(
 /// A worker's live sandboxes with a policy, by id: what its gateway should hold.
 const WORKER_SANDBOXES: &str = "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id";
 
-/// The worker's live sandboxes, as a [`ResyncView`] has them, if none of its
-/// changes is still unacknowledged; `None` otherwise. Both are read in one
-/// snapshot, so a sandbox placed between the two reads cannot pass for a
-/// settled one (a list compared against it would look drifted).
-pub async fn settled_sandboxes(
-    pool: &PgPool,
-    worker: &str,
-) -> Result<Option<Vec<SandboxRow>>, sqlx::Error> {
+/// A worker's sandboxes for the drift check ([`settled_sandboxes`]).
+#[derive(Debug)]
+pub struct Settled {
+    /// Its live sandboxes whose every change the gateway acknowledged.
+    pub rows: Vec<SandboxRow>,
+    /// Its sandboxes with a change not acknowledged yet, live or not: the
+    /// gateway may hold either side of the change.
+    pub pending: std::collections::BTreeSet<String>,
+}
+
+/// The worker's live sandboxes, as a [`ResyncView`] has them, split into
+/// those whose changes are all acknowledged and the ids of those with a
+/// change still unacknowledged. Both are read in one snapshot, so a
+/// sandbox placed between the two reads cannot pass for a settled one (a
+/// list compared against it would look drifted).
+pub async fn settled_sandboxes(pool: &PgPool, worker: &str) -> Result<Settled, sqlx::Error> {
     let mut tx = pool.begin().await?;
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .execute(&mut *tx)
         .await?;
-    let pending: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM sandboxes WHERE worker = $1 AND generation > pushed_generation)",
+    let pending: Vec<String> = sqlx::query_scalar(
+        "SELECT id FROM sandboxes WHERE worker = $1 AND generation > pushed_generation",
     )
     .bind(worker)
-    .fetch_one(&mut *tx)
+    .fetch_all(&mut *tx)
     .await?;
-    if pending {
-        return Ok(None);
-    }
     let rows = sqlx::query(WORKER_SANDBOXES)
         .bind(worker)
         .fetch_all(&mut *tx)
         .await?;
     tx.commit().await?;
-    rows.iter()
+    let pending: std::collections::BTreeSet<String> = pending.into_iter().collect();
+    let rows = rows
+        .iter()
         .map(SandboxRow::from_row)
-        .collect::<Result<_, _>>()
-        .map(Some)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Settled {
+        rows: rows
+            .into_iter()
+            .filter(|r| !pending.contains(&r.id))
+            .collect(),
+        pending,
+    })
 }
 
 /// Changes a worker's gateway has not acknowledged yet, oldest first.

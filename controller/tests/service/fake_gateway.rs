@@ -33,6 +33,8 @@ pub struct State {
     /// When set, every delete and resync is answered `500`: nothing is
     /// forgotten.
     pub refuse_deletes: bool,
+    /// When set, a push of this sandbox (not a resync) is answered `500`.
+    pub refuse_push_of: Option<String>,
 }
 
 pub struct FakeGateway {
@@ -127,6 +129,10 @@ async fn answer(
                 .collect();
             s.generation += 1;
             (200, "{}".to_owned())
+        }
+        ("PUT", ["v1", "sandboxes", id]) if s.refuse_push_of.as_deref() == Some(*id) => {
+            s.events.push(Event::Put((*id).to_owned(), Value::Null));
+            (500, "{}".to_owned())
         }
         ("PUT", ["v1", "sandboxes", id]) => {
             let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);

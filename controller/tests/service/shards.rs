@@ -572,6 +572,95 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
     assert_eq!(s.sandboxes.len(), 3);
 }
 
+/// A worker whose changes never all settle is still checked for drift:
+/// with one sandbox's push failing for good, a sandbox the store does not
+/// know found on the gateway is drift all the same, and a resync takes it
+/// away (the pending one is compared on neither side).
+#[tokio::test]
+async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let gw = FakeGateway::start().await;
+    register(&api, "w1", &gw, "100.64.31.0/24").await;
+    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    for _ in 0..2 {
+        let (s, v) = e2b_create(api.addr).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
+    db_until(&url, pending, |n| n == 0).await;
+    let resyncs = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .filter(|e| matches!(e, Event::Resync(_)))
+            .count()
+    };
+    let before = resyncs(&gw);
+    // One sandbox's push fails from now on, and it has a change to push.
+    let stuck = {
+        let mut s = gw.state.lock().expect("state");
+        let id = s.sandboxes.keys().next().expect("a sandbox").clone();
+        s.refuse_push_of = Some(id.clone());
+        id
+    };
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    sqlx::query("UPDATE sandboxes SET generation = generation + 1 WHERE id = $1")
+        .bind(&stuck)
+        .execute(&mut conn)
+        .await
+        .expect("a change");
+    let refused_push = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .any(|e| matches!(e, Event::Put(id, Value::Null) if *id == stuck))
+    };
+    for _ in 0..400 {
+        if refused_push(&gw) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused_push(&gw), "{:?}", gw.events());
+    // Drift behind the store's back.
+    {
+        let mut s = gw.state.lock().expect("state");
+        s.sandboxes.insert(
+            "sb-stray".into(),
+            json!({"addresses": ["100.64.31.200"], "policy": {"default": "allow"}}),
+        );
+        s.generation += 1;
+    }
+    for _ in 0..400 {
+        if !gw
+            .state
+            .lock()
+            .expect("state")
+            .sandboxes
+            .contains_key("sb-stray")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        resyncs(&gw) > before,
+        "no resync while {stuck} was pending: {:?}",
+        gw.events()
+    );
+    assert!(!gw
+        .state
+        .lock()
+        .expect("state")
+        .sandboxes
+        .contains_key("sb-stray"));
+}
+
 async fn metric_until(d: &DispatcherTask, prefix: &str, want: impl Fn(f64) -> bool) {
     for _ in 0..400 {
         if want(metric(d, prefix)) {
@@ -768,13 +857,13 @@ async fn seeded(
     (pool, conn)
 }
 
-/// The drift check compares a gateway's list only with sandboxes that are
-/// all pushed, read in one snapshot: while any change of the worker is
-/// unacknowledged it gets nothing to compare (a sandbox placed while the
-/// list was fetched is not drift), and once they are all acknowledged it
-/// gets every live one.
+/// The drift check compares a gateway's list with the sandboxes whose
+/// changes are all pushed, read in one snapshot with the ids of those
+/// still pending (left out of both sides: a sandbox placed while the list
+/// was fetched is not drift); once they are all acknowledged it gets
+/// every live one.
 #[tokio::test]
-async fn the_drift_check_compares_only_a_settled_worker() {
+async fn the_drift_check_compares_the_settled_sandboxes() {
     let url = db!();
     let (pool, mut conn) = seeded(
         &url,
@@ -787,17 +876,19 @@ async fn the_drift_check_compares_only_a_settled_worker() {
     let settled = egress_controller::store::settled_sandboxes(&pool, "w1")
         .await
         .expect("read");
-    assert!(settled.is_none(), "s2 is not pushed yet: {settled:?}");
+    let ids: Vec<&str> = settled.rows.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids, ["s1"], "s2 is not pushed yet");
+    assert_eq!(settled.pending.iter().collect::<Vec<_>>(), ["s2"]);
     sqlx::query("UPDATE sandboxes SET pushed_generation = generation WHERE id = 's2'")
         .execute(&mut conn)
         .await
         .expect("ack");
     let settled = egress_controller::store::settled_sandboxes(&pool, "w1")
         .await
-        .expect("read")
-        .expect("every change acknowledged");
-    let ids: Vec<&str> = settled.iter().map(|s| s.id.as_str()).collect();
-    assert_eq!(ids, ["s1", "s2"]);
+        .expect("read");
+    let ids: Vec<&str> = settled.rows.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids, ["s1", "s2"], "every change acknowledged");
+    assert!(settled.pending.is_empty());
 }
 
 /// A resync settles only the destroyed sandboxes it read: one destroyed
