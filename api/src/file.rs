@@ -83,7 +83,7 @@ pub fn warn_if_open(what: &str, path: &Path) -> Option<u32> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let meta = std::fs::metadata(path).ok()?;
     let mode = meta.permissions().mode() & 0o7777;
-    let me = std::fs::metadata("/proc/self").map_or(0, |m| m.uid());
+    let me = rustix::process::geteuid().as_raw();
     let owner = meta.uid();
     if mode & 0o026 == 0 && (owner == 0 || owner == me) {
         return None;

@@ -482,6 +482,10 @@ impl Dispatcher {
     async fn tender(&self, mut rx: Seen, permits: Arc<tokio::sync::Semaphore>) {
         let mut compared = Instant::now() - self.limits.resync_interval;
         let mut synced: Option<Instant> = None;
+        // A resync the gateway refused (a sandbox it will not take): tried
+        // again once per interval, the changes pushed meanwhile, so one
+        // sandbox does not hold up every other change of the worker.
+        let mut refused: Option<Instant> = None;
         while rx.changed().await.is_ok() {
             let (read_at, mut w, until) = rx.borrow_and_update().clone();
             let Ok(_permit) = permits.acquire().await else {
@@ -497,11 +501,19 @@ impl Dispatcher {
                 if Instant::now() >= until {
                     break;
                 }
-                let moved = if w.needs_resync {
-                    let done = self.resync(&w).await;
-                    w.needs_resync = !done;
-                    synced = done.then(Instant::now).or(synced);
-                    done
+                let due = refused.is_none_or(|t| t.elapsed() >= self.limits.resync_interval);
+                let moved = if w.needs_resync && due {
+                    match self.resync(&w).await {
+                        Resynced::Done => {
+                            (w.needs_resync, synced, refused) = (false, Some(Instant::now()), None);
+                            true
+                        }
+                        Resynced::Refused => {
+                            refused = Some(Instant::now());
+                            self.push_changes(&w, until).await
+                        }
+                        Resynced::Failed => false,
+                    }
                 } else {
                     self.push_changes(&w, until).await
                 };
@@ -599,10 +611,10 @@ impl Dispatcher {
     }
 
     /// Replaces everything the gateway knows with the store's view.
-    async fn resync(&self, w: &WorkerRow) -> bool {
+    async fn resync(&self, w: &WorkerRow) -> Resynced {
         let view = store::resync_view(&self.pool, &w.id).await;
         let Some(view) = read(view, "reading the sandboxes to resync", &w.id) else {
-            return false;
+            return Resynced::Failed;
         };
         let rows = &view.live;
         // NDJSON, streamed by the gateway: no size bound on a resync.
@@ -625,8 +637,12 @@ impl Dispatcher {
         // took the resync (one that restarted meanwhile has another).
         let before = self.gateway_state(w).await;
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
-            Ok((status, _)) if status.is_success() => self.resynced(w, &view, before).await,
+            Ok((status, _)) if status.is_success() => match self.resynced(w, &view, before).await {
+                true => Resynced::Done,
+                false => Resynced::Failed,
+            },
             outcome => {
+                let refused = matches!(&outcome, Ok((status, _)) if status.is_client_error());
                 let error = match outcome {
                     Ok((status, body)) => PushError::refused(status, &body),
                     Err(e) => PushError::from(e),
@@ -642,7 +658,10 @@ impl Dispatcher {
                 )
                 .await;
                 logged(seen, "recording the resync failure", &w.id);
-                false
+                match refused {
+                    true => Resynced::Refused,
+                    false => Resynced::Failed,
+                }
             }
         }
     }
@@ -781,6 +800,16 @@ impl Dispatcher {
     }
 }
 
+/// How a resync ended.
+enum Resynced {
+    Done,
+    /// The gateway answered with a refusal (`4xx`): it will not take one
+    /// of the sandboxes as they stand.
+    Refused,
+    /// No answer, another failure, or a restart around it: tried again.
+    Failed,
+}
+
 /// A worker's row as last read: when it was read, the row, and until when
 /// the leases it was read under are trusted.
 type Wake = (Instant, WorkerRow, Instant);
@@ -881,6 +910,27 @@ fn taken(s: &SandboxRow, addresses: &[std::net::IpAddr]) -> bool {
     false
 }
 
+/// Whether a gateway is sent the row, as [`resync_line`] decides, without
+/// its warnings: a policy that reads, addresses that parse and that a
+/// gateway takes, a document that fits.
+fn sent(s: &SandboxRow) -> bool {
+    let (Some(policy), Ok(addresses)) = (s.policy.clone(), addresses(s)) else {
+        return false;
+    };
+    if egress_api::gateway::sandbox_addresses(&addresses).is_err() {
+        return false;
+    }
+    let doc = SandboxDoc {
+        id: s.id.clone(),
+        addresses,
+        policy,
+        credentials: Vec::new(),
+        upstream_proxy: None,
+        shadow: None,
+    };
+    serde_json::to_string(&doc).is_ok_and(|line| line.len() <= MAX_BODY)
+}
+
 /// A sandbox row as one line of a streamed resync (the contract's
 /// [`SandboxDoc`]); `None` for one too large for a gateway or without a
 /// policy (one stored that no longer reads), left out as [`put_body`]
@@ -961,8 +1011,10 @@ fn differs(
                 .collect()
         })
         .unwrap_or_default();
+    // Only what a gateway is sent: one left out never shows there.
     let ours: BTreeMap<&str, (Vec<String>, Option<Policy>)> = rows
         .iter()
+        .filter(|s| sent(s))
         .map(|s| (s.id.as_str(), (s.addresses.clone(), s.policy.clone())))
         .collect();
     theirs != ours
@@ -1043,6 +1095,37 @@ mod tests {
         fine.addresses = vec!["100.64.1.2".into(), "2001:db8::2".into()];
         assert!(put_body(&fine).expect("sendable").is_some());
         assert!(resync_line(&fine).expect("sendable").is_some());
+    }
+
+    /// The drift check's side of the store holds only what a gateway is
+    /// sent: a sandbox left out (at an address a gateway refuses, too
+    /// large, its policy unreadable) missing from the gateway's list is no
+    /// drift.
+    #[test]
+    fn sandboxes_left_out_are_not_drift() {
+        let listed = |rows: &[&SandboxRow]| {
+            let list: Vec<Value> = rows
+                .iter()
+                .map(|r| serde_json::json!({"id": r.id, "addresses": r.addresses, "policy": r.policy}))
+                .collect();
+            serde_json::json!({ "sandboxes": list })
+        };
+        let fine = row(policy_of(100));
+        let mut linked = row(policy_of(100));
+        linked.id = "sb-2".into();
+        linked.addresses = vec!["169.254.1.2".into()];
+        let mut large = row(policy_of(MAX_BODY));
+        large.id = "sb-3".into();
+        let mut unreadable = row(policy_of(100));
+        unreadable.id = "sb-4".into();
+        unreadable.policy = None;
+        let none = std::collections::BTreeSet::new();
+        let rows = [fine.clone(), linked, large, unreadable];
+        assert!(!differs(&rows, &listed(&[&fine]), &none));
+        assert!(
+            differs(&rows, &listed(&[]), &none),
+            "the one sent is missing"
+        );
     }
 
     #[test]

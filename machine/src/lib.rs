@@ -475,11 +475,12 @@ impl Machines {
         Ok(Arc::new(machines))
     }
 
-    /// With `observe = "events"`, whether the table nft installed is in
-    /// this process's network namespace, where the NFLOG group is bound and
-    /// the table's rules and counters are read: a counter of a name made
-    /// for the occasion, added through nft, must show in the counter dump
-    /// here (a table left here by an earlier run does not have it). A
+    /// With `observe = "events"`, whether nft works in this process's
+    /// network namespace, where the NFLOG group is bound and the node
+    /// table's rules and counters are read: a table of a name made for the
+    /// occasion, holding one counter, added through nft, must show in the
+    /// counter dump here (no other process touches it; the node table may
+    /// be replaced meanwhile by another gateway starting). A
     /// `machine_egress.nft` that enters another namespace would leave every
     /// event unseen and the observer installing the table again each
     /// round, so the start stops, naming the key.
@@ -491,19 +492,21 @@ impl Machines {
         let mark = std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish();
-        let mark = format!("here_{mark:016x}");
-        self.nft
-            .apply(&format!("add counter inet {} {mark}\n", rules::TABLE))?;
-        let seen = counters::read(rules::TABLE).map(|c| c.contains_key(&mark));
-        self.nft
-            .apply(&format!("delete counter inet {} {mark}\n", rules::TABLE))?;
+        let probe = format!("egress_here_{mark:016x}");
+        self.nft.apply(&format!(
+            "table inet {probe} {{\n    counter here {{\n    }}\n}}\n"
+        ))?;
+        let seen = counters::read(&probe).map(|c| c.contains_key("here"));
+        if let Err(e) = self.nft.apply(&format!("delete table inet {probe}\n")) {
+            tracing::warn!(table = %probe, error = %e, "the table of the start's namespace check was left behind");
+        }
         match seen {
             Ok(true) => Ok(()),
             seen => Err(MachineError::Invalid {
                 field: "machine_egress.observe",
                 message: format!(
-                    "\"events\" reads the rules' events and counters in this gateway's network namespace, and the table machine_egress.nft installed is not there ({}): set observe = \"sampled\" when nft governs another namespace",
-                    seen.map_or_else(|e| e, |_| "a counter added through nft does not show here".into())
+                    "\"events\" reads the rules' events and counters in this gateway's network namespace, and machine_egress.nft does not write there ({}): set observe = \"sampled\" when nft governs another namespace",
+                    seen.map_or_else(|e| e, |_| "a table added through nft does not show here".into())
                 ),
             }),
         }

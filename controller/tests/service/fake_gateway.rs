@@ -19,6 +19,8 @@ pub enum Event {
     Put(String, Value),
     Delete(String),
     Resync(usize),
+    /// A resync answered `409` ([`State::refuse_resyncs`]).
+    RefusedResync,
     List,
 }
 
@@ -35,6 +37,8 @@ pub struct State {
     pub refuse_deletes: bool,
     /// When set, a push of this sandbox (not a resync) is answered `500`.
     pub refuse_push_of: Option<String>,
+    /// When set, every resync is answered `409` (a sandbox it will not take).
+    pub refuse_resyncs: bool,
 }
 
 pub struct FakeGateway {
@@ -111,6 +115,11 @@ async fn answer(
                 .collect();
             let doc = json!({"epoch": s.epoch, "generation": s.generation, "sandboxes": list});
             (200, doc.to_string())
+        }
+        ("PUT", ["v1", "sandboxes"]) if s.refuse_resyncs => {
+            s.events.push(Event::RefusedResync);
+            let why = r#"{"error": "100.64.31.9 is VM vm1's address", "field": "sandboxes"}"#;
+            (409, why.to_owned())
         }
         ("PUT", ["v1", "sandboxes"]) if s.refuse_deletes => {
             s.events.push(Event::Resync(0));

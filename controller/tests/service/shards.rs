@@ -661,6 +661,76 @@ async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
         .contains_key("sb-stray"));
 }
 
+/// A resync the gateway refuses (one sandbox it will not take) does not
+/// hold up the worker's other changes: they are pushed meanwhile, and the
+/// resync is tried again once per interval.
+#[tokio::test]
+async fn a_refused_resync_does_not_hold_up_the_workers_pushes() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let gw = FakeGateway::start().await;
+    register(&api, "w1", &gw, "100.64.32.0/24").await;
+    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 201, "{v}");
+    let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
+    db_until(&url, pending, |n| n == 0).await;
+    let refusals = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .filter(|e| **e == Event::RefusedResync)
+            .count()
+    };
+    // The gateway restarts (another epoch) and will not take a resync.
+    {
+        let mut s = gw.state.lock().expect("state");
+        s.refuse_resyncs = true;
+        s.epoch = "restarted".into();
+    }
+    for _ in 0..400 {
+        if refusals(&gw) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refusals(&gw) > 0, "{:?}", gw.events());
+    let (s, v) = e2b_create(api.addr).await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandboxID"].as_str().expect("an id").to_owned();
+    let pushed = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .any(|e| matches!(e, Event::Put(p, _) if *p == id))
+    };
+    for _ in 0..400 {
+        if pushed(&gw) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(pushed(&gw), "{id} never pushed: {:?}", gw.events());
+    // Taken once the gateway takes it again.
+    gw.state.lock().expect("state").refuse_resyncs = false;
+    let taken = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .any(|e| matches!(e, Event::Resync(n) if *n == 2))
+    };
+    for _ in 0..400 {
+        if taken(&gw) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(taken(&gw), "{:?}", gw.events());
+}
+
 async fn metric_until(d: &DispatcherTask, prefix: &str, want: impl Fn(f64) -> bool) {
     for _ in 0..400 {
         if want(metric(d, prefix)) {
