@@ -229,11 +229,14 @@ pub const MAX_OVERRIDES: usize = 16;
 /// values and its query's `_method` parameters (Laravel, Symfony and
 /// Express's method-override read them), decoded and trimmed. A query key
 /// is read as PHP reads it ([`is_method_key`]), so `.method`, ` _method`
-/// and `_method%00x` count too.
+/// and `_method%00x` count too. A value with a comma names its whole and
+/// each of its comma-separated items: Express's and Koa's method-override
+/// take the first item of `DELETE, GET`, another reader the whole.
 pub fn override_values<'a>(
     headers: &'a http::HeaderMap,
     target: &'a str,
 ) -> impl Iterator<Item = std::borrow::Cow<'a, str>> + 'a {
+    use std::borrow::Cow;
     let from_headers = METHOD_OVERRIDES
         .iter()
         .flat_map(|name| headers.get_all(name))
@@ -242,10 +245,22 @@ pub fn override_values<'a>(
     let from_query = form_urlencoded::parse(query.as_bytes())
         .filter(|(k, _)| is_method_key(k))
         .map(|(_, v)| v);
-    from_headers.chain(from_query).map(|v| match v {
-        std::borrow::Cow::Borrowed(b) => std::borrow::Cow::Borrowed(b.trim()),
-        std::borrow::Cow::Owned(o) => std::borrow::Cow::Owned(o.trim().to_owned()),
+    from_headers.chain(from_query).flat_map(|v| match v {
+        Cow::Borrowed(b) => readings(b).map(Cow::Borrowed).collect::<Vec<_>>(),
+        Cow::Owned(o) => readings(&o).map(|r| Cow::Owned(r.to_owned())).collect(),
     })
+}
+
+/// An override value, trimmed, then each of its comma-separated items
+/// (trimmed, none empty) if it has a comma.
+fn readings(value: &str) -> impl Iterator<Item = &str> {
+    let whole = value.trim();
+    let items = whole
+        .contains(',')
+        .then(|| whole.split(',').map(str::trim).filter(|i| !i.is_empty()))
+        .into_iter()
+        .flatten();
+    std::iter::once(whole).chain(items)
 }
 
 /// Whether a query key is `_method` as PHP's `$_GET` reads it: up to its
@@ -349,7 +364,9 @@ mod tests {
 
     use egress_policy::{AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy};
 
-    use super::{explained_request, judge, judge_question, method_overrides, Claims};
+    use super::{
+        explained_request, judge, judge_methods, judge_question, method_overrides, Claims,
+    };
     use crate::doh::DohNames;
 
     /// Explain judges a TLS question with a `Host` as the dataplane does:
@@ -431,6 +448,11 @@ mod tests {
             ("/x?method=DELETE&_methods=DELETE", vec![]),
             // PHP reads a key up to its NUL.
             ("/x?_method%00x=DELETE", vec!["DELETE"]),
+            // Express reads the first item, another reader the whole.
+            (
+                "/x?_method=DELETE,%20GET",
+                vec!["DELETE, GET", "DELETE", "GET"],
+            ),
         ] {
             assert_eq!(
                 method_overrides("POST", &headers, target),
@@ -438,5 +460,18 @@ mod tests {
                 "{target}"
             );
         }
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            "x-http-method-override",
+            http::HeaderValue::from_static(" DELETE ,GET,, "),
+        );
+        assert_eq!(
+            method_overrides("POST", &headers, "/x"),
+            ["DELETE ,GET,,", "DELETE", "GET"]
+        );
+        let overrides = method_overrides("POST", &headers, "/x");
+        let (judged, named) = judge_methods(&policy, &[&host], ("POST", &overrides), "/x");
+        assert!(judged.deny.is_some(), "the DELETE in the list is refused");
+        assert_eq!(named, "DELETE");
     }
 }
