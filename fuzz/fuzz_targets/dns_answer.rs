@@ -124,7 +124,10 @@ fn owner_name(o: &Owner) -> Option<Name> {
 
 /// The answer's records of class IN: no other class attributes.
 fn internet(answer: &Message) -> impl Iterator<Item = &Record> {
-    answer.answers.iter().filter(|r| r.dns_class == DNSClass::IN)
+    answer
+        .answers
+        .iter()
+        .filter(|r| r.dns_class == DNSClass::IN)
 }
 
 /// The model of `attribution` (see the module docs).

@@ -31,7 +31,11 @@ fuzz_target!(|input: &[u8]| {
         _ => Some(body.split(|&b| b == b'\n').next().unwrap_or(b"")),
     };
     let first = query(method, &target, content_type, body);
-    assert_eq!(first, query(method, &target, content_type, body), "not deterministic");
+    assert_eq!(
+        first,
+        query(method, &target, content_type, body),
+        "not deterministic"
+    );
     match &first {
         Ok(q) => {
             assert!(q.len() >= 12 && q.len() <= MAX_QUERY, "{} bytes", q.len());

@@ -46,7 +46,11 @@ fuzz_target!(|input: &[u8]| {
     let Ok(normal) = first else {
         return;
     };
-    assert_eq!(normalize(&normal).as_ref(), Ok(&normal), "{target:?} → {normal:?} is not stable");
+    assert_eq!(
+        normalize(&normal).as_ref(),
+        Ok(&normal),
+        "{target:?} → {normal:?} is not stable"
+    );
     if normal != "*" {
         assert!(normal.starts_with('/'), "{normal:?}");
         assert!(!normal.contains('?') && !normal.contains('#'), "{normal:?}");

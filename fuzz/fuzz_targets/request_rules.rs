@@ -127,9 +127,13 @@ impl Http {
         self.covers_method(method) && (paths.is_empty() || paths.iter().any(prefix))
     }
 
+    /// Methods without regard to case; a deny of `GET` covers `HEAD` too
+    /// (the model is of denies).
     fn covers_method(&self, method: &str) -> bool {
         let methods = self.methods();
-        methods.is_empty() || methods.iter().any(|m| m.eq_ignore_ascii_case(method))
+        let named =
+            |m: &str| methods.is_empty() || methods.iter().any(|r| r.eq_ignore_ascii_case(m));
+        named(method) || (method.eq_ignore_ascii_case("HEAD") && named("GET"))
     }
 }
 

@@ -393,7 +393,7 @@ impl RequestRules {
                     let Some(http) = http_of(deny, i, audit) else {
                         continue;
                     };
-                    if http.covers_method(method) {
+                    if covers_for_deny(http, method) {
                         let code = if http.needs_path() {
                             code
                         } else {
@@ -519,4 +519,12 @@ impl RuleRef {
             Self::Credential(i) => format!("credentials[{i}]"),
         }
     }
+}
+
+/// Whether a deny's `http` covers `method`: a deny of `GET` covers `HEAD`
+/// too, which most servers route to the `GET` handler (Express, Rails,
+/// Flask, Django's views, Go's `ServeMux`): it runs, and only its body is
+/// dropped. An allow is read as written.
+fn covers_for_deny(http: &crate::http::HttpMatch, method: &str) -> bool {
+    http.covers_method(method) || (method.eq_ignore_ascii_case("HEAD") && http.covers_method("GET"))
 }

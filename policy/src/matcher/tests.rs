@@ -1073,6 +1073,37 @@ fn read_only_allows_reads_and_refuses_writes() {
     assert_eq!(request(&p, "other.test", "POST", "/a"), pass());
 }
 
+/// A deny of `GET` covers `HEAD`, which servers route to the `GET`
+/// handler; an allow of `GET` alone does not let `HEAD` through, and one of
+/// `HEAD` does not let `GET`.
+#[test]
+fn a_deny_of_get_covers_head() {
+    let p = compile(
+        r#"{"allow": [{"domain": "api.test"}, {"domain": "get.test", "http": {"methods": ["GET"]}},
+                      {"domain": "head.test", "http": {"methods": ["HEAD"]}}],
+            "deny": [{"domain": "api.test", "http": {"methods": ["GET"], "paths": ["/export"]}}],
+            "tls_interception": "on"}"#,
+    );
+    for method in ["GET", "HEAD", "head"] {
+        assert_eq!(
+            request(&p, "api.test", method, "/export?d=1"),
+            denied("http_deny deny[0]"),
+            "{method}"
+        );
+    }
+    assert_eq!(request(&p, "api.test", "POST", "/export"), pass());
+    assert_eq!(request(&p, "api.test", "HEAD", "/other"), pass());
+    assert_eq!(
+        request(&p, "get.test", "HEAD", "/"),
+        denied("http_not_allowed allow[1]")
+    );
+    assert_eq!(request(&p, "head.test", "HEAD", "/"), pass());
+    assert_eq!(
+        request(&p, "head.test", "GET", "/"),
+        denied("http_not_allowed allow[2]")
+    );
+}
+
 #[test]
 fn qualified_deny_cannot_be_dodged_by_the_path() {
     let p = compile(
