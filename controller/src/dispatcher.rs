@@ -547,10 +547,12 @@ impl Dispatcher {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
                 self.count_push("failed");
                 let error = error.to_string();
+                // The flag as it is: pushes also run while a refused
+                // resync waits to be tried again.
                 let seen = store::worker_seen(
                     &self.pool,
                     &w.id,
-                    (None, false, Some(&error)),
+                    (None, w.needs_resync, Some(&error)),
                     w.lease.as_ref(),
                 )
                 .await;

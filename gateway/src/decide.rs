@@ -227,16 +227,19 @@ pub const MAX_OVERRIDES: usize = 16;
 
 /// Every method a request's overrides name, as sent: its override headers'
 /// values and its query's `_method` parameters (Laravel, Symfony and
-/// Express's method-override read them), decoded and trimmed. A query key
-/// is read as PHP reads it ([`is_method_key`]), so `.method`, ` _method`
-/// and `_method%00x` count too. A value with a comma names its whole and
-/// each of its comma-separated items: Express's and Koa's method-override
-/// take the first item of `DELETE, GET`, another reader the whole.
+/// Express's method-override read them), decoded, without what is not a
+/// visible ASCII character at either end (a reader trims blanks, and a
+/// byte that is not UTF-8 may be one to it: Node reads `\xA0` as a
+/// no-break space). A query key is read as PHP reads it
+/// ([`is_method_key`]), so `.method`, ` _method` and `_method%00x` count
+/// too. A value with a comma names its whole and each of its
+/// comma-separated items: Express's and Koa's method-override take the
+/// first item of `DELETE, GET`, another reader the whole. Read lazily: a
+/// value of many items is never held as many strings.
 pub fn override_values<'a>(
     headers: &'a http::HeaderMap,
     target: &'a str,
 ) -> impl Iterator<Item = std::borrow::Cow<'a, str>> + 'a {
-    use std::borrow::Cow;
     let from_headers = METHOD_OVERRIDES
         .iter()
         .flat_map(|name| headers.get_all(name))
@@ -245,22 +248,54 @@ pub fn override_values<'a>(
     let from_query = form_urlencoded::parse(query.as_bytes())
         .filter(|(k, _)| is_method_key(k))
         .map(|(_, v)| v);
-    from_headers.chain(from_query).flat_map(|v| match v {
-        Cow::Borrowed(b) => readings(b).map(Cow::Borrowed).collect::<Vec<_>>(),
-        Cow::Owned(o) => readings(&o).map(|r| Cow::Owned(r.to_owned())).collect(),
-    })
+    from_headers
+        .chain(from_query)
+        .flat_map(|value| Readings { value, at: None })
 }
 
-/// An override value, trimmed, then each of its comma-separated items
-/// (trimmed, none empty) if it has a comma.
-fn readings(value: &str) -> impl Iterator<Item = &str> {
-    let whole = value.trim();
-    let items = whole
-        .contains(',')
-        .then(|| whole.split(',').map(str::trim).filter(|i| !i.is_empty()))
-        .into_iter()
-        .flatten();
-    std::iter::once(whole).chain(items)
+/// An override value's readings ([`override_values`]): the whole, then,
+/// if it has a comma, each item that is not empty.
+struct Readings<'a> {
+    value: std::borrow::Cow<'a, str>,
+    /// Where the next item starts; `None` before the whole.
+    at: Option<usize>,
+}
+
+impl<'a> Iterator for Readings<'a> {
+    type Item = std::borrow::Cow<'a, str>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        use std::borrow::Cow;
+        loop {
+            let text: &str = &self.value;
+            let (start, end, whole) = match self.at {
+                None => (0, text.len(), true),
+                Some(at) if at > text.len() => return None,
+                Some(at) => (
+                    at,
+                    text[at..].find(',').map_or(text.len(), |e| at + e),
+                    false,
+                ),
+            };
+            self.at = Some(match whole {
+                true if text.contains(',') => 0,
+                true => usize::MAX,
+                false => end + 1,
+            });
+            let piece = &text[start..end];
+            let visible = |c: char| !c.is_ascii_graphic();
+            let lead = piece.len() - piece.trim_start_matches(visible).len();
+            let kept = piece.trim_matches(visible).len();
+            if kept == 0 && !whole {
+                continue;
+            }
+            let (from, to) = (start + lead, start + lead + kept);
+            return Some(match &self.value {
+                Cow::Borrowed(b) => Cow::Borrowed(&b[from..to]),
+                Cow::Owned(o) => Cow::Owned(o[from..to].to_owned()),
+            });
+        }
+    }
 }
 
 /// Whether a query key is `_method` as PHP's `$_GET` reads it: up to its
@@ -453,6 +488,9 @@ mod tests {
                 "/x?_method=DELETE,%20GET",
                 vec!["DELETE, GET", "DELETE", "GET"],
             ),
+            // A byte that is not UTF-8 (Node's no-break space) at an end.
+            ("/x?_method=DELETE%A0", vec!["DELETE"]),
+            ("/x?_method=%0BDELETE%09,,", vec!["DELETE\t,,", "DELETE"]),
         ] {
             assert_eq!(
                 method_overrides("POST", &headers, target),
