@@ -922,15 +922,19 @@ fn sent(s: &SandboxRow) -> bool {
     if egress_api::gateway::sandbox_addresses(&addresses).is_err() {
         return false;
     }
-    let doc = SandboxDoc {
+    serde_json::to_string(&doc_of(s, addresses, policy)).is_ok_and(|line| line.len() <= MAX_BODY)
+}
+
+/// The contract's document of a sandbox row.
+fn doc_of(s: &SandboxRow, addresses: Vec<std::net::IpAddr>, policy: Policy) -> SandboxDoc {
+    SandboxDoc {
         id: s.id.clone(),
         addresses,
         policy,
         credentials: Vec::new(),
         upstream_proxy: None,
         shadow: None,
-    };
-    serde_json::to_string(&doc).is_ok_and(|line| line.len() <= MAX_BODY)
+    }
 }
 
 /// A sandbox row as one line of a streamed resync (the contract's
@@ -946,15 +950,7 @@ fn resync_line(s: &SandboxRow) -> Result<Option<String>, String> {
     if !taken(s, &addresses) {
         return Ok(None);
     }
-    let doc = SandboxDoc {
-        id: s.id.clone(),
-        addresses,
-        policy,
-        credentials: Vec::new(),
-        upstream_proxy: None,
-        shadow: None,
-    };
-    let line = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
+    let line = serde_json::to_string(&doc_of(s, addresses, policy)).map_err(|e| e.to_string())?;
     Ok(fits(s, line.len()).then_some(line))
 }
 

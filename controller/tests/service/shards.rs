@@ -579,16 +579,7 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
 #[tokio::test]
 async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
     let url = db!();
-    let api = api(&url, deployment(None, None)).await;
-    put(
-        &api,
-        "/v1/templates/base",
-        json!({"policy": {"default": "allow"}}),
-    )
-    .await;
-    let gw = FakeGateway::start().await;
-    register(&api, "w1", &gw, "100.64.31.0/24").await;
-    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.31.0/24").await;
     for _ in 0..2 {
         let (s, v) = e2b_create(api.addr).await;
         assert_eq!(s, 201, "{v}");
@@ -667,16 +658,7 @@ async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
 #[tokio::test]
 async fn a_refused_resync_does_not_hold_up_the_workers_pushes() {
     let url = db!();
-    let api = api(&url, deployment(None, None)).await;
-    put(
-        &api,
-        "/v1/templates/base",
-        json!({"policy": {"default": "allow"}}),
-    )
-    .await;
-    let gw = FakeGateway::start().await;
-    register(&api, "w1", &gw, "100.64.32.0/24").await;
-    let _d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/24").await;
     let (s, v) = e2b_create(api.addr).await;
     assert_eq!(s, 201, "{v}");
     let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
@@ -729,6 +711,25 @@ async fn a_refused_resync_does_not_hold_up_the_workers_pushes() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(taken(&gw), "{:?}", gw.events());
+}
+
+/// The API with an allow-all template, worker w1 (its addresses from
+/// `pool`) behind a fake gateway, and a dispatcher.
+async fn worker_behind_a_fake_gateway(
+    url: &str,
+    pool: &str,
+) -> (ApiProcess, FakeGateway, DispatcherTask) {
+    let api = api(url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let gw = FakeGateway::start().await;
+    register(&api, "w1", &gw, pool).await;
+    let d = dispatcher(url, deployment(None, None), limits(5, 60_000, 100)).await;
+    (api, gw, d)
 }
 
 async fn metric_until(d: &DispatcherTask, prefix: &str, want: impl Fn(f64) -> bool) {
