@@ -908,21 +908,44 @@ fn taken(s: &SandboxRow, addresses: &[std::net::IpAddr]) -> bool {
     let Err(why) = egress_api::gateway::sandbox_addresses(addresses) else {
         return true;
     };
-    tracing::warn!(sandbox = %s.id, %why, "a gateway refuses the sandbox's address: the gateway forgets the sandbox, and its traffic is denied");
+    say_refused(s, &why);
     false
 }
 
-/// Whether a gateway is sent the row, as [`resync_line`] decides, without
-/// its warnings: a policy that reads, addresses that parse and that a
-/// gateway takes, a document that fits.
-fn sent(s: &SandboxRow) -> bool {
-    let (Some(policy), Ok(addresses)) = (s.policy.clone(), addresses(s)) else {
-        return false;
-    };
-    if egress_api::gateway::sandbox_addresses(&addresses).is_err() {
-        return false;
+fn say_refused(s: &SandboxRow, why: &str) {
+    tracing::warn!(sandbox = %s.id, %why, "a gateway refuses the sandbox's address: the gateway forgets the sandbox, and its traffic is denied");
+}
+
+/// Why a sandbox row is not sent to its gateway ([`line_of`]).
+enum LeftOut {
+    /// Its stored policy does not read.
+    NoPolicy,
+    /// The contract cannot carry it (an address that does not parse).
+    Unsendable(String),
+    /// The gateway refuses an address ([`taken`]).
+    Refused(String),
+    /// Its document is larger than a gateway takes ([`fits`]).
+    TooLarge(usize),
+}
+
+/// A sandbox row as one line of a streamed resync (the contract's
+/// [`SandboxDoc`]), or why a gateway is not sent it: what [`resync_line`]
+/// sends and what the drift check expects a gateway to hold ([`sent`]).
+fn line_of(s: &SandboxRow) -> Result<String, LeftOut> {
+    let policy = s.policy.clone().ok_or(LeftOut::NoPolicy)?;
+    let addresses = addresses(s).map_err(LeftOut::Unsendable)?;
+    egress_api::gateway::sandbox_addresses(&addresses).map_err(LeftOut::Refused)?;
+    let line = serde_json::to_string(&doc_of(s, addresses, policy))
+        .map_err(|e| LeftOut::Unsendable(e.to_string()))?;
+    match line.len() <= MAX_BODY {
+        true => Ok(line),
+        false => Err(LeftOut::TooLarge(line.len())),
     }
-    serde_json::to_string(&doc_of(s, addresses, policy)).is_ok_and(|line| line.len() <= MAX_BODY)
+}
+
+/// Whether a gateway is sent the row ([`line_of`]), without a warning.
+fn sent(s: &SandboxRow) -> bool {
+    line_of(s).is_ok()
 }
 
 /// The contract's document of a sandbox row.
@@ -937,21 +960,28 @@ fn doc_of(s: &SandboxRow, addresses: Vec<std::net::IpAddr>, policy: Policy) -> S
     }
 }
 
-/// A sandbox row as one line of a streamed resync (the contract's
-/// [`SandboxDoc`]); `None` for one too large for a gateway or without a
-/// policy (one stored that no longer reads), left out as [`put_body`]
-/// forgets it (the gateway does not know it: its traffic is denied).
+/// A sandbox row as one line of a streamed resync ([`line_of`]); `None`,
+/// said here, for one too large for a gateway, at an address a gateway
+/// refuses or without a policy (one stored that no longer reads), left out
+/// as [`put_body`] forgets it (the gateway does not know it: its traffic
+/// is denied).
 fn resync_line(s: &SandboxRow) -> Result<Option<String>, String> {
-    let Some(policy) = s.policy.clone() else {
-        tracing::warn!(sandbox = %s.id, "the sandbox has no policy that reads: left out of the resync, its traffic is denied");
-        return Ok(None);
-    };
-    let addresses = addresses(s)?;
-    if !taken(s, &addresses) {
-        return Ok(None);
+    match line_of(s) {
+        Ok(line) => Ok(Some(line)),
+        Err(LeftOut::Unsendable(e)) => Err(e),
+        Err(LeftOut::NoPolicy) => {
+            tracing::warn!(sandbox = %s.id, "the sandbox has no policy that reads: left out of the resync, its traffic is denied");
+            Ok(None)
+        }
+        Err(LeftOut::Refused(why)) => {
+            say_refused(s, &why);
+            Ok(None)
+        }
+        Err(LeftOut::TooLarge(bytes)) => {
+            let _said = fits(s, bytes);
+            Ok(None)
+        }
     }
-    let line = serde_json::to_string(&doc_of(s, addresses, policy)).map_err(|e| e.to_string())?;
-    Ok(fits(s, line.len()).then_some(line))
 }
 
 fn addresses(s: &SandboxRow) -> Result<Vec<std::net::IpAddr>, String> {

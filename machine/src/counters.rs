@@ -92,33 +92,32 @@ pub fn request(table: &str, seq: u32) -> Vec<u8> {
 /// The dump request for the rules of chain `chain` of the `inet` table
 /// `table`: the kernel filters them by both names.
 pub fn rule_request(table: &str, chain: &str, seq: u32) -> Vec<u8> {
-    let mut attrs = Vec::new();
-    for (kind, name) in [(RULE_TABLE, table), (RULE_CHAIN, chain)] {
-        let mut name = name.as_bytes().to_vec();
-        name.push(0);
-        attr(&mut attrs, kind, &name);
-    }
-    netlink::request(
-        SUBSYS_NFTABLES | MSG_GETRULE,
-        NLM_F_REQUEST | NLM_F_DUMP,
+    rule_dump(
+        NFPROTO_INET,
+        &[(RULE_TABLE, table), (RULE_CHAIN, chain)],
         seq,
-        [NFPROTO_INET, 0, 0, 0],
-        &attrs,
     )
 }
 
 /// The dump request for every rule of the `netdev` table `table` (the
 /// links' table): the kernel filters them by the table's name.
 pub fn link_rule_request(table: &str, seq: u32) -> Vec<u8> {
+    rule_dump(NFPROTO_NETDEV, &[(RULE_TABLE, table)], seq)
+}
+
+/// A rule dump request of `family`, filtered by the named attributes.
+fn rule_dump(family: u8, names: &[(u16, &str)], seq: u32) -> Vec<u8> {
     let mut attrs = Vec::new();
-    let mut name = table.as_bytes().to_vec();
-    name.push(0);
-    attr(&mut attrs, RULE_TABLE, &name);
+    for (kind, name) in names {
+        let mut name = name.as_bytes().to_vec();
+        name.push(0);
+        attr(&mut attrs, *kind, &name);
+    }
     netlink::request(
         SUBSYS_NFTABLES | MSG_GETRULE,
         NLM_F_REQUEST | NLM_F_DUMP,
         seq,
-        [NFPROTO_NETDEV, 0, 0, 0],
+        [family, 0, 0, 0],
         &attrs,
     )
 }
