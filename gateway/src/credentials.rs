@@ -22,6 +22,8 @@
 //!   a value: nothing verifies its host, and the value would travel in clear.
 //! - `require`: a request to the hosts without the placeholder is refused
 //!   `credential_required`, so the sandbox cannot use a key of its own there.
+//! - An answer to a request that carried a value has the value replaced by
+//!   its placeholder wherever the origin sent it back ([`Carried`]).
 //! - The value never appears in logs, metrics, errors or explain output:
 //!   [`Secret`] has no `Debug` or `Display` that shows it.
 
@@ -245,6 +247,9 @@ pub enum Refusal {
     Unavailable,
     /// With the values in, the head would pass `limits.max_request_head`.
     TooLarge,
+    /// The answer to a request that carried a value came in a coding the
+    /// gateway cannot read for it (`gzip`, …): not passed on.
+    ResponseEncoded,
 }
 
 impl Refusal {
@@ -253,6 +258,7 @@ impl Refusal {
         "credential_required",
         "credential_unavailable",
         "credential_head_too_large",
+        "credential_response_encoded",
     ];
 
     pub fn code(self) -> &'static str {
@@ -261,6 +267,7 @@ impl Refusal {
             Self::Required => "credential_required",
             Self::Unavailable => "credential_unavailable",
             Self::TooLarge => "credential_head_too_large",
+            Self::ResponseEncoded => "credential_response_encoded",
         }
     }
 }
@@ -272,10 +279,12 @@ pub struct Refused {
     pub index: usize,
 }
 
-/// What [`apply`] did: how many values went in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What [`apply`] did: how many values went in, and which (to be looked
+/// for in the answer).
+#[derive(Clone, Debug, Default)]
 pub struct Applied {
     pub injected: usize,
+    pub carried: Option<Carried>,
 }
 
 /// The names a request is for, as far as the gateway knows them.
@@ -314,12 +323,19 @@ pub fn apply(
             index,
         });
     }
-    let mut applied = Applied::default();
-    for (c, secret, absent, _) in plan {
-        inject(headers, c, &secret, absent);
-        applied.injected += 1;
+    for (c, secret, absent, _) in &plan {
+        inject(headers, c, secret, *absent);
     }
-    Ok(applied)
+    let first = plan.first().map_or(0, |p| p.3);
+    let carried = Carried::new(
+        plan.iter()
+            .map(|(c, secret, ..)| (secret, c.placeholder.as_str())),
+        first,
+    );
+    Ok(Applied {
+        injected: plan.len(),
+        carried,
+    })
 }
 
 /// The credentials for a verified name, with their index in `list`; a
@@ -570,6 +586,9 @@ fn replace_bytes(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
     }
     out
 }
+
+mod reflect;
+pub use reflect::Carried;
 
 #[cfg(test)]
 mod tests;

@@ -86,6 +86,8 @@ pub(crate) struct Metrics {
     pub(crate) requests_would_deny: Family<CodeLabels, Counter>,
     /// Credential values put in place of a placeholder.
     pub(crate) credentials_injected: Counter,
+    /// Credential values an origin sent back, replaced by their placeholder.
+    pub(crate) credentials_reflected: Counter,
     /// Spliced flows, by who moved their bytes (`SplicePath as usize`):
     /// made once, so an ended flow never looks up its label.
     spliced: [Counter; 3],
@@ -198,6 +200,7 @@ impl Metrics {
             requests_denied: Family::default(),
             requests_would_deny: Family::default(),
             credentials_injected: Counter::default(),
+            credentials_reflected: Counter::default(),
             spliced: Default::default(),
             accepted: Family::default(),
             ca_reloads: Family::default(),
@@ -306,7 +309,7 @@ impl Metrics {
     }
 
     /// `requests_denied{code}` and `requests_would_deny{code}` (every code at
-    /// zero from the start) and `credentials_injected`.
+    /// zero from the start), `credentials_injected` and `credentials_reflected`.
     fn register_requests(&mut self) {
         let r = &mut self.registry;
         r.register(
@@ -323,6 +326,11 @@ impl Metrics {
             "credentials_injected",
             "Host-bound credential values put in place of a placeholder (or added) on requests to their hosts",
             self.credentials_injected.clone(),
+        );
+        r.register(
+            "credentials_reflected",
+            "Host-bound credential values an origin sent back in an answer, replaced by their placeholder before the sandbox saw them",
+            self.credentials_reflected.clone(),
         );
         for code in egress_policy::RequestCode::CODES
             .iter()

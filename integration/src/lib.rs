@@ -454,7 +454,8 @@ pub async fn serve_http(addr: SocketAddr) -> std::io::Result<()> {
 /// `/bytes/N`, `/echo` (the request body back), `/slow` (answers after 2 s;
 /// `/slow/N`: after N seconds, at most 30), `/hold` (answers once
 /// `GET /_release` was asked, or after 120 s),
-/// `/ws` (an upgrade that echoes), anything else: a line naming the request
+/// `/ws` (an upgrade that echoes), `/reflect` and `/reflect-gzip` (see
+/// [`reflect`]), anything else: a line naming the request
 /// and the `Host` headers and authority it arrived with.
 async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();
@@ -486,6 +487,7 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
         return answer;
     }
     match path.as_str() {
+        "/reflect" | "/reflect-gzip" => reflect(&req, path == "/reflect-gzip"),
         "/echo" => {
             let body = req
                 .into_body()
@@ -500,6 +502,30 @@ async fn respond(mut req: hyper::Request<hyper::body::Incoming>) -> hyper::Respo
             req.method()
         )))),
     }
+}
+
+/// An origin that sends a request's headers back, as some do: `Origin` in
+/// `access-control-allow-origin` (a CORS echo), every header in the body
+/// (an echo service). `gzip`: the answer says it is gzip (it is not).
+fn reflect(
+    req: &hyper::Request<hyper::body::Incoming>,
+    gzip: bool,
+) -> hyper::Response<Full<Bytes>> {
+    let mut body = String::new();
+    for (name, value) in req.headers() {
+        body.push_str(&format!(
+            "{name}: {}\n",
+            String::from_utf8_lossy(value.as_bytes())
+        ));
+    }
+    let mut resp = hyper::Response::builder().header("content-length", body.len());
+    if let Some(origin) = req.headers().get("origin") {
+        resp = resp.header("access-control-allow-origin", origin);
+    }
+    if gzip {
+        resp = resp.header("content-encoding", "gzip");
+    }
+    resp.body(Full::new(Bytes::from(body))).expect("response")
 }
 
 /// The tests' own paths: `/_counts`, `/_dns_counts`, `/_seen`, `/_release`.

@@ -175,7 +175,13 @@ impl Conn {
             Err(denial) => return refused_after_body(req, denial).await,
         };
         self.opening(sb, &req, (host, &lookup));
-        self.forwarded(sb, req, host, &authority, charge).await
+        let carried = req.extensions_mut().remove::<credentials::Carried>();
+        let method = req.method().clone();
+        let resp = self.forwarded(sb, req, host, &authority, charge).await;
+        match carried {
+            Some(carried) => self.unreflected(sb, resp, (&carried, &method), rec),
+            None => resp,
+        }
     }
 
     /// A DoH request, admitted as DNS from the sandbox's own address.
@@ -493,7 +499,48 @@ impl Conn {
             .metrics
             .credentials_injected
             .inc_by(applied.injected as u64);
+        if let Some(carried) = applied.carried {
+            credentials::Carried::request(req.headers_mut());
+            req.extensions_mut().insert(carried);
+        }
         Ok(())
+    }
+
+    /// The answer to a request that carried credential values, each value
+    /// the origin sent back in place of its placeholder (counted); one in a
+    /// coding the gateway cannot read for them is refused `502`.
+    fn unreflected(
+        &self,
+        sb: &Sandbox,
+        resp: Response<Body>,
+        (carried, method): (&credentials::Carried, &http::Method),
+        rec: &mut RequestRecord,
+    ) -> Response<Body> {
+        let (mut parts, body) = resp.into_parts();
+        if let Some(coding) = credentials::Carried::encoded(&parts.headers) {
+            let refused = credentials::Refused {
+                why: credentials::Refusal::ResponseEncoded,
+                index: carried.index,
+            };
+            let mut denial =
+                self.credential_refused(&sb.credentials, refused, method.as_str(), rec);
+            denial.detail = format!("{} ({coding:?})", denial.detail);
+            return denial.response();
+        }
+        let found = &self.dp.metrics.credentials_reflected;
+        found.inc_by(carried.headers(&mut parts.headers) as u64);
+        let bodiless = *method == http::Method::HEAD
+            || parts.status.is_informational()
+            || matches!(
+                parts.status,
+                StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+            );
+        if bodiless {
+            return Response::from_parts(parts, body);
+        }
+        // The values and their placeholders differ in length.
+        parts.headers.remove(header::CONTENT_LENGTH);
+        Response::from_parts(parts, carried.body(body, found.clone()))
     }
 
     /// A request refused for a credential, counted: `403`, or `503` when
@@ -525,10 +572,14 @@ impl Conn {
             credentials::Refusal::TooLarge => {
                 format!("with credential {name:?}'s value in, the request head would pass limits.max_request_head")
             }
+            credentials::Refusal::ResponseEncoded => {
+                format!("the origin's answer to a request carrying credential {name:?}'s value is in a coding the gateway cannot read for the value")
+            }
         };
         let status = match refused.why {
             credentials::Refusal::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             credentials::Refusal::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            credentials::Refusal::ResponseEncoded => StatusCode::BAD_GATEWAY,
             _ => StatusCode::FORBIDDEN,
         };
         Denial {

@@ -506,3 +506,79 @@ fn credentials_reach_only_their_hosts_and_never_show() {
         }
     }
 }
+
+#[test]
+fn a_value_an_origin_sends_back_reaches_the_sandbox_as_its_placeholder() {
+    let t = topology!();
+    let value = "s3cr3t/Value+0123456789-abcdef";
+    let secret = t.path("api-token");
+    std::fs::write(&secret, value).expect("secret");
+    // `replace: "headers"`: the sandbox chooses the header the value goes
+    // in, and the origin sends `Origin` back, and every header in its body.
+    let doc = format!(
+        r#"{{"addresses": ["{SB1_IP}", "{SB1_IP6}"],
+            "policy": {{"default": "deny", "tls_interception": "on",
+                "allow": [{{"ip": "8.8.8.8"}}, {{"domain": "api.example.test"}}]}},
+            "credentials": [{{"name": "api", "placeholder": "EGRESS_PH_API_0001", "hosts": ["api.example.test"],
+                "inject": {{"replace": "headers"}}, "source": {{"file": "{}"}}}}]}}"#,
+        secret.display()
+    );
+    let (status, body) = t.admin("PUT", "/v1/sandboxes/sb1", Some(&doc));
+    assert!(status == 200 || status == 201, "{status} {body}");
+    for h2 in [false, true] {
+        let a = request(
+            &t,
+            "GET",
+            "https://api.example.test/reflect",
+            h2,
+            &[
+                "-H",
+                "origin: EGRESS_PH_API_0001",
+                "-H",
+                "accept-encoding: gzip",
+                "-H",
+                "range: bytes=0-9",
+            ],
+        );
+        assert_eq!(a.status, 200, "{a:?}");
+        let text = a.text.to_lowercase();
+        assert!(!a.text.contains(value), "{a:?}");
+        assert!(
+            text.contains("access-control-allow-origin: egress_ph_api_0001"),
+            "{a:?}"
+        );
+        // The origin got the value (it is what it sent back), in plain
+        // encoding and whole.
+        assert!(text.contains("origin: egress_ph_api_0001\n"), "{a:?}");
+        assert!(text.contains("accept-encoding: identity\n"), "{a:?}");
+        assert!(!text.contains("range:"), "{a:?}");
+        // An answer the gateway cannot read for the value is not passed on.
+        let a = request(
+            &t,
+            "GET",
+            "https://api.example.test/reflect-gzip",
+            h2,
+            &["-H", "origin: EGRESS_PH_API_0001"],
+        );
+        assert_eq!(a.status, 502, "{a:?}");
+        assert_eq!(
+            a.denied().as_deref(),
+            Some("credential_response_encoded; rule=0"),
+            "{a:?}"
+        );
+        assert!(!a.text.contains(value), "{a:?}");
+    }
+    let seen = seen_by_origins(&t);
+    assert_eq!(
+        seen.iter().filter(|l| l.contains("/reflect")).count(),
+        4,
+        "{seen:?}"
+    );
+    let (_, metrics) = t.admin("GET", "/metrics", None);
+    let reflected = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("egress_credentials_reflected_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    // Per answer: the header, and `origin` in the body.
+    assert_eq!(reflected, Some(4), "{metrics}");
+}
