@@ -450,7 +450,15 @@ fn client_hello(buf: &[u8]) -> Result<Option<(ClientHello, usize)>, PeekError> {
         }
         let msg: &[u8] = if first { payload } else { &handshake };
         match hello_length(msg)? {
-            Some(total) if msg.len() >= total => {
+            // A message after the ClientHello in its record (a second hello
+            // for after a retry request, say) would go to the server unread:
+            // TLS 1.3 ends a ClientHello at a record boundary.
+            Some(total) if msg.len() > total => {
+                return Err(PeekError::Malformed(
+                    "bytes after the ClientHello in its record",
+                ))
+            }
+            Some(total) if msg.len() == total => {
                 return parse_client_hello(&msg[..total]).map(|hello| Some((hello, off)))
             }
             Some(total) if first => {

@@ -225,6 +225,42 @@ async fn hello_without_sni_and_malformed_hellos() {
     ));
 }
 
+/// A second hello, or any byte, after the ClientHello in its record would go
+/// to the server unread (a hello for after a retry request the gateway
+/// waits for in vain): malformed, in one record or at the end of many, and
+/// for the second hello too.
+#[tokio::test]
+async fn bytes_after_the_hello_in_its_record_are_malformed() {
+    let first = hello(Some("allowed.test"), &[], 0, false);
+    let second = hello(Some("denied.test"), &[], 0, false);
+    let malformed = Err(PeekError::Malformed(
+        "bytes after the ClientHello in its record",
+    ));
+    for fragment in [16_384, 40] {
+        let both = records(&[first.clone(), second.clone()].concat(), fragment);
+        assert_eq!(run(both, 100).await.map(|x| x.0), malformed, "{fragment}");
+        let one_more = records(&[first.clone(), vec![0]].concat(), fragment);
+        assert_eq!(
+            run(one_more, 100).await.map(|x| x.0),
+            malformed,
+            "{fragment}"
+        );
+        // The same hello ending at its record's end is read.
+        let alone = records(&first, fragment);
+        assert_eq!(
+            run(alone, 100).await.map(|x| x.0),
+            Ok(tls(Some("allowed.test")))
+        );
+    }
+    let again = records(&[second.clone(), vec![1, 0, 0, 0]].concat(), 16_384);
+    assert_eq!(
+        crate::peek::second_client_hello(&again).map(|h| h.is_some()),
+        Err(PeekError::Malformed(
+            "bytes after the ClientHello in its record"
+        ))
+    );
+}
+
 /// A warning alert (or any other record) before the hello: a server may
 /// drop it and take the hello after it, so the stream is no opaque one.
 #[tokio::test]
