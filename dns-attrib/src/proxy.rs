@@ -36,7 +36,7 @@ use crate::budget::{BudgetLimits, Budgets, Crossing};
 use crate::cache::AttributionCache;
 use crate::chain::attribution;
 use crate::gate::{gate, Gate};
-use crate::held::{fair_share, Held, Holds};
+use crate::held::{share_with_reserve, Held, Holds};
 use crate::metrics::DnsMetrics;
 use crate::svcb::strip_ech;
 
@@ -339,7 +339,9 @@ impl DnsProxy {
             // One source may not hold every connection the listener has, nor
             // a few sources together: each its share, at most 16.
             let total = self.config.max_tcp_connections;
-            let share = |holding| fair_share(total, holding, 2).min(MAX_TCP_PER_SOURCE);
+            let used = total.saturating_sub(connections.available_permits());
+            let share =
+                |holding| share_with_reserve(total, used, holding, 2, 2).min(MAX_TCP_PER_SOURCE);
             let Some(mine) = Held::take(&per_source, src.ip().to_canonical(), share) else {
                 self.metrics.overloaded.inc();
                 drop(stream);
@@ -470,12 +472,16 @@ impl DnsProxy {
 
     /// Queries one sandbox may have being resolved at once: the configured
     /// bound, or under contention the sandbox's fair share of the proxy's
-    /// (never below [`MIN_SHARE`]): a few sandboxes at their bound could
+    /// (never below [`MIN_SHARE`]), and in the last eighth no more than
+    /// [`MIN_SHARE`] ([`share_with_reserve`]): a few sandboxes at their bound could
     /// otherwise take every place and leave the others' queries none. A
     /// sandbox over its share keeps what it holds and takes no more until
     /// it is under it. `holding`: the sandboxes with queries in flight.
     fn fair_share(&self, holding: usize) -> usize {
-        let share = fair_share(self.config.max_in_flight, holding, MIN_SHARE);
+        let total = self.config.max_in_flight;
+        // The query's own place is taken already.
+        let used = total.saturating_sub(self.in_flight.available_permits());
+        let share = share_with_reserve(total, used, holding, MIN_SHARE, MIN_SHARE);
         self.config.max_in_flight_per_sandbox.min(share)
     }
 

@@ -292,6 +292,8 @@ const NO_DNS: &str = "127.0.0.4";
 const RESOLVER: &str = "8.8.8.8:53";
 
 const SANDBOX_C: &str = "127.0.0.5";
+/// `127.0.1.N`: sandbox `fN`, as A.
+const FLEET: &str = "127.0.1.";
 
 /// Budgets no test of the cache's own bounds reaches (they flood one sandbox).
 const NO_BUDGET: BudgetLimits = BudgetLimits {
@@ -339,7 +341,11 @@ impl QueryAdmission for Sandboxes {
             SANDBOX_B => Admit::Allowed(SandboxId::new("b"), self.open.clone()),
             SANDBOX_C => Admit::Allowed(SandboxId::new("c"), self.c.clone()),
             NO_DNS => Admit::Refused(SandboxId::new("nodns")),
-            _ => Admit::Unknown,
+            // A fleet of sandboxes like A.
+            other => match other.strip_prefix(FLEET) {
+                Some(n) => Admit::Allowed(SandboxId::new(&format!("f{n}")), self.open.clone()),
+                None => Admit::Unknown,
+            },
         };
         match admit {
             Admit::Allowed(id, _) if self.deleted.lock().expect("lock").contains(&id) => {
@@ -1131,6 +1137,44 @@ async fn one_sandbox_cannot_take_every_place_in_flight() {
     );
     let a_refused = h.proxy.metrics().overloaded.get();
     assert_eq!(a_refused, 6, "A held its share, half the places");
+    drop(waiting);
+}
+
+/// Sandboxes that filled their shares one after another leave the last
+/// eighth of the places to those holding little: five at their shares
+/// (which without the reserve fill the proxy's 64) leave the sixth's query
+/// room.
+#[tokio::test(start_paused = true)]
+async fn a_few_sandboxes_at_their_shares_leave_room_for_the_next() {
+    let (silent_addr, _sock) = silent().await;
+    let h = harness(
+        move |pc, _| {
+            pc.upstreams = vec![silent_addr];
+            pc.upstream_timeout = Duration::from_millis(1_500);
+            pc.max_in_flight = 64;
+            pc.max_in_flight_per_sandbox = 16;
+        },
+        false,
+    )
+    .await;
+    let q = |n: String| query(&n, RecordType::A, None);
+    let mut waiting = Vec::new();
+    for n in 1..=5 {
+        let src = format!("{FLEET}{n}");
+        for i in 0..16 {
+            waiting.push(udp_send(&h, &src, &q(format!("f{n}-{i}.flood.test."))).await);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let next = udp_send(&h, &format!("{FLEET}6"), &q("next.flood.test.".into())).await;
+    let got = udp_answer(&next, Duration::from_millis(500)).await;
+    assert!(
+        got.is_none(),
+        "the sixth sandbox's query was refused at once: {:?}",
+        got.map(|m| m.metadata.response_code)
+    );
+    // Of the 80 sent, fewer than 64 held: the last places were left.
+    assert!(h.proxy.metrics().overloaded.get() > 80 - 64);
     drop(waiting);
 }
 
