@@ -80,7 +80,15 @@ struct SandboxBudget {
     /// Whether the last check of each budget failed ([`Over`] as index):
     /// a crossing is logged once, not once per query.
     over: [bool; 2],
+    /// When each budget's crossing was last reported: a sandbox that asks
+    /// at twice its budget crosses it at every other query, and is
+    /// reported once in [`REPORT_EVERY`].
+    reported: [Option<Millis>; 2],
 }
+
+/// The least time between two reports of one sandbox's crossings of one
+/// budget.
+const REPORT_EVERY: u64 = 60_000;
 
 /// A token bucket, in [`UNITS`].
 struct Bucket {
@@ -148,7 +156,7 @@ impl Budgets {
         let capacity = u64::from(limits.qps) * UNITS;
         self.with(sandbox, limits, now, |b| {
             let room = b.queries.take(capacity, per_ms, now);
-            b.verdict(room, Over::Queries)
+            b.verdict(room, Over::Queries, now)
         })
     }
 
@@ -185,7 +193,7 @@ impl Budgets {
             if room {
                 b.remember(fp);
             }
-            b.verdict(room, Over::NewNames)
+            b.verdict(room, Over::NewNames, now)
         })
     }
 
@@ -224,7 +232,7 @@ impl Budgets {
 }
 
 /// A query over budget, and whether it is the first since the sandbox was
-/// last within it (the proxy logs those).
+/// last within it, and the first such in a minute (the proxy logs those).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Crossing {
     pub(crate) over: Over,
@@ -250,18 +258,23 @@ impl SandboxBudget {
             },
             seen: Box::new([0; SEEN_SLOTS]),
             over: [false; 2],
+            reported: [None; 2],
         }
     }
 
-    fn verdict(&mut self, room: bool, over: Over) -> Result<(), Crossing> {
+    fn verdict(&mut self, room: bool, over: Over, now: Millis) -> Result<(), Crossing> {
         let flag = &mut self.over[over as usize];
-        let first = !*flag;
+        let crossed = !*flag;
         *flag = !room;
         if room {
-            Ok(())
-        } else {
-            Err(Crossing { over, first })
+            return Ok(());
         }
+        let last = &mut self.reported[over as usize];
+        let first = crossed && last.is_none_or(|at| now.0.saturating_sub(at.0) >= REPORT_EVERY);
+        if first {
+            *last = Some(now);
+        }
+        Err(Crossing { over, first })
     }
 
     fn bucket(fp: u32) -> std::ops::Range<usize> {

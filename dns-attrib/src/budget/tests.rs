@@ -39,7 +39,15 @@ fn queries_per_second_refill_on_the_clock() {
     // 10 per second: one token every 100 ms.
     assert!(b.query(&a, LIMITS, Millis(1_099)).is_err());
     assert!(b.query(&a, LIMITS, Millis(1_100)).is_ok());
-    assert!(b.query(&a, LIMITS, Millis(1_100)).is_err());
+    let crossed = b.query(&a, LIMITS, Millis(1_100)).expect_err("over again");
+    assert!(
+        !crossed.first,
+        "a crossing within the minute is not reported"
+    );
+    // A minute after the last report, the next crossing is.
+    assert!(b.query(&a, LIMITS, Millis(61_000)).is_ok());
+    let crossed = (0..10).find_map(|_| b.query(&a, LIMITS, Millis(61_000)).err());
+    assert!(crossed.expect("over at once").first, "reported again");
     // A long pause refills to the burst, never past it.
     let later = Millis(1_000_000);
     for _ in 0..10 {
