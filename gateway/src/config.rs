@@ -416,7 +416,8 @@ impl Default for Dns {
             min_ttl: Duration::from_secs(30),
             max_ttl: Duration::from_secs(24 * 3600),
             upstream_timeout: Duration::from_secs(2),
-            max_sandboxes: 16_384,
+            // As many as `limits.max_sandboxes` registers.
+            max_sandboxes: 65_536,
             budget_qps: 500,
             budget_new_names_per_minute: 1_000,
             budget_max_qps: 5_000,

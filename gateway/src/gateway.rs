@@ -938,6 +938,14 @@ fn attribution(
     registry: &Arc<Registry>,
     clock: Arc<dyn Clock>,
 ) -> (Arc<AttributionCache>, Arc<DnsProxy>) {
+    let (dns, registered) = (config.dns.max_sandboxes, config.limits.max_sandboxes);
+    if dns < registered {
+        tracing::warn!(
+            dns_max_sandboxes = dns,
+            limits_max_sandboxes = registered,
+            "dns.max_sandboxes is below limits.max_sandboxes: past it a sandbox's DNS attributes nothing (its name allows fail closed), and the least recently active sandboxes' DNS budgets start over full"
+        );
+    }
     let cache = Arc::new(AttributionCache::new(
         CacheConfig {
             min_ttl: config.dns.min_ttl,

@@ -103,7 +103,7 @@ fn a_restart_with_pushed_state_does_not_say_none_are_registered() {
     std::fs::write(
         &config,
         format!(
-            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n",
+            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n[dns]\nmax_sandboxes = 1000\n",
             state.display()
         ),
     )
@@ -137,6 +137,12 @@ fn a_restart_with_pushed_state_does_not_say_none_are_registered() {
         "{log}"
     );
     assert!(!log.contains("no sandboxes are registered yet"), "{log}");
+    // Fewer DNS tables than sandboxes it registers: said at start.
+    assert!(
+        log.contains("dns.max_sandboxes is below limits.max_sandboxes")
+            && log.contains("dns_max_sandboxes=1000"),
+        "{log}"
+    );
 }
 
 #[test]
