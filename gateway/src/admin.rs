@@ -409,11 +409,11 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         .into_iter()
         .map(|d| persist::prepare(d, &ctl.dp.registry))
         .collect();
+    // The evidence went as the commit thread applied the resync.
     let forget = |dp: &Dataplane, outcome: &Outcome| {
         if outcome.is_ok() {
             let registry = &dp.registry;
             dp.proposed.retain(|id| registry.get(id).is_some());
-            dp.cache.retain_sandboxes(|id| registry.get(id).is_some());
         }
     };
     match submit_then(ctl, Change::Replace(prepared), forget).await {
@@ -428,10 +428,10 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
 async fn delete(ctl: &Control, id: &str) -> Reply {
     let sid = SandboxId::new(id);
     let gone = sid.clone();
-    // Missing too: a delete applied before its first caller went away.
+    // Missing too: a delete applied before its first caller went away. The
+    // evidence went as the commit thread applied it.
     let forget = move |dp: &Dataplane, outcome: &Outcome| {
         if matches!(outcome, Ok(()) | Err(NotApplied::Missing)) {
-            dp.cache.remove_sandbox(&gone);
             dp.proposed.forget(&gone);
         }
     };

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dns_attrib::AttributionCache;
 use egress_policy::SandboxId;
 use tokio::sync::{mpsc, oneshot};
 
@@ -88,7 +89,7 @@ impl Committer {
     /// Starts the commit thread; `seq` is the last sequence number applied
     /// (the snapshot's, or the journal's last record).
     pub(crate) fn start(
-        registry: Arc<Registry>,
+        (registry, cache): (Arc<Registry>, Arc<AttributionCache>),
         state_dir: PathBuf,
         journal: Journal,
         seq: u64,
@@ -97,6 +98,7 @@ impl Committer {
         let generation = Arc::new(AtomicU64::new(seq));
         let worker = Worker {
             registry,
+            cache: Some(cache),
             state_dir,
             journal,
             generation: generation.clone(),
@@ -153,6 +155,11 @@ impl Committer {
 
 struct Worker {
     registry: Arc<Registry>,
+    /// The DNS evidence, forgotten for a sandbox as it is removed: before
+    /// the next change applies (a sandbox registered again under its id in
+    /// the same batch would otherwise be judged on the removed one's
+    /// evidence until the batch is durable, then lose its own).
+    cache: Option<Arc<AttributionCache>>,
     state_dir: PathBuf,
     journal: Journal,
     generation: Arc<AtomicU64>,
@@ -235,6 +242,9 @@ impl Worker {
                 },
                 Change::Promote(id) => self.promote(id, &mut records),
                 Change::Delete(id) if self.registry.remove(id) => {
+                    if let Some(cache) = &self.cache {
+                        cache.remove_sandbox(id);
+                    }
                     records.push(journal::Change::Delete(id.to_string()));
                     Ok(())
                 }
@@ -344,7 +354,7 @@ impl Worker {
         let seq = self.generation.load(Ordering::Acquire) + 1;
         let outcome = match self.registry.replace_prepared(sandboxes) {
             Err(e) => Err(NotApplied::Refused(e)),
-            Ok(()) => match persist::save(&self.state_dir, &self.registry, seq) {
+            Ok(()) => match persist::save(&self.state_dir, self.forget_gone(), seq) {
                 Ok(bytes) => {
                     // The snapshot is the state now: the journal's records
                     // are at or below `seq`, skipped on replay whether or
@@ -368,6 +378,15 @@ impl Worker {
             },
         };
         let _ = job.reply.send(outcome);
+    }
+
+    /// Forgets the evidence of the sandboxes a resync removed, before the
+    /// next change applies (as for a delete); the registry, to be saved.
+    fn forget_gone(&self) -> &Registry {
+        if let Some(cache) = &self.cache {
+            cache.retain_sandboxes(|id| self.registry.get(id).is_some());
+        }
+        &self.registry
     }
 
     /// Whether the snapshot on disk (if any) is one from before `seq`: a

@@ -732,7 +732,7 @@ impl Gateway {
 fn recover(
     config: &Config,
     registry: &Arc<Registry>,
-    cache: &AttributionCache,
+    cache: &Arc<AttributionCache>,
     (attributed, since): (Vec<crate::handover::Attributed>, std::time::Duration),
 ) -> Result<crate::commit::Committer, StartError> {
     let (journal, seq, n) = crate::journal::recover(registry, &config.state_dir)?;
@@ -746,7 +746,7 @@ fn recover(
     registry.set_max(max);
     restore_attribution(cache, registry, attributed, since);
     Ok(crate::commit::Committer::start(
-        registry.clone(),
+        (registry.clone(), cache.clone()),
         config.state_dir.clone(),
         journal,
         seq,

@@ -26,6 +26,7 @@ fn worker(dir: &Path) -> Worker {
     let (journal, seq, _) = journal::recover(&registry, dir).expect("recover");
     Worker {
         registry,
+        cache: None,
         state_dir: dir.to_owned(),
         journal,
         generation: Arc::new(AtomicU64::new(seq)),
@@ -200,4 +201,40 @@ async fn a_seal_the_commit_thread_never_takes_fails_in_time() {
     .expect("the seal gives up within its time");
     let why = sealed.expect_err("not sealed");
     assert!(why.contains("did not seal"), "{why}");
+}
+
+/// A sandbox's DNS evidence goes as it is removed, before the next change
+/// of the batch applies: a sandbox registered again under its id is not
+/// judged on the removed one's evidence, nor loses its own afterwards. A
+/// resync that drops it forgets it too.
+#[test]
+fn a_removed_sandboxs_evidence_goes_before_the_next_change_applies() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    let cache = Arc::new(dns_attrib::AttributionCache::new(
+        dns_attrib::CacheConfig::default(),
+        dns_attrib::ManualClock::new(),
+    ));
+    w.cache = Some(cache.clone());
+    let (x, ip) = (SandboxId::new("x"), "203.0.113.7".parse().expect("ip"));
+    let evidence = || {
+        let name = egress_policy::Hostname::parse("api.test").expect("name");
+        assert!(cache.restore(&x, ip, &[(name, Duration::from_secs(60))]));
+    };
+    let names = || cache.names_for(&x, ip).names().len();
+    assert!(put(&mut w, "x", "100.64.0.2"));
+    evidence();
+    assert_eq!(names(), 1);
+    let (delete, deleted) = job(Change::Delete(x.clone()));
+    let again = sandbox(&w.registry, "x", "100.64.0.2");
+    let (put_again, put) = job(Change::Put(again));
+    w.commit(vec![delete, put_again]);
+    for mut answer in [deleted, put] {
+        assert!(answer.try_recv().expect("answered").is_ok());
+    }
+    assert_eq!(names(), 0, "the removed sandbox's evidence was left");
+    evidence();
+    let other = sandbox(&w.registry, "y", "100.64.0.3");
+    assert!(commit(&mut w, Change::Replace(vec![other])));
+    assert_eq!(names(), 0, "a resync left a dropped sandbox's evidence");
 }
