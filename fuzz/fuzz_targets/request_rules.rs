@@ -14,7 +14,9 @@
 //! - deny model: the judgement's `deny` is the enforced qualified deny with
 //!   the lowest index whose destination matches one of the names and which
 //!   covers the method (any case) and the normal path, both in lower case (a
-//!   deny's path is matched without regard to case); `ambiguous_path` when
+//!   deny's path is matched without regard to case; and the path with its
+//!   last segment cut at its first `.` past the first character, a Rails
+//!   format or Spring suffix, too); `ambiguous_path` when
 //!   the path has no normal form and that deny needs it. With no such deny
 //!   the judgement names no deny; and when the request passes, `would_deny`
 //!   is the same model with audited denies counted. The model reads the
@@ -39,7 +41,8 @@ const RULE_METHODS: &[&str] = &["GET", "POST", "DELETE"];
 const METHODS: &[&str] = &["GET", "POST", "DELETE", "get", "Delete", "PUT", "HEAD"];
 const PATTERN_SEGS: &[&str] = &["a", "b", "admin", "ADMIN", "*"];
 const SEGS: &[&str] = &[
-    "a", "b", "admin", "ADMIN", "Admin", "c~d", "*", ".", "", "a.b",
+    "a", "b", "admin", "ADMIN", "Admin", "c~d", "*", ".", "", "a.b", "admin.json", ".admin",
+    "Admin.", "b.c.d",
 ];
 
 #[derive(Arbitrary, Debug)]
@@ -115,16 +118,26 @@ impl Http {
     }
 
     /// The model: methods without regard to case; paths as prefixes of whole
-    /// segments, `*` any one segment, in lower case (a deny's rule).
+    /// segments, `*` any one segment, in lower case, of the path or of the
+    /// path with its last segment's format suffix (from a `.` past its
+    /// first character) taken off (a deny's rule).
     fn covers(&self, method: &str, path: &[String]) -> bool {
-        let prefix = |p: &Vec<&str>| {
+        let mut stem = path.to_vec();
+        if let Some(last) = stem.last_mut() {
+            if let Some(dot) = last.char_indices().skip(1).find(|(_, c)| *c == '.') {
+                last.truncate(dot.0);
+            }
+        }
+        let prefix = |path: &[String], p: &Vec<&str>| {
             p.len() <= path.len()
                 && p.iter()
                     .zip(path)
                     .all(|(s, seg)| *s == "*" || s.to_lowercase() == *seg)
         };
         let paths = self.paths();
-        self.covers_method(method) && (paths.is_empty() || paths.iter().any(prefix))
+        self.covers_method(method)
+            && (paths.is_empty()
+                || paths.iter().any(|p| prefix(path, p) || prefix(&stem, p)))
     }
 
     /// Methods without regard to case; a deny of `GET` covers `HEAD` too

@@ -151,6 +151,23 @@ impl Level {
         out.extend_from_slice(&self.no_path);
         self.paths.covering(segments, out);
     }
+
+    /// [`Self::covering`] for denies: the path, and the path with its last
+    /// segment cut at its first `.` past the first character. Rails routes
+    /// `/admin.json` to `/admin` (a format), and Spring's suffix pattern
+    /// matching `/admin.anything`, so a deny of `/admin` covers them.
+    fn covering_for_deny(&self, segments: &[&str], out: &mut Vec<RuleIdx>) {
+        self.covering(segments, out);
+        let Some((last, before)) = segments.split_last() else {
+            return;
+        };
+        let Some((dot, _)) = last.char_indices().skip(1).find(|(_, c)| *c == '.') else {
+            return;
+        };
+        let mut stem: Vec<&str> = before.to_vec();
+        stem.push(&last[..dot]);
+        self.paths.covering(&stem, out);
+    }
 }
 
 /// Path patterns by segment: a node holds the entries whose pattern ends
@@ -381,7 +398,7 @@ impl RequestRules {
             for level in self.deny.all(name) {
                 let (candidates, code) = match path.1 {
                     Some(segs) => {
-                        level.covering(segs, covering);
+                        level.covering_for_deny(segs, covering);
                         (&covering[..], RequestCode::HttpDeny)
                     }
                     None => (&level.rules[..], RequestCode::AmbiguousPath),

@@ -1104,6 +1104,50 @@ fn a_deny_of_get_covers_head() {
     );
 }
 
+/// A deny of `/admin` covers `/admin.json` and `/Admin.v2.xml` (Rails routes
+/// a format suffix to the path without it, Spring's suffix patterns any
+/// suffix), only in the last segment, and not from a leading `.`; an allow
+/// is read as written.
+#[test]
+fn a_deny_covers_its_path_with_a_format_suffix() {
+    let p = compile(
+        r#"{"allow": [{"domain": "api.test"}, {"domain": "ok.test", "http": {"paths": ["/gists"]}}],
+            "deny": [{"domain": "api.test", "http": {"paths": ["/admin", "/repos/*/keys"]}}],
+            "tls_interception": "on"}"#,
+    );
+    for target in [
+        "/admin.json",
+        "/Admin.v2.xml",
+        "/admin.",
+        "/admin.json?x=1",
+        "/repos/a/keys.json",
+        "/admin/users.json",
+    ] {
+        assert_eq!(
+            request(&p, "api.test", "GET", target),
+            denied("http_deny deny[0]"),
+            "{target}"
+        );
+    }
+    for target in [
+        "/.admin",
+        "/adminx.json",
+        "/admin.json.d/../",
+        "/v1.2/admin2",
+        "/repos/a.json/keys2",
+    ] {
+        assert_ne!(
+            request(&p, "api.test", "GET", target),
+            denied("http_deny deny[0]"),
+            "{target}"
+        );
+    }
+    assert_eq!(
+        request(&p, "ok.test", "GET", "/gists.json"),
+        denied("http_not_allowed allow[1]")
+    );
+}
+
 #[test]
 fn qualified_deny_cannot_be_dodged_by_the_path() {
     let p = compile(
