@@ -82,6 +82,16 @@ pub(crate) struct Committer {
     pub(crate) generation: Arc<AtomicU64>,
 }
 
+/// Whether `job` puts a sandbox `batch` deletes.
+fn deleted_in(batch: &[JobBox], job: &Job) -> bool {
+    let Change::Put(s) = &job.change else {
+        return false;
+    };
+    batch
+        .iter()
+        .any(|j| matches!(&j.change, Change::Delete(id) if *id == s.id))
+}
+
 /// A job, boxed so the channel's item stays small.
 type JobBox = Box<Job>;
 
@@ -155,10 +165,10 @@ impl Committer {
 
 struct Worker {
     registry: Arc<Registry>,
-    /// The DNS evidence, forgotten for a sandbox as it is removed: before
-    /// the next change applies (a sandbox registered again under its id in
-    /// the same batch would otherwise be judged on the removed one's
-    /// evidence until the batch is durable, then lose its own).
+    /// The DNS evidence, forgotten for a removed sandbox once its removal
+    /// is durable, before the next change applies: a sandbox registered
+    /// again under its id is not judged on the removed one's evidence, nor
+    /// loses its own afterwards; a removal rolled back keeps it.
     cache: Option<Arc<AttributionCache>>,
     state_dir: PathBuf,
     journal: Journal,
@@ -193,6 +203,13 @@ impl Worker {
             while batch.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(job) if matches!(job.change, Change::Replace(_) | Change::Seal) => {
+                        carry = Some(job);
+                        break;
+                    }
+                    // A sandbox registered again after a delete in this
+                    // batch waits for the next: its id's evidence goes once
+                    // the delete is durable, before it is registered.
+                    Ok(job) if deleted_in(&batch, &job) => {
                         carry = Some(job);
                         break;
                     }
@@ -242,9 +259,6 @@ impl Worker {
                 },
                 Change::Promote(id) => self.promote(id, &mut records),
                 Change::Delete(id) if self.registry.remove(id) => {
-                    if let Some(cache) = &self.cache {
-                        cache.remove_sandbox(id);
-                    }
                     records.push(journal::Change::Delete(id.to_string()));
                     Ok(())
                 }
@@ -272,6 +286,7 @@ impl Worker {
             } else {
                 self.generation
                     .fetch_add(records.len() as u64, Ordering::Release);
+                self.forget_deleted(&batch, &outcomes);
             }
         }
         for (job, outcome) in batch.into_iter().zip(outcomes) {
@@ -354,8 +369,9 @@ impl Worker {
         let seq = self.generation.load(Ordering::Acquire) + 1;
         let outcome = match self.registry.replace_prepared(sandboxes) {
             Err(e) => Err(NotApplied::Refused(e)),
-            Ok(()) => match persist::save(&self.state_dir, self.forget_gone(), seq) {
+            Ok(()) => match persist::save(&self.state_dir, &self.registry, seq) {
                 Ok(bytes) => {
+                    self.forget_gone();
                     // The snapshot is the state now: the journal's records
                     // are at or below `seq`, skipped on replay whether or
                     // not it is emptied.
@@ -380,13 +396,26 @@ impl Worker {
         let _ = job.reply.send(outcome);
     }
 
-    /// Forgets the evidence of the sandboxes a resync removed, before the
-    /// next change applies (as for a delete); the registry, to be saved.
-    fn forget_gone(&self) -> &Registry {
+    /// Forgets the DNS evidence of the sandboxes a durable resync removed,
+    /// before the next change applies.
+    fn forget_gone(&self) {
         if let Some(cache) = &self.cache {
             cache.retain_sandboxes(|id| self.registry.get(id).is_some());
         }
-        &self.registry
+    }
+
+    /// Forgets the DNS evidence of the sandboxes a durable batch deleted,
+    /// before the next change applies (a put of one of them waits for the
+    /// next batch).
+    fn forget_deleted(&self, batch: &[JobBox], outcomes: &[Outcome]) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        for (job, outcome) in batch.iter().zip(outcomes) {
+            if let (Change::Delete(id), Ok(())) = (&job.change, outcome) {
+                cache.remove_sandbox(id);
+            }
+        }
     }
 
     /// Whether the snapshot on disk (if any) is one from before `seq`: a

@@ -203,12 +203,13 @@ async fn a_seal_the_commit_thread_never_takes_fails_in_time() {
     assert!(why.contains("did not seal"), "{why}");
 }
 
-/// A sandbox's DNS evidence goes as it is removed, before the next change
-/// of the batch applies: a sandbox registered again under its id is not
-/// judged on the removed one's evidence, nor loses its own afterwards. A
-/// resync that drops it forgets it too.
+/// A sandbox's DNS evidence goes once its removal is durable, before the
+/// next change applies: a put of its id after its delete waits for the next
+/// batch, so a sandbox registered again is not judged on the removed one's
+/// evidence nor loses its own afterwards. A removal rolled back keeps it; a
+/// resync that drops the sandbox forgets it too.
 #[test]
-fn a_removed_sandboxs_evidence_goes_before_the_next_change_applies() {
+fn a_removed_sandboxs_evidence_goes_once_the_removal_is_durable() {
     let dir = tempfile::tempdir().expect("dir");
     let mut w = worker(dir.path());
     let cache = Arc::new(dns_attrib::AttributionCache::new(
@@ -224,15 +225,21 @@ fn a_removed_sandboxs_evidence_goes_before_the_next_change_applies() {
     let names = || cache.names_for(&x, ip).names().len();
     assert!(put(&mut w, "x", "100.64.0.2"));
     evidence();
-    assert_eq!(names(), 1);
-    let (delete, deleted) = job(Change::Delete(x.clone()));
-    let again = sandbox(&w.registry, "x", "100.64.0.2");
-    let (put_again, put) = job(Change::Put(again));
-    w.commit(vec![delete, put_again]);
-    for mut answer in [deleted, put] {
-        assert!(answer.try_recv().expect("answered").is_ok());
-    }
+    // The journal write fails: the delete is rolled back, evidence and all.
+    w.journal.use_file(read_only(dir.path()));
+    assert!(!commit(&mut w, Change::Delete(x.clone())));
+    assert!(w.registry.get(&x).is_some());
+    assert_eq!(names(), 1, "a rolled-back delete forgot the evidence");
+    w.journal.use_file(writable(dir.path()));
+    assert!(commit(&mut w, Change::Delete(x.clone())));
     assert_eq!(names(), 0, "the removed sandbox's evidence was left");
+    // A put of the id waits for the delete's batch to end.
+    let (delete, _) = job(Change::Delete(x.clone()));
+    let (again, _) = job(Change::Put(sandbox(&w.registry, "x", "100.64.0.2")));
+    let (other, _) = job(Change::Put(sandbox(&w.registry, "y", "100.64.0.3")));
+    assert!(deleted_in(std::slice::from_ref(&delete), &again));
+    assert!(!deleted_in(std::slice::from_ref(&delete), &other));
+    assert!(put(&mut w, "x", "100.64.0.2"));
     evidence();
     let other = sandbox(&w.registry, "y", "100.64.0.3");
     assert!(commit(&mut w, Change::Replace(vec![other])));
