@@ -3,18 +3,22 @@
 //! a header, an echo service): with `replace: "headers"` the sandbox chooses
 //! the header its placeholder goes in, so it could read the value there.
 //! The value goes back to the sandbox as its placeholder instead, in the
-//! answer's headers, body and trailers.
+//! answer's headers, reason phrase, body and trailers.
 //!
-//! - A value is looked for as sent, percent-encoded (a redirect's query)
-//!   and with `/` escaped as `\/` (a JSON encoder that escapes it). Other
-//!   transformations (base64, HTML entities, a changed case) are not read.
+//! - A value is found in any spelling that writes each of its bytes as
+//!   itself or percent-encoded (either case of hex), `/` also as `\/` (a
+//!   JSON encoder that escapes it) and a space also as `+`: every URL,
+//!   form or JSON encoder's output. Other transformations (base64, HTML
+//!   entities, a changed case) are not read.
 //! - The request goes with `accept-encoding: identity` and without `range`:
 //!   a compressed answer hides the value, and ranges would let it out a
 //!   piece at a time. An answer the origin encodes anyway is refused
-//!   ([`encoded`]).
-//! - A body is read with the last bytes of each chunk held back until the
-//!   next (fewer than the longest form), so a value split over two chunks
-//!   is replaced whole; its length changes, so `content-length` is dropped.
+//!   ([`Carried::encoded`]).
+//! - A body's chunk goes on at once, but for an end that may begin a
+//!   value (held until the next chunk shows whether it does), so a value
+//!   split over two chunks is replaced whole and a stream that waits on
+//!   its last chunk is not held up; the length changes, so
+//!   `content-length` is dropped.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -27,65 +31,73 @@ use prometheus_client::metrics::counter::Counter;
 
 use super::Secret;
 
-/// The bytes escaped when a value is looked for percent-encoded: all but
-/// RFC 3986's unreserved characters.
-const ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~');
-
-/// One form of a value, and the placeholder that goes in its place.
-struct Needle {
-    form: Box<[u8]>,
+/// One value a request carried, and the placeholder that stood for it.
+struct Value {
+    bytes: Box<[u8]>,
     placeholder: Bytes,
 }
 
-/// The values one request carried, in each form they are looked for.
+/// The values one request carried.
 #[derive(Clone)]
 pub struct Carried {
-    needles: Arc<[Needle]>,
-    /// The longest form's length.
-    longest: usize,
+    values: Arc<[Value]>,
+    /// The bytes a spelling of a value may start with.
+    starts: Arc<[bool; 256]>,
     /// The first credential's index in the sandbox's list (for a refusal).
     pub index: usize,
+}
+
+/// How a spelling of a value reads at one place.
+enum Spelled {
+    /// It is there, ending here.
+    Whole(usize),
+    /// What is there begins one, and the bytes end before it does.
+    Begun,
+    No,
 }
 
 impl std::fmt::Debug for Carried {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Carried")
-            .field("forms", &self.needles.len())
+            .field("values", &self.values.len())
             .field("index", &self.index)
             .finish()
     }
 }
 
 impl Carried {
-    /// The forms of `values` (each with its placeholder); `index` is the
-    /// first one's credential. `None` when nothing was carried.
+    /// `values`, each with its placeholder; `index` is the first one's
+    /// credential. `None` when nothing was carried.
     pub(super) fn new<'a>(
         values: impl IntoIterator<Item = (&'a Secret, &'a str)>,
         index: usize,
     ) -> Option<Self> {
-        let mut needles: Vec<Needle> = Vec::new();
-        for (secret, placeholder) in values {
-            let raw = &secret.0[..];
-            let escaped: String = percent_encoding::percent_encode(raw, ESCAPED).collect();
-            let slashed = String::from_utf8_lossy(raw).replace('/', "\\/");
-            for form in [raw, escaped.as_bytes(), slashed.as_bytes()] {
-                if form.is_empty() || needles.iter().any(|n| &n.form[..] == form) {
-                    continue;
+        let mut starts = [false; 256];
+        let values: Vec<Value> = values
+            .into_iter()
+            .filter(|(secret, _)| !secret.0.is_empty())
+            .map(|(secret, placeholder)| {
+                let first = secret.0[0];
+                for b in [first, b'%'] {
+                    starts[usize::from(b)] = true;
                 }
-                needles.push(Needle {
-                    form: form.into(),
+                match first {
+                    b'/' => starts[usize::from(b'\\')] = true,
+                    b' ' => starts[usize::from(b'+')] = true,
+                    _ => {}
+                }
+                Value {
+                    bytes: secret.0[..].into(),
                     placeholder: Bytes::copy_from_slice(placeholder.as_bytes()),
-                });
-            }
+                }
+            })
+            .collect();
+        if values.is_empty() {
+            return None;
         }
-        let longest = needles.iter().map(|n| n.form.len()).max()?;
         Some(Self {
-            needles: needles.into(),
-            longest,
+            values: values.into(),
+            starts: Arc::new(starts),
             index,
         })
     }
@@ -95,7 +107,7 @@ impl Carried {
     pub fn headers(&self, headers: &mut HeaderMap) -> usize {
         let mut found = 0;
         for v in headers.values_mut() {
-            let (out, n) = self.replaced(v.as_bytes());
+            let (out, _, n) = self.scrub(v.as_bytes(), true);
             if n > 0 {
                 found += n;
                 // Placeholders are letters, digits, `-`, `_`, `.`: a value
@@ -150,54 +162,114 @@ impl Carried {
         .boxed()
     }
 
-    /// `hay` with each form replaced, earliest first (the longest of those
-    /// that start at one place), and how many were.
-    fn replaced(&self, hay: &[u8]) -> (Vec<u8>, usize) {
-        let (mut out, mut last, mut n) = (Vec::new(), 0, 0);
-        while let Some((at, needle)) = self.next_match(hay, last) {
-            out.extend_from_slice(&hay[last..at]);
-            out.extend_from_slice(&needle.placeholder);
-            last = at + needle.form.len();
-            n += 1;
+    /// The HTTP/1.1 reason phrase an origin sent, with each value in
+    /// its placeholder's place (a phrase can quote a header too).
+    pub fn reason(&self, extensions: &mut http::Extensions) -> usize {
+        let Some(phrase) = extensions.get::<hyper::ext::ReasonPhrase>() else {
+            return 0;
+        };
+        let (out, _, n) = self.scrub(phrase.as_bytes(), true);
+        if n > 0 {
+            extensions.remove::<hyper::ext::ReasonPhrase>();
+            if let Ok(phrase) = hyper::ext::ReasonPhrase::try_from(out) {
+                extensions.insert(phrase);
+            }
+        }
+        n
+    }
+
+    /// `hay` with each value, in any spelling, replaced by its placeholder
+    /// (earliest first, the longest of those at one place), up to where
+    /// one may have begun and not ended (all of it when `end`): the bytes
+    /// to pass on (empty when nothing was replaced: then `hay[..held]`),
+    /// where what is held starts, and how many were replaced.
+    fn scrub(&self, hay: &[u8], end: bool) -> (Vec<u8>, usize, usize) {
+        let (mut out, mut last, mut n, mut at) = (Vec::new(), 0, 0, 0);
+        while at < hay.len() {
+            if !self.starts[usize::from(hay[at])] {
+                at += 1;
+                continue;
+            }
+            let (mut whole, mut begun) = (None::<(usize, &Value)>, false);
+            for v in self.values.iter() {
+                match spelled(&v.bytes, &hay[at..]) {
+                    Spelled::Whole(len) if whole.is_none_or(|(l, _)| len > l) => {
+                        whole = Some((len, v));
+                    }
+                    Spelled::Begun => begun = true,
+                    _ => {}
+                }
+            }
+            if begun && !end {
+                // A longer one may end in the next chunk: held from here.
+                break;
+            }
+            match whole {
+                Some((len, v)) => {
+                    out.extend_from_slice(&hay[last..at]);
+                    out.extend_from_slice(&v.placeholder);
+                    n += 1;
+                    at += len;
+                    last = at;
+                }
+                None => at += 1,
+            }
         }
         if n > 0 {
-            out.extend_from_slice(&hay[last..]);
+            out.extend_from_slice(&hay[last..at]);
         }
-        (out, n)
+        (out, at, n)
     }
 
-    fn next_match(&self, hay: &[u8], from: usize) -> Option<(usize, &Needle)> {
-        let rest = &hay[from..];
-        self.needles
-            .iter()
-            .filter_map(|n| memchr::memmem::find(rest, &n.form).map(|at| (from + at, n)))
-            .min_by_key(|(at, n)| (*at, std::cmp::Reverse(n.form.len())))
-    }
-
-    /// `buf` scrubbed: what may go on now, and what is held back (a form
-    /// may start there and end in the next chunk; nothing when `end`).
-    fn scrub(&self, buf: Bytes, end: bool) -> (Bytes, Bytes, usize) {
-        let (mut out, mut last, mut n) = (BytesMut::new(), 0, 0);
-        while let Some((at, needle)) = self.next_match(&buf, last) {
-            out.extend_from_slice(&buf[last..at]);
-            out.extend_from_slice(&needle.placeholder);
-            last = at + needle.form.len();
-            n += 1;
-        }
-        let keep = if end {
-            0
-        } else {
-            (self.longest - 1).min(buf.len() - last)
-        };
-        let cut = buf.len() - keep;
+    /// [`Self::scrub`] of a chunk: what goes on now, what is held back,
+    /// and how many values were replaced.
+    fn scrub_chunk(&self, buf: Bytes, end: bool) -> (Bytes, Bytes, usize) {
+        let (out, held, n) = self.scrub(&buf, end);
         let pass = if n == 0 {
-            buf.slice(..cut)
+            buf.slice(..held)
         } else {
-            out.extend_from_slice(&buf[last..cut]);
-            out.freeze()
+            Bytes::from(out)
         };
-        (pass, buf.slice(cut..), n)
+        (pass, buf.slice(held..), n)
     }
+}
+
+/// How `value` reads at the start of `hay`: each byte as itself,
+/// percent-encoded (either case of hex), `/` also as `\/`, a space also as
+/// `+`.
+fn spelled(value: &[u8], hay: &[u8]) -> Spelled {
+    let mut i = 0;
+    for &b in value {
+        let Some(&h) = hay.get(i) else {
+            return Spelled::Begun;
+        };
+        let step = match h {
+            _ if h == b => 1,
+            b'%' => match (hay.get(i + 1), hay.get(i + 2)) {
+                (Some(&x), Some(&y))
+                    if hex(x).zip(hex(y)).is_some_and(|(x, y)| x * 16 + y == b) =>
+                {
+                    3
+                }
+                (Some(&x), None) if hex(x).is_some_and(|x| x == b >> 4) => return Spelled::Begun,
+                (None, _) => return Spelled::Begun,
+                _ => return Spelled::No,
+            },
+            b'\\' if b == b'/' => match hay.get(i + 1) {
+                Some(b'/') => 2,
+                None => return Spelled::Begun,
+                Some(_) => return Spelled::No,
+            },
+            b'+' if b == b' ' => 1,
+            _ => return Spelled::No,
+        };
+        i += step;
+    }
+    Spelled::Whole(i)
+}
+
+fn hex(c: u8) -> Option<u8> {
+    (c as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
 }
 
 /// A body with a request's values replaced by their placeholders.
@@ -223,7 +295,7 @@ impl Scrubbed {
             joined.extend_from_slice(&data);
             joined.freeze()
         };
-        let (pass, held, n) = self.carried.scrub(buf, end);
+        let (pass, held, n) = self.carried.scrub_chunk(buf, end);
         self.held = held;
         self.found.inc_by(n as u64);
         (!pass.is_empty()).then_some(pass)
@@ -368,6 +440,70 @@ mod tests {
         assert_eq!(text, "tail k/y");
         assert_eq!(trailers.expect("trailers")["x-echo"], "was PH_0001 here");
         assert_eq!(found, 1);
+    }
+
+    /// Every encoder's spelling: either case of hex, `/` left as it is
+    /// (Python's `quote`), every byte escaped, `\/`.
+    #[tokio::test]
+    async fn each_spelling_of_a_value_is_read() {
+        let c = carried("k/y+z=");
+        for spelled in [
+            "k%2fy%2bz%3d",
+            "k/y%2Bz%3D",
+            "%6B%2F%79%2B%7A%3D",
+            "k\\/y+z=",
+        ] {
+            let (text, _, found) = through(&c, &["[", spelled, "]"], None).await;
+            assert_eq!((text.as_str(), found), ("[PH_0001]", 1), "{spelled}");
+        }
+        let (text, _, found) = through(&c, &["k/y+z", "%3"], None).await;
+        assert_eq!(
+            (text.as_str(), found),
+            ("k/y+z%3", 0),
+            "an escape cut short"
+        );
+    }
+
+    /// A chunk goes on at once (an event stream's `\n\n` is not held for
+    /// the next), but for an end that begins a value.
+    #[tokio::test]
+    async fn a_chunk_goes_on_at_once_unless_its_end_may_begin_a_value() {
+        let c = carried("sk-live-0123456789");
+        let frames = ["event: a\n\n", "data: sk-li", "ve-0123456789\n\n"];
+        let frames = frames
+            .iter()
+            .map(|f| Frame::data(Bytes::copy_from_slice(f.as_bytes())));
+        let mut body = c.body(Frames(frames.collect()).boxed(), Counter::default());
+        let mut next = async || {
+            let frame = body.frame().await.expect("a frame").expect("data");
+            String::from_utf8(frame.into_data().expect("data").to_vec()).expect("text")
+        };
+        assert_eq!(next().await, "event: a\n\n");
+        assert_eq!(next().await, "data: ");
+        assert_eq!(next().await, "PH_0001\n\n");
+    }
+
+    /// Of two values where one begins the other, the longer is replaced
+    /// where it is, however the chunks fall.
+    #[tokio::test]
+    async fn the_longer_of_two_values_at_one_place_is_replaced() {
+        let (a, b) = (Secret(b"tok"[..].into()), Secret(b"tok123"[..].into()));
+        let c = Carried::new([(&a, "PH_A"), (&b, "PH_B")], 0).expect("values");
+        for chunks in [&["x tok123 tok y"][..], &["x tok", "123 tok", " y"]] {
+            let (text, _, found) = through(&c, chunks, None).await;
+            assert_eq!((text.as_str(), found), ("x PH_B PH_A y", 2), "{chunks:?}");
+        }
+    }
+
+    #[test]
+    fn a_reason_phrase_gets_the_placeholder() {
+        let c = carried("s3cr3t-value");
+        let mut ext = http::Extensions::new();
+        let phrase = hyper::ext::ReasonPhrase::try_from(&b"bad key s3cr3t-value"[..]);
+        ext.insert(phrase.expect("a phrase"));
+        assert_eq!(c.reason(&mut ext), 1);
+        let phrase = ext.get::<hyper::ext::ReasonPhrase>().expect("kept");
+        assert_eq!(phrase.as_bytes(), b"bad key PH_0001");
     }
 
     #[test]

@@ -73,6 +73,15 @@ impl Conn {
             .forward(req, (verify_as, route), authority, replay)
             .await
         {
+            // A transfer coding but chunked (the request asked for none):
+            // its bytes would go on unmarked once the header is stripped.
+            Ok(resp) if transfer_coded(resp.headers()) => {
+                self.dp.metrics.fault(Fault::UPSTREAM_HTTP);
+                text(
+                    StatusCode::BAD_GATEWAY,
+                    "the origin used a transfer coding other than chunked\n",
+                )
+            }
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
                 resp
@@ -580,6 +589,16 @@ fn asks_for_trailers(headers: &HeaderMap) -> bool {
 /// names found are removed (a message usually carries none, or only
 /// `Connection`), and nothing is allocated unless a token names a header
 /// outside the fixed set that the message carries.
+/// Whether an answer's `transfer-encoding` names a coding but `chunked`.
+fn transfer_coded(headers: &HeaderMap) -> bool {
+    headers.get_all(header::TRANSFER_ENCODING).iter().any(|v| {
+        v.as_bytes()
+            .split(|b| *b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"chunked"))
+    })
+}
+
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let mut named: Vec<HeaderName> = Vec::new();
     // Read as bytes: a value with a byte outside ASCII still names the
@@ -676,6 +695,20 @@ mod tests {
         let mut v: Vec<&str> = m.keys().map(HeaderName::as_str).collect();
         v.sort_unstable();
         v
+    }
+
+    #[test]
+    fn a_transfer_coding_but_chunked_is_found() {
+        let coded = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static(v));
+            transfer_coded(&h)
+        };
+        assert!(coded("gzip, chunked"));
+        assert!(coded("x-custom"));
+        assert!(!coded("chunked"));
+        assert!(!coded("Chunked"));
+        assert!(!transfer_coded(&HeaderMap::new()));
     }
 
     #[test]

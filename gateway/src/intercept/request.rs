@@ -517,6 +517,19 @@ impl Conn {
         rec: &mut RequestRecord,
     ) -> Response<Body> {
         let (mut parts, body) = resp.into_parts();
+        let found = &self.dp.metrics.credentials_reflected;
+        found.inc_by(carried.headers(&mut parts.headers) as u64);
+        found.inc_by(carried.reason(&mut parts.extensions) as u64);
+        let bodiless = *method == http::Method::HEAD
+            || parts.status.is_informational()
+            || matches!(
+                parts.status,
+                StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+            );
+        if bodiless {
+            return Response::from_parts(parts, body);
+        }
+        // Read from the headers with the values out: the detail is shown.
         if let Some(coding) = credentials::Carried::encoded(&parts.headers) {
             let refused = credentials::Refused {
                 why: credentials::Refusal::ResponseEncoded,
@@ -526,17 +539,6 @@ impl Conn {
                 self.credential_refused(&sb.credentials, refused, method.as_str(), rec);
             denial.detail = format!("{} ({coding:?})", denial.detail);
             return denial.response();
-        }
-        let found = &self.dp.metrics.credentials_reflected;
-        found.inc_by(carried.headers(&mut parts.headers) as u64);
-        let bodiless = *method == http::Method::HEAD
-            || parts.status.is_informational()
-            || matches!(
-                parts.status,
-                StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
-            );
-        if bodiless {
-            return Response::from_parts(parts, body);
         }
         // The values and their placeholders differ in length.
         parts.headers.remove(header::CONTENT_LENGTH);
