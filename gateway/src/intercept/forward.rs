@@ -69,10 +69,15 @@ impl Conn {
             req.headers_mut().insert(header::TE, value);
         }
         let replay = !not_safe;
-        match self
+        let answer = self
             .forward(req, (verify_as, route), authority, replay)
-            .await
-        {
+            .await;
+        self.passed_back(answer)
+    }
+
+    /// The origin's answer as it goes back, or the failure's: counted.
+    fn passed_back(&self, answer: Result<Response<Body>, ForwardError>) -> Response<Body> {
+        match answer {
             // A transfer coding but chunked (the request asked for none):
             // its bytes would go on unmarked once the header is stripped.
             Ok(resp) if transfer_coded(resp.headers()) => {
