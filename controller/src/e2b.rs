@@ -284,6 +284,12 @@ fn allow_by_default(allow: &[Entry<'_>], deny: &[Entry<'_>]) -> Result<Policy, E
         granted.push(IpNet::from(E2B_NAMESERVER));
     }
     let mut denied: Vec<Destination> = difference(&addresses(deny), &granted)
+        .ok_or_else(|| {
+            E2bError::Invalid(format!(
+                "network.denyOut: less the allowOut addresses, more than {MAX_PIECES} networks \
+                 (each address allowed inside a denied network splits it by up to 128)"
+            ))
+        })?
         .into_iter()
         .filter(|n| !is_ipv4_mapped(n))
         .map(net_destination)
@@ -410,21 +416,29 @@ fn is_ipv4_mapped(net: &IpNet) -> bool {
 /// denies IPv6 too — failing closed where E2B's model is silent — so that
 /// E2B's documented "allow a domain, deny all traffic" translates exactly.
 fn covers_all_traffic(deny: &[IpNet]) -> bool {
-    difference(&ALL_TRAFFIC[..1], deny).is_empty()
+    difference(&ALL_TRAFFIC[..1], deny).is_some_and(|rest| rest.is_empty())
 }
 
 // === CIDR sets ===
 
+/// The most networks a difference may come to: more than a policy of
+/// [`egress_api::body::MAX_BODY`] bytes could hold (each takes more than
+/// 16 bytes). Without a bound a body of 60,000 addresses allowed inside
+/// one denied IPv6 network came to millions of networks before any size
+/// check.
+const MAX_PIECES: usize = egress_api::body::MAX_BODY / 16;
+
 /// The addresses in some network of `a` and in none of `b`, as the fewest
-/// canonical CIDRs, sorted (IPv4 first). Families never mix: an IPv4 network
-/// only ever loses IPv4 addresses.
-fn difference(a: &[IpNet], b: &[IpNet]) -> Vec<IpNet> {
+/// canonical CIDRs, sorted (IPv4 first); `None` past [`MAX_PIECES`]
+/// networks. Families never mix: an IPv4 network only ever loses IPv4
+/// addresses.
+fn difference(a: &[IpNet], b: &[IpNet]) -> Option<Vec<IpNet>> {
     let holes = IpNet::aggregate(&b.to_vec());
     let mut out = Vec::new();
     for net in IpNet::aggregate(&a.to_vec()) {
-        subtract(net, &holes, &mut out);
+        subtract(net, &holes, &mut out)?;
     }
-    IpNet::aggregate(&out)
+    Some(IpNet::aggregate(&out))
 }
 
 /// Pushes the parts of `net` outside `holes` onto `out`. `holes` is sorted
@@ -432,11 +446,13 @@ fn difference(a: &[IpNet], b: &[IpNet]) -> Vec<IpNet> {
 /// `net` are one run found by binary search, and a hole containing `net` is
 /// the only one overlapping it. Splitting `net` in halves down to each hole
 /// yields at most (hole prefix − `net` prefix) pieces per hole.
-fn subtract(net: IpNet, holes: &[IpNet], out: &mut Vec<IpNet>) {
+/// `None` once `out` holds more than [`MAX_PIECES`].
+fn subtract(net: IpNet, holes: &[IpNet], out: &mut Vec<IpNet>) -> Option<()> {
     let start = holes.partition_point(|h| h.broadcast() < net.network());
     let end = holes.partition_point(|h| h.network() <= net.broadcast());
     let overlapping = holes.get(start..end).unwrap_or(&[]);
     match overlapping.first() {
+        None if out.len() >= MAX_PIECES => return None,
         None => out.push(net),
         Some(hole) if hole.contains(&net) => {}
         Some(_) => {
@@ -444,11 +460,12 @@ fn subtract(net: IpNet, holes: &[IpNet], out: &mut Vec<IpNet>) {
             // address and has two halves.
             if let Ok(halves) = net.subnets(net.prefix_len().saturating_add(1)) {
                 for half in halves {
-                    subtract(half, overlapping, out);
+                    subtract(half, overlapping, out)?;
                 }
             }
         }
     }
+    Some(())
 }
 
 #[cfg(test)]
