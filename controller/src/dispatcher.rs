@@ -486,6 +486,9 @@ impl Dispatcher {
         // again once per interval, the changes pushed meanwhile, so one
         // sandbox does not hold up every other change of the worker.
         let mut refused: Option<Instant> = None;
+        // Pushes the gateway refused (`4xx`: a sandbox it will not take),
+        // held back for an interval: the changes behind them go meanwhile.
+        let mut held = HeldPushes::default();
         while rx.changed().await.is_ok() {
             let (read_at, mut w, until) = rx.borrow_and_update().clone();
             let Ok(_permit) = permits.acquire().await else {
@@ -510,12 +513,12 @@ impl Dispatcher {
                         }
                         Resynced::Refused => {
                             refused = Some(Instant::now());
-                            self.push_changes(&w, until).await
+                            self.push_changes(&w, until, &mut held).await
                         }
                         Resynced::Failed => false,
                     }
                 } else {
-                    self.push_changes(&w, until).await
+                    self.push_changes(&w, until, &mut held).await
                 };
                 if !moved {
                     break;
@@ -525,10 +528,13 @@ impl Dispatcher {
     }
 
     /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
-    /// time (the gateway commits concurrent pushes together); stops at the
-    /// first failure, to retry on the next round.
-    async fn push_changes(&self, w: &WorkerRow, until: Instant) -> bool {
-        let changes = store::unpushed(&self.pool, &w.id, 256).await;
+    /// time (the gateway commits concurrent pushes together), but those
+    /// `held` back. A push the gateway refuses (`4xx`) is held back, and
+    /// the rest go on, until a push is applied or an interval passes; any
+    /// other failure stops the round, to retry on the next.
+    async fn push_changes(&self, w: &WorkerRow, until: Instant, held: &mut HeldPushes) -> bool {
+        held.release(self.limits.resync_interval);
+        let changes = store::unpushed(&self.pool, &w.id, 256, &held.ids()).await;
         let Some(changes) = read(changes, "reading the changes to push", &w.id) else {
             return false;
         };
@@ -543,34 +549,47 @@ impl Dispatcher {
             let acked =
                 store::acknowledge(&self.pool, &w.id, None, applied, w.lease.as_ref()).await;
             logged(acked, "acknowledging the pushes", &w.id);
-            if let Some((id, error)) = failed {
+            let mut stop = false;
+            for (id, error) in failed {
                 tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
                 self.count_push("failed");
-                let error = error.to_string();
-                // The flag as it is: pushes also run while a refused
-                // resync waits to be tried again.
-                let seen = store::worker_seen(
-                    &self.pool,
-                    &w.id,
-                    (None, w.needs_resync, Some(&error)),
-                    w.lease.as_ref(),
-                )
-                .await;
-                logged(seen, "recording the push failure", &w.id);
+                stop |= !held.hold(id, &error);
+                self.note_push_failure(w, &error).await;
+            }
+            // A push applied may be what a refused one waited for (the
+            // address it takes, freed): those held go again next round.
+            if applied > 0 {
+                held.0.clear();
+            }
+            if stop {
                 return moved;
             }
         }
         moved
     }
 
-    /// Pushes `chunk` concurrently: how many the gateway applied, and a failure.
+    /// Records a push's failure on the worker's row, its flag as it is:
+    /// pushes also run while a refused resync waits to be tried again.
+    async fn note_push_failure(&self, w: &WorkerRow, error: &PushError) {
+        let error = error.to_string();
+        let seen = store::worker_seen(
+            &self.pool,
+            &w.id,
+            (None, w.needs_resync, Some(&error)),
+            w.lease.as_ref(),
+        )
+        .await;
+        logged(seen, "recording the push failure", &w.id);
+    }
+
+    /// Pushes `chunk` concurrently: how many the gateway applied, and the failures.
     async fn push_chunk(
         &self,
         w: &WorkerRow,
         chunk: &[SandboxRow],
-    ) -> (i64, Option<(String, PushError)>) {
+    ) -> (i64, Vec<(String, PushError)>) {
         let mut pushes = tokio::task::JoinSet::new();
-        let (mut applied, mut failed) = (0, None);
+        let (mut applied, mut failed) = (0, Vec::new());
         for s in chunk {
             let (url, token) = (w.admin_url.clone(), w.token.clone());
             let (id, generation) = (s.id.clone(), s.generation);
@@ -578,7 +597,7 @@ impl Dispatcher {
                 Ok(Some(body)) => (Method::PUT, Some(body)),
                 Ok(None) => (Method::DELETE, None),
                 Err(e) => {
-                    failed = Some((id, PushError::Unsendable(e)));
+                    failed.push((id, PushError::Unsendable(e)));
                     continue;
                 }
             };
@@ -598,8 +617,8 @@ impl Dispatcher {
                     self.count_push("applied");
                     applied += i64::from(status.is_success());
                 }
-                Ok((status, body)) => failed = Some((id, PushError::refused(status, &body))),
-                Err(e) => failed = Some((id, e.into())),
+                Ok((status, body)) => failed.push((id, PushError::refused(status, &body))),
+                Err(e) => failed.push((id, e.into())),
             }
         }
         (applied, failed)
@@ -799,6 +818,40 @@ impl Dispatcher {
             .compares
             .get_or_create(&OutcomeLabels { outcome })
             .inc();
+    }
+}
+
+/// Pushes a gateway refused (`4xx`: a sandbox it will not take, such as
+/// one past its `limits.max_sandboxes`, or a row it cannot read), by
+/// sandbox, with when: left out of the worker's pushes until one is applied
+/// (which may free what they wait for) or an interval passes, so that many
+/// of them at the front of its queue do not stop every change behind them.
+/// Bounded by the worker's sandboxes.
+#[derive(Default)]
+struct HeldPushes(std::collections::HashMap<String, Instant>);
+
+impl HeldPushes {
+    /// Holds back `id` when `error` is a refusal; `false` for a failure
+    /// that is the gateway's or the network's (the round stops).
+    fn hold(&mut self, id: String, error: &PushError) -> bool {
+        let refused = match error {
+            PushError::Refused { status, .. } => status.is_client_error(),
+            PushError::Unsendable(_) => true,
+            PushError::Unanswered(_) => false,
+        };
+        if refused {
+            self.0.insert(id, Instant::now());
+        }
+        refused
+    }
+
+    /// Lets go of those held for `interval`: tried again.
+    fn release(&mut self, interval: std::time::Duration) {
+        self.0.retain(|_, at| at.elapsed() < interval);
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.0.keys().cloned().collect()
     }
 }
 

@@ -532,17 +532,20 @@ pub async fn settled_sandboxes(pool: &PgPool, worker: &str) -> Result<Settled, s
     })
 }
 
-/// Changes a worker's gateway has not acknowledged yet, oldest first.
+/// Changes a worker's gateway has not acknowledged yet, oldest first, but
+/// for the sandboxes `held` (pushes the gateway refused, held back a while).
 pub async fn unpushed(
     pool: &PgPool,
     worker: &str,
     limit: i64,
+    held: &[String],
 ) -> Result<Vec<SandboxRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND generation > pushed_generation ORDER BY changed_at LIMIT $2",
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND generation > pushed_generation AND NOT (id = ANY($3)) ORDER BY changed_at LIMIT $2",
     )
     .bind(worker)
     .bind(limit)
+    .bind(held)
     .fetch_all(pool)
     .await?;
     rows.iter().map(SandboxRow::from_row).collect()

@@ -39,6 +39,9 @@ pub struct State {
     pub refuse_push_of: Option<String>,
     /// When set, every resync is answered `409` (a sandbox it will not take).
     pub refuse_resyncs: bool,
+    /// Pushes of these sandboxes are answered `409` (past the gateway's
+    /// `limits.max_sandboxes`, say).
+    pub conflict_on: std::collections::HashSet<String>,
 }
 
 pub struct FakeGateway {
@@ -138,6 +141,13 @@ async fn answer(
                 .collect();
             s.generation += 1;
             (200, "{}".to_owned())
+        }
+        ("PUT", ["v1", "sandboxes", id]) if s.conflict_on.contains(*id) => {
+            s.events.push(Event::Put((*id).to_owned(), Value::Null));
+            (
+                409,
+                r#"{"error": "the gateway holds its limit of sandboxes"}"#.to_owned(),
+            )
         }
         ("PUT", ["v1", "sandboxes", id]) if s.refuse_push_of.as_deref() == Some(*id) => {
             s.events.push(Event::Put((*id).to_owned(), Value::Null));

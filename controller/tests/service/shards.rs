@@ -652,6 +652,61 @@ async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
         .contains_key("sb-stray"));
 }
 
+/// Pushes the gateway refuses (`409`: past its `limits.max_sandboxes`),
+/// more than one round's worth at the front of the worker's queue, do not
+/// stop the changes behind them.
+#[tokio::test]
+async fn refused_pushes_at_the_front_do_not_hold_up_the_rest() {
+    let url = db!();
+    let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/24").await;
+    for _ in 0..34 {
+        let (s, v) = e2b_create(api.addr).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
+    db_until(&url, pending, |n| n == 0).await;
+    let mut ids: Vec<String> = gw
+        .state
+        .lock()
+        .expect("state")
+        .sandboxes
+        .keys()
+        .cloned()
+        .collect();
+    ids.sort();
+    let survivor = ids.pop().expect("a sandbox");
+    gw.state.lock().expect("state").conflict_on = ids.iter().cloned().collect();
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    // The refused ones change first, then the survivor: it is last in line.
+    let sql =
+        "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = ANY($1)";
+    sqlx::query(sql)
+        .bind(&ids)
+        .execute(&mut conn)
+        .await
+        .expect(sql);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let sql = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
+    sqlx::query(sql)
+        .bind(&survivor)
+        .execute(&mut conn)
+        .await
+        .expect(sql);
+    let pushed = format!(
+        "SELECT count(*) FROM sandboxes WHERE id = '{survivor}' AND generation > pushed_generation"
+    );
+    db_until(&url, &pushed, |n| n == 0).await;
+    let refused = gw
+        .events()
+        .iter()
+        .filter(|e| matches!(e, Event::Put(id, Value::Null) if ids.contains(id)))
+        .count();
+    assert!(
+        refused >= ids.len(),
+        "each refused push was tried: {refused}"
+    );
+}
+
 /// A resync the gateway refuses (one sandbox it will not take) does not
 /// hold up the worker's other changes: they are pushed meanwhile, and the
 /// resync is tried again once per interval.
@@ -990,7 +1045,7 @@ async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
     egress_controller::store::mark_forgotten(&pool, &view.forgotten)
         .await
         .expect("mark");
-    let unpushed = egress_controller::store::unpushed(&pool, "w1", 10)
+    let unpushed = egress_controller::store::unpushed(&pool, "w1", 10, &[])
         .await
         .expect("unpushed");
     let ids: Vec<(&str, i64)> = unpushed
