@@ -270,10 +270,11 @@ pub async fn laid_over(
     Ok((policy, Value::Array(provenance)))
 }
 
-/// Records an approval and lays it over every sandbox it reaches; the row.
 /// Records approval `a` and lays its rule over every sandbox it reaches;
 /// the approval, and whether it is new. One in force for the same scope,
 /// target, rule and `until` is returned as it is: approving again adds no row.
+/// One with another `until` is revoked, replaced by this one (the latest
+/// word on the rule wins).
 /// `Ok(Err(why))` when a sandbox it reaches would then have a policy larger
 /// than a gateway takes (which would forget the sandbox, denying all its
 /// traffic): the caller rolls the transaction back.
@@ -284,6 +285,7 @@ pub async fn approve(
     if let Some(same) = store::approvals::same_in_force(conn, a).await? {
         return Ok(Ok((same, false)));
     }
+    store::approvals::supersede(conn, a).await?;
     let approval = store::approvals::insert(conn, a).await?;
     store::lock_tenant(conn, a.tenant).await?;
     for id in store::approvals::reached(conn, a.tenant, a.scope, a.target).await? {

@@ -147,6 +147,25 @@ pub async fn same_in_force(
     row.as_ref().map(Approval::from_row).transpose()
 }
 
+/// Revokes every approval of `a`'s tenant in force for the same scope,
+/// target and rule (another `until`): a new one replaces them, so approving
+/// a rule again cannot pile up rows for the expiry sweep to take out one
+/// by one, each refreshing every sandbox it reaches. How many.
+pub async fn supersede(conn: &mut PgConnection, a: &NewApproval<'_>) -> Result<u64, sqlx::Error> {
+    let sql = format!(
+        "UPDATE approvals SET revoked_at = now(), removed_at = now() \
+         WHERE tenant = $1 AND scope = $2 AND target = $3 AND rule = $4 AND {IN_FORCE}"
+    );
+    let done = sqlx::query(safe(sql))
+        .bind(a.tenant)
+        .bind(a.scope.as_str())
+        .bind(a.target)
+        .bind(Json(a.rule))
+        .execute(conn)
+        .await?;
+    Ok(done.rows_affected())
+}
+
 /// Records an approval; the row.
 pub async fn insert(conn: &mut PgConnection, a: &NewApproval<'_>) -> Result<Approval, sqlx::Error> {
     let sql = format!(

@@ -333,14 +333,42 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     )
     .await;
     assert_eq!(s, 201, "{a}");
-    // Another approval past its until that cannot be taken out (its rule
-    // no longer reads): it must not hold the first one in force.
+    // Approved again with another until: the new one replaces it.
+    let again = db_time(&mut conn, "+ interval '3 seconds'").await;
+    let (s, replacing) = approve(
+        &w,
+        FEDERATED,
+        &id,
+        json!({"scope": "sandbox", "until": again}),
+    )
+    .await;
+    assert_eq!(s, 201, "{replacing}");
+    let (_, list) = call(
+        w.api.addr,
+        "GET",
+        "/v1/approvals",
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    let in_force: Vec<&Value> = list["approvals"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter(|a| a["revoked_at"].is_null())
+        .collect();
+    assert_eq!(in_force.len(), 1, "{list}");
+    assert_eq!(in_force[0]["id"], replacing["id"], "{list}");
+    // Another approval (of the tenant) past its until that cannot be taken
+    // out (its rule no longer reads): it must not hold the first one in
+    // force.
     let later = db_time(&mut conn, "+ interval '1 hour'").await;
     let (s, broken) = approve(
         &w,
         FEDERATED,
         &id,
-        json!({"scope": "sandbox", "until": later}),
+        json!({"scope": "tenant", "until": later}),
     )
     .await;
     assert_eq!(s, 201, "{broken}");
