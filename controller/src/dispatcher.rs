@@ -312,8 +312,10 @@ impl Dispatcher {
         )
         .await;
         match pruned {
-            Ok((0, 0)) => {}
-            Ok((keys, operations)) => tracing::info!(keys, operations, "pruned"),
+            Ok((0, 0, 0)) => {}
+            Ok((keys, operations, ended)) => {
+                tracing::info!(keys, operations, ended_policies = ended, "pruned");
+            }
             Err(e) => tracing::warn!(error = %e, "pruning"),
         }
     }

@@ -774,7 +774,8 @@ pub async fn claim(
 
 /// Marks a claimed operation done, in the transaction that did its work.
 pub async fn succeed(conn: &mut PgConnection, id: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE operations SET state = 'succeeded', attempts = attempts + 1, last_error = NULL, finished_at = now() WHERE id = $1")
+    // The payload (a create's whole policy) is for running it: not kept.
+    sqlx::query("UPDATE operations SET state = 'succeeded', attempts = attempts + 1, last_error = NULL, finished_at = now(), payload = '{}' WHERE id = $1")
         .bind(id)
         .execute(&mut *conn)
         .await?;
@@ -796,7 +797,8 @@ pub async fn attempt_failed(
         "UPDATE operations SET attempts = attempts + 1, last_error = $2, \
          state = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN 'failed' ELSE 'queued' END, \
          not_before = now() + make_interval(secs => $5), \
-         finished_at = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN now() END \
+         finished_at = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN now() END, \
+         payload = CASE WHEN NOT $3 OR attempts + 1 >= $4 OR now() + make_interval(secs => $5) > created_at + make_interval(secs => $6) THEN '{}' ELSE payload END \
          WHERE id = $1 AND state = 'queued' RETURNING state",
     )
     .bind(id)
@@ -828,16 +830,20 @@ pub async fn backlog(pool: &PgPool) -> Result<(i64, f64, f64), sqlx::Error> {
 }
 
 /// Bounded growth: forgets the idempotency keys of finished operations
-/// queued more than `keys` ago (a replay then creates anew), and deletes
+/// queued more than `keys` ago (a replay then creates anew), deletes
 /// finished operations that finished more than `operations` ago (their
-/// `GET /v1/operations/{id}` is then 404). At most `batch` rows of each per
-/// call; returns (keys forgotten, operations deleted).
+/// `GET /v1/operations/{id}` is then 404), and drops the policy and
+/// provenance of sandboxes destroyed or failed more than `operations` ago
+/// whose gateway has forgotten them (a tenant creating and destroying
+/// sandboxes of large policies would otherwise keep each policy for good).
+/// At most `batch` rows of each per call; returns (keys forgotten,
+/// operations deleted, ended sandboxes' policies dropped).
 pub async fn prune(
     pool: &PgPool,
     operations: Duration,
     keys: Duration,
     batch: i64,
-) -> Result<(u64, u64), sqlx::Error> {
+) -> Result<(u64, u64, u64), sqlx::Error> {
     let forgotten = sqlx::query(
         "UPDATE operations SET idempotency_key = NULL, fingerprint = NULL WHERE id IN (SELECT id FROM operations WHERE idempotency_key IS NOT NULL AND created_at < now() - make_interval(secs => $1) AND state IN ('succeeded', 'failed') LIMIT $2)",
     )
@@ -854,5 +860,13 @@ pub async fn prune(
     .execute(pool)
     .await?
     .rows_affected();
-    Ok((forgotten, deleted))
+    let ended = sqlx::query(
+        "UPDATE sandboxes SET policy = NULL, provenance = '[]' WHERE id IN (SELECT id FROM sandboxes WHERE state IN ('destroyed', 'failed') AND generation <= pushed_generation AND (policy IS NOT NULL OR provenance <> '[]') AND changed_at < now() - make_interval(secs => $1) LIMIT $2)",
+    )
+    .bind(operations.as_secs_f64())
+    .bind(batch)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok((forgotten, deleted, ended))
 }

@@ -845,10 +845,26 @@ async fn finished_operations_and_idempotency_keys_are_pruned_after_their_retenti
     assert!(gone, "{first} was never pruned");
     let second = create().await;
     assert_ne!(second, first, "the key was forgotten: a new create");
-    assert_eq!(
-        settled(&api, FEDERATED, &second).await["state"],
-        json!("succeeded")
-    );
+    let done = settled(&api, FEDERATED, &second).await;
+    assert_eq!(done["state"], json!("succeeded"));
+    // A finished operation keeps no payload (a create's whole policy).
+    let sql = format!("SELECT count(*) FROM operations WHERE id = '{second}' AND payload = '{{}}'");
+    db_until(&url, &sql, |n| n == 1).await;
+    // A sandbox destroyed, and forgotten by its gateway, keeps no policy
+    // past the retention.
+    let id = done["sandbox"].as_str().expect("sandbox").to_owned();
+    let (s, v) = call(
+        api.addr,
+        "DELETE",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert!(s == 200 || s == 202, "{s} {v}");
+    let sql = format!("SELECT count(*) FROM sandboxes WHERE id = '{id}' AND state = 'destroyed' AND policy IS NULL AND provenance = '[]'");
+    db_until(&url, &sql, |n| n == 1).await;
 }
 
 /// The retention and lease flags are checked at start, naming the flag.
