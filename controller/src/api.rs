@@ -39,6 +39,7 @@ mod operations;
 mod pool;
 mod sandboxes;
 mod shadow;
+pub mod slots;
 mod templates;
 mod workers;
 
@@ -48,6 +49,8 @@ pub struct Api {
     pub deployment: Arc<Deployment>,
     pub tenants: Arc<Tenants>,
     pub metrics: Arc<Metrics>,
+    /// Each tenant's requests in flight, bounded ([`slots`]).
+    pub slots: slots::TenantSlots,
 }
 
 /// Serves on `listener` until the task is dropped.
@@ -136,7 +139,7 @@ impl Api {
             // Static assets only: every datum the console shows is an API call.
             "console" => crate::console::asset(&segments),
             _ => match self.caller(req.headers()) {
-                Some(caller) => self.authorized(req, &segments, route, caller).await,
+                Some(caller) => self.within_share(req, &segments, route, caller).await,
                 None => error(StatusCode::UNAUTHORIZED, "missing or unknown bearer token"),
             },
         };
@@ -146,6 +149,30 @@ impl Api {
             .get_or_create(&RequestLabels { route, status })
             .inc();
         reply
+    }
+
+    /// A tenant's request, once one of its places is free (an admin's at
+    /// once); `503` when none came free within [`slots::WAIT`].
+    async fn within_share(
+        &self,
+        req: Request<Incoming>,
+        segments: &[&str],
+        route: &'static str,
+        caller: Tenant,
+    ) -> Reply {
+        if caller.admin {
+            return self.authorized(req, segments, route, caller).await;
+        }
+        let Some(_place) = self.slots.take(&caller.tenant).await else {
+            let why = format!(
+                "tenant {:?} has {} requests in flight, none of which ended within {}s; retry",
+                caller.tenant,
+                slots::PER_TENANT,
+                slots::WAIT.as_secs()
+            );
+            return error(StatusCode::SERVICE_UNAVAILABLE, &why);
+        };
+        self.authorized(req, segments, route, caller).await
     }
 
     fn caller(&self, headers: &HeaderMap) -> Option<Tenant> {

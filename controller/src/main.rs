@@ -213,6 +213,7 @@ async fn run(role: Role, deployment: Arc<Deployment>, tenants: Arc<Tenants>) -> 
                 deployment,
                 tenants,
                 metrics,
+                slots: Default::default(),
             });
             egress_controller::api::serve_until(listener, api, stopped()).await;
             tracing::info!("API stopped");

@@ -177,6 +177,7 @@ async fn start_controller(url: &str) -> Result<(SocketAddr, Arc<Metrics>), Strin
         deployment: deployment.clone(),
         tenants,
         metrics: Arc::new(Metrics::new()),
+        slots: Default::default(),
     });
     tokio::spawn(egress_controller::api::serve(listener, api));
     let limits = Limits {

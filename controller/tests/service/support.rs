@@ -112,6 +112,7 @@ pub async fn api(url: &str, deployment: Arc<Deployment>) -> ApiProcess {
         deployment,
         tenants: tenants(),
         metrics: metrics.clone(),
+        slots: Default::default(),
     });
     let task = tokio::spawn(egress_controller::api::serve(listener, api));
     ApiProcess {

@@ -122,6 +122,7 @@ async fn start_api(pool: PgPool) -> Result<SocketAddr, String> {
         deployment: Arc::new(Deployment::default()),
         tenants: Arc::new(tenants),
         metrics: Arc::new(Metrics::new()),
+        slots: Default::default(),
     });
     tokio::spawn(egress_controller::api::serve(listener, api));
     Ok(addr)
