@@ -6,10 +6,11 @@
 //! answer's headers, reason phrase, body and trailers.
 //!
 //! - A value is found in any spelling that writes each of its bytes as
-//!   itself or percent-encoded (either case of hex), `/` also as `\/` (a
-//!   JSON encoder that escapes it) and a space also as `+`: every URL,
-//!   form or JSON encoder's output. Other transformations (base64, HTML
-//!   entities, a changed case) are not read.
+//!   itself, percent-encoded (either case of hex, `%25` for a `%` too) or
+//!   as a JSON escape (`\u00hh`, `\/`, `\"`, `\\`), and a space also as
+//!   `+`: what URL, form and JSON encoders write, once. Other
+//!   transformations (base64, HTML entities, a changed case, an encoding
+//!   of an encoding) are not read.
 //! - The request goes with `accept-encoding: identity` and without `range`:
 //!   a compressed answer hides the value, and ranges would let it out a
 //!   piece at a time. An answer the origin encodes anyway is refused
@@ -47,13 +48,11 @@ pub struct Carried {
     pub index: usize,
 }
 
-/// How a spelling of a value reads at one place.
-enum Spelled {
-    /// It is there, ending here.
-    Whole(usize),
-    /// What is there begins one, and the bytes end before it does.
-    Begun,
-    No,
+/// How a value reads at one place: the length of its longest spelling
+/// there, and whether the bytes end inside one that has begun.
+struct Spelled {
+    whole: Option<usize>,
+    begun: bool,
 }
 
 impl std::fmt::Debug for Carried {
@@ -77,14 +76,8 @@ impl Carried {
             .into_iter()
             .filter(|(secret, _)| !secret.0.is_empty())
             .map(|(secret, placeholder)| {
-                let first = secret.0[0];
-                for b in [first, b'%'] {
-                    starts[usize::from(b)] = true;
-                }
-                match first {
-                    b'/' => starts[usize::from(b'\\')] = true,
-                    b' ' => starts[usize::from(b'+')] = true,
-                    _ => {}
+                for way in ways(secret.0[0]).iter().flatten() {
+                    starts[usize::from(way.bytes[0])] = true;
                 }
                 Value {
                     bytes: secret.0[..].into(),
@@ -192,12 +185,10 @@ impl Carried {
             }
             let (mut whole, mut begun) = (None::<(usize, &Value)>, false);
             for v in self.values.iter() {
-                match spelled(&v.bytes, &hay[at..]) {
-                    Spelled::Whole(len) if whole.is_none_or(|(l, _)| len > l) => {
-                        whole = Some((len, v));
-                    }
-                    Spelled::Begun => begun = true,
-                    _ => {}
+                let read = spelled(&v.bytes, &hay[at..]);
+                begun |= read.begun;
+                if let Some(len) = read.whole.filter(|&len| whole.is_none_or(|(l, _)| len > l)) {
+                    whole = Some((len, v));
                 }
             }
             if begun && !end {
@@ -234,42 +225,97 @@ impl Carried {
     }
 }
 
-/// How `value` reads at the start of `hay`: each byte as itself,
-/// percent-encoded (either case of hex), `/` also as `\/`, a space also as
-/// `+`.
+/// How `value` reads at the start of `hay`, each of its bytes written in
+/// any of the ways [`ways`] lists: the longest whole spelling there, and
+/// whether `hay` ends inside a spelling that has begun. Every way is
+/// followed (a `%` of the value may be `%` or `%25`), as a set of places in
+/// `hay` reached so far: a few at most.
 fn spelled(value: &[u8], hay: &[u8]) -> Spelled {
-    let mut i = 0;
+    let (mut at, mut next, mut begun) = (vec![0usize], Vec::new(), false);
     for &b in value {
-        let Some(&h) = hay.get(i) else {
-            return Spelled::Begun;
-        };
-        let step = match h {
-            _ if h == b => 1,
-            b'%' => match (hay.get(i + 1), hay.get(i + 2)) {
-                (Some(&x), Some(&y))
-                    if hex(x).zip(hex(y)).is_some_and(|(x, y)| x * 16 + y == b) =>
-                {
-                    3
+        next.clear();
+        for &p in &at {
+            for way in ways(b).iter().flatten() {
+                match way.reads(&hay[p..]) {
+                    Reads::Whole(len) => next.push(p + len),
+                    Reads::Begun => begun = true,
+                    Reads::No => {}
                 }
-                (Some(&x), None) if hex(x).is_some_and(|x| x == b >> 4) => return Spelled::Begun,
-                (None, _) => return Spelled::Begun,
-                _ => return Spelled::No,
-            },
-            b'\\' if b == b'/' => match hay.get(i + 1) {
-                Some(b'/') => 2,
-                None => return Spelled::Begun,
-                Some(_) => return Spelled::No,
-            },
-            b'+' if b == b' ' => 1,
-            _ => return Spelled::No,
-        };
-        i += step;
+            }
+        }
+        next.sort_unstable();
+        next.dedup();
+        std::mem::swap(&mut at, &mut next);
+        if at.is_empty() {
+            break;
+        }
     }
-    Spelled::Whole(i)
+    Spelled {
+        whole: at.iter().max().copied(),
+        begun,
+    }
 }
 
-fn hex(c: u8) -> Option<u8> {
-    (c as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
+/// One way of writing a byte: its bytes, those from `fold` on compared
+/// without regard to case (hex digits).
+struct Way {
+    bytes: [u8; 6],
+    len: usize,
+    fold: usize,
+}
+
+/// How a way reads at the start of some bytes.
+enum Reads {
+    Whole(usize),
+    /// The bytes end inside it.
+    Begun,
+    No,
+}
+
+impl Way {
+    fn new(bytes: &[u8], fold: usize) -> Option<Self> {
+        let mut b = [0; 6];
+        b[..bytes.len()].copy_from_slice(bytes);
+        Some(Self {
+            bytes: b,
+            len: bytes.len(),
+            fold,
+        })
+    }
+
+    fn reads(&self, rest: &[u8]) -> Reads {
+        let same = |k: usize, c: u8| {
+            let w = self.bytes[k];
+            c == w || (k >= self.fold && c.eq_ignore_ascii_case(&w))
+        };
+        let n = rest.len().min(self.len);
+        if !(0..n).all(|k| same(k, rest[k])) {
+            Reads::No
+        } else if n == self.len {
+            Reads::Whole(self.len)
+        } else {
+            Reads::Begun
+        }
+    }
+}
+
+/// The ways byte `b` is written by URL, form and JSON encoders: as itself;
+/// `%hh`; `\u00hh` (JSON); `/` also as `\/`, `"` and `\` as `\"` and `\\`
+/// (JSON), a space as `+` (forms).
+fn ways(b: u8) -> [Option<Way>; 4] {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let (hi, lo) = (HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]);
+    let other = match b {
+        b'/' | b'"' | b'\\' => Way::new(&[b'\\', b], usize::MAX),
+        b' ' => Way::new(b"+", usize::MAX),
+        _ => None,
+    };
+    [
+        Way::new(&[b], usize::MAX),
+        Way::new(&[b'%', hi, lo], 1),
+        Way::new(&[b'\\', b'u', b'0', b'0', hi, lo], 4),
+        other,
+    ]
 }
 
 /// A body with a request's values replaced by their placeholders.
@@ -462,6 +508,18 @@ mod tests {
             ("k/y+z%3", 0),
             "an escape cut short"
         );
+        // A value already encoded, encoded again (`%` as `%25`), and JSON's
+        // escapes (Go's encoder writes `&` as `\u0026`).
+        let c = carried(r#"a%2Bb"c\d&e"#);
+        for spelled in [
+            r#"a%2Bb"c\d&e"#,
+            r#"a%252Bb%22c%5Cd%26e"#,
+            r#"a%2Bb\"c\\d\u0026e"#,
+            r#"\u0061%2Bb\u0022c\u005Cd\u0026e"#,
+        ] {
+            let (text, _, found) = through(&c, &["[", spelled, "]"], None).await;
+            assert_eq!((text.as_str(), found), ("[PH_0001]", 1), "{spelled}");
+        }
     }
 
     /// A chunk goes on at once (an event stream's `\n\n` is not held for
