@@ -282,6 +282,7 @@ pub async fn approve(
     conn: &mut PgConnection,
     a: &NewApproval<'_>,
 ) -> Result<Result<(Approval, bool), String>, sqlx::Error> {
+    store::approvals::lock_rule(conn, a).await?;
     if let Some(same) = store::approvals::same_in_force(conn, a).await? {
         return Ok(Ok((same, false)));
     }

@@ -531,15 +531,20 @@ impl Dispatcher {
 
     /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
     /// time (the gateway commits concurrent pushes together), but those
-    /// `held` back. A push the gateway refuses (`4xx`) is held back, and
-    /// the rest go on, until a push is applied or an interval passes; any
-    /// other failure stops the round, to retry on the next.
+    /// `held` back. A push the gateway refuses as the sandbox's is held
+    /// back ([`HeldPushes`]) and the rest go on; any other failure stops
+    /// the round, to retry on the next.
     async fn push_changes(&self, w: &WorkerRow, until: Instant, held: &mut HeldPushes) -> bool {
-        held.release(self.limits.resync_interval);
-        let changes = store::unpushed(&self.pool, &w.id, 256, &held.ids()).await;
+        let (ids, generations) = held.pairs();
+        let changes = store::unpushed(&self.pool, &w.id, 256, (&ids, &generations)).await;
         let Some(changes) = read(changes, "reading the changes to push", &w.id) else {
             return false;
         };
+        // A pass that reached the end of the queue: those held go again,
+        // once an interval has passed since they were.
+        if changes.is_empty() {
+            held.release(self.limits.resync_interval);
+        }
         let mut moved = false;
         for chunk in changes.chunks(PUSH_CONCURRENCY) {
             if Instant::now() >= until {
@@ -552,16 +557,16 @@ impl Dispatcher {
                 store::acknowledge(&self.pool, &w.id, None, applied, w.lease.as_ref()).await;
             logged(acked, "acknowledging the pushes", &w.id);
             let mut stop = false;
-            for (id, error) in failed {
-                tracing::warn!(worker = %w.id, sandbox = %id, %error, "push failed; will retry");
+            for (id, error) in &failed {
+                tracing::warn!(worker = %w.id, sandbox = %id.0, %error, "push failed; will retry");
                 self.count_push("failed");
-                stop |= !held.hold(id, &error);
-                self.note_push_failure(w, &error).await;
+                // A refusal noted moves the queue on as a push does.
+                let noted = held.hold(id, error);
+                moved |= noted.is_some();
+                stop |= noted.is_none();
             }
-            // A push applied may be what a refused one waited for (the
-            // address it takes, freed): those held go again next round.
-            if applied > 0 {
-                held.0.clear();
+            if let Some((_, error)) = failed.last() {
+                self.note_push_failure(w, error).await;
             }
             if stop {
                 return moved;
@@ -589,7 +594,7 @@ impl Dispatcher {
         &self,
         w: &WorkerRow,
         chunk: &[SandboxRow],
-    ) -> (i64, Vec<(String, PushError)>) {
+    ) -> (i64, Vec<((String, i64), PushError)>) {
         let mut pushes = tokio::task::JoinSet::new();
         let (mut applied, mut failed) = (0, Vec::new());
         for s in chunk {
@@ -599,7 +604,7 @@ impl Dispatcher {
                 Ok(Some(body)) => (Method::PUT, Some(body)),
                 Ok(None) => (Method::DELETE, None),
                 Err(e) => {
-                    failed.push((id, PushError::Unsendable(e)));
+                    failed.push(((id, generation), PushError::Unsendable(e)));
                     continue;
                 }
             };
@@ -619,8 +624,10 @@ impl Dispatcher {
                     self.count_push("applied");
                     applied += i64::from(status.is_success());
                 }
-                Ok((status, body)) => failed.push((id, PushError::refused(status, &body))),
-                Err(e) => failed.push((id, e.into())),
+                Ok((status, body)) => {
+                    failed.push(((id, generation), PushError::refused(status, &body)));
+                }
+                Err(e) => failed.push(((id, generation), e.into())),
             }
         }
         (applied, failed)
@@ -823,37 +830,66 @@ impl Dispatcher {
     }
 }
 
-/// Pushes a gateway refused (`4xx`: a sandbox it will not take, such as
-/// one past its `limits.max_sandboxes`, or a row it cannot read), by
-/// sandbox, with when: left out of the worker's pushes until one is applied
-/// (which may free what they wait for) or an interval passes, so that many
-/// of them at the front of its queue do not stop every change behind them.
-/// Bounded by the worker's sandboxes.
+/// Pushes a gateway refused as a sandbox's (`400`, `409`, `413`, `422`: a
+/// sandbox past its `limits.max_sandboxes`, an address another still
+/// holds, a row it cannot read), by sandbox and generation. Refused once,
+/// a push is tried again in the next round (the address it waited for may
+/// be free by then); refused twice, it is held back: left out of the
+/// worker's pushes until a pass reaches the end of its queue and an
+/// interval has passed, so that many of them at the front do not stop
+/// every change behind them, nor are sent again at every wake-up. A later
+/// change of the sandbox (a destroy) is not held. Bounded by the worker's
+/// sandboxes.
 #[derive(Default)]
-struct HeldPushes(std::collections::HashMap<String, Instant>);
+struct HeldPushes {
+    /// The generation refused, and whether it is held back.
+    pushes: std::collections::HashMap<String, (i64, bool)>,
+    /// When the first of them was held.
+    since: Option<Instant>,
+}
 
 impl HeldPushes {
-    /// Holds back `id` when `error` is a refusal; `false` for a failure
-    /// that is the gateway's or the network's (the round stops).
-    fn hold(&mut self, id: String, error: &PushError) -> bool {
+    /// Notes the refusal of `(id, generation)` when `error` refuses that
+    /// sandbox: `true` (the queue moved on as if it were pushed); `None`
+    /// for a failure that is the gateway's, the network's or the token's
+    /// (the round stops).
+    fn hold(&mut self, (id, generation): &(String, i64), error: &PushError) -> Option<bool> {
         let refused = match error {
-            PushError::Refused { status, .. } => status.is_client_error(),
+            PushError::Refused { status, .. } => {
+                matches!(status.as_u16(), 400 | 409 | 413 | 422)
+            }
             PushError::Unsendable(_) => true,
             PushError::Unanswered(_) => false,
         };
-        if refused {
-            self.0.insert(id, Instant::now());
+        if !refused {
+            return None;
         }
-        refused
+        let again = self.pushes.get(id) == Some(&(*generation, false));
+        self.pushes.insert(id.clone(), (*generation, again));
+        if again {
+            self.since.get_or_insert_with(Instant::now);
+        }
+        Some(true)
     }
 
-    /// Lets go of those held for `interval`: tried again.
+    /// At the end of a pass: forgets the refusals not held back (their
+    /// pushes went again), and lets every held one go, to be tried again,
+    /// once `interval` has passed since the first was held back.
     fn release(&mut self, interval: std::time::Duration) {
-        self.0.retain(|_, at| at.elapsed() < interval);
+        self.pushes.retain(|_, (_, held)| *held);
+        if self.since.is_some_and(|t| t.elapsed() >= interval) {
+            self.pushes.clear();
+            self.since = None;
+        }
     }
 
-    fn ids(&self) -> Vec<String> {
-        self.0.keys().cloned().collect()
+    /// The pushes held back, as the store's query takes them.
+    fn pairs(&self) -> (Vec<String>, Vec<i64>) {
+        self.pushes
+            .iter()
+            .filter(|(_, (_, held))| *held)
+            .map(|(id, (g, _))| (id.clone(), *g))
+            .unzip()
     }
 }
 

@@ -533,19 +533,21 @@ pub async fn settled_sandboxes(pool: &PgPool, worker: &str) -> Result<Settled, s
 }
 
 /// Changes a worker's gateway has not acknowledged yet, oldest first, but
-/// for the sandboxes `held` (pushes the gateway refused, held back a while).
+/// for the generations `held` of those sandboxes (pushes the gateway
+/// refused, held back a while).
 pub async fn unpushed(
     pool: &PgPool,
     worker: &str,
     limit: i64,
-    held: &[String],
+    (held, generations): (&[String], &[i64]),
 ) -> Result<Vec<SandboxRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND generation > pushed_generation AND NOT (id = ANY($3)) ORDER BY changed_at LIMIT $2",
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND generation > pushed_generation AND (id, generation) NOT IN (SELECT h.id, h.generation FROM unnest($3::text[], $4::bigint[]) AS h(id, generation)) ORDER BY changed_at LIMIT $2",
     )
     .bind(worker)
     .bind(limit)
     .bind(held)
+    .bind(generations)
     .fetch_all(pool)
     .await?;
     rows.iter().map(SandboxRow::from_row).collect()
@@ -689,7 +691,13 @@ pub async fn insert_finished_operation(
     conn: &mut PgConnection,
     op: &NewOperation<'_>,
 ) -> Result<(), sqlx::Error> {
-    insert_op(conn, op, "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint, state, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'succeeded', now())").await
+    // Finished: its payload (the whole policy) is not kept, as for one run.
+    let none = serde_json::json!({});
+    let kept = NewOperation {
+        payload: &none,
+        ..*op
+    };
+    insert_op(conn, &kept, "INSERT INTO operations (id, tenant, kind, sandbox, payload, idempotency_key, fingerprint, state, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'succeeded', now())").await
 }
 
 /// `op`'s row by `sql`, whose parameters are its fields in order.

@@ -125,6 +125,21 @@ pub async fn reached(
         .await
 }
 
+/// Takes the lock on `a`'s tenant, scope, target and rule, held to the end
+/// of the transaction: two approvals of one rule at once, each with its own
+/// `until`, would otherwise each miss the other's new row, and both stay
+/// in force. (Revokes and expiries do not take it: no wait goes the other
+/// way round.)
+pub async fn lock_rule(conn: &mut PgConnection, a: &NewApproval<'_>) -> Result<(), sqlx::Error> {
+    let rule = serde_json::to_string(a.rule).unwrap_or_default();
+    let key = format!("{}\n{}\n{}\n{rule}", a.tenant, a.scope.as_str(), a.target);
+    sqlx::query("SELECT pg_advisory_xact_lock(7312, hashtext($1))")
+        .bind(key)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 /// The approval in force of `a`'s tenant for the same scope, target, rule
 /// and `until`, if there is one: approving it again adds nothing.
 pub async fn same_in_force(

@@ -653,13 +653,13 @@ async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
 }
 
 /// Pushes the gateway refuses (`409`: past its `limits.max_sandboxes`),
-/// more than one round's worth at the front of the worker's queue, do not
-/// stop the changes behind them.
+/// more than a read's worth (256) at the front of the worker's queue, do
+/// not stop the changes behind them.
 #[tokio::test]
 async fn refused_pushes_at_the_front_do_not_hold_up_the_rest() {
     let url = db!();
-    let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/24").await;
-    for _ in 0..34 {
+    let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/23").await;
+    for _ in 0..300 {
         let (s, v) = e2b_create(api.addr).await;
         assert_eq!(s, 201, "{v}");
     }
@@ -1061,7 +1061,7 @@ async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
     egress_controller::store::mark_forgotten(&pool, &view.forgotten)
         .await
         .expect("mark");
-    let unpushed = egress_controller::store::unpushed(&pool, "w1", 10, &[])
+    let unpushed = egress_controller::store::unpushed(&pool, "w1", 10, (&[], &[]))
         .await
         .expect("unpushed");
     let ids: Vec<(&str, i64)> = unpushed
