@@ -109,8 +109,15 @@ pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
 }
 
 /// `GET /readyz`: `200 ready epoch=… generation=…` once the pushed state is
-/// enforced and the listeners are up, else `503 not ready`.
+/// enforced and the listeners are up, else `503 not ready`; `503` too once
+/// no change can be committed before a restart.
 fn readyz(ctl: &Control) -> Reply {
+    if ctl.committer.stuck.load(Ordering::Acquire) {
+        // Every change refused: the controller's deletes and narrowings
+        // would not be enforced.
+        let why = "not ready: the state directory is in doubt, no change is committed; restart the gateway\n";
+        return text(StatusCode::SERVICE_UNAVAILABLE, why);
+    }
     if ctl.dp.ready.load(Ordering::Acquire) {
         let state = format!(
             "ready epoch={} generation={}\n",

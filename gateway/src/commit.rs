@@ -10,7 +10,7 @@
 //! concurrently, in the request's task.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -80,6 +80,9 @@ pub(crate) struct Committer {
     /// Changes committed since the state was first written: the state's
     /// generation, reported to controllers.
     pub(crate) generation: Arc<AtomicU64>,
+    /// Set when no change can be committed until a restart: the state
+    /// directory is in doubt, or the commit thread did not start.
+    pub(crate) stuck: Arc<AtomicBool>,
 }
 
 /// Whether `job` puts a sandbox `batch` deletes.
@@ -106,6 +109,7 @@ impl Committer {
     ) -> Self {
         let (jobs, rx) = mpsc::channel(MAX_QUEUED);
         let generation = Arc::new(AtomicU64::new(seq));
+        let stuck = Arc::new(AtomicBool::new(false));
         let worker = Worker {
             registry,
             cache: Some(cache),
@@ -113,14 +117,20 @@ impl Committer {
             journal,
             generation: generation.clone(),
             doubt: None,
+            stuck: stuck.clone(),
         };
         let spawned = std::thread::Builder::new()
             .name("egress-commit".into())
             .spawn(move || worker.run(rx));
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start the commit thread: every push will fail");
+            stuck.store(true, Ordering::Release);
         }
-        Self { jobs, generation }
+        Self {
+            jobs,
+            generation,
+            stuck,
+        }
     }
 
     /// Stops the commit thread once everything submitted before is durable;
@@ -175,6 +185,8 @@ struct Worker {
     generation: Arc<AtomicU64>,
     /// Set when a resync's snapshot may be on disk though its write failed.
     doubt: Option<String>,
+    /// [`Committer::stuck`], told after each change.
+    stuck: Arc<AtomicBool>,
 }
 
 impl Worker {
@@ -190,6 +202,7 @@ impl Worker {
             match first.change {
                 Change::Replace(_) => {
                     self.replace(*first);
+                    self.tell_if_stuck();
                     continue;
                 }
                 Change::Seal => {
@@ -219,6 +232,14 @@ impl Worker {
             }
             self.commit(batch);
             self.compact_if_due();
+            self.tell_if_stuck();
+        }
+    }
+
+    /// Tells readiness when no change can be committed any more.
+    fn tell_if_stuck(&self) {
+        if self.in_doubt().is_some() {
+            self.stuck.store(true, Ordering::Release);
         }
     }
 

@@ -89,6 +89,15 @@ impl Journal {
             .create(true)
             .open(&path)
             .map_err(io)?;
+        // The file's name (and the directory's, if it was made now) made
+        // durable before the first append is acknowledged: an fsync of the
+        // file alone need not keep a new name.
+        std::fs::File::open(state_dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io)?;
+        if let Some(parent) = state_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let _ = std::fs::File::open(parent).and_then(|d| d.sync_all());
+        }
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes).map_err(io)?;
         let (records, good) = read_records(&bytes, &path)?;
@@ -182,12 +191,12 @@ impl Journal {
 }
 
 /// The records in `bytes`, and where the good part ends. A record cut
-/// short, or failing its checksum at the very end, is a torn tail (left
-/// out): a crash during an append that was never acknowledged. One failing
-/// its checksum with more bytes after it is corruption, and so is any bad
-/// record (its length above what a writer writes, or past the end) with a
-/// whole record somewhere after it: cutting there would drop records that
-/// were acknowledged.
+/// short, or failing its checksum, with no whole record after it is a torn
+/// tail (left out): a crash during an append (of a batch of records, in one
+/// write) that was never acknowledged. Any bad record (a checksum that
+/// fails, its length above what a writer writes, or past the end) with a
+/// whole record somewhere after it is corruption: cutting there would drop
+/// records that were acknowledged.
 fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), PersistError> {
     let mut records = Vec::new();
     let mut off = 0;
@@ -215,12 +224,14 @@ fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), Persi
             return Ok((records, off));
         };
         if crc32fast::hash(payload) != crc {
-            if end == bytes.len() {
-                return Ok((records, off));
+            // A batch of records is one write: torn within, its later
+            // records unwritten too (zeros, say), this is its tail.
+            if let Some(later) = whole_record_after(bytes, off) {
+                return Err(corrupt(format!(
+                    "checksum mismatch, and a whole record at offset {later} after it"
+                )));
             }
-            return Err(corrupt(
-                "checksum mismatch with more records after it".into(),
-            ));
+            return Ok((records, off));
         }
         let record: Record = egress_policy::from_json(
             std::str::from_utf8(payload).map_err(|e| corrupt(e.to_string()))?,

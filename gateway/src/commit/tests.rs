@@ -31,6 +31,7 @@ fn worker(dir: &Path) -> Worker {
         journal,
         generation: Arc::new(AtomicU64::new(seq)),
         doubt: None,
+        stuck: Arc::default(),
     }
 }
 
@@ -110,6 +111,8 @@ fn a_failed_append_that_cannot_be_cut_back_stops_commits_until_a_restart() {
     // The disk takes writes again, but what the failed append left is not
     // known: nothing more is acknowledged before a restart.
     w.journal.use_file(writable(dir.path()));
+    w.tell_if_stuck();
+    assert!(w.stuck.load(Ordering::Acquire), "readiness is told");
     let c = sandbox(&w.registry, "c", "100.64.0.3");
     let (job, mut answer) = job(Change::Put(c));
     assert!(w.unless_in_doubt(job).is_none(), "refused");
@@ -146,6 +149,7 @@ async fn a_stalled_commit_thread_holds_a_bounded_queue() {
     let committer = Committer {
         jobs,
         generation: Arc::default(),
+        stuck: Arc::default(),
     };
     let waiting: Vec<_> = (0..MAX_QUEUED)
         .map(|i| {
@@ -192,6 +196,7 @@ async fn a_seal_the_commit_thread_never_takes_fails_in_time() {
     let committer = Committer {
         jobs,
         generation: Arc::default(),
+        stuck: Arc::default(),
     };
     let sealed = tokio::time::timeout(
         Duration::from_secs(10),

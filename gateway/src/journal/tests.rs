@@ -97,6 +97,32 @@ fn a_tail_of_zeros_is_dropped() {
     }
 }
 
+/// A batch is one write: a crash inside it can leave zeros from the middle
+/// of its first record to its end. Torn, not corrupt: the start goes on
+/// with what was acknowledged before it.
+#[test]
+fn a_batch_torn_inside_its_first_record_is_a_torn_tail() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (mut j, _) = Journal::open(dir.path(), 0).expect("open");
+    j.append(&[put(1, "a", "100.64.0.1")]).expect("append");
+    let acknowledged = j.bytes() as usize;
+    j.append(&[put(2, "b", "100.64.0.2"), put(3, "c", "100.64.0.3")])
+        .expect("append");
+    drop(j);
+    let mut bytes = std::fs::read(path(dir.path())).expect("read");
+    let from = acknowledged + 8 + 10;
+    let len = bytes.len();
+    bytes[from..len].fill(0);
+    std::fs::write(path(dir.path()), &bytes).expect("torn");
+    let (_, seq, n) = recover(&registry(), dir.path()).expect("a torn batch is a torn tail");
+    assert_eq!((seq, n), (1, 1));
+    assert_eq!(
+        std::fs::metadata(path(dir.path())).expect("meta").len() as usize,
+        acknowledged,
+        "cut back to what was acknowledged"
+    );
+}
+
 #[test]
 fn a_bad_checksum_at_the_end_is_torn_but_in_the_middle_stops_startup() {
     let dir = tempfile::tempdir().expect("dir");
