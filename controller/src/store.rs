@@ -869,7 +869,7 @@ pub async fn prune(
     .await?
     .rows_affected();
     let ended = sqlx::query(
-        "UPDATE sandboxes SET policy = NULL, provenance = '[]' WHERE id IN (SELECT id FROM sandboxes WHERE state IN ('destroyed', 'failed') AND generation <= pushed_generation AND (policy IS NOT NULL OR provenance <> '[]') AND changed_at < now() - make_interval(secs => $1) LIMIT $2)",
+        "UPDATE sandboxes SET policy = NULL, provenance = '[]' WHERE id IN (SELECT id FROM sandboxes WHERE state IN ('destroyed', 'failed') AND generation <= pushed_generation AND (policy IS NOT NULL OR provenance <> '[]'::jsonb) AND changed_at < now() - make_interval(secs => $1) LIMIT $2)",
     )
     .bind(operations.as_secs_f64())
     .bind(batch)
