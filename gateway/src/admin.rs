@@ -402,14 +402,16 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         if let Err(e) = egress_api::gateway::sandbox_addresses(&d.addresses) {
             return bad(i, "addresses", &e);
         }
-        if let Err(e) =
-            credentials::validate(&d.credentials).and_then(|()| ctl.dp.secrets.load(&d.credentials))
-        {
+        if let Err(e) = credentials::validate(&d.credentials) {
             return bad(i, "credentials", &e);
         }
         if let Some(Err(e)) = d.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
             return bad(i, "upstream_proxy", &e);
         }
+    }
+    let lists = docs.iter().map(|d| &d.credentials[..]);
+    if let Err((i, e)) = ctl.dp.secrets.load_all(lists) {
+        return bad(i, "credentials", &e);
     }
     let n = docs.len();
     let prepared = docs

@@ -95,11 +95,29 @@ impl Secrets {
     /// Reads the values of `list` (a push): the first that cannot be read
     /// is the error, naming the credential and its source, and nothing is kept.
     pub fn load(&self, list: &[Credential]) -> Result<(), String> {
-        let mut read = Vec::with_capacity(list.len());
-        for (i, c) in list.iter().enumerate() {
-            let value = read_source(&c.source, &self.allowed)
-                .map_err(|e| format!("credentials[{i}].source: {} ({}): {e}", c.source, c.name))?;
-            read.push((c.source.clone(), value));
+        self.load_all([list]).map_err(|(_, why)| why)
+    }
+
+    /// [`Self::load`] of many sandboxes' lists (a resync), each source read
+    /// once and the values kept in one step: the first that cannot be read
+    /// is the error, with its list's index. (Kept list by list, a resync of
+    /// N sandboxes with sources of their own copied the table N times.)
+    pub fn load_all<'a>(
+        &self,
+        lists: impl IntoIterator<Item = &'a [Credential]>,
+    ) -> Result<(), (usize, String)> {
+        let mut read: HashMap<Source, Secret> = HashMap::new();
+        for (n, list) in lists.into_iter().enumerate() {
+            for (i, c) in list.iter().enumerate() {
+                if read.contains_key(&c.source) {
+                    continue;
+                }
+                let value = read_source(&c.source, &self.allowed).map_err(|e| {
+                    let why = format!("credentials[{i}].source: {} ({}): {e}", c.source, c.name);
+                    (n, why)
+                })?;
+                read.insert(c.source.clone(), value);
+            }
         }
         if read.is_empty() {
             return Ok(());
@@ -107,7 +125,7 @@ impl Secrets {
         let mut fresh = self.lock();
         let mut next = (**self.values.load()).clone();
         let now = std::time::Instant::now();
-        fresh.extend(read.iter().map(|(s, _)| (s.clone(), now)));
+        fresh.extend(read.keys().map(|s| (s.clone(), now)));
         next.extend(read);
         self.values.store(Arc::new(next));
         Ok(())
