@@ -553,6 +553,45 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// A value, spelled any way each of its bytes may be, between
+        /// arbitrary bytes: replaced (no raw copy left), and the answer is
+        /// the same however its body is cut into chunks.
+        #[test]
+        fn a_spelled_value_is_replaced_however_the_chunks_fall(
+            value in "[abc%/\"\\\\& +2B]{1,10}",
+            before in "[abc%/\\\\ 2Bu0]{0,8}",
+            after in "[abc%/\\\\ 2Bu0]{0,8}",
+            picks in proptest::collection::vec(0usize..4, 10),
+            cuts in proptest::collection::vec(0usize..64, 0..6),
+        ) {
+            let c = carried(&value);
+            let mut text = before.into_bytes();
+            for (i, b) in value.bytes().enumerate() {
+                let spellings: Vec<Way> = ways(b).into_iter().flatten().collect();
+                let way = &spellings[picks[i] % spellings.len()];
+                text.extend_from_slice(&way.bytes[..way.len]);
+            }
+            text.extend_from_slice(after.as_bytes());
+            let text = String::from_utf8(text).expect("ASCII");
+            let mut at: Vec<usize> = cuts.iter().map(|c| c % (text.len() + 1)).collect();
+            at.sort_unstable();
+            at.dedup();
+            let mut chunks = Vec::new();
+            let mut from = 0;
+            for &cut in at.iter().chain(std::iter::once(&text.len())) {
+                chunks.push(&text[from..cut]);
+                from = cut;
+            }
+            let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+            let (whole, _, found) = rt.block_on(through(&c, &[&text], None));
+            let (cut, _, _) = rt.block_on(through(&c, &chunks, None));
+            proptest::prop_assert!(found >= 1, "{text:?}: {whole:?}");
+            proptest::prop_assert!(!whole.contains(value.as_str()), "{text:?}: {whole:?}");
+            proptest::prop_assert_eq!(whole, cut, "{:?} in {:?}", text, chunks);
+        }
+    }
+
     #[test]
     fn a_reason_phrase_gets_the_placeholder() {
         let c = carried("s3cr3t-value");
