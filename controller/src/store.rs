@@ -852,29 +852,38 @@ pub async fn prune(
     keys: Duration,
     batch: i64,
 ) -> Result<(u64, u64, u64), sqlx::Error> {
-    let forgotten = sqlx::query(
+    let forgotten = prune_one(
+        pool,
         "UPDATE operations SET idempotency_key = NULL, fingerprint = NULL WHERE id IN (SELECT id FROM operations WHERE idempotency_key IS NOT NULL AND created_at < now() - make_interval(secs => $1) AND state IN ('succeeded', 'failed') LIMIT $2)",
+        (keys, batch),
     )
-    .bind(keys.as_secs_f64())
-    .bind(batch)
-    .execute(pool)
-    .await?
-    .rows_affected();
-    let deleted = sqlx::query(
+    .await?;
+    let deleted = prune_one(
+        pool,
         "DELETE FROM operations WHERE id IN (SELECT id FROM operations WHERE finished_at IS NOT NULL AND finished_at < now() - make_interval(secs => $1) AND state IN ('succeeded', 'failed') LIMIT $2)",
+        (operations, batch),
     )
-    .bind(operations.as_secs_f64())
-    .bind(batch)
-    .execute(pool)
-    .await?
-    .rows_affected();
-    let ended = sqlx::query(
+    .await?;
+    let ended = prune_one(
+        pool,
         "UPDATE sandboxes SET policy = NULL, provenance = '[]' WHERE id IN (SELECT id FROM sandboxes WHERE state IN ('destroyed', 'failed') AND generation <= pushed_generation AND (policy IS NOT NULL OR provenance <> '[]'::jsonb) AND changed_at < now() - make_interval(secs => $1) LIMIT $2)",
+        (operations, batch),
     )
-    .bind(operations.as_secs_f64())
-    .bind(batch)
-    .execute(pool)
-    .await?
-    .rows_affected();
+    .await?;
     Ok((forgotten, deleted, ended))
+}
+
+/// One of [`prune`]'s statements, its age (`$1`, seconds) and batch (`$2`)
+/// bound: the rows it changed.
+async fn prune_one(
+    pool: &PgPool,
+    sql: &'static str,
+    (age, batch): (Duration, i64),
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(sql)
+        .bind(age.as_secs_f64())
+        .bind(batch)
+        .execute(pool)
+        .await?;
+    Ok(done.rows_affected())
 }

@@ -324,25 +324,10 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
             "{v}"
         );
     }
-    let soon = db_time(&mut conn, "+ interval '2 seconds'").await;
-    let (s, a) = approve(
-        &w,
-        FEDERATED,
-        &id,
-        json!({"scope": "sandbox", "until": soon}),
-    )
-    .await;
-    assert_eq!(s, 201, "{a}");
+    approved_until(&w, &mut conn, (&id, "sandbox"), "+ interval '2 seconds'").await;
     // Approved again with another until: the new one replaces it.
-    let again = db_time(&mut conn, "+ interval '3 seconds'").await;
-    let (s, replacing) = approve(
-        &w,
-        FEDERATED,
-        &id,
-        json!({"scope": "sandbox", "until": again}),
-    )
-    .await;
-    assert_eq!(s, 201, "{replacing}");
+    let again = "+ interval '3 seconds'";
+    let replacing = approved_until(&w, &mut conn, (&id, "sandbox"), again).await;
     let (_, list) = call(
         w.api.addr,
         "GET",
@@ -363,15 +348,7 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     // Another approval (of the tenant) past its until that cannot be taken
     // out (its rule no longer reads): it must not hold the first one in
     // force.
-    let later = db_time(&mut conn, "+ interval '1 hour'").await;
-    let (s, broken) = approve(
-        &w,
-        FEDERATED,
-        &id,
-        json!({"scope": "tenant", "until": later}),
-    )
-    .await;
-    assert_eq!(s, 201, "{broken}");
+    let broken = approved_until(&w, &mut conn, (&id, "tenant"), "+ interval '1 hour'").await;
     sqlx::query(
         "UPDATE approvals SET until = now() - interval '1 second', rule = '\"garbage\"'::jsonb WHERE id = $1",
     )
@@ -621,6 +598,20 @@ async fn denied_then_approved(
 
 /// The database's clock, `offset` from now (`+ interval '2 seconds'`),
 /// as RFC 3339.
+/// Approves `id`'s only proposal for `scope` until the database's now and
+/// `offset`: the approval (`201`).
+async fn approved_until(
+    w: &Setup,
+    conn: &mut sqlx::PgConnection,
+    (id, scope): (&str, &str),
+    offset: &str,
+) -> Value {
+    let until = db_time(conn, offset).await;
+    let (s, a) = approve(w, FEDERATED, id, json!({"scope": scope, "until": until})).await;
+    assert_eq!(s, 201, "{a}");
+    a
+}
+
 async fn db_time(conn: &mut sqlx::PgConnection, offset: &str) -> String {
     let sql = format!("SELECT to_json(now() {offset}) #>> '{{}}'");
     sqlx::query_scalar(sqlx::AssertSqlSafe(sql))

@@ -207,6 +207,17 @@ async fn two_dispatchers_split_the_workers_and_push_each_change_once_in_order() 
     assert_eq!(once, 20);
 }
 
+/// Creates `n` sandboxes through the E2B route and waits until their
+/// gateway has every change.
+async fn created_and_pushed(api: std::net::SocketAddr, url: &str, n: usize) {
+    for _ in 0..n {
+        let (s, v) = e2b_create(api).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
+    db_until(url, pending, |n| n == 0).await;
+}
+
 async fn e2b_create(api: std::net::SocketAddr) -> (u16, Value) {
     call(
         api,
@@ -503,16 +514,7 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
     }
     register(&api, "w1", &gw, "100.64.30.0/24").await;
     let d = dispatcher(&url, deployment(None, None), limits(5, 60_000, 100)).await;
-    for _ in 0..3 {
-        let (s, v) = e2b_create(api.addr).await;
-        assert_eq!(s, 201, "{v}");
-    }
-    db_until(
-        &url,
-        "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation",
-        |n| n == 0,
-    )
-    .await;
+    created_and_pushed(api.addr, &url, 3).await;
     let in_step = r#"egress_controller_gateway_checks_total{outcome="generation"} "#;
     let listed = r#"egress_controller_gateway_checks_total{outcome="listed"} "#;
     let lists = |gw: &FakeGateway| gw.events().iter().filter(|e| **e == Event::List).count();
@@ -580,12 +582,7 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
 async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
     let url = db!();
     let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.31.0/24").await;
-    for _ in 0..2 {
-        let (s, v) = e2b_create(api.addr).await;
-        assert_eq!(s, 201, "{v}");
-    }
-    let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
-    db_until(&url, pending, |n| n == 0).await;
+    created_and_pushed(api.addr, &url, 2).await;
     let resyncs = |gw: &FakeGateway| {
         gw.events()
             .iter()
@@ -659,12 +656,7 @@ async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
 async fn refused_pushes_at_the_front_do_not_hold_up_the_rest() {
     let url = db!();
     let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/23").await;
-    for _ in 0..300 {
-        let (s, v) = e2b_create(api.addr).await;
-        assert_eq!(s, 201, "{v}");
-    }
-    let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
-    db_until(&url, pending, |n| n == 0).await;
+    created_and_pushed(api.addr, &url, 300).await;
     let mut ids: Vec<String> = gw
         .state
         .lock()
@@ -714,10 +706,7 @@ async fn refused_pushes_at_the_front_do_not_hold_up_the_rest() {
 async fn a_refused_resync_does_not_hold_up_the_workers_pushes() {
     let url = db!();
     let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/24").await;
-    let (s, v) = e2b_create(api.addr).await;
-    assert_eq!(s, 201, "{v}");
-    let pending = "SELECT count(*) FROM sandboxes WHERE generation > pushed_generation";
-    db_until(&url, pending, |n| n == 0).await;
+    created_and_pushed(api.addr, &url, 1).await;
     let refusals = |gw: &FakeGateway| {
         gw.events()
             .iter()
