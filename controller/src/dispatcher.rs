@@ -54,6 +54,10 @@ const WORKERS_AT_ONCE: usize = 64;
 /// Push rounds a worker's task runs on one wake-up (256 changes each).
 const PUSH_ROUNDS: usize = 16;
 
+/// Unpushed changes read at once: a read of fewer reached the end of the
+/// worker's queue.
+const UNPUSHED_READ: usize = 256;
+
 /// Operations one dispatcher runs at once (each in its own transaction).
 const EXECUTORS: usize = 4;
 
@@ -488,8 +492,8 @@ impl Dispatcher {
         // again once per interval, the changes pushed meanwhile, so one
         // sandbox does not hold up every other change of the worker.
         let mut refused: Option<Instant> = None;
-        // Pushes the gateway refused (`4xx`: a sandbox it will not take),
-        // held back for an interval: the changes behind them go meanwhile.
+        // Pushes the gateway refused as the sandbox's, held back a while
+        // ([`HeldPushes`]): the changes behind them go meanwhile.
         let mut held = HeldPushes::default();
         while rx.changed().await.is_ok() {
             let (read_at, mut w, until) = rx.borrow_and_update().clone();
@@ -536,13 +540,14 @@ impl Dispatcher {
     /// the round, to retry on the next.
     async fn push_changes(&self, w: &WorkerRow, until: Instant, held: &mut HeldPushes) -> bool {
         let (ids, generations) = held.pairs();
-        let changes = store::unpushed(&self.pool, &w.id, 256, (&ids, &generations)).await;
+        let held_back = (&ids[..], &generations[..]);
+        let changes = store::unpushed(&self.pool, &w.id, UNPUSHED_READ as i64, held_back).await;
         let Some(changes) = read(changes, "reading the changes to push", &w.id) else {
             return false;
         };
-        // A pass that reached the end of the queue: those held go again,
+        // A read that reached the end of the queue: those held go again,
         // once an interval has passed since they were.
-        if changes.is_empty() {
+        if changes.len() < UNPUSHED_READ {
             held.release(self.limits.resync_interval);
         }
         let mut moved = false;
@@ -835,7 +840,7 @@ impl Dispatcher {
 /// holds, a row it cannot read), by sandbox and generation. Refused once,
 /// a push is tried again in the next round (the address it waited for may
 /// be free by then); refused twice, it is held back: left out of the
-/// worker's pushes until a pass reaches the end of its queue and an
+/// worker's pushes until a read reaches the end of its queue and an
 /// interval has passed, so that many of them at the front do not stop
 /// every change behind them, nor are sent again at every wake-up. A later
 /// change of the sandbox (a destroy) is not held. Bounded by the worker's
@@ -877,7 +882,7 @@ impl HeldPushes {
     /// once `interval` has passed since the first was held back.
     fn release(&mut self, interval: std::time::Duration) {
         self.pushes.retain(|_, (_, held)| *held);
-        if self.since.is_some_and(|t| t.elapsed() >= interval) {
+        if self.pushes.is_empty() || self.since.is_some_and(|t| t.elapsed() >= interval) {
             self.pushes.clear();
             self.since = None;
         }
