@@ -231,6 +231,19 @@ impl Carried {
 /// followed (a `%` of the value may be `%` or `%25`), as a set of places in
 /// `hay` reached so far: a few at most.
 fn spelled(value: &[u8], hay: &[u8]) -> Spelled {
+    // Most places fail at the first byte: no set made for them.
+    let first = value.first().map(|&b| ways(b));
+    let no_way = |ways: &[Option<Way>; 4]| {
+        ways.iter()
+            .flatten()
+            .all(|w| matches!(w.reads(hay), Reads::No))
+    };
+    if first.as_ref().is_none_or(no_way) {
+        return Spelled {
+            whole: None,
+            begun: false,
+        };
+    }
     let (mut at, mut next, mut begun) = (vec![0usize], Vec::new(), false);
     for &b in value {
         next.clear();
@@ -300,14 +313,15 @@ impl Way {
 }
 
 /// The ways byte `b` is written by URL, form and JSON encoders: as itself;
-/// `%hh`; `\u00hh` (JSON); `/` also as `\/`, `"` and `\` as `\"` and `\\`
-/// (JSON), a space as `+` (forms).
+/// `%hh`; `\u00hh` (JSON); `/` also as `\/`, `"` and `\` as `\"` and `\\`,
+/// a tab as `\t` (JSON), a space as `+` (forms).
 fn ways(b: u8) -> [Option<Way>; 4] {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     let (hi, lo) = (HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]);
     let other = match b {
         b'/' | b'"' | b'\\' => Way::new(&[b'\\', b], usize::MAX),
         b' ' => Way::new(b"+", usize::MAX),
+        b'\t' => Way::new(b"\\t", usize::MAX),
         _ => None,
     };
     [
@@ -508,6 +522,9 @@ mod tests {
             ("k/y+z%3", 0),
             "an escape cut short"
         );
+        // A tab, as JSON writes it.
+        let (text, _, found) = through(&carried("a\tb"), &["[a\\tb]"], None).await;
+        assert_eq!((text.as_str(), found), ("[PH_0001]", 1), "a tab");
         // A value already encoded, encoded again (`%` as `%25`), and JSON's
         // escapes (Go's encoder writes `&` as `\u0026`).
         let c = carried(r#"a%2Bb"c\d&e"#);
