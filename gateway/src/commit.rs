@@ -95,6 +95,18 @@ fn deleted_in(batch: &[JobBox], job: &Job) -> bool {
         .any(|j| matches!(&j.change, Change::Delete(id) if *id == s.id))
 }
 
+/// Tells [`Committer::stuck`] when the commit thread ends in a panic:
+/// every change would then be refused.
+struct Died(Arc<AtomicBool>);
+
+impl Drop for Died {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+}
+
 /// A job, boxed so the channel's item stays small.
 type JobBox = Box<Job>;
 
@@ -119,9 +131,13 @@ impl Committer {
             doubt: None,
             stuck: stuck.clone(),
         };
+        let died = Died(stuck.clone());
         let spawned = std::thread::Builder::new()
             .name("egress-commit".into())
-            .spawn(move || worker.run(rx));
+            .spawn(move || {
+                let _died = died;
+                worker.run(rx);
+            });
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start the commit thread: every push will fail");
             stuck.store(true, Ordering::Release);

@@ -250,3 +250,19 @@ fn a_removed_sandboxs_evidence_goes_once_the_removal_is_durable() {
     assert!(commit(&mut w, Change::Replace(vec![other])));
     assert_eq!(names(), 0, "a resync left a dropped sandbox's evidence");
 }
+
+/// A commit thread that ends in a panic is told as stuck (every change
+/// would be refused); one that returns is not.
+#[test]
+fn a_commit_thread_that_panics_is_told_as_stuck() {
+    for panics in [false, true] {
+        let stuck = Arc::new(AtomicBool::new(false));
+        let died = Died(stuck.clone());
+        let _ = std::thread::spawn(move || {
+            let _died = died;
+            assert!(!panics, "a bug in the commit thread");
+        })
+        .join();
+        assert_eq!(stuck.load(Ordering::Acquire), panics);
+    }
+}
