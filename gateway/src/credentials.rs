@@ -66,6 +66,9 @@ pub struct Secrets {
     /// Taken to write `values`; holds the sources pushes loaded in the last
     /// [`FRESH_FOR`], and when (their sandboxes may not be registered yet).
     write: std::sync::Mutex<HashMap<Source, std::time::Instant>>,
+    /// Reloads done (under `write`): a push's values read meanwhile may be
+    /// older than the reload's.
+    reloads: std::sync::atomic::AtomicU64,
     allowed: CredentialSources,
 }
 
@@ -88,6 +91,7 @@ impl Secrets {
         Self {
             values: ArcSwap::default(),
             write: std::sync::Mutex::new(HashMap::new()),
+            reloads: std::sync::atomic::AtomicU64::new(0),
             allowed,
         }
     }
@@ -102,12 +106,46 @@ impl Secrets {
     /// once and the values kept in one step: the first that cannot be read
     /// is the error, with its list's index. (Kept list by list, a resync of
     /// N sandboxes with sources of their own copied the table N times.)
+    /// Values read while a reload (SIGHUP) ran are read again, so a value
+    /// rotated meanwhile does not come back; the last try reads under the
+    /// lock.
     pub fn load_all<'a>(
         &self,
         lists: impl IntoIterator<Item = &'a [Credential]>,
     ) -> Result<(), (usize, String)> {
+        let lists: Vec<&[Credential]> = lists.into_iter().collect();
+        for attempt in 0..3 {
+            let last = attempt == 2;
+            let reloads = self.reloads.load(std::sync::atomic::Ordering::Acquire);
+            let early = (!last).then(|| self.read_all(&lists));
+            let mut fresh = self.lock();
+            let read = match early {
+                Some(_) if self.reloads.load(std::sync::atomic::Ordering::Acquire) != reloads => {
+                    continue;
+                }
+                Some(read) => read?,
+                None => self.read_all(&lists)?,
+            };
+            if read.is_empty() {
+                return Ok(());
+            }
+            let mut next = (**self.values.load()).clone();
+            let now = std::time::Instant::now();
+            fresh.extend(read.keys().map(|s| (s.clone(), now)));
+            next.extend(read);
+            self.values.store(Arc::new(next));
+            return Ok(());
+        }
+        Ok(())
+    }
+
+    /// Every source of `lists`, read once.
+    fn read_all(
+        &self,
+        lists: &[&[Credential]],
+    ) -> Result<HashMap<Source, Secret>, (usize, String)> {
         let mut read: HashMap<Source, Secret> = HashMap::new();
-        for (n, list) in lists.into_iter().enumerate() {
+        for (n, list) in lists.iter().enumerate() {
             for (i, c) in list.iter().enumerate() {
                 if read.contains_key(&c.source) {
                     continue;
@@ -119,16 +157,7 @@ impl Secrets {
                 read.insert(c.source.clone(), value);
             }
         }
-        if read.is_empty() {
-            return Ok(());
-        }
-        let mut fresh = self.lock();
-        let mut next = (**self.values.load()).clone();
-        let now = std::time::Instant::now();
-        fresh.extend(read.keys().map(|s| (s.clone(), now)));
-        next.extend(read);
-        self.values.store(Arc::new(next));
-        Ok(())
+        Ok(read)
     }
 
     /// Reads every source again (SIGHUP): one that cannot be read is
@@ -157,6 +186,8 @@ impl Secrets {
         sources.into_iter().for_each(&mut read);
         fresh.keys().for_each(&mut read);
         self.values.store(Arc::new(next));
+        self.reloads
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
         failed
     }
 
