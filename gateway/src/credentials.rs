@@ -637,6 +637,7 @@ fn replace_bytes(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
 }
 
 mod reflect;
+pub(crate) use reflect::codings_but;
 pub use reflect::Carried;
 
 #[cfg(test)]

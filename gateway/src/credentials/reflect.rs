@@ -125,13 +125,7 @@ impl Carried {
     /// values (anything but `identity`).
     pub fn encoded(headers: &HeaderMap) -> Option<String> {
         let codings = headers.get_all(header::CONTENT_ENCODING);
-        let unread = codings.iter().any(|v| {
-            v.as_bytes()
-                .split(|b| *b == b',')
-                .map(<[u8]>::trim_ascii)
-                .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
-        });
-        unread.then(|| {
+        codings_but(headers, &header::CONTENT_ENCODING, b"identity").then(|| {
             let all: Vec<String> = codings
                 .iter()
                 .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
@@ -223,6 +217,17 @@ impl Carried {
         };
         (pass, buf.slice(held..), n)
     }
+}
+
+/// Whether `headers`' `name` (a comma list of codings) names any coding
+/// but `only`, in any case.
+pub(crate) fn codings_but(headers: &HeaderMap, name: &header::HeaderName, only: &[u8]) -> bool {
+    headers.get_all(name).iter().any(|v| {
+        v.as_bytes()
+            .split(|b| *b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(only))
+    })
 }
 
 /// How `value` reads at the start of `hay`, each of its bytes written in

@@ -596,12 +596,7 @@ fn asks_for_trailers(headers: &HeaderMap) -> bool {
 /// outside the fixed set that the message carries.
 /// Whether an answer's `transfer-encoding` names a coding but `chunked`.
 fn transfer_coded(headers: &HeaderMap) -> bool {
-    headers.get_all(header::TRANSFER_ENCODING).iter().any(|v| {
-        v.as_bytes()
-            .split(|b| *b == b',')
-            .map(<[u8]>::trim_ascii)
-            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"chunked"))
-    })
+    crate::credentials::codings_but(headers, &header::TRANSFER_ENCODING, b"chunked")
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {

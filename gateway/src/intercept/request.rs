@@ -175,11 +175,10 @@ impl Conn {
             Err(denial) => return refused_after_body(req, denial).await,
         };
         self.opening(sb, &req, (host, &lookup));
-        let carried = req.extensions_mut().remove::<credentials::Carried>();
-        let method = req.method().clone();
+        let carried = carried_of(&mut req);
         let resp = self.forwarded(sb, req, host, &authority, charge).await;
         match carried {
-            Some(carried) => self.unreflected(sb, resp, (&carried, &method), rec),
+            Some((carried, method)) => self.unreflected(sb, resp, (&carried, &method), rec),
             None => resp,
         }
     }
@@ -768,6 +767,13 @@ impl Conn {
             rec.denied_shown.get_or_insert_with(show);
         }
     }
+}
+
+/// The credential values `req` carries, with its method, to be looked for in
+/// its answer; only such a request has its method kept.
+fn carried_of(req: &mut Request<ClientBody>) -> Option<(credentials::Carried, http::Method)> {
+    let carried = req.extensions_mut().remove::<credentials::Carried>()?;
+    Some((carried, req.method().clone()))
 }
 
 /// Answers `400` without forwarding anything; an HTTP/1 connection is
