@@ -24,7 +24,8 @@
 //! # let _ = nft_present;
 //! ```
 //!
-//! The API is stable: [`REQUIRED_VAR`], [`required`], [`skip`].
+//! The API is stable: [`REQUIRED_VAR`], [`required`], [`skip`]; beside it
+//! [`closed_port`] and [`spare_port`] hand out loopback ports that do not race.
 
 use std::fmt::Display;
 
@@ -76,9 +77,73 @@ pub fn closed_port() -> (std::net::SocketAddr, socket2::Socket) {
     (addr, s)
 }
 
+/// A TCP port free right now on 127.0.0.1 and `[::]`, for a process (or a
+/// listener) the test starts later on it, chosen below the kernel's
+/// ephemeral range (`net.ipv4.ip_local_port_range`).
+///
+/// A port from a bind to port 0, dropped, lies in the ephemeral range, which
+/// every outgoing connection and every other bind to port 0 draws from; one
+/// of them took such a port between the drop and the gateway's bind (it did
+/// once in CI: `cannot listen on listen.admin … Address already in use`).
+/// Below that range only another test's pick can collide, one chance in
+/// some twenty thousand, and each pick starts at a random place.
+///
+/// # Panics
+///
+/// If no port in the range can be bound.
+#[must_use]
+pub fn spare_port() -> u16 {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static PICKS: AtomicU64 = AtomicU64::new(0);
+    let (low, high) = spare_range();
+    let span = u64::from(high - low);
+    let start = std::hash::RandomState::new().hash_one(PICKS.fetch_add(1, Ordering::Relaxed));
+    (0..span)
+        .map(|i| low + u16::try_from((start + i) % span).expect("within the span"))
+        .find(|&port| free(port))
+        .expect("a free port below the ephemeral range")
+}
+
+/// The ports [`spare_port`] draws from: 10,000 up to where the ephemeral
+/// range starts (32,768 where it cannot be read).
+fn spare_range() -> (u16, u16) {
+    let first_ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if first_ephemeral > 11_000 {
+        (10_000, first_ephemeral)
+    } else {
+        (1_024, first_ephemeral.max(1_025))
+    }
+}
+
+/// Whether `port` can be bound for TCP on 127.0.0.1 and on `[::]` (where
+/// this machine has IPv6).
+fn free(port: u16) -> bool {
+    let v4 = std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    v4 && std::net::TcpListener::bind(("::", port))
+        .map_or_else(|e| e.kind() != std::io::ErrorKind::AddrInUse, |_| true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_spare_port_is_free_and_below_the_ephemeral_range() {
+        let (low, high) = spare_range();
+        let picks: Vec<u16> = (0..8).map(|_| spare_port()).collect();
+        for &port in &picks {
+            assert!((low..high).contains(&port), "{port} not in {low}..{high}");
+            let held = std::net::TcpListener::bind(("127.0.0.1", port));
+            assert!(held.is_ok(), "{port} was handed out but cannot be bound");
+            assert!(!free(port), "{port} reads as free while it is bound");
+        }
+        let distinct: std::collections::HashSet<_> = picks.iter().collect();
+        assert!(distinct.len() > 1, "eight picks all gave {}", picks[0]);
+    }
 
     /// The tests of this crate run in one process and share its
     /// environment: one test covers every value so none race another.

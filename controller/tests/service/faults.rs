@@ -33,10 +33,7 @@ impl OwnCluster {
             egress_testkit::skip("the PostgreSQL restart test", "DATABASE_URL is not set");
             return None;
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = egress_testkit::spare_port();
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/pg.sh");
         let out = Command::new(script)
             .arg("start")

@@ -327,13 +327,10 @@ pub async fn world(url: &str, d: Arc<Deployment>, template_policy: Value) -> Wor
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_egress-controller");
 
-/// A loopback port nobody listens on right now.
+/// A loopback port nobody listens on right now, for a process started
+/// later (below the ephemeral range: see `egress_testkit::spare_port`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    egress_testkit::spare_port()
 }
 
 /// A free port on loopback, as an address.

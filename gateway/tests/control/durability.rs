@@ -81,11 +81,10 @@ async fn try_push(admin: SocketAddr, id: &str, doc: &str) -> Option<u16> {
     std::str::from_utf8(out.get(9..12)?).ok()?.parse().ok()
 }
 
+/// An admin address for a gateway process: kept across its restarts, so
+/// not one the kernel could hand an outgoing connection meanwhile.
 fn free_admin() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
+    SocketAddr::from(([127, 0, 0, 1], egress_testkit::spare_port()))
 }
 
 /// The policy of version `v`: its allow list names the version.

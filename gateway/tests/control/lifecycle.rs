@@ -341,9 +341,7 @@ async fn a_connection_that_was_not_redirected_is_refused() {
     // reports for a connection that bypassed the redirect.
     let gw = {
         let cfg = config(dir.path(), "");
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("probe a port");
-        let port = listener.local_addr().expect("addr").port();
-        drop(listener);
+        let port = egress_testkit::spare_port();
         let mut cfg = cfg;
         cfg.listen.transparent = ([127, 0, 0, 1], port).into();
         start(cfg, ([127, 0, 0, 1], port).into()).await
@@ -378,9 +376,7 @@ async fn a_connection_that_was_not_redirected_is_refused_on_a_dual_stack_listene
     // On `[::]`, an IPv4 connection's local address is IPv4-mapped, and
     // SO_ORIGINAL_DST reports plain IPv4: the same address all the same.
     let dir = tempfile::tempdir().expect("dir");
-    let listener = std::net::TcpListener::bind("[::]:0").expect("probe a port");
-    let port = listener.local_addr().expect("addr").port();
-    drop(listener);
+    let port = egress_testkit::spare_port();
     let mut cfg = config(dir.path(), "");
     cfg.listen.transparent = (std::net::Ipv6Addr::UNSPECIFIED, port).into();
     let gw = start(cfg, ([127, 0, 0, 1], port).into()).await;
