@@ -1305,6 +1305,40 @@ async fn one_source_cannot_hold_every_tcp_connection() {
     assert!(m.is_some(), "A is served again");
 }
 
+/// Five sources opening 16 idle connections each would take all 64 by their
+/// fair shares alone (16, 16, 16, 12, then the last 4): the last eighth is
+/// kept for sources that hold little, so a sixth is still served.
+#[tokio::test]
+async fn a_few_sources_at_their_tcp_bound_leave_room_for_the_next() {
+    let h = harness(|pc, _| pc.max_tcp_connections = 64, false).await;
+    let open = |src: String| async move {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind((src.parse::<IpAddr>().expect("src"), 0).into())
+            .expect("bind client");
+        sock.connect(h.tcp).await.expect("connect")
+    };
+    let mut held = Vec::new();
+    for n in 1..=5 {
+        for _ in 0..16 {
+            held.push(open(format!("{FLEET}{n}")).await);
+        }
+    }
+    let next = tokio::time::timeout(
+        Duration::from_secs(5),
+        tcp(
+            &h,
+            &format!("{FLEET}6"),
+            &query("api.test.", RecordType::A, None),
+        ),
+    )
+    .await
+    .expect("the sixth source is answered, not left waiting");
+    assert_eq!(next.metadata.response_code, ResponseCode::NoError);
+    // Of the 80 opened, more than 16 were closed at once.
+    assert!(h.proxy.metrics().overloaded.get() > 80 - 64);
+    drop(held);
+}
+
 #[tokio::test]
 async fn malformed_input_gets_formerr_or_silence_and_the_proxy_lives_on() {
     let h = harness(|_, _| {}, false).await;
