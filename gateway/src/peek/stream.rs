@@ -49,6 +49,7 @@ fn ssh_line(rest: &[u8]) -> Stream {
             b'\r' if version > 0 => {
                 return match rest.get(i + 1) {
                     None => Stream::NeedMore,
+                    Some(b'\n') if reads_as_http(&rest[..i]) => unreadable,
                     Some(b'\n') => Stream::Done(Some(StreamProtocol::Ssh)),
                     Some(_) => unreadable,
                 }
@@ -61,6 +62,14 @@ fn ssh_line(rest: &[u8]) -> Stream {
         }
     }
     Stream::NeedMore
+}
+
+/// Whether an identification line also reads as an HTTP request line: a
+/// server that takes any token as a method (Go's `net/http` takes
+/// `SSH-2.0-X`) would serve `SSH-2.0-X /admin HTTP/1.1` by its `Host`,
+/// which no one judged. No SSH implementation writes `HTTP/` in its line.
+fn reads_as_http(line: &[u8]) -> bool {
+    line.windows(5).any(|w| w.eq_ignore_ascii_case(b"HTTP/"))
 }
 
 #[cfg(test)]
@@ -116,6 +125,8 @@ mod tests {
             ("non-ASCII", "SSH-2.0-Öpen\r\n".as_bytes()),
             ("tab", b"SSH-2.0-OpenSSH\tx\r\n"),
             ("postgres startup", &[0, 0, 0, 8, 4, 0xd2, 0x16, 0x2f]),
+            ("an HTTP request line", b"SSH-2.0-X /admin HTTP/1.1\r\n"),
+            ("an HTTP version in any case", b"SSH-2.0-X http/1.0\r\n"),
         ] {
             assert_eq!(identify(bytes), Stream::Done(None), "{what}");
         }
