@@ -128,14 +128,16 @@ impl Conn {
         mut req: Request<ClientBody>,
         rec: &mut RequestRecord,
     ) -> Response<Body> {
-        if self.doh {
-            return self.doh_answer(req).await;
-        }
         // Judged under the sandbox's registration as it is now: a push
-        // applies from the next request on an open connection.
+        // applies from the next request on an open connection. A DoH query
+        // too: the proxy admits it by source address, which may belong to
+        // a sandbox registered since, whose budget and evidence it would be.
         let Some(sandbox) = self.sandbox_now() else {
             return refused_after_body(req, self.unregistered(rec)).await;
         };
+        if self.doh {
+            return self.doh_answer(req).await;
+        }
         let sb = &*sandbox;
         let authority = match self.authority(&req, rec) {
             Ok(a) => a,

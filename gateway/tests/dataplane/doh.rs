@@ -10,6 +10,8 @@ use hickory_proto::op::{Message, MessageType, OpCode, Query};
 use hickory_proto::rr::{Name, RData, RecordType};
 use serde_json::json;
 
+use egress_policy::SandboxId;
+
 use crate::harness::*;
 
 const H1: &[&[u8]] = &[b"http/1.1"];
@@ -173,6 +175,40 @@ async fn doh_over_h2(e: &Env) -> h2::client::SendRequest<bytes::Bytes> {
     let (client, conn) = h2::client::handshake(tls).await.expect("h2");
     tokio::spawn(conn);
     client
+}
+
+/// A DoH connection is its sandbox's registration's: once the id is
+/// removed and registered again (same address), a query on the open
+/// connection is refused `403`, not admitted as the new registration's (its
+/// budget, its evidence).
+#[tokio::test]
+async fn a_doh_connection_ends_with_its_registration() {
+    let e = env(Options::default()).await;
+    let client = doh_over_h2(&e).await;
+    let ask = |client: h2::client::SendRequest<bytes::Bytes>| async move {
+        let mut client = client.ready().await.expect("ready");
+        let path = format!(
+            "https://dns.google/dns-query?dns={}",
+            URL_SAFE_NO_PAD.encode(query("relay.example.test."))
+        );
+        let req = http::Request::get(path).body(()).expect("request");
+        let (resp, _) = client.send_request(req, true).expect("stream");
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(5), resp)
+            .await
+            .expect("an answer in time")
+            .expect("response");
+        (resp.status().as_u16(), client)
+    };
+    let (status, client) = ask(client).await;
+    assert_eq!(status, 200, "answered while registered");
+    assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}]}"#),
+    );
+    let (status, _) = ask(client).await;
+    assert_eq!(status, 403, "a query of the removed registration");
 }
 
 /// A DoH body is read before its query can be judged: a source holds at
