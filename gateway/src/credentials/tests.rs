@@ -500,3 +500,92 @@ fn a_reload_keeps_what_a_push_in_flight_loaded() {
     assert_eq!(secrets.reload(std::iter::empty()).len(), 1, "reported");
     assert!(value().is_none(), "unreadable: dropped");
 }
+
+/// Where the thread at `task` (`/proc/<pid>/task/<tid>`) waits in the
+/// kernel: `wait_for_partner` while it opens a FIFO no one writes.
+fn waits_in(task: &std::path::Path) -> String {
+    std::fs::read_to_string(task.join("wchan")).unwrap_or_default()
+}
+
+/// Waits until the thread at `task` waits to open a FIFO (`true`), or until
+/// `reader` ends (`false`).
+fn opening_fifo(
+    task: &std::path::Path,
+    reader: &std::thread::ScopedJoinHandle<'_, Result<(), (usize, String)>>,
+) -> bool {
+    for _ in 0..1_000 {
+        if waits_in(task) == "wait_for_partner" {
+            return true;
+        }
+        if reader.is_finished() {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("the resync neither opened the FIFO nor ended in 10 s");
+}
+
+/// A resync read a value, then a SIGHUP read it rotated: the resync reads it
+/// again rather than put the old value back over the reload's. A FIFO as a
+/// second source holds the resync between its reads, for as long as the
+/// test wants.
+#[test]
+fn a_resync_reads_again_what_a_reload_read_meanwhile() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = value_file(&dir);
+    let fifo = dir.path().join("slow");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.expect("mkfifo").success(), "mkfifo");
+    let (plain, slow) = (
+        github(&path, false),
+        github(&fifo.display().to_string(), false),
+    );
+    let secrets = under_tmp();
+    let feed = |value: &[u8]| {
+        let mut w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&fifo)
+            .expect("open the FIFO");
+        w.write_all(value).expect("feed the FIFO");
+    };
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (plain, slow, secrets) = (&plain, &slow, &secrets);
+        let resync = s.spawn(move || {
+            let task = std::fs::read_link("/proc/thread-self").expect("/proc/thread-self");
+            tx.send(std::path::Path::new("/proc").join(task))
+                .expect("send");
+            secrets.load_all([plain.as_slice(), slow.as_slice()])
+        });
+        let task = rx.recv().expect("the resync's thread");
+        // The resync has read the plain file and waits on the FIFO: rotate
+        // the value and reload it meanwhile, then let the resync go on.
+        assert!(opening_fifo(&task, &resync), "the resync reads the FIFO");
+        let mut w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&fifo)
+            .expect("open the FIFO");
+        while waits_in(&task) == "wait_for_partner" {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        std::fs::write(&path, "rotated-value-0001").expect("rotate");
+        assert!(secrets.reload([&plain[0].source]).is_empty());
+        w.write_all(b"slow-value-1").expect("feed");
+        drop(w);
+        // Read again, the FIFO too: a second value for it.
+        let again = opening_fifo(&task, &resync);
+        if again {
+            feed(b"slow-value-2");
+        }
+        assert_eq!(resync.join().expect("resync"), Ok(()));
+        let value = secrets.get(&plain[0].source).map(|v| v.0.to_vec());
+        assert_eq!(
+            value.as_deref(),
+            Some(&b"rotated-value-0001"[..]),
+            "the reload's value stands (the FIFO read again: {again})"
+        );
+        let slow_value = secrets.get(&slow[0].source).map(|v| v.0.to_vec());
+        assert_eq!(slow_value.as_deref(), Some(&b"slow-value-2"[..]));
+    });
+}
