@@ -195,6 +195,7 @@ fn failed(e: &MachineError) -> Reply {
         | MachineError::Persist { .. }
         | MachineError::PersistUnsure { .. }
         | MachineError::Orphaned { .. }
+        | MachineError::Mismatched { .. }
         | MachineError::Log { .. } => (StatusCode::INTERNAL_SERVER_ERROR, None),
     };
     error(status, &e.to_string(), field)

@@ -92,6 +92,15 @@ pub enum MachineError {
     Orphaned { dir: PathBuf, chains: String },
     #[error("machine_egress.log_group {group}: {message}")]
     Log { group: u16, message: String },
+    /// A stored VM registered under the other match mode: the rules of
+    /// this mode would judge none of its traffic.
+    #[error("machine egress: VM {vm} ({file}) {why}, but machine_egress.match is {now:?}: the node's rules would judge none of its traffic. Set machine_egress.match back, or remove the VM (its file, before the start) and register it again")]
+    Mismatched {
+        vm: String,
+        file: PathBuf,
+        why: &'static str,
+        now: &'static str,
+    },
 }
 
 /// One VM as the gateway keeps it.
@@ -344,6 +353,31 @@ pub(crate) fn check_stored(vm: &Vm) -> Result<(), MachineError> {
     Ok(())
 }
 
+/// A stored VM is one this match mode judges: by its addresses (no
+/// cgroup), or by its cgroup (no link). `machine_egress.match` changed
+/// across a restart would otherwise leave it to no rule at all.
+fn fits(matching: Match, vm: &Vm, store: &store::Store) -> Result<(), MachineError> {
+    let why = match matching {
+        Match::Address if vm.cgroup.is_some() => Some("is matched by its cgroup"),
+        Match::Address if vm.addresses.is_empty() => Some("has no address"),
+        Match::Cgroup if vm.cgroup.is_none() => Some("is matched by its addresses"),
+        Match::Cgroup if vm.link.is_some() => Some("has a link to check"),
+        Match::Address | Match::Cgroup => None,
+    };
+    match why {
+        Some(why) => Err(MachineError::Mismatched {
+            vm: vm.id.clone(),
+            file: store.vm_path(&vm.id),
+            why,
+            now: match matching {
+                Match::Address => "address",
+                Match::Cgroup => "cgroup",
+            },
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A link or cgroup another VM already has: `409`.
 fn taken(state: &State, id: &str, r: &Registration) -> Result<(), MachineError> {
     for vm in state.vms.values().filter(|vm| vm.id != id) {
@@ -449,6 +483,9 @@ impl Machines {
             lost: LostEvents::default(),
         };
         let state = loaded.unwrap_or_else(|| lock(&machines.state).clone());
+        for vm in state.vms.values() {
+            fits(config.matching, vm, &machines.store)?;
+        }
         for vm in state.vms.values() {
             machines
                 .neighbours
@@ -1450,6 +1487,71 @@ mod tests {
         m.put_vm("vm1", registration).expect("registered");
         drop(m);
         Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).expect("state on disk");
+    }
+
+    /// A VM registered under one match mode stops a start under the other,
+    /// naming it, its file and `machine_egress.match`: none of the other
+    /// mode's rules would judge its traffic. Back under its own mode, the
+    /// start goes on.
+    #[test]
+    fn a_vm_of_the_other_match_mode_refuses_the_start() {
+        let dir = tempfile::tempdir().expect("dir");
+        let cgroups = tempfile::tempdir().expect("cgroup root");
+        std::fs::create_dir_all(cgroups.path().join("machine.slice/vm-17.scope")).expect("mkdir");
+        let script = r#"case "$*" in *-f*) cat > /dev/null ;; *) echo '{"nftables": []}' ;; esac"#;
+        let config = |matching| MachineEgressConfig {
+            nft: vec!["sh".into(), "-c".into(), script.into(), "nft".into()],
+            conntrack: conntrack_in(dir.path()),
+            observe: crate::config::MachineObserve::Sampled,
+            link_check: crate::config::MachineLinkCheck::Prerouting,
+            matching,
+            cgroup_root: cgroups.path().to_owned(),
+            ..MachineEgressConfig::default()
+        };
+        let start =
+            |matching| Machines::start(&config(matching), dir.path(), Arc::new(NoNeighbours));
+        let by_cgroup = Registration {
+            cgroup: Some("machine.slice/vm-17.scope".into()),
+            ..Registration::default()
+        };
+        let by_address = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            ..Registration::default()
+        };
+        for (registered, other, r, why) in [
+            (
+                Match::Cgroup,
+                Match::Address,
+                by_cgroup,
+                "is matched by its cgroup",
+            ),
+            (
+                Match::Address,
+                Match::Cgroup,
+                by_address,
+                "is matched by its addresses",
+            ),
+        ] {
+            let m = start(registered).expect("start");
+            m.put_vm("vm1", r).expect("registered");
+            drop(m);
+            let refused = start(other).err();
+            let Some(MachineError::Mismatched {
+                vm,
+                file,
+                why: said,
+                ..
+            }) = &refused
+            else {
+                panic!("started under {other:?}: {refused:?}");
+            };
+            assert_eq!((vm.as_str(), *said), ("vm1", why));
+            assert!(file.ends_with("machines/vm-vm1.json"), "{}", file.display());
+            let text = refused.expect("refused").to_string();
+            assert!(text.contains("machine_egress.match"), "{text}");
+            let m = start(registered).expect("under its own mode");
+            m.delete_vm("vm1").expect("removed");
+        }
     }
 
     /// The addresses a VM no longer holds (registered again without them,

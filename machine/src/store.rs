@@ -61,6 +61,13 @@ fn vm_file(id: &str) -> String {
 }
 
 impl Store {
+    /// The file VM `id` is kept in.
+    pub(crate) fn vm_path(&self, id: &str) -> PathBuf {
+        self.dir.join(vm_file(id))
+    }
+}
+
+impl Store {
     pub(crate) fn new(state_dir: &Path) -> Self {
         Self {
             dir: state_dir.join(DIR),
