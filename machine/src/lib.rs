@@ -388,7 +388,10 @@ fn taken(state: &State, id: &str, r: &Registration) -> Result<(), MachineError> 
                 message,
             });
         }
-        if r.cgroup.is_some() && vm.cgroup == r.cgroup {
+        let mine = r.cgroup.as_deref().map(|p| p.trim_end_matches('/'));
+        let theirs = vm.cgroup.as_deref().map(|p| p.trim_end_matches('/'));
+        // The path as nft reads it: `a/b/` is `a/b`.
+        if mine.is_some() && theirs == mine {
             let message = format!("cgroup {:?} already belongs to VM {}", vm.cgroup, vm.id);
             return Err(MachineError::Taken {
                 field: "cgroup",
@@ -1489,6 +1492,56 @@ mod tests {
         Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).expect("state on disk");
     }
 
+    /// Machine egress over the nft stand-in of [`machines`], matching by
+    /// `matching`, with a cgroup tree at `cgroups` that holds
+    /// `machine.slice/vm-17.scope`.
+    fn start_matching(
+        dir: &Path,
+        cgroups: &Path,
+        matching: Match,
+    ) -> Result<Arc<Machines>, MachineError> {
+        std::fs::create_dir_all(cgroups.join("machine.slice/vm-17.scope")).expect("mkdir");
+        let script = r#"case "$*" in *-f*) cat > /dev/null ;; *) echo '{"nftables": []}' ;; esac"#;
+        let config = MachineEgressConfig {
+            nft: vec!["sh".into(), "-c".into(), script.into(), "nft".into()],
+            conntrack: conntrack_in(dir),
+            observe: crate::config::MachineObserve::Sampled,
+            link_check: crate::config::MachineLinkCheck::Prerouting,
+            matching,
+            cgroup_root: cgroups.to_owned(),
+            ..MachineEgressConfig::default()
+        };
+        Machines::start(&config, dir, Arc::new(NoNeighbours))
+    }
+
+    /// A cgroup is one VM's however its path is written (`a/b/` is `a/b`
+    /// to nft): `409` naming the field, not a transaction nft refuses.
+    #[test]
+    fn a_cgroup_another_vm_has_is_taken_with_or_without_a_trailing_slash() {
+        let dir = tempfile::tempdir().expect("dir");
+        let cgroups = tempfile::tempdir().expect("cgroup root");
+        let m = start_matching(dir.path(), cgroups.path(), Match::Cgroup).expect("start");
+        let by = |path: &str| Registration {
+            cgroup: Some(path.into()),
+            ..Registration::default()
+        };
+        m.put_vm("vm1", by("machine.slice/vm-17.scope"))
+            .expect("registered");
+        for path in ["machine.slice/vm-17.scope", "machine.slice/vm-17.scope/"] {
+            let taken = m.put_vm("vm2", by(path));
+            assert!(
+                matches!(
+                    taken,
+                    Err(MachineError::Taken {
+                        field: "cgroup",
+                        ..
+                    })
+                ),
+                "{path}: {taken:?}"
+            );
+        }
+    }
+
     /// A VM registered under one match mode stops a start under the other,
     /// naming it, its file and `machine_egress.match`: none of the other
     /// mode's rules would judge its traffic. Back under its own mode, the
@@ -1497,19 +1550,7 @@ mod tests {
     fn a_vm_of_the_other_match_mode_refuses_the_start() {
         let dir = tempfile::tempdir().expect("dir");
         let cgroups = tempfile::tempdir().expect("cgroup root");
-        std::fs::create_dir_all(cgroups.path().join("machine.slice/vm-17.scope")).expect("mkdir");
-        let script = r#"case "$*" in *-f*) cat > /dev/null ;; *) echo '{"nftables": []}' ;; esac"#;
-        let config = |matching| MachineEgressConfig {
-            nft: vec!["sh".into(), "-c".into(), script.into(), "nft".into()],
-            conntrack: conntrack_in(dir.path()),
-            observe: crate::config::MachineObserve::Sampled,
-            link_check: crate::config::MachineLinkCheck::Prerouting,
-            matching,
-            cgroup_root: cgroups.path().to_owned(),
-            ..MachineEgressConfig::default()
-        };
-        let start =
-            |matching| Machines::start(&config(matching), dir.path(), Arc::new(NoNeighbours));
+        let start = |matching| start_matching(dir.path(), cgroups.path(), matching);
         let by_cgroup = Registration {
             cgroup: Some("machine.slice/vm-17.scope".into()),
             ..Registration::default()
