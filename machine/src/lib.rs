@@ -585,6 +585,7 @@ impl Machines {
             })?;
             *lock(&self.bound) = bound;
             if whole {
+                self.counters_restarted();
                 self.dirty.store(false, Ordering::Release);
             }
         }
@@ -656,9 +657,22 @@ impl Machines {
     fn reinstall(&self, state: &State) -> Result<(), NftError> {
         let (text, bound) = self.whole(state);
         self.apply(&text)?;
+        self.counters_restarted();
         *lock(&self.bound) = bound;
         self.dirty.store(false, Ordering::Release);
         Ok(())
+    }
+
+    /// The whole table was installed: its refused, spoofed and lost
+    /// counters start again at zero, and all they count next is new (a
+    /// next read above the last one's would otherwise count only the
+    /// difference).
+    fn counters_restarted(&self) {
+        for counts in [&self.refused, &self.spoofed, &self.unlogged] {
+            for r in lock(counts).values_mut() {
+                r.kernel = 0;
+            }
+        }
     }
 
     /// The nft text that takes the VMs of `touched` from what `from` says
@@ -1740,6 +1754,37 @@ mod tests {
         }
         assert!(!lock(&m.observed).contains_key("gone"));
         assert!(lock(&m.observed).contains_key("kept"));
+    }
+
+    /// The counts carry on across a whole table installed again: what its
+    /// counters count from zero is all new, though the next read is above
+    /// the last one before it.
+    #[test]
+    fn counts_carry_on_across_the_table_installed_again() {
+        let dir = tempfile::tempdir().expect("dir");
+        let m = machines(dir.path());
+        let registration = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration).expect("registered");
+        let read = |n| -> BTreeMap<String, u64> {
+            ["refused", "spoofed", "lost"]
+                .into_iter()
+                .map(|c| (format!("{c}_vm1"), n))
+                .collect()
+        };
+        m.account(&m.vms(), &read(100));
+        m.reinstall(&lock(&m.state)).expect("installed again");
+        m.account(&m.vms(), &read(150));
+        for (what, counts) in [
+            ("refused", &m.refused),
+            ("spoofed", &m.spoofed),
+            ("unlogged", &m.unlogged),
+        ] {
+            let total = lock(counts).get("vm1").map(|r| r.total);
+            assert_eq!(total, Some(250), "{what}");
+        }
     }
 
     /// The observer looks at the chains that enforce for the match in use
