@@ -46,6 +46,10 @@ pub use store::{DIR as STATE_DIR, LEGACY_FILE};
 /// Longest VM id.
 const MAX_ID: usize = 64;
 
+/// Most addresses one VM may hold: each one moved is a conntrack run made
+/// under the state lock, and a 1 MiB body holds some 60,000.
+const MAX_ADDRESSES: usize = 256;
+
 /// Why a change was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum MachineError {
@@ -194,6 +198,10 @@ pub struct Machines {
     store: store::Store,
     neighbours: Arc<dyn Neighbours>,
     state: Mutex<State>,
+    /// `state` as last committed, for reads: a change holds `state` across
+    /// nft and conntrack runs (up to their time limits), and a read on an
+    /// async worker waiting for it would stall every flow on that worker.
+    view: arc_swap::ArcSwap<State>,
     observed: Mutex<HashMap<String, observed::Store>>,
     /// Refused packets by VM id: the kernel's `refused` counter at the last
     /// read, and the total since the VM was registered (a replaced table
@@ -295,6 +303,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub fn check_addresses(id: &str, addresses: Vec<IpAddr>) -> Result<Vec<IpAddr>, MachineError> {
     if addresses.is_empty() {
         return Err(MachineError::NoAddress);
+    }
+    if addresses.len() > MAX_ADDRESSES {
+        return Err(MachineError::Invalid {
+            field: "addresses",
+            message: format!(
+                "{} addresses, more than {MAX_ADDRESSES} for one VM",
+                addresses.len()
+            ),
+        });
     }
     let addresses: Vec<IpAddr> = addresses.into_iter().map(|a| a.to_canonical()).collect();
     let mut seen = std::collections::HashSet::new();
@@ -470,6 +487,7 @@ impl Machines {
             store,
             neighbours,
             state: Mutex::new(State::empty()),
+            view: arc_swap::ArcSwap::from_pointee(State::empty()),
             observed: Mutex::new(HashMap::new()),
             refused: Mutex::new(BTreeMap::new()),
             spoofed: Mutex::new(BTreeMap::new()),
@@ -511,6 +529,7 @@ impl Machines {
         if !state.vms.is_empty() {
             tracing::info!(vms = state.vms.len(), "re-installed machine egress rules");
         }
+        machines.view.store(Arc::new(state.clone()));
         *lock(&machines.state) = state;
         Ok(Arc::new(machines))
     }
@@ -593,6 +612,7 @@ impl Machines {
             return Err(self.put_back(state, &next, touched, e));
         }
         let moved = addresses_moved(state, &next, touched);
+        self.view.store(Arc::new(next.clone()));
         *state = next;
         self.forget_flows(&moved);
         Ok(())
@@ -909,7 +929,8 @@ impl Machines {
     }
 
     pub fn vm(&self, id: &str) -> Result<Vm, MachineError> {
-        lock(&self.state)
+        self.view
+            .load()
             .vms
             .get(id)
             .map(|vm| Vm::clone(vm))
@@ -917,7 +938,7 @@ impl Machines {
     }
 
     pub fn vms(&self) -> Vec<Arc<Vm>> {
-        lock(&self.state).vms.values().cloned().collect()
+        self.view.load().vms.values().cloned().collect()
     }
 
     pub fn egress(&self, id: &str) -> Result<EgressView, MachineError> {
@@ -977,7 +998,7 @@ impl Machines {
     }
 
     pub fn default_policy(&self) -> MachineEgress {
-        lock(&self.state).default.clone()
+        self.view.load().default.clone()
     }
 
     /// Sets the node default. With `apply_running`, VMs that follow it take
@@ -1756,6 +1777,37 @@ mod tests {
         assert!(lock(&m.observed).contains_key("kept"));
     }
 
+    /// Reads (the API's, `/metrics`') do not wait for a change in flight,
+    /// which holds the state across nft and conntrack runs: they see the
+    /// state as last committed.
+    #[test]
+    fn reads_do_not_wait_for_a_change_in_flight() {
+        let dir = tempfile::tempdir().expect("dir");
+        let m = machines(dir.path());
+        let registration = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration).expect("registered");
+        let held = lock(&m.state);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let read = (
+                    m.vms().len(),
+                    m.vm("vm1").is_ok(),
+                    m.default_policy(),
+                    m.figures(),
+                );
+                let _ = tx.send((read.0, read.1, read.2));
+            });
+            let read = rx.recv_timeout(std::time::Duration::from_secs(5));
+            drop(held);
+            let (vms, found, default) = read.expect("read while a change holds the state");
+            assert_eq!((vms, found, default), (1, true, MachineEgress::loopback()));
+        });
+    }
+
     /// The counts carry on across a whole table installed again: what its
     /// counters count from zero is all new, though the next read is above
     /// the last one before it.
@@ -1922,6 +1974,17 @@ mod tests {
             check_addresses("vm", vec![]),
             Err(MachineError::NoAddress)
         ));
+        let many = |n: u32| {
+            (0..n)
+                .map(|i| IpAddr::from(std::net::Ipv4Addr::from(0x6440_0000 + i)))
+                .collect()
+        };
+        assert!(check_addresses("vm", many(256)).is_ok());
+        let refused = check_addresses("vm", many(257));
+        assert!(
+            matches!(&refused, Err(MachineError::Invalid { field: "addresses", message }) if message.starts_with("257 addresses")),
+            "{refused:?}"
+        );
         assert!(valid_id("vm-1.a_b").is_ok());
         for bad in ["", "a/b", "a b", &"a".repeat(65)] {
             assert!(valid_id(bad).is_err(), "{bad:?}");

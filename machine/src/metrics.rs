@@ -46,7 +46,7 @@ struct CauseLabels {
 
 /// Machine egress's figures at one moment.
 #[derive(Debug, Default)]
-struct MachineCounts {
+pub(crate) struct MachineCounts {
     /// VMs by the mode of the policy in force: (mode, VMs), every mode.
     by_mode: Vec<(&'static str, u64)>,
     /// (VM, audit, packets refused or would-be-refused).
@@ -152,8 +152,8 @@ fn totals(encoder: &mut DescriptorEncoder<'_>, f: &MachineCounts) -> Result<(), 
 impl Machines {
     /// VMs by mode, refused packets by VM (and whether they were dropped
     /// or, in audit, only recorded), evictions.
-    fn figures(&self) -> MachineCounts {
-        let state = lock(&self.state);
+    pub(crate) fn figures(&self) -> MachineCounts {
+        let state = self.view.load();
         let refused = lock(&self.refused);
         let spoofed = lock(&self.spoofed);
         let mut by_mode: Vec<(&'static str, u64)> =
