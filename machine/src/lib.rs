@@ -203,6 +203,9 @@ pub struct Machines {
     /// async worker waiting for it would stall every flow on that worker.
     view: arc_swap::ArcSwap<State>,
     observed: Mutex<HashMap<String, observed::Store>>,
+    /// Held across one read of a VM's observed set, its merge and the
+    /// removals it asks (sampled).
+    observing: Mutex<()>,
     /// Refused packets by VM id: the kernel's `refused` counter at the last
     /// read, and the total since the VM was registered (a replaced table
     /// starts its counter again; the total carries on).
@@ -489,6 +492,7 @@ impl Machines {
             state: Mutex::new(State::empty()),
             view: arc_swap::ArcSwap::from_pointee(State::empty()),
             observed: Mutex::new(HashMap::new()),
+            observing: Mutex::new(()),
             refused: Mutex::new(BTreeMap::new()),
             spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
@@ -1132,6 +1136,10 @@ impl Machines {
     }
 
     fn read_observed(&self, id: &str) -> Result<(), NftError> {
+        // One read, merge and removal at a time: an older read merged after
+        // a newer one would take counters lower than the last for sets made
+        // again, and count them whole.
+        let _one = lock(&self.observing);
         let kernel = self.nft.observed(id)?;
         let now = SystemTime::now();
         let forget = {
@@ -1146,7 +1154,11 @@ impl Machines {
                 .fetch_add(store.evictions() - before, Ordering::Relaxed);
             forget
         };
-        self.nft.forget(id, &forget)
+        self.nft.forget(id, &forget)?;
+        if let Some(store) = lock(&self.observed).get_mut(id) {
+            store.forgotten(&forget);
+        }
+        Ok(())
     }
 
     /// One round of the observer: reads the node table's counters (one

@@ -74,7 +74,9 @@ impl Store {
 
     /// Merges one read of the kernel set taken at `now`; returns the
     /// elements to remove from the kernel (evicted here, or trimmed to keep
-    /// room in the kernel set).
+    /// room in the kernel set), each one in `kernel`: a delete of one that
+    /// is not there fails the whole transaction. Once they are removed,
+    /// [`Store::forgotten`].
     pub fn merge(&mut self, now: SystemTime, kernel: &[KernelObserved]) -> Vec<Key> {
         for k in kernel {
             let key = (k.addr, k.proto, k.port);
@@ -99,10 +101,14 @@ impl Store {
         let mut forget = Vec::new();
         if self.entries.len() > self.capacity {
             let excess = self.entries.len() - self.capacity;
+            let in_kernel: std::collections::HashSet<Key> =
+                kernel.iter().map(|k| (k.addr, k.proto, k.port)).collect();
             for (key, _) in self.oldest(excess) {
                 self.entries.remove(&key);
                 self.evictions += 1;
-                forget.push(key);
+                if in_kernel.contains(&key) {
+                    forget.push(key);
+                }
             }
         }
         // Keep an eighth of the kernel set free for new destinations.
@@ -115,13 +121,22 @@ impl Store {
             in_kernel.sort_by_key(|k| std::cmp::Reverse(k.idle));
             let trim = kernel.len().saturating_sub(high) + self.capacity / 16;
             for k in in_kernel.into_iter().take(trim) {
-                if let Some(seen) = self.entries.get_mut(&(k.addr, k.proto, k.port)) {
-                    seen.kernel_packets = 0;
-                }
                 forget.push((k.addr, k.proto, k.port));
             }
         }
         forget
+    }
+
+    /// `keys` were removed from the kernel set: their counters there start
+    /// again from zero, and all they count next is new. (Until the removal
+    /// is known to have taken, the kernel's counts stay the baseline: a
+    /// removal that failed would otherwise count them twice.)
+    pub fn forgotten(&mut self, keys: &[Key]) {
+        for key in keys {
+            if let Some(seen) = self.entries.get_mut(key) {
+                seen.kernel_packets = 0;
+            }
+        }
     }
 
     /// Records one logged packet seen at `at` (events): the count is one
@@ -240,5 +255,42 @@ mod tests {
             .all(|(key, _)| matches!(key.0, IpAddr::V4(a) if a.octets()[3] >= 4)));
         // The kernel set was over 7/8 full: more were trimmed from it, not from here.
         assert!(forget.len() > 4);
+    }
+
+    /// Only what the kernel set holds is removed from it (a delete of an
+    /// element that is not there fails the whole transaction), and an
+    /// element's kernel count stays the baseline until its removal took.
+    #[test]
+    fn what_is_removed_from_the_kernel_is_there_and_counted_once() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let mut s = Store::new(16);
+        // Round one: 15 in the kernel, over 7/8 of 16: the two idle longest
+        // are trimmed from the kernel and kept here.
+        let round1: Vec<KernelObserved> = (1..=15u8)
+            .map(|i| k(i, 80, 3, u64::from(100 - i)))
+            .collect();
+        let trimmed = s.merge(t0, &round1);
+        assert_eq!(trimmed.len(), 2, "{trimmed:?}");
+        s.forgotten(&trimmed);
+        // Round two: two new ones; the store is over its bound and evicts
+        // the least recently seen, which are the trimmed ones, not in the kernel.
+        let mut round2: Vec<KernelObserved> = (3..=15u8)
+            .map(|i| k(i, 80, 3, u64::from(100 - i)))
+            .collect();
+        round2.extend([k(200, 443, 1, 0), k(201, 443, 1, 0)]);
+        let t1 = t0 + Duration::from_secs(5);
+        let forget = s.merge(t1, &round2);
+        let in_kernel: Vec<Key> = round2.iter().map(|k| (k.addr, k.proto, k.port)).collect();
+        for key in &forget {
+            assert!(
+                in_kernel.contains(key),
+                "{key:?} is not in the kernel set: {forget:?}"
+            );
+        }
+        // Their removal failed: the same read again counts nothing new.
+        let total = |s: &Store| s.entries().iter().map(|(_, seen)| seen.count).sum::<u64>();
+        let before = total(&s);
+        s.merge(t1 + Duration::from_secs(5), &round2);
+        assert_eq!(total(&s), before, "counted twice after a failed removal");
     }
 }
