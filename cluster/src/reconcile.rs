@@ -33,8 +33,8 @@ use crate::worker::{Worker, WorkerError};
 ///
 /// - [`run`]: `Controller::new(Api::all, watcher)` lists Machines in every
 ///   namespace and watches them (label selector, no `get`);
-/// - [`reconcile_one`]: `Api::patch` with a merge patch of the
-///   `MANAGED_ANNOTATION` annotation (the object, not `machines/status`);
+/// - [`reconcile_one`] (`mark_managed`): `Api::patch` with a merge patch of
+///   the `MANAGED_ANNOTATION` annotation (the object, not `machines/status`);
 /// - [`refuse`]: a `Warning` Event about a Machine that is not reconciled
 ///   (kube-rs' `Recorder`: `create`, and `patch` when the same Event
 ///   recurs within minutes).
@@ -128,9 +128,10 @@ pub enum Done {
     /// Not running (no runtime id, or not `Running`): nothing to do.
     NotRunning,
     /// Not reconciled, and said in a `Warning` Event on the Machine:
-    /// `spec.network.egress` is invalid (the webhook should have refused
-    /// it), `status.runtimeID` is not a VM id, or the worker's VM of that id
-    /// is not this Machine's. Nothing written.
+    /// `status.runtimeID` is not a VM id, or the worker's VM of that id is
+    /// not this Machine's (nothing written); or `spec.network.egress` is
+    /// invalid (the webhook should have refused it), and the VM is held on
+    /// `loopback`. Looked at again every `resync`.
     Invalid(Refused),
     /// The worker has no such VM (yet).
     NoVm,
@@ -150,7 +151,10 @@ fn key(m: &Machine) -> String {
 }
 
 /// Reconciles one Machine: reads the worker's policy, applies the decision,
-/// and records in the annotation whether the reconciler manages the policy.
+/// and records in the annotation whether the reconciler manages the policy
+/// — before its first write, so a write whose record failed is still
+/// cleared once the field goes. An invalid `spec.network.egress` holds the
+/// VM on `loopback` (nothing leaves) until it is valid, and says why.
 pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, ReconcileError> {
     let Some(vm) = m.running() else {
         return Ok(Done::NotRunning);
@@ -161,10 +165,6 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
         let why = format!("status.runtimeID {vm:?} is not a VM id");
         return Ok(refuse(m, ctx, "InvalidRuntimeID", why).await);
     }
-    let spec = match spec_of(m) {
-        Ok(spec) => spec,
-        Err(why) => return Ok(refuse(m, ctx, "InvalidEgress", why).await),
-    };
     let Some(held) = ctx.worker.addresses(vm).await? else {
         return Ok(Done::NoVm);
     };
@@ -174,35 +174,51 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
     let Some(current) = ctx.worker.policy(vm).await? else {
         return Ok(Done::NoVm);
     };
+    let (spec, invalid) = match spec_of(m) {
+        Ok(spec) => (spec, None),
+        Err(why) => (Some(MachineEgress::loopback()), Some(why)),
+    };
     let d = decide(spec.as_ref(), m.managed(), &current);
+    if d.managed && !m.managed() {
+        mark_managed(m, ctx, true).await?;
+    }
     match &d.action {
         decide::Action::Write(p) => ctx.worker.write(vm, p).await?,
         decide::Action::Clear => ctx.worker.clear(vm).await?,
         decide::Action::Leave => {}
     }
-    if d.managed != m.managed() {
-        let value = if d.managed {
-            serde_json::json!("true")
-        } else {
-            serde_json::Value::Null
-        };
-        let patch =
-            serde_json::json!({ "metadata": { "annotations": { MANAGED_ANNOTATION: value } } });
-        let api: Api<Machine> = Api::namespaced(
-            ctx.client.clone(),
-            &m.namespace().unwrap_or_else(|| "default".into()),
-        );
-        api.patch(
-            &m.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await?;
+    if !d.managed && m.managed() {
+        mark_managed(m, ctx, false).await?;
+    }
+    if let Some(why) = invalid {
+        let why = format!("{why}; the VM is held on loopback (nothing leaves) until it is valid");
+        return Ok(refuse(m, ctx, "InvalidEgress", why).await);
     }
     if d.action != decide::Action::Leave {
         tracing::info!(machine = %key(m), %vm, action = ?d.action, "reconciled");
     }
     Ok(Done::Applied(d.action))
+}
+
+/// Sets (`true`) or removes the `egress-managed` annotation.
+async fn mark_managed(m: &Machine, ctx: &Context, managed: bool) -> Result<(), ReconcileError> {
+    let value = if managed {
+        serde_json::json!("true")
+    } else {
+        serde_json::Value::Null
+    };
+    let patch = serde_json::json!({ "metadata": { "annotations": { MANAGED_ANNOTATION: value } } });
+    let api: Api<Machine> = Api::namespaced(
+        ctx.client.clone(),
+        &m.namespace().unwrap_or_else(|| "default".into()),
+    );
+    api.patch(
+        &m.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await?;
+    Ok(())
 }
 
 /// `spec.network.egress` validated (`None`: the field is absent), or why
@@ -268,7 +284,12 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Reconci
         .map_err(|_| ReconcileError::Timeout(RECONCILE_TIMEOUT))??;
     ctx.failures().remove(&key(&m));
     Ok(match done {
-        Done::NotRunning | Done::Invalid(_) => Action::await_change(),
+        Done::NotRunning => Action::await_change(),
+        // Looked at again: the worker's VM may become this Machine's (its
+        // VM manager registers it again), and drift is put right (an
+        // invalid field's `loopback` included). The Event recorder makes a
+        // series of the repeats.
+        Done::Invalid(_) => Action::requeue(ctx.resync),
         // The VM manager has not registered it yet: look again soon.
         Done::NoVm => Action::requeue(Duration::from_secs(10)),
         Done::Applied(_) => Action::requeue(ctx.resync),

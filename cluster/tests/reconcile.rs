@@ -11,6 +11,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,8 @@ struct StandIn {
     machines: Arc<Mutex<BTreeMap<(String, String), Value>>>,
     patches: Arc<Mutex<Vec<(String, Value)>>>,
     events: Arc<Mutex<Vec<Value>>>,
+    /// Merge patches of Machines still to refuse with `500`.
+    failing_patches: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -121,6 +124,16 @@ impl StandIn {
                 "PATCH",
                 ["apis", "kairon.zyvor.dev", "v1beta1", "namespaces", ns, "machines", name],
             ) => {
+                let failing = &self.failing_patches;
+                let fail = failing
+                    .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+                if fail {
+                    return full(
+                        500,
+                        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "InternalError", "code": 500, "message": "etcd is down"}),
+                    );
+                }
                 let patch: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 let key = ((*ns).to_owned(), (*name).to_owned());
                 let mut machines = self.machines.lock().expect("lock");
@@ -318,20 +331,31 @@ async fn each_reconciliation_rule_against_a_real_worker() {
         reconcile_one(&typed(&ghost), &ctx).await.expect("ok"),
         Done::NoVm
     );
-    // An invalid field (the webhook would have refused it) is not written.
-    let bad = machine(
+    // An invalid field (the webhook would have refused it): the VM is held
+    // on loopback, and the Machine managed (the field's removal clears it).
+    api.put(machine(
         "bad",
         "node-a",
         "vm-web",
         Some(r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#),
         false,
-    );
-    let done = reconcile_one(&typed(&bad), &ctx).await.expect("ok");
+    ));
+    let done = reconcile_one(&typed(&api.get("prod", "bad")), &ctx)
+        .await
+        .expect("ok");
     assert!(
         matches!(&done, Done::Invalid(r) if r.reason == "InvalidEgress"),
         "{done:?}"
     );
-    assert_eq!(worker_policy(&w, "vm-web").await["policy"]["mode"], "open");
+    let now = worker_policy(&w, "vm-web").await;
+    assert_eq!(
+        (&now["source"], &now["policy"]["mode"]),
+        (&json!("vm"), &json!("loopback"))
+    );
+    assert_eq!(
+        api.get("prod", "bad")["metadata"]["annotations"][MANAGED_ANNOTATION],
+        "true"
+    );
     // ... and said on the Machine, where `kubectl describe` shows it.
     let events = api.events.lock().expect("lock").clone();
     assert_eq!(events.len(), 1, "{events:?}");
@@ -362,6 +386,43 @@ async fn each_reconciliation_rule_against_a_real_worker() {
         .await
         .expect_err("unreachable");
     assert!(matches!(err, ReconcileError::Worker(_)), "{err}");
+}
+
+/// The annotation is recorded before the policy is written: a patch that
+/// fails leaves nothing written, so once the field goes the VM is back on
+/// the node default (written first, the VM kept `open` for good: unmanaged,
+/// its policy was left alone).
+#[tokio::test]
+async fn a_policy_whose_record_failed_is_not_left_behind_when_the_field_goes() {
+    let Some(w) = Worker::start().await else {
+        return;
+    };
+    w.register_vm("vm-web", "100.64.50.2").await;
+    let api = StandIn::default();
+    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60), None);
+    api.put(machine(
+        "web",
+        "node-a",
+        "vm-web",
+        Some(r#"{"mode": "open"}"#),
+        false,
+    ));
+    api.failing_patches.store(1, SeqCst);
+    let err = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect_err("the annotation's patch failed");
+    assert!(matches!(err, ReconcileError::Kube(_)), "{err}");
+    let mut m = api.get("prod", "web");
+    m["spec"]["network"]
+        .as_object_mut()
+        .expect("network")
+        .remove("egress");
+    api.put(m);
+    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
+        .await
+        .expect("reconciles");
+    let now = worker_policy(&w, "vm-web").await;
+    assert_eq!(now["source"], "default", "{done:?}: {now}");
 }
 
 /// The kube-rs controller itself: it lists the Machines labelled for its
