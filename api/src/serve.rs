@@ -18,6 +18,10 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// 200): what one client can ask at once stays small.
 pub const MAX_STREAMS: u32 = 64;
 
+/// The HTTP/2 flow-control windows a connection and each of its streams
+/// start with: RFC 9113's default, 65,535 bytes.
+pub const H2_WINDOW: u32 = 65_535;
+
 /// How long a connection may go without a request in flight before it is
 /// closed (an HTTP/2 connection holds no request head to time out, and an
 /// idle one would keep its slot of [`MAX_CONNECTIONS`] for good). Until its
@@ -258,7 +262,14 @@ async fn serve_one_until<I, F, Fut>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT);
-    builder.http2().max_concurrent_streams(MAX_STREAMS);
+    // HTTP/2's own default windows (hyper's are 1 MiB, connection and
+    // stream): a peer may leave at most this much of its bodies unread in
+    // the server, however many streams it opens.
+    builder
+        .http2()
+        .max_concurrent_streams(MAX_STREAMS)
+        .initial_stream_window_size(H2_WINDOW)
+        .initial_connection_window_size(H2_WINDOW);
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
     let stopped = async {

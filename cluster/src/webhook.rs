@@ -49,9 +49,19 @@ pub const REVIEW_WAIT: Duration = Duration::from_secs(2);
 /// [`REVIEW_WAIT`] (the slots are handed out in order).
 pub const BODY_WAIT: Duration = Duration::from_secs(1);
 /// Reviews whose bodies are read and decided at once (each up to
-/// [`MAX_BODY`]): what the parsing may hold is bounded, whatever the number
-/// of connections and HTTP/2 streams.
+/// [`MAX_BODY`]): the bodies held are bounded, whatever the number of
+/// connections and HTTP/2 streams.
 pub const MAX_REVIEWS: usize = 16;
+/// Reviews parsed at once: a parsed body takes many times its size (a
+/// one-entry JSON object is a tree node of some 600 bytes), and the pod's
+/// memory limit is 128 MiB.
+pub const MAX_PARSING: usize = 2;
+/// JSON objects and arrays a review may hold: a Machine's, with 256 rules
+/// and its managed fields, twice (object and old object), holds a few
+/// thousand. 1 MiB of `[{"":0},…]` would hold 150,000, some 100 MB parsed.
+pub const MAX_CONTAINERS: usize = 16_384;
+/// Members and elements (commas) a review may hold, for the same reason.
+pub const MAX_ITEMS: usize = 131_072;
 
 /// The reconciler's user as the API server names it in `userInfo`: the
 /// service account of `deploy/kubernetes/reconciler.yaml`.
@@ -85,8 +95,14 @@ pub enum ReviewError {
 /// Malformed input (not JSON, not a v1 `AdmissionReview`, no `request`, no
 /// `uid`) is an error, never a panic.
 pub fn review(body: &[u8], reconciler: &str) -> Result<Value, ReviewError> {
-    let doc: Value = serde_json::from_slice(body).map_err(ReviewError::Json)?;
     let not = |m: String| ReviewError::NotReview(m);
+    let (containers, items) = shape(body);
+    if containers > MAX_CONTAINERS || items > MAX_ITEMS {
+        return Err(not(format!(
+            "the body holds {containers} JSON objects and arrays and {items} members and elements, more than an AdmissionReview of a {KIND} may ({MAX_CONTAINERS} and {MAX_ITEMS})"
+        )));
+    }
+    let doc: Value = serde_json::from_slice(body).map_err(ReviewError::Json)?;
     let Some(top) = doc.as_object() else {
         return Err(not("the body is not a JSON object".into()));
     };
@@ -113,6 +129,25 @@ pub fn review(body: &[u8], reconciler: &str) -> Result<Value, ReviewError> {
     }
     let response = decide(&req, reconciler)?;
     serde_json::to_value(response.into_review()).map_err(|e| not(e.to_string()))
+}
+
+/// The JSON objects and arrays of `body`, and its commas, outside strings:
+/// what its parse would build, counted without building it. (Malformed
+/// JSON is counted all the same; the parse refuses it.)
+fn shape(body: &[u8]) -> (usize, usize) {
+    let (mut containers, mut items) = (0, 0);
+    let (mut in_string, mut escaped) = (false, false);
+    for &b in body {
+        match (in_string, b) {
+            (true, _) if escaped => escaped = false,
+            (true, b'\\') => escaped = true,
+            (true, b'"') | (false, b'"') => in_string = !in_string,
+            (false, b'{' | b'[') => containers += 1,
+            (false, b',') => items += 1,
+            _ => {}
+        }
+    }
+    (containers, items)
 }
 
 /// The verdict on one request.
@@ -360,6 +395,7 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, reconc
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let reviews = Arc::new(tokio::sync::Semaphore::new(MAX_REVIEWS));
+    let parsing = Arc::new(tokio::sync::Semaphore::new(MAX_PARSING));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -374,7 +410,7 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, reconc
             tracing::warn!(%peer, max = MAX_CONNECTIONS, "webhook connection refused: as many served as may be");
             continue;
         };
-        let (acceptor, reviews) = (acceptor.clone(), reviews.clone());
+        let (acceptor, reviews) = (acceptor.clone(), (reviews.clone(), parsing.clone()));
         let reconciler = reconciler.clone();
         tokio::spawn(async move {
             let _slot = slot;
@@ -389,18 +425,20 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, reconc
                     return;
                 }
             };
-            let handle = move |req| handle(req, reviews.clone(), reconciler.clone());
+            let handle = move |req| {
+                let slots = (reviews.0.clone(), reviews.1.clone());
+                handle(req, slots, reconciler.clone())
+            };
             let limits = ("webhook", peer, egress_api::serve::IDLE_TIMEOUT);
             egress_api::serve::serve_one(tls, limits, handle).await;
         });
     }
 }
 
-async fn handle(
-    req: Request<Incoming>,
-    reviews: Arc<tokio::sync::Semaphore>,
-    reconciler: Arc<str>,
-) -> Reply {
+/// The review slots, and the parsing ones.
+type Slots = (Arc<tokio::sync::Semaphore>, Arc<tokio::sync::Semaphore>);
+
+async fn handle(req: Request<Incoming>, (reviews, parsing): Slots, reconciler: Arc<str>) -> Reply {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     // A review waits at most REVIEW_WAIT for one of the slots: past it the
@@ -415,12 +453,16 @@ async fn handle(
             None,
         );
     };
-    let reply = route(req, &reconciler).await;
+    let reply = route(req, &reconciler, &parsing).await;
     tracing::info!(%method, %path, status = reply.status().as_u16(), "webhook");
     reply
 }
 
-async fn route(req: Request<Incoming>, reconciler: &str) -> Reply {
+async fn route(
+    req: Request<Incoming>,
+    reconciler: &str,
+    parsing: &tokio::sync::Semaphore,
+) -> Reply {
     if !matches!(req.uri().path(), "/validate" | "/") {
         return error(
             StatusCode::NOT_FOUND,
@@ -466,6 +508,10 @@ async fn route(req: Request<Incoming>, reconciler: &str) -> Reply {
                 None,
             )
         }
+    };
+    // Closed never: the semaphore lives as long as the server.
+    let Ok(_parsing) = parsing.acquire().await else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down", None);
     };
     match review(&body, reconciler) {
         Ok(v) => {

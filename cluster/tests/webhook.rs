@@ -399,6 +399,28 @@ fn malformed_reviews_are_errors() {
         let r = mutate(f);
         assert!(matches!(r, Err(ReviewError::NotReview(_))), "{what}: {r:?}");
     }
+    // A body of many small objects and arrays (a parse would build some
+    // 100 MB from 1 MiB) is refused before it is parsed, naming the bounds.
+    let mut wide = good.clone();
+    let many = format!("[{}{{\"\":0}}]", "{\"\":0},".repeat(100_000));
+    wide["request"]["object"]["spec"]["network"]["egress"] = json!("placeholder");
+    let text = wide.to_string().replace("\"placeholder\"", &many);
+    assert!(text.len() < webhook::MAX_BODY, "{} bytes", text.len());
+    let refused = review(text.as_bytes(), RECONCILER_USER);
+    let Err(ReviewError::NotReview(why)) = &refused else {
+        panic!("parsed: {refused:?}");
+    };
+    assert!(
+        why.starts_with("the body holds 1000")
+            && why.contains("JSON objects and arrays")
+            && why.ends_with("(16384 and 131072)"),
+        "{why}"
+    );
+    // Commas in strings and escaped quotes are not counted.
+    let strings = mutate(&|d| {
+        d["request"]["object"]["metadata"]["labels"]["x"] = json!(",[{\",".repeat(40_000))
+    });
+    assert!(strings.is_ok(), "{strings:?}");
     // And nothing panics on deep or odd input.
     let deep = "[".repeat(100_000);
     assert!(review(deep.as_bytes(), RECONCILER_USER).is_err());
