@@ -147,7 +147,7 @@ async fn run(command: Command) -> Result<(), String> {
                 .await
                 .map_err(|e| format!("--listen {listen}: {e}"))?;
             tracing::info!(%listen, "admission webhook serving");
-            webhook::serve(listener, tls, reconciler_user).await;
+            webhook::serve_until(listener, tls, reconciler_user, stopped()).await;
             Ok(())
         }
         Command::Relay {
@@ -168,10 +168,28 @@ async fn run(command: Command) -> Result<(), String> {
                 tokens,
                 timeout: Duration::from_secs(10),
             });
-            relay::serve(listener, config).await;
+            relay::serve_until(listener, config, stopped()).await;
             Ok(())
         }
     }
+}
+
+/// Completes at SIGTERM (what Kubernetes sends a pod it stops) or SIGINT.
+async fn stopped() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "SIGTERM cannot be caught: stopping on SIGINT only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("stop signal received");
 }
 
 #[cfg(test)]

@@ -114,11 +114,22 @@ pub fn load_tokens(path: impl AsRef<Path>) -> Result<Vec<String>, TokensError> {
 /// Serves the relay (plain HTTP/1.1 and HTTP/2) on `listener` until the
 /// task is dropped.
 pub async fn serve(listener: TcpListener, config: Arc<RelayConfig>) {
-    egress_api::serve::serve(listener, "relay", move |req| {
+    serve_until(listener, config, std::future::pending()).await;
+}
+
+/// [`serve`] until `stop` completes (SIGTERM): then no connection is taken
+/// and the requests in flight are answered first
+/// ([`egress_api::serve::serve_until`]).
+pub async fn serve_until(
+    listener: TcpListener,
+    config: Arc<RelayConfig>,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let handle = move |req| {
         let config = config.clone();
         async move { handle(req, &config).await }
-    })
-    .await;
+    };
+    egress_api::serve::serve_until(listener, "relay", handle, stop).await;
 }
 
 /// A relayed route: the worker path (without the query) and the runtime id.

@@ -391,10 +391,46 @@ fn certified_key(
 ///
 /// `reconciler` is the node reconciler's user (see [`review`]).
 pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, reconciler: String) {
+    serve_until(listener, tls, reconciler, std::future::pending()).await;
+}
+
+/// [`serve`] until `stop` completes (SIGTERM): then no connection is taken,
+/// and the reviews being decided are answered, for up to [`STOP_GRACE`],
+/// before it returns (a rolling update resets none half-way).
+pub async fn serve_until(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    reconciler: String,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let reviews = Arc::new(tokio::sync::Semaphore::new(MAX_REVIEWS));
+    tokio::select! {
+        () = accept(listener, tls, reconciler, reviews.clone()) => {}
+        () = stop => {}
+    }
+    tracing::info!("stopping: answering the reviews in flight");
+    let all = u32::try_from(MAX_REVIEWS).unwrap_or(u32::MAX);
+    let drained = tokio::time::timeout(STOP_GRACE, reviews.acquire_many(all)).await;
+    match drained {
+        // Their answers are written once their handlers return: a moment
+        // for the last to leave.
+        Ok(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        Err(_) => tracing::warn!("stopped with reviews still in flight"),
+    }
+}
+
+/// Longest a stopping webhook waits for the reviews in flight.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+
+async fn accept(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    reconciler: String,
+    reviews: Arc<tokio::sync::Semaphore>,
+) {
     let reconciler: Arc<str> = reconciler.into();
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let reviews = Arc::new(tokio::sync::Semaphore::new(MAX_REVIEWS));
     let parsing = Arc::new(tokio::sync::Semaphore::new(MAX_PARSING));
     loop {
         let (stream, peer) = match listener.accept().await {

@@ -714,6 +714,15 @@ async fn stalled(
     addr: SocketAddr,
     ca: &CertificateDer<'static>,
 ) -> tokio_rustls::client::TlsStream<TcpStream> {
+    stalled_with(addr, ca, 100).await
+}
+
+/// [`stalled`], declaring a body of `length` bytes.
+async fn stalled_with(
+    addr: SocketAddr,
+    ca: &CertificateDer<'static>,
+    length: usize,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
     use tokio::io::AsyncWriteExt;
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.clone()).expect("trust the CA");
@@ -727,9 +736,8 @@ async fn stalled(
     let tcp = TcpStream::connect(addr).await.expect("connect");
     let name = ServerName::try_from("localhost").expect("name");
     let mut tls = connector.connect(name, tcp).await.expect("TLS handshake");
-    tls.write_all(b"POST /validate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")
-        .await
-        .expect("head");
+    let head = format!("POST /validate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n");
+    tls.write_all(head.as_bytes()).await.expect("head");
     tls.flush().await.expect("flush");
     tls
 }
@@ -756,4 +764,59 @@ async fn reviews_behind_stalled_bodies_are_answered_within_the_wait() {
     let (status, body) = answered.expect("answered within 5 s");
     assert_eq!(status, 200, "{body}");
     drop(held);
+}
+
+/// Stopped (SIGTERM), the webhook takes no connection, answers the review
+/// whose body was still arriving, and only then returns.
+#[tokio::test]
+async fn a_stopping_webhook_answers_the_review_in_flight_first() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let certs = certs();
+    let tls = webhook::tls_config(
+        certs.dir.path().join("tls.crt"),
+        certs.dir.path().join("tls.key"),
+    )
+    .expect("tls config");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stopped = async {
+        let _ = stopped.await;
+    };
+    let server = tokio::spawn(webhook::serve_until(
+        listener,
+        tls,
+        RECONCILER_USER.into(),
+        stopped,
+    ));
+    let review = machine_review("CREATE", None).to_string();
+    let mut tls = stalled_with(addr, &certs.ca, review.len()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.send(()).expect("stop");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!server.is_finished(), "returned with a review in flight");
+    assert!(
+        TcpStream::connect(addr).await.is_err(),
+        "a connection taken after the stop"
+    );
+    tls.write_all(review.as_bytes()).await.expect("body");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&answer).contains("\"uid\"") {
+            let n = tls.read(&mut buf).await.expect("read");
+            assert!(n > 0, "closed: {}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&buf[..n]);
+        }
+    });
+    read.await.expect("answered in time");
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("returns once answered")
+        .expect("server");
 }
