@@ -5,9 +5,12 @@
 //! their own) is terminated and answered here, through the DNS proxy's own
 //! path: the same admission, the same attribution committed before the
 //! answer. Nothing of such a flow goes to the real resolver. Every other
-//! kind of encrypted DNS — DNS over TLS (port 853) anywhere, DoH to another
-//! well-known resolver — would resolve names the gateway never sees, so it
-//! is refused (`encrypted_dns`) unless the policy allows that name by name.
+//! kind of encrypted DNS it recognises — DNS over TLS (port 853) anywhere,
+//! DoH to another well-known resolver (by its name, or its address on
+//! port 443) — would resolve names the gateway never sees, so it is refused
+//! (`encrypted_dns`) unless the policy allows that name by name. A DoH
+//! server it does not know (a private one, by address) is not recognised:
+//! only the policy's allows keep a sandbox from it.
 //! Clients then fall back to port 53 (docs/attribution.md says which do).
 
 use std::collections::HashSet;
@@ -68,17 +71,83 @@ pub const BUILTIN_DOH_NAMES: &[&str] = &[
     "freedns.controld.com",
 ];
 
-/// The names of well-known DoH servers: built in, plus the operator's.
+/// Well-known public DoH servers' addresses (besides the reserved
+/// resolvers): a client given `https://1.0.0.1/dns-query` sends no name, so
+/// on port 443 the address alone tells it.
+pub const BUILTIN_DOH_ADDRESSES: &[&str] = &[
+    "8.8.4.4",
+    "2001:4860:4860::8888",
+    "2001:4860:4860::8844",
+    "1.0.0.1",
+    "1.1.1.2",
+    "1.0.0.2",
+    "1.1.1.3",
+    "1.0.0.3",
+    "2606:4700:4700::1111",
+    "2606:4700:4700::1001",
+    "2606:4700:4700::1112",
+    "2606:4700:4700::1002",
+    "2606:4700:4700::1113",
+    "2606:4700:4700::1003",
+    "9.9.9.9",
+    "149.112.112.112",
+    "9.9.9.10",
+    "149.112.112.10",
+    "9.9.9.11",
+    "149.112.112.11",
+    "2620:fe::fe",
+    "2620:fe::9",
+    "2620:fe::10",
+    "2620:fe::11",
+    "208.67.222.222",
+    "208.67.220.220",
+    "208.67.222.123",
+    "208.67.220.123",
+    "2620:119:35::35",
+    "2620:119:53::53",
+    "94.140.14.14",
+    "94.140.15.15",
+    "94.140.14.15",
+    "94.140.15.16",
+    "2a10:50c0::ad1:ff",
+    "2a10:50c0::ad2:ff",
+    "185.228.168.9",
+    "185.228.169.9",
+    "185.228.168.168",
+    "194.242.2.2",
+    "185.222.222.222",
+    "45.11.45.11",
+    "223.5.5.5",
+    "223.6.6.6",
+    "1.12.12.12",
+    "120.53.53.53",
+    "76.76.2.0",
+    "76.76.10.0",
+    "45.90.28.0",
+    "45.90.30.0",
+];
+
+/// The names and addresses of well-known DoH servers: built in, plus the
+/// operator's names.
 #[derive(Debug)]
-pub struct DohNames(HashSet<Hostname>);
+pub struct DohNames {
+    names: HashSet<Hostname>,
+    addresses: HashSet<IpAddr>,
+}
 
 impl DohNames {
-    /// The built-in list and `extra`.
+    /// The built-in lists and `extra`.
     pub fn new(extra: &[Hostname]) -> Self {
         let builtin = BUILTIN_DOH_NAMES
             .iter()
             .filter_map(|n| Hostname::parse(n).ok());
-        Self(builtin.chain(extra.iter().cloned()).collect())
+        Self {
+            names: builtin.chain(extra.iter().cloned()).collect(),
+            addresses: BUILTIN_DOH_ADDRESSES
+                .iter()
+                .filter_map(|a| a.parse().ok())
+                .collect(),
+        }
     }
 
     /// What a stream to `dst` is by its port alone: DNS over TLS (853), or
@@ -95,13 +164,17 @@ impl DohNames {
 
     /// No names at all: for judging what can never be encrypted DNS.
     pub fn empty() -> Self {
-        Self(HashSet::new())
+        Self {
+            names: HashSet::new(),
+            addresses: HashSet::new(),
+        }
     }
 
     /// What kind of DNS the gateway would not see a TLS flow to `dst` is,
     /// judged on its address (a reserved resolver in any form that embeds
-    /// it: IPv4-mapped or NAT64, as policy reads addresses), its port, its
-    /// server name and the names attributed to its address.
+    /// it: IPv4-mapped or NAT64, as policy reads addresses; another
+    /// well-known DoH server's on port 443), its port, its server name and
+    /// the names attributed to its address.
     pub fn kind(
         &self,
         dst: SocketAddr,
@@ -115,7 +188,10 @@ impl DohNames {
         if let Some(kind) = Self::by_port(dst) {
             return Some(kind);
         }
-        let known = |n: &Hostname| self.0.contains(n);
+        if dst.port() == DOH_PORT && self.addresses.contains(&ip.to_canonical()) {
+            return Some(EncryptedDns::KnownDoh);
+        }
+        let known = |n: &Hostname| self.names.contains(n);
         (sni.is_some_and(known) || attributed.iter().any(known)).then_some(EncryptedDns::KnownDoh)
     }
 }
@@ -257,7 +333,20 @@ mod tests {
             kind("203.0.113.9:443", Some("api.example.test"), &["x.test"]),
             None
         );
-        assert_eq!(kind("8.8.4.4:443", Some("api.example.test"), &[]), None);
+        assert_eq!(
+            kind("198.51.100.4:443", Some("api.example.test"), &[]),
+            None
+        );
+        // Another well-known DoH server by its address (no name sent), in
+        // either family, on 443 only.
+        assert_eq!(kind("1.0.0.1:443", None, &[]), Some(KnownDoh));
+        assert_eq!(
+            kind("9.9.9.9:443", Some("api.example.test"), &[]),
+            Some(KnownDoh)
+        );
+        assert_eq!(kind("[2620:fe::fe]:443", None, &[]), Some(KnownDoh));
+        assert_eq!(kind("[::ffff:8.8.4.4]:443", None, &[]), Some(KnownDoh));
+        assert_eq!(kind("1.0.0.1:80", None, &[]), None);
         // A reserved resolver by its NAT64 address, as policy reads it.
         assert_eq!(kind("[64:ff9b::808:808]:443", None, &[]), Some(ReservedDoh));
         // Port 53 over TCP, past the DNS proxy: any address, any form.
@@ -307,6 +396,8 @@ mod tests {
 
     #[test]
     fn the_builtin_names_are_hostnames() {
-        assert_eq!(DohNames::new(&[]).0.len(), BUILTIN_DOH_NAMES.len());
+        let builtin = DohNames::new(&[]);
+        assert_eq!(builtin.names.len(), BUILTIN_DOH_NAMES.len());
+        assert_eq!(builtin.addresses.len(), BUILTIN_DOH_ADDRESSES.len());
     }
 }
