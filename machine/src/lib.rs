@@ -206,6 +206,11 @@ pub struct Machines {
     /// Held across one read of a VM's observed set, its merge and the
     /// removals it asks (sampled).
     observing: Mutex<()>,
+    /// Held across a read of the node table's counters and its accounting,
+    /// and across a whole table installed and its counters' baselines
+    /// reset: a read of the old table accounted after the reset (or of the
+    /// new one before it) would be counted twice. Taken after `state`.
+    accounting: Mutex<()>,
     /// Refused packets by VM id: the kernel's `refused` counter at the last
     /// read, and the total since the VM was registered (a replaced table
     /// starts its counter again; the total carries on).
@@ -307,15 +312,7 @@ pub fn check_addresses(id: &str, addresses: Vec<IpAddr>) -> Result<Vec<IpAddr>, 
     if addresses.is_empty() {
         return Err(MachineError::NoAddress);
     }
-    if addresses.len() > MAX_ADDRESSES {
-        return Err(MachineError::Invalid {
-            field: "addresses",
-            message: format!(
-                "{} addresses, more than {MAX_ADDRESSES} for one VM",
-                addresses.len()
-            ),
-        });
-    }
+
     let addresses: Vec<IpAddr> = addresses.into_iter().map(|a| a.to_canonical()).collect();
     let mut seen = std::collections::HashSet::new();
     if let Some(&address) = addresses.iter().find(|a| !seen.insert(**a)) {
@@ -493,6 +490,7 @@ impl Machines {
             view: arc_swap::ArcSwap::from_pointee(State::empty()),
             observed: Mutex::new(HashMap::new()),
             observing: Mutex::new(()),
+            accounting: Mutex::new(()),
             refused: Mutex::new(BTreeMap::new()),
             spoofed: Mutex::new(BTreeMap::new()),
             evictions: AtomicU64::new(0),
@@ -602,6 +600,7 @@ impl Machines {
             false => self.transition(state, &next, touched),
         };
         if !forward.is_empty() {
+            let accounting = whole.then(|| lock(&self.accounting));
             self.apply(&forward).map_err(|e| match e.unsure {
                 true => MachineError::KernelUnsure(e),
                 false => MachineError::Kernel(e),
@@ -611,6 +610,7 @@ impl Machines {
                 self.counters_restarted();
                 self.dirty.store(false, Ordering::Release);
             }
+            drop(accounting);
         }
         if let Err(e) = self.store.save(state, &next, touched) {
             return Err(self.put_back(state, &next, touched, e));
@@ -680,6 +680,7 @@ impl Machines {
     /// makes the table clean.
     fn reinstall(&self, state: &State) -> Result<(), NftError> {
         let (text, bound) = self.whole(state);
+        let _accounting = lock(&self.accounting);
         self.apply(&text)?;
         self.counters_restarted();
         *lock(&self.bound) = bound;
@@ -774,6 +775,15 @@ impl Machines {
             field,
             message: message.to_owned(),
         };
+        // A new registration only: a VM stored with more (before the
+        // bound) still loads.
+        if r.addresses.len() > MAX_ADDRESSES {
+            let message = format!(
+                "{} addresses, more than {MAX_ADDRESSES} for one VM",
+                r.addresses.len()
+            );
+            return Err(invalid("addresses", &message));
+        }
         match self.layout.matching {
             Match::Address => {
                 r.addresses = check_addresses(id, r.addresses)?;
@@ -1172,6 +1182,9 @@ impl Machines {
         if vms.is_empty() {
             return;
         }
+        // The read and its accounting, with no whole table installed in
+        // between (its counters start again at zero: `counters_restarted`).
+        let accounting = lock(&self.accounting);
         let counters = match self.counters() {
             Ok(c)
                 if complete(&c, vms.iter().map(|vm| vm.id.as_str()))
@@ -1180,8 +1193,12 @@ impl Machines {
             {
                 c
             }
-            Ok(_) => return self.restore_if_gone(),
+            Ok(_) => {
+                drop(accounting);
+                return self.restore_if_gone();
+            }
             Err(e) => {
+                drop(accounting);
                 tracing::warn!(error = %e, "reading the machine egress counters failed");
                 return self.restore_if_gone();
             }
@@ -1559,6 +1576,41 @@ mod tests {
             ..MachineEgressConfig::default()
         };
         Machines::start(&config, dir, Arc::new(NoNeighbours))
+    }
+
+    /// A registration of more than 256 addresses is refused naming the
+    /// field; a VM stored with more (before the bound) still loads.
+    #[test]
+    fn a_vm_holds_at_most_256_addresses_when_registered() {
+        let dir = tempfile::tempdir().expect("dir");
+        let many = |n: u32| -> Vec<IpAddr> {
+            (0..n)
+                .map(|i| IpAddr::from(std::net::Ipv4Addr::from(0x6440_0000 + i)))
+                .collect()
+        };
+        {
+            let m = machines(dir.path());
+            let put = |n| {
+                let r = Registration {
+                    addresses: many(n),
+                    ..Registration::default()
+                };
+                m.put_vm("vm1", r)
+            };
+            let refused = put(257);
+            assert!(
+                matches!(&refused, Err(MachineError::Invalid { field: "addresses", message }) if message.starts_with("257 addresses")),
+                "{refused:?}"
+            );
+            put(256).expect("256 addresses");
+        }
+        let file = dir.path().join("machines/vm-vm1.json");
+        let mut stored: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&file).expect("read")).expect("json");
+        stored["addresses"] = serde_json::json!(many(300));
+        std::fs::write(&file, stored.to_string()).expect("write");
+        let m = machines(dir.path());
+        assert_eq!(m.vm("vm1").expect("loaded").addresses.len(), 300);
     }
 
     /// A cgroup is one VM's however its path is written (`a/b/` is `a/b`
@@ -1986,17 +2038,6 @@ mod tests {
             check_addresses("vm", vec![]),
             Err(MachineError::NoAddress)
         ));
-        let many = |n: u32| {
-            (0..n)
-                .map(|i| IpAddr::from(std::net::Ipv4Addr::from(0x6440_0000 + i)))
-                .collect()
-        };
-        assert!(check_addresses("vm", many(256)).is_ok());
-        let refused = check_addresses("vm", many(257));
-        assert!(
-            matches!(&refused, Err(MachineError::Invalid { field: "addresses", message }) if message.starts_with("257 addresses")),
-            "{refused:?}"
-        );
         assert!(valid_id("vm-1.a_b").is_ok());
         for bad in ["", "a/b", "a b", &"a".repeat(65)] {
             assert!(valid_id(bad).is_err(), "{bad:?}");
