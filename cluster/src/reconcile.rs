@@ -130,7 +130,8 @@ pub enum Done {
     /// Not reconciled, and said in a `Warning` Event on the Machine:
     /// `status.runtimeID` is not a VM id, or the worker's VM of that id is
     /// not this Machine's (nothing written); or `spec.network.egress` is
-    /// invalid (the webhook should have refused it), and the VM is held on
+    /// invalid (the webhook should have refused it): a VM with a policy of
+    /// its own this reconciler wrote keeps it, any other is held on
     /// `loopback`. Looked at again every `resync`.
     Invalid(Refused),
     /// The worker has no such VM (yet).
@@ -153,8 +154,9 @@ fn key(m: &Machine) -> String {
 /// Reconciles one Machine: reads the worker's policy, applies the decision,
 /// and records in the annotation whether the reconciler manages the policy
 /// — before its first write, so a write whose record failed is still
-/// cleared once the field goes. An invalid `spec.network.egress` holds the
-/// VM on `loopback` (nothing leaves) until it is valid, and says why.
+/// cleared once the field goes. An invalid `spec.network.egress` holds a
+/// VM without a policy the reconciler wrote on `loopback` (nothing leaves)
+/// until it is valid, and says why.
 pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, ReconcileError> {
     let Some(vm) = m.running() else {
         return Ok(Done::NotRunning);
@@ -176,6 +178,13 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
     };
     let (spec, invalid) = match spec_of(m) {
         Ok(spec) => (spec, None),
+        // A policy of its own this reconciler wrote from an earlier valid
+        // spec is kept (the spec may have been stored before a stricter
+        // check, or be read by an older reconciler during an upgrade);
+        // otherwise nothing leaves until the field is valid.
+        Err(why) if current.own && m.managed() => {
+            return Ok(refuse(m, ctx, "InvalidEgress", why).await);
+        }
         Err(why) => (Some(MachineEgress::loopback()), Some(why)),
     };
     let d = decide(spec.as_ref(), m.managed(), &current);

@@ -369,6 +369,24 @@ async fn each_reconciliation_rule_against_a_real_worker() {
         note.starts_with("spec.network.egress is invalid: "),
         "{note}"
     );
+    // A managed Machine whose VM has the policy the reconciler wrote from an
+    // earlier valid spec (stored before a stricter check, say) keeps it.
+    set_directly(&w, "vm-web", r#"{"mode": "open"}"#).await;
+    api.put(machine(
+        "kept",
+        "node-a",
+        "vm-web",
+        Some(r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#),
+        true,
+    ));
+    let done = reconcile_one(&typed(&api.get("prod", "kept")), &ctx)
+        .await
+        .expect("ok");
+    assert!(
+        matches!(&done, Done::Invalid(r) if r.reason == "InvalidEgress"),
+        "{done:?}"
+    );
+    assert_eq!(worker_policy(&w, "vm-web").await["policy"]["mode"], "open");
 
     // An unreachable worker is an error (the controller requeues with backoff).
     let (gone, _held) = egress_testkit::closed_port();
