@@ -18,9 +18,14 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// 200): what one client can ask at once stays small.
 pub const MAX_STREAMS: u32 = 64;
 
-/// The HTTP/2 flow-control windows a connection and each of its streams
-/// start with: RFC 9113's default, 65,535 bytes.
+/// The HTTP/2 flow-control window each stream starts with: RFC 9113's
+/// default, 65,535 bytes.
 pub const H2_WINDOW: u32 = 65_535;
+/// The HTTP/2 connection's window: room for a few streams' bodies waiting
+/// for their handler (a stream's unread body holds the connection's window
+/// until it is read), and no more than a peer may leave unread in the
+/// server per connection (hyper's default is 1 MiB).
+pub const H2_CONNECTION_WINDOW: u32 = 256 * 1024;
 
 /// How long a connection may go without a request in flight before it is
 /// closed (an HTTP/2 connection holds no request head to time out, and an
@@ -217,7 +222,8 @@ async fn accept_into<F, Fut>(
 }
 
 /// Set when the listener stops ([`serve_until`]).
-type Stop = tokio::sync::watch::Receiver<bool>;
+/// Says `true` once the server stops.
+pub type Stop = tokio::sync::watch::Receiver<bool>;
 
 /// Serves one connection (a TCP stream, or TLS over one) until it ends, or
 /// until no request has been in flight on it for `idle`. HTTP/1.1 request
@@ -234,9 +240,9 @@ pub async fn serve_one<I, F, Fut>(
     serve_one_until(stream, limits, handle, None).await;
 }
 
-/// [`serve_one`], closed gracefully (its requests in flight answered) once
-/// `stop` says so.
-async fn serve_one_until<I, F, Fut>(
+/// [`serve_one`], closed gracefully (its requests in flight answered, then
+/// HTTP/2's `GOAWAY` or HTTP/1.1's `Connection: close`) once `stop` says so.
+pub async fn serve_one_until<I, F, Fut>(
     stream: I,
     (name, peer, idle): (&'static str, std::net::SocketAddr, Duration),
     handle: F,
@@ -262,14 +268,13 @@ async fn serve_one_until<I, F, Fut>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT);
-    // HTTP/2's own default windows (hyper's are 1 MiB, connection and
-    // stream): a peer may leave at most this much of its bodies unread in
-    // the server, however many streams it opens.
+    // A peer may leave at most the connection's window of its bodies
+    // unread in the server, however many streams it opens.
     builder
         .http2()
         .max_concurrent_streams(MAX_STREAMS)
         .initial_stream_window_size(H2_WINDOW)
-        .initial_connection_window_size(H2_WINDOW);
+        .initial_connection_window_size(H2_CONNECTION_WINDOW);
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
     let stopped = async {

@@ -404,11 +404,15 @@ pub async fn serve_until(
     stop: impl std::future::Future<Output = ()>,
 ) {
     let reviews = Arc::new(tokio::sync::Semaphore::new(MAX_REVIEWS));
+    let (stopping, told) = tokio::sync::watch::channel(false);
     tokio::select! {
-        () = accept(listener, tls, reconciler, reviews.clone()) => {}
+        () = accept(listener, tls, reconciler, (reviews.clone(), told)) => {}
         () = stop => {}
     }
     tracing::info!("stopping: answering the reviews in flight");
+    // Each connection is closed once its requests in flight are answered:
+    // HTTP/2 with a GOAWAY, so the API server sends no more on it.
+    let _ = stopping.send(true);
     let all = u32::try_from(MAX_REVIEWS).unwrap_or(u32::MAX);
     let drained = tokio::time::timeout(STOP_GRACE, reviews.acquire_many(all)).await;
     match drained {
@@ -426,7 +430,7 @@ async fn accept(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     reconciler: String,
-    reviews: Arc<tokio::sync::Semaphore>,
+    (reviews, told): (Arc<tokio::sync::Semaphore>, egress_api::serve::Stop),
 ) {
     let reconciler: Arc<str> = reconciler.into();
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
@@ -447,6 +451,7 @@ async fn accept(
             continue;
         };
         let (acceptor, reviews) = (acceptor.clone(), (reviews.clone(), parsing.clone()));
+        let told = told.clone();
         let reconciler = reconciler.clone();
         tokio::spawn(async move {
             let _slot = slot;
@@ -466,7 +471,7 @@ async fn accept(
                 handle(req, slots, reconciler.clone())
             };
             let limits = ("webhook", peer, egress_api::serve::IDLE_TIMEOUT);
-            egress_api::serve::serve_one(tls, limits, handle).await;
+            egress_api::serve::serve_one_until(tls, limits, handle, Some(told)).await;
         });
     }
 }
