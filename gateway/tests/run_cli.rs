@@ -69,21 +69,40 @@ fn run_without_arguments_serves_healthz_and_creates_the_ca() {
         dir.path().join(".egress-gateway/ca/ca.crt").exists(),
         "CA created in the default state dir"
     );
-    let _ = running.0.kill();
-    let mut stderr = String::new();
-    running
-        .0
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut stderr)
-        .expect("read");
+    // The announcement follows readiness: read until its last line (or 20 s).
+    let stderr = read_until(&mut running, "no sandboxes are registered yet", deadline);
     assert!(stderr.contains("interception CA"), "{stderr}");
     assert!(stderr.contains("0.0.0.0:15001"), "{stderr}");
     assert!(
         stderr.contains("no sandboxes are registered yet"),
         "{stderr}"
     );
+}
+
+/// The child's stderr up to a line holding `needle`, or all of it once the
+/// child is killed at `deadline`.
+fn read_until(running: &mut Running, needle: &str, deadline: Instant) -> String {
+    use std::io::BufRead;
+    let stderr = running.0.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut out = String::new();
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        out.push_str(&line);
+        out.push('\n');
+        if line.contains(needle) {
+            break;
+        }
+    }
+    let _ = running.0.kill();
+    out
 }
 
 /// A restart with pushed state recovers it, and then does not claim that no
