@@ -435,6 +435,15 @@ impl Offer {
                 r.copies, e.copies
             ));
         }
+        // Refused while this gateway still serves: past this check it stops
+        // accepting and seals its state, and the sockets would not fit the
+        // one message that carries them.
+        if self.sockets.len() > MAX_SOCKETS {
+            return Some(format!(
+                "{} listening sockets (listener copies, limits.thread_per_core) are more than the {MAX_SOCKETS} a handover carries: restart the gateway instead",
+                self.sockets.len()
+            ));
+        }
         None
     }
 
@@ -579,6 +588,34 @@ mod tests {
         send_header(&mut a, &refused, &[]).expect("send");
         let (got, fds, _) = receive_header(&b).expect("receive");
         assert_eq!((got.refused.as_deref(), fds.len()), (Some("no"), 0));
+    }
+
+    /// More listening sockets than one handover message carries: the
+    /// successor is refused while the running gateway still serves (it
+    /// stopped accepting and sealed its state first, then failed to send).
+    #[tokio::test]
+    async fn more_sockets_than_a_handover_carries_are_refused_up_front() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = Config {
+            state_dir: dir.path().to_owned(),
+            ..Config::default()
+        };
+        let sockets: Vec<(Kind, OwnedFd)> = (0..=MAX_SOCKETS)
+            .map(|_| {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+                (Kind::Transparent, OwnedFd::from(l))
+            })
+            .collect();
+        let offer = Offer::listen(&config, sockets).expect("listen");
+        let asking = config.clone();
+        let taking = tokio::task::spawn_blocking(move || take_over(&asking));
+        let offered = tokio::time::timeout(Duration::from_secs(2), offer.successor()).await;
+        assert!(offered.is_err(), "a successor was offered 251 sockets");
+        let refused = taking.await.expect("thread");
+        let Err(HandoverError::Refused(why)) = &refused else {
+            panic!("not refused: {:?}", refused.map(|_| ()));
+        };
+        assert!(why.starts_with("251 listening sockets"), "{why}");
     }
 
     /// The attribution lines, then the budget lines: each group read to
