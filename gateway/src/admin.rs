@@ -553,15 +553,18 @@ fn proposals(ctl: &Control, id: &str) -> Reply {
     let Some(sandbox) = ctl.dp.registry.get(&sid) else {
         return error(StatusCode::NOT_FOUND, &format!("no sandbox {id:?}"), None);
     };
-    let mut list = ctl.dp.proposed.list(&sid, sandbox.policy.platform());
-    // A flow denied only for an attribution gap, its name already allowed:
-    // the entry fixes nothing (the sandbox must resolve the name through
-    // the gateway), and approving it would add nothing. (An entry denied
-    // for want of an allow, and approved since, stays listed: approving it
-    // again answers the approval in force.)
+    // A flow denied only for an attribution gap, its name or address
+    // already covered by an allow: the entry fixes nothing (the sandbox must
+    // resolve the name through the gateway), and approving it, or a
+    // wildcard merged from it, would open more than the sandbox has (a
+    // qualified entry turned whole). (An entry denied for want of an allow,
+    // and approved since, stays listed: approving it again answers the
+    // approval in force.)
     let allow = &sandbox.policy.policy().allow;
-    let gap = |r: &&str| matches!(*r, "no_dns_seen" | "expired" | "evicted");
-    list.retain(|p| !(p.reasons.iter().all(gap) && allow.contains(&p.rule)));
+    let list = ctl
+        .dp
+        .proposed
+        .list_except(&sid, sandbox.policy.platform(), allow);
     json_reply(StatusCode::OK, &crate::proposed::document(id, &list))
 }
 

@@ -85,12 +85,18 @@ impl Proposed {
         }
     }
 
-    /// The proposals of sandbox `id`, most recently seen first.
-    pub(crate) fn list(&self, id: &SandboxId, platform: &PlatformDenies) -> Vec<Proposal> {
-        self.lock()
-            .map
-            .get(id)
-            .map(|p| p.list(platform))
+    /// Sandbox `id`'s proposals, most recently seen first, without what `allow` already covers and
+    /// was denied only for an attribution gap ([`Proposals::list_except`]).
+    pub(crate) fn list_except(
+        &self,
+        id: &SandboxId,
+        platform: &PlatformDenies,
+        allow: &[egress_policy::Rule],
+    ) -> Vec<Proposal> {
+        // A copy of the sandbox's entries, listed outside the lock every
+        // denial's record takes.
+        let held = self.lock().map.get(id).cloned();
+        held.map(|p| p.list_except(platform, allow))
             .unwrap_or_default()
     }
 
@@ -214,8 +220,10 @@ mod tests {
         // A sandbox gone since its flow was judged proposes nothing.
         let gone = SandboxId::new("gone");
         proposed.record((&gone, || false), seen(), None);
-        assert!(proposed.list(&gone, &PlatformDenies::builtin()).is_empty());
-        let list = proposed.list(&id, &PlatformDenies::builtin());
+        assert!(proposed
+            .list_except(&gone, &PlatformDenies::builtin(), &[])
+            .is_empty());
+        let list = proposed.list_except(&id, &PlatformDenies::builtin(), &[]);
         let doc = document("a", &list);
         let p = &doc["proposals"][0];
         assert_eq!(p["rule"], json!({"domain": "n0.test"}), "{doc}");

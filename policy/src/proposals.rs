@@ -70,6 +70,11 @@ pub const MAX_EXAMPLES: usize = 3;
 pub const WILDCARD_SIBLINGS: usize = 3;
 /// Distinct addresses in one `/24` or `/48` before they are proposed as it.
 pub const AGGREGATE_ADDRESSES: usize = 3;
+/// The longest path a refused request proposes an entry for, in bytes...
+pub const MAX_PROPOSED_PATH: usize = 256;
+/// ... and in segments.
+pub const MAX_PROPOSED_SEGMENTS: usize = 32;
+
 /// The deny reasons an allow entry would have prevented.
 pub const PROPOSED_REASONS: &[&str] = &[
     "no_allow_match",
@@ -171,10 +176,25 @@ impl Proposals {
     /// The proposals, most recently seen first; `platform` keeps an
     /// aggregated network off any address the operator denies.
     pub fn list(&self, platform: &PlatformDenies) -> Vec<Proposal> {
+        self.list_except(platform, &[])
+    }
+
+    /// [`Proposals::list`], leaving out — before names merge into wildcards
+    /// and addresses into networks — what was denied only for an
+    /// attribution gap (`no_dns_seen`, `expired`, `evicted`) though an
+    /// entry of `allow` already covers it: a name any entry names (qualified
+    /// or not) or a wildcard covers, an address an `ip` or `cidr` entry
+    /// covers. An entry would fix nothing (the sandbox must resolve the
+    /// name through the gateway), and a whole-destination entry or a merged
+    /// wildcard would open more than the sandbox has.
+    pub fn list_except(&self, platform: &PlatformDenies, allow: &[Rule]) -> Vec<Proposal> {
         let mut names: BTreeMap<&Hostname, &Seen> = BTreeMap::new();
         let mut addrs: BTreeMap<IpAddr, &Seen> = BTreeMap::new();
         let mut out = Vec::new();
         for (key, seen) in &self.seen {
+            if seen.gap_only() && allowed(key, allow) {
+                continue;
+            }
             match key {
                 Key::Name(n) => {
                     names.insert(n, seen);
@@ -204,6 +224,17 @@ impl Proposals {
             self.seen.remove(&k);
         }
     }
+}
+
+/// Whether an entry of `allow` covers a name or address `key`.
+fn allowed(key: &Key, allow: &[Rule]) -> bool {
+    allow.iter().any(|r| match (key, &r.dest) {
+        (Key::Name(n), Destination::Domain(d)) => d == n,
+        (Key::Name(n), Destination::WildcardDomain(w)) => w.matches(n),
+        (Key::Addr(ip), Destination::Ip(a)) => canonical_ip(*a) == *ip,
+        (Key::Addr(ip), Destination::Cidr(net)) => net.contains(ip),
+        _ => false,
+    })
 }
 
 /// What `d` would propose, if anything.
@@ -247,21 +278,45 @@ fn qualified(dest: Destination, method: &str, path: &str) -> Option<Rule> {
     if path.trim_matches('/').is_empty() || path.contains('*') {
         return None;
     }
+    // A long path is no entry an operator writes, and a sandbox choosing
+    // new ones would make each proposal cost some 20 KiB (its segments,
+    // its examples) against a name's 2.
+    if path.len() > MAX_PROPOSED_PATH || path.split('/').count() > MAX_PROPOSED_SEGMENTS {
+        return None;
+    }
     let key = dest.kind().as_str();
     let value = dest.value();
     let with_path = serde_json::json!({key: value, "http": {"methods": [method], "paths": [path]}});
     serde_json::from_value(with_path).ok()
 }
 
+/// Registrable domains with a public suffix beneath them
+/// (`s3.amazonaws.com` under `amazonaws.com`), from the Public Suffix List
+/// of the pinned `psl` crate (`policy/data/gen_registrable_with_suffixes.py`).
+static WITH_SUFFIXES: std::sync::LazyLock<std::collections::HashSet<&'static str>> =
+    std::sync::LazyLock::new(|| {
+        include_str!("../data/registrable_with_suffixes.txt")
+            .lines()
+            .collect()
+    });
+
+/// Whether `*.<reg>` would cover other people's sites: `reg` has a public
+/// suffix beneath it (`*.amazonaws.com` covers every S3 bucket).
+fn covers_public_suffixes(reg: &str) -> bool {
+    WITH_SUFFIXES.contains(reg)
+}
+
 /// Names, with [`WILDCARD_SIBLINGS`] or more under one registrable domain
-/// merged into `*.<registrable>`.
+/// merged into `*.<registrable>`, unless a public suffix lies beneath it.
 fn wildcards(names: BTreeMap<&Hostname, &Seen>) -> Vec<Proposal> {
     let mut groups: BTreeMap<&str, Vec<(&Hostname, &Seen)>> = BTreeMap::new();
     let mut out = Vec::new();
     for (name, seen) in names {
         match psl::domain_str(name.as_str()) {
             // The apex is not a sibling: a wildcard never covers it.
-            Some(reg) if reg != name.as_str() => groups.entry(reg).or_default().push((name, seen)),
+            Some(reg) if reg != name.as_str() && !covers_public_suffixes(reg) => {
+                groups.entry(reg).or_default().push((name, seen))
+            }
             _ => out.push(seen.proposal(Destination::Domain(name.clone()).into())),
         }
     }
@@ -344,6 +399,13 @@ fn id_of(rule: &Rule) -> String {
 // === impl Seen ===
 
 impl Seen {
+    /// Whether every denial it merges was for an attribution gap only.
+    fn gap_only(&self) -> bool {
+        self.reasons
+            .iter()
+            .all(|r| matches!(*r, "no_dns_seen" | "expired" | "evicted"))
+    }
+
     fn new(at: SystemTime) -> Self {
         Self {
             reasons: BTreeSet::new(),

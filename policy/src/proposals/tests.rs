@@ -195,6 +195,30 @@ fn never_a_wildcard_over_a_public_suffix() {
     assert!(rules(&p).contains(&r#"{"wildcard_domain":"*.a.github.io"}"#.to_owned()));
 }
 
+/// Nor over a registrable domain with a public suffix beneath it:
+/// `*.amazonaws.com` would cover every S3 bucket (`s3.amazonaws.com` is a
+/// suffix), `*.windows.net` every blob store.
+#[test]
+fn never_a_wildcard_over_a_domain_with_public_suffixes_beneath() {
+    let mut p = Proposals::default();
+    for n in [
+        "sts.amazonaws.com",
+        "iam.amazonaws.com",
+        "route53.amazonaws.com",
+        "a.windows.net",
+        "b.windows.net",
+        "c.windows.net",
+    ] {
+        p.record(flow("198.51.100.7:443", Some(n), "no_allow_match", 0));
+    }
+    let got = rules(&p);
+    assert_eq!(got.len(), 6, "{got:?}");
+    assert!(got.iter().all(|r| r.starts_with(r#"{"domain""#)), "{got:?}");
+    // The list is the pinned PSL's: a domain with none beneath still merges.
+    assert!(covers_public_suffixes("amazonaws.com"));
+    assert!(!covers_public_suffixes("example.com"));
+}
+
 #[test]
 fn addresses_aggregate_to_their_network_only_at_the_threshold() {
     let mut p = Proposals::default();
@@ -282,7 +306,10 @@ fn a_refused_request_proposes_its_method_and_path_at_the_deciding_level() {
     p.record(request("a.y.test", "DELETE", "/r/1", Some(level)));
     // A path that as a pattern covers more than itself proposes nothing:
     // `/` (every path), a `*` segment (any segment), a `*` inside one.
-    for path in ["/", "", "/*", "/v1/*/x", "/a*b"] {
+    // Nor one past 256 bytes or 32 segments.
+    let long = format!("/{}", "a".repeat(256));
+    let deep = "/a".repeat(33);
+    for path in ["/", "", "/*", "/v1/*/x", "/a*b", &long, &deep] {
         assert!(
             !p.record(request("api.x.test", "PUT", path, None)),
             "{path:?}"
@@ -355,4 +382,45 @@ fn an_expired_or_evicted_address_without_a_name_proposes_nothing() {
     // Never resolved through the gateway: the address is what there is.
     assert!(p.record(flow("198.51.100.7:22", None, "no_dns_seen", 0)));
     assert_eq!(rules(&p), [r#"{"ip":"198.51.100.7"}"#]);
+}
+
+/// What was denied only for an attribution gap, though an allow already
+/// covers it, is left out before names merge: no wildcard is built from
+/// three names the policy has, and a name a qualified entry allows is not
+/// proposed whole (approving it would lift the qualifier). A name denied for
+/// want of an allow is still proposed.
+#[test]
+fn what_an_allow_already_covers_is_left_out_before_merging() {
+    let allow: Vec<Rule> = crate::Policy::from_json(
+        r#"{"allow": [{"domain": "a.example.test"}, {"domain": "b.example.test"},
+            {"wildcard_domain": "*.c.example.test"},
+            {"domain": "api.example.test", "http": "read_only"},
+            {"cidr": "198.51.100.0/24"}]}"#,
+    )
+    .expect("policy")
+    .allow;
+    let mut p = Proposals::default();
+    for n in [
+        "a.example.test",
+        "b.example.test",
+        "x.c.example.test",
+        "api.example.test",
+    ] {
+        p.record(flow("203.0.113.7:443", Some(n), "no_dns_seen", 0));
+    }
+    p.record(flow("198.51.100.9:443", None, "no_dns_seen", 0));
+    p.record(flow(
+        "203.0.113.8:443",
+        Some("d.example.test"),
+        "no_allow_match",
+        1,
+    ));
+    let listed: Vec<String> = p
+        .list_except(&PlatformDenies::builtin(), &allow)
+        .iter()
+        .map(|p| serde_json::to_string(&p.rule).expect("json"))
+        .collect();
+    assert_eq!(listed, [r#"{"domain":"d.example.test"}"#]);
+    // Without the allow list, the merged wildcard is there.
+    assert!(rules(&p).contains(&r#"{"wildcard_domain":"*.example.test"}"#.to_owned()));
 }
