@@ -8,11 +8,14 @@
 //! tick of the flow's idle watch (within a second) the flow is judged
 //! again, under the policy as it is then, on the names it was first judged
 //! on (their expiry since does not end a flow; the evidence was whole when
-//! it was admitted), and cut unless the verdict is the one it runs under.
+//! it was admitted), and cut unless the verdict is the one it runs under
+//! and the byte limits of the budgets that charge it are the ones its meter
+//! was made with (a limit lowered by a push reaches the sandbox's next flow).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use egress_policy::{CompiledPolicy, Verdict};
+use egress_policy::budget::BudgetDestination;
+use egress_policy::{CompiledPolicy, Hostname, Verdict};
 
 use crate::decide::{judge, Claims, Decided};
 use crate::doh::DohNames;
@@ -67,9 +70,37 @@ impl<'a> StillAllowed<'a> {
             (&self.decided.verdict, &now),
             (Verdict::Allow(_), Verdict::Allow(_)) | (Verdict::Splice(..), Verdict::Splice(..))
         );
+        // Its meter was made with the byte limits that charged it then (a
+        // flow without one may be in the kernel's splice, which counts
+        // nothing): a limit lowered, added or taken out reaches the flow by
+        // cutting it, and the sandbox's next one runs under it.
+        let same = same && self.byte_limits(&last.0) == self.byte_limits(policy);
         if same {
             *last = (policy.clone(), changes);
         }
         same
+    }
+
+    /// The byte limits `policy`'s budgets charge the flow under, as its
+    /// budget stage chose them (`Budgets::charged`: its attributed names,
+    /// and its SNI as a claim).
+    fn byte_limits(&self, policy: &CompiledPolicy) -> Vec<(BudgetDestination, u64)> {
+        let budgets = &policy.policy().budgets;
+        if budgets.is_empty() {
+            return Vec::new();
+        }
+        let attributed = self.decided.lookup.names();
+        let evidence: Vec<&Hostname> = attributed.iter().collect();
+        let claims: Vec<&Hostname> = self
+            .claims
+            .sni
+            .filter(|s| !attributed.contains(s))
+            .into_iter()
+            .collect();
+        budgets
+            .charged(&evidence, &claims)
+            .into_iter()
+            .filter_map(|(_, b)| Some((b.destination.clone(), b.bytes_per_hour?)))
+            .collect()
     }
 }

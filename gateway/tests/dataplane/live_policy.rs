@@ -222,6 +222,33 @@ async fn a_spliced_stream_is_cut_when_a_push_takes_its_allow_out() {
     );
 }
 
+/// A push that lowers (or adds) the byte budget a running stream is charged
+/// under cuts it within a tick (its meter holds the limits it was made
+/// with); a push that leaves that limit as it was does not.
+#[tokio::test]
+async fn a_spliced_stream_is_cut_when_a_push_changes_its_byte_budget() {
+    let e = env(Options::default()).await;
+    let with = |bytes: u64, other: &str| {
+        format!(
+            r#"{{"allow": [{{"ip": "{SPLICED_IP}"}}, {{"domain": "{other}"}}],
+                "budgets": [{{"destination": "*", "bytes_per_hour": {bytes}}}]}}"#
+        )
+    };
+    e.sandbox("a", SANDBOX_A, policy(&with(1 << 30, "x.example.test")));
+    let origin = crate::streams::echo_origin(SPLICED_IP).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    echoed(&mut s, b"hello").await;
+    // Another entry changed, the budget not: the stream runs on.
+    e.sandbox("a", SANDBOX_A, policy(&with(1 << 30, "y.example.test")));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    echoed(&mut s, b"again").await;
+    e.sandbox("a", SANDBOX_A, policy(&with(1 << 20, "y.example.test")));
+    assert!(closed_without_data(&mut s).await, "cut within a tick");
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+    assert_eq!(line["bytes_up"], 10, "{line}");
+}
+
 /// A spliced stream whose destination becomes another sandbox's address
 /// (a platform deny: no sandbox reaches another through the gateway) is
 /// cut within a tick, though its own sandbox's policy did not change.
