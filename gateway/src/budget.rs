@@ -68,7 +68,20 @@ pub(crate) struct BudgetTable {
     gauge: Gauge,
     /// States refused for want of room (`egress_budget_states_full_total`).
     full: Counter,
+    /// States each sandbox holds, across the shards (taken after a shard's
+    /// lock): one sandbox may not hold more than [`MAX_STATES_PER_SANDBOX`],
+    /// nor, once the table is seven eighths full, more than
+    /// [`RESERVE_STATES`] — so sandboxes that spend on new destinations
+    /// from push to push cannot leave the others none.
+    held: Mutex<HashMap<SandboxId, usize>>,
 }
+
+/// Most states one sandbox holds: twice the entries a policy may have
+/// (states of entries a push took out stay until they refill).
+pub(crate) const MAX_STATES_PER_SANDBOX: usize = 2 * egress_policy::budget::MAX_BUDGETS;
+/// Most states a sandbox may hold for a new one to be made once the table
+/// is seven eighths full.
+pub(crate) const RESERVE_STATES: usize = 8;
 
 /// A sandbox and its `budgets` entry's destination: an entry keeps its state
 /// when a push adds, removes or reorders other entries (keyed by its index,
@@ -234,6 +247,7 @@ impl BudgetTable {
             keys: RandomState::new(),
             gauge,
             full,
+            held: Mutex::default(),
         }
     }
 
@@ -393,25 +407,58 @@ impl BudgetTable {
         if let Some(state) = map.get_mut(&key) {
             return f(state);
         }
+        let mut held = lock(&self.held);
+        if !self.room_for(&held, sandbox) {
+            self.full.inc();
+            return Err(Over::NoState);
+        }
         if map.len() >= self.per_shard {
-            if !forget_one_refilled(&mut map, now) {
+            let Some((gone, _)) = forget_one_refilled(&mut map, now) else {
                 self.full.inc();
                 return Err(Over::NoState);
-            }
+            };
+            release(&mut held, &gone);
             self.gauge.dec();
         }
+        *held.entry(sandbox.clone()).or_insert(0) += 1;
+        drop(held);
         self.gauge.inc();
         f(map.entry(key).or_insert_with(|| State::full(now)))
     }
+
+    /// Whether `sandbox` may hold one more state: under its bound, and once
+    /// the table is seven eighths full, under the reserve's.
+    fn room_for(&self, held: &HashMap<SandboxId, usize>, sandbox: &SandboxId) -> bool {
+        let mine = held.get(sandbox).copied().unwrap_or(0);
+        let max = self.per_shard * SHARDS;
+        let used = usize::try_from(self.gauge.get()).unwrap_or(0);
+        let cap = if used >= max - max / 8 {
+            RESERVE_STATES
+        } else {
+            MAX_STATES_PER_SANDBOX
+        };
+        mine < cap
+    }
 }
 
-/// Removes one state whose buckets are both full at `now`; `false` when none is.
-fn forget_one_refilled(map: &mut HashMap<Key, State>, now: Millis) -> bool {
+/// One state fewer held by `sandbox`'s key.
+fn release(held: &mut HashMap<SandboxId, usize>, (sandbox, _): &Key) {
+    if let Some(n) = held.get_mut(sandbox) {
+        *n -= 1;
+        if *n == 0 {
+            held.remove(sandbox);
+        }
+    }
+}
+
+/// Removes one state whose buckets are both full at `now`, and returns it;
+/// `None` when none is.
+fn forget_one_refilled(map: &mut HashMap<Key, State>, now: Millis) -> Option<(Key, State)> {
     let refilled = map
         .iter()
         .find(|(_, s)| s.requests.is_full(now) && s.bytes.is_full(now))
-        .map(|(k, _)| k.clone());
-    refilled.is_some_and(|k| map.remove(&k).is_some())
+        .map(|(k, _)| k.clone())?;
+    map.remove_entry(&refilled)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -261,3 +261,65 @@ fn a_state_taken_after_hours_down_is_refilled_for_all_of_them() {
     }
     assert_eq!(new.request(&a, &b, 0, Millis(300)), Err(Over::Requests));
 }
+
+/// One sandbox spending on new destinations from push to push cannot take
+/// the table: it holds at most its bound of states, and once the table is
+/// seven eighths full no more than the reserve's, so another sandbox still
+/// gets the state it needs. Without the bound, the first had the whole
+/// table and the other was refused.
+#[test]
+fn one_sandbox_cannot_take_every_state() {
+    let t = table(1024);
+    let (a, b) = (id("sb-a"), id("sb-b"));
+    let mut held = 0;
+    for i in 0..1024 {
+        let entry = budget_for(&format!("d{i}.attacker.test"), None, Some(1 << 20));
+        if t.connect(&a, &entry, 1024, Millis(0)).is_ok() {
+            held += 1;
+        }
+    }
+    assert_eq!(held, MAX_STATES_PER_SANDBOX, "the first sandbox's bound");
+    let entry = budget_for("api.example.test", None, Some(1 << 20));
+    assert_eq!(t.connect(&b, &entry, 1024, Millis(0)), Ok(()));
+    assert_eq!(t.len() as i64, t.gauge.get());
+    assert_eq!(t.full.get(), (1024 - MAX_STATES_PER_SANDBOX) as u64);
+}
+
+/// Near full, a sandbox holding more than the reserve gets no new state,
+/// one holding fewer does; a state forgotten to make room is no longer
+/// counted against the sandbox that held it.
+#[test]
+fn near_full_only_sandboxes_holding_little_get_new_states() {
+    let t = table(SHARDS * 8); // 128 states, 8 a shard
+    let b = budget(Some(2), None);
+    let many = id("sb-many");
+    for i in 0..RESERVE_STATES + 1 {
+        let entry = budget_for(&format!("d{i}.many.test"), Some(2), None);
+        assert_eq!(t.request(&many, &entry, 0, Millis(0)), Ok(()));
+    }
+    // Sandboxes of a state each, until seven eighths are held.
+    let mut n = 0;
+    while t.len() < 112 {
+        let _ = t.request(&id(&format!("sb-{n}")), &b, 0, Millis(0));
+        n += 1;
+        assert!(n < 10_000, "{} states", t.len());
+    }
+    // Past it, the sandbox holding more than the reserve gets none (in any
+    // shard), and a newcomer does (in a shard with room).
+    for i in 0..16 {
+        let entry = budget_for(&format!("late{i}.many.test"), Some(2), None);
+        assert_eq!(t.request(&many, &entry, 0, Millis(0)), Err(Over::NoState));
+    }
+    let newcomers = (0..16).filter(|i| {
+        t.request(&id(&format!("new-{i}")), &b, 0, Millis(0))
+            .is_ok()
+    });
+    assert!(newcomers.count() > 0, "no newcomer got a state");
+    // Refilled, states are forgotten for newcomers, and counted so.
+    let now = Millis(60_000);
+    for i in 0..200 {
+        let _ = t.request(&id(&format!("later-{i}")), &b, 0, now);
+    }
+    let held: usize = lock(&t.held).values().sum();
+    assert_eq!(held, t.len(), "the counts follow the states");
+}
