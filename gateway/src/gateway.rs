@@ -282,6 +282,9 @@ impl Gateway {
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let tokens = tokens(&config)?;
         let (listeners, attributed, budgets) = Listeners::open(&config, taken)?;
+        if !cold {
+            keep_handed_budgets(&config, &budgets);
+        }
         let registry = Arc::new(Registry::new(Arc::new(platform(
             &config,
             &listeners.bound,
@@ -323,16 +326,15 @@ impl Gateway {
             &dns,
             Control::new(gateway.dp.clone(), tokens, committer, machines),
         )?;
-        gateway.started(cold, predecessor);
+        gateway.started(predecessor);
         Ok(gateway)
     }
 
-    /// Once serving: after a cold start, the saved budget states' file
-    /// removed; after a takeover, the predecessor told of what changes.
-    fn started(&self, cold: bool, predecessor: Option<Told>) {
-        if cold {
-            saved_budgets_taken(&self.dp);
-        }
+    /// Once serving: the saved budget states' file removed (a cold start's,
+    /// or the one a takeover wrote of what it was handed); after a
+    /// takeover, the predecessor told of what changes.
+    fn started(&self, predecessor: Option<Told>) {
+        saved_budgets_taken(&self.dp);
         if let Some(told) = predecessor {
             tell_predecessor(told, self.dp.registry.clone());
         }
@@ -845,6 +847,20 @@ fn take_saved_budgets(dp: &Dataplane) {
 fn saved_budgets_taken(dp: &Dataplane) {
     if let Err(e) = crate::budget::saved::taken(&dp.config().state_dir) {
         tracing::warn!(error = %e, "the budget states taken at start could not be removed: a later cold start may take them again, aged by then");
+    }
+}
+
+/// Writes the budget states a predecessor handed over, as a stop would:
+/// it no longer writes them (it handed them over), and a takeover that fails
+/// after this would otherwise leave the next cold start every state full.
+/// Removed once this gateway serves ([`saved_budgets_taken`]).
+fn keep_handed_budgets(config: &Config, handed: &[crate::budget::Spent]) {
+    if handed.is_empty() {
+        return;
+    }
+    let now = std::time::SystemTime::now();
+    if let Err(e) = crate::budget::saved::save(&config.state_dir, handed.to_vec(), now) {
+        tracing::warn!(error = %e, "the budget states handed over could not be written: a start that fails now leaves the next cold start every state full");
     }
 }
 

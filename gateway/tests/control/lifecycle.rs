@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use egress_gateway::flowlog::FlowLog;
 use egress_gateway::Gateway;
+use std::sync::Arc;
 
 use crate::support::*;
 
@@ -117,6 +119,65 @@ async fn budget_states_survive_a_restart() {
         "still spent after the restart"
     );
     assert!(!saved.exists(), "taken once");
+    gw.run_until(async {}).await;
+}
+
+/// A successor that took the budget states over and then failed to start
+/// leaves them for the next cold start: the gateway it replaced handed them
+/// over and wrote none. (Before, every state started full again.)
+#[tokio::test]
+async fn budget_states_survive_a_takeover_that_fails() {
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    let gw = start(config(dir.path(), ""), origin).await;
+    let doc = format!(
+        r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}],
+            "budgets": [{{"destination": "*", "bytes_per_hour": 2048}}]}}}}"#
+    );
+    let put = http(
+        gw.bound().admin,
+        "PUT",
+        "/v1/sandboxes/sb",
+        None,
+        Some(&doc),
+    )
+    .await;
+    assert_eq!(put.0, 200, "{put:?}");
+    assert!(
+        flow(&gw, SANDBOX, &[b'x'; 300]).await.is_some(),
+        "within the budget: 600 bytes of 2048 spent"
+    );
+    let running = tokio::spawn(gw.run_until(std::future::pending()));
+    // The successor's machine egress cannot start (its nft fails).
+    let broken = config(
+        dir.path(),
+        "[machine_egress]\nnft = [\"sh\", \"-c\", \"exit 1\", \"nft\"]",
+    );
+    let asked = broken.clone();
+    let taken = tokio::task::spawn_blocking(move || egress_gateway::handover::take_over(&asked))
+        .await
+        .expect("thread")
+        .expect("taken over");
+    let dst = Arc::new(FixedDst(origin));
+    let failed = Gateway::take_over(broken, dst, FlowLog::off(), taken).await;
+    let Err(why) = failed else {
+        panic!("the successor started")
+    };
+    eprintln!("the successor failed: {why}");
+    tokio::time::timeout(Duration::from_secs(30), running)
+        .await
+        .expect("the predecessor ends")
+        .expect("task");
+    assert!(
+        dir.path().join("budgets.json").exists(),
+        "kept by the successor"
+    );
+    let gw = start(config(dir.path(), ""), origin).await;
+    assert_eq!(
+        flow(&gw, SANDBOX, &[b'x'; 800]).await,
+        None,
+        "1600 bytes more would fit a full budget, not what was left"
+    );
     gw.run_until(async {}).await;
 }
 
