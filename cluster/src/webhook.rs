@@ -135,15 +135,20 @@ pub fn review(body: &[u8], reconciler: &str) -> Result<Value, ReviewError> {
 /// what its parse would build, counted without building it. (Malformed
 /// JSON is counted all the same; the parse refuses it.)
 fn shape(body: &[u8]) -> (usize, usize) {
+    // The bytes by value: quote, backslash, braces, brackets, comma.
+    const QUOTE: u8 = 0x22;
+    const BACKSLASH: u8 = 0x5c;
+    const OPENS: [u8; 2] = [0x7b, 0x5b];
+    const COMMA: u8 = 0x2c;
     let (mut containers, mut items) = (0, 0);
     let (mut in_string, mut escaped) = (false, false);
     for &b in body {
         match (in_string, b) {
             (true, _) if escaped => escaped = false,
-            (true, b'\\') => escaped = true,
-            (true, b'"') | (false, b'"') => in_string = !in_string,
-            (false, b'{' | b'[') => containers += 1,
-            (false, b',') => items += 1,
+            (true, BACKSLASH) => escaped = true,
+            (_, QUOTE) => in_string = !in_string,
+            (false, b) if OPENS.contains(&b) => containers += 1,
+            (false, COMMA) => items += 1,
             _ => {}
         }
     }
@@ -499,6 +504,40 @@ async fn handle(req: Request<Incoming>, (reviews, parsing): Slots, reconciler: A
     reply
 }
 
+/// A review's body: at most [`MAX_BODY`] (`413`), within [`BODY_WAIT`]
+/// (`408`).
+async fn review_body(req: Request<Incoming>) -> Result<bytes::Bytes, Reply> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(too_large(MAX_BODY));
+    }
+    let collected =
+        tokio::time::timeout(BODY_WAIT, Limited::new(req.into_body(), MAX_BODY).collect()).await;
+    match collected {
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_large(MAX_BODY))
+        }
+        Ok(Err(e)) => Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("reading the body: {e}"),
+            None,
+        )),
+        Err(_) => Err(error(
+            StatusCode::REQUEST_TIMEOUT,
+            "the body did not arrive in time",
+            None,
+        )),
+    }
+}
+
 async fn route(
     req: Request<Incoming>,
     reconciler: &str,
@@ -517,38 +556,9 @@ async fn route(
             .insert(header::ALLOW, header::HeaderValue::from_static("POST"));
         return r;
     }
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return too_large(MAX_BODY);
-    }
-    let collected =
-        tokio::time::timeout(BODY_WAIT, Limited::new(req.into_body(), MAX_BODY).collect()).await;
-    let body = match collected {
-        Ok(Ok(b)) => b.to_bytes(),
-        Ok(Err(e))
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return too_large(MAX_BODY)
-        }
-        Ok(Err(e)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                &format!("reading the body: {e}"),
-                None,
-            )
-        }
-        Err(_) => {
-            return error(
-                StatusCode::REQUEST_TIMEOUT,
-                "the body did not arrive in time",
-                None,
-            )
-        }
+    let body = match review_body(req).await {
+        Ok(body) => body,
+        Err(reply) => return reply,
     };
     // Closed never: the semaphore lives as long as the server.
     let Ok(_parsing) = parsing.acquire().await else {

@@ -282,9 +282,6 @@ impl Gateway {
         let up = Arc::new(Upstreams::new(&config, minter.clone())?);
         let tokens = tokens(&config)?;
         let (listeners, attributed, budgets) = Listeners::open(&config, taken)?;
-        if !cold {
-            keep_handed_budgets(&config, &budgets);
-        }
         let registry = Arc::new(Registry::new(Arc::new(platform(
             &config,
             &listeners.bound,
@@ -1102,7 +1099,10 @@ impl Listeners {
     fn open(config: &Config, taken: Option<crate::handover::Taken>) -> Result<Opened, StartError> {
         match taken {
             None => Ok((Self::bind(config)?, Vec::new(), Vec::new())),
-            Some(t) => Ok((Self::adopt(config, t.sockets)?, t.attribution, t.budgets)),
+            Some(t) => {
+                keep_handed_budgets(config, &t.budgets);
+                Ok((Self::adopt(config, t.sockets)?, t.attribution, t.budgets))
+            }
         }
     }
 

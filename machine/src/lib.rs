@@ -395,6 +395,21 @@ fn fits(matching: Match, vm: &Vm, store: &store::Store) -> Result<(), MachineErr
     }
 }
 
+/// At most [`MAX_ADDRESSES`] for a new registration only: a VM stored with
+/// more (before the bound) still loads.
+fn not_too_many(addresses: &[IpAddr]) -> Result<(), MachineError> {
+    if addresses.len() <= MAX_ADDRESSES {
+        return Ok(());
+    }
+    Err(MachineError::Invalid {
+        field: "addresses",
+        message: format!(
+            "{} addresses, more than {MAX_ADDRESSES} for one VM",
+            addresses.len()
+        ),
+    })
+}
+
 /// A link or cgroup another VM already has: `409`.
 fn taken(state: &State, id: &str, r: &Registration) -> Result<(), MachineError> {
     for vm in state.vms.values().filter(|vm| vm.id != id) {
@@ -506,15 +521,7 @@ impl Machines {
             lost: LostEvents::default(),
         };
         let state = loaded.unwrap_or_else(|| lock(&machines.state).clone());
-        for vm in state.vms.values() {
-            fits(config.matching, vm, &machines.store)?;
-        }
-        for vm in state.vms.values() {
-            machines
-                .neighbours
-                .claim_for_vm(&vm.id, &vm.addresses)
-                .map_err(MachineError::Conflict)?;
-        }
+        machines.take_in(config.matching, &state)?;
         if !state.vms.is_empty() {
             machines.ensure_log()?;
         }
@@ -534,6 +541,20 @@ impl Machines {
         machines.view.store(Arc::new(state.clone()));
         *lock(&machines.state) = state;
         Ok(Arc::new(machines))
+    }
+
+    /// Checks the stored VMs against the match mode and claims their
+    /// addresses, before any rule is installed.
+    fn take_in(&self, matching: Match, state: &State) -> Result<(), MachineError> {
+        for vm in state.vms.values() {
+            fits(matching, vm, &self.store)?;
+        }
+        for vm in state.vms.values() {
+            self.neighbours
+                .claim_for_vm(&vm.id, &vm.addresses)
+                .map_err(MachineError::Conflict)?;
+        }
+        Ok(())
     }
 
     /// With `observe = "events"`, whether nft works in this process's
@@ -775,15 +796,7 @@ impl Machines {
             field,
             message: message.to_owned(),
         };
-        // A new registration only: a VM stored with more (before the
-        // bound) still loads.
-        if r.addresses.len() > MAX_ADDRESSES {
-            let message = format!(
-                "{} addresses, more than {MAX_ADDRESSES} for one VM",
-                r.addresses.len()
-            );
-            return Err(invalid("addresses", &message));
-        }
+        not_too_many(&r.addresses)?;
         match self.layout.matching {
             Match::Address => {
                 r.addresses = check_addresses(id, r.addresses)?;

@@ -128,10 +128,8 @@ impl Conn {
         mut req: Request<ClientBody>,
         rec: &mut RequestRecord,
     ) -> Response<Body> {
-        // Judged under the sandbox's registration as it is now: a push
-        // applies from the next request on an open connection. A DoH query
-        // too: the proxy admits it by source address, which may belong to
-        // a sandbox registered since, whose budget and evidence it would be.
+        // Judged under the sandbox's registration as it is now (a DoH query
+        // too: its address may be a sandbox's registered since).
         let Some(sandbox) = self.sandbox_now() else {
             return refused_after_body(req, self.unregistered(rec)).await;
         };
