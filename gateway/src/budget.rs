@@ -74,6 +74,8 @@ pub(crate) struct BudgetTable {
     /// [`RESERVE_STATES`] — so sandboxes that spend on new destinations
     /// from push to push cannot leave the others none.
     held: Mutex<HashMap<SandboxId, usize>>,
+    /// When refilled states were last forgotten all at once (ms; [`BudgetTable::sweep`]).
+    swept: std::sync::atomic::AtomicU64,
 }
 
 /// Most states one sandbox holds: twice the entries a policy may have
@@ -82,6 +84,8 @@ pub(crate) const MAX_STATES_PER_SANDBOX: usize = 2 * egress_policy::budget::MAX_
 /// Most states a sandbox may hold for a new one to be made once the table
 /// is seven eighths full.
 pub(crate) const RESERVE_STATES: usize = 8;
+/// [`BudgetTable::swept`] before any sweep.
+const NEVER: u64 = u64::MAX;
 
 /// A sandbox and its `budgets` entry's destination: an entry keeps its state
 /// when a push adds, removes or reorders other entries (keyed by its index,
@@ -248,6 +252,7 @@ impl BudgetTable {
             gauge,
             full,
             held: Mutex::default(),
+            swept: std::sync::atomic::AtomicU64::new(NEVER),
         }
     }
 
@@ -379,7 +384,7 @@ impl BudgetTable {
             if !known(&sandbox) {
                 continue;
             }
-            let held = self.with((&sandbox, &line.destination), now, |s| {
+            let held = self.with_bound((&sandbox, &line.destination), now, false, |s| {
                 *s = State { requests, bytes };
                 Ok(())
             });
@@ -400,18 +405,36 @@ impl BudgetTable {
         now: Millis,
         f: impl FnOnce(&mut State) -> Result<(), Over>,
     ) -> Result<(), Over> {
+        self.with_bound((sandbox, destination), now, true, f)
+    }
+
+    /// [`BudgetTable::with`]; a new state for `sandbox` only within its
+    /// bound and the reserve's when `bounded` (a state taken over from a
+    /// predecessor existed already, and is never refused for them).
+    fn with_bound(
+        &self,
+        (sandbox, destination): (&SandboxId, &BudgetDestination),
+        now: Millis,
+        bounded: bool,
+        f: impl FnOnce(&mut State) -> Result<(), Over>,
+    ) -> Result<(), Over> {
         let key = (sandbox.clone(), destination.clone());
         // SHARDS is a power of two; the low bits of SipHash are uniform.
         let shard = (self.keys.hash_one(&key) as usize) & (SHARDS - 1);
+        if let Some(state) = lock(&self.shards[shard]).get_mut(&key) {
+            return f(state);
+        }
+        // Refilled states count until they are forgotten: past a bound,
+        // forget them all (at most once a second) and look again.
+        if bounded && !self.room_for(sandbox) && (!self.sweep(now) || !self.room_for(sandbox)) {
+            self.full.inc();
+            return Err(Over::NoState);
+        }
         let mut map = lock(&self.shards[shard]);
         if let Some(state) = map.get_mut(&key) {
             return f(state);
         }
         let mut held = lock(&self.held);
-        if !self.room_for(&held, sandbox) {
-            self.full.inc();
-            return Err(Over::NoState);
-        }
         if map.len() >= self.per_shard {
             let Some((gone, _)) = forget_one_refilled(&mut map, now) else {
                 self.full.inc();
@@ -428,8 +451,8 @@ impl BudgetTable {
 
     /// Whether `sandbox` may hold one more state: under its bound, and once
     /// the table is seven eighths full, under the reserve's.
-    fn room_for(&self, held: &HashMap<SandboxId, usize>, sandbox: &SandboxId) -> bool {
-        let mine = held.get(sandbox).copied().unwrap_or(0);
+    fn room_for(&self, sandbox: &SandboxId) -> bool {
+        let mine = lock(&self.held).get(sandbox).copied().unwrap_or(0);
         let max = self.per_shard * SHARDS;
         let used = usize::try_from(self.gauge.get()).unwrap_or(0);
         let cap = if used >= max - max / 8 {
@@ -439,10 +462,55 @@ impl BudgetTable {
         };
         mine < cap
     }
+
+    /// Forgets every state refilled at `now`, shard by shard (starting
+    /// over from full grants nothing); `false` when a sweep ran less than a
+    /// second ago (a sandbox at its bound asking again and again does not
+    /// make the gateway walk the table each time).
+    fn sweep(&self, now: Millis) -> bool {
+        let last = self.swept.load(std::sync::atomic::Ordering::Relaxed);
+        if (last != NEVER && now.0 < last.saturating_add(1_000))
+            || self
+                .swept
+                .compare_exchange(
+                    last,
+                    now.0,
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return false;
+        }
+        for shard in self.shards.iter() {
+            let mut map = lock(shard);
+            let before = map.len();
+            let mut gone = Vec::new();
+            map.retain(|k, s| {
+                let refilled = s.requests.is_full(now) && s.bytes.is_full(now);
+                if refilled {
+                    gone.push(k.0.clone());
+                }
+                !refilled
+            });
+            let mut held = lock(&self.held);
+            for sandbox in &gone {
+                release_one(&mut held, sandbox);
+            }
+            drop(held);
+            self.gauge.dec_by((before - map.len()) as i64);
+        }
+        true
+    }
 }
 
 /// One state fewer held by `sandbox`'s key.
 fn release(held: &mut HashMap<SandboxId, usize>, (sandbox, _): &Key) {
+    release_one(held, sandbox);
+}
+
+/// One state fewer held by `sandbox`.
+fn release_one(held: &mut HashMap<SandboxId, usize>, sandbox: &SandboxId) {
     if let Some(n) = held.get_mut(sandbox) {
         *n -= 1;
         if *n == 0 {

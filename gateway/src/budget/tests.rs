@@ -323,3 +323,70 @@ fn near_full_only_sandboxes_holding_little_get_new_states() {
     let held: usize = lock(&t.held).values().sum();
     assert_eq!(held, t.len(), "the counts follow the states");
 }
+
+/// Refilled states do not count against a sandbox's bound for good: past
+/// it, they are forgotten (all at once) and the new state is made. An hour
+/// later, a sandbox that held 128 spent states gets new ones.
+#[test]
+fn refilled_states_make_room_under_a_sandboxs_bound() {
+    let t = table(1024);
+    let a = id("sb-a");
+    for i in 0..MAX_STATES_PER_SANDBOX {
+        let entry = budget_for(&format!("d{i}.a.test"), None, Some(1 << 20));
+        assert_eq!(t.connect(&a, &entry, 1024, Millis(0)), Ok(()));
+    }
+    let more = |i: usize, at: u64| {
+        let entry = budget_for(&format!("later{i}.a.test"), None, Some(1 << 20));
+        t.connect(&a, &entry, 1024, Millis(at))
+    };
+    assert_eq!(more(0, 0), Err(Over::NoState), "spent: the bound holds");
+    for i in 1..10 {
+        assert_eq!(more(i, HOUR_MS + 1), Ok(()), "an hour later, refilled");
+    }
+    assert_eq!(lock(&t.held).get(&a).copied(), Some(9));
+    assert_eq!(t.len() as i64, t.gauge.get());
+}
+
+/// A table seven eighths full of refilled states is not near full: a
+/// sandbox gets more than the reserve's 8 states.
+#[test]
+fn refilled_states_do_not_keep_the_table_near_full() {
+    let t = table(SHARDS * 8); // 128 states
+    let b = budget(Some(2), None);
+    let mut n = 0;
+    while t.len() < 112 {
+        let _ = t.request(&id(&format!("sb-{n}")), &b, 0, Millis(0));
+        n += 1;
+        assert!(n < 10_000, "{} states", t.len());
+    }
+    let a = id("sb-a");
+    for i in 0..10 {
+        let entry = budget_for(&format!("d{i}.a.test"), Some(2), None);
+        assert_eq!(
+            t.request(&a, &entry, 0, Millis(HOUR_MS)),
+            Ok(()),
+            "entry {i}"
+        );
+    }
+}
+
+/// States taken over from a predecessor existed already: none is dropped
+/// for a sandbox's bound (it would start full, a fresh budget).
+#[test]
+fn states_taken_over_are_not_held_to_a_sandboxs_bound() {
+    let old = table(1024);
+    let a = id("sb-a");
+    for i in 0..200 {
+        let entry = budget_for(&format!("d{i}.a.test"), None, Some(1 << 20));
+        let held = old.with_bound((&a, &entry.destination), Millis(0), false, |s| {
+            let limit = byte_limit(&entry).expect("a byte limit");
+            assert!(s.bytes.take(limit, 1024, Millis(0)));
+            Ok(())
+        });
+        assert_eq!(held, Ok(()));
+    }
+    let lines = old.spent(Millis(0));
+    assert_eq!(lines.len(), 200);
+    let new = table(1024);
+    assert_eq!(new.take_over(lines, Millis(0), |_| true), 200);
+}
