@@ -1216,13 +1216,24 @@ impl Machines {
                 return self.restore_if_gone();
             }
         };
-        self.account(&vms, &counters);
+        let moved = self.account(&vms, &counters);
+        // Their observed sets are read with the lock let go: two nft runs
+        // each, which a change installing the whole table would wait on.
+        drop(accounting);
+        for id in moved {
+            if let Err(e) = self.read_observed(&id) {
+                tracing::warn!(vm = %id, error = %e, "reading observed destinations failed");
+            }
+        }
     }
 
     /// Takes in one read of the counters for the VMs `vms` (read before
     /// it). Only the records of VMs still registered are updated: one
-    /// removed since has none ([`Machines::ensure_records`]).
-    fn account(&self, vms: &[Arc<Vm>], counters: &BTreeMap<String, u64>) {
+    /// removed since has none ([`Machines::ensure_records`]). Returns the
+    /// VMs whose observed sets are to be read (sampled: their `refused`
+    /// counter moved).
+    fn account(&self, vms: &[Arc<Vm>], counters: &BTreeMap<String, u64>) -> Vec<String> {
+        let mut moved_vms = Vec::new();
         for vm in vms {
             let k = rules::key(&vm.id);
             if let Some(&n) = counters.get(&format!("spoofed_{k}")) {
@@ -1244,11 +1255,10 @@ impl Machines {
                 .get_mut(&vm.id)
                 .is_some_and(|r| r.account(now));
             if moved && self.layout.events.is_none() {
-                if let Err(e) = self.read_observed(&vm.id) {
-                    tracing::warn!(vm = %vm.id, error = %e, "reading observed destinations failed");
-                }
+                moved_vms.push(vm.id.clone());
             }
         }
+        moved_vms
     }
 
     /// Installs the whole table again, every VM in it, if it is gone or a
