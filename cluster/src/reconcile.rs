@@ -130,9 +130,9 @@ pub enum Done {
     /// Not reconciled, and said in a `Warning` Event on the Machine:
     /// `status.runtimeID` is not a VM id, or the worker's VM of that id is
     /// not this Machine's (nothing written); or `spec.network.egress` is
-    /// invalid (the webhook should have refused it): a VM with a policy of
-    /// its own this reconciler wrote keeps it, any other is held on
-    /// `loopback`. Looked at again every `resync`.
+    /// invalid (the webhook should have refused it): a managed Machine's VM
+    /// with a policy of its own keeps it, any other is held on `loopback`.
+    /// Looked at again every `resync`.
     Invalid(Refused),
     /// The worker has no such VM (yet).
     NoVm,
@@ -155,8 +155,8 @@ fn key(m: &Machine) -> String {
 /// and records in the annotation whether the reconciler manages the policy
 /// — before its first write, so a write whose record failed is still
 /// cleared once the field goes. An invalid `spec.network.egress` holds a
-/// VM without a policy the reconciler wrote on `loopback` (nothing leaves)
-/// until it is valid, and says why.
+/// VM on `loopback` (nothing leaves) until it is valid, and says why —
+/// unless the Machine is managed and its VM has a policy of its own.
 pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, ReconcileError> {
     let Some(vm) = m.running() else {
         return Ok(Done::NotRunning);
@@ -178,10 +178,12 @@ pub async fn reconcile_one(m: &Machine, ctx: &Context) -> Result<Done, Reconcile
     };
     let (spec, invalid) = match spec_of(m) {
         Ok(spec) => (spec, None),
-        // A policy of its own this reconciler wrote from an earlier valid
-        // spec is kept (the spec may have been stored before a stricter
-        // check, or be read by an older reconciler during an upgrade);
-        // otherwise nothing leaves until the field is valid.
+        // A managed Machine's VM keeps the policy of its own it has (the
+        // one written from an earlier valid spec, or since through the
+        // relay: which is not recorded), as before: the spec may have been
+        // stored before a stricter check, or be read by an older
+        // reconciler during an upgrade. Any other VM: nothing leaves until
+        // the field is valid.
         Err(why) if current.own && m.managed() => {
             return Ok(refuse(m, ctx, "InvalidEgress", why).await);
         }
@@ -295,9 +297,9 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Reconci
     Ok(match done {
         Done::NotRunning => Action::await_change(),
         // Looked at again: the worker's VM may become this Machine's (its
-        // VM manager registers it again), and drift is put right (an
-        // invalid field's `loopback` included). The Event recorder makes a
-        // series of the repeats.
+        // VM manager registers it again), and an invalid field's `loopback`
+        // is written again if it went. The Event recorder makes a series of
+        // the repeats.
         Done::Invalid(_) => Action::requeue(ctx.resync),
         // The VM manager has not registered it yet: look again soon.
         Done::NoVm => Action::requeue(Duration::from_secs(10)),
