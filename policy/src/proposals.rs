@@ -281,7 +281,8 @@ fn qualified(dest: Destination, method: &str, path: &str) -> Option<Rule> {
     // A long path is no entry an operator writes, and a sandbox choosing
     // new ones would make each proposal cost some 20 KiB (its segments,
     // its examples) against a name's 2.
-    if path.len() > MAX_PROPOSED_PATH || path.split('/').count() > MAX_PROPOSED_SEGMENTS {
+    let segments = path.split('/').filter(|s| !s.is_empty()).count();
+    if path.len() > MAX_PROPOSED_PATH || segments > MAX_PROPOSED_SEGMENTS {
         return None;
     }
     let key = dest.kind().as_str();

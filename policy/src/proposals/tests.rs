@@ -306,9 +306,13 @@ fn a_refused_request_proposes_its_method_and_path_at_the_deciding_level() {
     p.record(request("a.y.test", "DELETE", "/r/1", Some(level)));
     // A path that as a pattern covers more than itself proposes nothing:
     // `/` (every path), a `*` segment (any segment), a `*` inside one.
-    // Nor one past 256 bytes or 32 segments.
+    // Nor one past 256 bytes or 32 segments (32 are proposed).
     let long = format!("/{}", "a".repeat(256));
     let deep = "/a".repeat(33);
+    let mut other = Proposals::default();
+    assert!(other.record(request("api.x.test", "PUT", &"/b".repeat(32), None)));
+    let trailing = format!("{}/", "/c".repeat(32));
+    assert!(other.record(request("api.x.test", "PUT", &trailing, None)));
     for path in ["/", "", "/*", "/v1/*/x", "/a*b", &long, &deep] {
         assert!(
             !p.record(request("api.x.test", "PUT", path, None)),
