@@ -245,14 +245,21 @@ async fn set_directly(w: &Worker, vm: &str, policy: &str) {
     assert_eq!(status, 200, "{body}");
 }
 
-#[tokio::test]
-async fn each_reconciliation_rule_against_a_real_worker() {
-    let Some(w) = Worker::start().await else {
-        return;
-    };
+/// A real worker with VM `vm-web` at 100.64.50.2, the API stand-in and a
+/// reconciler's context over both (`None`: skipped, no namespace here).
+async fn on_a_worker() -> Option<(Worker, StandIn, Arc<Context>)> {
+    let w = Worker::start().await?;
     w.register_vm("vm-web", "100.64.50.2").await;
     let api = StandIn::default();
     let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60), None);
+    Some((w, api, ctx))
+}
+
+#[tokio::test]
+async fn each_reconciliation_rule_against_a_real_worker() {
+    let Some((w, api, ctx)) = on_a_worker().await else {
+        return;
+    };
 
     // Running, field set, VM on the node default: written, and managed.
     api.put(machine("web", "node-a", "vm-web", Some(ALLOW_API), false));
@@ -292,15 +299,7 @@ async fn each_reconciliation_rule_against_a_real_worker() {
     );
 
     // The field removed: the reconciler set the policy, so it clears it.
-    let mut m = api.get("prod", "web");
-    m["spec"]["network"]
-        .as_object_mut()
-        .expect("network")
-        .remove("egress");
-    api.put(m);
-    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
-        .await
-        .expect("reconciles");
+    let done = field_removed(&api, &ctx, "web").await;
     assert_eq!(done, Done::Applied(Did::Clear));
     assert_eq!(worker_policy(&w, "vm-web").await["source"], "default");
     assert!(api.get("prod", "web")["metadata"]["annotations"]
@@ -333,20 +332,7 @@ async fn each_reconciliation_rule_against_a_real_worker() {
     );
     // An invalid field (the webhook would have refused it): the VM is held
     // on loopback, and the Machine managed (the field's removal clears it).
-    api.put(machine(
-        "bad",
-        "node-a",
-        "vm-web",
-        Some(r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#),
-        false,
-    ));
-    let done = reconcile_one(&typed(&api.get("prod", "bad")), &ctx)
-        .await
-        .expect("ok");
-    assert!(
-        matches!(&done, Done::Invalid(r) if r.reason == "InvalidEgress"),
-        "{done:?}"
-    );
+    invalid_reconciled(&api, &ctx, "bad", false).await;
     let now = worker_policy(&w, "vm-web").await;
     assert_eq!(
         (&now["source"], &now["policy"]["mode"]),
@@ -369,23 +355,10 @@ async fn each_reconciliation_rule_against_a_real_worker() {
         note.starts_with("spec.network.egress is invalid: "),
         "{note}"
     );
-    // A managed Machine whose VM has the policy the reconciler wrote from an
-    // earlier valid spec (stored before a stricter check, say) keeps it.
+    // A managed Machine whose VM has a policy of its own (written from an
+    // earlier valid spec stored before a stricter check, say) keeps it.
     set_directly(&w, "vm-web", r#"{"mode": "open"}"#).await;
-    api.put(machine(
-        "kept",
-        "node-a",
-        "vm-web",
-        Some(r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#),
-        true,
-    ));
-    let done = reconcile_one(&typed(&api.get("prod", "kept")), &ctx)
-        .await
-        .expect("ok");
-    assert!(
-        matches!(&done, Done::Invalid(r) if r.reason == "InvalidEgress"),
-        "{done:?}"
-    );
+    invalid_reconciled(&api, &ctx, "kept", true).await;
     assert_eq!(worker_policy(&w, "vm-web").await["policy"]["mode"], "open");
 
     // An unreachable worker is an error (the controller requeues with backoff).
@@ -406,18 +379,43 @@ async fn each_reconciliation_rule_against_a_real_worker() {
     assert!(matches!(err, ReconcileError::Worker(_)), "{err}");
 }
 
+/// Machine `name`'s `spec.network.egress` taken out, and reconciled.
+async fn field_removed(api: &StandIn, ctx: &Context, name: &str) -> Done {
+    let mut m = api.get("prod", name);
+    m["spec"]["network"]
+        .as_object_mut()
+        .expect("network")
+        .remove("egress");
+    api.put(m);
+    reconcile_one(&typed(&api.get("prod", name)), ctx)
+        .await
+        .expect("reconciles")
+}
+
+/// Machine `name` on vm-web, managed or not, with a policy the worker's
+/// check refuses (rules under `open`), put and reconciled: refused
+/// `InvalidEgress`.
+async fn invalid_reconciled(api: &StandIn, ctx: &Context, name: &str, managed: bool) {
+    let invalid = r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#;
+    api.put(machine(name, "node-a", "vm-web", Some(invalid), managed));
+    let done = reconcile_one(&typed(&api.get("prod", name)), ctx)
+        .await
+        .expect("ok");
+    assert!(
+        matches!(&done, Done::Invalid(r) if r.reason == "InvalidEgress"),
+        "{done:?}"
+    );
+}
+
 /// The annotation is recorded before the policy is written: a patch that
 /// fails leaves nothing written, so once the field goes the VM is back on
 /// the node default (written first, the VM kept `open` for good: unmanaged,
 /// its policy was left alone).
 #[tokio::test]
 async fn a_policy_whose_record_failed_is_not_left_behind_when_the_field_goes() {
-    let Some(w) = Worker::start().await else {
+    let Some((w, api, ctx)) = on_a_worker().await else {
         return;
     };
-    w.register_vm("vm-web", "100.64.50.2").await;
-    let api = StandIn::default();
-    let ctx = Context::new(api.client(), worker_api(&w), Duration::from_secs(60), None);
     api.put(machine(
         "web",
         "node-a",
@@ -430,15 +428,7 @@ async fn a_policy_whose_record_failed_is_not_left_behind_when_the_field_goes() {
         .await
         .expect_err("the annotation's patch failed");
     assert!(matches!(err, ReconcileError::Kube(_)), "{err}");
-    let mut m = api.get("prod", "web");
-    m["spec"]["network"]
-        .as_object_mut()
-        .expect("network")
-        .remove("egress");
-    api.put(m);
-    let done = reconcile_one(&typed(&api.get("prod", "web")), &ctx)
-        .await
-        .expect("reconciles");
+    let done = field_removed(&api, &ctx, "web").await;
     let now = worker_policy(&w, "vm-web").await;
     assert_eq!(now["source"], "default", "{done:?}: {now}");
 }

@@ -456,15 +456,29 @@ fn certs() -> Certs {
     }
 }
 
-async fn start_webhook(certs: &Certs) -> SocketAddr {
-    let tls = webhook::tls_config(
+/// The webhook's TLS configuration from `certs`' files.
+fn server_tls(certs: &Certs) -> Arc<rustls::ServerConfig> {
+    webhook::tls_config(
         certs.dir.path().join("tls.crt"),
         certs.dir.path().join("tls.key"),
     )
-    .expect("tls config");
+    .expect("tls config")
+}
+
+/// A listener on a loopback port, and its address.
+async fn bound() -> (TcpListener, SocketAddr) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(webhook::serve(listener, tls, RECONCILER_USER.into()));
+    (listener, addr)
+}
+
+async fn start_webhook(certs: &Certs) -> SocketAddr {
+    let (listener, addr) = bound().await;
+    tokio::spawn(webhook::serve(
+        listener,
+        server_tls(certs),
+        RECONCILER_USER.into(),
+    ));
     addr
 }
 
@@ -772,20 +786,14 @@ async fn reviews_behind_stalled_bodies_are_answered_within_the_wait() {
 async fn a_stopping_webhook_answers_the_review_in_flight_first() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let certs = certs();
-    let tls = webhook::tls_config(
-        certs.dir.path().join("tls.crt"),
-        certs.dir.path().join("tls.key"),
-    )
-    .expect("tls config");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = bound().await;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let stopped = async {
         let _ = stopped.await;
     };
     let server = tokio::spawn(webhook::serve_until(
         listener,
-        tls,
+        server_tls(&certs),
         RECONCILER_USER.into(),
         stopped,
     ));

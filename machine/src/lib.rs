@@ -1864,18 +1864,24 @@ mod tests {
         assert!(lock(&m.observed).contains_key("kept"));
     }
 
+    /// [`machines`] with VM `vm1` registered at 100.64.4.2.
+    fn with_vm1(dir: &Path) -> Arc<Machines> {
+        let m = machines(dir);
+        let registration = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration).expect("registered");
+        m
+    }
+
     /// Reads (the API's, `/metrics`') do not wait for a change in flight,
     /// which holds the state across nft and conntrack runs: they see the
     /// state as last committed.
     #[test]
     fn reads_do_not_wait_for_a_change_in_flight() {
         let dir = tempfile::tempdir().expect("dir");
-        let m = machines(dir.path());
-        let registration = Registration {
-            addresses: vec!["100.64.4.2".parse().expect("ip")],
-            ..Registration::default()
-        };
-        m.put_vm("vm1", registration).expect("registered");
+        let m = with_vm1(dir.path());
         let held = lock(&m.state);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
@@ -1901,12 +1907,7 @@ mod tests {
     #[test]
     fn counts_carry_on_across_the_table_installed_again() {
         let dir = tempfile::tempdir().expect("dir");
-        let m = machines(dir.path());
-        let registration = Registration {
-            addresses: vec!["100.64.4.2".parse().expect("ip")],
-            ..Registration::default()
-        };
-        m.put_vm("vm1", registration).expect("registered");
+        let m = with_vm1(dir.path());
         let read = |n| -> BTreeMap<String, u64> {
             ["refused", "spoofed", "lost"]
                 .into_iter()

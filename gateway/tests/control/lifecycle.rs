@@ -74,16 +74,11 @@ async fn a_restart_enforces_the_last_push_before_any_new_one() {
     assert_eq!(flow(&gw, SANDBOX, b"denied").await, None);
 }
 
-/// What a sandbox spent of its budgets is still spent after a stop and a
-/// start on the same state directory; it started full again before.
-#[tokio::test]
-async fn budget_states_survive_a_restart() {
-    let dir = tempfile::tempdir().expect("dir");
-    let origin = echo().await;
-    let gw = start(config(dir.path(), ""), origin).await;
+/// Sandbox `sb` allowed to the echo origin, with `bytes` an hour of budget.
+async fn put_budgeted(gw: &Gateway, bytes: u64) {
     let doc = format!(
         r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}],
-            "budgets": [{{"destination": "*", "bytes_per_hour": 1024}}]}}}}"#
+            "budgets": [{{"destination": "*", "bytes_per_hour": {bytes}}}]}}}}"#
     );
     let put = http(
         gw.bound().admin,
@@ -94,6 +89,16 @@ async fn budget_states_survive_a_restart() {
     )
     .await;
     assert_eq!(put.0, 200, "{put:?}");
+}
+
+/// What a sandbox spent of its budgets is still spent after a stop and a
+/// start on the same state directory; it started full again before.
+#[tokio::test]
+async fn budget_states_survive_a_restart() {
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    let gw = start(config(dir.path(), ""), origin).await;
+    put_budgeted(&gw, 1024).await;
     assert!(
         flow(&gw, SANDBOX, b"small").await.is_some(),
         "within the budget"
@@ -130,19 +135,7 @@ async fn budget_states_survive_a_takeover_that_fails() {
     let dir = tempfile::tempdir().expect("dir");
     let origin = echo().await;
     let gw = start(config(dir.path(), ""), origin).await;
-    let doc = format!(
-        r#"{{"addresses": ["{SANDBOX}"], "policy": {{"allow": [{{"ip": "{ECHO_IP}"}}],
-            "budgets": [{{"destination": "*", "bytes_per_hour": 2048}}]}}}}"#
-    );
-    let put = http(
-        gw.bound().admin,
-        "PUT",
-        "/v1/sandboxes/sb",
-        None,
-        Some(&doc),
-    )
-    .await;
-    assert_eq!(put.0, 200, "{put:?}");
+    put_budgeted(&gw, 2048).await;
     assert!(
         flow(&gw, SANDBOX, &[b'x'; 300]).await.is_some(),
         "within the budget: 600 bytes of 2048 spent"
