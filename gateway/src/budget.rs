@@ -86,6 +86,9 @@ pub(crate) const MAX_STATES_PER_SANDBOX: usize = 2 * egress_policy::budget::MAX_
 pub(crate) const RESERVE_STATES: usize = 8;
 /// [`BudgetTable::swept`] before any sweep.
 const NEVER: u64 = u64::MAX;
+/// How long a refilled state must have been untouched for a sweep to
+/// forget it: one in use (a request now and then, a body being charged) stays.
+const IDLE_SWEPT_MS: u64 = 60_000;
 
 /// A sandbox and its `budgets` entry's destination: an entry keeps its state
 /// when a push adds, removes or reorders other entries (keyed by its index,
@@ -330,10 +333,12 @@ impl BudgetTable {
         })
     }
 
-    /// Bytes a flow moved after its last request was judged: charged, never refused.
+    /// Bytes a flow moved after its last request was judged: charged, never
+    /// refused — nor for a sandbox's bounds, when its state was forgotten
+    /// meanwhile (the bytes have moved: the state they make is spent).
     pub(crate) fn charge(&self, sandbox: &SandboxId, budget: &Budget, n: u64, now: Millis) {
         if let Some(l) = byte_limit(budget) {
-            let _ = self.with((sandbox, &budget.destination), now, |s| {
+            let _ = self.with_bound((sandbox, &budget.destination), now, false, |s| {
                 s.bytes.drain(l, n, now);
                 Ok(())
             });
@@ -409,8 +414,9 @@ impl BudgetTable {
     }
 
     /// [`BudgetTable::with`]; a new state for `sandbox` only within its
-    /// bound and the reserve's when `bounded` (a state taken over from a
-    /// predecessor existed already, and is never refused for them).
+    /// bound, the reserve's and the shard's room when `bounded` (a state
+    /// taken over from a predecessor existed already, and bytes charged
+    /// have moved: neither is ever refused).
     fn with_bound(
         &self,
         (sandbox, destination): (&SandboxId, &BudgetDestination),
@@ -426,22 +432,38 @@ impl BudgetTable {
         }
         // Refilled states count until they are forgotten: past a bound,
         // forget them all (at most once a second) and look again.
-        if bounded && !self.room_for(sandbox) && (!self.sweep(now) || !self.room_for(sandbox)) {
-            self.full.inc();
-            return Err(Over::NoState);
+        if bounded && !self.room_in(&lock(&self.held), sandbox) {
+            self.sweep(now);
         }
         let mut map = lock(&self.shards[shard]);
         if let Some(state) = map.get_mut(&key) {
             return f(state);
         }
+        // The shard's walk for a refilled state before `held` is taken: every
+        // new state in every shard needs it.
+        // A state that must be (bytes that moved, a predecessor's) is made
+        // past the shard's room when nothing refilled can go: dropped, it
+        // would start full again.
+        let gone = match map.len() >= self.per_shard {
+            true => match forget_one_refilled(&mut map, now) {
+                Some((gone, _)) => Some(gone),
+                None if !bounded => None,
+                None => {
+                    self.full.inc();
+                    return Err(Over::NoState);
+                }
+            },
+            false => None,
+        };
         let mut held = lock(&self.held);
-        if map.len() >= self.per_shard {
-            let Some((gone, _)) = forget_one_refilled(&mut map, now) else {
-                self.full.inc();
-                return Err(Over::NoState);
-            };
-            release(&mut held, &gone);
+        if let Some(gone) = &gone {
+            release(&mut held, gone);
             self.gauge.dec();
+        }
+        // Checked again where the state is counted: the bound is exact.
+        if bounded && !self.room_in(&held, sandbox) {
+            self.full.inc();
+            return Err(Over::NoState);
         }
         *held.entry(sandbox.clone()).or_insert(0) += 1;
         drop(held);
@@ -449,10 +471,11 @@ impl BudgetTable {
         f(map.entry(key).or_insert_with(|| State::full(now)))
     }
 
-    /// Whether `sandbox` may hold one more state: under its bound, and once
-    /// the table is seven eighths full, under the reserve's.
-    fn room_for(&self, sandbox: &SandboxId) -> bool {
-        let mine = lock(&self.held).get(sandbox).copied().unwrap_or(0);
+    /// Whether `sandbox` may hold one more state (`held`: the counts):
+    /// under its bound, and once the table is seven eighths full, under
+    /// the reserve's.
+    fn room_in(&self, held: &HashMap<SandboxId, usize>, sandbox: &SandboxId) -> bool {
+        let mine = held.get(sandbox).copied().unwrap_or(0);
         let max = self.per_shard * SHARDS;
         let used = usize::try_from(self.gauge.get()).unwrap_or(0);
         let cap = if used >= max - max / 8 {
@@ -463,11 +486,12 @@ impl BudgetTable {
         mine < cap
     }
 
-    /// Forgets every state refilled at `now`, shard by shard (starting
-    /// over from full grants nothing); `false` when a sweep ran less than a
-    /// second ago (a sandbox at its bound asking again and again does not
-    /// make the gateway walk the table each time).
-    fn sweep(&self, now: Millis) -> bool {
+    /// Forgets every state refilled at `now` and untouched for a minute,
+    /// shard by shard (starting over from full grants nothing; a state in
+    /// use is kept); nothing when a sweep ran less than a second ago (a
+    /// sandbox at its bound asking again and again does not make the
+    /// gateway walk the table each time).
+    fn sweep(&self, now: Millis) {
         let last = self.swept.load(std::sync::atomic::Ordering::Relaxed);
         if (last != NEVER && now.0 < last.saturating_add(1_000))
             || self
@@ -480,14 +504,16 @@ impl BudgetTable {
                 )
                 .is_err()
         {
-            return false;
+            return;
         }
         for shard in self.shards.iter() {
             let mut map = lock(shard);
             let before = map.len();
             let mut gone = Vec::new();
             map.retain(|k, s| {
-                let refilled = s.requests.is_full(now) && s.bytes.is_full(now);
+                let touched = s.requests.at.0.max(s.bytes.at.0);
+                let idle = now.0.saturating_sub(touched) >= IDLE_SWEPT_MS;
+                let refilled = idle && s.requests.is_full(now) && s.bytes.is_full(now);
                 if refilled {
                     gone.push(k.0.clone());
                 }
@@ -500,7 +526,6 @@ impl BudgetTable {
             drop(held);
             self.gauge.dec_by((before - map.len()) as i64);
         }
-        true
     }
 }
 

@@ -390,3 +390,37 @@ fn states_taken_over_are_not_held_to_a_sandboxs_bound() {
     let new = table(1024);
     assert_eq!(new.take_over(lines, Millis(0), |_| true), 200);
 }
+
+/// Bytes charged after a request (its body, moved since) are recorded even
+/// when the state was forgotten meanwhile and its sandbox holds more than a
+/// bound allows: they have moved, and a state dropped would start full.
+#[test]
+fn bytes_charged_are_recorded_though_the_state_was_swept() {
+    let t = table(SHARDS * 8); // 128 states
+    let y = id("sb-y");
+    let download = budget_for("dl.y.test", None, Some(1 << 20));
+    // A request whose head moved nothing yet: the state is full, idle.
+    assert_eq!(t.request(&y, &download, 0, Millis(0)), Ok(()));
+    let at = Millis(70_000);
+    for i in 0..RESERVE_STATES + 1 {
+        let entry = budget_for(&format!("d{i}.y.test"), Some(2), None);
+        assert_eq!(t.request(&y, &entry, 0, at), Ok(()));
+    }
+    let b = budget(Some(2), None);
+    let mut n = 0;
+    while t.len() < 112 {
+        let _ = t.request(&id(&format!("sb-{n}")), &b, 0, at);
+        n += 1;
+        assert!(n < 10_000, "{} states", t.len());
+    }
+    // Past the reserve: refused, and the sweep forgets the idle full state.
+    let more = budget_for("more.y.test", Some(2), None);
+    assert_eq!(t.request(&y, &more, 0, at), Err(Over::NoState));
+    // The body's bytes, charged now.
+    t.charge(&y, &download, 1 << 20, Millis(70_001));
+    let spent = t.spent(Millis(70_002));
+    let dl = spent
+        .iter()
+        .find(|s| s.sandbox == "sb-y" && s.destination == download.destination);
+    assert!(dl.is_some(), "the charge was dropped: {spent:?}");
+}
