@@ -35,6 +35,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use dns_attrib::held::share_with_reserve;
 use dns_attrib::{AttributionCache, Millis};
 use egress_policy::{Budget, BudgetDestination, SandboxId};
 use prometheus_client::metrics::counter::Counter;
@@ -478,12 +479,17 @@ impl BudgetTable {
         let mine = held.get(sandbox).copied().unwrap_or(0);
         let max = self.per_shard * SHARDS;
         let used = usize::try_from(self.gauge.get()).unwrap_or(0);
-        let cap = if used >= max - max / 8 {
-            RESERVE_STATES
-        } else {
-            MAX_STATES_PER_SANDBOX
-        };
-        mine < cap
+        // The reserve the connection slots and the DNS proxy keep: a floor
+        // of the bound (a fair share of a large table is larger), the
+        // newcomer's share in the last eighth.
+        let share = share_with_reserve(
+            max,
+            used,
+            held.len(),
+            MAX_STATES_PER_SANDBOX,
+            RESERVE_STATES,
+        );
+        mine < share.min(MAX_STATES_PER_SANDBOX)
     }
 
     /// Forgets every state refilled at `now` and untouched for a minute,
