@@ -297,6 +297,20 @@ async fn template_and_tenant_approvals_reach_later_sandboxes_of_the_tenant_only(
     );
 }
 
+/// `GET /v1/approvals` as the federated tenant's token.
+async fn approvals_listed(w: &Setup) -> Value {
+    call(
+        w.api.addr,
+        "GET",
+        "/v1/approvals",
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await
+    .1
+}
+
 #[tokio::test]
 async fn an_approval_expires_and_the_gateway_denies_again() {
     let w = setup_world(db!()).await;
@@ -328,15 +342,7 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     // Approved again with another until: the new one replaces it.
     let again = "+ interval '3 seconds'";
     let replacing = approved_until(&w, &mut conn, (&id, "sandbox"), again).await;
-    let (_, list) = call(
-        w.api.addr,
-        "GET",
-        "/v1/approvals",
-        Some(FEDERATED),
-        &[],
-        None,
-    )
-    .await;
+    let list = approvals_listed(&w).await;
     let in_force: Vec<&Value> = list["approvals"]
         .as_array()
         .expect("a list")
@@ -368,15 +374,7 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
     // controller records the approval removed on its next round.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     let list = loop {
-        let (_, list) = call(
-            w.api.addr,
-            "GET",
-            "/v1/approvals",
-            Some(FEDERATED),
-            &[],
-            None,
-        )
-        .await;
+        let list = approvals_listed(&w).await;
         if list["approvals"][0]["removed_at"].is_string() || std::time::Instant::now() > deadline {
             break list;
         }
