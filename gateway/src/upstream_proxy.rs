@@ -263,6 +263,11 @@ fn read_password(path: &std::path::Path) -> std::io::Result<String> {
     }
     let password = text.strip_suffix('\n').unwrap_or(&text);
     let password = password.strip_suffix('\r').unwrap_or(password);
+    if password.is_empty() {
+        // A file caught between a truncate and its write: refused, so
+        // the proxy is unavailable and named, not blamed for a 407.
+        return Err(std::io::Error::other("empty"));
+    }
     Ok(password.to_owned())
 }
 

@@ -170,6 +170,19 @@ fn passwords_are_read_again_and_never_shown() {
         matches!(&**corp.authorization.load(), Authorization::Basic(v) if v == "Basic Z3c6czNjcmV0")
     );
     assert!(!format!("{corp:?}").contains("Z3c6"), "{corp:?}");
+    for empty in ["", "\n", "\r\n"] {
+        std::fs::write(&file, empty).expect("truncate");
+        let failed = proxies.reload();
+        assert_eq!(failed.len(), 1, "{empty:?} was taken for a password");
+        assert!(
+            failed[0].starts_with("corp: ") && failed[0].contains("empty"),
+            "{failed:?}"
+        );
+        assert!(matches!(
+            &**corp.authorization.load(),
+            Authorization::Unavailable
+        ));
+    }
     std::fs::remove_file(&file).expect("rm");
     let failed = proxies.reload();
     assert_eq!(failed.len(), 1);
