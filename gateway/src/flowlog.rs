@@ -121,6 +121,23 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// How often the writer looks at the file's size against its cap.
 const SIZE_CHECK: Duration = Duration::from_secs(1);
 
+/// Ends the last line of `file` when a run before this one left it cut
+/// short (a full disk at its exit), so this run's first line is a line of
+/// its own; not at or past the cap, where nothing is written anyway.
+fn end_a_cut_line(file: &std::fs::File, max_bytes: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let len = file.metadata()?.len();
+    if len == 0 || len >= max_bytes {
+        return Ok(());
+    }
+    let mut last = [0u8; 1];
+    file.read_exact_at(&mut last, len - 1)?;
+    if last[0] != b'\n' {
+        (&*file).write_all(b"\n")?;
+    }
+    Ok(())
+}
+
 impl FlowLog {
     /// `stdout`, `off`, or a file path (appended to). A file is written up
     /// to `max_bytes`; past that, lines are dropped (and counted) until it
@@ -133,7 +150,9 @@ impl FlowLog {
                 let file = std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
+                    .read(true)
                     .open(path)?;
+                end_a_cut_line(&file, max_bytes)?;
                 let cap = SizeCap::new(file.try_clone()?, max_bytes);
                 (Box::new(file), Some(cap))
             }
@@ -725,6 +744,26 @@ mod tests {
         assert_eq!(log.dropped().load(Ordering::Relaxed), 0);
         let text = std::fs::read_to_string(&path).expect("read");
         assert!(text.contains("\"bytes_up\":7"), "{text}");
+    }
+
+    #[test]
+    fn a_line_cut_short_by_the_run_before_is_ended_first() {
+        let dir = tempfile::tempdir().expect("temp");
+        let path = dir.path().join("flows.jsonl");
+        std::fs::write(&path, b"{\"whole\":1}\n{\"cut").expect("fill");
+        let log = FlowLog::open(path.to_str().expect("utf-8"), 1 << 20).expect("open");
+        log.write(record(7));
+        log.close();
+        let text = std::fs::read_to_string(&path).expect("read");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[1], "{\"cut");
+        let line: serde_json::Value = serde_json::from_str(lines[2]).expect("a line of its own");
+        assert_eq!(line["bytes_up"], 7);
+        // A file that ends whole gets nothing added.
+        let before = std::fs::metadata(&path).expect("stat").len();
+        drop(FlowLog::open(path.to_str().expect("utf-8"), 1 << 20).expect("open"));
+        assert_eq!(std::fs::metadata(&path).expect("stat").len(), before);
     }
 
     /// A line of about 1.3 KiB queued from `src`.
