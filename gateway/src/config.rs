@@ -612,6 +612,41 @@ impl Default for Limits {
 
 // === loading ===
 
+/// What `egress-gateway redirect` reads of the file: `[listen]` and
+/// `[redirect]`, validated; every other table is left to the gateway. The
+/// fence and each interface's table are installed at boot from the same
+/// file the gateway reads, and a mistake elsewhere in it (a typo under
+/// `[limits]`, a key only a newer build knows) must not leave the sandbox
+/// interfaces unfenced.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct RedirectView {
+    pub listen: Listen,
+    pub redirect: RedirectConfig,
+}
+
+impl RedirectView {
+    /// Reads `[listen]` and `[redirect]` of a TOML file and validates them.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let view: Self = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().replace('\n', " "),
+        })?;
+        match view.redirect.first_invalid() {
+            Some((key, message)) => Err(ConfigError::Invalid {
+                path: path.to_owned(),
+                key,
+                message,
+            }),
+            None => Ok(view),
+        }
+    }
+}
+
 impl Config {
     /// Reads and validates a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {

@@ -179,6 +179,58 @@ fn run_with_a_bad_config_names_the_key() {
     assert!(err.contains("min_ttl") && err.contains("\"soon\""), "{err}");
 }
 
+/// The fence and the interfaces' tables are installed at boot from the
+/// gateway's own file: a mistake outside `[listen]` and `[redirect]` leaves
+/// them as they are, and one inside is named.
+#[test]
+fn redirect_reads_only_its_own_tables() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gw.toml");
+    let redirect = |text: &str, args: &[&str]| {
+        std::fs::write(&path, text).expect("write");
+        Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
+            .arg("redirect")
+            .args(args)
+            .arg("--config")
+            .arg(&path)
+            .output()
+            .expect("runs")
+    };
+    let typo = "[limits]\nmax_conections = 10\n[a_newer_table]\nx = 1\n\
+                [listen]\ntransparent = \"127.0.0.1:16001\"\n\
+                [redirect]\nfence = [\"sbx*\"]\n";
+    let out = redirect(typo, &["--fence"]);
+    let rules = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        rules.contains("iifname \"sbx*\" iifname != @attached"),
+        "{rules}"
+    );
+    let out = redirect(typo, &["--sandbox-iface", "sbx0"]);
+    let rules = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(rules.contains(":16001"), "{rules}");
+    let out = redirect("[redirect]\nfence = [\"t*p\"]\n", &["--fence"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("redirect.fence") && err.contains("t*p"),
+        "{err}"
+    );
+    let out = redirect("[listen]\ntransparnt = \"127.0.0.1:1\"\n", &["--fence"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("transparnt"), "{err}");
+}
+
 #[test]
 fn a_token_file_open_to_other_users_is_warned_about() {
     use std::os::unix::fs::PermissionsExt;

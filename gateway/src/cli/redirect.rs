@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use clap::Args;
 
 use super::output::fail;
-use crate::config::Config;
+use crate::config::RedirectView;
 use crate::redirect::{self, Ports};
 
 #[derive(Debug, Args)]
@@ -33,13 +33,30 @@ pub(super) struct RedirectArgs {
     /// or with `--fence` delete the fence.
     #[arg(long)]
     remove: bool,
-    /// Take the listener ports from this configuration (default: the built-in ports).
+    /// Take the listener ports and `[redirect]` from this configuration
+    /// (default: the built-in ports); its other tables are not read.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
 }
 
 pub(super) fn run(args: &RedirectArgs) -> ExitCode {
-    let config = match args.config.as_deref().map(Config::load).transpose() {
+    // Removing needs nothing of the file: a detach or the fence's removal
+    // works whatever state the file is in.
+    let result = match &args.sandbox_iface {
+        _ if args.fence && args.remove => redirect::remove_fence(),
+        Some(iface) if args.remove && !args.fence => redirect::remove(iface),
+        _ => return install(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+/// Prints or applies the fence or an interface's table, from `[listen]`
+/// and `[redirect]` of the file alone ([`RedirectView`]).
+fn install(args: &RedirectArgs) -> ExitCode {
+    let config = match args.config.as_deref().map(RedirectView::load).transpose() {
         Ok(c) => c.unwrap_or_default(),
         Err(e) => return fail(e),
     };
@@ -52,7 +69,6 @@ pub(super) fn run(args: &RedirectArgs) -> ExitCode {
     let result = match &args.sandbox_iface {
         _ if args.fence => fence(args, &config),
         None => return fail("--sandbox-iface or --fence is required"),
-        Some(iface) if args.remove => redirect::remove(iface),
         Some(iface) if args.apply => redirect::apply(iface, ports, tracked),
         Some(iface) => redirect::ruleset(iface, ports, tracked).map(|r| print!("{r}")),
     };
@@ -62,15 +78,13 @@ pub(super) fn run(args: &RedirectArgs) -> ExitCode {
     }
 }
 
-fn fence(args: &RedirectArgs, config: &Config) -> Result<(), redirect::RedirectError> {
+fn fence(args: &RedirectArgs, config: &RedirectView) -> Result<(), redirect::RedirectError> {
     let patterns = if args.fence_pattern.is_empty() {
         &config.redirect.fence
     } else {
         &args.fence_pattern
     };
-    if args.remove {
-        redirect::remove_fence()
-    } else if args.apply && patterns.is_empty() {
+    if args.apply && patterns.is_empty() {
         // The packaged unit is enabled everywhere; it fences nothing until
         // redirect.fence names the sandbox interfaces.
         eprintln!("egress-gateway: redirect.fence is empty: no fence installed");
