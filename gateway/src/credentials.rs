@@ -366,7 +366,7 @@ pub fn apply(
     let mine = host_credentials(list, names, target, headers)?;
     // Judge every credential of the host before changing anything.
     let plan = plan(mine, secrets, headers)?;
-    if let Some(index) = too_large(&plan, headers, max_head) {
+    if let Some(index) = too_large(&plan, target, headers, max_head) {
         return Err(Refused {
             why: Refusal::TooLarge,
             index,
@@ -467,7 +467,10 @@ fn plan<'a>(
                     if twin {
                         return Err(refused(Refusal::Required));
                     }
-                    values.next().is_some_and(with) && values.all(with)
+                    // One line may hold a list too (`Bearer mine, Bearer
+                    // PH`): as two lines would, it is refused.
+                    let alone = |v: &HeaderValue| with(v) && !v.as_bytes().contains(&b',');
+                    values.next().is_some_and(alone) && values.all(alone)
                 } else {
                     values.any(with)
                 }
@@ -490,15 +493,26 @@ fn plan<'a>(
     Ok(plan)
 }
 
+/// What the request line holds besides its target (a method, the version,
+/// spaces and its end), counted as the most a common one takes.
+const REQUEST_LINE: usize = 32;
+
 /// One credential to put in: its value, whether its header is added whole,
 /// and its index in the sandbox's list.
 type Planned<'a> = (&'a Credential, Secret, bool, usize);
 
-/// The first planned credential with which the head, each header counted as
-/// `name: value` and its line end, would pass `max_head` bytes.
-fn too_large(plan: &[Planned<'_>], headers: &HeaderMap, max_head: usize) -> Option<usize> {
+/// The first planned credential with which the head would pass `max_head`
+/// bytes: the request line (the target, and [`REQUEST_LINE`] for the rest),
+/// and each header counted as `name: value` and its line end.
+fn too_large(
+    plan: &[Planned<'_>],
+    target: &str,
+    headers: &HeaderMap,
+    max_head: usize,
+) -> Option<usize> {
     let line = |name: &HeaderName, len: usize| name.as_str().len() + len + 4;
-    let mut size: usize = headers.iter().map(|(n, v)| line(n, v.len())).sum();
+    let fields: usize = headers.iter().map(|(n, v)| line(n, v.len())).sum();
+    let mut size = fields.saturating_add(target.len() + REQUEST_LINE);
     for (c, secret, absent, index) in plan {
         let grown = match &c.inject {
             Inject::Header { header, format } if *absent => {

@@ -161,6 +161,18 @@ fn require_refuses_a_key_of_the_sandboxs_own() {
             ("authorization", "Bearer EGRESS_PH_GITHUB"),
             ("authorization", "Bearer my-own-key"),
         ],
+        // The same two in one line, as a list: what two lines are.
+        [
+            (
+                "authorization",
+                "Bearer my-own-key, Bearer EGRESS_PH_GITHUB",
+            ),
+            ("x-other", "-"),
+        ],
+        [
+            ("authorization", "Bearer EGRESS_PH_GITHUB,Bearer my-own-key"),
+            ("x-other", "-"),
+        ],
     ] {
         let mut hs = headers(&both);
         assert_eq!(
@@ -347,6 +359,22 @@ fn a_head_the_values_would_grow_past_the_limit_is_refused() {
         })
     );
     assert!(!hs.contains_key("authorization"));
+    // So does the request line: a long target and the header added whole.
+    let target = format!("/{}", "p".repeat(HEAD - 4 * 1024));
+    let mut hs = headers(&[("x-other", "-")]);
+    assert_eq!(
+        apply(
+            &added,
+            &secrets,
+            Some(&h("api.github.test")),
+            &target,
+            &mut hs
+        ),
+        Err(Refused {
+            why: Refusal::TooLarge,
+            index: 0
+        })
+    );
 }
 
 #[test]
