@@ -51,6 +51,17 @@ const PUSH_CONCURRENCY: usize = 32;
 /// holds up only its own pushes (and one of these).
 const WORKERS_AT_ONCE: usize = 64;
 
+/// Workers whose gateways did not answer last time that are tried at once,
+/// apart from [`WORKERS_AT_ONCE`]: a lost zone of silent gateways, each
+/// holding its try for the client's timeout, cannot take the permits of
+/// the gateways that answer.
+const SILENT_AT_ONCE: usize = 8;
+
+/// A silent gateway's next try waits this long, doubled with each miss up
+/// to [`SILENT_BACKOFF_MAX`].
+const SILENT_BACKOFF_FIRST: Duration = Duration::from_millis(250);
+const SILENT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
 /// Push rounds a worker's task runs on one wake-up (256 changes each).
 const PUSH_ROUNDS: usize = 16;
 
@@ -89,6 +100,9 @@ const WORK_CHANNEL: &str = "egress_work";
 /// rounds). Without them (the listener could not connect): the poll.
 const IDLE_WAIT: Duration = Duration::from_millis(250);
 const POLL: Duration = Duration::from_millis(50);
+
+/// How often a dispatcher without its listener tries to LISTEN again.
+const LISTEN_AGAIN: Duration = Duration::from_secs(5);
 
 /// Retry, pacing, lease and retention settings.
 #[derive(Clone, Debug)]
@@ -236,13 +250,23 @@ impl Dispatcher {
             pruned: long_ago,
         };
         let mut leader = false;
+        let mut listened = Instant::now();
         loop {
             if !store::locks::alive(&mut session).await {
                 return;
             }
+            if listener.is_none() && listened.elapsed() >= LISTEN_AGAIN {
+                (listener, listened) = (self.listen().await, Instant::now());
+            }
             leader = leader || self.try_lead(&mut session).await;
+            let before = leases.held().to_vec();
             self.renew(leases).await;
             let shards = leases.held().to_vec();
+            // Shards given back (or trust lapsed): their workers' tasks are
+            // stopped before the operations run, not after.
+            if before.iter().any(|s| !shards.contains(s)) {
+                self.wake_tenders(&mut tenders, leases).await;
+            }
             let worked = self.execute_some(&shards).await;
             // Again before waking the pushers, should the work above have
             // been long; the pushers first, the rounds for all after.
@@ -460,6 +484,9 @@ impl Dispatcher {
             }
             keep
         });
+        // Tasks stopped (here or at an earlier lapse of trust) are reaped:
+        // the set holds only the running ones.
+        while tenders.tasks.try_join_next().is_some() {}
         for (w, until) in workers {
             let mut seen = (read_at, w, until);
             if let Some((tx, _)) = tenders.workers.get(&seen.1.id) {
@@ -485,52 +512,76 @@ impl Dispatcher {
     /// trusted. A row read before this task's last resync ended is stale
     /// (its epoch and flag predate the resync): it is pushed from, not
     /// checked or resynced.
-    async fn tender(&self, mut rx: Seen, permits: Arc<tokio::sync::Semaphore>) {
-        let mut compared = Instant::now() - self.limits.resync_interval;
-        let mut synced: Option<Instant> = None;
-        // A resync the gateway refused (a sandbox it will not take): tried
-        // again once per interval, the changes pushed meanwhile, so one
-        // sandbox does not hold up every other change of the worker.
-        let mut refused: Option<Instant> = None;
-        // Pushes the gateway refused as the sandbox's, held back a while
-        // ([`HeldPushes`]): the changes behind them go meanwhile.
-        let mut held = HeldPushes::default();
+    async fn tender(&self, mut rx: Seen, permits: Permits) {
+        let mut t = Tending::new(self.limits.resync_interval);
         while rx.changed().await.is_ok() {
-            let (read_at, mut w, until) = rx.borrow_and_update().clone();
-            let Ok(_permit) = permits.acquire().await else {
+            if let Some(at) = t.silence.next_try() {
+                tokio::time::sleep_until(at.into()).await;
+            }
+            let pool = match t.silence.misses {
+                0 => &permits.answering,
+                _ => &permits.silent,
+            };
+            let Ok(_permit) = pool.acquire().await else {
                 return;
             };
-            let stale = synced.is_some_and(|s| read_at < s);
-            w.needs_resync &= !stale;
-            if !stale && !w.needs_resync && compared.elapsed() >= self.limits.resync_interval {
-                w.needs_resync = self.check_gateway(&w).await;
-                compared = Instant::now();
-            }
-            for _ in 0..PUSH_ROUNDS {
-                if Instant::now() >= until {
-                    break;
-                }
-                let due = refused.is_none_or(|t| t.elapsed() >= self.limits.resync_interval);
-                let moved = if w.needs_resync && due {
-                    match self.resync(&w).await {
-                        Resynced::Done => {
-                            (w.needs_resync, synced, refused) = (false, Some(Instant::now()), None);
-                            true
-                        }
-                        Resynced::Refused => {
-                            refused = Some(Instant::now());
-                            self.push_changes(&w, until, &mut held).await
-                        }
-                        Resynced::Failed => false,
-                    }
-                } else {
-                    self.push_changes(&w, until, &mut held).await
-                };
-                if !moved {
-                    break;
-                }
+            // Taken once the permit is: a long wait for it does not use up
+            // the trust in the leases the row was read under.
+            let (read_at, w, until) = rx.borrow_and_update().clone();
+            let heard = self.tend(&mut t, read_at, w, until).await;
+            t.silence.note(heard);
+        }
+    }
+
+    /// One wake-up of a worker's task (holding its permit): what it heard
+    /// from the gateway.
+    async fn tend(
+        &self,
+        t: &mut Tending,
+        read_at: Instant,
+        mut w: WorkerRow,
+        until: Instant,
+    ) -> Heard {
+        let stale = t.synced.is_some_and(|s| read_at < s);
+        w.needs_resync &= !stale;
+        let mut heard = Heard::Nothing;
+        if !stale && !w.needs_resync && t.compared.elapsed() >= self.limits.resync_interval {
+            t.compared = Instant::now();
+            match self.check_gateway(&w).await {
+                // Nothing to push to: the changes wait for the next try.
+                Checked::Silent => return Heard::Silent,
+                Checked::Answered { resync } => (w.needs_resync, heard) = (resync, Heard::Answered),
             }
         }
+        for _ in 0..PUSH_ROUNDS {
+            if Instant::now() >= until {
+                break;
+            }
+            let due = t
+                .refused
+                .is_none_or(|r| r.elapsed() >= self.limits.resync_interval);
+            let round = if w.needs_resync && due {
+                match self.resync(&w).await {
+                    Resynced::Done => {
+                        (w.needs_resync, t.synced, t.refused) = (false, Some(Instant::now()), None);
+                        Round::Moved
+                    }
+                    Resynced::Refused => {
+                        t.refused = Some(Instant::now());
+                        self.push_changes(&w, until, &mut t.held).await
+                    }
+                    Resynced::Failed => Round::Silent,
+                }
+            } else {
+                self.push_changes(&w, until, &mut t.held).await
+            };
+            match round {
+                Round::Moved => heard = Heard::Answered,
+                Round::Still => break,
+                Round::Silent => return Heard::Silent,
+            }
+        }
+        heard
     }
 
     /// Pushes a worker's unacknowledged changes, [`PUSH_CONCURRENCY`] at a
@@ -538,29 +589,35 @@ impl Dispatcher {
     /// `held` back. A push the gateway refuses as the sandbox's is held
     /// back ([`HeldPushes`]) and the rest go on; any other failure stops
     /// the round, to retry on the next.
-    async fn push_changes(&self, w: &WorkerRow, until: Instant, held: &mut HeldPushes) -> bool {
+    async fn push_changes(&self, w: &WorkerRow, until: Instant, held: &mut HeldPushes) -> Round {
         let (ids, generations) = held.pairs();
         let held_back = (&ids[..], &generations[..]);
         let changes = store::unpushed(&self.pool, &w.id, UNPUSHED_READ as i64, held_back).await;
         let Some(changes) = read(changes, "reading the changes to push", &w.id) else {
-            return false;
+            return Round::Still;
         };
         // A read that reached the end of the queue: those held go again,
         // once an interval has passed since they were.
         if changes.len() < UNPUSHED_READ {
             held.release(self.limits.resync_interval);
         }
-        let mut moved = false;
+        let (mut moved, mut silent) = (false, false);
         for chunk in changes.chunks(PUSH_CONCURRENCY) {
             if Instant::now() >= until {
                 break;
             }
             let (applied, failed) = self.push_chunk(w, chunk).await;
             moved |= applied > 0;
-            // Each applied push moved the gateway's generation by one.
-            let acked =
-                store::acknowledge(&self.pool, &w.id, None, applied, w.lease.as_ref()).await;
-            logged(acked, "acknowledging the pushes", &w.id);
+            silent |= failed
+                .iter()
+                .any(|(_, e)| matches!(e, PushError::Unanswered(_)));
+            // Each applied push moved the gateway's generation by one (none:
+            // nothing to write).
+            if applied > 0 {
+                let acked =
+                    store::acknowledge(&self.pool, &w.id, None, applied, w.lease.as_ref()).await;
+                logged(acked, "acknowledging the pushes", &w.id);
+            }
             let mut stop = false;
             for (id, error) in &failed {
                 tracing::warn!(worker = %w.id, sandbox = %id.0, %error, "push failed; will retry");
@@ -574,10 +631,14 @@ impl Dispatcher {
                 self.note_push_failure(w, error).await;
             }
             if stop {
-                return moved;
+                break;
             }
         }
-        moved
+        match (moved, silent) {
+            (true, _) => Round::Moved,
+            (false, true) => Round::Silent,
+            (false, false) => Round::Still,
+        }
     }
 
     /// Records a push's failure on the worker's row, its flag as it is:
@@ -615,13 +676,18 @@ impl Dispatcher {
             };
             pushes.spawn(async move {
                 let path = egress_api::gateway::sandbox(&id);
+                // A DELETE of a sandbox the gateway does not have is done;
+                // a PUT answered 404 (by something else at the URL) is not.
+                let gone = method == Method::DELETE;
                 let outcome = call(&url, &token, method, &path, body.as_ref()).await;
-                (id, generation, outcome)
+                (id, generation, gone, outcome)
             });
         }
-        while let Some(Ok((id, generation, outcome))) = pushes.join_next().await {
+        while let Some(Ok((id, generation, gone, outcome))) = pushes.join_next().await {
             match outcome {
-                Ok((status, _)) if status.is_success() || status == StatusCode::NOT_FOUND => {
+                Ok((status, _))
+                    if status.is_success() || (gone && status == StatusCode::NOT_FOUND) =>
+                {
                     match store::pushed(&self.pool, &id, generation).await {
                         Ok(lag) => self.metrics.push_latency_seconds.observe(lag),
                         Err(e) => logged::<()>(Err(e), "marking a sandbox pushed", &id),
@@ -744,22 +810,30 @@ impl Dispatcher {
     /// The gateway's epoch and generation (`GET /readyz`); `None` while it
     /// is unreachable or not ready.
     async fn gateway_state(&self, w: &WorkerRow) -> Option<(String, i64)> {
+        self.readyz(w).await.ok().flatten()
+    }
+
+    /// The gateway's `/readyz`: `Err` when it did not answer, `Ok(None)`
+    /// when it answered but is not ready (or said nothing readable).
+    async fn readyz(&self, w: &WorkerRow) -> Result<Option<(String, i64)>, ()> {
         let answer = call(&w.admin_url, &w.token, Method::GET, "/readyz", None).await;
-        let (status, body) = answer
-            .inspect_err(|error| tracing::debug!(worker = %w.id, %error, "gateway not reachable"))
-            .ok()?;
+        let (status, body) = answer.map_err(|error| {
+            tracing::debug!(worker = %w.id, %error, "gateway not reachable");
+        })?;
         if !status.is_success() {
-            return None;
+            return Ok(None);
         }
-        parse_ready(body.as_str()?)
+        Ok(body.as_str().and_then(parse_ready))
     }
 
     /// Checks a gateway: its `/readyz`, and its list when the generation it
     /// reports is not the one acknowledged; [`plan`] decides. `true` when it
     /// is flagged for resync (it restarted, or its list drifted); a list
     /// found in step has its generation acknowledged.
-    async fn check_gateway(&self, w: &WorkerRow) -> bool {
-        let state = self.gateway_state(w).await;
+    async fn check_gateway(&self, w: &WorkerRow) -> Checked {
+        let Ok(state) = self.readyz(w).await else {
+            return Checked::Silent;
+        };
         let reported = state.as_ref().map(|(e, g)| (e.as_str(), *g));
         let known = Known {
             epoch: w.epoch.as_deref(),
@@ -772,7 +846,7 @@ impl Dispatcher {
         if let Some(outcome) = action.label() {
             self.count_compare(outcome);
         }
-        match action {
+        let resync = match action {
             Action::Wait | Action::PushChanges | Action::Compare => false,
             Action::Acknowledge(generation) => {
                 if generation.is_some() {
@@ -792,7 +866,8 @@ impl Dispatcher {
                 logged(seen, "flagging the gateway for resync", &w.id);
                 true
             }
-        }
+        };
+        Checked::Answered { resync }
     }
 
     /// Compares the gateway's list with the store's rows.
@@ -908,6 +983,96 @@ enum Resynced {
     Failed,
 }
 
+/// What a check of a gateway found.
+enum Checked {
+    /// No answer (its `/readyz` was not reached or timed out).
+    Silent,
+    /// An answer; `resync`: it is flagged for resync.
+    Answered { resync: bool },
+}
+
+/// How a push round (or a resync) ended.
+enum Round {
+    /// The gateway took something: go on.
+    Moved,
+    /// Nothing moved, the gateway answering (or nothing to push).
+    Still,
+    /// Nothing moved, the gateway silent (or the resync failed).
+    Silent,
+}
+
+/// What one wake-up of a worker's task heard from its gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Heard {
+    Answered,
+    Silent,
+    /// Nothing asked of it.
+    Nothing,
+}
+
+/// A worker task's own state between wake-ups.
+struct Tending {
+    compared: Instant,
+    synced: Option<Instant>,
+    /// A resync the gateway refused (a sandbox it will not take): tried
+    /// again once per interval, the changes pushed meanwhile, so one
+    /// sandbox does not hold up every other change of the worker.
+    refused: Option<Instant>,
+    /// Pushes the gateway refused as the sandbox's, held back a while
+    /// ([`HeldPushes`]): the changes behind them go meanwhile.
+    held: HeldPushes,
+    silence: Silence,
+}
+
+impl Tending {
+    fn new(resync_interval: Duration) -> Self {
+        Self {
+            compared: Instant::now() - resync_interval,
+            synced: None,
+            refused: None,
+            held: HeldPushes::default(),
+            silence: Silence::default(),
+        }
+    }
+}
+
+/// Misses in a row of a gateway that does not answer, and when the last
+/// was: it is tried again after a backoff, under [`SILENT_AT_ONCE`].
+#[derive(Debug, Default)]
+struct Silence {
+    misses: u32,
+    last: Option<Instant>,
+}
+
+impl Silence {
+    /// When a silent gateway may be tried again (`None`: now).
+    fn next_try(&self) -> Option<Instant> {
+        let wait = SILENT_BACKOFF_FIRST
+            .saturating_mul(1 << self.misses.saturating_sub(1).min(16))
+            .min(SILENT_BACKOFF_MAX);
+        self.last.map(|at| at + wait)
+    }
+
+    fn note(&mut self, heard: Heard) {
+        match heard {
+            Heard::Answered => *self = Self::default(),
+            Heard::Silent => {
+                self.misses = self.misses.saturating_add(1);
+                self.last = Some(Instant::now());
+            }
+            Heard::Nothing => {}
+        }
+    }
+}
+
+/// The permits of the workers' tasks: [`WORKERS_AT_ONCE`] for gateways
+/// that answer, [`SILENT_AT_ONCE`] for those that did not last time.
+#[derive(Clone)]
+struct Permits {
+    answering: Arc<tokio::sync::Semaphore>,
+    silent: Arc<tokio::sync::Semaphore>,
+}
+
 /// A worker's row as last read: when it was read, the row, and until when
 /// the leases it was read under are trusted.
 type Wake = (Instant, WorkerRow, Instant);
@@ -919,7 +1084,7 @@ type Seen = tokio::sync::watch::Receiver<Wake>;
 struct Tenders {
     workers: std::collections::HashMap<String, (tokio::sync::watch::Sender<Wake>, AbortHandle)>,
     tasks: tokio::task::JoinSet<()>,
-    permits: Arc<tokio::sync::Semaphore>,
+    permits: Permits,
 }
 
 impl Default for Tenders {
@@ -927,7 +1092,10 @@ impl Default for Tenders {
         Self {
             workers: Default::default(),
             tasks: tokio::task::JoinSet::new(),
-            permits: Arc::new(tokio::sync::Semaphore::new(WORKERS_AT_ONCE)),
+            permits: Permits {
+                answering: Arc::new(tokio::sync::Semaphore::new(WORKERS_AT_ONCE)),
+                silent: Arc::new(tokio::sync::Semaphore::new(SILENT_AT_ONCE)),
+            },
         }
     }
 }

@@ -401,6 +401,53 @@ async fn a_stalled_gateway_does_not_hold_up_pushes_to_the_others() {
     drop(d);
 }
 
+/// Ordered, not timed: 100 workers' gateways sit behind one front that
+/// accepts and never answers (a lost zone). Once each has been tried and
+/// timed out (the first try of each holds one of the permits for the
+/// client's 5 s, as any gateway's would), creates on w1 are enforced on its gateway while the silent
+/// ones give up fewer tries than the dispatcher has permits: the silent
+/// gateways are tried under permits of their own, after a backoff, so they
+/// never take those of the gateways that answer. (Before: the first create
+/// waited behind every silent gateway's try, each 5 s, and its trust in
+/// the leases it was read under ran out while it waited.)
+#[tokio::test]
+async fn silent_gateways_do_not_take_the_permits_of_those_that_answer() {
+    let url = crate::db!();
+    let dir = tempfile::tempdir().expect("dir");
+    let gw1 = gateway(dir.path(), "127.0.0.1:0").await;
+    let silent = front(gw1.bound().admin, STALL).await;
+    let api = allow_all_api(&url, gw1.bound().admin, "100.64.1.0/24").await;
+    for i in 0..100 {
+        let pool = format!("100.80.{i}.0/24");
+        register_worker(&api, &format!("lost{i}"), silent.addr, &pool).await;
+    }
+    let d = dispatcher(&url, deployment(None, None), limits(5, 600_000, 100)).await;
+    for _ in 0..2400 {
+        if silent.given_up.load(Ordering::SeqCst) >= 100 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let before = silent.given_up.load(Ordering::SeqCst);
+    assert!(
+        before >= 100,
+        "the silent gateways' first tries never timed out"
+    );
+    for _ in 0..5 {
+        let id = create_on(&api, "w1").await;
+        on_gateway(&gw1, &id).await;
+    }
+    let during = silent.given_up.load(Ordering::SeqCst) - before;
+    assert!(
+        during < 64,
+        "{during} tries of silent gateways gave up while w1's creates waited"
+    );
+    println!(
+        "FIGURES silent gateways: 5 creates on w1 enforced while {during} tries of 100 silent gateways gave up"
+    );
+    drop(d);
+}
+
 /// A network policy replacement of sandbox `id`: allow only `domain`.
 async fn replace(api: &ApiProcess, id: &str, domain: &str) {
     let policy = json!({"default": "deny", "allow": [{"domain": domain}]});
