@@ -173,12 +173,23 @@ UNITS=(egress-gateway.service egress-gateway-redirect@.service egress-gateway-fe
 for u in "${UNITS[@]}"; do
   [ -f "/usr/lib/systemd/system/$u" ] || die "/usr/lib/systemd/system/$u is not installed"
 done
+# The drop-in that applies the fence and the active redirect units again
+# after nftables.service starts (a start flushes the ruleset; PartOf= and
+# ReloadPropagatedFrom= pass on only a stop, restart or reload).
+NFT_DROPIN=/usr/lib/systemd/system/nftables.service.d/egress-gateway.conf
+[ -f "$NFT_DROPIN" ] || die "$NFT_DROPIN is not installed"
+grep -q '^ExecStartPost=.* reload-or-restart egress-gateway-fence\.service$' "$NFT_DROPIN" ||
+  die "$NFT_DROPIN does not apply the fence again after nftables.service starts"
+grep -q '^ExecStartPost=.* try-reload-or-restart egress-gateway-redirect@\*\.service$' "$NFT_DROPIN" ||
+  die "$NFT_DROPIN does not apply the redirect units again after nftables.service starts"
 # A template is verified through an instance (the interface name keeps its '-').
 say "systemd-analyze verify"
+# nftables.service is verified with the drop-in above (a finding in it
+# names egress-gateway.conf).
 verify_out=$(cd /usr/lib/systemd/system && systemd-analyze verify \
   egress-gateway.service egress-gateway-redirect@tap-sb1.service egress-gateway-fence.service \
   egress-controller-api.service egress-controller-dispatcher.service \
-  egress-cluster-relay.service 2>&1) || { echo "$verify_out"; die "systemd-analyze verify failed"; }
+  egress-cluster-relay.service nftables.service 2>&1) || { echo "$verify_out"; die "systemd-analyze verify failed"; }
 # Only our units' own findings count: verify also reads units we depend on.
 if echo "$verify_out" | grep -E 'egress-(gateway|controller|cluster)' >&2; then
   die "systemd-analyze verify found problems in the units above"
