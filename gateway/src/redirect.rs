@@ -161,12 +161,19 @@ fn guards(iface: &str, tracking: Tracking) -> String {
     format!(
         r#"    # First, a source the interface is not the way back to is someone
     # else's: a sandbox on its own interface cannot send as another (the
-    # gateway knows a sandbox by its address). IPv6 neighbour and router
-    # discovery speak from :: and link-local addresses.
+    # gateway knows a sandbox by its address). From :: and link-local
+    # addresses, only what finds neighbours and joins groups (a sandbox
+    # has any number of those addresses, so anything else from them would
+    # escape the per-source bound below). Nor does a sandbox route for the
+    # host: router advertisements and redirects are dropped.
     chain spoof_guard {{
         type filter hook prerouting priority mangle - 5; policy accept;
         iifname "{iface}" meta nfproto ipv4 fib saddr . iif oif missing counter drop
-        iifname "{iface}" meta nfproto ipv6 ip6 saddr != {{ ::, fe80::/10 }} fib saddr . iif oif missing counter drop
+        iifname "{iface}" icmp type redirect counter drop
+        iifname "{iface}" icmpv6 type {{ nd-router-advert, nd-redirect, router-renumbering }} counter drop
+        iifname "{iface}" ip6 saddr {{ ::, fe80::/10 }} icmpv6 type {{ nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert, mld-listener-report, mld-listener-done, mld2-listener-report }} accept
+        iifname "{iface}" ip6 saddr {{ ::, fe80::/10 }} counter drop
+        iifname "{iface}" meta nfproto ipv6 fib saddr . iif oif missing counter drop
     }}
     # Before NAT: only DNS to the reserved resolvers may leave as UDP.
     chain udp_guard {{

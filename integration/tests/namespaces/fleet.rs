@@ -679,3 +679,132 @@ fn sigusr2_starts_a_successor_that_takes_over_and_tells_systemd() {
     let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/after", &["-4"]);
     assert_eq!(code, 0, "the successor does not serve: {body}");
 }
+
+/// The link-local address of `eth0` in `ns`, once it is no longer tentative.
+fn link_local(t: &Topology, ns: &str) -> String {
+    for _ in 0..100 {
+        let out = t.exec(
+            ns,
+            "ip",
+            &["-6", "-o", "addr", "show", "dev", "eth0", "scope", "link"],
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !text.contains("tentative") {
+            if let Some(addr) = text
+                .split_whitespace()
+                .skip_while(|w| *w != "inet6")
+                .nth(1)
+                .and_then(|a| a.split('/').next())
+            {
+                return addr.to_owned();
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("no link-local address on {ns}'s eth0");
+}
+
+/// A sandbox has any number of link-local addresses, so they are good only
+/// for finding neighbours: echo requests from three of them to the host
+/// are dropped, and none is counted as a source (each would have had a
+/// bound of connections of its own). A router advertisement from the
+/// sandbox never gives the host a default route through it, even on an
+/// interface that would take one.
+#[test]
+fn link_local_sources_only_find_neighbours_and_never_route() {
+    if !available() {
+        return;
+    }
+    let mut t = Topology::new();
+    let sb3 = t.add_sandbox("sb3", "sbx3", 5);
+    t.gateway_cli(&["redirect", "--sandbox-iface", "sbx3", "--apply"]);
+    for key in [
+        "net.ipv6.conf.sbx3.accept_ra=2",
+        "net.ipv6.conf.sbx3.accept_ra_defrtr=1",
+    ] {
+        assert!(t.exec(&t.gw, "sysctl", &["-qw", key]).status.success());
+    }
+    let sbx3 = {
+        let out = t.exec(
+            &t.gw,
+            "ip",
+            &["-6", "-o", "addr", "show", "dev", "sbx3", "scope", "link"],
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.split_whitespace()
+            .skip_while(|w| *w != "inet6")
+            .nth(1)
+            .and_then(|a| a.split('/').next())
+            .map(str::to_owned)
+            .unwrap_or_else(|| panic!("no link-local address on sbx3: {text}"))
+    };
+    link_local(&t, &sb3);
+    for n in 1..=3 {
+        let source = format!("fe80::51:{n}");
+        let add = [
+            "addr",
+            "add",
+            &format!("{source}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ];
+        assert!(t.exec(&sb3, "ip", &add).status.success());
+        // An echo request from `source` (python3: the image has no ping);
+        // exits 0 on the reply.
+        let echo = format!(
+            r#"
+import socket, struct, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+i = socket.if_nametoindex("eth0")
+s.bind(("{source}", 0, 0, i))
+s.settimeout(2.0)
+s.sendto(struct.pack("!BBHHH", 128, 0, 0, 7, {n}), ("{sbx3}", 0, 0, i))
+try:
+    while True:
+        if s.recv(64)[0] == 129:
+            sys.exit(0)
+except socket.timeout:
+    sys.exit(1)
+"#
+        );
+        let echoed = t.exec(&sb3, "python3", &["-c", &echo]);
+        assert_eq!(
+            echoed.status.code(),
+            Some(1),
+            "an echo request from {source} reached the host: {}",
+            String::from_utf8_lossy(&echoed.stderr)
+        );
+    }
+    let set = t.exec(
+        &t.gw,
+        "nft",
+        &["list", "set", "inet", "egress_gw_sbx3", "tracked6"],
+    );
+    let set = String::from_utf8_lossy(&set.stdout);
+    assert!(!set.contains("fe80"), "link-local sources counted: {set}");
+    // A router advertisement (lifetime 1800 s) to all nodes, three times.
+    let advertise = r#"
+import socket, struct, time
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+i = socket.if_nametoindex("eth0")
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, i)
+for _ in range(3):
+    s.sendto(struct.pack("!BBHBBHII", 134, 0, 0, 64, 0, 1800, 0, 0), ("ff02::1", 0, 0, i))
+    time.sleep(0.2)
+"#;
+    let sent = t.exec(&sb3, "python3", &["-c", advertise]);
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let routes = t.exec(&t.gw, "ip", &["-6", "route", "show", "default"]);
+    let routes = String::from_utf8_lossy(&routes.stdout);
+    assert!(
+        !routes.contains("sbx3"),
+        "the sandbox's advertisement made it the host's router: {routes}"
+    );
+}
