@@ -317,14 +317,39 @@ fn valid_id(id: &str) -> Result<(), String> {
     SandboxId::parse(id).map(drop).map_err(|e| e.to_string())
 }
 
+/// Checks a pushed sandbox's credentials and reads their values, off the
+/// async workers: reading files (and taking the values' lock) blocks.
+async fn load_credentials(ctl: &Control, list: &[credentials::Credential]) -> Result<(), String> {
+    credentials::validate(list)?;
+    if list.is_empty() {
+        return Ok(());
+    }
+    let (dp, list) = (ctl.dp.clone(), list.to_vec());
+    tokio::task::spawn_blocking(move || dp.secrets.load(&list))
+        .await
+        .unwrap_or_else(|e| Err(format!("reading the values failed: {e}")))
+}
+
+/// [`load_credentials`] for a resync's sandboxes (already checked): the
+/// first that cannot be read, with its index.
+async fn load_all_credentials(ctl: &Control, docs: &[SandboxDoc]) -> Result<(), (usize, String)> {
+    if docs.iter().all(|d| d.credentials.is_empty()) {
+        return Ok(());
+    }
+    let dp = ctl.dp.clone();
+    let lists: Vec<Vec<credentials::Credential>> =
+        docs.iter().map(|d| d.credentials.clone()).collect();
+    tokio::task::spawn_blocking(move || dp.secrets.load_all(lists.iter().map(|l| &l[..])))
+        .await
+        .unwrap_or_else(|e| Err((0, format!("reading the values failed: {e}"))))
+}
+
 async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     let sid = SandboxId::new(&id);
     if let Err(e) = egress_api::gateway::sandbox_addresses(&doc.addresses) {
         return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some("addresses")));
     }
-    if let Err(e) =
-        credentials::validate(&doc.credentials).and_then(|()| ctl.dp.secrets.load(&doc.credentials))
-    {
+    if let Err(e) = load_credentials(ctl, &doc.credentials).await {
         return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some("credentials")));
     }
     if let Some(Err(e)) = doc.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
@@ -409,8 +434,7 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
             return bad(i, "upstream_proxy", &e);
         }
     }
-    let lists = docs.iter().map(|d| &d.credentials[..]);
-    if let Err((i, e)) = ctl.dp.secrets.load_all(lists) {
+    if let Err((i, e)) = load_all_credentials(ctl, &docs).await {
         return bad(i, "credentials", &e);
     }
     let n = docs.len();

@@ -216,7 +216,18 @@ fn read_source(source: &Source, allowed: &CredentialSources) -> Result<Secret, S
             if meta.len() > MAX_VALUE as u64 {
                 return Err(format!("larger than {MAX_VALUE} bytes"));
             }
-            std::fs::read(&real).map_err(|e| e.to_string())?
+            // Bounded as read too: a file that grows, or a device that never
+            // ends, stops one byte past the most a value may hold.
+            let mut bytes = Vec::new();
+            std::fs::File::open(&real)
+                .and_then(|f| {
+                    std::io::Read::read_to_end(
+                        &mut std::io::Read::take(f, MAX_VALUE as u64 + 1),
+                        &mut bytes,
+                    )
+                })
+                .map_err(|e| e.to_string())?;
+            bytes
         }
         Source::Env(name) => {
             if !name.starts_with(&allowed.env_prefix) {

@@ -190,7 +190,9 @@ async fn reload_on_sighup(
     path: Option<PathBuf>,
 ) {
     while hup.recv().await.is_some() {
-        dp.reload_secrets();
+        // Off the async workers: reading files blocks.
+        let reading = dp.clone();
+        let _ = tokio::task::spawn_blocking(move || reading.reload_secrets()).await;
         tracing::info!("SIGHUP: credential values read again");
         // Logged and counted inside: the CA in service stays on an error.
         let _ = ca.reload();
