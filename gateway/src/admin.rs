@@ -544,9 +544,44 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
             // On a terminated flow the request's name is its Host, which must be the SNI.
             let name = host.as_ref().or(sni.as_ref());
             v["request"] = explained_request(&sandbox.policy, e.tls, name, &names, method, path);
+            explain_credentials(
+                &mut v["request"],
+                &sandbox.credentials,
+                (e.tls, name),
+                &names,
+            );
         }
     }
     json_reply(StatusCode::OK, &v)
+}
+
+/// A request explain allows, judged by the credentials stage too, as far
+/// as it goes without headers (the question has none): refused there, it
+/// is `deny` with the stage's code and the credential's index and name.
+fn explain_credentials(
+    request: &mut Value,
+    list: &[credentials::Credential],
+    (tls, name): (bool, Option<&egress_policy::Hostname>),
+    attributed: &[egress_policy::Hostname],
+) {
+    let path = request["path"].as_str().unwrap_or_default().to_owned();
+    if request["verdict"] != "allow" || list.is_empty() {
+        return;
+    }
+    let may_be = crate::decide::request_names(tls, name, attributed);
+    let names = match name.filter(|_| tls) {
+        Some(verified) => credentials::Names::Verified(verified),
+        None => credentials::Names::Unverified(&may_be),
+    };
+    if let Some(refused) = credentials::refused_whatever_the_headers(list, names, &path) {
+        request["verdict"] = json!("deny");
+        request["reason"] = json!(refused.why.code());
+        request["credential"] = json!(refused.index);
+        request["detail"] = json!(format!(
+            "credentials[{}] {:?}",
+            refused.index, list[refused.index].name
+        ));
+    }
 }
 
 fn attribution(ctl: &Control, id: &str) -> Reply {

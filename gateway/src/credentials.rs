@@ -357,6 +357,18 @@ pub enum Names<'a> {
     Unverified(&'a [&'a Hostname]),
 }
 
+/// What the credentials stage refuses of a request whatever its headers
+/// (explain asks with none): a placeholder in the target on its way to a
+/// host it is not for, or an unverified name a required credential
+/// covers. `None`: the stage would let it through, headers permitting.
+pub fn refused_whatever_the_headers(
+    list: &[Credential],
+    names: Names<'_>,
+    target: &str,
+) -> Option<Refused> {
+    host_credentials(list, names, target, &HeaderMap::new()).err()
+}
+
 /// Applies a sandbox's credentials to one request's headers.
 ///
 /// A value goes in only where the name is verified; where it is not, a
