@@ -795,7 +795,7 @@ fn keep_fence(dp: &Dataplane, first: bool) {
         tracing::error!(%iface, "a sandbox interface let through the fence had lost its redirect (its table gone or emptied); fenced it again: attach it again (egress-gateway redirect --apply, or restart its egress-gateway-redirect@ unit)");
     };
     if let Err(e) = crate::redirect::keep_fence(patterns, rules, installed, detached) {
-        tracing::error!(error = %e, "the fence of sandbox interfaces is missing and could not be installed");
+        tracing::error!(error = %e, ?patterns, "keeping the fence of sandbox interfaces failed; the next look tries again within 5 s");
     }
 }
 

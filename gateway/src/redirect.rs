@@ -34,6 +34,21 @@ pub enum RedirectError {
     NoPatterns,
     #[error("nft: {0}")]
     Nft(String),
+    /// What the fence keeper was doing when `source` failed.
+    #[error("{doing}: {source}")]
+    Keeping {
+        doing: String,
+        source: Box<Self>,
+    },
+}
+
+impl RedirectError {
+    fn doing(self, doing: impl std::fmt::Display) -> Self {
+        Self::Keeping {
+            doing: doing.to_string(),
+            source: Box::new(self),
+        }
+    }
 }
 
 /// The ports the rules redirect to.
@@ -360,13 +375,17 @@ pub fn keep_fence(
         return Ok(());
     }
     if !fence_in_place(patterns) {
-        apply_fence(patterns)?;
+        apply_fence(patterns).map_err(|e| {
+            e.doing(format_args!(
+                "installing the fence {patterns:?}, which is gone or emptied"
+            ))
+        })?;
         installed();
         return Ok(());
     }
-    let attached = nft()
-        .set_names(FENCE_TABLE, "attached")
-        .map_err(|e| RedirectError::Nft(e.message))?;
+    let attached = nft().set_names(FENCE_TABLE, "attached").map_err(|e| {
+        RedirectError::Nft(e.message).doing("reading the fence's attached interfaces")
+    })?;
     let redirected =
         |t: &str| egress_machine::counters::rules(t, "to_gateway").is_ok_and(|n| n >= REDIRECTS);
     let rebuilt = REBUILT
@@ -381,8 +400,17 @@ pub fn keep_fence(
         let done = match keep {
             Keep::Redirected => Ok(()),
             Keep::Rebuild => rebuild(&iface, (ports, tracking))
+                .map_err(|e| {
+                    e.doing(format_args!(
+                        "making {iface}'s redirect again (it is fenced again)"
+                    ))
+                })
                 .or_else(|e| fence_again(&iface, &detached).and(Err(e))),
-            Keep::Fence => fence_again(&iface, &detached),
+            Keep::Fence => fence_again(&iface, &detached).map_err(|e| {
+                e.doing(format_args!(
+                    "fencing {iface} again: its redirect is gone or emptied (detached meanwhile?)"
+                ))
+            }),
         };
         if let Err(e) = done {
             first_error.get_or_insert(e);
@@ -391,7 +419,9 @@ pub fn keep_fence(
     if first_error.is_none() {
         for table in gone {
             if let Err(e) = run(&format!("table inet {table}\ndelete table inet {table}\n")) {
-                first_error.get_or_insert(e);
+                first_error.get_or_insert(
+                    e.doing(format_args!("deleting an older build's table {table}")),
+                );
             }
         }
     }
