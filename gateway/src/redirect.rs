@@ -36,10 +36,7 @@ pub enum RedirectError {
     Nft(String),
     /// What the fence keeper was doing when `source` failed.
     #[error("{doing}: {source}")]
-    Keeping {
-        doing: String,
-        source: Box<Self>,
-    },
+    Keeping { doing: String, source: Box<Self> },
 }
 
 impl RedirectError {
@@ -257,25 +254,72 @@ flush chain inet {FENCE_TABLE} fence\n{rules}"
 
 /// Applies the interface's ruleset with `nft -f -` (the same runner as machine egress).
 pub fn apply(iface: &str, ports: Ports, tracking: Tracking) -> Result<(), RedirectError> {
+    let _held = RulesLock::take()?;
     run(&ruleset(iface, ports, tracking)?)
 }
 
 /// Detaches the interface: fenced again (if it matches the fence), its table gone.
 pub fn remove(iface: &str) -> Result<(), RedirectError> {
+    let _held = RulesLock::take()?;
     run(&removal(iface)?)
 }
 
 /// Installs (or replaces) the fence.
 pub fn apply_fence(patterns: &[String]) -> Result<(), RedirectError> {
+    let _held = RulesLock::take()?;
     run(&fence_ruleset(patterns)?)
 }
 
 /// Deletes the fence and its set (uninstalling; sandboxes are then only
 /// as fenced as their own tables make them).
 pub fn remove_fence() -> Result<(), RedirectError> {
+    let _held = RulesLock::take()?;
     run(&format!(
         "table inet {FENCE_TABLE}\ndelete table inet {FENCE_TABLE}\n"
     ))
+}
+
+/// Held while this network namespace's redirect rules change: an attach,
+/// a detach, the fence's install or removal, or one look of the fence
+/// keeper, which acts on what it read of the tables and the `attached` set
+/// (a detach and attach between its read and its act would otherwise have
+/// it fence the interface just attached again). An abstract Unix socket's
+/// name, which belongs to the network namespace (so a pod's containers
+/// share it, and namespaces apart do not) and goes with the process that
+/// bound it, whatever way it ends.
+struct RulesLock {
+    _bound: std::os::unix::net::UnixListener,
+}
+
+impl RulesLock {
+    const NAME: &'static [u8] = b"egress-gateway/redirect-rules";
+    /// The longest wait for another holder (an `nft` run takes a few ms).
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+    fn take() -> Result<Self, RedirectError> {
+        use std::os::linux::net::SocketAddrExt;
+        let failed = |e: std::io::Error| {
+            RedirectError::Nft(format!(
+                "the lock of this network namespace's redirect rules: {e} (another `egress-gateway redirect`, or the gateway's fence keeper, held it for {:?})",
+                Self::WAIT
+            ))
+        };
+        let addr =
+            std::os::unix::net::SocketAddr::from_abstract_name(Self::NAME).map_err(failed)?;
+        let deadline = std::time::Instant::now() + Self::WAIT;
+        loop {
+            match std::os::unix::net::UnixListener::bind_addr(&addr) {
+                Ok(l) => return Ok(Self { _bound: l }),
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AddrInUse
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => return Err(failed(e)),
+            }
+        }
+    }
 }
 
 /// How often a running gateway looks at the fence ([`keep_fence`]).
@@ -374,8 +418,9 @@ pub fn keep_fence(
     if patterns.is_empty() {
         return Ok(());
     }
+    let _held = RulesLock::take()?;
     if !fence_in_place(patterns) {
-        apply_fence(patterns).map_err(|e| {
+        run(&fence_ruleset(patterns)?).map_err(|e| {
             e.doing(format_args!(
                 "installing the fence {patterns:?}, which is gone or emptied"
             ))
@@ -430,7 +475,7 @@ pub fn keep_fence(
 
 /// `iface`'s rules made again in its own table, replaced whole.
 fn rebuild(iface: &str, (ports, tracking): (Ports, Tracking)) -> Result<(), RedirectError> {
-    apply(iface, ports, tracking)?;
+    run(&ruleset(iface, ports, tracking)?)?;
     if let Ok(mut r) = REBUILT.lock() {
         r.get_or_insert_with(HashSet::new).insert(iface.to_owned());
     }
@@ -466,6 +511,29 @@ fn run(script: &str) -> Result<(), RedirectError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rules' lock is one holder's at a time, and free again once its
+    /// holder lets go (here a thread of this process, as another process's
+    /// would be).
+    #[test]
+    fn the_rules_lock_waits_for_its_holder() {
+        let held = RulesLock::take().expect("free");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            let second = RulesLock::take();
+            let _ = tx.send(());
+            second.map(drop)
+        });
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(300))
+                .is_err(),
+            "taken while held"
+        );
+        drop(held);
+        rx.recv_timeout(std::time::Duration::from_secs(5))
+            .expect("taken once let go");
+        waiter.join().expect("waiter").expect("taken");
+    }
 
     const PORTS: Ports = Ports {
         transparent: 15001,
