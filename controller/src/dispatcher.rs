@@ -62,6 +62,11 @@ const SILENT_AT_ONCE: usize = 8;
 const SILENT_BACKOFF_FIRST: Duration = Duration::from_millis(250);
 const SILENT_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
+/// Gateways' lists fetched and compared at once by this dispatcher: after
+/// a change every gateway's generation moves with (a template's shadow,
+/// say), each worker's next check fetches its whole list.
+static COMPARING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+
 /// Push rounds a worker's task runs on one wake-up (256 changes each).
 const PUSH_ROUNDS: usize = 16;
 
@@ -872,6 +877,10 @@ impl Dispatcher {
 
     /// Compares the gateway's list with the store's rows.
     async fn compare_list(&self, w: &WorkerRow) -> Listed {
+        // A few lists at once: each may be large, read whole and parsed.
+        let Ok(_comparing) = COMPARING.acquire().await else {
+            return Listed::Inconclusive;
+        };
         let answer = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await;
         let (status, body) = match answer {
             Ok(answer) => answer,

@@ -65,13 +65,18 @@ pub async fn call(
     body: Option<&Value>,
 ) -> Result<(StatusCode, Value), GatewayError> {
     let body = body.map(|b| b.to_string()).unwrap_or_default();
+    // Only a read may bring a gateway's whole list back.
+    let max_reply = match method {
+        Method::GET => MAX_REPLY,
+        _ => MAX_ANSWER,
+    };
     let req = Outgoing {
         method,
         path,
         content_type: "application/json",
         body,
     };
-    exchange(admin_url, token, req, TIMEOUT).await
+    exchange(admin_url, token, req, (TIMEOUT, max_reply)).await
 }
 
 /// A full resync as NDJSON (one sandbox document per line), streamed by the
@@ -89,11 +94,15 @@ pub async fn resync(
         content_type: "application/x-ndjson",
         body: ndjson,
     };
-    exchange(admin_url, token, req, wait).await
+    exchange(admin_url, token, req, (wait, MAX_ANSWER)).await
 }
 
 /// The longest answer read from a gateway (a full list of its sandboxes).
 const MAX_REPLY: usize = 256 << 20;
+
+/// The longest answer to a change or a question (`PUT`, `DELETE`, `POST`):
+/// what was applied, or why not.
+const MAX_ANSWER: usize = 1 << 20;
 
 struct Outgoing<'a> {
     method: Method,
@@ -108,7 +117,7 @@ async fn exchange(
     admin_url: &str,
     token: &str,
     out: Outgoing<'_>,
-    timeout: Duration,
+    (timeout, max_reply): (Duration, usize),
 ) -> Result<(StatusCode, Value), GatewayError> {
     let bad_url = |reason: String| GatewayError::AdminUrl {
         url: admin_url.to_owned(),
@@ -122,7 +131,7 @@ async fn exchange(
         authority: authority.as_str(),
         token: Some(token),
         timeout,
-        max_reply: MAX_REPLY,
+        max_reply,
     };
     let call = Call {
         method: out.method,
@@ -148,6 +157,64 @@ async fn exchange(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gateway stand-in that answers every request with `body`, on loopback.
+    async fn answering(body: Vec<u8>) -> std::net::SocketAddr {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let top = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = s.write_all(top.as_bytes()).await;
+                    let _ = s.write_all(&body).await;
+                });
+            }
+        });
+        addr
+    }
+
+    /// Only a read may bring a large answer back: the answer to a change is
+    /// refused past 1 MiB, so 64 pushes at once cannot each hold a list's worth.
+    #[tokio::test]
+    async fn only_a_read_brings_a_large_answer_back() {
+        let big = format!("\"{}\"", "x".repeat(2 << 20)).into_bytes();
+        let url = format!("http://{}", answering(big).await);
+        let read = call(&url, "", Method::GET, "/v1/sandboxes", None).await;
+        assert!(
+            matches!(read, Ok((StatusCode::OK, Value::String(_)))),
+            "{read:?}"
+        );
+        for method in [Method::PUT, Method::DELETE, Method::POST] {
+            let answer = call(&url, "", method.clone(), "/v1/sandboxes/sb", None).await;
+            assert!(
+                matches!(
+                    &answer,
+                    Err(GatewayError::Call {
+                        source: egress_api::client::CallError::TooLarge { .. },
+                        ..
+                    })
+                ),
+                "{method}: {}",
+                format!("{answer:?}").chars().take(120).collect::<String>()
+            );
+        }
+    }
 
     #[test]
     fn a_refusal_keeps_at_most_the_bound_of_the_body() {
