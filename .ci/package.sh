@@ -158,10 +158,10 @@ ADMIN_AUTH="Authorization: Bearer $(cat /etc/egress-gateway/admin.token)"
 
 # Every key the packaged configuration shows commented out is one the gateway
 # knows, with a value it accepts: uncommented, the file still loads
-# (`redirect` loads --config and only prints).
+# (`run --check` reads every table and starts nothing).
 sed -E 's/^#([a-z_]+ = )/\1/' /etc/egress-gateway/gateway.toml >"$WORK/uncommented.toml"
 shown=$(grep -cE '^[a-z_]+ = ' "$WORK/uncommented.toml")
-/usr/bin/egress-gateway redirect --sandbox-iface lo --config "$WORK/uncommented.toml" >/dev/null ||
+/usr/bin/egress-gateway run --check --config "$WORK/uncommented.toml" >/dev/null ||
   die "gateway.toml with its commented keys uncommented does not load"
 say "gateway.toml: loads with all $shown keys it shows uncommented"
 

@@ -177,6 +177,32 @@ fn run_with_a_bad_config_names_the_key() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("min_ttl") && err.contains("\"soon\""), "{err}");
+    // `--check` reads every table as a start would, and starts nothing.
+    let check = |text: &str| {
+        std::fs::write(&path, text).expect("write");
+        Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
+            .args(["run", "--check", "--config"])
+            .arg(&path)
+            .current_dir(dir.path())
+            .output()
+            .expect("runs")
+    };
+    let out = check("[limits]\nmax_conections = 10\n");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("max_conections"), "{err}");
+    let out = check("[dns]\nmin_ttl = \"5s\"\n");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("loads"));
+    assert!(
+        !dir.path().join(".egress-gateway").exists(),
+        "a check made state"
+    );
 }
 
 /// The fence and the interfaces' tables are installed at boot from the

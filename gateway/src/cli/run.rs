@@ -22,8 +22,13 @@ pub(super) struct RunArgs {
     /// Replace the gateway running on the same state_dir without a window:
     /// take over its listening sockets, its pushed state and its DNS
     /// attribution; it then drains and exits. Same [listen] required.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "check")]
     take_over: bool,
+    /// Only read and check the configuration (every table of it, as a
+    /// start would), say so, and exit: 0 when it loads, 1 naming the bad
+    /// key otherwise. Nothing is started or touched.
+    #[arg(long, requires = "config")]
+    check: bool,
 }
 
 pub(super) fn run(args: &RunArgs) -> ExitCode {
@@ -34,6 +39,13 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
+    if args.check {
+        let path = config_path
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        println!("{path}: the configuration loads");
+        return ExitCode::SUCCESS;
+    }
     let runtime = match runtime(&config.limits) {
         Ok(rt) => rt,
         Err(e) => return fail(format_args!("cannot start the runtime: {e}")),
