@@ -48,7 +48,9 @@ for p in "${PACKAGES[@]}"; do
 done
 if ! command -v cargo-deb >/dev/null; then
   say "installing cargo-deb"
-  cargo install --locked cargo-deb
+  # Pinned: which directory a version treats as systemd's (and so which
+  # units it enables) has moved between versions.
+  cargo install --locked cargo-deb --version 3.8.0
 fi
 
 build_debs() {
@@ -155,6 +157,8 @@ ADMIN_AUTH="Authorization: Bearer $(cat /etc/egress-gateway/admin.token)"
 [ -d /var/log/egress-gateway ] || die "the postinst did not make /var/log/egress-gateway"
 [ -L /etc/systemd/system/multi-user.target.wants/egress-gateway.service ] ||
   die "egress-gateway.service was not enabled on install"
+[ -L /etc/systemd/system/multi-user.target.wants/egress-gateway-fence.service ] ||
+  die "egress-gateway-fence.service was not enabled on install"
 
 # Every key the packaged configuration shows commented out is one the gateway
 # knows, with a value it accepts: uncommented, the file still loads
