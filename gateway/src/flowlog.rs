@@ -121,21 +121,29 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// How often the writer looks at the file's size against its cap.
 const SIZE_CHECK: Duration = Duration::from_secs(1);
 
-/// Ends the last line of `file` when a run before this one left it cut
-/// short (a full disk at its exit), so this run's first line is a line of
-/// its own; not at or past the cap, where nothing is written anyway.
-fn end_a_cut_line(file: &std::fs::File, max_bytes: u64) -> std::io::Result<()> {
+/// Ends the last line of `file` (appended to) when a run before this one
+/// left it cut short (a full disk at its exit), so this run's first line
+/// is a line of its own; not at or past the cap, where nothing is written
+/// anyway. Best effort: the last byte is read through a handle of its own
+/// (the log needs only write access), and a failure (the disk still full,
+/// the file not readable) is a warning, never a reason not to start.
+fn end_a_cut_line(path: &str, file: &std::fs::File, max_bytes: u64) {
     use std::os::unix::fs::FileExt;
-    let len = file.metadata()?.len();
-    if len == 0 || len >= max_bytes {
-        return Ok(());
+    let ended = || -> std::io::Result<()> {
+        let len = file.metadata()?.len();
+        if len == 0 || len >= max_bytes {
+            return Ok(());
+        }
+        let mut last = [0u8; 1];
+        std::fs::File::open(path)?.read_exact_at(&mut last, len - 1)?;
+        if last[0] != b'\n' {
+            (&*file).write_all(b"\n")?;
+        }
+        Ok(())
+    };
+    if let Err(e) = ended() {
+        tracing::warn!(%path, error = %e, "could not end the flow log's last line, which an earlier run may have left cut short");
     }
-    let mut last = [0u8; 1];
-    file.read_exact_at(&mut last, len - 1)?;
-    if last[0] != b'\n' {
-        (&*file).write_all(b"\n")?;
-    }
-    Ok(())
 }
 
 impl FlowLog {
@@ -150,9 +158,8 @@ impl FlowLog {
                 let file = std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
-                    .read(true)
                     .open(path)?;
-                end_a_cut_line(&file, max_bytes)?;
+                end_a_cut_line(path, &file, max_bytes);
                 let cap = SizeCap::new(file.try_clone()?, max_bytes);
                 (Box::new(file), Some(cap))
             }
@@ -544,6 +551,7 @@ impl std::fmt::Debug for FlowLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     /// A writer that keeps what it is given, and can be held shut.
     #[derive(Clone, Default)]
@@ -764,6 +772,25 @@ mod tests {
         let before = std::fs::metadata(&path).expect("stat").len();
         drop(FlowLog::open(path.to_str().expect("utf-8"), 1 << 20).expect("open"));
         assert_eq!(std::fs::metadata(&path).expect("stat").len(), before);
+        // One that cannot be ended (not readable here: the log needs only
+        // to write) still opens, and takes lines.
+        std::fs::write(&path, b"{\"cut").expect("cut again");
+        let write_only = std::fs::Permissions::from_mode(0o200);
+        std::fs::set_permissions(&path, write_only).expect("chmod");
+        let unreadable = std::fs::File::open(&path).is_err();
+        let log =
+            FlowLog::open(path.to_str().expect("utf-8"), 1 << 20).expect("opens all the same");
+        log.write(record(8));
+        log.close();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert!(text.contains("\"bytes_up\":8"), "{text}");
+        if unreadable {
+            assert!(
+                text.starts_with("{\"cut{"),
+                "not ended when it cannot be read: {text}"
+            );
+        }
     }
 
     /// A line of about 1.3 KiB queued from `src`.
