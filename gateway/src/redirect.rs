@@ -254,59 +254,65 @@ flush chain inet {FENCE_TABLE} fence\n{rules}"
 
 /// Applies the interface's ruleset with `nft -f -` (the same runner as machine egress).
 pub fn apply(iface: &str, ports: Ports, tracking: Tracking) -> Result<(), RedirectError> {
-    let _held = RulesLock::take()?;
+    let _held = RulesLock::take(RulesLock::WAIT)?;
     run(&ruleset(iface, ports, tracking)?)
 }
 
 /// Detaches the interface: fenced again (if it matches the fence), its table gone.
 pub fn remove(iface: &str) -> Result<(), RedirectError> {
-    let _held = RulesLock::take()?;
+    let _held = RulesLock::take(RulesLock::WAIT)?;
     run(&removal(iface)?)
 }
 
-/// Installs (or replaces) the fence.
+/// Installs (or replaces) the fence. No lock: one transaction that keeps
+/// the `attached` set, so it cannot undo an attach or a detach.
 pub fn apply_fence(patterns: &[String]) -> Result<(), RedirectError> {
-    let _held = RulesLock::take()?;
     run(&fence_ruleset(patterns)?)
 }
 
 /// Deletes the fence and its set (uninstalling; sandboxes are then only
 /// as fenced as their own tables make them).
 pub fn remove_fence() -> Result<(), RedirectError> {
-    let _held = RulesLock::take()?;
     run(&format!(
         "table inet {FENCE_TABLE}\ndelete table inet {FENCE_TABLE}\n"
     ))
 }
 
-/// Held while this network namespace's redirect rules change: an attach,
-/// a detach, the fence's install or removal, or one look of the fence
-/// keeper, which acts on what it read of the tables and the `attached` set
-/// (a detach and attach between its read and its act would otherwise have
-/// it fence the interface just attached again). An abstract Unix socket's
-/// name, which belongs to the network namespace (so a pod's containers
-/// share it, and namespaces apart do not) and goes with the process that
-/// bound it, whatever way it ends.
+/// Held while an interface is attached or detached, and while the fence
+/// keeper acts on what it read of the tables and the `attached` set (a
+/// detach and attach between its read and its act would otherwise have it
+/// fence the interface just attached again). Installing the fence takes
+/// none: it keeps the set, and nothing may stand in its way. An abstract
+/// Unix socket's name, which belongs to the network namespace (so a pod's
+/// containers share it, and namespaces apart do not) and goes with the
+/// process that bound it, whatever way it ends. Any process of the
+/// namespace could bind the name first: attaching then fails after
+/// [`RulesLock::WAIT`] (fail closed), and the keeper still installs a
+/// missing fence.
 struct RulesLock {
     _bound: std::os::unix::net::UnixListener,
 }
 
 impl RulesLock {
     const NAME: &'static [u8] = b"egress-gateway/redirect-rules";
-    /// The longest wait for another holder (an `nft` run takes a few ms).
-    const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+    /// The longest wait of an attach or detach for another holder (an
+    /// `nft` run takes a few ms; after an nftables reload every instance
+    /// applies again at once).
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+    /// The keeper's: it looks again within [`FENCE_CHECK_EVERY`].
+    const KEEPER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-    fn take() -> Result<Self, RedirectError> {
+    fn take(wait: std::time::Duration) -> Result<Self, RedirectError> {
         use std::os::linux::net::SocketAddrExt;
         let failed = |e: std::io::Error| {
             RedirectError::Nft(format!(
-                "the lock of this network namespace's redirect rules: {e} (another `egress-gateway redirect`, or the gateway's fence keeper, held it for {:?})",
-                Self::WAIT
+                "the lock of this network namespace's redirect rules: {e} (another `egress-gateway redirect`, the gateway's fence keeper, or a process binding @{} held it for {wait:?})",
+                String::from_utf8_lossy(Self::NAME)
             ))
         };
         let addr =
             std::os::unix::net::SocketAddr::from_abstract_name(Self::NAME).map_err(failed)?;
-        let deadline = std::time::Instant::now() + Self::WAIT;
+        let deadline = std::time::Instant::now() + wait;
         loop {
             match std::os::unix::net::UnixListener::bind_addr(&addr) {
                 Ok(l) => return Ok(Self { _bound: l }),
@@ -418,7 +424,6 @@ pub fn keep_fence(
     if patterns.is_empty() {
         return Ok(());
     }
-    let _held = RulesLock::take()?;
     if !fence_in_place(patterns) {
         run(&fence_ruleset(patterns)?).map_err(|e| {
             e.doing(format_args!(
@@ -428,6 +433,8 @@ pub fn keep_fence(
         installed();
         return Ok(());
     }
+    let _held = RulesLock::take(RulesLock::KEEPER_WAIT)
+        .map_err(|e| e.doing("looking at the attached interfaces' redirects"))?;
     let attached = nft().set_names(FENCE_TABLE, "attached").map_err(|e| {
         RedirectError::Nft(e.message).doing("reading the fence's attached interfaces")
     })?;
@@ -442,22 +449,7 @@ pub fn keep_fence(
     let (keep, gone) = keep_plan(&attached, (redirected, current), &rebuilt);
     let mut first_error = None;
     for (iface, keep) in keep {
-        let done = match keep {
-            Keep::Redirected => Ok(()),
-            Keep::Rebuild => rebuild(&iface, (ports, tracking))
-                .map_err(|e| {
-                    e.doing(format_args!(
-                        "making {iface}'s redirect again (it is fenced again)"
-                    ))
-                })
-                .or_else(|e| fence_again(&iface, &detached).and(Err(e))),
-            Keep::Fence => fence_again(&iface, &detached).map_err(|e| {
-                e.doing(format_args!(
-                    "fencing {iface} again: its redirect is gone or emptied (detached meanwhile?)"
-                ))
-            }),
-        };
-        if let Err(e) = done {
+        if let Err(e) = keep_one(&iface, keep, (ports, tracking), &detached) {
             first_error.get_or_insert(e);
         }
     }
@@ -471,6 +463,30 @@ pub fn keep_fence(
         }
     }
     first_error.map_or(Ok(()), Err)
+}
+
+/// What the keeper's plan says for one attached interface, carried out.
+fn keep_one(
+    iface: &str,
+    keep: Keep,
+    rules: (Ports, Tracking),
+    detached: impl Fn(&str),
+) -> Result<(), RedirectError> {
+    match keep {
+        Keep::Redirected => Ok(()),
+        Keep::Rebuild => rebuild(iface, rules)
+            .map_err(|e| {
+                e.doing(format_args!(
+                    "making {iface}'s redirect again (it is fenced again)"
+                ))
+            })
+            .or_else(|e| fence_again(iface, &detached).and(Err(e))),
+        Keep::Fence => fence_again(iface, &detached).map_err(|e| {
+            e.doing(format_args!(
+                "fencing {iface} again: its redirect is gone or emptied (detached meanwhile?)"
+            ))
+        }),
+    }
 }
 
 /// `iface`'s rules made again in its own table, replaced whole.
@@ -517,10 +533,10 @@ mod tests {
     /// would be).
     #[test]
     fn the_rules_lock_waits_for_its_holder() {
-        let held = RulesLock::take().expect("free");
+        let held = RulesLock::take(RulesLock::KEEPER_WAIT).expect("free");
         let (tx, rx) = std::sync::mpsc::channel();
         let waiter = std::thread::spawn(move || {
-            let second = RulesLock::take();
+            let second = RulesLock::take(RulesLock::WAIT);
             let _ = tx.send(());
             second.map(drop)
         });

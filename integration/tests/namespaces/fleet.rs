@@ -190,6 +190,37 @@ fn the_gateway_keeps_the_fence_in_place() {
             &format!("the fence did not come back after nft {how} table"),
         );
     }
+    // A process that binds the redirect rules' lock (any process of the
+    // namespace can) does not keep a missing fence from coming back.
+    let mut squatter = std::process::Command::new("ip")
+        .args(["netns", "exec", &t.gw, "python3", "-c"])
+        .arg(
+            "import socket, time\n\
+             s = socket.socket(socket.AF_UNIX)\n\
+             s.bind('\\0egress-gateway/redirect-rules')\n\
+             s.listen()\n\
+             print('bound', flush=True)\n\
+             time.sleep(60)\n",
+        )
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut said = String::new();
+    let stdout = squatter.stdout.as_mut().expect("stdout");
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut said).expect("read");
+    assert_eq!(said.trim(), "bound");
+    let out = t.exec(
+        &t.gw,
+        "nft",
+        &["delete", "table", "inet", "egress_gw_fence"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    within(
+        &t,
+        "the fence did not come back while another process held the lock",
+    );
+    let _ = squatter.kill();
+    let _ = squatter.wait();
     // An attached interface whose table is emptied (or deleted) would pass
     // the fence unredirected: the gateway fences it again.
     let _sb3 = t.add_sandbox("sb3", "sbx3", 5);
@@ -223,7 +254,7 @@ fn the_gateway_keeps_the_fence_in_place() {
         .lines()
         .find_map(|l| l.strip_prefix("egress_redirect_fence_restored_total "))
         .unwrap_or_else(|| panic!("no fence metric:\n{metrics}"));
-    assert_eq!(restored.trim(), "3", "the start's install is not counted");
+    assert_eq!(restored.trim(), "4", "the start's install is not counted");
     moves_an_older_builds_table(&mut t);
     rewrites_an_older_builds_tracked_chain(&mut t);
 }
