@@ -106,8 +106,10 @@ const WORK_CHANNEL: &str = "egress_work";
 const IDLE_WAIT: Duration = Duration::from_millis(250);
 const POLL: Duration = Duration::from_millis(50);
 
-/// How often a dispatcher without its listener tries to LISTEN again.
+/// How often a dispatcher without its listener tries to LISTEN again, and
+/// how long it gives a try (its round of work waits meanwhile).
 const LISTEN_AGAIN: Duration = Duration::from_secs(5);
+const LISTEN_TRY: Duration = Duration::from_millis(500);
 
 /// Retry, pacing, lease and retention settings.
 #[derive(Clone, Debug)]
@@ -261,7 +263,9 @@ impl Dispatcher {
                 return;
             }
             if listener.is_none() && listened.elapsed() >= LISTEN_AGAIN {
-                (listener, listened) = (self.listen().await, Instant::now());
+                // Briefly: the round of work waits for it.
+                let again = tokio::time::timeout(LISTEN_TRY, self.listen()).await;
+                (listener, listened) = (again.ok().flatten(), Instant::now());
             }
             leader = leader || self.try_lead(&mut session).await;
             let before = leases.held().to_vec();
@@ -878,7 +882,10 @@ impl Dispatcher {
     /// Compares the gateway's list with the store's rows.
     async fn compare_list(&self, w: &WorkerRow) -> Listed {
         // A few lists at once: each may be large, read whole and parsed.
-        let Ok(_comparing) = COMPARING.acquire().await else {
+        // Not waited for while this task holds its worker's permit (the
+        // pushes of others would wait behind it): no verdict this time, the
+        // next check compares.
+        let Ok(_comparing) = COMPARING.try_acquire() else {
             return Listed::Inconclusive;
         };
         let answer = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await;

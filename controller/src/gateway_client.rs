@@ -101,8 +101,9 @@ pub async fn resync(
 const MAX_REPLY: usize = 256 << 20;
 
 /// The longest answer to a change or a question (`PUT`, `DELETE`, `POST`):
-/// what was applied, or why not.
-const MAX_ANSWER: usize = 1 << 20;
+/// what was applied (a push's answer echoes its document, up to the
+/// gateway's body cap, with its id), or why not.
+const MAX_ANSWER: usize = egress_api::body::MAX_BODY + (64 << 10);
 
 struct Outgoing<'a> {
     method: Method,
@@ -190,10 +191,10 @@ mod tests {
     }
 
     /// Only a read may bring a large answer back: the answer to a change is
-    /// refused past 1 MiB, so 64 pushes at once cannot each hold a list's worth.
+    /// refused past the body cap and a little more, so 64 pushes at once cannot each hold a list's worth.
     #[tokio::test]
     async fn only_a_read_brings_a_large_answer_back() {
-        let big = format!("\"{}\"", "x".repeat(2 << 20)).into_bytes();
+        let big = format!("\"{}\"", "x".repeat(MAX_ANSWER + 1)).into_bytes();
         let url = format!("http://{}", answering(big).await);
         let read = call(&url, "", Method::GET, "/v1/sandboxes", None).await;
         assert!(
