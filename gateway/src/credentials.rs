@@ -474,7 +474,7 @@ fn plan<'a>(
     for (index, c) in mine {
         let refused = |why| Refused { why, index };
         let present = match &c.inject {
-            Inject::Header { header, .. } => {
+            Inject::Header { header, format } => {
                 let mut values = headers.get_all(header).iter();
                 let with = |v: &HeaderValue| contains(v.as_bytes(), c.placeholder.as_bytes());
                 if c.require {
@@ -491,8 +491,9 @@ fn plan<'a>(
                         return Err(refused(Refusal::Required));
                     }
                     // One line may hold a list too (`Bearer mine, Bearer
-                    // PH`): as two lines would, it is refused.
-                    let alone = |v: &HeaderValue| with(v) && !v.as_bytes().contains(&b',');
+                    // PH`, or `Cookie: s=PH; s=mine`): as two lines
+                    // would, it is refused, past what the format holds.
+                    let alone = |v: &HeaderValue| with(v) && !more_listed(header, format, v);
                     values.next().is_some_and(alone) && values.all(alone)
                 } else {
                     values.any(with)
@@ -519,6 +520,19 @@ fn plan<'a>(
 /// What the request line holds besides its target (a method, the version,
 /// spaces and its end), counted as the most a common one takes.
 const REQUEST_LINE: usize = 32;
+
+/// Whether `v` holds more list separators than `format` does: `,` in any
+/// header, `;` too in `cookie`, whose pairs it separates.
+fn more_listed(header: &HeaderName, format: &str, v: &HeaderValue) -> bool {
+    let count = |bytes: &[u8], sep: u8| bytes.iter().filter(|&&b| b == sep).count();
+    let seps: &[u8] = if header == http::header::COOKIE {
+        b",;"
+    } else {
+        b","
+    };
+    seps.iter()
+        .any(|&sep| count(v.as_bytes(), sep) > count(format.as_bytes(), sep))
+}
 
 /// One credential to put in: its value, whether its header is added whole,
 /// and its index in the sandbox's list.
