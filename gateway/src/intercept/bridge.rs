@@ -38,9 +38,11 @@ use crate::io::{Quiet, Watch};
 pub(super) type Bridge =
     Pin<Box<dyn std::future::Future<Output = (Option<Ended>, Option<String>)> + Send>>;
 
-/// What the request that opened a WebSocket was judged on, and the policy
-/// last found to let it through with the platform's count of changes then.
+/// What the last request let through on a connection (the one that opened
+/// a WebSocket, once one is open) was judged on, and the policy last found
+/// to let it through with the platform's count of changes then.
 pub(super) struct Opened {
+    method: String,
     host: Option<Hostname>,
     attributed: Vec<Hostname>,
     gap: AttributionGap,
@@ -50,22 +52,24 @@ pub(super) struct Opened {
 }
 
 impl Conn {
-    /// Keeps what a WebSocket's opening request, let through under `sb`'s
-    /// policy, was judged on (the bridge it may open is judged again on it).
+    /// Keeps what a request let through under `sb`'s policy was judged on:
+    /// the connection (and a bridge the request opens) is judged again on
+    /// it when the policy changes, so a push that refuses it ends what is
+    /// in flight too ([`Conn::withdrawn`]).
     pub(super) fn opening(
         &self,
         sb: &crate::registry::Sandbox,
         req: &hyper::Request<ClientBody>,
         (host, lookup): (Option<&Hostname>, &dns_attrib::Lookup),
     ) {
-        if !super::forward::is_websocket(req) {
-            return;
-        }
         let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
         let opened = Opened {
+            method: req.method().as_str().to_owned(),
             host: host.cloned(),
             attributed: lookup.names().into_owned(),
             gap: lookup.gap(),
+            // Read whether or not the policy judges them now: a push that
+            // adds a per-request rule judges them then.
             overrides: crate::decide::method_overrides(
                 req.method().as_str(),
                 req.headers(),
@@ -85,11 +89,22 @@ impl Conn {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(opened);
     }
 
-    /// Whether the sandbox's policy now refuses the request that opened the
-    /// bridge: its flow's verdict, or a per-request rule on its method (and
-    /// those its overrides name) and target. Judged only when the policy or
-    /// the platform's addresses changed since it was last let through.
-    fn withdrawn(&self) -> bool {
+    /// Forgets what the last request was judged on (a request on HTTP/1.1
+    /// starts: the one before is no longer in flight).
+    pub(super) fn forget_opening(&self) {
+        *self
+            .opened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
+    /// Whether the sandbox's policy now refuses the last request let
+    /// through on this connection (the one that opened a bridge, once one
+    /// is open): its flow's verdict, or a per-request rule on its method
+    /// (and those its overrides name) and target. Judged only when the
+    /// policy or the platform's addresses changed since it was last let
+    /// through.
+    pub(super) fn withdrawn(&self) -> bool {
         let Some(now) = self.sandbox_now() else {
             return false; // gone: `removed` says so
         };
@@ -110,7 +125,7 @@ impl Conn {
         let refused = matches!(flow, Verdict::Deny(_))
             || (policy.has_request_rules() && {
                 let names = crate::decide::request_names(self.tls, o.host.as_ref(), &o.attributed);
-                let method = (hyper::Method::GET.as_str(), &o.overrides[..]);
+                let method = (o.method.as_str(), &o.overrides[..]);
                 let (judged, _) = crate::decide::judge_methods(policy, &names, method, &o.target);
                 judged.deny.is_some()
             });

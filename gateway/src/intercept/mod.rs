@@ -41,6 +41,12 @@ use serve::{serve, Rest};
 /// still take before the connection ends under them.
 pub(crate) const REMOVED_GRACE: Duration = Duration::from_secs(5);
 
+/// How long requests in flight on a connection run on once a push refuses
+/// the last request let through on it (the connection stops at its next
+/// boundary at once): a response nearly done is finished, a stream that
+/// never ends is cut.
+const WITHDRAWN_GRACE: Duration = Duration::from_secs(1);
+
 /// How a flow's HTTP reached the gateway.
 pub(crate) enum Framing {
     /// In TLS, terminated here with a minted leaf; the ClientHello's server
@@ -357,6 +363,14 @@ impl Conn {
         self.draining() || self.removed()
     }
 
+    /// [`Conn::stopping`], or, with `busy` (requests in flight), a push
+    /// refuses the last request let through ([`Conn::withdrawn`]): what is
+    /// in flight runs on for [`WITHDRAWN_GRACE`] at most. An idle
+    /// connection is not ended for it: its next request is judged anyway.
+    fn stopping_busy(&self, busy: bool) -> bool {
+        self.stopping() || (busy && self.withdrawn())
+    }
+
     /// Whether the flow's sandbox is gone (deleted, or its address taken).
     fn removed(&self) -> bool {
         !self.dp.registry.holds(self.src, &self.sandbox)
@@ -370,6 +384,7 @@ impl Conn {
     fn must_end(&self, since: Instant) -> bool {
         self.dp.drain_over.load(Ordering::Acquire)
             || (self.removed() && since.elapsed() >= REMOVED_GRACE)
+            || (since.elapsed() >= WITHDRAWN_GRACE && self.withdrawn())
     }
 
     /// Why a connection ended before its boundary ([`Conn::must_end`]).
@@ -385,10 +400,16 @@ impl Conn {
     /// sandbox gone (the flow's error, as a spliced flow's), or `None` for
     /// a drain.
     fn stop_cause(&self) -> Option<Ended> {
-        self.removed().then(|| {
-            ended(
+        if self.removed() {
+            return Some(ended(
                 crate::fault::Fault::SANDBOX_REMOVED,
                 "gateway_sandbox_removed".into(),
+            ));
+        }
+        self.withdrawn().then(|| {
+            ended(
+                crate::fault::Fault::POLICY_WITHDRAWN,
+                "gateway_policy_withdrawn".into(),
             )
         })
     }

@@ -119,7 +119,9 @@ where
         tokio::select! {
             biased;
             r = serving.as_mut() => break r,
-            why = watch.next(|| since.map_or_else(|| conn.stopping(), |at| conn.must_end(at))) => match why {
+            // Streams in flight or not, the last request is judged again
+            // (a GOAWAY to a connection idle since costs it a reconnect).
+            why = watch.next(|| since.map_or_else(|| conn.stopping_busy(true), |at| conn.must_end(at))) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
                 Quiet::Stop if stopping.is_some() => return conn.served(conn.end_cause()),
                 Quiet::Stop => {
@@ -197,7 +199,7 @@ where
                     }
                     return finish(&conn, r.err().map(|e| connection_error(&e))).await;
                 }
-                why = watch.next(|| since.map_or_else(|| conn.stopping(), |at| conn.must_end(at))) => match why {
+                why = watch.next(|| since.map_or_else(|| conn.stopping_busy(conn.rest.busy()), |at| conn.must_end(at))) => match why {
                     Quiet::Idle => return idle_timeout(&conn),
                     Quiet::Stop if stopping.is_some() => return conn.served(conn.end_cause()),
                     Quiet::Stop => {
@@ -363,6 +365,11 @@ pub(super) struct Rest {
 }
 
 impl Rest {
+    /// An exchange is open: a request's response has not ended.
+    pub(super) fn busy(&self) -> bool {
+        self.open.load(Ordering::Relaxed) > 0
+    }
+
     fn at_rest(&self, activity: &Counts) -> bool {
         self.open.load(Ordering::Relaxed) == 0
             && self.settle.settled()

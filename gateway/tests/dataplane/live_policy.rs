@@ -139,6 +139,37 @@ async fn a_request_in_flight_ends_a_few_seconds_after_its_sandbox_is_deleted() {
     assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
 }
 
+/// A request in flight (an upload trickling for ever) whose name a push
+/// then denies is cut, as a WebSocket's bridge or a spliced stream is:
+/// its connection stops at once and ends under it after a short grace.
+/// (Before: it ran on for as long as the client kept it going.)
+#[tokio::test]
+async fn a_request_in_flight_is_cut_when_a_push_denies_it() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let mut tls = h1_upload(&e).await;
+    let mut pushed = false;
+    let mut cut = false;
+    for _ in 0..75 {
+        if tls.write_all(b"1\r\nx\r\n").await.is_err() || tls.flush().await.is_err() {
+            cut = true;
+            break;
+        }
+        if !pushed {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            e.sandbox(
+                "a",
+                SANDBOX_A,
+                allowing(r#", "deny": [{"domain": "h1.example.test"}]"#),
+            );
+            pushed = true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(cut, "the upload ran on for 15 s under a deny");
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+}
+
 /// An origin address no other test uses.
 const SPLICED_IP: &str = "127.0.0.19";
 
