@@ -286,6 +286,12 @@ fn unanswered(caller: &Tenant, why: &dyn std::fmt::Display) -> Reply {
 fn policy_field(v: &Value, field: &str) -> Result<Policy, Reply> {
     let policy = Policy::from_json(&v.to_string())
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("{field}: {e}")))?;
+    not_too_large(policy, field)
+}
+
+/// `policy` when its normal form is within [`MAX_POLICY`], else `400`
+/// naming `field` and the size.
+fn not_too_large(policy: Policy, field: &str) -> Result<Policy, Reply> {
     let bytes = serde_json::to_vec(&policy).map_or(usize::MAX, |b| b.len());
     if bytes > MAX_POLICY {
         return Err(error(

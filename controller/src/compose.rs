@@ -94,6 +94,9 @@ fn provenance(
         ),
     ];
     for (list, before, after) in lists {
+        // A set: a list of tens of thousands would otherwise be compared
+        // with itself entry by entry, under the sandbox row's lock.
+        let before: std::collections::HashSet<&Destination> = before.iter().collect();
         for d in after.iter().filter(|d| !before.contains(d)) {
             let from_profile = resolved.iter().find(|(_, p)| {
                 let entries = if list == "allow" {

@@ -155,11 +155,19 @@ impl Api {
         let raw = body?;
         let parsed = e2b::parse(raw.to_string().as_bytes())
             .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
-        let policy =
-            e2b::translate(&parsed).map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
+        // A create that says nothing of the network gets the template's
+        // policy, as a native create without one does.
+        let silent = parsed.allow_internet_access.is_none() && parsed.network.is_none();
+        let policy = match silent {
+            true => None,
+            false => e2b::translate(&parsed)
+                .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))
+                .and_then(|p| super::not_too_large(p, "network"))
+                .map(Some)?,
+        };
         let create = CreateRequest {
             template: parsed.template_id,
-            policy: Some(policy),
+            policy,
             worker: None,
             print: json!({ "e2b": raw }),
             dialect: Dialect::E2b,

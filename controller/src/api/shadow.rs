@@ -307,7 +307,7 @@ impl Api {
         if !shadows::template_exists(&mut conn, id).await.map_err(db)? {
             return Err(no_rollout(id));
         }
-        let targets = shadows::rollout(&mut conn, id).await.map_err(db)?;
+        let targets = shadows::rollout(&mut conn, id, true).await.map_err(db)?;
         drop(conn);
         // Merged as each comes: one gateway's report held at a time.
         let (mut rollup, mut missing) = (Rollup::default(), Vec::new());
@@ -334,7 +334,7 @@ impl Api {
             return Err(no_rollout(id));
         }
         let (mut removed, mut failed) = (Vec::new(), Vec::new());
-        for t in shadows::rollout(&mut tx, id).await.map_err(db)? {
+        for t in shadows::rollout(&mut tx, id, false).await.map_err(db)? {
             match drop_on_gateway(&t).await {
                 Ok(_) => {
                     shadows::delete(&mut tx, &t.sandbox).await.map_err(db)?;

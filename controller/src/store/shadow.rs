@@ -138,12 +138,19 @@ pub async fn inheriting(
     rows.iter().map(SandboxRow::from_row).collect()
 }
 
-/// The sandboxes a rollout put its candidate on, with their gateways.
-pub async fn rollout(conn: &mut PgConnection, template: &str) -> Result<Vec<Target>, sqlx::Error> {
+/// The sandboxes a rollout put its candidate on, with their gateways;
+/// `inheriting`: only those that still inherit the template (a tenant's
+/// own policy since is not the template's to judge).
+pub async fn rollout(
+    conn: &mut PgConnection,
+    template: &str,
+    inheriting: bool,
+) -> Result<Vec<Target>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT s.id, w.admin_url, w.token FROM sandbox_shadows h JOIN sandboxes s ON s.id = h.sandbox JOIN workers w ON w.id = s.worker WHERE h.template = $1 ORDER BY s.id",
+        "SELECT s.id, w.admin_url, w.token FROM sandbox_shadows h JOIN sandboxes s ON s.id = h.sandbox JOIN workers w ON w.id = s.worker WHERE h.template = $1 AND (s.inherits_template OR NOT $2) ORDER BY s.id",
     )
     .bind(template)
+    .bind(inheriting)
     .fetch_all(&mut *conn)
     .await?;
     rows.iter()

@@ -541,9 +541,46 @@ async fn an_e2b_create_too_large_for_a_gateway_is_refused() {
     assert!(
         v["error"]
             .as_str()
-            .is_some_and(|e| e.contains("-byte document for the gateway")),
+            .is_some_and(|e| e.contains("network: ") && e.contains("bytes in normal form")),
         "{v}"
     );
+}
+
+/// An E2B create that says nothing of the network gets the template's
+/// policy, as a native create without one does. (Before: `default: allow`
+/// whatever the template said.)
+#[tokio::test]
+async fn an_e2b_create_silent_on_the_network_inherits_its_template() {
+    let url = db!();
+    let w = world(
+        &url,
+        deployment(None, None),
+        json!({"default": "deny", "tls_interception": "on"}),
+    )
+    .await;
+    let (s, v) = call(
+        w.api.addr,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[],
+        Some(json!({"templateID": "base"})),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandboxID"].as_str().expect("id");
+    let (s, doc) = call(
+        w.api.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{doc}");
+    assert_eq!(doc["inherits_template"], json!(true), "{doc}");
+    assert_eq!(doc["policy"]["default"], json!("deny"), "{doc}");
 }
 
 /// A rolling upgrade: the schema has a migration a newer build applied; a

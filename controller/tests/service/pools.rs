@@ -459,6 +459,45 @@ async fn an_e2b_create_claims_from_the_pool_and_the_controller_composes_it() {
     }
 }
 
+/// An E2B create through the pool whose translation is larger than a
+/// gateway takes is refused `400` before it claims, as without the pool:
+/// the pooled sandbox stays in the pool. (Before: `201`, the claim then
+/// failed for good and used the sandbox up.)
+#[tokio::test]
+async fn an_e2b_claim_too_large_for_a_gateway_is_refused_before_it_claims() {
+    let url = db!();
+    let w = world(&url, deployment(None, None), template()).await;
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    let refilling = refill(&pool).await;
+    set_size(&w.api, 1).await;
+    ready(&w.api, 1).await;
+    drop(refilling);
+    let before = pooled(&pool).await;
+    let allow: Vec<String> = (0..62_000u32)
+        .map(|i| std::net::Ipv4Addr::from(0x6440_0000 + i).to_string())
+        .collect();
+    let body = json!({"templateID": "base", "network": {"allowOut": allow, "denyOut": ["0.0.0.0/0", "::/0"]}});
+    let (s, v) = call(
+        w.api.addr,
+        "POST",
+        "/sandboxes",
+        Some(FEDERATED),
+        &[("X-Space-Warm-Pool", "base")],
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("bytes in normal form")),
+        "{v}"
+    );
+    assert_eq!(pooled(&pool).await, before, "the pooled sandbox was taken");
+}
+
 /// A claim whose saved name the dispatcher cannot resolve fails like a
 /// create (after its attempts), and the pooled sandbox is off its gateway.
 #[tokio::test]

@@ -237,6 +237,21 @@ async fn a_template_rollout_reaches_every_inheriting_sandbox_on_every_worker() {
     assert_eq!(report["missing"], json!([]));
     assert_eq!(report["flows"], json!(0));
     assert_eq!(report["differences"], json!([]));
+    // A sandbox given a policy of its own since is no longer the
+    // template's to judge: left out of the report, its shadow still
+    // removed with the rollout (below).
+    let (s, v) = path(
+        api,
+        "PUT",
+        &format!("/v1/sandboxes/{b}/network"),
+        PLAIN,
+        Some(json!({"policy": {"default": "allow"}})),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let (s, report) = path(api, "GET", "/v1/templates/base/shadow/report", ADMIN, None).await;
+    assert_eq!(s, 200, "{report}");
+    assert_eq!(report["sandboxes"], json!([a.clone()]), "{report}");
     // A rollout's shadow is promoted through the template, not the sandbox.
     let (s, v) = path(
         api,
