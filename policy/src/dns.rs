@@ -93,7 +93,13 @@ pub enum QueryTypeError {
     Repeated(String),
     #[error("an empty list refuses every query: omit query_types to allow every type")]
     Empty,
+    #[error("{0} query types: at most {MAX_QUERY_TYPES} (there are 21 mnemonics)")]
+    TooMany(usize),
 }
+
+/// The most types a `query_types` list may name: each DNS query is checked
+/// against it.
+pub const MAX_QUERY_TYPES: usize = 64;
 
 /// Mnemonics read and written, by type number (RFC 1035, 3596, 9460, …).
 const MNEMONICS: &[(&str, u16)] = &[
@@ -191,6 +197,9 @@ impl TryFrom<Vec<QueryType>> for QueryTypes {
     fn try_from(list: Vec<QueryType>) -> Result<Self, Self::Error> {
         if list.is_empty() {
             return Err(QueryTypeError::Empty);
+        }
+        if list.len() > MAX_QUERY_TYPES {
+            return Err(QueryTypeError::TooMany(list.len()));
         }
         for (i, t) in list.iter().enumerate() {
             if list[..i].contains(t) {

@@ -30,6 +30,9 @@ pub const DEFAULT_PLATFORM_DENY_CIDRS: &[&str] = &[
     "2002::/16",
     "2001::/32",
     "::/96",
+    // The local-use NAT64 prefix (RFC 8215): a translator the host has
+    // maps it to any IPv4 address, private ones included.
+    "64:ff9b:1::/48",
 ];
 
 /// The built-in list as destinations.

@@ -138,6 +138,17 @@ impl Destination {
                     value: value.into(),
                 }),
             Kind::Cidr => {
+                // A number with a leading zero (`010.0.0.0/8`, `/08`) reads
+                // as octal to inet_aton, as decimal to ipnet: refused, as
+                // `ip` refuses it.
+                let padded = |n: &str| n.len() > 1 && n.starts_with('0');
+                let (addr, len) = value.split_once('/').unwrap_or((value, ""));
+                let dotted = addr.rsplit(':').next().unwrap_or(addr);
+                if padded(len) || (dotted.contains('.') && dotted.split('.').any(padded)) {
+                    return Err(DestinationError::Cidr {
+                        value: value.into(),
+                    });
+                }
                 let net = value.parse::<IpNet>().map_err(|_| DestinationError::Cidr {
                     value: value.into(),
                 })?;

@@ -59,6 +59,13 @@ fn errors_name_the_value_and_what_is_expected() {
             r#"{"cidr": "203.0.113.0/33"}"#,
             "invalid cidr \"203.0.113.0/33\"",
         ),
+        // Read as octal by inet_aton, as decimal by ipnet: refused as `ip` is.
+        (r#"{"cidr": "010.0.0.0/8"}"#, "invalid cidr \"010.0.0.0/8\""),
+        (r#"{"cidr": "10.0.0.0/08"}"#, "invalid cidr \"10.0.0.0/08\""),
+        (
+            r#"{"cidr": "::ffff:010.0.0.0/104"}"#,
+            "invalid cidr \"::ffff:010.0.0.0/104\"",
+        ),
         (
             r#"{"cidr": "192.0.2.1/24"}"#,
             "cidr \"192.0.2.1/24\" has host bits set: did you mean \"192.0.2.0/24\"?",

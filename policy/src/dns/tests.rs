@@ -151,6 +151,17 @@ fn errors_name_the_field_and_the_value() {
             "{text}: {err} lacks {needle:?}"
         );
     }
+    // Every query is checked against the list: a long one is refused
+    // (each type listed once, so only the length is at fault).
+    let types: Vec<String> = (1000..1000 + MAX_QUERY_TYPES as u32 + 1)
+        .map(|n| format!("TYPE{n}"))
+        .collect();
+    let text = serde_json::json!({"dns": {"query_types": types}}).to_string();
+    let err = Policy::from_json(&text).expect_err("65 types");
+    assert_eq!(err.path.trim_start_matches('.'), "dns.query_types", "{err}");
+    assert!(err.message.contains("at most 64"), "{err}");
+    let fits = serde_json::json!({"dns": {"query_types": &types[..MAX_QUERY_TYPES]}}).to_string();
+    Policy::from_json(&fits).expect("64 types");
 }
 
 fn judge(text: &str, name: &str) -> NameVerdict {

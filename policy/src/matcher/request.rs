@@ -118,8 +118,7 @@ impl Levels {
         }
         for p in paths {
             if self.fold_case {
-                let lower: Vec<Option<String>> =
-                    p.segments().map(|s| s.map(str::to_lowercase)).collect();
+                let lower: Vec<Option<String>> = p.segments().map(|s| s.map(fold_case)).collect();
                 level.paths.insert(lower.iter().map(Option::as_deref), rule);
             } else {
                 level.paths.insert(p.segments(), rule);
@@ -348,7 +347,7 @@ impl RequestRules {
         let owned: Option<Vec<String>> = segments
             .as_ref()
             .filter(|segs| self.deny_paths && segs.iter().any(|s| fold(s)))
-            .map(|segs| segs.iter().map(|s| s.to_lowercase()).collect());
+            .map(|segs| segs.iter().map(|s| fold_case(s)).collect());
         let refs: Option<Vec<&str>> = owned
             .as_ref()
             .map(|o| o.iter().map(String::as_str).collect());
@@ -544,4 +543,21 @@ impl RuleRef {
 /// dropped. An allow is read as written.
 fn covers_for_deny(http: &crate::http::HttpMatch, method: &str) -> bool {
     http.covers_method(method) || (method.eq_ignore_ascii_case("HEAD") && http.covers_method("GET"))
+}
+
+/// A path segment in lower case as origins that fold case read it: Rust's
+/// lower case, and the three letters whose case Java folds to ASCII where
+/// Rust's does not (`İ` lowers to `i` in `Character.toLowerCase`; `ı` and
+/// `ſ` upper to `I` and `S` in `equalsIgnoreCase`): a deny of `/admin` is
+/// not passed by `/ADMİN` or `/admın`.
+fn fold_case(segment: &str) -> String {
+    let mut out = String::with_capacity(segment.len());
+    for c in segment.chars() {
+        match c {
+            '\u{130}' | '\u{131}' => out.push('i'),
+            '\u{17f}' => out.push('s'),
+            c => out.extend(c.to_lowercase()),
+        }
+    }
+    out
 }

@@ -1212,6 +1212,20 @@ fn qualified_deny_cannot_be_dodged_by_the_path() {
         request(&capitals, "github.test", "GET", "/admin/keys"),
         pass()
     );
+    // The letters Java folds to ASCII where Rust does not: `İ` and `ı` read
+    // as `i`, `ſ` as `s` (Spring's case-insensitive paths route them so).
+    let java = compile(
+        r#"{"allow": [{"domain": "github.test"}],
+            "deny": [{"domain": "github.test", "http": {"paths": ["/admin", "/secret"]}}],
+            "tls_interception": "on"}"#,
+    );
+    for target in ["/ADM%C4%B0N", "/adm%C4%B1n", "/%C5%BFecret", "/%C5%BFECRET"] {
+        assert_eq!(
+            request(&java, "github.test", "GET", target),
+            denied("http_deny deny[0]"),
+            "{target}"
+        );
+    }
     assert_eq!(request(&p, "github.test", "GET", "/gists"), pass());
     assert_eq!(request(&p, "github.test", "POST", "/gistsx"), pass());
     assert_eq!(request(&p, "github.test", "POST", "/repos"), pass());
