@@ -198,6 +198,14 @@ fn platform_denies_beat_everything() {
             "platform_deny",
         ),
         (ALLOW_ALL, opaque("[::a00:1]:22"), "deny", "platform_deny"),
+        // The local-use NAT64 prefix: a translator maps it to any IPv4
+        // address, the metadata service's here.
+        (
+            ALLOW_ALL,
+            opaque("[64:ff9b:1::a9fe:a9fe]:80"),
+            "deny",
+            "platform_deny",
+        ),
         (
             ALLOW_ALL,
             opaque("[2001:db8::7]:443"),
