@@ -88,6 +88,11 @@ impl Conn {
                 )
             }
             Ok(mut resp) => {
+                // Framed by its chunks (RFC 9112 6.3): a length beside them
+                // would frame what goes on once the coding is stripped.
+                if resp.headers().contains_key(header::TRANSFER_ENCODING) {
+                    resp.headers_mut().remove(header::CONTENT_LENGTH);
+                }
                 strip_hop_by_hop(resp.headers_mut());
                 resp
             }

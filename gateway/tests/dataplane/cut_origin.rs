@@ -41,7 +41,10 @@ async fn cutting_origin(e: &Env) -> SocketAddr {
             }
         }
         let head = String::from_utf8_lossy(&head).into_owned();
-        let answer: &[u8] = if head.contains("/length-then-eof ") {
+        let answer: &[u8] = if head.contains("/length-and-chunked ") {
+            // Both framings: chunked wins (RFC 9112 6.3), ten bytes.
+            b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\na\r\n0123456789\r\n0\r\n\r\n"
+        } else if head.contains("/length-then-eof ") {
             b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst"
         } else {
             b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nfirst"
@@ -102,6 +105,25 @@ async fn a_body_cut_at_the_origin_is_cut_for_an_http1_client() {
             "{path}: the client took {got:?} for the whole body"
         );
     }
+}
+
+/// An origin's answer framed both ways (chunked and a `content-length`)
+/// reaches the client framed by its chunks, the length dropped: passed on
+/// with the length, its body would be cut to it. (Before: `012`.)
+#[tokio::test]
+async fn an_answer_framed_both_ways_goes_on_by_its_chunks() {
+    let e = intercepting(&[NAME]).await;
+    let origin = cutting_origin(&e).await;
+    let (tls, _) = e
+        .tls(SANDBOX_A, origin, NAME, &[b"http/1.1"])
+        .await
+        .expect("handshake");
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("http/1.1");
+    tokio::spawn(conn);
+    let got = fetch(&mut send, "/length-and-chunked").await;
+    assert_eq!(got.as_deref(), Ok(&b"0123456789"[..]), "{got:?}");
 }
 
 #[tokio::test]
