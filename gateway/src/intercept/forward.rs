@@ -316,14 +316,19 @@ impl Conn {
             via: route.proxy().cloned(),
             h2,
         };
+        let spent = h2 && self.h2_opened.load(Ordering::Relaxed) >= H2_CONNS;
         let sender = match (self.up.pool.take(&key), full) {
             (Some(s), _) => s,
-            (None, Some((full_key, full)))
-                if self.h2_opened.load(Ordering::Relaxed) >= H2_CONNS =>
-            {
+            (None, Some((full_key, full))) if spent => {
                 *held = Some((full_key, Sender::H2(full)));
                 return Ok(());
             }
+            // The one it held was given back at a lull: any open one, full
+            // or not, rather than a connection more.
+            (None, _) if spent => match self.up.pool.open_h2(&key) {
+                Some(open) => open,
+                None => self.fresh(&key, (verify_as, route), asked).await?,
+            },
             (None, _) => self.fresh(&key, (verify_as, route), asked).await?,
         };
         *held = Some((key, sender));

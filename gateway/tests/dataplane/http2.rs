@@ -287,6 +287,19 @@ async fn a_request_past_the_origins_stream_limit_opens_another_connection() {
 /// does not get a connection per stream (up to 200 a client connection).
 #[tokio::test]
 async fn a_client_connection_opens_at_most_four_origin_connections_beside_full_ones() {
+    at_most_four_origin_connections(Duration::from_millis(100)).await;
+}
+
+/// The same with a lull between requests: the connection the client
+/// connection held is given back to the pool at each (a quarter second
+/// with no bytes), and the next request still queues on an open one.
+/// (Before: each opened another, one per stream.)
+#[tokio::test]
+async fn at_most_four_origin_connections_with_lulls_between_requests() {
+    at_most_four_origin_connections(Duration::from_millis(600)).await;
+}
+
+async fn at_most_four_origin_connections(spacing: Duration) {
     let e = intercepting(NAMES).await;
     let (release, held_until) = tokio::sync::watch::channel(false);
     let (origin, conns) = one_stream_origin(&e, held_until).await;
@@ -301,7 +314,7 @@ async fn a_client_connection_opens_at_most_four_origin_connections_beside_full_o
         held.push(tokio::spawn(async move {
             get(&s, "https://goaway.example.test/hold").await
         }));
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(spacing).await;
     }
     let opened = conns.load(std::sync::atomic::Ordering::SeqCst);
     assert!((2..=4).contains(&opened), "{opened} origin connections");
