@@ -170,12 +170,14 @@ impl Level {
 }
 
 /// Path patterns by segment: a node holds the entries whose pattern ends
-/// there (covering every path below it), a child per literal segment, and
+/// there (covering every path below it), a child per literal segment
+/// (sorted, searched by halves: a map per node cost some 400 bytes each,
+/// and a policy's patterns may make hundreds of thousands of nodes), and
 /// one for `*`.
 #[derive(Debug, Default)]
 struct PathTrie {
     rules: Vec<RuleIdx>,
-    literal: HashMap<Box<str>, Self>,
+    literal: Vec<(Box<str>, Self)>,
     any: Option<Box<Self>>,
 }
 
@@ -187,20 +189,37 @@ impl PathTrie {
                     self.rules.push(rule);
                 }
             }
-            Some(Some(literal)) => self
-                .literal
-                .entry(literal.into())
-                .or_default()
-                .insert(segments, rule),
+            Some(Some(literal)) => {
+                let at = match self.literal.binary_search_by(|(k, _)| (**k).cmp(literal)) {
+                    Ok(at) => at,
+                    Err(at) => {
+                        self.literal.insert(at, (literal.into(), Self::default()));
+                        at
+                    }
+                };
+                self.literal[at].1.insert(segments, rule);
+            }
             Some(None) => self.any.get_or_insert_default().insert(segments, rule),
+        }
+    }
+
+    /// Gives back what the children's lists hold beyond their length,
+    /// once every pattern is in.
+    fn shrink(&mut self) {
+        self.literal.shrink_to_fit();
+        for (_, child) in &mut self.literal {
+            child.shrink();
+        }
+        if let Some(any) = &mut self.any {
+            any.shrink();
         }
     }
 
     fn covering(&self, path: &[&str], out: &mut Vec<RuleIdx>) {
         out.extend_from_slice(&self.rules);
         if let Some((first, rest)) = path.split_first() {
-            if let Some(child) = self.literal.get(*first) {
-                child.covering(rest, out);
+            if let Ok(at) = self.literal.binary_search_by(|(k, _)| (**k).cmp(*first)) {
+                self.literal[at].1.covering(rest, out);
             }
             if let Some(any) = &self.any {
                 any.covering(rest, out);
@@ -251,6 +270,15 @@ impl RequestRules {
         }
         for (i, r) in deny.iter().enumerate().filter(|(_, r)| r.http.is_some()) {
             rules.deny.insert(r, idx(i));
+        }
+        for levels in [&mut rules.allow, &mut rules.deny] {
+            for level in levels
+                .exact
+                .values_mut()
+                .chain(levels.wildcard.values_mut())
+            {
+                level.paths.shrink();
+            }
         }
         for (i, d) in credentials {
             match d {
