@@ -493,7 +493,9 @@ fn plan<'a>(
                     // One line may hold a list too (`Bearer mine, Bearer
                     // PH`, or `Cookie: s=PH; s=mine`): as two lines
                     // would, it is refused, past what the format holds.
-                    let alone = |v: &HeaderValue| with(v) && !more_listed(header, format, v);
+                    let needle = c.placeholder.as_bytes();
+                    let alone =
+                        |v: &HeaderValue| with(v) && !more_listed(header, format, v, needle);
                     values.next().is_some_and(alone) && values.all(alone)
                 } else {
                     values.any(with)
@@ -521,17 +523,35 @@ fn plan<'a>(
 /// spaces and its end), counted as the most a common one takes.
 const REQUEST_LINE: usize = 32;
 
-/// Whether `v` holds more list separators than `format` does: `,` in any
-/// header, `;` too in `cookie`, whose pairs it separates.
-fn more_listed(header: &HeaderName, format: &str, v: &HeaderValue) -> bool {
+/// Whether `v` carries a value beside the credential's: more `,` (a list
+/// of values) than `format` holds; in `cookie`, whose pairs `;` separates,
+/// the credential's pair (the one `format` puts `{value}` in) named more
+/// than once, or without the placeholder.
+fn more_listed(header: &HeaderName, format: &str, v: &HeaderValue, placeholder: &[u8]) -> bool {
     let count = |bytes: &[u8], sep: u8| bytes.iter().filter(|&&b| b == sep).count();
-    let seps: &[u8] = if header == http::header::COOKIE {
-        b",;"
-    } else {
-        b","
+    if count(v.as_bytes(), b',') > count(format.as_bytes(), b',') {
+        return true;
+    }
+    if header != http::header::COOKIE {
+        return false;
+    }
+    let name_of = |pair: &[u8]| -> Vec<u8> {
+        let name = pair.split(|&b| b == b'=').next().unwrap_or_default();
+        name.trim_ascii().to_vec()
     };
-    seps.iter()
-        .any(|&sep| count(v.as_bytes(), sep) > count(format.as_bytes(), sep))
+    let Some(ours) = format
+        .split(';')
+        .find(|p| p.contains("{value}"))
+        .map(|p| name_of(p.as_bytes()))
+    else {
+        return true;
+    };
+    let named: Vec<&[u8]> = v
+        .as_bytes()
+        .split(|&b| b == b';')
+        .filter(|p| name_of(p) == ours)
+        .collect();
+    named.len() != 1 || !contains(named[0], placeholder)
 }
 
 /// One credential to put in: its value, whether its header is added whole,

@@ -42,7 +42,7 @@ pub(super) type Bridge =
 /// a WebSocket, once one is open) was judged on, and the policy last found
 /// to let it through with the platform's count of changes then.
 pub(super) struct Opened {
-    method: String,
+    method: hyper::Method,
     host: Option<Hostname>,
     attributed: Vec<Hostname>,
     gap: AttributionGap,
@@ -64,7 +64,7 @@ impl Conn {
     ) {
         let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
         let opened = Opened {
-            method: req.method().as_str().to_owned(),
+            method: req.method().clone(),
             host: host.cloned(),
             attributed: lookup.names().into_owned(),
             gap: lookup.gap(),

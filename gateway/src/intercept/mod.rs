@@ -140,8 +140,12 @@ struct Conn {
     /// A WebSocket the forward stage switched to, bridged in the flow's
     /// task once hyper has handed the connection over ([`bridge`]).
     bridge: Mutex<Option<bridge::Bridge>>,
-    /// What the last WebSocket opening request was judged on ([`bridge`]).
+    /// What the last request let through (a WebSocket's opening one, once
+    /// bridged) was judged on ([`bridge`]).
     opened: Mutex<Option<bridge::Opened>>,
+    /// The connection stops because a push refused its last request let
+    /// through with requests in flight ([`Conn::stopping_busy`]).
+    withdrawn_stop: std::sync::atomic::AtomicBool,
 }
 
 /// Serves a flow request by request, in TLS terminated here or in plain
@@ -340,6 +344,7 @@ impl Conn {
             rest: Rest::default(),
             bridge: Mutex::new(None),
             opened: Mutex::new(None),
+            withdrawn_stop: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -368,7 +373,16 @@ impl Conn {
     /// in flight runs on for [`WITHDRAWN_GRACE`] at most. An idle
     /// connection is not ended for it: its next request is judged anyway.
     fn stopping_busy(&self, busy: bool) -> bool {
-        self.stopping() || (busy && self.withdrawn())
+        if self.stopping() {
+            return true;
+        }
+        // Held once found: a request let through later (an HTTP/2 stream
+        // opened during the GOAWAY) does not undo the cut.
+        let withdrawn = busy && self.withdrawn();
+        if withdrawn {
+            self.withdrawn_stop.store(true, Ordering::Release);
+        }
+        withdrawn
     }
 
     /// Whether the flow's sandbox is gone (deleted, or its address taken).
@@ -384,7 +398,7 @@ impl Conn {
     fn must_end(&self, since: Instant) -> bool {
         self.dp.drain_over.load(Ordering::Acquire)
             || (self.removed() && since.elapsed() >= REMOVED_GRACE)
-            || (since.elapsed() >= WITHDRAWN_GRACE && self.withdrawn())
+            || (since.elapsed() >= WITHDRAWN_GRACE && self.withdrawn_stop.load(Ordering::Acquire))
     }
 
     /// Why a connection ended before its boundary ([`Conn::must_end`]).
@@ -406,7 +420,7 @@ impl Conn {
                 "gateway_sandbox_removed".into(),
             ));
         }
-        self.withdrawn().then(|| {
+        self.withdrawn_stop.load(Ordering::Acquire).then(|| {
             ended(
                 crate::fault::Fault::POLICY_WITHDRAWN,
                 "gateway_policy_withdrawn".into(),

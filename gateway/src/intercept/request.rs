@@ -128,11 +128,6 @@ impl Conn {
         mut req: Request<ClientBody>,
         rec: &mut RequestRecord,
     ) -> Response<Body> {
-        // HTTP/1.1 serves one exchange at a time: what the last one was
-        // judged on is this one's from here, let through or not.
-        if req.version() < http::Version::HTTP_2 {
-            self.forget_opening();
-        }
         // Judged under the sandbox's registration as it is now (a DoH query
         // too: its address may be a sandbox's registered since).
         let Some(sandbox) = self.sandbox_now() else {

@@ -119,8 +119,9 @@ where
         tokio::select! {
             biased;
             r = serving.as_mut() => break r,
-            // Streams in flight or not, the last request is judged again
-            // (a GOAWAY to a connection idle since costs it a reconnect).
+            // Streams in flight or not (none are counted), the last request
+            // is judged again: a connection idle since is closed with a
+            // GOAWAY too, which costs its client a reconnect.
             why = watch.next(|| since.map_or_else(|| conn.stopping_busy(true), |at| conn.must_end(at))) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
                 Quiet::Stop if stopping.is_some() => return conn.served(conn.end_cause()),
@@ -273,6 +274,9 @@ fn h1_service(
 > {
     let conn = conn.clone();
     hyper::service::service_fn(move |req: Request<Incoming>| {
+        // One exchange at a time: what the last one was judged on is this
+        // one's from here, let through or not.
+        conn.forget_opening();
         let has_body = !hyper::body::Body::is_end_stream(req.body());
         let (open, exchange) = Open::new(conn.clone(), has_body);
         let end = has_body.then(|| BodyEnd {
@@ -365,9 +369,10 @@ pub(super) struct Rest {
 }
 
 impl Rest {
-    /// An exchange is open: a request's response has not ended.
+    /// An exchange is open: a request's response has not ended, or its
+    /// body is still being read (it may run on past its response).
     pub(super) fn busy(&self) -> bool {
-        self.open.load(Ordering::Relaxed) > 0
+        self.open.load(Ordering::Relaxed) > 0 || !self.settle.settled()
     }
 
     fn at_rest(&self, activity: &Counts) -> bool {

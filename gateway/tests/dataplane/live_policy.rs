@@ -147,25 +147,32 @@ async fn a_request_in_flight_ends_a_few_seconds_after_its_sandbox_is_deleted() {
 async fn a_request_in_flight_is_cut_when_a_push_denies_it() {
     let e = intercepting(&["h1.example.test"]).await;
     let mut tls = h1_upload(&e).await;
-    let mut pushed = false;
-    let mut cut = false;
+    let mut pushed = None;
+    let mut cut = None;
     for _ in 0..75 {
         if tls.write_all(b"1\r\nx\r\n").await.is_err() || tls.flush().await.is_err() {
-            cut = true;
+            cut = pushed.map(|at: tokio::time::Instant| at.elapsed());
             break;
         }
-        if !pushed {
+        if pushed.is_none() {
             tokio::time::sleep(Duration::from_millis(600)).await;
+            // A per-request rule on the upload's own method (POST).
             e.sandbox(
                 "a",
                 SANDBOX_A,
-                allowing(r#", "deny": [{"domain": "h1.example.test"}]"#),
+                allowing(
+                    r#", "deny": [{"domain": "h1.example.test", "http": {"methods": ["POST"]}}]"#,
+                ),
             );
-            pushed = true;
+            pushed = Some(tokio::time::Instant::now());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(cut, "the upload ran on for 15 s under a deny");
+    let cut = cut.expect("the upload ran on for 15 s under a deny");
+    assert!(
+        cut >= Duration::from_secs(1),
+        "not before the grace: {cut:?}"
+    );
     let line = &e.flow_lines(1).await[0];
     assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
 }
