@@ -522,11 +522,7 @@ async fn an_e2b_create_too_large_for_a_gateway_is_refused() {
     let url = db!();
     let gw = crate::fake_gateway::FakeGateway::start().await;
     let api = allow_all_api(&url, gw.addr, "100.64.22.0/24").await;
-    // 62,000 addresses: under a MiB as E2B writes them, over one in normal form.
-    let allow: Vec<String> = (0..62_000u32)
-        .map(|i| std::net::Ipv4Addr::from(0x6440_0000 + i).to_string())
-        .collect();
-    let body = json!({"templateID": "base", "network": {"allowOut": allow, "denyOut": ["0.0.0.0/0", "::/0"]}});
+    let body = oversized_e2b_create();
     assert!(body.to_string().len() < egress_api::body::MAX_BODY);
     let (s, v) = call(
         api.addr,

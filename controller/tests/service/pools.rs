@@ -31,6 +31,17 @@ async fn refill(pool: &PgPool) -> Refill {
     )))
 }
 
+/// The pool of `base` filled to `size` ready sandboxes, then left
+/// unrefilled (what a claim takes stays taken); the store, to read it.
+async fn filled(url: &str, api: &ApiProcess, size: i32) -> PgPool {
+    let pool = egress_controller::store::connect(url).await.expect("store");
+    let refilling = refill(&pool).await;
+    set_size(api, size).await;
+    ready(api, i64::from(size)).await;
+    drop(refilling);
+    pool
+}
+
 async fn set_size(api: &ApiProcess, size: i32) {
     let (s, v) = call(
         api.addr,
@@ -305,13 +316,7 @@ async fn concurrent_claims_never_share_a_sandbox_and_an_empty_pool_falls_back_to
 async fn an_idempotency_key_replays_a_claim_and_refuses_another_request() {
     let url = db!();
     let w = world(&url, deployment(Some(PROFILES), None), template()).await;
-    let pool = egress_controller::store::connect(&url)
-        .await
-        .expect("store");
-    let refilling = refill(&pool).await;
-    set_size(&w.api, 3).await;
-    ready(&w.api, 3).await;
-    drop(refilling);
+    let pool = filled(&url, &w.api, 3).await;
 
     let key = [
         ("Idempotency-Key", "claim-1"),
@@ -365,14 +370,8 @@ async fn an_e2b_create_claims_from_the_pool_and_the_controller_composes_it() {
         json!({"default": "allow", "tls_interception": "on"}),
     )
     .await;
-    let pool = egress_controller::store::connect(&url)
-        .await
-        .expect("store");
-    let refilling = refill(&pool).await;
-    set_size(&w.api, 1).await;
-    ready(&w.api, 1).await;
     // Not refilled after this one is claimed: the pool stays empty.
-    drop(refilling);
+    let pool = filled(&url, &w.api, 1).await;
     let before = pooled(&pool).await;
 
     let body = json!({"templateID": "base", "network": {"denyOut": ["0.0.0.0/0", "::/0"], "allowOut": ["api.example.test"]}});
@@ -467,18 +466,9 @@ async fn an_e2b_create_claims_from_the_pool_and_the_controller_composes_it() {
 async fn an_e2b_claim_too_large_for_a_gateway_is_refused_before_it_claims() {
     let url = db!();
     let w = world(&url, deployment(None, None), template()).await;
-    let pool = egress_controller::store::connect(&url)
-        .await
-        .expect("store");
-    let refilling = refill(&pool).await;
-    set_size(&w.api, 1).await;
-    ready(&w.api, 1).await;
-    drop(refilling);
+    let pool = filled(&url, &w.api, 1).await;
     let before = pooled(&pool).await;
-    let allow: Vec<String> = (0..62_000u32)
-        .map(|i| std::net::Ipv4Addr::from(0x6440_0000 + i).to_string())
-        .collect();
-    let body = json!({"templateID": "base", "network": {"allowOut": allow, "denyOut": ["0.0.0.0/0", "::/0"]}});
+    let body = oversized_e2b_create();
     let (s, v) = call(
         w.api.addr,
         "POST",

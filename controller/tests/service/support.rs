@@ -399,3 +399,13 @@ pub fn spawn_dispatcher(
         .expect("spawn dispatcher");
     DispatcherProcess { child, log }
 }
+
+/// An E2B create of template `base` whose translation is larger than a
+/// gateway takes: 62,000 addresses, under a MiB as E2B writes them, over
+/// one in normal form.
+pub fn oversized_e2b_create() -> Value {
+    let allow: Vec<String> = (0..62_000u32)
+        .map(|i| std::net::Ipv4Addr::from(0x6440_0000 + i).to_string())
+        .collect();
+    json!({"templateID": "base", "network": {"allowOut": allow, "denyOut": ["0.0.0.0/0", "::/0"]}})
+}
