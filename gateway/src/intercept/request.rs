@@ -146,14 +146,8 @@ impl Conn {
             let why = format!("header {name:?} reads as another with '_' taken for '-'");
             return refuse(&req, why, rec);
         }
-        // The methods overrides name, read once, where something judges
-        // them: the per-request rules, or a shadow's.
-        let overrides = if sb.policy.has_request_rules() || sb.shadow.is_some() {
-            let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
-            method_overrides(req.method().as_str(), req.headers(), target)
-        } else {
-            Vec::new()
-        };
+        let read = read_overrides(sb, &req);
+        let overrides = read.as_deref().unwrap_or_default();
         if overrides.len() > MAX_OVERRIDES {
             let why = format!("more than {MAX_OVERRIDES} methods named by method overrides");
             return refuse(&req, why, rec);
@@ -165,16 +159,16 @@ impl Conn {
             Judgement::Misdirected => return misdirected(),
             Judgement::Denied(denial) => {
                 let active = deny_of(&denial);
-                self.shadow_request(sb, (&req, &overrides), host, &lookup, active);
+                self.shadow_request(sb, (&req, overrides), host, &lookup, active);
                 return refused_after_body(req, denial).await;
             }
         };
-        let asked = (&mut req, &overrides[..]);
+        let asked = (&mut req, overrides);
         let charge = match self.checked(sb, asked, (host, &lookup, allowed), rec) {
             Ok(charge) => charge,
             Err(denial) => return refused_after_body(req, denial).await,
         };
-        self.opening(sb, &req, (host, &lookup));
+        self.opening(sb, &req, (host, &lookup), read.as_deref());
         let carried = carried_of(&mut req);
         let resp = self.forwarded(sb, req, host, &authority, charge).await;
         match carried {
@@ -803,4 +797,13 @@ fn misdirected() -> Response<Body> {
         StatusCode::MISDIRECTED_REQUEST,
         "Host does not match the TLS server name\n",
     )
+}
+
+/// The methods a request's overrides name, read once, where something
+/// judges them: the per-request rules, or a shadow's (`None`: not read).
+fn read_overrides(sb: &Sandbox, req: &Request<ClientBody>) -> Option<Vec<String>> {
+    (sb.policy.has_request_rules() || sb.shadow.is_some()).then(|| {
+        let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+        method_overrides(req.method().as_str(), req.headers(), target)
+    })
 }
