@@ -313,12 +313,14 @@ impl Worker {
                 .map(|(seq, change)| Record { seq, change })
                 .collect();
             if let Err(e) = self.journal.append(&records) {
-                self.registry.restore(before);
+                self.rolled_back(before);
                 tracing::error!(error = %e, "journal write failed; pushes rolled back");
+                // Every answer was found against the state rolled back: a
+                // second delete's "already gone" with the first undone,
+                // a put's address taken by one undone. Each is refused as
+                // not applied, and a retry is answered on the state as it is.
                 for o in &mut outcomes {
-                    if o.is_ok() {
-                        *o = Err(NotApplied::Failed(format!("not applied: {e}")));
-                    }
+                    *o = Err(NotApplied::Failed(format!("not applied: {e}")));
                 }
             } else {
                 self.generation
@@ -329,6 +331,15 @@ impl Worker {
         for (job, outcome) in batch.into_iter().zip(outcomes) {
             let _ = job.reply.send(outcome);
         }
+    }
+
+    /// Puts back the state from `before` a change that failed. An allow
+    /// entry that lapsed since (the lapse watch compiled it away meanwhile)
+    /// is compiled away again at once, not at the watch's next tick.
+    fn rolled_back(&self, before: Arc<crate::registry::Generation>) {
+        self.registry.restore(before);
+        self.registry
+            .recompile_lapsed(time::OffsetDateTime::now_utc());
     }
 
     /// Applies one put and queues its record.
@@ -419,7 +430,7 @@ impl Worker {
                     Ok(())
                 }
                 Err(e) => {
-                    self.registry.restore(before);
+                    self.rolled_back(before);
                     tracing::error!(error = %e, "snapshot write failed; resync rolled back");
                     if !self.snapshot_before(seq) {
                         self.doubt = Some(format!(
@@ -479,7 +490,10 @@ impl Worker {
         match self.snapshot(self.generation.load(Ordering::Acquire)) {
             Ok(()) => tracing::info!(journal_bytes, "compacted the journal into the snapshot"),
             // The journal still holds everything: nothing is lost, compaction retries later.
-            Err(e) => tracing::warn!(error = %e, "journal compaction failed"),
+            Err(e) => {
+                let retry_at_bytes = self.journal.compaction_failed();
+                tracing::warn!(error = %e, journal_bytes, retry_at_bytes, "journal compaction failed; tried again once the journal has doubled");
+            }
         }
     }
 }

@@ -62,6 +62,9 @@ pub struct Journal {
     /// The snapshot's size when it was written: compaction is due once the
     /// journal outgrows it (and [`MIN_COMPACT_BYTES`]).
     snapshot_bytes: u64,
+    /// After a failed compaction, the size the journal waits for before
+    /// the next try ([`Journal::compaction_failed`]); 0 otherwise.
+    retry_at: u64,
     /// Set when a failed append could not be cut back ([`Journal::append`]).
     doubt: Option<String>,
 }
@@ -111,6 +114,7 @@ impl Journal {
             path,
             bytes: good as u64,
             snapshot_bytes,
+            retry_at: 0,
             doubt: None,
         };
         Ok((journal, records))
@@ -155,9 +159,21 @@ impl Journal {
         self.doubt.as_deref()
     }
 
-    /// Whether the journal has outgrown the snapshot.
+    /// Whether the journal has outgrown the snapshot, and the size a
+    /// failed compaction put off the next try to.
     pub fn compaction_due(&self) -> bool {
-        self.bytes >= MIN_COMPACT_BYTES.max(self.snapshot_bytes)
+        self.bytes
+            >= MIN_COMPACT_BYTES
+                .max(self.snapshot_bytes)
+                .max(self.retry_at)
+    }
+
+    /// A compaction failed: the next is tried once the journal has doubled,
+    /// not after every batch (a full disk would have every push write the
+    /// whole state again). Returns the size it waits for.
+    pub fn compaction_failed(&mut self) -> u64 {
+        self.retry_at = self.bytes.saturating_mul(2);
+        self.retry_at
     }
 
     /// Empties the journal after a new snapshot (`snapshot_bytes` long) was
@@ -168,6 +184,7 @@ impl Journal {
         // back must not lengthen the file again.
         self.bytes = 0;
         self.snapshot_bytes = snapshot_bytes;
+        self.retry_at = 0;
         self.file.sync_all().map_err(|e| self.io(e))
     }
 
@@ -279,11 +296,15 @@ pub fn recover(
     for r in records.into_iter().filter(|r| r.seq > snapshot_seq) {
         match r.change {
             Change::Put(doc) => {
-                let doc = *doc;
                 let id = SandboxId::parse(&doc.id).map_err(|e| PersistError::CorruptJournal {
                     path: journal.path.clone(),
                     message: format!("record {}: {e}", r.seq),
                 })?;
+                let Some(doc) = persist::as_pushed_now(*doc) else {
+                    registry.remove(&id);
+                    seq = seq.max(r.seq);
+                    continue;
+                };
                 let extras = crate::registry::Extras {
                     credentials: doc.credentials,
                     upstream_proxy: doc.upstream_proxy,

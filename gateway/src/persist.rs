@@ -55,6 +55,28 @@ pub fn prepare(doc: SandboxDoc, registry: &Registry) -> Arc<Sandbox> {
     )
 }
 
+/// A recovered document as a push would take it now. An older build
+/// accepted what a push refuses today: an address a push refuses is left
+/// out (named in the log), so no flow from it is taken as the sandbox's; a
+/// sandbox whose credentials a push refuses is left out whole, its traffic
+/// denied until it is pushed again. Neither stops the start.
+pub fn as_pushed_now(mut doc: SandboxDoc) -> Option<SandboxDoc> {
+    doc.addresses.retain(|a| {
+        let refused = egress_api::gateway::sandbox_addresses(std::slice::from_ref(a)).err();
+        if let Some(why) = &refused {
+            tracing::error!(sandbox = %doc.id, error = %why, "a recovered address is left out: a push refuses it");
+        }
+        refused.is_none()
+    });
+    match egress_api::gateway::credentials::validate(&doc.credentials) {
+        Ok(()) => Some(doc),
+        Err(why) => {
+            tracing::error!(sandbox = %doc.id, error = %why, "a recovered sandbox is left out, its traffic denied: a push refuses its credentials");
+            None
+        }
+    }
+}
+
 /// Why the snapshot could not be read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum PersistError {
@@ -135,6 +157,7 @@ pub fn apply(
     let prepared = doc
         .sandboxes
         .into_iter()
+        .filter_map(as_pushed_now)
         .map(|d| prepare(d, registry))
         .collect();
     registry

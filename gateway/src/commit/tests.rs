@@ -266,3 +266,100 @@ fn a_commit_thread_that_panics_is_told_as_stuck() {
         assert_eq!(stuck.load(Ordering::Acquire), panics);
     }
 }
+
+/// A batch whose append fails is refused whole: each answer was found on
+/// the state rolled back. A second delete of a sandbox in the batch saw it
+/// gone; answered "already gone" (404), a controller counts the delete as
+/// done while the sandbox is still registered.
+#[test]
+fn a_batch_rolled_back_refuses_every_answer_it_found() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    assert!(put(&mut w, "a", "100.64.0.1"));
+    w.journal.use_file(read_only(dir.path()));
+    let a = SandboxId::new("a");
+    let (first, mut first_answer) = job(Change::Delete(a.clone()));
+    let (second, mut second_answer) = job(Change::Delete(a.clone()));
+    w.commit(vec![first, second]);
+    assert!(w.registry.get(&a).is_some(), "rolled back");
+    for answer in [first_answer.try_recv(), second_answer.try_recv()] {
+        let answer = answer.expect("answered");
+        assert!(
+            matches!(&answer, Err(NotApplied::Failed(why)) if why.contains("not applied")),
+            "{answer:?}"
+        );
+    }
+}
+
+/// A compaction that fails (here its temporary file cannot be made) is
+/// tried again once the journal has doubled, not after every batch: each
+/// try writes the whole state. Once it can be written, it is.
+#[test]
+fn a_failed_compaction_waits_for_the_journal_to_double() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    let entries: Vec<String> = (0..3_000)
+        .map(|i| format!(r#"{{"domain": "h{i:05}.example.test"}}"#))
+        .collect();
+    let text = format!(r#"{{"allow": [{}]}}"#, entries.join(","));
+    let big = w.registry.prepare(
+        SandboxId::new("a"),
+        vec!["100.64.0.1".parse().expect("ip")],
+        Policy::from_json(&text).expect("policy"),
+    );
+    let tmp = dir.path().join(format!(".{}.tmp", persist::SNAPSHOT_FILE));
+    std::fs::create_dir(&tmp).expect("a directory in its way");
+    let mut failed_at = None;
+    let again_at = loop {
+        assert!(commit(&mut w, Change::Put(big.clone())));
+        if !w.journal.compaction_due() {
+            continue;
+        }
+        if failed_at.is_some() {
+            break w.journal.bytes();
+        }
+        failed_at = Some(w.journal.bytes());
+        w.compact_if_due();
+    };
+    let failed_at = failed_at.expect("tried");
+    assert!(
+        again_at >= 2 * failed_at,
+        "a compaction that failed at {failed_at} bytes was due again at {again_at}"
+    );
+    std::fs::remove_dir(&tmp).expect("out of the way");
+    w.compact_if_due();
+    assert_eq!(w.journal.bytes(), 0, "compacted");
+    let seq = w.generation.load(Ordering::Acquire);
+    assert_eq!(restarted(dir.path()), (ids(&["a"]), seq));
+}
+
+/// A rollback puts back the state from before its change; an allow entry
+/// that lapsed meanwhile (the lapse watch compiled it away between the
+/// checkpoint and the failed write) stays out of force.
+#[test]
+fn a_rollback_does_not_bring_a_lapsed_allow_back() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    let soon = (time::OffsetDateTime::now_utc() + time::Duration::milliseconds(300))
+        .format(&time::format_description::well_known::Rfc3339)
+        .expect("format");
+    let text = format!(r#"{{"allow": [{{"ip": "203.0.113.7", "until": "{soon}"}}]}}"#);
+    let a = w.registry.prepare(
+        SandboxId::new("a"),
+        vec!["100.64.0.1".parse().expect("ip")],
+        Policy::from_json(&text).expect("policy"),
+    );
+    assert!(commit(&mut w, Change::Put(a)));
+    let before = w.registry.checkpoint();
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(
+        w.registry.recompile_lapsed(time::OffsetDateTime::now_utc()),
+        1
+    );
+    w.rolled_back(before);
+    let a = w.registry.get(&SandboxId::new("a")).expect("a");
+    assert!(
+        a.policy.next_expiry().is_none(),
+        "the lapsed allow is in force again"
+    );
+}

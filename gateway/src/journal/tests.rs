@@ -230,3 +230,67 @@ fn a_damaged_length_with_a_record_after_it_stops_startup() {
         );
     }
 }
+
+/// What an older build accepted and a push refuses now is not recovered as
+/// it was: a link-local address (the same on every link) is left out, so a
+/// flow from another link sent from it is no sandbox's; a sandbox whose
+/// credentials a push refuses is left out whole, from the snapshot and from
+/// a record alike, its traffic denied. Neither stops the start.
+#[test]
+fn recovery_takes_only_what_a_push_takes_now() {
+    let dir = tempfile::tempdir().expect("dir");
+    let bad_credentials: Vec<egress_api::gateway::credentials::Credential> = serde_json::from_str(
+        r#"[{"name": "gh", "placeholder": "X", "hosts": ["api.github.test"],
+                 "inject": {"header": "authorization", "format": "token {value}"},
+                 "source": {"env": "GH_TOKEN"}}]"#,
+    )
+    .expect("credentials");
+    let older = registry();
+    let ips = |list: &[&str]| list.iter().map(|a| a.parse().expect("ip")).collect();
+    older
+        .put(
+            SandboxId::new("a"),
+            ips(&["169.254.0.5", "100.64.0.9"]),
+            Policy::default(),
+        )
+        .expect("put");
+    let c = older.prepare_with(
+        SandboxId::new("c"),
+        ips(&["100.64.0.11"]),
+        Policy::default(),
+        crate::registry::Extras {
+            credentials: bad_credentials.clone(),
+            upstream_proxy: None,
+            shadow: None,
+        },
+    );
+    older.put_prepared(c).expect("put");
+    persist::save(dir.path(), &older, 0).expect("snapshot");
+    let mut b = doc("b", "fe80::a");
+    b.addresses.push("100.64.0.10".parse().expect("ip"));
+    let mut d = doc("d", "100.64.0.12");
+    d.credentials = bad_credentials;
+    let (mut j, _) = Journal::open(dir.path(), 0).expect("open");
+    j.append(&[
+        Record {
+            seq: 1,
+            change: Change::Put(Box::new(b)),
+        },
+        put(2, "d", "100.64.0.13"),
+        Record {
+            seq: 3,
+            change: Change::Put(Box::new(d)),
+        },
+    ])
+    .expect("append");
+    drop(j);
+    let r = registry();
+    let (_, seq, _) = recover(&r, dir.path()).expect("the start goes on");
+    assert_eq!(seq, 3);
+    let at = |a: &str| r.lookup(a.parse().expect("ip")).map(|s| s.id.to_string());
+    assert_eq!(at("169.254.0.5"), None, "a link-local address came back");
+    assert_eq!(at("fe80::a"), None, "a link-local address came back");
+    assert_eq!(at("100.64.0.9").as_deref(), Some("a"));
+    assert_eq!(at("100.64.0.10").as_deref(), Some("b"));
+    assert_eq!(r.ids(), vec![SandboxId::new("a"), SandboxId::new("b")]);
+}
