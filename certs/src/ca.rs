@@ -11,7 +11,7 @@ use rcgen::{
     PKCS_ECDSA_P256_SHA256,
 };
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::CertificateDer;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use time::{Duration, OffsetDateTime};
 
 use crate::CertError;
@@ -93,8 +93,8 @@ impl CertificateAuthority {
             path: path.to_owned(),
             message,
         };
-        let key = KeyPair::from_pem(&key_pem)
-            .map_err(|e| invalid(&paths.key, format!("not a usable private key: {e}")))?;
+        let key = key_from_pem(&paths.key, &key_pem)?;
+        certificates_only(&paths.cert, &cert_pem)?;
         let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| invalid(&paths.cert, format!("no PEM certificate: {e}")))?;
@@ -243,6 +243,38 @@ pub(crate) fn name_ca(params: &mut CertificateParams, common_name: &str) {
         .push(DnType::OrganizationName, "egress-gateway");
 }
 
+/// The key of a key file's first private-key section (`PRIVATE KEY`, `RSA
+/// PRIVATE KEY`, `EC PRIVATE KEY`), whatever comes before it: OpenSSL writes
+/// `EC PARAMETERS` first.
+pub(crate) fn key_from_pem(path: &Path, pem: &str) -> Result<KeyPair, CertError> {
+    let invalid = |message: String| CertError::Invalid {
+        path: path.to_owned(),
+        message,
+    };
+    let der = PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| {
+        invalid(format!(
+            "no private key section (PRIVATE KEY, RSA PRIVATE KEY or EC PRIVATE KEY): {e}"
+        ))
+    })?;
+    KeyPair::try_from(&der).map_err(|e| invalid(format!("not a usable private key: {e}")))
+}
+
+/// Refuses a certificate file that holds a private key. What such a file
+/// holds goes on with the certificate (`ca sign` writes the root's file
+/// after the intermediate, for every worker): a fleet root kept with its
+/// key in one file would hand the key out.
+pub(crate) fn certificates_only(path: &Path, pem: &str) -> Result<(), CertError> {
+    match PrivateKeyDer::from_pem_slice(pem.as_bytes()) {
+        Err(_) => Ok(()),
+        Ok(_) => Err(CertError::Invalid {
+            path: path.to_owned(),
+            message: "holds a private key section: a certificate file must hold certificates \
+                      only (keep the key in its own file, mode 0600)"
+                .into(),
+        }),
+    }
+}
+
 /// Reads a private key file, refusing one that group or others can read.
 pub(crate) fn read_private(path: &Path) -> Result<String, CertError> {
     let io = |source| CertError::Io {
@@ -266,18 +298,32 @@ fn fingerprint(der: &CertificateDer<'_>) -> String {
     hex.join(":")
 }
 
-/// Creates `path` (never overwriting) with `mode` from the start, and syncs it.
+/// Creates `path` (never overwriting) with `mode` from the start, whole or
+/// not at all: written to a temporary file and synced, then linked to its
+/// name (which fails if the name exists) and the directory synced. A crash
+/// never leaves an empty or partial key or certificate under its name.
 pub(crate) fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CertError> {
-    let io = |source| CertError::Io {
-        path: path.to_owned(),
-        source,
+    let io = |at: &Path| {
+        let at = at.to_owned();
+        move |source| CertError::Io { path: at, source }
     };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp"));
+    // What a crash left before the link: never any file's content.
+    let _ = fs::remove_file(&tmp);
     let mut f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(mode)
-        .open(path)
-        .map_err(io)?;
-    f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)
+        .open(&tmp)
+        .map_err(io(&tmp))?;
+    f.write_all(bytes).map_err(io(&tmp))?;
+    f.sync_all().map_err(io(&tmp))?;
+    let linked = fs::hard_link(&tmp, path).map_err(io(path));
+    let _ = fs::remove_file(&tmp);
+    linked?;
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(dir))
 }

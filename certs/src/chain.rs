@@ -26,12 +26,15 @@ pub(crate) struct Chain {
     pub(crate) subject: String,
 }
 
-/// Why `cert` cannot be a CA in service at `now`: not a CA, expired, or not
-/// valid yet (every leaf minted under it would fail every handshake).
-fn in_service(cert: &X509Certificate<'_>, now: OffsetDateTime) -> Result<(), String> {
+/// Why `cert`, with `below` CA certificates under it in the chain, cannot
+/// be a CA in service at `now`: not a CA, expired, not valid yet, or
+/// constrained so that clients refuse what is signed under it (every leaf
+/// minted under it would fail every handshake).
+fn in_service(cert: &X509Certificate<'_>, below: usize, now: OffsetDateTime) -> Result<(), String> {
     if !cert.is_ca() {
         return Err("not a CA certificate (basicConstraints CA is not set)".into());
     }
+    may_sign_for_servers(cert, below)?;
     let validity = cert.validity();
     if validity.not_after.to_datetime() < now {
         return Err(format!("expired at {}", validity.not_after));
@@ -43,6 +46,37 @@ fn in_service(cert: &X509Certificate<'_>, now: OffsetDateTime) -> Result<(), Str
         ));
     }
     Ok(())
+}
+
+/// Refuses a CA whose extensions forbid what the gateway signs under it:
+/// a keyUsage without keyCertSign, an extendedKeyUsage without serverAuth
+/// (or anyExtendedKeyUsage), a pathLen below the CAs under it. OpenSSL's
+/// clients check each; rustls' do not check all of them, so a chain that
+/// passes this gateway's own tests could fail every other client.
+fn may_sign_for_servers(cert: &X509Certificate<'_>, below: usize) -> Result<(), String> {
+    let unreadable = |what: &str, e| format!("its {what} extension cannot be read: {e}");
+    let usage = cert.key_usage().map_err(|e| unreadable("keyUsage", e))?;
+    if usage.is_some_and(|u| !u.value.key_cert_sign()) {
+        return Err("its keyUsage lacks keyCertSign: it may not sign certificates".into());
+    }
+    let extended = cert
+        .extended_key_usage()
+        .map_err(|e| unreadable("extendedKeyUsage", e))?;
+    if extended.is_some_and(|x| !x.value.any && !x.value.server_auth) {
+        return Err(
+            "its extendedKeyUsage lacks serverAuth: clients refuse server certificates under it"
+                .into(),
+        );
+    }
+    let constraints = cert
+        .basic_constraints()
+        .map_err(|e| unreadable("basicConstraints", e))?;
+    match constraints.and_then(|c| c.value.path_len_constraint) {
+        Some(len) if (len as usize) < below => Err(format!(
+            "its pathLen is {len}, but {below} CA certificate(s) come under it in the chain"
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Checks `certs` (in file order) against `key` at `now`. The error is one
@@ -73,7 +107,7 @@ pub(crate) fn check(
     let n = parsed.len();
     for (i, cert) in parsed.iter().enumerate() {
         let name = || format!("certificate {} of {n} ({})", i + 1, cert.subject());
-        in_service(cert, now).map_err(|why| format!("{}: {why}", name()))?;
+        in_service(cert, i, now).map_err(|why| format!("{}: {why}", name()))?;
         if let Some(next) = parsed.get(i + 1) {
             issued_by(cert, next).map_err(|why| format!("{}: {why}", name()))?;
         }

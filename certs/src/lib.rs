@@ -37,7 +37,7 @@ pub enum CertError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: the CA key is readable by group or others (mode {mode:04o}); run `chmod 600 {path}`")]
+    #[error("{path}: the CA key is readable or writable by group or others (mode {mode:04o}); run `chmod 600 {path}`")]
     KeyPermissions { path: PathBuf, mode: u32 },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },

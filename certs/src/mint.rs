@@ -17,8 +17,8 @@ use std::sync::{Arc, PoisonError, RwLock};
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use egress_policy::Hostname;
 use rcgen::{
-    CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair, KeyUsagePurpose, SanType,
-    SerialNumber, PKCS_ECDSA_P256_SHA256,
+    CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, KeyPair,
+    KeyUsagePurpose, SanType, SerialNumber, PKCS_ECDSA_P256_SHA256,
 };
 use rustls::crypto::aws_lc_rs::sign::any_ecdsa_type;
 use rustls::sign::{CertifiedKey, SigningKey};
@@ -311,6 +311,9 @@ impl LeafMinter {
 /// A leaf's names and usages (validity and serial are the minter's).
 fn leaf_params(name: &LeafName) -> Result<CertificateParams, rcgen::Error> {
     let mut params = CertificateParams::default();
+    // The default subject is rcgen's placeholder name: a name too long for a
+    // commonName leaves the subject empty (its SAN then critical).
+    params.distinguished_name = DistinguishedName::new();
     match name {
         LeafName::Dns(h) => {
             params.subject_alt_names = vec![SanType::DnsName(h.as_str().try_into()?)];

@@ -52,7 +52,7 @@ pub fn request(dir: &Path, common_name: &str) -> Result<PathBuf, CertError> {
         message: e.to_string(),
     };
     let key = if key_path.exists() {
-        KeyPair::from_pem(&read_private(&key_path)?).map_err(|e| failed(&key_path, e))?
+        crate::ca::key_from_pem(&key_path, &read_private(&key_path)?)?
     } else {
         fs::create_dir_all(dir).map_err(|source| CertError::Io {
             path: dir.to_owned(),

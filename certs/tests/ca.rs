@@ -151,3 +151,171 @@ fn refuses_half_a_ca_a_foreign_key_a_leaf_and_garbage() {
     let err = CertificateAuthority::load(&missing).expect_err("missing");
     assert!(err.to_string().contains("nope.key"), "{err}");
 }
+
+/// A fleet root kept as one file, its key before its certificate: the file
+/// is refused as the certificate (`ca sign` loads its root so), so the key
+/// is never copied into a worker's chain after the intermediate. A key file is read from its first key section,
+/// whatever comes before it (OpenSSL's `EC PARAMETERS`).
+#[test]
+fn a_certificate_file_holding_a_key_is_refused_and_a_key_after_parameters_is_read() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = CertificateAuthority::create_root(&dir.path().join("root")).expect("root");
+    let key = fs::read_to_string(&root.paths().key).expect("key");
+    let both = dir.path().join("root.pem");
+    fs::write(&both, format!("{key}{}", root.cert_pem())).expect("write");
+    chmod(&both, 0o600);
+    let combined = CaPaths {
+        cert: both.clone(),
+        key: both,
+    };
+    let err = CertificateAuthority::load(&combined).expect_err("a key in the certificate file");
+    assert!(err.to_string().contains("private key section"), "{err}");
+    let parameters =
+        "-----BEGIN EC PARAMETERS-----\nBggqhkjOPQMBBw==\n-----END EC PARAMETERS-----\n";
+    fs::write(&root.paths().key, format!("{parameters}{key}")).expect("write");
+    chmod(&root.paths().key, 0o600);
+    CertificateAuthority::load(root.paths()).expect("the key after its parameters");
+}
+
+/// A CA whose extensions forbid what the gateway signs under it is refused
+/// at load, naming the field: OpenSSL's clients would refuse every leaf.
+#[test]
+fn a_ca_constrained_against_server_leaves_is_refused() {
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+        KeyUsagePurpose,
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = |name: &str, usages: Vec<KeyUsagePurpose>, extended: Vec<ExtendedKeyUsagePurpose>| {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = usages;
+        params.extended_key_usages = extended;
+        let key = KeyPair::generate().expect("key");
+        let cert = params.self_signed(&key).expect("signed");
+        let at = dir.path().join(name);
+        fs::create_dir(&at).expect("dir");
+        let paths = CaPaths::in_dir(&at);
+        fs::write(&paths.cert, cert.pem()).expect("cert");
+        fs::write(&paths.key, key.serialize_pem()).expect("key");
+        chmod(&paths.key, 0o600);
+        paths
+    };
+    let sign = || {
+        vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ]
+    };
+    for (paths, field) in [
+        (
+            ca(
+                "no-cert-sign",
+                vec![KeyUsagePurpose::DigitalSignature],
+                vec![],
+            ),
+            "keyCertSign",
+        ),
+        (
+            ca(
+                "client-only",
+                sign(),
+                vec![ExtendedKeyUsagePurpose::ClientAuth],
+            ),
+            "serverAuth",
+        ),
+    ] {
+        let err = CertificateAuthority::load(&paths).expect_err(field);
+        assert!(err.to_string().contains(field), "{err}");
+    }
+    let fine = ca("servers", sign(), vec![ExtendedKeyUsagePurpose::ServerAuth]);
+    CertificateAuthority::load(&fine).expect("a CA for servers");
+    // An intermediate under a root of pathLen 0: the root may issue leaves
+    // only, so no client takes a leaf under the intermediate.
+    let ca_params = |name: &str, constraint| {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.is_ca = IsCa::Ca(constraint);
+        params.key_usages = sign();
+        params
+    };
+    let root_params = ca_params("root", BasicConstraints::Constrained(0));
+    let root_key = KeyPair::generate().expect("key");
+    let root = root_params.self_signed(&root_key).expect("root");
+    let worker_key = KeyPair::generate().expect("key");
+    let issuer = rcgen::Issuer::from_params(&root_params, &root_key);
+    let worker = ca_params("worker", BasicConstraints::Unconstrained)
+        .signed_by(&worker_key, &issuer)
+        .expect("worker");
+    let paths = fine;
+    fs::write(&paths.cert, format!("{}{}", worker.pem(), root.pem())).expect("chain");
+    fs::write(&paths.key, worker_key.serialize_pem()).expect("key");
+    let err = CertificateAuthority::load(&paths).expect_err("pathLen");
+    assert!(
+        err.to_string().contains("certificate 2 of 2") && err.to_string().contains("pathLen is 0"),
+        "{err}"
+    );
+}
+
+/// A leaf for a name too long for a commonName has no subject name at all,
+/// not rcgen's placeholder; a shorter one is named by it.
+#[test]
+fn a_leaf_is_named_only_by_its_name() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = Arc::new(CertificateAuthority::create(dir.path()).expect("created"));
+    let m = LeafMinter::new(ca, MintConfig::default()).expect("minter");
+    let long = format!("{}.example.test", "a".repeat(60));
+    for (name, cn) in [
+        (long.as_str(), None),
+        ("b.example.test", Some("b.example.test")),
+    ] {
+        let leaf = m
+            .leaf(&LeafName::Dns(Hostname::parse(name).expect("valid")))
+            .expect("minted");
+        let (_, cert) = x509_parser::parse_x509_certificate(leaf.cert[0].as_ref()).expect("parses");
+        let names: Vec<&str> = cert
+            .subject()
+            .iter_common_name()
+            .filter_map(|c| c.as_str().ok())
+            .collect();
+        assert_eq!(names, cn.into_iter().collect::<Vec<_>>(), "{name}");
+        assert_eq!(
+            cert.subject().iter().count(),
+            usize::from(cn.is_some()),
+            "{name}"
+        );
+    }
+}
+
+/// A CA's files are written whole under their names or not at all: what a
+/// crash left (a temporary file) does not stop the next create, and a
+/// create leaves nothing but the two files.
+#[test]
+fn a_ca_is_created_whole_over_what_a_crash_left() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let at = dir.path().join("ca");
+    fs::create_dir(&at).expect("dir");
+    fs::write(at.join(format!(".{CA_KEY_FILE}.tmp")), "-----BEGIN PRIV").expect("left");
+    let ca = CertificateAuthority::load_or_create(&at).expect("created");
+    let mut names: Vec<String> = fs::read_dir(&at)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, vec![CA_CERT_FILE.to_owned(), CA_KEY_FILE.to_owned()]);
+    assert_eq!(
+        fs::metadata(&ca.paths().key)
+            .expect("key")
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+    let err = CertificateAuthority::create(&at).expect_err("exists");
+    assert!(matches!(err, CertError::Exists { .. }), "{err}");
+}

@@ -207,7 +207,9 @@ async fn reload_on_sighup(
         let _ = tokio::task::spawn_blocking(move || reading.reload_secrets()).await;
         tracing::info!("SIGHUP: credential values read again");
         // Logged and counted inside: the CA in service stays on an error.
-        let _ = ca.reload();
+        // Off the async workers too: it reads files and makes a leaf key.
+        let reloading = ca.clone();
+        let _ = tokio::task::spawn_blocking(move || reloading.reload()).await;
         let Some(path) = &path else {
             tracing::info!("SIGHUP: running on built-in defaults, no configuration file to reload");
             continue;
