@@ -61,7 +61,7 @@ impl Conn {
         sb: &crate::registry::Sandbox,
         req: &hyper::Request<ClientBody>,
         (host, lookup): (Option<&Hostname>, &dns_attrib::Lookup),
-        overrides: Option<&[String]>,
+        overrides: &[String],
     ) {
         let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
         let opened = Opened {
@@ -70,12 +70,8 @@ impl Conn {
             attributed: lookup.names().into_owned(),
             gap: lookup.gap(),
             // Read whether or not the policy judges them now (a push that
-            // adds a per-request rule judges them then); once, where the
-            // request's stages read them already.
-            overrides: overrides.map_or_else(
-                || crate::decide::method_overrides(req.method().as_str(), req.headers(), target),
-                <[String]>::to_vec,
-            ),
+            // adds a per-request rule judges them then).
+            overrides: overrides.to_vec(),
             target: target.to_owned(),
             // Judged again at the first tick: the platform's addresses may
             // have changed since the request was judged.

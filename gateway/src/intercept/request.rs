@@ -146,8 +146,8 @@ impl Conn {
             let why = format!("header {name:?} reads as another with '_' taken for '-'");
             return refuse(&req, why, rec);
         }
-        let read = read_overrides(sb, &req);
-        let overrides = read.as_deref().unwrap_or_default();
+        let read = read_overrides(&req);
+        let overrides = &read[..];
         if overrides.len() > MAX_OVERRIDES {
             let why = format!("more than {MAX_OVERRIDES} methods named by method overrides");
             return refuse(&req, why, rec);
@@ -168,7 +168,7 @@ impl Conn {
             Ok(charge) => charge,
             Err(denial) => return refused_after_body(req, denial).await,
         };
-        self.opening(sb, &req, (host, &lookup), read.as_deref());
+        self.opening(sb, &req, (host, &lookup), overrides);
         let carried = carried_of(&mut req);
         let resp = self.forwarded(sb, req, host, &authority, charge).await;
         match carried {
@@ -799,11 +799,12 @@ fn misdirected() -> Response<Body> {
     )
 }
 
-/// The methods a request's overrides name, read once, where something
-/// judges them: the per-request rules, or a shadow's (`None`: not read).
-fn read_overrides(sb: &Sandbox, req: &Request<ClientBody>) -> Option<Vec<String>> {
-    (sb.policy.has_request_rules() || sb.shadow.is_some()).then(|| {
-        let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
-        method_overrides(req.method().as_str(), req.headers(), target)
-    })
+/// The methods a request's overrides name, read once for every request,
+/// whatever judges them: the per-request rules, a shadow's, and those of a
+/// push that adds rules while the request is in flight. The cap on them is
+/// the same whatever the policy (a shadow put in place must not refuse
+/// what was let through before).
+fn read_overrides(req: &Request<ClientBody>) -> Vec<String> {
+    let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
+    method_overrides(req.method().as_str(), req.headers(), target)
 }

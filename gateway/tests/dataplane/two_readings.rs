@@ -352,6 +352,16 @@ async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
     let answer = raw(s, req.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains("more than 16"), "{answer}");
+    // The same under a policy with no per-request rule: the cap does not
+    // wait for a rule (or a shadow) to be in place.
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        policy(r#"{"allow": [{"domain": "plain.example.test"}, {"ip": "8.8.8.8"}]}"#),
+    );
+    let s = e.connect(SANDBOX_A, e.origins.plain).await;
+    let answer = raw(s, req.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "no rule: {answer}");
     // A name with `_` that an origin taking `_` for `-` (Puma, CGI) reads
     // as an override, a framing header or another header of the request:
     // refused. One that reads as nothing else passes.
