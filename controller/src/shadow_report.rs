@@ -67,7 +67,8 @@ pub struct Rollup {
     requests: u64,
     sandboxes: Vec<String>,
     /// Differences whose destination and verdict pair came past
-    /// [`MAX_MERGED`]: not kept.
+    /// [`MAX_MERGED`], and those a gateway's report did not keep
+    /// (its `evicted`): not kept.
     left_out: u64,
 }
 
@@ -76,6 +77,7 @@ impl Rollup {
     pub fn add(&mut self, sandbox: String, r: &Value) {
         self.flows += r["flows"].as_u64().unwrap_or(0);
         self.requests += r["requests"].as_u64().unwrap_or(0);
+        self.left_out += r["evicted"].as_u64().unwrap_or(0);
         self.sandboxes.push(sandbox);
         for d in r["differences"].as_array().into_iter().flatten() {
             let key = (

@@ -1,13 +1,16 @@
 //! A shadow's report: the flows and requests judged under the candidate,
 //! and the differences by destination and verdict pair (count, first and
 //! last seen, one example). Bounded: at most [`MAX_DIFFERENCES`] entries per
-//! sandbox, the least recently seen going first, so a sandbox that walks
-//! the whole address space cannot grow the gateway's memory. Time is passed
-//! in, so the bound is tested without a clock.
+//! sandbox, and [`MAX_DIFFERENCES_PER_GATEWAY`] in all the gateway's
+//! reports, the least recently seen of the report going first; what went
+//! (or could not be kept) is counted as `evicted`, so a report that is not
+//! whole says so. A sandbox that walks the whole address space cannot grow
+//! the gateway's memory, nor can a tenant's shadows on many sandboxes. Time
+//! is passed in, so the bound is tested without a clock.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -18,11 +21,26 @@ use super::{Judged, Outcome};
 /// Entries (destination × verdict pair) a report keeps at most.
 pub(crate) const MAX_DIFFERENCES: usize = 1_000;
 
-#[derive(Debug, Default)]
+/// Entries all of a gateway's reports keep at most (an entry is up to a
+/// few KiB with its example): past it, a report's new difference takes the
+/// place of its own least recently seen, or is counted only.
+pub(crate) const MAX_DIFFERENCES_PER_GATEWAY: usize = 16_384;
+
+/// Entries held by every report of the process.
+static HELD: LazyLock<Arc<AtomicUsize>> = LazyLock::new(Arc::default);
+
+#[derive(Debug)]
 pub(crate) struct Report {
     flows: AtomicU64,
     requests: AtomicU64,
+    /// Differences not kept: evicted by a bound, or never stored.
+    evicted: AtomicU64,
+    /// When this report began counting (a restart, or a push that changed
+    /// the active policy, begins a new one).
+    started: OffsetDateTime,
     differences: Mutex<Differences>,
+    /// The entries held by every report this one is bounded with.
+    held: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, Default)]
@@ -50,7 +68,35 @@ struct Entry {
 
 // === impl Report ===
 
+impl Default for Report {
+    fn default() -> Self {
+        Self::held_in(HELD.clone())
+    }
+}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        let d = self
+            .differences
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.held.fetch_sub(d.entries.len(), Ordering::Relaxed);
+    }
+}
+
 impl Report {
+    /// A report whose entries count in `held` (the process's, but in tests).
+    fn held_in(held: Arc<AtomicUsize>) -> Self {
+        Self {
+            flows: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+            started: OffsetDateTime::now_utc(),
+            differences: Mutex::default(),
+            held,
+        }
+    }
+
     pub(crate) fn flow_seen(&self) {
         self.flows.fetch_add(1, Ordering::Relaxed);
     }
@@ -68,7 +114,8 @@ impl Report {
         now: OffsetDateTime,
         example: impl FnOnce() -> Value,
     ) {
-        self.note_bounded(destination, active, shadow, now, example, MAX_DIFFERENCES);
+        let max = (MAX_DIFFERENCES, MAX_DIFFERENCES_PER_GATEWAY);
+        self.note_bounded(destination, active, shadow, now, example, max);
     }
 
     fn note_bounded(
@@ -78,7 +125,7 @@ impl Report {
         shadow: Outcome,
         now: OffsetDateTime,
         example: impl FnOnce() -> Value,
-        max: usize,
+        (max, max_held): (usize, usize),
     ) {
         let mut d = self
             .differences
@@ -97,12 +144,17 @@ impl Report {
             e.touched = touched;
             return;
         }
-        if d.entries.len() >= max {
-            // O(max) on a new entry past the bound only: a rare scan of 1,000.
+        if d.entries.len() >= max || self.held.load(Ordering::Relaxed) >= max_held {
+            self.evicted.fetch_add(1, Ordering::Relaxed);
+            // O(max) on a new entry past a bound only: a scan of 1,000 at most.
             let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
-            if let Some(k) = oldest.map(|(k, _)| k.clone()) {
-                d.entries.remove(&k);
-            }
+            let Some(k) = oldest.map(|(k, _)| k.clone()) else {
+                // Nothing of its own to give up: counted, not kept.
+                return;
+            };
+            d.entries.remove(&k);
+        } else {
+            self.held.fetch_add(1, Ordering::Relaxed);
         }
         let entry = Entry {
             count: 1,
@@ -140,8 +192,10 @@ impl Report {
         json!({
             "sandbox": sandbox,
             "since": since,
+            "counting_since": ts(&self.started),
             "flows": self.flows.load(Ordering::Relaxed),
             "requests": self.requests.load(Ordering::Relaxed),
+            "evicted": self.evicted.load(Ordering::Relaxed),
             "differences": differences,
         })
     }
@@ -192,13 +246,15 @@ mod tests {
     fn bounded_the_least_recently_seen_going_first() {
         let r = Report::default();
         let deny = Outcome::Judged(DENY);
+        let max = (3, usize::MAX);
         for i in 0..4 {
-            r.note_bounded(format!("d{i}"), ALLOW, deny, at(i), || json!({}), 3);
+            r.note_bounded(format!("d{i}"), ALLOW, deny, at(i), || json!({}), max);
         }
         // d1 seen again: d2 is now the least recently seen.
-        r.note_bounded("d1".into(), ALLOW, deny, at(9), || json!({}), 3);
-        r.note_bounded("d4".into(), ALLOW, deny, at(10), || json!({}), 3);
+        r.note_bounded("d1".into(), ALLOW, deny, at(9), || json!({}), max);
+        r.note_bounded("d4".into(), ALLOW, deny, at(10), || json!({}), max);
         let v = r.json("s", "t");
+        assert_eq!(v["evicted"], 2, "d0 and d2 went");
         let names: Vec<&str> = v["differences"]
             .as_array()
             .expect("list")
@@ -206,5 +262,43 @@ mod tests {
             .filter_map(|e| e["destination"].as_str())
             .collect();
         assert_eq!(names, ["d4", "d1", "d3"]);
+    }
+
+    /// Every report's entries count toward one bound: a sandbox's report
+    /// past it gives up its own least recently seen for a new difference,
+    /// or (holding none) counts it only; a report dropped gives its
+    /// entries back.
+    #[test]
+    fn bounded_across_reports() {
+        let held = Arc::new(AtomicUsize::new(0));
+        let deny = Outcome::Judged(DENY);
+        let max = (3, 5);
+        let note = |r: &Report, d: &str, t| {
+            r.note_bounded(d.into(), ALLOW, deny, at(t), || json!({}), max)
+        };
+        let (a, b, c) = (
+            Report::held_in(held.clone()),
+            Report::held_in(held.clone()),
+            Report::held_in(held.clone()),
+        );
+        for i in 0..3 {
+            note(&a, &format!("a{i}"), i);
+        }
+        for i in 0..3 {
+            note(&b, &format!("b{i}"), i);
+        }
+        assert_eq!(held.load(Ordering::Relaxed), 5, "b2 replaced b0");
+        note(&c, "c0", 9);
+        let count = |r: &Report, what: &str| r.json("s", "t")[what].clone();
+        let rows = |r: &Report| count(r, "differences").as_array().map_or(0, Vec::len);
+        assert_eq!((rows(&a), rows(&b), rows(&c)), (3, 2, 0));
+        assert_eq!(
+            (count(&b, "evicted"), count(&c, "evicted")),
+            (json!(1), json!(1))
+        );
+        drop(a);
+        assert_eq!(held.load(Ordering::Relaxed), 2, "a's entries given back");
+        note(&c, "c1", 10);
+        assert_eq!(rows(&c), 1);
     }
 }

@@ -105,6 +105,17 @@ async fn kept_by_pushes_and_restarts_promoted_and_deleted() {
         (report["flows"].clone(), report["since"].clone()),
         (json!(0), put["since"].clone())
     );
+    // The report says it counts from the restart, not from `since`.
+    let at = |v: &serde_json::Value| {
+        let text = v.as_str().expect("a time");
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+            .expect("RFC 3339")
+    };
+    assert!(
+        at(&report["counting_since"]) > at(&put["since"]),
+        "{report}"
+    );
+    assert_eq!(report["evicted"], 0);
 
     // Promotion: the candidate is the policy, the addresses as they were.
     let (status, promoted) = call(&gw, "POST", "/v1/sandboxes/sb/shadow/promote", None).await;
