@@ -30,8 +30,8 @@
 //!   writing.
 //! - **Counts and idle.** Read from the sockets (`TCP_INFO`): the bytes
 //!   written to each side (`bytes_sent - bytes_retrans + notsent_bytes`) are
-//!   the flow's counts, exact; no change in what either side received for
-//!   `idle` closes the flow.
+//!   the flow's counts, exact; no change in what either side received or
+//!   was written for `idle` closes the flow.
 //!
 //! Bytes already queued on a socket when it joins are pushed through the
 //! program at once (`SO_RCVLOWAT`), so a server that speaks first is not left
@@ -41,6 +41,7 @@
 
 use std::io;
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use egress_sockmap::{
@@ -90,6 +91,28 @@ const STALLED: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub(crate) struct KernelSplice {
     map: Sockmap,
+    /// Looks at joined flows, all flows together (how often the gateway
+    /// woke for the kernel path).
+    looks: AtomicU64,
+    /// A test's way to have the second socket's join fail.
+    #[cfg(test)]
+    fail_second_join: std::sync::atomic::AtomicBool,
+}
+
+/// The oldest kernel whose sockmap runs a verdict program with no stream
+/// parser (as this one is attached): on older ones the program loads and
+/// attaches, and never runs, so every flow would stall.
+const OLDEST_KERNEL: (u32, u32) = (5, 10);
+
+/// Whether a kernel release (`/proc/sys/kernel/osrelease`, `6.1.0-28-amd64`)
+/// is at least [`OLDEST_KERNEL`]; one that does not read as a version is not.
+fn kernel_suffices(release: &str) -> bool {
+    let mut parts = release.trim().split(['.', '-', '+']);
+    let mut number = || parts.next().and_then(|p| p.parse::<u32>().ok());
+    match (number(), number()) {
+        (Some(major), Some(minor)) => (major, minor) >= OLDEST_KERNEL,
+        _ => false,
+    }
 }
 
 /// The in-kernel splice as `mode` asks, or `None` (the user-space copy);
@@ -112,40 +135,85 @@ pub(crate) fn load(mode: crate::config::KernelSplice) -> Option<KernelSplice> {
 
 impl KernelSplice {
     pub(crate) fn load() -> io::Result<Self> {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+        if !kernel_suffices(&release) {
+            return Err(io::Error::other(format!(
+                "kernel {} is older than {}.{}, whose sockmap runs a verdict program without a parser",
+                release.trim(),
+                OLDEST_KERNEL.0,
+                OLDEST_KERNEL.1
+            )));
+        }
         Ok(Self {
             map: Sockmap::load(SOCKETS)?,
+            looks: AtomicU64::new(0),
+            #[cfg(test)]
+            fail_second_join: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// Puts `client` and `origin` in the maps: from here, what either
     /// receives goes to the other, bytes already queued too. On error
-    /// nothing is left in the maps and the sockets are as they were.
-    fn join(&self, client: &TcpStream, origin: &TcpStream) -> io::Result<Joined<'_>> {
+    /// nothing is left in the maps; the sockets are as they were only if
+    /// neither joined ([`JoinError::Untouched`]): once one has, the kernel
+    /// may have taken bytes of it that leaving the maps drops.
+    fn join(&self, client: &TcpStream, origin: &TcpStream) -> Result<Joined<'_>, JoinError> {
         let socks = [client, origin];
+        let untouched = JoinError::Untouched;
         let mut joined = Joined {
             map: &self.map,
-            cookies: [cookie(client)?, cookie(origin)?],
+            looks: &self.looks,
+            cookies: [
+                cookie(client).map_err(untouched)?,
+                cookie(origin).map_err(untouched)?,
+            ],
             entered: 0,
         };
         // Both peers before either joins: the program never meets a
         // socket without one (it would drop the bytes).
-        self.map.set_peer(joined.cookies[0], origin.as_fd())?;
-        self.map.set_peer(joined.cookies[1], client.as_fd())?;
+        self.map
+            .set_peer(joined.cookies[0], origin.as_fd())
+            .map_err(untouched)?;
+        self.map
+            .set_peer(joined.cookies[1], client.as_fd())
+            .map_err(untouched)?;
         for (side, sock) in socks.into_iter().enumerate() {
-            self.map.join(joined.cookies[side], sock.as_fd(), WINDOW)?;
+            let as_far = |e| match joined.entered {
+                0 => JoinError::Untouched(e),
+                _ => JoinError::Entered(e),
+            };
+            #[cfg(test)]
+            if side == 1 && self.fail_second_join.load(Ordering::Relaxed) {
+                return Err(as_far(io::Error::other("the test failed the second join")));
+            }
+            self.map
+                .join(joined.cookies[side], sock.as_fd(), WINDOW)
+                .map_err(as_far)?;
             joined.entered = side + 1;
         }
         for sock in socks {
-            kick(sock)?;
+            kick(sock).map_err(JoinError::Entered)?;
         }
         Ok(joined)
     }
+}
+
+/// Why a flow did not join.
+#[derive(Debug)]
+enum JoinError {
+    /// Before either socket joined: the flow can be copied in user space.
+    Untouched(io::Error),
+    /// After one joined: bytes the kernel took may be lost, so the flow
+    /// can only be ended.
+    Entered(io::Error),
 }
 
 /// A flow's sockets in the maps; they leave on drop.
 #[derive(Debug)]
 struct Joined<'k> {
     map: &'k Sockmap,
+    /// [`KernelSplice::looks`].
+    looks: &'k AtomicU64,
     /// Client, origin.
     cookies: [u64; 2],
     /// How many of the two joined.
@@ -188,7 +256,8 @@ pub(crate) async fn splice(
         let joined = kernel.join(&client, &origin);
         let joined = match joined {
             Ok(j) => j,
-            Err(e) => return Err((client, origin, e)),
+            Err(JoinError::Untouched(e)) => return Err((client, origin, e)),
+            Err(JoinError::Entered(e)) => return Ok(broken_joining(&client, &origin, heads, &e)),
         };
         let mut ways = bases.map(|base| Way {
             base,
@@ -225,6 +294,29 @@ pub(crate) async fn splice(
         fault,
         budget_cut: None,
     })
+}
+
+/// A flow whose join failed after one socket joined: the kernel may have
+/// taken bytes that leaving the maps dropped, so a copy in user space could
+/// carry the stream on with a gap. Both sides are reset instead.
+fn broken_joining(
+    client: &TcpStream,
+    origin: &TcpStream,
+    heads: [u64; 2],
+    e: &io::Error,
+) -> Spliced {
+    tracing::warn!(error = %e, "kernel splice: joining failed halfway; the flow is reset");
+    let written =
+        |s: &TcpStream, head: u64| tcp_info(s).map_or(0, |i| i.written.saturating_sub(head));
+    let spliced = Spliced {
+        up: written(origin, heads[0]),
+        down: written(client, heads[1]),
+        fault: Some(Fault::SPLICE_BROKEN),
+        ..Spliced::default()
+    };
+    crate::io::reset(client);
+    crate::io::reset(origin);
+    spliced
 }
 
 /// One direction of a kernel-spliced flow, source to destination.
@@ -294,6 +386,7 @@ async fn watch(
     let mut last_taken = [0u64; 2];
     let mut heard = Instant::now();
     loop {
+        joined.looks.fetch_add(1, Ordering::Relaxed);
         // Readiness first, so that nothing arriving from here is missed.
         for (side, way) in ways.iter().enumerate() {
             if !way.eof {

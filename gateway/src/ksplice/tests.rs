@@ -565,3 +565,73 @@ async fn a_flow_whose_sandbox_is_removed_is_cut() {
     sees_a_reset(&mut origin).await;
     sees_a_reset(&mut client).await;
 }
+
+#[test]
+fn a_kernel_older_than_the_parserless_verdict_is_refused() {
+    for (release, fine) in [
+        ("6.1.0-28-amd64", true),
+        ("5.10.0", true),
+        ("5.15.167.4-microsoft-standard-WSL2", true),
+        ("5.4.0-150-generic", false),
+        ("4.19.0", false),
+        ("6", false),
+        ("", false),
+    ] {
+        assert_eq!(kernel_suffices(release), fine, "{release}");
+    }
+}
+
+/// A destination that stops reading, with the origin's bytes and its FIN
+/// behind: TCP's window stops the origin, so the flow is looked at on the
+/// slow tick, not every millisecond until the idle timeout; once the
+/// reader resumes, everything arrives.
+#[tokio::test]
+async fn a_reader_that_stops_is_not_looked_at_every_millisecond() {
+    let Some(k) = kernel() else { return };
+    let (task, mut client, origin) = flow(k, Duration::from_secs(30)).await;
+    let (mut or, mut ow) = origin.into_split();
+    let down = pattern(16 << 20);
+    let writer = {
+        let down = down.clone();
+        tokio::spawn(async move {
+            ow.write_all(&down).await.expect("write");
+            ow.shutdown().await.expect("FIN");
+            ow
+        })
+    };
+    // The client reads nothing: the origin's bytes and its FIN wait.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = k.looks.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let looks = k.looks.load(Ordering::Relaxed) - before;
+    eprintln!("looks in 2 s of a stopped reader: {looks}");
+    // On the slow tick (a second here), 2 or 3; every millisecond, 2,000.
+    assert!(looks < 200, "{looks} looks in 2 s while nothing moved");
+    let mut got = Vec::new();
+    client.read_to_end(&mut got).await.expect("read");
+    assert!(got == down, "download: {}", first_difference(&got, &down));
+    let _ow = writer.await.expect("writer");
+    client.shutdown().await.expect("close");
+    let mut rest = Vec::new();
+    or.read_to_end(&mut rest).await.expect("origin sees EOF");
+    let s = task.await.expect("task");
+    assert_eq!((s.down, s.fault), (down.len() as u64, None));
+}
+
+/// A join that fails once a socket is in the maps ends the flow with
+/// resets: the kernel may have taken bytes that leaving the maps dropped,
+/// so no copy carries the stream on with a gap.
+#[tokio::test]
+async fn a_join_that_fails_halfway_resets_the_flow() {
+    let Some(k) = kernel() else { return };
+    k.fail_second_join.store(true, Ordering::Relaxed);
+    let (mut client, gw_client) = pair().await;
+    let (gw_origin, mut origin) = pair().await;
+    client.write_all(&pattern(64 << 10)).await.expect("write");
+    let s = spliced(k, gw_client, gw_origin, Duration::from_secs(10))
+        .await
+        .expect("task");
+    assert_eq!(s.fault, Some(Fault::SPLICE_BROKEN));
+    sees_a_reset(&mut origin).await;
+    sees_a_reset(&mut client).await;
+}
