@@ -13,7 +13,7 @@
 //! injected [`Clock`](crate::Clock), in integer units ([`UNITS`] a token),
 //! so tests move time instead of sleeping. A name is "new" when it is not
 //! among the names the sandbox asked recently: a fixed table of
-//! [`SEEN_SLOTS`] 32-bit fingerprints (SipHash, keyed per shard, of the name
+//! [`SEEN_SLOTS`] 32-bit fingerprints (SipHash, one key per process, of the name
 //! ASCII-lower-cased) in buckets of four, the oldest of a bucket forgotten
 //! first. A name asked again costs a query token only; a name forgotten
 //! and asked again counts as new, which a legitimate sandbox's generous
