@@ -94,10 +94,13 @@ impl CertificateAuthority {
             message,
         };
         let key = key_from_pem(&paths.key, &key_pem)?;
-        certificates_only(&paths.cert, &cert_pem)?;
         let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| invalid(&paths.cert, format!("no PEM certificate: {e}")))?;
+        // The file's certificates alone, written again: whatever else it
+        // holds (a root's key kept in the same file, in any form) is never
+        // handed on (`ca sign` puts this after every worker's intermediate).
+        let cert_pem: String = certs.iter().map(pem_certificate).collect();
         let chain = crate::chain::check(&certs, &key, now).map_err(|m| invalid(&paths.cert, m))?;
         let cert_der = chain.served[0].clone();
         let issuer = Issuer::from_ca_cert_der(&cert_der, key)
@@ -259,20 +262,17 @@ pub(crate) fn key_from_pem(path: &Path, pem: &str) -> Result<KeyPair, CertError>
     KeyPair::try_from(&der).map_err(|e| invalid(format!("not a usable private key: {e}")))
 }
 
-/// Refuses a certificate file that holds a private key. What such a file
-/// holds goes on with the certificate (`ca sign` writes the root's file
-/// after the intermediate, for every worker): a fleet root kept with its
-/// key in one file would hand the key out.
-pub(crate) fn certificates_only(path: &Path, pem: &str) -> Result<(), CertError> {
-    match PrivateKeyDer::from_pem_slice(pem.as_bytes()) {
-        Err(_) => Ok(()),
-        Ok(_) => Err(CertError::Invalid {
-            path: path.to_owned(),
-            message: "holds a private key section: a certificate file must hold certificates \
-                      only (keep the key in its own file, mode 0600)"
-                .into(),
-        }),
+/// A certificate as PEM (64 characters a line, as OpenSSL writes it).
+fn pem_certificate(der: &CertificateDer<'_>) -> String {
+    use base64::Engine as _;
+    let text = base64::engine::general_purpose::STANDARD.encode(der.as_ref());
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in text.as_bytes().chunks(64) {
+        pem.push_str(std::str::from_utf8(line).unwrap_or_default());
+        pem.push('\n');
     }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
 }
 
 /// Reads a private key file, refusing one that group or others can read.
@@ -307,23 +307,50 @@ pub(crate) fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Cert
         let at = at.to_owned();
         move |source| CertError::Io { path: at, source }
     };
-    let dir = path.parent().unwrap_or(Path::new("."));
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp"));
-    // What a crash left before the link: never any file's content.
-    let _ = fs::remove_file(&tmp);
+    // Its own name, never another writer's.
+    let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), unique()));
     let mut f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(mode)
         .open(&tmp)
         .map_err(io(&tmp))?;
-    f.write_all(bytes).map_err(io(&tmp))?;
-    f.sync_all().map_err(io(&tmp))?;
-    let linked = fs::hard_link(&tmp, path).map_err(io(path));
+    let written = f.write_all(bytes).and_then(|()| f.sync_all());
+    let linked = written.and_then(|()| fs::hard_link(&tmp, path));
     let _ = fs::remove_file(&tmp);
-    linked?;
+    match linked {
+        Ok(()) => {}
+        // A file system without hard links: the name made at once, as
+        // before (a crash may then leave it partial; the load says so).
+        Err(e) if matches!(e.raw_os_error(), Some(code) if NO_LINKS.contains(&code)) => {
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(path)
+                .map_err(io(path))?;
+            f.write_all(bytes)
+                .and_then(|()| f.sync_all())
+                .map_err(io(path))?;
+        }
+        Err(e) => return Err(io(path)(e)),
+    }
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(io(dir))
+}
+
+/// What `link(2)` answers on a file system that has no hard links:
+/// EPERM (vfat, SMB), EOPNOTSUPP, ENOSYS.
+const NO_LINKS: [i32; 3] = [1, 95, 38];
+
+/// A number no other call of this process has had.
+fn unique() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }

@@ -152,24 +152,44 @@ fn refuses_half_a_ca_a_foreign_key_a_leaf_and_garbage() {
     assert!(err.to_string().contains("nope.key"), "{err}");
 }
 
-/// A fleet root kept as one file, its key before its certificate: the file
-/// is refused as the certificate (`ca sign` loads its root so), so the key
-/// is never copied into a worker's chain after the intermediate. A key file is read from its first key section,
-/// whatever comes before it (OpenSSL's `EC PARAMETERS`).
+/// A fleet root kept as one file, its key (in any form) beside its
+/// certificate: it loads as before, and `ca sign` hands on the file's
+/// certificates alone, never the key, after a worker's intermediate. A key
+/// file is read from its first key section, whatever comes before it
+/// (OpenSSL's `EC PARAMETERS`).
 #[test]
-fn a_certificate_file_holding_a_key_is_refused_and_a_key_after_parameters_is_read() {
+fn a_root_kept_with_its_key_never_hands_the_key_on_and_a_key_after_parameters_is_read() {
     let dir = tempfile::tempdir().expect("temp dir");
     let root = CertificateAuthority::create_root(&dir.path().join("root")).expect("root");
     let key = fs::read_to_string(&root.paths().key).expect("key");
+    let encrypted =
+        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nAAAA\n-----END ENCRYPTED PRIVATE KEY-----\n";
     let both = dir.path().join("root.pem");
-    fs::write(&both, format!("{key}{}", root.cert_pem())).expect("write");
+    fs::write(&both, format!("{key}{}{encrypted}", root.cert_pem())).expect("write");
     chmod(&both, 0o600);
     let combined = CaPaths {
         cert: both.clone(),
         key: both,
     };
-    let err = CertificateAuthority::load(&combined).expect_err("a key in the certificate file");
-    assert!(err.to_string().contains("private key section"), "{err}");
+    let loaded = CertificateAuthority::load(&combined).expect("a root kept with its key");
+    assert_eq!(loaded.cert_pem(), root.cert_pem(), "its certificate alone");
+    let worker = dir.path().join("worker");
+    let csr = egress_certs::request(&worker, "worker-7").expect("request");
+    let pem = fs::read_to_string(&csr).expect("csr");
+    let signed = egress_certs::sign_intermediate(
+        &loaded,
+        &csr,
+        &pem,
+        time::Duration::days(30),
+        time::OffsetDateTime::now_utc(),
+    )
+    .expect("signed");
+    assert!(
+        !signed.chain_pem.contains("PRIVATE KEY"),
+        "the root's key went into the chain: {}",
+        signed.chain_pem
+    );
+    assert!(signed.chain_pem.ends_with(root.cert_pem()));
     let parameters =
         "-----BEGIN EC PARAMETERS-----\nBggqhkjOPQMBBw==\n-----END EC PARAMETERS-----\n";
     fs::write(&root.paths().key, format!("{parameters}{key}")).expect("write");
@@ -294,20 +314,24 @@ fn a_leaf_is_named_only_by_its_name() {
 
 /// A CA's files are written whole under their names or not at all: what a
 /// crash left (a temporary file) does not stop the next create, and a
-/// create leaves nothing but the two files.
+/// create leaves nothing but the two files beside it.
 #[test]
 fn a_ca_is_created_whole_over_what_a_crash_left() {
     let dir = tempfile::tempdir().expect("temp dir");
     let at = dir.path().join("ca");
     fs::create_dir(&at).expect("dir");
-    fs::write(at.join(format!(".{CA_KEY_FILE}.tmp")), "-----BEGIN PRIV").expect("left");
+    let left = format!(".{CA_KEY_FILE}.1.0.tmp");
+    fs::write(at.join(&left), "-----BEGIN PRIV").expect("left");
     let ca = CertificateAuthority::load_or_create(&at).expect("created");
     let mut names: Vec<String> = fs::read_dir(&at)
         .expect("list")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names, vec![CA_CERT_FILE.to_owned(), CA_KEY_FILE.to_owned()]);
+    assert_eq!(
+        names,
+        vec![left, CA_CERT_FILE.to_owned(), CA_KEY_FILE.to_owned()]
+    );
     assert_eq!(
         fs::metadata(&ca.paths().key)
             .expect("key")
