@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::journal::{self, Journal, Record};
 use crate::persist::{self, SandboxDoc};
 use crate::registry::{Registry, RegistryError, Sandbox};
-use crate::shadow::ShadowDoc;
+use crate::shadow::Shadow;
 
 /// Pushes committed together at most.
 const MAX_BATCH: usize = 1_024;
@@ -37,9 +37,11 @@ pub(crate) enum Change {
     /// A push; the sandbox's shadow, if it has one, is kept.
     Put(Arc<Sandbox>),
     Delete(SandboxId),
-    /// Sets (or, `None`, drops) a sandbox's shadow: compiled here, against
-    /// the credentials the sandbox has when it applies.
-    Shadow(SandboxId, Option<ShadowDoc>),
+    /// Sets (or, `None`, drops) a sandbox's shadow, compiled by the
+    /// request against the credentials it read: compiled again here only if
+    /// the sandbox's credentials changed since (the commit thread every
+    /// push waits on does not compile a candidate of up to 1 MiB itself).
+    Shadow(SandboxId, Option<Box<Candidate>>),
     /// The shadow's candidate becomes the policy, the shadow goes: one put.
     Promote(SandboxId),
     /// A resync: everything at once, written as a new snapshot.
@@ -47,6 +49,14 @@ pub(crate) enum Change {
     /// The last change (a takeover): the thread answers and stops, so every
     /// change acknowledged before is durable and none is after.
     Seal,
+}
+
+/// A shadow compiled outside the commit thread, and the credentials it was
+/// compiled against.
+#[derive(Debug)]
+pub(crate) struct Candidate {
+    pub(crate) shadow: Arc<Shadow>,
+    pub(crate) credentials: Vec<crate::credentials::Credential>,
 }
 
 /// Why a change was not applied.
@@ -290,7 +300,7 @@ impl Worker {
         for job in &batch {
             let outcome = match &job.change {
                 Change::Put(s) => self.put(self.kept_shadow(s), &mut records),
-                Change::Shadow(id, doc) => match self.shadowed(id, doc.clone()) {
+                Change::Shadow(id, candidate) => match self.shadowed(id, candidate.as_deref()) {
                     Some(s) => self.put(Arc::new(s), &mut records),
                     None => Err(NotApplied::Missing),
                 },
@@ -401,9 +411,12 @@ impl Worker {
     }
 
     /// Sandbox `id` with the shadow `doc` (or none); `None` without the sandbox.
-    fn shadowed(&self, id: &SandboxId, doc: Option<ShadowDoc>) -> Option<Sandbox> {
+    fn shadowed(&self, id: &SandboxId, candidate: Option<&Candidate>) -> Option<Sandbox> {
         let s = self.registry.get(id)?;
-        let shadow = doc.map(|d| Arc::new(self.registry.compile_shadow(d, &s.credentials)));
+        let shadow = candidate.map(|c| match c.credentials == s.credentials {
+            true => c.shadow.clone(),
+            false => Arc::new(self.registry.compile_shadow(c.shadow.doc(), &s.credentials)),
+        });
         Some(s.with_shadow(shadow))
     }
 

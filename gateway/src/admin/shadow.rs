@@ -3,12 +3,14 @@
 //! changed, and promote it. Changes go through the committer like pushes,
 //! so they are journalled, ordered with the pushes, and survive a restart.
 
+use std::sync::Arc;
+
 use egress_policy::SandboxId;
 use http::StatusCode;
 use serde_json::json;
 
 use super::{applied, refused, rejected, sandbox_json, Control};
-use crate::commit::{Change, NotApplied};
+use crate::commit::{Candidate, Change, NotApplied};
 use crate::control_http::{error, json_reply, Reply};
 use crate::persist::SandboxDoc;
 use crate::shadow::ShadowDoc;
@@ -28,17 +30,25 @@ fn no_shadow(id: &str) -> Reply {
 }
 
 /// `PUT …/shadow`: the candidate, validated like a push's policy (it was
-/// parsed as one), journalled.
+/// parsed as one), compiled here as a push's policy is (concurrently, not
+/// on the commit thread), journalled.
 pub(crate) async fn put(ctl: &Control, id: &str, doc: PutShadow) -> Reply {
     let sid = SandboxId::new(id);
+    let Some(sandbox) = ctl.dp.registry.get(&sid) else {
+        return no_sandbox(id);
+    };
     let shadow = ShadowDoc {
         policy: doc.policy,
         since: crate::shadow::now(),
         policy_changed: None,
     };
+    let candidate = Candidate {
+        shadow: Arc::new(ctl.dp.registry.compile_shadow(shadow, &sandbox.credentials)),
+        credentials: sandbox.credentials.clone(),
+    };
     match ctl
         .committer
-        .submit(Change::Shadow(sid.clone(), Some(shadow)))
+        .submit(Change::Shadow(sid.clone(), Some(Box::new(candidate))))
         .await
     {
         Ok(()) => {

@@ -363,3 +363,57 @@ fn a_rollback_does_not_bring_a_lapsed_allow_back() {
         "the lapsed allow is in force again"
     );
 }
+
+/// A shadow is compiled by its request: the commit thread takes it as it
+/// is, unless the sandbox's credentials changed since it was compiled
+/// (their hosts are compiled into a policy), and then compiles it again.
+#[test]
+fn a_shadow_compiled_by_its_request_is_compiled_again_only_for_new_credentials() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    assert!(put(&mut w, "a", "100.64.0.1"));
+    let a = SandboxId::new("a");
+    let doc = || crate::shadow::ShadowDoc {
+        policy: Policy::from_json(r#"{"default": "allow"}"#).expect("policy"),
+        since: "2026-12-06T00:00:00Z".into(),
+        policy_changed: None,
+    };
+    let registry = w.registry.clone();
+    let candidate = |credentials: Vec<crate::credentials::Credential>| {
+        let shadow = Arc::new(registry.compile_shadow(doc(), &credentials));
+        (
+            shadow.clone(),
+            Box::new(Candidate {
+                shadow,
+                credentials,
+            }),
+        )
+    };
+    let shadow_of = |w: &Worker| {
+        w.registry
+            .get(&a)
+            .and_then(|s| s.shadow.clone())
+            .expect("a shadow")
+    };
+    let (compiled, c) = candidate(Vec::new());
+    assert!(commit(&mut w, Change::Shadow(a.clone(), Some(c))));
+    assert!(Arc::ptr_eq(&shadow_of(&w), &compiled), "compiled again");
+    let other: Vec<crate::credentials::Credential> = serde_json::from_str(
+        r#"[{"name": "gh", "placeholder": "EGRESS_PH_GH", "hosts": ["api.github.test"],
+             "inject": {"header": "authorization", "format": "token {value}"},
+             "source": {"env": "GH_TOKEN"}}]"#,
+    )
+    .expect("credentials");
+    let (compiled, c) = candidate(other);
+    assert!(commit(&mut w, Change::Shadow(a.clone(), Some(c))));
+    let applied = shadow_of(&w);
+    assert!(
+        !Arc::ptr_eq(&applied, &compiled),
+        "compiled for credentials the sandbox lacks"
+    );
+    assert!(
+        !applied.policy.has_request_rules(),
+        "compiled with the credentials it has"
+    );
+    assert!(compiled.policy.has_request_rules());
+}
