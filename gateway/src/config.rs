@@ -625,17 +625,36 @@ pub struct RedirectView {
     pub redirect: RedirectConfig,
 }
 
+/// What `egress-gateway redirect --fence` reads of the file: `[redirect]`
+/// alone. The fence needs no port, so a mistake under `[listen]` does not
+/// leave the sandbox interfaces unfenced either (a file that is not TOML
+/// at all still does: `run --check` before a restart says so).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
+struct FenceView {
+    redirect: RedirectConfig,
+}
+
 impl RedirectView {
     /// Reads `[listen]` and `[redirect]` of a TOML file and validates them.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        let view: Self = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.to_owned(),
-            message: e.to_string().trim_end().replace('\n', " "),
-        })?;
+        let view: Self = read_toml(path)?;
+        view.checked(path)
+    }
+
+    /// Reads `[redirect]` of a TOML file alone and validates it (the
+    /// fence's view): `[listen]` is left at its defaults.
+    pub fn load_fence(path: &Path) -> Result<Self, ConfigError> {
+        let view: FenceView = read_toml(path)?;
+        Self {
+            redirect: view.redirect,
+            ..Self::default()
+        }
+        .checked(path)
+    }
+
+    fn checked(self, path: &Path) -> Result<Self, ConfigError> {
+        let view = self;
         match view.redirect.first_invalid() {
             Some((key, message)) => Err(ConfigError::Invalid {
                 path: path.to_owned(),
@@ -645,6 +664,18 @@ impl RedirectView {
             None => Ok(view),
         }
     }
+}
+
+/// A TOML file read as `T`, the error naming the file.
+fn read_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        path: path.to_owned(),
+        message: e.to_string().trim_end().replace('\n', " "),
+    })
 }
 
 impl Config {

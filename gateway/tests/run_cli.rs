@@ -251,10 +251,21 @@ fn redirect_reads_only_its_own_tables() {
         err.contains("redirect.fence") && err.contains("t*p"),
         "{err}"
     );
-    let out = redirect("[listen]\ntransparnt = \"127.0.0.1:1\"\n", &["--fence"]);
+    // A mistake under `[listen]` stops an interface's table (its ports
+    // come from there), never the fence (it needs none).
+    let listen_typo = "[listen]\ntransparnt = \"127.0.0.1:1\"\n[redirect]\nfence = [\"sbx*\"]\n";
+    let out = redirect(listen_typo, &["--sandbox-iface", "sbx0"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("transparnt"), "{err}");
+    let out = redirect(listen_typo, &["--fence"]);
+    let rules = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "a [listen] typo stopped the fence: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(rules.contains("iifname \"sbx*\""), "{rules}");
 }
 
 #[test]

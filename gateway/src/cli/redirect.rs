@@ -54,9 +54,14 @@ pub(super) fn run(args: &RedirectArgs) -> ExitCode {
 }
 
 /// Prints or applies the fence or an interface's table, from `[listen]`
-/// and `[redirect]` of the file alone ([`RedirectView`]).
+/// and `[redirect]` of the file alone ([`RedirectView`]; the fence from
+/// `[redirect]` alone).
 fn install(args: &RedirectArgs) -> ExitCode {
-    let config = match args.config.as_deref().map(RedirectView::load).transpose() {
+    let load = match args.fence {
+        true => RedirectView::load_fence,
+        false => RedirectView::load,
+    };
+    let config = match args.config.as_deref().map(load).transpose() {
         Ok(c) => c.unwrap_or_default(),
         Err(e) => return fail(e),
     };
