@@ -169,9 +169,10 @@ mod tests {
         let a = json!({"flows": 3, "requests": 1, "differences": [
             diff("x.test", 2, "2026-01-01T00:00:05.5Z", "2026-01-01T00:00:09Z", 1),
             diff("y.test", 1, "2026-01-01T00:00:01Z", "2026-01-01T00:00:01Z", 2)]});
-        let b = json!({"flows": 4, "requests": 0, "differences": [
+        let b = json!({"flows": 4, "requests": 0, "evicted": 6, "differences": [
             diff("x.test", 5, "2026-01-01T00:00:05Z", "2026-01-01T00:00:09.25Z", 3)]});
         let v = aggregate("base", &[("sb-a".into(), a), ("sb-b".into(), b)]);
+        assert_eq!(v["left_out"], 6, "what a gateway's report did not keep");
         assert_eq!(v["flows"], 7);
         assert_eq!(v["requests"], 1);
         assert_eq!(v["sandboxes"], json!(["sb-a", "sb-b"]));

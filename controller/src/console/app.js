@@ -361,9 +361,11 @@ function shadowSection(id, s) {
     el("td", {}, verdictTag(d.active.verdict), " ", reasonLink(d.active.reason)),
     el("td", {}, d.shadow === "unobservable" ? "unobservable" : [verdictTag(d.shadow.verdict), " ", reasonLink(d.shadow.reason)]),
     el("td", {}, String(d.count)), el("td", { class: "mono" }, d.last_seen)));
+  const evicted = s.body.evicted || 0;
   return el("div", {},
-    el("p", {}, "Since " + s.body.since + ": " + s.body.flows + " flows, " + s.body.requests + " requests judged again."),
-    table(["Destination", "Active", "Shadow", "Flows", "Last seen"], rows, "No differences so far."),
+    el("p", {}, "Since " + (s.body.counting_since || s.body.since) + ": " + s.body.flows + " flows, " + s.body.requests + " requests judged again."),
+    evicted > 0 ? el("p", { class: "note" }, evicted + " differences were dropped to keep the report bounded: it is not whole, so it cannot show that nothing else changed.") : null,
+    table(["Destination", "Active", "Shadow", "Flows", "Last seen"], rows, evicted > 0 ? "No differences kept." : "No differences so far."),
     el("p", {}, promote, " ", out));
 }
 

@@ -1,12 +1,13 @@
 //! A shadow's report: the flows and requests judged under the candidate,
 //! and the differences by destination and verdict pair (count, first and
-//! last seen, one example). Bounded: at most [`MAX_DIFFERENCES`] entries per
-//! sandbox, and [`MAX_DIFFERENCES_PER_GATEWAY`] in all the gateway's
-//! reports, the least recently seen of the report going first; what went
-//! (or could not be kept) is counted as `evicted`, so a report that is not
-//! whole says so. A sandbox that walks the whole address space cannot grow
-//! the gateway's memory, nor can a tenant's shadows on many sandboxes. Time
-//! is passed in, so the bound is tested without a clock.
+//! last seen, one example). Bounded: each report keeps a share of
+//! [`MAX_DIFFERENCES_PER_GATEWAY`] among the gateway's reports, no more than
+//! [`MAX_DIFFERENCES`] and no fewer than [`MIN_SHARE`], its least recently
+//! seen going first; what went is counted as `evicted`, so a report that is
+//! not whole says so. A sandbox that walks the whole address space cannot
+//! grow the gateway's memory, nor can a tenant's shadows on many sandboxes
+//! take every other report's room. Time is passed in, so the bound is
+//! tested without a clock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -21,13 +22,15 @@ use super::{Judged, Outcome};
 /// Entries (destination × verdict pair) a report keeps at most.
 pub(crate) const MAX_DIFFERENCES: usize = 1_000;
 
-/// Entries all of a gateway's reports keep at most (an entry is up to a
-/// few KiB with its example): past it, a report's new difference takes the
-/// place of its own least recently seen, or is counted only.
+/// Entries the gateway's reports share (an entry is up to a few KiB with
+/// its example): each report keeps this divided by the reports there are.
 pub(crate) const MAX_DIFFERENCES_PER_GATEWAY: usize = 16_384;
 
-/// Entries held by every report of the process.
-static HELD: LazyLock<Arc<AtomicUsize>> = LazyLock::new(Arc::default);
+/// The entries a report may keep however many reports share the gateway's.
+pub(crate) const MIN_SHARE: usize = 16;
+
+/// The reports of the process.
+static LIVE: LazyLock<Arc<AtomicUsize>> = LazyLock::new(Arc::default);
 
 #[derive(Debug)]
 pub(crate) struct Report {
@@ -39,8 +42,8 @@ pub(crate) struct Report {
     /// the active policy, begins a new one).
     started: OffsetDateTime,
     differences: Mutex<Differences>,
-    /// The entries held by every report this one is bounded with.
-    held: Arc<AtomicUsize>,
+    /// How many reports share the bound with this one (itself included).
+    live: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, Default)]
@@ -70,30 +73,27 @@ struct Entry {
 
 impl Default for Report {
     fn default() -> Self {
-        Self::held_in(HELD.clone())
+        Self::sharing_with(LIVE.clone())
     }
 }
 
 impl Drop for Report {
     fn drop(&mut self) {
-        let d = self
-            .differences
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        self.held.fetch_sub(d.entries.len(), Ordering::Relaxed);
+        self.live.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 impl Report {
-    /// A report whose entries count in `held` (the process's, but in tests).
-    fn held_in(held: Arc<AtomicUsize>) -> Self {
+    /// A report counted among `live` (the process's, but in tests).
+    fn sharing_with(live: Arc<AtomicUsize>) -> Self {
+        live.fetch_add(1, Ordering::Relaxed);
         Self {
             flows: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
             started: OffsetDateTime::now_utc(),
             differences: Mutex::default(),
-            held,
+            live,
         }
     }
 
@@ -114,8 +114,8 @@ impl Report {
         now: OffsetDateTime,
         example: impl FnOnce() -> Value,
     ) {
-        let max = (MAX_DIFFERENCES, MAX_DIFFERENCES_PER_GATEWAY);
-        self.note_bounded(destination, active, shadow, now, example, max);
+        let bounds = (MAX_DIFFERENCES, MAX_DIFFERENCES_PER_GATEWAY, MIN_SHARE);
+        self.note_bounded(destination, active, shadow, now, example, bounds);
     }
 
     fn note_bounded(
@@ -125,7 +125,7 @@ impl Report {
         shadow: Outcome,
         now: OffsetDateTime,
         example: impl FnOnce() -> Value,
-        (max, max_held): (usize, usize),
+        (max, max_shared, min): (usize, usize, usize),
     ) {
         let mut d = self
             .differences
@@ -144,17 +144,21 @@ impl Report {
             e.touched = touched;
             return;
         }
-        if d.entries.len() >= max || self.held.load(Ordering::Relaxed) >= max_held {
-            self.evicted.fetch_add(1, Ordering::Relaxed);
-            // O(max) on a new entry past a bound only: a scan of 1,000 at most.
+        let reports = self.live.load(Ordering::Relaxed).max(1);
+        let share = (max_shared / reports).clamp(min.min(max), max);
+        // At its share, the least recently seen goes for the new one; past
+        // it (more reports came since), two go, so the report gives back
+        // what the others' share needs as it goes on.
+        for _ in 0..2 {
+            if d.entries.len() < share {
+                break;
+            }
+            // O(entries) on a new entry at the share only: 1,000 at most.
             let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
-            let Some(k) = oldest.map(|(k, _)| k.clone()) else {
-                // Nothing of its own to give up: counted, not kept.
-                return;
-            };
-            d.entries.remove(&k);
-        } else {
-            self.held.fetch_add(1, Ordering::Relaxed);
+            if let Some(k) = oldest.map(|(k, _)| k.clone()) {
+                d.entries.remove(&k);
+                self.evicted.fetch_add(1, Ordering::Relaxed);
+            }
         }
         let entry = Entry {
             count: 1,
@@ -246,7 +250,7 @@ mod tests {
     fn bounded_the_least_recently_seen_going_first() {
         let r = Report::default();
         let deny = Outcome::Judged(DENY);
-        let max = (3, usize::MAX);
+        let max = (3, usize::MAX, 1);
         for i in 0..4 {
             r.note_bounded(format!("d{i}"), ALLOW, deny, at(i), || json!({}), max);
         }
@@ -264,41 +268,39 @@ mod tests {
         assert_eq!(names, ["d4", "d1", "d3"]);
     }
 
-    /// Every report's entries count toward one bound: a sandbox's report
-    /// past it gives up its own least recently seen for a new difference,
-    /// or (holding none) counts it only; a report dropped gives its
-    /// entries back.
+    /// The reports share one bound: each keeps its share (no fewer than the
+    /// floor), so a report that comes late still keeps its differences, and
+    /// one that filled before gives its room back as it goes on.
     #[test]
-    fn bounded_across_reports() {
-        let held = Arc::new(AtomicUsize::new(0));
+    fn a_share_of_one_bound_for_each_report() {
+        let live = Arc::new(AtomicUsize::new(0));
         let deny = Outcome::Judged(DENY);
-        let max = (3, 5);
-        let note = |r: &Report, d: &str, t| {
-            r.note_bounded(d.into(), ALLOW, deny, at(t), || json!({}), max)
+        let bounds = (10, 20, 2);
+        let note = |r: &Report, d: String, t| {
+            r.note_bounded(d, ALLOW, deny, at(t), || json!({}), bounds);
         };
-        let (a, b, c) = (
-            Report::held_in(held.clone()),
-            Report::held_in(held.clone()),
-            Report::held_in(held.clone()),
-        );
-        for i in 0..3 {
-            note(&a, &format!("a{i}"), i);
+        let rows = |r: &Report| {
+            r.json("s", "t")["differences"]
+                .as_array()
+                .map_or(0, Vec::len)
+        };
+        let a = Report::sharing_with(live.clone());
+        let others: Vec<Report> = (0..3).map(|_| Report::sharing_with(live.clone())).collect();
+        for i in 0..8 {
+            note(&a, format!("a{i}"), i);
         }
-        for i in 0..3 {
-            note(&b, &format!("b{i}"), i);
+        assert_eq!(rows(&a), 5, "a share of 20 among 4");
+        assert_eq!(a.json("s", "t")["evicted"], 3);
+        let late: Vec<Report> = (0..6).map(|_| Report::sharing_with(live.clone())).collect();
+        note(&late[5], "late".into(), 9);
+        assert_eq!(rows(&late[5]), 1, "a late report keeps its difference");
+        note(&a, "a8".into(), 10);
+        assert_eq!(rows(&a), 4, "past its share of 2, a gives back");
+        drop(late);
+        drop(others);
+        for i in 9..20 {
+            note(&a, format!("a{i}"), i);
         }
-        assert_eq!(held.load(Ordering::Relaxed), 5, "b2 replaced b0");
-        note(&c, "c0", 9);
-        let count = |r: &Report, what: &str| r.json("s", "t")[what].clone();
-        let rows = |r: &Report| count(r, "differences").as_array().map_or(0, Vec::len);
-        assert_eq!((rows(&a), rows(&b), rows(&c)), (3, 2, 0));
-        assert_eq!(
-            (count(&b, "evicted"), count(&c, "evicted")),
-            (json!(1), json!(1))
-        );
-        drop(a);
-        assert_eq!(held.load(Ordering::Relaxed), 2, "a's entries given back");
-        note(&c, "c1", 10);
-        assert_eq!(rows(&c), 1);
+        assert_eq!(rows(&a), 10, "alone, up to its own bound");
     }
 }
