@@ -94,9 +94,26 @@ pub(crate) struct KernelSplice {
     /// Looks at joined flows, all flows together (how often the gateway
     /// woke for the kernel path).
     looks: AtomicU64,
-    /// A test's way to have the second socket's join fail.
+    /// A test's step between the two sockets' joins: an error fails the
+    /// second.
     #[cfg(test)]
-    fail_second_join: std::sync::atomic::AtomicBool,
+    before_second_join: BetweenJoins,
+}
+
+/// A test's step: an error fails what follows it.
+#[cfg(test)]
+type Step = Box<dyn Fn() -> io::Result<()> + Send + Sync>;
+
+/// Run between the two joins (tests only).
+#[cfg(test)]
+#[derive(Default)]
+struct BetweenJoins(std::sync::Mutex<Option<Step>>);
+
+#[cfg(test)]
+impl std::fmt::Debug for BetweenJoins {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BetweenJoins")
+    }
 }
 
 /// The oldest kernel whose sockmap runs a verdict program with no stream
@@ -148,15 +165,15 @@ impl KernelSplice {
             map: Sockmap::load(SOCKETS)?,
             looks: AtomicU64::new(0),
             #[cfg(test)]
-            fail_second_join: std::sync::atomic::AtomicBool::new(false),
+            before_second_join: BetweenJoins::default(),
         })
     }
 
     /// Puts `client` and `origin` in the maps: from here, what either
     /// receives goes to the other, bytes already queued too. On error
-    /// nothing is left in the maps; the sockets are as they were only if
-    /// neither joined ([`JoinError::Untouched`]): once one has, the kernel
-    /// may have taken bytes of it that leaving the maps drops.
+    /// nothing is left in the maps; the sockets are as they were
+    /// ([`JoinError::Untouched`]) unless the program redirected bytes of
+    /// the one that joined, which leaving the maps drops.
     fn join(&self, client: &TcpStream, origin: &TcpStream) -> Result<Joined<'_>, JoinError> {
         let socks = [client, origin];
         let untouched = JoinError::Untouched;
@@ -180,11 +197,24 @@ impl KernelSplice {
         for (side, sock) in socks.into_iter().enumerate() {
             let as_far = |e| match joined.entered {
                 0 => JoinError::Untouched(e),
-                _ => JoinError::Entered(e),
+                // The client is in: out of the program first, then what it
+                // redirected of it. Nothing (the usual case: the origin's
+                // FIN raced its join) leaves the stream whole for the copy;
+                // passed bytes wait in the client's own queue.
+                _ => {
+                    self.map.unjoin(joined.cookies[0]);
+                    match self.map.tally(joined.cookies[0]) {
+                        Ok(t) if t.taken == 0 => JoinError::Untouched(e),
+                        _ => JoinError::Entered(e),
+                    }
+                }
             };
             #[cfg(test)]
-            if side == 1 && self.fail_second_join.load(Ordering::Relaxed) {
-                return Err(as_far(io::Error::other("the test failed the second join")));
+            if side == 1 {
+                let step = self.before_second_join.0.lock().expect("hook");
+                if let Some(Err(e)) = step.as_ref().map(|f| f()) {
+                    return Err(as_far(e));
+                }
             }
             self.map
                 .join(joined.cookies[side], sock.as_fd(), WINDOW)
