@@ -505,7 +505,7 @@ impl Worker {
             // The journal still holds everything: nothing is lost, compaction retries later.
             Err(e) => {
                 let retry_at_bytes = self.journal.compaction_failed();
-                tracing::warn!(error = %e, journal_bytes, retry_at_bytes, "journal compaction failed; tried again once the journal has doubled");
+                tracing::warn!(error = %e, journal_bytes, retry_at_bytes, "journal compaction failed; tried again once the journal has grown by the snapshot's size (at least 4 MiB)");
             }
         }
     }

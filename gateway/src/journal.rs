@@ -168,11 +168,13 @@ impl Journal {
                 .max(self.retry_at)
     }
 
-    /// A compaction failed: the next is tried once the journal has doubled,
-    /// not after every batch (a full disk would have every push write the
+    /// A compaction failed: the next is tried once the journal has grown by
+    /// what made it due again (the snapshot's size, at least 4 MiB), not
+    /// after every batch (a full disk would have every push write the
     /// whole state again). Returns the size it waits for.
     pub fn compaction_failed(&mut self) -> u64 {
-        self.retry_at = self.bytes.saturating_mul(2);
+        let step = MIN_COMPACT_BYTES.max(self.snapshot_bytes);
+        self.retry_at = self.bytes.saturating_add(step);
         self.retry_at
     }
 
