@@ -162,6 +162,36 @@ impl Default for CredentialSources {
     }
 }
 
+impl Listen {
+    /// Two listeners on one port (one address, or one of them on every
+    /// address): a start binds one and fails on the other, but with
+    /// `limits.thread_per_core` each is bound with `SO_REUSEPORT`, and the
+    /// kernel would share the port between them (DNS for one resolver
+    /// judged as the other's, TLS taken by the DNS listener).
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
+        let all = [
+            ("listen.transparent", self.transparent),
+            ("listen.dns", self.dns),
+            ("listen.dns_alt", self.dns_alt),
+            ("listen.admin", self.admin),
+        ];
+        // Port 0 is one the kernel picks for each: no clash.
+        let clash = |a: SocketAddr, b: SocketAddr| {
+            a.port() != 0
+                && a.port() == b.port()
+                && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+        };
+        for (i, (key, addr)) in all.iter().enumerate() {
+            if let Some((other, _)) = all[..i].iter().find(|(_, a)| clash(*a, *addr)) {
+                let why =
+                    format!("{addr} is also {other}'s: each listener needs a port of its own");
+                return Some((key, why));
+            }
+        }
+        None
+    }
+}
+
 impl CredentialSources {
     fn first_invalid(&self) -> Option<(&'static str, String)> {
         if let Some(dir) = self.files_under.iter().find(|d| !d.is_absolute()) {
@@ -486,10 +516,16 @@ impl Default for Timeouts {
 
 impl Limits {
     fn first_invalid(&self) -> Option<(&'static str, String)> {
-        if self.peek_bytes < 512 {
+        // Past a megabyte a flow that never completes its first bytes
+        // (a head with no end) holds that much, and each read classifies
+        // the whole buffer again.
+        if !(512..=MAX_PEEK_BYTES).contains(&self.peek_bytes) {
             return Some((
                 "limits.peek_bytes",
-                format!("{} is below 512 bytes", self.peek_bytes),
+                format!(
+                    "{} is outside 512..={MAX_PEEK_BYTES} bytes",
+                    self.peek_bytes
+                ),
             ));
         }
         if !(MIN_REQUEST_HEAD..=MAX_REQUEST_HEAD).contains(&self.max_request_head) {
@@ -518,6 +554,13 @@ impl Limits {
         }
         if self.leaf_cache == 0 {
             let why = "0 would keep no leaf: every handshake would mint one".into();
+            return Some(("limits.leaf_cache", why));
+        }
+        if self.leaf_cache > MAX_LEAF_CACHE {
+            let why = format!(
+                "{} is more than {MAX_LEAF_CACHE} (a leaf with its chain is a few KiB)",
+                self.leaf_cache
+            );
             return Some(("limits.leaf_cache", why));
         }
         if self.worker_threads > 1_024 {
@@ -580,6 +623,8 @@ impl Default for Tls {
 const MIN_REQUEST_HEAD: usize = 8 * 1024;
 /// Heads larger than this are a memory risk, not a request.
 const MAX_REQUEST_HEAD: usize = 1024 * 1024;
+const MAX_PEEK_BYTES: usize = 1024 * 1024;
+const MAX_LEAF_CACHE: u64 = 1_000_000;
 /// Budget states: one per shard at least; at most 16 Mi (about 1 GiB).
 const MIN_BUDGET_STATES: usize = 16;
 const MAX_BUDGET_STATES: usize = 1 << 24;
@@ -751,8 +796,9 @@ impl Config {
             );
             return Some(("dns.upstreams", why));
         }
-        self.limits
+        self.listen
             .first_invalid()
+            .or_else(|| self.limits.first_invalid())
             .or_else(|| self.machine_egress.first_invalid())
             .or_else(|| self.redirect.first_invalid())
             .or_else(|| self.upstream_proxy.first_invalid())
@@ -975,6 +1021,15 @@ fn changed_keys(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out:
                 let vb = y.get(key).unwrap_or(&serde_json::Value::Null);
                 changed_keys(&path, va, vb, out);
             }
+            // A key only the new file has (a proxy added to a map).
+            for key in y.keys().filter(|k| !x.contains_key(*k)) {
+                let path = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                out.push(path);
+            }
         }
         (a, b) if a != b => out.push(prefix.to_owned()),
         _ => {}
@@ -1129,6 +1184,18 @@ mod tests {
             ),
             ("[limits]\npeek_bytes = 10", "limits.peek_bytes"),
             (
+                "[limits]\npeek_bytes = 1073741824",
+                "limits.peek_bytes: 1073741824 is outside 512..=1048576 bytes",
+            ),
+            (
+                "[limits]\nleaf_cache = 100000000",
+                "limits.leaf_cache: 100000000 is more than 1000000",
+            ),
+            (
+                "[listen]\ndns = \"0.0.0.0:15053\"\ndns_alt = \"127.0.0.1:15053\"",
+                "listen.dns_alt: 127.0.0.1:15053 is also listen.dns's",
+            ),
+            (
                 "[log]\nflow_log_max_bytes = 1000",
                 "log.flow_log_max_bytes: 1000 is below 1048576 bytes",
             ),
@@ -1230,6 +1297,8 @@ mod tests {
             [redirect]
             fence = ["tap*"]
             max_tracked_connections = 99
+            [upstream_proxy.proxies.lab]
+            address = "127.0.0.1:3128"
             "#,
             Path::new("next.toml"),
         )
@@ -1247,7 +1316,8 @@ mod tests {
                 "limits.max_connections",
                 "listen.admin",
                 "log.flow_log",
-                "redirect.fence"
+                "redirect.fence",
+                "upstream_proxy.proxies.lab"
             ]
         );
         assert_eq!(running.live(), next.live(), "the live part is applied");

@@ -33,10 +33,17 @@ fn get(path: &str) -> Option<String> {
 #[test]
 fn run_without_arguments_serves_healthz_and_creates_the_ca() {
     let dir = tempfile::tempdir().expect("temp dir");
+    // A stand-in for systemd's notify socket: what a Type=notify unit hears.
+    let notify_at = dir.path().join("notify");
+    let systemd = std::os::unix::net::UnixDatagram::bind(&notify_at).expect("bind");
+    systemd
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
     let child = Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
         .arg("run")
         .current_dir(dir.path())
         .env("RUST_LOG", "info")
+        .env("NOTIFY_SOCKET", &notify_at)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -77,10 +84,30 @@ fn run_without_arguments_serves_healthz_and_creates_the_ca() {
         stderr.contains("no sandboxes are registered yet"),
         "{stderr}"
     );
+    // SIGTERM: the unit is told it stops, and to wait for the drain (30 s
+    // by default) and what follows it, past a shorter stop timeout.
+    let heard = |what: &str| {
+        let mut buf = [0u8; 512];
+        loop {
+            let n = systemd.recv(&mut buf).expect("a notice");
+            let notice = String::from_utf8_lossy(&buf[..n]).into_owned();
+            if notice.contains(what) {
+                return notice;
+            }
+        }
+    };
+    assert!(heard("READY=1").contains("READY=1"));
+    let pid = running.0.id().to_string();
+    let _ = Command::new("kill").args(["-TERM", &pid]).status();
+    let stopping = heard("STOPPING=1");
+    assert!(
+        stopping.contains("EXTEND_TIMEOUT_USEC=45000000"),
+        "{stopping:?}"
+    );
 }
 
-/// The child's stderr up to a line holding `needle`, or all of it once the
-/// child is killed at `deadline`.
+/// The child's stderr up to a line holding `needle`, or what came of it by
+/// `deadline` (the child runs on; it is ended when the test ends).
 fn read_until(running: &mut Running, needle: &str, deadline: Instant) -> String {
     use std::io::BufRead;
     let stderr = running.0.stderr.take().expect("stderr");
@@ -101,7 +128,6 @@ fn read_until(running: &mut Running, needle: &str, deadline: Instant) -> String 
             break;
         }
     }
-    let _ = running.0.kill();
     out
 }
 

@@ -82,7 +82,8 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
             gateway.ca_reloader(),
             config_path.map(Path::to_owned),
         ));
-        let stopped = gateway.run(shutdown_signal(term)).await;
+        let dp = gateway.dataplane().clone();
+        let stopped = gateway.run(shutdown_signal(term, dp)).await;
         reloader.abort();
         upgrader.abort();
         exit_code(&stopped)
@@ -230,7 +231,7 @@ async fn reload_on_sighup(
     }
 }
 
-async fn shutdown_signal(mut term: tokio::signal::unix::Signal) {
+async fn shutdown_signal(mut term: tokio::signal::unix::Signal, dp: Arc<crate::Dataplane>) {
     let term = async move {
         term.recv().await;
     };
@@ -238,6 +239,17 @@ async fn shutdown_signal(mut term: tokio::signal::unix::Signal) {
         _ = tokio::signal::ctrl_c() => {}
         () = term => {}
     }
-    crate::systemd::notify("STOPPING=1");
+    // The drain (reloadable) with the flow lines' few seconds after it and
+    // the state's writing: a unit's stop timeout shorter than that would
+    // kill the drain before the budgets are written.
+    let drain = dp.config().timeouts.drain;
+    crate::systemd::notify(&stopping(drain));
     tracing::info!("shutting down: no new flows; draining open ones");
+}
+
+/// The stop notice: `STOPPING=1`, and as long again as the drain and its
+/// aftermath may take (`EXTEND_TIMEOUT_USEC`, systemd 236 and later).
+fn stopping(drain: std::time::Duration) -> String {
+    let more = drain + std::time::Duration::from_secs(15);
+    format!("STOPPING=1\nEXTEND_TIMEOUT_USEC={}", more.as_micros())
 }
