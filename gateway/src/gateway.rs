@@ -1429,12 +1429,17 @@ async fn accept(
     slots: Arc<Slots>,
     accepted: Counter,
 ) {
+    let mut failed: u64 = 0;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
-                // EMFILE and friends: back off briefly rather than spin.
-                tracing::warn!(error = %e, "accept failed");
+                // EMFILE and friends: back off briefly rather than spin,
+                // and say so once every 100 (5 s of them), not 20 a second.
+                if failed.is_multiple_of(100) {
+                    tracing::warn!(error = %e, failed = failed + 1, "accept failed (logged once every 100; the open-file limit?)");
+                }
+                failed += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             }

@@ -327,3 +327,48 @@ fn a_token_file_open_to_other_users_is_warned_about() {
     );
     assert!(err.contains("at least 16 characters"), "{err}");
 }
+
+/// A process handed a low soft limit on open files (a container runtime's
+/// 1,024) raises it to the hard one, and says so when even that is below
+/// what `limits.max_connections` needs.
+#[test]
+fn the_open_file_limit_is_raised_and_a_short_one_named() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("gw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n[dns]\nmax_sandboxes = 1000\n",
+            dir.path().join("state").display()
+        ),
+    )
+    .expect("write config");
+    let child = Command::new("prlimit")
+        .arg("--nofile=1024:4096")
+        .arg(env!("CARGO_BIN_EXE_egress-gateway"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let mut running = Running(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let stderr = read_until(&mut running, "redirect a sandbox interface", deadline);
+    assert!(
+        stderr.contains("open-file limit is below") && stderr.contains("open_files=4096"),
+        "{stderr}"
+    );
+    let limits =
+        std::fs::read_to_string(format!("/proc/{}/limits", running.0.id())).expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("a line");
+    assert_eq!(
+        line.split_whitespace().collect::<Vec<_>>()[3..5],
+        ["4096", "4096"],
+        "{line}"
+    );
+}

@@ -46,6 +46,7 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
         println!("{path}: the configuration loads");
         return ExitCode::SUCCESS;
     }
+    open_files(&config);
     let runtime = match runtime(&config.limits) {
         Ok(rt) => rt,
         Err(e) => return fail(format_args!("cannot start the runtime: {e}")),
@@ -252,4 +253,37 @@ async fn shutdown_signal(mut term: tokio::signal::unix::Signal, dp: Arc<crate::D
 fn stopping(drain: std::time::Duration) -> String {
     let more = drain + std::time::Duration::from_secs(15);
     format!("STOPPING=1\nEXTEND_TIMEOUT_USEC={}", more.as_micros())
+}
+
+/// Raises the soft limit on open files to the hard one (a container
+/// runtime may hand the process 1,024, where every accept would fail past
+/// a few hundred flows), and says so, naming both numbers, when even that
+/// is below what `limits.max_connections` needs: about three descriptors a
+/// flow (six when spliced through pipes), and the upstream pool's.
+fn open_files(config: &Config) {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let now = getrlimit(Resource::Nofile);
+    let mut soft = now.current;
+    if now.current.is_some() && now.current != now.maximum {
+        let raised = Rlimit {
+            current: now.maximum,
+            maximum: now.maximum,
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => soft = now.maximum,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot raise the open-file limit to its hard limit")
+            }
+        }
+    }
+    let per_flow = match config.splice.kernel {
+        crate::config::KernelSplice::Pipe => 6,
+        _ => 3,
+    };
+    let needed = (config.limits.max_connections as u64)
+        .saturating_mul(per_flow)
+        .saturating_add(8_192);
+    if let Some(open_files) = soft.filter(|s| *s < needed) {
+        tracing::error!(open_files, needed, "the open-file limit is below what limits.max_connections needs: past it every accept fails for every sandbox; raise it (LimitNOFILE=, the container runtime's nofile) or lower limits.max_connections");
+    }
 }
