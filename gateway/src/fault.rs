@@ -96,11 +96,11 @@ impl Fault {
     /// The flow's sandbox was deleted, or its source address taken from
     /// it, while the flow ran: cut (reset both ways).
     pub(crate) const SANDBOX_REMOVED: Self = Self::gateway("sandbox_removed");
-    /// Still open when the drain's time ran out: reset, not closed.
     /// A spliced or opaque flow its sandbox's policy no longer lets run
     /// (an entry taken out or past its `until`, a deny or an exemption's
     /// removal pushed): cut (reset both ways).
     pub(crate) const POLICY_WITHDRAWN: Self = Self::gateway("policy_withdrawn");
+    /// Still open when the drain's time ran out: reset, not closed.
     pub(crate) const DRAIN_DEADLINE: Self = Self::gateway("drain_deadline");
     pub(crate) const CLIENT_TLS: Self = Self::client("tls_handshake");
     /// A spliced TLS flow whose second ClientHello (after a

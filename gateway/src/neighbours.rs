@@ -46,6 +46,8 @@ impl egress_machine::Neighbours for Neighbours {
                 break;
             }
         }
+        // A sandbox's names come whole: no more than MAX_NAMES of them.
+        names.truncate(MAX_NAMES);
         names
     }
 }
