@@ -7,8 +7,10 @@
 //! `n` sources holding slots (never below [`MIN_SOURCE_SHARE`]): alone it
 //! may take half. A share once taken is kept as more sources come, so the
 //! last eighth of the slots is a reserve: only a source holding fewer than
-//! [`NEWCOMER`] takes from it. However many sources filled their shares one
-//! after another, a sandbox's first connections still find room.
+//! [`NEWCOMER`] takes from it: after sources filled their shares one after
+//! another, a sandbox's first connections still find room there, for about
+//! `max / 8 / NEWCOMER` newcomers (156 at the default 10,000). The first
+//! sources' shares are not taken back while they hold them.
 
 use std::net::IpAddr;
 use std::sync::Arc;
