@@ -130,14 +130,16 @@ fn media_type(value: &[u8]) -> &[u8] {
 }
 
 /// The `cache-control` max-age for an answer: its smallest TTL (RFC 8484
-/// §5.1), or none for an answer without records.
-pub fn max_age(answer: &[u8]) -> Option<u32> {
+/// §5.1), no longer than `most` (what an attribution lasts at most,
+/// `dns.max_ttl`: a client caching longer would reach the address with the
+/// evidence gone), or none for an answer without records.
+pub fn max_age(answer: &[u8], most: u32) -> Option<u32> {
     let message = hickory_proto::op::Message::from_vec(answer).ok()?;
     message
         .answers
         .iter()
         .chain(&message.authorities)
-        .map(|r| crate::chain::ttl_of(r.ttl))
+        .map(|r| crate::chain::ttl_of(r.ttl).min(most))
         .min()
 }
 

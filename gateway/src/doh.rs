@@ -248,7 +248,10 @@ where
         return text(StatusCode::SERVICE_UNAVAILABLE, "draining\n");
     }
     match answer {
-        Some(answer) => dns_message(answer),
+        Some(answer) => {
+            let most = proxy.cache().lifetime(u32::MAX).as_secs();
+            dns_message(answer, u32::try_from(most).unwrap_or(u32::MAX))
+        }
         None => refused(&DohError::Bad("not a DNS query")),
     }
 }
@@ -265,8 +268,8 @@ async fn read_body<B: hyper::body::Body<Data = Bytes, Error = hyper::Error>>(
     }
 }
 
-fn dns_message(answer: Vec<u8>) -> Response<Body> {
-    let max_age = doh::max_age(&answer);
+fn dns_message(answer: Vec<u8>, most: u32) -> Response<Body> {
+    let max_age = doh::max_age(&answer, most);
     let mut resp = Response::new(
         Full::new(Bytes::from(answer))
             .map_err(|never| match never {})

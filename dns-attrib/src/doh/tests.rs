@@ -107,7 +107,10 @@ fn max_age_is_the_smallest_ttl() {
             RData::A(A::new(203, 0, 113, 7)),
         ));
     }
-    assert_eq!(max_age(&m.to_vec().expect("encode")), Some(60));
-    assert_eq!(max_age(&Message::query().to_vec().expect("encode")), None);
-    assert_eq!(max_age(b"junk"), None);
+    let answer = m.to_vec().expect("encode");
+    assert_eq!(max_age(&answer, 3600), Some(60));
+    assert_eq!(max_age(&answer, 30), Some(30), "no longer than dns.max_ttl");
+    let empty = Message::query().to_vec().expect("encode");
+    assert_eq!(max_age(&empty, 3600), None);
+    assert_eq!(max_age(b"junk", 3600), None);
 }
