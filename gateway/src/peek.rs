@@ -235,11 +235,14 @@ enum Line {
 /// is HTTP here, and its `Host` judged: read as opaque, it would pass on the
 /// address's attribution whatever host it names.
 fn request_line(buf: &[u8]) -> Line {
+    // Any CR or LF before the method, one at a time, as nginx skips them:
+    // a lone CR first is still a request to it (httparse refuses it, so
+    // the request-by-request server answers 400).
     let mut line = buf;
     loop {
         line = match line {
-            [b'\r', b'\n', rest @ ..] | [b'\n', rest @ ..] => rest,
-            [] | [b'\r'] => return Line::Maybe,
+            [b'\r' | b'\n', rest @ ..] => rest,
+            [] => return Line::Maybe,
             _ => break,
         };
     }
@@ -304,20 +307,23 @@ fn strict_line(line: &[u8]) -> Line {
     request_line_shape(line)
 }
 
-/// `METHOD SP target SP HTTP/`, or a prefix of it, where the method is
-/// what nginx takes for one (upper-case letters, `_`, `-`; digits too) and
-/// the target is in origin form (`/…`), asterisk form (`*`) or absolute form
-/// (`http://…`, `https://…`). Narrower than any token and any target, so
-/// that a stream of words (`hello there`) is told from a request at its
-/// first bytes, not left waiting for the end of a line. Left out: a method
-/// outside the list in lower case, which servers as permissive as Go's
-/// would still serve; `opaque_streams = "deny"` refuses what stays opaque.
-/// (Odd blanks are [`lenient_line`]'s.)
+/// `METHOD SP target SP HTTP/`, or a prefix of it, where the method is a
+/// token without lower-case letters (what nginx takes for one, and the
+/// punctuation Go's token allows) and the target is in origin form
+/// (`/…`), asterisk form (`*`) or absolute form with any scheme (`x://…`,
+/// which Go and nginx read the host of). Narrower than any token and any
+/// target, so that a stream of words (`hello there`) is told from a
+/// request at its first bytes, not left waiting for the end of a line.
+/// Left out: a method outside the list in lower case, which servers as
+/// permissive as Go's would still serve; `opaque_streams = "deny"` refuses
+/// what stays opaque. (Odd blanks are [`lenient_line`]'s.)
 fn request_line_shape(line: &[u8]) -> Line {
     const VERSION: &[u8] = b"HTTP/";
+    let method_char =
+        |b: u8| b.is_ascii_uppercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b);
     let method_len = line
         .iter()
-        .position(|&b| !(b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_' || b == b'-'))
+        .position(|&b| !method_char(b))
         .unwrap_or(line.len());
     match line.get(method_len) {
         None => return Line::Maybe,
@@ -329,7 +335,7 @@ fn request_line_shape(line: &[u8]) -> Line {
         .iter()
         .position(|&b| !matches!(b, 0x21..=0x7e | 0x80..=0xff))
         .unwrap_or(rest.len());
-    match target_start(&rest[..target_len]) {
+    match target_start(&rest[..target_len], target_len < rest.len()) {
         Line::Request => {}
         other => return other,
     }
@@ -348,24 +354,24 @@ fn request_line_shape(line: &[u8]) -> Line {
 }
 
 /// Whether a request target starts as one in origin, asterisk or absolute
-/// form (`Request`), could still (`Maybe`), or cannot (`Not`).
-fn target_start(target: &[u8]) -> Line {
+/// form (`Request`), could still (`Maybe`), or cannot (`Not`); `ended`:
+/// the target is whole (something follows it).
+fn target_start(target: &[u8], ended: bool) -> Line {
     match target.first() {
         None => return Line::Maybe,
         Some(b'/' | b'*') => return Line::Request,
+        Some(b) if !b.is_ascii_alphabetic() => return Line::Not,
         Some(_) => {}
     }
-    let mut verdict = Line::Not;
-    for scheme in [&b"http://"[..], b"https://"] {
-        let n = target.len().min(scheme.len());
-        if target[..n].eq_ignore_ascii_case(&scheme[..n]) {
-            if n == scheme.len() {
-                return Line::Request;
-            }
-            verdict = Line::Maybe;
-        }
+    // A scheme (RFC 3986: a letter, then letters, digits, `+`, `-`, `.`)
+    // and a colon: absolute form, whatever the scheme.
+    let scheme_char = |b: &u8| b.is_ascii_alphanumeric() || b"+-.".contains(b);
+    match target.iter().position(|b| !scheme_char(b)) {
+        Some(at) if target[at] == b':' => Line::Request,
+        Some(_) => Line::Not,
+        None if ended => Line::Not,
+        None => Line::Maybe,
     }
-    verdict
 }
 
 /// Whether `buf` is an SSLv2-compatible ClientHello (RFC 5246 Appendix

@@ -587,6 +587,28 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
             None,
         ),
+        // nginx skips any CR or LF before the method; httparse refuses a
+        // lone CR, so no Host is read (the request is answered 400).
+        (
+            "a lone CR first",
+            b"\rGET /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            None,
+        ),
+        (
+            "an LF and a CR first",
+            b"\n\rGET /x HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            None,
+        ),
+        (
+            "another method, in absolute form with another scheme",
+            b"FOO x://evil.test/ HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            Some("evil.test"),
+        ),
+        (
+            "a method with a token's punctuation",
+            b"X.Y /admin HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            Some("evil.test"),
+        ),
     ] {
         for step in [1, 4, 100] {
             let (c, read) = run(head.to_vec(), step).await.expect(what);
@@ -606,7 +628,7 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
         // Words, unended: told at their first bytes, not left waiting.
         ("words", b"hello echo"),
         ("a word", b"before"),
-        ("an upper-case word and a word", b"HELLO echo"),
+        ("an upper-case word and a word, ended", b"HELLO echo\r\n"),
         ("no version", b"FETCH /x\r\n"),
         ("another version", b"GET2 /x HTTPS/1.1\r\n"),
         ("a control byte in the target", b"FETCH /\x01 HTTP/1.1\r\n"),
