@@ -38,9 +38,16 @@ use crate::io::{Quiet, Watch};
 pub(super) type Bridge =
     Pin<Box<dyn std::future::Future<Output = (Option<Ended>, Option<String>)> + Send>>;
 
-/// What the last request let through on a connection (the one that opened
-/// a WebSocket, once one is open) was judged on, and the policy last found
-/// to let it through with the platform's count of changes then.
+/// An HTTP/2 stream's number on its connection, as [`Conn::opening`]
+/// keeps what it was judged on (HTTP/1.1 requests carry none: one at a
+/// time).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct StreamToken(pub(super) u64);
+
+/// What a request let through on a connection was judged on (the last one
+/// on HTTP/1.1, the one that opened a WebSocket once one is open; each
+/// stream in flight on HTTP/2), and the policy last found to let it
+/// through with the platform's count of changes then.
 pub(super) struct Opened {
     method: hyper::Method,
     host: Option<Hostname>,
@@ -80,27 +87,42 @@ impl Conn {
                 sb.policy.platform().changes().wrapping_sub(1),
             ),
         };
-        *self
+        let stream = req.extensions().get::<StreamToken>().map(|t| t.0);
+        let mut all = self
             .opened
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(opened);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match stream {
+            // Each stream in flight is judged again, until its end.
+            Some(token) => all.push((token, opened)),
+            // One request at a time: the last.
+            None => *all = vec![(0, opened)],
+        }
     }
 
     /// Forgets what the last request was judged on (a request on HTTP/1.1
     /// starts: the one before is no longer in flight).
     pub(super) fn forget_opening(&self) {
-        *self
-            .opened
+        self.opened
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
     }
 
-    /// Whether the sandbox's policy now refuses the last request let
-    /// through on this connection (the one that opened a bridge, once one
-    /// is open): its flow's verdict, or a per-request rule on its method
-    /// (and those its overrides name) and target. Judged only when the
-    /// policy or the platform's addresses changed since it was last let
-    /// through.
+    /// Forgets what an HTTP/2 stream was judged on: it ended.
+    pub(super) fn forget_stream(&self, token: u64) {
+        self.opened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|(t, _)| *t != token);
+    }
+
+    /// Whether the sandbox's policy now refuses a request let through on
+    /// this connection and still in flight (the last on HTTP/1.1, the one
+    /// that opened a bridge once one is open, any stream on HTTP/2): its
+    /// flow's verdict, or a per-request rule on its method (and those its
+    /// overrides name) and target. Each is judged only when the policy or
+    /// the platform's addresses changed since it was last let through.
     pub(super) fn withdrawn(&self) -> bool {
         let Some(now) = self.sandbox_now() else {
             return false; // gone: `removed` says so
@@ -109,9 +131,16 @@ impl Conn {
             .opened
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(o) = opened.as_mut() else {
-            return false;
-        };
+        // Every one judged (each keeps what let it through), any refusal
+        // withdrawing the connection.
+        opened
+            .iter_mut()
+            .fold(false, |refused, (_, o)| self.refuses(&now, o) || refused)
+    }
+
+    /// Whether `now`'s policy refuses what `o` was let through on; if not,
+    /// `o` remembers the policy it was let through under.
+    fn refuses(&self, now: &crate::registry::Sandbox, o: &mut Opened) -> bool {
         let changes = now.policy.platform().changes();
         if Arc::ptr_eq(&o.last.0, &now.policy) && o.last.1 == changes {
             return false;

@@ -140,11 +140,14 @@ struct Conn {
     /// A WebSocket the forward stage switched to, bridged in the flow's
     /// task once hyper has handed the connection over ([`bridge`]).
     bridge: Mutex<Option<bridge::Bridge>>,
-    /// What the last request let through (a WebSocket's opening one, once
-    /// bridged) was judged on ([`bridge`]).
-    opened: Mutex<Option<bridge::Opened>>,
-    /// The connection stops because a push refused its last request let
-    /// through with requests in flight ([`Conn::stopping_busy`]).
+    /// What requests let through and in flight were judged on, by stream
+    /// (0 on HTTP/1.1: the last, a WebSocket's opening one once bridged;
+    /// on HTTP/2 each stream until its end) ([`bridge`]).
+    opened: Mutex<Vec<(u64, bridge::Opened)>>,
+    /// The last HTTP/2 stream number given ([`bridge::StreamToken`]).
+    streams: std::sync::atomic::AtomicU64,
+    /// The connection stops because a push refused a request let through
+    /// and in flight ([`Conn::stopping_busy`]).
     withdrawn_stop: std::sync::atomic::AtomicBool,
 }
 
@@ -343,7 +346,8 @@ impl Conn {
             budget: BudgetCharge::new(activity),
             rest: Rest::default(),
             bridge: Mutex::new(None),
-            opened: Mutex::new(None),
+            opened: Mutex::new(Vec::new()),
+            streams: std::sync::atomic::AtomicU64::new(0),
             withdrawn_stop: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -369,8 +373,8 @@ impl Conn {
     }
 
     /// [`Conn::stopping`], or, with `busy` (requests in flight), a push
-    /// refuses the last request let through ([`Conn::withdrawn`]): what is
-    /// in flight runs on for [`WITHDRAWN_GRACE`] at most. An idle
+    /// refuses a request let through and in flight ([`Conn::withdrawn`]):
+    /// what is in flight runs on for [`WITHDRAWN_GRACE`] at most. An idle
     /// connection is not ended for it: its next request is judged anyway.
     fn stopping_busy(&self, busy: bool) -> bool {
         if self.stopping() {

@@ -119,9 +119,8 @@ where
         tokio::select! {
             biased;
             r = serving.as_mut() => break r,
-            // Streams in flight or not (none are counted), the last request
-            // is judged again: a connection idle since is closed with a
-            // GOAWAY too, which costs its client a reconnect.
+            // Each stream in flight is judged again (an idle connection has
+            // none: its next request is judged anyway).
             why = watch.next(|| since.map_or_else(|| conn.stopping_busy(true), |at| conn.must_end(at))) => match why {
                 Quiet::Idle => return idle_timeout(&conn),
                 Quiet::Stop if stopping.is_some() => return conn.served(conn.end_cause()),
@@ -144,9 +143,9 @@ fn h2_service(
     conn: &Arc<Conn>,
 ) -> impl hyper::service::Service<
     Request<Incoming>,
-    Response = Response<Body>,
+    Response = Response<H2Body>,
     Error = Infallible,
-    Future = Answer<Body>,
+    Future = Answer<H2Body>,
 > {
     let conn = conn.clone();
     // Boxed: hyper keeps a slot for the service's future for the whole
@@ -155,23 +154,32 @@ fn h2_service(
     // idle connection holds a pointer (benches/RESULTS.md, Scale).
     hyper::service::service_fn(move |req: Request<Incoming>| {
         let conn = conn.clone();
-        let req = req.map(|inner| ClientBody {
+        // What the stream is let through on is judged again after a push
+        // until the stream ends: its answer's body and its request's body
+        // both dropped (an upload may run on past its answer), or the
+        // request given up.
+        let end = Arc::new(StreamEnd::new(&conn));
+        let mut req = req.map(|inner| ClientBody {
             inner,
             end: None,
             charge: None,
+            _stream: Some(end.clone()),
         });
+        req.extensions_mut().insert(end.token());
         Box::pin(async move {
             // Held until the answer's head: the request's head with it.
             let Ok(_place) = conn.dp.h2_requests.take(conn.src) else {
                 conn.dp.metrics.requests_over_share.inc();
                 let why = "too many requests in flight from this address; retry\n";
-                return Ok(crate::reply::text(
-                    http::StatusCode::SERVICE_UNAVAILABLE,
-                    why,
-                ));
+                let refused = crate::reply::text(http::StatusCode::SERVICE_UNAVAILABLE, why);
+                return Ok(refused.map(|body| Tracked { body, _open: None }));
             };
-            Ok(conn.handle(req).await)
-        }) as Answer<Body>
+            let resp = conn.handle(req).await;
+            Ok(resp.map(|body| Tracked {
+                body,
+                _open: Some(end),
+            }))
+        }) as Answer<H2Body>
     })
 }
 
@@ -287,6 +295,7 @@ fn h1_service(
             inner,
             end,
             charge: None,
+            _stream: None,
         });
         Box::pin(async move {
             let resp = open.0.handle(req).await;
@@ -449,13 +458,38 @@ impl Drop for Open {
 }
 
 /// A response body that keeps its exchange open until hyper drops it (at
-/// its end, or with the connection).
-pub(super) struct Tracked {
+/// its end, or with the connection): an HTTP/1.1 exchange ([`Open`]), an
+/// HTTP/2 stream ([`StreamEnd`]).
+struct Tracked<G = Open> {
     body: Body,
-    _open: Open,
+    _open: G,
 }
 
-impl hyper::body::Body for Tracked {
+/// An HTTP/2 answer's body, its stream in flight until it drops.
+type H2Body = Tracked<Option<Arc<StreamEnd>>>;
+
+/// An HTTP/2 stream in flight: what it was let through on is forgotten
+/// when this drops ([`Conn::forget_stream`]).
+struct StreamEnd(Arc<Conn>, u64);
+
+impl StreamEnd {
+    fn new(conn: &Arc<Conn>) -> Self {
+        let token = conn.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        Self(conn.clone(), token)
+    }
+
+    fn token(&self) -> super::bridge::StreamToken {
+        super::bridge::StreamToken(self.1)
+    }
+}
+
+impl Drop for StreamEnd {
+    fn drop(&mut self) {
+        self.0.forget_stream(self.1);
+    }
+}
+
+impl<G: Unpin> hyper::body::Body for Tracked<G> {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -482,6 +516,9 @@ pub(super) struct ClientBody {
     inner: Incoming,
     end: Option<BodyEnd>,
     charge: Option<Arc<StreamCharge>>,
+    /// An HTTP/2 stream's: in flight while its body is read too (held,
+    /// never read: it is dropped with the body).
+    _stream: Option<Arc<StreamEnd>>,
 }
 
 /// Whose exchange a request body settles when it ends.

@@ -177,6 +177,65 @@ async fn a_request_in_flight_is_cut_when_a_push_denies_it() {
     assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
 }
 
+/// On HTTP/2 every stream in flight is judged again after a push, not only
+/// the last one let through: an upload the push refuses is cut, though a
+/// request let through after it (and still allowed) has ended since.
+#[tokio::test]
+async fn an_http2_stream_in_flight_is_cut_whatever_came_after_it() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.h1_only, "h1.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (mut client, h2_conn) = h2::client::handshake(tls).await.expect("h2");
+    tokio::spawn(h2_conn);
+    let post = http::Request::post("https://h1.example.test/up")
+        .body(())
+        .expect("request");
+    let (_answer, mut upload) = client.send_request(post, false).expect("POST");
+    upload
+        .send_data(bytes::Bytes::from_static(b"x"), false)
+        .expect("data");
+    // A GET after it, let through, its answer read to the end.
+    let get = http::Request::get("https://h1.example.test/")
+        .body(())
+        .expect("request");
+    let (answer, _) = client.send_request(get, true).expect("GET");
+    let answer = answer.await.expect("answer");
+    assert_eq!(answer.status(), 200);
+    let mut body = answer.into_body();
+    while let Some(chunk) = body.data().await {
+        chunk.expect("data");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A per-request rule on the upload's own method (POST).
+    e.sandbox(
+        "a",
+        SANDBOX_A,
+        allowing(r#", "deny": [{"domain": "h1.example.test", "http": {"methods": ["POST"]}}]"#),
+    );
+    let pushed = tokio::time::Instant::now();
+    let mut cut = None;
+    for _ in 0..75 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if upload
+            .send_data(bytes::Bytes::from_static(b"x"), false)
+            .is_err()
+        {
+            cut = Some(pushed.elapsed());
+            break;
+        }
+    }
+    let cut = cut.expect("the upload ran on for 15 s under a deny");
+    assert!(
+        cut >= Duration::from_secs(1),
+        "not before the grace: {cut:?}"
+    );
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+}
+
 /// An origin address no other test uses.
 const SPLICED_IP: &str = "127.0.0.19";
 
