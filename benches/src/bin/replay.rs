@@ -65,6 +65,14 @@ struct Args {
     /// Give up on a flow after this many seconds.
     #[arg(long, default_value_t = 10)]
     timeout: u64,
+    /// With `--shadow`: judge only this sandbox's lines (a worker's log
+    /// holds every sandbox's; the gateway's report is one sandbox's).
+    #[arg(long, requires = "shadow")]
+    sandbox: Option<String>,
+    /// Replay even outside a network namespace of its own: every recorded
+    /// destination is connected to, from wherever this runs.
+    #[arg(long)]
+    allow_network: bool,
     /// No progress bar (for logs and CI).
     #[arg(long)]
     quiet: bool,
@@ -75,6 +83,12 @@ struct Args {
 struct Recorded {
     #[serde(default)]
     ts: Option<String>,
+    #[serde(default)]
+    sandbox: Option<String>,
+    /// `tls`, `http`, a stream's name, `opaque`; absent before a flow was
+    /// classified (and in logs older than the field).
+    #[serde(default)]
+    protocol: Option<String>,
     dst: Option<SocketAddr>,
     sni: Option<String>,
     host: Option<String>,
@@ -220,30 +234,75 @@ async fn http_get<S: AsyncRead + AsyncWrite + Unpin>(
     Ok((status, total))
 }
 
-/// The flow log's lines, at most `limit`.
+/// A line longer than this is not a flow-log line (the gateway's are a few
+/// KiB): skipped, not read whole.
+const MAX_LINE: u64 = 64 * 1024;
+
+/// The flow log's lines, at most `limit`. A line that does not read (cut
+/// by a full disk, not UTF-8, too long) is skipped and named on stderr;
+/// only a failing read stops it.
 fn read_log(path: &PathBuf, limit: Option<usize>) -> Result<Vec<Recorded>, String> {
+    use std::io::Read as _;
     let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut reader = std::io::BufReader::new(file);
     let mut flows = Vec::new();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let Ok(line) = line else { break };
-        if line.trim().is_empty() {
+    let (mut line, mut skipped) = (Vec::new(), 0usize);
+    for number in 1.. {
+        line.clear();
+        let n = (&mut reader)
+            .take(MAX_LINE)
+            .read_until(b'\n', &mut line)
+            .map_err(|e| format!("{}:{number}: {e}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        if !line.ends_with(b"\n") && n as u64 == MAX_LINE {
+            // The rest of an overlong line.
+            let mut rest = Vec::new();
+            let _ = reader.read_until(b'\n', &mut rest);
+        }
+        if line.trim_ascii().is_empty() {
             continue;
         }
-        let r = serde_json::from_str::<Recorded>(&line)
-            .map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))?;
-        flows.push(r);
+        match serde_json::from_slice::<Recorded>(&line) {
+            Ok(r) => flows.push(r),
+            Err(e) => {
+                skipped += 1;
+                eprintln!("egress-replay: {}:{number}: skipped: {e}", path.display());
+            }
+        }
         if limit.is_some_and(|l| flows.len() >= l) {
             break;
         }
     }
+    if skipped > 0 {
+        eprintln!("egress-replay: {skipped} line(s) skipped");
+    }
     Ok(flows)
+}
+
+/// Whether this process runs in a named network namespace (`ip netns
+/// exec`: one of `/run/netns`), or one other than PID 1's: a replay
+/// connects to every recorded destination, which only a sandbox's
+/// namespace keeps off the host's network.
+fn in_own_netns() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(mine) = std::fs::metadata("/proc/self/ns/net") else {
+        return false;
+    };
+    let same = |m: &std::fs::Metadata| m.dev() == mine.dev() && m.ino() == mine.ino();
+    let named = std::fs::read_dir("/run/netns").is_ok_and(|dir| {
+        dir.flatten()
+            .any(|e| std::fs::metadata(e.path()).is_ok_and(|m| same(&m)))
+    });
+    named || std::fs::metadata("/proc/1/ns/net").is_ok_and(|init| !same(&init))
 }
 
 /// `--shadow`: the recorded decisions judged under the candidate.
 fn shadow_report(args: &Args, candidate: &std::path::Path) -> Result<serde_json::Value, String> {
     let policy = shadow::candidate(candidate)?;
     let flows = read_log(&args.log, args.limit)?;
-    Ok(shadow::report(&policy, &flows))
+    Ok(shadow::report(&policy, &flows, args.sandbox.as_deref()))
 }
 
 #[tokio::main]
@@ -251,6 +310,10 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(candidate) = &args.shadow {
         return print_shadow(&args, candidate);
+    }
+    if !args.allow_network && !in_own_netns() {
+        eprintln!("egress-replay: not in a network namespace of its own: a replay connects to every recorded destination (run it with `ip netns exec SANDBOX`, or pass --allow-network)");
+        return ExitCode::FAILURE;
     }
     let (c, flows) = match setup(&args) {
         Ok(setup) => setup,
@@ -313,8 +376,8 @@ async fn replay_all(
     let mut tasks = Vec::with_capacity(flows.len());
     for (i, r) in flows.into_iter().enumerate() {
         if args.speed > 0.0 {
-            if let Some(at) = r.offset_s {
-                let due = Duration::from_secs_f64(at / args.speed);
+            if let Some(at) = r.offset_s.filter(|at| at.is_finite() && *at >= 0.0) {
+                let due = Duration::try_from_secs_f64(at / args.speed).unwrap_or(Duration::MAX);
                 if let Some(wait) = due.checked_sub(started.elapsed()) {
                     tokio::time::sleep(wait).await;
                 }

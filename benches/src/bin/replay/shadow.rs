@@ -8,10 +8,15 @@
 //! many decisions did not change. The active side is the recorded verdict
 //! and reason: what the gateway decided. No traffic is sent.
 //!
-//! The protocol is not in the log: a line with an SNI or to port 443 is
-//! TLS, one with a `Host` plain HTTP, anything else an unreadable stream.
-//! Requests are not in the log either: a candidate's per-request rules are
-//! not judged.
+//! A line is judged as the gateway judged its flow: by the protocol it
+//! records (an older log without one: a line with an SNI or to port 443 is
+//! TLS, one with a `Host` plain HTTP, anything else an unreadable stream);
+//! a TLS flow by its ClientHello alone (the `Host` a line carries is its
+//! last request's); the attribution's gap and ECH as its reason says.
+//! Lines the policy never judged (refused before it: a peek that timed
+//! out, an unknown sandbox, a malformed hello, or cut by a budget) are
+//! counted apart, not compared. Requests are not in the log: a candidate's
+//! per-request rules are not judged.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -19,7 +24,9 @@ use std::sync::Arc;
 
 use egress_gateway::decide::{judge, Claims};
 use egress_gateway::doh::DohNames;
-use egress_policy::{AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy, Protocol};
+use egress_policy::{
+    AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy, Protocol, StreamProtocol,
+};
 use serde_json::{json, Value};
 
 use super::Recorded;
@@ -52,29 +59,56 @@ fn name(s: Option<&String>) -> Option<Hostname> {
     s.and_then(|s| s.parse().ok())
 }
 
+/// Reasons of lines the policy never judged: refused before it was asked
+/// (the gateway's `Refusal` codes), or cut by a budget.
+const NOT_JUDGED: &[&str] = &[
+    "no_original_dst",
+    "not_redirected",
+    "unknown_sandbox",
+    "peek_timeout",
+    "closed_early",
+    "client_hello_too_large",
+    "malformed_client_hello",
+    "malformed_request",
+    "client_error",
+    "budget_exceeded",
+];
+
+/// What the line's first bytes were, as it records them (or, in an older
+/// log without `protocol`, as its fields suggest).
+fn protocol(r: &Recorded, sni: bool, host: bool, dst: std::net::SocketAddr) -> Protocol {
+    let stream = |n: &str| StreamProtocol::ALL.into_iter().find(|p| p.as_str() == n);
+    match r.protocol.as_deref() {
+        Some("tls") => Protocol::Tls,
+        Some("http") => Protocol::Http,
+        Some(other) => Protocol::Opaque(stream(other)),
+        None if sni || dst.port() == 443 => Protocol::Tls,
+        None if host => Protocol::Http,
+        None => Protocol::Opaque(None),
+    }
+}
+
 /// The candidate's answer to one recorded flow.
 fn judged(policy: &CompiledPolicy, doh: &DohNames, r: &Recorded) -> Option<Judged> {
     let dst = r.dst?;
     let (sni, host) = (name(r.sni.as_ref()), name(r.host.as_ref()));
     let attributed: Vec<Hostname> = r.attributed.iter().filter_map(|n| n.parse().ok()).collect();
-    let protocol = if sni.is_some() || dst.port() == 443 {
-        Protocol::Tls
-    } else if host.is_some() {
-        Protocol::Http
-    } else {
-        Protocol::Opaque(None)
-    };
+    let protocol = protocol(r, sni.is_some(), host.is_some(), dst);
+    let reason = r.reason.as_deref().unwrap_or_default();
     let claims = Claims {
         dst,
         protocol,
         sni: sni.as_ref(),
-        host: host.as_ref(),
-        ech: false,
+        // A TLS flow is decided on its ClientHello: the `Host` its line
+        // carries is its last request's.
+        host: host.as_ref().filter(|_| protocol != Protocol::Tls),
+        ech: reason == "ech",
     };
-    let gap = if attributed.is_empty() {
-        AttributionGap::NoDnsSeen
-    } else {
-        AttributionGap::NoMatch
+    let gap = match reason {
+        "expired" => AttributionGap::Expired,
+        "evicted" => AttributionGap::Evicted,
+        _ if attributed.is_empty() => AttributionGap::NoDnsSeen,
+        _ => AttributionGap::NoMatch,
     };
     let v = judge(policy, &claims, &attributed, gap, doh);
     Some(Judged {
@@ -93,18 +127,29 @@ fn destination(r: &Recorded) -> String {
         .unwrap_or_default()
 }
 
-/// The report of `flows` under `policy`.
-pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded]) -> Value {
+/// Differences a report keeps at most, as the gateway's own report.
+const MAX_DIFFERENCES: usize = 1_000;
+
+/// The report of `flows` under `policy`, for the sandbox `only` (every
+/// line, if none).
+pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded], only: Option<&str>) -> Value {
     let doh = DohNames::new(&[]);
     let mut entries: HashMap<(String, Judged, Judged), Entry> = HashMap::new();
     let mut order = Vec::new();
-    let mut unchanged = 0u64;
-    let mut partial = 0u64;
+    let (mut unchanged, mut partial, mut not_judged, mut others, mut left_out) = (0u64, 0, 0, 0, 0);
     for (i, r) in flows.iter().enumerate() {
+        if only.is_some_and(|id| r.sandbox.as_deref() != Some(id)) {
+            others += 1;
+            continue;
+        }
         // A line that lists only some of its names cannot be judged as the
         // gateway judged it: counted, not guessed.
         if r.attributed_left_out.is_some() {
             partial += 1;
+            continue;
+        }
+        if NOT_JUDGED.contains(&r.reason.as_deref().unwrap_or_default()) {
+            not_judged += 1;
             continue;
         }
         let active = Judged {
@@ -119,6 +164,10 @@ pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded]) -> Value {
             continue;
         }
         let key = (destination(r), active, shadow);
+        if !entries.contains_key(&key) && entries.len() >= MAX_DIFFERENCES {
+            left_out += 1;
+            continue;
+        }
         let e = entries.entry(key.clone()).or_insert_with(|| {
             order.push(key);
             Entry {
@@ -149,6 +198,9 @@ pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded]) -> Value {
         "flows": flows.len(),
         "unchanged": unchanged,
         "partial": partial,
+        "not_judged": not_judged,
+        "other_sandboxes": others,
+        "left_out": left_out,
         "differences": differences,
     })
 }
