@@ -59,11 +59,17 @@ impl Api {
 /// Why no sandbox address may come from `pool`: it overlaps a range the
 /// gateway refuses ([`egress_api::gateway::sandbox_addresses`]).
 fn unusable_pool(pool: &ipnet::IpNet) -> Option<String> {
-    const REFUSED: [&str; 7] = [
+    // The gateway reads an IPv4-mapped address as IPv4: their mapped forms
+    // (`::ffff:169.254.0.0/112`) are refused the same.
+    const REFUSED: [&str; 11] = [
         "0.0.0.0/32",
         "255.255.255.255/32",
         "224.0.0.0/4",
         "169.254.0.0/16",
+        "::ffff:0.0.0.0/128",
+        "::ffff:255.255.255.255/128",
+        "::ffff:224.0.0.0/100",
+        "::ffff:169.254.0.0/112",
         "::/128",
         "ff00::/8",
         "fe80::/10",

@@ -498,6 +498,11 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
             "0.0.0.0/0",
             "pool: 0.0.0.0/0 overlaps 0.0.0.0/32 (0.0.0.0: no source address",
         ),
+        // The gateway reads a mapped address as IPv4.
+        (
+            "::ffff:169.254.0.0/112",
+            "overlaps ::ffff:169.254.0.0/112 (::ffff:169.254.0.0: link-local",
+        ),
     ] {
         let body = json!({"admin_url": format!("http://{}", gw.addr), "token": "", "pool": pool});
         let (s, v) = call(
