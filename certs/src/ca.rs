@@ -94,6 +94,11 @@ impl CertificateAuthority {
             message,
         };
         let key = key_from_pem(&paths.key, &key_pem)?;
+        // A root kept with its key in one file: the file is a key's, and
+        // held to a key's mode.
+        if PrivateKeyDer::from_pem_slice(cert_pem.as_bytes()).is_ok() && paths.cert != paths.key {
+            read_private(&paths.cert)?;
+        }
         let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| invalid(&paths.cert, format!("no PEM certificate: {e}")))?;
@@ -312,14 +317,21 @@ pub(crate) fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Cert
         _ => Path::new("."),
     };
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    // Its own name, never another writer's.
-    let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), unique()));
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(io(&tmp))?;
+    // A name of its own, never another writer's: one a crash left (the same
+    // PID, in a container where the gateway is PID 1) is passed over.
+    let (tmp, mut f) = loop {
+        let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), unique()));
+        match fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+        {
+            Ok(f) => break (tmp, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io(&tmp)(e)),
+        }
+    };
     let written = f.write_all(bytes).and_then(|()| f.sync_all());
     let linked = written.and_then(|()| fs::hard_link(&tmp, path));
     let _ = fs::remove_file(&tmp);
