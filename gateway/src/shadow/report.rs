@@ -3,11 +3,12 @@
 //! last seen, one example). Bounded: each report keeps a share of
 //! [`MAX_DIFFERENCES_PER_GATEWAY`] among the gateway's reports, no more than
 //! [`MAX_DIFFERENCES`] and no fewer than [`MIN_SHARE`], its least recently
-//! seen going first; what went is counted as `evicted`, so a report that is
-//! not whole says so. A sandbox that walks the whole address space cannot
-//! grow the gateway's memory, nor can a tenant's shadows on many sandboxes
-//! take every other report's room. Time is passed in, so the bound is
-//! tested without a clock.
+//! seen going first, and all of them together never more than that bound
+//! (a report below its share when the others hold it counts what it cannot
+//! keep); what went is counted as `evicted`, so a report that is not whole
+//! says so. A sandbox that walks the whole address space cannot grow the
+//! gateway's memory, nor can a tenant's shadows on many sandboxes. Time is
+//! passed in, so the bound is tested without a clock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -29,8 +30,17 @@ pub(crate) const MAX_DIFFERENCES_PER_GATEWAY: usize = 16_384;
 /// The entries a report may keep however many reports share the gateway's.
 pub(crate) const MIN_SHARE: usize = 16;
 
-/// The reports of the process.
-static LIVE: LazyLock<Arc<AtomicUsize>> = LazyLock::new(Arc::default);
+/// The reports of the process, and the entries they hold.
+static SHARED: LazyLock<Arc<Shared>> = LazyLock::new(Arc::default);
+
+/// What the reports bounded together count.
+#[derive(Debug, Default)]
+struct Shared {
+    /// Reports.
+    live: AtomicUsize,
+    /// Entries, in all of them: never past the gateway's bound.
+    held: AtomicUsize,
+}
 
 #[derive(Debug)]
 pub(crate) struct Report {
@@ -43,7 +53,7 @@ pub(crate) struct Report {
     started: OffsetDateTime,
     differences: Mutex<Differences>,
     /// How many reports share the bound with this one (itself included).
-    live: Arc<AtomicUsize>,
+    shared: Arc<Shared>,
 }
 
 #[derive(Debug, Default)]
@@ -73,27 +83,35 @@ struct Entry {
 
 impl Default for Report {
     fn default() -> Self {
-        Self::sharing_with(LIVE.clone())
+        Self::sharing_with(SHARED.clone())
     }
 }
 
 impl Drop for Report {
     fn drop(&mut self) {
-        self.live.fetch_sub(1, Ordering::Relaxed);
+        let d = self
+            .differences
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.shared
+            .held
+            .fetch_sub(d.entries.len(), Ordering::Relaxed);
+        self.shared.live.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 impl Report {
-    /// A report counted among `live` (the process's, but in tests).
-    fn sharing_with(live: Arc<AtomicUsize>) -> Self {
-        live.fetch_add(1, Ordering::Relaxed);
+    /// A report bounded with those of `shared` (the process's, but in
+    /// tests).
+    fn sharing_with(shared: Arc<Shared>) -> Self {
+        shared.live.fetch_add(1, Ordering::Relaxed);
         Self {
             flows: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
             started: OffsetDateTime::now_utc(),
             differences: Mutex::default(),
-            live,
+            shared,
         }
     }
 
@@ -144,21 +162,29 @@ impl Report {
             e.touched = touched;
             return;
         }
-        let reports = self.live.load(Ordering::Relaxed).max(1);
+        let reports = self.shared.live.load(Ordering::Relaxed).max(1);
         let share = (max_shared / reports).clamp(min.min(max), max);
-        // At its share, the least recently seen goes for the new one; past
-        // it (more reports came since), two go, so the report gives back
-        // what the others' share needs as it goes on.
-        for _ in 0..2 {
-            if d.entries.len() < share {
-                break;
+        let before = d.entries.len();
+        if before >= share {
+            // At its share, the least recently seen goes for the new one;
+            // past it (more reports came since), two go, so the report
+            // gives back what the others' share needs as it goes on.
+            for _ in 0..2 {
+                if d.entries.len() < share {
+                    break;
+                }
+                // O(entries) on a new entry at the share only: 1,000 at most.
+                let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
+                if let Some(k) = oldest.map(|(k, _)| k.clone()) {
+                    d.entries.remove(&k);
+                    self.evicted.fetch_add(1, Ordering::Relaxed);
+                }
             }
-            // O(entries) on a new entry at the share only: 1,000 at most.
-            let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
-            if let Some(k) = oldest.map(|(k, _)| k.clone()) {
-                d.entries.remove(&k);
-                self.evicted.fetch_add(1, Ordering::Relaxed);
-            }
+        } else if self.shared.held.load(Ordering::Relaxed) >= max_shared {
+            // Below its share, but the gateway's bound is reached (reports
+            // that filled before hold it): counted, not kept.
+            self.evicted.fetch_add(1, Ordering::Relaxed);
+            return;
         }
         let entry = Entry {
             count: 1,
@@ -168,6 +194,16 @@ impl Report {
             example: example(),
         };
         d.entries.insert(key, entry);
+        let after = d.entries.len();
+        if after > before {
+            self.shared
+                .held
+                .fetch_add(after - before, Ordering::Relaxed);
+        } else {
+            self.shared
+                .held
+                .fetch_sub(before - after, Ordering::Relaxed);
+        }
     }
 
     /// The report document, the most recently seen first.
@@ -270,10 +306,12 @@ mod tests {
 
     /// The reports share one bound: each keeps its share (no fewer than the
     /// floor), so a report that comes late still keeps its differences, and
-    /// one that filled before gives its room back as it goes on.
+    /// one that filled before gives its room back as it goes on; however
+    /// many reports there are, all of them together hold no more than the
+    /// bound.
     #[test]
     fn a_share_of_one_bound_for_each_report() {
-        let live = Arc::new(AtomicUsize::new(0));
+        let shared = Arc::new(Shared::default());
         let deny = Outcome::Judged(DENY);
         let bounds = (10, 20, 2);
         let note = |r: &Report, d: String, t| {
@@ -284,14 +322,18 @@ mod tests {
                 .as_array()
                 .map_or(0, Vec::len)
         };
-        let a = Report::sharing_with(live.clone());
-        let others: Vec<Report> = (0..3).map(|_| Report::sharing_with(live.clone())).collect();
+        let a = Report::sharing_with(shared.clone());
+        let others: Vec<Report> = (0..3)
+            .map(|_| Report::sharing_with(shared.clone()))
+            .collect();
         for i in 0..8 {
             note(&a, format!("a{i}"), i);
         }
         assert_eq!(rows(&a), 5, "a share of 20 among 4");
         assert_eq!(a.json("s", "t")["evicted"], 3);
-        let late: Vec<Report> = (0..6).map(|_| Report::sharing_with(live.clone())).collect();
+        let late: Vec<Report> = (0..6)
+            .map(|_| Report::sharing_with(shared.clone()))
+            .collect();
         note(&late[5], "late".into(), 9);
         assert_eq!(rows(&late[5]), 1, "a late report keeps its difference");
         note(&a, "a8".into(), 10);
@@ -302,5 +344,20 @@ mod tests {
             note(&a, format!("a{i}"), i);
         }
         assert_eq!(rows(&a), 10, "alone, up to its own bound");
+        // Many reports at the floor: together, never past the bound.
+        let many: Vec<Report> = (0..40)
+            .map(|_| Report::sharing_with(shared.clone()))
+            .collect();
+        for (i, r) in many.iter().enumerate() {
+            for j in 0..3 {
+                note(r, format!("m{i}-{j}"), 30);
+            }
+        }
+        let total: usize = many.iter().map(rows).sum::<usize>() + rows(&a);
+        assert!(total <= 20, "{total} entries past a bound of 20");
+        assert_eq!(shared.held.load(Ordering::Relaxed), total);
+        drop(many);
+        drop(a);
+        assert_eq!(shared.held.load(Ordering::Relaxed), 0, "given back");
     }
 }
