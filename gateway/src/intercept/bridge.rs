@@ -38,12 +38,6 @@ use crate::io::{Quiet, Watch};
 pub(super) type Bridge =
     Pin<Box<dyn std::future::Future<Output = (Option<Ended>, Option<String>)> + Send>>;
 
-/// An HTTP/2 stream's number on its connection, as [`Conn::opening`]
-/// keeps what it was judged on (HTTP/1.1 requests carry none: one at a
-/// time).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct StreamToken(pub(super) u64);
-
 /// What a request let through on a connection was judged on (the last one
 /// on HTTP/1.1, the one that opened a WebSocket once one is open; each
 /// stream in flight on HTTP/2), and the policy last found to let it
@@ -87,7 +81,7 @@ impl Conn {
                 sb.policy.platform().changes().wrapping_sub(1),
             ),
         };
-        let stream = req.extensions().get::<StreamToken>().map(|t| t.0);
+        let stream = req.body().stream();
         let mut all = self
             .opened
             .lock()
@@ -96,7 +90,10 @@ impl Conn {
             // Each stream in flight is judged again, until its end.
             Some(token) => all.push((token, opened)),
             // One request at a time: the last.
-            None => *all = vec![(0, opened)],
+            None => {
+                all.clear();
+                all.push((0, opened));
+            }
         }
     }
 

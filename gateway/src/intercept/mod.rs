@@ -144,7 +144,7 @@ struct Conn {
     /// (0 on HTTP/1.1: the last, a WebSocket's opening one once bridged;
     /// on HTTP/2 each stream until its end) ([`bridge`]).
     opened: Mutex<Vec<(u64, bridge::Opened)>>,
-    /// The last HTTP/2 stream number given ([`bridge::StreamToken`]).
+    /// The last HTTP/2 stream number given (`serve::StreamEnd`).
     streams: std::sync::atomic::AtomicU64,
     /// The connection stops because a push refused a request let through
     /// and in flight ([`Conn::stopping_busy`]).

@@ -159,13 +159,12 @@ fn h2_service(
         // both dropped (an upload may run on past its answer), or the
         // request given up.
         let end = Arc::new(StreamEnd::new(&conn));
-        let mut req = req.map(|inner| ClientBody {
+        let req = req.map(|inner| ClientBody {
             inner,
             end: None,
             charge: None,
-            _stream: Some(end.clone()),
+            stream: Some(end.clone()),
         });
-        req.extensions_mut().insert(end.token());
         Box::pin(async move {
             // Held until the answer's head: the request's head with it.
             let Ok(_place) = conn.dp.h2_requests.take(conn.src) else {
@@ -295,7 +294,7 @@ fn h1_service(
             inner,
             end,
             charge: None,
-            _stream: None,
+            stream: None,
         });
         Box::pin(async move {
             let resp = open.0.handle(req).await;
@@ -469,23 +468,22 @@ struct Tracked<G = Open> {
 type H2Body = Tracked<Option<Arc<StreamEnd>>>;
 
 /// An HTTP/2 stream in flight: what it was let through on is forgotten
-/// when this drops ([`Conn::forget_stream`]).
-struct StreamEnd(Arc<Conn>, u64);
+/// when this drops ([`Conn::forget_stream`]). It does not keep the
+/// connection: a body an origin never reads may outlive it.
+pub(super) struct StreamEnd(std::sync::Weak<Conn>, u64);
 
 impl StreamEnd {
     fn new(conn: &Arc<Conn>) -> Self {
         let token = conn.streams.fetch_add(1, Ordering::Relaxed) + 1;
-        Self(conn.clone(), token)
-    }
-
-    fn token(&self) -> super::bridge::StreamToken {
-        super::bridge::StreamToken(self.1)
+        Self(Arc::downgrade(conn), token)
     }
 }
 
 impl Drop for StreamEnd {
     fn drop(&mut self) {
-        self.0.forget_stream(self.1);
+        if let Some(conn) = self.0.upgrade() {
+            conn.forget_stream(self.1);
+        }
     }
 }
 
@@ -516,9 +514,8 @@ pub(super) struct ClientBody {
     inner: Incoming,
     end: Option<BodyEnd>,
     charge: Option<Arc<StreamCharge>>,
-    /// An HTTP/2 stream's: in flight while its body is read too (held,
-    /// never read: it is dropped with the body).
-    _stream: Option<Arc<StreamEnd>>,
+    /// An HTTP/2 stream's: in flight while its body is read too.
+    stream: Option<Arc<StreamEnd>>,
 }
 
 /// Whose exchange a request body settles when it ends.
@@ -528,6 +525,11 @@ struct BodyEnd {
 }
 
 impl ClientBody {
+    /// The HTTP/2 stream's number on its connection (none on HTTP/1.1).
+    pub(super) fn stream(&self) -> Option<u64> {
+        self.stream.as_ref().map(|s| s.1)
+    }
+
     /// From here on, its data is charged to `charge`.
     pub(super) fn charge_to(&mut self, charge: Arc<StreamCharge>) {
         self.charge = Some(charge);
