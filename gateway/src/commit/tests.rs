@@ -310,22 +310,25 @@ fn a_failed_compaction_waits_for_the_journal_to_grow_again() {
     );
     let tmp = dir.path().join(format!(".{}.tmp", persist::SNAPSHOT_FILE));
     std::fs::create_dir(&tmp).expect("a directory in its way");
-    let mut failed_at = None;
+    assert!(commit(&mut w, Change::Put(big.clone())));
+    let step = w.journal.bytes();
+    // Past twice the 4 MiB before the first try: doubling would wait for
+    // twice that again.
+    while w.journal.bytes() < 8 << 20 {
+        assert!(commit(&mut w, Change::Put(big.clone())));
+    }
+    let failed_at = w.journal.bytes();
+    assert!(w.journal.compaction_due());
+    w.compact_if_due();
     let again_at = loop {
         assert!(commit(&mut w, Change::Put(big.clone())));
-        if !w.journal.compaction_due() {
-            continue;
-        }
-        if failed_at.is_some() {
+        if w.journal.compaction_due() {
             break w.journal.bytes();
         }
-        failed_at = Some(w.journal.bytes());
-        w.compact_if_due();
     };
-    let failed_at = failed_at.expect("tried");
     assert!(
-        again_at >= failed_at + (4 << 20),
-        "a compaction that failed at {failed_at} bytes was due again at {again_at}"
+        (failed_at + (4 << 20)..=failed_at + (4 << 20) + step).contains(&again_at),
+        "a compaction that failed at {failed_at} bytes was due again at {again_at}, not 4 MiB later"
     );
     std::fs::remove_dir(&tmp).expect("out of the way");
     w.compact_if_due();
