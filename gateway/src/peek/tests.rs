@@ -625,7 +625,8 @@ async fn anything_an_origin_reads_as_a_request_is_http() {
     // Lines that are not request lines stay opaque, as soon as they show it.
     for (what, bytes) in [
         ("a greeting", &b"HELLO there\r\n"[..]),
-        // Words, unended: told at their first bytes, not left waiting.
+        // Words, unended: told at their first bytes, not left waiting (an
+        // upper-case word's next word, at its end: it could be a scheme).
         ("words", b"hello echo"),
         ("a word", b"before"),
         ("an upper-case word and a word, ended", b"HELLO echo\r\n"),
