@@ -162,28 +162,8 @@ impl Report {
             e.touched = touched;
             return;
         }
-        let reports = self.shared.live.load(Ordering::Relaxed).max(1);
-        let share = (max_shared / reports).clamp(min.min(max), max);
         let before = d.entries.len();
-        if before >= share {
-            // At its share, the least recently seen goes for the new one;
-            // past it (more reports came since), two go, so the report
-            // gives back what the others' share needs as it goes on.
-            for _ in 0..2 {
-                if d.entries.len() < share {
-                    break;
-                }
-                // O(entries) on a new entry at the share only: 1,000 at most.
-                let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
-                if let Some(k) = oldest.map(|(k, _)| k.clone()) {
-                    d.entries.remove(&k);
-                    self.evicted.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        } else if self.shared.held.load(Ordering::Relaxed) >= max_shared {
-            // Below its share, but the gateway's bound is reached (reports
-            // that filled before hold it): counted, not kept.
-            self.evicted.fetch_add(1, Ordering::Relaxed);
+        if !self.make_room(&mut d, max_shared, min.min(max)..=max) {
             return;
         }
         let entry = Entry {
@@ -204,6 +184,41 @@ impl Report {
                 .held
                 .fetch_sub(before - after, Ordering::Relaxed);
         }
+    }
+
+    /// Room in `d` for a new entry: at its share (of `max_shared` among the
+    /// reports, within `bounds`), the least recently seen goes for the new
+    /// one; past it (more reports came since), two go, so the report gives
+    /// back what the others' share needs as it goes on. `false`: below its
+    /// share but the gateway's bound is reached (reports that filled before
+    /// hold it): the difference is counted, not kept.
+    fn make_room(
+        &self,
+        d: &mut Differences,
+        max_shared: usize,
+        bounds: std::ops::RangeInclusive<usize>,
+    ) -> bool {
+        let reports = self.shared.live.load(Ordering::Relaxed).max(1);
+        let share = (max_shared / reports).clamp(*bounds.start(), *bounds.end());
+        if d.entries.len() < share {
+            let room = self.shared.held.load(Ordering::Relaxed) < max_shared;
+            if !room {
+                self.evicted.fetch_add(1, Ordering::Relaxed);
+            }
+            return room;
+        }
+        for _ in 0..2 {
+            if d.entries.len() < share {
+                break;
+            }
+            // O(entries) on a new entry at the share only: 1,000 at most.
+            let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
+            if let Some(k) = oldest.map(|(k, _)| k.clone()) {
+                d.entries.remove(&k);
+                self.evicted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        true
     }
 
     /// The report document, the most recently seen first.

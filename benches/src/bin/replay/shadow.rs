@@ -38,6 +38,9 @@ struct Judged {
     reason: String,
 }
 
+/// A difference: where, and the recorded and the candidate's answers.
+type Key = (String, Judged, Judged);
+
 struct Entry {
     count: u64,
     first_seen: Option<String>,
@@ -134,7 +137,7 @@ const MAX_DIFFERENCES: usize = 1_000;
 /// line, if none).
 pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded], only: Option<&str>) -> Value {
     let doh = DohNames::new(&[]);
-    let mut entries: HashMap<(String, Judged, Judged), Entry> = HashMap::new();
+    let mut entries: HashMap<Key, Entry> = HashMap::new();
     let mut order = Vec::new();
     let (mut unchanged, mut partial, mut not_judged, mut others, mut left_out) = (0u64, 0, 0, 0, 0);
     for (i, r) in flows.iter().enumerate() {
@@ -181,7 +184,21 @@ pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded], only: Option<&
         e.count += 1;
         e.last_seen.clone_from(&r.ts);
     }
-    let differences: Vec<Value> = order
+    let differences = listed(&order, &entries);
+    json!({
+        "flows": flows.len(),
+        "unchanged": unchanged,
+        "partial": partial,
+        "not_judged": not_judged,
+        "other_sandboxes": others,
+        "left_out": left_out,
+        "differences": differences,
+    })
+}
+
+/// Each difference kept, in the order first seen, as the report lists it.
+fn listed(order: &[Key], entries: &HashMap<Key, Entry>) -> Vec<Value> {
+    order
         .iter()
         .filter_map(|k| entries.get(k).map(|e| (k, e)))
         .map(|((destination, active, shadow), e)| {
@@ -193,14 +210,5 @@ pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded], only: Option<&
                 "example": e.example,
             })
         })
-        .collect();
-    json!({
-        "flows": flows.len(),
-        "unchanged": unchanged,
-        "partial": partial,
-        "not_judged": not_judged,
-        "other_sandboxes": others,
-        "left_out": left_out,
-        "differences": differences,
-    })
+        .collect()
 }
