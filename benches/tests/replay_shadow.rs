@@ -14,19 +14,24 @@ fn sample(name: &str) -> PathBuf {
 }
 
 fn replay(candidate: &Path) -> Value {
+    replay_log(&sample("sample-flows.jsonl"), candidate, &[]).0
+}
+
+/// `log` judged under `candidate` (with `extra` arguments): the report,
+/// and what was said on stderr.
+fn replay_log(log: &Path, candidate: &Path, extra: &[&str]) -> (Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_egress-replay"))
         .arg("--log")
-        .arg(sample("sample-flows.jsonl"))
+        .arg(log)
         .arg("--shadow")
         .arg(candidate)
+        .args(extra)
         .output()
         .expect("egress-replay runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("a JSON report")
+    let said = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{said}");
+    let report = serde_json::from_slice(&out.stdout).expect("a JSON report");
+    (report, said)
 }
 
 #[test]
@@ -115,20 +120,7 @@ fn a_line_is_judged_as_the_gateway_judged_its_flow() {
             "deny": [{"domain": "denied.test"}]}"#,
     )
     .expect("write candidate");
-    let out = Command::new(env!("CARGO_BIN_EXE_egress-replay"))
-        .arg("--log")
-        .arg(&log_at)
-        .arg("--shadow")
-        .arg(&candidate)
-        .args(["--sandbox", "sb1"])
-        .output()
-        .expect("egress-replay runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: Value = serde_json::from_slice(&out.stdout).expect("a JSON report");
+    let (r, said) = replay_log(&log_at, &candidate, &["--sandbox", "sb1"]);
     let d = r["differences"].as_array().expect("differences");
     assert_eq!(d.len(), 1, "{r}");
     assert_eq!(d[0]["destination"], "git.test");
@@ -143,7 +135,7 @@ fn a_line_is_judged_as_the_gateway_judged_its_flow() {
         (&json!(2), &json!(1), &json!(1), &json!(5)),
         "{r}"
     );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("1 line(s) skipped"));
+    assert!(said.contains("1 line(s) skipped"), "{said}");
 }
 
 /// A replay connects to every recorded destination: outside a network

@@ -106,6 +106,29 @@ fn run_without_arguments_serves_healthz_and_creates_the_ca() {
     );
 }
 
+/// `command` (the gateway, or what runs it) with `run --config config`,
+/// its stderr piped: ended by its PID when the test ends.
+fn run_with(mut command: Command, config: &std::path::Path) -> Running {
+    let child = command
+        .args(["run", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts");
+    Running(child)
+}
+
+/// A configuration on loopback ports the kernel picks, with `state` as its
+/// state directory and no flow log: for tests that start `run`.
+fn loopback_config(state: &std::path::Path) -> String {
+    format!(
+        "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n[dns]\nmax_sandboxes = 1000\n",
+        state.display()
+    )
+}
+
 /// The child's stderr up to a line holding `needle`, or what came of it by
 /// `deadline` (the child runs on; it is ended when the test ends).
 fn read_until(running: &mut Running, needle: &str, deadline: Instant) -> String {
@@ -145,23 +168,8 @@ fn a_restart_with_pushed_state_does_not_say_none_are_registered() {
     )
     .expect("write snapshot");
     let config = dir.path().join("gw.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n[dns]\nmax_sandboxes = 1000\n",
-            state.display()
-        ),
-    )
-    .expect("write config");
-    let child = Command::new(env!("CARGO_BIN_EXE_egress-gateway"))
-        .args(["run", "--config"])
-        .arg(&config)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starts");
-    let mut running = Running(child);
+    std::fs::write(&config, loopback_config(&state)).expect("write config");
+    let mut running = run_with(Command::new(env!("CARGO_BIN_EXE_egress-gateway")), &config);
     let mut stderr = std::io::BufReader::new(running.0.stderr.take().expect("stderr"));
     // Up to the redirect hint, which announce() logs just before it checks
     // the registry; then the rest, once the process is gone.
@@ -335,25 +343,12 @@ fn a_token_file_open_to_other_users_is_warned_about() {
 fn the_open_file_limit_is_raised_and_a_short_one_named() {
     let dir = tempfile::tempdir().expect("temp dir");
     let config = dir.path().join("gw.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "state_dir = \"{}\"\n[listen]\ntransparent = \"127.0.0.1:0\"\ndns = \"127.0.0.1:0\"\ndns_alt = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[log]\nflow_log = \"off\"\n[dns]\nmax_sandboxes = 1000\n",
-            dir.path().join("state").display()
-        ),
-    )
-    .expect("write config");
-    let child = Command::new("prlimit")
+    std::fs::write(&config, loopback_config(&dir.path().join("state"))).expect("write config");
+    let mut limited = Command::new("prlimit");
+    limited
         .arg("--nofile=1024:4096")
-        .arg(env!("CARGO_BIN_EXE_egress-gateway"))
-        .args(["run", "--config"])
-        .arg(&config)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starts");
-    let mut running = Running(child);
+        .arg(env!("CARGO_BIN_EXE_egress-gateway"));
+    let mut running = run_with(limited, &config);
     let deadline = Instant::now() + Duration::from_secs(20);
     let stderr = read_until(&mut running, "redirect a sandbox interface", deadline);
     assert!(

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use egress_gateway::decide::{judge, Claims};
+use egress_gateway::decide::{judge, not_judged_by_policy, Claims};
 use egress_gateway::doh::DohNames;
 use egress_policy::{
     AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy, Protocol, StreamProtocol,
@@ -61,21 +61,6 @@ pub(crate) fn candidate(path: &Path) -> Result<CompiledPolicy, String> {
 fn name(s: Option<&String>) -> Option<Hostname> {
     s.and_then(|s| s.parse().ok())
 }
-
-/// Reasons of lines the policy never judged: refused before it was asked
-/// (the gateway's `Refusal` codes), or cut by a budget.
-const NOT_JUDGED: &[&str] = &[
-    "no_original_dst",
-    "not_redirected",
-    "unknown_sandbox",
-    "peek_timeout",
-    "closed_early",
-    "client_hello_too_large",
-    "malformed_client_hello",
-    "malformed_request",
-    "client_error",
-    "budget_exceeded",
-];
 
 /// What the line's first bytes were, as it records them (or, in an older
 /// log without `protocol`, as its fields suggest).
@@ -151,7 +136,7 @@ pub(crate) fn report(policy: &CompiledPolicy, flows: &[Recorded], only: Option<&
             partial += 1;
             continue;
         }
-        if NOT_JUDGED.contains(&r.reason.as_deref().unwrap_or_default()) {
+        if not_judged_by_policy(r.reason.as_deref().unwrap_or_default()) {
             not_judged += 1;
             continue;
         }
