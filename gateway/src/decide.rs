@@ -393,14 +393,6 @@ pub fn explained_request(
     v
 }
 
-/// Whether a flow-log `reason` is one the policy never gave: the flow was
-/// refused before the policy was asked (a peek that timed out, an unknown
-/// sandbox, a malformed hello), or cut by a budget. What judges recorded
-/// decisions again (`egress-replay --shadow`) leaves those out.
-pub fn not_judged_by_policy(reason: &str) -> bool {
-    reason == "budget_exceeded" || crate::flow::Refusal::CODES.contains(&reason)
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

@@ -46,6 +46,7 @@ mod upstream;
 pub mod upstream_proxy;
 
 pub use ca_reload::{CaReload, CaReloader};
+pub use flow::not_judged_by_policy;
 pub use gateway::{preflight, Bound, Gateway, SoOriginalDst, StartError};
 pub use state::{Dataplane, OriginalDst};
 pub use upstream::RootsError;

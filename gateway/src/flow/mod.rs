@@ -22,6 +22,7 @@ use tokio::net::TcpStream;
 
 pub(crate) use identify::Accepted;
 pub(crate) use record::Record;
+pub use refusal::not_judged_by_policy;
 pub(crate) use refusal::Refusal;
 
 use crate::decide::{decide, Claims, Decided};

@@ -22,6 +22,14 @@ pub(crate) enum Refusal {
     Peek(PeekError),
 }
 
+/// Whether a flow-log `reason` is one the policy never gave: the flow was
+/// refused before the policy was asked (a peek that timed out, an unknown
+/// sandbox, a malformed hello), or cut by a budget. What judges recorded
+/// decisions again (`egress-replay --shadow`) leaves those out.
+pub fn not_judged_by_policy(reason: &str) -> bool {
+    reason == "budget_exceeded" || Refusal::CODES.contains(&reason)
+}
+
 impl Refusal {
     /// Every code [`Refusal::code`] returns: declared as metric series at
     /// start, and checked against docs/reason-codes.md.

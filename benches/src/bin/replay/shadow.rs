@@ -22,8 +22,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use egress_gateway::decide::{judge, not_judged_by_policy, Claims};
+use egress_gateway::decide::{judge, Claims};
 use egress_gateway::doh::DohNames;
+use egress_gateway::not_judged_by_policy;
 use egress_policy::{
     AttributionGap, CompiledPolicy, Hostname, PlatformDenies, Policy, Protocol, StreamProtocol,
 };
