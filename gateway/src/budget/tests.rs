@@ -437,6 +437,7 @@ fn bytes_charged_are_recorded_though_the_state_was_swept() {
     // Past the reserve: refused, and the sweep forgets the idle full state.
     let more = budget_for("more.y.test", Some(2), None);
     assert_eq!(t.request(&y, &more, 0, at), Err(Over::NoState));
+    assert_eq!(t.len(), 112, "the idle full state swept");
     // The body's bytes, charged now.
     t.charge(&y, &download, 1 << 20, Millis(70_001));
     let spent = t.spent(Millis(70_002));

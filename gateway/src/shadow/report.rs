@@ -5,7 +5,7 @@
 //! [`MAX_DIFFERENCES`] and no fewer than [`MIN_SHARE`], its least recently
 //! seen going first, and all of them together never more than that bound
 //! (a report below its share when the others hold it counts what it cannot
-//! keep); what went is counted as `evicted`, so a report that is not whole
+//! keep; one past its share gives an entry back at each note); what went is counted as `evicted`, so a report that is not whole
 //! says so. A sandbox that walks the whole address space cannot grow the
 //! gateway's memory, nor can a tenant's shadows on many sandboxes. Time is
 //! passed in, so the bound is tested without a clock.
@@ -156,14 +156,19 @@ impl Report {
             active,
             shadow,
         };
+        let share = self.share(max_shared, min.min(max)..=max);
         if let Some(e) = d.entries.get_mut(&key) {
             e.count += 1;
             e.last_seen = now;
             e.touched = touched;
+            // Past its share (more reports came since), a report seeing
+            // only what it holds gives one back at each note.
+            if d.entries.len() > share {
+                self.evict_oldest(&mut d);
+            }
             return;
         }
-        let before = d.entries.len();
-        if !self.make_room(&mut d, max_shared, min.min(max)..=max) {
+        if !self.make_room(&mut d, share, max_shared) {
             return;
         }
         let entry = Entry {
@@ -174,50 +179,52 @@ impl Report {
             example: example(),
         };
         d.entries.insert(key, entry);
-        let after = d.entries.len();
-        if after > before {
-            self.shared
-                .held
-                .fetch_add(after - before, Ordering::Relaxed);
-        } else {
-            self.shared
-                .held
-                .fetch_sub(before - after, Ordering::Relaxed);
+    }
+
+    /// This report's share of `max_shared` among the reports, within
+    /// `bounds`.
+    fn share(&self, max_shared: usize, bounds: std::ops::RangeInclusive<usize>) -> usize {
+        let reports = self.shared.live.load(Ordering::Relaxed).max(1);
+        (max_shared / reports).clamp(*bounds.start(), *bounds.end())
+    }
+
+    /// Forgets the least recently seen entry (O(entries): 1,000 at most).
+    fn evict_oldest(&self, d: &mut Differences) {
+        let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
+        if let Some(k) = oldest.map(|(k, _)| k.clone()) {
+            d.entries.remove(&k);
+            self.evicted.fetch_add(1, Ordering::Relaxed);
+            self.shared.held.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
-    /// Room in `d` for a new entry: at its share (of `max_shared` among the
-    /// reports, within `bounds`), the least recently seen goes for the new
-    /// one; past it (more reports came since), two go, so the report gives
-    /// back what the others' share needs as it goes on. `false`: below its
-    /// share but the gateway's bound is reached (reports that filled before
-    /// hold it): the difference is counted, not kept.
-    fn make_room(
-        &self,
-        d: &mut Differences,
-        max_shared: usize,
-        bounds: std::ops::RangeInclusive<usize>,
-    ) -> bool {
-        let reports = self.shared.live.load(Ordering::Relaxed).max(1);
-        let share = (max_shared / reports).clamp(*bounds.start(), *bounds.end());
+    /// Room in `d` for a new entry, its place in the gateway's bound taken:
+    /// at its `share`, the least recently seen goes for the new one; past
+    /// it (more reports came since), two go, so the report gives back what
+    /// the others' share needs as it goes on. `false`: below its share but
+    /// the gateway's bound is reached (reports that filled before hold it):
+    /// the difference is counted, not kept.
+    fn make_room(&self, d: &mut Differences, share: usize, max_shared: usize) -> bool {
+        let held = &self.shared.held;
         if d.entries.len() < share {
-            let room = self.shared.held.load(Ordering::Relaxed) < max_shared;
-            if !room {
+            // Taken in one step: reports noting at once never pass it.
+            let took = held
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                    (h < max_shared).then_some(h + 1)
+                })
+                .is_ok();
+            if !took {
                 self.evicted.fetch_add(1, Ordering::Relaxed);
             }
-            return room;
+            return took;
         }
         for _ in 0..2 {
             if d.entries.len() < share {
                 break;
             }
-            // O(entries) on a new entry at the share only: 1,000 at most.
-            let oldest = d.entries.iter().min_by_key(|(_, e)| e.touched);
-            if let Some(k) = oldest.map(|(k, _)| k.clone()) {
-                d.entries.remove(&k);
-                self.evicted.fetch_add(1, Ordering::Relaxed);
-            }
+            self.evict_oldest(d);
         }
+        held.fetch_add(1, Ordering::Relaxed);
         true
     }
 
@@ -359,6 +366,25 @@ mod tests {
             note(&a, format!("a{i}"), i);
         }
         assert_eq!(rows(&a), 10, "alone, up to its own bound");
+        // A report past its share that sees only what it holds gives it
+        // back as it goes on, so a later one finds room.
+        let b = Report::sharing_with(shared.clone());
+        for i in 0..10 {
+            note(&b, format!("b{i}"), 40 + i);
+        }
+        assert_eq!(shared.held.load(Ordering::Relaxed), 20, "a and b fill it");
+        let c = Report::sharing_with(shared.clone());
+        note(&c, "c0".into(), 50);
+        assert_eq!(rows(&c), 0, "the bound is held");
+        for round in 0..4 {
+            for i in 0..10 {
+                note(&a, format!("a{}", 10 + i), 60 + round);
+                note(&b, format!("b{i}"), 60 + round);
+            }
+        }
+        note(&c, "c1".into(), 70);
+        assert_eq!(rows(&c), 1, "a and b gave back what c's share needs");
+        drop((b, c));
         // Many reports at the floor: together, never past the bound.
         let many: Vec<Report> = (0..40)
             .map(|_| Report::sharing_with(shared.clone()))
