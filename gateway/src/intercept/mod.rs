@@ -42,9 +42,8 @@ use serve::{serve, Rest};
 pub(crate) const REMOVED_GRACE: Duration = Duration::from_secs(5);
 
 /// How long requests in flight on a connection run on once a push refuses
-/// the last request let through on it (the connection stops at its next
-/// boundary at once): a response nearly done is finished, a stream that
-/// never ends is cut.
+/// one of them (the connection stops at its next boundary at once): a
+/// response nearly done is finished, a stream that never ends is cut.
 const WITHDRAWN_GRACE: Duration = Duration::from_secs(1);
 
 /// How a flow's HTTP reached the gateway.
