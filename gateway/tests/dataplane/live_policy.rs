@@ -114,29 +114,11 @@ async fn an_idle_connection_ends_when_its_sandbox_is_deleted() {
 async fn a_request_in_flight_ends_a_few_seconds_after_its_sandbox_is_deleted() {
     let e = intercepting(&["h1.example.test"]).await;
     let mut tls = h1_upload(&e).await;
-    let mut deleted = tokio::time::Instant::now();
-    let mut removed = false;
-    // A chunk every 200 ms for at most 15 s, until the gateway ends it.
-    let mut cut = None;
-    for _ in 0..75 {
-        if tls.write_all(b"1\r\nx\r\n").await.is_err() || tls.flush().await.is_err() {
-            cut = Some(deleted.elapsed());
-            break;
-        }
-        if !removed {
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            assert!(e.gateway.registry().remove(&SandboxId::new("a")));
-            (deleted, removed) = (tokio::time::Instant::now(), true);
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let cut = cut.expect("the upload was cut");
-    assert!(
-        cut >= Duration::from_secs(5),
-        "not before the grace: {cut:?}"
-    );
-    let line = &e.flow_lines(1).await[0];
-    assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
+    let cut = cut_while_trickling(&mut tls, || {
+        assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+    })
+    .await;
+    cut_after_the_grace(&e, cut, Duration::from_secs(5), "gateway_sandbox_removed").await;
 }
 
 /// A request in flight (an upload trickling for ever) whose name a push
@@ -147,34 +129,12 @@ async fn a_request_in_flight_ends_a_few_seconds_after_its_sandbox_is_deleted() {
 async fn a_request_in_flight_is_cut_when_a_push_denies_it() {
     let e = intercepting(&["h1.example.test"]).await;
     let mut tls = h1_upload(&e).await;
-    let mut pushed = None;
-    let mut cut = None;
-    for _ in 0..75 {
-        if tls.write_all(b"1\r\nx\r\n").await.is_err() || tls.flush().await.is_err() {
-            cut = pushed.map(|at: tokio::time::Instant| at.elapsed());
-            break;
-        }
-        if pushed.is_none() {
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            // A per-request rule on the upload's own method (POST).
-            e.sandbox(
-                "a",
-                SANDBOX_A,
-                allowing(
-                    r#", "deny": [{"domain": "h1.example.test", "http": {"methods": ["POST"]}}]"#,
-                ),
-            );
-            pushed = Some(tokio::time::Instant::now());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let cut = cut.expect("the upload ran on for 15 s under a deny");
-    assert!(
-        cut >= Duration::from_secs(1),
-        "not before the grace: {cut:?}"
-    );
-    let line = &e.flow_lines(1).await[0];
-    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+    let cut = cut_while_trickling(&mut tls, || {
+        // A per-request rule on the upload's own method (POST).
+        e.sandbox("a", SANDBOX_A, denying_post());
+    })
+    .await;
+    cut_after_the_grace(&e, cut, Duration::from_secs(1), "gateway_policy_withdrawn").await;
 }
 
 /// On HTTP/2 every stream in flight is judged again after a push, not only
@@ -210,11 +170,7 @@ async fn an_http2_stream_in_flight_is_cut_whatever_came_after_it() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     // A per-request rule on the upload's own method (POST).
-    e.sandbox(
-        "a",
-        SANDBOX_A,
-        allowing(r#", "deny": [{"domain": "h1.example.test", "http": {"methods": ["POST"]}}]"#),
-    );
+    e.sandbox("a", SANDBOX_A, denying_post());
     let pushed = tokio::time::Instant::now();
     let mut cut = None;
     for _ in 0..75 {
@@ -227,13 +183,43 @@ async fn an_http2_stream_in_flight_is_cut_whatever_came_after_it() {
             break;
         }
     }
-    let cut = cut.expect("the upload ran on for 15 s under a deny");
-    assert!(
-        cut >= Duration::from_secs(1),
-        "not before the grace: {cut:?}"
-    );
+    cut_after_the_grace(&e, cut, Duration::from_secs(1), "gateway_policy_withdrawn").await;
+}
+
+/// [`allowing`] with a per-request rule on `POST` to `h1.example.test`.
+fn denying_post() -> egress_policy::Policy {
+    allowing(r#", "deny": [{"domain": "h1.example.test", "http": {"methods": ["POST"]}}]"#)
+}
+
+/// Trickles an upload's chunks on `tls` (one every 200 ms, for at most
+/// 15 s) and does `act` 600 ms in: how long after `act` the gateway cut
+/// the upload, if it did.
+async fn cut_while_trickling(
+    tls: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    act: impl FnOnce(),
+) -> Option<Duration> {
+    let mut act = Some(act);
+    let mut since = None;
+    for _ in 0..75 {
+        if tls.write_all(b"1\r\nx\r\n").await.is_err() || tls.flush().await.is_err() {
+            return since.map(|at: tokio::time::Instant| at.elapsed());
+        }
+        if let Some(act) = act.take() {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            act();
+            since = Some(tokio::time::Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    None
+}
+
+/// A cut seen, no sooner than `grace`, and the flow's line naming `error`.
+async fn cut_after_the_grace(e: &Env, cut: Option<Duration>, grace: Duration, error: &str) {
+    let cut = cut.expect("the upload ran on for 15 s");
+    assert!(cut >= grace, "not before the grace: {cut:?}");
     let line = &e.flow_lines(1).await[0];
-    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+    assert_eq!(line["error"], error, "{line}");
 }
 
 /// An origin address no other test uses.
