@@ -234,6 +234,54 @@ fn platform_denies_beat_everything() {
     ]);
 }
 
+/// Each private, shared and reserved range of the built-in list, written
+/// out by hand at both its edges, and the addresses just outside them:
+/// a range dropped from the list (or mistyped) fails here.
+#[test]
+fn the_built_in_ranges_are_denied_edge_to_edge() {
+    let denied = [
+        "10.0.0.0:443",
+        "10.255.255.255:443",
+        "172.16.0.1:443",
+        "172.31.255.254:443",
+        "192.168.0.1:443",
+        "192.168.255.254:443",
+        "100.127.255.254:443",
+        "0.1.2.3:443",
+        "239.255.255.255:443",
+        "240.0.0.1:443",
+        "[fc00::1]:443",
+        "[fd12:3456::1]:443",
+        "[ff02::1]:443",
+        "[ff0e::1]:443",
+        "[::]:443",
+        "[2001:0:ffff::1]:443",
+    ];
+    let allowed = [
+        "11.0.0.1:443",
+        "172.15.255.254:443",
+        "172.32.0.1:443",
+        "192.167.255.254:443",
+        "192.169.0.1:443",
+        "100.63.255.254:443",
+        "100.128.0.1:443",
+        "223.255.255.254:443",
+        "[fbff::1]:443",
+        "[fe00::1]:443",
+        "[2001:1::1]:443",
+    ];
+    let rows: Vec<_> = denied
+        .iter()
+        .map(|a| (ALLOW_ALL, opaque(a), "deny", "platform_deny"))
+        .chain(
+            allowed
+                .iter()
+                .map(|a| (ALLOW_ALL, opaque(a), "allow", "allow_default")),
+        )
+        .collect();
+    table(&rows);
+}
+
 #[test]
 fn tenant_denies_match_address_or_any_name_evidence() {
     let p = r#"{"default": "allow", "allow": [{"cidr": "203.0.113.0/24"}, {"domain": "bad.test"}],
