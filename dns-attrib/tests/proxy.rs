@@ -223,10 +223,20 @@ fn scripts() -> HashMap<String, Script> {
             ..Script::default()
         },
     );
+    // Failed answers that carry records all the same: none is evidence.
     put(
         "gone.test",
         Script {
             rcode: Some(ResponseCode::NXDomain),
+            answers: vec![a("gone.test.", 300, ip("203.0.113.99"))],
+            ..Script::default()
+        },
+    );
+    put(
+        "refused.test",
+        Script {
+            rcode: Some(ResponseCode::Refused),
+            answers: vec![a("refused.test.", 300, ip("203.0.113.98"))],
             ..Script::default()
         },
     );
@@ -959,7 +969,13 @@ async fn failed_answers_attribute_nothing() {
     let h = harness(|_, _| {}, false).await;
     let (_, m) = udp(&h, SANDBOX_A, &query("gone.test.", RecordType::A, None)).await;
     assert_eq!(m.metadata.response_code, ResponseCode::NXDomain);
+    let (_, m) = udp(&h, SANDBOX_A, &query("refused.test.", RecordType::A, None)).await;
+    assert_ne!(m.metadata.response_code, ResponseCode::NoError);
     assert_eq!(h.proxy.metrics().attributed.get(), 0);
+    for addr in ["203.0.113.99", "203.0.113.98"] {
+        assert!(names(&h, "a", addr).is_empty(), "{addr} attributed");
+        assert_eq!(gap(&h, "a", addr), AttributionGap::NoDnsSeen, "{addr}");
+    }
 }
 
 /// Both upstreams stay silent: SERVFAIL comes after each had its 300 ms, one
