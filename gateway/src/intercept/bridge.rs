@@ -106,12 +106,19 @@ impl Conn {
             .clear();
     }
 
-    /// Forgets what an HTTP/2 stream was judged on: it ended.
+    /// Forgets what an HTTP/2 stream was judged on: it ended. The list's
+    /// order means nothing, so the last entry takes its place: removing
+    /// one of many in flight moves one entry, not every one after it.
+    /// What it held is freed after the lock is let go.
     pub(super) fn forget_stream(&self, token: u64) {
-        self.opened
+        let mut all = self
+            .opened
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .retain(|(t, _)| *t != token);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = all.iter().position(|(t, _)| *t == token);
+        let gone = at.map(|at| all.swap_remove(at));
+        drop(all);
+        drop(gone);
     }
 
     /// Whether the sandbox's policy now refuses a request let through on
