@@ -227,7 +227,16 @@ pub async fn refresh(
         return Ok(Ok(false));
     };
     let Some(mut policy) = row.policy.clone() else {
-        return Ok(Ok(false));
+        return match store::policy_stored(conn, id).await? {
+            // One a build of another version wrote, which this one cannot
+            // read: taking an approval out here would leave its rule in
+            // force, unsaid. The caller fails (a revoke is `503`, an
+            // expiry tried again); a replica that reads it does it.
+            true => Err(sqlx::Error::Decode(
+                format!("sandbox {id}: its stored policy does not read in this build").into(),
+            )),
+            false => Ok(Ok(false)),
+        };
     };
     let mut provenance = match row.provenance {
         Value::Array(v) => v,

@@ -46,6 +46,7 @@ pub async fn refill(pool: &PgPool) -> Result<usize, sqlx::Error> {
     if !locked {
         return Ok(0);
     }
+    pools::release_ended(&mut tx).await?;
     let payload = create_payload(None, None);
     let mut queued = 0;
     for (template, missing) in pools::shortfalls(&mut tx).await? {

@@ -68,13 +68,22 @@ pub fn connect_options(url: &str) -> Result<sqlx::postgres::PgConnectOptions, sq
     Ok(options.extra_float_digits(None))
 }
 
-/// Bounds a session's statements ([`STATEMENT_TIMEOUT`]) and lock waits
-/// ([`LOCK_TIMEOUT`]).
+/// Bounds a session's statements ([`STATEMENT_TIMEOUT`]), lock waits
+/// ([`LOCK_TIMEOUT`]) and idle transactions ([`IDLE_IN_TRANSACTION`]),
+/// and has the server probe its client ([`KEEPALIVES`]): a controller that
+/// died or was cut off without a FIN (a crashed host, a partition) would
+/// otherwise keep its locks, a transaction's rows and the dispatcher's
+/// session lock, until the operating system's keepalive of two hours.
 pub async fn bounded(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let (idle, interval, count) = KEEPALIVES;
     let sql = format!(
-        "SET statement_timeout = '{}ms'; SET lock_timeout = '{}ms'",
+        "SET statement_timeout = '{}ms'; SET lock_timeout = '{}ms'; \
+         SET idle_in_transaction_session_timeout = '{}ms'; \
+         SET tcp_keepalives_idle = {idle}; SET tcp_keepalives_interval = {interval}; \
+         SET tcp_keepalives_count = {count}",
         STATEMENT_TIMEOUT.as_millis(),
-        LOCK_TIMEOUT.as_millis()
+        LOCK_TIMEOUT.as_millis(),
+        IDLE_IN_TRANSACTION.as_millis(),
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
         .execute(conn)
@@ -88,6 +97,13 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest wait for a row or advisory lock on a pool connection.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a transaction may sit idle: its longest legitimate pause is
+/// one gateway call (5 s).
+pub const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(60);
+/// The server's TCP keepalive on a session (seconds idle, seconds between
+/// probes, probes): a client gone without a word is found in about 25 s.
+/// Unix-socket sessions have none, and need none.
+pub const KEEPALIVES: (u32, u32, u32) = (10, 5, 3);
 
 /// A sandbox as stored.
 #[derive(Clone, Debug)]
@@ -615,6 +631,24 @@ pub async fn mark_forgotten(pool: &PgPool, forgotten: &[(String, i64)]) -> Resul
     .execute(pool)
     .await?;
     Ok(())
+}
+
+/// Whether sandbox `id` has a policy stored, read or not.
+pub async fn policy_stored(conn: &mut PgConnection, id: &str) -> Result<bool, sqlx::Error> {
+    let stored: Option<bool> =
+        sqlx::query_scalar("SELECT policy IS NOT NULL FROM sandboxes WHERE id = $1")
+            .bind(id)
+            .fetch_optional(conn)
+            .await?;
+    Ok(stored == Some(true))
+}
+
+/// Whether `e` is PostgreSQL's refusal of a value (SQLSTATE class 22, a
+/// data exception): the input's fault, not the database's.
+pub fn is_data_exception(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code.starts_with("22"))
 }
 
 /// Whether `time` (RFC 3339) is later than the database's now; an error

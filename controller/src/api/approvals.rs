@@ -129,13 +129,19 @@ impl Api {
                 &format!("until: {until:?} is not an RFC 3339 time"),
             ));
         }
-        if store::is_future(&self.pool, until).await.map_err(db)? {
-            Ok(())
-        } else {
-            Err(error(
+        match store::is_future(&self.pool, until).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(error(
                 StatusCode::BAD_REQUEST,
                 &format!("until: {until:?} is past"),
-            ))
+            )),
+            // A data exception: a time PostgreSQL cannot store (an offset
+            // past 15 hours, the year 0), the caller's to mend.
+            Err(e) if store::is_data_exception(&e) => Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!("until: {until:?} is not a time the store can hold: {e}"),
+            )),
+            Err(e) => Err(db(e)),
         }
     }
 

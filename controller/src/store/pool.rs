@@ -103,6 +103,22 @@ pub async fn shortfalls(conn: &mut PgConnection) -> Result<Vec<(String, i64)>, s
     Ok(out)
 }
 
+/// Takes pooled sandboxes that ended (destroyed, or failed longer than
+/// [`FAILED_HOLDS_ITS_PLACE_SECS`] ago) out of their pool, at most 1,000 a
+/// round: a pool that cannot be filled fails its size again every minute,
+/// and the rows it left behind would otherwise be counted by every round
+/// and walked past by every claim, without end. The number taken out.
+pub async fn release_ended(conn: &mut PgConnection) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE sandboxes SET warm_pool = NULL WHERE id IN (SELECT id FROM sandboxes WHERE warm_pool IS NOT NULL \
+         AND (state = 'destroyed' OR (state = 'failed' AND changed_at <= now() - make_interval(secs => $1))) LIMIT 1000)",
+    )
+    .bind(FAILED_HOLDS_ITS_PLACE_SECS as f64)
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
 /// A pooled sandbox, `creating` until its queued create places it.
 pub async fn insert_pooled(
     conn: &mut PgConnection,

@@ -190,6 +190,26 @@ async fn an_approved_proposal_reaches_the_gateway_shows_in_provenance_and_is_rev
             .0,
         404
     );
+    // A policy this build cannot read (one a newer build wrote): the revoke
+    // fails rather than leave the rule in force with the approval gone.
+    let mut conn = sqlx::PgConnection::connect(&w.url).await.expect("db");
+    let newer =
+        "UPDATE sandboxes SET policy = policy || '{\"from_a_newer_build\": 1}' WHERE id = $1";
+    sqlx::query(newer)
+        .bind(&id)
+        .execute(&mut conn)
+        .await
+        .expect("newer");
+    let (s, r) = call(w.api.addr, "DELETE", &revoke, Some(FEDERATED), &[], None).await;
+    assert_eq!(s, 503, "{r}");
+    let mine = approvals_of(&w, FEDERATED).await;
+    assert!(mine["approvals"][0]["revoked_at"].is_null(), "{mine}");
+    let older = "UPDATE sandboxes SET policy = policy - 'from_a_newer_build' WHERE id = $1";
+    sqlx::query(older)
+        .bind(&id)
+        .execute(&mut conn)
+        .await
+        .expect("older");
     let (s, r) = call(w.api.addr, "DELETE", &revoke, Some(FEDERATED), &[], None).await;
     assert_eq!(s, 200, "{r}");
     until_verdict(&w, &id, "deny").await;
@@ -335,6 +355,18 @@ async fn an_approval_expires_and_the_gateway_denies_again() {
         assert_eq!(s, 400, "{until}: {v}");
         assert!(
             v["error"].as_str().is_some_and(|e| e.contains("RFC 3339")),
+            "{v}"
+        );
+    }
+    // RFC 3339 times PostgreSQL cannot store (an offset past 15 hours, the
+    // year 0): refused as the caller's mistake, not a database outage (a
+    // `503` its client would retry forever).
+    for until in ["2999-01-01T00:00:00+20:00", "0000-06-01T00:00:00Z"] {
+        let body = json!({"scope": "sandbox", "until": until});
+        let (s, v) = approve(&w, FEDERATED, &id, body).await;
+        assert_eq!(s, 400, "{until}: {v}");
+        assert!(
+            v["error"].as_str().is_some_and(|e| e.contains("until: ")),
             "{v}"
         );
     }

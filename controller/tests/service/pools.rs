@@ -565,4 +565,13 @@ async fn failed_pooled_creates_are_tried_again_after_a_minute_not_every_round() 
         "UPDATE sandboxes SET changed_at = now() - interval '61 seconds' WHERE warm_pool = 'base'";
     sqlx::query(earlier).execute(&pool).await.expect("earlier");
     assert_eq!(round().await.expect("round"), 2, "a minute on, tried again");
+    // The failures past their minute left the pool: it holds what it
+    // tries now, not every failure since it was made.
+    let held: (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE warm_pool = 'base'), count(*) FILTER (WHERE state = 'failed' AND warm_pool IS NULL) FROM sandboxes",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(held, (2, 2), "(in the pool, failed and out of it)");
 }

@@ -1085,6 +1085,23 @@ async fn pool_connections_bound_statements_and_lock_waits() {
     .await
     .expect("settings");
     assert_eq!(settings, ("30s".to_owned(), "10s".to_owned()));
+    // A client gone without a FIN is found by the server's keepalive, and
+    // a transaction it left idle ends, its locks with it.
+    let idle: (String, String, String, String, bool) = sqlx::query_as(
+        "SELECT current_setting('idle_in_transaction_session_timeout'), \
+         current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_interval'), \
+         current_setting('tcp_keepalives_count'), inet_client_addr() IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("settings");
+    let tcp = idle.4;
+    let want = |v: &str| if tcp { v.to_owned() } else { "0".to_owned() };
+    assert_eq!(
+        idle,
+        ("1min".to_owned(), want("10"), want("5"), want("3"), tcp),
+        "over TCP: {tcp}"
+    );
     let mut other = sqlx::PgConnection::connect(&url).await.expect("db");
     let mut tx = other.begin().await.expect("tx");
     sqlx::query("SELECT pg_advisory_xact_lock(7)")
