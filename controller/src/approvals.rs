@@ -14,6 +14,7 @@
 use egress_policy::{Policy, Rule};
 use serde_json::{json, Value};
 use sqlx::{PgConnection, PgPool};
+use std::time::Duration;
 
 pub use crate::state::Scope;
 pub use crate::store::approvals::{in_force, Approval, NewApproval};
@@ -343,11 +344,17 @@ const EXPIRE_PER_SWEEP: usize = 256;
 /// (the dispatcher calls it periodically), each in a transaction of its
 /// own: one that fails (a sandbox row locked past `lock_timeout`, a rule
 /// that no longer reads) is logged and left for the next sweep, and the
-/// others expire. How many expired, and how many failed.
-pub async fn expire(pool: &PgPool) -> Result<(usize, usize), sqlx::Error> {
+/// others expire. No approval is begun once `budget` has passed (the first
+/// always is): each may refresh every sandbox of its tenant, and the
+/// dispatcher's round, its lease renewals with it, waits for the sweep.
+/// How many expired, and how many failed.
+pub async fn expire(pool: &PgPool, budget: Duration) -> Result<(usize, usize), sqlx::Error> {
+    let started = std::time::Instant::now();
     let mut failed: Vec<String> = Vec::new();
     let mut expired = 0;
-    while expired + failed.len() < EXPIRE_PER_SWEEP {
+    while expired + failed.len() < EXPIRE_PER_SWEEP
+        && (expired + failed.len() == 0 || started.elapsed() < budget)
+    {
         let mut tx = pool.begin().await?;
         let Some((id, approval)) = store::approvals::expire_one(&mut tx, &failed).await? else {
             break;

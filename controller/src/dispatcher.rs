@@ -80,6 +80,10 @@ const EXECUTORS: usize = 4;
 /// How often approvals past their `until` are looked for: an expired rule
 /// is taken out within this (plus the push).
 const EXPIRY_INTERVAL: Duration = Duration::from_millis(500);
+/// How long one expiry sweep may go on beginning approvals: a burst of
+/// tenant-wide approvals expiring together (each refreshing every sandbox
+/// of its tenant) is spread over rounds, and the leases renewed between.
+const EXPIRY_BUDGET: Duration = Duration::from_secs(2);
 
 /// How often finished operations and idempotency keys are pruned, and how
 /// many rows of each at most per round.
@@ -426,7 +430,7 @@ impl Dispatcher {
     /// Takes the approvals past their `until` out of the sandboxes they
     /// reached; the new generations are pushed like any change.
     async fn expire_approvals(&self) {
-        match crate::approvals::expire(&self.pool).await {
+        match crate::approvals::expire(&self.pool, EXPIRY_BUDGET).await {
             Ok((0, _)) => {}
             Ok((n, _)) => tracing::info!(expired = n, "approvals expired"),
             Err(e) => tracing::warn!(error = %e, "expiring approvals"),

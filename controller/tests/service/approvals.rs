@@ -672,3 +672,40 @@ async fn an_approval_closes_on_time_with_no_dispatcher_running() {
     drop(w.dispatcher.take());
     until_verdict(&w, &id, "deny").await;
 }
+
+/// An expiry sweep begins no approval past its time budget, the first
+/// excepted: a burst of approvals expiring together (each refreshing every
+/// sandbox it reached) is spread over rounds, the dispatcher's lease
+/// renewals between them. Before, one sweep took up to 256 of them.
+#[tokio::test]
+async fn an_expiry_sweep_past_its_budget_leaves_the_rest_to_the_next() {
+    let mut w = setup_world(db!()).await;
+    let (id, mut conn, (s, a)) = denied_then_approved(&w, "+ interval '1 hour'").await;
+    assert_eq!(s, 201, "{a}");
+    for scope in ["template", "tenant"] {
+        let (s, a) = approve(&w, FEDERATED, &id, json!({"scope": scope})).await;
+        assert_eq!(s, 201, "{scope}: {a}");
+    }
+    // No dispatcher sweeps them: the sweeps are this test's.
+    drop(w.dispatcher.take());
+    sqlx::query("UPDATE approvals SET until = now() - interval '1 second'")
+        .execute(&mut conn)
+        .await
+        .expect("past");
+    let pool = egress_controller::store::connect(&w.url)
+        .await
+        .expect("store");
+    let sweep = |budget| egress_controller::approvals::expire(&pool, budget);
+    for left in [2, 1, 0] {
+        let done = sweep(Duration::ZERO).await.expect("sweep");
+        assert_eq!(done, (1, 0), "one a sweep, {left} left after it");
+    }
+    assert_eq!(sweep(Duration::from_secs(5)).await.expect("sweep"), (0, 0));
+    let list = approvals_listed(&w).await;
+    let removed = list["approvals"].as_array().expect("list").iter();
+    assert!(removed.clone().count() == 3, "{list}");
+    assert!(
+        removed.into_iter().all(|a| a["removed_at"].is_string()),
+        "{list}"
+    );
+}
