@@ -410,6 +410,53 @@ mod tests {
         server.abort();
     }
 
+    /// An HTTP/2 connection idle after a request is closed after the idle
+    /// limit, not the head timeout of one that never asked: the GOAWAY
+    /// comes well before [`HEAD_TIMEOUT`] past the answer.
+    #[tokio::test]
+    async fn an_http2_connection_idle_after_a_request_is_closed_at_the_idle_limit() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let server = tokio::spawn(serve_at_most(
+            listener,
+            ("test", 4, Duration::from_secs(1)),
+            |_: Request<Incoming>| async move { text(StatusCode::OK, "ok".to_owned()) },
+        ));
+        let mut h2 = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        // The preface, an empty SETTINGS, and a GET of `/` on stream 1
+        // (HEADERS, END_STREAM | END_HEADERS; :method GET, :scheme http,
+        // :path /, :authority x).
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0".to_vec();
+        hello.extend_from_slice(&[0, 0, 6, 1, 5, 0, 0, 0, 1, 0x82, 0x86, 0x84, 0x41, 1, b'x']);
+        h2.write_all(&hello).await.expect("request");
+        let mut frame = async || {
+            let mut head = [0u8; 9];
+            h2.read_exact(&mut head).await.expect("a frame");
+            let len = usize::from(head[2]) | usize::from(head[1]) << 8;
+            let mut payload = vec![0u8; len];
+            h2.read_exact(&mut payload).await.expect("its payload");
+            (
+                head[3],
+                u32::from_be_bytes([head[5], head[6], head[7], head[8]]),
+            )
+        };
+        let within = Duration::from_secs(5);
+        // The answer's HEADERS (type 1) on stream 1.
+        let answered = async { while frame().await != (1, 1) {} };
+        tokio::time::timeout(within, answered)
+            .await
+            .expect("answered");
+        let answered_at = std::time::Instant::now();
+        let goaway = async { while frame().await.0 != 7 {} };
+        let said = tokio::time::timeout(HEAD_TIMEOUT - Duration::from_secs(3), goaway).await;
+        assert!(
+            said.is_ok(),
+            "no GOAWAY {:?} after the answer",
+            answered_at.elapsed()
+        );
+        server.abort();
+    }
+
     /// A connection that has asked nothing (only the HTTP/2 preface) holds
     /// its slot for the head timeout at most, not the idle limit: without a
     /// token, anyone who reaches the listener could otherwise hold every
