@@ -321,6 +321,13 @@ fn dns_over_tcp_and_quic_dropped() {
             .unwrap_or(0)
     };
     assert!(dropped(&after) >= dropped(&before) + 3, "{after}");
+    // The rule that counted them drops them (forwarding is off here, so
+    // nothing would leave whatever its verdict: the verdict is what shows).
+    let rule = after
+        .lines()
+        .find(|l| l.contains("meta l4proto udp counter"))
+        .unwrap_or_default();
+    assert!(rule.trim_end().ends_with(" drop"), "{rule}");
 }
 
 #[test]

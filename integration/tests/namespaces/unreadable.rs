@@ -233,7 +233,29 @@ print("second source", dial("2001:db8:1::3") is not None)
 print("first again", dial("2001:db8:1::2") is not None)
 print("ipv4", socket.create_connection(("203.0.113.20", 443), 2) is not None)
 "#;
+    // What the rule for sources past the set dropped: the second source's
+    // dial is refused there, not lost on the way.
+    let past_the_set = || -> u64 {
+        let listed = t.exec(&t.gw, "nft", &["list", "ruleset"]);
+        String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter(|l| l.contains("ip6 saddr != @tracked6 counter"))
+            .filter_map(|l| {
+                l.split("packets ")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    let before = past_the_set();
     let out = t.exec(&t.sb1, "python3", &["-c", script]);
+    assert!(
+        past_the_set() > before,
+        "the second source was not dropped by its rule"
+    );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         "first True\nsecond source False\nfirst again True\nipv4 True\n",
