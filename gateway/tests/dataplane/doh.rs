@@ -303,12 +303,20 @@ async fn a_draining_gateway_answers_no_doh() {
     body.send_data(bytes::Bytes::copy_from_slice(&q[..4]), false)
         .expect("data");
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let Env { gateway, .. } = e;
+    let Env {
+        gateway, dns_asked, ..
+    } = e;
     let drained = tokio::spawn(gateway.run_until(async {}));
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     body.send_data(bytes::Bytes::copy_from_slice(&q[4..]), true)
         .expect("data");
     refused_while_draining(resp, drained).await;
+    // Refused before it was asked of the upstream, not only when answered.
+    let asked = dns_asked.lock().expect("asked").clone();
+    assert!(
+        !asked.iter().any(|n| n == "a.relay.example.test"),
+        "{asked:?}"
+    );
 }
 
 /// A query whose upstream answer comes after the drain began is answered
@@ -322,7 +330,12 @@ async fn a_doh_answer_that_comes_after_the_drain_began_is_not_given() {
     body.send_data(bytes::Bytes::from(q), true).expect("data");
     // The upstream answers 600 ms after it is asked.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let Env { gateway, .. } = e;
+    let Env {
+        gateway, dns_asked, ..
+    } = e;
     let drained = tokio::spawn(gateway.run_until(async {}));
     refused_while_draining(resp, drained).await;
+    // It was asked before the drain (the check above it does see a query).
+    let asked = dns_asked.lock().expect("asked").clone();
+    assert!(asked.iter().any(|n| n == "slow.example.test"), "{asked:?}");
 }

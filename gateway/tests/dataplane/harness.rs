@@ -340,7 +340,11 @@ pub async fn turn_origin(ip: &str, config: Arc<rustls::ServerConfig>) -> SocketA
 
 // === DNS upstream ===
 
-struct Zone(HashMap<String, (Ipv4Addr, u32)>);
+/// The names and what was asked of them, in order.
+struct Zone(HashMap<String, (Ipv4Addr, u32)>, Asked);
+
+/// The names the DNS upstream was asked for, in order.
+pub type Asked = Arc<std::sync::Mutex<Vec<String>>>;
 
 #[async_trait::async_trait]
 impl RequestHandler for Zone {
@@ -357,6 +361,7 @@ impl RequestHandler for Zone {
             .map(|q| q.name().to_string())
             .unwrap_or_default();
         let key = q.trim_end_matches('.').to_ascii_lowercase();
+        self.1.lock().expect("asked").push(key.clone());
         // An upstream slow to answer, for a drain that begins meanwhile.
         if key.starts_with("slow.") {
             tokio::time::sleep(Duration::from_millis(600)).await;
@@ -383,15 +388,16 @@ impl RequestHandler for Zone {
     }
 }
 
-async fn dns_upstream(zone: HashMap<String, (Ipv4Addr, u32)>) -> SocketAddr {
+async fn dns_upstream(zone: HashMap<String, (Ipv4Addr, u32)>) -> (SocketAddr, Asked) {
     let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
     let addr = udp.local_addr().expect("addr");
-    let mut server = hickory_server::Server::new(Zone(zone));
+    let asked = Asked::default();
+    let mut server = hickory_server::Server::new(Zone(zone, asked.clone()));
     server.register_socket(udp);
     tokio::spawn(async move {
         let _ = server.block_until_done().await;
     });
-    addr
+    (addr, asked)
 }
 
 // === original destinations ===
@@ -459,6 +465,8 @@ pub struct Env {
     pub origins: Origins,
     pub origin_ca: OriginCa,
     pub flows: Lines,
+    /// What the DNS upstream was asked.
+    pub dns_asked: Asked,
     _dir: tempfile::TempDir,
 }
 
@@ -551,7 +559,7 @@ pub async fn env(opts: Options) -> Env {
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
-    let dns = dns_upstream(zone).await;
+    let (dns, dns_asked) = dns_upstream(zone).await;
 
     let dir = tempfile::tempdir().expect("temp dir");
     let roots = dir.path().join("origin-ca.pem");
@@ -632,6 +640,7 @@ pub async fn env(opts: Options) -> Env {
         origins,
         origin_ca: ca,
         flows,
+        dns_asked,
         _dir: dir,
     }
 }
