@@ -113,6 +113,34 @@ fn platform_deny_for_metadata_and_unknown_sandboxes() {
     );
 }
 
+/// An address the gateway's host gains after the start is denied to
+/// sandboxes once the host is read again (every 5 s): before, only the
+/// unit test's hand-set reading showed "later".
+#[test]
+fn an_address_the_host_gains_later_is_denied() {
+    let t = topology!();
+    t.push("sb1", SB1_IP, r#"{"default": "allow"}"#);
+    let gained = ["addr", "add", "198.51.100.177/32", "dev", "lo"];
+    assert!(t.exec(&t.gw, "ip", &gained).status.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let denied = loop {
+        let (_, body) = t.curl(
+            &t.sb1,
+            "gateway",
+            "http://198.51.100.177/",
+            &["-s", "-m", "2", "-w", "%{http_code}"],
+        );
+        if body.contains("platform deny") || std::time::Instant::now() > deadline {
+            break body;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    };
+    assert!(
+        denied.contains("403") && denied.contains("platform deny"),
+        "{denied}"
+    );
+}
+
 #[test]
 fn exemption_splices_only_after_dns_through_the_reserved_resolvers() {
     let t = topology!();
