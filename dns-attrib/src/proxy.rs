@@ -1025,6 +1025,66 @@ fn error_reply(raw: &[u8], code: ResponseCode) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hickory_proto::rr::rdata::svcb::{
+        EchConfigList, SvcParamKey, SvcParamValue, Unknown, SVCB,
+    };
+    use hickory_proto::rr::rdata::{A, HTTPS};
+    use hickory_proto::rr::{Name, RData, Record};
+
+    struct Nobody;
+
+    impl QueryAdmission for Nobody {
+        fn admit(&self, _: IpAddr, _: SocketAddr) -> Admit {
+            Admit::Unknown
+        }
+        fn holds(&self, _: IpAddr, _: &SandboxId, _: u64) -> bool {
+            true
+        }
+        fn registered(&self, _: &SandboxId, _: u64) -> bool {
+            true
+        }
+    }
+
+    /// An answer with `ech` that cannot be rewritten (here: a parameter
+    /// too long to encode once `ech` is gone) is answered SERVFAIL, and
+    /// nothing of it attributes: the `ech` never reaches the sandbox.
+    #[test]
+    fn an_answer_whose_ech_cannot_be_stripped_is_servfail_and_attributes_nothing() {
+        let cache = Arc::new(AttributionCache::new(
+            crate::cache::CacheConfig::default(),
+            crate::clock::ManualClock::new(),
+        ));
+        let proxy = DnsProxy::new(ProxyConfig::default(), cache, Arc::new(Nobody));
+        let owner = Name::from_ascii("ech.test.").expect("name");
+        let mut query = Message::new(7, MessageType::Query, OpCode::Query);
+        query.add_query(Query::query(owner.clone(), RecordType::A));
+        let mut answer = query.clone();
+        answer.metadata.message_type = MessageType::Response;
+        let params = vec![
+            (
+                SvcParamKey::EchConfigList,
+                SvcParamValue::EchConfigList(EchConfigList(b"ech!".to_vec())),
+            ),
+            (
+                SvcParamKey::Unknown(65000),
+                SvcParamValue::Unknown(Unknown(vec![0; 70_000])),
+            ),
+        ];
+        let https = HTTPS(SVCB::new(1, Name::root(), params));
+        answer.add_answer(Record::from_rdata(owner.clone(), 300, RData::HTTPS(https)));
+        let addr = Ipv4Addr::new(203, 0, 113, 5);
+        answer.add_answer(Record::from_rdata(owner, 300, RData::A(A(addr))));
+        assert!(crate::svcb::strip_ech(&answer).is_err(), "the case is one");
+        let sandbox = SandboxId::new("a");
+        let sent = proxy.deliver(&query, &sandbox, Vec::new(), answer, Transport::Udp);
+        let sent = Message::from_vec(&sent.expect("an answer")).expect("parses");
+        assert_eq!(sent.metadata.response_code, ResponseCode::ServFail);
+        assert!(sent.answers.is_empty());
+        assert_eq!(proxy.metrics().servfail.get(), 1);
+        assert_eq!(proxy.metrics().attributed.get(), 0);
+        let names = proxy.cache().names_for(&sandbox, IpAddr::V4(addr));
+        assert!(names.names().is_empty());
+    }
 
     proptest::proptest! {
         /// Whatever the bytes, the error path neither panics nor answers a response.
