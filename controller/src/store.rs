@@ -387,18 +387,6 @@ pub async fn worker(pool: &PgPool, id: &str) -> Result<Option<WorkerRow>, sqlx::
     row.as_ref().map(WorkerRow::from_row).transpose()
 }
 
-/// The workers of `shards` with something to push: a resync, or changes
-/// their gateway has not acknowledged.
-pub async fn workers_behind(pool: &PgPool, shards: &[i32]) -> Result<Vec<WorkerRow>, sqlx::Error> {
-    let rows = sqlx::query(
-        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers w WHERE egress_worker_shard(id) = ANY($1) AND (needs_resync OR EXISTS (SELECT 1 FROM sandboxes s WHERE s.worker = w.id AND s.generation > s.pushed_generation)) ORDER BY id",
-    )
-    .bind(shards)
-    .fetch_all(pool)
-    .await?;
-    rows.iter().map(WorkerRow::from_row).collect()
-}
-
 /// The workers of `shards` (those a dispatcher holds), each with the
 /// lease of its shard as it is now.
 pub async fn workers_in(pool: &PgPool, shards: &[i32]) -> Result<Vec<WorkerRow>, sqlx::Error> {
