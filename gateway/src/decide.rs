@@ -221,6 +221,22 @@ pub fn folded_twin(headers: &http::HeaderMap) -> Option<&str> {
         .map(|(n, _)| *n)
 }
 
+/// Headers that have an origin route a request by another path than its
+/// target's (IIS URL Rewrite, Zend Framework 1 and Symfony's legacy
+/// request reading honour them).
+const PATH_OVERRIDES: [&str; 2] = ["x-original-url", "x-rewrite-url"];
+
+/// A header of the request naming a path other than its target's (as
+/// written, or read with `_` for `-`): where per-request rules judge the
+/// target, such a request is refused rather than judged on a path its
+/// origin may not act on. `None` for the usual request.
+pub fn path_override(headers: &http::HeaderMap) -> Option<&str> {
+    headers
+        .keys()
+        .map(http::HeaderName::as_str)
+        .find(|n| n.starts_with('x') && PATH_OVERRIDES.contains(&folded(n).as_ref()))
+}
+
 /// Most methods a request's overrides may name besides its own; a request
 /// naming more is refused (`400`) rather than judged once for each.
 pub const MAX_OVERRIDES: usize = 16;
@@ -298,9 +314,18 @@ impl<'a> Iterator for Readings<'a> {
     }
 }
 
-/// Whether a query key is `_method` as PHP's `$_GET` reads it: up to its
-/// first NUL, leading blanks dropped, `.` and blanks taken for `_`.
+/// Whether a query key is `_method` as PHP's `$_GET` reads it (up to its
+/// first NUL, leading blanks dropped, `.` and blanks taken for `_`), or an
+/// override header's name, as ASP.NET reads it.
 fn is_method_key(key: &str) -> bool {
+    // ASP.NET reads an override header's name in the query string too,
+    // case ignored (`?X-HTTP-Method-Override=DELETE`).
+    if METHOD_OVERRIDES
+        .iter()
+        .any(|h| key.eq_ignore_ascii_case(h.as_str()))
+    {
+        return true;
+    }
     let key = key.split('\0').next().unwrap_or("");
     let key = key.trim_start_matches(' ');
     key.len() == "_method".len()
@@ -480,6 +505,12 @@ mod tests {
             ("/x?.method=delete", vec!["delete"]),
             ("/x?+_method=PUT&_method=put&x=1", vec!["PUT"]),
             ("/x?_method=POST", vec![]),
+            // ASP.NET: the header's name as a query key, case ignored.
+            ("/x?X-HTTP-Method-Override=DELETE", vec!["DELETE"]),
+            (
+                "/x?x-http-method=put&X-Method-Override=PATCH",
+                vec!["put", "PATCH"],
+            ),
             ("/x?method=DELETE&_methods=DELETE", vec![]),
             // PHP reads a key up to its NUL.
             ("/x?_method%00x=DELETE", vec!["DELETE"]),

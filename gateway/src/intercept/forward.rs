@@ -143,9 +143,12 @@ impl Conn {
                 // waits for this one's headers, then uses a fresh connection
                 // if this one is still busy with a body.
                 let again = replay.then(|| replayable(&out)).flatten();
-                let fut = s.try_send_request(out);
-                // Known before the next request takes the connection lock.
+                // Known before the next request takes the connection lock,
+                // and held by the request's body too: an origin that
+                // answers before it has read an upload still carries it.
                 let slot = slot.or_else(|| h2.then(|| self.first_h1_slot()).flatten());
+                let slot = slot.map(Arc::new);
+                let fut = s.try_send_request(out.map(|body| holding(body, slot.clone())));
                 drop(guard);
                 let resp = match fut.await {
                     Ok(resp) => Ok(resp.map(boxed)),
@@ -346,13 +349,13 @@ impl Conn {
         (verify_as, route): (Option<&Hostname>, &Route),
         asked: std::time::Instant,
     ) -> Result<Sender, ForwardError> {
-        if let Some(failed) = self.failed_since(asked) {
+        if let Some(failed) = self.failed_since(key, asked) {
             return Err(failed);
         }
         let fresh = self
             .connect(route, verify_as, key.h2)
             .await
-            .inspect_err(|e| self.note_failure(e))?;
+            .inspect_err(|e| self.note_failure(key, e))?;
         if let Sender::H2(h2) = &fresh {
             self.up.pool.put(key.clone(), Sender::H2(h2.clone()));
             self.h2_opened.fetch_add(1, Ordering::Relaxed);
@@ -360,9 +363,10 @@ impl Conn {
         Ok(fresh)
     }
 
-    /// Remembers a connect that failed ([`Conn::hold_upstream`]).
-    fn note_failure(&self, e: &ForwardError) {
+    /// Remembers a connect for `key` that failed ([`Conn::hold_upstream`]).
+    fn note_failure(&self, key: &PoolKey, e: &ForwardError) {
         let failed = Failure {
+            key: key.clone(),
             at: std::time::Instant::now(),
             fault: e.fault(),
             message: e.to_string(),
@@ -374,14 +378,15 @@ impl Conn {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(failed);
     }
 
-    /// The connect that failed after `asked`, if one did.
-    fn failed_since(&self, asked: std::time::Instant) -> Option<ForwardError> {
+    /// The connect for `key` that failed after `asked`, if one did (one
+    /// for another name, verified as another, is not this request's).
+    fn failed_since(&self, key: &PoolKey, asked: std::time::Instant) -> Option<ForwardError> {
         let failed = self
             .connect_failed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let failed = failed.as_ref()?;
-        (failed.at >= asked).then(|| ForwardError::Failed {
+        (failed.at >= asked && failed.key == *key).then(|| ForwardError::Failed {
             fault: failed.fault,
             message: failed.message.clone(),
             proxy: failed.proxy.clone(),
@@ -474,6 +479,7 @@ impl Conn {
 
 /// A connect to the origin that failed ([`Conn::hold_upstream`]).
 pub(super) struct Failure {
+    key: PoolKey,
     at: std::time::Instant,
     fault: Fault,
     message: String,
@@ -494,8 +500,8 @@ const H2_CONNS: usize = 4;
 const H1_SLOTS: usize = 8;
 
 /// `body`, holding `slot` (if any) until it is dropped: the origin
-/// connection it comes on is in use until then.
-fn holding(body: Body, slot: Option<OwnedSemaphorePermit>) -> Body {
+/// connection it goes or comes on is in use until then.
+fn holding(body: Body, slot: Option<Arc<OwnedSemaphorePermit>>) -> Body {
     match slot {
         Some(slot) => body
             .map_frame(move |frame| {
@@ -696,10 +702,42 @@ fn absolute(uri: &Uri, authority: &str) -> Uri {
         .unwrap_or_else(|_| origin_form(uri))
 }
 
+/// The `cookie` fields of an HTTP/2 request, which may carry one pair
+/// each, as one field joined with `"; "` (RFC 9113 8.2.3), before anything
+/// reads them: an HTTP/1.1 origin may read one `Cookie` line only, and a
+/// required cookie credential is judged on the whole header.
+pub(super) fn join_cookies(headers: &mut HeaderMap) {
+    if headers.get_all(header::COOKIE).iter().nth(1).is_none() {
+        return;
+    }
+    let pairs: Vec<&[u8]> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect();
+    if let Ok(joined) = HeaderValue::from_bytes(&pairs.join(&b"; "[..])) {
+        headers.insert(header::COOKIE, joined);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::test_util::header_map as map;
+
+    #[test]
+    fn an_http2_requests_cookie_fields_are_one() {
+        let mut m = map(&[("cookie", "s=PH"), ("cookie", "a=1"), ("cookie", "b=2")]);
+        join_cookies(&mut m);
+        let all: Vec<_> = m.get_all("cookie").iter().collect();
+        assert_eq!(all, ["s=PH; a=1; b=2"]);
+        let mut one = map(&[("cookie", "s=PH; a=1")]);
+        join_cookies(&mut one);
+        assert_eq!(
+            one.get_all("cookie").iter().collect::<Vec<_>>(),
+            ["s=PH; a=1"]
+        );
+    }
 
     fn names(m: &HeaderMap) -> Vec<&str> {
         let mut v: Vec<&str> = m.keys().map(HeaderName::as_str).collect();

@@ -145,9 +145,10 @@ struct Conn {
     opened: Mutex<Vec<(u64, bridge::Opened)>>,
     /// The last HTTP/2 stream number given (`serve::StreamEnd`).
     streams: std::sync::atomic::AtomicU64,
-    /// The connection stops because a push refused a request let through
-    /// and in flight ([`Conn::stopping_busy`]).
-    withdrawn_stop: std::sync::atomic::AtomicBool,
+    /// When a push was first found to refuse a request let through and in
+    /// flight: the connection stops then, and ends [`WITHDRAWN_GRACE`] on
+    /// ([`Conn::stopping_busy`], [`Conn::withdrawn_past_grace`]).
+    withdrawn_at: std::sync::OnceLock<Instant>,
 }
 
 /// Serves a flow request by request, in TLS terminated here or in plain
@@ -347,7 +348,7 @@ impl Conn {
             bridge: Mutex::new(None),
             opened: Mutex::new(Vec::new()),
             streams: std::sync::atomic::AtomicU64::new(0),
-            withdrawn_stop: std::sync::atomic::AtomicBool::new(false),
+            withdrawn_at: std::sync::OnceLock::new(),
         })
     }
 
@@ -383,9 +384,22 @@ impl Conn {
         // opened during the GOAWAY) does not undo the cut.
         let withdrawn = busy && self.withdrawn();
         if withdrawn {
-            self.withdrawn_stop.store(true, Ordering::Release);
+            let _ = self.withdrawn_at.set(Instant::now());
         }
         withdrawn
+    }
+
+    /// Whether a push has refused a request let through and in flight for
+    /// [`WITHDRAWN_GRACE`]. Judged here too, not only at the boundary's
+    /// check: a connection told to stop for a drain would otherwise carry
+    /// a withdrawn request on to the drain's deadline.
+    fn withdrawn_past_grace(&self) -> bool {
+        if self.withdrawn_at.get().is_none() && self.withdrawn() {
+            let _ = self.withdrawn_at.set(Instant::now());
+        }
+        self.withdrawn_at
+            .get()
+            .is_some_and(|at| at.elapsed() >= WITHDRAWN_GRACE)
     }
 
     /// Whether the flow's sandbox is gone (deleted, or its address taken).
@@ -394,14 +408,15 @@ impl Conn {
     }
 
     /// Whether a connection told to stop at its boundary `since` then must
-    /// end now, requests in flight or not: the drain's deadline passed, or
-    /// its sandbox has been gone for [`REMOVED_GRACE`] (a stream that never
+    /// end now, requests in flight or not: the drain's deadline passed, its
+    /// sandbox has been gone for [`REMOVED_GRACE`] (a stream that never
     /// ends would otherwise carry on under the policy and credentials of a
-    /// registration that is no more).
+    /// registration that is no more), or a push refused what is in flight
+    /// [`WITHDRAWN_GRACE`] ago.
     fn must_end(&self, since: Instant) -> bool {
         self.dp.drain_over.load(Ordering::Acquire)
             || (self.removed() && since.elapsed() >= REMOVED_GRACE)
-            || (since.elapsed() >= WITHDRAWN_GRACE && self.withdrawn_stop.load(Ordering::Acquire))
+            || self.withdrawn_past_grace()
     }
 
     /// Why a connection ended before its boundary ([`Conn::must_end`]).
@@ -423,7 +438,7 @@ impl Conn {
                 "gateway_sandbox_removed".into(),
             ));
         }
-        self.withdrawn_stop.load(Ordering::Acquire).then(|| {
+        self.withdrawn_at.get().is_some().then(|| {
             ended(
                 crate::fault::Fault::POLICY_WITHDRAWN,
                 "gateway_policy_withdrawn".into(),

@@ -19,7 +19,8 @@ use super::Conn;
 use crate::authority::{self, Authority, AuthorityError, Target};
 use crate::credentials;
 use crate::decide::{
-    decide, folded_twin, judge_methods, method_overrides, request_names, Claims, MAX_OVERRIDES,
+    decide, folded_twin, judge_methods, method_overrides, path_override, request_names, Claims,
+    MAX_OVERRIDES,
 };
 use crate::metrics::CodeLabels;
 use crate::pool::Body;
@@ -137,6 +138,9 @@ impl Conn {
             return self.doh_answer(req).await;
         }
         let sb = &*sandbox;
+        if req.version() == http::Version::HTTP_2 {
+            super::forward::join_cookies(req.headers_mut());
+        }
         let authority = match self.authority(&req, rec) {
             Ok(a) => a,
             Err(Refused::BadRequest(why)) => return refuse(&req, why, rec),
@@ -144,6 +148,10 @@ impl Conn {
         };
         if let Some(name) = folded_twin(req.headers()) {
             let why = format!("header {name:?} reads as another with '_' taken for '-'");
+            return refuse(&req, why, rec);
+        }
+        if let Some(name) = path_override(req.headers()).filter(|_| sb.policy.has_request_rules()) {
+            let why = format!("header {name:?} names a path other than the request's");
             return refuse(&req, why, rec);
         }
         let read = read_overrides(&req);

@@ -191,6 +191,67 @@ async fn streams_to_an_http11_origin_share_a_bounded_set_of_connections() {
     assert!((1..=8).contains(&connects), "{connects} origin connections");
 }
 
+/// Those 8 hold while uploads run on past their answers: an HTTP/1.1
+/// origin that answers a request before reading its body (an early `401`,
+/// a `413`) is still busy with it. Before, the slot went with the answer,
+/// and each stream answered early let the next open another connection:
+/// 20 here, up to 200 a client connection.
+#[tokio::test]
+async fn uploads_answered_early_still_hold_their_origin_connections() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let e = intercepting(NAMES).await;
+    let config = e.origin_ca.server(&["goaway.example.test"], &[b"http/1.1"]);
+    let conns = std::sync::Arc::new(AtomicU32::new(0));
+    let counted = conns.clone();
+    let origin = tls_origin(GOAWAY_IP, config, move |mut tls| {
+        conns.fetch_add(1, SeqCst);
+        async move {
+            // The head, answered at once; the body never read.
+            let (mut head, mut byte) = (Vec::new(), [0u8; 1]);
+            while !head.ends_with(b"\r\n\r\n") {
+                if tls.read(&mut byte).await.map_or(true, |n| n == 0) {
+                    return;
+                }
+                head.push(byte[0]);
+            }
+            let _ = tls
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await;
+            let _ = tls.flush().await;
+            tokio::time::sleep(Duration::from_secs(20)).await;
+        }
+    })
+    .await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, origin, "goaway.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (client, conn) = h2::client::handshake(tls).await.expect("h2");
+    tokio::spawn(conn);
+    let mut uploads = Vec::new();
+    for _ in 0..20 {
+        let mut client = client.clone().ready().await.expect("ready");
+        let post = http::Request::post("https://goaway.example.test/up")
+            .body(())
+            .expect("request");
+        let (answer, mut up) = client.send_request(post, false).expect("POST");
+        let _ = up.send_data(Bytes::from_static(b"x"), false);
+        uploads.push((answer, up));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (first, _) = uploads.remove(0);
+    let first = tokio::time::timeout(Duration::from_secs(5), first)
+        .await
+        .expect("answered")
+        .expect("answer");
+    assert_eq!(first.status(), 200, "answered before its body was read");
+    let opened = counted.load(SeqCst);
+    assert!((1..=8).contains(&opened), "{opened} origin connections");
+}
+
 /// `TE: trailers`, the one `TE` HTTP/2 allows and gRPC servers require,
 /// reaches the origin; any other `TE` does not.
 #[tokio::test]

@@ -137,6 +137,38 @@ async fn a_request_in_flight_is_cut_when_a_push_denies_it() {
     cut_after_the_grace(&e, cut, Duration::from_secs(1), "gateway_policy_withdrawn").await;
 }
 
+/// A drain does not stop the judging of what is in flight: an upload a
+/// push refuses during the drain is cut after the grace, not carried on to
+/// the drain's deadline (30 s here). Before, once a drain had told the
+/// connection to stop, only the deadline and a delete could end it.
+#[tokio::test]
+async fn a_request_in_flight_is_cut_when_a_push_denies_it_during_a_drain() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let mut tls = h1_upload(&e).await;
+    let registry = e.gateway.registry().clone();
+    let Env { gateway, flows, .. } = e;
+    let drained = tokio::spawn(gateway.run_until(async {}));
+    let cut = cut_while_trickling(&mut tls, || {
+        let at = vec![SANDBOX_A.parse().expect("ip")];
+        registry
+            .put(SandboxId::new("a"), at, denying_post())
+            .expect("put");
+    })
+    .await;
+    let cut = cut.expect("the upload ran on for 15 s");
+    assert!(
+        cut >= Duration::from_secs(1),
+        "not before the grace: {cut:?}"
+    );
+    let left = tokio::time::timeout(Duration::from_secs(10), drained)
+        .await
+        .expect("the drain ends once the upload is cut")
+        .expect("drain");
+    assert_eq!(left, 0);
+    let line = flows.records().pop().expect("a line");
+    assert_eq!(line["error"], "gateway_policy_withdrawn", "{line}");
+}
+
 /// On HTTP/2 every stream in flight is judged again after a push, not only
 /// the last one let through: an upload the push refuses is cut, though a
 /// request let through after it (and still allowed) has ended since.

@@ -325,6 +325,8 @@ async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
         // Keys as PHP's $_GET reads them: `.` and blanks are `_`.
         "POST /x?.method=DELETE HTTP/1.1\r\n",
         "POST /x?+_method=DELETE HTTP/1.1\r\n",
+        // ASP.NET reads the header's name in the query string too.
+        "POST /x?x-http-method-override=DELETE HTTP/1.1\r\n",
     ] {
         let s = e.connect(SANDBOX_A, e.origins.plain).await;
         let req = format!(
@@ -341,6 +343,17 @@ async fn a_method_is_judged_in_every_form_an_origin_may_act_on() {
     )
     .await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // A header that has an origin route by another path (IIS URL Rewrite,
+    // ZF1) while per-request rules judge the target: refused.
+    for extra in ["X-Original-URL: /admin\r\n", "x_rewrite_url: /admin\r\n"] {
+        let s = e.connect(SANDBOX_A, e.origins.plain).await;
+        let req = format!(
+            "GET /x HTTP/1.1\r\n{extra}Host: plain.example.test\r\nConnection: close\r\n\r\n"
+        );
+        let answer = raw(s, req.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{extra:?}: {answer}");
+        assert!(answer.contains("names a path other"), "{answer}");
+    }
     // More methods named than the gateway judges one by one: refused whole.
     let many: String = (0..17)
         .map(|i| format!("X-HTTP-Method: M{i}\r\n"))
