@@ -109,7 +109,8 @@ pub struct IpNames {
 }
 
 /// The answer to "which names did this sandbox resolve to this IP?".
-#[derive(Debug)]
+/// Cloned without copying a name: it shares the entry as it was.
+#[derive(Clone, Debug)]
 pub enum Lookup {
     Found { entry: Arc<IpNames>, now: Millis },
     Missing(AttributionGap),

@@ -20,7 +20,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use egress_policy::{AttributionGap, CompiledPolicy, Hostname, Verdict};
+use egress_policy::{CompiledPolicy, Hostname, Verdict};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -45,10 +45,10 @@ pub(super) type Bridge =
 pub(super) struct Opened {
     method: hyper::Method,
     host: Option<Hostname>,
-    attributed: Vec<Hostname>,
-    gap: AttributionGap,
+    /// The names attributed then, as they were (shared, not copied).
+    lookup: dns_attrib::Lookup,
     overrides: Vec<String>,
-    target: String,
+    target: Option<http::uri::PathAndQuery>,
     last: (Arc<CompiledPolicy>, u64),
 }
 
@@ -64,16 +64,14 @@ impl Conn {
         (host, lookup): (Option<&Hostname>, &dns_attrib::Lookup),
         overrides: &[String],
     ) {
-        let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
         let opened = Opened {
             method: req.method().clone(),
             host: host.cloned(),
-            attributed: lookup.names().into_owned(),
-            gap: lookup.gap(),
+            lookup: lookup.clone(),
             // Read whether or not the policy judges them now (a push that
             // adds a per-request rule judges them then).
             overrides: overrides.to_vec(),
-            target: target.to_owned(),
+            target: req.uri().path_and_query().cloned(),
             // Judged again at the first tick: the platform's addresses may
             // have changed since the request was judged.
             last: (
@@ -151,12 +149,15 @@ impl Conn {
         }
         let policy = &now.policy;
         let claims = self.claims(o.host.as_ref());
-        let flow = crate::decide::judge(policy, &claims, &o.attributed, o.gap, &self.dp.doh_names);
+        let attributed = o.lookup.names();
+        let gap = o.lookup.gap();
+        let flow = crate::decide::judge(policy, &claims, &attributed, gap, &self.dp.doh_names);
         let refused = matches!(flow, Verdict::Deny(_))
             || (policy.has_request_rules() && {
-                let names = crate::decide::request_names(self.tls, o.host.as_ref(), &o.attributed);
+                let names = crate::decide::request_names(self.tls, o.host.as_ref(), &attributed);
                 let method = (o.method.as_str(), &o.overrides[..]);
-                let (judged, _) = crate::decide::judge_methods(policy, &names, method, &o.target);
+                let target = o.target.as_ref().map_or("", |pq| pq.as_str());
+                let (judged, _) = crate::decide::judge_methods(policy, &names, method, target);
                 judged.deny.is_some()
             });
         if !refused {
