@@ -171,9 +171,30 @@ async fn put_defaults(req: Request<Incoming>, query: &str, m: &Arc<Machines>) ->
 
 // === shared helpers ===
 
-/// Runs a change (it runs nft and fsyncs) off the async threads.
+/// Calls on a blocking thread at once ([`blocking`]).
+const TURNS: usize = 2;
+
+/// The places of [`blocking`] calls: shared by every call of the process.
+static PLACES: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
+    std::sync::LazyLock::new(|| Arc::new(tokio::sync::Semaphore::new(TURNS)));
+
+/// Runs a change (it runs nft and fsyncs) off the async threads, once one
+/// of [`TURNS`] places is free. Every change waits for the state's lock
+/// anyway; waiting for it on a blocking thread each, a burst of calls (a
+/// node booting its VMs) would take the blocking pool the gateway's other
+/// blocking work shares (the fence keeper, the host's addresses, a
+/// handover), and a caller that gave up would leave its thread waiting.
+/// The place is held until the change is done, whether or not its caller
+/// still waits.
 async fn blocking(f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static) -> Reply {
-    match tokio::task::spawn_blocking(f).await {
+    let Ok(place) = PLACES.clone().acquire_owned().await else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "stopping", None);
+    };
+    let run = move || {
+        let _place = place;
+        f()
+    };
+    match tokio::task::spawn_blocking(run).await {
         Ok(Ok(v)) => json_reply(StatusCode::OK, &v),
         Ok(Err(e)) => failed(&e),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string(), None),
@@ -444,6 +465,31 @@ fn egress_json(id: &str, view: &EgressView) -> Value {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+
+    /// A burst of calls takes at most [`super::TURNS`] blocking threads at
+    /// once: the others wait their turn without one.
+    #[tokio::test]
+    async fn a_burst_of_calls_takes_two_blocking_threads_at_most() {
+        let (now, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let calls: Vec<_> = (0..24)
+            .map(|_| {
+                let (now, most) = (now.clone(), most.clone());
+                tokio::spawn(super::blocking(move || {
+                    most.fetch_max(now.fetch_add(1, SeqCst) + 1, SeqCst);
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    now.fetch_sub(1, SeqCst);
+                    Ok(serde_json::json!({}))
+                }))
+            })
+            .collect();
+        for call in calls {
+            assert_eq!(call.await.expect("call").status(), 200);
+        }
+        assert_eq!(most.load(SeqCst), super::TURNS);
+    }
+
     #[test]
     fn a_registration_with_a_key_twice_is_refused() {
         let ok = super::registration_doc(r#"{"addresses": ["100.64.0.2"]}"#);

@@ -107,6 +107,7 @@ mod tests {
     fn ran(success: bool, stderr: &str) -> Ran {
         Ran {
             success,
+            signal: None,
             stdout: String::new(),
             stderr: stderr.into(),
         }

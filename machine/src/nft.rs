@@ -214,6 +214,15 @@ impl Nft {
         if ran.success {
             return Ok(ran.stdout);
         }
+        // Killed (the OOM killer, a signal from elsewhere) after its batch
+        // may have reached the kernel, while it read the answers: it never
+        // said how it ended.
+        if let Some(signal) = ran.signal {
+            return Err(NftError {
+                message: format!("killed by signal {signal}; {}", ran.stderr.trim()),
+                unsure: true,
+            });
+        }
         Err(NftError::new(ran.stderr.trim()))
     }
 }
@@ -221,12 +230,14 @@ impl Nft {
 /// How a command run by [`run_command`] ended.
 pub(crate) struct Ran {
     pub(crate) success: bool,
+    /// The signal that ended it, if one did.
+    pub(crate) signal: Option<i32>,
     pub(crate) stdout: String,
     pub(crate) stderr: String,
 }
 
 /// Runs `argv` (the command and its leading arguments, from the key
-/// `key`) with `args`, writing `stdin` to it, within `timeout`; its output
+/// `key`) with `args`, `stdin` its input, within `timeout`; its output
 /// is kept when `stdout` (else thrown away unread: conntrack prints every
 /// entry it deletes). Err: it could not be run, its input not written, or
 /// it was killed at its time limit (`unsure`: it may have done what it was
@@ -241,14 +252,14 @@ pub(crate) fn run_command(
     let (program, lead) = argv
         .split_first()
         .ok_or_else(|| NftError::new(format!("{key} is empty")))?;
+    let input = match stdin {
+        Some(text) => Stdio::from(whole(text)?),
+        None => Stdio::null(),
+    };
     let mut child = Command::new(program)
         .args(lead)
         .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
+        .stdin(input)
         .stdout(if stdout {
             Stdio::piped()
         } else {
@@ -257,10 +268,8 @@ pub(crate) fn run_command(
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| NftError::new(format!("cannot run {program}: {e}")))?;
-    // The input is written and the output read while it runs (a full
-    // pipe would stall either side), each in a thread of its own, and it
-    // is waited for however the run ends.
-    let writer = feed(stdin, child.stdin.take());
+    // The output is read while it runs (a full pipe would stall it), in
+    // a thread of its own, and it is waited for however the run ends.
     let stdout = drain(child.stdout.take());
     let stderr = drain(child.stderr.take());
     // Past the limit the threads are left to end when the pipes close
@@ -269,31 +278,29 @@ pub(crate) fn run_command(
         message: e.to_string(),
         unsure: true,
     })?;
-    let written = writer.map_or(Ok(()), |w| {
-        w.join()
-            .unwrap_or_else(|_| Err(std::io::Error::other("the writer panicked")))
-    });
     let (stdout, stderr) = (joined(stdout), joined(stderr));
-    if let Err(e) = written {
-        return Err(NftError::new(match stderr.trim() {
-            "" => format!("writing the ruleset: {e}"),
-            said => said.to_owned(),
-        }));
-    }
     Ok(Ran {
         success: status.success(),
+        signal: std::os::unix::process::ExitStatusExt::signal(&status),
         stdout,
         stderr,
     })
 }
 
-/// Writes `text` to `pipe` in a thread of its own.
-fn feed(
-    text: Option<&str>,
-    pipe: Option<std::process::ChildStdin>,
-) -> Option<std::thread::JoinHandle<std::io::Result<()>>> {
-    let (text, mut pipe) = (text?.to_owned(), pipe?);
-    Some(std::thread::spawn(move || pipe.write_all(text.as_bytes())))
+/// `text` whole in an unnamed file in memory, read from its start: the
+/// command's input. Fed through a pipe while it ran, a gateway killed
+/// halfway through a write would leave nft an input cut short at a line's
+/// end, which it would take as a whole transaction (the start of a table:
+/// its chains flushed, half its VMs) and commit.
+fn whole(text: &str) -> Result<std::fs::File, NftError> {
+    use std::io::Seek;
+    let cannot = |e: std::io::Error| NftError::new(format!("writing the ruleset: {e}"));
+    let fd = rustix::fs::memfd_create(c"egress-ruleset", rustix::fs::MemfdFlags::CLOEXEC)
+        .map_err(|e| cannot(e.into()))?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(text.as_bytes()).map_err(cannot)?;
+    file.rewind().map_err(cannot)?;
+    Ok(file)
 }
 
 /// Reads `pipe` to its end in a thread of its own.

@@ -417,6 +417,14 @@ fn declare(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
     for c in counters(layout) {
         let _ = writeln!(out, "add counter {t} {c}_{k}");
     }
+    if let Some(events) = layout.events {
+        // One bucket for both of the VM's chains (IPv4 and IPv6).
+        let rate = events.rate;
+        let _ = writeln!(
+            out,
+            "add limit {t} log_{k} {{ rate over {rate}/second burst {rate} packets; }}"
+        );
+    }
     let _ = writeln!(out, "add counter {lt} spoofed_{k}");
     for (name, ty) in [("src4", "ipv4_addr"), ("src6", "ipv6_addr")] {
         let _ = writeln!(out, "add set {lt} {name}_{k} {{ type {ty}; }}");
@@ -616,7 +624,8 @@ fn v6_chain(layout: &Layout, vm: &str, mode: Mode) -> Vec<String> {
 /// audit passed). Sampled: the destination updates the observed set, and
 /// the verdict is counted. With events: counted, then every TCP and UDP
 /// packet is logged to the group with a prefix naming the outcome and the
-/// VM, at most `rate` a second; what is over the rate is counted in
+/// VM, at most `rate` a second (`log_<k>`, one bucket for its IPv4 and its
+/// IPv6 chain); what is over the rate is counted in
 /// `lost_<k>` and not logged. The verdict is a rule of its own, so neither a
 /// full set nor a failed log lets a packet through.
 fn refuse(layout: &Layout, vm: &str, v6: bool, mode: Mode) -> Vec<String> {
@@ -639,10 +648,10 @@ fn refuse(layout: &Layout, vm: &str, v6: bool, mode: Mode) -> Vec<String> {
         _ => Outcome::Refused,
     }
     .letter();
-    let (rate, group) = (events.rate, events.group);
+    let group = events.group;
     vec![
         format!("counter name refused_{k}"),
-        format!("{l4} limit rate over {rate}/second burst {rate} packets counter name lost_{k} {verdict}"),
+        format!("{l4} limit name log_{k} counter name lost_{k} {verdict}"),
         format!("{l4} log prefix \"{PREFIX} {letter} {vm}\" group {group} snaplen {COPY_RANGE} {verdict}"),
         verdict.to_owned(),
     ]
@@ -672,6 +681,9 @@ fn remove(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
     }
     for c in counters(layout) {
         let _ = writeln!(out, "delete counter {t} {c}_{k}");
+    }
+    if layout.events.is_some() {
+        let _ = writeln!(out, "delete limit {t} log_{k}");
     }
     let _ = writeln!(out, "delete counter {lt} spoofed_{k}");
 }

@@ -595,7 +595,7 @@ fn with_events_refused_packets_are_counted_rate_limited_and_logged() {
         tail,
         [
             format!("counter name refused_{k}").as_str(),
-            &format!("meta l4proto {{ tcp, udp }} limit rate over 500/second burst 500 packets counter name lost_{k} drop"),
+            &format!("meta l4proto {{ tcp, udp }} limit name log_{k} counter name lost_{k} drop"),
             "meta l4proto { tcp, udp } log prefix \"egm r vm-1\" group 7711 snaplen 96 drop",
             "drop",
         ]
@@ -605,6 +605,17 @@ fn with_events_refused_packets_are_counted_rate_limited_and_logged() {
     assert_eq!(v6.len(), 4, "{v6:?}");
     assert!(!r.contains("obs_") && !r.contains("obs6_"), "{r}");
     assert!(r.contains(&format!("add counter inet egress_machine lost_{k}")));
+    // One bucket for both chains: the rate is the VM's, not each family's.
+    let limit = format!(
+        "add limit inet egress_machine log_{k} {{ rate over 500/second burst 500 packets; }}"
+    );
+    assert_eq!(r.matches(&limit).count(), 1, "{r}");
+    assert!(
+        v6.iter()
+            .any(|l| l.contains(&format!("limit name log_{k} "))),
+        "{v6:?}"
+    );
+    assert_eq!(r.matches("limit rate").count(), 0, "{r}");
     // Audit: would refuse, passed.
     let audit = policy(r#"{"mode": "audit"}"#);
     let r = rules::table(&l, &[vm("vm-1", &a, &audit)]);
@@ -669,8 +680,8 @@ fn every_interval_set_is_a_concatenation() {
 
 /// An nft run that hangs is killed at its limit and fails, instead of
 /// holding the state lock (every VM call, the observer) for good; one that
-/// fails says what it printed; a large ruleset is written while the
-/// command reads it.
+/// fails says what it printed; a large ruleset reaches it whole; one
+/// killed by a signal may have committed.
 #[test]
 fn an_nft_run_is_bounded_in_time_and_reports_what_it_said() {
     let sh = |script: &str| Nft::new(vec!["sh".into(), "-c".into(), script.into(), "nft".into()]);
@@ -689,8 +700,21 @@ fn an_nft_run_is_bounded_in_time_and_reports_what_it_said() {
         .expect_err("fails");
     assert_eq!(e.message, "Error: no such table");
     assert!(!e.unsure, "nft said it failed");
-    // 4 MiB through the pipe, echoed back in full.
+    // 4 MiB, echoed back in full.
     let big = "add element inet t s { 1.2.3.4 }\n".repeat(128 * 1024);
     let out = sh("cat").run(&["-f", "-"], Some(&big)).expect("ran");
     assert_eq!(out.len(), big.len());
+    // The input is whole before nft starts (not a pipe a gateway killed
+    // halfway would cut short at a line's end): a file of its full size.
+    let seen = sh("[ -p /dev/stdin ] && echo pipe; stat -L -c %s /dev/stdin")
+        .run(&["-f", "-"], Some(&big))
+        .expect("ran");
+    assert_eq!(seen.trim(), big.len().to_string());
+    // Killed by a signal, it never said how it ended: it may have
+    // committed (the table is then installed again, whole).
+    let e = sh("cat >/dev/null; kill -9 $$")
+        .apply("flush ruleset\n")
+        .expect_err("killed");
+    assert!(e.unsure, "{e}");
+    assert!(e.message.contains("killed by signal 9"), "{e}");
 }
