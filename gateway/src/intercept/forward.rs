@@ -148,7 +148,10 @@ impl Conn {
                 // answers before it has read an upload still carries it.
                 let slot = slot.or_else(|| h2.then(|| self.first_h1_slot()).flatten());
                 let slot = slot.map(Arc::new);
-                let fut = s.try_send_request(out.map(|body| holding(body, slot.clone())));
+                if slot.is_some() {
+                    out = out.map(|body| holding(body, slot.clone()));
+                }
+                let fut = s.try_send_request(out);
                 drop(guard);
                 let resp = match fut.await {
                     Ok(resp) => Ok(resp.map(boxed)),

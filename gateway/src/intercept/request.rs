@@ -150,7 +150,8 @@ impl Conn {
             let why = format!("header {name:?} reads as another with '_' taken for '-'");
             return refuse(&req, why, rec);
         }
-        if let Some(name) = path_override(req.headers()).filter(|_| sb.policy.has_request_rules()) {
+        let path_judged = sb.policy.has_request_rules();
+        if let Some(name) = path_judged.then(|| path_override(req.headers())).flatten() {
             let why = format!("header {name:?} names a path other than the request's");
             return refuse(&req, why, rec);
         }
