@@ -330,10 +330,19 @@ fn text(body: String) -> Reply {
 /// `Idempotency-Key` for a create.
 pub(crate) fn db(e: sqlx::Error) -> Reply {
     tracing::warn!(error = %e, "database error");
-    let mut r = error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "the database is unavailable; retry",
-    );
+    let locked = e
+        .as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == "55P03");
+    let why = match &e {
+        // A value stored by a build of another version (a rolling upgrade).
+        sqlx::Error::Decode(what) => {
+            format!("{what}; retry (on a replica of the build that wrote it, during an upgrade)")
+        }
+        _ if locked => "a row this change needs is held by another; retry".to_owned(),
+        _ => "the database is unavailable; retry".to_owned(),
+    };
+    let mut r = error(StatusCode::SERVICE_UNAVAILABLE, &why);
     r.headers_mut().insert(
         header::RETRY_AFTER,
         header::HeaderValue::from_static(RETRY_AFTER_SECONDS),

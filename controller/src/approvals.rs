@@ -220,23 +220,27 @@ fn overlaps(a: &egress_policy::Destination, b: &egress_policy::Destination) -> b
 /// it (a new generation, pushed by the dispatcher) when that changed it.
 /// `Ok(Err(why))`, nothing saved, when the policy would then be larger than
 /// a gateway takes (only an approval adds: taking one out never does).
+/// `taking_out`: the approval being taken out, if one is.
 pub async fn refresh(
     conn: &mut PgConnection,
     id: &str,
+    taking_out: Option<&str>,
 ) -> Result<Result<bool, String>, sqlx::Error> {
     let Some(row) = store::sandbox_for_update(conn, id).await? else {
         return Ok(Ok(false));
     };
     let Some(mut policy) = row.policy.clone() else {
-        return match store::policy_stored(conn, id).await? {
-            // One a build of another version wrote, which this one cannot
-            // read: taking an approval out here would leave its rule in
-            // force, unsaid. The caller fails (a revoke is `503`, an
-            // expiry tried again); a replica that reads it does it.
-            true => Err(sqlx::Error::Decode(
+        // One a build of another version wrote, which this one cannot
+        // read: if it holds the rule of the approval taken out, taking the
+        // approval out would leave the rule in force, unsaid. The caller
+        // fails then (a revoke is `503`, an expiry tried again), and a
+        // replica that reads it does it. Otherwise it is left as it is.
+        let holds = |a: &str| provenance_names(&row.provenance, a);
+        return match (row.policy_unreadable, taking_out) {
+            (true, Some(a)) if holds(a) => Err(sqlx::Error::Decode(
                 format!("sandbox {id}: its stored policy does not read in this build").into(),
             )),
-            false => Ok(Ok(false)),
+            _ => Ok(Ok(false)),
         };
     };
     let mut provenance = match row.provenance {
@@ -260,6 +264,16 @@ pub async fn refresh(
     };
     store::save_effective(conn, id, &placement).await?;
     Ok(Ok(true))
+}
+
+/// Whether `provenance` has an entry added by approval `id`.
+fn provenance_names(provenance: &Value, id: &str) -> bool {
+    let added_by = |e: &Value| {
+        e.get("source") == Some(&json!("approval")) && e.get("approval") == Some(&json!(id))
+    };
+    provenance
+        .as_array()
+        .is_some_and(|entries| entries.iter().any(added_by))
 }
 
 /// `eff` (a replacement just composed for `row`) with the approvals in
@@ -300,7 +314,7 @@ pub async fn approve(
     let approval = store::approvals::insert(conn, a).await?;
     store::lock_tenant(conn, a.tenant).await?;
     for id in store::approvals::reached(conn, a.tenant, a.scope, a.target).await? {
-        if let Err(why) = refresh(conn, &id).await? {
+        if let Err(why) = refresh(conn, &id, None).await? {
             return Ok(Err(format!("not approved: {why}")));
         }
     }
@@ -340,23 +354,33 @@ pub async fn revoke(
 /// goes on).
 const EXPIRE_PER_SWEEP: usize = 256;
 
+/// How long an approval whose expiry failed is left out of the sweeps.
+const EXPIRE_RETRY: Duration = Duration::from_secs(10);
+
 /// Removes the approvals past their `until` from every sandbox they reach
 /// (the dispatcher calls it periodically), each in a transaction of its
 /// own: one that fails (a sandbox row locked past `lock_timeout`, a rule
-/// that no longer reads) is logged and left for the next sweep, and the
-/// others expire. No approval is begun once `budget` has passed (the first
-/// always is): each may refresh every sandbox of its tenant, and the
-/// dispatcher's round, its lease renewals with it, waits for the sweep.
+/// that no longer reads) is logged, noted in `failed` and left out of the
+/// sweeps for [`EXPIRE_RETRY`], and the others expire. No approval is
+/// begun once `budget` has passed (the first always is): each may refresh
+/// every sandbox of its tenant, and the dispatcher's round, its lease
+/// renewals with it, waits for the sweep. (Without `failed`, one that
+/// failed slowly would be the first of every sweep, and the only one.)
 /// How many expired, and how many failed.
-pub async fn expire(pool: &PgPool, budget: Duration) -> Result<(usize, usize), sqlx::Error> {
+pub async fn expire(
+    pool: &PgPool,
+    budget: Duration,
+    failed: &mut Vec<(String, std::time::Instant)>,
+) -> Result<(usize, usize), sqlx::Error> {
     let started = std::time::Instant::now();
-    let mut failed: Vec<String> = Vec::new();
-    let mut expired = 0;
-    while expired + failed.len() < EXPIRE_PER_SWEEP
-        && (expired + failed.len() == 0 || started.elapsed() < budget)
+    failed.retain(|(_, at)| at.elapsed() < EXPIRE_RETRY);
+    let mut skip: Vec<String> = failed.iter().map(|(id, _)| id.clone()).collect();
+    let (mut expired, mut failures) = (0, 0);
+    while expired + failures < EXPIRE_PER_SWEEP
+        && (expired + failures == 0 || started.elapsed() < budget)
     {
         let mut tx = pool.begin().await?;
-        let Some((id, approval)) = store::approvals::expire_one(&mut tx, &failed).await? else {
+        let Some((id, approval)) = store::approvals::expire_one(&mut tx, &skip).await? else {
             break;
         };
         let taken = match approval {
@@ -370,12 +394,14 @@ pub async fn expire(pool: &PgPool, budget: Duration) -> Result<(usize, usize), s
             }
             Err(error) => {
                 drop(tx);
-                tracing::warn!(approval = %id, %error, "an approval past its until could not be taken out; tried again next sweep");
-                failed.push(id);
+                tracing::warn!(approval = %id, %error, "an approval past its until could not be taken out; tried again in 10 s");
+                failed.push((id.clone(), std::time::Instant::now()));
+                skip.push(id);
+                failures += 1;
             }
         }
     }
-    Ok((expired, failed.len()))
+    Ok((expired, failures))
 }
 
 /// Refreshes every sandbox `a` reached, now that it is no longer in force:
@@ -385,7 +411,7 @@ async fn take_out(conn: &mut PgConnection, a: &Approval) -> Result<(), sqlx::Err
     store::lock_tenant(conn, &a.tenant).await?;
     for id in store::approvals::reached(conn, &a.tenant, a.scope, &a.target).await? {
         // Taking a rule out makes no policy larger.
-        if let Err(why) = refresh(conn, &id).await? {
+        if let Err(why) = refresh(conn, &id, Some(&a.id)).await? {
             tracing::error!(%why, "a sandbox's policy is larger than a gateway takes after an approval was taken out");
         }
     }

@@ -180,6 +180,8 @@ async fn wait_for_work(listener: &mut Option<sqlx::postgres::PgListener>) {
 struct Rounds {
     expired: Instant,
     pruned: Instant,
+    /// Approvals whose expiry failed lately, and when.
+    expiry_failed: Vec<(String, Instant)>,
 }
 
 impl Dispatcher {
@@ -259,6 +261,7 @@ impl Dispatcher {
         let mut rounds = Rounds {
             expired: long_ago,
             pruned: long_ago,
+            expiry_failed: Vec::new(),
         };
         let mut leader = false;
         let mut listened = Instant::now();
@@ -333,7 +336,7 @@ impl Dispatcher {
     /// queue metrics.
     async fn singletons(&self, rounds: &mut Rounds) {
         if rounds.expired.elapsed() >= EXPIRY_INTERVAL {
-            self.expire_approvals().await;
+            self.expire_approvals(&mut rounds.expiry_failed).await;
             rounds.expired = Instant::now();
         }
         if rounds.pruned.elapsed() >= PRUNE_INTERVAL {
@@ -429,8 +432,8 @@ impl Dispatcher {
 
     /// Takes the approvals past their `until` out of the sandboxes they
     /// reached; the new generations are pushed like any change.
-    async fn expire_approvals(&self) {
-        match crate::approvals::expire(&self.pool, EXPIRY_BUDGET).await {
+    async fn expire_approvals(&self, failed: &mut Vec<(String, Instant)>) {
+        match crate::approvals::expire(&self.pool, EXPIRY_BUDGET, failed).await {
             Ok((0, _)) => {}
             Ok((n, _)) => tracing::info!(expired = n, "approvals expired"),
             Err(e) => tracing::warn!(error = %e, "expiring approvals"),
@@ -1352,6 +1355,7 @@ mod tests {
             template: "base".into(),
             egress_profiles: Vec::new(),
             policy: Some(policy),
+            policy_unreadable: false,
             inherits_template: false,
             provenance: Value::Null,
             state: SandboxState::Running,

@@ -113,6 +113,9 @@ pub struct SandboxRow {
     pub template: String,
     pub egress_profiles: Vec<String>,
     pub policy: Option<Policy>,
+    /// A policy is stored that this build cannot read (one a build of
+    /// another version wrote): `policy` is `None` then.
+    pub policy_unreadable: bool,
     pub inherits_template: bool,
     pub provenance: Value,
     pub state: SandboxState,
@@ -123,13 +126,17 @@ pub struct SandboxRow {
 
 impl SandboxRow {
     fn from_row(r: &PgRow) -> Result<Self, sqlx::Error> {
-        let policy: Option<Json<Value>> = r.try_get("policy")?;
+        let stored: Option<Json<Value>> = r.try_get("policy")?;
+        let policy = stored
+            .as_ref()
+            .and_then(|Json(v)| Policy::from_json(&v.to_string()).ok());
         Ok(Self {
+            policy_unreadable: stored.is_some() && policy.is_none(),
             id: r.try_get("id")?,
             tenant: r.try_get("tenant")?,
             template: r.try_get("template")?,
             egress_profiles: r.try_get("egress_profiles")?,
-            policy: policy.and_then(|Json(v)| Policy::from_json(&v.to_string()).ok()),
+            policy,
             inherits_template: r.try_get("inherits_template")?,
             provenance: r.try_get::<Json<Value>, _>("provenance")?.0,
             state: state(r)?,
@@ -619,16 +626,6 @@ pub async fn mark_forgotten(pool: &PgPool, forgotten: &[(String, i64)]) -> Resul
     .execute(pool)
     .await?;
     Ok(())
-}
-
-/// Whether sandbox `id` has a policy stored, read or not.
-pub async fn policy_stored(conn: &mut PgConnection, id: &str) -> Result<bool, sqlx::Error> {
-    let stored: Option<bool> =
-        sqlx::query_scalar("SELECT policy IS NOT NULL FROM sandboxes WHERE id = $1")
-            .bind(id)
-            .fetch_optional(conn)
-            .await?;
-    Ok(stored == Some(true))
 }
 
 /// Whether `e` is PostgreSQL's refusal of a value (SQLSTATE class 22, a
