@@ -128,7 +128,7 @@ async fn clear_egress(m: &Arc<Machines>, id: &str) -> Reply {
 /// `GET /v1/vms/{id}/network/egress/observed`.
 async fn get_observed(m: &Arc<Machines>, id: &str) -> Reply {
     let (m, id) = (m.clone(), id.to_owned());
-    blocking(move || observed_json(&m, &id)).await
+    reading(move || observed_json(&m, &id)).await
 }
 
 /// `POST /v1/vms/{id}/network/egress/suggest[?apply=true]`.
@@ -138,7 +138,11 @@ async fn post_suggest(query: &str, m: &Arc<Machines>, id: &str) -> Reply {
         Err(r) => return *r,
     };
     let (m, id) = (m.clone(), id.to_owned());
-    blocking(move || suggest(&m, &id, apply)).await
+    let run = move || suggest(&m, &id, apply);
+    match apply {
+        true => blocking(run).await,
+        false => reading(run).await,
+    }
 }
 
 /// `GET /v1/network/egress/defaults`.
@@ -171,12 +175,14 @@ async fn put_defaults(req: Request<Incoming>, query: &str, m: &Arc<Machines>) ->
 
 // === shared helpers ===
 
-/// Calls on a blocking thread at once ([`blocking`]).
+/// Changes, and reads, on a blocking thread at once ([`blocking`],
+/// [`reading`]).
 const TURNS: usize = 2;
 
-/// The places of [`blocking`] calls: shared by every call of the process.
-static PLACES: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
-    std::sync::LazyLock::new(|| Arc::new(tokio::sync::Semaphore::new(TURNS)));
+/// The places of changes ([`blocking`]) and of reads ([`reading`]), each
+/// shared by every call of the process: a read waits for no change's turn.
+static PLACES: std::sync::LazyLock<[Arc<tokio::sync::Semaphore>; 2]> =
+    std::sync::LazyLock::new(|| [(); 2].map(|()| Arc::new(tokio::sync::Semaphore::new(TURNS))));
 
 /// Runs a change (it runs nft and fsyncs) off the async threads, once one
 /// of [`TURNS`] places is free. Every change waits for the state's lock
@@ -187,7 +193,21 @@ static PLACES: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
 /// The place is held until the change is done, whether or not its caller
 /// still waits.
 async fn blocking(f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static) -> Reply {
-    let Ok(place) = PLACES.clone().acquire_owned().await else {
+    on_blocking_thread(&PLACES[0], f).await
+}
+
+/// A read ([`blocking`]'s places are for changes; reads have two of
+/// their own).
+async fn reading(f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static) -> Reply {
+    on_blocking_thread(&PLACES[1], f).await
+}
+
+async fn on_blocking_thread(
+    places: &Arc<tokio::sync::Semaphore>,
+    f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static,
+) -> Reply {
+    // Never closed: every call gets its place in turn.
+    let Ok(place) = places.clone().acquire_owned().await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "stopping", None);
     };
     let run = move || {

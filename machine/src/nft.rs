@@ -287,7 +287,8 @@ pub(crate) fn run_command(
     })
 }
 
-/// `text` whole in an unnamed file in memory, read from its start: the
+/// `text` whole in an unnamed file in memory (or, where memfd is refused,
+/// in the temporary directory), read from its start: the
 /// command's input. Fed through a pipe while it ran, a gateway killed
 /// halfway through a write would leave nft an input cut short at a line's
 /// end, which it would take as a whole transaction (the start of a table:
@@ -295,8 +296,18 @@ pub(crate) fn run_command(
 fn whole(text: &str) -> Result<std::fs::File, NftError> {
     use std::io::Seek;
     let cannot = |e: std::io::Error| NftError::new(format!("writing the ruleset: {e}"));
-    let fd = rustix::fs::memfd_create(c"egress-ruleset", rustix::fs::MemfdFlags::CLOEXEC)
-        .map_err(|e| cannot(e.into()))?;
+    use rustix::fs::{Mode, OFlags};
+    let fd = match rustix::fs::memfd_create(c"egress-ruleset", rustix::fs::MemfdFlags::CLOEXEC) {
+        Ok(fd) => fd,
+        // A runtime that refuses memfd (a strict seccomp profile): an
+        // unnamed file in the temporary directory instead.
+        Err(_) => rustix::fs::open(
+            std::env::temp_dir(),
+            OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::RUSR | Mode::WUSR,
+        )
+        .map_err(|e| cannot(e.into()))?,
+    };
     let mut file = std::fs::File::from(fd);
     file.write_all(text.as_bytes()).map_err(cannot)?;
     file.rewind().map_err(cannot)?;
