@@ -410,9 +410,11 @@ mod tests {
         server.abort();
     }
 
-    /// An HTTP/2 connection idle after a request is closed after the idle
-    /// limit, not the head timeout of one that never asked: the GOAWAY
-    /// comes well before [`HEAD_TIMEOUT`] past the answer.
+    /// An HTTP/2 connection idle after a request is closed at the idle
+    /// limit: its request's mark of being busy is let go with its answer,
+    /// and the GOAWAY comes well before [`HEAD_TIMEOUT`] past the answer.
+    /// (Whether one that never asked is held to the head timeout instead
+    /// is `a_connection_that_asks_nothing_ends_within_the_head_timeout`.)
     #[tokio::test]
     async fn an_http2_connection_idle_after_a_request_is_closed_at_the_idle_limit() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -382,7 +382,13 @@ impl Conn {
         }
         // Held once found: a request let through later (an HTTP/2 stream
         // opened during the GOAWAY) does not undo the cut.
-        let withdrawn = busy && self.withdrawn();
+        busy && self.note_withdrawn()
+    }
+
+    /// Whether a push refuses a request let through and in flight
+    /// ([`Conn::withdrawn`]); when it first does, noted.
+    fn note_withdrawn(&self) -> bool {
+        let withdrawn = self.withdrawn();
         if withdrawn {
             let _ = self.withdrawn_at.set(Instant::now());
         }
@@ -394,8 +400,8 @@ impl Conn {
     /// check: a connection told to stop for a drain would otherwise carry
     /// a withdrawn request on to the drain's deadline.
     fn withdrawn_past_grace(&self) -> bool {
-        if self.withdrawn_at.get().is_none() && self.withdrawn() {
-            let _ = self.withdrawn_at.set(Instant::now());
+        if self.withdrawn_at.get().is_none() {
+            self.note_withdrawn();
         }
         self.withdrawn_at
             .get()

@@ -328,14 +328,18 @@ async fn a_doh_answer_that_comes_after_the_drain_began_is_not_given() {
     let (resp, mut body) = doh_post(&e).await;
     let q = query("slow.example.test.");
     body.send_data(bytes::Bytes::from(q), true).expect("data");
-    // The upstream answers 600 ms after it is asked.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let Env {
-        gateway, dns_asked, ..
-    } = e;
+    // The upstream answers 600 ms after it is asked: the drain begins once
+    // it has been (the check before the query has passed).
+    let asked = || {
+        let names = e.dns_asked.lock().expect("asked");
+        names.iter().any(|n| n == "slow.example.test")
+    };
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !asked() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(asked(), "the upstream was asked");
+    let Env { gateway, .. } = e;
     let drained = tokio::spawn(gateway.run_until(async {}));
     refused_while_draining(resp, drained).await;
-    // It was asked before the drain (the check above it does see a query).
-    let asked = dns_asked.lock().expect("asked").clone();
-    assert!(asked.iter().any(|n| n == "slow.example.test"), "{asked:?}");
 }
