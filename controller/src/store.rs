@@ -889,7 +889,14 @@ pub async fn prune(
         (operations, batch),
     )
     .await?;
-    Ok((forgotten, deleted, ended))
+    // Their shadows too (a candidate and the policy it was put over).
+    let shadows = prune_one(
+        pool,
+        "DELETE FROM sandbox_shadows WHERE sandbox IN (SELECT s.id FROM sandbox_shadows sh JOIN sandboxes s ON s.id = sh.sandbox WHERE s.state IN ('destroyed', 'failed') AND s.generation <= s.pushed_generation AND s.changed_at < now() - make_interval(secs => $1) LIMIT $2)",
+        (operations, batch),
+    )
+    .await?;
+    Ok((forgotten, deleted, ended + shadows))
 }
 
 /// One of [`prune`]'s statements, its age (`$1`, seconds) and batch (`$2`)

@@ -268,3 +268,58 @@ async fn a_template_rollout_reaches_every_inheriting_sandbox_on_every_worker() {
     let (s, _) = path(api, "GET", "/v1/templates/base/shadow/report", ADMIN, None).await;
     assert_eq!(s, 404);
 }
+
+/// A destroyed sandbox's shadow goes at pruning, as its policy does: a
+/// tenant creating, shadowing and destroying sandboxes in a loop leaves no
+/// rows of a megabyte. Before, the shadow's row (the candidate and the
+/// policy it was put over) stayed for good.
+#[tokio::test]
+async fn a_destroyed_sandboxes_shadow_is_pruned() {
+    let url = db!();
+    let w = world(&url, deployment(None, None), json!({"default": "allow"})).await;
+    let (gw, api) = (&w.gw, &w.api);
+    let body = json!({"template": "base", "policy": {"default": "deny"}});
+    let id = created(api, gw, FEDERATED, body).await;
+    let candidate = json!({"default": "deny", "allow": [{"domain": "new.example.test"}]});
+    let shadow = format!("/v1/sandboxes/{id}/shadow");
+    let (s, put) = path(
+        api,
+        "PUT",
+        &shadow,
+        FEDERATED,
+        Some(json!({"policy": candidate})),
+    )
+    .await;
+    assert_eq!(s, 200, "{put}");
+    let (s, v) = path(
+        api,
+        "DELETE",
+        &format!("/v1/sandboxes/{id}"),
+        FEDERATED,
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM sandbox_shadows WHERE sandbox = $1")
+            .bind(&id)
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    };
+    assert_eq!(rows().await, 1, "kept until the gateway has forgotten it");
+    let zero = Duration::ZERO;
+    for _ in 0..100 {
+        egress_controller::store::prune(&pool, zero, zero, 1000)
+            .await
+            .expect("prune");
+        if rows().await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(rows().await, 0, "pruned once its gateway forgot it");
+}
