@@ -133,6 +133,17 @@ impl Api {
             .as_ref()
             .map(|p| policy_field(p, "policy"))
             .transpose()?;
+        // A worker named must be one: otherwise the create is queued, its
+        // operation retried for minutes, and the sandbox fails.
+        if let Some(worker) = &req.worker {
+            let known = store::worker(&self.pool, worker).await.map_err(db)?;
+            if known.is_none() {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("worker: {worker:?} is not registered"),
+                ));
+            }
+        }
         let print = json!({"template": req.template, "policy": req.policy, "worker": req.worker});
         let create = CreateRequest {
             template: req.template,

@@ -57,9 +57,16 @@ fn query(raw: Option<&str>) -> Result<Value, Reply> {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let k = decode(k).ok_or_else(|| bad_query(k))?;
         let v = decode(v).ok_or_else(|| bad_query(&k))?;
-        if !v.is_empty() {
-            out.insert(k, Value::String(v));
+        if v.is_empty() {
+            continue;
         }
+        // Given twice, it could be read as either: refused, as a body's
+        // key given twice is.
+        if out.contains_key(&k) {
+            let why = format!("query: {k:?} is given twice");
+            return Err(error(StatusCode::BAD_REQUEST, &why));
+        }
+        out.insert(k, Value::String(v));
     }
     Ok(Value::Object(out))
 }
@@ -282,6 +289,13 @@ mod tests {
         assert!(query(Some("tenant=%zz")).is_err());
         assert!(query(Some("tenant=%e2%28")).is_err());
         assert!(typed::<ListQuery>(json!({"colour": "red"})).is_err());
+        // A key given twice could be read as either value: refused.
+        assert!(query(Some("state=running&state=failed")).is_err());
+        assert!(query(Some("state=running&st%61te=failed")).is_err());
+        assert!(
+            query(Some("state=&state=failed")).is_ok(),
+            "an empty one is none"
+        );
     }
 
     #[test]

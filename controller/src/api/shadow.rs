@@ -117,6 +117,9 @@ impl Api {
         // without them, each destination an approval opens would show in
         // the report as a change the promotion does not make.
         let (laid, _) = laid_over(&mut tx, &row, &eff).await.map_err(db)?;
+        // One a gateway would refuse (413, answered 502), or take but
+        // never let be promoted: the caller's to make smaller.
+        super::pushable(&laid, &row.addresses)?;
         let put = json!({ "policy": laid });
         let since = match gateway(&t, Method::PUT, "", Some(&put)).await {
             Ok((s, body)) if s.is_success() => body["since"].clone(),
@@ -249,6 +252,9 @@ impl Api {
         let (laid, _) = laid_over(conn, row, &eff)
             .await
             .map_err(|e| e.to_string())?;
+        if let Some(why) = crate::compose::oversized(&laid, &row.addresses) {
+            return Err(format!("sandbox {}: {why}", row.id));
+        }
         match gateway(&t, Method::PUT, "", Some(&json!({"policy": laid}))).await {
             Ok((s, _)) if s.is_success() => Ok(()),
             Ok((s, body)) => Err(format!("the worker's gateway answered {s}: {body}")),

@@ -40,6 +40,17 @@ async fn a_native_create_is_queued_composed_at_execution_and_pushed_to_its_gatew
     .await;
     let (gw, api) = (&w.gw, &w.api);
 
+    // A worker named that is none: refused at once, naming it (before, it
+    // was queued, retried for minutes, and the sandbox failed).
+    let body = json!({"template": "base", "worker": "nope"});
+    let (s, v) = create(api, FEDERATED, &[], body).await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(
+        v["error"],
+        json!("worker: \"nope\" is not registered"),
+        "{v}"
+    );
+
     let (s, v) = create(
         api,
         FEDERATED,
