@@ -58,6 +58,15 @@ async fn path(
     call(api.addr, method, p, Some(token), &[], body).await
 }
 
+/// FEDERATED puts `candidate` as sandbox `id`'s shadow: the answer (`200`).
+async fn shadow_put(api: &ApiProcess, id: &str, candidate: &Value) -> Value {
+    let shadow = format!("/v1/sandboxes/{id}/shadow");
+    let body = Some(json!({"policy": candidate}));
+    let (s, put) = path(api, "PUT", &shadow, FEDERATED, body).await;
+    assert_eq!(s, 200, "{put}");
+    put
+}
+
 #[tokio::test]
 async fn a_shadow_is_composed_put_on_the_gateway_reported_and_promoted() {
     let url = db!();
@@ -78,15 +87,7 @@ async fn a_shadow_is_composed_put_on_the_gateway_reported_and_promoted() {
     let shadow = format!("/v1/sandboxes/{id}/shadow");
     let candidate = json!({"default": "deny",
         "allow": [{"domain": "tenant.example.test"}, {"domain": "new.example.test"}]});
-    let (s, put) = path(
-        api,
-        "PUT",
-        &shadow,
-        FEDERATED,
-        Some(json!({"policy": candidate})),
-    )
-    .await;
-    assert_eq!(s, 200, "{put}");
+    let put = shadow_put(api, &id, &candidate).await;
     let effective = put["effective"].clone();
     let allow = effective["allow"].as_array().cloned().unwrap_or_default();
     assert!(
@@ -281,16 +282,7 @@ async fn a_destroyed_sandboxes_shadow_is_pruned() {
     let body = json!({"template": "base", "policy": {"default": "deny"}});
     let id = created(api, gw, FEDERATED, body).await;
     let candidate = json!({"default": "deny", "allow": [{"domain": "new.example.test"}]});
-    let shadow = format!("/v1/sandboxes/{id}/shadow");
-    let (s, put) = path(
-        api,
-        "PUT",
-        &shadow,
-        FEDERATED,
-        Some(json!({"policy": candidate})),
-    )
-    .await;
-    assert_eq!(s, 200, "{put}");
+    shadow_put(api, &id, &candidate).await;
     let (s, v) = path(
         api,
         "DELETE",
