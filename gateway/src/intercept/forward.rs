@@ -143,14 +143,9 @@ impl Conn {
                 // waits for this one's headers, then uses a fresh connection
                 // if this one is still busy with a body.
                 let again = replay.then(|| replayable(&out)).flatten();
-                // Known before the next request takes the connection lock,
-                // and held by the request's body too: an origin that
-                // answers before it has read an upload still carries it.
+                // Known before the next request takes the connection lock.
                 let slot = slot.or_else(|| h2.then(|| self.first_h1_slot()).flatten());
-                let slot = slot.map(Arc::new);
-                if slot.is_some() {
-                    out = out.map(|body| holding(body, slot.clone()));
-                }
+                let (out, slot) = slot_held(out, slot);
                 let fut = s.try_send_request(out);
                 drop(guard);
                 let resp = match fut.await {
@@ -501,6 +496,22 @@ const H2_CONNS: usize = 4;
 /// Origin connections an HTTP/2 client connection's requests may hold at
 /// once when its origin speaks HTTP/1.1.
 const H1_SLOTS: usize = 8;
+
+/// `out`, its body holding `slot` (if any), and the slot for its answer's
+/// body to hold too: an origin that answers before it has read an upload
+/// is still busy with it.
+fn slot_held(
+    out: Request<Body>,
+    slot: Option<OwnedSemaphorePermit>,
+) -> (Request<Body>, Option<Arc<OwnedSemaphorePermit>>) {
+    match slot.map(Arc::new) {
+        Some(slot) => {
+            let held = Some(slot.clone());
+            (out.map(|body| holding(body, held)), Some(slot))
+        }
+        None => (out, None),
+    }
+}
 
 /// `body`, holding `slot` (if any) until it is dropped: the origin
 /// connection it goes or comes on is in use until then.

@@ -146,21 +146,11 @@ impl Conn {
             Err(Refused::BadRequest(why)) => return refuse(&req, why, rec),
             Err(Refused::Misdirected) => return misdirected(),
         };
-        if let Some(name) = folded_twin(req.headers()) {
-            let why = format!("header {name:?} reads as another with '_' taken for '-'");
-            return refuse(&req, why, rec);
-        }
-        let path_judged = sb.policy.has_request_rules();
-        if let Some(name) = path_judged.then(|| path_override(req.headers())).flatten() {
-            let why = format!("header {name:?} names a path other than the request's");
-            return refuse(&req, why, rec);
-        }
-        let read = read_overrides(&req);
+        let read = match read_headers(&req, sb.policy.has_request_rules()) {
+            Ok(read) => read,
+            Err(why) => return refuse(&req, why, rec),
+        };
         let overrides = &read[..];
-        if overrides.len() > MAX_OVERRIDES {
-            let why = format!("more than {MAX_OVERRIDES} methods named by method overrides");
-            return refuse(&req, why, rec);
-        }
         let host = authority.name();
         let (lookup, judged) = self.judge(sb, host, rec);
         let allowed = match judged {
@@ -806,6 +796,31 @@ fn misdirected() -> Response<Body> {
         StatusCode::MISDIRECTED_REQUEST,
         "Host does not match the TLS server name\n",
     )
+}
+
+/// The methods a request's overrides name ([`read_overrides`]), or why
+/// its headers refuse it (`400`) before it is judged: a name an origin
+/// reads as another with `_` taken for `-`, a header naming another path
+/// where per-request rules judge the target (`path_judged`), or more
+/// methods named than are judged one by one.
+fn read_headers(req: &Request<ClientBody>, path_judged: bool) -> Result<Vec<String>, String> {
+    if let Some(name) = folded_twin(req.headers()) {
+        return Err(format!(
+            "header {name:?} reads as another with '_' taken for '-'"
+        ));
+    }
+    if let Some(name) = path_judged.then(|| path_override(req.headers())).flatten() {
+        return Err(format!(
+            "header {name:?} names a path other than the request's"
+        ));
+    }
+    let read = read_overrides(req);
+    if read.len() > MAX_OVERRIDES {
+        return Err(format!(
+            "more than {MAX_OVERRIDES} methods named by method overrides"
+        ));
+    }
+    Ok(read)
 }
 
 /// The methods a request's overrides name, read once for every request,
