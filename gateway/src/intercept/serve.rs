@@ -60,15 +60,27 @@ where
     // hyper's, the parked wait): it spares them the reads that would find
     // nothing.
     let mut io = Rewind::new(Vec::new(), ReadLatch::new(io));
-    let h2 = loop {
-        tokio::select! {
-            biased;
-            h2 = sniff(&mut io) => break h2,
-            why = watch.next(|| conn.stopping()) => match why {
-                Quiet::Idle => return idle_timeout(&conn),
-                Quiet::Stop => return finish(&conn, conn.stop_cause()).await,
-                Quiet::Lull | Quiet::Rest => {}
-            },
+    // The preface, or a request's first bytes, within the head's time: one
+    // sniff, not one a tick (a sniff dropped at a tick would lose what it
+    // had read of a preface sent slowly).
+    let head_by = tokio::time::Instant::now() + conn.dp.config().timeouts.request_head;
+    let h2 = {
+        let sniffing = sniff(&mut io);
+        tokio::pin!(sniffing);
+        loop {
+            tokio::select! {
+                biased;
+                h2 = &mut sniffing => break h2,
+                why = watch.next(|| conn.stopping()) => match why {
+                    Quiet::Idle => return idle_timeout(&conn),
+                    Quiet::Stop => return finish(&conn, conn.stop_cause()).await,
+                    Quiet::Lull | Quiet::Rest => {}
+                },
+                () = tokio::time::sleep_until(head_by) => {
+                    let timeout = ended(Fault::HEAD_TIMEOUT, "head_timeout".to_owned());
+                    return conn.served(Some(timeout));
+                }
+            }
         }
     };
     match h2 {

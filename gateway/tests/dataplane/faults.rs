@@ -232,3 +232,75 @@ async fn slow_clients_are_closed_at_the_timeouts_and_the_limit_resets_new_ones()
         .expect("answer");
     assert_eq!(status, 200);
 }
+
+/// After the handshake, a client that sends nothing, or a part of the
+/// HTTP/2 preface, is closed at `timeouts.request_head`: the sniff that
+/// tells HTTP/2 from HTTP/1.1 waits for a head's first bytes. Before, it
+/// was held to `timeouts.idle` (10 s here).
+#[tokio::test]
+async fn a_client_silent_after_the_handshake_is_closed_at_the_head_timeout() {
+    let e = env(Options {
+        request_head: "700ms",
+        ..Options::default()
+    })
+    .await;
+    let intercepted = r#"{"default": "allow", "tls_interception": "on"}"#;
+    e.sandbox("a", SANDBOX_A, policy(intercepted));
+    for first in [&b""[..], b"PRI * HT"] {
+        let (mut tls, _) = e
+            .tls(SANDBOX_A, e.origins.api, "api.example.test", &[b"h2"])
+            .await
+            .expect("handshake");
+        tls.write_all(first).await.expect("write");
+        tls.flush().await.expect("flush");
+        let closed = closed_within(&mut tls, std::time::Duration::from_secs(5)).await;
+        assert!(closed, "{first:?}: closed at the head timeout");
+    }
+}
+
+/// A preface sent slowly (a pause past a tick of the connection's watch
+/// in the middle of it) is HTTP/2 all the same. Before, the sniff was
+/// begun again at each tick and lost what it had read: the rest was read
+/// as HTTP/1.1.
+#[tokio::test]
+async fn a_preface_sent_slowly_is_still_http2() {
+    let e = env(Options::default()).await;
+    let intercepted = r#"{"default": "allow", "tls_interception": "on"}"#;
+    e.sandbox("a", SANDBOX_A, policy(intercepted));
+    let (mut tls, _) = e
+        .tls(SANDBOX_A, e.origins.api, "api.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    tls.write_all(&preface[..8]).await.expect("write");
+    tls.flush().await.expect("flush");
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    // The rest, an empty SETTINGS, and a GET of `/` on stream 1 (HEADERS,
+    // END_STREAM | END_HEADERS: :method GET, :scheme https, :path /,
+    // :authority api.example.test).
+    let mut rest = preface[8..].to_vec();
+    rest.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    let authority = b"api.example.test";
+    let block_len = 3 + 2 + authority.len();
+    rest.extend_from_slice(&[0, 0, block_len as u8, 1, 5, 0, 0, 0, 1, 0x82, 0x87, 0x84]);
+    rest.extend_from_slice(&[0x41, authority.len() as u8]);
+    rest.extend_from_slice(authority);
+    tls.write_all(&rest).await.expect("write");
+    tls.flush().await.expect("flush");
+    let answered = async {
+        loop {
+            let mut head = [0u8; 9];
+            tls.read_exact(&mut head).await.expect("a frame");
+            assert_ne!(&head[..5], b"HTTP/", "read as HTTP/1.1");
+            let len = usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut payload = vec![0u8; len];
+            tls.read_exact(&mut payload).await.expect("its payload");
+            if head[3] == 1 && head[5..9] == [0, 0, 0, 1] {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), answered)
+        .await
+        .expect("stream 1 answered");
+}
