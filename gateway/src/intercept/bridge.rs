@@ -49,6 +49,9 @@ pub(super) struct Opened {
     lookup: dns_attrib::Lookup,
     overrides: Vec<String>,
     target: Option<http::uri::PathAndQuery>,
+    /// It names another path in a header ([`crate::decide::path_override`]):
+    /// refused wherever per-request rules judge the target.
+    path_override: bool,
     last: (Arc<CompiledPolicy>, u64),
 }
 
@@ -72,6 +75,7 @@ impl Conn {
             // adds a per-request rule judges them then).
             overrides: overrides.to_vec(),
             target: req.uri().path_and_query().cloned(),
+            path_override: crate::decide::path_override(req.headers()).is_some(),
             // Judged again at the first tick: the platform's addresses may
             // have changed since the request was judged.
             last: (
@@ -153,6 +157,7 @@ impl Conn {
         let gap = o.lookup.gap();
         let flow = crate::decide::judge(policy, &claims, &attributed, gap, &self.dp.doh_names);
         let refused = matches!(flow, Verdict::Deny(_))
+            || (policy.has_request_rules() && o.path_override)
             || (policy.has_request_rules() && {
                 let names = crate::decide::request_names(self.tls, o.host.as_ref(), &attributed);
                 let method = (o.method.as_str(), &o.overrides[..]);

@@ -137,6 +137,25 @@ async fn a_request_in_flight_is_cut_when_a_push_denies_it() {
     cut_after_the_grace(&e, cut, Duration::from_secs(1), "gateway_policy_withdrawn").await;
 }
 
+/// An upload naming another path in a header (`X-Original-URL`), let
+/// through while the policy has no per-request rule, is cut by a push
+/// that adds one: a request carrying it then would be refused.
+#[tokio::test]
+async fn a_request_naming_another_path_is_cut_when_a_push_adds_a_rule() {
+    let e = intercepting(&["h1.example.test"]).await;
+    let mut tls = h1_tls(&e).await;
+    tls.write_all(b"POST /up HTTP/1.1\r\nHost: h1.example.test\r\nX-Original-URL: /admin\r\ntransfer-encoding: chunked\r\n\r\n")
+        .await
+        .expect("head");
+    let cut = cut_while_trickling(&mut tls, || {
+        // A per-request rule on another method: the upload's own is not refused.
+        let rule = r#", "deny": [{"domain": "h1.example.test", "http": {"methods": ["DELETE"]}}]"#;
+        e.sandbox("a", SANDBOX_A, allowing(rule));
+    })
+    .await;
+    cut_after_the_grace(&e, cut, Duration::from_secs(1), "gateway_policy_withdrawn").await;
+}
+
 /// A drain does not stop the judging of what is in flight: an upload a
 /// push refuses during the drain is cut after the grace, not carried on to
 /// the drain's deadline (30 s here). Before, once a drain had told the
