@@ -1059,7 +1059,12 @@ impl Machines {
     pub fn observed(&self, id: &str) -> Result<ObservedView, MachineError> {
         self.vm(id)?;
         if self.layout.events.is_none() {
-            self.read_observed(id)?;
+            // What the kernel holds is merged into the record; a reading
+            // that fails leaves the record as the last one left it, which
+            // is served (the observer's next round reads it again).
+            if let Err(e) = self.read_observed(id) {
+                tracing::warn!(vm = id, error = %e, "machine egress: the observed set was not read; the record as it was is served");
+            }
         }
         let lost = lock(&self.unlogged).get(id).map_or(0, |r| r.total);
         let stores = lock(&self.observed);
@@ -1577,6 +1582,24 @@ mod tests {
         m.put_vm("vm1", registration).expect("registered");
         drop(m);
         Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).expect("state on disk");
+    }
+
+    /// A reading of the observed sets that fails serves the record as it
+    /// was, and says so in the log: before, `GET …/observed` answered `500`
+    /// "installing the rules failed".
+    #[test]
+    fn an_observed_set_that_cannot_be_read_serves_the_record() {
+        let dir = tempfile::tempdir().expect("dir");
+        let script = r#"case "$*" in *-f*) cat > /dev/null ;; *"list set"*) echo 'Error: busy' >&2; exit 1 ;; *) echo '{"nftables": []}' ;; esac"#;
+        let m = machines_over(dir.path(), script);
+        let registration = Registration {
+            addresses: vec!["100.64.4.2".parse().expect("ip")],
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration).expect("registered");
+        let seen = m.observed("vm1").expect("the record, though unread");
+        assert!(seen.entries.is_empty());
+        assert!(matches!(m.observed("vm2"), Err(MachineError::Missing(_))));
     }
 
     /// Machine egress over the nft stand-in of [`machines`], matching by
