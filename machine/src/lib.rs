@@ -855,8 +855,19 @@ impl Machines {
         let r = self.check_registration(&state, id, registration)?;
         self.ensure_log()?;
         let before = state.vms.get(id).map(|vm| vm.addresses.clone());
+        // Its earlier addresses stay its own until the change is in: the
+        // kernel's rules hold them until then, and no sandbox may take one
+        // meanwhile. Once in (or failed), the claim is what holds.
+        let mut during = before.clone().unwrap_or_default();
+        during.extend(
+            r.addresses
+                .iter()
+                .filter(|a| !during.contains(a))
+                .copied()
+                .collect::<Vec<_>>(),
+        );
         self.neighbours
-            .claim_for_vm(id, &r.addresses)
+            .claim_for_vm(id, &during)
             .map_err(MachineError::Conflict)?;
         let mut next = state.clone();
         // Re-registered without `egress` (new addresses, say), a VM keeps
@@ -878,6 +889,7 @@ impl Machines {
         // The records exist before the rules do: their first event has a
         // place to go.
         self.ensure_records(id);
+        let held = vm.addresses.clone();
         if let Err(e) = self.commit(&mut state, next, &[id.to_owned()]) {
             match before {
                 Some(addresses) => {
@@ -892,6 +904,10 @@ impl Machines {
                 }
             }
             return Err(e);
+        }
+        // A part of what it held during the change: it cannot conflict.
+        if let Err(why) = self.neighbours.claim_for_vm(id, &held) {
+            tracing::warn!(vm = id, %why, "machine egress: narrowing a VM's address claim");
         }
         Ok(vm)
     }
@@ -1582,6 +1598,57 @@ mod tests {
         m.put_vm("vm1", registration).expect("registered");
         drop(m);
         Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).expect("state on disk");
+    }
+
+    /// Records every claim a VM makes.
+    #[derive(Debug, Default)]
+    struct Recorded(Mutex<Vec<Vec<IpAddr>>>);
+
+    impl Neighbours for Recorded {
+        fn claim_for_vm(&self, _: &str, addrs: &[IpAddr]) -> Result<(), String> {
+            lock(&self.0).push(addrs.to_vec());
+            Ok(())
+        }
+        fn release_vm(&self, _: &str) {}
+        fn names_for(&self, _: IpAddr) -> Vec<String> {
+            Vec::new()
+        }
+    }
+
+    /// A re-registration holds the VM's earlier addresses with its new ones
+    /// while its change goes in (no sandbox may take one the kernel's rules
+    /// still give the VM), then the new ones alone; or, failed, the earlier
+    /// ones. Before, the earlier ones were let go before the change.
+    #[test]
+    fn a_reregistration_holds_both_addresses_while_it_goes_in() {
+        let dir = tempfile::tempdir().expect("dir");
+        let recorded = Arc::new(Recorded::default());
+        let fail = dir.path().join("fail");
+        let script = format!(
+            r#"case "$*" in *-f*) cat > /dev/null; [ -e '{}' ] && exit 1; exit 0 ;; *) echo '{{"nftables": []}}' ;; esac"#,
+            fail.display()
+        );
+        let config = MachineEgressConfig {
+            nft: vec!["sh".into(), "-c".into(), script, "nft".into()],
+            conntrack: conntrack_in(dir.path()),
+            observe: crate::config::MachineObserve::Sampled,
+            link_check: crate::config::MachineLinkCheck::Prerouting,
+            ..MachineEgressConfig::default()
+        };
+        let m = Machines::start(&config, dir.path(), recorded.clone()).expect("start");
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        let at = |a: &str| Registration {
+            addresses: vec![ip(a)],
+            ..Registration::default()
+        };
+        m.put_vm("vm1", at("100.64.4.2")).expect("registered");
+        m.put_vm("vm1", at("100.64.4.3")).expect("moved");
+        std::fs::write(&fail, "").expect("fail");
+        assert!(m.put_vm("vm1", at("100.64.4.4")).is_err(), "nft failed");
+        let claims = lock(&recorded.0).clone();
+        let (a, b, c) = (ip("100.64.4.2"), ip("100.64.4.3"), ip("100.64.4.4"));
+        let tail = &claims[claims.len() - 4..];
+        assert_eq!(tail, [vec![a, b], vec![b], vec![b, c], vec![b]]);
     }
 
     /// A reading of the observed sets that fails serves the record as it
