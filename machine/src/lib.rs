@@ -1371,26 +1371,29 @@ impl Machines {
     }
 
     /// Runs [`Machines::observe`] every `every`, and [`Machines::rebind`]
-    /// every [`REBIND_EVERY`] at most, until the task is dropped.
+    /// every [`REBIND_EVERY`], until the task is dropped. Each on its own:
+    /// a round of observing that takes long (its counters, the observed
+    /// sets of every VM whose refusals moved) does not hold back the
+    /// rebinding of a restarted QEMU's cgroup, whose packets match no VM
+    /// until then.
     pub async fn observer(self: Arc<Self>, every: std::time::Duration) {
-        let mut tick = tokio::time::interval(every.min(REBIND_EVERY));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut next = tokio::time::Instant::now();
-        loop {
-            tick.tick().await;
-            let observe = tokio::time::Instant::now() >= next;
-            if observe {
-                next = tokio::time::Instant::now() + every;
-            }
-            let me = self.clone();
-            let _ = tokio::task::spawn_blocking(move || {
-                me.rebind();
-                if observe {
-                    me.observe();
-                }
-            })
-            .await;
-        }
+        let me = self.clone();
+        let rebinding = every_while(REBIND_EVERY, move || me.rebind());
+        let observing = every_while(every, move || self.observe());
+        tokio::join!(rebinding, observing);
+    }
+}
+
+/// Runs `f` on a blocking thread every `period` (a run that takes longer
+/// delays the next), until the task is dropped.
+async fn every_while(period: std::time::Duration, f: impl Fn() + Send + Sync + 'static) {
+    let f = Arc::new(f);
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let f = f.clone();
+        let _ = tokio::task::spawn_blocking(move || f()).await;
     }
 }
 
