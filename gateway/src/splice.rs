@@ -247,7 +247,9 @@ pub(crate) async fn splice(
         },
         why = quiet_for_then(&counts, idle, Duration::MAX, || {}, || stop().is_some()) => match why {
             Quiet::Stop => (false, Some(stop().unwrap_or(Fault::SANDBOX_REMOVED)), true),
-            _ => (true, Some(Fault::IDLE_TIMEOUT), false),
+            // Cut, not ended: bytes read from one side may not have reached
+            // the other, so neither may take the end for a complete one.
+            _ => (true, Some(Fault::IDLE_TIMEOUT), true),
         },
         () = cut => (false, None, false),
     };
@@ -356,10 +358,22 @@ async fn pump(
                         // Cut: `splice` ends the flow at the meter's signal.
                         return std::future::pending().await;
                     }
-                    if let Err(e) = w.write_all(&buf[..n]).await {
-                        return Err(Fault::io(sides.1, &e));
+                    // Counted as it goes: a reader slow but alive keeps the
+                    // flow from looking idle.
+                    let mut at = 0;
+                    while at < n {
+                        match w.write(&buf[at..n]).await {
+                            Ok(0) => {
+                                let e = std::io::Error::from(std::io::ErrorKind::WriteZero);
+                                return Err(Fault::io(sides.1, &e));
+                            }
+                            Ok(k) => {
+                                at += k;
+                                moved.fetch_add(k as u64, Ordering::Relaxed);
+                            }
+                            Err(e) => return Err(Fault::io(sides.1, &e)),
+                        }
                     }
-                    moved.fetch_add(n as u64, Ordering::Relaxed);
                     if n < BUF {
                         break; // drained: wait for more without the buffer
                     }

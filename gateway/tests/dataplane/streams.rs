@@ -177,3 +177,50 @@ async fn by_default_an_address_allow_lets_every_stream_through() {
         "{lines:?}"
     );
 }
+
+/// An origin no other test uses, writing as much as it may.
+const FIREHOSE_IP: &str = "127.0.0.41";
+
+/// A spliced stream cut at the idle timeout with bytes the gateway read
+/// and could not pass on (its client stopped reading) is reset, not closed:
+/// closed, its client would read a shorter stream ending as a whole one.
+/// Before, the idle timeout closed it with a FIN.
+#[tokio::test]
+async fn a_stream_cut_idle_with_bytes_undelivered_is_reset() {
+    let e = env(Options {
+        idle: "1s",
+        ..Options::default()
+    })
+    .await;
+    let allowed = format!(r#"{{"allow": [{{"ip": "{FIREHOSE_IP}"}}]}}"#);
+    e.sandbox("a", SANDBOX_A, policy(&allowed));
+    let listener = TcpListener::bind((FIREHOSE_IP.parse::<IpAddr>().expect("ip"), 0))
+        .await
+        .expect("bind");
+    let origin = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        if let Ok((mut tcp, _)) = listener.accept().await {
+            let chunk = vec![b'f'; 64 * 1024];
+            // 64 MiB at most: far more than the sockets between hold.
+            for _ in 0..1024 {
+                if tcp.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    s.write_all(b"go").await.expect("write");
+    // Not read for past the idle timeout: the copy toward it stalls.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await;
+    let read = read.expect("ended");
+    assert!(
+        read.is_err(),
+        "closed as a whole stream after {} bytes",
+        got.len()
+    );
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], json!("idle_timeout"), "{line}");
+}
