@@ -300,12 +300,27 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Reconci
         // VM manager registers it again), and an invalid field's `loopback`
         // is written again if it went. The Event recorder makes a series of
         // the repeats.
-        Done::Invalid(_) => Action::requeue(ctx.resync),
+        Done::Invalid(_) => Action::requeue(jittered(ctx.resync)),
         // The VM manager has not registered it yet: look again soon.
         Done::NoVm => Action::requeue(Duration::from_secs(10)),
-        Done::Applied(_) => Action::requeue(ctx.resync),
+        Done::Applied(_) => Action::requeue(jittered(ctx.resync)),
     })
 }
+
+/// `every`, give or take a tenth: Machines reconciled together (at a
+/// start) are looked at again spread out, not in waves.
+pub fn jittered(every: Duration) -> Duration {
+    let tenth = every / 10;
+    let spread = tenth.as_millis().max(1) as u64 * 2;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::from(d.subsec_nanos()));
+    let offset = Duration::from_millis(nanos % spread);
+    (every - tenth) + offset
+}
+
+/// Reconciles in flight at once ([`run`]).
+pub const RECONCILES_AT_ONCE: u16 = 4;
 
 /// The backoff after `failures` consecutive failures: 1 s doubling, at most 5 min.
 pub fn backoff(failures: u32) -> Duration {
@@ -337,7 +352,12 @@ fn prune(failures: &mut HashMap<String, u32>, live: impl Fn(&str) -> bool) {
 pub async fn run(ctx: Arc<Context>, node: &str) {
     let api: Api<Machine> = Api::all(ctx.client.clone());
     let selector = format!("{NODE_LABEL}={node}");
-    let controller = Controller::new(api, watcher::Config::default().labels(&selector));
+    // A few reconciles at once: the worker takes two changes at a time,
+    // and its admin listener (shared with the controller's pushes, the
+    // probes and the metrics) takes a bounded number of connections.
+    let config = kube::runtime::controller::Config::default().concurrency(RECONCILES_AT_ONCE);
+    let controller =
+        Controller::new(api, watcher::Config::default().labels(&selector)).with_config(config);
     let _ = ctx.live.set(controller.store());
     controller
         .shutdown_on_signal()
@@ -357,7 +377,16 @@ pub async fn run(ctx: Arc<Context>, node: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::{backoff, prune};
+    use super::{backoff, jittered, prune};
+
+    #[test]
+    fn resyncs_are_spread_a_tenth_either_way() {
+        let every = std::time::Duration::from_secs(60);
+        for _ in 0..100 {
+            let d = jittered(every);
+            assert!(d >= every * 9 / 10 && d <= every * 11 / 10, "{d:?}");
+        }
+    }
     use std::collections::HashMap;
     use std::time::Duration;
 

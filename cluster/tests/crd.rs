@@ -61,3 +61,29 @@ spec:
     let policy = m.egress().expect("has the field").expect("valid");
     assert_eq!(policy.rules.len(), 3);
 }
+
+/// The policy checked is the one written: a field this build does not know
+/// (one a newer CRD allows) refuses it rather than being dropped (which
+/// checked `{cidr, proto: tcp}` for a rule narrowed to some ports, all of
+/// TCP), and a mode it does not know refuses this Machine alone rather
+/// than failing to read it (which stopped the node's whole watch).
+#[test]
+fn the_policy_checked_is_the_one_written() {
+    let machine = |egress: &str| -> Machine {
+        let doc = format!(
+            r#"{{"apiVersion": "kairon.zyvor.dev/v1beta1", "kind": "Machine",
+                "metadata": {{"name": "web", "namespace": "prod"}},
+                "spec": {{"network": {{"egress": {egress}}}}}}}"#
+        );
+        serde_json::from_str(&doc).expect("read whatever the policy says")
+    };
+    let newer = machine(
+        r#"{"mode": "allowlist", "rules": [{"cidr": "10.0.0.0/8", "proto": "tcp", "ports": "8000-8100"}]}"#,
+    );
+    let refused = newer.egress().expect("has the field");
+    assert!(refused.is_err(), "{refused:?}");
+    let unknown_mode = machine(r#"{"mode": "strict"}"#);
+    let refused = unknown_mode.egress().expect("has the field");
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(machine("null").egress().is_none(), "null is absent");
+}
