@@ -294,10 +294,9 @@ pub(crate) async fn splice(
             ..Way::default()
         });
         let fault = watch(&joined, [&client, &origin], ends, &mut ways).await;
-        if fault.is_some() {
-            // Broken or cut (the idle timeout too), not finished: neither
-            // side may take the end of the stream for a complete one (a FIN
-            // would say so).
+        if fault.is_some_and(|f| f != Fault::IDLE_TIMEOUT) {
+            // Broken, not finished: neither side may take the end of the
+            // stream for a complete one (a FIN would say so).
             crate::io::reset(&client);
             crate::io::reset(&origin);
         }

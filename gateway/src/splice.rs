@@ -5,7 +5,7 @@
 //! Owned socket halves (no lock per operation) and one idle watchdog for the
 //! flow (no timer per read): the path every exempted byte takes.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -225,11 +225,13 @@ pub(crate) async fn splice(
     let (mut cr, mut cw) = client.into_split();
     let (mut or, mut ow) = origin.into_split();
     let counts = Counts::default();
+    // Per direction: bytes taken from its source not yet all written.
+    let pending = [AtomicBool::new(false), AtomicBool::new(false)];
     let both = both_ways(
         (&mut cr, &mut cw),
         (&mut or, &mut ow),
         &pipes,
-        &counts,
+        (&counts, &pending),
         meter,
     );
     let cut = async {
@@ -247,9 +249,13 @@ pub(crate) async fn splice(
         },
         why = quiet_for_then(&counts, idle, Duration::MAX, || {}, || stop().is_some()) => match why {
             Quiet::Stop => (false, Some(stop().unwrap_or(Fault::SANDBOX_REMOVED)), true),
-            // Cut, not ended: bytes read from one side may not have reached
-            // the other, so neither may take the end for a complete one.
-            _ => (true, Some(Fault::IDLE_TIMEOUT), true),
+            // Cut with bytes read from one side that have not reached the
+            // other: reset, so neither takes the end for a complete stream.
+            // Idle with nothing held: closed, as before.
+            _ => {
+                let stuck = pending.iter().any(|p| p.load(Ordering::Relaxed));
+                (true, Some(Fault::IDLE_TIMEOUT), stuck)
+            }
         },
         () = cut => (false, None, false),
     };
@@ -279,7 +285,7 @@ async fn both_ways(
     (cr, cw): (&mut OwnedReadHalf, &mut OwnedWriteHalf),
     (or, ow): (&mut OwnedReadHalf, &mut OwnedWriteHalf),
     pipes: &Option<Pipes>,
-    counts: &Counts,
+    (counts, [up, down]): (&Counts, &[AtomicBool; 2]),
     meter: Option<&Meter>,
 ) -> Ended {
     let up_sides = (Side::Client, Side::Upstream);
@@ -287,15 +293,15 @@ async fn both_ways(
     match pipes {
         Some(p) => {
             until_broken(
-                pipe_pump(cr, ow, &p.up, &counts.read, up_sides),
-                pipe_pump(or, cw, &p.down, &counts.written, down_sides),
+                pipe_pump(cr, ow, &p.up, (&counts.read, up), up_sides),
+                pipe_pump(or, cw, &p.down, (&counts.written, down), down_sides),
             )
             .await
         }
         None => {
             until_broken(
-                pump(cr, ow, (&counts.read, meter), up_sides),
-                pump(or, cw, (&counts.written, meter), down_sides),
+                pump(cr, ow, (&counts.read, up, meter), up_sides),
+                pump(or, cw, (&counts.written, down, meter), down_sides),
             )
             .await
         }
@@ -339,7 +345,7 @@ async fn until_broken(
 async fn pump(
     r: &mut OwnedReadHalf,
     w: &mut OwnedWriteHalf,
-    (moved, meter): (&AtomicU64, Option<&Meter>),
+    (moved, pending, meter): (&AtomicU64, &AtomicBool, Option<&Meter>),
     sides: (Side, Side),
 ) -> Ended {
     const BUF: usize = 64 * 1024;
@@ -360,6 +366,7 @@ async fn pump(
                     }
                     // Counted as it goes: a reader slow but alive keeps the
                     // flow from looking idle.
+                    pending.store(true, Ordering::Relaxed);
                     let mut at = 0;
                     while at < n {
                         match w.write(&buf[at..n]).await {
@@ -374,6 +381,7 @@ async fn pump(
                             Err(e) => return Err(Fault::io(sides.1, &e)),
                         }
                     }
+                    pending.store(false, Ordering::Relaxed);
                     if n < BUF {
                         break; // drained: wait for more without the buffer
                     }
@@ -401,7 +409,7 @@ async fn pipe_pump(
     r: &OwnedReadHalf,
     w: &OwnedWriteHalf,
     (pipe_r, pipe_w): &(OwnedFd, OwnedFd),
-    moved: &AtomicU64,
+    (moved, pending): (&AtomicU64, &AtomicBool),
     sides: (Side, Side),
 ) -> Ended {
     let flags = SpliceFlags::MOVE | SpliceFlags::NONBLOCK;
@@ -412,9 +420,11 @@ async fn pipe_pump(
             Ok(n) => n,
             Err(e) => return Err(Fault::io(sides.0, &e)),
         };
+        pending.store(true, Ordering::Relaxed);
         if let Err(e) = drain_pipe(dst, pipe_r, filled, flags, moved).await {
             return Err(Fault::io(sides.1, &e));
         }
+        pending.store(false, Ordering::Relaxed);
     }
     // Half-close: the other side learns that no more bytes come this way.
     let _ = socket2::SockRef::from(dst).shutdown(std::net::Shutdown::Write);

@@ -184,7 +184,8 @@ const FIREHOSE_IP: &str = "127.0.0.41";
 /// A spliced stream cut at the idle timeout with bytes the gateway read
 /// and could not pass on (its client stopped reading) is reset, not closed:
 /// closed, its client would read a shorter stream ending as a whole one.
-/// Before, the idle timeout closed it with a FIN.
+/// Before, the idle timeout closed it with a FIN. One idle with nothing
+/// held is closed, as before.
 #[tokio::test]
 async fn a_stream_cut_idle_with_bytes_undelivered_is_reset() {
     let e = env(Options {
@@ -223,4 +224,13 @@ async fn a_stream_cut_idle_with_bytes_undelivered_is_reset() {
     );
     let line = &e.flow_lines(1).await[0];
     assert_eq!(line["error"], json!("idle_timeout"), "{line}");
+    // Idle with nothing held (an echo answered in full): closed, as before.
+    let echo = echo_origin(FIREHOSE_IP).await;
+    let mut s = e.connect(SANDBOX_A, echo).await;
+    s.write_all(b"ping").await.expect("write");
+    let mut pong = [0u8; 4];
+    s.read_exact(&mut pong).await.expect("echoed");
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(matches!(read, Ok(Ok(0))), "{read:?}");
 }
