@@ -358,7 +358,12 @@ impl Dispatcher {
         match pruned {
             Ok((0, 0, 0)) => {}
             Ok((keys, operations, ended)) => {
-                tracing::info!(keys, operations, ended_policies = ended, "pruned");
+                tracing::info!(
+                    keys,
+                    operations,
+                    ended_policies_and_shadows = ended,
+                    "pruned"
+                );
             }
             Err(e) => tracing::warn!(error = %e, "pruning"),
         }

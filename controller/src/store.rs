@@ -864,7 +864,7 @@ pub async fn backlog(pool: &PgPool) -> Result<(i64, f64, f64), sqlx::Error> {
 /// whose gateway has forgotten them (a tenant creating and destroying
 /// sandboxes of large policies would otherwise keep each policy for good).
 /// At most `batch` rows of each per call; returns (keys forgotten,
-/// operations deleted, ended sandboxes' policies dropped).
+/// operations deleted, ended sandboxes' policies and shadows dropped).
 pub async fn prune(
     pool: &PgPool,
     operations: Duration,

@@ -60,7 +60,7 @@ pub struct Claim<'a> {
 /// sandbox is unknown there, so denied, never judged by a policy its new
 /// tenant did not ask for.
 pub async fn claim(conn: &mut PgConnection, c: &Claim<'_>) -> Result<Option<String>, sqlx::Error> {
-    let claimed: Option<String> = sqlx::query_scalar(
+    sqlx::query_scalar(
         "UPDATE sandboxes SET tenant = $2, egress_profiles = $3, inherits_template = $4, warm_pool = NULL, state = 'creating', \
          policy = NULL, generation = generation + 1 \
          WHERE id = (SELECT id FROM sandboxes WHERE warm_pool = $1 AND state = 'running' AND pushed_generation >= generation \
@@ -72,15 +72,7 @@ pub async fn claim(conn: &mut PgConnection, c: &Claim<'_>) -> Result<Option<Stri
     .bind(c.inherits_template)
     .bind(c.worker)
     .fetch_optional(&mut *conn)
-    .await?;
-    // A template rollout's shadow on it was the pool's, not its tenant's.
-    if let Some(id) = &claimed {
-        sqlx::query("DELETE FROM sandbox_shadows WHERE sandbox = $1")
-            .bind(id)
-            .execute(&mut *conn)
-            .await?;
-    }
-    Ok(claimed)
+    .await
 }
 
 /// How long a pooled sandbox whose create failed keeps its place in the

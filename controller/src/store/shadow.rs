@@ -124,16 +124,13 @@ pub async fn delete_template(conn: &mut PgConnection, template: &str) -> Result<
     Ok(done.rows_affected() > 0)
 }
 
-/// The running sandboxes that inherit `template` and are on a worker,
-/// their rows locked (in id order, as every other taker of several) until
-/// the rollout commits: a tenant's shadow put on one of them meanwhile
-/// waits, so its gateway and the store end up holding the same shadow.
+/// The running sandboxes that inherit `template` and are on a worker.
 pub async fn inheriting(
     conn: &mut PgConnection,
     template: &str,
 ) -> Result<Vec<SandboxRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE template = $1 AND inherits_template AND state = 'running' AND worker IS NOT NULL AND policy IS NOT NULL ORDER BY id FOR UPDATE",
+        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE template = $1 AND inherits_template AND state = 'running' AND worker IS NOT NULL AND policy IS NOT NULL ORDER BY id",
     )
     .bind(template)
     .fetch_all(&mut *conn)
