@@ -378,15 +378,6 @@ pub async fn run(ctx: Arc<Context>, node: &str) {
 #[cfg(test)]
 mod tests {
     use super::{backoff, jittered, prune};
-
-    #[test]
-    fn resyncs_are_spread_a_tenth_either_way() {
-        let every = std::time::Duration::from_secs(60);
-        for _ in 0..100 {
-            let d = jittered(every);
-            assert!(d >= every * 9 / 10 && d <= every * 11 / 10, "{d:?}");
-        }
-    }
     use std::collections::HashMap;
     use std::time::Duration;
 
@@ -406,5 +397,14 @@ mod tests {
         assert_eq!(backoff(5), Duration::from_secs(16));
         assert_eq!(backoff(10), Duration::from_secs(300));
         assert_eq!(backoff(u32::MAX), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn resyncs_are_spread_a_tenth_either_way() {
+        let every = std::time::Duration::from_secs(60);
+        for _ in 0..100 {
+            let d = jittered(every);
+            assert!(d >= every * 9 / 10 && d <= every * 11 / 10, "{d:?}");
+        }
     }
 }

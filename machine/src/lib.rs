@@ -859,13 +859,11 @@ impl Machines {
         // kernel's rules hold them until then, and no sandbox may take one
         // meanwhile. Once in (or failed), the claim is what holds.
         let mut during = before.clone().unwrap_or_default();
-        during.extend(
-            r.addresses
-                .iter()
-                .filter(|a| !during.contains(a))
-                .copied()
-                .collect::<Vec<_>>(),
-        );
+        for a in &r.addresses {
+            if !during.contains(a) {
+                during.push(*a);
+            }
+        }
         self.neighbours
             .claim_for_vm(id, &during)
             .map_err(MachineError::Conflict)?;
