@@ -234,12 +234,7 @@ pub(crate) async fn splice(
         (&counts, &pending),
         meter,
     );
-    let cut = async {
-        match meter {
-            Some(m) => m.cut().await,
-            None => std::future::pending().await,
-        }
-    };
+    let cut = cut_of(meter);
     let (idle_timeout, fault, broke) = tokio::select! {
         ended = both => match ended {
             Ok(()) => (false, None, false),
@@ -276,6 +271,14 @@ pub(crate) async fn splice(
         idle_timeout,
         fault,
         budget_cut,
+    }
+}
+
+/// The meter's signal that a chunk did not fit; with no meter, never.
+async fn cut_of(meter: Option<&Meter>) {
+    match meter {
+        Some(m) => m.cut().await,
+        None => std::future::pending().await,
     }
 }
 

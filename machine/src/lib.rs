@@ -1553,14 +1553,20 @@ mod tests {
 
     /// Machine egress over the nft stand-in `script` (run by `sh -c`).
     fn machines_over(dir: &Path, script: &str) -> Arc<Machines> {
-        let config = MachineEgressConfig {
+        let config = config_over(dir, script);
+        Machines::start(&config, dir, Arc::new(NoNeighbours)).expect("start")
+    }
+
+    /// The configuration of [`machines_over`]: sampled, checked at
+    /// prerouting, conntrack's stand-in logging in `dir`.
+    fn config_over(dir: &Path, script: &str) -> MachineEgressConfig {
+        MachineEgressConfig {
             nft: vec!["sh".into(), "-c".into(), script.into(), "nft".into()],
             conntrack: conntrack_in(dir),
             observe: crate::config::MachineObserve::Sampled,
             link_check: crate::config::MachineLinkCheck::Prerouting,
             ..MachineEgressConfig::default()
-        };
-        Machines::start(&config, dir, Arc::new(NoNeighbours)).expect("start")
+        }
     }
 
     /// With no state on disk, a node table holding a VM's chains refuses
@@ -1574,13 +1580,7 @@ mod tests {
         let script = format!(
             r#"case "$*" in *-f*) cat > /dev/null ;; *"list chains"*) echo '{chains}' ;; *) echo '{{"nftables": []}}' ;; esac"#
         );
-        let config = MachineEgressConfig {
-            nft: vec!["sh".into(), "-c".into(), script, "nft".into()],
-            conntrack: conntrack_in(dir.path()),
-            observe: crate::config::MachineObserve::Sampled,
-            link_check: crate::config::MachineLinkCheck::Prerouting,
-            ..MachineEgressConfig::default()
-        };
+        let config = config_over(dir.path(), &script);
         let refused = Machines::start(&config, dir.path(), Arc::new(NoNeighbours)).err();
         let Some(MachineError::Orphaned { dir: named, chains }) = &refused else {
             panic!("started: {refused:?}");
@@ -1629,13 +1629,7 @@ mod tests {
             r#"case "$*" in *-f*) cat > /dev/null; [ -e '{}' ] && exit 1; exit 0 ;; *) echo '{{"nftables": []}}' ;; esac"#,
             fail.display()
         );
-        let config = MachineEgressConfig {
-            nft: vec!["sh".into(), "-c".into(), script, "nft".into()],
-            conntrack: conntrack_in(dir.path()),
-            observe: crate::config::MachineObserve::Sampled,
-            link_check: crate::config::MachineLinkCheck::Prerouting,
-            ..MachineEgressConfig::default()
-        };
+        let config = config_over(dir.path(), &script);
         let m = Machines::start(&config, dir.path(), recorded.clone()).expect("start");
         let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
         let at = |a: &str| Registration {
