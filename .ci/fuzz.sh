@@ -11,6 +11,11 @@
 #   FUZZ_SECONDS=10 bash .ci/fuzz.sh            # every target
 #   FUZZ_SECONDS=60 bash .ci/fuzz.sh dns_answer  # some targets
 #
+# FUZZ_BUILD=only builds and stops; FUZZ_BUILD=skip runs what is already in
+# fuzz/target (.ci/run builds while its release build runs, then runs).
+# FUZZ_JOBS targets run at once (default: the number of cores, at most 4),
+# each fuzzing on one core; their reports print in the targets' order.
+#
 # Needs the nightly toolchain (libFuzzer's sanitizer flags are nightly-only);
 # installs cargo-fuzz when it is missing.
 set -euo pipefail
@@ -46,13 +51,24 @@ if ! (cd fuzz && cargo +nightly metadata --locked --format-version 1 >/dev/null)
   exit 1
 fi
 
-echo "== cargo +nightly fuzz build (${#targets[@]} targets)"
-if [ "$#" -eq 0 ]; then
-  (cd fuzz && cargo +nightly fuzz build)
-else
-  for t in "${targets[@]}"; do
-    (cd fuzz && cargo +nightly fuzz build "$t")
-  done
+build=${FUZZ_BUILD:-yes}
+case "$build" in
+  yes | only | skip) ;;
+  *) echo ".ci/fuzz.sh: FUZZ_BUILD must be yes, only or skip, not '$build'" >&2; exit 1 ;;
+esac
+if [ "$build" != skip ]; then
+  echo "== cargo +nightly fuzz build (${#targets[@]} targets)"
+  if [ "$#" -eq 0 ]; then
+    (cd fuzz && cargo +nightly fuzz build)
+  else
+    for t in "${targets[@]}"; do
+      (cd fuzz && cargo +nightly fuzz build "$t")
+    done
+  fi
+fi
+if [ "$build" = only ]; then
+  echo "== built ${#targets[@]} fuzz targets"
+  exit 0
 fi
 triple=$(rustc +nightly -vV | sed -n 's/^host: //p')
 bin_dir="fuzz/target/$triple/release"
@@ -74,18 +90,16 @@ report_artifacts() {
   [ "$found" = 1 ] || echo "   (libFuzzer saved no input; see the log above)"
 }
 
-failed=()
-summary=()
-for t in "${targets[@]}"; do
-  bin="$bin_dir/$t"
-  [ -x "$bin" ] || { echo ".ci/fuzz.sh: $bin was not built" >&2; exit 1; }
-  artifacts="$work/$t-artifacts"
-  corpus="$work/$t-corpus"
+# Replays then fuzzes one target. Its report goes to $work/$1.out, and one
+# line to $work/$1.summary: "ok <text>" or "failed <text>".
+run_target() {
+  local t=$1
+  local bin="$bin_dir/$t" artifacts="$work/$t-artifacts" corpus="$work/$t-corpus"
+  local log="$work/$t.log" status=0 execs replayed inputs
   mkdir -p "$artifacts" "$corpus"
   if [ -d "fuzz/corpus/$t" ]; then
     cp -R "fuzz/corpus/$t/." "$corpus/"
   fi
-  log="$work/$t.log"
 
   # Every target has its regression folder (fuzz/regressions/README.md);
   # libFuzzer prints "Executed <file>" for each input it ran, so the replay
@@ -93,9 +107,8 @@ for t in "${targets[@]}"; do
   inputs=("fuzz/regressions/$t"/*)
   if [ ! -e "${inputs[0]}" ]; then
     echo "!! $t: fuzz/regressions/$t has no inputs (see fuzz/regressions/README.md)"
-    failed+=("$t")
-    summary+=("$t: no regression inputs")
-    continue
+    echo "failed $t: no regression inputs" >"$work/$t.summary"
+    return
   fi
   echo "== $t: replaying ${#inputs[@]} inputs of fuzz/regressions/$t"
   if ! "$bin" -artifact_prefix="$artifacts/" "${inputs[@]}" >"$log" 2>&1; then
@@ -103,21 +116,18 @@ for t in "${targets[@]}"; do
     tail -n 40 "$log"
     echo "!! $t: a regression input fails again"
     report_artifacts "$artifacts"
-    failed+=("$t")
-    summary+=("$t: regression failed")
-    continue
+    echo "failed $t: regression failed" >"$work/$t.summary"
+    return
   fi
   replayed=$(grep -c '^Executed ' "$log" || true)
   if [ "$replayed" -ne "${#inputs[@]}" ]; then
     tail -n 20 "$log"
     echo "!! $t: replayed $replayed of ${#inputs[@]} regression inputs"
-    failed+=("$t")
-    summary+=("$t: regression replay incomplete")
-    continue
+    echo "failed $t: regression replay incomplete" >"$work/$t.summary"
+    return
   fi
 
   echo "== $t: fuzzing for ${seconds}s from $(ls -A "$corpus" | wc -l) seeds"
-  status=0
   "$bin" "$corpus" \
     -max_total_time="$seconds" \
     -timeout=25 \
@@ -131,12 +141,40 @@ for t in "${targets[@]}"; do
     tail -n 60 "$log"
     echo "!! $t: libFuzzer exited with $status"
     report_artifacts "$artifacts"
-    failed+=("$t")
-    summary+=("$t: FAILED after ${execs:-?} executions")
+    echo "failed $t: FAILED after ${execs:-?} executions" >"$work/$t.summary"
   else
-    summary+=("$t: ${replayed} regressions replayed, ${execs:-?} executions in ${seconds}s, corpus $(ls -A "$corpus" | wc -l) inputs")
+    echo "ok $t: ${replayed} regressions replayed, ${execs:-?} executions in ${seconds}s, corpus $(ls -A "$corpus" | wc -l) inputs" >"$work/$t.summary"
   fi
-  echo "   ${summary[-1]}"
+}
+
+for t in "${targets[@]}"; do
+  [ -x "$bin_dir/$t" ] || { echo ".ci/fuzz.sh: $bin_dir/$t was not built" >&2; exit 1; }
+done
+jobs_max=${FUZZ_JOBS:-$(nproc)}
+[ "$jobs_max" -le 4 ] || jobs_max=4
+[ "$jobs_max" -ge 1 ] || jobs_max=1
+echo "== fuzzing ${#targets[@]} targets, $jobs_max at a time"
+running=0
+for t in "${targets[@]}"; do
+  if [ "$running" -ge "$jobs_max" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  run_target "$t" >"$work/$t.out" 2>&1 &
+  running=$((running + 1))
+done
+wait
+
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+  cat "$work/$t.out"
+  line=$(cat "$work/$t.summary" 2>/dev/null || echo "failed $t: no report (the run was cut)")
+  summary+=("${line#* }")
+  case "$line" in
+    ok\ *) echo "   ${line#ok }" ;;
+    *) failed+=("$t") ;;
+  esac
 done
 
 echo "== fuzz summary"
