@@ -75,8 +75,16 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     /// The controller's cache of the node's Machines (set by [`run`]).
     live: std::sync::OnceLock<kube::runtime::reflector::Store<Machine>>,
-    /// Publishes the Events of [`refuse`].
-    events: Recorder,
+    /// Names this reconciler in the Events of [`refuse`].
+    reporter: Reporter,
+    /// Per Machine refused, the reason and note of its last Event and the
+    /// recorder that made a series of its repeats. A refusal with another
+    /// reason or note takes a new recorder, so it is a new Event: kube's
+    /// recorder makes a repeat of any Event with the same reason, and a
+    /// series keeps the note it began with. The entry goes when the
+    /// Machine is reconciled; entries of deleted Machines are dropped as
+    /// [`Context::failures`]' are.
+    noted: Mutex<HashMap<String, (String, Recorder)>>,
 }
 
 /// Failure entries kept before those of deleted Machines are looked for.
@@ -95,13 +103,11 @@ impl Context {
             resync,
             failures: Mutex::new(HashMap::new()),
             live: std::sync::OnceLock::new(),
-            events: Recorder::new(
-                client.clone(),
-                Reporter {
-                    controller: REPORTER.into(),
-                    instance,
-                },
-            ),
+            reporter: Reporter {
+                controller: REPORTER.into(),
+                instance,
+            },
+            noted: Mutex::new(HashMap::new()),
             client,
         })
     }
@@ -119,6 +125,25 @@ impl Context {
 
     fn failures(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
         self.failures.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The recorder for an Event on the Machine `key` saying `said` (its
+    /// reason and note): the one of its last Event if that said the same.
+    fn recorder(&self, key: String, said: String) -> Recorder {
+        let mut noted = self.noted.lock().unwrap_or_else(PoisonError::into_inner);
+        if noted.len() >= PRUNE_ABOVE && !noted.contains_key(&key) {
+            noted.retain(|k, _| self.is_live(k));
+        }
+        let fresh = || Recorder::new(self.client.clone(), self.reporter.clone());
+        match noted.entry(key) {
+            std::collections::hash_map::Entry::Occupied(mut e) if e.get().0 != said => {
+                let recorder = fresh();
+                e.insert((said, recorder.clone()));
+                recorder
+            }
+            std::collections::hash_map::Entry::Occupied(e) => e.get().1.clone(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert((said, fresh())).1.clone(),
+        }
     }
 }
 
@@ -272,15 +297,17 @@ fn not_this_machines(m: &Machine, vm: &str, held: &[IpAddr]) -> Option<String> {
 /// be published is logged; the answer is the same.
 async fn refuse(m: &Machine, ctx: &Context, reason: &'static str, note: String) -> Done {
     tracing::warn!(machine = %key(m), reason, why = %note, "not reconciled");
+    // The API server refuses a note over 1 kB.
+    let said = egress_api::text::bounded(&note, 1_000);
     let event = Event {
         type_: EventType::Warning,
         reason: reason.into(),
-        // The API server refuses a note over 1 kB.
-        note: Some(egress_api::text::bounded(&note, 1_000)),
+        note: Some(said.clone()),
         action: "Reconcile".into(),
         secondary: None,
     };
-    if let Err(e) = ctx.events.publish(&event, &m.object_ref(&())).await {
+    let recorder = ctx.recorder(key(m), format!("{reason}: {said}"));
+    if let Err(e) = recorder.publish(&event, &m.object_ref(&())).await {
         tracing::warn!(machine = %key(m), error = %e, "the Event could not be published");
     }
     Done::Invalid(Refused { reason, note })
@@ -294,6 +321,12 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Reconci
         .await
         .map_err(|_| ReconcileError::Timeout(RECONCILE_TIMEOUT))??;
     ctx.failures().remove(&key(&m));
+    if !matches!(done, Done::Invalid(_)) {
+        ctx.noted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key(&m));
+    }
     Ok(match done {
         Done::NotRunning => Action::await_change(),
         // Looked at again: the worker's VM may become this Machine's (its

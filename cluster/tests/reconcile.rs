@@ -407,6 +407,47 @@ async fn invalid_reconciled(api: &StandIn, ctx: &Context, name: &str, managed: b
     );
 }
 
+/// A Machine refused again for another cause gets an Event saying that
+/// cause: kube's recorder keys its series by reason alone, and a series
+/// keeps the note it began with, so the first cause was shown for good.
+/// The same cause again is a repeat of its own Event.
+#[tokio::test]
+async fn a_machine_refused_for_another_cause_gets_an_event_naming_it() {
+    let Some((_w, api, ctx)) = on_a_worker().await else {
+        return;
+    };
+    let refused = |spec: &'static str| {
+        api.put(machine("bad", "node-a", "vm-web", Some(spec), false));
+        let ctx = ctx.clone();
+        let m = typed(&api.get("prod", "bad"));
+        async move { reconcile_one(&m, &ctx).await.expect("ok") }
+    };
+    let first = refused(r#"{"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}"#).await;
+    let second = refused(r#"{"mode": "sideways"}"#).await;
+    let again = refused(r#"{"mode": "sideways"}"#).await;
+    let notes: Vec<String> = [&first, &second, &again]
+        .iter()
+        .map(|done| match done {
+            Done::Invalid(r) if r.reason == "InvalidEgress" => r.note.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_ne!(notes[0], notes[1]);
+    let events = api.events.lock().expect("lock").clone();
+    let shown: Vec<(&str, &Value)> = events
+        .iter()
+        .map(|e| (e["note"].as_str().unwrap_or(""), &e["series"]["count"]))
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            (notes[0].as_str(), &Value::Null),
+            (notes[1].as_str(), &json!(2))
+        ],
+        "{events:?}"
+    );
+}
+
 /// The annotation is recorded before the policy is written: a patch that
 /// fails leaves nothing written, so once the field goes the VM is back on
 /// the node default (written first, the VM kept `open` for good: unmanaged,
