@@ -13,8 +13,10 @@
 //! `..`) and is passed on as it is, the query string unchanged. Every route
 //! needs `Authorization: Bearer <token>` (`401` otherwise); bodies are capped
 //! at 64 KiB (`413`). The worker's status and body come back as they are; a
-//! worker that cannot be reached, or does not answer within the timeout, is
-//! `502 {"error": "worker unreachable: …"}`.
+//! worker that cannot be reached is `502 {"error": "worker unreachable: …"}`,
+//! and one that took the request and gave no whole answer is
+//! `502 {"error": "no answer from the worker: …"}` (`504` when the timeout
+//! ran out), which for a change says it may have been made.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -199,7 +201,7 @@ async fn relay(
     };
     let reply = match forward(config, method, &path_and_query, body).await {
         Ok(r) => r,
-        Err(reason) => unreachable_worker(&reason),
+        Err((status, why)) => error(status, &why, None),
     };
     (reply, route, id)
 }
@@ -315,14 +317,15 @@ fn constant_time_eq(presented: &[u8], token: &[u8]) -> bool {
 }
 
 /// One exchange with the worker ([`crate::worker::exchange`]); `Err` is
-/// the reason it failed.
+/// the status to answer and why.
 async fn forward(
     config: &RelayConfig,
     method: Method,
     path_and_query: &str,
     body: Bytes,
-) -> Result<Reply, String> {
+) -> Result<Reply, (StatusCode, String)> {
     let body = (!body.is_empty()).then_some(body);
+    let changes = method != Method::GET;
     let answer = crate::worker::exchange(
         config.worker,
         config.worker_token.as_deref(),
@@ -332,10 +335,7 @@ async fn forward(
         config.timeout,
     )
     .await
-    .map_err(|e| match e {
-        crate::worker::WorkerError::Unreachable(reason) => reason,
-        other => other.to_string(),
-    })?;
+    .map_err(|e| failed_exchange(&e, changes))?;
     let mut r = Response::new(Full::new(answer.body));
     *r.status_mut() = answer.status;
     if let Some(ct) = answer.content_type {
@@ -344,10 +344,21 @@ async fn forward(
     Ok(r)
 }
 
-fn unreachable_worker(reason: &str) -> Reply {
-    error(
-        StatusCode::BAD_GATEWAY,
-        &format!("worker unreachable: {reason}"),
-        None,
-    )
+/// The status and error for an exchange that failed: a request sent and
+/// not answered may have changed something, and a change says so.
+fn failed_exchange(e: &crate::worker::WorkerError, changes: bool) -> (StatusCode, String) {
+    use crate::worker::WorkerError;
+    let status = match e {
+        WorkerError::NoAnswer {
+            timed_out: true, ..
+        } => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    let sent = !matches!(e, WorkerError::Unreachable(_));
+    let why = if sent && changes {
+        format!("{e} (the change may have been made: read it back before trying again)")
+    } else {
+        e.to_string()
+    };
+    (status, why)
 }

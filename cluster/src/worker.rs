@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use bytes::Bytes;
-use egress_api::client::{Call, Target};
+use egress_api::client::{Call, CallError, Target};
 use egress_policy::machine::MachineEgress;
 use http::{Method, StatusCode};
 
@@ -14,8 +14,12 @@ use crate::decide::WorkerPolicy;
 /// Why a call to the worker failed.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// Not connected: the request never reached the worker.
     #[error("worker unreachable: {0}")]
     Unreachable(String),
+    /// Sent, but no whole answer came back: a change may have been made.
+    #[error("no answer from the worker: {reason}")]
+    NoAnswer { reason: String, timed_out: bool },
     #[error("worker answered {status} to {what}: {body}")]
     Status {
         what: String,
@@ -66,7 +70,17 @@ pub async fn exchange(
     };
     egress_api::client::exchange(to, call)
         .await
-        .map_err(|e| WorkerError::Unreachable(e.to_string()))
+        .map_err(|e| match e {
+            CallError::Connect { .. } => WorkerError::Unreachable(e.to_string()),
+            CallError::TimedOut { .. } => WorkerError::NoAnswer {
+                reason: e.to_string(),
+                timed_out: true,
+            },
+            _ => WorkerError::NoAnswer {
+                reason: e.to_string(),
+                timed_out: false,
+            },
+        })
 }
 
 impl Worker {
