@@ -179,10 +179,12 @@ async fn put_defaults(req: Request<Incoming>, query: &str, m: &Arc<Machines>) ->
 /// [`reading`]).
 const TURNS: usize = 2;
 
-/// The places of changes ([`blocking`]) and of reads ([`reading`]), each
-/// shared by every call of the process: a read waits for no change's turn.
-static PLACES: std::sync::LazyLock<[Arc<tokio::sync::Semaphore>; 2]> =
-    std::sync::LazyLock::new(|| [(); 2].map(|()| Arc::new(tokio::sync::Semaphore::new(TURNS))));
+/// The places of changes ([`blocking`]), shared by every call of the
+/// process.
+static CHANGES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(TURNS);
+
+/// The places of reads ([`reading`]): a read waits for no change's turn.
+static READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(TURNS);
 
 /// Runs a change (it runs nft and fsyncs) off the async threads, once one
 /// of [`TURNS`] places is free. Every change waits for the state's lock
@@ -193,21 +195,21 @@ static PLACES: std::sync::LazyLock<[Arc<tokio::sync::Semaphore>; 2]> =
 /// The place is held until the change is done, whether or not its caller
 /// still waits.
 async fn blocking(f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static) -> Reply {
-    on_blocking_thread(&PLACES[0], f).await
+    on_blocking_thread(&CHANGES, f).await
 }
 
 /// A read ([`blocking`]'s places are for changes; reads have two of
 /// their own).
 async fn reading(f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static) -> Reply {
-    on_blocking_thread(&PLACES[1], f).await
+    on_blocking_thread(&READS, f).await
 }
 
 async fn on_blocking_thread(
-    places: &Arc<tokio::sync::Semaphore>,
+    places: &'static tokio::sync::Semaphore,
     f: impl FnOnce() -> Result<Value, MachineError> + Send + 'static,
 ) -> Reply {
     // Never closed: every call gets its place in turn.
-    let Ok(place) = places.clone().acquire_owned().await else {
+    let Ok(place) = places.acquire().await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "stopping", None);
     };
     let run = move || {
@@ -234,6 +236,7 @@ fn failed(e: &MachineError) -> Reply {
         MachineError::Kernel(_)
         | MachineError::KernelUnsure(_)
         | MachineError::Persist { .. }
+        | MachineError::Load { .. }
         | MachineError::PersistUnsure { .. }
         | MachineError::Orphaned { .. }
         | MachineError::Mismatched { .. }

@@ -81,6 +81,10 @@ pub enum MachineError {
     KernelUnsure(NftError),
     #[error("{path}: {message} (the rules were put back; nothing changed)")]
     Persist { path: PathBuf, message: String },
+    /// The stored state could not be read (at the start): no rule was
+    /// changed to put back.
+    #[error("reading the machine egress state: {path}: {message}")]
+    Load { path: PathBuf, message: String },
     /// The state could not be written, and the rules it had could not be
     /// put back either: the kernel may enforce the change the state does
     /// not have until the table is installed again.

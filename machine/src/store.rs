@@ -77,6 +77,13 @@ impl Store {
     /// Reads the state; `None` when there is none yet. The earlier layout
     /// is moved to this one first.
     pub(crate) fn load(&self, state_dir: &Path) -> Result<Option<State>, MachineError> {
+        self.load_as_stored(state_dir).map_err(|e| match e {
+            MachineError::Persist { path, message } => MachineError::Load { path, message },
+            other => other,
+        })
+    }
+
+    fn load_as_stored(&self, state_dir: &Path) -> Result<Option<State>, MachineError> {
         let legacy = state_dir.join(LEGACY_FILE);
         if !self.dir.exists() {
             let Some(state) = read_legacy(&legacy)? else {

@@ -130,6 +130,11 @@ fn nothing_yet_is_none_and_a_file_with_another_vm_is_refused() {
         text.contains("vm-c.json") && text.contains("corrupt"),
         "{text}"
     );
+    // Read at the start, it changed no rule: none was put back.
+    assert!(
+        text.starts_with("reading the machine egress state: ") && !text.contains("put back"),
+        "{text}"
+    );
 }
 
 /// A VM file is checked as its registration was: a link that is no
