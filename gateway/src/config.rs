@@ -657,8 +657,9 @@ impl Default for Limits {
 
 // === loading ===
 
-/// What `egress-gateway redirect` reads of the file: `[listen]` and
-/// `[redirect]`, validated; every other table is left to the gateway. The
+/// What `egress-gateway redirect` reads of the file: `[listen]`,
+/// `[redirect]` and the DNS budget keys of `[dns]`, validated; every other
+/// key is left to the gateway. The
 /// fence and each interface's table are installed at boot from the same
 /// file the gateway reads, and a mistake elsewhere in it (a typo under
 /// `[limits]`, a key only a newer build knows) must not leave the sandbox
@@ -668,6 +669,46 @@ impl Default for Limits {
 pub struct RedirectView {
     pub listen: Listen,
     pub redirect: RedirectConfig,
+    pub dns: DnsRateView,
+}
+
+/// The keys of `[dns]` an interface's rules are written with: the most DNS
+/// datagrams a second one source may send ([`crate::redirect::Tracking`]).
+/// Its other keys are the gateway's alone.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct DnsRateView {
+    pub budget_qps: u32,
+    pub budget_max_qps: u32,
+}
+
+impl Default for DnsRateView {
+    fn default() -> Self {
+        let dns = Dns::default();
+        Self {
+            budget_qps: dns.budget_qps,
+            budget_max_qps: dns.budget_max_qps,
+        }
+    }
+}
+
+impl DnsRateView {
+    /// The most queries a second a policy's DNS budget gives, as
+    /// [`Dns::budget_ceiling`] reads it.
+    pub fn ceiling(&self) -> u32 {
+        self.budget_max_qps.max(self.budget_qps)
+    }
+
+    fn first_invalid(&self) -> Option<(&'static str, String)> {
+        let max = egress_policy::dns::MAX_RATE;
+        [
+            ("dns.budget_qps", self.budget_qps),
+            ("dns.budget_max_qps", self.budget_max_qps),
+        ]
+        .into_iter()
+        .find(|(_, n)| !(1..=max).contains(n))
+        .map(|(key, n)| (key, format!("{n} is outside 1..={max}")))
+    }
 }
 
 /// What `egress-gateway redirect --fence` reads of the file: `[redirect]`
@@ -700,7 +741,11 @@ impl RedirectView {
 
     fn checked(self, path: &Path) -> Result<Self, ConfigError> {
         let view = self;
-        match view.redirect.first_invalid() {
+        match view
+            .redirect
+            .first_invalid()
+            .or_else(|| view.dns.first_invalid())
+        {
             Some((key, message)) => Err(ConfigError::Invalid {
                 path: path.to_owned(),
                 key,
@@ -1042,6 +1087,31 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config, String> {
         Config::parse(text, Path::new("gw.toml")).map_err(|e| e.to_string())
+    }
+
+    /// `egress-gateway redirect` reads `[listen]`, `[redirect]` and the DNS
+    /// budget keys, checked, and nothing else: a mistake under another key
+    /// does not keep an interface from its rules.
+    #[test]
+    fn the_redirect_view_reads_the_dns_rate_and_nothing_else_of_dns() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = dir.path().join("gw.toml");
+        let load = |text: &str| {
+            std::fs::write(&file, text).expect("write");
+            RedirectView::load(&file).map_err(|e| e.to_string())
+        };
+        let view = load("[dns]\nbudget_max_qps = 20\nbudget_qps = 10\nupstreams = \"not a list\"\nno_such_key = 1\n[limits]\nno_such_key = 1\n")
+            .expect("loads");
+        assert_eq!(view.dns.ceiling(), 20);
+        assert_eq!(crate::redirect::Tracking::from(&view).dns_qps, 20);
+        let full = parse("[dns]\nbudget_max_qps = 20\nbudget_qps = 30\n").expect("parses");
+        assert_eq!(crate::redirect::Tracking::from(&full).dns_qps, 30);
+        assert_eq!(load("").expect("defaults").dns.ceiling(), 5_000);
+        let err = load("[dns]\nbudget_qps = 0\n").expect_err("refused");
+        assert!(
+            err.contains("dns.budget_qps") && err.contains("0 is outside"),
+            "{err}"
+        );
     }
 
     #[test]

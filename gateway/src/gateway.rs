@@ -781,7 +781,7 @@ fn keep_fence(dp: &Dataplane, first: bool) {
         dns: config.listen.dns.port(),
         dns_alt: config.listen.dns_alt.port(),
     };
-    let rules = (ports, crate::redirect::Tracking::from(&config.redirect));
+    let rules = (ports, crate::redirect::Tracking::from(&*config));
     let installed = || {
         if first {
             tracing::info!(?patterns, "installed the fence of sandbox interfaces");

@@ -105,13 +105,32 @@ pub struct Tracking {
     /// Source addresses counted at once (`redirect.max_tracked_sources`):
     /// a new connection from one more is dropped.
     pub sources: u32,
+    /// DNS datagrams one source may send a second (and at once), past
+    /// which the kernel drops them: the most any policy's DNS budget gives
+    /// (`dns.budget_max_qps`, or `dns.budget_qps` above it). The proxy
+    /// would only answer those `REFUSED`, one at a time on one socket every
+    /// sandbox shares: a flood from one would crowd out the others' queries.
+    pub dns_qps: u32,
 }
 
-impl From<&crate::config::RedirectConfig> for Tracking {
-    fn from(c: &crate::config::RedirectConfig) -> Self {
+impl From<&crate::config::Config> for Tracking {
+    fn from(c: &crate::config::Config) -> Self {
         Self {
-            connections: c.max_tracked_connections,
-            sources: c.max_tracked_sources,
+            connections: c.redirect.max_tracked_connections,
+            sources: c.redirect.max_tracked_sources,
+            dns_qps: c.dns.budget_ceiling().0,
+        }
+    }
+}
+
+/// As [`Tracking::from`] a whole configuration: the same keys, as
+/// `egress-gateway redirect` reads them.
+impl From<&crate::config::RedirectView> for Tracking {
+    fn from(c: &crate::config::RedirectView) -> Self {
+        Self {
+            connections: c.redirect.max_tracked_connections,
+            sources: c.redirect.max_tracked_sources,
+            dns_qps: c.dns.ceiling(),
         }
     }
 }
@@ -152,9 +171,14 @@ table inet {table} {{
     # (Calico's tunl0, say), and its inner packet routed on from there,
     # past every rule of this interface. (58 is ICMPv6: by number, since a
     # name nft must look up in /etc/protocols, which an image may lack.)
+    # Nor an ICMP error: one naming a connection of the host's (the DNS
+    # proxy's upstream socket, say) would end it, whoever sent it, and a
+    # sandbox on its own link has no error to report to the host.
     chain no_tunnels {{
         type filter hook input priority filter - 20; policy accept;
         iifname "{iface}" meta l4proto != {{ tcp, udp, icmp, 58 }} counter drop
+        iifname "{iface}" icmp type {{ destination-unreachable, source-quench, time-exceeded, parameter-problem }} counter drop
+        iifname "{iface}" icmpv6 type {{ destination-unreachable, packet-too-big, time-exceeded, parameter-problem }} counter drop
     }}
 }}
 # Through the fence (if one is installed), in the same transaction.
@@ -169,9 +193,20 @@ fn guards(iface: &str, tracking: Tracking) -> String {
     let Tracking {
         connections: max_tracked,
         sources,
+        dns_qps,
     } = tracking;
+    let udp_guard = udp_guard(iface, sources, dns_qps);
     format!(
-        r#"    # First, a source the interface is not the way back to is someone
+        r#"    # Before anything, fragments: connection tracking reassembles them
+    # (at priority -400) in memory the whole host shares, before any rule
+    # below has looked at them. A sandbox's TCP is cut to its MSS and its
+    # DNS queries are small; a fragment from it is a flood.
+    chain no_fragments {{
+        type filter hook prerouting priority -450; policy accept;
+        iifname "{iface}" ip frag-off & 0x3fff != 0 counter drop
+        iifname "{iface}" exthdr frag exists counter drop
+    }}
+    # First, a source the interface is not the way back to is someone
     # else's: a sandbox on its own interface cannot send as another (the
     # gateway knows a sandbox by its address). From :: and link-local
     # addresses, only what finds neighbours and joins groups (a sandbox
@@ -187,13 +222,7 @@ fn guards(iface: &str, tracking: Tracking) -> String {
         iifname "{iface}" ip6 saddr {{ ::, fe80::/10 }} counter drop
         iifname "{iface}" meta nfproto ipv6 fib saddr . iif oif missing counter drop
     }}
-    # Before NAT: only DNS to the reserved resolvers may leave as UDP.
-    chain udp_guard {{
-        type filter hook prerouting priority mangle; policy accept;
-        iifname "{iface}" meta nfproto ipv4 udp dport 53 ip daddr {{ 8.8.8.8, 1.1.1.1 }} accept
-        iifname "{iface}" meta l4proto udp counter drop
-    }}
-    # Then, what passed: at most {max_tracked} open connections tracked for
+{udp_guard}    # Then, what passed: at most {max_tracked} open connections tracked for
     # each source address at once (closed ones do not count), so on a
     # bridge too each sandbox has its own. The host's table is every
     # sandbox's and the gateway's: one sandbox's flood fills its own share
@@ -212,6 +241,41 @@ fn guards(iface: &str, tracking: Tracking) -> String {
         iifname "{iface}" ct state new add @tracked6 {{ ip6 saddr ct count over {max_tracked} }} counter drop
         iifname "{iface}" ct state new meta nfproto ipv4 ip saddr != @tracked4 counter drop
         iifname "{iface}" ct state new meta nfproto ipv6 ip6 saddr != @tracked6 counter drop
+    }}
+"#
+    )
+}
+
+/// The interface's chain before NAT that lets through only DNS to the
+/// reserved resolvers as UDP, at most `dns_qps` datagrams a second from
+/// each of `sources` sources ([`guards`]).
+fn udp_guard(iface: &str, sources: u32, dns_qps: u32) -> String {
+    // nft finds no element of a set whose elements hold a limit, so the
+    // sources counted are a set of their own, and the limits' set has
+    // room for twice as many: it holds no source the first does not, and
+    // its expired elements go only at its next clean-up.
+    let limits = u64::from(sources) * 2;
+    let dns = r#"iifname "IFACE" meta nfproto ipv4 udp dport 53 ip daddr { 8.8.8.8, 1.1.1.1 }"#
+        .replace("IFACE", iface);
+    format!(
+        r#"    # Before NAT: only DNS to the reserved resolvers may leave as UDP, at
+    # most {dns_qps} datagrams a second from each source (the most a DNS
+    # budget gives); past that they are dropped here, not read and refused
+    # one by one on the socket every sandbox shares. A source the full set
+    # cannot take is not counted, so its DNS is dropped too.
+    set dns_sources4 {{
+        type ipv4_addr; size {sources}; flags dynamic,timeout; timeout 10s;
+    }}
+    set dns_rate4 {{
+        type ipv4_addr; size {limits}; flags dynamic,timeout; timeout 10s;
+    }}
+    chain udp_guard {{
+        type filter hook prerouting priority mangle; policy accept;
+        {dns} update @dns_sources4 {{ ip saddr }}
+        {dns} ip saddr != @dns_sources4 counter drop
+        {dns} update @dns_rate4 {{ ip saddr limit rate over {dns_qps}/second burst {dns_qps} packets }} counter drop
+        {dns} accept
+        iifname "{iface}" meta l4proto udp counter drop
     }}
 "#
     )
@@ -444,8 +508,10 @@ pub fn keep_fence(
         .lock()
         .map(|r| r.clone().unwrap_or_default())
         .unwrap_or_default();
-    let current =
-        |t: &str| egress_machine::counters::rules(t, "tracked").is_ok_and(|n| n >= TRACKED);
+    let current = |t: &str| {
+        egress_machine::counters::rules(t, "tracked").is_ok_and(|n| n >= TRACKED)
+            && egress_machine::counters::rules(t, "udp_guard").is_ok_and(|n| n >= UDP_GUARD)
+    };
     let (keep, gone) = keep_plan(&attached, (redirected, current), &rebuilt);
     let mut first_error = None;
     for (iface, keep) in keep {
@@ -515,6 +581,10 @@ const REDIRECTS: usize = 3;
 /// The rules of its `tracked` chain: fewer, and an older build wrote it.
 const TRACKED: usize = 4;
 
+/// The rules of its `udp_guard` chain: fewer, and an older build wrote it
+/// (one without the DNS rate).
+const UDP_GUARD: usize = 5;
+
 fn nft() -> egress_machine::nft::Nft {
     egress_machine::nft::Nft::new(vec!["nft".into()])
 }
@@ -560,6 +630,7 @@ mod tests {
     const TRACKING: Tracking = Tracking {
         connections: 16_384,
         sources: 1_000,
+        dns_qps: 5_000,
     };
 
     #[test]
@@ -574,6 +645,24 @@ mod tests {
             r.contains("ip daddr 1.1.1.1 meta l4proto { tcp, udp } th dport 53 redirect to :15054")
         );
         assert!(r.contains(r#"iifname "tap-sb1" meta l4proto udp counter drop"#));
+        // DNS at most 5,000 datagrams a second from a source, one the set
+        // cannot take dropped.
+        let dns =
+            r#"iifname "tap-sb1" meta nfproto ipv4 udp dport 53 ip daddr { 8.8.8.8, 1.1.1.1 }"#;
+        let guard = [
+            "update @dns_sources4 { ip saddr }",
+            "ip saddr != @dns_sources4 counter drop",
+            "update @dns_rate4 { ip saddr limit rate over 5000/second burst 5000 packets } counter drop",
+            "accept",
+        ]
+        .map(|rule| format!("{dns} {rule}"))
+        .join("\n        ");
+        assert!(r.contains(&guard), "{r}");
+        assert!(r.contains("set dns_sources4 {\n        type ipv4_addr; size 1000;"));
+        assert!(r.contains("set dns_rate4 {\n        type ipv4_addr; size 2000;"));
+        // Fragments before reassembly; ICMP errors to the host.
+        assert!(r.contains("type filter hook prerouting priority -450; policy accept;\n        iifname \"tap-sb1\" ip frag-off & 0x3fff != 0 counter drop\n        iifname \"tap-sb1\" exthdr frag exists counter drop"), "{r}");
+        assert!(r.contains(r#"iifname "tap-sb1" icmpv6 type { destination-unreachable, packet-too-big, time-exceeded, parameter-problem } counter drop"#));
         for family in ["4 { ip", "6 { ip6"] {
             let rule = format!("iifname \"tap-sb1\" ct state new add @tracked{family} saddr ct count over 16384 }} counter drop");
             assert!(r.contains(&rule), "{rule}\n{r}");

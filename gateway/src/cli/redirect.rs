@@ -70,7 +70,7 @@ fn install(args: &RedirectArgs) -> ExitCode {
         dns: config.listen.dns.port(),
         dns_alt: config.listen.dns_alt.port(),
     };
-    let tracked = redirect::Tracking::from(&config.redirect);
+    let tracked = redirect::Tracking::from(&config);
     let result = match &args.sandbox_iface {
         _ if args.fence => fence(args, &config),
         None => return fail("--sandbox-iface or --fence is required"),

@@ -257,3 +257,132 @@ fn a_sandbox_cannot_send_as_another() {
         serde_json::json!(["api.example.test"])
     );
 }
+
+/// Packets the counting rule holding `needle` in `table` has matched.
+fn rule_count(t: &Topology, table: &str, needle: &str) -> u64 {
+    let out = t.exec(&t.gw, "nft", &["list", "table", "inet", table]);
+    let rules = String::from_utf8_lossy(&out.stdout);
+    rules
+        .lines()
+        .find(|l| l.contains(needle))
+        .and_then(|l| l.split("counter packets ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counted rule with {needle:?} in:\n{rules}"))
+}
+
+/// A flood of DNS datagrams from one sandbox is dropped by its interface's
+/// redirect rules past the most a DNS budget gives a second
+/// (`dns.budget_max_qps`, 20 here): the proxy, whose socket every sandbox
+/// shares, never reads it. The other sandbox resolves meanwhile, and the
+/// flooder again once its second is over.
+#[test]
+fn a_dns_flood_from_one_sandbox_is_dropped_at_its_interface() {
+    let t = topology!();
+    t.push("sb1", SB1_IP, RESOLVER_ONLY);
+    t.push("sb2", SB2_IP, RESOLVER_ONLY);
+    let config = t.path("dns-rate.toml");
+    std::fs::write(&config, "[dns]\nbudget_qps = 20\nbudget_max_qps = 20\n").expect("config");
+    let out = t.exec(
+        &t.gw,
+        bin("egress-gateway").to_str().expect("utf-8"),
+        &[
+            "redirect",
+            "--sandbox-iface",
+            "sb1",
+            "--apply",
+            "--config",
+            config.to_str().expect("utf-8"),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 500 queries for names of their own, sent as fast as they go.
+    let flood = r#"
+import socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(500):
+    name = b"".join(bytes([len(l)]) + l for l in [b"n%d" % i, b"flood", b"example", b"test"]) + b"\0"
+    s.sendto(struct.pack(">HHHHHH", i, 0x0100, 1, 0, 0, 0) + name + struct.pack(">HH", 1, 1), ("8.8.8.8", 53))
+"#;
+    let out = t.exec(&t.sb1, "python3", &["-c", flood]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dropped = rule_count(&t, "egress_gw_sb1", "update @dns_rate4");
+    assert!(dropped >= 300, "{dropped} of 500 dropped");
+    // What passed reached the proxy and the upstream; the rest never did.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let asked = upstream_under(&t, "flood.example.test");
+    assert!(asked <= 200, "{asked} of 500 reached the upstream");
+    assert_eq!(
+        dig_status(&t, &t.sb2, "a.relay.example.test", "A").0,
+        "NOERROR"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1_500));
+    assert_eq!(
+        dig_status(&t, &t.sb1, "a.relay.example.test", "A").0,
+        "NOERROR"
+    );
+}
+
+/// A sandbox's fragments are dropped before connection tracking would
+/// reassemble them in memory the whole host shares, and an ICMP error it
+/// sends the host (which could end a connection of the host's, the DNS
+/// proxy's upstream socket say, whoever sent it) is dropped too: each
+/// rule of its interface's table counts what it dropped.
+#[test]
+fn a_sandboxs_fragments_and_icmp_errors_never_reach_the_host() {
+    let t = topology!();
+    t.push("sb1", SB1_IP, RESOLVER_ONLY);
+    let table = "egress_gw_sb1";
+    let v4 = || rule_count(&t, table, "ip frag-off & 16383 != 0");
+    let v6 = || rule_count(&t, table, "exthdr frag exists");
+    let icmp = || rule_count(&t, table, "icmp type { destination-unreachable");
+    let before = (v4(), v6(), icmp());
+    let send = r#"
+import socket, struct
+big = b"x" * 3000
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IP, 10, 0)  # IP_MTU_DISCOVER: IP_PMTUDISC_DONT
+s.sendto(big, ("8.8.8.8", 53))
+s6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s6.sendto(big, ("2001:db8:1::1", 53))
+def checksum(b):
+    if len(b) % 2:
+        b += b"\0"
+    n = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    n = (n >> 16) + (n & 0xffff)
+    n += n >> 16
+    return ~n & 0xffff
+# Port unreachable for a datagram from the gateway to 203.0.113.10:53.
+inner = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28, 0, 0, 64, 17, 0,
+                    socket.inet_aton("100.64.1.1"), socket.inet_aton("203.0.113.10"))
+inner += struct.pack("!HHHH", 40000, 53, 8, 0)
+head = struct.pack("!BBHI", 3, 3, 0, 0)
+msg = head[:2] + struct.pack("!H", checksum(head + inner)) + head[4:] + inner
+r = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+r.sendto(msg, ("100.64.1.1", 0))
+"#;
+    let out = t.exec(&t.sb1, "python3", &["-c", send]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = (v4(), v6(), icmp());
+    assert!(
+        after.0 >= before.0 + 2,
+        "IPv4 fragments: {before:?} → {after:?}"
+    );
+    assert!(
+        after.1 >= before.1 + 2,
+        "IPv6 fragments: {before:?} → {after:?}"
+    );
+    assert!(after.2 > before.2, "the ICMP error: {before:?} → {after:?}");
+}
