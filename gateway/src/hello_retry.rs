@@ -239,11 +239,15 @@ async fn client_second(
     mut buf: Vec<u8>,
     max: usize,
 ) -> std::io::Result<(Vec<u8>, ClientHello)> {
+    // Read again only when a record's header or a record is whole.
+    let mut records = crate::peek::Records::default();
     loop {
-        match second_client_hello(&buf) {
-            Ok(Some(hello)) => return Ok((buf, hello)),
-            Ok(None) => {}
-            Err(e) => return Err(std::io::Error::other(peek_error(&e))),
+        if records.advanced(&buf) {
+            match second_client_hello(&buf) {
+                Ok(Some(hello)) => return Ok((buf, hello)),
+                Ok(None) => {}
+                Err(e) => return Err(std::io::Error::other(peek_error(&e))),
+            }
         }
         if buf.len() >= max {
             return Err(std::io::Error::other(format!(

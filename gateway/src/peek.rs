@@ -97,6 +97,17 @@ const EXT_ENCRYPTED_NAME_DRAFTS: std::ops::RangeInclusive<u16> = 0xfe08..=0xfe0c
 const EXT_ENCRYPTED_SERVER_NAME: u16 = 0xffce;
 /// Extensions a ClientHello may carry (browsers send about 20).
 const MAX_EXTENSIONS: usize = 64;
+/// Records a ClientHello may span, and records a client may send before
+/// its second one (change cipher spec, early data). Clients send a hello
+/// in one record (OpenSSL with a 512-byte fragment length needs 32 for
+/// 16 KiB); each read re-reads every record so far, so a hello in
+/// thousands of tiny records would cost the square of its bytes.
+pub const MAX_HELLO_RECORDS: usize = 64;
+/// Bytes of a stream neither TLS nor HTTP after which it is classified
+/// again only when a line ends in what was read: every decision on its
+/// first bytes (an SSH line is at most 255) is taken before, and an HTTP
+/// head cannot end without one.
+const LINE_READ_AHEAD: usize = 512;
 
 /// Reads from `io` until the flow is classified, at most `max` bytes, within `limit`.
 pub async fn peek<R: AsyncRead + Unpin>(
@@ -105,6 +116,7 @@ pub async fn peek<R: AsyncRead + Unpin>(
     limit: Duration,
 ) -> Result<(Classified, Vec<u8>), PeekError> {
     let mut buf = Vec::with_capacity(1024);
+    let mut records = Records::default();
     let read = async {
         loop {
             let mut chunk = [0u8; 2048];
@@ -117,10 +129,17 @@ pub async fn peek<R: AsyncRead + Unpin>(
                 return finish_at_eof(&buf);
             }
             buf.extend_from_slice(&chunk[..n]);
-            match classify(&buf)? {
-                Step::Done(c) => return Ok(c),
-                Step::NeedMore if buf.len() >= max => return finish_at_limit(&buf),
-                Step::NeedMore => {}
+            let news = match buf.first() {
+                Some(&HANDSHAKE) => records.advanced(&buf),
+                _ => buf.len() - n < LINE_READ_AHEAD || chunk[..n].contains(&b'\n'),
+            };
+            if news {
+                if let Step::Done(c) = classify(&buf)? {
+                    return Ok(c);
+                }
+            }
+            if buf.len() >= max {
+                return finish_at_limit(&buf);
             }
         }
     };
@@ -128,6 +147,40 @@ pub async fn peek<R: AsyncRead + Unpin>(
         .await
         .map_err(|_| PeekError::Timeout)??;
     Ok((classified, buf))
+}
+
+/// How far the TLS records read so far are framed: what is read is
+/// classified again only once a record's header or the record itself is
+/// whole (nothing else can change the answer), so a sender's tiny
+/// segments cost the peek no more than one reading per record.
+#[derive(Debug, Default)]
+pub struct Records {
+    /// Where the next record not yet whole starts.
+    next: usize,
+    /// Whether that record's header was whole at the last look.
+    header_seen: bool,
+}
+
+impl Records {
+    /// Whether a record's header or a record became whole in `buf` since
+    /// the last call.
+    pub fn advanced(&mut self, buf: &[u8]) -> bool {
+        let mut news = false;
+        while let Some(header) = buf.get(self.next..self.next + 5) {
+            if !self.header_seen {
+                self.header_seen = true;
+                news = true;
+            }
+            let end = self.next + 5 + usize::from(u16::from_be_bytes([header[3], header[4]]));
+            if end > buf.len() {
+                break;
+            }
+            self.next = end;
+            self.header_seen = false;
+            news = true;
+        }
+        news
+    }
 }
 
 /// Classifies a buffer: `Ok(None)` while more bytes are needed.
@@ -398,7 +451,7 @@ pub fn second_client_hello(buf: &[u8]) -> Result<Option<ClientHello>, PeekError>
 /// [`second_client_hello`], and where its last record ends in `buf`.
 pub fn second_client_hello_at(buf: &[u8]) -> Result<Option<(ClientHello, usize)>, PeekError> {
     let mut off = 0;
-    loop {
+    for _ in 0..=MAX_HELLO_RECORDS {
         let Some(header) = buf.get(off..off + 5) else {
             return Ok(None);
         };
@@ -416,6 +469,9 @@ pub fn second_client_hello_at(buf: &[u8]) -> Result<Option<(ClientHello, usize)>
         }
         off += 5 + len;
     }
+    Err(PeekError::Malformed(
+        "more than 64 records before the second ClientHello",
+    ))
 }
 
 /// Where the records of the ClientHello at the start of `buf` end: the
@@ -433,7 +489,7 @@ pub fn client_hello_end(buf: &[u8]) -> Option<usize> {
 fn client_hello(buf: &[u8]) -> Result<Option<(ClientHello, usize)>, PeekError> {
     let mut handshake: Vec<u8> = Vec::new();
     let mut off = 0;
-    loop {
+    for _ in 0..MAX_HELLO_RECORDS {
         let Some(header) = buf.get(off..off + 5) else {
             return Ok(None);
         };
@@ -477,6 +533,9 @@ fn client_hello(buf: &[u8]) -> Result<Option<(ClientHello, usize)>, PeekError> {
             _ => {}
         }
     }
+    Err(PeekError::Malformed(
+        "a ClientHello in more than 64 records",
+    ))
 }
 
 /// The length of the handshake message starting `msg` (header included) when

@@ -69,7 +69,7 @@ async fn client_hello_in_one_record() {
 async fn post_quantum_sized_hello_split_over_records_and_sent_byte_by_byte() {
     let hs = hello(Some("pq.example.test"), &["h2"], 1_800, true);
     assert!(hs.len() > 1_900);
-    for (fragment, step) in [(100, 1), (16_384, 1), (7, 13), (1_000, 1_460)] {
+    for (fragment, step) in [(100, 1), (16_384, 1), (40, 13), (1_000, 1_460)] {
         let bytes = records(&hs, fragment);
         let (c, read) = run(bytes.clone(), step).await.expect("classified");
         let Classified::Tls(ch) = c else {
@@ -83,6 +83,49 @@ async fn post_quantum_sized_hello_split_over_records_and_sent_byte_by_byte() {
         assert!(ch.early_data);
         assert_eq!(read, bytes);
     }
+}
+
+/// A ClientHello is read from at most 64 records: in more it is refused,
+/// not reassembled again from every record so far at each read.
+#[tokio::test]
+async fn a_hello_in_more_than_64_records_is_refused() {
+    let hs = hello(Some("many.example.test"), &["h2"], 0, false);
+    let count = |f: usize| hs.len().div_ceil(f);
+    let f = (1..)
+        .find(|&f| count(f) <= MAX_HELLO_RECORDS)
+        .expect("a size");
+    assert!(f > 1 && count(f - 1) > MAX_HELLO_RECORDS);
+    let (c, _) = run(records(&hs, f), 1).await.expect("in 64 records");
+    assert_eq!(c, tls(Some("many.example.test")));
+    assert_eq!(
+        run(records(&hs, f - 1), 1).await.map(|x| x.0),
+        Err(PeekError::Malformed(
+            "a ClientHello in more than 64 records"
+        ))
+    );
+    // Before a second ClientHello, as many records of other types.
+    let ccs = [0x14, 3, 3, 0, 1, 1];
+    let second = records(&hs, 16_384);
+    for (n, read) in [(MAX_HELLO_RECORDS, true), (MAX_HELLO_RECORDS + 1, false)] {
+        let bytes = [ccs.repeat(n), second.clone()].concat();
+        let got = second_client_hello(&bytes);
+        assert_eq!(got.is_ok(), read, "{n}: {got:?}");
+    }
+}
+
+/// What is read is classified again only when a record's header or a
+/// record is whole: a hello sent a byte at a time is read twice a record,
+/// not once a byte.
+#[test]
+fn records_say_when_a_header_or_a_record_is_whole() {
+    let hs = hello(Some("slow.example.test"), &["h2"], 1_800, false);
+    let bytes = records(&hs, 100);
+    let n = hs.len().div_ceil(100);
+    let mut r = Records::default();
+    let news = (1..=bytes.len())
+        .filter(|&end| r.advanced(&bytes[..end]))
+        .count();
+    assert_eq!(news, 2 * n);
 }
 
 #[tokio::test]
@@ -761,7 +804,7 @@ proptest::proptest! {
 
 proptest::proptest! {
     /// The verdict on a hello — its name, or why it is malformed — is the
-    /// same however its bytes are cut into records.
+    /// same however its bytes are cut into records, up to 64 of them.
     #[test]
     fn verdict_does_not_depend_on_record_cuts(
         pick in 0usize..64,
@@ -773,6 +816,13 @@ proptest::proptest! {
         let hs = &hellos[pick % hellos.len()];
         let whole = classify_bytes(&records(hs, 16_384));
         let cut = classify_bytes(&records(hs, fragment));
-        proptest::prop_assert_eq!(whole, cut);
+        if hs.len().div_ceil(fragment) <= MAX_HELLO_RECORDS {
+            proptest::prop_assert_eq!(whole, cut);
+        } else {
+            proptest::prop_assert_eq!(
+                cut,
+                Err(PeekError::Malformed("a ClientHello in more than 64 records"))
+            );
+        }
     }
 }
