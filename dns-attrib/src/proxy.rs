@@ -378,15 +378,12 @@ impl DnsProxy {
                 _ => return,
             }
             // The proxy's place is held while the query is answered, not
-            // while a slow reader takes the answer.
-            let Ok(permit) = self.in_flight.try_acquire() else {
-                self.metrics.overloaded.inc();
-                return;
-            };
+            // while a slow reader takes the answer. Past the bound,
+            // SERVFAIL, as on UDP: the connection, and the queries
+            // pipelined behind it, go on.
             let answered = self
-                .answer(&query, src.ip(), resolver, Transport::Tcp)
+                .answer_bounded(&query, src.ip(), resolver, Transport::Tcp)
                 .await;
-            drop(permit);
             let Some(resp) = answered else {
                 return;
             };

@@ -1067,6 +1067,9 @@ async fn in_flight_queries_are_bounded_per_sandbox_and_in_total() {
         let (_, m) = udp(&h, src, &q("n5.flood.test.")).await;
         assert_eq!(m.metadata.response_code, ResponseCode::ServFail, "{src}");
     }
+    // Over TCP too: SERVFAIL, not the connection closed.
+    let m = tcp(&h, SANDBOX_B, &q("n9.flood.test.")).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
     // The bound holds for a transport without a listener of its own (DoH).
     let raw = q("n8.flood.test.").to_vec().expect("encode");
     let resolver: SocketAddr = RESOLVER.parse().expect("addr");
@@ -1080,7 +1083,7 @@ async fn in_flight_queries_are_bounded_per_sandbox_and_in_total() {
     .expect("an answer");
     let m = Message::from_vec(&answer).expect("parses");
     assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
-    assert_eq!(h.proxy.metrics().overloaded.get(), 4);
+    assert_eq!(h.proxy.metrics().overloaded.get(), 5);
     assert!(
         started.elapsed() < Duration::from_millis(1_000),
         "nothing above waited on the upstream: {:?}",
@@ -1102,7 +1105,7 @@ async fn in_flight_queries_are_bounded_per_sandbox_and_in_total() {
             .expect("answered");
         assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
     }
-    assert_eq!(h.proxy.metrics().overloaded.get(), 4, "room again");
+    assert_eq!(h.proxy.metrics().overloaded.get(), 5, "room again");
     assert_eq!(h.proxy.metrics().upstream_failures.get(), 5);
 }
 

@@ -350,6 +350,9 @@ impl Worker {
         self.registry.restore(before);
         self.registry
             .recompile_lapsed(time::OffsetDateTime::now_utc());
+        // A sandbox the rolled-back change registered may have had queries
+        // answered meanwhile: its evidence goes with it.
+        self.forget_gone();
     }
 
     /// Applies one put and queues its record.

@@ -249,6 +249,13 @@ fn a_removed_sandboxs_evidence_goes_once_the_removal_is_durable() {
     let other = sandbox(&w.registry, "y", "100.64.0.3");
     assert!(commit(&mut w, Change::Replace(vec![other])));
     assert_eq!(names(), 0, "a resync left a dropped sandbox's evidence");
+    // A put rolled back takes with it what its sandbox was answered while
+    // its batch was being written (here: before, which is the same).
+    evidence();
+    w.journal.use_file(read_only(dir.path()));
+    assert!(!put(&mut w, "x", "100.64.0.2"));
+    assert!(w.registry.get(&x).is_none());
+    assert_eq!(names(), 0, "a rolled-back put left its evidence");
 }
 
 /// A commit thread that ends in a panic is told as stuck (every change
