@@ -33,6 +33,9 @@ pub const DEFAULT_PLATFORM_DENY_CIDRS: &[&str] = &[
     // The local-use NAT64 prefix (RFC 8215): a translator the host has
     // maps it to any IPv4 address, private ones included.
     "64:ff9b:1::/48",
+    // The IPv4-translated form of stateless translation (RFC 2765,
+    // `::ffff:0:a.b.c.d`), for a translator configured with it.
+    "::ffff:0:0:0/96",
 ];
 
 /// The built-in list as destinations.

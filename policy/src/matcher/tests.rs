@@ -198,6 +198,13 @@ fn platform_denies_beat_everything() {
             "platform_deny",
         ),
         (ALLOW_ALL, opaque("[::a00:1]:22"), "deny", "platform_deny"),
+        // The IPv4-translated form of 169.254.169.254 (RFC 2765).
+        (
+            ALLOW_ALL,
+            opaque("[::ffff:0:a9fe:a9fe]:80"),
+            "deny",
+            "platform_deny",
+        ),
         // The local-use NAT64 prefix: a translator maps it to any IPv4
         // address, the metadata service's here.
         (
@@ -272,6 +279,8 @@ fn the_built_in_ranges_are_denied_edge_to_edge() {
         "[2002:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:443",
         "[64:ff9b:1::]:443",
         "[64:ff9b:1:ffff:ffff:ffff:ffff:ffff]:443",
+        "[::ffff:0:0:0]:443",
+        "[::ffff:0:ffff:ffff]:443",
     ];
     let allowed = [
         "1.0.0.0:443",
@@ -295,6 +304,8 @@ fn the_built_in_ranges_are_denied_edge_to_edge() {
         "[2000:ffff::1]:443",
         "[2003::]:443",
         "[64:ff9b:2::]:443",
+        "[::fffe:ffff:ffff:ffff]:443",
+        "[::ffff:1:0:0]:443",
     ];
     let rows: Vec<_> = denied
         .iter()
