@@ -75,7 +75,10 @@ impl Conn {
             // adds a per-request rule judges them then).
             overrides: overrides.to_vec(),
             target: req.uri().path_and_query().cloned(),
-            path_override: crate::decide::path_override(req.headers()).is_some(),
+            // Under per-request rules such a request was refused: only a
+            // policy without them lets one through, so only then is it read.
+            path_override: !sb.policy.has_request_rules()
+                && crate::decide::path_override(req.headers()).is_some(),
             // Judged again at the first tick: the platform's addresses may
             // have changed since the request was judged.
             last: (
