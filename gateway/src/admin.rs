@@ -155,10 +155,12 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
     match (&method, segments.as_slice()) {
         (&Method::GET, ["metrics"]) => metrics(ctl),
         (&Method::GET, ["v1", "sandboxes"]) => list(ctl),
-        (&Method::PUT, ["v1", "sandboxes"]) if is_ndjson(&req) => match stream_docs(req).await {
-            Ok((docs, lines)) => resync(ctl, docs, Some(lines)).await,
-            Err(r) => rejected(ctl, r),
-        },
+        (&Method::PUT, ["v1", "sandboxes"]) if is_ndjson(&req) => {
+            match stream_docs(req, ctl.dp.registry.max()).await {
+                Ok((docs, lines)) => resync(ctl, docs, Some(lines)).await,
+                Err(r) => rejected(ctl, r),
+            }
+        }
         (&Method::PUT, ["v1", "sandboxes"]) => match body::<Resync>(req).await {
             Ok(doc) => resync(ctl, doc.sandboxes, None).await,
             Err(r) => rejected(ctl, r),
@@ -642,9 +644,6 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Sandboxes a resync may carry at most.
-const MAX_RESYNC: usize = 1_000_000;
-
 /// Longest an NDJSON resync's body may go without a byte.
 const RESYNC_QUIET: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -659,13 +658,19 @@ fn is_ndjson<B>(req: &Request<B>) -> bool {
 }
 
 /// Reads an NDJSON resync body line by line; errors name the line. The
-/// documents, and the line each was on.
-async fn stream_docs(req: Request<Incoming>) -> Result<(Vec<SandboxDoc>, Vec<usize>), Reply> {
+/// documents, and the line each was on. More than `max` documents
+/// (`limits.max_sandboxes`) is refused at the first one past it, as the
+/// registry would refuse them all, not after the whole body is held.
+async fn stream_docs(
+    req: Request<Incoming>,
+    max: usize,
+) -> Result<(Vec<SandboxDoc>, Vec<usize>), Reply> {
     let mut body = req.into_body();
     let mut lines = Lines::new(MAX_BODY);
     let mut docs = (Vec::new(), Vec::new());
-    // No total bound (a worker's resync may be large), but the stream may
-    // not go quiet: a sender that stops ends it, and what was read goes.
+    // Bound by `max` documents of at most a line's cap each, and the
+    // stream may not go quiet: a sender that stops ends it, and what was
+    // read goes.
     loop {
         let next = tokio::time::timeout(RESYNC_QUIET, body.frame()).await;
         let Ok(next) = next else {
@@ -683,11 +688,11 @@ async fn stream_docs(req: Request<Incoming>) -> Result<(Vec<SandboxDoc>, Vec<usi
             continue;
         };
         for line in lines.feed(&data)? {
-            ndjson_line(line, &mut docs).map_err(|r| *r)?;
+            ndjson_line(line, &mut docs, max).map_err(|r| *r)?;
         }
     }
     if let Some(line) = lines.finish()? {
-        ndjson_line(line, &mut docs).map_err(|r| *r)?;
+        ndjson_line(line, &mut docs, max).map_err(|r| *r)?;
     }
     Ok(docs)
 }
@@ -696,10 +701,18 @@ async fn stream_docs(req: Request<Incoming>) -> Result<(Vec<SandboxDoc>, Vec<usi
 fn ndjson_line(
     (line_no, text): Line,
     (docs, lines): &mut (Vec<SandboxDoc>, Vec<usize>),
+    max: usize,
 ) -> Result<(), Box<Reply>> {
-    if docs.len() >= MAX_RESYNC {
-        let why = format!("more than {MAX_RESYNC} sandboxes");
-        return Err(Box::new(error(StatusCode::PAYLOAD_TOO_LARGE, &why, None)));
+    if docs.len() >= max {
+        let why = crate::registry::RegistryError::Full {
+            max,
+            refused: format!("a resync of more than {max} (line {line_no})"),
+        };
+        return Err(Box::new(error(
+            StatusCode::CONFLICT,
+            &why.to_string(),
+            None,
+        )));
     }
     let doc: SandboxDoc = egress_policy::from_json(&text).map_err(|e| {
         let why = format!("line {line_no}: {}", e.message);

@@ -35,7 +35,7 @@ pub struct Authority {
 pub enum AuthorityError {
     #[error("more than one Host header")]
     SeveralHosts,
-    #[error("an HTTP/1.1 request without Host")]
+    #[error("the request has no Host header and no :authority")]
     Missing,
     #[error("invalid authority {raw:?}: {why}")]
     Invalid { raw: String, why: String },
