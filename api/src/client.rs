@@ -54,8 +54,23 @@ pub struct Answer {
 }
 
 /// Sends `call` to `to` and reads the whole answer, within `to.timeout`.
+/// A connection not made in that time is [`CallError::Connect`] (nothing
+/// was sent); one made, and no whole answer in it, [`CallError::TimedOut`].
 pub async fn exchange(to: Target<'_>, call: Call<'_>) -> Result<Answer, CallError> {
-    tokio::time::timeout(to.timeout, exchange_unbounded(to, call))
+    let deadline = tokio::time::Instant::now() + to.timeout;
+    let connecting = tokio::net::TcpStream::connect(to.authority);
+    let connected = match tokio::time::timeout_at(deadline, connecting).await {
+        Ok(connected) => connected,
+        Err(_) => Err(std::io::Error::other(format!(
+            "no connection within {:?}",
+            to.timeout
+        ))),
+    };
+    let stream = connected.map_err(|e| CallError::Connect {
+        to: to.authority.to_owned(),
+        message: e.to_string(),
+    })?;
+    tokio::time::timeout_at(deadline, exchange_on(stream, to, call))
         .await
         .map_err(|_| CallError::TimedOut {
             to: to.authority.to_owned(),
@@ -63,17 +78,15 @@ pub async fn exchange(to: Target<'_>, call: Call<'_>) -> Result<Answer, CallErro
         })?
 }
 
-async fn exchange_unbounded(to: Target<'_>, call: Call<'_>) -> Result<Answer, CallError> {
+async fn exchange_on(
+    stream: tokio::net::TcpStream,
+    to: Target<'_>,
+    call: Call<'_>,
+) -> Result<Answer, CallError> {
     let failed = |message: String| CallError::Exchange {
         to: to.authority.to_owned(),
         message,
     };
-    let stream = tokio::net::TcpStream::connect(to.authority)
-        .await
-        .map_err(|e| CallError::Connect {
-            to: to.authority.to_owned(),
-            message: e.to_string(),
-        })?;
     let _ = stream.set_nodelay(true);
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
