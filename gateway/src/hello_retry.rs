@@ -19,7 +19,7 @@ use egress_policy::Hostname;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::peek::{second_client_hello, ClientHello, PeekError};
+use crate::peek::{second_client_hello, ClientHello, PeekError, MAX_HELLO_RECORDS};
 
 /// The `random` of a ServerHello that is a HelloRetryRequest (RFC 8446 §4.1.3).
 const HRR_RANDOM: [u8; 32] = [
@@ -143,9 +143,17 @@ async fn within<T>(
 /// HelloRetryRequest.
 async fn server_first(origin: &mut TcpStream) -> std::io::Result<(Vec<u8>, bool)> {
     let mut buf = Vec::with_capacity(1024);
+    // Read again only when a record's header or a record is whole: an
+    // origin sending a byte at a time costs a reading per record.
+    let mut records = crate::peek::Records::default();
     loop {
-        match first_message(&buf) {
+        let first = match records.advanced(&buf) {
+            true => first_message(&buf),
+            false => First::NeedMore,
+        };
+        match first {
             First::Other => return Ok((buf, false)),
+            First::Malformed(why) => return Err(std::io::Error::other(why)),
             // A ServerHello: the flow goes on as it is.
             First::Hello { retry: false, .. } => return Ok((buf, false)),
             // The whole retry request, which the client must have to answer.
@@ -174,6 +182,10 @@ enum First {
     NeedMore,
     /// Not a ServerHello first (an alert, say, or not TLS): nothing to watch.
     Other,
+    /// Handshake records no TLS peer sends (empty ones, or more than
+    /// [`MAX_HELLO_RECORDS`] for one message): the flow is reset, not let
+    /// go unwatched, and not read again from the start at every read.
+    Malformed(&'static str),
     /// A ServerHello, a retry request or not; `whole`: the stream's length
     /// up to the end of the record that completes the message, once read.
     Hello {
@@ -188,7 +200,7 @@ fn first_message(buf: &[u8]) -> First {
     let mut message: Vec<u8> = Vec::new();
     let mut off = 0;
     let mut retry = None;
-    loop {
+    for _ in 0..MAX_HELLO_RECORDS {
         let Some(header) = buf.get(off..off + 5) else {
             return retry.map_or(First::NeedMore, |retry| First::Hello { retry, whole: None });
         };
@@ -204,6 +216,10 @@ fn first_message(buf: &[u8]) -> First {
             };
         }
         let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+        if len == 0 {
+            // RFC 8446 §5.1: no empty handshake record.
+            return First::Malformed("an empty handshake record from the origin");
+        }
         let payload = &buf[off + 5..buf.len().min(off + 5 + len)];
         message.extend_from_slice(payload);
         if message.first().is_some_and(|&kind| kind != SERVER_HELLO) {
@@ -229,6 +245,7 @@ fn first_message(buf: &[u8]) -> First {
             }
         }
     }
+    First::Malformed("the origin's first handshake message in more than 64 records")
 }
 
 /// The client's bytes up to the end of its second ClientHello (change

@@ -54,4 +54,26 @@ fn the_first_message_tells_a_retry_request_from_a_server_hello() {
     let mut cert = retry_request(1);
     cert[5] = 11; // a handshake message that is no ServerHello
     assert_eq!(first_message(&cert), First::Other);
+    // Records no TLS peer sends: refused, not read from the start at every
+    // read for as long as the origin sends them.
+    assert_eq!(
+        first_message(&[HANDSHAKE, 3, 3, 0, 0].repeat(5_000)),
+        First::Malformed("an empty handshake record from the origin")
+    );
+    // A 104-byte retry request in 52 records of 2 bytes, then in 104 of 1.
+    let mut message = vec![SERVER_HELLO, 0, 0, 100, 3, 3];
+    message.extend_from_slice(&HRR_RANDOM);
+    message.resize(104, 0);
+    let cut = |size: usize| -> Vec<u8> {
+        message
+            .chunks(size)
+            .flat_map(|part| [&[HANDSHAKE, 3, 3, 0, part.len() as u8][..], part].concat())
+            .collect()
+    };
+    let whole = Some(cut(2).len());
+    assert_eq!(first_message(&cut(2)), First::Hello { retry: true, whole });
+    assert_eq!(
+        first_message(&cut(1)),
+        First::Malformed("the origin's first handshake message in more than 64 records")
+    );
 }
