@@ -103,10 +103,13 @@ const MAX_EXTENSIONS: usize = 64;
 /// 16 KiB); each read re-reads every record so far, so a hello in
 /// thousands of tiny records would cost the square of its bytes.
 pub const MAX_HELLO_RECORDS: usize = 64;
-/// Bytes of a stream neither TLS nor HTTP after which it is classified
-/// again only when a line ends in what was read: every decision on its
-/// first bytes (an SSH line is at most 255) is taken before, and an HTTP
-/// head cannot end without one.
+/// Bytes of a stream that is not TLS after which it is classified again
+/// only when a line ends in what was read (and not while it is all line
+/// ends, which nginx skips before a request line): an SSH line is decided
+/// within 255 bytes, and an HTTP head cannot end without a line end. A
+/// first line still undecided past it (a run of token characters) is
+/// decided at its end, at the byte limit or at the end of the stream, the
+/// verdict the same as when read at once.
 const LINE_READ_AHEAD: usize = 512;
 
 /// Reads from `io` until the flow is classified, at most `max` bytes, within `limit`.
@@ -117,6 +120,7 @@ pub async fn peek<R: AsyncRead + Unpin>(
 ) -> Result<(Classified, Vec<u8>), PeekError> {
     let mut buf = Vec::with_capacity(1024);
     let mut records = Records::default();
+    let mut lines = Lines::default();
     let read = async {
         loop {
             let mut chunk = [0u8; 2048];
@@ -131,7 +135,7 @@ pub async fn peek<R: AsyncRead + Unpin>(
             buf.extend_from_slice(&chunk[..n]);
             let news = match buf.first() {
                 Some(&HANDSHAKE) => records.advanced(&buf),
-                _ => buf.len() - n < LINE_READ_AHEAD || chunk[..n].contains(&b'\n'),
+                _ => lines.advanced(buf.len() - n, &chunk[..n]),
             };
             if news {
                 if let Step::Done(c) = classify(&buf)? {
@@ -180,6 +184,24 @@ impl Records {
             news = true;
         }
         news
+    }
+}
+
+/// How far a stream that is not TLS has come ([`LINE_READ_AHEAD`]).
+#[derive(Debug, Default)]
+struct Lines {
+    /// Whether a byte other than CR and LF has been read.
+    text: bool,
+}
+
+impl Lines {
+    /// Whether `read`, just read after `before` bytes, can change the
+    /// answer: anything in the first bytes, then the first byte that is
+    /// not a line end, then a line end after one.
+    fn advanced(&mut self, before: usize, read: &[u8]) -> bool {
+        let first_text = !self.text && read.iter().any(|b| !matches!(b, b'\r' | b'\n'));
+        self.text |= first_text;
+        before < LINE_READ_AHEAD || first_text || (self.text && read.contains(&b'\n'))
     }
 }
 

@@ -128,6 +128,19 @@ fn records_say_when_a_header_or_a_record_is_whole() {
     assert_eq!(news, 2 * n);
 }
 
+/// Past its first bytes, a stream that is not TLS is read again only at a
+/// line end after some text: a run of line ends (which nginx skips before
+/// a request line) sent a byte at a time is not read again at every byte.
+#[test]
+fn lines_say_when_a_line_ends_after_text() {
+    let mut l = Lines::default();
+    let blank = (0..16_384).filter(|&i| l.advanced(i, b"\n")).count();
+    assert_eq!(blank, LINE_READ_AHEAD);
+    assert!(l.advanced(16_384, b"G"), "the first text");
+    assert!(!l.advanced(16_385, b"E"));
+    assert!(l.advanced(16_386, b"\n"), "a line end after text");
+}
+
 #[tokio::test]
 async fn hello_from_rustls_parses() {
     let mut roots = rustls::RootCertStore::empty();
