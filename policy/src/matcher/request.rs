@@ -76,6 +76,9 @@ struct Level {
     no_path: Vec<RuleIdx>,
     /// Entries with path patterns.
     paths: PathTrie,
+    /// The patterns put in `paths` at once, sorted, once every entry is
+    /// read ([`PathTrie::build`]).
+    pending: Vec<(Vec<Option<Box<str>>>, RuleIdx)>,
     /// An entry here is unqualified: every request to the name passes.
     open: bool,
     /// An entry here is unqualified or audited: every request passes
@@ -117,12 +120,13 @@ impl Levels {
             level.no_path.push(rule);
         }
         for p in paths {
-            if self.fold_case {
-                let lower: Vec<Option<String>> = p.segments().map(|s| s.map(fold_case)).collect();
-                level.paths.insert(lower.iter().map(Option::as_deref), rule);
-            } else {
-                level.paths.insert(p.segments(), rule);
-            }
+            let segments = p.segments().map(|s| {
+                s.map(|s| match self.fold_case {
+                    true => fold_case(s).into_boxed_str(),
+                    false => s.into(),
+                })
+            });
+            level.pending.push((segments.collect(), rule));
         }
     }
 
@@ -182,6 +186,18 @@ struct PathTrie {
 }
 
 impl PathTrie {
+    /// Puts in every pattern of `pending`, sorted first: each child then
+    /// comes after every one already in its list, so no insertion moves
+    /// the others (a policy's patterns in descending order would move
+    /// every child at every insertion: the square of their number).
+    fn build(&mut self, mut pending: Vec<(Vec<Option<Box<str>>>, RuleIdx)>) {
+        pending.sort_unstable();
+        for (segments, rule) in &pending {
+            self.insert(segments.iter().map(Option::as_deref), *rule);
+        }
+        self.shrink();
+    }
+
     fn insert<'a>(&mut self, mut segments: impl Iterator<Item = Option<&'a str>>, rule: RuleIdx) {
         match segments.next() {
             None => {
@@ -277,7 +293,8 @@ impl RequestRules {
                 .values_mut()
                 .chain(levels.wildcard.values_mut())
             {
-                level.paths.shrink();
+                let pending = std::mem::take(&mut level.pending);
+                level.paths.build(pending);
             }
         }
         for (i, d) in credentials {

@@ -1688,3 +1688,43 @@ fn the_platforms_count_moves_when_its_addresses_do() {
     p.set_registered(|_| false);
     assert_eq!(p.changes(), start + 3);
 }
+
+/// Path patterns in any order make the same trie: written in descending
+/// order (which, put in one by one, moved every child at each insertion),
+/// every one is found, allow and deny, and a path none names is not.
+#[test]
+fn path_patterns_in_descending_order_are_each_found() {
+    let paths = |entry: usize| -> Vec<String> {
+        (0..256)
+            .map(|i| format!("\"/p{:05}\"", 99_999 - entry * 256 - i))
+            .collect()
+    };
+    let entries = |kind: &str| -> Vec<String> {
+        (0..8)
+            .map(|e| {
+                let methods = if kind == "deny" {
+                    r#""methods": ["DELETE"], "#
+                } else {
+                    ""
+                };
+                format!(
+                    r#"{{"domain": "api.test", "http": {{{methods}"paths": [{}]}}}}"#,
+                    paths(e).join(", ")
+                )
+            })
+            .collect()
+    };
+    let p = compile(&format!(
+        r#"{{"default": "deny", "allow": [{}], "deny": [{}]}}"#,
+        entries("allow").join(", "),
+        entries("deny").join(", ")
+    ));
+    for n in (99_999 - 2_047)..=99_999 {
+        let path = format!("/p{n:05}");
+        assert_eq!(request(&p, "api.test", "GET", &path), pass(), "{path}");
+        let (deny, _) = request(&p, "api.test", "DELETE", &path);
+        assert!(deny.starts_with("http_deny"), "{path}: {deny}");
+    }
+    let (deny, _) = request(&p, "api.test", "GET", "/p00001");
+    assert!(!deny.is_empty(), "a path no entry names");
+}
