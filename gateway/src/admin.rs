@@ -621,11 +621,21 @@ fn proposals(ctl: &Control, id: &str) -> Reply {
     // qualified entry turned whole). (An entry denied for want of an allow,
     // and approved since, stays listed: approving it again answers the
     // approval in force.)
-    let allow = &sandbox.policy.policy().allow;
+    // An entry past its `until` covers nothing (the controller's push that
+    // takes it out may not have come yet): what it covered is proposed.
+    let now = time::OffsetDateTime::now_utc();
+    let allow: Vec<_> = sandbox
+        .policy
+        .policy()
+        .allow
+        .iter()
+        .filter(|r| r.in_force(now))
+        .cloned()
+        .collect();
     let list = ctl
         .dp
         .proposed
-        .list_except(&sid, sandbox.policy.platform(), allow);
+        .list_except(&sid, sandbox.policy.platform(), &allow);
     json_reply(StatusCode::OK, &crate::proposed::document(id, &list))
 }
 

@@ -149,6 +149,30 @@ async fn an_entry_the_policy_already_has_is_not_proposed() {
     assert_eq!(doc["proposals"], json!([]), "{doc:#}");
 }
 
+/// An entry past its `until` covers nothing: what it covered is proposed
+/// again, whether or not the push that takes it out has come.
+#[tokio::test]
+async fn an_entry_past_its_until_does_not_hide_a_proposal() {
+    let e = env(Options::default()).await;
+    e.sandbox(
+        "b",
+        SANDBOX_B,
+        policy(
+            r#"{"allow": [{"domain": "relay.example.test", "until": "2001-01-01T00:00:00Z"}, {"domain": "api.example.test"}]}"#,
+        ),
+    );
+    let denied = e
+        .tls(SANDBOX_B, e.origins.relay, "relay.example.test", H1)
+        .await;
+    assert!(denied.is_err(), "the entry lapsed");
+    let (status, doc) = admin_get(&e, "/v1/sandboxes/b/proposals").await;
+    assert_eq!(status, 200, "{doc}");
+    assert!(
+        find(&doc, &json!({"domain": "relay.example.test"})).is_some(),
+        "{doc:#}"
+    );
+}
+
 #[tokio::test]
 async fn proposals_go_with_their_sandbox() {
     let e = env(Options::default()).await;
