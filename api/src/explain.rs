@@ -42,6 +42,10 @@ pub struct Question {
     /// The server name: `None` when absent or an IP literal (no name).
     pub sni: Option<Hostname>,
     pub host: Option<Hostname>,
+    /// The `Host` is an address (`203.0.113.7`, `[2001:db8::1]`): HTTP
+    /// with no name, as the dataplane reads such a request (`host` is then
+    /// `None`).
+    pub address_host: bool,
     /// The request asked about: `(method, target)`.
     pub request: Option<(String, String)>,
 }
@@ -75,9 +79,15 @@ impl Explain {
                 });
             }
         };
+        let address = |h: &str| {
+            let bare = h.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+            bare.unwrap_or(h).parse::<std::net::IpAddr>().is_ok()
+        };
+        let address_host = self.host.as_deref().is_some_and(address);
         let host = match self.host.as_deref().map(|h| (h, Hostname::parse(h))) {
             None => None,
             Some((_, Ok(h))) => Some(h),
+            Some((h, Err(_))) if address(h) => None,
             Some((h, Err(e))) => {
                 let message = format!("invalid host {h:?}: {e}");
                 return Err(Unasked {
@@ -87,7 +97,12 @@ impl Explain {
             }
         };
         let request = self.request()?;
-        Ok(Question { sni, host, request })
+        Ok(Question {
+            sni,
+            host,
+            address_host,
+            request,
+        })
     }
 
     /// The request asked about: `method` and `path` together, or neither.

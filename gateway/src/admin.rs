@@ -530,12 +530,18 @@ fn explain(ctl: &Control, e: Explain) -> Reply {
         );
     };
     // Read as the dataplane reads it: a name the peek refuses is refused here.
-    let Question { sni, host, request } = match e.question() {
+    let Question {
+        sni,
+        host,
+        address_host,
+        request,
+    } = match e.question() {
         Ok(q) => q,
         Err(u) => return error(StatusCode::BAD_REQUEST, &u.message, Some(u.field)),
     };
-    let claims =
-        Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref()).with_stream(e.stream);
+    let claims = Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref())
+        .with_address_host(address_host)
+        .with_stream(e.stream);
     let lookup = ctl.dp.cache.names_for(&sandbox.id, claims.dst.ip());
     let names = lookup.names();
     let doh = &ctl.dp.doh_names;

@@ -59,6 +59,16 @@ impl<'a> Claims<'a> {
         }
     }
 
+    /// These claims, where they are not TLS, as HTTP whose `Host` names an
+    /// address (`address_host`): HTTP with no name, as the peek reads such
+    /// a request.
+    pub fn with_address_host(mut self, address_host: bool) -> Self {
+        if address_host && !matches!(self.protocol, Protocol::Tls) {
+            self.protocol = Protocol::Http;
+        }
+        self
+    }
+
     /// These claims, where they are an opaque stream, as one of `kind` (the
     /// protocol the peek would name; `None`: unreadable).
     pub fn with_stream(mut self, kind: Option<StreamProtocol>) -> Self {

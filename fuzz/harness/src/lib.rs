@@ -185,8 +185,9 @@ fn explain(text: &str) -> Result<String, String> {
     let policy = explain_policy();
     let cache = AttributionCache::new(CacheConfig::default(), ManualClock::new());
     let id = SandboxId::new(&e.sandbox);
-    let claims =
-        Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref()).with_stream(e.stream);
+    let claims = Claims::asked(e.dst, e.tls, e.ech, sni.as_ref(), host.as_ref())
+        .with_address_host(q.address_host)
+        .with_stream(e.stream);
     let decided = decide(&cache, &id, policy, &claims, &DohNames::new(&[]));
     let names = decided.lookup.names();
     let reply = explained(&decided.verdict, policy, &names);

@@ -267,7 +267,12 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     let policy = read_policy(&args.policy)?;
     // Read as the dataplane reads it: an IP literal is no SNI; a name the
     // peek refuses is refused here.
-    let Question { sni, host, request } = question(args)?;
+    let Question {
+        sni,
+        host,
+        address_host,
+        request,
+    } = question(args)?;
     let attributed = args
         .attributed
         .iter()
@@ -276,6 +281,7 @@ fn explain_cmd(args: &ExplainArgs) -> Result<Output, CliError> {
     let platform = PlatformDenies::builtin().with_opaque_streams(args.opaque_streams);
     let compiled = CompiledPolicy::new(policy, Arc::new(platform));
     let claims = Claims::asked(args.dst, args.tls, args.ech, sni.as_ref(), host.as_ref())
+        .with_address_host(address_host)
         .with_stream(args.stream);
     // The built-in DoH names: the CLI reads no gateway configuration.
     let doh = DohNames::new(&[]);

@@ -31,10 +31,12 @@ pub async fn explain(e: &Env, body: Value) -> Value {
     serde_json::from_slice(&bytes).expect("json")
 }
 
-/// One flow: a ClientHello naming `sni`, or a plain HTTP request for `host`.
+/// One flow: a ClientHello naming `sni`, or a plain HTTP request for
+/// `host`, or for the destination's address as its `Host`.
 enum Send {
     Hello(&'static str),
     Get(&'static str),
+    GetByAddress,
 }
 
 #[tokio::test]
@@ -150,6 +152,16 @@ async fn explain_gives_the_dataplanes_verdict_and_reason() {
             "deny",
             "no_dns_seen",
         ),
+        // An address for Host: HTTP with no name, which an address entry
+        // letting no opaque stream through still allows.
+        (
+            r#"{"allow": [{"cidr": "127.0.0.0/8", "streams": []}]}"#,
+            None,
+            plain_dst,
+            Send::GetByAddress,
+            "allow",
+            "allow_address",
+        ),
     ];
     for (policy_json, resolve, dst, send, verdict, reason) in rows {
         let e = env(Options::default()).await;
@@ -167,6 +179,12 @@ async fn explain_gives_the_dataplanes_verdict_and_reason() {
                 json!({"sandbox": "a", "dst": dst, "tls": true, "sni": sni})
             }
             Send::Get(host) => {
+                let req = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+                s.write_all(req.as_bytes()).await.expect("request");
+                json!({"sandbox": "a", "dst": dst, "host": host})
+            }
+            Send::GetByAddress => {
+                let host = dst.ip().to_string();
                 let req = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
                 s.write_all(req.as_bytes()).await.expect("request");
                 json!({"sandbox": "a", "dst": dst, "host": host})
