@@ -296,8 +296,10 @@ table inet {table}\ndelete table inet {table}\n"
 
 /// The fence: every interface matching one of `patterns` that is not
 /// attached is dropped before routing (priority raw), counted per pattern.
-/// Applying replaces the chain and keeps the set, so re-applying never
-/// fences an attached sandbox.
+/// Its fragments are dropped earlier still (`fragments`, priority -450):
+/// connection tracking reassembles them at -400, in memory the whole host
+/// shares, before the fence would see them. Applying replaces the chains
+/// and keeps the set, so re-applying never fences an attached sandbox.
 pub fn fence_ruleset(patterns: &[String]) -> Result<String, RedirectError> {
     if patterns.is_empty() {
         return Err(RedirectError::NoPatterns);
@@ -305,14 +307,18 @@ pub fn fence_ruleset(patterns: &[String]) -> Result<String, RedirectError> {
     let mut rules = String::new();
     for p in patterns {
         check_pattern(p)?;
+        let unattached = format!("iifname \"{p}\" iifname != @attached");
         rules.push_str(&format!(
-            "add rule inet {FENCE_TABLE} fence iifname \"{p}\" iifname != @attached counter drop\n"
+            "add rule inet {FENCE_TABLE} fence {unattached} counter drop\n\
+add rule inet {FENCE_TABLE} fragments {unattached} ip frag-off & 0x3fff != 0 counter drop\n\
+add rule inet {FENCE_TABLE} fragments {unattached} exthdr frag exists counter drop\n"
         ));
     }
     Ok(format!(
         "# egress-gateway: fence sandbox interfaces {patterns:?}\n{FENCE_DECLARATION}\
-table inet {FENCE_TABLE} {{\n    chain fence {{\n        type filter hook prerouting priority raw; policy accept;\n    }}\n}}\n\
-flush chain inet {FENCE_TABLE} fence\n{rules}"
+table inet {FENCE_TABLE} {{\n    chain fence {{\n        type filter hook prerouting priority raw; policy accept;\n    }}\n\
+    chain fragments {{\n        type filter hook prerouting priority -450; policy accept;\n    }}\n}}\n\
+flush chain inet {FENCE_TABLE} fence\nflush chain inet {FENCE_TABLE} fragments\n{rules}"
     ))
 }
 
@@ -395,12 +401,17 @@ impl RulesLock {
 /// How often a running gateway looks at the fence ([`keep_fence`]).
 pub const FENCE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Whether the fence is in place: its chain holds a rule for each pattern
-/// (read over netlink, a few rules). Gone (another tool flushed the
-/// ruleset or deleted the table) or emptied (`nft flush table`), every
-/// interface it fenced is open until it is installed again.
+/// Whether the fence is in place: its chain holds a rule for each pattern,
+/// and its `fragments` chain two (read over netlink, a few rules). Gone
+/// (another tool flushed the ruleset or deleted the table) or emptied
+/// (`nft flush table`), every interface it fenced is open until it is
+/// installed again; without `fragments` (an older build's fence), it is
+/// installed again whole.
 pub fn fence_in_place(patterns: &[String]) -> bool {
-    egress_machine::counters::rules(FENCE_TABLE, "fence").is_ok_and(|n| n >= patterns.len())
+    let holds = |chain: &str, n: usize| {
+        egress_machine::counters::rules(FENCE_TABLE, chain).is_ok_and(|have| have >= n)
+    };
+    holds("fence", patterns.len()) && holds("fragments", 2 * patterns.len())
 }
 
 /// What the fence keeper does with an attached interface.
@@ -853,8 +864,17 @@ mod tests {
         ));
         assert!(f.contains(r#"iifname "vm-1" iifname != @attached"#));
         assert!(f.contains("type filter hook prerouting priority raw; policy accept;"));
-        // Re-applying flushes the chain, never the set of attached interfaces.
+        // Fragments go before connection tracking would reassemble them.
+        assert!(f.contains("type filter hook prerouting priority -450; policy accept;"));
+        assert!(f.contains(
+            r#"add rule inet egress_gw_fence fragments iifname "tap*" iifname != @attached ip frag-off & 0x3fff != 0 counter drop"#
+        ));
+        assert!(f.contains(
+            r#"add rule inet egress_gw_fence fragments iifname "vm-1" iifname != @attached exthdr frag exists counter drop"#
+        ));
+        // Re-applying flushes the chains, never the set of attached interfaces.
         assert!(f.contains("flush chain inet egress_gw_fence fence"));
+        assert!(f.contains("flush chain inet egress_gw_fence fragments"));
         assert!(!f.contains("delete table") && !f.contains("flush set"));
         for bad in ["", "*", "t*p", "tap**", "a\"b*", "averyveryverylong*"] {
             assert!(

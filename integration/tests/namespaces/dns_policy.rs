@@ -258,19 +258,6 @@ fn a_sandbox_cannot_send_as_another() {
     );
 }
 
-/// Packets the counting rule holding `needle` in `table` has matched.
-fn rule_count(t: &Topology, table: &str, needle: &str) -> u64 {
-    let out = t.exec(&t.gw, "nft", &["list", "table", "inet", table]);
-    let rules = String::from_utf8_lossy(&out.stdout);
-    rules
-        .lines()
-        .find(|l| l.contains(needle))
-        .and_then(|l| l.split("counter packets ").nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counted rule with {needle:?} in:\n{rules}"))
-}
-
 /// A flood of DNS datagrams from one sandbox is dropped by its interface's
 /// redirect rules past the most a DNS budget gives a second
 /// (`dns.budget_max_qps`, 20 here): the proxy, whose socket every sandbox
@@ -314,7 +301,7 @@ for i in range(500):
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let dropped = rule_count(&t, "egress_gw_sb1", "update @dns_rate4");
+    let dropped = t.rule_count("egress_gw_sb1", "update @dns_rate4");
     assert!(dropped >= 300, "{dropped} of 500 dropped");
     // What passed reached the proxy and the upstream; the rest never did.
     std::thread::sleep(std::time::Duration::from_millis(500));
@@ -341,9 +328,9 @@ fn a_sandboxs_fragments_and_icmp_errors_never_reach_the_host() {
     let t = topology!();
     t.push("sb1", SB1_IP, RESOLVER_ONLY);
     let table = "egress_gw_sb1";
-    let v4 = || rule_count(&t, table, "ip frag-off & 16383 != 0");
-    let v6 = || rule_count(&t, table, "exthdr frag exists");
-    let icmp = || rule_count(&t, table, "icmp type { destination-unreachable");
+    let v4 = || t.rule_count(table, "ip frag-off & 16383 != 0");
+    let v6 = || t.rule_count(table, "exthdr frag exists");
+    let icmp = || t.rule_count(table, "icmp type { destination-unreachable");
     let before = (v4(), v6(), icmp());
     let send = r#"
 import socket, struct

@@ -10,17 +10,7 @@ const SB3_IP: &str = "100.64.5.2";
 
 /// The fence's drop counter for its first pattern.
 fn fence_drops(t: &Topology) -> u64 {
-    let out = t.exec(
-        &t.gw,
-        "nft",
-        &["list", "chain", "inet", "egress_gw_fence", "fence"],
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split("counter packets ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no fence counter in {text}"))
+    t.rule_count("egress_gw_fence", "@attached counter")
 }
 
 fn sb3_flows(t: &Topology) -> usize {
@@ -90,6 +80,21 @@ fn a_sandbox_interface_is_fenced_until_attached_and_again_once_detached() {
         sb3_flows(&t),
         0,
         "the gateway saw a flow from a fenced interface"
+    );
+    // Its fragments are dropped before connection tracking would
+    // reassemble them, in memory the whole host shares.
+    let fragments = || t.rule_count("egress_gw_fence", "ip frag-off & 16383 != 0");
+    let before = fragments();
+    let send = "import socket\n\
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                s.setsockopt(socket.IPPROTO_IP, 10, 0)\n\
+                s.sendto(b'x' * 3000, ('198.51.100.20', 53))\n";
+    let out = t.exec(&sb3, "python3", &["-c", send]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        fragments() >= before + 2,
+        "the fence's fragment rule counted {before} → {}",
+        fragments()
     );
 
     // Attached: its table and its place in the fence come in one transaction.
@@ -190,6 +195,32 @@ fn the_gateway_keeps_the_fence_in_place() {
             &format!("the fence did not come back after nft {how} table"),
         );
     }
+    // An older build's fence, without the chain that drops fragments, is
+    // installed again whole.
+    let fragments = |t: &Topology| {
+        t.exec(
+            &t.gw,
+            "nft",
+            &["list", "chain", "inet", "egress_gw_fence", "fragments"],
+        )
+        .status
+        .success()
+    };
+    let out = t.exec(
+        &t.gw,
+        "nft",
+        &["delete", "chain", "inet", "egress_gw_fence", "fragments"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !fragments(&t) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fence's fragments chain did not come back"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert!(fenced(&t), "the fence went with its fragments chain");
     // A process that binds the redirect rules' lock (any process of the
     // namespace can) does not keep a missing fence from coming back.
     let mut squatter = std::process::Command::new("ip")
@@ -254,7 +285,7 @@ fn the_gateway_keeps_the_fence_in_place() {
         .lines()
         .find_map(|l| l.strip_prefix("egress_redirect_fence_restored_total "))
         .unwrap_or_else(|| panic!("no fence metric:\n{metrics}"));
-    assert_eq!(restored.trim(), "4", "the start's install is not counted");
+    assert_eq!(restored.trim(), "5", "the start's install is not counted");
     moves_an_older_builds_table(&mut t);
     rewrites_an_older_builds_tracked_chain(&mut t);
 }

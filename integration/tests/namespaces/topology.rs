@@ -661,6 +661,20 @@ impl Topology {
             .expect("ip netns exec")
     }
 
+    /// The packets counted by the first rule of the gateway namespace's
+    /// `inet` table `table` whose listing holds `needle`.
+    pub fn rule_count(&self, table: &str, needle: &str) -> u64 {
+        let out = self.exec(&self.gw, "nft", &["list", "table", "inet", table]);
+        let rules = String::from_utf8_lossy(&out.stdout);
+        rules
+            .lines()
+            .find(|l| l.contains(needle))
+            .and_then(|l| l.split("counter packets ").nth(1))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no counted rule with {needle:?} in:\n{rules}"))
+    }
+
     /// An admin API call from inside the gateway namespace: status and body.
     pub fn admin(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
         self.http_in_gw(method, &format!("http://127.0.0.1:15000{path}"), &[], body)
