@@ -418,10 +418,9 @@ impl CompiledPolicy {
     /// any of `names` needs the requests of a flow to them: what a shadow
     /// cannot judge on a flow whose bytes the gateway does not see.
     pub fn needs_requests_of<'n>(&self, names: impl Iterator<Item = &'n Hostname> + Clone) -> bool {
-        self.requests.as_deref().is_some_and(|r| {
-            r.needs_requests(&self.policy.deny, names, true, false)
-                .is_some()
-        })
+        self.requests
+            .as_deref()
+            .is_some_and(|r| r.needs_requests(names, true, false).is_some())
     }
 
     /// The rule that needs the requests of a flow with this evidence
@@ -430,7 +429,7 @@ impl CompiledPolicy {
     fn needs_requests(&self, flow: &Flow<'_>, audit: bool, named: bool) -> Option<RuleRef> {
         let r = self.requests.as_deref()?;
         let names = flow.attributed.iter().chain(flow.sni).chain(flow.host);
-        r.needs_requests(&self.policy.deny, names, audit, named)
+        r.needs_requests(names, audit, named)
     }
 
     /// Whether an allow entry whose `streams` names the flow's protocol

@@ -18,10 +18,11 @@
 //!   splice is terminated instead. A stream whose protocol an entry's
 //!   `streams` names is held back only by a qualified deny.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use crate::dest::Destination;
-use crate::http::{normal_path, segments_of, HttpMatch, Mode};
+use crate::http::{normal_path, segments_of, HttpMatch, Mode, READ_ONLY_METHODS};
 use crate::name::Hostname;
 use crate::rule::Rule;
 
@@ -68,12 +69,19 @@ pub struct RequestJudgement {
 
 /// The entries of one level (one exact name, or one wildcard suffix), their
 /// path patterns in a segment trie, so finding the entries that cover a
-/// path costs one step per segment of the path, not one per entry.
+/// path costs one step per segment of the path, not one per entry; and the
+/// first entry for each method, so finding one that covers a method costs
+/// a lookup, not one step per entry (a level may hold tens of thousands).
 #[derive(Debug, Default)]
 struct Level {
-    rules: Vec<RuleIdx>,
-    /// Entries without path patterns (unqualified, method-only, read_only).
-    no_path: Vec<RuleIdx>,
+    /// The level's first entry.
+    first: First,
+    /// Qualified entries without path patterns (method-only, read_only),
+    /// by method.
+    no_path: ByMethod,
+    /// Entries with path patterns, by method (for a path that reads two
+    /// ways: the first that would have needed it).
+    with_path: ByMethod,
     /// Entries with path patterns.
     paths: PathTrie,
     /// The patterns put in `paths` at once, sorted, once every entry is
@@ -112,12 +120,16 @@ impl Levels {
             Destination::WildcardDomain(w) => self.wildcard.entry(w.suffix().clone()).or_default(),
             Destination::Ip(_) | Destination::Cidr(_) => return,
         };
-        level.rules.push(rule);
+        let enforced = r.mode == Mode::Enforce;
+        level.first.note(rule, enforced);
         level.open |= r.http.is_none();
         level.open_enforced |= !r.enforced_http();
         let paths = r.http.as_ref().map_or(&[][..], |h| h.paths());
-        if paths.is_empty() {
-            level.no_path.push(rule);
+        if let Some(http) = &r.http {
+            match paths.is_empty() {
+                true => level.no_path.note(http, rule, enforced),
+                false => level.with_path.note(http, rule, enforced),
+            }
         }
         for p in paths {
             let segments = p.segments().map(|s| {
@@ -147,11 +159,9 @@ impl Levels {
 
 impl Level {
     /// The entries whose path patterns cover the normal path `segments`,
-    /// and those without patterns: all the entries that could cover the
-    /// request, the method aside.
+    /// the method aside.
     fn covering(&self, segments: &[&str], out: &mut Vec<RuleIdx>) {
         out.clear();
-        out.extend_from_slice(&self.no_path);
         self.paths.covering(segments, out);
     }
 
@@ -170,6 +180,90 @@ impl Level {
         let mut stem: Vec<&str> = before.to_vec();
         stem.push(&last[..dot]);
         self.paths.covering(&stem, out);
+    }
+}
+
+/// The first entry (the lowest index) of a kind: among the enforced ones,
+/// and among all.
+#[derive(Clone, Copy, Debug, Default)]
+struct First([Option<RuleIdx>; 2]);
+
+impl First {
+    /// Entries are noted in the order of their indexes.
+    fn note(&mut self, rule: RuleIdx, enforced: bool) {
+        if enforced {
+            self.0[0].get_or_insert(rule);
+        }
+        self.0[1].get_or_insert(rule);
+    }
+
+    /// The first enforced entry; with `audit`, the first of all.
+    fn get(&self, audit: bool) -> Option<RuleIdx> {
+        self.0[usize::from(audit)]
+    }
+}
+
+/// Qualified entries by the methods they cover.
+#[derive(Debug, Default)]
+struct ByMethod {
+    /// Entries that name no method (any method).
+    any: First,
+    /// By method in upper case (methods are compared without regard to
+    /// ASCII case, [`HttpMatch::covers_method`]).
+    methods: HashMap<Box<str>, First>,
+}
+
+impl ByMethod {
+    fn note(&mut self, http: &HttpMatch, rule: RuleIdx, enforced: bool) {
+        let methods: &[String] = match http {
+            HttpMatch::ReadOnly => {
+                for m in READ_ONLY_METHODS {
+                    self.methods
+                        .entry(m.into())
+                        .or_default()
+                        .note(rule, enforced);
+                }
+                return;
+            }
+            HttpMatch::Requests { methods, .. } => methods,
+        };
+        if methods.is_empty() {
+            self.any.note(rule, enforced);
+        }
+        for m in methods {
+            let key = m.to_ascii_uppercase().into_boxed_str();
+            self.methods.entry(key).or_default().note(rule, enforced);
+        }
+    }
+
+    /// The first entry covering `method` (enforced; with `audit`, any).
+    fn first(&self, method: &str, audit: bool) -> Option<RuleIdx> {
+        let named = self.methods.get(&*method_key(method));
+        let named = named.and_then(|f| f.get(audit));
+        lowest(self.any.get(audit), named)
+    }
+
+    /// [`Self::first`] for denies: a deny of `GET` covers `HEAD` too
+    /// ([`covers_for_deny`]).
+    fn first_for_deny(&self, method: &str, audit: bool) -> Option<RuleIdx> {
+        let head = method.eq_ignore_ascii_case("HEAD");
+        let get = head.then(|| self.first("GET", audit)).flatten();
+        lowest(self.first(method, audit), get)
+    }
+}
+
+/// A method as [`ByMethod`] keys it.
+fn method_key(method: &str) -> Cow<'_, str> {
+    match method.bytes().any(|b| b.is_ascii_lowercase()) {
+        true => Cow::Owned(method.to_ascii_uppercase()),
+        false => Cow::Borrowed(method),
+    }
+}
+
+fn lowest(a: Option<RuleIdx>, b: Option<RuleIdx>) -> Option<RuleIdx> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -345,22 +439,19 @@ impl RequestRules {
     /// qualifiers and credentials of the name are about its HTTP requests.
     pub(crate) fn needs_requests<'n>(
         &self,
-        deny: &[Rule],
         names: impl Iterator<Item = &'n Hostname> + Clone,
         audit: bool,
         named: bool,
     ) -> Option<RuleRef> {
-        let counts = |r: Option<&Rule>| r.is_some_and(|r| audit || r.mode == Mode::Enforce);
         for name in names.clone() {
-            let mut denies = self.deny.all(name).flat_map(|l| l.rules.iter().copied());
-            if let Some(i) = denies.find(|&i| counts(rule(deny, i))) {
+            if let Some(i) = self.deny.all(name).find_map(|l| l.first.get(audit)) {
                 return Some(RuleRef::Deny(i));
             }
             if named {
                 continue;
             }
             if let Some(level) = self.allow_restriction(name, audit) {
-                return level.rules.first().map(|&i| RuleRef::Allow(i));
+                return level.first.get(true).map(RuleRef::Allow);
             }
         }
         if named {
@@ -438,32 +529,30 @@ impl RequestRules {
         covering: &mut Vec<RuleIdx>,
     ) -> Option<RequestDenial> {
         let mut denied: Option<RequestDenial> = None;
+        let mut consider = |i: Option<RuleIdx>, code: RequestCode| match i {
+            Some(i) if denied.is_none_or(|d| i < d.rule.index()) => {
+                denied = Some(RequestDenial {
+                    code,
+                    rule: RuleRef::Deny(i),
+                });
+            }
+            _ => {}
+        };
         for name in names {
             for level in self.deny.all(name) {
-                let (candidates, code) = match path.1 {
-                    Some(segs) => {
-                        level.covering_for_deny(segs, covering);
-                        (&covering[..], RequestCode::HttpDeny)
-                    }
-                    None => (&level.rules[..], RequestCode::AmbiguousPath),
+                let no_path = level.no_path.first_for_deny(method, audit);
+                consider(no_path, RequestCode::HttpDeny);
+                let Some(segs) = path.1 else {
+                    let with_path = level.with_path.first_for_deny(method, audit);
+                    consider(with_path, RequestCode::AmbiguousPath);
+                    continue;
                 };
-                for &i in candidates {
-                    if denied.is_some_and(|d| d.rule.index() <= i) {
-                        continue;
-                    }
-                    let Some(http) = http_of(deny, i, audit) else {
-                        continue;
-                    };
-                    if covers_for_deny(http, method) {
-                        let code = if http.needs_path() {
-                            code
-                        } else {
-                            RequestCode::HttpDeny
-                        };
-                        denied = Some(RequestDenial {
-                            code,
-                            rule: RuleRef::Deny(i),
-                        });
+                level.covering_for_deny(segs, covering);
+                for &i in covering.iter() {
+                    let covers =
+                        http_of(deny, i, audit).is_some_and(|h| covers_for_deny(h, method));
+                    if covers {
+                        consider(Some(i), RequestCode::HttpDeny);
                     }
                 }
             }
@@ -500,27 +589,22 @@ fn level_refusal(
     audit: bool,
     covering: &mut Vec<RuleIdx>,
 ) -> Option<RequestDenial> {
-    let candidates = match path.0 {
+    if level.no_path.first(method, audit).is_some() {
+        return None;
+    }
+    let ambiguous = match path.0 {
         Some(segs) => {
             level.covering(segs, covering);
-            &covering[..]
+            let covers =
+                |&i: &RuleIdx| http_of(allow, i, audit).is_some_and(|h| h.covers_method(method));
+            if covering.iter().any(covers) {
+                return None;
+            }
+            None
         }
-        None => &level.rules[..],
+        None => level.with_path.first(method, audit),
     };
-    let mut ambiguous = None;
-    for &i in candidates {
-        let Some(http) = http_of(allow, i, audit) else {
-            continue;
-        };
-        if !http.covers_method(method) {
-            continue;
-        }
-        if path.0.is_some() || !http.needs_path() {
-            return None;
-        }
-        ambiguous = ambiguous.or(Some(i));
-    }
-    let first = level.rules.first().copied().unwrap_or_default();
+    let first = level.first.get(true).unwrap_or_default();
     Some(match ambiguous {
         Some(i) => RequestDenial {
             code: RequestCode::AmbiguousPath,

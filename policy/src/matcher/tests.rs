@@ -1728,3 +1728,163 @@ fn path_patterns_in_descending_order_are_each_found() {
     let (deny, _) = request(&p, "api.test", "GET", "/p00001");
     assert!(!deny.is_empty(), "a path no entry names");
 }
+
+/// One generated entry for `api.test`: whether it is a deny, its `http`
+/// (none; `read_only`; or methods from GET and POST, and paths), audited.
+#[derive(Clone, Debug)]
+struct ModelEntry {
+    deny: bool,
+    http: Option<Option<(Vec<&'static str>, Vec<String>)>>,
+    audit: bool,
+}
+
+impl ModelEntry {
+    fn json(&self) -> String {
+        let http = match &self.http {
+            None => String::new(),
+            Some(None) => r#", "http": "read_only""#.to_owned(),
+            Some(Some((methods, paths))) => format!(
+                r#", "http": {{"methods": {}, "paths": {}}}"#,
+                serde_json::json!(methods),
+                serde_json::json!(paths)
+            )
+            .replace(r#""methods": [], "#, "")
+            .replace(r#", "paths": []"#, ""),
+        };
+        let mode = if self.audit {
+            r#", "mode": "audit""#
+        } else {
+            ""
+        };
+        format!(r#"{{"domain": "api.test"{http}{mode}}}"#)
+    }
+
+    /// Whether the entry's methods cover `method` (`None`: unqualified).
+    fn covers_method(&self, method: &str) -> Option<bool> {
+        let read_only = ["GET", "HEAD", "OPTIONS"];
+        Some(match self.http.as_ref()? {
+            None => read_only.iter().any(|m| m.eq_ignore_ascii_case(method)),
+            Some((methods, _)) => {
+                methods.is_empty() || methods.iter().any(|m| m.eq_ignore_ascii_case(method))
+            }
+        })
+    }
+
+    fn paths(&self) -> &[String] {
+        match &self.http {
+            Some(Some((_, paths))) => paths,
+            _ => &[],
+        }
+    }
+}
+
+/// The per-request judgement as the rules read one by one
+/// (docs/policy.md, "Per-request rules"): `(code, rule)`, `None` passes.
+/// `segs`: the normal path, `None` when it reads two ways.
+fn model_refusal(
+    entries: &[ModelEntry],
+    method: &str,
+    segs: Option<&[&str]>,
+    audit: bool,
+) -> Option<(&'static str, String)> {
+    let counts = |e: &ModelEntry| e.http.is_some() && (audit || !e.audit);
+    let path_covers = |e: &ModelEntry| match segs {
+        _ if e.paths().is_empty() => Some(true),
+        None => None,
+        Some(s) => Some(e.paths().iter().any(|p| {
+            crate::http::PathPattern::parse(p)
+                .expect("pattern")
+                .covers(s)
+        })),
+    };
+    let covers_for_deny = |e: &ModelEntry| {
+        e.covers_method(method) == Some(true)
+            || (method.eq_ignore_ascii_case("HEAD") && e.covers_method("GET") == Some(true))
+    };
+    let denies = entries.iter().filter(|e| e.deny).enumerate();
+    for (i, e) in denies.filter(|(_, e)| counts(e) && covers_for_deny(e)) {
+        match path_covers(e) {
+            Some(true) => return Some(("http_deny", format!("deny[{i}]"))),
+            None => return Some(("ambiguous_path", format!("deny[{i}]"))),
+            Some(false) => {}
+        }
+    }
+    let allows: Vec<&ModelEntry> = entries.iter().filter(|e| !e.deny).collect();
+    let open = allows
+        .iter()
+        .any(|e| e.http.is_none() || (!audit && e.audit));
+    if open || allows.is_empty() {
+        return None;
+    }
+    let covering = allows
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| counts(e) && e.covers_method(method) == Some(true));
+    let mut ambiguous = None;
+    for (i, e) in covering {
+        match path_covers(e) {
+            Some(true) => return None,
+            None => {
+                ambiguous.get_or_insert(i);
+            }
+            Some(false) => {}
+        }
+    }
+    Some(match ambiguous {
+        Some(i) => ("ambiguous_path", format!("allow[{i}]")),
+        None => ("http_not_allowed", "allow[0]".to_owned()),
+    })
+}
+
+fn model_entry() -> impl Strategy<Value = ModelEntry> {
+    let methods = prop::sample::subsequence(vec!["GET", "POST"], 0..=2);
+    let path = prop::collection::vec(prop::sample::select(vec!["a", "b", "*"]), 1..3)
+        .prop_map(|s| format!("/{}", s.join("/")));
+    let requests = (methods, prop::collection::vec(path, 0..3))
+        .prop_filter("methods, paths or both", |(m, p)| {
+            !m.is_empty() || !p.is_empty()
+        });
+    let http = prop_oneof![Just(None), requests.prop_map(Some)];
+    (any::<bool>(), http, any::<bool>(), any::<bool>()).prop_map(
+        |(deny, http, qualified, audit)| {
+            let http = (qualified || deny).then_some(http);
+            ModelEntry {
+                deny,
+                audit: audit && http.is_some(),
+                http,
+            }
+        },
+    )
+}
+
+proptest! {
+    /// Allow and deny entries with methods, `read_only`, paths and audit,
+    /// judged by the compiled rules (the first entry per method, the path
+    /// trie) and by the rules read one by one: the same refusal, naming the
+    /// same entry, enforced and audited.
+    #[test]
+    fn the_compiled_request_rules_agree_with_each_entry(
+        entries in prop::collection::vec(model_entry(), 1..7),
+        method in prop::sample::select(vec!["GET", "get", "POST", "Post", "HEAD", "OPTIONS", "PUT"]),
+        path in prop::collection::vec(prop::sample::select(vec!["a", "b", "c", ".."]), 0..4),
+    ) {
+        let list = |deny: bool| -> Vec<String> {
+            entries.iter().filter(|e| e.deny == deny).map(ModelEntry::json).collect()
+        };
+        let p = compile(&format!(
+            r#"{{"tls_interception": "on", "allow": [{}], "deny": [{}]}}"#,
+            list(false).join(","),
+            list(true).join(",")
+        ));
+        let target = format!("/{}", path.join("/"));
+        let segs: Option<Vec<&str>> = (!path.contains(&"..")).then(|| path.clone());
+        let show = |d: Option<(&str, String)>| d.map_or_else(String::new, |(c, r)| format!("{c} {r}"));
+        let deny = model_refusal(&entries, method, segs.as_deref(), false);
+        let would = match deny {
+            Some(_) => None,
+            None => model_refusal(&entries, method, segs.as_deref(), true),
+        };
+        let expected = (show(deny), show(would));
+        prop_assert_eq!(request(&p, "api.test", method, &target), expected, "{:?} {} {}", entries, method, target);
+    }
+}
