@@ -287,10 +287,7 @@ impl Gateway {
             &listeners.bound,
         )?)));
         let (cache, dns) = attribution(&config, &registry, clock);
-        // What the start took since the predecessor's lines came is taken
-        // off their lifetimes: a handover extends no evidence.
-        let since = received.map_or(std::time::Duration::ZERO, |r| r.elapsed());
-        let committer = recover(&config, &registry, &cache, (attributed, since))?;
+        let committer = recover(&config, &registry, &cache, (attributed, received))?;
         // What the predecessor had, before anything here changes it.
         let predecessor = predecessor.map(|stream| (stream, registry.checkpoint()));
         let offer = offer(&config, &listeners);
@@ -732,7 +729,7 @@ fn recover(
     config: &Config,
     registry: &Arc<Registry>,
     cache: &Arc<AttributionCache>,
-    (attributed, since): (Vec<crate::handover::Attributed>, std::time::Duration),
+    (attributed, received): (Vec<crate::handover::Attributed>, Option<std::time::Instant>),
 ) -> Result<crate::commit::Committer, StartError> {
     let (journal, seq, n) = crate::journal::recover(registry, &config.state_dir)?;
     if seq > 0 {
@@ -743,7 +740,7 @@ fn recover(
         tracing::warn!(sandboxes = registry.len(), max, "recovered more sandboxes than limits.max_sandboxes: they stay registered, and no new one is until fewer are");
     }
     registry.set_max(max);
-    restore_attribution(cache, registry, attributed, since);
+    restore_attribution(cache, registry, attributed, received);
     Ok(crate::commit::Committer::start(
         (registry.clone(), cache.clone()),
         config.state_dir.clone(),
@@ -880,18 +877,23 @@ fn save_budgets(dp: &Dataplane) {
 
 /// Restores a predecessor's attribution for the sandboxes the recovered
 /// state has (a line for any other sandbox is dropped), each lifetime less
-/// `since` (the time since the lines came; one that ran out is dropped).
+/// the time since the lines came (`received`), the state's recovery
+/// included (one that ran out is dropped).
 fn restore_attribution(
     cache: &AttributionCache,
     registry: &Registry,
     lines: Vec<crate::handover::Attributed>,
-    since: std::time::Duration,
+    received: Option<std::time::Instant>,
 ) {
     if lines.is_empty() {
         return;
     }
     let (mut restored, total) = (0usize, lines.len());
     for line in lines {
+        // What the start took since the predecessor's lines came (the
+        // state's recovery included) is taken off their lifetimes: a
+        // handover extends no evidence.
+        let since = received.map_or(std::time::Duration::ZERO, |r| r.elapsed());
         let Ok(id) = egress_policy::SandboxId::parse(&line.sandbox) else {
             continue;
         };
@@ -1496,6 +1498,39 @@ mod tests {
         assert!(err.to_string().contains("belongs to uid 65534"), "{err}");
         let mine = dir.path().join("mine");
         assert!(lock_state_dir(&mine).is_ok());
+    }
+
+    /// A predecessor's attribution lives what it had left less the time
+    /// since its lines came, counted as each is restored (after the
+    /// state's recovery, which may take seconds): a handover extends no
+    /// evidence. A name whose time ran out meanwhile is dropped.
+    #[test]
+    fn restored_attribution_loses_the_time_since_it_came() {
+        let registry = Registry::new(Arc::new(PlatformDenies::new(Vec::new())));
+        let policy = egress_policy::Policy::from_json(r#"{"allow": [{"domain": "a.test"}]}"#)
+            .expect("policy");
+        let id = egress_policy::SandboxId::new("sb1");
+        let sandbox_ip: std::net::IpAddr = "100.64.0.2".parse().expect("ip");
+        registry
+            .put(id.clone(), vec![sandbox_ip], policy)
+            .expect("put");
+        let clock: Arc<dyn Clock> = dns_attrib::SystemClock::new();
+        let cache = AttributionCache::new(dns_attrib::CacheConfig::default(), clock);
+        let ip: std::net::IpAddr = "203.0.113.9".parse().expect("ip");
+        let line = crate::handover::Attributed {
+            sandbox: "sb1".into(),
+            ip,
+            names: vec![("a.test".into(), 60_000), ("b.test".into(), 1_000)],
+        };
+        let received = std::time::Instant::now() - Duration::from_secs(20);
+        restore_attribution(&cache, &registry, vec![line], Some(received));
+        let entries = cache.entries(&id);
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        let (_, names) = &entries[0];
+        assert_eq!(names.len(), 1, "b.test had 1 s of the 20 gone: {names:?}");
+        assert_eq!(names[0].0.as_str(), "a.test");
+        assert!(names[0].1 <= Duration::from_secs(40), "{names:?}");
+        assert!(names[0].1 > Duration::from_secs(30), "{names:?}");
     }
 
     /// A task that serves until the drain and ends first (here a panic)
