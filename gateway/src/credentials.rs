@@ -490,12 +490,13 @@ fn plan<'a>(
                     if twin {
                         return Err(refused(Refusal::Required));
                     }
-                    // One line may hold a list too (`Bearer mine, Bearer
-                    // PH`, or `Cookie: s=PH; s=mine`): as two lines
-                    // would, it is refused, past what the format holds.
-                    let needle = c.placeholder.as_bytes();
-                    let alone =
-                        |v: &HeaderValue| with(v) && !more_listed(header, format, v, needle);
+                    // Each value is the format with the placeholder, and
+                    // no more: `Bearer mine PH` could be read as `mine`. One
+                    // line may hold a list too (`Bearer mine, Bearer PH`,
+                    // or `Cookie: s=PH; s=mine`): as two lines would, it
+                    // is refused, past what the format holds.
+                    let needle = &c.placeholder;
+                    let alone = |v: &HeaderValue| !not_the_format(header, format, v, needle);
                     values.next().is_some_and(alone) && values.all(alone)
                 } else {
                     values.any(with)
@@ -523,35 +524,35 @@ fn plan<'a>(
 /// spaces and its end), counted as the most a common one takes.
 const REQUEST_LINE: usize = 32;
 
-/// Whether `v` carries a value beside the credential's: more `,` (a list
-/// of values) than `format` holds; in `cookie`, whose pairs `;` separates,
-/// the credential's pair (the one `format` puts `{value}` in) named more
-/// than once, or without the placeholder.
-fn more_listed(header: &HeaderName, format: &str, v: &HeaderValue, placeholder: &[u8]) -> bool {
+/// Whether `v` is other than the credential's `format` with `{value}` as
+/// the placeholder: not that text (outer spaces aside); in `cookie`, whose
+/// pairs `;` separates, more `,` than `format` holds, or the credential's
+/// pair (the one `format` puts `{value}` in) named more than once or other
+/// than the format's pair.
+fn not_the_format(header: &HeaderName, format: &str, v: &HeaderValue, placeholder: &str) -> bool {
+    if header != http::header::COOKIE {
+        let expected = format.replace("{value}", placeholder);
+        return v.as_bytes().trim_ascii() != expected.trim_ascii().as_bytes();
+    }
     let count = |bytes: &[u8], sep: u8| bytes.iter().filter(|&&b| b == sep).count();
     if count(v.as_bytes(), b',') > count(format.as_bytes(), b',') {
         return true;
-    }
-    if header != http::header::COOKIE {
-        return false;
     }
     let name_of = |pair: &[u8]| -> Vec<u8> {
         let name = pair.split(|&b| b == b'=').next().unwrap_or_default();
         name.trim_ascii().to_vec()
     };
-    let Some(ours) = format
-        .split(';')
-        .find(|p| p.contains("{value}"))
-        .map(|p| name_of(p.as_bytes()))
-    else {
+    let Some(pair) = format.split(';').find(|p| p.contains("{value}")) else {
         return true;
     };
+    let ours = name_of(pair.as_bytes());
+    let expected = pair.replace("{value}", placeholder);
     let named: Vec<&[u8]> = v
         .as_bytes()
         .split(|&b| b == b';')
         .filter(|p| name_of(p) == ours)
         .collect();
-    named.len() != 1 || !contains(named[0], placeholder)
+    named.len() != 1 || named[0].trim_ascii() != expected.trim_ascii().as_bytes()
 }
 
 /// One credential to put in: its value, whether its header is added whole,

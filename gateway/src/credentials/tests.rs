@@ -151,6 +151,24 @@ fn require_refuses_a_key_of_the_sandboxs_own() {
             index: 0
         })
     );
+    // Its own key in the same value as the placeholder: an origin that
+    // takes the first word after the scheme reads its own.
+    for value in [
+        "Bearer my-own-key EGRESS_PH_GITHUB",
+        "Bearer EGRESS_PH_GITHUB my-own-key",
+        "Bearer my-own-keyEGRESS_PH_GITHUB",
+        "EGRESS_PH_GITHUB",
+    ] {
+        let mut hs = headers(&[("authorization", value)]);
+        assert_eq!(
+            apply(&list, &secrets, Some(&h("api.github.test")), "/", &mut hs),
+            Err(Refused {
+                why: Refusal::Required,
+                index: 0
+            }),
+            "{value}"
+        );
+    }
     // Its own key beside the placeholder: the origin may read either.
     for both in [
         [
@@ -234,6 +252,8 @@ fn require_refuses_a_key_of_the_sandboxs_own() {
         ("_ga=1;session=EGRESS_PH_S", true),
         ("session=EGRESS_PH_S; session=mine", false),
         ("session=mine; other=EGRESS_PH_S", false),
+        ("session=mine,EGRESS_PH_S", false),
+        ("session=EGRESS_PH_S mine", false),
     ] {
         for (list, format) in [
             (&session, "session={value}"),
