@@ -519,7 +519,12 @@ impl Conn {
                 StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
             );
         if bodiless {
-            return Response::from_parts(parts, body);
+            // Its body goes unread and unsent: an HTTP/2 origin may still
+            // send DATA on a 204 or 304, which no client reads as an
+            // answer, and which the scrubbing below would not see.
+            drop(body);
+            let empty = http_body_util::Empty::new().map_err(|never| match never {});
+            return Response::from_parts(parts, empty.boxed());
         }
         // Read from the headers with the values out: the detail is shown.
         if let Some(coding) = credentials::Carried::encoded(&parts.headers) {

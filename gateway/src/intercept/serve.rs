@@ -113,6 +113,16 @@ async fn sniff<I: AsyncRead + Unpin>(io: &mut Rewind<I>) -> io::Result<bool> {
 /// A request's answer, as the services below make it.
 type Answer<B> = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
 
+/// The most streams an HTTP/2 client may have open at once on one
+/// connection (hyper's default is 200).
+const MAX_CLIENT_STREAMS: u32 = 100;
+
+/// The most of a stream's answer held for a client that does not read it
+/// (hyper's default is 400 KiB): past it the origin's side waits, so a
+/// client that opens every stream it may and stops reading holds at most
+/// this much each here.
+const MAX_STREAM_SEND_BUF: usize = 64 * 1024;
+
 /// HTTP/2, served to the end; a drain says GOAWAY and lets the streams in
 /// flight finish.
 async fn serve_h2<I>(conn: Arc<Conn>, io: Rewind<I>, mut watch: Watch<'_>) -> Served
@@ -121,7 +131,10 @@ where
 {
     let config = conn.dp.config();
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    builder.max_header_list_size(u32::try_from(config.limits.max_request_head).unwrap_or(u32::MAX));
+    builder
+        .max_header_list_size(u32::try_from(config.limits.max_request_head).unwrap_or(u32::MAX))
+        .max_concurrent_streams(MAX_CLIENT_STREAMS)
+        .max_send_buf_size(MAX_STREAM_SEND_BUF);
     let serving = builder.serve_connection(TokioIo::new(io), h2_service(&conn));
     drop(builder);
     let mut serving = std::pin::pin!(serving);

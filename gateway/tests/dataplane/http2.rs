@@ -510,3 +510,31 @@ async fn a_source_holds_at_most_its_share_of_http2_requests_in_flight() {
     let (after, _) = h2_send(&h2, http::Method::GET, "https://goaway.example.test/").await;
     assert_eq!(after.status, 200, "room again once answered");
 }
+
+/// The gateway lets an HTTP/2 client have at most 100 streams open at once
+/// on one connection (hyper's default is 200): with at most 64 KiB of each
+/// stream's answer held for a client that stops reading, such a client
+/// holds at most 6.4 MiB of answers here per connection, not 80.
+#[tokio::test]
+async fn a_client_may_open_at_most_100_streams_at_once() {
+    let e = intercepting(NAMES).await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, e.origins.goaway, "goaway.example.test", &[b"h2"])
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (client, conn) = h2::client::handshake(tls).await.expect("h2");
+    tokio::spawn(conn);
+    let mut client = client.ready().await.expect("ready");
+    let get = http::Request::get("https://goaway.example.test/")
+        .body(())
+        .expect("request");
+    let (answer, _) = client.send_request(get, true).expect("GET");
+    let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .expect("answered")
+        .expect("answer");
+    assert_eq!(answer.status(), 200);
+    // The server's settings came before its answer.
+    assert_eq!(client.current_max_send_streams(), 100);
+}
