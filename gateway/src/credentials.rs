@@ -387,6 +387,15 @@ pub fn apply(
     max_head: usize,
 ) -> Result<Applied, Refused> {
     let mine = host_credentials(list, names, target, headers)?;
+    // A value the sandbox may have put in a header the origin keeps (with
+    // `replace: "headers"` it chooses the header: object metadata, say)
+    // may come back in any later answer of the host, not only in the
+    // answer to the request that carried it: every answer is scrubbed.
+    let kept: Vec<(usize, Secret, &str)> = mine
+        .iter()
+        .filter(|(_, c)| matches!(c.inject, Inject::ReplaceHeaders))
+        .filter_map(|(i, c)| Some((*i, secrets.get(&c.source)?, c.placeholder.as_str())))
+        .collect();
     // Judge every credential of the host before changing anything.
     let plan = plan(mine, secrets, headers)?;
     if let Some(index) = too_large(&plan, target, headers, max_head) {
@@ -398,11 +407,19 @@ pub fn apply(
     for (c, secret, absent, _) in &plan {
         inject(headers, c, secret, *absent);
     }
-    let first = plan.first().map_or(0, |p| p.3);
+    let first = plan.first().map(|p| p.3).or(kept.first().map(|k| k.0));
+    let planned = plan
+        .iter()
+        .map(|(c, secret, _, i)| (*i, secret, c.placeholder.as_str()));
+    let unplanned = kept
+        .iter()
+        .filter(|(i, ..)| !plan.iter().any(|p| p.3 == *i))
+        .map(|(i, secret, placeholder)| (*i, secret, *placeholder));
     let carried = Carried::new(
-        plan.iter()
-            .map(|(c, secret, ..)| (secret, c.placeholder.as_str())),
-        first,
+        planned
+            .chain(unplanned)
+            .map(|(_, secret, placeholder)| (secret, placeholder)),
+        first.unwrap_or(0),
     );
     Ok(Applied {
         injected: plan.len(),

@@ -1,7 +1,9 @@
-//! Answers to requests that carried a credential's value. An origin may send
+//! Answers to requests that carried a credential's value, and every answer
+//! of a host a `replace: "headers"` credential is for. An origin may send
 //! a request's header back (a CORS `Origin` echo, an error page that quotes
-//! a header, an echo service): with `replace: "headers"` the sandbox chooses
-//! the header its placeholder goes in, so it could read the value there.
+//! a header, an echo service), or keep it and send it later (object
+//! metadata): with `replace: "headers"` the sandbox chooses the header its
+//! placeholder goes in, so it could read the value there.
 //! The value goes back to the sandbox as its placeholder instead, in the
 //! answer's headers, reason phrase, body and trailers.
 //!

@@ -719,3 +719,41 @@ fn a_resync_reads_again_what_a_reload_read_meanwhile() {
         assert_eq!(slow_value.as_deref(), Some(&b"slow-value-2"[..]));
     });
 }
+
+/// With `replace: "headers"` the sandbox chooses the header its value
+/// goes in, and an origin may keep it (object metadata) and send it back
+/// in any later answer: every answer of the host is scrubbed, not only the
+/// answer to a request that carried the value. A `header` credential's
+/// answers are, when the request carried its value.
+#[test]
+fn every_answer_of_a_replace_headers_host_is_scrubbed() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = value_file(&dir);
+    let scrubbed = |inject: &str, sent: &[(&str, &str)]| {
+        let list = api_key(&path, inject, false);
+        let secrets = loaded(&list);
+        let mut hs = headers(sent);
+        let names = Names::Verified(&h("api.test"));
+        let applied = super::apply(&list, &secrets, names, "/", &mut hs, HEAD).expect("passes");
+        let carried = applied.carried?;
+        let mut answer = headers(&[("x-goog-meta-n", VALUE)]);
+        assert_eq!(carried.headers(&mut answer), 1);
+        Some(answer["x-goog-meta-n"].to_str().expect("text").to_owned())
+    };
+    let replace = r#"{"replace": "headers"}"#;
+    assert_eq!(
+        scrubbed(replace, &[("accept", "*/*")]).as_deref(),
+        Some("PH_KEY_0001"),
+        "a request that carried nothing"
+    );
+    assert_eq!(
+        scrubbed(replace, &[("x-api-key", "PH_KEY_0001")]).as_deref(),
+        Some("PH_KEY_0001")
+    );
+    let header = r#"{"header": "x-api-key", "format": "{value}"}"#;
+    assert_eq!(
+        scrubbed(header, &[("x-api-key", "mine")]),
+        None,
+        "nothing of the credential's went"
+    );
+}
