@@ -149,6 +149,26 @@ pub(crate) struct Spent {
     pub(crate) bytes: Option<SpentBucket>,
 }
 
+/// Each of `states` that reads as a [`Spent`]; one that does not (a
+/// destination another build wrote differently) is dropped, named in a
+/// warning with `whence`: its state starts full, the others are kept.
+pub(crate) fn each_read(states: Vec<serde_json::Value>, whence: &str) -> Vec<Spent> {
+    let (total, mut first) = (states.len(), None);
+    let read: Vec<Spent> = states
+        .into_iter()
+        .filter_map(|v| {
+            serde_json::from_value(v)
+                .map_err(|e| first.get_or_insert(e.to_string()).clone())
+                .ok()
+        })
+        .collect();
+    if let Some(error) = first {
+        let dropped = total - read.len();
+        tracing::warn!(from = whence, dropped, of = total, first = %error, "budget states this build does not read are dropped: they start full");
+    }
+    read
+}
+
 /// One bucket of a [`Spent`] state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct SpentBucket {

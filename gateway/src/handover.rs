@@ -235,7 +235,9 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
     let answer = stream.try_clone()?;
     let mut lines = BufReader::new(rest.chain(stream)).lines();
     let attribution = receive_lines(&mut lines, header.attributed, "attribution")?;
+    // A budget line this build does not read drops that state alone.
     let budgets = receive_lines(&mut lines, header.budgets, "budget")?;
+    let budgets = crate::budget::each_read(budgets, "the predecessor");
     acknowledge(&answer)?;
     Ok(Taken {
         sockets,
@@ -619,7 +621,8 @@ mod tests {
     }
 
     /// The attribution lines, then the budget lines: each group read to
-    /// its count, a stream cut short or a line that does not parse an error.
+    /// its count, a stream cut short or a line that is not JSON an error. A
+    /// budget line this build does not read as a state is dropped alone.
     #[test]
     fn a_cut_attribution_or_budget_stream_is_an_error() {
         let line = serde_json::to_string(&Attributed {
@@ -632,17 +635,23 @@ mod tests {
         let read = |text: String, (a, b): (usize, usize)| {
             let mut lines = BufReader::new(text.as_bytes()).lines();
             let first: Vec<Attributed> = receive_lines(&mut lines, a, "attribution")?;
-            let then: Vec<Spent> = receive_lines(&mut lines, b, "budget")?;
+            let then = receive_lines(&mut lines, b, "budget")?;
+            let then = crate::budget::each_read(then, "the test");
             Ok::<_, HandoverError>((first.len(), then))
         };
         let (n, budgets) = read(format!("{line}\n{line}\n{spent}\n"), (2, 1)).expect("all");
         assert_eq!((n, budgets[0].sandbox.as_str()), (2, "sb1"));
         assert_eq!(budgets[0].requests.map(|b| b.rate), Some(3));
+        // A destination this build refuses, beside a state it reads.
+        let refused = spent.replace(r#""destination":"*""#, r#""destination":"bad..name""#);
+        let text = format!("{line}\n{line}\n{refused}\n{line}\n{spent}\n");
+        let (n, budgets) = read(text, (2, 3)).expect("taken, less what was dropped");
+        assert_eq!((n, budgets.len()), (2, 1), "{budgets:?}");
         for (text, counts) in [
             (format!("{line}\n"), (2, 0)),
             (format!("{line}\n{line}\n"), (2, 1)),
             ("{not json\n".to_owned(), (1, 0)),
-            (format!("{line}\n{line}\n"), (1, 1)),
+            (format!("{line}\n{{not json\n"), (1, 1)),
         ] {
             assert!(
                 matches!(read(text, counts), Err(HandoverError::Protocol(_))),

@@ -18,12 +18,15 @@ use super::Spent;
 /// The file in the state directory.
 pub(crate) const FILE: &str = "budgets.json";
 
+/// The file: its states, and when it was written (Unix milliseconds).
+/// Read back with each state as it is, and then each read as a [`Spent`]
+/// on its own (`B`): one this build does not read (a destination a newer
+/// or older build wrote differently) is dropped, not every state with it.
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Saved {
-    /// When it was written: Unix milliseconds.
+struct Saved<B> {
     written_at_ms: u64,
-    budgets: Vec<Spent>,
+    budgets: Vec<B>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -51,10 +54,10 @@ pub(crate) fn read(dir: &Path, now: SystemTime) -> Result<Vec<Spent>, String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    let saved: Saved =
+    let saved: Saved<serde_json::Value> =
         serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
     let down = unix_ms(now).saturating_sub(saved.written_at_ms);
-    let mut budgets = saved.budgets;
+    let mut budgets = super::each_read(saved.budgets, &path.display().to_string());
     for spent in &mut budgets {
         for bucket in [&mut spent.requests, &mut spent.bytes]
             .into_iter()
@@ -114,6 +117,15 @@ mod tests {
 
         // A clock set back adds nothing.
         save(dir.path(), vec![spent(500)], later).expect("save");
+        assert_eq!(read(dir.path(), at).expect("read"), [spent(500)]);
+
+        // A state this build does not read (here a destination it refuses)
+        // is dropped alone; before, the whole file was, every state full.
+        let good = serde_json::to_value(spent(500)).expect("json");
+        let mut bad = good.clone();
+        bad["destination"] = serde_json::json!("bad..name");
+        let text = serde_json::json!({"written_at_ms": unix_ms(at), "budgets": [bad, good]});
+        std::fs::write(dir.path().join(FILE), text.to_string()).expect("write");
         assert_eq!(read(dir.path(), at).expect("read"), [spent(500)]);
 
         std::fs::write(dir.path().join(FILE), b"{not json").expect("write");
