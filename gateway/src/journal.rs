@@ -74,12 +74,13 @@ pub fn path(state_dir: &Path) -> PathBuf {
 }
 
 impl Journal {
-    /// Opens (or creates) the journal; returns it and the records to replay.
-    /// A torn tail is cut off the file so appends continue from a clean end.
+    /// Opens (or creates) the journal; returns it and the records to replay,
+    /// each with its offset in the file. A torn tail is cut off the file so
+    /// appends continue from a clean end.
     pub fn open(
         state_dir: &Path,
         snapshot_bytes: u64,
-    ) -> Result<(Self, Vec<Record>), PersistError> {
+    ) -> Result<(Self, Vec<(usize, Record)>), PersistError> {
         let path = path(state_dir);
         let io = |source| PersistError::Io {
             path: path.clone(),
@@ -216,7 +217,7 @@ impl Journal {
 /// fails, its length above what a writer writes, or past the end) with a
 /// whole record somewhere after it is corruption: cutting there would drop
 /// records that were acknowledged.
-fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), PersistError> {
+fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<(usize, Record)>, usize), PersistError> {
     let mut records = Vec::new();
     let mut off = 0;
     while off < bytes.len() {
@@ -256,7 +257,7 @@ fn read_records(bytes: &[u8], path: &Path) -> Result<(Vec<Record>, usize), Persi
             std::str::from_utf8(payload).map_err(|e| corrupt(e.to_string()))?,
         )
         .map_err(|e| corrupt(e.to_string()))?;
-        records.push(record);
+        records.push((off, record));
         off = end;
     }
     Ok((records, off))
@@ -295,13 +296,16 @@ pub fn recover(
     };
     let (journal, records) = Journal::open(state_dir, snapshot_bytes)?;
     let mut seq = snapshot_seq;
-    for r in records.into_iter().filter(|r| r.seq > snapshot_seq) {
+    for (off, r) in records.into_iter().filter(|(_, r)| r.seq > snapshot_seq) {
+        // A record that reads but cannot be replayed: named by its offset,
+        // where the journal may be cut.
+        let corrupt = |e: &dyn std::fmt::Display| PersistError::CorruptJournal {
+            path: journal.path.clone(),
+            message: format!("record {} at offset {off}: {e}", r.seq),
+        };
         match r.change {
             Change::Put(doc) => {
-                let id = SandboxId::parse(&doc.id).map_err(|e| PersistError::CorruptJournal {
-                    path: journal.path.clone(),
-                    message: format!("record {}: {e}", r.seq),
-                })?;
+                let id = SandboxId::parse(&doc.id).map_err(|e| corrupt(&e))?;
                 let Some(doc) = persist::as_pushed_now(*doc) else {
                     registry.remove(&id);
                     seq = seq.max(r.seq);
@@ -313,12 +317,7 @@ pub fn recover(
                     shadow: doc.shadow.map(|b| *b),
                 };
                 let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, extras);
-                registry
-                    .put_prepared(sandbox)
-                    .map_err(|e| PersistError::CorruptJournal {
-                        path: journal.path.clone(),
-                        message: format!("record {}: {e}", r.seq),
-                    })?;
+                registry.put_prepared(sandbox).map_err(|e| corrupt(&e))?;
             }
             Change::Delete(id) => {
                 registry.remove(&SandboxId::new(&id));

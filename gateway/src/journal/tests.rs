@@ -294,3 +294,22 @@ fn recovery_takes_only_what_a_push_takes_now() {
     assert_eq!(at("100.64.0.10").as_deref(), Some("b"));
     assert_eq!(r.ids(), vec![SandboxId::new("a"), SandboxId::new("b")]);
 }
+
+/// A record that reads but cannot be replayed (an id no push passes) stops
+/// the start naming its offset, where the operator may cut the journal:
+/// the message says to cut it at that offset. Before, it named only the
+/// record's sequence number.
+#[test]
+fn a_record_that_cannot_be_replayed_is_named_by_its_offset() {
+    let dir = tempfile::tempdir().expect("dir");
+    let first = write(dir.path(), &[put(1, "a", "100.64.0.1")]);
+    let (mut j, _) = Journal::open(dir.path(), 0).expect("open");
+    j.append(&[put(2, "bad id", "100.64.0.2")]).expect("append");
+    drop(j);
+    let e = recover(&registry(), dir.path()).expect_err("refused");
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("record 2 at offset {first}:")),
+        "{text}"
+    );
+}
