@@ -277,7 +277,7 @@ impl Metrics {
         let r = &mut self.registry;
         r.register(
             "policy_pushes",
-            "Policy pushes (admin PUT one, PUT all, DELETE), applied or rejected",
+            "Admin writes: PUT one, PUT all, DELETE, and a shadow's PUT, DELETE and promote; applied or rejected",
             self.pushes.clone(),
         );
         r.register(
