@@ -159,6 +159,11 @@ impl UpstreamPool {
     }
 
     pub(crate) fn take(&self, key: &PoolKey) -> Option<Sender> {
+        self.take_at(key, Instant::now())
+    }
+
+    /// [`Self::take`] at `now`.
+    fn take_at(&self, key: &PoolKey, now: Instant) -> Option<Sender> {
         let mut idle = self
             .idle
             .lock()
@@ -167,7 +172,6 @@ impl UpstreamPool {
         let list = idle.by_key.get_mut(key)?;
         let before = list.len();
         // Entries are pushed in time order: the expired ones are a prefix.
-        let now = Instant::now();
         let stale = list.partition_point(|(at, _)| expired(*at, now));
         list.drain(..stale);
         let mut found = None;
@@ -177,10 +181,15 @@ impl UpstreamPool {
             if list[i].1.closed() {
                 list.remove(i);
             } else if list[i].1.usable() {
-                // HTTP/2 multiplexes: hand out a clone and keep it pooled.
-                found = match list[i].1.share() {
-                    Some(shared) => Some(shared),
-                    None => Some(list.remove(i).1),
+                let (at, sender) = list.remove(i);
+                // HTTP/2 multiplexes: hand out a clone and keep it pooled,
+                // used now (so last: the list stays in time order).
+                found = match sender.share() {
+                    Some(shared) => {
+                        list.push((at.max(now), sender));
+                        Some(shared)
+                    }
+                    None => Some(sender),
                 };
                 break;
             }
@@ -305,6 +314,32 @@ mod tests {
         tokio::spawn(conn);
         s.ready().await.expect("ready");
         (Sender::H1(s), theirs)
+    }
+
+    /// An HTTP/2 sender over an in-memory pipe (the other end is kept, and
+    /// never answers: the connection stays open).
+    async fn h2_sender() -> (Sender, tokio::io::DuplexStream) {
+        let (ours, theirs) = tokio::io::duplex(64 * 1024);
+        let s = crate::h2client::handshake(ours).await.expect("handshake");
+        (Sender::H2(s), theirs)
+    }
+
+    /// A shared HTTP/2 entry is used each time it is handed out: it goes
+    /// 30 s after its last use, not 30 s after it was first pooled (a busy
+    /// key lost its connection every 30 s, and opened another).
+    #[tokio::test]
+    async fn a_shared_http2_connection_stays_pooled_while_it_is_used() {
+        let pool = UpstreamPool::default();
+        let (s, _peer) = h2_sender().await;
+        let start = Instant::now();
+        pool.put(key("a"), s);
+        let at = |secs| start + Duration::from_secs(secs);
+        assert!(pool.take_at(&key("a"), at(29)).is_some(), "29 s after");
+        assert!(pool.take_at(&key("a"), at(45)).is_some(), "used at 29 s");
+        assert!(
+            pool.take_at(&key("a"), at(76)).is_none(),
+            "unused since 45 s"
+        );
     }
 
     fn key(sandbox: &str) -> PoolKey {
