@@ -241,6 +241,9 @@ pub(super) async fn bridged(conn: &Arc<Conn>, mut bridge: Bridge, watch: &mut Wa
     // What moved up to the `101` is the upgrade request's, charged before
     // the bridge moves a byte.
     conn.charge_rest();
+    // The connection's earlier requests went on a pooled connection of
+    // their own: given back now, not held for the bridge's life.
+    conn.release_upstream();
     let (error, cut) = loop {
         tokio::select! {
             biased;

@@ -48,6 +48,15 @@ impl Conn {
             trace |= m.eq_ignore_ascii_case("TRACE");
             not_safe |= !is_safe(&m);
         }
+        // A transfer coding but chunked (`gzip, chunked`): hyper reads the
+        // chunks, and the header goes as hop-by-hop, so the coded bytes
+        // would reach the origin unmarked.
+        if transfer_coded(req.headers()) {
+            return text(
+                StatusCode::BAD_REQUEST,
+                "a request's transfer coding other than chunked is not forwarded\n",
+            );
+        }
         if trace || req.method().as_str().eq_ignore_ascii_case("TRACE") {
             return text(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -445,8 +454,8 @@ impl Conn {
             // connection over after this 101 (`bridge.rs`).
             self.set_bridge(client_side, hyper::upgrade::on(&mut resp));
         } else {
-            // Refused: an answer like any other, hop-by-hop headers stripped.
-            strip_hop_by_hop(resp.headers_mut());
+            // Refused: an answer like any other (its framing as any other's).
+            return self.passed_back(Ok(resp.map(boxed)));
         }
         resp.map(boxed)
     }

@@ -287,8 +287,11 @@ fn unparse<I, S>(
 fn h1_server(conn: &Conn) -> hyper::server::conn::http1::Builder {
     let config = conn.dp.config();
     let mut builder = hyper::server::conn::http1::Builder::new();
+    // A client that shuts its side after its request (`nc -N`, HTTP/1.0
+    // scripts) still gets the answer: the idle and head timeouts bound it.
     builder
         .max_buf_size(config.limits.max_request_head)
+        .half_close(true)
         .timer(crate::io::TickTimer)
         .header_read_timeout(config.timeouts.request_head);
     builder

@@ -1264,3 +1264,50 @@ async fn connect_and_trace_inside_an_intercepted_connection_are_refused() {
     let resp = s.send_request(req).await.expect("response");
     assert_eq!(resp.status(), 405, "TRACE and 0xA0");
 }
+
+/// Sends `request` on a new plain-HTTP connection of sandbox A, shuts its
+/// side, and reads the answer to the end.
+async fn plain_raw(e: &Env, request: &[u8]) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut tcp = e.connect(SANDBOX_A, e.origins.plain).await;
+    tcp.write_all(request).await.expect("write");
+    tcp.shutdown().await.expect("half-close");
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut answer))
+        .await
+        .expect("the connection ended")
+        .expect("read");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// A client that shuts its side after its request (`nc -N`, an HTTP/1.0
+/// script) still gets its answer, as it would going direct. Before, the
+/// gateway gave up the request in flight at the client's FIN, and the
+/// client read nothing.
+#[tokio::test]
+async fn a_client_that_half_closes_after_its_request_gets_the_answer() {
+    let e = plain_allowed_evil_denied().await;
+    // The origin answers `/wait` after 300 ms: the FIN comes first.
+    let answer = plain_raw(
+        &e,
+        b"GET /wait HTTP/1.0\r\nHost: plain.example.test\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    assert!(answer.contains("origin=plain GET /wait"), "{answer}");
+}
+
+/// A request with a transfer coding but chunked (`gzip, chunked`) is
+/// refused `400`: the chunks are read and the header is hop-by-hop, so the
+/// coded bytes would reach the origin with nothing saying so.
+#[tokio::test]
+async fn a_request_transfer_coded_but_chunked_is_refused() {
+    let e = plain_allowed_evil_denied().await;
+    let answer = plain_raw(
+        &e,
+        b"POST /coded HTTP/1.1\r\nHost: plain.example.test\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(!answer.contains("origin=plain"), "{answer}");
+}
