@@ -39,7 +39,7 @@ use crate::credentials::{self};
 use crate::decide::{explained, explained_request, judge_question, Claims};
 use crate::metrics::OutcomeLabels;
 use crate::persist::{self, SandboxDoc};
-use crate::registry::Extras;
+use crate::registry::{Extras, Registry};
 use crate::state::Dataplane;
 
 mod shadow;
@@ -366,10 +366,11 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
         shadow: None,
     };
     // Compiling the policy is the costly part: done here, concurrently.
-    let sandbox = ctl
-        .dp
-        .registry
-        .prepare_with(sid, doc.addresses, doc.policy, extras);
+    let compile = move |r: &Registry| r.prepare_with(sid, doc.addresses, doc.policy, extras);
+    let sandbox = match compiled(ctl, compile).await {
+        Ok(sandbox) => sandbox,
+        Err(reply) => return rejected(ctl, reply),
+    };
     match ctl.committer.submit(Change::Put(sandbox.clone())).await {
         Ok(()) => {
             applied(ctl);
@@ -440,10 +441,11 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         return bad(i, "credentials", &e);
     }
     let n = docs.len();
-    let prepared = docs
-        .into_iter()
-        .map(|d| persist::prepare(d, &ctl.dp.registry))
-        .collect();
+    let compile = move |r: &Registry| docs.into_iter().map(|d| persist::prepare(d, r)).collect();
+    let prepared = match compiled(ctl, compile).await {
+        Ok(prepared) => prepared,
+        Err(reply) => return rejected(ctl, reply),
+    };
     // The evidence went as the commit thread applied the resync.
     let forget = |dp: &Dataplane, outcome: &Outcome| {
         if outcome.is_ok() {
@@ -508,6 +510,23 @@ fn applied(ctl: &Control) {
         .pushes
         .get_or_create(&OutcomeLabels { outcome: "applied" })
         .inc();
+}
+
+/// Runs `compile` (compiling policies, the costly part of a push) on the
+/// runtime's blocking threads: on one of its workers, a large policy or a
+/// resync of thousands would hold a thread the flows and DNS share for as
+/// long. A compile that panicked is `500`.
+pub(crate) async fn compiled<T: Send + 'static>(
+    ctl: &Control,
+    compile: impl FnOnce(&Registry) -> T + Send + 'static,
+) -> Result<T, Reply> {
+    let registry = ctl.dp.registry.clone();
+    tokio::task::spawn_blocking(move || compile(&registry))
+        .await
+        .map_err(|e| {
+            let why = format!("compiling the policy failed: {e}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, &why, None)
+        })
 }
 
 fn rejected(ctl: &Control, reply: Reply) -> Reply {

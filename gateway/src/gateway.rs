@@ -595,9 +595,15 @@ async fn lapse_watch(dp: Arc<Dataplane>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let n = dp
-            .registry
-            .recompile_lapsed(time::OffsetDateTime::now_utc());
+        // Compiled on a blocking thread: many entries may lapse at once.
+        let registry = dp.registry.clone();
+        let lapsed = move || registry.recompile_lapsed(time::OffsetDateTime::now_utc());
+        // A panic there ends this task, as it would have here: the
+        // gateway stops rather than keep lapsed entries in force.
+        let n = match tokio::task::spawn_blocking(lapsed).await {
+            Ok(n) => n,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        };
         if n > 0 {
             tracing::info!(
                 sandboxes = n,

@@ -42,8 +42,14 @@ pub(crate) async fn put(ctl: &Control, id: &str, doc: PutShadow) -> Reply {
         since: crate::shadow::now(),
         policy_changed: None,
     };
+    let credentials = sandbox.credentials.clone();
+    let compile = move |r: &crate::registry::Registry| r.compile_shadow(shadow, &credentials);
+    let shadow = match super::compiled(ctl, compile).await {
+        Ok(shadow) => shadow,
+        Err(reply) => return rejected(ctl, reply),
+    };
     let candidate = Candidate {
-        shadow: Arc::new(ctl.dp.registry.compile_shadow(shadow, &sandbox.credentials)),
+        shadow: Arc::new(shadow),
         credentials: sandbox.credentials.clone(),
     };
     match ctl
