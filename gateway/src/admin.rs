@@ -18,6 +18,9 @@
 //! With `admin.token_file` set, every route but `/healthz` and `/readyz` needs
 //! `Authorization: Bearer <token>`. Bodies are capped at 1 MiB (`413`).
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -404,14 +407,15 @@ fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
 /// a new snapshot. `lines`: an NDJSON body's line of each document, which
 /// its errors name.
 async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>) -> Reply {
-    let bad = |i: usize, part: &str, why: &str| {
+    let named = |status: StatusCode, i: usize, part: &str, why: &str| {
         let field = format!("sandboxes[{i}].{part}");
         let why = match lines.as_ref().and_then(|l| l.get(i)) {
             Some(line) => format!("line {line}: {why}"),
             None => why.to_owned(),
         };
-        rejected(ctl, error(StatusCode::BAD_REQUEST, &why, Some(&field)))
+        rejected(ctl, error(status, &why, Some(&field)))
     };
+    let bad = |i: usize, part: &str, why: &str| named(StatusCode::BAD_REQUEST, i, part, why);
     if let Err((i, msg)) = egress_api::gateway::resync_ids(&docs) {
         return bad(i, "id", &msg);
     }
@@ -436,6 +440,13 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         if let Some(Err(e)) = d.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
             return bad(i, "upstream_proxy", &e);
         }
+    }
+    // Two documents naming one address: the later one named (the
+    // registry would say only that the address "already belongs" to the
+    // earlier, as if it were registered before).
+    if let Some((i, ip, j)) = shared_address(&docs) {
+        let why = format!("address {ip} is also sandboxes[{j}]'s ({})", docs[j].id);
+        return named(StatusCode::CONFLICT, i, "addresses", &why);
     }
     if let Err((i, e)) = load_all_credentials(ctl, &docs).await {
         return bad(i, "credentials", &e);
@@ -510,6 +521,24 @@ fn applied(ctl: &Control) {
         .pushes
         .get_or_create(&OutcomeLabels { outcome: "applied" })
         .inc();
+}
+
+/// The first document of `docs` with an address an earlier one has: its
+/// index, the address, and the earlier one's index.
+fn shared_address(docs: &[SandboxDoc]) -> Option<(usize, IpAddr, usize)> {
+    let mut held: HashMap<IpAddr, usize> = HashMap::new();
+    for (i, d) in docs.iter().enumerate() {
+        for ip in &d.addresses {
+            match held.entry(*ip) {
+                Entry::Occupied(o) if *o.get() != i => return Some((i, *ip, *o.get())),
+                Entry::Occupied(_) => {}
+                Entry::Vacant(v) => {
+                    v.insert(i);
+                }
+            }
+        }
+    }
+    None
 }
 
 /// Runs `compile` (compiling policies, the costly part of a push) on the
