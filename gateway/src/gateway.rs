@@ -201,6 +201,10 @@ const WORKERS_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5)
 pub struct Stopped {
     /// Flows still open when the drain gave up (0: a clean drain).
     pub left: usize,
+    /// The drain was ended before its deadline, and the flows still open
+    /// then were cut: the successor of a handover stopped telling this
+    /// gateway which sandboxes change.
+    pub cut_short: bool,
     /// A task that serves until the drain (a listener, DNS, the admin API,
     /// a background loop) ended first, and how: the gateway stopped serving
     /// because of it, and the process should exit with a failure.
@@ -536,12 +540,12 @@ impl Gateway {
         // Without a successor the listening sockets close here.
         self.offer = None;
         let config = self.dp.config();
-        let left = if self.slots.all_back(config.timeouts.drain).await {
-            0
+        let (left, cut_short) = if self.slots.all_back(config.timeouts.drain).await {
+            (0, self.dp.drain_over.load(Ordering::Acquire))
         } else {
             let open = self.slots.open();
             self.drain_over().await;
-            open
+            (open, false)
         };
         lapse.abort();
         if !handed {
@@ -558,7 +562,11 @@ impl Gateway {
         // Every line of the drained flows on disk before the process exits.
         let dp = self.dp.clone();
         let _ = tokio::task::spawn_blocking(move || dp.flow_log.close()).await;
-        Stopped { left, failed }
+        Stopped {
+            left,
+            cut_short,
+            failed,
+        }
     }
 
     /// Serves until `shutdown`, a successor, or the end of a task that

@@ -95,6 +95,9 @@ pub(super) fn run(args: &RunArgs) -> ExitCode {
 /// (systemd's `Restart=on-failure`, a kubelet) to start it again.
 fn exit_code(stopped: &crate::gateway::Stopped) -> ExitCode {
     match stopped.left {
+        0 if stopped.cut_short => tracing::warn!(
+            "stopped; the flows still draining were cut before the drain's deadline: the successor stopped telling this gateway which sandboxes change"
+        ),
         0 => tracing::info!("stopped; every flow finished"),
         n => tracing::warn!(
             open_flows = n,
