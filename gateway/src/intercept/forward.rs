@@ -50,8 +50,9 @@ impl Conn {
         }
         // A transfer coding but chunked (`gzip, chunked`): hyper reads the
         // chunks, and the header goes as hop-by-hop, so the coded bytes
-        // would reach the origin unmarked.
-        if transfer_coded(req.headers()) {
+        // would reach the origin unmarked. (HTTP/2 has no transfer coding:
+        // a request naming one is malformed there.)
+        if req.version() < http::Version::HTTP_2 && transfer_coded(req.headers()) {
             return text(
                 StatusCode::BAD_REQUEST,
                 "a request's transfer coding other than chunked is not forwarded\n",
