@@ -24,15 +24,15 @@ use crate::upstream_proxy::{ProxyError, ProxyFailure, Route};
 
 /// Sessions the shared terminating config remembers for resumption.
 const RESUMABLE_SESSIONS: usize = 10_000;
-/// TLS 1.3 tickets one registration keeps for resuming its connections to
-/// origins: 8 origins' worth (rustls keeps 8 per server).
-const REGISTRATION_TICKETS: usize = 64;
-/// Registrations with upstream TLS sessions at once; the least recently
-/// used make room.
+/// Registrations with client configs of their own at once (each holds a
+/// view of [`sessions::Sessions`], where the tickets are); the least
+/// recently used make room.
 const REGISTRATIONS_WITH_SESSIONS: u64 = 16_384;
 /// A registration that opened no upstream TLS connection for this long
-/// forgets its sessions.
+/// loses its configs.
 const SESSIONS_IDLE: Duration = Duration::from_secs(30 * 60);
+
+mod sessions;
 
 /// A `tls.extra_upstream_roots` file that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -158,6 +158,8 @@ pub(crate) struct Upstreams {
     /// got is resumed only by that sandbox's, so an origin cannot link two
     /// tenants' connections through one ticket.
     by_registration: moka::sync::Cache<u64, ClientTls>,
+    /// Every registration's tickets, bounded in all ([`sessions`]).
+    sessions: Arc<sessions::Sessions>,
     /// The terminating side for clients that send an SNI: one config, so
     /// its session cache lets those clients resume.
     pub(crate) server_tls: Arc<rustls::ServerConfig>,
@@ -199,6 +201,7 @@ impl Upstreams {
                 .max_capacity(REGISTRATIONS_WITH_SESSIONS)
                 .time_to_idle(SESSIONS_IDLE)
                 .build(),
+            sessions: Arc::default(),
             pool: UpstreamPool::default(),
         })
     }
@@ -206,9 +209,7 @@ impl Upstreams {
     /// Registration `serial`'s configs, made on its first TLS connection.
     fn client_tls(&self, serial: u64) -> ClientTls {
         self.by_registration.get_with(serial, || {
-            let store = Arc::new(rustls::client::ClientSessionMemoryCache::new(
-                REGISTRATION_TICKETS,
-            ));
+            let store = self.sessions.of(serial);
             let own = |base: &rustls::ClientConfig| {
                 let mut c = base.clone();
                 c.resumption = rustls::client::Resumption::store(store.clone());
@@ -230,6 +231,7 @@ impl Upstreams {
             minter: self.minter.clone(),
             base: self.base.clone(),
             by_registration: self.by_registration.clone(),
+            sessions: self.sessions.clone(),
             server_tls: self.server_tls.clone(),
             provider: self.provider.clone(),
             pool: UpstreamPool::default(),
@@ -428,7 +430,7 @@ pub(crate) fn server_tls(
 }
 
 /// A client config builder over `provider`, with the default versions.
-fn client_builder(
+pub(crate) fn client_builder(
     provider: &Arc<rustls::crypto::CryptoProvider>,
 ) -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::WantsVerifier> {
     // As for the server side: the versions of aws-lc-rs's own provider.
