@@ -390,11 +390,18 @@ pub fn apply(
     // A value the sandbox may have put in a header the origin keeps (with
     // `replace: "headers"` it chooses the header: object metadata, say)
     // may come back in any later answer of the host, not only in the
-    // answer to the request that carried it: every answer is scrubbed.
-    let kept: Vec<(usize, Secret, &str)> = mine
+    // answer to the request that carried it, and over plain HTTP or to
+    // its address too: every answer is scrubbed.
+    let covers = |c: &Credential, n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
+    let kept: Vec<(usize, Secret, &str)> = list
         .iter()
+        .enumerate()
         .filter(|(_, c)| matches!(c.inject, Inject::ReplaceHeaders))
-        .filter_map(|(i, c)| Some((*i, secrets.get(&c.source)?, c.placeholder.as_str())))
+        .filter(|(_, c)| match names {
+            Names::Verified(h) => covers(c, h),
+            Names::Unverified(may_be) => may_be.iter().any(|n| covers(c, n)),
+        })
+        .filter_map(|(i, c)| Some((i, secrets.get(&c.source)?, c.placeholder.as_str())))
         .collect();
     // Judge every credential of the host before changing anything.
     let plan = plan(mine, secrets, headers)?;
@@ -542,14 +549,19 @@ fn plan<'a>(
 const REQUEST_LINE: usize = 32;
 
 /// Whether `v` is other than the credential's `format` with `{value}` as
-/// the placeholder: not that text (outer spaces aside); in `cookie`, whose
+/// the placeholder: not that text (outer spaces and the case of the
+/// format's own letters aside); in `cookie`, whose
 /// pairs `;` separates, more `,` than `format` holds, or the credential's
 /// pair (the one `format` puts `{value}` in) named more than once or other
 /// than the format's pair.
 fn not_the_format(header: &HeaderName, format: &str, v: &HeaderValue, placeholder: &str) -> bool {
     if header != http::header::COOKIE {
+        // The format's own text without regard to ASCII case (`bearer`:
+        // an auth scheme is read so, RFC 9110 11.1), the placeholder as it is.
         let expected = format.replace("{value}", placeholder);
-        return v.as_bytes().trim_ascii() != expected.trim_ascii().as_bytes();
+        let v = v.as_bytes().trim_ascii();
+        let same = v.eq_ignore_ascii_case(expected.trim_ascii().as_bytes());
+        return !same || !contains(v, placeholder.as_bytes());
     }
     let count = |bytes: &[u8], sep: u8| bytes.iter().filter(|&&b| b == sep).count();
     if count(v.as_bytes(), b',') > count(format.as_bytes(), b',') {

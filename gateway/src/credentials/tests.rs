@@ -169,6 +169,12 @@ fn require_refuses_a_key_of_the_sandboxs_own() {
             "{value}"
         );
     }
+    // The scheme in another case is the format still (RFC 9110 11.1).
+    let mut hs = headers(&[("authorization", "bearer EGRESS_PH_GITHUB")]);
+    assert_eq!(
+        apply(&list, &secrets, Some(&h("api.github.test")), "/", &mut hs),
+        Ok(1)
+    );
     // Its own key beside the placeholder: the origin may read either.
     for both in [
         [
@@ -756,4 +762,23 @@ fn every_answer_of_a_replace_headers_host_is_scrubbed() {
         None,
         "nothing of the credential's went"
     );
+    // Over plain HTTP, or to the host's address: no value goes in, but
+    // one the origin kept still comes back as its placeholder.
+    let list = api_key(&path, replace, false);
+    let secrets = loaded(&list);
+    let name = h("api.test");
+    let mut hs = headers(&[("accept", "*/*")]);
+    let applied = super::apply(
+        &list,
+        &secrets,
+        Names::Unverified(&[&name]),
+        "/",
+        &mut hs,
+        HEAD,
+    )
+    .expect("passes");
+    assert_eq!(applied.injected, 0);
+    let mut answer = headers(&[("x-goog-meta-n", VALUE)]);
+    assert_eq!(applied.carried.expect("scrubbed").headers(&mut answer), 1);
+    assert_eq!(answer["x-goog-meta-n"], "PH_KEY_0001");
 }
