@@ -235,9 +235,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
     let answer = stream.try_clone()?;
     let mut lines = BufReader::new(rest.chain(stream)).lines();
     let attribution = receive_lines(&mut lines, header.attributed, "attribution")?;
-    // A budget line this build does not read drops that state alone.
-    let budgets = receive_lines(&mut lines, header.budgets, "budget")?;
-    let budgets = crate::budget::each_read(budgets, "the predecessor");
+    let budgets = budget_lines(&mut lines, header.budgets)?;
     acknowledge(&answer)?;
     Ok(Taken {
         sockets,
@@ -310,6 +308,22 @@ fn receive_lines<T: serde::de::DeserializeOwned>(
         return Err(HandoverError::Protocol(why));
     }
     Ok(out)
+}
+
+/// The next `expected` lines, budget states: a line this build does not
+/// read as one drops that state alone (a destination another build wrote
+/// differently); a line that is not JSON, or not a state at all (no
+/// `destination`: the counts and the lines disagree), is an error.
+fn budget_lines(
+    lines: &mut impl Iterator<Item = io::Result<String>>,
+    expected: usize,
+) -> Result<Vec<Spent>, HandoverError> {
+    let states: Vec<serde_json::Value> = receive_lines(lines, expected, "budget")?;
+    if let Some(n) = states.iter().position(|v| v.get("destination").is_none()) {
+        let why = format!("budget line {n} is not a budget state");
+        return Err(HandoverError::Protocol(why));
+    }
+    Ok(crate::budget::each_read(states, "the predecessor"))
 }
 
 /// Sets of transparent and DNS listeners a configuration binds.
@@ -635,8 +649,7 @@ mod tests {
         let read = |text: String, (a, b): (usize, usize)| {
             let mut lines = BufReader::new(text.as_bytes()).lines();
             let first: Vec<Attributed> = receive_lines(&mut lines, a, "attribution")?;
-            let then = receive_lines(&mut lines, b, "budget")?;
-            let then = crate::budget::each_read(then, "the test");
+            let then = budget_lines(&mut lines, b)?;
             Ok::<_, HandoverError>((first.len(), then))
         };
         let (n, budgets) = read(format!("{line}\n{line}\n{spent}\n"), (2, 1)).expect("all");
@@ -644,14 +657,15 @@ mod tests {
         assert_eq!(budgets[0].requests.map(|b| b.rate), Some(3));
         // A destination this build refuses, beside a state it reads.
         let refused = spent.replace(r#""destination":"*""#, r#""destination":"bad..name""#);
-        let text = format!("{line}\n{line}\n{refused}\n{line}\n{spent}\n");
-        let (n, budgets) = read(text, (2, 3)).expect("taken, less what was dropped");
+        let text = format!("{line}\n{line}\n{refused}\n{spent}\n");
+        let (n, budgets) = read(text, (2, 2)).expect("taken, less what was dropped");
         assert_eq!((n, budgets.len()), (2, 1), "{budgets:?}");
         for (text, counts) in [
             (format!("{line}\n"), (2, 0)),
             (format!("{line}\n{line}\n"), (2, 1)),
             ("{not json\n".to_owned(), (1, 0)),
             (format!("{line}\n{{not json\n"), (1, 1)),
+            (format!("{line}\n{line}\n"), (1, 1)),
         ] {
             assert!(
                 matches!(read(text, counts), Err(HandoverError::Protocol(_))),
