@@ -137,27 +137,29 @@ impl Sender {
 }
 
 impl UpstreamPool {
-    /// An idle connection for `key`, if one is still usable: the newest
-    /// ready one. Expired entries (the oldest) and closed ones met on the
-    /// way are dropped; one not ready yet stays for a later request.
     /// An HTTP/2 connection for `key` that is open, at its origin's limit
-    /// of streams or not: a request queues on it for a stream.
+    /// of streams or not: a request queues on it for a stream. Used now,
+    /// as [`Self::take`]'s are: last in the list.
     pub(crate) fn open_h2(&self, key: &PoolKey) -> Option<Sender> {
-        let idle = self
+        let mut idle = self
             .idle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let now = Instant::now();
-        idle.by_key
-            .get(key)?
-            .iter()
-            .rev()
-            .find_map(|(at, s)| match s {
-                Sender::H2(h) if !expired(*at, now) && h.open() => Some(Sender::H2(h.clone())),
-                _ => None,
-            })
+        let list = idle.by_key.get_mut(key)?;
+        let at = list.iter().rposition(|(at, s)| match s {
+            Sender::H2(h) => !expired(*at, now) && h.open(),
+            Sender::H1(_) => false,
+        })?;
+        let (used, sender) = list.remove(at);
+        let shared = sender.share();
+        list.push((used.max(now), sender));
+        shared
     }
 
+    /// An idle connection for `key`, if one is still usable: the newest
+    /// ready one. Expired entries (the oldest) and closed ones met on the
+    /// way are dropped; one not ready yet stays for a later request.
     pub(crate) fn take(&self, key: &PoolKey) -> Option<Sender> {
         self.take_at(key, Instant::now())
     }
