@@ -582,8 +582,12 @@ fn step(
         if !drained {
             soon = true;
         } else if !seal(joined, &mut ways[dst], dst).map_err(broken)? {
-            // Bytes passed to the destination must be read first.
-            soon = true;
+            // Bytes passed to the destination must be read first: looked at
+            // again soon, unless they are read and wait on this side's
+            // socket taking them (its becoming writable wakes the flow; a
+            // reader that stopped would otherwise have it looked at every
+            // millisecond until the idle timeout).
+            soon = ways[dst].buf.is_empty();
         } else {
             let _ = shutdown_write(socks[dst]);
             ways[src].closed = true;

@@ -618,6 +618,45 @@ async fn a_reader_that_stops_is_not_looked_at_every_millisecond() {
     assert_eq!((s.down, s.fault), (down.len() as u64, None));
 }
 
+/// The same, with the client's FIN behind its silence: the direction it
+/// closed is done, but its FIN waits on the bytes passed the other way,
+/// which wait on the client reading. The flow is still looked at on the
+/// slow tick (the client's socket becoming writable wakes it), not every
+/// millisecond; once the client reads, everything arrives (12 MiB: under
+/// the 16 MiB a half-closed flow's reader may fall behind).
+#[tokio::test]
+async fn a_reader_that_stops_and_half_closes_is_not_looked_at_every_millisecond() {
+    let Some(k) = kernel() else { return };
+    let (task, mut client, origin) = flow(k, Duration::from_secs(30)).await;
+    let (mut or, mut ow) = origin.into_split();
+    let down = pattern(12 << 20);
+    let writer = {
+        let down = down.clone();
+        tokio::spawn(async move {
+            ow.write_all(&down).await.expect("write");
+            ow.shutdown().await.expect("FIN");
+            ow
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    client.shutdown().await.expect("the client's FIN");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = k.looks.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let looks = k.looks.load(Ordering::Relaxed) - before;
+    eprintln!("looks in 2 s of a stopped, half-closed reader: {looks}");
+    assert!(looks < 200, "{looks} looks in 2 s while nothing moved");
+    let mut got = Vec::new();
+    client.read_to_end(&mut got).await.expect("read");
+    assert!(got == down, "download: {}", first_difference(&got, &down));
+    let _ow = writer.await.expect("writer");
+    let mut rest = Vec::new();
+    or.read_to_end(&mut rest).await.expect("origin sees EOF");
+    assert!(rest.is_empty(), "the client sent nothing");
+    let s = task.await.expect("task");
+    assert_eq!((s.down, s.fault), (down.len() as u64, None));
+}
+
 /// A join that fails once a socket is in the maps, after the program
 /// redirected bytes of it, ends the flow with resets: leaving the maps
 /// drops what the kernel took, so no copy carries the stream on with a gap.
