@@ -294,7 +294,14 @@ pub(crate) async fn splice(
             ..Way::default()
         });
         let fault = watch(&joined, [&client, &origin], ends, &mut ways).await;
-        if fault.is_some_and(|f| f != Fault::IDLE_TIMEOUT) {
+        // Idle with bytes held (read and not written, passed and not read,
+        // or redirected and not written: leaving the maps drops those) is
+        // a stream cut short, as any other end but a clean idle one.
+        let held = || {
+            ways.iter().any(|w| !w.buf.is_empty() || w.queued() > 0)
+                || behind(&ways, [&client, &origin])
+        };
+        if fault.is_some_and(|f| f != Fault::IDLE_TIMEOUT || held()) {
             // Broken, not finished: neither side may take the end of the
             // stream for a complete one (a FIN would say so).
             crate::io::reset(&client);
@@ -380,6 +387,17 @@ impl Way {
     fn queued(&self) -> u64 {
         self.tally.passed.saturating_sub(self.read)
     }
+}
+
+/// Whether bytes the program redirected are not all written yet, either
+/// way (as [`step`] counts them).
+fn behind(ways: &[Way; 2], socks: [&TcpStream; 2]) -> bool {
+    (0..2).any(|src| {
+        let way = &ways[src];
+        let written = tcp_info(socks[1 - src]).map_or(0, |i| i.written);
+        let redirected_written = written.saturating_sub(way.base + way.consumed());
+        way.tally.taken > redirected_written
+    })
 }
 
 /// What a look at a direction asks of the loop.

@@ -698,3 +698,29 @@ async fn a_join_that_fails_halfway_resets_the_flow_only_if_bytes_were_taken() {
     sees_a_reset(&mut origin).await;
     sees_a_reset(&mut client).await;
 }
+
+/// A flow that falls idle while it holds bytes (its reader stopped: bytes
+/// redirected and not written, passed and not read) is reset at the idle
+/// timeout, not closed: leaving the maps drops those bytes, and a FIN
+/// would have the client take the stream cut short for a whole one.
+#[tokio::test]
+async fn a_flow_idle_with_bytes_held_is_reset_not_closed() {
+    let Some(k) = kernel() else { return };
+    let (task, mut client, origin) = flow(k, Duration::from_secs(1)).await;
+    let (_or, mut ow) = origin.into_split();
+    let writer = tokio::spawn(async move {
+        let chunk = vec![7u8; 1 << 20];
+        for _ in 0..32 {
+            if ow.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+    });
+    let s = tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("ends at the idle timeout")
+        .expect("task");
+    assert!(s.idle_timeout, "{:?}", s.fault);
+    sees_a_reset(&mut client).await;
+    writer.abort();
+}
