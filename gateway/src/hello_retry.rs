@@ -44,6 +44,10 @@ pub(crate) enum RetryError {
     /// The client's second ClientHello is not one the first was judged for.
     #[error("after a HelloRetryRequest: {0}")]
     Client(String),
+    /// The client could not be given the server's first message (it reset
+    /// or went silent): no retry is involved.
+    #[error("passing the server's first handshake message on: {0}")]
+    ClientGone(std::io::Error),
     /// Passing the bytes on would cross the flow's byte budget: they were
     /// not passed (`down`: the server's bytes passed on before them).
     #[error("the flow's byte budget")]
@@ -90,7 +94,7 @@ pub(crate) async fn watch(
     charged(first.len(), 0)?;
     within(limit, client.write_all(&first))
         .await
-        .map_err(|e| RetryError::Client(format!("passing the server's hello on: {e}")))?;
+        .map_err(RetryError::ClientGone)?;
     let mut passed = Passed {
         up: 0,
         down: first.len() as u64,

@@ -139,6 +139,11 @@ async fn hello_watched(
     let fault = match e {
         RetryError::Origin(_) => Fault::UPSTREAM_TLS,
         RetryError::Client(_) => Fault::HELLO_RETRY,
+        // A client that went away is counted as a reset (or a broken
+        // splice), not as a second ClientHello refused.
+        RetryError::ClientGone(ref io) => {
+            Fault::io(Side::Client, io).unwrap_or(Fault::SPLICE_BROKEN)
+        }
         RetryError::Budget { down } => {
             return Ok(Err(Spliced {
                 up: 0,

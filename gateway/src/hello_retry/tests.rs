@@ -77,3 +77,46 @@ fn the_first_message_tells_a_retry_request_from_a_server_hello() {
         First::Malformed("the origin's first handshake message in more than 64 records")
     );
 }
+
+/// A client gone before the server's first message reaches it is told
+/// apart from a second ClientHello refused: no retry was involved (it was
+/// counted as one, `hello_retry`, which operators watch for evasion).
+#[tokio::test]
+async fn a_client_gone_before_the_servers_hello_is_no_retry_failure() {
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{TcpListener, TcpStream};
+    let pair = || async {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let near = TcpStream::connect(l.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (far, _) = l.accept().await.expect("accept");
+        (near, far)
+    };
+    let (mut client, client_peer) = pair().await;
+    let (mut origin, mut origin_peer) = pair().await;
+    client_peer
+        .set_linger(Some(Duration::ZERO))
+        .expect("linger");
+    drop(client_peer);
+    let mut hello = retry_request(1);
+    hello[5 + 4 + 2] ^= 1; // another random: a ServerHello
+    origin_peer.write_all(&hello).await.expect("hello");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let judged = Judged {
+        sni: None,
+        ech: false,
+    };
+    let bounds = (16 * 1024, Duration::from_secs(2));
+    let watched = watch(
+        (&mut client, &mut origin),
+        judged,
+        Vec::new(),
+        bounds,
+        &|_| true,
+    )
+    .await;
+    let e = watched.expect_err("the client is gone");
+    assert!(matches!(e, RetryError::ClientGone(_)), "{e:?}");
+    assert!(!e.to_string().contains("HelloRetryRequest"), "{e}");
+}
