@@ -95,9 +95,7 @@ async fn a_client_gone_before_the_servers_hello_is_no_retry_failure() {
     };
     let (mut client, client_peer) = pair().await;
     let (mut origin, mut origin_peer) = pair().await;
-    client_peer
-        .set_linger(Some(Duration::ZERO))
-        .expect("linger");
+    crate::io::reset(&client_peer);
     drop(client_peer);
     let mut hello = retry_request(1);
     hello[5 + 4 + 2] ^= 1; // another random: a ServerHello
