@@ -430,23 +430,8 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         };
         return refused(ctl, NotApplied::Refused(why), "sandboxes");
     }
-    for (i, d) in docs.iter().enumerate() {
-        if let Err(e) = egress_api::gateway::sandbox_addresses(&d.addresses) {
-            return bad(i, "addresses", &e);
-        }
-        if let Err(e) = credentials::validate(&d.credentials) {
-            return bad(i, "credentials", &e);
-        }
-        if let Some(Err(e)) = d.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
-            return bad(i, "upstream_proxy", &e);
-        }
-    }
-    // Two documents naming one address: the later one named (the
-    // registry would say only that the address "already belongs" to the
-    // earlier, as if it were registered before).
-    if let Some((i, ip, j)) = shared_address(&docs) {
-        let why = format!("address {ip} is also sandboxes[{j}]'s ({})", docs[j].id);
-        return named(StatusCode::CONFLICT, i, "addresses", &why);
+    if let Some((status, i, part, why)) = unfit(ctl, &docs) {
+        return named(status, i, part, &why);
     }
     if let Err((i, e)) = load_all_credentials(ctl, &docs).await {
         return bad(i, "credentials", &e);
@@ -521,6 +506,30 @@ fn applied(ctl: &Control) {
         .pushes
         .get_or_create(&OutcomeLabels { outcome: "applied" })
         .inc();
+}
+
+/// The first document of a resync that cannot be registered, before any
+/// credential is read or policy compiled: the status, its index, the
+/// field and why.
+fn unfit(ctl: &Control, docs: &[SandboxDoc]) -> Option<(StatusCode, usize, &'static str, String)> {
+    let bad = |i, part, why: String| Some((StatusCode::BAD_REQUEST, i, part, why));
+    for (i, d) in docs.iter().enumerate() {
+        if let Err(e) = egress_api::gateway::sandbox_addresses(&d.addresses) {
+            return bad(i, "addresses", e);
+        }
+        if let Err(e) = credentials::validate(&d.credentials) {
+            return bad(i, "credentials", e);
+        }
+        if let Some(Err(e)) = d.upstream_proxy.as_ref().map(|c| ctl.dp.proxies.check(c)) {
+            return bad(i, "upstream_proxy", e);
+        }
+    }
+    // Two documents naming one address: the later one named (the
+    // registry would say only that the address "already belongs" to the
+    // earlier, as if it were registered before).
+    let (i, ip, j) = shared_address(docs)?;
+    let why = format!("address {ip} is also sandboxes[{j}]'s ({})", docs[j].id);
+    Some((StatusCode::CONFLICT, i, "addresses", why))
 }
 
 /// The first document of `docs` with an address an earlier one has: its
