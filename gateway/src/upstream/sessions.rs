@@ -8,7 +8,7 @@
 //!   one keeps a copy of the origin's certificate chain; rustls does not
 //!   say either size. So the bound is in tickets: at most [`MAX_TICKETS`]
 //!   in all and [`TICKETS_PER_SERVER`] per registration and server, the
-//!   least used going first. At about 6 KiB a ticket (a small ticket, a
+//!   least recently used going first. At about 6 KiB a ticket (a small ticket, a
 //!   chain of two certificates) that is 24 MiB; an origin sending the
 //!   largest tickets it may, behind the largest chain, can make it some
 //!   512 MiB, however many registrations it is sent to. (rustls' own store,
@@ -58,15 +58,22 @@ impl Default for Sessions {
 }
 
 impl Sessions {
-    /// A store of at most `max` tickets (and as many servers' hints).
+    /// A store of at most `max` tickets (and as many servers' hints). The
+    /// least recently used go first: moka's default policy admits a new
+    /// entry to a full cache only if it was looked up more often than the
+    /// one it would push out, and a ticket is never looked up before it is
+    /// taken, so a full store would refuse every new one.
     fn holding(max: u64) -> Self {
+        let lru = moka::policy::EvictionPolicy::lru;
         Self {
             servers: moka::sync::Cache::builder()
                 .max_capacity(max)
+                .eviction_policy(lru())
                 .time_to_idle(IDLE)
                 .build(),
             tickets: moka::sync::Cache::builder()
                 .max_capacity(max)
+                .eviction_policy(lru())
                 .time_to_idle(IDLE)
                 .build(),
             next: AtomicU64::new(0),
@@ -260,5 +267,15 @@ mod tests {
             origin.handshake(&sessions.of(10 + n), "c.test");
             assert!(sessions.tickets_held() <= 8, "{}", sessions.tickets_held());
         }
+        // The store full, a newcomer's tickets push out the least recently
+        // used and resume its next connection (a full store that refused
+        // them left every other tenant with full handshakes).
+        let newcomer = sessions.of(99);
+        assert_eq!(origin.handshake(&newcomer, "z.test"), HandshakeKind::Full);
+        sessions.tickets_held();
+        assert_eq!(
+            origin.handshake(&newcomer, "z.test"),
+            HandshakeKind::Resumed
+        );
     }
 }
