@@ -472,7 +472,14 @@ async fn watch(
             info[0].written,
             info[1].written,
         ];
-        let waiting = wants.iter().any(|w| w.soon);
+        // A direction whose FIN waited on the other's buffered bytes, which
+        // the other's look just wrote: sealed at the next look, not at the
+        // slow tick (its look came first, and saw them still buffered).
+        let flushed = (0..2).any(|s| {
+            let (way, other) = (&ways[s], &ways[1 - s]);
+            way.eof && !way.closed && way.buf.is_empty() && other.buf.is_empty()
+        });
+        let waiting = wants.iter().any(|w| w.soon) || flushed;
         let behind = wants.iter().any(|w| w.behind);
         if let Some(fault) = stop() {
             return Some(fault);
