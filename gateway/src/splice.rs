@@ -139,11 +139,10 @@ async fn hello_watched(
     let fault = match e {
         RetryError::Origin(_) => Fault::UPSTREAM_TLS,
         RetryError::Client(_) => Fault::HELLO_RETRY,
-        // A client that went away is counted as a reset (or a broken
-        // splice), not as a second ClientHello refused.
-        RetryError::ClientGone(ref io) => {
-            Fault::io(Side::Client, io).unwrap_or(Fault::SPLICE_BROKEN)
-        }
+        // A client that went away (or took nothing within the handshake's
+        // time) is the client's fault: a reset, or its TLS start failing;
+        // not a second ClientHello refused.
+        RetryError::ClientGone(ref io) => Fault::io(Side::Client, io).unwrap_or(Fault::CLIENT_TLS),
         RetryError::Budget { down } => {
             return Ok(Err(Spliced {
                 up: 0,
