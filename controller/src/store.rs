@@ -331,6 +331,10 @@ pub async fn put_template(pool: &PgPool, id: &str, policy: &Policy) -> Result<()
     Ok(())
 }
 
+/// A template's policy; `None`: no such template. One this build cannot
+/// read (a newer build's, during a rolling upgrade) is a decode error,
+/// which callers answer as a database error to retry (`503`, an
+/// operation retried), not as a template that is not registered.
 pub async fn template_policy(
     conn: &mut PgConnection,
     id: &str,
@@ -339,10 +343,15 @@ pub async fn template_policy(
         .bind(id)
         .fetch_optional(&mut *conn)
         .await?;
-    Ok(row
-        .map(|r| r.try_get::<Json<Value>, _>("policy"))
-        .transpose()?
-        .and_then(|Json(v)| Policy::from_json(&v.to_string()).ok()))
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let Json(v) = row.try_get::<Json<Value>, _>("policy")?;
+    Policy::from_json(&v.to_string()).map(Some).map_err(|e| {
+        sqlx::Error::Decode(
+            format!("template {id:?}'s stored policy does not read here: {e}").into(),
+        )
+    })
 }
 
 /// A worker's gateway.

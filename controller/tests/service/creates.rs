@@ -857,3 +857,28 @@ async fn a_tenant_is_not_shown_a_workers_admin_url() {
         "an admin reads where: {v}"
     );
 }
+
+/// A template this build cannot read (a newer build's, during a rolling
+/// upgrade) is a `503` to retry, not `400 … is not registered`, which no
+/// client retries.
+#[tokio::test]
+async fn a_template_this_build_cannot_read_is_a_503_to_retry() {
+    use sqlx::Connection;
+    let url = db!();
+    let w = world(&url, deployment(None, None), template()).await;
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+    sqlx::query("UPDATE templates SET policy = $1 WHERE id = 'base'")
+        .bind(sqlx::types::Json(
+            json!({"default": "deny", "a_field_of_a_newer_build": 1}),
+        ))
+        .execute(&mut conn)
+        .await
+        .expect("saved");
+    let (s, v) = create(&w.api, FEDERATED, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 503, "{v}");
+    let said = v["error"].as_str().unwrap_or_default();
+    assert!(
+        said.contains("does not read here") && said.contains("retry"),
+        "{v}"
+    );
+}
