@@ -662,14 +662,16 @@ impl Dispatcher {
         }
     }
 
-    /// Records a push's failure on the worker's row, its flag as it is:
-    /// pushes also run while a refused resync waits to be tried again.
+    /// Records a push's failure on the worker's row, its resync flag left
+    /// as it is stored: pushes also run while a refused resync waits to be
+    /// tried again, and a registration (`PUT /v1/workers`) may have raised
+    /// the flag since the row was read.
     async fn note_push_failure(&self, w: &WorkerRow, error: &PushError) {
         let error = error.to_string();
         let seen = store::worker_seen(
             &self.pool,
             &w.id,
-            (None, w.needs_resync, Some(&error)),
+            (None, None, Some(&error)),
             w.lease.as_ref(),
         )
         .await;
@@ -695,17 +697,28 @@ impl Dispatcher {
                     continue;
                 }
             };
+            let unreadable = unreadable(s);
             pushes.spawn(async move {
                 let path = egress_api::gateway::sandbox(&id);
                 // A DELETE of a sandbox the gateway does not have is done;
                 // a PUT answered 404 (by something else at the URL) is not.
                 let gone = method == Method::DELETE;
                 let outcome = call(&url, &token, method, &path, body.as_ref()).await;
-                (id, generation, gone, outcome)
+                (id, generation, (gone, unreadable), outcome)
             });
         }
-        while let Some(Ok((id, generation, gone, outcome))) = pushes.join_next().await {
+        while let Some(Ok((id, generation, (gone, unreadable), outcome))) = pushes.join_next().await
+        {
             match outcome {
+                // Forgotten by its gateway (its traffic denied), but not
+                // pushed: a build that reads the policy pushes it.
+                Ok((status, _))
+                    if unreadable && (status.is_success() || status == StatusCode::NOT_FOUND) =>
+                {
+                    applied += i64::from(status.is_success());
+                    let why = PushError::Unsendable(format!("sandbox {id}: {UNREADABLE}"));
+                    failed.push(((id, generation), why));
+                }
                 Ok((status, _))
                     if status.is_success() || (gone && status == StatusCode::NOT_FOUND) =>
                 {
@@ -775,7 +788,7 @@ impl Dispatcher {
                 let seen = store::worker_seen(
                     &self.pool,
                     &w.id,
-                    (None, true, Some(&error)),
+                    (None, Some(true), Some(&error)),
                     w.lease.as_ref(),
                 )
                 .await;
@@ -806,18 +819,29 @@ impl Dispatcher {
         // no evidence of a restart: recorded as it was.
         if epoch != before.as_ref().map(|(e, _)| e.as_str()) {
             tracing::warn!(worker = %w.id, "the gateway restarted around its resync; resyncing again");
-            let seen =
-                store::worker_seen(&self.pool, &w.id, (None, true, None), w.lease.as_ref()).await;
+            let seen = store::worker_seen(
+                &self.pool,
+                &w.id,
+                (None, Some(true), None),
+                w.lease.as_ref(),
+            )
+            .await;
             logged(seen, "flagging the gateway for resync", &w.id);
             return false;
         }
-        let seen =
-            store::worker_seen(&self.pool, &w.id, (epoch, false, None), w.lease.as_ref()).await;
+        let seen = store::worker_seen(
+            &self.pool,
+            &w.id,
+            (epoch, Some(false), None),
+            w.lease.as_ref(),
+        )
+        .await;
         logged(seen, "recording the resync", &w.id);
         let generation = ready.as_ref().map(|(_, g)| *g);
         let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.lease.as_ref()).await;
         logged(acked, "acknowledging the resync", &w.id);
-        for s in &view.live {
+        // One whose policy does not read here was left out: not pushed.
+        for s in view.live.iter().filter(|s| !unreadable(s)) {
             let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
             logged(pushed, "marking a resynced sandbox pushed", &s.id);
         }
@@ -881,9 +905,13 @@ impl Dispatcher {
             Action::Resync(cause) => {
                 let (restarted, drift) = (cause == Cause::Restarted, cause == Cause::Drift);
                 tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-                let seen =
-                    store::worker_seen(&self.pool, &w.id, (None, true, None), w.lease.as_ref())
-                        .await;
+                let seen = store::worker_seen(
+                    &self.pool,
+                    &w.id,
+                    (None, Some(true), None),
+                    w.lease.as_ref(),
+                )
+                .await;
                 logged(seen, "flagging the gateway for resync", &w.id);
                 true
             }
@@ -900,7 +928,11 @@ impl Dispatcher {
         let Ok(_comparing) = COMPARING.try_acquire() else {
             return Listed::Inconclusive;
         };
-        let answer = call(&w.admin_url, &w.token, Method::GET, "/v1/sandboxes", None).await;
+        let size = store::listed_size(&self.pool, &w.id).await;
+        let Some(size) = read(size, "reckoning the size of the gateway's list", &w.id) else {
+            return Listed::Inconclusive;
+        };
+        let answer = crate::gateway_client::list(&w.admin_url, &w.token, size).await;
         let (status, body) = match answer {
             Ok(answer) => answer,
             Err(error) => {
@@ -1148,6 +1180,17 @@ fn read<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) -> Option<
         }
     }
 }
+
+/// Whether a live sandbox's stored policy is one this build cannot read
+/// (a newer build wrote it, during a rolling upgrade). Its gateway is made
+/// to forget it, as for any row that cannot be sent, but the change is not
+/// marked pushed: a dispatcher of the build that wrote it pushes it.
+fn unreadable(s: &SandboxRow) -> bool {
+    s.policy_unreadable && !s.state.is_ended()
+}
+
+/// Why a sandbox whose policy does not read here stays unpushed.
+const UNREADABLE: &str = "its stored policy does not read in this build (a newer one wrote it): its gateway forgot it, and a dispatcher of the newer build pushes it";
 
 /// What a sandbox row is on its gateway: `PUT /v1/sandboxes/{id}`'s body
 /// (the contract's [`PutSandbox`]), or `None` for one the gateway must

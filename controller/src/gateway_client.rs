@@ -79,6 +79,35 @@ pub async fn call(
     exchange(admin_url, token, req, (TIMEOUT, max_reply)).await
 }
 
+/// `GET /v1/sandboxes`: the gateway's whole list, about `expected` bytes
+/// long by the store's reckoning ([`crate::store::listed_size`]). The cap
+/// and the wait scale with it, as a resync's do with its size: a fixed
+/// bound would leave a worker whose list outgrew it inconclusive at every
+/// drift check, its drift never repaired. The controller already holds
+/// what the list is compared with, so reading twice that is in proportion.
+pub async fn list(
+    admin_url: &str,
+    token: &str,
+    expected: u64,
+) -> Result<(StatusCode, Value), GatewayError> {
+    let (wait, max_reply) = list_bounds(expected);
+    let req = Outgoing {
+        method: Method::GET,
+        path: "/v1/sandboxes",
+        content_type: "application/json",
+        body: String::new(),
+    };
+    exchange(admin_url, token, req, (wait, max_reply)).await
+}
+
+/// The wait and the cap for a list of about `expected` bytes: twice it
+/// (at least [`MAX_REPLY`]), and a second more per MiB expected.
+fn list_bounds(expected: u64) -> (Duration, usize) {
+    let expected = usize::try_from(expected).unwrap_or(usize::MAX);
+    let cap = expected.saturating_mul(2).max(MAX_REPLY);
+    (TIMEOUT + Duration::from_secs((expected >> 20) as u64), cap)
+}
+
 /// A full resync as NDJSON (one sandbox document per line), streamed by the
 /// gateway, so it is not bound by the gateway's body cap. The wait scales
 /// with the size.
@@ -97,7 +126,8 @@ pub async fn resync(
     exchange(admin_url, token, req, (wait, MAX_ANSWER)).await
 }
 
-/// The longest answer read from a gateway (a full list of its sandboxes).
+/// The longest answer read from a gateway (a full list of its sandboxes,
+/// at least: see [`list`]).
 const MAX_REPLY: usize = 256 << 20;
 
 /// The longest answer to a change or a question (`PUT`, `DELETE`, `POST`):
@@ -215,6 +245,24 @@ mod tests {
                 format!("{answer:?}").chars().take(120).collect::<String>()
             );
         }
+    }
+
+    /// A list larger than the fixed bounds is still read: before, every
+    /// list was cut at 256 MiB and 5 s, and a worker past them was
+    /// inconclusive at every drift check.
+    #[test]
+    fn a_lists_bounds_grow_with_the_size_the_store_expects() {
+        assert_eq!(list_bounds(0), (TIMEOUT, MAX_REPLY));
+        assert_eq!(
+            list_bounds(1 << 20),
+            (TIMEOUT + Duration::from_secs(1), MAX_REPLY)
+        );
+        let big = 300u64 << 20;
+        assert_eq!(
+            list_bounds(big),
+            (TIMEOUT + Duration::from_secs(300), 600 << 20)
+        );
+        assert_eq!(list_bounds(u64::MAX).1, usize::MAX);
     }
 
     #[test]

@@ -373,13 +373,32 @@ pub struct WorkerRow {
     pub lease: Option<Lease>,
 }
 
+/// Registers worker `id` (or changes it), its gateway flagged for a
+/// resync; `Ok(Err(other))` when worker `other` is registered with the
+/// same gateway ([`same_gateway`]), nothing written then. Registrations
+/// take one lock, so two at once cannot both pass the check.
 pub async fn put_worker(
     pool: &PgPool,
     id: &str,
     admin_url: &str,
     token: &str,
     addresses: &str,
-) -> Result<(), sqlx::Error> {
+) -> Result<Result<(), String>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(7313, 0)")
+        .execute(&mut *tx)
+        .await?;
+    let others: Vec<(String, String)> =
+        sqlx::query_as("SELECT id, admin_url FROM workers WHERE id <> $1 ORDER BY id")
+            .bind(id)
+            .fetch_all(&mut *tx)
+            .await?;
+    if let Some((other, _)) = others
+        .into_iter()
+        .find(|(_, url)| same_gateway(url, admin_url))
+    {
+        return Ok(Err(other));
+    }
     sqlx::query(
         "INSERT INTO workers (id, admin_url, token, pool) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO UPDATE SET admin_url = EXCLUDED.admin_url, token = EXCLUDED.token, pool = EXCLUDED.pool, needs_resync = true, updated_at = now()",
     )
@@ -387,9 +406,23 @@ pub async fn put_worker(
     .bind(admin_url)
     .bind(token)
     .bind(addresses)
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
-    Ok(())
+    tx.commit().await?;
+    Ok(Ok(()))
+}
+
+/// Whether two admin URLs name one gateway as written: the same host (any
+/// case) and port (80 when none is written). Two names for one address
+/// are not found.
+pub fn same_gateway(a: &str, b: &str) -> bool {
+    let at = |url: &str| {
+        let uri: http::Uri = url.parse().ok()?;
+        let authority = uri.authority()?;
+        let host = authority.host().to_ascii_lowercase();
+        Some((host, authority.port_u16().unwrap_or(80)))
+    };
+    at(a).is_some_and(|a| Some(a) == at(b))
 }
 
 /// One worker, by id.
@@ -484,14 +517,15 @@ pub struct Lease {
 const HOLDS: &str = "($4::text IS NULL OR EXISTS (SELECT 1 FROM dispatcher_shards d WHERE d.shard = egress_worker_shard($1) AND d.holder = $4 AND d.handovers = $5 AND d.expires > now()))";
 
 /// Records what a worker's gateway said: its epoch, whether it needs a
-/// resync, and the last push error.
+/// resync (`None`: the flag as it is stored, which a registration may
+/// have raised since the row was read), and the last push error.
 pub async fn worker_seen(
     pool: &PgPool,
     id: &str,
-    (epoch, needs_resync, error): (Option<&str>, bool, Option<&str>),
+    (epoch, needs_resync, error): (Option<&str>, Option<bool>, Option<&str>),
     lease: Option<&Lease>,
 ) -> Result<(), sqlx::Error> {
-    let sql = format!("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = $3, last_error = $6, updated_at = now() WHERE id = $1 AND {HOLDS}");
+    let sql = format!("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = COALESCE($3, needs_resync), last_error = $6, updated_at = now() WHERE id = $1 AND {HOLDS}");
     sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
         .bind(epoch)
@@ -504,8 +538,23 @@ pub async fn worker_seen(
     Ok(())
 }
 
-/// A worker's live sandboxes with a policy, by id: what its gateway should hold.
-const WORKER_SANDBOXES: &str = "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id";
+/// A worker's live sandboxes with a policy, by id: what its gateway should
+/// hold. Read through the index `sandboxes_worker_live` (migration 0011),
+/// whose predicate is this query's.
+pub const WORKER_SANDBOXES: &str = "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id";
+
+/// About how many bytes the list of `worker`'s gateway is: the text of the
+/// policies of [`WORKER_SANDBOXES`] and 512 bytes more for each (its id,
+/// addresses, state). Read through the same index.
+pub async fn listed_size(pool: &PgPool, worker: &str) -> Result<u64, sqlx::Error> {
+    let size: i64 = sqlx::query_scalar(
+        "SELECT COALESCE(sum(octet_length(policy::text) + 512), 0)::bigint FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed')",
+    )
+    .bind(worker)
+    .fetch_one(pool)
+    .await?;
+    Ok(u64::try_from(size).unwrap_or(0))
+}
 
 /// A worker's sandboxes for the drift check ([`settled_sandboxes`]).
 #[derive(Debug)]
@@ -921,4 +970,28 @@ async fn prune_one(
         .execute(pool)
         .await?;
     Ok(done.rows_affected())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_gateway;
+
+    #[test]
+    fn one_gateway_is_found_however_its_url_is_written() {
+        for (a, b, same) in [
+            ("http://gw-1:9000", "http://gw-1:9000/", true),
+            ("http://GW-1:9000", "http://gw-1:9000", true),
+            ("http://gw-1", "http://gw-1:80", true),
+            (
+                "http://[2001:db8::1]:9000",
+                "http://[2001:DB8::1]:9000/v1",
+                true,
+            ),
+            ("http://gw-1:9000", "http://gw-1:9001", false),
+            ("http://gw-1:9000", "http://gw-2:9000", false),
+            ("not a url", "not a url", false),
+        ] {
+            assert_eq!(same_gateway(a, b), same, "{a} {b}");
+        }
+    }
 }

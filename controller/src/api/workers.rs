@@ -46,9 +46,23 @@ impl Api {
                 &format!("admin_url: {:?}: expected http://host:port", req.admin_url),
             ));
         }
-        store::put_worker(&self.pool, id, &req.admin_url, &req.token, &req.pool)
+        let put = store::put_worker(&self.pool, id, &req.admin_url, &req.token, &req.pool)
             .await
             .map_err(db)?;
+        if let Err(other) = put {
+            // Each worker's dispatcher task resyncs its gateway to that
+            // worker's sandboxes alone: two on one gateway would each
+            // undo the other's.
+            let why = format!(
+                "admin_url: {:?} is the gateway of worker {other:?}; one gateway serves one worker",
+                req.admin_url
+            );
+            return Err(egress_api::reply::error(
+                StatusCode::CONFLICT,
+                &why,
+                Some("admin_url"),
+            ));
+        }
         Ok(json_reply(
             StatusCode::OK,
             &json!({"id": id, "admin_url": req.admin_url, "pool": req.pool}),

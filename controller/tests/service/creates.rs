@@ -792,8 +792,7 @@ async fn a_full_worker_sends_placements_to_one_with_room() {
     let template = json!({"default": "allow", "tls_interception": "on"});
     // w1 has two addresses, w2 254.
     setup(&api, template, down, "100.64.10.0/30").await;
-    let worker =
-        json!({"admin_url": format!("http://{down}"), "token": "", "pool": "100.64.11.0/24"});
+    let worker = json!({"admin_url": format!("http://{}", free_addr()), "token": "", "pool": "100.64.11.0/24"});
     let (s, v) = call(
         api.addr,
         "PUT",
@@ -817,6 +816,45 @@ async fn a_full_worker_sends_placements_to_one_with_room() {
     }
     assert_eq!(on.get("w1"), Some(&2), "{on:?}");
     assert_eq!(on.get("w2"), Some(&4), "{on:?}");
+}
+
+/// Two workers cannot be registered with one gateway: each worker's
+/// dispatcher task resyncs its gateway to that worker's sandboxes alone,
+/// so the two would undo each other's, and a sandbox of one would lose its
+/// policy at every resync of the other. Before, the second was `200`.
+#[tokio::test]
+async fn two_workers_cannot_share_one_gateway() {
+    let url = db!();
+    let api = api(&url, deployment(Some(PROFILES), Some(EXEMPTIONS))).await;
+    let (one, two) = (free_addr(), free_addr());
+    setup(&api, json!({"default": "allow"}), one, "100.64.10.0/24").await;
+    let put = |id: &'static str, admin_url: String| {
+        let body = json!({"admin_url": admin_url, "token": "", "pool": "100.64.11.0/24"});
+        let api = api.addr;
+        async move {
+            let path = format!("/v1/workers/{id}");
+            call(api, "PUT", &path, Some(ADMIN), &[], Some(body)).await
+        }
+    };
+    // The same gateway, its URL written with a trailing slash.
+    let (s, v) = put("w2", format!("http://{one}/")).await;
+    assert_eq!(s, 409, "{v}");
+    assert_eq!(v["field"], "admin_url", "{v}");
+    let said = v["error"].as_str().unwrap_or_default();
+    assert!(said.contains("worker \"w1\""), "{v}");
+    // Its own registration again is no conflict; another gateway is none.
+    let (s, v) = put("w1", format!("http://{one}")).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = put("w2", format!("http://{two}")).await;
+    assert_eq!(s, 200, "{v}");
+    // Nor may a worker move onto another's gateway; it keeps its own.
+    let (s, v) = put("w2", format!("http://{one}")).await;
+    assert_eq!(s, 409, "{v}");
+    let (_, listed) = call(api.addr, "GET", "/v1/workers", Some(ADMIN), &[], None).await;
+    assert!(
+        listed.to_string().contains(&format!("http://{two}")),
+        "{listed}"
+    );
 }
 
 #[tokio::test]
@@ -881,4 +919,101 @@ async fn a_template_this_build_cannot_read_is_a_503_to_retry() {
         said.contains("does not read here") && said.contains("retry"),
         "{v}"
     );
+}
+
+/// A sandbox whose stored policy this build cannot read (a newer build
+/// wrote it, during a rolling upgrade) is forgotten by its gateway, its
+/// traffic denied, but its change stays unpushed, through pushes and
+/// resyncs alike, so that a dispatcher of the newer build pushes it.
+/// Before, the DELETE marked the change pushed (and so did a resync that
+/// left the sandbox out): after the upgrade no dispatcher pushed it again,
+/// and the sandbox stayed denied everything until its next change.
+#[tokio::test]
+async fn a_policy_this_build_cannot_read_stays_unpushed_and_its_sandbox_denied() {
+    use sqlx::Connection;
+    let url = db!();
+    let w = world(&url, deployment(None, None), template()).await;
+    let (s, v) = create(&w.api, FEDERATED, &[], json!({"template": "base"})).await;
+    assert_eq!(s, 202, "{v}");
+    let op = settled(&w.api, FEDERATED, v["operation"].as_str().expect("op")).await;
+    assert_eq!(op["state"], json!("succeeded"), "{op}");
+    let id = v["sandbox"].as_str().expect("id").to_owned();
+    on_gateway(&w.gw, &id).await;
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+    sqlx::query(
+        "UPDATE sandboxes SET policy = $2, generation = generation + 1, changed_at = now() WHERE id = $1",
+    )
+    .bind(&id)
+    .bind(sqlx::types::Json(
+        json!({"default": "allow", "a_field_of_a_newer_build": 1}),
+    ))
+    .execute(&mut conn)
+    .await
+    .expect("saved");
+    sqlx::query("SELECT pg_notify('egress_work', '')")
+        .execute(&mut conn)
+        .await
+        .expect("notified");
+    let sid = egress_policy::SandboxId::new(&id);
+    // Until the gateway forgot it and the push's outcome is recorded: the
+    // worker's error, or (before) the change marked pushed.
+    let mut said = false;
+    for _ in 0..200 {
+        let error: Option<String> =
+            sqlx::query_scalar("SELECT last_error FROM workers WHERE id = 'w1'")
+                .fetch_one(&mut conn)
+                .await
+                .expect("worker");
+        said = error.is_some_and(|e| e.contains(&id) && e.contains("does not read"));
+        let forgotten = w.gw.registry().get(&sid).is_none();
+        if forgotten && (said || behind(&mut conn, &id).await == 0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        w.gw.registry().get(&sid).is_none(),
+        "the gateway still holds {id}"
+    );
+    assert_eq!(
+        behind(&mut conn, &id).await,
+        1,
+        "the change is left for a build that reads it"
+    );
+    assert!(said, "the worker's error says why");
+    // A resync leaves it out, and unpushed too.
+    sqlx::query("UPDATE workers SET needs_resync = true WHERE id = 'w1'")
+        .execute(&mut conn)
+        .await
+        .expect("flagged");
+    let mut resynced = false;
+    for _ in 0..200 {
+        let flagged: bool = sqlx::query_scalar("SELECT needs_resync FROM workers WHERE id = 'w1'")
+            .fetch_one(&mut conn)
+            .await
+            .expect("worker");
+        if !flagged {
+            resynced = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(resynced, "the worker was never resynced");
+    // The resync's rows are marked pushed just after the flag is cleared.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(w.gw.registry().get(&sid).is_none(), "the resync sent {id}");
+    assert_eq!(
+        behind(&mut conn, &id).await,
+        1,
+        "the resync marked it pushed"
+    );
+}
+
+/// How many generations sandbox `id`'s gateway has not acknowledged.
+async fn behind(conn: &mut sqlx::PgConnection, id: &str) -> i64 {
+    sqlx::query_scalar("SELECT generation - pushed_generation FROM sandboxes WHERE id = $1")
+        .bind(id)
+        .fetch_one(conn)
+        .await
+        .expect("row")
 }

@@ -255,48 +255,60 @@ const CUT: u8 = 2;
 /// holds them without an answer (stall), or closes them at once (cut).
 struct Front {
     addr: SocketAddr,
+    /// Every address it listens on (`addr` first): one gateway is one
+    /// worker's, so workers that share a front are given one each.
+    addrs: Vec<SocketAddr>,
     mode: Arc<AtomicU8>,
     /// Stalled connections the client gave up on (closed).
     given_up: Arc<AtomicUsize>,
     /// Connections accepted while stalled.
     held: Arc<AtomicUsize>,
-    task: tokio::task::JoinHandle<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Front {
     fn drop(&mut self) {
-        self.task.abort();
+        self.tasks.iter().for_each(|t| t.abort());
     }
 }
 
 async fn front(upstream: SocketAddr, mode: u8) -> Front {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = l.local_addr().expect("addr");
+    fronts(upstream, mode, 1).await
+}
+
+/// A [`front`] listening on `n` ports at once.
+async fn fronts(upstream: SocketAddr, mode: u8, n: usize) -> Front {
     let mode = Arc::new(AtomicU8::new(mode));
     let (given_up, held) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let (m, g, h) = (mode.clone(), given_up.clone(), held.clone());
-    let task = tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            match m.load(Ordering::SeqCst) {
-                STALL => {
-                    h.fetch_add(1, Ordering::SeqCst);
-                    tokio::spawn(hold(s, g.clone()));
-                }
-                CUT => drop(s),
-                _ => {
-                    tokio::spawn(forward(s, upstream));
+    let (mut addrs, mut tasks) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        addrs.push(l.local_addr().expect("addr"));
+        let (m, g, h) = (mode.clone(), given_up.clone(), held.clone());
+        tasks.push(tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                match m.load(Ordering::SeqCst) {
+                    STALL => {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        tokio::spawn(hold(s, g.clone()));
+                    }
+                    CUT => drop(s),
+                    _ => {
+                        tokio::spawn(forward(s, upstream));
+                    }
                 }
             }
-        }
-    });
+        }));
+    }
     Front {
-        addr,
+        addr: addrs[0],
+        addrs,
         mode,
         given_up,
         held,
-        task,
+        tasks,
     }
 }
 
@@ -415,11 +427,11 @@ async fn silent_gateways_do_not_take_the_permits_of_those_that_answer() {
     let url = crate::db!();
     let dir = tempfile::tempdir().expect("dir");
     let gw1 = gateway(dir.path(), "127.0.0.1:0").await;
-    let silent = front(gw1.bound().admin, STALL).await;
+    let silent = fronts(gw1.bound().admin, STALL, 100).await;
     let api = allow_all_api(&url, gw1.bound().admin, "100.64.1.0/24").await;
-    for i in 0..100 {
+    for (i, addr) in silent.addrs.iter().enumerate() {
         let pool = format!("100.80.{i}.0/24");
-        register_worker(&api, &format!("lost{i}"), silent.addr, &pool).await;
+        register_worker(&api, &format!("lost{i}"), *addr, &pool).await;
     }
     let d = dispatcher(&url, deployment(None, None), limits(5, 600_000, 100)).await;
     for _ in 0..2400 {

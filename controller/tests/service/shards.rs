@@ -384,7 +384,7 @@ async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
             store::acknowledge(&pool, "w1", g, 0, Some(&lease))
                 .await
                 .expect("ack");
-            store::worker_seen(&pool, "w1", (Some(&e), false, None), Some(&lease))
+            store::worker_seen(&pool, "w1", (Some(&e), Some(false), None), Some(&lease))
                 .await
                 .expect("seen");
         }
@@ -1114,6 +1114,43 @@ async fn pool_connections_bound_statements_and_lock_waits() {
         .await;
     assert!(blocked.is_err_and(|e| e.to_string().contains("lock timeout")));
     assert!(waited.elapsed() < Duration::from_secs(20));
+}
+
+/// A worker's live sandboxes (every resync and drift check) are read
+/// through an index that holds only them: the ended rows, kept for good,
+/// are not scanned, nor other workers' sandboxes. Before, no index led
+/// with `worker` for them: the plan read every live sandbox of every
+/// worker (through `sandboxes_tenant_live`), filtered and sorted.
+#[tokio::test]
+async fn a_workers_live_sandboxes_are_read_through_their_own_index() {
+    let url = db!();
+    let _pool = egress_controller::store::connect(&url)
+        .await
+        .expect("store");
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    // The table is small here: the planner is told to prefer an index
+    // whenever one can answer, so the plan shows which one can.
+    sqlx::query("SET enable_seqscan = off")
+        .execute(&mut conn)
+        .await
+        .expect("set");
+    let explain = format!(
+        "EXPLAIN (FORMAT JSON) {}",
+        egress_controller::store::WORKER_SANDBOXES
+    );
+    let plan: Value =
+        sqlx::query_scalar::<_, sqlx::types::Json<Value>>(sqlx::AssertSqlSafe(explain))
+            .bind("w1")
+            .fetch_one(&mut conn)
+            .await
+            .expect("explain")
+            .0;
+    let text = plan.to_string();
+    assert!(
+        text.contains("\"Index Name\":\"sandboxes_worker_live\""),
+        "{text}"
+    );
+    assert!(text.contains("\"Index Cond\":\"(worker = "), "{text}");
 }
 
 /// The store speaks TLS to PostgreSQL: `sslmode=verify-full` with the
