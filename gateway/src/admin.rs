@@ -45,6 +45,7 @@ use crate::persist::{self, SandboxDoc};
 use crate::registry::{Extras, Registry};
 use crate::state::Dataplane;
 
+mod order;
 mod shadow;
 
 /// The control API's state: the dataplane it changes, and what only it uses.
@@ -54,6 +55,8 @@ pub(crate) struct Control {
     tokens: Tokens,
     /// Makes pushes durable and applies them in order (group commit).
     committer: Committer,
+    /// The order pushes arrived in, which each sandbox's keep.
+    arrivals: order::Arrivals,
     /// New at every start: a controller that sees it change knows the
     /// gateway restarted and resyncs it.
     epoch: String,
@@ -72,6 +75,7 @@ impl Control {
             dp,
             tokens,
             committer,
+            arrivals: order::Arrivals::default(),
             epoch: epoch(),
             machines,
         })
@@ -351,6 +355,7 @@ async fn load_all_credentials(ctl: &Control, docs: &[SandboxDoc]) -> Result<(), 
 
 async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
     let sid = SandboxId::new(&id);
+    let ticket = ctl.arrivals.arrive(&sid);
     if let Err(e) = egress_api::gateway::sandbox_addresses(&doc.addresses) {
         return rejected(ctl, error(StatusCode::BAD_REQUEST, &e, Some("addresses")));
     }
@@ -374,7 +379,13 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
         Ok(sandbox) => sandbox,
         Err(reply) => return rejected(ctl, reply),
     };
-    match ctl.committer.submit(Change::Put(sandbox.clone())).await {
+    let change = Change::Put(sandbox.clone());
+    let answer = match ticket.queue(|| ctl.committer.queue(change)) {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(why)) => return refused(ctl, why, "addresses"),
+        Err(order::Superseded) => return superseded(ctl, false),
+    };
+    match Committer::outcome(answer).await {
         Ok(()) => {
             applied(ctl);
             json_reply(StatusCode::OK, &sandbox_json(&SandboxDoc::from(&*sandbox)))
@@ -436,6 +447,7 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
     if let Err((i, e)) = load_all_credentials(ctl, &docs).await {
         return bad(i, "credentials", &e);
     }
+    let ticket = ctl.arrivals.arrive_resync();
     let n = docs.len();
     let compile = move |r: &Registry| docs.into_iter().map(|d| persist::prepare(d, r)).collect();
     let prepared = match compiled(ctl, compile).await {
@@ -449,7 +461,12 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
             dp.proposed.retain(|id| registry.get(id).is_some());
         }
     };
-    match submit_then(ctl, Change::Replace(prepared), forget).await {
+    let answer = match ticket.queue(|| ctl.committer.queue(Change::Replace(prepared))) {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(why)) => return refused(ctl, why, "sandboxes"),
+        Err(order::Superseded) => return superseded(ctl, true),
+    };
+    match then(ctl, answer, forget).await {
         Ok(()) => {
             applied(ctl);
             json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
@@ -460,6 +477,7 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
 
 async fn delete(ctl: &Control, id: &str) -> Reply {
     let sid = SandboxId::new(id);
+    let ticket = ctl.arrivals.arrive(&sid);
     let gone = sid.clone();
     // Missing too: a delete applied before its first caller went away. The
     // evidence went as the commit thread applied it.
@@ -468,7 +486,12 @@ async fn delete(ctl: &Control, id: &str) -> Reply {
             dp.proposed.forget(&gone);
         }
     };
-    match submit_then(ctl, Change::Delete(sid), forget).await {
+    let answer = match ticket.queue(|| ctl.committer.queue(Change::Delete(sid))) {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(why)) => return refused(ctl, why, "id"),
+        Err(order::Superseded) => return superseded(ctl, false),
+    };
+    match then(ctl, answer, forget).await {
         Ok(()) => {
             applied(ctl);
             json_reply(StatusCode::OK, &json!({ "deleted": id }))
@@ -480,24 +503,41 @@ async fn delete(ctl: &Control, id: &str) -> Reply {
     }
 }
 
-/// Submits `change` and then calls `forget` with its outcome, in a task of
-/// their own: the request's future is dropped if its client goes away while
-/// the change commits (the commit thread applies it all the same), and what
-/// a removed sandbox leaves (evidence, proposals) must go with it even then,
-/// or a sandbox registered again under its id would find it.
-async fn submit_then(
+/// Waits for a queued change's outcome and then calls `forget` with it, in
+/// a task of their own: the request's future is dropped if its client goes
+/// away while the change commits (the commit thread applies it all the
+/// same), and what a removed sandbox leaves (evidence, proposals) must go
+/// with it even then, or a sandbox registered again under its id would
+/// find it.
+async fn then(
     ctl: &Control,
-    change: Change,
+    answer: tokio::sync::oneshot::Receiver<Outcome>,
     forget: impl FnOnce(&Dataplane, &Outcome) + Send + 'static,
 ) -> Outcome {
-    let (committer, dp) = (ctl.committer.clone(), ctl.dp.clone());
+    let dp = ctl.dp.clone();
     let task = tokio::spawn(async move {
-        let outcome = committer.submit(change).await;
+        let outcome = Committer::outcome(answer).await;
         forget(&dp, &outcome);
         outcome
     });
     task.await
         .unwrap_or_else(|e| Err(NotApplied::Failed(format!("the commit's task failed: {e}"))))
+}
+
+/// A change that a later one overtook ([`order`]), nothing applied: `409`
+/// for a push of one sandbox, `503` for a resync (to be sent again).
+fn superseded(ctl: &Control, resync: bool) -> Reply {
+    let reply = match resync {
+        false => {
+            let why = "not applied: a later push of this sandbox (or a resync) arrived after this one and applied first";
+            error(StatusCode::CONFLICT, why, None)
+        }
+        true => {
+            let why = "not applied: a push of one of the sandboxes arrived after this resync and applied first; resync again";
+            error(StatusCode::SERVICE_UNAVAILABLE, why, None)
+        }
+    };
+    rejected(ctl, reply)
 }
 
 fn applied(ctl: &Control) {

@@ -185,14 +185,25 @@ impl Committer {
 
     /// Submits a change and waits until it is durable (or refused).
     pub(crate) async fn submit(&self, change: Change) -> Outcome {
+        Self::outcome(self.queue(change)?).await
+    }
+
+    /// Queues a change, at once: the commit thread applies the changes in
+    /// the order they were queued. Its outcome comes on the receiver
+    /// ([`Committer::outcome`]).
+    pub(crate) fn queue(&self, change: Change) -> Result<oneshot::Receiver<Outcome>, NotApplied> {
         let (reply, answer) = oneshot::channel();
         match self.jobs.try_send(Box::new(Job { change, reply })) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(_)) => return Err(NotApplied::Busy),
+            Ok(()) => Ok(answer),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(NotApplied::Busy),
             Err(mpsc::error::TrySendError::Closed(_)) => {
-                return Err(NotApplied::Failed("the commit thread has stopped".into()))
+                Err(NotApplied::Failed("the commit thread has stopped".into()))
             }
         }
+    }
+
+    /// Waits until a queued change is durable (or refused).
+    pub(crate) async fn outcome(answer: oneshot::Receiver<Outcome>) -> Outcome {
         answer
             .await
             .unwrap_or_else(|_| Err(NotApplied::Failed("the commit thread has stopped".into())))
