@@ -70,9 +70,12 @@ static COMPARING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
 /// Push rounds a worker's task runs on one wake-up (256 changes each).
 const PUSH_ROUNDS: usize = 16;
 
-/// Unpushed changes read at once: a read of fewer reached the end of the
-/// worker's queue.
+/// Unpushed changes read at once, and the most policy text they may hold
+/// (but for the first, which is read whatever its size): a policy is up to
+/// 1 MiB, so the count alone would let each of the [`WORKERS_AT_ONCE`]
+/// tasks hold 256 MiB.
 const UNPUSHED_READ: usize = 256;
+const UNPUSHED_BYTES: i64 = 16 << 20;
 
 /// Operations one dispatcher runs at once (each in its own transaction).
 const EXECUTORS: usize = 4;
@@ -613,13 +616,16 @@ impl Dispatcher {
     async fn push_changes(&self, w: &WorkerRow, until: Instant, held: &mut HeldPushes) -> Round {
         let (ids, generations) = held.pairs();
         let held_back = (&ids[..], &generations[..]);
-        let changes = store::unpushed(&self.pool, &w.id, UNPUSHED_READ as i64, held_back).await;
-        let Some(changes) = read(changes, "reading the changes to push", &w.id) else {
+        let bounds = (UNPUSHED_READ as i64, UNPUSHED_BYTES);
+        let changes = store::unpushed(&self.pool, &w.id, bounds, held_back).await;
+        let Some(store::Unpushed { rows: changes, end }) =
+            read(changes, "reading the changes to push", &w.id)
+        else {
             return Round::Still;
         };
         // A read that reached the end of the queue: those held go again,
         // once an interval has passed since they were.
-        if changes.len() < UNPUSHED_READ {
+        if end {
             held.release(self.limits.resync_interval);
         }
         let (mut moved, mut silent) = (false, false);

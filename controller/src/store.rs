@@ -603,23 +603,45 @@ pub async fn settled_sandboxes(pool: &PgPool, worker: &str) -> Result<Settled, s
 
 /// Changes a worker's gateway has not acknowledged yet, oldest first, but
 /// for the generations `held` of those sandboxes (pushes the gateway
-/// refused, held back a while).
+/// refused, held back a while): at most `limit` of them, and no more than
+/// `max_bytes` of policy text but for the first ([`Unpushed`]).
 pub async fn unpushed(
     pool: &PgPool,
     worker: &str,
-    limit: i64,
+    (limit, max_bytes): (i64, i64),
     (held, generations): (&[String], &[i64]),
-) -> Result<Vec<SandboxRow>, sqlx::Error> {
+) -> Result<Unpushed, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND generation > pushed_generation AND (id, generation) NOT IN (SELECT h.id, h.generation FROM unnest($3::text[], $4::bigint[]) AS h(id, generation)) ORDER BY changed_at LIMIT $2",
+        "SELECT * FROM (SELECT *, count(*) OVER () AS read, COALESCE(sum(octet_length(policy::text)) OVER (ORDER BY changed_at, id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM (SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation, changed_at FROM sandboxes WHERE worker = $1 AND generation > pushed_generation AND (id, generation) NOT IN (SELECT h.id, h.generation FROM unnest($3::text[], $4::bigint[]) AS h(id, generation)) ORDER BY changed_at, id LIMIT $2) q) w WHERE before < GREATEST($5, 1) ORDER BY changed_at, id",
     )
     .bind(worker)
     .bind(limit)
     .bind(held)
     .bind(generations)
+    .bind(max_bytes)
     .fetch_all(pool)
     .await?;
-    rows.iter().map(SandboxRow::from_row).collect()
+    let read: i64 = match rows.first() {
+        Some(r) => r.try_get("read")?,
+        None => 0,
+    };
+    let rows = rows
+        .iter()
+        .map(SandboxRow::from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Unpushed {
+        end: read < limit && rows.len() as i64 == read,
+        rows,
+    })
+}
+
+/// What [`unpushed`] read.
+#[derive(Debug)]
+pub struct Unpushed {
+    pub rows: Vec<SandboxRow>,
+    /// The read reached the end of the worker's queue: neither its count
+    /// nor its bytes cut it short.
+    pub end: bool,
 }
 
 /// Marks `generation` of a sandbox acknowledged; returns the seconds since the change.

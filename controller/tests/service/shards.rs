@@ -1055,10 +1055,11 @@ async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
     egress_controller::store::mark_forgotten(&pool, &view.forgotten)
         .await
         .expect("mark");
-    let unpushed = egress_controller::store::unpushed(&pool, "w1", 10, (&[], &[]))
+    let unpushed = egress_controller::store::unpushed(&pool, "w1", (10, 1 << 20), (&[], &[]))
         .await
         .expect("unpushed");
     let ids: Vec<(&str, i64)> = unpushed
+        .rows
         .iter()
         .map(|s| (s.id.as_str(), s.generation))
         .collect();
@@ -1067,6 +1068,41 @@ async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
         [("s1", 5)],
         "s2 settled, s1's destruction still to push"
     );
+}
+
+/// The changes to push are read within a count and a size of policy text
+/// (the first whatever its size), and a read cut short by either is not
+/// taken for the end of the queue (which lets held-back pushes go again).
+/// Before, only the count bounded a read: 256 policies of up to 1 MiB in
+/// each of 64 workers' tasks at once.
+#[tokio::test]
+async fn the_changes_to_push_are_read_within_a_count_and_a_size() {
+    let url = db!();
+    let (pool, _conn) = seeded(
+        &url,
+        &[
+            ("s1", "running", "{100.64.0.2}", 1, 0),
+            ("s2", "running", "{100.64.0.3}", 1, 0),
+            ("s3", "running", "{100.64.0.4}", 1, 0),
+        ],
+    )
+    .await;
+    // Each seeded policy is 19 bytes of text: `{"default": "deny"}`.
+    for ((limit, bytes), want, end) in [
+        ((10, 1 << 20), 3, true),
+        ((10, 30), 2, false),
+        ((10, 1), 1, false),
+        ((10, 0), 1, false),
+        ((2, 1 << 20), 2, false),
+        ((3, 1 << 20), 3, false),
+    ] {
+        let read = egress_controller::store::unpushed(&pool, "w1", (limit, bytes), (&[], &[]))
+            .await
+            .expect("unpushed");
+        let ids: Vec<&str> = read.rows.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, ["s1", "s2", "s3"][..want], "{limit} {bytes}");
+        assert_eq!(read.end, end, "{limit} {bytes}");
+    }
 }
 
 /// The pool's connections bound their statements and their lock waits: a
