@@ -853,6 +853,15 @@ impl Dispatcher {
         }
         let marked = store::mark_forgotten(&self.pool, &view.forgotten).await;
         logged(marked, "marking the forgotten sandboxes pushed", &w.id);
+        // Those left out for a policy that does not read here are gone from
+        // the gateway now, even one a newer build had pushed: queued again,
+        // for that build to push.
+        let left_out: Vec<(String, i64)> = (view.live.iter())
+            .filter(|s| unreadable(s))
+            .map(|s| (s.id.clone(), s.generation))
+            .collect();
+        let queued = store::unsettle(&self.pool, &left_out).await;
+        logged(queued, "queueing again the sandboxes left out", &w.id);
         tracing::info!(worker = %w.id, sandboxes = view.live.len(), "resynced the gateway");
         self.count_push("resync");
         true
@@ -959,7 +968,18 @@ impl Dispatcher {
         let Some(settled) = read(settled, "reading the sandboxes to compare", &w.id) else {
             return Listed::Inconclusive;
         };
-        if differs(&settled.rows, &body, &settled.pending) {
+        // A sandbox whose policy does not read here is not judged: a
+        // newer build may have pushed it, and calling it drift would have
+        // the resync drop it from its gateway.
+        let mut unjudged = settled.pending.clone();
+        unjudged.extend(
+            settled
+                .rows
+                .iter()
+                .filter(|s| unreadable(s))
+                .map(|s| s.id.clone()),
+        );
+        if differs(&settled.rows, &body, &unjudged) {
             return Listed::Differs;
         }
         if !settled.pending.is_empty() {
@@ -988,8 +1008,10 @@ impl Dispatcher {
 /// sandboxes.
 #[derive(Default)]
 struct HeldPushes {
-    /// The generation refused, and whether it is held back.
-    pushes: std::collections::HashMap<String, (i64, bool)>,
+    /// The generation refused, and whether it is held back (a push that
+    /// cannot be sent at all, [`PushError::Unsendable`], is held back at
+    /// its first refusal: trying again cannot help).
+    pushes: std::collections::HashMap<String, Refused>,
     /// When the first of them was held.
     since: Option<Instant>,
 }
@@ -1010,21 +1032,31 @@ impl HeldPushes {
         if !refused {
             return None;
         }
-        let again = self.pushes.get(id) == Some(&(*generation, false));
-        self.pushes.insert(id.clone(), (*generation, again));
-        if again {
+        let before = self.pushes.get(id).filter(|r| r.generation == *generation);
+        let held = matches!(error, PushError::Unsendable(_)) || before.is_some();
+        let refused = Refused {
+            generation: *generation,
+            held,
+            this_pass: true,
+        };
+        self.pushes.insert(id.clone(), refused);
+        if held {
             self.since.get_or_insert_with(Instant::now);
         }
         Some(true)
     }
 
-    /// At the end of a pass: forgets the refusals not held back (their
-    /// pushes went again), and lets every held one go, to be tried again,
-    /// once `interval` has passed since the first was held back.
+    /// At the end of a pass (a read that reached the end of the queue,
+    /// before its pushes go): forgets the refusals not held back that were
+    /// not refused in the pass before (their pushes went again and were
+    /// taken), and lets every held one go, to be tried again, once
+    /// `interval` has passed since the first was held back.
     fn release(&mut self, interval: std::time::Duration) {
-        self.pushes.retain(|_, (_, held)| *held);
-        if self.pushes.is_empty() || self.since.is_some_and(|t| t.elapsed() >= interval) {
-            self.pushes.clear();
+        self.pushes.retain(|_, r| r.held || r.this_pass);
+        self.pushes.values_mut().for_each(|r| r.this_pass = false);
+        let none_held = !self.pushes.values().any(|r| r.held);
+        if none_held || self.since.is_some_and(|t| t.elapsed() >= interval) {
+            self.pushes.retain(|_, r| !r.held);
             self.since = None;
         }
     }
@@ -1033,10 +1065,19 @@ impl HeldPushes {
     fn pairs(&self) -> (Vec<String>, Vec<i64>) {
         self.pushes
             .iter()
-            .filter(|(_, (_, held))| *held)
-            .map(|(id, (g, _))| (id.clone(), *g))
+            .filter(|(_, r)| r.held)
+            .map(|(id, r)| (id.clone(), r.generation))
             .unzip()
     }
+}
+
+/// A refused push of a sandbox ([`HeldPushes`]).
+struct Refused {
+    generation: i64,
+    held: bool,
+    /// Refused since the last [`HeldPushes::release`]: once refused, a
+    /// push goes again in the next pass, and is held back if refused again.
+    this_pass: bool,
 }
 
 /// How a resync ended.
@@ -1393,6 +1434,47 @@ fn differs(
 mod tests {
     use super::*;
     use crate::state::SandboxState;
+
+    fn conflict() -> PushError {
+        PushError::refused(StatusCode::CONFLICT, &Value::Null)
+    }
+
+    /// Passes over a short queue (each read reaches its end): a push
+    /// refused twice in a row is held back until the interval passes.
+    /// Before, the start of the second pass forgot the first refusal, so
+    /// such a push was never held: it went again at every round.
+    #[test]
+    fn a_push_refused_twice_over_a_short_queue_is_held_back() {
+        let mut held = HeldPushes::default();
+        let a = ("sb-a".to_owned(), 3);
+        let hour = Duration::from_secs(3600);
+        held.release(hour);
+        assert_eq!(held.hold(&a, &conflict()), Some(true));
+        assert!(held.pairs().0.is_empty(), "once refused: tried again");
+        held.release(hour);
+        assert!(held.pairs().0.is_empty());
+        held.hold(&a, &conflict());
+        assert_eq!(held.pairs(), (vec!["sb-a".to_owned()], vec![3]));
+        held.release(hour);
+        assert_eq!(held.pairs().0.len(), 1, "held until the interval passes");
+        held.release(Duration::ZERO);
+        assert!(held.pairs().0.is_empty(), "let go once it passed");
+        // One taken on its second try is forgotten.
+        let b = ("sb-b".to_owned(), 1);
+        held.hold(&b, &conflict());
+        held.release(hour);
+        held.release(hour);
+        assert!(held.pushes.is_empty());
+    }
+
+    /// A row that cannot be sent at all is held back at once.
+    #[test]
+    fn an_unsendable_push_is_held_back_at_its_first_refusal() {
+        let mut held = HeldPushes::default();
+        let a = ("sb-a".to_owned(), 3);
+        held.hold(&a, &PushError::Unsendable("unreadable".into()));
+        assert_eq!(held.pairs(), (vec!["sb-a".to_owned()], vec![3]));
+    }
 
     /// A policy of at least `bytes` in normal form: allows of numbered names.
     pub(crate) fn policy_of(bytes: usize) -> Policy {

@@ -412,14 +412,19 @@ pub async fn put_worker(
     Ok(Ok(()))
 }
 
-/// Whether two admin URLs name one gateway as written: the same host (any
-/// case) and port (80 when none is written). Two names for one address
-/// are not found.
+/// Whether two admin URLs name one gateway as written: the same address
+/// (however written) or name (any case, a trailing dot or not), and port
+/// (80 when none is written). Two names for one address are not found.
 pub fn same_gateway(a: &str, b: &str) -> bool {
     let at = |url: &str| {
         let uri: http::Uri = url.parse().ok()?;
         let authority = uri.authority()?;
-        let host = authority.host().to_ascii_lowercase();
+        let host = authority.host();
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let host = match bare.parse::<std::net::IpAddr>() {
+            Ok(ip) => ip.to_canonical().to_string(),
+            Err(_) => host.trim_end_matches('.').to_ascii_lowercase(),
+        };
         Some((host, authority.port_u16().unwrap_or(80)))
     };
     at(a).is_some_and(|a| Some(a) == at(b))
@@ -700,6 +705,25 @@ pub async fn mark_forgotten(pool: &PgPool, forgotten: &[(String, i64)]) -> Resul
         forgotten.iter().map(|(id, g)| (id.as_str(), *g)).unzip();
     sqlx::query(
         "UPDATE sandboxes SET pushed_generation = GREATEST(pushed_generation, f.generation) FROM unnest($1::text[], $2::bigint[]) AS f(id, generation) WHERE sandboxes.id = f.id",
+    )
+    .bind(ids)
+    .bind(generations)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Marks each `(id, generation)` not pushed (its gateway no longer holds
+/// it), unless the sandbox has changed since: that change is unpushed
+/// already.
+pub async fn unsettle(pool: &PgPool, rows: &[(String, i64)]) -> Result<(), sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let (ids, generations): (Vec<&str>, Vec<i64>) =
+        rows.iter().map(|(id, g)| (id.as_str(), *g)).unzip();
+    sqlx::query(
+        "UPDATE sandboxes SET pushed_generation = LEAST(pushed_generation, f.generation - 1) FROM unnest($1::text[], $2::bigint[]) AS f(id, generation) WHERE sandboxes.id = f.id AND sandboxes.generation = f.generation",
     )
     .bind(ids)
     .bind(generations)
@@ -1004,6 +1028,9 @@ mod tests {
             ("http://gw-1:9000", "http://gw-1:9000/", true),
             ("http://GW-1:9000", "http://gw-1:9000", true),
             ("http://gw-1", "http://gw-1:80", true),
+            ("http://[2001:db8::1]:9", "http://[2001:db8:0:0::1]:9", true),
+            ("http://[::ffff:127.0.0.1]:9", "http://127.0.0.1:9", true),
+            ("http://gw-1.:9000", "http://gw-1:9000", true),
             (
                 "http://[2001:db8::1]:9000",
                 "http://[2001:DB8::1]:9000/v1",

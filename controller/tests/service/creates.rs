@@ -982,31 +982,63 @@ async fn a_policy_this_build_cannot_read_stays_unpushed_and_its_sandbox_denied()
     );
     assert!(said, "the worker's error says why");
     // A resync leaves it out, and unpushed too.
-    sqlx::query("UPDATE workers SET needs_resync = true WHERE id = 'w1'")
-        .execute(&mut conn)
-        .await
-        .expect("flagged");
-    let mut resynced = false;
-    for _ in 0..200 {
-        let flagged: bool = sqlx::query_scalar("SELECT needs_resync FROM workers WHERE id = 'w1'")
-            .fetch_one(&mut conn)
-            .await
-            .expect("worker");
-        if !flagged {
-            resynced = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert!(resynced, "the worker was never resynced");
-    // The resync's rows are marked pushed just after the flag is cleared.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    resynced(&mut conn).await;
     assert!(w.gw.registry().get(&sid).is_none(), "the resync sent {id}");
     assert_eq!(
         behind(&mut conn, &id).await,
         1,
         "the resync marked it pushed"
     );
+    // A dispatcher of the newer build pushes it (here, by hand): this one's
+    // drift checks do not take it for drift.
+    sqlx::query("UPDATE sandboxes SET pushed_generation = generation WHERE id = $1")
+        .bind(&id)
+        .execute(&mut conn)
+        .await
+        .expect("pushed");
+    let address: Vec<String> = sqlx::query_scalar("SELECT addresses FROM sandboxes WHERE id = $1")
+        .bind(&id)
+        .fetch_one(&mut conn)
+        .await
+        .expect("addresses");
+    let doc = json!({"addresses": address, "policy": {"default": "allow"}});
+    let path = format!("/v1/sandboxes/{id}");
+    let (s, v) = call(w.gw.bound().admin, "PUT", &path, None, &[], Some(doc)).await;
+    assert_eq!(s, 200, "{v}");
+    // Its generation moved: each drift check (every 200 ms) fetches the
+    // list and compares.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert!(
+        w.gw.registry().get(&sid).is_some(),
+        "taken for drift and dropped"
+    );
+    assert_eq!(behind(&mut conn, &id).await, 0);
+    // A resync for another cause leaves it out: queued again, for the
+    // newer build to push.
+    resynced(&mut conn).await;
+    assert!(w.gw.registry().get(&sid).is_none(), "the resync sent {id}");
+    assert_eq!(behind(&mut conn, &id).await, 1, "left out, and settled");
+}
+
+/// Flags worker `w1` for a resync and waits until it is done and recorded.
+async fn resynced(conn: &mut sqlx::PgConnection) {
+    sqlx::query("UPDATE workers SET needs_resync = true WHERE id = 'w1'")
+        .execute(&mut *conn)
+        .await
+        .expect("flagged");
+    for _ in 0..200 {
+        let flagged: bool = sqlx::query_scalar("SELECT needs_resync FROM workers WHERE id = 'w1'")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("worker");
+        if !flagged {
+            // The resync's rows are recorded just after the flag is cleared.
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("the worker was never resynced");
 }
 
 /// How many generations sandbox `id`'s gateway has not acknowledged.

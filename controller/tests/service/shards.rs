@@ -704,6 +704,62 @@ async fn refused_pushes_at_the_front_do_not_hold_up_the_rest() {
     );
 }
 
+/// A push the gateway refuses for good, alone in its worker's queue, is
+/// tried twice and then held back for the resync interval (5 s here), not
+/// sent again at every round. Before, a short queue never held it: the
+/// start of each pass forgot the refusal before.
+#[tokio::test]
+async fn a_push_refused_for_good_is_not_sent_again_at_every_round() {
+    let url = db!();
+    let api = api(&url, deployment(None, None)).await;
+    put(
+        &api,
+        "/v1/templates/base",
+        json!({"policy": {"default": "allow"}}),
+    )
+    .await;
+    let gw = FakeGateway::start().await;
+    register(&api, "w1", &gw, "100.64.33.0/24").await;
+    let mut l = limits(5, 60_000, 100);
+    l.resync_interval = Duration::from_secs(5);
+    let _d = dispatcher(&url, deployment(None, None), l).await;
+    created_and_pushed(api.addr, &url, 1).await;
+    let id = gw
+        .state
+        .lock()
+        .expect("state")
+        .sandboxes
+        .keys()
+        .next()
+        .cloned()
+        .expect("one");
+    gw.state.lock().expect("state").conflict_on = [id.clone()].into();
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    let sql = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
+    sqlx::query(sql)
+        .bind(&id)
+        .execute(&mut conn)
+        .await
+        .expect(sql);
+    let refused = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .filter(|e| matches!(e, Event::Put(p, Value::Null) if *p == id))
+            .count()
+    };
+    for _ in 0..400 {
+        if refused(&gw) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused(&gw) > 0, "never pushed: {:?}", gw.events());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let tries = refused(&gw);
+    println!("FIGURES a push refused for good: {tries} tries in its first 2 s");
+    assert!(tries <= 2, "{tries} tries in 2 s");
+}
+
 /// A resync the gateway refuses (one sandbox it will not take) does not
 /// hold up the worker's other changes: they are pushed meanwhile, and the
 /// resync is tried again once per interval.
