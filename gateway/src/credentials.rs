@@ -392,15 +392,10 @@ pub fn apply(
     // may come back in any later answer of the host, not only in the
     // answer to the request that carried it, and over plain HTTP or to
     // its address too: every answer is scrubbed.
-    let covers = |c: &Credential, n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
     let kept: Vec<(usize, Secret, &str)> = list
         .iter()
         .enumerate()
-        .filter(|(_, c)| matches!(c.inject, Inject::ReplaceHeaders))
-        .filter(|(_, c)| match names {
-            Names::Verified(h) => covers(c, h),
-            Names::Unverified(may_be) => may_be.iter().any(|n| covers(c, n)),
-        })
+        .filter(|(_, c)| matches!(c.inject, Inject::ReplaceHeaders) && may_be_for(c, names))
         .filter_map(|(i, c)| Some((i, secrets.get(&c.source)?, c.placeholder.as_str())))
         .collect();
     // Judge every credential of the host before changing anything.
@@ -455,13 +450,12 @@ fn host_credentials<'a>(
         forms.extend(decodings(v.as_bytes()).into_iter().skip(1));
     }
     for (index, c) in list.iter().enumerate() {
-        let covers = |n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
         match names {
-            Names::Verified(h) if covers(h) => {
+            Names::Verified(_) if may_be_for(c, names) => {
                 mine.push((index, c));
                 continue;
             }
-            Names::Unverified(may_be) if c.require && may_be.iter().any(|n| covers(n)) => {
+            Names::Unverified(_) if c.require && may_be_for(c, names) => {
                 required = required.or(Some(index));
             }
             _ => {}
@@ -481,6 +475,16 @@ fn host_credentials<'a>(
             index,
         }),
         None => Ok(mine),
+    }
+}
+
+/// Whether a request to `names` may be for one of `c`'s hosts: its
+/// verified name is one, or one of the names it may be for is.
+fn may_be_for(c: &Credential, names: Names<'_>) -> bool {
+    let covers = |n: &Hostname| c.hosts.iter().any(|p| p.matches(n));
+    match names {
+        Names::Verified(h) => covers(h),
+        Names::Unverified(may_be) => may_be.iter().any(|n| covers(n)),
     }
 }
 

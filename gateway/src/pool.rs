@@ -136,6 +136,20 @@ impl Sender {
     }
 }
 
+/// Hands out entry `i` of a key's list at `now`: an HTTP/1.1 connection is
+/// taken out; an HTTP/2 one multiplexes, so a clone goes and it stays
+/// pooled, used now (so last: the list stays in time order).
+fn hand_out(list: &mut Vec<(Instant, Sender)>, i: usize, now: Instant) -> Sender {
+    let (at, sender) = list.remove(i);
+    match sender.share() {
+        Some(shared) => {
+            list.push((at.max(now), sender));
+            shared
+        }
+        None => sender,
+    }
+}
+
 impl UpstreamPool {
     /// An HTTP/2 connection for `key` that is open, at its origin's limit
     /// of streams or not: a request queues on it for a stream. Used now,
@@ -151,10 +165,7 @@ impl UpstreamPool {
             Sender::H2(h) => !expired(*at, now) && h.open(),
             Sender::H1(_) => false,
         })?;
-        let (used, sender) = list.remove(at);
-        let shared = sender.share();
-        list.push((used.max(now), sender));
-        shared
+        Some(hand_out(list, at, now))
     }
 
     /// An idle connection for `key`, if one is still usable: the newest
@@ -183,16 +194,7 @@ impl UpstreamPool {
             if list[i].1.closed() {
                 list.remove(i);
             } else if list[i].1.usable() {
-                let (at, sender) = list.remove(i);
-                // HTTP/2 multiplexes: hand out a clone and keep it pooled,
-                // used now (so last: the list stays in time order).
-                found = match sender.share() {
-                    Some(shared) => {
-                        list.push((at.max(now), sender));
-                        Some(shared)
-                    }
-                    None => Some(sender),
-                };
+                found = Some(hand_out(list, i, now));
                 break;
             }
         }
