@@ -1007,11 +1007,21 @@ fn attribution(
 
 /// What a successor checks before it asks for a takeover (after which a
 /// failure would leave nothing serving): the CA, the origin roots and the
-/// admin token load.
+/// admin token load, and the pushed state reads in this build (read into
+/// a scratch registry as recovery reads it, every policy compiled; no
+/// file changed, the running gateway writing on).
 pub fn preflight(config: &Config) -> Result<(), StartError> {
     let minter = minter(config)?;
     Upstreams::new(config, minter)?;
     tokens(config)?;
+    let platform = PlatformDenies::new(config.policy.platform_deny.clone());
+    let scratch = Registry::new(Arc::new(platform));
+    let (seq, n) = crate::journal::check(&scratch, &config.state_dir)?;
+    tracing::info!(
+        sandboxes = n,
+        generation = seq,
+        "the pushed state reads in this build"
+    );
     Ok(())
 }
 

@@ -285,22 +285,71 @@ pub fn recover(
     registry: &Registry,
     state_dir: &Path,
 ) -> Result<(Journal, u64, usize), PersistError> {
-    let (snapshot_seq, snapshot_bytes) = match persist::load(state_dir)? {
-        Some(doc) => {
-            let seq = doc.seq;
-            persist::apply(registry, doc, state_dir)?;
-            let bytes = std::fs::metadata(persist::path(state_dir)).map_or(0, |m| m.len());
-            (seq, bytes)
-        }
-        None => (0, 0),
-    };
+    let (snapshot_seq, snapshot_bytes) = load_snapshot(registry, state_dir)?;
     let (journal, records) = Journal::open(state_dir, snapshot_bytes)?;
+    let seq = replay(registry, records, snapshot_seq, &journal.path)?;
+    Ok((journal, seq, registry.len()))
+}
+
+/// Reads the state as [`recover`] does, into `registry` (a scratch one),
+/// and changes no file: what a successor checks before it asks for a
+/// takeover, while the running gateway still writes the state. A record
+/// being appended meanwhile reads as a torn tail, which is no error; a
+/// compaction meanwhile (a new snapshot, the journal emptied) is met by
+/// reading again, at most three times. Returns the last sequence number
+/// read and the number of sandboxes.
+pub fn check(registry: &Registry, state_dir: &Path) -> Result<(u64, usize), PersistError> {
+    let snapshot = |dir: &Path| {
+        std::fs::metadata(persist::path(dir))
+            .ok()
+            .map(|m| (m.len(), m.modified().ok()))
+    };
+    let mut tries = 0;
+    loop {
+        let before = snapshot(state_dir);
+        let (snapshot_seq, _) = load_snapshot(registry, state_dir)?;
+        let path = path(state_dir);
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => return Err(PersistError::Io { path, source }),
+        };
+        tries += 1;
+        let read = read_records(&bytes, &path)
+            .and_then(|(records, _)| replay(registry, records, snapshot_seq, &path));
+        if snapshot(state_dir) == before || tries == 3 {
+            return read.map(|seq| (seq, registry.len()));
+        }
+    }
+}
+
+/// Loads the snapshot, if there is one, into `registry`: its sequence
+/// number and its size (0 and 0 without one).
+fn load_snapshot(registry: &Registry, state_dir: &Path) -> Result<(u64, u64), PersistError> {
+    let Some(doc) = persist::load(state_dir)? else {
+        return Ok((0, 0));
+    };
+    let seq = doc.seq;
+    persist::apply(registry, doc, state_dir)?;
+    let bytes = std::fs::metadata(persist::path(state_dir)).map_or(0, |m| m.len());
+    Ok((seq, bytes))
+}
+
+/// Replays the journal's `records` (each with its offset in the file at
+/// `path`) newer than the snapshot's `snapshot_seq`: the last sequence
+/// number applied.
+fn replay(
+    registry: &Registry,
+    records: Vec<(usize, Record)>,
+    snapshot_seq: u64,
+    path: &Path,
+) -> Result<u64, PersistError> {
     let mut seq = snapshot_seq;
     for (off, r) in records.into_iter().filter(|(_, r)| r.seq > snapshot_seq) {
         // A record that reads but cannot be replayed: named by its offset,
         // where the journal may be cut.
         let corrupt = |e: &dyn std::fmt::Display| PersistError::CorruptJournal {
-            path: journal.path.clone(),
+            path: path.to_owned(),
             message: format!("record {} at offset {off}: {e}", r.seq),
         };
         match r.change {
@@ -325,7 +374,7 @@ pub fn recover(
         }
         seq = seq.max(r.seq);
     }
-    Ok((journal, seq, registry.len()))
+    Ok(seq)
 }
 
 #[cfg(test)]

@@ -313,3 +313,33 @@ fn a_record_that_cannot_be_replayed_is_named_by_its_offset() {
         "{text}"
     );
 }
+
+/// The successor's check reads what recovery reads, a torn tail (the record
+/// the running gateway is appending) included, and changes no file:
+/// recovery would cut the tail off.
+#[test]
+fn a_check_reads_as_recovery_does_and_changes_nothing() {
+    let dir = tempfile::tempdir().expect("dir");
+    write(
+        dir.path(),
+        &[put(1, "a", "100.64.0.1"), put(2, "b", "100.64.0.2")],
+    );
+    let mut bytes = std::fs::read(path(dir.path())).expect("journal");
+    bytes.extend_from_slice(&[40, 0, 0, 0, 1, 2]);
+    std::fs::write(path(dir.path()), &bytes).expect("torn");
+    let r = registry();
+    assert_eq!(check(&r, dir.path()).expect("reads"), (2, 2));
+    assert_eq!(std::fs::read(path(dir.path())).expect("journal"), bytes);
+    // One that recovery would refuse, the check refuses alike.
+    let (mut j, _) = Journal::open(dir.path(), 0).expect("open");
+    j.append(&[put(3, "c", "100.64.0.1")]).expect("append");
+    drop(j);
+    let checked = check(&registry(), dir.path())
+        .expect_err("refused")
+        .to_string();
+    let recovered = recover(&registry(), dir.path())
+        .expect_err("refused")
+        .to_string();
+    assert_eq!(checked, recovered);
+    assert!(checked.contains("record 3 at offset"), "{checked}");
+}

@@ -174,6 +174,52 @@ async fn budget_states_survive_a_takeover_that_fails() {
     gw.run_until(async {}).await;
 }
 
+/// A successor checks, before it asks for a takeover, that the pushed state
+/// reads in its build, while the running gateway writes on: a journal
+/// record it cannot replay refuses the takeover (naming the record and its
+/// offset) and the running gateway serves on; nothing is changed on disk.
+/// Before, the successor found out only after it took the sockets: it
+/// exited, the gateway it replaced drained and exited, and a restart on
+/// the same state failed again.
+#[tokio::test]
+async fn a_successor_checks_that_the_pushed_state_reads_before_it_takes_over() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().expect("dir");
+    let origin = echo().await;
+    let gw = start(config(dir.path(), ""), origin).await;
+    put_budgeted(&gw, 1 << 20).await;
+    egress_gateway::preflight(&config(dir.path(), "")).expect("the state reads");
+    // A record this build cannot replay (an id it refuses), whole.
+    let journal = dir.path().join("journal.log");
+    let json = br#"{"seq": 1000000, "change": {"put": {"id": "not an id!", "addresses": ["127.0.0.9"], "policy": {"default": "deny"}}}}"#;
+    let mut record = Vec::new();
+    record.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    record.extend_from_slice(&crc32fast::hash(json).to_le_bytes());
+    record.extend_from_slice(json);
+    let offset = std::fs::metadata(&journal).expect("journal").len();
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&journal)
+        .expect("journal");
+    file.write_all(&record).expect("appended");
+    drop(file);
+    let before = std::fs::read(&journal).expect("journal");
+    let refused = egress_gateway::preflight(&config(dir.path(), ""));
+    let why = refused.expect_err("the takeover is refused").to_string();
+    assert!(
+        why.contains(&format!("record 1000000 at offset {offset}")),
+        "{why}"
+    );
+    assert_eq!(
+        std::fs::read(&journal).expect("journal"),
+        before,
+        "unchanged"
+    );
+    // The running gateway serves on.
+    assert!(flow(&gw, SANDBOX, b"still here").await.is_some());
+    gw.run_until(async {}).await;
+}
+
 /// A state directory others may read (a Kubernetes hostPath is made
 /// 0755) is closed to them at start: it holds the pushed policies, the
 /// sandboxes' addresses and the CA's key.
