@@ -293,7 +293,7 @@ impl PathPattern {
             reason: reason.to_owned(),
         };
         if text.len() > MAX_PATTERN_LEN {
-            return Err(bad("longer than 1024 characters"));
+            return Err(bad("longer than 1024 bytes"));
         }
         if text.contains('?') || text.contains('#') {
             return Err(bad("a pattern matches the path only: no ? or #"));
@@ -523,6 +523,16 @@ mod tests {
         ] {
             assert_eq!(normalize(raw).as_deref(), Ok(normal), "{raw}");
         }
+    }
+
+    /// The bound on a pattern counts bytes, as its message says: 513
+    /// two-byte characters are past it.
+    #[test]
+    fn a_patterns_length_is_counted_in_bytes() {
+        let long = format!("/{}", "é".repeat(512));
+        let e = PathPattern::parse(&long).expect_err("1025 bytes");
+        assert!(e.to_string().contains("longer than 1024 bytes"), "{e}");
+        assert!(PathPattern::parse(&format!("/{}", "é".repeat(511))).is_ok());
     }
 
     #[test]
