@@ -67,15 +67,16 @@ const SILENT_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// say), each worker's next check fetches its whole list.
 static COMPARING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
 
-/// Push rounds a worker's task runs on one wake-up (256 changes each).
+/// Push rounds a worker's task runs on one wake-up (one read of changes
+/// each: [`UNPUSHED_READ`], [`UNPUSHED_BYTES`]).
 const PUSH_ROUNDS: usize = 16;
 
-/// Unpushed changes read at once, and the most policy text they may hold
-/// (but for the first, which is read whatever its size): a policy is up to
-/// 1 MiB, so the count alone would let each of the [`WORKERS_AT_ONCE`]
-/// tasks hold 256 MiB.
+/// Unpushed changes read at once, and the most policy they may hold as
+/// stored (compressed, for a large one; the first is read whatever its
+/// size): a policy is up to 1 MiB of text, so the count alone would let
+/// each of the [`WORKERS_AT_ONCE`] tasks hold 256 MiB of them.
 const UNPUSHED_READ: usize = 256;
-const UNPUSHED_BYTES: i64 = 16 << 20;
+const UNPUSHED_BYTES: i64 = 4 << 20;
 
 /// Operations one dispatcher runs at once (each in its own transaction).
 const EXECUTORS: usize = 4;

@@ -609,7 +609,9 @@ pub async fn settled_sandboxes(pool: &PgPool, worker: &str) -> Result<Settled, s
 /// Changes a worker's gateway has not acknowledged yet, oldest first, but
 /// for the generations `held` of those sandboxes (pushes the gateway
 /// refused, held back a while): at most `limit` of them, and no more than
-/// `max_bytes` of policy text but for the first ([`Unpushed`]).
+/// `max_bytes` of policy as stored but for the first ([`Unpushed`]). The
+/// stored size (`pg_column_size`: compressed, for a large policy) is read
+/// without reading the policy; its text may be several times larger.
 pub async fn unpushed(
     pool: &PgPool,
     worker: &str,
@@ -617,7 +619,7 @@ pub async fn unpushed(
     (held, generations): (&[String], &[i64]),
 ) -> Result<Unpushed, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT * FROM (SELECT *, count(*) OVER () AS read, COALESCE(sum(octet_length(policy::text)) OVER (ORDER BY changed_at, id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM (SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation, changed_at FROM sandboxes WHERE worker = $1 AND generation > pushed_generation AND (id, generation) NOT IN (SELECT h.id, h.generation FROM unnest($3::text[], $4::bigint[]) AS h(id, generation)) ORDER BY changed_at, id LIMIT $2) q) w WHERE before < GREATEST($5, 1) ORDER BY changed_at, id",
+        "SELECT * FROM (SELECT *, count(*) OVER () AS read, COALESCE(sum(pg_column_size(policy)) OVER (ORDER BY changed_at, id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before FROM (SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation, changed_at FROM sandboxes WHERE worker = $1 AND generation > pushed_generation AND (id, generation) NOT IN (SELECT h.id, h.generation FROM unnest($3::text[], $4::bigint[]) AS h(id, generation)) ORDER BY changed_at, id LIMIT $2) q) w WHERE before < GREATEST($5, 1) ORDER BY changed_at, id",
     )
     .bind(worker)
     .bind(limit)

@@ -418,6 +418,9 @@ fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
 /// a new snapshot. `lines`: an NDJSON body's line of each document, which
 /// its errors name.
 async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>) -> Reply {
+    // Its place in the order, as it arrives: a push that arrives while its
+    // credentials are read or its policies compiled is newer.
+    let ticket = ctl.arrivals.arrive_resync();
     let named = |status: StatusCode, i: usize, part: &str, why: &str| {
         let field = format!("sandboxes[{i}].{part}");
         let why = match lines.as_ref().and_then(|l| l.get(i)) {
@@ -447,7 +450,6 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
     if let Err((i, e)) = load_all_credentials(ctl, &docs).await {
         return bad(i, "credentials", &e);
     }
-    let ticket = ctl.arrivals.arrive_resync();
     let n = docs.len();
     let compile = move |r: &Registry| docs.into_iter().map(|d| persist::prepare(d, r)).collect();
     let prepared = match compiled(ctl, compile).await {
@@ -529,11 +531,11 @@ async fn then(
 fn superseded(ctl: &Control, resync: bool) -> Reply {
     let reply = match resync {
         false => {
-            let why = "not applied: a later push of this sandbox (or a resync) arrived after this one and applied first";
+            let why = "not applied: a later push of this sandbox (or a resync) arrived after this one and was queued first";
             error(StatusCode::CONFLICT, why, None)
         }
         true => {
-            let why = "not applied: a push of one of the sandboxes arrived after this resync and applied first; resync again";
+            let why = "not applied: a push of one of the sandboxes arrived after this resync and was queued first; resync again";
             error(StatusCode::SERVICE_UNAVAILABLE, why, None)
         }
     };

@@ -1017,6 +1017,12 @@ async fn a_policy_this_build_cannot_read_stays_unpushed_and_its_sandbox_denied()
     // newer build to push.
     resynced(&mut conn).await;
     assert!(w.gw.registry().get(&sid).is_none(), "the resync sent {id}");
+    for _ in 0..100 {
+        if behind(&mut conn, &id).await == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     assert_eq!(behind(&mut conn, &id).await, 1, "left out, and settled");
 }
 

@@ -1126,15 +1126,15 @@ async fn a_resync_settles_only_the_destroyed_sandboxes_it_read() {
     );
 }
 
-/// The changes to push are read within a count and a size of policy text
-/// (the first whatever its size), and a read cut short by either is not
+/// The changes to push are read within a count and a size of policy as
+/// stored (the first whatever its size), and a read cut short by either is not
 /// taken for the end of the queue (which lets held-back pushes go again).
 /// Before, only the count bounded a read: 256 policies of up to 1 MiB in
 /// each of 64 workers' tasks at once.
 #[tokio::test]
 async fn the_changes_to_push_are_read_within_a_count_and_a_size() {
     let url = db!();
-    let (pool, _conn) = seeded(
+    let (pool, mut conn) = seeded(
         &url,
         &[
             ("s1", "running", "{100.64.0.2}", 1, 0),
@@ -1143,10 +1143,16 @@ async fn the_changes_to_push_are_read_within_a_count_and_a_size() {
         ],
     )
     .await;
-    // Each seeded policy is 19 bytes of text: `{"default": "deny"}`.
+    // Each seeded policy is `{"default": "deny"}`, this large as stored.
+    let size: i32 =
+        sqlx::query_scalar("SELECT pg_column_size(policy) FROM sandboxes WHERE id = 's1'")
+            .fetch_one(&mut conn)
+            .await
+            .expect("size");
+    let size = i64::from(size);
     for ((limit, bytes), want, end) in [
         ((10, 1 << 20), 3, true),
-        ((10, 30), 2, false),
+        ((10, size + size / 2), 2, false),
         ((10, 1), 1, false),
         ((10, 0), 1, false),
         ((2, 1 << 20), 2, false),
