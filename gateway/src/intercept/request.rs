@@ -169,9 +169,11 @@ impl Conn {
         };
         self.opening(sb, &req, (host, &lookup), overrides);
         let carried = carried_of(&mut req);
+        let head = req.method() == http::Method::HEAD;
         let resp = self.forwarded(sb, req, host, &authority, charge).await;
         match carried {
             Some((carried, method)) => self.unreflected(sb, resp, (&carried, &method), rec),
+            None if bodiless(head, resp.status()) => emptied(resp),
             None => resp,
         }
     }
@@ -512,19 +514,9 @@ impl Conn {
         let found = &self.dp.metrics.credentials_reflected;
         found.inc_by(carried.headers(&mut parts.headers) as u64);
         found.inc_by(carried.reason(&mut parts.extensions) as u64);
-        let bodiless = *method == http::Method::HEAD
-            || parts.status.is_informational()
-            || matches!(
-                parts.status,
-                StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
-            );
-        if bodiless {
-            // Its body goes unread and unsent: an HTTP/2 origin may still
-            // send DATA on a 204 or 304, which no client reads as an
-            // answer, and which the scrubbing below would not see.
-            drop(body);
-            let empty = http_body_util::Empty::new().map_err(|never| match never {});
-            return Response::from_parts(parts, empty.boxed());
+        if bodiless(*method == http::Method::HEAD, parts.status) {
+            // The scrubbing below would not see a body sent anyway.
+            return emptied(Response::from_parts(parts, body));
         }
         // Read from the headers with the values out: the detail is shown.
         if let Some(coding) = credentials::Carried::encoded(&parts.headers) {
@@ -836,4 +828,21 @@ fn read_headers(req: &Request<ClientBody>, path_judged: bool) -> Result<Vec<Stri
 fn read_overrides(req: &Request<ClientBody>) -> Vec<String> {
     let target = req.uri().path_and_query().map_or("", |pq| pq.as_str());
     method_overrides(req.method().as_str(), req.headers(), target)
+}
+
+/// Whether an answer has no body whatever the origin sends (RFC 9110
+/// §6.4.1): to `HEAD`, informational, `204` or `304`.
+fn bodiless(head: bool, status: StatusCode) -> bool {
+    head || status.is_informational()
+        || matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED)
+}
+
+/// The answer with its body dropped unread: an HTTP/2 origin may still send
+/// DATA on a `204` or `304`, which hyper's HTTP/2 server would pass on and
+/// no client reads as part of the answer.
+fn emptied(resp: Response<Body>) -> Response<Body> {
+    let (parts, body) = resp.into_parts();
+    drop(body);
+    let empty = http_body_util::Empty::new().map_err(|never| match never {});
+    Response::from_parts(parts, empty.boxed())
 }
