@@ -333,3 +333,43 @@ async fn a_get_on_a_connection_the_origin_closes_is_sent_again() {
     let (status, body) = get_on(&mut h1, "h1.example.test", "/three?_method=POST").await;
     assert_eq!(status, 502, "{body}");
 }
+
+/// A client connection that opens a WebSocket gives back the upstream
+/// connection its earlier requests held once the bridge starts (the
+/// WebSocket has one of its own): another client connection's request
+/// takes it from the pool. Before, the bridge kept it for its whole life,
+/// idle, and the other client connection opened a new one.
+#[tokio::test]
+async fn a_websocket_gives_back_its_connections_pooled_upstream_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let e = intercepting(&["h1.example.test"]).await;
+    let mut tls = h1_tls(&e).await;
+    tls.write_all(b"GET /one HTTP/1.1\r\nHost: h1.example.test\r\n\r\n")
+        .await
+        .expect("request");
+    let head = crate::verdicts::read_head(&mut tls).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("a length");
+    tls.read_exact(&mut vec![0u8; len]).await.expect("body");
+    // At once, before a lull would give the upstream connection back.
+    tls.write_all(b"GET /ws HTTP/1.1\r\nHost: h1.example.test\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n")
+        .await
+        .expect("upgrade");
+    let head = crate::verdicts::read_head(&mut tls).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    tls.write_all(b"ping").await.expect("ping");
+    let mut echo = [0u8; 4];
+    tls.read_exact(&mut echo).await.expect("echo");
+    assert_eq!(&echo, b"ping");
+    let opened = value(&e, CONNECTS).await;
+    assert_eq!(opened, 2, "the first request's, and the WebSocket's own");
+    pooled(&e, 1).await;
+    let mut other = h1_client(&e).await;
+    let (status, body) = get_on(&mut other, "h1.example.test", "/two").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(value(&e, CONNECTS).await, opened, "the pooled one, taken");
+}

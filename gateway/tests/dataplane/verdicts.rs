@@ -501,7 +501,7 @@ async fn fragmented_and_one_byte_client_hellos_and_silent_clients() {
 }
 
 /// Reads a response head, byte by byte (nothing past it is taken).
-async fn read_head<S: tokio::io::AsyncRead + Unpin>(io: &mut S) -> String {
+pub async fn read_head<S: tokio::io::AsyncRead + Unpin>(io: &mut S) -> String {
     let mut head = vec![0u8; 0];
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
@@ -586,6 +586,78 @@ async fn only_a_websocket_is_bridged_through_interception() {
         .await
         .expect("echo");
     assert_eq!(&echo, b"ping over the bridge");
+}
+
+/// An HTTP/1.1 origin at `PAUSE_IP` that refuses every WebSocket upgrade
+/// with a `403` whose body is `hello` in chunks: `/coded` says
+/// `transfer-encoding: gzip, chunked`, `/sized` puts a `content-length: 100`
+/// beside `transfer-encoding: chunked`. One request a connection.
+async fn refusing_origin(e: &Env) -> SocketAddr {
+    use tokio::io::AsyncReadExt;
+    let config = e.origin_ca.server(&["pause.example.test"], H1);
+    tls_origin(PAUSE_IP, config, |mut tls| async move {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match tls.read(&mut byte).await {
+                Ok(1) => head.push(byte[0]),
+                _ => return,
+            }
+        }
+        let framing = if head.starts_with(b"GET /coded ") {
+            "transfer-encoding: gzip, chunked"
+        } else {
+            "transfer-encoding: chunked\r\ncontent-length: 100"
+        };
+        let answer = format!("HTTP/1.1 403 Forbidden\r\n{framing}\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+        let _ = tls.write_all(answer.as_bytes()).await;
+        let _ = tls.shutdown().await;
+    })
+    .await
+}
+
+/// An origin that refuses a WebSocket upgrade (no `101`) has its answer's
+/// framing checked as any answer's: a transfer coding but chunked is
+/// answered `502` (its coded bytes would reach the client unmarked once the
+/// hop-by-hop header goes), and a `content-length` beside
+/// `transfer-encoding: chunked` is dropped (it would frame the dechunked
+/// body wrong). Before, a refused upgrade went back with only its
+/// hop-by-hop fields stripped.
+#[tokio::test]
+async fn a_refused_upgrade_is_framed_as_any_answer() {
+    let e = intercepting(&["pause.example.test"]).await;
+    let origin = refusing_origin(&e).await;
+    let (tls, minted) = e
+        .tls(SANDBOX_A, origin, "pause.example.test", H1)
+        .await
+        .expect("handshake");
+    assert!(minted, "intercepted");
+    let (mut h1, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("http/1.1");
+    tokio::spawn(conn);
+    let mut upgrade = async |path: &str| {
+        h1.ready().await.expect("ready");
+        let req = hyper::Request::get(path)
+            .header("host", "pause.example.test")
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let resp = h1.send_request(req).await.expect("answer");
+        let (head, body) = resp.into_parts();
+        let body = body.collect().await.map(|b| b.to_bytes());
+        (head, body)
+    };
+    let (head, body) = upgrade("/coded").await;
+    assert_eq!(head.status, 502, "{head:?} {body:?}");
+    let (head, body) = upgrade("/sized").await;
+    assert_eq!(head.status, 403, "{head:?}");
+    assert!(
+        !head.headers.contains_key("content-length"),
+        "the length beside the chunks went on: {head:?}"
+    );
+    assert_eq!(body.expect("the whole body"), "hello");
 }
 
 /// Opens a WebSocket from `src` to the API origin through interception,
