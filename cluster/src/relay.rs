@@ -16,7 +16,9 @@
 //! worker that cannot be reached is `502 {"error": "worker unreachable: …"}`,
 //! and one that took the request and gave no whole answer is
 //! `502 {"error": "no answer from the worker: …"}` (`504` when the timeout
-//! ran out), which for a change says it may have been made.
+//! ran out), and one whose answer is larger than [`MAX_REPLY`] is `502
+//! {"error": "worker's answer to … is unreadable: …"}`; for a change each
+//! says it may have been made.
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -63,6 +63,7 @@ pub async fn exchange(
         timeout,
         max_reply: MAX_REPLY,
     };
+    let call_method = method.clone();
     let call = Call {
         method,
         path: path_and_query,
@@ -75,6 +76,11 @@ pub async fn exchange(
             CallError::TimedOut { .. } => WorkerError::NoAnswer {
                 reason: e.to_string(),
                 timed_out: true,
+            },
+            // An answer came, whole or not: it is too large to read.
+            CallError::TooLarge { .. } => WorkerError::Unreadable {
+                what: format!("{} {path_and_query}", call_method),
+                message: e.to_string(),
             },
             _ => WorkerError::NoAnswer {
                 reason: e.to_string(),

@@ -272,6 +272,28 @@ async fn an_unreachable_worker_is_502_with_a_reason() {
         .as_str()
         .expect("error")
         .starts_with("no answer from the worker: reading the reply: "));
+
+    // A worker whose answer is larger than the relay reads: an answer came,
+    // too large to read (before, it was "no answer from the worker").
+    let large = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let large_addr = large.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = large.accept().await {
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf).await;
+            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", 9 << 20);
+            let _ = s.write_all(head.as_bytes()).await;
+            let _ = s.write_all(&vec![b' '; 9 << 20]).await;
+        }
+    });
+    let relay = relay_to(large_addr, None, Duration::from_secs(5)).await;
+    let (status, body) = call(relay, "GET", "/egress-defaults", None).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(
+        body["error"].as_str(),
+        Some("worker's answer to GET /v1/network/egress/defaults is unreadable: the reply is larger than 8388608 bytes"),
+        "{body}"
+    );
     holder.abort();
 }
 
