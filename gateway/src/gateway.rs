@@ -691,16 +691,6 @@ impl Gateway {
     /// Seals the pushed state, lets go of the state directory and sends the
     /// successor the sockets and the attribution.
     async fn hand_over(&mut self, successor: crate::handover::Successor) -> Result<(), String> {
-        // Exported first (the listeners are stopped: no DNS answer changes
-        // the attribution now), so that the time the export takes comes
-        // out of the seal's, within the successor's wait for its answer.
-        let attribution = crate::handover::export(&self.dp.cache, &self.dp.registry.ids());
-        // Flows still draining here spend this gateway's states after they
-        // are sent: what they move is not charged again by the successor.
-        let budgets = match successor.budgets {
-            true => self.dp.budgets.spent(self.dp.cache.now()),
-            false => Vec::new(),
-        };
         // Every acknowledged push is in the journal; none is acknowledged
         // after. A commit thread that does not seal in time may still write:
         // the lock is kept and nothing is handed on (the successor's wait
@@ -710,6 +700,13 @@ impl Gateway {
             tracing::error!(%why, "the handover failed after this gateway stopped serving: draining, then exiting with a failure (a supervisor starts a gateway on this state_dir again)");
             return Err(format!("handover: {why}"));
         }
+        let attribution = crate::handover::export(&self.dp.cache, &self.dp.registry.ids());
+        // Flows still draining here spend this gateway's states after they
+        // are sent: what they move is not charged again by the successor.
+        let budgets = match successor.budgets {
+            true => self.dp.budgets.spent(self.dp.cache.now()),
+            false => Vec::new(),
+        };
         drop(self.lock.take());
         let Some(offer) = self.offer.take() else {
             return Ok(());
