@@ -119,7 +119,15 @@ impl Conn {
             conn: self,
             record: RequestRecord::default(),
         };
-        self.answer(req, &mut recording.record).await
+        // An answer to HEAD, a refusal too, goes without its body: hyper's
+        // HTTP/2 server would send one, which an HTTP/2 client may take for
+        // a protocol error.
+        let head = req.method() == http::Method::HEAD;
+        let resp = self.answer(req, &mut recording.record).await;
+        if head {
+            return emptied(resp);
+        }
+        resp
     }
 
     /// One request: its authority, its verdict, the per-request stages,

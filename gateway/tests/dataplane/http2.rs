@@ -646,6 +646,27 @@ async fn a_204_or_304_reaches_an_http2_client_bodiless() {
     }
 }
 
+/// A refusal of a `HEAD` reaches an HTTP/2 client without a body, as an
+/// answer to `HEAD` must. Before, the refusal's text went as DATA.
+#[tokio::test]
+async fn a_refused_head_reaches_an_http2_client_bodiless() {
+    const NAME: &str = "pause.example.test";
+    let e = env(Options::default()).await;
+    let doc = serde_json::json!({
+        "addresses": [SANDBOX_A],
+        "policy": {"allow": [{"domain": NAME, "http": {"methods": ["GET"]}}, {"ip": "8.8.8.8"}],
+            "tls_interception": "on"},
+    });
+    assert_eq!(push(&e, "a", &doc).await, 200);
+    e.resolve(SANDBOX_A, &format!("{NAME}.")).await;
+    let origin = bodied_204_origin(&e).await;
+    let s = intercepted_h2(&e, origin, NAME).await;
+    let (head, body) = h2_send(&s, http::Method::GET, "https://pause.example.test/").await;
+    assert_eq!((head.status.as_u16(), body.as_str()), (200, "not injected"));
+    let (head, body) = h2_send(&s, http::Method::HEAD, "https://pause.example.test/").await;
+    assert_eq!((head.status.as_u16(), body.as_str()), (403, ""));
+}
+
 /// An HTTP/2 origin at `PAUSE_IP` that answers every request with 1 MiB,
 /// sent only as the gateway's windows let it (nothing waits in its own
 /// buffers): the bytes it has sent, all streams together.
@@ -798,6 +819,12 @@ async fn a_client_that_reads_nothing_holds_at_most_64_kib_of_each_answer() {
     assert!(
         for_few > 5 << 20,
         "the streams reached the origin: {for_few}"
+    );
+    // The second connection's streams all reached the origin too: a
+    // count taken before they did would say nothing.
+    assert!(
+        for_many > 5 << 20,
+        "the streams reached the origin: {for_many}"
     );
     let each = for_many.saturating_sub(for_few) / 50;
     assert!(each < 160 * 1024, "{} KiB held a stream", each / 1024);
