@@ -535,7 +535,7 @@ fn superseded(ctl: &Control, resync: bool) -> Reply {
             error(StatusCode::CONFLICT, why, None)
         }
         true => {
-            let why = "not applied: a push of one of the sandboxes arrived after this resync and was queued first; resync again";
+            let why = "not applied: a push of a sandbox arrived after this resync and was queued first; resync again";
             error(StatusCode::SERVICE_UNAVAILABLE, why, None)
         }
     };

@@ -263,7 +263,8 @@ async fn read_body<B: hyper::body::Body<Data = Bytes, Error = hyper::Error>>(
     let limited = Limited::new(body, doh::MAX_QUERY + 1);
     match tokio::time::timeout(BODY_TIMEOUT, limited.collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(_)) => Err(DohError::TooLarge),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(DohError::TooLarge),
+        Ok(Err(_)) => Err(DohError::Bad("the body could not be read")),
         Err(_) => Err(DohError::Bad("the body did not arrive in time")),
     }
 }

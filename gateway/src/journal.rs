@@ -299,10 +299,12 @@ pub fn recover(
 /// reading again, at most three times. Returns the last sequence number
 /// read and the number of sandboxes.
 pub fn check(registry: &Registry, state_dir: &Path) -> Result<(u64, usize), PersistError> {
+    // A new snapshot is written and renamed into place: another file.
     let snapshot = |dir: &Path| {
+        use std::os::unix::fs::MetadataExt;
         std::fs::metadata(persist::path(dir))
             .ok()
-            .map(|m| (m.len(), m.modified().ok()))
+            .map(|m| (m.ino(), m.len(), m.modified().ok()))
     };
     let mut tries = 0;
     loop {

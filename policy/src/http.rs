@@ -525,8 +525,8 @@ mod tests {
         }
     }
 
-    /// The bound on a pattern counts bytes, as its message says: 513
-    /// two-byte characters are past it.
+    /// The bound on a pattern counts bytes, as its message says: `/` and
+    /// 512 two-byte characters (513 characters, 1,025 bytes) are past it.
     #[test]
     fn a_patterns_length_is_counted_in_bytes() {
         let long = format!("/{}", "é".repeat(512));
