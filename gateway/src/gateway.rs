@@ -1007,9 +1007,10 @@ fn attribution(
 
 /// What a successor checks before it asks for a takeover (after which a
 /// failure would leave nothing serving): the CA, the origin roots and the
-/// admin token load, and the pushed state reads in this build (read into
-/// a scratch registry as recovery reads it, every policy compiled; no
-/// file changed, the running gateway writing on).
+/// admin token load, and the pushed state and the machine egress state
+/// read in this build (the policies read into a scratch registry as
+/// recovery reads them, every one compiled; no file changed, the running
+/// gateway writing on).
 pub fn preflight(config: &Config) -> Result<(), StartError> {
     let minter = minter(config)?;
     Upstreams::new(config, minter)?;
@@ -1017,9 +1018,11 @@ pub fn preflight(config: &Config) -> Result<(), StartError> {
     let platform = PlatformDenies::new(config.policy.platform_deny.clone());
     let scratch = Registry::new(Arc::new(platform));
     let (seq, n) = crate::journal::check(&scratch, &config.state_dir)?;
+    let vms = egress_machine::check_state(&config.state_dir)?;
     tracing::info!(
         sandboxes = n,
         generation = seq,
+        vms,
         "the pushed state reads in this build"
     );
     Ok(())

@@ -483,6 +483,13 @@ fn addresses_moved(before: &State, after: &State, touched: &[String]) -> Vec<IpA
     moved
 }
 
+/// Reads the machine egress state under `state_dir` as [`Machines::start`]
+/// does, and changes nothing (no file, no table): what a successor checks
+/// before it asks for a takeover. The number of VMs.
+pub fn check_state(state_dir: &Path) -> Result<usize, MachineError> {
+    store::Store::new(state_dir).check(state_dir)
+}
+
 impl Machines {
     /// Loads the state ([`store`]) and installs the node table with every VM in
     /// it — before the gateway serves anything. Whatever the table held is

@@ -83,6 +83,21 @@ impl Store {
         })
     }
 
+    /// Reads the state as [`Store::load`] does and changes nothing (the
+    /// earlier layout is read, not moved): what a successor checks before
+    /// it asks for a takeover. The number of VMs.
+    pub(crate) fn check(&self, state_dir: &Path) -> Result<usize, MachineError> {
+        let read = match self.dir.exists() {
+            true => self.read_dir().map(Some),
+            false => read_legacy(&state_dir.join(LEGACY_FILE)),
+        };
+        let state = read.map_err(|e| match e {
+            MachineError::Persist { path, message } => MachineError::Load { path, message },
+            other => other,
+        })?;
+        Ok(state.map_or(0, |s| s.vms.len()))
+    }
+
     fn load_as_stored(&self, state_dir: &Path) -> Result<Option<State>, MachineError> {
         let legacy = state_dir.join(LEGACY_FILE);
         if !self.dir.exists() {

@@ -220,6 +220,23 @@ async fn a_successor_checks_that_the_pushed_state_reads_before_it_takes_over() {
     gw.run_until(async {}).await;
 }
 
+/// The successor's check reads the machine egress state too: a VM file
+/// this build cannot read refuses the takeover, naming the file, before it
+/// would have failed the successor's start.
+#[tokio::test]
+async fn a_successor_checks_that_the_machine_egress_state_reads_before_it_takes_over() {
+    let dir = tempfile::tempdir().expect("dir");
+    let gw = start(config(dir.path(), ""), echo().await).await;
+    egress_gateway::preflight(&config(dir.path(), "")).expect("the state reads");
+    let machines = dir.path().join("machines");
+    std::fs::create_dir_all(&machines).expect("machines");
+    std::fs::write(machines.join("vm-vm1.json"), "{not json").expect("written");
+    let refused = egress_gateway::preflight(&config(dir.path(), ""));
+    let why = refused.expect_err("the takeover is refused").to_string();
+    assert!(why.contains("vm-vm1.json"), "{why}");
+    gw.run_until(async {}).await;
+}
+
 /// A state directory others may read (a Kubernetes hostPath is made
 /// 0755) is closed to them at start: it holds the pushed policies, the
 /// sandboxes' addresses and the CA's key.
