@@ -1018,7 +1018,7 @@ pub fn preflight(config: &Config) -> Result<(), StartError> {
     let platform = PlatformDenies::new(config.policy.platform_deny.clone());
     let scratch = Registry::new(Arc::new(platform));
     let (seq, n) = crate::journal::check(&scratch, &config.state_dir)?;
-    let vms = egress_machine::check_state(&config.state_dir)?;
+    let vms = egress_machine::check_state(&config.machine_egress, &config.state_dir)?;
     tracing::info!(
         sandboxes = n,
         generation = seq,

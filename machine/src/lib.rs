@@ -484,10 +484,18 @@ fn addresses_moved(before: &State, after: &State, touched: &[String]) -> Vec<IpA
 }
 
 /// Reads the machine egress state under `state_dir` as [`Machines::start`]
-/// does, and changes nothing (no file, no table): what a successor checks
-/// before it asks for a takeover. The number of VMs.
-pub fn check_state(state_dir: &Path) -> Result<usize, MachineError> {
-    store::Store::new(state_dir).check(state_dir)
+/// does, and checks each VM fits `config`'s matching as start does, but
+/// changes nothing (no file, no table): what a successor checks before it
+/// asks for a takeover. The number of VMs.
+pub fn check_state(config: &MachineEgressConfig, state_dir: &Path) -> Result<usize, MachineError> {
+    let store = store::Store::new(state_dir);
+    let Some(state) = store.check(state_dir)? else {
+        return Ok(0);
+    };
+    for vm in state.vms.values() {
+        fits(config.matching, vm, &store)?;
+    }
+    Ok(state.vms.len())
 }
 
 impl Machines {

@@ -85,17 +85,16 @@ impl Store {
 
     /// Reads the state as [`Store::load`] does and changes nothing (the
     /// earlier layout is read, not moved): what a successor checks before
-    /// it asks for a takeover. The number of VMs.
-    pub(crate) fn check(&self, state_dir: &Path) -> Result<usize, MachineError> {
+    /// it asks for a takeover.
+    pub(crate) fn check(&self, state_dir: &Path) -> Result<Option<State>, MachineError> {
         let read = match self.dir.exists() {
             true => self.read_dir().map(Some),
             false => read_legacy(&state_dir.join(LEGACY_FILE)),
         };
-        let state = read.map_err(|e| match e {
+        read.map_err(|e| match e {
             MachineError::Persist { path, message } => MachineError::Load { path, message },
             other => other,
-        })?;
-        Ok(state.map_or(0, |s| s.vms.len()))
+        })
     }
 
     fn load_as_stored(&self, state_dir: &Path) -> Result<Option<State>, MachineError> {
@@ -120,13 +119,17 @@ impl Store {
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = entry.path();
             if name == DEFAULT_FILE {
-                let doc: DefaultDoc = read_json(&path)?;
+                let Some(doc) = read_listed::<DefaultDoc>(&path)? else {
+                    continue;
+                };
                 state.default = doc.default;
             } else if let Some(id) = name
                 .strip_prefix("vm-")
                 .and_then(|n| n.strip_suffix(".json"))
             {
-                let vm: Vm = read_json(&path)?;
+                let Some(vm) = read_listed::<Vm>(&path)? else {
+                    continue;
+                };
                 if vm.id != id || valid_id(id).is_err() {
                     return Err(corrupt(&path, format!("holds VM {:?}", vm.id)));
                 }
@@ -258,9 +261,17 @@ fn read_legacy(path: &Path) -> Result<Option<State>, MachineError> {
     }
 }
 
-fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, MachineError> {
-    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| corrupt(path, e))
+/// A file the directory listed, `None` when it is gone since: a VM
+/// removed meanwhile (a successor's check reads while the running gateway
+/// writes).
+fn read_listed<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Option<T>, MachineError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| corrupt(path, e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(path, e)),
+    }
 }
 
 fn write_vm(dir: &Path, vm: &Vm) -> Result<(), MachineError> {

@@ -174,3 +174,41 @@ fn a_vm_file_is_checked_as_its_registration_was() {
         );
     }
 }
+
+/// A successor's check reads the state as start does and checks each VM
+/// against the configured matching, as start does, moving nothing: a VM
+/// matched by its addresses refuses a configuration that matches by
+/// cgroup, naming its file. A VM file gone between the listing and its
+/// read (removed meanwhile by the running gateway) is no error.
+#[test]
+fn a_check_reads_the_state_and_its_matching_and_moves_nothing() {
+    use crate::config::{MachineEgressConfig, MachineMatch};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::new(dir.path());
+    store
+        .save(&State::empty(), &two_vms(), &["a".into(), "b".into()])
+        .expect("save");
+    let mut config = MachineEgressConfig::default();
+    assert_eq!(crate::check_state(&config, dir.path()).expect("reads"), 2);
+    config.matching = MachineMatch::Cgroup;
+    let text = crate::check_state(&config, dir.path())
+        .expect_err("matched by addresses")
+        .to_string();
+    assert!(
+        text.contains("vm-a.json") || text.contains("vm-b.json"),
+        "{text}"
+    );
+    let gone = dir.path().join(DIR).join("vm-gone.json");
+    assert!(matches!(read_listed::<Vm>(&gone), Ok(None)));
+    // The earlier layout is read where it is, not moved.
+    let legacy = tempfile::tempdir().expect("tempdir");
+    let state = serde_json::to_vec(&two_vms()).expect("json");
+    std::fs::write(legacy.path().join(LEGACY_FILE), state).expect("legacy");
+    let config = MachineEgressConfig::default();
+    assert_eq!(
+        crate::check_state(&config, legacy.path()).expect("reads"),
+        2
+    );
+    assert!(legacy.path().join(LEGACY_FILE).exists());
+    assert!(!legacy.path().join(DIR).exists());
+}
