@@ -711,18 +711,9 @@ async fn refused_pushes_at_the_front_do_not_hold_up_the_rest() {
 #[tokio::test]
 async fn a_push_refused_for_good_is_not_sent_again_at_every_round() {
     let url = db!();
-    let api = api(&url, deployment(None, None)).await;
-    put(
-        &api,
-        "/v1/templates/base",
-        json!({"policy": {"default": "allow"}}),
-    )
-    .await;
-    let gw = FakeGateway::start().await;
-    register(&api, "w1", &gw, "100.64.33.0/24").await;
     let mut l = limits(5, 60_000, 100);
     l.resync_interval = Duration::from_secs(5);
-    let _d = dispatcher(&url, deployment(None, None), l).await;
+    let (api, gw, _d) = worker_behind_a_fake_gateway_with(&url, "100.64.33.0/24", l).await;
     created_and_pushed(api.addr, &url, 1).await;
     let id = gw
         .state
@@ -824,6 +815,15 @@ async fn worker_behind_a_fake_gateway(
     url: &str,
     pool: &str,
 ) -> (ApiProcess, FakeGateway, DispatcherTask) {
+    worker_behind_a_fake_gateway_with(url, pool, limits(5, 60_000, 100)).await
+}
+
+/// [`worker_behind_a_fake_gateway`] with the dispatcher's `limits`.
+async fn worker_behind_a_fake_gateway_with(
+    url: &str,
+    pool: &str,
+    limits: egress_controller::dispatcher::Limits,
+) -> (ApiProcess, FakeGateway, DispatcherTask) {
     let api = api(url, deployment(None, None)).await;
     put(
         &api,
@@ -833,7 +833,7 @@ async fn worker_behind_a_fake_gateway(
     .await;
     let gw = FakeGateway::start().await;
     register(&api, "w1", &gw, pool).await;
-    let d = dispatcher(url, deployment(None, None), limits(5, 60_000, 100)).await;
+    let d = dispatcher(url, deployment(None, None), limits).await;
     (api, gw, d)
 }
 
