@@ -543,18 +543,32 @@ pub async fn worker_seen(
     Ok(())
 }
 
+/// The predicate of a worker's (`$1`) live sandboxes with a policy: the
+/// index `sandboxes_worker_live`'s, word for word, so that the planner can
+/// prove it covers each query that reads them.
+macro_rules! worker_live {
+    () => {
+        "worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed')"
+    };
+}
+
 /// A worker's live sandboxes with a policy, by id: what its gateway should
 /// hold. Read through the index `sandboxes_worker_live` (migration 0011),
 /// whose predicate is this query's.
-pub const WORKER_SANDBOXES: &str = "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed') ORDER BY id";
+pub const WORKER_SANDBOXES: &str = concat!(
+    "SELECT id, tenant, template, egress_profiles, policy, inherits_template, provenance, state, worker, addresses, generation FROM sandboxes WHERE ",
+    worker_live!(),
+    " ORDER BY id"
+);
 
 /// About how many bytes the list of `worker`'s gateway is: the text of the
 /// policies of [`WORKER_SANDBOXES`] and 512 bytes more for each (its id,
 /// addresses, state). Read through the same index.
 pub async fn listed_size(pool: &PgPool, worker: &str) -> Result<u64, sqlx::Error> {
-    let size: i64 = sqlx::query_scalar(
-        "SELECT COALESCE(sum(octet_length(policy::text) + 512), 0)::bigint FROM sandboxes WHERE worker = $1 AND policy IS NOT NULL AND state NOT IN ('failed', 'destroyed')",
-    )
+    let size: i64 = sqlx::query_scalar(concat!(
+        "SELECT COALESCE(sum(octet_length(policy::text) + 512), 0)::bigint FROM sandboxes WHERE ",
+        worker_live!()
+    ))
     .bind(worker)
     .fetch_one(pool)
     .await?;

@@ -89,7 +89,16 @@ impl Store {
     pub(crate) fn check(&self, state_dir: &Path) -> Result<Option<State>, MachineError> {
         let read = match self.dir.exists() {
             true => self.read_dir().map(Some),
-            false => read_legacy(&state_dir.join(LEGACY_FILE)),
+            // Each VM checked as the files it would be moved to are read.
+            false => {
+                let legacy = state_dir.join(LEGACY_FILE);
+                read_legacy(&legacy).and_then(|state| {
+                    for vm in state.iter().flat_map(|s| s.vms.values()) {
+                        checked(vm, &vm.id, &legacy)?;
+                    }
+                    Ok(state)
+                })
+            }
         };
         read.map_err(|e| match e {
             MachineError::Persist { path, message } => MachineError::Load { path, message },
@@ -130,12 +139,7 @@ impl Store {
                 let Some(vm) = read_listed::<Vm>(&path)? else {
                     continue;
                 };
-                if vm.id != id || valid_id(id).is_err() {
-                    return Err(corrupt(&path, format!("holds VM {:?}", vm.id)));
-                }
-                // What a registration is checked for, checked again: these
-                // fields are written into nft's script text.
-                crate::check_stored(&vm).map_err(|e| corrupt(&path, e.to_string()))?;
+                checked(&vm, id, &path)?;
                 state.vms.insert(vm.id.clone(), std::sync::Arc::new(vm));
             } else if !name.starts_with('.') {
                 tracing::warn!(path = %path.display(), "machine egress: ignoring a file that is not a VM's");
@@ -259,6 +263,15 @@ fn read_legacy(path: &Path) -> Result<Option<State>, MachineError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(io(path, e)),
     }
+}
+
+/// A VM read from `path` as it would be registered, under the id its file
+/// is named for: these fields are written into nft's script text.
+fn checked(vm: &Vm, id: &str, path: &Path) -> Result<(), MachineError> {
+    if vm.id != id || valid_id(id).is_err() {
+        return Err(corrupt(path, format!("holds VM {:?}", vm.id)));
+    }
+    crate::check_stored(vm).map_err(|e| corrupt(path, e.to_string()))
 }
 
 /// A file the directory listed, `None` when it is gone since: a VM

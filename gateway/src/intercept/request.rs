@@ -177,11 +177,11 @@ impl Conn {
         };
         self.opening(sb, &req, (host, &lookup), overrides);
         let carried = carried_of(&mut req);
-        let head = req.method() == http::Method::HEAD;
         let resp = self.forwarded(sb, req, host, &authority, charge).await;
+        // An answer to HEAD is emptied in `handle`, whatever its status.
         match carried {
             Some((carried, method)) => self.unreflected(sb, resp, (&carried, &method), rec),
-            None if bodiless(head, resp.status()) => emptied(resp),
+            None if bodiless(false, resp.status()) => emptied(resp),
             None => resp,
         }
     }

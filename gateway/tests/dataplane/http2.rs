@@ -594,8 +594,9 @@ async fn push(e: &Env, id: &str, doc: &serde_json::Value) -> u16 {
 /// A `204` or `304` answer reaches an HTTP/2 client without the body an
 /// HTTP/2 origin may still send on it: no client reads one as part of the
 /// answer, and to a request that carried a credential's value the
-/// scrubbing of reflected values would not see it. Before, its DATA went
-/// on to the client: unscrubbed with a credential, and always without one.
+/// scrubbing of reflected values would not see it. The answer to a
+/// request with a credential was emptied already (`869eb03`); before
+/// `18b34ae`, one to a request without went on with its DATA.
 #[tokio::test]
 async fn a_204_or_304_reaches_an_http2_client_bodiless() {
     const NAME: &str = "pause.example.test";

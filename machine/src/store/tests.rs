@@ -211,4 +211,16 @@ fn a_check_reads_the_state_and_its_matching_and_moves_nothing() {
     );
     assert!(legacy.path().join(LEGACY_FILE).exists());
     assert!(!legacy.path().join(DIR).exists());
+    // Its VMs are checked as the files they would be moved to are.
+    let mut bad: serde_json::Value = serde_json::to_value(two_vms()).expect("json");
+    bad["vms"]["a"]["link"] = serde_json::json!("tap0\" }; flush ruleset; #");
+    let bad = serde_json::to_vec(&bad).expect("json");
+    std::fs::write(legacy.path().join(LEGACY_FILE), bad).expect("legacy");
+    let text = crate::check_state(&config, legacy.path())
+        .expect_err("a link that is no interface name")
+        .to_string();
+    assert!(
+        text.contains(LEGACY_FILE) && text.contains("link"),
+        "{text}"
+    );
 }
