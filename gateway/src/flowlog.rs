@@ -149,7 +149,8 @@ fn end_a_cut_line(path: &str, file: &std::fs::File, max_bytes: u64) {
 impl FlowLog {
     /// `stdout`, `off`, or a file path (appended to). A file is written up
     /// to `max_bytes`; past that, lines are dropped (and counted) until it
-    /// is rotated.
+    /// is rotated. A file renamed or removed under the log is followed: the
+    /// path is opened again (created) within a second, at the next line.
     pub fn open(target: &str, max_bytes: u64) -> std::io::Result<Self> {
         let (sink, cap): (Box<dyn Write + Send>, _) = match target {
             "off" => return Ok(Self::off()),
@@ -160,7 +161,7 @@ impl FlowLog {
                     .append(true)
                     .open(path)?;
                 end_a_cut_line(path, &file, max_bytes);
-                let cap = SizeCap::new(file.try_clone()?, max_bytes);
+                let cap = SizeCap::new(path, file.try_clone()?, max_bytes);
                 (Box::new(file), Some(cap))
             }
         };
@@ -301,6 +302,7 @@ impl Writer {
 /// A capped file: its size as last looked at (every [`SIZE_CHECK`]), and
 /// what each source wrote to it since it was last rotated.
 struct SizeCap {
+    path: String,
     file: std::fs::File,
     max_bytes: u64,
     /// When the size was last looked at (`None`: never).
@@ -309,23 +311,26 @@ struct SizeCap {
     written: HashMap<Option<IpAddr>, u64>,
     /// A source's lines were dropped past its share since the rotation.
     warned: bool,
+    /// The path could not be opened again after a rename (warned once).
+    unopened: bool,
 }
 
 impl SizeCap {
-    fn new(file: std::fs::File, max_bytes: u64) -> Self {
+    fn new(path: &str, file: std::fs::File, max_bytes: u64) -> Self {
         Self {
+            path: path.to_owned(),
             file,
             max_bytes,
             looked: None,
             size: 0,
             written: HashMap::new(),
             warned: false,
+            unopened: false,
         }
     }
 
     /// Whether the file is at its cap, as of the last look.
-    fn full(&mut self) -> bool {
-        self.look();
+    fn full(&self) -> bool {
         self.size >= self.max_bytes
     }
 
@@ -356,17 +361,20 @@ impl SizeCap {
         true
     }
 
-    /// Looks at the file's size at most every [`SIZE_CHECK`]: a size
-    /// smaller than the last one is a rotation (`copytruncate`), which
-    /// starts every source's count again. Warns when the cap is reached or
-    /// left.
-    fn look(&mut self) {
+    /// Looks at the file at most every [`SIZE_CHECK`]. A path that names
+    /// another file now, or none (logrotate's rename, with or without
+    /// `create`), is opened again: the new file is returned for the writer
+    /// to write to from then on. A size smaller than the last one is a
+    /// rotation in place (`copytruncate`). Either starts every source's
+    /// count again. Warns when the cap is reached or left.
+    fn look(&mut self) -> Option<std::fs::File> {
         if self.looked.is_some_and(|at| at.elapsed() < SIZE_CHECK) {
-            return;
+            return None;
         }
         self.looked = Some(Instant::now());
+        let reopened = self.follow();
         let size = self.file.metadata().map_or(0, |m| m.len());
-        if size < self.size {
+        if size < self.size || reopened.is_some() {
             self.written.clear();
             self.warned = false;
         }
@@ -380,6 +388,40 @@ impl SizeCap {
             );
         } else if was_over && !now_over {
             tracing::info!(size, "the flow log is below its cap again");
+        }
+        reopened
+    }
+
+    /// The path opened again when it no longer names the open file.
+    fn follow(&mut self) -> Option<std::fs::File> {
+        use std::os::unix::fs::MetadataExt;
+        let same =
+            |a: &std::fs::Metadata, b: &std::fs::Metadata| (a.dev(), a.ino()) == (b.dev(), b.ino());
+        let open = self.file.metadata().ok()?;
+        match std::fs::metadata(&self.path) {
+            Ok(at_path) if same(&at_path, &open) => return None,
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return None,
+            _ => {}
+        }
+        let opened = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .and_then(|file| Ok((file.try_clone()?, file)));
+        match opened {
+            Ok((file, for_writer)) => {
+                end_a_cut_line(&self.path, &file, self.max_bytes);
+                tracing::info!(path = %self.path, "the flow log was renamed or removed: writing to the path again");
+                self.unopened = false;
+                self.file = file;
+                Some(for_writer)
+            }
+            Err(e) => {
+                if !std::mem::replace(&mut self.unopened, true) {
+                    tracing::warn!(path = %self.path, error = %e, "the flow log was renamed or removed and its path cannot be opened again: lines go on to the file it was");
+                }
+                None
+            }
         }
     }
 }
@@ -423,7 +465,13 @@ impl Lines {
     }
 
     fn write(&mut self, at: OffsetDateTime, mut record: FlowRecord) {
-        if self.cap.as_mut().is_some_and(SizeCap::full) {
+        if let Some(file) = self.cap.as_mut().and_then(SizeCap::look) {
+            // What is buffered goes to the file renamed away, the rest to
+            // the new one (all of it, if that flush fails).
+            self.flush();
+            *self.out.get_mut() = Box::new(file);
+        }
+        if self.cap.as_ref().is_some_and(SizeCap::full) {
             self.drop_lines(1);
             return;
         }
@@ -754,6 +802,46 @@ mod tests {
         assert!(text.contains("\"bytes_up\":7"), "{text}");
     }
 
+    /// logrotate's default rotation renames the file (and may create the
+    /// next): the log writes on to the renamed file for at most a second,
+    /// then to the path again, and drops nothing. A removed file likewise.
+    #[test]
+    fn a_file_renamed_or_removed_under_the_log_is_followed() {
+        let dir = tempfile::tempdir().expect("temp");
+        let path = dir.path().join("flows.jsonl");
+        let rotated = dir.path().join("flows.jsonl.1");
+        let log = FlowLog::open(path.to_str().expect("utf-8"), 1 << 20).expect("open");
+        let written = |at: &std::path::Path| -> Vec<u64> {
+            let text = std::fs::read_to_string(at).unwrap_or_default();
+            let lines = text.lines().map(serde_json::from_str::<serde_json::Value>);
+            lines
+                .map(|l| l.expect("a whole line")["bytes_up"].as_u64().expect("n"))
+                .collect()
+        };
+        let written_out = |n: usize| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while written(&path).len() + written(&rotated).len() < n {
+                assert!(Instant::now() < deadline, "lines not written");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        log.write(record(1));
+        written_out(1);
+        std::fs::rename(&path, &rotated).expect("rotate");
+        std::thread::sleep(SIZE_CHECK + Duration::from_millis(100));
+        log.write(record(2));
+        log.write(record(3));
+        written_out(3);
+        assert_eq!(written(&rotated), [1], "renamed away with its lines");
+        assert_eq!(written(&path), [2, 3], "the path written again");
+        std::fs::remove_file(&path).expect("remove");
+        std::thread::sleep(SIZE_CHECK + Duration::from_millis(100));
+        log.write(record(4));
+        log.close();
+        assert_eq!(written(&path), [4], "created again");
+        assert_eq!(log.dropped().load(Ordering::Relaxed), 0);
+    }
+
     #[test]
     fn a_line_cut_short_by_the_run_before_is_ended_first() {
         let dir = tempfile::tempdir().expect("temp");
@@ -865,7 +953,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp");
         let path = dir.path().join("flows.jsonl");
         let file = std::fs::File::create(&path).expect("create");
-        let mut cap = SizeCap::new(file.try_clone().expect("clone"), 16 << 20);
+        let path_str = path.to_str().expect("utf-8");
+        let mut cap = SizeCap::new(path_str, file.try_clone().expect("clone"), 16 << 20);
         let (a, b, c): (IpAddr, IpAddr, IpAddr) = (
             "100.64.0.2".parse().expect("ip"),
             "100.64.0.3".parse().expect("ip"),
@@ -878,6 +967,7 @@ mod tests {
         // writes (up to 1 MiB), one that wrote its share does not.
         file.set_len(15 << 20).expect("grow");
         cap.looked = None;
+        assert!(cap.look().is_none(), "the same file");
         assert!(!cap.full());
         assert!(cap.admits(Some(c), 1000), "a newcomer writes");
         let more = std::iter::from_fn(|| cap.admits(Some(b), 1000).then_some(())).count();
@@ -885,6 +975,7 @@ mod tests {
         // Rotated (copytruncate): every source writes again.
         file.set_len(0).expect("truncate");
         cap.looked = None;
+        assert!(cap.look().is_none(), "the same file");
         assert!(!cap.full());
         assert!(
             cap.admits(Some(a), 1000),
