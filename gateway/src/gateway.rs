@@ -1009,8 +1009,9 @@ fn attribution(
 /// failure would leave nothing serving): the CA, the origin roots and the
 /// admin token load, and the pushed state and the machine egress state
 /// read in this build (the policies read into a scratch registry as
-/// recovery reads them, every one compiled; no file changed, the running
-/// gateway writing on).
+/// recovery reads them, every one compiled, and each VM's addresses
+/// claimed there against the sandboxes' and each other's; no file changed,
+/// the running gateway writing on).
 pub fn preflight(config: &Config) -> Result<(), StartError> {
     let minter = minter(config)?;
     Upstreams::new(config, minter)?;
@@ -1018,7 +1019,11 @@ pub fn preflight(config: &Config) -> Result<(), StartError> {
     let platform = PlatformDenies::new(config.policy.platform_deny.clone());
     let scratch = Registry::new(Arc::new(platform));
     let (seq, n) = crate::journal::check(&scratch, &config.state_dir)?;
-    let vms = egress_machine::check_state(&config.machine_egress, &config.state_dir)?;
+    let claim = |vm: &str, addresses: &[IpAddr]| {
+        let claimed = scratch.claim_for_vm(vm, addresses);
+        claimed.map_err(|e| e.to_string())
+    };
+    let vms = egress_machine::check_state(&config.machine_egress, &config.state_dir, claim)?;
     tracing::info!(
         sandboxes = n,
         generation = seq,

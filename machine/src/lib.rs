@@ -484,16 +484,25 @@ fn addresses_moved(before: &State, after: &State, touched: &[String]) -> Vec<IpA
 }
 
 /// Reads the machine egress state under `state_dir` as [`Machines::start`]
-/// does, and checks each VM fits `config`'s matching as start does, but
-/// changes nothing (no file, no table): what a successor checks before it
-/// asks for a takeover. The number of VMs.
-pub fn check_state(config: &MachineEgressConfig, state_dir: &Path) -> Result<usize, MachineError> {
+/// does, and checks each VM fits `config`'s matching and claims its
+/// addresses through `claim` as start does (in a scratch registry holding
+/// the recovered sandboxes, say), but changes nothing here (no file, no
+/// table): what a successor checks before it asks for a takeover. The
+/// number of VMs.
+pub fn check_state(
+    config: &MachineEgressConfig,
+    state_dir: &Path,
+    claim: impl Fn(&str, &[IpAddr]) -> Result<(), String>,
+) -> Result<usize, MachineError> {
     let store = store::Store::new(state_dir);
     let Some(state) = store.check(state_dir)? else {
         return Ok(0);
     };
     for vm in state.vms.values() {
         fits(config.matching, vm, &store)?;
+    }
+    for vm in state.vms.values() {
+        claim(&vm.id, &vm.addresses).map_err(MachineError::Conflict)?;
     }
     Ok(state.vms.len())
 }

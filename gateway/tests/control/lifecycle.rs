@@ -222,14 +222,30 @@ async fn a_successor_checks_that_the_pushed_state_reads_before_it_takes_over() {
 
 /// The successor's check reads the machine egress state too: a VM file
 /// this build cannot read refuses the takeover, naming the file, before it
-/// would have failed the successor's start.
+/// would have failed the successor's start; so does a VM holding an
+/// address a pushed sandbox holds, as the start claims each VM's addresses
+/// against the sandboxes'.
 #[tokio::test]
 async fn a_successor_checks_that_the_machine_egress_state_reads_before_it_takes_over() {
     let dir = tempfile::tempdir().expect("dir");
     let gw = start(config(dir.path(), ""), echo().await).await;
+    put_budgeted(&gw, 1 << 20).await;
     egress_gateway::preflight(&config(dir.path(), "")).expect("the state reads");
     let machines = dir.path().join("machines");
     std::fs::create_dir_all(&machines).expect("machines");
+    let vm = |address: &str| {
+        format!(
+            r#"{{"id": "vm1", "addresses": ["{address}"], "egress": null,
+                "effective": {{"mode": "allowlist", "rules": []}}}}"#
+        )
+    };
+    std::fs::write(machines.join("vm-vm1.json"), vm("127.0.0.77")).expect("written");
+    let vms = egress_gateway::preflight(&config(dir.path(), ""));
+    vms.expect("a VM of its own address reads");
+    std::fs::write(machines.join("vm-vm1.json"), vm(SANDBOX)).expect("written");
+    let refused = egress_gateway::preflight(&config(dir.path(), ""));
+    let why = refused.expect_err("the takeover is refused").to_string();
+    assert!(why.contains(SANDBOX) && why.contains("sb"), "{why}");
     std::fs::write(machines.join("vm-vm1.json"), "{not json").expect("written");
     let refused = egress_gateway::preflight(&config(dir.path(), ""));
     let why = refused.expect_err("the takeover is refused").to_string();

@@ -24,6 +24,11 @@ fn two_vms() -> State {
     s
 }
 
+/// A claim every VM's addresses pass.
+fn any(_: &str, _: &[std::net::IpAddr]) -> Result<(), String> {
+    Ok(())
+}
+
 fn inode(path: &Path) -> u64 {
     std::fs::metadata(path).expect("metadata").ino()
 }
@@ -189,15 +194,33 @@ fn a_check_reads_the_state_and_its_matching_and_moves_nothing() {
         .save(&State::empty(), &two_vms(), &["a".into(), "b".into()])
         .expect("save");
     let mut config = MachineEgressConfig::default();
-    assert_eq!(crate::check_state(&config, dir.path()).expect("reads"), 2);
+    assert_eq!(
+        crate::check_state(&config, dir.path(), any).expect("reads"),
+        2
+    );
     config.matching = MachineMatch::Cgroup;
-    let text = crate::check_state(&config, dir.path())
+    let text = crate::check_state(&config, dir.path(), any)
         .expect_err("matched by addresses")
         .to_string();
     assert!(
         text.contains("vm-a.json") || text.contains("vm-b.json"),
         "{text}"
     );
+    // Each VM's addresses are claimed as the start claims them.
+    let config = MachineEgressConfig::default();
+    let held = |vm: &str, addresses: &[std::net::IpAddr]| {
+        let clash =
+            vm == "b" && addresses == ["100.64.0.2".parse::<std::net::IpAddr>().expect("ip")];
+        if clash {
+            Err("100.64.0.2 is sandbox sb's".to_owned())
+        } else {
+            Ok(())
+        }
+    };
+    let text = crate::check_state(&config, dir.path(), held)
+        .expect_err("a VM's address held by a sandbox")
+        .to_string();
+    assert!(text.contains("100.64.0.2 is sandbox sb's"), "{text}");
     let gone = dir.path().join(DIR).join("vm-gone.json");
     assert!(matches!(read_listed::<Vm>(&gone), Ok(None)));
     // The earlier layout is read where it is, not moved.
@@ -206,7 +229,7 @@ fn a_check_reads_the_state_and_its_matching_and_moves_nothing() {
     std::fs::write(legacy.path().join(LEGACY_FILE), state).expect("legacy");
     let config = MachineEgressConfig::default();
     assert_eq!(
-        crate::check_state(&config, legacy.path()).expect("reads"),
+        crate::check_state(&config, legacy.path(), any).expect("reads"),
         2
     );
     assert!(legacy.path().join(LEGACY_FILE).exists());
@@ -216,7 +239,7 @@ fn a_check_reads_the_state_and_its_matching_and_moves_nothing() {
     bad["vms"]["a"]["link"] = serde_json::json!("tap0\" }; flush ruleset; #");
     let bad = serde_json::to_vec(&bad).expect("json");
     std::fs::write(legacy.path().join(LEGACY_FILE), bad).expect("legacy");
-    let text = crate::check_state(&config, legacy.path())
+    let text = crate::check_state(&config, legacy.path(), any)
         .expect_err("a link that is no interface name")
         .to_string();
     assert!(
