@@ -237,8 +237,9 @@ pub async fn refresh(
         // replica that reads it does it. Otherwise it is left as it is.
         let holds = |a: &str| provenance_names(&row.provenance, a);
         return match (row.policy_unreadable, taking_out) {
-            (true, Some(a)) if holds(a) => Err(sqlx::Error::Decode(
-                format!("sandbox {id}: its stored policy does not read in this build").into(),
+            (Some(why), Some(a)) if holds(a) => Err(sqlx::Error::Decode(
+                format!("sandbox {id}: its stored policy does not read in this build: {why}")
+                    .into(),
             )),
             _ => Ok(Ok(false)),
         };

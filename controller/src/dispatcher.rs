@@ -704,7 +704,7 @@ impl Dispatcher {
                     continue;
                 }
             };
-            let unreadable = unreadable(s);
+            let unreadable = unreadable(s).map(str::to_owned);
             pushes.spawn(async move {
                 let path = egress_api::gateway::sandbox(&id);
                 // A DELETE of a sandbox the gateway does not have is done;
@@ -720,11 +720,12 @@ impl Dispatcher {
                 // Forgotten by its gateway (its traffic denied), but not
                 // pushed: a build that reads the policy pushes it.
                 Ok((status, _))
-                    if unreadable && (status.is_success() || status == StatusCode::NOT_FOUND) =>
+                    if unreadable.is_some()
+                        && (status.is_success() || status == StatusCode::NOT_FOUND) =>
                 {
                     applied += i64::from(status.is_success());
-                    let why = PushError::Unsendable(format!("sandbox {id}: {UNREADABLE}"));
-                    failed.push(((id, generation), why));
+                    let why = unreadable_left(&id, unreadable.as_deref().unwrap_or_default());
+                    failed.push(((id, generation), PushError::Unsendable(why)));
                 }
                 Ok((status, _))
                     if status.is_success() || (gone && status == StatusCode::NOT_FOUND) =>
@@ -848,7 +849,7 @@ impl Dispatcher {
         let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.lease.as_ref()).await;
         logged(acked, "acknowledging the resync", &w.id);
         // One whose policy does not read here was left out: not pushed.
-        for s in view.live.iter().filter(|s| !unreadable(s)) {
+        for s in view.live.iter().filter(|s| unreadable(s).is_none()) {
             let pushed = store::pushed(&self.pool, &s.id, s.generation).await;
             logged(pushed, "marking a resynced sandbox pushed", &s.id);
         }
@@ -858,7 +859,7 @@ impl Dispatcher {
         // the gateway now, even one a newer build had pushed: queued again,
         // for that build to push.
         let left_out: Vec<(String, i64)> = (view.live.iter())
-            .filter(|s| unreadable(s))
+            .filter(|s| unreadable(s).is_some())
             .map(|s| (s.id.clone(), s.generation))
             .collect();
         let queued = store::unsettle(&self.pool, &left_out).await;
@@ -977,7 +978,7 @@ impl Dispatcher {
             settled
                 .rows
                 .iter()
-                .filter(|s| unreadable(s))
+                .filter(|s| unreadable(s).is_some())
                 .map(|s| s.id.clone()),
         );
         if differs(&settled.rows, &body, &unjudged) {
@@ -1233,12 +1234,18 @@ fn read<T>(result: Result<T, sqlx::Error>, what: &str, subject: &str) -> Option<
 /// (a newer build wrote it, during a rolling upgrade). Its gateway is made
 /// to forget it, as for any row that cannot be sent, but the change is not
 /// marked pushed: a dispatcher of the build that wrote it pushes it.
-fn unreadable(s: &SandboxRow) -> bool {
-    s.policy_unreadable && !s.state.is_ended()
+/// Why a live sandbox's stored policy does not read in this build, if it
+/// does not.
+fn unreadable(s: &SandboxRow) -> Option<&str> {
+    s.policy_unreadable
+        .as_deref()
+        .filter(|_| !s.state.is_ended())
 }
 
-/// Why a sandbox whose policy does not read here stays unpushed.
-const UNREADABLE: &str = "its stored policy does not read in this build (a newer one wrote it): its gateway forgot it, and a dispatcher of the newer build pushes it";
+/// Why a sandbox whose policy does not read here (`why`) stays unpushed.
+fn unreadable_left(id: &str, why: &str) -> String {
+    format!("sandbox {id}: its stored policy does not read in this build ({why}; a newer build may have written it): its gateway forgot it, and a dispatcher of a build that reads it pushes it")
+}
 
 /// What a sandbox row is on its gateway: `PUT /v1/sandboxes/{id}`'s body
 /// (the contract's [`PutSandbox`]), or `None` for one the gateway must
@@ -1492,7 +1499,7 @@ mod tests {
             template: "base".into(),
             egress_profiles: Vec::new(),
             policy: Some(policy),
-            policy_unreadable: false,
+            policy_unreadable: None,
             inherits_template: false,
             provenance: Value::Null,
             state: SandboxState::Running,

@@ -114,8 +114,9 @@ pub struct SandboxRow {
     pub egress_profiles: Vec<String>,
     pub policy: Option<Policy>,
     /// A policy is stored that this build cannot read (one a build of
-    /// another version wrote): `policy` is `None` then.
-    pub policy_unreadable: bool,
+    /// another version wrote): why it does not read; `policy` is `None`
+    /// then.
+    pub policy_unreadable: Option<String>,
     pub inherits_template: bool,
     pub provenance: Value,
     pub state: SandboxState,
@@ -127,11 +128,16 @@ pub struct SandboxRow {
 impl SandboxRow {
     fn from_row(r: &PgRow) -> Result<Self, sqlx::Error> {
         let stored: Option<Json<Value>> = r.try_get("policy")?;
-        let policy = stored
+        let read = stored
             .as_ref()
-            .and_then(|Json(v)| Policy::from_json(&v.to_string()).ok());
+            .map(|Json(v)| Policy::from_json(&v.to_string()));
+        let (policy, policy_unreadable) = match read {
+            Some(Ok(policy)) => (Some(policy), None),
+            Some(Err(e)) => (None, Some(e.to_string())),
+            None => (None, None),
+        };
         Ok(Self {
-            policy_unreadable: stored.is_some() && policy.is_none(),
+            policy_unreadable,
             id: r.try_get("id")?,
             tenant: r.try_get("tenant")?,
             template: r.try_get("template")?,

@@ -964,7 +964,10 @@ async fn a_policy_this_build_cannot_read_stays_unpushed_and_its_sandbox_denied()
                 .fetch_one(&mut conn)
                 .await
                 .expect("worker");
-        said = error.is_some_and(|e| e.contains(&id) && e.contains("does not read"));
+        // Naming the sandbox, and the field this build does not know.
+        said = error.is_some_and(|e| {
+            e.contains(&id) && e.contains("does not read") && e.contains("a_field_of_a_newer_build")
+        });
         let forgotten = w.gw.registry().get(&sid).is_none();
         if forgotten && (said || behind(&mut conn, &id).await == 0) {
             break;
