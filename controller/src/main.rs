@@ -263,6 +263,7 @@ async fn dispatch(
         Ok(l) => l,
         Err(e) => return fail(format_args!("--metrics-listen {metrics_listen}: {e}")),
     };
+    warn_of_shared_gateways(&pool).await;
     tokio::spawn(egress_controller::api::serve_metrics(
         listener,
         metrics.clone(),
@@ -278,6 +279,23 @@ async fn dispatch(
     };
     d.run_until(stopped()).await;
     ExitCode::SUCCESS
+}
+
+/// Warns of each group of workers registered with one gateway: a store
+/// written before registrations were checked may hold some, and their
+/// resyncs undo each other's pushes.
+async fn warn_of_shared_gateways(pool: &sqlx::PgPool) {
+    match store::workers_sharing_gateways(pool).await {
+        Ok(groups) => {
+            for workers in groups {
+                tracing::warn!(
+                    ?workers,
+                    "these workers are registered with one gateway, and each one's resyncs undo the others' pushes: register all but one of them with another admin_url (GET /v1/workers shows shares_gateway_with)"
+                );
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "could not read the workers to check their gateways"),
+    }
 }
 
 /// SIGTERM or SIGINT (a signal handler that cannot be installed: never).

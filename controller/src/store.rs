@@ -422,18 +422,56 @@ pub async fn put_worker(
 /// (however written) or name (any case, a trailing dot or not), and port
 /// (80 when none is written). Two names for one address are not found.
 pub fn same_gateway(a: &str, b: &str) -> bool {
-    let at = |url: &str| {
-        let uri: http::Uri = url.parse().ok()?;
-        let authority = uri.authority()?;
-        let host = authority.host();
-        let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let host = match bare.parse::<std::net::IpAddr>() {
-            Ok(ip) => ip.to_canonical().to_string(),
-            Err(_) => host.trim_end_matches('.').to_ascii_lowercase(),
-        };
-        Some((host, authority.port_u16().unwrap_or(80)))
+    gateway_of(a).is_some_and(|a| Some(a) == gateway_of(b))
+}
+
+/// The gateway an admin URL names, as [`same_gateway`] compares them: its
+/// host (an address in standard notation, or a name in lower case without
+/// a trailing dot) and port.
+fn gateway_of(url: &str) -> Option<(String, u16)> {
+    let uri: http::Uri = url.parse().ok()?;
+    let authority = uri.authority()?;
+    let host = authority.host();
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let host = match bare.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.to_canonical().to_string(),
+        Err(_) => host.trim_end_matches('.').to_ascii_lowercase(),
     };
-    at(a).is_some_and(|a| Some(a) == at(b))
+    Some((host, authority.port_u16().unwrap_or(80)))
+}
+
+/// Of `workers` (id, admin URL), the groups registered with one gateway
+/// ([`same_gateway`]), each in the order given: registrations are refused
+/// that would make one, but a store written before they were may hold
+/// some, and their resyncs undo each other's pushes.
+pub fn sharing_gateways<'a>(
+    workers: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Vec<Vec<String>> {
+    let mut groups: Vec<Vec<String>> = Vec::new();
+    let mut at: std::collections::HashMap<(String, u16), usize> = Default::default();
+    for (id, url) in workers {
+        let Some(gateway) = gateway_of(url) else {
+            continue;
+        };
+        let i = *at.entry(gateway).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[i].push(id.to_owned());
+    }
+    groups.retain(|g| g.len() > 1);
+    groups
+}
+
+/// The workers registered with one gateway ([`sharing_gateways`]).
+pub async fn workers_sharing_gateways(pool: &PgPool) -> Result<Vec<Vec<String>>, sqlx::Error> {
+    let workers: Vec<(String, String)> =
+        sqlx::query_as("SELECT id, admin_url FROM workers ORDER BY id")
+            .fetch_all(pool)
+            .await?;
+    Ok(sharing_gateways(
+        workers.iter().map(|(id, url)| (id.as_str(), url.as_str())),
+    ))
 }
 
 /// One worker, by id.
@@ -1064,5 +1102,23 @@ mod tests {
         ] {
             assert_eq!(same_gateway(a, b), same, "{a} {b}");
         }
+    }
+
+    #[test]
+    fn workers_on_one_gateway_are_grouped_in_their_order() {
+        let workers = [
+            ("w1", "http://gw-1:9000"),
+            ("w2", "http://gw-2:9000"),
+            ("w3", "http://GW-1:9000/"),
+            ("w4", "not a url"),
+            ("w5", "not a url"),
+            ("w6", "http://[::ffff:127.0.0.1]:9"),
+            ("w7", "http://127.0.0.1:9"),
+            ("w8", "http://gw-1.:9000"),
+        ];
+        assert_eq!(
+            super::sharing_gateways(workers),
+            [vec!["w1", "w3", "w8"], vec!["w6", "w7"]]
+        );
     }
 }

@@ -175,7 +175,19 @@ impl Api {
             let (url, token) = (w.admin_url.clone(), w.token.clone());
             probes.spawn(async move { (i, probe(&url, &token).await) });
         }
+        let shared = store::sharing_gateways(
+            (workers.iter()).map(|w| (w.id.as_str(), w.admin_url.as_str())),
+        );
         let mut docs: Vec<Value> = workers.into_iter().map(|w| w.document).collect();
+        let group_of: std::collections::HashMap<&str, &Vec<String>> = (shared.iter())
+            .flat_map(|g| g.iter().map(move |w| (w.as_str(), g)))
+            .collect();
+        for doc in &mut docs {
+            let id = doc["id"].as_str().unwrap_or_default().to_owned();
+            let group = group_of.get(id.as_str()).into_iter().flat_map(|g| g.iter());
+            let others: Vec<&String> = group.filter(|w| **w != id).collect();
+            doc["shares_gateway_with"] = json!(others);
+        }
         while let Some(done) = probes.join_next().await {
             if let Ok((i, health)) = done {
                 if let Some(doc) = docs.get_mut(i) {

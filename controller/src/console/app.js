@@ -407,6 +407,12 @@ function explained(v) {
 
 // === workers and operations ===
 
+// Workers registered with one gateway undo each other's pushes: said first.
+function shared(w) {
+  const others = w.shares_gateway_with || [];
+  return others.length ? "registered with the same gateway as " + others.join(", ") : "";
+}
+
 async function workers() {
   const g = generation;
   const r = await api("GET", "/v1/workers");
@@ -418,7 +424,8 @@ async function workers() {
       " ", el("span", { class: "note" }, (w.gateway && w.gateway.detail) || "")),
     el("td", { class: "mono" }, w.epoch || "—"),
     el("td", {}, w.sandboxes), el("td", {}, w.unpushed + (w.unpushed ? " (" + w.push_lag_s.toFixed(1) + " s behind)" : "")),
-    el("td", {}, w.needs_resync ? "resync pending" : "in sync"), el("td", {}, w.last_error || "—")));
+    el("td", {}, w.needs_resync ? "resync pending" : "in sync"),
+    el("td", {}, [shared(w), w.last_error].filter(Boolean).join("; ") || "—")));
   show(el("h1", {}, "Workers"),
     table(["Worker", "Gateway", "Epoch", "Sandboxes", "Unpushed changes", "Resync", "Last error"], rows,
       "No workers registered."),

@@ -855,6 +855,38 @@ async fn two_workers_cannot_share_one_gateway() {
         listed.to_string().contains(&format!("http://{two}")),
         "{listed}"
     );
+    let sharing = |listed: &Value| -> Vec<Value> {
+        let workers = listed["workers"].as_array().cloned().unwrap_or_default();
+        workers
+            .iter()
+            .map(|w| w["shares_gateway_with"].clone())
+            .collect()
+    };
+    assert_eq!(sharing(&listed), [json!([]), json!([])], "{listed}");
+    // A store written before the check may hold two on one gateway (its
+    // name written two ways): the list says so of each.
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let same = |name: &str| format!("http://{name}:{}", one.port());
+    let written = [
+        ("w2", same("localhost"), "100.64.11.0/24"),
+        ("w3", same("LOCALHOST."), "100.64.12.0/24"),
+    ];
+    for (id, same, pool) in written {
+        sqlx::query("INSERT INTO workers (id, admin_url, token, pool) VALUES ($1, $2, '', $3) ON CONFLICT (id) DO UPDATE SET admin_url = EXCLUDED.admin_url")
+            .bind(id)
+            .bind(&same)
+            .bind(pool)
+            .execute(&mut conn)
+            .await
+            .expect("written");
+    }
+    let (_, listed) = call(api.addr, "GET", "/v1/workers", Some(ADMIN), &[], None).await;
+    assert_eq!(
+        sharing(&listed),
+        [json!([]), json!(["w3"]), json!(["w2"])],
+        "{listed}"
+    );
 }
 
 #[tokio::test]
