@@ -673,16 +673,22 @@ impl Dispatcher {
     /// as it is stored: pushes also run while a refused resync waits to be
     /// tried again, and a registration (`PUT /v1/workers`) may have raised
     /// the flag since the row was read.
+    /// Records what `w`'s gateway said ([`store::worker_seen`], under the
+    /// lease `w` was read with); a failure to is logged with `what`.
+    async fn seen(
+        &self,
+        w: &WorkerRow,
+        said: (Option<&str>, Option<bool>, Option<&str>),
+        what: &str,
+    ) {
+        let seen = store::worker_seen(&self.pool, &w.id, said, w.lease.as_ref()).await;
+        logged(seen, what, &w.id);
+    }
+
     async fn note_push_failure(&self, w: &WorkerRow, error: &PushError) {
         let error = error.to_string();
-        let seen = store::worker_seen(
-            &self.pool,
-            &w.id,
-            (None, None, Some(&error)),
-            w.lease.as_ref(),
-        )
-        .await;
-        logged(seen, "recording the push failure", &w.id);
+        self.seen(w, (None, None, Some(&error)), "recording the push failure")
+            .await;
     }
 
     /// Pushes `chunk` concurrently: how many the gateway applied, and the failures.
@@ -793,14 +799,12 @@ impl Dispatcher {
                 .to_string();
                 tracing::warn!(worker = %w.id, %error, "resync failed; will retry");
                 self.count_push("failed");
-                let seen = store::worker_seen(
-                    &self.pool,
-                    &w.id,
+                self.seen(
+                    w,
                     (None, Some(true), Some(&error)),
-                    w.lease.as_ref(),
+                    "recording the resync failure",
                 )
                 .await;
-                logged(seen, "recording the resync failure", &w.id);
                 match refused {
                     true => Resynced::Refused,
                     false => Resynced::Failed,
@@ -827,24 +831,16 @@ impl Dispatcher {
         // no evidence of a restart: recorded as it was.
         if epoch != before.as_ref().map(|(e, _)| e.as_str()) {
             tracing::warn!(worker = %w.id, "the gateway restarted around its resync; resyncing again");
-            let seen = store::worker_seen(
-                &self.pool,
-                &w.id,
+            self.seen(
+                w,
                 (None, Some(true), None),
-                w.lease.as_ref(),
+                "flagging the gateway for resync",
             )
             .await;
-            logged(seen, "flagging the gateway for resync", &w.id);
             return false;
         }
-        let seen = store::worker_seen(
-            &self.pool,
-            &w.id,
-            (epoch, Some(false), None),
-            w.lease.as_ref(),
-        )
-        .await;
-        logged(seen, "recording the resync", &w.id);
+        self.seen(w, (epoch, Some(false), None), "recording the resync")
+            .await;
         let generation = ready.as_ref().map(|(_, g)| *g);
         let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.lease.as_ref()).await;
         logged(acked, "acknowledging the resync", &w.id);
@@ -922,14 +918,12 @@ impl Dispatcher {
             Action::Resync(cause) => {
                 let (restarted, drift) = (cause == Cause::Restarted, cause == Cause::Drift);
                 tracing::warn!(worker = %w.id, restarted, drift, "gateway out of step; resyncing");
-                let seen = store::worker_seen(
-                    &self.pool,
-                    &w.id,
+                self.seen(
+                    w,
                     (None, Some(true), None),
-                    w.lease.as_ref(),
+                    "flagging the gateway for resync",
                 )
                 .await;
-                logged(seen, "flagging the gateway for resync", &w.id);
                 true
             }
         };
