@@ -700,7 +700,10 @@ impl Gateway {
             tracing::error!(%why, "the handover failed after this gateway stopped serving: draining, then exiting with a failure (a supervisor starts a gateway on this state_dir again)");
             return Err(format!("handover: {why}"));
         }
-        let attribution = crate::handover::export(&self.dp.cache, &self.dp.registry.ids());
+        let attribution = crate::handover::Export {
+            cache: Some(self.dp.cache.clone()),
+            ids: self.dp.registry.ids(),
+        };
         // Flows still draining here spend this gateway's states after they
         // are sent: what they move is not charged again by the successor.
         let budgets = match successor.budgets {
@@ -711,13 +714,13 @@ impl Gateway {
         let Some(offer) = self.offer.take() else {
             return Ok(());
         };
-        let (n, b) = (attribution.len(), budgets.len());
+        let b = budgets.len();
         let sent = tokio::task::spawn_blocking(move || {
             offer.hand_over(successor, (&attribution, &budgets))
         })
         .await;
         let failed = match sent {
-            Ok(Ok(kept)) => {
+            Ok(Ok((kept, n))) => {
                 if let Some(stream) = kept {
                     hear_successor(stream, self.dp.clone());
                 }

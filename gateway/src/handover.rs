@@ -18,7 +18,9 @@
 //! 2. It releases `state_dir/gateway.lock`.
 //! 3. It sends one line naming the sockets, with the sockets themselves
 //!    (`SCM_RIGHTS`), then one line per attributed address with the names
-//!    and the exact time each has left, then the budget states.
+//!    and the exact time each has left (read from the cache a sandbox at a
+//!    time as they are sent, then a line of their count: no copy of the
+//!    whole is made), then the budget states.
 //! 4. The successor tells systemd it is the service's main process
 //!    (`MAINPID=`) and answers `taken`; the running gateway waits for that
 //!    before it drains, so the service never loses its main process.
@@ -108,6 +110,13 @@ struct Request {
     /// from one that does not: the drain runs its course as before.
     #[serde(default)]
     tells: bool,
+    /// The successor reads the attribution as a stream ended by a line of
+    /// its count ([`End`]): the running gateway writes each sandbox's
+    /// lines as it reads them, holding no copy of the whole (absent from
+    /// one that does not: the lines are counted in the header, all of them
+    /// read first).
+    #[serde(default)]
+    streams: bool,
 }
 
 /// What the successor says once it holds the sockets and told systemd.
@@ -146,9 +155,27 @@ struct Header {
     sockets: Vec<Kind>,
     #[serde(default)]
     attributed: usize,
+    /// The attribution lines are a stream ended by an [`End`] line (for a
+    /// successor that [`Request::streams`]); `attributed` is 0 then.
+    #[serde(default)]
+    streamed: bool,
     /// Budget state lines after the attribution lines.
     #[serde(default)]
     budgets: usize,
+}
+
+/// The line that ends a streamed attribution: how many lines it had.
+#[derive(Debug, Serialize, Deserialize)]
+struct End {
+    end: usize,
+}
+
+/// A line of a streamed attribution: one address's, or its end.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Streamed {
+    End(End),
+    Line(Attributed),
 }
 
 /// One attributed address of one sandbox: its live names, each with the
@@ -209,6 +236,7 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
         budgets: true,
         acknowledges: true,
         tells: true,
+        streams: true,
     };
     let mut line =
         serde_json::to_vec(&request).map_err(|e| HandoverError::Protocol(e.to_string()))?;
@@ -234,7 +262,10 @@ pub fn take_over(config: &Config) -> Result<Taken, HandoverError> {
     let sockets = header.sockets.into_iter().zip(fds).collect();
     let answer = stream.try_clone()?;
     let mut lines = BufReader::new(rest.chain(stream)).lines();
-    let attribution = receive_lines(&mut lines, header.attributed, "attribution")?;
+    let attribution = match header.streamed {
+        true => receive_stream(&mut lines)?,
+        false => receive_lines(&mut lines, header.attributed, "attribution")?,
+    };
     let budgets = budget_lines(&mut lines, header.budgets)?;
     acknowledge(&answer)?;
     Ok(Taken {
@@ -310,6 +341,34 @@ fn receive_lines<T: serde::de::DeserializeOwned>(
     Ok(out)
 }
 
+/// The lines of a streamed attribution, up to its [`End`], whose count
+/// must be theirs.
+fn receive_stream(
+    lines: &mut impl Iterator<Item = io::Result<String>>,
+) -> Result<Vec<Attributed>, HandoverError> {
+    let mut out = Vec::new();
+    for line in lines {
+        let read = serde_json::from_str(&line?)
+            .map_err(|e| HandoverError::Protocol(format!("bad attribution line: {e}")))?;
+        match read {
+            Streamed::Line(entry) => out.push(entry),
+            Streamed::End(End { end }) if end == out.len() => return Ok(out),
+            Streamed::End(End { end }) => {
+                let why = format!(
+                    "{} attribution lines where their end counts {end}",
+                    out.len()
+                );
+                return Err(HandoverError::Protocol(why));
+            }
+        }
+    }
+    let why = format!(
+        "{} attribution lines and no end: the stream was cut",
+        out.len()
+    );
+    Err(HandoverError::Protocol(why))
+}
+
 /// The next `expected` lines, budget states: a line this build does not
 /// read as one drops that state alone (a destination another build wrote
 /// differently); a line that is not JSON, or not a state at all (no
@@ -344,6 +403,7 @@ pub(crate) struct Successor {
     pub(crate) budgets: bool,
     acknowledges: bool,
     tells: bool,
+    streams: bool,
     /// When its request was read: it waits [`IO_TIMEOUT`] for the answer.
     asked: std::time::Instant,
 }
@@ -387,6 +447,7 @@ impl Offer {
                 budgets: true,
                 acknowledges: true,
                 tells: true,
+                streams: true,
             },
         })
     }
@@ -413,6 +474,7 @@ impl Offer {
                         budgets: request.budgets,
                         acknowledges: request.acknowledges,
                         tells: request.tells,
+                        streams: request.streams,
                         asked: std::time::Instant::now(),
                     }
                 }
@@ -466,42 +528,57 @@ impl Offer {
     /// Sends the sockets, then the attribution and the budget states, to
     /// `successor`, and waits for it to say it took over when it says it
     /// will; blocking. The connection, when the successor said it took
-    /// over and tells over it which sandboxes change ([`changes`]).
+    /// over and tells over it which sandboxes change ([`changes`]), and
+    /// the number of attribution lines sent.
     pub(crate) fn hand_over(
         self,
         successor: Successor,
-        (attribution, budgets): (&[Attributed], &[Spent]),
-    ) -> io::Result<Option<UnixStream>> {
+        (attribution, budgets): (&Export, &[Spent]),
+    ) -> io::Result<(Option<UnixStream>, usize)> {
         let Successor {
             stream: mut successor,
             acknowledges,
             tells,
+            streams,
             ..
         } = successor;
+        // A successor that reads a count first is sent a copy made first.
+        let listed = (!streams).then(|| attribution.collect());
         let header = Header {
             version: VERSION,
             refused: None,
             sockets: self.sockets.iter().map(|(k, _)| *k).collect(),
-            attributed: attribution.len(),
+            attributed: listed.as_ref().map_or(0, Vec::len),
+            streamed: streams,
             budgets: budgets.len(),
         };
         let fds: Vec<_> = self.sockets.iter().map(|(_, fd)| fd.as_fd()).collect();
         send_header(&mut successor, &header, &fds)?;
         let mut out = io::BufWriter::new(successor);
-        for entry in attribution {
-            serde_json::to_writer(&mut out, entry)?;
-            out.write_all(b"\n")?;
-        }
-        for entry in budgets {
-            serde_json::to_writer(&mut out, entry)?;
-            out.write_all(b"\n")?;
-        }
+        let sent = match listed {
+            Some(listed) => {
+                listed.iter().try_for_each(|entry| line(&mut out, entry))?;
+                listed.len()
+            }
+            None => {
+                let sent = attribution.each(|entry| line(&mut out, &entry))?;
+                line(&mut out, &End { end: sent })?;
+                sent
+            }
+        };
+        budgets.iter().try_for_each(|entry| line(&mut out, entry))?;
         let stream = out.into_inner().map_err(io::IntoInnerError::into_error)?;
         match acknowledges {
-            true => await_acknowledgement(&stream).map(|()| tells.then_some(stream)),
-            false => Ok(None),
+            true => await_acknowledgement(&stream).map(|()| (tells.then_some(stream), sent)),
+            false => Ok((None, sent)),
         }
     }
+}
+
+/// One JSON line.
+fn line(out: &mut impl Write, entry: &impl Serialize) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, entry)?;
+    out.write_all(b"\n")
 }
 
 fn read_request(stream: UnixStream) -> io::Result<(UnixStream, Request)> {
@@ -546,26 +623,49 @@ fn send_header(
     stream.write_all(&line[sent..])
 }
 
-/// A sandbox's attribution as handover lines.
-pub(crate) fn export(cache: &dns_attrib::AttributionCache, ids: &[SandboxId]) -> Vec<Attributed> {
-    let mut out = Vec::new();
-    for id in ids {
-        for (ip, names) in cache.entries(id) {
-            let names = names
-                .into_iter()
-                .map(|(n, left)| {
-                    let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
-                    (n.to_string(), ms)
-                })
-                .collect();
-            out.push(Attributed {
-                sandbox: id.as_str().to_owned(),
-                ip,
-                names,
-            });
+/// The attribution a running gateway hands over: its sandboxes' entries,
+/// read from the cache one sandbox at a time as they are sent.
+#[derive(Default)]
+pub(crate) struct Export {
+    pub(crate) cache: Option<std::sync::Arc<dns_attrib::AttributionCache>>,
+    pub(crate) ids: Vec<SandboxId>,
+}
+
+impl Export {
+    /// Hands each line to `each`, a sandbox's lines read as it comes to
+    /// it: how many there were.
+    fn each(&self, mut each: impl FnMut(Attributed) -> io::Result<()>) -> io::Result<usize> {
+        let Some(cache) = &self.cache else {
+            return Ok(0);
+        };
+        let mut n = 0;
+        for id in &self.ids {
+            for (ip, names) in cache.entries(id) {
+                let names = names
+                    .into_iter()
+                    .map(|(n, left)| {
+                        let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+                        (n.to_string(), ms)
+                    })
+                    .collect();
+                let sandbox = id.as_str().to_owned();
+                each(Attributed { sandbox, ip, names })?;
+                n += 1;
+            }
         }
+        Ok(n)
     }
-    out
+
+    /// Every line, in one copy (for a successor that reads their count
+    /// first).
+    fn collect(&self) -> Vec<Attributed> {
+        let mut out = Vec::new();
+        let _ = self.each(|entry| {
+            out.push(entry);
+            Ok(())
+        });
+        out
+    }
 }
 
 #[cfg(test)]
@@ -674,6 +774,103 @@ mod tests {
         }
     }
 
+    /// A streamed attribution is read to its end line, whose count must
+    /// be the lines'; a stream without its end, or a line that is neither,
+    /// is an error.
+    #[test]
+    fn a_streamed_attribution_is_read_to_its_end_and_counted() {
+        let line = serde_json::to_string(&Attributed {
+            sandbox: "sb1".into(),
+            ip: "203.0.113.10".parse().expect("ip"),
+            names: vec![("api.example.test".into(), 2_500)],
+        })
+        .expect("json");
+        let read = |text: String| {
+            let mut lines = BufReader::new(text.as_bytes()).lines();
+            let got = receive_stream(&mut lines)?;
+            let after: Vec<String> = lines.map(|l| l.expect("line")).collect();
+            Ok::<_, HandoverError>((got.len(), after))
+        };
+        let (n, after) = read(format!("{line}\n{line}\n{{\"end\":2}}\nbudget\n")).expect("read");
+        assert_eq!((n, after), (2, vec!["budget".to_owned()]));
+        assert_eq!(read("{\"end\":0}\n".into()).expect("none").0, 0);
+        for text in [
+            format!("{line}\n{{\"end\":3}}\n"),
+            format!("{line}\n{line}\n"),
+            format!("{line}\n{{\"other\":1}}\n{{\"end\":1}}\n"),
+        ] {
+            assert!(
+                matches!(read(text.clone()), Err(HandoverError::Protocol(_))),
+                "{text}"
+            );
+        }
+    }
+
+    /// The attribution a successor takes over, from the running gateway's
+    /// cache: streamed to a successor that reads a stream, and counted in
+    /// the header for one of an earlier build that does not.
+    #[tokio::test]
+    async fn the_attribution_is_handed_over_streamed_or_counted() {
+        use egress_policy::Hostname;
+        let cache = dns_attrib::AttributionCache::new(
+            dns_attrib::CacheConfig::default(),
+            dns_attrib::ManualClock::new(),
+        );
+        let ids: Vec<SandboxId> = ["sb1", "sb2"].map(SandboxId::new).to_vec();
+        for (i, id) in ids.iter().enumerate() {
+            for host in 1..=3u8 {
+                let ip = IpAddr::from([203, 0, 113, host + 10 * i as u8]);
+                let name = Hostname::parse(&format!("h{host}.example.test")).expect("name");
+                cache.restore(id, ip, &[(name, Duration::from_secs(60))]);
+            }
+        }
+        let export = Export {
+            cache: Some(std::sync::Arc::new(cache)),
+            ids,
+        };
+        let export = std::sync::Arc::new(export);
+        let expected = export.collect();
+        assert_eq!(expected.len(), 6);
+        for streams in [true, false] {
+            let dir = tempfile::tempdir().expect("dir");
+            let config = Config {
+                state_dir: dir.path().to_owned(),
+                ..Config::default()
+            };
+            let offer = Offer::listen(&config, Vec::new()).expect("listen");
+            let mut asked = serde_json::to_value(&offer.expected).expect("json");
+            if !streams {
+                asked.as_object_mut().expect("object").remove("streams");
+            }
+            let path = config.state_dir.join(SOCKET_FILE);
+            let asking = tokio::task::spawn_blocking(move || {
+                let mut stream = UnixStream::connect(path).expect("connect");
+                let ask = format!("{asked}\n");
+                stream.write_all(ask.as_bytes()).expect("ask");
+                let (header, _, rest) = receive_header(&stream).expect("header");
+                let answer = stream.try_clone().expect("clone");
+                let mut lines = BufReader::new(rest.chain(stream)).lines();
+                let got = match header.streamed {
+                    true => receive_stream(&mut lines).expect("streamed"),
+                    false => receive_lines(&mut lines, header.attributed, "a").expect("counted"),
+                };
+                acknowledge(&answer).expect("taken");
+                (header.streamed, header.attributed, got)
+            });
+            let successor = offer.successor().await;
+            let sending = export.clone();
+            let (_, sent) =
+                tokio::task::spawn_blocking(move || offer.hand_over(successor, (&sending, &[])))
+                    .await
+                    .expect("thread")
+                    .expect("handed over");
+            let (streamed, counted, got) = asking.await.expect("successor");
+            assert_eq!(streamed, streams);
+            assert_eq!(counted, if streams { 0 } else { 6 });
+            assert_eq!((sent, got), (6, export.collect()), "streams: {streams}");
+        }
+    }
+
     /// The lifetimes a successor takes over are counted from before the
     /// running gateway exported them, however long the export and the
     /// sending take (here 400 ms).
@@ -690,11 +887,13 @@ mod tests {
         let successor = offer.successor().await;
         tokio::time::sleep(Duration::from_millis(400)).await;
         let exported = std::time::Instant::now();
-        let kept = tokio::task::spawn_blocking(move || offer.hand_over(successor, (&[], &[])))
-            .await
-            .expect("thread")
-            .expect("handed over");
-        assert!(kept.is_some(), "kept to hear the successor's changes");
+        let kept = tokio::task::spawn_blocking(move || {
+            offer.hand_over(successor, (&Export::default(), &[]))
+        })
+        .await
+        .expect("thread")
+        .expect("handed over");
+        assert!(kept.0.is_some(), "kept to hear the successor's changes");
         let taken = taking.await.expect("thread").expect("taken");
         assert!(
             taken.received <= exported,
@@ -728,11 +927,13 @@ mod tests {
             stream
         });
         let successor = offer.successor().await;
-        let kept = tokio::task::spawn_blocking(move || offer.hand_over(successor, (&[], &[])))
-            .await
-            .expect("thread")
-            .expect("handed over");
-        assert!(kept.is_none());
+        let kept = tokio::task::spawn_blocking(move || {
+            offer.hand_over(successor, (&Export::default(), &[]))
+        })
+        .await
+        .expect("thread")
+        .expect("handed over");
+        assert!(kept.0.is_none());
         drop(asking.await.expect("successor"));
     }
 
