@@ -681,7 +681,7 @@ impl Dispatcher {
         said: (Option<&str>, Option<bool>, Option<&str>),
         what: &str,
     ) {
-        let seen = store::worker_seen(&self.pool, &w.id, said, w.lease.as_ref()).await;
+        let seen = store::worker_seen(&self.pool, w, said).await;
         logged(seen, what, &w.id);
     }
 

@@ -372,6 +372,10 @@ pub struct WorkerRow {
     /// The gateway generation the store last acknowledged (see
     /// `0005_shards_alloc.sql`); `None`: unknown.
     pub acked_generation: Option<i64>,
+    /// How many times the worker was registered when the row was read: a
+    /// resync clears `needs_resync` only if it is still the stored count
+    /// ([`worker_seen`]).
+    pub registrations: i64,
     /// The lease of the worker's shard the row was read under (by
     /// [`workers_in`]; not stored): what the dispatcher records of the
     /// worker's gateway is kept only while that lease holds
@@ -406,7 +410,7 @@ pub async fn put_worker(
         return Ok(Err(other));
     }
     sqlx::query(
-        "INSERT INTO workers (id, admin_url, token, pool) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO UPDATE SET admin_url = EXCLUDED.admin_url, token = EXCLUDED.token, pool = EXCLUDED.pool, needs_resync = true, updated_at = now()",
+        "INSERT INTO workers (id, admin_url, token, pool) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO UPDATE SET admin_url = EXCLUDED.admin_url, token = EXCLUDED.token, pool = EXCLUDED.pool, needs_resync = true, registrations = workers.registrations + 1, updated_at = now()",
     )
     .bind(id)
     .bind(admin_url)
@@ -477,7 +481,7 @@ pub async fn workers_sharing_gateways(pool: &PgPool) -> Result<Vec<Vec<String>>,
 /// One worker, by id.
 pub async fn worker(pool: &PgPool, id: &str) -> Result<Option<WorkerRow>, sqlx::Error> {
     let row = sqlx::query(
-        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation FROM workers WHERE id = $1",
+        "SELECT id, admin_url, token, pool, epoch, needs_resync, acked_generation, registrations FROM workers WHERE id = $1",
     )
     .bind(id)
     .fetch_optional(pool)
@@ -489,7 +493,7 @@ pub async fn worker(pool: &PgPool, id: &str) -> Result<Option<WorkerRow>, sqlx::
 /// lease of its shard as it is now.
 pub async fn workers_in(pool: &PgPool, shards: &[i32]) -> Result<Vec<WorkerRow>, sqlx::Error> {
     let rows = sqlx::query(
-        "SELECT w.id, w.admin_url, w.token, w.pool, w.epoch, w.needs_resync, w.acked_generation, d.holder, d.handovers FROM workers w JOIN dispatcher_shards d ON d.shard = egress_worker_shard(w.id) WHERE egress_worker_shard(w.id) = ANY($1) ORDER BY w.id",
+        "SELECT w.id, w.admin_url, w.token, w.pool, w.epoch, w.needs_resync, w.acked_generation, w.registrations, d.holder, d.handovers FROM workers w JOIN dispatcher_shards d ON d.shard = egress_worker_shard(w.id) WHERE egress_worker_shard(w.id) = ANY($1) ORDER BY w.id",
     )
     .bind(shards)
     .fetch_all(pool)
@@ -521,6 +525,7 @@ impl WorkerRow {
             epoch: r.try_get("epoch")?,
             needs_resync: r.try_get("needs_resync")?,
             acked_generation: r.try_get("acked_generation")?,
+            registrations: r.try_get("registrations")?,
             lease: None,
         })
     }
@@ -565,23 +570,27 @@ pub struct Lease {
 /// hide from it that the gateway moved.
 const HOLDS: &str = "($4::text IS NULL OR EXISTS (SELECT 1 FROM dispatcher_shards d WHERE d.shard = egress_worker_shard($1) AND d.holder = $4 AND d.handovers = $5 AND d.expires > now()))";
 
-/// Records what a worker's gateway said: its epoch, whether it needs a
+/// Records what worker `w`'s gateway said: its epoch, whether it needs a
 /// resync (`None`: the flag as it is stored, which a registration may
-/// have raised since the row was read), and the last push error.
+/// have raised since the row was read), and the last push error. A flag
+/// is cleared only if the worker was not registered again since `w` was
+/// read: a registration during a resync (the gateway moved, say) keeps it
+/// raised for the next round.
 pub async fn worker_seen(
     pool: &PgPool,
-    id: &str,
+    w: &WorkerRow,
     (epoch, needs_resync, error): (Option<&str>, Option<bool>, Option<&str>),
-    lease: Option<&Lease>,
 ) -> Result<(), sqlx::Error> {
-    let sql = format!("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = COALESCE($3, needs_resync), last_error = $6, updated_at = now() WHERE id = $1 AND {HOLDS}");
+    let sql = format!("UPDATE workers SET epoch = COALESCE($2, epoch), needs_resync = CASE WHEN NOT $3 AND registrations <> $7 THEN needs_resync ELSE COALESCE($3, needs_resync) END, last_error = $6, updated_at = now() WHERE id = $1 AND {HOLDS}");
+    let lease = w.lease.as_ref();
     sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(id)
+        .bind(&w.id)
         .bind(epoch)
         .bind(needs_resync)
         .bind(lease.map(|l| l.holder.as_str()))
         .bind(lease.map(|l| l.term))
         .bind(error)
+        .bind(w.registrations)
         .execute(pool)
         .await?;
     Ok(())

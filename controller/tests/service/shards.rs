@@ -384,7 +384,12 @@ async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
             store::acknowledge(&pool, "w1", g, 0, Some(&lease))
                 .await
                 .expect("ack");
-            store::worker_seen(&pool, "w1", (Some(&e), Some(false), None), Some(&lease))
+            let read = store::worker(&pool, "w1").await.expect("read").expect("w1");
+            let w = store::WorkerRow {
+                lease: Some(lease),
+                ..read
+            };
+            store::worker_seen(&pool, &w, (Some(&e), Some(false), None))
                 .await
                 .expect("seen");
         }
@@ -426,6 +431,52 @@ async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
 }
 
 /// Runs the futures concurrently on this task's runtime.
+/// A resync clears its worker's flag only if the worker was not
+/// registered again since the row it resynced from was read: a
+/// registration during the resync (its gateway moved, say) keeps the flag
+/// raised for the next round, which resyncs the gateway as registered now.
+#[tokio::test]
+async fn a_registration_during_a_resync_keeps_the_worker_flagged() {
+    use egress_controller::store;
+    let url = db!();
+    let gw = FakeGateway::start().await;
+    let _api = allow_all_api(&url, gw.addr, "100.64.24.0/24").await;
+    let pool = sqlx::PgPool::connect(&url).await.expect("pool");
+    let admin = format!("http://{}", gw.addr);
+    let register = || store::put_worker(&pool, "w1", &admin, "", "100.64.24.0/24");
+    let flag = || async {
+        let row = store::worker(&pool, "w1").await.expect("read");
+        row.expect("w1").needs_resync
+    };
+    let resynced = (None, Some(false), None);
+    register().await.expect("put").expect("registered");
+    let read = store::worker(&pool, "w1").await.expect("read").expect("w1");
+    store::worker_seen(&pool, &read, resynced)
+        .await
+        .expect("seen");
+    assert!(!flag().await, "a resync of the row as registered clears it");
+    // Read, registered again, then the resync of what was read ends.
+    let read = store::worker(&pool, "w1").await.expect("read").expect("w1");
+    register().await.expect("put").expect("registered again");
+    store::worker_seen(&pool, &read, resynced)
+        .await
+        .expect("seen");
+    assert!(flag().await, "registered during the resync: still flagged");
+    // A failure or a push records no flag and keeps the raised one.
+    store::worker_seen(&pool, &read, (None, None, Some("x")))
+        .await
+        .expect("seen");
+    assert!(flag().await, "kept by a push's record");
+    let read = store::worker(&pool, "w1").await.expect("read").expect("w1");
+    store::worker_seen(&pool, &read, resynced)
+        .await
+        .expect("seen");
+    assert!(
+        !flag().await,
+        "the next resync, of the row as registered now"
+    );
+}
+
 async fn futures_all<F: std::future::Future<Output = T> + Send + 'static, T: Send + 'static>(
     futures: impl Iterator<Item = F>,
 ) -> Vec<T> {
