@@ -669,10 +669,6 @@ impl Dispatcher {
         }
     }
 
-    /// Records a push's failure on the worker's row, its resync flag left
-    /// as it is stored: pushes also run while a refused resync waits to be
-    /// tried again, and a registration (`PUT /v1/workers`) may have raised
-    /// the flag since the row was read.
     /// Records what `w`'s gateway said ([`store::worker_seen`], under the
     /// lease `w` was read with); a failure to is logged with `what`.
     async fn seen(
@@ -685,6 +681,10 @@ impl Dispatcher {
         logged(seen, what, &w.id);
     }
 
+    /// Records a push's failure on the worker's row, its resync flag left
+    /// as it is stored: pushes also run while a refused resync waits to be
+    /// tried again, and a registration (`PUT /v1/workers`) may have raised
+    /// the flag since the row was read.
     async fn note_push_failure(&self, w: &WorkerRow, error: &PushError) {
         let error = error.to_string();
         self.seen(w, (None, None, Some(&error)), "recording the push failure")

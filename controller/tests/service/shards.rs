@@ -430,7 +430,6 @@ async fn a_dispatcher_without_the_lease_records_nothing_of_the_gateway() {
     );
 }
 
-/// Runs the futures concurrently on this task's runtime.
 /// A resync clears its worker's flag only if the worker was not
 /// registered again since the row it resynced from was read: a
 /// registration during the resync (its gateway moved, say) keeps the flag
@@ -475,8 +474,26 @@ async fn a_registration_during_a_resync_keeps_the_worker_flagged() {
         !flag().await,
         "the next resync, of the row as registered now"
     );
+    // A registration by an earlier build (a replica not yet upgraded),
+    // which does not count itself, moving the gateway: counted all the same.
+    let read = store::worker(&pool, "w1").await.expect("read").expect("w1");
+    let earlier = "INSERT INTO workers (id, admin_url, token, pool) VALUES ('w1', 'http://127.0.0.1:9', '', '100.64.24.0/24') ON CONFLICT (id) DO UPDATE SET admin_url = EXCLUDED.admin_url, token = EXCLUDED.token, pool = EXCLUDED.pool, needs_resync = true, updated_at = now()";
+    sqlx::query(earlier)
+        .execute(&pool)
+        .await
+        .expect("an earlier build's registration");
+    store::worker_seen(&pool, &read, resynced)
+        .await
+        .expect("seen");
+    assert!(flag().await, "moved by an earlier build: still flagged");
+    // This build's registration moving it back counts once, not twice.
+    let before = store::worker(&pool, "w1").await.expect("read").expect("w1");
+    register().await.expect("put").expect("moved back");
+    let after = store::worker(&pool, "w1").await.expect("read").expect("w1");
+    assert_eq!(after.registrations, before.registrations + 1);
 }
 
+/// Runs the futures concurrently on this task's runtime.
 async fn futures_all<F: std::future::Future<Output = T> + Send + 'static, T: Send + 'static>(
     futures: impl Iterator<Item = F>,
 ) -> Vec<T> {
