@@ -164,18 +164,12 @@ struct Header {
     budgets: usize,
 }
 
-/// The line that ends a streamed attribution: how many lines it had.
+/// The line that ends a streamed attribution: how many lines it had
+/// (that key alone: no address's line reads as one).
 #[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct End {
     end: usize,
-}
-
-/// A line of a streamed attribution: one address's, or its end.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Streamed {
-    End(End),
-    Line(Attributed),
 }
 
 /// One attributed address of one sandbox: its live names, each with the
@@ -342,25 +336,29 @@ fn receive_lines<T: serde::de::DeserializeOwned>(
 }
 
 /// The lines of a streamed attribution, up to its [`End`], whose count
-/// must be theirs.
+/// must be theirs. A line that is neither names its number and what did
+/// not read.
 fn receive_stream(
     lines: &mut impl Iterator<Item = io::Result<String>>,
 ) -> Result<Vec<Attributed>, HandoverError> {
     let mut out = Vec::new();
     for line in lines {
-        let read = serde_json::from_str(&line?)
-            .map_err(|e| HandoverError::Protocol(format!("bad attribution line: {e}")))?;
-        match read {
-            Streamed::Line(entry) => out.push(entry),
-            Streamed::End(End { end }) if end == out.len() => return Ok(out),
-            Streamed::End(End { end }) => {
-                let why = format!(
-                    "{} attribution lines where their end counts {end}",
-                    out.len()
-                );
-                return Err(HandoverError::Protocol(why));
+        let line = line?;
+        if let Ok(End { end }) = serde_json::from_str::<End>(&line) {
+            if end == out.len() {
+                return Ok(out);
             }
+            let why = format!(
+                "{} attribution lines where their end counts {end}",
+                out.len()
+            );
+            return Err(HandoverError::Protocol(why));
         }
+        let entry = serde_json::from_str(&line).map_err(|e| {
+            let n = out.len() + 1;
+            HandoverError::Protocol(format!("bad attribution line {n}: {e}"))
+        })?;
+        out.push(entry);
     }
     let why = format!(
         "{} attribution lines and no end: the stream was cut",
@@ -798,12 +796,20 @@ mod tests {
             format!("{line}\n{{\"end\":3}}\n"),
             format!("{line}\n{line}\n"),
             format!("{line}\n{{\"other\":1}}\n{{\"end\":1}}\n"),
+            format!("{line}\n{{\"end\":1,\"other\":1}}\n{{\"end\":1}}\n"),
         ] {
             assert!(
                 matches!(read(text.clone()), Err(HandoverError::Protocol(_))),
                 "{text}"
             );
         }
+        // A line that does not read names its number and what did not.
+        let bad = format!("{line}\n{{\"sandbox\":\"sb2\",\"ip\":\"x\",\"names\":[]}}\n");
+        let Err(HandoverError::Protocol(why)) = read(bad) else {
+            panic!("read")
+        };
+        assert!(why.starts_with("bad attribution line 2: "), "{why}");
+        assert!(why.contains("invalid IP address syntax"), "{why}");
     }
 
     /// The attribution a successor takes over, from the running gateway's
