@@ -29,6 +29,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use dns_attrib::held::share_with_reserve;
 use egress_policy::{Hostname, SandboxId};
 use http_body_util::combinators::BoxBody;
 use prometheus_client::metrics::gauge::Gauge;
@@ -80,9 +81,16 @@ impl PoolKey {
 /// fall quiet at the same time close theirs, and open their next upstream
 /// connection afresh).
 const MAX_PER_KEY: usize = 128;
-/// Idle connections one sandbox may keep, over all its origins.
+/// Idle connections one sandbox may keep, over all its origins, at most:
+/// less as the pool fills ([`sandbox_cap`]).
 const MAX_PER_SANDBOX: usize = 256;
 const MAX_TOTAL: usize = 4_096;
+/// A sandbox's share of the pool is never below this many entries...
+const MIN_SANDBOX_SHARE: usize = 16;
+/// ...nor above it once the pool's last eighth is reached: that eighth is
+/// a reserve the sandboxes holding little take from, so sixteen sandboxes
+/// at 256 each cannot leave every other none.
+const NEWCOMER_SHARE: usize = 16;
 const MAX_IDLE: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
@@ -227,10 +235,8 @@ impl UpstreamPool {
         if idle.swept.is_none_or(|at| expired(at, now)) {
             idle.sweep(now);
         }
-        let sandbox_full = idle
-            .per_sandbox
-            .get(&key.sandbox)
-            .is_some_and(|n| *n >= MAX_PER_SANDBOX);
+        let held = idle.per_sandbox.get(&key.sandbox).copied().unwrap_or(0);
+        let sandbox_full = held >= sandbox_cap(idle.total, idle.per_sandbox.len());
         if idle.total < MAX_TOTAL && !sandbox_full {
             let sandbox = key.sandbox.clone();
             let list = idle.by_key.entry(key).or_default();
@@ -254,6 +260,14 @@ impl UpstreamPool {
     pub(crate) fn gauge(&self) -> Gauge {
         self.pooled.clone()
     }
+}
+
+/// How many idle entries a sandbox may hold when the pool holds `total`
+/// over `holding` sandboxes: its fair share with a reserve (as the flow
+/// log's sources have theirs), at most [`MAX_PER_SANDBOX`].
+fn sandbox_cap(total: usize, holding: usize) -> usize {
+    let share = share_with_reserve(MAX_TOTAL, total, holding, MIN_SANDBOX_SHARE, NEWCOMER_SHARE);
+    share.min(MAX_PER_SANDBOX)
 }
 
 /// Whether an entry put (or a sweep made) at `at` is `MAX_IDLE` old at `now`.
@@ -396,6 +410,42 @@ mod tests {
             "b is not starved by a"
         );
         assert_eq!(idle.total, MAX_PER_SANDBOX + 1);
+    }
+
+    /// Sandboxes that each pool as much as they may one after another
+    /// leave room for the next: the last eighth of the pool goes a little
+    /// to each sandbox holding little.
+    #[tokio::test]
+    async fn sandboxes_filling_the_pool_leave_room_for_the_next() {
+        let pool = UpstreamPool::default();
+        let mut peers = Vec::new();
+        for sb in 0..MAX_TOTAL / MAX_PER_SANDBOX {
+            for i in 0..MAX_PER_SANDBOX {
+                let (s, peer) = sender().await;
+                peers.push(peer);
+                let mut k = key(&format!("sb{sb}"));
+                k.dst.set_port(u16::try_from(1000 + i).expect("port"));
+                pool.put(k, s);
+            }
+        }
+        let held = |sb: &str| {
+            let idle = pool.idle.lock().expect("lock");
+            idle.per_sandbox.get(&SandboxId::new(sb)).copied()
+        };
+        assert_eq!(
+            held("sb0"),
+            Some(MAX_PER_SANDBOX),
+            "the first filled its own"
+        );
+        assert_eq!(held("sb15"), Some(NEWCOMER_SHARE), "past seven eighths");
+        for i in 0..NEWCOMER_SHARE + 1 {
+            let (s, peer) = sender().await;
+            peers.push(peer);
+            let mut k = key("late");
+            k.dst.set_port(u16::try_from(1000 + i).expect("port"));
+            pool.put(k, s);
+        }
+        assert_eq!(held("late"), Some(NEWCOMER_SHARE), "the next still pools");
     }
 
     #[tokio::test]
