@@ -3,7 +3,7 @@
 use bytes::Bytes;
 use http::{header, Response, StatusCode};
 use http_body_util::Full;
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// A complete reply: the routes of this project never stream an answer.
 pub type Reply = Response<Full<Bytes>>;
@@ -11,7 +11,7 @@ pub type Reply = Response<Full<Bytes>>;
 /// `v` as the body, one line, `application/json`, never stored by a cache
 /// (the answers are a tenant's policies and sandboxes) nor read as another
 /// type.
-pub fn json_reply(status: StatusCode, v: &Value) -> Reply {
+pub fn json_reply<T: serde::Serialize + ?Sized>(status: StatusCode, v: &T) -> Reply {
     let mut body = serde_json::to_vec(v).unwrap_or_default();
     body.push(b'\n');
     let mut r = Response::new(Full::new(Bytes::from(body)));

@@ -298,16 +298,46 @@ fn metrics(ctl: &Control) -> Reply {
     openmetrics(ctl.dp.metrics.encode())
 }
 
+/// `GET /v1/sandboxes`. The generation is read before the sandboxes: the
+/// commit thread changes the registry before it counts the change, so the
+/// list holds at least what its generation says. Read the other way round,
+/// a change landing between the two reads was counted in a generation
+/// listed without it, and a controller that acknowledged that generation
+/// (its drift check) would never see the change. Each sandbox is written
+/// out as it is read: the reply's bytes are the only copy of the list.
 fn list(ctl: &Control) -> Reply {
-    let list: Vec<Value> = persist::document(&ctl.dp.registry, ctl.generation())
-        .sandboxes
-        .iter()
-        .map(sandbox_json)
-        .collect();
+    let generation = ctl.generation();
+    let sandboxes = Listed(ctl.dp.registry.all());
     json_reply(
         StatusCode::OK,
-        &json!({ "epoch": ctl.epoch, "generation": ctl.generation(), "sandboxes": list }),
+        &Listing {
+            epoch: &ctl.epoch,
+            generation,
+            sandboxes,
+        },
     )
+}
+
+/// The body of `GET /v1/sandboxes`.
+#[derive(serde::Serialize)]
+struct Listing<'a> {
+    epoch: &'a str,
+    generation: u64,
+    sandboxes: Listed,
+}
+
+/// Sandboxes listed, each as [`sandbox_json`] writes it.
+struct Listed(Vec<Arc<crate::registry::Sandbox>>);
+
+impl serde::Serialize for Listed {
+    fn serialize<S: serde::Serializer>(&self, out: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = out.serialize_seq(Some(self.0.len()))?;
+        for s in &self.0 {
+            seq.serialize_element(&sandbox_json(&SandboxDoc::from(&**s)))?;
+        }
+        seq.end()
+    }
 }
 
 fn get(ctl: &Control, id: &str) -> Reply {
