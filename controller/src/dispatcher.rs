@@ -786,10 +786,13 @@ impl Dispatcher {
         // took the resync (one that restarted meanwhile has another).
         let before = self.gateway_state(w).await;
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
-            Ok((status, _)) if status.is_success() => match self.resynced(w, &view, before).await {
-                true => Resynced::Done,
-                false => Resynced::Failed,
-            },
+            Ok((status, body)) if status.is_success() => {
+                let committed = body.get("generation").and_then(Value::as_i64);
+                match self.resynced(w, &view, (before, committed)).await {
+                    true => Resynced::Done,
+                    false => Resynced::Failed,
+                }
+            }
             outcome => {
                 let refused = matches!(&outcome, Ok((status, _)) if status.is_client_error());
                 let error = match outcome {
@@ -818,12 +821,16 @@ impl Dispatcher {
     /// one it reported before the resync (`before`; one missing and the
     /// other not counts), the answer may have come from a process that has
     /// since stopped: nothing is recorded but the flag, and the next round
-    /// resyncs again.
+    /// resyncs again. The generation acknowledged is the one the answer
+    /// says the resync was committed at (`committed`): the one reported
+    /// now may count another client's change since, which would then never
+    /// be compared. A gateway of an earlier build says none: the one
+    /// reported now.
     async fn resynced(
         &self,
         w: &WorkerRow,
         view: &store::ResyncView,
-        before: Option<(String, i64)>,
+        (before, committed): (Option<(String, i64)>, Option<i64>),
     ) -> bool {
         let ready = self.gateway_state(w).await;
         let epoch = ready.as_ref().map(|(e, _)| e.as_str());
@@ -841,7 +848,7 @@ impl Dispatcher {
         }
         self.seen(w, (epoch, Some(false), None), "recording the resync")
             .await;
-        let generation = ready.as_ref().map(|(_, g)| *g);
+        let generation = committed.or(ready.as_ref().map(|(_, g)| *g));
         let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.lease.as_ref()).await;
         logged(acked, "acknowledging the resync", &w.id);
         // One whose policy does not read here was left out: not pushed.

@@ -416,7 +416,7 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
         Err(order::Superseded) => return superseded(ctl, false),
     };
     match Committer::outcome(answer).await {
-        Ok(()) => {
+        Ok(_) => {
             applied(ctl);
             json_reply(StatusCode::OK, &sandbox_json(&SandboxDoc::from(&*sandbox)))
         }
@@ -480,12 +480,24 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
     if let Err((i, e)) = load_all_credentials(ctl, &docs).await {
         return bad(i, "credentials", &e);
     }
-    let n = docs.len();
     let compile = move |r: &Registry| docs.into_iter().map(|d| persist::prepare(d, r)).collect();
     let prepared = match compiled(ctl, compile).await {
         Ok(prepared) => prepared,
         Err(reply) => return rejected(ctl, reply),
     };
+    commit_resync(ctl, ticket, prepared).await
+}
+
+/// Queues a resync's `prepared` sandboxes in `ticket`'s place and answers
+/// how many, with the generation they were committed at: what a
+/// controller acknowledges, not the one it reads later, which may count
+/// another client's change since.
+async fn commit_resync(
+    ctl: &Control,
+    ticket: order::Ticket<'_>,
+    prepared: Vec<Arc<crate::registry::Sandbox>>,
+) -> Reply {
+    let n = prepared.len();
     // The evidence went as the commit thread applied the resync.
     let forget = |dp: &Dataplane, outcome: &Outcome| {
         if outcome.is_ok() {
@@ -499,9 +511,10 @@ async fn resync(ctl: &Control, docs: Vec<SandboxDoc>, lines: Option<Vec<usize>>)
         Err(order::Superseded) => return superseded(ctl, true),
     };
     match then(ctl, answer, forget).await {
-        Ok(()) => {
+        Ok(generation) => {
             applied(ctl);
-            json_reply(StatusCode::OK, &json!({ "sandboxes": n }))
+            let answer = json!({ "sandboxes": n, "generation": generation });
+            json_reply(StatusCode::OK, &answer)
         }
         Err(why) => refused(ctl, why, "sandboxes"),
     }
@@ -514,7 +527,7 @@ async fn delete(ctl: &Control, id: &str) -> Reply {
     // Missing too: a delete applied before its first caller went away. The
     // evidence went as the commit thread applied it.
     let forget = move |dp: &Dataplane, outcome: &Outcome| {
-        if matches!(outcome, Ok(()) | Err(NotApplied::Missing)) {
+        if matches!(outcome, Ok(_) | Err(NotApplied::Missing)) {
             dp.proposed.forget(&gone);
         }
     };
@@ -524,7 +537,7 @@ async fn delete(ctl: &Control, id: &str) -> Reply {
         Err(order::Superseded) => return superseded(ctl, false),
     };
     match then(ctl, answer, forget).await {
-        Ok(()) => {
+        Ok(_) => {
             applied(ctl);
             json_reply(StatusCode::OK, &json!({ "deleted": id }))
         }

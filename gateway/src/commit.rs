@@ -75,8 +75,12 @@ pub(crate) enum NotApplied {
     Busy,
 }
 
-/// What became of a change.
-pub(crate) type Outcome = Result<(), NotApplied>;
+/// What became of a change: applied, with the generation that counts it
+/// (for a change committed in a batch, the batch's last), or why not.
+pub(crate) type Outcome = Result<u64, NotApplied>;
+
+/// Whether one change of a batch applied, before the batch is durable.
+type Applied = Result<(), NotApplied>;
 
 struct Job {
     change: Change,
@@ -244,7 +248,9 @@ impl Worker {
                 }
                 Change::Seal => {
                     rx.close();
-                    let _ = first.reply.send(Ok(()));
+                    let _ = first
+                        .reply
+                        .send(Ok(self.generation.load(Ordering::Acquire)));
                     return;
                 }
                 Change::Put(_) | Change::Delete(_) | Change::Shadow(..) | Change::Promote(_) => {}
@@ -307,7 +313,7 @@ impl Worker {
     fn commit(&mut self, batch: Vec<JobBox>) {
         let before = self.registry.checkpoint();
         let mut records = Vec::with_capacity(batch.len());
-        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut outcomes: Vec<Applied> = Vec::with_capacity(batch.len());
         for job in &batch {
             let outcome = match &job.change {
                 Change::Put(s) => self.put(self.kept_shadow(s), &mut records),
@@ -349,8 +355,9 @@ impl Worker {
                 self.forget_deleted(&batch, &outcomes);
             }
         }
+        let generation = self.generation.load(Ordering::Acquire);
         for (job, outcome) in batch.into_iter().zip(outcomes) {
-            let _ = job.reply.send(outcome);
+            let _ = job.reply.send(outcome.map(|()| generation));
         }
     }
 
@@ -367,7 +374,7 @@ impl Worker {
     }
 
     /// Applies one put and queues its record.
-    fn put(&self, s: Arc<Sandbox>, records: &mut Vec<journal::Change>) -> Outcome {
+    fn put(&self, s: Arc<Sandbox>, records: &mut Vec<journal::Change>) -> Applied {
         self.registry
             .put_prepared(s.clone())
             .map_err(NotApplied::Refused)?;
@@ -409,7 +416,7 @@ impl Worker {
     /// Sandbox `id` with its shadow's candidate as its policy; refused
     /// when a push changed the policy after the shadow was put (its report
     /// never judged that change, and the promotion would undo it).
-    fn promote(&self, id: &SandboxId, records: &mut Vec<journal::Change>) -> Outcome {
+    fn promote(&self, id: &SandboxId, records: &mut Vec<journal::Change>) -> Applied {
         let Some(s) = self.registry.get(id) else {
             return Err(NotApplied::Missing);
         };
@@ -454,7 +461,7 @@ impl Worker {
                     if let Err(e) = self.journal.reset(bytes) {
                         tracing::warn!(error = %e, "the journal was not emptied after a resync (the snapshot covers its records)");
                     }
-                    Ok(())
+                    Ok(seq)
                 }
                 Err(e) => {
                     self.rolled_back(before);
@@ -482,7 +489,7 @@ impl Worker {
     /// Forgets the DNS evidence of the sandboxes a durable batch deleted,
     /// before the next change applies (a put of one of them waits for the
     /// next batch).
-    fn forget_deleted(&self, batch: &[JobBox], outcomes: &[Outcome]) {
+    fn forget_deleted(&self, batch: &[JobBox], outcomes: &[Applied]) {
         let Some(cache) = &self.cache else {
             return;
         };

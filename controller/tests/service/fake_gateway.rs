@@ -42,6 +42,9 @@ pub struct State {
     /// Pushes of these sandboxes are answered `409` (past the gateway's
     /// `limits.max_sandboxes`, say).
     pub conflict_on: std::collections::HashSet<String>,
+    /// When set, the next resync is followed at once by another client's
+    /// push (the sandbox `sb-outside`), before `/readyz` is asked again.
+    pub push_after_next_resync: bool,
 }
 
 pub struct FakeGateway {
@@ -140,7 +143,13 @@ async fn answer(
                 .filter_map(|d| Some((d["id"].as_str()?.to_owned(), d)))
                 .collect();
             s.generation += 1;
-            (200, "{}".to_owned())
+            let answer = json!({"sandboxes": s.sandboxes.len(), "generation": s.generation});
+            if std::mem::take(&mut s.push_after_next_resync) {
+                let outside = json!({"addresses": [], "policy": {"default": "allow"}});
+                s.sandboxes.insert("sb-outside".into(), outside);
+                s.generation += 1;
+            }
+            (200, answer.to_string())
         }
         ("PUT", ["v1", "sandboxes", id]) if s.conflict_on.contains(*id) => {
             s.events.push(Event::Put((*id).to_owned(), Value::Null));

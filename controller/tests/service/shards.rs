@@ -647,6 +647,45 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
     assert_eq!(s.sandboxes.len(), 3);
 }
 
+/// A resync is acknowledged at the generation the gateway answers it was
+/// committed at, not at the one `/readyz` reports afterwards: another
+/// client's push landing between the two is found as drift, and resynced
+/// away, instead of being counted in a generation taken as in step.
+#[tokio::test]
+async fn a_push_landing_right_after_a_resync_is_found_as_drift() {
+    let url = db!();
+    let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/24").await;
+    created_and_pushed(api.addr, &url, 2).await;
+    let resyncs = |gw: &FakeGateway| {
+        gw.events()
+            .iter()
+            .filter(|e| matches!(e, Event::Resync(_)))
+            .count()
+    };
+    let first = resyncs(&gw);
+    assert!(first >= 1, "{:?}", gw.events());
+    gw.state.lock().expect("state").push_after_next_resync = true;
+    // Registered again: resynced.
+    register(&api, "w1", &gw, "100.64.32.0/24").await;
+    let outside = |gw: &FakeGateway| {
+        gw.state
+            .lock()
+            .expect("state")
+            .sandboxes
+            .contains_key("sb-outside")
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while resyncs(&gw) < first + 2 || outside(&gw) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the push after the resync was not found: {:?}",
+            gw.events()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(gw.state.lock().expect("state").sandboxes.len(), 2);
+}
+
 /// A worker whose changes never all settle is still checked for drift:
 /// with one sandbox's push failing for good, a sandbox the store does not
 /// know found on the gateway is drift all the same, and a resync takes it

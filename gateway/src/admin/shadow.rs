@@ -57,7 +57,7 @@ pub(crate) async fn put(ctl: &Control, id: &str, doc: PutShadow) -> Reply {
         .submit(Change::Shadow(sid.clone(), Some(Box::new(candidate))))
         .await
     {
-        Ok(()) => {
+        Ok(_) => {
             applied(ctl);
             get(ctl, id)
         }
@@ -86,7 +86,7 @@ pub(crate) async fn delete(ctl: &Control, id: &str) -> Reply {
         Some(_) => {}
     }
     match ctl.committer.submit(Change::Shadow(sid, None)).await {
-        Ok(()) => {
+        Ok(_) => {
             applied(ctl);
             json_reply(StatusCode::OK, &json!({ "sandbox": id, "shadow": null }))
         }
@@ -114,7 +114,7 @@ pub(crate) async fn promote(ctl: &Control, id: &str) -> Reply {
         return no_sandbox(id);
     }
     match ctl.committer.submit(Change::Promote(sid.clone())).await {
-        Ok(()) => {
+        Ok(_) => {
             applied(ctl);
             match ctl.dp.registry.get(&sid) {
                 Some(s) => json_reply(StatusCode::OK, &sandbox_json(&SandboxDoc::from(&*s))),

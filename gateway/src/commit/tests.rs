@@ -182,7 +182,7 @@ async fn a_stalled_commit_thread_holds_a_bounded_queue() {
             break job;
         }
     };
-    let _ = seal.reply.send(Ok(()));
+    let _ = seal.reply.send(Ok(0));
     sealing.await.expect("ran").expect("sealed");
     drop(waiting);
 }
