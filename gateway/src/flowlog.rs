@@ -875,7 +875,8 @@ mod tests {
     /// this build follows the rename with no line to write; a process that
     /// keeps writing to the renamed file (a gateway of an earlier build,
     /// which does not follow one; here a file this test keeps open) gets
-    /// its file back under the path, the rotation undone.
+    /// its file back under the path, rotated in place; one that only reads
+    /// it changes nothing.
     #[test]
     fn the_packaged_rotation_loses_no_line() {
         let found = std::process::Command::new("logrotate")
@@ -929,7 +930,8 @@ mod tests {
             (vec![1], vec![2]),
             "{said}"
         );
-        // A writer that does not follow the rename.
+        // A writer that does not follow the rename (or only at its next
+        // line): its file is rotated in place, the path never dropped.
         let dir = tempfile::tempdir().expect("temp");
         let path = dir.path().join("flows.jsonl");
         let mut earlier = std::fs::OpenOptions::new()
@@ -940,9 +942,23 @@ mod tests {
         writeln!(earlier, "{{\"bytes_up\":1}}").expect("line 1");
         let (path, said) = rotate(dir.path());
         writeln!(earlier, "{{\"bytes_up\":2}}").expect("line 2");
-        assert_eq!(lines_in(&path), [1, 2], "{said}");
-        assert!(!dir.path().join("flows.jsonl.1").exists());
-        assert!(said.contains("the rotation is undone"), "{said}");
+        let rotated = dir.path().join("flows.jsonl.1");
+        assert_eq!(
+            (lines_in(&rotated), lines_in(&path)),
+            (vec![1], vec![2]),
+            "{said}"
+        );
+        assert!(said.contains("rotated in place instead"), "{said}");
+        // A process that only reads the renamed file (a log shipper) is
+        // no writer: the rotation stands.
+        let dir = tempfile::tempdir().expect("temp");
+        let path = dir.path().join("flows.jsonl");
+        std::fs::write(&path, "{\"bytes_up\":1}\n").expect("write");
+        let _reading = std::fs::File::open(&path).expect("open");
+        let (path, said) = rotate(dir.path());
+        let rotated = dir.path().join("flows.jsonl.1");
+        assert_eq!(lines_in(&rotated), [1], "{said}");
+        assert!(!path.exists(), "{said}");
     }
 
     #[test]
