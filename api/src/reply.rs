@@ -12,7 +12,16 @@ pub type Reply = Response<Full<Bytes>>;
 /// (the answers are a tenant's policies and sandboxes) nor read as another
 /// type.
 pub fn json_reply<T: serde::Serialize + ?Sized>(status: StatusCode, v: &T) -> Reply {
-    let mut body = serde_json::to_vec(v).unwrap_or_default();
+    let mut body = match serde_json::to_vec(v) {
+        Ok(body) => body,
+        // Never a success with an empty body.
+        Err(e) => {
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the answer could not be written: {e}\n"),
+            )
+        }
+    };
     body.push(b'\n');
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = status;
@@ -100,5 +109,18 @@ mod tests {
             body_of(r).await,
             "{\"error\":\"body larger than 10 bytes\"}\n"
         );
+    }
+
+    /// An answer that cannot be written as JSON is a server error, never
+    /// a success with an empty body.
+    #[tokio::test]
+    async fn an_answer_that_cannot_be_written_is_a_server_error() {
+        // JSON object keys must be strings.
+        let unwritable: std::collections::BTreeMap<(u8, u8), u8> = [((1, 2), 3)].into();
+        let r = json_reply(StatusCode::OK, &unwritable);
+        assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(body_of(r)
+            .await
+            .starts_with("the answer could not be written: "));
     }
 }

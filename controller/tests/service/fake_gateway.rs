@@ -45,6 +45,8 @@ pub struct State {
     /// When set, the next resync is followed at once by another client's
     /// push (the sandbox `sb-outside`), before `/readyz` is asked again.
     pub push_after_next_resync: bool,
+    /// A resync's answer says no generation (a gateway of an earlier build).
+    pub resync_answers_no_generation: bool,
 }
 
 pub struct FakeGateway {
@@ -143,7 +145,10 @@ async fn answer(
                 .filter_map(|d| Some((d["id"].as_str()?.to_owned(), d)))
                 .collect();
             s.generation += 1;
-            let answer = json!({"sandboxes": s.sandboxes.len(), "generation": s.generation});
+            let mut answer = json!({"sandboxes": s.sandboxes.len(), "generation": s.generation});
+            if s.resync_answers_no_generation {
+                answer = json!({"sandboxes": s.sandboxes.len()});
+            }
             if std::mem::take(&mut s.push_after_next_resync) {
                 let outside = json!({"addresses": [], "policy": {"default": "allow"}});
                 s.sandboxes.insert("sb-outside".into(), outside);

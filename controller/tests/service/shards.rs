@@ -650,7 +650,9 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
 /// A resync is acknowledged at the generation the gateway answers it was
 /// committed at, not at the one `/readyz` reports afterwards: another
 /// client's push landing between the two is found as drift, and resynced
-/// away, instead of being counted in a generation taken as in step.
+/// away, instead of being counted in a generation taken as in step. A
+/// gateway of an earlier build, whose answer says none, is acknowledged
+/// at its `/readyz` generation.
 #[tokio::test]
 async fn a_push_landing_right_after_a_resync_is_found_as_drift() {
     let url = db!();
@@ -684,6 +686,34 @@ async fn a_push_landing_right_after_a_resync_is_found_as_drift() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(gw.state.lock().expect("state").sandboxes.len(), 2);
+    // A gateway of an earlier build says no generation: the one its
+    // `/readyz` reports after the resync is acknowledged, so the checks
+    // after it find the gateway in step and fetch no list.
+    let pool = sqlx::PgPool::connect(&url).await.expect("pool");
+    let acked = || async {
+        let row = egress_controller::store::worker(&pool, "w1")
+            .await
+            .expect("read");
+        row.expect("w1").acked_generation
+    };
+    let lists = |gw: &FakeGateway| gw.events().iter().filter(|e| **e == Event::List).count();
+    let (before, listed) = (resyncs(&gw), lists(&gw));
+    gw.state.lock().expect("state").resync_answers_no_generation = true;
+    register(&api, "w1", &gw, "100.64.32.0/24").await;
+    let now = || gw.state.lock().expect("state").generation;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while resyncs(&gw) <= before || acked().await != Some(now()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "acknowledged {:?}, the gateway at {}",
+            acked().await,
+            now()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Five check intervals.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(lists(&gw), listed, "{:?}", gw.events());
 }
 
 /// A worker whose changes never all settle is still checked for drift:
