@@ -493,6 +493,19 @@ async fn a_registration_during_a_resync_keeps_the_worker_flagged() {
     assert_eq!(after.registrations, before.registrations + 1);
 }
 
+/// The resyncs the fake gateway was sent.
+fn resyncs(gw: &FakeGateway) -> usize {
+    gw.events()
+        .iter()
+        .filter(|e| matches!(e, Event::Resync(_)))
+        .count()
+}
+
+/// The lists the fake gateway was asked for.
+fn lists(gw: &FakeGateway) -> usize {
+    gw.events().iter().filter(|e| **e == Event::List).count()
+}
+
 /// Runs the futures concurrently on this task's runtime.
 async fn futures_all<F: std::future::Future<Output = T> + Send + 'static, T: Send + 'static>(
     futures: impl Iterator<Item = F>,
@@ -590,13 +603,6 @@ async fn drift_is_looked_for_by_generation_and_lists_compared_only_on_mismatch()
     created_and_pushed(api.addr, &url, 3).await;
     let in_step = r#"egress_controller_gateway_checks_total{outcome="generation"} "#;
     let listed = r#"egress_controller_gateway_checks_total{outcome="listed"} "#;
-    let lists = |gw: &FakeGateway| gw.events().iter().filter(|e| **e == Event::List).count();
-    let resyncs = |gw: &FakeGateway| {
-        gw.events()
-            .iter()
-            .filter(|e| matches!(e, Event::Resync(_)))
-            .count()
-    };
     // Once a check found it in step (on a loaded machine one taken while
     // the creates were pushed may have fetched the list), five more in
     // step fetch nothing.
@@ -658,12 +664,6 @@ async fn a_push_landing_right_after_a_resync_is_found_as_drift() {
     let url = db!();
     let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.32.0/24").await;
     created_and_pushed(api.addr, &url, 2).await;
-    let resyncs = |gw: &FakeGateway| {
-        gw.events()
-            .iter()
-            .filter(|e| matches!(e, Event::Resync(_)))
-            .count()
-    };
     let first = resyncs(&gw);
     assert!(first >= 1, "{:?}", gw.events());
     gw.state.lock().expect("state").push_after_next_resync = true;
@@ -696,7 +696,6 @@ async fn a_push_landing_right_after_a_resync_is_found_as_drift() {
             .expect("read");
         row.expect("w1").acked_generation
     };
-    let lists = |gw: &FakeGateway| gw.events().iter().filter(|e| **e == Event::List).count();
     let (before, listed) = (resyncs(&gw), lists(&gw));
     gw.state.lock().expect("state").resync_answers_no_generation = true;
     register(&api, "w1", &gw, "100.64.32.0/24").await;
@@ -725,12 +724,6 @@ async fn drift_is_found_while_a_change_of_the_worker_is_still_pending() {
     let url = db!();
     let (api, gw, _d) = worker_behind_a_fake_gateway(&url, "100.64.31.0/24").await;
     created_and_pushed(api.addr, &url, 2).await;
-    let resyncs = |gw: &FakeGateway| {
-        gw.events()
-            .iter()
-            .filter(|e| matches!(e, Event::Resync(_)))
-            .count()
-    };
     let before = resyncs(&gw);
     // One sandbox's push fails from now on, and it has a change to push.
     let stuck = {
