@@ -445,9 +445,8 @@ impl Lines {
     /// Until every sender is gone, a line per record, flushed each time the
     /// queue is empty. A line not written (a failed write, the file at its
     /// cap or the source at its share of it, the last flush failing) is
-    /// counted as dropped.
-    /// A quiet log still looks at its file every [`SIZE_CHECK`], so a
-    /// rename is followed without waiting for a line.
+    /// counted as dropped. A quiet log still looks at its file every
+    /// [`SIZE_CHECK`], so a rename is followed without waiting for a line.
     fn write_all(&mut self, rx: &Receiver<Queued>) {
         loop {
             let first = match rx.recv_timeout(SIZE_CHECK) {

@@ -701,7 +701,7 @@ impl Gateway {
             return Err(format!("handover: {why}"));
         }
         let attribution = crate::handover::Export {
-            cache: Some(self.dp.cache.clone()),
+            cache: self.dp.cache.clone(),
             ids: self.dp.registry.ids(),
         };
         // Flows still draining here spend this gateway's states after they

@@ -623,9 +623,8 @@ fn send_header(
 
 /// The attribution a running gateway hands over: its sandboxes' entries,
 /// read from the cache one sandbox at a time as they are sent.
-#[derive(Default)]
 pub(crate) struct Export {
-    pub(crate) cache: Option<std::sync::Arc<dns_attrib::AttributionCache>>,
+    pub(crate) cache: std::sync::Arc<dns_attrib::AttributionCache>,
     pub(crate) ids: Vec<SandboxId>,
 }
 
@@ -633,9 +632,7 @@ impl Export {
     /// Hands each line to `each`, a sandbox's lines read as it comes to
     /// it: how many there were.
     fn each(&self, mut each: impl FnMut(Attributed) -> io::Result<()>) -> io::Result<usize> {
-        let Some(cache) = &self.cache else {
-            return Ok(0);
-        };
+        let cache = &self.cache;
         let mut n = 0;
         for id in &self.ids {
             for (ip, names) in cache.entries(id) {
@@ -772,6 +769,18 @@ mod tests {
         }
     }
 
+    /// An attribution of no sandbox.
+    fn nothing_attributed() -> Export {
+        let cache = dns_attrib::AttributionCache::new(
+            dns_attrib::CacheConfig::default(),
+            dns_attrib::ManualClock::new(),
+        );
+        Export {
+            cache: std::sync::Arc::new(cache),
+            ids: Vec::new(),
+        }
+    }
+
     /// A streamed attribution is read to its end line, whose count must
     /// be the lines'; a stream without its end, or a line that is neither,
     /// is an error.
@@ -831,7 +840,7 @@ mod tests {
             }
         }
         let export = Export {
-            cache: Some(std::sync::Arc::new(cache)),
+            cache: std::sync::Arc::new(cache),
             ids,
         };
         let export = std::sync::Arc::new(export);
@@ -894,7 +903,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(400)).await;
         let exported = std::time::Instant::now();
         let kept = tokio::task::spawn_blocking(move || {
-            offer.hand_over(successor, (&Export::default(), &[]))
+            offer.hand_over(successor, (&nothing_attributed(), &[]))
         })
         .await
         .expect("thread")
@@ -934,7 +943,7 @@ mod tests {
         });
         let successor = offer.successor().await;
         let kept = tokio::task::spawn_blocking(move || {
-            offer.hand_over(successor, (&Export::default(), &[]))
+            offer.hand_over(successor, (&nothing_attributed(), &[]))
         })
         .await
         .expect("thread")

@@ -500,8 +500,6 @@ pub fn check_state(
     };
     for vm in state.vms.values() {
         fits(config.matching, vm, &store)?;
-    }
-    for vm in state.vms.values() {
         claim(&vm.id, &vm.addresses).map_err(MachineError::Conflict)?;
     }
     Ok(state.vms.len())
