@@ -70,6 +70,8 @@ admin = "127.0.0.1:$admin"
 upstreams = ["$up_addr"]
 $budget_keys
 [limits]
+# No TCP in this bench: a bound that fits any open-file limit.
+max_connections = 4000
 worker_threads = $workers
 thread_per_core = $per_core
 [log]
