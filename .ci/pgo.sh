@@ -14,7 +14,7 @@
 # pgo-train.sh names. Takes one more release build (into PGO_DIR/gen, about
 # 6 min on 2 cores) and about 40 s of training.
 #
-# Environment: PGO_DIR (default target/pgo): the instrumented build, the
+# Environment: PGO_DIR (default ${CARGO_TARGET_DIR:-target}/pgo): the instrumented build, the
 # raw counts (PGO_DIR/raw) and the profile (PGO_DIR/egress-gateway-HASH.profdata).
 # PGO_PACKAGES (default "egress-gateway egress-controller egress-cluster"):
 # the packages the release build builds together, the same set.
@@ -24,11 +24,12 @@ cd "$(dirname "$0")/.."
 say() { echo "pgo.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (the training runs in network namespaces)"
-PGO_DIR=${PGO_DIR:-$PWD/target/pgo}
+PGO_DIR=$(realpath -m "${PGO_DIR:-${CARGO_TARGET_DIR:-$PWD/target}/pgo}")
 major=$(rustc -vV | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p')
 [ -n "$major" ] || die "rustc -vV names no LLVM version"
 profdata=$(command -v "llvm-profdata-$major" || true)
-# Exit 3: no profile can be made here (.ci/run then builds without one).
+# Exit 3: no profile can be made here (.ci/run then builds without one);
+# every other failure exits 1.
 [ -n "$profdata" ] || { say "llvm-profdata-$major is missing: rustc is built on LLVM $major, and an older llvm-profdata cannot read its counts (Debian: apt-get install llvm-$major)"; exit 3; }
 
 rm -rf "$PGO_DIR/raw" "$PGO_DIR/build-scripts" "$PGO_DIR"/*.profdata
@@ -42,21 +43,24 @@ read -r -a packages <<< "${PGO_PACKAGES:-egress-gateway egress-controller egress
 say "building ${packages[*]} instrumented into $PGO_DIR/gen"
 # The build scripts are instrumented too: their counts go apart, unused.
 RUSTFLAGS="-Cprofile-generate=$PGO_DIR/build-scripts" \
-    cargo build --release --locked "${packages[@]/#/--package=}" --target-dir "$PGO_DIR/gen" >&2
+    cargo build --release --locked "${packages[@]/#/--package=}" --target-dir "$PGO_DIR/gen" >&2 ||
+    die "the instrumented build failed"
 
 say "training (benches/pgo-train.sh)"
 LLVM_PROFILE_FILE="$PGO_DIR/raw/gateway-%p.profraw" \
-    bash benches/pgo-train.sh "$PGO_DIR/gen/release/egress-gateway" >&2
+    bash benches/pgo-train.sh "$PGO_DIR/gen/release/egress-gateway" >&2 ||
+    die "the training failed (benches/pgo-train.sh, above)"
 
 shopt -s nullglob
 raw=("$PGO_DIR"/raw/*.profraw)
-# The columns of the training and the DNS gateway: each process that ran
-# wrote its counts when it stopped. Fewer means one was killed.
-[ ${#raw[@]} -ge 4 ] || die "${#raw[@]} processes wrote counts in $PGO_DIR/raw, not the 4 or more the training runs"
+# The three columns of the training and the DNS gateway, each when it
+# stopped (pgo-train.sh checks each one's file as it stops it).
+[ ${#raw[@]} -eq 4 ] || die "${#raw[@]} processes wrote counts in $PGO_DIR/raw, not the 4 the training runs"
 "$profdata" merge -o "$PGO_DIR/merged.profdata" "${raw[@]}" >&2
 # Named by its content: cargo tracks RUSTFLAGS, not the file they name, so a
 # new profile under the old name would leave an earlier build as it was.
 profile=$PGO_DIR/egress-gateway-$(sha256sum "$PGO_DIR/merged.profdata" | cut -c1-16).profdata
 mv "$PGO_DIR/merged.profdata" "$profile"
+rm -rf "$PGO_DIR/raw" "$PGO_DIR/build-scripts"
 say "profile: $profile ($(stat -c %s "$profile") bytes from ${#raw[@]} processes)"
 echo "$profile"

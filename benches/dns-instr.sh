@@ -14,6 +14,7 @@
 # --bin egress-dnsload), N=20000 queries at CONC=32 outstanding (3,000 more
 # warm up first).
 set -euo pipefail
+shopt -s inherit_errexit
 root=$(cd "$(dirname "$0")/.." && pwd)
 target=${CARGO_TARGET_DIR:-$root/target}
 load=${LOAD_BIN:-$target/release/egress-dnsload}
@@ -23,7 +24,12 @@ command -v valgrind >/dev/null || { echo "dns-instr.sh: valgrind is not installe
 [ -x "$load" ] || { echo "dns-instr.sh: no load tool at $load" >&2; exit 1; }
 state=$(mktemp -d /tmp/egress-dns-instr.XXXXXX)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$state"; }
+# The gateways start in count()'s subshell: their pids go by file.
+cleanup() {
+    for p in "${pids[@]}" $(cat "$state"/*.pid 2>/dev/null); do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$state"
+}
 trap cleanup EXIT
 "$load" serve --listen 127.0.0.1:25363 > "$state/upstream.out" 2>&1 &
 pids+=($!)
@@ -53,8 +59,13 @@ EOF
     RUST_LOG=warn valgrind --tool=callgrind --separate-threads=no --dump-instr=no \
         --callgrind-out-file="$d/callgrind.%p" "$bin" run --config "$d/gateway.toml" 2> "$d/gateway.err" &
     gw=$!
-    pids+=("$gw")
-    for _ in $(seq 300); do curl -sf --max-time 1 http://127.0.0.1:25010/readyz >/dev/null 2>&1 && break; sleep 0.2; done
+    echo "$gw" > "$state/$2.pid"
+    local up=0
+    for _ in $(seq 300); do
+        if curl -sf --noproxy '*' --max-time 1 http://127.0.0.1:25010/readyz >/dev/null 2>&1; then up=1; break; fi
+        sleep 0.2
+    done
+    [ "$up" = 1 ] || { echo "dns-instr.sh: $2 did not become ready ($d/gateway.err)" >&2; exit 1; }
     "$load" query --target 127.0.0.1:25063 --source 127.0.0.2 --count 3000 --concurrency "$CONC" --prefix "warm-$2-" > /dev/null
     callgrind_control -z "$gw" > /dev/null 2>&1
     "$load" query --target 127.0.0.1:25063 --source 127.0.0.2 --count "$N" --concurrency "$CONC" --prefix "load-$2-" > "$d/load.out"
@@ -65,6 +76,7 @@ EOF
     total=$(awk '/^totals:/ {print $2; exit}' "$f")
     kill "$gw"
     wait "$gw" 2>/dev/null || true
+    rm -f "$state/$2.pid"
     grep -q '"failed": 0' "$d/load.out" || { echo "dns-instr.sh: $2: queries failed: $(cat "$d/load.out")" >&2; exit 1; }
     echo "$((total / N))"
 }

@@ -79,10 +79,25 @@ column() {
     "$EB_DIR/topo.sh" mode $("$EB_DIR/peers.sh" ports "$1")
     eb_log "training: $1"
 }
+# Each column's counts are checked as it stops: peers.sh kills a column that
+# has not stopped 5 s after SIGTERM, and a killed process writes nothing.
 stop() {
+    local pid
+    pid=$(cat "$EB_RUN/$1/gateway.pid")
     "$EB_DIR/topo.sh" mode off >/dev/null
     "$EB_DIR/peers.sh" stop "$1"
+    if [ -n "${LLVM_PROFILE_FILE:-}" ] && [ ! -s "${LLVM_PROFILE_FILE//%p/$pid}" ]; then
+        eb_die "$1 (pid $pid) wrote no counts to ${LLVM_PROFILE_FILE//%p/$pid}: killed before it stopped?"
+    fi
 }
+
+# The training's sandbox denies one name, refused at its ClientHello below
+# (the columns' policy allows the origin's whole range by address).
+sed 's/"default": "deny", /"default": "deny", "deny": [{"domain": "refused.test"}], /' \
+    "$EB_RUN/gateway/sandbox.json" > "$EB_RUN/pgo-sandbox.json"
+grep -q refused.test "$EB_RUN/pgo-sandbox.json" || eb_die "the training's policy lost its deny"
+eb_in "$NS_GW" curl -sf --max-time 5 -X PUT --data-binary @"$EB_RUN/pgo-sandbox.json" \
+    "http://127.0.0.1:$GW_ADMIN_PORT/v1/sandboxes/eb-client" >/dev/null || eb_die "the training's policy push failed"
 
 column gateway
 client wrk -t1 -c4 -d"${SECS}s" --timeout 5s "$URL/1k" >/dev/null
@@ -93,8 +108,12 @@ client wrk -t1 -c2 -d"${SECS}s" --timeout 5s "http://$ORIGIN_HOST/1k" >/dev/null
 client h2load -t1 -c2 -m8 -n 2000 -d "$EB_RUN/pgo-body" "$URL/post" >/dev/null
 tls --conns 4 --host "$ORIGIN_HOST" --path /1k >/dev/null
 tls --conns 4 --host "$ORIGIN_HOST" --path /1k --resume >/dev/null
-# Refused at the ClientHello: every handshake fails, as it must.
+# Refused at the ClientHello: every handshake fails, as it must, and the
+# gateway counts them as the tenant's deny.
 tls --conns 2 --host refused.test --path /1k >/dev/null 2>&1 || true
+eb_in "$NS_GW" curl -sf --max-time 5 "http://127.0.0.1:$GW_ADMIN_PORT/metrics" |
+    grep -Eq '^egress_flows_total\{verdict="deny",reason="tenant_deny"\} [1-9]' ||
+    eb_die "no flow to refused.test was denied: the refused path was not trained"
 stop gateway
 
 column gateway-ro
