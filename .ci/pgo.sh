@@ -11,8 +11,8 @@
 # per request by a fifth (benches/RESULTS.md, "The release build guided by a
 # profile"). Root (namespaces). Needs llvm-profdata of the LLVM version
 # rustc is built on (Debian: llvm-N, N its major version) and what
-# pgo-train.sh names. Takes one more release build (into PGO_DIR/gen, about
-# 6 min on 2 cores) and about 40 s of training.
+# pgo-train.sh names. Takes one more release build (into PGO_DIR/gen: 7 min
+# alone on 2 cores, 16 min beside CI's fuzz build) and about 40 s of training.
 #
 # Environment: PGO_DIR (default ${CARGO_TARGET_DIR:-target}/pgo): the instrumented build, the
 # raw counts (PGO_DIR/raw) and the profile (PGO_DIR/egress-gateway-HASH.profdata).
