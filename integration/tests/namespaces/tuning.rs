@@ -15,22 +15,47 @@ const TENANT_POLICY: &str = r#"{"default": "deny", "tls_interception": "on",
 
 /// What sb1 tries: `GET https://api.example.test/`, `POST
 /// https://other.example.test/v1/x` and `GET https://plain.example.test/`;
-/// each answer's HTTP status (0 when refused before any answer).
-fn attempts(t: &Topology) -> [u16; 3] {
+/// each answer's HTTP status (0 when refused before any answer), and what
+/// curl printed for each.
+fn attempts_said(t: &Topology) -> ([u16; 3], [String; 3]) {
     let status = |url: &str, extra: &[&str]| {
         let mut args = vec!["-4", "-o", "/dev/null", "-w", "%{http_code}"];
         args.extend_from_slice(extra);
-        let (_, out) = t.curl(&t.sb1, "gateway", url, &args);
-        out.trim().parse().unwrap_or(0)
+        let (code, out) = t.curl(&t.sb1, "gateway", url, &args);
+        let status = out.get(..3).and_then(|s| s.parse().ok()).unwrap_or(0);
+        (status, format!("{url}: curl exit {code}: {}", out.trim()))
     };
-    [
-        status("https://api.example.test/", &[]),
-        status(
-            "https://other.example.test/v1/x",
-            &["-X", "POST", "-d", "{}"],
-        ),
-        status("https://plain.example.test/", &[]),
-    ]
+    let (a, a_said) = status("https://api.example.test/", &[]);
+    let (b, b_said) = status(
+        "https://other.example.test/v1/x",
+        &["-X", "POST", "-d", "{}"],
+    );
+    let (c, c_said) = status("https://plain.example.test/", &[]);
+    ([a, b, c], [a_said, b_said, c_said])
+}
+
+/// The statuses of [`attempts_said`].
+fn attempts(t: &Topology) -> [u16; 3] {
+    attempts_said(t).0
+}
+
+/// Asserts the statuses of [`attempts_said`]; when they differ, says what
+/// curl printed and the end of the gateway's log.
+fn assert_attempts(t: &Topology, want: [u16; 3], what: &str) {
+    let (got, said) = attempts_said(t);
+    if got != want {
+        let log = std::fs::read_to_string(t.path("gateway.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        let flows = std::fs::read_to_string(t.path("flows.jsonl")).unwrap_or_default();
+        let last: Vec<&str> = flows.lines().rev().take(6).collect();
+        panic!(
+            "{what}: {got:?}, wanted {want:?}\n{}\n-- the gateway's log, its end:\n{}\n-- the flow log, its last lines:\n{}",
+            said.join("\n"),
+            tail.join("\n"),
+            last.join("\n")
+        );
+    }
 }
 
 /// The proposal whose rule is `rule`, from the controller.
@@ -72,8 +97,7 @@ fn blocked_to_allowed_through_proposals_a_shadow_and_an_approval() {
     });
 
     // Blocked: the name (reset before any answer) and the request (403).
-    let [api_name, post, plain] = attempts(&t);
-    assert_eq!((api_name, post, plain), (0, 403, 0), "before");
+    assert_attempts(&t, [0, 403, 0], "before");
 
     // The proposals name both, with the evidence.
     let name = proposal(&t, &id, &json!({"domain": "api.example.test"}));
@@ -98,7 +122,7 @@ fn blocked_to_allowed_through_proposals_a_shadow_and_an_approval() {
         Some(&candidate.to_string()),
     );
     assert_eq!(s, 200, "{v}");
-    assert_eq!(attempts(&t), [0, 403, 0], "a shadow enforced something");
+    assert_attempts(&t, [0, 403, 0], "a shadow enforced something");
     let (s, report) = api(
         &t,
         "GET",
@@ -152,7 +176,7 @@ fn blocked_to_allowed_through_proposals_a_shadow_and_an_approval() {
         assert_eq!(s, 201, "{v}");
     }
     eventually("the approvals pushed", || attempts(&t)[..2] == [200, 200]);
-    assert_eq!(attempts(&t), [200, 200, 0], "after the approval");
+    assert_attempts(&t, [200, 200, 0], "after the approval");
     // A GET on the read-only host was allowed before and still is; a PUT
     // (not proposed, not approved) is still refused.
     let (_, put) = t.curl(
