@@ -39,6 +39,9 @@ mkdir -p "$PGO_DIR/raw"
 # and a crate built with other features is other code, whose counts the
 # release build would not match (measured: a profile of the gateway built
 # alone left the three-package release build's gateway where it was).
+# Built with the release profile as it is (fat LTO): an instrumented build
+# without LTO (2.3 min shorter) made a profile the release build matched
+# next to nothing of (benches/RESULTS.md).
 read -r -a packages <<< "${PGO_PACKAGES:-egress-gateway egress-controller egress-cluster}"
 say "building ${packages[*]} instrumented into $PGO_DIR/gen"
 # The build scripts are instrumented too: their counts go apart, unused.
