@@ -17,7 +17,8 @@
 # Environment: PGO_DIR (default ${CARGO_TARGET_DIR:-target}/pgo): the instrumented build, the
 # raw counts (PGO_DIR/raw) and the profile (PGO_DIR/egress-gateway-HASH.profdata).
 # PGO_PACKAGES (default "egress-gateway egress-controller egress-cluster"):
-# the packages the release build builds together, the same set.
+# the packages the release build builds together, the same set (.ci/run
+# passes its RELEASE_PACKAGES).
 # PGO_SECS (default 2): seconds per training load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
