@@ -182,10 +182,15 @@ fn a_sandbox_created_through_the_controller_obeys_its_composed_policy_and_surviv
     assert_eq!(code, 0, "after the resync: {body}");
 }
 
-/// A new database on the test cluster, named after `prefix` and this
-/// process; its URL (over the cluster's unix socket, which crosses namespaces).
+/// A new database on the test cluster, named after `prefix`, this process
+/// and the time (a process id comes again: a cluster kept between runs
+/// still holds the databases of earlier ones); its URL (over the cluster's
+/// unix socket, which crosses namespaces).
 pub fn fresh_database(socket_dir: &str, port: &str, prefix: &str) -> String {
-    let db = format!("{prefix}_{}", std::process::id());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let db = format!("{prefix}_{}_{nanos}", std::process::id());
     let created = Command::new("psql")
         .args(["-h", socket_dir, "-p", port, "-U", "postgres", "-q", "-c"])
         .arg(format!("CREATE DATABASE {db}"))

@@ -40,7 +40,7 @@ fn attempts(t: &Topology) -> [u16; 3] {
 }
 
 /// Asserts the statuses of [`attempts_said`]; when they differ, says what
-/// curl printed and the end of the gateway's log.
+/// curl printed, the end of the gateway's log and the flow log's last lines.
 fn assert_attempts(t: &Topology, want: [u16; 3], what: &str) {
     let (got, said) = attempts_said(t);
     if got != want {
