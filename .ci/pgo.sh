@@ -12,7 +12,7 @@
 # profile"). Root (namespaces). Needs llvm-profdata of the LLVM version
 # rustc is built on (Debian: llvm-N, N its major version) and what
 # pgo-train.sh names. Takes one more release build (into PGO_DIR/gen: 7 min
-# alone on 2 cores, 16 min beside CI's fuzz build) and about 40 s of training.
+# alone on 2 cores, 14-16 min beside CI's fuzz build) and about 40 s of training.
 #
 # Environment: PGO_DIR (default ${CARGO_TARGET_DIR:-target}/pgo): the instrumented build, the
 # raw counts (PGO_DIR/raw) and the profile (PGO_DIR/egress-gateway-HASH.profdata).
