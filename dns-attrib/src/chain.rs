@@ -1,6 +1,6 @@
 //! What an answer attributes: the A/AAAA records of the name the CNAME
-//! chain that starts at the question name ends at, to every name on that
-//! chain.
+//! chain that starts at the question name ends at, and the address hints of
+//! its SVCB/HTTPS records in service mode, to every name on that chain.
 //!
 //! Only the answer section counts, only records of class IN, and only
 //! address records owned by the chain's last name: an upstream (or an
@@ -16,6 +16,8 @@ use std::net::IpAddr;
 
 use egress_policy::Hostname;
 use hickory_proto::op::Message;
+use hickory_proto::rr::rdata::svcb::{SvcParamValue, SVCB};
+use hickory_proto::rr::rdata::HTTPS;
 use hickory_proto::rr::{DNSClass, Name, RData, Record};
 
 /// Longest CNAME chain followed; real chains are a handful of links.
@@ -57,23 +59,19 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
     }
     let mut addrs = Vec::new();
     for r in internet(answer) {
-        let addr = match &r.data {
-            RData::A(a) => IpAddr::V4(a.0),
-            // `::ffff:a.b.c.d` is where a dual-stack socket connects over
-            // IPv4: it binds the IPv4 address, as an A record would.
-            RData::AAAA(a) => IpAddr::V6(a.0).to_canonical(),
-            _ => continue,
-        };
         if !same_name(last, &r.name) {
             continue;
         }
-        if !addrs.contains(&addr) {
-            if addrs.len() == MAX_ADDRS {
-                continue; // not taken: its TTL is not used either
-            }
-            addrs.push(addr);
+        let took = match &r.data {
+            RData::A(a) => take(&mut addrs, IpAddr::V4(a.0)),
+            RData::AAAA(a) => take(&mut addrs, IpAddr::V6(a.0)),
+            RData::SVCB(s) | RData::HTTPS(HTTPS(s)) => take_hints(&mut addrs, s),
+            _ => false,
+        };
+        // An address not taken (past the limit) does not lower the TTL.
+        if took {
+            ttl = ttl.min(ttl_of(r.ttl));
         }
-        ttl = ttl.min(ttl_of(r.ttl));
     }
     if addrs.is_empty() {
         return None;
@@ -92,6 +90,49 @@ pub fn attribution(question: &Name, answer: &Message) -> Option<Attribution> {
         return None;
     }
     Some(Attribution { names, addrs, ttl })
+}
+
+/// Adds `addr` to `addrs` unless it is there or they are full; whether it
+/// is there now. `::ffff:a.b.c.d` is where a dual-stack socket connects over
+/// IPv4: it binds the IPv4 address, as an A record would.
+fn take(addrs: &mut Vec<IpAddr>, addr: IpAddr) -> bool {
+    let addr = addr.to_canonical();
+    if addrs.contains(&addr) {
+        return true;
+    }
+    if addrs.len() == MAX_ADDRS {
+        return false;
+    }
+    addrs.push(addr);
+    true
+}
+
+/// The `ipv4hint` and `ipv6hint` addresses of a record in service mode,
+/// added as [`take`] adds; whether any was taken. A client that uses the
+/// record may connect to a hint for the owner's name (RFC 9460, 7.3),
+/// whatever the record's target. An alias-mode record (priority 0) binds
+/// no address: its parameters are to be ignored (RFC 9460, 2.4.2).
+fn take_hints(addrs: &mut Vec<IpAddr>, record: &SVCB) -> bool {
+    if record.svc_priority == 0 {
+        return false;
+    }
+    let mut took = false;
+    for (_, value) in &record.svc_params {
+        match value {
+            SvcParamValue::Ipv4Hint(h) => {
+                for a in &h.0 {
+                    took |= take(addrs, IpAddr::V4(a.0));
+                }
+            }
+            SvcParamValue::Ipv6Hint(h) => {
+                for a in &h.0 {
+                    took |= take(addrs, IpAddr::V6(a.0));
+                }
+            }
+            _ => {}
+        }
+    }
+    took
 }
 
 /// `name` as a hostname (lower case, no trailing dot), or `None` when it is

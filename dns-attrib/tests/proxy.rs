@@ -223,6 +223,14 @@ fn scripts() -> HashMap<String, Script> {
             ..Script::default()
         },
     );
+    // An HTTPS record alone: its address hint is the only address.
+    put(
+        "hints.test",
+        Script {
+            answers: vec![https_record("hints.test.", false)],
+            ..Script::default()
+        },
+    );
     // Failed answers that carry records all the same: none is evidence.
     put(
         "gone.test",
@@ -578,6 +586,25 @@ async fn ech_is_stripped_from_https_answers_and_the_rest_kept() {
     let (_, m) = udp(&h, SANDBOX_A, &query("api.test.", RecordType::HTTPS, None)).await;
     assert_eq!(m.metadata.response_code, ResponseCode::NoError);
     assert_eq!(h.proxy.metrics().ech_stripped.get(), 2);
+}
+
+/// A client that reads an HTTPS answer may connect to its address hint
+/// without asking for the name's A records: the hint attributes as an A
+/// record would, before the sandbox has the answer.
+#[tokio::test]
+async fn the_address_hints_of_an_https_answer_are_attributed() {
+    let h = harness(|_, _| {}, false).await;
+    assert!(names(&h, "a", "203.0.113.65").is_empty());
+    let (_, m) = udp(
+        &h,
+        SANDBOX_A,
+        &query("hints.test.", RecordType::HTTPS, None),
+    )
+    .await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(m.answers, [https_record("hints.test.", false)]);
+    assert_eq!(names(&h, "a", "203.0.113.65"), ["hints.test"]);
+    assert_eq!(h.proxy.metrics().attributed.get(), 1);
 }
 
 #[tokio::test]

@@ -236,3 +236,134 @@ fn an_ipv4_mapped_aaaa_binds_the_ipv4_address() {
     ];
     assert_eq!(at.addrs, want, "NAT64 stays as written: flows carry it so");
 }
+
+/// An HTTPS (or SVCB) record of `owner` with `priority` (0: alias mode),
+/// `target`, and the address hints given.
+fn https(owner: &str, ttl: u32, (priority, target): (u16, &str), hints: &[&str]) -> Record {
+    use hickory_proto::rr::rdata::svcb::{IpHint, SvcParamKey, SvcParamValue, SVCB};
+    let (v4, v6): (Vec<IpAddr>, Vec<IpAddr>) = hints
+        .iter()
+        .map(|h| h.parse::<IpAddr>().expect(h))
+        .partition(IpAddr::is_ipv4);
+    let mut params = vec![(
+        SvcParamKey::Alpn,
+        SvcParamValue::Alpn(hickory_proto::rr::rdata::svcb::Alpn(vec!["h2".into()])),
+    )];
+    let a4 = v4.iter().filter_map(|ip| match ip {
+        IpAddr::V4(v) => Some(A(*v)),
+        IpAddr::V6(_) => None,
+    });
+    let a6 = v6.iter().filter_map(|ip| match ip {
+        IpAddr::V6(v) => Some(AAAA(*v)),
+        IpAddr::V4(_) => None,
+    });
+    if !v4.is_empty() {
+        params.push((
+            SvcParamKey::Ipv4Hint,
+            SvcParamValue::Ipv4Hint(IpHint(a4.collect())),
+        ));
+    }
+    if !v6.is_empty() {
+        params.push((
+            SvcParamKey::Ipv6Hint,
+            SvcParamValue::Ipv6Hint(IpHint(a6.collect())),
+        ));
+    }
+    let svcb = SVCB::new(priority, n(target), params);
+    let data = RData::HTTPS(hickory_proto::rr::rdata::HTTPS(svcb));
+    Record::from_rdata(n(owner), ttl, data)
+}
+
+fn ips(list: &[&str]) -> Vec<IpAddr> {
+    list.iter().map(|s| s.parse().expect(s)).collect()
+}
+
+/// A client that reads an HTTPS answer may connect to its address hints for
+/// the name it asked, whichever target the record names: they bind as the
+/// A/AAAA records would, with the record's TTL, and an IPv4-mapped hint as
+/// its IPv4 address.
+#[test]
+fn the_address_hints_of_a_service_mode_record_bind_the_name() {
+    let m = answer(vec![https(
+        "api.test.",
+        120,
+        (1, "svc.cdn.test."),
+        &["203.0.113.7", "2001:db8::7", "::ffff:203.0.113.8"],
+    )]);
+    let got = attribution(&n("API.test."), &m).expect("attributes");
+    assert_eq!(names(&got), ["api.test"]);
+    assert_eq!(
+        got.addrs,
+        ips(&["203.0.113.7", "2001:db8::7", "203.0.113.8"])
+    );
+    assert_eq!(got.ttl, 120);
+
+    // Beside the name's A records, with the smaller TTL of those taken.
+    let m = answer(vec![
+        a("api.test.", 300, "203.0.113.7"),
+        https("api.test.", 60, (1, "."), &["203.0.113.7", "203.0.113.9"]),
+    ]);
+    let got = attribution(&n("api.test."), &m).expect("attributes");
+    assert_eq!(got.addrs, ips(&["203.0.113.7", "203.0.113.9"]));
+    assert_eq!(got.ttl, 60);
+
+    // At the end of a CNAME chain: every name on it.
+    let m = answer(vec![
+        cname("www.shop.test.", 300, "edge.cdn.test."),
+        https("edge.cdn.test.", 300, (2, "."), &["198.51.100.9"]),
+    ]);
+    let got = attribution(&n("www.shop.test."), &m).expect("attributes");
+    assert_eq!(names(&got), ["www.shop.test", "edge.cdn.test"]);
+    assert_eq!(got.addrs, ips(&["198.51.100.9"]));
+}
+
+/// Hints bind only where an A record would: in a service-mode record owned
+/// by the chain's last name, in the answer section. An alias-mode record's
+/// parameters are to be ignored; a record of another name, of a name that
+/// has a CNAME, or in the additional section binds nothing.
+#[test]
+fn hints_elsewhere_bind_nothing() {
+    let alias = answer(vec![https(
+        "api.test.",
+        300,
+        (0, "svc.cdn.test."),
+        &["203.0.113.7"],
+    )]);
+    assert_eq!(attribution(&n("api.test."), &alias), None);
+
+    let other = answer(vec![https("bank.test.", 300, (1, "."), &["203.0.113.66"])]);
+    assert_eq!(attribution(&n("api.test."), &other), None);
+
+    let beside_cname = answer(vec![
+        cname("q.attacker.test.", 300, "allowed.test."),
+        https("q.attacker.test.", 300, (1, "."), &["203.0.113.66"]),
+        a("allowed.test.", 300, "203.0.113.7"),
+    ]);
+    let got = attribution(&n("q.attacker.test."), &beside_cname).expect("attributes");
+    assert_eq!(got.addrs, ips(&["203.0.113.7"]));
+
+    let mut additional = answer(Vec::new());
+    additional.add_additional(https("api.test.", 300, (1, "."), &["203.0.113.7"]));
+    assert_eq!(attribution(&n("api.test."), &additional), None);
+
+    // No hints: nothing (the record's target is resolved by a query of its own).
+    let bare = answer(vec![https("api.test.", 300, (1, "svc.cdn.test."), &[])]);
+    assert_eq!(attribution(&n("api.test."), &bare), None);
+}
+
+/// Hints count toward the most addresses one answer gives, as A records do.
+#[test]
+fn hints_count_toward_max_addrs() {
+    let hints: Vec<String> = (0..=super::MAX_ADDRS)
+        .map(|i| format!("198.51.100.{i}"))
+        .collect();
+    let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
+    let m = answer(vec![
+        a("many.test.", 30, "203.0.113.1"),
+        https("many.test.", 300, (1, "."), &hints),
+    ]);
+    let got = attribution(&n("many.test."), &m).expect("attributes");
+    assert_eq!(got.addrs.len(), super::MAX_ADDRS);
+    assert_eq!(got.addrs[0], "203.0.113.1".parse::<IpAddr>().expect("ip"));
+    assert_eq!(got.ttl, 30);
+}
