@@ -786,8 +786,10 @@ fn take_over_budgets(dp: &Dataplane, lines: Vec<crate::budget::Spent>) {
 }
 
 /// One look at the fence; installed if missing: at start, said once;
-/// later (something removed it), counted and said loudly.
+/// later (something removed it), counted and said loudly, as is each
+/// interface attached or fenced again.
 fn keep_fence(dp: &Dataplane, first: bool) {
+    use crate::redirect::Mended;
     let config = dp.config();
     let patterns = &config.redirect.fence;
     let ports = crate::redirect::Ports {
@@ -796,19 +798,24 @@ fn keep_fence(dp: &Dataplane, first: bool) {
         dns_alt: config.listen.dns_alt.port(),
     };
     let rules = (ports, crate::redirect::Tracking::from(&*config));
-    let installed = || {
-        if first {
+    let told = |what: Mended<'_>| match what {
+        Mended::Fence if first => {
             tracing::info!(?patterns, "installed the fence of sandbox interfaces");
-            return;
         }
-        dp.metrics.fence_restored.inc();
-        tracing::error!(?patterns, "the fence of sandbox interfaces was gone or emptied; installed it again: attach the sandbox interfaces again (egress-gateway redirect --apply, or restart their egress-gateway-redirect@ units)");
+        Mended::Fence => {
+            dp.metrics.fence_restored.inc();
+            tracing::error!(?patterns, "the fence of sandbox interfaces was gone or emptied (something on the host removes nftables rules); installed it again: the interfaces it let through are attached again once they exist");
+        }
+        Mended::Redirect(iface) => {
+            dp.metrics.fence_restored.inc();
+            tracing::error!(%iface, "a sandbox interface lost its redirect (its table gone or emptied, or the fence put back without it: something on the host removes nftables rules); attached it again");
+        }
+        Mended::Fenced(iface) => {
+            dp.metrics.fence_restored.inc();
+            tracing::error!(%iface, "a sandbox interface lost its redirect and could not be attached again; fenced it: attach it again (egress-gateway redirect --apply, or restart its egress-gateway-redirect@ unit)");
+        }
     };
-    let detached = |iface: &str| {
-        dp.metrics.fence_restored.inc();
-        tracing::error!(%iface, "a sandbox interface let through the fence had lost its redirect (its table gone or emptied); fenced it again: attach it again (egress-gateway redirect --apply, or restart its egress-gateway-redirect@ unit)");
-    };
-    if let Err(e) = crate::redirect::keep_fence(patterns, rules, installed, detached) {
+    if let Err(e) = crate::redirect::keep_fence(patterns, rules, told) {
         tracing::error!(error = %e, ?patterns, "keeping the fence of sandbox interfaces failed; the next look tries again within 5 s");
     }
 }

@@ -219,7 +219,7 @@ impl Metrics {
         m.register_budgets();
         m.registry.register(
             "redirect_fence_restored",
-            "Times the gateway found the fence of redirect.fence missing or emptied (a ruleset flushed by another tool, say) and installed it again, or an interface it let through without its redirect and fenced it again; those sandboxes stay fenced until attached again",
+            "Times the gateway found the fence of redirect.fence missing or emptied (a ruleset flushed by another tool, say) and installed it again, and interfaces without their redirect (their table gone, or left out of a fence installed again) it attached again, or fenced when that failed",
             m.fence_restored.clone(),
         );
         m

@@ -426,7 +426,10 @@ enum Keep {
     /// (an older build's `tracked` chain let a source the full set could not
     /// take through uncounted).
     Rebuild,
-    /// Nothing redirects it (its table gone or emptied): fenced again.
+    /// Nothing redirects it (its table gone or emptied by another tool):
+    /// its rules are made again, as attaching makes them.
+    Restore,
+    /// Its name is not one this build attaches: fenced again.
     Fence,
 }
 
@@ -461,7 +464,7 @@ fn keep_plan(
             true if !anothers_old(iface, &own) && current(&own) => Keep::Redirected,
             true => Keep::Rebuild,
             false if on_old => Keep::Rebuild,
-            false => Keep::Fence,
+            false => Keep::Restore,
         }
     };
     let keep = attached.iter().map(|i| (i.clone(), plan(i))).collect();
@@ -480,21 +483,47 @@ fn keep_plan(
 /// tables hold their own rules, whatever an older build named them.
 static REBUILT: std::sync::Mutex<Option<HashSet<String>>> = std::sync::Mutex::new(None);
 
+/// The fence's `attached` interfaces at the keeper's last look.
+static SEEN_ATTACHED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Interfaces attached at the keeper's last look that a fence installed
+/// again no longer lets through: attached again at its next look under the
+/// lock (this one's, unless the lock was not to be had).
+static LOST: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What the fence keeper mended, as it tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mended<'a> {
+    /// The fence was gone or emptied: installed again.
+    Fence,
+    /// An interface lost its redirect (its table gone or emptied, or the
+    /// fence installed again without it): attached again.
+    Redirect(&'a str),
+    /// An interface lost its redirect and could not be attached again (or
+    /// its name is not one this build attaches): fenced again.
+    Fenced(&'a str),
+}
+
 /// Keeps the fence of `redirect.fence` in place while the gateway runs:
-/// missing, it is installed again (`installed` is told), which fences
-/// every sandbox interface until it is attached again (its table may have
-/// gone with the ruleset too). In place, every interface it lets through
-/// must still have its redirect ([`keep_plan`]): one on an older build's
-/// table, or whose own table an older build named for another, has its
-/// rules made again (`ports`, `tracking`); one whose table is gone or
-/// emptied (its traffic would go on unredirected, past the fence) is fenced
-/// again (`detached` is told its name). Each interface is seen to even when
+/// missing, it is installed again (`told` [`Mended::Fence`]), and the
+/// interfaces it let through at the last look are attached again (their
+/// tables may have gone with the ruleset too) once they exist; until then
+/// they are fenced, so what they send is dropped or judged, never routed
+/// past the gateway. In place, every interface it lets through must still
+/// have its redirect ([`keep_plan`]): one on an older build's table, or
+/// whose own table an older build named for another, has its rules made
+/// again (`ports`, `tracking`); one whose table is gone or emptied (its
+/// traffic would go on unredirected, past the fence) is attached again,
+/// and fenced again if that fails. Each interface is seen to even when
 /// another's failed; returns the first failure.
 pub fn keep_fence(
     patterns: &[String],
-    (ports, tracking): (Ports, Tracking),
-    installed: impl FnOnce(),
-    detached: impl Fn(&str),
+    rules: (Ports, Tracking),
+    told: impl Fn(Mended<'_>),
 ) -> Result<(), RedirectError> {
     if patterns.is_empty() {
         return Ok(());
@@ -505,28 +534,96 @@ pub fn keep_fence(
                 "installing the fence {patterns:?}, which is gone or emptied"
             ))
         })?;
-        installed();
-        return Ok(());
+        told(Mended::Fence);
+        let seen = std::mem::take(&mut *locked(&SEEN_ATTACHED));
+        locked(&LOST).extend(seen);
     }
     let _held = RulesLock::take(RulesLock::KEEPER_WAIT)
         .map_err(|e| e.doing("looking at the attached interfaces' redirects"))?;
     let attached = nft().set_names(FENCE_TABLE, "attached").map_err(|e| {
         RedirectError::Nft(e.message).doing("reading the fence's attached interfaces")
     })?;
-    let redirected =
-        |t: &str| egress_machine::counters::rules(t, "to_gateway").is_ok_and(|n| n >= REDIRECTS);
+    let lost = std::mem::take(&mut *locked(&LOST));
+    let lost = lost_to_attach(lost, &attached, |i| {
+        std::path::Path::new("/sys/class/net").join(i).exists()
+    });
+    let mut first_error = keep_attached(&attached, rules, &told).err();
+    let mut now_attached = attached;
+    for iface in lost {
+        match let_through_again(&iface, rules, &told) {
+            Ok(()) => now_attached.push(iface),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    *locked(&SEEN_ATTACHED) = now_attached;
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Whether `table` redirects (the rules of its `to_gateway` chain).
+fn redirects(table: &str) -> bool {
+    egress_machine::counters::rules(table, "to_gateway").is_ok_and(|n| n >= REDIRECTS)
+}
+
+/// Whether `table` holds every rule this build writes (an older build
+/// wrote fewer in two chains).
+fn current(table: &str) -> bool {
+    egress_machine::counters::rules(table, "tracked").is_ok_and(|n| n >= TRACKED)
+        && egress_machine::counters::rules(table, "udp_guard").is_ok_and(|n| n >= UDP_GUARD)
+}
+
+/// An interface of `lost` let through the fence again: its own table, if
+/// it holds every rule, is kept as it is (deleting the fence alone
+/// leaves the interfaces' tables, their counts with them), and made again
+/// otherwise ([`Keep::Restore`]).
+fn let_through_again(
+    iface: &str,
+    rules: (Ports, Tracking),
+    told: &impl Fn(Mended<'_>),
+) -> Result<(), RedirectError> {
+    let intact = table_name(iface).is_ok_and(|t| redirects(&t) && current(&t));
+    if !intact {
+        return keep_one(iface, Keep::Restore, rules, told);
+    }
+    let name = iface.replace(['"', '\\'], "");
+    run(&format!(
+        "{FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {{ \"{name}\" }}\n"
+    ))
+    .map_err(|e| e.doing(format_args!("letting {iface} through the fence again")))?;
+    tracing::warn!(%iface, "let a sandbox interface whose redirect was in place through the fence installed again");
+    Ok(())
+}
+
+/// The interfaces of `lost` to attach again: not attached meanwhile (by
+/// their unit, say), named as this build attaches, and still there
+/// (`exists`); each once.
+fn lost_to_attach(
+    mut lost: Vec<String>,
+    attached: &[String],
+    exists: impl Fn(&str) -> bool,
+) -> Vec<String> {
+    lost.sort();
+    lost.dedup();
+    lost.retain(|i| !attached.contains(i) && table_name(i).is_ok() && exists(i));
+    lost
+}
+
+/// The keeper's plan for the `attached` interfaces carried out (with the
+/// lock held), and an older build's tables deleted after.
+fn keep_attached(
+    attached: &[String],
+    (ports, tracking): (Ports, Tracking),
+    told: &impl Fn(Mended<'_>),
+) -> Result<(), RedirectError> {
     let rebuilt = REBUILT
         .lock()
         .map(|r| r.clone().unwrap_or_default())
         .unwrap_or_default();
-    let current = |t: &str| {
-        egress_machine::counters::rules(t, "tracked").is_ok_and(|n| n >= TRACKED)
-            && egress_machine::counters::rules(t, "udp_guard").is_ok_and(|n| n >= UDP_GUARD)
-    };
-    let (keep, gone) = keep_plan(&attached, (redirected, current), &rebuilt);
+    let (keep, gone) = keep_plan(attached, (redirects, current), &rebuilt);
     let mut first_error = None;
     for (iface, keep) in keep {
-        if let Err(e) = keep_one(&iface, keep, (ports, tracking), &detached) {
+        if let Err(e) = keep_one(&iface, keep, (ports, tracking), told) {
             first_error.get_or_insert(e);
         }
     }
@@ -542,13 +639,14 @@ pub fn keep_fence(
     first_error.map_or(Ok(()), Err)
 }
 
-/// What the keeper's plan says for one attached interface, carried out.
+/// What the keeper's plan says for one interface, carried out.
 fn keep_one(
     iface: &str,
     keep: Keep,
     rules: (Ports, Tracking),
-    detached: impl Fn(&str),
+    told: &impl Fn(Mended<'_>),
 ) -> Result<(), RedirectError> {
+    let fenced = || fence_again(iface).map(|()| told(Mended::Fenced(iface)));
     match keep {
         Keep::Redirected => Ok(()),
         Keep::Rebuild => rebuild(iface, rules)
@@ -557,10 +655,18 @@ fn keep_one(
                     "making {iface}'s redirect again (it is fenced again)"
                 ))
             })
-            .or_else(|e| fence_again(iface, &detached).and(Err(e))),
-        Keep::Fence => fence_again(iface, &detached).map_err(|e| {
+            .or_else(|e| fenced().and(Err(e))),
+        Keep::Restore => run(&ruleset(iface, rules.0, rules.1)?)
+            .map(|()| told(Mended::Redirect(iface)))
+            .map_err(|e| {
+                e.doing(format_args!(
+                    "attaching {iface} again, which lost its redirect (it is fenced again)"
+                ))
+            })
+            .or_else(|e| fenced().and(Err(e))),
+        Keep::Fence => fenced().map_err(|e| {
             e.doing(format_args!(
-                "fencing {iface} again: its redirect is gone or emptied (detached meanwhile?)"
+                "fencing {iface} again: its name is not one this build attaches"
             ))
         }),
     }
@@ -576,14 +682,14 @@ fn rebuild(iface: &str, (ports, tracking): (Ports, Tracking)) -> Result<(), Redi
     Ok(())
 }
 
-/// `iface` taken out of the fence's set: fenced again.
-fn fence_again(iface: &str, detached: impl Fn(&str)) -> Result<(), RedirectError> {
+/// `iface` taken out of the fence's set: fenced again (idempotent: added
+/// first, so the delete holds when it is not in the set).
+fn fence_again(iface: &str) -> Result<(), RedirectError> {
+    let name = iface.replace(['"', '\\'], "");
     run(&format!(
-        "delete element inet {FENCE_TABLE} attached {{ \"{}\" }}\n",
-        iface.replace(['"', '\\'], "")
-    ))?;
-    detached(iface);
-    Ok(())
+        "{FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {{ \"{name}\" }}\n\
+delete element inet {FENCE_TABLE} attached {{ \"{name}\" }}\n"
+    ))
 }
 
 /// The rules of an attached interface's `to_gateway` chain ([`ruleset`]).
@@ -783,15 +889,20 @@ mod tests {
     }
 
     #[test]
-    fn the_keeper_makes_an_older_builds_tables_again_and_fences_what_lost_its_own() {
+    fn the_keeper_makes_an_older_builds_tables_again_and_attaches_again_what_lost_its_own() {
         use Keep::*;
         let own = |i: &str, k: Keep| (i.to_owned(), k);
         let none: Vec<String> = Vec::new();
-        // Each on its own table; one without: fenced.
+        // Each on its own table; one without: attached again. One whose
+        // name this build would not attach (the fence's own table): fenced.
+        assert_eq!(
+            plan(&["fence"], &["egress_gw_fence"], &[]),
+            (vec![own("fence", Fence)], none.clone())
+        );
         assert_eq!(
             plan(&["tap-1", "tap2"], &["egress_gw_tap-1"], &[]),
             (
-                vec![own("tap-1", Redirected), own("tap2", Fence)],
+                vec![own("tap-1", Redirected), own("tap2", Restore)],
                 none.clone()
             )
         );
@@ -804,7 +915,7 @@ mod tests {
                 &[]
             ),
             (
-                vec![own("tap-1", Rebuild), own("tap.2", Fence)],
+                vec![own("tap-1", Rebuild), own("tap.2", Restore)],
                 vec!["egress_gw_tap_1".to_owned()]
             )
         );
@@ -883,5 +994,19 @@ mod tests {
             );
         }
         assert!(matches!(fence_ruleset(&[]), Err(RedirectError::NoPatterns)));
+    }
+
+    /// After the fence was installed again, the interfaces it let through
+    /// before are attached again: each once, not those attached meanwhile,
+    /// gone, or named as no interface this build attaches.
+    #[test]
+    fn what_a_fence_installed_again_lost_is_attached_again_if_still_there() {
+        let lost: Vec<String> = ["tap2", "tap1", "tap-gone", "tap1", "fence", "tap3"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        let attached = vec!["tap3".to_owned()];
+        let got = lost_to_attach(lost, &attached, |i| i != "tap-gone");
+        assert_eq!(got, ["tap1", "tap2"]);
     }
 }

@@ -13,6 +13,35 @@ fn fence_drops(t: &Topology) -> u64 {
     t.rule_count("egress_gw_fence", "@attached counter")
 }
 
+/// Whether sbx3 is in the fence's `attached` set.
+fn attached(t: &Topology) -> bool {
+    let out = t.exec(
+        &t.gw,
+        "nft",
+        &["list", "set", "inet", "egress_gw_fence", "attached"],
+    );
+    String::from_utf8_lossy(&out.stdout).contains("\"sbx3\"")
+}
+
+/// Whether sbx3's table redirects its TCP to the gateway.
+fn redirected(t: &Topology) -> bool {
+    let out = t.exec(
+        &t.gw,
+        "nft",
+        &["list", "chain", "inet", "egress_gw_sbx3", "to_gateway"],
+    );
+    String::from_utf8_lossy(&out.stdout).contains(r#"iifname "sbx3" meta l4proto tcp redirect to"#)
+}
+
+/// Waits up to 15 s for `done`, failing with `what`.
+fn wait_until(t: &Topology, what: &str, done: impl Fn(&Topology) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !done(t) {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
 fn sb3_flows(t: &Topology) -> usize {
     t.flows()
         .iter()
@@ -160,7 +189,9 @@ fn a_sandbox_interface_is_fenced_until_attached_and_again_once_detached() {
 /// in place: installed at its start, and installed again (counted) within
 /// a few seconds after another tool deletes or empties it. Until this, a
 /// ruleset flushed under a running gateway left every sandbox interface
-/// unfenced for good.
+/// unfenced for good. The interfaces it let through are attached again
+/// with it, as is one whose table alone went: until then, a flushed
+/// ruleset cut every sandbox off until someone attached it again.
 #[test]
 fn the_gateway_keeps_the_fence_in_place() {
     if !available() {
@@ -253,17 +284,9 @@ fn the_gateway_keeps_the_fence_in_place() {
     let _ = squatter.kill();
     let _ = squatter.wait();
     // An attached interface whose table is emptied (or deleted) would pass
-    // the fence unredirected: the gateway fences it again.
-    let _sb3 = t.add_sandbox("sb3", "sbx3", 5);
+    // the fence unredirected: the gateway attaches it again.
+    let sb3 = t.add_sandbox("sb3", "sbx3", 5);
     t.gateway_cli(&["redirect", "--sandbox-iface", "sbx3", "--apply"]);
-    let attached = |t: &Topology| {
-        let out = t.exec(
-            &t.gw,
-            "nft",
-            &["list", "set", "inet", "egress_gw_fence", "attached"],
-        );
-        String::from_utf8_lossy(&out.stdout).contains("\"sbx3\"")
-    };
     assert!(attached(&t), "attached");
     std::thread::sleep(std::time::Duration::from_secs(6));
     assert!(
@@ -272,20 +295,46 @@ fn the_gateway_keeps_the_fence_in_place() {
     );
     let out = t.exec(&t.gw, "nft", &["flush", "table", "inet", "egress_gw_sbx3"]);
     assert!(out.status.success(), "{out:?}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-    while attached(&t) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "sbx3 stayed through the fence without its redirect"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    assert!(!redirected(&t), "the flush left sbx3's redirect");
+    wait_until(
+        &t,
+        "sbx3 was not attached again after its table was emptied",
+        |t| redirected(t) && attached(t),
+    );
+    // A flushed ruleset takes the fence and the interfaces' tables in one
+    // go: the fence comes back, and the interface it let through with it.
+    let out = t.exec(
+        &t.gw,
+        "nft",
+        &["delete table inet egress_gw_fence; delete table inet egress_gw_sbx3"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert!(!fenced(&t) && !redirected(&t), "the flush left rules");
+    wait_until(&t, "sbx3 was not attached again with the fence", |t| {
+        fenced(t) && redirected(t) && attached(t)
+    });
+    // And what it sends goes through the gateway again.
+    t.push(
+        "sb3",
+        SB3_IP,
+        r#"{"default": "deny", "tls_interception": "on", "allow": [{"ip": "8.8.8.8"}, {"domain": "api.example.test"}]}"#,
+    );
+    let (code, body) = t.curl(&sb3, "gateway", "https://api.example.test/hello", &[]);
+    assert_eq!(code, 0, "{body}");
+    assert!(body.contains("fake internet: GET /hello"), "{body}");
     let (_, metrics) = t.admin("GET", "/metrics", None);
     let restored = metrics
         .lines()
         .find_map(|l| l.strip_prefix("egress_redirect_fence_restored_total "))
         .unwrap_or_else(|| panic!("no fence metric:\n{metrics}"));
-    assert_eq!(restored.trim(), "5", "the start's install is not counted");
+    // Four fences put back, sbx3 attached again twice, and the fence put
+    // back with it once; the start's install is not counted.
+    assert_eq!(
+        restored.trim(),
+        "7",
+        "{}",
+        std::fs::read_to_string(t.path("gateway.log")).unwrap_or_default()
+    );
     moves_an_older_builds_table(&mut t);
     rewrites_an_older_builds_tracked_chain(&mut t);
 }
