@@ -586,9 +586,9 @@ fn let_through_again(
     if !intact {
         return keep_one(iface, Keep::Restore, rules, told);
     }
-    let name = iface.replace(['"', '\\'], "");
+    let element = element(iface);
     run(&format!(
-        "{FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {{ \"{name}\" }}\n"
+        "{FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {element}\n"
     ))
     .map_err(|e| e.doing(format_args!("letting {iface} through the fence again")))?;
     tracing::warn!(%iface, "let a sandbox interface whose redirect was in place through the fence installed again");
@@ -685,11 +685,17 @@ fn rebuild(iface: &str, (ports, tracking): (Ports, Tracking)) -> Result<(), Redi
 /// `iface` taken out of the fence's set: fenced again (idempotent: added
 /// first, so the delete holds when it is not in the set).
 fn fence_again(iface: &str) -> Result<(), RedirectError> {
-    let name = iface.replace(['"', '\\'], "");
+    let element = element(iface);
     run(&format!(
-        "{FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {{ \"{name}\" }}\n\
-delete element inet {FENCE_TABLE} attached {{ \"{name}\" }}\n"
+        "{FENCE_DECLARATION}add element inet {FENCE_TABLE} attached {element}\n\
+delete element inet {FENCE_TABLE} attached {element}\n"
     ))
+}
+
+/// `iface` as an element of the fence's set in an nft script (its name is
+/// checked before; a quote or backslash could not reach the script anyway).
+fn element(iface: &str) -> String {
+    format!("{{ \"{}\" }}", iface.replace(['"', '\\'], ""))
 }
 
 /// The rules of an attached interface's `to_gateway` chain ([`ruleset`]).
