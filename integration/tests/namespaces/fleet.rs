@@ -209,13 +209,7 @@ fn the_gateway_keeps_the_fence_in_place() {
         );
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"sbx*\"")
     };
-    let within = |t: &Topology, what: &str| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-        while !fenced(t) {
-            assert!(std::time::Instant::now() < deadline, "{what}");
-            std::thread::sleep(std::time::Duration::from_millis(200));
-        }
-    };
+    let within = |t: &Topology, what: &str| wait_until(t, what, fenced);
     within(&t, "the gateway did not install the fence at its start");
     for how in ["delete", "flush"] {
         let out = t.exec(&t.gw, "nft", &[how, "table", "inet", "egress_gw_fence"]);
@@ -243,14 +237,11 @@ fn the_gateway_keeps_the_fence_in_place() {
         &["delete", "chain", "inet", "egress_gw_fence", "fragments"],
     );
     assert!(out.status.success(), "{out:?}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-    while !fragments(&t) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the fence's fragments chain did not come back"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    wait_until(
+        &t,
+        "the fence's fragments chain did not come back",
+        fragments,
+    );
     assert!(fenced(&t), "the fence went with its fragments chain");
     // A process that binds the redirect rules' lock (any process of the
     // namespace can) does not keep a missing fence from coming back.
