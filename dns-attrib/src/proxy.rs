@@ -25,7 +25,7 @@ use std::time::Duration;
 use futures::stream::{FuturesUnordered, StreamExt};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{DNSClass, RecordType};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio::time::{timeout, Instant};
@@ -49,6 +49,10 @@ const POOL_IDLE_MAX: usize = 64;
 /// Queries one upstream UDP socket carries before it is closed, so the
 /// source port keeps changing (an off-path spoofer has to guess it anew).
 const SOCKET_MAX_USES: u32 = 32;
+
+/// Most datagrams read and dropped from an idle pooled socket before a
+/// query is sent on it ([`PooledSocket::drained`]); past them, it is closed.
+const STALE_MAX: usize = 8;
 
 /// The gateway's answer to "who sent this query, and may it use this resolver?".
 #[derive(Clone)]
@@ -752,6 +756,30 @@ impl PooledSocket {
         };
         Ok((pooled, sent))
     }
+
+    /// Reads and drops what came on a pooled socket while it sat idle, and
+    /// whether the socket is fit for another query. Nothing that came
+    /// before a query was sent is its answer: a late duplicate, or a
+    /// datagram forged in the upstream's name to be read first once the
+    /// next query goes out (with a few hundred queued, each under another
+    /// ID, the forger would no longer have to beat the real answer). A
+    /// socket with more than [`STALE_MAX`] of them, or an error queued, is
+    /// closed, and the query takes a fresh one.
+    ///
+    /// The last answer left the socket marked readable, so the first
+    /// receive is a system call. Its "nothing yet" also clears that mark,
+    /// so the wait for this query's answer starts without a receive that
+    /// only says "nothing yet" again.
+    fn drained(&self) -> bool {
+        let mut one = [0u8; 1];
+        for _ in 0..=STALE_MAX {
+            match self.socket.try_recv(&mut one) {
+                Ok(_) => continue,
+                Err(e) => return e.kind() == io::ErrorKind::WouldBlock,
+            }
+        }
+        false
+    }
 }
 
 // === impl SocketPool ===
@@ -770,21 +798,10 @@ impl SocketPool {
         limit: Duration,
     ) -> Result<(Vec<u8>, Message), UpstreamError> {
         let pooled = self.idle.lock().ok().and_then(|mut idle| idle.pop());
-        let (mut pooled, sent) = match pooled {
+        let (mut pooled, sent) = match pooled.filter(PooledSocket::drained) {
             Some(p) => (p, false),
             None => PooledSocket::open(upstream, raw)?,
         };
-        if pooled.uses > 0 {
-            // The last answer left the socket marked readable; left so, the
-            // first receive below would be a system call that only says
-            // "nothing yet". Nothing this query waits for can have arrived
-            // before it is sent, so forgetting that mark loses no wake-up; a
-            // stray datagram still queued is read (and skipped) along with
-            // the answer, whose arrival marks the socket readable again.
-            let _ = pooled.socket.try_io(Interest::READABLE, || {
-                Err::<(), _>(io::ErrorKind::WouldBlock.into())
-            });
-        }
         pooled.uses += 1;
         if !sent {
             pooled.socket.send(raw).await?;
@@ -1081,6 +1098,100 @@ mod tests {
         assert_eq!(proxy.metrics().attributed.get(), 0);
         let names = proxy.cache().names_for(&sandbox, IpAddr::V4(addr));
         assert!(names.names().is_empty());
+    }
+
+    /// A query for `name` under `id`, and the answer to it: `addr` for ten seconds.
+    fn query_and_answer(id: u16, addr: Ipv4Addr) -> (Message, Message) {
+        let name = Name::from_ascii("pooled.test.").expect("name");
+        let mut query = Message::new(id, MessageType::Query, OpCode::Query);
+        query.add_query(Query::query(name.clone(), RecordType::A));
+        let mut answer = query.clone();
+        answer.metadata.message_type = MessageType::Response;
+        answer.add_answer(Record::from_rdata(name, 10, RData::A(A(addr))));
+        (query, answer)
+    }
+
+    /// The one address of an answer.
+    fn address_of(msg: &Message) -> Option<Ipv4Addr> {
+        match msg.answers.as_slice() {
+            [r] => match &r.data {
+                RData::A(a) => Some(a.0),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Datagrams that came, in the upstream's name, to a pooled socket
+    /// while it sat idle are never read as the answer to the next query
+    /// sent on it: here a few queued before that query goes out, one of
+    /// them under its ID with the address a forger would want. They are
+    /// dropped, and the socket answers the query; one that held more than
+    /// [`STALE_MAX`] is closed, and the query goes out on a fresh one.
+    #[tokio::test]
+    async fn datagrams_queued_on_an_idle_socket_are_never_the_next_answer() {
+        let upstream = tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let up = upstream.local_addr().expect("addr");
+        let real = Ipv4Addr::new(203, 0, 113, 7);
+        let answering = async {
+            let mut buf = vec![0u8; 512];
+            for _ in 0..3 {
+                let (n, from) = upstream.recv_from(&mut buf).await.expect("a query");
+                let query = Message::from_vec(&buf[..n]).expect("parses");
+                let (_, answer) = query_and_answer(query.metadata.id, real);
+                let bytes = answer.to_vec().expect("encodes");
+                upstream.send_to(&bytes, from).await.expect("sent");
+            }
+        };
+        let pool = SocketPool::default();
+        let idle = || {
+            pool.idle.lock().expect("lock")[0]
+                .socket
+                .local_addr()
+                .expect("addr")
+        };
+        let ask = |id: u16| {
+            let (query, _) = query_and_answer(id, real);
+            let pool = &pool;
+            async move {
+                let raw = query.to_vec().expect("encodes");
+                let (_, msg) = pool
+                    .exchange(up, &raw, id, &query.queries[0], Duration::from_secs(5))
+                    .await
+                    .expect("an answer");
+                address_of(&msg)
+            }
+        };
+        let plant = |ids: std::ops::Range<u16>, to: SocketAddr| {
+            let upstream = &upstream;
+            async move {
+                for id in ids {
+                    let (_, planted) = query_and_answer(id, Ipv4Addr::new(198, 51, 100, 66));
+                    let planted = planted.to_vec().expect("encodes");
+                    upstream.send_to(&planted, to).await.expect("planted");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let asking = async {
+            assert_eq!(ask(1).await, Some(real));
+            let first = idle();
+            plant(2..5, first).await;
+            assert_eq!(ask(2).await, Some(real), "a planted answer was read");
+            assert_eq!(idle(), first, "three dropped, the socket kept");
+            let stale = u16::try_from(STALE_MAX).expect("small") + 1;
+            plant(10..10 + stale, first).await;
+            assert_eq!(ask(10).await, Some(real), "a planted answer was read");
+            assert_ne!(idle(), first, "the socket that held {stale} is closed");
+        };
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            futures::future::join(answering, asking),
+        )
+        .await
+        .expect("both ends finish");
     }
 
     proptest::proptest! {
