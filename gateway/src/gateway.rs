@@ -117,6 +117,8 @@ pub struct Gateway {
     offer: Option<crate::handover::Offer>,
     /// Sealed before a handover: no push is acknowledged after.
     committer: crate::commit::Committer,
+    /// Sealed before a handover too: no VM's change is made after.
+    machines: Arc<egress_machine::Machines>,
 }
 
 /// Every listener, bound before anything is served.
@@ -317,6 +319,7 @@ impl Gateway {
             lock: Some(lock),
             offer,
             committer: committer.clone(),
+            machines: machines.clone(),
         };
         gateway.spawn_background(&machines);
         gateway.serve(
@@ -695,8 +698,13 @@ impl Gateway {
         // after. A commit thread that does not seal in time may still write:
         // the lock is kept and nothing is handed on (the successor's wait
         // for its answer ends; this gateway drains and exits).
-        let within = SEAL_TIMEOUT.min(successor.answer_within());
-        if let Err(why) = self.committer.seal(within).await {
+        let deadline = tokio::time::Instant::now() + SEAL_TIMEOUT.min(successor.answer_within());
+        let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
+        let sealed = match self.committer.seal(left()).await {
+            Ok(()) => seal_machines(&self.machines, left()).await,
+            Err(why) => Err(why),
+        };
+        if let Err(why) = sealed {
             tracing::error!(%why, "the handover failed after this gateway stopped serving: draining, then exiting with a failure (a supervisor starts a gateway on this state_dir again)");
             return Err(format!("handover: {why}"));
         }
@@ -775,6 +783,25 @@ type Opened = (
 
 /// Takes over a predecessor's budget states for the sandboxes the recovered
 /// state has: a sandbox keeps what it spent across the takeover.
+/// Machine egress sealed ([`egress_machine::Machines::seal`]): a VM's
+/// change in flight (an nft run, its file) finished, none after, within
+/// `within`. Past it, the change may still write, and the handover fails.
+async fn seal_machines(
+    machines: &Arc<egress_machine::Machines>,
+    within: std::time::Duration,
+) -> Result<(), String> {
+    let m = machines.clone();
+    let sealed = tokio::task::spawn_blocking(move || m.seal());
+    match tokio::time::timeout(within, sealed).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("sealing machine egress: {e}")),
+        Err(_) => Err(format!(
+            "a machine egress change did not finish within {}s (a stalled nft?)",
+            within.as_secs_f64()
+        )),
+    }
+}
+
 fn take_over_budgets(dp: &Dataplane, lines: Vec<crate::budget::Spent>) {
     if lines.is_empty() {
         return;

@@ -233,6 +233,7 @@ fn failed(e: &MachineError) -> Reply {
         }
         MachineError::Invalid { field, .. } => (StatusCode::BAD_REQUEST, Some(*field)),
         MachineError::Taken { field, .. } => (StatusCode::CONFLICT, Some(*field)),
+        MachineError::Sealed => (StatusCode::SERVICE_UNAVAILABLE, None),
         MachineError::Kernel(_)
         | MachineError::KernelUnsure(_)
         | MachineError::Persist { .. }

@@ -59,6 +59,8 @@ pub enum MachineError {
     Missing(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("this gateway is handing over to its successor and takes no change: ask again (its successor answers on the same address)")]
+    Sealed,
     #[error("VM {vm} lists address {address} twice")]
     DuplicateAddress { vm: String, address: IpAddr },
     #[error("a VM needs at least one address")]
@@ -231,6 +233,9 @@ pub struct Machines {
     /// it may have committed. The next change, or the observer's next
     /// round, installs the whole table from the state.
     dirty: std::sync::atomic::AtomicBool,
+    /// Set under the state lock by [`Machines::seal`]: no change is made
+    /// after, and the observer's rounds write nothing.
+    sealed: std::sync::atomic::AtomicBool,
     /// The cgroup tree nft resolves paths in (`match = "cgroup"`).
     tree: cgroups::Tree,
     /// The inode each VM's cgroup element was loaded with.
@@ -537,6 +542,7 @@ impl Machines {
             evictions: AtomicU64::new(0),
             restored: AtomicU64::new(0),
             dirty: std::sync::atomic::AtomicBool::new(false),
+            sealed: std::sync::atomic::AtomicBool::new(false),
             tree: cgroups::Tree::new(config.cgroup_root.clone(), &config.cgroup_prefix),
             bound: Mutex::new(cgroups::Bound::new()),
             rebound: AtomicU64::new(0),
@@ -628,6 +634,29 @@ impl Machines {
                 .apply(&format!("table inet {table}\ndelete table inet {table}\n"))?;
         }
         Ok(())
+    }
+
+    /// No change after this returns, none in flight when it does: it waits
+    /// for the change that holds the state (its nft and conntrack runs,
+    /// its file, at most their time limits), and every later one is
+    /// refused ([`MachineError::Sealed`]); the observer's rounds write
+    /// nothing more. A gateway handing over calls it before it lets go of
+    /// the state directory: its successor installs the table from the
+    /// files, and a change finishing here after that would put its rules
+    /// over the successor's and its file over what the successor
+    /// acknowledged. Blocks: call it on a blocking thread.
+    pub fn seal(&self) {
+        let _state = lock(&self.state);
+        self.sealed.store(true, Ordering::Release);
+    }
+
+    /// The state, for a change: once sealed, none.
+    fn changing(&self) -> Result<MutexGuard<'_, State>, MachineError> {
+        let state = lock(&self.state);
+        match self.sealed.load(Ordering::Acquire) {
+            true => Err(MachineError::Sealed),
+            false => Ok(state),
+        }
     }
 
     /// Applies `next` in place of the current state for the VMs in `touched`
@@ -789,6 +818,9 @@ impl Machines {
             return;
         }
         let state = lock(&self.state);
+        if self.sealed.load(Ordering::Acquire) {
+            return;
+        }
         let (vms, bound) = self.bind(&state);
         if *lock(&self.bound) == bound {
             return;
@@ -877,7 +909,7 @@ impl Machines {
     /// has one).
     pub fn put_vm(&self, id: &str, registration: Registration) -> Result<Vm, MachineError> {
         valid_id(id)?;
-        let mut state = lock(&self.state);
+        let mut state = self.changing()?;
         let r = self.check_registration(&state, id, registration)?;
         self.ensure_log()?;
         let before = state.vms.get(id).map(|vm| vm.addresses.clone());
@@ -962,7 +994,7 @@ impl Machines {
 
     /// Removes a VM and its table.
     pub fn delete_vm(&self, id: &str) -> Result<(), MachineError> {
-        let mut state = lock(&self.state);
+        let mut state = self.changing()?;
         if !state.vms.contains_key(id) {
             return Err(MachineError::Missing(id.to_owned()));
         }
@@ -1035,7 +1067,7 @@ impl Machines {
         policy: Option<MachineEgress>,
         from: Option<&MachineEgress>,
     ) -> Result<EgressView, MachineError> {
-        let mut state = lock(&self.state);
+        let mut state = self.changing()?;
         if let Some(from) = from {
             let now = state.vms.get(id).map(|vm| &vm.effective);
             if now.is_some_and(|now| now != from) {
@@ -1076,7 +1108,7 @@ impl Machines {
         policy: MachineEgress,
         apply_running: bool,
     ) -> Result<Vec<String>, MachineError> {
-        let mut state = lock(&self.state);
+        let mut state = self.changing()?;
         let mut next = state.clone();
         next.default = policy.clone();
         let mut touched = Vec::new();
@@ -1233,6 +1265,9 @@ impl Machines {
     /// read for every VM), and, sampled, the observed sets of each VM whose
     /// `refused` counter moved.
     pub fn observe(&self) {
+        if self.sealed.load(Ordering::Acquire) {
+            return;
+        }
         if self.dirty.load(Ordering::Acquire) {
             return self.restore_if_gone();
         }
@@ -1314,6 +1349,9 @@ impl Machines {
     /// state lock first, so a change in flight is not taken for a loss.
     fn restore_if_gone(&self) {
         let state = lock(&self.state);
+        if self.sealed.load(Ordering::Acquire) {
+            return;
+        }
         let dirty = self.dirty.load(Ordering::Acquire);
         let ids = state.vms.keys().map(String::as_str);
         if !dirty
@@ -2010,6 +2048,70 @@ mod tests {
             let (vms, found, default) = read.expect("read while a change holds the state");
             assert_eq!((vms, found, default), (1, true, MachineEgress::loopback()));
         });
+    }
+
+    /// Sealing waits for the change that holds the state (a handover's
+    /// successor would otherwise find its rules and its file replaced by a
+    /// change of this process finishing late), then refuses every change;
+    /// the observer's rounds install nothing after it either, not even
+    /// over a table they find dirty.
+    #[test]
+    fn sealed_it_waits_for_the_change_in_flight_and_makes_none_after() {
+        let dir = tempfile::tempdir().expect("dir");
+        let log = dir.path().join("nft.log");
+        let script = format!(
+            r#"case "$*" in *-f*) cat >> '{}' ;; *) echo '{{"nftables": []}}' ;; esac"#,
+            log.display()
+        );
+        let m = machines_over(dir.path(), &script);
+        let registration = |a: &str| Registration {
+            addresses: vec![a.parse().expect("ip")],
+            ..Registration::default()
+        };
+        m.put_vm("vm1", registration("100.64.4.2"))
+            .expect("registered");
+        let held = lock(&m.state);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                m.seal();
+                let _ = tx.send(());
+            });
+            let early = rx.recv_timeout(std::time::Duration::from_millis(200));
+            assert!(early.is_err(), "sealed with a change in flight");
+            drop(held);
+            let sealed = rx.recv_timeout(std::time::Duration::from_secs(5));
+            sealed.expect("sealed once it is done");
+        });
+        let files = || {
+            let dir = dir.path().join(store::DIR);
+            let mut names: Vec<_> = std::fs::read_dir(&dir)
+                .expect("machines")
+                .map(|e| e.expect("entry").file_name())
+                .collect();
+            names.sort();
+            let read = |n: &std::ffi::OsString| std::fs::read(dir.join(n)).expect("file");
+            names
+                .iter()
+                .map(|n| (n.clone(), read(n)))
+                .collect::<Vec<_>>()
+        };
+        let (rules, state) = (std::fs::read(&log).expect("log"), files());
+        let refused = [
+            m.put_vm("vm2", registration("100.64.4.3")).err(),
+            m.delete_vm("vm1").err(),
+            m.set_egress("vm1", Some(MachineEgress::loopback())).err(),
+            m.set_default(MachineEgress::loopback(), true).err(),
+        ];
+        for (i, e) in refused.iter().enumerate() {
+            assert!(matches!(e, Some(MachineError::Sealed)), "change {i}: {e:?}");
+        }
+        m.dirty.store(true, Ordering::Release);
+        m.observe();
+        m.rebind();
+        assert!(std::fs::read(&log).expect("log") == rules, "nft ran");
+        assert!(files() == state, "a file changed");
+        assert_eq!(m.vms().len(), 1);
     }
 
     /// The counts carry on across a whole table installed again: what its

@@ -174,6 +174,82 @@ async fn budget_states_survive_a_takeover_that_fails() {
     gw.run_until(async {}).await;
 }
 
+/// A VM's change in flight when a successor takes over finishes before the
+/// gateway it replaces lets go of the state directory, and that gateway
+/// makes none after: the successor's table and files are the last word.
+/// Before, a change whose nft run outlasted the handover put its rules and
+/// its file over what the successor had loaded and acknowledged since.
+#[tokio::test]
+async fn a_vm_change_in_flight_at_a_handover_is_done_before_the_successor_starts() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (slow, log) = (dir.path().join("slow"), dir.path().join("nft.log"));
+    // The stand-in for nft: each transaction is logged as the port vm1's
+    // rule allows in it (`-` for none); one started while `slow` exists
+    // takes 2 s, and makes `done` once logged.
+    let done = dir.path().join("done");
+    let script = format!(
+        r#"case "$*" in *-f*) t=$(cat); s=; if [ -e '{slow}' ]; then rm -f '{slow}'; sleep 2; s=1; fi; p=$(echo "$t" | grep -o 'port_vm1 {{[^}}]*' | grep -o '44[34]' | head -n 1); echo "${{p:--}}" >> '{log}'; if [ -n "$s" ]; then touch '{done}'; fi ;; *) echo '{{"nftables": []}}' ;; esac"#,
+        slow = slow.display(),
+        log = log.display(),
+        done = done.display()
+    );
+    let extra = format!(
+        "[machine_egress]\nobserve = \"sampled\"\nlink_check = \"prerouting\"\nnft = [\"sh\", \"-c\", {script:?}, \"nft\"]"
+    );
+    let origin = echo().await;
+    let gw = start(config(dir.path(), &extra), origin).await;
+    let admin = gw.bound().admin;
+    let vm = r#"{"addresses": ["100.64.9.2"]}"#;
+    assert_eq!(
+        http(admin, "PUT", "/v1/vms/vm1", None, Some(vm)).await.0,
+        200
+    );
+    let policy = |port: u16| {
+        format!(
+            r#"{{"mode": "allowlist", "rules": [{{"cidr": "203.0.113.0/24", "proto": "tcp", "port": {port}}}]}}"#
+        )
+    };
+    let egress = "/v1/vms/vm1/network/egress";
+    std::fs::write(&slow, "").expect("slow");
+    let late = policy(443);
+    let in_flight =
+        tokio::spawn(async move { http(admin, "PUT", egress, None, Some(&late)).await });
+    while slow.exists() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let running = tokio::spawn(gw.run_until(std::future::pending()));
+    let asked = config(dir.path(), &extra);
+    let taken = tokio::task::spawn_blocking(move || egress_gateway::handover::take_over(&asked))
+        .await
+        .expect("thread")
+        .expect("taken over");
+    let dst = Arc::new(FixedDst(origin));
+    let next = Gateway::take_over(config(dir.path(), &extra), dst, FlowLog::off(), taken)
+        .await
+        .expect("the successor starts");
+    let put = http(next.bound().admin, "PUT", egress, None, Some(&policy(444))).await;
+    assert_eq!(put.0, 200, "{put:?}");
+    // Reset, as every admin request in flight at a handover is.
+    let _ = in_flight.await;
+    tokio::time::timeout(Duration::from_secs(30), running)
+        .await
+        .expect("the predecessor ends")
+        .expect("task");
+    // The slow change has finished, wherever it did.
+    for _ in 0..500 {
+        if done.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(done.exists(), "the slow nft run never ended");
+    let file = std::fs::read_to_string(dir.path().join("machines/vm-vm1.json")).expect("file");
+    assert!(file.contains("444") && !file.contains("443"), "{file}");
+    let runs = std::fs::read_to_string(&log).expect("log");
+    assert_eq!(runs.lines().last(), Some("444"), "nft runs: {runs}");
+    next.run_until(async {}).await;
+}
+
 /// A successor checks, before it asks for a takeover, that the pushed state
 /// reads in its build, while the running gateway writes on: a journal
 /// record it cannot replay refuses the takeover (naming the record and its
