@@ -99,7 +99,7 @@ impl Collector for MachineSources {
         }
         let mut family = encoder.encode_descriptor(
             "machine_spoofed_packets",
-            "Packets dropped on a VM's link because their source is not an address of that VM, by VM; read from the kernel's counters.",
+            "Packets dropped on a VM's link because their source is not an address of that VM, or because they would make the VM the node's router (router advertisements, redirects), by VM; read from the kernel's counters.",
             None,
             counter.metric_type(),
         )?;

@@ -75,7 +75,7 @@ fn every_verdict_path_over_ipv6() {
     // The gateway's link-local address, asked from sb1's registered address
     // (the kernel would pick sb1's own link-local source once its duplicate
     // address detection ends, and that source is no sandbox's).
-    let ll = link_local(&t, &t.gw, "sb1");
+    let ll = t.link_local(&t.gw, "sb1");
     let url = format!("http://[{ll}%eth0]:8080/");
     let pinned = ["-w", "%{http_code}", "-g", "--interface", SB1_IP6];
     let (code, body) = t.curl(&t.sb1, "gateway", &url, &pinned);
@@ -122,20 +122,4 @@ fn every_verdict_path_over_ipv6() {
             .is_some_and(|s| s.starts_with("100.64.1.2:"))
     };
     assert!(t.flows_when(|f| f.iter().any(from_v4)).iter().any(from_v4));
-}
-
-/// The link-local address of `dev` in namespace `ns`.
-fn link_local(t: &Topology, ns: &str, dev: &str) -> String {
-    let out = t.exec(
-        ns,
-        "ip",
-        &["-6", "-o", "addr", "show", "dev", dev, "scope", "link"],
-    );
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.split_whitespace()
-        .skip_while(|w| *w != "inet6")
-        .nth(1)
-        .and_then(|a| a.split('/').next())
-        .unwrap_or_else(|| panic!("a link-local address on {dev}: {text}"))
-        .to_owned()
 }

@@ -782,30 +782,6 @@ fn sigusr2_starts_a_successor_that_takes_over_and_tells_systemd() {
     assert_eq!(code, 0, "the successor does not serve: {body}");
 }
 
-/// The link-local address of `eth0` in `ns`, once it is no longer tentative.
-fn link_local(t: &Topology, ns: &str) -> String {
-    for _ in 0..100 {
-        let out = t.exec(
-            ns,
-            "ip",
-            &["-6", "-o", "addr", "show", "dev", "eth0", "scope", "link"],
-        );
-        let text = String::from_utf8_lossy(&out.stdout);
-        if !text.contains("tentative") {
-            if let Some(addr) = text
-                .split_whitespace()
-                .skip_while(|w| *w != "inet6")
-                .nth(1)
-                .and_then(|a| a.split('/').next())
-            {
-                return addr.to_owned();
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    panic!("no link-local address on {ns}'s eth0");
-}
-
 /// A sandbox has any number of link-local addresses, so they are good only
 /// for finding neighbours: echo requests from three of them to the host
 /// are dropped, and none is counted as a source (each would have had a
@@ -826,21 +802,8 @@ fn link_local_sources_only_find_neighbours_and_never_route() {
     ] {
         assert!(t.exec(&t.gw, "sysctl", &["-qw", key]).status.success());
     }
-    let sbx3 = {
-        let out = t.exec(
-            &t.gw,
-            "ip",
-            &["-6", "-o", "addr", "show", "dev", "sbx3", "scope", "link"],
-        );
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        text.split_whitespace()
-            .skip_while(|w| *w != "inet6")
-            .nth(1)
-            .and_then(|a| a.split('/').next())
-            .map(str::to_owned)
-            .unwrap_or_else(|| panic!("no link-local address on sbx3: {text}"))
-    };
-    link_local(&t, &sb3);
+    let sbx3 = t.link_local(&t.gw, "sbx3");
+    t.link_local(&sb3, "eth0");
     for n in 1..=3 {
         let source = format!("fe80::51:{n}");
         let add = [
@@ -885,23 +848,7 @@ except socket.timeout:
     );
     let set = String::from_utf8_lossy(&set.stdout);
     assert!(!set.contains("fe80"), "link-local sources counted: {set}");
-    // A router advertisement (lifetime 1800 s) to all nodes, three times.
-    let advertise = r#"
-import socket, struct, time
-s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
-s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
-i = socket.if_nametoindex("eth0")
-s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, i)
-for _ in range(3):
-    s.sendto(struct.pack("!BBHBBHII", 134, 0, 0, 64, 0, 1800, 0, 0), ("ff02::1", 0, 0, i))
-    time.sleep(0.2)
-"#;
-    let sent = t.exec(&sb3, "python3", &["-c", advertise]);
-    assert!(
-        sent.status.success(),
-        "{}",
-        String::from_utf8_lossy(&sent.stderr)
-    );
+    t.advertise_router(&sb3, "eth0");
     std::thread::sleep(std::time::Duration::from_millis(500));
     let routes = t.exec(&t.gw, "ip", &["-6", "route", "show", "default"]);
     let routes = String::from_utf8_lossy(&routes.stdout);

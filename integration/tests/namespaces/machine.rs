@@ -831,6 +831,59 @@ fn spoofing_is_dropped_in_every_mode(t: &Topology) {
     assert!(body.contains("already belongs to VM vm1"), "{body}");
 }
 
+/// A router advertisement from a VM never makes it the node's router,
+/// even on a link that would take one (`accept_ra`): it is dropped on the
+/// link and counted as spoofed. Before the VM is registered, the same
+/// advertisement gives the node a default route through it: the link check
+/// is what stops it.
+#[test]
+fn a_vm_never_becomes_the_nodes_router() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    for key in [
+        "net.ipv6.conf.vm1.accept_ra=2",
+        "net.ipv6.conf.vm1.accept_ra_defrtr=1",
+    ] {
+        assert!(t.exec(&t.gw, "sysctl", &["-qw", key]).status.success());
+    }
+    t.link_local(vm(&t), "eth0");
+    let routes = || {
+        let out = t.exec(
+            &t.gw,
+            "ip",
+            &["-6", "route", "show", "default", "dev", "vm1"],
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    t.advertise_router(vm(&t), "eth0");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while routes().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        !routes().is_empty(),
+        "no VM registered: the node takes the route"
+    );
+    topology::run(
+        "ip",
+        &["-n", &t.gw, "-6", "route", "flush", "default", "dev", "vm1"],
+    );
+    assert_eq!(routes(), "");
+    let doc =
+        format!(r#"{{"addresses": ["{VM_IP}"], "link": "vm1", "egress": {{"mode": "open"}}}}"#);
+    let (status, body) = t.admin("PUT", "/v1/vms/vm1", Some(&doc));
+    assert_eq!(status, 200, "{body}");
+    t.advertise_router(vm(&t), "eth0");
+    metric_reaching(&t, "egress_machine_spoofed_packets_total{vm=\"vm1\"} ", 3);
+    assert_eq!(
+        routes(),
+        "",
+        "the VM's advertisement made it the node's router"
+    );
+}
+
 /// On the ingress hook, a VM's link that is deleted and made again under
 /// its name (a QEMU restart re-creates its tap) is checked from its first
 /// packet: the kernel binds the chain by name. Moving the VM to another

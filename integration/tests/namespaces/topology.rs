@@ -661,6 +661,50 @@ impl Topology {
             .expect("ip netns exec")
     }
 
+    /// The link-local address of `dev` in namespace `ns`, once it is no
+    /// longer tentative (up to 10 s).
+    pub fn link_local(&self, ns: &str, dev: &str) -> String {
+        let show = ["-6", "-o", "addr", "show", "dev", dev, "scope", "link"];
+        let mut text = String::new();
+        for _ in 0..100 {
+            text = String::from_utf8_lossy(&self.exec(ns, "ip", &show).stdout).into_owned();
+            let addr = text
+                .split_whitespace()
+                .skip_while(|w| *w != "inet6")
+                .nth(1)
+                .and_then(|a| a.split('/').next());
+            if let (false, Some(addr)) = (text.contains("tentative"), addr) {
+                return addr.to_owned();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("no link-local address on {ns}'s {dev}: {text}");
+    }
+
+    /// Sends a router advertisement (router lifetime 1800 s) to all nodes
+    /// on `dev` of namespace `ns`, three times 200 ms apart (python3: the
+    /// image has no tool that sends one).
+    pub fn advertise_router(&self, ns: &str, dev: &str) {
+        let advertise = format!(
+            r#"
+import socket, struct, time
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+i = socket.if_nametoindex("{dev}")
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, i)
+for _ in range(3):
+    s.sendto(struct.pack("!BBHBBHII", 134, 0, 0, 64, 0, 1800, 0, 0), ("ff02::1", 0, 0, i))
+    time.sleep(0.2)
+"#
+        );
+        let sent = self.exec(ns, "python3", &["-c", &advertise]);
+        assert!(
+            sent.status.success(),
+            "{}",
+            String::from_utf8_lossy(&sent.stderr)
+        );
+    }
+
     /// The packets counted by the first rule of the gateway namespace's
     /// `inet` table `table` whose listing holds `needle`.
     pub fn rule_count(&self, table: &str, needle: &str) -> u64 {

@@ -515,7 +515,12 @@ fn fill(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
 /// kinds of packet a host sends before it has an address, which never
 /// leave the link (a DHCP request from `0.0.0.0`, and neighbour discovery
 /// from `::` or a link-local address: the kernel forwards neither source);
-/// everything else is counted and dropped.
+/// everything else is counted and dropped. First, whatever its source, what
+/// would make the VM the node's router is counted and dropped: a router
+/// advertisement (ICMPv6 134), which a node taking them (`accept_ra`, the
+/// kernel's default where IPv6 is not forwarded) would make a default route
+/// through the VM of, a redirect or a router renumbering (137, 138). The
+/// sandbox interfaces' guard drops the same (`gateway/src/redirect.rs`).
 ///
 /// No anonymous interval set (`{ ::, fe80::/10 }`): nft would fetch its
 /// elements, and every other VM's, before each change (see `declare`).
@@ -527,6 +532,8 @@ fn fill(out: &mut String, layout: &Layout, vm: &VmRules<'_>) {
 /// up in /etc/protocols, which a container image may not have.
 fn link_chain(layout: &Layout, k: &str) -> Vec<String> {
     let mut rules = vec![
+        format!("icmpv6 type 134 counter name spoofed_{k} drop"),
+        format!("icmpv6 type 137-138 counter name spoofed_{k} drop"),
         format!("ip saddr @src4_{k} return"),
         format!("ip6 saddr @src6_{k} return"),
         "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return".to_owned(),

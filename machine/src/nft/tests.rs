@@ -110,6 +110,8 @@ fn an_allowlist_compiles_into_the_vms_own_sets_and_chain() {
     assert_eq!(
         chain_rules(&r, "link_vm1"),
         [
+            "icmpv6 type 134 counter name spoofed_vm1 drop",
+            "icmpv6 type 137-138 counter name spoofed_vm1 drop",
             "ip saddr @src4_vm1 return",
             "ip6 saddr @src6_vm1 return",
             "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return",
@@ -326,6 +328,8 @@ fn on_the_ingress_hook_each_link_has_a_chain_of_its_own() {
     assert_eq!(
         rules_in(&r, "netdev", "link_vm1"),
         [
+            "icmpv6 type 134 counter name spoofed_vm1 drop",
+            "icmpv6 type 137-138 counter name spoofed_vm1 drop",
             "ip saddr @src4_vm1 return",
             "ip6 saddr @src6_vm1 return",
             "ip saddr 0.0.0.0 udp sport 68 udp dport 67 return",
