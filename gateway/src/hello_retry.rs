@@ -76,7 +76,8 @@ pub(crate) struct Passed {
 /// is passed on as it is. Each wait within `limit`. What each write passes
 /// on that the peek did not read is first charged to `spend` (a byte
 /// budget's meter, which was charged the peeked bytes when the flow was
-/// let through): a write it refuses is not made.
+/// let through; asked with 0 for a write of bytes paid already): a write it
+/// refuses is not made.
 pub(crate) async fn watch(
     (client, origin): (&mut TcpStream, &mut TcpStream),
     judged: Judged<'_>,
@@ -103,6 +104,9 @@ pub(crate) async fn watch(
     // was let through: only what is read here is charged here.
     let paid = after.len();
     if !retry {
+        // Paid already, but the write is asked for all the same: the flow
+        // may have been cut while the server's answer was awaited.
+        charged(0, first.len())?;
         within(limit, origin.write_all(&after))
             .await
             .map_err(|e| RetryError::Origin(format!("passing the client's bytes on: {e}")))?;

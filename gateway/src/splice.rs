@@ -47,27 +47,17 @@ pub(crate) async fn splice_to(
     stop: impl Fn() -> Option<Fault> + Sync,
 ) -> Result<Spliced, String> {
     let timeouts = &config.timeouts;
-    // A TLS flow's first hello goes first; what the client sent after it
-    // waits for the server's answer ([`crate::hello_retry`]).
-    let first = match hello {
-        // Found: the flow was classified TLS on these very bytes.
-        Some(_) => crate::peek::client_hello_end(&peeked).unwrap_or(peeked.len()),
-        None => peeked.len(),
-    };
-    let connect = (dst, route);
-    let mut origin = open_origin(dp, &client, connect, &peeked[..first], timeouts.connect).await?;
-    let sent = first as u64;
-    let after = peeked[first..].to_vec();
-    drop(peeked);
-    let passed = match hello {
-        Some(judged) => {
-            let sockets = (&mut client, &mut origin);
-            match hello_watched(dp, config, sockets, (judged, after), meter.as_ref()).await? {
-                Ok(passed) => passed,
-                Err(cut) => return Ok(Spliced { up: sent, ..cut }),
-            }
-        }
-        None => Passed::default(),
+    let ends = (&stop as &(dyn Fn() -> Option<Fault> + Sync), meter.as_ref());
+    let begun = begin(
+        dp,
+        &mut client,
+        (dst, route),
+        (peeked, hello),
+        (config, ends),
+    );
+    let (origin, sent, passed) = match begun.await? {
+        Ok(begun) => begun,
+        Err(cut) => return Ok(cut),
     };
     let peeked_len = sent + passed.up;
     let kernel = dp.kernel.as_ref().filter(|_| meter.is_none());
@@ -96,6 +86,51 @@ pub(crate) async fn splice_to(
     Ok(moved)
 }
 
+/// The start of a splice, before the bytes run unread: the origin's
+/// socket with the first bytes sent on it (a TLS flow's first hello; the
+/// rest waits for the server's answer, [`crate::hello_retry`]), and, for
+/// TLS, what passed until the server's first message (and a second hello)
+/// had gone through. `Ok(Err)`: the flow was cut meanwhile (`stop`, the
+/// byte budget), both sides reset.
+async fn begin(
+    dp: &Dataplane,
+    client: &mut TcpStream,
+    connect: (std::net::SocketAddr, &Route),
+    (peeked, hello): (Vec<u8>, Option<Judged<'_>>),
+    (config, (stop, meter)): (&Config, Begun<'_>),
+) -> Result<Result<(TcpStream, u64, Passed), Spliced>, String> {
+    let first = match hello {
+        // Found: the flow was classified TLS on these very bytes.
+        Some(_) => crate::peek::client_hello_end(&peeked).unwrap_or(peeked.len()),
+        None => peeked.len(),
+    };
+    let timeout = config.timeouts.connect;
+    let mut origin = open_origin(dp, client, connect, &peeked[..first], timeout).await?;
+    let sent = first as u64;
+    if let Some(fault) = stop() {
+        // Cut while connecting (up to `timeouts.connect`): the first bytes,
+        // what was judged, went out; nothing more does.
+        reset(client);
+        reset(&origin);
+        return Ok(Err(Spliced::cut(sent, 0, fault)));
+    }
+    let after = peeked[first..].to_vec();
+    drop(peeked);
+    let Some(judged) = hello else {
+        return Ok(Ok((origin, sent, Passed::default())));
+    };
+    let sockets = (client, &mut origin);
+    Ok(
+        match hello_watched(dp, config, sockets, (judged, after), (meter, stop)).await? {
+            Ok(passed) => Ok((origin, sent, passed)),
+            Err(cut) => Err(Spliced { up: sent, ..cut }),
+        },
+    )
+}
+
+/// What may end a splice before it begins: its stop, its byte budget.
+type Begun<'a> = (&'a (dyn Fn() -> Option<Fault> + Sync), Option<&'a Meter>);
+
 /// Pipes for `splice(2)` when `splice.kernel = "pipe"` and no meter must
 /// see the bytes (`metered`), and the path the bytes then take.
 fn pipes_for(config: &Config, metered: bool) -> (Option<Pipes>, SplicePath) {
@@ -117,18 +152,28 @@ fn pipes_for(config: &Config, metered: bool) -> (Option<Pipes>, SplicePath) {
 }
 
 /// The start of a TLS flow read ([`crate::hello_retry::watch`]), every
-/// write charged to `meter` first: what was passed on; `Ok(Err)`, the flow
-/// cut at its byte budget (both sides reset; the counts are of what the
-/// client got); `Err`, why both sides were reset.
+/// write charged to `meter` first, and none made once `stop` names a fault
+/// (the flow was cut while it waited, for up to `timeouts.tls_handshake`
+/// a step, on the server's first message or the client's second hello):
+/// what was passed on; `Ok(Err)`, the flow cut at its byte budget or by
+/// `stop` (both sides reset; the counts are of what the client got);
+/// `Err`, why both sides were reset.
 async fn hello_watched(
     dp: &Dataplane,
     config: &Config,
     (client, origin): (&mut TcpStream, &mut TcpStream),
     (judged, after): (Judged<'_>, Vec<u8>),
-    meter: Option<&Meter>,
+    (meter, stop): (Option<&Meter>, &(dyn Fn() -> Option<Fault> + Sync)),
 ) -> Result<Result<Passed, Spliced>, String> {
     let bounds = (config.limits.peek_bytes, config.timeouts.tls_handshake);
-    let spend = |n: usize| meter.is_none_or(|m| m.spend(n));
+    let stopped = std::sync::OnceLock::new();
+    let spend = |n: usize| match stop() {
+        Some(fault) => {
+            let _ = stopped.set(fault);
+            false
+        }
+        None => n == 0 || meter.is_none_or(|m| m.spend(n)),
+    };
     let watched = crate::hello_retry::watch((client, origin), judged, after, bounds, &spend).await;
     let e = match watched {
         Ok(passed) => return Ok(Ok(passed)),
@@ -144,13 +189,16 @@ async fn hello_watched(
         // not a second ClientHello refused.
         RetryError::ClientGone(ref io) => Fault::io(Side::Client, io).unwrap_or(Fault::CLIENT_TLS),
         RetryError::Budget { down } => {
+            if let Some(&fault) = stopped.get() {
+                return Ok(Err(Spliced::cut(0, down, fault)));
+            }
             return Ok(Err(Spliced {
                 up: 0,
                 down,
                 idle_timeout: false,
                 fault: None,
                 budget_cut: meter.map(Meter::describe),
-            }))
+            }));
         }
     };
     dp.metrics.fault(fault);

@@ -19,3 +19,15 @@ pub(crate) struct Spliced {
     /// entry and the limit, for the flow log.
     pub(crate) budget_cut: Option<String>,
 }
+
+impl Spliced {
+    /// A flow cut by `fault` (both sides reset) after `up` and `down` bytes.
+    pub(crate) fn cut(up: u64, down: u64, fault: Fault) -> Self {
+        Self {
+            up,
+            down,
+            fault: Some(fault),
+            ..Self::default()
+        }
+    }
+}

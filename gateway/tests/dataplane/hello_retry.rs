@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use egress_policy::SandboxId;
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -83,6 +84,11 @@ async fn retrying_origin() -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
 /// A fake origin that answers the first bytes with `answer`, and records
 /// everything it receives.
 async fn answering_origin(answer: Vec<u8>) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
+    answering_after(answer, Duration::ZERO).await
+}
+
+/// The same, answering `wait` after the first bytes came.
+async fn answering_after(answer: Vec<u8>, wait: Duration) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
     let answer = Arc::new(answer);
     let l = TcpListener::bind((FAKE_IP, 0)).await.expect("bind");
     let addr = l.local_addr().expect("addr");
@@ -101,6 +107,7 @@ async fn answering_origin(answer: Vec<u8>) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) 
                     seen.lock().expect("lock").extend_from_slice(&buf[..n]);
                     if !answered {
                         answered = true;
+                        tokio::time::sleep(wait).await;
                         if s.write_all(&answer).await.is_err() {
                             break;
                         }
@@ -110,6 +117,49 @@ async fn answering_origin(answer: Vec<u8>) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) 
         }
     });
     (addr, got)
+}
+
+/// A ServerHello that asks for no retry: the retry request's message with
+/// another random.
+fn server_hello() -> Vec<u8> {
+    let mut out = retry_request();
+    out[11..43].copy_from_slice(&[0x11; 32]);
+    out
+}
+
+/// A flow cut (its sandbox deleted) while it waits for the server's first
+/// message passes nothing more on: neither that message to the client nor
+/// what the client sent after its hello (read with it by the peek) to the
+/// origin. Both sides are reset, and the flow's line names the cut.
+/// Before, both went on, up to the handshake's time after the cut.
+#[tokio::test]
+async fn a_flow_cut_before_the_servers_answer_passes_nothing_more() {
+    let e = spliced_env().await;
+    let (origin, got) = answering_after(server_hello(), Duration::from_millis(1500)).await;
+    let mut s = e.connect(SANDBOX_A, origin).await;
+    let hello = client_hello("a.relay.example.test");
+    let mut first = hello.clone();
+    first.extend_from_slice(&[0x14, 3, 3, 0, 1, 1]);
+    s.write_all(&first).await.expect("hello");
+    for _ in 0..100 {
+        if !got.lock().expect("lock").is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(e.gateway.registry().remove(&SandboxId::new("a")));
+    let mut buf = vec![0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
+    assert!(
+        matches!(read, Ok(Ok(0) | Err(_))),
+        "the server's answer reached the client: {read:?}"
+    );
+    let line = &e.flow_lines(1).await[0];
+    assert_eq!(line["error"], "gateway_sandbox_removed", "{line}");
+    assert!(
+        *got.lock().expect("lock") == hello,
+        "the origin got more than the hello"
+    );
 }
 
 async fn spliced_env() -> Env {
