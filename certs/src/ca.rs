@@ -281,20 +281,25 @@ fn pem_certificate(der: &CertificateDer<'_>) -> String {
 }
 
 /// Reads a private key file, refusing one that group or others can read.
+/// The mode checked is the open file's, the one read: a file moved into
+/// place between a check by name and the read would be read unchecked.
 pub(crate) fn read_private(path: &Path) -> Result<String, CertError> {
+    use std::io::Read;
     let io = |source| CertError::Io {
         path: path.to_owned(),
         source,
     };
-    let meta = fs::metadata(path).map_err(io)?;
-    let mode = meta.permissions().mode() & 0o7777;
+    let mut file = fs::File::open(path).map_err(io)?;
+    let mode = file.metadata().map_err(io)?.permissions().mode() & 0o7777;
     if mode & 0o077 != 0 {
         return Err(CertError::KeyPermissions {
             path: path.to_owned(),
             mode,
         });
     }
-    fs::read_to_string(path).map_err(io)
+    let mut text = String::new();
+    file.read_to_string(&mut text).map_err(io)?;
+    Ok(text)
 }
 
 fn fingerprint(der: &CertificateDer<'_>) -> String {
