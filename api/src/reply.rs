@@ -12,7 +12,9 @@ pub type Reply = Response<Full<Bytes>>;
 /// (the answers are a tenant's policies and sandboxes) nor read as another
 /// type.
 pub fn json_reply<T: serde::Serialize + ?Sized>(status: StatusCode, v: &T) -> Reply {
-    let mut body = match serde_json::to_vec(v) {
+    // Escaped where a terminal would act: an answer may carry a sandbox's
+    // request path, and is read with curl.
+    let mut body = match crate::text::json_vec(v) {
         Ok(body) => body,
         // Never a success with an empty body.
         Err(e) => {
@@ -86,6 +88,19 @@ mod tests {
     async fn body_of(r: Reply) -> String {
         let bytes = r.into_body().collect().await.expect("full body").to_bytes();
         String::from_utf8(bytes.to_vec()).expect("UTF-8")
+    }
+
+    /// A JSON answer carrying a sandbox's path (a proposal's example, say)
+    /// holds what a terminal acts on as escapes, read back the same.
+    #[tokio::test]
+    async fn json_answers_escape_what_a_terminal_acts_on() {
+        let path = "/v1/\u{9b}2J";
+        let body = body_of(json_reply(
+            StatusCode::OK,
+            &serde_json::json!({ "path": path }),
+        ))
+        .await;
+        assert_eq!(body, "{\"path\":\"/v1/\\u009b2J\"}\n");
     }
 
     #[tokio::test]

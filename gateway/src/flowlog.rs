@@ -493,7 +493,9 @@ impl Lines {
         }
         record.ts = at.format(&Rfc3339).unwrap_or_default();
         self.line.clear();
-        if serde_json::to_writer(&mut self.line, &record).is_err() {
+        // Escaped where a terminal would act: the line may carry a
+        // sandbox's request path, and the default log is stdout.
+        if egress_api::text::json_to_writer(&mut self.line, &record).is_err() {
             self.drop_lines(1);
             return;
         }
@@ -688,6 +690,35 @@ mod tests {
         // After close, lines are dropped and counted, never block.
         log.write(record(1));
         assert_eq!(log.dropped().load(Ordering::Relaxed), 1);
+    }
+
+    /// A sandbox's request path holding what a terminal acts on (U+009B,
+    /// CSI, percent-decoded from `%C2%9B`; a right-to-left override) goes
+    /// into the line as escapes: the line read back holds the path as it
+    /// was, and shown, it shows the escapes rather than clear the screen.
+    #[test]
+    fn what_a_terminal_acts_on_is_written_as_escapes() {
+        let w = Held::default();
+        w.open();
+        let log = FlowLog::to_writer(Box::new(w.clone()));
+        let denied = "http_not_allowed allow[0]: GET /v1/\u{9b}2J\u{9b}31mOK/\u{202e}fdp.exe";
+        log.write(FlowRecord {
+            request_denied: Some(denied.to_owned()),
+            ..record(1)
+        });
+        log.close();
+        let bytes = w
+            .bytes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let text = String::from_utf8(bytes).expect("utf-8");
+        let acted = text
+            .chars()
+            .filter(|c| matches!(c, '\u{80}'..='\u{9f}' | '\u{202e}'));
+        assert_eq!(acted.count(), 0, "{text:?}");
+        assert!(text.contains(r"GET /v1/\u009b2J"), "{text}");
+        assert_eq!(w.lines()[0]["request_denied"], denied);
     }
 
     #[test]
