@@ -295,28 +295,52 @@ pub async fn laid_over(
     Ok((policy, Value::Array(provenance)))
 }
 
+/// Why an approval was not recorded.
+#[derive(Debug)]
+pub enum NotApproved {
+    /// A sandbox it reaches would then have a policy larger than a gateway
+    /// takes (which would forget the sandbox, denying all its traffic).
+    TooLarge(String),
+    /// The rule is approved in force until a time, and the request named
+    /// no `until`: approving it so would lift that end unsaid. The
+    /// approval's id and its end.
+    EndsInForce { id: String, until: String },
+}
+
 /// Records approval `a` and lays its rule over every sandbox it reaches;
 /// the approval, and whether it is new. One in force for the same scope,
 /// target, rule and `until` is returned as it is: approving again adds no row.
 /// One with another `until` is revoked, replaced by this one (the latest
-/// word on the rule wins).
-/// `Ok(Err(why))` when a sandbox it reaches would then have a policy larger
-/// than a gateway takes (which would forget the sandbox, denying all its
-/// traffic): the caller rolls the transaction back.
+/// word on the rule wins), but an end in force is lifted only by a request
+/// that names its `until` (`null` for none): a request without one, as the
+/// console's Approve sends after a reload, is refused
+/// ([`NotApproved::EndsInForce`]) rather than make a bounded approval
+/// lasting.
+/// `Ok(Err(_))`: nothing is approved, and the caller rolls the transaction
+/// back.
 pub async fn approve(
     conn: &mut PgConnection,
     a: &NewApproval<'_>,
-) -> Result<Result<(Approval, bool), String>, sqlx::Error> {
+) -> Result<Result<(Approval, bool), NotApproved>, sqlx::Error> {
     store::approvals::lock_rule(conn, a).await?;
     if let Some(same) = store::approvals::same_in_force(conn, a).await? {
         return Ok(Ok((same, false)));
+    }
+    if !a.until_named {
+        if let Some(ended) = store::approvals::ended_in_force(conn, a).await? {
+            let until = ended.until.unwrap_or_default();
+            return Ok(Err(NotApproved::EndsInForce {
+                id: ended.id,
+                until,
+            }));
+        }
     }
     store::approvals::supersede(conn, a).await?;
     let approval = store::approvals::insert(conn, a).await?;
     store::lock_tenant(conn, a.tenant).await?;
     for id in store::approvals::reached(conn, a.tenant, a.scope, a.target).await? {
         if let Err(why) = refresh(conn, &id, None).await? {
-            return Ok(Err(format!("not approved: {why}")));
+            return Ok(Err(NotApproved::TooLarge(format!("not approved: {why}"))));
         }
     }
     Ok(Ok((approval, true)))

@@ -19,9 +19,29 @@ use crate::{gateway_client, ids, store};
 #[serde(deny_unknown_fields)]
 struct ApproveBody {
     scope: Scope,
-    /// RFC 3339; absent: until revoked.
-    #[serde(default)]
-    until: Option<String>,
+    /// RFC 3339; `null` or absent: until revoked. `Some(_)`: named (the
+    /// outer option), a time or `null`.
+    #[serde(default, deserialize_with = "named")]
+    until: Option<Option<String>>,
+}
+
+/// A field given, `null` included: `Some` of what it holds.
+fn named<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(d).map(Some)
+}
+
+/// The answer to an approval not recorded: `400` for one too large, `409`
+/// for one that would lift an end in force unsaid.
+fn not_approved(why: approvals::NotApproved) -> Reply {
+    match why {
+        approvals::NotApproved::TooLarge(why) => error(StatusCode::BAD_REQUEST, &why),
+        approvals::NotApproved::EndsInForce { id, until } => error(
+            StatusCode::CONFLICT,
+            &format!(
+                "approval {id} of this rule is in force until {until}: name \"until\" to change its end (null: none)"
+            ),
+        ),
+    }
 }
 
 impl Api {
@@ -68,7 +88,7 @@ impl Api {
         body: Result<Value, Reply>,
     ) -> Result<Reply, Reply> {
         let req: ApproveBody = typed(body?)?;
-        if let Some(until) = &req.until {
+        if let Some(Some(until)) = &req.until {
             self.check_until(until).await?;
         }
         let doc = self.fetch_proposals(caller, id).await?;
@@ -101,13 +121,14 @@ impl Api {
             target: &target,
             rule: &rule,
             principal: &caller.principal(),
-            until: req.until.as_deref(),
+            until: req.until.as_ref().and_then(Option::as_deref),
+            until_named: req.until.is_some(),
             evidence: &proposal,
         };
         let (approval, created) = approvals::approve(&mut tx, &new)
             .await
             .map_err(db)?
-            .map_err(|why| error(StatusCode::BAD_REQUEST, &why))?;
+            .map_err(not_approved)?;
         tx.commit().await.map_err(db)?;
         let status = if created {
             StatusCode::CREATED

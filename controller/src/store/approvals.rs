@@ -35,6 +35,10 @@ pub struct NewApproval<'a> {
     pub rule: &'a Rule,
     pub principal: &'a str,
     pub until: Option<&'a str>,
+    /// The request named its `until` (a time, or `null` for none). One
+    /// that did not, for a rule approved in force until a time, is refused
+    /// rather than lift that end ([`ended_in_force`]).
+    pub until_named: bool,
     pub evidence: &'a Value,
 }
 
@@ -157,6 +161,26 @@ pub async fn same_in_force(
         .bind(a.target)
         .bind(Json(a.rule))
         .bind(a.until)
+        .fetch_optional(conn)
+        .await?;
+    row.as_ref().map(Approval::from_row).transpose()
+}
+
+/// An approval of `a`'s tenant in force for the same scope, target and
+/// rule that ends at a time, if there is one.
+pub async fn ended_in_force(
+    conn: &mut PgConnection,
+    a: &NewApproval<'_>,
+) -> Result<Option<Approval>, sqlx::Error> {
+    let sql = format!(
+        "SELECT {COLUMNS} FROM approvals WHERE tenant = $1 AND scope = $2 AND target = $3 \
+         AND rule = $4 AND until IS NOT NULL AND {IN_FORCE} ORDER BY approved_at, id LIMIT 1"
+    );
+    let row = sqlx::query(safe(sql))
+        .bind(a.tenant)
+        .bind(a.scope.as_str())
+        .bind(a.target)
+        .bind(Json(a.rule))
         .fetch_optional(conn)
         .await?;
     row.as_ref().map(Approval::from_row).transpose()

@@ -624,6 +624,50 @@ async fn a_shadow_carries_the_approvals_and_a_later_change_blocks_its_promotion(
     assert_eq!(v["policy"]["allow"], doc["effective"]["allow"], "{v}");
 }
 
+/// A rule approved until a time is not made lasting by an approval that
+/// names no `until` (what the console's Approve sends, after a reload):
+/// `409`, naming the approval in force and its end, which is kept. Named,
+/// `null` lifts the end. With no end in force, an approval naming none is
+/// the same one again.
+#[tokio::test]
+async fn an_end_in_force_is_lifted_only_when_named() {
+    let w = setup_world(db!()).await;
+    let (id, _conn, (s, bounded)) = denied_then_approved(&w, "+ interval '1 hour'").await;
+    assert_eq!(s, 201, "{bounded}");
+    let in_force = || async {
+        let list = approvals_listed(&w).await;
+        let ids: Vec<Value> = list["approvals"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .filter(|a| a["revoked_at"].is_null())
+            .map(|a| a["id"].clone())
+            .collect();
+        ids
+    };
+    let (s, v) = approve(&w, FEDERATED, &id, json!({"scope": "sandbox"})).await;
+    assert_eq!(s, 409, "{v}");
+    let why = v["error"].as_str().unwrap_or_default();
+    let until = bounded["until"].as_str().expect("until");
+    assert!(
+        why.contains(bounded["id"].as_str().expect("id")) && why.contains(until),
+        "{v}"
+    );
+    assert_eq!(in_force().await, [bounded["id"].clone()]);
+    let (s, lasting) = approve(
+        &w,
+        FEDERATED,
+        &id,
+        json!({"scope": "sandbox", "until": null}),
+    )
+    .await;
+    assert_eq!(s, 201, "{lasting}");
+    assert!(lasting["until"].is_null(), "{lasting}");
+    assert_eq!(in_force().await, [lasting["id"].clone()]);
+    let (s, again) = approve(&w, FEDERATED, &id, json!({"scope": "sandbox"})).await;
+    assert_eq!((s, &again["id"]), (200, &lasting["id"]), "{again}");
+}
+
 /// A sandbox of FEDERATED's, denied once (a proposal), then that proposal
 /// approved for the sandbox until the database's clock `offset` from now:
 /// the sandbox, a database connection, the approval's answer.
