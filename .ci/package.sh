@@ -179,13 +179,19 @@ for u in "${UNITS[@]}"; do
 done
 # The drop-in that applies the fence and the active redirect units again
 # after nftables.service starts (a start flushes the ruleset; PartOf= and
-# ReloadPropagatedFrom= pass on only a stop, restart or reload).
+# ReloadPropagatedFrom= pass on only a stop, restart or reload). The
+# redirect template is not PartOf= nftables: a stop of nftables would stop
+# its instances, and the start after it would leave them stopped, their
+# interfaces routed past the gateway where no fence is set.
 NFT_DROPIN=/usr/lib/systemd/system/nftables.service.d/egress-gateway.conf
 [ -f "$NFT_DROPIN" ] || die "$NFT_DROPIN is not installed"
 grep -q '^ExecStartPost=.* reload-or-restart egress-gateway-fence\.service$' "$NFT_DROPIN" ||
   die "$NFT_DROPIN does not apply the fence again after nftables.service starts"
 grep -q '^ExecStartPost=.* try-reload-or-restart egress-gateway-redirect@\*\.service$' "$NFT_DROPIN" ||
   die "$NFT_DROPIN does not apply the redirect units again after nftables.service starts"
+if grep -q '^PartOf=' /usr/lib/systemd/system/egress-gateway-redirect@.service; then
+  die "egress-gateway-redirect@.service is PartOf= a unit: a stop of nftables would leave its instances stopped"
+fi
 # A template is verified through an instance (the interface name keeps its '-').
 say "systemd-analyze verify"
 # nftables.service is verified with the drop-in above (a finding in it

@@ -1635,6 +1635,11 @@ fn the_standalone_webhook_is_the_same_webhook() {
                 let args =
                     |v: &Value| v["spec"]["template"]["spec"]["containers"][0]["args"].clone();
                 assert_eq!(args(&a), args(b), "the webhook's args differ");
+                // Its key is mounted as strictly (0440, the fsGroup's).
+                for field in ["securityContext", "volumes"] {
+                    let pod = |v: &Value| v["spec"]["template"]["spec"][field].clone();
+                    assert_eq!(pod(&a), pod(b), "the webhook pod's {field} differ");
+                }
             }
             _ => assert_eq!(a["spec"], b["spec"], "the webhook's Service differs"),
         }
