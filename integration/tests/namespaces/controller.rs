@@ -7,7 +7,6 @@
 //! unix socket (the test cluster of `.ci/pg.sh`), which crosses namespaces.
 
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -105,14 +104,6 @@ pub fn api(
     all.extend_from_slice(headers);
     let (code, body) = t.http_in_gw(method, &format!("http://127.0.0.1:8080{path}"), &all, body);
     (code, serde_json::from_str(&body).unwrap_or(json!(body)))
-}
-
-pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 #[test]

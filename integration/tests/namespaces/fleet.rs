@@ -33,15 +33,6 @@ fn redirected(t: &Topology) -> bool {
     String::from_utf8_lossy(&out.stdout).contains(r#"iifname "sbx3" meta l4proto tcp redirect to"#)
 }
 
-/// Waits up to 15 s for `done`, failing with `what`.
-fn wait_until(t: &Topology, what: &str, done: impl Fn(&Topology) -> bool) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-    while !done(t) {
-        assert!(std::time::Instant::now() < deadline, "{what}");
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
-}
-
 fn sb3_flows(t: &Topology) -> usize {
     t.flows()
         .iter()
@@ -209,16 +200,15 @@ fn the_gateway_keeps_the_fence_in_place() {
         );
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"sbx*\"")
     };
-    let within = |t: &Topology, what: &str| wait_until(t, what, fenced);
-    within(&t, "the gateway did not install the fence at its start");
+    let within = |what: &str| eventually(what, || fenced(&t));
+    within("the gateway did not install the fence at its start");
     for how in ["delete", "flush"] {
         let out = t.exec(&t.gw, "nft", &[how, "table", "inet", "egress_gw_fence"]);
         assert!(out.status.success(), "{out:?}");
         assert!(!fenced(&t), "{how}: the fence is still there");
-        within(
-            &t,
-            &format!("the fence did not come back after nft {how} table"),
-        );
+        within(&format!(
+            "the fence did not come back after nft {how} table"
+        ));
     }
     // An older build's fence, without the chain that drops fragments, is
     // installed again whole.
@@ -237,11 +227,9 @@ fn the_gateway_keeps_the_fence_in_place() {
         &["delete", "chain", "inet", "egress_gw_fence", "fragments"],
     );
     assert!(out.status.success(), "{out:?}");
-    wait_until(
-        &t,
-        "the fence's fragments chain did not come back",
-        fragments,
-    );
+    eventually("the fence's fragments chain did not come back", || {
+        fragments(&t)
+    });
     assert!(fenced(&t), "the fence went with its fragments chain");
     // A process that binds the redirect rules' lock (any process of the
     // namespace can) does not keep a missing fence from coming back.
@@ -268,10 +256,7 @@ fn the_gateway_keeps_the_fence_in_place() {
         &["delete", "table", "inet", "egress_gw_fence"],
     );
     assert!(out.status.success(), "{out:?}");
-    within(
-        &t,
-        "the fence did not come back while another process held the lock",
-    );
+    within("the fence did not come back while another process held the lock");
     let _ = squatter.kill();
     let _ = squatter.wait();
     // An attached interface whose table is emptied (or deleted) would pass
@@ -287,10 +272,9 @@ fn the_gateway_keeps_the_fence_in_place() {
     let out = t.exec(&t.gw, "nft", &["flush", "table", "inet", "egress_gw_sbx3"]);
     assert!(out.status.success(), "{out:?}");
     assert!(!redirected(&t), "the flush left sbx3's redirect");
-    wait_until(
-        &t,
+    eventually(
         "sbx3 was not attached again after its table was emptied",
-        |t| redirected(t) && attached(t),
+        || redirected(&t) && attached(&t),
     );
     // A flushed ruleset takes the fence and the interfaces' tables in one
     // go: the fence comes back, and the interface it let through with it.
@@ -301,8 +285,8 @@ fn the_gateway_keeps_the_fence_in_place() {
     );
     assert!(out.status.success(), "{out:?}");
     assert!(!fenced(&t) && !redirected(&t), "the flush left rules");
-    wait_until(&t, "sbx3 was not attached again with the fence", |t| {
-        fenced(t) && redirected(t) && attached(t)
+    eventually("sbx3 was not attached again with the fence", || {
+        fenced(&t) && redirected(&t) && attached(&t)
     });
     // And what it sends goes through the gateway again.
     t.push(
@@ -796,12 +780,7 @@ fn link_local_sources_only_find_neighbours_and_never_route() {
     let mut t = Topology::new();
     let sb3 = t.add_sandbox("sb3", "sbx3", 5);
     t.gateway_cli(&["redirect", "--sandbox-iface", "sbx3", "--apply"]);
-    for key in [
-        "net.ipv6.conf.sbx3.accept_ra=2",
-        "net.ipv6.conf.sbx3.accept_ra_defrtr=1",
-    ] {
-        assert!(t.exec(&t.gw, "sysctl", &["-qw", key]).status.success());
-    }
+    t.take_router_advertisements("sbx3");
     let sbx3 = t.link_local(&t.gw, "sbx3");
     t.link_local(&sb3, "eth0");
     for n in 1..=3 {

@@ -842,12 +842,7 @@ fn a_vm_never_becomes_the_nodes_router() {
         return;
     }
     let t = Topology::with_vm();
-    for key in [
-        "net.ipv6.conf.vm1.accept_ra=2",
-        "net.ipv6.conf.vm1.accept_ra_defrtr=1",
-    ] {
-        assert!(t.exec(&t.gw, "sysctl", &["-qw", key]).status.success());
-    }
+    t.take_router_advertisements("vm1");
     t.link_local(vm(&t), "eth0");
     let routes = || {
         let out = t.exec(
@@ -858,14 +853,9 @@ fn a_vm_never_becomes_the_nodes_router() {
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     };
     t.advertise_router(vm(&t), "eth0");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while routes().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(
-        !routes().is_empty(),
-        "no VM registered: the node takes the route"
-    );
+    topology::eventually("no VM registered: the node takes the route", || {
+        !routes().is_empty()
+    });
     topology::run(
         "ip",
         &["-n", &t.gw, "-6", "route", "flush", "default", "dev", "vm1"],

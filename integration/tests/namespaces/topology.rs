@@ -132,6 +132,15 @@ pub fn service_caps(extra: &[&str]) -> Vec<String> {
     ]
 }
 
+/// Waits up to 20 s for `check`, failing with `what`.
+pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 pub fn bin(name: &str) -> PathBuf {
     // Test binaries live in target/<profile>/deps; the workspace binaries one level up.
     let exe = std::env::current_exe().expect("test binary path");
@@ -679,6 +688,20 @@ impl Topology {
             std::thread::sleep(Duration::from_millis(100));
         }
         panic!("no link-local address on {ns}'s {dev}: {text}");
+    }
+
+    /// Has the gateway namespace take router advertisements, default
+    /// routes included, on `iface` (`accept_ra=2`: even where it forwards).
+    pub fn take_router_advertisements(&self, iface: &str) {
+        for key in [
+            format!("net.ipv6.conf.{iface}.accept_ra=2"),
+            format!("net.ipv6.conf.{iface}.accept_ra_defrtr=1"),
+        ] {
+            assert!(self
+                .exec(&self.gw, "sysctl", &["-qw", &key])
+                .status
+                .success());
+        }
     }
 
     /// Sends a router advertisement (router lifetime 1800 s) to all nodes
