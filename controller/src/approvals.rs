@@ -323,17 +323,20 @@ pub async fn approve(
     a: &NewApproval<'_>,
 ) -> Result<Result<(Approval, bool), NotApproved>, sqlx::Error> {
     store::approvals::lock_rule(conn, a).await?;
-    if let Some(same) = store::approvals::same_in_force(conn, a).await? {
+    let mut in_force = store::approvals::in_force_for(conn, a)
+        .await?
+        .into_iter()
+        .peekable();
+    if let Some((same, _)) = in_force.next_if(|(_, same)| *same) {
         return Ok(Ok((same, false)));
     }
-    if !a.until_named {
-        if let Some(ended) = store::approvals::ended_in_force(conn, a).await? {
-            let until = ended.until.unwrap_or_default();
-            return Ok(Err(NotApproved::EndsInForce {
-                id: ended.id,
-                until,
-            }));
-        }
+    let ended = in_force.find(|(e, _)| e.until.is_some());
+    if let (false, Some((ended, _))) = (a.until_named, ended) {
+        let until = ended.until.unwrap_or_default();
+        return Ok(Err(NotApproved::EndsInForce {
+            id: ended.id,
+            until,
+        }));
     }
     store::approvals::supersede(conn, a).await?;
     let approval = store::approvals::insert(conn, a).await?;

@@ -37,7 +37,7 @@ pub struct NewApproval<'a> {
     pub until: Option<&'a str>,
     /// The request named its `until` (a time, or `null` for none). One
     /// that did not, for a rule approved in force until a time, is refused
-    /// rather than lift that end ([`ended_in_force`]).
+    /// rather than lift that end ([`in_force_for`]).
     pub until_named: bool,
     pub evidence: &'a Value,
 }
@@ -144,46 +144,30 @@ pub async fn lock_rule(conn: &mut PgConnection, a: &NewApproval<'_>) -> Result<(
     Ok(())
 }
 
-/// The approval in force of `a`'s tenant for the same scope, target, rule
-/// and `until`, if there is one: approving it again adds nothing.
-pub async fn same_in_force(
+/// The approvals of `a`'s tenant in force for the same scope, target and
+/// rule, each with whether its `until` is `a`'s (`true` first): the one to
+/// return as it is when approving again, or the ones a new approval
+/// replaces.
+pub async fn in_force_for(
     conn: &mut PgConnection,
     a: &NewApproval<'_>,
-) -> Result<Option<Approval>, sqlx::Error> {
+) -> Result<Vec<(Approval, bool)>, sqlx::Error> {
     let sql = format!(
-        "SELECT {COLUMNS} FROM approvals WHERE tenant = $1 AND scope = $2 AND target = $3 \
-         AND rule = $4 AND until IS NOT DISTINCT FROM $5::timestamptz AND {IN_FORCE} \
-         ORDER BY approved_at, id LIMIT 1"
+        "SELECT {COLUMNS}, until IS NOT DISTINCT FROM $5::timestamptz AS same FROM approvals \
+         WHERE tenant = $1 AND scope = $2 AND target = $3 AND rule = $4 AND {IN_FORCE} \
+         ORDER BY same DESC, approved_at, id"
     );
-    let row = sqlx::query(safe(sql))
+    let rows = sqlx::query(safe(sql))
         .bind(a.tenant)
         .bind(a.scope.as_str())
         .bind(a.target)
         .bind(Json(a.rule))
         .bind(a.until)
-        .fetch_optional(conn)
+        .fetch_all(conn)
         .await?;
-    row.as_ref().map(Approval::from_row).transpose()
-}
-
-/// An approval of `a`'s tenant in force for the same scope, target and
-/// rule that ends at a time, if there is one.
-pub async fn ended_in_force(
-    conn: &mut PgConnection,
-    a: &NewApproval<'_>,
-) -> Result<Option<Approval>, sqlx::Error> {
-    let sql = format!(
-        "SELECT {COLUMNS} FROM approvals WHERE tenant = $1 AND scope = $2 AND target = $3 \
-         AND rule = $4 AND until IS NOT NULL AND {IN_FORCE} ORDER BY approved_at, id LIMIT 1"
-    );
-    let row = sqlx::query(safe(sql))
-        .bind(a.tenant)
-        .bind(a.scope.as_str())
-        .bind(a.target)
-        .bind(Json(a.rule))
-        .fetch_optional(conn)
-        .await?;
-    row.as_ref().map(Approval::from_row).transpose()
+    rows.iter()
+        .map(|r| Ok((Approval::from_row(r)?, r.try_get("same")?)))
+        .collect()
 }
 
 /// Revokes every approval of `a`'s tenant in force for the same scope,
