@@ -308,6 +308,97 @@ fn a_new_flow_to_another_vm_is_dropped_under_every_mode() {
     assert!(!tcp_ok(&t, OTHER_IP), "still under loopback");
 }
 
+/// The port the origin's UDP sink listens on, for [`error_reaches_the_vm`].
+const SINK_PORT: u16 = 40999;
+
+/// The VM opens a UDP flow to [`OTHER_IP`]; the fake internet's side
+/// receives its datagram and answers with an ICMP port unreachable about
+/// that flow, sent from its address `from`. True when the error reached the
+/// VM's socket (its `recv` refused), false when it waited 3 s for nothing.
+fn error_reaches_the_vm(t: &Topology, from: &str) -> bool {
+    const SEND: &str = r#"
+import socket, struct, sys
+def checksum(b):
+    n = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    n = (n >> 16) + (n & 0xffff)
+    n += n >> 16
+    return ~n & 0xffff
+src, sink, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.bind((sink, port))
+u.settimeout(5)
+print("ready", flush=True)
+data, (vm, vm_port) = u.recvfrom(64)
+# What the VM sent, as its first bytes: the IP header and the UDP header.
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + 8 + len(data), 0, 0, 63, 17, 0,
+                 socket.inet_aton(vm), socket.inet_aton(sink))
+ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+inner = ip + struct.pack("!HHHH", vm_port, port, 8 + len(data), 0)
+head = struct.pack("!BBHI", 3, 3, 0, 0)
+msg = head[:2] + struct.pack("!H", checksum(head + inner)) + head[4:] + inner
+r = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+r.bind((src, 0))
+r.sendto(msg, (vm, 0))
+"#;
+    const WAIT: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((sys.argv[1], int(sys.argv[2])))
+s.settimeout(3)
+s.send(b"egress")
+try:
+    s.recv(64)
+except ConnectionRefusedError:
+    sys.exit(0)
+except socket.timeout:
+    sys.exit(1)
+sys.exit(2)
+"#;
+    let port = SINK_PORT.to_string();
+    let mut sender = topology::spawn_ready(
+        std::process::Command::new("ip")
+            .args(["netns", "exec", &t.inet, "python3", "-c", SEND])
+            .args([from, OTHER_IP, &port]),
+        "the origin's UDP sink",
+    );
+    let waited = t.exec(vm(t), "python3", &["-c", WAIT, OTHER_IP, &port]);
+    let sent = sender.wait().expect("the sender");
+    assert!(sent.success(), "the sender failed: {sent}");
+    match waited.status.code() {
+        Some(0) => true,
+        Some(1) => false,
+        _ => panic!("{}", String::from_utf8_lossy(&waited.stderr)),
+    }
+}
+
+/// An ICMP error is `related` to the flow it names, whoever sends it: from
+/// another VM's address it reached the VM on its flow to the internet
+/// (here a port unreachable; a "fragmentation needed" would shrink the
+/// flow's path MTU), though no flow between two VMs may open. The origin's
+/// address stands in for the second VM's, as above; the control is the
+/// same error from the flow's own destination, which passes.
+#[test]
+fn a_vm_sends_no_error_into_another_vms_flow() {
+    if !topology::available() {
+        return;
+    }
+    let t = Topology::with_vm();
+    register(&t, "vm1", VM_IP, Some(r#"{"mode": "open"}"#));
+    assert!(
+        error_reaches_the_vm(&t, API_IP),
+        "an error from an address no VM's passes"
+    );
+    register(&t, "vm2", API_IP, Some(r#"{"mode": "open"}"#));
+    assert!(
+        !error_reaches_the_vm(&t, API_IP),
+        "an error from vm2 reached vm1 on its flow"
+    );
+    assert!(
+        error_reaches_the_vm(&t, OTHER_IP),
+        "the flow's own destination still reports its errors"
+    );
+}
+
 #[test]
 fn each_mode_governs_tcp_and_udp_in_the_kernel() {
     if !topology::available() {

@@ -225,7 +225,17 @@ pub fn forward_rules(vms: &[VmRules<'_>]) -> String {
             vm.policy.mode == Mode::Loopback && vm.addresses.iter().any(|a| a.is_ipv4() == v4)
         })
     };
-    let mut rules = match (cut(true), cut(false)) {
+    // An ICMP error is `related` to the flow it names, whoever sends it.
+    // From a VM to another VM it would reach that VM on its flow (a port
+    // unreachable, a smaller path MTU) though no flow between two VMs
+    // ever opens: dropped first. Only a related packet pays the lookups.
+    let mut rules: Vec<String> = [
+        "ct state related ip saddr @to4 ip daddr @to4 drop",
+        "ct state related ip6 saddr @to6 ip6 daddr @to6 drop",
+    ]
+    .map(str::to_owned)
+    .into();
+    rules.extend(match (cut(true), cut(false)) {
         (false, false) => vec!["ct state established,related accept".to_owned()],
         (cut4, cut6) => [(cut4, "ip", "cut4", "ipv4"), (cut6, "ip6", "cut6", "ipv6")]
             .into_iter()
@@ -234,7 +244,7 @@ pub fn forward_rules(vms: &[VmRules<'_>]) -> String {
                 false => format!("ct state established,related meta nfproto {family} accept"),
             })
             .collect(),
-    };
+    });
     // The guard comes before the dispatch: a VM's own chain ends in its
     // verdict, so after it a VM whose policy lets the address out (`open`,
     // `audit`, an allowlist covering it) would open flows to another VM.
