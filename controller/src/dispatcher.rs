@@ -1265,6 +1265,7 @@ fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
         policy,
         credentials: Vec::new(),
         upstream_proxy: None,
+        revision: None,
     };
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
     if !fits(s, bytes.len()) {
@@ -1348,6 +1349,7 @@ fn doc_of(s: &SandboxRow, addresses: Vec<std::net::IpAddr>, policy: Policy) -> S
         credentials: Vec::new(),
         upstream_proxy: None,
         shadow: None,
+        revision: None,
     }
 }
 

@@ -183,7 +183,7 @@ async fn route(req: Request<Incoming>, ctl: &Control) -> Reply {
                 Err(r) => rejected(ctl, r),
             }
         }
-        (&Method::DELETE, ["v1", "sandboxes", id]) => delete(ctl, id).await,
+        (&Method::DELETE, ["v1", "sandboxes", id]) => delete(ctl, id, req.uri().query()).await,
         (&Method::GET, ["v1", "sandboxes", id, "attribution"]) => attribution(ctl, id),
         (&Method::GET, ["v1", "sandboxes", id, "proposals"]) => proposals(ctl, id),
         (&Method::POST, ["v1", "explain"]) => match body::<Explain>(req).await {
@@ -402,6 +402,7 @@ async fn put(ctl: &Control, id: String, doc: PutSandbox) -> Reply {
         credentials: doc.credentials,
         upstream_proxy: doc.upstream_proxy,
         shadow: None,
+        revision: doc.revision,
     };
     // Compiling the policy is the costly part: done here, concurrently.
     let compile = move |r: &Registry| r.prepare_with(sid, doc.addresses, doc.policy, extras);
@@ -436,6 +437,13 @@ fn refused(ctl: &Control, why: NotApplied, field: &str) -> Reply {
         NotApplied::Missing => error(StatusCode::NOT_FOUND, "no such sandbox", None),
         NotApplied::Failed(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
         NotApplied::Conflict(e) => error(StatusCode::CONFLICT, &e, None),
+        NotApplied::Stale(s) => {
+            let why = format!(
+                "not applied: the gateway holds revision {} of this sandbox, later than this change's {} (a later change arrived first)",
+                s.held, s.named
+            );
+            error(StatusCode::CONFLICT, &why, Some("revision"))
+        }
         NotApplied::Busy => {
             let why = "not applied: the commit thread has too many changes waiting (the state directory's disk may be stalled); try again";
             error(StatusCode::SERVICE_UNAVAILABLE, why, None)
@@ -520,7 +528,30 @@ async fn commit_resync(
     }
 }
 
-async fn delete(ctl: &Control, id: &str) -> Reply {
+/// A delete's query: nothing, or `revision=N` alone.
+fn delete_revision(query: Option<&str>) -> Result<Option<u64>, String> {
+    let Some(query) = query else {
+        return Ok(None);
+    };
+    let value = query
+        .strip_prefix(egress_api::gateway::REVISION)
+        .and_then(|q| q.strip_prefix('='));
+    match value.map(str::parse::<u64>) {
+        Some(Ok(revision)) => Ok(Some(revision)),
+        _ => Err(format!(
+            "the query {query:?} is not revision=N (N a whole number below 2^64)"
+        )),
+    }
+}
+
+async fn delete(ctl: &Control, id: &str, query: Option<&str>) -> Reply {
+    let revision = match delete_revision(query) {
+        Ok(revision) => revision,
+        Err(why) => {
+            let reply = error(StatusCode::BAD_REQUEST, &why, Some("revision"));
+            return rejected(ctl, reply);
+        }
+    };
     let sid = SandboxId::new(id);
     let ticket = ctl.arrivals.arrive(&sid);
     let gone = sid.clone();
@@ -531,7 +562,7 @@ async fn delete(ctl: &Control, id: &str) -> Reply {
             dp.proposed.forget(&gone);
         }
     };
-    let answer = match ticket.queue(|| ctl.committer.queue(Change::Delete(sid))) {
+    let answer = match ticket.queue(|| ctl.committer.queue(Change::Delete(sid, revision))) {
         Ok(Ok(answer)) => answer,
         Ok(Err(why)) => return refused(ctl, why, "id"),
         Err(order::Superseded) => return superseded(ctl, false),
@@ -794,6 +825,9 @@ fn sandbox_json(s: &SandboxDoc) -> Value {
     }
     if let Some(way) = &s.upstream_proxy {
         v["upstream_proxy"] = json!(way);
+    }
+    if let Some(revision) = s.revision {
+        v["revision"] = json!(revision);
     }
     v
 }

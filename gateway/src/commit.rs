@@ -19,9 +19,10 @@ use egress_policy::SandboxId;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::journal::{self, Journal, Record};
-use crate::persist::{self, SandboxDoc};
+use crate::persist;
 use crate::registry::{Registry, RegistryError, Sandbox};
 use crate::shadow::Shadow;
+pub(crate) use revisions::Stale;
 
 /// Pushes committed together at most.
 const MAX_BATCH: usize = 1_024;
@@ -36,7 +37,8 @@ const MAX_QUEUED: usize = 4 * MAX_BATCH;
 pub(crate) enum Change {
     /// A push; the sandbox's shadow, if it has one, is kept.
     Put(Arc<Sandbox>),
-    Delete(SandboxId),
+    /// A delete, and the writer's revision of it, if it named one.
+    Delete(SandboxId, Option<u64>),
     /// Sets (or, `None`, drops) a sandbox's shadow, compiled by the
     /// request against the credentials it read: compiled again here only if
     /// the sandbox's credentials changed since (the commit thread every
@@ -73,6 +75,8 @@ pub(crate) enum NotApplied {
     /// The commit thread has [`MAX_QUEUED`] changes waiting: not applied,
     /// try again.
     Busy,
+    /// A push or delete naming a revision below the one held ([`revisions`]).
+    Stale(Stale),
 }
 
 /// What became of a change: applied, with the generation that counts it
@@ -106,7 +110,7 @@ fn deleted_in(batch: &[JobBox], job: &Job) -> bool {
     };
     batch
         .iter()
-        .any(|j| matches!(&j.change, Change::Delete(id) if *id == s.id))
+        .any(|j| matches!(&j.change, Change::Delete(id, _) if *id == s.id))
 }
 
 /// Tells [`Committer::stuck`] when the commit thread ends in a panic:
@@ -142,6 +146,7 @@ impl Committer {
             state_dir,
             journal,
             generation: generation.clone(),
+            deleted: revisions::Deleted::default(),
             doubt: None,
             stuck: stuck.clone(),
         };
@@ -224,6 +229,8 @@ struct Worker {
     state_dir: PathBuf,
     journal: Journal,
     generation: Arc<AtomicU64>,
+    /// The revisions of the sandboxes deleted lately ([`revisions`]).
+    deleted: revisions::Deleted,
     /// Set when a resync's snapshot may be on disk though its write failed.
     doubt: Option<String>,
     /// [`Committer::stuck`], told after each change.
@@ -253,7 +260,7 @@ impl Worker {
                         .send(Ok(self.generation.load(Ordering::Acquire)));
                     return;
                 }
-                Change::Put(_) | Change::Delete(_) | Change::Shadow(..) | Change::Promote(_) => {}
+                Change::Put(_) | Change::Delete(..) | Change::Shadow(..) | Change::Promote(_) => {}
             }
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH {
@@ -316,17 +323,13 @@ impl Worker {
         let mut outcomes: Vec<Applied> = Vec::with_capacity(batch.len());
         for job in &batch {
             let outcome = match &job.change {
-                Change::Put(s) => self.put(self.kept_shadow(s), &mut records),
+                Change::Put(s) => self.put_unless_stale(s, &mut records),
                 Change::Shadow(id, candidate) => match self.shadowed(id, candidate.as_deref()) {
                     Some(s) => self.put(Arc::new(s), &mut records),
                     None => Err(NotApplied::Missing),
                 },
                 Change::Promote(id) => self.promote(id, &mut records),
-                Change::Delete(id) if self.registry.remove(id) => {
-                    records.push(journal::Change::Delete(id.to_string()));
-                    Ok(())
-                }
-                Change::Delete(_) => Err(NotApplied::Missing),
+                Change::Delete(id, revision) => self.delete(id, *revision, &mut records),
                 Change::Replace(_) | Change::Seal => Err(NotApplied::Failed(
                     "a resync or a seal is committed on its own".into(),
                 )),
@@ -373,12 +376,54 @@ impl Worker {
         self.forget_gone();
     }
 
+    /// A push, unless it names a revision below the one held for its
+    /// sandbox: its registration's, or the delete's of one deleted lately.
+    fn put_unless_stale(
+        &mut self,
+        s: &Arc<Sandbox>,
+        records: &mut Vec<journal::Change>,
+    ) -> Applied {
+        let held = match self.registry.get(&s.id) {
+            Some(old) => old.revision,
+            None => self.deleted.revision(&s.id, std::time::Instant::now()),
+        };
+        if let Some(stale) = revisions::stale(held, s.revision) {
+            return Err(NotApplied::Stale(stale));
+        }
+        self.put(self.kept_shadow(s), records)?;
+        self.deleted.forget(&s.id);
+        Ok(())
+    }
+
+    /// A delete, unless it names a revision below the registration's. The
+    /// revision it names is kept, even when the sandbox is not there: a
+    /// push below it that arrives later is stale.
+    fn delete(
+        &mut self,
+        id: &SandboxId,
+        revision: Option<u64>,
+        records: &mut Vec<journal::Change>,
+    ) -> Applied {
+        let held = self.registry.get(id).and_then(|s| s.revision);
+        if let Some(stale) = revisions::stale(held, revision) {
+            return Err(NotApplied::Stale(stale));
+        }
+        if let Some(revision) = revision {
+            self.deleted.note(id, revision, std::time::Instant::now());
+        }
+        if !self.registry.remove(id) {
+            return Err(NotApplied::Missing);
+        }
+        records.push(journal::Change::Delete(id.to_string()));
+        Ok(())
+    }
+
     /// Applies one put and queues its record.
     fn put(&self, s: Arc<Sandbox>, records: &mut Vec<journal::Change>) -> Applied {
         self.registry
             .put_prepared(s.clone())
             .map_err(NotApplied::Refused)?;
-        records.push(journal::Change::Put(Box::new(SandboxDoc::from(&*s))));
+        records.push(journal::Change::Put(Box::new(persist::stored(&s))));
         Ok(())
     }
 
@@ -447,6 +492,11 @@ impl Worker {
             return;
         };
         let before = self.registry.checkpoint();
+        // A resync is the writer's whole view: what it registers is no
+        // longer deleted, whatever revision it names.
+        for s in &sandboxes {
+            self.deleted.forget(&s.id);
+        }
         let sandboxes = sandboxes.iter().map(|s| self.kept_shadow(s)).collect();
         let seq = self.generation.load(Ordering::Acquire) + 1;
         let outcome = match self.registry.replace_prepared(sandboxes) {
@@ -494,7 +544,7 @@ impl Worker {
             return;
         };
         for (job, outcome) in batch.iter().zip(outcomes) {
-            if let (Change::Delete(id), Ok(())) = (&job.change, outcome) {
+            if let (Change::Delete(id, _), Ok(())) = (&job.change, outcome) {
                 cache.remove_sandbox(id);
             }
         }
@@ -532,5 +582,6 @@ impl Worker {
     }
 }
 
+mod revisions;
 #[cfg(test)]
 mod tests;

@@ -366,6 +366,7 @@ fn replay(
                     credentials: doc.credentials,
                     upstream_proxy: doc.upstream_proxy,
                     shadow: doc.shadow.map(|b| *b),
+                    revision: doc.revision,
                 };
                 let sandbox = registry.prepare_with(id, doc.addresses, doc.policy, extras);
                 registry.put_prepared(sandbox).map_err(|e| corrupt(&e))?;

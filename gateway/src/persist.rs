@@ -36,7 +36,19 @@ impl From<&Sandbox> for SandboxDoc {
             credentials: s.credentials.clone(),
             upstream_proxy: s.upstream_proxy.clone(),
             shadow: s.shadow.as_ref().map(|sh| Box::new(sh.doc())),
+            revision: s.revision,
         }
+    }
+}
+
+/// A sandbox's document as the state directory keeps it: without its
+/// revision, which a build before revisions could not read back (a
+/// rollback would not start). A restart forgets the revisions; the
+/// controller's resync after it names them again.
+pub(crate) fn stored(s: &Sandbox) -> SandboxDoc {
+    SandboxDoc {
+        revision: None,
+        ..SandboxDoc::from(s)
     }
 }
 
@@ -51,6 +63,7 @@ pub fn prepare(doc: SandboxDoc, registry: &Registry) -> Arc<Sandbox> {
             credentials: doc.credentials,
             upstream_proxy: doc.upstream_proxy,
             shadow: doc.shadow.map(|b| *b),
+            revision: doc.revision,
         },
     )
 }
@@ -124,11 +137,7 @@ pub fn document(registry: &Registry, seq: u64) -> SnapshotDoc {
     SnapshotDoc {
         version: 1,
         seq,
-        sandboxes: registry
-            .all()
-            .iter()
-            .map(|s| SandboxDoc::from(&**s))
-            .collect(),
+        sandboxes: registry.all().iter().map(|s| stored(s)).collect(),
     }
 }
 

@@ -36,6 +36,9 @@ pub struct Sandbox {
     /// registered again. What a registration holds past its requests (its
     /// pooled upstream connections) is never another's of the same id.
     pub serial: u64,
+    /// The writer's revision of it (the controller's generation), when the
+    /// push named one: a push or delete below it is refused.
+    pub revision: Option<u64>,
 }
 
 impl Sandbox {
@@ -60,6 +63,8 @@ pub struct Extras {
     pub credentials: Vec<Credential>,
     pub upstream_proxy: Option<ProxyChoice>,
     pub shadow: Option<ShadowDoc>,
+    /// The writer's revision ([`Sandbox::revision`]).
+    pub revision: Option<u64>,
 }
 
 /// Why a change was refused.
@@ -431,6 +436,7 @@ impl Registry {
             credentials,
             upstream_proxy,
             shadow,
+            revision,
         }: Extras,
     ) -> Sandbox {
         let shadow = shadow.map(|d| Arc::new(self.compile_shadow(d, &credentials)));
@@ -442,6 +448,7 @@ impl Registry {
             upstream_proxy,
             shadow,
             serial: SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            revision,
         }
     }
 
@@ -481,6 +488,7 @@ impl Sandbox {
             upstream_proxy: self.upstream_proxy.clone(),
             shadow,
             serial: self.serial,
+            revision: self.revision,
         }
     }
 

@@ -51,7 +51,17 @@ pub struct PutSandbox {
     /// absent: the worker's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_proxy: Option<ProxyChoice>,
+    /// The writer's revision of the sandbox (the controller's generation
+    /// of it): a push below the revision the gateway holds for the
+    /// sandbox, or for its delete, is refused `409` (`"field": "revision"`),
+    /// nothing applied. Absent: not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<u64>,
 }
+
+/// The query parameter of `DELETE /v1/sandboxes/{id}` that names the
+/// writer's revision of the delete ([`PutSandbox::revision`]).
+pub const REVISION: &str = "revision";
 
 /// A sandbox's addresses: none that cannot name one sandbox's traffic.
 /// The unspecified address and multicast ones are no source; a link-local
@@ -117,6 +127,10 @@ pub struct SandboxDoc {
     /// a push that does not name one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shadow: Option<Box<ShadowDoc>>,
+    /// The writer's revision of the sandbox ([`PutSandbox::revision`]):
+    /// what a resync sets, a push is checked against, and the state keeps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<u64>,
 }
 
 /// A shadow as pushed and persisted: the candidate and since when.

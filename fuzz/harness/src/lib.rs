@@ -116,6 +116,7 @@ fn put_sandbox(text: &str) -> Result<String, String> {
         credentials: doc.credentials,
         upstream_proxy: doc.upstream_proxy,
         shadow: None,
+        revision: doc.revision,
     };
     let sandbox = registry.prepare_with(SandboxId::new("fuzz"), doc.addresses, doc.policy, extras);
     registry
@@ -127,6 +128,7 @@ fn put_sandbox(text: &str) -> Result<String, String> {
         policy: stored.policy,
         credentials: stored.credentials,
         upstream_proxy: stored.upstream_proxy,
+        revision: stored.revision,
     };
     to_json(&normal)
 }

@@ -30,6 +30,7 @@ fn worker(dir: &Path) -> Worker {
         state_dir: dir.to_owned(),
         journal,
         generation: Arc::new(AtomicU64::new(seq)),
+        deleted: super::revisions::Deleted::default(),
         doubt: None,
         stuck: Arc::default(),
     }
@@ -155,7 +156,7 @@ async fn a_stalled_commit_thread_holds_a_bounded_queue() {
         .map(|i| {
             let c = committer.clone();
             tokio::spawn(async move {
-                c.submit(Change::Delete(SandboxId::new(&format!("s{i}"))))
+                c.submit(Change::Delete(SandboxId::new(&format!("s{i}")), None))
                     .await
             })
         })
@@ -164,7 +165,7 @@ async fn a_stalled_commit_thread_holds_a_bounded_queue() {
         tokio::task::yield_now().await;
     }
     let next = committer
-        .submit(Change::Delete(SandboxId::new("one-more")))
+        .submit(Change::Delete(SandboxId::new("one-more"), None))
         .await;
     assert!(matches!(next, Err(NotApplied::Busy)), "{next:?}");
     // The seal waits for a place: one taken off, it goes in.
@@ -232,14 +233,14 @@ fn a_removed_sandboxs_evidence_goes_once_the_removal_is_durable() {
     evidence();
     // The journal write fails: the delete is rolled back, evidence and all.
     w.journal.use_file(read_only(dir.path()));
-    assert!(!commit(&mut w, Change::Delete(x.clone())));
+    assert!(!commit(&mut w, Change::Delete(x.clone(), None)));
     assert!(w.registry.get(&x).is_some());
     assert_eq!(names(), 1, "a rolled-back delete forgot the evidence");
     w.journal.use_file(writable(dir.path()));
-    assert!(commit(&mut w, Change::Delete(x.clone())));
+    assert!(commit(&mut w, Change::Delete(x.clone(), None)));
     assert_eq!(names(), 0, "the removed sandbox's evidence was left");
     // A put of the id waits for the delete's batch to end.
-    let (delete, _) = job(Change::Delete(x.clone()));
+    let (delete, _) = job(Change::Delete(x.clone(), None));
     let (again, _) = job(Change::Put(sandbox(&w.registry, "x", "100.64.0.2")));
     let (other, _) = job(Change::Put(sandbox(&w.registry, "y", "100.64.0.3")));
     assert!(deleted_in(std::slice::from_ref(&delete), &again));
@@ -285,8 +286,8 @@ fn a_batch_rolled_back_refuses_every_answer_it_found() {
     assert!(put(&mut w, "a", "100.64.0.1"));
     w.journal.use_file(read_only(dir.path()));
     let a = SandboxId::new("a");
-    let (first, mut first_answer) = job(Change::Delete(a.clone()));
-    let (second, mut second_answer) = job(Change::Delete(a.clone()));
+    let (first, mut first_answer) = job(Change::Delete(a.clone(), None));
+    let (second, mut second_answer) = job(Change::Delete(a.clone(), None));
     w.commit(vec![first, second]);
     assert!(w.registry.get(&a).is_some(), "rolled back");
     for answer in [first_answer.try_recv(), second_answer.try_recv()] {
@@ -427,4 +428,103 @@ fn a_shadow_compiled_by_its_request_is_compiled_again_only_for_new_credentials()
         "compiled with the credentials it has"
     );
     assert!(compiled.policy.has_request_rules());
+}
+
+/// A push of `id` on `addr` under a policy of `default` that names
+/// `revision`: what the commit thread answered.
+fn put_at(w: &mut Worker, id: &str, (default, revision): (&str, Option<u64>)) -> Outcome {
+    let policy = Policy::from_json(&format!(r#"{{"default": "{default}"}}"#)).expect("policy");
+    let extras = crate::registry::Extras {
+        revision,
+        ..Default::default()
+    };
+    let s = w.registry.prepare_with(
+        SandboxId::new(id),
+        vec!["100.64.0.2".parse().expect("ip")],
+        policy,
+        extras,
+    );
+    answer(w, Change::Put(s))
+}
+
+fn answer(w: &mut Worker, change: Change) -> Outcome {
+    let (job, mut answer) = job(change);
+    match job.change {
+        Change::Replace(_) => w.replace(*job),
+        _ => w.commit(vec![job]),
+    }
+    answer.try_recv().expect("answered")
+}
+
+fn default_of(w: &Worker, id: &str) -> Option<String> {
+    let s = w.registry.get(&SandboxId::new(id))?;
+    Some(format!("{:?}", s.policy.policy().default))
+}
+
+/// A push or delete that names a revision below the one held is refused,
+/// nothing changed: a controller's push held up on its way must not put
+/// back a policy the sandbox no longer has, nor register again a sandbox
+/// deleted since. The same revision again, or none, applies; a resync is
+/// the writer's whole view, whatever revisions it names; the state
+/// directory keeps none.
+#[test]
+fn a_change_below_the_revision_held_is_refused() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut w = worker(dir.path());
+    let stale = |o: Outcome| match o {
+        Err(NotApplied::Stale(s)) => (s.held, s.named),
+        other => panic!("not refused as stale: {other:?}"),
+    };
+    assert!(put_at(&mut w, "x", ("deny", Some(5))).is_ok());
+    assert_eq!(stale(put_at(&mut w, "x", ("allow", Some(4)))), (5, 4));
+    assert_eq!(
+        default_of(&w, "x").as_deref(),
+        Some("Deny"),
+        "the older push applied"
+    );
+    assert!(
+        put_at(&mut w, "x", ("deny", Some(5))).is_ok(),
+        "the same push again"
+    );
+    assert!(
+        put_at(&mut w, "x", ("deny", None)).is_ok(),
+        "a push naming none"
+    );
+    assert!(put_at(&mut w, "x", ("deny", Some(6))).is_ok());
+    // A delete below it is refused too; at or above, it deletes.
+    let delete = |r| Change::Delete(SandboxId::new("x"), Some(r));
+    assert_eq!(stale(answer(&mut w, delete(5))), (6, 5));
+    assert!(default_of(&w, "x").is_some());
+    assert!(answer(&mut w, delete(7)).is_ok());
+    // Deleted at 7: a push below it does not register it again.
+    assert_eq!(stale(put_at(&mut w, "x", ("allow", Some(6)))), (7, 6));
+    assert_eq!(default_of(&w, "x"), None, "a deleted sandbox came back");
+    assert!(put_at(&mut w, "x", ("allow", Some(8))).is_ok());
+    // A delete of one not there keeps its revision all the same.
+    assert!(matches!(
+        answer(&mut w, Change::Delete(SandboxId::new("y"), Some(3))),
+        Err(NotApplied::Missing)
+    ));
+    assert_eq!(stale(put_at(&mut w, "y", ("allow", Some(2)))), (3, 2));
+    // The state directory keeps no revision (a build before them could
+    // not read it back): after a restart a push is not checked until a
+    // resync names the revisions again.
+    assert_eq!(stale(put_at(&mut w, "x", ("deny", Some(7)))), (8, 7));
+    drop(w);
+    let mut w = worker(dir.path());
+    assert!(put_at(&mut w, "x", ("deny", Some(7))).is_ok());
+    // A resync sets what it names, lower or not.
+    let policy = Policy::from_json(r#"{"default": "deny"}"#).expect("policy");
+    let extras = crate::registry::Extras {
+        revision: Some(1),
+        ..Default::default()
+    };
+    let x = w.registry.prepare_with(
+        SandboxId::new("x"),
+        vec!["100.64.0.2".parse().expect("ip")],
+        policy,
+        extras,
+    );
+    assert!(answer(&mut w, Change::Replace(vec![x])).is_ok());
+    assert!(put_at(&mut w, "x", ("deny", Some(2))).is_ok());
 }

@@ -12,6 +12,7 @@ fn doc(id: &str, addr: &str) -> SandboxDoc {
         credentials: Vec::new(),
         upstream_proxy: None,
         shadow: None,
+        revision: None,
     }
 }
 
@@ -262,6 +263,7 @@ fn recovery_takes_only_what_a_push_takes_now() {
             credentials: bad_credentials.clone(),
             upstream_proxy: None,
             shadow: None,
+            revision: None,
         },
     );
     older.put_prepared(c).expect("put");
