@@ -575,7 +575,10 @@ impl Dispatcher {
             match self.check_gateway(&w).await {
                 // Nothing to push to: the changes wait for the next try.
                 Checked::Silent => return Heard::Silent,
-                Checked::Answered { resync } => (w.needs_resync, heard) = (resync, Heard::Answered),
+                Checked::Answered { resync, revisions } => {
+                    (w.needs_resync, heard) = (resync, Heard::Answered);
+                    t.revisions = revisions;
+                }
             }
         }
         for _ in 0..PUSH_ROUNDS {
@@ -593,12 +596,12 @@ impl Dispatcher {
                     }
                     Resynced::Refused => {
                         t.refused = Some(Instant::now());
-                        self.push_changes(&w, until, &mut t.held).await
+                        self.push_changes(&w, until, &mut t.held, t.revisions).await
                     }
                     Resynced::Failed => Round::Silent,
                 }
             } else {
-                self.push_changes(&w, until, &mut t.held).await
+                self.push_changes(&w, until, &mut t.held, t.revisions).await
             };
             match round {
                 Round::Moved => heard = Heard::Answered,
@@ -614,7 +617,13 @@ impl Dispatcher {
     /// `held` back. A push the gateway refuses as the sandbox's is held
     /// back ([`HeldPushes`]) and the rest go on; any other failure stops
     /// the round, to retry on the next.
-    async fn push_changes(&self, w: &WorkerRow, until: Instant, held: &mut HeldPushes) -> Round {
+    async fn push_changes(
+        &self,
+        w: &WorkerRow,
+        until: Instant,
+        held: &mut HeldPushes,
+        revisions: bool,
+    ) -> Round {
         let (ids, generations) = held.pairs();
         let held_back = (&ids[..], &generations[..]);
         let bounds = (UNPUSHED_READ as i64, UNPUSHED_BYTES);
@@ -634,7 +643,7 @@ impl Dispatcher {
             if Instant::now() >= until {
                 break;
             }
-            let (applied, failed) = self.push_chunk(w, chunk).await;
+            let (applied, failed) = self.push_chunk(w, chunk, revisions).await;
             moved |= applied > 0;
             silent |= failed
                 .iter()
@@ -646,18 +655,8 @@ impl Dispatcher {
                     store::acknowledge(&self.pool, &w.id, None, applied, w.lease.as_ref()).await;
                 logged(acked, "acknowledging the pushes", &w.id);
             }
-            let mut stop = false;
-            for (id, error) in &failed {
-                tracing::warn!(worker = %w.id, sandbox = %id.0, %error, "push failed; will retry");
-                self.count_push("failed");
-                // A refusal noted moves the queue on as a push does.
-                let noted = held.hold(id, error);
-                moved |= noted.is_some();
-                stop |= noted.is_none();
-            }
-            if let Some((_, error)) = failed.last() {
-                self.note_push_failure(w, error).await;
-            }
+            let (noted, stop) = self.failures(w, &failed, held).await;
+            moved |= noted;
             if stop {
                 break;
             }
@@ -681,6 +680,40 @@ impl Dispatcher {
         logged(seen, what, &w.id);
     }
 
+    /// Logs and notes a chunk's `failed` pushes: whether one was noted as
+    /// a refusal (the queue moved on as if it were pushed), and whether the
+    /// round stops (a failure that is not the sandbox's). A push refused
+    /// as stale has the worker flagged for resync.
+    async fn failures(
+        &self,
+        w: &WorkerRow,
+        failed: &[((String, i64), PushError)],
+        held: &mut HeldPushes,
+    ) -> (bool, bool) {
+        let (mut noted, mut stop) = (false, false);
+        for (id, error) in failed {
+            tracing::warn!(worker = %w.id, sandbox = %id.0, %error, "push failed; will retry");
+            self.count_push("failed");
+            let refusal = held.hold(id, error);
+            noted |= refusal.is_some();
+            stop |= refusal.is_none();
+        }
+        if let Some((_, error)) = failed.last() {
+            self.note_push_failure(w, error).await;
+        }
+        // The gateway holds a later revision than the store: only a
+        // resync sets the store's view on it again.
+        let stale = failed
+            .iter()
+            .find(|(_, e)| matches!(e, PushError::Stale { .. }));
+        if let Some((_, error)) = stale {
+            let error = error.to_string();
+            self.seen(w, (None, Some(true), Some(&error)), "flagging the resync")
+                .await;
+        }
+        (noted, stop)
+    }
+
     /// Records a push's failure on the worker's row, its resync flag left
     /// as it is stored: pushes also run while a refused resync waits to be
     /// tried again, and a registration (`PUT /v1/workers`) may have raised
@@ -696,15 +729,15 @@ impl Dispatcher {
         &self,
         w: &WorkerRow,
         chunk: &[SandboxRow],
+        revisions: bool,
     ) -> (i64, Vec<((String, i64), PushError)>) {
         let mut pushes = tokio::task::JoinSet::new();
         let (mut applied, mut failed) = (0, Vec::new());
         for s in chunk {
             let (url, token) = (w.admin_url.clone(), w.token.clone());
             let (id, generation) = (s.id.clone(), s.generation);
-            let (method, body) = match put_body(s) {
-                Ok(Some(body)) => (Method::PUT, Some(body)),
-                Ok(None) => (Method::DELETE, None),
+            let (method, path, body) = match request(s, revisions) {
+                Ok(request) => request,
                 Err(e) => {
                     failed.push(((id, generation), PushError::Unsendable(e)));
                     continue;
@@ -712,7 +745,6 @@ impl Dispatcher {
             };
             let unreadable = unreadable(s).map(str::to_owned);
             pushes.spawn(async move {
-                let path = egress_api::gateway::sandbox(&id);
                 // A DELETE of a sandbox the gateway does not have is done;
                 // a PUT answered 404 (by something else at the URL) is not.
                 let gone = method == Method::DELETE;
@@ -766,10 +798,15 @@ impl Dispatcher {
             return Resynced::Failed;
         };
         let rows = &view.live;
+        // The epoch before and after: the same one means the same process
+        // took the resync (one that restarted meanwhile has another). The
+        // one before also says whether it takes revisions.
+        let before = self.gateway_state(w).await;
+        let revisions = before.as_ref().is_some_and(|r| r.revisions);
         // NDJSON, streamed by the gateway: no size bound on a resync.
         let mut ndjson = String::new();
         for s in rows {
-            match resync_line(s) {
+            match resync_line(s, revisions) {
                 Ok(Some(line)) => ndjson.push_str(&line),
                 Ok(None) => continue,
                 // Left out (its traffic denied), not in the way of every
@@ -782,9 +819,6 @@ impl Dispatcher {
             }
             ndjson.push('\n');
         }
-        // The epoch before and after: the same one means the same process
-        // took the resync (one that restarted meanwhile has another).
-        let before = self.gateway_state(w).await;
         match crate::gateway_client::resync(&w.admin_url, &w.token, ndjson).await {
             Ok((status, body)) if status.is_success() => {
                 let committed = body.get("generation").and_then(Value::as_i64);
@@ -830,13 +864,13 @@ impl Dispatcher {
         &self,
         w: &WorkerRow,
         view: &store::ResyncView,
-        (before, committed): (Option<(String, i64)>, Option<i64>),
+        (before, committed): (Option<Ready>, Option<i64>),
     ) -> bool {
         let ready = self.gateway_state(w).await;
-        let epoch = ready.as_ref().map(|(e, _)| e.as_str());
+        let epoch = ready.as_ref().map(|r| r.epoch.as_str());
         // Neither reading with an epoch (a gateway that reports none) is
         // no evidence of a restart: recorded as it was.
-        if epoch != before.as_ref().map(|(e, _)| e.as_str()) {
+        if epoch != before.as_ref().map(|r| r.epoch.as_str()) {
             tracing::warn!(worker = %w.id, "the gateway restarted around its resync; resyncing again");
             self.seen(
                 w,
@@ -848,7 +882,7 @@ impl Dispatcher {
         }
         self.seen(w, (epoch, Some(false), None), "recording the resync")
             .await;
-        let generation = committed.or(ready.as_ref().map(|(_, g)| *g));
+        let generation = committed.or(ready.as_ref().map(|r| r.generation));
         let acked = store::acknowledge(&self.pool, &w.id, generation, 0, w.lease.as_ref()).await;
         logged(acked, "acknowledging the resync", &w.id);
         // One whose policy does not read here was left out: not pushed.
@@ -874,13 +908,13 @@ impl Dispatcher {
 
     /// The gateway's epoch and generation (`GET /readyz`); `None` while it
     /// is unreachable or not ready.
-    async fn gateway_state(&self, w: &WorkerRow) -> Option<(String, i64)> {
+    async fn gateway_state(&self, w: &WorkerRow) -> Option<Ready> {
         self.readyz(w).await.ok().flatten()
     }
 
     /// The gateway's `/readyz`: `Err` when it did not answer, `Ok(None)`
     /// when it answered but is not ready (or said nothing readable).
-    async fn readyz(&self, w: &WorkerRow) -> Result<Option<(String, i64)>, ()> {
+    async fn readyz(&self, w: &WorkerRow) -> Result<Option<Ready>, ()> {
         let answer = call(&w.admin_url, &w.token, Method::GET, "/readyz", None).await;
         let (status, body) = answer.map_err(|error| {
             tracing::debug!(worker = %w.id, %error, "gateway not reachable");
@@ -899,7 +933,7 @@ impl Dispatcher {
         let Ok(state) = self.readyz(w).await else {
             return Checked::Silent;
         };
-        let reported = state.as_ref().map(|(e, g)| (e.as_str(), *g));
+        let reported = state.as_ref().map(|r| (r.epoch.as_str(), r.generation));
         let known = Known {
             epoch: w.epoch.as_deref(),
             acknowledged: w.acked_generation,
@@ -934,7 +968,8 @@ impl Dispatcher {
                 true
             }
         };
-        Checked::Answered { resync }
+        let revisions = state.is_some_and(|r| r.revisions);
+        Checked::Answered { resync, revisions }
     }
 
     /// Compares the gateway's list with the store's rows.
@@ -1029,7 +1064,7 @@ impl HeldPushes {
             PushError::Refused { status, .. } => {
                 matches!(status.as_u16(), 400 | 409 | 413 | 422)
             }
-            PushError::Unsendable(_) => true,
+            PushError::Unsendable(_) | PushError::Stale { .. } => true,
             PushError::Unanswered(_) => false,
         };
         if !refused {
@@ -1097,8 +1132,9 @@ enum Resynced {
 enum Checked {
     /// No answer (its `/readyz` was not reached or timed out).
     Silent,
-    /// An answer; `resync`: it is flagged for resync.
-    Answered { resync: bool },
+    /// An answer; `resync`: it is flagged for resync; `revisions`: its
+    /// pushes may name a revision ([`Ready::revisions`]).
+    Answered { resync: bool, revisions: bool },
 }
 
 /// How a push round (or a resync) ended.
@@ -1132,6 +1168,8 @@ struct Tending {
     /// ([`HeldPushes`]): the changes behind them go meanwhile.
     held: HeldPushes,
     silence: Silence,
+    /// Its gateway's pushes may name a revision, as its last check said.
+    revisions: bool,
 }
 
 impl Tending {
@@ -1142,6 +1180,7 @@ impl Tending {
             refused: None,
             held: HeldPushes::default(),
             silence: Silence::default(),
+            revisions: false,
         }
     }
 }
@@ -1251,8 +1290,10 @@ fn unreadable_left(id: &str, why: &str) -> String {
 /// What a sandbox row is on its gateway: `PUT /v1/sandboxes/{id}`'s body
 /// (the contract's [`PutSandbox`]), or `None` for one the gateway must
 /// forget. A row the contract cannot carry (an address that does not
-/// parse) is an error, never sent.
-fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
+/// parse) is an error, never sent. Its size is judged with its revision,
+/// which it names only for a gateway that takes one (`revisions`): a
+/// gateway takes the same sandboxes whichever build it is.
+fn put_body(s: &SandboxRow, revisions: bool) -> Result<Option<Value>, String> {
     let Some(policy) = s.policy.clone().filter(|_| !s.state.is_ended()) else {
         return Ok(None);
     };
@@ -1260,12 +1301,12 @@ fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
     if !taken(s, &addresses) {
         return Ok(None);
     }
-    let doc = PutSandbox {
+    let mut doc = PutSandbox {
         addresses,
         policy,
         credentials: Vec::new(),
         upstream_proxy: None,
-        revision: None,
+        revision: revision(s),
     };
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
     if !fits(s, bytes.len()) {
@@ -1273,9 +1314,24 @@ fn put_body(s: &SandboxRow) -> Result<Option<Value>, String> {
         // traffic is denied, and the pushes queued behind it go on.
         return Ok(None);
     }
+    doc.revision = doc.revision.filter(|_| revisions);
     serde_json::to_value(doc)
         .map(Some)
         .map_err(|e| e.to_string())
+}
+
+/// The request that pushes a sandbox row: a `PUT` of [`put_body`], or a
+/// `DELETE`, which names the revision to a gateway that takes one.
+fn request(s: &SandboxRow, revisions: bool) -> Result<(Method, String, Option<Value>), String> {
+    let path = egress_api::gateway::sandbox(&s.id);
+    if let Some(body) = put_body(s, revisions)? {
+        return Ok((Method::PUT, path, Some(body)));
+    }
+    let path = match revision(s).filter(|_| revisions) {
+        Some(r) => format!("{path}?{}={r}", egress_api::gateway::REVISION),
+        None => path,
+    };
+    Ok((Method::DELETE, path, None))
 }
 
 /// Whether a sandbox's document of `bytes` is one a gateway takes (a push
@@ -1323,21 +1379,28 @@ enum LeftOut {
 /// A sandbox row as one line of a streamed resync (the contract's
 /// [`SandboxDoc`]), or why a gateway is not sent it: what [`resync_line`]
 /// sends and what the drift check expects a gateway to hold ([`sent`]).
-fn line_of(s: &SandboxRow) -> Result<String, LeftOut> {
+/// Its size is judged with its revision, named only for a gateway that
+/// takes one (`revisions`), as [`put_body`]'s.
+fn line_of(s: &SandboxRow, revisions: bool) -> Result<String, LeftOut> {
     let policy = s.policy.clone().ok_or(LeftOut::NoPolicy)?;
     let addresses = addresses(s).map_err(LeftOut::Unsendable)?;
     egress_api::gateway::sandbox_addresses(&addresses).map_err(LeftOut::Refused)?;
-    let line = serde_json::to_string(&doc_of(s, addresses, policy))
-        .map_err(|e| LeftOut::Unsendable(e.to_string()))?;
-    match line.len() <= MAX_BODY {
-        true => Ok(line),
-        false => Err(LeftOut::TooLarge(line.len())),
+    let mut doc = doc_of(s, addresses, policy);
+    let unsendable = |e: serde_json::Error| LeftOut::Unsendable(e.to_string());
+    let line = serde_json::to_string(&doc).map_err(unsendable)?;
+    if line.len() > MAX_BODY {
+        return Err(LeftOut::TooLarge(line.len()));
     }
+    if revisions {
+        return Ok(line);
+    }
+    doc.revision = None;
+    serde_json::to_string(&doc).map_err(unsendable)
 }
 
 /// Whether a gateway is sent the row ([`line_of`]), without a warning.
 fn sent(s: &SandboxRow) -> bool {
-    line_of(s).is_ok()
+    line_of(s, true).is_ok()
 }
 
 /// The contract's document of a sandbox row.
@@ -1349,8 +1412,15 @@ fn doc_of(s: &SandboxRow, addresses: Vec<std::net::IpAddr>, policy: Policy) -> S
         credentials: Vec::new(),
         upstream_proxy: None,
         shadow: None,
-        revision: None,
+        revision: revision(s),
     }
+}
+
+/// The revision a gateway is sent with a sandbox: its generation, which
+/// every change the gateway must see moves up. A push held up on its way
+/// that arrives after a later one is refused by it.
+fn revision(s: &SandboxRow) -> Option<u64> {
+    u64::try_from(s.generation).ok()
 }
 
 /// A sandbox row as one line of a streamed resync ([`line_of`]); `None`,
@@ -1358,8 +1428,8 @@ fn doc_of(s: &SandboxRow, addresses: Vec<std::net::IpAddr>, policy: Policy) -> S
 /// refuses or without a policy (one stored that no longer reads), left out
 /// as [`put_body`] forgets it (the gateway does not know it: its traffic
 /// is denied).
-fn resync_line(s: &SandboxRow) -> Result<Option<String>, String> {
-    match line_of(s) {
+fn resync_line(s: &SandboxRow, revisions: bool) -> Result<Option<String>, String> {
+    match line_of(s, revisions) {
         Ok(line) => Ok(Some(line)),
         Err(LeftOut::Unsendable(e)) => Err(e),
         Err(LeftOut::NoPolicy) => {
@@ -1387,18 +1457,33 @@ fn addresses(s: &SandboxRow) -> Result<Vec<std::net::IpAddr>, String> {
         .collect()
 }
 
-/// `ready epoch=… generation=…` (the gateway's `GET /readyz`).
-fn parse_ready(text: &str) -> Option<(String, i64)> {
-    let mut epoch = None;
-    let mut generation = None;
+/// What a gateway's `GET /readyz` says: `ready epoch=… generation=…`,
+/// and `revisions=1` from a build that takes a push's revision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Ready {
+    epoch: String,
+    generation: i64,
+    /// Its pushes may name a revision: a gateway of an earlier build
+    /// refuses a document with the field.
+    revisions: bool,
+}
+
+fn parse_ready(text: &str) -> Option<Ready> {
+    let (mut epoch, mut generation, mut revisions) = (None, None, false);
     for word in text.split_whitespace() {
         if let Some(e) = word.strip_prefix("epoch=") {
             epoch = Some(e.to_owned());
         } else if let Some(g) = word.strip_prefix("generation=") {
             generation = g.parse().ok();
+        } else if word == "revisions=1" {
+            revisions = true;
         }
     }
-    Some((epoch?, generation?))
+    Some(Ready {
+        epoch: epoch?,
+        generation: generation?,
+        revisions,
+    })
 }
 
 /// Whether the gateway's list differs from the store's rows, the
@@ -1519,11 +1604,40 @@ mod tests {
     #[test]
     fn a_sandbox_too_large_for_a_gateway_is_forgotten_there() {
         let small = row(policy_of(100));
-        assert!(put_body(&small).expect("sendable").is_some(), "a PUT");
-        assert!(resync_line(&small).expect("sendable").is_some());
+        assert!(put_body(&small, true).expect("sendable").is_some(), "a PUT");
+        assert!(resync_line(&small, true).expect("sendable").is_some());
         let large = row(policy_of(MAX_BODY));
-        assert_eq!(put_body(&large).expect("sendable"), None, "a DELETE");
-        assert_eq!(resync_line(&large).expect("sendable"), None, "left out");
+        assert_eq!(put_body(&large, true).expect("sendable"), None, "a DELETE");
+        assert_eq!(
+            resync_line(&large, true).expect("sendable"),
+            None,
+            "left out"
+        );
+    }
+
+    /// A push and a resync line name the sandbox's generation as its
+    /// revision only to a gateway that takes one: an earlier build refuses
+    /// a document with the field.
+    #[test]
+    fn a_revision_is_named_only_to_a_gateway_that_takes_one() {
+        let mut r = row(policy_of(100));
+        r.generation = 7;
+        let put = |revisions| put_body(&r, revisions).expect("sendable").expect("a PUT");
+        assert_eq!(put(true)["revision"], 7);
+        assert_eq!(put(false).get("revision"), None);
+        let line = |revisions| {
+            resync_line(&r, revisions)
+                .expect("sendable")
+                .expect("a line")
+        };
+        let (with, without): (Value, Value) = (
+            serde_json::from_str(&line(true)).expect("json"),
+            serde_json::from_str(&line(false)).expect("json"),
+        );
+        assert_eq!(
+            (with["revision"].clone(), without.get("revision")),
+            (serde_json::json!(7), None)
+        );
     }
 
     /// A row whose stored policy no longer reads (`None`) is forgotten by a
@@ -1533,8 +1647,8 @@ mod tests {
     fn a_sandbox_without_a_policy_that_reads_is_left_out_of_a_resync() {
         let mut unreadable = row(policy_of(100));
         unreadable.policy = None;
-        assert_eq!(put_body(&unreadable), Ok(None), "a DELETE");
-        assert_eq!(resync_line(&unreadable), Ok(None), "left out");
+        assert_eq!(put_body(&unreadable, true), Ok(None), "a DELETE");
+        assert_eq!(resync_line(&unreadable, true), Ok(None), "left out");
     }
 
     /// A sandbox at an address a gateway refuses (link-local, from a pool
@@ -1551,13 +1665,13 @@ mod tests {
         ] {
             let mut at = row(policy_of(100));
             at.addresses = refused.iter().map(|a| (*a).to_owned()).collect();
-            assert_eq!(put_body(&at), Ok(None), "a DELETE for {refused:?}");
-            assert_eq!(resync_line(&at), Ok(None), "left out for {refused:?}");
+            assert_eq!(put_body(&at, true), Ok(None), "a DELETE for {refused:?}");
+            assert_eq!(resync_line(&at, true), Ok(None), "left out for {refused:?}");
         }
         let mut fine = row(policy_of(100));
         fine.addresses = vec!["100.64.1.2".into(), "2001:db8::2".into()];
-        assert!(put_body(&fine).expect("sendable").is_some());
-        assert!(resync_line(&fine).expect("sendable").is_some());
+        assert!(put_body(&fine, true).expect("sendable").is_some());
+        assert!(resync_line(&fine, true).expect("sendable").is_some());
     }
 
     /// The drift check's side of the store holds only what a gateway is
@@ -1593,9 +1707,20 @@ mod tests {
 
     #[test]
     fn readiness_line() {
+        let ready = |revisions| {
+            Some(Ready {
+                epoch: "0a1b".to_owned(),
+                generation: 42,
+                revisions,
+            })
+        };
         assert_eq!(
             parse_ready("ready epoch=0a1b generation=42\n"),
-            Some(("0a1b".to_owned(), 42))
+            ready(false)
+        );
+        assert_eq!(
+            parse_ready("ready epoch=0a1b generation=42 revisions=1\n"),
+            ready(true)
         );
         assert_eq!(parse_ready("ready epoch=0a1b\n"), None);
         assert_eq!(parse_ready("ready epoch=0a1b generation=x\n"), None);

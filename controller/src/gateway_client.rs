@@ -31,6 +31,12 @@ pub enum PushError {
     /// The gateway answered with a status that is not success.
     #[error("{status}: {body}")]
     Refused { status: StatusCode, body: String },
+    /// The gateway holds a later revision of the sandbox than the push
+    /// named (`409` on `revision`): the store is behind what the gateway
+    /// was pushed (a store restored from a backup). A resync sets the
+    /// store's view again.
+    #[error("409 Conflict: {body}")]
+    Stale { body: String },
     /// No answer (or no usable `admin_url`).
     #[error(transparent)]
     Unanswered(#[from] GatewayError),
@@ -42,6 +48,12 @@ pub enum PushError {
 impl PushError {
     /// A refusal, its body (JSON text) cut to [`MAX_ERROR_BODY`] bytes.
     pub fn refused(status: StatusCode, body: &Value) -> Self {
+        let field = body.get("field").and_then(Value::as_str);
+        if status == StatusCode::CONFLICT && field == Some(egress_api::gateway::REVISION) {
+            return Self::Stale {
+                body: bounded(&body.to_string(), MAX_ERROR_BODY),
+            };
+        }
         Self::Refused {
             status,
             body: bounded(&body.to_string(), MAX_ERROR_BODY),

@@ -115,7 +115,7 @@ pub(crate) async fn serve(listener: TcpListener, ctl: Arc<Control>) {
     .await;
 }
 
-/// `GET /readyz`: `200 ready epoch=… generation=…` once the pushed state is
+/// `GET /readyz`: `200 ready epoch=… generation=… revisions=1` once the pushed state is
 /// enforced and the listeners are up, else `503 not ready`; `503` too once
 /// no change can be committed before a restart.
 fn readyz(ctl: &Control) -> Reply {
@@ -126,8 +126,10 @@ fn readyz(ctl: &Control) -> Reply {
         return text(StatusCode::SERVICE_UNAVAILABLE, why);
     }
     if ctl.dp.ready.load(Ordering::Acquire) {
+        // `revisions=1`: pushes may name a revision (an earlier build
+        // refuses a document with the field, and says nothing of it).
         let state = format!(
-            "ready epoch={} generation={}\n",
+            "ready epoch={} generation={} revisions=1\n",
             ctl.epoch,
             ctl.generation()
         );

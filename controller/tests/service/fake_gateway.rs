@@ -21,6 +21,8 @@ pub enum Event {
     Resync(usize),
     /// A resync answered `409` ([`State::refuse_resyncs`]).
     RefusedResync,
+    /// A document naming a revision, refused ([`State::before_revisions`]).
+    RefusedRevision,
     List,
 }
 
@@ -42,11 +44,20 @@ pub struct State {
     /// Pushes of these sandboxes are answered `409` (past the gateway's
     /// `limits.max_sandboxes`, say).
     pub conflict_on: std::collections::HashSet<String>,
+    /// Pushes of these sandboxes are answered `409` on `revision`, as the
+    /// gateway answers one naming a revision below the one it holds.
+    pub stale_on: std::collections::HashSet<String>,
+    /// The query of every delete (`revision=N`), in order.
+    pub delete_queries: Vec<String>,
     /// When set, the next resync is followed at once by another client's
     /// push (the sandbox `sb-outside`), before `/readyz` is asked again.
     pub push_after_next_resync: bool,
     /// A resync's answer says no generation (a gateway of an earlier build).
     pub resync_answers_no_generation: bool,
+    /// A gateway of a build before revisions: its `/readyz` says nothing of
+    /// them, and it refuses a document with the field (`400`, as it
+    /// refuses any unknown field), recorded as [`Event::RefusedRevision`].
+    pub before_revisions: bool,
 }
 
 pub struct FakeGateway {
@@ -99,6 +110,7 @@ async fn answer(
     state: &Mutex<State>,
 ) -> Response<Full<Bytes>> {
     let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let query = req.uri().query().unwrap_or_default().to_owned();
     let body = req
         .into_body()
         .collect()
@@ -106,14 +118,32 @@ async fn answer(
         .map(|b| b.to_bytes())
         .unwrap_or_default();
     let mut s = state.lock().expect("state");
+    if method == hyper::Method::DELETE {
+        s.delete_queries.push(query);
+    }
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let refused = s.refuse.clone().filter(|_| method == hyper::Method::PUT);
     let (status, out) = match (method.as_str(), segments.as_slice()) {
         _ if refused.is_some() => refused.unwrap_or_default(),
-        ("GET", ["readyz"]) => (
-            200,
-            format!("ready epoch={} generation={}\n", s.epoch, s.generation),
-        ),
+        ("GET", ["readyz"]) => {
+            let revisions = if s.before_revisions {
+                ""
+            } else {
+                " revisions=1"
+            };
+            let ready = format!(
+                "ready epoch={} generation={}{revisions}\n",
+                s.epoch, s.generation
+            );
+            (200, ready)
+        }
+        ("PUT", _)
+            if s.before_revisions && String::from_utf8_lossy(&body).contains("\"revision\"") =>
+        {
+            s.events.push(Event::RefusedRevision);
+            let why = r#"{"error": "unknown field `revision`"}"#;
+            (400, why.to_owned())
+        }
         ("GET", ["v1", "sandboxes"]) => {
             s.events.push(Event::List);
             let list: Vec<Value> = s
@@ -162,6 +192,11 @@ async fn answer(
                 409,
                 r#"{"error": "the gateway holds its limit of sandboxes"}"#.to_owned(),
             )
+        }
+        ("PUT", ["v1", "sandboxes", id]) if s.stale_on.contains(*id) => {
+            s.events.push(Event::Put((*id).to_owned(), Value::Null));
+            let why = r#"{"error": "not applied: the gateway holds revision 99 of this sandbox", "field": "revision"}"#;
+            (409, why.to_owned())
         }
         ("PUT", ["v1", "sandboxes", id]) if s.refuse_push_of.as_deref() == Some(*id) => {
             s.events.push(Event::Put((*id).to_owned(), Value::Null));

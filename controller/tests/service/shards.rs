@@ -881,6 +881,200 @@ async fn a_push_refused_for_good_is_not_sent_again_at_every_round() {
     assert!(tries <= 2, "{tries} tries in 2 s");
 }
 
+/// Waits (up to 5 s) for the fake gateway's first delete.
+async fn deleted_on(gw: &FakeGateway) {
+    for _ in 0..500 {
+        if !gw.state.lock().expect("state").delete_queries.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no delete: {:?}", gw.events());
+}
+
+/// A sandbox's generation in the store.
+async fn generation_of(url: &str, id: &str) -> i64 {
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
+    let sql = "SELECT generation FROM sandboxes WHERE id = $1";
+    sqlx::query_scalar::<_, i64>(sql)
+        .bind(id)
+        .fetch_one(&mut conn)
+        .await
+        .expect(sql)
+}
+
+/// Every push names the sandbox's generation as its revision, and a
+/// delete names it in its query. A push the gateway refuses as stale (it
+/// holds a later revision than the store: a store restored from a backup)
+/// has the worker resynced, which sets the store's view on the gateway;
+/// another refusal (`409` on no field) does not.
+#[tokio::test]
+async fn a_push_refused_as_stale_has_its_gateway_resynced() {
+    let url = db!();
+    let mut l = limits(5, 60_000, 100);
+    l.resync_interval = Duration::from_secs(60);
+    let (api, gw, _d) = worker_behind_a_fake_gateway_with(&url, "100.64.34.0/24", l).await;
+    created_and_pushed(api.addr, &url, 2).await;
+    let (id, doc) = {
+        let s = gw.state.lock().expect("state");
+        let (id, doc) = s.sandboxes.iter().next().expect("one");
+        (id.clone(), doc.clone())
+    };
+    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
+    assert_eq!(
+        doc["revision"],
+        json!(generation_of(&url, &id).await),
+        "{doc}"
+    );
+    let bump = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
+    let refused_then_resynced = |gw: &FakeGateway, before: usize| {
+        let events = gw.events();
+        let refused = events
+            .iter()
+            .position(|e| matches!(e, Event::Put(p, Value::Null) if *p == id));
+        refused.is_some_and(|at| {
+            events[at..]
+                .iter()
+                .filter(|e| matches!(e, Event::Resync(_)))
+                .count()
+                > 0
+        }) && resyncs(gw) > before
+    };
+    // A refusal that is not stale: no resync.
+    let before = resyncs(&gw);
+    gw.state.lock().expect("state").conflict_on = [id.clone()].into();
+    sqlx::query(bump)
+        .bind(&id)
+        .execute(&mut conn)
+        .await
+        .expect(bump);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!refused_then_resynced(&gw, before), "{:?}", gw.events());
+    // Stale: resynced.
+    {
+        let mut s = gw.state.lock().expect("state");
+        s.conflict_on.clear();
+        s.stale_on = [id.clone()].into();
+        s.events.clear();
+    }
+    sqlx::query(bump)
+        .bind(&id)
+        .execute(&mut conn)
+        .await
+        .expect(bump);
+    for _ in 0..500 {
+        if refused_then_resynced(&gw, 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        refused_then_resynced(&gw, 0),
+        "no resync: {:?}",
+        gw.events()
+    );
+    let resynced = gw.state.lock().expect("state").sandboxes[&id].clone();
+    assert_eq!(
+        resynced["revision"],
+        json!(generation_of(&url, &id).await),
+        "{resynced}"
+    );
+    // A destroy names its revision.
+    gw.state.lock().expect("state").stale_on.clear();
+    let (other, _) = {
+        let s = gw.state.lock().expect("state");
+        let (other, doc) = s.sandboxes.iter().find(|(k, _)| **k != id).expect("two");
+        (other.clone(), doc.clone())
+    };
+    let (s, v) = call(
+        api.addr,
+        "DELETE",
+        &format!("/v1/sandboxes/{other}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert!((200..300).contains(&s), "{s} {v}");
+    deleted_on(&gw).await;
+    let deleted_at = generation_of(&url, &other).await;
+    let queries = gw.state.lock().expect("state").delete_queries.clone();
+    assert_eq!(queries, vec![format!("revision={deleted_at}")]);
+}
+
+/// A gateway of a build before revisions (its `/readyz` says nothing of
+/// them; it refuses a document with the field, as any unknown field) is
+/// pushed and resynced without them, and its deletes name none: a
+/// controller upgraded before its gateways keeps them in step.
+#[tokio::test]
+async fn a_gateway_of_a_build_before_revisions_is_sent_none() {
+    let url = db!();
+    let fake = FakeGateway::start().await;
+    fake.state.lock().expect("state").before_revisions = true;
+    let (api, gw, _d) = worker_behind_this_fake_gateway(&url, "100.64.35.0/24", fake).await;
+    let resynced = |n: usize| {
+        let gw = &gw;
+        async move {
+            for _ in 0..500 {
+                if resyncs(gw) >= n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("no resync: {:?}", gw.events());
+        }
+    };
+    // Its first check resyncs it (a gateway never seen); then a push.
+    created_and_pushed(api.addr, &url, 1).await;
+    resynced(1).await;
+    created_and_pushed(api.addr, &url, 1).await;
+    let puts: Vec<Value> = gw
+        .events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Put(_, doc) => Some(doc),
+            _ => None,
+        })
+        .collect();
+    assert!(!puts.is_empty(), "no push: {:?}", gw.events());
+    assert!(puts.iter().all(|d| d.get("revision").is_none()), "{puts:?}");
+    // A destroy names no revision.
+    let first = gw
+        .state
+        .lock()
+        .expect("state")
+        .sandboxes
+        .keys()
+        .next()
+        .cloned()
+        .expect("one");
+    let (s, v) = call(
+        api.addr,
+        "DELETE",
+        &format!("/v1/sandboxes/{first}"),
+        Some(FEDERATED),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    deleted_on(&gw).await;
+    assert_eq!(
+        gw.state.lock().expect("state").delete_queries,
+        vec![String::new()]
+    );
+    // It restarts: the resync names none either.
+    gw.state.lock().expect("state").epoch = "e-restarted".into();
+    resynced(2).await;
+    let s = gw.state.lock().expect("state");
+    assert!(
+        !s.events.contains(&Event::RefusedRevision),
+        "{:?}",
+        s.events
+    );
+    assert_eq!(s.sandboxes.len(), 1, "{:?}", s.events);
+}
+
 /// A resync the gateway refuses (one sandbox it will not take) does not
 /// hold up the worker's other changes: they are pushed meanwhile, and the
 /// resync is tried again once per interval.
@@ -954,6 +1148,26 @@ async fn worker_behind_a_fake_gateway_with(
     pool: &str,
     limits: egress_controller::dispatcher::Limits,
 ) -> (ApiProcess, FakeGateway, DispatcherTask) {
+    let gw = FakeGateway::start().await;
+    worker_behind(url, pool, limits, gw).await
+}
+
+/// [`worker_behind_a_fake_gateway`] with a gateway set up before the
+/// dispatcher starts.
+async fn worker_behind_this_fake_gateway(
+    url: &str,
+    pool: &str,
+    gw: FakeGateway,
+) -> (ApiProcess, FakeGateway, DispatcherTask) {
+    worker_behind(url, pool, limits(5, 60_000, 100), gw).await
+}
+
+async fn worker_behind(
+    url: &str,
+    pool: &str,
+    limits: egress_controller::dispatcher::Limits,
+    gw: FakeGateway,
+) -> (ApiProcess, FakeGateway, DispatcherTask) {
     let api = api(url, deployment(None, None)).await;
     put(
         &api,
@@ -961,7 +1175,6 @@ async fn worker_behind_a_fake_gateway_with(
         json!({"policy": {"default": "allow"}}),
     )
     .await;
-    let gw = FakeGateway::start().await;
     register(&api, "w1", &gw, pool).await;
     let d = dispatcher(url, deployment(None, None), limits).await;
     (api, gw, d)

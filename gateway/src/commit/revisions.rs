@@ -14,10 +14,9 @@
 //! [`KEPT`] and at most [`MAX_KEPT`] of them: a put of it below that
 //! revision would register again a sandbox already deleted.
 //!
-//! Only the gateway checks, for now: the controller sends no revision
-//! yet. A gateway of an earlier build refuses a document with the field
-//! (unknown fields are refused), so the controller can name revisions
-//! only once the fleet's gateways take them.
+//! `/readyz` says `revisions=1`: the controller names revisions only to a
+//! gateway that says so, since one of an earlier build refuses a document
+//! with the field (unknown fields are refused).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};

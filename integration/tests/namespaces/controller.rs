@@ -171,6 +171,19 @@ fn a_sandbox_created_through_the_controller_obeys_its_composed_policy_and_surviv
     });
     let (code, body) = t.curl(&t.sb1, "gateway", "https://api.example.test/again", &["-4"]);
     assert_eq!(code, 0, "after the resync: {body}");
+    // The gateway says it takes revisions: the controller named one, and
+    // a push below it is refused.
+    let (_, held) = t.admin("GET", &format!("/v1/sandboxes/{id}"), None);
+    let held: serde_json::Value = serde_json::from_str(&held).expect("json");
+    let revision = held["revision"].as_u64().expect("a revision");
+    let older =
+        json!({"addresses": [SB1_IP], "policy": {"default": "allow"}, "revision": revision - 1});
+    let (status, body) = t.admin(
+        "PUT",
+        &format!("/v1/sandboxes/{id}"),
+        Some(&older.to_string()),
+    );
+    assert_eq!(status, 409, "{body}");
 }
 
 /// A new database on the test cluster, named after `prefix`, this process
