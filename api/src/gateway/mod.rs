@@ -128,7 +128,9 @@ pub struct SandboxDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shadow: Option<Box<ShadowDoc>>,
     /// The writer's revision of the sandbox ([`PutSandbox::revision`]):
-    /// what a resync sets, a push is checked against, and the state keeps.
+    /// what a resync sets and a push is checked against; listed, but never
+    /// written to the gateway's state directory (a build before revisions
+    /// could not read it back).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<u64>,
 }

@@ -103,6 +103,12 @@ impl FakeGateway {
     pub fn events(&self) -> Vec<Event> {
         self.state.lock().expect("state").events.clone()
     }
+
+    /// The id of a sandbox it holds (the first by id); it must hold one.
+    pub fn any_sandbox(&self) -> String {
+        let s = self.state.lock().expect("state");
+        s.sandboxes.keys().next().cloned().expect("a sandbox held")
+    }
 }
 
 async fn answer(

@@ -218,6 +218,12 @@ async fn created_and_pushed(api: std::net::SocketAddr, url: &str, n: usize) {
     db_until(url, pending, |n| n == 0).await;
 }
 
+/// Destroys sandbox `id` through the API: the status and the answer.
+async fn destroy(api: std::net::SocketAddr, id: &str) -> (u16, Value) {
+    let path = format!("/v1/sandboxes/{id}");
+    call(api, "DELETE", &path, Some(FEDERATED), &[], None).await
+}
+
 async fn e2b_create(api: std::net::SocketAddr) -> (u16, Value) {
     call(
         api,
@@ -274,15 +280,7 @@ async fn allocation_never_hands_an_address_twice_and_reuses_freed_ones() {
     let mut freed = BTreeSet::new();
     for id in &ids[..5] {
         freed.insert(address(&api, id).await);
-        let (s, v) = call(
-            api.addr,
-            "DELETE",
-            &format!("/v1/sandboxes/{id}"),
-            Some(FEDERATED),
-            &[],
-            None,
-        )
-        .await;
+        let (s, v) = destroy(api.addr, id).await;
         assert_eq!(s, 200, "{v}");
     }
     // Handed out again once the gateway has forgotten them.
@@ -313,15 +311,7 @@ async fn an_address_waits_for_its_gateway_to_forget_its_last_holder() {
     let first = v["sandboxID"].as_str().expect("id").to_owned();
     let held = address(&api, &first).await;
     gw.state.lock().expect("state").refuse_deletes = true;
-    let (s, v) = call(
-        api.addr,
-        "DELETE",
-        &format!("/v1/sandboxes/{first}"),
-        Some(FEDERATED),
-        &[],
-        None,
-    )
-    .await;
+    let (s, v) = destroy(api.addr, &first).await;
     assert_eq!(s, 200, "{v}");
     db_until(
         &url,
@@ -845,15 +835,7 @@ async fn a_push_refused_for_good_is_not_sent_again_at_every_round() {
     l.resync_interval = Duration::from_secs(5);
     let (api, gw, _d) = worker_behind_a_fake_gateway_with(&url, "100.64.33.0/24", l).await;
     created_and_pushed(api.addr, &url, 1).await;
-    let id = gw
-        .state
-        .lock()
-        .expect("state")
-        .sandboxes
-        .keys()
-        .next()
-        .cloned()
-        .expect("one");
+    let id = gw.any_sandbox();
     gw.state.lock().expect("state").conflict_on = [id.clone()].into();
     let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
     let sql = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
@@ -986,15 +968,7 @@ async fn a_push_refused_as_stale_has_its_gateway_resynced() {
         let (other, doc) = s.sandboxes.iter().find(|(k, _)| **k != id).expect("two");
         (other.clone(), doc.clone())
     };
-    let (s, v) = call(
-        api.addr,
-        "DELETE",
-        &format!("/v1/sandboxes/{other}"),
-        Some(FEDERATED),
-        &[],
-        None,
-    )
-    .await;
+    let (s, v) = destroy(api.addr, &other).await;
     assert!((200..300).contains(&s), "{s} {v}");
     deleted_on(&gw).await;
     let deleted_at = generation_of(&url, &other).await;
@@ -1039,24 +1013,8 @@ async fn a_gateway_of_a_build_before_revisions_is_sent_none() {
     assert!(!puts.is_empty(), "no push: {:?}", gw.events());
     assert!(puts.iter().all(|d| d.get("revision").is_none()), "{puts:?}");
     // A destroy names no revision.
-    let first = gw
-        .state
-        .lock()
-        .expect("state")
-        .sandboxes
-        .keys()
-        .next()
-        .cloned()
-        .expect("one");
-    let (s, v) = call(
-        api.addr,
-        "DELETE",
-        &format!("/v1/sandboxes/{first}"),
-        Some(FEDERATED),
-        &[],
-        None,
-    )
-    .await;
+    let first = gw.any_sandbox();
+    let (s, v) = destroy(api.addr, &first).await;
     assert_eq!(s, 200, "{v}");
     deleted_on(&gw).await;
     assert_eq!(
@@ -1246,15 +1204,7 @@ async fn finished_operations_and_idempotency_keys_are_pruned_after_their_retenti
     // A sandbox destroyed, and forgotten by its gateway, keeps no policy
     // past the retention.
     let id = done["sandbox"].as_str().expect("sandbox").to_owned();
-    let (s, v) = call(
-        api.addr,
-        "DELETE",
-        &format!("/v1/sandboxes/{id}"),
-        Some(FEDERATED),
-        &[],
-        None,
-    )
-    .await;
+    let (s, v) = destroy(api.addr, &id).await;
     assert!(s == 200 || s == 202, "{s} {v}");
     let sql = format!("SELECT count(*) FROM sandboxes WHERE id = '{id}' AND state = 'destroyed' AND policy IS NULL AND provenance = '[]'");
     db_until(&url, &sql, |n| n == 1).await;
