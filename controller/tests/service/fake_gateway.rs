@@ -104,6 +104,18 @@ impl FakeGateway {
         self.state.lock().expect("state").events.clone()
     }
 
+    /// Waits (up to 5 s) until `check` holds of it; panics naming `what`
+    /// and the events otherwise.
+    pub async fn until(&self, what: &str, check: impl Fn(&Self) -> bool) {
+        for _ in 0..500 {
+            if check(self) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("no {what}: {:?}", self.events());
+    }
+
     /// The id of a sandbox it holds (the first by id); it must hold one.
     pub fn any_sandbox(&self) -> String {
         let s = self.state.lock().expect("state");

@@ -803,12 +803,7 @@ async fn refused_pushes_at_the_front_do_not_hold_up_the_rest() {
         .await
         .expect(sql);
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let sql = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
-    sqlx::query(sql)
-        .bind(&survivor)
-        .execute(&mut conn)
-        .await
-        .expect(sql);
+    bump_generation(&url, &survivor).await;
     let pushed = format!(
         "SELECT count(*) FROM sandboxes WHERE id = '{survivor}' AND generation > pushed_generation"
     );
@@ -837,13 +832,7 @@ async fn a_push_refused_for_good_is_not_sent_again_at_every_round() {
     created_and_pushed(api.addr, &url, 1).await;
     let id = gw.any_sandbox();
     gw.state.lock().expect("state").conflict_on = [id.clone()].into();
-    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
-    let sql = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
-    sqlx::query(sql)
-        .bind(&id)
-        .execute(&mut conn)
-        .await
-        .expect(sql);
+    bump_generation(&url, &id).await;
     let refused = |gw: &FakeGateway| {
         gw.events()
             .iter()
@@ -865,13 +854,20 @@ async fn a_push_refused_for_good_is_not_sent_again_at_every_round() {
 
 /// Waits (up to 5 s) for the fake gateway's first delete.
 async fn deleted_on(gw: &FakeGateway) {
-    for _ in 0..500 {
-        if !gw.state.lock().expect("state").delete_queries.is_empty() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("no delete: {:?}", gw.events());
+    let deleted = |gw: &FakeGateway| !gw.state.lock().expect("state").delete_queries.is_empty();
+    gw.until("delete", deleted).await;
+}
+
+/// Moves sandbox `id`'s generation up by one in the store, as a change
+/// the gateway must see does.
+async fn bump_generation(url: &str, id: &str) {
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("db");
+    let sql = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
+    sqlx::query(sql)
+        .bind(id)
+        .execute(&mut conn)
+        .await
+        .expect(sql);
 }
 
 /// A sandbox's generation in the store.
@@ -902,36 +898,24 @@ async fn a_push_refused_as_stale_has_its_gateway_resynced() {
         let (id, doc) = s.sandboxes.iter().next().expect("one");
         (id.clone(), doc.clone())
     };
-    let mut conn = sqlx::PgConnection::connect(&url).await.expect("db");
     assert_eq!(
         doc["revision"],
         json!(generation_of(&url, &id).await),
         "{doc}"
     );
-    let bump = "UPDATE sandboxes SET generation = generation + 1, changed_at = now() WHERE id = $1";
-    let refused_then_resynced = |gw: &FakeGateway, before: usize| {
+    // A resync after the push refused.
+    let refused_then_resynced = |gw: &FakeGateway| {
         let events = gw.events();
         let refused = events
             .iter()
             .position(|e| matches!(e, Event::Put(p, Value::Null) if *p == id));
-        refused.is_some_and(|at| {
-            events[at..]
-                .iter()
-                .filter(|e| matches!(e, Event::Resync(_)))
-                .count()
-                > 0
-        }) && resyncs(gw) > before
+        refused.is_some_and(|at| events[at..].iter().any(|e| matches!(e, Event::Resync(_))))
     };
     // A refusal that is not stale: no resync.
-    let before = resyncs(&gw);
     gw.state.lock().expect("state").conflict_on = [id.clone()].into();
-    sqlx::query(bump)
-        .bind(&id)
-        .execute(&mut conn)
-        .await
-        .expect(bump);
+    bump_generation(&url, &id).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!refused_then_resynced(&gw, before), "{:?}", gw.events());
+    assert!(!refused_then_resynced(&gw), "{:?}", gw.events());
     // Stale: resynced.
     {
         let mut s = gw.state.lock().expect("state");
@@ -939,22 +923,9 @@ async fn a_push_refused_as_stale_has_its_gateway_resynced() {
         s.stale_on = [id.clone()].into();
         s.events.clear();
     }
-    sqlx::query(bump)
-        .bind(&id)
-        .execute(&mut conn)
-        .await
-        .expect(bump);
-    for _ in 0..500 {
-        if refused_then_resynced(&gw, 0) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(
-        refused_then_resynced(&gw, 0),
-        "no resync: {:?}",
-        gw.events()
-    );
+    bump_generation(&url, &id).await;
+    gw.until("resync after the stale refusal", refused_then_resynced)
+        .await;
     let resynced = gw.state.lock().expect("state").sandboxes[&id].clone();
     assert_eq!(
         resynced["revision"],
@@ -963,10 +934,13 @@ async fn a_push_refused_as_stale_has_its_gateway_resynced() {
     );
     // A destroy names its revision.
     gw.state.lock().expect("state").stale_on.clear();
-    let (other, _) = {
+    let other = {
         let s = gw.state.lock().expect("state");
-        let (other, doc) = s.sandboxes.iter().find(|(k, _)| **k != id).expect("two");
-        (other.clone(), doc.clone())
+        s.sandboxes
+            .keys()
+            .find(|k| **k != id)
+            .cloned()
+            .expect("two")
     };
     let (s, v) = destroy(api.addr, &other).await;
     assert!((200..300).contains(&s), "{s} {v}");
@@ -986,21 +960,9 @@ async fn a_gateway_of_a_build_before_revisions_is_sent_none() {
     let fake = FakeGateway::start().await;
     fake.state.lock().expect("state").before_revisions = true;
     let (api, gw, _d) = worker_behind_this_fake_gateway(&url, "100.64.35.0/24", fake).await;
-    let resynced = |n: usize| {
-        let gw = &gw;
-        async move {
-            for _ in 0..500 {
-                if resyncs(gw) >= n {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            panic!("no resync: {:?}", gw.events());
-        }
-    };
     // Its first check resyncs it (a gateway never seen); then a push.
     created_and_pushed(api.addr, &url, 1).await;
-    resynced(1).await;
+    gw.until("first resync", |gw| resyncs(gw) >= 1).await;
     created_and_pushed(api.addr, &url, 1).await;
     let puts: Vec<Value> = gw
         .events()
@@ -1023,7 +985,8 @@ async fn a_gateway_of_a_build_before_revisions_is_sent_none() {
     );
     // It restarts: the resync names none either.
     gw.state.lock().expect("state").epoch = "e-restarted".into();
-    resynced(2).await;
+    gw.until("resync after the restart", |gw| resyncs(gw) >= 2)
+        .await;
     let s = gw.state.lock().expect("state");
     assert!(
         !s.events.contains(&Event::RefusedRevision),
